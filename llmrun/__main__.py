@@ -1,0 +1,5 @@
+"""`python -m llmrun`."""
+
+from llmrun.cli import main
+
+main()

@@ -1,0 +1,226 @@
+"""GGUF files: a validating, memory-mapped reader, and metadata -> HF-style config.
+
+The gguf package's GGUFReader builds a numpy object per array element, which
+takes ~10 s on a 150k-token vocabulary, so the header is parsed here with
+`struct` and the package supplies the constants (value types, quant block sizes,
+key names). Every length, count, size and offset read from the file is checked
+against the file size before it is used, so a truncated or hostile file fails
+with ModelFormatError instead of allocating or reading out of bounds.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, Keys
+
+from llmrun.errors import ModelFormatError, UnsupportedError
+
+GGUF_MAGIC = b"GGUF"
+GGML_MAX_DIMS = 4
+DEFAULT_ALIGNMENT = 32
+NO_TOKEN_ID = 0xFFFFFFFF
+
+_SCALAR_FORMATS = {
+    GGUFValueType.UINT8: "<B",
+    GGUFValueType.INT8: "<b",
+    GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I",
+    GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f",
+    GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q",
+    GGUFValueType.FLOAT64: "<d",
+}
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """One tensor's place in the file. `shape` is in torch order (rows first)."""
+
+    name: str
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass
+class GGUFFile:
+    """Parsed header of a GGUF file plus a copy-on-write map of its bytes."""
+
+    path: Path
+    version: int
+    metadata: dict[str, Any]
+    tensors: dict[str, GGUFTensorInfo]
+    buffer: mmap.mmap | None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+    @property
+    def architecture(self) -> str:
+        arch = self.metadata.get(Keys.General.ARCHITECTURE)
+        if not isinstance(arch, str):
+            raise ModelFormatError(f"{self.path}: no {Keys.General.ARCHITECTURE} in the metadata")
+        return arch
+
+
+class _Cursor:
+    """Bounds-checked little-endian reads from a buffer."""
+
+    def __init__(self, buf: Any, size: int, path: Path) -> None:
+        self.buf, self.size, self.pos, self.path = buf, size, 0, path
+
+    def need(self, n: int, what: str) -> None:
+        if n < 0 or self.pos + n > self.size:
+            raise ModelFormatError(
+                f"{self.path}: truncated or corrupt GGUF: {what} needs {n} bytes at offset "
+                f"{self.pos}, but the file has {self.size} bytes"
+            )
+
+    def unpack(self, fmt: str, what: str) -> Any:
+        n = struct.calcsize(fmt)
+        self.need(n, what)
+        value = struct.unpack_from(fmt, self.buf, self.pos)[0]
+        self.pos += n
+        return value
+
+    def string(self, what: str) -> str:
+        n = self.unpack("<Q", what)
+        self.need(n, what)
+        raw = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            # Some vocabularies hold tokens that are not valid UTF-8 on their own.
+            return raw.decode("utf-8", errors="surrogateescape")
+
+    def value_type(self, what: str) -> GGUFValueType:
+        raw = self.unpack("<I", what)
+        try:
+            return GGUFValueType(raw)
+        except ValueError:
+            raise ModelFormatError(f"{self.path}: unknown GGUF value type {raw} in {what}") from None
+
+    def value(self, vtype: GGUFValueType, what: str) -> Any:
+        if vtype == GGUFValueType.STRING:
+            return self.string(what)
+        if vtype == GGUFValueType.ARRAY:
+            return self.array(what)
+        return self.unpack(_SCALAR_FORMATS[vtype], what)
+
+    def array(self, what: str) -> list[Any]:
+        elem_type = self.value_type(what)
+        count = self.unpack("<Q", what)
+        min_size = 8 if elem_type == GGUFValueType.STRING else 4 if elem_type == GGUFValueType.ARRAY else struct.calcsize(_SCALAR_FORMATS[elem_type])
+        self.need(count * min_size, f"{what} ({count} elements)")
+        if elem_type in _SCALAR_FORMATS:
+            fmt = _SCALAR_FORMATS[elem_type]
+            values = list(struct.unpack_from(f"<{count}{fmt[1]}", self.buf, self.pos))
+            self.pos += count * struct.calcsize(fmt)
+            return values
+        return [self.value(elem_type, what) for _ in range(count)]
+
+
+def read_gguf(path: str | Path, *, with_tensors: bool = True) -> GGUFFile:
+    """Parse and validate a GGUF file's header; map its bytes when `with_tensors`."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            if size == 0:
+                raise ModelFormatError(f"{path}: the file is empty, not a GGUF")
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    except FileNotFoundError:
+        raise ModelFormatError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise ModelFormatError(f"{path}: is a directory, not a GGUF file") from None
+    except OSError as e:
+        raise ModelFormatError(f"{path}: cannot read: {e.strerror or e}") from None
+
+    cur = _Cursor(buf, size, path)
+    cur.need(4, "the magic number")
+    if bytes(buf[:4]) != GGUF_MAGIC:
+        raise ModelFormatError(f"{path}: not a GGUF file (bad magic {bytes(buf[:4])!r})")
+    cur.pos = 4
+    version = cur.unpack("<I", "the version")
+    if version not in (2, 3):
+        if version & 0xFFFF == 0:
+            raise UnsupportedError(f"{path}: big-endian GGUF files are not supported")
+        raise UnsupportedError(f"{path}: GGUF version {version} is not supported (2 and 3 are)")
+    tensor_count = cur.unpack("<Q", "the tensor count")
+    kv_count = cur.unpack("<Q", "the metadata count")
+    # Each metadata entry takes at least 12 bytes and each tensor info at least 28.
+    cur.need(kv_count * 12 + tensor_count * 28, f"{kv_count} metadata entries and {tensor_count} tensors")
+
+    metadata: dict[str, Any] = {}
+    for _ in range(kv_count):
+        key = cur.string("a metadata key")
+        vtype = cur.value_type(f"metadata {key!r}")
+        if key in metadata:
+            raise ModelFormatError(f"{path}: metadata key {key!r} appears twice")
+        metadata[key] = cur.value(vtype, f"metadata {key!r}")
+
+    infos: list[tuple[str, GGMLQuantizationType, tuple[int, ...], int, int]] = []
+    for _ in range(tensor_count):
+        name = cur.string("a tensor name")
+        n_dims = cur.unpack("<I", f"tensor {name!r}")
+        if not 1 <= n_dims <= GGML_MAX_DIMS:
+            raise ModelFormatError(f"{path}: tensor {name!r} has {n_dims} dimensions")
+        ne = [cur.unpack("<Q", f"tensor {name!r}") for _ in range(n_dims)]
+        raw_type = cur.unpack("<I", f"tensor {name!r}")
+        offset = cur.unpack("<Q", f"tensor {name!r}")
+        try:
+            ggml_type = GGMLQuantizationType(raw_type)
+        except ValueError:
+            raise UnsupportedError(f"{path}: tensor {name!r} has unknown GGML type {raw_type}") from None
+        infos.append((name, ggml_type, tuple(ne), offset, 0))
+
+    alignment = metadata.get(Keys.General.ALIGNMENT, DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise ModelFormatError(f"{path}: bad {Keys.General.ALIGNMENT} {alignment!r}")
+    data_start = -(-cur.pos // alignment) * alignment
+
+    tensors: dict[str, GGUFTensorInfo] = {}
+    for name, ggml_type, ne, offset, _ in infos:
+        if name in tensors:
+            raise ModelFormatError(f"{path}: tensor {name!r} appears twice")
+        nbytes = _tensor_nbytes(path, name, ggml_type, ne)
+        start = data_start + offset
+        if offset % alignment or start + nbytes > size:
+            raise ModelFormatError(
+                f"{path}: truncated or corrupt GGUF: tensor {name!r} ({nbytes} bytes at offset "
+                f"{start}) lies past the end of the file ({size} bytes)"
+            )
+        # GGML lists the fastest-varying dimension first; torch lists it last.
+        tensors[name] = GGUFTensorInfo(name, ggml_type, tuple(reversed(ne)), start, nbytes)
+
+    if not with_tensors:
+        buf.close()
+        return GGUFFile(path, version, metadata, tensors, None)
+    return GGUFFile(path, version, metadata, tensors, buf)
+
+
+def _tensor_nbytes(path: Path, name: str, ggml_type: GGMLQuantizationType, ne: tuple[int, ...]) -> int:
+    if ggml_type not in GGML_QUANT_SIZES:
+        raise UnsupportedError(f"{path}: tensor {name!r} has GGML type {ggml_type.name}, which has no known size")
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    if any(n == 0 for n in ne) or ne[0] % block_size:
+        raise ModelFormatError(
+            f"{path}: tensor {name!r} of type {ggml_type.name} has shape {list(ne)}, "
+            f"whose first dimension is not a positive multiple of the block size {block_size}"
+        )
+    count = 1
+    for n in ne:
+        count *= n
+        if count > 1 << 48:
+            raise ModelFormatError(f"{path}: tensor {name!r} has an absurd shape {list(ne)}")
+    return count // block_size * type_size
