@@ -1,0 +1,109 @@
+"""QuantLinear and QuantEmbedding against f32 math on gguf's dequantized weights."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from test_quant_blocks import random_blocks
+from torch import nn
+
+from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.quant.linear import QuantEmbedding, QuantLinear
+
+T = GGMLQuantizationType
+TYPES = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
+TYPES += [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS]
+
+
+def finite_blocks(ggml_type: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random blocks; for the float types, random normal weights instead of random bytes."""
+    if ggml_type in (T.F32, T.F16, T.BF16):
+        w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+        dtype = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}[ggml_type]
+        return w.to(dtype).view(torch.uint8).numpy()
+    return random_blocks(ggml_type, rows, cols, seed)
+
+
+def reference(raw: np.ndarray, ggml_type: T) -> torch.Tensor:
+    return torch.from_numpy(gguf_dequantize(raw, ggml_type).astype(np.float32))
+
+
+def assert_close_matmul(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """Equal to f32 x @ w.T up to summation order: error bounded by ~n*eps*sum|x*w|."""
+    expected = x.double() @ w.double().T
+    bound = x.shape[-1] * 2.0**-23 * (x.double().abs() @ w.double().abs().T)
+    assert torch.all((got.double() - expected).abs() <= bound + 1e-30)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("batch", [(1,), (2, 5)])
+def test_quant_linear_matches_f32_matmul(ggml_type: T, batch: tuple[int, ...]):
+    raw = finite_blocks(ggml_type, 48, 512, seed=1)
+    lin = QuantLinear(torch.from_numpy(raw), ggml_type, 512)
+    assert (lin.in_features, lin.out_features, lin.ggml_type) == (512, 48, ggml_type)
+    x = torch.randn(*batch, 512, generator=torch.Generator().manual_seed(2))
+    y = lin(x)
+    assert y.shape == (*batch, 48) and y.dtype == torch.float32
+    assert_close_matmul(y, x, reference(raw, ggml_type))
+
+
+def test_quant_linear_bias_and_dtype():
+    raw = random_blocks(T.Q4_K, 16, 256, seed=4)
+    gen = torch.Generator().manual_seed(5)
+    bias = torch.randn(16, generator=gen)
+    lin = QuantLinear(torch.from_numpy(raw), T.Q4_K, 256, bias=bias)
+    x = torch.randn(3, 256, generator=gen)
+    assert_close_matmul(lin(x) - bias, x, reference(raw, T.Q4_K))
+    # bf16 in, bf16 out: the f32 result rounded once (half a bf16 ulp, at most 2**-8 relative).
+    xb = x.to(torch.bfloat16)
+    y = lin(xb)
+    assert y.dtype == torch.bfloat16
+    expected = xb.double() @ reference(raw, T.Q4_K).double().T + bias.double()
+    assert torch.all((y.double() - expected).abs() <= 2.0**-8 * expected.abs() + 1e-3)
+
+
+def test_quant_linear_keeps_the_raw_tensor_without_copy():
+    raw = torch.from_numpy(random_blocks(T.Q8_0, 8, 64))
+    lin = QuantLinear(raw, T.Q8_0, 64)
+    assert lin.weight.data_ptr() == raw.data_ptr()
+    assert not lin.weight.requires_grad
+
+
+def test_quant_embedding_dequantizes_the_rows_looked_up():
+    raw = random_blocks(T.Q6_K, 50, 256, seed=6)
+    emb = QuantEmbedding(torch.from_numpy(raw), T.Q6_K, 256)
+    ids = torch.tensor([[3, 49, 0], [3, 7, 7]])
+    out = emb(ids)
+    assert out.shape == (2, 3, 256) and out.dtype == torch.float32
+    assert torch.equal(out, reference(raw, T.Q6_K)[ids])
+    emb16 = QuantEmbedding(torch.from_numpy(raw), T.Q6_K, 256, compute_dtype=torch.bfloat16)
+    assert emb16(ids).dtype == torch.bfloat16
+
+
+def test_tied_embedding_and_lm_head_share_one_tensor_through_to():
+    raw = torch.from_numpy(random_blocks(T.Q4_0, 40, 64))
+    embed = QuantEmbedding(raw, T.Q4_0, 64)
+    model = nn.ModuleDict({"embed": embed, "head": QuantLinear(embed.weight, T.Q4_0, 64)})
+    assert model["head"].weight.data_ptr() == raw.data_ptr()
+    # What .to("cuda") does to each tensor (.to("meta") swaps whole Parameters instead).
+    model._apply(lambda t: t.clone())
+    assert model["head"].weight is model["embed"].weight
+    assert model["head"].weight.data_ptr() != raw.data_ptr()
+
+
+def test_wrong_byte_size_is_a_format_error():
+    raw = torch.from_numpy(random_blocks(T.Q4_K, 4, 512))
+    with pytest.raises(ModelFormatError, match=r"Q4_K.*\[rows, 144\].*\[4, 288\]"):
+        QuantLinear(raw, T.Q4_K, 256)
+    with pytest.raises(ModelFormatError, match="Q4_K"):
+        QuantEmbedding(raw.reshape(-1), T.Q4_K, 512)
+    with pytest.raises(ModelFormatError, match="whole number"):
+        QuantLinear(raw, T.Q4_K, 300)
+    with pytest.raises(ModelFormatError, match="bias"):
+        QuantLinear(raw, T.Q4_K, 512, bias=torch.zeros(5))
+
+
+def test_unsupported_type_is_refused():
+    with pytest.raises(UnsupportedError, match="IQ2_XXS"):
+        QuantLinear(torch.zeros(2, 66, dtype=torch.uint8), T.IQ2_XXS, 256)
