@@ -108,7 +108,9 @@ class _Cursor:
         try:
             return GGUFValueType(raw)
         except ValueError:
-            raise ModelFormatError(f"{self.path}: unknown GGUF value type {raw} in {what}") from None
+            raise ModelFormatError(
+                f"{self.path}: unknown GGUF value type {raw} in {what}"
+            ) from None
 
     def value(self, vtype: GGUFValueType, what: str) -> Any:
         if vtype == GGUFValueType.STRING:
@@ -120,7 +122,13 @@ class _Cursor:
     def array(self, what: str) -> list[Any]:
         elem_type = self.value_type(what)
         count = self.unpack("<Q", what)
-        min_size = 8 if elem_type == GGUFValueType.STRING else 4 if elem_type == GGUFValueType.ARRAY else struct.calcsize(_SCALAR_FORMATS[elem_type])
+        min_size = (
+            8
+            if elem_type == GGUFValueType.STRING
+            else 4
+            if elem_type == GGUFValueType.ARRAY
+            else struct.calcsize(_SCALAR_FORMATS[elem_type])
+        )
         self.need(count * min_size, f"{what} ({count} elements)")
         if elem_type in _SCALAR_FORMATS:
             fmt = _SCALAR_FORMATS[elem_type]
@@ -159,7 +167,9 @@ def read_gguf(path: str | Path, *, with_tensors: bool = True) -> GGUFFile:
     tensor_count = cur.unpack("<Q", "the tensor count")
     kv_count = cur.unpack("<Q", "the metadata count")
     # Each metadata entry takes at least 12 bytes and each tensor info at least 28.
-    cur.need(kv_count * 12 + tensor_count * 28, f"{kv_count} metadata entries and {tensor_count} tensors")
+    cur.need(
+        kv_count * 12 + tensor_count * 28, f"{kv_count} metadata entries and {tensor_count} tensors"
+    )
 
     metadata: dict[str, Any] = {}
     for _ in range(kv_count):
@@ -181,7 +191,9 @@ def read_gguf(path: str | Path, *, with_tensors: bool = True) -> GGUFFile:
         try:
             ggml_type = GGMLQuantizationType(raw_type)
         except ValueError:
-            raise UnsupportedError(f"{path}: tensor {name!r} has unknown GGML type {raw_type}") from None
+            raise UnsupportedError(
+                f"{path}: tensor {name!r} has unknown GGML type {raw_type}"
+            ) from None
         infos.append((name, ggml_type, tuple(ne), offset, 0))
 
     alignment = metadata.get(Keys.General.ALIGNMENT, DEFAULT_ALIGNMENT)
@@ -209,9 +221,13 @@ def read_gguf(path: str | Path, *, with_tensors: bool = True) -> GGUFFile:
     return GGUFFile(path, version, metadata, tensors, buf)
 
 
-def _tensor_nbytes(path: Path, name: str, ggml_type: GGMLQuantizationType, ne: tuple[int, ...]) -> int:
+def _tensor_nbytes(
+    path: Path, name: str, ggml_type: GGMLQuantizationType, ne: tuple[int, ...]
+) -> int:
     if ggml_type not in GGML_QUANT_SIZES:
-        raise UnsupportedError(f"{path}: tensor {name!r} has GGML type {ggml_type.name}, which has no known size")
+        raise UnsupportedError(
+            f"{path}: tensor {name!r} has GGML type {ggml_type.name}, which has no known size"
+        )
     block_size, type_size = GGML_QUANT_SIZES[ggml_type]
     if any(n == 0 for n in ne) or ne[0] % block_size:
         raise ModelFormatError(
@@ -224,3 +240,206 @@ def _tensor_nbytes(path: Path, name: str, ggml_type: GGMLQuantizationType, ne: t
         if count > 1 << 48:
             raise ModelFormatError(f"{path}: tensor {name!r} has an absurd shape {list(ne)}")
     return count // block_size * type_size
+
+
+# GGUF architecture -> Hugging Face model_type. llama.cpp converts Mistral to "llama".
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+# Tensors that carry RoPE settings rather than weights; config_from_gguf reads them.
+ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def hf_name(gguf_name: str, model_type: str) -> str | None:
+    """The Hugging Face checkpoint key for a GGUF tensor name, or None if unknown."""
+    base, _, suffix = gguf_name.rpartition(".")
+    if suffix not in ("weight", "bias"):
+        return None
+    if base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.{suffix}"
+    parts = base.split(".")
+    if (
+        len(parts) != 3
+        or parts[0] != "blk"
+        or not parts[1].isdigit()
+        or parts[2] not in _LAYER_NAMES
+    ):
+        return None
+    name = _LAYER_NAMES[parts[2]]
+    if model_type == "phi3" and parts[2] == "ffn_up":
+        name = "mlp.gate_up_proj"  # llama.cpp stores Phi-3's fused gate_up as ffn_up
+    return f"model.layers.{parts[1]}.{name}.{suffix}"
+
+
+def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
+    """An HF-style config.json dict from GGUF metadata (and RoPE factor tensors)."""
+    arch = gg.architecture
+    if arch not in MODEL_TYPES:
+        raise UnsupportedError(
+            f"{gg.path}: architecture {arch!r} is not supported "
+            f"(supported: {', '.join(sorted(MODEL_TYPES))})"
+        )
+
+    def key(name: str, default: Any = None, required: bool = False) -> Any:
+        full = f"{arch}.{name}"
+        if full not in gg.metadata:
+            if required:
+                raise ModelFormatError(f"{gg.path}: metadata {full!r} is missing")
+            return default
+        return gg.metadata[full]
+
+    embed = gg.tensors.get("token_embd.weight")
+    tokens = gg.metadata.get(Keys.Tokenizer.LIST)
+    vocab_size = (
+        key("vocab_size")
+        or (len(tokens) if tokens else None)
+        or (embed.shape[0] if embed else None)
+    )
+    n_heads = key("attention.head_count", required=True)
+    hidden = key("embedding_length", required=True)
+    head_dim = key("attention.key_length") or hidden // n_heads
+    config: dict[str, Any] = {
+        "model_type": MODEL_TYPES[arch],
+        "hidden_size": hidden,
+        "intermediate_size": key("feed_forward_length", required=True),
+        "num_hidden_layers": key("block_count", required=True),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": key("attention.head_count_kv", n_heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon", 1e-5),
+        "max_position_embeddings": key("context_length", 2048),
+        "vocab_size": vocab_size,
+        "tie_word_embeddings": "output.weight" not in gg.tensors,
+        "attention_bias": "blk.0.attn_q.bias" in gg.tensors,
+    }
+    window = key("attention.sliding_window")
+    if window:
+        config["sliding_window"] = window
+    config["rope_parameters"] = _rope_from_gguf(
+        gg, key, head_dim, config["max_position_embeddings"]
+    )
+    return config
+
+
+def _rope_from_gguf(gg: GGUFFile, key, head_dim: int, context: int) -> dict[str, Any]:
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": key("rope.freq_base", 10000.0)}
+    rot_dims = key("rope.dimension_count")
+    if rot_dims and rot_dims != head_dim:
+        rope["partial_rotary_factor"] = rot_dims / head_dim
+    scaling = key("rope.scaling.type", "none")
+    original = key("rope.scaling.original_context_length")
+    if scaling == "linear":
+        rope.update(rope_type="linear", factor=key("rope.scaling.factor", 1.0))
+    elif scaling == "yarn":
+        rope.update(
+            rope_type="yarn",
+            factor=key("rope.scaling.factor"),
+            original_max_position_embeddings=original,
+        )
+    elif scaling not in ("none", None):
+        raise UnsupportedError(
+            f"{gg.path}: RoPE scaling {scaling!r} is not supported (none, linear, yarn are)"
+        )
+    if "rope_factors_long.weight" in gg.tensors:
+        rope.update(
+            rope_type="longrope",
+            long_factor=read_float_list(gg, "rope_factors_long.weight"),
+            short_factor=read_float_list(gg, "rope_factors_short.weight"),
+            original_max_position_embeddings=original or context,
+        )
+        attn_factor = key("rope.scaling.attn_factor")
+        if attn_factor is not None:
+            rope["attention_factor"] = attn_factor
+    elif "rope_freqs.weight" in gg.tensors:
+        # Llama 3.1-style scaling, stored by llama.cpp as per-frequency divisors.
+        rope["freq_factors"] = read_float_list(gg, "rope_freqs.weight")
+    return rope
+
+
+def read_float_list(gg: GGUFFile, name: str) -> list[float]:
+    info = gg.tensors.get(name)
+    if info is None or gg.buffer is None:
+        raise ModelFormatError(f"{gg.path}: tensor {name!r} is missing")
+    if info.ggml_type != GGMLQuantizationType.F32:
+        raise UnsupportedError(
+            f"{gg.path}: tensor {name!r} has type {info.ggml_type.name}; F32 expected"
+        )
+    n = info.nbytes // 4
+    return list(struct.unpack_from(f"<{n}f", gg.buffer, info.offset))
+
+
+def generation_defaults(gg: GGUFFile) -> dict[str, Any]:
+    """Sampler defaults the file carries (general.sampling.*), in llmrun option names."""
+    names = {
+        Keys.General.SAMPLING_TEMP: "temperature",
+        Keys.General.SAMPLING_TOP_K: "top_k",
+        Keys.General.SAMPLING_TOP_P: "top_p",
+        Keys.General.SAMPLING_MIN_P: "min_p",
+        Keys.General.SAMPLING_PENALTY_REPEAT: "repeat_penalty",
+        Keys.General.SAMPLING_PENALTY_LAST_N: "repeat_last_n",
+    }
+    return {ours: gg.metadata[key] for key, ours in names.items() if key in gg.metadata}
+
+
+def token_id(gg: GGUFFile, key: str) -> int | None:
+    """A tokenizer.ggml.*_token_id value, with out-of-range ids (0xFFFFFFFF) as None."""
+    value = gg.metadata.get(key)
+    tokens = gg.metadata.get(Keys.Tokenizer.LIST) or ()
+    if not isinstance(value, int) or value == NO_TOKEN_ID or not 0 <= value < max(len(tokens), 1):
+        return None
+    return value
+
+
+def load_tensor(gg: GGUFFile, info: GGUFTensorInfo):
+    """A zero-copy torch view of a tensor: float types in their dtype and shape;
+    block-quantized types as uint8 [rows, bytes per row]."""
+    import torch
+
+    if gg.buffer is None:
+        raise ValueError("GGUF was read without tensors")
+    float_types = {
+        GGMLQuantizationType.F32: torch.float32,
+        GGMLQuantizationType.F16: torch.float16,
+        GGMLQuantizationType.BF16: torch.bfloat16,
+    }
+    if info.ggml_type in float_types:
+        dtype = float_types[info.ggml_type]
+        flat = torch.frombuffer(
+            gg.buffer, dtype=dtype, count=info.nbytes // dtype.itemsize, offset=info.offset
+        )
+        return flat.view(info.shape)
+    rows = info.nbytes // (
+        info.shape[-1] // GGML_QUANT_SIZES[info.ggml_type][0] * GGML_QUANT_SIZES[info.ggml_type][1]
+    )
+    flat = torch.frombuffer(gg.buffer, dtype=torch.uint8, count=info.nbytes, offset=info.offset)
+    return flat.view(rows, info.nbytes // rows)
+
+
+def unpermute_rows(rows, n_heads: int):
+    """Undo llama.cpp's q/k row permutation for arch `llama` (it interleaves the two
+    RoPE halves of each head; HF keeps them split). Works on float weights and on
+    quantized byte rows alike, since it only reorders rows."""
+    shape = rows.shape
+    return (
+        rows.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:])
+        .transpose(1, 2)
+        .reshape(shape)
+    )

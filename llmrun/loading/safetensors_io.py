@@ -1,0 +1,144 @@
+"""Hugging Face model directories: config.json, generation_config.json, safetensors.
+
+safetensors files are read here directly (an 8-byte header length, a JSON
+header, raw little-endian tensor bytes) and memory-mapped, so loading copies
+nothing and never unpickles anything. Header offsets are checked against the
+file size before use. Sharded checkpoints follow model.safetensors.index.json.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmrun.errors import ModelFormatError, ModelNotFoundError, UnsupportedError
+
+DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelNotFoundError(f"{path}: no such file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelFormatError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ModelFormatError(f"{path}: expected a JSON object")
+    return data
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ModelNotFoundError(
+            f"{model_dir}: no config.json; a model directory needs config.json and *.safetensors"
+        )
+    return read_json(path)
+
+
+def read_generation_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "generation_config.json"
+    return read_json(path) if path.is_file() else {}
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelFormatError(f"{index}: no weight_map")
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if Path(f.name) != Path(f.relative_to(model_dir)) or not f.is_file():
+                raise ModelFormatError(f"{index}: lists {f.name}, which is missing")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        found = sorted(p.name for p in model_dir.iterdir())
+        raise ModelNotFoundError(
+            f"{model_dir}: no *.safetensors weights (found: {', '.join(found) or 'nothing'})"
+        )
+    return files
+
+
+def read_header(path: Path) -> tuple[dict[str, Any], int]:
+    """The JSON header of a safetensors file and the offset where data starts."""
+    with open(path, "rb") as f:
+        size = f.seek(0, 2)
+        f.seek(0)
+        head = f.read(8)
+        if len(head) < 8:
+            raise ModelFormatError(f"{path}: truncated safetensors file ({size} bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER_BYTES or 8 + n > size:
+            raise ModelFormatError(
+                f"{path}: corrupt safetensors header length {n} (file has {size} bytes)"
+            )
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ModelFormatError(f"{path}: corrupt safetensors header: {e}") from None
+    if not isinstance(header, dict):
+        raise ModelFormatError(f"{path}: corrupt safetensors header")
+    header.pop("__metadata__", None)
+    data_start = 8 + n
+    for name, info in header.items():
+        try:
+            begin, end = info["data_offsets"]
+            dtype = info["dtype"]
+            shape = info["shape"]
+        except (KeyError, TypeError, ValueError):
+            raise ModelFormatError(
+                f"{path}: tensor {name!r} has a malformed header entry"
+            ) from None
+        if dtype not in DTYPES:
+            raise UnsupportedError(
+                f"{path}: tensor {name!r} has dtype {dtype}, which is not supported"
+            )
+        count = 1
+        for dim in shape:
+            count *= dim
+        expected = count * DTYPES[dtype].itemsize
+        if not 0 <= begin <= end or end - begin != expected or data_start + end > size:
+            raise ModelFormatError(
+                f"{path}: tensor {name!r} ({dtype} {shape}) has offsets {begin}..{end}, "
+                f"which do not fit its size or the file ({size} bytes); the file may be truncated"
+            )
+    return header, data_start
+
+
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file, as zero-copy views of a private map."""
+    header, data_start = read_header(path)
+    with open(path, "rb") as f:
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    tensors = {}
+    for name, info in header.items():
+        begin, end = info["data_offsets"]
+        dtype = DTYPES[info["dtype"]]
+        if end == begin:
+            tensors[name] = torch.empty(info["shape"], dtype=dtype)
+            continue
+        flat = torch.frombuffer(
+            buf, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=data_start + begin
+        )
+        tensors[name] = flat.view(info["shape"])
+    return tensors

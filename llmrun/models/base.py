@@ -1,0 +1,330 @@
+"""Primitives shared by the model families: config parsing, RMSNorm, RoPE, attention.
+
+Pure torch. Config fields keep Hugging Face's names so a config.json maps 1:1;
+RoPE scaling follows transformers' modeling_rope_utils (default, linear, llama3,
+yarn, longrope) so logits match it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmrun.errors import UnsupportedError
+from llmrun.models.cache import KVCache
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def args_from_config(cls: type, config: dict[str, Any]) -> Any:
+    """Build a ModelArgs dataclass from a config.json dict, ignoring unknown fields."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {k: v for k, v in config.items() if k in names and v is not None}
+    values["rope_parameters"] = rope_parameters(config)
+    return cls(**values)
+
+
+def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
+    """RoPE settings from either config style, as one dict with rope_type and rope_theta.
+
+    transformers 5 writes `rope_parameters` {rope_theta, rope_type, ...}; older
+    files have `rope_theta` and `rope_scaling` at the top level.
+    """
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    if "partial_rotary_factor" in config:
+        params.setdefault("partial_rotary_factor", config["partial_rotary_factor"])
+    if params["rope_type"] in ("llama3", "yarn", "longrope"):
+        original = config.get("original_max_position_embeddings")
+        if original is not None:
+            params["original_max_position_embeddings"] = original
+        params.setdefault("original_max_position_embeddings", config.get("max_position_embeddings"))
+    if params["rope_type"] not in ROPE_TYPES:
+        raise UnsupportedError(
+            f"RoPE type {params['rope_type']!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
+        )
+    return params
+
+
+def activation(name: str):
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise UnsupportedError(
+            f"activation {name!r} is not supported (supported: {', '.join(ACTIVATIONS)})"
+        ) from None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin for given positions; `rotary_dim` may be less than head_dim (partial RoPE)."""
+
+    def __init__(self, params: dict[str, Any], head_dim: int, max_position_embeddings: int) -> None:
+        super().__init__()
+        base = params["rope_theta"]
+        self.rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        dim = self.rotary_dim
+        # Explicit CPU tensors: models are built under torch.device("meta"), and
+        # these non-persistent buffers are not in any checkpoint.
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+        inv_freq = 1.0 / (base**exponents)
+        long_inv_freq = None
+        self.attention_scaling = 1.0
+        self.original_max = params.get("original_max_position_embeddings")
+        rope_type = params["rope_type"]
+        if rope_type == "linear":
+            inv_freq = inv_freq / params["factor"]
+        elif rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, params)
+        elif rope_type == "yarn":
+            inv_freq, self.attention_scaling = _yarn_inv_freq(params, dim, max_position_embeddings)
+        elif rope_type == "longrope":
+            factor = params.get("factor") or max_position_embeddings / self.original_max
+            scaling = params.get("attention_factor")
+            if scaling is None:
+                scaling = (
+                    1.0
+                    if factor <= 1.0
+                    else math.sqrt(1 + math.log(factor) / math.log(self.original_max))
+                )
+            self.attention_scaling = scaling
+            long_inv_freq = 1.0 / (
+                torch.tensor(params["long_factor"], dtype=torch.float32, device="cpu")
+                * base**exponents
+            )
+            inv_freq = 1.0 / (
+                torch.tensor(params["short_factor"], dtype=torch.float32, device="cpu")
+                * base**exponents
+            )
+        if "freq_factors" in params:
+            inv_freq = inv_freq / torch.tensor(
+                params["freq_factors"], dtype=torch.float32, device="cpu"
+            )
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = self.inv_freq
+        # LongRoPE switches to the long factors once the sequence outgrows the
+        # pretraining length, judged per forward call as transformers does.
+        if self.long_inv_freq is not None and int(positions.max()) + 1 > self.original_max:
+            inv_freq = self.long_inv_freq
+        freqs = positions[..., None].float() * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    factor = params["factor"]
+    low, high = params["low_freq_factor"], params["high_freq_factor"]
+    old_len = params["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(
+    params: dict[str, Any], dim: int, max_positions: int
+) -> tuple[torch.Tensor, float]:
+    base = params["rope_theta"]
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or max_positions / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    scaling = params.get("attention_factor")
+    if scaling is None:
+        if params.get("mscale") and params.get("mscale_all_dim"):
+            scaling = mscale(factor, params["mscale"]) / mscale(factor, params["mscale_all_dim"])
+        else:
+            scaling = mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low = correction_dim(params.get("beta_fast") or 32)
+    high = correction_dim(params.get("beta_slow") or 1)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp(
+        (torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1
+    )
+    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
+    return inv_freq, float(scaling)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first cos.shape[-1] features of x [B, H, T, D] (half-split layout)."""
+    cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
+    rotary_dim = cos.shape[-1]
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    out = x_rot * cos + rotated * sin
+    return torch.cat((out, x_pass), dim=-1) if x_pass.shape[-1] else out
+
+
+def attention_mask(
+    positions: torch.Tensor, key_positions: torch.Tensor, sliding_window: int | None = None
+) -> torch.Tensor | None:
+    """Boolean mask [B, 1, T, L]: query at position p sees keys at positions <= p
+    (and > p - sliding_window). None when every query sees every key."""
+    q = positions[:, :, None]
+    k = key_positions[:, None, :]
+    if q.shape[1] == 1 and sliding_window is None and positions.shape[0] == 1:
+        return None
+    mask = k <= q
+    if sliding_window is not None:
+        mask &= q - k < sliding_window
+    return mask[:, None]
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    positions: torch.Tensor,
+    cache: KVCache | None,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """Scaled dot-product attention with GQA over the KV cache.
+
+    q [B, H, T, D], k/v [B, Hkv, T, D] for the new tokens; returns [B, T, H*D].
+    """
+    if cache is not None:
+        k, v = cache.update(layer, k, v, positions)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1]
+    )
+    batch, heads, tokens, head_dim = out.shape
+    return out.transpose(1, 2).reshape(batch, tokens, heads * head_dim)
+
+
+def key_positions(positions: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+    """Positions of the keys attended to: the cache prefix up to the newest token,
+    or, without a cache, the new tokens themselves."""
+    if cache is None:
+        return positions
+    length = int(positions.max()) + 1
+    return torch.arange(length, device=positions.device).expand(positions.shape[0], length)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), the SwiGLU feed-forward of the Llama family."""
+
+    def __init__(self, args: Any) -> None:
+        super().__init__()
+        bias = getattr(args, "mlp_bias", False)
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=bias)
+        self.act = activation(args.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, args: Any, layer: int, attention: type, mlp: type) -> None:
+        super().__init__()
+        self.self_attn = attention(args, layer)
+        self.mlp = mlp(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x, rope, positions, cache, mask) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, positions, cache, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Body(nn.Module):
+    def __init__(self, args: Any, attention: type, mlp: type) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(args, i, attention, mlp) for i in range(args.num_hidden_layers)
+        )
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(
+            args.rope_parameters, args.head_dim, args.max_position_embeddings
+        )
+
+
+class CausalLM(nn.Module):
+    """embed -> decoder layers -> norm -> lm_head, with HF's module names
+    (`model.layers.N.self_attn.q_proj`, `lm_head`, ...). A family supplies its
+    attention and MLP classes."""
+
+    def __init__(self, args: Any, attention: type, mlp: type) -> None:
+        super().__init__()
+        self.args = args
+        self.model = Body(args, attention, mlp)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Float32 logits [B, T, vocab] (or [B, 1, vocab] with last_only) for
+        input_ids [B, T] at positions [B, T]."""
+        body = self.model
+        x = body.embed_tokens(input_ids)
+        rope = body.rotary_emb(positions)
+        window = getattr(self.args, "sliding_window", None)
+        mask = attention_mask(positions, key_positions(positions, cache), window)
+        for layer in body.layers:
+            x = layer(x, rope, positions, cache, mask)
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(body.norm(x)).float()
+
+    def new_cache(self, batch: int, max_seq_len: int, dtype: torch.dtype, device) -> KVCache:
+        a = self.args
+        return KVCache(
+            a.num_hidden_layers,
+            batch,
+            a.num_key_value_heads,
+            max_seq_len,
+            a.head_dim,
+            dtype,
+            device,
+        )

@@ -1,0 +1,51 @@
+"""Preallocated KV cache: one static buffer per layer, written at token positions.
+
+Static shapes keep allocation off the per-token path and let torch.compile and
+CUDA graphs apply. Each batch row is an independent sequence (a serving slot);
+a row's entries past its current position are stale and masked out, so
+keeping a shared prefix is just a matter of writing from where it ends.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(
+        self,
+        n_layers: int,
+        batch: int,
+        n_kv_heads: int,
+        max_seq_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        shape = (n_layers, batch, n_kv_heads, max_seq_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_seq_len = max_seq_len
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k/v [B, Hkv, T, D] at positions [B, T]; return the keys and values
+        of positions 0 .. max(positions) for every row."""
+        batch, tokens = positions.shape
+        first = int(positions[0, 0])
+        length = int(positions.max()) + 1
+        k_cache, v_cache = self.k[layer, :batch], self.v[layer, :batch]
+        if batch == 1 and length - first == tokens:
+            # One sequence, contiguous positions: a plain slice write.
+            k_cache[:, :, first:length] = k
+            v_cache[:, :, first:length] = v
+        else:
+            rows = torch.arange(batch, device=positions.device)[:, None]
+            k_cache[rows, :, positions] = k.transpose(1, 2)
+            v_cache[rows, :, positions] = v.transpose(1, 2)
+        return k_cache[:, :, :length], v_cache[:, :, :length]

@@ -1,0 +1,72 @@
+"""Qwen2 and Qwen2.5: Llama with biases on the q/k/v projections.
+
+Reference: transformers/models/qwen2/modeling_qwen2.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmrun.errors import UnsupportedError
+from llmrun.models.base import CausalLM, GatedMLP, apply_rotary, args_from_config, attend
+
+
+@dataclass
+class ModelArgs:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    vocab_size: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 32768
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    use_sliding_window: bool = False
+    rope_parameters: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.use_sliding_window:
+            raise UnsupportedError("Qwen2 with use_sliding_window=true is not supported")
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ModelArgs:
+        return args_from_config(cls, config)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int) -> None:
+        super().__init__()
+        self.layer, self.n_heads, self.n_kv_heads = (
+            layer,
+            args.num_attention_heads,
+            args.num_key_value_heads,
+        )
+        self.head_dim = args.head_dim
+        self.q_proj = nn.Linear(args.hidden_size, self.n_heads * self.head_dim, bias=True)
+        self.k_proj = nn.Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=True)
+        self.v_proj = nn.Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=True)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, args.hidden_size, bias=False)
+
+    def forward(self, x, rope, positions, cache, mask) -> torch.Tensor:
+        batch, tokens, _ = x.shape
+        # [B, T, H*D] -> [B, H, T, D]
+        q = self.q_proj(x).view(batch, tokens, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, tokens, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, tokens, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = rope
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.o_proj(attend(q, k, v, self.layer, positions, cache, mask))
+
+
+class Model(CausalLM):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__(args, Attention, GatedMLP)
