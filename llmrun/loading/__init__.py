@@ -121,6 +121,13 @@ def _open_hf_dir(path: Path) -> Checkpoint:
 
 def _open_gguf(path: Path) -> Checkpoint:
     gg = gguf_io.read_gguf(path)
+    for info in gg.tensors.values():
+        if info.ggml_type not in SUPPORTED_TYPES:
+            supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
+            raise UnsupportedError(
+                f"{path}: tensor {info.name!r} has weight type {info.ggml_type.name}, "
+                f"which llmrun does not support (supported: {supported})"
+            )
     config = gguf_io.config_from_gguf(gg)
     model_type = config["model_type"]
     weights = {}
@@ -131,12 +138,6 @@ def _open_gguf(path: Path) -> Checkpoint:
         if name is None:
             raise UnsupportedError(
                 f"{path}: tensor {info.name!r} is not part of llmrun's {model_type} model"
-            )
-        if info.ggml_type not in SUPPORTED_TYPES:
-            supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
-            raise UnsupportedError(
-                f"{path}: tensor {info.name!r} has weight type {info.ggml_type.name}, "
-                f"which llmrun does not support (supported: {supported})"
             )
         tensor = gguf_io.load_tensor(gg, info)
         if model_type == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):

@@ -1,0 +1,232 @@
+"""load(MODEL) -> Engine: the model, its tokenizer, chat template and defaults.
+
+The entry point for run, chat, bench and serve. MODEL is a .gguf file, a
+Hugging Face model directory, a Hub name (resolved by hub.py), or None for the
+bundled stories260K.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from gguf import Keys
+from torch import nn
+
+from llmrun import paths
+from llmrun.chat_template import ChatTemplate, select_template
+from llmrun.errors import ModelFormatError, UsageError
+from llmrun.generate import KVState, Response, stream_generate
+from llmrun.loading import Checkpoint, gguf_io, load_model, safetensors_io
+from llmrun.sampling import Sampler, SamplingParams
+from llmrun.tokenizer import Tokenizer, load_tokenizer
+
+DEVICES = ("auto", "cpu", "cuda", "mps")
+DTYPES = ("auto", "f32", "bf16", "f16")
+DEFAULT_CTX = 4096
+# Token texts that end a turn in common chat formats; llama.cpp treats these as
+# end-of-generation too when the file does not list them.
+END_OF_TURN_TEXTS = (
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|eom_id|>",
+    "<EOT>",
+    "<｜end▁of▁sentence｜>",
+)
+
+
+def resolve(spec: str | None) -> Path:
+    """Local path of MODEL: the bundled model for None, a file or directory as is,
+    otherwise a Hub name resolved (and pulled if needed) by hub.py."""
+    if spec is None:
+        return paths.BUNDLED_MODEL
+    path = Path(spec).expanduser()
+    if path.exists():
+        return path
+    from llmrun import hub
+
+    return hub.resolve_model(spec)
+
+
+def pick_device(name: str) -> torch.device:
+    if name not in DEVICES:
+        raise UsageError(f"unknown device {name!r} (choose from {', '.join(DEVICES)})")
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available to this torch build")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise UsageError("--device mps: Apple MPS is not available on this machine")
+    return torch.device(name)
+
+
+@dataclass
+class Engine:
+    name: str
+    path: Path
+    model: nn.Module
+    tokenizer: Tokenizer
+    template: ChatTemplate | None
+    defaults: SamplingParams
+    eos_ids: list[int]
+    ctx_size: int
+    device: torch.device
+    dtype: torch.dtype
+    checkpoint: Checkpoint
+    load_seconds: float
+
+    def new_state(self, size: int | None = None) -> KVState:
+        """An empty KV cache for `size` tokens (default: the whole context)."""
+        size = min(size or self.ctx_size, self.ctx_size)
+        return KVState(self.model.new_cache(1, size, self.dtype, self.device))
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        if self.template is None:
+            raise ModelFormatError(f"{self.name} has no chat template")
+        return self.template.render(messages, add_generation_prompt=add_generation_prompt)
+
+    def prompt_text(self, text: str, raw: bool = False) -> str:
+        """The text `run` feeds the model: the template around one user message, or as is."""
+        if raw or self.template is None:
+            return text
+        return self.render([{"role": "user", "content": text}])
+
+    def generate(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        max_tokens: int | None = None,
+        stop: Sequence[str] = (),
+        logprobs: int | None = None,
+        state: KVState | None = None,
+    ) -> Iterator[Response]:
+        if state is None:
+            wanted = len(prompt) + (max_tokens if max_tokens is not None else self.ctx_size)
+            state = self.new_state(wanted)
+        sampler = Sampler(params)
+        return stream_generate(
+            self.model,
+            self.tokenizer,
+            state,
+            prompt,
+            sampler,
+            max_tokens,
+            self.eos_ids,
+            stop,
+            logprobs,
+        )
+
+
+def load(
+    spec: str | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    ctx_size: int | None = None,
+    threads: int | None = None,
+) -> Engine:
+    if dtype not in DTYPES:
+        raise UsageError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    if ctx_size is not None and ctx_size < 1:
+        raise UsageError(f"--ctx-size must be positive, got {ctx_size}")
+    if threads is not None:
+        if threads < 1:
+            raise UsageError(f"--threads must be positive, got {threads}")
+        torch.set_num_threads(threads)
+    torch_device = pick_device(device)
+    path = resolve(spec)
+    start = time.perf_counter()
+    loaded = load_model(path, torch_device, dtype)
+    checkpoint = loaded.checkpoint
+    if checkpoint.gguf is not None:
+        tokenizer = Tokenizer.from_gguf_metadata(checkpoint.gguf.metadata, str(path))
+    else:
+        tokenizer = load_tokenizer(path)
+    template = _chat_template(checkpoint, tokenizer)
+    max_positions = checkpoint.config.get("max_position_embeddings") or DEFAULT_CTX
+    return Engine(
+        name=str(spec) if spec else "stories260K (bundled)",
+        path=path,
+        model=loaded.model,
+        tokenizer=tokenizer,
+        template=template,
+        defaults=_sampling_defaults(checkpoint),
+        eos_ids=_eos_ids(checkpoint, tokenizer),
+        ctx_size=ctx_size or min(max_positions, DEFAULT_CTX),
+        device=torch_device,
+        dtype=loaded.dtype,
+        checkpoint=checkpoint,
+        load_seconds=time.perf_counter() - start,
+    )
+
+
+def load_tokenizer_only(spec: str | None) -> Tokenizer:
+    """The model's tokenizer without its weights (works on vocab-only GGUFs)."""
+    return load_tokenizer(resolve(spec))
+
+
+def _sampling_defaults(checkpoint: Checkpoint) -> SamplingParams:
+    defaults = dict(checkpoint.sampling_defaults)
+    if checkpoint.generation_config.get("do_sample") is False:
+        defaults["temperature"] = 0.0
+    return SamplingParams().updated(**defaults)
+
+
+def _as_list(value: Any) -> list[int]:
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int)]
+    return []
+
+
+def _eos_ids(checkpoint: Checkpoint, tokenizer: Tokenizer) -> list[int]:
+    ids = _as_list(tokenizer.eos_id)
+    ids += _as_list(checkpoint.generation_config.get("eos_token_id"))
+    ids += _as_list(checkpoint.config.get("eos_token_id"))
+    if checkpoint.gguf is not None:
+        for key in (Keys.Tokenizer.EOT_ID, Keys.Tokenizer.EOM_ID):
+            token = gguf_io.token_id(checkpoint.gguf, key)
+            if token is not None:
+                ids.append(token)
+    for text in END_OF_TURN_TEXTS:
+        token = tokenizer.token_id(text)
+        if token is not None and token in tokenizer.special_ids:
+            ids.append(token)
+    return sorted(set(i for i in ids if 0 <= i < tokenizer.vocab_size))
+
+
+def _chat_template(checkpoint: Checkpoint, tokenizer: Tokenizer) -> ChatTemplate | None:
+    source = None
+    if checkpoint.gguf is not None:
+        source = checkpoint.gguf.get(Keys.Tokenizer.CHAT_TEMPLATE)
+    else:
+        jinja_file = checkpoint.path / "chat_template.jinja"
+        if jinja_file.is_file():
+            source = jinja_file.read_text(encoding="utf-8")
+        elif (checkpoint.path / "tokenizer_config.json").is_file():
+            config = safetensors_io.read_json(checkpoint.path / "tokenizer_config.json")
+            source = select_template(config.get("chat_template"))
+    if not source:
+        return None
+    bos = (
+        tokenizer.decode([tokenizer.bos_id], skip_special=False)
+        if tokenizer.bos_id is not None
+        else ""
+    )
+    eos = (
+        tokenizer.decode([tokenizer.eos_id], skip_special=False)
+        if tokenizer.eos_id is not None
+        else ""
+    )
+    return ChatTemplate(source, bos_token=bos, eos_token=eos)

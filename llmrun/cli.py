@@ -1,0 +1,294 @@
+"""The `llmrun` command line: flags -> options -> library calls.
+
+The one place where LlmrunError becomes an `error:` line and an exit code
+(0 ok, 1 error, 2 usage, 130 interrupted). torch and the model code are
+imported inside the commands, so `llmrun --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import click
+import typer
+
+from llmrun import __version__, ui
+from llmrun.errors import LlmrunError, UsageError
+
+app = typer.Typer(
+    name="llmrun",
+    help="Run LLMs from GGUF and safetensors files, locally, in plain PyTorch.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+DEBUG = {"on": False}
+HUB_NAME = re.compile(r"^[\w.-]+/[\w.-]+(/[^\s]+)?(:[\w.-]+)?(@[\w./-]+)?$")
+
+# Options shared by run and chat.
+ModelOpt = Annotated[
+    str | None, typer.Option("--model", "-m", help="Model: .gguf file, HF directory or Hub name.")
+]
+MaxTokens = Annotated[
+    int | None,
+    typer.Option(
+        "--max-tokens", "-n", help="Tokens to generate (-1: until end of text or full context)."
+    ),
+]
+Temperature = Annotated[float | None, typer.Option(help="Sampling temperature; 0 is greedy.")]
+TopK = Annotated[
+    int | None, typer.Option("--top-k", help="Keep the k most likely tokens (0: off).")
+]
+TopP = Annotated[float | None, typer.Option("--top-p", help="Nucleus sampling mass, in (0, 1].")]
+MinP = Annotated[
+    float | None, typer.Option("--min-p", help="Drop tokens below min-p x the top probability.")
+]
+RepeatPenalty = Annotated[
+    float | None, typer.Option("--repeat-penalty", help="Penalty for repeated tokens (1: off).")
+]
+RepeatLastN = Annotated[
+    int | None, typer.Option("--repeat-last-n", help="Tokens the repeat penalty looks back at.")
+]
+Seed = Annotated[int | None, typer.Option(help="Random seed: the same seed gives the same text.")]
+Stop = Annotated[list[str] | None, typer.Option("--stop", help="Stop at this text (repeatable).")]
+CtxSize = Annotated[int | None, typer.Option("--ctx-size", "-c", help="Context size in tokens.")]
+Device = Annotated[str, typer.Option(help="auto, cpu, cuda or mps.")]
+Dtype = Annotated[str, typer.Option(help="auto, f32, bf16 or f16.")]
+Threads = Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads.")]
+Verbose = Annotated[
+    bool, typer.Option("--verbose", "-v", help="Print timings and token counts to stderr.")
+]
+Debug = Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")]
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"llmrun {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
+    ] = False,
+) -> None:
+    """Run LLMs from GGUF and safetensors files, locally, in plain PyTorch."""
+
+
+def _read_stdin() -> str | None:
+    if sys.stdin is None or sys.stdin.isatty():
+        return None
+    return sys.stdin.read()
+
+
+def _looks_like_model(arg: str) -> bool:
+    return Path(arg).expanduser().exists() or arg.endswith(".gguf") or bool(HUB_NAME.match(arg))
+
+
+def _split_model_and_prompt(args: list[str], model: str | None) -> tuple[str | None, str | None]:
+    """`run [MODEL] [PROMPT...]`: with one argument, it is the model if it names one."""
+    if model is not None:
+        return model, " ".join(args) if args else None
+    if not args:
+        return None, None
+    if len(args) == 1:
+        return (args[0], None) if _looks_like_model(args[0]) else (None, args[0])
+    return args[0], " ".join(args[1:])
+
+
+def _sampling(engine, **flags):
+    return engine.defaults.updated(**flags)
+
+
+@app.command()
+def run(
+    args: Annotated[
+        list[str] | None, typer.Argument(help="[MODEL] [PROMPT]", show_default=False)
+    ] = None,
+    model: ModelOpt = None,
+    max_tokens: MaxTokens = None,
+    temperature: Temperature = None,
+    top_k: TopK = None,
+    top_p: TopP = None,
+    min_p: MinP = None,
+    repeat_penalty: RepeatPenalty = None,
+    repeat_last_n: RepeatLastN = None,
+    seed: Seed = None,
+    stop: Stop = None,
+    ctx_size: CtxSize = None,
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+    threads: Threads = None,
+    raw: Annotated[
+        bool, typer.Option(help="Send the prompt as is, without the chat template.")
+    ] = False,
+    show_prompt: Annotated[
+        bool, typer.Option("--show-prompt", help="Print the prompt as fed to the model (stderr).")
+    ] = False,
+    output_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object with text, usage and timings.")
+    ] = False,
+    logprobs: Annotated[
+        int | None,
+        typer.Option(
+            help="With --json: log-probabilities and the N most likely alternatives per token."
+        ),
+    ] = None,
+    verbose: Verbose = False,
+    debug: Debug = False,
+) -> None:
+    """Generate a completion for one prompt: `llmrun run [MODEL] "prompt"`; the prompt may be piped."""
+    DEBUG["on"] = debug
+    model_spec, prompt = _split_model_and_prompt(list(args or []), model)
+    piped = _read_stdin()
+    if prompt is not None and piped:
+        prompt = f"{prompt}\n\n{piped}"
+    elif prompt is None:
+        prompt = piped
+    if not prompt:
+        raise UsageError('no prompt: give one (llmrun run [MODEL] "PROMPT") or pipe it on stdin')
+    if logprobs is not None and not output_json:
+        raise UsageError("--logprobs needs --json")
+    if logprobs is not None and not 0 <= logprobs <= 20:
+        raise UsageError(f"--logprobs must be between 0 and 20, got {logprobs}")
+    if max_tokens is not None and max_tokens < -1:
+        raise UsageError(f"--max-tokens must be >= -1, got {max_tokens}")
+
+    from llmrun import api
+
+    with ui.status("loading model"):
+        engine = api.load(
+            model_spec, device=device, dtype=dtype, ctx_size=ctx_size, threads=threads
+        )
+    params = _sampling(
+        engine,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        repeat_penalty=repeat_penalty,
+        repeat_last_n=repeat_last_n,
+        seed=seed,
+    )
+    text = engine.prompt_text(prompt, raw=raw)
+    if show_prompt:
+        ui.print_prompt(text)
+    ids = engine.tokenizer.encode(text)
+    limit = None if max_tokens in (None, -1) else max_tokens
+    pieces, tokens = [], []
+    final = None
+    try:
+        for response in engine.generate(ids, params, limit, stop or (), logprobs):
+            if output_json:
+                pieces.append(response.text)
+                if response.logprob is not None:
+                    tokens.append(response.logprob)
+            else:
+                ui.write(response.text)
+            final = response
+    except KeyboardInterrupt:
+        if not output_json:
+            ui.end_text()
+        raise
+    if output_json:
+        ui.print_json(
+            _json_result(engine, "".join(pieces), final, tokens if logprobs is not None else None)
+        )
+    else:
+        ui.end_text()
+    if verbose:
+        ui.print_stats(final.stats)
+
+
+def _json_result(engine, text: str, final, logprobs) -> dict:
+    stats = final.stats
+    result = {
+        "model": engine.name,
+        "text": text,
+        "finish_reason": final.finish_reason,
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.completion_tokens,
+        "timings": {
+            "load_seconds": round(engine.load_seconds, 4),
+            "prompt_seconds": round(stats.prompt_seconds, 4),
+            "prompt_tokens_per_second": round(stats.prompt_tps, 2),
+            "generation_seconds": round(stats.generation_seconds, 4),
+            "generation_tokens_per_second": round(stats.generation_tps, 2),
+        },
+    }
+    if logprobs is not None:
+        piece = engine.tokenizer.token_to_piece
+        result["logprobs"] = [
+            {
+                "token": piece(lp.token),
+                "id": lp.token,
+                "logprob": lp.logprob,
+                "top_logprobs": [{"token": piece(i), "id": i, "logprob": v} for i, v in lp.top],
+            }
+            for lp in logprobs
+        ]
+    return result
+
+
+@app.command()
+def tokenize(
+    args: Annotated[
+        list[str] | None, typer.Argument(help="[MODEL] [TEXT]", show_default=False)
+    ] = None,
+    model: ModelOpt = None,
+    pieces: Annotated[bool, typer.Option("--pieces", help="Print id/piece pairs.")] = False,
+    no_bos: Annotated[bool, typer.Option("--no-bos", help="Do not add the BOS token.")] = False,
+    no_special: Annotated[
+        bool, typer.Option("--no-special", help="Treat special-token text as plain text.")
+    ] = False,
+    debug: Debug = False,
+) -> None:
+    """Print the token ids of TEXT (or stdin) as the model's tokenizer makes them."""
+    DEBUG["on"] = debug
+    model_spec, text = _split_model_and_prompt(list(args or []), model)
+    if text is None:
+        text = _read_stdin()
+    if text is None:
+        raise UsageError("no text: give it as an argument or pipe it on stdin")
+
+    from llmrun import api
+
+    tokenizer = api.load_tokenizer_only(model_spec)
+    ids = tokenizer.encode(text, add_bos=False if no_bos else None, parse_special=not no_special)
+    if pieces:
+        for i in ids:
+            print(json.dumps({"id": i, "piece": tokenizer.token_to_piece(i)}, ensure_ascii=False))
+    else:
+        print(json.dumps(ids))
+
+
+def main() -> None:
+    """Console entry point: run the app, turn errors into one line and an exit code."""
+    try:
+        app(standalone_mode=False)
+    except LlmrunError as e:
+        if DEBUG["on"]:
+            raise
+        ui.error(str(e))
+        sys.exit(e.exit_code)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.UsageError as e:
+        message = e.format_message()
+        ui.error(message[0].lower() + message[1:] if message else "bad usage")
+        sys.exit(2)
+    except click.Abort:
+        sys.exit(130)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except BrokenPipeError:
+        # The reader went away (`llmrun run ... | head`): not an error.
+        sys.stderr.close()
+        sys.exit(0)

@@ -1,0 +1,215 @@
+"""The one generation loop: prefill, sample, detokenize, stop. Used by run, chat,
+bench and serve.
+
+generate_step yields (token, raw logits) forever; stream_generate turns that
+into text pieces, stopping on EOS ids, stop strings, max tokens or a full
+context, and keeps timings.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from llmrun.errors import ContextOverflowError
+from llmrun.models.cache import KVCache
+from llmrun.sampling import Sampler, top_logprobs
+
+PREFILL_CHUNK = 512
+
+
+@dataclass
+class KVState:
+    """A KV cache and the tokens whose keys and values it holds, in order."""
+
+    cache: KVCache
+    tokens: list[int] = field(default_factory=list)
+
+    @property
+    def capacity(self) -> int:
+        return self.cache.max_seq_len
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    prompt_processed: int = 0  # prompt tokens actually prefilled (the rest came from the cache)
+    completion_tokens: int = 0
+    prompt_seconds: float = 0.0
+    generation_seconds: float = 0.0
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_processed / self.prompt_seconds if self.prompt_seconds else 0.0
+
+    @property
+    def generation_tps(self) -> float:
+        # The first token comes out of the prefill; the rest each cost one decode step.
+        steps = self.completion_tokens - 1
+        return steps / self.generation_seconds if steps > 0 and self.generation_seconds else 0.0
+
+
+@dataclass
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Response:
+    """One step of stream_generate: the newly printable text, and at the end a finish reason."""
+
+    text: str
+    token: int | None
+    stats: Stats
+    finish_reason: str | None = None  # "stop" (EOS or stop string) or "length"
+    logprob: TokenLogprob | None = None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def prefill(
+    model: nn.Module, state: KVState, tokens: Sequence[int], chunk: int = PREFILL_CHUNK
+) -> torch.Tensor:
+    """Feed `tokens` after what the cache already holds; return the last logits [V]."""
+    device = state.cache.k.device
+    logits = None
+    for begin in range(0, len(tokens), chunk):
+        part = list(tokens[begin : begin + chunk])
+        start = len(state.tokens)
+        ids = torch.tensor([part], device=device)
+        positions = torch.arange(start, start + len(part), device=device)[None]
+        logits = model(ids, positions, state.cache, last_only=True)
+        state.tokens.extend(part)
+    if logits is None:
+        raise ValueError("prefill needs at least one token")
+    return logits[0, -1]
+
+
+def reuse_prefix(state: KVState, prompt: Sequence[int]) -> int:
+    """Drop cached tokens past the prefix shared with `prompt` and return how many
+    are kept (at most len(prompt) - 1, so there is always a token to feed)."""
+    n = 0
+    limit = min(len(state.tokens), len(prompt) - 1)
+    while n < limit and state.tokens[n] == prompt[n]:
+        n += 1
+    del state.tokens[n:]
+    return n
+
+
+def generate_step(
+    model: nn.Module, state: KVState, tokens: Sequence[int], sampler: Sampler, history: list[int]
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """Prefill `tokens` after the cached ones, then yield (token, the raw logits it
+    was drawn from) until the caller stops or the context is full. `history`
+    (for penalties) grows with each token."""
+    logits = prefill(model, state, tokens)
+    device = state.cache.k.device
+    while True:
+        token = sampler(logits, history)
+        yield token, logits
+        history.append(token)
+        if len(state.tokens) >= state.capacity:
+            return
+        position = len(state.tokens)
+        ids = torch.tensor([[token]], device=device)
+        logits = model(ids, torch.tensor([[position]], device=device), state.cache)[0, -1]
+        state.tokens.append(token)
+
+
+def check_fits(prompt_tokens: int, capacity: int) -> None:
+    if prompt_tokens >= capacity:
+        raise ContextOverflowError(
+            f"the prompt is {prompt_tokens} tokens, but the context holds {capacity}; "
+            f"shorten the prompt or raise --ctx-size"
+        )
+
+
+def stream_generate(
+    model: nn.Module,
+    tokenizer,
+    state: KVState,
+    prompt: Sequence[int],
+    sampler: Sampler,
+    max_tokens: int | None,
+    eos_ids: Sequence[int] = (),
+    stop: Sequence[str] = (),
+    logprobs: int | None = None,
+) -> Iterator[Response]:
+    """Generate after `prompt`, yielding text as it becomes printable.
+
+    The cache keeps the prefix it shares with `prompt`, so only new tokens are
+    prefilled. The streamed texts concatenate to the decoded completion, cut
+    before a stop string; text that might begin a stop string is held back until
+    it cannot.
+    """
+    check_fits(len(prompt), state.capacity)
+    device = state.cache.k.device
+    kept = reuse_prefix(state, prompt)
+    stats = Stats(prompt_tokens=len(prompt), prompt_processed=len(prompt) - kept)
+    if max_tokens is not None and max_tokens <= 0:
+        yield Response("", None, stats, finish_reason="length")
+        return
+    eos = set(eos_ids)
+    stop = [s for s in stop if s]
+    decoder = tokenizer.stream()
+    pending = ""
+    finish, stopped = "length", False
+    start = gen_start = time.perf_counter()
+    steps = generate_step(model, state, prompt[kept:], sampler, list(prompt))
+    try:
+        for token, logits in steps:
+            if stats.completion_tokens == 0:
+                _sync(device)
+                gen_start = time.perf_counter()
+                stats.prompt_seconds = gen_start - start
+            else:
+                stats.generation_seconds = time.perf_counter() - gen_start
+            stats.completion_tokens += 1
+            if token in eos:
+                finish = "stop"
+                break
+            lp = None
+            if logprobs is not None:
+                value, top = top_logprobs(logits, token, logprobs)
+                lp = TokenLogprob(token, value, top)
+            text, pending, stopped = _split_stop(pending + decoder.add(token), stop)
+            yield Response(text, token, stats, logprob=lp)
+            if stopped:
+                finish = "stop"
+                break
+            if max_tokens is not None and stats.completion_tokens >= max_tokens:
+                break
+    finally:
+        steps.close()
+    tail = ""
+    if not stopped:
+        tail, _, stopped = _split_stop(pending + decoder.flush(), stop, final=True)
+        finish = "stop" if stopped else finish
+    yield Response(tail, None, stats, finish_reason=finish)
+
+
+def _split_stop(pending: str, stop: Sequence[str], final: bool = False) -> tuple[str, str, bool]:
+    """(text safe to emit, text to hold back, whether a stop string was found)."""
+    cut = min((i for i in (pending.find(s) for s in stop) if i >= 0), default=-1)
+    if cut >= 0:
+        return pending[:cut], "", True
+    if final:
+        return pending, "", False
+    hold = 0
+    for s in stop:
+        for n in range(min(len(s) - 1, len(pending)), hold, -1):
+            if pending.endswith(s[:n]):
+                hold = n
+                break
+    return pending[: len(pending) - hold], pending[len(pending) - hold :], False

@@ -1,0 +1,118 @@
+"""Choosing the next token: penalties on the logits, then a sampler.
+
+The chain follows llama.cpp's default order: repetition/presence/frequency
+penalties, top-k, top-p, min-p, temperature, then a seeded draw.
+Temperature 0 is greedy (argmax after penalties). Defaults are llama.cpp's.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+
+from llmrun.errors import UsageError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise UsageError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise UsageError(f"top-k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise UsageError(f"top-p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise UsageError(f"min-p must be in [0, 1], got {self.min_p}")
+        if self.repeat_penalty <= 0:
+            raise UsageError(
+                f"repeat-penalty must be > 0 (1 disables it), got {self.repeat_penalty}"
+            )
+        if self.repeat_last_n < -1:
+            raise UsageError(
+                f"repeat-last-n must be >= -1 (-1 means the whole context), got {self.repeat_last_n}"
+            )
+
+    def updated(self, **changes: Any) -> SamplingParams:
+        """A copy with the given fields changed; None values are ignored."""
+        names = {f.name for f in fields(self)}
+        unknown = set(changes) - names
+        if unknown:
+            raise UsageError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+class Sampler:
+    """Draws tokens from float32 logits [V]; seeded so the same seed gives the same text."""
+
+    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu") -> None:
+        self.params = params
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
+        self.seed = seed
+        # Draws happen on the CPU so a seed means the same text on every device.
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+
+    def penalize(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
+        p = self.params
+        if not history or (
+            p.repeat_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+        ):
+            return logits
+        last_n = len(history) if p.repeat_last_n == -1 else p.repeat_last_n
+        recent = history[-last_n:] if last_n > 0 else []
+        if not recent:
+            return logits
+        ids, counts = torch.tensor(recent, device=logits.device).unique(return_counts=True)
+        logits = logits.clone()
+        chosen = logits[ids]
+        if p.repeat_penalty != 1.0:
+            chosen = torch.where(chosen > 0, chosen / p.repeat_penalty, chosen * p.repeat_penalty)
+        chosen = chosen - counts.to(chosen.dtype) * p.frequency_penalty - p.presence_penalty
+        logits[ids] = chosen
+        return logits
+
+    def __call__(self, logits: torch.Tensor, history: Sequence[int] = ()) -> int:
+        logits = self.penalize(logits, history)
+        p = self.params
+        if p.temperature == 0:
+            return int(logits.argmax())
+        if p.top_k > 0:
+            values, ids = torch.topk(logits, min(p.top_k, logits.shape[-1]))
+        else:
+            values, ids = torch.sort(logits, descending=True)
+        probs = torch.softmax(values, dim=-1)
+        keep = values.shape[-1]
+        if p.top_p < 1.0:
+            # Keep the smallest prefix whose mass reaches top_p (at least one token).
+            cumulative = torch.cumsum(probs, dim=-1)
+            keep = min(keep, int((cumulative < p.top_p).sum()) + 1)
+        if p.min_p > 0.0:
+            keep = min(keep, max(1, int((probs >= p.min_p * probs[0]).sum())))
+        values, ids = values[:keep], ids[:keep]
+        probs = torch.softmax(values.cpu() / p.temperature, dim=-1)
+        choice = torch.multinomial(probs, 1, generator=self.generator)
+        return int(ids[int(choice)])
+
+
+def top_logprobs(logits: torch.Tensor, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
+    """Log-probability of `token` and the n most likely tokens, from raw logits."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    top = []
+    if n > 0:
+        values, ids = torch.topk(logprobs, min(n, logprobs.shape[-1]))
+        top = list(zip(ids.tolist(), values.tolist(), strict=True))
+    return float(logprobs[token]), top

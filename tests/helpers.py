@@ -1,0 +1,178 @@
+"""Test fixtures made at test time: tiny random-weight models of every architecture,
+written as Hugging Face directories (by transformers) and as GGUF files (with
+gguf.GGUFWriter, following llama.cpp's convert_hf_to_gguf conventions)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+STORIES_GGUF = SHARED / "models" / "stories260K" / "stories260K.gguf"
+STORIES_HF = SHARED / "models" / "stories260K" / "hf"
+
+BASE = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,  # stories260K's tokenizer, so the models can also be run end to end
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+CONFIGS = {
+    "llama": dict(model_type="llama", rope_theta=10000.0),
+    "llama3-scaled": dict(
+        model_type="llama",
+        rope_parameters=dict(
+            rope_type="llama3",
+            rope_theta=500000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=32,
+        ),
+    ),
+    "llama-tied": dict(model_type="llama", tie_word_embeddings=True),
+    "mistral": dict(model_type="mistral", sliding_window=5, head_dim=32),
+    "qwen2": dict(model_type="qwen2", tie_word_embeddings=True, rope_theta=1000000.0),
+    "qwen3": dict(model_type="qwen3", head_dim=32, rope_theta=1000000.0),
+    "phi3": dict(model_type="phi3", num_key_value_heads=4, partial_rotary_factor=0.5),
+    "phi3-longrope": dict(
+        model_type="phi3",
+        max_position_embeddings=64,
+        original_max_position_embeddings=16,
+        rope_scaling=dict(
+            type="longrope",
+            short_factor=[1.0, 1.1, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0],
+            long_factor=[1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0],
+        ),
+    ),
+}
+
+
+def tiny_hf_model(name: str, seed: int = 0):
+    """A transformers model of config CONFIGS[name] with N(0, 0.2) weights, and its config dict."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**{**BASE, **CONFIGS[name]})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model, config.to_dict()
+
+
+def save_hf_dir(model, path: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """save_pretrained (safetensors) plus stories260K's tokenizer files."""
+    model.to(dtype).save_pretrained(path)
+    model.float()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(STORIES_HF / name, path / name)
+    return path
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # llama.cpp's convert_hf_to_gguf permutes q/k rows of arch "llama" for its RoPE.
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+GGUF_NAMES = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.qkv_proj": "attn_qkv",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.gate_up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    module, _, suffix = hf_name.rpartition(".")
+    if module in GGUF_NAMES:
+        return f"{GGUF_NAMES[module]}.{suffix}"
+    _, _, layer, rest = module.split(".", 3)
+    return f"blk.{layer}.{GGUF_NAMES[rest]}.{suffix}"
+
+
+def write_gguf(
+    path: Path, config: dict, state_dict: dict, qtype=None, tokenizer: bool = True
+) -> Path:
+    """Write a model as llama.cpp's converter would: arch metadata, permuted llama
+    q/k, 1-D tensors in F32, 2-D weights in `qtype` (default F32)."""
+    import gguf
+
+    from llmrun.loading.gguf_io import read_gguf
+
+    qtype = qtype or gguf.GGMLQuantizationType.F32
+    arch = {"mistral": "llama"}.get(config["model_type"], config["model_type"])
+    writer = gguf.GGUFWriter(str(path), arch)
+    n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // n_head
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_kv)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    rope = config.get("rope_parameters") or {}
+    writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    if config.get("sliding_window"):
+        writer.add_sliding_window(config["sliding_window"])
+    writer.add_file_type(int(qtype) if qtype != gguf.GGMLQuantizationType.F32 else 0)
+    if tokenizer:
+        meta = read_gguf(STORIES_GGUF, with_tensors=False).metadata
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(meta["tokenizer.ggml.tokens"])
+        writer.add_token_scores(meta["tokenizer.ggml.scores"])
+        writer.add_token_types(meta["tokenizer.ggml.token_type"])
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        writer.add_unk_token_id(0)
+    for name, tensor in state_dict.items():
+        if name == "lm_head.weight" and config.get("tie_word_embeddings"):
+            continue
+        data = tensor.detach().float().numpy()
+        if arch == "llama" and name.endswith("q_proj.weight"):
+            data = _permute(data, n_head)
+        elif arch == "llama" and name.endswith("k_proj.weight"):
+            data = _permute(data, n_kv)
+        if data.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name(name), np.ascontiguousarray(data, dtype=np.float32))
+        elif qtype == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(gguf_name(name), data.astype(np.float16))
+        else:
+            raw = gguf.quants.quantize(data, qtype)
+            writer.add_tensor(gguf_name(name), raw, raw_shape=raw.shape, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -1,0 +1,170 @@
+"""The GGUF reader refuses malformed files with one clear error, before allocating."""
+
+import struct
+
+import pytest
+from gguf import GGMLQuantizationType, GGUFValueType
+from helpers import STORIES_GGUF, tiny_hf_model, write_gguf
+
+from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.loading import open_checkpoint
+from llmrun.loading.gguf_io import read_gguf
+
+
+def string(s: str) -> bytes:
+    raw = s.encode()
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def gguf_bytes(
+    kvs=(("general.architecture", GGUFValueType.STRING, "llama"),),
+    tensors=(("t.weight", 2, (32, 2), 0, 0),),
+    version=3,
+    kv_count=None,
+    tensor_count=None,
+    data=b"\0" * 256,
+) -> bytes:
+    """A GGUF file byte by byte; tensors are (name, n_dims, ne, type, offset)."""
+    out = b"GGUF" + struct.pack("<I", version)
+    out += struct.pack(
+        "<QQ",
+        len(tensors) if tensor_count is None else tensor_count,
+        len(kvs) if kv_count is None else kv_count,
+    )
+    for key, vtype, value in kvs:
+        out += string(key) + struct.pack("<I", vtype)
+        if vtype == GGUFValueType.STRING:
+            out += string(value)
+        elif vtype == GGUFValueType.UINT32:
+            out += struct.pack("<I", value)
+        elif vtype == GGUFValueType.ARRAY:
+            elem_type, count, payload = value
+            out += struct.pack("<IQ", elem_type, count) + payload
+    for name, n_dims, ne, ggml_type, offset in tensors:
+        out += string(name) + struct.pack("<I", n_dims) + b"".join(struct.pack("<Q", n) for n in ne)
+        out += struct.pack("<IQ", ggml_type, offset)
+    out += b"\0" * (-len(out) % 32)
+    return out + data
+
+
+def write(tmp_path, data: bytes):
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(data)
+    return path
+
+
+def test_a_valid_handmade_file_reads(tmp_path):
+    gg = read_gguf(write(tmp_path, gguf_bytes()))
+    assert gg.architecture == "llama"
+    assert gg.tensors["t.weight"].shape == (2, 32)
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (b"", "empty"),
+        (b"GGML" + b"\0" * 64, "bad magic"),
+        (gguf_bytes(version=1), "version 1"),
+        (gguf_bytes(kv_count=1 << 60), "metadata entries"),
+        (gguf_bytes(tensor_count=1 << 40), "tensors"),
+        (gguf_bytes()[:40], "truncated"),
+        (
+            gguf_bytes(
+                kvs=(
+                    (
+                        "tokenizer.ggml.tokens",
+                        GGUFValueType.ARRAY,
+                        (GGUFValueType.STRING, 1 << 50, b""),
+                    ),
+                )
+            ),
+            "elements",
+        ),
+        (
+            gguf_bytes(
+                kvs=(
+                    ("general.name", GGUFValueType.STRING, "x"),
+                    ("general.name", GGUFValueType.STRING, "y"),
+                )
+            ),
+            "appears twice",
+        ),
+        (gguf_bytes(tensors=(("t.weight", 2, (32, 2), 0, 1 << 40),)), "past the end"),
+        (gguf_bytes(tensors=(("t.weight", 2, (32, 2), 0, 0),), data=b"\0" * 100), "past the end"),
+        (gguf_bytes(tensors=(("t.weight", 9, (1,) * 9, 0, 0),)), "dimensions"),
+        (gguf_bytes(tensors=(("t.weight", 2, (1 << 40, 1 << 30), 0, 0),)), "absurd"),
+        (gguf_bytes(tensors=(("t.weight", 2, (33, 2), 8, 0),)), "block size"),
+        (
+            gguf_bytes(tensors=(("t.weight", 1, (32,), 0, 0), ("t.weight", 1, (32,), 0, 128))),
+            "appears twice",
+        ),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_malformed_files_fail_clearly(tmp_path, data, message):
+    with pytest.raises((ModelFormatError, UnsupportedError), match=message):
+        read_gguf(write(tmp_path, data))
+
+
+def test_unknown_ggml_type_names_the_tensor(tmp_path):
+    with pytest.raises(UnsupportedError, match="'t.weight' has unknown GGML type 99"):
+        read_gguf(write(tmp_path, gguf_bytes(tensors=(("t.weight", 2, (32, 2), 99, 0),))))
+
+
+def test_truncated_real_model(tmp_path):
+    data = STORIES_GGUF.read_bytes()
+    with pytest.raises(ModelFormatError, match="past the end of the file"):
+        read_gguf(write(tmp_path, data[: len(data) // 2]))
+    with pytest.raises(ModelFormatError, match="truncated"):
+        read_gguf(write(tmp_path, data[:5000]))
+
+
+def test_unsupported_weight_type_names_tensor_and_type(tmp_path):
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "iq2.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor(
+        "token_embd.weight",
+        np.zeros((2, 66), dtype=np.uint8),
+        raw_dtype=GGMLQuantizationType.IQ2_XXS,
+    )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedError, match="'token_embd.weight' has weight type IQ2_XXS"):
+        open_checkpoint(path)
+
+
+def test_unknown_architecture_lists_supported(tmp_path):
+    path = write(
+        tmp_path, gguf_bytes(kvs=(("general.architecture", GGUFValueType.STRING, "mamba"),))
+    )
+    with pytest.raises(
+        UnsupportedError, match="'mamba' is not supported.*llama, phi3, qwen2, qwen3"
+    ):
+        open_checkpoint(path)
+
+
+def test_missing_tensor_is_named(tmp_path):
+    hf, config = tiny_hf_model("llama")
+    state = {k: v for k, v in hf.state_dict().items() if "layers.1.mlp.up_proj" not in k}
+    path = write_gguf(tmp_path / "m.gguf", config, state)
+    import torch
+
+    from llmrun.loading import build_model
+
+    with pytest.raises(
+        ModelFormatError, match="missing tensors: model.layers.1.mlp.up_proj.weight"
+    ):
+        build_model(open_checkpoint(path), torch.device("cpu"), torch.float32)
+
+
+def test_none_token_ids_are_absent():
+    from llmrun.loading.gguf_io import token_id
+
+    gg = read_gguf(STORIES_GGUF, with_tensors=False)
+    assert token_id(gg, "tokenizer.ggml.seperator_token_id") is None
+    assert token_id(gg, "tokenizer.ggml.bos_token_id") == 1
