@@ -10,10 +10,22 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
 from rich.console import Console
+from rich.filesize import decimal
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
 
 _stderr = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -103,3 +115,155 @@ def status(message: str) -> Iterator[None]:
             yield
     else:
         yield
+
+
+# ---- downloads, model tables and model details (llmrun pull / list / show / rm) ----------
+
+
+def size(n: float) -> str:
+    """Bytes as the Hub shows them: 1234567 -> '1.2 MB'."""
+    return decimal(int(n))
+
+
+def count(n: int) -> str:
+    """A parameter count: 292800 -> '293K', 1_235_814_400 -> '1.2B'."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
+
+
+def ago(timestamp: float | None) -> str:
+    if timestamp is None:
+        return "never"
+    seconds = max(0.0, time.time() - timestamp)
+    for unit, span in (("day", 86400), ("hour", 3600), ("minute", 60)):
+        if seconds >= span:
+            n = int(seconds // span)
+            return f"{n} {unit}{'s' if n > 1 else ''} ago"
+    return "just now"
+
+
+class _LiveDownloads:
+    """Download progress on a terminal: a bar per file and one in total, with bytes/s and ETA."""
+
+    def __init__(self, progress: Progress) -> None:
+        self._progress = progress
+        self._tasks: dict[str, TaskID] = {}
+        self._done: dict[str, int] = {}
+        self._total: TaskID | None = None
+
+    def on_notice(self, message: str) -> None:
+        self._progress.console.print(message, style="dim", markup=False)
+
+    def on_start(self, files: list[Any], total_bytes: int) -> None:
+        already = sum(f.done for f in files)
+        if len(files) > 1:
+            self._total = self._progress.add_task("total", total=total_bytes, completed=already)
+        for f in files:
+            self._tasks[f.name] = self._progress.add_task(f.name, total=f.size, completed=f.done)
+            self._done[f.name] = f.done
+
+    def on_progress(self, name: str, done: int, total: int) -> None:
+        self._progress.update(self._tasks[name], completed=done)
+        if self._total is not None:
+            self._progress.advance(self._total, done - self._done[name])
+        self._done[name] = done
+
+    def on_file_done(self, name: str) -> None:
+        self._progress.update(self._tasks[name], completed=self._done[name])
+
+
+class _QuietDownloads:
+    """Download progress in a pipe: one line when it starts and one per finished file."""
+
+    def on_notice(self, message: str) -> None:
+        info(message)
+
+    def on_start(self, files: list[Any], total_bytes: int) -> None:
+        already = sum(f.done for f in files)
+        resumed = f", resuming with {size(already)} already here" if already else ""
+        info(f"downloading {len(files)} file(s), {size(total_bytes)}{resumed}")
+
+    def on_progress(self, name: str, done: int, total: int) -> None:
+        pass
+
+    def on_file_done(self, name: str) -> None:
+        info(f"downloaded {name}")
+
+
+@contextlib.contextmanager
+def download_progress() -> Iterator[Any]:
+    """A progress reporter for hub.pull: live bars on a terminal, a few plain lines in a pipe."""
+    if not _stderr.is_terminal:
+        yield _QuietDownloads()
+        return
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(binary_units=False),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=_stderr) as progress:
+        yield _LiveDownloads(progress)
+
+
+def print_models(models: list[Any]) -> None:
+    """The `llmrun list` table on stdout (plain, aligned columns in a pipe)."""
+    header = ("NAME", "FORMAT", "QUANT", "PARAMS", "SIZE", "LAST USED", "CACHE")
+    rows = [
+        (
+            m.name,
+            m.format,
+            m.quant or "-",
+            count(m.parameters) if m.parameters else "-",
+            size(m.size),
+            ago(m.last_used),
+            m.source,
+        )
+        for m in models
+    ]
+    if stdout_is_tty():
+        table = Table(box=None, header_style="bold", pad_edge=False)
+        for title in header:
+            table.add_column(title, justify="right" if title in ("PARAMS", "SIZE") else "left")
+        for row in rows:
+            table.add_row(*row)
+        Console(highlight=False).print(table)
+        return
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        sys.stdout.write(
+            "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() + "\n"
+        )
+
+
+def print_model_info(info: dict[str, Any]) -> None:
+    """The `llmrun show` details on stdout."""
+    weights = ", ".join(
+        f"{kind} ({t['tensors']} tensors, {size(t['bytes'])})"
+        for kind, t in info["tensor_types"].items()
+    )
+    per_weight = info["bytes_per_weight"]
+    if per_weight:
+        weights += f"; {per_weight:.3g} bytes per weight"
+    params = info["parameters"]
+    lines = [
+        ("name", info["name"]),
+        ("format", info["format"]),
+        ("architecture", info["architecture"] or "-"),
+        ("parameters", f"{count(params)} ({params:,})" if params else "-"),
+        ("context length", str(info["context_length"] or "-")),
+        ("weights", weights or "-"),
+        ("tokenizer", info["tokenizer"] or "-"),
+        ("chat template", "yes (--template prints it)" if info["chat_template"] else "no"),
+        ("license", info["license"] or "-"),
+        ("path", info["path"]),
+    ]
+    lines += [
+        ("files" if i == 0 else "", f"{f['name']}  {size(f['size'])}")
+        for i, f in enumerate(info["files"])
+    ]
+    for key, value in lines:
+        sys.stdout.write(f"{key:<15}{value}\n")
