@@ -145,6 +145,7 @@ class Removal:
     """What `llmrun rm` deletes: repo folders, or snapshot entries and their blobs."""
 
     name: str
+    repos: list[Path]
     paths: list[Path]
     freed: int
 
@@ -567,15 +568,16 @@ def plan_removal(spec: str) -> Removal:
     file is those files and their blobs; `@revision` limits either to that snapshot.
     """
     name = parse_name(spec)
-    paths = [
-        path
-        for _, root in _roots()
-        if (repo_dir := _repo_dir(root, name.repo)).is_dir()
-        for path in _removal_paths(repo_dir, name)
-    ]
+    repos, paths = [], []
+    for _, root in _roots():
+        repo_dir = _repo_dir(root, name.repo)
+        found = _removal_paths(repo_dir, name) if repo_dir.is_dir() else []
+        if found:
+            repos.append(repo_dir)
+            paths += found
     if not paths:
         raise ModelNotFoundError(f"{name} is not in the cache (see `llmrun list`)")
-    return Removal(str(name), paths, _freed(paths))
+    return Removal(str(name), repos, paths, _freed(paths))
 
 
 def remove(spec: str) -> int:
@@ -586,9 +588,7 @@ def remove(spec: str) -> int:
             shutil.rmtree(path)
         else:
             path.unlink(missing_ok=True)
-    for repo_dir in {
-        next(q for q in (p, *p.parents) if q.name.startswith("models--")) for p in plan.paths
-    }:
+    for repo_dir in plan.repos:
         _prune(repo_dir)
     return plan.freed
 
