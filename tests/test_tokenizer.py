@@ -1,0 +1,348 @@
+"""Tokenizers built from GGUF metadata reproduce llama.cpp's ids on real vocabularies, agree
+with tokenizer.json, and stream pieces that concatenate to the full decode."""
+
+import functools
+import json
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from gguf import Keys
+from tokenizers import AddedToken, decoders, pre_tokenizers
+from tokenizers import Tokenizer as Backend
+from tokenizers.models import BPE
+
+from llmrun.errors import TokenizerError, UnsupportedError
+from llmrun.tokenizer import Tokenizer, load_tokenizer
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+VOCABS = SHARED / "vocab"
+STORIES = SHARED / "models" / "stories260K"
+NAMES = ["llama-spm", "phi-3", "llama-bpe", "qwen2", "gpt-2"]
+
+needs_vocabs = pytest.mark.skipif(not VOCABS.is_dir(), reason=f"{VOCABS} is absent")
+needs_stories = pytest.mark.skipif(not STORIES.is_dir(), reason=f"{STORIES} is absent")
+
+# Varied text that starts with no space (see test_gguf_space_prefix_follows_llama_cpp).
+TEXTS = [
+    "Once upon a time",
+    "Hello  world\n\n  tabs\there, and   runs of    spaces   ",
+    "日本語のテキスト and 中文 mixed",
+    "emoji 😀👍🏽 and a family 👨\u200d👩\u200d👧 ok",
+    "Ünïcödé ßtraße — “quotes” ‘too’",
+    "line1\nline2\r\nline3\n",
+    "numbers 3.14159 and 1,000,000!",
+    "x",
+]
+
+
+@functools.cache
+def vocab(name: str) -> Tokenizer:
+    return load_tokenizer(VOCABS / f"ggml-vocab-{name}.gguf")
+
+
+@functools.cache
+def stories_gguf() -> Tokenizer:
+    return load_tokenizer(STORIES / "stories260K.gguf")
+
+
+def reference_cases(name: str) -> list[tuple[str, list[int]]]:
+    path = VOCABS / f"ggml-vocab-{name}.gguf"
+    texts = path.with_suffix(".gguf.inp").read_text(encoding="utf-8")
+    texts = texts.split("\n__ggml_vocab_test__\n")[:-1]
+    lines = path.with_suffix(".gguf.out").read_text(encoding="utf-8").split("\n")[:-1]
+    assert len(texts) == len(lines)
+    return [(text, [int(i) for i in line.split()]) for text, line in zip(texts, lines, strict=True)]
+
+
+def streamed(tok: Tokenizer, ids: list[int], **kwargs) -> list[str]:
+    decoder = tok.stream(**kwargs)
+    return [decoder.add(i) for i in ids] + [decoder.flush()]
+
+
+@needs_vocabs
+@pytest.mark.parametrize("name", NAMES)
+def test_every_reference_string_matches_llama_cpp(name):
+    tok = vocab(name)
+    cases = reference_cases(name)
+    wrong = [
+        (text, ids, got)
+        for text, ids in cases
+        if (got := tok.encode(text, add_bos=False, parse_special=False)) != ids
+    ]
+    assert not wrong
+    assert [tok.decode(ids) for _, ids in cases] == [text for text, _ in cases]
+
+
+@needs_vocabs
+@pytest.mark.parametrize(
+    ("name", "add_bos", "bos", "eos", "eog"),
+    [
+        ("llama-spm", True, 1, 2, {2}),
+        ("phi-3", True, 1, 32000, {32000, 32007}),
+        ("llama-bpe", True, 128000, 128001, {128001, 128009}),
+        ("qwen2", False, 151643, 151643, {151643, 151645}),
+        ("gpt-2", False, 50256, 50256, {50256}),
+    ],
+)
+def test_special_ids_and_bos_defaults_follow_llama_cpp(name, add_bos, bos, eos, eog):
+    tok = vocab(name)
+    assert (tok.add_bos, tok.bos_id, tok.eos_id, tok.eog_ids) == (add_bos, bos, eos, eog)
+    assert tok.add_eos is False
+    assert (tok.encode("Hello")[:1] == [bos]) is add_bos
+    assert tok.encode("Hello", add_bos=True)[0] == bos
+    assert bos not in tok.encode("Hello", add_bos=False)
+
+
+@needs_vocabs
+def test_bos_is_never_doubled():
+    llama3 = vocab("llama-bpe")
+    assert llama3.encode("<|begin_of_text|>Hello") == [128000, 9906]
+    plain = llama3.encode("<|begin_of_text|>Hello", parse_special=False)
+    assert plain[0] == 128000 and plain.count(128000) == 1
+    assert vocab("llama-spm").encode("<s>Hello") == [1, 15043]
+
+
+@needs_vocabs
+def test_control_tokens_parse_only_when_asked():
+    qwen = vocab("qwen2")
+    text = "<|im_start|>user\nhi<|im_end|>"
+    assert qwen.encode(text) == [151644, 872, 198, 6023, 151645]
+    plain = qwen.encode(text, parse_special=False)
+    assert not {151644, 151645} & set(plain)
+    assert qwen.decode(plain) == text
+    assert qwen.token_id("<|im_end|>") == 151645
+    assert qwen.token_id("no such token") is None
+    assert qwen.decode([151644, 872, 151645]) == "user"
+    assert qwen.decode([151644, 872, 151645], skip_special=False) == "<|im_start|>user<|im_end|>"
+
+
+@needs_vocabs
+def test_user_defined_tokens_always_match_and_are_not_skipped():
+    qwen = vocab("qwen2")
+    assert qwen.encode("[PAD151646]", parse_special=False) == [151646]
+    assert qwen.decode([151646]) == "[PAD151646]"
+
+
+@needs_vocabs
+def test_sentencepiece_prefixes_a_space_after_special_tokens():
+    spm = vocab("llama-spm")
+    assert spm.encode("<s>Hello", add_bos=False) == [1, 15043]  # "▁Hello"
+    assert spm.encode("<s>Hello", add_bos=False, parse_special=False) == [529, 29879, 29958, 10994]
+
+
+@needs_vocabs
+def test_sentencepiece_space_runs_grow_from_the_left():
+    # Runs of spaces share one score; llama.cpp merges equal scores leftmost first, so a run
+    # becomes the longest space token (16) from the left, then the rest.
+    ids = vocab("llama-spm").encode("a" + " " * 40 + "b", add_bos=False)
+    assert ids == [263, 462, 462, 4706, 289]  # ▁a, 16, 16, 7 spaces, ▁b
+
+
+@needs_vocabs
+def test_phi3_special_tokens_swallow_the_whitespace_after_them():
+    # llama.cpp (recognising Phi-3 by general.name) and Phi-3's tokenizer.json both rstrip.
+    prompt = "<|user|>\nHello<|end|>\n<|assistant|>\n"
+    assert vocab("phi-3").encode(prompt, add_bos=False) == [32010, 15043, 32007, 32001]
+
+
+@needs_vocabs
+def test_token_to_piece_prints_what_llama_tokenize_prints():
+    assert vocab("qwen2").token_to_piece(1879) == " world"
+    assert vocab("qwen2").token_to_piece(151645) == "<|im_end|>"
+    assert vocab("llama-spm").token_to_piece(15043) == " Hello"
+    assert vocab("llama-spm").token_to_piece(13) == "\n"
+    assert vocab("llama-spm").token_bytes(243) == b"\xf0"
+    with pytest.raises(TokenizerError, match="outside the vocabulary"):
+        vocab("gpt-2").token_to_piece(50257)
+
+
+@needs_stories
+def test_gguf_tokenizer_matches_tokenizer_json():
+    gguf_tok = stories_gguf()
+    hf_tok = load_tokenizer(STORIES / "hf")
+    reference = Backend.from_file(str(STORIES / "hf" / "tokenizer.json"))
+    assert gguf_tok.encode("Once upon a time") == [1, 403, 407, 261, 378]
+    assert hf_tok.encode("Once upon a time") == [1, 403, 407, 261, 378]
+    for text in TEXTS:
+        ids = reference.encode(text).ids
+        assert gguf_tok.encode(text) == ids
+        assert hf_tok.encode(text) == ids
+        assert gguf_tok.decode(ids) == hf_tok.decode(ids) == reference.decode(ids) == text
+    for attr in ("bos_id", "eos_id", "add_bos", "vocab_size", "special_ids"):
+        assert getattr(gguf_tok, attr) == getattr(hf_tok, attr)
+
+
+@needs_stories
+def test_gguf_space_prefix_follows_llama_cpp():
+    # llama.cpp prefixes a space even to text that starts with one (" Hello" is [29871, 15043]
+    # in the Llama reference); this tokenizer.json's Metaspace does not.
+    assert stories_gguf().encode(" Once") == [1, 410, 403]
+    assert load_tokenizer(STORIES / "hf").encode(" Once") == [1, 403]
+    assert stories_gguf().decode([1, 410, 403]) == " Once"
+
+
+@needs_stories
+def test_byte_fallback_decode_matches_tokenizer_json_on_valid_text():
+    tok = stories_gguf()
+    reference = Backend.from_file(str(STORIES / "hf" / "tokenizer.json"))
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(12))]
+        expected = reference.decode(ids)
+        # tokenizers turns every byte of an invalid byte run into U+FFFD, even ASCII ones.
+        if "\ufffd" not in expected:
+            assert tok.decode(ids) == expected
+
+
+@needs_stories
+def test_hf_dir_reads_bos_eos_from_tokenizer_config(tmp_path):
+    shutil.copy(STORIES / "hf" / "tokenizer.json", tmp_path)
+    config = tmp_path / "tokenizer_config.json"
+
+    tok = load_tokenizer(tmp_path)  # no config: BOS from the post-processor template
+    assert (tok.bos_id, tok.eos_id, tok.add_bos) == (1, None, True)
+
+    config.write_text(json.dumps({"bos_token": {"content": "<s>"}, "eos_token": "</s>"}))
+    tok = load_tokenizer(tmp_path / "tokenizer.json")
+    assert (tok.bos_id, tok.eos_id, tok.add_bos, tok.eog_ids) == (1, 2, True, {2})
+
+    config.write_text(json.dumps({"bos_token": "<s>", "add_bos_token": False}))
+    assert load_tokenizer(tmp_path).encode("Once") == [403]
+
+
+def test_missing_or_broken_tokenizer_files_raise(tmp_path):
+    with pytest.raises(TokenizerError, match="no tokenizer.json"):
+        load_tokenizer(tmp_path)
+    with pytest.raises(TokenizerError, match="no such file"):
+        load_tokenizer(tmp_path / "missing.gguf")
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(TokenizerError, match="tokenizer.json"):
+        load_tokenizer(tmp_path)
+
+
+@needs_vocabs
+def test_gpt2_vocab_agrees_with_an_independent_tokenizer_json(tmp_path):
+    # Built by tokenizers itself: its own GPT-2 split regex and ByteLevel decoder.
+    from llmrun.loading.gguf_io import read_gguf
+
+    meta = read_gguf(VOCABS / "ggml-vocab-gpt-2.gguf", with_tensors=False).metadata
+    tokens = meta[Keys.Tokenizer.LIST]
+    merges = [tuple(m.split(" ")) for m in meta[Keys.Tokenizer.MERGES]]
+    reference = Backend(BPE({t: i for i, t in enumerate(tokens)}, merges))
+    reference.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    reference.decoder = decoders.ByteLevel()
+    reference.add_special_tokens([AddedToken("<|endoftext|>", special=True, normalized=False)])
+    reference.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+
+    gguf_tok, hf_tok = vocab("gpt-2"), load_tokenizer(tmp_path)
+    for text, ids in reference_cases("gpt-2"):
+        assert reference.encode(text).ids == ids
+        assert hf_tok.encode(text, parse_special=False) == ids
+        assert hf_tok.decode(ids) == text
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.randrange(len(tokens)) for _ in range(rng.randrange(8))]
+        expected = reference.decode(ids, skip_special_tokens=False)
+        assert gguf_tok.decode(ids, skip_special=False) == expected
+        assert hf_tok.decode(ids, skip_special=False) == expected
+        assert "".join(streamed(hf_tok, ids, skip_special=False)) == expected
+
+
+@needs_vocabs
+@needs_stories
+@pytest.mark.parametrize("source", ["stories", "qwen2"])
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_stream_concatenates_to_decode_and_never_splits_a_character(source, skip_special):
+    tok = stories_gguf() if source == "stories" else vocab("qwen2")
+    rng = random.Random(1)
+    for _ in range(200):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 16))]
+        full = tok.decode(ids, skip_special=skip_special)
+        shown = ""
+        for piece in streamed(tok, ids, skip_special=skip_special):
+            shown += piece
+            # Every U+FFFD shown so far is one that the full decode has there too.
+            assert full.startswith(shown)
+        assert shown == full
+
+
+@needs_stories
+def test_stream_holds_back_a_character_split_over_byte_tokens():
+    tok = stories_gguf()
+    ids = tok.encode("😀!")
+    assert ids[:6] == [1, 410, 243, 162, 155, 131]  # "▁", then four byte tokens
+    assert streamed(tok, ids) == ["", "", "", "", "", "😀", "!", ""]
+    assert streamed(tok, [0xE2 + 3]) == ["", "\ufffd"]  # a lone lead byte, flushed
+
+
+@needs_vocabs
+def test_stream_of_byte_level_text_shows_no_replacement_characters():
+    qwen = vocab("qwen2")
+    text = next(t for t, _ in reference_cases("qwen2") if t.startswith("\u1780"))  # Khmer
+    pieces = streamed(qwen, qwen.encode(text))
+    assert "".join(pieces) == text
+    assert "" in pieces[:-1] and not any("\ufffd" in p for p in pieces)
+
+
+@needs_stories
+def test_stream_after_a_prompt_keeps_the_leading_space():
+    tok = stories_gguf()
+    assert streamed(tok, [407]) == ["upon", ""]
+    assert streamed(tok, [407], after=[1, 403]) == [" upon", ""]
+    assert streamed(tok, [407], after=[1]) == ["upon", ""]
+
+
+def gguf_metadata(**changes) -> dict:
+    meta = {
+        Keys.Tokenizer.MODEL: "gpt2",
+        Keys.Tokenizer.PRE: "gpt-2",
+        Keys.Tokenizer.LIST: ["a", "b", "ab", "<|endoftext|>"],
+        Keys.Tokenizer.TOKEN_TYPE: [1, 1, 1, 3],
+        Keys.Tokenizer.MERGES: ["a b"],
+        Keys.Tokenizer.BOS_ID: 3,
+        Keys.Tokenizer.ADD_BOS: True,
+    }
+    meta.update(changes)
+    return {k: v for k, v in meta.items() if v is not None}
+
+
+def test_small_gguf_vocabulary_builds():
+    tok = Tokenizer.from_gguf_metadata(gguf_metadata(), "tiny.gguf")
+    assert tok.encode("abba") == [3, 2, 1, 0]
+    assert tok.decode([3, 2, 1, 0]) == "abba"
+    assert tok.special_ids == {3}
+
+
+def test_out_of_range_token_ids_mean_none():
+    tok = Tokenizer.from_gguf_metadata(gguf_metadata(**{Keys.Tokenizer.BOS_ID: 0xFFFFFFFF}), "t")
+    assert tok.bos_id is None and tok.add_bos is True
+    assert tok.encode("ab") == [2]
+    assert tok.decode([2, 99, -1]) == "ab"
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "match"),
+    [
+        ({Keys.Tokenizer.PRE: "mystery"}, UnsupportedError, "'mystery'.*qwen2"),
+        ({Keys.Tokenizer.MODEL: "bert"}, UnsupportedError, "tokenizer.ggml.model 'bert'"),
+        ({Keys.Tokenizer.MODEL: None}, TokenizerError, "no tokenizer.ggml.model"),
+        ({Keys.Tokenizer.LIST: None}, TokenizerError, "no tokenizer.ggml.tokens"),
+        ({Keys.Tokenizer.MERGES: None}, TokenizerError, "no tokenizer.ggml.merges"),
+        ({Keys.Tokenizer.MERGES: ["a c"]}, TokenizerError, "tokenizer.ggml.merges does not fit"),
+        ({Keys.Tokenizer.TOKEN_TYPE: [1]}, TokenizerError, "tokenizer.ggml.token_type has 1"),
+    ],
+)
+def test_bad_gguf_metadata_names_the_key(changes, error, match):
+    with pytest.raises(error, match=match) as info:
+        Tokenizer.from_gguf_metadata(gguf_metadata(**changes), "bad.gguf")
+    assert str(info.value).startswith("bad.gguf: ")
+
+
+def test_importing_the_tokenizer_does_not_import_torch():
+    code = "import sys, llmrun.tokenizer; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
