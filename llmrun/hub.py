@@ -136,7 +136,6 @@ class Selection:
 
     format: str
     files: tuple[str, ...]
-    quant: str | None = None
     note: str | None = None
 
 
@@ -179,8 +178,8 @@ def parse_name(spec: str) -> HubName:
             raise UsageError(
                 f"{spec}: nothing after ':'; write org/repo:QUANT, e.g. :{DEFAULT_QUANT}"
             )
-    if at and not revision:
-        raise UsageError(f"{spec}: nothing after '@'; write org/repo@BRANCH, TAG or COMMIT")
+    if at and (not revision or revision.startswith("/") or ".." in revision.split("/")):
+        raise UsageError(f"{spec}: write org/repo@BRANCH, TAG or COMMIT after the name")
     parts = rest.split("/")
     if len(parts) < 2 or not all(_REPO_PART_RE.fullmatch(p) for p in parts[:2]):
         raise ModelNotFoundError(
@@ -264,7 +263,7 @@ def _select_gguf(name: HubName, files: dict[str, int]) -> Selection:
             raise ModelNotFoundError(f"{name.repo} has no file {name.file}{hint if groups else ''}")
         first = _first_part(name.file)
         parts = _gguf_parts(first, files, name.repo)
-        return Selection("gguf", tuple(parts), quant_label(first))
+        return Selection("gguf", tuple(parts))
     if not groups:
         listing = ", ".join(sorted(files)[:10]) + (", ..." if len(files) > 10 else "")
         raise HubError(
@@ -299,7 +298,7 @@ def _select_gguf(name: HubName, files: dict[str, int]) -> Selection:
             + ", ".join(choices[f] for f in hits)
         )
     parts = _gguf_parts(hits[0], files, name.repo)
-    return Selection("gguf", tuple(parts), quant_label(hits[0]), note)
+    return Selection("gguf", tuple(parts), note)
 
 
 def _select_safetensors(files: dict[str, int]) -> Selection | None:
@@ -376,11 +375,12 @@ def _complete(snap: Path, sel: Selection, source: str) -> bool:
     """Whether a cached safetensors snapshot holds every weight shard (and a tokenizer)."""
     if sel.format != "safetensors":
         return True
-    index = snap / "model.safetensors.index.json"
-    if index.is_file():
-        shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
-        if not all((snap / s).is_file() for s in shards):
-            return False
+    try:
+        index = _read_json(snap / "model.safetensors.index.json") or {}
+    except ModelFormatError:
+        return False
+    if not all((snap / shard).is_file() for shard in index.get("weight_map", {}).values()):
+        return False
     # llmrun fetches the tokenizer before the weights; other tools may have skipped it.
     return source == "llmrun" or any((snap / f).is_file() for f in TOKENIZER_FILES)
 
