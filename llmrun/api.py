@@ -21,38 +21,22 @@ from llmrun import paths
 from llmrun.chat_template import ChatTemplate, select_template
 from llmrun.errors import ModelFormatError, UsageError
 from llmrun.generate import KVState, Response, stream_generate
-from llmrun.loading import Checkpoint, gguf_io, load_model, safetensors_io
+from llmrun.loading import safetensors_io
+from llmrun.loading.loader import Checkpoint, load_model
 from llmrun.sampling import Sampler, SamplingParams
 from llmrun.tokenizer import Tokenizer, load_tokenizer
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "f32", "bf16", "f16")
 DEFAULT_CTX = 4096
-# Token texts that end a turn in common chat formats; llama.cpp treats these as
-# end-of-generation too when the file does not list them.
-END_OF_TURN_TEXTS = (
-    "<|eot_id|>",
-    "<|im_end|>",
-    "<|end|>",
-    "<end_of_turn>",
-    "<|endoftext|>",
-    "<|eom_id|>",
-    "<EOT>",
-    "<｜end▁of▁sentence｜>",
-)
 
 
 def resolve(spec: str | None) -> Path:
-    """Local path of MODEL: the bundled model for None, a file or directory as is,
-    otherwise a Hub name resolved (and pulled if needed) by hub.py."""
-    if spec is None:
-        return paths.BUNDLED_MODEL
-    path = Path(spec).expanduser()
-    if path.exists():
-        return path
+    """Local path of MODEL: the bundled model for None, else what hub.py makes of
+    the name (a local file or directory as is, a Hub name pulled if needed)."""
     from llmrun import hub
 
-    return hub.resolve_model(spec)
+    return hub.resolve_model(spec or paths.BUNDLED_MODEL.stem)
 
 
 def pick_device(name: str) -> torch.device:
@@ -112,7 +96,7 @@ class Engine:
         state: KVState | None = None,
     ) -> Iterator[Response]:
         if state is None:
-            wanted = len(prompt) + (max_tokens if max_tokens is not None else self.ctx_size)
+            wanted = len(prompt) + (max(max_tokens, 1) if max_tokens is not None else self.ctx_size)
             state = self.new_state(wanted)
         sampler = Sampler(params)
         return stream_generate(
@@ -170,11 +154,6 @@ def load(
     )
 
 
-def load_tokenizer_only(spec: str | None) -> Tokenizer:
-    """The model's tokenizer without its weights (works on vocab-only GGUFs)."""
-    return load_tokenizer(resolve(spec))
-
-
 def _sampling_defaults(checkpoint: Checkpoint) -> SamplingParams:
     defaults = dict(checkpoint.sampling_defaults)
     if checkpoint.generation_config.get("do_sample") is False:
@@ -191,19 +170,12 @@ def _as_list(value: Any) -> list[int]:
 
 
 def _eos_ids(checkpoint: Checkpoint, tokenizer: Tokenizer) -> list[int]:
-    ids = _as_list(tokenizer.eos_id)
-    ids += _as_list(checkpoint.generation_config.get("eos_token_id"))
-    ids += _as_list(checkpoint.config.get("eos_token_id"))
-    if checkpoint.gguf is not None:
-        for key in (Keys.Tokenizer.EOT_ID, Keys.Tokenizer.EOM_ID):
-            token = gguf_io.token_id(checkpoint.gguf, key)
-            if token is not None:
-                ids.append(token)
-    for text in END_OF_TURN_TEXTS:
-        token = tokenizer.token_id(text)
-        if token is not None and token in tokenizer.special_ids:
-            ids.append(token)
-    return sorted(set(i for i in ids if 0 <= i < tokenizer.vocab_size))
+    """Every id that ends generation: the tokenizer's end-of-generation set (EOS,
+    EOT, end-of-turn tokens) and the eos ids of generation_config / config."""
+    ids = set(tokenizer.eog_ids)
+    for source in (checkpoint.generation_config, checkpoint.config):
+        ids.update(_as_list(source.get("eos_token_id")))
+    return sorted(i for i in ids if 0 <= i < tokenizer.vocab_size)
 
 
 def _chat_template(checkpoint: Checkpoint, tokenizer: Tokenizer) -> ChatTemplate | None:

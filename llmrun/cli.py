@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 from typing import Annotated
 
-import click
 import typer
 
 from llmrun import __version__, ui
@@ -23,7 +22,7 @@ app = typer.Typer(
     name="llmrun",
     help="Run LLMs from GGUF and safetensors files, locally, in plain PyTorch.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
@@ -83,13 +82,20 @@ def main_options(
 
 
 def _read_stdin() -> str | None:
+    """Piped input without its trailing newline; None for a terminal or empty input."""
     if sys.stdin is None or sys.stdin.isatty():
         return None
-    return sys.stdin.read()
+    text = sys.stdin.read().rstrip("\n")
+    return text if text.strip() else None
 
 
 def _looks_like_model(arg: str) -> bool:
-    return Path(arg).expanduser().exists() or arg.endswith(".gguf") or bool(HUB_NAME.match(arg))
+    if arg.endswith(".gguf") or HUB_NAME.match(arg):
+        return True
+    try:
+        return Path(arg).expanduser().exists()
+    except OSError:  # e.g. a long prompt is not a valid file name
+        return False
 
 
 def _split_model_and_prompt(args: list[str], model: str | None) -> tuple[str | None, str | None]:
@@ -258,9 +264,10 @@ def tokenize(
     if text is None:
         raise UsageError("no text: give it as an argument or pipe it on stdin")
 
-    from llmrun import api
+    from llmrun import hub, paths
+    from llmrun.tokenizer import load_tokenizer
 
-    tokenizer = api.load_tokenizer_only(model_spec)
+    tokenizer = load_tokenizer(hub.resolve_model(model_spec or paths.BUNDLED_MODEL.stem))
     ids = tokenizer.encode(text, add_bos=False if no_bos else None, parse_special=not no_special)
     if pieces:
         for i in ids:
@@ -269,26 +276,35 @@ def tokenize(
         print(json.dumps(ids))
 
 
+def _is_usage_error(e: Exception) -> bool:
+    # typer >= 0.20 vendors click, so its UsageError is not click's; match by shape.
+    return any(cls.__name__ == "UsageError" for cls in type(e).__mro__) and hasattr(
+        e, "format_message"
+    )
+
+
 def main() -> None:
     """Console entry point: run the app, turn errors into one line and an exit code."""
     try:
-        app(standalone_mode=False)
+        code = app(prog_name="llmrun", standalone_mode=False)
     except LlmrunError as e:
         if DEBUG["on"]:
             raise
         ui.error(str(e))
         sys.exit(e.exit_code)
-    except click.exceptions.Exit as e:
-        sys.exit(e.exit_code)
-    except click.UsageError as e:
-        message = e.format_message()
-        ui.error(message[0].lower() + message[1:] if message else "bad usage")
-        sys.exit(2)
-    except click.Abort:
-        sys.exit(130)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, typer.Abort):
         sys.exit(130)
     except BrokenPipeError:
         # The reader went away (`llmrun run ... | head`): not an error.
         sys.stderr.close()
         sys.exit(0)
+    except Exception as e:
+        if not _is_usage_error(e) or DEBUG["on"]:
+            raise
+        if type(e).__name__ == "NoArgsIsHelpError":
+            print(e.format_message())
+            sys.exit(0)
+        message = e.format_message()
+        ui.error(message[:1].lower() + message[1:])
+        sys.exit(2)
+    sys.exit(code if isinstance(code, int) else 0)

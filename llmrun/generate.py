@@ -162,7 +162,8 @@ def stream_generate(
         return
     eos = set(eos_ids)
     stop = [s for s in stop if s]
-    decoder = tokenizer.stream()
+    # Decoding continues from the prompt, so a leading space or a split character survives.
+    decoder = tokenizer.stream(after=prompt)
     pending = ""
     finish, stopped = "length", False
     start = gen_start = time.perf_counter()

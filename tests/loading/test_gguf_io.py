@@ -7,8 +7,8 @@ from gguf import GGMLQuantizationType, GGUFValueType
 from helpers import STORIES_GGUF, tiny_hf_model, write_gguf
 
 from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.loading import open_checkpoint
 from llmrun.loading.gguf_io import read_gguf
+from llmrun.loading.loader import open_checkpoint
 
 
 def string(s: str) -> bytes:
@@ -154,7 +154,7 @@ def test_missing_tensor_is_named(tmp_path):
     path = write_gguf(tmp_path / "m.gguf", config, state)
     import torch
 
-    from llmrun.loading import build_model
+    from llmrun.loading.loader import build_model
 
     with pytest.raises(
         ModelFormatError, match="missing tensors: model.layers.1.mlp.up_proj.weight"

@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType
 from helpers import CONFIGS, save_hf_dir, tiny_hf_model, write_gguf
 
-from llmrun.loading import load_model
+from llmrun.loading.loader import load_model
 
 pytest.importorskip("transformers")
 CPU = torch.device("cpu")

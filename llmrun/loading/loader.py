@@ -1,0 +1,251 @@
+"""Load a model from a GGUF file or a Hugging Face directory, without copies.
+
+config -> model on the meta device -> checkpoint tensors under HF names ->
+QuantLinear/QuantEmbedding where the file holds quantized blocks ->
+load_state_dict(assign=True). Formats meet here; nothing downstream knows
+which file a model came from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from gguf import GGMLQuantizationType
+from torch import nn
+
+from llmrun.errors import ModelFormatError, ModelNotFoundError, UnsupportedError
+from llmrun.loading import gguf_io, safetensors_io
+from llmrun.models import model_module
+from llmrun.quant.blocks import SUPPORTED_TYPES
+from llmrun.quant.linear import QuantEmbedding, QuantLinear
+
+FLOAT_TYPES = {
+    GGMLQuantizationType.F32: torch.float32,
+    GGMLQuantizationType.F16: torch.float16,
+    GGMLQuantizationType.BF16: torch.bfloat16,
+}
+# Keys some checkpoints carry that no model needs (old Llama saved RoPE buffers).
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+@dataclass
+class Weight:
+    """A checkpoint tensor under its HF name: float, or raw GGML blocks with their type."""
+
+    tensor: torch.Tensor
+    ggml_type: GGMLQuantizationType | None = None
+    shape: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.shape = self.shape or tuple(self.tensor.shape)
+
+
+@dataclass
+class Checkpoint:
+    """What a model file holds, before any model is built."""
+
+    path: Path
+    format: str  # "gguf" or "safetensors"
+    config: dict[str, Any]
+    weights: dict[str, Weight]
+    generation_config: dict[str, Any] = field(default_factory=dict)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    gguf: gguf_io.GGUFFile | None = None
+
+    @property
+    def n_params(self) -> int:
+        return sum(_numel(w.shape) for w in self.weights.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.tensor.nbytes for w in self.weights.values())
+
+    @property
+    def weight_types(self) -> dict[str, int]:
+        """Parameter count per storage type, e.g. {"Q4_K": 3.1e8, "F32": 1e5}."""
+        counts: dict[str, int] = {}
+        for w in self.weights.values():
+            name = w.ggml_type.name if w.ggml_type is not None else _dtype_name(w.tensor.dtype)
+            counts[name] = counts.get(name, 0) + _numel(w.shape)
+        return counts
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    checkpoint: Checkpoint
+    dtype: torch.dtype
+    device: torch.device
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}.get(
+        dtype, str(dtype)
+    )
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """Read a .gguf file or an HF model directory (config, weights as mapped views)."""
+    path = Path(path)
+    if path.is_dir():
+        return _open_hf_dir(path)
+    if path.is_file():
+        return _open_gguf(path)
+    raise ModelNotFoundError(f"{path}: no such file or directory")
+
+
+def _open_hf_dir(path: Path) -> Checkpoint:
+    config = safetensors_io.read_config(path)
+    weights = {}
+    for file in safetensors_io.safetensors_files(path):
+        for name, tensor in safetensors_io.load_tensors(file).items():
+            weights[name] = Weight(tensor)
+    generation = safetensors_io.read_generation_config(path)
+    sampling = {
+        k: generation[k] for k in ("temperature", "top_k", "top_p", "min_p") if k in generation
+    }
+    if "repetition_penalty" in generation:
+        sampling["repeat_penalty"] = generation["repetition_penalty"]
+    return Checkpoint(path, "safetensors", config, weights, generation, sampling)
+
+
+def _open_gguf(path: Path) -> Checkpoint:
+    gg = gguf_io.read_gguf(path)
+    for info in gg.tensors.values():
+        if info.ggml_type not in SUPPORTED_TYPES:
+            supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
+            raise UnsupportedError(
+                f"{path}: tensor {info.name!r} has weight type {info.ggml_type.name}, "
+                f"which llmrun does not support (supported: {supported})"
+            )
+    config = gguf_io.config_from_gguf(gg)
+    model_type = config["model_type"]
+    weights = {}
+    for info in gg.tensors.values():
+        if info.name in gguf_io.ROPE_TENSORS:
+            continue
+        name = gguf_io.hf_name(info.name, model_type)
+        if name is None:
+            raise UnsupportedError(
+                f"{path}: tensor {info.name!r} is not part of llmrun's {model_type} model"
+            )
+        tensor = gguf_io.load_tensor(gg, info)
+        if model_type == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            tensor = gguf_io.unpermute_rows(tensor, config["num_attention_heads"])
+        elif model_type == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            tensor = gguf_io.unpermute_rows(tensor, config["num_key_value_heads"])
+        quantized = info.ggml_type not in FLOAT_TYPES
+        weights[name] = Weight(tensor, info.ggml_type if quantized else None, info.shape)
+    return Checkpoint(
+        path, "gguf", config, weights, sampling_defaults=gguf_io.generation_defaults(gg), gguf=gg
+    )
+
+
+def resolve_dtype(requested: str, device: torch.device, checkpoint: Checkpoint) -> torch.dtype:
+    """The compute dtype: as asked, or for "auto" the checkpoint's own float type,
+    except that CPUs run half-precision checkpoints in bf16 and accelerators run
+    f32 and quantized ones in bf16 (f16 on MPS)."""
+    named = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+    if requested != "auto":
+        return named[requested]
+    float_dtypes = [
+        w.tensor.dtype
+        for w in checkpoint.weights.values()
+        if w.ggml_type is None and w.tensor.dim() == 2
+    ]
+    stored = max(set(float_dtypes), key=float_dtypes.count) if float_dtypes else torch.float32
+    if device.type == "cpu":
+        return torch.float32 if stored == torch.float32 else torch.bfloat16
+    if device.type == "mps":
+        return torch.float16
+    return stored if stored != torch.float32 else torch.bfloat16
+
+
+def build_model(checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """Instantiate the checkpoint's architecture and put its weights in, without copying
+    what is already in the right dtype and place."""
+    config = checkpoint.config
+    module = model_module(config.get("model_type", "<missing model_type>"))
+    args = module.ModelArgs.from_config(config)
+    with torch.device("meta"):
+        model = module.Model(args)
+    expected = model.state_dict()
+    weights = {k: w for k, w in checkpoint.weights.items() if not k.endswith(IGNORED_SUFFIXES)}
+    unexpected = sorted(set(weights) - set(expected))
+    if unexpected:
+        raise ModelFormatError(
+            f"{checkpoint.path}: tensors the {config['model_type']} model does not have: "
+            f"{', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}"
+        )
+    tied = "lm_head.weight" not in weights
+    missing = sorted(set(expected) - set(weights) - ({"lm_head.weight"} if tied else set()))
+    if missing:
+        raise ModelFormatError(
+            f"{checkpoint.path}: missing tensors: {', '.join(missing[:5])}"
+            f"{' ...' if len(missing) > 5 else ''}"
+        )
+
+    state = {}
+    for name, w in weights.items():
+        if w.shape != tuple(expected[name].shape):
+            raise ModelFormatError(
+                f"{checkpoint.path}: tensor {name} has shape {list(w.shape)}, but the config "
+                f"implies {list(expected[name].shape)}"
+            )
+        if w.ggml_type is None:
+            state[name] = w.tensor.to(device=device, dtype=dtype)
+    for name, w in weights.items():
+        if w.ggml_type is not None:
+            _swap_quantized(model, name, w, weights, device, dtype)
+    model.load_state_dict(state, strict=False, assign=True)
+    if tied:
+        embed = model.model.embed_tokens
+        if isinstance(embed, QuantEmbedding):
+            model.lm_head = QuantLinear(embed.weight, embed.ggml_type, embed.embedding_dim)
+        else:
+            model.lm_head.weight = embed.weight
+    model.to(device)
+    return model.eval()
+
+
+def _swap_quantized(model: nn.Module, name: str, w: Weight, weights, device, dtype) -> None:
+    module_name, _, param = name.rpartition(".")
+    if param != "weight":
+        raise ModelFormatError(
+            f"tensor {name} is quantized ({w.ggml_type.name}); only weights may be"
+        )
+    parent_name, _, child = module_name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    old = getattr(parent, child)
+    raw = w.tensor.to(device)
+    if isinstance(old, nn.Embedding):
+        new = QuantEmbedding(raw, w.ggml_type, old.embedding_dim, compute_dtype=dtype)
+    elif isinstance(old, nn.Linear):
+        bias = weights.get(f"{module_name}.bias")
+        if bias is not None and bias.ggml_type is not None:
+            raise ModelFormatError(f"tensor {module_name}.bias is quantized; only weights may be")
+        bias_tensor = None if bias is None else bias.tensor.to(device=device, dtype=dtype)
+        new = QuantLinear(raw, w.ggml_type, old.in_features, bias_tensor)
+    else:
+        raise ModelFormatError(
+            f"tensor {name} is quantized, but {type(old).__name__} weights cannot be"
+        )
+    setattr(parent, child, new)
+
+
+def load_model(path: str | Path, device: torch.device, dtype: str = "auto") -> LoadedModel:
+    """Read a checkpoint and build its model on `device` in the requested dtype."""
+    checkpoint = open_checkpoint(path)
+    compute_dtype = resolve_dtype(dtype, device, checkpoint)
+    model = build_model(checkpoint, device, compute_dtype)
+    return LoadedModel(model, checkpoint, compute_dtype, device)

@@ -1,0 +1,250 @@
+"""The CLI as a user sees it, through real subprocesses: pipes, exit codes, JSON."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import SHARED, tiny_hf_model, write_gguf
+
+# The first 100 greedy tokens after "Once upon a time" (shared/models/stories260K/README.md).
+STORY = (
+    ", there was a little girl named Lily. She loved to play outside in the park. One day, "
+    "she saw a big, red ball. She wanted to play with it, but it was too high.\n"
+    "Lily's mom said, \"Lily, let's go to the park.\" Lily was sad and didn't know what to do"
+)
+
+
+def llmrun(*args, input=None, env=None, timeout=120):
+    return subprocess.run(
+        [sys.executable, "-m", "llmrun", *args],
+        input=input,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={
+            **os.environ,
+            "LLMRUN_HOME": os.environ.get("LLMRUN_HOME", "/nonexistent"),
+            **(env or {}),
+        },
+    )
+
+
+def test_default_model_tells_the_known_story():
+    result = llmrun("run", "Once upon a time", "-n", "100", "--temperature", "0")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == STORY
+    assert result.stderr == ""
+
+
+def test_prompt_from_stdin_and_argument_plus_stdin():
+    piped = llmrun("run", "-n", "20", "--temperature", "0", input="Once upon a time\n")
+    argument = llmrun("run", "Once upon a time", "-n", "20", "--temperature", "0")
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout == argument.stdout
+    both = llmrun(
+        "run",
+        "Once upon",
+        "-n",
+        "5",
+        "--temperature",
+        "0",
+        "--show-prompt",
+        "--raw",
+        input="a time\n",
+    )
+    assert both.returncode == 0, both.stderr
+    assert both.stderr.startswith("Once upon\n\na time\n")
+
+
+def test_pipes_get_plain_text_and_verbose_stats_go_to_stderr():
+    result = llmrun("run", "Once upon a time", "-n", "10", "--temperature", "0", "-v")
+    assert result.returncode == 0
+    assert "\x1b[" not in result.stdout + result.stderr
+    assert result.stdout == STORY[: len(result.stdout)]
+    assert "tokens/s" in result.stderr and "prompt: 5 tokens" in result.stderr
+
+
+def test_same_seed_same_text():
+    runs = [llmrun("run", "Once upon a time", "-n", "30", "--seed", "7").stdout for _ in range(2)]
+    assert runs[0] == runs[1]
+    other = llmrun("run", "Once upon a time", "-n", "30", "--seed", "8").stdout
+    assert other != runs[0]
+
+
+def test_json_output_and_logprobs():
+    result = llmrun(
+        "run", "Once upon a time", "-n", "8", "--temperature", "0", "--json", "--logprobs", "3"
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["text"] == STORY[: len(data["text"])]
+    assert data["finish_reason"] == "length"
+    assert data["prompt_tokens"] == 5 and data["completion_tokens"] == 8
+    assert set(data["timings"]) >= {"prompt_tokens_per_second", "generation_tokens_per_second"}
+    assert len(data["logprobs"]) == 8
+    for entry in data["logprobs"]:
+        top = entry["top_logprobs"]
+        assert len(top) == 3
+        # Greedy: the chosen token is the most likely one.
+        assert top[0]["id"] == entry["id"] and top[0]["logprob"] == pytest.approx(entry["logprob"])
+        assert top[0]["logprob"] >= top[1]["logprob"] >= top[2]["logprob"]
+
+
+def test_stop_string_cuts_the_text():
+    result = llmrun(
+        "run", "Once upon a time", "-n", "100", "--temperature", "0", "--stop", "Lily", "--json"
+    )
+    data = json.loads(result.stdout)
+    assert data["text"] == ", there was a little girl named "
+    assert data["finish_reason"] == "stop"
+
+
+def test_hf_directory_model():
+    result = llmrun(
+        "run",
+        str(SHARED / "models/stories260K/hf"),
+        "Once upon a time",
+        "-n",
+        "100",
+        "--temperature",
+        "0",
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == STORY
+
+
+def test_prompt_longer_than_context_is_an_error():
+    result = llmrun("run", "Once upon a time " * 20, "--ctx-size", "16")
+    assert result.returncode == 1
+    assert result.stderr.startswith("error: the prompt is 82 tokens, but the context holds 16")
+
+
+@pytest.mark.parametrize(
+    "args, code, message",
+    [
+        (["run", "/no/such/model.gguf", "hi"], 1, "error: /no/such/model.gguf: no such file"),
+        (["run", "hi", "--temperature", "-1"], 2, "error: temperature must be >= 0"),
+        (["run", "hi", "--top-p", "1.5"], 2, "error: top-p must be in (0, 1]"),
+        (["run", "hi", "--top-p", "0"], 2, "error: top-p must be in (0, 1]"),
+        (["run", "hi", "--device", "tpu"], 2, "error: unknown device 'tpu'"),
+        (["run", "hi", "--dtype", "f8"], 2, "error: unknown dtype 'f8'"),
+        (["run", "hi", "--no-such-flag"], 2, "error: no such option: --no-such-flag"),
+        (["run", "hi", "-n", "many"], 2, "error: invalid value for '--max-tokens' / '-n'"),
+        (["run", "hi", "--logprobs", "2"], 2, "error: --logprobs needs --json"),
+    ],
+)
+def test_bad_input_is_one_error_line(args, code, message):
+    result = llmrun(*args)
+    assert result.returncode == code
+    assert result.stderr.startswith(message), result.stderr
+    assert result.stderr.count("\n") == 1
+    assert "Traceback" not in result.stderr
+
+
+def test_corrupt_and_unsupported_models(tmp_path):
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes((SHARED / "models/stories260K/stories260K.gguf").read_bytes()[:300_000])
+    no_config = tmp_path / "empty_dir"
+    no_config.mkdir()
+    for path, message in [
+        (truncated, "past the end of the file"),
+        (no_config, "no config.json"),
+    ]:
+        result = llmrun("run", str(path), "hi")
+        assert result.returncode == 1
+        assert result.stderr.startswith("error: ") and message in result.stderr
+        assert result.stderr.count("\n") == 1
+    debug = llmrun("run", str(truncated), "hi", "--debug")
+    assert "Traceback" in debug.stderr
+
+
+def test_unknown_architecture(tmp_path):
+    hf, config = tiny_hf_model("llama")
+    model_dir = tmp_path / "m"
+    hf.save_pretrained(model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["model_type"] = "mamba"
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    result = llmrun("run", str(model_dir), "hi")
+    assert result.returncode == 1
+    assert (
+        "error: architecture 'mamba' is not supported (supported: llama, mistral, phi3, qwen2, qwen3)"
+        in result.stderr
+    )
+
+
+def test_missing_tokenizer(tmp_path):
+    hf, config = tiny_hf_model("llama")
+    model_dir = tmp_path / "m"
+    hf.save_pretrained(model_dir)
+    result = llmrun("run", str(model_dir), "hi")
+    assert result.returncode == 1
+    assert result.stderr.startswith("error: ") and "tokenizer" in result.stderr
+
+
+def test_random_gguf_model_runs(tmp_path):
+    hf, config = tiny_hf_model("qwen2")
+    path = write_gguf(tmp_path / "qwen2.gguf", config, hf.state_dict())
+    result = llmrun("run", str(path), "Once upon a time", "-n", "5", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["completion_tokens"] == 5
+
+
+def test_ctrl_c_exits_130():
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "llmrun",
+            "run",
+            "Once upon a time",
+            "-n",
+            "-1",
+            "--ctx-size",
+            "2048",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    proc.stdout.read(20)  # generation has started
+    proc.send_signal(signal.SIGINT)
+    start = time.monotonic()
+    code = proc.wait(timeout=30)
+    assert code == 130
+    assert time.monotonic() - start < 5
+    assert "Traceback" not in proc.stderr.read()
+
+
+def test_help_does_not_import_torch():
+    code = "import sys; sys.argv = ['llmrun', '--help']\nfrom llmrun.cli import main\ntry:\n    main()\nexcept SystemExit:\n    pass\nassert 'torch' not in sys.modules, 'torch imported'"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "run" in result.stdout and "tokenize" in result.stdout
+
+
+def test_tokenize_vocab_only_gguf():
+    vocab = SHARED / "vocab" / "ggml-vocab-llama-bpe.gguf"
+    result = llmrun("tokenize", str(vocab), "Hello world")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == [128000, 9906, 1917]
+    no_bos = llmrun("tokenize", str(vocab), "Hello world", "--no-bos")
+    assert json.loads(no_bos.stdout) == [9906, 1917]
+    pieces = llmrun("tokenize", str(vocab), "--pieces", "--no-bos", input="Hello world")
+    assert [json.loads(line) for line in pieces.stdout.splitlines()] == [
+        {"id": 9906, "piece": "Hello"},
+        {"id": 1917, "piece": " world"},
+    ]
+    special = llmrun("tokenize", str(vocab), "<|eot_id|>", "--no-bos")
+    plain = llmrun("tokenize", str(vocab), "<|eot_id|>", "--no-bos", "--no-special")
+    assert json.loads(special.stdout) == [128009]
+    assert len(json.loads(plain.stdout)) > 1
+
+
+def test_tokenize_default_model():
+    result = llmrun("tokenize", "Once upon a time")
+    assert json.loads(result.stdout) == [1, 403, 407, 261, 378]

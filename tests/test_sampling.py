@@ -1,0 +1,85 @@
+"""The sampler's filters, penalties and seeding, on hand-made logits."""
+
+import math
+
+import pytest
+import torch
+
+from llmrun.errors import UsageError
+from llmrun.sampling import Sampler, SamplingParams, top_logprobs
+
+LOGITS = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0])
+
+
+def draws(params: SamplingParams, n: int = 400, logits=LOGITS) -> set[int]:
+    sampler = Sampler(params)
+    return {sampler(logits) for _ in range(n)}
+
+
+def test_greedy_is_argmax():
+    assert draws(SamplingParams(temperature=0), 5) == {0}
+
+
+def test_top_k_keeps_k_tokens():
+    assert draws(SamplingParams(temperature=5, top_k=2, top_p=1, min_p=0)) == {0, 1}
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = torch.softmax(LOGITS, 0)  # 0.64, 0.24, 0.09, ...
+    assert probs[0] < 0.7 < probs[0] + probs[1]
+    assert draws(SamplingParams(temperature=5, top_k=0, top_p=0.7, min_p=0)) == {0, 1}
+    assert draws(SamplingParams(temperature=5, top_k=0, top_p=0.5, min_p=0)) == {0}
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_top():
+    # p1/p0 = e^-1 = 0.37, p2/p0 = e^-2 = 0.14
+    assert draws(SamplingParams(temperature=5, top_k=0, top_p=1, min_p=0.2)) == {0, 1}
+
+
+def test_high_temperature_without_filters_reaches_every_token():
+    assert draws(SamplingParams(temperature=5, top_k=0, top_p=1, min_p=0), 2000) == set(range(5))
+
+
+def test_same_seed_same_draws():
+    params = SamplingParams(temperature=1.5, top_k=0, top_p=1, min_p=0, seed=42)
+    a, b = Sampler(params), Sampler(params)
+    assert [a(LOGITS) for _ in range(50)] == [b(LOGITS) for _ in range(50)]
+
+
+def test_repeat_penalty_as_llama_cpp():
+    sampler = Sampler(SamplingParams(repeat_penalty=2.0, repeat_last_n=2))
+    out = sampler.penalize(torch.tensor([4.0, -4.0, 1.0, 1.0]), history=[3, 0, 1])
+    # Only the last 2 tokens (0 and 1) count: positive logits are divided, negative multiplied.
+    assert out.tolist() == [2.0, -8.0, 1.0, 1.0]
+
+
+def test_presence_and_frequency_penalties_as_openai():
+    sampler = Sampler(
+        SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repeat_last_n=-1)
+    )
+    out = sampler.penalize(torch.zeros(3), history=[1, 1, 2])
+    assert out.tolist() == [0.0, -1.0, -0.75]
+
+
+def test_top_logprobs_are_log_softmax():
+    value, top = top_logprobs(LOGITS, 2, 2)
+    expected = torch.log_softmax(LOGITS, 0)
+    assert value == pytest.approx(float(expected[2]))
+    assert [i for i, _ in top] == [0, 1]
+    assert math.isclose(top[0][1], float(expected[0]), rel_tol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", -0.1),
+        ("top_p", 0.0),
+        ("top_p", 1.1),
+        ("min_p", 2.0),
+        ("top_k", -1),
+        ("repeat_penalty", 0),
+    ],
+)
+def test_bad_values_are_usage_errors(field, value):
+    with pytest.raises(UsageError):
+        SamplingParams(**{field: value})
