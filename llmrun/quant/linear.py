@@ -1,7 +1,9 @@
 """QuantLinear and QuantEmbedding: nn.Linear and nn.Embedding over raw GGML blocks.
 
 The raw blocks are kept as they are in the file (a zero-copy view of the mapped
-GGUF where possible) and dequantized on use. They are held as frozen
+GGUF where possible) and dequantized on use: on CPU by the native kernels where
+they are available (a matvec for decode, dequantized tiles and a GEMM for
+prefill), otherwise by the torch dequantizers. Products are computed in f32. They are held as frozen
 Parameters named `weight`, so state-dict keys match the HF names and a tied
 lm_head/embedding pair stays one tensor through `.to(device)` (buffers would
 be copied once per module). To tie, pass one module's `weight` to the other.
@@ -15,7 +17,14 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from llmrun.errors import ModelFormatError
-from llmrun.quant.blocks import check_supported, dequantize, row_bytes
+from llmrun.quant import blocks, native
+from llmrun.quant.blocks import check_supported, row_bytes
+
+# Up to this many activation rows (decode, small batches) a native matvec reads the
+# blocks once for all rows; past it, dequantized tiles and a GEMM are faster.
+MATVEC_MAX_ROWS = 8
+# f32 weights dequantized per GEMM tile, so a 150k-row lm_head never makes a huge temporary.
+TILE_WEIGHTS = 1 << 22
 
 
 def _check_raw(raw: torch.Tensor, ggml_type: GGMLQuantizationType, n_cols: int) -> None:
@@ -55,9 +64,25 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else _frozen(bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = dequantize(self.weight, self.ggml_type)
-        bias = None if self.bias is None else self.bias.float()
-        return F.linear(x.float(), w, bias).to(x.dtype)
+        x2 = x.reshape(-1, self.in_features).float()
+        use_native = self.weight.device.type == "cpu" and native.available()
+        if use_native and x2.shape[0] <= MATVEC_MAX_ROWS:
+            y = native.matvec(self.weight, self.ggml_type, x2)
+        else:
+            y = self._gemm(x2, native.dequantize if use_native else blocks.dequantize)
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def _gemm(self, x2: torch.Tensor, dequantize) -> torch.Tensor:
+        rows = max(1, TILE_WEIGHTS // self.in_features)
+        if rows >= self.out_features:
+            return F.linear(x2, dequantize(self.weight, self.ggml_type))
+        y = torch.empty(x2.shape[0], self.out_features, device=x2.device)
+        for r0 in range(0, self.out_features, rows):
+            w = dequantize(self.weight[r0 : r0 + rows], self.ggml_type)
+            y[:, r0 : r0 + rows] = F.linear(x2, w)
+        return y
 
     def extra_repr(self) -> str:
         return (
@@ -86,7 +111,11 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.weight.index_select(0, ids.reshape(-1))
-        return dequantize(rows, self.ggml_type, self.dtype).reshape(*ids.shape, self.embedding_dim)
+        if rows.device.type == "cpu" and native.available():
+            out = native.dequantize(rows, self.ggml_type).to(self.dtype)
+        else:
+            out = blocks.dequantize(rows, self.ggml_type, self.dtype)
+        return out.reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, type={self.ggml_type.name}"

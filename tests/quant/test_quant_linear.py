@@ -9,11 +9,22 @@ from test_quant_blocks import random_blocks
 from torch import nn
 
 from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.quant import linear, native
 from llmrun.quant.linear import QuantEmbedding, QuantLinear
 
 T = GGMLQuantizationType
 TYPES = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
 TYPES += [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS]
+
+
+@pytest.fixture(params=["native", "torch"])
+def path(request, monkeypatch) -> str:
+    """Run a test with the native kernels and again with the pure-torch fallback."""
+    if request.param == "torch":
+        monkeypatch.setattr(native, "available", lambda: False)
+    elif not native.available():
+        pytest.skip(native.status())
+    return request.param
 
 
 def finite_blocks(ggml_type: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -38,7 +49,7 @@ def assert_close_matmul(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("batch", [(1,), (2, 5)])
-def test_quant_linear_matches_f32_matmul(ggml_type: T, batch: tuple[int, ...]):
+def test_quant_linear_matches_f32_matmul(ggml_type: T, batch: tuple[int, ...], path: str):
     raw = finite_blocks(ggml_type, 48, 512, seed=1)
     lin = QuantLinear(torch.from_numpy(raw), ggml_type, 512)
     assert (lin.in_features, lin.out_features, lin.ggml_type) == (512, 48, ggml_type)
@@ -48,7 +59,16 @@ def test_quant_linear_matches_f32_matmul(ggml_type: T, batch: tuple[int, ...]):
     assert_close_matmul(y, x, reference(raw, ggml_type))
 
 
-def test_quant_linear_bias_and_dtype():
+@pytest.mark.parametrize("tile_weights", [1 << 22, 1000])
+def test_quant_linear_gemm_path_and_tiles(tile_weights: int, path: str, monkeypatch):
+    monkeypatch.setattr(linear, "TILE_WEIGHTS", tile_weights)
+    raw = random_blocks(T.Q5_K, 40, 512, seed=8)
+    lin = QuantLinear(torch.from_numpy(raw), T.Q5_K, 512)
+    x = torch.randn(linear.MATVEC_MAX_ROWS + 3, 512, generator=torch.Generator().manual_seed(9))
+    assert_close_matmul(lin(x), x, reference(raw, T.Q5_K))
+
+
+def test_quant_linear_bias_and_dtype(path: str):
     raw = random_blocks(T.Q4_K, 16, 256, seed=4)
     gen = torch.Generator().manual_seed(5)
     bias = torch.randn(16, generator=gen)
@@ -70,7 +90,7 @@ def test_quant_linear_keeps_the_raw_tensor_without_copy():
     assert not lin.weight.requires_grad
 
 
-def test_quant_embedding_dequantizes_the_rows_looked_up():
+def test_quant_embedding_dequantizes_the_rows_looked_up(path: str):
     raw = random_blocks(T.Q6_K, 50, 256, seed=6)
     emb = QuantEmbedding(torch.from_numpy(raw), T.Q6_K, 256)
     ids = torch.tensor([[3, 49, 0], [3, 7, 7]])

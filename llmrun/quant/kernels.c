@@ -1,0 +1,431 @@
+/* GGML-quantized matrix x few-vectors products and row dequantization, AVX-512.
+ *
+ * Weights stay in GGML's block layout. Each block is dequantized in registers to
+ * exactly the f32 values gguf's reference dequantizer gives (same operations in
+ * the same order; built with -ffp-contract=off so no multiply-add gets fused),
+ * then multiplied into f32 accumulators. A product therefore differs from
+ * x @ dequantize(W).T only by the order of the sums.
+ *
+ * Built at first use by llmrun/quant/native.py and loaded with ctypes; on a CPU
+ * without AVX-512 this file compiles to llmrun_available() == 0 and llmrun uses
+ * its torch code instead.
+ * Block layouts: https://github.com/ggml-org/llama.cpp/blob/master/ggml/src/ggml-common.h
+ */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__) && defined(__F16C__)
+#include <immintrin.h>
+
+#define QK_K 256
+#define MAX_M 8 /* activation rows handled per pass over the weights */
+#define PREFETCH 1024 /* bytes ahead of the current block */
+
+/* GGMLQuantizationType values */
+enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10,
+       Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30 };
+
+static const float IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                     1,    13,   25,  38,  53,  69,  89,  113};
+
+static inline float f16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+static inline __m512 bcast_f16(const uint8_t *p) { return _mm512_set1_ps(f16_at(p)); }
+
+/* 16 bytes -> 16 dword lanes, zero-extended */
+static inline __m512i spread(const uint8_t *p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+
+static inline __m512 iota16(void) {
+    return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+/* table[k] = scale * (k + offset) for k < 16 */
+static inline __m512 table(__m512 scale, float offset) {
+    return _mm512_mul_ps(scale, _mm512_add_ps(iota16(), _mm512_set1_ps(offset)));
+}
+
+/* Each dequantizer writes the block's weights to out, 16 at a time through EMIT,
+ * so a product can consume them from registers. */
+
+#define F32_BLOCK 16
+#define F32_BYTES 64
+#define F32_DEQ(src, EMIT) EMIT(0, _mm512_loadu_ps((const float *)(src)))
+
+#define F16_BLOCK 16
+#define F16_BYTES 32
+#define F16_DEQ(src, EMIT) EMIT(0, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src))))
+
+#define BF16_BLOCK 16
+#define BF16_BYTES 32
+#define BF16_DEQ(src, EMIT)                                                              \
+    EMIT(0, _mm512_castsi512_ps(_mm512_slli_epi32(                                       \
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src))), 16)))
+
+#define Q8_0_BLOCK 32
+#define Q8_0_BYTES 34
+#define Q8_0_DEQ(src, EMIT)                                                              \
+    do {                                                                                 \
+        __m512 d_ = bcast_f16(src);                                                      \
+        for (int h_ = 0; h_ < 2; h_++) {                                                 \
+            __m128i q_ = _mm_loadu_si128((const __m128i *)((src) + 2 + 16 * h_));        \
+            EMIT(16 * h_, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q_)), d_)); \
+        }                                                                                \
+    } while (0)
+
+/* Low nibbles are weights 0..15, high nibbles 16..31; vpermps reads only the low
+ * 4 bits of each index lane, so the low nibble needs no mask. */
+#define NIBBLES(qs, t, EMIT, base)                                                       \
+    do {                                                                                 \
+        __m512i v_ = spread(qs);                                                         \
+        EMIT((base), _mm512_permutexvar_ps(v_, t));                                      \
+        EMIT((base) + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(v_, 4), t));          \
+    } while (0)
+
+#define Q4_0_BLOCK 32
+#define Q4_0_BYTES 18
+#define Q4_0_DEQ(src, EMIT)                                                              \
+    do {                                                                                 \
+        __m512 t4_ = table(bcast_f16(src), -8.0f);                                       \
+        NIBBLES((src) + 2, t4_, EMIT, 0);                                                \
+    } while (0)
+
+#define Q4_1_BLOCK 32
+#define Q4_1_BYTES 20
+#define Q4_1_DEQ(src, EMIT)                                                              \
+    do {                                                                                 \
+        __m512 t4_ = _mm512_add_ps(_mm512_mul_ps(bcast_f16(src), iota16()), bcast_f16((src) + 2)); \
+        NIBBLES((src) + 4, t4_, EMIT, 0);                                                \
+    } while (0)
+
+#define IQ4_NL_BLOCK 32
+#define IQ4_NL_BYTES 18
+#define IQ4_NL_DEQ(src, EMIT)                                                            \
+    do {                                                                                 \
+        __m512 t4_ = _mm512_mul_ps(bcast_f16(src), _mm512_loadu_ps(IQ4_VALUES));         \
+        NIBBLES((src) + 2, t4_, EMIT, 0);                                                \
+    } while (0)
+
+/* 5-bit weights: bit 4 of weight j is bit j of the little-endian u32 qh. The
+ * 32-entry table spans two registers; vpermt2ps picks by index bit 4. */
+static inline __m512i q5_index(__m512i nibble_lanes, uint32_t high_bits) {
+    __m512i idx = _mm512_and_si512(nibble_lanes, _mm512_set1_epi32(15));
+    return _mm512_mask_or_epi32(idx, (__mmask16)high_bits, idx, _mm512_set1_epi32(16));
+}
+
+#define Q5_EMIT(qs, qh, lo, hi, EMIT)                                                    \
+    do {                                                                                 \
+        __m512i v_ = spread(qs);                                                         \
+        EMIT(0, _mm512_permutex2var_ps(lo, q5_index(v_, (qh)), hi));                     \
+        EMIT(16, _mm512_permutex2var_ps(lo, q5_index(_mm512_srli_epi32(v_, 4), (qh) >> 16), hi)); \
+    } while (0)
+
+static inline uint32_t u32_at(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+#define Q5_0_BLOCK 32
+#define Q5_0_BYTES 22
+#define Q5_0_DEQ(src, EMIT)                                                              \
+    do {                                                                                 \
+        __m512 d_ = bcast_f16(src);                                                      \
+        __m512 lo_ = table(d_, -16.0f), hi_ = table(d_, 0.0f);                           \
+        Q5_EMIT((src) + 6, u32_at((src) + 2), lo_, hi_, EMIT);                           \
+    } while (0)
+
+#define Q5_1_BLOCK 32
+#define Q5_1_BYTES 24
+#define Q5_1_DEQ(src, EMIT)                                                              \
+    do {                                                                                 \
+        __m512 d_ = bcast_f16(src), m_ = bcast_f16((src) + 2);                           \
+        __m512 lo_ = _mm512_add_ps(_mm512_mul_ps(d_, iota16()), m_);                     \
+        __m512 hi_ = _mm512_add_ps(table(d_, 16.0f), m_);                                \
+        Q5_EMIT((src) + 8, u32_at((src) + 4), lo_, hi_, EMIT);                           \
+    } while (0)
+
+/* Q4_K/Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins packed in 12 bytes;
+ * w = (d*sc)*q - dmin*m. */
+static inline void k_scales(const uint8_t *src, float *a, float *b) {
+    const float d = f16_at(src), dmin = f16_at(src + 2);
+    const uint8_t *s = src + 4;
+    for (int j = 0; j < 8; j++) {
+        int sc, m;
+        if (j < 4) {
+            sc = s[j] & 63;
+            m = s[j + 4] & 63;
+        } else {
+            sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+            m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+        }
+        a[j] = d * (float)sc;
+        b[j] = dmin * (float)m;
+    }
+}
+
+#define Q4_K_BLOCK 256
+#define Q4_K_BYTES 144
+#define Q4_K_DEQ(src, EMIT)                                                              \
+    do {                                                                                 \
+        float a_[8], b_[8];                                                              \
+        k_scales(src, a_, b_);                                                           \
+        for (int p_ = 0; p_ < 4; p_++) {                                                 \
+            const uint8_t *qs_ = (src) + 16 + 32 * p_;                                   \
+            for (int o_ = 0; o_ < 2; o_++) {                                             \
+                const int j_ = 2 * p_ + o_;                                              \
+                __m512 t_ = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(a_[j_]), iota16()), \
+                                          _mm512_set1_ps(b_[j_]));                       \
+                for (int h_ = 0; h_ < 2; h_++) {                                         \
+                    __m512i v_ = _mm512_srli_epi32(spread(qs_ + 16 * h_), 4 * o_);       \
+                    EMIT(32 * j_ + 16 * h_, _mm512_permutexvar_ps(v_, t_));              \
+                }                                                                        \
+            }                                                                            \
+        }                                                                                \
+    } while (0)
+
+#define Q5_K_BLOCK 256
+#define Q5_K_BYTES 176
+#define Q5_K_DEQ(src, EMIT)                                                              \
+    do {                                                                                 \
+        float a_[8], b_[8];                                                              \
+        k_scales(src, a_, b_);                                                           \
+        const __m512i h0_ = spread((src) + 16), h1_ = spread((src) + 32);                \
+        for (int j_ = 0; j_ < 8; j_++) {                                                 \
+            const uint8_t *qs_ = (src) + 48 + 32 * (j_ / 2);                             \
+            __m512 a_v = _mm512_set1_ps(a_[j_]), b_v = _mm512_set1_ps(b_[j_]);          \
+            __m512 lo_ = _mm512_sub_ps(_mm512_mul_ps(a_v, iota16()), b_v);               \
+            __m512 hi_ = _mm512_sub_ps(_mm512_mul_ps(a_v, _mm512_add_ps(iota16(), _mm512_set1_ps(16))), b_v); \
+            for (int h_ = 0; h_ < 2; h_++) {                                             \
+                __m512i v_ = _mm512_srli_epi32(spread(qs_ + 16 * h_), 4 * (j_ & 1));     \
+                __m512i hb_ = h_ ? h1_ : h0_;                                            \
+                /* index bits 3:0 from the nibble, bit 4 from bit j of the qh byte */    \
+                __m512i hs_ = j_ <= 4 ? _mm512_slli_epi32(hb_, 4 - j_)                   \
+                                      : _mm512_srli_epi32(hb_, j_ - 4);                  \
+                __m512i idx_ = _mm512_ternarylogic_epi32(v_, hs_, _mm512_set1_epi32(15), 0xE4); \
+                EMIT(32 * j_ + 16 * h_, _mm512_permutex2var_ps(lo_, idx_, hi_));         \
+            }                                                                            \
+        }                                                                                \
+    } while (0)
+
+/* Q6_K: w = (d*sc) * (q - 32), q = 4 bits from ql | 2 bits from qh << 4; sixteen
+ * int8 scales, one per 16 weights. Weight c*128 + t*32 + l takes the (t/2)
+ * nibble of ql[64c + 32(t%2) + l] and bits 2t..2t+1 of qh[32c + l]. */
+#define Q6_K_BLOCK 256
+#define Q6_K_BYTES 210
+#define Q6_K_DEQ(src, EMIT)                                                              \
+    do {                                                                                 \
+        const float d_ = f16_at((src) + 208);                                            \
+        const int8_t *sc_ = (const int8_t *)((src) + 192);                               \
+        for (int c_ = 0; c_ < 2; c_++)                                                   \
+            for (int t_ = 0; t_ < 4; t_++)                                               \
+                for (int h_ = 0; h_ < 2; h_++) {                                         \
+                    const int l_ = 16 * h_;                                              \
+                    __m512i ql_ = _mm512_srli_epi32(spread((src) + 64 * c_ + 32 * (t_ & 1) + l_), 4 * (t_ >> 1)); \
+                    __m512i qh_ = _mm512_srli_epi32(spread((src) + 128 + 32 * c_ + l_), 2 * t_); \
+                    __m512i q_ = _mm512_ternarylogic_epi32(ql_, _mm512_slli_epi32(qh_, 4), _mm512_set1_epi32(15), 0xE4); \
+                    q_ = _mm512_sub_epi32(_mm512_and_si512(q_, _mm512_set1_epi32(63)), _mm512_set1_epi32(32)); \
+                    const int i_ = c_ * 128 + t_ * 32 + l_;                              \
+                    __m512 dl_ = _mm512_set1_ps(d_ * (float)sc_[i_ / 16]);               \
+                    EMIT(i_, _mm512_mul_ps(dl_, _mm512_cvtepi32_ps(q_)));                \
+                }                                                                        \
+    } while (0)
+
+/* Q2_K: w = d*(sc&15) * q - dmin*(sc>>4), q 2 bits; weight c*128 + s*32 + l takes
+ * bits 2s..2s+1 of qs[32c + l]; one scale byte per 16 weights. */
+#define Q2_K_BLOCK 256
+#define Q2_K_BYTES 84
+#define Q2_K_DEQ(src, EMIT)                                                              \
+    do {                                                                                 \
+        const float d_ = f16_at((src) + 80), dmin_ = f16_at((src) + 82);                 \
+        for (int c_ = 0; c_ < 2; c_++)                                                   \
+            for (int s_ = 0; s_ < 4; s_++)                                               \
+                for (int h_ = 0; h_ < 2; h_++) {                                         \
+                    const int i_ = c_ * 128 + s_ * 32 + 16 * h_;                         \
+                    const uint8_t sc_ = (src)[i_ / 16];                                  \
+                    __m512 t_ = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(d_ * (float)(sc_ & 15)), iota16()), \
+                                              _mm512_set1_ps(dmin_ * (float)(sc_ >> 4))); \
+                    __m512i q_ = _mm512_and_si512(_mm512_srli_epi32(spread((src) + 16 + 32 * c_ + 16 * h_), 2 * s_), \
+                                                  _mm512_set1_epi32(3));                 \
+                    EMIT(i_, _mm512_permutexvar_ps(q_, t_));                             \
+                }                                                                        \
+    } while (0)
+
+/* Q3_K: w = d*(sc-32) * (k-4) with k = 2 low bits | hmask bit << 2; weight
+ * c*128 + s*32 + l takes bits 2s.. of qs[32c + l] and bit 4c+s of hmask[l]. */
+static inline void q3_scales(const uint8_t *s, float d, float *dl) {
+    for (int j = 0; j < 16; j++) {
+        int low = j < 8 ? s[j] & 15 : s[j - 8] >> 4;
+        int high = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
+        dl[j] = d * (float)((low | (high << 4)) - 32);
+    }
+}
+
+#define Q3_K_BLOCK 256
+#define Q3_K_BYTES 110
+#define Q3_K_DEQ(src, EMIT)                                                              \
+    do {                                                                                 \
+        float dl_[16];                                                                   \
+        q3_scales((src) + 96, f16_at((src) + 108), dl_);                                 \
+        for (int c_ = 0; c_ < 2; c_++)                                                   \
+            for (int s_ = 0; s_ < 4; s_++)                                               \
+                for (int h_ = 0; h_ < 2; h_++) {                                         \
+                    const int i_ = c_ * 128 + s_ * 32 + 16 * h_, bit_ = 4 * c_ + s_;     \
+                    __m512 t_ = table(_mm512_set1_ps(dl_[i_ / 16]), -4.0f);              \
+                    __m512i lo_ = _mm512_srli_epi32(spread((src) + 32 + 32 * c_ + 16 * h_), 2 * s_); \
+                    __m512i hm_ = spread((src) + 16 * h_);                               \
+                    hm_ = bit_ >= 2 ? _mm512_srli_epi32(hm_, bit_ - 2) : _mm512_slli_epi32(hm_, 2 - bit_); \
+                    __m512i k_ = _mm512_ternarylogic_epi32(lo_, hm_, _mm512_set1_epi32(3), 0xE4); \
+                    k_ = _mm512_and_si512(k_, _mm512_set1_epi32(7));                     \
+                    EMIT(i_, _mm512_permutexvar_ps(k_, t_));                             \
+                }                                                                        \
+    } while (0)
+
+/* IQ4_XS: 8 sub-blocks of 32, w = d*(sc-32) * IQ4_VALUES[q], 6-bit scales split in
+ * a u16 of high bits and 4 bytes of low nibbles; sub-block j reads qs[16j..16j+15]. */
+#define IQ4_XS_BLOCK 256
+#define IQ4_XS_BYTES 136
+#define IQ4_XS_DEQ(src, EMIT)                                                            \
+    do {                                                                                 \
+        const float d_ = f16_at(src);                                                    \
+        const unsigned sh_ = (src)[2] | ((src)[3] << 8);                                 \
+        const __m512 kv_ = _mm512_loadu_ps(IQ4_VALUES);                                  \
+        for (int j_ = 0; j_ < 8; j_++) {                                                 \
+            int sc_ = (((src)[4 + j_ / 2] >> (4 * (j_ & 1))) & 15) | (((sh_ >> (2 * j_)) & 3) << 4); \
+            __m512 t_ = _mm512_mul_ps(_mm512_set1_ps(d_ * (float)(sc_ - 32)), kv_);      \
+            NIBBLES((src) + 8 + 16 * j_, t_, EMIT, 32 * j_);                             \
+        }                                                                                \
+    } while (0)
+
+/* Kernels per type: dot of rows with up to MAX_M activation rows, and dequantize. */
+
+#define STORE_EMIT(off, val) _mm512_storeu_ps(out_ + (off), (val))
+
+#define DEFINE_KERNELS(T)                                                                \
+    static inline __attribute__((always_inline)) void rows_##T(                          \
+        const uint8_t *w, int64_t stride, int64_t r0, int64_t r1, const float *x,       \
+        const int m, int64_t n, float *y, int64_t ldy) {                                 \
+        const int64_t nb = n / T##_BLOCK;                                                \
+        for (int64_t r = r0; r < r1; r++) {                                              \
+            const uint8_t *row = w + r * stride;                                         \
+            __m512 acc[MAX_M][2];                                                        \
+            for (int i = 0; i < m; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();     \
+            for (int64_t b = 0; b < nb; b++) {                                           \
+                const uint8_t *src = row + b * T##_BYTES;                                \
+                const float *xb = x + b * T##_BLOCK;                                     \
+                _mm_prefetch((const char *)src + PREFETCH, _MM_HINT_T0);                 \
+                if (T##_BYTES > 64) _mm_prefetch((const char *)src + PREFETCH + 64, _MM_HINT_T0); \
+                if (T##_BYTES > 128) _mm_prefetch((const char *)src + PREFETCH + 128, _MM_HINT_T0); \
+                if (T##_BYTES > 192) _mm_prefetch((const char *)src + PREFETCH + 192, _MM_HINT_T0); \
+                DOT_BLOCK(T, src, xb);                                                   \
+            }                                                                            \
+            for (int i = 0; i < m; i++)                                                  \
+                y[i * ldy + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])); \
+        }                                                                                \
+    }                                                                                    \
+    static void matvec_##T(const uint8_t *w, int64_t stride, int64_t rows, const float *x, \
+                           int64_t m, int64_t n, float *y) {                             \
+        const int64_t chunk = stride >= 16384 ? 1 : 16384 / stride;                      \
+        for (int64_t i0 = 0; i0 < m; i0 += MAX_M) {                                      \
+            const int mm = m - i0 < MAX_M ? (int)(m - i0) : MAX_M;                       \
+            const float *xi = x + i0 * n;                                                \
+            float *yi = y + i0 * rows;                                                   \
+            _Pragma("omp parallel for schedule(dynamic)")                                \
+            for (int64_t r0 = 0; r0 < rows; r0 += chunk) {                               \
+                const int64_t r1 = r0 + chunk < rows ? r0 + chunk : rows;                \
+                switch (mm) {                                                            \
+                case 1: rows_##T(w, stride, r0, r1, xi, 1, n, yi, rows); break;          \
+                case 2: rows_##T(w, stride, r0, r1, xi, 2, n, yi, rows); break;          \
+                case 3: rows_##T(w, stride, r0, r1, xi, 3, n, yi, rows); break;          \
+                case 4: rows_##T(w, stride, r0, r1, xi, 4, n, yi, rows); break;          \
+                default: rows_##T(w, stride, r0, r1, xi, mm, n, yi, rows); break;        \
+                }                                                                        \
+            }                                                                            \
+        }                                                                                \
+    }                                                                                    \
+    static void dequant_##T(const uint8_t *w, int64_t stride, int64_t rows, int64_t n,   \
+                            float *out) {                                                \
+        const int64_t nb = n / T##_BLOCK;                                                \
+        _Pragma("omp parallel for schedule(static)")                                     \
+        for (int64_t r = 0; r < rows; r++)                                               \
+            for (int64_t b = 0; b < nb; b++) {                                           \
+                float *out_ = out + r * n + b * T##_BLOCK;                               \
+                const uint8_t *src = w + r * stride + b * T##_BYTES;                     \
+                T##_DEQ(src, STORE_EMIT);                                                \
+            }                                                                            \
+    }
+
+/* Two accumulators per activation row, alternating by 16-weight chunk. */
+#define DOT_EMIT(off, val)                                                               \
+    do {                                                                                 \
+        const __m512 w_ = (val);                                                         \
+        for (int i = 0; i < m; i++)                                                      \
+            acc[i][((off) >> 4) & 1] = _mm512_fmadd_ps(                                  \
+                w_, _mm512_loadu_ps(xb + i * n + (off)), acc[i][((off) >> 4) & 1]);      \
+    } while (0)
+#define DOT_BLOCK(T, src, xb) T##_DEQ(src, DOT_EMIT)
+
+DEFINE_KERNELS(F32)
+DEFINE_KERNELS(F16)
+DEFINE_KERNELS(BF16)
+DEFINE_KERNELS(Q4_0)
+DEFINE_KERNELS(Q4_1)
+DEFINE_KERNELS(Q5_0)
+DEFINE_KERNELS(Q5_1)
+DEFINE_KERNELS(Q8_0)
+DEFINE_KERNELS(Q2_K)
+DEFINE_KERNELS(Q3_K)
+DEFINE_KERNELS(Q4_K)
+DEFINE_KERNELS(Q5_K)
+DEFINE_KERNELS(Q6_K)
+DEFINE_KERNELS(IQ4_NL)
+DEFINE_KERNELS(IQ4_XS)
+
+#define DISPATCH(CALL)                                                                   \
+    switch (type) {                                                                      \
+    case F32: CALL(F32); return 0;                                                       \
+    case F16: CALL(F16); return 0;                                                       \
+    case BF16: CALL(BF16); return 0;                                                     \
+    case Q4_0: CALL(Q4_0); return 0;                                                     \
+    case Q4_1: CALL(Q4_1); return 0;                                                     \
+    case Q5_0: CALL(Q5_0); return 0;                                                     \
+    case Q5_1: CALL(Q5_1); return 0;                                                     \
+    case Q8_0: CALL(Q8_0); return 0;                                                     \
+    case Q2_K: CALL(Q2_K); return 0;                                                     \
+    case Q3_K: CALL(Q3_K); return 0;                                                     \
+    case Q4_K: CALL(Q4_K); return 0;                                                     \
+    case Q5_K: CALL(Q5_K); return 0;                                                     \
+    case Q6_K: CALL(Q6_K); return 0;                                                     \
+    case IQ4_NL: CALL(IQ4_NL); return 0;                                                 \
+    case IQ4_XS: CALL(IQ4_XS); return 0;                                                 \
+    default: return -1;                                                                  \
+    }
+
+int llmrun_available(void) { return 1; }
+
+/* y[i, r] = sum_k W[r, k] x[i, k]: W is `rows` rows of n weights, `stride` bytes
+ * apart; x is [m, n] and y is [m, rows], both contiguous f32. */
+int llmrun_matvec(int type, const uint8_t *w, int64_t stride, int64_t rows, const float *x,
+                  int64_t m, int64_t n, float *y) {
+#define CALL_MATVEC(T) matvec_##T(w, stride, rows, x, m, n, y)
+    DISPATCH(CALL_MATVEC)
+}
+
+/* out[r, k] = W[r, k] as f32, out contiguous [rows, n]. */
+int llmrun_dequantize(int type, const uint8_t *w, int64_t stride, int64_t rows, int64_t n,
+                      float *out) {
+#define CALL_DEQUANT(T) dequant_##T(w, stride, rows, n, out)
+    DISPATCH(CALL_DEQUANT)
+}
+
+#else
+
+int llmrun_available(void) { return 0; }
+
+#endif

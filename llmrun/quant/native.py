@@ -1,0 +1,143 @@
+"""Native CPU kernels (kernels.c): built with the C compiler at first use, loaded with ctypes.
+
+The library is compiled for this CPU (-march=native) into the cache folder, keyed
+by a hash of the source, the compiler and the CPU's features, so later runs load
+it at once. Where there is no compiler, the CPU lacks AVX-512, the build fails,
+or LLMRUN_NATIVE=0 is set, `available()` is False and callers use the torch code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from llmrun import paths
+
+SOURCE = Path(__file__).with_name("kernels.c")
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC", "-fopenmp"]
+
+_reason = ""
+
+
+def _cpu_features() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename, so concurrent first runs never load half a file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [compiler, *FLAGS, str(SOURCE), "-o", tmp],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    global _reason
+    if os.environ.get("LLMRUN_NATIVE", "1") == "0":
+        _reason = "disabled by LLMRUN_NATIVE=0"
+        return None
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        _reason = "no C compiler found (set CC)"
+        return None
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), compiler.encode(), " ".join(FLAGS).encode()):
+        key.update(part)
+    key.update(_cpu_features().encode())
+    target = paths.cache_dir().parent / "kernels" / f"llmrun-{key.hexdigest()[:16]}.so"
+    try:
+        if not target.exists():
+            _build(compiler, target)
+        lib = ctypes.CDLL(str(target))
+    except subprocess.CalledProcessError as e:
+        _reason = f"building {SOURCE.name} failed: {e.stderr.strip()[-500:]}"
+        return None
+    except (OSError, subprocess.SubprocessError) as e:
+        _reason = f"building or loading {SOURCE.name} failed: {e}"
+        return None
+    if not lib.llmrun_available():
+        _reason = "this CPU lacks AVX-512"
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.llmrun_matvec.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, i64, ptr]
+    lib.llmrun_dequantize.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr]
+    return lib
+
+
+def available() -> bool:
+    """Whether the native kernels are built and usable on this machine."""
+    return _library() is not None
+
+
+def status() -> str:
+    """'native' or why the torch fallback is in use, for stats lines and bug reports."""
+    return "native" if available() else f"torch fallback: {_reason}"
+
+
+def _check(raw: torch.Tensor) -> None:
+    if raw.device.type != "cpu" or raw.dtype != torch.uint8 or raw.stride(-1) != 1:
+        raise ValueError("native kernels need CPU uint8 blocks with contiguous rows")
+
+
+def _n_cols(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> int:
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    return raw.shape[1] // type_size * block_size
+
+
+def matvec(raw: torch.Tensor, ggml_type: GGMLQuantizationType, x: torch.Tensor) -> torch.Tensor:
+    """x f32 `[m, n]` times the blocks `[rows, row_bytes]` transposed -> f32 `[m, rows]`."""
+    lib = _library()
+    assert lib is not None, status()
+    _check(raw)
+    x = x.contiguous()
+    m, n = x.shape
+    assert x.dtype == torch.float32 and n == _n_cols(raw, ggml_type)
+    y = torch.empty(m, raw.shape[0], dtype=torch.float32)
+    err = lib.llmrun_matvec(
+        int(ggml_type), raw.data_ptr(), raw.stride(0), raw.shape[0], x.data_ptr(), m, n,
+        y.data_ptr(),
+    )  # fmt: skip
+    if err:
+        raise ValueError(f"no native kernel for {ggml_type.name}")
+    return y
+
+
+def dequantize(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
+    """Blocks `[rows, row_bytes]` -> f32 `[rows, n]`, bit-exact with blocks.dequantize."""
+    lib = _library()
+    assert lib is not None, status()
+    _check(raw)
+    n = _n_cols(raw, ggml_type)
+    out = torch.empty(raw.shape[0], n, dtype=torch.float32)
+    err = lib.llmrun_dequantize(
+        int(ggml_type), raw.data_ptr(), raw.stride(0), raw.shape[0], n, out.data_ptr()
+    )
+    if err:
+        raise ValueError(f"no native kernel for {ggml_type.name}")
+    return out
