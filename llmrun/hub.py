@@ -672,7 +672,7 @@ def _stats(tensors: list[tuple[str, tuple[int, ...], int]]) -> dict[str, Any]:
         "parameters": params,
         "quant": max(types, key=lambda k: types[k]["bytes"]) if types else None,
         "bytes_per_weight": nbytes / params if params else None,
-        "tensor_types": types,
+        "tensor_types": dict(sorted(types.items(), key=lambda kv: -kv[1]["bytes"])),
     }
 
 
@@ -858,7 +858,9 @@ def _pull(name: HubName, progress: Progress) -> tuple[Path, Selection]:
         if sel.note:
             progress.on_notice(sel.note)
         hf_snap = _repo_dir(hf_cache_dir(), name.repo) / "snapshots" / info.sha
-        if all((hf_snap / f).is_file() for f in sel.files) and _complete(hf_snap, sel, "hf"):
+        if all((hf_snap / f).is_file() for f in sel.files) and _complete(
+            hf_snap, sel, "huggingface"
+        ):
             progress.on_notice(f"using {name} from the Hugging Face cache at {hf_snap}")
             return hf_snap, sel
         repo_dir = _repo_dir(cache_dir(), name.repo)
@@ -945,6 +947,11 @@ def _hub_errors(name: HubName, endpoint: str) -> Iterator[None]:
         ) from e
     except httpx2.TransportError as e:
         raise HubError(f"network error talking to {endpoint} ({e}); {resume}") from e
+    except OSError as e:
+        raise HubError(
+            f"cannot write to {e.filename or cache_dir()}: {e.strerror or e} "
+            "(LLMRUN_HOME moves llmrun's cache)"
+        ) from e
 
 
 def _has_token() -> bool:

@@ -242,7 +242,7 @@ def print_models(models: list[Any]) -> None:
 def print_model_info(info: dict[str, Any]) -> None:
     """The `llmrun show` details on stdout."""
     weights = ", ".join(
-        f"{kind} ({t['tensors']} tensors, {size(t['bytes'])})"
+        f"{kind} ({t['tensors']} tensor{'s' * (t['tensors'] != 1)}, {size(t['bytes'])})"
         for kind, t in info["tensor_types"].items()
     )
     per_weight = info["bytes_per_weight"]
