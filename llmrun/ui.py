@@ -8,6 +8,7 @@ stderr is a terminal. Nothing styled ever reaches a pipe.
 from __future__ import annotations
 
 import contextlib
+import csv
 import json
 import sys
 import time
@@ -19,9 +20,11 @@ from rich.filesize import decimal
 from rich.progress import (
     BarColumn,
     DownloadColumn,
+    MofNCompleteColumn,
     Progress,
     TaskID,
     TextColumn,
+    TimeElapsedColumn,
     TimeRemainingColumn,
     TransferSpeedColumn,
 )
@@ -267,3 +270,116 @@ def print_model_info(info: dict[str, Any]) -> None:
     ]
     for key, value in lines:
         sys.stdout.write(f"{key:<15}{value}\n")
+
+
+# ---- llmrun bench -----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def bench_progress(total_runs: int) -> Iterator[Any]:
+    """A reporter for bench.benchmark, called as (what is running, runs finished): a live
+    bar on a terminal's stderr, nothing in a pipe."""
+    if not _stderr.is_terminal:
+        yield lambda description, done: None
+        return
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=_stderr, transient=True) as progress:
+        task = progress.add_task("bench", total=total_runs)
+        yield lambda description, done: progress.update(task, description=description, advance=done)
+
+
+_BENCH_TEXT_COLUMNS = ("model", "quant", "device", "dtype", "test")
+
+
+def _bench_columns(records: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+    """(title, record -> cell) for the human tables; batch and roofline columns only
+    when the batch size varies or the roofline was measured."""
+
+    def fixed(key: str, digits: int) -> Any:
+        return lambda r: "-" if r[key] is None else f"{r[key]:.{digits}f}"
+
+    columns = [
+        ("model", lambda r: r["model"]),
+        ("quant", lambda r: r["quant"]),
+        ("size", lambda r: size(r["model_bytes"])),
+        ("params", lambda r: count(r["n_params"])),
+        ("weights/token", lambda r: size(r["weight_bytes_per_token"])),
+        ("device", lambda r: r["device"]),
+        ("dtype", lambda r: r["dtype"]),
+        ("threads", lambda r: str(r["threads"])),
+    ]
+    if len({r["n_batch"] for r in records}) > 1:
+        columns.append(("batch", lambda r: str(r["n_batch"])))
+    columns += [
+        ("test", lambda r: r["test"]),
+        ("t/s", lambda r: f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}"),
+        ("TTFT ms", fixed("ttft_ms", 1)),
+        ("GB/s", fixed("gbps", 2)),
+    ]
+    if any(r["roofline_gbps"] is not None for r in records):
+        columns += [
+            ("roofline GB/s", fixed("roofline_gbps", 1)),
+            ("% roofline", fixed("roofline_pct", 1)),
+        ]
+    columns += [
+        ("peak mem", lambda r: size(r["peak_memory_bytes"])),
+        ("load s", fixed("load_s", 2)),
+    ]
+    return columns
+
+
+def _bench_footer(records: list[dict[str, Any]]) -> str:
+    first = records[0]
+    accelerators = sorted({r["device_name"] for r in records if r["device"] != "cpu"})
+    sources = ", ".join(sorted({r["memory_source"] for r in records}))
+    return (
+        f"llmrun {first['llmrun_version']}, torch {first['torch_version']}, "
+        f"cpu: {first['cpu']}{''.join(f', {name}' for name in accelerators)}. "
+        f"t/s: mean ± sd of {first['repetitions']} runs after a warm-up; "
+        f"GB/s: weights/token x tg t/s; peak mem: {sources}"
+    )
+
+
+def _csv_cell(value: Any) -> Any:
+    if isinstance(value, list):
+        return " ".join(str(v) for v in value)
+    return "" if value is None else value
+
+
+def print_bench(records: list[dict[str, Any]], output: str | None = None) -> None:
+    """Bench results on stdout: `output` json, jsonl, csv or md, or by default a Rich
+    table on a terminal and markdown in a pipe."""
+    if output == "json":
+        sys.stdout.write(json.dumps(records, indent=2, ensure_ascii=False) + "\n")
+    elif output == "jsonl":
+        for record in records:
+            sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
+    elif output == "csv":
+        writer = csv.DictWriter(sys.stdout, fieldnames=list(records[0]), lineterminator="\n")
+        writer.writeheader()
+        for record in records:
+            writer.writerow({k: _csv_cell(v) for k, v in record.items()})
+    elif output is None and stdout_is_tty():
+        columns = _bench_columns(records)
+        table = Table(header_style="bold", caption=_bench_footer(records))
+        for title, _ in columns:
+            table.add_column(title, justify="left" if title in _BENCH_TEXT_COLUMNS else "right")
+        for record in records:
+            table.add_row(*(cell(record) for _, cell in columns))
+        Console(highlight=False).print(table)
+    else:
+        columns = _bench_columns(records)
+        lines = ["| " + " | ".join(title for title, _ in columns) + " |"]
+        lines.append(
+            "| "
+            + " | ".join("---" if t in _BENCH_TEXT_COLUMNS else "---:" for t, _ in columns)
+            + " |"
+        )
+        lines += ["| " + " | ".join(cell(r) for _, cell in columns) + " |" for r in records]
+        sys.stdout.write("\n".join(lines) + "\n\n" + _bench_footer(records) + "\n")
+    sys.stdout.flush()

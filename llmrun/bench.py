@@ -1,0 +1,406 @@
+"""`llmrun bench`: prompt-processing and generation speed, memory and bandwidth, as records.
+
+Tests follow llama-bench: ppP feeds P random token ids in chunks of the batch
+size, tgN runs N single-token decode steps, ppP+tgN does both as one test, each
+after D tokens already in the KV cache ("@ dD"). Every test runs once as a
+discarded warm-up, then `repetitions` times; the device is synchronized before
+each timestamp and tokens/s counts only the test's own tokens. The records are
+flat dicts (ui.py prints them), one per test, each carrying what is needed to
+compare results from different machines.
+"""
+
+from __future__ import annotations
+
+import gc
+import platform
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+from gguf import Keys, LlamaFileType
+from torch import nn
+
+from llmrun import __version__, api
+from llmrun.errors import UsageError
+from llmrun.generate import KVState, prefill
+from llmrun.loading import safetensors_io
+from llmrun.loading.loader import Checkpoint
+from llmrun.quant.linear import QuantEmbedding
+
+ROOFLINE_BYTES = 1 << 30  # far larger than any L3 cache, so the reads come from DRAM
+ROOFLINE_REPEATS = 5
+
+Progress = Callable[[str, int], None]  # (what is running now, runs just finished)
+
+
+@dataclass(frozen=True)
+class Test:
+    n_prompt: int
+    n_gen: int
+    n_depth: int
+    n_batch: int
+    threads: int | None
+
+    @property
+    def name(self) -> str:
+        parts = [f"pp{self.n_prompt}"] if self.n_prompt else []
+        parts += [f"tg{self.n_gen}"] if self.n_gen else []
+        depth = f" @ d{self.n_depth}" if self.n_depth else ""
+        return "+".join(parts) + depth
+
+    @property
+    def positions(self) -> int:
+        return self.n_depth + self.n_prompt + self.n_gen
+
+
+@dataclass
+class BenchOptions:
+    n_prompt: list[int]
+    n_gen: list[int]
+    pg: list[tuple[int, int]]
+    depths: list[int]
+    batches: list[int]
+    threads: list[int | None]
+    repetitions: int = 5
+    device: str = "auto"
+    dtype: str = "auto"
+    roofline: bool = False
+
+    def tests(self) -> list[Test]:
+        """Every test, in llama-bench's order: threads, batch, depth, then pp, tg, pg."""
+        sizes = [(p, 0) for p in self.n_prompt if p] + [(0, n) for n in self.n_gen if n]
+        sizes += self.pg
+        return [
+            Test(p, n, d, b, t)
+            for t in self.threads
+            for b in self.batches
+            for d in self.depths
+            for p, n in sizes
+        ]
+
+    def validate(self) -> None:
+        checks = [
+            ("-p/--n-prompt", self.n_prompt, 0),
+            ("-n/--n-gen", self.n_gen, 0),
+            ("-d/--n-depth", self.depths, 0),
+            ("-b/--batch-size", self.batches, 1),
+            ("-t/--threads", [t for t in self.threads if t is not None], 1),
+        ]
+        for flag, values, low in checks:
+            bad = [v for v in values if v < low]
+            if bad:
+                raise UsageError(f"{flag} must be at least {low}, got {bad[0]}")
+        for p, n in self.pg:
+            if p < 1 or n < 1:
+                raise UsageError(f"--pg needs a positive prompt and generation length, got {p},{n}")
+        if self.repetitions < 1:
+            raise UsageError(f"-r/--repetitions must be at least 1, got {self.repetitions}")
+        if not self.tests():
+            raise UsageError("nothing to run: -p and -n are both 0 and there is no --pg test")
+
+
+def parse_ints(flag: str, text: str) -> list[int]:
+    """A comma list of integers, like llama-bench's: "128,512" -> [128, 512]."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise UsageError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+    return values
+
+
+def parse_pg(text: str) -> tuple[int, int]:
+    """--pg "512,128" -> (512, 128)."""
+    values = parse_ints("--pg", text)
+    if len(values) != 2:
+        raise UsageError(f"--pg takes PROMPT,GEN (two integers), got {text!r}")
+    return values[0], values[1]
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    if sys.platform == "darwin":
+        result = subprocess.run(
+            ["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True
+        )
+        if result.returncode == 0 and result.stdout.strip():
+            return result.stdout.strip()
+    return platform.processor() or platform.machine()
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "mps":
+        return f"Apple MPS ({cpu_model()})"
+    return cpu_model()
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    elif device.type == "cpu":
+        # Linux: writing 5 resets the process's peak RSS (VmHWM) to its current RSS.
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            pass
+
+
+def peak_memory(device: torch.device) -> tuple[int, str]:
+    """(bytes, what was measured): CUDA's peak allocation, the MPS driver's current
+    allocation (it has no peak counter, but it caches freed blocks), or the process's
+    peak resident set size, which includes the mapped weights and Python itself."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "cuda max allocated"
+    if device.type == "mps":
+        return torch.mps.driver_allocated_memory(), "mps driver allocated"
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024, "peak rss"
+    except OSError:
+        pass
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return maxrss if sys.platform == "darwin" else maxrss * 1024, "peak rss"
+
+
+def read_bandwidth(
+    device: torch.device, nbytes: int = ROOFLINE_BYTES, repeats: int = ROOFLINE_REPEATS
+) -> float:
+    """The best GB/s of summing a buffer of `nbytes` with the current thread count:
+    the read bandwidth that decoding, which reads every weight once per token, can reach."""
+    buffer = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        buffer.sum()
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best / 1e9
+
+
+def weight_bytes_per_token(model: nn.Module) -> int:
+    """Bytes of weights one decode step reads: every parameter (linear weights and
+    biases, lm_head included, norms) in the form the model holds it (quantized
+    blocks or the compute dtype), except embedding tables, of which a lookup reads
+    one row. A tied lm_head reads the whole shared table, counted once."""
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            if isinstance(module, (nn.Embedding, QuantEmbedding)):
+                total += p.nbytes // p.shape[0]
+            elif id(p) not in seen:
+                seen.add(id(p))
+                total += p.nbytes
+    return total
+
+
+def disk_bytes(path: Path) -> int:
+    if path.is_dir():
+        return sum(f.stat().st_size for f in safetensors_io.safetensors_files(path))
+    return path.stat().st_size
+
+
+def quant_name(checkpoint: Checkpoint) -> str:
+    """The file's quantization as llama.cpp names it (Q4_K_M, F16, ...): the GGUF
+    general.file_type, else the storage type holding the most parameters."""
+    if checkpoint.gguf is not None:
+        file_type = checkpoint.gguf.get(Keys.General.FILE_TYPE)
+        if isinstance(file_type, int) and file_type in LlamaFileType._value2member_map_:
+            return LlamaFileType(file_type).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    types = checkpoint.weight_types
+    return max(types, key=types.get) if types else "-"
+
+
+def model_name(path: Path) -> str:
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def _random_ids(vocab_size: int, n: int, rng: random.Random) -> list[int]:
+    return [rng.randrange(vocab_size) for _ in range(n)]
+
+
+def _run_once(
+    engine: api.Engine, state: KVState, test: Test, ids: list[int]
+) -> tuple[float, float]:
+    """One timed run after the cached depth: (seconds, seconds to the first new token's logits)."""
+    device = engine.device
+    del state.tokens[test.n_depth :]
+    synchronize(device)
+    start = time.perf_counter()
+    first = None
+    if test.n_prompt:
+        prefill(engine.model, state, ids[: test.n_prompt], test.n_batch)
+        synchronize(device)
+        first = time.perf_counter() - start
+    for token in ids[test.n_prompt :]:
+        prefill(engine.model, state, [token], 1)
+        if first is None:
+            synchronize(device)
+            first = time.perf_counter() - start
+    synchronize(device)
+    return time.perf_counter() - start, first
+
+
+def run_test(
+    engine: api.Engine, test: Test, repetitions: int, progress: Progress
+) -> tuple[list[float], list[float]]:
+    """Seconds and seconds-to-first-token of each timed run, after one warm-up."""
+    rng = random.Random(0)
+    vocab = engine.tokenizer.vocab_size
+    state = engine.new_state(test.positions)
+    with torch.inference_mode():
+        if test.n_depth:
+            prefill(engine.model, state, _random_ids(vocab, test.n_depth, rng), test.n_batch)
+        seconds, firsts = [], []
+        for rep in range(repetitions + 1):
+            label = "warm-up" if rep == 0 else f"run {rep}/{repetitions}"
+            progress(f"{test.name} {label}", 0)
+            ids = _random_ids(vocab, test.n_prompt + test.n_gen, rng)
+            elapsed, first = _run_once(engine, state, test, ids)
+            if rep:
+                seconds.append(elapsed)
+                firsts.append(first)
+            progress(f"{test.name} {label}", 1)
+    return seconds, firsts
+
+
+def bench_model(
+    spec: str | None,
+    options: BenchOptions,
+    roofline: dict[int, float],
+    progress: Progress,
+) -> list[dict[str, Any]]:
+    """Load one model and run every test on it: one record per test."""
+    tests = options.tests()
+    longest = max(tests, key=lambda t: t.positions)
+    progress(f"loading {spec or 'stories260K'}", 0)
+    reset_peak_memory(api.pick_device(options.device))
+    engine = api.load(spec, options.device, options.dtype, ctx_size=longest.positions)
+    checkpoint = engine.checkpoint
+    max_positions = checkpoint.config.get("max_position_embeddings")
+    if max_positions and longest.positions > max_positions:
+        raise UsageError(
+            f"test {longest.name} needs {longest.positions} positions, but "
+            f"{model_name(engine.path)} holds {max_positions}; use smaller -p/-n/-d/--pg"
+        )
+    common = dict(
+        llmrun_version=__version__,
+        torch_version=torch.__version__,
+        device=engine.device.type,
+        device_name=device_name(engine.device),
+        cpu=cpu_model(),
+        model=model_name(engine.path),
+        model_path=str(engine.path),
+        architecture=checkpoint.config.get("model_type"),
+        format=checkpoint.format,
+        quant=quant_name(checkpoint),
+        n_params=checkpoint.n_params,
+        model_bytes=disk_bytes(engine.path),
+        weight_bytes_per_token=weight_bytes_per_token(engine.model),
+        dtype=str(engine.dtype).removeprefix("torch."),
+        load_s=engine.load_seconds,
+    )
+    records = []
+    for test in tests:
+        if test.threads is not None:
+            torch.set_num_threads(test.threads)
+        threads = torch.get_num_threads()
+        seconds, firsts = run_test(engine, test, options.repetitions, progress)
+        peak = peak_memory(engine.device)
+        records.append(_record(common, test, threads, seconds, firsts, peak, roofline.get(threads)))
+    return records
+
+
+def _record(
+    common: dict[str, Any],
+    test: Test,
+    threads: int,
+    seconds: list[float],
+    firsts: list[float],
+    peak: tuple[int, str],
+    roofline_gbps: float | None,
+) -> dict[str, Any]:
+    tokens = test.n_prompt + test.n_gen
+    samples = [tokens / s for s in seconds]
+    avg = statistics.fmean(samples)
+    # Bandwidth only for pure generation, where each token reads every weight once.
+    gbps = common["weight_bytes_per_token"] * avg / 1e9 if not test.n_prompt else None
+    return {
+        **common,
+        "threads": threads,
+        "test": test.name,
+        "n_prompt": test.n_prompt,
+        "n_gen": test.n_gen,
+        "n_depth": test.n_depth,
+        "n_batch": test.n_batch,
+        "repetitions": len(seconds),
+        "avg_ts": avg,
+        "stddev_ts": statistics.stdev(samples) if len(samples) > 1 else 0.0,
+        "samples_ts": samples,
+        "avg_s": statistics.fmean(seconds),
+        "ttft_ms": statistics.fmean(firsts) * 1e3,
+        "peak_memory_bytes": peak[0],
+        "memory_source": peak[1],
+        "gbps": gbps,
+        "roofline_gbps": roofline_gbps,
+        "roofline_pct": 100 * gbps / roofline_gbps if gbps is not None and roofline_gbps else None,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def total_runs(options: BenchOptions, n_models: int) -> int:
+    return n_models * len(options.tests()) * (options.repetitions + 1)
+
+
+def measure_rooflines(options: BenchOptions, nbytes: int = ROOFLINE_BYTES) -> dict[int, float]:
+    """Read bandwidth per thread count, measured before any model is loaded, so
+    its buffer never counts in a model's peak memory."""
+    device = api.pick_device(options.device)
+    counts = sorted({t if t is not None else torch.get_num_threads() for t in options.threads})
+    default = torch.get_num_threads()
+    result = {}
+    for threads in counts:
+        torch.set_num_threads(threads)
+        result[threads] = read_bandwidth(device, nbytes)
+    torch.set_num_threads(default)
+    return result
+
+
+def benchmark(
+    models: list[str | None], options: BenchOptions, progress: Progress | None = None
+) -> list[dict[str, Any]]:
+    """Run every test on every model, one model loaded at a time."""
+    options.validate()
+    report = progress or (lambda description, done: None)
+    if options.roofline:
+        report("measuring read bandwidth", 0)
+    roofline = measure_rooflines(options) if options.roofline else {}
+    records = []
+    for spec in models:
+        records += bench_model(spec, options, roofline, report)
+        gc.collect()  # free this model before the next one's peak memory is measured
+    return records
