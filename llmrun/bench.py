@@ -38,6 +38,7 @@ from llmrun.quant.linear import QuantEmbedding
 
 ROOFLINE_BYTES = 1 << 30  # far larger than any L3 cache, so the reads come from DRAM
 ROOFLINE_REPEATS = 5
+DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}  # as --dtype
 
 Progress = Callable[[str, int], None]  # (what is running now, runs just finished)
 
@@ -321,7 +322,7 @@ def bench_model(
         n_params=checkpoint.n_params,
         model_bytes=disk_bytes(engine.path),
         weight_bytes_per_token=weight_bytes_per_token(engine.model),
-        dtype=str(engine.dtype).removeprefix("torch."),
+        dtype=DTYPE_NAMES[engine.dtype],
         load_s=engine.load_seconds,
     )
     records = []

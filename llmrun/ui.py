@@ -294,6 +294,17 @@ def bench_progress(total_runs: int) -> Iterator[Any]:
 
 
 _BENCH_TEXT_COLUMNS = ("model", "quant", "device", "dtype", "test")
+# Facts about a loaded model rather than a test: on a terminal, a table of their own.
+_BENCH_MODEL_COLUMNS = (
+    "quant",
+    "size",
+    "params",
+    "weights/token",
+    "device",
+    "dtype",
+    "peak mem",
+    "load s",
+)
 
 
 def _bench_columns(records: list[dict[str, Any]]) -> list[tuple[str, Any]]:
@@ -322,15 +333,22 @@ def _bench_columns(records: list[dict[str, Any]]) -> list[tuple[str, Any]]:
         ("GB/s", fixed("gbps", 2)),
     ]
     if any(r["roofline_gbps"] is not None for r in records):
-        columns += [
-            ("roofline GB/s", fixed("roofline_gbps", 1)),
-            ("% roofline", fixed("roofline_pct", 1)),
-        ]
+        columns += [("max GB/s", fixed("roofline_gbps", 1)), ("% of max", fixed("roofline_pct", 1))]
     columns += [
         ("peak mem", lambda r: size(r["peak_memory_bytes"])),
         ("load s", fixed("load_s", 2)),
     ]
     return columns
+
+
+def _rich_table(columns: list[tuple[str, Any]], records: list[dict[str, Any]], **kwargs) -> Table:
+    table = Table(box=None, header_style="bold", pad_edge=False, collapse_padding=True, **kwargs)
+    for title, _ in columns:
+        justify = "left" if title in _BENCH_TEXT_COLUMNS else "right"
+        table.add_column(title, justify=justify, no_wrap=title in ("test", "t/s"))
+    for record in records:
+        table.add_row(*(cell(record) for _, cell in columns))
+    return table
 
 
 def _bench_footer(records: list[dict[str, Any]]) -> str:
@@ -365,13 +383,17 @@ def print_bench(records: list[dict[str, Any]], output: str | None = None) -> Non
         for record in records:
             writer.writerow({k: _csv_cell(v) for k, v in record.items()})
     elif output is None and stdout_is_tty():
+        # One row per model (its last record: peak memory only grows), then one per test,
+        # so that neither table is wider than a terminal.
         columns = _bench_columns(records)
-        table = Table(header_style="bold", caption=_bench_footer(records))
-        for title, _ in columns:
-            table.add_column(title, justify="left" if title in _BENCH_TEXT_COLUMNS else "right")
-        for record in records:
-            table.add_row(*(cell(record) for _, cell in columns))
-        Console(highlight=False).print(table)
+        models = {(r["model_path"], r["device"], r["dtype"]): r for r in records}
+        model_columns = [c for c in columns if c[0] == "model" or c[0] in _BENCH_MODEL_COLUMNS]
+        test_columns = [c for c in columns if c[0] not in _BENCH_MODEL_COLUMNS]
+        console = Console(highlight=False)
+        console.print(_rich_table(model_columns, list(models.values())))
+        console.print()
+        console.print(_rich_table(test_columns, records))
+        console.print(_bench_footer(records), style="dim")
     else:
         columns = _bench_columns(records)
         lines = ["| " + " | ".join(title for title, _ in columns) + " |"]
