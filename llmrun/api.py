@@ -118,6 +118,7 @@ def load(
     dtype: str = "auto",
     ctx_size: int | None = None,
     threads: int | None = None,
+    template_file: str | Path | None = None,
 ) -> Engine:
     if dtype not in DTYPES:
         raise UsageError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
@@ -136,7 +137,7 @@ def load(
         tokenizer = Tokenizer.from_gguf_metadata(checkpoint.gguf.metadata, str(path))
     else:
         tokenizer = load_tokenizer(path)
-    template = _chat_template(checkpoint, tokenizer)
+    template = _chat_template(checkpoint, tokenizer, template_file)
     max_positions = checkpoint.config.get("max_position_embeddings") or DEFAULT_CTX
     return Engine(
         name=str(spec) if spec else "stories260K (bundled)",
@@ -178,9 +179,17 @@ def _eos_ids(checkpoint: Checkpoint, tokenizer: Tokenizer) -> list[int]:
     return sorted(i for i in ids if 0 <= i < tokenizer.vocab_size)
 
 
-def _chat_template(checkpoint: Checkpoint, tokenizer: Tokenizer) -> ChatTemplate | None:
+def _chat_template(
+    checkpoint: Checkpoint, tokenizer: Tokenizer, template_file: str | Path | None
+) -> ChatTemplate | None:
+    """The chat template: --template FILE, else the model's own, else None."""
     source = None
-    if checkpoint.gguf is not None:
+    if template_file is not None:
+        try:
+            source = Path(template_file).expanduser().read_text(encoding="utf-8")
+        except OSError as e:
+            raise UsageError(f"--template {template_file}: {e.strerror or e}") from None
+    elif checkpoint.gguf is not None:
         source = checkpoint.gguf.get(Keys.Tokenizer.CHAT_TEMPLATE)
     else:
         jinja_file = checkpoint.path / "chat_template.jinja"

@@ -66,6 +66,10 @@ Verbose = Annotated[
     bool, typer.Option("--verbose", "-v", help="Print timings and token counts to stderr.")
 ]
 Debug = Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")]
+TemplateOpt = Annotated[
+    Path | None,
+    typer.Option("--template", help="Chat template file (Jinja) to use instead of the model's."),
+]
 
 
 def _version(value: bool) -> None:
@@ -137,6 +141,7 @@ def run(
     raw: Annotated[
         bool, typer.Option(help="Send the prompt as is, without the chat template.")
     ] = False,
+    template: TemplateOpt = None,
     show_prompt: Annotated[
         bool, typer.Option("--show-prompt", help="Print the prompt as fed to the model (stderr).")
     ] = False,
@@ -173,7 +178,12 @@ def run(
 
     with ui.status("loading model"):
         engine = api.load(
-            model_spec, device=device, dtype=dtype, ctx_size=ctx_size, threads=threads
+            model_spec,
+            device=device,
+            dtype=dtype,
+            ctx_size=ctx_size,
+            threads=threads,
+            template_file=template,
         )
     params = _sampling(
         engine,
@@ -213,6 +223,67 @@ def run(
         ui.end_text()
     if verbose:
         ui.print_stats(final.stats)
+
+
+@app.command()
+def chat(
+    model: Annotated[
+        str | None, typer.Argument(help="MODEL (default: the bundled stories260K)")
+    ] = None,
+    system: Annotated[str | None, typer.Option(help="System message.")] = None,
+    max_tokens: MaxTokens = None,
+    temperature: Temperature = None,
+    top_k: TopK = None,
+    top_p: TopP = None,
+    min_p: MinP = None,
+    repeat_penalty: RepeatPenalty = None,
+    repeat_last_n: RepeatLastN = None,
+    seed: Seed = None,
+    ctx_size: CtxSize = None,
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+    threads: Threads = None,
+    template: TemplateOpt = None,
+    context_overflow: Annotated[
+        str,
+        typer.Option(
+            "--context-overflow",
+            help="When the context is full: error, or shift out the oldest turns.",
+        ),
+    ] = "error",
+    verbose: Verbose = False,
+    debug: Debug = False,
+) -> None:
+    """Chat with a model in a REPL (or one message per line from a pipe)."""
+    DEBUG["on"] = debug
+    if max_tokens is not None and max_tokens < -1:
+        raise UsageError(f"--max-tokens must be >= -1, got {max_tokens}")
+    from llmrun import api
+    from llmrun.chat import ChatSession
+    from llmrun.repl import Repl
+
+    with ui.status("loading model"):
+        engine = api.load(
+            model,
+            device=device,
+            dtype=dtype,
+            ctx_size=ctx_size,
+            threads=threads,
+            template_file=template,
+        )
+    params = _sampling(
+        engine,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        repeat_penalty=repeat_penalty,
+        repeat_last_n=repeat_last_n,
+        seed=seed,
+    )
+    limit = None if max_tokens in (None, -1) else max_tokens
+    session = ChatSession(engine, params, limit, system=system, overflow=context_overflow)
+    Repl(session, interactive=ui.stdin_is_tty(), verbose=verbose).run()
 
 
 def _json_result(engine, text: str, final, logprobs) -> dict:

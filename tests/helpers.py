@@ -176,3 +176,54 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
+
+
+def chat_model_dir(
+    path: Path, template: str = "Qwen-Qwen2.5-7B-Instruct.jinja", context: int = 256
+) -> Path:
+    """A tiny random qwen2 model with a real chat template: stories260K's tokenizer
+    plus ChatML's two special tokens (ids 512 and 513)."""
+    import json
+
+    import transformers
+
+    config = transformers.AutoConfig.for_model(
+        **{
+            **BASE,
+            **CONFIGS["qwen2"],
+            "vocab_size": 514,
+            "eos_token_id": 513,
+            "max_position_embeddings": context,
+        }
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(path)
+    tok = json.loads((STORIES_HF / "tokenizer.json").read_text())
+    for i, content in enumerate(CHATML_TOKENS, start=512):
+        tok["added_tokens"].append(
+            dict(
+                id=i,
+                content=content,
+                single_word=False,
+                lstrip=False,
+                rstrip=False,
+                normalized=False,
+                special=True,
+            )
+        )
+    (path / "tokenizer.json").write_text(json.dumps(tok))
+    tok_config = {
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "add_bos_token": False,
+        "chat_template": (SHARED / "templates" / template).read_text(),
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    return path

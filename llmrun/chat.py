@@ -1,0 +1,203 @@
+"""A chat session: history, the model's template, and a KV cache kept across turns.
+
+Each turn renders the whole conversation and generates after it; the cache
+keeps the prefix shared with the previous turn, so only the new tokens are
+prefilled. No input or output happens here (see repl.py).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmrun.api import Engine
+from llmrun.chat_template import plain_transcript
+from llmrun.errors import ContextOverflowError, LlmrunError, UsageError
+from llmrun.generate import KVState, Response
+from llmrun.sampling import SamplingParams
+
+# /set PARAM VALUE: the settable parameters and their types.
+SETTABLE = {
+    "temperature": float,
+    "top_k": int,
+    "top_p": float,
+    "min_p": float,
+    "repeat_penalty": float,
+    "repeat_last_n": int,
+    "seed": int,
+    "max_tokens": int,
+}
+PLAIN_STOP = "\nUser:"
+WARN_FRACTION = 0.9
+
+
+@dataclass
+class Turn:
+    """What one reply did, for the caller to report."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    interrupted: bool = False
+    response: Response | None = None
+    dropped: int = 0  # messages removed by --context-overflow shift
+
+
+@dataclass
+class ChatSession:
+    engine: Engine
+    params: SamplingParams
+    max_tokens: int | None = None
+    system: str | None = None
+    overflow: str = "error"  # or "shift": drop the oldest turns to make room
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    state: KVState | None = None
+
+    def __post_init__(self) -> None:
+        if self.overflow not in ("error", "shift"):
+            raise UsageError(f"--context-overflow must be error or shift, got {self.overflow!r}")
+        if self.state is None:
+            self.state = self.engine.new_state()
+
+    @property
+    def uses_template(self) -> bool:
+        return self.engine.template is not None
+
+    @property
+    def context_size(self) -> int:
+        return self.state.capacity
+
+    @property
+    def context_used(self) -> int:
+        return len(self.state.tokens)
+
+    def conversation(self) -> list[dict[str, Any]]:
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return system + self.messages
+
+    def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        if self.uses_template:
+            text = self.engine.render(messages)
+        else:
+            text = plain_transcript(messages)
+        return self.engine.tokenizer.encode(text)
+
+    def send(self, text: str, turn: Turn | None = None) -> Iterator[str]:
+        """Add a user message and stream the reply's text. `turn` receives the
+        outcome; an interrupted reply (KeyboardInterrupt) is kept as it stands."""
+        self.messages.append({"role": "user", "content": text})
+        return self._reply(turn if turn is not None else Turn())
+
+    def retry(self, turn: Turn | None = None) -> Iterator[str]:
+        """Regenerate the last reply."""
+        if not self.messages or self.messages[-1]["role"] != "assistant":
+            raise UsageError("nothing to retry: there is no reply yet")
+        self.messages.pop()
+        return self._reply(turn if turn is not None else Turn())
+
+    def undo(self) -> None:
+        """Drop the last exchange (the user message and its reply)."""
+        if not self.messages:
+            raise UsageError("nothing to undo")
+        while self.messages and self.messages.pop()["role"] != "user":
+            pass
+
+    def clear(self) -> None:
+        """Start a new conversation (the system message stays)."""
+        self.messages.clear()
+        self.state.tokens.clear()
+
+    def set_param(self, name: str, value: str) -> None:
+        if name not in SETTABLE:
+            raise UsageError(f"unknown parameter {name!r} (settable: {', '.join(SETTABLE)})")
+        try:
+            parsed = SETTABLE[name](value)
+        except ValueError:
+            raise UsageError(f"{name} needs a {SETTABLE[name].__name__}, got {value!r}") from None
+        if name == "max_tokens":
+            self.max_tokens = None if parsed < 0 else parsed
+        else:
+            self.params = self.params.updated(**{name: parsed})
+
+    def save(self, path: str | Path) -> None:
+        data = {"system": self.system, "messages": self.messages}
+        try:
+            Path(path).expanduser().write_text(
+                json.dumps(data, ensure_ascii=False, indent=2) + "\n"
+            )
+        except OSError as e:
+            raise LlmrunError(f"cannot save to {path}: {e.strerror or e}") from None
+
+    def load(self, path: str | Path) -> None:
+        try:
+            data = json.loads(Path(path).expanduser().read_text())
+        except OSError as e:
+            raise LlmrunError(f"cannot load {path}: {e.strerror or e}") from None
+        except json.JSONDecodeError as e:
+            raise LlmrunError(f"{path}: not a saved conversation ({e})") from None
+        messages = data.get("messages") if isinstance(data, dict) else None
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict)
+            and m.get("role") in ("user", "assistant")
+            and isinstance(m.get("content"), str)
+            for m in messages
+        ):
+            raise LlmrunError(
+                f"{path}: not a saved conversation (expected messages with role and content)"
+            )
+        self.system = data.get("system") or self.system
+        self.messages = messages
+
+    def _fit(self, turn: Turn) -> list[int]:
+        """The prompt for the conversation, dropping old turns if allowed and needed."""
+        room = (
+            max(self.context_size // 8, 1)
+            if self.max_tokens is None
+            else min(self.max_tokens, self.context_size // 2)
+        )
+        while True:
+            ids = self.prompt_ids(self.conversation())
+            if len(ids) + room <= self.context_size:
+                return ids
+            if self.overflow != "shift" or len(self.messages) <= 1:
+                self.messages.pop()
+                raise ContextOverflowError(
+                    f"the conversation needs {len(ids)} tokens plus room for a reply, but the context "
+                    f"holds {self.context_size}: /clear to start over, or use --context-overflow shift"
+                    f" (or a larger --ctx-size)"
+                )
+            # Drop the oldest exchange; the system message is never dropped.
+            self.messages.pop(0)
+            turn.dropped += 1
+            while self.messages and self.messages[0]["role"] != "user":
+                self.messages.pop(0)
+                turn.dropped += 1
+
+    def _reply(self, turn: Turn) -> Iterator[str]:
+        prompt = self._fit(turn)
+        stop = () if self.uses_template else (PLAIN_STOP,)
+        pieces: list[str] = []
+        try:
+            for response in self.engine.generate(
+                prompt, self.params, self.max_tokens, stop=stop, state=self.state
+            ):
+                turn.response = response
+                text = response.text
+                if not self.uses_template and not pieces:
+                    text = text.lstrip()  # the reply to "Assistant:" starts with a space
+                if text:
+                    pieces.append(text)
+                    yield text
+            turn.finish_reason = turn.response.finish_reason if turn.response else None
+        except KeyboardInterrupt:
+            turn.interrupted = True
+        finally:
+            turn.text = "".join(pieces)
+            reply = turn.text.rstrip() if not self.uses_template else turn.text
+            self.messages.append({"role": "assistant", "content": reply})
+
+    @property
+    def near_full(self) -> bool:
+        return self.context_used >= WARN_FRACTION * self.context_size

@@ -1,0 +1,216 @@
+"""The `llmrun chat` loop: read input, run slash commands, stream replies.
+
+On a terminal: a `>>> ` prompt with readline editing and history kept in the
+state dir, multi-line input between \"\"\" lines, Ctrl-C to stop a reply,
+Ctrl-D or /bye to leave. With stdin not a terminal: one message per line, each
+reply printed as plain text followed by a blank line, until EOF.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+
+from llmrun import paths, ui
+from llmrun.chat import SETTABLE, ChatSession, Turn
+from llmrun.errors import LlmrunError
+
+HELP = """Commands:
+  /help                 this help
+  /bye, /exit           leave (Ctrl-D too)
+  /clear                start a new conversation
+  /system TEXT          set the system message
+  /set PARAM VALUE      set a parameter: {params}
+  /show                 model, parameters and context use
+  /save FILE            save the conversation as JSON
+  /load FILE            load a saved conversation
+  /retry                regenerate the last reply
+  /undo                 drop the last exchange
+Use \"\"\" to begin and end a multi-line message. Ctrl-C stops a reply.""".format(
+    params=", ".join(SETTABLE)
+)
+MULTILINE = '"""'
+
+
+class Repl:
+    def __init__(self, session: ChatSession, interactive: bool, verbose: bool = False) -> None:
+        self.session = session
+        self.interactive = interactive
+        self.verbose = verbose
+        self.commands: dict[str, Callable[[str], bool | None]] = {
+            "/help": lambda _: ui.info(HELP),
+            "/?": lambda _: ui.info(HELP),
+            "/bye": lambda _: True,
+            "/exit": lambda _: True,
+            "/clear": self._clear,
+            "/system": self._system,
+            "/set": self._set,
+            "/show": lambda _: ui.info(self._show()),
+            "/save": self._save,
+            "/load": self._load,
+            "/retry": lambda _: self._stream(self.session.retry),
+            "/undo": self._undo,
+        }
+
+    def run(self) -> None:
+        if not self.session.uses_template:
+            ui.info(
+                "note: this model has no chat template; using a plain User:/Assistant: transcript"
+            )
+        if self.interactive:
+            _setup_readline()
+            ui.info("Type a message, /help for commands, Ctrl-D or /bye to leave.")
+        for text in self._inputs():
+            try:
+                if text.startswith("/") and not text.startswith("//"):
+                    if self._command(text):
+                        return
+                elif text.strip():
+                    self._stream(lambda turn, text=text: self.session.send(text, turn))
+            except LlmrunError as e:
+                if not self.interactive:
+                    raise
+                ui.error(str(e))
+
+    def _inputs(self) -> Iterator[str]:
+        if not self.interactive:
+            for line in sys.stdin:
+                yield line.rstrip("\n")
+            return
+        while True:
+            try:
+                line = input(">>> ")
+                if line.lstrip().startswith(MULTILINE):
+                    line = self._multiline(line.lstrip()[len(MULTILINE) :])
+            except EOFError:
+                ui.write("\n")
+                return
+            except KeyboardInterrupt:
+                ui.write("\n")
+                ui.info("Use Ctrl-D or /bye to exit.")
+                continue
+            yield line
+
+    def _multiline(self, first: str) -> str:
+        lines = [first] if first else []
+        if first.endswith(MULTILINE):
+            return first[: -len(MULTILINE)]
+        while True:
+            line = input("... ")
+            if line.rstrip().endswith(MULTILINE):
+                lines.append(line.rstrip()[: -len(MULTILINE)])
+                return "\n".join(lines).strip("\n")
+            lines.append(line)
+
+    def _command(self, text: str) -> bool:
+        name, _, arg = text.partition(" ")
+        handler = self.commands.get(name.lower())
+        if handler is None:
+            ui.warn(f"unknown command {name}; /help lists the commands")
+            return False
+        return bool(handler(arg.strip()))
+
+    def _stream(self, start: Callable[[Turn], Iterator[str]]) -> None:
+        turn = Turn()
+        pieces = start(turn)
+        try:
+            for piece in pieces:
+                ui.write(piece)
+        except KeyboardInterrupt:
+            turn.interrupted = True
+        finally:
+            pieces.close()
+        ui.write("\n\n" if not self.interactive else "\n")
+        if turn.interrupted:
+            ui.info("(stopped)")
+        if turn.dropped:
+            ui.warn(f"the context was full: dropped the {turn.dropped} oldest messages")
+        if (
+            turn.finish_reason == "length"
+            and self.session.context_used >= self.session.context_size
+        ):
+            ui.warn("the context is full: /clear to start over")
+        elif self.session.near_full:
+            ui.warn(f"context {self._usage()} used; /clear starts over")
+        if self.verbose and turn.response is not None:
+            ui.print_stats(turn.response.stats)
+
+    def _usage(self) -> str:
+        s = self.session
+        return f"{s.context_used}/{s.context_size} tokens ({100 * s.context_used / s.context_size:.0f}%)"
+
+    def _show(self) -> str:
+        s = self.session
+        engine = s.engine
+        p = s.params
+        lines = [
+            f"model: {engine.name} ({engine.path})",
+            f"architecture: {engine.checkpoint.config.get('model_type')}, {engine.checkpoint.n_params:,} parameters",
+            f"device: {engine.device.type}, dtype: {str(engine.dtype).removeprefix('torch.')}",
+            f"template: {'the model' + chr(39) + 's own' if s.uses_template else 'plain User:/Assistant: transcript'}",
+            f"system: {s.system or '(none)'}",
+            f"context: {self._usage()}",
+            f"parameters: temperature={p.temperature} top_k={p.top_k} top_p={p.top_p} min_p={p.min_p} "
+            f"repeat_penalty={p.repeat_penalty} repeat_last_n={p.repeat_last_n} seed={p.seed} "
+            f"max_tokens={s.max_tokens if s.max_tokens is not None else -1}",
+        ]
+        return "\n".join(lines)
+
+    def _clear(self, _: str) -> None:
+        self.session.clear()
+        ui.info("new conversation")
+
+    def _system(self, text: str) -> None:
+        self.session.system = text or None
+        ui.info("system message set" if text else "system message cleared")
+
+    def _set(self, arg: str) -> None:
+        name, _, value = arg.partition(" ")
+        if not value:
+            ui.warn(f"usage: /set PARAM VALUE ({', '.join(SETTABLE)})")
+            return
+        self.session.set_param(name, value.strip())
+        ui.info(f"{name} = {value.strip()}")
+
+    def _save(self, path: str) -> None:
+        if not path:
+            ui.warn("usage: /save FILE")
+            return
+        self.session.save(path)
+        ui.info(f"saved {len(self.session.messages)} messages to {path}")
+
+    def _load(self, path: str) -> None:
+        if not path:
+            ui.warn("usage: /load FILE")
+            return
+        self.session.load(path)
+        ui.info(f"loaded {len(self.session.messages)} messages from {path}")
+
+    def _undo(self, _: str) -> None:
+        self.session.undo()
+        ui.info("dropped the last exchange")
+
+
+def _setup_readline() -> None:
+    try:
+        import readline
+    except ImportError:  # e.g. Windows without pyreadline: plain input() still works
+        return
+    history = paths.state_dir() / "chat_history"
+    try:
+        history.parent.mkdir(parents=True, exist_ok=True)
+        if history.exists():
+            readline.read_history_file(history)
+    except OSError:
+        return
+    readline.set_history_length(1000)
+    import atexit
+
+    atexit.register(_save_history, readline, history)
+
+
+def _save_history(readline, history) -> None:
+    try:
+        readline.write_history_file(history)
+    except OSError:
+        pass

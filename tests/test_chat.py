@@ -1,0 +1,142 @@
+"""Chat sessions: template use, KV prefix reuse, history commands, context limits."""
+
+import json
+
+import pytest
+import torch
+from helpers import chat_model_dir
+
+from llmrun import api
+from llmrun.chat import ChatSession, Turn
+from llmrun.errors import ContextOverflowError, UsageError
+from llmrun.generate import KVState, prefill, reuse_prefix
+from llmrun.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    return api.load(str(chat_model_dir(tmp_path_factory.mktemp("chat") / "m")), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def stories():
+    return api.load(None, device="cpu")
+
+
+def reply(session: ChatSession, text: str) -> Turn:
+    turn = Turn()
+    for _ in session.send(text, turn):
+        pass
+    return turn
+
+
+def test_second_turn_prefills_only_new_tokens_and_matches_a_fresh_prefill(engine):
+    session = ChatSession(engine, GREEDY, max_tokens=6, system="Be brief.")
+    first = reply(session, "Hello there")
+    assert first.response.stats.prompt_processed == first.response.stats.prompt_tokens
+    cached = list(session.state.tokens)
+
+    second = reply(session, "Tell me a story")
+    stats = second.response.stats
+    assert stats.prompt_processed < stats.prompt_tokens / 2
+
+    # The logits after reusing the cached prefix equal those of a fresh prefill of the
+    # whole conversation (1e-5: only the chunking of the arithmetic differs).
+    session.messages.append({"role": "user", "content": "And then?"})
+    prompt = session.prompt_ids(session.conversation())
+    reused = KVState(session.state.cache, cached + [t for t in session.state.tokens[len(cached) :]])
+    kept = reuse_prefix(reused, prompt)
+    assert kept > len(cached)
+    with torch.no_grad():
+        incremental = prefill(engine.model, reused, prompt[kept:])
+        fresh = prefill(engine.model, engine.new_state(), prompt)
+    torch.testing.assert_close(incremental, fresh, atol=1e-5, rtol=0)
+
+
+def test_template_is_applied_and_history_kept(engine):
+    session = ChatSession(engine, GREEDY, max_tokens=4)
+    reply(session, "Hi")
+    reply(session, "Again")
+    assert [m["role"] for m in session.messages] == ["user", "assistant", "user", "assistant"]
+    text = engine.tokenizer.decode(session.prompt_ids(session.conversation()), skip_special=False)
+    assert text.startswith("<|im_start|>system\nYou are Qwen")
+    assert "<|im_start|>user\nAgain<|im_end|>" in text
+
+
+def test_undo_retry_clear(engine):
+    session = ChatSession(engine, GREEDY, max_tokens=4)
+    reply(session, "One")
+    reply(session, "Two")
+    session.undo()
+    assert [m["content"] for m in session.messages if m["role"] == "user"] == ["One"]
+    before = session.messages[-1]["content"]
+    turn = Turn()
+    assert "".join(session.retry(turn)) == before  # greedy: the same reply again
+    assert len(session.messages) == 2
+    session.clear()
+    assert session.messages == [] and session.context_used == 0
+    with pytest.raises(UsageError):
+        session.undo()
+    with pytest.raises(UsageError):
+        session.retry()
+
+
+def test_set_param(engine):
+    session = ChatSession(engine, GREEDY)
+    session.set_param("temperature", "0.5")
+    session.set_param("top_k", "7")
+    session.set_param("max_tokens", "12")
+    assert (
+        session.params.temperature == 0.5 and session.params.top_k == 7 and session.max_tokens == 12
+    )
+    with pytest.raises(UsageError, match="unknown parameter"):
+        session.set_param("warmth", "1")
+    with pytest.raises(UsageError, match="needs a int"):
+        session.set_param("top_k", "many")
+
+
+def test_save_and_load(engine, tmp_path):
+    session = ChatSession(engine, GREEDY, max_tokens=3, system="S")
+    reply(session, "Héllo 👋")
+    session.save(tmp_path / "c.json")
+    data = json.loads((tmp_path / "c.json").read_text())
+    assert data["system"] == "S" and data["messages"][0]["content"] == "Héllo 👋"
+    other = ChatSession(engine, GREEDY)
+    other.load(tmp_path / "c.json")
+    assert other.messages == session.messages and other.system == "S"
+    (tmp_path / "bad.json").write_text('{"messages": [{"role": "wizard"}]}')
+    with pytest.raises(Exception, match="not a saved conversation"):
+        other.load(tmp_path / "bad.json")
+
+
+def test_context_overflow_error_and_shift(stories):
+    small = stories.new_state(64)
+    session = ChatSession(stories, GREEDY, max_tokens=8, state=small)
+    reply(session, "Once upon a time there was a cat")
+    with pytest.raises(ContextOverflowError, match="/clear"):
+        reply(session, "The cat had a big red ball and a little dog " * 2)
+    assert session.messages[-1]["role"] == "assistant"  # the refused message is not kept
+
+    shifting = ChatSession(
+        stories,
+        GREEDY,
+        max_tokens=8,
+        system="Tell stories.",
+        overflow="shift",
+        state=stories.new_state(64),
+    )
+    reply(shifting, "Once upon a time there was a cat")
+    turn = reply(shifting, "The cat had a big red ball and a little dog")
+    assert turn.dropped == 2
+    assert shifting.conversation()[0] == {"role": "system", "content": "Tell stories."}
+    assert shifting.messages[0]["content"].startswith("The cat had")
+
+
+def test_model_without_template_uses_a_plain_transcript(stories):
+    session = ChatSession(stories, GREEDY, max_tokens=30)
+    turn = reply(session, "Tell me about Lily.")
+    text = stories.tokenizer.decode(session.prompt_ids(session.conversation()))
+    assert text.startswith("User: Tell me about Lily.\nAssistant:")
+    assert "\nUser:" not in turn.text  # the plain transcript's turn marker stops the reply

@@ -1,0 +1,173 @@
+"""`llmrun chat` driven as a user would: in a pseudo-terminal, and through a pipe."""
+
+import os
+import subprocess
+import sys
+
+import pexpect
+import pytest
+from helpers import chat_model_dir
+
+PROMPT = ">>> "
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    return chat_model_dir(tmp_path_factory.mktemp("repl") / "m", context=4096)
+
+
+@pytest.fixture
+def home(tmp_path):
+    return tmp_path / "home"
+
+
+def spawn(home, *args):
+    env = {**os.environ, "LLMRUN_HOME": str(home), "TERM": "dumb", "COLUMNS": "200"}
+    child = pexpect.spawn(
+        sys.executable, ["-m", "llmrun", "chat", *args], env=env, encoding="utf-8", timeout=90
+    )
+    child.expect_exact(PROMPT)
+    return child
+
+
+def test_multi_turn_commands_and_ctrl_d(home, tmp_path):
+    child = spawn(home, "-n", "12", "--temperature", "0")
+    child.sendline("Once upon a time")
+    child.expect_exact(PROMPT)
+    first_reply = child.before
+    child.sendline("/show")
+    child.expect("context: (\\d+)/2048 tokens")
+    assert int(child.match.group(1)) > 5
+    child.expect_exact(PROMPT)
+    child.sendline("/set temperature 0.7")
+    child.expect_exact("temperature = 0.7")
+    child.expect_exact(PROMPT)
+    child.sendline("/set warmth 3")
+    child.expect_exact("unknown parameter 'warmth'")
+    child.expect_exact(PROMPT)
+    child.sendline("/system Tell short stories.")
+    child.expect_exact("system message set")
+    child.expect_exact(PROMPT)
+    child.sendline("/set temperature 0")
+    child.expect_exact(PROMPT)
+    child.sendline("/retry")
+    child.expect_exact(PROMPT)
+    child.sendline(f"/save {tmp_path / 'conv.json'}")
+    child.expect_exact("saved 2 messages")
+    child.expect_exact(PROMPT)
+    child.sendline("/undo")
+    child.expect_exact("dropped the last exchange")
+    child.expect_exact(PROMPT)
+    child.sendline("/clear")
+    child.expect_exact("new conversation")
+    child.expect_exact(PROMPT)
+    child.sendline(f"/load {tmp_path / 'conv.json'}")
+    child.expect_exact("loaded 2 messages")
+    child.expect_exact(PROMPT)
+    child.sendline("/frobnicate")
+    child.expect_exact("unknown command /frobnicate; /help lists the commands")
+    child.expect_exact(PROMPT)
+    child.sendline("/help")
+    child.expect_exact("/retry")
+    child.expect_exact(PROMPT)
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    assert first_reply.strip()
+
+
+def test_multiline_input_and_history_across_sessions(home):
+    child = spawn(home, "-n", "4", "--temperature", "0")
+    child.sendline('"""Once upon')
+    child.expect_exact("... ")
+    child.sendline('a time"""')
+    child.expect_exact(PROMPT)
+    child.sendline("/show")
+    child.expect_exact(PROMPT)
+    child.sendline("/bye")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+    again = spawn(home, "-n", "4", "--temperature", "0")
+    again.send("\x1b[A")  # up arrow: the last line of the previous session
+    again.expect_exact("/bye")
+    again.send("\x1b[A")
+    again.expect_exact("show")  # readline redraws only what differs from "/bye"
+    again.sendline("")
+    again.expect("context: \\d+/2048")
+    again.expect_exact(PROMPT)
+    again.sendline("/exit")
+    again.expect(pexpect.EOF)
+
+
+def test_ctrl_c_stops_a_reply_keeps_it_and_the_session_goes_on(home, chat_model):
+    child = spawn(home, str(chat_model), "-n", "-1", "--temperature", "1", "--seed", "3")
+    child.sendline("Write forever")
+    child.expect(".{40}")  # the reply is streaming
+    child.sendintr()
+    child.expect_exact("(stopped)")
+    child.expect_exact(PROMPT)
+    child.sendline("/show")
+    child.expect("context: (\\d+)/4096")
+    used = int(child.match.group(1))
+    assert 40 < used < 4000
+    child.expect_exact(PROMPT)
+    child.sendline("/set max_tokens 3")
+    child.expect_exact(PROMPT)
+    child.sendline("And now?")
+    child.expect_exact(PROMPT)
+    child.sendintr()  # Ctrl-C at an empty prompt: a hint, not an exit
+    child.expect_exact("Use Ctrl-D or /bye to exit.")
+    child.sendline("/bye")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def test_template_model_multi_turn(home, chat_model):
+    child = spawn(home, str(chat_model), "-n", "5", "--temperature", "0", "--verbose")
+    child.sendline("Hello")
+    child.expect("prompt: (\\d+) tokens \\((\\d+) processed\\)")
+    assert child.match.group(1) == child.match.group(2)
+    child.expect_exact(PROMPT)
+    child.sendline("Again")
+    child.expect("prompt: (\\d+) tokens \\((\\d+) processed\\)")
+    total, processed = int(child.match.group(1)), int(child.match.group(2))
+    assert processed < total / 2  # only the new turn is prefilled
+    child.expect_exact(PROMPT)
+    child.sendeof()
+    child.expect(pexpect.EOF)
+
+
+def test_piped_chat_has_exact_greedy_output(home):
+    env = {**os.environ, "LLMRUN_HOME": str(home)}
+    result = subprocess.run(
+        [sys.executable, "-m", "llmrun", "chat", "-n", "20", "--temperature", "0"],
+        input="Once upon a time\nWhat did Lily do?\n",
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    replies = result.stdout.split("\n\n")
+    assert len(replies) == 3 and replies[2] == ""
+    # Each reply equals a fresh greedy generation after the whole transcript so far.
+    from llmrun import api
+    from llmrun.chat_template import plain_transcript
+    from llmrun.sampling import SamplingParams
+
+    engine = api.load(None, device="cpu")
+    messages = []
+    for user, expected in zip(["Once upon a time", "What did Lily do?"], replies[:2], strict=True):
+        messages.append({"role": "user", "content": user})
+        ids = engine.tokenizer.encode(plain_transcript(messages))
+        text = "".join(
+            r.text
+            for r in engine.generate(ids, SamplingParams(temperature=0), 20, stop=["\nUser:"])
+        )
+        assert expected == text.strip()
+        messages.append({"role": "assistant", "content": expected})
+    assert "no chat template" in result.stderr
