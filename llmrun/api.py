@@ -31,12 +31,13 @@ DTYPES = ("auto", "f32", "bf16", "f16")
 DEFAULT_CTX = 4096
 
 
-def resolve(spec: str | None) -> Path:
+def resolve(spec: str | None, progress: Any = None) -> Path:
     """Local path of MODEL: the bundled model for None, else what hub.py makes of
-    the name (a local file or directory as is, a Hub name pulled if needed)."""
+    the name (a local file or directory as is, a Hub name pulled if needed, with
+    `progress` reporting the download)."""
     from llmrun import hub
 
-    return hub.resolve_model(spec or paths.BUNDLED_MODEL.stem)
+    return hub.resolve_model(spec or paths.BUNDLED_MODEL.stem, progress=progress)
 
 
 def pick_device(name: str) -> torch.device:
@@ -119,7 +120,9 @@ def load(
     ctx_size: int | None = None,
     threads: int | None = None,
     template_file: str | Path | None = None,
+    path: Path | None = None,
 ) -> Engine:
+    """Load MODEL (`path`, when given, is where it already resolved to)."""
     if dtype not in DTYPES:
         raise UsageError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     if ctx_size is not None and ctx_size < 1:
@@ -129,7 +132,7 @@ def load(
             raise UsageError(f"--threads must be positive, got {threads}")
         torch.set_num_threads(threads)
     torch_device = pick_device(device)
-    path = resolve(spec)
+    path = path or resolve(spec)
     start = time.perf_counter()
     loaded = load_model(path, torch_device, dtype)
     checkpoint = loaded.checkpoint

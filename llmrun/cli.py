@@ -115,6 +115,16 @@ def _split_model_and_prompt(args: list[str], model: str | None) -> tuple[str | N
     return args[0], " ".join(args[1:])
 
 
+def _load(spec: str | None, **options):
+    """Resolve MODEL (download bars if it must be pulled), then load it under a spinner."""
+    from llmrun import api
+
+    with ui.download_progress() as progress:
+        path = api.resolve(spec, progress)
+    with ui.status("loading model"):
+        return api.load(spec, path=path, **options)
+
+
 def _sampling(engine, **flags):
     return engine.defaults.updated(**flags)
 
@@ -174,17 +184,14 @@ def run(
     if max_tokens is not None and max_tokens < -1:
         raise UsageError(f"--max-tokens must be >= -1, got {max_tokens}")
 
-    from llmrun import api
-
-    with ui.status("loading model"):
-        engine = api.load(
-            model_spec,
-            device=device,
-            dtype=dtype,
-            ctx_size=ctx_size,
-            threads=threads,
-            template_file=template,
-        )
+    engine = _load(
+        model_spec,
+        device=device,
+        dtype=dtype,
+        ctx_size=ctx_size,
+        threads=threads,
+        template_file=template,
+    )
     params = _sampling(
         engine,
         temperature=temperature,
@@ -258,19 +265,17 @@ def chat(
     DEBUG["on"] = debug
     if max_tokens is not None and max_tokens < -1:
         raise UsageError(f"--max-tokens must be >= -1, got {max_tokens}")
-    from llmrun import api
     from llmrun.chat import ChatSession
     from llmrun.repl import Repl
 
-    with ui.status("loading model"):
-        engine = api.load(
-            model,
-            device=device,
-            dtype=dtype,
-            ctx_size=ctx_size,
-            threads=threads,
-            template_file=template,
-        )
+    engine = _load(
+        model,
+        device=device,
+        dtype=dtype,
+        ctx_size=ctx_size,
+        threads=threads,
+        template_file=template,
+    )
     params = _sampling(
         engine,
         temperature=temperature,
