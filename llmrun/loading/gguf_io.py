@@ -396,7 +396,12 @@ def generation_defaults(gg: GGUFFile) -> dict[str, Any]:
         Keys.General.SAMPLING_PENALTY_REPEAT: "repeat_penalty",
         Keys.General.SAMPLING_PENALTY_LAST_N: "repeat_last_n",
     }
-    return {ours: gg.metadata[key] for key, ours in names.items() if key in gg.metadata}
+    # Stored as float32: 0.3 reads back as 0.30000001192..., so keep 7 significant digits.
+    return {
+        ours: float(f"{value:.7g}") if isinstance(value, float) else value
+        for key, ours in names.items()
+        if (value := gg.metadata.get(key)) is not None
+    }
 
 
 def token_id(gg: GGUFFile, key: str) -> int | None:

@@ -1,0 +1,90 @@
+"""Engine defaults come from the model files: sampling settings and every EOS id."""
+
+import json
+import shutil
+
+import gguf
+import numpy as np
+from helpers import STORIES_GGUF, STORIES_HF
+
+from llmrun import api
+from llmrun.loading.gguf_io import read_gguf
+
+
+def hf_copy(tmp_path, generation_config):
+    path = tmp_path / "m"
+    shutil.copytree(STORIES_HF, path)
+    (path / "generation_config.json").write_text(json.dumps(generation_config))
+    return path
+
+
+def test_llama_cpp_defaults_when_the_model_has_none():
+    d = api.load(None, device="cpu").defaults
+    assert (d.temperature, d.top_k, d.top_p, d.min_p, d.repeat_penalty) == (
+        0.8,
+        40,
+        0.95,
+        0.05,
+        1.0,
+    )
+
+
+def test_generation_config_sets_defaults_and_eos_list(tmp_path):
+    path = hf_copy(
+        tmp_path,
+        {
+            "do_sample": True,
+            "temperature": 0.6,
+            "top_p": 0.9,
+            "top_k": 20,
+            "repetition_penalty": 1.1,
+            "eos_token_id": [2, 5],
+        },
+    )
+    engine = api.load(str(path), device="cpu")
+    d = engine.defaults
+    assert (d.temperature, d.top_k, d.top_p, d.repeat_penalty, d.min_p) == (0.6, 20, 0.9, 1.1, 0.05)
+    assert {2, 5} <= set(engine.eos_ids)
+
+
+def test_do_sample_false_means_greedy(tmp_path):
+    engine = api.load(str(hf_copy(tmp_path, {"do_sample": False})), device="cpu")
+    assert engine.defaults.temperature == 0.0
+
+
+def test_gguf_sampling_metadata_sets_defaults(tmp_path):
+    source = read_gguf(STORIES_GGUF)
+    path = tmp_path / "sampling.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in source.metadata.items():
+        if key == "general.architecture":
+            continue
+        if isinstance(value, list):
+            sub = {
+                str: gguf.GGUFValueType.STRING,
+                float: gguf.GGUFValueType.FLOAT32,
+                int: gguf.GGUFValueType.INT32,
+            }
+            writer.add_key_value(key, value, gguf.GGUFValueType.ARRAY, sub_type=sub[type(value[0])])
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_uint32(key, value)
+    writer.add_sampling_temp(0.3)
+    writer.add_sampling_top_k(7)
+    writer.add_sampling_penalty_repeat(1.2)
+    for info in source.tensors.values():
+        data = np.frombuffer(
+            source.buffer, dtype=np.float32, count=info.nbytes // 4, offset=info.offset
+        )
+        writer.add_tensor(info.name, data.reshape(info.shape))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    engine = api.load(str(path), device="cpu")
+    d = engine.defaults
+    assert (d.temperature, d.top_k, d.repeat_penalty) == (0.3, 7, 1.2)
+    assert engine.eos_ids == [2]
