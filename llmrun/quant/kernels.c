@@ -72,7 +72,7 @@ static inline __m512 table(__m512 scale, float offset) {
 #define Q8_0_BYTES 34
 #define Q8_0_DEQ(src, EMIT)                                                              \
     do {                                                                                 \
-        __m512 d_ = bcast_f16(src);                                                      \
+        __m512 d_ = bcast_f16(src);                                                          \
         for (int h_ = 0; h_ < 2; h_++) {                                                 \
             __m128i q_ = _mm_loadu_si128((const __m128i *)((src) + 2 + 16 * h_));        \
             EMIT(16 * h_, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q_)), d_)); \
@@ -92,7 +92,7 @@ static inline __m512 table(__m512 scale, float offset) {
 #define Q4_0_BYTES 18
 #define Q4_0_DEQ(src, EMIT)                                                              \
     do {                                                                                 \
-        __m512 t4_ = table(bcast_f16(src), -8.0f);                                       \
+        __m512 t4_ = table(bcast_f16(src), -8.0f);                                              \
         NIBBLES((src) + 2, t4_, EMIT, 0);                                                \
     } while (0)
 
@@ -108,22 +108,8 @@ static inline __m512 table(__m512 scale, float offset) {
 #define IQ4_NL_BYTES 18
 #define IQ4_NL_DEQ(src, EMIT)                                                            \
     do {                                                                                 \
-        __m512 t4_ = _mm512_mul_ps(bcast_f16(src), _mm512_loadu_ps(IQ4_VALUES));         \
+        __m512 t4_ = _mm512_mul_ps(bcast_f16(src), _mm512_loadu_ps(IQ4_VALUES));             \
         NIBBLES((src) + 2, t4_, EMIT, 0);                                                \
-    } while (0)
-
-/* 5-bit weights: bit 4 of weight j is bit j of the little-endian u32 qh. The
- * 32-entry table spans two registers; vpermt2ps picks by index bit 4. */
-static inline __m512i q5_index(__m512i nibble_lanes, uint32_t high_bits) {
-    __m512i idx = _mm512_and_si512(nibble_lanes, _mm512_set1_epi32(15));
-    return _mm512_mask_or_epi32(idx, (__mmask16)high_bits, idx, _mm512_set1_epi32(16));
-}
-
-#define Q5_EMIT(qs, qh, lo, hi, EMIT)                                                    \
-    do {                                                                                 \
-        __m512i v_ = spread(qs);                                                         \
-        EMIT(0, _mm512_permutex2var_ps(lo, q5_index(v_, (qh)), hi));                     \
-        EMIT(16, _mm512_permutex2var_ps(lo, q5_index(_mm512_srli_epi32(v_, 4), (qh) >> 16), hi)); \
     } while (0)
 
 static inline uint32_t u32_at(const uint8_t *p) {
@@ -132,13 +118,31 @@ static inline uint32_t u32_at(const uint8_t *p) {
     return v;
 }
 
+/* 5-bit weights: bit 4 of weight j is bit j of the little-endian u32 qh. The
+ * 32-entry table spans two registers; vpermt2ps picks by index bit 4, which a
+ * per-lane rotate of qh supplies (bit j of lane j lands on bit 4). */
+#define Q5_EMIT(qs, qh_ptr, lo, hi, EMIT)                                                \
+    do {                                                                                 \
+        const __m512i v_ = spread(qs), h_ = _mm512_set1_epi32((int)u32_at(qh_ptr));     \
+        const __m512i rot0_ = _mm512_setr_epi32(4, 3, 2, 1, 0, 31, 30, 29, 28, 27, 26, 25, \
+                                                24, 23, 22, 21);                         \
+        const __m512i rot1_ = _mm512_setr_epi32(20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, \
+                                                9, 8, 7, 6, 5);                          \
+        const __m512i m_ = _mm512_set1_epi32(15);                                        \
+        const __m512i i0_ = _mm512_ternarylogic_epi32(v_, _mm512_rolv_epi32(h_, rot0_), m_, 0xE4); \
+        const __m512i i1_ = _mm512_ternarylogic_epi32(_mm512_srli_epi32(v_, 4),         \
+                                                      _mm512_rolv_epi32(h_, rot1_), m_, 0xE4); \
+        EMIT(0, _mm512_permutex2var_ps(lo, i0_, hi));                                    \
+        EMIT(16, _mm512_permutex2var_ps(lo, i1_, hi));                                   \
+    } while (0)
+
 #define Q5_0_BLOCK 32
 #define Q5_0_BYTES 22
 #define Q5_0_DEQ(src, EMIT)                                                              \
     do {                                                                                 \
-        __m512 d_ = bcast_f16(src);                                                      \
+        __m512 d_ = bcast_f16(src);                                                          \
         __m512 lo_ = table(d_, -16.0f), hi_ = table(d_, 0.0f);                           \
-        Q5_EMIT((src) + 6, u32_at((src) + 2), lo_, hi_, EMIT);                           \
+        Q5_EMIT((src) + 6, (src) + 2, lo_, hi_, EMIT);                           \
     } while (0)
 
 #define Q5_1_BLOCK 32
@@ -148,45 +152,45 @@ static inline uint32_t u32_at(const uint8_t *p) {
         __m512 d_ = bcast_f16(src), m_ = bcast_f16((src) + 2);                           \
         __m512 lo_ = _mm512_add_ps(_mm512_mul_ps(d_, iota16()), m_);                     \
         __m512 hi_ = _mm512_add_ps(table(d_, 16.0f), m_);                                \
-        Q5_EMIT((src) + 8, u32_at((src) + 4), lo_, hi_, EMIT);                           \
+        Q5_EMIT((src) + 8, (src) + 4, lo_, hi_, EMIT);                           \
     } while (0)
 
 /* Q4_K/Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins packed in 12 bytes;
- * w = (d*sc)*q - dmin*m. */
-static inline void k_scales(const uint8_t *src, float *a, float *b) {
-    const float d = f16_at(src), dmin = f16_at(src + 2);
-    const uint8_t *s = src + 4;
-    for (int j = 0; j < 8; j++) {
-        int sc, m;
-        if (j < 4) {
-            sc = s[j] & 63;
-            m = s[j + 4] & 63;
-        } else {
-            sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
-            m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-        }
-        a[j] = d * (float)sc;
-        b[j] = dmin * (float)m;
-    }
+ * w = (d*sc)*q - dmin*m. Writes ab = [d*sc[0..7], dmin*m[0..7]]. */
+static inline void k_scales(const uint8_t *src, float *ab) {
+    uint32_t u[3];
+    memcpy(u, src + 4, 12);
+    const uint32_t packed[4] = {
+        u[0] & 0x3f3f3f3f,
+        (u[2] & 0x0f0f0f0f) | ((u[0] >> 2) & 0x30303030),
+        u[1] & 0x3f3f3f3f,
+        ((u[2] >> 4) & 0x0f0f0f0f) | ((u[1] >> 2) & 0x30303030),
+    };
+    const __m512 v = _mm512_cvtepi32_ps(spread((const uint8_t *)packed));
+    const __m512 d = _mm512_mask_blend_ps(0xFF00, bcast_f16(src), bcast_f16(src + 2));
+    _mm512_storeu_ps(ab, _mm512_mul_ps(d, v));
 }
 
+static inline __m512 k_table(const float *ab, int j, __m512 q) {
+    return _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(ab[j]), q), _mm512_set1_ps(ab[8 + j]));
+}
+
+/* Sub-blocks 2p and 2p+1 share qs[32p..32p+31]: low nibbles, then high. */
 #define Q4_K_BLOCK 256
 #define Q4_K_BYTES 144
 #define Q4_K_DEQ(src, EMIT)                                                              \
     do {                                                                                 \
-        float a_[8], b_[8];                                                              \
-        k_scales(src, a_, b_);                                                           \
+        float ab_[16];                                                                   \
+        k_scales(src, ab_);                                                              \
         for (int p_ = 0; p_ < 4; p_++) {                                                 \
-            const uint8_t *qs_ = (src) + 16 + 32 * p_;                                   \
-            for (int o_ = 0; o_ < 2; o_++) {                                             \
-                const int j_ = 2 * p_ + o_;                                              \
-                __m512 t_ = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(a_[j_]), iota16()), \
-                                          _mm512_set1_ps(b_[j_]));                       \
-                for (int h_ = 0; h_ < 2; h_++) {                                         \
-                    __m512i v_ = _mm512_srli_epi32(spread(qs_ + 16 * h_), 4 * o_);       \
-                    EMIT(32 * j_ + 16 * h_, _mm512_permutexvar_ps(v_, t_));              \
-                }                                                                        \
-            }                                                                            \
+            const __m512i v0_ = spread((src) + 16 + 32 * p_);                            \
+            const __m512i v1_ = spread((src) + 32 + 32 * p_);                            \
+            const __m512 t0_ = k_table(ab_, 2 * p_, iota16());                           \
+            const __m512 t1_ = k_table(ab_, 2 * p_ + 1, iota16());                       \
+            EMIT(64 * p_, _mm512_permutexvar_ps(v0_, t0_));                              \
+            EMIT(64 * p_ + 16, _mm512_permutexvar_ps(v1_, t0_));                         \
+            EMIT(64 * p_ + 32, _mm512_permutexvar_ps(_mm512_srli_epi32(v0_, 4), t1_));   \
+            EMIT(64 * p_ + 48, _mm512_permutexvar_ps(_mm512_srli_epi32(v1_, 4), t1_));   \
         }                                                                                \
     } while (0)
 
@@ -194,14 +198,13 @@ static inline void k_scales(const uint8_t *src, float *a, float *b) {
 #define Q5_K_BYTES 176
 #define Q5_K_DEQ(src, EMIT)                                                              \
     do {                                                                                 \
-        float a_[8], b_[8];                                                              \
-        k_scales(src, a_, b_);                                                           \
+        float ab_[16];                                                                   \
+        k_scales(src, ab_);                                                              \
         const __m512i h0_ = spread((src) + 16), h1_ = spread((src) + 32);                \
         for (int j_ = 0; j_ < 8; j_++) {                                                 \
             const uint8_t *qs_ = (src) + 48 + 32 * (j_ / 2);                             \
-            __m512 a_v = _mm512_set1_ps(a_[j_]), b_v = _mm512_set1_ps(b_[j_]);          \
-            __m512 lo_ = _mm512_sub_ps(_mm512_mul_ps(a_v, iota16()), b_v);               \
-            __m512 hi_ = _mm512_sub_ps(_mm512_mul_ps(a_v, _mm512_add_ps(iota16(), _mm512_set1_ps(16))), b_v); \
+            const __m512 lo_ = k_table(ab_, j_, iota16());                               \
+            const __m512 hi_ = k_table(ab_, j_, _mm512_add_ps(iota16(), _mm512_set1_ps(16))); \
             for (int h_ = 0; h_ < 2; h_++) {                                             \
                 __m512i v_ = _mm512_srli_epi32(spread(qs_ + 16 * h_), 4 * (j_ & 1));     \
                 __m512i hb_ = h_ ? h1_ : h0_;                                            \
@@ -216,25 +219,35 @@ static inline void k_scales(const uint8_t *src, float *a, float *b) {
 
 /* Q6_K: w = (d*sc) * (q - 32), q = 4 bits from ql | 2 bits from qh << 4; sixteen
  * int8 scales, one per 16 weights. Weight c*128 + t*32 + l takes the (t/2)
- * nibble of ql[64c + 32(t%2) + l] and bits 2t..2t+1 of qh[32c + l]. */
+ * nibble of ql[64c + 32(t%2) + l] and bits 2t..2t+1 of qh[32c + l]; the six-bit
+ * values are assembled 64 at a time in bytes. */
 #define Q6_K_BLOCK 256
 #define Q6_K_BYTES 210
 #define Q6_K_DEQ(src, EMIT)                                                              \
     do {                                                                                 \
-        const float d_ = f16_at((src) + 208);                                            \
-        const int8_t *sc_ = (const int8_t *)((src) + 192);                               \
-        for (int c_ = 0; c_ < 2; c_++)                                                   \
-            for (int t_ = 0; t_ < 4; t_++)                                               \
-                for (int h_ = 0; h_ < 2; h_++) {                                         \
-                    const int l_ = 16 * h_;                                              \
-                    __m512i ql_ = _mm512_srli_epi32(spread((src) + 64 * c_ + 32 * (t_ & 1) + l_), 4 * (t_ >> 1)); \
-                    __m512i qh_ = _mm512_srli_epi32(spread((src) + 128 + 32 * c_ + l_), 2 * t_); \
-                    __m512i q_ = _mm512_ternarylogic_epi32(ql_, _mm512_slli_epi32(qh_, 4), _mm512_set1_epi32(15), 0xE4); \
-                    q_ = _mm512_sub_epi32(_mm512_and_si512(q_, _mm512_set1_epi32(63)), _mm512_set1_epi32(32)); \
-                    const int i_ = c_ * 128 + t_ * 32 + l_;                              \
-                    __m512 dl_ = _mm512_set1_ps(d_ * (float)sc_[i_ / 16]);               \
-                    EMIT(i_, _mm512_mul_ps(dl_, _mm512_cvtepi32_ps(q_)));                \
-                }                                                                        \
+        float dl_[16];                                                                   \
+        int8_t q_[256] __attribute__((aligned(64)));                                     \
+        const __m512i sc_ = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((src) + 192))); \
+        _mm512_storeu_ps(dl_, _mm512_mul_ps(bcast_f16((src) + 208), _mm512_cvtepi32_ps(sc_))); \
+        const __m512i lo4_ = _mm512_set1_epi8(15), six_ = _mm512_set1_epi8(63);         \
+        const __m512i shifts_ = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1); \
+        for (int c_ = 0; c_ < 2; c_++) {                                                 \
+            const __m512i l_ = _mm512_loadu_si512((src) + 64 * c_);                      \
+            const __m512i h_ = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)((src) + 128 + 32 * c_))); \
+            for (int u_ = 0; u_ < 2; u_++) {                                             \
+                /* t = 2u (first 32 bytes) and t = 2u+1 (last 32): qh shifted by 2t */   \
+                const __m512i hs_ =                                                      \
+                    _mm512_srlv_epi16(h_, _mm512_add_epi16(shifts_, _mm512_set1_epi16(4 * u_))); \
+                const __m512i lq_ = u_ ? _mm512_srli_epi16(l_, 4) : l_;                  \
+                __m512i q6_ = _mm512_ternarylogic_epi32(lq_, _mm512_slli_epi16(hs_, 4), lo4_, 0xE4); \
+                q6_ = _mm512_sub_epi8(_mm512_and_si512(q6_, six_), _mm512_set1_epi8(32)); \
+                _mm512_store_si512(q_ + 128 * c_ + 64 * u_, q6_);                       \
+            }                                                                            \
+        }                                                                                \
+        for (int k_ = 0; k_ < 16; k_++) {                                                \
+            const __m512i qi_ = _mm512_cvtepi8_epi32(_mm_load_si128((const __m128i *)(q_ + 16 * k_))); \
+            EMIT(16 * k_, _mm512_mul_ps(_mm512_set1_ps(dl_[k_]), _mm512_cvtepi32_ps(qi_))); \
+        }                                                                                \
     } while (0)
 
 /* Q2_K: w = d*(sc&15) * q - dmin*(sc>>4), q 2 bits; weight c*128 + s*32 + l takes
@@ -303,30 +316,66 @@ static inline void q3_scales(const uint8_t *s, float d, float *dl) {
         }                                                                                \
     } while (0)
 
-/* Kernels per type: dot of rows with up to MAX_M activation rows, and dequantize. */
+/* Kernels per type. A matvec dequantizes a group of blocks (up to GROUP weights)
+ * into an L1-resident buffer, then takes its dot products with up to MAX_M
+ * activation rows; independent accumulators hide the multiply-add latency. */
 
+#define GROUP 256
 #define STORE_EMIT(off, val) _mm512_storeu_ps(out_ + (off), (val))
+
+/* acc[i] += buf . x_i over len weights (a multiple of 32), for m activation rows */
+static inline __attribute__((always_inline)) void dot_group(const float *buf, const float *x,
+                                                            int64_t n, int64_t len, const int m,
+                                                            __m512 acc[][4]) {
+    int64_t k = 0;
+    for (; k + 64 <= len; k += 64) {
+        const __m512 w0 = _mm512_loadu_ps(buf + k), w1 = _mm512_loadu_ps(buf + k + 16);
+        const __m512 w2 = _mm512_loadu_ps(buf + k + 32), w3 = _mm512_loadu_ps(buf + k + 48);
+        for (int i = 0; i < m; i++) {
+            const float *xi = x + i * n + k;
+            acc[i][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xi), acc[i][0]);
+            acc[i][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xi + 16), acc[i][1]);
+            acc[i][2] = _mm512_fmadd_ps(w2, _mm512_loadu_ps(xi + 32), acc[i][2]);
+            acc[i][3] = _mm512_fmadd_ps(w3, _mm512_loadu_ps(xi + 48), acc[i][3]);
+        }
+    }
+    if (k < len) {
+        const __m512 w0 = _mm512_loadu_ps(buf + k), w1 = _mm512_loadu_ps(buf + k + 16);
+        for (int i = 0; i < m; i++) {
+            const float *xi = x + i * n + k;
+            acc[i][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xi), acc[i][0]);
+            acc[i][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xi + 16), acc[i][1]);
+        }
+    }
+}
 
 #define DEFINE_KERNELS(T)                                                                \
     static inline __attribute__((always_inline)) void rows_##T(                          \
         const uint8_t *w, int64_t stride, int64_t r0, int64_t r1, const float *x,       \
         const int m, int64_t n, float *y, int64_t ldy) {                                 \
+        enum { PER_GROUP = T##_BLOCK >= GROUP ? 1 : GROUP / T##_BLOCK };                 \
+        float buf[PER_GROUP * T##_BLOCK] __attribute__((aligned(64)));                   \
         const int64_t nb = n / T##_BLOCK;                                                \
         for (int64_t r = r0; r < r1; r++) {                                              \
             const uint8_t *row = w + r * stride;                                         \
-            __m512 acc[MAX_M][2];                                                        \
-            for (int i = 0; i < m; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();     \
-            for (int64_t b = 0; b < nb; b++) {                                           \
-                const uint8_t *src = row + b * T##_BYTES;                                \
-                const float *xb = x + b * T##_BLOCK;                                     \
-                _mm_prefetch((const char *)src + PREFETCH, _MM_HINT_T0);                 \
-                if (T##_BYTES > 64) _mm_prefetch((const char *)src + PREFETCH + 64, _MM_HINT_T0); \
-                if (T##_BYTES > 128) _mm_prefetch((const char *)src + PREFETCH + 128, _MM_HINT_T0); \
-                if (T##_BYTES > 192) _mm_prefetch((const char *)src + PREFETCH + 192, _MM_HINT_T0); \
-                DOT_BLOCK(T, src, xb);                                                   \
+            __m512 acc[MAX_M][4];                                                        \
+            for (int i = 0; i < m; i++)                                                  \
+                acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = _mm512_setzero_ps();     \
+            for (int64_t b0 = 0; b0 < nb; b0 += PER_GROUP) {                             \
+                const int64_t g = nb - b0 < PER_GROUP ? nb - b0 : PER_GROUP;             \
+                const uint8_t *gsrc = row + b0 * T##_BYTES;                              \
+                for (int64_t l = 0; l < g * T##_BYTES; l += 64)                          \
+                    _mm_prefetch((const char *)gsrc + PREFETCH + l, _MM_HINT_T0);        \
+                for (int64_t b = 0; b < g; b++) {                                        \
+                    float *out_ = buf + b * T##_BLOCK;                                   \
+                    const uint8_t *src = gsrc + b * T##_BYTES;                           \
+                    T##_DEQ(src, STORE_EMIT);                                            \
+                }                                                                        \
+                dot_group(buf, x + b0 * T##_BLOCK, n, g * T##_BLOCK, m, acc);            \
             }                                                                            \
             for (int i = 0; i < m; i++)                                                  \
-                y[i * ldy + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])); \
+                y[i * ldy + r] = _mm512_reduce_add_ps(_mm512_add_ps(                     \
+                    _mm512_add_ps(acc[i][0], acc[i][1]), _mm512_add_ps(acc[i][2], acc[i][3]))); \
         }                                                                                \
     }                                                                                    \
     static void matvec_##T(const uint8_t *w, int64_t stride, int64_t rows, const float *x, \
@@ -360,16 +409,6 @@ static inline void q3_scales(const uint8_t *s, float d, float *dl) {
                 T##_DEQ(src, STORE_EMIT);                                                \
             }                                                                            \
     }
-
-/* Two accumulators per activation row, alternating by 16-weight chunk. */
-#define DOT_EMIT(off, val)                                                               \
-    do {                                                                                 \
-        const __m512 w_ = (val);                                                         \
-        for (int i = 0; i < m; i++)                                                      \
-            acc[i][((off) >> 4) & 1] = _mm512_fmadd_ps(                                  \
-                w_, _mm512_loadu_ps(xb + i * n + (off)), acc[i][((off) >> 4) & 1]);      \
-    } while (0)
-#define DOT_BLOCK(T, src, xb) T##_DEQ(src, DOT_EMIT)
 
 DEFINE_KERNELS(F32)
 DEFINE_KERNELS(F16)
