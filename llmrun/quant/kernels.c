@@ -448,6 +448,12 @@ DEFINE_KERNELS(IQ4_XS)
 
 int llmrun_available(void) { return 1; }
 
+/* Row lengths the kernels take for `type` are multiples of this; 0: no kernel. */
+int llmrun_block(int type) {
+#define CALL_BLOCK(T) return T##_BLOCK
+    DISPATCH(CALL_BLOCK)
+}
+
 /* y[i, r] = sum_k W[r, k] x[i, k]: W is `rows` rows of n weights, `stride` bytes
  * apart; x is [m, n] and y is [m, rows], both contiguous f32. */
 int llmrun_matvec(int type, const uint8_t *w, int64_t stride, int64_t rows, const float *x,

@@ -37,6 +37,10 @@ def _check_raw(raw: torch.Tensor, ggml_type: GGMLQuantizationType, n_cols: int) 
         )
 
 
+def _native_ok(raw: torch.Tensor, ggml_type: GGMLQuantizationType, n_cols: int) -> bool:
+    return raw.device.type == "cpu" and raw.stride(-1) == 1 and native.supports(ggml_type, n_cols)
+
+
 def _frozen(raw: torch.Tensor) -> nn.Parameter:
     return raw if isinstance(raw, nn.Parameter) else nn.Parameter(raw, requires_grad=False)
 
@@ -65,7 +69,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).float()
-        use_native = self.weight.device.type == "cpu" and native.available()
+        use_native = _native_ok(self.weight, self.ggml_type, self.in_features)
         if use_native and x2.shape[0] <= MATVEC_MAX_ROWS:
             y = native.matvec(self.weight, self.ggml_type, x2)
         else:
@@ -111,7 +115,7 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.weight.index_select(0, ids.reshape(-1))
-        if rows.device.type == "cpu" and native.available():
+        if _native_ok(rows, self.ggml_type, self.embedding_dim):
             out = native.dequantize(rows, self.ggml_type).to(self.dtype)
         else:
             out = blocks.dequantize(rows, self.ggml_type, self.dtype)

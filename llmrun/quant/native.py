@@ -85,6 +85,7 @@ def _library() -> ctypes.CDLL | None:
         _reason = "this CPU lacks AVX-512"
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.llmrun_block.argtypes = [ctypes.c_int]
     lib.llmrun_matvec.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, i64, ptr]
     lib.llmrun_dequantize.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr]
     return lib
@@ -95,49 +96,50 @@ def available() -> bool:
     return _library() is not None
 
 
+@functools.cache
+def supports(ggml_type: GGMLQuantizationType, n_cols: int) -> bool:
+    """Whether the native kernels take rows of `n_cols` weights of `ggml_type`."""
+    lib = _library()
+    block = lib.llmrun_block(int(ggml_type)) if lib is not None else 0
+    return block > 0 and n_cols % block == 0
+
+
 def status() -> str:
     """'native' or why the torch fallback is in use, for stats lines and bug reports."""
     return "native" if available() else f"torch fallback: {_reason}"
 
 
-def _check(raw: torch.Tensor) -> None:
+def _n_cols(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> int:
+    """Row length of `raw`, after checking the kernels can take it."""
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    n = raw.shape[1] // type_size * block_size
     if raw.device.type != "cpu" or raw.dtype != torch.uint8 or raw.stride(-1) != 1:
         raise ValueError("native kernels need CPU uint8 blocks with contiguous rows")
-
-
-def _n_cols(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> int:
-    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
-    return raw.shape[1] // type_size * block_size
+    if not supports(ggml_type, n):
+        raise ValueError(f"no native kernel for {ggml_type.name} rows of {n}")
+    return n
 
 
 def matvec(raw: torch.Tensor, ggml_type: GGMLQuantizationType, x: torch.Tensor) -> torch.Tensor:
     """x f32 `[m, n]` times the blocks `[rows, row_bytes]` transposed -> f32 `[m, rows]`."""
-    lib = _library()
-    assert lib is not None, status()
-    _check(raw)
+    n = _n_cols(raw, ggml_type)
     x = x.contiguous()
-    m, n = x.shape
-    assert x.dtype == torch.float32 and n == _n_cols(raw, ggml_type)
+    m = x.shape[0]
+    if x.dtype != torch.float32 or x.shape[1] != n:
+        raise ValueError(f"activations must be f32 [m, {n}], got {x.dtype} {list(x.shape)}")
     y = torch.empty(m, raw.shape[0], dtype=torch.float32)
-    err = lib.llmrun_matvec(
+    _library().llmrun_matvec(
         int(ggml_type), raw.data_ptr(), raw.stride(0), raw.shape[0], x.data_ptr(), m, n,
         y.data_ptr(),
     )  # fmt: skip
-    if err:
-        raise ValueError(f"no native kernel for {ggml_type.name}")
     return y
 
 
 def dequantize(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
     """Blocks `[rows, row_bytes]` -> f32 `[rows, n]`, bit-exact with blocks.dequantize."""
-    lib = _library()
-    assert lib is not None, status()
-    _check(raw)
     n = _n_cols(raw, ggml_type)
     out = torch.empty(raw.shape[0], n, dtype=torch.float32)
-    err = lib.llmrun_dequantize(
+    _library().llmrun_dequantize(
         int(ggml_type), raw.data_ptr(), raw.stride(0), raw.shape[0], n, out.data_ptr()
     )
-    if err:
-        raise ValueError(f"no native kernel for {ggml_type.name}")
     return out

@@ -21,7 +21,7 @@ TYPES += [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS]
 def path(request, monkeypatch) -> str:
     """Run a test with the native kernels and again with the pure-torch fallback."""
     if request.param == "torch":
-        monkeypatch.setattr(native, "available", lambda: False)
+        monkeypatch.setattr(native, "supports", lambda ggml_type, n_cols: False)
     elif not native.available():
         pytest.skip(native.status())
     return request.param
@@ -66,6 +66,14 @@ def test_quant_linear_gemm_path_and_tiles(tile_weights: int, path: str, monkeypa
     lin = QuantLinear(torch.from_numpy(raw), T.Q5_K, 512)
     x = torch.randn(linear.MATVEC_MAX_ROWS + 3, 512, generator=torch.Generator().manual_seed(9))
     assert_close_matmul(lin(x), x, reference(raw, T.Q5_K))
+
+
+@pytest.mark.parametrize("ggml_type", [T.F16, T.F32, T.BF16], ids=lambda t: t.name)
+def test_float_rows_of_any_length(ggml_type: T):
+    raw = finite_blocks(ggml_type, 5, 37, seed=10)
+    lin = QuantLinear(torch.from_numpy(raw), ggml_type, 37)
+    x = torch.randn(2, 37)
+    assert_close_matmul(lin(x), x, reference(raw, ggml_type))
 
 
 def test_quant_linear_bias_and_dtype(path: str):

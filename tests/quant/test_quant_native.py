@@ -51,6 +51,15 @@ def test_native_kernels_take_rows_with_a_stride():
     )
 
 
+@needs_native
+def test_native_refuses_rows_it_cannot_take():
+    assert native.supports(T.F16, 64) and not native.supports(T.F16, 37)
+    with pytest.raises(ValueError, match="F16 rows of 37"):
+        native.matvec(torch.zeros(2, 74, dtype=torch.uint8), T.F16, torch.zeros(1, 37))
+    with pytest.raises(ValueError, match="f32"):
+        native.matvec(torch.zeros(2, 34, dtype=torch.uint8), T.Q8_0, torch.zeros(1, 32).half())
+
+
 @pytest.mark.parametrize(
     "env, reason", [({"LLMRUN_NATIVE": "0"}, "LLMRUN_NATIVE=0"), ({"CC": "/nonexistent/cc"}, "")]
 )
@@ -58,9 +67,12 @@ def test_without_kernels_the_status_says_why(env: dict, reason: str, monkeypatch
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     native._library.cache_clear()
+    native.supports.cache_clear()
     try:
         assert not native.available()
+        assert not native.supports(T.Q4_0, 32)
         assert native.status().startswith("torch fallback: ") and reason in native.status()
     finally:
         monkeypatch.undo()
         native._library.cache_clear()
+        native.supports.cache_clear()
