@@ -271,7 +271,7 @@ def run_test(
 ) -> tuple[list[float], list[float]]:
     """Seconds and seconds-to-first-token of each timed run, after one warm-up."""
     rng = random.Random(0)
-    vocab = engine.tokenizer.vocab_size
+    vocab = min(engine.tokenizer.vocab_size, engine.model.args.vocab_size)
     state = engine.new_state(test.positions)
     with torch.inference_mode():
         if test.n_depth:
@@ -302,11 +302,12 @@ def bench_model(
     reset_peak_memory(api.pick_device(options.device))
     engine = api.load(spec, options.device, options.dtype, ctx_size=longest.positions)
     checkpoint = engine.checkpoint
+    name = model_name(engine.path)
     max_positions = checkpoint.config.get("max_position_embeddings")
     if max_positions and longest.positions > max_positions:
         raise UsageError(
             f"test {longest.name} needs {longest.positions} positions, but "
-            f"{model_name(engine.path)} holds {max_positions}; use smaller -p/-n/-d/--pg"
+            f"{name} holds {max_positions}; use smaller -p/-n/-d/--pg"
         )
     common = dict(
         llmrun_version=__version__,
@@ -314,7 +315,7 @@ def bench_model(
         device=engine.device.type,
         device_name=device_name(engine.device),
         cpu=cpu_model(),
-        model=model_name(engine.path),
+        model=name,
         model_path=str(engine.path),
         architecture=checkpoint.config.get("model_type"),
         format=checkpoint.format,
@@ -330,7 +331,9 @@ def bench_model(
         if test.threads is not None:
             torch.set_num_threads(test.threads)
         threads = torch.get_num_threads()
-        seconds, firsts = run_test(engine, test, options.repetitions, progress)
+        seconds, firsts = run_test(
+            engine, test, options.repetitions, lambda what, done: progress(f"{name} {what}", done)
+        )
         peak = peak_memory(engine.device)
         records.append(_record(common, test, threads, seconds, firsts, peak, roofline.get(threads)))
     return records
@@ -377,7 +380,7 @@ def total_runs(options: BenchOptions, n_models: int) -> int:
     return n_models * len(options.tests()) * (options.repetitions + 1)
 
 
-def measure_rooflines(options: BenchOptions, nbytes: int = ROOFLINE_BYTES) -> dict[int, float]:
+def measure_rooflines(options: BenchOptions) -> dict[int, float]:
     """Read bandwidth per thread count, measured before any model is loaded, so
     its buffer never counts in a model's peak memory."""
     device = api.pick_device(options.device)
@@ -386,7 +389,7 @@ def measure_rooflines(options: BenchOptions, nbytes: int = ROOFLINE_BYTES) -> di
     result = {}
     for threads in counts:
         torch.set_num_threads(threads)
-        result[threads] = read_bandwidth(device, nbytes)
+        result[threads] = read_bandwidth(device)
     torch.set_num_threads(default)
     return result
 

@@ -184,7 +184,7 @@ def options(**changes) -> bench.BenchOptions:
 
 def test_roofline_percentage(monkeypatch):
     assert bench.read_bandwidth(torch.device("cpu"), nbytes=1 << 24, repeats=2) > 0
-    monkeypatch.setattr(bench, "read_bandwidth", lambda device, nbytes: 20.0)
+    monkeypatch.setattr(bench, "read_bandwidth", lambda device: 20.0)
     records = bench.benchmark([None], options(n_prompt=[0], roofline=True))
     (r,) = records
     assert r["roofline_gbps"] == 20.0
