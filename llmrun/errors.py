@@ -43,3 +43,7 @@ class ContextOverflowError(LlmrunError):
 
 class HubError(LlmrunError):
     """Downloading from or resolving a name on the Hugging Face Hub failed."""
+
+
+class ServerBusyError(LlmrunError):
+    """Every serving slot is taken and the wait queue is full."""

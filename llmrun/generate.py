@@ -2,8 +2,9 @@
 bench and serve.
 
 generate_step yields (token, raw logits) forever; stream_generate turns that
-into text pieces, stopping on EOS ids, stop strings, max tokens or a full
-context, and keeps timings.
+into text pieces through a TokenStream, stopping on EOS ids, stop strings, max
+tokens or a full context, and keeps timings. The batching scheduler (serve)
+drives many TokenStreams from one batched forward.
 """
 
 from __future__ import annotations
@@ -135,6 +136,73 @@ def check_fits(prompt_tokens: int, capacity: int) -> None:
         )
 
 
+class TokenStream:
+    """One sequence's tokens -> text: detokenizes incrementally, holds back what
+    may begin a stop string, keeps timings and decides when generation ends (EOS
+    id, stop string, max tokens). stream_generate and the batching scheduler
+    each feed it the tokens they sample."""
+
+    def __init__(
+        self,
+        tokenizer,
+        prompt: Sequence[int],
+        stats: Stats,
+        max_tokens: int | None = None,
+        eos_ids: Sequence[int] = (),
+        stop: Sequence[str] = (),
+        logprobs: int | None = None,
+    ) -> None:
+        self.stats = stats
+        self.max_tokens = max_tokens
+        self.eos = set(eos_ids)
+        self.stop = [s for s in stop if s]
+        self.logprobs = logprobs
+        # Decoding continues from the prompt, so a leading space or a split character survives.
+        self.decoder = tokenizer.stream(after=prompt)
+        self.pending = ""
+        self.finish = "length"
+        self.stopped = False
+        self.done = False
+        self.start = self.first_token_at = time.perf_counter()
+
+    def add(self, token: int, logits: torch.Tensor) -> Response | None:
+        """Take the next sampled token (drawn from `logits`): its Response, or None
+        for an end-of-generation id. Sets `done` once generation should end."""
+        now = time.perf_counter()
+        stats = self.stats
+        if stats.completion_tokens == 0:
+            self.first_token_at = now
+            stats.prompt_seconds = now - self.start
+        else:
+            stats.generation_seconds = now - self.first_token_at
+        stats.completion_tokens += 1
+        if token in self.eos:
+            self.finish, self.done = "stop", True
+            return None
+        lp = None
+        if self.logprobs is not None:
+            value, top = top_logprobs(logits, token, self.logprobs)
+            lp = TokenLogprob(token, value, top)
+        text, self.pending, self.stopped = _split_stop(
+            self.pending + self.decoder.add(token), self.stop
+        )
+        if self.stopped:
+            self.finish = "stop"
+        limit = self.max_tokens is not None and stats.completion_tokens >= self.max_tokens
+        self.done = self.stopped or limit
+        return Response(text, token, stats, logprob=lp)
+
+    def close(self) -> Response:
+        """The last Response: the text held back so far and the finish reason."""
+        tail = ""
+        if not self.stopped:
+            tail, _, stopped = _split_stop(
+                self.pending + self.decoder.flush(), self.stop, final=True
+            )
+            self.finish = "stop" if stopped else self.finish
+        return Response(tail, None, self.stats, finish_reason=self.finish)
+
+
 def stream_generate(
     model: nn.Module,
     tokenizer,
@@ -160,44 +228,20 @@ def stream_generate(
     if max_tokens is not None and max_tokens <= 0:
         yield Response("", None, stats, finish_reason="length")
         return
-    eos = set(eos_ids)
-    stop = [s for s in stop if s]
-    # Decoding continues from the prompt, so a leading space or a split character survives.
-    decoder = tokenizer.stream(after=prompt)
-    pending = ""
-    finish, stopped = "length", False
-    start = gen_start = time.perf_counter()
+    out = TokenStream(tokenizer, prompt, stats, max_tokens, eos_ids, stop, logprobs)
     steps = generate_step(model, state, prompt[kept:], sampler, list(prompt))
     try:
         for token, logits in steps:
             if stats.completion_tokens == 0:
                 _sync(device)
-                gen_start = time.perf_counter()
-                stats.prompt_seconds = gen_start - start
-            else:
-                stats.generation_seconds = time.perf_counter() - gen_start
-            stats.completion_tokens += 1
-            if token in eos:
-                finish = "stop"
-                break
-            lp = None
-            if logprobs is not None:
-                value, top = top_logprobs(logits, token, logprobs)
-                lp = TokenLogprob(token, value, top)
-            text, pending, stopped = _split_stop(pending + decoder.add(token), stop)
-            yield Response(text, token, stats, logprob=lp)
-            if stopped:
-                finish = "stop"
-                break
-            if max_tokens is not None and stats.completion_tokens >= max_tokens:
+            response = out.add(token, logits)
+            if response is not None:
+                yield response
+            if out.done:
                 break
     finally:
         steps.close()
-    tail = ""
-    if not stopped:
-        tail, _, stopped = _split_stop(pending + decoder.flush(), stop, final=True)
-        finish = "stop" if stopped else finish
-    yield Response(tail, None, stats, finish_reason=finish)
+    yield out.close()
 
 
 def _split_stop(pending: str, stop: Sequence[str], final: bool = False) -> tuple[str, str, bool]:

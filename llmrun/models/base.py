@@ -127,9 +127,11 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = self.inv_freq
         # LongRoPE switches to the long factors once the sequence outgrows the
-        # pretraining length, judged per forward call as transformers does.
-        if self.long_inv_freq is not None and int(positions.max()) + 1 > self.original_max:
-            inv_freq = self.long_inv_freq
+        # pretraining length, judged per forward call as transformers does, and
+        # per row, as each row of a batch is a sequence of its own.
+        if self.long_inv_freq is not None:
+            longer = positions.amax(dim=-1, keepdim=True) + 1 > self.original_max
+            inv_freq = torch.where(longer[..., None], self.long_inv_freq, inv_freq)
         freqs = positions[..., None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling

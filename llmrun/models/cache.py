@@ -8,6 +8,9 @@ keeping a shared prefix is just a matter of writing from where it ends.
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Sequence
+
 import torch
 
 
@@ -26,6 +29,18 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_seq_len = max_seq_len
+        self.rows: torch.Tensor | None = None  # slots of a non-contiguous select()
+
+    def select(self, slots: Sequence[int]) -> KVCache:
+        """A view of the rows `slots`, in order: a forward with len(slots) rows
+        reads and writes those slots, and no others, of this cache."""
+        view = copy.copy(self)
+        first, count = slots[0], len(slots)
+        if list(slots) == list(range(first, first + count)):
+            view.k, view.v = self.k[:, first : first + count], self.v[:, first : first + count]
+        else:
+            view.rows = torch.tensor(list(slots), device=self.k.device)
+        return view
 
     @property
     def nbytes(self) -> int:
@@ -39,6 +54,12 @@ class KVCache:
         batch, tokens = positions.shape
         first = int(positions[0, 0])
         length = int(positions.max()) + 1
+        if self.rows is not None:
+            # Scattered slots: index writes, and a gathered copy of their prefixes to attend to.
+            k_layer, v_layer = self.k[layer], self.v[layer]
+            k_layer[self.rows[:, None], :, positions] = k.transpose(1, 2)
+            v_layer[self.rows[:, None], :, positions] = v.transpose(1, 2)
+            return k_layer[self.rows, :, :length], v_layer[self.rows, :, :length]
         k_cache, v_cache = self.k[layer, :batch], self.v[layer, :batch]
         if batch == 1 and length - first == tokens:
             # One sequence, contiguous positions: a plain slice write.

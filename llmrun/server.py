@@ -1,0 +1,733 @@
+"""`llmrun serve`: an OpenAI-compatible HTTP API over the batching scheduler.
+
+Starlette app served by uvicorn: /v1/chat/completions and /v1/completions (JSON
+or server-sent events), /v1/models, /health (503 until the model is loaded) and
+/metrics (Prometheus text). Requests are validated here (pydantic), errors come
+back in OpenAI's JSON error shape, and generation happens on the scheduler
+thread (batching.py); each request's events cross into the event loop through
+its own asyncio queue. Imported only by `serve`: its libraries are the `serve`
+extra.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST as PROMETHEUS_TYPE
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from pydantic import BaseModel, Field, ValidationError
+from sse_starlette import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from llmrun import __version__, api, batching
+from llmrun.batching import Event, Job, Scheduler
+from llmrun.chat import PLAIN_STOP
+from llmrun.chat_template import plain_transcript
+from llmrun.errors import ContextOverflowError, LlmrunError, ServerBusyError, UsageError
+from llmrun.generate import Response as GenResponse
+
+MAX_BODY_BYTES = 4 << 20
+RETRY_AFTER_SECONDS = 1
+LOG = logging.getLogger("uvicorn.error")
+
+# --- request bodies: the fields of OpenAI's API that llmrun honours --------------------
+
+Probability = Annotated[float, Field(gt=0, le=1)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class Sampling(BaseModel):
+    """Fields common to both endpoints; top_k, min_p, repeat_penalty and
+    ignore_eos are extensions, as in llama.cpp's and vLLM's servers."""
+
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Probability | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repeat_penalty: Annotated[float, Field(gt=0)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    seed: Seed | None = None
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
+    n: Literal[1] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def as_dict(self) -> dict[str, str]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        # Templates know "system"; OpenAI's newer name for it is "developer".
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content or ""}
+
+
+class ChatBody(Sampling):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: list[Any] | None = None
+
+
+class CompletionBody(Sampling):
+    prompt: str | list[int] | Annotated[list[str], Field(min_length=1, max_length=1)]
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    echo: Literal[False] = False
+    suffix: Literal[None, ""] = None
+
+
+# --- errors ---------------------------------------------------------------------------
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: {"error": {message, type, param, code}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+        self.param, self.code, self.headers = param, code, headers
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def _busy(message: str) -> ApiError:
+    headers = {"Retry-After": str(RETRY_AFTER_SECONDS)}
+    return ApiError(503, message, "server_error", code="server_busy", headers=headers)
+
+
+def _as_api_error(e: Exception) -> ApiError:
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, ServerBusyError):
+        return _busy(str(e))
+    if isinstance(e, ContextOverflowError):
+        return ApiError(400, str(e), param="messages", code="context_length_exceeded")
+    if isinstance(e, LlmrunError):
+        return ApiError(400, str(e))
+    LOG.exception("request failed")
+    return ApiError(500, "internal error while generating", "server_error")
+
+
+def _validation_message(e: ValidationError) -> tuple[str, str | None]:
+    errors = e.errors(include_url=False)
+    parts = []
+    for err in errors[:3]:
+        where = ".".join(str(p) for p in err["loc"])
+        parts.append(f"{where}: {err['msg']}" if where else err["msg"])
+    param = ".".join(str(p) for p in errors[0]["loc"]) if errors else None
+    return "; ".join(parts), param
+
+
+# --- metrics --------------------------------------------------------------------------
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    def __init__(self, service: Service) -> None:
+        disable_created_metrics()  # `*_created` series would only add noise
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter(
+            "llmrun_requests",
+            "Requests answered, by endpoint and HTTP status (499: the client went away).",
+            ["endpoint", "status"],
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "llmrun_prompt_tokens", "Prompt tokens processed.", registry=registry
+        )
+        self.generation_tokens = Counter(
+            "llmrun_generation_tokens", "Tokens generated.", registry=registry
+        )
+        self.ttft = Histogram(
+            "llmrun_time_to_first_token_seconds",
+            "From a request's arrival to its first generated token.",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.tpot = Histogram(
+            "llmrun_time_per_output_token_seconds",
+            "Between successive generated tokens of a request.",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.e2e = Histogram(
+            "llmrun_request_duration_seconds",
+            "From a request's arrival to its last token.",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        waiting = Gauge(
+            "llmrun_requests_waiting", "Requests queued for a free slot.", registry=registry
+        )
+        waiting.set_function(lambda: len(service.scheduler.waiting) if service.scheduler else 0)
+        running = Gauge("llmrun_requests_running", "Requests holding a slot.", registry=registry)
+        running.set_function(lambda: len(service.scheduler.active) if service.scheduler else 0)
+        slots = Gauge("llmrun_slots", "Sequences decoded together.", registry=registry)
+        slots.set(service.parallel)
+
+
+# --- the service ----------------------------------------------------------------------
+
+
+class Service:
+    """What the endpoints share: the model once it is loaded, the scheduler, metrics."""
+
+    def __init__(
+        self, model_id: str, aliases: set[str], api_key: str | None, parallel: int, queue: int
+    ) -> None:
+        self.model_id = model_id
+        self.names = {model_id, *aliases}
+        self.api_key = api_key
+        self.parallel = parallel
+        self.queue = queue
+        self.created = int(time.time())
+        self.engine: api.Engine | None = None
+        self.scheduler: Scheduler | None = None
+        self.load_error: BaseException | None = None
+        self.metrics = Metrics(self)
+
+    def start(self, engine: api.Engine) -> None:
+        scheduler = Scheduler(engine, self.parallel, self.queue)
+        scheduler.start()
+        self.engine, self.scheduler = engine, scheduler
+
+    def close(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.close()
+
+    def authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            given.strip().encode(), self.api_key.encode()
+        ):
+            raise ApiError(
+                401,
+                "missing or incorrect API key: send `Authorization: Bearer KEY`",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    def ready_engine(self, model: str | None) -> api.Engine:
+        if model is not None and model not in self.names:
+            raise ApiError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.model_id!r}",
+                param="model",
+                code="model_not_found",
+            )
+        if self.engine is None:
+            raise _busy("the model is still loading")
+        return self.engine
+
+
+async def _read_json(request: Request, schema: type[BaseModel]) -> Any:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        return schema.model_validate(data)
+    except ValidationError as e:
+        message, param = _validation_message(e)
+        raise ApiError(400, message, param=param) from None
+
+
+def _sampling(engine: api.Engine, body: Sampling) -> tuple[Any, list[str]]:
+    params = engine.defaults.updated(
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        repeat_penalty=body.repeat_penalty,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        seed=body.seed,
+    )
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    return params, stop
+
+
+class Generation:
+    """One request's events, carried from the scheduler thread into the event loop,
+    with its latencies recorded as its tokens arrive."""
+
+    def __init__(self, service: Service, endpoint: str, request: batching.Request, arrived: float):
+        self.service, self.endpoint, self.arrived = service, endpoint, arrived
+        self.metrics = service.metrics
+        self.last_token_at: float | None = None
+        self.counted = 0  # tokens already added to the generation counter
+        self.final: GenResponse | None = None
+        loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+
+        def deliver(event: Event) -> None:
+            loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+        self.job: Job = service.scheduler.submit(request, deliver)
+
+    async def events(self, disconnected: Callable | None = None) -> AsyncIterator[GenResponse]:
+        """Responses up to and including the final one. Leaving early (the client
+        went away, or `disconnected()` says so while waiting) frees the slot."""
+        done = False
+        try:
+            while True:
+                if disconnected is None:
+                    event = await self.queue.get()
+                else:
+                    try:
+                        event = await asyncio.wait_for(self.queue.get(), timeout=1.0)
+                    except asyncio.TimeoutError:
+                        if await disconnected():
+                            return
+                        continue
+                if isinstance(event, Exception):
+                    done = True
+                    raise event
+                self._record(event)
+                yield event
+                if event.finish_reason is not None:
+                    done = True
+                    self.final = event
+                    return
+        finally:
+            if not done:
+                self.service.scheduler.cancel(self.job)
+                self.metrics.requests.labels(self.endpoint, "499").inc()
+
+    def _record(self, event: GenResponse) -> None:
+        now = time.perf_counter()
+        m = self.metrics
+        if event.token is not None:
+            if self.last_token_at is None:
+                m.ttft.observe(now - self.arrived)
+                m.prompt_tokens.inc(event.stats.prompt_tokens)
+            else:
+                m.tpot.observe(now - self.last_token_at)
+            self.last_token_at = now
+            self.counted += 1
+            m.generation_tokens.inc()
+        if event.finish_reason is not None:
+            m.e2e.observe(now - self.arrived)
+            if self.last_token_at is None:
+                m.prompt_tokens.inc(event.stats.prompt_tokens)
+            # An end-of-text token counts in usage but is never streamed.
+            m.generation_tokens.inc(max(event.stats.completion_tokens - self.counted, 0))
+            m.requests.labels(self.endpoint, "200").inc()
+
+
+def _usage(final: GenResponse) -> dict[str, int]:
+    s = final.stats
+    return {
+        "prompt_tokens": s.prompt_tokens,
+        "completion_tokens": s.completion_tokens,
+        "total_tokens": s.prompt_tokens + s.completion_tokens,
+    }
+
+
+def _sse(
+    gen: Generation, chunks: Callable[[GenResponse], list[dict]], usage_chunk: dict | None
+) -> EventSourceResponse:
+    """Stream `chunks(event)` of each event as `data:` lines, then usage, then [DONE]."""
+
+    async def lines() -> AsyncIterator[str]:
+        try:
+            async for event in gen.events():
+                for chunk in chunks(event):
+                    yield json.dumps(chunk, ensure_ascii=False, separators=(",", ":"))
+            if usage_chunk is not None:
+                yield json.dumps({**usage_chunk, "usage": _usage(gen.final)}, separators=(",", ":"))
+        except Exception as e:
+            error = _as_api_error(e)
+            gen.metrics.requests.labels(gen.endpoint, str(error.status)).inc()
+            yield json.dumps(error.body())
+        yield "[DONE]"
+
+    return EventSourceResponse(lines(), sep="\n")
+
+
+# --- endpoints ------------------------------------------------------------------------
+
+
+def _token_logprob(tokenizer, token: int, logprob: float) -> dict[str, Any]:
+    raw = tokenizer.token_bytes(token)
+    return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
+
+
+async def chat_completions(request: Request) -> Response:
+    service: Service = request.app.state.service
+    arrived = time.perf_counter()
+    service.authorize(request)
+    body: ChatBody = await _read_json(request, ChatBody)
+    if body.tools:
+        raise ApiError(400, "tools are not supported", param="tools")
+    engine = service.ready_engine(body.model)
+    params, stop = _sampling(engine, body)
+    messages = [m.as_dict() for m in body.messages]
+    plain = engine.template is None
+    text = plain_transcript(messages) if plain else engine.render(messages)
+    if plain:
+        stop.append(PLAIN_STOP)
+    gen_request = batching.Request(
+        engine.tokenizer.encode(text),
+        params,
+        body.max_completion_tokens or body.max_tokens,
+        stop,
+        (body.top_logprobs or 0) if body.logprobs else None,
+        body.ignore_eos,
+    )
+    gen = Generation(service, "chat", gen_request, arrived)
+    tokenizer = engine.tokenizer
+    head = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "created": int(time.time()),
+        "model": service.model_id,
+        "system_fingerprint": f"llmrun-{__version__}",
+    }
+    started = False  # whether the reply has begun, for a plain transcript's leading space
+
+    def content(event: GenResponse) -> str:
+        nonlocal started
+        text = event.text
+        if plain and not started:
+            text = text.lstrip()
+            started = bool(text)
+        return text
+
+    def logprobs(event: GenResponse) -> list[dict] | None:
+        lp = event.logprob
+        if lp is None:
+            return None
+        entry = _token_logprob(tokenizer, lp.token, lp.logprob)
+        entry["top_logprobs"] = [_token_logprob(tokenizer, i, v) for i, v in lp.top]
+        return [entry]
+
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        usage_field = {"usage": None} if include_usage else {}
+        chunk_head = {**head, "object": "chat.completion.chunk"}
+        role_sent = False
+
+        def chunk(delta: dict, lps: list[dict] | None = None, finish: str | None = None) -> dict:
+            choice = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": {"content": lps} if lps else None,
+                "finish_reason": finish,
+            }
+            return {**chunk_head, "choices": [choice], **usage_field}
+
+        def chunks(event: GenResponse) -> list[dict]:
+            nonlocal role_sent
+            out = []
+            if not role_sent:
+                role_sent = True
+                out.append(chunk({"role": "assistant", "content": ""}))
+            text, lps = content(event), logprobs(event)
+            if text or lps:
+                out.append(chunk({"content": text}, lps))
+            if event.finish_reason is not None:
+                out.append(chunk({}, finish=event.finish_reason))
+            return out
+
+        usage = {**chunk_head, "choices": []} if include_usage else None
+        return _sse(gen, chunks, usage)
+
+    pieces: list[str] = []
+    tokens: list[dict] = []
+    async for event in gen.events(request.is_disconnected):
+        pieces.append(content(event))
+        tokens.extend(logprobs(event) or [])
+    if gen.final is None:
+        return Response(status_code=499)
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": "".join(pieces)},
+        "logprobs": {"content": tokens} if body.logprobs else None,
+        "finish_reason": gen.final.finish_reason,
+    }
+    result = {**head, "object": "chat.completion", "choices": [choice]}
+    return JSONResponse({**result, "usage": _usage(gen.final)})
+
+
+async def completions(request: Request) -> Response:
+    service: Service = request.app.state.service
+    arrived = time.perf_counter()
+    service.authorize(request)
+    body: CompletionBody = await _read_json(request, CompletionBody)
+    engine = service.ready_engine(body.model)
+    params, stop = _sampling(engine, body)
+    tokenizer = engine.tokenizer
+    if isinstance(body.prompt, str) or isinstance(body.prompt[0], str):
+        text = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+        prompt = tokenizer.encode(text)
+    else:
+        prompt = body.prompt
+        if not all(0 <= t < tokenizer.vocab_size for t in prompt):
+            message = f"prompt token ids must be in [0, {tokenizer.vocab_size})"
+            raise ApiError(400, message, param="prompt")
+    if not prompt:
+        raise ApiError(400, "the prompt is empty", param="prompt")
+    gen_request = batching.Request(
+        prompt, params, body.max_tokens, stop, body.logprobs, body.ignore_eos
+    )
+    gen = Generation(service, "completions", gen_request, arrived)
+    head = {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": service.model_id,
+        "system_fingerprint": f"llmrun-{__version__}",
+    }
+    offset = [0]
+
+    def logprobs(event: GenResponse) -> dict[str, list] | None:
+        lp = event.logprob
+        if lp is None:
+            return None
+        piece = tokenizer.token_to_piece
+        result = {
+            "tokens": [piece(lp.token)],
+            "token_logprobs": [lp.logprob],
+            "top_logprobs": [{piece(i): v for i, v in lp.top}],
+            "text_offset": [offset[0]],
+        }
+        return result
+
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        usage_field = {"usage": None} if include_usage else {}
+
+        def chunks(event: GenResponse) -> list[dict]:
+            lps = logprobs(event)
+            offset[0] += len(event.text)
+            if not (event.text or lps or event.finish_reason):
+                return []
+            choice = {
+                "index": 0,
+                "text": event.text,
+                "logprobs": lps,
+                "finish_reason": event.finish_reason,
+            }
+            return [{**head, "choices": [choice], **usage_field}]
+
+        usage = {**head, "choices": []} if include_usage else None
+        return _sse(gen, chunks, usage)
+
+    pieces: list[str] = []
+    merged: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+    merged["text_offset"] = []
+    async for event in gen.events(request.is_disconnected):
+        lps = logprobs(event)
+        offset[0] += len(event.text)
+        pieces.append(event.text)
+        for key, values in (lps or {}).items():
+            merged[key].extend(values)
+    if gen.final is None:
+        return Response(status_code=499)
+    choice = {
+        "index": 0,
+        "text": "".join(pieces),
+        "logprobs": merged if body.logprobs is not None else None,
+        "finish_reason": gen.final.finish_reason,
+    }
+    return JSONResponse({**head, "choices": [choice], "usage": _usage(gen.final)})
+
+
+async def models(request: Request) -> Response:
+    service: Service = request.app.state.service
+    service.authorize(request)
+    card = {
+        "id": service.model_id,
+        "object": "model",
+        "created": service.created,
+        "owned_by": "llmrun",
+    }
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+async def health(request: Request) -> Response:
+    service: Service = request.app.state.service
+    scheduler = service.scheduler
+    if scheduler is None:
+        return JSONResponse({"status": "loading"}, status_code=503)
+    return JSONResponse(
+        {
+            "status": "ok",
+            "slots": scheduler.parallel,
+            "running": len(scheduler.active),
+            "waiting": len(scheduler.waiting),
+        }
+    )
+
+
+async def metrics(request: Request) -> Response:
+    service: Service = request.app.state.service
+    return Response(generate_latest(service.metrics.registry), media_type=PROMETHEUS_TYPE)
+
+
+def _endpoint(handler: Callable, name: str | None = None) -> Callable:
+    """`handler` with every failure answered as an OpenAI error (and counted under `name`)."""
+
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except Exception as e:
+            error = _as_api_error(e)
+            if name is not None:
+                request.app.state.service.metrics.requests.labels(name, str(error.status)).inc()
+            return error.response()
+
+    return wrapped
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return ApiError(exc.status_code, exc.detail, headers=exc.headers).response()
+
+
+def create_app(service: Service) -> Starlette:
+    routes = [
+        Route("/v1/chat/completions", _endpoint(chat_completions, "chat"), methods=["POST"]),
+        Route("/v1/completions", _endpoint(completions, "completions"), methods=["POST"]),
+        Route("/v1/models", _endpoint(models), methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+    app.state.service = service
+    return app
+
+
+# --- running it -----------------------------------------------------------------------
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (port 0: any free port)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def run(
+    sock: socket.socket,
+    spec: str | None,
+    path: Path,
+    model_id: str,
+    api_key: str | None = None,
+    parallel: int = 4,
+    queue: int = 64,
+    **load_options: Any,
+) -> None:
+    """Serve on `sock` until interrupted; the model loads in the background while
+    /health answers 503. A failed load stops the server and is raised."""
+    aliases = {str(spec)} if spec else set()
+    aliases |= {path.name, path.stem}
+    service = Service(model_id, aliases, api_key, parallel, queue)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(service), log_level="info", timeout_graceful_shutdown=5, lifespan="off"
+        )
+    )
+
+    def load() -> None:
+        try:
+            engine = api.load(spec, path=path, **load_options)
+            service.start(engine)
+            LOG.info(
+                "model %s loaded in %.1fs; %d slots of %d tokens",
+                model_id,
+                engine.load_seconds,
+                parallel,
+                engine.ctx_size,
+            )
+        except BaseException as e:
+            service.load_error = e
+            server.should_exit = True
+
+    threading.Thread(target=load, name="llmrun-load", daemon=True).start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        service.close()
+    if service.load_error is not None:
+        raise service.load_error

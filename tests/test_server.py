@@ -1,0 +1,328 @@
+"""`llmrun serve` as a real server in a subprocess, driven by the official openai
+client and by raw HTTP: OpenAI response shapes, SSE framing, errors, metrics,
+batch-invariant greedy outputs, disconnects and the full queue."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from helpers import chat_model_dir
+from starlette.testclient import TestClient
+
+from llmrun import api
+from llmrun.sampling import SamplingParams
+from llmrun.server import Service, create_app
+
+KEY = "test-key"
+ENGINE = api.load(None, device="cpu")
+
+
+class Server:
+    """`llmrun serve --port 0 ARGS` in a subprocess; its log goes to a file."""
+
+    def __init__(self, tmp: Path, *args: str) -> None:
+        self.log = tmp / "serve.log"
+        env = {k: v for k, v in os.environ.items() if k != "LLMRUN_API_KEY"}
+        command = [sys.executable, "-m", "llmrun", "serve", "--port", "0", "--threads", "1"]
+        with self.log.open("w") as log:
+            self.process = subprocess.Popen(
+                [*command, *args], stdout=log, stderr=subprocess.STDOUT, env=env
+            )
+        self.url = self._wait_for_url()
+        deadline = time.monotonic() + 120
+        while httpx.get(f"{self.url}/health").status_code != 200:
+            assert time.monotonic() < deadline, self.log.read_text()
+            time.sleep(0.1)
+
+    def _wait_for_url(self) -> str:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            found = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", self.log.read_text())
+            if found:
+                return found.group(1)
+            assert self.process.poll() is None, self.log.read_text()
+            time.sleep(0.05)
+        raise AssertionError(self.log.read_text())
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(30)
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(f"{self.url}/metrics").text
+        labels = "" if "{" in name else r"(?:\{[^}]*\})?"
+        pattern = rf"^{re.escape(name)}{labels} (\S+)$"
+        return sum(float(v) for v in re.findall(pattern, text, re.M))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("serve"), "--api-key", KEY, "--parallel", "8")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def one_slot(tmp_path_factory):
+    """One slot and room for one waiting request."""
+    s = Server(tmp_path_factory.mktemp("serve1"), "--parallel", "1", "--queue", "1")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+
+
+def post(server, path, body, key=KEY, **kwargs):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=60, **kwargs)
+
+
+def run_text(prompt, max_tokens, **params):
+    """What `llmrun run --raw` prints for the same prompt."""
+    ids = ENGINE.tokenizer.encode(prompt)
+    sampling = SamplingParams(**{"temperature": 0, **params})
+    return "".join(r.text for r in ENGINE.generate(ids, sampling, max_tokens))
+
+
+def test_completion_equals_llmrun_run(client):
+    result = client.completions.create(
+        model="stories260K", prompt="Once upon a time", max_tokens=40, temperature=0
+    )
+    assert result.object == "text_completion" and result.model == "stories260K"
+    assert result.choices[0].text == run_text("Once upon a time", 40)
+    assert result.choices[0].finish_reason == "length"
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (5, 40)
+    ids = ENGINE.tokenizer.encode("Once upon a time")
+    same = client.completions.create(model="stories260K", prompt=ids, max_tokens=40, temperature=0)
+    assert same.choices[0].text == result.choices[0].text
+
+
+def test_streamed_completion_concatenates_to_the_whole(client):
+    stream = client.completions.create(
+        model="stories260K", prompt="The little dog", max_tokens=30, temperature=0, stream=True
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == run_text("The little dog", 30)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_non_streaming_and_streaming_agree(client):
+    messages = [{"role": "system", "content": "Tell a story."}, {"role": "user", "content": "Hi"}]
+    whole = client.chat.completions.create(
+        model="stories260K", messages=messages, max_tokens=25, temperature=0
+    )
+    message = whole.choices[0].message
+    assert whole.object == "chat.completion" and message.role == "assistant"
+    assert message.content and not message.content.startswith(" ")
+    stream = client.chat.completions.create(
+        model="stories260K",
+        messages=messages,
+        max_tokens=25,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == message.content
+    assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
+
+
+def test_chat_logprobs(client):
+    result = client.chat.completions.create(
+        model="stories260K",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = result.choices[0].logprobs.content
+    assert len(content) == result.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        # Greedy: the chosen token is the most likely one.
+        assert entry.top_logprobs[0].token == entry.token
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert bytes(entry.bytes).decode() == entry.token
+
+
+def test_a_seed_gives_the_same_text(client):
+    def sample():
+        result = client.completions.create(
+            model="stories260K", prompt="Once", max_tokens=30, temperature=1.0, seed=7
+        )
+        return result.choices[0].text
+
+    assert sample() == sample() == run_text("Once", 30, temperature=1.0, seed=7)
+
+
+def test_sse_framing_and_stop(server):
+    body = {"prompt": "Once upon a time", "max_tokens": 100, "temperature": 0, "stream": True}
+    body["stop"] = ["girl named"]
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=60,
+    ) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        raw = response.read().decode()
+    assert raw.endswith("data: [DONE]\n\n")
+    events = raw.split("\n\n")[:-1]
+    assert all(e.startswith("data: ") and "\n" not in e for e in events)
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == ", there was a little "
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list()] == ["stories260K"]
+    health = httpx.get(f"{server.url}/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+
+
+def test_errors_in_openai_shape(server):
+    def error(response, status):
+        assert response.status_code == status, response.text
+        body = response.json()["error"]
+        assert set(body) == {"message", "type", "param", "code"}
+        return body
+
+    chat = "/v1/chat/completions"
+    hi = [{"role": "user", "content": "Hi"}]
+    bad_json = httpx.post(
+        f"{server.url}{chat}",
+        content=b"{not json",
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
+    assert "not valid JSON" in error(bad_json, 400)["message"]
+    body = error(post(server, chat, {"messages": hi, "temperature": -1}), 400)
+    assert body["param"] == "temperature"
+    assert error(post(server, chat, {"messages": []}), 400)["param"] == "messages"
+    assert error(post(server, chat, {"messages": [{"role": "robot"}]}), 400)
+    assert error(post(server, "/v1/completions", {"prompt": "Hi", "n": 2}), 400)
+    long_prompt = {"prompt": "Once upon a time " * 600, "max_tokens": 5}
+    message = error(post(server, "/v1/completions", long_prompt), 400)["message"]
+    assert re.search(r"the prompt is \d+ tokens, but the context holds 2048", message)
+    body = error(post(server, chat, {"model": "gpt-4o", "messages": hi}), 404)
+    assert body["code"] == "model_not_found"
+    assert error(post(server, chat, {"messages": hi}, key=None), 401)["code"] == "invalid_api_key"
+    assert error(post(server, chat, {"messages": hi}, key="wrong"), 401)
+    huge = {"messages": [{"role": "user", "content": "x" * (5 << 20)}]}
+    assert error(post(server, chat, huge), 413)
+    assert error(httpx.get(f"{server.url}/v1/nowhere"), 404)
+    # The server is still well.
+    assert post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+def test_concurrent_greedy_requests_equal_one_at_a_time(server):
+    prompts = [
+        "Once upon a time",
+        "The little dog",
+        "Lily and Tom went to the park",
+        "One day, a big bird",
+        "There was a boy named Max who liked",
+        "The sun was",
+        "A cat and a mouse",
+        "Sara wanted to",
+    ]
+
+    def complete(prompt):
+        body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "logprobs": 0}
+        choice = post(server, "/v1/completions", body).json()["choices"][0]
+        return choice["text"], choice["logprobs"]["tokens"], choice["finish_reason"]
+
+    one_at_a_time = [complete(p) for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(complete, prompts))
+    assert together == one_at_a_time
+    assert server.metric("llmrun_requests_total") > 0
+    metrics = httpx.get(f"{server.url}/metrics").text
+    for name in (
+        "llmrun_prompt_tokens_total",
+        "llmrun_generation_tokens_total",
+        "llmrun_time_to_first_token_seconds_bucket",
+        "llmrun_time_per_output_token_seconds_bucket",
+        "llmrun_requests_waiting",
+        "llmrun_requests_running",
+    ):
+        assert name in metrics
+
+
+def _long_stream(server):
+    body = {"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    return httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60)
+
+
+def _wait_until_idle(server):
+    deadline = time.monotonic() + 60
+    while httpx.get(f"{server.url}/health").json()["running"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_a_disconnected_client_frees_its_slot(one_slot):
+    with _long_stream(one_slot) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+    # The one slot is taken by a 2000-token request unless the disconnect freed it.
+    body = {"prompt": "The dog", "max_tokens": 10, "temperature": 0}
+    result = post(one_slot, "/v1/completions", body, key=None)
+    assert result.json()["choices"][0]["text"] == run_text("The dog", 10)
+    _wait_until_idle(one_slot)
+    assert one_slot.metric("llmrun_generation_tokens_total") < 2000
+    assert one_slot.metric('llmrun_requests_total{endpoint="completions",status="499"}') == 1
+
+
+def test_a_full_queue_answers_503_with_retry_after(one_slot):
+    with _long_stream(one_slot) as running:
+        lines = running.iter_lines()  # dropping the iterator would close the stream
+        assert next(lines).startswith("data: ")
+        with _long_stream(one_slot) as waiting:
+            assert waiting.status_code == 200
+            full = post(one_slot, "/v1/completions", {"prompt": "Hi"}, key=None)
+            assert full.status_code == 503 and full.headers["retry-after"] == "1"
+            assert full.json()["error"]["code"] == "server_busy"
+    _wait_until_idle(one_slot)
+
+
+def test_health_is_503_while_loading():
+    app = create_app(Service("m", set(), None, parallel=1, queue=1))
+    with TestClient(app) as http:
+        assert http.get("/health").status_code == 503
+        response = http.post("/v1/completions", json={"prompt": "Hi"})
+        assert response.status_code == 503 and "loading" in response.json()["error"]["message"]
+
+
+def test_chat_uses_the_models_template(tmp_path):
+    engine = api.load(str(chat_model_dir(tmp_path / "m")), device="cpu")
+    service = Service("m", set(), None, parallel=2, queue=1)
+    service.start(engine)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    try:
+        with TestClient(create_app(service)) as http:
+            body = {"messages": messages, "max_tokens": 12, "temperature": 0}
+            result = http.post("/v1/chat/completions", json=body).json()
+    finally:
+        service.close()
+    prompt = engine.tokenizer.encode(engine.render(messages))
+    expected = list(engine.generate(prompt, SamplingParams(temperature=0), 12))
+    assert result["usage"]["prompt_tokens"] == len(prompt)
+    assert result["choices"][0]["message"]["content"] == "".join(r.text for r in expected)
+    assert result["choices"][0]["finish_reason"] == expected[-1].finish_reason
