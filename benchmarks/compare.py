@@ -137,7 +137,10 @@ def run_llmrun(args: argparse.Namespace) -> dict:
 
 
 def run_peer(engine: str, python: str, args: argparse.Namespace) -> dict:
-    check = subprocess.run([python, "-c", f"import {MODULES[engine]}"], capture_output=True)
+    try:
+        check = subprocess.run([python, "-c", f"import {MODULES[engine]}"], capture_output=True)
+    except OSError as e:
+        raise RuntimeError(f"cannot run {python}: {e.strerror}") from None
     if check.returncode:
         raise RuntimeError(f"{MODULES[engine]} is not importable by {python}")
     command = [python, __file__, args.model, "--worker", engine]

@@ -9,6 +9,7 @@ import statistics
 import subprocess
 import sys
 from datetime import datetime
+from pathlib import Path
 
 import gguf
 import pytest
@@ -168,6 +169,26 @@ def test_several_models_one_markdown_table(tied_q4_model):
         ("tiny-qwen2", "Q4_0", "tg4"),
     ]
     assert lines[6] == "" and lines[7].startswith("llmrun ")
+
+
+def test_compare_script_prints_ratios_and_skips_missing_peers():
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "compare.py"
+    result = subprocess.run(
+        [sys.executable, str(script), str(paths.BUNDLED_MODEL), "-p", "8", "-n", "4", "-r", "1"]
+        + ["-t", "1", "--engines", "llmrun,llama.cpp", "--llama-cpp-python", "/nonexistent/py"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "stories260K.gguf, 1 threads, mean ± sd of 1 runs after a warm-up"
+    assert (
+        lines[2] == "| engine | pp8 t/s | tg4 t/s | llmrun / engine, pp8 | llmrun / engine, tg4 |"
+    )
+    assert lines[4].startswith(f"| llmrun {llmrun.__version__} (F32, f32) | ")
+    assert lines[4].endswith(" | 1.00 | 1.00 |")
+    assert lines[-1].startswith("llama.cpp skipped: cannot run /nonexistent/py")
 
 
 def test_bytes_per_token_of_a_tied_quantized_model(tied_q4_model):
