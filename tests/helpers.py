@@ -8,11 +8,17 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
+from llmrun.paths import BUNDLED_MODEL
+
 SHARED = Path(__file__).resolve().parents[2] / "shared"
-STORIES_GGUF = SHARED / "models" / "stories260K" / "stories260K.gguf"
+# The package ships the same file as shared/models/stories260K/stories260K.gguf.
+STORIES_GGUF = BUNDLED_MODEL
 STORIES_HF = SHARED / "models" / "stories260K" / "hf"
+# For tests that need reference material only ../shared holds.
+needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason=f"{SHARED} is not present")
 
 BASE = dict(
     hidden_size=64,
@@ -72,12 +78,15 @@ def tiny_hf_model(name: str, seed: int = 0):
     return model, config.to_dict()
 
 
-def save_hf_dir(model, path: Path, dtype: torch.dtype = torch.float32) -> Path:
-    """save_pretrained (safetensors) plus stories260K's tokenizer files."""
+def save_hf_dir(
+    model, path: Path, dtype: torch.dtype = torch.float32, tokenizer: bool = False
+) -> Path:
+    """save_pretrained (safetensors), with stories260K's tokenizer files if asked."""
     model.to(dtype).save_pretrained(path)
     model.float()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(STORIES_HF / name, path / name)
+    if tokenizer:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(STORIES_HF / name, path / name)
     return path
 
 
@@ -146,7 +155,10 @@ def write_gguf(
     writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     if config.get("sliding_window"):
         writer.add_sliding_window(config["sliding_window"])
-    writer.add_file_type(int(qtype) if qtype != gguf.GGMLQuantizationType.F32 else 0)
+    # general.file_type numbers presets (llama_ftype), not tensor types.
+    ftype = "ALL_F32" if qtype == gguf.GGMLQuantizationType.F32 else f"MOSTLY_{qtype.name}"
+    if ftype in gguf.LlamaFileType.__members__:
+        writer.add_file_type(gguf.LlamaFileType[ftype])
     if tokenizer:
         meta = read_gguf(STORIES_GGUF, with_tensors=False).metadata
         writer.add_tokenizer_model("llama")

@@ -8,7 +8,7 @@ import sys
 import time
 
 import pytest
-from helpers import SHARED, tiny_hf_model, write_gguf
+from helpers import SHARED, STORIES_GGUF, needs_shared, tiny_hf_model, write_gguf
 
 # The first 100 greedy tokens after "Once upon a time" (shared/models/stories260K/README.md).
 STORY = (
@@ -103,6 +103,7 @@ def test_stop_string_cuts_the_text():
     assert data["finish_reason"] == "stop"
 
 
+@needs_shared
 def test_hf_directory_model():
     result = llmrun(
         "run",
@@ -147,7 +148,7 @@ def test_bad_input_is_one_error_line(args, code, message):
 
 def test_corrupt_and_unsupported_models(tmp_path):
     truncated = tmp_path / "cut.gguf"
-    truncated.write_bytes((SHARED / "models/stories260K/stories260K.gguf").read_bytes()[:300_000])
+    truncated.write_bytes(STORIES_GGUF.read_bytes()[:300_000])
     no_config = tmp_path / "empty_dir"
     no_config.mkdir()
     for path, message in [
@@ -227,6 +228,7 @@ def test_help_does_not_import_torch():
     assert "run" in result.stdout and "tokenize" in result.stdout
 
 
+@needs_shared
 def test_tokenize_vocab_only_gguf():
     vocab = SHARED / "vocab" / "ggml-vocab-llama-bpe.gguf"
     result = llmrun("tokenize", str(vocab), "Hello world")
