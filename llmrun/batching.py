@@ -171,20 +171,17 @@ class Scheduler:
 
     def _step(self) -> None:
         model = self.engine.model
-        budget = self.prefill_budget
-        for job in [j for j in self.active if j.prefilling]:
+        parts, budget = [], self.prefill_budget
+        for job in self.active:
             if budget <= 0:
                 break
-            prompt, done = job.request.prompt, len(job.state.tokens)
-            # Chunks start at multiples of the budget, so they are the same however busy the server is.
-            part = prompt[done : done + self.prefill_budget]
-            budget -= len(part)
-            try:
-                logits = prefill(model, job.state, part, self.prefill_budget)
-                if not job.prefilling:
-                    self._advance(job, logits)
-            except Exception as e:  # a failed request must not take the others down
-                self._finish(job, e)
+            if job.prefilling and not job.cancelled:
+                done = len(job.state.tokens)
+                # Chunks start at multiples of the budget, so they are the same however busy the server is.
+                parts.append((job, job.request.prompt[done : done + self.prefill_budget]))
+                budget -= len(parts[-1][1])
+        if parts:
+            self._prefill(parts)
         decoding = sorted(
             (j for j in self.active if j.next_token is not None and not j.cancelled),
             key=lambda j: j.slot,
@@ -206,6 +203,49 @@ class Scheduler:
                 self._advance(job, logits[row, -1])
             except Exception as e:
                 self._finish(job, e)
+
+    def _prefill(self, parts: list[tuple[Job, list[int]]]) -> None:
+        """Feed each job its chunk; a job whose prompt is then complete gets its first token."""
+        model = self.engine.model
+        try:
+            if len(parts) == 1:
+                job, part = parts[0]
+                logits = prefill(model, job.state, part, self.prefill_budget)[None]
+            else:
+                logits = self._prefill_together(parts)
+        except Exception as e:  # a failed forward fails its requests, not the server
+            for job, _ in parts:
+                self._finish(job, e)
+            return
+        for (job, _), row in zip(parts, logits, strict=True):
+            if not job.prefilling:
+                try:
+                    self._advance(job, row)
+                except Exception as e:
+                    self._finish(job, e)
+
+    def _prefill_together(self, parts: list[tuple[Job, list[int]]]) -> torch.Tensor:
+        """One forward for several chunks, rows padded on the right: a padded key
+        lies past its row's real tokens, so no real query sees it, and it is
+        overwritten before that position is ever attended to."""
+        width = max(len(part) for _, part in parts)
+        top = self.capacity - 1  # real positions stay below it (check_fits)
+        ids, positions = [], []
+        for job, part in parts:
+            start = len(job.state.tokens)
+            ids.append(part + [part[-1]] * (width - len(part)))
+            positions.append([min(start + i, top) for i in range(width)])
+        device = self.cache.k.device
+        last = torch.tensor([len(part) - 1 for _, part in parts], device=device)
+        logits = self.engine.model(
+            torch.tensor(ids, device=device),
+            torch.tensor(positions, device=device),
+            self.cache.select([job.slot for job, _ in parts]),
+            last=last,
+        )
+        for job, part in parts:
+            job.state.tokens.extend(part)
+        return logits[:, -1]
 
     def _advance(self, job: Job, logits: torch.Tensor) -> None:
         """Sample the job's next token from its logits and pass on the text it makes."""

@@ -83,9 +83,13 @@ def test_batched_decode_gives_each_row_its_own_logits():
             torch.testing.assert_close(batched[row], single[0, -1], atol=1e-4, rtol=0)
 
 
-def test_concurrent_requests_equal_single_sequence_runs(scheduler):
+def test_concurrent_requests_equal_single_sequence_runs():
     # Greedy and seeded sampling, stop strings and penalties: each request's text is
-    # what the single-sequence loop makes of it, whatever it was batched with.
+    # what the single-sequence loop makes of it, whatever it was batched with. All
+    # are queued before the scheduler starts, so the first four prompts (of different
+    # lengths) are prefilled together in one padded forward; the others join as
+    # slots free up.
+    scheduler = Scheduler(ENGINE, parallel=4, queue=8)
     cases = [
         (encode(p), GREEDY if i % 2 else SamplingParams(seed=i, temperature=0.9), 30 + 5 * i)
         for i, p in enumerate(PROMPTS)
@@ -98,10 +102,14 @@ def test_concurrent_requests_equal_single_sequence_runs(scheduler):
         collectors.append(Collector())
         request = Request(prompt, params, max_tokens, stop[0] if stop else ())
         scheduler.submit(request, collectors[-1])
-    for (prompt, params, max_tokens, *stop), collector in zip(cases, collectors, strict=True):
-        expected = alone(prompt, params, max_tokens, stop=stop[0] if stop else ())
-        assert collector.result() == expected
-    assert len(scheduler.free) == 4 and not scheduler.active
+    scheduler.start()
+    try:
+        for (prompt, params, max_tokens, *stop), collector in zip(cases, collectors, strict=True):
+            expected = alone(prompt, params, max_tokens, stop=stop[0] if stop else ())
+            assert collector.result() == expected
+        assert len(scheduler.free) == 4 and not scheduler.active
+    finally:
+        scheduler.close()
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_beside_decoding():

@@ -305,9 +305,11 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         cache: KVCache | None = None,
         last_only: bool = False,
+        last: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Float32 logits [B, T, vocab] (or [B, 1, vocab] with last_only) for
-        input_ids [B, T] at positions [B, T]."""
+        """Float32 logits [B, T, vocab] for input_ids [B, T] at positions [B, T];
+        [B, 1, vocab] with last_only (the last token of each row) or with `last`
+        [B] (the index of each row's last real token, for rows padded on the right)."""
         body = self.model
         x = body.embed_tokens(input_ids)
         rope = body.rotary_emb(positions)
@@ -315,7 +317,9 @@ class CausalLM(nn.Module):
         mask = attention_mask(positions, key_positions(positions, cache), window)
         for layer in body.layers:
             x = layer(x, rope, positions, cache, mask)
-        if last_only:
+        if last is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), last][:, None]
+        elif last_only:
             x = x[:, -1:]
         return self.lm_head(body.norm(x)).float()
 

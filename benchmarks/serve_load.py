@@ -1,0 +1,210 @@
+"""Load test of `llmrun serve`: concurrent streaming clients, throughput and latency.
+
+Starts `llmrun serve MODEL` on 127.0.0.1 (or uses --url), then for each
+concurrency level runs that many clients at once, each making --requests
+streaming /v1/completions requests one after another, with fixed-length
+outputs (ignore_eos) so every level does the same work per request. Reports per
+level: aggregate generated tokens/s (all completion tokens / wall time), time to
+first token and per-token latency (gaps between streamed chunks) at P50 and P99,
+and the server's peak RSS so far (VmHWM, when it was started here). Ends with
+the aggregate throughput of the highest level relative to one client.
+
+Usage:
+  python benchmarks/serve_load.py [MODEL] [-c 1,4,8] [--requests 4] [-n 64]
+      [--parallel 8] [--threads 2] [--prompt TEXT] [--url http://127.0.0.1:8080]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def start_server(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, str]:
+    command = [sys.executable, "-m", "llmrun", "serve", "--port", "0"]
+    command += ["--parallel", str(args.parallel), "--queue", "256"]
+    if args.model:
+        command.append(args.model)
+    if args.threads:
+        command += ["--threads", str(args.threads)]
+    with log.open("w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 600
+    url = None
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            sys.exit(f"the server exited:\n{log.read_text()}")
+        found = url or re.search(r"on (http://127\.0\.0\.1:\d+)/v1", log.read_text())
+        if found:
+            url = found if isinstance(found, str) else found.group(1)
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    return process, url
+            except httpx.TransportError:
+                pass
+        time.sleep(0.2)
+    process.kill()
+    sys.exit(f"the server did not become ready:\n{log.read_text()}")
+
+
+def peak_rss(pid: int | None) -> int | None:
+    if pid is None:
+        return None
+    status = Path(f"/proc/{pid}/status")
+    if not status.exists():
+        return None
+    found = re.search(r"VmHWM:\s+(\d+) kB", status.read_text())
+    return int(found.group(1)) * 1024 if found else None
+
+
+def one_request(client: httpx.Client, url: str, args: argparse.Namespace) -> dict:
+    body = {
+        "prompt": args.prompt,
+        "max_tokens": args.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    first, last, gaps, tokens = None, None, [], 0
+    with client.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if not chunk["choices"] or not chunk["choices"][0]["text"]:
+                continue
+            now = time.perf_counter()
+            if first is None:
+                first = now - start
+            else:
+                gaps.append(now - last)
+            last = now
+    return {"ttft": first, "gaps": gaps, "tokens": tokens}
+
+
+def run_level(url: str, clients: int, args: argparse.Namespace) -> dict:
+    results: list[dict] = []
+    lock = threading.Lock()
+
+    def client_loop() -> None:
+        with httpx.Client() as client:
+            for _ in range(args.requests):
+                result = one_request(client, url, args)
+                with lock:
+                    results.append(result)
+
+    threads = [threading.Thread(target=client_loop) for _ in range(clients)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    ttfts = [r["ttft"] for r in results if r["ttft"] is not None]
+    gaps = [g for r in results for g in r["gaps"]]
+    tokens = sum(r["tokens"] for r in results)
+    return {
+        "clients": clients,
+        "requests": len(results),
+        "tokens": tokens,
+        "seconds": wall,
+        "tokens_per_second": tokens / wall,
+        "ttft_p50": percentile(ttfts, 50),
+        "ttft_p99": percentile(ttfts, 99),
+        "tpot_p50": percentile(gaps, 50),
+        "tpot_p99": percentile(gaps, 99),
+        "per_stream_tps": statistics.mean(1 / g for g in gaps) if gaps else float("nan"),
+    }
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| clients | requests | tokens | agg tok/s | TTFT P50 / P99 (ms) "
+        "| per-token P50 / P99 (ms) | peak RSS (MiB) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        rss = f"{r['peak_rss'] / 2**20:.0f}" if r.get("peak_rss") else "-"
+        lines.append(
+            f"| {r['clients']} | {r['requests']} | {r['tokens']} | {r['tokens_per_second']:.1f} "
+            f"| {r['ttft_p50'] * 1e3:.0f} / {r['ttft_p99'] * 1e3:.0f} "
+            f"| {r['tpot_p50'] * 1e3:.1f} / {r['tpot_p99'] * 1e3:.1f} | {rss} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("model", nargs="?", help="MODEL for llmrun serve (default: bundled)")
+    parser.add_argument("-c", "--concurrency", default="1,4,8", help="client counts")
+    parser.add_argument("--requests", type=int, default=4, help="requests per client")
+    parser.add_argument("-n", "--max-tokens", type=int, default=64, help="tokens per request")
+    parser.add_argument("--prompt", default="Once upon a time, there was a little girl who")
+    parser.add_argument("--parallel", type=int, default=8, help="server slots")
+    parser.add_argument("-t", "--threads", type=int, help="server CPU threads")
+    parser.add_argument("--url", help="use this running server instead of starting one")
+    parser.add_argument("--json", action="store_true", help="print JSON lines, not a table")
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    process = None
+    if args.url:
+        url = args.url.rstrip("/")
+    else:
+        log = Path(tempfile.mkdtemp()) / "serve.log"
+        process, url = start_server(args, log)
+    try:
+        one_request(httpx.Client(), url, args)  # warm-up
+        rows = []
+        for clients in levels:
+            row = run_level(url, clients, args)
+            row["peak_rss"] = peak_rss(process.pid if process else None)
+            rows.append(row)
+            if args.json:
+                print(json.dumps(row), flush=True)
+    finally:
+        if process is not None:
+            process.terminate()
+            process.wait(30)
+    if not args.json:
+        model = args.model or "stories260K (bundled)"
+        print(
+            f"model {model}, {args.parallel} slots, {args.requests} requests per client, "
+            f"{args.max_tokens} tokens each, threads {args.threads or os.cpu_count()}"
+        )
+        print(table(rows))
+    base = next((r for r in rows if r["clients"] == 1), None)
+    if base and len(rows) > 1:
+        top = rows[-1]
+        ratio = top["tokens_per_second"] / base["tokens_per_second"]
+        print(f"aggregate throughput, {top['clients']} clients vs 1: {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
