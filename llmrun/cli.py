@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import sys
 from datetime import datetime, timezone
@@ -566,7 +567,10 @@ def serve(
     ctx_size: CtxSize = None,
     device: Device = "auto",
     dtype: Dtype = "auto",
-    threads: Threads = None,
+    threads: Annotated[
+        int | None,
+        typer.Option("--threads", "-t", help="CPU threads (default: all cores but one)."),
+    ] = None,
     template: TemplateOpt = None,
     debug: Debug = False,
 ) -> None:
@@ -588,6 +592,10 @@ def serve(
 
     with ui.download_progress() as progress:
         path = api.resolve(model, progress)
+    if threads is None:
+        # Leave a core to the HTTP side (event loop, JSON, SSE): torch's threads wait
+        # for each other at every op, so one preempted thread stalls them all.
+        threads = max(1, (os.cpu_count() or 1) - 1)
     sock = server.bind(host, port)
     name = model or path.stem
     address = sock.getsockname()
