@@ -1,14 +1,16 @@
 """Continuous batching: concurrent requests decoded together by one scheduler thread.
 
 The thread owns the model and one KV cache with a row per slot. Each step it
-admits waiting requests into free slots, prefills them a chunk at a time (so a
-long prompt delays the others by at most a chunk per step), then advances every
-decoding sequence by one token in a single batched forward, each row at its own
-position. Each sequence samples with its own Sampler and becomes text through
-its own TokenStream, exactly as stream_generate does for one, so its tokens do
-not depend on what it was batched with. Finished and cancelled sequences leave
-between steps. Events reach the caller through a callback on the scheduler
-thread; it must return quickly.
+admits waiting requests into free slots, prefills up to PREFILL_BUDGET of their
+prompt tokens (the chunks of several requests in one padded forward; a long
+prompt takes several steps, so it delays the others by one chunk at a time),
+then advances every decoding sequence by one token in a single batched forward,
+each row at its own position. Each sequence samples with its own Sampler and
+becomes text through its own TokenStream, as stream_generate does for one, so
+its tokens do not depend on what it was batched with (float rounding aside:
+batched logits differ from single-row ones by ~1e-5). Finished and cancelled
+sequences leave between steps. Events reach the caller through a callback on
+the scheduler thread; it must return quickly.
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ class Scheduler:
             self._cond.notify()
         if self._thread.is_alive():
             self._thread.join()
-        gone = LlmrunError("the server is shutting down")
+        gone = ServerBusyError("the server is shutting down")
         for job in [*self.waiting, *self.active]:
             self._finish(job, gone)
         self.waiting.clear()
@@ -108,6 +110,8 @@ class Scheduler:
     def submit(self, request: Request, on_event: Callable[[Event], None]) -> Job:
         """Queue a request; raises ContextOverflowError for a prompt that does not
         fit and ServerBusyError when the queue is full."""
+        if not request.prompt:
+            raise LlmrunError("the prompt is empty")
         check_fits(len(request.prompt), self.capacity)
         job = Job(request, on_event)
         if request.max_tokens is not None and request.max_tokens <= 0:
@@ -116,7 +120,7 @@ class Scheduler:
             return job
         with self._cond:
             if self._closed:
-                raise LlmrunError("the server is shutting down")
+                raise ServerBusyError("the server is shutting down")
             if len(self.waiting) >= self.queue_size + len(self.free):
                 raise ServerBusyError(
                     f"all {self.parallel} slots are busy and {len(self.waiting)} requests are waiting"
@@ -142,31 +146,38 @@ class Scheduler:
                     if self._closed:
                         return
                     self._admit()
-                self._step()
+                try:
+                    self._step()
+                except Exception as e:  # a bug fails the requests in flight, not the scheduler
+                    for job in list(self.active):
+                        self._finish(job, e)
 
     def _admit(self) -> None:
         """Under the lock: let go of cancelled sequences, then fill free slots."""
         for job in [j for j in self.active if j.cancelled]:
+            job.finished = True
             self._release(job)
         while self.free and self.waiting:
             job = self.waiting.popleft()
+            request = job.request
+            try:
+                job.sampler = Sampler(request.params)
+                job.stream = TokenStream(
+                    self.engine.tokenizer,
+                    request.prompt,
+                    Stats(prompt_tokens=len(request.prompt), prompt_processed=len(request.prompt)),
+                    request.max_tokens,
+                    () if request.ignore_eos else self.engine.eos_ids,
+                    request.stop,
+                    request.logprobs,
+                )
+            except Exception as e:
+                self._finish(job, e)
+                continue
             job.slot = min(self.free)
             self.free.remove(job.slot)
-            prompt = job.request.prompt
             job.state = KVState(self.cache.select([job.slot]))
-            job.sampler = Sampler(job.request.params)
-            job.history = list(prompt)
-            eos = () if job.request.ignore_eos else self.engine.eos_ids
-            stats = Stats(prompt_tokens=len(prompt), prompt_processed=len(prompt))
-            job.stream = TokenStream(
-                self.engine.tokenizer,
-                prompt,
-                stats,
-                job.request.max_tokens,
-                eos,
-                job.request.stop,
-                job.request.logprobs,
-            )
+            job.history = list(request.prompt)
             self.active.append(job)
 
     def _step(self) -> None:

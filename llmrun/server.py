@@ -57,6 +57,7 @@ LOG = logging.getLogger("uvicorn.error")
 Probability = Annotated[float, Field(gt=0, le=1)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
+StopText = Annotated[str, Field(max_length=512)]
 
 
 class StreamOptions(BaseModel):
@@ -77,7 +78,7 @@ class Sampling(BaseModel):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     seed: Seed | None = None
-    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=16)] | None = None
     n: Literal[1] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -305,6 +306,14 @@ async def _read_json(request: Request, schema: type[BaseModel]) -> Any:
         raise ApiError(400, message, param=param) from None
 
 
+async def _begin(request: Request, schema: type[Sampling]) -> tuple[Service, Any, api.Engine]:
+    """The checks every generation request passes: key, body, model."""
+    service: Service = request.app.state.service
+    service.authorize(request)
+    body = await _read_json(request, schema)
+    return service, body, service.ready_engine(body.model)
+
+
 def _sampling(engine: api.Engine, body: Sampling) -> tuple[Any, list[str]]:
     params = engine.defaults.updated(
         temperature=body.temperature,
@@ -427,21 +436,23 @@ def _token_logprob(tokenizer, token: int, logprob: float) -> dict[str, Any]:
 
 
 async def chat_completions(request: Request) -> Response:
-    service: Service = request.app.state.service
     arrived = time.perf_counter()
-    service.authorize(request)
-    body: ChatBody = await _read_json(request, ChatBody)
+    service, body, engine = await _begin(request, ChatBody)
     if body.tools:
         raise ApiError(400, "tools are not supported", param="tools")
-    engine = service.ready_engine(body.model)
     params, stop = _sampling(engine, body)
     messages = [m.as_dict() for m in body.messages]
     plain = engine.template is None
-    text = plain_transcript(messages) if plain else engine.render(messages)
     if plain:
         stop.append(PLAIN_STOP)
+
+    def prompt() -> list[int]:
+        text = plain_transcript(messages) if plain else engine.render(messages)
+        return engine.tokenizer.encode(text)
+
     gen_request = batching.Request(
-        engine.tokenizer.encode(text),
+        # Off the event loop: a long conversation takes a while to render and encode.
+        await asyncio.to_thread(prompt),
         params,
         body.max_completion_tokens or body.max_tokens,
         stop,
@@ -523,16 +534,13 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def completions(request: Request) -> Response:
-    service: Service = request.app.state.service
     arrived = time.perf_counter()
-    service.authorize(request)
-    body: CompletionBody = await _read_json(request, CompletionBody)
-    engine = service.ready_engine(body.model)
+    service, body, engine = await _begin(request, CompletionBody)
     params, stop = _sampling(engine, body)
     tokenizer = engine.tokenizer
-    if isinstance(body.prompt, str) or isinstance(body.prompt[0], str):
+    if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], str)):
         text = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
-        prompt = tokenizer.encode(text)
+        prompt = await asyncio.to_thread(tokenizer.encode, text)
     else:
         prompt = body.prompt
         if not all(0 <= t < tokenizer.vocab_size for t in prompt):
@@ -551,20 +559,21 @@ async def completions(request: Request) -> Response:
         "model": service.model_id,
         "system_fingerprint": f"llmrun-{__version__}",
     }
-    offset = [0]
+    offset = 0  # of the next token's text in the completion
 
     def logprobs(event: GenResponse) -> dict[str, list] | None:
-        lp = event.logprob
+        nonlocal offset
+        lp, at = event.logprob, offset
+        offset += len(event.text)
         if lp is None:
             return None
         piece = tokenizer.token_to_piece
-        result = {
+        return {
             "tokens": [piece(lp.token)],
             "token_logprobs": [lp.logprob],
             "top_logprobs": [{piece(i): v for i, v in lp.top}],
-            "text_offset": [offset[0]],
+            "text_offset": [at],
         }
-        return result
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -572,7 +581,6 @@ async def completions(request: Request) -> Response:
 
         def chunks(event: GenResponse) -> list[dict]:
             lps = logprobs(event)
-            offset[0] += len(event.text)
             if not (event.text or lps or event.finish_reason):
                 return []
             choice = {
@@ -587,13 +595,11 @@ async def completions(request: Request) -> Response:
         return _sse(gen, chunks, usage)
 
     pieces: list[str] = []
-    merged: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+    merged: dict[str, list] = {k: [] for k in ("tokens", "token_logprobs", "top_logprobs")}
     merged["text_offset"] = []
     async for event in gen.events(request.is_disconnected):
-        lps = logprobs(event)
-        offset[0] += len(event.text)
         pieces.append(event.text)
-        for key, values in (lps or {}).items():
+        for key, values in (logprobs(event) or {}).items():
             merged[key].extend(values)
     if gen.final is None:
         return Response(status_code=499)

@@ -231,6 +231,38 @@ def test_errors_in_openai_shape(server):
     assert post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2}).status_code == 200
 
 
+HOSTILE = [
+    b"[]",
+    b'"text"',
+    b"[" * 100_000,
+    b"\xff\xfe{}",
+    b'{"prompt": []}',
+    b'{"prompt": [1000000000]}',
+    b'{"prompt": [[1, 2]]}',
+    b'{"prompt": ["a", "b"]}',
+    b'{"prompt": "x", "stop": "' + b"x" * 1000 + b'"}',
+    b'{"prompt": "x", "seed": 1180591620717411303424}',
+    b'{"prompt": "x", "logprobs": 50}',
+    b'{"prompt": "x", "max_tokens": 0}',
+    b'{"prompt": "x", "temperature": "hot"}',
+    b'{"prompt": "x", "stream_options": 5}',
+    b'{"prompt": "x", "echo": true}',
+    b'{"messages": "x"}',
+    b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
+    b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}',
+]
+
+
+@pytest.mark.parametrize("body", HOSTILE, ids=range(len(HOSTILE)))
+def test_hostile_bodies_are_refused_with_400(server, body):
+    path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+    response = httpx.post(
+        f"{server.url}{path}", content=body, headers={"Authorization": f"Bearer {KEY}"}
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
 def test_concurrent_greedy_requests_equal_one_at_a_time(server):
     prompts = [
         "Once upon a time",
