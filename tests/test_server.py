@@ -5,6 +5,7 @@ batch-invariant greedy outputs, disconnects and the full queue."""
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ import pytest
 from helpers import chat_model_dir, needs_shared
 from starlette.testclient import TestClient
 
-from llmrun import api
+from llmrun import api, paths
 from llmrun.sampling import SamplingParams
 from llmrun.server import Service, create_app
 
@@ -359,3 +360,26 @@ def test_chat_uses_the_models_template(tmp_path):
     assert result["usage"]["prompt_tokens"] == len(prompt)
     assert result["choices"][0]["message"]["content"] == "".join(r.text for r in expected)
     assert result["choices"][0]["finish_reason"] == expected[-1].finish_reason
+
+
+def serve_cli(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "llmrun", "serve", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
+def test_a_busy_port_is_one_error_line():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = serve_cli("--port", str(port))
+    assert result.returncode == 2
+    assert result.stderr == f"error: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+
+
+def test_a_model_that_fails_to_load_stops_the_server(tmp_path):
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(paths.BUNDLED_MODEL.read_bytes()[:1000])
+    result = serve_cli(str(bad), "--port", "0")
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[-1].startswith(f"error: {bad}: truncated or corrupt GGUF")
