@@ -109,6 +109,7 @@ class ChatBody(Sampling):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class CompletionBody(Sampling):
@@ -440,6 +441,8 @@ async def chat_completions(request: Request) -> Response:
     service, body, engine = await _begin(request, ChatBody)
     if body.tools:
         raise ApiError(400, "tools are not supported", param="tools")
+    if body.response_format and body.response_format.get("type") != "text":
+        raise ApiError(400, "only the text response_format is supported", param="response_format")
     params, stop = _sampling(engine, body)
     messages = [m.as_dict() for m in body.messages]
     plain = engine.template is None

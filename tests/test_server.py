@@ -251,6 +251,7 @@ HOSTILE = [
     b'{"messages": "x"}',
     b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
     b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}',
+    b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}',
 ]
 
 
