@@ -79,6 +79,7 @@ def _sync(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
+@torch.inference_mode()
 def prefill(
     model: nn.Module, state: KVState, tokens: Sequence[int], chunk: int = PREFILL_CHUNK
 ) -> torch.Tensor:
@@ -108,6 +109,7 @@ def reuse_prefix(state: KVState, prompt: Sequence[int]) -> int:
     return n
 
 
+@torch.inference_mode()
 def generate_step(
     model: nn.Module, state: KVState, tokens: Sequence[int], sampler: Sampler, history: list[int]
 ) -> Iterator[tuple[int, torch.Tensor]]:

@@ -215,6 +215,8 @@ def build_model(checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype
         else:
             model.lm_head.weight = embed.weight
     model.to(device)
+    # Inference only: parameters that require grad would make every op record autograd history.
+    model.requires_grad_(False)
     return model.eval()
 
 
