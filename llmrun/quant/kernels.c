@@ -20,7 +20,8 @@
 
 #define QK_K 256
 #define MAX_M 8 /* activation rows handled per pass over the weights */
-#define PREFETCH 1024 /* bytes ahead of the current block */
+#define PREFETCH 4096 /* bytes ahead of the current block, within a thread's rows */
+#define CHUNK 65536 /* bytes of weights a thread takes at a time */
 
 /* GGMLQuantizationType values */
 enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10,
@@ -356,6 +357,7 @@ static inline __attribute__((always_inline)) void dot_group(const float *buf, co
         enum { PER_GROUP = T##_BLOCK >= GROUP ? 1 : GROUP / T##_BLOCK };                 \
         float buf[PER_GROUP * T##_BLOCK] __attribute__((aligned(64)));                   \
         const int64_t nb = n / T##_BLOCK;                                                \
+        const uint8_t *end = w + r1 * stride;                                            \
         for (int64_t r = r0; r < r1; r++) {                                              \
             const uint8_t *row = w + r * stride;                                         \
             __m512 acc[MAX_M][4];                                                        \
@@ -364,8 +366,9 @@ static inline __attribute__((always_inline)) void dot_group(const float *buf, co
             for (int64_t b0 = 0; b0 < nb; b0 += PER_GROUP) {                             \
                 const int64_t g = nb - b0 < PER_GROUP ? nb - b0 : PER_GROUP;             \
                 const uint8_t *gsrc = row + b0 * T##_BYTES;                              \
-                for (int64_t l = 0; l < g * T##_BYTES; l += 64)                          \
-                    _mm_prefetch((const char *)gsrc + PREFETCH + l, _MM_HINT_T0);        \
+                if (gsrc + PREFETCH + g * T##_BYTES <= end)                              \
+                    for (int64_t l = 0; l < g * T##_BYTES; l += 64)                      \
+                        _mm_prefetch((const char *)gsrc + PREFETCH + l, _MM_HINT_T0);    \
                 for (int64_t b = 0; b < g; b++) {                                        \
                     float *out_ = buf + b * T##_BLOCK;                                   \
                     const uint8_t *src = gsrc + b * T##_BYTES;                           \
@@ -380,7 +383,7 @@ static inline __attribute__((always_inline)) void dot_group(const float *buf, co
     }                                                                                    \
     static void matvec_##T(const uint8_t *w, int64_t stride, int64_t rows, const float *x, \
                            int64_t m, int64_t n, float *y) {                             \
-        const int64_t chunk = stride >= 16384 ? 1 : 16384 / stride;                      \
+        const int64_t chunk = stride >= CHUNK ? 1 : CHUNK / stride;                      \
         for (int64_t i0 = 0; i0 < m; i0 += MAX_M) {                                      \
             const int mm = m - i0 < MAX_M ? (int)(m - i0) : MAX_M;                       \
             const float *xi = x + i0 * n;                                                \
