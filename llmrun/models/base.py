@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -73,8 +74,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        # One fused op; it accumulates in float32 whatever the input dtype.
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -125,6 +126,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin [B, T, rotary_dim] (see apply_rotary)."""
         inv_freq = self.inv_freq
         # LongRoPE switches to the long factors once the sequence outgrows the
         # pretraining length, judged per forward call as transformers does, and
@@ -133,8 +135,10 @@ class RotaryEmbedding(nn.Module):
             longer = positions.amax(dim=-1, keepdim=True) + 1 > self.original_max
             inv_freq = torch.where(longer[..., None], self.long_inv_freq, inv_freq)
         freqs = positions[..., None].float() * inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+        cos = torch.cat((freqs, freqs), dim=-1).cos() * self.attention_scaling
+        sin = freqs.sin() * self.attention_scaling
+        # Signs folded in: rotate_half(x) * sin == swap_halves(x) * cat(-sin, sin).
+        return cos, torch.cat((-sin, sin), dim=-1)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
@@ -189,14 +193,32 @@ def _yarn_inv_freq(
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first cos.shape[-1] features of x [B, H, T, D] (half-split layout)."""
-    cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
+    """Rotate the first cos.shape[-1] features of x [B, H, T, D] (half-split layout),
+    with cos and sign-folded sin [B, 1, T, rotary_dim] in x's dtype."""
     rotary_dim = cos.shape[-1]
-    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
     half = rotary_dim // 2
-    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
-    out = x_rot * cos + rotated * sin
-    return torch.cat((out, x_pass), dim=-1) if x_pass.shape[-1] else out
+    if rotary_dim == x.shape[-1]:
+        return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    swapped = torch.cat((x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    return torch.cat((x_rot * cos + swapped * sin, x_pass), dim=-1)
+
+
+@dataclass
+class Frame:
+    """What every layer of one forward needs to know about its tokens, worked out
+    once: positions [B, T], the cache span they write and attend to, the mask,
+    and the RoPE cos/sin in the compute dtype."""
+
+    positions: torch.Tensor
+    start: int  # first position of row 0
+    length: int  # keys to attend to: positions 0 .. max(positions)
+    mask: torch.Tensor | None
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        return apply_rotary(x, self.cos, self.sin)
 
 
 def attention_mask(
@@ -219,29 +241,35 @@ def attend(
     k: torch.Tensor,
     v: torch.Tensor,
     layer: int,
-    positions: torch.Tensor,
+    frame: Frame,
     cache: KVCache | None,
-    mask: torch.Tensor | None,
 ) -> torch.Tensor:
     """Scaled dot-product attention with GQA over the KV cache.
 
     q [B, H, T, D], k/v [B, Hkv, T, D] for the new tokens; returns [B, T, H*D].
     """
     if cache is not None:
-        k, v = cache.update(layer, k, v, positions)
+        k, v = cache.update(layer, k, v, frame.positions, frame.start, frame.length)
+    batch, heads, tokens, head_dim = q.shape
+    if tokens == 1 and frame.mask is None:
+        # One query per head attending to every cached key (decoding): grouped
+        # matmuls, so each KV head serves its query heads without being repeated.
+        # Cheaper than SDPA's kernel launch for a single row.
+        groups = k.shape[1]
+        q = q.view(batch, groups, heads // groups, head_dim) * head_dim**-0.5
+        weights = torch.softmax(q @ k.transpose(-1, -2), dim=-1, dtype=torch.float32)
+        return (weights.to(v.dtype) @ v).view(batch, 1, heads * head_dim)
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1]
+        q, k, v, attn_mask=frame.mask, enable_gqa=q.shape[1] != k.shape[1]
     )
-    batch, heads, tokens, head_dim = out.shape
     return out.transpose(1, 2).reshape(batch, tokens, heads * head_dim)
 
 
-def key_positions(positions: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+def key_positions(positions: torch.Tensor, length: int, cache: KVCache | None) -> torch.Tensor:
     """Positions of the keys attended to: the cache prefix up to the newest token,
     or, without a cache, the new tokens themselves."""
     if cache is None:
         return positions
-    length = int(positions.max()) + 1
     return torch.arange(length, device=positions.device).expand(positions.shape[0], length)
 
 
@@ -270,8 +298,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x, rope, positions, cache, mask) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, positions, cache, mask)
+    def forward(self, x: torch.Tensor, frame: Frame, cache: KVCache | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), frame, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -312,16 +340,22 @@ class CausalLM(nn.Module):
         [B] (the index of each row's last real token, for rows padded on the right)."""
         body = self.model
         x = body.embed_tokens(input_ids)
-        rope = body.rotary_emb(positions)
-        window = getattr(self.args, "sliding_window", None)
-        mask = attention_mask(positions, key_positions(positions, cache), window)
+        frame = self.frame(positions, cache, x.dtype)
         for layer in body.layers:
-            x = layer(x, rope, positions, cache, mask)
+            x = layer(x, frame, cache)
         if last is not None:
             x = x[torch.arange(x.shape[0], device=x.device), last][:, None]
         elif last_only:
             x = x[:, -1:]
         return self.lm_head(body.norm(x)).float()
+
+    def frame(self, positions: torch.Tensor, cache: KVCache | None, dtype: torch.dtype) -> Frame:
+        start, length = int(positions[0, 0]), int(positions.max()) + 1
+        window = getattr(self.args, "sliding_window", None)
+        mask = attention_mask(positions, key_positions(positions, length, cache), window)
+        cos, sin = self.model.rotary_emb(positions)
+        # [B, T, rotary_dim] -> [B, 1, T, rotary_dim], broadcast over heads
+        return Frame(positions, start, length, mask, cos[:, None].to(dtype), sin[:, None].to(dtype))
 
     def new_cache(self, batch: int, max_seq_len: int, dtype: torch.dtype, device) -> KVCache:
         a = self.args

@@ -47,13 +47,18 @@ class KVCache:
         return self.k.nbytes + self.v.nbytes
 
     def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+        self,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        first: int,
+        length: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k/v [B, Hkv, T, D] at positions [B, T]; return the keys and values
-        of positions 0 .. max(positions) for every row."""
+        """Store k/v [B, Hkv, T, D] at positions [B, T] (whose first is `first` and
+        maximum `length` - 1); return the keys and values of positions
+        0 .. length - 1 for every row."""
         batch, tokens = positions.shape
-        first = int(positions[0, 0])
-        length = int(positions.max()) + 1
         if self.rows is not None:
             # Scattered slots: index writes, and a gathered copy of their prefixes to attend to.
             k_layer, v_layer = self.k[layer], self.v[layer]

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmrun.models.base import CausalLM, activation, apply_rotary, args_from_config, attend
+from llmrun.models.base import CausalLM, Frame, activation, args_from_config, attend
+from llmrun.models.cache import KVCache
 
 
 @dataclass
@@ -52,7 +53,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(args.hidden_size, qkv_size, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, args.hidden_size, bias=False)
 
-    def forward(self, x, rope, positions, cache, mask) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, frame: Frame, cache: KVCache | None) -> torch.Tensor:
         batch, tokens, _ = x.shape
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -60,9 +61,8 @@ class Attention(nn.Module):
         q = q.reshape(batch, tokens, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.reshape(batch, tokens, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = v.reshape(batch, tokens, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return self.o_proj(attend(q, k, v, self.layer, positions, cache, mask))
+        q, k = frame.rotate(q), frame.rotate(k)
+        return self.o_proj(attend(q, k, v, self.layer, frame, cache))
 
 
 class MLP(nn.Module):

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from llmrun.errors import UnsupportedError
-from llmrun.models.base import CausalLM, GatedMLP, apply_rotary, args_from_config, attend
+from llmrun.models.base import CausalLM, Frame, GatedMLP, args_from_config, attend
+from llmrun.models.cache import KVCache
 
 
 @dataclass
@@ -56,15 +57,14 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=True)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, args.hidden_size, bias=False)
 
-    def forward(self, x, rope, positions, cache, mask) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, frame: Frame, cache: KVCache | None) -> torch.Tensor:
         batch, tokens, _ = x.shape
         # [B, T, H*D] -> [B, H, T, D]
         q = self.q_proj(x).view(batch, tokens, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, tokens, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, tokens, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return self.o_proj(attend(q, k, v, self.layer, positions, cache, mask))
+        q, k = frame.rotate(q), frame.rotate(k)
+        return self.o_proj(attend(q, k, v, self.layer, frame, cache))
 
 
 class Model(CausalLM):

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from llmrun.errors import UnsupportedError
-from llmrun.models.base import CausalLM, GatedMLP, RMSNorm, apply_rotary, args_from_config, attend
+from llmrun.models.base import CausalLM, Frame, GatedMLP, RMSNorm, args_from_config, attend
+from llmrun.models.cache import KVCache
 
 
 @dataclass
@@ -60,7 +61,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
 
-    def forward(self, x, rope, positions, cache, mask) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, frame: Frame, cache: KVCache | None) -> torch.Tensor:
         batch, tokens, _ = x.shape
         # [B, T, H*D] -> [B, H, T, D], normalized per head
         q = self.q_norm(self.q_proj(x).view(batch, tokens, self.n_heads, self.head_dim)).transpose(
@@ -70,9 +71,8 @@ class Attention(nn.Module):
             self.k_proj(x).view(batch, tokens, self.n_kv_heads, self.head_dim)
         ).transpose(1, 2)
         v = self.v_proj(x).view(batch, tokens, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return self.o_proj(attend(q, k, v, self.layer, positions, cache, mask))
+        q, k = frame.rotate(q), frame.rotate(k)
+        return self.o_proj(attend(q, k, v, self.layer, frame, cache))
 
 
 class Model(CausalLM):
