@@ -19,7 +19,7 @@
 #include <immintrin.h>
 
 #define QK_K 256
-#define MAX_M 8 /* activation rows handled per pass over the weights */
+#define MAX_M 8 /* most activation rows handled per pass over the weights */
 #define PREFETCH 4096 /* bytes ahead of the current block, within a thread's rows */
 #define CHUNK 65536 /* bytes of weights a thread takes at a time */
 
@@ -384,8 +384,9 @@ static inline __attribute__((always_inline)) void dot_group(const float *buf, co
     static void matvec_##T(const uint8_t *w, int64_t stride, int64_t rows, const float *x, \
                            int64_t m, int64_t n, float *y) {                             \
         const int64_t chunk = stride >= CHUNK ? 1 : CHUNK / stride;                      \
-        for (int64_t i0 = 0; i0 < m; i0 += MAX_M) {                                      \
-            const int mm = m - i0 < MAX_M ? (int)(m - i0) : MAX_M;                       \
+        /* passes over the weights with 8, 4, 2 or 1 activation rows each */             \
+        for (int64_t i0 = 0; i0 < m;) {                                                  \
+            const int mm = m - i0 >= 8 ? 8 : m - i0 >= 4 ? 4 : m - i0 >= 2 ? 2 : 1;      \
             const float *xi = x + i0 * n;                                                \
             float *yi = y + i0 * rows;                                                   \
             _Pragma("omp parallel for schedule(dynamic)")                                \
@@ -394,11 +395,11 @@ static inline __attribute__((always_inline)) void dot_group(const float *buf, co
                 switch (mm) {                                                            \
                 case 1: rows_##T(w, stride, r0, r1, xi, 1, n, yi, rows); break;          \
                 case 2: rows_##T(w, stride, r0, r1, xi, 2, n, yi, rows); break;          \
-                case 3: rows_##T(w, stride, r0, r1, xi, 3, n, yi, rows); break;          \
                 case 4: rows_##T(w, stride, r0, r1, xi, 4, n, yi, rows); break;          \
-                default: rows_##T(w, stride, r0, r1, xi, mm, n, yi, rows); break;        \
+                default: rows_##T(w, stride, r0, r1, xi, 8, n, yi, rows); break;         \
                 }                                                                        \
             }                                                                            \
+            i0 += mm;                                                                    \
         }                                                                                \
     }                                                                                    \
     static void dequant_##T(const uint8_t *w, int64_t stride, int64_t rows, int64_t n,   \

@@ -22,7 +22,7 @@ from llmrun.quant.blocks import check_supported, row_bytes
 
 # Up to this many activation rows (decode, small batches) a native matvec reads the
 # blocks once for all rows; past it, dequantized tiles and a GEMM are faster.
-MATVEC_MAX_ROWS = 8
+MATVEC_MAX_ROWS = 16
 # f32 weights dequantized per GEMM tile, so a 150k-row lm_head never makes a huge temporary.
 TILE_WEIGHTS = 1 << 22
 
