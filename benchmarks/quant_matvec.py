@@ -7,6 +7,7 @@ warm: one 8960 x 1536 matrix again and again (cache-resident; an upper bound).
 
 kernels:
   native       llmrun's C kernels (llmrun/quant/kernels.c) on the GGUF blocks
+  packed       the same on native.pack's layout (Q4_0 only), as QuantLinear uses it
   torch        llmrun's pure-torch fallback: dequantize, then F.linear (no compiler)
   bf16-linear  torch F.linear on bf16 weights of the same shapes (torch's own dense path)
 
@@ -58,6 +59,8 @@ def random_blocks(ggml_type: T, rows: int, cols: int) -> torch.Tensor:
 def kernel(name: str, ggml_type: T) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     if name == "native":
         return lambda w, x: native.matvec(w, ggml_type, x)
+    if name == "packed":
+        return lambda w, x: native.matvec(w, ggml_type, x, packed=True)
     if name == "torch":
         return lambda w, x: F.linear(x, dequantize(w, ggml_type))
     if name == "bf16-linear":
@@ -71,6 +74,8 @@ def cases(name: str, ggml_type: T, shapes: list[tuple[int, int]]) -> list[tuple]
     xs = {c: torch.randn(1, c, dtype=dtype) for c in {c for _, c in shapes}}
     if name == "bf16-linear":
         return [(torch.randn(r, c, dtype=dtype), xs[c]) for r, c in shapes]
+    if name == "packed":
+        return [(native.pack(random_blocks(ggml_type, r, c), ggml_type), xs[c]) for r, c in shapes]
     return [(random_blocks(ggml_type, r, c), xs[c]) for r, c in shapes]
 
 
@@ -106,6 +111,7 @@ def main() -> None:
     runs = [
         r for i, r in enumerate(runs) if r[1] != "bf16-linear" or i < len(args.kernels.split(","))
     ]
+    runs = [r for r in runs if r[1] != "packed" or r[0] in native.PACKED]
     for ggml_type, kname in runs:
         fn = kernel(kname, ggml_type)
         per_weight = 2 if kname == "bf16-linear" else _bytes_per_weight(ggml_type)

@@ -3,10 +3,16 @@
 The raw blocks are kept as they are in the file (a zero-copy view of the mapped
 GGUF where possible) and dequantized on use: on CPU by the native kernels where
 they are available (a matvec for decode, dequantized tiles and a GEMM for
-prefill), otherwise by the torch dequantizers. Products are computed in f32. They are held as frozen
-Parameters named `weight`, so state-dict keys match the HF names and a tied
-lm_head/embedding pair stays one tensor through `.to(device)` (buffers would
-be copied once per module). To tie, pass one module's `weight` to the other.
+prefill), otherwise by the torch dequantizers. Products are computed in f32.
+The blocks are held as frozen Parameters named `weight`, so state-dict keys match
+the HF names and a tied lm_head/embedding pair stays one tensor through
+`.to(device)` (buffers would be copied once per module). To tie, pass one
+module's `weight` to the other.
+
+Exception to "as in the file": on a CPU with the native kernels, a QuantLinear
+given its own Q4_0 tensor repacks it once into native.pack's layout (same size;
+the file's view is dropped), whose kernel is ~1.5x faster; `packed` says so, and
+its `weight` then holds that layout. A tied weight (a Parameter) is never repacked.
 """
 
 from __future__ import annotations
@@ -37,8 +43,14 @@ def _check_raw(raw: torch.Tensor, ggml_type: GGMLQuantizationType, n_cols: int) 
         )
 
 
-def _native_ok(raw: torch.Tensor, ggml_type: GGMLQuantizationType, n_cols: int) -> bool:
-    return raw.device.type == "cpu" and raw.stride(-1) == 1 and native.supports(ggml_type, n_cols)
+def _native_ok(
+    raw: torch.Tensor, ggml_type: GGMLQuantizationType, n_cols: int, packed: bool = False
+) -> bool:
+    return (
+        raw.device.type == "cpu"
+        and raw.stride(-1) == 1
+        and native.supports(ggml_type, n_cols, packed)
+    )
 
 
 def _frozen(raw: torch.Tensor) -> nn.Parameter:
@@ -60,7 +72,12 @@ class QuantLinear(nn.Module):
         self.ggml_type = GGMLQuantizationType(ggml_type)
         self.in_features = in_features
         self.out_features = raw.shape[0]
-        self.weight = _frozen(raw)
+        self.packed = (
+            not isinstance(raw, nn.Parameter)
+            and raw.device.type == "cpu"
+            and native.supports(self.ggml_type, in_features, packed=True)
+        )
+        self.weight = _frozen(native.pack(raw, self.ggml_type) if self.packed else raw)
         if bias is not None and bias.shape != (self.out_features,):
             raise ModelFormatError(
                 f"bias of shape {list(bias.shape)} does not fit {self.out_features} outputs"
@@ -69,29 +86,36 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).float()
-        use_native = _native_ok(self.weight, self.ggml_type, self.in_features)
-        if use_native and x2.shape[0] <= MATVEC_MAX_ROWS:
-            y = native.matvec(self.weight, self.ggml_type, x2)
+        if _native_ok(self.weight, self.ggml_type, self.in_features, self.packed):
+            if x2.shape[0] <= MATVEC_MAX_ROWS:
+                y = native.matvec(self.weight, self.ggml_type, x2, self.packed)
+            else:
+                y = self._gemm(x2, lambda w: native.dequantize(w, self.ggml_type, self.packed))
         else:
-            y = self._gemm(x2, native.dequantize if use_native else blocks.dequantize)
+            y = self._gemm(x2, self._torch_dequantize)
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
+    def _torch_dequantize(self, w: torch.Tensor) -> torch.Tensor:
+        return blocks.dequantize(
+            native.unpack(w, self.ggml_type) if self.packed else w, self.ggml_type
+        )
+
     def _gemm(self, x2: torch.Tensor, dequantize) -> torch.Tensor:
         rows = max(1, TILE_WEIGHTS // self.in_features)
         if rows >= self.out_features:
-            return F.linear(x2, dequantize(self.weight, self.ggml_type))
+            return F.linear(x2, dequantize(self.weight))
         y = torch.empty(x2.shape[0], self.out_features, device=x2.device)
         for r0 in range(0, self.out_features, rows):
-            w = dequantize(self.weight[r0 : r0 + rows], self.ggml_type)
-            y[:, r0 : r0 + rows] = F.linear(x2, w)
+            y[:, r0 : r0 + rows] = F.linear(x2, dequantize(self.weight[r0 : r0 + rows]))
         return y
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, type={self.ggml_type.name}"
+            + (" (packed)" if self.packed else "")
         )
 
 

@@ -24,6 +24,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from llmrun import paths
 
 SOURCE = Path(__file__).with_name("kernels.c")
+# Types with a faster kernel on a repacked row layout (kernels.c: Q4_0_PACKED), by
+# the kernel's type id.
+PACKED = {GGMLQuantizationType.Q4_0: 1002}
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC", "-fopenmp"]
 
 _reason = ""
@@ -97,11 +100,33 @@ def available() -> bool:
 
 
 @functools.cache
-def supports(ggml_type: GGMLQuantizationType, n_cols: int) -> bool:
-    """Whether the native kernels take rows of `n_cols` weights of `ggml_type`."""
+def supports(ggml_type: GGMLQuantizationType, n_cols: int, packed: bool = False) -> bool:
+    """Whether the native kernels take rows of `n_cols` weights of `ggml_type`
+    (in the packed layout, if `packed`)."""
     lib = _library()
-    block = lib.llmrun_block(int(ggml_type)) if lib is not None else 0
+    if lib is None or (packed and ggml_type not in PACKED):
+        return False
+    block = lib.llmrun_block(_kernel_type(ggml_type, packed))
     return block > 0 and n_cols % block == 0
+
+
+def _kernel_type(ggml_type: GGMLQuantizationType, packed: bool) -> int:
+    return PACKED[ggml_type] if packed else int(ggml_type)
+
+
+def pack(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
+    """GGML blocks `[rows, row_bytes]` -> a new tensor in the packed layout: each row's
+    f16 scales, then its quants in block order (same size)."""
+    rows, nb = raw.shape[0], raw.shape[1] // GGML_QUANT_SIZES[ggml_type][1]
+    blocks = raw.reshape(rows, nb, -1)
+    return torch.cat([blocks[:, :, :2].reshape(rows, -1), blocks[:, :, 2:].reshape(rows, -1)], 1)
+
+
+def unpack(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
+    """The inverse of `pack`, in torch, so packed weights work on any device."""
+    rows, nb = raw.shape[0], raw.shape[1] // GGML_QUANT_SIZES[ggml_type][1]
+    scales, quants = raw[:, : 2 * nb].reshape(rows, nb, 2), raw[:, 2 * nb :].reshape(rows, nb, -1)
+    return torch.cat([scales, quants], 2).reshape(rows, -1)
 
 
 def status() -> str:
@@ -109,37 +134,46 @@ def status() -> str:
     return "native" if available() else f"torch fallback: {_reason}"
 
 
-def _n_cols(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> int:
+def _n_cols(raw: torch.Tensor, ggml_type: GGMLQuantizationType, packed: bool) -> int:
     """Row length of `raw`, after checking the kernels can take it."""
     block_size, type_size = GGML_QUANT_SIZES[ggml_type]
     n = raw.shape[1] // type_size * block_size
     if raw.device.type != "cpu" or raw.dtype != torch.uint8 or raw.stride(-1) != 1:
         raise ValueError("native kernels need CPU uint8 blocks with contiguous rows")
-    if not supports(ggml_type, n):
+    if not supports(ggml_type, n, packed):
         raise ValueError(f"no native kernel for {ggml_type.name} rows of {n}")
     return n
 
 
-def matvec(raw: torch.Tensor, ggml_type: GGMLQuantizationType, x: torch.Tensor) -> torch.Tensor:
+def matvec(
+    raw: torch.Tensor, ggml_type: GGMLQuantizationType, x: torch.Tensor, packed: bool = False
+) -> torch.Tensor:
     """x f32 `[m, n]` times the blocks `[rows, row_bytes]` transposed -> f32 `[m, rows]`."""
-    n = _n_cols(raw, ggml_type)
+    n = _n_cols(raw, ggml_type, packed)
     x = x.contiguous()
     m = x.shape[0]
     if x.dtype != torch.float32 or x.shape[1] != n:
         raise ValueError(f"activations must be f32 [m, {n}], got {x.dtype} {list(x.shape)}")
     y = torch.empty(m, raw.shape[0], dtype=torch.float32)
     _library().llmrun_matvec(
-        int(ggml_type), raw.data_ptr(), raw.stride(0), raw.shape[0], x.data_ptr(), m, n,
+        _kernel_type(ggml_type, packed), raw.data_ptr(), raw.stride(0), raw.shape[0], x.data_ptr(), m, n,
         y.data_ptr(),
     )  # fmt: skip
     return y
 
 
-def dequantize(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
+def dequantize(
+    raw: torch.Tensor, ggml_type: GGMLQuantizationType, packed: bool = False
+) -> torch.Tensor:
     """Blocks `[rows, row_bytes]` -> f32 `[rows, n]`, bit-exact with blocks.dequantize."""
-    n = _n_cols(raw, ggml_type)
+    n = _n_cols(raw, ggml_type, packed)
     out = torch.empty(raw.shape[0], n, dtype=torch.float32)
     _library().llmrun_dequantize(
-        int(ggml_type), raw.data_ptr(), raw.stride(0), raw.shape[0], n, out.data_ptr()
+        _kernel_type(ggml_type, packed),
+        raw.data_ptr(),
+        raw.stride(0),
+        raw.shape[0],
+        n,
+        out.data_ptr(),
     )
     return out

@@ -21,7 +21,7 @@ TYPES += [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS]
 def path(request, monkeypatch) -> str:
     """Run a test with the native kernels and again with the pure-torch fallback."""
     if request.param == "torch":
-        monkeypatch.setattr(native, "supports", lambda ggml_type, n_cols: False)
+        monkeypatch.setattr(native, "supports", lambda ggml_type, n_cols, packed=False: False)
     elif not native.available():
         pytest.skip(native.status())
     return request.param
@@ -109,11 +109,29 @@ def test_quant_embedding_dequantizes_the_rows_looked_up(path: str):
     assert emb16(ids).dtype == torch.bfloat16
 
 
+def test_pack_and_unpack_are_inverse():
+    raw = torch.from_numpy(random_blocks(T.Q4_0, 6, 256, seed=14))
+    packed = native.pack(raw, T.Q4_0)
+    assert packed.shape == raw.shape and not torch.equal(packed, raw)
+    assert torch.equal(packed[:, :16], raw.reshape(6, 8, 18)[:, :, :2].reshape(6, 16))
+    assert torch.equal(native.unpack(packed, T.Q4_0), raw)
+
+
+def test_packed_weights_work_without_the_kernels(monkeypatch):
+    raw = random_blocks(T.Q4_0, 24, 512, seed=15)
+    lin = QuantLinear(torch.from_numpy(raw), T.Q4_0, 512)
+    assert lin.packed == native.supports(T.Q4_0, 512, packed=True)
+    # As after .to("cuda"): the torch path must read the packed layout.
+    monkeypatch.setattr(native, "supports", lambda ggml_type, n_cols, packed=False: False)
+    x = torch.randn(3, 512)
+    assert_close_matmul(lin(x), x, reference(raw, T.Q4_0))
+
+
 def test_tied_embedding_and_lm_head_share_one_tensor_through_to():
     raw = torch.from_numpy(random_blocks(T.Q4_0, 40, 64))
     embed = QuantEmbedding(raw, T.Q4_0, 64)
     model = nn.ModuleDict({"embed": embed, "head": QuantLinear(embed.weight, T.Q4_0, 64)})
-    assert model["head"].weight.data_ptr() == raw.data_ptr()
+    assert model["head"].weight.data_ptr() == raw.data_ptr() and not model["head"].packed
     # What .to("cuda") does to each tensor (.to("meta") swaps whole Parameters instead).
     model._apply(lambda t: t.clone())
     assert model["head"].weight is model["embed"].weight

@@ -40,6 +40,18 @@ def test_native_matvec_matches_f32_matmul(ggml_type: T, m: int):
 
 
 @needs_native
+@pytest.mark.parametrize("m", [1, 3, 8, 13])
+def test_packed_q4_0_matches_f32_matmul(m: int):
+    raw = finite_blocks(T.Q4_0, 40, 1024, seed=16)
+    packed = native.pack(torch.from_numpy(raw), T.Q4_0)
+    assert native.supports(T.Q4_0, 1024, packed=True) and not native.supports(T.Q4_0, 96, True)
+    x = torch.randn(m, 1024, generator=torch.Generator().manual_seed(17))
+    assert_close_matmul(native.matvec(packed, T.Q4_0, x, packed=True), x, reference(raw, T.Q4_0))
+    got = native.dequantize(packed, T.Q4_0, packed=True)
+    assert_same_bits(got.numpy(), gguf_dequantize(raw, T.Q4_0).astype(np.float32))
+
+
+@needs_native
 def test_native_kernels_take_rows_with_a_stride():
     raw = torch.from_numpy(finite_blocks(T.Q4_K, 12, 512, seed=13))
     x = torch.randn(1, 512)
