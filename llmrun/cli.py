@@ -292,6 +292,17 @@ def chat(
     Repl(session, interactive=ui.stdin_is_tty(), verbose=verbose).run()
 
 
+def _token_entry(engine, token: int, logprob: float) -> dict:
+    """A token as OpenAI's logprobs report it (token text, logprob, UTF-8 bytes), plus its id."""
+    tokenizer = engine.tokenizer
+    return {
+        "token": tokenizer.token_to_piece(token),
+        "id": token,
+        "logprob": logprob,
+        "bytes": list(tokenizer.token_bytes(token)),
+    }
+
+
 def _json_result(engine, text: str, final, logprobs) -> dict:
     stats = final.stats
     result = {
@@ -309,13 +320,10 @@ def _json_result(engine, text: str, final, logprobs) -> dict:
         },
     }
     if logprobs is not None:
-        piece = engine.tokenizer.token_to_piece
         result["logprobs"] = [
             {
-                "token": piece(lp.token),
-                "id": lp.token,
-                "logprob": lp.logprob,
-                "top_logprobs": [{"token": piece(i), "id": i, "logprob": v} for i, v in lp.top],
+                **_token_entry(engine, lp.token, lp.logprob),
+                "top_logprobs": [_token_entry(engine, i, v) for i, v in lp.top],
             }
             for lp in logprobs
         ]

@@ -92,6 +92,7 @@ def test_json_output_and_logprobs():
         # Greedy: the chosen token is the most likely one.
         assert top[0]["id"] == entry["id"] and top[0]["logprob"] == pytest.approx(entry["logprob"])
         assert top[0]["logprob"] >= top[1]["logprob"] >= top[2]["logprob"]
+        assert bytes(entry["bytes"]).decode() == entry["token"]  # OpenAI's shape: UTF-8 bytes too
 
 
 def test_stop_string_cuts_the_text():
