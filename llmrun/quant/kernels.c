@@ -27,7 +27,7 @@
 /* GGMLQuantizationType values */
 enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10,
        Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30,
-       Q4_0_PACKED = 1002 /* llmrun's layout, see below */ };
+       Q4_0_PACKED = 1002, Q5_0_PACKED = 1006 /* llmrun's layouts, see below */ };
 
 static const float IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                      1,    13,   25,  38,  53,  69,  89,  113};
@@ -432,34 +432,44 @@ DEFINE_KERNELS(Q6_K)
 DEFINE_KERNELS(IQ4_NL)
 DEFINE_KERNELS(IQ4_XS)
 
-/* Q4_0_PACKED: the same blocks with each row's f16 scales first, then its 16-byte
- * qs in block order (same size; native.py repacks). A 64-byte load then holds four
+/* Packed layouts (Q4_0_PACKED, Q5_0_PACKED): the same blocks, each row stored field
+ * by field: its f16 scales, (Q5_0) its u32 high-bit words, then its 16-byte quants in
+ * block order (same size; native.py repacks). A 64-byte load then holds four
  * blocks whose nibbles shifts alone turn into eight table-lookup indices, where the
  * GGML layout needs a byte-to-dword spread per 16 weights, and four scales convert
- * at once. Weights keep their exact values d*(q-8); the scale multiplies each
- * block's partial sums instead of each weight (exact: d*(q-8) is exact in f32).
- * Lane i of the 64 bytes holds bytes 4(i%4)..4(i%4)+3 of block i/4, so index vector
- * k (shift 4k) holds weight 4(i%4) + k/2 + 16(k%2) of that block; x is permuted to
- * match once per call. */
+ * at once. Weights keep their exact values d*(q-8) or d*(q-16); the scale multiplies
+ * each block's partial sums instead of each weight (exact: those products are exact
+ * in f32). Lane i of the 64 bytes holds bytes 4(i%4)..4(i%4)+3 of block i/4, so
+ * index vector k (shift 4k) holds weight 4(i%4) + k/2 + 16(k%2) of that block; x is
+ * permuted to match once per call, and for Q5_0 a per-lane rotate brings that
+ * weight's high bit to index bit 4. */
 #define Q4_0_PACKED_BLOCK 128
+#define Q5_0_PACKED_BLOCK 128
+
+static inline int x4_source(int k, int i) { return 4 * (i % 4) + k / 2 + 16 * (k % 2); }
 
 static void permute_x4(const float *x, int64_t n, float *xp) {
     int src[128];
     for (int k = 0; k < 8; k++)
-        for (int i = 0; i < 16; i++) src[16 * k + i] = 32 * (i / 4) + 4 * (i % 4) + k / 2 + 16 * (k % 2);
+        for (int i = 0; i < 16; i++) src[16 * k + i] = 32 * (i / 4) + x4_source(k, i);
     for (int64_t g = 0; g < n / 128; g++)
         for (int j = 0; j < 128; j++) xp[128 * g + j] = x[128 * g + src[j]];
 }
 
-static inline __attribute__((always_inline)) void rows_Q4_0_PACKED(
+static inline __attribute__((always_inline)) void rows_packed(
     const uint8_t *w, int64_t stride, int64_t r0, int64_t r1, const float *xp, const int m,
-    int64_t n, float *y, int64_t ldy) {
+    int64_t n, float *y, int64_t ldy, const int five) {
     const int64_t nb = n / 32, ng = nb / 4;
-    const __m512 t0 = table(_mm512_set1_ps(1.0f), -8.0f);
-    const __m512i didx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512 t0 = table(_mm512_set1_ps(1.0f), five ? -16.0f : -8.0f);
+    const __m512 t1 = table(_mm512_set1_ps(1.0f), 0.0f);
+    const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    int32_t rot[8][16] __attribute__((aligned(64)));
+    for (int k = 0; k < 8; k++)
+        for (int i = 0; i < 16; i++) rot[k][i] = (4 - x4_source(k, i)) & 31;
     const uint8_t *end = w + r1 * stride;
     for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *row = w + r * stride, *qs = row + 2 * nb;
+        const uint8_t *row = w + r * stride, *qh = row + 2 * nb;
+        const uint8_t *qs = row + (five ? 6 : 2) * nb;
         __m512 acc[MAX_M];
         for (int i = 0; i < m; i++) acc[i] = _mm512_setzero_ps();
         for (int64_t g = 0; g < ng; g++) {
@@ -467,10 +477,21 @@ static inline __attribute__((always_inline)) void rows_Q4_0_PACKED(
                 _mm_prefetch((const char *)qs + 64 * g + PREFETCH, _MM_HINT_T0);
             const __m512i v = _mm512_loadu_si512(qs + 64 * g);
             __m512 wv[8];
-            for (int k = 0; k < 8; k++)
-                wv[k] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4 * k), t0);
+            if (five) {
+                const __m512i h = _mm512_permutexvar_epi32(
+                    quad, _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(qh + 16 * g))));
+                for (int k = 0; k < 8; k++) {
+                    const __m512i hb = _mm512_rolv_epi32(h, _mm512_load_si512(rot[k]));
+                    const __m512i idx = _mm512_ternarylogic_epi32(
+                        _mm512_srli_epi32(v, 4 * k), hb, _mm512_set1_epi32(15), 0xE4);
+                    wv[k] = _mm512_permutex2var_ps(t0, idx, t1);
+                }
+            } else {
+                for (int k = 0; k < 8; k++)
+                    wv[k] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4 * k), t0);
+            }
             const __m128 d4 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(row + 8 * g)));
-            const __m512 dv = _mm512_permutexvar_ps(didx, _mm512_castps128_ps512(d4));
+            const __m512 dv = _mm512_permutexvar_ps(quad, _mm512_castps128_ps512(d4));
             for (int i = 0; i < m; i++) {
                 const float *xg = xp + i * n + 128 * g;
                 __m512 s0 = _mm512_mul_ps(wv[0], _mm512_loadu_ps(xg));
@@ -486,30 +507,34 @@ static inline __attribute__((always_inline)) void rows_Q4_0_PACKED(
     }
 }
 
-static void matvec_Q4_0_PACKED(const uint8_t *w, int64_t stride, int64_t rows, const float *x,
-                               int64_t m, int64_t n, float *y) {
-    float *xp = malloc(sizeof(float) * (size_t)(m * n));
-    if (xp == NULL) return;
-    for (int64_t i = 0; i < m; i++) permute_x4(x + i * n, n, xp + i * n);
-    const int64_t chunk = stride >= CHUNK ? 1 : CHUNK / stride;
-    for (int64_t i0 = 0; i0 < m;) {
-        const int mm = m - i0 >= 8 ? 8 : m - i0 >= 4 ? 4 : m - i0 >= 2 ? 2 : 1;
-        const float *xi = xp + i0 * n;
-        float *yi = y + i0 * rows;
-#pragma omp parallel for schedule(dynamic)
-        for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
-            const int64_t r1 = r0 + chunk < rows ? r0 + chunk : rows;
-            switch (mm) {
-            case 1: rows_Q4_0_PACKED(w, stride, r0, r1, xi, 1, n, yi, rows); break;
-            case 2: rows_Q4_0_PACKED(w, stride, r0, r1, xi, 2, n, yi, rows); break;
-            case 4: rows_Q4_0_PACKED(w, stride, r0, r1, xi, 4, n, yi, rows); break;
-            default: rows_Q4_0_PACKED(w, stride, r0, r1, xi, 8, n, yi, rows); break;
-            }
-        }
-        i0 += mm;
+#define DEFINE_PACKED(T, FIVE)                                                           \
+    static void matvec_##T(const uint8_t *w, int64_t stride, int64_t rows, const float *x, \
+                           int64_t m, int64_t n, float *y) {                             \
+        float *xp = malloc(sizeof(float) * (size_t)(m * n));                             \
+        if (xp == NULL) return;                                                          \
+        for (int64_t i = 0; i < m; i++) permute_x4(x + i * n, n, xp + i * n);            \
+        const int64_t chunk = stride >= CHUNK ? 1 : CHUNK / stride;                      \
+        for (int64_t i0 = 0; i0 < m;) {                                                  \
+            const int mm = m - i0 >= 8 ? 8 : m - i0 >= 4 ? 4 : m - i0 >= 2 ? 2 : 1;      \
+            const float *xi = xp + i0 * n;                                               \
+            float *yi = y + i0 * rows;                                                   \
+            _Pragma("omp parallel for schedule(dynamic)")                                \
+            for (int64_t r0 = 0; r0 < rows; r0 += chunk) {                               \
+                const int64_t r1 = r0 + chunk < rows ? r0 + chunk : rows;                \
+                switch (mm) {                                                            \
+                case 1: rows_packed(w, stride, r0, r1, xi, 1, n, yi, rows, FIVE); break; \
+                case 2: rows_packed(w, stride, r0, r1, xi, 2, n, yi, rows, FIVE); break; \
+                case 4: rows_packed(w, stride, r0, r1, xi, 4, n, yi, rows, FIVE); break; \
+                default: rows_packed(w, stride, r0, r1, xi, 8, n, yi, rows, FIVE); break; \
+                }                                                                        \
+            }                                                                            \
+            i0 += mm;                                                                    \
+        }                                                                                \
+        free(xp);                                                                        \
     }
-    free(xp);
-}
+
+DEFINE_PACKED(Q4_0_PACKED, 0)
+DEFINE_PACKED(Q5_0_PACKED, 1)
 
 static void dequant_Q4_0_PACKED(const uint8_t *w, int64_t stride, int64_t rows, int64_t n,
                                 float *out) {
@@ -521,6 +546,21 @@ static void dequant_Q4_0_PACKED(const uint8_t *w, int64_t stride, int64_t rows, 
             float *out_ = out + r * n + 32 * b;
             const __m512 t4_ = table(bcast_f16(row + 2 * b), -8.0f);
             NIBBLES(row + 2 * nb + 16 * b, t4_, STORE_EMIT, 0);
+        }
+    }
+}
+
+static void dequant_Q5_0_PACKED(const uint8_t *w, int64_t stride, int64_t rows, int64_t n,
+                                float *out) {
+    const int64_t nb = n / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *row = w + r * stride;
+        for (int64_t b = 0; b < nb; b++) {
+            float *out_ = out + r * n + 32 * b;
+            const __m512 d_ = bcast_f16(row + 2 * b);
+            const __m512 lo_ = table(d_, -16.0f), hi_ = table(d_, 0.0f);
+            Q5_EMIT(row + 6 * nb + 16 * b, row + 2 * nb + 4 * b, lo_, hi_, STORE_EMIT);
         }
     }
 }
@@ -543,6 +583,7 @@ static void dequant_Q4_0_PACKED(const uint8_t *w, int64_t stride, int64_t rows, 
     case IQ4_NL: CALL(IQ4_NL); return 0;                                                 \
     case IQ4_XS: CALL(IQ4_XS); return 0;                                                 \
     case Q4_0_PACKED: CALL(Q4_0_PACKED); return 0;                                       \
+    case Q5_0_PACKED: CALL(Q5_0_PACKED); return 0;                                       \
     default: return -1;                                                                  \
     }
 

@@ -10,9 +10,10 @@ the HF names and a tied lm_head/embedding pair stays one tensor through
 module's `weight` to the other.
 
 Exception to "as in the file": on a CPU with the native kernels, a QuantLinear
-given its own Q4_0 tensor repacks it once into native.pack's layout (same size;
-the file's view is dropped), whose kernel is ~1.5x faster; `packed` says so, and
-its `weight` then holds that layout. A tied weight (a Parameter) is never repacked.
+given its own Q4_0 or Q5_0 tensor (native.PACKED) repacks it once into
+native.pack's layout (same size; the file's view is dropped), whose kernel is
+~1.5x faster; `packed` says so, and its `weight` (and state dict) then holds that
+layout. A tied weight (a Parameter) is never repacked.
 """
 
 from __future__ import annotations

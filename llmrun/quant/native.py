@@ -24,9 +24,10 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from llmrun import paths
 
 SOURCE = Path(__file__).with_name("kernels.c")
-# Types with a faster kernel on a repacked row layout (kernels.c: Q4_0_PACKED), by
-# the kernel's type id.
-PACKED = {GGMLQuantizationType.Q4_0: 1002}
+# Types with a faster kernel on a repacked row layout (kernels.c: packed layouts), by
+# the kernel's type id, and the byte sizes of their block fields in block order.
+PACKED = {GGMLQuantizationType.Q4_0: 1002, GGMLQuantizationType.Q5_0: 1006}
+FIELDS = {GGMLQuantizationType.Q4_0: (2, 16), GGMLQuantizationType.Q5_0: (2, 4, 16)}
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC", "-fopenmp"]
 
 _reason = ""
@@ -115,18 +116,18 @@ def _kernel_type(ggml_type: GGMLQuantizationType, packed: bool) -> int:
 
 
 def pack(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
-    """GGML blocks `[rows, row_bytes]` -> a new tensor in the packed layout: each row's
-    f16 scales, then its quants in block order (same size)."""
-    rows, nb = raw.shape[0], raw.shape[1] // GGML_QUANT_SIZES[ggml_type][1]
-    blocks = raw.reshape(rows, nb, -1)
-    return torch.cat([blocks[:, :, :2].reshape(rows, -1), blocks[:, :, 2:].reshape(rows, -1)], 1)
+    """GGML blocks `[rows, row_bytes]` -> a new tensor in the packed layout: each row
+    stored field by field (all its scales, then ..., then all its quants; same size)."""
+    blocks = raw.reshape(raw.shape[0], -1, GGML_QUANT_SIZES[ggml_type][1])
+    fields = blocks.split(FIELDS[ggml_type], dim=2)
+    return torch.cat([f.reshape(raw.shape[0], -1) for f in fields], 1)
 
 
 def unpack(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
     """The inverse of `pack`, in torch, so packed weights work on any device."""
     rows, nb = raw.shape[0], raw.shape[1] // GGML_QUANT_SIZES[ggml_type][1]
-    scales, quants = raw[:, : 2 * nb].reshape(rows, nb, 2), raw[:, 2 * nb :].reshape(rows, nb, -1)
-    return torch.cat([scales, quants], 2).reshape(rows, -1)
+    fields = raw.split([size * nb for size in FIELDS[ggml_type]], dim=1)
+    return torch.cat([f.reshape(rows, nb, -1) for f in fields], 2).reshape(rows, -1)
 
 
 def status() -> str:

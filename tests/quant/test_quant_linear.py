@@ -109,22 +109,25 @@ def test_quant_embedding_dequantizes_the_rows_looked_up(path: str):
     assert emb16(ids).dtype == torch.bfloat16
 
 
-def test_pack_and_unpack_are_inverse():
-    raw = torch.from_numpy(random_blocks(T.Q4_0, 6, 256, seed=14))
-    packed = native.pack(raw, T.Q4_0)
+@pytest.mark.parametrize("ggml_type", list(native.PACKED), ids=lambda t: t.name)
+def test_pack_and_unpack_are_inverse(ggml_type: T):
+    raw = torch.from_numpy(random_blocks(ggml_type, 6, 256, seed=14))
+    packed = native.pack(raw, ggml_type)
+    type_size = raw.shape[1] // 8
     assert packed.shape == raw.shape and not torch.equal(packed, raw)
-    assert torch.equal(packed[:, :16], raw.reshape(6, 8, 18)[:, :, :2].reshape(6, 16))
-    assert torch.equal(native.unpack(packed, T.Q4_0), raw)
+    assert torch.equal(packed[:, :16], raw.reshape(6, 8, type_size)[:, :, :2].reshape(6, 16))
+    assert torch.equal(native.unpack(packed, ggml_type), raw)
 
 
-def test_packed_weights_work_without_the_kernels(monkeypatch):
-    raw = random_blocks(T.Q4_0, 24, 512, seed=15)
-    lin = QuantLinear(torch.from_numpy(raw), T.Q4_0, 512)
-    assert lin.packed == native.supports(T.Q4_0, 512, packed=True)
+@pytest.mark.parametrize("ggml_type", list(native.PACKED), ids=lambda t: t.name)
+def test_packed_weights_work_without_the_kernels(ggml_type: T, monkeypatch):
+    raw = random_blocks(ggml_type, 24, 512, seed=15)
+    lin = QuantLinear(torch.from_numpy(raw), ggml_type, 512)
+    assert lin.packed == native.supports(ggml_type, 512, packed=True)
     # As after .to("cuda"): the torch path must read the packed layout.
     monkeypatch.setattr(native, "supports", lambda ggml_type, n_cols, packed=False: False)
     x = torch.randn(3, 512)
-    assert_close_matmul(lin(x), x, reference(raw, T.Q4_0))
+    assert_close_matmul(lin(x), x, reference(raw, ggml_type))
 
 
 def test_tied_embedding_and_lm_head_share_one_tensor_through_to():

@@ -40,15 +40,17 @@ def test_native_matvec_matches_f32_matmul(ggml_type: T, m: int):
 
 
 @needs_native
+@pytest.mark.parametrize("ggml_type", list(native.PACKED), ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 3, 8, 13])
-def test_packed_q4_0_matches_f32_matmul(m: int):
-    raw = finite_blocks(T.Q4_0, 40, 1024, seed=16)
-    packed = native.pack(torch.from_numpy(raw), T.Q4_0)
-    assert native.supports(T.Q4_0, 1024, packed=True) and not native.supports(T.Q4_0, 96, True)
+def test_packed_kernels_match_f32_matmul(ggml_type: T, m: int):
+    raw = finite_blocks(ggml_type, 40, 1024, seed=16)
+    packed = native.pack(torch.from_numpy(raw), ggml_type)
+    assert native.supports(ggml_type, 1024, True) and not native.supports(ggml_type, 96, True)
     x = torch.randn(m, 1024, generator=torch.Generator().manual_seed(17))
-    assert_close_matmul(native.matvec(packed, T.Q4_0, x, packed=True), x, reference(raw, T.Q4_0))
-    got = native.dequantize(packed, T.Q4_0, packed=True)
-    assert_same_bits(got.numpy(), gguf_dequantize(raw, T.Q4_0).astype(np.float32))
+    y = native.matvec(packed, ggml_type, x, packed=True)
+    assert_close_matmul(y, x, reference(raw, ggml_type))
+    got = native.dequantize(packed, ggml_type, packed=True)
+    assert_same_bits(got.numpy(), gguf_dequantize(raw, ggml_type).astype(np.float32))
 
 
 @needs_native
