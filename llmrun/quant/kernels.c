@@ -172,6 +172,8 @@ static inline void k_scales(const uint8_t *src, float *ab) {
     const __m512 v = _mm512_cvtepi32_ps(spread((const uint8_t *)packed));
     const __m512 d = _mm512_mask_blend_ps(0xFF00, bcast_f16(src), bcast_f16(src + 2));
     _mm512_storeu_ps(ab, _mm512_mul_ps(d, v));
+    /* Re-read from memory: broadcasting a loaded float costs no shuffle (vpermd). */
+    __asm__ volatile("" ::: "memory");
 }
 
 static inline __m512 k_table(const float *ab, int j, __m512 q) {
@@ -232,6 +234,7 @@ static inline __m512 k_table(const float *ab, int j, __m512 q) {
         int8_t q_[256] __attribute__((aligned(64)));                                     \
         const __m512i sc_ = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((src) + 192))); \
         _mm512_storeu_ps(dl_, _mm512_mul_ps(bcast_f16((src) + 208), _mm512_cvtepi32_ps(sc_))); \
+        __asm__ volatile("" ::: "memory"); /* broadcast dl_ from memory, as k_scales */  \
         const __m512i lo4_ = _mm512_set1_epi8(15), six_ = _mm512_set1_epi8(63);         \
         const __m512i shifts_ = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1); \
         for (int c_ = 0; c_ < 2; c_++) {                                                 \
@@ -259,14 +262,19 @@ static inline __m512 k_table(const float *ab, int j, __m512 q) {
 #define Q2_K_BYTES 84
 #define Q2_K_DEQ(src, EMIT)                                                              \
     do {                                                                                 \
-        const float d_ = f16_at((src) + 80), dmin_ = f16_at((src) + 82);                 \
+        float dm_[32]; /* d*(sc&15) for the 16 sub-blocks, then dmin*(sc>>4) */         \
+        const __m512i sc_ = spread(src);                                                 \
+        _mm512_storeu_ps(dm_, _mm512_mul_ps(bcast_f16((src) + 80),                       \
+            _mm512_cvtepi32_ps(_mm512_and_si512(sc_, _mm512_set1_epi32(15)))));          \
+        _mm512_storeu_ps(dm_ + 16, _mm512_mul_ps(bcast_f16((src) + 82),                  \
+            _mm512_cvtepi32_ps(_mm512_srli_epi32(sc_, 4))));                             \
+        __asm__ volatile("" ::: "memory"); /* broadcast dm_ from memory, as k_scales */  \
         for (int c_ = 0; c_ < 2; c_++)                                                   \
             for (int s_ = 0; s_ < 4; s_++)                                               \
                 for (int h_ = 0; h_ < 2; h_++) {                                         \
                     const int i_ = c_ * 128 + s_ * 32 + 16 * h_;                         \
-                    const uint8_t sc_ = (src)[i_ / 16];                                  \
-                    __m512 t_ = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(d_ * (float)(sc_ & 15)), iota16()), \
-                                              _mm512_set1_ps(dmin_ * (float)(sc_ >> 4))); \
+                    __m512 t_ = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(dm_[i_ / 16]), iota16()), \
+                                              _mm512_set1_ps(dm_[16 + i_ / 16]));        \
                     __m512i q_ = _mm512_and_si512(_mm512_srli_epi32(spread((src) + 16 + 32 * c_ + 16 * h_), 2 * s_), \
                                                   _mm512_set1_epi32(3));                 \
                     EMIT(i_, _mm512_permutexvar_ps(q_, t_));                             \
@@ -276,11 +284,23 @@ static inline __m512 k_table(const float *ab, int j, __m512 q) {
 /* Q3_K: w = d*(sc-32) * (k-4) with k = 2 low bits | hmask bit << 2; weight
  * c*128 + s*32 + l takes bits 2s.. of qs[32c + l] and bit 4c+s of hmask[l]. */
 static inline void q3_scales(const uint8_t *s, float d, float *dl) {
-    for (int j = 0; j < 16; j++) {
-        int low = j < 8 ? s[j] & 15 : s[j - 8] >> 4;
-        int high = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
-        dl[j] = d * (float)((low | (high << 4)) - 32);
-    }
+    int64_t low8;
+    int32_t high4;
+    memcpy(&low8, s, 8);
+    memcpy(&high4, s + 8, 4);
+    /* scale j: low nibble of s[j] (j < 8) or high nibble of s[j-8]; bits 2(j/4).. of s[8+j%4] */
+    const __m512i low = _mm512_and_si512(
+        _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_set1_epi64x(low8)),
+                          _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4)),
+        _mm512_set1_epi32(15));
+    const __m512i high = _mm512_and_si512(
+        _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_set1_epi32(high4)),
+                          _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6)),
+        _mm512_set1_epi32(3));
+    const __m512i sc = _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(high, 4)),
+                                        _mm512_set1_epi32(32));
+    _mm512_storeu_ps(dl, _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(sc)));
+    __asm__ volatile("" ::: "memory"); /* broadcast dl from memory, as k_scales */
 }
 
 #define Q3_K_BLOCK 256
