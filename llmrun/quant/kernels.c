@@ -326,15 +326,33 @@ static inline void q3_scales(const uint8_t *s, float d, float *dl) {
 /* IQ4_XS: 8 sub-blocks of 32, w = d*(sc-32) * IQ4_VALUES[q], 6-bit scales split in
  * a u16 of high bits and 4 bytes of low nibbles; sub-block j reads qs[16j..16j+15]. */
 #define IQ4_XS_BLOCK 256
+static inline void iq4_xs_scales(const uint8_t *src, float *dl) {
+    int32_t low4;
+    uint16_t high;
+    memcpy(&low4, src + 4, 4);
+    memcpy(&high, src + 2, 2);
+    const __m512i lanes = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i low = _mm512_and_si512(
+        _mm512_srlv_epi32(_mm512_permutexvar_epi32(lanes, _mm512_cvtepu8_epi32(_mm_set1_epi32(low4))),
+                          _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 0, 0, 0, 0, 0, 0, 0)),
+        _mm512_set1_epi32(15));
+    const __m512i hi = _mm512_and_si512(
+        _mm512_srlv_epi32(_mm512_set1_epi32(high),
+                          _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0)),
+        _mm512_set1_epi32(3));
+    const __m512i sc = _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(hi, 4)),
+                                        _mm512_set1_epi32(32));
+    _mm512_storeu_ps(dl, _mm512_mul_ps(bcast_f16(src), _mm512_cvtepi32_ps(sc)));
+    __asm__ volatile("" ::: "memory"); /* broadcast dl from memory, as k_scales */
+}
 #define IQ4_XS_BYTES 136
 #define IQ4_XS_DEQ(src, EMIT)                                                            \
     do {                                                                                 \
-        const float d_ = f16_at(src);                                                    \
-        const unsigned sh_ = (src)[2] | ((src)[3] << 8);                                 \
+        float dl_[16];                                                                   \
+        iq4_xs_scales(src, dl_);                                                         \
         const __m512 kv_ = _mm512_loadu_ps(IQ4_VALUES);                                  \
         for (int j_ = 0; j_ < 8; j_++) {                                                 \
-            int sc_ = (((src)[4 + j_ / 2] >> (4 * (j_ & 1))) & 15) | (((sh_ >> (2 * j_)) & 3) << 4); \
-            __m512 t_ = _mm512_mul_ps(_mm512_set1_ps(d_ * (float)(sc_ - 32)), kv_);      \
+            const __m512 t_ = _mm512_mul_ps(_mm512_set1_ps(dl_[j_]), kv_);               \
             NIBBLES((src) + 8 + 16 * j_, t_, EMIT, 32 * j_);                             \
         }                                                                                \
     } while (0)
