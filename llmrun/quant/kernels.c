@@ -1,10 +1,12 @@
 /* GGML-quantized matrix x few-vectors products and row dequantization, AVX-512.
  *
- * Weights stay in GGML's block layout. Each block is dequantized in registers to
- * exactly the f32 values gguf's reference dequantizer gives (same operations in
- * the same order; built with -ffp-contract=off so no multiply-add gets fused),
- * then multiplied into f32 accumulators. A product therefore differs from
- * x @ dequantize(W).T only by the order of the sums.
+ * Weights stay in GGML's block layout (or, for Q4_0 and Q5_0, the packed layouts
+ * near the end). Each block is dequantized in registers to exactly the f32 values
+ * gguf's reference dequantizer gives (same operations in the same order; built
+ * with -ffp-contract=off so no multiply-add gets fused), then multiplied into f32
+ * accumulators; the packed kernels apply each block's scale to its partial sums,
+ * which is the same product since d*(q-8) is exact in f32. A product therefore
+ * differs from x @ dequantize(W).T only by the order of the sums.
  *
  * Built at first use by llmrun/quant/native.py and loaded with ctypes; on a CPU
  * without AVX-512 this file compiles to llmrun_available() == 0 and llmrun uses
