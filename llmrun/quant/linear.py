@@ -84,19 +84,35 @@ class QuantLinear(nn.Module):
                 f"bias of shape {list(bias.shape)} does not fit {self.out_features} outputs"
             )
         self.bias = None if bias is None else _frozen(bias)
+        self._matvec: native.Matvec | None = None
+        self._matvec_ptr: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features).float()
-        if _native_ok(self.weight, self.ggml_type, self.in_features, self.packed):
-            if x2.shape[0] <= MATVEC_MAX_ROWS:
-                y = native.matvec(self.weight, self.ggml_type, x2, self.packed)
-            else:
-                y = self._gemm(x2, lambda w: native.dequantize(w, self.ggml_type, self.packed))
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.float().contiguous()
+        matvec = self._native()
+        if matvec is not None and x2.shape[0] <= MATVEC_MAX_ROWS:
+            y = matvec(x2)
+        elif matvec is not None:
+            y = self._gemm(x2, lambda w: native.dequantize(w, self.ggml_type, self.packed))
         else:
             y = self._gemm(x2, self._torch_dequantize)
         if self.bias is not None:
-            y = y + self.bias.float()
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+            y += self.bias
+        if x.dtype != torch.float32:
+            y = y.to(x.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _native(self) -> native.Matvec | None:
+        """The bound native matvec for the current weight, or None for the torch path.
+        Rebuilt when the weight moves (`.to()`), which changes its address."""
+        ptr = self.weight.data_ptr()
+        if self._matvec_ptr != ptr:
+            ok = _native_ok(self.weight, self.ggml_type, self.in_features, self.packed)
+            self._matvec = native.Matvec(self.weight, self.ggml_type, self.packed) if ok else None
+            self._matvec_ptr = ptr
+        return self._matvec
 
     def _torch_dequantize(self, w: torch.Tensor) -> torch.Tensor:
         return blocks.dequantize(

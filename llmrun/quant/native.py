@@ -163,6 +163,27 @@ def matvec(
     return y
 
 
+class Matvec:
+    """A bound `matvec` for one weight tensor: its checks and arguments worked out
+    once, so a decode step pays only for the call (one per linear layer per token)."""
+
+    def __init__(
+        self, raw: torch.Tensor, ggml_type: GGMLQuantizationType, packed: bool = False
+    ) -> None:
+        self.n = _n_cols(raw, ggml_type, packed)
+        self.rows = raw.shape[0]
+        self.raw = raw  # keeps the memory the pointer below points into alive
+        self.args = (_kernel_type(ggml_type, packed), raw.data_ptr(), raw.stride(0), self.rows)
+        self.fn = _library().llmrun_matvec
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x f32 `[m, n]` (contiguous) -> f32 `[m, rows]`."""
+        m = x.shape[0]
+        y = torch.empty(m, self.rows, dtype=torch.float32)
+        self.fn(*self.args, x.data_ptr(), m, self.n, y.data_ptr())
+        return y
+
+
 def dequantize(
     raw: torch.Tensor, ggml_type: GGMLQuantizationType, packed: bool = False
 ) -> torch.Tensor:
