@@ -19,6 +19,7 @@ from torch import nn
 from llmrun.errors import ModelFormatError, ModelNotFoundError, UnsupportedError
 from llmrun.loading import gguf_io, safetensors_io
 from llmrun.models import model_module
+from llmrun.quant import native
 from llmrun.quant.blocks import SUPPORTED_TYPES
 from llmrun.quant.linear import QuantEmbedding, QuantLinear
 
@@ -153,8 +154,9 @@ def _open_gguf(path: Path) -> Checkpoint:
 
 def resolve_dtype(requested: str, device: torch.device, checkpoint: Checkpoint) -> torch.dtype:
     """The compute dtype: as asked, or for "auto" the checkpoint's own float type,
-    except that CPUs run half-precision checkpoints in bf16 and accelerators run
-    f32 and quantized ones in bf16 (f16 on MPS)."""
+    except that CPUs compute in f32 (half-precision weights stay half and go
+    through the exact native kernels; without them, bf16 throughout) and
+    accelerators run f32 and quantized checkpoints in bf16 (f16 on MPS)."""
     named = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
     if requested != "auto":
         return named[requested]
@@ -165,7 +167,7 @@ def resolve_dtype(requested: str, device: torch.device, checkpoint: Checkpoint) 
     ]
     stored = max(set(float_dtypes), key=float_dtypes.count) if float_dtypes else torch.float32
     if device.type == "cpu":
-        return torch.float32 if stored == torch.float32 else torch.bfloat16
+        return torch.float32 if stored == torch.float32 or native.available() else torch.bfloat16
     if device.type == "mps":
         return torch.float16
     return stored if stored != torch.float32 else torch.bfloat16
@@ -195,6 +197,8 @@ def build_model(checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype
             f"{' ...' if len(missing) > 5 else ''}"
         )
 
+    if device.type == "cpu" and dtype == torch.float32:
+        weights = {name: _half_as_blocks(model, name, w) for name, w in weights.items()}
     state = {}
     for name, w in weights.items():
         if w.shape != tuple(expected[name].shape):
@@ -218,6 +222,25 @@ def build_model(checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype
     # Inference only: parameters that require grad would make every op record autograd history.
     model.requires_grad_(False)
     return model.eval()
+
+
+HALF_TYPES = {torch.float16: GGMLQuantizationType.F16, torch.bfloat16: GGMLQuantizationType.BF16}
+
+
+def _half_as_blocks(model: nn.Module, name: str, w: Weight) -> Weight:
+    """An f16/bf16 linear or embedding weight as raw 2-byte "blocks", so it stays half
+    in memory and the native kernels multiply it exactly in f32 (a bf16 copy would
+    round f16 weights and read them slower)."""
+    module_name, _, param = name.rpartition(".")
+    if (
+        w.ggml_type is not None
+        or w.tensor.dtype not in HALF_TYPES
+        or param != "weight"
+        or not isinstance(model.get_submodule(module_name), nn.Linear | nn.Embedding)
+        or not native.supports(HALF_TYPES[w.tensor.dtype], w.shape[-1])
+    ):
+        return w
+    return Weight(w.tensor.contiguous().view(torch.uint8), HALF_TYPES[w.tensor.dtype], w.shape)
 
 
 def _swap_quantized(model: nn.Module, name: str, w: Weight, weights, device, dtype) -> None:
