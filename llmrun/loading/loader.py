@@ -8,6 +8,9 @@ which file a model came from.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import mmap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -208,9 +211,13 @@ def build_model(checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype
             )
         if w.ggml_type is None:
             state[name] = w.tensor.to(device=device, dtype=dtype)
+    buffer = checkpoint.gguf.buffer if checkpoint.gguf is not None else None
     for name, w in weights.items():
         if w.ggml_type is not None:
-            _swap_quantized(model, name, w, weights, device, dtype)
+            new = _swap_quantized(model, name, w, weights, device, dtype)
+            if buffer is not None and new.weight.data_ptr() != w.tensor.data_ptr():
+                # Repacked: release the file's copy now, so loading never holds both.
+                _drop_tensor_pages(buffer, w.tensor)
     model.load_state_dict(state, strict=False, assign=True)
     if tied:
         embed = model.model.embed_tokens
@@ -243,7 +250,7 @@ def _half_as_blocks(model: nn.Module, name: str, w: Weight) -> Weight:
     return Weight(w.tensor.contiguous().view(torch.uint8), HALF_TYPES[w.tensor.dtype], w.shape)
 
 
-def _swap_quantized(model: nn.Module, name: str, w: Weight, weights, device, dtype) -> None:
+def _swap_quantized(model: nn.Module, name: str, w: Weight, weights, device, dtype) -> nn.Module:
     module_name, _, param = name.rpartition(".")
     if param != "weight":
         raise ModelFormatError(
@@ -266,6 +273,7 @@ def _swap_quantized(model: nn.Module, name: str, w: Weight, weights, device, dty
             f"tensor {name} is quantized, but {type(old).__name__} weights cannot be"
         )
     setattr(parent, child, new)
+    return new
 
 
 def load_model(path: str | Path, device: torch.device, dtype: str = "auto") -> LoadedModel:
@@ -273,4 +281,52 @@ def load_model(path: str | Path, device: torch.device, dtype: str = "auto") -> L
     checkpoint = open_checkpoint(path)
     compute_dtype = resolve_dtype(dtype, device, checkpoint)
     model = build_model(checkpoint, device, compute_dtype)
+    if checkpoint.gguf is not None:
+        release_unused_pages(model, checkpoint.gguf.buffer)
     return LoadedModel(model, checkpoint, compute_dtype, device)
+
+
+def release_unused_pages(model: nn.Module, buffer: mmap.mmap) -> int:
+    """Drop the pages of the file map that no model tensor uses any more (tensors that
+    were converted, repacked or un-permuted into copies; the metadata), so resident
+    memory holds each weight once. Returns the bytes released."""
+    base = torch.frombuffer(buffer, dtype=torch.uint8, count=1).data_ptr()
+    size = len(buffer)
+    used = []
+    for tensor in [*model.parameters(), *model.buffers()]:
+        storage = tensor.untyped_storage()
+        start = storage.data_ptr() - base
+        if 0 <= start < size:
+            used.append((start, start + storage.nbytes()))
+    released, cursor = 0, 0
+    for start, end in sorted(used) + [(size, size)]:
+        released += _drop_pages(buffer, cursor, start)
+        cursor = max(cursor, end)
+    _trim_heap()
+    return released
+
+
+def _drop_pages(buffer: mmap.mmap, start: int, end: int) -> int:
+    """Let the kernel drop the whole pages of buffer[start:end] (a private map: they
+    re-read from the file if touched again)."""
+    page = mmap.PAGESIZE
+    first, last = -(-start // page) * page, end // page * page
+    if last <= first:
+        return 0
+    buffer.madvise(mmap.MADV_DONTNEED, first, last - first)
+    return last - first
+
+
+def _drop_tensor_pages(buffer: mmap.mmap, tensor: torch.Tensor) -> None:
+    base = torch.frombuffer(buffer, dtype=torch.uint8, count=1).data_ptr()
+    start = tensor.untyped_storage().data_ptr() - base
+    if 0 <= start < len(buffer):
+        _drop_pages(buffer, start, start + tensor.untyped_storage().nbytes())
+
+
+def _trim_heap() -> None:
+    """Give the allocator's freed load-time temporaries back to the system (glibc)."""
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
