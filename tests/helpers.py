@@ -131,7 +131,8 @@ def write_gguf(
     path: Path, config: dict, state_dict: dict, qtype=None, tokenizer: bool = True
 ) -> Path:
     """Write a model as llama.cpp's converter would: arch metadata, permuted llama
-    q/k, 1-D tensors in F32, 2-D weights in `qtype` (default F32)."""
+    q/k, 1-D tensors in F32, 2-D weights in `qtype` (default F32). A state-dict
+    value may also be (uint8 blocks, GGML type): raw blocks written as they are."""
     import gguf
 
     from llmrun.loading.gguf_io import read_gguf
@@ -170,6 +171,12 @@ def write_gguf(
         writer.add_unk_token_id(0)
     for name, tensor in state_dict.items():
         if name == "lm_head.weight" and config.get("tie_word_embeddings"):
+            continue
+        if isinstance(tensor, tuple):  # (uint8 blocks [rows, row bytes], their type), written as is
+            raw, raw_type = tensor
+            if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                raw = _permute(raw, n_head if "q_proj" in name else n_kv)
+            writer.add_tensor(gguf_name(name), np.ascontiguousarray(raw), raw_dtype=raw_type)
             continue
         data = tensor.detach().float().numpy()
         if arch == "llama" and name.endswith("q_proj.weight"):
