@@ -36,7 +36,7 @@ def llmrun_cli(*args, timeout=120):
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "LLMRUN_HOME": os.environ.get("LLMRUN_HOME", "/nonexistent")},
+        env={**os.environ, "LLMRUN_HOME": os.environ["LLMRUN_HOME"]},
     )
 
 

@@ -27,7 +27,7 @@ def llmrun(*args, input=None, env=None, timeout=120):
         timeout=timeout,
         env={
             **os.environ,
-            "LLMRUN_HOME": os.environ.get("LLMRUN_HOME", "/nonexistent"),
+            "LLMRUN_HOME": os.environ["LLMRUN_HOME"],
             **(env or {}),
         },
     )
