@@ -126,8 +126,27 @@ def _load(spec: str | None, **options):
         return api.load(spec, path=path, **options)
 
 
-def _sampling(engine, **flags):
-    return engine.defaults.updated(**flags)
+SAMPLING_FLAGS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repeat_penalty",
+    "repeat_last_n",
+    "seed",
+)
+
+
+def _sampling(engine, flags: dict):
+    """The model's sampling defaults with the command's sampling flags (its locals) on top."""
+    return engine.defaults.updated(**{name: flags[name] for name in SAMPLING_FLAGS})
+
+
+def _max_tokens(value: int | None) -> int | None:
+    """-n as a limit: None (and -1) for "until end of text or a full context"."""
+    if value is not None and value < -1:
+        raise UsageError(f"--max-tokens must be >= -1, got {value}")
+    return None if value in (None, -1) else value
 
 
 @app.command()
@@ -182,8 +201,7 @@ def run(
         raise UsageError("--logprobs needs --json")
     if logprobs is not None and not 0 <= logprobs <= 20:
         raise UsageError(f"--logprobs must be between 0 and 20, got {logprobs}")
-    if max_tokens is not None and max_tokens < -1:
-        raise UsageError(f"--max-tokens must be >= -1, got {max_tokens}")
+    limit = _max_tokens(max_tokens)
 
     engine = _load(
         model_spec,
@@ -193,21 +211,11 @@ def run(
         threads=threads,
         template_file=template,
     )
-    params = _sampling(
-        engine,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        repeat_penalty=repeat_penalty,
-        repeat_last_n=repeat_last_n,
-        seed=seed,
-    )
+    params = _sampling(engine, locals())
     text = engine.prompt_text(prompt, raw=raw)
     if show_prompt:
         ui.print_prompt(text)
     ids = engine.tokenizer.encode(text)
-    limit = None if max_tokens in (None, -1) else max_tokens
     pieces, tokens = [], []
     final = None
     try:
@@ -264,8 +272,7 @@ def chat(
 ) -> None:
     """Chat with a model in a REPL (or one message per line from a pipe)."""
     DEBUG["on"] = debug
-    if max_tokens is not None and max_tokens < -1:
-        raise UsageError(f"--max-tokens must be >= -1, got {max_tokens}")
+    limit = _max_tokens(max_tokens)
     from llmrun.chat import ChatSession
     from llmrun.repl import Repl
 
@@ -277,17 +284,7 @@ def chat(
         threads=threads,
         template_file=template,
     )
-    params = _sampling(
-        engine,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        repeat_penalty=repeat_penalty,
-        repeat_last_n=repeat_last_n,
-        seed=seed,
-    )
-    limit = None if max_tokens in (None, -1) else max_tokens
+    params = _sampling(engine, locals())
     session = ChatSession(engine, params, limit, system=system, overflow=context_overflow)
     Repl(session, interactive=ui.stdin_is_tty(), verbose=verbose).run()
 
