@@ -395,7 +395,7 @@ static inline __attribute__((always_inline)) void dot_group(const float *buf, co
 #define DEFINE_KERNELS(T)                                                                \
     static inline __attribute__((always_inline)) void rows_##T(                          \
         const uint8_t *w, int64_t stride, int64_t r0, int64_t r1, const float *x,       \
-        const int m, int64_t n, float *y, int64_t ldy) {                                 \
+        const int m, int64_t n, float *y, int64_t ldy, const float *bias) {              \
         enum { PER_GROUP = T##_BLOCK >= GROUP ? 1 : GROUP / T##_BLOCK };                 \
         float buf[PER_GROUP * T##_BLOCK] __attribute__((aligned(64)));                   \
         const int64_t nb = n / T##_BLOCK;                                                \
@@ -420,11 +420,12 @@ static inline __attribute__((always_inline)) void dot_group(const float *buf, co
             }                                                                            \
             for (int i = 0; i < m; i++)                                                  \
                 y[i * ldy + r] = _mm512_reduce_add_ps(_mm512_add_ps(                     \
-                    _mm512_add_ps(acc[i][0], acc[i][1]), _mm512_add_ps(acc[i][2], acc[i][3]))); \
+                    _mm512_add_ps(acc[i][0], acc[i][1]), _mm512_add_ps(acc[i][2], acc[i][3]))) \
+                    + (bias ? bias[r] : 0.0f);                                                   \
         }                                                                                \
     }                                                                                    \
     static void matvec_##T(const uint8_t *w, int64_t stride, int64_t rows, const float *x, \
-                           int64_t m, int64_t n, float *y) {                             \
+                           int64_t m, int64_t n, float *y, const float *bias) {          \
         const int64_t chunk = stride >= CHUNK ? 1 : CHUNK / stride;                      \
         /* passes over the weights with 8, 4, 2 or 1 activation rows each */             \
         for (int64_t i0 = 0; i0 < m;) {                                                  \
@@ -435,10 +436,10 @@ static inline __attribute__((always_inline)) void dot_group(const float *buf, co
             for (int64_t r0 = 0; r0 < rows; r0 += chunk) {                               \
                 const int64_t r1 = r0 + chunk < rows ? r0 + chunk : rows;                \
                 switch (mm) {                                                            \
-                case 1: rows_##T(w, stride, r0, r1, xi, 1, n, yi, rows); break;          \
-                case 2: rows_##T(w, stride, r0, r1, xi, 2, n, yi, rows); break;          \
-                case 4: rows_##T(w, stride, r0, r1, xi, 4, n, yi, rows); break;          \
-                default: rows_##T(w, stride, r0, r1, xi, 8, n, yi, rows); break;         \
+                case 1: rows_##T(w, stride, r0, r1, xi, 1, n, yi, rows, bias); break;          \
+                case 2: rows_##T(w, stride, r0, r1, xi, 2, n, yi, rows, bias); break;          \
+                case 4: rows_##T(w, stride, r0, r1, xi, 4, n, yi, rows, bias); break;          \
+                default: rows_##T(w, stride, r0, r1, xi, 8, n, yi, rows, bias); break;         \
                 }                                                                        \
             }                                                                            \
             i0 += mm;                                                                    \
@@ -498,7 +499,7 @@ static void permute_x4(const float *x, int64_t n, float *xp) {
 
 static inline __attribute__((always_inline)) void rows_packed(
     const uint8_t *w, int64_t stride, int64_t r0, int64_t r1, const float *xp, const int m,
-    int64_t n, float *y, int64_t ldy, const int five) {
+    int64_t n, float *y, int64_t ldy, const float *bias, const int five) {
     const int64_t nb = n / 32, ng = nb / 4;
     const __m512 t0 = table(_mm512_set1_ps(1.0f), five ? -16.0f : -8.0f);
     const __m512 t1 = table(_mm512_set1_ps(1.0f), 0.0f);
@@ -543,13 +544,14 @@ static inline __attribute__((always_inline)) void rows_packed(
                 acc[i] = _mm512_fmadd_ps(_mm512_add_ps(s0, s1), dv, acc[i]);
             }
         }
-        for (int i = 0; i < m; i++) y[i * ldy + r] = _mm512_reduce_add_ps(acc[i]);
+        for (int i = 0; i < m; i++)
+            y[i * ldy + r] = _mm512_reduce_add_ps(acc[i]) + (bias ? bias[r] : 0.0f);
     }
 }
 
 #define DEFINE_PACKED(T, FIVE)                                                           \
     static void matvec_##T(const uint8_t *w, int64_t stride, int64_t rows, const float *x, \
-                           int64_t m, int64_t n, float *y) {                             \
+                           int64_t m, int64_t n, float *y, const float *bias) {          \
         float *xp = malloc(sizeof(float) * (size_t)(m * n));                             \
         if (xp == NULL) return;                                                          \
         for (int64_t i = 0; i < m; i++) permute_x4(x + i * n, n, xp + i * n);            \
@@ -562,10 +564,10 @@ static inline __attribute__((always_inline)) void rows_packed(
             for (int64_t r0 = 0; r0 < rows; r0 += chunk) {                               \
                 const int64_t r1 = r0 + chunk < rows ? r0 + chunk : rows;                \
                 switch (mm) {                                                            \
-                case 1: rows_packed(w, stride, r0, r1, xi, 1, n, yi, rows, FIVE); break; \
-                case 2: rows_packed(w, stride, r0, r1, xi, 2, n, yi, rows, FIVE); break; \
-                case 4: rows_packed(w, stride, r0, r1, xi, 4, n, yi, rows, FIVE); break; \
-                default: rows_packed(w, stride, r0, r1, xi, 8, n, yi, rows, FIVE); break; \
+                case 1: rows_packed(w, stride, r0, r1, xi, 1, n, yi, rows, bias, FIVE); break; \
+                case 2: rows_packed(w, stride, r0, r1, xi, 2, n, yi, rows, bias, FIVE); break; \
+                case 4: rows_packed(w, stride, r0, r1, xi, 4, n, yi, rows, bias, FIVE); break; \
+                default: rows_packed(w, stride, r0, r1, xi, 8, n, yi, rows, bias, FIVE); break; \
                 }                                                                        \
             }                                                                            \
             i0 += mm;                                                                    \
@@ -635,11 +637,12 @@ int llmrun_block(int type) {
     DISPATCH(CALL_BLOCK)
 }
 
-/* y[i, r] = sum_k W[r, k] x[i, k]: W is `rows` rows of n weights, `stride` bytes
- * apart; x is [m, n] and y is [m, rows], both contiguous f32. */
+/* y[i, r] = sum_k W[r, k] x[i, k] (+ bias[r], if bias is not NULL): W is `rows` rows
+ * of n weights, `stride` bytes apart; x is [m, n] and y is [m, rows], both
+ * contiguous f32. */
 int llmrun_matvec(int type, const uint8_t *w, int64_t stride, int64_t rows, const float *x,
-                  int64_t m, int64_t n, float *y) {
-#define CALL_MATVEC(T) matvec_##T(w, stride, rows, x, m, n, y)
+                  int64_t m, int64_t n, float *y, const float *bias) {
+#define CALL_MATVEC(T) matvec_##T(w, stride, rows, x, m, n, y, bias)
     DISPATCH(CALL_MATVEC)
 }
 

@@ -54,12 +54,20 @@ def _native_ok(
     )
 
 
+def _f32(bias: torch.Tensor | None) -> torch.Tensor | None:
+    return None if bias is None else bias.detach().float().contiguous()
+
+
 def _frozen(raw: torch.Tensor) -> nn.Parameter:
     return raw if isinstance(raw, nn.Parameter) else nn.Parameter(raw, requires_grad=False)
 
 
 class QuantLinear(nn.Module):
-    """y = x W^T + b with W stored as GGML blocks, uint8 `[out_features, row_bytes]`."""
+    """y = x W^T + b with W stored as GGML blocks, uint8 `[out_features, row_bytes]`.
+
+    The native matvec is bound to the weight and bias at the first call, and again
+    after `.to()` or `load_state_dict`; its bias is added inside the kernel.
+    """
 
     def __init__(
         self,
@@ -85,33 +93,43 @@ class QuantLinear(nn.Module):
             )
         self.bias = None if bias is None else _frozen(bias)
         self._matvec: native.Matvec | None = None
-        self._matvec_ptr: int | None = None
+        self._stale = True
+        self._matvec_max = MATVEC_MAX_ROWS * in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
-        if x2.dtype != torch.float32 or not x2.is_contiguous():
-            x2 = x2.float().contiguous()
-        matvec = self._native()
-        if matvec is not None and x2.shape[0] <= MATVEC_MAX_ROWS:
-            y = matvec(x2)
-        elif matvec is not None:
-            y = self._gemm(x2, lambda w: native.dequantize(w, self.ggml_type, self.packed))
+        matvec = self._native() if self._stale else self._matvec
+        if matvec is not None and x.numel() <= self._matvec_max:
+            if x.dtype == torch.float32 and x.is_contiguous():
+                # Decoding: the path every token takes, kept to one call.
+                return matvec(x).view(*x.shape[:-1], self.out_features)
+            y = matvec(x.float().contiguous())
         else:
-            y = self._gemm(x2, self._torch_dequantize)
-        if self.bias is not None:
-            y += self.bias
-        if x.dtype != torch.float32:
-            y = y.to(x.dtype)
-        return y.view(*x.shape[:-1], self.out_features)
+            x2 = x.reshape(-1, self.in_features).float()
+            if matvec is not None:
+                y = self._gemm(x2, lambda w: native.dequantize(w, self.ggml_type, self.packed))
+            else:
+                y = self._gemm(x2, self._torch_dequantize)
+            if self.bias is not None:
+                y += self.bias
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def _apply(self, fn, recurse=True):
+        # .to(), .float(), ... may move or convert the weight or bias: bind again.
+        self._stale = True
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._stale = True  # load_state_dict(assign=True) replaces the tensors
+        return super()._load_from_state_dict(*args, **kwargs)
 
     def _native(self) -> native.Matvec | None:
-        """The bound native matvec for the current weight, or None for the torch path.
-        Rebuilt when the weight moves (`.to()`), which changes its address."""
-        ptr = self.weight.data_ptr()
-        if self._matvec_ptr != ptr:
-            ok = _native_ok(self.weight, self.ggml_type, self.in_features, self.packed)
-            self._matvec = native.Matvec(self.weight, self.ggml_type, self.packed) if ok else None
-            self._matvec_ptr = ptr
+        """The bound native matvec (bias included) for the current weight, or None for
+        the torch path."""
+        ok = _native_ok(self.weight, self.ggml_type, self.in_features, self.packed)
+        self._matvec = (
+            native.Matvec(self.weight, self.ggml_type, self.packed, _f32(self.bias)) if ok else None
+        )
+        self._stale = False
         return self._matvec
 
     def _torch_dequantize(self, w: torch.Tensor) -> torch.Tensor:

@@ -90,7 +90,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.llmrun_block.argtypes = [ctypes.c_int]
-    lib.llmrun_matvec.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, i64, ptr]
+    lib.llmrun_matvec.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, i64, ptr, ptr]
     lib.llmrun_dequantize.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr]
     return lib
 
@@ -147,40 +147,50 @@ def _n_cols(raw: torch.Tensor, ggml_type: GGMLQuantizationType, packed: bool) ->
 
 
 def matvec(
-    raw: torch.Tensor, ggml_type: GGMLQuantizationType, x: torch.Tensor, packed: bool = False
+    raw: torch.Tensor,
+    ggml_type: GGMLQuantizationType,
+    x: torch.Tensor,
+    packed: bool = False,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x f32 `[m, n]` times the blocks `[rows, row_bytes]` transposed -> f32 `[m, rows]`."""
+    """x f32 `[m, n]` times the blocks `[rows, row_bytes]` transposed (+ f32 `bias`
+    `[rows]`) -> f32 `[m, rows]`."""
     n = _n_cols(raw, ggml_type, packed)
     x = x.contiguous()
-    m = x.shape[0]
     if x.dtype != torch.float32 or x.shape[1] != n:
         raise ValueError(f"activations must be f32 [m, {n}], got {x.dtype} {list(x.shape)}")
-    y = torch.empty(m, raw.shape[0], dtype=torch.float32)
-    _library().llmrun_matvec(
-        _kernel_type(ggml_type, packed), raw.data_ptr(), raw.stride(0), raw.shape[0], x.data_ptr(), m, n,
-        y.data_ptr(),
-    )  # fmt: skip
-    return y
+    return Matvec(raw, ggml_type, packed, bias)(x)
 
 
 class Matvec:
-    """A bound `matvec` for one weight tensor: its checks and arguments worked out
-    once, so a decode step pays only for the call (one per linear layer per token)."""
+    """A bound `matvec` for one weight tensor (and its bias): its checks and arguments
+    worked out once, so a decode step pays only for the call (one per linear layer
+    per token)."""
 
     def __init__(
-        self, raw: torch.Tensor, ggml_type: GGMLQuantizationType, packed: bool = False
+        self,
+        raw: torch.Tensor,
+        ggml_type: GGMLQuantizationType,
+        packed: bool = False,
+        bias: torch.Tensor | None = None,
     ) -> None:
         self.n = _n_cols(raw, ggml_type, packed)
         self.rows = raw.shape[0]
-        self.raw = raw  # keeps the memory the pointer below points into alive
+        if bias is not None and (
+            bias.dtype != torch.float32 or bias.device != raw.device or bias.shape != (self.rows,)
+            or not bias.is_contiguous()
+        ):  # fmt: skip
+            raise ValueError(f"the bias must be f32 [{self.rows}] on the weight's device")
+        self.kept = (raw, bias)  # keeps the memory the pointers below point into alive
         self.args = (_kernel_type(ggml_type, packed), raw.data_ptr(), raw.stride(0), self.rows)
+        self.bias = None if bias is None else bias.data_ptr()
         self.fn = _library().llmrun_matvec
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x f32 `[m, n]` (contiguous) -> f32 `[m, rows]`."""
-        m = x.shape[0]
+        m = x.numel() // self.n
         y = torch.empty(m, self.rows, dtype=torch.float32)
-        self.fn(*self.args, x.data_ptr(), m, self.n, y.data_ptr())
+        self.fn(*self.args, x.data_ptr(), m, self.n, y.data_ptr(), self.bias)
         return y
 
 

@@ -91,6 +91,27 @@ def test_quant_linear_bias_and_dtype(path: str):
     assert torch.all((y.double() - expected).abs() <= 2.0**-8 * expected.abs() + 1e-3)
 
 
+@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q5_0, T.Q8_0], ids=lambda t: t.name)
+def test_bias_is_added_in_every_layout_and_follows_the_module(ggml_type: T, path: str):
+    # The native matvec adds the bias itself and binds it once; moving or replacing the
+    # bias (.to(), load_state_dict(assign=True)) must bind again.
+    raw = random_blocks(ggml_type, 24, 1024, seed=6)
+    gen = torch.Generator().manual_seed(7)
+    bias = torch.randn(24, generator=gen)
+    lin = QuantLinear(torch.from_numpy(raw), ggml_type, 1024, bias=bias.clone())
+    assert lin.packed == (path == "native" and ggml_type in native.PACKED)
+    x = torch.randn(1, 1024, generator=gen)
+    w = reference(raw, ggml_type)
+    assert_close_matmul(lin(x) - bias, x, w)
+    lin.to(torch.bfloat16)
+    assert lin.bias.dtype == torch.bfloat16
+    assert_close_matmul(lin(x) - lin.bias.float(), x, w)
+    lin.float()
+    new_bias = torch.randn(24, generator=gen)
+    lin.load_state_dict({"weight": lin.weight, "bias": new_bias}, assign=True)
+    assert_close_matmul(lin(x) - new_bias, x, w)
+
+
 def test_quant_linear_keeps_the_raw_tensor_without_copy():
     raw = torch.from_numpy(random_blocks(T.Q8_0, 8, 64))
     lin = QuantLinear(raw, T.Q8_0, 64)
