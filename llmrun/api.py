@@ -142,6 +142,9 @@ def load(
         tokenizer = load_tokenizer(path)
     template = _chat_template(checkpoint, tokenizer, template_file)
     max_positions = checkpoint.config.get("max_position_embeddings") or DEFAULT_CTX
+    eos_ids = _eos_ids(checkpoint, tokenizer)
+    if checkpoint.gguf is not None:
+        checkpoint.gguf.release_vocabulary()  # the tokenizer holds it now
     return Engine(
         name=str(spec) if spec else "stories260K (bundled)",
         path=path,
@@ -149,7 +152,7 @@ def load(
         tokenizer=tokenizer,
         template=template,
         defaults=_sampling_defaults(checkpoint),
-        eos_ids=_eos_ids(checkpoint, tokenizer),
+        eos_ids=eos_ids,
         ctx_size=ctx_size or min(max_positions, DEFAULT_CTX),
         device=torch_device,
         dtype=loaded.dtype,

@@ -90,3 +90,14 @@ def test_gguf_sampling_metadata_sets_defaults(tmp_path):
     d = engine.defaults
     assert (d.temperature, d.top_k, d.repeat_penalty) == (0.3, 7, 1.2)
     assert engine.eos_ids == [2]
+
+
+def test_gguf_vocabulary_lists_are_released_once_the_tokenizer_has_them():
+    # The metadata's copy of a 150k-token vocabulary is ~30 MB of Python objects.
+    engine = api.load(None, device="cpu")
+    metadata = engine.checkpoint.gguf.metadata
+    assert "tokenizer.ggml.tokens" not in metadata and "tokenizer.ggml.merges" not in metadata
+    assert "tokenizer.ggml.model" in metadata
+    ids = engine.tokenizer.encode("Once upon a time")
+    assert engine.tokenizer.decode(ids) == "Once upon a time"
+    assert engine.eos_ids == [2]
