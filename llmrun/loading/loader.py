@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from gguf import GGMLQuantizationType
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from llmrun.errors import ModelFormatError, ModelNotFoundError, UnsupportedError
 from llmrun.loading import gguf_io, safetensors_io
@@ -176,13 +177,24 @@ def resolve_dtype(requested: str, device: torch.device, checkpoint: Checkpoint) 
     return stored if stored != torch.float32 else torch.bfloat16
 
 
+class _SkipInit(TorchFunctionMode):
+    """Skip torch.nn.init's random fills while a model is built on the meta device:
+    there is nothing to fill, and torch's meta `normal_` goes through torch._refs,
+    which imports torch._dynamo and sympy (~1.8 s and ~70 MB per process)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
 def build_model(checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """Instantiate the checkpoint's architecture and put its weights in, without copying
     what is already in the right dtype and place."""
     config = checkpoint.config
     module = model_module(config.get("model_type", "<missing model_type>"))
     args = module.ModelArgs.from_config(config)
-    with torch.device("meta"):
+    with torch.device("meta"), _SkipInit():
         model = module.Model(args)
     expected = model.state_dict()
     weights = {k: w for k, w in checkpoint.weights.items() if not k.endswith(IGNORED_SUFFIXES)}
