@@ -366,7 +366,7 @@ static inline void iq4_xs_scales(const uint8_t *src, float *dl) {
 #define GROUP 256
 #define STORE_EMIT(off, val) _mm512_storeu_ps(out_ + (off), (val))
 
-/* acc[i] += buf . x_i over len weights (a multiple of 32), for m activation rows */
+/* acc[i] += buf . x_i over len weights (a multiple of 16), for m activation rows */
 static inline __attribute__((always_inline)) void dot_group(const float *buf, const float *x,
                                                             int64_t n, int64_t len, const int m,
                                                             __m512 acc[][4]) {
@@ -382,13 +382,19 @@ static inline __attribute__((always_inline)) void dot_group(const float *buf, co
             acc[i][3] = _mm512_fmadd_ps(w3, _mm512_loadu_ps(xi + 48), acc[i][3]);
         }
     }
-    if (k < len) {
+    if (k + 32 <= len) {
         const __m512 w0 = _mm512_loadu_ps(buf + k), w1 = _mm512_loadu_ps(buf + k + 16);
         for (int i = 0; i < m; i++) {
             const float *xi = x + i * n + k;
             acc[i][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xi), acc[i][0]);
             acc[i][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xi + 16), acc[i][1]);
         }
+        k += 32;
+    }
+    if (k < len) { /* 16 left: float rows come in blocks of 16 */
+        const __m512 w0 = _mm512_loadu_ps(buf + k);
+        for (int i = 0; i < m; i++)
+            acc[i][2] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + i * n + k), acc[i][2]);
     }
 }
 

@@ -1,9 +1,15 @@
-"""Native CPU kernels (kernels.c): built with the C compiler at first use, loaded with ctypes.
+"""Native CPU kernels (kernels.c, kernels_avx2.c): built with the C compiler at first
+use, loaded with ctypes.
 
-The library is compiled for this CPU (-march=native) into the cache folder, keyed
-by a hash of the source, the compiler and the CPU's features, so later runs load
-it at once. Where there is no compiler, the CPU lacks AVX-512, the build fails,
-or LLMRUN_NATIVE=0 is set, `available()` is False and callers use the torch code.
+One of two kernel families is built, by the CPU's features: AVX-512 (kernels.c, with
+-march=native) or, on CPUs without it (most AMD Zen 2/3, Intel desktop and laptop
+CPUs), AVX2 with FMA and F16C (kernels_avx2.c, with -march=haswell). Both take the
+same types and dequantize them exactly; only kernels.c has the packed layouts.
+The library goes into the cache folder, keyed by a hash of the source, the compiler,
+its flags and the CPU's features, so later runs load it at once. LLMRUN_NATIVE=avx2
+builds the AVX2 kernels on any CPU with AVX2 (to test them on an AVX-512 machine).
+Where there is no compiler, the CPU has neither family, the build fails, or
+LLMRUN_NATIVE=0 is set, `available()` is False and callers use the torch code.
 """
 
 from __future__ import annotations
@@ -23,14 +29,26 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from llmrun import paths
 
-SOURCE = Path(__file__).with_name("kernels.c")
+# Kernel families, best first: their source, the -march flags they are built with
+# (-march=haswell for AVX2, so that build never holds AVX-512 code even on an AVX-512
+# CPU), and the /proc/cpuinfo flags the CPU must list.
+SOURCES = {
+    "AVX-512": Path(__file__).with_name("kernels.c"),
+    "AVX2": Path(__file__).with_name("kernels_avx2.c"),
+}
+MARCH = {"AVX-512": ["-march=native"], "AVX2": ["-march=haswell", "-mtune=native"]}
+NEEDS = {
+    "AVX-512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "f16c"},
+    "AVX2": {"avx2", "fma", "f16c"},
+}
 # Types with a faster kernel on a repacked row layout (kernels.c: packed layouts), by
 # the kernel's type id, and the byte sizes of their block fields in block order.
 PACKED = {GGMLQuantizationType.Q4_0: 1002, GGMLQuantizationType.Q5_0: 1006}
 FIELDS = {GGMLQuantizationType.Q4_0: (2, 16), GGMLQuantizationType.Q5_0: (2, 4, 16)}
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC", "-fopenmp"]
+FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC", "-fopenmp"]
 
 _reason = ""
+_family = ""  # the kernel family loaded, once _library() has found one
 
 
 def _cpu_features() -> str:
@@ -41,14 +59,38 @@ def _cpu_features() -> str:
         return platform.processor()
 
 
-def _build(compiler: str, target: Path) -> None:
+def _families() -> list[str]:
+    """Kernel families to try on this CPU, best first; empty (with `_reason`) if none.
+
+    Where the CPU's flags cannot be read (no /proc/cpuinfo, or not x86), AVX-512 is
+    tried as before: its library reports llmrun_available() == 0 where it cannot run.
+    """
+    global _reason
+    line = _cpu_features()
+    features = set(line.split())
+    forced = os.environ.get("LLMRUN_NATIVE", "1") == "avx2"
+    if not line.startswith("flags"):
+        return ["AVX2"] if forced else ["AVX-512"]
+    found = [family for family, needs in NEEDS.items() if needs <= features]
+    if forced:
+        found = [family for family in found if family == "AVX2"]
+    if not found:
+        _reason = "this CPU lacks AVX2 (with FMA and F16C)" + ("" if forced else " and AVX-512")
+    return found
+
+
+def _flags(family: str) -> list[str]:
+    return [*MARCH[family], *FLAGS]
+
+
+def _build(compiler: str, family: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename, so concurrent first runs never load half a file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", tmp],
+            [compiler, *_flags(family), str(SOURCES[family]), "-o", tmp],
             check=True,
             capture_output=True,
             text=True,
@@ -60,9 +102,35 @@ def _build(compiler: str, target: Path) -> None:
             os.unlink(tmp)
 
 
+def _load(compiler: str, family: str) -> ctypes.CDLL | None:
+    """The built library of `family` (building it first if it is not cached), or None
+    with `_reason` set."""
+    global _reason
+    source = SOURCES[family]
+    key = hashlib.sha256(source.read_bytes())
+    key.update(" ".join([family, compiler, *_flags(family), _cpu_features()]).encode())
+    tag = family.lower().replace("-", "")
+    target = paths.cache_dir().parent / "kernels" / f"llmrun-{tag}-{key.hexdigest()[:16]}.so"
+    try:
+        if not target.exists():
+            _build(compiler, family, target)
+        lib = ctypes.CDLL(str(target))
+    except subprocess.CalledProcessError as e:
+        _reason = f"building {source.name} failed: {e.stderr.strip()[-500:]}"
+        return None
+    except (OSError, subprocess.SubprocessError) as e:
+        _reason = f"building or loading {source.name} failed: {e}"
+        return None
+    if not lib.llmrun_available():
+        _reason = f"this CPU lacks {family}"
+        return None
+    return lib
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    global _reason
+    global _reason, _family
+    _family = ""
     if os.environ.get("LLMRUN_NATIVE", "1") == "0":
         _reason = "disabled by LLMRUN_NATIVE=0"
         return None
@@ -70,24 +138,14 @@ def _library() -> ctypes.CDLL | None:
     if compiler is None:
         _reason = "no C compiler found (set CC)"
         return None
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), compiler.encode(), " ".join(FLAGS).encode()):
-        key.update(part)
-    key.update(_cpu_features().encode())
-    target = paths.cache_dir().parent / "kernels" / f"llmrun-{key.hexdigest()[:16]}.so"
-    try:
-        if not target.exists():
-            _build(compiler, target)
-        lib = ctypes.CDLL(str(target))
-    except subprocess.CalledProcessError as e:
-        _reason = f"building {SOURCE.name} failed: {e.stderr.strip()[-500:]}"
+    # The next family down where a build fails (say, a compiler without AVX-512).
+    for family in _families():
+        lib = _load(compiler, family)
+        if lib is not None:
+            break
+    else:
         return None
-    except (OSError, subprocess.SubprocessError) as e:
-        _reason = f"building or loading {SOURCE.name} failed: {e}"
-        return None
-    if not lib.llmrun_available():
-        _reason = "this CPU lacks AVX-512"
-        return None
+    _family = family
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.llmrun_block.argtypes = [ctypes.c_int]
     lib.llmrun_matvec.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, i64, ptr, ptr]
@@ -130,9 +188,15 @@ def unpack(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
     return torch.cat([f.reshape(rows, nb, -1) for f in fields], 2).reshape(rows, -1)
 
 
+def kernels() -> str | None:
+    """The kernel family in use ("AVX-512" or "AVX2"), or None without native kernels."""
+    return _family if available() else None
+
+
 def status() -> str:
-    """'native' or why the torch fallback is in use, for stats lines and bug reports."""
-    return "native" if available() else f"torch fallback: {_reason}"
+    """'native (AVX-512)', 'native (AVX2)' or why the torch fallback is in use, for
+    stats lines and bug reports."""
+    return f"native ({kernels()})" if available() else f"torch fallback: {_reason}"
 
 
 def _n_cols(raw: torch.Tensor, ggml_type: GGMLQuantizationType, packed: bool) -> int:

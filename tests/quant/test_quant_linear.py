@@ -17,13 +17,14 @@ TYPES = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
 TYPES += [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS]
 
 
-@pytest.fixture(params=["native", "torch"])
-def path(request, monkeypatch) -> str:
-    """Run a test with the native kernels and again with the pure-torch fallback."""
+@pytest.fixture(params=["AVX-512", "AVX2", "torch"])
+def path(request, monkeypatch, use_kernels) -> str:
+    """Run a test with each native kernel family (conftest.py) and again with the
+    pure-torch fallback."""
     if request.param == "torch":
         monkeypatch.setattr(native, "supports", lambda ggml_type, n_cols, packed=False: False)
-    elif not native.available():
-        pytest.skip(native.status())
+    else:
+        use_kernels(request.param)
     return request.param
 
 
@@ -99,7 +100,8 @@ def test_bias_is_added_in_every_layout_and_follows_the_module(ggml_type: T, path
     gen = torch.Generator().manual_seed(7)
     bias = torch.randn(24, generator=gen)
     lin = QuantLinear(torch.from_numpy(raw), ggml_type, 1024, bias=bias.clone())
-    assert lin.packed == (path == "native" and ggml_type in native.PACKED)
+    # Only the AVX-512 kernels have the packed layouts.
+    assert lin.packed == (path == "AVX-512" and ggml_type in native.PACKED)
     x = torch.randn(1, 1024, generator=gen)
     w = reference(raw, ggml_type)
     assert_close_matmul(lin(x) - bias, x, w)

@@ -5,6 +5,7 @@ weights imply.
   the same model written as F32 with those blocks dequantized by gguf's numpy
   code (the independent reference), to float reassociation accuracy:
   max |difference| <= 1e-4 x max |logit|.
+- Both run with the default kernels and again with the AVX2 kernels (conftest.py).
 - Quantization error: an F32 model and its quantized copies differ by what the
   type's weight error predicts. To first order a relative weight error r (RMS over
   all matrices) moves the logits by a small multiple of r relative to their RMS;
@@ -26,6 +27,7 @@ from helpers import write_gguf
 from test_quant_blocks import F16_FIELDS
 
 from llmrun.loading.loader import load_model
+from llmrun.quant import native
 
 T = GGMLQuantizationType
 # Every width a multiple of 256, as K-quants need.
@@ -38,6 +40,16 @@ SHAPE = dict(
 )
 IDS = torch.tensor([[1, 17, 99, 200, 5, 42, 255, 3, 77, 128]])
 CPU = torch.device("cpu")
+
+
+@pytest.fixture(params=["default", "AVX2"], autouse=True)
+def kernels(request, use_kernels) -> None:
+    """Run each test with the default kernels (AVX-512 where the CPU has it, or the
+    torch code without native kernels) and again with the AVX2 kernels."""
+    if request.param == "AVX2":
+        if native.kernels() == "AVX2":
+            pytest.skip("the default kernels are the AVX2 kernels")
+        use_kernels("AVX2")
 
 
 def model(name: str):

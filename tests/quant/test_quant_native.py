@@ -1,4 +1,8 @@
-"""Native kernels (kernels.c) against gguf's numpy reference, and their fallback."""
+"""Native kernels (kernels.c for AVX-512, kernels_avx2.c for AVX2; each test runs
+against every family this CPU has, see conftest.py) against gguf's numpy reference,
+the choice of family, and the fallback."""
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,28 +14,25 @@ from test_quant_linear import TYPES, assert_close_matmul, finite_blocks, referen
 
 from llmrun.quant import native
 from llmrun.quant.blocks import SUPPORTED_TYPES
+from llmrun.quant.linear import QuantLinear
 
 T = GGMLQuantizationType
-
-needs_native = pytest.mark.skipif(not native.available(), reason=native.status())
 
 
 def test_every_supported_type_has_a_kernel():
     assert set(TYPES) == set(SUPPORTED_TYPES)
 
 
-@needs_native
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
-def test_native_dequantize_is_bit_exact_with_gguf(ggml_type: T):
+def test_native_dequantize_is_bit_exact_with_gguf(ggml_type: T, native_kernels: str):
     raw = finite_blocks(ggml_type, 9, 768, seed=11)
     got = native.dequantize(torch.from_numpy(raw), ggml_type)
     assert_same_bits(got.numpy(), gguf_dequantize(raw, ggml_type).astype(np.float32))
 
 
-@needs_native
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("m", [1, 2, 4, 7, 11])
-def test_native_matvec_matches_f32_matmul(ggml_type: T, m: int):
+@pytest.mark.parametrize("m", [1, 2, 4, 7, 11, 16])
+def test_native_matvec_matches_f32_matmul(ggml_type: T, m: int, native_kernels: str):
     raw = finite_blocks(ggml_type, 33, 512, seed=m)
     x = torch.randn(m, 512, generator=torch.Generator().manual_seed(12))
     y = native.matvec(torch.from_numpy(raw), ggml_type, x)
@@ -39,10 +40,10 @@ def test_native_matvec_matches_f32_matmul(ggml_type: T, m: int):
     assert_close_matmul(y, x, reference(raw, ggml_type))
 
 
-@needs_native
 @pytest.mark.parametrize("ggml_type", list(native.PACKED), ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 3, 8, 13])
-def test_packed_kernels_match_f32_matmul(ggml_type: T, m: int):
+def test_packed_kernels_match_f32_matmul(ggml_type: T, m: int, use_kernels):
+    use_kernels("AVX-512")
     raw = finite_blocks(ggml_type, 40, 1024, seed=16)
     packed = native.pack(torch.from_numpy(raw), ggml_type)
     assert native.supports(ggml_type, 1024, True) and not native.supports(ggml_type, 96, True)
@@ -53,8 +54,32 @@ def test_packed_kernels_match_f32_matmul(ggml_type: T, m: int):
     assert_same_bits(got.numpy(), gguf_dequantize(raw, ggml_type).astype(np.float32))
 
 
-@needs_native
-def test_native_kernels_take_rows_with_a_stride():
+@pytest.mark.parametrize("ggml_type", list(native.PACKED), ids=lambda t: t.name)
+def test_avx2_kernels_keep_the_ggml_layout(ggml_type: T, use_kernels):
+    use_kernels("AVX2")
+    assert native.supports(ggml_type, 1024) and not native.supports(ggml_type, 1024, True)
+    raw = finite_blocks(ggml_type, 8, 1024, seed=18)
+    lin = QuantLinear(torch.from_numpy(raw), ggml_type, 1024)
+    assert not lin.packed
+    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(19))
+    assert_close_matmul(lin(x), x, reference(raw, ggml_type))
+
+
+@pytest.mark.parametrize("ggml_type", [T.F32, T.F16, T.BF16], ids=lambda t: t.name)
+@pytest.mark.parametrize("n", [16, 48, 80, 272])
+def test_float_rows_of_any_block_multiple(ggml_type: T, n: int, native_kernels: str):
+    # Whole numbers of blocks for both families (16 and 8 weights) but not of the 32
+    # or 64 weights the AVX-512 dot product steps by: kernels.c once dropped the last
+    # 16 weights of such rows (48) or read past them (16, 80).
+    raw = finite_blocks(ggml_type, 5, n, seed=20)
+    assert native.supports(ggml_type, n)
+    x = torch.randn(3, n, generator=torch.Generator().manual_seed(21))
+    assert_close_matmul(
+        native.matvec(torch.from_numpy(raw), ggml_type, x), x, reference(raw, ggml_type)
+    )
+
+
+def test_native_kernels_take_rows_with_a_stride(native_kernels: str):
     raw = torch.from_numpy(finite_blocks(T.Q4_K, 12, 512, seed=13))
     x = torch.randn(1, 512)
     every_other = raw[::2]
@@ -65,8 +90,7 @@ def test_native_kernels_take_rows_with_a_stride():
     )
 
 
-@needs_native
-def test_native_refuses_rows_it_cannot_take():
+def test_native_refuses_rows_it_cannot_take(native_kernels: str):
     assert native.supports(T.F16, 64) and not native.supports(T.F16, 37)
     with pytest.raises(ValueError, match="F16 rows of 37"):
         native.matvec(torch.zeros(2, 74, dtype=torch.uint8), T.F16, torch.zeros(1, 37))
@@ -74,19 +98,53 @@ def test_native_refuses_rows_it_cannot_take():
         native.matvec(torch.zeros(2, 34, dtype=torch.uint8), T.Q8_0, torch.zeros(1, 32).half())
 
 
+def test_status_names_the_kernel_family(native_kernels: str):
+    assert native.kernels() == native_kernels
+    assert native.status() == f"native ({native_kernels})"
+    # Each family is its own library in the cache, built from its own source.
+    tag = {"AVX-512": "avx512", "AVX2": "avx2"}[native_kernels]
+    assert Path(native._library()._name).name.startswith(f"llmrun-{tag}-")
+
+
+AVX2_FLAGS = "flags\t\t: fpu sse2 ssse3 sse4_1 sse4_2 avx f16c fma avx2 bmi2"
+AVX512_FLAGS = AVX2_FLAGS + " avx512f avx512dq avx512bw avx512vl avx512_bf16"
+
+
+@pytest.mark.parametrize(
+    "flags, env, families, reason",
+    [
+        (AVX512_FLAGS, "1", ["AVX-512", "AVX2"], ""),
+        (AVX2_FLAGS, "1", ["AVX2"], ""),
+        (AVX512_FLAGS, "avx2", ["AVX2"], ""),
+        ("flags\t\t: fpu sse2 avx", "1", [], "lacks AVX2 (with FMA and F16C) and AVX-512"),
+        ("flags\t\t: fpu sse2 avx", "avx2", [], "lacks AVX2 (with FMA and F16C)"),
+        ("", "1", ["AVX-512"], ""),  # no flags to read: its build decides, as before
+    ],
+)
+def test_the_kernel_family_follows_the_cpu(flags, env, families, reason, fresh_native, monkeypatch):
+    monkeypatch.setattr(native, "_cpu_features", lambda: flags)
+    monkeypatch.setenv("LLMRUN_NATIVE", env)
+    monkeypatch.setattr(native, "_reason", "")
+    assert native._families() == families
+    assert reason in native._reason and bool(reason) == bool(native._reason)
+
+
+def test_a_cpu_without_avx512_gets_the_avx2_kernels(fresh_native, monkeypatch):
+    if not native.NEEDS["AVX2"] <= set(native._cpu_features().split()):
+        pytest.skip("this CPU lacks AVX2")
+    # As if AVX-512 needed a flag no CPU has; the CPU's flags (the cache key) stay.
+    monkeypatch.setitem(native.NEEDS, "AVX-512", {"avx512f", "no-such-flag"})
+    monkeypatch.delenv("LLMRUN_NATIVE", raising=False)
+    assert native.status() == "native (AVX2)"
+    assert native.supports(T.Q4_K, 256) and not native.supports(T.Q4_0, 256, packed=True)
+
+
 @pytest.mark.parametrize(
     "env, reason", [({"LLMRUN_NATIVE": "0"}, "LLMRUN_NATIVE=0"), ({"CC": "/nonexistent/cc"}, "")]
 )
-def test_without_kernels_the_status_says_why(env: dict, reason: str, monkeypatch):
+def test_without_kernels_the_status_says_why(env: dict, reason: str, fresh_native, monkeypatch):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    native._library.cache_clear()
-    native.supports.cache_clear()
-    try:
-        assert not native.available()
-        assert not native.supports(T.Q4_0, 32)
-        assert native.status().startswith("torch fallback: ") and reason in native.status()
-    finally:
-        monkeypatch.undo()
-        native._library.cache_clear()
-        native.supports.cache_clear()
+    assert not native.available() and native.kernels() is None
+    assert not native.supports(T.Q4_0, 32)
+    assert native.status().startswith("torch fallback: ") and reason in native.status()

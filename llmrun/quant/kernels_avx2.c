@@ -1,0 +1,545 @@
+/* GGML-quantized matrix x few-vectors products and row dequantization, AVX2.
+ *
+ * The same C API and the same exactness as kernels.c (AVX-512), for CPUs with AVX2,
+ * FMA and F16C only (Intel since Haswell, AMD since Zen). Weights stay in GGML's
+ * block layout; the packed layouts of kernels.c are not implemented here
+ * (llmrun_block returns 0 for them, so native.py never repacks).
+ *
+ * Each block is dequantized in registers to exactly the f32 values gguf's reference
+ * dequantizer gives: the quants are unpacked to int8 with byte shuffles and masks,
+ * widened to f32 (exact), then scaled with the reference's operations in its order
+ * (d*q, d*q + m, dl*q - ml; built with -ffp-contract=off so none gets fused). Scale
+ * products such as d*sc are computed in scalar f32, which rounds as the vector unit
+ * does. The weights then go from registers into f32 multiply-adds with the
+ * activations (sink_t), so a product differs from x @ dequantize(W).T only by the
+ * order of the sums.
+ *
+ * Built at first use by llmrun/quant/native.py (-march=haswell) and loaded with
+ * ctypes; without AVX2, FMA and F16C this file compiles to llmrun_available() == 0.
+ * Block layouts: https://github.com/ggml-org/llama.cpp/blob/master/ggml/src/ggml-common.h
+ */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+#define MAX_M 8 /* most activation rows handled per pass over the weights */
+#define PREFETCH 4096 /* bytes ahead of the current block, within a thread's rows */
+#define CHUNK 65536 /* bytes of weights a thread takes at a time */
+
+/* GGMLQuantizationType values */
+enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10,
+       Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30 };
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+ALWAYS_INLINE float f16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* The f16 at p and the next, as f32 (lanes 0 and 1). Reads 8 bytes at p, so only for
+ * scales at the start of a block of 18 bytes or more. Cheaper than f16_at's insert
+ * and broadcast in shuffle-port uops, which the 32-weight blocks are short of. */
+ALWAYS_INLINE __m128 f16x2_at(const uint8_t *p) {
+    return _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)p));
+}
+
+/* lane 1 of v in all 8 lanes */
+ALWAYS_INLINE __m256 lane1(__m128 v) {
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(v), _mm256_set1_epi32(1));
+}
+
+ALWAYS_INLINE __m128i load16(const uint8_t *p) { return _mm_loadu_si128((const __m128i *)p); }
+
+ALWAYS_INLINE __m128i lo_nibbles(__m128i v) { return _mm_and_si128(v, _mm_set1_epi8(15)); }
+
+/* 16-bit shifts, then the mask, keep each byte's own bits */
+ALWAYS_INLINE __m128i hi_nibbles(__m128i v) {
+    return _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(15));
+}
+
+/* The IQ4_NL/IQ4_XS codebook, as int8 for a byte shuffle */
+ALWAYS_INLINE __m128i iq4_values(void) {
+    return _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
+                         113);
+}
+
+/* byte j (j < 16) = 0xFF where bit j of h is set, else 0 */
+ALWAYS_INLINE __m128i bit_bytes(uint32_t h) {
+    const __m128i sel = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m128i bit = _mm_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m128i v = _mm_shuffle_epi8(_mm_cvtsi32_si128((int)h), sel);
+    return _mm_cmpeq_epi8(_mm_and_si128(v, bit), bit);
+}
+
+/* Where a dequantizer sends its weights, 8 at a time: to memory (out, for
+ * llmrun_dequantize), or straight into multiply-adds with m activation rows x
+ * (x[i*n + off] for the weight at block offset off), into acc[i][(off/8) % a]:
+ * 8/m independent accumulators per row (at most 4) hide the multiply-add latency
+ * within the 16 registers. Everything inlines with constant m and offsets, so the
+ * accumulators stay in registers and the weights never touch memory. */
+typedef struct {
+    float *out;
+    const float *x;
+    int64_t n;
+    int m, base; /* base: the block's offset in a run of blocks (see rows_T) */
+    __m256 (*acc)[4];
+} sink_t;
+
+ALWAYS_INLINE int lanes_per_row(const int m) { return m >= 8 ? 1 : m >= 4 ? 2 : 4; }
+
+ALWAYS_INLINE void emit(sink_t s, int off, __m256 v) {
+    if (s.out) {
+        _mm256_storeu_ps(s.out + off, v);
+        return;
+    }
+    const int k = s.base + off, j = (k / 8) % lanes_per_row(s.m);
+    for (int i = 0; i < s.m; i++)
+        s.acc[i][j] = _mm256_fmadd_ps(v, _mm256_loadu_ps(s.x + i * s.n + k), s.acc[i][j]);
+}
+
+/* int8 lanes 0..7 of v -> f32 (exact) */
+ALWAYS_INLINE __m256 f32_lo(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+ALWAYS_INLINE __m256 f32_hi(__m128i v) { return f32_lo(_mm_unpackhi_epi64(v, v)); }
+
+/* weights off..off+15 = d * q for the 16 int8 q */
+ALWAYS_INLINE void put_mul(sink_t s, int off, __m128i q, __m256 d) {
+    emit(s, off, _mm256_mul_ps(d, f32_lo(q)));
+    emit(s, off + 8, _mm256_mul_ps(d, f32_hi(q)));
+}
+
+/* weights off..off+15 = d * q + m */
+ALWAYS_INLINE void put_mul_add(sink_t s, int off, __m128i q, __m256 d, __m256 m) {
+    emit(s, off, _mm256_add_ps(_mm256_mul_ps(d, f32_lo(q)), m));
+    emit(s, off + 8, _mm256_add_ps(_mm256_mul_ps(d, f32_hi(q)), m));
+}
+
+/* weights off..off+15 = d * q - m */
+ALWAYS_INLINE void put_mul_sub(sink_t s, int off, __m128i q, __m256 d, __m256 m) {
+    emit(s, off, _mm256_sub_ps(_mm256_mul_ps(d, f32_lo(q)), m));
+    emit(s, off + 8, _mm256_sub_ps(_mm256_mul_ps(d, f32_hi(q)), m));
+}
+
+/* Each dequantizer sends one block's weights to a sink, in any order. */
+
+#define F32_BLOCK 8
+#define F32_BYTES 32
+ALWAYS_INLINE void deq_F32(const uint8_t *src, sink_t s) {
+    emit(s, 0, _mm256_loadu_ps((const float *)src));
+}
+
+#define F16_BLOCK 8
+#define F16_BYTES 16
+ALWAYS_INLINE void deq_F16(const uint8_t *src, sink_t s) {
+    emit(s, 0, _mm256_cvtph_ps(load16(src)));
+}
+
+#define BF16_BLOCK 8
+#define BF16_BYTES 16
+ALWAYS_INLINE void deq_BF16(const uint8_t *src, sink_t s) {
+    const __m256i v = _mm256_slli_epi32(_mm256_cvtepu16_epi32(load16(src)), 16);
+    emit(s, 0, _mm256_castsi256_ps(v));
+}
+
+#define Q8_0_BLOCK 32
+#define Q8_0_BYTES 34
+ALWAYS_INLINE void deq_Q8_0(const uint8_t *src, sink_t s) {
+    const __m256 d = _mm256_broadcastss_ps(f16x2_at(src));
+    put_mul(s, 0, load16(src + 2), d);
+    put_mul(s, 16, load16(src + 18), d);
+}
+
+/* Q4_0, Q4_1, IQ4_NL: low nibbles are weights 0..15, high nibbles 16..31. */
+#define Q4_0_BLOCK 32
+#define Q4_0_BYTES 18
+ALWAYS_INLINE void deq_Q4_0(const uint8_t *src, sink_t s) {
+    const __m256 d = _mm256_broadcastss_ps(f16x2_at(src));
+    const __m128i v = load16(src + 2), eight = _mm_set1_epi8(8);
+    put_mul(s, 0, _mm_sub_epi8(lo_nibbles(v), eight), d);
+    put_mul(s, 16, _mm_sub_epi8(hi_nibbles(v), eight), d);
+}
+
+#define Q4_1_BLOCK 32
+#define Q4_1_BYTES 20
+ALWAYS_INLINE void deq_Q4_1(const uint8_t *src, sink_t s) {
+    const __m128 dm = f16x2_at(src);
+    const __m256 d = _mm256_broadcastss_ps(dm), m = lane1(dm);
+    const __m128i v = load16(src + 4);
+    put_mul_add(s, 0, lo_nibbles(v), d, m);
+    put_mul_add(s, 16, hi_nibbles(v), d, m);
+}
+
+#define IQ4_NL_BLOCK 32
+#define IQ4_NL_BYTES 18
+ALWAYS_INLINE void deq_IQ4_NL(const uint8_t *src, sink_t s) {
+    const __m256 d = _mm256_broadcastss_ps(f16x2_at(src));
+    const __m128i v = load16(src + 2), kv = iq4_values();
+    put_mul(s, 0, _mm_shuffle_epi8(kv, lo_nibbles(v)), d);
+    put_mul(s, 16, _mm_shuffle_epi8(kv, hi_nibbles(v)), d);
+}
+
+ALWAYS_INLINE uint32_t u32_at(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* Q5_0/Q5_1: bit 4 of weight j is bit j of the little-endian u32 qh. */
+#define Q5_0_BLOCK 32
+#define Q5_0_BYTES 22
+ALWAYS_INLINE void deq_Q5_0(const uint8_t *src, sink_t s) {
+    const __m256 d = _mm256_broadcastss_ps(f16x2_at(src));
+    const uint32_t qh = u32_at(src + 2);
+    const __m128i v = load16(src + 6), sixteen = _mm_set1_epi8(16);
+    /* q - 16 = low 4 bits - (16 where bit 4 is clear) */
+    put_mul(s, 0, _mm_sub_epi8(lo_nibbles(v), _mm_andnot_si128(bit_bytes(qh), sixteen)), d);
+    put_mul(s, 16,
+            _mm_sub_epi8(hi_nibbles(v), _mm_andnot_si128(bit_bytes(qh >> 16), sixteen)), d);
+}
+
+#define Q5_1_BLOCK 32
+#define Q5_1_BYTES 24
+ALWAYS_INLINE void deq_Q5_1(const uint8_t *src, sink_t s) {
+    const __m128 dm = f16x2_at(src);
+    const __m256 d = _mm256_broadcastss_ps(dm), m = lane1(dm);
+    const uint32_t qh = u32_at(src + 4);
+    const __m128i v = load16(src + 8), sixteen = _mm_set1_epi8(16);
+    put_mul_add(s, 0, _mm_or_si128(lo_nibbles(v), _mm_and_si128(bit_bytes(qh), sixteen)), d, m);
+    put_mul_add(s, 16,
+                _mm_or_si128(hi_nibbles(v), _mm_and_si128(bit_bytes(qh >> 16), sixteen)), d, m);
+}
+
+/* Q4_K/Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins packed in 12 bytes;
+ * w = (d*sc)*q - dmin*m. Writes ab = [d*sc[0..7], dmin*m[0..7]]. */
+ALWAYS_INLINE void k_scales(const uint8_t *src, float *ab) {
+    uint32_t u[3];
+    memcpy(u, src + 4, 12);
+    const uint32_t packed[4] = {
+        u[0] & 0x3f3f3f3f,
+        (u[2] & 0x0f0f0f0f) | ((u[0] >> 2) & 0x30303030),
+        u[1] & 0x3f3f3f3f,
+        ((u[2] >> 4) & 0x0f0f0f0f) | ((u[1] >> 2) & 0x30303030),
+    };
+    const __m128i v = _mm_loadu_si128((const __m128i *)packed);
+    const __m256 d = _mm256_set1_ps(f16_at(src)), dmin = _mm256_set1_ps(f16_at(src + 2));
+    _mm256_storeu_ps(ab, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))));
+    _mm256_storeu_ps(ab + 8, _mm256_mul_ps(dmin, f32_hi(v)));
+}
+
+/* Sub-blocks 2p and 2p+1 share qs[32p..32p+31]: low nibbles, then high. */
+#define Q4_K_BLOCK 256
+#define Q4_K_BYTES 144
+ALWAYS_INLINE void deq_Q4_K(const uint8_t *src, sink_t s) {
+    float ab[16];
+    k_scales(src, ab);
+    for (int p = 0; p < 4; p++) {
+        const __m128i v0 = load16(src + 16 + 32 * p), v1 = load16(src + 32 + 32 * p);
+        const __m256 d0 = _mm256_set1_ps(ab[2 * p]), m0 = _mm256_set1_ps(ab[8 + 2 * p]);
+        const __m256 d1 = _mm256_set1_ps(ab[2 * p + 1]), m1 = _mm256_set1_ps(ab[9 + 2 * p]);
+        put_mul_sub(s, 64 * p, lo_nibbles(v0), d0, m0);
+        put_mul_sub(s, 64 * p + 16, lo_nibbles(v1), d0, m0);
+        put_mul_sub(s, 64 * p + 32, hi_nibbles(v0), d1, m1);
+        put_mul_sub(s, 64 * p + 48, hi_nibbles(v1), d1, m1);
+    }
+}
+
+/* bit j of each byte of v, moved to bit 4 (the 16-bit shift keeps each byte's own
+ * bit there: it moves bits by at most 4 within a byte) */
+ALWAYS_INLINE __m128i bit_to_4(__m128i v, int j) {
+    const __m128i s = j <= 4 ? _mm_slli_epi16(v, 4 - j) : _mm_srli_epi16(v, j - 4);
+    return _mm_and_si128(s, _mm_set1_epi8(16));
+}
+
+/* Sub-block j: nibble j%2 of qs[32(j/2) + l], bit 4 from bit j of qh[l]. */
+#define Q5_K_BLOCK 256
+#define Q5_K_BYTES 176
+ALWAYS_INLINE void deq_Q5_K(const uint8_t *src, sink_t s) {
+    float ab[16];
+    k_scales(src, ab);
+    const __m128i h0 = load16(src + 16), h1 = load16(src + 32);
+    for (int p = 0; p < 4; p++) {
+        const __m128i v0 = load16(src + 48 + 32 * p), v1 = load16(src + 64 + 32 * p);
+        for (int e = 0; e < 2; e++) {
+            const int j = 2 * p + e;
+            const __m256 d = _mm256_set1_ps(ab[j]), m = _mm256_set1_ps(ab[8 + j]);
+            const __m128i q0 = e ? hi_nibbles(v0) : lo_nibbles(v0);
+            const __m128i q1 = e ? hi_nibbles(v1) : lo_nibbles(v1);
+            put_mul_sub(s, 32 * j, _mm_or_si128(q0, bit_to_4(h0, j)), d, m);
+            put_mul_sub(s, 32 * j + 16, _mm_or_si128(q1, bit_to_4(h1, j)), d, m);
+        }
+    }
+}
+
+/* Q6_K: w = (d*sc) * (q - 32), q = 4 bits from ql | 2 bits from qh << 4; sixteen
+ * int8 scales, one per 16 weights. Weight c*128 + t*32 + l takes the (t/2)
+ * nibble of ql[64c + 32(t%2) + l] and bits 2t..2t+1 of qh[32c + l]. */
+#define Q6_K_BLOCK 256
+#define Q6_K_BYTES 210
+ALWAYS_INLINE void deq_Q6_K(const uint8_t *src, sink_t s) {
+    float dl[16];
+    const float d = f16_at(src + 208);
+    for (int j = 0; j < 16; j++) dl[j] = d * (float)(int8_t)src[192 + j];
+    const __m128i three0 = _mm_set1_epi8(0x30), bias = _mm_set1_epi8(32);
+    for (int c = 0; c < 2; c++)
+        for (int h = 0; h < 2; h++) {
+            const __m128i qh = load16(src + 128 + 32 * c + 16 * h);
+            /* bits 2t..2t+1 at bits 4..5, for t = 0..3 */
+            const __m128i hb[4] = {
+                _mm_and_si128(_mm_slli_epi16(qh, 4), three0),
+                _mm_and_si128(_mm_slli_epi16(qh, 2), three0),
+                _mm_and_si128(qh, three0),
+                _mm_and_si128(_mm_srli_epi16(qh, 2), three0),
+            };
+            for (int t2 = 0; t2 < 2; t2++) {
+                const __m128i ql = load16(src + 64 * c + 32 * t2 + 16 * h);
+                for (int half = 0; half < 2; half++) {
+                    const int t = 2 * half + t2;
+                    const __m128i lo = half ? hi_nibbles(ql) : lo_nibbles(ql);
+                    const __m128i q = _mm_sub_epi8(_mm_or_si128(lo, hb[t]), bias);
+                    const int i = 128 * c + 32 * t + 16 * h;
+                    put_mul(s, i, q, _mm256_set1_ps(dl[i / 16]));
+                }
+            }
+        }
+}
+
+/* Q2_K: w = d*(sc&15) * q - dmin*(sc>>4), q 2 bits; weight c*128 + u*32 + l takes
+ * bits 2u..2u+1 of qs[32c + l]; one scale byte per 16 weights. */
+#define Q2_K_BLOCK 256
+#define Q2_K_BYTES 84
+ALWAYS_INLINE void deq_Q2_K(const uint8_t *src, sink_t s) {
+    float dl[16], ml[16];
+    const float d = f16_at(src + 80), dmin = f16_at(src + 82);
+    for (int j = 0; j < 16; j++) {
+        dl[j] = d * (float)(src[j] & 15);
+        ml[j] = dmin * (float)(src[j] >> 4);
+    }
+    const __m128i three = _mm_set1_epi8(3);
+    for (int c = 0; c < 2; c++)
+        for (int h = 0; h < 2; h++) {
+            const __m128i v = load16(src + 16 + 32 * c + 16 * h);
+            for (int u = 0; u < 4; u++) {
+                const int i = c * 128 + u * 32 + 16 * h;
+                const __m128i q = _mm_and_si128(_mm_srli_epi16(v, 2 * u), three);
+                put_mul_sub(s, i, q, _mm256_set1_ps(dl[i / 16]), _mm256_set1_ps(ml[i / 16]));
+            }
+        }
+}
+
+/* Q3_K: w = d*(sc-32) * (k-4) with k = 2 low bits | hmask bit << 2; weight
+ * c*128 + u*32 + l takes bits 2u.. of qs[32c + l] and bit 4c+u of hmask[l]. Scale j:
+ * its low nibble from byte j%8 (high nibble for j >= 8), its bits 4..5 from bits
+ * 2(j/4).. of byte 8 + j%4. */
+#define Q3_K_BLOCK 256
+#define Q3_K_BYTES 110
+ALWAYS_INLINE void deq_Q3_K(const uint8_t *src, sink_t s) {
+    float dl[16];
+    const uint8_t *sc = src + 96;
+    const float d = f16_at(src + 108);
+    for (int j = 0; j < 16; j++) {
+        const int low = (sc[j % 8] >> (j >= 8 ? 4 : 0)) & 15;
+        const int high = (sc[8 + j % 4] >> (2 * (j / 4))) & 3;
+        dl[j] = d * (float)((low | high << 4) - 32);
+    }
+    const __m128i three = _mm_set1_epi8(3);
+    for (int h = 0; h < 2; h++) {
+        const __m128i hm = load16(src + 16 * h);
+        for (int c = 0; c < 2; c++) {
+            const __m128i v = load16(src + 32 + 32 * c + 16 * h);
+            for (int u = 0; u < 4; u++) {
+                const int i = c * 128 + u * 32 + 16 * h, bit = 4 * c + u;
+                const __m128i lo = _mm_and_si128(_mm_srli_epi16(v, 2 * u), three);
+                /* k - 4 = low bits - (4 where the hmask bit is clear) */
+                const __m128i m = _mm_set1_epi8((char)(1 << bit));
+                const __m128i set = _mm_cmpeq_epi8(_mm_and_si128(hm, m), m);
+                const __m128i q = _mm_sub_epi8(lo, _mm_andnot_si128(set, _mm_set1_epi8(4)));
+                put_mul(s, i, q, _mm256_set1_ps(dl[i / 16]));
+            }
+        }
+    }
+}
+
+/* IQ4_XS: 8 sub-blocks of 32, w = d*(sc-32) * IQ4_VALUES[q], 6-bit scales split in
+ * a u16 of high bits and 4 bytes of low nibbles; sub-block j reads qs[16j..16j+15]. */
+#define IQ4_XS_BLOCK 256
+#define IQ4_XS_BYTES 136
+ALWAYS_INLINE void deq_IQ4_XS(const uint8_t *src, sink_t s) {
+    const float d = f16_at(src);
+    uint16_t high;
+    memcpy(&high, src + 2, 2);
+    const __m128i kv = iq4_values();
+    for (int j = 0; j < 8; j++) {
+        const int low = (src[4 + j / 2] >> (4 * (j % 2))) & 15;
+        const int sc = (low | ((high >> (2 * j)) & 3) << 4) - 32;
+        const __m256 dl = _mm256_set1_ps(d * (float)sc);
+        const __m128i v = load16(src + 8 + 16 * j);
+        put_mul(s, 32 * j, _mm_shuffle_epi8(kv, lo_nibbles(v)), dl);
+        put_mul(s, 32 * j + 16, _mm_shuffle_epi8(kv, hi_nibbles(v)), dl);
+    }
+}
+
+/* Kernels per type: each block is dequantized into multiply-adds with up to MAX_M
+ * activation rows (sink_t). */
+
+ALWAYS_INLINE float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+#define DEFINE_KERNELS(T)                                                                \
+    ALWAYS_INLINE void rows_##T(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1, \
+                                const float *x, const int m, int64_t n, float *y,        \
+                                int64_t ldy, const float *bias) {                        \
+        enum { RUN = T##_BLOCK >= 32 ? 1 : 32 / T##_BLOCK };                             \
+        const int64_t nb = n / T##_BLOCK;                                                \
+        const int a = lanes_per_row(m);                                                  \
+        const uint8_t *end = w + r1 * stride;                                            \
+        for (int64_t r = r0; r < r1; r++) {                                              \
+            const uint8_t *row = w + r * stride;                                         \
+            __m256 acc[MAX_M][4];                                                        \
+            for (int i = 0; i < m; i++)                                                  \
+                for (int j = 0; j < 4; j++) acc[i][j] = _mm256_setzero_ps();             \
+            /* runs of RUN blocks (32 weights), so blocks of 8 use all accumulators */   \
+            int64_t b = 0;                                                               \
+            for (; b + RUN <= nb; b += RUN) {                                            \
+                const uint8_t *src = row + b * T##_BYTES;                                \
+                /* one prefetch per 64 bytes of blocks */                                \
+                if (src + PREFETCH + RUN * T##_BYTES <= end &&                           \
+                    (RUN * T##_BYTES >= 64 ||                                            \
+                     ((uintptr_t)src ^ ((uintptr_t)src + RUN * T##_BYTES)) >= 64))       \
+                    for (int l = 0; l < RUN * T##_BYTES; l += 64)                        \
+                        _mm_prefetch((const char *)src + PREFETCH + l, _MM_HINT_T0);     \
+                for (int u = 0; u < RUN; u++) {                                          \
+                    const sink_t s = {NULL, x + b * T##_BLOCK, n, m, u * T##_BLOCK, acc}; \
+                    deq_##T(src + u * T##_BYTES, s);                                     \
+                }                                                                        \
+            }                                                                            \
+            for (; b < nb; b++) {                                                        \
+                const sink_t s = {NULL, x + b * T##_BLOCK, n, m, 0, acc};                \
+                deq_##T(row + b * T##_BYTES, s);                                         \
+            }                                                                            \
+            for (int i = 0; i < m; i++) {                                                \
+                __m256 sum = acc[i][0];                                                  \
+                for (int j = 1; j < a; j++) sum = _mm256_add_ps(sum, acc[i][j]);         \
+                y[i * ldy + r] = hsum(sum) + (bias ? bias[r] : 0.0f);                    \
+            }                                                                            \
+        }                                                                                \
+    }                                                                                    \
+    static void matvec_##T(const uint8_t *w, int64_t stride, int64_t rows, const float *x, \
+                           int64_t m, int64_t n, float *y, const float *bias) {          \
+        const int64_t chunk = stride >= CHUNK ? 1 : CHUNK / stride;                      \
+        /* passes over the weights with 8, 4, 2 or 1 activation rows each */             \
+        for (int64_t i0 = 0; i0 < m;) {                                                  \
+            const int mm = m - i0 >= 8 ? 8 : m - i0 >= 4 ? 4 : m - i0 >= 2 ? 2 : 1;      \
+            const float *xi = x + i0 * n;                                                \
+            float *yi = y + i0 * rows;                                                   \
+            _Pragma("omp parallel for schedule(dynamic)")                                \
+            for (int64_t r0 = 0; r0 < rows; r0 += chunk) {                               \
+                const int64_t r1 = r0 + chunk < rows ? r0 + chunk : rows;                \
+                switch (mm) {                                                            \
+                case 1: rows_##T(w, stride, r0, r1, xi, 1, n, yi, rows, bias); break;    \
+                case 2: rows_##T(w, stride, r0, r1, xi, 2, n, yi, rows, bias); break;    \
+                case 4: rows_##T(w, stride, r0, r1, xi, 4, n, yi, rows, bias); break;    \
+                default: rows_##T(w, stride, r0, r1, xi, 8, n, yi, rows, bias); break;   \
+                }                                                                        \
+            }                                                                            \
+            i0 += mm;                                                                    \
+        }                                                                                \
+    }                                                                                    \
+    static void dequant_##T(const uint8_t *w, int64_t stride, int64_t rows, int64_t n,   \
+                            float *out) {                                                \
+        const int64_t nb = n / T##_BLOCK;                                                \
+        _Pragma("omp parallel for schedule(static)")                                     \
+        for (int64_t r = 0; r < rows; r++)                                               \
+            for (int64_t b = 0; b < nb; b++)                                             \
+                deq_##T(w + r * stride + b * T##_BYTES, (sink_t){.out = out + r * n + b * T##_BLOCK}); \
+    }
+
+DEFINE_KERNELS(F32)
+DEFINE_KERNELS(F16)
+DEFINE_KERNELS(BF16)
+DEFINE_KERNELS(Q4_0)
+DEFINE_KERNELS(Q4_1)
+DEFINE_KERNELS(Q5_0)
+DEFINE_KERNELS(Q5_1)
+DEFINE_KERNELS(Q8_0)
+DEFINE_KERNELS(Q2_K)
+DEFINE_KERNELS(Q3_K)
+DEFINE_KERNELS(Q4_K)
+DEFINE_KERNELS(Q5_K)
+DEFINE_KERNELS(Q6_K)
+DEFINE_KERNELS(IQ4_NL)
+DEFINE_KERNELS(IQ4_XS)
+
+#define DISPATCH(CALL)                                                                   \
+    switch (type) {                                                                      \
+    case F32: CALL(F32); return 0;                                                       \
+    case F16: CALL(F16); return 0;                                                       \
+    case BF16: CALL(BF16); return 0;                                                     \
+    case Q4_0: CALL(Q4_0); return 0;                                                     \
+    case Q4_1: CALL(Q4_1); return 0;                                                     \
+    case Q5_0: CALL(Q5_0); return 0;                                                     \
+    case Q5_1: CALL(Q5_1); return 0;                                                     \
+    case Q8_0: CALL(Q8_0); return 0;                                                     \
+    case Q2_K: CALL(Q2_K); return 0;                                                     \
+    case Q3_K: CALL(Q3_K); return 0;                                                     \
+    case Q4_K: CALL(Q4_K); return 0;                                                     \
+    case Q5_K: CALL(Q5_K); return 0;                                                     \
+    case Q6_K: CALL(Q6_K); return 0;                                                     \
+    case IQ4_NL: CALL(IQ4_NL); return 0;                                                 \
+    case IQ4_XS: CALL(IQ4_XS); return 0;                                                 \
+    default: return -1;                                                                  \
+    }
+
+int llmrun_available(void) { return 1; }
+
+/* Row lengths the kernels take for `type` are multiples of this; 0: no kernel (here
+ * also the packed layouts 1002 and 1006 of kernels.c). */
+int llmrun_block(int type) {
+#define CALL_BLOCK(T) return T##_BLOCK
+    switch (type) {
+    case F32: CALL_BLOCK(F32);
+    case F16: CALL_BLOCK(F16);
+    case BF16: CALL_BLOCK(BF16);
+    case Q4_0: CALL_BLOCK(Q4_0);
+    case Q4_1: CALL_BLOCK(Q4_1);
+    case Q5_0: CALL_BLOCK(Q5_0);
+    case Q5_1: CALL_BLOCK(Q5_1);
+    case Q8_0: CALL_BLOCK(Q8_0);
+    case Q2_K: CALL_BLOCK(Q2_K);
+    case Q3_K: CALL_BLOCK(Q3_K);
+    case Q4_K: CALL_BLOCK(Q4_K);
+    case Q5_K: CALL_BLOCK(Q5_K);
+    case Q6_K: CALL_BLOCK(Q6_K);
+    case IQ4_NL: CALL_BLOCK(IQ4_NL);
+    case IQ4_XS: CALL_BLOCK(IQ4_XS);
+    default: return 0;
+    }
+}
+
+/* y[i, r] = sum_k W[r, k] x[i, k] (+ bias[r], if bias is not NULL): W is `rows` rows
+ * of n weights, `stride` bytes apart; x is [m, n] and y is [m, rows], both
+ * contiguous f32. */
+int llmrun_matvec(int type, const uint8_t *w, int64_t stride, int64_t rows, const float *x,
+                  int64_t m, int64_t n, float *y, const float *bias) {
+#define CALL_MATVEC(T) matvec_##T(w, stride, rows, x, m, n, y, bias)
+    DISPATCH(CALL_MATVEC)
+}
+
+/* out[r, k] = W[r, k] as f32, out contiguous [rows, n]. */
+int llmrun_dequantize(int type, const uint8_t *w, int64_t stride, int64_t rows, int64_t n,
+                      float *out) {
+#define CALL_DEQUANT(T) dequant_##T(w, stride, rows, n, out)
+    DISPATCH(CALL_DEQUANT)
+}
+
+#else
+
+int llmrun_available(void) { return 0; }
+
+#endif
