@@ -34,6 +34,7 @@ from llmrun.errors import UsageError
 from llmrun.generate import KVState, prefill
 from llmrun.loading import safetensors_io
 from llmrun.loading.loader import Checkpoint
+from llmrun.quant import native
 from llmrun.quant.linear import QuantEmbedding
 
 ROOFLINE_BYTES = 1 << 30  # far larger than any L3 cache, so the reads come from DRAM
@@ -315,6 +316,7 @@ def bench_model(
         device=engine.device.type,
         device_name=device_name(engine.device),
         cpu=cpu_model(),
+        cpu_kernels=native.status(),
         model=name,
         model_path=str(engine.path),
         architecture=checkpoint.config.get("model_type"),

@@ -19,9 +19,11 @@ from helpers import tiny_hf_model, write_gguf
 import llmrun
 from llmrun import api, bench, paths, ui
 from llmrun.errors import UsageError
+from llmrun.quant import native
 
 FIELDS = {
-    "llmrun_version", "torch_version", "device", "device_name", "cpu", "model", "model_path",
+    "llmrun_version", "torch_version", "device", "device_name", "cpu", "cpu_kernels", "model",
+    "model_path",
     "architecture", "format", "quant", "n_params", "model_bytes", "weight_bytes_per_token",
     "dtype", "load_s", "threads", "test", "n_prompt", "n_gen", "n_depth", "n_batch",
     "repetitions", "avg_ts", "stddev_ts", "samples_ts", "avg_s", "ttft_ms",
@@ -86,6 +88,8 @@ def test_records_identify_machine_and_model(records):
         assert r["llmrun_version"] == llmrun.__version__
         assert r["torch_version"] == torch.__version__
         assert r["device"] == "cpu" and r["device_name"] == r["cpu"] and r["cpu"]
+        assert r["cpu_kernels"] == native.status()
+        assert r["cpu_kernels"].startswith(("native (", "torch fallback: "))
         assert (r["model"], r["architecture"], r["format"]) == ("stories260K", "llama", "gguf")
         assert (r["quant"], r["dtype"]) == ("F32", "f32")
         assert r["model_path"] == str(path)
