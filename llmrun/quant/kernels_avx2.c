@@ -2,8 +2,8 @@
  *
  * The same C API and the same exactness as kernels.c (AVX-512), for CPUs with AVX2,
  * FMA and F16C only (Intel since Haswell, AMD since Zen). Weights stay in GGML's
- * block layout; the packed layouts of kernels.c are not implemented here
- * (llmrun_block returns 0 for them, so native.py never repacks).
+ * block layout, or for Q4_0 and Q5_0 kernels.c's packed layouts (near the end; with
+ * another in-register order, and rows of 64 weights).
  *
  * Each block is dequantized in registers to exactly the f32 values gguf's reference
  * dequantizer gives: the quants are unpacked to int8 with byte shuffles and masks,
@@ -19,6 +19,7 @@
  * Block layouts: https://github.com/ggml-org/llama.cpp/blob/master/ggml/src/ggml-common.h
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -30,7 +31,8 @@
 
 /* GGMLQuantizationType values */
 enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10,
-       Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30 };
+       Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30,
+       Q4_0_PACKED = 1002, Q5_0_PACKED = 1006 /* llmrun's layouts, see below */ };
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -155,11 +157,16 @@ ALWAYS_INLINE void deq_Q8_0(const uint8_t *src, sink_t s) {
 /* Q4_0, Q4_1, IQ4_NL: low nibbles are weights 0..15, high nibbles 16..31. */
 #define Q4_0_BLOCK 32
 #define Q4_0_BYTES 18
-ALWAYS_INLINE void deq_Q4_0(const uint8_t *src, sink_t s) {
-    const __m256 d = _mm256_broadcastss_ps(f16x2_at(src));
-    const __m128i v = load16(src + 2), eight = _mm_set1_epi8(8);
+/* d: the block's scale, in lane 0; qs: its 16 bytes of quants (also for the packed
+ * layout, whose fields lie apart) */
+ALWAYS_INLINE void deq_q4_0_fields(__m128 d1, const uint8_t *qs, sink_t s) {
+    const __m256 d = _mm256_broadcastss_ps(d1);
+    const __m128i v = load16(qs), eight = _mm_set1_epi8(8);
     put_mul(s, 0, _mm_sub_epi8(lo_nibbles(v), eight), d);
     put_mul(s, 16, _mm_sub_epi8(hi_nibbles(v), eight), d);
+}
+ALWAYS_INLINE void deq_Q4_0(const uint8_t *src, sink_t s) {
+    deq_q4_0_fields(f16x2_at(src), src + 2, s);
 }
 
 #define Q4_1_BLOCK 32
@@ -190,14 +197,17 @@ ALWAYS_INLINE uint32_t u32_at(const uint8_t *p) {
 /* Q5_0/Q5_1: bit 4 of weight j is bit j of the little-endian u32 qh. */
 #define Q5_0_BLOCK 32
 #define Q5_0_BYTES 22
-ALWAYS_INLINE void deq_Q5_0(const uint8_t *src, sink_t s) {
-    const __m256 d = _mm256_broadcastss_ps(f16x2_at(src));
-    const uint32_t qh = u32_at(src + 2);
-    const __m128i v = load16(src + 6), sixteen = _mm_set1_epi8(16);
+ALWAYS_INLINE void deq_q5_0_fields(__m128 d1, uint32_t qh, const uint8_t *qs, sink_t s) {
+    const __m256 d = _mm256_broadcastss_ps(d1);
+    const __m128i v = load16(qs), sixteen = _mm_set1_epi8(16);
     /* q - 16 = low 4 bits - (16 where bit 4 is clear) */
     put_mul(s, 0, _mm_sub_epi8(lo_nibbles(v), _mm_andnot_si128(bit_bytes(qh), sixteen)), d);
     put_mul(s, 16,
             _mm_sub_epi8(hi_nibbles(v), _mm_andnot_si128(bit_bytes(qh >> 16), sixteen)), d);
+}
+
+ALWAYS_INLINE void deq_Q5_0(const uint8_t *src, sink_t s) {
+    deq_q5_0_fields(f16x2_at(src), u32_at(src + 2), src + 6, s);
 }
 
 #define Q5_1_BLOCK 32
@@ -476,6 +486,189 @@ DEFINE_KERNELS(Q6_K)
 DEFINE_KERNELS(IQ4_NL)
 DEFINE_KERNELS(IQ4_XS)
 
+/* Packed layouts (Q4_0_PACKED, Q5_0_PACKED; kernels.c and native.pack define them):
+ * the same blocks, each row stored field by field: its f16 scales, (Q5_0) its u32
+ * high-bit words, then its 16-byte quants in block order. A 32-byte load holds the
+ * quants of two blocks, one per 128-bit lane. Per lane, byte operations put each
+ * weight's signed value q-8 (Q4_0) or q-16 (Q5_0) into the top bits of a byte, with
+ * zeros below, and a byte shuffle moves byte j of each dword to the top byte of that
+ * dword, zeroing the rest: the dword is then the integer (q-8)*2^28 (or
+ * (q-16)*2^27), which converts to f32 exactly. Vector k = 2j+h (h: low or high
+ * nibble) so holds, in lane i, weight 16h + 4(i%4) + j of block i/4 of the two; x is
+ * permuted to match once per call (4x4 transposes). Each row's partial sum over the
+ * two blocks is scaled once by [d0 x4, d1 x4], and the row's total by 2^-28 (2^-27):
+ * every product w_int * x is exactly 2^28 (2^27) times (q-8) * x in f32, and every
+ * sum of them 2^28 times the sum of those, so the result is the one kernels.c's
+ * factored scales give (the power of two only overflows where |x| is beyond ~1e28).
+ * Per 8 weights a shuffle, a conversion and one multiply-add per activation row.
+ * Rows are taken 64 weights at a time. */
+#define Q4_0_PACKED_BLOCK 64
+#define Q5_0_PACKED_BLOCK 64
+
+/* xp[64g + 8k + 4b + r] = x[64g + 32b + 16(k%2) + 4r + k/2] */
+static void permute_x8(const float *x, int64_t n, float *xp) {
+    for (int64_t g = 0; g < n / 64; g++)
+        for (int b = 0; b < 2; b++)
+            for (int h = 0; h < 2; h++) {
+                const float *src = x + 64 * g + 32 * b + 16 * h;
+                __m128 r0 = _mm_loadu_ps(src), r1 = _mm_loadu_ps(src + 4);
+                __m128 r2 = _mm_loadu_ps(src + 8), r3 = _mm_loadu_ps(src + 12);
+                _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
+                float *dst = xp + 64 * g + 4 * b + 8 * h;
+                _mm_storeu_ps(dst, r0);
+                _mm_storeu_ps(dst + 16, r1);
+                _mm_storeu_ps(dst + 32, r2);
+                _mm_storeu_ps(dst + 48, r3);
+            }
+}
+
+/* byte j of each dword to its top byte, zeros below */
+ALWAYS_INLINE uint64_t u64_at(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+ALWAYS_INLINE __m256i top_byte_index(int j) {
+    const int z = 0x808080;
+    return _mm256_setr_epi32(j << 24 | z, (4 + j) << 24 | z, (8 + j) << 24 | z,
+                             (12 + j) << 24 | z, j << 24 | z, (4 + j) << 24 | z,
+                             (8 + j) << 24 | z, (12 + j) << 24 | z);
+}
+
+/* 0xFF in byte p of lane l where bit p (hi: bit 16 + p) of block l's u32 is clear;
+ * qh holds the two blocks' words in each lane */
+ALWAYS_INLINE __m256i clear_bytes(__m256i qh, int hi) {
+    const long long a = 0x0101010101010101LL, lo0 = hi ? 2 * a : 0, lo1 = 4 * a + lo0;
+    const __m256i sel = _mm256_setr_epi64x(lo0, lo0 + a, lo1, lo1 + a);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i b = _mm256_and_si256(_mm256_shuffle_epi8(qh, sel), bit);
+    return _mm256_cmpeq_epi8(b, _mm256_setzero_si256());
+}
+
+/* Group g of a row (blocks 2g and 2g+1) into acc[i] for the m rows of xp; dv holds
+ * [d0 x4, d1 x4] (the rows' sums lose the 2^28 or 2^27 at the end). */
+ALWAYS_INLINE void group(const uint8_t *qh, const uint8_t *qs, int64_t g, __m256 dv,
+                         const float *xp, const int m, int64_t n, __m256 *acc, const int five) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * g));
+    __m256i lo, hi; /* the signed values at the top of each byte */
+    if (five) {
+        const __m256i h = _mm256_set1_epi64x((long long)u64_at(qh + 8 * g));
+        const __m256i nib = _mm256_set1_epi8(0x78), sign = _mm256_set1_epi8((char)0x80);
+        lo = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(v, 3), nib),
+                             _mm256_and_si256(clear_bytes(h, 0), sign));
+        hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 1), nib),
+                             _mm256_and_si256(clear_bytes(h, 1), sign));
+    } else {
+        const __m256i t = _mm256_xor_si256(v, _mm256_set1_epi8((char)0x88));
+        const __m256i top = _mm256_set1_epi8((char)0xF0);
+        lo = _mm256_and_si256(_mm256_slli_epi16(t, 4), top);
+        hi = _mm256_and_si256(t, top);
+    }
+    __m256 wv[8];
+    for (int k = 0; k < 8; k++)
+        wv[k] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(k & 1 ? hi : lo, top_byte_index(k >> 1)));
+    /* each row's sum over the group (one chain: the rows and groups overlap), then
+     * its scales */
+    for (int i = 0; i < m; i++) {
+        const float *xg = xp + i * n + 64 * g;
+        __m256 s = _mm256_mul_ps(wv[0], _mm256_loadu_ps(xg));
+        for (int k = 1; k < 8; k++) s = _mm256_fmadd_ps(wv[k], _mm256_loadu_ps(xg + 8 * k), s);
+        acc[i] = _mm256_fmadd_ps(s, dv, acc[i]);
+    }
+}
+
+ALWAYS_INLINE void rows_packed(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
+                               const float *xp, const int m, int64_t n, float *y,
+                               int64_t ldy, const float *bias, const int five) {
+    const int64_t nb = n / 32, ng = nb / 2;
+    const float unit = five ? 0x1p-27f : 0x1p-28f;
+    const __m256i pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    const uint8_t *end = w + r1 * stride;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * stride, *qh = row + 2 * nb;
+        const uint8_t *qs = row + (five ? 6 : 2) * nb;
+        __m256 acc[MAX_M];
+        for (int i = 0; i < m; i++) acc[i] = _mm256_setzero_ps();
+        int64_t g = 0;
+        /* four groups at a time, their eight scales converted at once */
+        for (; g + 4 <= ng; g += 4) {
+            const uint8_t *src = qs + 32 * g;
+            if (src + PREFETCH + 128 <= end) {
+                _mm_prefetch((const char *)src + PREFETCH, _MM_HINT_T0);
+                _mm_prefetch((const char *)src + PREFETCH + 64, _MM_HINT_T0);
+            }
+            const __m256 d8 = _mm256_cvtph_ps(load16(row + 4 * g));
+            for (int u = 0; u < 4; u++) {
+                const __m256i pick = _mm256_add_epi32(pair, _mm256_set1_epi32(2 * u));
+                group(qh, qs, g + u, _mm256_permutevar8x32_ps(d8, pick), xp, m, n, acc, five);
+            }
+        }
+        for (; g < ng; g++) {
+            const __m128 d2 = _mm_cvtph_ps(_mm_cvtsi32_si128((int)u32_at(row + 4 * g)));
+            group(qh, qs, g, _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d2), pair), xp, m,
+                  n, acc, five);
+        }
+        /* exact: a power of two (sums this large would be infinite anyway) */
+        for (int i = 0; i < m; i++)
+            y[i * ldy + r] = hsum(acc[i]) * unit + (bias ? bias[r] : 0.0f);
+    }
+}
+
+#define DEFINE_PACKED(T, FIVE)                                                           \
+    static void matvec_##T(const uint8_t *w, int64_t stride, int64_t rows, const float *x, \
+                           int64_t m, int64_t n, float *y, const float *bias) {          \
+        float *xp = malloc(sizeof(float) * (size_t)(m * n));                             \
+        if (xp == NULL) return;                                                          \
+        for (int64_t i = 0; i < m; i++) permute_x8(x + i * n, n, xp + i * n);            \
+        const int64_t chunk = stride >= CHUNK ? 1 : CHUNK / stride;                      \
+        for (int64_t i0 = 0; i0 < m;) {                                                  \
+            const int mm = m - i0 >= 8 ? 8 : m - i0 >= 4 ? 4 : m - i0 >= 2 ? 2 : 1;      \
+            const float *xi = xp + i0 * n;                                               \
+            float *yi = y + i0 * rows;                                                   \
+            _Pragma("omp parallel for schedule(dynamic)")                                \
+            for (int64_t r0 = 0; r0 < rows; r0 += chunk) {                               \
+                const int64_t r1 = r0 + chunk < rows ? r0 + chunk : rows;                \
+                switch (mm) {                                                            \
+                case 1: rows_packed(w, stride, r0, r1, xi, 1, n, yi, rows, bias, FIVE); break; \
+                case 2: rows_packed(w, stride, r0, r1, xi, 2, n, yi, rows, bias, FIVE); break; \
+                case 4: rows_packed(w, stride, r0, r1, xi, 4, n, yi, rows, bias, FIVE); break; \
+                default: rows_packed(w, stride, r0, r1, xi, 8, n, yi, rows, bias, FIVE); break; \
+                }                                                                        \
+            }                                                                            \
+            i0 += mm;                                                                    \
+        }                                                                                \
+        free(xp);                                                                        \
+    }
+
+DEFINE_PACKED(Q4_0_PACKED, 0)
+DEFINE_PACKED(Q5_0_PACKED, 1)
+
+/* Weight by weight as the GGML layout's dequantizers, from the fields' places. */
+static void dequant_Q4_0_PACKED(const uint8_t *w, int64_t stride, int64_t rows, int64_t n,
+                                float *out) {
+    const int64_t nb = n / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *row = w + r * stride;
+        for (int64_t b = 0; b < nb; b++)
+            deq_q4_0_fields(_mm_set_ss(f16_at(row + 2 * b)), row + 2 * nb + 16 * b,
+                            (sink_t){.out = out + r * n + 32 * b});
+    }
+}
+
+static void dequant_Q5_0_PACKED(const uint8_t *w, int64_t stride, int64_t rows, int64_t n,
+                                float *out) {
+    const int64_t nb = n / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *row = w + r * stride;
+        for (int64_t b = 0; b < nb; b++)
+            deq_q5_0_fields(_mm_set_ss(f16_at(row + 2 * b)), u32_at(row + 2 * nb + 4 * b),
+                            row + 6 * nb + 16 * b, (sink_t){.out = out + r * n + 32 * b});
+    }
+}
+
 #define DISPATCH(CALL)                                                                   \
     switch (type) {                                                                      \
     case F32: CALL(F32); return 0;                                                       \
@@ -493,13 +686,14 @@ DEFINE_KERNELS(IQ4_XS)
     case Q6_K: CALL(Q6_K); return 0;                                                     \
     case IQ4_NL: CALL(IQ4_NL); return 0;                                                 \
     case IQ4_XS: CALL(IQ4_XS); return 0;                                                 \
+    case Q4_0_PACKED: CALL(Q4_0_PACKED); return 0;                                       \
+    case Q5_0_PACKED: CALL(Q5_0_PACKED); return 0;                                       \
     default: return -1;                                                                  \
     }
 
 int llmrun_available(void) { return 1; }
 
-/* Row lengths the kernels take for `type` are multiples of this; 0: no kernel (here
- * also the packed layouts 1002 and 1006 of kernels.c). */
+/* Row lengths the kernels take for `type` are multiples of this; 0: no kernel. */
 int llmrun_block(int type) {
 #define CALL_BLOCK(T) return T##_BLOCK
     switch (type) {
@@ -518,6 +712,8 @@ int llmrun_block(int type) {
     case Q6_K: CALL_BLOCK(Q6_K);
     case IQ4_NL: CALL_BLOCK(IQ4_NL);
     case IQ4_XS: CALL_BLOCK(IQ4_XS);
+    case Q4_0_PACKED: CALL_BLOCK(Q4_0_PACKED);
+    case Q5_0_PACKED: CALL_BLOCK(Q5_0_PACKED);
     default: return 0;
     }
 }

@@ -9,10 +9,10 @@ the HF names and a tied lm_head/embedding pair stays one tensor through
 `.to(device)` (buffers would be copied once per module). To tie, pass one
 module's `weight` to the other.
 
-Exception to "as in the file": with the AVX-512 native kernels, a QuantLinear
-given its own Q4_0 or Q5_0 tensor (native.PACKED) repacks it once into
+Exception to "as in the file": with the native kernels (AVX-512 or AVX2), a
+QuantLinear given its own Q4_0 or Q5_0 tensor (native.PACKED) repacks it once into
 native.pack's layout (same size; the file's view is dropped), whose kernel is
-~1.5x faster; `packed` says so, and its `weight` (and state dict) then holds that
+~1.3-1.5x faster; `packed` says so, and its `weight` (and state dict) then holds that
 layout. A tied weight (a Parameter) is never repacked.
 """
 

@@ -4,7 +4,7 @@ use, loaded with ctypes.
 One of two kernel families is built, by the CPU's features: AVX-512 (kernels.c, with
 -march=native) or, on CPUs without it (most AMD Zen 2/3, Intel desktop and laptop
 CPUs), AVX2 with FMA and F16C (kernels_avx2.c, with -march=haswell). Both take the
-same types and dequantize them exactly; only kernels.c has the packed layouts.
+same types and dequantize them exactly, and both have the packed layouts.
 The library goes into the cache folder, keyed by a hash of the source, the compiler,
 its flags and the CPU's features, so later runs load it at once. LLMRUN_NATIVE=avx2
 builds the AVX2 kernels on any CPU with AVX2 (to test them on an AVX-512 machine).
@@ -41,8 +41,9 @@ NEEDS = {
     "AVX-512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "f16c"},
     "AVX2": {"avx2", "fma", "f16c"},
 }
-# Types with a faster kernel on a repacked row layout (kernels.c: packed layouts), by
-# the kernel's type id, and the byte sizes of their block fields in block order.
+# Types with a faster kernel on a repacked row layout (kernels.c: packed layouts; the
+# AVX2 kernels read the same bytes), by the kernel's type id, and the byte sizes of
+# their block fields in block order.
 PACKED = {GGMLQuantizationType.Q4_0: 1002, GGMLQuantizationType.Q5_0: 1006}
 FIELDS = {GGMLQuantizationType.Q4_0: (2, 16), GGMLQuantizationType.Q5_0: (2, 4, 16)}
 FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC", "-fopenmp"]

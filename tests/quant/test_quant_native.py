@@ -41,28 +41,52 @@ def test_native_matvec_matches_f32_matmul(ggml_type: T, m: int, native_kernels: 
 
 
 @pytest.mark.parametrize("ggml_type", list(native.PACKED), ids=lambda t: t.name)
-@pytest.mark.parametrize("m", [1, 3, 8, 13])
-def test_packed_kernels_match_f32_matmul(ggml_type: T, m: int, use_kernels):
-    use_kernels("AVX-512")
-    raw = finite_blocks(ggml_type, 40, 1024, seed=16)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 13, 16])
+@pytest.mark.parametrize("n", [128, 384, 1024])
+def test_packed_kernels_match_f32_matmul(ggml_type: T, m: int, n: int, native_kernels: str):
+    raw = finite_blocks(ggml_type, 40, n, seed=16 + m)
     packed = native.pack(torch.from_numpy(raw), ggml_type)
-    assert native.supports(ggml_type, 1024, True) and not native.supports(ggml_type, 96, True)
-    x = torch.randn(m, 1024, generator=torch.Generator().manual_seed(17))
+    assert native.supports(ggml_type, n, True) and not native.supports(ggml_type, 96, True)
+    x = torch.randn(m, n, generator=torch.Generator().manual_seed(17))
     y = native.matvec(packed, ggml_type, x, packed=True)
+    assert y.shape == (m, 40)
     assert_close_matmul(y, x, reference(raw, ggml_type))
     got = native.dequantize(packed, ggml_type, packed=True)
     assert_same_bits(got.numpy(), gguf_dequantize(raw, ggml_type).astype(np.float32))
 
 
 @pytest.mark.parametrize("ggml_type", list(native.PACKED), ids=lambda t: t.name)
-def test_avx2_kernels_keep_the_ggml_layout(ggml_type: T, use_kernels):
+def test_packed_kernels_take_rows_with_a_stride_and_a_bias(ggml_type: T, native_kernels: str):
+    raw = finite_blocks(ggml_type, 12, 512, seed=22)
+    packed = native.pack(torch.from_numpy(raw), ggml_type)
+    every_other = packed[::2]
+    bias = torch.randn(6, generator=torch.Generator().manual_seed(23))
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(24))
+    y = native.matvec(every_other, ggml_type, x, packed=True, bias=bias)
+    assert_close_matmul(y - bias, x, reference(raw, ggml_type)[::2])
+    got = native.dequantize(every_other, ggml_type, packed=True)
+    assert torch.equal(got, native.dequantize(packed, ggml_type, packed=True)[::2])
+
+
+@pytest.mark.parametrize("ggml_type", list(native.PACKED), ids=lambda t: t.name)
+def test_avx2_kernels_repack_too(ggml_type: T, use_kernels):
     use_kernels("AVX2")
-    assert native.supports(ggml_type, 1024) and not native.supports(ggml_type, 1024, True)
+    assert native.supports(ggml_type, 1024) and native.supports(ggml_type, 1024, True)
+    # Rows of 64 weights are enough here (the AVX-512 kernels step by 128).
+    assert native.supports(ggml_type, 64, True) and not native.supports(ggml_type, 96, True)
+    for n in (64, 192, 320):
+        raw = finite_blocks(ggml_type, 5, n, seed=n)
+        packed = native.pack(torch.from_numpy(raw), ggml_type)
+        x = torch.randn(3, n, generator=torch.Generator().manual_seed(n))
+        assert_close_matmul(native.matvec(packed, ggml_type, x, True), x, reference(raw, ggml_type))
+        got = native.dequantize(packed, ggml_type, packed=True)
+        assert_same_bits(got.numpy(), gguf_dequantize(raw, ggml_type).astype(np.float32))
     raw = finite_blocks(ggml_type, 8, 1024, seed=18)
     lin = QuantLinear(torch.from_numpy(raw), ggml_type, 1024)
-    assert not lin.packed
-    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(19))
-    assert_close_matmul(lin(x), x, reference(raw, ggml_type))
+    assert lin.packed
+    for m in (1, 6):
+        x = torch.randn(m, 1024, generator=torch.Generator().manual_seed(19))
+        assert_close_matmul(lin(x), x, reference(raw, ggml_type))
 
 
 @pytest.mark.parametrize("ggml_type", [T.F32, T.F16, T.BF16], ids=lambda t: t.name)
@@ -136,7 +160,7 @@ def test_a_cpu_without_avx512_gets_the_avx2_kernels(fresh_native, monkeypatch):
     monkeypatch.setitem(native.NEEDS, "AVX-512", {"avx512f", "no-such-flag"})
     monkeypatch.delenv("LLMRUN_NATIVE", raising=False)
     assert native.status() == "native (AVX2)"
-    assert native.supports(T.Q4_K, 256) and not native.supports(T.Q4_0, 256, packed=True)
+    assert native.supports(T.Q4_K, 256) and native.supports(T.Q4_0, 256, packed=True)
 
 
 @pytest.mark.parametrize(
