@@ -359,6 +359,32 @@ static inline void iq4_xs_scales(const uint8_t *src, float *dl) {
         }                                                                                \
     } while (0)
 
+/* Every matvec's passes over the weights: 8, 4, 2 or 1 activation rows of X at a
+ * time, the rows split over the threads in chunks of about CHUNK bytes. Each pass
+ * calls ROWS(w, stride, r0, r1, x, m, n, y, ldy, bias, ...) for its chunks with a
+ * constant m, so that ROWS (always inline) is specialized per m. Expects w, stride,
+ * rows, m, n, y and bias in scope, as the matvec functions name them. */
+#define ROW_PASSES(X, ROWS, ...)                                                         \
+    do {                                                                                 \
+        const int64_t chunk_ = stride >= CHUNK ? 1 : CHUNK / stride;                     \
+        for (int64_t i0_ = 0; i0_ < m;) {                                                \
+            const int mm_ = m - i0_ >= 8 ? 8 : m - i0_ >= 4 ? 4 : m - i0_ >= 2 ? 2 : 1;  \
+            const float *xi_ = (X) + i0_ * n;                                            \
+            float *yi_ = y + i0_ * rows;                                                 \
+            _Pragma("omp parallel for schedule(dynamic)")                                \
+            for (int64_t r0_ = 0; r0_ < rows; r0_ += chunk_) {                           \
+                const int64_t r1_ = r0_ + chunk_ < rows ? r0_ + chunk_ : rows;           \
+                switch (mm_) {                                                           \
+                case 1: ROWS(w, stride, r0_, r1_, xi_, 1, n, yi_, rows, bias, ##__VA_ARGS__); break; \
+                case 2: ROWS(w, stride, r0_, r1_, xi_, 2, n, yi_, rows, bias, ##__VA_ARGS__); break; \
+                case 4: ROWS(w, stride, r0_, r1_, xi_, 4, n, yi_, rows, bias, ##__VA_ARGS__); break; \
+                default: ROWS(w, stride, r0_, r1_, xi_, 8, n, yi_, rows, bias, ##__VA_ARGS__); break; \
+                }                                                                        \
+            }                                                                            \
+            i0_ += mm_;                                                                  \
+        }                                                                                \
+    } while (0)
+
 /* Kernels per type. A matvec dequantizes a group of blocks (up to GROUP weights)
  * into an L1-resident buffer, then takes its dot products with up to MAX_M
  * activation rows; independent accumulators hide the multiply-add latency. */
@@ -432,24 +458,7 @@ static inline __attribute__((always_inline)) void dot_group(const float *buf, co
     }                                                                                    \
     static void matvec_##T(const uint8_t *w, int64_t stride, int64_t rows, const float *x, \
                            int64_t m, int64_t n, float *y, const float *bias) {          \
-        const int64_t chunk = stride >= CHUNK ? 1 : CHUNK / stride;                      \
-        /* passes over the weights with 8, 4, 2 or 1 activation rows each */             \
-        for (int64_t i0 = 0; i0 < m;) {                                                  \
-            const int mm = m - i0 >= 8 ? 8 : m - i0 >= 4 ? 4 : m - i0 >= 2 ? 2 : 1;      \
-            const float *xi = x + i0 * n;                                                \
-            float *yi = y + i0 * rows;                                                   \
-            _Pragma("omp parallel for schedule(dynamic)")                                \
-            for (int64_t r0 = 0; r0 < rows; r0 += chunk) {                               \
-                const int64_t r1 = r0 + chunk < rows ? r0 + chunk : rows;                \
-                switch (mm) {                                                            \
-                case 1: rows_##T(w, stride, r0, r1, xi, 1, n, yi, rows, bias); break;          \
-                case 2: rows_##T(w, stride, r0, r1, xi, 2, n, yi, rows, bias); break;          \
-                case 4: rows_##T(w, stride, r0, r1, xi, 4, n, yi, rows, bias); break;          \
-                default: rows_##T(w, stride, r0, r1, xi, 8, n, yi, rows, bias); break;         \
-                }                                                                        \
-            }                                                                            \
-            i0 += mm;                                                                    \
-        }                                                                                \
+        ROW_PASSES(x, rows_##T);                                                         \
     }                                                                                    \
     static void dequant_##T(const uint8_t *w, int64_t stride, int64_t rows, int64_t n,   \
                             float *out) {                                                \
@@ -561,23 +570,7 @@ static inline __attribute__((always_inline)) void rows_packed(
         float *xp = malloc(sizeof(float) * (size_t)(m * n));                             \
         if (xp == NULL) return;                                                          \
         for (int64_t i = 0; i < m; i++) permute_x4(x + i * n, n, xp + i * n);            \
-        const int64_t chunk = stride >= CHUNK ? 1 : CHUNK / stride;                      \
-        for (int64_t i0 = 0; i0 < m;) {                                                  \
-            const int mm = m - i0 >= 8 ? 8 : m - i0 >= 4 ? 4 : m - i0 >= 2 ? 2 : 1;      \
-            const float *xi = xp + i0 * n;                                               \
-            float *yi = y + i0 * rows;                                                   \
-            _Pragma("omp parallel for schedule(dynamic)")                                \
-            for (int64_t r0 = 0; r0 < rows; r0 += chunk) {                               \
-                const int64_t r1 = r0 + chunk < rows ? r0 + chunk : rows;                \
-                switch (mm) {                                                            \
-                case 1: rows_packed(w, stride, r0, r1, xi, 1, n, yi, rows, bias, FIVE); break; \
-                case 2: rows_packed(w, stride, r0, r1, xi, 2, n, yi, rows, bias, FIVE); break; \
-                case 4: rows_packed(w, stride, r0, r1, xi, 4, n, yi, rows, bias, FIVE); break; \
-                default: rows_packed(w, stride, r0, r1, xi, 8, n, yi, rows, bias, FIVE); break; \
-                }                                                                        \
-            }                                                                            \
-            i0 += mm;                                                                    \
-        }                                                                                \
+        ROW_PASSES(xp, rows_packed, FIVE);                                               \
         free(xp);                                                                        \
     }
 
