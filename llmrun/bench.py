@@ -316,7 +316,8 @@ def bench_model(
         device=engine.device.type,
         device_name=device_name(engine.device),
         cpu=cpu_model(),
-        cpu_kernels=native.status(),
+        # Only CPU runs use them; elsewhere asking would build them for nothing.
+        cpu_kernels=native.status() if engine.device.type == "cpu" else None,
         model=name,
         model_path=str(engine.path),
         architecture=checkpoint.config.get("model_type"),

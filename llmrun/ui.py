@@ -357,7 +357,8 @@ def _bench_footer(records: list[dict[str, Any]]) -> str:
     sources = ", ".join(sorted({r["memory_source"] for r in records}))
     return (
         f"llmrun {first['llmrun_version']}, torch {first['torch_version']}, "
-        f"cpu: {first['cpu']} ({first['cpu_kernels']} kernels)"
+        f"cpu: {first['cpu']}"
+        f"{f' ({kernels} kernels)' if (kernels := first['cpu_kernels']) else ''}"
         f"{''.join(f', {name}' for name in accelerators)}. "
         f"t/s: mean ± sd of {first['repetitions']} runs after a warm-up; "
         f"GB/s: weights/token x tg t/s; peak mem: {sources}"
