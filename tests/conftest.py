@@ -6,6 +6,9 @@ subfolders can `import helpers`.
   each other and run ten times slower.
 - Everything llmrun writes (model cache, REPL history, built kernels) goes to a
   temporary LLMRUN_HOME for the session, never to the user's own folders.
+- `native_kernels` runs a test against each native kernel family this CPU has:
+  AVX-512 (kernels.c, the default where the CPU has it) and AVX2 (kernels_avx2.c,
+  forced with LLMRUN_NATIVE=avx2, so an AVX-512 machine tests both).
 """
 
 import atexit
@@ -13,8 +16,51 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 if "LLMRUN_HOME" not in os.environ:
     _home = tempfile.mkdtemp(prefix="llmrun-tests-")
     os.environ["LLMRUN_HOME"] = _home
     atexit.register(shutil.rmtree, _home, ignore_errors=True)
+
+from llmrun.quant import native  # noqa: E402  (after LLMRUN_HOME is set)
+
+FAMILIES = ["AVX-512", "AVX2"]
+
+
+def _reset() -> None:
+    native._library.cache_clear()
+    native.supports.cache_clear()
+
+
+@pytest.fixture
+def fresh_native(monkeypatch):
+    """native's caches cleared before and after the test; the test's monkeypatching is
+    undone before the second clear, so later tests find the default kernels again."""
+    _reset()
+    yield
+    monkeypatch.undo()
+    _reset()
+
+
+@pytest.fixture
+def use_kernels(fresh_native, monkeypatch):
+    """A function that switches native to a kernel family, or skips the test where this
+    CPU (or LLMRUN_NATIVE=0) leaves that family out."""
+
+    def use(family: str) -> None:
+        if family == "AVX2" and os.environ.get("LLMRUN_NATIVE") != "0":
+            monkeypatch.setenv("LLMRUN_NATIVE", "avx2")
+        _reset()
+        if native.kernels() != family:
+            pytest.skip(f"no {family} kernels: {native.status()}")
+
+    return use
+
+
+@pytest.fixture(params=FAMILIES)
+def native_kernels(request, use_kernels) -> str:
+    """Run a test with each native kernel family; the family's name."""
+    use_kernels(request.param)
+    return request.param

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmrun import ops
 from llmrun.errors import UnsupportedError
 from llmrun.models.cache import KVCache
 
@@ -74,8 +75,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused op; it accumulates in float32 whatever the input dtype.
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -126,7 +126,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin [B, T, rotary_dim] (see apply_rotary)."""
+        """cos and sign-folded sin [B, T, rotary_dim] (see ops.rotary)."""
         inv_freq = self.inv_freq
         # LongRoPE switches to the long factors once the sequence outgrows the
         # pretraining length, judged per forward call as transformers does, and
@@ -192,18 +192,6 @@ def _yarn_inv_freq(
     return inv_freq, float(scaling)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first cos.shape[-1] features of x [B, H, T, D] (half-split layout),
-    with cos and sign-folded sin [B, 1, T, rotary_dim] in x's dtype."""
-    rotary_dim = cos.shape[-1]
-    half = rotary_dim // 2
-    if rotary_dim == x.shape[-1]:
-        return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
-    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
-    swapped = torch.cat((x_rot[..., half:], x_rot[..., :half]), dim=-1)
-    return torch.cat((x_rot * cos + swapped * sin, x_pass), dim=-1)
-
-
 @dataclass
 class Frame:
     """What every layer of one forward needs to know about its tokens, worked out
@@ -218,7 +206,8 @@ class Frame:
     sin: torch.Tensor
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        return apply_rotary(x, self.cos, self.sin)
+        """x [B, H, T, D] with RoPE applied at these positions."""
+        return ops.rotary(x, self.cos, self.sin)
 
 
 def attention_mask(
@@ -252,13 +241,9 @@ def attend(
         k, v = cache.update(layer, k, v, frame.positions, frame.start, frame.length)
     batch, heads, tokens, head_dim = q.shape
     if tokens == 1 and frame.mask is None:
-        # One query per head attending to every cached key (decoding): grouped
-        # matmuls, so each KV head serves its query heads without being repeated.
-        # Cheaper than SDPA's kernel launch for a single row.
-        groups = k.shape[1]
-        q = q.view(batch, groups, heads // groups, head_dim) * head_dim**-0.5
-        weights = torch.softmax(q @ k.transpose(-1, -2), dim=-1, dtype=torch.float32)
-        return (weights.to(v.dtype) @ v).view(batch, 1, heads * head_dim)
+        # One query per head attending to every cached key (decoding): cheaper than
+        # SDPA's kernel launch for a single row.
+        return ops.attend_one(q, k, v)
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=frame.mask, enable_gqa=q.shape[1] != k.shape[1]
     )
@@ -285,6 +270,8 @@ class GatedMLP(nn.Module):
         self.act = activation(args.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act is F.silu:
+            return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 

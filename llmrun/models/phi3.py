@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from llmrun import ops
 from llmrun.models.base import CausalLM, Frame, activation, args_from_config, attend
 from llmrun.models.cache import KVCache
 
@@ -74,6 +76,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        if self.act is F.silu:
+            return self.down_proj(ops.silu_mul(gate, up))
         return self.down_proj(up * self.act(gate))
 
 

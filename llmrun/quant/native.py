@@ -36,6 +36,8 @@ SOURCES = {
     "AVX-512": Path(__file__).with_name("kernels.c"),
     "AVX2": Path(__file__).with_name("kernels_avx2.c"),
 }
+# Built into every family's library: the small f32 ops of a decode step (llmrun.ops).
+DECODE_OPS = Path(__file__).with_name("decode_ops.c")
 MARCH = {"AVX-512": ["-march=native"], "AVX2": ["-march=haswell", "-mtune=native"]}
 NEEDS = {
     "AVX-512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "f16c"},
@@ -91,7 +93,7 @@ def _build(compiler: str, family: str, target: Path) -> None:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *_flags(family), str(SOURCES[family]), "-o", tmp],
+            [compiler, *_flags(family), str(SOURCES[family]), str(DECODE_OPS), "-o", tmp],
             check=True,
             capture_output=True,
             text=True,
@@ -108,7 +110,7 @@ def _load(compiler: str, family: str) -> ctypes.CDLL | None:
     with `_reason` set."""
     global _reason
     source = SOURCES[family]
-    key = hashlib.sha256(source.read_bytes())
+    key = hashlib.sha256(source.read_bytes() + DECODE_OPS.read_bytes())
     key.update(" ".join([family, compiler, *_flags(family), _cpu_features()]).encode())
     tag = family.lower().replace("-", "")
     target = paths.cache_dir().parent / "kernels" / f"llmrun-{tag}-{key.hexdigest()[:16]}.so"
@@ -151,7 +153,19 @@ def _library() -> ctypes.CDLL | None:
     lib.llmrun_block.argtypes = [ctypes.c_int]
     lib.llmrun_matvec.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, i64, ptr, ptr]
     lib.llmrun_dequantize.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr]
+    f32 = ctypes.c_float
+    lib.llmrun_rms_norm.argtypes = [ptr, ptr, f32, i64, i64, ptr]
+    lib.llmrun_rotary.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr]
+    lib.llmrun_silu_mul.argtypes = [ptr, ptr, i64, ptr]
+    lib.llmrun_attend_one.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, ptr]
+    for fn in ("rms_norm", "rotary", "silu_mul", "attend_one"):
+        getattr(lib, f"llmrun_{fn}").restype = None
     return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded library (None without native kernels), for other modules' bindings."""
+    return _library()
 
 
 def available() -> bool:

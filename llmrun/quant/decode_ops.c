@@ -1,0 +1,257 @@
+/* The small f32 ops of a decode step, each one call instead of several torch ops:
+ * RMSNorm, rotary embedding, SiLU-gated product, single-query attention over a KV
+ * cache (llmrun/ops.py).
+ *
+ * On one token's activations (a few thousand floats) a torch op costs 2-20 us of
+ * dispatch and allocation, and a decode step of a 24-layer model runs ~45 of them
+ * per layer, several ms a token; the elementwise ops here take about a microsecond.
+ * Built into each kernel family's library (llmrun/quant/native.py) with that
+ * family's -march: the loops use AVX-512 or AVX2 vectors through the few macros
+ * below, or `omp simd` for the compiler to vectorize. Sums are in f32 in another
+ * order than torch's, and exp is a polynomial (within 2 ulp of expf), so results
+ * match the torch code to rounding, not bit for bit; the rotary embedding alone is
+ * exact (the same products and sums).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Vectors of VW floats, by the family's instruction set (this file is compiled with
+ * its -march): AVX-512, AVX2 with FMA, or one float at a time. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define VW 16
+typedef __m512 vec;
+typedef __m512i ivec;
+#define vload _mm512_loadu_ps
+#define vstore _mm512_storeu_ps
+#define vadd _mm512_add_ps
+#define vsub _mm512_sub_ps
+#define vmul _mm512_mul_ps
+#define vdiv _mm512_div_ps
+#define vfma _mm512_fmadd_ps
+#define vmin _mm512_min_ps
+#define vmax _mm512_max_ps
+#define vset1 _mm512_set1_ps
+#define vzero _mm512_setzero_ps
+#define vsum _mm512_reduce_add_ps
+#define vround(x) _mm512_roundscale_ps((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+/* (sum of a, sum of b, sum of c, sum of d) into out[0..3] */
+static inline void vsum4(__m512 a, __m512 b, __m512 c, __m512 d, float *out) {
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    /* each 128-bit lane: a, b, c, d partial sums */
+    const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));
+    const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1)));
+}
+#define vpow2i(n) /* 2^n for whole n in [-126, 127] */                                  \
+    _mm512_castsi512_ps(_mm512_slli_epi32(                                               \
+        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23))
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define VW 8
+typedef __m256 vec;
+#define vload _mm256_loadu_ps
+#define vstore _mm256_storeu_ps
+#define vadd _mm256_add_ps
+#define vsub _mm256_sub_ps
+#define vmul _mm256_mul_ps
+#define vdiv _mm256_div_ps
+#define vfma _mm256_fmadd_ps
+#define vmin _mm256_min_ps
+#define vmax _mm256_max_ps
+#define vset1 _mm256_set1_ps
+#define vzero _mm256_setzero_ps
+#define vround(x) _mm256_round_ps((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define vpow2i(n)                                                                        \
+    _mm256_castsi256_ps(_mm256_slli_epi32(                                               \
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23))
+static inline void vsum4(__m256 a, __m256 b, __m256 c, __m256 d, float *out) {
+    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+}
+static inline float vsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#else
+#define VW 1
+#endif
+
+/* exp(x) for x in [-87, 88] (clamped outside): Cody-Waite reduction to
+ * r in [-ln2/2, ln2/2] and Cephes' degree-6 polynomial, scaled by 2^n through the
+ * exponent bits; within 2 ulp of expf. */
+static inline float exp_scalar(float x) {
+    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
+    const float n = nearbyintf(x * 1.44269504088896341f);
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union {
+        int32_t i;
+        float f;
+    } scale;
+    scale.i = ((int32_t)n + 127) << 23;
+    return p * scale.f;
+}
+
+#if VW > 1
+/* exp_scalar on VW lanes, the same operations. */
+static inline vec vexp(vec x) {
+    x = vmax(vmin(x, vset1(88.0f)), vset1(-87.0f));
+    const vec n = vround(vmul(x, vset1(1.44269504088896341f)));
+    vec r = vsub(x, vmul(n, vset1(0.693359375f)));
+    r = vsub(r, vmul(n, vset1(-2.12194440e-4f)));
+    vec p = vset1(1.9875691500e-4f);
+    p = vadd(vmul(p, r), vset1(1.3981999507e-3f));
+    p = vadd(vmul(p, r), vset1(8.3334519073e-3f));
+    p = vadd(vmul(p, r), vset1(4.1665795894e-2f));
+    p = vadd(vmul(p, r), vset1(1.6666665459e-1f));
+    p = vadd(vmul(p, r), vset1(5.0000001201e-1f));
+    p = vadd(vadd(vmul(vmul(p, r), r), r), vset1(1.0f));
+    return vmul(p, vpow2i(n));
+}
+#endif
+
+/* y = x / sqrt(mean(x^2) + eps) * weight, per row of n values (torch's rms_norm). */
+void llmrun_rms_norm(const float *x, const float *weight, float eps, int64_t rows, int64_t n,
+                     float *y) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        float *yr = y + r * n;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < n; i++) sum += xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf(sum / (float)n + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) yr[i] = xr[i] * inv * weight[i];
+    }
+}
+
+/* Rotary embedding of rows of `dim` values, the first `rot` of them rotated in the
+ * half-split layout: y[i] = x[i] * cos[i] + x[i +- rot/2] * sin[i], with sin's
+ * signs folded in (llmrun/ops.py rotary); the same cos/sin for every row. */
+void llmrun_rotary(const float *x, int64_t rows, int64_t dim, const float *cos,
+                   const float *sin, int64_t rot, float *y) {
+    const int64_t half = rot / 2;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * dim;
+        float *yr = y + r * dim;
+#pragma omp simd
+        for (int64_t i = 0; i < half; i++) yr[i] = xr[i] * cos[i] + xr[i + half] * sin[i];
+#pragma omp simd
+        for (int64_t i = half; i < rot; i++) yr[i] = xr[i] * cos[i] + xr[i - half] * sin[i];
+        memcpy(yr + rot, xr + rot, (size_t)(dim - rot) * sizeof(float));
+    }
+}
+
+/* y = silu(gate) * up = gate / (1 + exp(-gate)) * up, over n values. */
+void llmrun_silu_mul(const float *gate, const float *up, int64_t n, float *y) {
+    int64_t i = 0;
+#if VW > 1
+    for (; i + VW <= n; i += VW) {
+        const vec g = vload(gate + i);
+        const vec e = vexp(vsub(vzero(), g));
+        vstore(y + i, vmul(vdiv(g, vadd(vset1(1.0f), e)), vload(up + i)));
+    }
+#endif
+    for (; i < n; i++) y[i] = gate[i] / (1.0f + exp_scalar(-gate[i])) * up[i];
+}
+
+#if VW > 1
+/* One query per head against the first `length` cached keys and values:
+ * y[h] = softmax(scale * q[h] . k[g]) . v[g], with g = h / (heads / kv_heads) (GQA).
+ * q and y are [heads, dim] (dim a multiple of VW); k and v hold kv_heads runs of
+ * `head_stride` floats, each `length` rows of dim values.
+ * The query heads that share a KV head are done together, so each cached row is
+ * read from memory once per call, not once per query head (reading the rows is what
+ * this costs). Keys are taken in tiles with a running maximum per head (online
+ * softmax), so no scratch grows with the length. KV heads run on the OpenMP team
+ * when there is enough work to pay for waking it. */
+#define KEY_TILE 128
+void llmrun_attend_one(const float *q, const float *k, const float *v, int64_t heads,
+                       int64_t kv_heads, int64_t length, int64_t dim, int64_t head_stride,
+                       float scale, float *y) {
+    const int64_t group = heads / kv_heads;
+#pragma omp parallel for schedule(static) if (heads * length * dim >= (1 << 18))
+    for (int64_t g = 0; g < kv_heads; g++) {
+        const float *kg = k + g * head_stride, *vg = v + g * head_stride;
+        float *yg = y + g * group * dim;
+        float qs[group * dim], p[group][KEY_TILE], top[group], sum[group];
+        for (int64_t i = 0; i < group * dim; i++) qs[i] = q[g * group * dim + i] * scale;
+        memset(yg, 0, (size_t)(group * dim) * sizeof(float));
+        for (int64_t h = 0; h < group; h++) top[h] = -INFINITY, sum[h] = 0.0f;
+        for (int64_t j0 = 0; j0 < length; j0 += KEY_TILE) {
+            const int64_t tile = length - j0 < KEY_TILE ? length - j0 : KEY_TILE;
+            const float *kt = kg + j0 * dim, *vt = vg + j0 * dim;
+            int64_t j = 0;
+            for (; j + 4 <= tile; j += 4) { /* four keys at a time, summed together */
+                const float *k0 = kt + j * dim;
+                for (int64_t h = 0; h < group; h++) {
+                    const float *qh = qs + h * dim;
+                    vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+                    for (int64_t d = 0; d < dim; d += VW) {
+                        const vec qd = vload(qh + d);
+                        a0 = vfma(qd, vload(k0 + d), a0);
+                        a1 = vfma(qd, vload(k0 + dim + d), a1);
+                        a2 = vfma(qd, vload(k0 + 2 * dim + d), a2);
+                        a3 = vfma(qd, vload(k0 + 3 * dim + d), a3);
+                    }
+                    vsum4(a0, a1, a2, a3, p[h] + j);
+                }
+            }
+            for (; j < tile; j++)
+                for (int64_t h = 0; h < group; h++) {
+                    vec a0 = vzero();
+                    for (int64_t d = 0; d < dim; d += VW)
+                        a0 = vfma(vload(qs + h * dim + d), vload(kt + j * dim + d), a0);
+                    p[h][j] = vsum(a0);
+                }
+            for (int64_t h = 0; h < group; h++) {
+                float *ph = p[h], *yh = yg + h * dim, tile_top = top[h];
+                for (j = 0; j < tile; j++) tile_top = ph[j] > tile_top ? ph[j] : tile_top;
+                if (tile_top > top[h]) { /* a new maximum: rescale what is summed so far */
+                    const float rescale = exp_scalar(top[h] - tile_top);
+                    sum[h] *= rescale;
+                    for (int64_t d = 0; d < dim; d++) yh[d] *= rescale;
+                    top[h] = tile_top;
+                }
+                vec s = vzero();
+                for (j = 0; j + VW <= tile; j += VW) {
+                    const vec e = vexp(vsub(vload(ph + j), vset1(top[h])));
+                    vstore(ph + j, e);
+                    s = vadd(s, e);
+                }
+                sum[h] += vsum(s);
+                for (; j < tile; j++) {
+                    ph[j] = exp_scalar(ph[j] - top[h]);
+                    sum[h] += ph[j];
+                }
+            }
+            /* y[h] += p[h] . v: each value row once for every head of the group. */
+            for (j = 0; j < tile; j++) {
+                const float *vj = vt + j * dim;
+                for (int64_t h = 0; h < group; h++) {
+                    const vec pj = vset1(p[h][j]);
+                    float *yh = yg + h * dim;
+                    for (int64_t d = 0; d < dim; d += VW)
+                        vstore(yh + d, vfma(pj, vload(vj + d), vload(yh + d)));
+                }
+            }
+        }
+        for (int64_t h = 0; h < group; h++) {
+            const float inv = 1.0f / sum[h];
+            for (int64_t d = 0; d < dim; d++) yg[h * dim + d] *= inv;
+        }
+    }
+}
+#endif /* without vectors, the kernel files report llmrun_available() == 0 */

@@ -1,0 +1,117 @@
+"""llmrun.ops: each op's native path (decode_ops.c, in each kernel family) against
+its torch path on the same inputs.
+
+Tolerances: the rotary embedding is bit-exact (the same products and sums). RMSNorm
+and attention sum in another order than torch, and exp is a polynomial within 2 ulp
+of expf, so they agree to a few f32 ulps: rtol 1e-5 (f32 epsilon is 1.2e-7, and
+the sums here run over at most 1000 terms of one sign after the exp).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmrun import ops
+
+
+def both_paths(fn, *args, **kwargs):
+    """(native result, torch result) of one op on the same inputs."""
+    assert ops._native(args[0]) is not None
+    native = fn(*args, **kwargs)
+    limit, ops.NATIVE_MAX_VALUES = ops.NATIVE_MAX_VALUES, 0
+    try:
+        reference = fn(*args, **kwargs)
+    finally:
+        ops.NATIVE_MAX_VALUES = limit
+    return native, reference
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 896), (3, 5, 64), (2, 100), (1, 7)])
+def test_rms_norm_matches_torch(native_kernels, shape):
+    torch.manual_seed(0)
+    x, w = torch.randn(shape) * 3, torch.randn(shape[-1])
+    native, reference = both_paths(ops.rms_norm, x, w, 1e-6)
+    torch.testing.assert_close(native, reference, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(reference, F.rms_norm(x, (shape[-1],), w, 1e-6))
+
+
+@pytest.mark.parametrize("heads,head_dim,rotary_dim", [(14, 64, 64), (3, 80, 80), (4, 96, 32)])
+def test_rotary_is_exact(native_kernels, heads, head_dim, rotary_dim):
+    torch.manual_seed(0)
+    x = torch.randn(1, heads, 1, head_dim)
+    cos, sin = torch.randn(1, 1, 1, rotary_dim), torch.randn(1, 1, 1, rotary_dim)
+    native, reference = both_paths(ops.rotary, x, cos, sin)
+    assert torch.equal(native, reference)
+
+
+def test_rotary_of_several_positions_uses_torch():
+    x = torch.randn(1, 2, 3, 8)
+    cos, sin = torch.randn(1, 1, 3, 8), torch.randn(1, 1, 3, 8)
+    expected = x * cos + torch.cat((x[..., 4:], x[..., :4]), dim=-1) * sin
+    assert torch.equal(ops.rotary(x, cos, sin), expected)
+
+
+def test_silu_mul_matches_torch_over_the_whole_range(native_kernels):
+    torch.manual_seed(0)
+    gate = torch.cat([torch.randn(4864) * 4, torch.tensor([-200.0, -88.0, -20.0, 0.0, 30.0, 90.0])])
+    up = torch.randn_like(gate)
+    native, reference = both_paths(ops.silu_mul, gate, up)
+    torch.testing.assert_close(native, reference, rtol=1e-6, atol=1e-30)
+
+
+def cached_kv(heads: int, length: int, head_dim: int, capacity: int, scale: float = 1.0):
+    """k, v [1, heads, length, head_dim] as views of a bigger cache buffer, as the KV
+    cache hands them out."""
+    buffer = torch.randn(2, 1, heads, capacity, head_dim) * scale
+    return buffer[0, :, :, :length], buffer[1, :, :, :length]
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,length",
+    [(14, 2, 64, 1), (14, 2, 64, 300), (8, 8, 128, 256), (4, 1, 80, 257), (6, 3, 64, 1000)],
+)
+def test_attend_one_matches_torch(native_kernels, heads, kv_heads, head_dim, length):
+    torch.manual_seed(0)
+    q = torch.randn(1, heads, 1, head_dim)
+    k, v = cached_kv(kv_heads, length, head_dim, capacity=length + 17)
+    native, reference = both_paths(ops.attend_one, q, k, v)
+    assert native.shape == (1, 1, heads * head_dim)
+    torch.testing.assert_close(native, reference, rtol=1e-5, atol=1e-6)
+
+
+def test_attend_one_rescales_when_a_later_tile_holds_the_maximum(native_kernels):
+    # Keys that drift along the sequence put each 256-key tile's maximum score above
+    # the last one's (scores from about -50 to 50). Compared with float64: f32 scores
+    # of that size carry absolute errors of ~1e-5 in either implementation.
+    torch.manual_seed(0)
+    q = torch.ones(1, 2, 1, 64)
+    k, v = cached_kv(1, 700, 64, capacity=700)
+    k += torch.linspace(-6, 6, 700)[None, None, :, None]
+    native, reference = both_paths(ops.attend_one, q, k, v)
+    exact = ops.attend_one(q.double(), k.double(), v.double())
+    torch.testing.assert_close(native.double(), exact, rtol=0, atol=2e-5)
+    torch.testing.assert_close(reference.double(), exact, rtol=0, atol=2e-5)
+
+
+def test_attend_one_on_two_threads(native_kernels):
+    torch.manual_seed(0)
+    q = torch.randn(1, 14, 1, 64)
+    k, v = cached_kv(2, 2000, 64, capacity=2048)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        native, reference = both_paths(ops.attend_one, q, k, v)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(native, reference, rtol=1e-5, atol=1e-6)
+
+
+def test_inputs_the_native_path_does_not_take_go_to_torch():
+    x = torch.randn(1, 1, 64)
+    assert ops._native(x.to(torch.bfloat16)) is None
+    assert ops._native(torch.randn(64, 2).t()) is None
+    assert ops._native(torch.randn(ops.NATIVE_MAX_VALUES + 1)) is None
+    assert ops._native(x.requires_grad_()) is None
+    w = torch.randn(64)
+    expected = F.rms_norm(x.bfloat16(), (64,), w.bfloat16(), 1e-6)
+    assert torch.equal(ops.rms_norm(x.detach().bfloat16(), w.bfloat16(), 1e-6), expected)
