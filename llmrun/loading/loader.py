@@ -25,7 +25,7 @@ from llmrun.loading import gguf_io, safetensors_io
 from llmrun.models import model_module
 from llmrun.quant import native
 from llmrun.quant.blocks import SUPPORTED_TYPES
-from llmrun.quant.linear import QuantEmbedding, QuantLinear
+from llmrun.quant.linear import QuantEmbedding, QuantLinear, tied_head
 
 FLOAT_TYPES = {
     GGMLQuantizationType.F32: torch.float32,
@@ -234,7 +234,10 @@ def build_model(checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype
     if tied:
         embed = model.model.embed_tokens
         if isinstance(embed, QuantEmbedding):
-            model.lm_head = QuantLinear(embed.weight, embed.ggml_type, embed.embedding_dim)
+            file_view = embed.weight
+            model.lm_head = tied_head(embed)
+            if buffer is not None and embed.weight.data_ptr() != file_view.data_ptr():
+                _drop_tensor_pages(buffer, file_view)  # repacked, as above
         else:
             model.lm_head.weight = embed.weight
     model.to(device)

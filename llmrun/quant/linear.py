@@ -13,7 +13,8 @@ Exception to "as in the file": with the native kernels (AVX-512 or AVX2), a
 QuantLinear given its own Q4_0 or Q5_0 tensor (native.PACKED) repacks it once into
 native.pack's layout (same size; the file's view is dropped), whose kernel is
 ~1.3-1.5x faster; `packed` says so, and its `weight` (and state dict) then holds that
-layout. A tied weight (a Parameter) is never repacked.
+layout. A tied weight (a Parameter) is not repacked by QuantLinear; `tied_head` packs
+the embedding and the lm_head together.
 """
 
 from __future__ import annotations
@@ -155,7 +156,8 @@ class QuantLinear(nn.Module):
 
 
 class QuantEmbedding(nn.Module):
-    """Token embeddings stored as GGML blocks; a lookup dequantizes only the rows it reads."""
+    """Token embeddings stored as GGML blocks; a lookup dequantizes only the rows it reads.
+    `packed`: the rows are in native.pack's layout (set by `tied_head`)."""
 
     def __init__(
         self,
@@ -171,14 +173,33 @@ class QuantEmbedding(nn.Module):
         self.embedding_dim = embedding_dim
         self.dtype = compute_dtype
         self.weight = _frozen(raw)
+        self.packed = False
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.weight.index_select(0, ids.reshape(-1))
-        if _native_ok(rows, self.ggml_type, self.embedding_dim):
-            out = native.dequantize(rows, self.ggml_type).to(self.dtype)
+        if _native_ok(rows, self.ggml_type, self.embedding_dim, self.packed):
+            out = native.dequantize(rows, self.ggml_type, self.packed).to(self.dtype)
         else:
+            if self.packed:
+                rows = native.unpack(rows, self.ggml_type)
             out = blocks.dequantize(rows, self.ggml_type, self.dtype)
         return out.reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, type={self.ggml_type.name}"
+        return f"{self.num_embeddings}, {self.embedding_dim}, type={self.ggml_type.name}" + (
+            " (packed)" if self.packed else ""
+        )
+
+
+def tied_head(embedding: QuantEmbedding) -> QuantLinear:
+    """An lm_head that shares the embedding's blocks (one Parameter, also through
+    `.to()`). Where the type has a packed layout and the native kernels take it, both
+    switch to it: the head's matvec reads every row each token, a lookup a few."""
+    raw, ggml_type, dim = embedding.weight, embedding.ggml_type, embedding.embedding_dim
+    if embedding.packed or not _native_ok(raw, ggml_type, dim, packed=True):
+        head = QuantLinear(raw, ggml_type, dim)
+        head.packed = embedding.packed
+        return head
+    head = QuantLinear(raw.detach(), ggml_type, dim)  # a plain tensor: packed into a copy
+    embedding.weight, embedding.packed = head.weight, True
+    return head

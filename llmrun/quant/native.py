@@ -48,6 +48,7 @@ NEEDS = {
 # their block fields in block order.
 PACKED = {GGMLQuantizationType.Q4_0: 1002, GGMLQuantizationType.Q5_0: 1006}
 FIELDS = {GGMLQuantizationType.Q4_0: (2, 16), GGMLQuantizationType.Q5_0: (2, 4, 16)}
+PACK_CHUNK = 1 << 22  # bytes of blocks `pack` repacks at a time
 FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC", "-fopenmp"]
 
 _reason = ""
@@ -191,9 +192,15 @@ def _kernel_type(ggml_type: GGMLQuantizationType, packed: bool) -> int:
 def pack(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
     """GGML blocks `[rows, row_bytes]` -> a new tensor in the packed layout: each row
     stored field by field (all its scales, then ..., then all its quants; same size)."""
-    blocks = raw.reshape(raw.shape[0], -1, GGML_QUANT_SIZES[ggml_type][1])
-    fields = blocks.split(FIELDS[ggml_type], dim=2)
-    return torch.cat([f.reshape(raw.shape[0], -1) for f in fields], 1)
+    out = torch.empty_like(raw, memory_format=torch.contiguous_format)
+    rows = max(1, PACK_CHUNK // max(1, raw.shape[1]))
+    # By chunks of rows, so a large tensor (a tied embedding) has no whole-size temporaries.
+    for r0 in range(0, raw.shape[0], rows):
+        part = raw[r0 : r0 + rows]
+        blocks = part.reshape(part.shape[0], -1, GGML_QUANT_SIZES[ggml_type][1])
+        fields = blocks.split(FIELDS[ggml_type], dim=2)
+        torch.cat([f.reshape(part.shape[0], -1) for f in fields], 1, out=out[r0 : r0 + rows])
+    return out
 
 
 def unpack(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:

@@ -153,15 +153,43 @@ def test_packed_weights_work_without_the_kernels(ggml_type: T, monkeypatch):
     assert_close_matmul(lin(x), x, reference(raw, ggml_type))
 
 
-def test_tied_embedding_and_lm_head_share_one_tensor_through_to():
+def test_tied_embedding_and_lm_head_share_one_tensor_through_to(monkeypatch):
+    monkeypatch.setattr(native, "supports", lambda ggml_type, n_cols, packed=False: False)
     raw = torch.from_numpy(random_blocks(T.Q4_0, 40, 64))
     embed = QuantEmbedding(raw, T.Q4_0, 64)
-    model = nn.ModuleDict({"embed": embed, "head": QuantLinear(embed.weight, T.Q4_0, 64)})
+    model = nn.ModuleDict({"embed": embed, "head": linear.tied_head(embed)})
     assert model["head"].weight.data_ptr() == raw.data_ptr() and not model["head"].packed
     # What .to("cuda") does to each tensor (.to("meta") swaps whole Parameters instead).
     model._apply(lambda t: t.clone())
     assert model["head"].weight is model["embed"].weight
     assert model["head"].weight.data_ptr() != raw.data_ptr()
+
+
+@pytest.mark.parametrize("ggml_type", [*native.PACKED, T.Q8_0], ids=lambda t: t.name)
+def test_tied_head_packs_the_embedding_where_the_kernels_can(native_kernels, ggml_type: T):
+    raw = random_blocks(ggml_type, 40, 256, seed=16)
+    embed = QuantEmbedding(torch.from_numpy(raw), ggml_type, 256)
+    head = linear.tied_head(embed)
+    assert head.weight is embed.weight
+    assert head.packed == embed.packed == (ggml_type in native.PACKED)
+    x = torch.randn(2, 256)
+    assert_close_matmul(head(x), x, reference(raw, ggml_type))
+    ids = torch.tensor([[0, 39, 5]])
+    assert torch.equal(embed(ids), reference(raw, ggml_type)[ids])
+    model = nn.ModuleDict({"embed": embed, "head": head})
+    model._apply(lambda t: t.clone())
+    assert model["head"].weight is model["embed"].weight
+
+
+def test_packed_embedding_works_without_the_kernels(monkeypatch):
+    raw = random_blocks(T.Q4_0, 40, 256, seed=17)
+    embed = QuantEmbedding(torch.from_numpy(raw), T.Q4_0, 256)
+    if not linear.tied_head(embed).packed:
+        pytest.skip(f"no packed layout without native kernels: {native.status()}")
+    # As after .to("cuda"): lookups must read the packed layout in torch.
+    monkeypatch.setattr(native, "supports", lambda ggml_type, n_cols, packed=False: False)
+    ids = torch.tensor([[1, 38, 1]])
+    assert torch.equal(embed(ids), reference(raw, T.Q4_0)[ids])
 
 
 def test_wrong_byte_size_is_a_format_error():
