@@ -182,7 +182,7 @@ void llmrun_attend_one(const float *q, const float *k, const float *v, int64_t h
                        int64_t kv_heads, int64_t length, int64_t dim, int64_t head_stride,
                        float scale, float *y) {
     const int64_t group = heads / kv_heads;
-#pragma omp parallel for schedule(static) if (heads * length * dim >= (1 << 18))
+#pragma omp parallel for schedule(static) if (heads * length * dim >= (1 << 15))
     for (int64_t g = 0; g < kv_heads; g++) {
         const float *kg = k + g * head_stride, *vg = v + g * head_stride;
         float *yg = y + g * group * dim;
