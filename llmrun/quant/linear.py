@@ -139,9 +139,10 @@ class QuantLinear(nn.Module):
         )
 
     def _gemm(self, x2: torch.Tensor, dequantize) -> torch.Tensor:
-        rows = max(1, TILE_WEIGHTS // self.in_features)
-        if rows >= self.out_features:
+        tiles = -(-self.out_features * self.in_features // TILE_WEIGHTS)
+        if tiles <= 1:
             return F.linear(x2, dequantize(self.weight))
+        rows = -(-self.out_features // tiles)  # tiles of equal size: no thin last GEMM
         y = torch.empty(x2.shape[0], self.out_features, device=x2.device)
         for r0 in range(0, self.out_features, rows):
             y[:, r0 : r0 + rows] = F.linear(x2, dequantize(self.weight[r0 : r0 + rows]))
