@@ -65,13 +65,16 @@ class KVCache:
             k_layer[self.rows[:, None], :, positions] = k.transpose(1, 2)
             v_layer[self.rows[:, None], :, positions] = v.transpose(1, 2)
             return k_layer[self.rows, :, :length], v_layer[self.rows, :, :length]
-        k_cache, v_cache = self.k[layer, :batch], self.v[layer, :batch]
+        k_cache, v_cache = self.k[layer], self.v[layer]
+        if batch != k_cache.shape[0]:
+            k_cache, v_cache = k_cache[:batch], v_cache[:batch]
         if batch == 1 and length - first == tokens:
-            # One sequence, contiguous positions: a plain slice write.
-            k_cache[:, :, first:length] = k
-            v_cache[:, :, first:length] = v
-        else:
-            rows = torch.arange(batch, device=positions.device)[:, None]
-            k_cache[rows, :, positions] = k.transpose(1, 2)
-            v_cache[rows, :, positions] = v.transpose(1, 2)
+            # One sequence, contiguous positions: a plain slice write (narrow: one op
+            # where indexing takes several, and decode does this per layer per token).
+            k_cache.narrow(2, first, tokens).copy_(k)
+            v_cache.narrow(2, first, tokens).copy_(v)
+            return k_cache.narrow(2, 0, length), v_cache.narrow(2, 0, length)
+        rows = torch.arange(batch, device=positions.device)[:, None]
+        k_cache[rows, :, positions] = k.transpose(1, 2)
+        v_cache[rows, :, positions] = v.transpose(1, 2)
         return k_cache[:, :, :length], v_cache[:, :, :length]
