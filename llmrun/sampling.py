@@ -12,9 +12,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from llmrun.errors import UsageError
+
+# Logits sampled to bound the k-th largest from below in `top_k` (any subset's k-th
+# largest is at most the whole vector's).
+TOP_K_SAMPLE = 4096
 
 
 @dataclass(frozen=True)
@@ -89,9 +94,9 @@ class Sampler:
         logits = self.penalize(logits, history)
         p = self.params
         if p.temperature == 0:
-            return int(logits.argmax())
+            return argmax(logits)
         if p.top_k > 0:
-            values, ids = torch.topk(logits, min(p.top_k, logits.shape[-1]))
+            values, ids = top_k(logits, min(p.top_k, logits.shape[-1]))
         else:
             values, ids = torch.sort(logits, descending=True)
         probs = torch.softmax(values, dim=-1)
@@ -106,6 +111,38 @@ class Sampler:
         probs = torch.softmax(values.cpu() / p.temperature, dim=-1)
         choice = torch.multinomial(probs, 1, generator=self.generator)
         return int(ids[int(choice)])
+
+
+def argmax(logits: torch.Tensor) -> int:
+    """The id of the largest logit (the first, on ties). On CPU through numpy:
+    torch.argmax takes ~0.3 ms on a 150k vocabulary, numpy ~0.01 ms."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return int(logits.numpy().argmax())
+    return int(logits.argmax())
+
+
+def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest logits [V], largest first (ties: lower id first), and their ids.
+
+    On CPU, torch.topk takes ~0.5 ms on a 150k vocabulary. Here, the k-th largest
+    of a strided sample bounds the k-th largest from below, so only the logits at
+    or above it (~V*k/4096 of them) are partitioned: ~0.05 ms, the same result.
+    """
+    n = logits.shape[-1]
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or n <= TOP_K_SAMPLE:
+        return torch.topk(logits, k)
+    a = logits.numpy()
+    sample = a[:: n // TOP_K_SAMPLE]
+    bound = np.partition(sample, len(sample) - k)[len(sample) - k]
+    candidates = np.flatnonzero(a >= bound)
+    if len(candidates) < k:  # NaN logits compare false: let torch order them
+        return torch.topk(logits, k)
+    kth = np.partition(a[candidates], len(candidates) - k)[len(candidates) - k]
+    above = candidates[a[candidates] > kth]
+    tied = candidates[a[candidates] == kth]  # in id order: the lowest ids make up k
+    best = np.concatenate([above, tied[: k - len(above)]])
+    ids = best[np.lexsort((best, -a[best]))]
+    return torch.from_numpy(a[ids].copy()), torch.from_numpy(ids)
 
 
 def top_logprobs(logits: torch.Tensor, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:

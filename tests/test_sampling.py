@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llmrun.errors import UsageError
-from llmrun.sampling import Sampler, SamplingParams, top_logprobs
+from llmrun.sampling import Sampler, SamplingParams, argmax, top_k, top_logprobs
 
 LOGITS = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0])
 
@@ -83,3 +83,30 @@ def test_top_logprobs_are_log_softmax():
 def test_bad_values_are_usage_errors(field, value):
     with pytest.raises(UsageError):
         SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("k", [1, 40, 1000])
+def test_top_k_matches_torch_topk(k):
+    torch.manual_seed(0)
+    logits = torch.randn(151936) * 3
+    logits[:50000] -= 20  # a skewed vocabulary: the strided sample still bounds it
+    values, ids = top_k(logits, k)
+    expected_values, expected_ids = torch.topk(logits, k)
+    assert torch.equal(values, expected_values) and torch.equal(ids, expected_ids)
+
+
+def test_top_k_orders_ties_by_id_and_handles_small_and_nan_vocabularies():
+    logits = torch.zeros(10000)
+    logits[[7, 3, 9000, 42]] = 5.0
+    values, ids = top_k(logits, 3)
+    assert ids.tolist() == [3, 7, 42] and values.tolist() == [5.0] * 3
+    small = torch.tensor([0.5, 2.0, 1.0])
+    assert top_k(small, 2)[1].tolist() == [1, 2]
+    nan = torch.full((10000,), float("nan"))
+    assert torch.equal(top_k(nan, 2)[1], torch.topk(nan, 2)[1])
+
+
+def test_argmax_takes_the_first_of_equal_maxima():
+    logits = torch.zeros(151936)
+    logits[[900, 12, 150000]] = 1.0
+    assert argmax(logits) == 12 == int(logits.argmax())
