@@ -1,13 +1,13 @@
 """The small ops of a decode step, with a native CPU path: RMSNorm, the rotary
 embedding, the SiLU-gated product and single-query attention.
 
-On one token's activations each torch op costs 2-20 us of dispatch and allocation,
-and the ~45 of them per layer came to ~4 ms a token on a 24-layer model, a sixth of
-its decode time. Where the native kernels are built (llmrun.quant.native), inputs
-are CPU f32, contiguous, without autograd, and at most NATIVE_MAX_VALUES values (decode,
-small batches), each op here is one C call (llmrun/quant/decode_ops.c). Otherwise,
-and always on GPU/MPS, in bf16 and in prefill, it is the torch code beside it. The
-two agree to float rounding (tests/test_ops.py).
+On one token's activations a torch op costs 2-40 us, mostly dispatch (more between
+matvecs that stream the weights through the caches), and the ~45 of them per layer
+came to ~8 ms of a ~28 ms token on a 24-layer 0.5B model. Where the native kernels
+are built (llmrun.quant.native) and the inputs are CPU f32, contiguous, without
+autograd and at most NATIVE_MAX_VALUES values (decode, small batches), each op here
+is one C call (llmrun/quant/decode_ops.c). Otherwise (GPU, MPS, bf16, prefill) it is
+the torch code beside it. The two agree to float rounding (tests/test_ops.py).
 """
 
 from __future__ import annotations
