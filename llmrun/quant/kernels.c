@@ -1,12 +1,12 @@
 /* GGML-quantized matrix x few-vectors products and row dequantization, AVX-512.
  *
- * Weights stay in GGML's block layout (or, for Q4_0 and Q5_0, the packed layouts
- * near the end). Each block is dequantized in registers to exactly the f32 values
- * gguf's reference dequantizer gives (same operations in the same order; built
- * with -ffp-contract=off so no multiply-add gets fused), then multiplied into f32
- * accumulators; the packed kernels apply each block's scale to its partial sums,
- * which is the same product since d*(q-8) is exact in f32. A product therefore
- * differs from x @ dequantize(W).T only by the order of the sums.
+ * Weights stay in GGML's block layout (or, for Q4_0, Q5_0 and Q4_K, the packed
+ * layouts near the end). Each block is dequantized in registers to exactly the
+ * f32 values gguf's reference dequantizer gives (same operations in the same order;
+ * built with -ffp-contract=off so no multiply-add gets fused), then multiplied into
+ * f32 accumulators; the Q4_0 and Q5_0 packed kernels apply each block's scale to
+ * its partial sums, which is the same product since d*(q-8) is exact in f32. A
+ * product therefore differs from x @ dequantize(W).T only by the order of the sums.
  *
  * Built at first use by llmrun/quant/native.py and loaded with ctypes; on a CPU
  * without AVX-512 this file compiles to llmrun_available() == 0 and llmrun uses
@@ -29,7 +29,8 @@
 /* GGMLQuantizationType values */
 enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10,
        Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30,
-       Q4_0_PACKED = 1002, Q5_0_PACKED = 1006 /* llmrun's layouts, see below */ };
+       /* llmrun's layouts, see below */
+       Q4_0_PACKED = 1002, Q5_0_PACKED = 1006, Q4_K_PACKED = 1012 };
 
 static const float IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                      1,    13,   25,  38,  53,  69,  89,  113};
@@ -161,10 +162,12 @@ static inline uint32_t u32_at(const uint8_t *p) {
     } while (0)
 
 /* Q4_K/Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins packed in 12 bytes;
- * w = (d*sc)*q - dmin*m. Writes ab = [d*sc[0..7], dmin*m[0..7]]. */
-static inline void k_scales(const uint8_t *src, float *ab) {
+ * w = (d*sc)*q - dmin*m. From the f16 d and dmin and the 12 scale bytes, writes
+ * ab = [d*sc[0..7], dmin*m[0..7]]. */
+static inline void k_scales(const uint8_t *d16, const uint8_t *dmin16, const uint8_t *scales,
+                            float *ab) {
     uint32_t u[3];
-    memcpy(u, src + 4, 12);
+    memcpy(u, scales, 12);
     const uint32_t packed[4] = {
         u[0] & 0x3f3f3f3f,
         (u[2] & 0x0f0f0f0f) | ((u[0] >> 2) & 0x30303030),
@@ -172,7 +175,7 @@ static inline void k_scales(const uint8_t *src, float *ab) {
         ((u[2] >> 4) & 0x0f0f0f0f) | ((u[1] >> 2) & 0x30303030),
     };
     const __m512 v = _mm512_cvtepi32_ps(spread((const uint8_t *)packed));
-    const __m512 d = _mm512_mask_blend_ps(0xFF00, bcast_f16(src), bcast_f16(src + 2));
+    const __m512 d = _mm512_mask_blend_ps(0xFF00, bcast_f16(d16), bcast_f16(dmin16));
     _mm512_storeu_ps(ab, _mm512_mul_ps(d, v));
     /* Re-read from memory: broadcasting a loaded float costs no shuffle (vpermd). */
     __asm__ volatile("" ::: "memory");
@@ -188,7 +191,7 @@ static inline __m512 k_table(const float *ab, int j, __m512 q) {
 #define Q4_K_DEQ(src, EMIT)                                                              \
     do {                                                                                 \
         float ab_[16];                                                                   \
-        k_scales(src, ab_);                                                              \
+        k_scales(src, (src) + 2, (src) + 4, ab_);                                        \
         for (int p_ = 0; p_ < 4; p_++) {                                                 \
             const __m512i v0_ = spread((src) + 16 + 32 * p_);                            \
             const __m512i v1_ = spread((src) + 32 + 32 * p_);                            \
@@ -206,7 +209,7 @@ static inline __m512 k_table(const float *ab, int j, __m512 q) {
 #define Q5_K_DEQ(src, EMIT)                                                              \
     do {                                                                                 \
         float ab_[16];                                                                   \
-        k_scales(src, ab_);                                                              \
+        k_scales(src, (src) + 2, (src) + 4, ab_);                                        \
         const __m512i h0_ = spread((src) + 16), h1_ = spread((src) + 32);                \
         for (int j_ = 0; j_ < 8; j_++) {                                                 \
             const uint8_t *qs_ = (src) + 48 + 32 * (j_ / 2);                             \
@@ -606,6 +609,156 @@ static void dequant_Q5_0_PACKED(const uint8_t *w, int64_t stride, int64_t rows, 
     }
 }
 
+/* Q4_K_PACKED: each row stored as its blocks' f16 d's, then their f16 dmins, then
+ * their 12-byte scale fields, then their quants (same size; native.py repacks).
+ * The scale fields come in groups of K_GROUP blocks (the last group holds the c <=
+ * K_GROUP blocks left): a group of c blocks holds byte j of its block i at c*j + i,
+ * so one load gives byte j of each block of the group and GGML's 6-bit scales and
+ * mins decode lane-wise, a group at a time (decoding them block by block costs as
+ * much as the block's weights). Each block's 128 quant bytes are rearranged into
+ * two 64-byte groups of four sub-blocks: byte s of lane i of group h holds weights
+ * i (low nibble) and 16 + i (high) of sub-block 4h + s. Index vector k (shift 4k)
+ * of a group then holds weights 16k..16k+15 of its 128, in x's own order (x is not
+ * permuted), and reads one sub-block's table: per 128 weights one load, shifts,
+ * eight lookups and four tables, where the GGML layout spreads bytes to dwords per
+ * 16 weights. Weights keep their exact values (d*sc)*q - dmin*m, as Q4_K_DEQ makes
+ * them. */
+#define Q4_K_PACKED_BLOCK 256
+#define K_GROUP 16
+
+/* ds[s][i] = d*sc[s] and ms[s][i] = dmin*m[s] for blocks i < c <= K_GROUP of a scale
+ * group, from their consecutive d's, dmins and the group's scale bytes: k_scales'
+ * decode (get_scale_min_k4 in gguf) with one block per lane. */
+static inline void k_scales_group(const uint8_t *d16, const uint8_t *dmin16,
+                                  const uint8_t *scales, int c, float ds[8][K_GROUP],
+                                  float ms[8][K_GROUP]) {
+    const __mmask16 k = (__mmask16)((1u << c) - 1);
+    __m512i q[12];
+    for (int j = 0; j < 12; j++)
+        q[j] = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, scales + c * j));
+    const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, d16));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, dmin16));
+    const __m512i low6 = _mm512_set1_epi32(63), low4 = _mm512_set1_epi32(15);
+    const __m512i bits45 = _mm512_set1_epi32(0x30);
+    for (int s = 0; s < 4; s++) {
+        /* Sub-block s: the low 6 bits of bytes s and 4 + s. Sub-block 4 + s: the
+         * nibbles of byte 8 + s, with bits 6-7 of those bytes as bits 4-5. */
+        const __m512i sc0 = _mm512_and_si512(q[s], low6);
+        const __m512i m0 = _mm512_and_si512(q[s + 4], low6);
+        const __m512i sc1 = _mm512_ternarylogic_epi32(_mm512_and_si512(q[s + 8], low4),
+                                                      _mm512_srli_epi32(q[s], 2), bits45, 0xF8);
+        const __m512i m1 = _mm512_ternarylogic_epi32(_mm512_srli_epi32(q[s + 8], 4),
+                                                     _mm512_srli_epi32(q[s + 4], 2), bits45, 0xF8);
+        _mm512_store_ps(ds[s], _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc0)));
+        _mm512_store_ps(ms[s], _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m0)));
+        _mm512_store_ps(ds[s + 4], _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc1)));
+        _mm512_store_ps(ms[s + 4], _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m1)));
+    }
+    __asm__ volatile("" ::: "memory"); /* broadcast ds and ms from memory, as k_scales */
+}
+
+/* wv[k] = weights 16k..16k+15 of block i of a scale group, from its quants q. A
+ * table is one fused multiply-subtract, yet rounds as gguf's d*q - dm does: d*sc
+ * (11 by 6 significant bits) times q (4 bits) is exact in f32, so only the
+ * subtraction rounds either way. */
+static inline __attribute__((always_inline)) void k_packed_weights(
+    const uint8_t *q, const float ds[8][K_GROUP], const float ms[8][K_GROUP], int i,
+    __m512 wv[16]) {
+    const __m512i v0 = _mm512_loadu_si512(q), v1 = _mm512_loadu_si512(q + 64);
+    for (int s = 0; s < 8; s++) {
+        const __m512 t = _mm512_fmsub_ps(_mm512_set1_ps(ds[s][i]), iota16(),
+                                         _mm512_set1_ps(ms[s][i]));
+        const __m512i v = s < 4 ? v0 : v1;
+        wv[2 * s] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * (s % 4)), t);
+        wv[2 * s + 1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * (s % 4) + 4), t);
+    }
+}
+
+static inline __attribute__((always_inline)) void rows_Q4_K_PACKED(
+    const uint8_t *w, int64_t stride, int64_t r0, int64_t r1, const float *x, const int m,
+    int64_t n, float *y, int64_t ldy, const float *bias) {
+    const int64_t nb = n / QK_K;
+    const uint8_t *end = w + r1 * stride;
+    float ds[8][K_GROUP] __attribute__((aligned(64)));
+    float ms[8][K_GROUP] __attribute__((aligned(64)));
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * stride, *qs = row + 16 * nb;
+        __m512 acc[MAX_M][4];
+        for (int i = 0; i < m; i++)
+            acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = _mm512_setzero_ps();
+        for (int64_t b0 = 0; b0 < nb; b0 += K_GROUP) {
+            const int c = nb - b0 < K_GROUP ? (int)(nb - b0) : K_GROUP;
+            k_scales_group(row + 2 * b0, row + 2 * nb + 2 * b0, row + 4 * nb + 12 * b0, c, ds,
+                           ms);
+            for (int j = 0; j < c; j++) {
+                const int64_t b = b0 + j;
+                /* At a GGML block's pace through the bytes, so that the rows ahead come
+                 * in whole (their d, dmin and scale fields too), not only their quants. */
+                const uint8_t *ahead = row + PREFETCH + Q4_K_BYTES * b;
+                if (ahead + Q4_K_BYTES <= end) {
+                    _mm_prefetch((const char *)ahead, _MM_HINT_T0);
+                    _mm_prefetch((const char *)ahead + 64, _MM_HINT_T0);
+                    _mm_prefetch((const char *)ahead + Q4_K_BYTES - 1, _MM_HINT_T0);
+                }
+                const uint8_t *q = qs + 128 * b;
+                __m512 wv[16];
+                k_packed_weights(q, ds, ms, j, wv);
+                for (int i = 0; i < m; i++) {
+                    /* Up to two rows: four running sums each. More would not fit the
+                     * registers with wv: their block sums go in four chains, then add. */
+                    const float *xg = x + i * n + 256 * b;
+                    __m512 sum[4];
+                    for (int k = 0; k < 4; k++)
+                        sum[k] = m <= 2 ? _mm512_fmadd_ps(wv[k], _mm512_loadu_ps(xg + 16 * k),
+                                                          acc[i][k])
+                                        : _mm512_mul_ps(wv[k], _mm512_loadu_ps(xg + 16 * k));
+                    for (int k = 4; k < 16; k++)
+                        sum[k % 4] =
+                            _mm512_fmadd_ps(wv[k], _mm512_loadu_ps(xg + 16 * k), sum[k % 4]);
+                    if (m <= 2)
+                        for (int k = 0; k < 4; k++) acc[i][k] = sum[k];
+                    else
+                        acc[i][0] = _mm512_add_ps(acc[i][0],
+                                                  _mm512_add_ps(_mm512_add_ps(sum[0], sum[1]),
+                                                                _mm512_add_ps(sum[2], sum[3])));
+                }
+            }
+        }
+        for (int i = 0; i < m; i++)
+            y[i * ldy + r] = _mm512_reduce_add_ps(_mm512_add_ps(
+                                 _mm512_add_ps(acc[i][0], acc[i][1]),
+                                 _mm512_add_ps(acc[i][2], acc[i][3]))) +
+                             (bias ? bias[r] : 0.0f);
+    }
+}
+
+static void matvec_Q4_K_PACKED(const uint8_t *w, int64_t stride, int64_t rows, const float *x,
+                               int64_t m, int64_t n, float *y, const float *bias) {
+    ROW_PASSES(x, rows_Q4_K_PACKED);
+}
+
+static void dequant_Q4_K_PACKED(const uint8_t *w, int64_t stride, int64_t rows, int64_t n,
+                                float *out) {
+    const int64_t nb = n / QK_K;
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *row = w + r * stride, *qs = row + 16 * nb;
+        float ds[8][K_GROUP] __attribute__((aligned(64)));
+        float ms[8][K_GROUP] __attribute__((aligned(64)));
+        for (int64_t b0 = 0; b0 < nb; b0 += K_GROUP) {
+            const int c = nb - b0 < K_GROUP ? (int)(nb - b0) : K_GROUP;
+            k_scales_group(row + 2 * b0, row + 2 * nb + 2 * b0, row + 4 * nb + 12 * b0, c, ds,
+                           ms);
+            for (int j = 0; j < c; j++) {
+                __m512 wv[16];
+                k_packed_weights(qs + 128 * (b0 + j), ds, ms, j, wv);
+                for (int k = 0; k < 16; k++)
+                    _mm512_storeu_ps(out + r * n + 256 * (b0 + j) + 16 * k, wv[k]);
+            }
+        }
+    }
+}
+
 #define DISPATCH(CALL)                                                                   \
     switch (type) {                                                                      \
     case F32: CALL(F32); return 0;                                                       \
@@ -625,6 +778,7 @@ static void dequant_Q5_0_PACKED(const uint8_t *w, int64_t stride, int64_t rows, 
     case IQ4_XS: CALL(IQ4_XS); return 0;                                                 \
     case Q4_0_PACKED: CALL(Q4_0_PACKED); return 0;                                       \
     case Q5_0_PACKED: CALL(Q5_0_PACKED); return 0;                                       \
+    case Q4_K_PACKED: CALL(Q4_K_PACKED); return 0;                                       \
     default: return -1;                                                                  \
     }
 

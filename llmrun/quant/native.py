@@ -4,7 +4,8 @@ use, loaded with ctypes.
 One of two kernel families is built, by the CPU's features: AVX-512 (kernels.c, with
 -march=native) or, on CPUs without it (most AMD Zen 2/3, Intel desktop and laptop
 CPUs), AVX2 with FMA and F16C (kernels_avx2.c, with -march=haswell). Both take the
-same types and dequantize them exactly, and both have the packed layouts.
+same types and dequantize them exactly, and both have the packed layouts of Q4_0 and
+Q5_0 (that of Q4_K only AVX-512: the AVX2 library's llmrun_block is 0 for it).
 The library goes into the cache folder, keyed by a hash of the source, the compiler,
 its flags and the CPU's features, so later runs load it at once. LLMRUN_NATIVE=avx2
 builds the AVX2 kernels on any CPU with AVX2 (to test them on an AVX-512 machine).
@@ -44,10 +45,13 @@ NEEDS = {
     "AVX2": {"avx2", "fma", "f16c"},
 }
 # Types with a faster kernel on a repacked row layout (kernels.c: packed layouts; the
-# AVX2 kernels read the same bytes), by the kernel's type id, and the byte sizes of
-# their block fields in block order.
-PACKED = {GGMLQuantizationType.Q4_0: 1002, GGMLQuantizationType.Q5_0: 1006}
+# AVX2 kernels read the same bytes, but for Q4_K), by the kernel's type id, and the
+# byte sizes of their block fields in block order.
+Q4_K = GGMLQuantizationType.Q4_K
+PACKED = {GGMLQuantizationType.Q4_0: 1002, GGMLQuantizationType.Q5_0: 1006, Q4_K: 1012}
 FIELDS = {GGMLQuantizationType.Q4_0: (2, 16), GGMLQuantizationType.Q5_0: (2, 4, 16)}
+FIELDS[Q4_K] = (2, 2, 12, 128)
+K_SCALE_GROUP = 16  # Q4_K blocks whose scale fields `pack` interleaves (kernels.c: K_GROUP)
 PACK_CHUNK = 1 << 22  # bytes of blocks `pack` repacks at a time
 FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC", "-fopenmp"]
 
@@ -189,16 +193,56 @@ def _kernel_type(ggml_type: GGMLQuantizationType, packed: bool) -> int:
     return PACKED[ggml_type] if packed else int(ggml_type)
 
 
+def _q4_k_quants(qs: torch.Tensor, to_packed: bool) -> torch.Tensor:
+    """Q4_K quants `[rows, blocks, 128]`, GGML's order <-> kernels.c's Q4_K_PACKED order.
+
+    GGML: byte 32p + l holds weight l of sub-block 2p (low nibble) and of 2p + 1 (high).
+    Packed: byte 64h + 4i + s holds weights i (low) and 16 + i (high) of sub-block 4h + s.
+    """
+    rows, nb = qs.shape[:2]
+    if to_packed:
+        q = torch.stack([qs & 15, qs >> 4], 2)  # [.., 2 nibble, 128 byte]
+        q = q.reshape(rows, nb, 2, 4, 32).transpose(2, 3)  # [.., p, nibble, l]: 32p + l
+        q = q.reshape(rows, nb, 2, 4, 2, 16)  # sub-block 4h + s, weight 16t + i
+        return (q[..., 0, :] | q[..., 1, :] << 4).transpose(3, 4).reshape(rows, nb, 128)
+    b = qs.reshape(rows, nb, 2, 16, 4).transpose(3, 4)  # [.., h, s, i]
+    q = torch.stack([b & 15, b >> 4], 4).reshape(rows, nb, 4, 2, 32)  # [.., p, nibble, l]
+    return (q[..., 0, :] | q[..., 1, :] << 4).reshape(rows, nb, 128)
+
+
+def _q4_k_scales(sc: torch.Tensor, to_packed: bool) -> torch.Tensor:
+    """Q4_K scale fields `[rows, blocks, 12]`, GGML's order <-> kernels.c's Q4_K_PACKED order.
+
+    Packed: in groups of K_SCALE_GROUP blocks (the last group holds the c blocks left),
+    a group of c blocks holding byte j of its block i at c * j + i.
+    """
+    rows, nb = sc.shape[:2]
+    full = nb - nb % K_SCALE_GROUP  # blocks in whole groups
+    if to_packed:
+        groups = sc[:, :full].reshape(rows, -1, K_SCALE_GROUP, 12).transpose(2, 3)
+        tail = sc[:, full:].transpose(1, 2)
+    else:
+        flat = sc.reshape(rows, 12 * nb)
+        groups = flat[:, : 12 * full].reshape(rows, -1, 12, K_SCALE_GROUP).transpose(2, 3)
+        tail = flat[:, 12 * full :].reshape(rows, 12, nb - full).transpose(1, 2)
+    return torch.cat([groups.reshape(rows, full, 12), tail.reshape(rows, nb - full, 12)], 1)
+
+
 def pack(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
     """GGML blocks `[rows, row_bytes]` -> a new tensor in the packed layout: each row
-    stored field by field (all its scales, then ..., then all its quants; same size)."""
+    stored field by field (all its scales, then ..., then all its quants; same size;
+    Q4_K's scale fields also interleaved by groups of blocks and its quants reordered
+    within each block)."""
     out = torch.empty_like(raw, memory_format=torch.contiguous_format)
     rows = max(1, PACK_CHUNK // max(1, raw.shape[1]))
     # By chunks of rows, so a large tensor (a tied embedding) has no whole-size temporaries.
     for r0 in range(0, raw.shape[0], rows):
         part = raw[r0 : r0 + rows]
         blocks = part.reshape(part.shape[0], -1, GGML_QUANT_SIZES[ggml_type][1])
-        fields = blocks.split(FIELDS[ggml_type], dim=2)
+        fields = list(blocks.split(FIELDS[ggml_type], dim=2))
+        if ggml_type == Q4_K:
+            fields[2] = _q4_k_scales(fields[2], to_packed=True)
+            fields[3] = _q4_k_quants(fields[3], to_packed=True)
         torch.cat([f.reshape(part.shape[0], -1) for f in fields], 1, out=out[r0 : r0 + rows])
     return out
 
@@ -206,8 +250,11 @@ def pack(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
 def unpack(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
     """The inverse of `pack`, in torch, so packed weights work on any device."""
     rows, nb = raw.shape[0], raw.shape[1] // GGML_QUANT_SIZES[ggml_type][1]
-    fields = raw.split([size * nb for size in FIELDS[ggml_type]], dim=1)
-    return torch.cat([f.reshape(rows, nb, -1) for f in fields], 2).reshape(rows, -1)
+    fields = [f.reshape(rows, nb, -1) for f in raw.split([s * nb for s in FIELDS[ggml_type]], 1)]
+    if ggml_type == Q4_K:
+        fields[2] = _q4_k_scales(fields[2], to_packed=False)
+        fields[3] = _q4_k_quants(fields[3], to_packed=False)
+    return torch.cat(fields, 2).reshape(rows, -1)
 
 
 def kernels() -> str | None:

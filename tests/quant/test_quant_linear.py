@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from test_quant_blocks import random_blocks
 from torch import nn
@@ -134,12 +134,26 @@ def test_quant_embedding_dequantizes_the_rows_looked_up(path: str):
 
 @pytest.mark.parametrize("ggml_type", list(native.PACKED), ids=lambda t: t.name)
 def test_pack_and_unpack_are_inverse(ggml_type: T):
-    raw = torch.from_numpy(random_blocks(ggml_type, 6, 256, seed=14))
+    raw = torch.from_numpy(random_blocks(ggml_type, 6, 8 * GGML_QUANT_SIZES[ggml_type][0], seed=14))
     packed = native.pack(raw, ggml_type)
     type_size = raw.shape[1] // 8
     assert packed.shape == raw.shape and not torch.equal(packed, raw)
     assert torch.equal(packed[:, :16], raw.reshape(6, 8, type_size)[:, :, :2].reshape(6, 16))
     assert torch.equal(native.unpack(packed, ggml_type), raw)
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 3, 16, 17, 35])
+def test_q4_k_packing_interleaves_the_scale_fields_by_16_blocks(blocks: int):
+    raw = torch.from_numpy(random_blocks(T.Q4_K, 3, 256 * blocks, seed=blocks))
+    packed = native.pack(raw, T.Q4_K)
+    assert torch.equal(native.unpack(packed, T.Q4_K), raw)
+    scales = raw.reshape(3, blocks, 144)[:, :, 4:16]
+    field = packed[:, 4 * blocks : 16 * blocks]
+    for b in range(blocks):
+        first = b - b % 16  # of the block's group, of `count` blocks
+        count = min(16, blocks - first)
+        for j in range(12):
+            assert torch.equal(field[:, 12 * first + count * j + b - first], scales[:, b, j])
 
 
 @pytest.mark.parametrize("ggml_type", list(native.PACKED), ids=lambda t: t.name)
@@ -171,7 +185,9 @@ def test_tied_head_packs_the_embedding_where_the_kernels_can(native_kernels, ggm
     embed = QuantEmbedding(torch.from_numpy(raw), ggml_type, 256)
     head = linear.tied_head(embed)
     assert head.weight is embed.weight
-    assert head.packed == embed.packed == (ggml_type in native.PACKED)
+    # AVX2 has no packed Q4_K kernel.
+    packable = ggml_type in native.PACKED and (native_kernels, ggml_type) != ("AVX2", T.Q4_K)
+    assert head.packed == embed.packed == packable
     x = torch.randn(2, 256)
     assert_close_matmul(head(x), x, reference(raw, ggml_type))
     ids = torch.tensor([[0, 39, 5]])

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from test_quant_blocks import assert_same_bits
 from test_quant_linear import TYPES, assert_close_matmul, finite_blocks, reference
@@ -17,6 +17,13 @@ from llmrun.quant.blocks import SUPPORTED_TYPES
 from llmrun.quant.linear import QuantLinear
 
 T = GGMLQuantizationType
+# The packed layouts kernels_avx2.c has (kernels.c has them all).
+AVX2_PACKED = [T.Q4_0, T.Q5_0]
+
+
+def skip_without_packed_kernel(ggml_type: T, family: str) -> None:
+    if family == "AVX2" and ggml_type not in AVX2_PACKED:
+        pytest.skip(f"no packed {ggml_type.name} kernel in kernels_avx2.c")
 
 
 def test_every_supported_type_has_a_kernel():
@@ -44,6 +51,9 @@ def test_native_matvec_matches_f32_matmul(ggml_type: T, m: int, native_kernels: 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 13, 16])
 @pytest.mark.parametrize("n", [128, 384, 1024])
 def test_packed_kernels_match_f32_matmul(ggml_type: T, m: int, n: int, native_kernels: str):
+    skip_without_packed_kernel(ggml_type, native_kernels)
+    if GGML_QUANT_SIZES[ggml_type][0] == 256:
+        n *= 2  # whole blocks
     raw = finite_blocks(ggml_type, 40, n, seed=16 + m)
     packed = native.pack(torch.from_numpy(raw), ggml_type)
     assert native.supports(ggml_type, n, True) and not native.supports(ggml_type, 96, True)
@@ -57,6 +67,7 @@ def test_packed_kernels_match_f32_matmul(ggml_type: T, m: int, n: int, native_ke
 
 @pytest.mark.parametrize("ggml_type", list(native.PACKED), ids=lambda t: t.name)
 def test_packed_kernels_take_rows_with_a_stride_and_a_bias(ggml_type: T, native_kernels: str):
+    skip_without_packed_kernel(ggml_type, native_kernels)
     raw = finite_blocks(ggml_type, 12, 512, seed=22)
     packed = native.pack(torch.from_numpy(raw), ggml_type)
     every_other = packed[::2]
@@ -68,7 +79,21 @@ def test_packed_kernels_take_rows_with_a_stride_and_a_bias(ggml_type: T, native_
     assert torch.equal(got, native.dequantize(packed, ggml_type, packed=True)[::2])
 
 
-@pytest.mark.parametrize("ggml_type", list(native.PACKED), ids=lambda t: t.name)
+@pytest.mark.parametrize("blocks", [1, 2, 3, 16, 17, 35])
+@pytest.mark.parametrize("m", [1, 3])
+def test_packed_q4_k_rows_of_any_block_count(blocks: int, m: int, use_kernels):
+    use_kernels("AVX-512")  # whole and partial groups of 16 scale fields
+    n = 256 * blocks
+    raw = finite_blocks(T.Q4_K, 7, n, seed=blocks)
+    packed = native.pack(torch.from_numpy(raw), T.Q4_K)
+    x = torch.randn(m, n, generator=torch.Generator().manual_seed(m))
+    y = native.matvec(packed, T.Q4_K, x, packed=True)
+    assert_close_matmul(y, x, reference(raw, T.Q4_K))
+    got = native.dequantize(packed, T.Q4_K, packed=True)
+    assert_same_bits(got.numpy(), gguf_dequantize(raw, T.Q4_K).astype(np.float32))
+
+
+@pytest.mark.parametrize("ggml_type", AVX2_PACKED, ids=lambda t: t.name)
 def test_avx2_kernels_repack_too(ggml_type: T, use_kernels):
     use_kernels("AVX2")
     assert native.supports(ggml_type, 1024) and native.supports(ggml_type, 1024, True)
@@ -87,6 +112,16 @@ def test_avx2_kernels_repack_too(ggml_type: T, use_kernels):
     for m in (1, 6):
         x = torch.randn(m, 1024, generator=torch.Generator().manual_seed(19))
         assert_close_matmul(lin(x), x, reference(raw, ggml_type))
+
+
+def test_avx2_kernels_leave_q4_k_unpacked(use_kernels):
+    use_kernels("AVX2")
+    assert native.supports(T.Q4_K, 256) and not native.supports(T.Q4_K, 256, packed=True)
+    raw = finite_blocks(T.Q4_K, 8, 512, seed=25)
+    lin = QuantLinear(torch.from_numpy(raw), T.Q4_K, 512)
+    assert not lin.packed and torch.equal(lin.weight, torch.from_numpy(raw))
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(26))
+    assert_close_matmul(lin(x), x, reference(raw, T.Q4_K))
 
 
 @pytest.mark.parametrize("ggml_type", [T.F32, T.F16, T.BF16], ids=lambda t: t.name)
