@@ -8,7 +8,7 @@ warm: one 8960 x 1536 matrix again and again (cache-resident; an upper bound).
 kernels:
   native       llmrun's C kernels (llmrun/quant/kernels.c, or kernels_avx2.c with
                LLMRUN_NATIVE=avx2 or on a CPU without AVX-512) on the GGUF blocks
-  packed       the same on native.pack's layout (Q4_0, Q5_0, Q4_K), as QuantLinear uses it
+  packed       the same on native.pack's layout (Q4_0, Q5_0, Q4_K, Q5_K), as QuantLinear uses it
   torch        llmrun's pure-torch fallback: dequantize, then F.linear (no compiler)
   bf16-linear  torch F.linear on bf16 weights of the same shapes (torch's own dense path)
 

@@ -1,6 +1,6 @@
 /* GGML-quantized matrix x few-vectors products and row dequantization, AVX-512.
  *
- * Weights stay in GGML's block layout (or, for Q4_0, Q5_0 and Q4_K, the packed
+ * Weights stay in GGML's block layout (or, for Q4_0, Q5_0, Q4_K and Q5_K, the packed
  * layouts near the end). Each block is dequantized in registers to exactly the
  * f32 values gguf's reference dequantizer gives (same operations in the same order;
  * built with -ffp-contract=off so no multiply-add gets fused), then multiplied into
@@ -30,7 +30,7 @@
 enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10,
        Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30,
        /* llmrun's layouts, see below */
-       Q4_0_PACKED = 1002, Q5_0_PACKED = 1006, Q4_K_PACKED = 1012 };
+       Q4_0_PACKED = 1002, Q5_0_PACKED = 1006, Q4_K_PACKED = 1012, Q5_K_PACKED = 1013 };
 
 static const float IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                      1,    13,   25,  38,  53,  69,  89,  113};
@@ -622,8 +622,15 @@ static void dequant_Q5_0_PACKED(const uint8_t *w, int64_t stride, int64_t rows, 
  * permuted), and reads one sub-block's table: per 128 weights one load, shifts,
  * eight lookups and four tables, where the GGML layout spreads bytes to dwords per
  * 16 weights. Weights keep their exact values (d*sc)*q - dmin*m, as Q4_K_DEQ makes
- * them. */
+ * them.
+ *
+ * Q5_K_PACKED: the same, with the blocks' 32-byte high-bit fields between the scale
+ * fields and the quants, each rearranged into sixteen u16 masks: bit i of mask k is
+ * the high bit of lane i of index vector k. Each lookup picks from the low table and,
+ * under its mask, from the high one: one more shuffle per 16 weights, where moving
+ * each bit to index bit 4 for vpermt2ps costs a shift and a ternary logic op. */
 #define Q4_K_PACKED_BLOCK 256
+#define Q5_K_PACKED_BLOCK 256
 #define K_GROUP 16
 
 /* ds[s][i] = d*sc[s] and ms[s][i] = dmin*m[s] for blocks i < c <= K_GROUP of a scale
@@ -657,32 +664,43 @@ static inline void k_scales_group(const uint8_t *d16, const uint8_t *dmin16,
     __asm__ volatile("" ::: "memory"); /* broadcast ds and ms from memory, as k_scales */
 }
 
-/* wv[k] = weights 16k..16k+15 of block i of a scale group, from its quants q. A
- * table is one fused multiply-subtract, yet rounds as gguf's d*q - dm does: d*sc
- * (11 by 6 significant bits) times q (4 bits) is exact in f32, so only the
- * subtraction rounds either way. */
+/* wv[k] = weights 16k..16k+15 of block i of a scale group, from its quants q and (if
+ * five, else NULL) its high-bit masks qh. A table is one fused multiply-subtract, yet
+ * rounds as gguf's d*q - dm does: d*sc (11 by 6 significant bits) times q (5 bits)
+ * is exact in f32, so only the subtraction rounds either way. */
 static inline __attribute__((always_inline)) void k_packed_weights(
-    const uint8_t *q, const float ds[8][K_GROUP], const float ms[8][K_GROUP], int i,
-    __m512 wv[16]) {
+    const uint8_t *q, const uint8_t *qh, const float ds[8][K_GROUP],
+    const float ms[8][K_GROUP], int i, __m512 wv[16], const int five) {
     const __m512i v0 = _mm512_loadu_si512(q), v1 = _mm512_loadu_si512(q + 64);
     for (int s = 0; s < 8; s++) {
-        const __m512 t = _mm512_fmsub_ps(_mm512_set1_ps(ds[s][i]), iota16(),
-                                         _mm512_set1_ps(ms[s][i]));
+        const __m512 d = _mm512_set1_ps(ds[s][i]), dm = _mm512_set1_ps(ms[s][i]);
+        const __m512 t = _mm512_fmsub_ps(d, iota16(), dm);
+        const __m512 t16 =
+            five ? _mm512_fmsub_ps(d, _mm512_add_ps(iota16(), _mm512_set1_ps(16.0f)), dm) : t;
         const __m512i v = s < 4 ? v0 : v1;
-        wv[2 * s] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * (s % 4)), t);
-        wv[2 * s + 1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * (s % 4) + 4), t);
+        for (int h = 0; h < 2; h++) {
+            const __m512i idx = _mm512_srli_epi32(v, 8 * (s % 4) + 4 * h);
+            wv[2 * s + h] = _mm512_permutexvar_ps(idx, t);
+            if (five) {
+                uint16_t bits;
+                memcpy(&bits, qh + 4 * s + 2 * h, 2);
+                wv[2 * s + h] = _mm512_mask_permutexvar_ps(wv[2 * s + h], _cvtu32_mask16(bits),
+                                                           idx, t16);
+            }
+        }
     }
 }
 
-static inline __attribute__((always_inline)) void rows_Q4_K_PACKED(
+static inline __attribute__((always_inline)) void rows_k_packed(
     const uint8_t *w, int64_t stride, int64_t r0, int64_t r1, const float *x, const int m,
-    int64_t n, float *y, int64_t ldy, const float *bias) {
-    const int64_t nb = n / QK_K;
+    int64_t n, float *y, int64_t ldy, const float *bias, const int five) {
+    const int64_t nb = n / QK_K, bytes = five ? Q5_K_BYTES : Q4_K_BYTES;
     const uint8_t *end = w + r1 * stride;
     float ds[8][K_GROUP] __attribute__((aligned(64)));
     float ms[8][K_GROUP] __attribute__((aligned(64)));
     for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *row = w + r * stride, *qs = row + 16 * nb;
+        const uint8_t *row = w + r * stride, *qh = row + 16 * nb;
+        const uint8_t *qs = row + (five ? 48 : 16) * nb;
         __m512 acc[MAX_M][4];
         for (int i = 0; i < m; i++)
             acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = _mm512_setzero_ps();
@@ -694,15 +712,15 @@ static inline __attribute__((always_inline)) void rows_Q4_K_PACKED(
                 const int64_t b = b0 + j;
                 /* At a GGML block's pace through the bytes, so that the rows ahead come
                  * in whole (their d, dmin and scale fields too), not only their quants. */
-                const uint8_t *ahead = row + PREFETCH + Q4_K_BYTES * b;
-                if (ahead + Q4_K_BYTES <= end) {
+                const uint8_t *ahead = row + PREFETCH + bytes * b;
+                if (ahead + bytes <= end) {
                     _mm_prefetch((const char *)ahead, _MM_HINT_T0);
                     _mm_prefetch((const char *)ahead + 64, _MM_HINT_T0);
-                    _mm_prefetch((const char *)ahead + Q4_K_BYTES - 1, _MM_HINT_T0);
+                    if (five) _mm_prefetch((const char *)ahead + 128, _MM_HINT_T0);
+                    _mm_prefetch((const char *)ahead + bytes - 1, _MM_HINT_T0);
                 }
-                const uint8_t *q = qs + 128 * b;
                 __m512 wv[16];
-                k_packed_weights(q, ds, ms, j, wv);
+                k_packed_weights(qs + 128 * b, five ? qh + 32 * b : NULL, ds, ms, j, wv, five);
                 for (int i = 0; i < m; i++) {
                     /* Up to two rows: four running sums each. More would not fit the
                      * registers with wv: their block sums go in four chains, then add. */
@@ -732,17 +750,13 @@ static inline __attribute__((always_inline)) void rows_Q4_K_PACKED(
     }
 }
 
-static void matvec_Q4_K_PACKED(const uint8_t *w, int64_t stride, int64_t rows, const float *x,
-                               int64_t m, int64_t n, float *y, const float *bias) {
-    ROW_PASSES(x, rows_Q4_K_PACKED);
-}
-
-static void dequant_Q4_K_PACKED(const uint8_t *w, int64_t stride, int64_t rows, int64_t n,
-                                float *out) {
+static inline __attribute__((always_inline)) void dequant_k_packed(
+    const uint8_t *w, int64_t stride, int64_t rows, int64_t n, float *out, const int five) {
     const int64_t nb = n / QK_K;
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        const uint8_t *row = w + r * stride, *qs = row + 16 * nb;
+        const uint8_t *row = w + r * stride, *qh = row + 16 * nb;
+        const uint8_t *qs = row + (five ? 48 : 16) * nb;
         float ds[8][K_GROUP] __attribute__((aligned(64)));
         float ms[8][K_GROUP] __attribute__((aligned(64)));
         for (int64_t b0 = 0; b0 < nb; b0 += K_GROUP) {
@@ -751,13 +765,27 @@ static void dequant_Q4_K_PACKED(const uint8_t *w, int64_t stride, int64_t rows, 
                            ms);
             for (int j = 0; j < c; j++) {
                 __m512 wv[16];
-                k_packed_weights(qs + 128 * (b0 + j), ds, ms, j, wv);
+                const int64_t b = b0 + j;
+                k_packed_weights(qs + 128 * b, five ? qh + 32 * b : NULL, ds, ms, j, wv, five);
                 for (int k = 0; k < 16; k++)
-                    _mm512_storeu_ps(out + r * n + 256 * (b0 + j) + 16 * k, wv[k]);
+                    _mm512_storeu_ps(out + r * n + 256 * b + 16 * k, wv[k]);
             }
         }
     }
 }
+
+#define DEFINE_K_PACKED(T, FIVE)                                                         \
+    static void matvec_##T(const uint8_t *w, int64_t stride, int64_t rows, const float *x, \
+                           int64_t m, int64_t n, float *y, const float *bias) {          \
+        ROW_PASSES(x, rows_k_packed, FIVE);                                              \
+    }                                                                                    \
+    static void dequant_##T(const uint8_t *w, int64_t stride, int64_t rows, int64_t n,   \
+                            float *out) {                                                \
+        dequant_k_packed(w, stride, rows, n, out, FIVE);                                 \
+    }
+
+DEFINE_K_PACKED(Q4_K_PACKED, 0)
+DEFINE_K_PACKED(Q5_K_PACKED, 1)
 
 #define DISPATCH(CALL)                                                                   \
     switch (type) {                                                                      \
@@ -779,6 +807,7 @@ static void dequant_Q4_K_PACKED(const uint8_t *w, int64_t stride, int64_t rows, 
     case Q4_0_PACKED: CALL(Q4_0_PACKED); return 0;                                       \
     case Q5_0_PACKED: CALL(Q5_0_PACKED); return 0;                                       \
     case Q4_K_PACKED: CALL(Q4_K_PACKED); return 0;                                       \
+    case Q5_K_PACKED: CALL(Q5_K_PACKED); return 0;                                       \
     default: return -1;                                                                  \
     }
 

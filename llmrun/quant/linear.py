@@ -10,12 +10,12 @@ the HF names and a tied lm_head/embedding pair stays one tensor through
 module's `weight` to the other.
 
 Exception to "as in the file": with the native kernels (AVX-512 or AVX2), a
-QuantLinear given its own Q4_0 or Q5_0 tensor, or Q4_K with the AVX-512 kernels
-(native.PACKED), repacks it once into native.pack's layout (same size; the file's
-view is dropped), whose kernel is ~1.3-1.5x faster (Q4_K: ~1.2x); `packed` says so,
-and its `weight` (and state dict) then holds that layout. A tied weight (a
-Parameter) is not repacked by QuantLinear; `tied_head` packs the embedding and the
-lm_head together.
+QuantLinear given its own Q4_0 or Q5_0 tensor, or Q4_K or Q5_K with the AVX-512
+kernels (native.PACKED), repacks it once into native.pack's layout (same size; the
+file's view is dropped), whose kernel is ~1.3-1.5x faster (Q4_K, Q5_K: ~1.2-1.3x);
+`packed` says so, and its `weight` (and state dict) then holds that layout. A tied
+weight (a Parameter) is not repacked by QuantLinear; `tied_head` packs the embedding
+and the lm_head together.
 """
 
 from __future__ import annotations

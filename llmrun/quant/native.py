@@ -5,7 +5,8 @@ One of two kernel families is built, by the CPU's features: AVX-512 (kernels.c, 
 -march=native) or, on CPUs without it (most AMD Zen 2/3, Intel desktop and laptop
 CPUs), AVX2 with FMA and F16C (kernels_avx2.c, with -march=haswell). Both take the
 same types and dequantize them exactly, and both have the packed layouts of Q4_0 and
-Q5_0 (that of Q4_K only AVX-512: the AVX2 library's llmrun_block is 0 for it).
+Q5_0 (those of Q4_K and Q5_K only AVX-512: the AVX2 library's llmrun_block is 0 for
+them).
 The library goes into the cache folder, keyed by a hash of the source, the compiler,
 its flags and the CPU's features, so later runs load it at once. LLMRUN_NATIVE=avx2
 builds the AVX2 kernels on any CPU with AVX2 (to test them on an AVX-512 machine).
@@ -45,13 +46,15 @@ NEEDS = {
     "AVX2": {"avx2", "fma", "f16c"},
 }
 # Types with a faster kernel on a repacked row layout (kernels.c: packed layouts; the
-# AVX2 kernels read the same bytes, but for Q4_K), by the kernel's type id, and the
-# byte sizes of their block fields in block order.
-Q4_K = GGMLQuantizationType.Q4_K
+# AVX2 kernels read the same bytes, but for Q4_K and Q5_K), by the kernel's type id,
+# and the byte sizes of their block fields in block order.
+Q4_K, Q5_K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K
 PACKED = {GGMLQuantizationType.Q4_0: 1002, GGMLQuantizationType.Q5_0: 1006, Q4_K: 1012}
+PACKED[Q5_K] = 1013
 FIELDS = {GGMLQuantizationType.Q4_0: (2, 16), GGMLQuantizationType.Q5_0: (2, 4, 16)}
 FIELDS[Q4_K] = (2, 2, 12, 128)
-K_SCALE_GROUP = 16  # Q4_K blocks whose scale fields `pack` interleaves (kernels.c: K_GROUP)
+FIELDS[Q5_K] = (2, 2, 12, 32, 128)
+K_SCALE_GROUP = 16  # K-quant blocks whose scale fields `pack` interleaves (kernels.c: K_GROUP)
 PACK_CHUNK = 1 << 22  # bytes of blocks `pack` repacks at a time
 FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC", "-fopenmp"]
 
@@ -210,8 +213,25 @@ def _q4_k_quants(qs: torch.Tensor, to_packed: bool) -> torch.Tensor:
     return (q[..., 0, :] | q[..., 1, :] << 4).reshape(rows, nb, 128)
 
 
+def _q5_k_high_bits(qh: torch.Tensor, to_packed: bool) -> torch.Tensor:
+    """Q5_K high bits `[rows, blocks, 32]`, GGML's order <-> kernels.c's Q5_K_PACKED order.
+
+    GGML: bit j of byte l is weight l of sub-block j. Packed: bit b of byte 4j + 2t + h
+    (bit 8h + b of u16 mask 2j + t) is weight 16t + 8h + b of sub-block j.
+    """
+    rows, nb = qh.shape[:2]
+    shifts = torch.arange(8, device=qh.device, dtype=torch.uint8)
+    if to_packed:
+        bits = (qh[..., None] >> shifts) & 1  # [.., l = 16t + 8h + b, j]
+        bits = bits.reshape(rows, nb, 2, 2, 8, 8).permute(0, 1, 5, 2, 3, 4)  # [.., j, t, h, b]
+    else:
+        bits = (qh.reshape(rows, nb, 8, 2, 2)[..., None] >> shifts) & 1  # [.., j, t, h, b]
+        bits = bits.permute(0, 1, 3, 4, 5, 2)  # [.., t, h, b, j]
+    return (bits << shifts).sum(-1, dtype=torch.uint8).reshape(rows, nb, 32)
+
+
 def _q4_k_scales(sc: torch.Tensor, to_packed: bool) -> torch.Tensor:
-    """Q4_K scale fields `[rows, blocks, 12]`, GGML's order <-> kernels.c's Q4_K_PACKED order.
+    """K-quant scale fields `[rows, blocks, 12]`, GGML's order <-> kernels.c's packed order.
 
     Packed: in groups of K_SCALE_GROUP blocks (the last group holds the c blocks left),
     a group of c blocks holding byte j of its block i at c * j + i.
@@ -231,8 +251,8 @@ def _q4_k_scales(sc: torch.Tensor, to_packed: bool) -> torch.Tensor:
 def pack(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
     """GGML blocks `[rows, row_bytes]` -> a new tensor in the packed layout: each row
     stored field by field (all its scales, then ..., then all its quants; same size;
-    Q4_K's scale fields also interleaved by groups of blocks and its quants reordered
-    within each block)."""
+    Q4_K's and Q5_K's scale fields also interleaved by groups of blocks and their
+    quants, and Q5_K's high bits, reordered within each block)."""
     out = torch.empty_like(raw, memory_format=torch.contiguous_format)
     rows = max(1, PACK_CHUNK // max(1, raw.shape[1]))
     # By chunks of rows, so a large tensor (a tied embedding) has no whole-size temporaries.
@@ -240,9 +260,11 @@ def pack(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
         part = raw[r0 : r0 + rows]
         blocks = part.reshape(part.shape[0], -1, GGML_QUANT_SIZES[ggml_type][1])
         fields = list(blocks.split(FIELDS[ggml_type], dim=2))
-        if ggml_type == Q4_K:
+        if ggml_type in (Q4_K, Q5_K):
             fields[2] = _q4_k_scales(fields[2], to_packed=True)
-            fields[3] = _q4_k_quants(fields[3], to_packed=True)
+            fields[-1] = _q4_k_quants(fields[-1], to_packed=True)
+        if ggml_type == Q5_K:
+            fields[3] = _q5_k_high_bits(fields[3], to_packed=True)
         torch.cat([f.reshape(part.shape[0], -1) for f in fields], 1, out=out[r0 : r0 + rows])
     return out
 
@@ -251,9 +273,11 @@ def unpack(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
     """The inverse of `pack`, in torch, so packed weights work on any device."""
     rows, nb = raw.shape[0], raw.shape[1] // GGML_QUANT_SIZES[ggml_type][1]
     fields = [f.reshape(rows, nb, -1) for f in raw.split([s * nb for s in FIELDS[ggml_type]], 1)]
-    if ggml_type == Q4_K:
+    if ggml_type in (Q4_K, Q5_K):
         fields[2] = _q4_k_scales(fields[2], to_packed=False)
-        fields[3] = _q4_k_quants(fields[3], to_packed=False)
+        fields[-1] = _q4_k_quants(fields[-1], to_packed=False)
+    if ggml_type == Q5_K:
+        fields[3] = _q5_k_high_bits(fields[3], to_packed=False)
     return torch.cat(fields, 2).reshape(rows, -1)
 
 

@@ -142,18 +142,29 @@ def test_pack_and_unpack_are_inverse(ggml_type: T):
     assert torch.equal(native.unpack(packed, ggml_type), raw)
 
 
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q5_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("blocks", [1, 2, 3, 16, 17, 35])
-def test_q4_k_packing_interleaves_the_scale_fields_by_16_blocks(blocks: int):
-    raw = torch.from_numpy(random_blocks(T.Q4_K, 3, 256 * blocks, seed=blocks))
-    packed = native.pack(raw, T.Q4_K)
-    assert torch.equal(native.unpack(packed, T.Q4_K), raw)
-    scales = raw.reshape(3, blocks, 144)[:, :, 4:16]
+def test_k_quant_packing_interleaves_the_scale_fields_by_16_blocks(blocks: int, ggml_type: T):
+    raw = torch.from_numpy(random_blocks(ggml_type, 3, 256 * blocks, seed=blocks))
+    packed = native.pack(raw, ggml_type)
+    assert torch.equal(native.unpack(packed, ggml_type), raw)
+    scales = raw.reshape(3, blocks, -1)[:, :, 4:16]
     field = packed[:, 4 * blocks : 16 * blocks]
     for b in range(blocks):
         first = b - b % 16  # of the block's group, of `count` blocks
         count = min(16, blocks - first)
         for j in range(12):
             assert torch.equal(field[:, 12 * first + count * j + b - first], scales[:, b, j])
+
+
+def test_q5_k_packing_turns_the_high_bits_into_masks_of_16_weights():
+    raw = torch.from_numpy(random_blocks(T.Q5_K, 2, 512, seed=18))
+    qh = raw.reshape(2, 2, 176)[:, :, 16:48]
+    masks = native.pack(raw, T.Q5_K)[:, 32:96].reshape(2, 2, 32)
+    for k in range(16):  # mask k: weights 16(k % 2)..16(k % 2) + 15 of sub-block k // 2
+        for i in range(16):
+            bit = masks[:, :, 2 * k + i // 8] >> (i % 8) & 1
+            assert torch.equal(bit, qh[:, :, 16 * (k % 2) + i] >> (k // 2) & 1)
 
 
 @pytest.mark.parametrize("ggml_type", list(native.PACKED), ids=lambda t: t.name)
@@ -185,8 +196,10 @@ def test_tied_head_packs_the_embedding_where_the_kernels_can(native_kernels, ggm
     embed = QuantEmbedding(torch.from_numpy(raw), ggml_type, 256)
     head = linear.tied_head(embed)
     assert head.weight is embed.weight
-    # AVX2 has no packed Q4_K kernel.
-    packable = ggml_type in native.PACKED and (native_kernels, ggml_type) != ("AVX2", T.Q4_K)
+    # AVX2 has no packed Q4_K or Q5_K kernel.
+    packable = ggml_type in native.PACKED and (
+        native_kernels != "AVX2" or ggml_type not in (T.Q4_K, T.Q5_K)
+    )
     assert head.packed == embed.packed == packable
     x = torch.randn(2, 256)
     assert_close_matmul(head(x), x, reference(raw, ggml_type))

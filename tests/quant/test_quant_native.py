@@ -81,16 +81,17 @@ def test_packed_kernels_take_rows_with_a_stride_and_a_bias(ggml_type: T, native_
 
 @pytest.mark.parametrize("blocks", [1, 2, 3, 16, 17, 35])
 @pytest.mark.parametrize("m", [1, 3])
-def test_packed_q4_k_rows_of_any_block_count(blocks: int, m: int, use_kernels):
+def test_packed_k_quant_rows_of_any_block_count(blocks: int, m: int, use_kernels):
     use_kernels("AVX-512")  # whole and partial groups of 16 scale fields
     n = 256 * blocks
-    raw = finite_blocks(T.Q4_K, 7, n, seed=blocks)
-    packed = native.pack(torch.from_numpy(raw), T.Q4_K)
-    x = torch.randn(m, n, generator=torch.Generator().manual_seed(m))
-    y = native.matvec(packed, T.Q4_K, x, packed=True)
-    assert_close_matmul(y, x, reference(raw, T.Q4_K))
-    got = native.dequantize(packed, T.Q4_K, packed=True)
-    assert_same_bits(got.numpy(), gguf_dequantize(raw, T.Q4_K).astype(np.float32))
+    for ggml_type in (T.Q4_K, T.Q5_K):
+        raw = finite_blocks(ggml_type, 7, n, seed=blocks)
+        packed = native.pack(torch.from_numpy(raw), ggml_type)
+        x = torch.randn(m, n, generator=torch.Generator().manual_seed(m))
+        y = native.matvec(packed, ggml_type, x, packed=True)
+        assert_close_matmul(y, x, reference(raw, ggml_type))
+        got = native.dequantize(packed, ggml_type, packed=True)
+        assert_same_bits(got.numpy(), gguf_dequantize(raw, ggml_type).astype(np.float32))
 
 
 @pytest.mark.parametrize("ggml_type", AVX2_PACKED, ids=lambda t: t.name)
