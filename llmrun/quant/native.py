@@ -48,12 +48,10 @@ NEEDS = {
 # Types with a faster kernel on a repacked row layout (kernels.c: packed layouts; the
 # AVX2 kernels read the same bytes, but for Q4_K and Q5_K), by the kernel's type id,
 # and the byte sizes of their block fields in block order.
+Q4_0, Q5_0 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q5_0
 Q4_K, Q5_K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K
-PACKED = {GGMLQuantizationType.Q4_0: 1002, GGMLQuantizationType.Q5_0: 1006, Q4_K: 1012}
-PACKED[Q5_K] = 1013
-FIELDS = {GGMLQuantizationType.Q4_0: (2, 16), GGMLQuantizationType.Q5_0: (2, 4, 16)}
-FIELDS[Q4_K] = (2, 2, 12, 128)
-FIELDS[Q5_K] = (2, 2, 12, 32, 128)
+PACKED = {Q4_0: 1002, Q5_0: 1006, Q4_K: 1012, Q5_K: 1013}
+FIELDS = {Q4_0: (2, 16), Q5_0: (2, 4, 16), Q4_K: (2, 2, 12, 128), Q5_K: (2, 2, 12, 32, 128)}
 K_SCALE_GROUP = 16  # K-quant blocks whose scale fields `pack` interleaves (kernels.c: K_GROUP)
 PACK_CHUNK = 1 << 22  # bytes of blocks `pack` repacks at a time
 FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC", "-fopenmp"]
@@ -196,8 +194,8 @@ def _kernel_type(ggml_type: GGMLQuantizationType, packed: bool) -> int:
     return PACKED[ggml_type] if packed else int(ggml_type)
 
 
-def _q4_k_quants(qs: torch.Tensor, to_packed: bool) -> torch.Tensor:
-    """Q4_K quants `[rows, blocks, 128]`, GGML's order <-> kernels.c's Q4_K_PACKED order.
+def _k_quants(qs: torch.Tensor, to_packed: bool) -> torch.Tensor:
+    """Q4_K/Q5_K low quants `[rows, blocks, 128]`, GGML's order <-> kernels.c's packed order.
 
     GGML: byte 32p + l holds weight l of sub-block 2p (low nibble) and of 2p + 1 (high).
     Packed: byte 64h + 4i + s holds weights i (low) and 16 + i (high) of sub-block 4h + s.
@@ -230,7 +228,7 @@ def _q5_k_high_bits(qh: torch.Tensor, to_packed: bool) -> torch.Tensor:
     return (bits << shifts).sum(-1, dtype=torch.uint8).reshape(rows, nb, 32)
 
 
-def _q4_k_scales(sc: torch.Tensor, to_packed: bool) -> torch.Tensor:
+def _k_scales(sc: torch.Tensor, to_packed: bool) -> torch.Tensor:
     """K-quant scale fields `[rows, blocks, 12]`, GGML's order <-> kernels.c's packed order.
 
     Packed: in groups of K_SCALE_GROUP blocks (the last group holds the c blocks left),
@@ -248,6 +246,19 @@ def _q4_k_scales(sc: torch.Tensor, to_packed: bool) -> torch.Tensor:
     return torch.cat([groups.reshape(rows, full, 12), tail.reshape(rows, nb - full, 12)], 1)
 
 
+def _reorder(
+    fields: list[torch.Tensor], ggml_type: GGMLQuantizationType, to_packed: bool
+) -> list[torch.Tensor]:
+    """A block's fields `[rows, blocks, size]` with the K-quants' in-field orders
+    changed to (or back from) the packed layout's; the other types' as they are."""
+    if ggml_type in (Q4_K, Q5_K):
+        fields[2] = _k_scales(fields[2], to_packed)
+        fields[-1] = _k_quants(fields[-1], to_packed)
+    if ggml_type == Q5_K:
+        fields[3] = _q5_k_high_bits(fields[3], to_packed)
+    return fields
+
+
 def pack(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
     """GGML blocks `[rows, row_bytes]` -> a new tensor in the packed layout: each row
     stored field by field (all its scales, then ..., then all its quants; same size;
@@ -259,12 +270,7 @@ def pack(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
     for r0 in range(0, raw.shape[0], rows):
         part = raw[r0 : r0 + rows]
         blocks = part.reshape(part.shape[0], -1, GGML_QUANT_SIZES[ggml_type][1])
-        fields = list(blocks.split(FIELDS[ggml_type], dim=2))
-        if ggml_type in (Q4_K, Q5_K):
-            fields[2] = _q4_k_scales(fields[2], to_packed=True)
-            fields[-1] = _q4_k_quants(fields[-1], to_packed=True)
-        if ggml_type == Q5_K:
-            fields[3] = _q5_k_high_bits(fields[3], to_packed=True)
+        fields = _reorder(list(blocks.split(FIELDS[ggml_type], dim=2)), ggml_type, True)
         torch.cat([f.reshape(part.shape[0], -1) for f in fields], 1, out=out[r0 : r0 + rows])
     return out
 
@@ -273,12 +279,7 @@ def unpack(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
     """The inverse of `pack`, in torch, so packed weights work on any device."""
     rows, nb = raw.shape[0], raw.shape[1] // GGML_QUANT_SIZES[ggml_type][1]
     fields = [f.reshape(rows, nb, -1) for f in raw.split([s * nb for s in FIELDS[ggml_type]], 1)]
-    if ggml_type in (Q4_K, Q5_K):
-        fields[2] = _q4_k_scales(fields[2], to_packed=False)
-        fields[-1] = _q4_k_quants(fields[-1], to_packed=False)
-    if ggml_type == Q5_K:
-        fields[3] = _q5_k_high_bits(fields[3], to_packed=False)
-    return torch.cat(fields, 2).reshape(rows, -1)
+    return torch.cat(_reorder(fields, ggml_type, False), 2).reshape(rows, -1)
 
 
 def kernels() -> str | None:
