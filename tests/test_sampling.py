@@ -110,3 +110,10 @@ def test_argmax_takes_the_first_of_equal_maxima():
     logits = torch.zeros(151936)
     logits[[900, 12, 150000]] = 1.0
     assert argmax(logits) == 12 == int(logits.argmax())
+
+
+def test_top_k_larger_than_the_sample():
+    logits = torch.randn(151936, generator=torch.Generator().manual_seed(1))
+    values, ids = top_k(logits, 5000)
+    expected_values, expected_ids = torch.topk(logits, 5000)
+    assert torch.equal(values, expected_values) and torch.equal(ids, expected_ids)
