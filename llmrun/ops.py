@@ -86,6 +86,11 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def gated(act, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up, the gated feed-forward's product (SiLU: silu_mul)."""
+    return silu_mul(gate, up) if act is F.silu else act(gate) * up
+
+
 def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Attention of one query per head, q [B, H, 1, D], over every key and value
     k/v [B, Hkv, L, D] (H a multiple of Hkv: grouped-query attention), scaled by

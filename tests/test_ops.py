@@ -115,3 +115,10 @@ def test_inputs_the_native_path_does_not_take_go_to_torch():
     w = torch.randn(64)
     expected = F.rms_norm(x.bfloat16(), (64,), w.bfloat16(), 1e-6)
     assert torch.equal(ops.rms_norm(x.detach().bfloat16(), w.bfloat16(), 1e-6), expected)
+
+
+def test_gated_takes_the_native_product_for_silu_only():
+    torch.manual_seed(0)
+    gate, up = torch.randn(1, 1, 64), torch.randn(1, 1, 64)
+    assert torch.equal(ops.gated(F.silu, gate, up), ops.silu_mul(gate, up))
+    assert torch.equal(ops.gated(F.gelu, gate, up), F.gelu(gate) * up)

@@ -270,9 +270,7 @@ class GatedMLP(nn.Module):
         self.act = activation(args.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.act is F.silu:
-            return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(ops.gated(self.act, self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from llmrun import ops
@@ -76,9 +75,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        if self.act is F.silu:
-            return self.down_proj(ops.silu_mul(gate, up))
-        return self.down_proj(up * self.act(gate))
+        return self.down_proj(ops.gated(self.act, gate, up))
 
 
 class Model(CausalLM):
