@@ -14,6 +14,19 @@ import torch
 from llmrun.paths import BUNDLED_MODEL
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
+DATA = Path(__file__).resolve().parent / "data"
+# Filled by `python tests/data/fetch.py` (ignored by git): llama.cpp's vocab test files
+# (ggml-vocab-*.gguf with .inp/.out) and its models/templates/*.jinja, from the
+# llama-cpp-python sdist on PyPI. ../shared is the fallback where the cache is empty.
+FETCHED = DATA / "cache"
+
+
+def _first_dir(*dirs: Path) -> Path:
+    return next((d for d in dirs if d.is_dir() and any(d.iterdir())), dirs[0])
+
+
+VOCAB_DIR = _first_dir(FETCHED / "vocab", SHARED / "vocab")
+TEMPLATES_DIR = _first_dir(FETCHED / "templates", SHARED / "templates")
 # The package ships the same file as shared/models/stories260K/stories260K.gguf.
 STORIES_GGUF = BUNDLED_MODEL
 STORIES_HF = SHARED / "models" / "stories260K" / "hf"
