@@ -34,12 +34,10 @@ from llmrun import paths
 # Kernel families, best first: their source, the -march flags they are built with
 # (-march=haswell for AVX2, so that build never holds AVX-512 code even on an AVX-512
 # CPU), and the /proc/cpuinfo flags the CPU must list.
-SOURCES = {
-    "AVX-512": Path(__file__).with_name("kernels.c"),
-    "AVX2": Path(__file__).with_name("kernels_avx2.c"),
-}
+NATIVE = Path(__file__).parents[1] / "native"
+SOURCES = {"AVX-512": NATIVE / "kernels_avx512.c", "AVX2": NATIVE / "kernels_avx2.c"}
 # Built into every family's library: the small f32 ops of a decode step (llmrun.ops).
-DECODE_OPS = Path(__file__).with_name("decode_ops.c")
+DECODE_OPS = NATIVE / "decode_ops.c"
 MARCH = {"AVX-512": ["-march=native"], "AVX2": ["-march=haswell", "-mtune=native"]}
 NEEDS = {
     "AVX-512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "f16c"},
