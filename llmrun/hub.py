@@ -41,7 +41,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
-from urllib.parse import urlsplit
+from urllib.parse import urljoin, urlsplit
 
 from huggingface_hub import constants
 
@@ -351,24 +351,92 @@ def _repo_dir(root: Path, repo: str) -> Path:
     return root / ("models--" + repo.replace("/", "--"))
 
 
+# ---- names from outside -----------------------------------------------------------------
+# Every string that a server sends, or that a cache folder holds, passes one of these checks
+# before it becomes part of a local path: llmrun joins such names to paths itself, so it must
+# refuse what huggingface_hub refuses (names that climb out of the snapshot folder).
+
+_COMMIT_RE = re.compile(r"[0-9a-f]{40}")
+_HASH_ETAG_RE = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
+_DRIVE_RE = re.compile(r"[A-Za-z]:")
+
+
+def is_safe_file_name(name: object) -> bool:
+    """A relative POSIX path of plain parts: no '', '.', '..', backslash, NUL or drive."""
+    return (
+        isinstance(name, str)
+        and not name.startswith("/")
+        and not _DRIVE_RE.match(name)
+        and "\\" not in name
+        and "\0" not in name
+        and all(part not in ("", ".", "..") for part in name.split("/"))
+    )
+
+
+def checked_file_name(repo: str, name: object) -> str:
+    """A repo file name from the server, or HubError naming the repo and the name."""
+    if not is_safe_file_name(name):
+        raise HubError(f"{repo}: the server sent an unsafe file name {name!r}; nothing was written")
+    return name
+
+
+def checked_commit(repo: str, commit: object) -> str:
+    """A commit id from the server (it names the snapshot folder): 40 lowercase hex digits."""
+    if not isinstance(commit, str) or not _COMMIT_RE.fullmatch(commit):
+        raise HubError(
+            f"{repo}: the server sent an unsafe commit id {commit!r}; nothing was written"
+        )
+    return commit
+
+
+def blob_name(etag: str) -> str:
+    """The file name in blobs/ for an etag: the etag when it is a hash, else its sha256."""
+    return etag if _HASH_ETAG_RE.fullmatch(etag) else _sha256(etag)
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    """Whether `path`, with every link and '..' followed, lies within `folder` (also followed)."""
+    return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(folder))
+
+
+def _snapshot_entry(repo: str, snap: Path, name: str) -> Path:
+    """Where file `name` of a repo goes in `snap`; refused if a link there would lead out."""
+    path = snap / checked_file_name(repo, name)
+    if not _inside(path.parent, snap):
+        raise HubError(f"{repo}: {snap} leads out of the cache at {name!r}; nothing was written")
+    return path
+
+
+def _walk(folder: Path) -> Iterator[Path]:
+    """Everything below `folder` (files, links, folders), never following a link to a folder."""
+    for top, dirs, files in os.walk(folder, followlinks=False):
+        for entry in dirs + files:
+            yield Path(top) / entry
+
+
 def _snapshot(repo_dir: Path, revision: str | None) -> Path | None:
     rev = revision or "main"
     ref = repo_dir / "refs" / rev
-    if ref.is_file():
-        commit = ref.read_text().strip()
-    elif re.fullmatch(r"[0-9a-f]{40}", rev):
-        commit = rev
+    if ref.is_file() and not ref.is_symlink():
+        commit = ref.read_text(errors="replace").strip()
     else:
-        return None
+        commit = rev
     snap = repo_dir / "snapshots" / commit
-    return snap if snap.is_dir() else None
+    if not _COMMIT_RE.fullmatch(commit) or not snap.is_dir() or not _inside(snap, repo_dir):
+        return None
+    return snap
 
 
 def _snapshot_files(snap: Path) -> dict[str, int]:
-    """Files of a snapshot and their sizes; a link whose blob is gone does not count."""
-    return {
-        p.relative_to(snap).as_posix(): p.stat().st_size for p in snap.rglob("*") if p.is_file()
-    }
+    """Files of a snapshot and their sizes; a link whose blob is gone does not count, nor a
+    name or link that leads out of the repo's folder."""
+    repo_dir = snap.parent.parent
+    files = {}
+    for p in _walk(snap):
+        name = p.relative_to(snap).as_posix()
+        if is_safe_file_name(name) and p.is_file() and _inside(p, repo_dir):
+            files[name] = p.stat().st_size
+    return files
 
 
 def _complete(snap: Path, sel: Selection, source: str) -> bool:
@@ -379,7 +447,8 @@ def _complete(snap: Path, sel: Selection, source: str) -> bool:
         index = _read_json(snap / "model.safetensors.index.json") or {}
     except ModelFormatError:
         return False
-    if not all((snap / shard).is_file() for shard in index.get("weight_map", {}).values()):
+    shards = set(index.get("weight_map", {}).values())
+    if not all(is_safe_file_name(s) and (snap / s).is_file() for s in shards):
         return False
     # llmrun fetches the tokenizer before the weights; other tools may have skipped it.
     return source == "llmrun" or any((snap / f).is_file() for f in TOKENIZER_FILES)
@@ -407,8 +476,8 @@ def _rev_suffix(snap: Path) -> str:
     refs_dir = snap.parent.parent / "refs"
     refs = sorted(
         p.relative_to(refs_dir).as_posix()
-        for p in refs_dir.rglob("*")
-        if p.is_file() and p.read_text().strip() == snap.name
+        for p in _walk(refs_dir)
+        if p.is_file() and not p.is_symlink() and p.read_text(errors="replace").strip() == snap.name
     )
     if "main" in refs:
         return ""
@@ -502,8 +571,13 @@ def list_models() -> list[CachedModel]:
     for source, root in _roots():
         for repo_dir in sorted(root.glob("models--*--*")):
             repo = repo_dir.name.removeprefix("models--").replace("--", "/", 1)
-            for snap in sorted((repo_dir / "snapshots").glob("*")):
-                rows += _snapshot_rows(source, repo, snap, usage)
+            snaps = repo_dir / "snapshots"
+            if not (_inside(repo_dir, root) and snaps.is_dir()):
+                continue
+            for commit in sorted(os.listdir(snaps)):
+                snap = _snapshot(repo_dir, commit)
+                if snap is not None:
+                    rows += _snapshot_rows(source, repo, snap, usage)
     return rows
 
 
@@ -571,6 +645,11 @@ def plan_removal(spec: str) -> Removal:
     repos, paths = [], []
     for _, root in _roots():
         repo_dir = _repo_dir(root, name.repo)
+        if repo_dir.is_symlink() or (repo_dir.exists() and not _inside(repo_dir, root)):
+            raise HubError(
+                f"{repo_dir} is a link to {os.path.realpath(repo_dir)}, outside the cache: "
+                "llmrun deletes nothing there; remove it yourself"
+            )
         found = _removal_paths(repo_dir, name) if repo_dir.is_dir() else []
         if found:
             repos.append(repo_dir)
@@ -597,7 +676,9 @@ def _removal_paths(repo_dir: Path, name: HubName) -> list[Path]:
     """Snapshot entries and blobs to delete, or the repo folder when nothing of it stays."""
     if not (name.file or name.quant or name.revision):
         return [repo_dir]
-    snaps = sorted((repo_dir / "snapshots").glob("*"))
+    folder = repo_dir / "snapshots"
+    commits = sorted(os.listdir(folder)) if folder.is_dir() else []
+    snaps = [s for s in (_snapshot(repo_dir, c) for c in commits) if s is not None]
     chosen = [_snapshot(repo_dir, name.revision)] if name.revision else snaps
     dropped: set[Path] = set()
     for snap in filter(None, chosen):
@@ -611,18 +692,19 @@ def _removal_paths(repo_dir: Path, name: HubName) -> list[Path]:
             dropped |= {snap / f for f in files}
     if not dropped:
         return []
-    kept = {p for snap in snaps for p in snap.rglob("*") if not p.is_dir()} - dropped
+    kept = {p for snap in snaps for p in _walk(snap) if not p.is_dir()} - dropped
     if not kept:
         return [repo_dir]
-    blobs = {p.resolve() for p in dropped if p.is_symlink()} - {p.resolve() for p in kept}
-    return sorted(dropped) + sorted(blobs)
+    # Only blobs of this repo go: a link planted in the snapshot may point anywhere.
+    blobs = {p.resolve() for p in dropped if p.is_symlink() and _inside(p, repo_dir / "blobs")}
+    return sorted(dropped) + sorted(blobs - {p.resolve() for p in kept})
 
 
 def _freed(paths: list[Path]) -> int:
     """Bytes that deleting `paths` gives back: a file lives on while any hard link to it does."""
     inodes: dict[tuple[int, int], list[int]] = {}
     for path in paths:
-        for p in path.rglob("*") if path.is_dir() and not path.is_symlink() else [path]:
+        for p in _walk(path) if path.is_dir() and not path.is_symlink() else [path]:
             if p.is_file() and not p.is_symlink():
                 st = p.stat()
                 inodes.setdefault((st.st_dev, st.st_ino), [st.st_size, st.st_nlink, 0])[2] += 1
@@ -633,12 +715,13 @@ def _prune(repo_dir: Path) -> None:
     """Drop emptied folders and snapshots, and the refs that pointed at them."""
     if not repo_dir.is_dir():
         return
-    for folder in sorted((repo_dir / "snapshots").rglob("*"), reverse=True):
-        if folder.is_dir() and not any(folder.iterdir()):
+    for folder in sorted(_walk(repo_dir / "snapshots"), reverse=True):
+        if folder.is_dir() and not folder.is_symlink() and not any(folder.iterdir()):
             folder.rmdir()
-    for ref in (repo_dir / "refs").rglob("*"):
-        if ref.is_file() and not (repo_dir / "snapshots" / ref.read_text().strip()).is_dir():
-            ref.unlink()
+    for ref in list(_walk(repo_dir / "refs")):
+        if ref.is_file() and not ref.is_symlink():
+            if _snapshot(repo_dir, ref.read_text(errors="replace").strip()) is None:
+                ref.unlink()
 
 
 # ---- describing a model -----------------------------------------------------------------
@@ -853,37 +936,39 @@ def _pull(name: HubName, progress: Progress) -> tuple[Path, Selection]:
         )
         if not info.sha:
             raise HubError(f"{endpoint} sent no commit for {name.repo}: is HF_ENDPOINT a Hub?")
-        sizes = {s.rfilename: s.size or 0 for s in info.siblings or []}
-        sel = _select(name, sizes)
+        commit = checked_commit(name.repo, info.sha)
+        sizes = {checked_file_name(name.repo, s.rfilename): s.size for s in info.siblings or []}
+        sel = _select(name, {f: size or 0 for f, size in sizes.items()})
         if sel.note:
             progress.on_notice(sel.note)
-        hf_snap = _repo_dir(hf_cache_dir(), name.repo) / "snapshots" / info.sha
-        if all((hf_snap / f).is_file() for f in sel.files) and _complete(
-            hf_snap, sel, "huggingface"
-        ):
-            progress.on_notice(f"using {name} from the Hugging Face cache at {hf_snap}")
-            return hf_snap, sel
+        hf_repo = _repo_dir(hf_cache_dir(), name.repo)
+        hf_snap = _snapshot(hf_repo, commit)
+        if hf_snap and set(sel.files) <= set(_snapshot_files(hf_snap)):
+            if _complete(hf_snap, sel, "huggingface"):
+                progress.on_notice(f"using {name} from the Hugging Face cache at {hf_snap}")
+                return hf_snap, sel
         repo_dir = _repo_dir(cache_dir(), name.repo)
-        snap = repo_dir / "snapshots" / info.sha
+        snap = repo_dir / "snapshots" / commit
+        entries = {f: _snapshot_entry(name.repo, snap, f) for f in sel.files}
         # Weights last, so a cached snapshot with all its weights has its small files too.
         todo = sorted(
-            (f for f in sel.files if not (snap / f).is_file()),
+            (f for f, path in entries.items() if not path.is_file()),
             key=lambda f: (f.endswith((".safetensors", ".gguf")), f),
         )
-        blobs = [_blob_info(name.repo, info.sha, f, sizes.get(f), repo_dir, endpoint) for f in todo]
-        blobs = [b for b in blobs if not _reuse(b, name.repo, snap)]
+        blobs = [_blob_info(name.repo, commit, f, sizes.get(f), repo_dir, endpoint) for f in todo]
+        blobs = [b for b in blobs if not _reuse(b, name.repo, entries[b.file])]
         _check_space(name, blobs, repo_dir)
         transfers = [FileTransfer(b.file, b.size, _part_size(b)) for b in blobs]
         if transfers:
             progress.on_start(transfers, sum(t.size for t in transfers))
         for blob in blobs:
             _download(blob, progress)
-            _link(snap / blob.file, blob.path)
+            _link(entries[blob.file], blob.path)
             progress.on_file_done(blob.file)
-    if name.revision != info.sha:
+    if name.revision != commit:
         ref = repo_dir / "refs" / (name.revision or "main")
         ref.parent.mkdir(parents=True, exist_ok=True)
-        ref.write_text(info.sha)
+        ref.write_text(commit)
     return snap, sel
 
 
@@ -971,24 +1056,37 @@ def _blob_info(
     size = meta.size if meta.size is not None else listed_size
     if not meta.etag or size is None:
         raise HubError(f"{endpoint} sent no ETag or size for {repo}/{file}: is HF_ENDPOINT a Hub?")
+    if listed_size is not None and listed_size != size:
+        raise HubError(
+            f"{repo}/{file}: the listing says {listed_size} bytes and the headers {size}; "
+            "refusing a file whose size the server cannot agree on"
+        )
+    _check_url(f"{repo}/{file}", meta.location)
     headers = build_hf_headers()
     headers["Accept-Encoding"] = "identity"
     # Signed CDN URLs must not receive the Hub token.
     if urlsplit(meta.location)[:2] != urlsplit(url)[:2]:
         headers.pop("authorization", None)
-    blob_name = meta.etag if re.fullmatch(r"[\w.-]+", meta.etag) else _sha256(meta.etag)
-    return _Blob(file, meta.location, headers, meta.etag, size, repo_dir / "blobs" / blob_name)
+    path = repo_dir / "blobs" / blob_name(meta.etag)
+    return _Blob(file, meta.location, headers, meta.etag, size, path)
+
+
+def _check_url(what: str, url: str) -> None:
+    if urlsplit(url).scheme.lower() not in ("http", "https"):
+        raise HubError(f"{what}: refused a redirect to {url!r}, which is not HTTP(S)")
 
 
 def _sha256(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _reuse(blob: _Blob, repo: str, snap: Path) -> bool:
+def _reuse(blob: _Blob, repo: str, link: Path) -> bool:
     """Link a blob that is already here or in the Hugging Face cache instead of downloading."""
     if not (blob.path.is_file() and blob.path.stat().st_size == blob.size):
-        theirs = _repo_dir(hf_cache_dir(), repo) / "blobs" / blob.path.name
-        if not (theirs.is_file() and theirs.stat().st_size == blob.size):
+        hf_repo = _repo_dir(hf_cache_dir(), repo)
+        theirs = hf_repo / "blobs" / blob.path.name
+        usable = theirs.is_file() and not theirs.is_symlink() and _inside(theirs, hf_repo)
+        if not (usable and theirs.stat().st_size == blob.size):
             return False
         blob.path.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -997,7 +1095,7 @@ def _reuse(blob: _Blob, repo: str, snap: Path) -> bool:
             pass
         except OSError:
             return False  # another file system: downloading is the only way to share nothing
-    _link(snap / blob.file, blob.path)
+    _link(link, blob.path)
     return True
 
 
@@ -1085,6 +1183,10 @@ class _Partial:
             self.size += written
             data = data[written:]
 
+    def discard(self) -> None:
+        self.path.unlink(missing_ok=True)
+        self.size, self.hasher = 0, _new_hasher(self.blob.etag, self.blob.size)
+
     def check(self) -> None:
         blob = self.blob
         if self.size != blob.size:
@@ -1128,25 +1230,61 @@ def _transient(error: Exception) -> bool:
 
 
 def _fetch(partial: _Partial, progress: Progress) -> None:
-    """One GET of the bytes after the end of the .part file."""
-    from huggingface_hub import get_session
+    """One GET of the bytes after the end of the .part file, never more than declared."""
     from huggingface_hub.utils import hf_raise_for_status
 
     blob = partial.blob
     if partial.size == blob.size:
         return
     headers = dict(blob.headers, Range=f"bytes={partial.size}-") if partial.size else blob.headers
-    timeout = constants.HF_HUB_DOWNLOAD_TIMEOUT
-    with get_session().stream("GET", blob.url, headers=headers, timeout=timeout) as response:
+    with _get(blob, headers) as response:
         if response.status_code >= 400:
             response.read()
             hf_raise_for_status(response)
         if partial.size and response.status_code != 206:  # the server ignored Range
             partial.restart()
+        declared = response.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > blob.size - partial.size:
+            raise HubError(
+                f"{blob.file}: the server is sending {declared} bytes where "
+                f"{blob.size - partial.size} remain of the {blob.size} it declared; refused"
+            )
         with open(partial.path, "ab", buffering=0) as f:
             for chunk in response.iter_bytes():
-                partial.append(f, memoryview(chunk))
+                room = blob.size - partial.size
+                partial.append(f, memoryview(chunk)[:room])
                 progress.on_progress(blob.file, partial.size, blob.size)
+                if len(chunk) > room:
+                    partial.discard()
+                    raise HubError(
+                        f"{blob.file}: the server sent more than the {blob.size} bytes it "
+                        "declared; the download was cut off there and discarded"
+                    )
+
+
+@contextmanager
+def _get(blob: _Blob, headers: dict[str, str]) -> Iterator[Any]:
+    """GET `blob.url`, following at most five redirects, each to an HTTP(S) URL only."""
+    from huggingface_hub import get_session
+
+    url, timeout = blob.url, constants.HF_HUB_DOWNLOAD_TIMEOUT
+    for _ in range(6):
+        request = get_session().build_request("GET", url, headers=headers, timeout=timeout)
+        response = get_session().send(request, stream=True, follow_redirects=False)
+        if not response.is_redirect:
+            break
+        response.close()
+        target = urljoin(url, response.headers["location"])
+        _check_url(blob.file, target)
+        if urlsplit(target)[:2] != urlsplit(url)[:2]:
+            headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+        url = target
+    else:
+        raise HubError(f"{blob.file}: more than five redirects from {blob.url}")
+    try:
+        yield response
+    finally:
+        response.close()
 
 
 def _link(link: Path, blob: Path) -> None:

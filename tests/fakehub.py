@@ -17,6 +17,12 @@ get_hf_file_metadata and http_get, utils/_http.hf_raise_for_status):
 Test knobs: `throttle` (CDN bytes per second), `cut_after` (the next CDN body stops after that
 many bytes and the connection closes), `fail` ({path substring: status}). `requests` logs
 (server, method, path, lower-cased headers) of everything received.
+
+Hostile knobs, for what a mirror, a proxy or a compromised host could send: `commit` (the
+model info's sha, any string), `sizes` ({path: size} in the listing), `etag` (every ETag and
+X-Linked-Etag), `location` (the LFS redirect's Location), `cdn_redirect` (the CDN answers a
+GET with a redirect there), `cdn_extra` (bytes appended to CDN bodies, with a Content-Length
+that counts them, or none at all with `cdn_chunked`).
 """
 
 from __future__ import annotations
@@ -71,6 +77,13 @@ class FakeHub:
         self.throttle: float | None = None
         self.cut_after: int | None = None
         self.fail: dict[str, int] = {}
+        self.commit: str | None = None
+        self.sizes: dict[str, int] = {}
+        self.etag: str | None = None
+        self.location: str | None = None
+        self.cdn_redirect: str | None = None
+        self.cdn_extra = b""
+        self.cdn_chunked = False
         self._servers = [_server(self, "api"), _server(self, "cdn")]
         self.url = _url(self._servers[0])
         self.cdn_url = _url(self._servers[1])
@@ -221,7 +234,7 @@ class _Handler(BaseHTTPRequestHandler):
             sibling: dict[str, object] = {"rfilename": path}
             if blobs:
                 lfs = path.endswith(LFS_SUFFIXES)
-                sibling["size"] = len(data)
+                sibling["size"] = self.hub.sizes.get(path, len(data))
                 sibling["blobId"] = git_blob_sha1(lfs_pointer(data) if lfs else data)
                 if lfs:
                     sha = hashlib.sha256(data).hexdigest()
@@ -233,7 +246,7 @@ class _Handler(BaseHTTPRequestHandler):
             "id": repo_id,
             "modelId": repo_id,
             "author": org,
-            "sha": commit,
+            "sha": commit if self.hub.commit is None else self.hub.commit,
             "lastModified": "2024-05-01T12:00:00.000Z",
             "private": repo.private,
             "gated": "manual" if repo.gated else False,
@@ -264,24 +277,29 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if path.endswith(LFS_SUFFIXES):
             sha = hashlib.sha256(data).hexdigest()
+            location = f"{self.hub.cdn_url}/blobs/{sha}?X-Amz-Signature={quote(commit)}"
             headers = {
-                "Location": f"{self.hub.cdn_url}/blobs/{sha}?X-Amz-Signature={quote(commit)}",
+                "Location": self.hub.location or location,
                 "ETag": f'"{git_blob_sha1(lfs_pointer(data))}"',
-                "X-Linked-Etag": f'"{sha}"',
+                "X-Linked-Etag": f'"{self.hub.etag or sha}"',
                 "X-Linked-Size": str(len(data)),
                 "X-Repo-Commit": commit,
             }
             return self._reply(302, b"", headers)
-        headers = {"ETag": f'"{git_blob_sha1(data)}"', "X-Repo-Commit": commit}
+        headers = {"ETag": f'"{self.hub.etag or git_blob_sha1(data)}"', "X-Repo-Commit": commit}
         self._send_file(data, headers)
 
     # -- CDN ---------------------------------------------------------------------------
 
     def _cdn(self, path: str) -> None:
+        if self.hub.cdn_redirect:
+            return self._reply(302, b"", {"Location": self.hub.cdn_redirect})
         data = self.hub.blobs.get(path.removeprefix("/blobs/"))
         if data is None:
             return self._reply(404, b"NoSuchKey")
-        self._send_file(data, {"ETag": f'"{hashlib.sha256(data).hexdigest()}"'})
+        self._send_file(
+            data + self.hub.cdn_extra, {"ETag": f'"{hashlib.sha256(data).hexdigest()}"'}
+        )
 
     # -- plumbing ----------------------------------------------------------------------
 
@@ -301,14 +319,26 @@ class _Handler(BaseHTTPRequestHandler):
     def _reply(
         self, status: int, body: bytes, headers: dict[str, str] | None = None, stream: bool = False
     ) -> None:
+        hub = self.hub
+        chunked = stream and hub.cdn_chunked and self.command == "GET"
         self.send_response(status)
         for key, value in (headers or {}).items():
             self.send_header(key, value)
-        self.send_header("Content-Length", str(len(body)))
+        if chunked:
+            self.send_header("Transfer-Encoding", "chunked")
+            self.close_connection = True
+        else:
+            self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         if self.command == "HEAD":
             return
-        hub = self.hub
+        if chunked:
+            for i in range(0, len(body), 8192):
+                piece = body[i : i + 8192]
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+            return
         limit = len(body)
         if stream and hub.cut_after is not None:
             limit, hub.cut_after = min(limit, hub.cut_after), None
