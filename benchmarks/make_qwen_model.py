@@ -1,7 +1,8 @@
 """Write a random-weight model of Qwen2.5-0.5B's exact shape as GGUF files, one per type.
 
 hidden 896, 24 layers, 14 heads, 2 KV heads, FFN 4864, vocabulary 151936 with
-the real Qwen2 tokenizer (../shared/vocab/ggml-vocab-qwen2.gguf), tied
+the real Qwen2 tokenizer (llama.cpp's ggml-vocab-qwen2.gguf, fetched into
+tests/data/cache/vocab by `python tests/data/fetch.py`; else ../shared/vocab), tied
 embeddings, q/k/v biases. Types: F16, Q8_0, Q4_0 and Q4_K_M, the last mixed per
 tensor as llama.cpp's quantizer mixes it for this shape: rows of 896 values are
 not a whole number of 256-value K-blocks, so those tensors fall back to Q5_0
@@ -24,7 +25,9 @@ from kquants import quantize_q4_k, quantize_q6_k
 from llmrun.loading.gguf_io import read_gguf
 
 HERE = Path(__file__).resolve().parent
-VOCAB = HERE.parents[1] / "shared" / "vocab" / "ggml-vocab-qwen2.gguf"
+FETCHED_VOCAB = HERE.parent / "tests/data/cache/vocab/ggml-vocab-qwen2.gguf"
+SHARED_VOCAB = HERE.parents[1] / "shared/vocab/ggml-vocab-qwen2.gguf"
+VOCAB = SHARED_VOCAB if SHARED_VOCAB.is_file() and not FETCHED_VOCAB.is_file() else FETCHED_VOCAB
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB_SIZE = 896, 4864, 24, 14, 2, 64, 151936
 FILE_TYPES = {
     "F16": "MOSTLY_F16",
@@ -138,6 +141,8 @@ def main() -> None:
     parser.add_argument("--types", default="F16,Q8_0,Q4_0,Q4_K_M")
     parser.add_argument("--out", type=Path, default=HERE / "out")
     args = parser.parse_args()
+    if not VOCAB.is_file():
+        parser.error(f"{VOCAB} is missing: run python tests/data/fetch.py")
     args.out.mkdir(parents=True, exist_ok=True)
     for preset in args.types.split(","):
         if preset not in FILE_TYPES:

@@ -29,9 +29,22 @@ VOCAB_DIR = _first_dir(FETCHED / "vocab", SHARED / "vocab")
 TEMPLATES_DIR = _first_dir(FETCHED / "templates", SHARED / "templates")
 # The package ships the same file as shared/models/stories260K/stories260K.gguf.
 STORIES_GGUF = BUNDLED_MODEL
-STORIES_HF = SHARED / "models" / "stories260K" / "hf"
-# For tests that need reference material only ../shared holds.
-needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason=f"{SHARED} is not present")
+# Committed (MIT, tests/data/README.md): the same model converted outside llmrun.
+STORIES_HF = DATA / "stories260K-hf"
+_FETCH = "run python tests/data/fetch.py"
+# None when present, else why a test that needs them is skipped.
+VOCAB_MISSING = (
+    None
+    if any(VOCAB_DIR.glob("ggml-vocab-*.gguf"))
+    else f"llama.cpp's ggml-vocab-*.gguf files are not in {FETCHED / 'vocab'}: {_FETCH}"
+)
+TEMPLATES_MISSING = (
+    None
+    if any(TEMPLATES_DIR.glob("*.jinja"))
+    else f"llama.cpp's chat templates (*.jinja) are not in {FETCHED / 'templates'}: {_FETCH}"
+)
+needs_vocab = pytest.mark.skipif(VOCAB_MISSING is not None, reason=str(VOCAB_MISSING))
+needs_templates = pytest.mark.skipif(TEMPLATES_MISSING is not None, reason=str(TEMPLATES_MISSING))
 
 BASE = dict(
     hidden_size=64,
@@ -255,7 +268,7 @@ def chat_model_dir(
         "bos_token": None,
         "eos_token": "<|im_end|>",
         "add_bos_token": False,
-        "chat_template": (SHARED / "templates" / template).read_text(),
+        "chat_template": (TEMPLATES_DIR / template).read_text(),
     }
     (path / "tokenizer_config.json").write_text(json.dumps(tok_config))
     return path

@@ -5,7 +5,7 @@ import shutil
 
 import gguf
 import numpy as np
-from helpers import STORIES_GGUF, STORIES_HF, needs_shared
+from helpers import STORIES_GGUF, STORIES_HF
 
 from llmrun import api
 from llmrun.loading.gguf_io import read_gguf
@@ -29,7 +29,6 @@ def test_llama_cpp_defaults_when_the_model_has_none():
     )
 
 
-@needs_shared
 def test_generation_config_sets_defaults_and_eos_list(tmp_path):
     path = hf_copy(
         tmp_path,
@@ -48,7 +47,6 @@ def test_generation_config_sets_defaults_and_eos_list(tmp_path):
     assert {2, 5} <= set(engine.eos_ids)
 
 
-@needs_shared
 def test_do_sample_false_means_greedy(tmp_path):
     engine = api.load(str(hf_copy(tmp_path, {"do_sample": False})), device="cpu")
     assert engine.defaults.temperature == 0.0

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from helpers import SHARED, chat_model_dir
+from helpers import TEMPLATES_MISSING, chat_model_dir
 
 from llmrun import api
 from llmrun.chat import ChatSession, Turn
@@ -17,8 +17,8 @@ GREEDY = SamplingParams(temperature=0)
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    if not SHARED.is_dir():
-        pytest.skip(f"{SHARED} (tokenizer and template of the chat test model) is not present")
+    if TEMPLATES_MISSING:
+        pytest.skip(TEMPLATES_MISSING)
     return api.load(str(chat_model_dir(tmp_path_factory.mktemp("chat") / "m")), device="cpu")
 
 

@@ -2,10 +2,11 @@
 
 import copy
 import functools
+import json
 from datetime import datetime
-from pathlib import Path
 
 import pytest
+from helpers import TEMPLATES_DIR, needs_templates
 
 from llmrun import chat_template
 from llmrun.chat_template import ChatTemplate, plain_transcript, select_template
@@ -13,8 +14,7 @@ from llmrun.errors import TemplateError
 
 ctu = pytest.importorskip("transformers.utils.chat_template_utils")
 
-TEMPLATES = Path(__file__).resolve().parents[2] / "shared" / "templates"
-TEMPLATE_FILES = sorted(TEMPLATES.glob("*.jinja")) if TEMPLATES.is_dir() else []
+TEMPLATE_FILES = sorted(TEMPLATES_DIR.glob("*.jinja"))
 
 # (bos, eos) as each family's tokenizer_config.json has them; "" where it has none.
 SPECIAL_TOKENS = {
@@ -42,6 +42,18 @@ TOOLS = [
         },
     }
 ]
+
+# Templates that render nothing without variables of their own: the tool-use variants
+# need tools, firefunction-v2 its functions (a JSON string) and the date.
+REQUIRED = {
+    "CohereForAI-c4ai-command-r-plus-tool_use": {"tools": TOOLS},
+    "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use": {"tools": TOOLS},
+    "NousResearch-Hermes-3-Llama-3.1-8B-tool_use": {"tools": TOOLS},
+    "fireworks-ai-llama-3-firefunction-v2": {
+        "functions": json.dumps(TOOLS, indent=2),
+        "datetime": "2025-03-07",
+    },
+}
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
 USER = {"role": "user", "content": "Hello, who are you?"}
@@ -111,12 +123,13 @@ def compiled(path):
     return ChatTemplate(path.read_text(encoding="utf-8"), bos_token=bos, eos_token=eos)
 
 
-@pytest.mark.skipif(not TEMPLATE_FILES, reason="shared/templates not found")
+@needs_templates
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 @pytest.mark.parametrize("conversation", CONVERSATIONS)
 @pytest.mark.parametrize("path", TEMPLATE_FILES, ids=lambda p: p.stem)
 def test_parity_with_transformers(path, conversation, add_generation_prompt):
     messages, extra = CONVERSATIONS[conversation]
+    extra = {**REQUIRED.get(path.stem, {}), **extra}
     bos, eos = special_tokens(path)
     tokens = {name: t for name, t in (("bos_token", bos), ("eos_token", eos)) if t}
     source = path.read_text(encoding="utf-8")
@@ -172,7 +185,7 @@ def test_tojson_matches_transformers():
 
 
 def test_whitespace_control_matches_transformers():
-    # The shared templates trim with {%- everywhere; this one relies on trim_blocks/lstrip_blocks.
+    # The real templates trim with {%- everywhere; this one relies on trim_blocks/lstrip_blocks.
     source = "<s>\n    {% for m in messages %}\n    {{ m.content }}\n    {% endfor %}\n</s>\n"
     got = ChatTemplate(source).render([USER, ASSISTANT])
     assert got == reference(source, [USER, ASSISTANT])

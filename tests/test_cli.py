@@ -8,9 +8,10 @@ import sys
 import time
 
 import pytest
-from helpers import SHARED, STORIES_GGUF, needs_shared, tiny_hf_model, write_gguf
+from helpers import STORIES_GGUF, STORIES_HF, VOCAB_DIR, needs_vocab, tiny_hf_model, write_gguf
 
-# The first 100 greedy tokens after "Once upon a time" (shared/models/stories260K/README.md).
+# The first 100 greedy tokens after "Once upon a time": llama2.c's run.c, llama.cpp and
+# transformers agree on them (tests/data/README.md).
 STORY = (
     ", there was a little girl named Lily. She loved to play outside in the park. One day, "
     "she saw a big, red ball. She wanted to play with it, but it was too high.\n"
@@ -104,11 +105,10 @@ def test_stop_string_cuts_the_text():
     assert data["finish_reason"] == "stop"
 
 
-@needs_shared
 def test_hf_directory_model():
     result = llmrun(
         "run",
-        str(SHARED / "models/stories260K/hf"),
+        str(STORIES_HF),
         "Once upon a time",
         "-n",
         "100",
@@ -229,9 +229,9 @@ def test_help_does_not_import_torch():
     assert "run" in result.stdout and "tokenize" in result.stdout
 
 
-@needs_shared
+@needs_vocab
 def test_tokenize_vocab_only_gguf():
-    vocab = SHARED / "vocab" / "ggml-vocab-llama-bpe.gguf"
+    vocab = VOCAB_DIR / "ggml-vocab-llama-bpe.gguf"
     result = llmrun("tokenize", str(vocab), "Hello world")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == [128000, 9906, 1917]

@@ -6,7 +6,7 @@ import sys
 
 import pexpect
 import pytest
-from helpers import chat_model_dir, needs_shared
+from helpers import chat_model_dir, needs_templates
 
 PROMPT = ">>> "
 
@@ -102,7 +102,7 @@ def test_multiline_input_and_history_across_sessions(home):
     again.expect(pexpect.EOF)
 
 
-@needs_shared
+@needs_templates
 def test_ctrl_c_stops_a_reply_keeps_it_and_the_session_goes_on(home, chat_model):
     child = spawn(home, str(chat_model), "-n", "-1", "--temperature", "1", "--seed", "3")
     child.sendline("Write forever")
@@ -127,7 +127,7 @@ def test_ctrl_c_stops_a_reply_keeps_it_and_the_session_goes_on(home, chat_model)
     assert child.exitstatus == 0
 
 
-@needs_shared
+@needs_templates
 def test_template_model_multi_turn(home, chat_model):
     child = spawn(home, str(chat_model), "-n", "5", "--temperature", "0", "--verbose")
     child.sendline("Hello")

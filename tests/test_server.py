@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from helpers import chat_model_dir, needs_shared
+from helpers import chat_model_dir, needs_templates
 from starlette.testclient import TestClient
 
 from llmrun import api, paths
@@ -344,7 +344,7 @@ def test_health_is_503_while_loading():
         assert response.status_code == 503 and "loading" in response.json()["error"]["message"]
 
 
-@needs_shared
+@needs_templates
 def test_chat_uses_the_models_template(tmp_path):
     engine = api.load(str(chat_model_dir(tmp_path / "m")), device="cpu")
     service = Service("m", set(), None, parallel=2, queue=1)
