@@ -1,7 +1,7 @@
 """load(MODEL) -> Engine: the model, its tokenizer, chat template and defaults.
 
 The entry point for run, chat, bench and serve. MODEL is a .gguf file, a
-Hugging Face model directory, a Hub name (resolved by hub.py), or None for the
+Hugging Face model directory, a Hub name (resolved by llmrun.hub), or None for the
 bundled stories260K.
 """
 
@@ -32,7 +32,7 @@ DEFAULT_CTX = 4096
 
 
 def resolve(spec: str | None, progress: Any = None) -> Path:
-    """Local path of MODEL: the bundled model for None, else what hub.py makes of
+    """Local path of MODEL: the bundled model for None, else what llmrun.hub makes of
     the name (a local file or directory as is, a Hub name pulled if needed, with
     `progress` reporting the download)."""
     from llmrun import hub

@@ -1,0 +1,234 @@
+"""What `show` and `list` read from a local model without loading it: tensor listings from
+GGUF and safetensors headers, weight statistics, tokenizer kind, chat template, license.
+
+Also the file-name rules that say which files make up one model (split GGUF parts,
+safetensors shards) and the quant tag in a GGUF file name. No torch: `list` and `show`
+stay fast.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from llmrun.errors import ModelFormatError
+
+SPLIT_RE = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
+SHARD_RE = re.compile(r"-\d{5}-of-\d{5}\.safetensors$")
+_QUANT_RE = re.compile(
+    r"(?<![a-z0-9])(i?q\d(?:_[a-z0-9]+)*|tq\d_\d|bf16|fp?16|fp?32|mxfp4(?:_moe)?)(?![a-z0-9])",
+    re.IGNORECASE,
+)
+_MAX_HEADER = 100 << 20
+
+
+def quant_label(path: str) -> str | None:
+    """The quant tag in a GGUF file name (or else its folders), e.g. 'Q4_K_M', upper-cased."""
+    for part in reversed(Path(SPLIT_RE.sub(".gguf", path)).parts):
+        found = _QUANT_RE.findall(part.removesuffix(".gguf"))
+        if found:
+            return found[-1].upper()
+    return None
+
+
+def safetensors_weights(names: Iterable[str]) -> list[str]:
+    """The weight files among a folder's names: its shards if it has any, else
+    model.safetensors, else every .safetensors file."""
+    weights = {f for f in names if f.endswith(".safetensors")}
+    # Repos often carry the same weights twice (sharded and consolidated.safetensors).
+    shards = {f for f in weights if SHARD_RE.search(f)}
+    if shards:
+        weights = shards
+    elif "model.safetensors" in weights:
+        weights = {"model.safetensors"}
+    return sorted(weights)
+
+
+def describe(path: Path) -> dict[str, Any]:
+    """Architecture, size, weights, tokenizer, template and license of a local model."""
+    if path.is_dir():
+        return _describe_safetensors(path)
+    return _describe_gguf(path)
+
+
+def weight_stats(path: Path) -> dict[str, Any]:
+    """Parameter count, main weight type, bytes per weight and per-type totals, from headers."""
+    if path.is_dir():
+        return _stats(_safetensors_tensors(path))
+    stats = _stats(_gguf_tensors(split_parts(path)))
+    return {**stats, "quant": quant_label(path.name) or stats["quant"]}
+
+
+def _stats(tensors: list[tuple[str, tuple[int, ...], int]]) -> dict[str, Any]:
+    types: dict[str, dict[str, int]] = {}
+    for kind, shape, nbytes in tensors:
+        row = types.setdefault(kind, {"tensors": 0, "parameters": 0, "bytes": 0})
+        row["tensors"] += 1
+        row["parameters"] += math.prod(shape)
+        row["bytes"] += nbytes
+    params = sum(r["parameters"] for r in types.values())
+    nbytes = sum(r["bytes"] for r in types.values())
+    return {
+        "parameters": params,
+        "quant": max(types, key=lambda k: types[k]["bytes"]) if types else None,
+        "bytes_per_weight": nbytes / params if params else None,
+        "tensor_types": dict(sorted(types.items(), key=lambda kv: -kv[1]["bytes"])),
+    }
+
+
+def _files_listing(base: Path, files: list[Path]) -> dict[str, Any]:
+    rows = [{"name": f.relative_to(base).as_posix(), "size": f.stat().st_size} for f in files]
+    return {"files": rows, "size": sum(r["size"] for r in rows)}
+
+
+def split_parts(path: Path) -> list[Path]:
+    """A GGUF file, or every part of a split one (first part first)."""
+    if path.suffix.lower() != ".gguf":
+        raise ModelFormatError(f"{path}: not a .gguf file nor a folder with config.json")
+    m = SPLIT_RE.search(path.name)
+    if not m:
+        return [path]
+    prefix, count = path.name[: m.start()], int(m.group(2))
+    parts = [path.with_name(f"{prefix}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [p.name for p in parts if not p.is_file()]
+    if missing:
+        raise ModelFormatError(f"{path}: split GGUF with parts missing: {', '.join(missing)}")
+    return parts
+
+
+def _gguf_tensors(parts: list[Path]) -> list[tuple[str, tuple[int, ...], int]]:
+    # Imported here: llmrun.loading imports torch, which resolving a name never needs.
+    from llmrun.loading.gguf_io import read_gguf
+
+    return [
+        (t.ggml_type.name, t.shape, t.nbytes)
+        for part in parts
+        for t in read_gguf(part, with_tensors=False).tensors.values()
+    ]
+
+
+def _describe_gguf(path: Path) -> dict[str, Any]:
+    from gguf import Keys
+
+    from llmrun.loading.gguf_io import read_gguf
+
+    parts = split_parts(path)
+    header = read_gguf(parts[0], with_tensors=False)
+    arch = header.get(Keys.General.ARCHITECTURE)
+    tok_model = header.get(Keys.Tokenizer.MODEL)
+    return {
+        "format": "gguf",
+        "path": str(parts[0]),
+        "architecture": arch,
+        "context_length": header.get(Keys.LLM.CONTEXT_LENGTH.format(arch=arch)),
+        **weight_stats(parts[0]),
+        "tokenizer": _GGUF_TOKENIZERS.get(tok_model, tok_model),
+        "chat_template": header.get(Keys.Tokenizer.CHAT_TEMPLATE),
+        "license": header.get(Keys.General.LICENSE),
+        **_files_listing(path.parent, parts),
+    }
+
+
+_GGUF_TOKENIZERS = {"llama": "SentencePiece", "gpt2": "BPE", "bert": "WordPiece", "t5": "Unigram"}
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise ModelFormatError(f"{path}: not valid JSON ({e})") from None
+
+
+def safetensors_header(path: Path) -> dict[str, Any]:
+    """The JSON header of a .safetensors file (8-byte little-endian length, then JSON)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        length = int.from_bytes(f.read(8), "little") if size >= 8 else -1
+        if not 0 < length <= min(size - 8, _MAX_HEADER):
+            raise ModelFormatError(f"{path}: not a safetensors file (header length {length})")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError as e:
+            raise ModelFormatError(f"{path}: corrupt safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise ModelFormatError(f"{path}: corrupt safetensors header (not a JSON object)")
+    return header
+
+
+def _safetensors_tensors(folder: Path) -> list[tuple[str, tuple[int, ...], int]]:
+    names = {p.name for p in folder.iterdir() if p.is_file()}
+    shards = safetensors_weights(names)
+    if "config.json" not in names or not shards:
+        raise ModelFormatError(f"{folder}: no config.json with .safetensors weights next to it")
+    tensors = []
+    for shard in shards:
+        for key, t in safetensors_header(folder / shard).items():
+            if key != "__metadata__":
+                start, end = t["data_offsets"]
+                tensors.append((t["dtype"], tuple(t["shape"]), end - start))
+    return tensors
+
+
+def _describe_safetensors(folder: Path) -> dict[str, Any]:
+    stats = weight_stats(folder)
+    config = read_json(folder / "config.json")
+    if not isinstance(config, dict):
+        raise ModelFormatError(f"{folder / 'config.json'}: not a JSON object")
+    text_config = config.get("text_config") or {}
+    context = next(
+        (
+            c[k]
+            for c in (config, text_config)
+            for k in ("max_position_embeddings", "n_positions", "seq_length")
+            if k in c
+        ),
+        None,
+    )
+    return {
+        "format": "safetensors",
+        "path": str(folder),
+        "architecture": config.get("model_type") or (config.get("architectures") or [None])[0],
+        "context_length": context,
+        **stats,
+        "tokenizer": _hf_tokenizer_kind(folder),
+        "chat_template": _hf_chat_template(folder),
+        "license": _readme_license(folder / "README.md"),
+        **_files_listing(folder, sorted(p for p in folder.rglob("*") if p.is_file())),
+    }
+
+
+def _hf_tokenizer_kind(folder: Path) -> str | None:
+    tok = read_json(folder / "tokenizer.json")
+    if isinstance(tok, dict) and isinstance(tok.get("model"), dict):
+        return tok["model"].get("type")
+    return "SentencePiece" if (folder / "tokenizer.model").is_file() else None
+
+
+def _hf_chat_template(folder: Path) -> str | None:
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    for source in ("tokenizer_config.json", "chat_template.json"):
+        template = (read_json(folder / source) or {}).get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if template:
+            return template
+    return None
+
+
+def _readme_license(readme: Path) -> str | None:
+    try:
+        text = readme.read_text(encoding="utf-8")
+    except OSError:
+        return None
+    front = re.match(r"---\s*\n(.*?)\n---", text, re.DOTALL)
+    found = re.search(r"^license:\s*(\S+)", front.group(1), re.MULTILINE) if front else None
+    return found.group(1).strip("'\"") if found else None
