@@ -8,7 +8,7 @@ bundled stories260K.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,7 @@ from torch import nn
 from llmrun import paths
 from llmrun.chat_template import ChatTemplate, select_template
 from llmrun.errors import ModelFormatError, UsageError
-from llmrun.generate import KVState, Response, stream_generate
+from llmrun.generate import KVState, Response, TokenLogprob, stream_generate
 from llmrun.loading import safetensors_io
 from llmrun.loading.loader import Checkpoint, load_model
 from llmrun.sampling import Sampler, SamplingParams
@@ -56,6 +56,17 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+SAMPLING_FLAGS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repeat_penalty",
+    "repeat_last_n",
+    "seed",
+)
+
+
 @dataclass
 class Engine:
     name: str
@@ -86,6 +97,48 @@ class Engine:
         if raw or self.template is None:
             return text
         return self.render([{"role": "user", "content": text}])
+
+    def sampling(self, flags: Mapping[str, Any]) -> SamplingParams:
+        """The model's sampling defaults with a command's sampling flags (None: unset) on top."""
+        return self.defaults.updated(**{name: flags[name] for name in SAMPLING_FLAGS})
+
+    def result_record(
+        self, text: str, final: Response, logprobs: list[TokenLogprob] | None
+    ) -> dict[str, Any]:
+        """What `run --json` prints: text, finish reason, token counts, timings, logprobs."""
+        stats = final.stats
+        result: dict[str, Any] = {
+            "model": self.name,
+            "text": text,
+            "finish_reason": final.finish_reason,
+            "prompt_tokens": stats.prompt_tokens,
+            "completion_tokens": stats.completion_tokens,
+            "timings": {
+                "load_seconds": round(self.load_seconds, 4),
+                "prompt_seconds": round(stats.prompt_seconds, 4),
+                "prompt_tokens_per_second": round(stats.prompt_tps, 2),
+                "generation_seconds": round(stats.generation_seconds, 4),
+                "generation_tokens_per_second": round(stats.generation_tps, 2),
+            },
+        }
+        if logprobs is not None:
+            result["logprobs"] = [
+                {
+                    **self._token_entry(lp.token, lp.logprob),
+                    "top_logprobs": [self._token_entry(i, v) for i, v in lp.top],
+                }
+                for lp in logprobs
+            ]
+        return result
+
+    def _token_entry(self, token: int, logprob: float) -> dict[str, Any]:
+        """A token as OpenAI's logprobs report it (text, logprob, UTF-8 bytes), plus its id."""
+        return {
+            "token": self.tokenizer.token_to_piece(token),
+            "id": token,
+            "logprob": logprob,
+            "bytes": list(self.tokenizer.token_bytes(token)),
+        }
 
     def generate(
         self,

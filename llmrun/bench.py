@@ -77,6 +77,36 @@ class BenchOptions:
     dtype: str = "auto"
     roofline: bool = False
 
+    @classmethod
+    def from_flags(
+        cls,
+        n_prompt: str,
+        n_gen: str,
+        pg: list[str],
+        n_depth: str,
+        batch_size: str,
+        threads: str | None,
+        repetitions: int,
+        device: str,
+        dtype: str,
+        roofline: bool,
+    ) -> BenchOptions:
+        """Options from `llmrun bench`'s flags as typed (comma lists), validated."""
+        options = cls(
+            n_prompt=parse_ints("-p/--n-prompt", n_prompt),
+            n_gen=parse_ints("-n/--n-gen", n_gen),
+            pg=[parse_pg(text) for text in pg],
+            depths=parse_ints("-d/--n-depth", n_depth),
+            batches=parse_ints("-b/--batch-size", batch_size),
+            threads=parse_ints("-t/--threads", threads) if threads else [None],
+            repetitions=repetitions,
+            device=device,
+            dtype=dtype,
+            roofline=roofline,
+        )
+        options.validate()
+        return options
+
     def tests(self) -> list[Test]:
         """Every test, in llama-bench's order: threads, batch, depth, then pp, tg, pg."""
         sizes = [(p, 0) for p in self.n_prompt if p] + [(0, n) for n in self.n_gen if n]

@@ -7,12 +7,9 @@ imported inside the commands, so `llmrun --help` stays instant.
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
 import re
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated
 
@@ -126,22 +123,6 @@ def _load(spec: str | None, **options):
         return api.load(spec, path=path, **options)
 
 
-SAMPLING_FLAGS = (
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "repeat_penalty",
-    "repeat_last_n",
-    "seed",
-)
-
-
-def _sampling(engine, flags: dict):
-    """The model's sampling defaults with the command's sampling flags (its locals) on top."""
-    return engine.defaults.updated(**{name: flags[name] for name in SAMPLING_FLAGS})
-
-
 def _max_tokens(value: int | None) -> int | None:
     """-n as a limit: None (and -1) for "until end of text or a full context"."""
     if value is not None and value < -1:
@@ -211,7 +192,7 @@ def run(
         threads=threads,
         template_file=template,
     )
-    params = _sampling(engine, locals())
+    params = engine.sampling(locals())
     text = engine.prompt_text(prompt, raw=raw)
     if show_prompt:
         ui.print_prompt(text)
@@ -233,7 +214,7 @@ def run(
         raise
     if output_json:
         ui.print_json(
-            _json_result(engine, "".join(pieces), final, tokens if logprobs is not None else None)
+            engine.result_record("".join(pieces), final, tokens if logprobs is not None else None)
         )
     else:
         ui.end_text()
@@ -284,47 +265,9 @@ def chat(
         threads=threads,
         template_file=template,
     )
-    params = _sampling(engine, locals())
+    params = engine.sampling(locals())
     session = ChatSession(engine, params, limit, system=system, overflow=context_overflow)
     Repl(session, interactive=ui.stdin_is_tty(), verbose=verbose).run()
-
-
-def _token_entry(engine, token: int, logprob: float) -> dict:
-    """A token as OpenAI's logprobs report it (token text, logprob, UTF-8 bytes), plus its id."""
-    tokenizer = engine.tokenizer
-    return {
-        "token": tokenizer.token_to_piece(token),
-        "id": token,
-        "logprob": logprob,
-        "bytes": list(tokenizer.token_bytes(token)),
-    }
-
-
-def _json_result(engine, text: str, final, logprobs) -> dict:
-    stats = final.stats
-    result = {
-        "model": engine.name,
-        "text": text,
-        "finish_reason": final.finish_reason,
-        "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": stats.completion_tokens,
-        "timings": {
-            "load_seconds": round(engine.load_seconds, 4),
-            "prompt_seconds": round(stats.prompt_seconds, 4),
-            "prompt_tokens_per_second": round(stats.prompt_tps, 2),
-            "generation_seconds": round(stats.generation_seconds, 4),
-            "generation_tokens_per_second": round(stats.generation_tps, 2),
-        },
-    }
-    if logprobs is not None:
-        result["logprobs"] = [
-            {
-                **_token_entry(engine, lp.token, lp.logprob),
-                "top_logprobs": [_token_entry(engine, i, v) for i, v in lp.top],
-            }
-            for lp in logprobs
-        ]
-    return result
 
 
 @app.command()
@@ -391,22 +334,7 @@ def list_models(output_json: JsonOpt = False, debug: Debug = False) -> None:
     if not output_json:
         ui.print_models(models)
         return
-    ui.print_json(
-        [
-            {
-                **dataclasses.asdict(m),
-                "path": str(m.path),
-                "last_used": _iso_time(m.last_used),
-            }
-            for m in models
-        ]
-    )
-
-
-def _iso_time(timestamp: float | None) -> str | None:
-    if timestamp is None:
-        return None
-    return datetime.fromtimestamp(timestamp, timezone.utc).isoformat(timespec="seconds")
+    ui.print_json([m.as_json() for m in models])
 
 
 @app.command()
@@ -529,19 +457,18 @@ def bench_command(
         raise UsageError(f"-o/--output must be one of {', '.join(BENCH_OUTPUTS)}, got {output!r}")
     from llmrun import bench
 
-    options = bench.BenchOptions(
-        n_prompt=bench.parse_ints("-p/--n-prompt", n_prompt),
-        n_gen=bench.parse_ints("-n/--n-gen", n_gen),
-        pg=[bench.parse_pg(text) for text in pg or []],
-        depths=bench.parse_ints("-d/--n-depth", n_depth),
-        batches=bench.parse_ints("-b/--batch-size", batch_size),
-        threads=bench.parse_ints("-t/--threads", threads) if threads else [None],
-        repetitions=repetitions,
-        device=device,
-        dtype=dtype,
-        roofline=roofline,
+    options = bench.BenchOptions.from_flags(
+        n_prompt,
+        n_gen,
+        pg or [],
+        n_depth,
+        batch_size,
+        threads,
+        repetitions,
+        device,
+        dtype,
+        roofline,
     )
-    options.validate()
     specs = list(models or [None])
     with ui.bench_progress(bench.total_runs(options, len(specs))) as progress:
         records = bench.benchmark(specs, options, progress)
@@ -597,10 +524,6 @@ def serve(
 
     with ui.download_progress() as progress:
         path = api.resolve(model, progress)
-    if threads is None:
-        # Leave a core to the HTTP side (event loop, JSON, SSE): torch's threads wait
-        # for each other at every op, so one preempted thread stalls them all.
-        threads = max(1, (os.cpu_count() or 1) - 1)
     sock = server.bind(host, port)
     name = model or path.stem
     address = sock.getsockname()

@@ -15,6 +15,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import socket
 import threading
 import time
@@ -709,6 +710,10 @@ def run(
 ) -> None:
     """Serve on `sock` until interrupted; the model loads in the background while
     /health answers 503. A failed load stops the server and is raised."""
+    if load_options.get("threads") is None:
+        # Leave a core to the HTTP side (event loop, JSON, SSE): torch's threads wait
+        # for each other at every op, so one preempted thread stalls them all.
+        load_options["threads"] = max(1, (os.cpu_count() or 1) - 1)
     aliases = {str(spec)} if spec else set()
     aliases |= {path.name, path.stem}
     service = Service(model_id, aliases, api_key, parallel, queue)

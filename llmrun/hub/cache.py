@@ -17,12 +17,15 @@ deletes nothing outside the cache.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 from huggingface_hub import constants
 
@@ -66,6 +69,17 @@ class CachedModel:
     last_used: float | None
     path: Path
     source: str
+
+    def as_json(self) -> dict[str, Any]:
+        """The row as `llmrun list --json` prints it: path as text, last use as ISO 8601."""
+        used = self.last_used
+        return {
+            **dataclasses.asdict(self),
+            "path": str(self.path),
+            "last_used": None
+            if used is None
+            else datetime.fromtimestamp(used, timezone.utc).isoformat(timespec="seconds"),
+        }
 
 
 def hf_cache_dir() -> Path:
