@@ -22,19 +22,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST as PROMETHEUS_TYPE
 from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    disable_created_metrics,
     generate_latest,
 )
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -46,188 +41,21 @@ from llmrun import __version__, api, batching
 from llmrun.batching import Event, Job, Scheduler
 from llmrun.chat import PLAIN_STOP
 from llmrun.chat_template import plain_transcript
-from llmrun.errors import ContextOverflowError, LlmrunError, ServerBusyError, UsageError
+from llmrun.errors import UsageError
 from llmrun.generate import Response as GenResponse
+from llmrun.server.metrics import Metrics
+from llmrun.server.schema import (
+    ApiError,
+    ChatBody,
+    CompletionBody,
+    Sampling,
+    as_api_error,
+    busy_error,
+    validation_message,
+)
 
 MAX_BODY_BYTES = 4 << 20
-RETRY_AFTER_SECONDS = 1
 LOG = logging.getLogger("uvicorn.error")
-
-# --- request bodies: the fields of OpenAI's API that llmrun honours --------------------
-
-Probability = Annotated[float, Field(gt=0, le=1)]
-Penalty = Annotated[float, Field(ge=-2, le=2)]
-Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
-StopText = Annotated[str, Field(max_length=512)]
-
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class Sampling(BaseModel):
-    """Fields common to both endpoints; top_k, min_p, repeat_penalty and
-    ignore_eos are extensions, as in llama.cpp's and vLLM's servers."""
-
-    model: str | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
-    top_p: Probability | None = None
-    top_k: Annotated[int, Field(ge=0)] | None = None
-    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    repeat_penalty: Annotated[float, Field(gt=0)] | None = None
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
-    seed: Seed | None = None
-    stop: StopText | Annotated[list[StopText], Field(max_length=16)] | None = None
-    n: Literal[1] = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
-
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class Message(BaseModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-
-    def as_dict(self) -> dict[str, str]:
-        content = self.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        # Templates know "system"; OpenAI's newer name for it is "developer".
-        role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
-
-
-class ChatBody(Sampling):
-    messages: Annotated[list[Message], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
-
-
-class CompletionBody(Sampling):
-    prompt: str | list[int] | Annotated[list[str], Field(min_length=1, max_length=1)]
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    echo: Literal[False] = False
-    suffix: Literal[None, ""] = None
-
-
-# --- errors ---------------------------------------------------------------------------
-
-
-class ApiError(Exception):
-    """An error answered in OpenAI's shape: {"error": {message, type, param, code}}."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        kind: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
-        self.param, self.code, self.headers = param, code, headers
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.kind,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-def _busy(message: str) -> ApiError:
-    headers = {"Retry-After": str(RETRY_AFTER_SECONDS)}
-    return ApiError(503, message, "server_error", code="server_busy", headers=headers)
-
-
-def _as_api_error(e: Exception) -> ApiError:
-    if isinstance(e, ApiError):
-        return e
-    if isinstance(e, ServerBusyError):
-        return _busy(str(e))
-    if isinstance(e, ContextOverflowError):
-        return ApiError(400, str(e), param="messages", code="context_length_exceeded")
-    if isinstance(e, LlmrunError):
-        return ApiError(400, str(e))
-    LOG.exception("request failed")
-    return ApiError(500, "internal error while generating", "server_error")
-
-
-def _validation_message(e: ValidationError) -> tuple[str, str | None]:
-    errors = e.errors(include_url=False)
-    parts = []
-    for err in errors[:3]:
-        where = ".".join(str(p) for p in err["loc"])
-        parts.append(f"{where}: {err['msg']}" if where else err["msg"])
-    param = ".".join(str(p) for p in errors[0]["loc"]) if errors else None
-    return "; ".join(parts), param
-
-
-# --- metrics --------------------------------------------------------------------------
-
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-
-
-class Metrics:
-    def __init__(self, service: Service) -> None:
-        disable_created_metrics()  # `*_created` series would only add noise
-        self.registry = registry = CollectorRegistry()
-        self.requests = Counter(
-            "llmrun_requests",
-            "Requests answered, by endpoint and HTTP status (499: the client went away).",
-            ["endpoint", "status"],
-            registry=registry,
-        )
-        self.prompt_tokens = Counter(
-            "llmrun_prompt_tokens", "Prompt tokens processed.", registry=registry
-        )
-        self.generation_tokens = Counter(
-            "llmrun_generation_tokens", "Tokens generated.", registry=registry
-        )
-        self.ttft = Histogram(
-            "llmrun_time_to_first_token_seconds",
-            "From a request's arrival to its first generated token.",
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.tpot = Histogram(
-            "llmrun_time_per_output_token_seconds",
-            "Between successive generated tokens of a request.",
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.e2e = Histogram(
-            "llmrun_request_duration_seconds",
-            "From a request's arrival to its last token.",
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
-        waiting = Gauge(
-            "llmrun_requests_waiting", "Requests queued for a free slot.", registry=registry
-        )
-        waiting.set_function(lambda: len(service.scheduler.waiting) if service.scheduler else 0)
-        running = Gauge("llmrun_requests_running", "Requests holding a slot.", registry=registry)
-        running.set_function(lambda: len(service.scheduler.active) if service.scheduler else 0)
-        slots = Gauge("llmrun_slots", "Sequences decoded together.", registry=registry)
-        slots.set(service.parallel)
 
 
 # --- the service ----------------------------------------------------------------------
@@ -282,7 +110,7 @@ class Service:
                 code="model_not_found",
             )
         if self.engine is None:
-            raise _busy("the model is still loading")
+            raise busy_error("the model is still loading")
         return self.engine
 
 
@@ -304,7 +132,7 @@ async def _read_json(request: Request, schema: type[BaseModel]) -> Any:
     try:
         return schema.model_validate(data)
     except ValidationError as e:
-        message, param = _validation_message(e)
+        message, param = validation_message(e)
         raise ApiError(400, message, param=param) from None
 
 
@@ -421,7 +249,7 @@ def _sse(
             if usage_chunk is not None:
                 yield json.dumps({**usage_chunk, "usage": _usage(gen.final)}, separators=(",", ":"))
         except Exception as e:
-            error = _as_api_error(e)
+            error = as_api_error(e)
             gen.metrics.requests.labels(gen.endpoint, str(error.status)).inc()
             yield json.dumps(error.body())
         yield "[DONE]"
@@ -655,7 +483,7 @@ def _endpoint(handler: Callable, name: str | None = None) -> Callable:
         try:
             return await handler(request)
         except Exception as e:
-            error = _as_api_error(e)
+            error = as_api_error(e)
             if name is not None:
                 request.app.state.service.metrics.requests.labels(name, str(error.status)).inc()
             return error.response()
