@@ -259,7 +259,7 @@ def print_model_info(info: dict[str, Any]) -> None:
         ("parameters", f"{count(params)} ({params:,})" if params else "-"),
         ("context length", str(info["context_length"] or "-")),
         ("weights", weights or "-"),
-        ("tokenizer", info["tokenizer"] or "-"),
+        ("tokenizer", _tokenizer_line(info)),
         ("chat template", "yes (--template prints it)" if info["chat_template"] else "no"),
         ("license", info["license"] or "-"),
         ("path", info["path"]),
@@ -270,6 +270,11 @@ def print_model_info(info: dict[str, Any]) -> None:
     ]
     for key, value in lines:
         sys.stdout.write(f"{key:<15}{value}\n")
+
+
+def _tokenizer_line(info: dict[str, Any]) -> str:
+    pre = info.get("pre_tokenizer")
+    return (info["tokenizer"] or "-") + (f", pre-tokenizer {pre}" if pre else "")
 
 
 # ---- llmrun bench -----------------------------------------------------------------------

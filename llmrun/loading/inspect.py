@@ -128,6 +128,7 @@ def _describe_gguf(path: Path) -> dict[str, Any]:
         "context_length": header.get(Keys.LLM.CONTEXT_LENGTH.format(arch=arch)),
         **weight_stats(parts[0]),
         "tokenizer": _GGUF_TOKENIZERS.get(tok_model, tok_model),
+        "pre_tokenizer": header.get(Keys.Tokenizer.PRE) if tok_model == "gpt2" else None,
         "chat_template": header.get(Keys.Tokenizer.CHAT_TEMPLATE),
         "license": header.get(Keys.General.LICENSE),
         **_files_listing(path.parent, parts),
@@ -198,10 +199,23 @@ def _describe_safetensors(folder: Path) -> dict[str, Any]:
         "context_length": context,
         **stats,
         "tokenizer": _hf_tokenizer_kind(folder),
+        "pre_tokenizer": _hf_pre_tokenizer(folder),
         "chat_template": _hf_chat_template(folder),
         "license": _readme_license(folder / "README.md"),
         **_files_listing(folder, sorted(p for p in folder.rglob("*") if p.is_file())),
     }
+
+
+def _hf_pre_tokenizer(folder: Path) -> str | None:
+    """tokenizer.json's pre-tokenizer, e.g. 'ByteLevel' or 'Sequence(Split, ByteLevel)'."""
+    tok = read_json(folder / "tokenizer.json")
+    pre = tok.get("pre_tokenizer") if isinstance(tok, dict) else None
+    if not isinstance(pre, dict):
+        return None
+    steps = pre.get("pretokenizers")
+    if pre.get("type") == "Sequence" and isinstance(steps, list):
+        return f"Sequence({', '.join(str(p.get('type')) for p in steps if isinstance(p, dict))})"
+    return pre.get("type")
 
 
 def _hf_tokenizer_kind(folder: Path) -> str | None:
