@@ -1,49 +1,32 @@
 """Text <-> token ids, built from tokenizer.json or from GGUF `tokenizer.ggml.*` metadata.
 
 The `tokenizers` library does the encoding. A GGUF-built tokenizer reproduces llama.cpp:
-SentencePiece BPE ("llama") gets merges derived from the token scores, and byte-level BPE
-("gpt2") gets the split regexes llama.cpp uses for its `tokenizer.ggml.pre`. Decoding is done
-here, from each token's bytes, so that a stream of pieces concatenates to exactly the full
-decode and never ends inside a UTF-8 character. No torch here.
+SentencePiece BPE ("llama") gets merges derived from the token scores, and BPE ("gpt2",
+"gemma4") gets the split regexes and flags llama.cpp uses for its `tokenizer.ggml.pre`
+(llmrun.pretokenizers). Decoding is done here, from each token's bytes, so that a stream of
+pieces concatenates to exactly the full decode and never ends inside a UTF-8 character. No torch
+here.
 """
 
 from __future__ import annotations
 
 import codecs
+import contextlib
 import json
+import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gguf import Keys, TokenType
-from tokenizers import AddedToken, Regex, normalizers, pre_tokenizers
+from tokenizers import AddedToken, normalizers
 from tokenizers import Tokenizer as Backend
 from tokenizers.models import BPE
 
 from llmrun.errors import TokenizerError, UnsupportedError
-
-SPM_SPACE = "\u2581"
-
-# llama.cpp's split regexes per `tokenizer.ggml.pre` (llama-vocab.cpp), applied in sequence.
-_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_LLAMA3_SPLIT = (
-    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
-_PRE_SPLITS: dict[str, tuple[str, ...]] = {
-    "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]"),
-    "gpt-2": (_GPT2_SPLIT,),
-    "llama-bpe": (_LLAMA3_SPLIT,),
-    "llama3": (_LLAMA3_SPLIT,),
-    "llama-v3": (_LLAMA3_SPLIT,),
-    "qwen2": (_QWEN2_SPLIT,),
-}
-# llama.cpp adds BOS for these pre-tokenizers when the file does not say; SentencePiece always.
-_PRE_ADDS_BOS = frozenset({"llama-bpe", "llama3", "llama-v3"})
-# and matches whole words against the vocabulary before merging for these.
-_PRE_IGNORES_MERGES = _PRE_ADDS_BOS
+from llmrun.pretokenizers import PRE_TOKENIZERS, SPM_SPACE, PreTokenizer, pre_tokenizer
 
 # Token texts llama.cpp treats as end of generation (and as control tokens) in any vocabulary.
 _END_OF_GENERATION = (
@@ -52,14 +35,71 @@ _END_OF_GENERATION = (
     "<|end|>",
     "<|return|>",
     "<|call|>",
+    "<|flush|>",
+    "<|calls|>",
     "<end_of_turn>",
     "<|endoftext|>",
+    "</s>",
     "<|eom_id|>",
     "<EOT>",
     "_<EOT>",
+    "[EOT]",
+    "[EOS]",
     "<|end_of_text|>",
     "<end_of_utterance>",
+    "<eos>",
+    "<turn|>",
+    "<|tool_response>",
+    "<\uff5cend\u2581of\u2581sentence\uff5c>",  # DeepSeek's
+    "[e~[",
 )
+# Fill-in-the-middle tokens, found by their text where the file names none: llama.cpp makes
+# them control tokens, and the pad, repo and file-separator ones end generation.
+_FIM_TEXTS = {
+    Keys.Tokenizer.FIM_PRE_ID: (
+        "<|fim_prefix|>",
+        "<fim-prefix>",
+        "<fim_prefix>",
+        "<\uff5cfim\u2581begin\uff5c>",
+        "<PRE>",
+        "\u2581<PRE>",
+        "<|code_prefix|>",
+        "<|prefix|>",
+    ),
+    Keys.Tokenizer.FIM_SUF_ID: (
+        "<|fim_suffix|>",
+        "<fim-suffix>",
+        "<fim_suffix>",
+        "<\uff5cfim\u2581hole\uff5c>",
+        "<SUF>",
+        "\u2581<SUF>",
+        "<|code_suffix|>",
+        "<|suffix|>",
+    ),
+    Keys.Tokenizer.FIM_MID_ID: (
+        "<|fim_middle|>",
+        "<fim-middle>",
+        "<fim_middle>",
+        "<\uff5cfim\u2581end\uff5c>",
+        "<MID>",
+        "\u2581<MID>",
+        "<|code_middle|>",
+        "<|middle|>",
+    ),
+    Keys.Tokenizer.FIM_PAD_ID: ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    Keys.Tokenizer.FIM_REP_ID: (
+        "<|fim_repo|>",
+        "<|repo_name|>",
+        "<fim-repo>",
+        "<REPO>",
+        "<reponame>",
+    ),
+    Keys.Tokenizer.FIM_SEP_ID: ("<|file_sep|>",),
+}
+_FIM_ENDS = (Keys.Tokenizer.FIM_PAD_ID, Keys.Tokenizer.FIM_REP_ID, Keys.Tokenizer.FIM_SEP_ID)
+# gpt-oss: llama.cpp always matches and prints these, even where the file calls them control.
+_ALWAYS_SHOWN = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
+_GGUF_MODELS = ("llama", "gpt2", "gemma4")
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -142,6 +182,29 @@ class Tokenizer:
             ids.insert(0, self.bos_id)
         return ids
 
+    def encode_batch(
+        self,
+        texts: Sequence[str],
+        add_bos: bool | None = None,
+        parse_special: bool = True,
+        threads: int | None = None,
+    ) -> list[list[int]]:
+        """`encode` of each text, on the `tokenizers` library's threads (`threads` of them).
+
+        The library sizes its thread pool once per process, at its first parallel encode, so
+        a `threads` given later than that is not honoured, except 1 (no pool at all).
+        """
+        self._backend.encode_special_tokens = not parse_special
+        with _thread_pool(threads):
+            encodings = self._backend.encode_batch_fast(list(texts), add_special_tokens=False)
+        wants_bos = self.add_bos if add_bos is None else add_bos
+        out = [e.ids for e in encodings]
+        if wants_bos and self.bos_id is not None:
+            for ids in out:
+                if ids[:1] != [self.bos_id]:
+                    ids.insert(0, self.bos_id)
+        return out
+
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
         """Text of `ids`; ids outside the vocabulary decode to nothing, like in `tokenizers`."""
         data = b"".join(self._piece(i, skip_special) for i in ids)
@@ -186,12 +249,12 @@ class Tokenizer:
     def from_gguf_metadata(cls, metadata: dict[str, Any], source: str) -> Tokenizer:
         """Build from GGUF metadata as llama.cpp reads it; `source` names the file in errors."""
         model = metadata.get(Keys.Tokenizer.MODEL)
-        if model not in ("llama", "gpt2"):
+        if model not in _GGUF_MODELS:
             if model is None:
                 raise TokenizerError(f"{source}: no {Keys.Tokenizer.MODEL} in the metadata")
             raise UnsupportedError(
                 f"{source}: {Keys.Tokenizer.MODEL} {model!r} is not supported "
-                "(supported: 'llama', 'gpt2')"
+                f"(supported: {', '.join(map(repr, _GGUF_MODELS))})"
             )
         tokens = metadata.get(Keys.Tokenizer.LIST)
         if not isinstance(tokens, list) or not tokens:
@@ -205,91 +268,66 @@ class Tokenizer:
             return value if isinstance(value, int) and 0 <= value < n else None
 
         spm = model == "llama"
-        eog = [token_id(k) for k in (Keys.Tokenizer.EOS_ID, Keys.Tokenizer.EOT_ID)]
-        eog += [token_id(Keys.Tokenizer.EOM_ID)]
         vocab = _gguf_vocab(tokens)
-        eog += [vocab.get(t) for t in _END_OF_GENERATION]
-        eog_ids = {i for i in eog if i is not None}
-        kinds = _ids_by_type(types)
-        # llama.cpp turns every end-of-generation token into a control token.
-        special_ids = kinds[TokenType.CONTROL] | kinds[TokenType.UNKNOWN] | eog_ids
-        user_ids = kinds[TokenType.USER_DEFINED] - special_ids
-
         if spm:
-            scores = _gguf_array(metadata, Keys.Tokenizer.SCORES, n, source, 0.0)
-            unk = token_id(Keys.Tokenizer.UNK_ID, 0)
-            bpe = BPE(
-                vocab,
-                _spm_merges(vocab, scores),
-                unk_token=tokens[unk] if unk is not None and tokens[unk] in vocab else None,
-                byte_fallback=True,
-            )
+            pre = None
             add_prefix = bool(metadata.get(Keys.Tokenizer.ADD_PREFIX, True))
-            backend = Backend(bpe)
-            escape = normalizers.Replace(" ", SPM_SPACE)
-            # llama.cpp adds the space prefix to every run of text, also after a special token.
-            backend.normalizer = (
-                normalizers.Sequence([normalizers.Prepend(SPM_SPACE), escape])
-                if add_prefix
-                else escape
-            )
+            backend = _spm_backend(metadata, tokens, vocab, n, source, add_prefix)
             add_bos_default = True
             bos, eos = token_id(Keys.Tokenizer.BOS_ID, 1), token_id(Keys.Tokenizer.EOS_ID, 2)
         else:
-            pre = metadata.get(Keys.Tokenizer.PRE, "default")
-            if pre not in _PRE_SPLITS:
+            # llama.cpp reads no tokenizer.ggml.pre for Gemma 4's own tokenizer model.
+            name = "gemma4" if model == "gemma4" else metadata.get(Keys.Tokenizer.PRE, "default")
+            pre = PRE_TOKENIZERS.get(name)
+            if pre is None:
                 raise UnsupportedError(
-                    f"{source}: pre-tokenizer {Keys.Tokenizer.PRE} = {pre!r} is not supported "
-                    f"(supported: {', '.join(sorted(_PRE_SPLITS))})"
+                    f"{source}: pre-tokenizer {Keys.Tokenizer.PRE} = {name!r} is not supported "
+                    f"(llmrun knows every value llama.cpp knows for BPE: {len(PRE_TOKENIZERS)}, "
+                    "listed in `llmrun.pretokenizers`)"
                 )
-            merges = metadata.get(Keys.Tokenizer.MERGES)
-            if not isinstance(merges, list):
-                raise TokenizerError(f"{source}: no {Keys.Tokenizer.MERGES} in the metadata")
-            try:
-                bpe = BPE(vocab, _split_merges(merges), ignore_merges=pre in _PRE_IGNORES_MERGES)
-            except Exception as e:
-                raise TokenizerError(
-                    f"{source}: {Keys.Tokenizer.MERGES} does not fit {Keys.Tokenizer.LIST}: {e}"
-                ) from None
-            backend = Backend(bpe)
-            backend.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Split(Regex(r), "isolated") for r in _PRE_SPLITS[pre]]
-                + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-            )
             add_prefix = False
-            add_bos_default = pre in _PRE_ADDS_BOS
+            backend = _bpe_backend(metadata, vocab, pre, source)
+            add_bos_default = pre.add_bos
             bos, eos = token_id(Keys.Tokenizer.BOS_ID), token_id(Keys.Tokenizer.EOS_ID)
 
-        rstrip = _rstrip_after(metadata, tokens, special_ids | user_ids)
+        marks = _Marks.from_gguf(metadata, tokens, types, vocab, token_id, bos, eos)
         backend.add_tokens(
             [
                 AddedToken(
-                    tokens[i], special=i in special_ids, normalized=False, rstrip=i in rstrip
+                    tokens[i],
+                    special=i in marks.special,
+                    normalized=False,
+                    lstrip=i in marks.lstrip,
+                    rstrip=i in marks.rstrip,
                 )
-                for i in sorted(special_ids | user_ids)
+                for i in sorted(marks.special | marks.user)
                 if tokens[i] in vocab
             ]
         )
-        verbatim = special_ids | user_ids | kinds[TokenType.UNUSED]
+        verbatim = marks.special | marks.user | marks.unused
+        byte_level = pre is not None and pre.byte_level
 
         def spell(i: int) -> bytes:
             if i in verbatim:
                 # llama.cpp prints nothing for unused tokens.
-                return b"" if types[i] == TokenType.UNUSED else _raw(tokens[i])
-            if spm:
-                return _spm_bytes(tokens[i], types[i] == TokenType.BYTE)
-            return _byte_level_bytes(tokens[i])
+                return b"" if i in marks.unused else _raw(tokens[i])
+            if byte_level:
+                return _byte_level_bytes(tokens[i])
+            return _spm_bytes(tokens[i], types[i] == TokenType.BYTE)
 
+        add_bos = bool(metadata.get(Keys.Tokenizer.ADD_BOS, add_bos_default))
+        # llama.cpp overrides a Gemma 4 file that says no BOS.
+        add_bos |= pre is not None and pre.regex_set == "gemma4" and pre.escape_spaces
         return cls(
             backend,
             spell,
             vocab_size=n,
             bos_id=bos,
             eos_id=eos,
-            add_bos=bool(metadata.get(Keys.Tokenizer.ADD_BOS, add_bos_default)),
+            add_bos=add_bos,
             add_eos=bool(metadata.get(Keys.Tokenizer.ADD_EOS, False)),
-            special_ids=special_ids,
-            eog_ids=eog_ids,
+            special_ids=marks.special,
+            eog_ids=marks.eog,
             strip_leading_space=spm and add_prefix,
             source=source,
         )
@@ -440,14 +478,173 @@ def _is_utf8(text: str) -> bool:
     return True
 
 
-def _ids_by_type(types: list[int]) -> dict[TokenType, set[int]]:
-    """The ids of each token type but NORMAL, which is nearly all of them."""
-    kinds: dict[TokenType, set[int]] = {t: set() for t in TokenType}
-    normal = int(TokenType.NORMAL)
-    for i in [i for i, t in enumerate(types) if t != normal]:
-        if types[i] in kinds:
-            kinds[types[i]].add(i)
-    return kinds
+def _spm_backend(
+    metadata: dict[str, Any],
+    tokens: list[str],
+    vocab: dict[str, int],
+    n: int,
+    source: str,
+    add_prefix: bool,
+) -> Backend:
+    scores = _gguf_array(metadata, Keys.Tokenizer.SCORES, n, source, 0.0)
+    unk = metadata.get(Keys.Tokenizer.UNK_ID, 0)
+    unk_token = tokens[unk] if isinstance(unk, int) and 0 <= unk < n else None
+    bpe = BPE(
+        vocab,
+        _spm_merges(vocab, scores),
+        unk_token=unk_token if unk_token in vocab else None,
+        byte_fallback=True,
+    )
+    backend = Backend(bpe)
+    escape = normalizers.Replace(" ", SPM_SPACE)
+    # llama.cpp adds the space prefix to every run of text, also after a special token.
+    backend.normalizer = (
+        normalizers.Sequence([normalizers.Prepend(SPM_SPACE), escape]) if add_prefix else escape
+    )
+    return backend
+
+
+def _bpe_backend(
+    metadata: dict[str, Any], vocab: dict[str, int], pre: PreTokenizer, source: str
+) -> Backend:
+    merges = metadata.get(Keys.Tokenizer.MERGES)
+    if not isinstance(merges, list):
+        raise TokenizerError(f"{source}: no {Keys.Tokenizer.MERGES} in the metadata")
+    try:
+        bpe = BPE(
+            vocab,
+            _split_merges(merges),
+            ignore_merges=pre.ignore_merges,
+            # Without GPT-2's byte alphabet, a character outside the vocabulary is spelled
+            # with <0xXX> byte tokens.
+            byte_fallback=not pre.byte_level,
+        )
+    except Exception as e:
+        raise TokenizerError(
+            f"{source}: {Keys.Tokenizer.MERGES} does not fit {Keys.Tokenizer.LIST}: {e}"
+        ) from None
+    backend = Backend(bpe)
+    if pre.escape_spaces:
+        backend.normalizer = normalizers.Replace(" ", SPM_SPACE)
+    backend.pre_tokenizer = pre_tokenizer(pre)
+    return backend
+
+
+@dataclass
+class _Marks:
+    """Token ids by the part llama.cpp gives them beyond plain text."""
+
+    special: set[int]  # control and unknown: parsed only when asked, skipped in decode
+    user: set[int]  # user-defined: always matched, always printed
+    unused: set[int]  # printed as nothing
+    eog: set[int]  # end generation
+    lstrip: set[int]  # swallow the whitespace before them
+    rstrip: set[int]  # and after them
+
+    @classmethod
+    def from_gguf(
+        cls,
+        metadata: dict[str, Any],
+        tokens: list[str],
+        types: list[int],
+        vocab: dict[str, int],
+        token_id: Callable[[str], int | None],
+        bos: int | None,
+        eos: int | None,
+    ) -> _Marks:
+        """As llama_vocab::impl::load marks them: the file's token types, then its fixes."""
+        kinds: dict[int, set[int]] = {int(t): set() for t in TokenType}
+        normal = int(TokenType.NORMAL)
+        for i in [i for i, t in enumerate(types) if t != normal]:
+            if types[i] in kinds:
+                kinds[types[i]].add(i)
+        control = kinds[TokenType.CONTROL] | kinds[TokenType.UNKNOWN]
+        user = kinds[TokenType.USER_DEFINED]
+        eog = {i for i in (eos, token_id(Keys.Tokenizer.EOT_ID), token_id(Keys.Tokenizer.EOM_ID))}
+        for key, texts in _FIM_TEXTS.items():
+            fim = token_id(key)
+            if fim is None:
+                fim = next((vocab[t] for t in texts if t in vocab), None)
+                control |= {fim} if fim is not None else set()
+            if key in _FIM_ENDS:
+                eog.add(fim)
+        ends = {vocab[t] for t in _END_OF_GENERATION if t in vocab}
+        control |= ends
+        eog |= ends
+        eog.discard(None)
+        shown = {vocab[t] for t in _ALWAYS_SHOWN if t in vocab}
+        control -= shown
+        user |= shown
+        text = {i: tokens[i] for i in eog}
+        # gpt-oss (and Solar Open): <|end|> ends a message, not the generation.
+        if "<|end|>" in text.values() and (
+            {"<|return|>", "<|call|>"} <= set(text.values())
+            or {"<|calls|>", "<|flush|>"} <= set(text.values())
+        ):
+            end = next(i for i, t in text.items() if t == "<|end|>")
+            eog.discard(end)
+            control.discard(end)
+            user.add(end)
+        # Gemma 4 (and PLaMo 2): </s> is a plain token.
+        if "</s>" in text.values() and {"<|tool_response>", "<|plamo:eos|>"} & set(text.values()):
+            plain = next(i for i, t in text.items() if t == "</s>")
+            eog.discard(plain)
+            control.discard(plain)
+            user.discard(plain)
+        user -= control
+        lstrip, rstrip = _stripped(metadata, vocab, control | user)
+        return cls(control, user, kinds[TokenType.UNUSED] - control - user, eog, lstrip, rstrip)
+
+
+def _stripped(
+    metadata: dict[str, Any], vocab: dict[str, int], ids: set[int]
+) -> tuple[set[int], set[int]]:
+    """Special tokens that swallow the whitespace before or after them: llama.cpp sets this by
+    model, recognised by pre-tokenizer, architecture or general.name, as their tokenizer.json
+    files do."""
+    pre = str(metadata.get(Keys.Tokenizer.PRE, ""))
+    arch = str(metadata.get(Keys.General.ARCHITECTURE, ""))
+    name = str(metadata.get(Keys.General.NAME, "")).lower()
+
+    def ids_of(*texts: str) -> set[int]:
+        return {vocab[t] for t in texts if t in vocab and vocab[t] in ids}
+
+    if any(p in pre for p in ("jina-v2-de", "jina-v2-es", "jina-v2-code")) or any(
+        a in arch for a in ("nomic-bert-moe", "jina-bert-v3")
+    ):
+        return ids_of("<mask>"), set()
+    if "phi-3" in name or "phi3" in name:
+        return set(), ids - ids_of("<unk>", "<s>", "<|endoftext|>")
+    if "modern-bert" in name:
+        return ids_of("[MASK]"), set()
+    return set(), set()
+
+
+_pool = {"started": False}
+
+
+@contextlib.contextmanager
+def _thread_pool(threads: int | None) -> Iterator[None]:
+    """Runs a batch on `threads` of the tokenizers library's threads (None: its default)."""
+    if threads is not None and threads < 1:
+        raise TokenizerError(f"threads must be at least 1, got {threads}")
+    if threads != 1:
+        if not _pool["started"] and threads is not None:
+            # Read once, when the library starts its pool (rayon's RAYON_NUM_THREADS).
+            os.environ["RAYON_NUM_THREADS"] = str(threads)
+        _pool["started"] = True
+        yield
+        return
+    # Read at every call: while it is "false" no pool is used (or started).
+    saved = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved
 
 
 def _spm_merges(vocab: dict[str, int], scores: list[float]) -> list[tuple[str, str]]:
@@ -475,16 +672,6 @@ def _split_merges(merges: list[str]) -> list[tuple[str, str]]:
     if len(parts) != 2 * len(merges):
         return [(m[: (cut := m.find(" ", 1))], m[cut + 1 :]) for m in merges]
     return list(zip(parts[::2], parts[1::2], strict=True))
-
-
-def _rstrip_after(metadata: dict[str, Any], tokens: list[str], ids: set[int]) -> set[int]:
-    """Special tokens that swallow the whitespace after them: llama.cpp does this for Phi-3,
-    recognised by its general.name, as Phi-3's own tokenizer.json does."""
-    name = str(metadata.get(Keys.General.NAME, "")).lower()
-    if "phi-3" not in name and "phi3" not in name:
-        return set()
-    keep = {"<unk>", "<s>", "<|endoftext|>"}
-    return {i for i in ids if tokens[i] not in keep}
 
 
 def _read_json(file: Path) -> dict[str, Any]:
