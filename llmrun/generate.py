@@ -105,6 +105,8 @@ def reuse_prefix(state: KVState, prompt: Sequence[int]) -> int:
     limit = min(len(state.tokens), len(prompt) - 1)
     while n < limit and state.tokens[n] == prompt[n]:
         n += 1
+    # A cache that keeps only the sliding window may have overwritten what n needs.
+    n = state.cache.reusable(n)
     del state.tokens[n:]
     return n
 

@@ -88,14 +88,43 @@ CONFIGS = {
             long_factor=[1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0],
         ),
     ),
+    # Gemma: head_dim larger than hidden / heads, as in Gemma 7B.
+    "gemma": dict(model_type="gemma", head_dim=32),
+    # Gemma 2/3: windows of 5 under prompts of 12, so local and global layers differ;
+    # soft-caps small enough to bite (logits span about ±4). The layer counts give
+    # llama.cpp's default patterns (2 and 6) a global layer, since its converter
+    # writes no pattern; query_pre_attn_scalar = head_dim, as llama.cpp assumes
+    # (tests/models/test_parity.py also tries another).
+    "gemma2": dict(
+        model_type="gemma2",
+        head_dim=32,
+        num_hidden_layers=3,
+        sliding_window=5,
+        query_pre_attn_scalar=32,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0,
+    ),
+    "gemma3": dict(
+        model_type="gemma3_text",
+        head_dim=32,
+        num_hidden_layers=6,
+        sliding_window=5,
+        query_pre_attn_scalar=32,
+        rope_theta=100000.0,
+        rope_scaling=dict(rope_type="linear", factor=4.0),
+        rope_local_base_freq=1000.0,
+        final_logit_softcapping=5.0,
+    ),
 }
+GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 
 
-def tiny_hf_model(name: str, seed: int = 0):
-    """A transformers model of config CONFIGS[name] with N(0, 0.2) weights, and its config dict."""
+def tiny_hf_model(name: str, seed: int = 0, **overrides):
+    """A transformers model of config CONFIGS[name] (and `overrides`) with N(0, 0.2)
+    weights, and its config dict."""
     import transformers
 
-    config = transformers.AutoConfig.for_model(**{**BASE, **CONFIGS[name]})
+    config = transformers.AutoConfig.for_model(**{**BASE, **CONFIGS[name], **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -145,12 +174,23 @@ GGUF_NAMES = {
 }
 
 
-def gguf_name(hf_name: str) -> str:
+# Gemma 2/3's four norms a layer, as llama.cpp names them.
+GEMMA2_GGUF_NAMES = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+
+
+def gguf_name(hf_name: str, model_type: str | None = None) -> str:
+    names = GGUF_NAMES
+    if model_type in ("gemma2", "gemma3_text"):
+        names = {**GGUF_NAMES, **GEMMA2_GGUF_NAMES}
     module, _, suffix = hf_name.rpartition(".")
-    if module in GGUF_NAMES:
-        return f"{GGUF_NAMES[module]}.{suffix}"
+    if module in names:
+        return f"{names[module]}.{suffix}"
     _, _, layer, rest = module.split(".", 3)
-    return f"blk.{layer}.{GGUF_NAMES[rest]}.{suffix}"
+    return f"blk.{layer}.{names[rest]}.{suffix}"
 
 
 def write_gguf(
@@ -164,7 +204,8 @@ def write_gguf(
     from llmrun.loading.gguf_io import read_gguf
 
     qtype = qtype or gguf.GGMLQuantizationType.F32
-    arch = {"mistral": "llama"}.get(config["model_type"], config["model_type"])
+    model_type = config["model_type"]
+    arch = {"mistral": "llama", "gemma3_text": "gemma3"}.get(model_type, model_type)
     writer = gguf.GGUFWriter(str(path), arch)
     n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // n_head
@@ -178,10 +219,18 @@ def write_gguf(
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     rope = config.get("rope_parameters") or {}
+    if model_type == "gemma3_text":
+        _add_gemma3_rope(writer, rope)
+        rope = rope["full_attention"]
     writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
     writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     if config.get("sliding_window"):
         writer.add_sliding_window(config["sliding_window"])
+    if model_type == "gemma2":
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    if model_type == "gemma3_text" and config.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
     # general.file_type numbers presets (llama_ftype), not tensor types.
     ftype = "ALL_F32" if qtype == gguf.GGMLQuantizationType.F32 else f"MOSTLY_{qtype.name}"
     if ftype in gguf.LlamaFileType.__members__:
@@ -202,25 +251,45 @@ def write_gguf(
             raw, raw_type = tensor
             if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 raw = _permute(raw, n_head if "q_proj" in name else n_kv)
-            writer.add_tensor(gguf_name(name), np.ascontiguousarray(raw), raw_dtype=raw_type)
+            writer.add_tensor(
+                gguf_name(name, model_type), np.ascontiguousarray(raw), raw_dtype=raw_type
+            )
             continue
         data = tensor.detach().float().numpy()
+        if model_type in GEMMA_TYPES and name.endswith("norm.weight"):
+            data = data + 1  # llama.cpp's converter stores Gemma's norms as 1 + w
         if arch == "llama" and name.endswith("q_proj.weight"):
             data = _permute(data, n_head)
         elif arch == "llama" and name.endswith("k_proj.weight"):
             data = _permute(data, n_kv)
         if data.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(gguf_name(name), np.ascontiguousarray(data, dtype=np.float32))
+            writer.add_tensor(
+                gguf_name(name, model_type), np.ascontiguousarray(data, dtype=np.float32)
+            )
         elif qtype == gguf.GGMLQuantizationType.F16:
-            writer.add_tensor(gguf_name(name), data.astype(np.float16))
+            writer.add_tensor(gguf_name(name, model_type), data.astype(np.float16))
         else:
             raw = gguf.quants.quantize(data, qtype)
-            writer.add_tensor(gguf_name(name), raw, raw_shape=raw.shape, raw_dtype=qtype)
+            writer.add_tensor(
+                gguf_name(name, model_type), raw, raw_shape=raw.shape, raw_dtype=qtype
+            )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _add_gemma3_rope(writer, rope: dict) -> None:
+    """Gemma 3's RoPE as llama.cpp's converter writes it: the global layers' base and
+    scaling under the usual keys, the local layers' base as freq_base_swa."""
+    import gguf
+
+    full = rope["full_attention"]
+    if full.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(full["factor"])
+    writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
 
 
 CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")

@@ -256,7 +256,17 @@ def _tensor_nbytes(
 
 
 # GGUF architecture -> Hugging Face model_type. llama.cpp converts Mistral to "llama".
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+MODEL_TYPES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    "gemma": "gemma",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3_text",
+}
+# Families whose RMSNorm is x * (1 + w): llama.cpp's converter stores 1 + w.
+GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -277,6 +287,12 @@ _GLOBAL_NAMES = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
+# Gemma 2/3's four norms a layer: ffn_norm is the one before the feed-forward there.
+_GEMMA2_LAYER_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 # Tensors that carry RoPE settings rather than weights; config_from_gguf reads them.
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
@@ -289,14 +305,12 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
     parts = base.split(".")
-    if (
-        len(parts) != 3
-        or parts[0] != "blk"
-        or not parts[1].isdigit()
-        or parts[2] not in _LAYER_NAMES
-    ):
+    names = _LAYER_NAMES
+    if model_type in ("gemma2", "gemma3_text"):
+        names = {**_LAYER_NAMES, **_GEMMA2_LAYER_NAMES}
+    if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit() or parts[2] not in names:
         return None
-    name = _LAYER_NAMES[parts[2]]
+    name = names[parts[2]]
     if model_type == "phi3" and parts[2] == "ffn_up":
         name = "mlp.gate_up_proj"  # llama.cpp stores Phi-3's fused gate_up as ffn_up
     return f"model.layers.{parts[1]}.{name}.{suffix}"
@@ -343,6 +357,8 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in gg.tensors,
         "attention_bias": "blk.0.attn_q.bias" in gg.tensors,
     }
+    if config["model_type"] in GEMMA_TYPES:
+        return _gemma_config(gg, config, key)
     window = key("attention.sliding_window")
     if window:
         config["sliding_window"] = window
@@ -350,6 +366,104 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         gg, key, head_dim, config["max_position_embeddings"]
     )
     return config
+
+
+# Where a Gemma GGUF leaves out what an HF config says, llmrun reads the file as
+# llama.cpp does (its reading defines the format): llama.cpp's
+# src/models/gemma2.cpp and gemma3.cpp, llama_model_gemma*::load_arch_hparams
+# (llama-model.cpp's load_hparams in older releases), its defaults in
+# src/llama-hparams.h, and the general keys in llama-model.cpp load_hparams.
+GEMMA2_SWA_PATTERN = 2  # load_swa_pattern(ml, 2): even layers local
+GEMMA3_SWA_PATTERN = 6  # load_swa_pattern(ml, 6): every sixth layer global
+GEMMA2_SLIDING_WINDOW = 4096  # hparams.n_swa = 4096, "default value of gemma 2"
+GEMMA2_SOFTCAPS = (50.0, 30.0)  # f_attn_logit_softcapping, f_final_logit_softcapping
+ROPE_BASE = 10000.0  # rope_freq_base_train, and Gemma 3's rope_freq_base_train_swa
+# n_layer of the 27B models, whose queries llama.cpp scales by (n_embd / n_head)^-0.5.
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
+
+
+def _gemma_config(gg: GGUFFile, config: dict[str, Any], arch_key) -> dict[str, Any]:
+    """Gemma's HF config fields from a GGUF (config holds the common ones; arch_key
+    reads "{arch}.NAME" keys as config_from_gguf's key() does)."""
+    arch, model_type = gg.architecture, config["model_type"]
+
+    def key(template: str, default: Any = None, required: bool = False) -> Any:
+        """The value of a gguf.Keys "{arch}..." key."""
+        full = template.format(arch=arch)
+        if full not in gg.metadata:
+            if required:
+                raise ModelFormatError(f"{gg.path}: metadata {full!r} is missing ({arch} needs it)")
+            return default
+        return gg.metadata[full]
+
+    # llama.cpp refuses a Gemma file without these (ml.get_key without `false`).
+    config["rms_norm_eps"] = key(Keys.Attention.LAYERNORM_RMS_EPS, required=True)
+    config["max_position_embeddings"] = key(Keys.LLM.CONTEXT_LENGTH, required=True)
+    config["hidden_activation"] = "gelu_pytorch_tanh"  # its graphs use LLM_FFN_GELU
+    context, head_dim = config["max_position_embeddings"], config["head_dim"]
+    rope = _rope_from_gguf(gg, arch_key, head_dim, context)
+    if model_type == "gemma":
+        config["rope_parameters"] = rope
+        return config
+    layers = config["num_hidden_layers"]
+    # Gemma 2/3: llama.cpp scales the queries itself (f_attention_scale) and reads
+    # no key for it: head_dim^-0.5, but (n_embd / n_head)^-0.5 for the 27B.
+    if layers == GEMMA_27B_LAYERS[model_type]:
+        config["query_pre_attn_scalar"] = config["hidden_size"] // config["num_attention_heads"]
+    else:
+        config["query_pre_attn_scalar"] = head_dim
+    local_base = key(Keys.Rope.FREQ_BASE_SWA)
+    if model_type == "gemma2":
+        window = key(Keys.Attention.SLIDING_WINDOW, GEMMA2_SLIDING_WINDOW)
+        pattern = GEMMA2_SWA_PATTERN
+        attn_cap, final_cap = GEMMA2_SOFTCAPS
+        config["attn_logit_softcapping"] = key(Keys.LLM.ATTN_LOGIT_SOFTCAPPING, attn_cap)
+        config["final_logit_softcapping"] = key(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, final_cap)
+        if local_base is not None and local_base != rope["rope_theta"]:
+            raise UnsupportedError(
+                f"{gg.path}: {Keys.Rope.FREQ_BASE_SWA.format(arch=arch)} differs from "
+                f"{Keys.Rope.FREQ_BASE.format(arch=arch)}; Gemma 2 has one RoPE base"
+            )
+        config["rope_parameters"] = rope
+    else:
+        # Without a window llama.cpp runs every layer as a global one (LLAMA_SWA_TYPE_NONE).
+        window = key(Keys.Attention.SLIDING_WINDOW) or None
+        pattern = GEMMA3_SWA_PATTERN
+        final_cap = key(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, 0.0)
+        config["final_logit_softcapping"] = final_cap or None  # 0: none
+        # The scaling keys are the global layers'; local layers are never scaled.
+        local = {
+            "rope_type": "default",
+            "rope_theta": ROPE_BASE if local_base is None else local_base,
+        }
+        config["rope_parameters"] = {"full_attention": rope, "sliding_attention": local}
+    config["sliding_window"] = window
+    config["layer_types"] = _gemma_layer_types(gg, key, layers, pattern if window else None)
+    return config
+
+
+def _gemma_layer_types(gg: GGUFFile, key, layers: int, pattern: int | None) -> list[str]:
+    """llama.cpp's load_swa_pattern: a per-layer bool array under
+    attention.sliding_window_pattern, else an int n there (default `pattern`): layer
+    i is local when n == 0 or i % n < n - 1. No window: every layer global."""
+    if pattern is None:
+        return ["full_attention"] * layers
+    value = key(Keys.Attention.SLIDING_WINDOW_PATTERN, pattern)
+    if isinstance(value, list):
+        if len(value) != layers:
+            raise ModelFormatError(
+                f"{gg.path}: {Keys.Attention.SLIDING_WINDOW_PATTERN.format(arch=gg.architecture)} "
+                f"lists {len(value)} layers, but the model has {layers}"
+            )
+        local = [bool(v) for v in value]
+    elif isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        local = [value == 0 or i % value < value - 1 for i in range(layers)]
+    else:
+        raise ModelFormatError(
+            f"{gg.path}: {Keys.Attention.SLIDING_WINDOW_PATTERN.format(arch=gg.architecture)} "
+            f"is {value!r}, not a layer count or a list of flags"
+        )
+    return ["sliding_attention" if s else "full_attention" for s in local]
 
 
 def _rope_from_gguf(gg: GGUFFile, key, head_dim: int, context: int) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import mmap
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,7 @@ class Checkpoint:
     generation_config: dict[str, Any] = field(default_factory=dict)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     gguf: gguf_io.GGUFFile | None = None
+    notes: list[str] = field(default_factory=list)  # what the user should know (stderr)
 
     @property
     def n_params(self) -> int:
@@ -115,13 +117,59 @@ def _open_hf_dir(path: Path) -> Checkpoint:
     for file in safetensors_io.safetensors_files(path):
         for name, tensor in safetensors_io.load_tensors(file).items():
             weights[name] = Weight(tensor)
+    notes = []
+    if config.get("model_type") == "gemma3" and isinstance(config.get("text_config"), dict):
+        config, weights = _gemma3_language_model(config, weights)
+        notes.append(
+            f"{path}: a multimodal Gemma 3; running its language model, without the vision tower"
+        )
     generation = safetensors_io.read_generation_config(path)
     sampling = {
         k: generation[k] for k in ("temperature", "top_k", "top_p", "min_p") if k in generation
     }
     if "repetition_penalty" in generation:
         sampling["repeat_penalty"] = generation["repetition_penalty"]
-    return Checkpoint(path, "safetensors", config, weights, generation, sampling)
+    return Checkpoint(path, "safetensors", config, weights, generation, sampling, notes=notes)
+
+
+# Gemma3ForConditionalGeneration's checkpoint keys: its language model under
+# language_model.model. (transformers 5 also accepts model.language_model.), and
+# the vision parts, which llmrun does not run.
+_GEMMA3_TEXT_PREFIXES = {
+    "language_model.model.": "model.",
+    "model.language_model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+}
+_GEMMA3_VISION_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+
+
+def _gemma3_language_model(
+    config: dict[str, Any], weights: dict[str, Weight]
+) -> tuple[dict[str, Any], dict[str, Weight]]:
+    """The text model's config and weights (under Gemma3ForCausalLM's names) of a
+    multimodal Gemma 3 checkpoint."""
+    text = {**config["text_config"], "model_type": "gemma3_text"}
+    # transformers' Gemma3ForConditionalGeneration never soft-caps its logits, whatever
+    # the text config says (Gemma 3 checkpoints leave it null anyway).
+    text["final_logit_softcapping"] = None
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if name not in text and name in config:
+            text[name] = config[name]
+    renamed = {}
+    for name, weight in weights.items():
+        if name.startswith(_GEMMA3_VISION_PREFIXES):
+            continue
+        for old, new in _GEMMA3_TEXT_PREFIXES.items():
+            if name.startswith(old):
+                name = new + name[len(old) :]
+                break
+        renamed[name] = weight
+    return text, renamed
 
 
 def _open_gguf(path: Path) -> Checkpoint:
@@ -145,6 +193,11 @@ def _open_gguf(path: Path) -> Checkpoint:
                 f"{path}: tensor {info.name!r} is not part of llmrun's {model_type} model"
             )
         tensor = gguf_io.load_tensor(gg, info)
+        if model_type in gguf_io.GEMMA_TYPES and name.endswith("norm.weight"):
+            # llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w, for
+            # x * weight (conversion/gemma.py: `data_torch + 1` on every
+            # *norm.weight); the model holds HF's w and computes x * (1 + w).
+            tensor = tensor.float() - 1.0
         if model_type == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             tensor = gguf_io.unpermute_rows(tensor, config["num_attention_heads"])
         elif model_type == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -294,6 +347,8 @@ def _swap_quantized(model: nn.Module, name: str, w: Weight, weights, device, dty
 def load_model(path: str | Path, device: torch.device, dtype: str = "auto") -> LoadedModel:
     """Read a checkpoint and build its model on `device` in the requested dtype."""
     checkpoint = open_checkpoint(path)
+    for note in checkpoint.notes:
+        print(f"note: {note}", file=sys.stderr)
     compute_dtype = resolve_dtype(dtype, device, checkpoint)
     model = build_model(checkpoint, device, compute_dtype)
     if checkpoint.gguf is not None:

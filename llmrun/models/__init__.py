@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
+from typing import Any
 
 from llmrun.errors import UnsupportedError
 
@@ -16,6 +17,10 @@ ARCHITECTURES = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "phi3": "phi3",
+    "gemma": "gemma",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3",  # multimodal: its text_config's language model
+    "gemma3_text": "gemma3",
 }
 
 
@@ -29,3 +34,18 @@ def model_module(model_type: str) -> ModuleType:
             f"(supported: {', '.join(sorted(ARCHITECTURES))})"
         ) from None
     return importlib.import_module(f"llmrun.models.{name}")
+
+
+def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 4) -> int:
+    """Bytes of KV cache a model of this config.json-style dict keeps for `context`
+    positions (bytes_per_value: the compute dtype's, 4 for f32): every layer's keys
+    and values, sliding-window layers (Gemma 2/3) holding at most their window.
+    Imports the family's module, hence torch."""
+    from llmrun.models.cache import cache_bytes
+
+    module = model_module(config.get("model_type", "<missing model_type>"))
+    args = module.ModelArgs.from_config(config)
+    windows = (
+        args.layer_windows() if hasattr(args, "layer_windows") else [None] * args.num_hidden_layers
+    )
+    return cache_bytes(args.num_key_value_heads, args.head_dim, windows, context, bytes_per_value)

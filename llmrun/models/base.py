@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmrun import ops
-from llmrun.errors import UnsupportedError
-from llmrun.models.cache import KVCache
+from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.models.cache import KVCache, WindowPlan
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ACTIVATIONS = {
@@ -28,10 +28,15 @@ ACTIVATIONS = {
 }
 
 
-def args_from_config(cls: type, config: dict[str, Any]) -> Any:
-    """Build a ModelArgs dataclass from a config.json dict, ignoring unknown fields."""
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def args_from_config(cls: type, config: dict[str, Any], nullable: tuple[str, ...] = ()) -> Any:
+    """Build a ModelArgs dataclass from a config.json dict, ignoring unknown fields.
+    A null value means "the default", except for the `nullable` fields, where it
+    means "none" (Gemma 2's final_logit_softcapping: null turns soft-capping off)."""
     names = {f.name for f in dataclasses.fields(cls)}
-    values = {k: v for k, v in config.items() if k in names and v is not None}
+    values = {k: v for k, v in config.items() if k in names and (v is not None or k in nullable)}
     values["rope_parameters"] = rope_parameters(config)
     return cls(**values)
 
@@ -68,6 +73,20 @@ def activation(name: str):
         ) from None
 
 
+def check_layer_types(layer_types: list[str], n_layers: int) -> list[str]:
+    """A config's `layer_types`, refused when an entry is unknown or the count is wrong."""
+    for kind in layer_types:
+        if kind not in LAYER_TYPES:
+            raise UnsupportedError(
+                f"layer type {kind!r} is not supported (supported: {', '.join(LAYER_TYPES)})"
+            )
+    if len(layer_types) != n_layers:
+        raise ModelFormatError(
+            f"layer_types lists {len(layer_types)} layers, but num_hidden_layers is {n_layers}"
+        )
+    return list(layer_types)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -76,6 +95,20 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps)
+
+
+class GemmaRMSNorm(nn.Module):
+    """x / rms(x) * (1 + w), computed in float32 and cast back, as Gemma's checkpoints
+    define it (transformers' GemmaRMSNorm). HF files store w; llama.cpp's GGUFs
+    store 1 + w, which the loader turns back into w."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x.float(), 1.0 + self.weight.float(), self.eps).type_as(x)
 
 
 class RotaryEmbedding(nn.Module):
@@ -204,6 +237,9 @@ class Frame:
     mask: torch.Tensor | None
     cos: torch.Tensor
     sin: torch.Tensor
+    # Sliding-window layers of a cache that keeps only the window: how this
+    # forward writes and reads their rings (mask is then plan.mask).
+    plan: WindowPlan | None = None
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, H, T, D] with RoPE applied at these positions."""
@@ -248,6 +284,59 @@ def attend(
         q, k, v, attn_mask=frame.mask, enable_gqa=q.shape[1] != k.shape[1]
     )
     return out.transpose(1, 2).reshape(batch, tokens, heads * head_dim)
+
+
+def attend_scaled(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    frame: Frame,
+    cache: KVCache | None,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """attend() with a given score scale, optional tanh soft-capping of the scores
+    (softcap * tanh(scores / softcap), before the mask) and windowed layers whose
+    cache keeps only the window (frame.plan). Returns [B, T, H*D]."""
+    if cache is not None:
+        if frame.plan is not None:
+            k, v = cache.update_window(layer, k, v, frame.plan)
+        else:
+            k, v = cache.update(layer, k, v, frame.positions, frame.start, frame.length)
+    return attention(q, k, v, frame.mask, scale, softcap)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """softmax(cap(q k^T * scale) + mask) v with GQA: q [B, H, T, D], k/v [B, Hkv, L, D],
+    mask [B, 1, T, L] (True: attend) or None; returns [B, T, H*D]."""
+    batch, heads, tokens, head_dim = q.shape
+    if tokens == 1 and mask is None and softcap is None and scale == head_dim**-0.5:
+        return ops.attend_one(q, k, v)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=heads != k.shape[1]
+        )
+        return out.transpose(1, 2).reshape(batch, tokens, heads * head_dim)
+    groups, length = k.shape[1], k.shape[2]
+    # [B, H, T, D] -> [B, Hkv, H/Hkv * T, D]: each KV head serves its query heads.
+    grouped = q.reshape(batch, groups, heads // groups * tokens, head_dim)
+    scores = (grouped @ k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(batch, groups, heads // groups, tokens, length)
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    out = weights.view(batch, groups, heads // groups * tokens, length) @ v
+    # [B, Hkv, H/Hkv * T, D] -> [B, T, H*D]
+    return out.view(batch, heads, tokens, head_dim).transpose(1, 2).reshape(batch, tokens, -1)
 
 
 def key_positions(positions: torch.Tensor, length: int, cache: KVCache | None) -> torch.Tensor:

@@ -4,14 +4,52 @@ Static shapes keep allocation off the per-token path and let torch.compile and
 CUDA graphs apply. Each batch row is an independent sequence (a serving slot);
 a row's entries past its current position are stale and masked out, so
 keeping a shared prefix is just a matter of writing from where it ends.
+
+Sliding-window layers (Gemma 2/3) keep only their window, as llama.cpp's SWA
+cache does: a ring of `window` slots per row, position p in slot p % window.
+A query at position q sees keys q - window + 1 .. q, so after writing q the
+ring holds exactly what q needs. A ring cannot roll back as far as a full
+buffer can: writing past position n overwrites keys that a continuation from
+n would need. Each row therefore remembers where its last write ended, a
+continuation that would read overwritten keys is refused (reusable() says how
+much of a prefix survives; the caller re-prefills the rest), and nothing ever
+attends to a key from another sequence.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass
+class WindowPlan:
+    """How one forward's tokens meet the windowed layers' rings, worked out once
+    per forward (KVCache.plan_window) and used by every windowed layer."""
+
+    decode: bool  # one token per row: written to the ring first, then the ring attended
+    starts: list[int]  # each row's first position
+    counts: list[int]  # each row's real tokens; the rest (right padding) is never stored
+    with_ring: bool  # prefill: whether any row has earlier keys in the ring to attend to
+    mask: torch.Tensor | None  # [B, 1, T, keys]; None: every key attended (one row, decode)
+    keys: int  # one-row decode without a mask: the ring slots holding keys (the first `keys`)
+
+
+def cache_bytes(
+    n_kv_heads: int,
+    head_dim: int,
+    windows: Sequence[int | None],
+    context: int,
+    bytes_per_value: int,
+) -> int:
+    """Bytes of keys and values a KVCache of `context` positions holds for layers with
+    these sliding windows (None: a full layer): a windowed layer keeps at most its
+    window."""
+    per_position = 2 * n_kv_heads * head_dim * bytes_per_value
+    return sum(per_position * (context if w is None else min(w, context)) for w in windows)
 
 
 class KVCache:
@@ -24,27 +62,61 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        windows: Sequence[int | None] | None = None,
     ) -> None:
-        shape = (n_layers, batch, n_kv_heads, max_seq_len, head_dim)
+        """`windows`: per layer, its sliding window or None (a full layer). A window
+        that is not shorter than max_seq_len needs no ring: that layer is full here."""
+        windows = list(windows) if windows is not None else [None] * n_layers
+        ring = [w is not None and w < max_seq_len for w in windows]
+        sizes = {w for w, r in zip(windows, ring, strict=True) if r}
+        if len(sizes) > 1:
+            raise ValueError(f"one window size per cache, got {sorted(sizes)}")
+        self.window: int | None = sizes.pop() if sizes else None
+        self.ring_layers = tuple(ring)
+        # Each layer's index among the full layers or among the ring layers.
+        self.index = [sum(1 for r in ring[:i] if r == ring[i]) for i in range(n_layers)]
+        n_ring = sum(ring)
+        shape = (n_layers - n_ring, batch, n_kv_heads, max_seq_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.ring_k = self.ring_v = None
+        if n_ring:
+            ring_shape = (n_ring, batch, n_kv_heads, self.window, head_dim)
+            self.ring_k = torch.zeros(ring_shape, dtype=dtype, device=device)
+            self.ring_v = torch.zeros(ring_shape, dtype=dtype, device=device)
         self.max_seq_len = max_seq_len
         self.rows: torch.Tensor | None = None  # slots of a non-contiguous select()
+        self.row_list: list[int] = list(range(batch))  # this view's rows of its tensors
+        self.base_rows: list[int] = list(range(batch))  # this view's rows of the allocation
+        # Per allocation row, shared by every view: one past the last position written
+        # to the rings (what a rollback may have overwritten).
+        self.written: list[int] = [0] * batch
 
     def select(self, slots: Sequence[int]) -> KVCache:
         """A view of the rows `slots`, in order: a forward with len(slots) rows
         reads and writes those slots, and no others, of this cache."""
         view = copy.copy(self)
+        view.base_rows = [self.base_rows[s] for s in slots]
         first, count = slots[0], len(slots)
         if list(slots) == list(range(first, first + count)):
             view.k, view.v = self.k[:, first : first + count], self.v[:, first : first + count]
+            if self.ring_k is not None:
+                view.ring_k = self.ring_k[:, first : first + count]
+                view.ring_v = self.ring_v[:, first : first + count]
+            view.row_list = list(range(count))
         else:
             view.rows = torch.tensor(list(slots), device=self.k.device)
+            view.row_list = list(slots)
         return view
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        rings = self.ring_k.nbytes + self.ring_v.nbytes if self.ring_k is not None else 0
+        return self.k.nbytes + self.v.nbytes + rings
+
+    def windowed(self, layer: int) -> bool:
+        """Whether `layer` keeps only its window (a ring) here."""
+        return self.ring_layers[layer]
 
     def update(
         self,
@@ -59,13 +131,14 @@ class KVCache:
         maximum `length` - 1); return the keys and values of positions
         0 .. length - 1 for every row."""
         batch, tokens = positions.shape
+        index = self.index[layer]
         if self.rows is not None:
             # Scattered slots: index writes, and a gathered copy of their prefixes to attend to.
-            k_layer, v_layer = self.k[layer], self.v[layer]
+            k_layer, v_layer = self.k[index], self.v[index]
             k_layer[self.rows[:, None], :, positions] = k.transpose(1, 2)
             v_layer[self.rows[:, None], :, positions] = v.transpose(1, 2)
             return k_layer[self.rows, :, :length], v_layer[self.rows, :, :length]
-        k_cache, v_cache = self.k[layer], self.v[layer]
+        k_cache, v_cache = self.k[index], self.v[index]
         if batch != k_cache.shape[0]:
             k_cache, v_cache = k_cache[:batch], v_cache[:batch]
         if batch == 1 and length - first == tokens:
@@ -78,3 +151,122 @@ class KVCache:
         k_cache[rows, :, positions] = k.transpose(1, 2)
         v_cache[rows, :, positions] = v.transpose(1, 2)
         return k_cache[:, :, :length], v_cache[:, :, :length]
+
+    # ---- sliding-window layers ----------------------------------------------------------
+
+    def _lost(self, start: int, written: int) -> bool:
+        """Whether a row whose rings were last written up to `written` has lost keys
+        that a continuation from position `start` needs (start - window + 1 ..
+        start - 1). Position t >= window sits where t - window was, so the stale
+        positions start .. written - 1 (a rollback) overwrote the needed ones exactly
+        when some t in start + 1 .. start + window - 1 is among them and >= window.
+        A start past `written` would read keys never stored."""
+        if start > written:
+            return True
+        window = self.window
+        return max(start + 1, window) < min(written, start + window)
+
+    def reusable(self, n: int) -> int:
+        """How many of the first n cached positions a continuation can keep: n, or
+        0 when the windowed layers no longer hold what position n needs (a
+        rollback overwrote it), so the prefix must be prefilled again."""
+        if self.ring_k is None or n == 0:
+            return n
+        return 0 if any(self._lost(n, self.written[r]) for r in self.base_rows) else n
+
+    def plan_window(self, positions: torch.Tensor, last: torch.Tensor | None = None) -> WindowPlan:
+        """The plan for a forward of positions [B, T] (consecutive per row; with
+        `last`, the index of each row's last real token, the rest padding). Refuses
+        (RuntimeError) a row whose rings lost keys it would attend to, and records
+        where each row's writes end."""
+        batch, tokens = positions.shape
+        window = self.window
+        starts = positions[:, 0].tolist()
+        counts = [tokens] * batch if last is None else (last + 1).tolist()
+        for row, start, count in zip(self.base_rows, starts, counts, strict=True):
+            if self._lost(start, self.written[row]):
+                raise RuntimeError(
+                    f"KV cache row {row}: the sliding-window layers no longer hold the keys "
+                    f"position {start} attends to (written up to {self.written[row]}); "
+                    "prefill the sequence again (KVCache.reusable says how much survives)"
+                )
+            self.written[row] = start + count
+        slots = torch.arange(window, device=positions.device)
+        if tokens == 1:
+            if batch == 1:
+                return WindowPlan(True, starts, counts, False, None, min(starts[0] + 1, window))
+            # After the write, slot s holds the row's latest position q' <= q with
+            # q' = s (mod window): none yet where that would be negative.
+            held = positions - (positions - slots) % window  # [B, window]
+            return WindowPlan(True, starts, counts, True, (held >= 0)[:, None, None], window)
+        q = positions[:, :, None]
+        mask = (positions[:, None, :] <= q) & (q - positions[:, None, :] < window)
+        with_ring = any(s > 0 for s in starts)
+        if with_ring:
+            # Before the write, slot s holds the row's latest position p < start with
+            # p = s (mod window), if any; a query sees it while within the window.
+            start = positions[:, :1]
+            held = start - 1 - (start - 1 - slots) % window  # [B, window]
+            ring_mask = (held >= 0)[:, None, :] & (q - held[:, None, :] < window)
+            mask = torch.cat([ring_mask, mask], dim=-1)
+        return WindowPlan(False, starts, counts, with_ring, mask[:, None], 0)
+
+    def update_window(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: WindowPlan
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k/v [B, Hkv, T, D] of a windowed layer as `plan` says and return the
+        keys and values to attend to, in the order plan.mask describes: the ring
+        (decode: after the write), or for a prefill the ring before it (when
+        plan.with_ring) followed by the new tokens."""
+        index, window = self.index[layer], self.window
+        ring_k, ring_v = self.ring_k[index], self.ring_v[index]
+        batch = k.shape[0]
+        if plan.decode:
+            if self.rows is None and batch == 1:
+                slot = plan.starts[0] % window
+                ring_k.narrow(0, 0, 1).narrow(2, slot, 1).copy_(k)
+                ring_v.narrow(0, 0, 1).narrow(2, slot, 1).copy_(v)
+                return (
+                    ring_k.narrow(0, 0, 1).narrow(2, 0, plan.keys),
+                    ring_v.narrow(0, 0, 1).narrow(2, 0, plan.keys),
+                )
+            rows = self.rows if self.rows is not None else torch.arange(batch, device=k.device)
+            slots = torch.tensor(plan.starts, device=k.device) % window
+            ring_k[rows, :, slots] = k[:, :, 0]
+            ring_v[rows, :, slots] = v[:, :, 0]
+            return ring_k[rows], ring_v[rows]
+        keys, values = k, v
+        if plan.with_ring:
+            old_k = ring_k[self.rows] if self.rows is not None else ring_k[:batch]
+            old_v = ring_v[self.rows] if self.rows is not None else ring_v[:batch]
+            keys, values = torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)
+        # The last `window` real tokens of each row go to the ring, in at most two
+        # contiguous runs of slots (the run wraps at the end of the ring).
+        for b, (start, count) in enumerate(zip(plan.starts, plan.counts, strict=True)):
+            row, kept = self.row_list[b], min(count, window)
+            first = count - kept  # index of the first token kept
+            slot = (start + first) % window
+            head = min(kept, window - slot)
+            for ring, new in ((ring_k, k), (ring_v, v)):
+                ring[row, :, slot : slot + head] = new[b, :, first : first + head]
+                ring[row, :, : kept - head] = new[b, :, first + head : first + kept]
+        return keys, values
+
+    def save_windows(self) -> tuple | None:
+        """A copy of this view's rings and their write marks (None without rings),
+        for restore_windows: a benchmark that repeats a test from the same depth."""
+        if self.ring_k is None:
+            return None
+        rows = self.rows if self.rows is not None else slice(None)
+        marks = [self.written[r] for r in self.base_rows]
+        return self.ring_k[:, rows].clone(), self.ring_v[:, rows].clone(), marks
+
+    def restore_windows(self, saved: tuple | None) -> None:
+        if saved is None:
+            return
+        k, v, marks = saved
+        rows = self.rows if self.rows is not None else slice(None)
+        self.ring_k[:, rows] = k
+        self.ring_v[:, rows] = v
+        for r, mark in zip(self.base_rows, marks, strict=True):
+            self.written[r] = mark

@@ -6,6 +6,7 @@ in F16 safetensors, both run in f32: 1e-5 (identical weights, same arithmetic),
 and vs transformers in f32 on those weights: 1e-4.
 """
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
@@ -36,27 +37,32 @@ def test_gguf_f32_matches_transformers_and_safetensors(name, tmp_path):
     torch.testing.assert_close(logits(hf_dir), expected, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3"])
 def test_gguf_f16_matches_f16_safetensors(name, tmp_path):
     hf, config = tiny_hf_model(name)
-    hf.half().float()  # weights exactly representable in f16, so both files hold the same values
+    with torch.no_grad():
+        # Weights exactly representable in f16, so both files hold the same values
+        # (the parameters only: rounding the RoPE buffers would change the reference).
+        for p in hf.parameters():
+            p.copy_(p.half().float())
+        expected = hf(IDS).logits
     gguf_path = write_gguf(tmp_path / "m.gguf", config, hf.state_dict(), GGMLQuantizationType.F16)
     hf_dir = save_hf_dir(hf, tmp_path / "hf", dtype=torch.float16)
     torch.testing.assert_close(logits(gguf_path), logits(hf_dir), atol=1e-5, rtol=0)
     # Half weights stay half on the CPU (native kernels, f32 arithmetic): the
     # logits are transformers' f32 logits of the same (f16-exact) weights.
-    with torch.no_grad():
-        expected = hf(IDS).logits
     torch.testing.assert_close(logits(gguf_path), expected, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0])
-def test_quantized_gguf_matches_its_dequantized_weights(qtype, tmp_path):
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_quantized_gguf_matches_its_dequantized_weights(name, qtype, tmp_path):
     """A Q8_0/Q4_0 GGUF gives the logits of the same model with weights dequantized
-    by gguf's own numpy code (1e-4 max abs), and stays near the f32 model."""
+    by gguf's own numpy code (1e-4 max abs), and stays near the f32 model. (Gemma 3:
+    a tied quantized embedding, scaled by sqrt(hidden), and soft-capped logits.)"""
     import gguf
 
-    hf, config = tiny_hf_model("llama")
+    hf, config = tiny_hf_model(name)
     state = hf.state_dict()
     dequantized = {
         k: torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(v.numpy(), qtype), qtype))
@@ -68,8 +74,14 @@ def test_quantized_gguf_matches_its_dequantized_weights(qtype, tmp_path):
     reference = logits(write_gguf(tmp_path / "deq.gguf", config, dequantized))
     torch.testing.assert_close(quant, reference, atol=1e-4, rtol=0)
     f32 = logits(write_gguf(tmp_path / "f32.gguf", config, state))
-    # Logits span about ±4 here; 8-bit blocks move them by ~0.01, 4-bit by ~0.3.
-    bound = {GGMLQuantizationType.Q8_0: 0.05, GGMLQuantizationType.Q4_0: 0.8}[qtype]
+    # Logits span about ±4 here; 8-bit blocks move them by ~0.01, 4-bit by ~0.3; Gemma 3's
+    # six layers under an embedding scaled by sqrt(hidden) = 8 by ~0.15 and ~2.
+    bound = {
+        ("llama", GGMLQuantizationType.Q8_0): 0.05,
+        ("llama", GGMLQuantizationType.Q4_0): 0.8,
+        ("gemma3", GGMLQuantizationType.Q8_0): 0.4,
+        ("gemma3", GGMLQuantizationType.Q4_0): 4.0,
+    }[name, qtype]
     assert (quant - f32).abs().max() < bound
 
 
@@ -112,3 +124,283 @@ def test_llama3_rope_factors_from_rope_freqs_tensor(tmp_path):
     with torch.no_grad():
         expected = hf(IDS).logits
     torch.testing.assert_close(logits(tmp_path / "scaled.gguf"), expected, atol=1e-4, rtol=0)
+
+
+# ---- Gemma: llama.cpp's conventions, the multimodal checkpoint, bad files -------------
+
+
+def rewrite_gguf(src, dst, drop=(), add=()):
+    """A copy of a GGUF without the metadata keys `drop`, plus `add` (key, value, type)."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(dst), arch)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name in ("general.architecture", *drop):
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
+    for key, value, vtype in add:
+        sub = gguf.GGUFValueType.BOOL if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, vtype, sub_type=sub)
+    for t in reader.tensors:
+        writer.add_tensor(
+            t.name,
+            np.array(t.data),
+            raw_shape=list(reversed(t.shape.tolist())),
+            raw_dtype=t.tensor_type,
+        )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+@pytest.mark.parametrize("name", ["gemma", "gemma2", "gemma3"])
+def test_gemma_norms_come_back_as_hf_weights(name, tmp_path):
+    """llama.cpp stores Gemma's norm weights as 1 + w; the loader gives the model w,
+    exactly the safetensors file's values."""
+    import gguf
+
+    hf, config = tiny_hf_model(name)
+    path = write_gguf(tmp_path / "m.gguf", config, hf.state_dict())
+    stored = {t.name: np.array(t.data) for t in gguf.GGUFReader(str(path)).tensors}
+    model = load_model(path, CPU).model
+    state = hf.state_dict()
+    norms = [k for k in state if k.endswith("norm.weight")]
+    assert len(norms) == {"gemma": 5, "gemma2": 13, "gemma3": 37}[name]
+    for key in norms:
+        torch.testing.assert_close(model.state_dict()[key], state[key], atol=1e-7, rtol=0)
+    np.testing.assert_allclose(stored["output_norm.weight"], state["model.norm.weight"] + 1)
+
+
+def test_gemma3_gguf_decodes_past_the_window(tmp_path):
+    """The cached decode of a GGUF-loaded Gemma 3 (local layers in a ring of 5)."""
+    hf, config = tiny_hf_model("gemma3")
+    model = load_model(write_gguf(tmp_path / "m.gguf", config, hf.state_dict()), CPU).model
+    with torch.no_grad():
+        expected = hf(IDS).logits
+        cache = model.new_cache(1, 64, torch.float32, "cpu")
+        assert cache.window == 5
+        steps = [model(IDS[:, :6], POSITIONS[:, :6], cache)]
+        steps += [model(IDS[:, t : t + 1], POSITIONS[:, t : t + 1], cache) for t in range(6, 12)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), expected, atol=1e-4, rtol=0)
+
+
+def test_multimodal_gemma3_runs_its_language_model(tmp_path, capsys):
+    import transformers
+
+    _, text = tiny_hf_model("gemma3")
+    config = transformers.Gemma3Config(
+        text_config=text,
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+        ),
+        mm_tokens_per_image=4,
+    )
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.2)
+        expected = hf(input_ids=IDS).logits
+    hf.save_pretrained(tmp_path / "mm")
+    capsys.readouterr()
+    torch.testing.assert_close(logits(tmp_path / "mm"), expected, atol=1e-4, rtol=0)
+    err = capsys.readouterr().err
+    assert "a multimodal Gemma 3; running its language model, without the vision tower" in err
+
+
+def gemma_header(model_type, **metadata):
+    """A GGUFFile of metadata only, as config_from_gguf sees it."""
+    from pathlib import Path
+
+    from gguf import Keys
+
+    from llmrun.loading.gguf_io import GGUFFile
+
+    arch = {"gemma3_text": "gemma3"}.get(model_type, model_type)
+    base = {
+        Keys.General.ARCHITECTURE: arch,
+        Keys.LLM.BLOCK_COUNT: 26,
+        Keys.LLM.CONTEXT_LENGTH: 32768,
+        Keys.LLM.EMBEDDING_LENGTH: 1152,
+        Keys.LLM.FEED_FORWARD_LENGTH: 6912,
+        Keys.Attention.HEAD_COUNT: 4,
+        Keys.Attention.HEAD_COUNT_KV: 1,
+        Keys.Attention.KEY_LENGTH: 256,
+        Keys.Attention.LAYERNORM_RMS_EPS: 1e-6,
+        Keys.LLM.VOCAB_SIZE: 262144,
+    }
+    values = {k.format(arch=arch): v for k, v in {**base, **metadata}.items()}
+    values = {k: v for k, v in values.items() if v is not None}
+    return GGUFFile(Path(f"{arch}.gguf"), 3, values, {}, None)
+
+
+def test_gemma3_gguf_metadata_read_as_llama_cpp_reads_it():
+    from gguf import Keys
+
+    from llmrun.loading.gguf_io import config_from_gguf
+
+    # Gemma 3 1B's keys as llama.cpp's converter writes them: no layer pattern, no
+    # query scale; llama.cpp takes every sixth layer as global and head_dim^-0.5.
+    config = config_from_gguf(
+        gemma_header(
+            "gemma3_text",
+            **{
+                Keys.Attention.SLIDING_WINDOW: 512,
+                Keys.Rope.FREQ_BASE: 1e6,
+                Keys.Rope.FREQ_BASE_SWA: 1e4,
+            },
+        )
+    )
+    assert (
+        config["layer_types"]
+        == (["sliding_attention"] * 5 + ["full_attention"]) * 4 + ["sliding_attention"] * 2
+    )
+    assert config["query_pre_attn_scalar"] == 256 and config["sliding_window"] == 512
+    assert config["rope_parameters"] == {
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    }
+    assert config["final_logit_softcapping"] is None
+    # Without freq_base_swa llama.cpp's default local base, 10000; linear scaling is
+    # the global layers' only.
+    config = config_from_gguf(
+        gemma_header(
+            "gemma3_text",
+            **{
+                Keys.Attention.SLIDING_WINDOW: 1024,
+                Keys.Rope.FREQ_BASE: 1e6,
+                Keys.Rope.SCALING_TYPE: "linear",
+                Keys.Rope.SCALING_FACTOR: 8.0,
+            },
+        )
+    )
+    assert config["rope_parameters"] == {
+        "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    }
+    # No window: every layer global (llama.cpp's LLAMA_SWA_TYPE_NONE).
+    config = config_from_gguf(gemma_header("gemma3_text"))
+    assert config["layer_types"] == ["full_attention"] * 26 and config["sliding_window"] is None
+    # A pattern given as a number or as per-layer flags.
+    config = config_from_gguf(
+        gemma_header(
+            "gemma3_text",
+            **{Keys.Attention.SLIDING_WINDOW: 512, Keys.Attention.SLIDING_WINDOW_PATTERN: 2},
+        )
+    )
+    assert config["layer_types"][:4] == ["sliding_attention", "full_attention"] * 2
+    flags = [i % 3 != 2 for i in range(26)]
+    config = config_from_gguf(
+        gemma_header(
+            "gemma3_text",
+            **{Keys.Attention.SLIDING_WINDOW: 512, Keys.Attention.SLIDING_WINDOW_PATTERN: flags},
+        )
+    )
+    assert config["layer_types"][:3] == ["sliding_attention"] * 2 + ["full_attention"]
+    # The 27B (62 layers): queries scaled by (hidden / heads)^-0.5, as llama.cpp does.
+    config = config_from_gguf(
+        gemma_header(
+            "gemma3_text",
+            **{
+                Keys.LLM.BLOCK_COUNT: 62,
+                Keys.LLM.EMBEDDING_LENGTH: 5376,
+                Keys.Attention.HEAD_COUNT: 32,
+                Keys.Attention.HEAD_COUNT_KV: 16,
+                Keys.Attention.SLIDING_WINDOW: 1024,
+            },
+        )
+    )
+    assert config["query_pre_attn_scalar"] == 168
+
+
+def test_gemma2_gguf_defaults_are_llama_cpps():
+    from gguf import Keys
+
+    from llmrun.loading.gguf_io import config_from_gguf
+
+    config = config_from_gguf(gemma_header("gemma2"))
+    assert config["sliding_window"] == 4096
+    assert (config["attn_logit_softcapping"], config["final_logit_softcapping"]) == (50.0, 30.0)
+    assert config["layer_types"][:4] == ["sliding_attention", "full_attention"] * 2
+    assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}
+    config = config_from_gguf(
+        gemma_header(
+            "gemma2",
+            **{
+                Keys.LLM.BLOCK_COUNT: 46,
+                Keys.LLM.EMBEDDING_LENGTH: 4608,
+                Keys.Attention.HEAD_COUNT: 32,
+                Keys.Attention.KEY_LENGTH: 128,
+                Keys.LLM.ATTN_LOGIT_SOFTCAPPING: 40.0,
+            },
+        )
+    )
+    assert config["query_pre_attn_scalar"] == 144  # 27B: 4608 / 32
+    assert config["attn_logit_softcapping"] == 40.0
+
+
+@pytest.mark.parametrize(
+    "model_type,missing",
+    [
+        ("gemma", "gemma.attention.layer_norm_rms_epsilon"),
+        ("gemma2", "gemma2.context_length"),
+        ("gemma3_text", "gemma3.attention.layer_norm_rms_epsilon"),
+        ("gemma3_text", "gemma3.attention.head_count"),
+    ],
+)
+def test_gemma_gguf_missing_a_key_names_it(model_type, missing):
+    from gguf import Keys
+
+    from llmrun.errors import ModelFormatError
+    from llmrun.loading.gguf_io import config_from_gguf
+
+    header = gemma_header(model_type, **{Keys.Attention.SLIDING_WINDOW: 512})
+    del header.metadata[missing]
+    with pytest.raises(ModelFormatError, match=f"metadata '{missing}' is missing"):
+        config_from_gguf(header)
+
+
+@pytest.mark.parametrize(
+    "metadata,message",
+    [
+        ({"gemma3.rope.scaling.type": "dynamic"}, "RoPE scaling 'dynamic' is not supported"),
+        ({"gemma3.attention.sliding_window_pattern": [True, False]}, "lists 2 layers"),
+        ({"gemma3.attention.sliding_window_pattern": "six"}, "not a layer count"),
+    ],
+)
+def test_bad_gemma3_gguf_metadata_is_refused(metadata, message):
+    from gguf import Keys
+
+    from llmrun.errors import LlmrunError
+    from llmrun.loading.gguf_io import config_from_gguf
+
+    header = gemma_header("gemma3_text", **{Keys.Attention.SLIDING_WINDOW: 512})
+    header.metadata.update(metadata)
+    with pytest.raises(LlmrunError, match=message):
+        config_from_gguf(header)
+
+
+def test_a_written_gemma_gguf_without_its_norm_eps_is_refused(tmp_path):
+    from llmrun.errors import ModelFormatError
+
+    hf, config = tiny_hf_model("gemma2")
+    path = write_gguf(tmp_path / "m.gguf", config, hf.state_dict())
+    bad = rewrite_gguf(
+        path, tmp_path / "bad.gguf", drop=("gemma2.attention.layer_norm_rms_epsilon",)
+    )
+    with pytest.raises(
+        ModelFormatError, match="'gemma2.attention.layer_norm_rms_epsilon' is missing"
+    ):
+        load_model(bad, CPU)

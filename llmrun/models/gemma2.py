@@ -1,0 +1,222 @@
+"""Gemma 2: Gemma with four norms per layer (before and after attention and the
+feed-forward), local sliding-window layers alternating with global ones, scores
+scaled by query_pre_attn_scalar^-0.5, and tanh soft-capping of the attention
+scores and of the final logits.
+
+Reference: transformers/models/gemma2/modeling_gemma2.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.models.base import (
+    Frame,
+    GatedMLP,
+    GemmaRMSNorm,
+    RotaryEmbedding,
+    args_from_config,
+    attend_scaled,
+    attention_mask,
+    check_layer_types,
+    key_positions,
+)
+from llmrun.models.cache import KVCache
+
+
+@dataclass
+class ModelArgs:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    vocab_size: int
+    num_key_value_heads: int | None = None
+    head_dim: int = 256
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 8192
+    hidden_activation: str = "gelu_pytorch_tanh"
+    attention_bias: bool = False
+    tie_word_embeddings: bool = True
+    query_pre_attn_scalar: float = 256
+    sliding_window: int | None = 4096
+    layer_types: list[str] | None = None
+    final_logit_softcapping: float | None = 30.0
+    attn_logit_softcapping: float | None = 50.0
+    use_bidirectional_attention: bool = False
+    rope_parameters: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.use_bidirectional_attention:
+            raise UnsupportedError("Gemma 2 with use_bidirectional_attention=true is not supported")
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.hidden_act = self.hidden_activation  # the name GatedMLP reads
+        if self.layer_types is None:
+            # transformers' default: local and global layers alternate, local first.
+            self.layer_types = [
+                "sliding_attention" if (i + 1) % 2 else "full_attention"
+                for i in range(self.num_hidden_layers)
+            ]
+        self.layer_types = check_layer_types(self.layer_types, self.num_hidden_layers)
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ModelFormatError("sliding_attention layers need a sliding_window")
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ModelArgs:
+        return args_from_config(
+            cls, config, nullable=("final_logit_softcapping", "attn_logit_softcapping")
+        )
+
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's sliding window, None for global layers."""
+        return [
+            self.sliding_window if kind == "sliding_attention" else None
+            for kind in self.layer_types
+        ]
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int) -> None:
+        super().__init__()
+        self.layer, self.n_heads, self.n_kv_heads = (
+            layer,
+            args.num_attention_heads,
+            args.num_key_value_heads,
+        )
+        self.head_dim = args.head_dim
+        self.layer_type = args.layer_types[layer]
+        self.scale = args.query_pre_attn_scalar**-0.5
+        self.softcap = args.attn_logit_softcapping
+        bias = args.attention_bias
+        self.q_proj = nn.Linear(args.hidden_size, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, args.hidden_size, bias=bias)
+
+    def forward(
+        self, x: torch.Tensor, frames: dict[str, Frame], cache: KVCache | None
+    ) -> torch.Tensor:
+        frame = frames[self.layer_type]
+        batch, tokens, _ = x.shape
+        # [B, T, H*D] -> [B, H, T, D]
+        q = self.q_proj(x).view(batch, tokens, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, tokens, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, tokens, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = frame.rotate(q), frame.rotate(k)
+        out = attend_scaled(q, k, v, self.layer, frame, cache, self.scale, self.softcap)
+        return self.o_proj(out)
+
+
+class DecoderLayer(nn.Module):
+    """x + post_norm(attn(norm(x))), then x + post_ffw_norm(mlp(pre_ffw_norm(x)))."""
+
+    def __init__(self, args: ModelArgs, layer: int) -> None:
+        super().__init__()
+        dim, eps = args.hidden_size, args.rms_norm_eps
+        self.self_attn = Attention(args, layer)
+        self.mlp = GatedMLP(args)
+        self.input_layernorm = GemmaRMSNorm(dim, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(dim, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(dim, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(dim, eps)
+
+    def forward(
+        self, x: torch.Tensor, frames: dict[str, Frame], cache: KVCache | None
+    ) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(
+            self.self_attn(self.input_layernorm(x), frames, cache)
+        )
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Body(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
+        self.norm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(
+            args.rope_parameters, args.head_dim, args.max_position_embeddings
+        )
+
+
+class Model(nn.Module):
+    """embed * sqrt(hidden) -> decoder layers -> norm -> lm_head -> soft-cap, with HF's
+    module names."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.model = Body(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache | None = None,
+        last_only: bool = False,
+        last: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Float32 logits [B, T, vocab] for input_ids [B, T] at positions [B, T];
+        [B, 1, vocab] with last_only or `last` (as CausalLM.forward)."""
+        body = self.model
+        x = body.embed_tokens(input_ids)
+        # The scale rounded to the compute dtype, as transformers does.
+        x = x * torch.tensor(self.args.hidden_size**0.5).to(x.dtype)
+        frames = self.frames(positions, cache, x.dtype, last)
+        for layer in body.layers:
+            x = layer(x, frames, cache)
+        if last is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), last][:, None]
+        elif last_only:
+            x = x[:, -1:]
+        logits = self.lm_head(body.norm(x))
+        cap = self.args.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
+
+    def frames(
+        self,
+        positions: torch.Tensor,
+        cache: KVCache | None,
+        dtype: torch.dtype,
+        last: torch.Tensor | None = None,
+    ) -> dict[str, Frame]:
+        """A Frame per layer type: global layers see every earlier position, sliding
+        ones the last sliding_window (in a cache that keeps only those: its plan)."""
+        start, length = int(positions[0, 0]), int(positions.max()) + 1
+        keys = key_positions(positions, length, cache)
+        cos, sin = self.model.rotary_emb(positions)
+        # [B, T, rotary_dim] -> [B, 1, T, rotary_dim], broadcast over heads
+        cos, sin = cos[:, None].to(dtype), sin[:, None].to(dtype)
+        full = Frame(positions, start, length, attention_mask(positions, keys), cos, sin)
+        window = self.args.sliding_window
+        if cache is not None and cache.window is not None:
+            plan = cache.plan_window(positions, last)
+            local = Frame(positions, start, length, plan.mask, cos, sin, plan)
+        else:
+            # Within one window of position 0 the window hides nothing.
+            hidden = window is not None and length > window
+            mask = attention_mask(positions, keys, window if hidden else None)
+            local = Frame(positions, start, length, mask, cos, sin)
+        return {"full_attention": full, "sliding_attention": local}
+
+    def new_cache(self, batch: int, max_seq_len: int, dtype: torch.dtype, device) -> KVCache:
+        a = self.args
+        return KVCache(
+            a.num_hidden_layers,
+            batch,
+            a.num_key_value_heads,
+            max_seq_len,
+            a.head_dim,
+            dtype,
+            device,
+            windows=a.layer_windows(),
+        )

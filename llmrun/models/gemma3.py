@@ -1,0 +1,271 @@
+"""Gemma 3 (text; of a multimodal checkpoint, its language model): Gemma 2 without
+the attention soft-capping, with an RMSNorm on each query and key head, five
+local layers to each global one by default, and its own RoPE base (and scaling)
+for each kind of layer.
+
+Reference: transformers/models/gemma3/modeling_gemma3.py (Gemma3ForCausalLM).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.models.base import (
+    Frame,
+    GatedMLP,
+    GemmaRMSNorm,
+    RotaryEmbedding,
+    args_from_config,
+    attend_scaled,
+    attention_mask,
+    check_layer_types,
+    key_positions,
+    rope_parameters,
+)
+from llmrun.models.cache import KVCache
+
+# transformers' Gemma3TextConfig defaults, for configs that leave a base out.
+DEFAULT_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
+
+
+@dataclass
+class ModelArgs:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    vocab_size: int
+    num_key_value_heads: int | None = None
+    head_dim: int = 256
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 131072
+    hidden_activation: str = "gelu_pytorch_tanh"
+    attention_bias: bool = False
+    tie_word_embeddings: bool = True
+    query_pre_attn_scalar: float = 256
+    sliding_window: int | None = 4096
+    sliding_window_pattern: int = 6
+    layer_types: list[str] | None = None
+    final_logit_softcapping: float | None = None
+    use_bidirectional_attention: bool = False
+    rope_parameters: dict[str, Any] = field(default_factory=dict)  # global layers
+    rope_local_parameters: dict[str, Any] = field(default_factory=dict)  # sliding layers
+
+    def __post_init__(self) -> None:
+        if self.use_bidirectional_attention:
+            raise UnsupportedError("Gemma 3 with use_bidirectional_attention=true is not supported")
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.hidden_act = self.hidden_activation  # the name GatedMLP reads
+        if self.layer_types is None:
+            # transformers' default from the older `sliding_window_pattern`: every
+            # pattern-th layer global, the others local.
+            pattern = self.sliding_window_pattern
+            self.layer_types = [
+                "sliding_attention" if (i + 1) % pattern else "full_attention"
+                for i in range(self.num_hidden_layers)
+            ]
+        self.layer_types = check_layer_types(self.layer_types, self.num_hidden_layers)
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ModelFormatError("sliding_attention layers need a sliding_window")
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ModelArgs:
+        # A multimodal (Gemma3ForConditionalGeneration) config: its language model.
+        config = config.get("text_config") or config
+        ropes = rope_by_layer_type(config)
+        flat = {k: v for k, v in config.items() if k not in ("rope_parameters", "rope_scaling")}
+        args = args_from_config(cls, flat, nullable=("final_logit_softcapping",))
+        args.rope_parameters = ropes["full_attention"]
+        args.rope_local_parameters = ropes["sliding_attention"]
+        return args
+
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's sliding window, None for global layers."""
+        return [
+            self.sliding_window if kind == "sliding_attention" else None
+            for kind in self.layer_types
+        ]
+
+
+def rope_by_layer_type(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """RoPE settings for global and sliding layers, from either config style:
+    transformers 5's `rope_parameters` {full_attention: {...}, sliding_attention:
+    {...}}, or the older rope_theta + rope_scaling (global layers) and
+    rope_local_base_freq (sliding layers, never scaled)."""
+    nested = config.get("rope_parameters")
+    if isinstance(nested, dict) and set(nested) & set(DEFAULT_THETA):
+        return {
+            kind: rope_parameters(
+                {
+                    **config,
+                    "rope_parameters": {
+                        "rope_theta": DEFAULT_THETA[kind],
+                        **(nested.get(kind) or {"rope_type": "default"}),
+                    },
+                }
+            )
+            for kind in DEFAULT_THETA
+        }
+    full = {k: v for k, v in config.items() if k != "rope_local_base_freq"}
+    full.setdefault("rope_theta", DEFAULT_THETA["full_attention"])
+    local = config.get("rope_local_base_freq", DEFAULT_THETA["sliding_attention"])
+    return {
+        "full_attention": rope_parameters(full),
+        "sliding_attention": rope_parameters({"rope_theta": local}),
+    }
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int) -> None:
+        super().__init__()
+        self.layer, self.n_heads, self.n_kv_heads = (
+            layer,
+            args.num_attention_heads,
+            args.num_key_value_heads,
+        )
+        self.head_dim = args.head_dim
+        self.layer_type = args.layer_types[layer]
+        self.scale = args.query_pre_attn_scalar**-0.5
+        bias = args.attention_bias
+        self.q_proj = nn.Linear(args.hidden_size, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, args.hidden_size, bias=bias)
+        self.q_norm = GemmaRMSNorm(self.head_dim, args.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(self.head_dim, args.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, frames: dict[str, Frame], cache: KVCache | None
+    ) -> torch.Tensor:
+        frame = frames[self.layer_type]
+        batch, tokens, _ = x.shape
+        # [B, T, H*D] -> [B, H, T, D], normalized per head
+        q = self.q_norm(self.q_proj(x).view(batch, tokens, self.n_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(batch, tokens, self.n_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(batch, tokens, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = frame.rotate(q.transpose(1, 2)), frame.rotate(k.transpose(1, 2))
+        return self.o_proj(attend_scaled(q, k, v, self.layer, frame, cache, self.scale))
+
+
+class DecoderLayer(nn.Module):
+    """x + post_norm(attn(norm(x))), then x + post_ffw_norm(mlp(pre_ffw_norm(x)))."""
+
+    def __init__(self, args: ModelArgs, layer: int) -> None:
+        super().__init__()
+        dim, eps = args.hidden_size, args.rms_norm_eps
+        self.self_attn = Attention(args, layer)
+        self.mlp = GatedMLP(args)
+        self.input_layernorm = GemmaRMSNorm(dim, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(dim, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(dim, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(dim, eps)
+
+    def forward(
+        self, x: torch.Tensor, frames: dict[str, Frame], cache: KVCache | None
+    ) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(
+            self.self_attn(self.input_layernorm(x), frames, cache)
+        )
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Body(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
+        self.norm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps)
+        positions = args.max_position_embeddings
+        self.rotary_emb = RotaryEmbedding(args.rope_parameters, args.head_dim, positions)
+        self.rotary_emb_local = RotaryEmbedding(
+            args.rope_local_parameters, args.head_dim, positions
+        )
+
+
+class Model(nn.Module):
+    """embed * sqrt(hidden) -> decoder layers -> norm -> lm_head (-> soft-cap), with
+    HF's module names."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.model = Body(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache | None = None,
+        last_only: bool = False,
+        last: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Float32 logits [B, T, vocab] for input_ids [B, T] at positions [B, T];
+        [B, 1, vocab] with last_only or `last` (as CausalLM.forward)."""
+        body = self.model
+        x = body.embed_tokens(input_ids)
+        # The scale rounded to the compute dtype, as transformers does.
+        x = x * torch.tensor(self.args.hidden_size**0.5).to(x.dtype)
+        frames = self.frames(positions, cache, x.dtype, last)
+        for layer in body.layers:
+            x = layer(x, frames, cache)
+        if last is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), last][:, None]
+        elif last_only:
+            x = x[:, -1:]
+        logits = self.lm_head(body.norm(x))
+        cap = self.args.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
+
+    def frames(
+        self,
+        positions: torch.Tensor,
+        cache: KVCache | None,
+        dtype: torch.dtype,
+        last: torch.Tensor | None = None,
+    ) -> dict[str, Frame]:
+        """A Frame per layer type: global layers see every earlier position, sliding
+        ones the last sliding_window (in a cache that keeps only those: its plan),
+        each with its own RoPE."""
+        start, length = int(positions[0, 0]), int(positions.max()) + 1
+        keys = key_positions(positions, length, cache)
+
+        def rope(rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+            cos, sin = rotary(positions)
+            # [B, T, rotary_dim] -> [B, 1, T, rotary_dim], broadcast over heads
+            return cos[:, None].to(dtype), sin[:, None].to(dtype)
+
+        full = Frame(
+            positions, start, length, attention_mask(positions, keys), *rope(self.model.rotary_emb)
+        )
+        cos, sin = rope(self.model.rotary_emb_local)
+        window = self.args.sliding_window
+        if cache is not None and cache.window is not None:
+            plan = cache.plan_window(positions, last)
+            local = Frame(positions, start, length, plan.mask, cos, sin, plan)
+        else:
+            # Within one window of position 0 the window hides nothing.
+            hidden = window is not None and length > window
+            mask = attention_mask(positions, keys, window if hidden else None)
+            local = Frame(positions, start, length, mask, cos, sin)
+        return {"full_attention": full, "sliding_attention": local}
+
+    def new_cache(self, batch: int, max_seq_len: int, dtype: torch.dtype, device) -> KVCache:
+        a = self.args
+        return KVCache(
+            a.num_hidden_layers,
+            batch,
+            a.num_key_value_heads,
+            max_seq_len,
+            a.head_dim,
+            dtype,
+            device,
+            windows=a.layer_windows(),
+        )
