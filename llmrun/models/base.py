@@ -362,6 +362,52 @@ class GatedMLP(nn.Module):
         return self.down_proj(ops.gated(self.act, self.gate_proj(x), self.up_proj(x)))
 
 
+# ---- mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE) ----------------------------------
+
+
+def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts of each token and their weights, as transformers' routers choose
+    them: softmax over the router's logits [N, E] in f32, the top_k by torch.topk (so
+    ties go the same way), renormalized to sum to 1 when `normalize` (Mixtral's
+    top-k-then-softmax is the same thing). Returns weights [N, top_k] in the logits'
+    dtype and expert indices [N, top_k]."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, indices = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), indices
+
+
+def mix_experts(
+    x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts: nn.ModuleList
+) -> torch.Tensor:
+    """sum_k weights[n, k] * experts[indices[n, k]](x[n]) for x [N, D]: each chosen
+    expert runs once on all of its tokens (a prompt chunk or a batch reads its weights
+    once), the others not at all. Every token sums its experts in ascending expert
+    order, one token alone or among others, so a batch gives each row what it gets
+    alone."""
+    tokens, top_k = indices.shape
+    if tokens == 1:  # decoding: no grouping to do
+        out = None
+        for e, w in sorted(zip(indices[0].tolist(), weights[0].tolist(), strict=True)):
+            y = experts[e](x) * w
+            out = y if out is None else out + y
+        return out
+    flat = indices.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+    rows = order // top_k
+    scales = weights.reshape(-1, 1)[order]
+    out = torch.zeros_like(x)
+    start = 0
+    for e, count in enumerate(torch.bincount(flat, minlength=len(experts)).tolist()):
+        if count:
+            chosen = rows[start : start + count]
+            y = experts[e](x.index_select(0, chosen)) * scales[start : start + count]
+            out.index_add_(0, chosen, y)
+            start += count
+    return out
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 

@@ -1,0 +1,241 @@
+"""Tiny random mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE): transformers
+models, their weights under the Hub's per-expert checkpoint keys, and GGUF files
+written as llama.cpp's converter writes them (experts stacked in 3-D tensors)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from helpers import BASE, STORIES_GGUF, _permute, gguf_name
+
+# Enough experts and tokens that every expert is chosen somewhere (tests check it).
+MOE_CONFIGS = {
+    "mixtral": dict(model_type="mixtral", num_local_experts=8, num_experts_per_tok=2),
+    "qwen2_moe": dict(
+        model_type="qwen2_moe",
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        norm_topk_prob=False,
+        rope_theta=1000000.0,
+    ),
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        num_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=32,
+        head_dim=32,
+        norm_topk_prob=True,
+        rope_theta=1000000.0,
+    ),
+}
+# The per-expert names of the gate, up and down projections on the Hub.
+EXPERT_NAMES = {
+    "mixtral": ("w1", "w3", "w2"),
+    "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
+    "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
+}
+# llama.cpp's names for the stacked experts, in the same order, and the rest of a block.
+GGUF_EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+GGUF_MOE_NAMES = {
+    "gate": "ffn_gate_inp",
+    "shared_expert.gate_proj": "ffn_gate_shexp",
+    "shared_expert.up_proj": "ffn_up_shexp",
+    "shared_expert.down_proj": "ffn_down_shexp",
+    "shared_expert_gate": "ffn_gate_inp_shexp",
+}
+GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+
+
+def tiny_moe_model(name: str, seed: int = 0, **overrides):
+    """A transformers model of MOE_CONFIGS[name] (and `overrides`) with N(0, 0.2)
+    weights, but attention outputs 10x smaller and routers 5x larger: at N(0, 0.2)
+    the averaged attention outputs make every token look alike to the routers, which
+    then leave some experts unused. Returns the model and its config dict."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**{**BASE, **MOE_CONFIGS[name], **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            p.normal_(0, 0.2)
+            if key.endswith("o_proj.weight"):
+                p.mul_(0.1)
+            elif key.endswith("mlp.gate.weight"):
+                p.mul_(5.0)
+    return model, config.to_dict()
+
+
+def moe_prefix(model_type: str) -> str:
+    return "block_sparse_moe" if model_type == "mixtral" else "mlp"
+
+
+def hub_state_dict(model, model_type: str) -> dict[str, torch.Tensor]:
+    """The model's weights under the Hub's keys: transformers 5 holds each layer's
+    experts fused (experts.gate_up_proj [E, 2I, D], experts.down_proj [E, D, I]); the
+    published checkpoints have one key per expert and projection."""
+    gate, up, down = EXPERT_NAMES[model_type]
+    prefix = moe_prefix(model_type)
+    out = {}
+    for key, value in model.state_dict().items():
+        head, sep, tail = key.partition(".mlp.")
+        if not sep:
+            out[key] = value
+        elif tail == "experts.gate_up_proj":
+            width = value.shape[1] // 2
+            for e in range(value.shape[0]):
+                out[f"{head}.{prefix}.experts.{e}.{gate}.weight"] = value[e, :width].clone()
+                out[f"{head}.{prefix}.experts.{e}.{up}.weight"] = value[e, width:].clone()
+        elif tail == "experts.down_proj":
+            for e in range(value.shape[0]):
+                out[f"{head}.{prefix}.experts.{e}.{down}.weight"] = value[e].clone()
+        else:
+            out[f"{head}.{prefix}.{tail}"] = value
+    return out
+
+
+def save_hub_dir(path: Path, config: dict, state: dict, shards: int = 2) -> Path:
+    """A Hugging Face directory as the Hub has it: config.json and the per-expert
+    weights in `shards` safetensors files with their index."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    keys = sorted(state)
+    names = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+    weight_map = {}
+    for i, name in enumerate(names):
+        part = keys[i::shards]
+        save_file({k: state[k].contiguous() for k in part}, str(path / name))
+        weight_map.update({k: name for k in part})
+    index = {"metadata": {}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    return path
+
+
+def stacked_gguf_state(
+    state: dict, config: dict
+) -> dict[str, torch.Tensor | tuple[np.ndarray, object]]:
+    """GGUF tensor name -> tensor: the experts of each layer stacked [E, rows, cols] as
+    llama.cpp's converter stacks them (torch.stack over the expert index)."""
+    model_type = config["model_type"]
+    prefix, names = moe_prefix(model_type), EXPERT_NAMES[model_type]
+    n_experts = config.get("num_local_experts") or config["num_experts"]
+    out: dict = {}
+    for key, value in state.items():
+        if f".{prefix}." not in key:
+            out[gguf_name(key)] = value
+            continue
+        head, _, tail = key.partition(f".{prefix}.")
+        layer = head.split(".")[2]
+        if tail.startswith("experts."):
+            _, e, proj, _ = tail.split(".")
+            if e != "0":
+                continue
+            stacked = torch.stack(
+                [state[f"{head}.{prefix}.experts.{i}.{proj}.weight"] for i in range(n_experts)]
+            )
+            out[f"blk.{layer}.{GGUF_EXPERTS[names.index(proj)]}.weight"] = stacked
+        else:
+            module = tail.rpartition(".")[0]
+            out[f"blk.{layer}.{GGUF_MOE_NAMES[module]}.weight"] = value
+    return out
+
+
+def write_moe_gguf(
+    path: Path,
+    config: dict,
+    tensors: dict,
+    types: dict | None = None,
+    metadata: dict | None = None,
+    skip_keys: tuple = (),
+) -> Path:
+    """Write GGUF tensors (stacked_gguf_state) with llama.cpp's MoE metadata. `types`
+    maps a GGUF name fragment (say "ffn_down_exps") to the type its tensors are
+    quantized to (default F32; 1-D tensors stay F32); a tensor may also be given as
+    (uint8 blocks, type), written as is. `metadata`: extra or replaced keys (a
+    "{arch}" in a key is filled in); `skip_keys`: keys left out."""
+    import gguf
+    from gguf import Keys
+
+    from llmrun.loading.gguf_io import read_gguf
+
+    model_type = config["model_type"]
+    arch = GGUF_ARCH[model_type]
+    writer = gguf.GGUFWriter(str(path), arch)
+    n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // n_head
+    n_experts = config.get("num_local_experts") or config["num_experts"]
+    rope = config.get("rope_parameters") or {}
+    expert_ff = config.get("moe_intermediate_size") or config["intermediate_size"]
+    keys = {
+        Keys.LLM.BLOCK_COUNT: (config["num_hidden_layers"], "uint32"),
+        Keys.LLM.CONTEXT_LENGTH: (config["max_position_embeddings"], "uint32"),
+        Keys.LLM.EMBEDDING_LENGTH: (config["hidden_size"], "uint32"),
+        Keys.LLM.FEED_FORWARD_LENGTH: (config["intermediate_size"], "uint32"),
+        Keys.Attention.HEAD_COUNT: (n_head, "uint32"),
+        Keys.Attention.HEAD_COUNT_KV: (n_kv, "uint32"),
+        Keys.Attention.KEY_LENGTH: (head_dim, "uint32"),
+        Keys.Attention.VALUE_LENGTH: (head_dim, "uint32"),
+        Keys.Attention.LAYERNORM_RMS_EPS: (config["rms_norm_eps"], "float32"),
+        Keys.Rope.FREQ_BASE: (rope.get("rope_theta", 10000.0), "float32"),
+        Keys.Rope.DIMENSION_COUNT: (head_dim, "uint32"),
+        Keys.LLM.EXPERT_COUNT: (n_experts, "uint32"),
+        Keys.LLM.EXPERT_USED_COUNT: (config["num_experts_per_tok"], "uint32"),
+    }
+    if model_type != "mixtral":
+        keys[Keys.LLM.EXPERT_FEED_FORWARD_LENGTH] = (expert_ff, "uint32")
+    if model_type == "qwen2_moe":
+        keys[Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH] = (
+            config["shared_expert_intermediate_size"],
+            "uint32",
+        )
+    for key, value in (metadata or {}).items():
+        keys[key] = value if isinstance(value, tuple) else (value, "uint32")
+    for key, (value, kind) in keys.items():
+        if key in skip_keys:
+            continue
+        full = key.format(arch=arch)
+        if kind == "uint32":
+            writer.add_uint32(full, value)
+        elif kind == "float32":
+            writer.add_float32(full, value)
+        elif kind == "bool":
+            writer.add_bool(full, value)
+    meta = read_gguf(STORIES_GGUF, with_tensors=False).metadata
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(meta["tokenizer.ggml.tokens"])
+    writer.add_token_scores(meta["tokenizer.ggml.scores"])
+    writer.add_token_types(meta["tokenizer.ggml.token_type"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    for name, tensor in tensors.items():
+        qtype = next((t for frag, t in (types or {}).items() if frag in name), None)
+        if isinstance(tensor, tuple):  # raw blocks [.., rows, row bytes] and their type
+            raw, raw_type = tensor
+            if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+                raw = _permute(raw, n_head if ".attn_q." in name else n_kv)
+            writer.add_tensor(name, np.ascontiguousarray(raw), raw_dtype=raw_type)
+            continue
+        data = tensor.detach().float().numpy()
+        if arch == "llama" and ".attn_q." in name:
+            data = _permute(data, n_head)
+        elif arch == "llama" and ".attn_k." in name:
+            data = _permute(data, n_kv)
+        if data.ndim == 1 or qtype in (None, gguf.GGMLQuantizationType.F32):
+            writer.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
+        elif qtype == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(name, data.astype(np.float16))
+        else:
+            raw = gguf.quants.quantize(data, qtype)
+            writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
