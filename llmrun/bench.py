@@ -34,6 +34,7 @@ from llmrun.errors import UsageError
 from llmrun.generate import KVState, prefill
 from llmrun.loading import safetensors_io
 from llmrun.loading.loader import Checkpoint
+from llmrun.models import kv_cache_bytes
 from llmrun.quant import native
 from llmrun.quant.linear import QuantEmbedding
 
@@ -276,11 +277,14 @@ def _random_ids(vocab_size: int, n: int, rng: random.Random) -> list[int]:
 
 
 def _run_once(
-    engine: api.Engine, state: KVState, test: Test, ids: list[int]
+    engine: api.Engine, state: KVState, test: Test, ids: list[int], depth_windows: Any = None
 ) -> tuple[float, float]:
-    """One timed run after the cached depth: (seconds, seconds to the first new token's logits)."""
+    """One timed run after the cached depth: (seconds, seconds to the first new token's logits).
+    `depth_windows`: the sliding-window layers' rings as the depth left them (a ring
+    does not keep what the previous run overwrote; see KVCache.save_windows)."""
     device = engine.device
     del state.tokens[test.n_depth :]
+    state.cache.restore_windows(depth_windows)
     synchronize(device)
     start = time.perf_counter()
     first = None
@@ -307,12 +311,13 @@ def run_test(
     with torch.inference_mode():
         if test.n_depth:
             prefill(engine.model, state, _random_ids(vocab, test.n_depth, rng), test.n_batch)
+        depth_windows = state.cache.save_windows()
         seconds, firsts = [], []
         for rep in range(repetitions + 1):
             label = "warm-up" if rep == 0 else f"run {rep}/{repetitions}"
             progress(f"{test.name} {label}", 0)
             ids = _random_ids(vocab, test.n_prompt + test.n_gen, rng)
-            elapsed, first = _run_once(engine, state, test, ids)
+            elapsed, first = _run_once(engine, state, test, ids, depth_windows)
             if rep:
                 seconds.append(elapsed)
                 firsts.append(first)
@@ -368,7 +373,10 @@ def bench_model(
             engine, test, options.repetitions, lambda what, done: progress(f"{name} {what}", done)
         )
         peak = peak_memory(engine.device)
-        records.append(_record(common, test, threads, seconds, firsts, peak, roofline.get(threads)))
+        record = _record(common, test, threads, seconds, firsts, peak, roofline.get(threads))
+        kv = kv_cache_bytes(checkpoint.config, test.positions, engine.dtype.itemsize)
+        record.update(kv_cache_bytes=kv, kv_bytes_per_token=kv / test.positions)
+        records.append(record)
     return records
 
 

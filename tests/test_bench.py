@@ -28,6 +28,7 @@ FIELDS = {
     "dtype", "load_s", "threads", "test", "n_prompt", "n_gen", "n_depth", "n_batch",
     "repetitions", "avg_ts", "stddev_ts", "samples_ts", "avg_s", "ttft_ms",
     "peak_memory_bytes", "memory_source", "gbps", "roofline_gbps", "roofline_pct", "date",
+    "kv_cache_bytes", "kv_bytes_per_token",
 }  # fmt: skip
 TESTS = ["pp16", "tg8", "pp16+tg8", "pp16 @ d4", "tg8 @ d4", "pp16+tg8 @ d4"]
 
@@ -200,6 +201,24 @@ def test_bytes_per_token_of_a_tied_quantized_model(tied_q4_model):
     assert engine.model.lm_head.weight is engine.model.model.embed_tokens.weight
     assert bench.weight_bytes_per_token(engine.model) == reference_bytes_per_token(tied_q4_model)
     assert bench.quant_name(engine.checkpoint) == "Q4_0"
+
+
+def test_kv_bytes_of_a_model_with_sliding_windows(tmp_path):
+    """Gemma 3 (helpers.CONFIGS["gemma3"]): one global layer holds every position, five
+    local ones their window of 5. The test repeats from a depth past the window, which
+    the rings only hold again because bench restores them before each run."""
+    from llmrun.models import kv_cache_bytes
+
+    model, config = tiny_hf_model("gemma3")
+    path = write_gguf(tmp_path / "tiny-gemma3.gguf", config, model.state_dict())
+    records = bench.benchmark([str(path)], options(depths=[12], repetitions=2, device="cpu"))
+    per_position = 2 * 2 * 32 * 4  # keys and values, 2 KV heads of 32, f32
+    for r in records:
+        positions = r["n_depth"] + r["n_prompt"] + r["n_gen"]
+        assert r["kv_cache_bytes"] == per_position * (positions + 5 * 5)
+        assert r["kv_bytes_per_token"] == r["kv_cache_bytes"] / positions
+    engine = api.load(str(path), device="cpu")
+    assert engine.new_state(64).cache.nbytes == kv_cache_bytes(engine.checkpoint.config, 64)
 
 
 def options(**changes) -> bench.BenchOptions:
