@@ -341,3 +341,48 @@ def chat_model_dir(
     }
     (path / "tokenizer_config.json").write_text(json.dumps(tok_config))
     return path
+
+
+GEMMA_TURN_TOKENS = ("<start_of_turn>", "<end_of_turn>")
+GEMMA_TEMPLATE = "google-gemma-2-2b-it.jinja"
+
+
+def gemma_chat_model_dir(path: Path, context: int = 256) -> Path:
+    """A tiny random Gemma 3 (helpers.CONFIGS["gemma3"], window 5) with Gemma's chat
+    template: stories260K's tokenizer plus <start_of_turn> and <end_of_turn> (ids 512
+    and 513), which only the tokenizer marks as ending generation (eos_token_id is 2)."""
+    import json
+
+    import transformers
+
+    config = transformers.AutoConfig.for_model(
+        **{**BASE, **CONFIGS["gemma3"], "vocab_size": 514, "max_position_embeddings": context}
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(path)
+    tok = json.loads((STORIES_HF / "tokenizer.json").read_text())
+    for i, content in enumerate(GEMMA_TURN_TOKENS, start=512):
+        tok["added_tokens"].append(
+            dict(
+                id=i,
+                content=content,
+                single_word=False,
+                lstrip=False,
+                rstrip=False,
+                normalized=False,
+                special=True,
+            )
+        )
+    (path / "tokenizer.json").write_text(json.dumps(tok))
+    tok_config = {
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "add_bos_token": False,
+        "chat_template": (TEMPLATES_DIR / GEMMA_TEMPLATE).read_text(),
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    return path

@@ -145,6 +145,28 @@ def test_parity_with_transformers(path, conversation, add_generation_prompt):
     assert got.encode() == expected.encode()
 
 
+@needs_templates
+def test_gemma_template_matches_transformers():
+    """Gemma's turns: <start_of_turn>user / model, each content trimmed, <end_of_turn>;
+    a system message refused as transformers refuses it."""
+    path = TEMPLATES_DIR / "google-gemma-2-2b-it.jinja"
+    if not path.is_file():
+        pytest.skip(f"{path} is not present")
+    source = path.read_text(encoding="utf-8")
+    messages = [USER, ASSISTANT, {"role": "user", "content": "  What is 2+2?\n"}]
+    for add_generation_prompt in (True, False):
+        expected = reference(source, messages, add_generation_prompt, bos_token="<bos>")
+        got = compiled(path).render(messages, add_generation_prompt)
+        assert got.encode() == expected.encode()
+    assert got == (
+        "<bos><start_of_turn>user\nHello, who are you?<end_of_turn>\n"
+        "<start_of_turn>model\nI am an assistant. How can I help?<end_of_turn>\n"
+        "<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n"
+    )
+    with pytest.raises(TemplateError, match="System role not supported"):
+        compiled(path).render([SYSTEM, USER], True)
+
+
 def test_render_context_matches_transformers():
     source = (
         "{{ messages|tojson }}|{{ tools|tojson }}|{{ documents|tojson }}|"

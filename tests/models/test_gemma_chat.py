@@ -1,0 +1,50 @@
+"""A Gemma chat end to end: Gemma's template around the conversation, <end_of_turn>
+ending generation, and a second turn that reuses the KV cache of the first past the
+sliding window (5 here) replying exactly as a fresh session does."""
+
+import pytest
+import torch
+from helpers import GEMMA_TURN_TOKENS, gemma_chat_model_dir, needs_templates
+
+from llmrun import api
+from llmrun.chat import ChatSession, Turn
+from llmrun.generate import Stats, TokenStream
+from llmrun.sampling import SamplingParams
+
+pytest.importorskip("transformers")
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    path = gemma_chat_model_dir(tmp_path_factory.mktemp("gemma") / "chat")
+    return api.load(str(path), device="cpu")
+
+
+@needs_templates
+def test_the_template_and_end_of_turn(engine):
+    start, end = (engine.tokenizer.encode(t) for t in GEMMA_TURN_TOKENS)
+    assert (start, end) == ([512], [513])
+    assert 513 in engine.eos_ids  # the tokenizer's end-of-turn, beside eos_token_id 2
+    text = engine.render([{"role": "user", "content": " Hi there \n"}])
+    assert text == "<s><start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n"
+    stream = TokenStream(engine.tokenizer, [1], Stats(), eos_ids=engine.eos_ids)
+    assert stream.add(513, torch.zeros(514)) is None and stream.done
+    assert stream.close().finish_reason == "stop"
+
+
+@needs_templates
+def test_a_second_turn_reuses_the_cache_and_replies_as_a_fresh_session(engine):
+    session = ChatSession(engine, GREEDY, max_tokens=6)
+    first = "".join(session.send("Once upon a time there was a little dog"))
+    turn = Turn()
+    second = "".join(session.send("What did the dog do next?", turn))
+    stats = turn.response.stats
+    assert stats.prompt_tokens > 30  # far past the window of 5
+    assert stats.prompt_processed < stats.prompt_tokens - 20  # the first turn came from the cache
+    fresh = ChatSession(engine, GREEDY, max_tokens=6)
+    fresh.messages = [
+        {"role": "user", "content": "Once upon a time there was a little dog"},
+        {"role": "assistant", "content": first},
+    ]
+    assert "".join(fresh.send("What did the dog do next?")) == second
