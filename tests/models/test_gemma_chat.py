@@ -48,3 +48,44 @@ def test_a_second_turn_reuses_the_cache_and_replies_as_a_fresh_session(engine):
         {"role": "assistant", "content": first},
     ]
     assert "".join(fresh.send("What did the dog do next?")) == second
+
+
+@needs_templates
+def test_served_requests_batched_past_the_window_reply_as_alone(engine):
+    """serve's scheduler: several prompts longer than the window, prefilled in chunks
+    of 4 (several rows padded together) and decoded together in recycled slots, each
+    replying what it replies alone."""
+    import queue
+
+    from llmrun.batching import Request, Scheduler
+
+    prompts = [
+        engine.tokenizer.encode(engine.render([{"role": "user", "content": text}]))
+        for text in ("Once upon a time", "The little dog ran", "Lily and Tom went to the park")
+    ] * 2
+    alone = [
+        [r.token for r in engine.generate(p, GREEDY, 8) if r.token is not None] for p in prompts
+    ]
+    scheduler = Scheduler(engine, parallel=2, queue=8, prefill_budget=4)
+    scheduler.start()
+    try:
+        results = []
+        for prompt in prompts:
+            events = queue.Queue()
+            scheduler.submit(Request(prompt, GREEDY, 8), events.put)
+            results.append(events)
+        batched = []
+        for events in results:
+            tokens = []
+            while True:
+                event = events.get(timeout=120)
+                if isinstance(event, Exception):
+                    raise event
+                if event.token is not None:
+                    tokens.append(event.token)
+                if event.finish_reason is not None:
+                    break
+            batched.append(tokens)
+    finally:
+        scheduler.close()
+    assert batched == alone
