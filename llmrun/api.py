@@ -23,6 +23,7 @@ from llmrun.errors import ModelFormatError, UsageError
 from llmrun.generate import KVState, Response, TokenLogprob, stream_generate
 from llmrun.loading import safetensors_io
 from llmrun.loading.loader import Checkpoint, load_model
+from llmrun.reasoning import ANSWER, REASONING, Markers, Splitter, find_markers, template_switches
 from llmrun.sampling import Sampler, SamplingParams
 from llmrun.tokenizer import Tokenizer, load_tokenizer
 
@@ -81,35 +82,57 @@ class Engine:
     dtype: torch.dtype
     checkpoint: Checkpoint
     load_seconds: float
+    markers: Markers | None = None  # the tokens around the model's reasoning, if it has them
 
     def new_state(self, size: int | None = None) -> KVState:
         """An empty KV cache for `size` tokens (default: the whole context)."""
         size = min(size or self.ctx_size, self.ctx_size)
         return KVState(self.model.new_cache(1, size, self.dtype, self.device))
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **switches: Any
+    ) -> str:
+        """The conversation through the chat template; `switches` are template variables
+        (enable_thinking, reasoning_effort, ...)."""
         if self.template is None:
             raise ModelFormatError(f"{self.name} has no chat template")
-        return self.template.render(messages, add_generation_prompt=add_generation_prompt)
+        return self.template.render(
+            messages, add_generation_prompt=add_generation_prompt, **switches
+        )
 
-    def prompt_text(self, text: str, raw: bool = False) -> str:
+    def prompt_text(self, text: str, raw: bool = False, **switches: Any) -> str:
         """The text `run` feeds the model: the template around one user message, or as is."""
         if raw or self.template is None:
             return text
-        return self.render([{"role": "user", "content": text}])
+        return self.render([{"role": "user", "content": text}], **switches)
+
+    def switches(
+        self,
+        think: bool | None = None,
+        effort: str | None = None,
+        kwargs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Template variables for a thinking switch and a reasoning effort, refused (with
+        one clear line) where the model's template does not read them."""
+        if self.template is None:
+            if think is None and effort is None:
+                return dict(kwargs or {})
+            raise UsageError(f"{self.name} has no chat template, so no switch for thinking")
+        return template_switches(self.template.variables, think, effort, kwargs)
 
     def sampling(self, flags: Mapping[str, Any]) -> SamplingParams:
         """The model's sampling defaults with a command's sampling flags (None: unset) on top."""
         return self.defaults.updated(**{name: flags[name] for name in SAMPLING_FLAGS})
 
     def result_record(
-        self, text: str, final: Response, logprobs: list[TokenLogprob] | None
+        self, split: Splitter, final: Response, logprobs: list[TokenLogprob] | None
     ) -> dict[str, Any]:
-        """What `run --json` prints: text, finish reason, token counts, timings, logprobs."""
+        """What `run --json` prints: text, finish reason, token counts, timings, logprobs,
+        and for a model with reasoning markers its reasoning with its own token count."""
         stats = final.stats
         result: dict[str, Any] = {
             "model": self.name,
-            "text": text,
+            "text": split.text[ANSWER],
             "finish_reason": final.finish_reason,
             "prompt_tokens": stats.prompt_tokens,
             "completion_tokens": stats.completion_tokens,
@@ -121,6 +144,11 @@ class Engine:
                 "generation_tokens_per_second": round(stats.generation_tps, 2),
             },
         }
+        if self.markers is not None:
+            reasoning = split.tokens[REASONING]
+            result["reasoning"] = split.text[REASONING]
+            result["reasoning_tokens"] = reasoning
+            result["text_tokens"] = stats.completion_tokens - reasoning
         if logprobs is not None:
             result["logprobs"] = [
                 {
@@ -211,6 +239,7 @@ def load(
         dtype=loaded.dtype,
         checkpoint=checkpoint,
         load_seconds=time.perf_counter() - start,
+        markers=find_markers(tokenizer),
     )
 
 

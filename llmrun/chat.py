@@ -17,6 +17,7 @@ from llmrun.api import Engine
 from llmrun.chat_template import plain_transcript
 from llmrun.errors import ContextOverflowError, LlmrunError, UsageError
 from llmrun.generate import KVState, Response
+from llmrun.reasoning import ANSWER, REASONING, Splitter
 from llmrun.sampling import SamplingParams
 
 # /set PARAM VALUE: the settable parameters and their types.
@@ -39,6 +40,7 @@ class Turn:
     """What one reply did, for the caller to report."""
 
     text: str = ""
+    reasoning: str = ""
     finish_reason: str | None = None
     interrupted: bool = False
     response: Response | None = None
@@ -54,6 +56,7 @@ class ChatSession:
     overflow: str = "error"  # or "shift": drop the oldest turns to make room
     messages: list[dict[str, Any]] = field(default_factory=list)
     state: KVState | None = None
+    switches: dict[str, Any] = field(default_factory=dict)  # template variables (thinking)
 
     def __post_init__(self) -> None:
         if self.overflow not in ("error", "shift"):
@@ -78,11 +81,12 @@ class ChatSession:
         return system + self.messages
 
     def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self.engine.tokenizer.encode(self.prompt_text(messages))
+
+    def prompt_text(self, messages: list[dict[str, Any]]) -> str:
         if self.uses_template:
-            text = self.engine.render(messages)
-        else:
-            text = plain_transcript(messages)
-        return self.engine.tokenizer.encode(text)
+            return self.engine.render(messages, **self.switches)
+        return plain_transcript(messages)
 
     def send(self, text: str, turn: Turn | None = None) -> Iterator[str]:
         """Add a user message and stream the reply's text. `turn` receives the
@@ -110,6 +114,11 @@ class ChatSession:
         self.state.tokens.clear()
 
     def set_param(self, name: str, value: str) -> None:
+        if name == "think":
+            if value not in ("on", "off"):
+                raise UsageError(f"think needs on or off, got {value!r}")
+            self.switches = self.engine.switches(think=value == "on", kwargs=self.switches)
+            return
         if name not in SETTABLE:
             raise UsageError(f"unknown parameter {name!r} (settable: {', '.join(SETTABLE)})")
         try:
@@ -150,17 +159,19 @@ class ChatSession:
         self.system = data.get("system") or self.system
         self.messages = messages
 
-    def _fit(self, turn: Turn) -> list[int]:
-        """The prompt for the conversation, dropping old turns if allowed and needed."""
+    def _fit(self, turn: Turn) -> tuple[str, list[int]]:
+        """The prompt (text and ids) for the conversation, dropping old turns if allowed and
+        needed."""
         room = (
             max(self.context_size // 8, 1)
             if self.max_tokens is None
             else min(self.max_tokens, self.context_size // 2)
         )
         while True:
-            ids = self.prompt_ids(self.conversation())
+            text = self.prompt_text(self.conversation())
+            ids = self.engine.tokenizer.encode(text)
             if len(ids) + room <= self.context_size:
-                return ids
+                return text, ids
             if self.overflow != "shift" or len(self.messages) <= 1:
                 self.messages.pop()
                 raise ContextOverflowError(
@@ -176,27 +187,29 @@ class ChatSession:
                 turn.dropped += 1
 
     def _reply(self, turn: Turn) -> Iterator[str]:
-        prompt = self._fit(turn)
+        """Stream the reply's pieces (reasoning.Piece: each knows if it is reasoning)."""
+        rendered, prompt = self._fit(turn)
         stop = () if self.uses_template else (PLAIN_STOP,)
-        pieces: list[str] = []
+        split = Splitter(self.engine.markers, rendered)
         try:
             for response in self.engine.generate(
                 prompt, self.params, self.max_tokens, stop=stop, state=self.state
             ):
                 turn.response = response
                 text = response.text
-                if not self.uses_template and not pieces:
+                if not self.uses_template and not split.text[ANSWER]:
                     text = text.lstrip()  # the reply to "Assistant:" starts with a space
-                if text:
-                    pieces.append(text)
-                    yield text
+                yield from split.feed(response.token, text)
             turn.finish_reason = turn.response.finish_reason if turn.response else None
         except KeyboardInterrupt:
             turn.interrupted = True
         finally:
-            turn.text = "".join(pieces)
+            turn.text, turn.reasoning = split.text[ANSWER], split.text[REASONING]
             reply = turn.text.rstrip() if not self.uses_template else turn.text
-            self.messages.append({"role": "assistant", "content": reply})
+            message = {"role": "assistant", "content": reply}
+            if turn.reasoning:
+                message["reasoning_content"] = turn.reasoning  # the template decides its fate
+            self.messages.append(message)
 
     @property
     def near_full(self) -> bool:

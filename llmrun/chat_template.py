@@ -14,6 +14,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.utils
 from jinja2.exceptions import SecurityError
@@ -171,8 +172,11 @@ class ChatTemplate:
 
     def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
         _check_jinja2_version()
+        env = _environment()
         try:
-            self._template = _environment().from_string(source)
+            self._template = env.from_string(source)
+            # The variables the template reads, so a switch it ignores can be refused.
+            self.variables = frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
         except jinja2.TemplateSyntaxError as e:
             raise TemplateError(
                 f"chat template has a syntax error at line {e.lineno}: {e.message}"

@@ -64,6 +64,23 @@ Verbose = Annotated[
     bool, typer.Option("--verbose", "-v", help="Print timings and token counts to stderr.")
 ]
 Debug = Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")]
+Think = Annotated[
+    bool | None,
+    typer.Option(
+        "--think/--no-think", help="Switch thinking on or off (templates with enable_thinking)."
+    ),
+]
+Effort = Annotated[
+    str | None,
+    typer.Option("--reasoning-effort", help="low, medium or high (templates that read it)."),
+]
+ShowThinking = Annotated[
+    bool | None,
+    typer.Option(
+        "--show-thinking/--hide-thinking",
+        help="Print the model's reasoning (default: on a terminal, not in a pipe).",
+    ),
+]
 TemplateOpt = Annotated[
     Path | None,
     typer.Option("--template", help="Chat template file (Jinja) to use instead of the model's."),
@@ -165,6 +182,9 @@ def run(
             help="With --json: log-probabilities and the N most likely alternatives per token."
         ),
     ] = None,
+    think: Think = None,
+    reasoning_effort: Effort = None,
+    show_thinking: ShowThinking = None,
     verbose: Verbose = False,
     debug: Debug = False,
 ) -> None:
@@ -182,7 +202,12 @@ def run(
         raise UsageError("--logprobs needs --json")
     if logprobs is not None and not 0 <= logprobs <= 20:
         raise UsageError(f"--logprobs must be between 0 and 20, got {logprobs}")
+    if raw and (think is not None or reasoning_effort is not None):
+        raise UsageError(
+            "--think/--no-think and --reasoning-effort need the chat template: drop --raw"
+        )
     limit = _max_tokens(max_tokens)
+    from llmrun.reasoning import Splitter
 
     engine = _load(
         model_spec,
@@ -193,30 +218,30 @@ def run(
         template_file=template,
     )
     params = engine.sampling(locals())
-    text = engine.prompt_text(prompt, raw=raw)
+    text = engine.prompt_text(prompt, raw=raw, **engine.switches(think, reasoning_effort))
     if show_prompt:
         ui.print_prompt(text)
     ids = engine.tokenizer.encode(text)
-    pieces, tokens = [], []
-    final = None
+    split = Splitter(engine.markers, text)
+    out = ui.ReplyWriter(ui.stdout_is_tty() if show_thinking is None else show_thinking)
+    tokens, final = [], None
     try:
         for response in engine.generate(ids, params, limit, stop or (), logprobs):
-            if output_json:
-                pieces.append(response.text)
-                if response.logprob is not None:
-                    tokens.append(response.logprob)
-            else:
-                ui.write(response.text)
+            for piece in split.feed(response.token, response.text):
+                if not output_json:
+                    out.write(piece)
+            if response.logprob is not None:
+                tokens.append(response.logprob)
             final = response
     except KeyboardInterrupt:
         if not output_json:
+            out.end()
             ui.end_text()
         raise
     if output_json:
-        ui.print_json(
-            engine.result_record("".join(pieces), final, tokens if logprobs is not None else None)
-        )
+        ui.print_json(engine.result_record(split, final, tokens if logprobs is not None else None))
     else:
+        out.end()
         ui.end_text()
     if verbose:
         ui.print_stats(final.stats)
@@ -248,6 +273,9 @@ def chat(
             help="When the context is full: error, or shift out the oldest turns.",
         ),
     ] = "error",
+    think: Think = None,
+    reasoning_effort: Effort = None,
+    show_thinking: ShowThinking = None,
     verbose: Verbose = False,
     debug: Debug = False,
 ) -> None:
@@ -267,7 +295,9 @@ def chat(
     )
     params = engine.sampling(locals())
     session = ChatSession(engine, params, limit, system=system, overflow=context_overflow)
-    Repl(session, interactive=ui.stdin_is_tty(), verbose=verbose).run()
+    session.switches = engine.switches(think, reasoning_effort)
+    repl = Repl(session, ui.stdin_is_tty(), verbose=verbose, show_thinking=show_thinking)
+    repl.run()
 
 
 @app.command()

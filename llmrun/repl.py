@@ -21,6 +21,7 @@ HELP = """Commands:
   /clear                start a new conversation
   /system TEXT          set the system message
   /set PARAM VALUE      set a parameter: {params}
+  /set think on|off     switch thinking (models whose template has the switch)
   /show                 model, parameters and context use
   /save FILE            save the conversation as JSON
   /load FILE            load a saved conversation
@@ -33,10 +34,18 @@ MULTILINE = '"""'
 
 
 class Repl:
-    def __init__(self, session: ChatSession, interactive: bool, verbose: bool = False) -> None:
+    def __init__(
+        self,
+        session: ChatSession,
+        interactive: bool,
+        verbose: bool = False,
+        show_thinking: bool | None = None,
+    ) -> None:
         self.session = session
         self.interactive = interactive
         self.verbose = verbose
+        # Reasoning shows on a terminal and stays out of a pipe, unless told otherwise.
+        self.show_thinking = ui.stdout_is_tty() if show_thinking is None else show_thinking
         self.commands: dict[str, Callable[[str], bool | None]] = {
             "/help": lambda _: ui.info(HELP),
             "/?": lambda _: ui.info(HELP),
@@ -113,13 +122,15 @@ class Repl:
     def _stream(self, start: Callable[[Turn], Iterator[str]]) -> None:
         turn = Turn()
         pieces = start(turn)
+        out = ui.ReplyWriter(self.show_thinking)
         try:
             for piece in pieces:
-                ui.write(piece)
+                out.write(piece)
         except KeyboardInterrupt:
             turn.interrupted = True
         finally:
             pieces.close()
+            out.end()
         ui.write("\n\n" if not self.interactive else "\n")
         if turn.interrupted:
             ui.info("(stopped)")
@@ -167,7 +178,7 @@ class Repl:
     def _set(self, arg: str) -> None:
         name, _, value = arg.partition(" ")
         if not value:
-            ui.warn(f"usage: /set PARAM VALUE ({', '.join(SETTABLE)})")
+            ui.warn(f"usage: /set PARAM VALUE ({', '.join([*SETTABLE, 'think'])})")
             return
         self.session.set_param(name, value.strip())
         ui.info(f"{name} = {value.strip()}")

@@ -30,6 +30,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from llmrun.reasoning import ANSWER, REASONING
+
 _stderr = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
@@ -72,6 +74,36 @@ def write(text: str) -> None:
     if text:
         sys.stdout.write(text)
         sys.stdout.flush()
+
+
+class ReplyWriter:
+    """Streams a reply's pieces to stdout: the reasoning, when shown, between a "Thinking..."
+    line and a "...done thinking." line (dim on a terminal, plain in a pipe), then the answer."""
+
+    def __init__(self, show_reasoning: bool) -> None:
+        self.show = show_reasoning
+        self.tty = stdout_is_tty()
+        self.thinking = False
+
+    def _dim(self, text: str) -> str:
+        return f"\x1b[2m{text}\x1b[0m" if self.tty and text else text
+
+    def write(self, piece: str) -> None:
+        if getattr(piece, "kind", ANSWER) == REASONING:
+            if self.show:
+                if not self.thinking:
+                    write(self._dim("Thinking...") + "\n")
+                    self.thinking = True
+                write(self._dim(piece))
+            return
+        self.end()
+        write(piece)
+
+    def end(self) -> None:
+        """Close a reasoning part that is still open (the answer starts, or the reply ends)."""
+        if self.thinking:
+            write("\n" + self._dim("...done thinking.") + "\n\n")
+            self.thinking = False
 
 
 def end_text() -> None:

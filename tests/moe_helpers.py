@@ -239,3 +239,56 @@ def write_moe_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# Byte offsets of the f16 scales in a block of each quantized type, and the types.
+F16_SCALES = {
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q8_0": (0,),
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+    "IQ4_NL": (0,),
+    "IQ4_XS": (0,),
+}
+
+
+def random_blocks(ggml_type, shape: tuple[int, ...], rng) -> np.ndarray:
+    """Random valid blocks [.., rows, row bytes] of a quantized type for weights of
+    `shape`, with small scales so they look like a model's weights."""
+    from gguf import GGML_QUANT_SIZES
+
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    n_blocks = int(np.prod(shape)) // block_size
+    raw = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
+    for offset in F16_SCALES[ggml_type.name]:
+        scale = np.abs(rng.standard_normal(n_blocks)) * 2e-3 + 1e-4
+        raw[:, offset : offset + 2] = scale.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return raw.reshape(*shape[:-1], -1)
+
+
+def quantized_and_dequantized(tensors: dict, types: dict, rng) -> tuple[dict, dict]:
+    """GGUF tensors with those whose name holds a fragment of `types` replaced by
+    random blocks of that type (float types: the weights rounded to it), and the same
+    tensors dequantized by gguf's numpy code (the reference), both as write_moe_gguf
+    takes them."""
+    import gguf
+
+    quantized, dequantized = {}, {}
+    for name, value in tensors.items():
+        ggml_type = next((t for frag, t in types.items() if frag in name), None)
+        if ggml_type is None or value.dim() == 1:
+            quantized[name] = dequantized[name] = value
+        elif ggml_type == gguf.GGMLQuantizationType.F16:
+            quantized[name] = (value.half().numpy().view(np.uint8), ggml_type)
+            dequantized[name] = value.half().float()
+        else:
+            raw = random_blocks(ggml_type, tuple(value.shape), rng)
+            quantized[name] = (raw, ggml_type)
+            dequantized[name] = torch.from_numpy(gguf.quants.dequantize(raw, ggml_type).copy())
+    return quantized, dequantized

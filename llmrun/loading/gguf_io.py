@@ -16,7 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, Keys
+from gguf import (
+    GGML_QUANT_SIZES,
+    ExpertGatingFuncType,
+    GGMLQuantizationType,
+    GGUFValueType,
+    Keys,
+)
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 
@@ -264,6 +270,8 @@ MODEL_TYPES = {
     "gemma": "gemma",
     "gemma2": "gemma2",
     "gemma3": "gemma3_text",
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
 }
 # Families whose RMSNorm is x * (1 + w): llama.cpp's converter stores 1 + w.
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
@@ -293,18 +301,37 @@ _GEMMA2_LAYER_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# A mixture-of-experts layer: the router, Qwen2-MoE's shared expert and its gate, and
+# the experts, stacked by llama.cpp's converter into one 3-D tensor per projection
+# ([experts, rows, cols] in torch order), which hf_name names with an {expert} field.
+_MOE_LAYER_NAMES = {
+    "ffn_gate_inp": "gate",
+    "ffn_gate_shexp": "shared_expert.gate_proj",
+    "ffn_up_shexp": "shared_expert.up_proj",
+    "ffn_down_shexp": "shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "shared_expert_gate",
+}
+EXPERT_STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # gate, up, down
+_EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2")}  # else gate_proj, up_proj, down_proj
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # Tensors that carry RoPE settings rather than weights; config_from_gguf reads them.
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def hf_name(gguf_name: str, model_type: str) -> str | None:
-    """The Hugging Face checkpoint key for a GGUF tensor name, or None if unknown."""
+    """The Hugging Face checkpoint key for a GGUF tensor name, or None if unknown. For a
+    stack of experts (EXPERT_STACKS) it is a template of each expert's key, with an
+    `{expert}` field for its index."""
     base, _, suffix = gguf_name.rpartition(".")
     if suffix not in ("weight", "bias"):
         return None
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
     parts = base.split(".")
+    if model_type in MOE_TYPES:
+        name = _moe_name(parts, model_type)
+        if name is not None:
+            return f"{name}.{suffix}"
     names = _LAYER_NAMES
     if model_type in ("gemma2", "gemma3_text"):
         names = {**_LAYER_NAMES, **_GEMMA2_LAYER_NAMES}
@@ -314,6 +341,19 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
     if model_type == "phi3" and parts[2] == "ffn_up":
         name = "mlp.gate_up_proj"  # llama.cpp stores Phi-3's fused gate_up as ffn_up
     return f"model.layers.{parts[1]}.{name}.{suffix}"
+
+
+def _moe_name(parts: list[str], model_type: str) -> str | None:
+    """The HF module of blk.N.<name> in a mixture-of-experts layer, or None."""
+    if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit():
+        return None
+    block = f"model.layers.{parts[1]}.{'block_sparse_moe' if model_type == 'mixtral' else 'mlp'}"
+    if parts[2] in EXPERT_STACKS:
+        names = _EXPERT_NAMES.get(model_type, ("gate_proj", "up_proj", "down_proj"))
+        return f"{block}.experts.{{expert}}.{names[EXPERT_STACKS.index(parts[2])]}"
+    if parts[2] in _MOE_LAYER_NAMES:
+        return f"{block}.{_MOE_LAYER_NAMES[parts[2]]}"
+    return None
 
 
 def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
@@ -359,6 +399,8 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
     }
     if config["model_type"] in GEMMA_TYPES:
         return _gemma_config(gg, config, key)
+    if arch in ("llama", "qwen2moe", "qwen3moe"):
+        _moe_config(gg, config)
     window = key("attention.sliding_window")
     if window:
         config["sliding_window"] = window
@@ -366,6 +408,79 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         gg, key, head_dim, config["max_position_embeddings"]
     )
     return config
+
+
+def _moe_config(gg: GGUFFile, config: dict[str, Any]) -> None:
+    """The experts' HF config fields, read as llama.cpp reads them: expert_count and
+    expert_used_count for every architecture (llama-model.cpp load_hparams; a llama
+    file with experts is Mixtral), and in src/models/{llama,qwen2moe,qwen3moe}.cpp
+    softmax gating, renormalized top-k weights for llama and qwen3moe but not for
+    qwen2moe, and expert widths that default to feed_forward_length / expert_used_count
+    (Qwen2-MoE's shared expert: feed_forward_length). The gating, renormalization and
+    scale keys, where a file has them, must agree with what the family computes."""
+    arch, ff = gg.architecture, config["intermediate_size"]
+
+    def key(template: str, default: Any = None) -> Any:
+        return gg.metadata.get(template.format(arch=arch), default)
+
+    def name(template: str) -> str:
+        return template.format(arch=arch)
+
+    count = key(Keys.LLM.EXPERT_COUNT, 0)
+    if not count:
+        if arch != "llama":
+            raise ModelFormatError(
+                f"{gg.path}: {name(Keys.LLM.EXPERT_COUNT)} is missing or 0; {arch} has experts"
+            )
+        return  # a dense Llama
+    used = key(Keys.LLM.EXPERT_USED_COUNT, 0)
+    if not 0 < used <= count:
+        raise ModelFormatError(
+            f"{gg.path}: {name(Keys.LLM.EXPERT_USED_COUNT)} is {used}, but "
+            f"{name(Keys.LLM.EXPERT_COUNT)} is {count} (each token needs 1 to {count} experts)"
+        )
+    gating = key(Keys.LLM.EXPERT_GATING_FUNC)
+    if gating is not None and gating != ExpertGatingFuncType.SOFTMAX:
+        known = {int(t): t.name.lower() for t in ExpertGatingFuncType}
+        raise UnsupportedError(
+            f"{gg.path}: {name(Keys.LLM.EXPERT_GATING_FUNC)} is "
+            f"{known.get(gating, f'{gating} (unknown)')}; {arch} experts are gated by softmax, "
+            "the only gating function llmrun supports"
+        )
+    scale = key(Keys.LLM.EXPERT_WEIGHTS_SCALE)
+    if scale not in (None, 0.0, 1.0):
+        raise UnsupportedError(
+            f"{gg.path}: {name(Keys.LLM.EXPERT_WEIGHTS_SCALE)} is {scale}; llmrun supports "
+            "unscaled expert weights only"
+        )
+    norm = key(Keys.LLM.EXPERT_WEIGHTS_NORM)
+    width = key(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)
+    if isinstance(width, list):  # one per layer
+        if len(set(width)) != 1:
+            raise UnsupportedError(
+                f"{gg.path}: {name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)} differs between "
+                "layers, which llmrun does not support"
+            )
+        width = width[0]
+    if arch == "llama":
+        if norm is False:
+            raise UnsupportedError(
+                f"{gg.path}: {name(Keys.LLM.EXPERT_WEIGHTS_NORM)} is false, but Mixtral "
+                "renormalizes its top-k expert weights"
+            )
+        # Its experts are feed_forward_length wide (llama.cpp's llama reads no other width).
+        config.update(model_type="mixtral", num_local_experts=count, num_experts_per_tok=used)
+        return
+    config.update(
+        num_experts=count,
+        num_experts_per_tok=used,
+        moe_intermediate_size=width or ff // used,
+        norm_topk_prob=arch == "qwen3moe" if norm is None else bool(norm),
+    )
+    if arch == "qwen2moe":
+        shared = key(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH)
+        config["shared_expert_intermediate_size"] = shared or ff
+        config["qkv_bias"] = config["attention_bias"]
 
 
 # Where a Gemma GGUF leaves out what an HF config says, llmrun reads the file as

@@ -44,6 +44,9 @@ class Weight:
     tensor: torch.Tensor
     ggml_type: GGMLQuantizationType | None = None
     shape: tuple[int, ...] = ()
+    # One expert of a GGUF's stacked experts: kept as the file has it (never repacked),
+    # so the experts no token chooses are never read.
+    expert: bool = False
 
     def __post_init__(self) -> None:
         self.shape = self.shape or tuple(self.tensor.shape)
@@ -198,15 +201,78 @@ def _open_gguf(path: Path) -> Checkpoint:
             # x * weight (conversion/gemma.py: `data_torch + 1` on every
             # *norm.weight); the model holds HF's w and computes x * (1 + w).
             tensor = tensor.float() - 1.0
-        if model_type == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+        llama = gg.architecture == "llama"  # Mixtral included
+        if llama and name.endswith(("q_proj.weight", "q_proj.bias")):
             tensor = gguf_io.unpermute_rows(tensor, config["num_attention_heads"])
-        elif model_type == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif llama and name.endswith(("k_proj.weight", "k_proj.bias")):
             tensor = gguf_io.unpermute_rows(tensor, config["num_key_value_heads"])
         quantized = info.ggml_type not in FLOAT_TYPES
-        weights[name] = Weight(tensor, info.ggml_type if quantized else None, info.shape)
+        if "{expert}" in name:
+            weights.update(_expert_weights(path, info, name, tensor, quantized, config))
+            continue
+        shape = info.shape
+        if name.endswith("shared_expert_gate.weight") and len(shape) == 1:
+            shape = (1, shape[0])  # llama.cpp reads Qwen2-MoE's [1, hidden] as [hidden]
+            tensor = tensor if quantized else tensor.view(shape)
+        weights[name] = Weight(tensor, info.ggml_type if quantized else None, shape)
+    if model_type in gguf_io.MOE_TYPES:
+        _check_expert_stacks(gg, config)
     return Checkpoint(
         path, "gguf", config, weights, sampling_defaults=gguf_io.generation_defaults(gg), gguf=gg
     )
+
+
+def _n_experts(config: dict[str, Any]) -> int:
+    return config.get("num_local_experts") or config["num_experts"]
+
+
+def _expert_weights(
+    path: Path,
+    info: gguf_io.GGUFTensorInfo,
+    template: str,
+    tensor: torch.Tensor,
+    quantized: bool,
+    config: dict[str, Any],
+) -> dict[str, Weight]:
+    """Each expert's matrix of a stacked-experts tensor [experts, rows, cols], under
+    its HF key: a 2-D view of the file's bytes (quantized: rows of GGML blocks), no
+    copy."""
+    count = _n_experts(config)
+    if len(info.shape) != 3 or info.shape[0] != count:
+        raise ModelFormatError(
+            f"{path}: tensor {info.name!r} has shape {list(info.shape)}, but expert_count is "
+            f"{count}: it should hold [{count} experts, rows, columns]"
+        )
+    hidden = config["hidden_size"]
+    width = config.get("moe_intermediate_size") or config["intermediate_size"]
+    down = info.name.split(".")[2] == gguf_io.EXPERT_STACKS[2]
+    expected = (hidden, width) if down else (width, hidden)
+    if info.shape[1:] != expected:
+        raise ModelFormatError(
+            f"{path}: tensor {info.name!r} has experts of shape {list(info.shape[1:])}, but "
+            f"the metadata implies {list(expected)} (embedding_length {hidden}, expert "
+            f"width {width})"
+        )
+    stacked = tensor.view(count, expected[0], -1)  # [E * rows, row bytes] -> [E, rows, row bytes]
+    ggml_type = info.ggml_type if quantized else None
+    return {
+        template.format(expert=e): Weight(stacked[e], ggml_type, expected, expert=True)
+        for e in range(count)
+    }
+
+
+def _check_expert_stacks(gg: gguf_io.GGUFFile, config: dict[str, Any]) -> None:
+    """Every layer has its three stacks of experts (llama.cpp's MoE families have
+    experts in every layer)."""
+    for layer in range(config["num_hidden_layers"]):
+        for stack in gguf_io.EXPERT_STACKS:
+            name = f"blk.{layer}.{stack}.weight"
+            if name not in gg.tensors:
+                raise ModelFormatError(
+                    f"{gg.path}: tensor {name!r} is missing: a {gg.architecture} file with "
+                    f"expert_count {_n_experts(config)} has the stacked experts "
+                    f"{', '.join(gguf_io.EXPERT_STACKS)} in every layer"
+                )
 
 
 def resolve_dtype(requested: str, device: torch.device, checkpoint: Checkpoint) -> torch.dtype:
@@ -328,6 +394,9 @@ def _swap_quantized(model: nn.Module, name: str, w: Weight, weights, device, dty
     parent = model.get_submodule(parent_name)
     old = getattr(parent, child)
     raw = w.tensor.to(device)
+    if w.expert:
+        # QuantLinear repacks a plain tensor (reading it all) but takes a Parameter as it is.
+        raw = nn.Parameter(raw, requires_grad=False)
     if isinstance(old, nn.Embedding):
         new = QuantEmbedding(raw, w.ggml_type, old.embedding_dim, compute_dtype=dtype)
     elif isinstance(old, nn.Linear):

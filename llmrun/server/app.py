@@ -43,6 +43,7 @@ from llmrun.chat import PLAIN_STOP
 from llmrun.chat_template import plain_transcript
 from llmrun.errors import UsageError
 from llmrun.generate import Response as GenResponse
+from llmrun.reasoning import ANSWER, REASONING, Piece, Splitter
 from llmrun.server.metrics import Metrics
 from llmrun.server.schema import (
     ApiError,
@@ -237,7 +238,10 @@ def _usage(final: GenResponse) -> dict[str, int]:
 
 
 def _sse(
-    gen: Generation, chunks: Callable[[GenResponse], list[dict]], usage_chunk: dict | None
+    gen: Generation,
+    chunks: Callable[[GenResponse], list[dict]],
+    usage_chunk: dict | None,
+    usage: Callable[[], dict] | None = None,
 ) -> EventSourceResponse:
     """Stream `chunks(event)` of each event as `data:` lines, then usage, then [DONE]."""
 
@@ -247,7 +251,8 @@ def _sse(
                 for chunk in chunks(event):
                     yield json.dumps(chunk, ensure_ascii=False, separators=(",", ":"))
             if usage_chunk is not None:
-                yield json.dumps({**usage_chunk, "usage": _usage(gen.final)}, separators=(",", ":"))
+                counts = usage() if usage else _usage(gen.final)
+                yield json.dumps({**usage_chunk, "usage": counts}, separators=(",", ":"))
         except Exception as e:
             error = as_api_error(e)
             gen.metrics.requests.labels(gen.endpoint, str(error.status)).inc()
@@ -277,14 +282,17 @@ async def chat_completions(request: Request) -> Response:
     plain = engine.template is None
     if plain:
         stop.append(PLAIN_STOP)
+    switches = engine.switches(effort=body.reasoning_effort, kwargs=body.chat_template_kwargs)
 
-    def prompt() -> list[int]:
-        text = plain_transcript(messages) if plain else engine.render(messages)
-        return engine.tokenizer.encode(text)
+    def prompt() -> tuple[str, list[int]]:
+        text = plain_transcript(messages) if plain else engine.render(messages, **switches)
+        return text, engine.tokenizer.encode(text)
 
+    # Off the event loop: a long conversation takes a while to render and encode.
+    text, ids = await asyncio.to_thread(prompt)
+    split = Splitter(None if plain else engine.markers, text)
     gen_request = batching.Request(
-        # Off the event loop: a long conversation takes a while to render and encode.
-        await asyncio.to_thread(prompt),
+        ids,
         params,
         body.max_completion_tokens or body.max_tokens,
         stop,
@@ -301,13 +309,19 @@ async def chat_completions(request: Request) -> Response:
     }
     started = False  # whether the reply has begun, for a plain transcript's leading space
 
-    def content(event: GenResponse) -> str:
+    def content(event: GenResponse) -> list[Piece]:
         nonlocal started
         text = event.text
         if plain and not started:
             text = text.lstrip()
             started = bool(text)
-        return text
+        return split.feed(event.token, text)
+
+    def usage() -> dict[str, Any]:
+        counts = _usage(gen.final)
+        if split.markers is not None:
+            counts["completion_tokens_details"] = {"reasoning_tokens": split.tokens[REASONING]}
+        return counts
 
     def logprobs(event: GenResponse) -> list[dict] | None:
         lp = event.logprob
@@ -338,31 +352,37 @@ async def chat_completions(request: Request) -> Response:
             if not role_sent:
                 role_sent = True
                 out.append(chunk({"role": "assistant", "content": ""}))
-            text, lps = content(event), logprobs(event)
-            if text or lps:
-                out.append(chunk({"content": text}, lps))
+            pieces, lps = content(event), logprobs(event)
+            for piece in pieces:
+                field = "reasoning_content" if piece.kind == REASONING else "content"
+                out.append(chunk({field: str(piece)}, lps))
+                lps = None
+            if lps:
+                out.append(chunk({"content": ""}, lps))
             if event.finish_reason is not None:
                 out.append(chunk({}, finish=event.finish_reason))
             return out
 
-        usage = {**chunk_head, "choices": []} if include_usage else None
-        return _sse(gen, chunks, usage)
+        usage_head = {**chunk_head, "choices": []} if include_usage else None
+        return _sse(gen, chunks, usage_head, usage)
 
-    pieces: list[str] = []
     tokens: list[dict] = []
     async for event in gen.events(request.is_disconnected):
-        pieces.append(content(event))
+        content(event)
         tokens.extend(logprobs(event) or [])
     if gen.final is None:
         return Response(status_code=499)
+    message = {"role": "assistant", "content": split.text[ANSWER]}
+    if split.markers is not None:
+        message["reasoning_content"] = split.text[REASONING] or None
     choice = {
         "index": 0,
-        "message": {"role": "assistant", "content": "".join(pieces)},
+        "message": message,
         "logprobs": {"content": tokens} if body.logprobs else None,
         "finish_reason": gen.final.finish_reason,
     }
     result = {**head, "object": "chat.completion", "choices": [choice]}
-    return JSONResponse({**result, "usage": _usage(gen.final)})
+    return JSONResponse({**result, "usage": usage()})
 
 
 async def completions(request: Request) -> Response:

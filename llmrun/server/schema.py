@@ -59,6 +59,7 @@ class TextPart(BaseModel):
 class Message(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    reasoning_content: str | None = None  # an earlier reply's reasoning (DeepSeek's field)
 
     def as_dict(self) -> dict[str, str]:
         content = self.content
@@ -66,7 +67,10 @@ class Message(BaseModel):
             content = "".join(part.text for part in content)
         # Templates know "system"; OpenAI's newer name for it is "developer".
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        message = {"role": role, "content": content or ""}
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
+        return message
 
 
 class ChatBody(Sampling):
@@ -76,6 +80,8 @@ class ChatBody(Sampling):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionBody(Sampling):

@@ -143,7 +143,8 @@ def test_unknown_architecture_lists_supported(tmp_path):
         tmp_path, gguf_bytes(kvs=(("general.architecture", GGUFValueType.STRING, "mamba"),))
     )
     with pytest.raises(
-        UnsupportedError, match="'mamba' is not supported.*llama, phi3, qwen2, qwen3"
+        UnsupportedError,
+        match="'mamba' is not supported.*llama, phi3, qwen2, qwen2moe, qwen3, qwen3moe",
     ):
         open_checkpoint(path)
 
