@@ -311,26 +311,54 @@ def tokenize(
     no_special: Annotated[
         bool, typer.Option("--no-special", help="Treat special-token text as plain text.")
     ] = False,
+    batch: Annotated[
+        bool,
+        typer.Option("--batch", help="Each stdin line is a text: print one JSON list per line."),
+    ] = False,
+    threads: Annotated[
+        int | None,
+        typer.Option("--threads", "-t", min=1, help="Threads for --batch (default: all cores)."),
+    ] = None,
     debug: Debug = False,
 ) -> None:
     """Print the token ids of TEXT (or stdin) as the model's tokenizer makes them."""
     DEBUG["on"] = debug
     model_spec, text = _split_model_and_prompt(list(args or []), model)
-    if text is None:
+    if batch and text is not None:
+        raise UsageError("--batch reads its texts from stdin, one per line, not as an argument")
+    if threads is not None and not batch:
+        raise UsageError("--threads goes with --batch")
+    if batch:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise UsageError("--batch reads its texts from stdin, one per line: pipe them in")
+        texts = sys.stdin.read().split("\n")
+        if texts[-1] == "":
+            texts.pop()
+    elif text is None:
         text = _read_stdin()
-    if text is None:
+    if not batch and text is None:
         raise UsageError("no text: give it as an argument or pipe it on stdin")
 
     from llmrun import hub, paths
     from llmrun.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(hub.resolve_model(model_spec or paths.BUNDLED_MODEL.stem))
-    ids = tokenizer.encode(text, add_bos=False if no_bos else None, parse_special=not no_special)
-    if pieces:
-        for i in ids:
-            print(json.dumps({"id": i, "piece": tokenizer.token_to_piece(i)}, ensure_ascii=False))
+    options = dict(add_bos=False if no_bos else None, parse_special=not no_special)
+    if batch:
+        batches = tokenizer.encode_batch(texts, threads=threads, **options)
     else:
-        print(json.dumps(ids))
+        batches = [tokenizer.encode(text, **options)]
+
+    def piece(i: int) -> dict:
+        return {"id": i, "piece": tokenizer.token_to_piece(i)}
+
+    if pieces and not batch:
+        lines = [json.dumps(piece(i), ensure_ascii=False) for i in batches[0]]
+    elif pieces:
+        lines = [json.dumps([piece(i) for i in ids], ensure_ascii=False) for ids in batches]
+    else:
+        lines = [json.dumps(ids) for ids in batches]
+    sys.stdout.write("".join(line + "\n" for line in lines))
 
 
 HubNameArg = Annotated[

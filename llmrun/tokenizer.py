@@ -625,26 +625,36 @@ _pool = {"started": False}
 
 @contextlib.contextmanager
 def _thread_pool(threads: int | None) -> Iterator[None]:
-    """Runs a batch on `threads` of the tokenizers library's threads (None: its default)."""
+    """Runs a batch on `threads` of the tokenizers library's threads (None: its default).
+
+    The library reads TOKENIZERS_PARALLELISM at every call (while it is "false", no thread
+    pool is used or started) and RAYON_NUM_THREADS once, when it starts its pool.
+    """
     if threads is not None and threads < 1:
         raise TokenizerError(f"threads must be at least 1, got {threads}")
-    if threads != 1:
-        if not _pool["started"] and threads is not None:
-            # Read once, when the library starts its pool (rayon's RAYON_NUM_THREADS).
-            os.environ["RAYON_NUM_THREADS"] = str(threads)
-        _pool["started"] = True
-        yield
+    if threads == 1:
+        with _environ("TOKENIZERS_PARALLELISM", "false"):
+            yield
         return
-    # Read at every call: while it is "false" no pool is used (or started).
-    saved = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    starts = not _pool["started"]
+    _pool["started"] = True
+    with _environ("RAYON_NUM_THREADS", str(threads) if starts and threads else None):
+        yield
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str | None) -> Iterator[None]:
+    """`name` set to `value` (None: left as it is) for the block."""
+    saved = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
     try:
         yield
     finally:
-        if saved is None:
-            del os.environ["TOKENIZERS_PARALLELISM"]
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = saved
+        if value is not None and saved is None:
+            del os.environ[name]
+        elif value is not None:
+            os.environ[name] = saved
 
 
 def _spm_merges(vocab: dict[str, int], scores: list[float]) -> list[tuple[str, str]]:
@@ -656,11 +666,14 @@ def _spm_merges(vocab: dict[str, int], scores: list[float]) -> list[tuple[str, s
     reproduces the leftmost-first growth of a run.
     """
     found = []
+    add = found.append
     for token, i in vocab.items():
-        for cut in range(1, len(token)):
-            left, right = token[:cut], token[cut:]
-            if left in vocab and right in vocab:
-                found.append((-scores[i], -len(token), -cut, left, right))
+        n = len(token)
+        score = -scores[i]
+        for cut in range(1, n):
+            left = token[:cut]
+            if left in vocab and (right := token[cut:]) in vocab:
+                add((score, -n, -cut, left, right))
     found.sort()
     return [(left, right) for *_, left, right in found]
 
@@ -671,7 +684,8 @@ def _split_merges(merges: list[str]) -> list[tuple[str, str]]:
     parts = " ".join(merges).split(" ")
     if len(parts) != 2 * len(merges):
         return [(m[: (cut := m.find(" ", 1))], m[cut + 1 :]) for m in merges]
-    return list(zip(parts[::2], parts[1::2], strict=True))
+    pairs = iter(parts)
+    return list(zip(pairs, pairs, strict=False))
 
 
 def _read_json(file: Path) -> dict[str, Any]:

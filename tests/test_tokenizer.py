@@ -80,16 +80,24 @@ def streamed(tok: Tokenizer, ids: list[int], **kwargs) -> list[str]:
     return [decoder.add(i) for i in ids] + [decoder.flush()]
 
 
-@pytest.mark.parametrize(
-    "name", REFERENCE_VOCABS or [pytest.param("", marks=pytest.mark.skip(reason=FETCH))]
-)
-def test_every_reference_string_matches_llama_cpp(name):
+def supported(name: str) -> Tokenizer:
+    """The vocabulary's tokenizer; the test skips where llmrun has no such tokenizer model."""
+    path = VOCAB_DIR / f"ggml-vocab-{name}.gguf"
+    if not path.is_file():
+        pytest.skip(f"llama.cpp's {path.name} is not in {VOCAB_DIR}: {FETCH}")
     model = tokenizer_model(name)
     if model in UNSUPPORTED_MODELS:
         pytest.skip(
             f"{Keys.Tokenizer.MODEL} {model!r}: {UNSUPPORTED_MODELS[model]} is not supported"
         )
-    tok = vocab(name)
+    return vocab(name)
+
+
+@pytest.mark.parametrize(
+    "name", REFERENCE_VOCABS or [pytest.param("", marks=pytest.mark.skip(reason=FETCH))]
+)
+def test_every_reference_string_matches_llama_cpp(name):
+    tok = supported(name)
     cases = reference_cases(name)
     wrong = [
         (text, ids, got)
@@ -278,11 +286,10 @@ def test_gpt2_vocab_agrees_with_an_independent_tokenizer_json(tmp_path):
         assert "".join(streamed(hf_tok, ids, skip_special=False)) == expected
 
 
-@needs_stories
-@pytest.mark.parametrize("source", ["stories", "qwen2"])
+@pytest.mark.parametrize("source", ["stories", *REFERENCE_VOCABS])
 @pytest.mark.parametrize("skip_special", [True, False])
 def test_stream_concatenates_to_decode_and_never_splits_a_character(source, skip_special):
-    tok = stories_gguf() if source == "stories" else vocab("qwen2")
+    tok = stories_gguf() if source == "stories" else supported(source)
     rng = random.Random(1)
     for _ in range(200):
         ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 16))]
@@ -369,3 +376,61 @@ def test_bad_gguf_metadata_names_the_key(changes, error, match):
 def test_importing_the_tokenizer_does_not_import_torch():
     code = "import sys, llmrun.tokenizer; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+BATCH_VOCABS = ["llama-spm", "llama-bpe", "qwen2", "gemma-4", "deepseek-llm"]
+
+
+@pytest.mark.parametrize("name", BATCH_VOCABS)
+@pytest.mark.parametrize("threads", [None, 1, 2])
+def test_encode_batch_is_encode_of_each_text(name, threads):
+    tok = supported(name)
+    texts = [text for text, _ in reference_cases(name)] + ["<|im_end|><s> x", ""]
+    for options in ({}, {"add_bos": False, "parse_special": False}, {"add_bos": True}):
+        expected = [tok.encode(text, **options) for text in texts]
+        assert tok.encode_batch(texts, threads=threads, **options) == expected
+
+
+def test_encode_batch_refuses_no_threads():
+    with pytest.raises(TokenizerError, match="threads must be at least 1"):
+        stories_gguf().encode_batch(["x"], threads=0)
+
+
+def llmrun_cli(*args: str, input: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "llmrun", "tokenize", *args],
+        input=input.encode(),
+        capture_output=True,
+        timeout=120,
+    )
+
+
+def test_cli_batch_prints_one_list_per_line_in_order():
+    tok = supported("qwen2")
+    texts = [text for text, _ in reference_cases("qwen2") if "\n" not in text and "\r" not in text]
+    texts += ["<|im_start|>user", ""]
+    path = str(VOCAB_DIR / "ggml-vocab-qwen2.gguf")
+    result = llmrun_cli(path, "--batch", "--threads", "2", input="\n".join(texts) + "\n")
+    assert result.returncode == 0, result.stderr.decode()
+    lines = result.stdout.decode().split("\n")
+    assert lines.pop() == ""
+    assert [json.loads(line) for line in lines] == [tok.encode(t) for t in texts]
+
+    result = llmrun_cli(path, "--batch", "--pieces", "--no-special", input="Hi there\n<|im_end|>")
+    assert [json.loads(line) for line in result.stdout.decode().splitlines()] == [
+        [{"id": 13048, "piece": "Hi"}, {"id": 1052, "piece": " there"}],
+        [{"id": i, "piece": tok.token_to_piece(i)} for i in tok.encode("<|im_end|>", False, False)],
+    ]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--batch", "Hello"], "--batch reads its texts from stdin"),
+        (["Hello", "--threads", "2"], "--threads goes with --batch"),
+    ],
+)
+def test_cli_batch_usage_errors(args, message):
+    result = llmrun_cli(str(STORIES_GGUF), *args, input="")
+    assert result.returncode == 2
+    assert message in result.stderr.decode()
