@@ -48,6 +48,7 @@ _CJK_KANA = "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+"
 _DEEPSEEK_CJK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"  # also most scripts from U+0800
 _NORDIC = " ?[^(\\s|.,!?\u2026\u3002\uff0c\u3001\u0964\u06d4\u060c)]+"
 _NEWLINES = r"[^\n]+|[\n]+"
+
 # Regex sets, named after llama.cpp's LLAMA_VOCAB_PRE_TYPE_* that holds them.
 REGEX_SETS: dict[str, tuple[str, ...]] = {
     "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"),
@@ -157,6 +158,7 @@ class PreTokenizer:
     clean_spaces: bool = True  # llama_detokenize(): " ." -> "." and the like
     byte_level: bool = True  # GPT-2's byte alphabet; else raw UTF-8 and <0xXX> byte tokens
     escape_spaces: bool = False  # spaces become U+2581 before splitting
+    bos_always: bool = False  # BOS is added even where the file says not to (Gemma 4)
 
     @property
     def regexes(self) -> tuple[str, ...]:
@@ -224,7 +226,7 @@ _TABLE: list[tuple[tuple[str, ...], PreTokenizer]] = [
     (("jais-2",), PreTokenizer("jais2")),
     (
         ("gemma4", "granite-embed-multi-311m"),
-        PreTokenizer("gemma4", byte_level=False, escape_spaces=True),
+        PreTokenizer("gemma4", byte_level=False, escape_spaces=True, bos_always=True),
     ),
     (
         ("sarvam-moe",),

@@ -97,6 +97,11 @@ _FIM_TEXTS = {
     Keys.Tokenizer.FIM_SEP_ID: ("<|file_sep|>",),
 }
 _FIM_ENDS = (Keys.Tokenizer.FIM_PAD_ID, Keys.Tokenizer.FIM_REP_ID, Keys.Tokenizer.FIM_SEP_ID)
+_FIM_OLD_KEYS = {  # the names older files use
+    Keys.Tokenizer.FIM_PRE_ID: Keys.Tokenizer.PREFIX_ID,
+    Keys.Tokenizer.FIM_SUF_ID: Keys.Tokenizer.SUFFIX_ID,
+    Keys.Tokenizer.FIM_MID_ID: Keys.Tokenizer.MIDDLE_ID,
+}
 # gpt-oss: llama.cpp always matches and prints these, even where the file calls them control.
 _ALWAYS_SHOWN = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
 _GGUF_MODELS = ("llama", "gpt2", "gemma4")
@@ -276,14 +281,15 @@ class Tokenizer:
             add_bos_default = True
             bos, eos = token_id(Keys.Tokenizer.BOS_ID, 1), token_id(Keys.Tokenizer.EOS_ID, 2)
         else:
-            # llama.cpp reads no tokenizer.ggml.pre for Gemma 4's own tokenizer model.
-            name = "gemma4" if model == "gemma4" else metadata.get(Keys.Tokenizer.PRE, "default")
+            # llama.cpp reads no tokenizer.ggml.pre for Gemma 4's own tokenizer model, and takes
+            # a missing or empty one for "default".
+            name = "gemma4" if model == "gemma4" else metadata.get(Keys.Tokenizer.PRE) or "default"
             pre = PRE_TOKENIZERS.get(name)
             if pre is None:
                 raise UnsupportedError(
                     f"{source}: pre-tokenizer {Keys.Tokenizer.PRE} = {name!r} is not supported "
-                    f"(llmrun knows every value llama.cpp knows for BPE: {len(PRE_TOKENIZERS)}, "
-                    "listed in `llmrun.pretokenizers`)"
+                    f"(llmrun knows the {len(PRE_TOKENIZERS)} values llama.cpp knows for BPE, "
+                    "as of llama-cpp-python 0.3.36; they are listed in llmrun/pretokenizers.py)"
                 )
             add_prefix = False
             backend = _bpe_backend(metadata, vocab, pre, source)
@@ -316,8 +322,7 @@ class Tokenizer:
             return _spm_bytes(tokens[i], types[i] == TokenType.BYTE)
 
         add_bos = bool(metadata.get(Keys.Tokenizer.ADD_BOS, add_bos_default))
-        # llama.cpp overrides a Gemma 4 file that says no BOS.
-        add_bos |= pre is not None and pre.regex_set == "gemma4" and pre.escape_spaces
+        add_bos |= pre is not None and pre.bos_always
         return cls(
             backend,
             spell,
@@ -563,6 +568,8 @@ class _Marks:
         eog = {i for i in (eos, token_id(Keys.Tokenizer.EOT_ID), token_id(Keys.Tokenizer.EOM_ID))}
         for key, texts in _FIM_TEXTS.items():
             fim = token_id(key)
+            if fim is None and key in _FIM_OLD_KEYS:
+                fim = token_id(_FIM_OLD_KEYS[key])
             if fim is None:
                 fim = next((vocab[t] for t in texts if t in vocab), None)
                 control |= {fim} if fim is not None else set()

@@ -434,3 +434,17 @@ def test_cli_batch_usage_errors(args, message):
     result = llmrun_cli(str(STORIES_GGUF), *args, input="")
     assert result.returncode == 2
     assert message in result.stderr.decode()
+
+
+def test_cli_tokenize_of_a_vocab_only_gguf_imports_no_torch():
+    path = VOCAB_DIR / "ggml-vocab-gemma-4.gguf"  # 262,144 tokens
+    supported("gemma-4")
+    code = (
+        f"import sys; sys.argv = ['llmrun', 'tokenize', {str(path)!r}, 'Hi there']\n"
+        "from llmrun.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == vocab("gemma-4").encode("Hi there")

@@ -228,7 +228,8 @@ def test_bos_default_follows_the_pre_tokenizer_and_the_file_wins(pre, add_bos):
 
 
 def test_no_pre_tokenizer_is_llama_cpp_default():
-    assert tiny(None).encode("abc") == tiny("default").encode("abc") == [3, 2]
+    assert tiny(None).encode("abc") == tiny("").encode("abc") == tiny("default").encode("abc")
+    assert tiny(None).encode("abc") == [3, 2]
 
 
 def test_unknown_pre_tokenizer_names_value_and_file():
@@ -250,5 +251,7 @@ def test_gemma4_model_reads_no_pre_value_and_always_adds_bos():
     }
     tok = Tokenizer.from_gguf_metadata(meta, "gemma.gguf")
     assert tok.add_bos is True
+    sarvam = {**meta, Keys.Tokenizer.MODEL: "gpt2", Keys.Tokenizer.PRE: "sarvam-moe"}
+    assert Tokenizer.from_gguf_metadata(sarvam, "sarvam.gguf").add_bos is False
     assert tok.encode(" a\nA") == [0, 3, 4, 5]  # spaces as U+2581, "A" by its byte token
     assert tok.decode([0, 3, 4, 5]) == " a\nA"
