@@ -6,9 +6,9 @@ cache holds, one call per matrix, as decoding does.
 warm: one 8960 x 1536 matrix again and again (cache-resident; an upper bound).
 
 kernels:
-  native       llmrun's C kernels (llmrun/quant/kernels.c, or kernels_avx2.c with
+  native       llmrun's C kernels (llmrun/native/kernels_avx512.c, or kernels_avx2.c with
                LLMRUN_NATIVE=avx2 or on a CPU without AVX-512) on the GGUF blocks
-  packed       the same on native.pack's layout (Q4_0, Q5_0, Q4_K, Q5_K), as QuantLinear uses it
+  packed       the same on kernels.pack's layout (Q4_0, Q5_0, Q4_K, Q5_K), as QuantLinear uses it
   torch        llmrun's pure-torch fallback: dequantize, then F.linear (no compiler)
   bf16-linear  torch F.linear on bf16 weights of the same shapes (torch's own dense path)
 
@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from llmrun.quant import native
+from llmrun import native
+from llmrun.quant import kernels
 from llmrun.quant.blocks import dequantize
 
 T = GGMLQuantizationType
@@ -59,9 +60,9 @@ def random_blocks(ggml_type: T, rows: int, cols: int) -> torch.Tensor:
 
 def kernel(name: str, ggml_type: T) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     if name == "native":
-        return lambda w, x: native.matvec(w, ggml_type, x)
+        return lambda w, x: kernels.matvec(w, ggml_type, x)
     if name == "packed":
-        return lambda w, x: native.matvec(w, ggml_type, x, packed=True)
+        return lambda w, x: kernels.matvec(w, ggml_type, x, packed=True)
     if name == "torch":
         return lambda w, x: F.linear(x, dequantize(w, ggml_type))
     if name == "bf16-linear":
@@ -76,7 +77,7 @@ def cases(name: str, ggml_type: T, shapes: list[tuple[int, int]]) -> list[tuple]
     if name == "bf16-linear":
         return [(torch.randn(r, c, dtype=dtype), xs[c]) for r, c in shapes]
     if name == "packed":
-        return [(native.pack(random_blocks(ggml_type, r, c), ggml_type), xs[c]) for r, c in shapes]
+        return [(kernels.pack(random_blocks(ggml_type, r, c), ggml_type), xs[c]) for r, c in shapes]
     return [(random_blocks(ggml_type, r, c), xs[c]) for r, c in shapes]
 
 
@@ -112,7 +113,7 @@ def main() -> None:
     runs = [
         r for i, r in enumerate(runs) if r[1] != "bf16-linear" or i < len(args.kernels.split(","))
     ]
-    runs = [r for r in runs if r[1] != "packed" or r[0] in native.PACKED]
+    runs = [r for r in runs if r[1] != "packed" or r[0] in kernels.PACKED]
     for ggml_type, kname in runs:
         fn = kernel(kname, ggml_type)
         per_weight = 2 if kname == "bf16-linear" else _bytes_per_weight(ggml_type)

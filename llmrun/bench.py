@@ -29,13 +29,12 @@ import torch
 from gguf import Keys, LlamaFileType
 from torch import nn
 
-from llmrun import __version__, api
+from llmrun import __version__, api, native
 from llmrun.errors import UsageError
 from llmrun.generate import KVState, prefill
 from llmrun.loading import safetensors_io
 from llmrun.loading.loader import Checkpoint
 from llmrun.models import kv_cache_bytes
-from llmrun.quant import native
 from llmrun.quant.linear import QuantEmbedding
 
 ROOFLINE_BYTES = 1 << 30  # far larger than any L3 cache, so the reads come from DRAM

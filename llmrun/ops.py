@@ -4,9 +4,9 @@ embedding, the SiLU-gated product and single-query attention.
 On one token's activations a torch op costs 2-40 us, mostly dispatch (more between
 matvecs that stream the weights through the caches), and the ~45 of them per layer
 came to ~8 ms of a ~28 ms token on a 24-layer 0.5B model. Where the native kernels
-are built (llmrun.quant.native) and the inputs are CPU f32, contiguous, without
-autograd and at most NATIVE_MAX_VALUES values (decode, small batches), each op here
-is one C call (llmrun/quant/decode_ops.c). Otherwise (GPU, MPS, bf16, prefill) it is
+are built (llmrun.native) and the inputs are CPU f32, contiguous, without autograd
+and at most NATIVE_MAX_VALUES values (decode, small batches), each op here is one C
+call (llmrun/native/decode_ops.c). Otherwise (GPU, MPS, bf16, prefill) it is
 the torch code beside it. The two agree to float rounding (tests/test_ops.py).
 """
 
@@ -17,7 +17,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from llmrun.quant import native
+from llmrun import native
 
 # Bigger inputs (prefill) go to torch, whose kernels use every thread.
 NATIVE_MAX_VALUES = 1 << 16

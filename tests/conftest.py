@@ -7,8 +7,8 @@ subfolders can `import helpers`.
 - Everything llmrun writes (model cache, REPL history, built kernels) goes to a
   temporary LLMRUN_HOME for the session, never to the user's own folders.
 - `native_kernels` runs a test against each native kernel family this CPU has:
-  AVX-512 (kernels.c, the default where the CPU has it) and AVX2 (kernels_avx2.c,
-  forced with LLMRUN_NATIVE=avx2, so an AVX-512 machine tests both).
+  AVX-512 (kernels_avx512.c, the default where the CPU has it) and AVX2
+  (kernels_avx2.c, forced with LLMRUN_NATIVE=avx2, so an AVX-512 machine tests both).
 """
 
 import atexit
@@ -24,20 +24,22 @@ if "LLMRUN_HOME" not in os.environ:
     os.environ["LLMRUN_HOME"] = _home
     atexit.register(shutil.rmtree, _home, ignore_errors=True)
 
-from llmrun.quant import native  # noqa: E402  (after LLMRUN_HOME is set)
+from llmrun import native  # noqa: E402  (after LLMRUN_HOME is set)
+from llmrun.quant import kernels  # noqa: E402
 
 FAMILIES = ["AVX-512", "AVX2"]
 
 
 def _reset() -> None:
     native._library.cache_clear()
-    native.supports.cache_clear()
+    kernels.supports.cache_clear()
 
 
 @pytest.fixture
 def fresh_native(monkeypatch):
-    """native's caches cleared before and after the test; the test's monkeypatching is
-    undone before the second clear, so later tests find the default kernels again."""
+    """The native caches (the library, kernels.supports) cleared before and after the
+    test; the test's monkeypatching is undone before the second clear, so later tests
+    find the default kernels again."""
     _reset()
     yield
     monkeypatch.undo()

@@ -17,9 +17,8 @@ import torch
 from helpers import tiny_hf_model, write_gguf
 
 import llmrun
-from llmrun import api, bench, paths, ui
+from llmrun import api, bench, native, paths, ui
 from llmrun.errors import UsageError
-from llmrun.quant import native
 
 FIELDS = {
     "llmrun_version", "torch_version", "device", "device_name", "cpu", "cpu_kernels", "model",

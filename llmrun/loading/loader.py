@@ -21,10 +21,11 @@ from gguf import GGMLQuantizationType
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from llmrun import native
 from llmrun.errors import ModelFormatError, ModelNotFoundError, UnsupportedError
 from llmrun.loading import gguf_io, safetensors_io
 from llmrun.models import model_module
-from llmrun.quant import native
+from llmrun.quant import kernels
 from llmrun.quant.blocks import SUPPORTED_TYPES
 from llmrun.quant.linear import QuantEmbedding, QuantLinear, tied_head
 
@@ -378,7 +379,7 @@ def _half_as_blocks(model: nn.Module, name: str, w: Weight) -> Weight:
         or w.tensor.dtype not in HALF_TYPES
         or param != "weight"
         or not isinstance(model.get_submodule(module_name), nn.Linear | nn.Embedding)
-        or not native.supports(HALF_TYPES[w.tensor.dtype], w.shape[-1])
+        or not kernels.supports(HALF_TYPES[w.tensor.dtype], w.shape[-1])
     ):
         return w
     return Weight(w.tensor.contiguous().view(torch.uint8), HALF_TYPES[w.tensor.dtype], w.shape)

@@ -5,7 +5,7 @@
  * On one token's activations (a few thousand floats) a torch op costs 2-20 us of
  * dispatch and allocation, and a decode step of a 24-layer model runs ~45 of them
  * per layer, several ms a token; the elementwise ops here take about a microsecond.
- * Built into each kernel family's library (llmrun/quant/native.py) with that
+ * Built into each kernel family's library (llmrun/native/build.py) with that
  * family's -march: the loops use AVX-512 or AVX2 vectors through the few macros
  * below, or `omp simd` for the compiler to vectorize. Sums are in f32 in another
  * order than torch's, and exp is a polynomial (within 2 ulp of expf), so results

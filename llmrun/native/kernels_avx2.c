@@ -1,8 +1,8 @@
 /* GGML-quantized matrix x few-vectors products and row dequantization, AVX2.
  *
- * The same C API and the same exactness as kernels.c (AVX-512), for CPUs with AVX2,
+ * The same C API and the same exactness as kernels_avx512.c, for CPUs with AVX2,
  * FMA and F16C only (Intel since Haswell, AMD since Zen). Weights stay in GGML's
- * block layout, or for Q4_0 and Q5_0 kernels.c's packed layouts (near the end; with
+ * block layout, or for Q4_0 and Q5_0 the packed layouts (near the end; with
  * another in-register order, and rows of 64 weights).
  *
  * Each block is dequantized in registers to exactly the f32 values gguf's reference
@@ -14,27 +14,19 @@
  * activations (sink_t), so a product differs from x @ dequantize(W).T only by the
  * order of the sums.
  *
- * Built at first use by llmrun/quant/native.py (-march=haswell) and loaded with
+ * Built at first use by llmrun/native/build.py (-march=haswell) and loaded with
  * ctypes; without AVX2, FMA and F16C this file compiles to llmrun_available() == 0.
+ * common.h holds what it shares with kernels_avx512.c.
  * Block layouts: https://github.com/ggml-org/llama.cpp/blob/master/ggml/src/ggml-common.h
  */
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include "common.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 
-#define MAX_M 8 /* most activation rows handled per pass over the weights */
-#define PREFETCH 4096 /* bytes ahead of the current block, within a thread's rows */
-#define CHUNK 65536 /* bytes of weights a thread takes at a time */
-
-/* GGMLQuantizationType values */
-enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10,
-       Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30,
-       Q4_0_PACKED = 1002, Q5_0_PACKED = 1006 /* llmrun's layouts, see below */ };
-
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
+/* The types with kernels here: common.h's, and the packed layouts of Q4_0 and Q5_0
+ * (see below; not those of Q4_K and Q5_K). */
+#define KERNEL_TYPES(X, A) GGML_TYPES(X, A) X(Q4_0_PACKED, A) X(Q5_0_PACKED, A)
 
 ALWAYS_INLINE float f16_at(const uint8_t *p) {
     uint16_t h;
@@ -186,12 +178,6 @@ ALWAYS_INLINE void deq_IQ4_NL(const uint8_t *src, sink_t s) {
     const __m128i v = load16(src + 2), kv = iq4_values();
     put_mul(s, 0, _mm_shuffle_epi8(kv, lo_nibbles(v)), d);
     put_mul(s, 16, _mm_shuffle_epi8(kv, hi_nibbles(v)), d);
-}
-
-ALWAYS_INLINE uint32_t u32_at(const uint8_t *p) {
-    uint32_t v;
-    memcpy(&v, p, 4);
-    return v;
 }
 
 /* Q5_0/Q5_1: bit 4 of weight j is bit j of the little-endian u32 qh. */
@@ -401,32 +387,6 @@ ALWAYS_INLINE float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* Every matvec's passes over the weights: 8, 4, 2 or 1 activation rows of X at a
- * time, the rows split over the threads in chunks of about CHUNK bytes. Each pass
- * calls ROWS(w, stride, r0, r1, x, m, n, y, ldy, bias, ...) for its chunks with a
- * constant m, so that ROWS (always inline) is specialized per m. Expects w, stride,
- * rows, m, n, y and bias in scope, as the matvec functions name them. */
-#define ROW_PASSES(X, ROWS, ...)                                                         \
-    do {                                                                                 \
-        const int64_t chunk_ = stride >= CHUNK ? 1 : CHUNK / stride;                     \
-        for (int64_t i0_ = 0; i0_ < m;) {                                                \
-            const int mm_ = m - i0_ >= 8 ? 8 : m - i0_ >= 4 ? 4 : m - i0_ >= 2 ? 2 : 1;  \
-            const float *xi_ = (X) + i0_ * n;                                            \
-            float *yi_ = y + i0_ * rows;                                                 \
-            _Pragma("omp parallel for schedule(dynamic)")                                \
-            for (int64_t r0_ = 0; r0_ < rows; r0_ += chunk_) {                           \
-                const int64_t r1_ = r0_ + chunk_ < rows ? r0_ + chunk_ : rows;           \
-                switch (mm_) {                                                           \
-                case 1: ROWS(w, stride, r0_, r1_, xi_, 1, n, yi_, rows, bias, ##__VA_ARGS__); break; \
-                case 2: ROWS(w, stride, r0_, r1_, xi_, 2, n, yi_, rows, bias, ##__VA_ARGS__); break; \
-                case 4: ROWS(w, stride, r0_, r1_, xi_, 4, n, yi_, rows, bias, ##__VA_ARGS__); break; \
-                default: ROWS(w, stride, r0_, r1_, xi_, 8, n, yi_, rows, bias, ##__VA_ARGS__); break; \
-                }                                                                        \
-            }                                                                            \
-            i0_ += mm_;                                                                  \
-        }                                                                                \
-    } while (0)
-
 #define DEFINE_KERNELS(T)                                                                \
     ALWAYS_INLINE void rows_##T(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1, \
                                 const float *x, const int m, int64_t n, float *y,        \
@@ -495,9 +455,9 @@ DEFINE_KERNELS(Q6_K)
 DEFINE_KERNELS(IQ4_NL)
 DEFINE_KERNELS(IQ4_XS)
 
-/* Packed layouts (Q4_0_PACKED, Q5_0_PACKED; kernels.c and native.pack define them):
- * the same blocks, each row stored field by field: its f16 scales, (Q5_0) its u32
- * high-bit words, then its 16-byte quants in block order. A 32-byte load holds the
+/* Packed layouts (Q4_0_PACKED, Q5_0_PACKED; common.h and quant/kernels.py define
+ * them): the same blocks, each row stored field by field: its f16 scales, (Q5_0) its
+ * u32 high-bit words, then its 16-byte quants in block order. A 32-byte load holds the
  * quants of two blocks, one per 128-bit lane. Per lane, byte operations put each
  * weight's signed value q-8 (Q4_0) or q-16 (Q5_0) into the top bits of a byte, with
  * zeros below, and a byte shuffle moves byte j of each dword to the top byte of that
@@ -507,15 +467,16 @@ DEFINE_KERNELS(IQ4_XS)
  * permuted to match once per call (4x4 transposes). Each row's partial sum over the
  * two blocks is scaled once by [d0 x4, d1 x4], and the row's total by 2^-28 (2^-27):
  * every product w_int * x is exactly 2^28 (2^27) times (q-8) * x in f32, and every
- * sum of them 2^28 times the sum of those, so the result is the one kernels.c's
- * factored scales give (the power of two only overflows where |x| is beyond ~1e28).
+ * sum of them 2^28 times the sum of those, so the result is the one the AVX-512
+ * kernels' factored scales give (the power of two only overflows where |x| is beyond
+ * ~1e28).
  * Per 8 weights a shuffle, a conversion and one multiply-add per activation row.
  * Rows are taken 64 weights at a time. */
 #define Q4_0_PACKED_BLOCK 64
 #define Q5_0_PACKED_BLOCK 64
 
 /* xp[64g + 8k + 4b + r] = x[64g + 32b + 16(k%2) + 4r + k/2] */
-static void permute_x8(const float *x, int64_t n, float *xp) {
+static void permute_x(const float *x, int64_t n, float *xp) {
     for (int64_t g = 0; g < n / 64; g++)
         for (int b = 0; b < 2; b++)
             for (int h = 0; h < 2; h++) {
@@ -624,108 +585,20 @@ ALWAYS_INLINE void rows_packed(const uint8_t *w, int64_t stride, int64_t r0, int
     }
 }
 
-#define DEFINE_PACKED(T, FIVE)                                                           \
-    static void matvec_##T(const uint8_t *w, int64_t stride, int64_t rows, const float *x, \
-                           int64_t m, int64_t n, float *y, const float *bias) {          \
-        float *xp = malloc(sizeof(float) * (size_t)(m * n));                             \
-        if (xp == NULL) return;                                                          \
-        for (int64_t i = 0; i < m; i++) permute_x8(x + i * n, n, xp + i * n);            \
-        ROW_PASSES(xp, rows_packed, FIVE);                                               \
-        free(xp);                                                                        \
-    }
+/* One block of a packed row, from its fields' places (common.h: DEFINE_PACKED), weight
+ * by weight as the GGML layout's dequantizers. */
+ALWAYS_INLINE void deq_packed(const uint8_t *d, const uint8_t *qh, const uint8_t *qs,
+                              float *out, const int five) {
+    if (five)
+        deq_q5_0_fields(_mm_set_ss(f16_at(d)), u32_at(qh), qs, (sink_t){.out = out});
+    else
+        deq_q4_0_fields(_mm_set_ss(f16_at(d)), qs, (sink_t){.out = out});
+}
 
 DEFINE_PACKED(Q4_0_PACKED, 0)
 DEFINE_PACKED(Q5_0_PACKED, 1)
 
-/* Weight by weight as the GGML layout's dequantizers, from the fields' places. */
-static void dequant_Q4_0_PACKED(const uint8_t *w, int64_t stride, int64_t rows, int64_t n,
-                                float *out) {
-    const int64_t nb = n / 32;
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint8_t *row = w + r * stride;
-        for (int64_t b = 0; b < nb; b++)
-            deq_q4_0_fields(_mm_set_ss(f16_at(row + 2 * b)), row + 2 * nb + 16 * b,
-                            (sink_t){.out = out + r * n + 32 * b});
-    }
-}
-
-static void dequant_Q5_0_PACKED(const uint8_t *w, int64_t stride, int64_t rows, int64_t n,
-                                float *out) {
-    const int64_t nb = n / 32;
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint8_t *row = w + r * stride;
-        for (int64_t b = 0; b < nb; b++)
-            deq_q5_0_fields(_mm_set_ss(f16_at(row + 2 * b)), u32_at(row + 2 * nb + 4 * b),
-                            row + 6 * nb + 16 * b, (sink_t){.out = out + r * n + 32 * b});
-    }
-}
-
-#define DISPATCH(CALL)                                                                   \
-    switch (type) {                                                                      \
-    case F32: CALL(F32); return 0;                                                       \
-    case F16: CALL(F16); return 0;                                                       \
-    case BF16: CALL(BF16); return 0;                                                     \
-    case Q4_0: CALL(Q4_0); return 0;                                                     \
-    case Q4_1: CALL(Q4_1); return 0;                                                     \
-    case Q5_0: CALL(Q5_0); return 0;                                                     \
-    case Q5_1: CALL(Q5_1); return 0;                                                     \
-    case Q8_0: CALL(Q8_0); return 0;                                                     \
-    case Q2_K: CALL(Q2_K); return 0;                                                     \
-    case Q3_K: CALL(Q3_K); return 0;                                                     \
-    case Q4_K: CALL(Q4_K); return 0;                                                     \
-    case Q5_K: CALL(Q5_K); return 0;                                                     \
-    case Q6_K: CALL(Q6_K); return 0;                                                     \
-    case IQ4_NL: CALL(IQ4_NL); return 0;                                                 \
-    case IQ4_XS: CALL(IQ4_XS); return 0;                                                 \
-    case Q4_0_PACKED: CALL(Q4_0_PACKED); return 0;                                       \
-    case Q5_0_PACKED: CALL(Q5_0_PACKED); return 0;                                       \
-    default: return -1;                                                                  \
-    }
-
-int llmrun_available(void) { return 1; }
-
-/* Row lengths the kernels take for `type` are multiples of this; 0: no kernel. */
-int llmrun_block(int type) {
-#define CALL_BLOCK(T) return T##_BLOCK
-    switch (type) {
-    case F32: CALL_BLOCK(F32);
-    case F16: CALL_BLOCK(F16);
-    case BF16: CALL_BLOCK(BF16);
-    case Q4_0: CALL_BLOCK(Q4_0);
-    case Q4_1: CALL_BLOCK(Q4_1);
-    case Q5_0: CALL_BLOCK(Q5_0);
-    case Q5_1: CALL_BLOCK(Q5_1);
-    case Q8_0: CALL_BLOCK(Q8_0);
-    case Q2_K: CALL_BLOCK(Q2_K);
-    case Q3_K: CALL_BLOCK(Q3_K);
-    case Q4_K: CALL_BLOCK(Q4_K);
-    case Q5_K: CALL_BLOCK(Q5_K);
-    case Q6_K: CALL_BLOCK(Q6_K);
-    case IQ4_NL: CALL_BLOCK(IQ4_NL);
-    case IQ4_XS: CALL_BLOCK(IQ4_XS);
-    case Q4_0_PACKED: CALL_BLOCK(Q4_0_PACKED);
-    case Q5_0_PACKED: CALL_BLOCK(Q5_0_PACKED);
-    default: return 0;
-    }
-}
-
-/* y[i, r] = sum_k W[r, k] x[i, k] (+ bias[r], if bias is not NULL): W is `rows` rows
- * of n weights, `stride` bytes apart; x is [m, n] and y is [m, rows], both
- * contiguous f32. */
-int llmrun_matvec(int type, const uint8_t *w, int64_t stride, int64_t rows, const float *x,
-                  int64_t m, int64_t n, float *y, const float *bias) {
-#define CALL_MATVEC(T) matvec_##T(w, stride, rows, x, m, n, y, bias)
-    DISPATCH(CALL_MATVEC)
-}
-
-/* out[r, k] = W[r, k] as f32, out contiguous [rows, n]. */
-int llmrun_dequantize(int type, const uint8_t *w, int64_t stride, int64_t rows, int64_t n,
-                      float *out) {
-#define CALL_DEQUANT(T) dequant_##T(w, stride, rows, n, out)
-    DISPATCH(CALL_DEQUANT)
-}
+DEFINE_API()
 
 #else
 

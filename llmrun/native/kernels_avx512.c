@@ -8,29 +8,22 @@
  * its partial sums, which is the same product since d*(q-8) is exact in f32. A
  * product therefore differs from x @ dequantize(W).T only by the order of the sums.
  *
- * Built at first use by llmrun/quant/native.py and loaded with ctypes; on a CPU
+ * Built at first use by llmrun/native/build.py and loaded with ctypes; on a CPU
  * without AVX-512 this file compiles to llmrun_available() == 0 and llmrun uses
- * its torch code instead.
+ * its torch code instead. common.h holds what it shares with kernels_avx2.c.
  * Block layouts: https://github.com/ggml-org/llama.cpp/blob/master/ggml/src/ggml-common.h
  */
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include "common.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512DQ__) && defined(__F16C__)
 #include <immintrin.h>
 
 #define QK_K 256
-#define MAX_M 8 /* most activation rows handled per pass over the weights */
-#define PREFETCH 4096 /* bytes ahead of the current block, within a thread's rows */
-#define CHUNK 65536 /* bytes of weights a thread takes at a time */
 
-/* GGMLQuantizationType values */
-enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10,
-       Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30,
-       /* llmrun's layouts, see below */
-       Q4_0_PACKED = 1002, Q5_0_PACKED = 1006, Q4_K_PACKED = 1012, Q5_K_PACKED = 1013 };
+/* The types with kernels here: all of common.h's, in GGML's layout and packed. */
+#define KERNEL_TYPES(X, A)                                                               \
+    GGML_TYPES(X, A) X(Q4_0_PACKED, A) X(Q5_0_PACKED, A) X(Q4_K_PACKED, A) X(Q5_K_PACKED, A)
 
 static const float IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                      1,    13,   25,  38,  53,  69,  89,  113};
@@ -117,12 +110,6 @@ static inline __m512 table(__m512 scale, float offset) {
         __m512 t4_ = _mm512_mul_ps(bcast_f16(src), _mm512_loadu_ps(IQ4_VALUES));             \
         NIBBLES((src) + 2, t4_, EMIT, 0);                                                \
     } while (0)
-
-static inline uint32_t u32_at(const uint8_t *p) {
-    uint32_t v;
-    memcpy(&v, p, 4);
-    return v;
-}
 
 /* 5-bit weights: bit 4 of weight j is bit j of the little-endian u32 qh. The
  * 32-entry table spans two registers; vpermt2ps picks by index bit 4, which a
@@ -362,32 +349,6 @@ static inline void iq4_xs_scales(const uint8_t *src, float *dl) {
         }                                                                                \
     } while (0)
 
-/* Every matvec's passes over the weights: 8, 4, 2 or 1 activation rows of X at a
- * time, the rows split over the threads in chunks of about CHUNK bytes. Each pass
- * calls ROWS(w, stride, r0, r1, x, m, n, y, ldy, bias, ...) for its chunks with a
- * constant m, so that ROWS (always inline) is specialized per m. Expects w, stride,
- * rows, m, n, y and bias in scope, as the matvec functions name them. */
-#define ROW_PASSES(X, ROWS, ...)                                                         \
-    do {                                                                                 \
-        const int64_t chunk_ = stride >= CHUNK ? 1 : CHUNK / stride;                     \
-        for (int64_t i0_ = 0; i0_ < m;) {                                                \
-            const int mm_ = m - i0_ >= 8 ? 8 : m - i0_ >= 4 ? 4 : m - i0_ >= 2 ? 2 : 1;  \
-            const float *xi_ = (X) + i0_ * n;                                            \
-            float *yi_ = y + i0_ * rows;                                                 \
-            _Pragma("omp parallel for schedule(dynamic)")                                \
-            for (int64_t r0_ = 0; r0_ < rows; r0_ += chunk_) {                           \
-                const int64_t r1_ = r0_ + chunk_ < rows ? r0_ + chunk_ : rows;           \
-                switch (mm_) {                                                           \
-                case 1: ROWS(w, stride, r0_, r1_, xi_, 1, n, yi_, rows, bias, ##__VA_ARGS__); break; \
-                case 2: ROWS(w, stride, r0_, r1_, xi_, 2, n, yi_, rows, bias, ##__VA_ARGS__); break; \
-                case 4: ROWS(w, stride, r0_, r1_, xi_, 4, n, yi_, rows, bias, ##__VA_ARGS__); break; \
-                default: ROWS(w, stride, r0_, r1_, xi_, 8, n, yi_, rows, bias, ##__VA_ARGS__); break; \
-                }                                                                        \
-            }                                                                            \
-            i0_ += mm_;                                                                  \
-        }                                                                                \
-    } while (0)
-
 /* Kernels per type. A matvec dequantizes a group of blocks (up to GROUP weights)
  * into an L1-resident buffer, then takes its dot products with up to MAX_M
  * activation rows; independent accumulators hide the multiply-add latency. */
@@ -396,9 +357,8 @@ static inline void iq4_xs_scales(const uint8_t *src, float *dl) {
 #define STORE_EMIT(off, val) _mm512_storeu_ps(out_ + (off), (val))
 
 /* acc[i] += buf . x_i over len weights (a multiple of 16), for m activation rows */
-static inline __attribute__((always_inline)) void dot_group(const float *buf, const float *x,
-                                                            int64_t n, int64_t len, const int m,
-                                                            __m512 acc[][4]) {
+ALWAYS_INLINE void dot_group(const float *buf, const float *x, int64_t n, int64_t len,
+                             const int m, __m512 acc[][4]) {
     int64_t k = 0;
     for (; k + 64 <= len; k += 64) {
         const __m512 w0 = _mm512_loadu_ps(buf + k), w1 = _mm512_loadu_ps(buf + k + 16);
@@ -428,9 +388,9 @@ static inline __attribute__((always_inline)) void dot_group(const float *buf, co
 }
 
 #define DEFINE_KERNELS(T)                                                                \
-    static inline __attribute__((always_inline)) void rows_##T(                          \
-        const uint8_t *w, int64_t stride, int64_t r0, int64_t r1, const float *x,       \
-        const int m, int64_t n, float *y, int64_t ldy, const float *bias) {              \
+    ALWAYS_INLINE void rows_##T(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1, \
+                                const float *x, const int m, int64_t n, float *y,        \
+                                int64_t ldy, const float *bias) {                        \
         enum { PER_GROUP = T##_BLOCK >= GROUP ? 1 : GROUP / T##_BLOCK };                 \
         float buf[PER_GROUP * T##_BLOCK] __attribute__((aligned(64)));                   \
         const int64_t nb = n / T##_BLOCK;                                                \
@@ -493,7 +453,7 @@ DEFINE_KERNELS(IQ4_XS)
 
 /* Packed layouts (Q4_0_PACKED, Q5_0_PACKED): the same blocks, each row stored field
  * by field: its f16 scales, (Q5_0) its u32 high-bit words, then its 16-byte quants in
- * block order (same size; native.py repacks). A 64-byte load then holds four
+ * block order (same size; quant/kernels.py repacks). A 64-byte load then holds four
  * blocks whose nibbles shifts alone turn into eight table-lookup indices, where the
  * GGML layout needs a byte-to-dword spread per 16 weights, and four scales convert
  * at once. Weights keep their exact values d*(q-8) or d*(q-16); the scale multiplies
@@ -507,7 +467,7 @@ DEFINE_KERNELS(IQ4_XS)
 
 static inline int x4_source(int k, int i) { return 4 * (i % 4) + k / 2 + 16 * (k % 2); }
 
-static void permute_x4(const float *x, int64_t n, float *xp) {
+static void permute_x(const float *x, int64_t n, float *xp) {
     int src[128];
     for (int k = 0; k < 8; k++)
         for (int i = 0; i < 16; i++) src[16 * k + i] = 32 * (i / 4) + x4_source(k, i);
@@ -515,7 +475,7 @@ static void permute_x4(const float *x, int64_t n, float *xp) {
         for (int j = 0; j < 128; j++) xp[128 * g + j] = x[128 * g + src[j]];
 }
 
-static inline __attribute__((always_inline)) void rows_packed(
+ALWAYS_INLINE void rows_packed(
     const uint8_t *w, int64_t stride, int64_t r0, int64_t r1, const float *xp, const int m,
     int64_t n, float *y, int64_t ldy, const float *bias, const int five) {
     const int64_t nb = n / 32, ng = nb / 4;
@@ -567,52 +527,26 @@ static inline __attribute__((always_inline)) void rows_packed(
     }
 }
 
-#define DEFINE_PACKED(T, FIVE)                                                           \
-    static void matvec_##T(const uint8_t *w, int64_t stride, int64_t rows, const float *x, \
-                           int64_t m, int64_t n, float *y, const float *bias) {          \
-        float *xp = malloc(sizeof(float) * (size_t)(m * n));                             \
-        if (xp == NULL) return;                                                          \
-        for (int64_t i = 0; i < m; i++) permute_x4(x + i * n, n, xp + i * n);            \
-        ROW_PASSES(xp, rows_packed, FIVE);                                               \
-        free(xp);                                                                        \
+/* One block of a packed row, from its fields' places (common.h: DEFINE_PACKED). */
+ALWAYS_INLINE void deq_packed(const uint8_t *d, const uint8_t *qh, const uint8_t *qs,
+                              float *out_, const int five) {
+    if (five) {
+        const __m512 d_ = bcast_f16(d);
+        const __m512 lo_ = table(d_, -16.0f), hi_ = table(d_, 0.0f);
+        Q5_EMIT(qs, qh, lo_, hi_, STORE_EMIT);
+    } else {
+        const __m512 t4_ = table(bcast_f16(d), -8.0f);
+        NIBBLES(qs, t4_, STORE_EMIT, 0);
     }
+}
 
 DEFINE_PACKED(Q4_0_PACKED, 0)
 DEFINE_PACKED(Q5_0_PACKED, 1)
 
-static void dequant_Q4_0_PACKED(const uint8_t *w, int64_t stride, int64_t rows, int64_t n,
-                                float *out) {
-    const int64_t nb = n / 32;
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint8_t *row = w + r * stride;
-        for (int64_t b = 0; b < nb; b++) {
-            float *out_ = out + r * n + 32 * b;
-            const __m512 t4_ = table(bcast_f16(row + 2 * b), -8.0f);
-            NIBBLES(row + 2 * nb + 16 * b, t4_, STORE_EMIT, 0);
-        }
-    }
-}
-
-static void dequant_Q5_0_PACKED(const uint8_t *w, int64_t stride, int64_t rows, int64_t n,
-                                float *out) {
-    const int64_t nb = n / 32;
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint8_t *row = w + r * stride;
-        for (int64_t b = 0; b < nb; b++) {
-            float *out_ = out + r * n + 32 * b;
-            const __m512 d_ = bcast_f16(row + 2 * b);
-            const __m512 lo_ = table(d_, -16.0f), hi_ = table(d_, 0.0f);
-            Q5_EMIT(row + 6 * nb + 16 * b, row + 2 * nb + 4 * b, lo_, hi_, STORE_EMIT);
-        }
-    }
-}
-
 /* Q4_K_PACKED: each row stored as its blocks' f16 d's, then their f16 dmins, then
- * their 12-byte scale fields, then their quants (same size; native.py repacks).
- * The scale fields come in groups of K_GROUP blocks (the last group holds the c <=
- * K_GROUP blocks left): a group of c blocks holds byte j of its block i at c*j + i,
+ * their 12-byte scale fields, then their quants (same size; quant/kernels.py
+ * repacks). The scale fields come in groups of K_GROUP blocks (the last group holds
+ * the c <= K_GROUP blocks left): a group of c blocks holds byte j of block i at c*j + i,
  * so one load gives byte j of each block of the group and GGML's 6-bit scales and
  * mins decode lane-wise, a group at a time (decoding them block by block costs as
  * much as the block's weights). Each block's 128 quant bytes are rearranged into
@@ -668,7 +602,7 @@ static inline void k_scales_group(const uint8_t *d16, const uint8_t *dmin16,
  * five, else NULL) its high-bit masks qh. A table is one fused multiply-subtract, yet
  * rounds as gguf's d*q - dm does: d*sc (11 by 6 significant bits) times q (5 bits)
  * is exact in f32, so only the subtraction rounds either way. */
-static inline __attribute__((always_inline)) void k_packed_weights(
+ALWAYS_INLINE void k_packed_weights(
     const uint8_t *q, const uint8_t *qh, const float ds[8][K_GROUP],
     const float ms[8][K_GROUP], int i, __m512 wv[16], const int five) {
     const __m512i v0 = _mm512_loadu_si512(q), v1 = _mm512_loadu_si512(q + 64);
@@ -691,7 +625,7 @@ static inline __attribute__((always_inline)) void k_packed_weights(
     }
 }
 
-static inline __attribute__((always_inline)) void rows_k_packed(
+ALWAYS_INLINE void rows_k_packed(
     const uint8_t *w, int64_t stride, int64_t r0, int64_t r1, const float *x, const int m,
     int64_t n, float *y, int64_t ldy, const float *bias, const int five) {
     const int64_t nb = n / QK_K, bytes = five ? Q5_K_BYTES : Q4_K_BYTES;
@@ -750,7 +684,7 @@ static inline __attribute__((always_inline)) void rows_k_packed(
     }
 }
 
-static inline __attribute__((always_inline)) void dequant_k_packed(
+ALWAYS_INLINE void dequant_k_packed(
     const uint8_t *w, int64_t stride, int64_t rows, int64_t n, float *out, const int five) {
     const int64_t nb = n / QK_K;
 #pragma omp parallel for schedule(static)
@@ -787,53 +721,7 @@ static inline __attribute__((always_inline)) void dequant_k_packed(
 DEFINE_K_PACKED(Q4_K_PACKED, 0)
 DEFINE_K_PACKED(Q5_K_PACKED, 1)
 
-#define DISPATCH(CALL)                                                                   \
-    switch (type) {                                                                      \
-    case F32: CALL(F32); return 0;                                                       \
-    case F16: CALL(F16); return 0;                                                       \
-    case BF16: CALL(BF16); return 0;                                                     \
-    case Q4_0: CALL(Q4_0); return 0;                                                     \
-    case Q4_1: CALL(Q4_1); return 0;                                                     \
-    case Q5_0: CALL(Q5_0); return 0;                                                     \
-    case Q5_1: CALL(Q5_1); return 0;                                                     \
-    case Q8_0: CALL(Q8_0); return 0;                                                     \
-    case Q2_K: CALL(Q2_K); return 0;                                                     \
-    case Q3_K: CALL(Q3_K); return 0;                                                     \
-    case Q4_K: CALL(Q4_K); return 0;                                                     \
-    case Q5_K: CALL(Q5_K); return 0;                                                     \
-    case Q6_K: CALL(Q6_K); return 0;                                                     \
-    case IQ4_NL: CALL(IQ4_NL); return 0;                                                 \
-    case IQ4_XS: CALL(IQ4_XS); return 0;                                                 \
-    case Q4_0_PACKED: CALL(Q4_0_PACKED); return 0;                                       \
-    case Q5_0_PACKED: CALL(Q5_0_PACKED); return 0;                                       \
-    case Q4_K_PACKED: CALL(Q4_K_PACKED); return 0;                                       \
-    case Q5_K_PACKED: CALL(Q5_K_PACKED); return 0;                                       \
-    default: return -1;                                                                  \
-    }
-
-int llmrun_available(void) { return 1; }
-
-/* Row lengths the kernels take for `type` are multiples of this; 0: no kernel. */
-int llmrun_block(int type) {
-#define CALL_BLOCK(T) return T##_BLOCK
-    DISPATCH(CALL_BLOCK)
-}
-
-/* y[i, r] = sum_k W[r, k] x[i, k] (+ bias[r], if bias is not NULL): W is `rows` rows
- * of n weights, `stride` bytes apart; x is [m, n] and y is [m, rows], both
- * contiguous f32. */
-int llmrun_matvec(int type, const uint8_t *w, int64_t stride, int64_t rows, const float *x,
-                  int64_t m, int64_t n, float *y, const float *bias) {
-#define CALL_MATVEC(T) matvec_##T(w, stride, rows, x, m, n, y, bias)
-    DISPATCH(CALL_MATVEC)
-}
-
-/* out[r, k] = W[r, k] as f32, out contiguous [rows, n]. */
-int llmrun_dequantize(int type, const uint8_t *w, int64_t stride, int64_t rows, int64_t n,
-                      float *out) {
-#define CALL_DEQUANT(T) dequant_##T(w, stride, rows, n, out)
-    DISPATCH(CALL_DEQUANT)
-}
+DEFINE_API()
 
 #else
 

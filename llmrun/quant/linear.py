@@ -11,7 +11,7 @@ module's `weight` to the other.
 
 Exception to "as in the file": with the native kernels (AVX-512 or AVX2), a
 QuantLinear given its own Q4_0 or Q5_0 tensor, or Q4_K or Q5_K with the AVX-512
-kernels (native.PACKED), repacks it once into native.pack's layout (same size; the
+kernels (kernels.PACKED), repacks it once into kernels.pack's layout (same size; the
 file's view is dropped), whose kernel is ~1.3-1.5x faster (Q4_K, Q5_K: ~1.2-1.3x);
 `packed` says so, and its `weight` (and state dict) then holds that layout. A tied
 weight (a Parameter) is not repacked by QuantLinear; `tied_head` packs the embedding
@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from llmrun.errors import ModelFormatError
-from llmrun.quant import blocks, native
+from llmrun.quant import blocks, kernels
 from llmrun.quant.blocks import check_supported, row_bytes
 
 # Up to this many activation rows (decode, small batches) a native matvec reads the
@@ -52,7 +52,7 @@ def _native_ok(
     return (
         raw.device.type == "cpu"
         and raw.stride(-1) == 1
-        and native.supports(ggml_type, n_cols, packed)
+        and kernels.supports(ggml_type, n_cols, packed)
     )
 
 
@@ -86,15 +86,15 @@ class QuantLinear(nn.Module):
         self.packed = (
             not isinstance(raw, nn.Parameter)
             and raw.device.type == "cpu"
-            and native.supports(self.ggml_type, in_features, packed=True)
+            and kernels.supports(self.ggml_type, in_features, packed=True)
         )
-        self.weight = _frozen(native.pack(raw, self.ggml_type) if self.packed else raw)
+        self.weight = _frozen(kernels.pack(raw, self.ggml_type) if self.packed else raw)
         if bias is not None and bias.shape != (self.out_features,):
             raise ModelFormatError(
                 f"bias of shape {list(bias.shape)} does not fit {self.out_features} outputs"
             )
         self.bias = None if bias is None else _frozen(bias)
-        self._matvec: native.Matvec | None = None
+        self._matvec: kernels.Matvec | None = None
         self._stale = True
         self._matvec_max = MATVEC_MAX_ROWS * in_features
 
@@ -108,7 +108,7 @@ class QuantLinear(nn.Module):
         else:
             x2 = x.reshape(-1, self.in_features).float()
             if matvec is not None:
-                y = self._gemm(x2, lambda w: native.dequantize(w, self.ggml_type, self.packed))
+                y = self._gemm(x2, lambda w: kernels.dequantize(w, self.ggml_type, self.packed))
             else:
                 y = self._gemm(x2, self._torch_dequantize)
             if self.bias is not None:
@@ -124,19 +124,21 @@ class QuantLinear(nn.Module):
         self._stale = True  # load_state_dict(assign=True) replaces the tensors
         return super()._load_from_state_dict(*args, **kwargs)
 
-    def _native(self) -> native.Matvec | None:
+    def _native(self) -> kernels.Matvec | None:
         """The bound native matvec (bias included) for the current weight, or None for
         the torch path."""
         ok = _native_ok(self.weight, self.ggml_type, self.in_features, self.packed)
         self._matvec = (
-            native.Matvec(self.weight, self.ggml_type, self.packed, _f32(self.bias)) if ok else None
+            kernels.Matvec(self.weight, self.ggml_type, self.packed, _f32(self.bias))
+            if ok
+            else None
         )
         self._stale = False
         return self._matvec
 
     def _torch_dequantize(self, w: torch.Tensor) -> torch.Tensor:
         return blocks.dequantize(
-            native.unpack(w, self.ggml_type) if self.packed else w, self.ggml_type
+            kernels.unpack(w, self.ggml_type) if self.packed else w, self.ggml_type
         )
 
     def _gemm(self, x2: torch.Tensor, dequantize) -> torch.Tensor:
@@ -159,7 +161,7 @@ class QuantLinear(nn.Module):
 
 class QuantEmbedding(nn.Module):
     """Token embeddings stored as GGML blocks; a lookup dequantizes only the rows it reads.
-    `packed`: the rows are in native.pack's layout (set by `tied_head`)."""
+    `packed`: the rows are in kernels.pack's layout (set by `tied_head`)."""
 
     def __init__(
         self,
@@ -180,10 +182,10 @@ class QuantEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.weight.index_select(0, ids.reshape(-1))
         if _native_ok(rows, self.ggml_type, self.embedding_dim, self.packed):
-            out = native.dequantize(rows, self.ggml_type, self.packed).to(self.dtype)
+            out = kernels.dequantize(rows, self.ggml_type, self.packed).to(self.dtype)
         else:
             if self.packed:
-                rows = native.unpack(rows, self.ggml_type)
+                rows = kernels.unpack(rows, self.ggml_type)
             out = blocks.dequantize(rows, self.ggml_type, self.dtype)
         return out.reshape(*ids.shape, self.embedding_dim)
 

@@ -8,8 +8,9 @@ from gguf.quants import dequantize as gguf_dequantize
 from test_quant_blocks import random_blocks
 from torch import nn
 
+from llmrun import native
 from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.quant import linear, native
+from llmrun.quant import kernels, linear
 from llmrun.quant.linear import QuantEmbedding, QuantLinear
 
 T = GGMLQuantizationType
@@ -22,7 +23,7 @@ def path(request, monkeypatch, use_kernels) -> str:
     """Run a test with each native kernel family (conftest.py) and again with the
     pure-torch fallback."""
     if request.param == "torch":
-        monkeypatch.setattr(native, "supports", lambda ggml_type, n_cols, packed=False: False)
+        monkeypatch.setattr(kernels, "supports", lambda ggml_type, n_cols, packed=False: False)
     else:
         use_kernels(request.param)
     return request.param
@@ -101,7 +102,7 @@ def test_bias_is_added_in_every_layout_and_follows_the_module(ggml_type: T, path
     bias = torch.randn(24, generator=gen)
     lin = QuantLinear(torch.from_numpy(raw), ggml_type, 1024, bias=bias.clone())
     # Both kernel families have the packed layouts (the torch path reads them too).
-    assert lin.packed == (path != "torch" and ggml_type in native.PACKED)
+    assert lin.packed == (path != "torch" and ggml_type in kernels.PACKED)
     x = torch.randn(1, 1024, generator=gen)
     w = reference(raw, ggml_type)
     assert_close_matmul(lin(x) - bias, x, w)
@@ -132,22 +133,22 @@ def test_quant_embedding_dequantizes_the_rows_looked_up(path: str):
     assert emb16(ids).dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("ggml_type", list(native.PACKED), ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", list(kernels.PACKED), ids=lambda t: t.name)
 def test_pack_and_unpack_are_inverse(ggml_type: T):
     raw = torch.from_numpy(random_blocks(ggml_type, 6, 8 * GGML_QUANT_SIZES[ggml_type][0], seed=14))
-    packed = native.pack(raw, ggml_type)
+    packed = kernels.pack(raw, ggml_type)
     type_size = raw.shape[1] // 8
     assert packed.shape == raw.shape and not torch.equal(packed, raw)
     assert torch.equal(packed[:, :16], raw.reshape(6, 8, type_size)[:, :, :2].reshape(6, 16))
-    assert torch.equal(native.unpack(packed, ggml_type), raw)
+    assert torch.equal(kernels.unpack(packed, ggml_type), raw)
 
 
 @pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q5_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("blocks", [1, 2, 3, 16, 17, 35])
 def test_k_quant_packing_interleaves_the_scale_fields_by_16_blocks(blocks: int, ggml_type: T):
     raw = torch.from_numpy(random_blocks(ggml_type, 3, 256 * blocks, seed=blocks))
-    packed = native.pack(raw, ggml_type)
-    assert torch.equal(native.unpack(packed, ggml_type), raw)
+    packed = kernels.pack(raw, ggml_type)
+    assert torch.equal(kernels.unpack(packed, ggml_type), raw)
     scales = raw.reshape(3, blocks, -1)[:, :, 4:16]
     field = packed[:, 4 * blocks : 16 * blocks]
     for b in range(blocks):
@@ -160,26 +161,26 @@ def test_k_quant_packing_interleaves_the_scale_fields_by_16_blocks(blocks: int, 
 def test_q5_k_packing_turns_the_high_bits_into_masks_of_16_weights():
     raw = torch.from_numpy(random_blocks(T.Q5_K, 2, 512, seed=18))
     qh = raw.reshape(2, 2, 176)[:, :, 16:48]
-    masks = native.pack(raw, T.Q5_K)[:, 32:96].reshape(2, 2, 32)
+    masks = kernels.pack(raw, T.Q5_K)[:, 32:96].reshape(2, 2, 32)
     for k in range(16):  # mask k: weights 16(k % 2)..16(k % 2) + 15 of sub-block k // 2
         for i in range(16):
             bit = masks[:, :, 2 * k + i // 8] >> (i % 8) & 1
             assert torch.equal(bit, qh[:, :, 16 * (k % 2) + i] >> (k // 2) & 1)
 
 
-@pytest.mark.parametrize("ggml_type", list(native.PACKED), ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", list(kernels.PACKED), ids=lambda t: t.name)
 def test_packed_weights_work_without_the_kernels(ggml_type: T, monkeypatch):
     raw = random_blocks(ggml_type, 24, 512, seed=15)
     lin = QuantLinear(torch.from_numpy(raw), ggml_type, 512)
-    assert lin.packed == native.supports(ggml_type, 512, packed=True)
+    assert lin.packed == kernels.supports(ggml_type, 512, packed=True)
     # As after .to("cuda"): the torch path must read the packed layout.
-    monkeypatch.setattr(native, "supports", lambda ggml_type, n_cols, packed=False: False)
+    monkeypatch.setattr(kernels, "supports", lambda ggml_type, n_cols, packed=False: False)
     x = torch.randn(3, 512)
     assert_close_matmul(lin(x), x, reference(raw, ggml_type))
 
 
 def test_tied_embedding_and_lm_head_share_one_tensor_through_to(monkeypatch):
-    monkeypatch.setattr(native, "supports", lambda ggml_type, n_cols, packed=False: False)
+    monkeypatch.setattr(kernels, "supports", lambda ggml_type, n_cols, packed=False: False)
     raw = torch.from_numpy(random_blocks(T.Q4_0, 40, 64))
     embed = QuantEmbedding(raw, T.Q4_0, 64)
     model = nn.ModuleDict({"embed": embed, "head": linear.tied_head(embed)})
@@ -190,14 +191,14 @@ def test_tied_embedding_and_lm_head_share_one_tensor_through_to(monkeypatch):
     assert model["head"].weight.data_ptr() != raw.data_ptr()
 
 
-@pytest.mark.parametrize("ggml_type", [*native.PACKED, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", [*kernels.PACKED, T.Q8_0], ids=lambda t: t.name)
 def test_tied_head_packs_the_embedding_where_the_kernels_can(native_kernels, ggml_type: T):
     raw = random_blocks(ggml_type, 40, 256, seed=16)
     embed = QuantEmbedding(torch.from_numpy(raw), ggml_type, 256)
     head = linear.tied_head(embed)
     assert head.weight is embed.weight
     # AVX2 has no packed Q4_K or Q5_K kernel.
-    packable = ggml_type in native.PACKED and (
+    packable = ggml_type in kernels.PACKED and (
         native_kernels != "AVX2" or ggml_type not in (T.Q4_K, T.Q5_K)
     )
     assert head.packed == embed.packed == packable
@@ -216,7 +217,7 @@ def test_packed_embedding_works_without_the_kernels(monkeypatch):
     if not linear.tied_head(embed).packed:
         pytest.skip(f"no packed layout without native kernels: {native.status()}")
     # As after .to("cuda"): lookups must read the packed layout in torch.
-    monkeypatch.setattr(native, "supports", lambda ggml_type, n_cols, packed=False: False)
+    monkeypatch.setattr(kernels, "supports", lambda ggml_type, n_cols, packed=False: False)
     ids = torch.tensor([[1, 38, 1]])
     assert torch.equal(embed(ids), reference(raw, T.Q4_0)[ids])
 

@@ -26,8 +26,8 @@ from gguf.quants import quantize as gguf_quantize
 from helpers import write_gguf
 from test_quant_blocks import F16_FIELDS
 
+from llmrun import native
 from llmrun.loading.loader import load_model
-from llmrun.quant import native
 
 T = GGMLQuantizationType
 # Every width a multiple of 256, as K-quants need.

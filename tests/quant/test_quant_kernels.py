@@ -1,8 +1,6 @@
-"""Native kernels (kernels.c for AVX-512, kernels_avx2.c for AVX2; each test runs
-against every family this CPU has, see conftest.py) against gguf's numpy reference,
-the choice of family, and the fallback."""
-
-from pathlib import Path
+"""The native kernels on GGML types (llmrun.quant.kernels; kernels_avx512.c for AVX-512,
+kernels_avx2.c for AVX2, each test against every family this CPU has, see conftest.py)
+against gguf's numpy reference."""
 
 import numpy as np
 import pytest
@@ -12,12 +10,12 @@ from gguf.quants import dequantize as gguf_dequantize
 from test_quant_blocks import assert_same_bits
 from test_quant_linear import TYPES, assert_close_matmul, finite_blocks, reference
 
-from llmrun.quant import native
+from llmrun.quant import kernels
 from llmrun.quant.blocks import SUPPORTED_TYPES
 from llmrun.quant.linear import QuantLinear
 
 T = GGMLQuantizationType
-# The packed layouts kernels_avx2.c has (kernels.c has them all).
+# The packed layouts kernels_avx2.c has (kernels_avx512.c has them all).
 AVX2_PACKED = [T.Q4_0, T.Q5_0]
 
 
@@ -33,7 +31,7 @@ def test_every_supported_type_has_a_kernel():
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_native_dequantize_is_bit_exact_with_gguf(ggml_type: T, native_kernels: str):
     raw = finite_blocks(ggml_type, 9, 768, seed=11)
-    got = native.dequantize(torch.from_numpy(raw), ggml_type)
+    got = kernels.dequantize(torch.from_numpy(raw), ggml_type)
     assert_same_bits(got.numpy(), gguf_dequantize(raw, ggml_type).astype(np.float32))
 
 
@@ -42,12 +40,12 @@ def test_native_dequantize_is_bit_exact_with_gguf(ggml_type: T, native_kernels: 
 def test_native_matvec_matches_f32_matmul(ggml_type: T, m: int, native_kernels: str):
     raw = finite_blocks(ggml_type, 33, 512, seed=m)
     x = torch.randn(m, 512, generator=torch.Generator().manual_seed(12))
-    y = native.matvec(torch.from_numpy(raw), ggml_type, x)
+    y = kernels.matvec(torch.from_numpy(raw), ggml_type, x)
     assert y.shape == (m, 33)
     assert_close_matmul(y, x, reference(raw, ggml_type))
 
 
-@pytest.mark.parametrize("ggml_type", list(native.PACKED), ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", list(kernels.PACKED), ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 13, 16])
 @pytest.mark.parametrize("n", [128, 384, 1024])
 def test_packed_kernels_match_f32_matmul(ggml_type: T, m: int, n: int, native_kernels: str):
@@ -55,28 +53,28 @@ def test_packed_kernels_match_f32_matmul(ggml_type: T, m: int, n: int, native_ke
     if GGML_QUANT_SIZES[ggml_type][0] == 256:
         n *= 2  # whole blocks
     raw = finite_blocks(ggml_type, 40, n, seed=16 + m)
-    packed = native.pack(torch.from_numpy(raw), ggml_type)
-    assert native.supports(ggml_type, n, True) and not native.supports(ggml_type, 96, True)
+    packed = kernels.pack(torch.from_numpy(raw), ggml_type)
+    assert kernels.supports(ggml_type, n, True) and not kernels.supports(ggml_type, 96, True)
     x = torch.randn(m, n, generator=torch.Generator().manual_seed(17))
-    y = native.matvec(packed, ggml_type, x, packed=True)
+    y = kernels.matvec(packed, ggml_type, x, packed=True)
     assert y.shape == (m, 40)
     assert_close_matmul(y, x, reference(raw, ggml_type))
-    got = native.dequantize(packed, ggml_type, packed=True)
+    got = kernels.dequantize(packed, ggml_type, packed=True)
     assert_same_bits(got.numpy(), gguf_dequantize(raw, ggml_type).astype(np.float32))
 
 
-@pytest.mark.parametrize("ggml_type", list(native.PACKED), ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", list(kernels.PACKED), ids=lambda t: t.name)
 def test_packed_kernels_take_rows_with_a_stride_and_a_bias(ggml_type: T, native_kernels: str):
     skip_without_packed_kernel(ggml_type, native_kernels)
     raw = finite_blocks(ggml_type, 12, 512, seed=22)
-    packed = native.pack(torch.from_numpy(raw), ggml_type)
+    packed = kernels.pack(torch.from_numpy(raw), ggml_type)
     every_other = packed[::2]
     bias = torch.randn(6, generator=torch.Generator().manual_seed(23))
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(24))
-    y = native.matvec(every_other, ggml_type, x, packed=True, bias=bias)
+    y = kernels.matvec(every_other, ggml_type, x, packed=True, bias=bias)
     assert_close_matmul(y - bias, x, reference(raw, ggml_type)[::2])
-    got = native.dequantize(every_other, ggml_type, packed=True)
-    assert torch.equal(got, native.dequantize(packed, ggml_type, packed=True)[::2])
+    got = kernels.dequantize(every_other, ggml_type, packed=True)
+    assert torch.equal(got, kernels.dequantize(packed, ggml_type, packed=True)[::2])
 
 
 @pytest.mark.parametrize("blocks", [1, 2, 3, 16, 17, 35])
@@ -86,26 +84,28 @@ def test_packed_k_quant_rows_of_any_block_count(blocks: int, m: int, use_kernels
     n = 256 * blocks
     for ggml_type in (T.Q4_K, T.Q5_K):
         raw = finite_blocks(ggml_type, 7, n, seed=blocks)
-        packed = native.pack(torch.from_numpy(raw), ggml_type)
+        packed = kernels.pack(torch.from_numpy(raw), ggml_type)
         x = torch.randn(m, n, generator=torch.Generator().manual_seed(m))
-        y = native.matvec(packed, ggml_type, x, packed=True)
+        y = kernels.matvec(packed, ggml_type, x, packed=True)
         assert_close_matmul(y, x, reference(raw, ggml_type))
-        got = native.dequantize(packed, ggml_type, packed=True)
+        got = kernels.dequantize(packed, ggml_type, packed=True)
         assert_same_bits(got.numpy(), gguf_dequantize(raw, ggml_type).astype(np.float32))
 
 
 @pytest.mark.parametrize("ggml_type", AVX2_PACKED, ids=lambda t: t.name)
 def test_avx2_kernels_repack_too(ggml_type: T, use_kernels):
     use_kernels("AVX2")
-    assert native.supports(ggml_type, 1024) and native.supports(ggml_type, 1024, True)
+    assert kernels.supports(ggml_type, 1024) and kernels.supports(ggml_type, 1024, True)
     # Rows of 64 weights are enough here (the AVX-512 kernels step by 128).
-    assert native.supports(ggml_type, 64, True) and not native.supports(ggml_type, 96, True)
+    assert kernels.supports(ggml_type, 64, True) and not kernels.supports(ggml_type, 96, True)
     for n in (64, 192, 320):
         raw = finite_blocks(ggml_type, 5, n, seed=n)
-        packed = native.pack(torch.from_numpy(raw), ggml_type)
+        packed = kernels.pack(torch.from_numpy(raw), ggml_type)
         x = torch.randn(3, n, generator=torch.Generator().manual_seed(n))
-        assert_close_matmul(native.matvec(packed, ggml_type, x, True), x, reference(raw, ggml_type))
-        got = native.dequantize(packed, ggml_type, packed=True)
+        assert_close_matmul(
+            kernels.matvec(packed, ggml_type, x, True), x, reference(raw, ggml_type)
+        )
+        got = kernels.dequantize(packed, ggml_type, packed=True)
         assert_same_bits(got.numpy(), gguf_dequantize(raw, ggml_type).astype(np.float32))
     raw = finite_blocks(ggml_type, 8, 1024, seed=18)
     lin = QuantLinear(torch.from_numpy(raw), ggml_type, 1024)
@@ -117,7 +117,7 @@ def test_avx2_kernels_repack_too(ggml_type: T, use_kernels):
 
 def test_avx2_kernels_leave_q4_k_unpacked(use_kernels):
     use_kernels("AVX2")
-    assert native.supports(T.Q4_K, 256) and not native.supports(T.Q4_K, 256, packed=True)
+    assert kernels.supports(T.Q4_K, 256) and not kernels.supports(T.Q4_K, 256, packed=True)
     raw = finite_blocks(T.Q4_K, 8, 512, seed=25)
     lin = QuantLinear(torch.from_numpy(raw), T.Q4_K, 512)
     assert not lin.packed and torch.equal(lin.weight, torch.from_numpy(raw))
@@ -129,13 +129,13 @@ def test_avx2_kernels_leave_q4_k_unpacked(use_kernels):
 @pytest.mark.parametrize("n", [16, 48, 80, 272])
 def test_float_rows_of_any_block_multiple(ggml_type: T, n: int, native_kernels: str):
     # Whole numbers of blocks for both families (16 and 8 weights) but not of the 32
-    # or 64 weights the AVX-512 dot product steps by: kernels.c once dropped the last
+    # or 64 weights the AVX-512 dot product steps by: kernels_avx512.c once dropped the last
     # 16 weights of such rows (48) or read past them (16, 80).
     raw = finite_blocks(ggml_type, 5, n, seed=20)
-    assert native.supports(ggml_type, n)
+    assert kernels.supports(ggml_type, n)
     x = torch.randn(3, n, generator=torch.Generator().manual_seed(21))
     assert_close_matmul(
-        native.matvec(torch.from_numpy(raw), ggml_type, x), x, reference(raw, ggml_type)
+        kernels.matvec(torch.from_numpy(raw), ggml_type, x), x, reference(raw, ggml_type)
     )
 
 
@@ -144,67 +144,17 @@ def test_native_kernels_take_rows_with_a_stride(native_kernels: str):
     x = torch.randn(1, 512)
     every_other = raw[::2]
     assert every_other.stride(0) == 2 * raw.shape[1]
-    assert torch.equal(native.dequantize(every_other, T.Q4_K), native.dequantize(raw, T.Q4_K)[::2])
+    assert torch.equal(
+        kernels.dequantize(every_other, T.Q4_K), kernels.dequantize(raw, T.Q4_K)[::2]
+    )
     assert_close_matmul(
-        native.matvec(every_other, T.Q4_K, x), x, reference(raw.numpy(), T.Q4_K)[::2]
+        kernels.matvec(every_other, T.Q4_K, x), x, reference(raw.numpy(), T.Q4_K)[::2]
     )
 
 
 def test_native_refuses_rows_it_cannot_take(native_kernels: str):
-    assert native.supports(T.F16, 64) and not native.supports(T.F16, 37)
+    assert kernels.supports(T.F16, 64) and not kernels.supports(T.F16, 37)
     with pytest.raises(ValueError, match="F16 rows of 37"):
-        native.matvec(torch.zeros(2, 74, dtype=torch.uint8), T.F16, torch.zeros(1, 37))
+        kernels.matvec(torch.zeros(2, 74, dtype=torch.uint8), T.F16, torch.zeros(1, 37))
     with pytest.raises(ValueError, match="f32"):
-        native.matvec(torch.zeros(2, 34, dtype=torch.uint8), T.Q8_0, torch.zeros(1, 32).half())
-
-
-def test_status_names_the_kernel_family(native_kernels: str):
-    assert native.kernels() == native_kernels
-    assert native.status() == f"native ({native_kernels})"
-    # Each family is its own library in the cache, built from its own source.
-    tag = {"AVX-512": "avx512", "AVX2": "avx2"}[native_kernels]
-    assert Path(native._library()._name).name.startswith(f"llmrun-{tag}-")
-
-
-AVX2_FLAGS = "flags\t\t: fpu sse2 ssse3 sse4_1 sse4_2 avx f16c fma avx2 bmi2"
-AVX512_FLAGS = AVX2_FLAGS + " avx512f avx512dq avx512bw avx512vl avx512_bf16"
-
-
-@pytest.mark.parametrize(
-    "flags, env, families, reason",
-    [
-        (AVX512_FLAGS, "1", ["AVX-512", "AVX2"], ""),
-        (AVX2_FLAGS, "1", ["AVX2"], ""),
-        (AVX512_FLAGS, "avx2", ["AVX2"], ""),
-        ("flags\t\t: fpu sse2 avx", "1", [], "lacks AVX2 (with FMA and F16C) and AVX-512"),
-        ("flags\t\t: fpu sse2 avx", "avx2", [], "lacks AVX2 (with FMA and F16C)"),
-        ("", "1", ["AVX-512"], ""),  # no flags to read: its build decides, as before
-    ],
-)
-def test_the_kernel_family_follows_the_cpu(flags, env, families, reason, fresh_native, monkeypatch):
-    monkeypatch.setattr(native, "_cpu_features", lambda: flags)
-    monkeypatch.setenv("LLMRUN_NATIVE", env)
-    monkeypatch.setattr(native, "_reason", "")
-    assert native._families() == families
-    assert reason in native._reason and bool(reason) == bool(native._reason)
-
-
-def test_a_cpu_without_avx512_gets_the_avx2_kernels(fresh_native, monkeypatch):
-    if not native.NEEDS["AVX2"] <= set(native._cpu_features().split()):
-        pytest.skip("this CPU lacks AVX2")
-    # As if AVX-512 needed a flag no CPU has; the CPU's flags (the cache key) stay.
-    monkeypatch.setitem(native.NEEDS, "AVX-512", {"avx512f", "no-such-flag"})
-    monkeypatch.delenv("LLMRUN_NATIVE", raising=False)
-    assert native.status() == "native (AVX2)"
-    assert native.supports(T.Q4_K, 256) and native.supports(T.Q4_0, 256, packed=True)
-
-
-@pytest.mark.parametrize(
-    "env, reason", [({"LLMRUN_NATIVE": "0"}, "LLMRUN_NATIVE=0"), ({"CC": "/nonexistent/cc"}, "")]
-)
-def test_without_kernels_the_status_says_why(env: dict, reason: str, fresh_native, monkeypatch):
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    assert not native.available() and native.kernels() is None
-    assert not native.supports(T.Q4_0, 32)
-    assert native.status().startswith("torch fallback: ") and reason in native.status()
+        kernels.matvec(torch.zeros(2, 34, dtype=torch.uint8), T.Q8_0, torch.zeros(1, 32).half())

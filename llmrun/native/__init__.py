@@ -1,0 +1,91 @@
+"""The native C library (CPU kernels), as callers see it: built at first use, its C API
+declared for ctypes, and whether it is in use (and if not, why).
+
+One kernel family is built, by the CPU's features (build.py): AVX-512
+(kernels_avx512.c, with -march=native) or, on CPUs without it (most AMD Zen 2/3,
+Intel desktop and laptop CPUs), AVX2 with FMA and F16C (kernels_avx2.c, with
+-march=haswell). Both take the same GGML types and dequantize them exactly, and both
+have the packed layouts of Q4_0 and Q5_0 (those of Q4_K and Q5_K only AVX-512: the
+AVX2 library's llmrun_block is 0 for them); llmrun.quant.kernels binds those types.
+Each family's library also holds decode_ops.c, the small ops of llmrun.ops.
+LLMRUN_NATIVE=avx2 builds the AVX2 kernels on any CPU with AVX2 (to test them on an
+AVX-512 machine). Where there is no compiler, the CPU has no family, the build fails,
+or LLMRUN_NATIVE=0 is set, `available()` is False and callers use their torch code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import shutil
+
+from llmrun.native import build
+
+_reason = ""
+_family = ""  # the kernel family loaded, once _library() has found one
+
+_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+# The library's C API (common.h, decode_ops.c): argument types, and which return nothing.
+_API = {
+    "llmrun_block": [ctypes.c_int],
+    "llmrun_matvec": [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR],
+    "llmrun_dequantize": [ctypes.c_int, _PTR, _I64, _I64, _I64, _PTR],
+    "llmrun_rms_norm": [_PTR, _PTR, _F32, _I64, _I64, _PTR],
+    "llmrun_rotary": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR],
+    "llmrun_silu_mul": [_PTR, _PTR, _I64, _PTR],
+    "llmrun_attend_one": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _PTR],
+}
+_VOID = ("llmrun_rms_norm", "llmrun_rotary", "llmrun_silu_mul", "llmrun_attend_one")
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    global _reason, _family
+    _family = ""
+    setting = os.environ.get("LLMRUN_NATIVE", "1")
+    if setting == "0":
+        _reason = "disabled by LLMRUN_NATIVE=0"
+        return None
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        _reason = "no C compiler found (set CC)"
+        return None
+    families, _reason = build.candidates(setting)
+    # The next family down where a build fails (say, a compiler without AVX-512).
+    for family in families:
+        try:
+            lib = build.load(compiler, family)
+        except build.BuildError as e:
+            _reason = str(e)
+            continue
+        break
+    else:
+        return None
+    _family = family
+    for name, argtypes in _API.items():
+        getattr(lib, name).argtypes = argtypes
+    for name in _VOID:
+        getattr(lib, name).restype = None
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded library (None without native kernels), for other modules' bindings."""
+    return _library()
+
+
+def available() -> bool:
+    """Whether the native kernels are built and usable on this machine."""
+    return _library() is not None
+
+
+def kernels() -> str | None:
+    """The kernel family in use ("AVX-512" or "AVX2"), or None without native kernels."""
+    return _family if available() else None
+
+
+def status() -> str:
+    """'native (AVX-512)', 'native (AVX2)' or why the torch fallback is in use, for
+    stats lines and bug reports."""
+    return f"native ({kernels()})" if available() else f"torch fallback: {_reason}"

@@ -1,0 +1,143 @@
+"""Build one kernel family's library with the C compiler, cache it, and load it with ctypes.
+
+A family is one C file of quantized kernels in this folder (with common.h), compiled
+with its -march flags together with decode_ops.c into one shared library. The table
+below names each, best first, with the features the CPU must list in /proc/cpuinfo: a
+new family (say ARM NEON) is one more source and one more entry. The library goes into
+the cache folder, keyed by a hash of the sources, the compiler, its flags and the
+CPU's features, so later runs load it at once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmrun import paths
+
+HERE = Path(__file__).parent
+# Built into every family's library: the small f32 ops of a decode step (llmrun.ops).
+DECODE_OPS = HERE / "decode_ops.c"
+COMMON = HERE / "common.h"
+FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC", "-fopenmp"]
+FEATURE_LINES = ("flags", "Features")  # where /proc/cpuinfo lists them, on x86 and on ARM
+
+
+@dataclass(frozen=True)
+class Family:
+    source: str  # the kernels' C file, in this folder
+    march: tuple[str, ...]  # the -march flags it is built with
+    needs: frozenset[str]  # the features the CPU's /proc/cpuinfo must list
+    lacking: str  # how "this CPU lacks ..." names it
+
+
+# -march=haswell for AVX2, so that build never holds AVX-512 code even on an AVX-512 CPU.
+FAMILIES = {
+    "AVX-512": Family(
+        "kernels_avx512.c",
+        ("-march=native",),
+        frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "f16c"}),
+        "AVX-512",
+    ),
+    "AVX2": Family(
+        "kernels_avx2.c",
+        ("-march=haswell", "-mtune=native"),
+        frozenset({"avx2", "fma", "f16c"}),
+        "AVX2 (with FMA and F16C)",
+    ),
+}
+
+
+class BuildError(Exception):
+    """A family's library could not be built or loaded here; the message says why."""
+
+
+def _tag(family: str) -> str:
+    """The family's short name, in its library's file name and for LLMRUN_NATIVE."""
+    return family.lower().replace("-", "")
+
+
+def cpu_features() -> str:
+    """The CPU's feature line of /proc/cpuinfo (x86: `flags`, ARM: `Features`), else
+    what `platform` knows of it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(FEATURE_LINES)), "")
+    except OSError:
+        return platform.processor()
+
+
+def candidates(setting: str) -> tuple[list[str], str]:
+    """The families to try on this CPU, best first, and if none, why.
+
+    `setting` is LLMRUN_NATIVE: a family's tag (`avx2`) leaves that family alone, to
+    test it on a CPU that has a better one. Where the CPU's features cannot be read
+    (no /proc/cpuinfo), the first family is tried: its library reports
+    llmrun_available() == 0 where it cannot run.
+    """
+    forced = [family for family in FAMILIES if _tag(family) == setting]
+    tried = forced or list(FAMILIES)
+    line = cpu_features()
+    if not line.startswith(FEATURE_LINES):
+        return tried[:1], ""
+    features = set(line.split())
+    found = [family for family in tried if FAMILIES[family].needs <= features]
+    lacking = " and ".join(FAMILIES[family].lacking for family in reversed(tried))
+    return found, "" if found else f"this CPU lacks {lacking}"
+
+
+def _flags(family: str) -> list[str]:
+    return [*FAMILIES[family].march, *FLAGS]
+
+
+def _compile(compiler: str, family: str, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename, so concurrent first runs never load half a file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    source = HERE / FAMILIES[family].source
+    try:
+        subprocess.run(
+            [compiler, *_flags(family), str(source), str(DECODE_OPS), "-o", tmp],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def target(compiler: str, family: str) -> Path:
+    """Where the cache keeps `family`'s library as `compiler` builds it for this CPU."""
+    key = hashlib.sha256()
+    for path in (HERE / FAMILIES[family].source, COMMON, DECODE_OPS):
+        key.update(path.read_bytes())
+    key.update(" ".join([family, compiler, *_flags(family), cpu_features()]).encode())
+    return paths.cache_dir().parent / "kernels" / f"llmrun-{_tag(family)}-{key.hexdigest()[:16]}.so"
+
+
+def load(compiler: str, family: str) -> ctypes.CDLL:
+    """`family`'s library, built first if the cache lacks it; BuildError if it cannot
+    be built or loaded, or cannot run on this CPU."""
+    source = FAMILIES[family].source
+    path = target(compiler, family)
+    try:
+        if not path.exists():
+            _compile(compiler, family, path)
+        lib = ctypes.CDLL(str(path))
+    except subprocess.CalledProcessError as e:
+        raise BuildError(f"building {source} failed: {e.stderr.strip()[-500:]}") from e
+    except (OSError, subprocess.SubprocessError) as e:
+        raise BuildError(f"building or loading {source} failed: {e}") from e
+    if not lib.llmrun_available():
+        raise BuildError(f"this CPU lacks {family}")
+    return lib

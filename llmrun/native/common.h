@@ -1,0 +1,131 @@
+/* What every kernel family's file (kernels_avx512.c, kernels_avx2.c) shares: GGML's
+ * type ids, the sizes a matvec works in, its passes over the weights (ROW_PASSES), the
+ * matvec and dequantizer of the packed Q4_0 and Q5_0 layouts (DEFINE_PACKED) and the C
+ * API that llmrun/native/__init__.py declares, dispatched by type (DEFINE_API).
+ *
+ * Macros, constants and plain C only: a family's file includes this first, then
+ * defines its kernels with its own vector code (and, for the macros here, the names
+ * they expect: its KERNEL_TYPES, T##_BLOCK, matvec_T and dequant_T per type, and for
+ * the packed layouts permute_x, rows_packed and deq_packed), and ends with DEFINE_API().
+ * A new family is one more such file.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+#define MAX_M 8 /* most activation rows handled per pass over the weights */
+#define PREFETCH 4096 /* bytes ahead of the current block, within a thread's rows */
+#define CHUNK 65536 /* bytes of weights a thread takes at a time */
+
+/* GGMLQuantizationType values */
+enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10,
+       Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30,
+       /* llmrun's packed layouts (llmrun/quant/kernels.py repacks), 1000 + the type */
+       Q4_0_PACKED = 1002, Q5_0_PACKED = 1006, Q4_K_PACKED = 1012, Q5_K_PACKED = 1013 };
+
+/* The GGML types every family has kernels for, as X(T, A) for each; a family's
+ * KERNEL_TYPES(X, A) lists these and its packed layouts. */
+#define GGML_TYPES(X, A)                                                                 \
+    X(F32, A) X(F16, A) X(BF16, A) X(Q4_0, A) X(Q4_1, A) X(Q5_0, A) X(Q5_1, A) X(Q8_0, A) \
+    X(Q2_K, A) X(Q3_K, A) X(Q4_K, A) X(Q5_K, A) X(Q6_K, A) X(IQ4_NL, A) X(IQ4_XS, A)
+
+static inline uint32_t u32_at(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* Every matvec's passes over the weights: 8, 4, 2 or 1 activation rows of X at a
+ * time, the rows split over the threads in chunks of about CHUNK bytes. Each pass
+ * calls ROWS(w, stride, r0, r1, x, m, n, y, ldy, bias, ...) for its chunks with a
+ * constant m, so that ROWS (always inline) is specialized per m. Expects w, stride,
+ * rows, m, n, y and bias in scope, as the matvec functions name them. */
+#define ROW_PASSES(X, ROWS, ...)                                                         \
+    do {                                                                                 \
+        const int64_t chunk_ = stride >= CHUNK ? 1 : CHUNK / stride;                     \
+        for (int64_t i0_ = 0; i0_ < m;) {                                                \
+            const int mm_ = m - i0_ >= 8 ? 8 : m - i0_ >= 4 ? 4 : m - i0_ >= 2 ? 2 : 1;  \
+            const float *xi_ = (X) + i0_ * n;                                            \
+            float *yi_ = y + i0_ * rows;                                                 \
+            _Pragma("omp parallel for schedule(dynamic)")                                \
+            for (int64_t r0_ = 0; r0_ < rows; r0_ += chunk_) {                           \
+                const int64_t r1_ = r0_ + chunk_ < rows ? r0_ + chunk_ : rows;           \
+                switch (mm_) {                                                           \
+                case 1: ROWS(w, stride, r0_, r1_, xi_, 1, n, yi_, rows, bias, ##__VA_ARGS__); break; \
+                case 2: ROWS(w, stride, r0_, r1_, xi_, 2, n, yi_, rows, bias, ##__VA_ARGS__); break; \
+                case 4: ROWS(w, stride, r0_, r1_, xi_, 4, n, yi_, rows, bias, ##__VA_ARGS__); break; \
+                default: ROWS(w, stride, r0_, r1_, xi_, 8, n, yi_, rows, bias, ##__VA_ARGS__); break; \
+                }                                                                        \
+            }                                                                            \
+            i0_ += mm_;                                                                  \
+        }                                                                                \
+    } while (0)
+
+/* The packed Q4_0 (FIVE 0) and Q5_0 (FIVE 1) layouts: each row stored field by field,
+ * its f16 scales, (Q5_0) its u32 high-bit words, then its 16-byte quants in block
+ * order. matvec_T permutes x once per call (the family's permute_x, to the order its
+ * rows_packed takes the weights in); dequant_T goes block by block from the fields'
+ * places through the family's deq_packed(d, qh, qs, out, five), which writes one
+ * block's 32 weights to out. */
+#define DEFINE_PACKED(T, FIVE)                                                           \
+    static void matvec_##T(const uint8_t *w, int64_t stride, int64_t rows, const float *x, \
+                           int64_t m, int64_t n, float *y, const float *bias) {          \
+        float *xp = malloc(sizeof(float) * (size_t)(m * n));                             \
+        if (xp == NULL) return;                                                          \
+        for (int64_t i = 0; i < m; i++) permute_x(x + i * n, n, xp + i * n);             \
+        ROW_PASSES(xp, rows_packed, FIVE);                                               \
+        free(xp);                                                                        \
+    }                                                                                    \
+    static void dequant_##T(const uint8_t *w, int64_t stride, int64_t rows, int64_t n,   \
+                            float *out) {                                                \
+        const int64_t nb = n / 32;                                                       \
+        _Pragma("omp parallel for schedule(static)")                                     \
+        for (int64_t r = 0; r < rows; r++) {                                             \
+            const uint8_t *row = w + r * stride;                                         \
+            for (int64_t b = 0; b < nb; b++)                                             \
+                deq_packed(row + 2 * b, row + 2 * nb + 4 * b, row + ((FIVE) ? 6 : 2) * nb + 16 * b, \
+                           out + r * n + 32 * b, FIVE);                                  \
+        }                                                                                \
+    }
+
+/* In a function of `type`: CALL(T) for each of the family's KERNEL_TYPES, then return
+ * 0; -1 for any other type. */
+#define DISPATCH_CASE(T, CALL)                                                           \
+    case T: CALL(T); return 0;
+#define DISPATCH(CALL)                                                                   \
+    switch (type) {                                                                      \
+    KERNEL_TYPES(DISPATCH_CASE, CALL)                                                    \
+    default: return -1;                                                                  \
+    }
+#define BLOCK_CASE(T, _) case T: return T##_BLOCK;
+#define CALL_MATVEC(T) matvec_##T(w, stride, rows, x, m, n, y, bias)
+#define CALL_DEQUANT(T) dequant_##T(w, stride, rows, n, out)
+
+/* The library's C API, over the family's KERNEL_TYPES. Where the compiler targets a CPU
+ * without the family's instructions, its file defines llmrun_available() == 0 alone. */
+#define DEFINE_API()                                                                     \
+    int llmrun_available(void) { return 1; }                                             \
+                                                                                         \
+    /* Row lengths the kernels take for `type` are multiples of this; 0: no kernel. */  \
+    int llmrun_block(int type) {                                                         \
+        switch (type) {                                                                  \
+        KERNEL_TYPES(BLOCK_CASE, _)                                                      \
+        default: return 0;                                                               \
+        }                                                                                \
+    }                                                                                    \
+                                                                                         \
+    /* y[i, r] = sum_k W[r, k] x[i, k] (+ bias[r], if bias is not NULL): W is `rows`    \
+     * rows of n weights, `stride` bytes apart; x is [m, n] and y is [m, rows], both     \
+     * contiguous f32. */                                                                \
+    int llmrun_matvec(int type, const uint8_t *w, int64_t stride, int64_t rows,          \
+                      const float *x, int64_t m, int64_t n, float *y, const float *bias) { \
+        DISPATCH(CALL_MATVEC)                                                            \
+    }                                                                                    \
+                                                                                         \
+    /* out[r, k] = W[r, k] as f32, out contiguous [rows, n]. */                          \
+    int llmrun_dequantize(int type, const uint8_t *w, int64_t stride, int64_t rows,      \
+                          int64_t n, float *out) {                                       \
+        DISPATCH(CALL_DEQUANT)                                                           \
+    }
