@@ -237,17 +237,24 @@ def weight_bytes_per_token(model: nn.Module) -> int:
     """Bytes of weights one decode step reads: every parameter (linear weights and
     biases, lm_head included, norms) in the form the model holds it (quantized
     blocks or the compute dtype), except embedding tables, of which a lookup reads
-    one row. A tied lm_head reads the whole shared table, counted once."""
+    one row. A tied lm_head reads the whole shared table, counted once. Of a
+    mixture-of-experts block (`experts` and `top_k`) a token reads top_k experts:
+    all its experts' bytes x top_k / their number (the experts of a block are alike)."""
+    share: dict[int, float] = {}
+    for module in model.modules():
+        experts = getattr(module, "experts", None)
+        if isinstance(experts, nn.ModuleList) and hasattr(module, "top_k"):
+            share.update((id(p), module.top_k / len(experts)) for p in experts.parameters())
     seen: set[int] = set()
-    total = 0
+    total = 0.0
     for module in model.modules():
         for p in module.parameters(recurse=False):
             if isinstance(module, (nn.Embedding, QuantEmbedding)):
                 total += p.nbytes // p.shape[0]
             elif id(p) not in seen:
                 seen.add(id(p))
-                total += p.nbytes
-    return total
+                total += p.nbytes * share.get(id(p), 1.0)
+    return round(total)
 
 
 def disk_bytes(path: Path) -> int:

@@ -283,12 +283,15 @@ def print_model_info(info: dict[str, Any]) -> None:
     per_weight = info["bytes_per_weight"]
     if per_weight:
         weights += f"; {per_weight:.3g} bytes per weight"
-    params = info["parameters"]
+    params, active = info["parameters"], info.get("active_parameters")
+    params_line = f"{count(params)} ({params:,})" if params else "-"
+    if active:
+        params_line += f", {count(active)} active a token ({active:,})"
     lines = [
         ("name", info["name"]),
         ("format", info["format"]),
         ("architecture", info["architecture"] or "-"),
-        ("parameters", f"{count(params)} ({params:,})" if params else "-"),
+        ("parameters", params_line),
         ("context length", str(info["context_length"] or "-")),
         ("weights", weights or "-"),
         ("tokenizer", _tokenizer_line(info)),

@@ -64,6 +64,41 @@ def weight_stats(path: Path) -> dict[str, Any]:
     return {**stats, "quant": quant_label(path.name) or stats["quant"]}
 
 
+def active_parameters(path: Path, parameters: int) -> int | None:
+    """Of a mixture-of-experts model's `parameters`, those one token uses: all but the
+    experts, plus expert_used_count / expert_count of these (GGUF's stacked *_exps
+    tensors; safetensors' per-expert `.experts.N.` keys and num_experts_per_tok). None
+    for a model without experts."""
+    if path.is_dir():
+        config = read_json(path / "config.json") or {}
+        total = config.get("num_local_experts") or config.get("num_experts")
+        used = config.get("num_experts_per_tok")
+        experts = sum(
+            math.prod(t["shape"])
+            for shard in safetensors_weights(p.name for p in path.iterdir())
+            for key, t in safetensors_header(path / shard).items()
+            if key != "__metadata__" and re.search(r"\.experts\.\d+\.", key)
+        )
+    else:
+        from gguf import Keys
+
+        from llmrun.loading.gguf_io import read_gguf
+
+        headers = [read_gguf(part, with_tensors=False) for part in split_parts(path)]
+        arch = headers[0].get(Keys.General.ARCHITECTURE)
+        total = headers[0].get(Keys.LLM.EXPERT_COUNT.format(arch=arch))
+        used = headers[0].get(Keys.LLM.EXPERT_USED_COUNT.format(arch=arch))
+        experts = sum(
+            math.prod(t.shape)
+            for h in headers
+            for name, t in h.tensors.items()
+            if name.endswith("_exps.weight")
+        )
+    if not (isinstance(total, int) and isinstance(used, int) and 0 < used <= total and experts):
+        return None
+    return parameters - experts + experts * used // total
+
+
 def _stats(tensors: list[tuple[str, tuple[int, ...], int]]) -> dict[str, Any]:
     types: dict[str, dict[str, int]] = {}
     for kind, shape, nbytes in tensors:
@@ -121,12 +156,14 @@ def _describe_gguf(path: Path) -> dict[str, Any]:
     header = read_gguf(parts[0], with_tensors=False)
     arch = header.get(Keys.General.ARCHITECTURE)
     tok_model = header.get(Keys.Tokenizer.MODEL)
+    stats = weight_stats(parts[0])
     return {
         "format": "gguf",
         "path": str(parts[0]),
         "architecture": arch,
         "context_length": header.get(Keys.LLM.CONTEXT_LENGTH.format(arch=arch)),
-        **weight_stats(parts[0]),
+        **stats,
+        "active_parameters": active_parameters(parts[0], stats["parameters"]),
         "tokenizer": _GGUF_TOKENIZERS.get(tok_model, tok_model),
         "pre_tokenizer": header.get(Keys.Tokenizer.PRE) if tok_model == "gpt2" else None,
         "chat_template": header.get(Keys.Tokenizer.CHAT_TEMPLATE),
@@ -198,6 +235,7 @@ def _describe_safetensors(folder: Path) -> dict[str, Any]:
         "architecture": config.get("model_type") or (config.get("architectures") or [None])[0],
         "context_length": context,
         **stats,
+        "active_parameters": active_parameters(folder, stats["parameters"]),
         "tokenizer": _hf_tokenizer_kind(folder),
         "pre_tokenizer": _hf_pre_tokenizer(folder),
         "chat_template": _hf_chat_template(folder),
