@@ -155,7 +155,9 @@ class PreTokenizer:
     regex_set: str
     add_bos: bool = False  # BOS is added when the file does not say
     ignore_merges: bool = False  # a word that is a token is that token, unmerged
-    clean_spaces: bool = True  # llama_detokenize(): " ." -> "." and the like
+    # llama_detokenize()'s clean-up (" ." -> "."...); llmrun decodes as llama.cpp prints a
+    # stream of pieces, without it, so that the pieces concatenate to the decode.
+    clean_spaces: bool = True
     byte_level: bool = True  # GPT-2's byte alphabet; else raw UTF-8 and <0xXX> byte tokens
     escape_spaces: bool = False  # spaces become U+2581 before splitting
     bos_always: bool = False  # BOS is added even where the file says not to (Gemma 4)

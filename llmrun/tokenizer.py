@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -105,6 +106,7 @@ _FIM_OLD_KEYS = {  # the names older files use
 # gpt-oss: llama.cpp always matches and prints these, even where the file calls them control.
 _ALWAYS_SHOWN = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
 _GGUF_MODELS = ("llama", "gpt2", "gemma4")
+_BATCH = 4096  # texts per call of the tokenizers library's encode_batch
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -200,10 +202,15 @@ class Tokenizer:
         a `threads` given later than that is not honoured, except 1 (no pool at all).
         """
         self._backend.encode_special_tokens = not parse_special
+        texts = list(texts)
+        out: list[list[int]] = []
         with _thread_pool(threads):
-            encodings = self._backend.encode_batch_fast(list(texts), add_special_tokens=False)
+            # In chunks: the library's Encoding objects hold each token's text and offsets too.
+            for start in range(0, len(texts), _BATCH):
+                chunk = texts[start : start + _BATCH]
+                encodings = self._backend.encode_batch_fast(chunk, add_special_tokens=False)
+                out += [e.ids for e in encodings]
         wants_bos = self.add_bos if add_bos is None else add_bos
-        out = [e.ids for e in encodings]
         if wants_bos and self.bos_id is not None:
             for ids in out:
                 if ids[:1] != [self.bos_id]:
@@ -686,13 +693,19 @@ def _spm_merges(vocab: dict[str, int], scores: list[float]) -> list[tuple[str, s
 
 
 def _split_merges(merges: list[str]) -> list[tuple[str, str]]:
-    """Cut each merge "a b" at the first space after its first character, as llama.cpp does."""
+    """Cut each merge "a b" at the first space after its first character, as llama.cpp does; a
+    merge without one can never apply there, and is left out."""
     # Byte-level tokens hold no spaces, so splitting the joined list at once is the fast path.
     parts = " ".join(merges).split(" ")
-    if len(parts) != 2 * len(merges):
-        return [(m[: (cut := m.find(" ", 1))], m[cut + 1 :]) for m in merges]
-    pairs = iter(parts)
-    return list(zip(pairs, pairs, strict=False))
+    if (
+        len(parts) == 2 * len(merges)
+        and "" not in parts
+        and all(map(str.__contains__, merges, itertools.repeat(" ")))
+    ):
+        pairs = iter(parts)  # every merge has one space
+        return list(zip(pairs, pairs, strict=False))
+    cuts = ((m, m.find(" ", 1)) for m in merges)
+    return [(m[:cut], m[cut + 1 :]) for m, cut in cuts if cut > 0]
 
 
 def _read_json(file: Path) -> dict[str, Any]:

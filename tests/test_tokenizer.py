@@ -391,6 +391,14 @@ def test_encode_batch_is_encode_of_each_text(name, threads):
         assert tok.encode_batch(texts, threads=threads, **options) == expected
 
 
+@needs_stories
+def test_encode_batch_of_a_tokenizer_json_is_encode_of_each_text():
+    # Its post-processor would add BOS again: encode_batch, like encode, leaves it out.
+    tok = load_tokenizer(STORIES_HF)
+    for options in ({}, {"add_bos": False}):
+        assert tok.encode_batch(TEXTS, **options) == [tok.encode(t, **options) for t in TEXTS]
+
+
 def test_encode_batch_refuses_no_threads():
     with pytest.raises(TokenizerError, match="threads must be at least 1"):
         stories_gguf().encode_batch(["x"], threads=0)
