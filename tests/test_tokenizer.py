@@ -2,6 +2,7 @@
 with tokenizer.json, and stream pieces that concatenate to the full decode."""
 
 import functools
+import heapq
 import json
 import random
 import shutil
@@ -456,3 +457,86 @@ def test_cli_tokenize_of_a_vocab_only_gguf_imports_no_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == vocab("gemma-4").encode("Hi there")
+
+
+def llama_cpp_spm(tokens: list[str], scores: list[float], text: str) -> list[int]:
+    """llama.cpp's SentencePiece tokenizer (llm_tokenizer_spm_session) on one run of text whose
+    spaces are already U+2581: merge the adjacent pair whose joined text is the best-scoring
+    token, the leftmost on a tie, until none is; spell what is left with byte tokens."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    symbols = [[c, i - 1, i + 1] for i, c in enumerate(text)]  # text, prev, next
+    if symbols:
+        symbols[-1][2] = -1
+    queue: list = []
+    parts = {}
+
+    def pair(left: int, right: int) -> None:
+        if left != -1 and right != -1:
+            joined = symbols[left][0] + symbols[right][0]
+            if joined in vocab:
+                heapq.heappush(queue, (-scores[vocab[joined]], left, len(joined), right))
+                parts[joined] = (symbols[left][0], symbols[right][0])
+
+    for i in range(1, len(symbols)):
+        pair(i - 1, i)
+    while queue:
+        _, left, size, right = heapq.heappop(queue)
+        a, b = symbols[left], symbols[right]
+        if a[0] and b[0] and len(a[0]) + len(b[0]) == size:
+            a[0], b[0], a[2] = a[0] + b[0], "", b[2]
+            if b[2] != -1:
+                symbols[b[2]][1] = left
+            pair(a[1], left)
+            pair(left, a[2])
+    ids: list[int] = []
+
+    def spell(piece: str) -> None:
+        if piece in vocab:
+            ids.append(vocab[piece])
+        elif piece in parts:
+            spell(parts[piece][0])
+            spell(parts[piece][1])
+        else:
+            ids.extend(vocab[f"<0x{byte:02X}>"] for byte in piece.encode())
+
+    for piece, _, _ in symbols:
+        if piece:
+            spell(piece)
+    return ids
+
+
+def random_texts(count: int, seed: int) -> list[str]:
+    pool = list("aAbeinorst  .,'\n\t") + [
+        "the",
+        "ing",
+        "tion",
+        " the",
+        "\u65e5\u672c",
+        "\U0001f600",
+    ]
+    pool += ["\u00e9", "\u00df", "  ", "    ", "<unused1>", "<0x41>"]
+    rng = random.Random(seed)
+    return ["".join(rng.choice(pool) for _ in range(rng.randrange(1, 30))) for _ in range(count)]
+
+
+@pytest.mark.parametrize("name", ["llama-spm", "gemma-262k-spm"])
+def test_sentencepiece_merges_as_llama_cpp_does(name):
+    from llmrun.loading.gguf_io import read_gguf
+
+    source = "gemma-4" if name == "gemma-262k-spm" else name
+    supported(source)
+    meta = read_gguf(VOCAB_DIR / f"ggml-vocab-{source}.gguf", with_tensors=False).metadata
+    if name == "gemma-262k-spm":
+        # Gemma 4's 262,144 tokens as a SentencePiece vocabulary, as large as Gemma 3's.
+        meta = {k: v for k, v in meta.items() if k != Keys.Tokenizer.MERGES}
+        meta[Keys.Tokenizer.MODEL] = "llama"
+        meta[Keys.Tokenizer.SCORES] = [-float(i) for i in range(len(meta[Keys.Tokenizer.LIST]))]
+    tok = Tokenizer.from_gguf_metadata(meta, name)
+    tokens, scores = meta[Keys.Tokenizer.LIST], meta[Keys.Tokenizer.SCORES]
+    prefix = "\u2581" if meta.get(Keys.Tokenizer.ADD_PREFIX, True) else ""
+    texts = [text for text, _ in reference_cases(source)] + random_texts(200, 0)
+    for text in texts:
+        # llama.cpp has no run of text at all for an empty one, so no space prefix either.
+        run = prefix + text if text else ""
+        expected = llama_cpp_spm(tokens, scores, run.replace(" ", "\u2581"))
+        assert tok.encode(text, add_bos=False, parse_special=False) == expected, repr(text)
