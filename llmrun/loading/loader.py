@@ -27,6 +27,7 @@ from llmrun.loading import gguf_io, safetensors_io
 from llmrun.models import model_module
 from llmrun.quant import kernels
 from llmrun.quant.blocks import SUPPORTED_TYPES
+from llmrun.quant.experts import fuse_experts
 from llmrun.quant.linear import QuantEmbedding, QuantLinear, tied_head
 
 FLOAT_TYPES = {
@@ -351,6 +352,8 @@ def build_model(checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype
                 # Repacked: release the file's copy now, so loading never holds both.
                 _drop_tensor_pages(buffer, w.tensor)
     model.load_state_dict(state, strict=False, assign=True)
+    if device.type == "cpu":
+        fuse_experts(model)  # MoE blocks: one token's experts in two native calls
     if tied:
         embed = model.model.embed_tokens
         if isinstance(embed, QuantEmbedding):

@@ -385,7 +385,13 @@ def mix_experts(
     expert runs once on all of its tokens (a prompt chunk or a batch reads its weights
     once), the others not at all. Every token sums its experts in ascending expert
     order, one token alone or among others, so a batch gives each row what it gets
-    alone."""
+    alone. A loader may give `experts` a `mix(x, weights, indices)` that computes the
+    same faster where it can (None where it cannot): llmrun.quant.experts."""
+    fused = getattr(experts, "mix", None)
+    if fused is not None:
+        out = fused(x, weights, indices)
+        if out is not None:
+            return out
     tokens, top_k = indices.shape
     if tokens == 1:  # decoding: no grouping to do
         out = None

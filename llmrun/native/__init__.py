@@ -30,6 +30,7 @@ _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _API = {
     "llmrun_block": [ctypes.c_int],
     "llmrun_matvec": [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR],
+    "llmrun_matvec_experts": [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64],
     "llmrun_dequantize": [ctypes.c_int, _PTR, _I64, _I64, _I64, _PTR],
     "llmrun_rms_norm": [_PTR, _PTR, _F32, _I64, _I64, _PTR],
     "llmrun_rotary": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR],

@@ -100,6 +100,24 @@ static inline uint32_t u32_at(const uint8_t *p) {
     default: return -1;                                                                  \
     }
 #define BLOCK_CASE(T, _) case T: return T##_BLOCK;
+
+/* One activation row through `count` matrices of one GGML type in one parallel region
+ * (the experts a token chose): rows_T over every matrix's rows in chunks of about
+ * CHUNK bytes. Expects ws, stride, rows, x, x_step, n, y and count in scope, as
+ * llmrun_matvec_experts names them. */
+#define EXPERTS_PASS(ROWS)                                                               \
+    do {                                                                                 \
+        const int64_t chunk_ = stride >= CHUNK ? 1 : CHUNK / stride;                     \
+        const int64_t pieces_ = (rows + chunk_ - 1) / chunk_;                            \
+        _Pragma("omp parallel for schedule(dynamic)")                                    \
+        for (int64_t p_ = 0; p_ < count * pieces_; p_++) {                               \
+            const int64_t j_ = p_ / pieces_, r0_ = p_ % pieces_ * chunk_;                \
+            const int64_t r1_ = r0_ + chunk_ < rows ? r0_ + chunk_ : rows;               \
+            ROWS((const uint8_t *)(intptr_t)ws[j_], stride, r0_, r1_, x + j_ * x_step, 1, \
+                 n, y + j_ * rows, rows, NULL);                                          \
+        }                                                                                \
+    } while (0)
+#define EXPERTS_CASE(T, _) case T: EXPERTS_PASS(rows_##T); return 0;
 #define CALL_MATVEC(T) matvec_##T(w, stride, rows, x, m, n, y, bias)
 #define CALL_DEQUANT(T) dequant_##T(w, stride, rows, n, out)
 
@@ -122,6 +140,19 @@ static inline uint32_t u32_at(const uint8_t *p) {
     int llmrun_matvec(int type, const uint8_t *w, int64_t stride, int64_t rows,          \
                       const float *x, int64_t m, int64_t n, float *y, const float *bias) { \
         DISPATCH(CALL_MATVEC)                                                            \
+    }                                                                                    \
+                                                                                         \
+    /* y[j, r] = sum_k W_j[r, k] x[j * x_step + k] for j < count: W_j is `rows` rows of \
+     * n weights, `stride` bytes apart, at address ws[j], all of one GGML type (not a   \
+     * packed layout); y is contiguous [count, rows]. A mixture-of-experts layer's       \
+     * chosen experts for one token in one call (x_step 0: the same x for every one). */ \
+    int llmrun_matvec_experts(int type, const int64_t *ws, int64_t stride, int64_t rows, \
+                              const float *x, int64_t x_step, int64_t n, float *y,       \
+                              int64_t count) {                                           \
+        switch (type) {                                                                  \
+        GGML_TYPES(EXPERTS_CASE, _)                                                      \
+        default: return -1;                                                              \
+        }                                                                                \
     }                                                                                    \
                                                                                          \
     /* out[r, k] = W[r, k] as f32, out contiguous [rows, n]. */                          \

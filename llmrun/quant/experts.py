@@ -1,0 +1,137 @@
+"""A mixture-of-experts block's experts with a one-token path on the native kernels.
+
+ExpertList is the nn.ModuleList of a block's experts (the same children, so the same
+state-dict keys), which the loader gives a block whose experts are QuantLinear
+modules. Its `mix`, which llmrun.models.base.mix_experts calls, runs one token's
+chosen experts in two native calls where the modules would take three QuantLinear
+calls an expert (~10-20 us each, as much as the kernel of a small expert): the gate
+and up projections of every chosen expert in one llmrun_matvec_experts (one parallel
+region over all their rows), act(gate) * up at once, the down projections in another,
+then the weighted sum as one product. Only the chosen experts' weights are read, in
+the layout they are stored in. Each expert's products are the ones its QuantLinear
+computes (the same kernel rows, one activation row); the weighted sum adds them in
+another order than the modules' path, so the two agree to float rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llmrun import native
+from llmrun.quant import kernels
+from llmrun.quant.linear import QuantLinear
+
+# The (gate, up, down) projections of an expert, by the names its family gives them.
+PROJECTIONS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+
+
+class _Stack:
+    """One projection of every expert, bound for llmrun_matvec_experts: the type, the
+    row stride, rows and row length they share and each expert's weight address."""
+
+    def __init__(self, layers: list[QuantLinear]) -> None:
+        first = layers[0]
+        self.ggml_type, self.rows, self.n = first.ggml_type, first.out_features, first.in_features
+        self.stride = first.weight.stride(0)
+        self.addresses = torch.tensor([q.weight.data_ptr() for q in layers], dtype=torch.int64)
+
+    def matches(self, other: _Stack) -> bool:
+        return (self.ggml_type, self.stride, self.rows, self.n) == (
+            other.ggml_type,
+            other.stride,
+            other.rows,
+            other.n,
+        )
+
+
+def _bindable(layers: list[nn.Module]) -> bool:
+    first = layers[0]
+    return all(
+        isinstance(q, QuantLinear)
+        and q.bias is None
+        and not q.packed
+        and q.weight.device.type == "cpu"
+        and q.weight.stride(-1) == 1
+        and (q.ggml_type, q.in_features, q.out_features, q.weight.stride(0))
+        == (first.ggml_type, first.in_features, first.out_features, first.weight.stride(0))
+        for q in layers
+    ) and kernels.supports(first.ggml_type, first.in_features)
+
+
+class ExpertList(nn.ModuleList):
+    """The experts of one block, with `mix` for one token (None where it does not apply:
+    several tokens, a dtype or device the kernels do not take, experts that are not
+    all alike QuantLinear modules; the caller then runs the modules)."""
+
+    def __init__(self, experts: nn.ModuleList) -> None:
+        super().__init__(experts)
+        self._plan: tuple | None = None
+        self._stale = True
+
+    def _apply(self, fn, recurse=True):
+        self._stale = True  # .to() and the like may move the weights: bind again
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._stale = True
+        return super()._load_from_state_dict(*args, **kwargs)
+
+    def _bind(self) -> tuple | None:
+        self._stale = False
+        self._plan = None
+        lib = native.library()
+        names = next((p for p in PROJECTIONS if hasattr(self[0], p[0])), None)
+        if lib is None or names is None:
+            return None
+        stacks = []
+        for name in names:
+            layers = [getattr(expert, name) for expert in self]
+            if not _bindable(layers):
+                return None
+            stacks.append(_Stack(layers))
+        gate, up, down = stacks
+        if not gate.matches(up) or down.n != gate.rows or down.rows != gate.n:
+            return None
+        # Gate then up addresses of each expert, so one index gives a call's list.
+        gate_up = torch.stack([gate.addresses, up.addresses])  # [2, experts]
+        self._plan = (lib.llmrun_matvec_experts, gate, gate_up, down, self[0].act)
+        return self._plan
+
+    def mix(
+        self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
+    ) -> torch.Tensor | None:
+        """sum_k weights[0, k] * experts[indices[0, k]](x[0]) for one token x [1, D]."""
+        if indices.shape[0] != 1 or x.dtype != torch.float32 or x.device.type != "cpu":
+            return None
+        plan = self._bind() if self._stale else self._plan
+        if plan is None:
+            return None
+        fn, gate, gate_up, down, act = plan
+        chosen = indices[0]
+        k = chosen.numel()
+        x = x.contiguous()
+        addresses = gate_up[:, chosen]  # [2, k]: the gates, then the ups
+        both = torch.empty(2 * k, gate.rows)
+        fn(gate.ggml_type, addresses.data_ptr(), gate.stride, gate.rows,
+           x.data_ptr(), 0, gate.n, both.data_ptr(), 2 * k)  # fmt: skip
+        hidden = act(both[:k]) * both[k:]  # [k, width]
+        out = torch.empty(k, down.rows)
+        addresses = down.addresses[chosen]  # held: the call reads it
+        fn(down.ggml_type, addresses.data_ptr(), down.stride, down.rows,
+           hidden.data_ptr(), down.n, down.n, out.data_ptr(), k)  # fmt: skip
+        return weights.to(out.dtype) @ out  # [1, k] @ [k, D]
+
+
+def fuse_experts(model: nn.Module) -> int:
+    """Give every mixture-of-experts block (`experts` and `top_k`) of `model` an
+    ExpertList; returns how many blocks there were."""
+    blocks = [
+        m
+        for m in model.modules()
+        if isinstance(getattr(m, "experts", None), nn.ModuleList) and hasattr(m, "top_k")
+    ]
+    for block in blocks:
+        if not isinstance(block.experts, ExpertList):
+            block.experts = ExpertList(block.experts)
+    return len(blocks)
