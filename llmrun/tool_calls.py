@@ -1,0 +1,581 @@
+"""Tool calls in a model's output, in the format its chat template teaches it.
+
+The format is chosen from the chat template's source, never from a model name:
+
+- hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Hermes 2/3, Qwen2.5, Qwen3)
+- llama3_json: `{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>`,
+  several separated by `;` (Llama 3.1, 3.2, 3.3)
+- mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (Mistral Nemo) or
+  `[TOOL_CALLS]name[ARGS]{...}` repeated (Mistral Small 3.2, Devstral, Ministral 3)
+- harmony: gpt-oss messages, a call being `<|channel|>commentary to=functions.NAME
+  <|constrain|>json<|message|>{...}` (ended by `<|call|>`, an end-of-generation token)
+- phi4_mini: `<|tool_call|>{...} or [{...}]<|/tool_call|>` (Phi-4-mini, whose template
+  takes the tools in the system message, between `<|tool|>` and `<|/tool|>`)
+
+ToolCallParser reads the generated text piece by piece: text outside calls passes on as
+content as soon as it cannot begin a call, each call comes out whole once it is complete,
+and a call that does not parse comes out as the text it was, never dropped or half-parsed.
+Marker tokens that the detokenizer skips as special (`[TOOL_CALLS]`, `<|python_tag|>`, ...)
+are given back their text first (ToolFormat.marker_ids), so the parser reads what the
+model wrote. It also renders calls back into a prompt's history and writes the grammar
+(llguidance's Lark, with `%json` schemas) that forces a valid call for `tool_choice:
+"required"` or a named function. No torch here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import secrets
+import string
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from llmrun.reasoning import ANSWER, REASONING, Piece
+
+HERMES, LLAMA3, MISTRAL, HARMONY, PHI4 = "hermes", "llama3_json", "mistral", "harmony", "phi4_mini"
+FORMATS = (HERMES, LLAMA3, MISTRAL, HARMONY, PHI4)
+# OpenAI's rule for function names.
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# How the grammars write JSON: as json.dumps does by default, the way these models were
+# taught, with no free whitespace a weak model could loop in.
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class _Vocab(Protocol):
+    special_ids: frozenset[int]
+
+    def token_id(self, text: str) -> int | None: ...
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One parsed call: `arguments` is a JSON object's text, as OpenAI returns it."""
+
+    name: str
+    arguments: str
+    id: str
+
+    def as_openai(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+Item = str | ToolCall  # what the parser hands on: content text (a Piece) or a call
+
+
+# --- the formats ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    name: str
+    opens: tuple[str, ...]  # text that begins a call
+    close: str | None = None  # text that ends one (None: the call runs to the end of the output)
+    markers: tuple[str, ...] = ()  # tokens whose text the parser must see even when special
+    at_start: tuple[str, ...] = ()  # text that begins a call only at the start of the output
+    whole_output: bool = False  # the whole output is one structure (harmony)
+    args_form: bool = False  # mistral: name[ARGS]{...} rather than a JSON list
+
+    def marker_ids(self, vocab: _Vocab) -> dict[int, str]:
+        """Special tokens of this format's markers in `vocab`, by id, with their text:
+        the detokenizer skips them, so their text is put back before parsing."""
+        found = {}
+        for text in self.markers:
+            token = vocab.token_id(text)
+            if token is not None and token in vocab.special_ids:
+                found[token] = text
+        return found
+
+    def new_id(self) -> str:
+        if self.name == MISTRAL:  # Mistral's templates refuse any other length
+            return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+        return f"call_{secrets.token_hex(12)}"
+
+    def parse(self, region: str, new_id: Callable[[], str] | None = None) -> list[Item] | None:
+        """The calls (and any text) in a region that begins with one of `opens` (or is the
+        whole output, for harmony); None if it is not well-formed calls."""
+        new_id = new_id or self.new_id
+        try:
+            calls = _PARSERS[self.name](self, region)
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return None
+        if calls is None:
+            return None
+        return [
+            ToolCall(c[0], c[1], c[2] or new_id()) if isinstance(c, tuple) else c for c in calls
+        ]
+
+    def call_text(self, calls: Sequence[Mapping[str, Any]]) -> str:
+        """Calls (OpenAI's shape, arguments as dicts) as this model writes them, for a
+        template that cannot render `tool_calls` itself."""
+
+        def one(call: Mapping[str, Any]) -> dict[str, Any]:
+            function = call.get("function", call)
+            return {"name": function["name"], "arguments": function.get("arguments") or {}}
+
+        dump = _dumps
+        items = [one(c) for c in calls]
+        if self.name == HERMES:
+            return "\n".join(f"<tool_call>\n{dump(c)}\n</tool_call>" for c in items)
+        if self.name == LLAMA3:
+            return "; ".join(dump({"name": c["name"], "parameters": c["arguments"]}) for c in items)
+        if self.name == MISTRAL:
+            if self.args_form:
+                return "".join(
+                    f"[TOOL_CALLS]{c['name']}[ARGS]{dump(c['arguments'])}" for c in items
+                )
+            return "[TOOL_CALLS]" + dump(items)
+        if self.name == PHI4:
+            return "".join(f"<|tool_call|>{dump(c)}<|/tool_call|>" for c in items)
+        return "".join(
+            f"<|start|>assistant to=functions.{c['name']}<|channel|>commentary json"
+            f"<|message|>{dump(c['arguments'])}<|call|>"
+            for c in items
+        )
+
+    def grammar(
+        self, tools: Sequence[Mapping[str, Any]], token: Callable[[str], str], parallel: bool
+    ) -> str:
+        """A Lark grammar (llguidance's dialect) that only lets the model write calls of
+        `tools` (OpenAI function tools) whose arguments match their schemas. `token(text)`
+        is how the grammar spells a marker: a special token's `<[id]>`, else a string."""
+
+        def lit(text: str) -> str:
+            return json.dumps(text)
+
+        def schema(value: Any) -> str:
+            return "%json " + json.dumps(value, ensure_ascii=False)
+
+        functions = [t["function"] for t in tools]
+
+        def params(f: Mapping[str, Any]) -> dict[str, Any]:
+            return {**(f.get("parameters") or _ANY_OBJECT), "x-guidance": JSON_STYLE}
+
+        def call_object(args_key: str) -> dict[str, Any]:
+            options = [
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"const": f["name"]},
+                        args_key: f.get("parameters") or _ANY_OBJECT,
+                    },
+                    "required": ["name", args_key],
+                    "additionalProperties": False,
+                }
+                for f in functions
+            ]
+            one = options[0] if len(options) == 1 else {"anyOf": options}
+            return {**one, "x-guidance": JSON_STYLE}
+
+        many = "+" if parallel else ""
+        if self.name == HERMES:
+            call = f'{token("<tool_call>")} "\\n" {schema(call_object("arguments"))} "\\n" {token("</tool_call>")}'
+            rule = 'call ("\\n" call)*' if parallel else "call"
+            return f"start: {rule}\ncall: {call}\n"
+        if self.name == LLAMA3:
+            return f"start: {schema(call_object('parameters'))}\n"
+        if self.name == PHI4:
+            call = f"{token('<|tool_call|>')} {schema(call_object('arguments'))} {token('<|/tool_call|>')}"
+            return f"start: call{many}\ncall: {call}\n"
+        if self.name == MISTRAL and not self.args_form:
+            items = {"type": "array", "items": call_object("arguments"), "minItems": 1}
+            if not parallel:
+                items["maxItems"] = 1
+            return f"start: {token('[TOOL_CALLS]')} {schema({**items, 'x-guidance': JSON_STYLE})}\n"
+        if self.name == MISTRAL:
+            alts = " | ".join(
+                f"{token('[TOOL_CALLS]')} {lit(f['name'])} {token('[ARGS]')} {schema(params(f))}"
+                for f in functions
+            )
+            return f"start: call{many}\ncall: {alts}\n"
+        alts = " | ".join(
+            f"{token('<|channel|>')} {lit('commentary to=functions.' + f['name'] + ' ')} "
+            f'{token("<|constrain|>")} "json" {token("<|message|>")} {schema(params(f))}'
+            for f in functions
+        )
+        return f"start: {alts}\n"
+
+
+_ANY_OBJECT: dict[str, Any] = {"type": "object"}
+_HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>")
+
+_FORMATS = {
+    HERMES: ToolFormat(HERMES, ("<tool_call>",), "</tool_call>", ("<tool_call>", "</tool_call>")),
+    LLAMA3: ToolFormat(LLAMA3, ("<|python_tag|>",), markers=("<|python_tag|>",), at_start=("{",)),
+    MISTRAL: ToolFormat(
+        MISTRAL, ("[TOOL_CALLS]",), markers=("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
+    ),
+    HARMONY: ToolFormat(HARMONY, (), markers=_HARMONY_TOKENS, whole_output=True),
+    PHI4: ToolFormat(
+        PHI4, ("<|tool_call|>",), "<|/tool_call|>", ("<|tool_call|>", "<|/tool_call|>")
+    ),
+}
+
+
+def get_format(name: str, args_form: bool = False) -> ToolFormat:
+    fmt = _FORMATS[name]
+    return ToolFormat(**{**fmt.__dict__, "args_form": True}) if args_form else fmt
+
+
+def detect_format(template: str | None) -> ToolFormat | None:
+    """The tool-call format a chat template teaches, from its source; None if it has none."""
+    if not template:
+        return None
+    if "<|channel|>" in template and "functions." in template:
+        return _FORMATS[HARMONY]
+    if "[TOOL_CALLS]" in template:
+        return get_format(MISTRAL, args_form="[ARGS]" in template)
+    if "<|tool_call|>" in template or ("<|tool|>" in template and "<|/tool|>" in template):
+        return _FORMATS[PHI4]
+    if "<tool_call>" in template:
+        return _FORMATS[HERMES]
+    if "<|python_tag|>" in template or (
+        "<|start_header_id|>" in template and '"parameters": ' in template
+    ):
+        return _FORMATS[LLAMA3]
+    return None
+
+
+# --- parsing regions -----------------------------------------------------------------
+
+_Call = tuple[str, str, str | None]  # name, arguments JSON, id (None: make one)
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _call(obj: Any, args_keys: tuple[str, ...] = ("arguments", "parameters")) -> _Call:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        raise ValueError("not a call")
+    name = obj["name"]
+    if not NAME_PATTERN.match(name):
+        raise ValueError(f"bad function name {name!r}")
+    args = next((obj[k] for k in args_keys if k in obj), {})
+    return name, _arguments(args), None
+
+
+def _arguments(args: Any) -> str:
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        args = json.loads(args) if args.strip() else {}
+    if not isinstance(args, dict):
+        raise ValueError("arguments are not an object")
+    return _dumps(args)
+
+
+def _json_values(text: str, separator: str = "") -> list[Any]:
+    """Every JSON value in `text`, which holds nothing else but whitespace and `separator`."""
+    decoder, values, i = json.JSONDecoder(), [], 0
+    while True:
+        while i < len(text) and (text[i].isspace() or (separator and text[i] == separator)):
+            i += 1
+        if i == len(text):
+            return values
+        value, i = decoder.raw_decode(text, i)
+        values.append(value)
+
+
+def _one_json(text: str) -> Any:
+    values = _json_values(text)
+    if len(values) != 1:
+        raise ValueError("expected one JSON value")
+    return values[0]
+
+
+def _calls_in(value: Any) -> list[_Call]:
+    items = value if isinstance(value, list) else [value]
+    if not items:
+        raise ValueError("no calls")
+    return [_call(item) for item in items]
+
+
+def _hermes(fmt: ToolFormat, region: str) -> list[_Call]:
+    body = region.removeprefix("<tool_call>")
+    body = body.removesuffix("</tool_call>")
+    return [_call(_one_json(body))]
+
+
+def _phi4(fmt: ToolFormat, region: str) -> list[_Call]:
+    body = region.removeprefix("<|tool_call|>").removesuffix("<|/tool_call|>")
+    return _calls_in(_one_json(body))
+
+
+def _llama3(fmt: ToolFormat, region: str) -> list[_Call]:
+    body = region.removeprefix("<|python_tag|>")
+    values = _json_values(body, separator=";")
+    if not values:
+        raise ValueError("no calls")
+    return [_call(v, ("parameters", "arguments")) for v in values]
+
+
+def _mistral(fmt: ToolFormat, region: str) -> list[_Call]:
+    calls = []
+    chunks = [c for c in region.split("[TOOL_CALLS]") if c.strip()]
+    if not chunks or region.lstrip()[: len("[TOOL_CALLS]")] != "[TOOL_CALLS]":
+        raise ValueError("no calls")
+    for chunk in chunks:
+        if "[ARGS]" not in chunk:
+            calls += _calls_in(_one_json(chunk))
+            continue
+        head, args = chunk.split("[ARGS]", 1)
+        name, _, call_id = head.partition("[CALL_ID]")
+        name = name.strip()
+        if not NAME_PATTERN.match(name):
+            raise ValueError(f"bad function name {name!r}")
+        call_id = call_id.strip()
+        ok_id = len(call_id) == 9 and call_id.isalnum()
+        calls.append((name, _arguments(_one_json(args)), call_id if ok_id else None))
+    return calls
+
+
+_HARMONY_END = re.compile(r"<\|end\|>|<\|call\|>|<\|return\|>")
+_RECIPIENT = re.compile(r"\bto=functions\.([A-Za-z0-9_-]{1,64})")
+_CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
+
+
+def _harmony(fmt: ToolFormat, region: str) -> list[Item] | None:
+    if "<|message|>" not in region:
+        return None
+    reasoning, content, calls = [], [], []
+    for message in region.split("<|start|>"):
+        if not message.strip():
+            continue
+        header, found, body = message.partition("<|message|>")
+        if not found:
+            raise ValueError("a message without <|message|>")
+        body = _HARMONY_END.split(body, 1)[0]
+        recipient = _RECIPIENT.search(header)
+        channel = _CHANNEL.search(header)
+        if recipient:
+            calls.append((recipient.group(1), _arguments(_one_json(body)), None))
+        elif " to=" in header:  # a built-in tool (browser, python): not a function call
+            raise ValueError("a call to a built-in tool")
+        elif channel and channel.group(1) == "analysis":
+            reasoning.append(body.strip())
+        else:
+            content.append(body)
+    items: list[Item] = []
+    if any(reasoning):
+        items.append(Piece(REASONING, "\n".join(r for r in reasoning if r)))
+    if content:
+        items.append(Piece(ANSWER, "".join(content)))
+    return items + calls
+
+
+_PARSERS: dict[str, Callable[[ToolFormat, str], Any]] = {
+    HERMES: _hermes,
+    LLAMA3: _llama3,
+    MISTRAL: _mistral,
+    HARMONY: _harmony,
+    PHI4: _phi4,
+}
+
+
+# --- the streaming parser ------------------------------------------------------------
+
+
+@dataclass
+class ToolCallParser:
+    """Reads generated text and hands on content (Pieces) and whole calls, in order.
+
+    Content is passed on as soon as it cannot begin a call; whitespace between content
+    and a call is dropped (an output without calls passes exactly as generated). Feeding
+    the whole text at once gives the same content and calls as feeding it piece by piece.
+    """
+
+    fmt: ToolFormat
+    new_id: Callable[[], str] | None = None
+    calls: list[ToolCall] = field(default_factory=list)
+    content: str = ""
+    reasoning: str = ""
+    _buffer: str = ""  # text not yet decided on
+    _region: str | None = None  # a call being read
+    _space: str = ""  # whitespace held back from the content
+    _dropped: str = ""  # the whitespace dropped before the call being read
+    _after_call: bool = False  # a call came since the last content
+    _started: bool = False  # whether the output has shown anything but whitespace
+
+    def __post_init__(self) -> None:
+        if self.fmt.whole_output:
+            self._region = ""
+
+    def feed(self, text: str) -> list[Item]:
+        out: list[Item] = []
+        if self._region is not None:
+            self._region += text
+        else:
+            self._buffer += text
+        while True:
+            if self._region is None:
+                start = self._find_open()
+                if start is None:
+                    keep = len(self._buffer) - self._holdback()
+                    self._content(self._buffer[:keep], out)
+                    self._buffer = self._buffer[keep:]
+                    return out
+                self._content(self._buffer[:start], out)
+                self._dropped, self._space = self._space, ""
+                self._region, self._buffer = self._buffer[start:], ""
+            if self.fmt.close is None:
+                return out  # the call runs to the end of the output
+            end = self._region.find(self.fmt.close)
+            if end < 0:
+                return out
+            end += len(self.fmt.close)
+            block, self._buffer = self._region[:end], self._region[end:]
+            self._region = None
+            self._emit(block, out)
+
+    def finish(self) -> list[Item]:
+        """Whatever is left: an unfinished call (as text unless it parses), held text."""
+        out: list[Item] = []
+        if self._region is not None:
+            region, self._region = self._region, None
+            self._emit(region, out)
+        self._content(self._buffer, out)
+        self._buffer = ""
+        if not self.calls:
+            self._pass(self._space, out)
+        self._space = ""
+        return out
+
+    def items(self, texts: Iterable[str]) -> list[Item]:
+        """Every item of a whole output given as pieces (feed each, then finish)."""
+        out = [item for text in texts for item in self.feed(text)]
+        return out + self.finish()
+
+    def _find_open(self) -> int | None:
+        buf = self._buffer
+        found = [i for i in (buf.find(m) for m in self.fmt.opens) if i >= 0]
+        if not self._started:
+            lead = len(buf) - len(buf.lstrip())
+            if any(buf.startswith(m, lead) for m in self.fmt.at_start):
+                found.append(lead)
+        return min(found) if found else None
+
+    def _holdback(self) -> int:
+        """How much of the buffer's end might still begin a call."""
+        buf, hold = self._buffer, 0
+        for marker in self.fmt.opens:
+            for n in range(min(len(marker) - 1, len(buf)), hold, -1):
+                if buf.endswith(marker[:n]):
+                    hold = n
+                    break
+        if not self._started and self.fmt.at_start and not buf.strip():
+            hold = len(buf)  # only whitespace yet: a call may still open the output
+        return hold
+
+    def _content(self, text: str, out: list[Item]) -> None:
+        body = text.rstrip()
+        if not body:
+            self._space += text
+            return
+        full = self._space + body
+        if self._after_call:  # the whitespace after a call goes with it
+            full, self._after_call = full.lstrip(), False
+        self._started = True
+        self._pass(full, out)
+        self._space = text[len(body) :]
+
+    def _pass(self, text: str, out: list[Item]) -> None:
+        if text:
+            self.content += text
+            out.append(Piece(ANSWER, text))
+
+    def _emit(self, block: str, out: list[Item]) -> None:
+        items = self.fmt.parse(block, self.new_id)
+        if items is None:  # not a call after all: it is text
+            self._space = self._dropped + self._space
+            self._content(block, out)
+            return
+        for item in items:
+            if isinstance(item, ToolCall):
+                self.calls.append(item)
+                out.append(item)
+                self._space, self._after_call = "", True
+            elif isinstance(item, Piece) and item.kind == REASONING:
+                self.reasoning += item
+                out.append(item)
+            else:
+                self._content(item, out)
+        self._dropped = ""
+
+
+def parse(fmt: ToolFormat, text: str) -> tuple[str, list[ToolCall]]:
+    """The content and calls of a whole output."""
+    parser = ToolCallParser(fmt)
+    parser.items([text])
+    return parser.content, parser.calls
+
+
+# --- rendering a conversation with calls ----------------------------------------------
+
+
+def mistral_id(call_id: str) -> str:
+    """A call id as Mistral's templates insist on (9 letters or digits), the same for
+    the same id, so an assistant's call and the tool's answer still match."""
+    if len(call_id) == 9 and call_id.isalnum():
+        return call_id
+    digest = hashlib.sha256(call_id.encode()).digest()
+    alphabet = string.ascii_letters + string.digits
+    return "".join(alphabet[b % len(alphabet)] for b in digest[:9])
+
+
+def prepare_history(
+    messages: list[dict[str, Any]],
+    fmt: ToolFormat | None,
+    template_source: str,
+    tools: list[dict[str, Any]] | None,
+) -> list[dict[str, Any]]:
+    """Messages as the template expects them: a call's arguments as a dict (transformers'
+    convention; OpenAI sends a JSON string), a tool message named after its call, Mistral's
+    9-character ids, calls written into the content where the template cannot render
+    `tool_calls`, and Phi-4-mini's tools in its system message."""
+    renders_calls = "tool_calls" in template_source
+    names: dict[str, str] = {}
+    out = []
+    for message in messages:
+        message = dict(message)
+        calls = message.get("tool_calls")
+        if calls:
+            prepared = []
+            for call in calls:
+                function = dict(call["function"])
+                try:
+                    args = json.loads(function.get("arguments") or "{}")
+                except (TypeError, ValueError):
+                    args = function.get("arguments")
+                if isinstance(args, dict):
+                    function["arguments"] = args
+                call_id = call.get("id") or ""
+                names[call_id] = function["name"]
+                if fmt is not None and fmt.name == MISTRAL:
+                    call_id = mistral_id(call_id)
+                prepared.append({**call, "id": call_id, "function": function})
+            message["tool_calls"] = prepared
+            if not renders_calls and fmt is not None:
+                text = fmt.call_text(prepared)
+                message["content"] = f"{message.get('content') or ''}{text}"
+                del message["tool_calls"]
+        elif message.get("role") == "tool":
+            call_id = message.get("tool_call_id") or ""
+            if call_id in names and not message.get("name"):
+                message["name"] = names[call_id]
+            if fmt is not None and fmt.name == MISTRAL:
+                message["tool_call_id"] = mistral_id(call_id)
+            if fmt is not None and fmt.name == PHI4 and not renders_calls:
+                message["role"] = "tool_response"  # <|tool|> opens Phi-4-mini's tool list
+        out.append(message)
+    if tools and fmt is not None and fmt.name == PHI4 and "message['tools']" in template_source:
+        functions = _dumps([t["function"] for t in tools])
+        if out and out[0].get("role") == "system":
+            out[0] = {**out[0], "tools": functions}
+        else:
+            out.insert(0, {"role": "system", "content": "", "tools": functions})
+    return out

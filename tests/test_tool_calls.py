@@ -1,0 +1,348 @@
+"""Tool calls: the format chosen from a chat template's source, the parsers on exact strings
+(whole and streamed in pieces), calls rendered back into a conversation through the real
+templates of each family."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from helpers import TEMPLATES_DIR, needs_templates
+
+from llmrun.chat_template import ChatTemplate
+from llmrun.reasoning import REASONING
+from llmrun.tool_calls import (
+    HARMONY,
+    HERMES,
+    LLAMA3,
+    MISTRAL,
+    PHI4,
+    ToolCall,
+    ToolCallParser,
+    detect_format,
+    get_format,
+    mistral_id,
+    parse,
+    prepare_history,
+)
+
+# Phi-4-mini-instruct's template, as its tokenizer_config.json has it (not among the
+# llama.cpp templates): the tools go in the system message, between <|tool|> and <|/tool|>.
+PHI4_MINI_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'system' and 'tools' in message and "
+    "message['tools'] is not none %}{{ '<|' + message['role'] + '|>' + message['content'] + "
+    "'<|tool|>' + message['tools'] + '<|/tool|>' + '<|end|>' }}{% else %}{{ '<|' + "
+    "message['role'] + '|>' + message['content'] + '<|end|>' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}"
+)
+FAMILIES = {
+    "Qwen-Qwen2.5-7B-Instruct": (HERMES, False),
+    "Qwen-Qwen3-0.6B": (HERMES, False),
+    "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use": (HERMES, False),
+    "NousResearch-Hermes-3-Llama-3.1-8B-tool_use": (HERMES, False),
+    "meta-llama-Llama-3.1-8B-Instruct": (LLAMA3, False),
+    "meta-llama-Llama-3.2-3B-Instruct": (LLAMA3, False),
+    "meta-llama-Llama-3.3-70B-Instruct": (LLAMA3, False),
+    "mistralai-Mistral-Nemo-Instruct-2407": (MISTRAL, False),
+    "Mistral-Small-3.2-24B-Instruct-2506": (MISTRAL, True),
+    "unsloth-mistral-Devstral-Small-2507": (MISTRAL, True),
+    "mistralai-Ministral-3-14B-Reasoning-2512": (MISTRAL, True),
+    "openai-gpt-oss-120b": (HARMONY, False),
+    "microsoft-Phi-3.5-mini-instruct": (None, False),
+    "google-gemma-2-2b-it": (None, False),
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B": (None, False),
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def template(name: str) -> str:
+    return (TEMPLATES_DIR / f"{name}.jinja").read_text()
+
+
+@needs_templates
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_format_comes_from_the_template(name):
+    fmt = detect_format(template(name))
+    expected, args_form = FAMILIES[name]
+    assert (fmt.name if fmt else None) == expected
+    if fmt is not None:
+        assert fmt.args_form == args_form
+
+
+def test_phi4_mini_and_no_template():
+    assert detect_format(PHI4_MINI_TEMPLATE).name == PHI4
+    assert detect_format(None) is None and detect_format("{{ messages }}") is None
+
+
+def calls_of(fmt, text):
+    content, calls = parse(fmt, text)
+    return content, [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+PARIS = ("get_weather", {"city": "Paris"})
+EXACT = [
+    # Hermes / Qwen: text before, two calls, arguments as an object.
+    (
+        HERMES,
+        'Let me check.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n',
+        "Let me check.",
+        [PARIS, ("get_time", {})],
+    ),
+    # Arguments as a JSON string, and a last call the model did not close.
+    (
+        HERMES,
+        '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}',
+        "",
+        [PARIS],
+    ),
+    (LLAMA3, '{"name": "get_weather", "parameters": {"city": "Paris"}}', "", [PARIS]),
+    (
+        LLAMA3,
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+        '{"name": "get_time", "parameters": {}}',
+        "",
+        [PARIS, ("get_time", {})],
+    ),
+    (LLAMA3, ' \n{"name": "get_weather", "arguments": {"city": "Paris"}}', "", [PARIS]),
+    (
+        MISTRAL,
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+        '{"name": "get_time", "arguments": {}}]',
+        "",
+        [PARIS, ("get_time", {})],
+    ),
+    (
+        MISTRAL,
+        'Sure. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}',
+        "Sure.",
+        [PARIS, ("get_time", {})],
+    ),
+    (
+        PHI4,
+        '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]<|/tool_call|>',
+        "",
+        [PARIS],
+    ),
+    (
+        PHI4,
+        'On it.<|tool_call|>{"name": "get_weather", "arguments": {"city": "Paris"}}<|/tool_call|>',
+        "On it.",
+        [PARIS],
+    ),
+    (
+        HARMONY,
+        "<|channel|>analysis<|message|>They want the weather.<|end|><|start|>assistant"
+        '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}',
+        "",
+        [PARIS],
+    ),
+    # The recipient in the header, before the channel, as gpt-oss's template writes history.
+    (
+        HARMONY,
+        'assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}',
+        "",
+        [PARIS],
+    ),
+    (
+        HARMONY,
+        "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final"
+        "<|message|>It is sunny.",
+        "It is sunny.",
+        [],
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "text", "content", "calls"), EXACT)
+def test_parsers_on_exact_strings(name, text, content, calls):
+    fmt = get_format(name, args_form="[ARGS]" in text)
+    assert calls_of(fmt, text) == (content, calls)
+
+
+NOT_CALLS = [
+    (HERMES, 'Hi <tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'),  # cut off
+    (HERMES, '<tool_call>\n{"name": "get_weather", "arguments": [1]}\n</tool_call>'),
+    (HERMES, "<tool_call>\nnot json\n</tool_call> and more"),
+    (LLAMA3, '{"city": "Paris"}'),  # JSON, but not a call
+    (LLAMA3, '{"name": "get_weather", "parameters": {}} and then some text'),
+    (LLAMA3, "<|python_tag|>brave_search.call(query='x')"),
+    (MISTRAL, "[TOOL_CALLS]get weather[ARGS]{}"),
+    (MISTRAL, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": '),
+    (PHI4, "<|tool_call|>[]<|/tool_call|>"),
+    (HARMONY, "plain text from a harmony model"),
+    (HARMONY, "<|channel|>commentary to=browser.search<|message|>{}"),
+    (HARMONY, "<|channel|>commentary to=functions.f<|message|>{not json"),
+]
+
+
+@pytest.mark.parametrize(("name", "text"), NOT_CALLS)
+def test_what_does_not_parse_is_returned_as_text(name, text):
+    assert parse(get_format(name), text) == (text, [])
+
+
+def test_half_a_call_is_never_returned():
+    # The first call is whole; the second breaks off: it stays text, after the first.
+    text = (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_time", "argu'
+    )
+    content, calls = calls_of(get_format(HERMES), text)
+    assert calls == [PARIS]
+    assert content == '<tool_call>\n{"name": "get_time", "argu'
+
+
+def test_text_without_calls_passes_exactly():
+    for name in (HERMES, LLAMA3, MISTRAL, PHI4):
+        for text in ("  Hello\n\nworld  \n", "a < b and [TOOL c", "{ not json", "\n\n"):
+            assert parse(get_format(name), text) == (text, [])
+
+
+def pieces_of(text, seed):
+    rng, out, i = random.Random(seed), [], 0
+    while i < len(text):
+        n = rng.randint(1, 6)
+        out.append(text[i : i + n])
+        i += n
+    return out
+
+
+@pytest.mark.parametrize("case", EXACT + [(*c, None, None) for c in NOT_CALLS])
+def test_streamed_pieces_give_what_the_whole_text_gives(case):
+    name, text = case[:2]
+    fmt = get_format(name, args_form="[ARGS]" in text)
+
+    def run(texts):
+        parser = ToolCallParser(fmt, new_id=lambda: "id")
+        items = parser.items(texts)
+        content = "".join(i for i in items if isinstance(i, str) and i.kind != REASONING)
+        calls = [i for i in items if isinstance(i, ToolCall)]
+        assert (content, calls) == (parser.content, parser.calls)
+        return parser.content, parser.calls, parser.reasoning
+
+    whole = run([text])
+    for seed in range(25):
+        assert run(pieces_of(text, seed)) == whole
+
+
+def test_content_is_passed_on_before_the_output_ends():
+    parser = ToolCallParser(get_format(HERMES))
+    assert parser.feed("Let me ") == ["Let me"]  # the space may go before a call
+    assert parser.feed("check <tool") == [" check"]
+    assert parser.feed("_call>\n{") == []
+    items = parser.feed('"name": "f", "arguments": {}}\n</tool_call>')
+    assert [type(i) for i in items] == [ToolCall] and items[0].name == "f"
+    assert parser.finish() == []
+
+
+def test_harmony_reasoning_is_kept_apart():
+    text = (
+        "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final"
+        "<|message|>Done."
+    )
+    parser = ToolCallParser(get_format(HARMONY))
+    parser.items([text])
+    assert (parser.reasoning, parser.content) == ("Think.", "Done.")
+
+
+class Vocab:
+    def __init__(self, tokens, special):
+        self.ids = {t: i for i, t in enumerate(tokens)}
+        self.special_ids = frozenset(self.ids[t] for t in special)
+
+    def token_id(self, text):
+        return self.ids.get(text)
+
+
+def test_marker_ids_are_the_special_ones():
+    vocab = Vocab(["a", "[TOOL_CALLS]", "[ARGS]", "<tool_call>"], ["[TOOL_CALLS]", "[ARGS]"])
+    assert get_format(MISTRAL).marker_ids(vocab) == {1: "[TOOL_CALLS]", 2: "[ARGS]"}
+    # Qwen's <tool_call> is not special: the detokenizer writes it already.
+    assert get_format(HERMES).marker_ids(vocab) == {}
+
+
+def test_ids():
+    assert get_format(HERMES).new_id().startswith("call_")
+    mistral = get_format(MISTRAL).new_id()
+    assert len(mistral) == 9 and mistral.isalnum()
+    assert mistral_id("abcDEF123") == "abcDEF123"
+    assert mistral_id("call_0123456789") == mistral_id("call_0123456789")
+    assert len(mistral_id("call_x")) == 9 and mistral_id("call_x").isalnum()
+
+
+@pytest.mark.parametrize("name", [HERMES, LLAMA3, MISTRAL, PHI4, HARMONY])
+@pytest.mark.parametrize("args_form", [False, True])
+def test_call_text_parses_back(name, args_form):
+    fmt = get_format(name, args_form)
+    calls = [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]
+    assert calls_of(fmt, fmt.call_text(calls)) == ("", [PARIS])
+
+
+# ---- a conversation with calls, through the real templates ----------------------------
+
+CALL = {
+    "id": "call_abc",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+}
+HISTORY = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "call_abc", "content": "sunny"},
+]
+RENDERED_CALLS = {
+    "Qwen-Qwen2.5-7B-Instruct": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "NousResearch-Hermes-3-Llama-3.1-8B-tool_use": '"arguments": {"city": "Paris"}',
+    "meta-llama-Llama-3.1-8B-Instruct": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+    "meta-llama-Llama-3.2-3B-Instruct": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+    "mistralai-Mistral-Nemo-Instruct-2407": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "',
+    "Mistral-Small-3.2-24B-Instruct-2506": '[ARGS]{"city": "Paris"}',
+    "openai-gpt-oss-120b": 'to=functions.get_weather<|channel|>commentary json<|message|>"{\\"city\\": \\"Paris\\"}"',
+}
+
+
+@needs_templates
+@pytest.mark.parametrize("name", RENDERED_CALLS)
+def test_history_renders_as_the_template_expects(name):
+    source = template(name)
+    fmt = detect_format(source)
+    messages = prepare_history(HISTORY, fmt, source, [WEATHER])
+    assert HISTORY[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'  # untouched
+    if name != "openai-gpt-oss-120b":  # it renders arguments with tojson, as given
+        assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    else:
+        messages[1]["tool_calls"][0]["function"]["arguments"] = '{"city": "Paris"}'
+    assert messages[2]["name"] == "get_weather"
+    text = ChatTemplate(source, "<s>", "</s>").render(messages, tools=[WEATHER])
+    assert RENDERED_CALLS[name] in text
+    assert "sunny" in text
+
+
+def test_phi4_mini_history_without_tool_calls_in_the_template():
+    messages = prepare_history(HISTORY, get_format(PHI4), PHI4_MINI_TEMPLATE, [WEATHER])
+    text = ChatTemplate(PHI4_MINI_TEMPLATE, "", "<|endoftext|>").render(messages)
+    tools = json.dumps([WEATHER["function"]])
+    assert text == (
+        f"<|system|><|tool|>{tools}<|/tool|><|end|><|user|>Weather in Paris?<|end|>"
+        '<|assistant|><|tool_call|>{"name": "get_weather", "arguments": {"city": "Paris"}}'
+        "<|/tool_call|><|end|><|tool_response|>sunny<|end|><|assistant|>"
+    )
+
+
+def test_mistral_ids_are_made_to_fit():
+    fmt = get_format(MISTRAL)
+    messages = prepare_history(HISTORY, fmt, "tool_calls", None)
+    call_id = messages[1]["tool_calls"][0]["id"]
+    assert len(call_id) == 9 and messages[2]["tool_call_id"] == call_id
