@@ -1,5 +1,6 @@
-"""The small ops of a decode step, with a native CPU path: RMSNorm, the rotary
-embedding, the SiLU-gated product and single-query attention.
+"""The small ops of a decode step, with a native CPU path: RMSNorm (Gemma's too), the
+rotary embedding, the SiLU- and tanh-GELU-gated products and single-query attention
+(soft-capped for Gemma 2).
 
 On one token's activations a torch op costs 2-40 us, mostly dispatch (more between
 matvecs that stream the weights through the caches), and the ~45 of them per layer
@@ -37,15 +38,19 @@ def _native(*tensors: torch.Tensor) -> ctypes.CDLL | None:
     return native.library()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2, last dim) + eps) * weight."""
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
+) -> torch.Tensor:
+    """x / sqrt(mean(x^2, last dim) + eps) * (weight + offset) (Gemma's: offset 1)."""
     lib = _native(x, weight)
     if lib is None:
         # One fused op; it accumulates in float32 whatever the input dtype.
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        return F.rms_norm(x, (x.shape[-1],), weight + offset if offset else weight, eps)
     n = x.shape[-1]
     y = torch.empty_like(x)
-    lib.llmrun_rms_norm(x.data_ptr(), weight.data_ptr(), eps, x.numel() // n, n, y.data_ptr())
+    lib.llmrun_rms_norm_offset(
+        x.data_ptr(), weight.data_ptr(), offset, eps, x.numel() // n, n, y.data_ptr()
+    )
     return y
 
 
@@ -86,17 +91,45 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU's tanh approximation (transformers' gelu_pytorch_tanh)."""
+    return F.gelu(x, approximate="tanh")
+
+
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up, Gemma's GeGLU product."""
+    lib = _native(gate, up) if gate.shape == up.shape else None
+    if lib is None:
+        return gelu_tanh(gate) * up
+    y = torch.empty_like(gate)
+    lib.llmrun_gelu_tanh_mul(gate.data_ptr(), up.data_ptr(), gate.numel(), y.data_ptr())
+    return y
+
+
 def gated(act, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """act(gate) * up, the gated feed-forward's product (SiLU: silu_mul)."""
-    return silu_mul(gate, up) if act is F.silu else act(gate) * up
+    """act(gate) * up, the gated feed-forward's product (SiLU: silu_mul, tanh GELU:
+    gelu_tanh_mul)."""
+    if act is F.silu:
+        return silu_mul(gate, up)
+    if act is gelu_tanh:
+        return gelu_tanh_mul(gate, up)
+    return act(gate) * up
 
 
-def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def attend_one(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """Attention of one query per head, q [B, H, 1, D], over every key and value
-    k/v [B, Hkv, L, D] (H a multiple of Hkv: grouped-query attention), scaled by
-    D^-0.5; returns [B, 1, H*D]."""
+    k/v [B, Hkv, L, D] (H a multiple of Hkv: grouped-query attention), the scores
+    scaled by `scale` (default D^-0.5) and, with `softcap`, soft-capped to
+    softcap * tanh(score / softcap) (Gemma 2); returns [B, 1, H*D]."""
     batch, heads, _, head_dim = q.shape
     groups, length = k.shape[1], k.shape[2]
+    scale = head_dim**-0.5 if scale is None else scale
     if (
         batch == 1
         and head_dim % 16 == 0
@@ -110,7 +143,7 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tenso
         lib = _native(q)
         if lib is not None:
             y = torch.empty(1, 1, heads * head_dim)
-            lib.llmrun_attend_one(
+            lib.llmrun_attend_one_capped(
                 q.data_ptr(),
                 k.data_ptr(),
                 v.data_ptr(),
@@ -119,11 +152,16 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tenso
                 length,
                 head_dim,
                 k.stride(1),
-                head_dim**-0.5,
+                scale,
+                softcap or 0.0,
                 y.data_ptr(),
             )
             return y
     # Grouped matmuls, so each KV head serves its query heads without being repeated.
-    q = q.view(batch, groups, heads // groups, head_dim) * head_dim**-0.5
-    weights = torch.softmax(q @ k.transpose(-1, -2), dim=-1, dtype=torch.float32)
+    q = q.reshape(batch, groups, heads // groups, head_dim)
+    if softcap is None:
+        scores = (q * scale) @ k.transpose(-1, -2)
+    else:
+        scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap) * softcap
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
     return (weights.to(v.dtype) @ v).view(batch, 1, heads * head_dim)

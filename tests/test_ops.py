@@ -122,3 +122,50 @@ def test_gated_takes_the_native_product_for_silu_only():
     gate, up = torch.randn(1, 1, 64), torch.randn(1, 1, 64)
     assert torch.equal(ops.gated(F.silu, gate, up), ops.silu_mul(gate, up))
     assert torch.equal(ops.gated(F.gelu, gate, up), F.gelu(gate) * up)
+
+
+def test_gemma_rms_norm_offset_matches_torch(native_kernels):
+    """Gemma's x / rms(x) * (1 + w): the offset added in the kernel, not by a torch op."""
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 3, 1152) * 3, torch.randn(1152) * 0.1
+    native, reference = both_paths(ops.rms_norm, x, w, 1e-6, offset=1.0)
+    torch.testing.assert_close(native, reference, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(reference, F.rms_norm(x, (1152,), 1.0 + w, 1e-6))
+
+
+def test_gelu_tanh_mul_matches_torch_over_the_whole_range(native_kernels):
+    torch.manual_seed(0)
+    gate = torch.cat([torch.randn(6912) * 4, torch.tensor([-200.0, -20.0, -6.0, 0.0, 6.0, 90.0])])
+    up = torch.randn_like(gate)
+    native, reference = both_paths(ops.gelu_tanh_mul, gate, up)
+    # Far left torch's 1 + tanh(u) rounds to a few ulps of 1 (or to 0), so the products
+    # there agree absolutely, not relatively.
+    torch.testing.assert_close(native, reference, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(reference, F.gelu(gate, approximate="tanh") * up)
+
+
+def test_gated_takes_the_native_product_for_tanh_gelu():
+    from llmrun.models.base import activation
+
+    gate, up = torch.randn(1, 1, 64), torch.randn(1, 1, 64)
+    assert activation("gelu_pytorch_tanh") is ops.gelu_tanh
+    assert torch.equal(ops.gated(ops.gelu_tanh, gate, up), ops.gelu_tanh_mul(gate, up))
+
+
+@pytest.mark.parametrize("softcap", [None, 50.0, 2.0])
+@pytest.mark.parametrize("heads,kv_heads,length", [(8, 4, 1), (8, 4, 300), (4, 1, 513)])
+def test_attend_one_scaled_and_soft_capped_matches_torch(
+    native_kernels, heads, kv_heads, length, softcap
+):
+    """Gemma's head_dim 256, a scale other than D^-0.5 (query_pre_attn_scalar), and
+    Gemma 2's tanh soft-capping of the scores, against a float64 reference."""
+    torch.manual_seed(0)
+    q = torch.randn(1, heads, 1, 256)
+    k, v = cached_kv(kv_heads, length, 256, capacity=length + 5)
+    native, reference = both_paths(ops.attend_one, q, k, v, 144**-0.5, softcap)
+    scores = (q.double().view(1, kv_heads, -1, 256) @ k.double().transpose(-1, -2)) * 144**-0.5
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    exact = (torch.softmax(scores, dim=-1) @ v.double()).view(1, 1, heads * 256)
+    torch.testing.assert_close(native.double(), exact, rtol=0, atol=2e-5)
+    torch.testing.assert_close(reference.double(), exact, rtol=0, atol=2e-5)

@@ -24,7 +24,7 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ACTIVATIONS = {
     "silu": F.silu,
     "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": ops.gelu_tanh,
 }
 
 
@@ -108,7 +108,7 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x.float(), 1.0 + self.weight.float(), self.eps).type_as(x)
+        return ops.rms_norm(x.float(), self.weight.float(), self.eps, offset=1.0).type_as(x)
 
 
 class RotaryEmbedding(nn.Module):
@@ -318,8 +318,8 @@ def attention(
     """softmax(cap(q k^T * scale) + mask) v with GQA: q [B, H, T, D], k/v [B, Hkv, L, D],
     mask [B, 1, T, L] (True: attend) or None; returns [B, T, H*D]."""
     batch, heads, tokens, head_dim = q.shape
-    if tokens == 1 and mask is None and softcap is None and scale == head_dim**-0.5:
-        return ops.attend_one(q, k, v)
+    if tokens == 1 and mask is None:
+        return ops.attend_one(q, k, v, scale, softcap)
     if softcap is None:
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=scale, enable_gqa=heads != k.shape[1]

@@ -33,11 +33,22 @@ _API = {
     "llmrun_matvec_experts": [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64],
     "llmrun_dequantize": [ctypes.c_int, _PTR, _I64, _I64, _I64, _PTR],
     "llmrun_rms_norm": [_PTR, _PTR, _F32, _I64, _I64, _PTR],
+    "llmrun_rms_norm_offset": [_PTR, _PTR, _F32, _F32, _I64, _I64, _PTR],
     "llmrun_rotary": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR],
     "llmrun_silu_mul": [_PTR, _PTR, _I64, _PTR],
+    "llmrun_gelu_tanh_mul": [_PTR, _PTR, _I64, _PTR],
     "llmrun_attend_one": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _PTR],
+    "llmrun_attend_one_capped": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _F32, _PTR],
 }
-_VOID = ("llmrun_rms_norm", "llmrun_rotary", "llmrun_silu_mul", "llmrun_attend_one")
+_VOID = (
+    "llmrun_rms_norm",
+    "llmrun_rms_norm_offset",
+    "llmrun_rotary",
+    "llmrun_silu_mul",
+    "llmrun_gelu_tanh_mul",
+    "llmrun_attend_one",
+    "llmrun_attend_one_capped",
+)
 
 
 @functools.cache

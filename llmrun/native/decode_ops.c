@@ -1,6 +1,6 @@
 /* The small f32 ops of a decode step, each one call instead of several torch ops:
- * RMSNorm, rotary embedding, SiLU-gated product, single-query attention over a KV
- * cache (llmrun/ops.py).
+ * RMSNorm, rotary embedding, SiLU- and tanh-GELU-gated products, single-query
+ * attention over a KV cache, soft-capped or not (llmrun/ops.py).
  *
  * On one token's activations (a few thousand floats) a torch op costs 2-20 us of
  * dispatch and allocation, and a decode step of a 24-layer model runs ~45 of them
@@ -122,9 +122,10 @@ static inline vec vexp(vec x) {
 }
 #endif
 
-/* y = x / sqrt(mean(x^2) + eps) * weight, per row of n values (torch's rms_norm). */
-void llmrun_rms_norm(const float *x, const float *weight, float eps, int64_t rows, int64_t n,
-                     float *y) {
+/* y = x / sqrt(mean(x^2) + eps) * (weight + offset), per row of n values (torch's
+ * rms_norm at offset 0; Gemma's norm, x * (1 + w), at offset 1). */
+void llmrun_rms_norm_offset(const float *x, const float *weight, float offset, float eps,
+                            int64_t rows, int64_t n, float *y) {
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * n;
         float *yr = y + r * n;
@@ -133,8 +134,13 @@ void llmrun_rms_norm(const float *x, const float *weight, float eps, int64_t row
         for (int64_t i = 0; i < n; i++) sum += xr[i] * xr[i];
         const float inv = 1.0f / sqrtf(sum / (float)n + eps);
 #pragma omp simd
-        for (int64_t i = 0; i < n; i++) yr[i] = xr[i] * inv * weight[i];
+        for (int64_t i = 0; i < n; i++) yr[i] = xr[i] * inv * (weight[i] + offset);
     }
+}
+
+void llmrun_rms_norm(const float *x, const float *weight, float eps, int64_t rows, int64_t n,
+                     float *y) {
+    llmrun_rms_norm_offset(x, weight, 0.0f, eps, rows, n, y);
 }
 
 /* Rotary embedding of rows of `dim` values, the first `rot` of them rotated in the
@@ -167,9 +173,46 @@ void llmrun_silu_mul(const float *gate, const float *up, int64_t n, float *y) {
     for (; i < n; i++) y[i] = gate[i] / (1.0f + exp_scalar(-gate[i])) * up[i];
 }
 
+/* y = gelu_tanh(gate) * up over n values, GELU's tanh approximation (Gemma's GeGLU):
+ * 0.5 g (1 + tanh(u)) with u = sqrt(2/pi) (g + 0.044715 g^3), computed as
+ * g / (1 + exp(-2u)), the same function. */
+#define GELU_C 0.7978845608028654f
+#define GELU_A 0.044715f
+void llmrun_gelu_tanh_mul(const float *gate, const float *up, int64_t n, float *y) {
+    int64_t i = 0;
 #if VW > 1
+    for (; i + VW <= n; i += VW) {
+        const vec g = vload(gate + i);
+        const vec u = vmul(vset1(-2.0f * GELU_C), vfma(vmul(vset1(GELU_A), vmul(g, g)), g, g));
+        vstore(y + i, vmul(vdiv(g, vadd(vset1(1.0f), vexp(u))), vload(up + i)));
+    }
+#endif
+    for (; i < n; i++) {
+        const float g = gate[i];
+        const float u = -2.0f * GELU_C * (GELU_A * g * g * g + g);
+        y[i] = g / (1.0f + exp_scalar(u)) * up[i];
+    }
+}
+
+#if VW > 1
+/* s = cap * tanh(s / cap) over n scores (Gemma 2's soft-capping), in place:
+ * tanh(a) = (1 - e) / (1 + e) with e = exp(-2a), which exp's clamping keeps finite. */
+static void softcap_scores(float *s, int64_t n, float cap) {
+    int64_t j = 0;
+    for (; j + VW <= n; j += VW) {
+        const vec e = vexp(vmul(vset1(-2.0f), vdiv(vload(s + j), vset1(cap))));
+        const vec one = vset1(1.0f);
+        vstore(s + j, vmul(vset1(cap), vdiv(vsub(one, e), vadd(one, e))));
+    }
+    for (; j < n; j++) {
+        const float e = exp_scalar(-2.0f * (s[j] / cap));
+        s[j] = cap * ((1.0f - e) / (1.0f + e));
+    }
+}
+
 /* One query per head against the first `length` cached keys and values:
- * y[h] = softmax(scale * q[h] . k[g]) . v[g], with g = h / (heads / kv_heads) (GQA).
+ * y[h] = softmax(cap(scale * q[h] . k[g])) . v[g], with g = h / (heads / kv_heads)
+ * (GQA) and cap(s) = softcap * tanh(s / softcap), or s where softcap is 0.
  * q and y are [heads, dim] (dim a multiple of VW); k and v hold kv_heads runs of
  * `head_stride` floats, each `length` rows of dim values.
  * The query heads that share a KV head are done together, so each cached row is
@@ -178,9 +221,9 @@ void llmrun_silu_mul(const float *gate, const float *up, int64_t n, float *y) {
  * softmax), so no scratch grows with the length. KV heads run on the OpenMP team
  * when there is enough work to pay for waking it. */
 #define KEY_TILE 128
-void llmrun_attend_one(const float *q, const float *k, const float *v, int64_t heads,
-                       int64_t kv_heads, int64_t length, int64_t dim, int64_t head_stride,
-                       float scale, float *y) {
+void llmrun_attend_one_capped(const float *q, const float *k, const float *v, int64_t heads,
+                              int64_t kv_heads, int64_t length, int64_t dim,
+                              int64_t head_stride, float scale, float softcap, float *y) {
     const int64_t group = heads / kv_heads;
 #pragma omp parallel for schedule(static) if (heads * length * dim >= (1 << 15))
     for (int64_t g = 0; g < kv_heads; g++) {
@@ -216,6 +259,8 @@ void llmrun_attend_one(const float *q, const float *k, const float *v, int64_t h
                         a0 = vfma(vload(qs + h * dim + d), vload(kt + j * dim + d), a0);
                     p[h][j] = vsum(a0);
                 }
+            if (softcap > 0.0f)
+                for (int64_t h = 0; h < group; h++) softcap_scores(p[h], tile, softcap);
             for (int64_t h = 0; h < group; h++) {
                 float *ph = p[h], *yh = yg + h * dim, tile_top = top[h];
                 for (j = 0; j < tile; j++) tile_top = ph[j] > tile_top ? ph[j] : tile_top;
@@ -253,5 +298,11 @@ void llmrun_attend_one(const float *q, const float *k, const float *v, int64_t h
             for (int64_t d = 0; d < dim; d++) yg[h * dim + d] *= inv;
         }
     }
+}
+
+void llmrun_attend_one(const float *q, const float *k, const float *v, int64_t heads,
+                       int64_t kv_heads, int64_t length, int64_t dim, int64_t head_stride,
+                       float scale, float *y) {
+    llmrun_attend_one_capped(q, k, v, heads, kv_heads, length, dim, head_stride, scale, 0.0f, y);
 }
 #endif /* without vectors, the kernel files report llmrun_available() == 0 */
