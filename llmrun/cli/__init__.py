@@ -1,0 +1,59 @@
+"""The `llmrun` command line: flags -> options -> library calls.
+
+The one place where LlmrunError becomes an `error:` line and an exit code
+(0 ok, 1 error, 2 usage, 130 interrupted). torch and the model code are
+imported inside the commands, so `llmrun --help` stays instant. app.py holds the
+Typer app and the options commands share; each other module registers a few
+commands on it, in the order `llmrun --help` lists them.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from llmrun import ui
+from llmrun.cli.app import DEBUG, app
+from llmrun.errors import LlmrunError
+
+# Importing a command module registers its commands, in the order `--help` lists them.
+# isort: off
+from llmrun.cli import generate, models, bench, serve  # noqa: F401
+# isort: on
+
+__all__ = ["app", "main"]
+
+
+def _is_usage_error(e: Exception) -> bool:
+    # typer >= 0.20 vendors click, so its UsageError is not click's; match by shape.
+    return any(cls.__name__ == "UsageError" for cls in type(e).__mro__) and hasattr(
+        e, "format_message"
+    )
+
+
+def main() -> None:
+    """Console entry point: run the app, turn errors into one line and an exit code."""
+    try:
+        code = app(prog_name="llmrun", standalone_mode=False)
+    except LlmrunError as e:
+        if DEBUG["on"]:
+            raise
+        ui.error(str(e))
+        sys.exit(e.exit_code)
+    except (KeyboardInterrupt, typer.Abort):
+        sys.exit(130)
+    except BrokenPipeError:
+        # The reader went away (`llmrun run ... | head`): not an error.
+        sys.stderr.close()
+        sys.exit(0)
+    except Exception as e:
+        if not _is_usage_error(e) or DEBUG["on"]:
+            raise
+        if type(e).__name__ == "NoArgsIsHelpError":
+            print(e.format_message())
+            sys.exit(0)
+        message = e.format_message()
+        ui.error(message[:1].lower() + message[1:])
+        sys.exit(2)
+    sys.exit(code if isinstance(code, int) else 0)

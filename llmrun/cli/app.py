@@ -1,0 +1,141 @@
+"""The Typer app, the options its commands share, and the small helpers they use."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from llmrun import __version__, ui
+from llmrun.errors import UsageError
+
+app = typer.Typer(
+    name="llmrun",
+    help="Run LLMs from GGUF and safetensors files, locally, in plain PyTorch.",
+    no_args_is_help=True,
+    add_completion=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+DEBUG = {"on": False}
+HUB_NAME = re.compile(r"^[\w.-]+/[\w.-]+(/[^\s]+)?(:[\w.-]+)?(@[\w./-]+)?$")
+
+# Options shared by run and chat.
+ModelOpt = Annotated[
+    str | None, typer.Option("--model", "-m", help="Model: .gguf file, HF directory or Hub name.")
+]
+MaxTokens = Annotated[
+    int | None,
+    typer.Option(
+        "--max-tokens", "-n", help="Tokens to generate (-1: until end of text or full context)."
+    ),
+]
+Temperature = Annotated[float | None, typer.Option(help="Sampling temperature; 0 is greedy.")]
+TopK = Annotated[
+    int | None, typer.Option("--top-k", help="Keep the k most likely tokens (0: off).")
+]
+TopP = Annotated[float | None, typer.Option("--top-p", help="Nucleus sampling mass, in (0, 1].")]
+MinP = Annotated[
+    float | None, typer.Option("--min-p", help="Drop tokens below min-p x the top probability.")
+]
+RepeatPenalty = Annotated[
+    float | None, typer.Option("--repeat-penalty", help="Penalty for repeated tokens (1: off).")
+]
+RepeatLastN = Annotated[
+    int | None, typer.Option("--repeat-last-n", help="Tokens the repeat penalty looks back at.")
+]
+Seed = Annotated[int | None, typer.Option(help="Random seed: the same seed gives the same text.")]
+Stop = Annotated[list[str] | None, typer.Option("--stop", help="Stop at this text (repeatable).")]
+CtxSize = Annotated[int | None, typer.Option("--ctx-size", "-c", help="Context size in tokens.")]
+Device = Annotated[str, typer.Option(help="auto, cpu, cuda or mps.")]
+Dtype = Annotated[str, typer.Option(help="auto, f32, bf16 or f16.")]
+Threads = Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads.")]
+Verbose = Annotated[
+    bool, typer.Option("--verbose", "-v", help="Print timings and token counts to stderr.")
+]
+Debug = Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")]
+Think = Annotated[
+    bool | None,
+    typer.Option(
+        "--think/--no-think", help="Switch thinking on or off (templates with enable_thinking)."
+    ),
+]
+Effort = Annotated[
+    str | None,
+    typer.Option("--reasoning-effort", help="low, medium or high (templates that read it)."),
+]
+ShowThinking = Annotated[
+    bool | None,
+    typer.Option(
+        "--show-thinking/--hide-thinking",
+        help="Print the model's reasoning (default: on a terminal, not in a pipe).",
+    ),
+]
+TemplateOpt = Annotated[
+    Path | None,
+    typer.Option("--template", help="Chat template file (Jinja) to use instead of the model's."),
+]
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"llmrun {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
+    ] = False,
+) -> None:
+    """Run LLMs from GGUF and safetensors files, locally, in plain PyTorch."""
+
+
+def _read_stdin() -> str | None:
+    """Piped input without its trailing newline; None for a terminal or empty input."""
+    if sys.stdin is None or sys.stdin.isatty():
+        return None
+    text = sys.stdin.read().rstrip("\n")
+    return text if text.strip() else None
+
+
+def _looks_like_model(arg: str) -> bool:
+    if arg.endswith(".gguf") or HUB_NAME.match(arg):
+        return True
+    try:
+        return Path(arg).expanduser().exists()
+    except OSError:  # e.g. a long prompt is not a valid file name
+        return False
+
+
+def _split_model_and_prompt(args: list[str], model: str | None) -> tuple[str | None, str | None]:
+    """`run [MODEL] [PROMPT...]`: with one argument, it is the model if it names one."""
+    if model is not None:
+        return model, " ".join(args) if args else None
+    if not args:
+        return None, None
+    if len(args) == 1:
+        return (args[0], None) if _looks_like_model(args[0]) else (None, args[0])
+    return args[0], " ".join(args[1:])
+
+
+def _load(spec: str | None, **options):
+    """Resolve MODEL (download bars if it must be pulled), then load it under a spinner."""
+    from llmrun import api
+
+    with ui.download_progress() as progress:
+        path = api.resolve(spec, progress)
+    with ui.status("loading model"):
+        return api.load(spec, path=path, **options)
+
+
+def _max_tokens(value: int | None) -> int | None:
+    """-n as a limit: None (and -1) for "until end of text or a full context"."""
+    if value is not None and value < -1:
+        raise UsageError(f"--max-tokens must be >= -1, got {value}")
+    return None if value in (None, -1) else value

@@ -1,0 +1,254 @@
+"""`run`, `chat` and `tokenize`: flags -> the generation and tokenizer calls."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated
+
+import typer
+
+from llmrun import ui
+from llmrun.cli.app import (
+    DEBUG,
+    CtxSize,
+    Debug,
+    Device,
+    Dtype,
+    Effort,
+    MaxTokens,
+    MinP,
+    ModelOpt,
+    RepeatLastN,
+    RepeatPenalty,
+    Seed,
+    ShowThinking,
+    Stop,
+    Temperature,
+    TemplateOpt,
+    Think,
+    Threads,
+    TopK,
+    TopP,
+    Verbose,
+    _load,
+    _max_tokens,
+    _read_stdin,
+    _split_model_and_prompt,
+    app,
+)
+from llmrun.errors import UsageError
+
+
+@app.command()
+def run(
+    args: Annotated[
+        list[str] | None, typer.Argument(help="[MODEL] [PROMPT]", show_default=False)
+    ] = None,
+    model: ModelOpt = None,
+    max_tokens: MaxTokens = None,
+    temperature: Temperature = None,
+    top_k: TopK = None,
+    top_p: TopP = None,
+    min_p: MinP = None,
+    repeat_penalty: RepeatPenalty = None,
+    repeat_last_n: RepeatLastN = None,
+    seed: Seed = None,
+    stop: Stop = None,
+    ctx_size: CtxSize = None,
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+    threads: Threads = None,
+    raw: Annotated[
+        bool, typer.Option(help="Send the prompt as is, without the chat template.")
+    ] = False,
+    template: TemplateOpt = None,
+    show_prompt: Annotated[
+        bool, typer.Option("--show-prompt", help="Print the prompt as fed to the model (stderr).")
+    ] = False,
+    output_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object with text, usage and timings.")
+    ] = False,
+    logprobs: Annotated[
+        int | None,
+        typer.Option(
+            help="With --json: log-probabilities and the N most likely alternatives per token."
+        ),
+    ] = None,
+    think: Think = None,
+    reasoning_effort: Effort = None,
+    show_thinking: ShowThinking = None,
+    verbose: Verbose = False,
+    debug: Debug = False,
+) -> None:
+    """Generate a completion for one prompt: `llmrun run [MODEL] "prompt"`; the prompt may be piped."""
+    DEBUG["on"] = debug
+    model_spec, prompt = _split_model_and_prompt(list(args or []), model)
+    piped = _read_stdin()
+    if prompt is not None and piped:
+        prompt = f"{prompt}\n\n{piped}"
+    elif prompt is None:
+        prompt = piped
+    if not prompt:
+        raise UsageError('no prompt: give one (llmrun run [MODEL] "PROMPT") or pipe it on stdin')
+    if logprobs is not None and not output_json:
+        raise UsageError("--logprobs needs --json")
+    if logprobs is not None and not 0 <= logprobs <= 20:
+        raise UsageError(f"--logprobs must be between 0 and 20, got {logprobs}")
+    if raw and (think is not None or reasoning_effort is not None):
+        raise UsageError(
+            "--think/--no-think and --reasoning-effort need the chat template: drop --raw"
+        )
+    limit = _max_tokens(max_tokens)
+    from llmrun.reasoning import Splitter
+
+    engine = _load(
+        model_spec,
+        device=device,
+        dtype=dtype,
+        ctx_size=ctx_size,
+        threads=threads,
+        template_file=template,
+    )
+    params = engine.sampling(locals())
+    text = engine.prompt_text(prompt, raw=raw, **engine.switches(think, reasoning_effort))
+    if show_prompt:
+        ui.print_prompt(text)
+    ids = engine.tokenizer.encode(text)
+    split = Splitter(engine.markers, text)
+    out = ui.ReplyWriter(ui.stdout_is_tty() if show_thinking is None else show_thinking)
+    tokens, final = [], None
+    try:
+        for response in engine.generate(ids, params, limit, stop or (), logprobs):
+            for piece in split.feed(response.token, response.text):
+                if not output_json:
+                    out.write(piece)
+            if response.logprob is not None:
+                tokens.append(response.logprob)
+            final = response
+    except KeyboardInterrupt:
+        if not output_json:
+            out.end()
+            ui.end_text()
+        raise
+    if output_json:
+        ui.print_json(engine.result_record(split, final, tokens if logprobs is not None else None))
+    else:
+        out.end()
+        ui.end_text()
+    if verbose:
+        ui.print_stats(final.stats)
+
+
+@app.command()
+def chat(
+    model: Annotated[
+        str | None, typer.Argument(help="MODEL (default: the bundled stories260K)")
+    ] = None,
+    system: Annotated[str | None, typer.Option(help="System message.")] = None,
+    max_tokens: MaxTokens = None,
+    temperature: Temperature = None,
+    top_k: TopK = None,
+    top_p: TopP = None,
+    min_p: MinP = None,
+    repeat_penalty: RepeatPenalty = None,
+    repeat_last_n: RepeatLastN = None,
+    seed: Seed = None,
+    ctx_size: CtxSize = None,
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+    threads: Threads = None,
+    template: TemplateOpt = None,
+    context_overflow: Annotated[
+        str,
+        typer.Option(
+            "--context-overflow",
+            help="When the context is full: error, or shift out the oldest turns.",
+        ),
+    ] = "error",
+    think: Think = None,
+    reasoning_effort: Effort = None,
+    show_thinking: ShowThinking = None,
+    verbose: Verbose = False,
+    debug: Debug = False,
+) -> None:
+    """Chat with a model in a REPL (or one message per line from a pipe)."""
+    DEBUG["on"] = debug
+    limit = _max_tokens(max_tokens)
+    from llmrun.chat import ChatSession
+    from llmrun.repl import Repl
+
+    engine = _load(
+        model,
+        device=device,
+        dtype=dtype,
+        ctx_size=ctx_size,
+        threads=threads,
+        template_file=template,
+    )
+    params = engine.sampling(locals())
+    session = ChatSession(engine, params, limit, system=system, overflow=context_overflow)
+    session.switches = engine.switches(think, reasoning_effort)
+    repl = Repl(session, ui.stdin_is_tty(), verbose=verbose, show_thinking=show_thinking)
+    repl.run()
+
+
+@app.command()
+def tokenize(
+    args: Annotated[
+        list[str] | None, typer.Argument(help="[MODEL] [TEXT]", show_default=False)
+    ] = None,
+    model: ModelOpt = None,
+    pieces: Annotated[bool, typer.Option("--pieces", help="Print id/piece pairs.")] = False,
+    no_bos: Annotated[bool, typer.Option("--no-bos", help="Do not add the BOS token.")] = False,
+    no_special: Annotated[
+        bool, typer.Option("--no-special", help="Treat special-token text as plain text.")
+    ] = False,
+    batch: Annotated[
+        bool,
+        typer.Option("--batch", help="Each stdin line is a text: print one JSON list per line."),
+    ] = False,
+    threads: Annotated[
+        int | None,
+        typer.Option("--threads", "-t", min=1, help="Threads for --batch (default: all cores)."),
+    ] = None,
+    debug: Debug = False,
+) -> None:
+    """Print the token ids of TEXT (or stdin) as the model's tokenizer makes them."""
+    DEBUG["on"] = debug
+    model_spec, text = _split_model_and_prompt(list(args or []), model)
+    if batch and text is not None:
+        raise UsageError("--batch reads its texts from stdin, one per line, not as an argument")
+    if threads is not None and not batch:
+        raise UsageError("--threads goes with --batch")
+    if batch:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise UsageError("--batch reads its texts from stdin, one per line: pipe them in")
+        texts = sys.stdin.read().split("\n")
+        if texts[-1] == "":
+            texts.pop()
+    elif text is None:
+        text = _read_stdin()
+    if not batch and text is None:
+        raise UsageError("no text: give it as an argument or pipe it on stdin")
+
+    from llmrun import hub, paths
+    from llmrun.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(hub.resolve_model(model_spec or paths.BUNDLED_MODEL.stem))
+    options = dict(add_bos=False if no_bos else None, parse_special=not no_special)
+    if batch:
+        batches = tokenizer.encode_batch(texts, threads=threads, **options)
+    else:
+        batches = [tokenizer.encode(text, **options)]
+
+    def piece(i: int) -> dict:
+        return {"id": i, "piece": tokenizer.token_to_piece(i)}
+
+    if pieces and not batch:
+        lines = [json.dumps(piece(i), ensure_ascii=False) for i in batches[0]]
+    elif pieces:
+        lines = [json.dumps([piece(i) for i in ids], ensure_ascii=False) for ids in batches]
+    else:
+        lines = [json.dumps(ids) for ids in batches]
+    sys.stdout.write("".join(line + "\n" for line in lines))
