@@ -6,7 +6,7 @@
  * dispatch and allocation, and a decode step of a 24-layer model runs ~45 of them
  * per layer, several ms a token; the elementwise ops here take about a microsecond.
  * Built into each kernel family's library (llmrun/native/build.py) with that
- * family's -march: the loops use AVX-512 or AVX2 vectors through the few macros
+ * family's -march: the loops use AVX-512, AVX2 or NEON vectors through the few macros
  * below, or `omp simd` for the compiler to vectorize. Sums are in f32 in another
  * order than torch's, and exp is a polynomial (within 2 ulp of expf), so results
  * match the torch code to rounding, not bit for bit; the rotary embedding alone is
@@ -18,7 +18,7 @@
 #include <string.h>
 
 /* Vectors of VW floats, by the family's instruction set (this file is compiled with
- * its -march): AVX-512, AVX2 with FMA, or one float at a time. */
+ * its -march): AVX-512, AVX2 with FMA, NEON, or one float at a time. */
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define VW 16
@@ -76,6 +76,28 @@ static inline float vsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+#define VW 4
+typedef float32x4_t vec;
+#define vload vld1q_f32
+#define vstore vst1q_f32
+#define vadd vaddq_f32
+#define vsub vsubq_f32
+#define vmul vmulq_f32
+#define vdiv vdivq_f32
+#define vfma(a, b, c) vfmaq_f32((c), (a), (b)) /* a * b + c, as x86's fmadd */
+#define vmin vminq_f32
+#define vmax vmaxq_f32
+#define vset1 vdupq_n_f32
+#define vzero() vdupq_n_f32(0.0f)
+#define vsum vaddvq_f32
+#define vround vrndnq_f32 /* to nearest, ties to even, as nearbyintf */
+#define vpow2i(n)                                                                        \
+    vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtnq_s32_f32(n), vdupq_n_s32(127)), 23))
+static inline void vsum4(vec a, vec b, vec c, vec d, float *out) {
+    vst1q_f32(out, vpaddq_f32(vpaddq_f32(a, b), vpaddq_f32(c, d)));
 }
 #else
 #define VW 1
