@@ -108,6 +108,8 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype == torch.float32:  # decode on CPU: no casts to make
+            return ops.rms_norm(x, self.weight, self.eps, offset=1.0)
         return ops.rms_norm(x.float(), self.weight.float(), self.eps, offset=1.0).type_as(x)
 
 

@@ -191,10 +191,10 @@ class KVCache:
                     "prefill the sequence again (KVCache.reusable says how much survives)"
                 )
             self.written[row] = start + count
+        if tokens == 1 and batch == 1:
+            return WindowPlan(True, starts, counts, False, None, min(starts[0] + 1, window))
         slots = torch.arange(window, device=positions.device)
         if tokens == 1:
-            if batch == 1:
-                return WindowPlan(True, starts, counts, False, None, min(starts[0] + 1, window))
             # After the write, slot s holds the row's latest position q' <= q with
             # q' = s (mod window): none yet where that would be negative.
             held = positions - (positions - slots) % window  # [B, window]
@@ -223,13 +223,14 @@ class KVCache:
         batch = k.shape[0]
         if plan.decode:
             if self.rows is None and batch == 1:
+                if ring_k.shape[0] != 1:
+                    ring_k, ring_v = ring_k[:1], ring_v[:1]
                 slot = plan.starts[0] % window
-                ring_k.narrow(0, 0, 1).narrow(2, slot, 1).copy_(k)
-                ring_v.narrow(0, 0, 1).narrow(2, slot, 1).copy_(v)
-                return (
-                    ring_k.narrow(0, 0, 1).narrow(2, 0, plan.keys),
-                    ring_v.narrow(0, 0, 1).narrow(2, 0, plan.keys),
-                )
+                ring_k.narrow(2, slot, 1).copy_(k)
+                ring_v.narrow(2, slot, 1).copy_(v)
+                if plan.keys == window:  # the whole ring: no view to make
+                    return ring_k, ring_v
+                return ring_k.narrow(2, 0, plan.keys), ring_v.narrow(2, 0, plan.keys)
             rows = self.rows if self.rows is not None else torch.arange(batch, device=k.device)
             slots = torch.tensor(plan.starts, device=k.device) % window
             ring_k[rows, :, slots] = k[:, :, 0]

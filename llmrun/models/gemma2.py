@@ -192,19 +192,22 @@ class Model(nn.Module):
         """A Frame per layer type: global layers see every earlier position, sliding
         ones the last sliding_window (in a cache that keeps only those: its plan)."""
         start, length = int(positions[0, 0]), int(positions.max()) + 1
-        keys = key_positions(positions, length, cache)
+        # One row's decode step attends to every key it has: no mask to build.
+        one = positions.shape == (1, 1)
+        mask = None if one else attention_mask(positions, key_positions(positions, length, cache))
         cos, sin = self.model.rotary_emb(positions)
         # [B, T, rotary_dim] -> [B, 1, T, rotary_dim], broadcast over heads
         cos, sin = cos[:, None].to(dtype), sin[:, None].to(dtype)
-        full = Frame(positions, start, length, attention_mask(positions, keys), cos, sin)
+        full = Frame(positions, start, length, mask, cos, sin)
         window = self.args.sliding_window
         if cache is not None and cache.window is not None:
             plan = cache.plan_window(positions, last)
             local = Frame(positions, start, length, plan.mask, cos, sin, plan)
         else:
             # Within one window of position 0 the window hides nothing.
-            hidden = window is not None and length > window
-            mask = attention_mask(positions, keys, window if hidden else None)
+            if window is not None and length > window:
+                keys = key_positions(positions, length, cache)
+                mask = attention_mask(positions, keys, window)
             local = Frame(positions, start, length, mask, cos, sin)
         return {"full_attention": full, "sliding_attention": local}
 

@@ -235,16 +235,16 @@ class Model(nn.Module):
         ones the last sliding_window (in a cache that keeps only those: its plan),
         each with its own RoPE."""
         start, length = int(positions[0, 0]), int(positions.max()) + 1
-        keys = key_positions(positions, length, cache)
+        # One row's decode step attends to every key it has: no mask to build.
+        one = positions.shape == (1, 1)
+        mask = None if one else attention_mask(positions, key_positions(positions, length, cache))
 
         def rope(rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
             cos, sin = rotary(positions)
             # [B, T, rotary_dim] -> [B, 1, T, rotary_dim], broadcast over heads
             return cos[:, None].to(dtype), sin[:, None].to(dtype)
 
-        full = Frame(
-            positions, start, length, attention_mask(positions, keys), *rope(self.model.rotary_emb)
-        )
+        full = Frame(positions, start, length, mask, *rope(self.model.rotary_emb))
         cos, sin = rope(self.model.rotary_emb_local)
         window = self.args.sliding_window
         if cache is not None and cache.window is not None:
@@ -252,8 +252,9 @@ class Model(nn.Module):
             local = Frame(positions, start, length, plan.mask, cos, sin, plan)
         else:
             # Within one window of position 0 the window hides nothing.
-            hidden = window is not None and length > window
-            mask = attention_mask(positions, keys, window if hidden else None)
+            if window is not None and length > window:
+                keys = key_positions(positions, length, cache)
+                mask = attention_mask(positions, keys, window)
             local = Frame(positions, start, length, mask, cos, sin)
         return {"full_attention": full, "sliding_attention": local}
 
