@@ -9,7 +9,9 @@ have the packed layouts of Q4_0 and Q5_0 (those of Q4_K and Q5_K only AVX-512: t
 AVX2 library's llmrun_block is 0 for them); llmrun.quant.kernels binds those types.
 Each family's library also holds decode_ops.c, the small ops of llmrun.ops.
 LLMRUN_NATIVE=avx2 builds the AVX2 kernels on any CPU with AVX2 (to test them on an
-AVX-512 machine). Where there is no compiler, the CPU has no family, the build fails,
+AVX-512 machine). On 64-bit ARM the NEON family (kernels_neon.c, -march=armv8-a) has the
+same types in the GGML layout only (tested under qemu-user; speed unmeasured). Where
+there is no compiler, the CPU has no family, the build fails,
 or LLMRUN_NATIVE=0 is set, `available()` is False and callers use their torch code.
 """
 
@@ -93,7 +95,7 @@ def available() -> bool:
 
 
 def kernels() -> str | None:
-    """The kernel family in use ("AVX-512" or "AVX2"), or None without native kernels."""
+    """The kernel family in use ("AVX-512", "AVX2" or "NEON"), or None without native kernels."""
     return _family if available() else None
 
 
