@@ -174,7 +174,8 @@ def test_unknown_architecture(tmp_path):
     result = llmrun("run", str(model_dir), "hi")
     assert result.returncode == 1
     assert (
-        "error: architecture 'mamba' is not supported (supported: llama, mistral, phi3, qwen2, qwen3)"
+        "error: architecture 'mamba' is not supported (supported: gemma, gemma2, gemma3, "
+        "gemma3_text, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe)"
         in result.stderr
     )
 
