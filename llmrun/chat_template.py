@@ -172,6 +172,7 @@ class ChatTemplate:
 
     def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
         _check_jinja2_version()
+        self.source = source  # what the template says, for what it teaches (tool-call formats)
         env = _environment()
         try:
             self._template = env.from_string(source)

@@ -3,13 +3,15 @@
 The chain follows llama.cpp's default order: repetition/presence/frequency
 penalties, top-k, top-p, min-p, temperature, then a seeded draw.
 Temperature 0 is greedy (argmax after penalties). Defaults are llama.cpp's.
+With a grammar (structured.py), each Sampler keeps its own place in it and masks the
+penalized logits before the draw, so the token drawn is one the grammar allows.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -33,6 +35,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
+    # A structured.Grammar that decoding follows (compiled once, shared by the sequences).
+    grammar: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -70,6 +74,7 @@ class Sampler:
         self.seed = seed
         # Draws happen on the CPU so a seed means the same text on every device.
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.constraint = params.grammar.constraint() if params.grammar is not None else None
 
     def penalize(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
         p = self.params
@@ -92,6 +97,14 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, history: Sequence[int] = ()) -> int:
         logits = self.penalize(logits, history)
+        if self.constraint is None:
+            return self.draw(logits)
+        token = self.draw(self.constraint.apply(logits))
+        self.constraint.accept(token)
+        return token
+
+    def draw(self, logits: torch.Tensor) -> int:
+        """A token from penalized (and masked) logits: greedy, or top-k/top-p/min-p/temperature."""
         p = self.params
         if p.temperature == 0:
             return argmax(logits)

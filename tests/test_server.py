@@ -212,7 +212,7 @@ HOSTILE = [
     b'{"messages": "x"}',
     b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
     b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}',
-    b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}',
+    b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}',
 ]
 
 
@@ -345,3 +345,82 @@ def test_a_model_that_fails_to_load_stops_the_server(tmp_path):
     result = serve_cli(str(bad), "--port", "0")
     assert result.returncode == 1
     assert result.stderr.splitlines()[-1].startswith(f"error: {bad}: truncated or corrupt GGUF")
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def tool(name="get_weather", parameters=None):
+    function = {"name": name, "parameters": parameters or WEATHER["function"]["parameters"]}
+    return {"type": "function", "function": function}
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "message"),
+    [
+        (
+            {"tools": [tool(parameters={"type": "objekt"})]},
+            "tools.0.function.parameters",
+            "unknown type",
+        ),
+        (
+            {"tools": [tool(parameters={"type": "object", "properties": []})]},
+            "tools.0.function.parameters",
+            "properties must be an object of schemas",
+        ),
+        (
+            {"tools": [tool(parameters={"type": "string"})]},
+            "tools.0.function.parameters",
+            "an object schema",
+        ),
+        ({"tools": [tool(), tool()]}, "tools.1.function.name", "two tools are named 'get_weather'"),
+        ({"tools": [tool("get weather")]}, "tools.0.function.name", "not a function name"),
+        (
+            {"tools": [tool()], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "not among the tools",
+        ),
+        ({"tool_choice": "required"}, "tool_choice", "tool_choice needs tools"),
+        ({"tools": [tool()]}, "tools", "no chat template, so it cannot take tools"),
+    ],
+)
+def test_bad_tools_are_400(server, extra, param, message):
+    body = {"messages": [{"role": "user", "content": "Hi"}], **extra}
+    response = post(server, "/v1/chat/completions", body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["type"], error["param"]) == ("invalid_request_error", param)
+    assert message in error["message"]
+
+
+def test_a_tool_message_without_its_call_is_400(server):
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    for messages, param in [
+        (
+            [
+                {"role": "user", "content": "Hi"},
+                {"role": "tool", "tool_call_id": "call_1", "content": "x"},
+            ],
+            "messages.1.tool_call_id",
+        ),
+        (
+            [
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_2", "content": "x"},
+            ],
+            "messages.2.tool_call_id",
+        ),
+        ([{"role": "tool", "content": "x"}], "messages.0"),
+    ]:
+        response = post(server, "/v1/chat/completions", {"messages": messages})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and "tool" in error["message"]

@@ -8,7 +8,8 @@ import json
 import random
 
 import pytest
-from helpers import TEMPLATES_DIR, needs_templates
+from helpers import TEMPLATES_DIR, TEMPLATES_MISSING, needs_templates
+from tool_families import FAMILIES, PHI4_MINI_TEMPLATE, RESULT
 
 from llmrun.chat_template import ChatTemplate
 from llmrun.reasoning import REASONING
@@ -27,16 +28,7 @@ from llmrun.tool_calls import (
     prepare_history,
 )
 
-# Phi-4-mini-instruct's template, as its tokenizer_config.json has it (not among the
-# llama.cpp templates): the tools go in the system message, between <|tool|> and <|/tool|>.
-PHI4_MINI_TEMPLATE = (
-    "{% for message in messages %}{% if message['role'] == 'system' and 'tools' in message and "
-    "message['tools'] is not none %}{{ '<|' + message['role'] + '|>' + message['content'] + "
-    "'<|tool|>' + message['tools'] + '<|/tool|>' + '<|end|>' }}{% else %}{{ '<|' + "
-    "message['role'] + '|>' + message['content'] + '<|end|>' }}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}"
-)
-FAMILIES = {
+TEMPLATE_FORMATS = {
     "Qwen-Qwen2.5-7B-Instruct": (HERMES, False),
     "Qwen-Qwen3-0.6B": (HERMES, False),
     "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use": (HERMES, False),
@@ -72,10 +64,10 @@ def template(name: str) -> str:
 
 
 @needs_templates
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", TEMPLATE_FORMATS)
 def test_the_format_comes_from_the_template(name):
     fmt = detect_format(template(name))
-    expected, args_form = FAMILIES[name]
+    expected, args_form = TEMPLATE_FORMATS[name]
     assert (fmt.name if fmt else None) == expected
     if fmt is not None:
         assert fmt.args_form == args_form
@@ -346,3 +338,97 @@ def test_mistral_ids_are_made_to_fit():
     messages = prepare_history(HISTORY, fmt, "tool_calls", None)
     call_id = messages[1]["tool_calls"][0]["id"]
     assert len(call_id) == 9 and messages[2]["tool_call_id"] == call_id
+
+
+# ---- a real `llmrun serve`, with a scripted model of each family ----------------------
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    """(family, server, client, model name) for a model that calls get_weather in its
+    family's format under its real template, and answers once it has the result."""
+    import openai
+    from serving import Server
+
+    fam = FAMILIES[request.param]
+    if fam.template.endswith(".jinja") and TEMPLATES_MISSING:
+        pytest.skip(TEMPLATES_MISSING)
+    model = fam.model_dir(tmp_path_factory.mktemp(request.param))
+    server = Server(tmp_path_factory.mktemp("serve"), str(model))
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0)
+    yield fam, server, client, model.name
+    server.stop()
+
+
+def reassemble(stream):
+    """A streamed chat completion put back together: content, reasoning, calls, finish."""
+    content, reasoning, calls, finish = "", "", {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            delta = choice.delta
+            content += delta.content or ""
+            reasoning += getattr(delta, "reasoning_content", None) or ""
+            for part in delta.tool_calls or []:
+                call = calls.setdefault(part.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = part.id or call["id"]
+                if part.function is not None:
+                    call["name"] += part.function.name or ""
+                    call["arguments"] += part.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, reasoning, [calls[i] for i in sorted(calls)], finish
+
+
+def whole(reply):
+    choice = reply.choices[0]
+    message = choice.message
+    calls = [
+        {"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+        for c in message.tool_calls or []
+    ]
+    reasoning = getattr(message, "reasoning_content", None) or ""
+    return message.content or "", reasoning, calls, choice.finish_reason
+
+
+def without_ids(result):
+    content, reasoning, calls, finish = result
+    return content, reasoning, [{**c, "id": None} for c in calls], finish
+
+
+def ask(client, name, messages, stream=False, **extra):
+    args = dict(model=name, messages=messages, tools=[WEATHER], temperature=0, **extra)
+    if stream:
+        return reassemble(client.chat.completions.create(stream=True, **args))
+    return client.chat.completions.create(**args)
+
+
+def test_a_tool_round_trip_in_each_format(family):
+    fam, _, client, name = family
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    reply = ask(client, name, messages)
+    content, reasoning, calls, finish = whole(reply)
+    assert (content, finish) == ("", "tool_calls")
+    assert reply.choices[0].message.content is None
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [PARIS]
+    call_id = calls[0]["id"]
+    assert len(call_id) == 9 if fam.name == MISTRAL else call_id.startswith("call_")
+    assert reasoning == ("the big" if "Qwen3" in fam.template else "")
+    assert without_ids(ask(client, name, messages, stream=True)) == without_ids(whole(reply))
+
+    # The call and the tool's result go back: the model answers.
+    messages += [
+        reply.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call_id, "content": RESULT},
+    ]
+    answer = ask(client, name, messages)
+    assert whole(answer) == ("It is sunny in Paris.", "", [], "stop")
+    assert answer.choices[0].message.tool_calls is None
+    assert ask(client, name, messages, stream=True) == whole(answer)
+
+
+def test_tool_choice_none_leaves_the_call_as_text(family):
+    fam, _, client, name = family
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    content, _, calls, finish = whole(ask(client, name, messages, tool_choice="none"))
+    assert (calls, finish) == ([], "stop")
+    if fam.name in (HERMES, LLAMA3) and "Qwen3" not in fam.template:
+        assert json.dumps({"city": "Paris"}) in content

@@ -40,20 +40,24 @@ from starlette.routing import Route
 from llmrun import __version__, api, batching
 from llmrun.batching import Event, Job, Scheduler
 from llmrun.chat import PLAIN_STOP
-from llmrun.chat_template import plain_transcript
 from llmrun.errors import UsageError
 from llmrun.generate import Response as GenResponse
-from llmrun.reasoning import ANSWER, REASONING, Piece, Splitter
+from llmrun.reasoning import REASONING
 from llmrun.server.metrics import Metrics
+from llmrun.server.reply import Ask, ReplyReader, is_reasoning, prepare, tool_format
 from llmrun.server.schema import (
     ApiError,
     ChatBody,
     CompletionBody,
+    NamedToolChoice,
     Sampling,
     as_api_error,
     busy_error,
+    check_history,
+    check_tools,
     validation_message,
 )
+from llmrun.tool_calls import ToolCall, ToolFormat
 
 MAX_BODY_BYTES = 4 << 20
 LOG = logging.getLogger("uvicorn.error")
@@ -77,11 +81,13 @@ class Service:
         self.engine: api.Engine | None = None
         self.scheduler: Scheduler | None = None
         self.load_error: BaseException | None = None
+        self.tool_format: ToolFormat | None = None  # the calls the model's template teaches
         self.metrics = Metrics(self)
 
     def start(self, engine: api.Engine) -> None:
         scheduler = Scheduler(engine, self.parallel, self.queue)
         scheduler.start()
+        self.tool_format = tool_format(engine)
         self.engine, self.scheduler = engine, scheduler
 
     def close(self) -> None:
@@ -270,29 +276,61 @@ def _token_logprob(tokenizer, token: int, logprob: float) -> dict[str, Any]:
     return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
 
 
+def chat_ask(engine: api.Engine, body: ChatBody) -> Ask:
+    """What a chat completion request asks, checked (tools, history, response format)."""
+    check_tools(body.tools, body.tool_choice)
+    messages = [m.as_dict() for m in body.messages]
+    check_history(messages)
+    choice = body.tool_choice or "auto"
+    if isinstance(choice, NamedToolChoice):
+        choice = choice.function.name
+    schema = None
+    fmt = body.response_format
+    if fmt is not None and fmt.type == "json_object":
+        schema = {}
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise ApiError(
+                400,
+                "response_format of type json_schema needs json_schema.schema",
+                param="response_format.json_schema",
+            )
+        schema = fmt.json_schema.schema_
+    return Ask(
+        messages,
+        tools=[t.as_dict() for t in body.tools or []],
+        tool_choice=choice,
+        parallel=body.parallel_tool_calls is not False,
+        schema=schema,
+        schema_param="response_format.json_schema.schema",
+        switches=engine.switches(effort=body.reasoning_effort, kwargs=body.chat_template_kwargs),
+    )
+
+
+def _call_chunks(index: int, call: ToolCall) -> list[dict[str, Any]]:
+    """A call as OpenAI streams it: its id and name, then its arguments."""
+    head = {"index": index, "id": call.id, "type": "function"}
+    return [
+        {"tool_calls": [{**head, "function": {"name": call.name, "arguments": ""}}]},
+        {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]},
+    ]
+
+
 async def chat_completions(request: Request) -> Response:
     arrived = time.perf_counter()
     service, body, engine = await _begin(request, ChatBody)
-    if body.tools:
-        raise ApiError(400, "tools are not supported", param="tools")
-    if body.response_format and body.response_format.get("type") != "text":
-        raise ApiError(400, "only the text response_format is supported", param="response_format")
+    ask = chat_ask(engine, body)
     params, stop = _sampling(engine, body)
-    messages = [m.as_dict() for m in body.messages]
-    plain = engine.template is None
-    if plain:
+    if engine.template is None:
         stop.append(PLAIN_STOP)
-    switches = engine.switches(effort=body.reasoning_effort, kwargs=body.chat_template_kwargs)
-
-    def prompt() -> tuple[str, list[int]]:
-        text = plain_transcript(messages) if plain else engine.render(messages, **switches)
-        return text, engine.tokenizer.encode(text)
-
-    # Off the event loop: a long conversation takes a while to render and encode.
-    text, ids = await asyncio.to_thread(prompt)
-    split = Splitter(None if plain else engine.markers, text)
+    # Off the event loop: a long conversation takes a while to render and encode, and a
+    # new schema to compile.
+    prepared = await asyncio.to_thread(prepare, engine, service.tool_format, ask)
+    if prepared.grammar is not None:
+        params = params.updated(grammar=prepared.grammar)
+    reader = ReplyReader(engine, prepared)
     gen_request = batching.Request(
-        ids,
+        prepared.ids,
         params,
         body.max_completion_tokens or body.max_tokens,
         stop,
@@ -307,20 +345,12 @@ async def chat_completions(request: Request) -> Response:
         "model": service.model_id,
         "system_fingerprint": f"llmrun-{__version__}",
     }
-    started = False  # whether the reply has begun, for a plain transcript's leading space
-
-    def content(event: GenResponse) -> list[Piece]:
-        nonlocal started
-        text = event.text
-        if plain and not started:
-            text = text.lstrip()
-            started = bool(text)
-        return split.feed(event.token, text)
 
     def usage() -> dict[str, Any]:
         counts = _usage(gen.final)
-        if split.markers is not None:
-            counts["completion_tokens_details"] = {"reasoning_tokens": split.tokens[REASONING]}
+        if reader.split.markers is not None:
+            reasoning = reader.split.tokens[REASONING]
+            counts["completion_tokens_details"] = {"reasoning_tokens": reasoning}
         return counts
 
     def logprobs(event: GenResponse) -> list[dict] | None:
@@ -352,15 +382,21 @@ async def chat_completions(request: Request) -> Response:
             if not role_sent:
                 role_sent = True
                 out.append(chunk({"role": "assistant", "content": ""}))
-            pieces, lps = content(event), logprobs(event)
-            for piece in pieces:
-                field = "reasoning_content" if piece.kind == REASONING else "content"
-                out.append(chunk({field: str(piece)}, lps))
-                lps = None
+            items, lps = reader.feed(event), logprobs(event)
+            for item in items:
+                if isinstance(item, ToolCall):
+                    deltas = _call_chunks(reader.calls.index(item), item)
+                elif is_reasoning(item):
+                    deltas = [{"reasoning_content": str(item)}]
+                else:
+                    deltas = [{"content": str(item)}]
+                for delta in deltas:
+                    out.append(chunk(delta, lps))
+                    lps = None
             if lps:
                 out.append(chunk({"content": ""}, lps))
             if event.finish_reason is not None:
-                out.append(chunk({}, finish=event.finish_reason))
+                out.append(chunk({}, finish=reader.finish_reason(event.finish_reason)))
             return out
 
         usage_head = {**chunk_head, "choices": []} if include_usage else None
@@ -368,18 +404,24 @@ async def chat_completions(request: Request) -> Response:
 
     tokens: list[dict] = []
     async for event in gen.events(request.is_disconnected):
-        content(event)
+        reader.feed(event)
         tokens.extend(logprobs(event) or [])
     if gen.final is None:
         return Response(status_code=499)
-    message = {"role": "assistant", "content": split.text[ANSWER]}
-    if split.markers is not None:
-        message["reasoning_content"] = split.text[REASONING] or None
+    calls = reader.calls
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": reader.content or (None if calls else ""),
+    }
+    if reader.has_reasoning:
+        message["reasoning_content"] = reader.reasoning or None
+    if calls:
+        message["tool_calls"] = [call.as_openai() for call in calls]
     choice = {
         "index": 0,
         "message": message,
         "logprobs": {"content": tokens} if body.logprobs else None,
-        "finish_reason": gen.final.finish_reason,
+        "finish_reason": reader.finish_reason(gen.final.finish_reason),
     }
     result = {**head, "object": "chat.completion", "choices": [choice]}
     return JSONResponse({**result, "usage": usage()})

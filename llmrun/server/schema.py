@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import JSONResponse
 
 from llmrun.errors import ContextOverflowError, LlmrunError, ServerBusyError
@@ -56,21 +56,87 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = ""  # a JSON object's text, as OpenAI sends it
+
+
+class ToolCallIn(BaseModel):
+    """A call in an earlier assistant message."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     reasoning_content: str | None = None  # an earlier reply's reasoning (DeepSeek's field)
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
-    def as_dict(self) -> dict[str, str]:
+    def as_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         # Templates know "system"; OpenAI's newer name for it is "developer".
         role = "system" if self.role == "developer" else self.role
-        message = {"role": role, "content": content or ""}
+        message: dict[str, Any] = {"role": role, "content": content or ""}
         if self.reasoning_content is not None:
             message["reasoning_content"] = self.reasoning_content
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
         return message
+
+
+class FunctionDef(BaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+    def as_dict(self) -> dict[str, Any]:
+        """The tool as chat templates take it (transformers' JSON-schema form)."""
+        function = self.function.model_dump(exclude_none=True, exclude={"strict"})
+        function.setdefault("parameters", {"type": "object", "properties": {}})
+        return {"type": "function", "function": function}
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatBody(Sampling):
@@ -78,10 +144,75 @@ class ChatBody(Sampling):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
     reasoning_effort: Literal["low", "medium", "high"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+def check_tools(tools: list[Tool] | None, choice: ToolChoice | None, param: str = "tools") -> None:
+    """Function tools OpenAI would take: valid unique names, parameters that are JSON
+    schemas, a tool_choice that names one of them."""
+    from llmrun.structured import check_schema
+    from llmrun.tool_calls import NAME_PATTERN
+
+    if choice is not None and not tools and choice != "none":
+        raise ApiError(400, "tool_choice needs tools", param="tool_choice")
+    seen: set[str] = set()
+    for i, tool in enumerate(tools or []):
+        name = tool.function.name
+        where = f"{param}.{i}"
+        if not NAME_PATTERN.match(name):
+            raise ApiError(
+                400,
+                f"{where}.function.name: {name!r} is not a function name (letters, digits, _ "
+                "and -, at most 64)",
+                param=f"{where}.function.name",
+            )
+        if name in seen:
+            raise ApiError(
+                400, f"{where}: two tools are named {name!r}", param=f"{where}.function.name"
+            )
+        seen.add(name)
+        schema = tool.function.parameters
+        problem = check_schema(schema) if schema is not None else None
+        if not problem and schema is not None and schema.get("type", "object") != "object":
+            problem = "a function's parameters must be an object schema"
+        if problem:
+            raise ApiError(
+                400,
+                f"{where}.function.parameters is not a JSON schema: {problem}",
+                param=f"{where}.function.parameters",
+            )
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in seen:
+        raise ApiError(
+            400,
+            f"tool_choice names {choice.function.name!r}, which is not among the tools",
+            param="tool_choice",
+        )
+
+
+def check_history(messages: list[dict[str, Any]], param: str = "messages") -> None:
+    """Every tool message answers a call of an earlier assistant message."""
+    calls: set[str] = set()
+    for i, message in enumerate(messages):
+        for call in message.get("tool_calls") or ():
+            calls.add(call["id"])
+        if message["role"] == "tool":
+            call_id = message.get("tool_call_id")
+            if call_id is None:
+                raise ApiError(
+                    400, f"{param}.{i}: a tool message needs a tool_call_id", param=f"{param}.{i}"
+                )
+            if call_id not in calls:
+                raise ApiError(
+                    400,
+                    f"{param}.{i}: the tool message answers tool_call_id {call_id!r}, but no "
+                    "earlier assistant message made that call",
+                    param=f"{param}.{i}.tool_call_id",
+                )
 
 
 class CompletionBody(Sampling):

@@ -1,0 +1,150 @@
+"""A chat reply, from the conversation to what the model said, for both chat endpoints.
+
+`prepare` renders the conversation (history with tool calls and results as the template
+expects, tools passed to the template as transformers passes them), encodes it, and
+compiles the grammar the request imposes: a call that `tool_choice: "required"` or a named
+function demands, JSON for a response format, or either for `auto` with a response format.
+`ReplyReader` turns the generated tokens into reasoning, content and tool calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmrun import api
+from llmrun.chat_template import plain_transcript
+from llmrun.generate import Response as GenResponse
+from llmrun.reasoning import ANSWER, REASONING, Piece, Splitter
+from llmrun.server.schema import ApiError
+from llmrun.tool_calls import FORMATS, Item, ToolCall, ToolCallParser, ToolFormat, prepare_history
+
+
+@dataclass
+class Ask:
+    """What a request asks of the model, in the endpoint-neutral form `prepare` takes."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] = field(default_factory=list)  # as templates take them
+    tool_choice: str = "auto"  # none, auto, required, or a function's name
+    parallel: bool = True
+    schema: dict[str, Any] | None = None  # JSON output: {} for any object, else a schema
+    schema_param: str = "response_format"
+    switches: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Prepared:
+    text: str
+    ids: list[int]
+    fmt: ToolFormat | None  # the format to read calls in (None: no tools to call)
+    grammar: Any = None  # a structured.Grammar, or None
+
+
+def tool_format(engine: api.Engine) -> ToolFormat | None:
+    from llmrun.tool_calls import detect_format
+
+    return detect_format(engine.template.source) if engine.template is not None else None
+
+
+def prepare(engine: api.Engine, fmt: ToolFormat | None, ask: Ask) -> Prepared:
+    """The prompt and grammar for `ask` (slow for a long conversation: run it off the loop)."""
+    plain = engine.template is None
+    calling = bool(ask.tools) and ask.tool_choice != "none"
+    if ask.tools and plain:
+        raise ApiError(
+            400, "this model has no chat template, so it cannot take tools", param="tools"
+        )
+    if calling and fmt is None:
+        raise ApiError(
+            400,
+            "llmrun knows no tool-call format in this model's chat template (it reads "
+            f"{', '.join(FORMATS)}): it cannot call tools",
+            param="tools",
+        )
+    if plain:
+        text = plain_transcript(ask.messages)
+    else:
+        messages = prepare_history(ask.messages, fmt, engine.template.source, ask.tools)
+        switches = dict(ask.switches)
+        if ask.tools:
+            switches["tools"] = ask.tools
+        text = engine.render(messages, **switches)
+    ids = engine.tokenizer.encode(text)
+    grammar = _grammar(engine, fmt if calling else None, ask)
+    return Prepared(text, ids, fmt if calling else None, grammar)
+
+
+def _grammar(engine: api.Engine, fmt: ToolFormat | None, ask: Ask) -> Any:
+    forced = fmt is not None and ask.tool_choice != "auto"
+    if not forced and ask.schema is None:
+        return None
+    from llmrun import structured
+
+    vocab = structured.vocabulary(engine.tokenizer, engine.eos_ids)
+    if not forced:
+        what = f"{ask.schema_param}'s schema"
+        if fmt is None:
+            return vocab.json_schema(ask.schema or None, what)
+        # auto with a response format: a call, or the JSON answer.
+        calls = fmt.grammar(ask.tools, vocab.token, ask.parallel).replace("start:", "calls:", 1)
+        json_part = structured.json_lark(ask.schema or None, what)
+        return vocab.lark(f"start: calls | answer\nanswer: {json_part}\n{calls}", what)
+    tools = ask.tools
+    if ask.tool_choice != "required":
+        tools = [t for t in tools if t["function"]["name"] == ask.tool_choice]
+    return vocab.lark(fmt.grammar(tools, vocab.token, ask.parallel), "the tools' parameters")
+
+
+class ReplyReader:
+    """One reply's generated events -> items: reasoning and answer Pieces, ToolCalls."""
+
+    def __init__(self, engine: api.Engine, prepared: Prepared) -> None:
+        self.plain = engine.template is None
+        self.split = Splitter(None if self.plain else engine.markers, prepared.text)
+        fmt = prepared.fmt
+        self.parser = ToolCallParser(fmt) if fmt is not None else None
+        self.marker_ids = fmt.marker_ids(engine.tokenizer) if fmt is not None else {}
+        self._started = False  # whether a plain transcript's reply has begun
+
+    def feed(self, event: GenResponse) -> list[Item]:
+        text = event.text
+        if event.token in self.marker_ids:  # a special token the detokenizer skipped
+            text += self.marker_ids[event.token]
+        if self.plain and not self._started:
+            text = text.lstrip()  # the reply to "Assistant:" begins with a space
+            self._started = bool(text)
+        out: list[Item] = []
+        for piece in self.split.feed(event.token, text):
+            if piece.kind == REASONING or self.parser is None:
+                out.append(piece)
+            else:
+                out.extend(self.parser.feed(piece))
+        if event.finish_reason is not None and self.parser is not None:
+            out.extend(self.parser.finish())
+        return out
+
+    @property
+    def content(self) -> str:
+        return self.parser.content if self.parser is not None else self.split.text[ANSWER]
+
+    @property
+    def reasoning(self) -> str:
+        extra = self.parser.reasoning if self.parser is not None else ""
+        return self.split.text[REASONING] + extra
+
+    @property
+    def has_reasoning(self) -> bool:
+        """Whether the model can reason apart (markers, or harmony's analysis channel)."""
+        return self.split.markers is not None or bool(self.reasoning)
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return self.parser.calls if self.parser is not None else []
+
+    def finish_reason(self, final: str | None) -> str | None:
+        return "tool_calls" if self.calls and final == "stop" else final
+
+
+def is_reasoning(item: Item) -> bool:
+    return isinstance(item, Piece) and item.kind == REASONING

@@ -1,0 +1,325 @@
+"""Structured outputs: decoding that follows a grammar, through llguidance.
+
+A Grammar is a JSON schema, a Lark grammar (llguidance's dialect, which embeds JSON schemas
+with `%json`) or a GBNF grammar, compiled once for a model's vocabulary and cached; each
+sequence that follows it gets its own Constraint, which masks the logits before every draw
+(every token the grammar forbids goes to -inf) and moves on with the token drawn. The
+Sampler applies it (SamplingParams.grammar), so `run`, `chat` and every slot of the
+batching scheduler decode under their own masks.
+
+Why llguidance: a Rust core in one small wheel (3 MB, MIT) with no dependencies, where
+xgrammar's wheel requires torch, transformers and triton; it builds its tokenizer from a
+raw byte vocabulary (what GGUF vocabularies are), computes a mask for a 150k vocabulary in
+tens of microseconds without a precomputation per schema, names what it cannot compile,
+and reads JSON schemas, Lark and GBNF. It is optional for the core install (its wheels need
+glibc 2.31, torch's 2.28): the `serve` extra has it, and a constraint without it is one
+clear error.
+
+The vocabulary is llmrun's own Tokenizer: each id's exact bytes (special tokens marked, so
+the grammar can name them as `<[id]>`), its end-of-generation ids as the grammar's end,
+and for text the grammar forces, the longest tokens that spell it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from llmrun.errors import UsageError
+from llmrun.tool_calls import JSON_STYLE  # how JSON is written under a schema
+
+ANY_OBJECT = {"type": "object"}
+CACHED_GRAMMARS = 64
+JSON_TYPES = ("string", "number", "integer", "boolean", "object", "array", "null")
+
+
+class GrammarError(UsageError):
+    """A grammar or schema the engine cannot use."""
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+        import llguidance.numpy  # noqa: F401
+    except ImportError:
+        raise UsageError(
+            "structured output needs the llguidance package: pip install llguidance "
+            "(the serve extra has it: pip install 'llmrun[serve]')"
+        ) from None
+    return llguidance
+
+
+class Vocabulary:
+    """A model's vocabulary as llguidance sees it, and the grammars compiled for it."""
+
+    def __init__(self, tokenizer: Any, eos_ids: Sequence[int]) -> None:
+        llg = _llguidance()
+        self.tokenizer = tokenizer
+        self.size = tokenizer.vocab_size
+        special = tokenizer.special_ids
+        pieces = []
+        for i in range(self.size):
+            raw = tokenizer.token_bytes(i)
+            # llguidance's convention: a special token's bytes begin with 0xff.
+            pieces.append(b"\xff" + raw if i in special else raw)
+        self._index = {}
+        for i, raw in enumerate(pieces):
+            if i not in special and raw:
+                self._index.setdefault(raw, i)
+        self._longest = max((len(raw) for raw in self._index), default=1)
+        eos = [i for i in eos_ids if 0 <= i < self.size] or [tokenizer.eos_id or 0]
+        source = _Source(self, pieces, eos[0], tokenizer.bos_id, sorted(special))
+        self.lltok = llg.LLTokenizer(llg.TokenizerWrapper(source), eos_token=eos)
+        self._grammars: OrderedDict[str, Grammar] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def tokenize(self, data: bytes | str) -> list[int]:
+        """Token ids for text the grammar forces: the longest token first, no BOS and no
+        SentencePiece leading space (and no tokenizer state, so any thread may ask)."""
+        data = data.encode() if isinstance(data, str) else data
+        out, i = [], 0
+        while i < len(data):
+            for n in range(min(self._longest, len(data) - i), 0, -1):
+                token = self._index.get(data[i : i + n])
+                if token is not None:
+                    out.append(token)
+                    i += n
+                    break
+            else:
+                raise GrammarError(f"no token of the vocabulary spells byte {data[i]:#04x}")
+        return out
+
+    def token(self, text: str) -> str:
+        """How a grammar names `text`: a special token as `<[id]>`, anything else quoted."""
+        token = self.tokenizer.token_id(text)
+        if token is not None and token in self.tokenizer.special_ids:
+            return f"<[{token}]>"
+        return json.dumps(text)
+
+    def compile(self, grammar: str, what: str) -> Grammar:
+        """The grammar (llguidance's serialized form) compiled, from the cache if it was."""
+        with self._lock:
+            found = self._grammars.get(grammar)
+            if found is not None:
+                self._grammars.move_to_end(grammar)
+                return found
+        llg = _llguidance()
+        error = llg.LLMatcher.validate_grammar(grammar, self.lltok)
+        if error:
+            raise GrammarError(f"{what}: the grammar engine (llguidance) cannot use it: {error}")
+        compiled = Grammar(self, llg.LLMatcher(self.lltok, grammar, log_level=0), what)
+        with self._lock:
+            self._grammars[grammar] = compiled
+            while len(self._grammars) > CACHED_GRAMMARS:
+                self._grammars.popitem(last=False)
+        return compiled
+
+    def json_schema(self, schema: dict[str, Any] | None, what: str = "the schema") -> Grammar:
+        """A grammar for JSON that matches `schema` (None: any JSON object)."""
+        if schema is not None:
+            problem = check_schema(schema)
+            if problem:
+                raise GrammarError(f"{what} is not a JSON schema: {problem}")
+        llg = _llguidance()
+        try:
+            grammar = llg.LLMatcher.grammar_from_json_schema(
+                json.dumps(schema if schema is not None else ANY_OBJECT), defaults=JSON_STYLE
+            )
+        except ValueError as e:
+            raise GrammarError(f"{what}: {e}") from None
+        return self.compile(grammar, what)
+
+    def lark(self, text: str, what: str = "the grammar") -> Grammar:
+        return self.compile(_llguidance().LLMatcher.grammar_from_lark(text), what)
+
+    def gbnf(self, text: str, what: str = "the grammar") -> Grammar:
+        """A GBNF grammar (llama.cpp's); llguidance reads it as Lark."""
+        try:
+            grammar = _llguidance().grammar_from("gbnf", text)
+        except ValueError as e:
+            raise GrammarError(f"{what}: {e}") from None
+        return self.compile(grammar, what)
+
+
+class _Source:
+    # What llguidance's TokenizerWrapper reads: tokens as bytes, ids, a tokenize function.
+    def __init__(self, vocab: Vocabulary, tokens: list[bytes], eos: int, bos: int | None, special):
+        self.tokens, self.eos_token_id, self.bos_token_id = tokens, eos, bos
+        self.special_token_ids = special
+        self._vocab = weakref.ref(vocab)
+
+    def __call__(self, data: bytes | str) -> list[int]:
+        vocab = self._vocab()
+        return vocab.tokenize(data) if vocab is not None else []
+
+
+_VOCABULARIES: weakref.WeakKeyDictionary[Any, Vocabulary] = weakref.WeakKeyDictionary()
+_VOCAB_LOCK = threading.Lock()
+
+
+def vocabulary(tokenizer: Any, eos_ids: Sequence[int]) -> Vocabulary:
+    """The Vocabulary of a tokenizer (built once: about a second for 150k tokens)."""
+    with _VOCAB_LOCK:
+        found = _VOCABULARIES.get(tokenizer)
+        if found is None:
+            found = _VOCABULARIES[tokenizer] = Vocabulary(tokenizer, eos_ids)
+        return found
+
+
+class Grammar:
+    """A compiled grammar; `constraint()` starts one sequence that follows it."""
+
+    def __init__(self, vocab: Vocabulary, matcher: Any, what: str) -> None:
+        self.vocab, self._matcher, self.what = vocab, matcher, what
+
+    def constraint(self) -> Constraint:
+        return Constraint(self, self._matcher.deep_copy())
+
+
+class Constraint:
+    """One sequence's place in a grammar: masks logits, then takes the token drawn."""
+
+    def __init__(self, grammar: Grammar, matcher: Any) -> None:
+        self.grammar, self.matcher = grammar, matcher
+        self.size = grammar.vocab.size
+        self.bits = np.zeros((1, (self.size + 31) // 32), dtype=np.int32)
+        self._ready = False  # whether `bits` already holds the mask for the next token
+
+    def compute(self) -> None:
+        """Fill the mask for the next token (the batching scheduler may do it beforehand)."""
+        if not self._ready:
+            _llguidance().numpy.fill_next_token_bitmask(self.matcher, self.bits)
+            self._ready = True
+
+    def allowed(self) -> np.ndarray:
+        """Whether each token id may come next, as a bool array of the vocabulary's size."""
+        self.compute()
+        if self.matcher.is_error():
+            raise GrammarError(f"{self.grammar.what}: {self.matcher.get_error()}")
+        bits = np.unpackbits(self.bits.view(np.uint8), bitorder="little")[: self.size]
+        return bits.view(np.bool_)
+
+    def apply(self, logits: Any) -> Any:
+        """A copy of `logits` (a torch tensor [V]) with every forbidden token at -inf."""
+        import torch
+
+        allowed = self.allowed()
+        n = min(self.size, logits.shape[-1])
+        if logits.device.type == "cpu" and logits.dtype == torch.float32:
+            out = logits.numpy().copy()
+            out[n:] = -np.inf  # ids the tokenizer does not have (padded embeddings)
+            np.copyto(out[:n], -np.inf, where=~allowed[:n])
+            return torch.from_numpy(out)
+        keep = torch.zeros(logits.shape[-1], dtype=torch.bool)
+        keep[:n] = torch.from_numpy(allowed[:n].copy())
+        return logits.masked_fill(~keep.to(logits.device), float("-inf"))
+
+    def accept(self, token: int) -> None:
+        self._ready = False
+        if self.matcher.is_stopped() and not self.matcher.is_error():
+            return  # complete: what follows (ends of text, with ignore_eos) is not its business
+        if not self.matcher.consume_token(token):
+            raise GrammarError(f"{self.grammar.what}: {self.matcher.get_error()}")
+
+    @property
+    def done(self) -> bool:
+        """Whether the grammar is complete and only an end of text may follow."""
+        return self.matcher.is_stopped()
+
+
+# --- JSON schemas ---------------------------------------------------------------------
+
+
+def json_lark(schema: dict[str, Any] | None, what: str = "the schema") -> str:
+    """A Lark rule body (`%json {...}`) for JSON that matches `schema` (None: any object)."""
+    if schema is not None:
+        problem = check_schema(schema)
+        if problem:
+            raise GrammarError(f"{what} is not a JSON schema: {problem}")
+    body = dict(schema if isinstance(schema, dict) else ANY_OBJECT)
+    body["x-guidance"] = {**JSON_STYLE, **(body.get("x-guidance") or {})}
+    return "%json " + json.dumps(body, ensure_ascii=False)
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+
+
+def check_schema(schema: Any, where: str = "") -> str | None:
+    """What makes `schema` not a JSON schema (a wrong type for a keyword), or None."""
+    at = f" at {where}" if where else ""
+    if isinstance(schema, bool):
+        return None
+    if not isinstance(schema, dict):
+        return f"a schema must be an object or a boolean{at}, not {type(schema).__name__}"
+    kind = schema.get("type")
+    if kind is not None:
+        kinds = kind if isinstance(kind, list) else [kind]
+        bad = [k for k in kinds if k not in JSON_TYPES]
+        if bad or not kinds:
+            return f"unknown type {bad[0] if bad else kind!r}{at} (types: {', '.join(JSON_TYPES)})"
+    for key in _SCHEMA_MAPS:
+        if key in schema:
+            if not isinstance(schema[key], dict):
+                return f"{key}{at} must be an object of schemas"
+            for name, sub in schema[key].items():
+                problem = check_schema(sub, f"{where}/{key}/{name}".lstrip("/"))
+                if problem:
+                    return problem
+    for key in _SCHEMA_LISTS:
+        if key in schema:
+            if not isinstance(schema[key], list) or not schema[key]:
+                return f"{key}{at} must be a list of schemas"
+            for i, sub in enumerate(schema[key]):
+                problem = check_schema(sub, f"{where}/{key}/{i}".lstrip("/"))
+                if problem:
+                    return problem
+    for key in _SCHEMA_ONE:
+        if key in schema:
+            problem = check_schema(schema[key], f"{where}/{key}".lstrip("/"))
+            if problem:
+                return problem
+    required = schema.get("required")
+    if required is not None and not (
+        isinstance(required, list) and all(isinstance(r, str) for r in required)
+    ):
+        return f"required{at} must be a list of property names"
+    if "enum" in schema and not isinstance(schema["enum"], list):
+        return f"enum{at} must be a list"
+    return None
+
+
+# --- `run --format` and `--grammar` -------------------------------------------------
+
+
+def for_format(vocab: Vocabulary, value: str) -> Grammar:
+    """`--format json` (any JSON object) or `--format FILE` (a JSON schema), as ollama's."""
+    if value == "json":
+        return vocab.json_schema(None, "--format json")
+    path = Path(value).expanduser()
+    try:
+        schema = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise UsageError(
+            f"--format {value}: {e.strerror or e} (give json, or a JSON schema file)"
+        ) from None
+    except ValueError as e:
+        raise UsageError(f"--format {value}: not JSON ({e})") from None
+    return vocab.json_schema(schema, f"--format {value}")
+
+
+def for_grammar_file(vocab: Vocabulary, value: str) -> Grammar:
+    """`--grammar FILE`: a GBNF grammar, as llama.cpp's --grammar-file takes."""
+    try:
+        text = Path(value).expanduser().read_text(encoding="utf-8")
+    except OSError as e:
+        raise UsageError(f"--grammar {value}: {e.strerror or e}") from None
+    return vocab.gbnf(text, f"--grammar {value}")

@@ -1,0 +1,185 @@
+"""Scripted models (tests/scripted.py) that call a tool in each family's own format, under
+that family's real chat template: asked anything, the model calls get_weather for Paris;
+once the prompt holds the tool's result, it answers "It is sunny in Paris."."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from helpers import TEMPLATES_DIR
+from scripted import CHATML, scripted_model_dir
+
+RESULT = "22C, sunny"  # what the tool answers: the token that switches the model to its answer
+ANSWER = ["It is sunny", " in Paris."]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+}
+PARIS = ("get_weather", {"city": "Paris"})
+ARGS = '{"city": "Paris"}'
+
+# Phi-4-mini-instruct's template, as its tokenizer_config.json has it.
+PHI4_MINI_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'system' and 'tools' in message and "
+    "message['tools'] is not none %}{{ '<|' + message['role'] + '|>' + message['content'] + "
+    "'<|tool|>' + message['tools'] + '<|/tool|>' + '<|end|>' }}{% else %}{{ '<|' + "
+    "message['role'] + '|>' + message['content'] + '<|end|>' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}"
+)
+
+
+def special(*tokens: str) -> list[tuple[str, bool]]:
+    return [(t, True) for t in tokens]
+
+
+def plain(*tokens: str) -> list[tuple[str, bool]]:
+    return [(t, False) for t in tokens]
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    template: str  # a file in TEMPLATES_DIR, or the source itself
+    tokens: list[tuple[str, bool]]
+    call: list[str]  # what the model says when asked
+    eos: list[str]  # the first ends the answer
+    answer_end: str | None = None  # how the answer ends, where the call's end differs
+    answer_head: tuple[str, ...] = ()  # what comes before the answer's text (harmony's header)
+    answer_after: str | None = None  # where the answer starts, if not after the prompt's end
+
+    @property
+    def source(self) -> str:
+        if self.template.endswith(".jinja"):
+            return (TEMPLATES_DIR / self.template).read_text()
+        return self.template
+
+    def model_dir(self, path: Path, chatter: bool = False) -> Path:
+        """The scripted model; with `chatter` it only ever says the answer, so a call can
+        only come from a grammar."""
+        answer = [*self.answer_head, *ANSWER, self.answer_end or self.eos[0]]
+        tokens = [*self.tokens, *plain(RESULT, *ANSWER)]
+        common = dict(tokens=tokens, eos=self.eos, context=4096, prompt_tools=[WEATHER])
+        if chatter:
+            return scripted_model_dir(path, answer, self.source, **common)
+        return scripted_model_dir(
+            path,
+            self.call,
+            self.source,
+            answer=answer,
+            trigger=RESULT,
+            answer_after=self.answer_after,
+            **common,
+        )
+
+
+HERMES_CALL = '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+JSON_CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+LLAMA_TOKENS = special(
+    "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>"
+) + special("<|python_tag|>")
+MISTRAL_TOKENS = special(
+    "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]"
+) + special("[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[ARGS]", "[CALL_ID]", "[TOOL_CONTENT]", "<eoc>")
+MISTRAL_TOKENS += special("[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]")
+HARMONY_TOKENS = special(
+    "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"
+)
+PHI4_TOKENS = special(
+    "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|tool|>", "<|/tool|>"
+) + special("<|tool_call|>", "<|/tool_call|>", "<|tool_response|>", "<|endoftext|>")
+CHATML_TOKENS = plain("<tool_call>", "</tool_call>", HERMES_CALL) + special("<|endoftext|>")
+
+FAMILIES = {
+    "qwen2.5": Family(
+        "hermes",
+        "Qwen-Qwen2.5-7B-Instruct.jinja",
+        CHATML_TOKENS,
+        ["<tool_call>", HERMES_CALL, "</tool_call>"],
+        [CHATML[1], "<|endoftext|>"],
+        answer_end="<|endoftext|>",
+    ),
+    # Qwen3 thinks first: its reasoning stays apart from the call.
+    "qwen3": Family(
+        "hermes",
+        "Qwen-Qwen3-0.6B.jinja",
+        CHATML_TOKENS,
+        ["<think>", "▁the", "▁big", "</think>", "<tool_call>", HERMES_CALL, "</tool_call>"],
+        [CHATML[1], "<|endoftext|>"],
+        answer_end="<|endoftext|>",
+    ),
+    "hermes3": Family(
+        "hermes",
+        "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja",
+        CHATML_TOKENS,
+        ["<tool_call>", HERMES_CALL, "</tool_call>"],
+        [CHATML[1], "<|endoftext|>"],
+        answer_end="<|endoftext|>",
+    ),
+    "llama3.1": Family(
+        "llama3_json",
+        "meta-llama-Llama-3.1-8B-Instruct.jinja",
+        [*LLAMA_TOKENS, *plain(LLAMA_CALL)],
+        ["<|python_tag|>", LLAMA_CALL, "<|eom_id|>"],
+        ["<|eot_id|>", "<|eom_id|>"],
+    ),
+    "llama3.2": Family(
+        "llama3_json",
+        "meta-llama-Llama-3.2-3B-Instruct.jinja",
+        [*LLAMA_TOKENS, *plain(LLAMA_CALL)],
+        [LLAMA_CALL, "<|eom_id|>"],
+        ["<|eot_id|>", "<|eom_id|>"],
+    ),
+    "mistral-nemo": Family(
+        "mistral",
+        "mistralai-Mistral-Nemo-Instruct-2407.jinja",
+        [*MISTRAL_TOKENS, *plain(f"[{JSON_CALL}]")],
+        ["[TOOL_CALLS]", f"[{JSON_CALL}]", "<eoc>"],
+        ["</s>", "<eoc>"],
+        answer_after="[/TOOL_RESULTS]",  # Nemo's template adds no prompt after a result
+    ),
+    "mistral-small-3.2": Family(
+        "mistral",
+        "Mistral-Small-3.2-24B-Instruct-2506.jinja",
+        [*MISTRAL_TOKENS, *plain("get_weather", ARGS)],
+        ["[TOOL_CALLS]", "get_weather", "[ARGS]", ARGS, "<eoc>"],
+        ["</s>", "<eoc>"],
+    ),
+    "gpt-oss": Family(
+        "harmony",
+        "openai-gpt-oss-120b.jinja",
+        [*HARMONY_TOKENS, *plain("commentary to=functions.get_weather ", "json", ARGS, "final")],
+        [
+            "<|channel|>",
+            "commentary to=functions.get_weather ",
+            "<|constrain|>",
+            "json",
+            "<|message|>",
+            ARGS,
+            "<|call|>",
+        ],
+        ["<|return|>", "<|call|>"],
+        answer_head=("<|channel|>", "final", "<|message|>"),
+    ),
+    "phi4-mini": Family(
+        "phi4_mini",
+        PHI4_MINI_TEMPLATE,
+        [*PHI4_TOKENS, *plain(JSON_CALL)],
+        ["<|tool_call|>", JSON_CALL, "<|/tool_call|>", "<|end|>"],
+        ["<|endoftext|>", "<|end|>"],
+    ),
+}
