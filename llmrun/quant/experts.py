@@ -91,11 +91,12 @@ class ExpertList(nn.ModuleList):
                 return None
             stacks.append(_Stack(layers))
         gate, up, down = stacks
-        if not gate.matches(up) or down.n != gate.rows or down.rows != gate.n:
+        if (up.rows, up.n) != (gate.rows, gate.n) or (down.n, down.rows) != (gate.rows, gate.n):
             return None
-        # Gate then up addresses of each expert, so one index gives a call's list.
-        gate_up = torch.stack([gate.addresses, up.addresses])  # [2, experts]
-        self._plan = (lib.llmrun_matvec_experts, gate, gate_up, down, self[0].act)
+        # Gate then up addresses of each expert, so one index gives a call's list; where
+        # the two differ in type or layout (some quantization mixes), a call each.
+        gate_up = torch.stack([gate.addresses, up.addresses]) if gate.matches(up) else None
+        self._plan = (lib.llmrun_matvec_experts, gate, up, gate_up, down, self[0].act)
         return self._plan
 
     def mix(
@@ -107,14 +108,20 @@ class ExpertList(nn.ModuleList):
         plan = self._bind() if self._stale else self._plan
         if plan is None:
             return None
-        fn, gate, gate_up, down, act = plan
+        fn, gate, up, gate_up, down, act = plan
         chosen = indices[0]
         k = chosen.numel()
         x = x.contiguous()
-        addresses = gate_up[:, chosen]  # [2, k]: the gates, then the ups
         both = torch.empty(2 * k, gate.rows)
-        fn(gate.ggml_type, addresses.data_ptr(), gate.stride, gate.rows,
-           x.data_ptr(), 0, gate.n, both.data_ptr(), 2 * k)  # fmt: skip
+        if gate_up is not None:
+            addresses = gate_up[:, chosen]  # [2, k]: the gates, then the ups
+            fn(gate.ggml_type, addresses.data_ptr(), gate.stride, gate.rows,
+               x.data_ptr(), 0, gate.n, both.data_ptr(), 2 * k)  # fmt: skip
+        else:
+            for half, stack in enumerate((gate, up)):
+                addresses = stack.addresses[chosen]
+                fn(stack.ggml_type, addresses.data_ptr(), stack.stride, stack.rows,
+                   x.data_ptr(), 0, stack.n, both[half * k :].data_ptr(), k)  # fmt: skip
         hidden = act(both[:k]) * both[k:]  # [k, width]
         out = torch.empty(k, down.rows)
         addresses = down.addresses[chosen]  # held: the call reads it

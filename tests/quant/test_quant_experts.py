@@ -28,20 +28,18 @@ class Expert(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
-def stacked_experts(ggml_type: T, down_type: T | None = None) -> nn.ModuleList:
+def stacked_experts(
+    ggml_type: T, down_type: T | None = None, up_type: T | None = None
+) -> nn.ModuleList:
     """Experts whose projections are views of three stacked tensors of blocks, as the
     loader makes them from a GGUF."""
+    types = [ggml_type, up_type or ggml_type, down_type or ggml_type]
     stacks = [
         torch.from_numpy(finite_blocks(t, EXPERTS * rows, cols, seed=s)).view(EXPERTS, rows, -1)
         for s, (t, rows, cols) in enumerate(
-            [
-                (ggml_type, WIDTH, HIDDEN),
-                (ggml_type, WIDTH, HIDDEN),
-                (down_type or ggml_type, HIDDEN, WIDTH),
-            ]
+            zip(types, (WIDTH, WIDTH, HIDDEN), (HIDDEN, HIDDEN, WIDTH), strict=True)
         )
     ]
-    types = [ggml_type, ggml_type, down_type or ggml_type]
     return nn.ModuleList(
         Expert(
             *(
@@ -78,10 +76,17 @@ def test_one_call_gives_each_experts_own_products(ggml_type: T, native_kernels: 
 
 
 @pytest.mark.parametrize(
-    "ggml_type,down_type", [(T.Q4_K, T.Q6_K), (T.Q8_0, T.Q8_0), (T.F16, T.F16), (T.Q4_0, T.Q5_1)]
+    "ggml_type,down_type,up_type",
+    [
+        (T.Q4_K, T.Q6_K, None),
+        (T.Q8_0, T.Q8_0, None),
+        (T.F16, T.F16, None),
+        (T.Q4_0, T.Q5_1, None),
+        (T.Q4_K, T.Q6_K, T.Q5_K),  # gate and up of different types: a call each
+    ],
 )
-def test_expert_list_mix_matches_the_modules(ggml_type, down_type, native_kernels: str):
-    experts = stacked_experts(ggml_type, down_type)
+def test_expert_list_mix_matches_the_modules(ggml_type, down_type, up_type, native_kernels):
+    experts = stacked_experts(ggml_type, down_type, up_type)
     fused = ExpertList(experts)
     g = torch.Generator().manual_seed(2)
     for _ in range(5):
@@ -91,6 +96,7 @@ def test_expert_list_mix_matches_the_modules(ggml_type, down_type, native_kernel
         assert got is not None
         expected = mix_experts(x, weights, indices, experts)  # the modules, one by one
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert (fused._plan[3] is None) == (up_type is not None)  # one gate+up call, or two
     # Not for several tokens (the caller groups them), nor for other dtypes.
     assert fused.mix(torch.randn(2, HIDDEN), *route(torch.randn(2, EXPERTS), 2, True)) is None
     assert fused.mix(x.double(), weights, indices) is None
