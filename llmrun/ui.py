@@ -295,6 +295,7 @@ def print_model_info(info: dict[str, Any]) -> None:
         ("context length", str(info["context_length"] or "-")),
         ("weights", weights or "-"),
         ("tokenizer", _tokenizer_line(info)),
+        ("KV cache", _kv_line(info.get("kv_cache_bytes_8k"))),
         ("chat template", "yes (--template prints it)" if info["chat_template"] else "no"),
         ("license", info["license"] or "-"),
         ("path", info["path"]),
@@ -305,6 +306,12 @@ def print_model_info(info: dict[str, Any]) -> None:
     ]
     for key, value in lines:
         sys.stdout.write(f"{key:<15}{value}\n")
+
+
+def _kv_line(at_8k: int | None) -> str:
+    if not at_8k:
+        return "-"
+    return f"{size(at_8k)} at 8k context ({size(at_8k / 8192)} a token, f32)"
 
 
 def _tokenizer_line(info: dict[str, Any]) -> str:

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from llmrun.errors import ModelFormatError
+from llmrun.errors import LlmrunError, ModelFormatError
 
 SPLIT_RE = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 SHARD_RE = re.compile(r"-\d{5}-of-\d{5}\.safetensors$")
@@ -150,14 +150,19 @@ def _gguf_tensors(parts: list[Path]) -> list[tuple[str, tuple[int, ...], int]]:
 def _describe_gguf(path: Path) -> dict[str, Any]:
     from gguf import Keys
 
-    from llmrun.loading.gguf_io import read_gguf
+    from llmrun.loading.gguf_io import config_from_gguf, read_gguf
 
     parts = split_parts(path)
     header = read_gguf(parts[0], with_tensors=False)
     arch = header.get(Keys.General.ARCHITECTURE)
     tok_model = header.get(Keys.Tokenizer.MODEL)
     stats = weight_stats(parts[0])
+    try:
+        config = config_from_gguf(header)
+    except LlmrunError:
+        config = {}
     return {
+        "kv_cache_bytes_8k": kv_cache_bytes(config, 8192),
         "format": "gguf",
         "path": str(parts[0]),
         "architecture": arch,
@@ -230,6 +235,7 @@ def _describe_safetensors(folder: Path) -> dict[str, Any]:
         None,
     )
     return {
+        "kv_cache_bytes_8k": kv_cache_bytes(config, 8192),
         "format": "safetensors",
         "path": str(folder),
         "architecture": config.get("model_type") or (config.get("architectures") or [None])[0],
@@ -242,6 +248,35 @@ def _describe_safetensors(folder: Path) -> dict[str, Any]:
         "license": _readme_license(folder / "README.md"),
         **_files_listing(folder, sorted(p for p in folder.rglob("*") if p.is_file())),
     }
+
+
+# Families whose sliding-window layers keep only their window in the KV cache, and
+# transformers' layer pattern for configs that list no layer_types (every n-th is global).
+_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}
+
+
+def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 4) -> int | None:
+    """KV-cache bytes a model of this config.json-style dict keeps for `context` positions,
+    sliding-window layers holding at most their window; None if the config lacks the sizes.
+    The torch-free twin of llmrun.models.kv_cache_bytes (a test keeps the two equal)."""
+    text = config.get("text_config") or config
+    try:
+        layers, heads = int(text["num_hidden_layers"]), int(text["num_attention_heads"])
+        head_dim = int(text.get("head_dim") or text["hidden_size"] // heads)
+    except (KeyError, TypeError, ValueError):
+        return None
+    kv_heads = int(text.get("num_key_value_heads") or heads)
+    windows: list[int | None] = [None] * layers
+    pattern = _WINDOW_PATTERN.get(str(config.get("model_type")))
+    window = text.get("sliding_window")
+    if pattern and window:
+        pattern = text.get("sliding_window_pattern") or pattern
+        kinds = text.get("layer_types") or [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+        ]
+        windows = [window if kind == "sliding_attention" else None for kind in kinds]
+    per_position = 2 * kv_heads * head_dim * bytes_per_value
+    return sum(per_position * (context if w is None else min(w, context)) for w in windows)
 
 
 def _hf_pre_tokenizer(folder: Path) -> str | None:

@@ -35,7 +35,7 @@ def test_cli_pull_list_show_rm(fake, gguf_files, st_files):
         (ST_REPO, st, None, "llmrun"),
     ]
     r = llmrun("show", ST_REPO)
-    assert r.stdout.splitlines()[:9] == [
+    assert r.stdout.splitlines()[:10] == [
         f"name           {ST_REPO}",
         "format         safetensors",
         "architecture   llama",
@@ -43,6 +43,7 @@ def test_cli_pull_list_show_rm(fake, gguf_files, st_files):
         "context length 256",
         "weights        F16 (2 tensors, 1.8 kB), F32 (1 tensor, 64 bytes); 2.04 bytes per weight",
         "tokenizer      BPE",
+        "KV cache       -",
         "chat template  yes (--template prints it)",
         "license        apache-2.0",
     ]
