@@ -7,6 +7,7 @@ bundled stories260K.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from llmrun.loading import safetensors_io
 from llmrun.loading.loader import Checkpoint, load_model
 from llmrun.reasoning import ANSWER, REASONING, Markers, Splitter, find_markers, template_switches
 from llmrun.sampling import Sampler, SamplingParams
+from llmrun.threads import default_threads
 from llmrun.tokenizer import Tokenizer, load_tokenizer
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
@@ -208,9 +210,11 @@ def load(
         raise UsageError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     if ctx_size is not None and ctx_size < 1:
         raise UsageError(f"--ctx-size must be positive, got {ctx_size}")
+    if threads is not None and threads < 1:
+        raise UsageError(f"--threads must be positive, got {threads}")
+    if threads is None and "OMP_NUM_THREADS" not in os.environ:
+        threads = default_threads()  # the cores free of other processes' work
     if threads is not None:
-        if threads < 1:
-            raise UsageError(f"--threads must be positive, got {threads}")
         torch.set_num_threads(threads)
     torch_device = pick_device(device)
     path = path or resolve(spec)

@@ -13,7 +13,7 @@ import sys
 
 import typer
 
-from llmrun import ui
+from llmrun import threads, ui  # noqa: F401  (threads: its first CPU reading, before torch loads)
 from llmrun.cli.app import DEBUG, app
 from llmrun.errors import LlmrunError
 
