@@ -53,8 +53,10 @@ def random_blocks(ggml_type: T, rows: int, cols: int) -> torch.Tensor:
     block_size, type_size = GGML_QUANT_SIZES[ggml_type]
     raw = torch.randint(0, 256, (rows * cols // block_size, type_size), dtype=torch.uint8)
     scales = (torch.rand(raw.shape[0], 1) * 0.01).half().view(torch.uint8)
-    for offset in F16_FIELDS[ggml_type]:
+    for offset in F16_FIELDS.get(ggml_type, ()):
         raw[:, offset : offset + 2] = scales
+    if ggml_type == T.MXFP4:  # E8M0 scales 2^-8 .. 2^-1
+        raw[:, 0] = torch.randint(120, 128, (raw.shape[0],), dtype=torch.uint8)
     return raw.reshape(rows, -1)
 
 

@@ -22,6 +22,7 @@
 /* GGMLQuantizationType values */
 enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10,
        Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30,
+       MXFP4 = 39,
        /* llmrun's packed layouts (llmrun/quant/kernels.py repacks), 1000 + the type */
        Q4_0_PACKED = 1002, Q5_0_PACKED = 1006, Q4_K_PACKED = 1012, Q5_K_PACKED = 1013 };
 
@@ -29,12 +30,29 @@ enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K 
  * KERNEL_TYPES(X, A) lists these and its packed layouts. */
 #define GGML_TYPES(X, A)                                                                 \
     X(F32, A) X(F16, A) X(BF16, A) X(Q4_0, A) X(Q4_1, A) X(Q5_0, A) X(Q5_1, A) X(Q8_0, A) \
-    X(Q2_K, A) X(Q3_K, A) X(Q4_K, A) X(Q5_K, A) X(Q6_K, A) X(IQ4_NL, A) X(IQ4_XS, A)
+    X(Q2_K, A) X(Q3_K, A) X(Q4_K, A) X(Q5_K, A) X(Q6_K, A) X(IQ4_NL, A) X(IQ4_XS, A)    \
+    X(MXFP4, A)
 
 static inline uint32_t u32_at(const uint8_t *p) {
     uint32_t v;
     memcpy(&v, p, 4);
     return v;
+}
+
+/* MXFP4 (gpt-oss's experts): 32 weights a block, one E8M0 scale byte, then 16 bytes
+ * of e2m1 codes (low nibbles weights 0..15, high nibbles 16..31). The codes' values,
+ * doubled, and the scale halved to match: w = MXFP4_VALUES[q] * 2^(e - 128), exact in
+ * f32 (or inf) for every byte. */
+#define MXFP4_BLOCK 32
+#define MXFP4_BYTES 17
+static const int8_t MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* 2^(e - 128), from its bits as gguf's e8m0_to_fp32_half builds them (e < 2 subnormal) */
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float d;
+    memcpy(&d, &bits, 4);
+    return d;
 }
 
 /* Every matvec's passes over the weights: 8, 4, 2 or 1 activation rows of X at a

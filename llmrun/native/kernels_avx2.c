@@ -377,6 +377,15 @@ ALWAYS_INLINE void deq_IQ4_XS(const uint8_t *src, sink_t s) {
     }
 }
 
+/* MXFP4 (common.h; MXFP4_BLOCK, MXFP4_BYTES): the codes looked up as int8 in its
+ * doubled e2m1 values, times the block's scale 2^(e - 128). */
+ALWAYS_INLINE void deq_MXFP4(const uint8_t *src, sink_t s) {
+    const __m256 d = _mm256_set1_ps(e8m0_half(src[0]));
+    const __m128i v = load16(src + 1), kv = load16((const uint8_t *)MXFP4_VALUES);
+    put_mul(s, 0, _mm_shuffle_epi8(kv, lo_nibbles(v)), d);
+    put_mul(s, 16, _mm_shuffle_epi8(kv, hi_nibbles(v)), d);
+}
+
 /* Kernels per type: each block is dequantized into multiply-adds with up to MAX_M
  * activation rows (sink_t). */
 
@@ -454,6 +463,7 @@ DEFINE_KERNELS(Q5_K)
 DEFINE_KERNELS(Q6_K)
 DEFINE_KERNELS(IQ4_NL)
 DEFINE_KERNELS(IQ4_XS)
+DEFINE_KERNELS(MXFP4)
 
 /* Packed layouts (Q4_0_PACKED, Q5_0_PACKED; common.h and quant/kernels.py define
  * them): the same blocks, each row stored field by field: its f16 scales, (Q5_0) its

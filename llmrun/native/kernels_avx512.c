@@ -451,6 +451,96 @@ DEFINE_KERNELS(Q6_K)
 DEFINE_KERNELS(IQ4_NL)
 DEFINE_KERNELS(IQ4_XS)
 
+/* MXFP4 (common.h), without DEFINE_KERNELS' buffer of dequantized weights: a block's
+ * 16 code bytes, spread to dwords, index a table of its 16 exact weights (the codes'
+ * values times the block's scale: one multiply), and the two lookups go straight into
+ * multiply-adds with the activations. The scales of 16 blocks at a time are decoded
+ * into floats on the stack first, so each block broadcasts its own from memory. */
+ALWAYS_INLINE __m512 mxfp4_values(void) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)MXFP4_VALUES)));
+}
+
+/* The block at src (its scale d) into acc[i][j] and acc[i][j + 1] for the m rows of x
+ * (x at the block's first weight); or, with out, its weights to out. */
+ALWAYS_INLINE void mxfp4_block(const uint8_t *src, float d, __m512 kv, const float *x,
+                               const int m, int64_t n, __m512 acc[][4], const int j,
+                               float *out) {
+    const __m512i v = spread(src + 1);
+    const __m512 t = _mm512_mul_ps(kv, _mm512_set1_ps(d));
+    const __m512 w0 = _mm512_permutexvar_ps(v, t);
+    const __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), t);
+    if (out) {
+        _mm512_storeu_ps(out, w0);
+        _mm512_storeu_ps(out + 16, w1);
+        return;
+    }
+    for (int i = 0; i < m; i++) {
+        acc[i][j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + i * n), acc[i][j]);
+        acc[i][j + 1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + i * n + 16), acc[i][j + 1]);
+    }
+}
+
+/* d[k] = the scale of block k < c of the 17-byte blocks at src */
+ALWAYS_INLINE void mxfp4_scales(const uint8_t *src, int c, float *d) {
+    for (int k = 0; k < c; k++) d[k] = e8m0_half(src[k * MXFP4_BYTES]);
+    __asm__ volatile("" ::: "memory"); /* broadcast d from memory, as k_scales */
+}
+
+ALWAYS_INLINE void rows_MXFP4(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
+                              const float *x, const int m, int64_t n, float *y, int64_t ldy,
+                              const float *bias) {
+    const int64_t nb = n / MXFP4_BLOCK;
+    const __m512 kv = mxfp4_values();
+    float d[16] __attribute__((aligned(64)));
+    const uint8_t *end = w + r1 * stride;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * stride;
+        __m512 acc[MAX_M][4];
+        for (int i = 0; i < m; i++)
+            acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = _mm512_setzero_ps();
+        for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+            const int c = nb - b0 < 16 ? (int)(nb - b0) : 16;
+            const uint8_t *src = row + b0 * MXFP4_BYTES;
+            if (src + PREFETCH + c * MXFP4_BYTES <= end)
+                for (int l = 0; l < c * MXFP4_BYTES; l += 64)
+                    _mm_prefetch((const char *)src + PREFETCH + l, _MM_HINT_T0);
+            mxfp4_scales(src, c, d);
+            const float *xb = x + b0 * MXFP4_BLOCK;
+            int k = 0;
+            /* two blocks at a time into four chains per row (two for more rows) */
+            for (; k + 2 <= c; k += 2) {
+                mxfp4_block(src + k * MXFP4_BYTES, d[k], kv, xb + 32 * k, m, n, acc, 0, NULL);
+                mxfp4_block(src + (k + 1) * MXFP4_BYTES, d[k + 1], kv, xb + 32 * k + 32, m, n,
+                            acc, m <= 2 ? 2 : 0, NULL);
+            }
+            if (k < c)
+                mxfp4_block(src + k * MXFP4_BYTES, d[k], kv, xb + 32 * k, m, n, acc, 0, NULL);
+        }
+        for (int i = 0; i < m; i++)
+            y[i * ldy + r] = _mm512_reduce_add_ps(_mm512_add_ps(
+                                 _mm512_add_ps(acc[i][0], acc[i][1]),
+                                 _mm512_add_ps(acc[i][2], acc[i][3]))) +
+                             (bias ? bias[r] : 0.0f);
+    }
+}
+
+static void matvec_MXFP4(const uint8_t *w, int64_t stride, int64_t rows, const float *x,
+                         int64_t m, int64_t n, float *y, const float *bias) {
+    ROW_PASSES(x, rows_MXFP4);
+}
+
+static void dequant_MXFP4(const uint8_t *w, int64_t stride, int64_t rows, int64_t n,
+                          float *out) {
+    const int64_t nb = n / MXFP4_BLOCK;
+    const __m512 kv = mxfp4_values();
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *src = w + r * stride + b * MXFP4_BYTES;
+            mxfp4_block(src, e8m0_half(src[0]), kv, NULL, 0, 0, NULL, 0, out + r * n + 32 * b);
+        }
+}
+
 /* Packed layouts (Q4_0_PACKED, Q5_0_PACKED): the same blocks, each row stored field
  * by field: its f16 scales, (Q5_0) its u32 high-bit words, then its 16-byte quants in
  * block order (same size; quant/kernels.py repacks). A 64-byte load then holds four

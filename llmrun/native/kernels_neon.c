@@ -186,6 +186,16 @@ ALWAYS_INLINE void deq_IQ4_NL(const uint8_t *src, sink_t s) {
     put_mul(s, 16, iq4_lookup(hi_nibbles(v)), d);
 }
 
+/* MXFP4 (common.h; MXFP4_BLOCK, MXFP4_BYTES): the codes looked up as int8 in its
+ * doubled e2m1 values, times the block's scale 2^(e - 128). */
+ALWAYS_INLINE void deq_MXFP4(const uint8_t *src, sink_t s) {
+    const float32x4_t d = vdupq_n_f32(e8m0_half(src[0]));
+    const uint8x16_t v = load16(src + 1);
+    const int8x16_t kv = vld1q_s8(MXFP4_VALUES);
+    put_mul(s, 0, vqtbl1q_s8(kv, lo_nibbles(v)), d);
+    put_mul(s, 16, vqtbl1q_s8(kv, hi_nibbles(v)), d);
+}
+
 /* Q5_0/Q5_1: bit 4 of weight j is bit j of the little-endian u32 qh. */
 #define Q5_0_BLOCK 32
 #define Q5_0_BYTES 22
@@ -434,6 +444,7 @@ DEFINE_KERNELS(Q5_K)
 DEFINE_KERNELS(Q6_K)
 DEFINE_KERNELS(IQ4_NL)
 DEFINE_KERNELS(IQ4_XS)
+DEFINE_KERNELS(MXFP4)
 
 DEFINE_API()
 

@@ -19,6 +19,8 @@ T = GGMLQuantizationType
 Dequantizer = Callable[[torch.Tensor], torch.Tensor]
 
 IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+# MXFP4's e2m1 values, doubled (its E8M0 scale is halved to match: 2^(e - 128)).
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 _DEQUANTIZERS: dict[GGMLQuantizationType, Dequantizer] = {}
 
@@ -201,6 +203,22 @@ def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
     dl = (_f16(blocks, 0) * sc).reshape(n, 8, 1)
     q = _nibbles(blocks[:, 8:], 8, 16)
     return (dl * _iq4_lookup(q)).reshape(n, QK_K)
+
+
+def e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """E8M0 scale bytes (uint8) -> 2^(e - 128) as float32, built from its bits as gguf
+    builds it (e 0 and 1 are subnormal; 255 is 2^127, not NaN)."""
+    e = e.to(torch.int32)
+    bits = torch.where(e < 2, torch.full_like(e, 0x00200000) << e, (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+@_register(T.MXFP4)
+def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
+    # One E8M0 byte, then 16 bytes of e2m1 codes: low nibbles weights 0..15, high 16..31.
+    q = _nibbles(blocks[:, 1:], 1, 16).reshape(-1, 32)
+    table = torch.tensor(MXFP4_VALUES, dtype=torch.float32, device=blocks.device)
+    return e8m0_half(blocks[:, :1]) * table[q.long()]
 
 
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(_DEQUANTIZERS)

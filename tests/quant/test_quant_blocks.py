@@ -27,8 +27,11 @@ F16_FIELDS = {
     T.IQ4_NL: (0,),
     T.IQ4_XS: (0,),
 }
+# Byte offsets of E8M0 scales (a power of two each): random bytes there reach 2^127,
+# whose weights overflow to inf, so random blocks take scales near 1.
+E8M0_FIELDS = {T.MXFP4: (0,)}
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
-EXPECTED_TYPES = set(F16_FIELDS) | set(FLOAT_TYPES)
+EXPECTED_TYPES = set(F16_FIELDS) | set(E8M0_FIELDS) | set(FLOAT_TYPES)
 
 
 def random_blocks(ggml_type: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -40,7 +43,19 @@ def random_blocks(ggml_type: T, rows: int, cols: int, seed: int = 0) -> np.ndarr
     for offset in F16_FIELDS.get(ggml_type, ()):
         scale = rng.standard_normal(n_blocks) * 2.0 ** rng.integers(-12, 4, n_blocks)
         raw[:, offset : offset + 2] = scale.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    for offset in E8M0_FIELDS.get(ggml_type, ()):
+        raw[:, offset] = rng.integers(128 - 16, 128 + 8, n_blocks)
     return raw.reshape(rows, -1)
+
+
+def every_mxfp4_block() -> np.ndarray:
+    """MXFP4 blocks [256, 17] with every scale byte 0..255 (subnormal 2^-128 and 2^-127,
+    and 2^127, whose larger weights overflow to inf) and every code in each."""
+    raw = np.zeros((256, 17), dtype=np.uint8)
+    raw[:, 0] = np.arange(256)
+    codes = (np.arange(32) + np.arange(256)[:, None]) % 16  # each code twice, shifted by row
+    raw[:, 1:] = codes[:, :16] | codes[:, 16:] << 4
+    return raw
 
 
 def assert_same_bits(got: np.ndarray, expected: np.ndarray) -> None:
@@ -75,6 +90,17 @@ def test_dequantize_keeps_leading_dims_and_casts(ggml_type: T):
     got = dequantize(torch.from_numpy(raw).reshape(2, 3, -1), ggml_type, dtype=torch.bfloat16)
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, expected.reshape(2, 3, 512).to(torch.bfloat16))
+
+
+def test_mxfp4_every_scale_and_code_is_bit_exact_with_gguf():
+    raw = every_mxfp4_block()
+    with np.errstate(over="ignore"):
+        expected = gguf_dequantize(raw, T.MXFP4).astype(np.float32)
+    assert np.isinf(expected).any() and (expected[:2] != 0).any()  # the edges are there
+    assert_same_bits(dequantize(torch.from_numpy(raw), T.MXFP4).numpy(), expected)
+    # +0, never -0, for the code of "minus zero" (8), as gguf gives it
+    codes = np.concatenate([raw[:, 1:] & 15, raw[:, 1:] >> 4], axis=1)
+    assert not np.signbit(expected[codes == 8]).any()
 
 
 def test_dequantize_handles_non_contiguous_rows():

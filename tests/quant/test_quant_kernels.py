@@ -7,7 +7,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
-from test_quant_blocks import assert_same_bits
+from test_quant_blocks import assert_same_bits, every_mxfp4_block
 from test_quant_linear import TYPES, assert_close_matmul, finite_blocks, reference
 
 from llmrun.quant import kernels
@@ -33,6 +33,27 @@ def test_native_dequantize_is_bit_exact_with_gguf(ggml_type: T, native_kernels: 
     raw = finite_blocks(ggml_type, 9, 768, seed=11)
     got = kernels.dequantize(torch.from_numpy(raw), ggml_type)
     assert_same_bits(got.numpy(), gguf_dequantize(raw, ggml_type).astype(np.float32))
+
+
+def test_native_mxfp4_every_scale_and_code_is_bit_exact(native_kernels: str):
+    raw = np.tile(every_mxfp4_block(), (1, 3)).reshape(64, -1)  # rows of 12 blocks
+    with np.errstate(over="ignore"):
+        expected = gguf_dequantize(raw, T.MXFP4).astype(np.float32)
+    assert_same_bits(kernels.dequantize(torch.from_numpy(raw), T.MXFP4).numpy(), expected)
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 3, 15, 16, 17, 33, 90])
+@pytest.mark.parametrize("m", [1, 2, 3, 8])
+def test_native_mxfp4_rows_of_any_block_count(blocks: int, m: int, native_kernels: str):
+    # The AVX-512 kernel decodes 16 blocks' scales at a time and takes blocks in pairs:
+    # whole and partial groups, odd counts; 90 blocks is gpt-oss's row of 2880.
+    n = 32 * blocks
+    raw = finite_blocks(T.MXFP4, 9, n, seed=blocks)
+    x = torch.randn(m, n, generator=torch.Generator().manual_seed(m))
+    bias = torch.randn(9, generator=torch.Generator().manual_seed(blocks))
+    y = kernels.matvec(torch.from_numpy(raw), T.MXFP4, x)
+    assert_close_matmul(y, x, reference(raw, T.MXFP4))
+    assert torch.equal(kernels.matvec(torch.from_numpy(raw), T.MXFP4, x, bias=bias), y + bias)
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)

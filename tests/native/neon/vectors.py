@@ -22,7 +22,7 @@ from gguf.quants import dequantize
 
 T = GGMLQuantizationType
 TYPES = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
-TYPES += [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS]
+TYPES += [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4]
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 # The packed layouts' kernel ids (common.h), which the NEON family leaves out.
 PACKED = {"Q4_0_PACKED": 1002, "Q5_0_PACKED": 1006, "Q4_K_PACKED": 1012, "Q5_K_PACKED": 1013}
@@ -38,8 +38,8 @@ def normal(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndar
 
 def weights(ggml_type: T, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """uint8 `[rows, row_bytes]`: random normal weights for the float types, else random
-    bytes (any f16 scale, subnormals too) with each block whose weights are not all
-    finite drawn again."""
+    bytes (any f16 scale, subnormals too; MXFP4's scales 2^-16 to 2^8) with each block
+    whose weights are not all finite drawn again."""
     if ggml_type in FLOAT_TYPES:
         w = normal(rng, rows, cols)
         if ggml_type == T.F16:
@@ -49,6 +49,8 @@ def weights(ggml_type: T, rows: int, cols: int, rng: np.random.Generator) -> np.
         return w.view(np.uint8)
     block, size = GGML_QUANT_SIZES[ggml_type]
     raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    if ggml_type == T.MXFP4:  # scales near 1: random E8M0 bytes reach 2^127, and sums overflow
+        raw[:, 0] = rng.integers(128 - 16, 128 + 8, raw.shape[0])
     while not (finite := _finite(raw, ggml_type)).all():
         raw[~finite] = rng.integers(0, 256, ((~finite).sum(), size), dtype=np.uint8)
     return raw.reshape(rows, -1)
@@ -99,6 +101,18 @@ def add_type(cases: Cases, ggml_type: T, rng: np.random.Generator) -> None:
     cases.add(
         "dequantize", name, [kernel_type, 9, 768, 2 * raw.shape[1]], raw.tobytes(), f32(expected)
     )
+    if ggml_type == T.MXFP4:
+        # Every scale byte (subnormal 2^-128, 2^-127; 2^127, whose large weights are
+        # inf) with every code, in rows of 8 blocks.
+        raw = np.zeros((256, 17), dtype=np.uint8)
+        raw[:, 0] = np.arange(256)
+        codes = (np.arange(32) + np.arange(256)[:, None]) % 16
+        raw[:, 1:] = codes[:, :16] | codes[:, 16:] << 4
+        raw = raw.reshape(32, -1)
+        with np.errstate(over="ignore"):
+            expected = dequantize(raw, ggml_type).astype(np.float32)
+        args = [kernel_type, 32, 256, raw.shape[1]]
+        cases.add("dequantize", f"{name}/every-scale", args, raw.tobytes(), f32(expected))
     shapes = [(m, 512, False) for m in (1, 2, 3, 4, 7, 11, 16)] + [(3, 512, True)]
     if ggml_type in FLOAT_TYPES:  # rows that end in a part of the 32 weights the kernels step by
         shapes += [(2, 48, False), (5, 80, True)]
