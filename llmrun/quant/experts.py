@@ -6,8 +6,9 @@ modules. Its `mix`, which llmrun.models.base.mix_experts calls, runs one token's
 chosen experts in two native calls where the modules would take three QuantLinear
 calls an expert (~10-20 us each, as much as the kernel of a small expert): the gate
 and up projections of every chosen expert in one llmrun_matvec_experts (one parallel
-region over all their rows), act(gate) * up at once, the down projections in another,
-then the weighted sum as one product. Only the chosen experts' weights are read, in
+region over all their rows), act(gate) * up at once (or the experts' own `glu`, and
+their biases where they have them: gpt-oss), the down projections in another, then the
+weighted sum as one product. Only the chosen experts' weights are read, in
 the layout they are stored in. Each expert's products are the ones its QuantLinear
 computes (the same kernel rows, one activation row); the weighted sum adds them in
 another order than the modules' path, so the two agree to float rounding.
@@ -35,6 +36,14 @@ class _Stack:
         self.ggml_type, self.rows, self.n = first.ggml_type, first.out_features, first.in_features
         self.stride = first.weight.stride(0)
         self.addresses = torch.tensor([q.weight.data_ptr() for q in layers], dtype=torch.int64)
+        # gpt-oss's experts have biases: [experts, rows], added after the products.
+        self.biases = (
+            None if first.bias is None else torch.stack([q.bias.detach().float() for q in layers])
+        )
+
+    def add_bias(self, y: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """y [k, rows] of the chosen experts, plus their biases (in place)."""
+        return y if self.biases is None else y.add_(self.biases[chosen])
 
     def matches(self, other: _Stack) -> bool:
         return (self.ggml_type, self.stride, self.rows, self.n) == (
@@ -49,7 +58,7 @@ def _bindable(layers: list[nn.Module]) -> bool:
     first = layers[0]
     return all(
         isinstance(q, QuantLinear)
-        and q.bias is None
+        and (q.bias is None) == (first.bias is None)
         and not q.packed
         and q.weight.device.type == "cpu"
         and q.weight.stride(-1) == 1
@@ -96,7 +105,9 @@ class ExpertList(nn.ModuleList):
         # Gate then up addresses of each expert, so one index gives a call's list; where
         # the two differ in type or layout (some quantization mixes), a call each.
         gate_up = torch.stack([gate.addresses, up.addresses]) if gate.matches(up) else None
-        self._plan = (lib.llmrun_matvec_experts, gate, up, gate_up, down, self[0].act)
+        # act(gate) * up, or the family's own combination (gpt-oss: Expert.glu)
+        glu = getattr(self[0], "glu", None) or (lambda g, u, act=self[0].act: act(g) * u)
+        self._plan = (lib.llmrun_matvec_experts, gate, up, gate_up, down, glu)
         return self._plan
 
     def mix(
@@ -108,7 +119,7 @@ class ExpertList(nn.ModuleList):
         plan = self._bind() if self._stale else self._plan
         if plan is None:
             return None
-        fn, gate, up, gate_up, down, act = plan
+        fn, gate, up, gate_up, down, glu = plan
         chosen = indices[0]
         k = chosen.numel()
         x = x.contiguous()
@@ -122,12 +133,13 @@ class ExpertList(nn.ModuleList):
                 addresses = stack.addresses[chosen]
                 fn(stack.ggml_type, addresses.data_ptr(), stack.stride, stack.rows,
                    x.data_ptr(), 0, stack.n, both[half * k :].data_ptr(), k)  # fmt: skip
-        hidden = act(both[:k]) * both[k:]  # [k, width]
+        hidden = glu(gate.add_bias(both[:k], chosen), up.add_bias(both[k:], chosen))  # [k, width]
+        hidden = hidden.contiguous()
         out = torch.empty(k, down.rows)
         addresses = down.addresses[chosen]  # held: the call reads it
         fn(down.ggml_type, addresses.data_ptr(), down.stride, down.rows,
            hidden.data_ptr(), down.n, down.n, out.data_ptr(), k)  # fmt: skip
-        return weights.to(out.dtype) @ out  # [1, k] @ [k, D]
+        return weights.to(out.dtype) @ down.add_bias(out, chosen)  # [1, k] @ [k, D]
 
 
 def fuse_experts(model: nn.Module) -> int:
