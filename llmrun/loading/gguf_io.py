@@ -25,6 +25,7 @@ from gguf import (
 )
 
 from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.loading import gpt_oss
 
 GGUF_MAGIC = b"GGUF"
 GGML_MAX_DIMS = 4
@@ -272,6 +273,7 @@ MODEL_TYPES = {
     "gemma3": "gemma3_text",
     "qwen2moe": "qwen2_moe",
     "qwen3moe": "qwen3_moe",
+    gpt_oss.ARCH: gpt_oss.MODEL_TYPE,  # its mapping: llmrun/loading/gpt_oss.py
 }
 # Families whose RMSNorm is x * (1 + w): llama.cpp's converter stores 1 + w.
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
@@ -322,6 +324,8 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
     """The Hugging Face checkpoint key for a GGUF tensor name, or None if unknown. For a
     stack of experts (EXPERT_STACKS) it is a template of each expert's key, with an
     `{expert}` field for its index."""
+    if model_type == gpt_oss.MODEL_TYPE:
+        return gpt_oss.hf_name(gguf_name)
     base, _, suffix = gguf_name.rpartition(".")
     if suffix not in ("weight", "bias"):
         return None
@@ -364,6 +368,8 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
             f"{gg.path}: architecture {arch!r} is not supported "
             f"(supported: {', '.join(sorted(MODEL_TYPES))})"
         )
+    if arch == gpt_oss.ARCH:
+        return gpt_oss.config_from_gguf(gg, _rope_from_gguf, _gemma_layer_types)
 
     def key(name: str, default: Any = None, required: bool = False) -> Any:
         full = f"{arch}.{name}"

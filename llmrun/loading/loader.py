@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from llmrun import native
 from llmrun.errors import ModelFormatError, ModelNotFoundError, UnsupportedError
-from llmrun.loading import gguf_io, safetensors_io
+from llmrun.loading import gguf_io, gpt_oss, safetensors_io
 from llmrun.models import model_module
 from llmrun.quant import kernels
 from llmrun.quant.blocks import SUPPORTED_TYPES
@@ -123,6 +123,8 @@ def _open_hf_dir(path: Path) -> Checkpoint:
         for name, tensor in safetensors_io.load_tensors(file).items():
             weights[name] = Weight(tensor)
     notes = []
+    if config.get("model_type") == gpt_oss.MODEL_TYPE:
+        weights = gpt_oss.hf_weights(weights, config, Weight)
     if config.get("model_type") == "gemma3" and isinstance(config.get("text_config"), dict):
         config, weights = _gemma3_language_model(config, weights)
         notes.append(
@@ -240,6 +242,8 @@ def _expert_weights(
     its HF key: a 2-D view of the file's bytes (quantized: rows of GGML blocks), no
     copy."""
     count = _n_experts(config)
+    if info.name.endswith(".bias"):  # gpt-oss: each expert's bias, stacked [experts, rows]
+        return _expert_biases(path, info, template, tensor, config)
     if len(info.shape) != 3 or info.shape[0] != count:
         raise ModelFormatError(
             f"{path}: tensor {info.name!r} has shape {list(info.shape)}, but expert_count is "
@@ -261,6 +265,25 @@ def _expert_weights(
         template.format(expert=e): Weight(stacked[e], ggml_type, expected, expert=True)
         for e in range(count)
     }
+
+
+def _expert_biases(
+    path: Path,
+    info: gguf_io.GGUFTensorInfo,
+    template: str,
+    tensor: torch.Tensor,
+    config: dict[str, Any],
+) -> dict[str, Weight]:
+    """Each expert's bias of a stack [experts, rows] (float), under its key: a view."""
+    count, hidden = _n_experts(config), config["hidden_size"]
+    width = config.get("moe_intermediate_size") or config["intermediate_size"]
+    rows = hidden if info.name.split(".")[2] == gguf_io.EXPERT_STACKS[2] else width
+    if info.ggml_type not in FLOAT_TYPES or tuple(info.shape) != (count, rows):
+        raise ModelFormatError(
+            f"{path}: tensor {info.name!r} is {info.ggml_type.name} {list(info.shape)}, but "
+            f"the experts' biases are float [{count} experts, {rows}]"
+        )
+    return {template.format(expert=e): Weight(tensor[e]) for e in range(count)}
 
 
 def _check_expert_stacks(gg: gguf_io.GGUFFile, config: dict[str, Any]) -> None:

@@ -24,6 +24,7 @@ ARCHITECTURES = {
     "gemma2": "gemma2",
     "gemma3": "gemma3",  # multimodal: its text_config's language model
     "gemma3_text": "gemma3",
+    "gpt_oss": "gpt_oss",
 }
 
 
