@@ -300,6 +300,18 @@ def check_schema(schema: Any, where: str = "") -> str | None:
 # --- `run --format` and `--grammar` -------------------------------------------------
 
 
+def for_cli(engine: Any, output_format: str | None, grammar_file: str | None) -> Grammar | None:
+    """The grammar of `run --format` or `--grammar` (None for neither)."""
+    if output_format is None and grammar_file is None:
+        return None
+    if output_format is not None and grammar_file is not None:
+        raise UsageError("give either --format or --grammar, not both")
+    vocab = vocabulary(engine.tokenizer, engine.eos_ids)
+    if output_format is not None:
+        return for_format(vocab, output_format)
+    return for_grammar_file(vocab, grammar_file)
+
+
 def for_format(vocab: Vocabulary, value: str) -> Grammar:
     """`--format json` (any JSON object) or `--format FILE` (a JSON schema), as ollama's."""
     if value == "json":

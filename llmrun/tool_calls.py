@@ -579,3 +579,95 @@ def prepare_history(
         else:
             out.insert(0, {"role": "system", "content": "", "tools": functions})
     return out
+
+
+# --- `llmrun chat --tools` -----------------------------------------------------------
+
+
+def load_tools(path: str) -> list[dict[str, Any]]:
+    """`chat --tools FILE`: a JSON list of tools, each OpenAI's {"type": "function",
+    "function": {...}} or the function alone, as templates take them."""
+    from llmrun.errors import UsageError
+    from llmrun.structured import check_schema
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise UsageError(f"--tools {path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise UsageError(f"--tools {path}: not JSON ({e})") from None
+    if isinstance(data, dict) and "tools" in data:
+        data = data["tools"]
+    if not isinstance(data, list):
+        raise UsageError(f"--tools {path}: expected a JSON list of tools")
+    tools, names = [], set()
+    for i, item in enumerate(data):
+        function = item.get("function", item) if isinstance(item, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not NAME_PATTERN.match(name) or name in names:
+            raise UsageError(
+                f"--tools {path}: tool {i} needs a name of its own (letters, digits, _ and -)"
+            )
+        names.add(name)
+        parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        problem = check_schema(parameters)
+        if problem:
+            raise UsageError(
+                f"--tools {path}: {name}'s parameters are not a JSON schema: {problem}"
+            )
+        tool = {"name": name, "parameters": parameters}
+        if function.get("description"):
+            tool["description"] = function["description"]
+        tools.append({"type": "function", "function": tool})
+    return tools
+
+
+def offer_tools(session: Any, tools: list[dict[str, Any]]) -> None:
+    """`chat --tools`: `session` (a ChatSession) renders `tools` through the template, and
+    its replies show each call the model makes as a line `-> name(arguments)`; llmrun does
+    not run them. The conversation keeps the calls as the model wrote them."""
+    from dataclasses import replace
+
+    from llmrun.errors import UsageError
+
+    engine = session.engine
+    fmt = detect_format(engine.template.source if engine.template is not None else None)
+    if fmt is None:
+        raise UsageError(
+            f"--tools: llmrun knows no tool-call format in {engine.name}'s chat template "
+            f"(it reads {', '.join(FORMATS)})"
+        )
+    session.switches = {**session.switches, "tools": tools}
+    markers = fmt.marker_ids(engine.tokenizer)
+    generate = engine.generate
+
+    def generate_with_markers(*args: Any, **kwargs: Any) -> Any:
+        for response in generate(*args, **kwargs):
+            if response.token in markers:  # a special token the detokenizer skipped
+                response = replace(response, text=response.text + markers[response.token])
+            yield response
+
+    def showing_calls(reply: Callable[..., Any]) -> Callable[..., Any]:
+        def shown(*args: Any, **kwargs: Any) -> Any:
+            parser, started = ToolCallParser(fmt), False
+
+            def show(item: Item) -> str:
+                nonlocal started
+                if isinstance(item, ToolCall):
+                    line = f"-> {item.name}({item.arguments})"
+                    item = Piece(ANSWER, f"\n{line}" if started else line)
+                started = started or bool(item)
+                return item
+
+            for piece in reply(*args, **kwargs):
+                if getattr(piece, "kind", ANSWER) == REASONING:
+                    yield piece
+                    continue
+                yield from (show(item) for item in parser.feed(piece))
+            yield from (show(item) for item in parser.finish())
+
+        return shown
+
+    engine.generate = generate_with_markers
+    session.send, session.retry = showing_calls(session.send), showing_calls(session.retry)

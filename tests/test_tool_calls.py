@@ -432,3 +432,65 @@ def test_tool_choice_none_leaves_the_call_as_text(family):
     assert (calls, finish) == ([], "stop")
     if fam.name in (HERMES, LLAMA3) and "Qwen3" not in fam.template:
         assert json.dumps({"city": "Paris"}) in content
+
+
+@pytest.mark.parametrize("key", ["qwen2.5", "llama3.1"])
+def test_chat_tools_shows_the_calls(key, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    fam = FAMILIES[key]
+    if TEMPLATES_MISSING:
+        pytest.skip(TEMPLATES_MISSING)
+    model = fam.model_dir(tmp_path / key)
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([WEATHER["function"]]))
+    command = [sys.executable, "-m", "llmrun", "chat", str(model), "--temperature", "0"]
+    r = subprocess.run(
+        [*command, "--tools", str(tools)],
+        input="Weather in Paris?\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ),
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == '-> get_weather({"city": "Paris"})\n\n'
+    tools.write_text("[{}]")
+    r = subprocess.run([*command, "--tools", str(tools)], capture_output=True, text=True)
+    assert r.returncode == 2 and "tool 0 needs a name" in r.stderr
+
+
+def test_tool_choice_forces_a_call_that_fits_the_schema(family):
+    """Given the tool's result the model would answer; a named tool_choice or "required"
+    makes it call, through the grammar of its format, with arguments its schema allows."""
+    from tool_families import CLOCK
+    from tool_families import WEATHER as STRICT_WEATHER
+
+    fam, _, client, name = family
+    call = {
+        "id": get_format(fam.name).new_id(),
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    messages = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": RESULT},
+    ]
+    tools = [STRICT_WEATHER, CLOCK]
+    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        args = dict(tools=tools, tool_choice=choice, parallel_tool_calls=False, max_tokens=60)
+        reply = client.chat.completions.create(model=name, messages=messages, temperature=0, **args)
+        content, _, calls, finish = whole(reply)
+        assert (content, finish, len(calls)) == ("", "tool_calls", 1), reply
+        call = calls[0]
+        if choice != "required":
+            assert call["name"] == "get_weather"
+        expected = {"get_weather": ({"city": "Paris"}, {"city": "Rome"}), "get_time": ({},)}
+        assert json.loads(call["arguments"]) in expected[call["name"]]
+        stream = client.chat.completions.create(
+            model=name, messages=messages, temperature=0, stream=True, **args
+        )
+        assert without_ids(reassemble(stream)) == without_ids(whole(reply))

@@ -27,7 +27,11 @@ WEATHER = {
 }
 CLOCK = {
     "type": "function",
-    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+    "function": {
+        "name": "get_time",
+        "description": "The time now.",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+    },
 }
 PARIS = ("get_weather", {"city": "Paris"})
 ARGS = '{"city": "Paris"}'

@@ -78,6 +78,15 @@ def run(
     think: Think = None,
     reasoning_effort: Effort = None,
     show_thinking: ShowThinking = None,
+    output_format: Annotated[
+        str | None,
+        typer.Option(
+            "--format", help="Constrain the output: json (any object) or a JSON schema file."
+        ),
+    ] = None,
+    grammar: Annotated[
+        str | None, typer.Option("--grammar", help="Constrain the output to a GBNF grammar file.")
+    ] = None,
     verbose: Verbose = False,
     debug: Debug = False,
 ) -> None:
@@ -111,6 +120,10 @@ def run(
         template_file=template,
     )
     params = engine.sampling(locals())
+    if output_format is not None or grammar is not None:
+        from llmrun import structured
+
+        params = params.updated(grammar=structured.for_cli(engine, output_format, grammar))
     text = engine.prompt_text(prompt, raw=raw, **engine.switches(think, reasoning_effort))
     if show_prompt:
         ui.print_prompt(text)
@@ -169,6 +182,10 @@ def chat(
     think: Think = None,
     reasoning_effort: Effort = None,
     show_thinking: ShowThinking = None,
+    tools: Annotated[
+        str | None,
+        typer.Option("--tools", help="A JSON file of function tools the model may call (shown)."),
+    ] = None,
     verbose: Verbose = False,
     debug: Debug = False,
 ) -> None:
@@ -189,6 +206,10 @@ def chat(
     params = engine.sampling(locals())
     session = ChatSession(engine, params, limit, system=system, overflow=context_overflow)
     session.switches = engine.switches(think, reasoning_effort)
+    if tools is not None:
+        from llmrun import tool_calls
+
+        tool_calls.offer_tools(session, tool_calls.load_tools(tools))
     repl = Repl(session, ui.stdin_is_tty(), verbose=verbose, show_thinking=show_thinking)
     repl.run()
 

@@ -82,18 +82,23 @@ def _grammar(engine: api.Engine, fmt: ToolFormat | None, ask: Ask) -> Any:
     from llmrun import structured
 
     vocab = structured.vocabulary(engine.tokenizer, engine.eos_ids)
-    if not forced:
-        what = f"{ask.schema_param}'s schema"
-        if fmt is None:
-            return vocab.json_schema(ask.schema or None, what)
-        # auto with a response format: a call, or the JSON answer.
-        calls = fmt.grammar(ask.tools, vocab.token, ask.parallel).replace("start:", "calls:", 1)
-        json_part = structured.json_lark(ask.schema or None, what)
-        return vocab.lark(f"start: calls | answer\nanswer: {json_part}\n{calls}", what)
-    tools = ask.tools
-    if ask.tool_choice != "required":
-        tools = [t for t in tools if t["function"]["name"] == ask.tool_choice]
-    return vocab.lark(fmt.grammar(tools, vocab.token, ask.parallel), "the tools' parameters")
+    param = ask.schema_param if not forced else "tools"
+    try:
+        if not forced and fmt is None:
+            return vocab.json_schema(ask.schema or None, param)
+        if not forced:  # auto with a response format: a call, or the JSON answer
+            calls = fmt.grammar(ask.tools, vocab.token, ask.parallel)
+            answer = structured.json_lark(ask.schema or None, param)
+            text = f"start: calls | answer\nanswer: {answer}\n" + calls.replace(
+                "start:", "calls:", 1
+            )
+            return vocab.lark(text, param)
+        tools = ask.tools
+        if ask.tool_choice != "required":
+            tools = [t for t in tools if t["function"]["name"] == ask.tool_choice]
+        return vocab.lark(fmt.grammar(tools, vocab.token, ask.parallel), "the tools' parameters")
+    except structured.GrammarError as e:
+        raise ApiError(400, str(e), param=param) from None
 
 
 class ReplyReader:
