@@ -1,12 +1,12 @@
 """`llmrun serve`: an OpenAI-compatible HTTP API over the batching scheduler.
 
-Starlette app served by uvicorn: /v1/chat/completions and /v1/completions (JSON
-or server-sent events), /v1/models, /health (503 until the model is loaded) and
-/metrics (Prometheus text). Requests are validated here (pydantic), errors come
-back in OpenAI's JSON error shape, and generation happens on the scheduler
-thread (batching.py); each request's events cross into the event loop through
-its own asyncio queue. Imported only by `serve`: its libraries are the `serve`
-extra.
+Starlette app served by uvicorn: /v1/chat/completions, /v1/completions and
+/v1/responses (responses.py), as JSON or server-sent events; /v1/models, /health
+(503 until the model is loaded) and /metrics (Prometheus text). Requests are
+validated here (pydantic), errors come back in OpenAI's JSON error shape, and
+generation happens on the scheduler thread (batching.py); each request's events
+cross into the event loop through its own asyncio queue. Imported only by
+`serve`: its libraries are the `serve` extra.
 """
 
 from __future__ import annotations
@@ -559,8 +559,11 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 def create_app(service: Service) -> Starlette:
+    from llmrun.server.responses import responses  # it builds on this module
+
     routes = [
         Route("/v1/chat/completions", _endpoint(chat_completions, "chat"), methods=["POST"]),
+        Route("/v1/responses", _endpoint(responses, "responses"), methods=["POST"]),
         Route("/v1/completions", _endpoint(completions, "completions"), methods=["POST"]),
         Route("/v1/models", _endpoint(models), methods=["GET"]),
         Route("/health", health, methods=["GET"]),
