@@ -24,6 +24,7 @@ from llmrun.errors import ModelFormatError, UsageError
 from llmrun.generate import KVState, Response, TokenLogprob, stream_generate
 from llmrun.loading import safetensors_io
 from llmrun.loading.loader import Checkpoint, load_model
+from llmrun.models.cache import KVCache
 from llmrun.reasoning import ANSWER, REASONING, Markers, Splitter, find_markers, template_switches
 from llmrun.sampling import Sampler, SamplingParams
 from llmrun.threads import default_threads
@@ -31,6 +32,7 @@ from llmrun.tokenizer import Tokenizer, load_tokenizer
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "f32", "bf16", "f16")
+CACHE_TYPES = ("f32", "f16", "bf16", "q8_0")  # --cache-type (llmrun.models.cache.CACHE_TYPES)
 DEFAULT_CTX = 4096
 
 
@@ -85,11 +87,16 @@ class Engine:
     checkpoint: Checkpoint
     load_seconds: float
     markers: Markers | None = None  # the tokens around the model's reasoning, if it has them
+    cache_type: str | None = None  # what the KV cache stores (CACHE_TYPES); None: the dtype
+
+    def new_cache(self, batch: int, size: int) -> KVCache:
+        """An empty KV cache of `batch` rows of `size` positions, of the cache type."""
+        return self.model.new_cache(batch, size, self.cache_type or self.dtype, self.device)
 
     def new_state(self, size: int | None = None) -> KVState:
         """An empty KV cache for `size` tokens (default: the whole context)."""
         size = min(size or self.ctx_size, self.ctx_size)
-        return KVState(self.model.new_cache(1, size, self.dtype, self.device))
+        return KVState(self.new_cache(1, size))
 
     def render(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **switches: Any
@@ -204,10 +211,17 @@ def load(
     threads: int | None = None,
     template_file: str | Path | None = None,
     path: Path | None = None,
+    cache_type: str | None = None,
 ) -> Engine:
-    """Load MODEL (`path`, when given, is where it already resolved to)."""
+    """Load MODEL (`path`, when given, is where it already resolved to). `cache_type`:
+    what the KV cache stores keys and values as (CACHE_TYPES; None: the compute dtype,
+    which is exact)."""
     if dtype not in DTYPES:
         raise UsageError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    if cache_type is not None and cache_type not in CACHE_TYPES:
+        raise UsageError(
+            f"unknown --cache-type {cache_type!r} (choose from {', '.join(CACHE_TYPES)})"
+        )
     if ctx_size is not None and ctx_size < 1:
         raise UsageError(f"--ctx-size must be positive, got {ctx_size}")
     if threads is not None and threads < 1:
@@ -217,6 +231,8 @@ def load(
     if threads is not None:
         torch.set_num_threads(threads)
     torch_device = pick_device(device)
+    if cache_type is not None:
+        _check_cache_type(cache_type, torch_device)
     path = path or resolve(spec)
     start = time.perf_counter()
     loaded = load_model(path, torch_device, dtype)
@@ -230,7 +246,7 @@ def load(
     eos_ids = _eos_ids(checkpoint, tokenizer)
     if checkpoint.gguf is not None:
         checkpoint.gguf.release_vocabulary()  # the tokenizer holds it now
-    return Engine(
+    engine = Engine(
         name=str(spec) if spec else "stories260K (bundled)",
         path=path,
         model=loaded.model,
@@ -244,7 +260,24 @@ def load(
         checkpoint=checkpoint,
         load_seconds=time.perf_counter() - start,
         markers=find_markers(tokenizer),
+        cache_type=cache_type,
     )
+    if cache_type is not None:
+        engine.new_cache(1, 1)  # refuses a cache type this model cannot store (q8_0's head_dim)
+    return engine
+
+
+def _check_cache_type(cache_type: str, device: torch.device) -> None:
+    """Refuse, in one line, a cache type whose writes and reads fail on `device`."""
+    try:
+        x = torch.ones(1, 1, 1, 32, device=device)
+        cache = KVCache(1, 1, 1, 2, 32, cache_type, device)
+        cache.update(0, x, x, torch.zeros(1, 1, dtype=torch.long, device=device), 0, 1)
+    except (RuntimeError, TypeError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UsageError(
+            f"--cache-type {cache_type} is not supported on {device.type}: {reason}"
+        ) from None
 
 
 def _sampling_defaults(checkpoint: Checkpoint) -> SamplingParams:

@@ -80,7 +80,7 @@ class Scheduler:
         self.parallel = parallel
         self.queue_size = queue
         self.prefill_budget = prefill_budget
-        self.cache = engine.model.new_cache(parallel, engine.ctx_size, engine.dtype, engine.device)
+        self.cache = engine.new_cache(parallel, engine.ctx_size)
         self.free = list(range(parallel))
         self.waiting: deque[Job] = deque()
         self.active: list[Job] = []  # touched by the scheduler thread only

@@ -35,6 +35,7 @@ from llmrun.generate import KVState, prefill
 from llmrun.loading import safetensors_io
 from llmrun.loading.loader import Checkpoint
 from llmrun.models import kv_cache_bytes
+from llmrun.models.cache import BYTES_PER_VALUE
 from llmrun.quant.linear import QuantEmbedding
 
 ROOFLINE_BYTES = 1 << 30  # far larger than any L3 cache, so the reads come from DRAM
@@ -76,6 +77,7 @@ class BenchOptions:
     device: str = "auto"
     dtype: str = "auto"
     roofline: bool = False
+    cache_type: str | None = None  # --cache-type (None: the compute dtype)
 
     @classmethod
     def from_flags(
@@ -90,6 +92,7 @@ class BenchOptions:
         device: str,
         dtype: str,
         roofline: bool,
+        cache_type: str | None = None,
     ) -> BenchOptions:
         """Options from `llmrun bench`'s flags as typed (comma lists), validated."""
         options = cls(
@@ -103,6 +106,7 @@ class BenchOptions:
             device=device,
             dtype=dtype,
             roofline=roofline,
+            cache_type=cache_type,
         )
         options.validate()
         return options
@@ -342,9 +346,16 @@ def bench_model(
     longest = max(tests, key=lambda t: t.positions)
     progress(f"loading {spec or 'stories260K'}", 0)
     reset_peak_memory(api.pick_device(options.device))
-    engine = api.load(spec, options.device, options.dtype, ctx_size=longest.positions)
+    engine = api.load(
+        spec,
+        options.device,
+        options.dtype,
+        ctx_size=longest.positions,
+        cache_type=options.cache_type,
+    )
     checkpoint = engine.checkpoint
     name = model_name(engine.path)
+    cache_type = engine.cache_type or DTYPE_NAMES[engine.dtype]
     max_positions = checkpoint.config.get("max_position_embeddings")
     if max_positions and longest.positions > max_positions:
         raise UsageError(
@@ -368,6 +379,7 @@ def bench_model(
         model_bytes=disk_bytes(engine.path),
         weight_bytes_per_token=weight_bytes_per_token(engine.model),
         dtype=DTYPE_NAMES[engine.dtype],
+        cache_type=cache_type,  # as llama-bench's type_k / type_v, one for both
         load_s=engine.load_seconds,
     )
     records = []
@@ -380,7 +392,7 @@ def bench_model(
         )
         peak = peak_memory(engine.device)
         record = _record(common, test, threads, seconds, firsts, peak, roofline.get(threads))
-        kv = kv_cache_bytes(checkpoint.config, test.positions, engine.dtype.itemsize)
+        kv = kv_cache_bytes(checkpoint.config, test.positions, BYTES_PER_VALUE[cache_type])
         record.update(kv_cache_bytes=kv, kv_bytes_per_token=kv / test.positions)
         records.append(record)
     return records

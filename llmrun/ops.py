@@ -1,6 +1,6 @@
 """The small ops of a decode step, with a native CPU path: RMSNorm (Gemma's too), the
 rotary embedding, the SiLU- and tanh-GELU-gated products and single-query attention
-(soft-capped for Gemma 2).
+(soft-capped for Gemma 2) over a KV cache stored as f32, f16, bf16 or Q8_0 blocks.
 
 On one token's activations a torch op costs 2-40 us, mostly dispatch (more between
 matvecs that stream the weights through the caches), and the ~45 of them per layer
@@ -22,6 +22,9 @@ from llmrun import native
 
 # Bigger inputs (prefill) go to torch, whose kernels use every thread.
 NATIVE_MAX_VALUES = 1 << 16
+Q8_0_BLOCK, Q8_0_BYTES = 32, 34  # values per block; bytes per block: f16 scale, 32 int8
+# How decode_ops.c knows a KV cache's storage (GGML type ids); uint8 rows are Q8_0 blocks.
+_KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.uint8: 8, torch.bfloat16: 30}
 
 
 def _native(*tensors: torch.Tensor) -> ctypes.CDLL | None:
@@ -116,6 +119,37 @@ def gated(act, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return act(gate) * up
 
 
+def quantize_q8_0(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] (D a multiple of 32) as Q8_0 blocks, uint8 [..., D / 32 * 34]: per 32
+    values an f16 scale d = max|x| / 127 (rounded to nearest even), then the int8
+    x / d rounded half away from zero, bit for bit as gguf.quants.quantize (and
+    ggml's quantize_row_q8_0_ref) writes them: the same f32 operations."""
+    blocks = x.float().unflatten(-1, (-1, Q8_0_BLOCK))
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    scaled = blocks * torch.where(d == 0, 0.0, 1 / d)
+    magnitude = scaled.abs()
+    whole = magnitude.floor()
+    q = torch.sign(scaled) * (whole + (2 * (magnitude - whole)).floor())  # gguf's np_roundf
+    scales = d.to(torch.float16).view(torch.uint8)  # [..., blocks, 2]
+    return torch.cat([scales, q.to(torch.int8).view(torch.uint8)], dim=-1).flatten(-2)
+
+
+def dequantize_q8_0(blocks: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Q8_0 rows uint8 [..., D / 32 * 34] (a view of a cache will do) -> [..., D] in
+    `dtype`: d * q, exact in f32."""
+    grouped = blocks.unflatten(-1, (-1, Q8_0_BYTES))
+    scales = grouped[..., :2].contiguous().view(torch.float16).float()
+    q = grouped[..., 2:].view(torch.int8).float()
+    return (q * scales).flatten(-2).to(dtype)
+
+
+def stored_values(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A KV cache's stored keys or values (float tensors, or uint8 Q8_0 rows) in `dtype`."""
+    if x.dtype == torch.uint8:
+        return dequantize_q8_0(x, dtype)
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def attend_one(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -126,24 +160,46 @@ def attend_one(
     """Attention of one query per head, q [B, H, 1, D], over every key and value
     k/v [B, Hkv, L, D] (H a multiple of Hkv: grouped-query attention), the scores
     scaled by `scale` (default D^-0.5) and, with `softcap`, soft-capped to
-    softcap * tanh(score / softcap) (Gemma 2); returns [B, 1, H*D]."""
+    softcap * tanh(score / softcap) (Gemma 2); returns [B, 1, H*D]. k and v may be
+    as a KV cache stores them (f32, f16 or bf16 values, or uint8 [B, Hkv, L, D / 32 *
+    34] Q8_0 rows): the native path reads them as they are, torch dequantizes."""
     batch, heads, _, head_dim = q.shape
     groups, length = k.shape[1], k.shape[2]
     scale = head_dim**-0.5 if scale is None else scale
+    kind = _KV_KINDS.get(k.dtype)
+    row = head_dim // Q8_0_BLOCK * Q8_0_BYTES if k.dtype == torch.uint8 else head_dim
     if (
         batch == 1
-        and head_dim % 16 == 0
+        and kind is not None
+        and head_dim % (Q8_0_BLOCK if kind == 8 else 16) == 0
+        and k.shape[-1] == row
+        and k.dtype == v.dtype
         and k.stride() == v.stride()
         and k.stride(-1) == 1
-        and k.stride(-2) == head_dim
+        and k.stride(-2) == row
         and k.device.type == "cpu"
-        and k.dtype == v.dtype == torch.float32
         and not (k.requires_grad or v.requires_grad)
     ):
         lib = _native(q)
         if lib is not None:
             y = torch.empty(1, 1, heads * head_dim)
-            lib.llmrun_attend_one_capped(
+            if kind == 0:
+                lib.llmrun_attend_one_capped(
+                    q.data_ptr(),
+                    k.data_ptr(),
+                    v.data_ptr(),
+                    heads,
+                    groups,
+                    length,
+                    head_dim,
+                    k.stride(1),
+                    scale,
+                    softcap or 0.0,
+                    y.data_ptr(),
+                )
+                return y
+            failed = lib.llmrun_attend_one_stored(
+                kind,
                 q.data_ptr(),
                 k.data_ptr(),
                 v.data_ptr(),
@@ -151,12 +207,14 @@ def attend_one(
                 groups,
                 length,
                 head_dim,
-                k.stride(1),
+                k.stride(1) * k.element_size(),
                 scale,
                 softcap or 0.0,
                 y.data_ptr(),
             )
-            return y
+            if not failed:
+                return y
+    k, v = stored_values(k, q.dtype), stored_values(v, q.dtype)
     # Grouped matmuls, so each KV head serves its query heads without being repeated.
     q = q.reshape(batch, groups, heads // groups, head_dim)
     if softcap is None:

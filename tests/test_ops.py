@@ -4,7 +4,9 @@ its torch path on the same inputs.
 Tolerances: the rotary embedding is bit-exact (the same products and sums). RMSNorm
 and attention sum in another order than torch, and exp is a polynomial within 2 ulp
 of expf, so they agree to a few f32 ulps: rtol 1e-5 (f32 epsilon is 1.2e-7, and
-the sums here run over at most 1000 terms of one sign after the exp).
+the sums here run over at most 1000 terms of one sign after the exp). Attention over
+a cache stored as f16, bf16 or Q8_0 is held to the same against torch on the
+dequantized cache, and is the f32 kernel on it bit for bit.
 """
 
 import pytest
@@ -169,3 +171,33 @@ def test_attend_one_scaled_and_soft_capped_matches_torch(
     exact = (torch.softmax(scores, dim=-1) @ v.double()).view(1, 1, heads * 256)
     torch.testing.assert_close(native.double(), exact, rtol=0, atol=2e-5)
     torch.testing.assert_close(reference.double(), exact, rtol=0, atol=2e-5)
+
+
+def stored(x: torch.Tensor, cache_type: str) -> torch.Tensor:
+    """x [..., D] as a KV cache of `cache_type` stores it."""
+    if cache_type == "q8_0":
+        return ops.quantize_q8_0(x)
+    return x.to({"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[cache_type])
+
+
+@pytest.mark.parametrize("cache_type", ["f32", "f16", "bf16", "q8_0"])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,length,softcap",
+    [(14, 2, 64, 1, None), (14, 2, 64, 300, None), (4, 1, 128, 257, None), (8, 4, 256, 513, 2.0)],
+)
+def test_attend_one_reads_each_cache_type(
+    native_kernels, cache_type, heads, kv_heads, head_dim, length, softcap
+):
+    """The native op on a cache stored as f16, bf16 or Q8_0 blocks (views of a bigger
+    buffer, as the cache hands them out) against torch on the dequantized cache, at
+    the f32 op's tolerances; and bit for bit the f32 kernel on the dequantized cache,
+    since every stored value converts to f32 exactly."""
+    torch.manual_seed(0)
+    q = torch.randn(1, heads, 1, head_dim)
+    buffer = stored(torch.randn(2, 1, kv_heads, length + 17, head_dim), cache_type)
+    k, v = buffer[0, :, :, :length], buffer[1, :, :, :length]
+    native, reference = both_paths(ops.attend_one, q, k, v, None, softcap)
+    keys, values = ops.stored_values(k, torch.float32), ops.stored_values(v, torch.float32)
+    assert native.shape == (1, 1, heads * head_dim)
+    torch.testing.assert_close(native, reference, rtol=1e-5, atol=2e-5 if softcap else 1e-6)
+    assert torch.equal(native, ops.attend_one(q, keys, values, None, softcap))

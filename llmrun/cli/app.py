@@ -54,6 +54,13 @@ CtxSize = Annotated[int | None, typer.Option("--ctx-size", "-c", help="Context s
 Device = Annotated[str, typer.Option(help="auto, cpu, cuda or mps.")]
 Dtype = Annotated[str, typer.Option(help="auto, f32, bf16 or f16.")]
 Threads = Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads.")]
+CacheType = Annotated[
+    str | None,
+    typer.Option(
+        "--cache-type",
+        help="KV cache storage: f32, f16, bf16 or q8_0 (default: the compute dtype, exact).",
+    ),
+]
 Verbose = Annotated[
     bool, typer.Option("--verbose", "-v", help="Print timings and token counts to stderr.")
 ]

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from llmrun import ui
-from llmrun.cli.app import DEBUG, Debug, Device, Dtype, app
+from llmrun.cli.app import DEBUG, CacheType, Debug, Device, Dtype, app
 from llmrun.errors import UsageError
 
 BENCH_OUTPUTS = ("json", "jsonl", "csv", "md")
@@ -60,6 +60,7 @@ def bench_command(
     ] = "512",
     device: Device = "auto",
     dtype: Dtype = "auto",
+    cache_type: CacheType = None,
     roofline: Annotated[
         bool,
         typer.Option(
@@ -95,6 +96,7 @@ def bench_command(
         device,
         dtype,
         roofline,
+        cache_type,
     )
     specs = list(models or [None])
     with ui.bench_progress(bench.total_runs(options, len(specs))) as progress:

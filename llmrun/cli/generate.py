@@ -11,6 +11,7 @@ import typer
 from llmrun import ui
 from llmrun.cli.app import (
     DEBUG,
+    CacheType,
     CtxSize,
     Debug,
     Device,
@@ -58,6 +59,7 @@ def run(
     ctx_size: CtxSize = None,
     device: Device = "auto",
     dtype: Dtype = "auto",
+    cache_type: CacheType = None,
     threads: Threads = None,
     raw: Annotated[
         bool, typer.Option(help="Send the prompt as is, without the chat template.")
@@ -118,6 +120,7 @@ def run(
         ctx_size=ctx_size,
         threads=threads,
         template_file=template,
+        cache_type=cache_type,
     )
     params = engine.sampling(locals())
     if output_format is not None or grammar is not None:
@@ -170,6 +173,7 @@ def chat(
     ctx_size: CtxSize = None,
     device: Device = "auto",
     dtype: Dtype = "auto",
+    cache_type: CacheType = None,
     threads: Threads = None,
     template: TemplateOpt = None,
     context_overflow: Annotated[
@@ -202,6 +206,7 @@ def chat(
         ctx_size=ctx_size,
         threads=threads,
         template_file=template,
+        cache_type=cache_type,
     )
     params = engine.sampling(locals())
     session = ChatSession(engine, params, limit, system=system, overflow=context_overflow)

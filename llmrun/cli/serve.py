@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from llmrun import ui
-from llmrun.cli.app import DEBUG, CtxSize, Debug, Device, Dtype, TemplateOpt, app
+from llmrun.cli.app import DEBUG, CacheType, CtxSize, Debug, Device, Dtype, TemplateOpt, app
 from llmrun.errors import UsageError
 
 
@@ -35,6 +35,7 @@ def serve(
     ctx_size: CtxSize = None,
     device: Device = "auto",
     dtype: Dtype = "auto",
+    cache_type: CacheType = None,
     threads: Annotated[
         int | None,
         typer.Option("--threads", "-t", help="CPU threads (default: all cores but one)."),
@@ -77,6 +78,7 @@ def serve(
         ctx_size=ctx_size,
         threads=threads,
         template_file=template,
+        cache_type=cache_type,
     )
 
 

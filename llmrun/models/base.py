@@ -275,12 +275,13 @@ def attend(
 
     q [B, H, T, D], k/v [B, Hkv, T, D] for the new tokens; returns [B, T, H*D].
     """
-    if cache is not None:
-        k, v = cache.update(layer, k, v, frame.positions, frame.start, frame.length)
     batch, heads, tokens, head_dim = q.shape
-    if tokens == 1 and frame.mask is None:
-        # One query per head attending to every cached key (decoding): cheaper than
-        # SDPA's kernel launch for a single row.
+    # One query per head attending to every cached key (decoding): cheaper than SDPA's
+    # kernel launch for a single row, and it reads the keys and values as stored.
+    decode = tokens == 1 and frame.mask is None
+    if cache is not None:
+        k, v = cache.update(layer, k, v, frame.positions, frame.start, frame.length, decode)
+    if decode:
         return ops.attend_one(q, k, v)
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=frame.mask, enable_gqa=q.shape[1] != k.shape[1]
@@ -302,10 +303,11 @@ def attend_scaled(
     (softcap * tanh(scores / softcap), before the mask) and windowed layers whose
     cache keeps only the window (frame.plan). Returns [B, T, H*D]."""
     if cache is not None:
+        stored = q.shape[2] == 1 and frame.mask is None  # attention() takes ops.attend_one
         if frame.plan is not None:
-            k, v = cache.update_window(layer, k, v, frame.plan)
+            k, v = cache.update_window(layer, k, v, frame.plan, stored)
         else:
-            k, v = cache.update(layer, k, v, frame.positions, frame.start, frame.length)
+            k, v = cache.update(layer, k, v, frame.positions, frame.start, frame.length, stored)
     return attention(q, k, v, frame.mask, scale, softcap)
 
 

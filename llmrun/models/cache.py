@@ -14,6 +14,14 @@ n would need. Each row therefore remembers where its last write ended, a
 continuation that would read overwritten keys is refused (reusable() says how
 much of a prefix survives; the caller re-prefills the rest), and nothing ever
 attends to a key from another sequence.
+
+Keys and values are stored in the compute dtype, or in a cache type of their own
+(--cache-type: f32, f16, bf16, or q8_0, llama.cpp's blocks of 32 int8 with an f16
+scale along head_dim). Each token's keys and values convert once, when written
+(rounded to nearest even; q8_0 quantized as gguf does). Single-query decoding reads
+the stored form itself (llmrun.ops.attend_one); everything else (prefill, batches,
+GPU) gets the span it attends to dequantized to the compute dtype, so a prefill over
+a q8_0 or f16 cache dequantizes the cached prefix once per chunk and layer.
 """
 
 from __future__ import annotations
@@ -23,6 +31,27 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from llmrun import ops
+from llmrun.errors import UnsupportedError
+
+# --cache-type names: the storage dtype (q8_0: uint8 rows of Q8_0 blocks) and the bytes
+# one value takes (Q8_0: 34 bytes per 32 values).
+CACHE_TYPES: dict[str, torch.dtype] = {
+    "f32": torch.float32,
+    "f16": torch.float16,
+    "bf16": torch.bfloat16,
+    "q8_0": torch.uint8,
+}
+BYTES_PER_VALUE: dict[str, float] = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 34 / 32}
+
+
+def cache_type_name(dtype: torch.dtype | str) -> str:
+    """The cache type a KVCache `dtype` argument stores ("f32", ..., or the dtype's name)."""
+    if isinstance(dtype, str):
+        return dtype
+    names = {d: name for name, d in CACHE_TYPES.items() if name != "q8_0"}
+    return names.get(dtype, str(dtype).removeprefix("torch."))
 
 
 @dataclass
@@ -43,12 +72,12 @@ def cache_bytes(
     head_dim: int,
     windows: Sequence[int | None],
     context: int,
-    bytes_per_value: int,
+    bytes_per_value: float,
 ) -> int:
     """Bytes of keys and values a KVCache of `context` positions holds for layers with
     these sliding windows (None: a full layer): a windowed layer keeps at most its
-    window."""
-    per_position = 2 * n_kv_heads * head_dim * bytes_per_value
+    window. bytes_per_value: BYTES_PER_VALUE of the cache type (q8_0: 34 / 32)."""
+    per_position = round(2 * n_kv_heads * head_dim * bytes_per_value)
     return sum(per_position * (context if w is None else min(w, context)) for w in windows)
 
 
@@ -60,12 +89,31 @@ class KVCache:
         n_kv_heads: int,
         max_seq_len: int,
         head_dim: int,
-        dtype: torch.dtype,
+        dtype: torch.dtype | str,
         device: torch.device | str,
         windows: Sequence[int | None] | None = None,
     ) -> None:
-        """`windows`: per layer, its sliding window or None (a full layer). A window
-        that is not shorter than max_seq_len needs no ring: that layer is full here."""
+        """`dtype`: what keys and values are stored as, a torch dtype or a cache type
+        name (CACHE_TYPES). `windows`: per layer, its sliding window or None (a full
+        layer). A window that is not shorter than max_seq_len needs no ring: that
+        layer is full here."""
+        if isinstance(dtype, str):
+            if dtype not in CACHE_TYPES:
+                raise UnsupportedError(
+                    f"unknown KV cache type {dtype!r} (choose from {', '.join(CACHE_TYPES)})"
+                )
+            if dtype == "q8_0" and head_dim % ops.Q8_0_BLOCK:
+                raise UnsupportedError(
+                    f"a q8_0 KV cache needs head_dim to be a multiple of 32 (its blocks of "
+                    f"32 values run along head_dim); this model's is {head_dim}: use "
+                    "--cache-type f16 or bf16"
+                )
+        self.cache_type = cache_type_name(dtype)
+        self.quantized = self.cache_type == "q8_0"
+        storage = CACHE_TYPES[dtype] if isinstance(dtype, str) else dtype
+        self.storage = storage
+        # Stored values per row: head_dim, or Q8_0's bytes for head_dim values.
+        width = head_dim // ops.Q8_0_BLOCK * ops.Q8_0_BYTES if self.quantized else head_dim
         windows = list(windows) if windows is not None else [None] * n_layers
         ring = [w is not None and w < max_seq_len for w in windows]
         sizes = {w for w, r in zip(windows, ring, strict=True) if r}
@@ -76,14 +124,14 @@ class KVCache:
         # Each layer's index among the full layers or among the ring layers.
         self.index = [sum(1 for r in ring[:i] if r == ring[i]) for i in range(n_layers)]
         n_ring = sum(ring)
-        shape = (n_layers - n_ring, batch, n_kv_heads, max_seq_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (n_layers - n_ring, batch, n_kv_heads, max_seq_len, width)
+        self.k = torch.zeros(shape, dtype=storage, device=device)
+        self.v = torch.zeros(shape, dtype=storage, device=device)
         self.ring_k = self.ring_v = None
         if n_ring:
-            ring_shape = (n_ring, batch, n_kv_heads, self.window, head_dim)
-            self.ring_k = torch.zeros(ring_shape, dtype=dtype, device=device)
-            self.ring_v = torch.zeros(ring_shape, dtype=dtype, device=device)
+            ring_shape = (n_ring, batch, n_kv_heads, self.window, width)
+            self.ring_k = torch.zeros(ring_shape, dtype=storage, device=device)
+            self.ring_v = torch.zeros(ring_shape, dtype=storage, device=device)
         self.max_seq_len = max_seq_len
         self.rows: torch.Tensor | None = None  # slots of a non-contiguous select()
         self.row_list: list[int] = list(range(batch))  # this view's rows of its tensors
@@ -118,6 +166,17 @@ class KVCache:
         """Whether `layer` keeps only its window (a ring) here."""
         return self.ring_layers[layer]
 
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Keys or values [..., D] as this cache stores them (as they are when that is
+        their dtype already)."""
+        if self.quantized:
+            return ops.quantize_q8_0(x)
+        return x if x.dtype == self.storage else x.to(self.storage)
+
+    def decode(self, x: torch.Tensor, dtype: torch.dtype, stored: bool = False) -> torch.Tensor:
+        """Stored keys or values in the compute `dtype`, or as stored with `stored`."""
+        return x if stored else ops.stored_values(x, dtype)
+
     def update(
         self,
         layer: int,
@@ -126,18 +185,22 @@ class KVCache:
         positions: torch.Tensor,
         first: int,
         length: int,
+        stored: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k/v [B, Hkv, T, D] at positions [B, T] (whose first is `first` and
         maximum `length` - 1); return the keys and values of positions
-        0 .. length - 1 for every row."""
+        0 .. length - 1 for every row, in k's dtype, or with `stored` as the cache
+        holds them (for llmrun.ops.attend_one, which reads every storage type)."""
         batch, tokens = positions.shape
-        index = self.index[layer]
+        index, dtype = self.index[layer], k.dtype
+        k, v = self.encode(k), self.encode(v)
         if self.rows is not None:
             # Scattered slots: index writes, and a gathered copy of their prefixes to attend to.
             k_layer, v_layer = self.k[index], self.v[index]
             k_layer[self.rows[:, None], :, positions] = k.transpose(1, 2)
             v_layer[self.rows[:, None], :, positions] = v.transpose(1, 2)
-            return k_layer[self.rows, :, :length], v_layer[self.rows, :, :length]
+            keys, values = k_layer[self.rows, :, :length], v_layer[self.rows, :, :length]
+            return self.decode(keys, dtype, stored), self.decode(values, dtype, stored)
         k_cache, v_cache = self.k[index], self.v[index]
         if batch != k_cache.shape[0]:
             k_cache, v_cache = k_cache[:batch], v_cache[:batch]
@@ -146,11 +209,13 @@ class KVCache:
             # where indexing takes several, and decode does this per layer per token).
             k_cache.narrow(2, first, tokens).copy_(k)
             v_cache.narrow(2, first, tokens).copy_(v)
-            return k_cache.narrow(2, 0, length), v_cache.narrow(2, 0, length)
+            keys, values = k_cache.narrow(2, 0, length), v_cache.narrow(2, 0, length)
+            return self.decode(keys, dtype, stored), self.decode(values, dtype, stored)
         rows = torch.arange(batch, device=positions.device)[:, None]
         k_cache[rows, :, positions] = k.transpose(1, 2)
         v_cache[rows, :, positions] = v.transpose(1, 2)
-        return k_cache[:, :, :length], v_cache[:, :, :length]
+        keys, values = k_cache[:, :, :length], v_cache[:, :, :length]
+        return self.decode(keys, dtype, stored), self.decode(values, dtype, stored)
 
     # ---- sliding-window layers ----------------------------------------------------------
 
@@ -212,30 +277,25 @@ class KVCache:
         return WindowPlan(False, starts, counts, with_ring, mask[:, None], 0)
 
     def update_window(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: WindowPlan
+        self,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        plan: WindowPlan,
+        stored: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k/v [B, Hkv, T, D] of a windowed layer as `plan` says and return the
         keys and values to attend to, in the order plan.mask describes: the ring
         (decode: after the write), or for a prefill the ring before it (when
-        plan.with_ring) followed by the new tokens."""
-        index, window = self.index[layer], self.window
+        plan.with_ring) followed by the new tokens; in k's dtype, or with `stored` as
+        the cache holds them (see update)."""
+        index, window, dtype = self.index[layer], self.window, k.dtype
         ring_k, ring_v = self.ring_k[index], self.ring_v[index]
         batch = k.shape[0]
+        k, v = self.encode(k), self.encode(v)
         if plan.decode:
-            if self.rows is None and batch == 1:
-                if ring_k.shape[0] != 1:
-                    ring_k, ring_v = ring_k[:1], ring_v[:1]
-                slot = plan.starts[0] % window
-                ring_k.narrow(2, slot, 1).copy_(k)
-                ring_v.narrow(2, slot, 1).copy_(v)
-                if plan.keys == window:  # the whole ring: no view to make
-                    return ring_k, ring_v
-                return ring_k.narrow(2, 0, plan.keys), ring_v.narrow(2, 0, plan.keys)
-            rows = self.rows if self.rows is not None else torch.arange(batch, device=k.device)
-            slots = torch.tensor(plan.starts, device=k.device) % window
-            ring_k[rows, :, slots] = k[:, :, 0]
-            ring_v[rows, :, slots] = v[:, :, 0]
-            return ring_k[rows], ring_v[rows]
+            keys, values = self._decode_window(ring_k, ring_v, k, v, plan)
+            return self.decode(keys, dtype, stored), self.decode(values, dtype, stored)
         keys, values = k, v
         if plan.with_ring:
             old_k = ring_k[self.rows] if self.rows is not None else ring_k[:batch]
@@ -251,7 +311,33 @@ class KVCache:
             for ring, new in ((ring_k, k), (ring_v, v)):
                 ring[row, :, slot : slot + head] = new[b, :, first : first + head]
                 ring[row, :, : kept - head] = new[b, :, first + head : first + kept]
-        return keys, values
+        # The new tokens too as stored, so a ring layer attends to what a full one does.
+        return self.decode(keys, dtype, stored), self.decode(values, dtype, stored)
+
+    def _decode_window(
+        self,
+        ring_k: torch.Tensor,
+        ring_v: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        plan: WindowPlan,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """update_window's decode step: k/v (stored form) into the ring, the ring back."""
+        window, batch = self.window, k.shape[0]
+        if self.rows is None and batch == 1:
+            if ring_k.shape[0] != 1:
+                ring_k, ring_v = ring_k[:1], ring_v[:1]
+            slot = plan.starts[0] % window
+            ring_k.narrow(2, slot, 1).copy_(k)
+            ring_v.narrow(2, slot, 1).copy_(v)
+            if plan.keys == window:  # the whole ring: no view to make
+                return ring_k, ring_v
+            return ring_k.narrow(2, 0, plan.keys), ring_v.narrow(2, 0, plan.keys)
+        rows = self.rows if self.rows is not None else torch.arange(batch, device=k.device)
+        slots = torch.tensor(plan.starts, device=k.device) % window
+        ring_k[rows, :, slots] = k[:, :, 0]
+        ring_v[rows, :, slots] = v[:, :, 0]
+        return ring_k[rows], ring_v[rows]
 
     def save_windows(self) -> tuple | None:
         """A copy of this view's rings and their write marks (None without rings),

@@ -27,7 +27,7 @@ from llmrun.native import build
 _reason = ""
 _family = ""  # the kernel family loaded, once _library() has found one
 
-_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+_I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 # The library's C API (common.h, decode_ops.c): argument types, and which return nothing.
 _API = {
     "llmrun_block": [ctypes.c_int],
@@ -41,6 +41,8 @@ _API = {
     "llmrun_gelu_tanh_mul": [_PTR, _PTR, _I64, _PTR],
     "llmrun_attend_one": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _PTR],
     "llmrun_attend_one_capped": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _F32, _PTR],
+    # the cache's storage type (decode_ops.c KV_*) first, head_stride in bytes
+    "llmrun_attend_one_stored": [_INT, _PTR, _PTR, _PTR, *[_I64] * 5, _F32, _F32, _PTR],
 }
 _VOID = (
     "llmrun_rms_norm",

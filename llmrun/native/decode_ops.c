@@ -1,6 +1,7 @@
 /* The small f32 ops of a decode step, each one call instead of several torch ops:
  * RMSNorm, rotary embedding, SiLU- and tanh-GELU-gated products, single-query
- * attention over a KV cache, soft-capped or not (llmrun/ops.py).
+ * attention over a KV cache (stored as f32, f16, bf16 or Q8_0), soft-capped or not
+ * (llmrun/ops.py).
  *
  * On one token's activations (a few thousand floats) a torch op costs 2-20 us of
  * dispatch and allocation, and a decode step of a 24-layer model runs ~45 of them
@@ -232,99 +233,214 @@ static void softcap_scores(float *s, int64_t n, float cap) {
     }
 }
 
+/* KV cache storage types (llmrun/models/cache.py), by their GGML type ids: f32, f16,
+ * bf16, and Q8_0 rows of blocks of 32 values (an f16 scale d, then 32 int8 q; value
+ * d * q). Every stored value converts exactly to f32 (an f16 or bf16 is an f32 with
+ * fewer bits; d * q needs 11 + 7 bits), so attending over a stored cache is the f32
+ * kernel's arithmetic on the dequantized cache, to the bit. */
+enum { KV_F32 = 0, KV_F16 = 1, KV_Q8_0 = 8, KV_BF16 = 30 };
+#define KV_BLOCK 32
+#define KV_BLOCK_BYTES 34
+
+static inline int64_t kv_row_bytes(int kind, int64_t dim) {
+    return kind == KV_F32 ? 4 * dim : kind == KV_Q8_0 ? dim / KV_BLOCK * KV_BLOCK_BYTES : 2 * dim;
+}
+
+/* VW stored values from p as f32: f16 by the conversion instruction (F16C, NEON's
+ * fcvtl), bf16 by a shift into the high half, int8 by a widening conversion. */
+#if defined(__AVX512F__)
+static inline float f16_scalar(uint16_t h) { return _cvtsh_ss(h); }
+static inline vec load_f16(const uint8_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+static inline vec load_bf16(const uint8_t *p) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+static inline vec load_i8(const uint8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline float f16_scalar(uint16_t h) { return _cvtsh_ss(h); }
+static inline vec load_f16(const uint8_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+static inline vec load_bf16(const uint8_t *p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+static inline vec load_i8(const uint8_t *p) { /* 8 bytes: never past a block's end */
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+static inline float f16_scalar(uint16_t h) {
+    return vgetq_lane_f32(vcvt_f32_f16(vreinterpret_f16_u16(vdup_n_u16(h))), 0);
+}
+static inline vec load_f16(const uint8_t *p) {
+    return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)p)));
+}
+static inline vec load_bf16(const uint8_t *p) {
+    return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16((const uint16_t *)p), 16));
+}
+static inline vec load_i8(const uint8_t *p) { /* 4 bytes: never past a block's end */
+    int32_t w;
+    memcpy(&w, p, 4);
+    const int16x8_t h = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(w)));
+    return vcvtq_f32_s32(vmovl_s16(vget_low_s16(h)));
+}
+#endif
+
+/* `n` consecutive stored rows of `dim` values as f32: the rows themselves for f32,
+ * else converted into buf. */
+static inline const float *kv_rows(int kind, const uint8_t *src, int64_t n, int64_t dim,
+                                   float *buf) {
+    if (kind == KV_F32) return (const float *)src;
+    const int64_t row = kv_row_bytes(kind, dim);
+    for (int64_t r = 0; r < n; r++) {
+        const uint8_t *s = src + r * row;
+        float *out = buf + r * dim;
+        if (kind == KV_F16)
+            for (int64_t d = 0; d < dim; d += VW) vstore(out + d, load_f16(s + 2 * d));
+        else if (kind == KV_BF16)
+            for (int64_t d = 0; d < dim; d += VW) vstore(out + d, load_bf16(s + 2 * d));
+        else
+            for (int64_t b = 0; b < dim / KV_BLOCK; b++) {
+                const uint8_t *block = s + b * KV_BLOCK_BYTES;
+                uint16_t h;
+                memcpy(&h, block, 2);
+                const vec scale = vset1(f16_scalar(h));
+                for (int64_t i = 0; i < KV_BLOCK; i += VW)
+                    vstore(out + b * KV_BLOCK + i, vmul(load_i8(block + 2 + i), scale));
+            }
+    }
+    return buf;
+}
+
 /* One query per head against the first `length` cached keys and values:
  * y[h] = softmax(cap(scale * q[h] . k[g])) . v[g], with g = h / (heads / kv_heads)
  * (GQA) and cap(s) = softcap * tanh(s / softcap), or s where softcap is 0.
  * q and y are [heads, dim] (dim a multiple of VW); k and v hold kv_heads runs of
- * `head_stride` floats, each `length` rows of dim values.
+ * `head_bytes` bytes, each `length` rows of dim values stored as `kind`.
  * The query heads that share a KV head are done together, so each cached row is
  * read from memory once per call, not once per query head (reading the rows is what
- * this costs). Keys are taken in tiles with a running maximum per head (online
- * softmax), so no scratch grows with the length. KV heads run on the OpenMP team
- * when there is enough work to pay for waking it. */
+ * this costs); a stored type other than f32 is converted once per row, four keys or
+ * one value at a time, into a buffer that stays in L1. Keys are taken in tiles with
+ * a running maximum per head (online softmax), so no scratch grows with the length.
+ * This is KV head g's share; the callers run KV heads on the OpenMP team when there
+ * is enough work to pay for waking it, each with a constant `kind`. */
 #define KEY_TILE 128
+static inline __attribute__((always_inline)) void attend_head(
+    const int kind, int64_t g, const float *q, const uint8_t *k, const uint8_t *v,
+    int64_t heads, int64_t kv_heads, int64_t length, int64_t dim, int64_t head_bytes,
+    float scale, float softcap, float *y) {
+    const int64_t group = heads / kv_heads, row = kv_row_bytes(kind, dim);
+    const uint8_t *kg = k + g * head_bytes, *vg = v + g * head_bytes;
+    float *yg = y + g * group * dim;
+    float qs[group * dim], p[group][KEY_TILE], top[group], sum[group];
+    float kbuf[kind == KV_F32 ? 1 : 4 * dim], vbuf[kind == KV_F32 ? 1 : dim];
+    for (int64_t i = 0; i < group * dim; i++) qs[i] = q[g * group * dim + i] * scale;
+    memset(yg, 0, (size_t)(group * dim) * sizeof(float));
+    for (int64_t h = 0; h < group; h++) top[h] = -INFINITY, sum[h] = 0.0f;
+    for (int64_t j0 = 0; j0 < length; j0 += KEY_TILE) {
+        const int64_t tile = length - j0 < KEY_TILE ? length - j0 : KEY_TILE;
+        const uint8_t *kt = kg + j0 * row, *vt = vg + j0 * row;
+        int64_t j = 0;
+        for (; j + 4 <= tile; j += 4) { /* four keys at a time, summed together */
+            const float *k0 = kv_rows(kind, kt + j * row, 4, dim, kbuf);
+            for (int64_t h = 0; h < group; h++) {
+                const float *qh = qs + h * dim;
+                vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+                for (int64_t d = 0; d < dim; d += VW) {
+                    const vec qd = vload(qh + d);
+                    a0 = vfma(qd, vload(k0 + d), a0);
+                    a1 = vfma(qd, vload(k0 + dim + d), a1);
+                    a2 = vfma(qd, vload(k0 + 2 * dim + d), a2);
+                    a3 = vfma(qd, vload(k0 + 3 * dim + d), a3);
+                }
+                vsum4(a0, a1, a2, a3, p[h] + j);
+            }
+        }
+        for (; j < tile; j++) {
+            const float *kj = kv_rows(kind, kt + j * row, 1, dim, kbuf);
+            for (int64_t h = 0; h < group; h++) {
+                vec a0 = vzero();
+                for (int64_t d = 0; d < dim; d += VW)
+                    a0 = vfma(vload(qs + h * dim + d), vload(kj + d), a0);
+                p[h][j] = vsum(a0);
+            }
+        }
+        if (softcap > 0.0f)
+            for (int64_t h = 0; h < group; h++) softcap_scores(p[h], tile, softcap);
+        for (int64_t h = 0; h < group; h++) {
+            float *ph = p[h], *yh = yg + h * dim, tile_top = top[h];
+            for (j = 0; j < tile; j++) tile_top = ph[j] > tile_top ? ph[j] : tile_top;
+            if (tile_top > top[h]) { /* a new maximum: rescale what is summed so far */
+                const float rescale = exp_scalar(top[h] - tile_top);
+                sum[h] *= rescale;
+                for (int64_t d = 0; d < dim; d++) yh[d] *= rescale;
+                top[h] = tile_top;
+            }
+            vec s = vzero();
+            for (j = 0; j + VW <= tile; j += VW) {
+                const vec e = vexp(vsub(vload(ph + j), vset1(top[h])));
+                vstore(ph + j, e);
+                s = vadd(s, e);
+            }
+            sum[h] += vsum(s);
+            for (; j < tile; j++) {
+                ph[j] = exp_scalar(ph[j] - top[h]);
+                sum[h] += ph[j];
+            }
+        }
+        /* y[h] += p[h] . v: each value row once for every head of the group. */
+        for (j = 0; j < tile; j++) {
+            const float *vj = kv_rows(kind, vt + j * row, 1, dim, vbuf);
+            for (int64_t h = 0; h < group; h++) {
+                const vec pj = vset1(p[h][j]);
+                float *yh = yg + h * dim;
+                for (int64_t d = 0; d < dim; d += VW)
+                    vstore(yh + d, vfma(pj, vload(vj + d), vload(yh + d)));
+            }
+        }
+    }
+    for (int64_t h = 0; h < group; h++) {
+        const float inv = 1.0f / sum[h];
+        for (int64_t d = 0; d < dim; d++) yg[h * dim + d] *= inv;
+    }
+}
+
+#define ATTEND_HEADS(KIND)                                                               \
+    _Pragma("omp parallel for schedule(static) if (heads * length * dim >= (1 << 15))")  \
+    for (int64_t g = 0; g < kv_heads; g++)                                               \
+        attend_head(KIND, g, q, (const uint8_t *)k, (const uint8_t *)v, heads, kv_heads,   \
+                    length, dim, head_bytes, scale, softcap, y)
+
+/* head_stride in floats */
 void llmrun_attend_one_capped(const float *q, const float *k, const float *v, int64_t heads,
                               int64_t kv_heads, int64_t length, int64_t dim,
                               int64_t head_stride, float scale, float softcap, float *y) {
-    const int64_t group = heads / kv_heads;
-#pragma omp parallel for schedule(static) if (heads * length * dim >= (1 << 15))
-    for (int64_t g = 0; g < kv_heads; g++) {
-        const float *kg = k + g * head_stride, *vg = v + g * head_stride;
-        float *yg = y + g * group * dim;
-        float qs[group * dim], p[group][KEY_TILE], top[group], sum[group];
-        for (int64_t i = 0; i < group * dim; i++) qs[i] = q[g * group * dim + i] * scale;
-        memset(yg, 0, (size_t)(group * dim) * sizeof(float));
-        for (int64_t h = 0; h < group; h++) top[h] = -INFINITY, sum[h] = 0.0f;
-        for (int64_t j0 = 0; j0 < length; j0 += KEY_TILE) {
-            const int64_t tile = length - j0 < KEY_TILE ? length - j0 : KEY_TILE;
-            const float *kt = kg + j0 * dim, *vt = vg + j0 * dim;
-            int64_t j = 0;
-            for (; j + 4 <= tile; j += 4) { /* four keys at a time, summed together */
-                const float *k0 = kt + j * dim;
-                for (int64_t h = 0; h < group; h++) {
-                    const float *qh = qs + h * dim;
-                    vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
-                    for (int64_t d = 0; d < dim; d += VW) {
-                        const vec qd = vload(qh + d);
-                        a0 = vfma(qd, vload(k0 + d), a0);
-                        a1 = vfma(qd, vload(k0 + dim + d), a1);
-                        a2 = vfma(qd, vload(k0 + 2 * dim + d), a2);
-                        a3 = vfma(qd, vload(k0 + 3 * dim + d), a3);
-                    }
-                    vsum4(a0, a1, a2, a3, p[h] + j);
-                }
-            }
-            for (; j < tile; j++)
-                for (int64_t h = 0; h < group; h++) {
-                    vec a0 = vzero();
-                    for (int64_t d = 0; d < dim; d += VW)
-                        a0 = vfma(vload(qs + h * dim + d), vload(kt + j * dim + d), a0);
-                    p[h][j] = vsum(a0);
-                }
-            if (softcap > 0.0f)
-                for (int64_t h = 0; h < group; h++) softcap_scores(p[h], tile, softcap);
-            for (int64_t h = 0; h < group; h++) {
-                float *ph = p[h], *yh = yg + h * dim, tile_top = top[h];
-                for (j = 0; j < tile; j++) tile_top = ph[j] > tile_top ? ph[j] : tile_top;
-                if (tile_top > top[h]) { /* a new maximum: rescale what is summed so far */
-                    const float rescale = exp_scalar(top[h] - tile_top);
-                    sum[h] *= rescale;
-                    for (int64_t d = 0; d < dim; d++) yh[d] *= rescale;
-                    top[h] = tile_top;
-                }
-                vec s = vzero();
-                for (j = 0; j + VW <= tile; j += VW) {
-                    const vec e = vexp(vsub(vload(ph + j), vset1(top[h])));
-                    vstore(ph + j, e);
-                    s = vadd(s, e);
-                }
-                sum[h] += vsum(s);
-                for (; j < tile; j++) {
-                    ph[j] = exp_scalar(ph[j] - top[h]);
-                    sum[h] += ph[j];
-                }
-            }
-            /* y[h] += p[h] . v: each value row once for every head of the group. */
-            for (j = 0; j < tile; j++) {
-                const float *vj = vt + j * dim;
-                for (int64_t h = 0; h < group; h++) {
-                    const vec pj = vset1(p[h][j]);
-                    float *yh = yg + h * dim;
-                    for (int64_t d = 0; d < dim; d += VW)
-                        vstore(yh + d, vfma(pj, vload(vj + d), vload(yh + d)));
-                }
-            }
-        }
-        for (int64_t h = 0; h < group; h++) {
-            const float inv = 1.0f / sum[h];
-            for (int64_t d = 0; d < dim; d++) yg[h * dim + d] *= inv;
-        }
-    }
+    const int64_t head_bytes = 4 * head_stride;
+    ATTEND_HEADS(KV_F32);
 }
 
 void llmrun_attend_one(const float *q, const float *k, const float *v, int64_t heads,
                        int64_t kv_heads, int64_t length, int64_t dim, int64_t head_stride,
                        float scale, float *y) {
     llmrun_attend_one_capped(q, k, v, heads, kv_heads, length, dim, head_stride, scale, 0.0f, y);
+}
+
+/* llmrun_attend_one_capped over a cache stored as `kind` (KV_*), head_bytes apart;
+ * -1 for a kind it does not know or a dim it cannot take (Q8_0: a multiple of 32). */
+int llmrun_attend_one_stored(int kind, const float *q, const void *k, const void *v,
+                             int64_t heads, int64_t kv_heads, int64_t length, int64_t dim,
+                             int64_t head_bytes, float scale, float softcap, float *y) {
+    if (dim % VW != 0 || (kind == KV_Q8_0 && dim % KV_BLOCK != 0)) return -1;
+    switch (kind) {
+    case KV_F32: ATTEND_HEADS(KV_F32); return 0;
+    case KV_F16: ATTEND_HEADS(KV_F16); return 0;
+    case KV_BF16: ATTEND_HEADS(KV_BF16); return 0;
+    case KV_Q8_0: ATTEND_HEADS(KV_Q8_0); return 0;
+    default: return -1;
+    }
 }
 #endif /* without vectors, the kernel files report llmrun_available() == 0 */

@@ -38,6 +38,9 @@ void llmrun_attend_one(const float *q, const float *k, const float *v, int64_t h
 void llmrun_attend_one_capped(const float *q, const float *k, const float *v, int64_t heads,
                               int64_t kv_heads, int64_t length, int64_t dim,
                               int64_t head_stride, float scale, float softcap, float *y);
+int llmrun_attend_one_stored(int kind, const float *q, const void *k, const void *v,
+                             int64_t heads, int64_t kv_heads, int64_t length, int64_t dim,
+                             int64_t head_bytes, float scale, float softcap, float *y);
 
 static void die(const char *fmt, ...) {
     va_list args;
@@ -292,6 +295,34 @@ static void attend_one_capped_case(const char *path, const char *text) {
     attend(path, text, 1);
 }
 
+/* A cache stored as f16, bf16 or Q8_0: within the bound of the float64 reference,
+ * and the same bits as the f32 kernel on the dequantized cache. */
+static void attend_one_stored_case(const char *path, const char *text) {
+    int kind;
+    long long heads, kv_heads, length, dim, capacity, head_bytes;
+    double scale, softcap;
+    args(text, 9, "%d %lld %lld %lld %lld %lld %lld %lf %lf", &kind, &heads, &kv_heads, &length,
+         &dim, &capacity, &head_bytes, &scale, &softcap);
+    blob_t b = open_blob(path);
+    const float *q = take(&b, 4 * heads * dim);
+    const void *k = take(&b, kv_heads * head_bytes), *v = take(&b, kv_heads * head_bytes);
+    /* the same cache dequantized, f32 */
+    const float *kf = take(&b, 4 * kv_heads * capacity * dim);
+    const float *vf = take(&b, 4 * kv_heads * capacity * dim);
+    const double *expected = take(&b, 8 * heads * dim), *bound = take(&b, 8 * heads * dim);
+    float *y = floats(heads * dim), *f32 = floats(heads * dim);
+    if (llmrun_attend_one_stored(kind, q, k, v, heads, kv_heads, length, dim, head_bytes,
+                                 (float)scale, (float)softcap, y) != 0)
+        fail("llmrun_attend_one_stored refused kind %d", kind);
+    llmrun_attend_one_capped(q, kf, vf, heads, kv_heads, length, dim, capacity * dim,
+                             (float)scale, (float)softcap, f32);
+    within("y", y, expected, bound, heads * dim);
+    same_bits("y (against the f32 kernel on the dequantized cache)", y, f32, heads * dim);
+    free(y);
+    free(f32);
+    close_blob(&b);
+}
+
 static const struct {
     const char *kind;
     void (*run)(const char *path, const char *text);
@@ -307,6 +338,7 @@ static const struct {
     {"gelu_tanh_mul", gelu_tanh_mul_case},
     {"attend_one", attend_one_case},
     {"attend_one_capped", attend_one_capped_case},
+    {"attend_one_stored", attend_one_stored_case},
 };
 
 int main(int argc, char **argv) {

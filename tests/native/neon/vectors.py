@@ -6,7 +6,8 @@ I.bin. The checks are those of tests/quant/test_quant_kernels.py and tests/test_
 weights dequantized bit for bit as gguf dequantizes them; a matvec within
 n * 2^-23 * sum|x*w| of the float64 product of those exact weights (only the order of
 the f32 sums may differ); the decode ops within test_ops.py's tolerances of a float64
-reference, the rotary embedding bit for bit.
+reference, the rotary embedding bit for bit, attention over a KV cache stored as f16,
+bf16 or Q8_0 also bit for bit the f32 kernel on the dequantized cache.
 
 Run as a script (`python tests/native/neon/vectors.py FOLDER`) to write them by hand.
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import dequantize
+from gguf.quants import dequantize, quantize
 
 T = GGMLQuantizationType
 TYPES = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
@@ -27,7 +28,7 @@ FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 # The packed layouts' kernel ids (common.h), which the NEON family leaves out.
 PACKED = {"Q4_0_PACKED": 1002, "Q5_0_PACKED": 1006, "Q4_K_PACKED": 1012, "Q5_K_PACKED": 1013}
 OPS = ["rms_norm", "rms_norm_offset", "rotary", "silu_mul", "gelu_tanh_mul"]
-OPS += ["attend_one", "attend_one_capped"]
+OPS += ["attend_one", "attend_one_capped", "attend_one_stored"]
 # What a case's NAME starts with (before any "/"), for a result per type and per op.
 GROUPS = [t.name for t in TYPES] + ["packed"] + OPS
 
@@ -198,6 +199,42 @@ def add_ops(cases: Cases, rng: np.random.Generator) -> None:
         )
         rtol = 0.0 if kind == "attend_one_capped" else 1e-5  # test_ops.py's for each
         cases.add(kind, name, args, f32(q), f32(k), f32(v), closeness(y, rtol, atol))
+    # A KV cache stored as f16, bf16 or Q8_0 (decode_ops.c KV_*: the GGML type ids).
+    for ggml_type, heads, kv_heads, dim, length, softcap in [
+        (T.F16, 14, 2, 64, 300, 0.0),
+        (T.BF16, 4, 1, 128, 257, 0.0),
+        (T.Q8_0, 14, 2, 64, 300, 0.0),
+        (T.Q8_0, 8, 4, 256, 513, 2.0),
+        (T.F16, 8, 4, 256, 1, 50.0),
+    ]:
+        capacity = length + 17
+        q = normal(rng, heads, dim)
+        kv = normal(rng, 2, kv_heads, capacity, dim)
+        if ggml_type == T.Q8_0:
+            raw = quantize(kv.reshape(-1, dim), T.Q8_0)
+        elif ggml_type == T.F16:
+            raw = kv.astype(np.float16).view(np.uint8)
+        else:
+            raw = (kv.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+        raw = raw.reshape(2, -1)
+        values = dequantize(raw.reshape(-1, raw.shape[1] // (kv_heads * capacity)), ggml_type)
+        k, v = values.astype(np.float32).reshape(2, kv_heads, capacity, dim)
+        scale = float(np.float32(dim**-0.5))
+        group = np.arange(heads) // (heads // kv_heads)
+        kh, vh = k[group, :length].astype(np.float64), v[group, :length].astype(np.float64)
+        s = np.einsum("hd,hjd->hj", q.astype(np.float64) * scale, kh)
+        if softcap:
+            s = np.tanh(s / softcap) * softcap
+        p = np.exp(s - s.max(-1, keepdims=True))
+        y = np.einsum("hj,hjd->hd", p / p.sum(-1, keepdims=True), vh)
+        head_bytes = raw.shape[1] // kv_heads
+        args = [int(ggml_type), heads, kv_heads, length, dim, capacity, head_bytes, scale, softcap]
+        name = f"attend_one_stored/{ggml_type.name},{heads}x{kv_heads}x{dim},{length}" + (
+            f",cap={softcap:g}" if softcap else ""
+        )
+        data = [f32(q), raw[0].tobytes(), raw[1].tobytes(), f32(k), f32(v)]
+        bound = closeness(y, 1e-5, 2e-5 if softcap else 1e-6)
+        cases.add("attend_one_stored", name, args, *data, bound)
 
 
 def write(folder: Path) -> list[str]:
