@@ -243,3 +243,15 @@ def test_the_cli_refuses_q8_0_for_stories260k_in_one_line():
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "head_dim to be a multiple of 32" in lines[0], result.stderr
+
+
+def test_a_cache_type_the_device_cannot_store_is_one_clear_line(monkeypatch):
+    def unsupported(x):
+        raise RuntimeError("\"abs_cuda\" not implemented for 'Half'\nmore detail")
+
+    monkeypatch.setattr(ops, "quantize_q8_0", unsupported)
+    with pytest.raises(UsageError) as e:
+        api._check_cache_type("q8_0", torch.device("cpu"))
+    assert str(e.value) == (
+        "--cache-type q8_0 is not supported on cpu: \"abs_cuda\" not implemented for 'Half'"
+    )
