@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from gguf import MODEL_TENSOR, TENSOR_NAMES, GGMLQuantizationType, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
+
+if TYPE_CHECKING:
+    import torch
 
 ARCH = "gpt-oss"
 MODEL_TYPE = "gpt_oss"
@@ -170,6 +172,8 @@ def config_from_gguf(gg, rope_from_gguf, layer_types) -> dict[str, Any]:
 def _ggml_codes(blocks: torch.Tensor) -> torch.Tensor:
     """OpenAI's MXFP4 code bytes [..., 16] (byte i: code 2i low, 2i + 1 high) in GGML's
     order (byte i: code i low, 16 + i high)."""
+    import torch  # here: the GGUF metadata mapping above must not import torch
+
     codes = torch.stack([blocks & 15, blocks >> 4], dim=-1).flatten(-2)  # [..., 32] in order
     return codes[..., :16] | codes[..., 16:] << 4
 
@@ -177,6 +181,8 @@ def _ggml_codes(blocks: torch.Tensor) -> torch.Tensor:
 def mxfp4_from_hub(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> torch.Tensor:
     """The Hub's MXFP4 experts (blocks uint8 [E, rows, G, 16], scales uint8 [E, rows, G])
     as GGML MXFP4 rows uint8 [E, rows, G * 17], expert by expert (one copy)."""
+    import torch
+
     if (
         blocks.dtype != torch.uint8
         or scales.dtype != torch.uint8
