@@ -23,10 +23,12 @@ and for text the grammar forces, the longest tokens that spell it.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -184,19 +186,32 @@ class Grammar:
 
 
 class Constraint:
-    """One sequence's place in a grammar: masks logits, then takes the token drawn."""
+    """One sequence's place in a grammar: masks logits, then takes the token drawn.
+
+    The mask for the next token is computed on a worker thread as soon as a token is
+    taken (llguidance lets go of the GIL), so it overlaps the model's forward pass that
+    comes between; `apply` waits for it.
+    """
 
     def __init__(self, grammar: Grammar, matcher: Any) -> None:
         self.grammar, self.matcher = grammar, matcher
         self.size = grammar.vocab.size
         self.bits = np.zeros((1, (self.size + 31) // 32), dtype=np.int32)
-        self._ready = False  # whether `bits` already holds the mask for the next token
+        self._pending: Future | None = _workers().submit(self._fill)  # overlaps the prefill
+
+    def _fill(self) -> None:
+        _llguidance().numpy.fill_next_token_bitmask(self.matcher, self.bits)
 
     def compute(self) -> None:
-        """Fill the mask for the next token (the batching scheduler may do it beforehand)."""
-        if not self._ready:
-            _llguidance().numpy.fill_next_token_bitmask(self.matcher, self.bits)
-            self._ready = True
+        """Have the mask for the next token in `bits` (waiting for the worker's)."""
+        pending = self._pending
+        if pending is _DONE:
+            return
+        if pending is None:
+            self._fill()
+        else:
+            pending.result()
+        self._pending = _DONE
 
     def allowed(self) -> np.ndarray:
         """Whether each token id may come next, as a bool array of the vocabulary's size."""
@@ -213,25 +228,42 @@ class Constraint:
         allowed = self.allowed()
         n = min(self.size, logits.shape[-1])
         if logits.device.type == "cpu" and logits.dtype == torch.float32:
-            out = logits.numpy().copy()
-            out[n:] = -np.inf  # ids the tokenizer does not have (padded embeddings)
-            np.copyto(out[:n], -np.inf, where=~allowed[:n])
+            raw = logits.numpy()
+            out = np.full(raw.shape, -np.inf, dtype=np.float32)  # ids past the tokenizer's too
+            np.copyto(out[:n], raw[:n], where=allowed[:n])
             return torch.from_numpy(out)
         keep = torch.zeros(logits.shape[-1], dtype=torch.bool)
         keep[:n] = torch.from_numpy(allowed[:n].copy())
         return logits.masked_fill(~keep.to(logits.device), float("-inf"))
 
     def accept(self, token: int) -> None:
-        self._ready = False
+        if self._pending not in (None, _DONE):
+            self._pending.result()  # a mask still being computed reads the matcher
+        self._pending = None
         if self.matcher.is_stopped() and not self.matcher.is_error():
             return  # complete: what follows (ends of text, with ignore_eos) is not its business
         if not self.matcher.consume_token(token):
             raise GrammarError(f"{self.grammar.what}: {self.matcher.get_error()}")
+        if not self.matcher.is_stopped():
+            self._pending = _workers().submit(self._fill)
 
     @property
     def done(self) -> bool:
         """Whether the grammar is complete and only an end of text may follow."""
         return self.matcher.is_stopped()
+
+
+_DONE = object()  # `_pending` when `bits` holds the next token's mask
+_WORKERS: list[ThreadPoolExecutor] = []
+
+
+def _workers() -> ThreadPoolExecutor:
+    if not _WORKERS:
+        with _VOCAB_LOCK:
+            if not _WORKERS:
+                count = min(4, os.cpu_count() or 1)
+                _WORKERS.append(ThreadPoolExecutor(count, thread_name_prefix="llmrun-grammar"))
+    return _WORKERS[0]
 
 
 # --- JSON schemas ---------------------------------------------------------------------

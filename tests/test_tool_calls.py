@@ -494,3 +494,45 @@ def test_tool_choice_forces_a_call_that_fits_the_schema(family):
             model=name, messages=messages, temperature=0, stream=True, **args
         )
         assert without_ids(reassemble(stream)) == without_ids(whole(reply))
+
+
+def test_tools_with_a_response_format_allow_a_call_or_the_json_answer(family):
+    """With tool_choice auto and a response format, the model may call (its own choice
+    here, though the grammar has it spell the call in the tokens that spell forced text)
+    or answer, and then only JSON of the schema: where it wanted to say something else,
+    what it says is one of the two."""
+    from tool_families import WEATHER as STRICT_WEATHER
+
+    fam, _, client, name = family
+    schema = {
+        "type": "object",
+        "properties": {"sunny": {"type": "boolean"}},
+        "required": ["sunny"],
+        "additionalProperties": False,
+    }
+    response_format = {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}
+    args = dict(tools=[STRICT_WEATHER], response_format=response_format, max_tokens=120)
+    args["parallel_tool_calls"] = False  # a scripted model would not stop calling
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    if "Qwen3" not in fam.template:  # Qwen3 would think first, which the grammar forbids
+        content, _, calls, finish = whole(
+            client.chat.completions.create(model=name, messages=messages, temperature=0, **args)
+        )
+        assert (content, finish) == ("", "tool_calls")
+        assert [c["name"] for c in calls] == ["get_weather"]
+        assert json.loads(calls[0]["arguments"]) in ({"city": "Paris"}, {"city": "Rome"})
+    call = {
+        "id": get_format(fam.name).new_id(),
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    messages += [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": RESULT},
+    ]
+    reply = client.chat.completions.create(model=name, messages=messages, temperature=0, **args)
+    content, _, calls, finish = whole(reply)
+    if calls:
+        assert (content, finish, calls[0]["name"]) == ("", "tool_calls", "get_weather")
+    else:
+        assert finish == "stop" and set(json.loads(content)) == {"sunny"}
