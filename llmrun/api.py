@@ -301,6 +301,14 @@ def _eos_ids(checkpoint: Checkpoint, tokenizer: Tokenizer) -> list[int]:
     ids = set(tokenizer.eog_ids)
     for source in (checkpoint.generation_config, checkpoint.config):
         ids.update(_as_list(source.get("eos_token_id")))
+    # Harmony (gpt-oss): <|end|> ends a message, not the generation, where <|return|> and
+    # <|call|> end it (llama.cpp's rule, which GGUF tokenizers already follow).
+    end, ends = (
+        tokenizer.token_id("<|end|>"),
+        {tokenizer.token_id(t) for t in ("<|return|>", "<|call|>")},
+    )
+    if end is not None and None not in ends and ends <= ids:
+        ids.discard(end)
     return sorted(i for i in ids if 0 <= i < tokenizer.vocab_size)
 
 

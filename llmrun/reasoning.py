@@ -2,7 +2,12 @@
 
 Reasoning models think before they answer, between a pair of marker tokens: `<think>` and
 `</think>` for Qwen3, DeepSeek-R1 and its distills (whose templates may open the `<think>`
-in the prompt themselves). The markers are found in the tokenizer's vocabulary, never in a
+in the prompt themselves). gpt-oss writes harmony messages instead,
+`<|start|>assistant<|channel|>NAME<|message|>...<|end|>`: the `analysis` channel is its
+reasoning, `final` its answer, and `commentary` its tool calls (a header with
+`to=functions.NAME`) and their preambles, kept as a kind of its own (COMMENTARY) whose
+pieces are the messages as written, header and markers included as fed, so a tool-call
+parser can read them. The markers are found in the tokenizer's vocabulary, never in a
 list of model names; a model without them has no reasoning to split. Splitting works on
 token ids, so a marker is recognised however the text around it is cut into pieces.
 
@@ -13,11 +18,15 @@ does not read is refused rather than silently ignored.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-REASONING, ANSWER = "reasoning", "answer"
+REASONING, ANSWER, COMMENTARY = "reasoning", "answer", "commentary"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# Harmony's message tokens: start, channel, message, end (required), return, call.
+HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>")
+_CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
 EFFORTS = ("low", "medium", "high")
 
 
@@ -39,8 +48,31 @@ class Markers:
         return prompt.rfind(self.open_text) > prompt.rfind(self.close_text)
 
 
-def find_markers(tokenizer: _Vocab) -> Markers | None:
-    """The model's reasoning markers, if its vocabulary has both as single tokens."""
+@dataclass(frozen=True)
+class Harmony:
+    """The token ids of harmony's message structure (gpt-oss): <|start|>, <|channel|>,
+    <|message|>, <|end|>, and <|return|> and <|call|> where the vocabulary has them."""
+
+    start: int
+    channel: int
+    message: int
+    end: int
+    return_: int | None = None
+    call: int | None = None
+
+    @property
+    def ends(self) -> tuple[int | None, ...]:
+        """The tokens that end a message."""
+        return (self.end, self.return_, self.call)
+
+
+def find_markers(tokenizer: _Vocab) -> Markers | Harmony | None:
+    """The model's reasoning markers: harmony's message tokens if its vocabulary has the
+    four it needs (a structure no <think> model's vocabulary has), else <think> and
+    </think> if it has both as single tokens."""
+    ids = [tokenizer.token_id(t) for t in HARMONY_TOKENS]
+    if None not in ids[:4]:
+        return Harmony(*ids)
     open_id, close_id = tokenizer.token_id(THINK_OPEN), tokenizer.token_id(THINK_CLOSE)
     if open_id is None or close_id is None:
         return None
@@ -48,8 +80,8 @@ def find_markers(tokenizer: _Vocab) -> Markers | None:
 
 
 class Piece(str):
-    """A piece of generated text that knows the part it belongs to (REASONING or ANSWER),
-    so code that only joins text keeps working."""
+    """A piece of generated text that knows the part it belongs to (REASONING, ANSWER or,
+    for harmony, COMMENTARY), so code that only joins text keeps working."""
 
     kind: str
 
@@ -66,18 +98,32 @@ class Splitter:
     whitespace models put around it (so whitespace inside it is held back until the next
     printable text), and so is the start of an answer that follows reasoning; an answer
     without reasoning passes exactly as generated.
+
+    With Harmony markers it reads harmony messages: headers (up to <|message|>) print
+    nothing, an `analysis` message is reasoning, `final` (or any other channel) the
+    answer, and a `commentary` message or one with a recipient (` to=`) COMMENTARY,
+    passed as fed from its <|start|> to its end marker. Each token counts towards the
+    kind of the message it belongs to, its header and end marker included; text outside
+    any message passes as answer.
     """
 
-    def __init__(self, markers: Markers | None, prompt: str = "") -> None:
+    def __init__(self, markers: Markers | Harmony | None, prompt: str = "") -> None:
         self.markers = markers
-        self.kind = REASONING if markers and markers.opened_by(prompt) else ANSWER
         self.tokens = {REASONING: 0, ANSWER: 0}
         self.text = {REASONING: "", ANSWER: ""}
         self._pending = ""
+        self.kind = ANSWER
+        if isinstance(markers, Harmony):
+            self.tokens[COMMENTARY], self.text[COMMENTARY] = 0, ""
+            self._harmony_from(prompt)
+        elif markers is not None and markers.opened_by(prompt):
+            self.kind = REASONING
 
     def feed(self, token: int | None, text: str) -> list[Piece]:
         """The printable pieces for one generated token (`text` is its decoded text)."""
         markers = self.markers
+        if isinstance(markers, Harmony):
+            return self._harmony(markers, token, text)
         if markers is not None and token in (markers.open_id, markers.close_id):
             marker = markers.open_text if token == markers.open_id else markers.close_text
             before = self._emit(text.replace(marker, "", 1))
@@ -88,6 +134,72 @@ class Splitter:
         if token is not None:
             self.tokens[self.kind] += 1
         return self._emit(text)
+
+    # ---- harmony ------------------------------------------------------------------------
+
+    def _harmony_from(self, prompt: str) -> None:
+        """Where the prompt leaves the reply: in a header (a template that ends with
+        `<|start|>assistant`), in a message's body (one that also opens the channel), or
+        outside any message."""
+        self.header: str | None = None  # the open header's generated text, None outside one
+        # The open header as classified: the prompt's part, then the generated one with
+        # <|channel|> written out (the text fed for a special token may be empty).
+        self._head = ""
+        self._counted = 0  # the open header's tokens, counted once its kind is known
+        self._open = False  # whether a message's body is open
+        start = prompt.rfind("<|start|>")
+        ends = max(prompt.rfind(t) for t in HARMONY_TOKENS[3:])
+        if start < 0 or ends > start:
+            return
+        head, found, _ = prompt[start:].partition("<|message|>")
+        if found:
+            self._open_body(head)
+        else:
+            self._head, self.header = head, ""
+
+    def _open_body(self, header: str) -> None:
+        channel = _CHANNEL.search(header)
+        name = channel.group(1) if channel else ""
+        if " to=" in header or name == "commentary":
+            self.kind = COMMENTARY
+        elif name == "analysis":
+            self.kind = REASONING
+            if self.text[REASONING]:
+                self._pending = "\n"  # messages of reasoning apart by a line
+        else:
+            self.kind = ANSWER
+        self.header, self._head, self._open = None, "", True
+
+    def _harmony(self, m: Harmony, token: int | None, text: str) -> list[Piece]:
+        counted = token is not None
+        if token == m.start or (token == m.channel and self.header is None and not self._open):
+            # A new message (one still open ends here, as if closed).
+            self._close()
+            self.header, self._head, self._counted = "", "", 0
+        if self.header is not None:  # in a header: nothing prints until <|message|>
+            self.header += text
+            self._head += "<|channel|>" if token == m.channel else "" if token == m.start else text
+            self._counted += counted
+            if token != m.message:
+                return []
+            header = self.header
+            self._open_body(self._head)
+            self.tokens[self.kind] += self._counted
+            return self._commentary(header) if self.kind == COMMENTARY else []
+        self.tokens[self.kind] += counted
+        if counted and token in m.ends:
+            out = self._commentary(text) if self.kind == COMMENTARY else []
+            self._close()
+            return out
+        return self._commentary(text) if self.kind == COMMENTARY else self._emit(text)
+
+    def _close(self) -> None:
+        """End the open message: what follows outside any message is answer."""
+        self._open, self._pending, self.kind = False, "", ANSWER
+
+    def _commentary(self, text: str) -> list[Piece]:
+        self.text[COMMENTARY] += text
+        return [Piece(COMMENTARY, text)] if text else []
 
     def _emit(self, text: str) -> list[Piece]:
         if self.kind == ANSWER:
