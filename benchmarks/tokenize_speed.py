@@ -1,12 +1,15 @@
 """Tokenizer speed: building from GGUF metadata, batch against per-line encoding, the CLI.
 
     python benchmarks/tokenize_speed.py [--vocab-dir DIR] [--mb 4] [--threads 1,2,0] [-r 3]
+                                        [--build-only]
 
 Reads llama.cpp's vocabularies (`python tests/data/fetch.py` puts them in
 tests/data/cache/vocab/) and prints three tables:
 
-- build: seconds (best of -r) for `Tokenizer.from_gguf_metadata` on each vocabulary, the
-  GGUF header read (`read_gguf`) apart. "spm-262k" is Gemma 4's 262,144 tokens given
+- build: CPU seconds (the least of -r runs; CPU time, as other work on the machine stretches
+  wall time) for `Tokenizer.from_gguf_metadata` on each vocabulary, the GGUF header read
+  (`read_gguf`) apart, and of it the `tokenizers` library's own `BPE(vocab, merges)`
+  constructor, the floor of any build. "spm-262k" is Gemma 4's 262,144 tokens given
   SentencePiece scores (-id), standing in for Gemma 3's SentencePiece vocabulary.
 - batch: texts/s and tokens/s for --mb MB of text (llama.cpp's test strings, CJK text and
   the sources of Python's standard library; one text per line), encoded by a plain
@@ -34,13 +37,19 @@ BUILD_VOCABS = ["gpt-2", "llama-spm", "llama-bpe", "qwen2", "command-r", "gemma-
 BATCH_VOCABS = ["llama-bpe", "qwen2", "gemma-4", "llama-spm"]
 
 
-def best(fn, repeat: int) -> float:
+def best(fn, repeat: int, clock=time.perf_counter) -> float:
+    """The least time of `repeat` calls; what `fn` returns is freed after the clock stops."""
     times = []
     for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
+        start = clock()
+        result = fn()
+        times.append(clock() - start)
+        del result
     return min(times)
+
+
+def cpu_best(fn, repeat: int) -> float:
+    return best(fn, repeat, time.process_time)
 
 
 def corpus(vocab_dir: Path, megabytes: float) -> list[str]:
@@ -61,7 +70,11 @@ def corpus(vocab_dir: Path, megabytes: float) -> list[str]:
 
 
 def build_times(vocab_dir: Path, repeat: int) -> list[dict]:
+    from tokenizers.models import BPE
+
+    from llmrun import tokenizer_gguf
     from llmrun.loading.gguf_io import read_gguf
+    from llmrun.spm_merges import spm_merges
     from llmrun.tokenizer import Tokenizer
 
     rows = []
@@ -69,7 +82,7 @@ def build_times(vocab_dir: Path, repeat: int) -> list[dict]:
         path = vocab_dir / f"ggml-vocab-{'gemma-4' if name == 'spm-262k' else name}.gguf"
         if not path.is_file():
             continue
-        read = best(lambda: read_gguf(path, with_tensors=False), repeat)  # noqa: B023
+        read = cpu_best(lambda: read_gguf(path, with_tensors=False), repeat)  # noqa: B023
         meta = read_gguf(path, with_tensors=False).metadata
         if name == "spm-262k":
             meta = {k: v for k, v in meta.items() if k != "tokenizer.ggml.merges"}
@@ -77,14 +90,22 @@ def build_times(vocab_dir: Path, repeat: int) -> list[dict]:
             meta["tokenizer.ggml.scores"] = [
                 -float(i) for i in range(len(meta["tokenizer.ggml.tokens"]))
             ]
-        build = best(lambda: Tokenizer.from_gguf_metadata(meta, str(path)), repeat)  # noqa: B023
+        build = cpu_best(lambda: Tokenizer.from_gguf_metadata(meta, str(path)), repeat)  # noqa: B023
+        # The same vocabulary and merges as the build gives the library.
+        vocab = tokenizer_gguf._gguf_vocab(meta["tokenizer.ggml.tokens"])
+        if meta["tokenizer.ggml.model"] == "llama":
+            merges = spm_merges(vocab, meta["tokenizer.ggml.scores"])
+        else:
+            merges = tokenizer_gguf._split_merges(meta["tokenizer.ggml.merges"])
+        library = cpu_best(lambda: BPE(vocab, merges), repeat)  # noqa: B023
         rows.append(
             {
                 "vocab": name,
                 "tokens": len(meta["tokenizer.ggml.tokens"]),
-                "merges": len(meta.get("tokenizer.ggml.merges", [])),
+                "merges": len(merges),
                 "read_s": read,
                 "build_s": build,
+                "bpe_s": library,
             }
         )
     return rows
@@ -182,6 +203,7 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=4.0, help="MB of text for the batch runs")
     parser.add_argument("--threads", default="1,2,0", help="encode_batch thread counts")
     parser.add_argument("-r", "--repeat", type=int, default=3)
+    parser.add_argument("--build-only", action="store_true", help="only the build table")
     args = parser.parse_args()
     if not any(args.vocab_dir.glob("ggml-vocab-*.gguf")):
         sys.exit(f"no ggml-vocab-*.gguf in {args.vocab_dir}: run python tests/data/fetch.py")
@@ -200,28 +222,32 @@ def main() -> None:
                 "vocab": "vocab",
                 "tokens": "tokens",
                 "merges": "merges",
-                "read_s": "read_gguf s",
-                "build_s": "from_gguf_metadata s",
+                "read_s": "read_gguf CPU s",
+                "build_s": "from_gguf_metadata CPU s",
+                "bpe_s": "of which BPE() CPU s",
             },
         )
     )
-    rates = batch_rates(args.vocab_dir, lines_file, args.threads.split(","), args.repeat)
-    print()
-    print(
-        table(
-            rates,
-            {
-                "vocab": "vocab",
-                "how": "how",
-                "texts_per_s": "texts/s",
-                "tokens_per_s": "tokens/s",
-                "seconds": "s",
-            },
+    rates: list[dict] = []
+    cli: list[dict] = []
+    if not args.build_only:
+        rates = batch_rates(args.vocab_dir, lines_file, args.threads.split(","), args.repeat)
+        print()
+        print(
+            table(
+                rates,
+                {
+                    "vocab": "vocab",
+                    "how": "how",
+                    "texts_per_s": "texts/s",
+                    "tokens_per_s": "tokens/s",
+                    "seconds": "s",
+                },
+            )
         )
-    )
-    cli = cli_times(args.vocab_dir, lines_file, args.repeat)
-    print()
-    print(table(cli, {"command": "command", "seconds": "wall s"}))
+        cli = cli_times(args.vocab_dir, lines_file, args.repeat)
+        print()
+        print(table(cli, {"command": "command", "seconds": "wall s"}))
     record = {
         "lines": len(texts),
         "bytes": size,

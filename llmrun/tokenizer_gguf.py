@@ -1,0 +1,399 @@
+"""A tokenizer's parts from GGUF `tokenizer.ggml.*` metadata, as llama.cpp reads it.
+
+The vocabulary (text -> id), the merges (the file's own for BPE, "gpt2" and "gemma4"; derived
+from the scores for SentencePiece, "llama", by llmrun.spm_merges), the `tokenizers` backend
+with llama.cpp's pre-tokenizer for the file's `tokenizer.ggml.pre` (llmrun.pretokenizers), and
+llama.cpp's rules for which tokens are control, user-defined, unused or end generation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import itertools
+import operator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from gguf import Keys, TokenType
+from tokenizers import AddedToken, normalizers
+from tokenizers import Tokenizer as Backend
+from tokenizers.models import BPE
+
+from llmrun.errors import TokenizerError, UnsupportedError
+from llmrun.pretokenizers import PRE_TOKENIZERS, SPM_SPACE, PreTokenizer, pre_tokenizer
+from llmrun.spm_merges import spm_merges
+from llmrun.token_bytes import byte_level_bytes, raw, spm_bytes
+
+# Token texts llama.cpp treats as end of generation (and as control tokens) in any vocabulary.
+END_OF_GENERATION = (
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<|flush|>",
+    "<|calls|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "</s>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "[EOT]",
+    "[EOS]",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+    "<eos>",
+    "<turn|>",
+    "<|tool_response>",
+    "<\uff5cend\u2581of\u2581sentence\uff5c>",  # DeepSeek's
+    "[e~[",
+)
+# Fill-in-the-middle tokens, found by their text where the file names none: llama.cpp makes
+# them control tokens, and the pad, repo and file-separator ones end generation.
+_FIM_TEXTS = {
+    Keys.Tokenizer.FIM_PRE_ID: (
+        "<|fim_prefix|>",
+        "<fim-prefix>",
+        "<fim_prefix>",
+        "<\uff5cfim\u2581begin\uff5c>",
+        "<PRE>",
+        "\u2581<PRE>",
+        "<|code_prefix|>",
+        "<|prefix|>",
+    ),
+    Keys.Tokenizer.FIM_SUF_ID: (
+        "<|fim_suffix|>",
+        "<fim-suffix>",
+        "<fim_suffix>",
+        "<\uff5cfim\u2581hole\uff5c>",
+        "<SUF>",
+        "\u2581<SUF>",
+        "<|code_suffix|>",
+        "<|suffix|>",
+    ),
+    Keys.Tokenizer.FIM_MID_ID: (
+        "<|fim_middle|>",
+        "<fim-middle>",
+        "<fim_middle>",
+        "<\uff5cfim\u2581end\uff5c>",
+        "<MID>",
+        "\u2581<MID>",
+        "<|code_middle|>",
+        "<|middle|>",
+    ),
+    Keys.Tokenizer.FIM_PAD_ID: ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    Keys.Tokenizer.FIM_REP_ID: (
+        "<|fim_repo|>",
+        "<|repo_name|>",
+        "<fim-repo>",
+        "<REPO>",
+        "<reponame>",
+    ),
+    Keys.Tokenizer.FIM_SEP_ID: ("<|file_sep|>",),
+}
+_FIM_ENDS = (Keys.Tokenizer.FIM_PAD_ID, Keys.Tokenizer.FIM_REP_ID, Keys.Tokenizer.FIM_SEP_ID)
+_FIM_OLD_KEYS = {  # the names older files use
+    Keys.Tokenizer.FIM_PRE_ID: Keys.Tokenizer.PREFIX_ID,
+    Keys.Tokenizer.FIM_SUF_ID: Keys.Tokenizer.SUFFIX_ID,
+    Keys.Tokenizer.FIM_MID_ID: Keys.Tokenizer.MIDDLE_ID,
+}
+# gpt-oss: llama.cpp always matches and prints these, even where the file calls them control.
+_ALWAYS_SHOWN = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
+GGUF_MODELS = ("llama", "gpt2", "gemma4")
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """No garbage collection inside: building a vocabulary makes a million tuples and no
+    cycles, and the collector, run every few hundred of them, would find nothing."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@_gc_paused()
+def tokenizer_args(metadata: dict[str, Any], source: str) -> dict[str, Any]:
+    """Keyword arguments of `Tokenizer` for GGUF metadata, as llama.cpp reads it; `source`
+    names the file in errors."""
+    model = metadata.get(Keys.Tokenizer.MODEL)
+    if model not in GGUF_MODELS:
+        if model is None:
+            raise TokenizerError(f"{source}: no {Keys.Tokenizer.MODEL} in the metadata")
+        raise UnsupportedError(
+            f"{source}: {Keys.Tokenizer.MODEL} {model!r} is not supported "
+            f"(supported: {', '.join(map(repr, GGUF_MODELS))})"
+        )
+    tokens = metadata.get(Keys.Tokenizer.LIST)
+    if not isinstance(tokens, list) or not tokens:
+        raise TokenizerError(f"{source}: no {Keys.Tokenizer.LIST} in the metadata")
+    n = len(tokens)
+    types = _gguf_array(metadata, Keys.Tokenizer.TOKEN_TYPE, n, source, TokenType.NORMAL)
+
+    def token_id(key: str, default: int | None = None) -> int | None:
+        value = metadata.get(key, default)
+        # Files write 0xFFFFFFFF (or any id past the end) for "no such token".
+        return value if isinstance(value, int) and 0 <= value < n else None
+
+    spm = model == "llama"
+    vocab = _gguf_vocab(tokens)
+    if spm:
+        pre = None
+        add_prefix = bool(metadata.get(Keys.Tokenizer.ADD_PREFIX, True))
+        backend = _spm_backend(metadata, tokens, vocab, n, source, add_prefix)
+        add_bos_default = True
+        bos, eos = token_id(Keys.Tokenizer.BOS_ID, 1), token_id(Keys.Tokenizer.EOS_ID, 2)
+    else:
+        # llama.cpp reads no tokenizer.ggml.pre for Gemma 4's own tokenizer model, and takes
+        # a missing or empty one for "default".
+        name = "gemma4" if model == "gemma4" else metadata.get(Keys.Tokenizer.PRE) or "default"
+        pre = PRE_TOKENIZERS.get(name)
+        if pre is None:
+            raise UnsupportedError(
+                f"{source}: pre-tokenizer {Keys.Tokenizer.PRE} = {name!r} is not supported "
+                f"(llmrun knows the {len(PRE_TOKENIZERS)} values llama.cpp knows for BPE, "
+                "as of llama-cpp-python 0.3.36; they are listed in llmrun/pretokenizers.py)"
+            )
+        add_prefix = False
+        backend = _bpe_backend(metadata, vocab, pre, source)
+        add_bos_default = pre.add_bos
+        bos, eos = token_id(Keys.Tokenizer.BOS_ID), token_id(Keys.Tokenizer.EOS_ID)
+
+    marks = _Marks.from_gguf(metadata, tokens, types, vocab, token_id, bos, eos)
+    backend.add_tokens(
+        [
+            AddedToken(
+                tokens[i],
+                special=i in marks.special,
+                normalized=False,
+                lstrip=i in marks.lstrip,
+                rstrip=i in marks.rstrip,
+            )
+            for i in sorted(marks.special | marks.user)
+            if tokens[i] in vocab
+        ]
+    )
+    verbatim = marks.special | marks.user | marks.unused
+    byte_level = pre is not None and pre.byte_level
+
+    def spell(i: int) -> bytes:
+        if i in verbatim:
+            # llama.cpp prints nothing for unused tokens.
+            return b"" if i in marks.unused else raw(tokens[i])
+        if byte_level:
+            return byte_level_bytes(tokens[i])
+        return spm_bytes(tokens[i], types[i] == TokenType.BYTE)
+
+    add_bos = bool(metadata.get(Keys.Tokenizer.ADD_BOS, add_bos_default))
+    add_bos |= pre is not None and pre.bos_always
+    return dict(
+        backend=backend,
+        spell=spell,
+        vocab_size=n,
+        bos_id=bos,
+        eos_id=eos,
+        add_bos=add_bos,
+        add_eos=bool(metadata.get(Keys.Tokenizer.ADD_EOS, False)),
+        special_ids=marks.special,
+        eog_ids=marks.eog,
+        strip_leading_space=spm and add_prefix,
+        source=source,
+    )
+
+
+def _gguf_array(metadata: dict[str, Any], key: str, n: int, source: str, default: Any) -> list:
+    values = metadata.get(key)
+    if values is None:
+        return [default] * n
+    if not isinstance(values, list) or len(values) != n:
+        got = len(values) if isinstance(values, list) else type(values).__name__
+        raise TokenizerError(f"{source}: {key} has {got} entries, but there are {n} tokens")
+    return values
+
+
+def _gguf_vocab(tokens: list[str]) -> dict[str, int]:
+    """Token text -> id, the later id winning as in llama.cpp, without tokens no text can match
+    (empty ones, and ones that are not valid UTF-8, which `tokenizers` cannot hold)."""
+    vocab = dict(zip(tokens, range(len(tokens)), strict=False))
+    vocab.pop("", None)
+    try:
+        "".join(tokens).encode("utf-8")
+    except UnicodeEncodeError:
+        for t in [t for t in vocab if not _is_utf8(t)]:
+            del vocab[t]
+    return vocab
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _spm_backend(
+    metadata: dict[str, Any],
+    tokens: list[str],
+    vocab: dict[str, int],
+    n: int,
+    source: str,
+    add_prefix: bool,
+) -> Backend:
+    scores = _gguf_array(metadata, Keys.Tokenizer.SCORES, n, source, 0.0)
+    unk = metadata.get(Keys.Tokenizer.UNK_ID, 0)
+    unk_token = tokens[unk] if isinstance(unk, int) and 0 <= unk < n else None
+    bpe = BPE(
+        vocab,
+        spm_merges(vocab, scores),
+        unk_token=unk_token if unk_token in vocab else None,
+        byte_fallback=True,
+    )
+    backend = Backend(bpe)
+    escape = normalizers.Replace(" ", SPM_SPACE)
+    # llama.cpp adds the space prefix to every run of text, also after a special token.
+    backend.normalizer = (
+        normalizers.Sequence([normalizers.Prepend(SPM_SPACE), escape]) if add_prefix else escape
+    )
+    return backend
+
+
+def _bpe_backend(
+    metadata: dict[str, Any], vocab: dict[str, int], pre: PreTokenizer, source: str
+) -> Backend:
+    merges = metadata.get(Keys.Tokenizer.MERGES)
+    if not isinstance(merges, list):
+        raise TokenizerError(f"{source}: no {Keys.Tokenizer.MERGES} in the metadata")
+    try:
+        bpe = BPE(
+            vocab,
+            _split_merges(merges),
+            ignore_merges=pre.ignore_merges,
+            # Without GPT-2's byte alphabet, a character outside the vocabulary is spelled
+            # with <0xXX> byte tokens.
+            byte_fallback=not pre.byte_level,
+        )
+    except Exception as e:
+        raise TokenizerError(
+            f"{source}: {Keys.Tokenizer.MERGES} does not fit {Keys.Tokenizer.LIST}: {e}"
+        ) from None
+    backend = Backend(bpe)
+    if pre.escape_spaces:
+        backend.normalizer = normalizers.Replace(" ", SPM_SPACE)
+    backend.pre_tokenizer = pre_tokenizer(pre)
+    return backend
+
+
+@dataclass
+class _Marks:
+    """Token ids by the part llama.cpp gives them beyond plain text."""
+
+    special: set[int]  # control and unknown: parsed only when asked, skipped in decode
+    user: set[int]  # user-defined: always matched, always printed
+    unused: set[int]  # printed as nothing
+    eog: set[int]  # end generation
+    lstrip: set[int]  # swallow the whitespace before them
+    rstrip: set[int]  # and after them
+
+    @classmethod
+    def from_gguf(
+        cls,
+        metadata: dict[str, Any],
+        tokens: list[str],
+        types: list[int],
+        vocab: dict[str, int],
+        token_id: Callable[[str], int | None],
+        bos: int | None,
+        eos: int | None,
+    ) -> _Marks:
+        """As llama_vocab::impl::load marks them: the file's token types, then its fixes."""
+        kinds: dict[int, set[int]] = {int(t): set() for t in TokenType}
+        normal = int(TokenType.NORMAL)
+        marked = map(operator.ne, types, itertools.repeat(normal))
+        for i in itertools.compress(range(len(types)), marked):
+            if types[i] in kinds:
+                kinds[types[i]].add(i)
+        control = kinds[TokenType.CONTROL] | kinds[TokenType.UNKNOWN]
+        user = kinds[TokenType.USER_DEFINED]
+        eog = {i for i in (eos, token_id(Keys.Tokenizer.EOT_ID), token_id(Keys.Tokenizer.EOM_ID))}
+        for key, texts in _FIM_TEXTS.items():
+            fim = token_id(key)
+            if fim is None and key in _FIM_OLD_KEYS:
+                fim = token_id(_FIM_OLD_KEYS[key])
+            if fim is None:
+                fim = next((vocab[t] for t in texts if t in vocab), None)
+                control |= {fim} if fim is not None else set()
+            if key in _FIM_ENDS:
+                eog.add(fim)
+        ends = {vocab[t] for t in END_OF_GENERATION if t in vocab}
+        control |= ends
+        eog |= ends
+        eog.discard(None)
+        shown = {vocab[t] for t in _ALWAYS_SHOWN if t in vocab}
+        control -= shown
+        user |= shown
+        text = {i: tokens[i] for i in eog}
+        # gpt-oss (and Solar Open): <|end|> ends a message, not the generation.
+        if "<|end|>" in text.values() and (
+            {"<|return|>", "<|call|>"} <= set(text.values())
+            or {"<|calls|>", "<|flush|>"} <= set(text.values())
+        ):
+            end = next(i for i, t in text.items() if t == "<|end|>")
+            eog.discard(end)
+            control.discard(end)
+            user.add(end)
+        # Gemma 4 (and PLaMo 2): </s> is a plain token.
+        if "</s>" in text.values() and {"<|tool_response>", "<|plamo:eos|>"} & set(text.values()):
+            plain = next(i for i, t in text.items() if t == "</s>")
+            eog.discard(plain)
+            control.discard(plain)
+            user.discard(plain)
+        user -= control
+        lstrip, rstrip = _stripped(metadata, vocab, control | user)
+        return cls(control, user, kinds[TokenType.UNUSED] - control - user, eog, lstrip, rstrip)
+
+
+def _stripped(
+    metadata: dict[str, Any], vocab: dict[str, int], ids: set[int]
+) -> tuple[set[int], set[int]]:
+    """Special tokens that swallow the whitespace before or after them: llama.cpp sets this by
+    model, recognised by pre-tokenizer, architecture or general.name, as their tokenizer.json
+    files do."""
+    pre = str(metadata.get(Keys.Tokenizer.PRE, ""))
+    arch = str(metadata.get(Keys.General.ARCHITECTURE, ""))
+    name = str(metadata.get(Keys.General.NAME, "")).lower()
+
+    def ids_of(*texts: str) -> set[int]:
+        return {vocab[t] for t in texts if t in vocab and vocab[t] in ids}
+
+    if any(p in pre for p in ("jina-v2-de", "jina-v2-es", "jina-v2-code")) or any(
+        a in arch for a in ("nomic-bert-moe", "jina-bert-v3")
+    ):
+        return ids_of("<mask>"), set()
+    if "phi-3" in name or "phi3" in name:
+        return set(), ids - ids_of("<unk>", "<s>", "<|endoftext|>")
+    if "modern-bert" in name:
+        return ids_of("[MASK]"), set()
+    return set(), set()
+
+
+def _split_merges(merges: list[str]) -> list[tuple[str, str]]:
+    """Cut each merge "a b" at the first space after its first character, as llama.cpp does; a
+    merge without one can never apply there, and is left out."""
+    # Byte-level tokens hold no spaces, so splitting the joined list at once is the fast path.
+    parts = " ".join(merges).split(" ")
+    if (
+        len(parts) == 2 * len(merges)
+        and "" not in parts
+        and all(map(str.__contains__, merges, itertools.repeat(" ")))
+    ):
+        pairs = iter(parts)  # every merge has one space
+        return list(zip(pairs, pairs, strict=False))
+    cuts = ((m, m.find(" ", 1)) for m in merges)
+    return [(m[:cut], m[cut + 1 :]) for m, cut in cuts if cut > 0]
