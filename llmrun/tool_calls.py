@@ -347,8 +347,9 @@ def _harmony(fmt: ToolFormat, region: str) -> list[Item] | None:
         if not message.strip():
             continue
         header, found, body = message.partition("<|message|>")
-        if not found:
-            raise ValueError("a message without <|message|>")
+        if not found:  # text outside any message (a final answer the reader took apart)
+            content.append(message)
+            continue
         body = _HARMONY_END.split(body, 1)[0]
         recipient = _RECIPIENT.search(header)
         channel = _CHANNEL.search(header)

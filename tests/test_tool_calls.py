@@ -155,6 +155,15 @@ EXACT = [
         "It is sunny.",
         [],
     ),
+    # As the reasoning Splitter hands harmony on: a final answer's text, then a commentary
+    # message as written.
+    (
+        HARMONY,
+        "Let me look.<|start|>assistant<|channel|>commentary to=functions.get_weather "
+        '<|constrain|>json<|message|>{"city": "Paris"}',
+        "Let me look.",
+        [PARIS],
+    ),
 ]
 
 

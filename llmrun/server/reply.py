@@ -111,6 +111,7 @@ class ReplyReader:
         self.parser = ToolCallParser(fmt) if fmt is not None else None
         self.marker_ids = fmt.marker_ids(engine.tokenizer) if fmt is not None else {}
         self._started = False  # whether a plain transcript's reply has begun
+        self._content = ""  # the content, where no parser reads it
 
     def feed(self, event: GenResponse) -> list[Item]:
         text = event.text
@@ -121,17 +122,20 @@ class ReplyReader:
             self._started = bool(text)
         out: list[Item] = []
         for piece in self.split.feed(event.token, text):
-            if piece.kind == REASONING or self.parser is None:
+            if piece.kind == REASONING:
                 out.append(piece)
-            else:
+            elif self.parser is not None:
                 out.extend(self.parser.feed(piece))
+            else:  # the answer (and harmony's commentary, as written)
+                self._content += piece
+                out.append(Piece(ANSWER, piece))
         if event.finish_reason is not None and self.parser is not None:
             out.extend(self.parser.finish())
         return out
 
     @property
     def content(self) -> str:
-        return self.parser.content if self.parser is not None else self.split.text[ANSWER]
+        return self.parser.content if self.parser is not None else self._content
 
     @property
     def reasoning(self) -> str:
