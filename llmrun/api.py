@@ -25,7 +25,15 @@ from llmrun.generate import KVState, Response, TokenLogprob, stream_generate
 from llmrun.loading import safetensors_io
 from llmrun.loading.loader import Checkpoint, load_model
 from llmrun.models.cache import KVCache
-from llmrun.reasoning import ANSWER, REASONING, Markers, Splitter, find_markers, template_switches
+from llmrun.reasoning import (
+    ANSWER,
+    REASONING,
+    Harmony,
+    Markers,
+    Splitter,
+    find_markers,
+    template_switches,
+)
 from llmrun.sampling import Sampler, SamplingParams
 from llmrun.threads import default_threads
 from llmrun.tokenizer import Tokenizer, load_tokenizer
@@ -86,7 +94,8 @@ class Engine:
     dtype: torch.dtype
     checkpoint: Checkpoint
     load_seconds: float
-    markers: Markers | None = None  # the tokens around the model's reasoning, if it has them
+    # the tokens around the model's reasoning (harmony's message tokens), if it has them
+    markers: Markers | Harmony | None = None
     cache_type: str | None = None  # what the KV cache stores (CACHE_TYPES); None: the dtype
 
     def new_cache(self, batch: int, size: int) -> KVCache:
