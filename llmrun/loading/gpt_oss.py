@@ -62,7 +62,7 @@ _GLOBAL_NAMES = {
     TENSOR_NAMES[MODEL_TENSOR.OUTPUT]: "lm_head",
 }
 SINKS = TENSOR_NAMES[MODEL_TENSOR.ATTN_SINKS].split(".")[-1]
-# The stacked experts: gate, up, down (gguf_io.EXPERT_STACKS' names).
+# The stacked experts: gate, up, down (gguf_config.EXPERT_STACKS' names).
 EXPERT_STACKS = {
     TENSOR_NAMES[MODEL_TENSOR.FFN_GATE_EXP].split(".")[-1]: "gate_proj",
     TENSOR_NAMES[MODEL_TENSOR.FFN_UP_EXP].split(".")[-1]: "up_proj",

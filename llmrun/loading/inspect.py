@@ -150,7 +150,8 @@ def _gguf_tensors(parts: list[Path]) -> list[tuple[str, tuple[int, ...], int]]:
 def _describe_gguf(path: Path) -> dict[str, Any]:
     from gguf import Keys
 
-    from llmrun.loading.gguf_io import config_from_gguf, read_gguf
+    from llmrun.loading.gguf_config import config_from_gguf
+    from llmrun.loading.gguf_io import read_gguf
 
     parts = split_parts(path)
     header = read_gguf(parts[0], with_tensors=False)

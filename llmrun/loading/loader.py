@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from llmrun import native
 from llmrun.errors import ModelFormatError, ModelNotFoundError, UnsupportedError
-from llmrun.loading import gguf_io, gpt_oss, safetensors_io
+from llmrun.loading import gguf_config, gguf_io, gpt_oss, safetensors_io
 from llmrun.models import model_module
 from llmrun.quant import kernels
 from llmrun.quant.blocks import SUPPORTED_TYPES
@@ -188,19 +188,19 @@ def _open_gguf(path: Path) -> Checkpoint:
                 f"{path}: tensor {info.name!r} has weight type {info.ggml_type.name}, "
                 f"which llmrun does not support (supported: {supported})"
             )
-    config = gguf_io.config_from_gguf(gg)
+    config = gguf_config.config_from_gguf(gg)
     model_type = config["model_type"]
     weights = {}
     for info in gg.tensors.values():
-        if info.name in gguf_io.ROPE_TENSORS:
+        if info.name in gguf_config.ROPE_TENSORS:
             continue
-        name = gguf_io.hf_name(info.name, model_type)
+        name = gguf_config.hf_name(info.name, model_type)
         if name is None:
             raise UnsupportedError(
                 f"{path}: tensor {info.name!r} is not part of llmrun's {model_type} model"
             )
         tensor = gguf_io.load_tensor(gg, info)
-        if model_type in gguf_io.GEMMA_TYPES and name.endswith("norm.weight"):
+        if model_type in gguf_config.GEMMA_TYPES and name.endswith("norm.weight"):
             # llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w, for
             # x * weight (conversion/gemma.py: `data_torch + 1` on every
             # *norm.weight); the model holds HF's w and computes x * (1 + w).
@@ -219,7 +219,7 @@ def _open_gguf(path: Path) -> Checkpoint:
             shape = (1, shape[0])  # llama.cpp reads Qwen2-MoE's [1, hidden] as [hidden]
             tensor = tensor if quantized else tensor.view(shape)
         weights[name] = Weight(tensor, info.ggml_type if quantized else None, shape)
-    if model_type in gguf_io.MOE_TYPES:
+    if model_type in gguf_config.MOE_TYPES:
         _check_expert_stacks(gg, config)
     return Checkpoint(
         path, "gguf", config, weights, sampling_defaults=gguf_io.generation_defaults(gg), gguf=gg
@@ -251,7 +251,7 @@ def _expert_weights(
         )
     hidden = config["hidden_size"]
     width = config.get("moe_intermediate_size") or config["intermediate_size"]
-    down = info.name.split(".")[2] == gguf_io.EXPERT_STACKS[2]
+    down = info.name.split(".")[2] == gguf_config.EXPERT_STACKS[2]
     expected = (hidden, width) if down else (width, hidden)
     if info.shape[1:] != expected:
         raise ModelFormatError(
@@ -277,7 +277,7 @@ def _expert_biases(
     """Each expert's bias of a stack [experts, rows] (float), under its key: a view."""
     count, hidden = _n_experts(config), config["hidden_size"]
     width = config.get("moe_intermediate_size") or config["intermediate_size"]
-    rows = hidden if info.name.split(".")[2] == gguf_io.EXPERT_STACKS[2] else width
+    rows = hidden if info.name.split(".")[2] == gguf_config.EXPERT_STACKS[2] else width
     if info.ggml_type not in FLOAT_TYPES or tuple(info.shape) != (count, rows):
         raise ModelFormatError(
             f"{path}: tensor {info.name!r} is {info.ggml_type.name} {list(info.shape)}, but "
@@ -290,13 +290,13 @@ def _check_expert_stacks(gg: gguf_io.GGUFFile, config: dict[str, Any]) -> None:
     """Every layer has its three stacks of experts (llama.cpp's MoE families have
     experts in every layer)."""
     for layer in range(config["num_hidden_layers"]):
-        for stack in gguf_io.EXPERT_STACKS:
+        for stack in gguf_config.EXPERT_STACKS:
             name = f"blk.{layer}.{stack}.weight"
             if name not in gg.tensors:
                 raise ModelFormatError(
                     f"{gg.path}: tensor {name!r} is missing: a {gg.architecture} file with "
                     f"expert_count {_n_experts(config)} has the stacked experts "
-                    f"{', '.join(gguf_io.EXPERT_STACKS)} in every layer"
+                    f"{', '.join(gguf_config.EXPERT_STACKS)} in every layer"
                 )
 
 

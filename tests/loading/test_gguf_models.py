@@ -249,7 +249,7 @@ def gemma_header(model_type, **metadata):
 def test_gemma3_gguf_metadata_read_as_llama_cpp_reads_it():
     from gguf import Keys
 
-    from llmrun.loading.gguf_io import config_from_gguf
+    from llmrun.loading.gguf_config import config_from_gguf
 
     # Gemma 3 1B's keys as llama.cpp's converter writes them: no layer pattern, no
     # query scale; llama.cpp takes every sixth layer as global and head_dim^-0.5.
@@ -328,7 +328,7 @@ def test_gemma3_gguf_metadata_read_as_llama_cpp_reads_it():
 def test_gemma2_gguf_defaults_are_llama_cpps():
     from gguf import Keys
 
-    from llmrun.loading.gguf_io import config_from_gguf
+    from llmrun.loading.gguf_config import config_from_gguf
 
     config = config_from_gguf(gemma_header("gemma2"))
     assert config["sliding_window"] == 4096
@@ -364,7 +364,7 @@ def test_gemma_gguf_missing_a_key_names_it(model_type, missing):
     from gguf import Keys
 
     from llmrun.errors import ModelFormatError
-    from llmrun.loading.gguf_io import config_from_gguf
+    from llmrun.loading.gguf_config import config_from_gguf
 
     header = gemma_header(model_type, **{Keys.Attention.SLIDING_WINDOW: 512})
     del header.metadata[missing]
@@ -384,7 +384,7 @@ def test_bad_gemma3_gguf_metadata_is_refused(metadata, message):
     from gguf import Keys
 
     from llmrun.errors import LlmrunError
-    from llmrun.loading.gguf_io import config_from_gguf
+    from llmrun.loading.gguf_config import config_from_gguf
 
     header = gemma_header("gemma3_text", **{Keys.Attention.SLIDING_WINDOW: 512})
     header.metadata.update(metadata)

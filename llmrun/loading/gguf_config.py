@@ -1,0 +1,379 @@
+"""GGUF metadata -> the Hugging Face-style config and tensor names the model files know.
+
+The architecture's keys (gguf.Keys) become config.json fields; where a GGUF leaves a
+value out, the rule is llama.cpp's (src/llama-model.cpp), cited where it applies. MoE,
+Gemma and RoPE settings each have their reader; gpt-oss has its own module (gpt_oss.py).
+The file itself is read by gguf_io.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gguf import (
+    ExpertGatingFuncType,
+    Keys,
+)
+
+from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.loading import gpt_oss
+from llmrun.loading.gguf_io import GGUFFile, read_float_list
+
+# GGUF architecture -> Hugging Face model_type. llama.cpp converts Mistral to "llama".
+MODEL_TYPES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    "gemma": "gemma",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3_text",
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
+    gpt_oss.ARCH: gpt_oss.MODEL_TYPE,  # its mapping: llmrun/loading/gpt_oss.py
+}
+# Families whose RMSNorm is x * (1 + w): llama.cpp's converter stores 1 + w.
+GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+# Gemma 2/3's four norms a layer: ffn_norm is the one before the feed-forward there.
+_GEMMA2_LAYER_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# A mixture-of-experts layer: the router, Qwen2-MoE's shared expert and its gate, and
+# the experts, stacked by llama.cpp's converter into one 3-D tensor per projection
+# ([experts, rows, cols] in torch order), which hf_name names with an {expert} field.
+_MOE_LAYER_NAMES = {
+    "ffn_gate_inp": "gate",
+    "ffn_gate_shexp": "shared_expert.gate_proj",
+    "ffn_up_shexp": "shared_expert.up_proj",
+    "ffn_down_shexp": "shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "shared_expert_gate",
+}
+EXPERT_STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # gate, up, down
+_EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2")}  # else gate_proj, up_proj, down_proj
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+# Tensors that carry RoPE settings rather than weights; config_from_gguf reads them.
+ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def hf_name(gguf_name: str, model_type: str) -> str | None:
+    """The Hugging Face checkpoint key for a GGUF tensor name, or None if unknown. For a
+    stack of experts (EXPERT_STACKS) it is a template of each expert's key, with an
+    `{expert}` field for its index."""
+    if model_type == gpt_oss.MODEL_TYPE:
+        return gpt_oss.hf_name(gguf_name)
+    base, _, suffix = gguf_name.rpartition(".")
+    if suffix not in ("weight", "bias"):
+        return None
+    if base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.{suffix}"
+    parts = base.split(".")
+    if model_type in MOE_TYPES:
+        name = _moe_name(parts, model_type)
+        if name is not None:
+            return f"{name}.{suffix}"
+    names = _LAYER_NAMES
+    if model_type in ("gemma2", "gemma3_text"):
+        names = {**_LAYER_NAMES, **_GEMMA2_LAYER_NAMES}
+    if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit() or parts[2] not in names:
+        return None
+    name = names[parts[2]]
+    if model_type == "phi3" and parts[2] == "ffn_up":
+        name = "mlp.gate_up_proj"  # llama.cpp stores Phi-3's fused gate_up as ffn_up
+    return f"model.layers.{parts[1]}.{name}.{suffix}"
+
+
+def _moe_name(parts: list[str], model_type: str) -> str | None:
+    """The HF module of blk.N.<name> in a mixture-of-experts layer, or None."""
+    if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit():
+        return None
+    block = f"model.layers.{parts[1]}.{'block_sparse_moe' if model_type == 'mixtral' else 'mlp'}"
+    if parts[2] in EXPERT_STACKS:
+        names = _EXPERT_NAMES.get(model_type, ("gate_proj", "up_proj", "down_proj"))
+        return f"{block}.experts.{{expert}}.{names[EXPERT_STACKS.index(parts[2])]}"
+    if parts[2] in _MOE_LAYER_NAMES:
+        return f"{block}.{_MOE_LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
+    """An HF-style config.json dict from GGUF metadata (and RoPE factor tensors)."""
+    arch = gg.architecture
+    if arch not in MODEL_TYPES:
+        raise UnsupportedError(
+            f"{gg.path}: architecture {arch!r} is not supported "
+            f"(supported: {', '.join(sorted(MODEL_TYPES))})"
+        )
+    if arch == gpt_oss.ARCH:
+        return gpt_oss.config_from_gguf(gg, _rope_from_gguf, _gemma_layer_types)
+
+    def key(name: str, default: Any = None, required: bool = False) -> Any:
+        full = f"{arch}.{name}"
+        if full not in gg.metadata:
+            if required:
+                raise ModelFormatError(f"{gg.path}: metadata {full!r} is missing")
+            return default
+        return gg.metadata[full]
+
+    embed = gg.tensors.get("token_embd.weight")
+    tokens = gg.metadata.get(Keys.Tokenizer.LIST)
+    vocab_size = (
+        key("vocab_size")
+        or (len(tokens) if tokens else None)
+        or (embed.shape[0] if embed else None)
+    )
+    n_heads = key("attention.head_count", required=True)
+    hidden = key("embedding_length", required=True)
+    head_dim = key("attention.key_length") or hidden // n_heads
+    config: dict[str, Any] = {
+        "model_type": MODEL_TYPES[arch],
+        "hidden_size": hidden,
+        "intermediate_size": key("feed_forward_length", required=True),
+        "num_hidden_layers": key("block_count", required=True),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": key("attention.head_count_kv", n_heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon", 1e-5),
+        "max_position_embeddings": key("context_length", 2048),
+        "vocab_size": vocab_size,
+        "tie_word_embeddings": "output.weight" not in gg.tensors,
+        "attention_bias": "blk.0.attn_q.bias" in gg.tensors,
+    }
+    if config["model_type"] in GEMMA_TYPES:
+        return _gemma_config(gg, config, key)
+    if arch in ("llama", "qwen2moe", "qwen3moe"):
+        _moe_config(gg, config)
+    window = key("attention.sliding_window")
+    if window:
+        config["sliding_window"] = window
+    config["rope_parameters"] = _rope_from_gguf(
+        gg, key, head_dim, config["max_position_embeddings"]
+    )
+    return config
+
+
+def _moe_config(gg: GGUFFile, config: dict[str, Any]) -> None:
+    """The experts' HF config fields, read as llama.cpp reads them: expert_count and
+    expert_used_count for every architecture (llama-model.cpp load_hparams; a llama
+    file with experts is Mixtral), and in src/models/{llama,qwen2moe,qwen3moe}.cpp
+    softmax gating, renormalized top-k weights for llama and qwen3moe but not for
+    qwen2moe, and expert widths that default to feed_forward_length / expert_used_count
+    (Qwen2-MoE's shared expert: feed_forward_length). The gating, renormalization and
+    scale keys, where a file has them, must agree with what the family computes."""
+    arch, ff = gg.architecture, config["intermediate_size"]
+
+    def key(template: str, default: Any = None) -> Any:
+        return gg.metadata.get(template.format(arch=arch), default)
+
+    def name(template: str) -> str:
+        return template.format(arch=arch)
+
+    count = key(Keys.LLM.EXPERT_COUNT, 0)
+    if not count:
+        if arch != "llama":
+            raise ModelFormatError(
+                f"{gg.path}: {name(Keys.LLM.EXPERT_COUNT)} is missing or 0; {arch} has experts"
+            )
+        return  # a dense Llama
+    used = key(Keys.LLM.EXPERT_USED_COUNT, 0)
+    if not 0 < used <= count:
+        raise ModelFormatError(
+            f"{gg.path}: {name(Keys.LLM.EXPERT_USED_COUNT)} is {used}, but "
+            f"{name(Keys.LLM.EXPERT_COUNT)} is {count} (each token needs 1 to {count} experts)"
+        )
+    gating = key(Keys.LLM.EXPERT_GATING_FUNC)
+    if gating is not None and gating != ExpertGatingFuncType.SOFTMAX:
+        known = {int(t): t.name.lower() for t in ExpertGatingFuncType}
+        raise UnsupportedError(
+            f"{gg.path}: {name(Keys.LLM.EXPERT_GATING_FUNC)} is "
+            f"{known.get(gating, f'{gating} (unknown)')}; {arch} experts are gated by softmax, "
+            "the only gating function llmrun supports"
+        )
+    scale = key(Keys.LLM.EXPERT_WEIGHTS_SCALE)
+    if scale not in (None, 0.0, 1.0):
+        raise UnsupportedError(
+            f"{gg.path}: {name(Keys.LLM.EXPERT_WEIGHTS_SCALE)} is {scale}; llmrun supports "
+            "unscaled expert weights only"
+        )
+    norm = key(Keys.LLM.EXPERT_WEIGHTS_NORM)
+    width = key(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)
+    if isinstance(width, list):  # one per layer
+        if len(set(width)) != 1:
+            raise UnsupportedError(
+                f"{gg.path}: {name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)} differs between "
+                "layers, which llmrun does not support"
+            )
+        width = width[0]
+    if arch == "llama":
+        if norm is False:
+            raise UnsupportedError(
+                f"{gg.path}: {name(Keys.LLM.EXPERT_WEIGHTS_NORM)} is false, but Mixtral "
+                "renormalizes its top-k expert weights"
+            )
+        # Its experts are feed_forward_length wide (llama.cpp's llama reads no other width).
+        config.update(model_type="mixtral", num_local_experts=count, num_experts_per_tok=used)
+        return
+    config.update(
+        num_experts=count,
+        num_experts_per_tok=used,
+        moe_intermediate_size=width or ff // used,
+        norm_topk_prob=arch == "qwen3moe" if norm is None else bool(norm),
+    )
+    if arch == "qwen2moe":
+        shared = key(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH)
+        config["shared_expert_intermediate_size"] = shared or ff
+        config["qkv_bias"] = config["attention_bias"]
+
+
+# Where a Gemma GGUF leaves out what an HF config says, llmrun reads the file as
+# llama.cpp does (its reading defines the format): llama.cpp's
+# src/models/gemma2.cpp and gemma3.cpp, llama_model_gemma*::load_arch_hparams
+# (llama-model.cpp's load_hparams in older releases), its defaults in
+# src/llama-hparams.h, and the general keys in llama-model.cpp load_hparams.
+GEMMA2_SWA_PATTERN = 2  # load_swa_pattern(ml, 2): even layers local
+GEMMA3_SWA_PATTERN = 6  # load_swa_pattern(ml, 6): every sixth layer global
+GEMMA2_SLIDING_WINDOW = 4096  # hparams.n_swa = 4096, "default value of gemma 2"
+GEMMA2_SOFTCAPS = (50.0, 30.0)  # f_attn_logit_softcapping, f_final_logit_softcapping
+ROPE_BASE = 10000.0  # rope_freq_base_train, and Gemma 3's rope_freq_base_train_swa
+# n_layer of the 27B models, whose queries llama.cpp scales by (n_embd / n_head)^-0.5.
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
+
+
+def _gemma_config(gg: GGUFFile, config: dict[str, Any], arch_key) -> dict[str, Any]:
+    """Gemma's HF config fields from a GGUF (config holds the common ones; arch_key
+    reads "{arch}.NAME" keys as config_from_gguf's key() does)."""
+    arch, model_type = gg.architecture, config["model_type"]
+
+    def key(template: str, default: Any = None, required: bool = False) -> Any:
+        """The value of a gguf.Keys "{arch}..." key."""
+        full = template.format(arch=arch)
+        if full not in gg.metadata:
+            if required:
+                raise ModelFormatError(f"{gg.path}: metadata {full!r} is missing ({arch} needs it)")
+            return default
+        return gg.metadata[full]
+
+    # llama.cpp refuses a Gemma file without these (ml.get_key without `false`).
+    config["rms_norm_eps"] = key(Keys.Attention.LAYERNORM_RMS_EPS, required=True)
+    config["max_position_embeddings"] = key(Keys.LLM.CONTEXT_LENGTH, required=True)
+    config["hidden_activation"] = "gelu_pytorch_tanh"  # its graphs use LLM_FFN_GELU
+    context, head_dim = config["max_position_embeddings"], config["head_dim"]
+    rope = _rope_from_gguf(gg, arch_key, head_dim, context)
+    if model_type == "gemma":
+        config["rope_parameters"] = rope
+        return config
+    layers = config["num_hidden_layers"]
+    # Gemma 2/3: llama.cpp scales the queries itself (f_attention_scale) and reads
+    # no key for it: head_dim^-0.5, but (n_embd / n_head)^-0.5 for the 27B.
+    if layers == GEMMA_27B_LAYERS[model_type]:
+        config["query_pre_attn_scalar"] = config["hidden_size"] // config["num_attention_heads"]
+    else:
+        config["query_pre_attn_scalar"] = head_dim
+    local_base = key(Keys.Rope.FREQ_BASE_SWA)
+    if model_type == "gemma2":
+        window = key(Keys.Attention.SLIDING_WINDOW, GEMMA2_SLIDING_WINDOW)
+        pattern = GEMMA2_SWA_PATTERN
+        attn_cap, final_cap = GEMMA2_SOFTCAPS
+        config["attn_logit_softcapping"] = key(Keys.LLM.ATTN_LOGIT_SOFTCAPPING, attn_cap)
+        config["final_logit_softcapping"] = key(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, final_cap)
+        if local_base is not None and local_base != rope["rope_theta"]:
+            raise UnsupportedError(
+                f"{gg.path}: {Keys.Rope.FREQ_BASE_SWA.format(arch=arch)} differs from "
+                f"{Keys.Rope.FREQ_BASE.format(arch=arch)}; Gemma 2 has one RoPE base"
+            )
+        config["rope_parameters"] = rope
+    else:
+        # Without a window llama.cpp runs every layer as a global one (LLAMA_SWA_TYPE_NONE).
+        window = key(Keys.Attention.SLIDING_WINDOW) or None
+        pattern = GEMMA3_SWA_PATTERN
+        final_cap = key(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, 0.0)
+        config["final_logit_softcapping"] = final_cap or None  # 0: none
+        # The scaling keys are the global layers'; local layers are never scaled.
+        local = {
+            "rope_type": "default",
+            "rope_theta": ROPE_BASE if local_base is None else local_base,
+        }
+        config["rope_parameters"] = {"full_attention": rope, "sliding_attention": local}
+    config["sliding_window"] = window
+    config["layer_types"] = _gemma_layer_types(gg, key, layers, pattern if window else None)
+    return config
+
+
+def _gemma_layer_types(gg: GGUFFile, key, layers: int, pattern: int | None) -> list[str]:
+    """llama.cpp's load_swa_pattern: a per-layer bool array under
+    attention.sliding_window_pattern, else an int n there (default `pattern`): layer
+    i is local when n == 0 or i % n < n - 1. No window: every layer global."""
+    if pattern is None:
+        return ["full_attention"] * layers
+    value = key(Keys.Attention.SLIDING_WINDOW_PATTERN, pattern)
+    if isinstance(value, list):
+        if len(value) != layers:
+            raise ModelFormatError(
+                f"{gg.path}: {Keys.Attention.SLIDING_WINDOW_PATTERN.format(arch=gg.architecture)} "
+                f"lists {len(value)} layers, but the model has {layers}"
+            )
+        local = [bool(v) for v in value]
+    elif isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        local = [value == 0 or i % value < value - 1 for i in range(layers)]
+    else:
+        raise ModelFormatError(
+            f"{gg.path}: {Keys.Attention.SLIDING_WINDOW_PATTERN.format(arch=gg.architecture)} "
+            f"is {value!r}, not a layer count or a list of flags"
+        )
+    return ["sliding_attention" if s else "full_attention" for s in local]
+
+
+def _rope_from_gguf(gg: GGUFFile, key, head_dim: int, context: int) -> dict[str, Any]:
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": key("rope.freq_base", 10000.0)}
+    rot_dims = key("rope.dimension_count")
+    if rot_dims and rot_dims != head_dim:
+        rope["partial_rotary_factor"] = rot_dims / head_dim
+    scaling = key("rope.scaling.type", "none")
+    original = key("rope.scaling.original_context_length")
+    if scaling == "linear":
+        rope.update(rope_type="linear", factor=key("rope.scaling.factor", 1.0))
+    elif scaling == "yarn":
+        rope.update(
+            rope_type="yarn",
+            factor=key("rope.scaling.factor"),
+            original_max_position_embeddings=original,
+        )
+    elif scaling not in ("none", None):
+        raise UnsupportedError(
+            f"{gg.path}: RoPE scaling {scaling!r} is not supported (none, linear, yarn are)"
+        )
+    if "rope_factors_long.weight" in gg.tensors:
+        rope.update(
+            rope_type="longrope",
+            long_factor=read_float_list(gg, "rope_factors_long.weight"),
+            short_factor=read_float_list(gg, "rope_factors_short.weight"),
+            original_max_position_embeddings=original or context,
+        )
+        attn_factor = key("rope.scaling.attn_factor")
+        if attn_factor is not None:
+            rope["attention_factor"] = attn_factor
+    elif "rope_freqs.weight" in gg.tensors:
+        # Llama 3.1-style scaling, stored by llama.cpp as per-frequency divisors.
+        rope["freq_factors"] = read_float_list(gg, "rope_freqs.weight")
+    return rope
