@@ -12,15 +12,13 @@ cross into the event loop through its own asyncio queue. Imported only by
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
 import logging
 import os
 import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +27,6 @@ from prometheus_client import CONTENT_TYPE_LATEST as PROMETHEUS_TYPE
 from prometheus_client import (
     generate_latest,
 )
-from pydantic import BaseModel, ValidationError
-from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -38,234 +34,25 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from llmrun import __version__, api, batching
-from llmrun.batching import Event, Job, Scheduler
 from llmrun.chat import PLAIN_STOP
 from llmrun.errors import UsageError
 from llmrun.generate import Response as GenResponse
 from llmrun.reasoning import REASONING
-from llmrun.server.metrics import Metrics
-from llmrun.server.reply import Ask, ReplyReader, is_reasoning, prepare, tool_format
+from llmrun.server.reply import Ask, ReplyReader, is_reasoning, prepare
+from llmrun.server.responses import responses
 from llmrun.server.schema import (
     ApiError,
     ChatBody,
     CompletionBody,
     NamedToolChoice,
-    Sampling,
     as_api_error,
-    busy_error,
     check_history,
     check_tools,
-    validation_message,
 )
-from llmrun.tool_calls import ToolCall, ToolFormat
+from llmrun.server.service import Generation, Service, begin, sampling_of, sse, usage_of
+from llmrun.tool_calls import ToolCall
 
-MAX_BODY_BYTES = 4 << 20
 LOG = logging.getLogger("uvicorn.error")
-
-
-# --- the service ----------------------------------------------------------------------
-
-
-class Service:
-    """What the endpoints share: the model once it is loaded, the scheduler, metrics."""
-
-    def __init__(
-        self, model_id: str, aliases: set[str], api_key: str | None, parallel: int, queue: int
-    ) -> None:
-        self.model_id = model_id
-        self.names = {model_id, *aliases}
-        self.api_key = api_key
-        self.parallel = parallel
-        self.queue = queue
-        self.created = int(time.time())
-        self.engine: api.Engine | None = None
-        self.scheduler: Scheduler | None = None
-        self.load_error: BaseException | None = None
-        self.tool_format: ToolFormat | None = None  # the calls the model's template teaches
-        self.metrics = Metrics(self)
-
-    def start(self, engine: api.Engine) -> None:
-        scheduler = Scheduler(engine, self.parallel, self.queue)
-        scheduler.start()
-        self.tool_format = tool_format(engine)
-        self.engine, self.scheduler = engine, scheduler
-
-    def close(self) -> None:
-        if self.scheduler is not None:
-            self.scheduler.close()
-
-    def authorize(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            given.strip().encode(), self.api_key.encode()
-        ):
-            raise ApiError(
-                401,
-                "missing or incorrect API key: send `Authorization: Bearer KEY`",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-
-    def ready_engine(self, model: str | None) -> api.Engine:
-        if model is not None and model not in self.names:
-            raise ApiError(
-                404,
-                f"the model {model!r} does not exist; this server serves {self.model_id!r}",
-                param="model",
-                code="model_not_found",
-            )
-        if self.engine is None:
-            raise busy_error("the model is still loading")
-        return self.engine
-
-
-async def _read_json(request: Request, schema: type[BaseModel]) -> Any:
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
-    try:
-        data = json.loads(body)
-    except (ValueError, RecursionError) as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    try:
-        return schema.model_validate(data)
-    except ValidationError as e:
-        message, param = validation_message(e)
-        raise ApiError(400, message, param=param) from None
-
-
-async def _begin(request: Request, schema: type[Sampling]) -> tuple[Service, Any, api.Engine]:
-    """The checks every generation request passes: key, body, model."""
-    service: Service = request.app.state.service
-    service.authorize(request)
-    body = await _read_json(request, schema)
-    return service, body, service.ready_engine(body.model)
-
-
-def _sampling(engine: api.Engine, body: Sampling) -> tuple[Any, list[str]]:
-    params = engine.defaults.updated(
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        min_p=body.min_p,
-        repeat_penalty=body.repeat_penalty,
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
-        seed=body.seed,
-    )
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    return params, stop
-
-
-class Generation:
-    """One request's events, carried from the scheduler thread into the event loop,
-    with its latencies recorded as its tokens arrive."""
-
-    def __init__(self, service: Service, endpoint: str, request: batching.Request, arrived: float):
-        self.service, self.endpoint, self.arrived = service, endpoint, arrived
-        self.metrics = service.metrics
-        self.last_token_at: float | None = None
-        self.counted = 0  # tokens already added to the generation counter
-        self.final: GenResponse | None = None
-        loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[Event] = asyncio.Queue()
-
-        def deliver(event: Event) -> None:
-            loop.call_soon_threadsafe(self.queue.put_nowait, event)
-
-        self.job: Job = service.scheduler.submit(request, deliver)
-
-    async def events(self, disconnected: Callable | None = None) -> AsyncIterator[GenResponse]:
-        """Responses up to and including the final one. Leaving early (the client
-        went away, or `disconnected()` says so while waiting) frees the slot."""
-        done = False
-        try:
-            while True:
-                if disconnected is None:
-                    event = await self.queue.get()
-                else:
-                    try:
-                        event = await asyncio.wait_for(self.queue.get(), timeout=1.0)
-                    except asyncio.TimeoutError:
-                        if await disconnected():
-                            return
-                        continue
-                if isinstance(event, Exception):
-                    done = True
-                    raise event
-                self._record(event)
-                yield event
-                if event.finish_reason is not None:
-                    done = True
-                    self.final = event
-                    return
-        finally:
-            if not done:
-                self.service.scheduler.cancel(self.job)
-                self.metrics.requests.labels(self.endpoint, "499").inc()
-
-    def _record(self, event: GenResponse) -> None:
-        now = time.perf_counter()
-        m = self.metrics
-        if event.token is not None:
-            if self.last_token_at is None:
-                m.ttft.observe(now - self.arrived)
-                m.prompt_tokens.inc(event.stats.prompt_tokens)
-            else:
-                m.tpot.observe(now - self.last_token_at)
-            self.last_token_at = now
-            self.counted += 1
-            m.generation_tokens.inc()
-        if event.finish_reason is not None:
-            m.e2e.observe(now - self.arrived)
-            if self.last_token_at is None:
-                m.prompt_tokens.inc(event.stats.prompt_tokens)
-            # An end-of-text token counts in usage but is never streamed.
-            m.generation_tokens.inc(max(event.stats.completion_tokens - self.counted, 0))
-            m.requests.labels(self.endpoint, "200").inc()
-
-
-def _usage(final: GenResponse) -> dict[str, int]:
-    s = final.stats
-    return {
-        "prompt_tokens": s.prompt_tokens,
-        "completion_tokens": s.completion_tokens,
-        "total_tokens": s.prompt_tokens + s.completion_tokens,
-    }
-
-
-def _sse(
-    gen: Generation,
-    chunks: Callable[[GenResponse], list[dict]],
-    usage_chunk: dict | None,
-    usage: Callable[[], dict] | None = None,
-) -> EventSourceResponse:
-    """Stream `chunks(event)` of each event as `data:` lines, then usage, then [DONE]."""
-
-    async def lines() -> AsyncIterator[str]:
-        try:
-            async for event in gen.events():
-                for chunk in chunks(event):
-                    yield json.dumps(chunk, ensure_ascii=False, separators=(",", ":"))
-            if usage_chunk is not None:
-                counts = usage() if usage else _usage(gen.final)
-                yield json.dumps({**usage_chunk, "usage": counts}, separators=(",", ":"))
-        except Exception as e:
-            error = as_api_error(e)
-            gen.metrics.requests.labels(gen.endpoint, str(error.status)).inc()
-            yield json.dumps(error.body())
-        yield "[DONE]"
-
-    return EventSourceResponse(lines(), sep="\n")
 
 
 # --- endpoints ------------------------------------------------------------------------
@@ -318,9 +105,9 @@ def _call_chunks(index: int, call: ToolCall) -> list[dict[str, Any]]:
 
 async def chat_completions(request: Request) -> Response:
     arrived = time.perf_counter()
-    service, body, engine = await _begin(request, ChatBody)
+    service, body, engine = await begin(request, ChatBody)
     ask = chat_ask(engine, body)
-    params, stop = _sampling(engine, body)
+    params, stop = sampling_of(engine, body)
     if engine.template is None:
         stop.append(PLAIN_STOP)
     # Off the event loop: a long conversation takes a while to render and encode, and a
@@ -347,7 +134,7 @@ async def chat_completions(request: Request) -> Response:
     }
 
     def usage() -> dict[str, Any]:
-        counts = _usage(gen.final)
+        counts = usage_of(gen.final)
         if reader.split.markers is not None:
             reasoning = reader.split.tokens[REASONING]
             counts["completion_tokens_details"] = {"reasoning_tokens": reasoning}
@@ -400,7 +187,7 @@ async def chat_completions(request: Request) -> Response:
             return out
 
         usage_head = {**chunk_head, "choices": []} if include_usage else None
-        return _sse(gen, chunks, usage_head, usage)
+        return sse(gen, chunks, usage_head, usage)
 
     tokens: list[dict] = []
     async for event in gen.events(request.is_disconnected):
@@ -429,8 +216,8 @@ async def chat_completions(request: Request) -> Response:
 
 async def completions(request: Request) -> Response:
     arrived = time.perf_counter()
-    service, body, engine = await _begin(request, CompletionBody)
-    params, stop = _sampling(engine, body)
+    service, body, engine = await begin(request, CompletionBody)
+    params, stop = sampling_of(engine, body)
     tokenizer = engine.tokenizer
     if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], str)):
         text = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
@@ -486,7 +273,7 @@ async def completions(request: Request) -> Response:
             return [{**head, "choices": [choice], **usage_field}]
 
         usage = {**head, "choices": []} if include_usage else None
-        return _sse(gen, chunks, usage)
+        return sse(gen, chunks, usage)
 
     pieces: list[str] = []
     merged: dict[str, list] = {k: [] for k in ("tokens", "token_logprobs", "top_logprobs")}
@@ -503,7 +290,7 @@ async def completions(request: Request) -> Response:
         "logprobs": merged if body.logprobs is not None else None,
         "finish_reason": gen.final.finish_reason,
     }
-    return JSONResponse({**head, "choices": [choice], "usage": _usage(gen.final)})
+    return JSONResponse({**head, "choices": [choice], "usage": usage_of(gen.final)})
 
 
 async def models(request: Request) -> Response:
@@ -559,7 +346,6 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 def create_app(service: Service) -> Starlette:
-    from llmrun.server.responses import responses  # it builds on this module
 
     routes = [
         Route("/v1/chat/completions", _endpoint(chat_completions, "chat"), methods=["POST"]),

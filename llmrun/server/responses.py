@@ -29,7 +29,6 @@ from llmrun import batching
 from llmrun.chat import PLAIN_STOP
 from llmrun.generate import Response as GenResponse
 from llmrun.reasoning import REASONING
-from llmrun.server.app import Generation, _begin, _sampling
 from llmrun.server.reply import Ask, ReplyReader, is_reasoning, prepare
 from llmrun.server.schema import (
     ApiError,
@@ -41,6 +40,7 @@ from llmrun.server.schema import (
     as_api_error,
     check_tools,
 )
+from llmrun.server.service import Generation, begin, sampling_of
 from llmrun.tool_calls import Item, ToolCall
 
 ROLES = ("user", "assistant", "system", "developer")
@@ -377,9 +377,9 @@ def _copy(value: Any) -> Any:
 
 async def responses(request: Request) -> Response:
     arrived = time.perf_counter()
-    service, body, engine = await _begin(request, ResponsesBody)
+    service, body, engine = await begin(request, ResponsesBody)
     ask = responses_ask(engine, body)
-    params, stop = _sampling(engine, body)
+    params, stop = sampling_of(engine, body)
     if engine.template is None:
         stop.append(PLAIN_STOP)
     prepared = await asyncio.to_thread(prepare, engine, service.tool_format, ask)
