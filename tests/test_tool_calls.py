@@ -23,10 +23,9 @@ from llmrun.tool_calls import (
     ToolCallParser,
     detect_format,
     get_format,
-    mistral_id,
     parse,
-    prepare_history,
 )
+from llmrun.tool_use import mistral_id, prepare_history
 
 TEMPLATE_FORMATS = {
     "Qwen-Qwen2.5-7B-Instruct": (HERMES, False),

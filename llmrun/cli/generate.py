@@ -212,9 +212,9 @@ def chat(
     session = ChatSession(engine, params, limit, system=system, overflow=context_overflow)
     session.switches = engine.switches(think, reasoning_effort)
     if tools is not None:
-        from llmrun import tool_calls
+        from llmrun import tool_use
 
-        tool_calls.offer_tools(session, tool_calls.load_tools(tools))
+        tool_use.offer_tools(session, tool_use.load_tools(tools))
     repl = Repl(session, ui.stdin_is_tty(), verbose=verbose, show_thinking=show_thinking)
     repl.run()
 

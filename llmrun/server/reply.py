@@ -17,7 +17,8 @@ from llmrun.chat_template import plain_transcript
 from llmrun.generate import Response as GenResponse
 from llmrun.reasoning import ANSWER, REASONING, Piece, Splitter
 from llmrun.server.schema import ApiError
-from llmrun.tool_calls import FORMATS, Item, ToolCall, ToolCallParser, ToolFormat, prepare_history
+from llmrun.tool_calls import FORMATS, Item, ToolCall, ToolCallParser, ToolFormat
+from llmrun.tool_use import prepare_history
 
 
 @dataclass
