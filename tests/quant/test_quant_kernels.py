@@ -19,9 +19,16 @@ T = GGMLQuantizationType
 AVX2_PACKED = [T.Q4_0, T.Q5_0]
 
 
-def skip_without_packed_kernel(ggml_type: T, family: str) -> None:
-    if family == "AVX2" and ggml_type not in AVX2_PACKED:
-        pytest.skip(f"no packed {ggml_type.name} kernel in kernels_avx2.c")
+def refuses_packed(ggml_type: T, family: str, n: int) -> bool:
+    """Whether this family has no packed kernel for the type (kernels_avx2.c packs only
+    Q4_0 and Q5_0), after checking that it says so rather than running a wrong one."""
+    if family != "AVX2" or ggml_type in AVX2_PACKED:
+        return False
+    assert not kernels.supports(ggml_type, n, True)
+    raw = torch.from_numpy(finite_blocks(ggml_type, 2, n, seed=1))
+    with pytest.raises(ValueError, match=f"no native kernel for {ggml_type.name}"):
+        kernels.matvec(raw, ggml_type, torch.zeros(1, n), packed=True)
+    return True
 
 
 def test_every_supported_type_has_a_kernel():
@@ -70,9 +77,10 @@ def test_native_matvec_matches_f32_matmul(ggml_type: T, m: int, native_kernels: 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 13, 16])
 @pytest.mark.parametrize("n", [128, 384, 1024])
 def test_packed_kernels_match_f32_matmul(ggml_type: T, m: int, n: int, native_kernels: str):
-    skip_without_packed_kernel(ggml_type, native_kernels)
     if GGML_QUANT_SIZES[ggml_type][0] == 256:
         n *= 2  # whole blocks
+    if refuses_packed(ggml_type, native_kernels, n):
+        return
     raw = finite_blocks(ggml_type, 40, n, seed=16 + m)
     packed = kernels.pack(torch.from_numpy(raw), ggml_type)
     assert kernels.supports(ggml_type, n, True) and not kernels.supports(ggml_type, 96, True)
@@ -86,7 +94,8 @@ def test_packed_kernels_match_f32_matmul(ggml_type: T, m: int, n: int, native_ke
 
 @pytest.mark.parametrize("ggml_type", list(kernels.PACKED), ids=lambda t: t.name)
 def test_packed_kernels_take_rows_with_a_stride_and_a_bias(ggml_type: T, native_kernels: str):
-    skip_without_packed_kernel(ggml_type, native_kernels)
+    if refuses_packed(ggml_type, native_kernels, 512):
+        return
     raw = finite_blocks(ggml_type, 12, 512, seed=22)
     packed = kernels.pack(torch.from_numpy(raw), ggml_type)
     every_other = packed[::2]
