@@ -30,7 +30,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from llmrun.reasoning import ANSWER, REASONING
+from llmrun.reasoning import ANSWER, COMMENTARY, REASONING
 
 _stderr = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -89,7 +89,10 @@ class ReplyWriter:
         return f"\x1b[2m{text}\x1b[0m" if self.tty and text else text
 
     def write(self, piece: str) -> None:
-        if getattr(piece, "kind", ANSWER) == REASONING:
+        kind = getattr(piece, "kind", ANSWER)
+        if kind == COMMENTARY:
+            return  # a harmony tool call as written: for the tool-call parser, not the reader
+        if kind == REASONING:
             if self.show:
                 if not self.thinking:
                     write(self._dim("Thinking...") + "\n")

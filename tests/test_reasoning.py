@@ -241,3 +241,14 @@ def test_serve_passes_template_switches_and_refuses_unknown_ones(thinking_server
     ]
     r = httpx.post(url, json={**body, "messages": history})
     assert r.status_code == 200
+
+
+def test_a_harmony_tool_call_is_not_printed_as_the_answer(capsys):
+    from llmrun import ui
+    from llmrun.reasoning import COMMENTARY, Piece
+
+    out = ui.ReplyWriter(show_reasoning=True)
+    out.write(Piece(COMMENTARY, '<|channel|>commentary to=functions.f json<|message|>{"a": 1}'))
+    out.write(Piece(ANSWER, "Done."))
+    out.end()
+    assert capsys.readouterr().out == "Done."
