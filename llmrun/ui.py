@@ -343,6 +343,55 @@ def bench_progress(total_runs: int) -> Iterator[Any]:
         yield lambda description, done: progress.update(task, description=description, advance=done)
 
 
+# ---- llmrun run --batch -------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def batch_progress(total: int, verbose: bool) -> Iterator[Any]:
+    """A reporter for batch_run, called as (lines done, tokens made): a bar with done/total,
+    tokens/s and the time left on a terminal's stderr; in a pipe nothing, or with
+    `verbose` a plain line at most each second. `verbose` ends with a summary line."""
+    start = time.perf_counter()
+    counts = {"done": 0, "tokens": 0, "said": 0.0}
+
+    def rate() -> float:
+        elapsed = time.perf_counter() - start
+        return counts["tokens"] / elapsed if elapsed > 0 else 0.0
+
+    def plain(done: int, tokens: int) -> None:
+        counts["done"] += done
+        counts["tokens"] += tokens
+        now = time.perf_counter()
+        if verbose and now - counts["said"] >= 1.0:
+            counts["said"] = now
+            info(f"{counts['done']}/{total} done, {rate():.1f} tokens/s")
+
+    if not _stderr.is_terminal:
+        yield plain
+    else:
+        columns = (
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[rate]:.1f} tokens/s"),
+            TimeRemainingColumn(),
+        )
+        with Progress(*columns, console=_stderr, transient=True) as progress:
+            task = progress.add_task("batch", total=total, rate=0.0)
+
+            def bar(done: int, tokens: int) -> None:
+                counts["done"] += done
+                counts["tokens"] += tokens
+                progress.update(task, advance=done, rate=rate())
+
+            yield bar
+    if verbose:
+        elapsed = time.perf_counter() - start
+        info(
+            f"{counts['done']} prompts, {counts['tokens']} tokens generated in "
+            f"{elapsed:.2f} s, {rate():.1f} tokens/s"
+        )
+
+
 _BENCH_TEXT_COLUMNS = ("model", "quant", "device", "dtype", "test")
 # Facts about a loaded model rather than a test: on a terminal, a table of their own.
 _BENCH_MODEL_COLUMNS = (

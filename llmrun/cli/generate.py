@@ -38,6 +38,17 @@ from llmrun.cli.app import (
     _split_model_and_prompt,
     app,
 )
+from llmrun.cli.batch import (
+    Batch,
+    BatchLines,
+    Output,
+    Parallel,
+    Resume,
+    Strict,
+    Unordered,
+    check_batch_only,
+    run_batch,
+)
 from llmrun.errors import UsageError
 
 
@@ -89,11 +100,22 @@ def run(
     grammar: Annotated[
         str | None, typer.Option("--grammar", help="Constrain the output to a GBNF grammar file.")
     ] = None,
+    batch: Batch = None,
+    batch_lines: BatchLines = False,
+    unordered: Unordered = False,
+    parallel: Parallel = None,
+    output: Output = None,
+    resume: Resume = False,
+    strict: Strict = False,
     verbose: Verbose = False,
     debug: Debug = False,
 ) -> None:
-    """Generate a completion for one prompt: `llmrun run [MODEL] "prompt"`; the prompt may be piped."""
+    """Generate a completion for one prompt: `llmrun run [MODEL] "prompt"`; the prompt may be
+    piped. With --batch FILE, one result line for each request of FILE."""
     DEBUG["on"] = debug
+    if batch is not None:
+        return run_batch(locals())
+    check_batch_only(locals())
     model_spec, prompt = _split_model_and_prompt(list(args or []), model)
     piped = _read_stdin()
     if prompt is not None and piped:
