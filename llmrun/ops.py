@@ -223,3 +223,53 @@ def attend_one(
         scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap) * softcap
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
     return (weights.to(v.dtype) @ v).view(batch, 1, heads * head_dim)
+
+
+def attend_paged(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    table: torch.Tensor,
+    first: int,
+    length: int,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor | None:
+    """attend_one for one sequence, q [1, H, 1, D], over keys first .. length - 1 of a
+    paged cache: k/v one layer's pool [blocks, Hkv, block_rows, D] (as stored, see
+    attend_one), position p in row p % block_rows of block table[p // block_rows]
+    (table: int32 [>= blocks of length]). Returns [1, 1, H*D], or None where the
+    native kernel cannot take it (the caller gathers the blocks for torch)."""
+    heads, head_dim = q.shape[1], q.shape[3]
+    kind = _KV_KINDS.get(k.dtype)
+    lib = _native(q)
+    if (
+        lib is None
+        or kind is None
+        or k.device.type != "cpu"
+        or k.dtype != v.dtype
+        or not (k.is_contiguous() and v.is_contiguous() and table.is_contiguous())
+        or table.dtype != torch.int32
+    ):
+        return None
+    y = torch.empty(1, 1, heads * head_dim)
+    size = k.element_size()
+    failed = lib.llmrun_attend_paged(
+        kind,
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        table.data_ptr(),
+        k.shape[2],
+        k.stride(0) * size,
+        first,
+        length,
+        heads,
+        k.shape[1],
+        head_dim,
+        k.stride(1) * size,
+        scale,
+        softcap or 0.0,
+        y.data_ptr(),
+    )
+    return None if failed else y

@@ -19,6 +19,7 @@ from torch import nn
 from llmrun import ops
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.models.cache import KVCache, WindowPlan
+from llmrun.models.paged import PagedView
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ACTIVATIONS = {
@@ -276,6 +277,8 @@ def attend(
     q [B, H, T, D], k/v [B, Hkv, T, D] for the new tokens; returns [B, T, H*D].
     """
     batch, heads, tokens, head_dim = q.shape
+    if cache is not None and cache.paged:
+        return attend_paged(q, k, v, layer, frame, cache, None)
     # One query per head attending to every cached key (decoding): cheaper than SDPA's
     # kernel launch for a single row, and it reads the keys and values as stored.
     decode = tokens == 1 and frame.mask is None
@@ -302,6 +305,8 @@ def attend_scaled(
     """attend() with a given score scale, optional tanh soft-capping of the scores
     (softcap * tanh(scores / softcap), before the mask) and windowed layers whose
     cache keeps only the window (frame.plan). Returns [B, T, H*D]."""
+    if cache is not None and cache.paged:
+        return attend_paged(q, k, v, layer, frame, cache, scale, softcap)
     if cache is not None:
         stored = q.shape[2] == 1 and frame.mask is None  # attention() takes ops.attend_one
         if frame.plan is not None:
@@ -309,6 +314,27 @@ def attend_scaled(
         else:
             k, v = cache.update(layer, k, v, frame.positions, frame.start, frame.length, stored)
     return attention(q, k, v, frame.mask, scale, softcap)
+
+
+def attend_paged(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    frame: Frame,
+    cache: PagedView,
+    scale: float | None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """attend_scaled over a paged cache: a decode step reads the blocks in place where
+    the native kernel can, anything else attends to them gathered (llmrun.models.paged)."""
+    cache.write(layer, k, v, frame.positions)
+    out = cache.attend_one(layer, q, frame.positions, frame.mask, scale, softcap)
+    if out is not None:
+        return out
+    keys, values = cache.read(layer, frame.length, q.dtype)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return attention(q, keys, values, frame.mask, scale, softcap)
 
 
 def attention(

@@ -82,6 +82,8 @@ def cache_bytes(
 
 
 class KVCache:
+    paged = False  # llmrun.models.paged.PagedView is the paged one
+
     def __init__(
         self,
         n_layers: int,

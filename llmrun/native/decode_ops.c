@@ -332,7 +332,8 @@ static inline const float *kv_rows(int kind, const uint8_t *src, int64_t n, int6
 static inline __attribute__((always_inline)) void attend_head(
     const int kind, int64_t g, const float *q, const uint8_t *k, const uint8_t *v,
     int64_t heads, int64_t kv_heads, int64_t length, int64_t dim, int64_t head_bytes,
-    float scale, float softcap, float *y) {
+    float scale, float softcap, float *y, const int32_t *table, int64_t block_rows,
+    int64_t block_bytes, int64_t first) {
     const int64_t group = heads / kv_heads, row = kv_row_bytes(kind, dim);
     const uint8_t *kg = k + g * head_bytes, *vg = v + g * head_bytes;
     float *yg = y + g * group * dim;
@@ -341,9 +342,16 @@ static inline __attribute__((always_inline)) void attend_head(
     for (int64_t i = 0; i < group * dim; i++) qs[i] = q[g * group * dim + i] * scale;
     memset(yg, 0, (size_t)(group * dim) * sizeof(float));
     for (int64_t h = 0; h < group; h++) top[h] = -INFINITY, sum[h] = 0.0f;
-    for (int64_t j0 = 0; j0 < length; j0 += KEY_TILE) {
-        const int64_t tile = length - j0 < KEY_TILE ? length - j0 : KEY_TILE;
-        const uint8_t *kt = kg + j0 * row, *vt = vg + j0 * row;
+    for (int64_t j0 = first, tile; j0 < length; j0 += tile) {
+        const uint8_t *kt, *vt;
+        if (table) { /* paged: a tile is the rest of the block holding position j0 */
+            const int64_t in = j0 % block_rows, at = table[j0 / block_rows] * block_bytes;
+            tile = length - j0 < block_rows - in ? length - j0 : block_rows - in;
+            kt = kg + at + in * row, vt = vg + at + in * row;
+        } else {
+            tile = length - j0 < KEY_TILE ? length - j0 : KEY_TILE;
+            kt = kg + j0 * row, vt = vg + j0 * row;
+        }
         int64_t j = 0;
         for (; j + 4 <= tile; j += 4) { /* four keys at a time, summed together */
             const float *k0 = kv_rows(kind, kt + j * row, 4, dim, kbuf);
@@ -413,7 +421,7 @@ static inline __attribute__((always_inline)) void attend_head(
     _Pragma("omp parallel for schedule(static) if (heads * length * dim >= (1 << 15))")  \
     for (int64_t g = 0; g < kv_heads; g++)                                               \
         attend_head(KIND, g, q, (const uint8_t *)k, (const uint8_t *)v, heads, kv_heads,   \
-                    length, dim, head_bytes, scale, softcap, y)
+                    length, dim, head_bytes, scale, softcap, y, NULL, 0, 0, 0)
 
 /* head_stride in floats */
 void llmrun_attend_one_capped(const float *q, const float *k, const float *v, int64_t heads,
@@ -440,6 +448,33 @@ int llmrun_attend_one_stored(int kind, const float *q, const void *k, const void
     case KV_F16: ATTEND_HEADS(KV_F16); return 0;
     case KV_BF16: ATTEND_HEADS(KV_BF16); return 0;
     case KV_Q8_0: ATTEND_HEADS(KV_Q8_0); return 0;
+    default: return -1;
+    }
+}
+
+/* llmrun_attend_one_stored over a paged cache: keys first .. length - 1 (first > 0: a
+ * sliding window), position p in row p % block_rows of pool block table[p / block_rows].
+ * k and v are one layer's pool, blocks block_bytes apart, each kv_heads runs of
+ * head_bytes bytes (block_rows rows as `kind`). -1 as llmrun_attend_one_stored, or
+ * for block_rows over KEY_TILE or an empty range. */
+#define ATTEND_PAGED(KIND)                                                               \
+    _Pragma("omp parallel for schedule(static) if (heads * (length - first) * dim >= (1 << 15))") \
+    for (int64_t g = 0; g < kv_heads; g++)                                               \
+        attend_head(KIND, g, q, (const uint8_t *)k, (const uint8_t *)v, heads, kv_heads,   \
+                    length, dim, head_bytes, scale, softcap, y, table, block_rows,       \
+                    block_bytes, first)
+
+int llmrun_attend_paged(int kind, const float *q, const void *k, const void *v,
+                        const int32_t *table, int64_t block_rows, int64_t block_bytes,
+                        int64_t first, int64_t length, int64_t heads, int64_t kv_heads,
+                        int64_t dim, int64_t head_bytes, float scale, float softcap, float *y) {
+    if (dim % VW != 0 || (kind == KV_Q8_0 && dim % KV_BLOCK != 0)) return -1;
+    if (block_rows < 1 || block_rows > KEY_TILE || first < 0 || first >= length) return -1;
+    switch (kind) {
+    case KV_F32: ATTEND_PAGED(KV_F32); return 0;
+    case KV_F16: ATTEND_PAGED(KV_F16); return 0;
+    case KV_BF16: ATTEND_PAGED(KV_BF16); return 0;
+    case KV_Q8_0: ATTEND_PAGED(KV_Q8_0); return 0;
     default: return -1;
     }
 }

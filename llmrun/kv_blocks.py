@@ -1,0 +1,172 @@
+"""The block manager of serve's paged KV cache: which pool blocks each sequence holds.
+
+The pool (llmrun.models.paged.PagedKVCache) is `n_blocks` blocks of BLOCK_SIZE
+positions; a sequence's block table lists the blocks holding its positions
+0..15, 16..31, ... in order. Pure bookkeeping, no tensors: the scheduler thread
+alone calls it.
+
+Automatic prefix caching: a block whose 16 positions are all computed is named by
+the SHA-256 chain of every token up to and including it (the hash of the previous
+block's name and its own tokens), so two sequences that share a prefix share its
+blocks, each counted by reference. A block nobody holds keeps its keys and values
+and its name until its space is needed: free blocks are reused nameless ones first,
+then named ones least recently released first. A sequence releases its blocks last
+to first, so a conversation's tail is evicted before the prefix it shares with
+others.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+# Positions per block. 16: a prefix hit reuses whole blocks, so smaller blocks reuse
+# more of a prompt and waste at most 15 positions per sequence; 16 rows of a KV head
+# (4 KiB at head_dim 64 in f32) are still a long contiguous read for the decode
+# kernel, and the tables stay short (256 entries for a 4096-token context).
+BLOCK_SIZE = 16
+
+
+def blocks_for(tokens: int, block_size: int = BLOCK_SIZE) -> int:
+    """Blocks that hold `tokens` positions."""
+    return -(-tokens // block_size)
+
+
+@dataclass(eq=False)
+class BlockTable:
+    """One sequence's blocks, in position order, and the names of its leading full
+    blocks (those registered in the prefix cache or found there)."""
+
+    blocks: list[int] = field(default_factory=list)
+    names: list[bytes] = field(default_factory=list)
+
+
+class BlockManager:
+    """`n_blocks` blocks of `block_size` positions, with or without prefix caching."""
+
+    def __init__(self, n_blocks: int, block_size: int = BLOCK_SIZE, prefix_cache: bool = True):
+        if n_blocks < 1:
+            raise ValueError(f"the KV pool needs at least one block, got {n_blocks}")
+        self.n_blocks, self.block_size, self.prefix_cache = n_blocks, block_size, prefix_cache
+        self.refs = [0] * n_blocks
+        self.name_of: list[bytes | None] = [None] * n_blocks
+        self.by_name: dict[bytes, int] = {}
+        self.empty: list[int] = list(range(n_blocks - 1, -1, -1))  # nameless and free; pop()
+        self.cached: OrderedDict[int, None] = OrderedDict()  # named and free, oldest first
+
+    @property
+    def free(self) -> int:
+        """Blocks that can be allocated now (evicting cached ones as needed)."""
+        return len(self.empty) + len(self.cached)
+
+    @property
+    def used(self) -> int:
+        """Blocks held by at least one sequence."""
+        return self.n_blocks - self.free
+
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks that keep a named prefix (held or not)."""
+        return len(self.by_name)
+
+    def names(self, tokens: Sequence[int], start: bytes = b"") -> list[bytes]:
+        """The names of the full blocks of `tokens` (a prefix from position 0)."""
+        size, out, name = self.block_size, [], start
+        for begin in range(0, len(tokens) - size + 1, size):
+            chunk = tokens[begin : begin + size]
+            name = hashlib.sha256(name + b"".join(t.to_bytes(4, "little") for t in chunk)).digest()
+            out.append(name)
+        return out
+
+    def lookup(self, tokens: Sequence[int]) -> list[int]:
+        """The cached blocks holding the longest run of `tokens`' full leading blocks."""
+        if not self.prefix_cache:
+            return []
+        hits = []
+        for name in self.names(tokens):
+            block = self.by_name.get(name)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate(self, tokens: Sequence[int], positions: int) -> tuple[BlockTable, int] | None:
+        """A table for a sequence whose first `positions` positions will hold `tokens`'
+        (the tokens to prefill), reusing cached leading blocks of tokens[:-1] (a
+        sequence always feeds at least one token, for its logits); with how many
+        positions it reuses. None, allocating nothing, when the free blocks do not
+        suffice."""
+        hits = self.lookup(tokens[:-1])
+        fresh = blocks_for(positions, self.block_size) - len(hits)
+        # Cached blocks nobody holds are free ones too: taking them leaves fewer.
+        idle_hits = sum(1 for b in hits if self.refs[b] == 0)
+        if fresh > self.free - idle_hits:
+            return None
+        table = BlockTable()
+        for block in hits:
+            self._hold(block)
+            table.blocks.append(block)
+        table.names = [self.name_of[b] for b in hits]
+        for _ in range(max(fresh, 0)):
+            table.blocks.append(self._take())
+        return table, len(hits) * self.block_size
+
+    def grow(self, table: BlockTable, positions: int) -> bool:
+        """Extend `table` to hold `positions` positions; False (and no change) when
+        there are not enough free blocks."""
+        more = blocks_for(positions, self.block_size) - len(table.blocks)
+        if more > self.free:
+            return False
+        for _ in range(more):
+            table.blocks.append(self._take())
+        return True
+
+    def commit(self, table: BlockTable, tokens: Sequence[int]) -> None:
+        """Name the full blocks of a sequence whose cached positions hold `tokens`, so
+        later sequences can find them. A block whose name another block already has
+        (the same prefix computed twice at once) stays nameless."""
+        if not self.prefix_cache:
+            return
+        done = len(table.names)
+        full = len(tokens) // self.block_size
+        if full <= done:
+            return
+        size = self.block_size
+        start = table.names[-1] if table.names else b""
+        for i, name in enumerate(self.names(tokens[done * size : full * size], start), done):
+            table.names.append(name)
+            block = table.blocks[i]
+            if name not in self.by_name and self.name_of[block] is None:
+                self.by_name[name] = block
+                self.name_of[block] = name
+
+    def release(self, table: BlockTable) -> None:
+        """Let go of a sequence's blocks, last to first (see the module docstring)."""
+        for block in reversed(table.blocks):
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                if self.name_of[block] is None:
+                    self.empty.append(block)
+                else:
+                    self.cached[block] = None
+        table.blocks.clear()
+        table.names.clear()
+
+    def _hold(self, block: int) -> None:
+        if self.refs[block] == 0:
+            del self.cached[block]
+        self.refs[block] += 1
+
+    def _take(self) -> int:
+        """A free block for new keys: a nameless one, else the least recently released
+        cached one, which loses its name."""
+        if self.empty:
+            block = self.empty.pop()
+        else:
+            block, _ = self.cached.popitem(last=False)
+            del self.by_name[self.name_of[block]]
+            self.name_of[block] = None
+        self.refs[block] = 1
+        return block

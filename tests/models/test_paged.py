@@ -1,0 +1,178 @@
+"""The paged KV cache (llmrun.models.paged) against the contiguous one.
+
+The native paged kernel is held to torch's attention on the same keys and values
+laid out contiguously, at test_ops.py's tolerances (rtol 1e-5: the same sums in
+another order), for shuffled block tables, partial last blocks and sliding-window
+ranges, in every cache type. Whole models are held to the contiguous KVCache: the
+same logits to float rounding (1e-4 on logits within about ±5) for a prefill in
+chunks and then decoding, alone and batched, with rows whose tables share their
+prefix blocks. In an f16 cache, 1e-7 differences upstream (keys summed in another
+order) can round a stored key the other way, one f16 step: up to 3e-4 measured on
+Gemma 2, so f16 is held to 2e-3.
+"""
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import BASE, tiny_hf_model
+
+from llmrun import ops
+from llmrun.models import model_module
+from llmrun.models.paged import PagedKVCache
+
+BLOCK = 16
+
+
+def stored(x: torch.Tensor, cache_type: str) -> torch.Tensor:
+    if cache_type == "q8_0":
+        return ops.quantize_q8_0(x)
+    return x.to({"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[cache_type])
+
+
+def scatter(contiguous: torch.Tensor, table: list[int], n_blocks: int) -> torch.Tensor:
+    """[Hkv, L, W] keys laid out in a pool [n_blocks, Hkv, BLOCK, W] by `table`, the
+    rest of the pool random."""
+    heads, length, width = contiguous.shape
+    pool = torch.randint(0, 255, (n_blocks, heads, BLOCK, width), dtype=torch.uint8)
+    pool = (
+        pool.view(contiguous.dtype) if contiguous.dtype.itemsize == 1 else pool.to(contiguous.dtype)
+    )
+    for p in range(length):
+        pool[table[p // BLOCK], :, p % BLOCK] = contiguous[:, p]
+    return pool
+
+
+@pytest.mark.parametrize("cache_type", ["f32", "f16", "bf16", "q8_0"])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,length,first,softcap",
+    [
+        (4, 2, 64, 1, 0, None),
+        (4, 2, 64, 37, 0, None),  # a partial last block
+        (14, 2, 64, 300, 0, None),
+        (8, 4, 32, 100, 61, None),  # a sliding window starting inside a block
+        (8, 4, 256, 64, 0, 2.0),  # full blocks only, soft-capped
+    ],
+)
+def test_paged_kernel_matches_torch_on_the_contiguous_keys(
+    native_kernels, cache_type, heads, kv_heads, head_dim, length, first, softcap
+):
+    torch.manual_seed(0)
+    q = torch.randn(1, heads, 1, head_dim)
+    k = stored(torch.randn(kv_heads, length, head_dim), cache_type)
+    v = stored(torch.randn(kv_heads, length, head_dim), cache_type)
+    n_blocks = -(-length // BLOCK) + 5
+    table = random.Random(length).sample(range(n_blocks), n_blocks)  # shuffled, spare blocks too
+    k_pool, v_pool = scatter(k, table, n_blocks), scatter(v, table, n_blocks)
+    tables = torch.tensor(table, dtype=torch.int32)
+    scale = head_dim**-0.5
+    out = ops.attend_paged(q, k_pool, v_pool, tables, first, length, scale, softcap)
+    keys = ops.stored_values(k[:, first:length], torch.float32)[None]
+    values = ops.stored_values(v[:, first:length], torch.float32)[None]
+    if softcap is None:
+        reference = F.scaled_dot_product_attention(q, keys, values, scale=scale, enable_gqa=True)
+    else:
+        grouped = keys.repeat_interleave(heads // kv_heads, 1)
+        scores = torch.tanh(q @ grouped.transpose(-1, -2) * scale / softcap) * softcap
+        reference = torch.softmax(scores, -1) @ values.repeat_interleave(heads // kv_heads, 1)
+    reference = reference.transpose(1, 2).reshape(1, 1, heads * head_dim)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=2e-5 if softcap else 1e-6)
+
+
+def test_the_kernel_refuses_what_it_cannot_take(native_kernels):
+    q = torch.randn(1, 2, 1, 64)
+    pool = torch.zeros(2, 1, BLOCK, 64)
+    table = torch.zeros(2, dtype=torch.int32)
+    assert ops.attend_paged(q, pool, pool, table, 5, 5, 1.0) is None  # an empty range
+    assert ops.attend_paged(q, pool, pool, table.long(), 0, 5, 1.0) is None
+    assert ops.attend_paged(q.double(), pool, pool, table, 0, 5, 1.0) is None
+
+
+def our_model(name: str):
+    hf, config = tiny_hf_model(name)
+    module = model_module(config["model_type"])
+    model = module.Model(module.ModelArgs.from_config(config))
+    model.load_state_dict(hf.state_dict(), strict=False)
+    if config.get("tie_word_embeddings") or name == "gemma3":
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3"]
+SEQ = 45
+IDS = torch.randint(0, BASE["vocab_size"], (2, SEQ), generator=torch.Generator().manual_seed(5))
+SHARED = 32  # row 1 starts with row 0's first two blocks
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def model(request):
+    return our_model(request.param)
+
+
+def pool_for(model, cache_type="f32", n_blocks=16):
+    return PagedKVCache(model.new_cache(1, 1, cache_type, "cpu"), n_blocks, BLOCK, 256)
+
+
+def contiguous_logits(model, ids, sizes, cache_type="f32"):
+    cache = model.new_cache(1, 64, cache_type, "cpu")
+    out, start = [], 0
+    for n in sizes:
+        positions = torch.arange(start, start + n)[None]
+        out.append(model(ids[None, start : start + n], positions, cache)[0])
+        start += n
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("cache_type", ["f32", "f16"])
+def test_one_sequence_on_shuffled_blocks_gives_the_contiguous_logits(model, cache_type):
+    # A prefill in chunks that end inside blocks, then decoding into a partial block.
+    sizes = [7, 20] + [1] * (SEQ - 27)
+    pool = pool_for(model, cache_type)
+    table = [9, 2, 14]  # 45 positions: two full blocks and 13 of a third
+    out, start = [], 0
+    with torch.inference_mode():
+        reference = contiguous_logits(model, IDS[0], sizes, cache_type)
+        for n in sizes:
+            positions = torch.arange(start, start + n)[None]
+            out.append(model(IDS[:1, start : start + n], positions, pool.view([table]))[0])
+            start += n
+    tolerance = 1e-4 if cache_type == "f32" else 2e-3
+    torch.testing.assert_close(torch.cat(out), reference, rtol=tolerance, atol=tolerance)
+
+
+def test_batched_rows_sharing_prefix_blocks_give_their_own_logits(model):
+    """Row 1 shares row 0's first SHARED tokens, and so its first two blocks; both
+    are then prefilled together (padded on the right) and decoded together."""
+    ids = IDS.clone()
+    ids[1, :SHARED] = ids[0, :SHARED]
+    pool = pool_for(model)
+    tables = [[5, 0, 11], [5, 0, 7]]
+    with torch.inference_mode():
+        head = ids[:1, :SHARED]
+        model(head, torch.arange(SHARED)[None], pool.view(tables[:1]))
+        # The rest of the prompts: 6 and 9 tokens, rows padded to 9.
+        counts = [6, 9]
+        rest = torch.stack([ids[0, SHARED : SHARED + 9], ids[1, SHARED : SHARED + 9]])
+        positions = torch.arange(SHARED, SHARED + 9).expand(2, 9)
+        last = torch.tensor(counts) - 1
+        prefilled = model(rest, positions, pool.view(tables, counts), last=last)[:, -1]
+        ends = [SHARED + c for c in counts]
+        decoded = []
+        for step in range(4):
+            step_ids = torch.stack([ids[r, e + step : e + step + 1] for r, e in enumerate(ends)])
+            step_positions = torch.tensor([[e + step] for e in ends])
+            decoded.append(model(step_ids, step_positions, pool.view(tables))[:, -1])
+        for row, end in enumerate(ends):
+            sizes = [SHARED, end - SHARED] + [1] * 4
+            reference = contiguous_logits(model, ids[row], sizes)
+            torch.testing.assert_close(prefilled[row], reference[end - 1], rtol=1e-4, atol=1e-4)
+            got = torch.stack([d[row] for d in decoded])
+            torch.testing.assert_close(got, reference[end:], rtol=1e-4, atol=1e-4)
+
+
+def test_block_bytes_counts_keys_and_values_of_every_layer():
+    model = our_model("qwen3")  # 2 layers, 2 KV heads of 32
+    like = model.new_cache(1, 1, "f16", "cpu")
+    assert PagedKVCache.block_bytes(like, BLOCK) == 2 * 2 * 2 * BLOCK * 32 * 2
+    assert pool_for(model, "f16").nbytes == 16 * PagedKVCache.block_bytes(like, BLOCK)

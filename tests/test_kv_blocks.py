@@ -1,0 +1,159 @@
+"""The block manager: allocation, prefix hits and misses, sharing, eviction order,
+and accounting that returns to all blocks free."""
+
+import hashlib
+
+import pytest
+
+from llmrun.kv_blocks import BlockManager, blocks_for
+
+B = 4  # positions per block, small so a few tokens fill several
+
+
+def tokens(n, offset=0):
+    return list(range(offset, offset + n))
+
+
+def test_a_prompt_gets_the_blocks_of_its_positions():
+    m = BlockManager(8, B)
+    table, reused = m.allocate(tokens(9), 9)
+    assert (len(table.blocks), reused, m.used, m.free) == (3, 0, 3, 5)
+    assert len(set(table.blocks)) == 3
+    m.release(table)
+    assert (m.used, m.free, table.blocks) == (0, 8, [])
+
+
+def test_names_chain_every_token_up_to_and_including_the_block():
+    m = BlockManager(8, B)
+    first = hashlib.sha256(b"".join(t.to_bytes(4, "little") for t in [0, 1, 2, 3])).digest()
+    second = hashlib.sha256(first + b"".join(t.to_bytes(4, "little") for t in [4, 5, 6, 7]))
+    assert m.names(tokens(10)) == [first, second.digest()]
+    # The same second block after another first one is another block.
+    assert m.names([9, 1, 2, 3, 4, 5, 6, 7])[1] != second.digest()
+
+
+def test_a_later_prompt_reuses_the_full_blocks_of_a_finished_one():
+    m = BlockManager(8, B)
+    table, _ = m.allocate(tokens(10), 10)
+    m.commit(table, tokens(10))  # two full blocks named, the partial third not
+    old = list(table.blocks)
+    m.release(table)
+    assert (m.used, m.cached_blocks) == (0, 2)
+    again, reused = m.allocate(tokens(12), 12)
+    assert reused == 8 and again.blocks[:2] == old[:2]
+    # A prompt that differs in its second block reuses only the first.
+    m.release(again)
+    other, reused = m.allocate(tokens(4) + tokens(8, offset=50), 12)
+    assert reused == 4 and other.blocks[0] == old[0] and other.blocks[1] != old[1]
+
+
+def test_the_last_token_is_always_fed_so_a_whole_cached_prompt_reuses_one_block_less():
+    m = BlockManager(8, B)
+    table, _ = m.allocate(tokens(8), 8)
+    m.commit(table, tokens(8))
+    m.release(table)
+    _, reused = m.allocate(tokens(8), 8)
+    assert reused == 4
+
+
+def test_no_prefix_cache_names_nothing():
+    m = BlockManager(8, B, prefix_cache=False)
+    table, _ = m.allocate(tokens(8), 8)
+    m.commit(table, tokens(8))
+    m.release(table)
+    assert m.cached_blocks == 0
+    assert m.allocate(tokens(12), 12)[1] == 0
+
+
+def test_concurrent_sequences_share_their_prefix_blocks_by_reference():
+    m = BlockManager(8, B)
+    a, _ = m.allocate(tokens(9), 9)
+    m.commit(a, tokens(9))
+    b, reused = m.allocate(tokens(8) + [99, 98], 10)
+    assert reused == 8 and b.blocks[:2] == a.blocks[:2]
+    assert m.used == 4  # 2 shared + a's third + b's third
+    m.release(a)
+    assert m.used == 3  # the shared blocks are still b's
+    m.release(b)
+    assert (m.used, m.free) == (0, 8)
+
+
+def test_allocation_fails_whole_when_blocks_run_short():
+    m = BlockManager(4, B)
+    a, _ = m.allocate(tokens(12), 12)
+    assert m.allocate(tokens(8, offset=100), 8) is None
+    assert m.used == 3  # nothing taken by the failed one
+    assert m.grow(a, 16) and m.used == 4
+    assert not m.grow(a, 17) and len(a.blocks) == 4
+    m.release(a)
+    assert m.used == 0
+
+
+def test_idle_cached_hits_count_against_the_free_blocks():
+    m = BlockManager(3, B)
+    a, _ = m.allocate(tokens(8), 8)
+    m.commit(a, tokens(8))
+    m.release(a)  # two cached, idle blocks; three free in all
+    # 13 positions need 4 blocks: the 2 idle hits and 2 more, of the 1 left.
+    assert m.allocate(tokens(13), 13) is None
+    table, reused = m.allocate(tokens(12), 12)
+    assert reused == 8 and m.used == 3
+
+
+def test_eviction_takes_nameless_blocks_first_then_the_least_recently_released():
+    m = BlockManager(6, B)
+    old, _ = m.allocate(tokens(8), 8)
+    m.commit(old, tokens(8))
+    new, _ = m.allocate(tokens(8, offset=100), 8)
+    m.commit(new, tokens(8, offset=100))
+    m.release(old)
+    m.release(new)
+    # Two nameless blocks go first: every cached prefix survives.
+    filler, _ = m.allocate(tokens(8, offset=200), 8)
+    assert len(m.lookup(tokens(8))) == 2 and len(m.lookup(tokens(8, offset=100))) == 2
+    # The next block evicts old's tail first (released last to first, old before new).
+    m.grow(filler, 9)
+    assert len(m.lookup(tokens(8))) == 1 and len(m.lookup(tokens(8, offset=100))) == 2
+    m.grow(filler, 13)
+    assert m.lookup(tokens(8)) == [] and len(m.lookup(tokens(8, offset=100))) == 2
+    m.release(filler)
+    assert m.used == 0
+
+
+def test_a_reused_block_is_released_again_as_recent():
+    m = BlockManager(4, B)
+    a, _ = m.allocate(tokens(4), 4)
+    m.commit(a, tokens(4))
+    b, _ = m.allocate(tokens(4, offset=100), 4)
+    m.commit(b, tokens(4, offset=100))
+    m.release(a)
+    m.release(b)
+    # a's block is hit (and released) after b's: b's is now the older one.
+    hit, reused = m.allocate(tokens(5), 5)
+    assert reused == 4
+    m.release(hit)
+    filler, _ = m.allocate(tokens(12, offset=300), 12)  # the 2 nameless + 1 evicted
+    assert len(m.lookup(tokens(4))) == 1 and m.lookup(tokens(4, offset=100)) == []
+    m.release(filler)
+
+
+def test_the_same_prefix_computed_twice_at_once_keeps_one_name():
+    m = BlockManager(8, B)
+    a, _ = m.allocate(tokens(5), 5)
+    b, _ = m.allocate(tokens(5), 5)  # before a is committed: no hit
+    m.commit(a, tokens(5))
+    m.commit(b, tokens(5))
+    assert m.cached_blocks == 1 and m.lookup(tokens(4)) == [a.blocks[0]]
+    m.release(a)
+    m.release(b)
+    assert (m.used, m.cached_blocks) == (0, 1)
+
+
+@pytest.mark.parametrize("n,expected", [(0, 0), (1, 1), (4, 1), (5, 2)])
+def test_blocks_for(n, expected):
+    assert blocks_for(n, B) == expected
+
+
+def test_a_pool_needs_a_block():
+    with pytest.raises(ValueError):
+        BlockManager(0, B)
