@@ -217,8 +217,31 @@ def test_ctrl_c_leaves_whole_lines_that_resume_completes(tmp_path):
     done = records(data.decode())  # every line is whole JSON
     assert [r["id"] for r in done] == list(range(1, len(done) + 1))
     assert llmrun("run", "--batch", path, "-o", str(out), "--resume").returncode == 0
-    everything = llmrun("run", "--batch", path, "--parallel", "2")
+    everything = llmrun("run", "--batch", path, "--parallel", "2", "--verbose")
     assert records(out.read_text()) == records(everything.stdout)
+    # In a pipe, --verbose gives stderr the summary (and nothing styled).
+    summary = everything.stderr.splitlines()[-1]
+    assert summary.startswith(f"{len(lines)} prompts, ") and summary.endswith(" tokens/s")
+    assert "\x1b[" not in everything.stderr
+
+
+def test_a_terminal_gets_a_progress_bar(tmp_path):
+    pexpect = pytest.importorskip("pexpect")
+    lines = [{"prompt": p, "temperature": 0, "max_tokens": 100} for p in PROMPTS * 2]
+    out = tmp_path / "out.jsonl"
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "llmrun", "run", "--batch", write_jsonl(tmp_path / "in.jsonl", lines)]
+        + ["-o", str(out), "--parallel", "2"],
+        env=dict(os.environ),
+        encoding="utf-8",
+        timeout=120,
+    )
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0, child.before
+    assert f"/{len(lines)}" in child.before and "tokens/s" in child.before
+    assert len(records(out.read_text())) == len(lines)
 
 
 def test_usage_errors_are_one_line():
