@@ -16,7 +16,9 @@
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 #define MAX_M 8 /* most activation rows handled per pass over the weights */
+#ifndef PREFETCH
 #define PREFETCH 4096 /* bytes ahead of the current block, within a thread's rows */
+#endif
 #define CHUNK 65536 /* bytes of weights a thread takes at a time */
 
 /* GGMLQuantizationType values */
@@ -24,7 +26,8 @@ enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K 
        Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30,
        MXFP4 = 39,
        /* llmrun's packed layouts (llmrun/quant/kernels.py repacks), 1000 + the type */
-       Q4_0_PACKED = 1002, Q5_0_PACKED = 1006, Q4_K_PACKED = 1012, Q5_K_PACKED = 1013 };
+       Q4_0_PACKED = 1002, Q5_0_PACKED = 1006, Q8_0_PACKED = 1008, Q4_K_PACKED = 1012,
+       Q5_K_PACKED = 1013 };
 
 /* The GGML types every family has kernels for, as X(T, A) for each; a family's
  * KERNEL_TYPES(X, A) lists these and its packed layouts. */

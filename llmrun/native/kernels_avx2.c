@@ -24,9 +24,10 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 
-/* The types with kernels here: common.h's, and the packed layouts of Q4_0 and Q5_0
- * (see below; not those of Q4_K and Q5_K). */
-#define KERNEL_TYPES(X, A) GGML_TYPES(X, A) X(Q4_0_PACKED, A) X(Q5_0_PACKED, A)
+/* The types with kernels here: common.h's, and the packed layouts of Q4_0, Q5_0 and
+ * Q8_0 (see below; not those of Q4_K and Q5_K). */
+#define KERNEL_TYPES(X, A) \
+    GGML_TYPES(X, A) X(Q4_0_PACKED, A) X(Q5_0_PACKED, A) X(Q8_0_PACKED, A)
 
 ALWAYS_INLINE float f16_at(const uint8_t *p) {
     uint16_t h;
@@ -552,9 +553,19 @@ ALWAYS_INLINE void group(const uint8_t *qh, const uint8_t *qs, int64_t g, __m256
      * its scales */
     for (int i = 0; i < m; i++) {
         const float *xg = xp + i * n + 64 * g;
-        __m256 s = _mm256_mul_ps(wv[0], _mm256_loadu_ps(xg));
-        for (int k = 1; k < 8; k++) s = _mm256_fmadd_ps(wv[k], _mm256_loadu_ps(xg + 8 * k), s);
-        acc[i] = _mm256_fmadd_ps(s, dv, acc[i]);
+        if (m <= 2) {
+            __m256 s0 = _mm256_mul_ps(wv[0], _mm256_loadu_ps(xg));
+            __m256 s1 = _mm256_mul_ps(wv[1], _mm256_loadu_ps(xg + 8));
+            for (int k = 2; k < 8; k += 2) {
+                s0 = _mm256_fmadd_ps(wv[k], _mm256_loadu_ps(xg + 8 * k), s0);
+                s1 = _mm256_fmadd_ps(wv[k + 1], _mm256_loadu_ps(xg + 8 * k + 8), s1);
+            }
+            acc[i] = _mm256_fmadd_ps(_mm256_add_ps(s0, s1), dv, acc[i]);
+        } else {
+            __m256 s = _mm256_mul_ps(wv[0], _mm256_loadu_ps(xg));
+            for (int k = 1; k < 8; k++) s = _mm256_fmadd_ps(wv[k], _mm256_loadu_ps(xg + 8 * k), s);
+            acc[i] = _mm256_fmadd_ps(s, dv, acc[i]);
+        }
     }
 }
 
@@ -607,6 +618,97 @@ ALWAYS_INLINE void deq_packed(const uint8_t *d, const uint8_t *qh, const uint8_t
 
 DEFINE_PACKED(Q4_0_PACKED, 0)
 DEFINE_PACKED(Q5_0_PACKED, 1)
+
+/* Q8_0_PACKED (this family's alone): a row's f16 scales, then its 32-byte quants in
+ * block order. Each block's 32 int8 are sign-extended straight from memory and
+ * converted (exact); each row's sum over the block is scaled once by d, as the packed
+ * Q4_0 kernel scales its groups. Per 8 weights one load-extend, one conversion and one
+ * multiply-add per activation row (the GGML layout's kernel also shuffles the upper
+ * halves down and multiplies by d, and converts every block's scale alone). */
+#define Q8_0_PACKED_BLOCK 32
+
+ALWAYS_INLINE __m256 q8_at(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* One block (quants at qs, scale d in every lane) into acc[i] for the m rows of x
+ * (xb: the block's first activation). Few rows: each row's sum over the block in two
+ * chains (hiding the multiply-add latency), scaled once by d. More rows: the weights
+ * d * q once (as deq_Q8_0 computes them), then multiply-adds into every row, whose
+ * independent chains hide the latency themselves. */
+ALWAYS_INLINE void q8_block(const uint8_t *qs, __m256 d, const float *xb, const int m,
+                            int64_t n, __m256 *acc) {
+    __m256 w[4];
+    for (int k = 0; k < 4; k++) w[k] = q8_at(qs + 8 * k);
+    if (m <= 2) {
+        for (int i = 0; i < m; i++) {
+            const float *xi = xb + i * n;
+            __m256 s0 = _mm256_mul_ps(w[0], _mm256_loadu_ps(xi));
+            __m256 s1 = _mm256_mul_ps(w[1], _mm256_loadu_ps(xi + 8));
+            s0 = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xi + 16), s0);
+            s1 = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xi + 24), s1);
+            acc[i] = _mm256_fmadd_ps(_mm256_add_ps(s0, s1), d, acc[i]);
+        }
+        return;
+    }
+    for (int k = 0; k < 4; k++) w[k] = _mm256_mul_ps(d, w[k]);
+    for (int i = 0; i < m; i++)
+        for (int k = 0; k < 4; k++)
+            acc[i] = _mm256_fmadd_ps(w[k], _mm256_loadu_ps(xb + i * n + 8 * k), acc[i]);
+}
+
+ALWAYS_INLINE void rows_q8_packed(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
+                                  const float *x, const int m, int64_t n, float *y,
+                                  int64_t ldy, const float *bias) {
+    const int64_t nb = n / 32;
+    const uint8_t *end = w + r1 * stride;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * stride, *qs = row + 2 * nb;
+        /* odd blocks go to acc1 where few rows leave the chains short */
+        __m256 acc0[MAX_M], acc1[MAX_M];
+        for (int i = 0; i < m; i++) acc0[i] = acc1[i] = _mm256_setzero_ps();
+        int64_t b = 0;
+        /* eight blocks at a time, their scales converted at once */
+        for (; b + 8 <= nb; b += 8) {
+            const uint8_t *src = qs + 32 * b;
+            if (src + PREFETCH + 256 <= end)
+                for (int l = 0; l < 256; l += 64)
+                    _mm_prefetch((const char *)src + PREFETCH + l, _MM_HINT_T0);
+            float d[8];
+            _mm256_storeu_ps(d, _mm256_cvtph_ps(load16(row + 2 * b)));
+            for (int u = 0; u < 8; u++)
+                q8_block(src + 32 * u, _mm256_broadcast_ss(d + u), x + 32 * (b + u), m, n,
+                         m <= 2 && u % 2 ? acc1 : acc0);
+        }
+        for (; b < nb; b++)
+            q8_block(qs + 32 * b, _mm256_set1_ps(f16_at(row + 2 * b)), x + 32 * b, m, n, acc0);
+        for (int i = 0; i < m; i++) {
+            const __m256 sum = m <= 2 ? _mm256_add_ps(acc0[i], acc1[i]) : acc0[i];
+            y[i * ldy + r] = hsum(sum) + (bias ? bias[r] : 0.0f);
+        }
+    }
+}
+
+static void matvec_Q8_0_PACKED(const uint8_t *w, int64_t stride, int64_t rows, const float *x,
+                               int64_t m, int64_t n, float *y, const float *bias) {
+    ROW_PASSES(x, rows_q8_packed);
+}
+
+/* weight by weight as deq_Q8_0: d * q */
+static void dequant_Q8_0_PACKED(const uint8_t *w, int64_t stride, int64_t rows, int64_t n,
+                                float *out) {
+    const int64_t nb = n / 32;
+    _Pragma("omp parallel for schedule(static)")
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *row = w + r * stride;
+        for (int64_t b = 0; b < nb; b++) {
+            const sink_t s = {.out = out + r * n + 32 * b};
+            const __m256 d = _mm256_set1_ps(f16_at(row + 2 * b));
+            put_mul(s, 0, load16(row + 2 * nb + 32 * b), d);
+            put_mul(s, 16, load16(row + 2 * nb + 32 * b + 16), d);
+        }
+    }
+}
 
 DEFINE_API()
 

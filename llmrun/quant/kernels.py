@@ -16,13 +16,20 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from llmrun import native
 
-# Types with a faster kernel on a repacked row layout (kernels_avx512.c: packed layouts;
-# the AVX2 kernels read the same bytes, but for Q4_K and Q5_K), by the kernel's type id,
-# and the byte sizes of their block fields in block order.
-Q4_0, Q5_0 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q5_0
+# Types with a faster kernel on a repacked row layout in some kernel family (kernels_avx512.c:
+# Q4_0, Q5_0, Q4_K, Q5_K; kernels_avx2.c: Q4_0, Q5_0, Q8_0; `supports` says which this
+# family has), by the kernel's type id, and the byte sizes of their block fields in block
+# order.
+Q4_0, Q5_0, Q8_0 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q8_0
 Q4_K, Q5_K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K
-PACKED = {Q4_0: 1002, Q5_0: 1006, Q4_K: 1012, Q5_K: 1013}
-FIELDS = {Q4_0: (2, 16), Q5_0: (2, 4, 16), Q4_K: (2, 2, 12, 128), Q5_K: (2, 2, 12, 32, 128)}
+PACKED = {Q4_0: 1002, Q5_0: 1006, Q8_0: 1008, Q4_K: 1012, Q5_K: 1013}
+FIELDS = {
+    Q4_0: (2, 16),
+    Q5_0: (2, 4, 16),
+    Q8_0: (2, 32),
+    Q4_K: (2, 2, 12, 128),
+    Q5_K: (2, 2, 12, 32, 128),
+}
 K_SCALE_GROUP = 16  # K-quant blocks whose scale fields `pack` interleaves (C: K_GROUP)
 PACK_CHUNK = 1 << 22  # bytes of blocks `pack` repacks at a time
 

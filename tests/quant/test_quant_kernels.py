@@ -8,21 +8,20 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from test_quant_blocks import assert_same_bits, every_mxfp4_block
-from test_quant_linear import TYPES, assert_close_matmul, finite_blocks, reference
+from test_quant_linear import FAMILY_PACKED, TYPES, assert_close_matmul, finite_blocks, reference
 
 from llmrun.quant import kernels
 from llmrun.quant.blocks import SUPPORTED_TYPES
 from llmrun.quant.linear import QuantLinear
 
 T = GGMLQuantizationType
-# The packed layouts kernels_avx2.c has (kernels_avx512.c has them all).
-AVX2_PACKED = [T.Q4_0, T.Q5_0]
+AVX2_PACKED = FAMILY_PACKED["AVX2"]
 
 
 def refuses_packed(ggml_type: T, family: str, n: int) -> bool:
-    """Whether this family has no packed kernel for the type (kernels_avx2.c packs only
-    Q4_0 and Q5_0), after checking that it says so rather than running a wrong one."""
-    if family != "AVX2" or ggml_type in AVX2_PACKED:
+    """Whether this family has no packed kernel for the type, after checking that it
+    says so rather than running a wrong one."""
+    if ggml_type in FAMILY_PACKED[family]:
         return False
     assert not kernels.supports(ggml_type, n, True)
     raw = torch.from_numpy(finite_blocks(ggml_type, 2, n, seed=1))
@@ -83,7 +82,7 @@ def test_packed_kernels_match_f32_matmul(ggml_type: T, m: int, n: int, native_ke
         return
     raw = finite_blocks(ggml_type, 40, n, seed=16 + m)
     packed = kernels.pack(torch.from_numpy(raw), ggml_type)
-    assert kernels.supports(ggml_type, n, True) and not kernels.supports(ggml_type, 96, True)
+    assert kernels.supports(ggml_type, n, True) and not kernels.supports(ggml_type, n + 16, True)
     x = torch.randn(m, n, generator=torch.Generator().manual_seed(17))
     y = kernels.matvec(packed, ggml_type, x, packed=True)
     assert y.shape == (m, 40)
@@ -126,9 +125,11 @@ def test_packed_k_quant_rows_of_any_block_count(blocks: int, m: int, use_kernels
 def test_avx2_kernels_repack_too(ggml_type: T, use_kernels):
     use_kernels("AVX2")
     assert kernels.supports(ggml_type, 1024) and kernels.supports(ggml_type, 1024, True)
-    # Rows of 64 weights are enough here (the AVX-512 kernels step by 128).
-    assert kernels.supports(ggml_type, 64, True) and not kernels.supports(ggml_type, 96, True)
-    for n in (64, 192, 320):
+    # Rows of 64 weights are enough here (the AVX-512 kernels step by 128); Q8_0's of 32.
+    step = 32 if ggml_type == T.Q8_0 else 64
+    assert kernels.supports(ggml_type, step, True)
+    assert not kernels.supports(ggml_type, step + step // 2, True)
+    for n in (step, 3 * step, 5 * step):
         raw = finite_blocks(ggml_type, 5, n, seed=n)
         packed = kernels.pack(torch.from_numpy(raw), ggml_type)
         x = torch.randn(3, n, generator=torch.Generator().manual_seed(n))

@@ -16,6 +16,8 @@ from llmrun.quant.linear import QuantEmbedding, QuantLinear
 T = GGMLQuantizationType
 TYPES = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
 TYPES += [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4]
+# The packed layouts each x86 kernel family has.
+FAMILY_PACKED = {"AVX-512": [T.Q4_0, T.Q5_0, T.Q4_K, T.Q5_K], "AVX2": [T.Q4_0, T.Q5_0, T.Q8_0]}
 
 
 @pytest.fixture(params=["AVX-512", "AVX2", "torch"])
@@ -101,8 +103,9 @@ def test_bias_is_added_in_every_layout_and_follows_the_module(ggml_type: T, path
     gen = torch.Generator().manual_seed(7)
     bias = torch.randn(24, generator=gen)
     lin = QuantLinear(torch.from_numpy(raw), ggml_type, 1024, bias=bias.clone())
-    # Both kernel families have the packed layouts (the torch path reads them too).
-    assert lin.packed == (path != "torch" and ggml_type in kernels.PACKED)
+    # Each family packs Q4_0 and Q5_0, AVX2 Q8_0 as well (the torch path reads them too).
+    packable = ggml_type != T.Q8_0 or path == "AVX2"
+    assert lin.packed == (path != "torch" and packable)
     x = torch.randn(1, 1024, generator=gen)
     w = reference(raw, ggml_type)
     assert_close_matmul(lin(x) - bias, x, w)
@@ -116,8 +119,8 @@ def test_bias_is_added_in_every_layout_and_follows_the_module(ggml_type: T, path
 
 
 def test_quant_linear_keeps_the_raw_tensor_without_copy():
-    raw = torch.from_numpy(random_blocks(T.Q8_0, 8, 64))
-    lin = QuantLinear(raw, T.Q8_0, 64)
+    raw = torch.from_numpy(random_blocks(T.Q4_1, 8, 64))  # no packed layout
+    lin = QuantLinear(raw, T.Q4_1, 64)
     assert lin.weight.data_ptr() == raw.data_ptr()
     assert not lin.weight.requires_grad
 
@@ -191,16 +194,14 @@ def test_tied_embedding_and_lm_head_share_one_tensor_through_to(monkeypatch):
     assert model["head"].weight.data_ptr() != raw.data_ptr()
 
 
-@pytest.mark.parametrize("ggml_type", [*kernels.PACKED, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", list(kernels.PACKED), ids=lambda t: t.name)
 def test_tied_head_packs_the_embedding_where_the_kernels_can(native_kernels, ggml_type: T):
     raw = random_blocks(ggml_type, 40, 256, seed=16)
     embed = QuantEmbedding(torch.from_numpy(raw), ggml_type, 256)
     head = linear.tied_head(embed)
     assert head.weight is embed.weight
-    # AVX2 has no packed Q4_K or Q5_K kernel.
-    packable = ggml_type in kernels.PACKED and (
-        native_kernels != "AVX2" or ggml_type not in (T.Q4_K, T.Q5_K)
-    )
+    # AVX2 has no packed Q4_K or Q5_K kernel, AVX-512 none for Q8_0.
+    packable = ggml_type in FAMILY_PACKED[native_kernels]
     assert head.packed == embed.packed == packable
     x = torch.randn(2, 256)
     assert_close_matmul(head(x), x, reference(raw, ggml_type))
