@@ -139,6 +139,11 @@ static inline float e8m0_half(uint8_t e) {
         }                                                                                \
     } while (0)
 #define EXPERTS_CASE(T, _) case T: EXPERTS_PASS(rows_##T); return 0;
+/* What llmrun_matvec_experts does before the per-type passes: a family's own way for
+ * some types (defined before this file is included), else nothing. */
+#ifndef EXPERTS_FIRST
+#define EXPERTS_FIRST
+#endif
 #define CALL_MATVEC(T) matvec_##T(w, stride, rows, x, m, n, y, bias)
 #define CALL_DEQUANT(T) dequant_##T(w, stride, rows, n, out)
 
@@ -170,6 +175,7 @@ static inline float e8m0_half(uint8_t e) {
     int llmrun_matvec_experts(int type, const int64_t *ws, int64_t stride, int64_t rows, \
                               const float *x, int64_t x_step, int64_t n, float *y,       \
                               int64_t count) {                                           \
+        EXPERTS_FIRST                                                                    \
         switch (type) {                                                                  \
         GGML_TYPES(EXPERTS_CASE, _)                                                      \
         default: return -1;                                                              \

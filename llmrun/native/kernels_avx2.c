@@ -19,6 +19,9 @@
  * common.h holds what it shares with kernels_avx512.c.
  * Block layouts: https://github.com/ggml-org/llama.cpp/blob/master/ggml/src/ggml-common.h
  */
+/* Q4_K experts take the same few-rows kernel as Q4_K's matvec (experts_q4_k, below) */
+#define EXPERTS_FIRST                                                                    \
+    if (type == Q4_K) return experts_q4_k(ws, stride, rows, x, x_step, n, y, count);
 #include "common.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -436,10 +439,6 @@ ALWAYS_INLINE float hsum(__m256 v) {
             }                                                                            \
         }                                                                                \
     }                                                                                    \
-    static void matvec_##T(const uint8_t *w, int64_t stride, int64_t rows, const float *x, \
-                           int64_t m, int64_t n, float *y, const float *bias) {          \
-        ROW_PASSES(x, rows_##T);                                                         \
-    }                                                                                    \
     static void dequant_##T(const uint8_t *w, int64_t stride, int64_t rows, int64_t n,   \
                             float *out) {                                                \
         const int64_t nb = n / T##_BLOCK;                                                \
@@ -465,6 +464,145 @@ DEFINE_KERNELS(Q6_K)
 DEFINE_KERNELS(IQ4_NL)
 DEFINE_KERNELS(IQ4_XS)
 DEFINE_KERNELS(MXFP4)
+
+/* matvec_T: every row pass through rows_T (but for Q4_K, below) */
+#define DEFINE_MATVEC(T)                                                                 \
+    static void matvec_##T(const uint8_t *w, int64_t stride, int64_t rows, const float *x, \
+                           int64_t m, int64_t n, float *y, const float *bias) {          \
+        ROW_PASSES(x, rows_##T);                                                         \
+    }
+
+DEFINE_MATVEC(F32)
+DEFINE_MATVEC(F16)
+DEFINE_MATVEC(BF16)
+DEFINE_MATVEC(Q4_0)
+DEFINE_MATVEC(Q4_1)
+DEFINE_MATVEC(Q5_0)
+DEFINE_MATVEC(Q5_1)
+DEFINE_MATVEC(Q8_0)
+DEFINE_MATVEC(Q2_K)
+DEFINE_MATVEC(Q3_K)
+DEFINE_MATVEC(Q5_K)
+DEFINE_MATVEC(Q6_K)
+DEFINE_MATVEC(IQ4_NL)
+DEFINE_MATVEC(IQ4_XS)
+DEFINE_MATVEC(MXFP4)
+
+/* Q4_K for one or two activation rows (decoding), with factored scales:
+ * y = sum_j (d*sc_j) S_j - sum_j (dmin*m_j) X_j over the sub-blocks j of 32 weights,
+ * S_j = sum q x (q 0..15) and X_j = sum x. The quants are not dequantized: a byte
+ * shuffle puts each nibble in the low byte of a dword (zeros above), converted to f32
+ * exactly, one multiply-add per 8 weights. A 32-byte load holds sub-blocks 2p (low
+ * nibbles) and 2p+1 (high); shuffle k takes bytes 4k..4k+3 of each 128-bit lane, so x
+ * is permuted once per call to match (xp) and each sub-block's sum X_j taken then
+ * (xs). More rows go through rows_Q4_K, which dequantizes each block once for all. */
+ALWAYS_INLINE __m256i low_byte_index(int k) {
+    const int z = (int)0x80808000u;
+    return _mm256_setr_epi32(4 * k | z, (4 * k + 1) | z, (4 * k + 2) | z, (4 * k + 3) | z,
+                             4 * k | z, (4 * k + 1) | z, (4 * k + 2) | z, (4 * k + 3) | z);
+}
+
+/* xp[32s + 8k + i] = x[32s + 4k + i] and xp[32s + 8k + 4 + i] = x[32s + 16 + 4k + i] for
+ * i < 4; xs[s] = the sum of x[32s..32s+31] */
+static void permute_q4_k(const float *x, int64_t n, float *xp, float *xs) {
+    for (int64_t s = 0; s < n / 32; s++) {
+        const float *src = x + 32 * s;
+        float *dst = xp + 32 * s;
+        for (int k = 0; k < 4; k++) {
+            _mm_storeu_ps(dst + 8 * k, _mm_loadu_ps(src + 4 * k));
+            _mm_storeu_ps(dst + 8 * k + 4, _mm_loadu_ps(src + 16 + 4 * k));
+        }
+        const __m256 a = _mm256_add_ps(_mm256_loadu_ps(src), _mm256_loadu_ps(src + 8));
+        const __m256 b = _mm256_add_ps(_mm256_loadu_ps(src + 16), _mm256_loadu_ps(src + 24));
+        xs[s] = hsum(_mm256_add_ps(a, b));
+    }
+}
+
+ALWAYS_INLINE void rows_q4_k_few(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
+                                 const float *xp, const int m, int64_t n, float *y,
+                                 int64_t ldy, const float *bias, const float *xs) {
+    const int64_t nb = n / 256;
+    const uint8_t *end = w + r1 * stride;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * stride;
+        __m256 accd[MAX_M][2], accm[MAX_M]; /* m <= 2 here */
+        for (int i = 0; i < m; i++) {
+            accd[i][0] = accd[i][1] = accm[i] = _mm256_setzero_ps();
+        }
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *src = row + b * Q4_K_BYTES;
+            if (src + PREFETCH + Q4_K_BYTES <= end)
+                for (int l = 0; l < Q4_K_BYTES; l += 64)
+                    _mm_prefetch((const char *)src + PREFETCH + l, _MM_HINT_T0);
+            float ab[16];
+            k_scales(src, ab);
+            for (int p = 0; p < 4; p++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(src + 16 + 32 * p));
+                const __m256i nib = _mm256_set1_epi8(15);
+                const __m256i half[2] = {_mm256_and_si256(v, nib),
+                                         _mm256_and_si256(_mm256_srli_epi16(v, 4), nib)};
+                for (int h = 0; h < 2; h++) {
+                    const int j = 2 * p + h;
+                    __m256 q[4];
+                    for (int k = 0; k < 4; k++)
+                        q[k] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(half[h], low_byte_index(k)));
+                    const __m256 dsc = _mm256_broadcast_ss(ab + j);
+                    for (int i = 0; i < m; i++) {
+                        const float *xj = xp + i * n + 256 * b + 32 * j;
+                        __m256 s0 = _mm256_mul_ps(q[0], _mm256_loadu_ps(xj));
+                        __m256 s1 = _mm256_mul_ps(q[1], _mm256_loadu_ps(xj + 8));
+                        s0 = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xj + 16), s0);
+                        s1 = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xj + 24), s1);
+                        accd[i][h] = _mm256_fmadd_ps(_mm256_add_ps(s0, s1), dsc, accd[i][h]);
+                    }
+                }
+            }
+            const __m256 dm = _mm256_loadu_ps(ab + 8);
+            for (int i = 0; i < m; i++)
+                accm[i] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(xs + i * (n / 32) + 8 * b), accm[i]);
+        }
+        for (int i = 0; i < m; i++)
+            y[i * ldy + r] = (hsum(_mm256_add_ps(accd[i][0], accd[i][1])) - hsum(accm[i])) +
+                             (bias ? bias[r] : 0.0f);
+    }
+}
+
+static void matvec_Q4_K(const uint8_t *w, int64_t stride, int64_t rows, const float *x,
+                        int64_t m, int64_t n, float *y, const float *bias) {
+    if (m > 2) {
+        ROW_PASSES(x, rows_Q4_K);
+        return;
+    }
+    float *xp = malloc(sizeof(float) * (size_t)(m * n + m * (n / 32)));
+    if (xp == NULL) return;
+    float *xs = xp + m * n;
+    for (int64_t i = 0; i < m; i++) permute_q4_k(x + i * n, n, xp + i * n, xs + i * (n / 32));
+    ROW_PASSES(xp, rows_q4_k_few, xs);
+    free(xp);
+}
+
+/* llmrun_matvec_experts for Q4_K: x permuted once per expert (once for all where
+ * x_step is 0), then EXPERTS_PASS's chunks through rows_q4_k_few. */
+static int experts_q4_k(const int64_t *ws, int64_t stride, int64_t rows, const float *x,
+                        int64_t x_step, int64_t n, float *y, int64_t count) {
+    const int64_t copies = x_step ? count : 1, sums = n / 32;
+    float *xp = malloc(sizeof(float) * (size_t)(copies * (n + sums)));
+    if (xp == NULL) return 0;
+    float *xs = xp + copies * n;
+    for (int64_t c = 0; c < copies; c++)
+        permute_q4_k(x + c * x_step, n, xp + c * n, xs + c * sums);
+    const int64_t chunk = stride >= CHUNK ? 1 : CHUNK / stride;
+    const int64_t pieces = (rows + chunk - 1) / chunk;
+    _Pragma("omp parallel for schedule(dynamic)")
+    for (int64_t p = 0; p < count * pieces; p++) {
+        const int64_t j = p / pieces, r0 = p % pieces * chunk, c = x_step ? j : 0;
+        const int64_t r1 = r0 + chunk < rows ? r0 + chunk : rows;
+        rows_q4_k_few((const uint8_t *)(intptr_t)ws[j], stride, r0, r1, xp + c * n, 1, n,
+                      y + j * rows, rows, NULL, xs + c * sums);
+    }
+    free(xp);
+    return 0;
+}
 
 /* Packed layouts (Q4_0_PACKED, Q5_0_PACKED; common.h and quant/kernels.py define
  * them): the same blocks, each row stored field by field: its f16 scales, (Q5_0) its
