@@ -347,10 +347,12 @@ def bench_progress(total_runs: int) -> Iterator[Any]:
 
 
 @contextlib.contextmanager
-def batch_progress(total: int, verbose: bool) -> Iterator[Any]:
+def batch_progress(total: int, verbose: bool, results_on_terminal: bool) -> Iterator[Any]:
     """A reporter for batch_run, called as (lines done, tokens made): a bar with done/total,
     tokens/s and the time left on a terminal's stderr; in a pipe nothing, or with
-    `verbose` a plain line at most each second. `verbose` ends with a summary line."""
+    `verbose` a plain line at most each second. `verbose` ends with a summary line. Where
+    the result lines go to the terminal too, there is no bar: redrawing it would
+    overwrite them."""
     start = time.perf_counter()
     counts = {"done": 0, "tokens": 0, "said": 0.0}
 
@@ -366,7 +368,7 @@ def batch_progress(total: int, verbose: bool) -> Iterator[Any]:
             counts["said"] = now
             info(f"{counts['done']}/{total} done, {rate():.1f} tokens/s")
 
-    if not _stderr.is_terminal:
+    if not _stderr.is_terminal or results_on_terminal:
         yield plain
     else:
         columns = (

@@ -123,7 +123,9 @@ def run_batch(flags: Mapping[str, Any]) -> None:
         strict=flags["strict"],
         grammar=grammar,
         on_failure=lambda e: ui.error(str(e)),
-        progress=lambda total: ui.batch_progress(total, flags["verbose"]),
+        progress=lambda total: ui.batch_progress(
+            total, flags["verbose"], flags["output"] is None and ui.stdout_is_tty()
+        ),
     )
     if failures:
         raise typer.Exit(1)  # each bad line has had its `error:` line
