@@ -19,9 +19,10 @@
  * common.h holds what it shares with kernels_avx512.c.
  * Block layouts: https://github.com/ggml-org/llama.cpp/blob/master/ggml/src/ggml-common.h
  */
-/* Q4_K experts take the same few-rows kernel as Q4_K's matvec (experts_q4_k, below) */
+/* Q4_K and Q6_K experts take the few-rows kernels of their matvec (DEFINE_FEW_ROWS) */
 #define EXPERTS_FIRST                                                                    \
-    if (type == Q4_K) return experts_q4_k(ws, stride, rows, x, x_step, n, y, count);
+    if (type == Q4_K) return experts_Q4_K(ws, stride, rows, x, x_step, n, y, count);    \
+    if (type == Q6_K) return experts_Q6_K(ws, stride, rows, x, x_step, n, y, count);
 #include "common.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -465,7 +466,7 @@ DEFINE_KERNELS(IQ4_NL)
 DEFINE_KERNELS(IQ4_XS)
 DEFINE_KERNELS(MXFP4)
 
-/* matvec_T: every row pass through rows_T (but for Q4_K, below) */
+/* matvec_T: every row pass through rows_T (but for Q4_K and Q6_K, below) */
 #define DEFINE_MATVEC(T)                                                                 \
     static void matvec_##T(const uint8_t *w, int64_t stride, int64_t rows, const float *x, \
                            int64_t m, int64_t n, float *y, const float *bias) {          \
@@ -483,7 +484,6 @@ DEFINE_MATVEC(Q8_0)
 DEFINE_MATVEC(Q2_K)
 DEFINE_MATVEC(Q3_K)
 DEFINE_MATVEC(Q5_K)
-DEFINE_MATVEC(Q6_K)
 DEFINE_MATVEC(IQ4_NL)
 DEFINE_MATVEC(IQ4_XS)
 DEFINE_MATVEC(MXFP4)
@@ -500,6 +500,14 @@ ALWAYS_INLINE __m256i low_byte_index(int k) {
     const int z = (int)0x80808000u;
     return _mm256_setr_epi32(4 * k | z, (4 * k + 1) | z, (4 * k + 2) | z, (4 * k + 3) | z,
                              4 * k | z, (4 * k + 1) | z, (4 * k + 2) | z, (4 * k + 3) | z);
+}
+
+/* the same bytes to the top byte of each dword, zeros below (for signed values) */
+ALWAYS_INLINE __m256i high_byte_index(int k) {
+    const int z = 0x808080;
+    return _mm256_setr_epi32(4 * k << 24 | z, (4 * k + 1) << 24 | z, (4 * k + 2) << 24 | z,
+                             (4 * k + 3) << 24 | z, 4 * k << 24 | z, (4 * k + 1) << 24 | z,
+                             (4 * k + 2) << 24 | z, (4 * k + 3) << 24 | z);
 }
 
 /* xp[32s + 8k + i] = x[32s + 4k + i] and xp[32s + 8k + 4 + i] = x[32s + 16 + 4k + i] for
@@ -567,42 +575,115 @@ ALWAYS_INLINE void rows_q4_k_few(const uint8_t *w, int64_t stride, int64_t r0, i
     }
 }
 
-static void matvec_Q4_K(const uint8_t *w, int64_t stride, int64_t rows, const float *x,
-                        int64_t m, int64_t n, float *y, const float *bias) {
-    if (m > 2) {
-        ROW_PASSES(x, rows_Q4_K);
-        return;
+/* Q6_K for one or two activation rows, as Q4_K's: w = (d*sc) * (q - 32) for each 16
+ * weights (deq_Q6_K), q - 32 put in the top byte of a dword by a byte shuffle, so the
+ * dword is (q - 32) * 2^24, converted exactly; each 16 weights' sum is scaled once by
+ * d*sc*2^-24 (a power of two away from the reference's scale: the same rounding). The
+ * 32 weights c*128 + t*32 + l (l < 32) are one vector of bytes, l in byte order, so x
+ * takes permute_q4_k's order (its sums go unused). */
+ALWAYS_INLINE void rows_q6_k_few(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
+                                 const float *xp, const int m, int64_t n, float *y,
+                                 int64_t ldy, const float *bias, const float *xs) {
+    (void)xs;
+    const int64_t nb = n / 256;
+    const uint8_t *end = w + r1 * stride;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * stride;
+        __m256 acc[MAX_M][2]; /* m <= 2 here */
+        for (int i = 0; i < m; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *src = row + b * Q6_K_BYTES;
+            if (src + PREFETCH + Q6_K_BYTES <= end)
+                for (int l = 0; l < Q6_K_BYTES; l += 64)
+                    _mm_prefetch((const char *)src + PREFETCH + l, _MM_HINT_T0);
+            float dl[16];
+            const float d = f16_at(src + 208);
+            for (int j = 0; j < 16; j++) dl[j] = d * (float)(int8_t)src[192 + j] * 0x1p-24f;
+            const __m256i nib = _mm256_set1_epi8(15), three0 = _mm256_set1_epi8(0x30);
+            const __m256i bias32 = _mm256_set1_epi8(32);
+            for (int c = 0; c < 2; c++) {
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(src + 128 + 32 * c));
+                for (int t2 = 0; t2 < 2; t2++) {
+                    const __m256i ql =
+                        _mm256_loadu_si256((const __m256i *)(src + 64 * c + 32 * t2));
+                    for (int half = 0; half < 2; half++) {
+                        const int t = 2 * half + t2;
+                        const __m256i lo =
+                            half ? _mm256_and_si256(_mm256_srli_epi16(ql, 4), nib)
+                                 : _mm256_and_si256(ql, nib);
+                        /* bits 2t..2t+1 of qh at bits 4..5 */
+                        const __m256i hb =
+                            t == 0   ? _mm256_slli_epi16(qh, 4)
+                            : t == 1 ? _mm256_slli_epi16(qh, 2)
+                            : t == 2 ? qh
+                                     : _mm256_srli_epi16(qh, 2);
+                        const __m256i q = _mm256_sub_epi8(
+                            _mm256_or_si256(lo, _mm256_and_si256(hb, three0)), bias32);
+                        __m256 wv[4];
+                        for (int k = 0; k < 4; k++)
+                            wv[k] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(q, high_byte_index(k)));
+                        const int g = 8 * c + 2 * t; /* the scales of lanes 0..3 and 4..7 */
+                        const __m256 sc = _mm256_insertf128_ps(
+                            _mm256_castps128_ps256(_mm_broadcast_ss(dl + g)),
+                            _mm_broadcast_ss(dl + g + 1), 1);
+                        for (int i = 0; i < m; i++) {
+                            const float *xj = xp + i * n + 256 * b + 32 * (4 * c + t);
+                            __m256 s0 = _mm256_mul_ps(wv[0], _mm256_loadu_ps(xj));
+                            __m256 s1 = _mm256_mul_ps(wv[1], _mm256_loadu_ps(xj + 8));
+                            s0 = _mm256_fmadd_ps(wv[2], _mm256_loadu_ps(xj + 16), s0);
+                            s1 = _mm256_fmadd_ps(wv[3], _mm256_loadu_ps(xj + 24), s1);
+                            acc[i][t2] = _mm256_fmadd_ps(_mm256_add_ps(s0, s1), sc, acc[i][t2]);
+                        }
+                    }
+                }
+            }
+        }
+        for (int i = 0; i < m; i++)
+            y[i * ldy + r] = hsum(_mm256_add_ps(acc[i][0], acc[i][1])) + (bias ? bias[r] : 0.0f);
     }
-    float *xp = malloc(sizeof(float) * (size_t)(m * n + m * (n / 32)));
-    if (xp == NULL) return;
-    float *xs = xp + m * n;
-    for (int64_t i = 0; i < m; i++) permute_q4_k(x + i * n, n, xp + i * n, xs + i * (n / 32));
-    ROW_PASSES(xp, rows_q4_k_few, xs);
-    free(xp);
 }
 
-/* llmrun_matvec_experts for Q4_K: x permuted once per expert (once for all where
- * x_step is 0), then EXPERTS_PASS's chunks through rows_q4_k_few. */
-static int experts_q4_k(const int64_t *ws, int64_t stride, int64_t rows, const float *x,
-                        int64_t x_step, int64_t n, float *y, int64_t count) {
-    const int64_t copies = x_step ? count : 1, sums = n / 32;
-    float *xp = malloc(sizeof(float) * (size_t)(copies * (n + sums)));
-    if (xp == NULL) return 0;
-    float *xs = xp + copies * n;
-    for (int64_t c = 0; c < copies; c++)
-        permute_q4_k(x + c * x_step, n, xp + c * n, xs + c * sums);
-    const int64_t chunk = stride >= CHUNK ? 1 : CHUNK / stride;
-    const int64_t pieces = (rows + chunk - 1) / chunk;
-    _Pragma("omp parallel for schedule(dynamic)")
-    for (int64_t p = 0; p < count * pieces; p++) {
-        const int64_t j = p / pieces, r0 = p % pieces * chunk, c = x_step ? j : 0;
-        const int64_t r1 = r0 + chunk < rows ? r0 + chunk : rows;
-        rows_q4_k_few((const uint8_t *)(intptr_t)ws[j], stride, r0, r1, xp + c * n, 1, n,
-                      y + j * rows, rows, NULL, xs + c * sums);
+/* matvec_T and experts_T (llmrun_matvec_experts' pass) for T's few-rows kernel ROWS:
+ * one or two rows through ROWS on x in permute_q4_k's order, more through rows_T. The
+ * experts' x is permuted once per expert (once for all where x_step is 0). */
+#define DEFINE_FEW_ROWS(T, ROWS)                                                         \
+    static void matvec_##T(const uint8_t *w, int64_t stride, int64_t rows, const float *x, \
+                           int64_t m, int64_t n, float *y, const float *bias) {          \
+        if (m > 2) {                                                                     \
+            ROW_PASSES(x, rows_##T);                                                     \
+            return;                                                                      \
+        }                                                                                \
+        float *xp = malloc(sizeof(float) * (size_t)(m * n + m * (n / 32)));              \
+        if (xp == NULL) return;                                                          \
+        float *xs = xp + m * n;                                                          \
+        for (int64_t i = 0; i < m; i++)                                                  \
+            permute_q4_k(x + i * n, n, xp + i * n, xs + i * (n / 32));                   \
+        ROW_PASSES(xp, ROWS, xs);                                                        \
+        free(xp);                                                                        \
+    }                                                                                    \
+    static int experts_##T(const int64_t *ws, int64_t stride, int64_t rows, const float *x, \
+                           int64_t x_step, int64_t n, float *y, int64_t count) {         \
+        const int64_t copies = x_step ? count : 1, sums = n / 32;                        \
+        float *xp = malloc(sizeof(float) * (size_t)(copies * (n + sums)));               \
+        if (xp == NULL) return 0;                                                        \
+        float *xs = xp + copies * n;                                                     \
+        for (int64_t c = 0; c < copies; c++)                                             \
+            permute_q4_k(x + c * x_step, n, xp + c * n, xs + c * sums);                  \
+        const int64_t chunk = stride >= CHUNK ? 1 : CHUNK / stride;                      \
+        const int64_t pieces = (rows + chunk - 1) / chunk;                               \
+        _Pragma("omp parallel for schedule(dynamic)")                                    \
+        for (int64_t p = 0; p < count * pieces; p++) {                                   \
+            const int64_t j = p / pieces, r0 = p % pieces * chunk, c = x_step ? j : 0;   \
+            const int64_t r1 = r0 + chunk < rows ? r0 + chunk : rows;                    \
+            ROWS((const uint8_t *)(intptr_t)ws[j], stride, r0, r1, xp + c * n, 1, n,     \
+                 y + j * rows, rows, NULL, xs + c * sums);                               \
+        }                                                                                \
+        free(xp);                                                                        \
+        return 0;                                                                        \
     }
-    free(xp);
-    return 0;
-}
+
+DEFINE_FEW_ROWS(Q4_K, rows_q4_k_few)
+DEFINE_FEW_ROWS(Q6_K, rows_q6_k_few)
 
 /* Packed layouts (Q4_0_PACKED, Q5_0_PACKED; common.h and quant/kernels.py define
  * them): the same blocks, each row stored field by field: its f16 scales, (Q5_0) its
