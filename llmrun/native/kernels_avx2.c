@@ -19,9 +19,10 @@
  * common.h holds what it shares with kernels_avx512.c.
  * Block layouts: https://github.com/ggml-org/llama.cpp/blob/master/ggml/src/ggml-common.h
  */
-/* Q4_K and Q6_K experts take the few-rows kernels of their matvec (DEFINE_FEW_ROWS) */
+/* Q4_K, Q5_K and Q6_K experts take the few-rows kernels of their matvec (DEFINE_FEW_ROWS) */
 #define EXPERTS_FIRST                                                                    \
     if (type == Q4_K) return experts_Q4_K(ws, stride, rows, x, x_step, n, y, count);    \
+    if (type == Q5_K) return experts_Q5_K(ws, stride, rows, x, x_step, n, y, count);    \
     if (type == Q6_K) return experts_Q6_K(ws, stride, rows, x, x_step, n, y, count);
 #include "common.h"
 
@@ -466,7 +467,7 @@ DEFINE_KERNELS(IQ4_NL)
 DEFINE_KERNELS(IQ4_XS)
 DEFINE_KERNELS(MXFP4)
 
-/* matvec_T: every row pass through rows_T (but for Q4_K and Q6_K, below) */
+/* matvec_T: every row pass through rows_T (but for Q4_K, Q5_K and Q6_K, below) */
 #define DEFINE_MATVEC(T)                                                                 \
     static void matvec_##T(const uint8_t *w, int64_t stride, int64_t rows, const float *x, \
                            int64_t m, int64_t n, float *y, const float *bias) {          \
@@ -483,7 +484,6 @@ DEFINE_MATVEC(Q5_1)
 DEFINE_MATVEC(Q8_0)
 DEFINE_MATVEC(Q2_K)
 DEFINE_MATVEC(Q3_K)
-DEFINE_MATVEC(Q5_K)
 DEFINE_MATVEC(IQ4_NL)
 DEFINE_MATVEC(IQ4_XS)
 DEFINE_MATVEC(MXFP4)
@@ -526,9 +526,12 @@ static void permute_q4_k(const float *x, int64_t n, float *xp, float *xs) {
     }
 }
 
-ALWAYS_INLINE void rows_q4_k_few(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
-                                 const float *xp, const int m, int64_t n, float *y,
-                                 int64_t ldy, const float *bias, const float *xs) {
+/* Q5_K the same way, bit 4 of each q from bit j of qh[l] (deq_Q5_K): `five` */
+ALWAYS_INLINE void rows_k_few(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
+                              const float *xp, const int m, int64_t n, float *y, int64_t ldy,
+                              const float *bias, const float *xs, const int five) {
+    enum { BYTES4 = Q4_K_BYTES, BYTES5 = Q5_K_BYTES };
+    const int bytes = five ? BYTES5 : BYTES4;
     const int64_t nb = n / 256;
     const uint8_t *end = w + r1 * stride;
     for (int64_t r = r0; r < r1; r++) {
@@ -538,22 +541,31 @@ ALWAYS_INLINE void rows_q4_k_few(const uint8_t *w, int64_t stride, int64_t r0, i
             accd[i][0] = accd[i][1] = accm[i] = _mm256_setzero_ps();
         }
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *src = row + b * Q4_K_BYTES;
-            if (src + PREFETCH + Q4_K_BYTES <= end)
-                for (int l = 0; l < Q4_K_BYTES; l += 64)
+            const uint8_t *src = row + b * bytes;
+            if (src + PREFETCH + bytes <= end)
+                for (int l = 0; l < bytes; l += 64)
                     _mm_prefetch((const char *)src + PREFETCH + l, _MM_HINT_T0);
             float ab[16];
             k_scales(src, ab);
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(src + 16));
             for (int p = 0; p < 4; p++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(src + 16 + 32 * p));
+                const __m256i v =
+                    _mm256_loadu_si256((const __m256i *)(src + (five ? 48 : 16) + 32 * p));
                 const __m256i nib = _mm256_set1_epi8(15);
                 const __m256i half[2] = {_mm256_and_si256(v, nib),
                                          _mm256_and_si256(_mm256_srli_epi16(v, 4), nib)};
                 for (int h = 0; h < 2; h++) {
                     const int j = 2 * p + h;
+                    __m256i qj = half[h];
+                    if (five) { /* bit j of each qh byte to bit 4 (16-bit shifts move it
+                                 * by at most 4, within its byte) */
+                        const __m256i sh = j <= 4 ? _mm256_slli_epi16(qh, 4 - j)
+                                                  : _mm256_srli_epi16(qh, j - 4);
+                        qj = _mm256_or_si256(qj, _mm256_and_si256(sh, _mm256_set1_epi8(16)));
+                    }
                     __m256 q[4];
                     for (int k = 0; k < 4; k++)
-                        q[k] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(half[h], low_byte_index(k)));
+                        q[k] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(qj, low_byte_index(k)));
                     const __m256 dsc = _mm256_broadcast_ss(ab + j);
                     for (int i = 0; i < m; i++) {
                         const float *xj = xp + i * n + 256 * b + 32 * j;
@@ -573,6 +585,18 @@ ALWAYS_INLINE void rows_q4_k_few(const uint8_t *w, int64_t stride, int64_t r0, i
             y[i * ldy + r] = (hsum(_mm256_add_ps(accd[i][0], accd[i][1])) - hsum(accm[i])) +
                              (bias ? bias[r] : 0.0f);
     }
+}
+
+ALWAYS_INLINE void rows_q4_k_few(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
+                                 const float *xp, const int m, int64_t n, float *y,
+                                 int64_t ldy, const float *bias, const float *xs) {
+    rows_k_few(w, stride, r0, r1, xp, m, n, y, ldy, bias, xs, 0);
+}
+
+ALWAYS_INLINE void rows_q5_k_few(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
+                                 const float *xp, const int m, int64_t n, float *y,
+                                 int64_t ldy, const float *bias, const float *xs) {
+    rows_k_few(w, stride, r0, r1, xp, m, n, y, ldy, bias, xs, 1);
 }
 
 /* Q6_K for one or two activation rows, as Q4_K's: w = (d*sc) * (q - 32) for each 16
@@ -683,6 +707,7 @@ ALWAYS_INLINE void rows_q6_k_few(const uint8_t *w, int64_t stride, int64_t r0, i
     }
 
 DEFINE_FEW_ROWS(Q4_K, rows_q4_k_few)
+DEFINE_FEW_ROWS(Q5_K, rows_q5_k_few)
 DEFINE_FEW_ROWS(Q6_K, rows_q6_k_few)
 
 /* Packed layouts (Q4_0_PACKED, Q5_0_PACKED; common.h and quant/kernels.py define
