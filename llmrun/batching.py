@@ -1,20 +1,31 @@
 """Continuous batching: concurrent requests decoded together by one scheduler thread.
 
-The thread owns the model and one KV cache with a row per slot. Each step it
-admits waiting requests into free slots, prefills up to PREFILL_BUDGET of their
-prompt tokens (the chunks of several requests in one padded forward; a long
-prompt takes several steps, so it delays the others by one chunk at a time),
-then advances every decoding sequence by one token in a single batched forward,
-each row at its own position. Each sequence samples with its own Sampler and
-becomes text through its own TokenStream, as stream_generate does for one, so
-its tokens do not depend on what it was batched with (float rounding aside:
-batched logits differ from single-row ones by ~1e-5). Finished and cancelled
-sequences leave between steps. Events reach the caller through a callback on
-the scheduler thread; it must return quickly.
+The thread owns the model and a paged KV cache (llmrun.models.paged): one pool of
+blocks, each sequence holding the blocks of its own positions (llmrun.kv_blocks).
+Each step it admits waiting requests, oldest first, while fewer than `parallel`
+run and the blocks of the next one's prompt can be allocated, after reusing the
+cached blocks its prompt starts with (automatic prefix caching: the blocks of
+finished and running sequences are named by their tokens and kept until their
+space is needed). It prefills up to PREFILL_BUDGET of their prompt tokens (the
+chunks of several requests in one padded forward; a long prompt takes several
+steps, so it delays the others by one chunk at a time), then advances every
+decoding sequence by one token in a single batched forward, each row at its own
+position. A sequence that needs a block the pool no longer has takes it from the
+most recently admitted one, which is preempted: it lets go of its blocks (its full
+ones stay cached) and waits at the front of the queue to be prefilled again, with
+the tokens it has generated, and goes on where it stopped. Each sequence samples
+with its own Sampler and becomes text through its own TokenStream, as
+stream_generate does for one, so its tokens do not depend on what it was batched
+with or what the cache held (float rounding aside: batched logits differ from
+single-row ones by ~1e-5). Finished and cancelled sequences leave between steps.
+Events reach the caller through a callback on the scheduler thread; it must
+return quickly.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -23,13 +34,20 @@ from dataclasses import dataclass, field
 import torch
 
 from llmrun.api import Engine
-from llmrun.errors import LlmrunError, ServerBusyError
-from llmrun.generate import KVState, Response, Stats, TokenStream, check_fits, prefill
+from llmrun.errors import ContextOverflowError, LlmrunError, ServerBusyError, UsageError
+from llmrun.generate import KVState, Response, Stats, TokenStream, check_fits
+from llmrun.kv_blocks import BLOCK_SIZE, BlockManager, BlockTable, blocks_for
+from llmrun.models.paged import PagedKVCache
 from llmrun.sampling import Sampler, SamplingParams
 
 # Prompt tokens prefilled per step: smaller than a one-shot run's chunk, since
 # every decoding sequence waits for it.
 PREFILL_BUDGET = 128
+# Without --kv-memory the pool holds this many whole contexts per --parallel
+# sequence: each one's full context, and as much again for cached prefixes; at most
+# MEMORY_SHARE of the memory free at start.
+CONTEXTS_PER_SEQUENCE = 2
+MEMORY_SHARE = 0.5
 
 Event = Response | Exception
 
@@ -46,12 +64,15 @@ class Request:
 
 @dataclass(eq=False)
 class Job:
-    """A request in the scheduler: waiting, then in a slot, then finished."""
+    """A request in the scheduler: waiting, then running, then finished (a preempted
+    one waits again, with what it had generated)."""
 
     request: Request
     on_event: Callable[[Event], None]
-    slot: int | None = None
     state: KVState | None = None
+    table: BlockTable | None = None  # its blocks while running
+    target: list[int] = field(default_factory=list)  # what the cache must hold before decoding
+    order: int = 0  # admission order, for preemption
     sampler: Sampler | None = None
     stream: TokenStream | None = None
     history: list[int] = field(default_factory=list)
@@ -61,11 +82,29 @@ class Job:
 
     @property
     def prefilling(self) -> bool:
-        return self.state is not None and len(self.state.tokens) < len(self.request.prompt)
+        return self.state is not None and len(self.state.tokens) < len(self.target)
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes of memory free now on `device` (CPU: the kernel's MemAvailable)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "mps":
+        return torch.mps.recommended_max_memory() - torch.mps.driver_allocated_memory()
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class Scheduler:
-    """`parallel` slots decoded together; up to `queue` more requests wait for one."""
+    """Up to `parallel` sequences decoded together over one pool of KV blocks of
+    `kv_memory` bytes (default: see CONTEXTS_PER_SEQUENCE); up to `queue` more
+    requests wait. `prefix_cache`: reuse the blocks of earlier prompts."""
 
     def __init__(
         self,
@@ -73,6 +112,8 @@ class Scheduler:
         parallel: int = 4,
         queue: int = 64,
         prefill_budget: int = PREFILL_BUDGET,
+        kv_memory: int | None = None,
+        prefix_cache: bool = True,
     ) -> None:
         if parallel < 1:
             raise ValueError(f"parallel must be positive, got {parallel}")
@@ -80,10 +121,26 @@ class Scheduler:
         self.parallel = parallel
         self.queue_size = queue
         self.prefill_budget = prefill_budget
-        self.cache = engine.new_cache(parallel, engine.ctx_size)
-        self.free = list(range(parallel))
+        # The model's own one-position cache: its layers, KV heads and cache type.
+        like = engine.new_cache(1, 1)
+        block_bytes = PagedKVCache.block_bytes(like, BLOCK_SIZE)
+        if kv_memory is None:
+            wanted = CONTEXTS_PER_SEQUENCE * parallel * blocks_for(engine.ctx_size)
+            share = int(free_memory(engine.device) * MEMORY_SHARE) // block_bytes
+            n_blocks = max(min(wanted, share), 1)
+        else:
+            n_blocks = kv_memory // block_bytes
+            if n_blocks < 1:
+                raise UsageError(
+                    f"--kv-memory {kv_memory} bytes holds no KV block: one block of "
+                    f"{BLOCK_SIZE} tokens takes {block_bytes} bytes for this model"
+                )
+        self.cache = PagedKVCache(like, n_blocks, BLOCK_SIZE, engine.ctx_size)
+        self.blocks = BlockManager(n_blocks, BLOCK_SIZE, prefix_cache)
         self.waiting: deque[Job] = deque()
         self.active: list[Job] = []  # touched by the scheduler thread only
+        self._admissions = itertools.count()
+        self.preemptions = 0
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="llmrun-scheduler", daemon=True)
@@ -109,10 +166,18 @@ class Scheduler:
 
     def submit(self, request: Request, on_event: Callable[[Event], None]) -> Job:
         """Queue a request; raises ContextOverflowError for a prompt that does not
-        fit and ServerBusyError when the queue is full."""
+        fit (the context, or the whole KV pool) and ServerBusyError when the queue
+        is full."""
         if not request.prompt:
             raise LlmrunError("the prompt is empty")
         check_fits(len(request.prompt), self.capacity)
+        needed, pool = blocks_for(len(request.prompt)), self.blocks.n_blocks
+        if needed > pool:
+            raise ContextOverflowError(
+                f"the prompt is {len(request.prompt)} tokens, {needed} KV blocks of "
+                f"{BLOCK_SIZE}, but the KV pool holds {pool} blocks ({pool * BLOCK_SIZE} "
+                "tokens); shorten the prompt or raise --kv-memory"
+            )
         job = Job(request, on_event)
         if request.max_tokens is not None and request.max_tokens <= 0:
             stats = Stats(prompt_tokens=len(request.prompt))
@@ -121,7 +186,7 @@ class Scheduler:
         with self._cond:
             if self._closed:
                 raise ServerBusyError("the server is shutting down")
-            if len(self.waiting) >= self.queue_size + len(self.free):
+            if len(self.waiting) >= self.queue_size + self.parallel - len(self.active):
                 raise ServerBusyError(
                     f"all {self.parallel} slots are busy and {len(self.waiting)} requests are waiting"
                 )
@@ -130,7 +195,7 @@ class Scheduler:
         return job
 
     def cancel(self, job: Job) -> None:
-        """Drop a request (its client went away); its slot is free at the next step."""
+        """Drop a request (its client went away); its blocks are free at the next step."""
         with self._cond:
             job.cancelled = True
             if job in self.waiting:
@@ -153,49 +218,64 @@ class Scheduler:
                         self._finish(job, e)
 
     def _admit(self) -> None:
-        """Under the lock: let go of cancelled sequences, then fill free slots."""
+        """Under the lock: let go of cancelled sequences, then admit waiting requests
+        in order while a sequence may start and the next one's blocks can be had."""
         for job in [j for j in self.active if j.cancelled]:
             job.finished = True
             self._release(job)
-        while self.free and self.waiting:
-            job = self.waiting.popleft()
-            request = job.request
-            try:
-                job.sampler = Sampler(request.params)
-                job.stream = TokenStream(
-                    self.engine.tokenizer,
-                    request.prompt,
-                    Stats(prompt_tokens=len(request.prompt), prompt_processed=len(request.prompt)),
-                    request.max_tokens,
-                    () if request.ignore_eos else self.engine.eos_ids,
-                    request.stop,
-                    request.logprobs,
-                )
-            except Exception as e:
-                self._finish(job, e)
+        while len(self.active) < self.parallel and self.waiting:
+            job = self.waiting[0]
+            if job.stream is None and not self._begin(job):
+                self.waiting.popleft()
                 continue
-            job.slot = min(self.free)
-            self.free.remove(job.slot)
-            job.state = KVState(self.cache.select([job.slot]))
-            job.history = list(request.prompt)
+            got = self.blocks.allocate(job.target, len(job.target))
+            if got is None:
+                return  # first come, first served: the next waits for blocks too
+            self.waiting.popleft()
+            job.table, reused = got
+            job.state = KVState(self.cache, job.target[:reused])
+            if job.order == 0:  # its first admission: the prompt tokens it reuses
+                job.stream.stats.prompt_processed = len(job.request.prompt) - reused
+            job.order = next(self._admissions) + 1
             self.active.append(job)
 
+    def _begin(self, job: Job) -> bool:
+        """A request's sampler and token stream; False (and its error sent) if they fail."""
+        request = job.request
+        try:
+            job.sampler = Sampler(request.params)
+            job.stream = TokenStream(
+                self.engine.tokenizer,
+                request.prompt,
+                Stats(prompt_tokens=len(request.prompt), prompt_processed=len(request.prompt)),
+                request.max_tokens,
+                () if request.ignore_eos else self.engine.eos_ids,
+                request.stop,
+                request.logprobs,
+            )
+        except Exception as e:
+            self._finish(job, e)
+            return False
+        job.target = list(request.prompt)
+        job.history = list(request.prompt)
+        return True
+
     def _step(self) -> None:
-        model = self.engine.model
         parts, budget = [], self.prefill_budget
         for job in self.active:
             if budget <= 0:
                 break
             if job.prefilling and not job.cancelled:
                 done = len(job.state.tokens)
-                # Chunks start at multiples of the budget, so they are the same however busy the server is.
-                parts.append((job, job.request.prompt[done : done + self.prefill_budget]))
+                # Chunks end at multiples of the budget, so they are the same however busy
+                # the server is and whatever the cache held.
+                end = min(len(job.target), (done // self.prefill_budget + 1) * self.prefill_budget)
+                parts.append((job, job.target[done:end]))
                 budget -= len(parts[-1][1])
         if parts:
             self._prefill(parts)
-        decoding = sorted(
-            (j for j in self.active if j.next_token is not None and not j.cancelled),
-            key=lambda j: j.slot,
+        decoding = self._grow(
+            [j for j in self.active if j.next_token is not None and not j.prefilling]
         )
         if not decoding:
             return
@@ -203,56 +283,89 @@ class Scheduler:
         ids = torch.tensor([[j.next_token] for j in decoding], device=device)
         positions = torch.tensor([[len(j.state.tokens)] for j in decoding], device=device)
         try:
-            logits = model(ids, positions, self.cache.select([j.slot for j in decoding]))
+            view = self.cache.view([j.table.blocks for j in decoding])
+            logits = self.engine.model(ids, positions, view)
         except Exception as e:
             for job in decoding:
                 self._finish(job, e)
             return
         for row, job in enumerate(decoding):
             job.state.tokens.append(job.next_token)
+            self.blocks.commit(job.table, job.state.tokens)
             try:
                 self._advance(job, logits[row, -1])
             except Exception as e:
                 self._finish(job, e)
 
+    def _grow(self, decoding: list[Job]) -> list[Job]:
+        """Give each decoding sequence, oldest first, a block for its next token where
+        it needs one, preempting the most recently admitted sequences as needed; the
+        sequences still decoding. One that cannot grow with the pool to itself ends
+        ("length": the pool is its context)."""
+        for job in sorted(decoding, key=lambda j: j.order):
+            if job.cancelled or job.finished or job not in self.active:
+                continue
+            while not self.blocks.grow(job.table, len(job.state.tokens) + 1):
+                victim = max(self.active, key=lambda j: j.order)
+                if victim is job and len(self.active) == 1:
+                    self._finish(job, job.stream.close())
+                    break
+                self._preempt(victim)
+                if victim is job:
+                    break
+        return [j for j in decoding if j in self.active and not (j.cancelled or j.finished)]
+
+    def _preempt(self, job: Job) -> None:
+        """Free a running sequence's blocks and queue it first, to be prefilled again
+        with every token it has fed (its full blocks stay cached, for it to find)."""
+        if job.cancelled:  # nobody waits for it: it just goes
+            self._finish(job, LlmrunError("cancelled"))
+            return
+        if not job.prefilling:  # past its prompt: what it fed is what to prefill again
+            job.target = list(job.state.tokens)
+        self.preemptions += 1
+        self.blocks.release(job.table)
+        job.table = job.state = None
+        with self._cond:
+            self.active.remove(job)
+            self.waiting.appendleft(job)
+
     def _prefill(self, parts: list[tuple[Job, list[int]]]) -> None:
-        """Feed each job its chunk; a job whose prompt is then complete gets its first token."""
-        model = self.engine.model
+        """Feed each job its chunk; a job whose prompt is then complete gets its first
+        token (a preempted one already has its next token)."""
         try:
-            if len(parts) == 1:
-                job, part = parts[0]
-                logits = prefill(model, job.state, part, self.prefill_budget)[None]
-            else:
-                logits = self._prefill_together(parts)
+            logits = self._forward_chunks(parts)
         except Exception as e:  # a failed forward fails its requests, not the server
             for job, _ in parts:
                 self._finish(job, e)
             return
         for (job, _), row in zip(parts, logits, strict=True):
-            if not job.prefilling:
+            self.blocks.commit(job.table, job.state.tokens)
+            if not job.prefilling and job.next_token is None:
                 try:
                     self._advance(job, row)
                 except Exception as e:
                     self._finish(job, e)
 
-    def _prefill_together(self, parts: list[tuple[Job, list[int]]]) -> torch.Tensor:
-        """One forward for several chunks, rows padded on the right: a padded key
-        lies past its row's real tokens, so no real query sees it, and it is
-        overwritten before that position is ever attended to."""
+    def _forward_chunks(self, parts: list[tuple[Job, list[int]]]) -> torch.Tensor:
+        """One forward for the chunks, rows padded on the right; each row's last
+        logits. A padded token repeats its row's last position and is never stored,
+        so no real query sees it."""
         width = max(len(part) for _, part in parts)
-        top = self.capacity - 1  # real positions stay below it (check_fits)
-        ids, positions = [], []
+        ids, positions, counts = [], [], []
         for job, part in parts:
             start = len(job.state.tokens)
             ids.append(part + [part[-1]] * (width - len(part)))
-            positions.append([min(start + i, top) for i in range(width)])
+            positions.append([start + min(i, len(part) - 1) for i in range(width)])
+            counts.append(len(part))
         device = self.cache.k.device
-        last = torch.tensor([len(part) - 1 for _, part in parts], device=device)
+        padded = any(c < width for c in counts)
+        view = self.cache.view([job.table.blocks for job, _ in parts], counts if padded else None)
         logits = self.engine.model(
             torch.tensor(ids, device=device),
             torch.tensor(positions, device=device),
-            self.cache.select([job.slot for job, _ in parts]),
-            last=last,
+            view,
+            last=torch.tensor([c - 1 for c in counts], device=device),
         )
         for job, part in parts:
             job.state.tokens.extend(part)
@@ -281,12 +394,13 @@ class Scheduler:
             return
         job.finished = True
         job.next_token = None
-        if job.slot is not None:
-            with self._cond:
-                self._release(job)
+        with self._cond:
+            self._release(job)
         self._send(job, event)
 
     def _release(self, job: Job) -> None:
+        if job.table is not None:
+            self.blocks.release(job.table)
+            job.table = None
         if job in self.active:
             self.active.remove(job)
-            self.free.append(job.slot)

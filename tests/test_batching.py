@@ -107,7 +107,7 @@ def test_concurrent_requests_equal_single_sequence_runs():
         for (prompt, params, max_tokens, *stop), collector in zip(cases, collectors, strict=True):
             expected = alone(prompt, params, max_tokens, stop=stop[0] if stop else ())
             assert collector.result() == expected
-        assert len(scheduler.free) == 4 and not scheduler.active
+        assert scheduler.blocks.used == 0 and not scheduler.active
     finally:
         scheduler.close()
 

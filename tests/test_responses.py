@@ -139,7 +139,8 @@ def stories(tmp_path_factory):
     server.stop()
 
 
-IDS = ("id", "call_id", "item_id", "created_at")
+# input_tokens_details: a repeated input finds its blocks in the prefix cache.
+IDS = ("id", "call_id", "item_id", "created_at", "input_tokens_details")
 
 
 def without_ids(value):
@@ -262,6 +263,9 @@ def test_max_output_tokens_leaves_the_response_incomplete(stories):
         events = list(stream)
     assert events[-1].type == "response.incomplete"
     assert without_ids(events[-1].response) == without_ids(reply)
+    # The same 19 input tokens again: their full 16-token block is reused.
+    assert reply.usage.input_tokens_details.cached_tokens == 0
+    assert events[-1].response.usage.input_tokens_details.cached_tokens == 16
 
 
 def test_stateless_requests_are_400(stories):

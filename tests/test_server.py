@@ -100,7 +100,13 @@ def test_chat_non_streaming_and_streaming_agree(client):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == message.content
     assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
-    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    assert chunks[-1].choices == []
+    streamed, first = chunks[-1].usage.model_dump(), whole.usage.model_dump()
+    # The same prompt again: its full 16-token blocks come from the prefix cache.
+    reused = (first["prompt_tokens"] - 1) // 16 * 16
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    assert streamed.pop("prompt_tokens_details")["cached_tokens"] == reused
+    assert streamed == {k: v for k, v in first.items() if k != "prompt_tokens_details"}
 
 
 def test_chat_logprobs(client):
@@ -157,6 +163,10 @@ def test_models_and_health(server, client):
     assert [m.id for m in client.models.list()] == ["stories260K"]
     health = httpx.get(f"{server.url}/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
+    # The default pool: two contexts per --parallel sequence, in blocks of 16.
+    blocks = health.json()["kv_blocks"]
+    assert blocks["block_size"] == 16 and blocks["total"] == 2 * 8 * ENGINE.ctx_size // 16
+    assert blocks["used"] <= blocks["total"] and blocks["cached"] >= 0
 
 
 def test_errors_in_openai_shape(server):
@@ -424,3 +434,35 @@ def test_a_tool_message_without_its_call_is_400(server):
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["param"] == param and "tool" in error["message"]
+
+
+def test_kv_memory_and_no_prefix_cache(tmp_path):
+    # stories260K: 5 layers x 4 KV heads x 8 values x 16 positions x 4 bytes x 2 = 20480
+    # bytes a block, so 120KiB holds 6 blocks (96 tokens).
+    s = Server(tmp_path, "--kv-memory", "120KiB", "--no-prefix-cache")
+    try:
+        health = httpx.get(f"{s.url}/health").json()
+        assert health["kv_blocks"] == {"block_size": 16, "total": 6, "used": 0, "cached": 0}
+        assert s.metric('llmrun_kv_blocks{state="total"}') == 6
+        long_prompt = list(range(5, 105))
+        refused = post(s, "/v1/completions", {"prompt": long_prompt}, key=None)
+        assert refused.status_code == 400
+        assert refused.json()["error"]["message"] == (
+            "the prompt is 100 tokens, 7 KV blocks of 16, but the KV pool holds 6 blocks "
+            "(96 tokens); shorten the prompt or raise --kv-memory"
+        )
+        body = {"prompt": "Once upon a time there was a little girl", "max_tokens": 8}
+        for _ in range(2):
+            usage = post(s, "/v1/completions", {**body, "temperature": 0}, key=None).json()["usage"]
+            assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
+        _wait_until_idle(s)
+        health = httpx.get(f"{s.url}/health").json()
+        assert (health["kv_blocks"]["used"], health["kv_blocks"]["cached"]) == (0, 0)
+    finally:
+        s.stop()
+
+
+def test_a_bad_kv_memory_is_one_error_line():
+    result = serve_cli("--kv-memory", "lots")
+    assert result.returncode == 2
+    assert result.stderr == "error: --kv-memory takes a size such as 4GiB or 512MB, got 'lots'\n"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated
 
 import typer
@@ -27,8 +28,21 @@ def serve(
         ),
     ] = None,
     parallel: Annotated[
-        int, typer.Option("--parallel", help="Requests decoded together (KV cache slots).")
+        int, typer.Option("--parallel", help="Sequences decoded together, at most.")
     ] = 4,
+    kv_memory: Annotated[
+        str | None,
+        typer.Option(
+            "--kv-memory",
+            metavar="SIZE",
+            help="KV cache pool size, e.g. 4GiB or 512MB (default: 2 x --parallel "
+            "contexts, at most half the free memory).",
+        ),
+    ] = None,
+    no_prefix_cache: Annotated[
+        bool,
+        typer.Option("--no-prefix-cache", help="Prefill every prompt whole (no prefix reuse)."),
+    ] = False,
     queue: Annotated[
         int, typer.Option(help="Requests that may wait for a slot; more get 503.")
     ] = 64,
@@ -51,6 +65,7 @@ def serve(
         raise UsageError(f"--queue must be >= 0, got {queue}")
     if not 0 <= port <= 65535:
         raise UsageError(f"--port must be between 0 and 65535, got {port}")
+    pool_bytes = None if kv_memory is None else parse_size(kv_memory, "--kv-memory")
     try:
         from llmrun import server
     except ImportError as e:
@@ -73,6 +88,8 @@ def serve(
         api_key=api_key or None,
         parallel=parallel,
         queue=queue,
+        kv_memory=pool_bytes,
+        prefix_cache=not no_prefix_cache,
         device=device,
         dtype=dtype,
         ctx_size=ctx_size,
@@ -80,6 +97,23 @@ def serve(
         template_file=template,
         cache_type=cache_type,
     )
+
+
+# SIZE suffixes: K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB of 1000.
+_SUFFIXES = {"": 1, "b": 1}
+for _power, _letter in enumerate("kmgt", 1):
+    _SUFFIXES |= {_letter: 1024**_power, f"{_letter}ib": 1024**_power, f"{_letter}b": 1000**_power}
+
+
+def parse_size(text: str, option: str) -> int:
+    """Bytes of a SIZE such as 4GiB, 512MB, 1.5G or 1000000 (see _SUFFIXES)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", text.lower())
+    if match is None or match[2] not in _SUFFIXES:
+        raise UsageError(f"{option} takes a size such as 4GiB or 512MB, got {text!r}")
+    size = int(float(match[1]) * _SUFFIXES[match[2]])
+    if size <= 0:
+        raise UsageError(f"{option} must be positive, got {text!r}")
+    return size
 
 
 def _url_host(host: str) -> str:

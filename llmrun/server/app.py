@@ -316,6 +316,12 @@ async def health(request: Request) -> Response:
             "slots": scheduler.parallel,
             "running": len(scheduler.active),
             "waiting": len(scheduler.waiting),
+            "kv_blocks": {
+                "block_size": scheduler.blocks.block_size,
+                "total": scheduler.blocks.n_blocks,
+                "used": scheduler.blocks.used,
+                "cached": scheduler.blocks.cached_blocks,
+            },
         }
     )
 
@@ -385,6 +391,8 @@ def run(
     api_key: str | None = None,
     parallel: int = 4,
     queue: int = 64,
+    kv_memory: int | None = None,
+    prefix_cache: bool = True,
     **load_options: Any,
 ) -> None:
     """Serve on `sock` until interrupted; the model loads in the background while
@@ -395,7 +403,7 @@ def run(
         load_options["threads"] = max(1, (os.cpu_count() or 1) - 1)
     aliases = {str(spec)} if spec else set()
     aliases |= {path.name, path.stem}
-    service = Service(model_id, aliases, api_key, parallel, queue)
+    service = Service(model_id, aliases, api_key, parallel, queue, kv_memory, prefix_cache)
     server = uvicorn.Server(
         uvicorn.Config(
             create_app(service), log_level="info", timeout_graceful_shutdown=5, lifespan="off"
@@ -407,11 +415,16 @@ def run(
             engine = api.load(spec, path=path, **load_options)
             service.start(engine)
             LOG.info(
-                "model %s loaded in %.1fs; %d slots of %d tokens",
+                "model %s loaded in %.1fs; up to %d sequences of %d tokens over %d KV "
+                "blocks of %d tokens (%.1f MiB)%s",
                 model_id,
                 engine.load_seconds,
                 parallel,
                 engine.ctx_size,
+                service.scheduler.blocks.n_blocks,
+                service.scheduler.blocks.block_size,
+                service.scheduler.cache.nbytes / 2**20,
+                "" if prefix_cache else ", no prefix cache",
             )
         except BaseException as e:
             service.load_error = e

@@ -59,3 +59,28 @@ class Metrics:
         running.set_function(lambda: len(service.scheduler.active) if service.scheduler else 0)
         slots = Gauge("llmrun_slots", "Sequences decoded together.", registry=registry)
         slots.set(service.parallel)
+        blocks = Gauge(
+            "llmrun_kv_blocks",
+            "KV cache blocks: total, used (held by a sequence), cached (naming a prefix).",
+            ["state"],
+            registry=registry,
+        )
+        for state, count in (
+            ("total", lambda b: b.n_blocks),
+            ("used", lambda b: b.used),
+            ("cached", lambda b: b.cached_blocks),
+        ):
+            blocks.labels(state).set_function(
+                lambda count=count: count(service.scheduler.blocks) if service.scheduler else 0
+            )
+        preempted = Gauge(
+            "llmrun_preemptions",
+            "Sequences preempted (to be prefilled again) when KV blocks ran out.",
+            registry=registry,
+        )
+        preempted.set_function(lambda: service.scheduler.preemptions if service.scheduler else 0)
+        self.cached_tokens = Counter(
+            "llmrun_prompt_tokens_cached",
+            "Prompt tokens whose keys and values came from the prefix cache.",
+            registry=registry,
+        )

@@ -434,7 +434,9 @@ async def responses(request: Request) -> Response:
             "output": _copy(output.items),
             "usage": {
                 "input_tokens": stats.prompt_tokens,
-                "input_tokens_details": {"cached_tokens": 0},
+                "input_tokens_details": {
+                    "cached_tokens": stats.prompt_tokens - stats.prompt_processed
+                },
                 "output_tokens": stats.completion_tokens,
                 "output_tokens_details": {"reasoning_tokens": reasoning},
                 "total_tokens": stats.prompt_tokens + stats.completion_tokens,

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 
-from llmrun import api, batching
+from llmrun import api, batching, native
 from llmrun.batching import Event, Job, Scheduler
 from llmrun.generate import Response as GenResponse
 from llmrun.server.metrics import Metrics
@@ -41,13 +41,21 @@ class Service:
     """What the endpoints share: the model once it is loaded, the scheduler, metrics."""
 
     def __init__(
-        self, model_id: str, aliases: set[str], api_key: str | None, parallel: int, queue: int
+        self,
+        model_id: str,
+        aliases: set[str],
+        api_key: str | None,
+        parallel: int,
+        queue: int,
+        kv_memory: int | None = None,
+        prefix_cache: bool = True,
     ) -> None:
         self.model_id = model_id
         self.names = {model_id, *aliases}
         self.api_key = api_key
         self.parallel = parallel
         self.queue = queue
+        self.kv_memory, self.prefix_cache = kv_memory, prefix_cache
         self.created = int(time.time())
         self.engine: api.Engine | None = None
         self.scheduler: Scheduler | None = None
@@ -56,7 +64,16 @@ class Service:
         self.metrics = Metrics(self)
 
     def start(self, engine: api.Engine) -> None:
-        scheduler = Scheduler(engine, self.parallel, self.queue)
+        # Build the native kernels now, while /health says loading, rather than in the
+        # first request (a first build takes seconds).
+        native.available()
+        scheduler = Scheduler(
+            engine,
+            self.parallel,
+            self.queue,
+            kv_memory=self.kv_memory,
+            prefix_cache=self.prefix_cache,
+        )
         scheduler.start()
         self.tool_format = tool_format(engine)
         self.engine, self.scheduler = engine, scheduler
@@ -198,6 +215,7 @@ class Generation:
             m.generation_tokens.inc()
         if event.finish_reason is not None:
             m.e2e.observe(now - self.arrived)
+            m.cached_tokens.inc(event.stats.prompt_tokens - event.stats.prompt_processed)
             if self.last_token_at is None:
                 m.prompt_tokens.inc(event.stats.prompt_tokens)
             # An end-of-text token counts in usage but is never streamed.
@@ -205,12 +223,14 @@ class Generation:
             m.requests.labels(self.endpoint, "200").inc()
 
 
-def usage_of(final: GenResponse) -> dict[str, int]:
+def usage_of(final: GenResponse) -> dict[str, Any]:
     s = final.stats
     return {
         "prompt_tokens": s.prompt_tokens,
         "completion_tokens": s.completion_tokens,
         "total_tokens": s.prompt_tokens + s.completion_tokens,
+        # Prompt tokens whose keys and values came from the prefix cache, as OpenAI reports.
+        "prompt_tokens_details": {"cached_tokens": s.prompt_tokens - s.prompt_processed},
     }
 
 
