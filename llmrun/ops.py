@@ -1,6 +1,7 @@
 """The small ops of a decode step, with a native CPU path: RMSNorm (Gemma's too), the
 rotary embedding, the SiLU- and tanh-GELU-gated products and single-query attention
-(soft-capped for Gemma 2) over a KV cache stored as f32, f16, bf16 or Q8_0 blocks.
+(soft-capped for Gemma 2, with attention sinks for gpt-oss) over a KV cache stored as
+f32, f16, bf16 or Q8_0 blocks.
 
 On one token's activations a torch op costs 2-40 us, mostly dispatch (more between
 matvecs that stream the weights through the caches), and the ~45 of them per layer
@@ -156,12 +157,14 @@ def attend_one(
     v: torch.Tensor,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query per head, q [B, H, 1, D], over every key and value
     k/v [B, Hkv, L, D] (H a multiple of Hkv: grouped-query attention), the scores
     scaled by `scale` (default D^-0.5) and, with `softcap`, soft-capped to
-    softcap * tanh(score / softcap) (Gemma 2); returns [B, 1, H*D]. k and v may be
-    as a KV cache stores them (f32, f16 or bf16 values, or uint8 [B, Hkv, L, D / 32 *
+    softcap * tanh(score / softcap) (Gemma 2); with `sinks` [H] (gpt-oss), each head's
+    sink logit joins its softmax's denominator only. Returns [B, 1, H*D]. k and v may
+    be as a KV cache stores them (f32, f16 or bf16 values, or uint8 [B, Hkv, L, D / 32 *
     34] Q8_0 rows): the native path reads them as they are, torch dequantizes."""
     batch, heads, _, head_dim = q.shape
     groups, length = k.shape[1], k.shape[2]
@@ -180,10 +183,10 @@ def attend_one(
         and k.device.type == "cpu"
         and not (k.requires_grad or v.requires_grad)
     ):
-        lib = _native(q)
+        lib = _native(q) if sinks is None else _native(q, sinks)
         if lib is not None:
             y = torch.empty(1, 1, heads * head_dim)
-            if kind == 0:
+            if kind == 0 and sinks is None:
                 lib.llmrun_attend_one_capped(
                     q.data_ptr(),
                     k.data_ptr(),
@@ -198,7 +201,7 @@ def attend_one(
                     y.data_ptr(),
                 )
                 return y
-            failed = lib.llmrun_attend_one_stored(
+            args = (
                 kind,
                 q.data_ptr(),
                 k.data_ptr(),
@@ -210,8 +213,11 @@ def attend_one(
                 k.stride(1) * k.element_size(),
                 scale,
                 softcap or 0.0,
-                y.data_ptr(),
             )
+            if sinks is None:
+                failed = lib.llmrun_attend_one_stored(*args, y.data_ptr())
+            else:
+                failed = lib.llmrun_attend_one_sinks(*args, sinks.data_ptr(), y.data_ptr())
             if not failed:
                 return y
     k, v = stored_values(k, q.dtype), stored_values(v, q.dtype)
@@ -221,7 +227,13 @@ def attend_one(
         scores = (q * scale) @ k.transpose(-1, -2)
     else:
         scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap) * softcap
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    if sinks is None:
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    else:
+        # The sink as one more score column, dropped after the softmax.
+        sink = sinks.to(scores.dtype).view(1, groups, heads // groups, 1)
+        logits = torch.cat([scores, sink.expand(batch, -1, -1, 1)], dim=-1)
+        weights = torch.softmax(logits, dim=-1, dtype=torch.float32)[..., :length]
     return (weights.to(v.dtype) @ v).view(batch, 1, heads * head_dim)
 
 

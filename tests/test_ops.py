@@ -201,3 +201,35 @@ def test_attend_one_reads_each_cache_type(
     assert native.shape == (1, 1, heads * head_dim)
     torch.testing.assert_close(native, reference, rtol=1e-5, atol=2e-5 if softcap else 1e-6)
     assert torch.equal(native, ops.attend_one(q, keys, values, None, softcap))
+
+
+@pytest.mark.parametrize("cache_type", ["f32", "f16", "bf16", "q8_0"])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,length", [(8, 2, 64, 1), (8, 2, 64, 300), (4, 4, 32, 129)]
+)
+def test_attend_one_with_sinks_matches_torch(
+    native_kernels, cache_type, heads, kv_heads, head_dim, length
+):
+    """gpt-oss's attention sinks on each cache type, against float64 torch: a softmax
+    over [scores, sink] with the sink's column dropped. The sinks range from far
+    below every score to far above (then they take nearly all the weight)."""
+    torch.manual_seed(0)
+    q = torch.randn(1, heads, 1, head_dim)
+    buffer = stored(torch.randn(2, 1, kv_heads, length + 17, head_dim), cache_type)
+    k, v = buffer[0, :, :, :length], buffer[1, :, :, :length]
+    sinks = torch.randn(heads) * 2
+    sinks[0], sinks[-1] = -30.0, 30.0
+    native, reference = both_paths(ops.attend_one, q, k, v, None, None, sinks)
+    keys = ops.stored_values(k, torch.float64)
+    values = ops.stored_values(v, torch.float64)
+    grouped = q.double().view(1, kv_heads, heads // kv_heads, head_dim)
+    scores = (grouped @ keys.transpose(-1, -2)) * head_dim**-0.5
+    sink = sinks.double().view(1, kv_heads, -1, 1)
+    weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :length]
+    exact = (weights @ values).view(1, 1, heads * head_dim)
+    assert native.shape == (1, 1, heads * head_dim)
+    torch.testing.assert_close(native.double(), exact, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(reference.double(), exact, rtol=1e-5, atol=1e-6)
+    assert exact[0, 0, -head_dim:].abs().max() < 1e-9  # the +30 sink took the weight
+    without = ops.attend_one(q, k, v)
+    assert (native - without).abs().max() > 1e-2  # the sinks changed the result

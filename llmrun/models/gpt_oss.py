@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmrun import ops
 from llmrun.errors import ModelFormatError
 from llmrun.models.base import (
     Frame,
@@ -113,8 +114,11 @@ def sink_attention(
     """softmax over [q k^T * scale + mask, sink] with the sink's share dropped, times v:
     q [B, H, T, D], k/v [B, Hkv, L, D] (grouped-query), mask [B, 1, T, L] (True:
     attend) or None, sinks [H]; returns [B, T, H*D]. A query that sees no key still has
-    the sink, so its output is 0, not NaN."""
+    the sink, so its output is 0, not NaN. One query seeing every key (decode) goes to
+    ops.attend_one, which also takes k/v as a KV cache stores them."""
     batch, heads, tokens, head_dim = q.shape
+    if tokens == 1 and mask is None:
+        return ops.attend_one(q, k, v, scale, sinks=sinks)
     groups, length = k.shape[1], k.shape[2]
     per_group = heads // groups
     # [B, H, T, D] -> [B, Hkv, H/Hkv * T, D]: each KV head serves its query heads.
@@ -161,10 +165,15 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(batch, tokens, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = frame.rotate(q), frame.rotate(k)
         if cache is not None:
+            # Read as stored where sink_attention takes ops.attend_one: no conversion
+            # of the whole cache each step.
+            stored = tokens == 1 and frame.mask is None
             if frame.plan is not None:
-                k, v = cache.update_window(self.layer, k, v, frame.plan)
+                k, v = cache.update_window(self.layer, k, v, frame.plan, stored)
             else:
-                k, v = cache.update(self.layer, k, v, frame.positions, frame.start, frame.length)
+                k, v = cache.update(
+                    self.layer, k, v, frame.positions, frame.start, frame.length, stored
+                )
         out = sink_attention(q, k, v, frame.mask, self.scale, self.sinks)
         return self.o_proj(out)
 

@@ -43,6 +43,8 @@ _API = {
     "llmrun_attend_one_capped": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _F32, _PTR],
     # the cache's storage type (decode_ops.c KV_*) first, head_stride in bytes
     "llmrun_attend_one_stored": [_INT, _PTR, _PTR, _PTR, *[_I64] * 5, _F32, _F32, _PTR],
+    # as llmrun_attend_one_stored, with the per-head sink logits (f32) before y
+    "llmrun_attend_one_sinks": [_INT, _PTR, _PTR, _PTR, *[_I64] * 5, _F32, _F32, _PTR, _PTR],
     # kind, q, k and v pools, the block table (int32), then sizes as named in decode_ops.c
     "llmrun_attend_paged": [_INT, _PTR, _PTR, _PTR, _PTR, *[_I64] * 8, _F32, _F32, _PTR],
 }

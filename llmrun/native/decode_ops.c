@@ -1,7 +1,7 @@
 /* The small f32 ops of a decode step, each one call instead of several torch ops:
  * RMSNorm, rotary embedding, SiLU- and tanh-GELU-gated products, single-query
- * attention over a KV cache (stored as f32, f16, bf16 or Q8_0), soft-capped or not
- * (llmrun/ops.py).
+ * attention over a KV cache (stored as f32, f16, bf16 or Q8_0), soft-capped or not,
+ * with attention sinks or not (llmrun/ops.py).
  *
  * On one token's activations (a few thousand floats) a torch op costs 2-20 us of
  * dispatch and allocation, and a decode step of a 24-layer model runs ~45 of them
@@ -332,8 +332,8 @@ static inline const float *kv_rows(int kind, const uint8_t *src, int64_t n, int6
 static inline __attribute__((always_inline)) void attend_head(
     const int kind, int64_t g, const float *q, const uint8_t *k, const uint8_t *v,
     int64_t heads, int64_t kv_heads, int64_t length, int64_t dim, int64_t head_bytes,
-    float scale, float softcap, float *y, const int32_t *table, int64_t block_rows,
-    int64_t block_bytes, int64_t first) {
+    float scale, float softcap, const float *sinks, float *y, const int32_t *table,
+    int64_t block_rows, int64_t block_bytes, int64_t first) {
     const int64_t group = heads / kv_heads, row = kv_row_bytes(kind, dim);
     const uint8_t *kg = k + g * head_bytes, *vg = v + g * head_bytes;
     float *yg = y + g * group * dim;
@@ -412,7 +412,16 @@ static inline __attribute__((always_inline)) void attend_head(
         }
     }
     for (int64_t h = 0; h < group; h++) {
-        const float inv = 1.0f / sum[h];
+        float inv = 1.0f / sum[h];
+        if (sinks) { /* exp(sink) joins the denominator, over the larger of it and top */
+            const float sink = sinks[g * group + h];
+            if (sink > top[h]) {
+                const float r = exp_scalar(top[h] - sink);
+                inv = r / (sum[h] * r + 1.0f);
+            } else {
+                inv = 1.0f / (sum[h] + exp_scalar(sink - top[h]));
+            }
+        }
         for (int64_t d = 0; d < dim; d++) yg[h * dim + d] *= inv;
     }
 }
@@ -421,13 +430,14 @@ static inline __attribute__((always_inline)) void attend_head(
     _Pragma("omp parallel for schedule(static) if (heads * length * dim >= (1 << 15))")  \
     for (int64_t g = 0; g < kv_heads; g++)                                               \
         attend_head(KIND, g, q, (const uint8_t *)k, (const uint8_t *)v, heads, kv_heads,   \
-                    length, dim, head_bytes, scale, softcap, y, NULL, 0, 0, 0)
+                    length, dim, head_bytes, scale, softcap, sinks, y, NULL, 0, 0, 0)
 
 /* head_stride in floats */
 void llmrun_attend_one_capped(const float *q, const float *k, const float *v, int64_t heads,
                               int64_t kv_heads, int64_t length, int64_t dim,
                               int64_t head_stride, float scale, float softcap, float *y) {
     const int64_t head_bytes = 4 * head_stride;
+    const float *sinks = NULL;
     ATTEND_HEADS(KV_F32);
 }
 
@@ -437,11 +447,15 @@ void llmrun_attend_one(const float *q, const float *k, const float *v, int64_t h
     llmrun_attend_one_capped(q, k, v, heads, kv_heads, length, dim, head_stride, scale, 0.0f, y);
 }
 
-/* llmrun_attend_one_capped over a cache stored as `kind` (KV_*), head_bytes apart;
- * -1 for a kind it does not know or a dim it cannot take (Q8_0: a multiple of 32). */
-int llmrun_attend_one_stored(int kind, const float *q, const void *k, const void *v,
-                             int64_t heads, int64_t kv_heads, int64_t length, int64_t dim,
-                             int64_t head_bytes, float scale, float softcap, float *y) {
+/* llmrun_attend_one_capped over a cache stored as `kind` (KV_*), head_bytes apart, and
+ * with attention sinks (gpt-oss): sinks[h], a logit of query head h, joins that head's
+ * softmax denominator and nothing else (as one more key would, with a value of zeros);
+ * NULL for none. -1 for a kind it does not know or a dim it cannot take (Q8_0: a
+ * multiple of 32). */
+int llmrun_attend_one_sinks(int kind, const float *q, const void *k, const void *v,
+                            int64_t heads, int64_t kv_heads, int64_t length, int64_t dim,
+                            int64_t head_bytes, float scale, float softcap, const float *sinks,
+                            float *y) {
     if (dim % VW != 0 || (kind == KV_Q8_0 && dim % KV_BLOCK != 0)) return -1;
     switch (kind) {
     case KV_F32: ATTEND_HEADS(KV_F32); return 0;
@@ -450,6 +464,14 @@ int llmrun_attend_one_stored(int kind, const float *q, const void *k, const void
     case KV_Q8_0: ATTEND_HEADS(KV_Q8_0); return 0;
     default: return -1;
     }
+}
+
+/* llmrun_attend_one_sinks without sinks. */
+int llmrun_attend_one_stored(int kind, const float *q, const void *k, const void *v,
+                             int64_t heads, int64_t kv_heads, int64_t length, int64_t dim,
+                             int64_t head_bytes, float scale, float softcap, float *y) {
+    return llmrun_attend_one_sinks(kind, q, k, v, heads, kv_heads, length, dim, head_bytes,
+                                   scale, softcap, NULL, y);
 }
 
 /* llmrun_attend_one_stored over a paged cache: keys first .. length - 1 (first > 0: a
@@ -461,7 +483,7 @@ int llmrun_attend_one_stored(int kind, const float *q, const void *k, const void
     _Pragma("omp parallel for schedule(static) if (heads * (length - first) * dim >= (1 << 15))") \
     for (int64_t g = 0; g < kv_heads; g++)                                               \
         attend_head(KIND, g, q, (const uint8_t *)k, (const uint8_t *)v, heads, kv_heads,   \
-                    length, dim, head_bytes, scale, softcap, y, table, block_rows,       \
+                    length, dim, head_bytes, scale, softcap, NULL, y, table, block_rows, \
                     block_bytes, first)
 
 int llmrun_attend_paged(int kind, const float *q, const void *k, const void *v,

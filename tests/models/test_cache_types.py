@@ -5,8 +5,9 @@ the storage's rounding. Measured (max abs diff over 40 positions: a prefill in t
 chunks, then one-token decoding through the native attention) on tiny random models
 with head_dim 32: Qwen3 (logits within ±1.1) f16 2.5e-4, bf16 2.1e-3, q8_0 8.8e-3;
 Gemma 3 (±4.7, soft-capped, sliding-window rings) f16 2.9e-3, bf16 1.8e-2, q8_0
-6.7e-2. The tests allow f16 5e-3, bf16 5e-2, q8_0 1e-1. The bundled stories260K
-decodes greedily to the same 32 tokens with an f16 or bf16 cache as with f32.
+6.7e-2; gpt-oss (±4.0, sinks, rings) f16 1.9e-4, bf16 9.3e-4, q8_0 3.7e-3. The tests
+allow f16 5e-3, bf16 5e-2, q8_0 1e-1. The bundled stories260K decodes greedily to the
+same 32 tokens with an f16 or bf16 cache as with f32.
 """
 
 import queue
@@ -146,6 +147,45 @@ def test_sliding_window_rings_store_the_type(cache_type):
     logits = logits_of(model, cache_type, chunks=(12,))[:, 12:20]
     torch.testing.assert_close(runs[0], logits, atol=1e-5, rtol=0)
     assert (logits - reference).abs().max() < TOLERANCE[cache_type]
+
+
+@pytest.fixture(scope="module")
+def gpt_oss():
+    """A tiny gpt-oss (sinks; windows of 5, kept in rings, and full layers in turn) with
+    head_dim 32 for q8_0's blocks, its weights frozen as the loader leaves them, and its
+    logits with an f32 cache."""
+    from gpt_oss_helpers import llmrun_state, tiny_gpt_oss
+
+    hf, config = tiny_gpt_oss(head_dim=32)
+    module = model_module("gpt_oss")
+    model = module.Model(module.ModelArgs.from_config(config))
+    model.load_state_dict(llmrun_state(hf, config))
+    model.eval().requires_grad_(False)
+    # Logits of ±4, like Gemma 3's here (±1 as built), so the tolerances mean as much.
+    model.lm_head.weight.mul_(4)
+    return model, logits_of(model, torch.float32)
+
+
+@pytest.mark.parametrize("cache_type", TYPES)
+def test_gpt_oss_decodes_from_the_stored_cache(native_kernels, gpt_oss, cache_type, monkeypatch):
+    """gpt-oss's logits stay as close to an f32 cache as the other families', and its
+    decode steps read the cache as stored (the native kernel, sinks included): nothing
+    is converted, in full layers or rings, past the window."""
+    model, reference = gpt_oss
+    assert reference.abs().max() > 1
+    diff = (logits_of(model, cache_type) - reference).abs().max().item()
+    assert 0 < diff < TOLERANCE[cache_type], diff
+    cache = model.new_cache(1, 64, cache_type, "cpu")
+    assert cache.window == 5
+    with torch.inference_mode():
+        model(IDS[:, :20], torch.arange(20)[None], cache)
+
+        def converted(x, dtype):
+            raise AssertionError(f"a decode step converted {tuple(x.shape)} of the cache")
+
+        monkeypatch.setattr(ops, "stored_values", converted)
+        for t in range(20, 30):
+            model(IDS[:, t : t + 1], torch.tensor([[t]]), cache)
 
 
 @pytest.fixture(scope="module")

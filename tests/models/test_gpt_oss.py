@@ -22,7 +22,8 @@ def our_model(config: dict, state: dict):
     model = module.Model(module.ModelArgs.from_config(config))
     result = model.load_state_dict(state, strict=True)
     assert not result.missing_keys and not result.unexpected_keys
-    return model.eval()
+    # Frozen as the loader leaves it, so decode steps take the native kernels on CPU.
+    return model.eval().requires_grad_(False)
 
 
 def ids_for(seed: int = 1, seq: int = SEQ) -> torch.Tensor:
