@@ -386,3 +386,14 @@ def gemma_chat_model_dir(path: Path, context: int = 256) -> Path:
     }
     (path / "tokenizer_config.json").write_text(json.dumps(tok_config))
     return path
+
+
+# Openings the bundled stories260K continues, for tests that run several prompts
+STORY_PROMPTS = [
+    "Once upon a time",
+    "The little dog",
+    "Lily and Tom went to the park",
+    "One day, a big bird",
+    "There was a boy named Max who liked",
+    "The sun was",
+]

@@ -12,20 +12,12 @@ import sys
 import time
 
 import pytest
+from helpers import STORY_PROMPTS
 from scripted import scripted_model_dir
 from typer.testing import CliRunner
 
 from llmrun.batch_run import BadLine, Line, done_ids, parse_line, read_lines
 from llmrun.cli import app
-
-PROMPTS = [
-    "Once upon a time",
-    "The little dog",
-    "Lily and Tom went to the park",
-    "One day, a big bird",
-    "There was a boy named Max who liked",
-    "The sun was",
-]
 
 
 def invoke(*args: str, input: str | None = None):
@@ -64,27 +56,35 @@ def llmrun(*args, input=None, timeout=120):
 
 def test_greedy_seeded_stop_and_format_lines_equal_single_runs(tmp_path):
     lines = [
-        {"prompt": PROMPTS[0], "temperature": 0, "max_tokens": 40},
-        {"id": "dog", "prompt": PROMPTS[1], "seed": 3, "temperature": 0.9, "max_tokens": 30},
-        {"prompt": PROMPTS[2], "seed": 11, "max_tokens": 25},
-        {"prompt": PROMPTS[3], "temperature": 0, "max_tokens": 60, "stop": ["bird", "tree"]},
-        {"prompt": PROMPTS[4], "temperature": 0, "max_tokens": 20, "format": "json"},
-        {"id": 7, "prompt": PROMPTS[5], "temperature": 0, "stop": "."},
+        {"prompt": STORY_PROMPTS[0], "temperature": 0, "max_tokens": 40},
+        {"id": "dog", "prompt": STORY_PROMPTS[1], "seed": 3, "temperature": 0.9, "max_tokens": 30},
+        {"prompt": STORY_PROMPTS[2], "seed": 11, "max_tokens": 25},
+        {"prompt": STORY_PROMPTS[3], "temperature": 0, "max_tokens": 60, "stop": ["bird", "tree"]},
+        {"prompt": STORY_PROMPTS[4], "temperature": 0, "max_tokens": 20, "format": "json"},
+        {"id": 7, "prompt": STORY_PROMPTS[5], "temperature": 0, "stop": "."},
     ]
     batch = invoke("run", "--batch", write_jsonl(tmp_path / "in.jsonl", lines), "--parallel", "3")
     assert batch.exit_code == 0, batch.output
     expected = [
-        {"id": 1, **alone(PROMPTS[0], "--temperature", "0", "-n", "40")},
-        {"id": "dog", **alone(PROMPTS[1], "--seed", "3", "--temperature", "0.9", "-n", "30")},
-        {"id": 3, **alone(PROMPTS[2], "--seed", "11", "-n", "25")},
+        {"id": 1, **alone(STORY_PROMPTS[0], "--temperature", "0", "-n", "40")},
+        {"id": "dog", **alone(STORY_PROMPTS[1], "--seed", "3", "--temperature", "0.9", "-n", "30")},
+        {"id": 3, **alone(STORY_PROMPTS[2], "--seed", "11", "-n", "25")},
         {
             "id": 4,
             **alone(
-                PROMPTS[3], "--temperature", "0", "-n", "60", "--stop", "bird", "--stop", "tree"
+                STORY_PROMPTS[3],
+                "--temperature",
+                "0",
+                "-n",
+                "60",
+                "--stop",
+                "bird",
+                "--stop",
+                "tree",
             ),
         },
-        {"id": 5, **alone(PROMPTS[4], "--temperature", "0", "-n", "20", "--format", "json")},
-        {"id": 7, **alone(PROMPTS[5], "--temperature", "0", "--stop", ".")},
+        {"id": 5, **alone(STORY_PROMPTS[4], "--temperature", "0", "-n", "20", "--format", "json")},
+        {"id": 7, **alone(STORY_PROMPTS[5], "--temperature", "0", "--stop", ".")},
     ]
     assert records(batch.stdout) == expected
     assert expected[3]["finish_reason"] == "stop" and expected[0]["finish_reason"] == "length"
@@ -93,11 +93,11 @@ def test_greedy_seeded_stop_and_format_lines_equal_single_runs(tmp_path):
 def test_plain_lines_from_a_stdin_pipe_take_the_command_flags():
     # A real pipe into a real process: `-` reads stdin; a blank line is no prompt.
     flags = ("-n", "12", "--seed", "5", "--stop", "park")
-    piped = "\n".join(PROMPTS[:4]) + "\n\n" + PROMPTS[4] + "\n"
+    piped = "\n".join(STORY_PROMPTS[:4]) + "\n\n" + STORY_PROMPTS[4] + "\n"
     result = llmrun("run", "--batch", "-", "--batch-lines", *flags, input=piped)
     assert (result.returncode, result.stderr) == (0, "")
     ids = [1, 2, 3, 4, 6]  # line numbers
-    prompts = PROMPTS[:5]
+    prompts = STORY_PROMPTS[:5]
     expected = [{"id": i, **alone(p, *flags)} for i, p in zip(ids, prompts, strict=True)]
     assert records(result.stdout) == expected
 
@@ -133,14 +133,14 @@ def test_messages_without_a_template_read_as_a_transcript(tmp_path):
 def test_bad_lines_are_reported_by_number_and_skipped(tmp_path):
     long_prompt = " ".join(["Once upon a time there was a cat."] * 10)
     lines = [
-        {"id": "ok1", "prompt": PROMPTS[0], "max_tokens": 5},
+        {"id": "ok1", "prompt": STORY_PROMPTS[0], "max_tokens": 5},
         "{not json",
-        {"prompt": PROMPTS[1], "temprature": 0},
-        {"id": "ok1", "prompt": PROMPTS[2]},
-        {"prompt": PROMPTS[1], "temperature": -1},
+        {"prompt": STORY_PROMPTS[1], "temprature": 0},
+        {"id": "ok1", "prompt": STORY_PROMPTS[2]},
+        {"prompt": STORY_PROMPTS[1], "temperature": -1},
         {"prompt": long_prompt},
         [1, 2],
-        {"id": "ok2", "prompt": PROMPTS[1], "max_tokens": 5},
+        {"id": "ok2", "prompt": STORY_PROMPTS[1], "max_tokens": 5},
         {"prompt": "x", "messages": []},
     ]
     path = write_jsonl(tmp_path / "in.jsonl", lines)
@@ -168,9 +168,9 @@ def test_bad_lines_are_reported_by_number_and_skipped(tmp_path):
 def test_order_is_the_input_order_unless_unordered(tmp_path):
     # The first request runs far longer than the second, batched beside it.
     lines = [
-        {"prompt": PROMPTS[4], "temperature": 0, "max_tokens": 120},
-        {"prompt": PROMPTS[1], "temperature": 0, "max_tokens": 2},
-        {"prompt": PROMPTS[2], "temperature": 0, "max_tokens": 3},
+        {"prompt": STORY_PROMPTS[4], "temperature": 0, "max_tokens": 120},
+        {"prompt": STORY_PROMPTS[1], "temperature": 0, "max_tokens": 2},
+        {"prompt": STORY_PROMPTS[2], "temperature": 0, "max_tokens": 3},
     ]
     path = write_jsonl(tmp_path / "in.jsonl", lines)
     ordered = records(invoke("run", "--batch", path, "--parallel", "3").stdout)
@@ -182,12 +182,12 @@ def test_order_is_the_input_order_unless_unordered(tmp_path):
 
 
 def test_resume_skips_the_ids_already_written_and_drops_a_torn_line(tmp_path):
-    lines = [{"prompt": p, "temperature": 0, "max_tokens": 8} for p in PROMPTS]
+    lines = [{"prompt": p, "temperature": 0, "max_tokens": 8} for p in STORY_PROMPTS]
     path = write_jsonl(tmp_path / "in.jsonl", lines)
     full = tmp_path / "full.jsonl"
     assert invoke("run", "--batch", path, "-o", str(full)).exit_code == 0
     written = full.read_text().splitlines(keepends=True)
-    assert len(written) == len(PROMPTS)
+    assert len(written) == len(STORY_PROMPTS)
     partial = tmp_path / "partial.jsonl"
     partial.write_text(written[0] + written[2] + written[3][:20])  # as if killed mid-write
     result = invoke("run", "--batch", path, "-o", str(partial), "--resume")
@@ -200,7 +200,7 @@ def test_resume_skips_the_ids_already_written_and_drops_a_torn_line(tmp_path):
 
 
 def test_ctrl_c_leaves_whole_lines_that_resume_completes(tmp_path):
-    lines = [{"prompt": p, "temperature": 0, "max_tokens": 150} for p in PROMPTS * 5]
+    lines = [{"prompt": p, "temperature": 0, "max_tokens": 150} for p in STORY_PROMPTS * 5]
     path = write_jsonl(tmp_path / "in.jsonl", lines)
     out = tmp_path / "out.jsonl"
     args = [sys.executable, "-m", "llmrun", "run", "--batch", path, "--parallel", "2"]
@@ -227,7 +227,7 @@ def test_ctrl_c_leaves_whole_lines_that_resume_completes(tmp_path):
 
 def test_a_terminal_gets_a_progress_bar(tmp_path):
     pexpect = pytest.importorskip("pexpect")
-    lines = [{"prompt": p, "temperature": 0, "max_tokens": 100} for p in PROMPTS * 2]
+    lines = [{"prompt": p, "temperature": 0, "max_tokens": 100} for p in STORY_PROMPTS * 2]
     out = tmp_path / "out.jsonl"
     child = pexpect.spawn(
         sys.executable,

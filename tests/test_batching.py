@@ -6,6 +6,7 @@ import threading
 
 import pytest
 import torch
+from helpers import STORY_PROMPTS
 
 from llmrun import api
 from llmrun.batching import Request, Scheduler
@@ -14,14 +15,6 @@ from llmrun.sampling import SamplingParams
 
 ENGINE = api.load(None, device="cpu", ctx_size=256)
 GREEDY = SamplingParams(temperature=0)
-PROMPTS = [
-    "Once upon a time",
-    "The little dog",
-    "Lily and Tom went to the park",
-    "One day, a big bird",
-    "There was a boy named Max who liked",
-    "The sun was",
-]
 
 
 def encode(text):
@@ -68,7 +61,7 @@ def test_batched_decode_gives_each_row_its_own_logits():
     model = ENGINE.model
     cache = model.new_cache(5, 64, torch.float32, "cpu")
     slots = [4, 1, 2]
-    prompts = [encode(p) for p in PROMPTS[:3]]
+    prompts = [encode(p) for p in STORY_PROMPTS[:3]]
     with torch.inference_mode():
         for slot, prompt in zip(slots, prompts, strict=True):
             ids, positions = torch.tensor([prompt]), torch.arange(len(prompt))[None]
@@ -92,7 +85,7 @@ def test_concurrent_requests_equal_single_sequence_runs():
     scheduler = Scheduler(ENGINE, parallel=4, queue=8)
     cases = [
         (encode(p), GREEDY if i % 2 else SamplingParams(seed=i, temperature=0.9), 30 + 5 * i)
-        for i, p in enumerate(PROMPTS)
+        for i, p in enumerate(STORY_PROMPTS)
     ]
     cases.append((encode("Once upon a time"), GREEDY, 100, ["girl named"]))
     penalized = SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.5)

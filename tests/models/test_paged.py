@@ -16,10 +16,10 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import BASE, tiny_hf_model
+from helpers import BASE
+from test_cache_types import our_model
 
 from llmrun import ops
-from llmrun.models import model_module
 from llmrun.models.paged import PagedKVCache
 
 BLOCK = 16
@@ -89,16 +89,6 @@ def test_the_kernel_refuses_what_it_cannot_take(native_kernels):
     assert ops.attend_paged(q.double(), pool, pool, table, 0, 5, 1.0) is None
 
 
-def our_model(name: str):
-    hf, config = tiny_hf_model(name)
-    module = model_module(config["model_type"])
-    model = module.Model(module.ModelArgs.from_config(config))
-    model.load_state_dict(hf.state_dict(), strict=False)
-    if config.get("tie_word_embeddings") or name == "gemma3":
-        model.lm_head.weight = model.model.embed_tokens.weight
-    return model.eval()
-
-
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3"]
 SEQ = 45
 IDS = torch.randint(0, BASE["vocab_size"], (2, SEQ), generator=torch.Generator().manual_seed(5))
@@ -107,7 +97,7 @@ SHARED = 32  # row 1 starts with row 0's first two blocks
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def model(request):
-    return our_model(request.param)
+    return our_model(request.param)[0]
 
 
 def pool_for(model, cache_type="f32", n_blocks=16):
@@ -172,7 +162,7 @@ def test_batched_rows_sharing_prefix_blocks_give_their_own_logits(model):
 
 
 def test_block_bytes_counts_keys_and_values_of_every_layer():
-    model = our_model("qwen3")  # 2 layers, 2 KV heads of 32
+    model, _ = our_model("qwen3")  # 2 layers, 2 KV heads of 32
     like = model.new_cache(1, 1, "f16", "cpu")
     assert PagedKVCache.block_bytes(like, BLOCK) == 2 * 2 * 2 * BLOCK * 32 * 2
     assert pool_for(model, "f16").nbytes == 16 * PagedKVCache.block_bytes(like, BLOCK)
