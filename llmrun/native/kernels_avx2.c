@@ -512,7 +512,7 @@ ALWAYS_INLINE __m256i high_byte_index(int k) {
 
 /* xp[32s + 8k + i] = x[32s + 4k + i] and xp[32s + 8k + 4 + i] = x[32s + 16 + 4k + i] for
  * i < 4; xs[s] = the sum of x[32s..32s+31] */
-static void permute_q4_k(const float *x, int64_t n, float *xp, float *xs) {
+static void permute_k_quant(const float *x, int64_t n, float *xp, float *xs) {
     for (int64_t s = 0; s < n / 32; s++) {
         const float *src = x + 32 * s;
         float *dst = xp + 32 * s;
@@ -530,8 +530,7 @@ static void permute_q4_k(const float *x, int64_t n, float *xp, float *xs) {
 ALWAYS_INLINE void rows_k_few(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
                               const float *xp, const int m, int64_t n, float *y, int64_t ldy,
                               const float *bias, const float *xs, const int five) {
-    enum { BYTES4 = Q4_K_BYTES, BYTES5 = Q5_K_BYTES };
-    const int bytes = five ? BYTES5 : BYTES4;
+    const int bytes = five ? Q5_K_BYTES : Q4_K_BYTES;
     const int64_t nb = n / 256;
     const uint8_t *end = w + r1 * stride;
     for (int64_t r = r0; r < r1; r++) {
@@ -604,7 +603,7 @@ ALWAYS_INLINE void rows_q5_k_few(const uint8_t *w, int64_t stride, int64_t r0, i
  * dword is (q - 32) * 2^24, converted exactly; each 16 weights' sum is scaled once by
  * d*sc*2^-24 (a power of two away from the reference's scale: the same rounding). The
  * 32 weights c*128 + t*32 + l (l < 32) are one vector of bytes, l in byte order, so x
- * takes permute_q4_k's order (its sums go unused). */
+ * takes permute_k_quant's order (its sums go unused). */
 ALWAYS_INLINE void rows_q6_k_few(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
                                  const float *xp, const int m, int64_t n, float *y,
                                  int64_t ldy, const float *bias, const float *xs) {
@@ -668,7 +667,7 @@ ALWAYS_INLINE void rows_q6_k_few(const uint8_t *w, int64_t stride, int64_t r0, i
 }
 
 /* matvec_T and experts_T (llmrun_matvec_experts' pass) for T's few-rows kernel ROWS:
- * one or two rows through ROWS on x in permute_q4_k's order, more through rows_T. The
+ * one or two rows through ROWS on x in permute_k_quant's order, more through rows_T. The
  * experts' x is permuted once per expert (once for all where x_step is 0). */
 #define DEFINE_FEW_ROWS(T, ROWS)                                                         \
     static void matvec_##T(const uint8_t *w, int64_t stride, int64_t rows, const float *x, \
@@ -681,7 +680,7 @@ ALWAYS_INLINE void rows_q6_k_few(const uint8_t *w, int64_t stride, int64_t r0, i
         if (xp == NULL) return;                                                          \
         float *xs = xp + m * n;                                                          \
         for (int64_t i = 0; i < m; i++)                                                  \
-            permute_q4_k(x + i * n, n, xp + i * n, xs + i * (n / 32));                   \
+            permute_k_quant(x + i * n, n, xp + i * n, xs + i * (n / 32));                   \
         ROW_PASSES(xp, ROWS, xs);                                                        \
         free(xp);                                                                        \
     }                                                                                    \
@@ -692,7 +691,7 @@ ALWAYS_INLINE void rows_q6_k_few(const uint8_t *w, int64_t stride, int64_t r0, i
         if (xp == NULL) return 0;                                                        \
         float *xs = xp + copies * n;                                                     \
         for (int64_t c = 0; c < copies; c++)                                             \
-            permute_q4_k(x + c * x_step, n, xp + c * n, xs + c * sums);                  \
+            permute_k_quant(x + c * x_step, n, xp + c * n, xs + c * sums);                  \
         const int64_t chunk = stride >= CHUNK ? 1 : CHUNK / stride;                      \
         const int64_t pieces = (rows + chunk - 1) / chunk;                               \
         _Pragma("omp parallel for schedule(dynamic)")                                    \
