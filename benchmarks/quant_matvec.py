@@ -9,6 +9,8 @@ kernels:
   native       llmrun's C kernels (llmrun/native/kernels_avx512.c, or kernels_avx2.c with
                LLMRUN_NATIVE=avx2 or on a CPU without AVX-512) on the GGUF blocks
   packed       the same on kernels.pack's layout (Q4_0, Q5_0, Q4_K, Q5_K), as QuantLinear uses it
+  q8           the 8-bit-activation kernels (llmrun/native/q8.h; x quantized to Q8_0 per
+               call, as in `--activations q8`), on the layout QuantLinear picks
   torch        llmrun's pure-torch fallback: dequantize, then F.linear (no compiler)
   bf16-linear  torch F.linear on bf16 weights of the same shapes (torch's own dense path)
 
@@ -65,6 +67,8 @@ def kernel(name: str, ggml_type: T) -> Callable[[torch.Tensor, torch.Tensor], to
         return lambda w, x: kernels.matvec(w, ggml_type, x)
     if name == "packed":
         return lambda w, x: kernels.matvec(w, ggml_type, x, packed=True)
+    if name == "q8":
+        return lambda w, x: kernels.matvec(w, ggml_type, x, packed=_packs(ggml_type), q8=True)
     if name == "torch":
         return lambda w, x: F.linear(x, dequantize(w, ggml_type))
     if name == "bf16-linear":
@@ -78,7 +82,7 @@ def cases(name: str, ggml_type: T, shapes: list[tuple[int, int]]) -> list[tuple]
     xs = {c: torch.randn(1, c, dtype=dtype) for c in {c for _, c in shapes}}
     if name == "bf16-linear":
         return [(torch.randn(r, c, dtype=dtype), xs[c]) for r, c in shapes]
-    if name == "packed":
+    if name == "packed" or (name == "q8" and _packs(ggml_type)):
         return [(kernels.pack(random_blocks(ggml_type, r, c), ggml_type), xs[c]) for r, c in shapes]
     return [(random_blocks(ggml_type, r, c), xs[c]) for r, c in shapes]
 
@@ -115,7 +119,8 @@ def main() -> None:
     runs = [
         r for i, r in enumerate(runs) if r[1] != "bf16-linear" or i < len(args.kernels.split(","))
     ]
-    runs = [r for r in runs if r[1] != "packed" or r[0] in kernels.PACKED]
+    runs = [r for r in runs if r[1] != "packed" or _packs(r[0])]
+    runs = [r for r in runs if r[1] != "q8" or kernels.supports_q8(r[0], WARM[1], _packs(r[0]))]
     for ggml_type, kname in runs:
         fn = kernel(kname, ggml_type)
         per_weight = 2 if kname == "bf16-linear" else _bytes_per_weight(ggml_type)
@@ -129,6 +134,11 @@ def main() -> None:
             f"{max(warm):10.1f}",
             flush=True,
         )
+
+
+def _packs(ggml_type: T) -> bool:
+    """Whether QuantLinear repacks this type's rows (of the shapes here) for this family."""
+    return ggml_type in kernels.PACKED and kernels.supports(ggml_type, WARM[1], packed=True)
 
 
 def _bytes_per_weight(ggml_type: T) -> float:

@@ -25,6 +25,7 @@ from llmrun.generate import KVState, Response, TokenLogprob, stream_generate
 from llmrun.loading import safetensors_io
 from llmrun.loading.loader import Checkpoint, load_model
 from llmrun.models.cache import KVCache
+from llmrun.quant.linear import set_activations
 from llmrun.reasoning import (
     ANSWER,
     REASONING,
@@ -41,6 +42,7 @@ from llmrun.tokenizer import Tokenizer, load_tokenizer
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "f32", "bf16", "f16")
 CACHE_TYPES = ("f32", "f16", "bf16", "q8_0")  # --cache-type (llmrun.models.cache.CACHE_TYPES)
+ACTIVATIONS = ("f32", "q8")  # --activations (llmrun.quant.linear.ACTIVATIONS)
 DEFAULT_CTX = 4096
 
 
@@ -97,6 +99,7 @@ class Engine:
     # the tokens around the model's reasoning (harmony's message tokens), if it has them
     markers: Markers | Harmony | None = None
     cache_type: str | None = None  # what the KV cache stores (CACHE_TYPES); None: the dtype
+    activations: str = "f32"  # how quantized weights meet activations on CPU (ACTIVATIONS)
 
     def new_cache(self, batch: int, size: int) -> KVCache:
         """An empty KV cache of `batch` rows of `size` positions, of the cache type."""
@@ -221,15 +224,22 @@ def load(
     template_file: str | Path | None = None,
     path: Path | None = None,
     cache_type: str | None = None,
+    activations: str = "f32",
 ) -> Engine:
     """Load MODEL (`path`, when given, is where it already resolved to). `cache_type`:
     what the KV cache stores keys and values as (CACHE_TYPES; None: the compute dtype,
-    which is exact)."""
+    which is exact). `activations`: "f32", exact products of quantized weights, or
+    "q8", activations quantized to Q8_0 first as llama.cpp does (faster on CPU; where
+    the kernels have it for the type, llmrun.quant.linear.set_activations)."""
     if dtype not in DTYPES:
         raise UsageError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     if cache_type is not None and cache_type not in CACHE_TYPES:
         raise UsageError(
             f"unknown --cache-type {cache_type!r} (choose from {', '.join(CACHE_TYPES)})"
+        )
+    if activations not in ACTIVATIONS:
+        raise UsageError(
+            f"unknown --activations {activations!r} (choose from {', '.join(ACTIVATIONS)})"
         )
     if ctx_size is not None and ctx_size < 1:
         raise UsageError(f"--ctx-size must be positive, got {ctx_size}")
@@ -245,6 +255,8 @@ def load(
     path = path or resolve(spec)
     start = time.perf_counter()
     loaded = load_model(path, torch_device, dtype)
+    if activations != "f32":
+        set_activations(loaded.model, activations)
     checkpoint = loaded.checkpoint
     if checkpoint.gguf is not None:
         tokenizer = Tokenizer.from_gguf_metadata(checkpoint.gguf.metadata, str(path))
@@ -270,6 +282,7 @@ def load(
         load_seconds=time.perf_counter() - start,
         markers=find_markers(tokenizer),
         cache_type=cache_type,
+        activations=activations,
     )
     if cache_type is not None:
         engine.new_cache(1, 1)  # refuses a cache type this model cannot store (q8_0's head_dim)

@@ -78,6 +78,7 @@ class BenchOptions:
     dtype: str = "auto"
     roofline: bool = False
     cache_type: str | None = None  # --cache-type (None: the compute dtype)
+    activations: str = "f32"  # --activations
 
     @classmethod
     def from_flags(
@@ -93,6 +94,7 @@ class BenchOptions:
         dtype: str,
         roofline: bool,
         cache_type: str | None = None,
+        activations: str = "f32",
     ) -> BenchOptions:
         """Options from `llmrun bench`'s flags as typed (comma lists), validated."""
         options = cls(
@@ -107,6 +109,7 @@ class BenchOptions:
             dtype=dtype,
             roofline=roofline,
             cache_type=cache_type,
+            activations=activations,
         )
         options.validate()
         return options
@@ -352,6 +355,7 @@ def bench_model(
         options.dtype,
         ctx_size=longest.positions,
         cache_type=options.cache_type,
+        activations=options.activations,
     )
     checkpoint = engine.checkpoint
     name = model_name(engine.path)
@@ -380,6 +384,7 @@ def bench_model(
         weight_bytes_per_token=weight_bytes_per_token(engine.model),
         dtype=DTYPE_NAMES[engine.dtype],
         cache_type=cache_type,  # as llama-bench's type_k / type_v, one for both
+        activations=engine.activations,
         load_s=engine.load_seconds,
     )
     records = []

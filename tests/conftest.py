@@ -33,6 +33,7 @@ FAMILIES = ["AVX-512", "AVX2"]
 def _reset() -> None:
     native._library.cache_clear()
     kernels.supports.cache_clear()
+    kernels.supports_q8.cache_clear()
 
 
 @pytest.fixture

@@ -133,6 +133,21 @@ def tiny_hf_model(name: str, seed: int = 0, **overrides):
     return model, config.to_dict()
 
 
+def our_model(config: dict, state_dict: dict):
+    """llmrun's model of a config.json dict with a transformers state dict, built
+    directly (not through the loader)."""
+    from llmrun.models import model_module
+
+    module = model_module(config["model_type"])
+    model = module.Model(module.ModelArgs.from_config(config))
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    assert not unexpected
+    assert all(k == "lm_head.weight" for k in missing)
+    if config.get("tie_word_embeddings"):
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
 def save_hf_dir(
     model, path: Path, dtype: torch.dtype = torch.float32, tokenizer: bool = False
 ) -> Path:

@@ -24,7 +24,7 @@ FIELDS = {
     "llmrun_version", "torch_version", "device", "device_name", "cpu", "cpu_kernels", "model",
     "model_path",
     "architecture", "format", "quant", "n_params", "model_bytes", "weight_bytes_per_token",
-    "dtype", "cache_type", "load_s", "threads", "test", "n_prompt", "n_gen", "n_depth", "n_batch",
+    "dtype", "cache_type", "activations", "load_s", "threads", "test", "n_prompt", "n_gen", "n_depth", "n_batch",
     "repetitions", "avg_ts", "stddev_ts", "samples_ts", "avg_s", "ttft_ms",
     "peak_memory_bytes", "memory_source", "gbps", "roofline_gbps", "roofline_pct", "date",
     "kv_cache_bytes", "kv_bytes_per_token",

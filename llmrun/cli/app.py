@@ -61,6 +61,14 @@ CacheType = Annotated[
         help="KV cache storage: f32, f16, bf16 or q8_0 (default: the compute dtype, exact).",
     ),
 ]
+Activations = Annotated[
+    str,
+    typer.Option(
+        "--activations",
+        help="How quantized weights meet activations on CPU: f32 (exact) or q8 (quantized "
+        "to Q8_0 first, as llama.cpp does: faster, not exact).",
+    ),
+]
 Verbose = Annotated[
     bool, typer.Option("--verbose", "-v", help="Print timings and token counts to stderr.")
 ]

@@ -98,6 +98,7 @@ def run_batch(flags: Mapping[str, Any]) -> None:
         threads=flags["threads"],
         template_file=flags["template"],
         cache_type=flags["cache_type"],
+        activations=flags["activations"],
     )
     grammar = None
     if flags["output_format"] is not None or flags["grammar"] is not None:

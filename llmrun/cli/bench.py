@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from llmrun import ui
-from llmrun.cli.app import DEBUG, CacheType, Debug, Device, Dtype, app
+from llmrun.cli.app import DEBUG, Activations, CacheType, Debug, Device, Dtype, app
 from llmrun.errors import UsageError
 
 BENCH_OUTPUTS = ("json", "jsonl", "csv", "md")
@@ -61,6 +61,7 @@ def bench_command(
     device: Device = "auto",
     dtype: Dtype = "auto",
     cache_type: CacheType = None,
+    activations: Activations = "f32",
     roofline: Annotated[
         bool,
         typer.Option(
@@ -97,6 +98,7 @@ def bench_command(
         dtype,
         roofline,
         cache_type,
+        activations,
     )
     specs = list(models or [None])
     with ui.bench_progress(bench.total_runs(options, len(specs))) as progress:

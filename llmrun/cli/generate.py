@@ -11,6 +11,7 @@ import typer
 from llmrun import ui
 from llmrun.cli.app import (
     DEBUG,
+    Activations,
     CacheType,
     CtxSize,
     Debug,
@@ -71,6 +72,7 @@ def run(
     device: Device = "auto",
     dtype: Dtype = "auto",
     cache_type: CacheType = None,
+    activations: Activations = "f32",
     threads: Threads = None,
     raw: Annotated[
         bool, typer.Option(help="Send the prompt as is, without the chat template.")
@@ -143,6 +145,7 @@ def run(
         threads=threads,
         template_file=template,
         cache_type=cache_type,
+        activations=activations,
     )
     params = engine.sampling(locals())
     if output_format is not None or grammar is not None:
@@ -196,6 +199,7 @@ def chat(
     device: Device = "auto",
     dtype: Dtype = "auto",
     cache_type: CacheType = None,
+    activations: Activations = "f32",
     threads: Threads = None,
     template: TemplateOpt = None,
     context_overflow: Annotated[
@@ -229,6 +233,7 @@ def chat(
         threads=threads,
         template_file=template,
         cache_type=cache_type,
+        activations=activations,
     )
     params = engine.sampling(locals())
     session = ChatSession(engine, params, limit, system=system, overflow=context_overflow)

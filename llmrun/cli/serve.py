@@ -8,7 +8,17 @@ from typing import Annotated
 import typer
 
 from llmrun import ui
-from llmrun.cli.app import DEBUG, CacheType, CtxSize, Debug, Device, Dtype, TemplateOpt, app
+from llmrun.cli.app import (
+    DEBUG,
+    Activations,
+    CacheType,
+    CtxSize,
+    Debug,
+    Device,
+    Dtype,
+    TemplateOpt,
+    app,
+)
 from llmrun.errors import UsageError
 
 
@@ -50,6 +60,7 @@ def serve(
     device: Device = "auto",
     dtype: Dtype = "auto",
     cache_type: CacheType = None,
+    activations: Activations = "f32",
     threads: Annotated[
         int | None,
         typer.Option("--threads", "-t", help="CPU threads (default: all cores but one)."),
@@ -96,6 +107,7 @@ def serve(
         threads=threads,
         template_file=template,
         cache_type=cache_type,
+        activations=activations,
     )
 
 

@@ -25,7 +25,7 @@ from llmrun import native
 from llmrun.errors import ModelFormatError, ModelNotFoundError, UnsupportedError
 from llmrun.loading import gguf_config, gguf_io, gpt_oss, safetensors_io
 from llmrun.models import model_module
-from llmrun.quant import kernels
+from llmrun.quant import decode_step, kernels
 from llmrun.quant.blocks import SUPPORTED_TYPES
 from llmrun.quant.experts import fuse_experts
 from llmrun.quant.linear import QuantEmbedding, QuantLinear, tied_head
@@ -389,6 +389,8 @@ def build_model(checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype
     model.to(device)
     # Inference only: parameters that require grad would make every op record autograd history.
     model.requires_grad_(False)
+    if device.type == "cpu":
+        decode_step.attach(model)  # dense families: a decode step's layers in one native call
     return model.eval()
 
 

@@ -444,6 +444,23 @@ def mix_experts(
     return out
 
 
+def run_layers(
+    model: nn.Module, x: torch.Tensor, frames: Any, cache: KVCache | None
+) -> torch.Tensor:
+    """x through the model's decoder layers (model.model.layers), each given `frames`
+    (a Frame, or a family's dict of them) and the cache. A loader may give the model a
+    `decode_step(x, frames, cache)` that runs the whole stack at once where it can (None
+    where it cannot): llmrun.quant.decode_step."""
+    step = model.decode_step
+    if step is not None:
+        out = step(x, frames, cache)
+        if out is not None:
+            return out
+    for layer in model.model.layers:
+        x = layer(x, frames, cache)
+    return x
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
@@ -477,6 +494,8 @@ class CausalLM(nn.Module):
     (`model.layers.N.self_attn.q_proj`, `lm_head`, ...). A family supplies its
     attention and MLP classes."""
 
+    decode_step = None  # see run_layers
+
     def __init__(self, args: Any, attention: type, mlp: type) -> None:
         super().__init__()
         self.args = args
@@ -497,8 +516,7 @@ class CausalLM(nn.Module):
         body = self.model
         x = body.embed_tokens(input_ids)
         frame = self.frame(positions, cache, x.dtype)
-        for layer in body.layers:
-            x = layer(x, frame, cache)
+        x = run_layers(self, x, frame, cache)
         if last is not None:
             x = x[torch.arange(x.shape[0], device=x.device), last][:, None]
         elif last_only:

@@ -22,6 +22,7 @@ from llmrun.models.base import (
     attend_scaled,
     attention_mask,
     key_positions,
+    run_layers,
 )
 from llmrun.models.cache import KVCache
 
@@ -107,6 +108,8 @@ class Body(nn.Module):
 class Model(nn.Module):
     """embed * sqrt(hidden) -> decoder layers -> norm -> lm_head, with HF's module names."""
 
+    decode_step = None  # see llmrun.models.base.run_layers
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
@@ -128,8 +131,7 @@ class Model(nn.Module):
         # The scale rounded to the compute dtype, as transformers does.
         x = x * torch.tensor(self.args.hidden_size**0.5).to(x.dtype)
         frame = self.frame(positions, cache, x.dtype)
-        for layer in body.layers:
-            x = layer(x, frame, cache)
+        x = run_layers(self, x, frame, cache)
         if last is not None:
             x = x[torch.arange(x.shape[0], device=x.device), last][:, None]
         elif last_only:

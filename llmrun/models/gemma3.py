@@ -26,6 +26,7 @@ from llmrun.models.base import (
     check_layer_types,
     key_positions,
     rope_parameters,
+    run_layers,
 )
 from llmrun.models.cache import KVCache
 
@@ -191,6 +192,8 @@ class Model(nn.Module):
     """embed * sqrt(hidden) -> decoder layers -> norm -> lm_head (-> soft-cap), with
     HF's module names."""
 
+    decode_step = None  # see llmrun.models.base.run_layers
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
@@ -212,8 +215,7 @@ class Model(nn.Module):
         # The scale rounded to the compute dtype, as transformers does.
         x = x * torch.tensor(self.args.hidden_size**0.5).to(x.dtype)
         frames = self.frames(positions, cache, x.dtype, last)
-        for layer in body.layers:
-            x = layer(x, frames, cache)
+        x = run_layers(self, x, frames, cache)
         if last is not None:
             x = x[torch.arange(x.shape[0], device=x.device), last][:, None]
         elif last_only:

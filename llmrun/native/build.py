@@ -1,7 +1,8 @@
 """Build one kernel family's library with the C compiler, cache it, and load it with ctypes.
 
-A family is one C file of quantized kernels in this folder (with common.h), compiled
-with its -march flags together with decode_ops.c into one shared library. The table
+A family is one C file of quantized kernels in this folder (with common.h), and on x86
+one of 8-bit-activation kernels (with q8.h), compiled with its -march flags together
+with decode_ops.c into one shared library. The table
 below names each, best first, with the features the CPU must list in /proc/cpuinfo: a
 new family is one more source and one more entry. The library goes into
 the cache folder, keyed by a hash of the sources, the compiler, its flags and the
@@ -22,9 +23,12 @@ from pathlib import Path
 from llmrun import paths
 
 HERE = Path(__file__).parent
-# Built into every family's library: the small f32 ops of a decode step (llmrun.ops).
+# Built into every family's library: the small f32 ops of a decode step (llmrun.ops), and
+# the whole step of a stack of decoder layers in one call (llmrun.quant.decode_step).
 DECODE_OPS = HERE / "decode_ops.c"
+DECODE_STEP = HERE / "decode_step.c"
 COMMON = HERE / "common.h"
+Q8_HEADER = HERE / "q8.h"  # the 8-bit-activation kernels' shared part
 FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC", "-fopenmp"]
 FEATURE_LINES = ("flags", "Features")  # where /proc/cpuinfo lists them, on x86 and on ARM
 
@@ -36,6 +40,10 @@ class Family:
     needs: frozenset[str]  # the features the CPU's /proc/cpuinfo must list
     lacking: str  # how "this CPU lacks ..." names it
     line: str = "flags"  # the /proc/cpuinfo line that lists them: x86's flags, ARM's Features
+    q8: str | None = None  # its 8-bit-activation kernels' C file, if it has them
+
+    def sources(self) -> list[Path]:
+        return [HERE / self.source, *([HERE / self.q8] if self.q8 else []), DECODE_OPS, DECODE_STEP]
 
 
 # -march=haswell for AVX2, so that build never holds AVX-512 code even on an AVX-512 CPU.
@@ -45,12 +53,14 @@ FAMILIES = {
         ("-march=native",),
         frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "f16c"}),
         "AVX-512",
+        q8="q8_avx512.c",
     ),
     "AVX2": Family(
         "kernels_avx2.c",
         ("-march=haswell", "-mtune=native"),
         frozenset({"avx2", "fma", "f16c"}),
         "AVX2 (with FMA and F16C)",
+        q8="q8_avx2.c",
     ),
     # Every 64-bit ARM CPU (Graviton, Ampere, Raspberry Pi 3 to 5, Apple Silicon under
     # Linux) has NEON ("asimd"); the kernels need nothing newer (kernels_neon.c says why
@@ -112,10 +122,9 @@ def _compile(compiler: str, family: str, path: Path) -> None:
     # Build beside the target and rename, so concurrent first runs never load half a file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
-    source = HERE / FAMILIES[family].source
     try:
         subprocess.run(
-            [compiler, *_flags(family), str(source), str(DECODE_OPS), "-o", tmp],
+            [compiler, *_flags(family), *map(str, FAMILIES[family].sources()), "-o", tmp],
             check=True,
             capture_output=True,
             text=True,
@@ -130,7 +139,7 @@ def _compile(compiler: str, family: str, path: Path) -> None:
 def target(compiler: str, family: str) -> Path:
     """Where the cache keeps `family`'s library as `compiler` builds it for this CPU."""
     key = hashlib.sha256()
-    for path in (HERE / FAMILIES[family].source, COMMON, DECODE_OPS):
+    for path in (*FAMILIES[family].sources(), COMMON, Q8_HEADER):
         key.update(path.read_bytes())
     key.update(" ".join([family, compiler, *_flags(family), cpu_features()]).encode())
     return paths.cache_dir().parent / "kernels" / f"llmrun-{_tag(family)}-{key.hexdigest()[:16]}.so"

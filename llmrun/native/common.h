@@ -9,6 +9,8 @@
  * the packed layouts permute_x, rows_packed and deq_packed), and ends with DEFINE_API().
  * A new family is one more such file.
  */
+#ifndef LLMRUN_COMMON_H
+#define LLMRUN_COMMON_H
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -187,3 +189,5 @@ static inline float e8m0_half(uint8_t e) {
                           int64_t n, float *out) {                                       \
         DISPATCH(CALL_DEQUANT)                                                           \
     }
+
+#endif

@@ -466,6 +466,26 @@ int llmrun_attend_one_sinks(int kind, const float *q, const void *k, const void 
     }
 }
 
+/* KV head g's share of llmrun_attend_one_sinks, on the calling thread (the decode step
+ * runs the heads on its own team). -1 as there. */
+int llmrun_attend_kv_head(int kind, int64_t g, const float *q, const void *k, const void *v,
+                          int64_t heads, int64_t kv_heads, int64_t length, int64_t dim,
+                          int64_t head_bytes, float scale, float softcap, const float *sinks,
+                          float *y) {
+    if (dim % VW != 0 || (kind == KV_Q8_0 && dim % KV_BLOCK != 0)) return -1;
+#define ATTEND_ONE_HEAD(KIND)                                                            \
+    attend_head(KIND, g, q, (const uint8_t *)k, (const uint8_t *)v, heads, kv_heads, length, \
+                dim, head_bytes, scale, softcap, sinks, y, NULL, 0, 0, 0)
+    switch (kind) {
+    case KV_F32: ATTEND_ONE_HEAD(KV_F32); return 0;
+    case KV_F16: ATTEND_ONE_HEAD(KV_F16); return 0;
+    case KV_BF16: ATTEND_ONE_HEAD(KV_BF16); return 0;
+    case KV_Q8_0: ATTEND_ONE_HEAD(KV_Q8_0); return 0;
+    default: return -1;
+    }
+#undef ATTEND_ONE_HEAD
+}
+
 /* llmrun_attend_one_sinks without sinks. */
 int llmrun_attend_one_stored(int kind, const float *q, const void *k, const void *v,
                              int64_t heads, int64_t kv_heads, int64_t length, int64_t dim,

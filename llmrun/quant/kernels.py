@@ -45,6 +45,17 @@ def supports(ggml_type: GGMLQuantizationType, n_cols: int, packed: bool = False)
     return block > 0 and n_cols % block == 0
 
 
+@functools.cache
+def supports_q8(ggml_type: GGMLQuantizationType, n_cols: int, packed: bool = False) -> bool:
+    """Whether the kernels have an 8-bit-activation matvec (llmrun/native/q8.h) for rows
+    of `n_cols` weights of `ggml_type` (in the packed layout, if `packed`)."""
+    lib = native.library()
+    if lib is None or not hasattr(lib, "llmrun_q8_block") or (packed and ggml_type not in PACKED):
+        return False
+    block = lib.llmrun_q8_block(_kernel_type(ggml_type, packed))
+    return block > 0 and n_cols % block == 0
+
+
 def _kernel_type(ggml_type: GGMLQuantizationType, packed: bool) -> int:
     return PACKED[ggml_type] if packed else int(ggml_type)
 
@@ -154,20 +165,22 @@ def matvec(
     x: torch.Tensor,
     packed: bool = False,
     bias: torch.Tensor | None = None,
+    q8: bool = False,
 ) -> torch.Tensor:
     """x f32 `[m, n]` times the blocks `[rows, row_bytes]` transposed (+ f32 `bias`
-    `[rows]`) -> f32 `[m, rows]`."""
+    `[rows]`) -> f32 `[m, rows]`; with `q8`, x quantized to Q8_0 blocks first and the
+    products taken in integers (supports_q8)."""
     n = _n_cols(raw, ggml_type, packed)
     x = x.contiguous()
     if x.dtype != torch.float32 or x.shape[1] != n:
         raise ValueError(f"activations must be f32 [m, {n}], got {x.dtype} {list(x.shape)}")
-    return Matvec(raw, ggml_type, packed, bias)(x)
+    return Matvec(raw, ggml_type, packed, bias, q8)(x)
 
 
 class Matvec:
     """A bound `matvec` for one weight tensor (and its bias): its checks and arguments
     worked out once, so a decode step pays only for the call (one per linear layer
-    per token)."""
+    per token). With `q8`, the 8-bit-activation kernel (supports_q8 must hold)."""
 
     def __init__(
         self,
@@ -175,8 +188,11 @@ class Matvec:
         ggml_type: GGMLQuantizationType,
         packed: bool = False,
         bias: torch.Tensor | None = None,
+        q8: bool = False,
     ) -> None:
         self.n = _n_cols(raw, ggml_type, packed)
+        if q8 and not supports_q8(ggml_type, self.n, packed):
+            raise ValueError(f"no 8-bit-activation kernel for {ggml_type.name} rows of {self.n}")
         self.rows = raw.shape[0]
         if bias is not None and (
             bias.dtype != torch.float32 or bias.device != raw.device or bias.shape != (self.rows,)
@@ -186,13 +202,15 @@ class Matvec:
         self.kept = (raw, bias)  # keeps the memory the pointers below point into alive
         self.args = (_kernel_type(ggml_type, packed), raw.data_ptr(), raw.stride(0), self.rows)
         self.bias = None if bias is None else bias.data_ptr()
-        self.fn = native.library().llmrun_matvec
+        lib = native.library()
+        self.fn = lib.llmrun_matvec_q8 if q8 else lib.llmrun_matvec
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x f32 `[m, n]` (contiguous) -> f32 `[m, rows]`."""
         m = x.numel() // self.n
         y = torch.empty(m, self.rows, dtype=torch.float32)
-        self.fn(*self.args, x.data_ptr(), m, self.n, y.data_ptr(), self.bias)
+        if self.fn(*self.args, x.data_ptr(), m, self.n, y.data_ptr(), self.bias):
+            raise MemoryError("no memory for the quantized activations")
         return y
 
 

@@ -68,7 +68,10 @@ class QuantLinear(nn.Module):
     """y = x W^T + b with W stored as GGML blocks, uint8 `[out_features, row_bytes]`.
 
     The native matvec is bound to the weight and bias at the first call, and again
-    after `.to()` or `load_state_dict`; its bias is added inside the kernel.
+    after `.to()` or `load_state_dict`; its bias is added inside the kernel. With
+    `q8_activations` set (set_activations), a few rows (decode) go through the
+    8-bit-activation kernel where the type has one (kernels.supports_q8): the
+    activations quantized to Q8_0 as llama.cpp does, faster and no longer exact.
     """
 
     def __init__(
@@ -97,6 +100,7 @@ class QuantLinear(nn.Module):
         self._matvec: kernels.Matvec | None = None
         self._stale = True
         self._matvec_max = MATVEC_MAX_ROWS * in_features
+        self.q8_activations = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         matvec = self._native() if self._stale else self._matvec
@@ -128,8 +132,11 @@ class QuantLinear(nn.Module):
         """The bound native matvec (bias included) for the current weight, or None for
         the torch path."""
         ok = _native_ok(self.weight, self.ggml_type, self.in_features, self.packed)
+        q8 = self.q8_activations and kernels.supports_q8(
+            self.ggml_type, self.in_features, self.packed
+        )
         self._matvec = (
-            kernels.Matvec(self.weight, self.ggml_type, self.packed, _f32(self.bias))
+            kernels.Matvec(self.weight, self.ggml_type, self.packed, _f32(self.bias), q8)
             if ok
             else None
         )
@@ -193,6 +200,29 @@ class QuantEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, type={self.ggml_type.name}" + (
             " (packed)" if self.packed else ""
         )
+
+
+ACTIVATIONS = ("f32", "q8")
+
+
+def set_activations(model: nn.Module, activations: str) -> int:
+    """How the model's quantized linear layers meet their activations when decoding:
+    "f32" (exact products, the default) or "q8" (quantized to Q8_0 first, where the
+    kernels have such a matvec for the type). Returns how many layers take q8."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
+    count = 0
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.q8_activations = activations == "q8"
+            module._stale = True
+            count += module.q8_activations and kernels.supports_q8(
+                module.ggml_type, module.in_features, module.packed
+            )
+    step = getattr(model, "decode_step", None)  # llmrun.quant.decode_step
+    if step is not None:
+        step.invalidate()
+    return count
 
 
 def tied_head(embedding: QuantEmbedding) -> QuantLinear:

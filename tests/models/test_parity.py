@@ -5,22 +5,11 @@ Tolerance: 1e-4 max abs difference in float32 (logits span about ±1 here).
 
 import pytest
 import torch
-from helpers import BASE, CONFIGS, tiny_hf_model
+from helpers import BASE, CONFIGS, our_model, tiny_hf_model
 
 from llmrun.models import model_module
 
 pytest.importorskip("transformers")
-
-
-def our_model(config: dict, state_dict: dict):
-    module = model_module(config["model_type"])
-    model = module.Model(module.ModelArgs.from_config(config))
-    missing, unexpected = model.load_state_dict(state_dict, strict=False)
-    assert not unexpected
-    assert all(k == "lm_head.weight" for k in missing)
-    if config.get("tie_word_embeddings"):
-        model.lm_head.weight = model.model.embed_tokens.weight
-    return model.eval()
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -35,7 +35,7 @@ def test_the_library_is_built_once_then_loaded_from_the_cache(native_kernels: st
     assert Path(native._library()._name) == built
 
 
-@pytest.mark.parametrize("source", ["COMMON", "DECODE_OPS"])
+@pytest.mark.parametrize("source", ["COMMON", "Q8_HEADER", "DECODE_OPS"])
 def test_the_cache_key_covers_the_shared_sources(source: str, tmp_path, monkeypatch):
     before = build.target("cc", "AVX2")
     changed = tmp_path / "changed"

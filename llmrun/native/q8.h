@@ -1,0 +1,276 @@
+/* What every family's 8-bit-activation kernels (q8_avx512.c, q8_avx2.c) share: the
+ * quantization of the activations to Q8_0 blocks, their arrangement for each weight
+ * layout, and the passes over the weights (plain C; a family's file includes common.h,
+ * defines DPBUSD_VNNI if its integer dot product is VNNI's, includes this, then defines
+ * its rows_q8_T kernels and ends with DEFINE_Q8_API()).
+ *
+ * The activations are quantized as gguf.quants.quantize writes Q8_0 (and ggml's
+ * quantize_row_q8_0_ref): per 32 values d = max|x| / 127, q = x * (1 / d) rounded
+ * half away from zero, then d rounded to f16, with the same f32 operations (built with
+ * -ffp-contract=off). A kernel then takes each block of weights against its block of
+ * activation quants in exact integer arithmetic, as llama.cpp computes quantized
+ * products, and scales the integer sums by the weight and activation scales in f32:
+ * the result is sum over blocks of d_w * d_x * sum(q_w * q_x), to float rounding.
+ */
+#include <math.h>
+
+#include "common.h"
+
+/* A call's quantized activations, m rows of n values. Per row: q, its n quants in the
+ * order the weight type's kernel reads them (and zeros to the next 64); lane, per
+ * dword lane of q (4 quants), the integer sum the kernel starts from (the weights'
+ * offset times minus the lane's sum: the kernel's u8 weights are q_w + offset); dq,
+ * per dword lane, the activation scale of its block; d and s, per block (natural
+ * order), the scale and the scale times the sum of the block's quants. */
+typedef struct {
+    int8_t *q;
+    int32_t *lane;
+    float *dq;
+    float *d;
+    float *s;
+    int64_t n, q_step, lane_step, d_step;
+} act_t;
+
+/* How a weight layout wants its activations: the quant order and the weights' offset. */
+enum { ORDER_NATURAL, ORDER_QUADS, ORDER_K_PAIRS };
+
+/* One block of 32 values, as gguf.quants.quantize(Q8_0): q in natural order, and the sum
+ * of q; returns d before its rounding to f16 (q8_f16 rounds it). */
+static inline float q8_block_quantize(const float *x, int8_t *q, int32_t *sum) {
+    float amax = 0.0f;
+    for (int j = 0; j < 32; j++) {
+        const float a = fabsf(x[j]);
+        amax = a > amax ? a : amax;
+    }
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    int32_t s = 0;
+    for (int j = 0; j < 32; j++) {
+        const float v = x[j] * id, mag = fabsf(v), whole = floorf(mag);
+        const int32_t r = (int32_t)(whole + floorf(2.0f * (mag - whole)));
+        q[j] = (int8_t)(v < 0.0f ? -r : r);
+        s += q[j];
+    }
+    *sum = s;
+    return d;
+}
+
+static inline float q8_f16(float d) { return (float)(_Float16)d; }
+
+/* Where value j of block b (natural order) goes in q. ORDER_QUADS (packed Q4_0/Q5_0:
+ * a 64-byte load holds four blocks' 16-byte quants, low nibbles weights 0..15 and high
+ * nibbles 16..31 of each): per four blocks, their values 0..15, then their 16..31.
+ * ORDER_K_PAIRS (Q4_K/Q5_K: per 256, 32 bytes hold sub-block 2p in the low nibbles and
+ * 2p + 1 in the high ones): per 256, sub-blocks 0, 2, 1, 3, 4, 6, 5, 7. */
+static inline int64_t q8_place(int order, int64_t b, int j) {
+    switch (order) {
+    case ORDER_QUADS:
+        return 128 * (b / 4) + 64 * (j / 16) + 16 * (b % 4) + j % 16;
+    case ORDER_K_PAIRS: {
+        static const int8_t slot[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+        return 256 * (b / 8) + 32 * slot[b % 8] + j;
+    }
+    default:
+        return 32 * b + j;
+    }
+}
+
+/* The activation scale (block) of dword lane l of q: ORDER_QUADS pairs lanes l of the
+ * low and high halves of each 128, so its lanes are 16 per 128 values. */
+static inline int64_t q8_lane_block(int order, int64_t l) {
+    switch (order) {
+    case ORDER_QUADS:
+        return 4 * (l / 16) + (l % 16) / 4;
+    case ORDER_K_PAIRS: {
+        static const int8_t block[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+        return 8 * (l / 64) + block[(l % 64) / 8];
+    }
+    default:
+        return l / 8;
+    }
+}
+
+/* The first value of block b's half h (values 16h .. 16h + 15) in q, for `order`. */
+static inline int64_t q8_half_place(int order, int64_t b, int h) {
+    return q8_place(order, b, 16 * h);
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* q8_block_quantize, eight values at a time with the same f32 operations; q's two
+ * halves go to q0 and q1. */
+static inline float q8_block_quantize_split(const float *x, int8_t *q0, int8_t *q1, int32_t *sum) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int k = 0; k < 4; k++) {
+        v[k] = _mm256_loadu_ps(x + 8 * k);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[k]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float d = _mm_cvtss_f32(m4) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    __m256i r[4];
+    for (int k = 0; k < 4; k++) {
+        const __m256 scaled = _mm256_mul_ps(v[k], _mm256_set1_ps(id));
+        const __m256 mag = _mm256_andnot_ps(sign, scaled), whole = _mm256_floor_ps(mag);
+        const __m256 twice = _mm256_mul_ps(_mm256_set1_ps(2.0f), _mm256_sub_ps(mag, whole));
+        const __m256i n = _mm256_cvttps_epi32(_mm256_add_ps(whole, _mm256_floor_ps(twice)));
+        /* the sign of scaled: negate where it is negative */
+        r[k] = _mm256_sign_epi32(n, _mm256_or_si256(_mm256_castps_si256(scaled), _mm256_set1_epi32(1)));
+    }
+    /* int32 -> int8, values 0..31 in order */
+    const __m256i w01 = _mm256_packs_epi32(r[0], r[1]), w23 = _mm256_packs_epi32(r[2], r[3]);
+    const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23),
+                                                  _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm_storeu_si128((__m128i *)q0, _mm256_castsi256_si128(b));
+    _mm_storeu_si128((__m128i *)q1, _mm256_extracti128_si256(b, 1));
+    const __m256i s16 = _mm256_maddubs_epi16(_mm256_set1_epi8(1), b);
+    const __m256i s32 = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+    *sum = _mm_cvtsi128_si32(t);
+    return d;
+}
+#else
+static inline float q8_block_quantize_split(const float *x, int8_t *q0, int8_t *q1, int32_t *sum) {
+    int8_t q[32];
+    const float d = q8_block_quantize(x, q, sum);
+    memcpy(q0, q, 16);
+    memcpy(q1, q + 16, 16);
+    return d;
+}
+#endif
+
+/* x [m, n] -> a (buffers from q8_alloc) for a layout of `order` whose u8 weights are
+ * q_w + offset. */
+static inline void q8_quantize(const float *x, int64_t m, int64_t n, int order, int offset,
+                               act_t *a) {
+    const int64_t nb = n / 32, lanes = order == ORDER_QUADS ? n / 8 : n / 4;
+    for (int64_t i = 0; i < m; i++) {
+        int8_t *q = a->q + i * a->q_step;
+        float *d = a->d + i * a->d_step, *s = a->s + i * a->d_step;
+        for (int64_t b = 0; b < nb; b++) {
+            int32_t sum;
+            d[b] = q8_f16(q8_block_quantize_split(x + i * n + 32 * b, q + q8_half_place(order, b, 0),
+                                                  q + q8_half_place(order, b, 1), &sum));
+            s[b] = d[b] * (float)sum;
+        }
+        int32_t *lane = a->lane + i * a->lane_step;
+        float *dq = a->dq + i * a->lane_step;
+        for (int64_t l = 0; l < lanes; l++) {
+            /* ORDER_QUADS: lane l of the low and the high half of its 128 */
+            const int8_t *p = order == ORDER_QUADS ? q + 128 * (l / 16) + 4 * (l % 16) : q + 4 * l;
+            int32_t sum = p[0] + p[1] + p[2] + p[3];
+            if (order == ORDER_QUADS) sum += p[64] + p[65] + p[66] + p[67];
+            lane[l] = -offset * sum;
+            dq[l] = d[q8_lane_block(order, l)];
+        }
+    }
+}
+
+/* Buffers for m rows of n (zero padded to whole 64-byte loads and vectors), in one
+ * allocation: a->q is what to free; NULL if it failed. */
+static inline void *q8_alloc(int64_t m, int64_t n, act_t *a) {
+    a->n = n;
+    a->q_step = (n + 63) / 64 * 64;
+    a->lane_step = a->q_step / 4;
+    a->d_step = a->q_step / 32;
+    const size_t bytes = (size_t)(m * (a->q_step + 8 * a->lane_step + 8 * a->d_step)) + 64;
+    uint8_t *p = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (p == NULL) return NULL;
+    memset(p, 0, bytes);
+    a->q = (int8_t *)p;
+    a->lane = (int32_t *)(p + m * a->q_step);
+    a->dq = (float *)(a->lane + m * a->lane_step);
+    a->d = a->dq + m * a->lane_step;
+    a->s = a->d + m * a->d_step;
+    return p;
+}
+
+/* As ROW_PASSES (common.h), over the quantized activations: ROWS(w, stride, r0, r1,
+ * a, i0, m, y, ldy, bias, ...) for the activation rows i0 .. i0 + m - 1. */
+#define Q8_PASSES(A, ROWS, ...)                                                          \
+    do {                                                                                 \
+        const int64_t chunk_ = stride >= CHUNK ? 1 : CHUNK / stride;                     \
+        for (int64_t i0_ = 0; i0_ < m;) {                                                \
+            const int mm_ = m - i0_ >= 8 ? 8 : m - i0_ >= 4 ? 4 : m - i0_ >= 2 ? 2 : 1;  \
+            float *yi_ = y + i0_ * rows;                                                 \
+            _Pragma("omp parallel for schedule(dynamic)")                                \
+            for (int64_t r0_ = 0; r0_ < rows; r0_ += chunk_) {                           \
+                const int64_t r1_ = r0_ + chunk_ < rows ? r0_ + chunk_ : rows;           \
+                switch (mm_) {                                                           \
+                case 1: ROWS(w, stride, r0_, r1_, A, i0_, 1, yi_, rows, bias, ##__VA_ARGS__); break; \
+                case 2: ROWS(w, stride, r0_, r1_, A, i0_, 2, yi_, rows, bias, ##__VA_ARGS__); break; \
+                case 4: ROWS(w, stride, r0_, r1_, A, i0_, 4, yi_, rows, bias, ##__VA_ARGS__); break; \
+                default: ROWS(w, stride, r0_, r1_, A, i0_, 8, yi_, rows, bias, ##__VA_ARGS__); break; \
+                }                                                                        \
+            }                                                                            \
+            i0_ += mm_;                                                                  \
+        }                                                                                \
+    } while (0)
+
+/* A type's 8-bit-activation matvec (quantize x for its layout, then its passes), its
+ * rows r0 .. r1 - 1 for one prepared activation row (q8_rows_T, on the calling thread),
+ * and its layout (q8_order_T, q8_offset_T). */
+#define DEFINE_Q8_MATVEC(T, ORDER, OFFSET, ROWS, ...)                                    \
+    enum { q8_order_##T = ORDER, q8_offset_##T = OFFSET };                               \
+    static void q8_rows_##T(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,    \
+                            const act_t *a, float *y, const float *bias) {               \
+        ROWS(w, stride, r0, r1, a, 0, 1, y, 0, bias, ##__VA_ARGS__);                     \
+    }                                                                                    \
+    static int q8_matvec_##T(const uint8_t *w, int64_t stride, int64_t rows, const float *x, \
+                             int64_t m, int64_t n, float *y, const float *bias) {        \
+        act_t a;                                                                         \
+        void *buf = q8_alloc(m, n, &a);                                                  \
+        if (buf == NULL) return -1;                                                      \
+        q8_quantize(x, m, n, ORDER, OFFSET, &a);                                         \
+        Q8_PASSES(&a, ROWS, ##__VA_ARGS__);                                              \
+        free(buf);                                                                       \
+        return 0;                                                                        \
+    }
+
+#define Q8_BLOCK_CASE(T, BLOCK) case T: return BLOCK;
+#define Q8_CALL_CASE(T, BLOCK) case T: return q8_matvec_##T(w, stride, rows, x, m, n, y, bias);
+#define Q8_LAYOUT_CASE(T, BLOCK) case T: *order = q8_order_##T; *offset = q8_offset_##T; return 0;
+#define Q8_ROWS_CASE(T, BLOCK) case T: q8_rows_##T(w, stride, r0, r1, a, y, bias); return 0;
+
+/* The C API of the family's Q8_TYPES(X) list (X(T, row multiple) per type). */
+#define DEFINE_Q8_API()                                                                  \
+    /* Row lengths the 8-bit-activation kernel takes for `type` are multiples of this; \
+     * 0: none for that type. */                                                         \
+    int llmrun_q8_block(int type) {                                                      \
+        switch (type) {                                                                  \
+        Q8_TYPES(Q8_BLOCK_CASE)                                                          \
+        default: return 0;                                                               \
+        }                                                                                \
+    }                                                                                    \
+                                                                                         \
+    /* As llmrun_matvec, with each row of x quantized to Q8_0 blocks first (see q8.h);   \
+     * -1 where the type has no such kernel (or memory ran out). */                      \
+    int llmrun_matvec_q8(int type, const uint8_t *w, int64_t stride, int64_t rows,       \
+                         const float *x, int64_t m, int64_t n, float *y, const float *bias) { \
+        switch (type) {                                                                  \
+        Q8_TYPES(Q8_CALL_CASE)                                                           \
+        default: return -1;                                                              \
+        }                                                                                \
+    }                                                                                    \
+                                                                                         \
+    /* How `type`'s kernel wants its activations (q8_quantize's order and offset). */    \
+    int llmrun_q8_layout(int type, int *order, int *offset) {                            \
+        switch (type) {                                                                  \
+        Q8_TYPES(Q8_LAYOUT_CASE)                                                         \
+        default: return -1;                                                              \
+        }                                                                                \
+    }                                                                                    \
+                                                                                         \
+    /* y[r] for rows r0 .. r1 - 1 against one row of activations quantized for the      \
+     * type's layout, on the calling thread (the decode step's share of a matvec). */   \
+    int llmrun_q8_rows(int type, const uint8_t *w, int64_t stride, int64_t r0, int64_t r1, \
+                       const act_t *a, float *y, const float *bias) {                    \
+        switch (type) {                                                                  \
+        Q8_TYPES(Q8_ROWS_CASE)                                                           \
+        default: return -1;                                                              \
+        }                                                                                \
+    }

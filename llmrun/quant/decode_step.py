@@ -1,0 +1,274 @@
+"""A one-sequence decode step through all of a model's decoder layers in one native call
+(llmrun/native/decode_step.c), for the dense families whose layers it knows: Llama
+(and Mistral), Qwen2, Qwen3, Gemma, Gemma 2 and Gemma 3.
+
+`attach` (the loader calls it) describes each layer once, as pointers to the weights
+the model already holds (QuantLinear blocks in their layout, or f32 nn.Linear weights),
+its norms and its attention's settings, and gives the model a `decode_step`. The
+model's forward offers it each step (llmrun.models.base.run_layers); it takes the step
+where it can, one row of one token in f32 on CPU over a plain KV cache with no mask,
+and returns None otherwise (prefill, batches, GPU, a paged cache), when the model's
+own layers run. It computes what those layers compute with the same kernels and ops
+(tests/quant/test_decode_step.py: against the layers, and through them transformers).
+Set LLMRUN_DECODE_STEP=0 to leave every step to the layers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmrun import native, ops
+from llmrun.quant import kernels
+from llmrun.quant.linear import QuantLinear
+
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
+# Gemma 2/3 put a norm after attention and after the feed-forward, and one before it.
+FOUR_NORMS = ("gemma2", "gemma3")
+ACTS = {F.silu: 0, ops.gelu_tanh: 1}
+ROPES = {"full_attention": 0, "sliding_attention": 1}
+MATS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_I64, _I32, _F32, _PTR = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
+
+
+class Mat(ctypes.Structure):
+    _fields_ = [
+        ("w", _PTR),
+        ("bias", _PTR),
+        ("stride", _I64),
+        ("rows", _I64),
+        ("cols", _I64),
+        ("type", _I32),
+        ("q8", _I32),
+    ]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [
+        ("mat", Mat * len(MATS)),
+        ("input_norm", _PTR),
+        ("post_attn_norm", _PTR),
+        ("pre_ffn_norm", _PTR),
+        ("post_ffn_norm", _PTR),
+        ("q_norm", _PTR),
+        ("k_norm", _PTR),
+        ("k_cache", _PTR),
+        ("v_cache", _PTR),
+        ("head_bytes", _I64),
+        ("ring", _I64),
+        ("norm_offset", _F32),
+        ("eps", _F32),
+        ("scale", _F32),
+        ("softcap", _F32),
+        ("heads", _I32),
+        ("kv_heads", _I32),
+        ("head_dim", _I32),
+        ("act", _I32),
+        ("rope", _I32),
+        ("kv_kind", _I32),
+    ]
+
+
+class Step(ctypes.Structure):
+    _fields_ = [
+        ("cos", _PTR * 2),
+        ("sin", _PTR * 2),
+        ("position", _I64),
+        ("rotary_dim", _I64),
+        ("hidden", _I64),
+        ("layers", _I64),
+        ("ring_keys", _I64),
+    ]
+
+
+def _f32(t: torch.Tensor | None) -> bool:
+    return t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous())
+
+
+def _mat(module: nn.Module) -> Mat | None:
+    """A matrix as the step takes it, or None where it cannot."""
+    bias = module.bias
+    if isinstance(module, QuantLinear):
+        matvec = module._native() if module._stale else module._matvec
+        if matvec is None or module.bias is not None and not _f32(module.bias):
+            return None
+        raw, packed = module.weight, module.packed
+        q8 = module.q8_activations and kernels.supports_q8(
+            module.ggml_type, module.in_features, packed
+        )
+        kind = kernels.PACKED[module.ggml_type] if packed else int(module.ggml_type)
+        rows, cols = module.out_features, module.in_features
+    elif type(module) is nn.Linear and _f32(module.weight) and _f32(bias):
+        raw, q8, kind = module.weight, False, 0  # F32 rows
+        rows, cols = module.weight.shape
+    else:
+        return None
+    return Mat(
+        raw.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        raw.stride(0) * raw.element_size(),
+        rows,
+        cols,
+        kind,
+        int(q8),
+    )
+
+
+class DecodeStep:
+    """The step for one model (see the module's docstring); `invalidate` after its
+    weights or their settings change."""
+
+    def __init__(self, model: nn.Module, family: str) -> None:
+        self.model, self.family = model, family
+        self.layers: Any = None
+        self.cache_key: tuple | None = None
+        self.fn = native.library().llmrun_decode_layers
+        model.register_load_state_dict_post_hook(lambda *_: self.invalidate())
+
+    def invalidate(self) -> None:
+        self.layers, self.cache_key = None, None
+
+    def _describe(self) -> Any:
+        """The Layer array, without the cache pointers; None where a layer cannot go."""
+        layers = self.model.model.layers
+        array = (Layer * len(layers))()
+        offset = 1.0 if self.family.startswith("gemma") else 0.0
+        for i, layer in enumerate(layers):
+            attn, mlp, d = layer.self_attn, layer.mlp, array[i]
+            act = ACTS.get(getattr(mlp, "act", None))
+            if act is None or attn.head_dim % 16:  # the C vectors take heads of 16s
+                return None
+            for j, name in enumerate(MATS):
+                mat = _mat(getattr(attn if j < 4 else mlp, name))
+                if mat is None:
+                    return None
+                d.mat[j] = mat
+            norms = [layer.input_layernorm]
+            if self.family in FOUR_NORMS:
+                norms += [
+                    layer.post_attention_layernorm,
+                    layer.pre_feedforward_layernorm,
+                    layer.post_feedforward_layernorm,
+                ]
+            else:
+                norms += [None, layer.post_attention_layernorm, None]
+            qk = [getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
+            eps = {n.eps for n in norms + qk if n is not None}
+            if len(eps) != 1 or not all(n is None or _f32(n.weight) for n in norms + qk):
+                return None
+            for field, norm in zip(
+                (
+                    "input_norm",
+                    "post_attn_norm",
+                    "pre_ffn_norm",
+                    "post_ffn_norm",
+                    "q_norm",
+                    "k_norm",
+                ),
+                norms + qk,
+                strict=True,
+            ):
+                setattr(d, field, None if norm is None else norm.weight.data_ptr())
+            d.norm_offset, d.eps = offset, eps.pop()
+            d.scale = getattr(attn, "scale", attn.head_dim**-0.5)
+            d.softcap = getattr(attn, "softcap", None) or 0.0
+            d.heads, d.kv_heads, d.head_dim, d.act = (
+                attn.n_heads,
+                attn.n_kv_heads,
+                attn.head_dim,
+                act,
+            )
+            d.rope = ROPES[getattr(attn, "layer_type", "full_attention")]
+        return array
+
+    def _bind_cache(self, cache: Any, key: tuple) -> bool:
+        """Point every layer at its part of the cache's row 0 (again where the cache's
+        tensors are not those of the last call)."""
+        kind = ops._KV_KINDS.get(cache.storage)
+        if kind is None:
+            return False
+        for i, d in enumerate(self.layers):
+            index = cache.index[i]
+            ring = cache.windowed(i)
+            k = (cache.ring_k if ring else cache.k)[index, 0]
+            v = (cache.ring_v if ring else cache.v)[index, 0]
+            d.k_cache, d.v_cache = k.data_ptr(), v.data_ptr()
+            d.head_bytes = k.stride(0) * k.element_size()
+            d.ring = cache.window if ring else 0
+            d.kv_kind = kind
+        self.cache_key = key
+        return True
+
+    def __call__(self, x: torch.Tensor, frames: Any, cache: Any) -> torch.Tensor | None:
+        """x [1, 1, hidden] through every layer, or None where the step cannot take it."""
+        if (
+            cache is None
+            or cache.paged
+            or cache.rows is not None
+            or cache.k.shape[1] != 1
+            or cache.k.device.type != "cpu"
+            or x.shape[:2] != (1, 1)
+            or not _f32(x)
+            or x.requires_grad
+        ):
+            return None
+        kinds = frames if isinstance(frames, dict) else {"full_attention": frames}
+        full, local = kinds.get("full_attention"), kinds.get("sliding_attention", None)
+        step = Step()
+        for name, frame in kinds.items():
+            if frame.mask is not None and frame.plan is None or frame.positions.shape != (1, 1):
+                return None
+            cos, sin = frame.cos, frame.sin
+            if not (_f32(cos) and _f32(sin)):
+                return None
+            step.cos[ROPES[name]], step.sin[ROPES[name]] = cos.data_ptr(), sin.data_ptr()
+        for name in ROPES:  # a family with one kind of layer: both slots the same
+            if name not in kinds:
+                other = ROPES[next(iter(kinds))]
+                step.cos[ROPES[name]], step.sin[ROPES[name]] = step.cos[other], step.sin[other]
+        if local is not None and local.plan is not None:
+            if not local.plan.decode or local.plan.mask is not None:
+                return None
+            step.ring_keys = local.plan.keys
+        if self.layers is None:
+            self.layers = self._describe()
+            self.cache_key = None
+            if self.layers is None:
+                self.model.decode_step = None  # a layer it cannot take: never again
+                return None
+        # What the layers' cache pointers follow from: a new cache at the same addresses
+        # with the same shapes needs the same pointers.
+        key = tuple(
+            None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype)
+            for t in (cache.k, cache.v, cache.ring_k, cache.ring_v)
+        )
+        if key != self.cache_key and not self._bind_cache(cache, key):
+            return None
+        frame = full or local
+        step.position, step.rotary_dim = frame.start, frame.cos.shape[-1]
+        step.hidden, step.layers = x.shape[-1], len(self.layers)
+        out = x.clone()
+        if self.fn(ctypes.addressof(self.layers), ctypes.addressof(step), out.data_ptr()):
+            return None
+        return out
+
+
+def attach(model: nn.Module) -> bool:
+    """Give `model` a DecodeStep where its family is one the step knows and the native
+    kernels are built; says whether it did."""
+    family = type(model).__module__.rpartition(".")[2]
+    lib = native.library()
+    if (
+        family not in FAMILIES
+        or lib is None
+        or not hasattr(lib, "llmrun_decode_layers")
+        or os.environ.get("LLMRUN_DECODE_STEP", "1") == "0"
+    ):
+        return False
+    model.decode_step = DecodeStep(model, family)
+    return True

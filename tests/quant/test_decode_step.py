@@ -1,0 +1,168 @@
+"""The native decode step (llmrun.quant.decode_step, llmrun/native/decode_step.c): a
+one-sequence decode step through every decoder layer in one call.
+
+- Against transformers: the tiny random configs of every family it takes, prefilled
+  by the layers and then decoded a token at a time by the step, give transformers'
+  logits (1e-4, as tests/models/test_parity.py); Gemma 2/3's windows of 5 are passed,
+  so their ring layers are read and written by the step.
+- Against the model's own layers (whose kernels and ops are tested against gguf and
+  float64 elsewhere): quantized GGUF models, every KV cache type, and 8-bit
+  activations decode the same logits through the step as through the layers, which
+  run the same kernels on the same rows: equal to 1e-6 of the largest logit.
+- Where it cannot go (a batch, a prompt, a mask, LLMRUN_DECODE_STEP=0) the layers run.
+"""
+
+import numpy as np
+import pytest
+import test_quant_models as quant_models
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+from helpers import BASE, our_model, tiny_hf_model, write_gguf
+from test_quant_models import random_block_model
+
+from llmrun.loading.loader import load_model
+from llmrun.quant import decode_step, kernels
+from llmrun.quant.linear import QuantLinear, set_activations
+
+T = GGMLQuantizationType
+CPU = torch.device("cpu")
+# Decode steps the step takes of the four below (Mistral's window of 5 makes a mask past
+# position 4, and that is the layers' to handle: no ring in its cache).
+FAMILIES = {
+    "llama": 4,
+    "llama3-scaled": 4,
+    "llama-tied": 4,
+    "mistral": 0,
+    "qwen2": 4,
+    "qwen3": 4,
+    "gemma": 4,
+    "gemma2": 4,
+    "gemma3": 4,
+}
+
+
+class Counting:
+    """A model's decode step that counts the steps it takes."""
+
+    def __init__(self, model) -> None:
+        self.step, self.taken = model.decode_step, 0
+        model.decode_step = self
+
+    def __call__(self, *args):
+        out = self.step(*args)
+        self.taken += out is not None
+        return out
+
+
+def decode(model, ids: torch.Tensor, split: int, cache_type=torch.float32) -> torch.Tensor:
+    """Logits of a prefill of ids[:, :split], then one token at a time."""
+    positions = torch.arange(ids.shape[1])[None]
+    cache = model.new_cache(1, 64, cache_type, "cpu")
+    with torch.no_grad():
+        steps = [model(ids[:, :split], positions[:, :split], cache)]
+        for t in range(split, ids.shape[1]):
+            steps.append(model(ids[:, t : t + 1], positions[:, t : t + 1], cache))
+    return torch.cat(steps, dim=1)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_the_step_decodes_as_transformers(native_kernels, name):
+    hf, config = tiny_hf_model(name)
+    ours = our_model(config, hf.state_dict())
+    assert decode_step.attach(ours)
+    counter = Counting(ours)
+    ids = torch.randint(0, BASE["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(ids).logits
+    torch.testing.assert_close(decode(ours, ids, 8), expected, atol=1e-4, rtol=0)
+    assert counter.taken == FAMILIES[name]
+
+
+def _logits_both_ways(model, ids, split, cache_type=torch.float32):
+    step = model.decode_step
+    counter = Counting(model)
+    with_step = decode(model, ids, split, cache_type)
+    assert counter.taken == ids.shape[1] - split
+    model.decode_step = None
+    without = decode(model, ids, split, cache_type)
+    model.decode_step = step
+    return with_step, without
+
+
+def assert_same(got: torch.Tensor, expected: torch.Tensor) -> None:
+    assert torch.isfinite(expected).all()
+    assert (got - expected).abs().max().item() <= 1e-6 * expected.abs().max().item()
+
+
+IDS = torch.tensor([[1, 17, 99, 200, 5, 42, 255, 3, 77, 128]])
+
+
+@pytest.mark.parametrize(
+    "types",
+    [[T.Q4_0], [T.Q5_0], [T.Q8_0], [T.Q4_K, T.Q6_K, T.Q5_K], [T.F16], [T.Q4_0, T.Q8_0, T.Q5_0]],
+    ids=lambda ts: "+".join(t.name for t in ts),
+)
+@pytest.mark.parametrize("activations", ["f32", "q8"])
+def test_the_step_equals_the_layers_on_quantized_weights(
+    native_kernels, types, activations, tmp_path
+):
+    if types == [T.F16]:
+        hf, config = quant_models.model("qwen2")
+        q = write_gguf(tmp_path / "f16.gguf", config, hf.state_dict(), T.F16, tokenizer=False)
+    else:
+        q, _ = random_block_model("qwen2", types, tmp_path)  # biases, a tied embedding
+    model = load_model(q, CPU, "f32").model
+    set_activations(model, activations)
+    assert_same(*_logits_both_ways(model, IDS, 4))
+
+
+@pytest.mark.parametrize("cache_type", ["f16", "bf16", "q8_0"])
+def test_the_step_writes_and_reads_every_cache_type(native_kernels, cache_type, tmp_path):
+    q, _ = random_block_model("gemma3", [T.Q8_0, T.Q4_0], tmp_path)  # rings of 5 as well
+    model = load_model(q, CPU, "f32").model
+    ids = torch.randint(0, 256, (1, 14), generator=torch.Generator().manual_seed(3))
+    assert_same(*_logits_both_ways(model, ids, 3, cache_type))
+
+
+def test_8_bit_activations_decode_as_gguf_quantized_activations(native_kernels, tmp_path):
+    """With --activations q8, every quantized linear layer of a decoding model gives,
+    for the activations it is given, the float64 product of its gguf-dequantized
+    weights and those activations quantized by gguf's Q8_0 code (1e-5 of the largest
+    output); the step computes what the layers compute (above). Compared call by call,
+    as a whole model's logits would differ wherever float rounding upstream moves an
+    activation across a quantization step."""
+    q, _ = random_block_model("llama", [T.Q4_0, T.Q8_0, T.Q5_0], tmp_path)
+    model = load_model(q, CPU, "f32").model
+    set_activations(model, "q8")
+    model.decode_step = None
+    calls = []
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    hooks = [m.register_forward_hook(lambda m, x, y: calls.append((m, x[0], y))) for m in layers]
+    decode(model, IDS, 4)
+    for hook in hooks:
+        hook.remove()
+    decoded = [(m, x, y) for m, x, y in calls if x.shape[1] == 1]
+    assert {m for m, _, _ in decoded} == set(layers)
+    for layer, x, y in decoded:
+        raw = kernels.unpack(layer.weight, layer.ggml_type) if layer.packed else layer.weight
+        w = gguf_dequantize(raw.numpy(), layer.ggml_type).astype(np.float64)
+        xq = gguf_dequantize(gguf_quantize(x.reshape(1, -1).numpy(), T.Q8_0), T.Q8_0)
+        expected = xq.astype(np.float64) @ w.T
+        np.testing.assert_allclose(
+            y.reshape(1, -1).numpy(), expected, rtol=0, atol=1e-5 * np.abs(expected).max()
+        )
+
+
+def test_the_layers_run_where_the_step_cannot(native_kernels, monkeypatch, tmp_path):
+    q, _ = random_block_model("llama", [T.Q4_0], tmp_path)
+    model = load_model(q, CPU, "f32").model
+    counter = Counting(model)
+    cache = model.new_cache(2, 32, torch.float32, "cpu")
+    with torch.no_grad():
+        model(IDS[:, :4].repeat(2, 1), torch.arange(4)[None].repeat(2, 1), cache)  # prefill
+        model(IDS[:, 4:5].repeat(2, 1), torch.tensor([[4], [4]]), cache)  # a batch of two
+    assert counter.taken == 0
+    monkeypatch.setenv("LLMRUN_DECODE_STEP", "0")
+    assert not decode_step.attach(model)
