@@ -25,7 +25,7 @@ from llmrun import native
 from llmrun.errors import ModelFormatError, ModelNotFoundError, UnsupportedError
 from llmrun.loading import gguf_config, gguf_io, gpt_oss, safetensors_io
 from llmrun.models import model_module
-from llmrun.quant import decode_step, kernels
+from llmrun.quant import decode_step, hugepages, kernels
 from llmrun.quant.blocks import SUPPORTED_TYPES
 from llmrun.quant.experts import fuse_experts
 from llmrun.quant.linear import QuantEmbedding, QuantLinear, tied_head
@@ -434,6 +434,10 @@ def _swap_quantized(model: nn.Module, name: str, w: Weight, weights, device, dty
             raise ModelFormatError(f"tensor {module_name}.bias is quantized; only weights may be")
         bias_tensor = None if bias is None else bias.tensor.to(device=device, dtype=dtype)
         new = QuantLinear(raw, w.ggml_type, old.in_features, bias_tensor)
+        if device.type == "cpu" and not w.expert and not new.packed:
+            # Read whole every token: out of the file's small pages into huge ones (a
+            # repacked weight is in them already); experts stay mapped, read as chosen.
+            new.weight = nn.Parameter(hugepages.copy(new.weight), requires_grad=False)
     else:
         raise ModelFormatError(
             f"tensor {name} is quantized, but {type(old).__name__} weights cannot be"

@@ -15,6 +15,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from llmrun import native
+from llmrun.quant import hugepages
 
 # Types with a faster kernel on a repacked row layout in some kernel family (kernels_avx512.c:
 # Q4_0, Q5_0, Q4_K, Q5_K; kernels_avx2.c: Q4_0, Q5_0, Q8_0; `supports` says which this
@@ -130,7 +131,10 @@ def pack(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
     stored field by field (all its scales, then ..., then all its quants; same size;
     Q4_K's and Q5_K's scale fields also interleaved by groups of blocks and their
     quants, and Q5_K's high bits, reordered within each block)."""
-    out = torch.empty_like(raw, memory_format=torch.contiguous_format)
+    if raw.device.type == "cpu":
+        out = hugepages.empty(raw.shape)  # read whole every token: in huge pages
+    else:
+        out = torch.empty_like(raw, memory_format=torch.contiguous_format)
     rows = max(1, PACK_CHUNK // max(1, raw.shape[1]))
     # By chunks of rows, so a large tensor (a tied embedding) has no whole-size temporaries.
     for r0 in range(0, raw.shape[0], rows):
