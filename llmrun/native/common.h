@@ -11,6 +11,7 @@
  */
 #ifndef LLMRUN_COMMON_H
 #define LLMRUN_COMMON_H
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,7 +22,10 @@
 #ifndef PREFETCH
 #define PREFETCH 4096 /* bytes ahead of the current block, within a thread's rows */
 #endif
-#define CHUNK 65536 /* bytes of weights a thread takes at a time */
+/* Bytes of weights a thread takes at a time: it reads them as one stream, and longer
+ * streams read faster from memory (on Zen 4, a decode step with 64 KB chunks took 5-10 %
+ * longer than with 1 MB ones; huge pages make the difference larger). */
+#define CHUNK (1 << 20)
 
 /* GGMLQuantizationType values */
 enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10,
@@ -60,6 +64,15 @@ static inline float e8m0_half(uint8_t e) {
     return d;
 }
 
+/* Rows of `stride` bytes a thread takes at a time out of `rows`: about CHUNK bytes, but
+ * few enough that every thread of the team gets some. */
+static inline int64_t row_chunk(int64_t stride, int64_t rows) {
+    const int64_t threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+    const int64_t even = (rows + threads - 1) / threads;
+    const int64_t by_bytes = stride >= CHUNK ? 1 : CHUNK / stride;
+    return by_bytes < even ? by_bytes : even > 0 ? even : 1;
+}
+
 /* Every matvec's passes over the weights: 8, 4, 2 or 1 activation rows of X at a
  * time, the rows split over the threads in chunks of about CHUNK bytes. Each pass
  * calls ROWS(w, stride, r0, r1, x, m, n, y, ldy, bias, ...) for its chunks with a
@@ -67,7 +80,7 @@ static inline float e8m0_half(uint8_t e) {
  * rows, m, n, y and bias in scope, as the matvec functions name them. */
 #define ROW_PASSES(X, ROWS, ...)                                                         \
     do {                                                                                 \
-        const int64_t chunk_ = stride >= CHUNK ? 1 : CHUNK / stride;                     \
+        const int64_t chunk_ = row_chunk(stride, rows);                                  \
         for (int64_t i0_ = 0; i0_ < m;) {                                                \
             const int mm_ = m - i0_ >= 8 ? 8 : m - i0_ >= 4 ? 4 : m - i0_ >= 2 ? 2 : 1;  \
             const float *xi_ = (X) + i0_ * n;                                            \
@@ -130,7 +143,7 @@ static inline float e8m0_half(uint8_t e) {
  * llmrun_matvec_experts names them. */
 #define EXPERTS_PASS(ROWS)                                                               \
     do {                                                                                 \
-        const int64_t chunk_ = stride >= CHUNK ? 1 : CHUNK / stride;                     \
+        const int64_t chunk_ = row_chunk(stride, rows);                                  \
         const int64_t pieces_ = (rows + chunk_ - 1) / chunk_;                            \
         _Pragma("omp parallel for schedule(dynamic)")                                    \
         for (int64_t p_ = 0; p_ < count * pieces_; p_++) {                               \

@@ -146,8 +146,8 @@ static const act_t *act_for(acts_t *acts, const step_mat_t *mat, const float *x)
 }
 
 /* Split `count` matrices (indices `which`) into pieces: 8-bit ones into runs of about
- * CHUNK bytes (no per-call set-up), the others into one piece per thread (each call
- * prepares its activations). Run on one thread; x's quantized forms are made here. */
+ * CHUNK bytes (row_chunk, with `threads`), the others into one piece per thread (each
+ * call prepares its activations). Run on one thread; x's quantized forms are made here. */
 static void plan(work_t *work, const step_layer_t *layer, const int *which, int count,
                  const float *x, acts_t *acts, int threads) {
     work->count = 0;
@@ -156,8 +156,9 @@ static void plan(work_t *work, const step_layer_t *layer, const int *which, int 
         const step_mat_t *mat = &layer->mat[which[j]];
         const act_t *a = mat->q8 && llmrun_q8_rows ? act_for(acts, mat, x) : NULL;
         work->act[which[j]] = a;
-        int64_t per = a ? (mat->stride >= CHUNK ? 1 : CHUNK / mat->stride)
-                        : (mat->rows + threads - 1) / threads;
+        const int64_t even = (mat->rows + threads - 1) / threads;
+        const int64_t by_bytes = mat->stride >= CHUNK ? 1 : CHUNK / mat->stride;
+        int64_t per = a && by_bytes < even ? by_bytes : even;
         if (per < 1) per = 1;
         if ((mat->rows + per - 1) / per > MAX_PIECES - work->count)
             per = (mat->rows + (MAX_PIECES - work->count) - 1) / (MAX_PIECES - work->count);

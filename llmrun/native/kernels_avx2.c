@@ -692,7 +692,7 @@ ALWAYS_INLINE void rows_q6_k_few(const uint8_t *w, int64_t stride, int64_t r0, i
         float *xs = xp + copies * n;                                                     \
         for (int64_t c = 0; c < copies; c++)                                             \
             permute_k_quant(x + c * x_step, n, xp + c * n, xs + c * sums);                  \
-        const int64_t chunk = stride >= CHUNK ? 1 : CHUNK / stride;                      \
+        const int64_t chunk = row_chunk(stride, rows);                                   \
         const int64_t pieces = (rows + chunk - 1) / chunk;                               \
         _Pragma("omp parallel for schedule(dynamic)")                                    \
         for (int64_t p = 0; p < count * pieces; p++) {                                   \

@@ -193,7 +193,7 @@ static inline void *q8_alloc(int64_t m, int64_t n, act_t *a) {
  * a, i0, m, y, ldy, bias, ...) for the activation rows i0 .. i0 + m - 1. */
 #define Q8_PASSES(A, ROWS, ...)                                                          \
     do {                                                                                 \
-        const int64_t chunk_ = stride >= CHUNK ? 1 : CHUNK / stride;                     \
+        const int64_t chunk_ = row_chunk(stride, rows);                                  \
         for (int64_t i0_ = 0; i0_ < m;) {                                                \
             const int mm_ = m - i0_ >= 8 ? 8 : m - i0_ >= 4 ? 4 : m - i0_ >= 2 ? 2 : 1;  \
             float *yi_ = y + i0_ * rows;                                                 \
