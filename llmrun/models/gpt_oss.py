@@ -31,6 +31,7 @@ from llmrun.models.base import (
     check_layer_types,
     key_positions,
     mix_experts,
+    run_layers,
 )
 from llmrun.models.cache import KVCache
 
@@ -247,6 +248,8 @@ class Model(nn.Module):
     """embed -> decoder layers -> norm -> lm_head, with HF's module names but for the
     experts (see the module's docstring)."""
 
+    decode_step = None  # see llmrun.models.base.run_layers
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
@@ -266,8 +269,7 @@ class Model(nn.Module):
         body = self.model
         x = body.embed_tokens(input_ids)
         frames = self.frames(positions, cache, x.dtype, last)
-        for layer in body.layers:
-            x = layer(x, frames, cache)
+        x = run_layers(self, x, frames, cache)
         if last is not None:
             x = x[torch.arange(x.shape[0], device=x.device), last][:, None]
         elif last_only:

@@ -28,6 +28,7 @@ from llmrun.models.base import (
     key_positions,
     mix_experts,
     route,
+    run_layers,
 )
 from llmrun.models.cache import KVCache
 
@@ -168,6 +169,8 @@ class Body(nn.Module):
 class Model(nn.Module):
     """embed -> decoder layers -> norm -> lm_head, with the Hub checkpoint's module names."""
 
+    decode_step = None  # see llmrun.models.base.run_layers
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
@@ -187,8 +190,7 @@ class Model(nn.Module):
         body = self.model
         x = body.embed_tokens(input_ids)
         frame = self.frame(positions, cache, x.dtype)
-        for layer in body.layers:
-            x = layer(x, frame, cache)
+        x = run_layers(self, x, frame, cache)
         if last is not None:
             x = x[torch.arange(x.shape[0], device=x.device), last][:, None]
         elif last_only:

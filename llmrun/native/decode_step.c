@@ -6,15 +6,21 @@
  * ~25 ms token measured on a 0.5B model. Here one OpenMP team runs the whole step: per
  * layer, RMSNorm (Gemma's offset form), the q/k/v matvecs as one pool of row ranges,
  * the per-head q/k norms, the rotary embedding, the write of the new key and value
- * into the cache as it stores them, attention per KV head, the output matvec
- * (Gemma 2/3: its post-norm), the residual, the gate and up matvecs with the SiLU or
- * tanh-GELU product of each row range, the down matvec, the residual. The threads
- * meet at a barrier between phases and never leave the team within the step.
+ * into the cache as it stores them, attention per KV head (with gpt-oss's sinks), the
+ * output matvec (Gemma 2/3: its post-norm), the residual; then the feed-forward: the
+ * gate and up matvecs with the SiLU, tanh-GELU or gpt-oss's clamped SwiGLU product of
+ * each row range, the down matvec and the residual; or, in a mixture-of-experts layer,
+ * the router, the choice of experts (softmax then top-k, renormalized or not; or
+ * gpt-oss's top-k then softmax), the chosen experts' gate/up and down matvecs (and
+ * Qwen2-MoE's shared expert with its sigmoid gate) as pools of row ranges, and their
+ * weighted sum. The threads meet at a barrier between phases and never leave the team.
  *
  * The arithmetic is the ops' own: llmrun_matvec or, where a matrix asks for 8-bit
  * activations, llmrun_q8_rows on activations quantized once per phase (q8.h); the
  * ops of decode_ops.c. So the step computes what the op-by-op path computes, to the
- * order of float sums in the row ranges' split.
+ * order of float sums. Where a router's k-th and next choice tie (to 1e-6), the step
+ * stops before that layer and says so: the caller's layers take it from there, as
+ * torch.topk breaks ties in its own way.
  */
 #include <math.h>
 #include <omp.h>
@@ -39,7 +45,7 @@ int llmrun_q8_rows(int type, const uint8_t *w, int64_t stride, int64_t r0, int64
                    const act_t *a, float *y, const float *bias) __attribute__((weak));
 
 /* One weight matrix: `rows` rows of `cols` weights of kernel type `type`, `stride` bytes
- * apart; q8: through the 8-bit-activation kernel. */
+ * apart; q8: through the 8-bit-activation kernel. w NULL: no such matrix. */
 typedef struct {
     const uint8_t *w;
     const float *bias; /* NULL: none */
@@ -48,18 +54,38 @@ typedef struct {
 } step_mat_t;
 
 enum { MAT_Q, MAT_K, MAT_V, MAT_O, MAT_GATE, MAT_UP, MAT_DOWN, MATS };
-enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_CLAMPED_SWIGLU = 2 };
+enum { ROUTE_SOFTMAX_TOPK = 0, ROUTE_TOPK_SOFTMAX = 1 };
 enum { KV_F32 = 0, KV_F16 = 1, KV_Q8_0 = 8, KV_BF16 = 30 };
+enum { PROJ_GATE, PROJ_UP, PROJ_DOWN };
+#define MAX_TOP_K 32
 
-/* One layer (llmrun/quant/decode_step.py: Layer, the same fields in this order). */
+/* A mixture-of-experts feed-forward (decode_step.py: Moe, the same fields in order):
+ * per projection (gate, up, down) every expert's weight address, one type, stride and
+ * shape; the router; Qwen2-MoE's shared expert's gate (a 1-row matrix; the layer's
+ * gate/up/down matrices are then the shared expert). */
+typedef struct {
+    const int64_t *addr[3];
+    const float *bias[3]; /* [experts, rows] each, or NULL */
+    int64_t stride[3];
+    int32_t type[3], q8[3];
+    step_mat_t router, shared_gate;
+    int64_t width; /* an expert's gate and up rows */
+    int32_t experts, top_k, route, normalize;
+} step_moe_t;
+
+/* One layer (decode_step.py: Layer, the same fields in this order). */
 typedef struct {
     step_mat_t mat[MATS];
     const float *input_norm, *post_attn_norm, *pre_ffn_norm, *post_ffn_norm; /* NULL: none */
     const float *q_norm, *k_norm; /* per-head RMSNorm of queries and keys; NULL: none */
+    const float *sinks;           /* gpt-oss: a logit per query head; NULL: none */
+    const step_moe_t *moe;        /* NULL: a dense feed-forward */
     uint8_t *k_cache, *v_cache; /* the sequence's position 0 (a ring: slot 0), KV head 0 */
     int64_t head_bytes;         /* from one KV head's run of positions to the next */
     int64_t ring;               /* a sliding-window ring's slots; 0: a full layer */
     float norm_offset, eps, scale, softcap; /* softcap 0: none */
+    float alpha, limit;                     /* ACT_CLAMPED_SWIGLU */
     int32_t heads, kv_heads, head_dim, act, rope, kv_kind;
 } step_layer_t;
 
@@ -70,22 +96,31 @@ typedef struct {
     int64_t ring_keys; /* the slots of a ring that hold keys, after this token's write */
 } step_t;
 
-#define ACT_SLOTS 4
-
-/* A vector's quantized forms, one per kernel layout that a phase's matrices want. */
-typedef struct {
-    act_t a[ACT_SLOTS];
-    int order[ACT_SLOTS], offset[ACT_SLOTS], used;
-    void *buf[ACT_SLOTS];
-} acts_t;
-
-/* The phase's work: a piece is rows r0 .. r1 - 1 of matrix `mat`. */
+/* A phase's matrices (jobs) and their pieces of rows. A gate's job names its up job:
+ * each piece of the gate takes the same rows of the up matrix and writes the layer's
+ * product of the two to prod. */
+#define MAX_JOBS 72
 #define MAX_PIECES 4096
+#define ACT_SLOTS 48
 typedef struct {
-    int32_t mat[MAX_PIECES];
+    step_mat_t mat;
+    const float *in;
+    const act_t *act; /* in's quantized form, for a q8 matrix */
+    float *out, *prod;
+    int up; /* -1: none */
+} job_t;
+
+typedef struct {
+    job_t job[MAX_JOBS];
+    int jobs, pieces;
+    int32_t piece_job[MAX_PIECES];
     int64_t r0[MAX_PIECES], r1[MAX_PIECES];
-    const act_t *act[MATS];
-    int count;
+    /* quantized activations: per slot, the vector and layout it holds */
+    act_t a[ACT_SLOTS];
+    const float *a_in[ACT_SLOTS];
+    int a_order[ACT_SLOTS], a_offset[ACT_SLOTS], a_used;
+    void *a_buf[ACT_SLOTS];
+    int64_t a_width;
 } work_t;
 
 static int64_t kv_row_bytes(int kind, int64_t dim) {
@@ -123,64 +158,111 @@ static void kv_store(int kind, const float *x, int64_t n, uint8_t *out) {
     }
 }
 
-static void quantize_for(int order, int offset, const float *x, int64_t n, act_t *a) {
-    a->n = n; /* the buffers are sized for the widest vector; one row of them is used */
-    switch (order) {
-    case ORDER_QUADS: q8_quantize(x, 1, n, ORDER_QUADS, offset, a); break;
-    case ORDER_K_PAIRS: q8_quantize(x, 1, n, ORDER_K_PAIRS, offset, a); break;
-    default: q8_quantize(x, 1, n, ORDER_NATURAL, offset, a); break;
-    }
-}
-
-/* x's quantized form for `mat`'s kernel, made once per phase and layout. */
-static const act_t *act_for(acts_t *acts, const step_mat_t *mat, const float *x) {
+/* in's quantized form for `mat`'s kernel, made once per phase, input and layout. */
+static const act_t *act_for(work_t *work, const step_mat_t *mat, const float *in) {
     int order, offset;
     if (llmrun_q8_layout(mat->type, &order, &offset)) return NULL;
-    for (int i = 0; i < acts->used; i++)
-        if (acts->order[i] == order && acts->offset[i] == offset) return &acts->a[i];
-    if (acts->used == ACT_SLOTS) return NULL;
-    const int i = acts->used++;
-    acts->order[i] = order, acts->offset[i] = offset;
-    quantize_for(order, offset, x, mat->cols, &acts->a[i]);
-    return &acts->a[i];
+    for (int i = 0; i < work->a_used; i++)
+        if (work->a_in[i] == in && work->a_order[i] == order && work->a_offset[i] == offset)
+            return &work->a[i];
+    if (work->a_used == ACT_SLOTS) return NULL;
+    const int i = work->a_used;
+    if (work->a_buf[i] == NULL && (work->a_buf[i] = q8_alloc(1, work->a_width, &work->a[i])) == NULL)
+        return NULL;
+    work->a_used++;
+    work->a_in[i] = in, work->a_order[i] = order, work->a_offset[i] = offset;
+    act_t *a = &work->a[i];
+    a->n = mat->cols; /* the buffers are sized for the widest vector; one row is used */
+    switch (order) {
+    case ORDER_QUADS: q8_quantize(in, 1, mat->cols, ORDER_QUADS, offset, a); break;
+    case ORDER_K_PAIRS: q8_quantize(in, 1, mat->cols, ORDER_K_PAIRS, offset, a); break;
+    default: q8_quantize(in, 1, mat->cols, ORDER_NATURAL, offset, a); break;
+    }
+    return a;
 }
 
-/* Split `count` matrices (indices `which`) into pieces: 8-bit ones into runs of about
- * CHUNK bytes (row_chunk, with `threads`), the others into one piece per thread (each
- * call prepares its activations). Run on one thread; x's quantized forms are made here. */
-static void plan(work_t *work, const step_layer_t *layer, const int *which, int count,
-                 const float *x, acts_t *acts, int threads) {
-    work->count = 0;
-    acts->used = 0;
-    for (int j = 0; j < count; j++) {
-        const step_mat_t *mat = &layer->mat[which[j]];
-        const act_t *a = mat->q8 && llmrun_q8_rows ? act_for(acts, mat, x) : NULL;
-        work->act[which[j]] = a;
+static void begin(work_t *work) { work->jobs = work->pieces = work->a_used = 0; }
+
+/* A job: mat against `in` into `out` (rows by absolute index); returns its index. */
+static int add_job(work_t *work, const step_mat_t *mat, const float *in, float *out) {
+    job_t *job = &work->job[work->jobs];
+    job->mat = *mat;
+    job->in = in, job->out = out, job->prod = NULL, job->up = -1;
+    job->act = mat->q8 && llmrun_q8_rows ? act_for(work, mat, in) : NULL;
+    return work->jobs++;
+}
+
+/* A gate job and its up job, whose pieces write act(gate, up) to prod. */
+static void add_gate_up(work_t *work, const step_mat_t *gate, const step_mat_t *up,
+                        const float *in, float *gate_out, float *up_out, float *prod) {
+    const int g = add_job(work, gate, in, gate_out);
+    const int u = add_job(work, up, in, up_out);
+    work->job[g].up = u, work->job[g].prod = prod;
+}
+
+/* Pieces of every job but the up jobs (their gates take them): 8-bit ones in runs of
+ * about CHUNK bytes (row_chunk, for `threads`), the others one per thread (each call
+ * prepares its activations). */
+static void split(work_t *work, int threads) {
+    char is_up[MAX_JOBS] = {0};
+    for (int j = 0; j < work->jobs; j++)
+        if (work->job[j].up >= 0) is_up[work->job[j].up] = 1;
+    for (int j = 0; j < work->jobs; j++) {
+        if (is_up[j]) continue;
+        const step_mat_t *mat = &work->job[j].mat;
         const int64_t even = (mat->rows + threads - 1) / threads;
         const int64_t by_bytes = mat->stride >= CHUNK ? 1 : CHUNK / mat->stride;
-        int64_t per = a && by_bytes < even ? by_bytes : even;
+        int64_t per = work->job[j].act && by_bytes < even ? by_bytes : even;
+        const int64_t room = MAX_PIECES - work->pieces;
         if (per < 1) per = 1;
-        if ((mat->rows + per - 1) / per > MAX_PIECES - work->count)
-            per = (mat->rows + (MAX_PIECES - work->count) - 1) / (MAX_PIECES - work->count);
-        for (int64_t r0 = 0; r0 < mat->rows && work->count < MAX_PIECES; r0 += per) {
-            work->mat[work->count] = which[j];
-            work->r0[work->count] = r0;
-            work->r1[work->count] = r0 + per < mat->rows ? r0 + per : mat->rows;
-            work->count++;
+        if ((mat->rows + per - 1) / per > room) per = (mat->rows + room - 1) / room;
+        for (int64_t r0 = 0; r0 < mat->rows && work->pieces < MAX_PIECES; r0 += per) {
+            work->piece_job[work->pieces] = j;
+            work->r0[work->pieces] = r0;
+            work->r1[work->pieces] = r0 + per < mat->rows ? r0 + per : mat->rows;
+            work->pieces++;
         }
     }
 }
 
-static void piece(const step_mat_t *mat, const act_t *a, int64_t r0, int64_t r1,
-                  const float *x, float *y) {
+static void rows_of(const job_t *job, int64_t r0, int64_t r1) {
+    const step_mat_t *mat = &job->mat;
     const float *bias = mat->bias;
-    if (a) {
-        llmrun_q8_rows(mat->type, mat->w, mat->stride, r0, r1, a, y, bias);
+    if (job->act) {
+        llmrun_q8_rows(mat->type, mat->w, mat->stride, r0, r1, job->act, job->out, bias);
     } else {
         /* inside the step's team this call's own parallel loop runs on this thread */
-        llmrun_matvec(mat->type, mat->w + r0 * mat->stride, mat->stride, r1 - r0, x, 1,
-                      mat->cols, y + r0, bias ? bias + r0 : NULL);
+        llmrun_matvec(mat->type, mat->w + r0 * mat->stride, mat->stride, r1 - r0, job->in, 1,
+                      mat->cols, job->out + r0, bias ? bias + r0 : NULL);
     }
+}
+
+/* gpt-oss's clamped SwiGLU: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g),
+ * g = min(gate, limit), in transformers' order of operations */
+static void clamped_swiglu(const float *gate, const float *up, int64_t n, float alpha,
+                           float limit, float *y) {
+    for (int64_t i = 0; i < n; i++) {
+        const float g = gate[i] < limit ? gate[i] : limit;
+        const float u = up[i] < -limit ? -limit : up[i] > limit ? limit : up[i];
+        y[i] = (u + 1.0f) * (g * (1.0f / (1.0f + expf(-(g * alpha)))));
+    }
+}
+
+static void run_piece(const work_t *work, int i, const step_layer_t *layer) {
+    const job_t *job = &work->job[work->piece_job[i]];
+    const int64_t r0 = work->r0[i], r1 = work->r1[i];
+    rows_of(job, r0, r1);
+    if (job->up < 0) return;
+    const job_t *up = &work->job[job->up];
+    rows_of(up, r0, r1);
+    const float *g = job->out + r0, *u = up->out + r0;
+    float *y = job->prod + r0;
+    if (layer->act == ACT_GELU_TANH)
+        llmrun_gelu_tanh_mul(g, u, r1 - r0, y);
+    else if (layer->act == ACT_CLAMPED_SWIGLU)
+        clamped_swiglu(g, u, r1 - r0, layer->alpha, layer->limit, y);
+    else
+        llmrun_silu_mul(g, u, r1 - r0, y);
 }
 
 static void rms_norm(const step_layer_t *layer, const float *x, const float *weight, int64_t n,
@@ -188,96 +270,170 @@ static void rms_norm(const step_layer_t *layer, const float *x, const float *wei
     llmrun_rms_norm_offset(x, weight, layer->norm_offset, layer->eps, 1, n, y);
 }
 
+/* The router's choice from its logits: top_k experts and their weights; 0, or -1 where
+ * the k-th and the next tie to 1e-6 (torch.topk would break the tie its own way). */
+static int route(const step_moe_t *moe, const float *logits, int32_t *chosen, float *weight) {
+    const int n = moe->experts, k = moe->top_k;
+    if (n < 1 || k < 1 || k > n) return -1;
+    float p[n];
+    if (moe->route == ROUTE_SOFTMAX_TOPK) {
+        float top = -INFINITY, sum = 0.0f;
+        for (int e = 0; e < n; e++) top = logits[e] > top ? logits[e] : top;
+        for (int e = 0; e < n; e++) sum += p[e] = expf(logits[e] - top);
+        for (int e = 0; e < n; e++) p[e] /= sum;
+    } else {
+        memcpy(p, logits, sizeof(float) * (size_t)n);
+    }
+    char taken[n];
+    memset(taken, 0, (size_t)n);
+    for (int j = 0; j <= k && j < n; j++) {
+        int best = -1;
+        for (int e = 0; e < n; e++)
+            if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
+        if (j == k) { /* the first one left out */
+            const float a = p[chosen[k - 1]], b = p[best];
+            if (fabsf(a - b) <= 1e-6f * fmaxf(fabsf(a), fabsf(b))) return -1;
+            break;
+        }
+        taken[best] = 1;
+        chosen[j] = best;
+        weight[j] = p[best];
+    }
+    if (moe->route == ROUTE_TOPK_SOFTMAX) {
+        float sum = 0.0f;
+        for (int j = 0; j < k; j++) sum += weight[j] = expf(weight[j] - p[chosen[0]]);
+        for (int j = 0; j < k; j++) weight[j] /= sum;
+    } else if (moe->normalize) {
+        float sum = 0.0f;
+        for (int j = 0; j < k; j++) sum += weight[j];
+        for (int j = 0; j < k; j++) weight[j] /= sum;
+    }
+    return 0;
+}
+
+/* Expert e's projection as a matrix. */
+static step_mat_t expert(const step_moe_t *moe, int proj, int e, int64_t hidden) {
+    const int64_t rows = proj == PROJ_DOWN ? hidden : moe->width;
+    const step_mat_t mat = {
+        .w = (const uint8_t *)(intptr_t)moe->addr[proj][e],
+        .bias = moe->bias[proj] ? moe->bias[proj] + e * rows : NULL,
+        .stride = moe->stride[proj],
+        .rows = rows,
+        .cols = proj == PROJ_DOWN ? moe->width : hidden,
+        .type = moe->type[proj],
+        .q8 = moe->q8[proj],
+    };
+    return mat;
+}
+
 /* Scratch: every vector a layer makes, sized for the largest layer. */
 typedef struct {
-    float *h, *q, *k, *v, *qr, *kr, *att, *y, *gate, *up, *prod;
-    acts_t acts;
+    float *h, *q, *k, *v, *qr, *kr, *att, *y, *gate, *up, *prod, *x_in, *logits, *shared_logit;
+    float *eg, *eu, *ep, *ey; /* the chosen experts' gate, up, product [k, width], down [k, hidden] */
+    int32_t chosen[MAX_TOP_K];
+    float weight[MAX_TOP_K];
+    int stop;
     work_t work;
 } scratch_t;
 
 static void scratch_free(scratch_t *s) {
     free(s->h);
-    for (int i = 0; i < ACT_SLOTS; i++) free(s->acts.buf[i]);
+    for (int i = 0; i < ACT_SLOTS; i++) free(s->work.a_buf[i]);
     free(s);
 }
 
 static scratch_t *scratch_new(const step_layer_t *layers, const step_t *step) {
-    int64_t heads = 0, kv = 0, inter = 0;
+    int64_t heads = 0, kv = 0, inter = 0, experts = 1, width = 1, top_k = 1;
     for (int64_t l = 0; l < step->layers; l++) {
         const step_layer_t *L = &layers[l];
         if ((int64_t)L->heads * L->head_dim > heads) heads = (int64_t)L->heads * L->head_dim;
         if ((int64_t)L->kv_heads * L->head_dim > kv) kv = (int64_t)L->kv_heads * L->head_dim;
-        if (L->mat[MAT_GATE].rows > inter) inter = L->mat[MAT_GATE].rows;
+        if (L->mat[MAT_GATE].w && L->mat[MAT_GATE].rows > inter) inter = L->mat[MAT_GATE].rows;
+        if (L->moe) {
+            if (L->moe->experts > experts) experts = L->moe->experts;
+            if (L->moe->width > width) width = L->moe->width;
+            if (L->moe->top_k > top_k) top_k = L->moe->top_k;
+        }
     }
     scratch_t *s = calloc(1, sizeof(scratch_t));
     if (s == NULL) return NULL;
     const int64_t hidden = step->hidden;
-    float *p = malloc(sizeof(float) * (size_t)(2 * hidden + 4 * heads + 3 * kv + 3 * inter));
+    const size_t n = (size_t)(3 * hidden + 5 * heads + 3 * kv + 3 * inter + experts + 1 +
+                              top_k * (3 * width + hidden));
+    float *p = malloc(sizeof(float) * n);
     if (p == NULL) {
         free(s);
         return NULL;
     }
     s->h = p, p += hidden;
     s->y = p, p += hidden;
+    s->x_in = p, p += hidden;
     s->q = p, p += heads;
     s->qr = p, p += heads;
-    s->att = p, p += heads;
-    p += heads;
+    s->att = p, p += 3 * heads;
     s->k = p, p += kv;
     s->kr = p, p += kv;
     s->v = p, p += kv;
     s->gate = p, p += inter;
     s->up = p, p += inter;
-    s->prod = p;
+    s->prod = p, p += inter;
+    s->logits = p, p += experts;
+    s->shared_logit = p, p += 1;
+    s->eg = p, p += top_k * width;
+    s->eu = p, p += top_k * width;
+    s->ep = p, p += top_k * width;
+    s->ey = p;
     int64_t widest = hidden > heads ? hidden : heads;
     widest = widest > inter ? widest : inter;
-    for (int i = 0; i < ACT_SLOTS; i++) {
-        s->acts.buf[i] = q8_alloc(1, widest, &s->acts.a[i]);
-        if (s->acts.buf[i] == NULL) {
-            scratch_free(s);
-            return NULL;
-        }
-    }
+    s->work.a_width = widest > width ? widest : width;
     return s;
 }
 
-/* The step: x [hidden] in, the last layer's output out. 0, or -1 where memory ran out
- * or a layer asks for what the kernels lack (nothing is written then). */
+#define PIECES(LAYER)                                                                    \
+    _Pragma("omp for schedule(dynamic)")                                                 \
+    for (int i = 0; i < work->pieces; i++) run_piece(work, i, (LAYER))
+
+/* The step: x [hidden] in, the output of the layers it ran out. Returns how many layers
+ * it ran (all, or fewer where a router tied: x is then the next layer's input), or -1
+ * where memory ran out or a layer asks for what the kernels lack (nothing written). */
 int llmrun_decode_layers(const step_layer_t *layers, const step_t *step, float *x) {
     for (int64_t l = 0; l < step->layers; l++) {
         const step_layer_t *L = &layers[l];
         if (L->head_dim % 16 || (L->kv_kind == KV_Q8_0 && L->head_dim % 32) ||
-            L->rope < 0 || L->rope > 1)
+            L->rope < 0 || L->rope > 1 || (L->moe && (L->moe->top_k > MAX_TOP_K ||
+                                                      L->moe->top_k > L->moe->experts)))
             return -1;
-        for (int j = 0; j < MATS; j++)
-            if (L->mat[j].q8 && (!llmrun_q8_layout || !llmrun_q8_rows)) return -1;
+        int q8 = 0;
+        for (int j = 0; j < MATS; j++) q8 |= L->mat[j].q8;
+        if (L->moe) q8 |= L->moe->q8[0] | L->moe->q8[1] | L->moe->q8[2] | L->moe->router.q8;
+        if (q8 && (!llmrun_q8_layout || !llmrun_q8_rows)) return -1;
     }
     scratch_t *s = scratch_new(layers, step);
     if (s == NULL) return -1;
     const int64_t hidden = step->hidden, pos = step->position;
-    static const int QKV[3] = {MAT_Q, MAT_K, MAT_V}, O[1] = {MAT_O};
-    static const int GATE_UP[2] = {MAT_GATE, MAT_UP}, DOWN[1] = {MAT_DOWN};
+    int64_t done = step->layers;
 #pragma omp parallel
     {
         const int threads = omp_get_num_threads();
         work_t *work = &s->work;
         for (int64_t l = 0; l < step->layers; l++) {
             const step_layer_t *L = &layers[l];
+            const step_moe_t *moe = L->moe;
             const int64_t hd = L->head_dim;
             const int64_t row = kv_row_bytes(L->kv_kind, hd);
             const int64_t slot = L->ring ? pos % L->ring : pos;
             const int64_t length = L->ring ? step->ring_keys : pos + 1;
 #pragma omp single
             {
+                memcpy(s->x_in, x, sizeof(float) * (size_t)hidden);
                 rms_norm(L, x, L->input_norm, hidden, s->h);
-                plan(work, L, QKV, 3, s->h, &s->acts, threads);
+                begin(work);
+                add_job(work, &L->mat[MAT_Q], s->h, s->q);
+                add_job(work, &L->mat[MAT_K], s->h, s->k);
+                add_job(work, &L->mat[MAT_V], s->h, s->v);
+                split(work, threads);
             }
-            float *qkv_out[3] = {s->q, s->k, s->v};
-#pragma omp for schedule(dynamic)
-            for (int i = 0; i < work->count; i++) {
-                const int j = work->mat[i];
-                piece(&L->mat[j], work->act[j], work->r0[i], work->r1[i], s->h, qkv_out[j - MAT_Q]);
-            }
+            PIECES(L);
 #pragma omp single
             {
                 if (L->q_norm) llmrun_rms_norm_offset(s->q, L->q_norm, L->norm_offset, L->eps, L->heads, hd, s->q);
@@ -293,49 +449,90 @@ int llmrun_decode_layers(const step_layer_t *layers, const step_t *step, float *
             for (int64_t g = 0; g < L->kv_heads; g++)
                 llmrun_attend_kv_head(L->kv_kind, g, s->qr, L->k_cache, L->v_cache, L->heads,
                                       L->kv_heads, length, hd, L->head_bytes, L->scale,
-                                      L->softcap, NULL, s->att);
+                                      L->softcap, L->sinks, s->att);
 #pragma omp single
-            plan(work, L, O, 1, s->att, &s->acts, threads);
-#pragma omp for schedule(dynamic)
-            for (int i = 0; i < work->count; i++)
-                piece(&L->mat[MAT_O], work->act[MAT_O], work->r0[i], work->r1[i], s->att, s->y);
+            {
+                begin(work);
+                add_job(work, &L->mat[MAT_O], s->att, s->y);
+                split(work, threads);
+            }
+            PIECES(L);
 #pragma omp single
             {
                 if (L->post_attn_norm) rms_norm(L, s->y, L->post_attn_norm, hidden, s->y);
                 for (int64_t i = 0; i < hidden; i++) x[i] += s->y[i];
                 rms_norm(L, x, L->pre_ffn_norm, hidden, s->h);
-                /* pieces of the gate only: each takes the same rows of the up matrix too */
-                plan(work, L, GATE_UP, 2, s->h, &s->acts, threads);
-                int kept = 0;
-                for (int i = 0; i < work->count; i++)
-                    if (work->mat[i] == MAT_GATE) {
-                        work->r0[kept] = work->r0[i], work->r1[kept] = work->r1[i];
-                        work->mat[kept++] = MAT_GATE;
+                begin(work);
+                if (moe) {
+                    add_job(work, &moe->router, s->h, s->logits);
+                    if (moe->shared_gate.w) add_job(work, &moe->shared_gate, s->h, s->shared_logit);
+                } else {
+                    add_gate_up(work, &L->mat[MAT_GATE], &L->mat[MAT_UP], s->h, s->gate, s->up, s->prod);
+                }
+                split(work, threads);
+            }
+            PIECES(L);
+            if (moe) {
+#pragma omp single
+                {
+                    s->stop = route(moe, s->logits, s->chosen, s->weight) != 0;
+                    if (s->stop) { /* the caller's layers take this one from its input */
+                        memcpy(x, s->x_in, sizeof(float) * (size_t)hidden);
+                        done = l;
+                    } else {
+                        begin(work);
+                        for (int j = 0; j < moe->top_k; j++) {
+                            const int e = s->chosen[j];
+                            const step_mat_t g = expert(moe, PROJ_GATE, e, hidden);
+                            const step_mat_t u = expert(moe, PROJ_UP, e, hidden);
+                            float *eg = s->eg + j * moe->width, *eu = s->eu + j * moe->width;
+                            add_gate_up(work, &g, &u, s->h, eg, eu, s->ep + j * moe->width);
+                        }
+                        if (L->mat[MAT_GATE].w) /* the shared expert */
+                            add_gate_up(work, &L->mat[MAT_GATE], &L->mat[MAT_UP], s->h, s->gate, s->up, s->prod);
+                        split(work, threads);
                     }
-                work->count = kept;
-            }
-#pragma omp for schedule(dynamic)
-            for (int i = 0; i < work->count; i++) {
-                const int64_t r0 = work->r0[i], r1 = work->r1[i];
-                piece(&L->mat[MAT_GATE], work->act[MAT_GATE], r0, r1, s->h, s->gate);
-                piece(&L->mat[MAT_UP], work->act[MAT_UP], r0, r1, s->h, s->up);
-                if (L->act == ACT_GELU_TANH)
-                    llmrun_gelu_tanh_mul(s->gate + r0, s->up + r0, r1 - r0, s->prod + r0);
-                else
-                    llmrun_silu_mul(s->gate + r0, s->up + r0, r1 - r0, s->prod + r0);
-            }
+                }
+                if (s->stop) break;
+                PIECES(L);
 #pragma omp single
-            plan(work, L, DOWN, 1, s->prod, &s->acts, threads);
-#pragma omp for schedule(dynamic)
-            for (int i = 0; i < work->count; i++)
-                piece(&L->mat[MAT_DOWN], work->act[MAT_DOWN], work->r0[i], work->r1[i], s->prod, s->y);
+                {
+                    begin(work);
+                    for (int j = 0; j < moe->top_k; j++) {
+                        const step_mat_t d = expert(moe, PROJ_DOWN, s->chosen[j], hidden);
+                        add_job(work, &d, s->ep + j * moe->width, s->ey + j * hidden);
+                    }
+                    if (L->mat[MAT_DOWN].w) add_job(work, &L->mat[MAT_DOWN], s->prod, s->y);
+                    split(work, threads);
+                }
+                PIECES(L);
 #pragma omp single
-            {
-                if (L->post_ffn_norm) rms_norm(L, s->y, L->post_ffn_norm, hidden, s->y);
-                for (int64_t i = 0; i < hidden; i++) x[i] += s->y[i];
+                {
+                    for (int j = 0; j < moe->top_k; j++) {
+                        const float w = s->weight[j], *ey = s->ey + j * hidden;
+                        for (int64_t i = 0; i < hidden; i++) x[i] += w * ey[i];
+                    }
+                    if (L->mat[MAT_DOWN].w) {
+                        const float gate = 1.0f / (1.0f + expf(-s->shared_logit[0]));
+                        for (int64_t i = 0; i < hidden; i++) x[i] += gate * s->y[i];
+                    }
+                }
+            } else {
+#pragma omp single
+                {
+                    begin(work);
+                    add_job(work, &L->mat[MAT_DOWN], s->prod, s->y);
+                    split(work, threads);
+                }
+                PIECES(L);
+#pragma omp single
+                {
+                    if (L->post_ffn_norm) rms_norm(L, s->y, L->post_ffn_norm, hidden, s->y);
+                    for (int64_t i = 0; i < hidden; i++) x[i] += s->y[i];
+                }
             }
         }
     }
     scratch_free(s);
-    return 0;
+    return (int)done;
 }

@@ -1,6 +1,7 @@
 """A one-sequence decode step through all of a model's decoder layers in one native call
-(llmrun/native/decode_step.c), for the dense families whose layers it knows: Llama
-(and Mistral), Qwen2, Qwen3, Gemma, Gemma 2 and Gemma 3.
+(llmrun/native/decode_step.c), for the families whose layers it knows: Llama (and
+Mistral), Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, and the mixture-of-experts Mixtral,
+Qwen2-MoE, Qwen3-MoE and gpt-oss.
 
 `attach` (the loader calls it) describes each layer once, as pointers to the weights
 the model already holds (QuantLinear blocks in their layout, or f32 nn.Linear weights),
@@ -8,9 +9,11 @@ its norms and its attention's settings, and gives the model a `decode_step`. The
 model's forward offers it each step (llmrun.models.base.run_layers); it takes the step
 where it can, one row of one token in f32 on CPU over a plain KV cache with no mask,
 and returns None otherwise (prefill, batches, GPU, a paged cache), when the model's
-own layers run. It computes what those layers compute with the same kernels and ops
-(tests/quant/test_decode_step.py: against the layers, and through them transformers).
-Set LLMRUN_DECODE_STEP=0 to leave every step to the layers.
+own layers run. Where a router's choice ties, the step stops before that layer and the
+model's layers run the rest (torch.topk breaks ties its own way). It computes what the
+layers compute with the same kernels and ops (tests/quant/test_decode_step.py: against
+the layers, and against transformers). LLMRUN_DECODE_STEP=0 leaves every step to the
+layers.
 """
 
 from __future__ import annotations
@@ -28,9 +31,15 @@ from llmrun.quant import kernels
 from llmrun.quant.linear import QuantLinear
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
+FAMILIES += ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
 # Gemma 2/3 put a norm after attention and after the feed-forward, and one before it.
 FOUR_NORMS = ("gemma2", "gemma3")
 ACTS = {F.silu: 0, ops.gelu_tanh: 1}
+CLAMPED_SWIGLU = 2  # gpt-oss's experts' glu
+ROUTE_SOFTMAX_TOPK, ROUTE_TOPK_SOFTMAX = 0, 1
+MAX_TOP_K = 32
+# An expert's (gate, up, down) projections, by the names its family gives them.
+PROJECTIONS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 ROPES = {"full_attention": 0, "sliding_attention": 1}
 MATS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _I64, _I32, _F32, _PTR = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
@@ -48,6 +57,23 @@ class Mat(ctypes.Structure):
     ]
 
 
+class Moe(ctypes.Structure):
+    _fields_ = [
+        ("addr", _PTR * 3),
+        ("bias", _PTR * 3),
+        ("stride", _I64 * 3),
+        ("type", _I32 * 3),
+        ("q8", _I32 * 3),
+        ("router", Mat),
+        ("shared_gate", Mat),
+        ("width", _I64),
+        ("experts", _I32),
+        ("top_k", _I32),
+        ("route", _I32),
+        ("normalize", _I32),
+    ]
+
+
 class Layer(ctypes.Structure):
     _fields_ = [
         ("mat", Mat * len(MATS)),
@@ -57,6 +83,8 @@ class Layer(ctypes.Structure):
         ("post_ffn_norm", _PTR),
         ("q_norm", _PTR),
         ("k_norm", _PTR),
+        ("sinks", _PTR),
+        ("moe", _PTR),
         ("k_cache", _PTR),
         ("v_cache", _PTR),
         ("head_bytes", _I64),
@@ -65,6 +93,8 @@ class Layer(ctypes.Structure):
         ("eps", _F32),
         ("scale", _F32),
         ("softcap", _F32),
+        ("alpha", _F32),
+        ("limit", _F32),
         ("heads", _I32),
         ("kv_heads", _I32),
         ("head_dim", _I32),
@@ -92,7 +122,7 @@ def _f32(t: torch.Tensor | None) -> bool:
 
 def _mat(module: nn.Module) -> Mat | None:
     """A matrix as the step takes it, or None where it cannot."""
-    bias = module.bias
+    bias = getattr(module, "bias", None)
     if isinstance(module, QuantLinear):
         matvec = module._native() if module._stale else module._matvec
         if matvec is None or module.bias is not None and not _f32(module.bias):
@@ -107,6 +137,8 @@ def _mat(module: nn.Module) -> Mat | None:
         raw, q8, kind = module.weight, False, 0  # F32 rows
         rows, cols = module.weight.shape
     else:
+        return None
+    if bias is not None and bias.shape != (rows,):
         return None
     return Mat(
         raw.data_ptr(),
@@ -134,17 +166,26 @@ class DecodeStep:
         self.layers, self.cache_key = None, None
 
     def _describe(self) -> Any:
-        """The Layer array, without the cache pointers; None where a layer cannot go."""
+        """The Layer array, without the cache pointers; None where a layer cannot go.
+        What it points into is held in self.kept."""
         layers = self.model.model.layers
         array = (Layer * len(layers))()
+        self.kept: list[Any] = []
         offset = 1.0 if self.family.startswith("gemma") else 0.0
         for i, layer in enumerate(layers):
-            attn, mlp, d = layer.self_attn, layer.mlp, array[i]
-            act = ACTS.get(getattr(mlp, "act", None))
-            if act is None or attn.head_dim % 16:  # the C vectors take heads of 16s
+            attn, d = layer.self_attn, array[i]
+            ffn = getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None)
+            if attn.head_dim % 16 or ffn is None:  # the C vectors take heads of 16s
                 return None
-            for j, name in enumerate(MATS):
-                mat = _mat(getattr(attn if j < 4 else mlp, name))
+            dense = getattr(ffn, "shared_expert", None) if hasattr(ffn, "experts") else ffn
+            if hasattr(ffn, "experts") and not self._describe_moe(ffn, d):
+                return None
+            if not self._describe_act(ffn, dense, d):
+                return None
+            projections = [getattr(attn, name) for name in MATS[:4]]
+            projections += [getattr(dense, name, None) for name in MATS[4:]]
+            for j, module in enumerate(projections):
+                mat = _mat(module) if module is not None else Mat()
                 if mat is None:
                     return None
                 d.mat[j] = mat
@@ -174,17 +215,78 @@ class DecodeStep:
                 strict=True,
             ):
                 setattr(d, field, None if norm is None else norm.weight.data_ptr())
+            sinks = getattr(attn, "sinks", None)
+            if sinks is not None and not (_f32(sinks) and sinks.shape == (attn.n_heads,)):
+                return None
+            d.sinks = None if sinks is None else sinks.data_ptr()
             d.norm_offset, d.eps = offset, eps.pop()
             d.scale = getattr(attn, "scale", attn.head_dim**-0.5)
             d.softcap = getattr(attn, "softcap", None) or 0.0
-            d.heads, d.kv_heads, d.head_dim, d.act = (
-                attn.n_heads,
-                attn.n_kv_heads,
-                attn.head_dim,
-                act,
-            )
+            d.heads, d.kv_heads, d.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
             d.rope = ROPES[getattr(attn, "layer_type", "full_attention")]
         return array
+
+    def _describe_act(self, ffn: nn.Module, dense: nn.Module | None, d: Layer) -> bool:
+        """The feed-forward's gate/up product (its experts' and its dense part's agree)."""
+        experts = getattr(ffn, "experts", None)
+        first = experts[0] if experts is not None else None
+        if first is not None and hasattr(first, "glu"):  # gpt-oss
+            if dense is not None:
+                return False
+            d.act, d.alpha, d.limit = CLAMPED_SWIGLU, first.alpha, first.limit
+            return True
+        acts = {ACTS.get(getattr(m, "act", None)) for m in (first, dense) if m is not None}
+        if len(acts) != 1 or None in acts:
+            return False
+        d.act = acts.pop()
+        return True
+
+    def _describe_moe(self, ffn: nn.Module, d: Layer) -> bool:
+        """A mixture-of-experts block into a Moe that d points to."""
+        experts = ffn.experts
+        names = next((p for p in PROJECTIONS if hasattr(experts[0], p[0])), None)
+        router = getattr(ffn, "gate", None) or getattr(ffn, "router", None)
+        if names is None or router is None or not 1 <= ffn.top_k <= MAX_TOP_K:
+            return False
+        moe = Moe()
+        for p, name in enumerate(names):
+            mats = [_mat(getattr(e, name)) for e in experts]
+            if any(m is None for m in mats):
+                return False
+            first = mats[0]
+            shape = (first.type, first.q8, first.stride, first.rows, first.cols)
+            if any((m.type, m.q8, m.stride, m.rows, m.cols) != shape for m in mats):
+                return False
+            addresses = torch.tensor([m.w for m in mats], dtype=torch.int64)
+            biases = [getattr(getattr(e, name), "bias", None) for e in experts]
+            if biases[0] is not None:
+                bias = torch.stack([b.detach().float() for b in biases]).contiguous()
+                self.kept.append(bias)
+                moe.bias[p] = bias.data_ptr()
+            self.kept.append(addresses)
+            moe.addr[p] = addresses.data_ptr()
+            moe.stride[p], moe.type[p], moe.q8[p] = first.stride, first.type, first.q8
+            if p == 0:
+                moe.width = first.rows
+        router_mat = _mat(router)
+        if router_mat is None or router_mat.rows != len(experts):
+            return False
+        moe.router = router_mat
+        shared_gate = getattr(ffn, "shared_expert_gate", None)
+        if shared_gate is not None:
+            gate = _mat(shared_gate)
+            if gate is None or gate.rows != 1:
+                return False
+            moe.shared_gate = gate
+        moe.experts, moe.top_k = len(experts), ffn.top_k
+        if self.family == "gpt_oss":
+            moe.route = ROUTE_TOPK_SOFTMAX
+        else:
+            moe.route = ROUTE_SOFTMAX_TOPK
+            moe.normalize = int(getattr(ffn, "norm_topk_prob", self.family == "mixtral"))
+        self.kept.append(moe)
+        d.moe = ctypes.addressof(moe)
+        return True
 
     def _bind_cache(self, cache: Any, key: tuple) -> bool:
         """Point every layer at its part of the cache's row 0 (again where the cache's
@@ -253,8 +355,11 @@ class DecodeStep:
         step.position, step.rotary_dim = frame.start, frame.cos.shape[-1]
         step.hidden, step.layers = x.shape[-1], len(self.layers)
         out = x.clone()
-        if self.fn(ctypes.addressof(self.layers), ctypes.addressof(step), out.data_ptr()):
+        done = self.fn(ctypes.addressof(self.layers), ctypes.addressof(step), out.data_ptr())
+        if done < 0:
             return None
+        for layer in self.model.model.layers[done:]:  # a router's tie: torch.topk's to break
+            out = layer(out, frames, cache)
         return out
 
 

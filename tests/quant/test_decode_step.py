@@ -3,8 +3,10 @@ one-sequence decode step through every decoder layer in one call.
 
 - Against transformers: the tiny random configs of every family it takes, prefilled
   by the layers and then decoded a token at a time by the step, give transformers'
-  logits (1e-4, as tests/models/test_parity.py); Gemma 2/3's windows of 5 are passed,
-  so their ring layers are read and written by the step.
+  logits (1e-4, as tests/models/test_parity.py and test_moe.py); Gemma 2/3's and
+  gpt-oss's windows of 5 are passed, so their ring layers are read and written by the
+  step; every expert of the mixture-of-experts configs is chosen somewhere; routers
+  that tie hand their layer to the model's own layers.
 - Against the model's own layers (whose kernels and ops are tested against gguf and
   float64 elsewhere): quantized GGUF models, every KV cache type, and 8-bit
   activations decode the same logits through the step as through the layers, which
@@ -19,7 +21,9 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
+from gpt_oss_helpers import llmrun_state, tiny_gpt_oss
 from helpers import BASE, our_model, tiny_hf_model, write_gguf
+from moe_helpers import hub_state_dict, tiny_moe_model
 from test_quant_models import random_block_model
 
 from llmrun.loading.loader import load_model
@@ -78,6 +82,68 @@ def test_the_step_decodes_as_transformers(native_kernels, name):
         expected = hf(ids).logits
     torch.testing.assert_close(decode(ours, ids, 8), expected, atol=1e-4, rtol=0)
     assert counter.taken == FAMILIES[name]
+
+
+def our_moe_model(config: dict, state: dict):
+    from llmrun.models import model_module
+
+    module = model_module(config["model_type"])
+    model = module.Model(module.ModelArgs.from_config(config))
+    result = model.load_state_dict(state, strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    return model.eval().requires_grad_(False)
+
+
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"]
+
+
+def moe_model(name: str, **overrides):
+    """A transformers model of a tiny MoE config and llmrun's of the same weights."""
+    if name == "gpt_oss":
+        hf, config = tiny_gpt_oss(**overrides)
+        return hf, our_moe_model(config, llmrun_state(hf, config))
+    hf, config = tiny_moe_model(name, **overrides)
+    return hf, our_moe_model(config, hub_state_dict(hf, config["model_type"]))
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_the_step_decodes_mixtures_of_experts_as_transformers(native_kernels, name):
+    hf, ours = moe_model(name)
+    assert decode_step.attach(ours)
+    counter = Counting(ours)
+    ids = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(ids).logits
+    torch.testing.assert_close(decode(ours, ids, 12), expected, atol=1e-4, rtol=0)
+    assert counter.taken == 12
+
+
+def test_a_tied_router_hands_its_layer_to_the_layers(native_kernels):
+    """Experts 0 and 1 have equal router rows in every layer: where a token's k-th choice
+    is one of them, the step stops before that layer and the layers' torch.topk breaks
+    the tie, as transformers' does."""
+    hf, config = tiny_moe_model("qwen3_moe")
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.mlp.gate.weight[1] = layer.mlp.gate.weight[0]
+    ours = our_moe_model(config, hub_state_dict(hf, config["model_type"]))
+    assert decode_step.attach(ours)
+    stops = []
+    layers = ours.model.layers
+    for i, layer in enumerate(layers):
+        layer.register_forward_hook(lambda m, a, out, i=i: stops.append(i))
+    ids = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        expected = hf(ids).logits
+    positions = torch.arange(24)[None]
+    cache = ours.new_cache(1, 64, torch.float32, "cpu")
+    with torch.no_grad():
+        steps = [ours(ids[:, :1], positions[:, :1], cache)]
+        stops.clear()
+        steps += [ours(ids[:, t : t + 1], positions[:, t : t + 1], cache) for t in range(1, 24)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), expected, atol=1e-4, rtol=0)
+    assert stops  # some token's layers ran from a tie on, by the model's own layers
+    assert len(stops) < 23 * len(layers)  # and the step took the rest
 
 
 def _logits_both_ways(model, ids, split, cache_type=torch.float32):
