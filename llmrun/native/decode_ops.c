@@ -466,16 +466,20 @@ int llmrun_attend_one_sinks(int kind, const float *q, const void *k, const void 
     }
 }
 
-/* KV head g's share of llmrun_attend_one_sinks, on the calling thread (the decode step
- * runs the heads on its own team). -1 as there. */
+/* KV head g's share of llmrun_attend_one_sinks over keys first .. length - 1, on the
+ * calling thread (the decode step runs the heads on its own team); with a block table
+ * (not NULL), of a paged cache as llmrun_attend_paged reads it. -1 as there. */
 int llmrun_attend_kv_head(int kind, int64_t g, const float *q, const void *k, const void *v,
-                          int64_t heads, int64_t kv_heads, int64_t length, int64_t dim,
-                          int64_t head_bytes, float scale, float softcap, const float *sinks,
-                          float *y) {
+                          const int32_t *table, int64_t block_rows, int64_t block_bytes,
+                          int64_t first, int64_t length, int64_t heads, int64_t kv_heads,
+                          int64_t dim, int64_t head_bytes, float scale, float softcap,
+                          const float *sinks, float *y) {
     if (dim % VW != 0 || (kind == KV_Q8_0 && dim % KV_BLOCK != 0)) return -1;
+    if (first < 0 || first >= length || (table && (block_rows < 1 || block_rows > KEY_TILE)))
+        return -1;
 #define ATTEND_ONE_HEAD(KIND)                                                            \
     attend_head(KIND, g, q, (const uint8_t *)k, (const uint8_t *)v, heads, kv_heads, length, \
-                dim, head_bytes, scale, softcap, sinks, y, NULL, 0, 0, 0)
+                dim, head_bytes, scale, softcap, sinks, y, table, block_rows, block_bytes, first)
     switch (kind) {
     case KV_F32: ATTEND_ONE_HEAD(KV_F32); return 0;
     case KV_F16: ATTEND_ONE_HEAD(KV_F16); return 0;

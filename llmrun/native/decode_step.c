@@ -15,6 +15,12 @@
  * Qwen2-MoE's shared expert with its sigmoid gate) as pools of row ranges, and their
  * weighted sum. The threads meet at a barrier between phases and never leave the team.
  *
+ * It takes one row, or (where the feed-forwards are dense) several sequences at once,
+ * each at its own position, as serve's scheduler decodes them: their matvecs share
+ * each read of the weights, and each row attends to its own keys, in a contiguous
+ * cache (one row: Gemma's windowed rings too) or through the block tables of a paged
+ * one, within its layer's sliding window.
+ *
  * The arithmetic is the ops' own: llmrun_matvec or, where a matrix asks for 8-bit
  * activations, llmrun_q8_rows on activations quantized once per phase (q8.h); the
  * ops of decode_ops.c. So the step computes what the op-by-op path computes, to the
@@ -36,9 +42,10 @@ void llmrun_rotary(const float *x, int64_t rows, int64_t dim, const float *cos,
 void llmrun_silu_mul(const float *gate, const float *up, int64_t n, float *y);
 void llmrun_gelu_tanh_mul(const float *gate, const float *up, int64_t n, float *y);
 int llmrun_attend_kv_head(int kind, int64_t g, const float *q, const void *k, const void *v,
-                          int64_t heads, int64_t kv_heads, int64_t length, int64_t dim,
-                          int64_t head_bytes, float scale, float softcap, const float *sinks,
-                          float *y);
+                          const int32_t *table, int64_t block_rows, int64_t block_bytes,
+                          int64_t first, int64_t length, int64_t heads, int64_t kv_heads,
+                          int64_t dim, int64_t head_bytes, float scale, float softcap,
+                          const float *sinks, float *y);
 /* The 8-bit-activation kernels, where the family has them (q8_*.c; not NEON). */
 int llmrun_q8_layout(int type, int *order, int *offset) __attribute__((weak));
 int llmrun_q8_rows(int type, const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
@@ -59,6 +66,7 @@ enum { ROUTE_SOFTMAX_TOPK = 0, ROUTE_TOPK_SOFTMAX = 1 };
 enum { KV_F32 = 0, KV_F16 = 1, KV_Q8_0 = 8, KV_BF16 = 30 };
 enum { PROJ_GATE, PROJ_UP, PROJ_DOWN };
 #define MAX_TOP_K 32
+#define MAX_ROWS 64 /* sequences a step takes at once */
 
 /* A mixture-of-experts feed-forward (decode_step.py: Moe, the same fields in order):
  * per projection (gate, up, down) every expert's weight address, one type, stride and
@@ -81,45 +89,57 @@ typedef struct {
     const float *q_norm, *k_norm; /* per-head RMSNorm of queries and keys; NULL: none */
     const float *sinks;           /* gpt-oss: a logit per query head; NULL: none */
     const step_moe_t *moe;        /* NULL: a dense feed-forward */
-    uint8_t *k_cache, *v_cache; /* the sequence's position 0 (a ring: slot 0), KV head 0 */
+    uint8_t *k_cache, *v_cache; /* row 0's position 0 (a ring: slot 0), KV head 0; paged:
+                                   the layer's block 0 */
     int64_t head_bytes;         /* from one KV head's run of positions to the next */
     int64_t ring;               /* a sliding-window ring's slots; 0: a full layer */
+    int64_t window;             /* keys it attends to at most (a sliding window); 0: all */
     float norm_offset, eps, scale, softcap; /* softcap 0: none */
     float alpha, limit;                     /* ACT_CLAMPED_SWIGLU */
     int32_t heads, kv_heads, head_dim, act, rope, kv_kind;
 } step_layer_t;
 
-/* The token (decode_step.py: Step). */
+/* The tokens, one per row (decode_step.py: Step). */
 typedef struct {
-    const float *cos[2], *sin[2]; /* rotary_dim each, per kind of layer (step_layer_t.rope) */
-    int64_t position, rotary_dim, hidden, layers;
-    int64_t ring_keys; /* the slots of a ring that hold keys, after this token's write */
+    const float *cos[2], *sin[2]; /* [rows, rotary_dim] each, per kind of layer (.rope) */
+    const int64_t *positions;     /* [rows] */
+    const int32_t *tables;        /* a paged cache's block tables [rows, table_width]; NULL:
+                                     a contiguous cache */
+    int64_t table_width, block_rows, block_bytes;
+    int64_t row_bytes; /* a contiguous cache: from one row's keys to the next's */
+    int64_t rows, rotary_dim, hidden, layers;
+    int64_t ring_keys; /* one row: the slots of a ring that hold keys, after the write */
 } step_t;
 
-/* A phase's matrices (jobs) and their pieces of rows. A gate's job names its up job:
- * each piece of the gate takes the same rows of the up matrix and writes the layer's
- * product of the two to prod. */
-#define MAX_JOBS 72
+/* A phase's matrices (jobs) and their pieces of rows. A job multiplies its matrix by
+ * m rows of `in` ([m, cols]) into `out` ([m, out_width], by absolute row). A gate's
+ * job names its up job: each piece of the gate takes the same rows of the up matrix
+ * and writes the layer's product of the two to prod. */
+#define MAX_JOBS 320
 #define MAX_PIECES 4096
-#define ACT_SLOTS 48
+#define ACT_SLOTS (MAX_JOBS / 2 + 8) /* every job of a phase its own input */
 typedef struct {
     step_mat_t mat;
     const float *in;
     const act_t *act; /* in's quantized form, for a q8 matrix */
     float *out, *prod;
+    int64_t m, out_width;
     int up; /* -1: none */
 } job_t;
 
 typedef struct {
     job_t job[MAX_JOBS];
     int jobs, pieces;
+    int64_t rows; /* of activations, the step's */
     int32_t piece_job[MAX_PIECES];
     int64_t r0[MAX_PIECES], r1[MAX_PIECES];
-    /* quantized activations: per slot, the vector and layout it holds */
+    /* quantized activations: per slot, the vectors and layout it holds, and the rows
+     * its buffers have room for (kept from call to call) */
     act_t a[ACT_SLOTS];
     const float *a_in[ACT_SLOTS];
     int a_order[ACT_SLOTS], a_offset[ACT_SLOTS], a_used;
     void *a_buf[ACT_SLOTS];
+    int64_t a_room[ACT_SLOTS];
     int64_t a_width;
 } work_t;
 
@@ -158,8 +178,9 @@ static void kv_store(int kind, const float *x, int64_t n, uint8_t *out) {
     }
 }
 
-/* in's quantized form for `mat`'s kernel, made once per phase, input and layout. */
-static const act_t *act_for(work_t *work, const step_mat_t *mat, const float *in) {
+/* The m rows of in, quantized for `mat`'s kernel: made once per phase, input and
+ * layout; NULL where there is no room (the job then takes the exact kernel). */
+static const act_t *act_for(work_t *work, const step_mat_t *mat, const float *in, int64_t m) {
     int order, offset;
     if (llmrun_q8_layout(mat->type, &order, &offset)) return NULL;
     for (int i = 0; i < work->a_used; i++)
@@ -167,42 +188,56 @@ static const act_t *act_for(work_t *work, const step_mat_t *mat, const float *in
             return &work->a[i];
     if (work->a_used == ACT_SLOTS) return NULL;
     const int i = work->a_used;
-    if (work->a_buf[i] == NULL && (work->a_buf[i] = q8_alloc(1, work->a_width, &work->a[i])) == NULL)
-        return NULL;
+    act_t *a = &work->a[i];
+    if (work->a_room[i] < m) {
+        free(work->a_buf[i]);
+        work->a_buf[i] = q8_alloc(m, work->a_width, a);
+        work->a_room[i] = work->a_buf[i] ? m : 0;
+        if (work->a_buf[i] == NULL) return NULL;
+    }
     work->a_used++;
     work->a_in[i] = in, work->a_order[i] = order, work->a_offset[i] = offset;
-    act_t *a = &work->a[i];
-    a->n = mat->cols; /* the buffers are sized for the widest vector; one row is used */
-    switch (order) {
-    case ORDER_QUADS: q8_quantize(in, 1, mat->cols, ORDER_QUADS, offset, a); break;
-    case ORDER_K_PAIRS: q8_quantize(in, 1, mat->cols, ORDER_K_PAIRS, offset, a); break;
-    default: q8_quantize(in, 1, mat->cols, ORDER_NATURAL, offset, a); break;
+    /* the buffers' rows are laid out for the widest vector: x's rows, then q8_quantize's */
+    a->n = mat->cols;
+    for (int64_t b = 0; b < m; b++) {
+        act_t row = *a;
+        row.q += b * a->q_step, row.lane += b * a->lane_step, row.dq += b * a->lane_step;
+        row.d += b * a->d_step, row.s += b * a->d_step;
+        const float *x = in + b * mat->cols;
+        switch (order) {
+        case ORDER_QUADS: q8_quantize(x, 1, mat->cols, ORDER_QUADS, offset, &row); break;
+        case ORDER_K_PAIRS: q8_quantize(x, 1, mat->cols, ORDER_K_PAIRS, offset, &row); break;
+        default: q8_quantize(x, 1, mat->cols, ORDER_NATURAL, offset, &row); break;
+        }
     }
     return a;
 }
 
 static void begin(work_t *work) { work->jobs = work->pieces = work->a_used = 0; }
 
-/* A job: mat against `in` into `out` (rows by absolute index); returns its index. */
-static int add_job(work_t *work, const step_mat_t *mat, const float *in, float *out) {
+/* A job: mat against m rows of `in` into `out` ([m, out_width]); its index. */
+static int add_job(work_t *work, const step_mat_t *mat, const float *in, int64_t m, float *out,
+                   int64_t out_width) {
     job_t *job = &work->job[work->jobs];
     job->mat = *mat;
-    job->in = in, job->out = out, job->prod = NULL, job->up = -1;
-    job->act = mat->q8 && llmrun_q8_rows ? act_for(work, mat, in) : NULL;
+    job->in = in, job->m = m, job->out = out, job->out_width = out_width;
+    job->prod = NULL, job->up = -1;
+    job->act = mat->q8 && llmrun_q8_rows ? act_for(work, mat, in, m) : NULL;
     return work->jobs++;
 }
 
-/* A gate job and its up job, whose pieces write act(gate, up) to prod. */
+/* A gate job and its up job, whose pieces write act(gate, up) to prod (all three
+ * [m, the gate's rows]). */
 static void add_gate_up(work_t *work, const step_mat_t *gate, const step_mat_t *up,
-                        const float *in, float *gate_out, float *up_out, float *prod) {
-    const int g = add_job(work, gate, in, gate_out);
-    const int u = add_job(work, up, in, up_out);
+                        const float *in, int64_t m, float *gate_out, float *up_out, float *prod) {
+    const int g = add_job(work, gate, in, m, gate_out, gate->rows);
+    const int u = add_job(work, up, in, m, up_out, gate->rows);
     work->job[g].up = u, work->job[g].prod = prod;
 }
 
 /* Pieces of every job but the up jobs (their gates take them): 8-bit ones in runs of
- * about CHUNK bytes (row_chunk, for `threads`), the others one per thread (each call
- * prepares its activations). */
+ * about CHUNK bytes (as row_chunk, for `threads`), the others one per thread (each
+ * call prepares its activations). */
 static void split(work_t *work, int threads) {
     char is_up[MAX_JOBS] = {0};
     for (int j = 0; j < work->jobs; j++)
@@ -225,16 +260,34 @@ static void split(work_t *work, int threads) {
     }
 }
 
-static void rows_of(const job_t *job, int64_t r0, int64_t r1) {
+/* Rows r0 .. r1 - 1 of a job's matrix for each of its rows of activations; tmp holds
+ * rows x (r1 - r0) floats. */
+static void rows_of(const job_t *job, int64_t r0, int64_t r1, float *tmp) {
+    const int64_t rows = job->m;
     const step_mat_t *mat = &job->mat;
     const float *bias = mat->bias;
     if (job->act) {
-        llmrun_q8_rows(mat->type, mat->w, mat->stride, r0, r1, job->act, job->out, bias);
-    } else {
-        /* inside the step's team this call's own parallel loop runs on this thread */
-        llmrun_matvec(mat->type, mat->w + r0 * mat->stride, mat->stride, r1 - r0, job->in, 1,
-                      mat->cols, job->out + r0, bias ? bias + r0 : NULL);
+        const act_t *a = job->act;
+        for (int64_t b = 0; b < rows; b++) {
+            act_t row = *a;
+            row.q += b * a->q_step, row.lane += b * a->lane_step, row.dq += b * a->lane_step;
+            row.d += b * a->d_step, row.s += b * a->d_step;
+            llmrun_q8_rows(mat->type, mat->w, mat->stride, r0, r1, &row,
+                           job->out + b * job->out_width, bias);
+        }
+        return;
     }
+    /* inside the step's team this call's own parallel loop runs on this thread */
+    const uint8_t *w = mat->w + r0 * mat->stride;
+    const float *b0 = bias ? bias + r0 : NULL;
+    if (rows == 1) {
+        llmrun_matvec(mat->type, w, mat->stride, r1 - r0, job->in, 1, mat->cols, job->out + r0, b0);
+        return;
+    }
+    llmrun_matvec(mat->type, w, mat->stride, r1 - r0, job->in, rows, mat->cols, tmp, b0);
+    for (int64_t b = 0; b < rows; b++)
+        memcpy(job->out + b * job->out_width + r0, tmp + b * (r1 - r0),
+               sizeof(float) * (size_t)(r1 - r0));
 }
 
 /* gpt-oss's clamped SwiGLU: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g),
@@ -248,26 +301,28 @@ static void clamped_swiglu(const float *gate, const float *up, int64_t n, float 
     }
 }
 
-static void run_piece(const work_t *work, int i, const step_layer_t *layer) {
+static void run_piece(const work_t *work, int i, const step_layer_t *layer, float *tmp) {
     const job_t *job = &work->job[work->piece_job[i]];
     const int64_t r0 = work->r0[i], r1 = work->r1[i];
-    rows_of(job, r0, r1);
+    rows_of(job, r0, r1, tmp);
     if (job->up < 0) return;
     const job_t *up = &work->job[job->up];
-    rows_of(up, r0, r1);
-    const float *g = job->out + r0, *u = up->out + r0;
-    float *y = job->prod + r0;
-    if (layer->act == ACT_GELU_TANH)
-        llmrun_gelu_tanh_mul(g, u, r1 - r0, y);
-    else if (layer->act == ACT_CLAMPED_SWIGLU)
-        clamped_swiglu(g, u, r1 - r0, layer->alpha, layer->limit, y);
-    else
-        llmrun_silu_mul(g, u, r1 - r0, y);
+    rows_of(up, r0, r1, tmp);
+    for (int64_t b = 0; b < job->m; b++) {
+        const float *g = job->out + b * job->out_width + r0, *u = up->out + b * up->out_width + r0;
+        float *y = job->prod + b * job->out_width + r0;
+        if (layer->act == ACT_GELU_TANH)
+            llmrun_gelu_tanh_mul(g, u, r1 - r0, y);
+        else if (layer->act == ACT_CLAMPED_SWIGLU)
+            clamped_swiglu(g, u, r1 - r0, layer->alpha, layer->limit, y);
+        else
+            llmrun_silu_mul(g, u, r1 - r0, y);
+    }
 }
 
-static void rms_norm(const step_layer_t *layer, const float *x, const float *weight, int64_t n,
-                     float *y) {
-    llmrun_rms_norm_offset(x, weight, layer->norm_offset, layer->eps, 1, n, y);
+static void rms_norm(const step_layer_t *layer, const float *x, const float *weight, int64_t rows,
+                     int64_t n, float *y) {
+    llmrun_rms_norm_offset(x, weight, layer->norm_offset, layer->eps, rows, n, y);
 }
 
 /* The router's choice from its logits: top_k experts and their weights; 0, or -1 where
@@ -326,23 +381,36 @@ static step_mat_t expert(const step_moe_t *moe, int proj, int e, int64_t hidden)
     return mat;
 }
 
-/* Scratch: every vector a layer makes, sized for the largest layer. */
+/* Where row b's keys (or values) of KV head g at position p go. */
+static uint8_t *kv_at(const step_t *step, const step_layer_t *L, uint8_t *base, int64_t b,
+                      int64_t p, int64_t g) {
+    const int64_t row = kv_row_bytes(L->kv_kind, L->head_dim);
+    if (step->tables) {
+        const int64_t block = step->tables[b * step->table_width + p / step->block_rows];
+        return base + block * step->block_bytes + g * L->head_bytes + p % step->block_rows * row;
+    }
+    const int64_t slot = L->ring ? p % L->ring : p;
+    return base + b * step->row_bytes + g * L->head_bytes + slot * row;
+}
+
+/* Scratch: every vector a layer makes, for every row, sized for the largest layer; kept
+ * by the calling thread from one step to the next, so a token maps no new memory. */
 typedef struct {
     float *h, *q, *k, *v, *qr, *kr, *att, *y, *gate, *up, *prod, *x_in, *logits, *shared_logit;
-    float *eg, *eu, *ep, *ey; /* the chosen experts' gate, up, product [k, width], down [k, hidden] */
-    int32_t chosen[MAX_TOP_K];
-    float weight[MAX_TOP_K];
+    /* each row's chosen experts: their input, gate, up, product [rows * k, width] and
+       down [rows * k, hidden] */
+    float *eg, *eu, *ep, *ey;
+    float *tmp; /* per thread: a piece's rows of every activation row */
+    int64_t tmp_size, floats;
+    int32_t chosen[MAX_TOP_K * MAX_ROWS];
+    float weight[MAX_TOP_K * MAX_ROWS];
     int stop;
     work_t work;
 } scratch_t;
 
-static void scratch_free(scratch_t *s) {
-    free(s->h);
-    for (int i = 0; i < ACT_SLOTS; i++) free(s->work.a_buf[i]);
-    free(s);
-}
+static _Thread_local scratch_t *kept;
 
-static scratch_t *scratch_new(const step_layer_t *layers, const step_t *step) {
+static scratch_t *scratch_for(const step_layer_t *layers, const step_t *step, int threads) {
     int64_t heads = 0, kv = 0, inter = 0, experts = 1, width = 1, top_k = 1;
     for (int64_t l = 0; l < step->layers; l++) {
         const step_layer_t *L = &layers[l];
@@ -355,62 +423,83 @@ static scratch_t *scratch_new(const step_layer_t *layers, const step_t *step) {
             if (L->moe->top_k > top_k) top_k = L->moe->top_k;
         }
     }
-    scratch_t *s = calloc(1, sizeof(scratch_t));
-    if (s == NULL) return NULL;
-    const int64_t hidden = step->hidden;
-    const size_t n = (size_t)(3 * hidden + 5 * heads + 3 * kv + 3 * inter + experts + 1 +
-                              top_k * (3 * width + hidden));
-    float *p = malloc(sizeof(float) * n);
-    if (p == NULL) {
-        free(s);
-        return NULL;
-    }
-    s->h = p, p += hidden;
-    s->y = p, p += hidden;
-    s->x_in = p, p += hidden;
-    s->q = p, p += heads;
-    s->qr = p, p += heads;
-    s->att = p, p += 3 * heads;
-    s->k = p, p += kv;
-    s->kr = p, p += kv;
-    s->v = p, p += kv;
-    s->gate = p, p += inter;
-    s->up = p, p += inter;
-    s->prod = p, p += inter;
-    s->logits = p, p += experts;
-    s->shared_logit = p, p += 1;
-    s->eg = p, p += top_k * width;
-    s->eu = p, p += top_k * width;
-    s->ep = p, p += top_k * width;
-    s->ey = p;
+    const int64_t hidden = step->hidden, rows = step->rows, pairs = rows * top_k;
     int64_t widest = hidden > heads ? hidden : heads;
     widest = widest > inter ? widest : inter;
-    s->work.a_width = widest > width ? widest : width;
+    widest = widest > width ? widest : width;
+    /* a piece of an exact matrix is at most its rows over the threads, plus one */
+    const int64_t tmp_size = rows > 1 ? rows * (widest / threads + 1) : 0;
+    const int64_t floats = rows * (3 * hidden + 4 * heads + 3 * kv + 3 * inter + experts + 1) +
+                           pairs * (3 * width + hidden) + threads * tmp_size;
+    scratch_t *s = kept;
+    if (s == NULL) {
+        if ((s = calloc(1, sizeof(scratch_t))) == NULL) return NULL;
+        kept = s;
+    }
+    if (s->work.a_width < widest) { /* the quantized activations' rows grow too */
+        for (int i = 0; i < ACT_SLOTS; i++) {
+            free(s->work.a_buf[i]);
+            s->work.a_buf[i] = NULL, s->work.a_room[i] = 0;
+        }
+        s->work.a_width = widest;
+    }
+    if (s->floats < floats) {
+        free(s->h);
+        s->floats = 0;
+        if ((s->h = malloc(sizeof(float) * (size_t)floats)) == NULL) return NULL;
+        s->floats = floats;
+    }
+    float *p = s->h + rows * hidden;
+    s->y = p, p += rows * hidden;
+    s->x_in = p, p += rows * hidden;
+    s->q = p, p += rows * heads;
+    s->qr = p, p += rows * heads;
+    s->att = p, p += rows * heads;
+    p += rows * heads;
+    s->k = p, p += rows * kv;
+    s->kr = p, p += rows * kv;
+    s->v = p, p += rows * kv;
+    s->gate = p, p += rows * inter;
+    s->up = p, p += rows * inter;
+    s->prod = p, p += rows * inter;
+    s->logits = p, p += rows * experts;
+    s->shared_logit = p, p += rows;
+    s->eg = p, p += pairs * width;
+    s->eu = p, p += pairs * width;
+    s->ep = p, p += pairs * width;
+    s->ey = p, p += pairs * hidden;
+    s->tmp = p;
+    s->tmp_size = tmp_size;
     return s;
 }
 
 #define PIECES(LAYER)                                                                    \
     _Pragma("omp for schedule(dynamic)")                                                 \
-    for (int i = 0; i < work->pieces; i++) run_piece(work, i, (LAYER))
+    for (int i = 0; i < work->pieces; i++)                                               \
+        run_piece(work, i, (LAYER), s->tmp + omp_get_thread_num() * s->tmp_size)
 
-/* The step: x [hidden] in, the output of the layers it ran out. Returns how many layers
- * it ran (all, or fewer where a router tied: x is then the next layer's input), or -1
- * where memory ran out or a layer asks for what the kernels lack (nothing written). */
+/* The step: x [rows, hidden] in, the output of the layers it ran out. Returns how many
+ * layers it ran (all, or fewer where a router tied: x is then the next layer's input),
+ * or -1 where memory ran out or a layer asks for what it cannot do (nothing written). */
 int llmrun_decode_layers(const step_layer_t *layers, const step_t *step, float *x) {
+    const int64_t rows = step->rows;
+    if (rows < 1 || rows > MAX_ROWS || (rows > 1 && step->tables == NULL && step->ring_keys))
+        return -1;
     for (int64_t l = 0; l < step->layers; l++) {
         const step_layer_t *L = &layers[l];
         if (L->head_dim % 16 || (L->kv_kind == KV_Q8_0 && L->head_dim % 32) ||
-            L->rope < 0 || L->rope > 1 || (L->moe && (L->moe->top_k > MAX_TOP_K ||
-                                                      L->moe->top_k > L->moe->experts)))
+            L->rope < 0 || L->rope > 1 || (L->ring && (rows > 1 || step->tables)) ||
+            (L->moe && (L->moe->top_k > MAX_TOP_K || L->moe->top_k > L->moe->experts ||
+                        2 * rows * L->moe->top_k + 3 > MAX_JOBS)))
             return -1;
         int q8 = 0;
         for (int j = 0; j < MATS; j++) q8 |= L->mat[j].q8;
         if (L->moe) q8 |= L->moe->q8[0] | L->moe->q8[1] | L->moe->q8[2] | L->moe->router.q8;
         if (q8 && (!llmrun_q8_layout || !llmrun_q8_rows)) return -1;
     }
-    scratch_t *s = scratch_new(layers, step);
+    scratch_t *s = scratch_for(layers, step, omp_get_max_threads());
     if (s == NULL) return -1;
-    const int64_t hidden = step->hidden, pos = step->position;
+    const int64_t hidden = step->hidden;
     int64_t done = step->layers;
 #pragma omp parallel
     {
@@ -419,77 +508,97 @@ int llmrun_decode_layers(const step_layer_t *layers, const step_t *step, float *
         for (int64_t l = 0; l < step->layers; l++) {
             const step_layer_t *L = &layers[l];
             const step_moe_t *moe = L->moe;
-            const int64_t hd = L->head_dim;
-            const int64_t row = kv_row_bytes(L->kv_kind, hd);
-            const int64_t slot = L->ring ? pos % L->ring : pos;
-            const int64_t length = L->ring ? step->ring_keys : pos + 1;
+            const int64_t hd = L->head_dim, qn = L->heads * hd, kn = L->kv_heads * hd;
 #pragma omp single
             {
-                memcpy(s->x_in, x, sizeof(float) * (size_t)hidden);
-                rms_norm(L, x, L->input_norm, hidden, s->h);
+                memcpy(s->x_in, x, sizeof(float) * (size_t)(rows * hidden));
+                rms_norm(L, x, L->input_norm, rows, hidden, s->h);
                 begin(work);
-                add_job(work, &L->mat[MAT_Q], s->h, s->q);
-                add_job(work, &L->mat[MAT_K], s->h, s->k);
-                add_job(work, &L->mat[MAT_V], s->h, s->v);
+                add_job(work, &L->mat[MAT_Q], s->h, rows, s->q, qn);
+                add_job(work, &L->mat[MAT_K], s->h, rows, s->k, kn);
+                add_job(work, &L->mat[MAT_V], s->h, rows, s->v, kn);
                 split(work, threads);
             }
             PIECES(L);
 #pragma omp single
             {
-                if (L->q_norm) llmrun_rms_norm_offset(s->q, L->q_norm, L->norm_offset, L->eps, L->heads, hd, s->q);
-                if (L->k_norm) llmrun_rms_norm_offset(s->k, L->k_norm, L->norm_offset, L->eps, L->kv_heads, hd, s->k);
-                llmrun_rotary(s->q, L->heads, hd, step->cos[L->rope], step->sin[L->rope], step->rotary_dim, s->qr);
-                llmrun_rotary(s->k, L->kv_heads, hd, step->cos[L->rope], step->sin[L->rope], step->rotary_dim, s->kr);
-                for (int64_t g = 0; g < L->kv_heads; g++) {
-                    kv_store(L->kv_kind, s->kr + g * hd, hd, L->k_cache + g * L->head_bytes + slot * row);
-                    kv_store(L->kv_kind, s->v + g * hd, hd, L->v_cache + g * L->head_bytes + slot * row);
+                if (L->q_norm) llmrun_rms_norm_offset(s->q, L->q_norm, L->norm_offset, L->eps, rows * L->heads, hd, s->q);
+                if (L->k_norm) llmrun_rms_norm_offset(s->k, L->k_norm, L->norm_offset, L->eps, rows * L->kv_heads, hd, s->k);
+                for (int64_t b = 0; b < rows; b++) {
+                    const float *cos = step->cos[L->rope] + b * step->rotary_dim;
+                    const float *sin = step->sin[L->rope] + b * step->rotary_dim;
+                    llmrun_rotary(s->q + b * qn, L->heads, hd, cos, sin, step->rotary_dim, s->qr + b * qn);
+                    llmrun_rotary(s->k + b * kn, L->kv_heads, hd, cos, sin, step->rotary_dim, s->kr + b * kn);
+                    const int64_t p = step->positions[b];
+                    for (int64_t g = 0; g < L->kv_heads; g++) {
+                        kv_store(L->kv_kind, s->kr + b * kn + g * hd, hd, kv_at(step, L, L->k_cache, b, p, g));
+                        kv_store(L->kv_kind, s->v + b * kn + g * hd, hd, kv_at(step, L, L->v_cache, b, p, g));
+                    }
                 }
             }
-#pragma omp for schedule(static)
-            for (int64_t g = 0; g < L->kv_heads; g++)
-                llmrun_attend_kv_head(L->kv_kind, g, s->qr, L->k_cache, L->v_cache, L->heads,
-                                      L->kv_heads, length, hd, L->head_bytes, L->scale,
-                                      L->softcap, L->sinks, s->att);
+#pragma omp for schedule(dynamic)
+            for (int64_t i = 0; i < rows * L->kv_heads; i++) {
+                const int64_t b = i / L->kv_heads, g = i % L->kv_heads, p = step->positions[b];
+                int64_t first = 0, length = p + 1;
+                if (L->ring) {
+                    length = step->ring_keys;
+                } else if (L->window && p + 1 > L->window) {
+                    first = p + 1 - L->window;
+                }
+                const int32_t *table = step->tables ? step->tables + b * step->table_width : NULL;
+                const int64_t at = table ? 0 : b * step->row_bytes;
+                llmrun_attend_kv_head(L->kv_kind, g, s->qr + b * qn, L->k_cache + at, L->v_cache + at,
+                                      table, step->block_rows, step->block_bytes, first, length,
+                                      L->heads, L->kv_heads, hd, L->head_bytes, L->scale,
+                                      L->softcap, L->sinks, s->att + b * qn);
+            }
 #pragma omp single
             {
                 begin(work);
-                add_job(work, &L->mat[MAT_O], s->att, s->y);
+                add_job(work, &L->mat[MAT_O], s->att, rows, s->y, hidden);
                 split(work, threads);
             }
             PIECES(L);
 #pragma omp single
             {
-                if (L->post_attn_norm) rms_norm(L, s->y, L->post_attn_norm, hidden, s->y);
-                for (int64_t i = 0; i < hidden; i++) x[i] += s->y[i];
-                rms_norm(L, x, L->pre_ffn_norm, hidden, s->h);
+                if (L->post_attn_norm) rms_norm(L, s->y, L->post_attn_norm, rows, hidden, s->y);
+                for (int64_t i = 0; i < rows * hidden; i++) x[i] += s->y[i];
+                rms_norm(L, x, L->pre_ffn_norm, rows, hidden, s->h);
                 begin(work);
                 if (moe) {
-                    add_job(work, &moe->router, s->h, s->logits);
-                    if (moe->shared_gate.w) add_job(work, &moe->shared_gate, s->h, s->shared_logit);
+                    add_job(work, &moe->router, s->h, rows, s->logits, moe->experts);
+                    if (moe->shared_gate.w) add_job(work, &moe->shared_gate, s->h, rows, s->shared_logit, 1);
                 } else {
-                    add_gate_up(work, &L->mat[MAT_GATE], &L->mat[MAT_UP], s->h, s->gate, s->up, s->prod);
+                    add_gate_up(work, &L->mat[MAT_GATE], &L->mat[MAT_UP], s->h, rows, s->gate, s->up, s->prod);
                 }
                 split(work, threads);
             }
             PIECES(L);
             if (moe) {
+                const int64_t k = moe->top_k, width = moe->width;
 #pragma omp single
                 {
-                    s->stop = route(moe, s->logits, s->chosen, s->weight) != 0;
+                    s->stop = 0;
+                    for (int64_t b = 0; b < rows && !s->stop; b++)
+                        s->stop = route(moe, s->logits + b * moe->experts, s->chosen + b * k, s->weight + b * k) != 0;
                     if (s->stop) { /* the caller's layers take this one from its input */
-                        memcpy(x, s->x_in, sizeof(float) * (size_t)hidden);
+                        memcpy(x, s->x_in, sizeof(float) * (size_t)(rows * hidden));
                         done = l;
                     } else {
+                        /* each row's experts on that row alone, as the row alone would run
+                         * them (an expert two rows chose is read twice, the second time
+                         * from the caches) */
                         begin(work);
-                        for (int j = 0; j < moe->top_k; j++) {
-                            const int e = s->chosen[j];
-                            const step_mat_t g = expert(moe, PROJ_GATE, e, hidden);
-                            const step_mat_t u = expert(moe, PROJ_UP, e, hidden);
-                            float *eg = s->eg + j * moe->width, *eu = s->eu + j * moe->width;
-                            add_gate_up(work, &g, &u, s->h, eg, eu, s->ep + j * moe->width);
-                        }
+                        for (int64_t b = 0; b < rows; b++)
+                            for (int64_t j = 0; j < k; j++) {
+                                const int e = s->chosen[b * k + j];
+                                const step_mat_t g = expert(moe, PROJ_GATE, e, hidden);
+                                const step_mat_t u = expert(moe, PROJ_UP, e, hidden);
+                                const int64_t at = (b * k + j) * width;
+                                add_gate_up(work, &g, &u, s->h + b * hidden, 1, s->eg + at, s->eu + at, s->ep + at);
+                            }
                         if (L->mat[MAT_GATE].w) /* the shared expert */
-                            add_gate_up(work, &L->mat[MAT_GATE], &L->mat[MAT_UP], s->h, s->gate, s->up, s->prod);
+                            add_gate_up(work, &L->mat[MAT_GATE], &L->mat[MAT_UP], s->h, rows, s->gate, s->up, s->prod);
                         split(work, threads);
                     }
                 }
@@ -498,41 +607,42 @@ int llmrun_decode_layers(const step_layer_t *layers, const step_t *step, float *
 #pragma omp single
                 {
                     begin(work);
-                    for (int j = 0; j < moe->top_k; j++) {
-                        const step_mat_t d = expert(moe, PROJ_DOWN, s->chosen[j], hidden);
-                        add_job(work, &d, s->ep + j * moe->width, s->ey + j * hidden);
-                    }
-                    if (L->mat[MAT_DOWN].w) add_job(work, &L->mat[MAT_DOWN], s->prod, s->y);
+                    for (int64_t b = 0; b < rows; b++)
+                        for (int64_t j = 0; j < k; j++) {
+                            const step_mat_t d = expert(moe, PROJ_DOWN, s->chosen[b * k + j], hidden);
+                            add_job(work, &d, s->ep + (b * k + j) * width, 1, s->ey + (b * k + j) * hidden, hidden);
+                        }
+                    if (L->mat[MAT_DOWN].w) add_job(work, &L->mat[MAT_DOWN], s->prod, rows, s->y, hidden);
                     split(work, threads);
                 }
                 PIECES(L);
 #pragma omp single
-                {
-                    for (int j = 0; j < moe->top_k; j++) {
-                        const float w = s->weight[j], *ey = s->ey + j * hidden;
-                        for (int64_t i = 0; i < hidden; i++) x[i] += w * ey[i];
+                for (int64_t b = 0; b < rows; b++) {
+                    float *xb = x + b * hidden;
+                    for (int64_t j = 0; j < k; j++) {
+                        const float w = s->weight[b * k + j], *ey = s->ey + (b * k + j) * hidden;
+                        for (int64_t i = 0; i < hidden; i++) xb[i] += w * ey[i];
                     }
                     if (L->mat[MAT_DOWN].w) {
-                        const float gate = 1.0f / (1.0f + expf(-s->shared_logit[0]));
-                        for (int64_t i = 0; i < hidden; i++) x[i] += gate * s->y[i];
+                        const float gate = 1.0f / (1.0f + expf(-s->shared_logit[b]));
+                        for (int64_t i = 0; i < hidden; i++) xb[i] += gate * s->y[b * hidden + i];
                     }
                 }
             } else {
 #pragma omp single
                 {
                     begin(work);
-                    add_job(work, &L->mat[MAT_DOWN], s->prod, s->y);
+                    add_job(work, &L->mat[MAT_DOWN], s->prod, rows, s->y, hidden);
                     split(work, threads);
                 }
                 PIECES(L);
 #pragma omp single
                 {
-                    if (L->post_ffn_norm) rms_norm(L, s->y, L->post_ffn_norm, hidden, s->y);
-                    for (int64_t i = 0; i < hidden; i++) x[i] += s->y[i];
+                    if (L->post_ffn_norm) rms_norm(L, s->y, L->post_ffn_norm, rows, hidden, s->y);
+                    for (int64_t i = 0; i < rows * hidden; i++) x[i] += s->y[i];
                 }
             }
         }
     }
-    scratch_free(s);
     return (int)done;
 }

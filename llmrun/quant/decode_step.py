@@ -7,9 +7,9 @@ Qwen2-MoE, Qwen3-MoE and gpt-oss.
 the model already holds (QuantLinear blocks in their layout, or f32 nn.Linear weights),
 its norms and its attention's settings, and gives the model a `decode_step`. The
 model's forward offers it each step (llmrun.models.base.run_layers); it takes the step
-where it can, one row of one token in f32 on CPU over a plain KV cache with no mask,
-and returns None otherwise (prefill, batches, GPU, a paged cache), when the model's
-own layers run. Where a router's choice ties, the step stops before that layer and the
+where it can: one token of each of one or more sequences, in f32 on CPU, over a
+KVCache (with rings: one sequence) or serve's paged cache, and returns None otherwise (prefill, GPU, ...), when the model's own
+layers run. Where a router's choice ties, the step stops before that layer and the
 model's layers run the rest (torch.topk breaks ties its own way). It computes what the
 layers compute with the same kernels and ops (tests/quant/test_decode_step.py: against
 the layers, and against transformers). LLMRUN_DECODE_STEP=0 leaves every step to the
@@ -89,6 +89,7 @@ class Layer(ctypes.Structure):
         ("v_cache", _PTR),
         ("head_bytes", _I64),
         ("ring", _I64),
+        ("window", _I64),
         ("norm_offset", _F32),
         ("eps", _F32),
         ("scale", _F32),
@@ -108,7 +109,13 @@ class Step(ctypes.Structure):
     _fields_ = [
         ("cos", _PTR * 2),
         ("sin", _PTR * 2),
-        ("position", _I64),
+        ("positions", _PTR),
+        ("tables", _PTR),
+        ("table_width", _I64),
+        ("block_rows", _I64),
+        ("block_bytes", _I64),
+        ("row_bytes", _I64),
+        ("rows", _I64),
         ("rotary_dim", _I64),
         ("hidden", _I64),
         ("layers", _I64),
@@ -157,17 +164,19 @@ class DecodeStep:
 
     def __init__(self, model: nn.Module, family: str) -> None:
         self.model, self.family = model, family
-        self.layers: Any = None
-        self.cache_key: tuple | None = None
+        self.layers: Any = None  # the described Layer array, without cache pointers
+        # Per cache (by _cache_key), a copy of it pointing into that cache: serve's
+        # scheduler and a run in another thread decode through different caches at once.
+        self.bound: dict[tuple, Any] = {}
         self.fn = native.library().llmrun_decode_layers
         model.register_load_state_dict_post_hook(lambda *_: self.invalidate())
 
     def invalidate(self) -> None:
-        self.layers, self.cache_key = None, None
+        self.layers, self.bound = None, {}
 
     def _describe(self) -> Any:
         """The Layer array, without the cache pointers; None where a layer cannot go.
-        What it points into is held in self.kept."""
+        What it points into (besides the model's tensors) is held in its `_kept`."""
         layers = self.model.model.layers
         array = (Layer * len(layers))()
         self.kept: list[Any] = []
@@ -224,7 +233,16 @@ class DecodeStep:
             d.softcap = getattr(attn, "softcap", None) or 0.0
             d.heads, d.kv_heads, d.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
             d.rope = ROPES[getattr(attn, "layer_type", "full_attention")]
+            d.window = self._window(attn)
+        array._kept = self.kept
         return array
+
+    def _window(self, attn: nn.Module) -> int:
+        """The layer's sliding window as the family's frames mask it (0: none)."""
+        window = getattr(self.model.args, "sliding_window", None) or 0
+        if self.family in ("gemma2", "gemma3", "gpt_oss"):
+            return window if attn.layer_type == "sliding_attention" else 0
+        return window if self.family in ("llama", "mixtral") else 0
 
     def _describe_act(self, ffn: nn.Module, dense: nn.Module | None, d: Layer) -> bool:
         """The feed-forward's gate/up product (its experts' and its dense part's agree)."""
@@ -288,74 +306,106 @@ class DecodeStep:
         d.moe = ctypes.addressof(moe)
         return True
 
-    def _bind_cache(self, cache: Any, key: tuple) -> bool:
-        """Point every layer at its part of the cache's row 0 (again where the cache's
-        tensors are not those of the last call)."""
-        kind = ops._KV_KINDS.get(cache.storage)
+    def _bind_cache(self, cache: Any) -> Any:
+        """A copy of the layers pointing each at its part of the cache: row 0 of a
+        KVCache, block 0 of a paged pool; None for a storage type it does not know."""
+        kind = ops._KV_KINDS.get(cache.k.dtype)
         if kind is None:
-            return False
-        for i, d in enumerate(self.layers):
-            index = cache.index[i]
-            ring = cache.windowed(i)
-            k = (cache.ring_k if ring else cache.k)[index, 0]
-            v = (cache.ring_v if ring else cache.v)[index, 0]
+            return None
+        layers = type(self.layers)()
+        ctypes.memmove(layers, self.layers, ctypes.sizeof(layers))
+        layers._kept = self.layers._kept  # what its pointers point into
+        for i, d in enumerate(layers):
+            if cache.paged:
+                k, v = cache.k[i], cache.pool.v[i]  # [blocks, Hkv, block_rows, width]
+                d.head_bytes, d.ring = k.stride(1) * k.element_size(), 0
+            else:
+                index, ring = cache.index[i], cache.windowed(i)
+                k = (cache.ring_k if ring else cache.k)[index, 0]
+                v = (cache.ring_v if ring else cache.v)[index, 0]
+                d.head_bytes = k.stride(0) * k.element_size()
+                d.ring = cache.window if ring else 0
             d.k_cache, d.v_cache = k.data_ptr(), v.data_ptr()
-            d.head_bytes = k.stride(0) * k.element_size()
-            d.ring = cache.window if ring else 0
             d.kv_kind = kind
-        self.cache_key = key
-        return True
+        return layers
+
+    def _cache_key(self, cache: Any) -> tuple:
+        """What the layers' cache pointers follow from: a new cache at the same addresses
+        with the same shapes needs the same pointers."""
+        tensors = (cache.k, cache.pool.v) if cache.paged else (cache.k, cache.v)
+        if not cache.paged:
+            tensors += (cache.ring_k, cache.ring_v)
+        return (cache.paged,) + tuple(
+            None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors
+        )
 
     def __call__(self, x: torch.Tensor, frames: Any, cache: Any) -> torch.Tensor | None:
-        """x [1, 1, hidden] through every layer, or None where the step cannot take it."""
+        """x [B, 1, hidden] (one token of each of B sequences) through every layer, or
+        None where the step cannot take it."""
+        rows = x.shape[0]
         if (
             cache is None
-            or cache.paged
-            or cache.rows is not None
-            or cache.k.shape[1] != 1
             or cache.k.device.type != "cpu"
-            or x.shape[:2] != (1, 1)
+            or x.shape[1] != 1
             or not _f32(x)
             or x.requires_grad
         ):
             return None
+        step = Step()
+        if cache.paged:
+            if cache.counts is not None or cache.tables.shape[0] != rows:
+                return None
+            pool = cache.pool
+            step.tables, step.table_width = cache.tables.data_ptr(), cache.tables.shape[1]
+            step.block_rows = pool.block_rows
+            step.block_bytes = pool.k.stride(1) * pool.k.element_size()
+        elif (
+            cache.rows is not None
+            or cache.k.shape[1] != rows
+            or (rows > 1 and cache.ring_k is not None)
+        ):
+            return None
+        else:
+            step.row_bytes = cache.k.stride(1) * cache.k.element_size()
         kinds = frames if isinstance(frames, dict) else {"full_attention": frames}
         full, local = kinds.get("full_attention"), kinds.get("sliding_attention", None)
-        step = Step()
-        for name, frame in kinds.items():
-            if frame.mask is not None and frame.plan is None or frame.positions.shape != (1, 1):
-                return None
-            cos, sin = frame.cos, frame.sin
-            if not (_f32(cos) and _f32(sin)):
+        frame = full or local
+        positions = frame.positions
+        if positions.shape != (rows, 1) or positions.dtype != torch.int64:
+            return None
+        for name, f in kinds.items():
+            cos, sin = f.cos, f.sin
+            if not (_f32(cos) and _f32(sin)) or cos.numel() != rows * cos.shape[-1]:
                 return None
             step.cos[ROPES[name]], step.sin[ROPES[name]] = cos.data_ptr(), sin.data_ptr()
         for name in ROPES:  # a family with one kind of layer: both slots the same
             if name not in kinds:
                 other = ROPES[next(iter(kinds))]
                 step.cos[ROPES[name]], step.sin[ROPES[name]] = step.cos[other], step.sin[other]
-        if local is not None and local.plan is not None:
+        if local is not None and local.plan is not None:  # a KVCache's rings
             if not local.plan.decode or local.plan.mask is not None:
                 return None
             step.ring_keys = local.plan.keys
         if self.layers is None:
-            self.layers = self._describe()
-            self.cache_key = None
+            self.layers, self.bound = self._describe(), {}
             if self.layers is None:
                 self.model.decode_step = None  # a layer it cannot take: never again
                 return None
-        # What the layers' cache pointers follow from: a new cache at the same addresses
-        # with the same shapes needs the same pointers.
-        key = tuple(
-            None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype)
-            for t in (cache.k, cache.v, cache.ring_k, cache.ring_v)
-        )
-        if key != self.cache_key and not self._bind_cache(cache, key):
-            return None
-        frame = full or local
-        step.position, step.rotary_dim = frame.start, frame.cos.shape[-1]
+        key = self._cache_key(cache)
+        layers = self.bound.get(key)
+        if layers is None:
+            layers = self._bind_cache(cache)
+            if layers is None:
+                return None
+            if len(self.bound) >= 4:  # caches come and go: keep the latest few
+                self.bound.pop(next(iter(self.bound)))
+            self.bound[key] = layers
+        positions = positions.reshape(rows).contiguous()
+        step.positions, step.rows = positions.data_ptr(), rows
+        step.rotary_dim = frame.cos.shape[-1]
         step.hidden, step.layers = x.shape[-1], len(self.layers)
         out = x.clone()
-        done = self.fn(ctypes.addressof(self.layers), ctypes.addressof(step), out.data_ptr())
+        done = self.fn(ctypes.addressof(layers), ctypes.addressof(step), out.data_ptr())
         if done < 0:
             return None
         for layer in self.model.model.layers[done:]:  # a router's tie: torch.topk's to break

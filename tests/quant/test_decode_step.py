@@ -32,13 +32,13 @@ from llmrun.quant.linear import QuantLinear, set_activations
 
 T = GGMLQuantizationType
 CPU = torch.device("cpu")
-# Decode steps the step takes of the four below (Mistral's window of 5 makes a mask past
-# position 4, and that is the layers' to handle: no ring in its cache).
+# Decode steps the step takes of the four below (Mistral's keys beyond its window of 5
+# are left out by the step as by the layers' mask: its cache has no rings).
 FAMILIES = {
     "llama": 4,
     "llama3-scaled": 4,
     "llama-tied": 4,
-    "mistral": 0,
+    "mistral": 4,
     "qwen2": 4,
     "qwen3": 4,
     "gemma": 4,
@@ -221,14 +221,49 @@ def test_8_bit_activations_decode_as_gguf_quantized_activations(native_kernels, 
         )
 
 
+@pytest.mark.parametrize("activations", ["f32", "q8"])
+@pytest.mark.parametrize("name", ["qwen2", "gemma3"])
+def test_batched_rows_through_a_paged_cache_equal_the_layers(
+    native_kernels, name, activations, tmp_path
+):
+    """serve's decode step: three sequences at their own positions (one past Gemma's
+    window of 5), each through its own block table of a paged pool."""
+    from llmrun.models.paged import PagedKVCache
+
+    q, _ = random_block_model(name, [T.Q4_0, T.Q8_0], tmp_path)
+    model = load_model(q, CPU, "f32").model
+    set_activations(model, activations)
+    like = model.new_cache(1, 1, torch.float32, "cpu")
+    lengths = [3, 9, 6]
+    tables = [[0, 5], [2, 1, 7], [4, 3]]  # blocks of 4 positions, shuffled
+    ids = torch.randint(0, 256, (3, 10), generator=torch.Generator().manual_seed(5))
+
+    def run(step) -> torch.Tensor:
+        model.decode_step = step
+        pool = PagedKVCache(like, 8, 4, 32)
+        with torch.no_grad():
+            for b, n in enumerate(lengths):  # each prompt alone
+                model(ids[b : b + 1, :n], torch.arange(n)[None], pool.view([tables[b]]))
+            rows = torch.tensor(lengths)[:, None]
+            step_ids = ids[torch.arange(3), torch.tensor(lengths)][:, None]
+            return model(step_ids, rows, pool.view(tables))
+
+    step = model.decode_step
+    counter = Counting(model)
+    with_step = run(counter)
+    assert counter.taken == 1
+    assert_same(with_step, run(None))
+    model.decode_step = step
+
+
 def test_the_layers_run_where_the_step_cannot(native_kernels, monkeypatch, tmp_path):
     q, _ = random_block_model("llama", [T.Q4_0], tmp_path)
     model = load_model(q, CPU, "f32").model
     counter = Counting(model)
-    cache = model.new_cache(2, 32, torch.float32, "cpu")
+    cache = model.new_cache(1, 32, torch.float32, "cpu")
     with torch.no_grad():
-        model(IDS[:, :4].repeat(2, 1), torch.arange(4)[None].repeat(2, 1), cache)  # prefill
-        model(IDS[:, 4:5].repeat(2, 1), torch.tensor([[4], [4]]), cache)  # a batch of two
+        model(IDS[:, :4], torch.arange(4)[None], cache)  # a prompt
+        model(IDS[:, 4:6], torch.arange(4, 6)[None], cache)  # two tokens of one row
     assert counter.taken == 0
     monkeypatch.setenv("LLMRUN_DECODE_STEP", "0")
     assert not decode_step.attach(model)
