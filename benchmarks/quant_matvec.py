@@ -10,7 +10,8 @@ kernels:
                LLMRUN_NATIVE=avx2 or on a CPU without AVX-512) on the GGUF blocks
   packed       the same on kernels.pack's layout (Q4_0, Q5_0, Q4_K, Q5_K), as QuantLinear uses it
   q8           the 8-bit-activation kernels (llmrun/native/q8.h; x quantized to Q8_0 per
-               call, as in `--activations q8`), on the layout QuantLinear picks
+               call, as in `--activations q8`) on the GGUF blocks (as experts keep them)
+  q8-packed    the same on kernels.pack's layout, where the family has such a kernel for it
   torch        llmrun's pure-torch fallback: dequantize, then F.linear (no compiler)
   bf16-linear  torch F.linear on bf16 weights of the same shapes (torch's own dense path)
 
@@ -67,8 +68,9 @@ def kernel(name: str, ggml_type: T) -> Callable[[torch.Tensor, torch.Tensor], to
         return lambda w, x: kernels.matvec(w, ggml_type, x)
     if name == "packed":
         return lambda w, x: kernels.matvec(w, ggml_type, x, packed=True)
-    if name == "q8":
-        return lambda w, x: kernels.matvec(w, ggml_type, x, packed=_packs(ggml_type), q8=True)
+    if name in ("q8", "q8-packed"):
+        packed = name == "q8-packed"
+        return lambda w, x: kernels.matvec(w, ggml_type, x, packed=packed, q8=True)
     if name == "torch":
         return lambda w, x: F.linear(x, dequantize(w, ggml_type))
     if name == "bf16-linear":
@@ -82,7 +84,7 @@ def cases(name: str, ggml_type: T, shapes: list[tuple[int, int]]) -> list[tuple]
     xs = {c: torch.randn(1, c, dtype=dtype) for c in {c for _, c in shapes}}
     if name == "bf16-linear":
         return [(torch.randn(r, c, dtype=dtype), xs[c]) for r, c in shapes]
-    if name == "packed" or (name == "q8" and _packs(ggml_type)):
+    if name in ("packed", "q8-packed"):
         return [(kernels.pack(random_blocks(ggml_type, r, c), ggml_type), xs[c]) for r, c in shapes]
     return [(random_blocks(ggml_type, r, c), xs[c]) for r, c in shapes]
 
@@ -119,8 +121,9 @@ def main() -> None:
     runs = [
         r for i, r in enumerate(runs) if r[1] != "bf16-linear" or i < len(args.kernels.split(","))
     ]
-    runs = [r for r in runs if r[1] != "packed" or _packs(r[0])]
-    runs = [r for r in runs if r[1] != "q8" or kernels.supports_q8(r[0], WARM[1], _packs(r[0]))]
+    runs = [r for r in runs if r[1] not in ("packed", "q8-packed") or _packs(r[0])]
+    runs = [r for r in runs if r[1] != "q8" or kernels.supports_q8(r[0], WARM[1])]
+    runs = [r for r in runs if r[1] != "q8-packed" or kernels.supports_q8(r[0], WARM[1], True)]
     for ggml_type, kname in runs:
         fn = kernel(kname, ggml_type)
         per_weight = 2 if kname == "bf16-linear" else _bytes_per_weight(ggml_type)

@@ -47,13 +47,15 @@ _API = {
     "llmrun_attend_one_sinks": [_INT, _PTR, _PTR, _PTR, *[_I64] * 5, _F32, _F32, _PTR, _PTR],
     # kind, q, k and v pools, the block table (int32), then sizes as named in decode_ops.c
     "llmrun_attend_paged": [_INT, _PTR, _PTR, _PTR, _PTR, *[_I64] * 8, _F32, _F32, _PTR],
-    # the layers (decode_step.c step_layer_t[]), the step (step_t), x
+    # the layers (decode_step.c step_layer_t[]), the step (step_t), x; returns the
+    # layers it ran, or -1
     "llmrun_decode_layers": [_PTR, _PTR, _PTR],
 }
 # The 8-bit-activation kernels (q8.h), in the x86 families only.
 _Q8_API = {
     "llmrun_q8_block": [ctypes.c_int],
     "llmrun_matvec_q8": [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR],
+    "llmrun_matvec_experts_q8": [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64],
 }
 _VOID = (
     "llmrun_rms_norm",

@@ -31,7 +31,9 @@ typedef struct {
     int64_t n, q_step, lane_step, d_step;
 } act_t;
 
-/* How a weight layout wants its activations: the quant order and the weights' offset. */
+/* How a weight layout wants its activations: the quant order and the weights' offset.
+ * ORDER_NATURAL: x's own order (Q8_0, Q6_K, the packed K-quants; on AVX2 also GGML's
+ * Q4_K and Q5_K, whose 32-byte loads hold one sub-block per nibble). */
 enum { ORDER_NATURAL, ORDER_QUADS, ORDER_K_PAIRS };
 
 /* One block of 32 values, as gguf.quants.quantize(Q8_0): q in natural order, and the sum
@@ -56,9 +58,10 @@ static inline float q8_block_quantize(const float *x, int8_t *q, int32_t *sum) {
 
 static inline float q8_f16(float d) { return (float)(_Float16)d; }
 
-/* Where value j of block b (natural order) goes in q. ORDER_QUADS (packed Q4_0/Q5_0:
- * a 64-byte load holds four blocks' 16-byte quants, low nibbles weights 0..15 and high
- * nibbles 16..31 of each): per four blocks, their values 0..15, then their 16..31.
+/* Where value j of block b (natural order) goes in q. ORDER_QUADS (Q4_0, Q5_0, MXFP4:
+ * a 64-byte vector holds four blocks' 16-byte quants, low nibbles weights 0..15 and high
+ * nibbles 16..31 of each): per four blocks, their values 0..15, then their 16..31 (a last
+ * quad of fewer blocks leaves its other places as they are).
  * ORDER_K_PAIRS (Q4_K/Q5_K: per 256, 32 bytes hold sub-block 2p in the low nibbles and
  * 2p + 1 in the high ones): per 256, sub-blocks 0, 2, 1, 3, 4, 6, 5, 7. */
 static inline int64_t q8_place(int order, int64_t b, int j) {
@@ -143,17 +146,17 @@ static inline float q8_block_quantize_split(const float *x, int8_t *q0, int8_t *
 }
 #endif
 
-/* x [m, n] -> a (buffers from q8_alloc) for a layout of `order` whose u8 weights are
- * q_w + offset. */
-static inline void q8_quantize(const float *x, int64_t m, int64_t n, int order, int offset,
-                               act_t *a) {
+/* x [m, n] (rows x_step floats apart) -> a (buffers from q8_alloc) for a layout of
+ * `order` whose u8 weights are q_w + offset. */
+static inline void q8_quantize_rows(const float *x, int64_t x_step, int64_t m, int64_t n,
+                                    int order, int offset, act_t *a) {
     const int64_t nb = n / 32, lanes = order == ORDER_QUADS ? n / 8 : n / 4;
     for (int64_t i = 0; i < m; i++) {
         int8_t *q = a->q + i * a->q_step;
         float *d = a->d + i * a->d_step, *s = a->s + i * a->d_step;
         for (int64_t b = 0; b < nb; b++) {
             int32_t sum;
-            d[b] = q8_f16(q8_block_quantize_split(x + i * n + 32 * b, q + q8_half_place(order, b, 0),
+            d[b] = q8_f16(q8_block_quantize_split(x + i * x_step + 32 * b, q + q8_half_place(order, b, 0),
                                                   q + q8_half_place(order, b, 1), &sum));
             s[b] = d[b] * (float)sum;
         }
@@ -167,14 +170,24 @@ static inline void q8_quantize(const float *x, int64_t m, int64_t n, int order, 
             lane[l] = -offset * sum;
             dq[l] = d[q8_lane_block(order, l)];
         }
+        /* the lanes of a vector past the row's last block (a short last quad, an odd
+         * Q8_0 block) meet weight scales of 0: zeros here, whatever the buffer held */
+        for (int64_t l = lanes; l < (lanes + 15) / 16 * 16 && l < a->lane_step; l++)
+            lane[l] = 0, dq[l] = 0.0f;
     }
 }
 
-/* Buffers for m rows of n (zero padded to whole 64-byte loads and vectors), in one
- * allocation: a->q is what to free; NULL if it failed. */
+/* x [m, n], contiguous -> a, as q8_quantize_rows. */
+static inline void q8_quantize(const float *x, int64_t m, int64_t n, int order, int offset,
+                               act_t *a) {
+    q8_quantize_rows(x, n, m, n, order, offset, a);
+}
+
+/* Buffers for m rows of n (zero padded to whole 128s: ORDER_QUADS's last four blocks may
+ * be fewer), in one allocation: a->q is what to free; NULL if it failed. */
 static inline void *q8_alloc(int64_t m, int64_t n, act_t *a) {
     a->n = n;
-    a->q_step = (n + 63) / 64 * 64;
+    a->q_step = (n + 127) / 128 * 128;
     a->lane_step = a->q_step / 4;
     a->d_step = a->q_step / 32;
     const size_t bytes = (size_t)(m * (a->q_step + 8 * a->lane_step + 8 * a->d_step)) + 64;
@@ -211,9 +224,25 @@ static inline void *q8_alloc(int64_t m, int64_t n, act_t *a) {
         }                                                                                \
     } while (0)
 
-/* A type's 8-bit-activation matvec (quantize x for its layout, then its passes), its
- * rows r0 .. r1 - 1 for one prepared activation row (q8_rows_T, on the calling thread),
- * and its layout (q8_order_T, q8_offset_T). */
+/* As EXPERTS_PASS (common.h), over the quantized activations: one activation row, or
+ * (PER_EXPERT) row j of A for matrix j, through `count` matrices at addresses ws[j]. */
+#define Q8_EXPERTS_PASS(A, PER_EXPERT, ROWS, ...)                                        \
+    do {                                                                                 \
+        const int64_t chunk_ = row_chunk(stride, rows);                                  \
+        const int64_t pieces_ = (rows + chunk_ - 1) / chunk_;                            \
+        _Pragma("omp parallel for schedule(dynamic)")                                    \
+        for (int64_t p_ = 0; p_ < count * pieces_; p_++) {                               \
+            const int64_t j_ = p_ / pieces_, r0_ = p_ % pieces_ * chunk_;                \
+            const int64_t r1_ = r0_ + chunk_ < rows ? r0_ + chunk_ : rows;               \
+            ROWS((const uint8_t *)(intptr_t)ws[j_], stride, r0_, r1_, A, (PER_EXPERT) ? j_ : 0, \
+                 1, y + j_ * rows, rows, NULL, ##__VA_ARGS__);                           \
+        }                                                                                \
+    } while (0)
+
+/* A type's 8-bit-activation matvec (quantize x for its layout, then its passes), the
+ * same over a token's experts (q8_experts_T: x quantized once, or once per expert's
+ * row), its rows r0 .. r1 - 1 for one prepared activation row (q8_rows_T, on the
+ * calling thread), and its layout (q8_order_T, q8_offset_T). */
 #define DEFINE_Q8_MATVEC(T, ORDER, OFFSET, ROWS, ...)                                    \
     enum { q8_order_##T = ORDER, q8_offset_##T = OFFSET };                               \
     static void q8_rows_##T(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,    \
@@ -229,12 +258,25 @@ static inline void *q8_alloc(int64_t m, int64_t n, act_t *a) {
         Q8_PASSES(&a, ROWS, ##__VA_ARGS__);                                              \
         free(buf);                                                                       \
         return 0;                                                                        \
+    }                                                                                    \
+    static int q8_experts_##T(const int64_t *ws, int64_t stride, int64_t rows, const float *x, \
+                              int64_t x_step, int64_t n, float *y, int64_t count) {      \
+        act_t a;                                                                         \
+        const int64_t m = x_step ? count : 1;                                            \
+        void *buf = q8_alloc(m, n, &a);                                                  \
+        if (buf == NULL) return -1;                                                      \
+        q8_quantize_rows(x, x_step, m, n, ORDER, OFFSET, &a);                            \
+        Q8_EXPERTS_PASS(&a, x_step != 0, ROWS, ##__VA_ARGS__);                           \
+        free(buf);                                                                       \
+        return 0;                                                                        \
     }
 
 #define Q8_BLOCK_CASE(T, BLOCK) case T: return BLOCK;
 #define Q8_CALL_CASE(T, BLOCK) case T: return q8_matvec_##T(w, stride, rows, x, m, n, y, bias);
 #define Q8_LAYOUT_CASE(T, BLOCK) case T: *order = q8_order_##T; *offset = q8_offset_##T; return 0;
 #define Q8_ROWS_CASE(T, BLOCK) case T: q8_rows_##T(w, stride, r0, r1, a, y, bias); return 0;
+#define Q8_EXPERTS_CASE(T, BLOCK)                                                        \
+    case T: return n % (BLOCK) ? -1 : q8_experts_##T(ws, stride, rows, x, x_step, n, y, count);
 
 /* The C API of the family's Q8_TYPES(X) list (X(T, row multiple) per type). */
 #define DEFINE_Q8_API()                                                                  \
@@ -261,6 +303,18 @@ static inline void *q8_alloc(int64_t m, int64_t n, act_t *a) {
     int llmrun_q8_layout(int type, int *order, int *offset) {                            \
         switch (type) {                                                                  \
         Q8_TYPES(Q8_LAYOUT_CASE)                                                         \
+        default: return -1;                                                              \
+        }                                                                                \
+    }                                                                                    \
+                                                                                         \
+    /* As llmrun_matvec_experts (common.h), with x quantized to Q8_0 blocks first: once \
+     * (x_step 0), or each expert's row; -1 where the type has no such kernel for rows   \
+     * of n (or memory ran out). */                                                      \
+    int llmrun_matvec_experts_q8(int type, const int64_t *ws, int64_t stride, int64_t rows, \
+                                 const float *x, int64_t x_step, int64_t n, float *y,    \
+                                 int64_t count) {                                        \
+        switch (type) {                                                                  \
+        Q8_TYPES(Q8_EXPERTS_CASE)                                                        \
         default: return -1;                                                              \
         }                                                                                \
     }                                                                                    \

@@ -2,9 +2,9 @@
  * meet 32 activation quants in vpmaddubsw (u8 x s8 pairs to s16) and vpmaddwd (pairs
  * to s32); each dword lane of the sum holds one block's, so its float, times the
  * lane's weight scale and activation scale, goes into a float accumulator. The 16-bit
- * pair sums never saturate: packed Q4_0/Q5_0 add two of them, at most 2 * 2 * 31 *
- * 127; Q8_0 takes |w| against x with w's sign (at most 2 * 128 * 127), as llama.cpp
- * does.
+ * pair sums never saturate: Q4_0, Q5_0 and MXFP4 (u8 weights up to 31) add two of
+ * them, at most 2 * 2 * 31 * 127; Q6_K's reach 2 * 63 * 127; Q8_0 takes |w| against x
+ * with w's sign (at most 2 * 128 * 127), as llama.cpp does.
  */
 #include "common.h"
 
@@ -13,9 +13,17 @@
 
 #include "q8.h"
 
-#define Q8_TYPES(X) X(Q4_0_PACKED, 128) X(Q5_0_PACKED, 128) X(Q8_0_PACKED, 32)
+#define Q8_TYPES(X)                                                                      \
+    X(Q4_0_PACKED, 128) X(Q5_0_PACKED, 128) X(Q8_0_PACKED, 32) X(Q4_0, 32) X(Q5_0, 32)      \
+    X(Q8_0, 32) X(MXFP4, 32) X(Q4_K, 256) X(Q5_K, 256) X(Q6_K, 256)
 
 ALWAYS_INLINE __m256i load256(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+ALWAYS_INLINE float f16_value(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
 
 /* 0x10 in byte k where bit k of bits is set */
 ALWAYS_INLINE __m256i bit4_bytes(uint32_t bits) {
@@ -133,6 +141,323 @@ ALWAYS_INLINE void rows_q8_q8_0(const uint8_t *w, int64_t stride, int64_t r0, in
 }
 
 DEFINE_Q8_MATVEC(Q8_0_PACKED, ORDER_NATURAL, 0, rows_q8_q8_0)
+
+ALWAYS_INLINE float reduce_256(__m256 v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+/* The integer sum of 32 u8 weights and 32 activation quants, per dword lane. */
+ALWAYS_INLINE __m256i dot_u8(__m256i u, __m256i x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+}
+
+/* GGML's Q4_0 (18-byte blocks), Q5_0 (22) and MXFP4 (17), two blocks a 32-byte vector,
+ * one 16-byte lane each (ORDER_QUADS, as the packed layouts): the low nibbles meet the
+ * blocks' activations 0..15 and the high ones 16..31, their pair sums added in 16 bits
+ * (at most 2 * 2 * 31 * 127), so one float scale and multiply-add per 64 weights.
+ * Q5_0's high bits spread to bytes as in rows_q8_packed; MXFP4's codes look up their
+ * values plus 12 (so unsigned). The weights' offset (8, 16, 12) is in the lanes' start.
+ * A row's last quad may hold fewer blocks (rows of any multiple of 32): the lanes of the
+ * missing ones have scale 0. */
+enum { QUAD_Q4_0, QUAD_Q5_0, QUAD_MXFP4 };
+
+ALWAYS_INLINE int quad_bytes(const int kind) {
+    return kind == QUAD_Q4_0 ? 18 : kind == QUAD_Q5_0 ? 22 : MXFP4_BYTES;
+}
+
+/* Bytes (size 1) or u16s (size 2) k < 8 of the fields `bytes` apart at src, packed into
+ * a u64 in registers (stored one by one and reloaded as a vector, they would wait on
+ * store forwarding). */
+ALWAYS_INLINE uint64_t gather8(const uint8_t *src, int bytes, const int size) {
+    uint64_t v = 0;
+    for (int k = 0; k < 8 / size; k++) {
+        uint16_t h = 0;
+        memcpy(&h, src + k * bytes, size);
+        v |= (uint64_t)h << (8 * size * k);
+    }
+    return v;
+}
+
+/* The scales of c <= 8 blocks `bytes` apart, 0 past c: their fields gathered (a whole
+ * group without branches), then converted at once (E8M0 as e8m0_half). */
+ALWAYS_INLINE __m256 quad_scales(const uint8_t *src, int c, const int kind) {
+    const int bytes = quad_bytes(kind);
+    __m256 v;
+    if (kind == QUAD_MXFP4) {
+        uint64_t e8 = 0;
+        if (c == 8)
+            e8 = gather8(src, bytes, 1);
+        else
+            for (int k = 0; k < c; k++) e8 |= (uint64_t)src[k * bytes] << 8 * k;
+        const __m256i e = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)e8));
+        const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+        const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+        const __m256i low = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+        v = _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, low));
+    } else {
+        uint64_t h[2] = {0, 0};
+        if (c == 8) {
+            h[0] = gather8(src, bytes, 2), h[1] = gather8(src + 4 * bytes, bytes, 2);
+        } else {
+            for (int k = 0; k < c; k++) h[k / 4] |= (uint64_t)(u32_at(src + k * bytes) & 0xFFFF) << 16 * (k % 4);
+        }
+        v = _mm256_cvtph_ps(_mm_set_epi64x((long long)h[1], (long long)h[0]));
+    }
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(c), lanes)));
+}
+
+/* Blocks b and (if two) b + 1 at src into acc[i][chain] for the m rows, their scales in
+ * lanes 2h, 2h + 1 of d8 (chain constant: a variable index would keep acc in memory).
+ * A missing second block's lane repeats the first block's quants. */
+ALWAYS_INLINE void quad_step(const uint8_t *src, const int two, __m256 d8, int h,
+                             const act_t *a, int64_t i0, const int m, int64_t b,
+                             __m256 acc[][2], const int chain, const int kind) {
+    const int bytes = quad_bytes(kind), qs = kind == QUAD_Q4_0 ? 2 : kind == QUAD_Q5_0 ? 6 : 1;
+    const __m128i q0 = _mm_loadu_si128((const __m128i *)(src + qs));
+    const __m256i v = _mm256_set_m128i(two ? _mm_loadu_si128((const __m128i *)(src + bytes + qs)) : q0, q0);
+    const __m256i nibble = _mm256_set1_epi8(15);
+    __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+    if (kind == QUAD_Q5_0) {
+        /* bit j of a block's word: its weight j; low nibbles take bits 0..15 */
+        const uint32_t w0 = u32_at(src + 2), w1 = two ? u32_at(src + bytes + 2) : 0;
+        lo = _mm256_or_si256(lo, bit4_bytes((w0 & 0xFFFF) | w1 << 16));
+        hi = _mm256_or_si256(hi, bit4_bytes(w0 >> 16 | (w1 & 0xFFFF0000u)));
+    }
+    if (kind == QUAD_MXFP4) {
+        const __m128i values = _mm_loadu_si128((const __m128i *)MXFP4_VALUES);
+        const __m256i table = _mm256_broadcastsi128_si256(_mm_add_epi8(values, _mm_set1_epi8(12)));
+        lo = _mm256_shuffle_epi8(table, lo);
+        hi = _mm256_shuffle_epi8(table, hi);
+    }
+    const __m256i pick = _mm256_setr_epi32(2 * h, 2 * h, 2 * h, 2 * h, 2 * h + 1, 2 * h + 1,
+                                           2 * h + 1, 2 * h + 1);
+    const __m256 dw = _mm256_permutevar8x32_ps(d8, pick);
+    for (int i = 0; i < m; i++) {
+        /* ORDER_QUADS: block b's values 0..15 at 128 (b / 4) + 16 (b % 4), 16..31 64 on */
+        const int8_t *xq = a->q + (i0 + i) * a->q_step + 128 * (b / 4) + 16 * (b % 4);
+        const int64_t l = (i0 + i) * a->lane_step + 16 * (b / 4) + 4 * (b % 4);
+        const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, load256(xq)),
+                                               _mm256_maddubs_epi16(hi, load256(xq + 64)));
+        const __m256i sum = _mm256_add_epi32(load256(a->lane + l),
+                                             _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+        const __m256 scale = _mm256_mul_ps(dw, _mm256_loadu_ps(a->dq + l));
+        acc[i][chain] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[i][chain]);
+    }
+}
+
+ALWAYS_INLINE void rows_q8_quads(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
+                                 const act_t *a, int64_t i0, const int m, float *y,
+                                 int64_t ldy, const float *bias, const int kind) {
+    const int64_t nb = a->n / 32;
+    const int bytes = quad_bytes(kind), odd = m <= 2 ? 1 : 0; /* odd pairs' chain */
+    const uint8_t *end = w + r1 * stride;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * stride;
+        __m256 acc[MAX_M][2];
+        for (int i = 0; i < m; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+        for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+            const int c = nb - b0 < 8 ? (int)(nb - b0) : 8;
+            const uint8_t *src = row + b0 * bytes;
+            if (src + PREFETCH + c * bytes <= end)
+                for (int l = 0; l < c * bytes; l += 64)
+                    _mm_prefetch((const char *)src + PREFETCH + l, _MM_HINT_T0);
+            const __m256 d8 = quad_scales(src, c, kind);
+            if (c == 8) {
+                for (int h = 0; h < 4; h += 2) {
+                    quad_step(src + 2 * h * bytes, 1, d8, h, a, i0, m, b0 + 2 * h, acc, 0, kind);
+                    quad_step(src + 2 * (h + 1) * bytes, 1, d8, h + 1, a, i0, m, b0 + 2 * h + 2,
+                              acc, odd, kind);
+                }
+            } else {
+                for (int h = 0; 2 * h < c; h++)
+                    quad_step(src + 2 * h * bytes, 2 * h + 1 < c, d8, h, a, i0, m, b0 + 2 * h, acc,
+                              0, kind);
+            }
+        }
+        for (int i = 0; i < m; i++)
+            y[i * ldy + r] = reduce_256(_mm256_add_ps(acc[i][0], acc[i][1])) + (bias ? bias[r] : 0.0f);
+    }
+}
+
+DEFINE_Q8_MATVEC(Q4_0, ORDER_QUADS, 8, rows_q8_quads, QUAD_Q4_0)
+DEFINE_Q8_MATVEC(Q5_0, ORDER_QUADS, 16, rows_q8_quads, QUAD_Q5_0)
+DEFINE_Q8_MATVEC(MXFP4, ORDER_QUADS, 12, rows_q8_quads, QUAD_MXFP4)
+
+/* GGML's Q8_0 (34-byte blocks), a block a 32-byte vector in x's order: |w| against x
+ * with w's sign, scaled by d_w * d_x, into acc[i][chain] (constant, as quad_step's). */
+ALWAYS_INLINE void q8_0_step(const uint8_t *src, const act_t *a, int64_t i0, const int m,
+                             int64_t b, __m256 acc[][2], const int chain) {
+    const __m256i v = load256(src + 2);
+    const __m256i u = _mm256_sign_epi8(v, v);
+    const float dw = f16_value(src);
+    for (int i = 0; i < m; i++) {
+        const __m256i xq = load256(a->q + (i0 + i) * a->q_step + 32 * b);
+        const __m256i sum = dot_u8(u, _mm256_sign_epi8(xq, v));
+        const __m256 scale = _mm256_set1_ps(dw * a->d[(i0 + i) * a->d_step + b]);
+        acc[i][chain] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[i][chain]);
+    }
+}
+
+ALWAYS_INLINE void rows_q8_ggml_q8_0(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
+                                     const act_t *a, int64_t i0, const int m, float *y,
+                                     int64_t ldy, const float *bias) {
+    const int64_t nb = a->n / 32;
+    const int odd = m <= 2 ? 1 : 0; /* odd blocks' chain */
+    const uint8_t *end = w + r1 * stride;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * stride;
+        __m256 acc[MAX_M][2];
+        for (int i = 0; i < m; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b += 2) {
+            const uint8_t *src = row + 34 * b;
+            if (src + PREFETCH + 68 <= end) {
+                _mm_prefetch((const char *)src + PREFETCH, _MM_HINT_T0);
+                _mm_prefetch((const char *)src + PREFETCH + 64, _MM_HINT_T0);
+            }
+            q8_0_step(src, a, i0, m, b, acc, 0);
+            if (b + 1 < nb) q8_0_step(src + 34, a, i0, m, b + 1, acc, odd);
+        }
+        for (int i = 0; i < m; i++)
+            y[i * ldy + r] = reduce_256(_mm256_add_ps(acc[i][0], acc[i][1])) + (bias ? bias[r] : 0.0f);
+    }
+}
+
+DEFINE_Q8_MATVEC(Q8_0, ORDER_NATURAL, 0, rows_q8_ggml_q8_0)
+
+/* sm = [d*sc_0..7, dmin*m_0..7] of a GGML Q4_K/Q5_K block (the 6-bit scales and mins
+ * unpacked as get_scale_min_k4), to broadcast from memory. */
+ALWAYS_INLINE void k_scales_mins(const uint8_t *blk, float sm[16]) {
+    uint32_t u[3];
+    memcpy(u, blk + 4, 12);
+    const __m128i packed = _mm_setr_epi32((int)(u[0] & 0x3f3f3f3f),
+                                          (int)((u[2] & 0x0f0f0f0f) | ((u[0] >> 2) & 0x30303030)),
+                                          (int)(u[1] & 0x3f3f3f3f),
+                                          (int)(((u[2] >> 4) & 0x0f0f0f0f) | ((u[1] >> 2) & 0x30303030)));
+    const __m256 dd = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128((int)u32_at(blk))));
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(packed));
+    const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8)));
+    _mm256_storeu_ps(sm, _mm256_mul_ps(_mm256_permutevar8x32_ps(dd, _mm256_set1_epi32(0)), sc));
+    _mm256_storeu_ps(sm + 8, _mm256_mul_ps(_mm256_permutevar8x32_ps(dd, _mm256_set1_epi32(1)), mins));
+    __asm__ volatile("" ::: "memory"); /* broadcast sm from memory: no shuffles */
+}
+
+/* GGML's Q4_K (144-byte blocks; five 0) and Q5_K (176; five 1) in x's order: 32 bytes of
+ * quants hold sub-block 2p in their low nibbles and 2p + 1 in their high ones; Q5_K's
+ * bit j of byte l (weight l of sub-block j) moves to bit 4. Each sub-block's sum is
+ * scaled by d*sc_j * d_x; the mins' part, dmin * sum_j m_j * s_j, is taken off the
+ * accumulator per block, eight lanes at once. */
+ALWAYS_INLINE void rows_q8_k(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
+                             const act_t *a, int64_t i0, const int m, float *y, int64_t ldy,
+                             const float *bias, const int five) {
+    const int64_t nb = a->n / 256, bytes = five ? 176 : 144;
+    const int chains = m <= 2 ? 2 : 1;
+    const __m256i nibble = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(16);
+    float sm[16];
+    const uint8_t *end = w + r1 * stride;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * stride;
+        __m256 acc[MAX_M][2];
+        for (int i = 0; i < m; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = row + bytes * b;
+            if (blk + PREFETCH + bytes <= end)
+                for (int l = 0; l < bytes; l += 64)
+                    _mm_prefetch((const char *)blk + PREFETCH + l, _MM_HINT_T0);
+            k_scales_mins(blk, sm);
+            const uint8_t *qs = blk + (five ? 48 : 16);
+            for (int p = 0; p < 4; p++) {
+                const __m256i v = load256(qs + 32 * p);
+                __m256i u[2] = {_mm256_and_si256(v, nibble),
+                                _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble)};
+                if (five) {
+                    const __m256i qh = load256(blk + 16);
+                    for (int h = 0; h < 2; h++) {
+                        const int j = 2 * p + h;
+                        const __m256i hb = j <= 4 ? _mm256_slli_epi16(qh, 4 - j) : _mm256_srli_epi16(qh, j - 4);
+                        u[h] = _mm256_or_si256(u[h], _mm256_and_si256(hb, bit4));
+                    }
+                }
+                for (int i = 0; i < m; i++) {
+                    const int8_t *xq = a->q + (i0 + i) * a->q_step + 256 * b + 64 * p;
+                    const float *dx = a->d + (i0 + i) * a->d_step + 8 * b + 2 * p;
+                    for (int h = 0; h < 2; h++) {
+                        const __m256i sum = dot_u8(u[h], load256(xq + 32 * h));
+                        const __m256 scale = _mm256_set1_ps(sm[2 * p + h] * dx[h]);
+                        __m256 *chain = &acc[i][h % chains];
+                        *chain = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, *chain);
+                    }
+                }
+            }
+            const __m256 mins = _mm256_loadu_ps(sm + 8);
+            for (int i = 0; i < m; i++) {
+                const float *s = a->s + (i0 + i) * a->d_step + 8 * b;
+                acc[i][0] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(s), acc[i][0]);
+            }
+        }
+        for (int i = 0; i < m; i++)
+            y[i * ldy + r] = reduce_256(_mm256_add_ps(acc[i][0], acc[i][1])) + (bias ? bias[r] : 0.0f);
+    }
+}
+
+DEFINE_Q8_MATVEC(Q4_K, ORDER_NATURAL, 0, rows_q8_k, 0)
+DEFINE_Q8_MATVEC(Q5_K, ORDER_NATURAL, 0, rows_q8_k, 1)
+
+/* GGML's Q6_K (210-byte blocks: ql[128], qh[64], int8 scales[16], f16 d) in x's order:
+ * weights 128c + 32t + l (t < 4) take nibble t / 2 of ql[64c + 32(t % 2) + l] and bits
+ * 2t, 2t + 1 of qh[32c + l], moved to bits 4, 5; u8 weights q + 32. A 32-weight vector
+ * spans two scales (16 weights each): its lanes' weight scales by one permute. */
+ALWAYS_INLINE void rows_q8_q6_k(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
+                                const act_t *a, int64_t i0, const int m, float *y,
+                                int64_t ldy, const float *bias) {
+    const int64_t nb = a->n / 256, bytes = 210;
+    const int chains = m <= 2 ? 2 : 1;
+    const __m256i nibble = _mm256_set1_epi8(15), bits45 = _mm256_set1_epi8(0x30);
+    const uint8_t *end = w + r1 * stride;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * stride;
+        __m256 acc[MAX_M][2];
+        for (int i = 0; i < m; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = row + bytes * b;
+            if (blk + PREFETCH + bytes <= end)
+                for (int l = 0; l < bytes + 63; l += 64)
+                    _mm_prefetch((const char *)blk + PREFETCH + l, _MM_HINT_T0);
+            const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
+            const __m256 d = _mm256_set1_ps(f16_value(blk + 208));
+            const __m256 dsc[2] = {_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))),
+                                   _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))))};
+            for (int c = 0; c < 2; c++) {
+                const __m256i qh = load256(blk + 128 + 32 * c);
+                for (int t = 0; t < 4; t++) {
+                    const __m256i ql = load256(blk + 64 * c + 32 * (t % 2));
+                    const __m256i lq = _mm256_and_si256(t < 2 ? ql : _mm256_srli_epi16(ql, 4), nibble);
+                    const __m256i hs = t == 0 ? _mm256_slli_epi16(qh, 4) : t == 1 ? _mm256_slli_epi16(qh, 2)
+                                     : t == 2 ? qh : _mm256_srli_epi16(qh, 2);
+                    const __m256i u = _mm256_or_si256(lq, _mm256_and_si256(hs, bits45));
+                    const __m256i pick = _mm256_setr_epi32(2 * t, 2 * t, 2 * t, 2 * t, 2 * t + 1, 2 * t + 1,
+                                                           2 * t + 1, 2 * t + 1);
+                    const __m256 dw = _mm256_permutevar8x32_ps(dsc[c], pick);
+                    const int k = 4 * c + t; /* the block of 32 in the 256 */
+                    for (int i = 0; i < m; i++) {
+                        const int8_t *xq = a->q + (i0 + i) * a->q_step + 256 * b + 32 * k;
+                        const int64_t l = (i0 + i) * a->lane_step + 64 * b + 8 * k;
+                        const __m256i sum = _mm256_add_epi32(load256(a->lane + l), dot_u8(u, load256(xq)));
+                        const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a->d[(i0 + i) * a->d_step + 8 * b + k]));
+                        __m256 *chain = &acc[i][t % chains];
+                        *chain = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, *chain);
+                    }
+                }
+            }
+        }
+        for (int i = 0; i < m; i++)
+            y[i * ldy + r] = reduce_256(_mm256_add_ps(acc[i][0], acc[i][1])) + (bias ? bias[r] : 0.0f);
+    }
+}
+
+DEFINE_Q8_MATVEC(Q6_K, ORDER_NATURAL, 32, rows_q8_q6_k)
 
 DEFINE_Q8_API()
 

@@ -24,7 +24,16 @@ ALWAYS_INLINE __m512i dpbusd_bw(__m512i acc, __m512i u, __m512i s) {
 #define Q8_0_OFFSET 0
 #endif
 
-#define Q8_TYPES(X) X(Q4_0_PACKED, 128) X(Q5_0_PACKED, 128) X(Q8_0, 32)
+/* The packed K-quant layouts' kernels sort bytes with VBMI's vpermt2b (Ice Lake, Zen 4). */
+#ifdef __AVX512VBMI__
+#define Q8_K_PACKED_TYPES(X) X(Q4_K_PACKED, 256) X(Q5_K_PACKED, 256)
+#else
+#define Q8_K_PACKED_TYPES(X)
+#endif
+
+#define Q8_TYPES(X)                                                                      \
+    X(Q4_0_PACKED, 128) X(Q5_0_PACKED, 128) X(Q8_0, 32) X(Q4_0, 32) X(Q5_0, 32) X(MXFP4, 32) \
+    X(Q4_K, 256) X(Q5_K, 256) X(Q6_K, 256) Q8_K_PACKED_TYPES(X)
 
 ALWAYS_INLINE __m512i load512(const void *p) { return _mm512_loadu_si512(p); }
 
@@ -133,6 +142,435 @@ ALWAYS_INLINE void rows_q8_q8_0(const uint8_t *w, int64_t stride, int64_t r0, in
 }
 
 DEFINE_Q8_MATVEC(Q8_0, ORDER_NATURAL, Q8_0_OFFSET, rows_q8_q8_0)
+
+ALWAYS_INLINE float reduce2(__m512 a, __m512 b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
+
+/* GGML's Q4_0 (18-byte blocks), Q5_0 (22) and MXFP4 (17), four blocks a 64-byte vector,
+ * one 16-byte lane each (ORDER_QUADS, as the packed layouts): the low nibbles meet the
+ * blocks' activations 0..15 and the high ones 16..31 in the same dword lanes, so one
+ * float scale and multiply-add per 128 weights. Q5_0's high-bit words split as in
+ * rows_q8_packed; MXFP4's codes look up their values plus 12 (so unsigned). The
+ * weights' offset (8, 16, 12) is in the lanes' start. A row's last quad may hold fewer
+ * blocks (rows of any multiple of 32): the lanes of the missing ones have scale 0. */
+enum { QUAD_Q4_0, QUAD_Q5_0, QUAD_MXFP4 };
+
+ALWAYS_INLINE int quad_bytes(const int kind) {
+    return kind == QUAD_Q4_0 ? 18 : kind == QUAD_Q5_0 ? 22 : MXFP4_BYTES;
+}
+
+/* Bytes (size 1) or u16s (size 2) k < 8 of the fields `bytes` apart at src, packed into
+ * a u64 in registers (stored one by one and reloaded as a vector, they would wait on
+ * store forwarding). */
+ALWAYS_INLINE uint64_t gather8(const uint8_t *src, int bytes, const int size) {
+    uint64_t v = 0;
+    for (int k = 0; k < 8 / size; k++) {
+        uint16_t h = 0;
+        memcpy(&h, src + k * bytes, size);
+        v |= (uint64_t)h << (8 * size * k);
+    }
+    return v;
+}
+
+/* The scales of c <= 16 blocks `bytes` apart, 0 past c: their fields gathered (a whole
+ * group without branches), then converted at once (E8M0 as e8m0_half). */
+ALWAYS_INLINE __m512 quad_scales(const uint8_t *src, int c, const int kind) {
+    const int bytes = quad_bytes(kind);
+    __m512 v;
+    if (kind == QUAD_MXFP4) {
+        __m128i e8;
+        if (c == 16) {
+            e8 = _mm_set_epi64x((long long)gather8(src + 8 * bytes, bytes, 1),
+                                (long long)gather8(src, bytes, 1));
+        } else {
+            uint8_t t[16] = {0};
+            for (int k = 0; k < c; k++) t[k] = src[k * bytes];
+            e8 = _mm_loadu_si128((const __m128i *)t);
+        }
+        const __m512i e = _mm512_cvtepu8_epi32(e8);
+        const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+        const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+        const __mmask16 low = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
+        v = _mm512_castsi512_ps(_mm512_mask_blend_epi32(low, normal, tiny));
+    } else {
+        __m256i h16;
+        if (c == 16) {
+            h16 = _mm256_set_epi64x((long long)gather8(src + 12 * bytes, bytes, 2),
+                                    (long long)gather8(src + 8 * bytes, bytes, 2),
+                                    (long long)gather8(src + 4 * bytes, bytes, 2),
+                                    (long long)gather8(src, bytes, 2));
+        } else {
+            uint16_t t[16] = {0};
+            for (int k = 0; k < c; k++) memcpy(t + k, src + k * bytes, 2);
+            h16 = _mm256_loadu_si256((const __m256i *)t);
+        }
+        v = _mm512_cvtph_ps(h16);
+    }
+    return _mm512_maskz_mov_ps((__mmask16)((1u << c) - 1), v);
+}
+
+/* Blocks b .. b + have - 1 (have <= 4) at src into acc[i][chain] for the m rows, their
+ * scales in lanes 4q .. 4q + 3 of d16 (chain constant: a variable index would keep acc
+ * in memory). A missing block's lane repeats the first block's quants. */
+ALWAYS_INLINE void quad_step(const uint8_t *src, const int have, __m512 d16, int q,
+                             const act_t *a, int64_t i0, const int m, int64_t b,
+                             __m512 acc[][2], const int chain, const int kind) {
+    const int bytes = quad_bytes(kind), qs = kind == QUAD_Q4_0 ? 2 : kind == QUAD_Q5_0 ? 6 : 1;
+    __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(src + qs)));
+    for (int k = 1; k < 4; k++)
+        if (k < have) v = _mm512_mask_broadcast_i32x4(v, (__mmask16)(0xF << 4 * k),
+                                                      _mm_loadu_si128((const __m128i *)(src + k * bytes + qs)));
+    const __m512i nibble = _mm512_set1_epi8(15);
+    __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+    if (kind == QUAD_Q5_0) {
+        /* bit j of block k's word: its weight j; low nibbles take bits 0..15 */
+        uint64_t h01 = u32_at(src + 2), h23 = 0;
+        if (have > 1) h01 |= (uint64_t)u32_at(src + bytes + 2) << 32;
+        if (have > 2) h23 = u32_at(src + 2 * bytes + 2);
+        if (have > 3) h23 |= (uint64_t)u32_at(src + 3 * bytes + 2) << 32;
+        const uint64_t low = 0x0000FFFF0000FFFFull, high = ~low;
+        const __mmask64 mlo = _pext_u64(h01, low) | _pext_u64(h23, low) << 32;
+        const __mmask64 mhi = _pext_u64(h01, high) | _pext_u64(h23, high) << 32;
+        lo = _mm512_mask_add_epi8(lo, mlo, lo, _mm512_set1_epi8(16));
+        hi = _mm512_mask_add_epi8(hi, mhi, hi, _mm512_set1_epi8(16));
+    }
+    if (kind == QUAD_MXFP4) {
+        const __m128i values = _mm_loadu_si128((const __m128i *)MXFP4_VALUES);
+        const __m512i table = _mm512_broadcast_i32x4(_mm_add_epi8(values, _mm_set1_epi8(12)));
+        lo = _mm512_shuffle_epi8(table, lo);
+        hi = _mm512_shuffle_epi8(table, hi);
+    }
+    const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512 dw = _mm512_permutexvar_ps(_mm512_add_epi32(quad, _mm512_set1_epi32(4 * q)), d16);
+    for (int i = 0; i < m; i++) {
+        const int8_t *xq = a->q + (i0 + i) * a->q_step + 32 * b;
+        const int64_t l = (i0 + i) * a->lane_step + 4 * b;
+        __m512i sum = DPBUSD(load512(a->lane + l), lo, load512(xq));
+        sum = DPBUSD(sum, hi, load512(xq + 64));
+        const __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps(a->dq + l));
+        acc[i][chain] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[i][chain]);
+    }
+}
+
+ALWAYS_INLINE void rows_q8_quads(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
+                                 const act_t *a, int64_t i0, const int m, float *y,
+                                 int64_t ldy, const float *bias, const int kind) {
+    const int64_t nb = a->n / 32;
+    const int bytes = quad_bytes(kind), odd = m <= 2 ? 1 : 0; /* odd quads' chain */
+    const uint8_t *end = w + r1 * stride;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * stride;
+        __m512 acc[MAX_M][2];
+        for (int i = 0; i < m; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+        int64_t b0 = 0;
+        for (; b0 + 16 <= nb; b0 += 16) {
+            const uint8_t *src = row + b0 * bytes;
+            if (src + PREFETCH + 16 * bytes <= end)
+                for (int l = 0; l < 16 * bytes; l += 64)
+                    _mm_prefetch((const char *)src + PREFETCH + l, _MM_HINT_T0);
+            const __m512 d16 = quad_scales(src, 16, kind);
+            for (int q = 0; q < 4; q += 2) {
+                quad_step(src + 4 * q * bytes, 4, d16, q, a, i0, m, b0 + 4 * q, acc, 0, kind);
+                quad_step(src + 4 * (q + 1) * bytes, 4, d16, q + 1, a, i0, m, b0 + 4 * q + 4, acc,
+                          odd, kind);
+            }
+        }
+        if (b0 < nb) { /* the last c < 16 blocks */
+            const int c = (int)(nb - b0);
+            const uint8_t *src = row + b0 * bytes;
+            const __m512 d16 = quad_scales(src, c, kind);
+            for (int q = 0; 4 * q < c; q++) {
+                const int have = c - 4 * q < 4 ? c - 4 * q : 4;
+                quad_step(src + 4 * q * bytes, have, d16, q, a, i0, m, b0 + 4 * q, acc, 0, kind);
+            }
+        }
+        for (int i = 0; i < m; i++)
+            y[i * ldy + r] = reduce2(acc[i][0], acc[i][1]) + (bias ? bias[r] : 0.0f);
+    }
+}
+
+DEFINE_Q8_MATVEC(Q4_0, ORDER_QUADS, 8, rows_q8_quads, QUAD_Q4_0)
+DEFINE_Q8_MATVEC(Q5_0, ORDER_QUADS, 16, rows_q8_quads, QUAD_Q5_0)
+DEFINE_Q8_MATVEC(MXFP4, ORDER_QUADS, 12, rows_q8_quads, QUAD_MXFP4)
+
+/* Each 256-weight block's [d*sc_0..7, dmin*m_0..7] of GGML's Q4_K/Q5_K (blk: the block;
+ * the 6-bit scales and mins unpacked as get_scale_min_k4). */
+ALWAYS_INLINE __m512 k_scales_mins(const uint8_t *blk) {
+    uint32_t u[3];
+    memcpy(u, blk + 4, 12);
+    const __m128i packed = _mm_setr_epi32((int)(u[0] & 0x3f3f3f3f),
+                                          (int)((u[2] & 0x0f0f0f0f) | ((u[0] >> 2) & 0x30303030)),
+                                          (int)(u[1] & 0x3f3f3f3f),
+                                          (int)(((u[2] >> 4) & 0x0f0f0f0f) | ((u[1] >> 2) & 0x30303030)));
+    const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)u32_at(blk))); /* d, dmin */
+    const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    return _mm512_mul_ps(_mm512_permutexvar_ps(halves, _mm512_castps128_ps512(dd)),
+                         _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(packed)));
+}
+
+/* a in the low 256 bits, b in the high 256 */
+ALWAYS_INLINE __m512i halves_epi32(int a, int b) {
+    return _mm512_inserti64x4(_mm512_set1_epi32(a), _mm256_set1_epi32(b), 1);
+}
+
+ALWAYS_INLINE __m512i halves_epi8(int a, int b) {
+    return _mm512_inserti64x4(_mm512_set1_epi8((char)a), _mm256_set1_epi8((char)b), 1);
+}
+
+ALWAYS_INLINE float reduce_256(__m256 v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+/* GGML's Q4_K (144-byte blocks; five 0) and Q5_K (176; five 1). A 64-byte load of quants
+ * holds sub-blocks 4h and 4h + 2 in its low nibbles and 4h + 1 and 4h + 3 in its high
+ * ones, the order ORDER_K_PAIRS places x's quants in; Q5_K's high bits (bit j of byte l:
+ * weight l of sub-block j) are a byte test of its 32 bytes, doubled, against each
+ * vector's two sub-blocks' bits. The scales per dword lane come from the block's eight,
+ * decoded once, by one permute per vector; the mins' part, dmin * sum_j m_j * s_j, goes
+ * into a 256-bit accumulator. */
+ALWAYS_INLINE void rows_q8_k(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
+                             const act_t *a, int64_t i0, const int m, float *y, int64_t ldy,
+                             const float *bias, const int five) {
+    const int64_t nb = a->n / 256, bytes = five ? 176 : 144;
+    const int chains = m <= 2 ? 2 : 1;
+    /* vector t's sub-blocks (low, high 32 bytes): 0 2, 1 3, 4 6, 5 7 */
+    const __m512i sub[4] = {halves_epi32(0, 2), halves_epi32(1, 3), halves_epi32(4, 6),
+                            halves_epi32(5, 7)};
+    const __m512i bit[4] = {halves_epi8(1, 4), halves_epi8(2, 8), halves_epi8(16, 64),
+                            halves_epi8(32, 128)};
+    const __m512i nibble = _mm512_set1_epi8(15);
+    const uint8_t *end = w + r1 * stride;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * stride;
+        __m512 acc[MAX_M][2];
+        __m256 accm[MAX_M];
+        for (int i = 0; i < m; i++) {
+            acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+            accm[i] = _mm256_setzero_ps();
+        }
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = row + bytes * b;
+            if (blk + PREFETCH + bytes <= end)
+                for (int l = 0; l < bytes; l += 64)
+                    _mm_prefetch((const char *)blk + PREFETCH + l, _MM_HINT_T0);
+            const __m512 sm = k_scales_mins(blk);
+            const uint8_t *qs = blk + (five ? 48 : 16);
+            __m512i u[4];
+            for (int h = 0; h < 2; h++) {
+                const __m512i v = load512(qs + 64 * h);
+                u[2 * h] = _mm512_and_si512(v, nibble);
+                u[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+            }
+            if (five) {
+                const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)));
+                for (int t = 0; t < 4; t++)
+                    u[t] = _mm512_mask_add_epi8(u[t], _mm512_test_epi8_mask(qh, bit[t]), u[t],
+                                                _mm512_set1_epi8(16));
+            }
+            __m512 dw[4];
+            for (int t = 0; t < 4; t++) dw[t] = _mm512_permutexvar_ps(sub[t], sm);
+            const __m256 mins = _mm512_extractf32x8_ps(sm, 1);
+            for (int i = 0; i < m; i++) {
+                const int8_t *xq = a->q + (i0 + i) * a->q_step + 256 * b;
+                const int64_t l = (i0 + i) * a->lane_step + 64 * b;
+                for (int t = 0; t < 4; t++) {
+                    const __m512i sum = DPBUSD(_mm512_setzero_si512(), u[t], load512(xq + 64 * t));
+                    const __m512 scale = _mm512_mul_ps(dw[t], _mm512_loadu_ps(a->dq + l + 16 * t));
+                    __m512 *chain = &acc[i][t % chains];
+                    *chain = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, *chain);
+                }
+                const float *s = a->s + (i0 + i) * a->d_step + 8 * b;
+                accm[i] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(s), accm[i]);
+            }
+        }
+        for (int i = 0; i < m; i++)
+            y[i * ldy + r] = reduce2(acc[i][0], acc[i][1]) - reduce_256(accm[i]) +
+                             (bias ? bias[r] : 0.0f);
+    }
+}
+
+DEFINE_Q8_MATVEC(Q4_K, ORDER_K_PAIRS, 0, rows_q8_k, 0)
+DEFINE_Q8_MATVEC(Q5_K, ORDER_K_PAIRS, 0, rows_q8_k, 1)
+
+/* GGML's Q6_K (210-byte blocks: ql[128], qh[64], int8 scales[16], f16 d), in x's order:
+ * a 64-byte load of ql holds weights 128c .. 128c + 63 in its low nibbles and the next 64
+ * in its high ones, and qh's 32 bytes of that half, doubled, shifted per 16-bit half,
+ * give their two high bits (as Q6_K_DEQ in kernels_avx512.c). A scale per 16 weights:
+ * vector t's four from the block's sixteen by one permute. The u8 weights are q + 32. */
+ALWAYS_INLINE void rows_q8_q6_k(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
+                                const act_t *a, int64_t i0, const int m, float *y,
+                                int64_t ldy, const float *bias) {
+    const int64_t nb = a->n / 256, bytes = 210;
+    const int chains = m <= 2 ? 2 : 1;
+    const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    const uint8_t *end = w + r1 * stride;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * stride;
+        __m512 acc[MAX_M][2];
+        for (int i = 0; i < m; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = row + bytes * b;
+            if (blk + PREFETCH + bytes <= end)
+                for (int l = 0; l < bytes + 63; l += 64)
+                    _mm_prefetch((const char *)blk + PREFETCH + l, _MM_HINT_T0);
+            const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)));
+            const __m512 dsc = _mm512_mul_ps(_mm512_set1_ps(f16_value(blk + 208)), _mm512_cvtepi32_ps(sc));
+            __m512i u[4];
+            for (int c = 0; c < 2; c++) {
+                const __m512i ql = load512(blk + 64 * c);
+                const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * c)));
+                for (int h = 0; h < 2; h++) {
+                    /* bits 2t, 2t + 1 of qh for t = 2h (low 32 bytes), 2h + 1 (high) */
+                    const __m512i hs = _mm512_srlv_epi16(qh, _mm512_add_epi16(shifts, _mm512_set1_epi16(4 * h)));
+                    const __m512i lq = h ? _mm512_srli_epi16(ql, 4) : ql;
+                    const __m512i q6 = _mm512_ternarylogic_epi32(lq, _mm512_slli_epi16(hs, 4), _mm512_set1_epi8(15), 0xE4);
+                    u[2 * c + h] = _mm512_and_si512(q6, _mm512_set1_epi8(63));
+                }
+            }
+            __m512 dw[4];
+            for (int t = 0; t < 4; t++)
+                dw[t] = _mm512_permutexvar_ps(_mm512_add_epi32(quad, _mm512_set1_epi32(4 * t)), dsc);
+            for (int i = 0; i < m; i++) {
+                const int8_t *xq = a->q + (i0 + i) * a->q_step + 256 * b;
+                const int64_t l = (i0 + i) * a->lane_step + 64 * b;
+                for (int t = 0; t < 4; t++) {
+                    const __m512i sum = DPBUSD(load512(a->lane + l + 16 * t), u[t], load512(xq + 64 * t));
+                    const __m512 scale = _mm512_mul_ps(dw[t], _mm512_loadu_ps(a->dq + l + 16 * t));
+                    __m512 *chain = &acc[i][t % chains];
+                    *chain = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, *chain);
+                }
+            }
+        }
+        for (int i = 0; i < m; i++)
+            y[i * ldy + r] = reduce2(acc[i][0], acc[i][1]) + (bias ? bias[r] : 0.0f);
+    }
+}
+
+DEFINE_Q8_MATVEC(Q6_K, ORDER_NATURAL, 32, rows_q8_q6_k)
+
+#ifdef __AVX512VBMI__
+/* Q4_K_PACKED and Q5_K_PACKED (kernels_avx512.c's layouts: a row's f16 d's, dmins, scale
+ * fields interleaved by groups of K_GROUP blocks, (Q5_K) high bits, then each block's
+ * quants as two 64-byte groups h of four sub-blocks 4h + s, byte 4i + s holding weights
+ * i (low nibble) and 16 + i (high)). A dword lane there spans four sub-blocks, so two
+ * vpermt2b sort each load's nibbles into x's order, sub-blocks 4h, 4h + 1 and 4h + 2,
+ * 4h + 3; Q5_K's high bits of sub-blocks 2t, 2t + 1 (in its u16 masks, bit k of u32 j:
+ * weight k of sub-block j) are then the byte mask of vector t as they stand. The scales
+ * and mins decode a group at a time, one block a lane (as k_scales_group); the mins'
+ * part, per group with blocks in lanes, takes the activation blocks' s transposed to
+ * match (st). */
+#define K_GROUP 16
+
+ALWAYS_INLINE void k_group_scales(const uint8_t *d16, const uint8_t *dmin16, const uint8_t *scales,
+                                  int c, float ds[8][K_GROUP], float ms[8][K_GROUP]) {
+    const __mmask16 k = (__mmask16)((1u << c) - 1);
+    __m512i q[12];
+    for (int j = 0; j < 12; j++) q[j] = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, scales + c * j));
+    const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, d16));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, dmin16));
+    const __m512i low6 = _mm512_set1_epi32(63), low4 = _mm512_set1_epi32(15);
+    const __m512i bits45 = _mm512_set1_epi32(0x30);
+    for (int s = 0; s < 4; s++) {
+        const __m512i sc0 = _mm512_and_si512(q[s], low6);
+        const __m512i m0 = _mm512_and_si512(q[s + 4], low6);
+        const __m512i sc1 = _mm512_ternarylogic_epi32(_mm512_and_si512(q[s + 8], low4),
+                                                      _mm512_srli_epi32(q[s], 2), bits45, 0xF8);
+        const __m512i m1 = _mm512_ternarylogic_epi32(_mm512_srli_epi32(q[s + 8], 4),
+                                                     _mm512_srli_epi32(q[s + 4], 2), bits45, 0xF8);
+        _mm512_store_ps(ds[s], _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc0)));
+        _mm512_store_ps(ms[s], _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m0)));
+        _mm512_store_ps(ds[s + 4], _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc1)));
+        _mm512_store_ps(ms[s + 4], _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m1)));
+    }
+    __asm__ volatile("" ::: "memory"); /* broadcast ds from memory: no shuffles */
+}
+
+/* vpermt2b indices: byte k of sub-blocks (s0 + k / 32) from lo (weights < 16) or hi */
+ALWAYS_INLINE __m512i k_packed_sort(int s0) {
+    uint8_t idx[64] __attribute__((aligned(64)));
+    for (int k = 0; k < 64; k++) {
+        const int s = s0 + k / 32, i = k % 32;
+        idx[k] = (uint8_t)(i < 16 ? 4 * i + s : 64 + 4 * (i - 16) + s);
+    }
+    return _mm512_load_si512(idx);
+}
+
+ALWAYS_INLINE void rows_q8_k_packed(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
+                                    const act_t *a, int64_t i0, const int m, float *y,
+                                    int64_t ldy, const float *bias, const int five) {
+    const int64_t nb = a->n / 256, bytes = five ? 176 : 144;
+    const int chains = m <= 2 ? 2 : 1;
+    const __m512i sort[2] = {k_packed_sort(0), k_packed_sort(2)};
+    const __m512i nibble = _mm512_set1_epi8(15);
+    float ds[8][K_GROUP] __attribute__((aligned(64)));
+    float ms[8][K_GROUP] __attribute__((aligned(64)));
+    /* st[i][s * nb + b]: s of activation block 8b + s of row i0 + i */
+    float st[m][8 * nb];
+    for (int i = 0; i < m; i++)
+        for (int64_t b = 0; b < nb; b++)
+            for (int s = 0; s < 8; s++) st[i][s * nb + b] = a->s[(i0 + i) * a->d_step + 8 * b + s];
+    const uint8_t *end = w + r1 * stride;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * stride, *qh = row + 16 * nb;
+        const uint8_t *qs = row + (five ? 48 : 16) * nb;
+        __m512 acc[MAX_M][2], accm[MAX_M];
+        for (int i = 0; i < m; i++) acc[i][0] = acc[i][1] = accm[i] = _mm512_setzero_ps();
+        for (int64_t b0 = 0; b0 < nb; b0 += K_GROUP) {
+            const int c = nb - b0 < K_GROUP ? (int)(nb - b0) : K_GROUP;
+            k_group_scales(row + 2 * b0, row + 2 * nb + 2 * b0, row + 4 * nb + 12 * b0, c, ds, ms);
+            for (int j = 0; j < c; j++) {
+                const int64_t b = b0 + j;
+                /* at a GGML block's pace through the bytes, as rows_k_packed */
+                const uint8_t *ahead = row + PREFETCH + bytes * b;
+                if (ahead + bytes <= end)
+                    for (int l = 0; l < bytes + 63; l += 64)
+                        _mm_prefetch((const char *)ahead + l, _MM_HINT_T0);
+                __m512i u[4];
+                for (int h = 0; h < 2; h++) {
+                    const __m512i v = load512(qs + 128 * b + 64 * h);
+                    const __m512i lo = _mm512_and_si512(v, nibble);
+                    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+                    for (int e = 0; e < 2; e++) {
+                        __m512i ut = _mm512_permutex2var_epi8(lo, sort[e], hi);
+                        if (five) {
+                            uint64_t bits;
+                            memcpy(&bits, qh + 32 * b + 8 * (2 * h + e), 8);
+                            ut = _mm512_mask_add_epi8(ut, _cvtu64_mask64(bits), ut, _mm512_set1_epi8(16));
+                        }
+                        u[2 * h + e] = ut;
+                    }
+                }
+                __m512 dw[4];
+                for (int t = 0; t < 4; t++)
+                    dw[t] = _mm512_insertf32x8(_mm512_set1_ps(ds[2 * t][j]), _mm256_set1_ps(ds[2 * t + 1][j]), 1);
+                for (int i = 0; i < m; i++) {
+                    const int8_t *xq = a->q + (i0 + i) * a->q_step + 256 * b;
+                    const int64_t l = (i0 + i) * a->lane_step + 64 * b;
+                    for (int t = 0; t < 4; t++) {
+                        const __m512i sum = DPBUSD(_mm512_setzero_si512(), u[t], load512(xq + 64 * t));
+                        const __m512 scale = _mm512_mul_ps(dw[t], _mm512_loadu_ps(a->dq + l + 16 * t));
+                        __m512 *chain = &acc[i][t % chains];
+                        *chain = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, *chain);
+                    }
+                }
+            }
+            const __mmask16 k = (__mmask16)((1u << c) - 1);
+            for (int i = 0; i < m; i++)
+                for (int s = 0; s < 8; s++)
+                    accm[i] = _mm512_fmadd_ps(_mm512_load_ps(ms[s]),
+                                              _mm512_maskz_loadu_ps(k, &st[i][s * nb + b0]), accm[i]);
+        }
+        for (int i = 0; i < m; i++)
+            y[i * ldy + r] = reduce2(acc[i][0], acc[i][1]) - _mm512_reduce_add_ps(accm[i]) +
+                             (bias ? bias[r] : 0.0f);
+    }
+}
+
+DEFINE_Q8_MATVEC(Q4_K_PACKED, ORDER_NATURAL, 0, rows_q8_k_packed, 0)
+DEFINE_Q8_MATVEC(Q5_K_PACKED, ORDER_NATURAL, 0, rows_q8_k_packed, 1)
+#endif
 
 DEFINE_Q8_API()
 

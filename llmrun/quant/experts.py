@@ -11,7 +11,11 @@ their biases where they have them: gpt-oss), the down projections in another, th
 weighted sum as one product. Only the chosen experts' weights are read, in
 the layout they are stored in. Each expert's products are the ones its QuantLinear
 computes (the same kernel rows, one activation row); the weighted sum adds them in
-another order than the modules' path, so the two agree to float rounding.
+another order than the modules' path, so the two agree to float rounding. Where the
+experts' modules take 8-bit activations (set_activations "q8") and the type has such a
+kernel, a projection goes through llmrun_matvec_experts_q8 instead: the token's vector
+quantized to Q8_0 once for all gate and up projections, each expert's hidden vector
+once for its down projection.
 """
 
 from __future__ import annotations
@@ -28,13 +32,18 @@ PROJECTIONS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 
 
 class _Stack:
-    """One projection of every expert, bound for llmrun_matvec_experts: the type, the
-    row stride, rows and row length they share and each expert's weight address."""
+    """One projection of every expert, bound for llmrun_matvec_experts (or, with 8-bit
+    activations, llmrun_matvec_experts_q8: `fn`): the type, the row stride, rows and row
+    length they share and each expert's weight address."""
 
-    def __init__(self, layers: list[QuantLinear]) -> None:
+    def __init__(self, layers: list[QuantLinear], lib) -> None:
         first = layers[0]
         self.ggml_type, self.rows, self.n = first.ggml_type, first.out_features, first.in_features
         self.stride = first.weight.stride(0)
+        self.q8 = all(q.q8_activations for q in layers) and kernels.supports_q8(
+            self.ggml_type, self.n
+        )
+        self.fn = lib.llmrun_matvec_experts_q8 if self.q8 else lib.llmrun_matvec_experts
         self.addresses = torch.tensor([q.weight.data_ptr() for q in layers], dtype=torch.int64)
         # gpt-oss's experts have biases: [experts, rows], added after the products.
         self.biases = (
@@ -45,12 +54,22 @@ class _Stack:
         """y [k, rows] of the chosen experts, plus their biases (in place)."""
         return y if self.biases is None else y.add_(self.biases[chosen])
 
+    def __call__(
+        self, addresses: torch.Tensor, x: torch.Tensor, x_step: int, y: torch.Tensor, count: int
+    ) -> None:
+        """y [count, rows] = the products of the matrices at `addresses` (int64) with x
+        (x_step 0: one row for all; else a row each, x_step apart)."""
+        if self.fn(self.ggml_type, addresses.data_ptr(), self.stride, self.rows, x.data_ptr(),
+                   x_step, self.n, y.data_ptr(), count):  # fmt: skip
+            raise MemoryError("no memory for the quantized activations")
+
     def matches(self, other: _Stack) -> bool:
-        return (self.ggml_type, self.stride, self.rows, self.n) == (
+        return (self.ggml_type, self.stride, self.rows, self.n, self.q8) == (
             other.ggml_type,
             other.stride,
             other.rows,
             other.n,
+            other.q8,
         )
 
 
@@ -98,7 +117,7 @@ class ExpertList(nn.ModuleList):
             layers = [getattr(expert, name) for expert in self]
             if not _bindable(layers):
                 return None
-            stacks.append(_Stack(layers))
+            stacks.append(_Stack(layers, lib))
         gate, up, down = stacks
         if (up.rows, up.n) != (gate.rows, gate.n) or (down.n, down.rows) != (gate.rows, gate.n):
             return None
@@ -107,7 +126,7 @@ class ExpertList(nn.ModuleList):
         gate_up = torch.stack([gate.addresses, up.addresses]) if gate.matches(up) else None
         # act(gate) * up, or the family's own combination (gpt-oss: Expert.glu)
         glu = getattr(self[0], "glu", None) or (lambda g, u, act=self[0].act: act(g) * u)
-        self._plan = (lib.llmrun_matvec_experts, gate, up, gate_up, down, glu)
+        self._plan = (gate, up, gate_up, down, glu)
         return self._plan
 
     def mix(
@@ -119,26 +138,20 @@ class ExpertList(nn.ModuleList):
         plan = self._bind() if self._stale else self._plan
         if plan is None:
             return None
-        fn, gate, up, gate_up, down, glu = plan
+        gate, up, gate_up, down, glu = plan
         chosen = indices[0]
         k = chosen.numel()
         x = x.contiguous()
         both = torch.empty(2 * k, gate.rows)
         if gate_up is not None:
-            addresses = gate_up[:, chosen]  # [2, k]: the gates, then the ups
-            fn(gate.ggml_type, addresses.data_ptr(), gate.stride, gate.rows,
-               x.data_ptr(), 0, gate.n, both.data_ptr(), 2 * k)  # fmt: skip
+            gate(gate_up[:, chosen], x, 0, both, 2 * k)  # [2, k] addresses: gates, then ups
         else:
-            for half, stack in enumerate((gate, up)):
-                addresses = stack.addresses[chosen]
-                fn(stack.ggml_type, addresses.data_ptr(), stack.stride, stack.rows,
-                   x.data_ptr(), 0, stack.n, both[half * k :].data_ptr(), k)  # fmt: skip
+            gate(gate.addresses[chosen], x, 0, both, k)
+            up(up.addresses[chosen], x, 0, both[k:], k)
         hidden = glu(gate.add_bias(both[:k], chosen), up.add_bias(both[k:], chosen))  # [k, width]
         hidden = hidden.contiguous()
         out = torch.empty(k, down.rows)
-        addresses = down.addresses[chosen]  # held: the call reads it
-        fn(down.ggml_type, addresses.data_ptr(), down.stride, down.rows,
-           hidden.data_ptr(), down.n, down.n, out.data_ptr(), k)  # fmt: skip
+        down(down.addresses[chosen], hidden, down.n, out, k)
         return weights.to(out.dtype) @ down.add_bias(out, chosen)  # [1, k] @ [k, D]
 
 

@@ -209,6 +209,8 @@ def set_activations(model: nn.Module, activations: str) -> int:
     """How the model's quantized linear layers meet their activations when decoding:
     "f32" (exact products, the default) or "q8" (quantized to Q8_0 first, where the
     kernels have such a matvec for the type). Returns how many layers take q8."""
+    from llmrun.quant.experts import ExpertList  # which imports this module
+
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
     count = 0
@@ -219,6 +221,8 @@ def set_activations(model: nn.Module, activations: str) -> int:
             count += module.q8_activations and kernels.supports_q8(
                 module.ggml_type, module.in_features, module.packed
             )
+        elif isinstance(module, ExpertList):
+            module._stale = True  # its plan picks its calls by its modules' setting
     step = getattr(model, "decode_step", None)  # llmrun.quant.decode_step
     if step is not None:
         step.invalidate()

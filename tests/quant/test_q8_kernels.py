@@ -1,9 +1,11 @@
 """The 8-bit-activation matvecs (llmrun/native/q8.h, q8_avx512.c, q8_avx2.c), in both
-x86 kernel families, against an independent reference: the activations quantized to
-Q8_0 by gguf's numpy code (gguf.quants.quantize), both sides dequantized by gguf,
-multiplied in float64. What the kernels compute is exactly that sum of integer
-products scaled per block; only the float sums' order differs, so the tolerance is
-float rounding: 1e-5 of the largest |output|.
+x86 kernel families, for every type and layout they take (GGML's, as experts keep it,
+and the packed layouts QuantLinear repacks into), against an independent reference:
+the activations quantized to Q8_0 by gguf's numpy code (gguf.quants.quantize), both
+sides dequantized by gguf, multiplied in float64. What the kernels compute is exactly
+that sum of integer products scaled per block (K-quants: per sub-block, less the mins'
+part); only the float sums' order differs, so the tolerance is float rounding: 1e-5
+of the largest |output|.
 """
 
 import numpy as np
@@ -12,22 +14,52 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
-from test_quant_blocks import F16_FIELDS
+from test_quant_blocks import E8M0_FIELDS, F16_FIELDS
 
+from llmrun import native
+from llmrun.native import build
 from llmrun.quant import kernels
 from llmrun.quant.linear import QuantLinear, set_activations
 
 T = GGMLQuantizationType
-TYPES = [T.Q4_0, T.Q5_0, T.Q8_0]
+TYPES = [T.Q4_0, T.Q5_0, T.Q8_0, T.MXFP4, T.Q4_K, T.Q5_K, T.Q6_K]
+# Row lengths: K-quants take multiples of 256 (4352: a packed row's whole group of 16
+# blocks' scales and one more), the others of 32 (96 and 2880, gpt-oss's: a last four
+# blocks of fewer).
+COLS = {t: [256, 768, 4352] for t in (T.Q4_K, T.Q5_K, T.Q6_K)}
+CASES = [(t, cols) for t in TYPES for cols in COLS.get(t, [96, 128, 384, 2880])]
+# ... in GGML's layout, and packed where some family packs the type
+CASES = [(t, cols, False) for t, cols in CASES] + [
+    (t, cols, True) for t, cols in CASES if t in kernels.PACKED
+]
+# The packed layouts (kernels.pack) with 8-bit-activation kernels, by kernel family, and
+# the row lengths those take multiples of (AVX-512's packed K-quants: with VBMI).
+VBMI = "avx512vbmi" in build.cpu_features().split()
+PACKED_Q8 = {
+    "AVX-512": {T.Q4_0: 128, T.Q5_0: 128} | ({T.Q4_K: 256, T.Q5_K: 256} if VBMI else {}),
+    "AVX2": {T.Q4_0: 128, T.Q5_0: 128, T.Q8_0: 32},
+}
 
 
 def random_blocks(ggml_type: T, rows: int, cols: int, rng) -> np.ndarray:
     block_size, type_size = GGML_QUANT_SIZES[ggml_type]
     raw = rng.integers(0, 256, size=(rows * cols // block_size, type_size), dtype=np.uint8)
-    for offset in F16_FIELDS[ggml_type]:
+    for offset in F16_FIELDS.get(ggml_type, ()):
         scale = np.abs(rng.standard_normal(len(raw))) * 2e-2 + 1e-4
         raw[:, offset : offset + 2] = scale.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    for offset in E8M0_FIELDS.get(ggml_type, ()):
+        raw[:, offset] = rng.integers(120, 128, len(raw))  # 2^-8 .. 2^-1
     return raw.reshape(rows, -1)
+
+
+def activations(m: int, cols: int, rng) -> np.ndarray:
+    """A spread of magnitudes per block, a block of zeros, and exact halves that round
+    away from zero."""
+    x = rng.standard_normal((m, cols)) * rng.choice([0.01, 1.0, 30.0], (m, cols))
+    x = x.astype(np.float32)
+    x[0, :32] = 0.0
+    x[-1, 32:64] = np.arange(32) - 15.5
+    return x
 
 
 def reference(raw: np.ndarray, ggml_type: T, x: np.ndarray, bias=None) -> np.ndarray:
@@ -37,39 +69,89 @@ def reference(raw: np.ndarray, ggml_type: T, x: np.ndarray, bias=None) -> np.nda
     return y if bias is None else y + bias
 
 
-def layout(raw: torch.Tensor, ggml_type: T, cols: int) -> tuple[torch.Tensor, bool]:
-    """The blocks in the layout QuantLinear gives them in this kernel family."""
-    packed = kernels.supports(ggml_type, cols, packed=True)
-    return (kernels.pack(raw, ggml_type) if packed else raw), packed
-
-
-@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("m", [1, 2, 3, 8, 11])
-@pytest.mark.parametrize("cols", [128, 384, 896])
-def test_q8_matvec_is_the_product_of_gguf_quantized_activations(native_kernels, ggml_type, m, cols):
-    rng = np.random.default_rng(cols * 10 + m)
-    raw_np = random_blocks(ggml_type, 37, cols, rng)
-    raw, packed = layout(torch.from_numpy(raw_np), ggml_type, cols)
-    assert kernels.supports_q8(ggml_type, cols, packed)
-    # a spread of magnitudes per block, a block of zeros, and exact halves that round away
-    x = (rng.standard_normal((m, cols)) * rng.choice([0.01, 1.0, 30.0], (m, cols))).astype(
-        np.float32
-    )
-    x[0, :32] = 0.0
-    x[-1, 32:64] = np.arange(32) - 15.5
-    bias = rng.standard_normal(37).astype(np.float32)
-    got = kernels.matvec(
-        raw, ggml_type, torch.from_numpy(x), packed, torch.from_numpy(bias), q8=True
-    ).numpy()
-    expected = reference(raw_np, ggml_type, x, bias)
+def assert_near(got: np.ndarray, expected: np.ndarray) -> None:
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
 
 
+@pytest.mark.parametrize(
+    "ggml_type,cols,packed",
+    CASES,
+    ids=lambda c: {True: "packed", False: "ggml"}.get(c, getattr(c, "name", c)),
+)
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 11])
+def test_q8_matvec_is_the_product_of_gguf_quantized_activations(
+    native_kernels, ggml_type, cols, packed, m
+):
+    if packed and not kernels.supports(ggml_type, cols, packed=True):
+        # the family has no packed layout for these rows (QuantLinear keeps GGML's): no
+        # 8-bit kernel may claim one
+        assert not kernels.supports_q8(ggml_type, cols, packed=True)
+        return
+    if packed:
+        multiple = PACKED_Q8[native_kernels].get(ggml_type)
+        has_q8 = multiple is not None and cols % multiple == 0
+        assert kernels.supports_q8(ggml_type, cols, packed) == has_q8
+        if not has_q8:
+            return
+    assert kernels.supports_q8(ggml_type, cols)
+    rng = np.random.default_rng(cols * 10 + m)
+    raw_np = random_blocks(ggml_type, 37, cols, rng)
+    raw = torch.from_numpy(raw_np)
+    x = activations(m, cols, rng)
+    bias = rng.standard_normal(37).astype(np.float32)
+    got = kernels.matvec(
+        kernels.pack(raw, ggml_type) if packed else raw,
+        ggml_type,
+        torch.from_numpy(x),
+        packed,
+        torch.from_numpy(bias),
+        q8=True,
+    )
+    assert_near(got.numpy(), reference(raw_np, ggml_type, x, bias))
+
+
 def test_types_without_a_q8_kernel_say_so(native_kernels):
-    assert not kernels.supports_q8(T.Q6_K, 256)
+    assert not kernels.supports_q8(T.Q2_K, 256)
     assert not kernels.supports_q8(T.F16, 256)
+    assert not kernels.supports_q8(T.Q4_K, 128)  # not a whole block
     with pytest.raises(ValueError, match="no 8-bit-activation kernel"):
-        kernels.Matvec(torch.zeros(4, 210, dtype=torch.uint8), T.Q6_K, q8=True)
+        kernels.Matvec(torch.zeros(4, 84, dtype=torch.uint8), T.Q2_K, q8=True)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_q8_experts_take_each_matrix_with_its_activations(native_kernels, ggml_type):
+    """llmrun_matvec_experts_q8: a token's chosen experts in one call, the activations
+    quantized once (x_step 0) or a row per expert (x_step n, or any wider step)."""
+    rows, cols = 40, COLS.get(ggml_type, [288])[0]  # 288: nine blocks of 32
+    rng = np.random.default_rng(5)
+    raw = random_blocks(ggml_type, 6 * rows, cols, rng).reshape(6, rows, -1)
+    stacked = torch.from_numpy(raw)
+    chosen = [4, 0, 5]
+    addresses = torch.tensor([stacked[e].data_ptr() for e in chosen], dtype=torch.int64)
+    fn = native.library().llmrun_matvec_experts_q8
+
+    def call(x: np.ndarray, x_step: int) -> np.ndarray:
+        y = torch.empty(len(chosen), rows)
+        assert fn(int(ggml_type), addresses.data_ptr(), stacked.stride(1), rows,
+                  torch.from_numpy(x).data_ptr(), x_step, cols, y.data_ptr(), len(chosen)) == 0  # fmt: skip
+        return y.numpy()
+
+    x = activations(1, cols, rng)
+    got = call(x, 0)
+    for j, e in enumerate(chosen):
+        assert_near(got[j], reference(raw[e], ggml_type, x)[0])
+    xs = activations(3, cols, rng)
+    wide = np.concatenate([xs, np.full((3, 32), np.nan, np.float32)], 1)  # never read
+    for x_rows, step in ((xs, cols), (wide, cols + 32)):
+        got = call(np.ascontiguousarray(x_rows), step)
+        for j, e in enumerate(chosen):
+            assert_near(got[j], reference(raw[e], ggml_type, xs[j : j + 1])[0])
+    # No kernel for the type, or for rows of that length: -1, as llmrun_matvec_experts.
+    y = torch.empty(len(chosen), rows)
+    assert fn(int(T.Q2_K), addresses.data_ptr(), 84, rows, torch.from_numpy(x).data_ptr(), 0,
+              256, y.data_ptr(), 3) == -1  # fmt: skip
+    assert fn(int(ggml_type), addresses.data_ptr(), stacked.stride(1), rows,
+              torch.from_numpy(x).data_ptr(), 0, cols - 16, y.data_ptr(), 3) == -1  # fmt: skip
 
 
 def test_quant_linear_takes_q8_for_decoding_only(native_kernels):
