@@ -16,6 +16,8 @@
 
 #include "common.h"
 
+#define Q8_GEMM_CHUNK (128 << 10)
+
 /* A call's quantized activations, m rows of n values. Per row: q, its n quants in the
  * order the weight type's kernel reads them (and zeros to the next 64); lane, per
  * dword lane of q (4 quants), the integer sum the kernel starts from (the weights'
@@ -202,25 +204,35 @@ static inline void *q8_alloc(int64_t m, int64_t n, act_t *a) {
     return p;
 }
 
+/* Rows of weights a thread takes at a time when many activation rows (a prompt) pass
+ * over them: few enough to stay in its L2 cache while every activation row goes by. */
+static inline int64_t q8_gemm_chunk(int64_t stride, int64_t rows) {
+    const int64_t by_bytes = stride >= Q8_GEMM_CHUNK ? 1 : Q8_GEMM_CHUNK / stride;
+    const int64_t chunk = row_chunk(stride, rows);
+    return by_bytes < chunk ? by_bytes : chunk;
+}
+
 /* As ROW_PASSES (common.h), over the quantized activations: ROWS(w, stride, r0, r1,
- * a, i0, m, y, ldy, bias, ...) for the activation rows i0 .. i0 + m - 1. */
+ * a, i0, m, y, ldy, bias, ...) for the activation rows i0 .. i0 + m - 1, in passes of up
+ * to MAX_M rows over each thread's run of weights (a prompt's many rows: over runs of
+ * Q8_GEMM_CHUNK bytes, read from memory once and then from the caches). */
 #define Q8_PASSES(A, ROWS, ...)                                                          \
     do {                                                                                 \
-        const int64_t chunk_ = row_chunk(stride, rows);                                  \
-        for (int64_t i0_ = 0; i0_ < m;) {                                                \
-            const int mm_ = m - i0_ >= 8 ? 8 : m - i0_ >= 4 ? 4 : m - i0_ >= 2 ? 2 : 1;  \
-            float *yi_ = y + i0_ * rows;                                                 \
-            _Pragma("omp parallel for schedule(dynamic)")                                \
-            for (int64_t r0_ = 0; r0_ < rows; r0_ += chunk_) {                           \
-                const int64_t r1_ = r0_ + chunk_ < rows ? r0_ + chunk_ : rows;           \
+        const int64_t chunk_ = m > MAX_M ? q8_gemm_chunk(stride, rows) : row_chunk(stride, rows); \
+        _Pragma("omp parallel for schedule(dynamic)")                                    \
+        for (int64_t r0_ = 0; r0_ < rows; r0_ += chunk_) {                               \
+            const int64_t r1_ = r0_ + chunk_ < rows ? r0_ + chunk_ : rows;               \
+            for (int64_t i0_ = 0; i0_ < m;) {                                            \
+                const int mm_ = m - i0_ >= 8 ? 8 : m - i0_ >= 4 ? 4 : m - i0_ >= 2 ? 2 : 1; \
+                float *yi_ = y + i0_ * rows;                                             \
                 switch (mm_) {                                                           \
                 case 1: ROWS(w, stride, r0_, r1_, A, i0_, 1, yi_, rows, bias, ##__VA_ARGS__); break; \
                 case 2: ROWS(w, stride, r0_, r1_, A, i0_, 2, yi_, rows, bias, ##__VA_ARGS__); break; \
                 case 4: ROWS(w, stride, r0_, r1_, A, i0_, 4, yi_, rows, bias, ##__VA_ARGS__); break; \
                 default: ROWS(w, stride, r0_, r1_, A, i0_, 8, yi_, rows, bias, ##__VA_ARGS__); break; \
                 }                                                                        \
+                i0_ += mm_;                                                              \
             }                                                                            \
-            i0_ += mm_;                                                                  \
         }                                                                                \
     } while (0)
 

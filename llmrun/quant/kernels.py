@@ -207,6 +207,7 @@ class Matvec:
         self.args = (_kernel_type(ggml_type, packed), raw.data_ptr(), raw.stride(0), self.rows)
         self.bias = None if bias is None else bias.data_ptr()
         lib = native.library()
+        self.q8 = q8
         self.fn = lib.llmrun_matvec_q8 if q8 else lib.llmrun_matvec
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

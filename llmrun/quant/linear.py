@@ -69,7 +69,7 @@ class QuantLinear(nn.Module):
 
     The native matvec is bound to the weight and bias at the first call, and again
     after `.to()` or `load_state_dict`; its bias is added inside the kernel. With
-    `q8_activations` set (set_activations), a few rows (decode) go through the
+    `q8_activations` set (set_activations), every product goes through the
     8-bit-activation kernel where the type has one (kernels.supports_q8): the
     activations quantized to Q8_0 as llama.cpp does, faster and no longer exact.
     """
@@ -104,7 +104,9 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         matvec = self._native() if self._stale else self._matvec
-        if matvec is not None and x.numel() <= self._matvec_max:
+        # 8-bit activations take the kernel for any number of rows: integer products on
+        # a prompt too, as llama.cpp computes them, where f32 tiles would go to a GEMM.
+        if matvec is not None and (x.numel() <= self._matvec_max or matvec.q8):
             if x.dtype == torch.float32 and x.is_contiguous():
                 # Decoding: the path every token takes, kept to one call.
                 return matvec(x).view(*x.shape[:-1], self.out_features)

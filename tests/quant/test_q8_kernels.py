@@ -154,22 +154,25 @@ def test_q8_experts_take_each_matrix_with_its_activations(native_kernels, ggml_t
               torch.from_numpy(x).data_ptr(), 0, cols - 16, y.data_ptr(), 3) == -1  # fmt: skip
 
 
-def test_quant_linear_takes_q8_for_decoding_only(native_kernels):
-    """set_activations("q8"): a few rows (decode) through the q8 kernel, a prompt's many
-    rows through the exact GEMM; "f32" again gives exact products."""
+def test_quant_linear_takes_q8_for_every_product(native_kernels):
+    """set_activations("q8"): a few rows (decode) and a prompt's many rows (in passes of
+    up to 8 over each run of weights) through the q8 kernel; "f32" gives exact products
+    again (a prompt's through the f32 GEMM)."""
     rng = np.random.default_rng(0)
     raw_np = random_blocks(T.Q4_0, 64, 256, rng)
     layer = QuantLinear(torch.from_numpy(raw_np.copy()), T.Q4_0, 256)
     model = torch.nn.Sequential(layer)
-    x = rng.standard_normal((40, 256)).astype(np.float32)
+    x = rng.standard_normal((43, 256)).astype(np.float32)
     exact = x.astype(np.float64) @ gguf_dequantize(raw_np, T.Q4_0).astype(np.float64).T
     assert set_activations(model, "q8") == 1
     decode = layer(torch.from_numpy(x[:2])).numpy()
-    np.testing.assert_allclose(decode, reference(raw_np, T.Q4_0, x[:2]), rtol=0, atol=1e-4)
+    assert_near(decode, reference(raw_np, T.Q4_0, x[:2]))
     assert np.abs(decode - exact[:2]).max() > 1e-4  # not the exact product
-    prefill = layer(torch.from_numpy(x)).numpy()
-    np.testing.assert_allclose(prefill, exact, rtol=0, atol=1e-4)
+    prompt = layer(torch.from_numpy(x).view(1, 43, 256)).numpy()
+    assert prompt.shape == (1, 43, 64)
+    assert_near(prompt[0], reference(raw_np, T.Q4_0, x))
     set_activations(model, "f32")
     np.testing.assert_allclose(layer(torch.from_numpy(x[:2])).numpy(), exact[:2], atol=1e-4)
+    np.testing.assert_allclose(layer(torch.from_numpy(x)).numpy(), exact, atol=1e-4)
     with pytest.raises(ValueError, match="activations must be one of"):
         set_activations(model, "q4")
