@@ -436,8 +436,62 @@ ALWAYS_INLINE void dot_group(const float *buf, const float *x, int64_t n, int64_
     }
 
 DEFINE_KERNELS(F32)
-DEFINE_KERNELS(F16)
 DEFINE_KERNELS(BF16)
+
+/* F16 in 256-bit vectors, each converted half-vector of weights straight into the
+ * multiply-adds (4 chains): on Zen 4 this reads cold F16 rows ~20 % faster (24.5-30 GB/s
+ * against 20-24.6, 2 threads) than the 512-bit DEFINE_KERNELS form, which is bound by
+ * memory-level parallelism, not by arithmetic (warm, both run at ~40 GB/s). */
+#define F16_YMM_BYTES 64 /* 32 weights: one cache line, one prefetch */
+ALWAYS_INLINE void rows_F16(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
+                            const float *x, const int m, int64_t n, float *y, int64_t ldy,
+                            const float *bias) {
+    const uint8_t *end = w + r1 * stride;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * stride;
+        __m256 acc[MAX_M][4];
+        for (int i = 0; i < m; i++)
+            acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = _mm256_setzero_ps();
+        int64_t k = 0;
+        for (; k + 32 <= n; k += 32) {
+            const uint8_t *src = row + 2 * k;
+            if (src + PREFETCH + F16_YMM_BYTES <= end)
+                _mm_prefetch((const char *)src + PREFETCH, _MM_HINT_T0);
+            for (int j = 0; j < 4; j++) {
+                const __m256 wv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 16 * j)));
+                for (int i = 0; i < m; i++)
+                    acc[i][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i * n + k + 8 * j), acc[i][j]);
+            }
+        }
+        for (; k < n; k += 8) { /* rows are whole 16s: at most three 8s left */
+            const __m256 wv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * k)));
+            for (int i = 0; i < m; i++)
+                acc[i][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i * n + k), acc[i][0]);
+        }
+        for (int i = 0; i < m; i++) {
+            const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]),
+                                             _mm256_add_ps(acc[i][2], acc[i][3]));
+            const __m128 h = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+            const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            y[i * ldy + r] = _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q))) + (bias ? bias[r] : 0.0f);
+        }
+    }
+}
+
+static void matvec_F16(const uint8_t *w, int64_t stride, int64_t rows, const float *x, int64_t m,
+                       int64_t n, float *y, const float *bias) {
+    ROW_PASSES(x, rows_F16);
+}
+
+static void dequant_F16(const uint8_t *w, int64_t stride, int64_t rows, int64_t n, float *out) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < n / F16_BLOCK; b++) {
+            float *out_ = out + r * n + b * F16_BLOCK;
+            const uint8_t *src = w + r * stride + b * F16_BYTES;
+            F16_DEQ(src, STORE_EMIT);
+        }
+}
 DEFINE_KERNELS(Q4_0)
 DEFINE_KERNELS(Q4_1)
 DEFINE_KERNELS(Q5_0)
