@@ -56,6 +56,8 @@ _Q8_API = {
     "llmrun_q8_block": [ctypes.c_int],
     "llmrun_matvec_q8": [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR],
     "llmrun_matvec_experts_q8": [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64],
+    # a prompt's rows on tiles of weights (AVX-512 with VNNI; -1 where it cannot)
+    "llmrun_gemm_q8": [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR],
 }
 _VOID = (
     "llmrun_rms_norm",

@@ -33,6 +33,9 @@ FIELDS = {
 }
 K_SCALE_GROUP = 16  # K-quant blocks whose scale fields `pack` interleaves (C: K_GROUP)
 PACK_CHUNK = 1 << 22  # bytes of blocks `pack` repacks at a time
+# Activation rows from which the 8-bit kernels take tiles of weights (a GEMM) rather
+# than passes of up to 8 rows over each run of weights.
+GEMM_MIN_ROWS = 16
 
 
 @functools.cache
@@ -209,11 +212,19 @@ class Matvec:
         lib = native.library()
         self.q8 = q8
         self.fn = lib.llmrun_matvec_q8 if q8 else lib.llmrun_matvec
+        # a prompt's many rows: tiles of weights where the family has them (q8.h)
+        self.gemm = getattr(lib, "llmrun_gemm_q8", None) if q8 else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x f32 `[m, n]` (contiguous) -> f32 `[m, rows]`."""
         m = x.numel() // self.n
         y = torch.empty(m, self.rows, dtype=torch.float32)
+        if (
+            m > GEMM_MIN_ROWS
+            and self.gemm is not None
+            and not self.gemm(*self.args, x.data_ptr(), m, self.n, y.data_ptr(), self.bias)
+        ):
+            return y
         if self.fn(*self.args, x.data_ptr(), m, self.n, y.data_ptr(), self.bias):
             raise MemoryError("no memory for the quantized activations")
         return y

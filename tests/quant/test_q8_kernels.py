@@ -5,7 +5,8 @@ the activations quantized to Q8_0 by gguf's numpy code (gguf.quants.quantize), b
 sides dequantized by gguf, multiplied in float64. What the kernels compute is exactly
 that sum of integer products scaled per block (K-quants: per sub-block, less the mins'
 part); only the float sums' order differs, so the tolerance is float rounding: 1e-5
-of the largest |output|.
+of the largest |output|. A prompt's 37 rows take the tiles of llmrun_gemm_q8 where the
+family has them (AVX-512 with VNNI), the passes of the matvec elsewhere.
 """
 
 import numpy as np
@@ -78,7 +79,7 @@ def assert_near(got: np.ndarray, expected: np.ndarray) -> None:
     CASES,
     ids=lambda c: {True: "packed", False: "ggml"}.get(c, getattr(c, "name", c)),
 )
-@pytest.mark.parametrize("m", [1, 2, 3, 8, 11])
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 11, 37])
 def test_q8_matvec_is_the_product_of_gguf_quantized_activations(
     native_kernels, ggml_type, cols, packed, m
 ):
@@ -176,3 +177,36 @@ def test_quant_linear_takes_q8_for_every_product(native_kernels):
     np.testing.assert_allclose(layer(torch.from_numpy(x)).numpy(), exact, atol=1e-4)
     with pytest.raises(ValueError, match="activations must be one of"):
         set_activations(model, "q4")
+
+
+GEMM_TYPES = [
+    (T.Q4_0, True), (T.Q5_0, True), (T.Q4_0, False), (T.Q5_0, False), (T.Q8_0, False),
+    (T.MXFP4, False), (T.Q4_K, False), (T.Q5_K, False), (T.Q6_K, False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("ggml_type,packed", GEMM_TYPES, ids=lambda c: getattr(c, "name", c))
+def test_a_prompt_takes_the_tiles_where_the_family_has_them(native_kernels, ggml_type, packed):
+    """llmrun_gemm_q8 itself (what kernels.Matvec tries first for a prompt): with VNNI it
+    takes every type above, rows of 40 activations into 45 weight rows (a partial last
+    tile of 32), bias and all; the AVX2 family has no tiles and says so."""
+    lib = native.library()
+    cols = 256 if ggml_type in (T.Q4_0, T.Q5_0) and packed else COLS.get(ggml_type, [96])[0]
+    cols = 512 if ggml_type in (T.Q4_K, T.Q5_K, T.Q6_K) else cols
+    rng = np.random.default_rng(9)
+    raw_np = random_blocks(ggml_type, 45, cols, rng)
+    raw = torch.from_numpy(raw_np)
+    w = kernels.pack(raw, ggml_type) if packed else raw
+    kind = kernels.PACKED[ggml_type] if packed else int(ggml_type)
+    x = activations(40, cols, rng)
+    bias = rng.standard_normal(45).astype(np.float32)
+    y = np.zeros((40, 45), np.float32)
+    gemm = getattr(lib, "llmrun_gemm_q8", None)
+    vnni = native_kernels == "AVX-512" and "avx512_vnni" in build.cpu_features().split()
+    if not vnni:
+        assert gemm is None or gemm(kind, w.data_ptr(), w.stride(0), 45, x.ctypes.data, 40, cols,
+                                    y.ctypes.data, bias.ctypes.data) == -1  # fmt: skip
+        return
+    assert gemm(kind, w.data_ptr(), w.stride(0), 45, x.ctypes.data, 40, cols, y.ctypes.data,
+                bias.ctypes.data) == 0  # fmt: skip
+    assert_near(y, reference(raw_np, ggml_type, x, bias))
