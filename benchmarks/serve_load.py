@@ -22,7 +22,7 @@ Usage:
   python benchmarks/serve_load.py [MODEL] [-c 1,4,8] [--requests 4] [-n 64]
       [--parallel 8] [--threads 2] [--prompt TEXT] [--url http://127.0.0.1:8080]
   python benchmarks/serve_load.py [MODEL] --multi-turn 8x8 [-n 64] [--think-time 0.5]
-      [--prefix-cache both] [--kv-memory 1GiB] [--parallel 8] [--threads 2]
+      [--prefix-cache both] [--kv-memory 1GiB] [--activations q8] [--parallel 8] [--threads 2]
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ def start_server(
     command += ["--parallel", str(args.parallel), "--queue", "256", *extra]
     if args.kv_memory:
         command += ["--kv-memory", args.kv_memory]
+    if args.activations:
+        command += ["--activations", args.activations]
     if args.model:
         command.append(args.model)
     if args.threads:
@@ -327,6 +329,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--think-time", type=float, default=0.5, help="seconds between turns")
     parser.add_argument("--prefix-cache", choices=["on", "off", "both"], default="both")
     parser.add_argument("--kv-memory", help="the server's --kv-memory")
+    parser.add_argument("--activations", choices=["f32", "q8"], help="the server's --activations")
     return parser.parse_args(argv)
 
 
