@@ -212,6 +212,242 @@ static inline int64_t q8_gemm_chunk(int64_t stride, int64_t rows) {
     return by_bytes < chunk ? by_bytes : chunk;
 }
 
+#if defined(__AVX2__) && defined(__FMA__) /* every family that includes this has AVX2 */
+/* ---- A prompt's rows (many activation rows): a GEMM on tiles of weights ----
+ *
+ * The matvec kernels decode each run of weights once for up to 8 activation rows, then
+ * spend a scale, a conversion and a multiply-add per row and block; with a prompt's
+ * hundreds of rows that float work is most of the time. A family's GEMM (its
+ * llmrun_gemm_q8, through q8_gemm below) first decodes a tile of TILE weight rows once
+ * into u8 quants (w = a q + c per half-block of 16, a the scale, c the offset's
+ * coefficient: Q4_0's -8 d, a K-quant's -dmin m, ...), laid out as 4 consecutive quants
+ * of each of the tile's rows per dword lane, so one vector load meets 4 quants of one
+ * activation row (broadcast) for many weight rows at once. The integer sums cover a
+ * block of 32 (two for Q6_K's halves of 16 with their own scales) before one
+ * conversion and multiply-add per vector of outputs; the offsets meet each activation
+ * block's sum (d_x times the sum of its quants). */
+
+/* A prompt's rows, quantized as q8_block_quantize: q [m, n] in order, d [m, nb], and
+ * per block d times the sum of the quants of its halves (s2 [m, nb, 2]) and of all of
+ * it (s [m, nb]). */
+typedef struct {
+    int8_t *q;
+    float *d, *s, *s2;
+    int64_t m, n, nb;
+} prompt_t;
+
+/* A family's pass of all m activation rows over one decoded tile (q, a, c as
+ * q8_fill_tile writes them) into y[i, r0 + j] for j < nr (+ bias). */
+typedef void (*gemm_tile_fn)(int type, const uint8_t *q, const float *a, const float *c,
+                             const prompt_t *x, float *y, int64_t ldy, int64_t r0, int64_t nr,
+                             const float *bias);
+
+static inline float q8_f16_at(const uint8_t *p) {
+    _Float16 h;
+    memcpy(&h, p, 2);
+    return (float)h;
+}
+
+/* 0x10 in byte k where bit k of bits is set */
+static inline __m256i bit4_bytes(uint32_t bits) {
+    const __m256i select = _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL,
+                                              0x0303030303030303LL);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i b = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), select), bit);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(b, bit), _mm256_set1_epi8(16));
+}
+
+/* (v >> k) & mask in each byte, for a k known only at run time */
+static inline __m256i q8_bits_at(__m256i v, int k, int mask) {
+    return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(k)), _mm256_set1_epi8((char)mask));
+}
+
+/* One weight row as quants in order (q[n]) and each half-block's a and c ([2 nb]): u8
+ * values, except Q8_0's with `q8_signed` (its s8 values as they are, c 0: for a family
+ * whose u8 x s8 products saturate past 2 * 128 * 127). 0, or -1 for a type without a
+ * decoder here. */
+static inline int q8_decode_row(int type, const uint8_t *row, int64_t n, uint8_t *q, float *a,
+                                float *c, int q8_signed) {
+    const int64_t nb = n / 32;
+    const __m128i low4 = _mm_set1_epi8(15);
+    for (int64_t b = 0; b < nb; b++) {
+        uint8_t *qb = q + 32 * b;
+        float d, off;
+        switch (type) {
+        case Q4_0: case Q4_0_PACKED: case Q5_0: case Q5_0_PACKED: {
+            const int five = type == Q5_0 || type == Q5_0_PACKED;
+            const uint8_t *qs;
+            uint32_t qh = 0;
+            if (type == Q4_0) d = q8_f16_at(row + 18 * b), qs = row + 18 * b + 2;
+            else if (type == Q5_0) d = q8_f16_at(row + 22 * b), qh = u32_at(row + 22 * b + 2), qs = row + 22 * b + 6;
+            else if (type == Q4_0_PACKED) d = q8_f16_at(row + 2 * b), qs = row + 2 * nb + 16 * b;
+            else d = q8_f16_at(row + 2 * b), qh = u32_at(row + 2 * nb + 4 * b), qs = row + 6 * nb + 16 * b;
+            const __m128i v = _mm_loadu_si128((const __m128i *)qs);
+            const __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+            __m256i t = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+            if (five) t = _mm256_or_si256(t, bit4_bytes(qh)); /* bit j of qh: weight j's fifth bit */
+            _mm256_storeu_si256((__m256i *)qb, t);
+            off = five ? -16.0f * d : -8.0f * d;
+            break;
+        }
+        case Q8_0: case Q8_0_PACKED: {
+            const uint8_t *qs = type == Q8_0 ? row + 34 * b + 2 : row + 2 * nb + 32 * b;
+            d = q8_f16_at(type == Q8_0 ? row + 34 * b : row + 2 * b);
+            const __m256i v = _mm256_loadu_si256((const __m256i *)qs);
+            _mm256_storeu_si256((__m256i *)qb, q8_signed ? v : _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)));
+            off = q8_signed ? 0.0f : -128.0f * d;
+            break;
+        }
+        case MXFP4: {
+            d = e8m0_half(row[17 * b]);
+            const __m128i values = _mm_add_epi8(_mm_loadu_si128((const __m128i *)MXFP4_VALUES), _mm_set1_epi8(12));
+            const __m128i v = _mm_loadu_si128((const __m128i *)(row + 17 * b + 1));
+            _mm_storeu_si128((__m128i *)qb, _mm_shuffle_epi8(values, _mm_and_si128(v, low4)));
+            _mm_storeu_si128((__m128i *)(qb + 16), _mm_shuffle_epi8(values, _mm_and_si128(_mm_srli_epi16(v, 4), low4)));
+            off = -12.0f * d;
+            break;
+        }
+        case Q4_K: case Q5_K: {
+            /* sub-block j of super-block b / 8: (d sc_j) q - dmin m_j */
+            const int five = type == Q5_K, j = (int)(b % 8);
+            const uint8_t *blk = row + (b / 8) * (five ? 176 : 144);
+            const uint8_t *sc = blk + 4;
+            uint8_t scale, min;
+            if (j < 4) scale = sc[j] & 63, min = sc[j + 4] & 63;
+            else scale = (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4), min = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+            const uint8_t *quants = blk + (five ? 48 : 16) + 32 * (j / 2);
+            __m256i t = q8_bits_at(_mm256_loadu_si256((const __m256i *)quants), 4 * (j % 2), 15);
+            if (five) { /* bit j of qh[l]: weight l's fifth bit */
+                const __m256i h = q8_bits_at(_mm256_loadu_si256((const __m256i *)(blk + 16)), j, 1);
+                t = _mm256_or_si256(t, _mm256_slli_epi16(h, 4));
+            }
+            _mm256_storeu_si256((__m256i *)qb, t);
+            d = q8_f16_at(blk) * (float)scale;
+            off = -(q8_f16_at(blk + 2) * (float)min);
+            break;
+        }
+        case Q6_K: { /* weight 32t + l of half h: ql nibble and 2 bits of qh; -32 */
+            const uint8_t *blk = row + (b / 8) * 210;
+            const int h = (int)(b % 8) / 4, t = (int)(b % 4);
+            const uint8_t *ql = blk + 64 * h + 32 * (t % 2), *qh = blk + 128 + 32 * h;
+            const __m256i lq = q8_bits_at(_mm256_loadu_si256((const __m256i *)ql), 4 * (t / 2), 15);
+            const __m256i hq = q8_bits_at(_mm256_loadu_si256((const __m256i *)qh), 2 * t, 3);
+            _mm256_storeu_si256((__m256i *)qb, _mm256_or_si256(lq, _mm256_slli_epi16(hq, 4)));
+            const float dd = q8_f16_at(blk + 208);
+            const int8_t *scales = (const int8_t *)blk + 192 + 2 * (b % 8);
+            a[2 * b] = dd * (float)scales[0], a[2 * b + 1] = dd * (float)scales[1];
+            c[2 * b] = -32.0f * a[2 * b], c[2 * b + 1] = -32.0f * a[2 * b + 1];
+            continue;
+        }
+        default:
+            return -1;
+        }
+        a[2 * b] = a[2 * b + 1] = d;
+        c[2 * b] = c[2 * b + 1] = off;
+    }
+    return 0;
+}
+
+/* Rows r0 .. r0 + nr - 1 (nr <= tile) into the tile: q [nb][8][tile][4] (rows past nr
+ * zero), a and c [nb][2][tile]; rows is scratch for tile rows of n, ra and rc for their
+ * [2 nb] a and c. */
+static inline int q8_fill_tile(int type, const uint8_t *w, int64_t stride, int64_t r0, int64_t nr,
+                               int64_t n, int tile, int q8_signed, uint8_t *rows, float *ra,
+                               float *rc, uint8_t *q, float *a, float *c) {
+    const int64_t nb = n / 32;
+    for (int64_t r = 0; r < tile; r++) {
+        if (r < nr) {
+            if (q8_decode_row(type, w + (r0 + r) * stride, n, rows + r * n, ra + r * 2 * nb,
+                              rc + r * 2 * nb, q8_signed))
+                return -1;
+        } else {
+            memset(rows + r * n, 0, (size_t)n);
+            memset(ra + r * 2 * nb, 0, sizeof(float) * (size_t)(2 * nb));
+            memset(rc + r * 2 * nb, 0, sizeof(float) * (size_t)(2 * nb));
+        }
+    }
+    uint32_t *q32 = (uint32_t *)q;
+    for (int64_t g = 0; g < n / 4; g++) /* 4 quants of every row: dword g of each */
+        for (int64_t r = 0; r < tile; r++) q32[g * tile + r] = u32_at(rows + r * n + 4 * g);
+    for (int64_t b = 0; b < 2 * nb; b++)
+        for (int64_t r = 0; r < tile; r++) {
+            a[b * tile + r] = ra[r * 2 * nb + b];
+            c[b * tile + r] = rc[r * 2 * nb + b];
+        }
+    return 0;
+}
+
+/* y [m, rows] = x [m, n] W^T (+ bias) with x quantized to Q8_0 rows, tile rows of W at a
+ * time through the family's pass: 0, or -1 for a type the tiles cannot take (or memory
+ * running out); the caller then takes the matvec. */
+static inline int q8_gemm(int type, const uint8_t *w, int64_t stride, int64_t rows, const float *x,
+                          int64_t m, int64_t n, float *y, const float *bias, int tile,
+                          int q8_signed, gemm_tile_fn pass) {
+    switch (type) { /* the types q8_decode_row takes, in rows it takes */
+    case Q4_0: case Q5_0: case Q8_0: case Q8_0_PACKED: case MXFP4:
+        if (n % 32) return -1;
+        break;
+    case Q4_0_PACKED: case Q5_0_PACKED:
+        if (n % 128) return -1;
+        break;
+    case Q4_K: case Q5_K: case Q6_K:
+        if (n % 256) return -1;
+        break;
+    default:
+        return -1;
+    }
+    const int64_t nb = n / 32;
+    prompt_t p = {.m = m, .n = n, .nb = nb};
+    p.q = malloc((size_t)(m * n));
+    p.d = malloc(sizeof(float) * (size_t)(4 * m * nb));
+    if (p.q == NULL || p.d == NULL) {
+        free(p.q), free(p.d);
+        return -1;
+    }
+    p.s = p.d + m * nb, p.s2 = p.s + m * nb;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t b = 0; b < nb; b++) {
+            int8_t *qb = p.q + i * n + 32 * b;
+            int32_t sum;
+            const float d = q8_f16(q8_block_quantize_split(x + i * n + 32 * b, qb, qb + 16, &sum));
+            int32_t lo = 0;
+            for (int j = 0; j < 16; j++) lo += qb[j];
+            p.d[i * nb + b] = d;
+            p.s[i * nb + b] = d * (float)sum;
+            p.s2[2 * (i * nb + b)] = d * (float)lo;
+            p.s2[2 * (i * nb + b) + 1] = d * (float)(sum - lo);
+        }
+    int failed = 0;
+#pragma omp parallel
+    {
+        uint8_t *rows_buf = malloc((size_t)(tile * n) * 2);
+        float *f = malloc(sizeof(float) * (size_t)(8 * tile * nb));
+        if (rows_buf == NULL || f == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        uint8_t *tq = rows_buf + tile * n;
+        float *ra = f, *rc = f + 2 * tile * nb, *ta = f + 4 * tile * nb, *tc = f + 6 * tile * nb;
+#pragma omp for schedule(dynamic)
+        for (int64_t r0 = 0; r0 < rows; r0 += tile) {
+            if (rows_buf == NULL || f == NULL) continue;
+            const int64_t nr = rows - r0 < tile ? rows - r0 : tile;
+            if (q8_fill_tile(type, w, stride, r0, nr, n, tile, q8_signed, rows_buf, ra, rc, tq, ta, tc)) {
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            pass(type, tq, ta, tc, &p, y, rows, r0, nr, bias);
+        }
+        free(rows_buf);
+        free(f);
+    }
+    free(p.q), free(p.d);
+    return failed ? -1 : 0;
+}
+#endif
+
 /* As ROW_PASSES (common.h), over the quantized activations: ROWS(w, stride, r0, r1,
  * a, i0, m, y, ldy, bias, ...) for the activation rows i0 .. i0 + m - 1, in passes of up
  * to MAX_M rows over each thread's run of weights (a prompt's many rows: over runs of

@@ -25,15 +25,6 @@ ALWAYS_INLINE float f16_value(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-/* 0x10 in byte k where bit k of bits is set */
-ALWAYS_INLINE __m256i bit4_bytes(uint32_t bits) {
-    const __m256i select = _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL,
-                                              0x0303030303030303LL);
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    const __m256i b = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), select), bit);
-    return _mm256_and_si256(_mm256_cmpeq_epi8(b, bit), _mm256_set1_epi8(16));
-}
-
 /* Packed Q4_0 (five 0) and Q5_0 (five 1), the kernels' layout (scales, high-bit words,
  * 16-byte quants per block), four blocks at a time as two 32-byte loads: the low
  * nibbles of the pair hold their weights 0..15, the high nibbles 16..31, in
@@ -458,6 +449,113 @@ ALWAYS_INLINE void rows_q8_q6_k(const uint8_t *w, int64_t stride, int64_t r0, in
 }
 
 DEFINE_Q8_MATVEC(Q6_K, ORDER_NATURAL, 32, rows_q8_q6_k)
+
+/* ---- A prompt's rows: q8.h's GEMM on tiles of 16 weight rows (two vectors of outputs).
+ * A 32-byte load of the tile holds 4 quants of each of 8 rows; against 4 quants of an
+ * activation row (broadcast), vpmaddubsw gives each row's two pair sums in 16 bits.
+ * Those add up in 16 bits over `group` loads before vpmaddwd widens them: a group
+ * never saturates (at most 2 * group * max u8 * 127: Q4_0/Q4_K's 15 over 8 loads,
+ * Q5's 31 and MXFP4's 24 over 4, Q6_K's 63 over 2), and Q8_0 takes |w| against x with
+ * w's sign, one load at a time (2 * 128 * 127). Three activation rows share each load
+ * of the tile. ---- */
+#define TILE 16 /* weight rows a tile holds */
+#define GEMM_MR 3 /* activation rows a pass takes (with four, accumulators spill) */
+
+/* The tile against activation rows i0 .. i0 + mr - 1, into y[i, r0 + j] for j < nr. */
+ALWAYS_INLINE void gemm_pass(const uint8_t *q, const float *a, const float *c, const prompt_t *x,
+                             int64_t i0, const int mr, float *y, int64_t ldy, int64_t r0,
+                             int64_t nr, const float *bias, const int group, const int split,
+                             const int sign) {
+    const int64_t nb = x->nb;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[GEMM_MR][2];
+    for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i s[GEMM_MR][2][2];
+        for (int h = 0; h < 1 + split; h++) {
+            for (int i = 0; i < mr; i++) s[i][0][h] = s[i][1][h] = _mm256_setzero_si256();
+            for (int g0 = split ? 4 * h : 0; g0 < (split ? 4 * h + 4 : 8); g0 += group) {
+                __m256i p[GEMM_MR][2];
+                for (int i = 0; i < mr; i++) p[i][0] = p[i][1] = _mm256_setzero_si256();
+                /* rolled: unrolled, gcc spills each product to reorder the 16-bit adds */
+#pragma GCC unroll 1
+                for (int g = g0; g < g0 + group; g++) {
+                    const uint8_t *wq = q + (b * 8 + g) * TILE * 4;
+                    const __m256i w0 = load256(wq), w1 = load256(wq + 32);
+                    const __m256i u0 = sign ? _mm256_abs_epi8(w0) : w0;
+                    const __m256i u1 = sign ? _mm256_abs_epi8(w1) : w1;
+                    for (int i = 0; i < mr; i++) {
+                        int32_t four;
+                        memcpy(&four, x->q + (i0 + i) * x->n + 32 * b + 4 * g, 4);
+                        const __m256i xv = _mm256_set1_epi32(four);
+                        const __m256i x0 = sign ? _mm256_sign_epi8(xv, w0) : xv;
+                        const __m256i x1 = sign ? _mm256_sign_epi8(xv, w1) : xv;
+                        p[i][0] = _mm256_add_epi16(p[i][0], _mm256_maddubs_epi16(u0, x0));
+                        p[i][1] = _mm256_add_epi16(p[i][1], _mm256_maddubs_epi16(u1, x1));
+                    }
+                }
+                for (int i = 0; i < mr; i++)
+                    for (int v = 0; v < 2; v++)
+                        s[i][v][h] = _mm256_add_epi32(s[i][v][h], _mm256_madd_epi16(p[i][v], ones));
+            }
+        }
+        for (int v = 0; v < 2; v++) {
+            const __m256 a0 = _mm256_loadu_ps(a + (2 * b) * TILE + 8 * v);
+            const __m256 c0 = _mm256_loadu_ps(c + (2 * b) * TILE + 8 * v);
+            for (int i = 0; i < mr; i++) {
+                const int64_t at = (i0 + i) * nb + b;
+                const __m256 dx = _mm256_set1_ps(x->d[at]);
+                if (split) {
+                    const __m256 a1 = _mm256_loadu_ps(a + (2 * b + 1) * TILE + 8 * v);
+                    const __m256 c1 = _mm256_loadu_ps(c + (2 * b + 1) * TILE + 8 * v);
+                    acc[i][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i][v][0]), _mm256_mul_ps(a0, dx), acc[i][v]);
+                    acc[i][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i][v][1]), _mm256_mul_ps(a1, dx), acc[i][v]);
+                    acc[i][v] = _mm256_fmadd_ps(c0, _mm256_set1_ps(x->s2[2 * at]), acc[i][v]);
+                    acc[i][v] = _mm256_fmadd_ps(c1, _mm256_set1_ps(x->s2[2 * at + 1]), acc[i][v]);
+                } else {
+                    acc[i][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i][v][0]), _mm256_mul_ps(a0, dx), acc[i][v]);
+                    acc[i][v] = _mm256_fmadd_ps(c0, _mm256_set1_ps(x->s[at]), acc[i][v]);
+                }
+            }
+        }
+    }
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int i = 0; i < mr; i++)
+        for (int v = 0; v < 2; v++) {
+            const int64_t left = nr - 8 * v;
+            if (left <= 0) continue;
+            const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32(left >= 8 ? 8 : (int)left), lane);
+            __m256 out = acc[i][v];
+            if (bias) out = _mm256_add_ps(out, _mm256_maskload_ps(bias + r0 + 8 * v, k));
+            _mm256_maskstore_ps(y + (i0 + i) * ldy + r0 + 8 * v, k, out);
+        }
+}
+
+#define GEMM_ROWS(GROUP, SPLIT, SIGN)                                                    \
+    do {                                                                                 \
+        int64_t i0 = 0;                                                                  \
+        for (; i0 + GEMM_MR <= x->m; i0 += GEMM_MR)                                      \
+            gemm_pass(q, a, c, x, i0, GEMM_MR, y, ldy, r0, nr, bias, GROUP, SPLIT, SIGN); \
+        for (; i0 < x->m; i0++) gemm_pass(q, a, c, x, i0, 1, y, ldy, r0, nr, bias, GROUP, SPLIT, SIGN); \
+    } while (0)
+
+/* Every activation row against one tile (q8.h's gemm_tile_fn), with the type's group. */
+static void gemm_tile(int type, const uint8_t *q, const float *a, const float *c, const prompt_t *x,
+                      float *y, int64_t ldy, int64_t r0, int64_t nr, const float *bias) {
+    switch (type) {
+    case Q4_0: case Q4_0_PACKED: case Q4_K: GEMM_ROWS(8, 0, 0); break;
+    case Q6_K: GEMM_ROWS(2, 1, 0); break;
+    case Q8_0: case Q8_0_PACKED: GEMM_ROWS(1, 0, 1); break;
+    default: GEMM_ROWS(4, 0, 0); break; /* Q5_0, Q5_K, MXFP4 */
+    }
+}
+
+/* y [m, rows] = x [m, n] W^T (+ bias) with x quantized to Q8_0 rows: 0, or -1 for a type
+ * the tiles cannot take (or memory running out); the caller then takes the matvec. */
+int llmrun_gemm_q8(int type, const uint8_t *w, int64_t stride, int64_t rows, const float *x,
+                   int64_t m, int64_t n, float *y, const float *bias) {
+    return q8_gemm(type, w, stride, rows, x, m, n, y, bias, TILE, 1, gemm_tile);
+}
 
 DEFINE_Q8_API()
 

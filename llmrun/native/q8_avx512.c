@@ -572,149 +572,12 @@ DEFINE_Q8_MATVEC(Q4_K_PACKED, ORDER_NATURAL, 0, rows_q8_k_packed, 0)
 DEFINE_Q8_MATVEC(Q5_K_PACKED, ORDER_NATURAL, 0, rows_q8_k_packed, 1)
 #endif
 
-/* ---- A prompt's rows (many activation rows): a GEMM on tiles of weights ----
- *
- * The matvec kernels above decode each 64 bytes of weights once for up to 8 activation
- * rows, then spend a scale, a conversion and a multiply-add per row and block; with a
- * prompt's hundreds of rows that float work is most of the time. Here a tile of 32
- * weight rows is first decoded once into u8 quants (w = a q + c per half-block of 16,
- * a the scale, c the offset's coefficient: Q4_0's -8 d, a K-quant's -dmin m, ...) and
- * laid out for vpdpbusd: 4 consecutive quants of each of the tile's rows per dword
- * lane, so one 64-byte load meets 4 quants of one activation row (broadcast) for 16
- * weight rows at once. The integer sums cover a block of 32 (two for Q6_K's halves of
- * 16 with their own scales) before one conversion and multiply-add per 16 outputs; the
- * offsets meet each activation block's sum (d_x times the sum of its quants). Four
- * activation rows share each load of the tile. */
+/* ---- A prompt's rows: q8.h's GEMM on tiles of 32 weight rows (two vectors of outputs),
+ * each 64-byte load of the tile meeting 4 quants of an activation row in vpdpbusd;
+ * four activation rows share each load. ---- */
 #ifdef __AVX512VNNI__
-#define TILE 32 /* weight rows a tile holds: two vectors of outputs */
+#define TILE 32 /* weight rows a tile holds */
 #define GEMM_MR 4 /* activation rows a pass takes */
-
-/* A prompt's rows, quantized as q8.h's q8_block_quantize: q [m, n] in order, d [m, nb],
- * and per block d times the sum of the quants of its halves (s2 [m, nb, 2]) and of all
- * of it (s [m, nb]). */
-typedef struct {
-    int8_t *q;
-    float *d, *s, *s2;
-    int64_t m, n, nb;
-} prompt_t;
-
-/* One weight row as u8 quants in order (q[n]) and each half-block's a and c ([2 nb]):
- * returns 0, or -1 for a type without a decoder here. */
-static int decode_row(int type, const uint8_t *row, int64_t n, uint8_t *q, float *a, float *c) {
-    const int64_t nb = n / 32;
-    const __m128i low4 = _mm_set1_epi8(15);
-    for (int64_t b = 0; b < nb; b++) {
-        uint8_t *qb = q + 32 * b;
-        float d, off;
-        const uint8_t *qs;
-        uint32_t qh = 0;
-        switch (type) {
-        case Q4_0: case Q4_0_PACKED: case Q5_0: case Q5_0_PACKED: {
-            const int five = type == Q5_0 || type == Q5_0_PACKED;
-            if (type == Q4_0) d = f16_value(row + 18 * b), qs = row + 18 * b + 2;
-            else if (type == Q5_0) d = f16_value(row + 22 * b), qh = u32_at(row + 22 * b + 2), qs = row + 22 * b + 6;
-            else if (type == Q4_0_PACKED) d = f16_value(row + 2 * b), qs = row + 2 * nb + 16 * b;
-            else d = f16_value(row + 2 * b), qh = u32_at(row + 2 * nb + 4 * b), qs = row + 6 * nb + 16 * b;
-            const __m128i v = _mm_loadu_si128((const __m128i *)qs);
-            __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
-            if (five) {
-                lo = _mm_mask_add_epi8(lo, (__mmask16)(qh & 0xFFFF), lo, _mm_set1_epi8(16));
-                hi = _mm_mask_add_epi8(hi, (__mmask16)(qh >> 16), hi, _mm_set1_epi8(16));
-            }
-            _mm_storeu_si128((__m128i *)qb, lo);
-            _mm_storeu_si128((__m128i *)(qb + 16), hi);
-            off = five ? -16.0f * d : -8.0f * d;
-            break;
-        }
-        case Q8_0: {
-            d = f16_value(row + 34 * b);
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(row + 34 * b + 2));
-            _mm256_storeu_si256((__m256i *)qb, _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)));
-            off = -128.0f * d;
-            break;
-        }
-        case MXFP4: {
-            d = e8m0_half(row[17 * b]);
-            const __m128i values = _mm_add_epi8(_mm_loadu_si128((const __m128i *)MXFP4_VALUES), _mm_set1_epi8(12));
-            const __m128i v = _mm_loadu_si128((const __m128i *)(row + 17 * b + 1));
-            _mm_storeu_si128((__m128i *)qb, _mm_shuffle_epi8(values, _mm_and_si128(v, low4)));
-            _mm_storeu_si128((__m128i *)(qb + 16), _mm_shuffle_epi8(values, _mm_and_si128(_mm_srli_epi16(v, 4), low4)));
-            off = -12.0f * d;
-            break;
-        }
-        case Q4_K: case Q5_K: {
-            /* sub-block j of super-block b / 8: (d sc_j) q - dmin m_j */
-            const int five = type == Q5_K, j = (int)(b % 8);
-            const uint8_t *blk = row + (b / 8) * (five ? 176 : 144);
-            const uint8_t *sc = blk + 4;
-            uint8_t scale, min;
-            if (j < 4) scale = sc[j] & 63, min = sc[j + 4] & 63;
-            else scale = (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4), min = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
-            const uint8_t *quants = blk + (five ? 48 : 16) + 32 * (j / 2);
-            const __m256i v = _mm256_loadu_si256((const __m256i *)quants);
-            __m256i t = j % 2 ? _mm256_srli_epi16(v, 4) : v;
-            t = _mm256_and_si256(t, _mm256_set1_epi8(15));
-            if (five) { /* bit j of qh[l]: weight l's fifth bit */
-                const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 16));
-                const __mmask32 bit = _mm256_test_epi8_mask(h, _mm256_set1_epi8((char)(1 << j)));
-                t = _mm256_mask_add_epi8(t, bit, t, _mm256_set1_epi8(16));
-            }
-            _mm256_storeu_si256((__m256i *)qb, t);
-            d = f16_value(blk) * (float)scale;
-            off = -(f16_value(blk + 2) * (float)min);
-            break;
-        }
-        case Q6_K: { /* weight 32t + l of half h: ql nibble and 2 bits of qh; -32 */
-            const uint8_t *blk = row + (b / 8) * 210;
-            const int h = (int)(b % 8) / 4, t = (int)(b % 4);
-            const uint8_t *ql = blk + 64 * h + 32 * (t % 2), *qh = blk + 128 + 32 * h;
-            const __m256i l = _mm256_loadu_si256((const __m256i *)ql);
-            const __m256i lq = _mm256_and_si256(t / 2 ? _mm256_srli_epi16(l, 4) : l, _mm256_set1_epi8(15));
-            const __m256i hq = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)qh), 2 * t),
-                                                _mm256_set1_epi8(3));
-            _mm256_storeu_si256((__m256i *)qb, _mm256_or_si256(lq, _mm256_slli_epi16(hq, 4)));
-            const float dd = f16_value(blk + 208);
-            const int8_t *scales = (const int8_t *)blk + 192 + 2 * (b % 8);
-            a[2 * b] = dd * (float)scales[0], a[2 * b + 1] = dd * (float)scales[1];
-            c[2 * b] = -32.0f * a[2 * b], c[2 * b + 1] = -32.0f * a[2 * b + 1];
-            continue;
-        }
-        default:
-            return -1;
-        }
-        a[2 * b] = a[2 * b + 1] = d;
-        c[2 * b] = c[2 * b + 1] = off;
-    }
-    return 0;
-}
-
-ALWAYS_INLINE int gemm_split(int type) { return type == Q6_K; }
-
-/* Rows r0 .. r0 + nr - 1 (nr <= TILE) into the tile: q [nb][8][TILE][4] (rows past nr
- * zero), a and c [nb][2][TILE]; rows is scratch for TILE rows of n u8. */
-static int fill_tile(int type, const uint8_t *w, int64_t stride, int64_t r0, int64_t nr,
-                     int64_t n, uint8_t *rows, float *ra, float *rc, uint8_t *q, float *a, float *c) {
-    const int64_t nb = n / 32;
-    for (int64_t r = 0; r < TILE; r++) {
-        if (r < nr) {
-            if (decode_row(type, w + (r0 + r) * stride, n, rows + r * n, ra + r * 2 * nb, rc + r * 2 * nb))
-                return -1;
-        } else {
-            memset(rows + r * n, 0, (size_t)n);
-            memset(ra + r * 2 * nb, 0, sizeof(float) * (size_t)(2 * nb));
-            memset(rc + r * 2 * nb, 0, sizeof(float) * (size_t)(2 * nb));
-        }
-    }
-    uint32_t *q32 = (uint32_t *)q;
-    for (int64_t g = 0; g < n / 4; g++) /* 4 quants of every row: dword g of each */
-        for (int64_t r = 0; r < TILE; r++) q32[g * TILE + r] = u32_at(rows + r * n + 4 * g);
-    for (int64_t b = 0; b < 2 * nb; b++)
-        for (int64_t r = 0; r < TILE; r++) {
-            a[b * TILE + r] = ra[r * 2 * nb + b];
-            c[b * TILE + r] = rc[r * 2 * nb + b];
-        }
-    return 0;
-}
 
 /* The tile against activation rows i0 .. i0 + mr - 1, into y[i, r0 + j] for j < nr. */
 ALWAYS_INLINE void gemm_pass(const uint8_t *q, const float *a, const float *c, const prompt_t *x,
@@ -770,79 +633,24 @@ ALWAYS_INLINE void gemm_pass(const uint8_t *q, const float *a, const float *c, c
         }
 }
 
+/* Every activation row against one tile (q8.h's gemm_tile_fn). */
+static void gemm_tile(int type, const uint8_t *q, const float *a, const float *c, const prompt_t *x,
+                      float *y, int64_t ldy, int64_t r0, int64_t nr, const float *bias) {
+    const int split = type == Q6_K;
+    int64_t i0 = 0;
+    for (; i0 + GEMM_MR <= x->m; i0 += GEMM_MR)
+        if (split) gemm_pass(q, a, c, x, i0, GEMM_MR, y, ldy, r0, nr, bias, 1);
+        else gemm_pass(q, a, c, x, i0, GEMM_MR, y, ldy, r0, nr, bias, 0);
+    for (; i0 < x->m; i0++)
+        if (split) gemm_pass(q, a, c, x, i0, 1, y, ldy, r0, nr, bias, 1);
+        else gemm_pass(q, a, c, x, i0, 1, y, ldy, r0, nr, bias, 0);
+}
+
 /* y [m, rows] = x [m, n] W^T (+ bias) with x quantized to Q8_0 rows: 0, or -1 for a type
  * the tiles cannot take (or memory running out); the caller then takes the matvec. */
 int llmrun_gemm_q8(int type, const uint8_t *w, int64_t stride, int64_t rows, const float *x,
                    int64_t m, int64_t n, float *y, const float *bias) {
-    switch (type) { /* the types decode_row takes, in rows it takes */
-    case Q4_0: case Q5_0: case Q8_0: case MXFP4:
-        if (n % 32) return -1;
-        break;
-    case Q4_0_PACKED: case Q5_0_PACKED:
-        if (n % 128) return -1;
-        break;
-    case Q4_K: case Q5_K: case Q6_K:
-        if (n % 256) return -1;
-        break;
-    default:
-        return -1;
-    }
-    const int64_t nb = n / 32;
-    prompt_t p = {.m = m, .n = n, .nb = nb};
-    p.q = malloc((size_t)(m * n));
-    p.d = malloc(sizeof(float) * (size_t)(4 * m * nb));
-    if (p.q == NULL || p.d == NULL) {
-        free(p.q), free(p.d);
-        return -1;
-    }
-    p.s = p.d + m * nb, p.s2 = p.s + m * nb;
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < m; i++)
-        for (int64_t b = 0; b < nb; b++) {
-            int8_t *qb = p.q + i * n + 32 * b;
-            int32_t sum;
-            const float d = q8_f16(q8_block_quantize_split(x + i * n + 32 * b, qb, qb + 16, &sum));
-            int32_t lo = 0;
-            for (int j = 0; j < 16; j++) lo += qb[j];
-            p.d[i * nb + b] = d;
-            p.s[i * nb + b] = d * (float)sum;
-            p.s2[2 * (i * nb + b)] = d * (float)lo;
-            p.s2[2 * (i * nb + b) + 1] = d * (float)(sum - lo);
-        }
-    const int split = gemm_split(type);
-    int failed = 0;
-#pragma omp parallel
-    {
-        uint8_t *rows_buf = malloc((size_t)(TILE * n) * 2);
-        float *f = malloc(sizeof(float) * (size_t)(8 * TILE * nb));
-        if (rows_buf == NULL || f == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        uint8_t *tq = rows_buf + TILE * n;
-        float *ra = f, *rc = f + 2 * TILE * nb, *ta = f + 4 * TILE * nb, *tc = f + 6 * TILE * nb;
-#pragma omp for schedule(dynamic)
-        for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
-            if (rows_buf == NULL || f == NULL) continue;
-            const int64_t nr = rows - r0 < TILE ? rows - r0 : TILE;
-            if (fill_tile(type, w, stride, r0, nr, n, rows_buf, ra, rc, tq, ta, tc)) {
-#pragma omp atomic write
-                failed = 1;
-                continue;
-            }
-            int64_t i0 = 0;
-            for (; i0 + GEMM_MR <= m; i0 += GEMM_MR)
-                if (split) gemm_pass(tq, ta, tc, &p, i0, GEMM_MR, y, rows, r0, nr, bias, 1);
-                else gemm_pass(tq, ta, tc, &p, i0, GEMM_MR, y, rows, r0, nr, bias, 0);
-            for (; i0 < m; i0++)
-                if (split) gemm_pass(tq, ta, tc, &p, i0, 1, y, rows, r0, nr, bias, 1);
-                else gemm_pass(tq, ta, tc, &p, i0, 1, y, rows, r0, nr, bias, 0);
-        }
-        free(rows_buf);
-        free(f);
-    }
-    free(p.q), free(p.d);
-    return failed ? -1 : 0;
+    return q8_gemm(type, w, stride, rows, x, m, n, y, bias, TILE, 0, gemm_tile);
 }
 #else
 int llmrun_gemm_q8(int type, const uint8_t *w, int64_t stride, int64_t rows, const float *x,

@@ -180,30 +180,42 @@ def test_quant_linear_takes_q8_for_every_product(native_kernels):
 
 
 GEMM_TYPES = [
-    (T.Q4_0, True), (T.Q5_0, True), (T.Q4_0, False), (T.Q5_0, False), (T.Q8_0, False),
-    (T.MXFP4, False), (T.Q4_K, False), (T.Q5_K, False), (T.Q6_K, False),
+    (T.Q4_0, True), (T.Q5_0, True), (T.Q8_0, True), (T.Q4_0, False), (T.Q5_0, False),
+    (T.Q8_0, False), (T.MXFP4, False), (T.Q4_K, False), (T.Q5_K, False), (T.Q6_K, False),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize("ggml_type,packed", GEMM_TYPES, ids=lambda c: getattr(c, "name", c))
 def test_a_prompt_takes_the_tiles_where_the_family_has_them(native_kernels, ggml_type, packed):
-    """llmrun_gemm_q8 itself (what kernels.Matvec tries first for a prompt): with VNNI it
-    takes every type above, rows of 40 activations into 45 weight rows (a partial last
-    tile of 32), bias and all; the AVX2 family has no tiles and says so."""
+    """llmrun_gemm_q8 itself (what kernels.Matvec tries first for a prompt): AVX2 and
+    AVX-512 with VNNI take every type above (AVX2's Q8_0 also in its packed layout),
+    rows of 40 activations into 45 weight rows (a partial last tile of 16 or 32), bias
+    and all, with weights at the extremes of each type's range (where 16-bit pair sums
+    would saturate first); AVX-512 without VNNI has no tiles and says so."""
     lib = native.library()
+    if packed and ggml_type not in PACKED_Q8[native_kernels]:
+        pytest.skip(f"{native_kernels} does not pack {ggml_type.name}")
     cols = 256 if ggml_type in (T.Q4_0, T.Q5_0) and packed else COLS.get(ggml_type, [96])[0]
     cols = 512 if ggml_type in (T.Q4_K, T.Q5_K, T.Q6_K) else cols
     rng = np.random.default_rng(9)
     raw_np = random_blocks(ggml_type, 45, cols, rng)
+    extreme = random_blocks(ggml_type, 45, cols, rng)
+    scales = {o + k for o in F16_FIELDS.get(ggml_type, ()) for k in (0, 1)}
+    scales |= set(E8M0_FIELDS.get(ggml_type, ()))
+    quants = [i for i in range(raw_np.shape[1]) if i % GGML_QUANT_SIZES[ggml_type][1] not in scales]
+    # the largest u8 each type's quants take (MXFP4: 12 + 12), or Q8_0's -128
+    extreme[:, quants] = {T.Q8_0: 0x80, T.MXFP4: 0x77}.get(ggml_type, 0xFF)
+    raw_np[:5] = extreme[:5]
     raw = torch.from_numpy(raw_np)
     w = kernels.pack(raw, ggml_type) if packed else raw
     kind = kernels.PACKED[ggml_type] if packed else int(ggml_type)
     x = activations(40, cols, rng)
+    x[:4] = np.float32([[0.5], [1.0], [3.0], [1e-3]])  # x's quants all 127 ...
+    x[4:8] = -x[:4]  # ... and -127
     bias = rng.standard_normal(45).astype(np.float32)
     y = np.zeros((40, 45), np.float32)
     gemm = getattr(lib, "llmrun_gemm_q8", None)
-    vnni = native_kernels == "AVX-512" and "avx512_vnni" in build.cpu_features().split()
-    if not vnni:
+    if native_kernels == "AVX-512" and "avx512_vnni" not in build.cpu_features().split():
         assert gemm is None or gemm(kind, w.data_ptr(), w.stride(0), 45, x.ctypes.data, 40, cols,
                                     y.ctypes.data, bias.ctypes.data) == -1  # fmt: skip
         return
