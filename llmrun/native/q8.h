@@ -99,8 +99,36 @@ static inline int64_t q8_half_place(int order, int64_t b, int h) {
     return q8_place(order, b, 16 * h);
 }
 
+/* The GGML-layout types whose kernels take four blocks at a time (ORDER_QUADS), and the
+ * bytes of their blocks. */
+enum { QUAD_Q4_0, QUAD_Q5_0, QUAD_MXFP4 };
+
+ALWAYS_INLINE int quad_bytes(const int kind) {
+    return kind == QUAD_Q4_0 ? 18 : kind == QUAD_Q5_0 ? 22 : MXFP4_BYTES;
+}
+
+/* Bytes (size 1) or u16s (size 2) k < 8 of the fields `bytes` apart at src, packed into
+ * a u64 in registers (stored one by one and reloaded as a vector, they would wait on
+ * store forwarding). */
+ALWAYS_INLINE uint64_t gather8(const uint8_t *src, int bytes, const int size) {
+    uint64_t v = 0;
+    for (int k = 0; k < 8 / size; k++) {
+        uint16_t h = 0;
+        memcpy(&h, src + k * bytes, size);
+        v |= (uint64_t)h << (8 * size * k);
+    }
+    return v;
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+
+/* The f16 at p, as f32 (F16C: every family that includes this has it). */
+ALWAYS_INLINE float f16_value(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
 
 /* q8_block_quantize, eight values at a time with the same f32 operations; q's two
  * halves go to q0 and q1. */
@@ -242,12 +270,6 @@ typedef void (*gemm_tile_fn)(int type, const uint8_t *q, const float *a, const f
                              const prompt_t *x, float *y, int64_t ldy, int64_t r0, int64_t nr,
                              const float *bias);
 
-static inline float q8_f16_at(const uint8_t *p) {
-    _Float16 h;
-    memcpy(&h, p, 2);
-    return (float)h;
-}
-
 /* 0x10 in byte k where bit k of bits is set */
 static inline __m256i bit4_bytes(uint32_t bits) {
     const __m256i select = _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL,
@@ -278,10 +300,10 @@ static inline int q8_decode_row(int type, const uint8_t *row, int64_t n, uint8_t
             const int five = type == Q5_0 || type == Q5_0_PACKED;
             const uint8_t *qs;
             uint32_t qh = 0;
-            if (type == Q4_0) d = q8_f16_at(row + 18 * b), qs = row + 18 * b + 2;
-            else if (type == Q5_0) d = q8_f16_at(row + 22 * b), qh = u32_at(row + 22 * b + 2), qs = row + 22 * b + 6;
-            else if (type == Q4_0_PACKED) d = q8_f16_at(row + 2 * b), qs = row + 2 * nb + 16 * b;
-            else d = q8_f16_at(row + 2 * b), qh = u32_at(row + 2 * nb + 4 * b), qs = row + 6 * nb + 16 * b;
+            if (type == Q4_0) d = f16_value(row + 18 * b), qs = row + 18 * b + 2;
+            else if (type == Q5_0) d = f16_value(row + 22 * b), qh = u32_at(row + 22 * b + 2), qs = row + 22 * b + 6;
+            else if (type == Q4_0_PACKED) d = f16_value(row + 2 * b), qs = row + 2 * nb + 16 * b;
+            else d = f16_value(row + 2 * b), qh = u32_at(row + 2 * nb + 4 * b), qs = row + 6 * nb + 16 * b;
             const __m128i v = _mm_loadu_si128((const __m128i *)qs);
             const __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
             __m256i t = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
@@ -292,7 +314,7 @@ static inline int q8_decode_row(int type, const uint8_t *row, int64_t n, uint8_t
         }
         case Q8_0: case Q8_0_PACKED: {
             const uint8_t *qs = type == Q8_0 ? row + 34 * b + 2 : row + 2 * nb + 32 * b;
-            d = q8_f16_at(type == Q8_0 ? row + 34 * b : row + 2 * b);
+            d = f16_value(type == Q8_0 ? row + 34 * b : row + 2 * b);
             const __m256i v = _mm256_loadu_si256((const __m256i *)qs);
             _mm256_storeu_si256((__m256i *)qb, q8_signed ? v : _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)));
             off = q8_signed ? 0.0f : -128.0f * d;
@@ -322,8 +344,8 @@ static inline int q8_decode_row(int type, const uint8_t *row, int64_t n, uint8_t
                 t = _mm256_or_si256(t, _mm256_slli_epi16(h, 4));
             }
             _mm256_storeu_si256((__m256i *)qb, t);
-            d = q8_f16_at(blk) * (float)scale;
-            off = -(q8_f16_at(blk + 2) * (float)min);
+            d = f16_value(blk) * (float)scale;
+            off = -(f16_value(blk + 2) * (float)min);
             break;
         }
         case Q6_K: { /* weight 32t + l of half h: ql nibble and 2 bits of qh; -32 */
@@ -333,7 +355,7 @@ static inline int q8_decode_row(int type, const uint8_t *row, int64_t n, uint8_t
             const __m256i lq = q8_bits_at(_mm256_loadu_si256((const __m256i *)ql), 4 * (t / 2), 15);
             const __m256i hq = q8_bits_at(_mm256_loadu_si256((const __m256i *)qh), 2 * t, 3);
             _mm256_storeu_si256((__m256i *)qb, _mm256_or_si256(lq, _mm256_slli_epi16(hq, 4)));
-            const float dd = q8_f16_at(blk + 208);
+            const float dd = f16_value(blk + 208);
             const int8_t *scales = (const int8_t *)blk + 192 + 2 * (b % 8);
             a[2 * b] = dd * (float)scales[0], a[2 * b + 1] = dd * (float)scales[1];
             c[2 * b] = -32.0f * a[2 * b], c[2 * b + 1] = -32.0f * a[2 * b + 1];

@@ -19,12 +19,6 @@
 
 ALWAYS_INLINE __m256i load256(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
-ALWAYS_INLINE float f16_value(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
 /* Packed Q4_0 (five 0) and Q5_0 (five 1), the kernels' layout (scales, high-bit words,
  * 16-byte quants per block), four blocks at a time as two 32-byte loads: the low
  * nibbles of the pair hold their weights 0..15, the high nibbles 16..31, in
@@ -152,25 +146,6 @@ ALWAYS_INLINE __m256i dot_u8(__m256i u, __m256i x) {
  * values plus 12 (so unsigned). The weights' offset (8, 16, 12) is in the lanes' start.
  * A row's last quad may hold fewer blocks (rows of any multiple of 32): the lanes of the
  * missing ones have scale 0. */
-enum { QUAD_Q4_0, QUAD_Q5_0, QUAD_MXFP4 };
-
-ALWAYS_INLINE int quad_bytes(const int kind) {
-    return kind == QUAD_Q4_0 ? 18 : kind == QUAD_Q5_0 ? 22 : MXFP4_BYTES;
-}
-
-/* Bytes (size 1) or u16s (size 2) k < 8 of the fields `bytes` apart at src, packed into
- * a u64 in registers (stored one by one and reloaded as a vector, they would wait on
- * store forwarding). */
-ALWAYS_INLINE uint64_t gather8(const uint8_t *src, int bytes, const int size) {
-    uint64_t v = 0;
-    for (int k = 0; k < 8 / size; k++) {
-        uint16_t h = 0;
-        memcpy(&h, src + k * bytes, size);
-        v |= (uint64_t)h << (8 * size * k);
-    }
-    return v;
-}
-
 /* The scales of c <= 8 blocks `bytes` apart, 0 past c: their fields gathered (a whole
  * group without branches), then converted at once (E8M0 as e8m0_half). */
 ALWAYS_INLINE __m256 quad_scales(const uint8_t *src, int c, const int kind) {

@@ -37,12 +37,6 @@ ALWAYS_INLINE __m512i dpbusd_bw(__m512i acc, __m512i u, __m512i s) {
 
 ALWAYS_INLINE __m512i load512(const void *p) { return _mm512_loadu_si512(p); }
 
-ALWAYS_INLINE float f16_value(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
 /* Packed Q4_0 (five 0) and Q5_0 (five 1), kernels_avx512.c's layout: a row's f16
  * scales, (Q5_0) its u32 high-bit words, then its blocks' 16-byte quants. A 64-byte
  * load holds four blocks: its low nibbles their weights 0..15, its high nibbles
@@ -152,25 +146,6 @@ ALWAYS_INLINE float reduce2(__m512 a, __m512 b) { return _mm512_reduce_add_ps(_m
  * rows_q8_packed; MXFP4's codes look up their values plus 12 (so unsigned). The
  * weights' offset (8, 16, 12) is in the lanes' start. A row's last quad may hold fewer
  * blocks (rows of any multiple of 32): the lanes of the missing ones have scale 0. */
-enum { QUAD_Q4_0, QUAD_Q5_0, QUAD_MXFP4 };
-
-ALWAYS_INLINE int quad_bytes(const int kind) {
-    return kind == QUAD_Q4_0 ? 18 : kind == QUAD_Q5_0 ? 22 : MXFP4_BYTES;
-}
-
-/* Bytes (size 1) or u16s (size 2) k < 8 of the fields `bytes` apart at src, packed into
- * a u64 in registers (stored one by one and reloaded as a vector, they would wait on
- * store forwarding). */
-ALWAYS_INLINE uint64_t gather8(const uint8_t *src, int bytes, const int size) {
-    uint64_t v = 0;
-    for (int k = 0; k < 8 / size; k++) {
-        uint16_t h = 0;
-        memcpy(&h, src + k * bytes, size);
-        v |= (uint64_t)h << (8 * size * k);
-    }
-    return v;
-}
-
 /* The scales of c <= 16 blocks `bytes` apart, 0 past c: their fields gathered (a whole
  * group without branches), then converted at once (E8M0 as e8m0_half). */
 ALWAYS_INLINE __m512 quad_scales(const uint8_t *src, int c, const int kind) {
