@@ -714,9 +714,9 @@ DEFINE_PACKED(Q5_0_PACKED, 1)
 /* ds[s][i] = d*sc[s] and ms[s][i] = dmin*m[s] for blocks i < c <= K_GROUP of a scale
  * group, from their consecutive d's, dmins and the group's scale bytes: k_scales'
  * decode (get_scale_min_k4 in gguf) with one block per lane. */
-static inline void k_scales_group(const uint8_t *d16, const uint8_t *dmin16,
-                                  const uint8_t *scales, int c, float ds[8][K_GROUP],
-                                  float ms[8][K_GROUP]) {
+__attribute__((visibility("hidden"))) /* q8_avx512.c's packed K-quants share it */
+void k_scales_group(const uint8_t *d16, const uint8_t *dmin16, const uint8_t *scales, int c,
+                    float ds[8][K_GROUP], float ms[8][K_GROUP]) {
     const __mmask16 k = (__mmask16)((1u << c) - 1);
     __m512i q[12];
     for (int j = 0; j < 12; j++)

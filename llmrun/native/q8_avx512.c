@@ -433,34 +433,14 @@ DEFINE_Q8_MATVEC(Q6_K, ORDER_NATURAL, 32, rows_q8_q6_k)
  * vpermt2b sort each load's nibbles into x's order, sub-blocks 4h, 4h + 1 and 4h + 2,
  * 4h + 3; Q5_K's high bits of sub-blocks 2t, 2t + 1 (in its u16 masks, bit k of u32 j:
  * weight k of sub-block j) are then the byte mask of vector t as they stand. The scales
- * and mins decode a group at a time, one block a lane (as k_scales_group); the mins'
+ * and mins decode a group at a time, one block a lane (k_scales_group); the mins'
  * part, per group with blocks in lanes, takes the activation blocks' s transposed to
  * match (st). */
 #define K_GROUP 16
 
-ALWAYS_INLINE void k_group_scales(const uint8_t *d16, const uint8_t *dmin16, const uint8_t *scales,
-                                  int c, float ds[8][K_GROUP], float ms[8][K_GROUP]) {
-    const __mmask16 k = (__mmask16)((1u << c) - 1);
-    __m512i q[12];
-    for (int j = 0; j < 12; j++) q[j] = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, scales + c * j));
-    const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, d16));
-    const __m512 dmin = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, dmin16));
-    const __m512i low6 = _mm512_set1_epi32(63), low4 = _mm512_set1_epi32(15);
-    const __m512i bits45 = _mm512_set1_epi32(0x30);
-    for (int s = 0; s < 4; s++) {
-        const __m512i sc0 = _mm512_and_si512(q[s], low6);
-        const __m512i m0 = _mm512_and_si512(q[s + 4], low6);
-        const __m512i sc1 = _mm512_ternarylogic_epi32(_mm512_and_si512(q[s + 8], low4),
-                                                      _mm512_srli_epi32(q[s], 2), bits45, 0xF8);
-        const __m512i m1 = _mm512_ternarylogic_epi32(_mm512_srli_epi32(q[s + 8], 4),
-                                                     _mm512_srli_epi32(q[s + 4], 2), bits45, 0xF8);
-        _mm512_store_ps(ds[s], _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc0)));
-        _mm512_store_ps(ms[s], _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m0)));
-        _mm512_store_ps(ds[s + 4], _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc1)));
-        _mm512_store_ps(ms[s + 4], _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m1)));
-    }
-    __asm__ volatile("" ::: "memory"); /* broadcast ds from memory: no shuffles */
-}
+/* kernels_avx512.c's, one block a lane: ds[s][i] = d*sc[s], ms[s][i] = dmin*m[s]. */
+void k_scales_group(const uint8_t *d16, const uint8_t *dmin16, const uint8_t *scales, int c,
+                    float ds[8][K_GROUP], float ms[8][K_GROUP]);
 
 /* vpermt2b indices: byte k of sub-blocks (s0 + k / 32) from lo (weights < 16) or hi */
 ALWAYS_INLINE __m512i k_packed_sort(int s0) {
@@ -494,7 +474,7 @@ ALWAYS_INLINE void rows_q8_k_packed(const uint8_t *w, int64_t stride, int64_t r0
         for (int i = 0; i < m; i++) acc[i][0] = acc[i][1] = accm[i] = _mm512_setzero_ps();
         for (int64_t b0 = 0; b0 < nb; b0 += K_GROUP) {
             const int c = nb - b0 < K_GROUP ? (int)(nb - b0) : K_GROUP;
-            k_group_scales(row + 2 * b0, row + 2 * nb + 2 * b0, row + 4 * nb + 12 * b0, c, ds, ms);
+            k_scales_group(row + 2 * b0, row + 2 * nb + 2 * b0, row + 4 * nb + 12 * b0, c, ds, ms);
             for (int j = 0; j < c; j++) {
                 const int64_t b = b0 + j;
                 /* at a GGML block's pace through the bytes, as rows_k_packed */
