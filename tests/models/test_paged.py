@@ -3,10 +3,10 @@
 The native paged kernel is held to torch's attention on the same keys and values
 laid out contiguously, at test_ops.py's tolerances (rtol 1e-5: the same sums in
 another order), for shuffled block tables, partial last blocks and sliding-window
-ranges, in every cache type. Whole models are held to the contiguous KVCache: the
-same logits to float rounding (1e-4 on logits within about ±5) for a prefill in
-chunks and then decoding, alone and batched, with rows whose tables share their
-prefix blocks. In an f16 cache, 1e-7 differences upstream (keys summed in another
+ranges, in every cache type. Whole models (dense, mixtures of experts, gpt-oss) are
+held to the contiguous KVCache: the same logits to float rounding (1e-4 on logits
+within about ±5) for a prefill in chunks and then decoding, alone and batched, with
+rows whose tables share their prefix blocks. In an f16 cache, 1e-7 differences upstream (keys summed in another
 order) can round a stored key the other way, one f16 step: up to 3e-4 measured on
 Gemma 2, so f16 is held to 2e-3.
 """
@@ -16,10 +16,13 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from gpt_oss_helpers import llmrun_state, tiny_gpt_oss
 from helpers import BASE
+from moe_helpers import MOE_CONFIGS, hub_state_dict, tiny_moe_model
 from test_cache_types import our_model
 
 from llmrun import ops
+from llmrun.models import model_module
 from llmrun.models.paged import PagedKVCache
 
 BLOCK = 16
@@ -90,14 +93,32 @@ def test_the_kernel_refuses_what_it_cannot_take(native_kernels):
 
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3"]
+FAMILIES += [*MOE_CONFIGS, "gpt_oss"]  # experts; gpt-oss's sinks, windows of 5
 SEQ = 45
 IDS = torch.randint(0, BASE["vocab_size"], (2, SEQ), generator=torch.Generator().manual_seed(5))
 SHARED = 32  # row 1 starts with row 0's first two blocks
 
 
+def built(name: str):
+    """Our model of a tiny transformers model of the family, with its weights."""
+    if name in MOE_CONFIGS:
+        hf, config = tiny_moe_model(name)
+        state = hub_state_dict(hf, config["model_type"])
+    elif name == "gpt_oss":
+        hf, config = tiny_gpt_oss()
+        state = llmrun_state(hf, config)
+    else:
+        return our_model(name)[0]
+    module = model_module(config["model_type"])
+    model = module.Model(module.ModelArgs.from_config(config))
+    result = model.load_state_dict(state, strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    return model.eval()
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def model(request):
-    return our_model(request.param)[0]
+    return built(request.param)
 
 
 def pool_for(model, cache_type="f32", n_blocks=16):
