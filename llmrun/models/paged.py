@@ -13,14 +13,29 @@ bf16 activations, gpt-oss's sinks) the blocks a forward attends to are gathered 
 [B, Hkv, L, D] for torch's attention, with the forward's mask. Sliding-window
 layers (Gemma 2/3, gpt-oss) are held whole here and masked to their window; their
 blocks that left the window are not freed.
+
+On CPU the pool is an anonymous memory map: the kernel hands out its pages zeroed when
+they are first written, so the process's memory grows with the blocks used, not with
+the pool's size (torch.zeros would write all of it up front).
 """
 
 from __future__ import annotations
+
+import mmap
 
 import torch
 
 from llmrun import ops
 from llmrun.models.cache import KVCache
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros; on CPU in a map of their own, resident only where written."""
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    if device.type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
 
 
 class PagedKVCache:
@@ -32,8 +47,8 @@ class PagedKVCache:
         row width and cache type) does; a sequence holds at most max_seq_len positions."""
         n_layers, _, kv_heads, _, width = like.k.shape
         shape = (n_layers, n_blocks, kv_heads, block_rows, width)
-        self.k = torch.zeros(shape, dtype=like.storage, device=like.k.device)
-        self.v = torch.zeros(shape, dtype=like.storage, device=like.k.device)
+        self.k = zeros(shape, like.storage, like.k.device)
+        self.v = zeros(shape, like.storage, like.k.device)
         self.like = like  # its encode()/decode() convert to and from the cache type
         self.n_blocks, self.block_rows, self.max_seq_len = n_blocks, block_rows, max_seq_len
 

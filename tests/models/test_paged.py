@@ -11,6 +11,7 @@ order) can round a stored key the other way, one f16 step: up to 3e-4 measured o
 Gemma 2, so f16 is held to 2e-3.
 """
 
+import os
 import random
 
 import pytest
@@ -187,3 +188,24 @@ def test_block_bytes_counts_keys_and_values_of_every_layer():
     like = model.new_cache(1, 1, "f16", "cpu")
     assert PagedKVCache.block_bytes(like, BLOCK) == 2 * 2 * 2 * BLOCK * 32 * 2
     assert pool_for(model, "f16").nbytes == 16 * PagedKVCache.block_bytes(like, BLOCK)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's /proc")
+def test_a_pool_is_resident_only_where_blocks_are_written():
+    """serve's pool (64 MiB here) costs memory as its blocks fill, not all at once; it
+    reads as zeros before it is written."""
+
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    model, _ = our_model("qwen3")  # 2 layers, 2 KV heads of 32: 16 KiB a block in f32
+    before = resident()
+    pool = pool_for(model, n_blocks=4096)
+    assert pool.nbytes == 64 << 20
+    assert resident() - before < 8 << 20
+    assert not pool.k[:, :8].any() and not pool.v[:, -8:].any()
+    with torch.inference_mode():
+        model(IDS[:1], torch.arange(SEQ)[None], pool.view([[7, 4000, 12]]))
+    assert pool.k[:, 4000].any()
+    assert resident() - before < 16 << 20
