@@ -1,0 +1,166 @@
+"""Every GPU check of the CUDA issue in one run, for a short device lease.
+
+On the Qwen2.5-0.5B-shaped files (make_qwen_model.py's; written first where missing):
+1. correctness: the last prompt position's logits on --device against CPU f32 (the
+   largest absolute difference, next to the logits' spread), and 64 greedy tokens
+   decoded on both: how many agree before the first difference;
+2. speed: `llmrun bench -p 512 -n 128 -r 3 --roofline` on --device (t/s, peak device
+   memory, weights GB/s against the device's measured read bandwidth);
+3. the baseline: transformers in bf16 on the same shape (random weights), prefill of
+   512 and greedy decode of 128 tokens, t/s.
+It prints a table and writes JSON lines to --out. On a machine without CUDA it runs
+the same steps with `--device cpu` (smaller, to check the script itself).
+
+    python benchmarks/gpu_check.py [--device cuda] [--types F16,Q8_0,Q4_0,Q4_K_M]
+                                   [--greedy 64] [--out benchmarks/out/gpu_check.jsonl]
+
+On the device machine (see benchmarks/README.md, "GPU check"): the image lacks gguf and
+platformdirs (carried as wheels), and the qwen2 vocabulary comes from
+tests/data/cache/vocab (carried).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+import make_qwen_model as shape  # noqa: E402
+
+from llmrun import api  # noqa: E402
+from llmrun.generate import prefill  # noqa: E402
+
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
+
+
+def greedy(engine: api.Engine, prompt: list[int], steps: int) -> tuple[torch.Tensor, list[int]]:
+    """The logits at the prompt's last position (f32, CPU) and `steps` greedy tokens."""
+    state = engine.new_state(len(prompt) + steps + 1)
+    with torch.inference_mode():
+        logits = prefill(engine.model, state, prompt)
+        first = logits.float().cpu()
+        tokens = []
+        for _ in range(steps):
+            token = int(logits.argmax())
+            tokens.append(token)
+            logits = prefill(engine.model, state, [token], 1)
+    return first, tokens
+
+
+def check_file(path: Path, device: str, steps: int) -> dict:
+    reference = api.load(str(path), device="cpu")
+    prompt = reference.tokenizer.encode(PROMPT)
+    ref_logits, ref_tokens = greedy(reference, prompt, steps)
+    del reference
+    engine = api.load(str(path), device=device)
+    logits, tokens = greedy(engine, prompt, steps)
+    agree = next(
+        (i for i, (a, b) in enumerate(zip(tokens, ref_tokens, strict=True)) if a != b), steps
+    )
+    return {
+        "file": path.name,
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "max_abs_logit_diff": float((logits - ref_logits).abs().max()),
+        "logit_spread": float(ref_logits.max() - ref_logits.min()),
+        "greedy_agree": agree,
+        "greedy_steps": steps,
+    }
+
+
+def bench(paths: list[Path], device: str, prompt: int, tokens: int) -> list[dict]:
+    command = [sys.executable, "-m", "llmrun", "bench", *map(str, paths), "--device", device,
+               "-p", str(prompt), "-n", str(tokens), "-r", "3", "--roofline", "-o", "json"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, cwd=HERE.parent)
+    if done.returncode:
+        return [{"bench_error": done.stderr.strip().splitlines()[-1:]}]
+    return json.loads(done.stdout)
+
+
+def transformers_baseline(device: str, prompt: int, tokens: int) -> dict:
+    """transformers bf16 on Qwen2.5-0.5B's shape: prefill and greedy-decode t/s."""
+    import transformers
+
+    config = transformers.Qwen2Config(
+        hidden_size=shape.HIDDEN, intermediate_size=shape.FFN, num_hidden_layers=shape.LAYERS,
+        num_attention_heads=shape.HEADS, num_key_value_heads=shape.KV_HEADS,
+        vocab_size=shape.VOCAB_SIZE, tie_word_embeddings=True, max_position_embeddings=32768,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device != "cpu" else torch.float32
+    model = transformers.Qwen2ForCausalLM(config).to(device=device, dtype=dtype).eval()
+    ids = torch.randint(0, shape.VOCAB_SIZE, (1, prompt), device=device)
+
+    def timed(fn) -> float:
+        fn()  # warm-up
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    with torch.inference_mode():
+        prefill_s = timed(lambda: model(ids))
+        short = ids[:, :16]
+        decode_s = timed(
+            lambda: model.generate(
+                short, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0
+            )  # fmt: skip
+        )
+    return {
+        "engine": "transformers",
+        "dtype": str(dtype).removeprefix("torch."),
+        "pp_ts": prompt / prefill_s,
+        "tg_ts": tokens / decode_s,  # includes the 16-token prompt's prefill
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--types", default="F16,Q8_0,Q4_0,Q4_K_M")
+    parser.add_argument("--greedy", type=int, default=64, help="greedy tokens compared")
+    parser.add_argument("-p", "--prompt", type=int, default=512)
+    parser.add_argument("-n", "--tokens", type=int, default=128)
+    parser.add_argument("--models", type=Path, default=HERE / "out")
+    parser.add_argument("--out", type=Path, default=HERE / "out/gpu_check.jsonl")
+    args = parser.parse_args(argv)
+    types = args.types.split(",")
+    paths = [args.models / f"qwen2.5-0.5b-shaped-{t}.gguf" for t in types]
+    missing = [t for t, p in zip(types, paths, strict=True) if not p.is_file()]
+    if missing:
+        subprocess.run([sys.executable, str(HERE / "make_qwen_model.py"), "--types",
+                        ",".join(missing), "--out", str(args.models)], check=True)  # fmt: skip
+    if args.device == "cuda":
+        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    records = [check_file(p, args.device, args.greedy) for p in paths]
+    for r in records:
+        print(f"{r['file']}: {r['device']} {r['dtype']} logits within {r['max_abs_logit_diff']:.3g}"
+              f" of CPU f32 (spread {r['logit_spread']:.3g}); greedy agrees for"
+              f" {r['greedy_agree']}/{r['greedy_steps']} tokens", flush=True)  # fmt: skip
+    benched = bench(paths, args.device, args.prompt, args.tokens)
+    for r in benched:
+        print(json.dumps(r), flush=True)
+    baseline = transformers_baseline(args.device, args.prompt, args.tokens)
+    print(json.dumps(baseline), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("w") as f:
+        for r in [*records, *benched, baseline]:
+            f.write(json.dumps(r) + "\n")
+    print(f"written: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
