@@ -528,16 +528,24 @@ DEFINE_Q8_MATVEC(Q5_K_PACKED, ORDER_NATURAL, 0, rows_q8_k_packed, 1)
 #endif
 
 /* ---- A prompt's rows: q8.h's GEMM on tiles of 32 weight rows (two vectors of outputs),
- * each 64-byte load of the tile meeting 4 quants of an activation row in vpdpbusd;
- * four activation rows share each load. ---- */
-#ifdef __AVX512VNNI__
+ * each 64-byte load of the tile meeting 4 quants of an activation row (broadcast): in
+ * vpdpbusd with VNNI; without it in vpmaddubsw, whose 16-bit pair sums add up over
+ * `group` loads before vpmaddwd widens them, as in q8_avx2.c (a group never saturates;
+ * Q8_0 takes |w| against x negated where w is negative, one load at a time). Four
+ * activation rows share each load. ---- */
 #define TILE 32 /* weight rows a tile holds */
 #define GEMM_MR 4 /* activation rows a pass takes */
+#ifdef __AVX512VNNI__
+#define GEMM_SIGNED 0 /* Q8_0's tiles hold w + 128 */
+#else
+#define GEMM_SIGNED 1 /* Q8_0's tiles hold w */
+#endif
 
 /* The tile against activation rows i0 .. i0 + mr - 1, into y[i, r0 + j] for j < nr. */
 ALWAYS_INLINE void gemm_pass(const uint8_t *q, const float *a, const float *c, const prompt_t *x,
                              int64_t i0, const int mr, float *y, int64_t ldy, int64_t r0,
-                             int64_t nr, const float *bias, const int split) {
+                             int64_t nr, const float *bias, const int split, const int group,
+                             const int sign) {
     const int64_t nb = x->nb;
     __m512 acc[GEMM_MR][2];
     for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
@@ -545,16 +553,47 @@ ALWAYS_INLINE void gemm_pass(const uint8_t *q, const float *a, const float *c, c
         __m512i s[GEMM_MR][2][2];
         for (int h = 0; h < 1 + split; h++) {
             for (int i = 0; i < mr; i++) s[i][0][h] = s[i][1][h] = _mm512_setzero_si512();
-            for (int g = h * 4 * split; g < (split ? 4 * h + 4 : 8); g++) {
-                const uint8_t *wq = q + (b * 8 + g) * TILE * 4;
-                const __m512i w0 = load512(wq), w1 = load512(wq + 64);
-                for (int i = 0; i < mr; i++) {
-                    int32_t four;
-                    memcpy(&four, x->q + (i0 + i) * x->n + 32 * b + 4 * g, 4);
-                    const __m512i xv = _mm512_set1_epi32(four);
-                    s[i][0][h] = _mm512_dpbusd_epi32(s[i][0][h], w0, xv);
-                    s[i][1][h] = _mm512_dpbusd_epi32(s[i][1][h], w1, xv);
+            const int g1 = split ? 4 * h + 4 : 8;
+            for (int g0 = split ? 4 * h : 0; g0 < g1; g0 += group) {
+#ifdef __AVX512VNNI__
+                (void)sign;
+                for (int g = g0; g < g0 + group && g < g1; g++) {
+                    const uint8_t *wq = q + (b * 8 + g) * TILE * 4;
+                    const __m512i w0 = load512(wq), w1 = load512(wq + 64);
+                    for (int i = 0; i < mr; i++) {
+                        int32_t four;
+                        memcpy(&four, x->q + (i0 + i) * x->n + 32 * b + 4 * g, 4);
+                        const __m512i xv = _mm512_set1_epi32(four);
+                        s[i][0][h] = _mm512_dpbusd_epi32(s[i][0][h], w0, xv);
+                        s[i][1][h] = _mm512_dpbusd_epi32(s[i][1][h], w1, xv);
+                    }
                 }
+#else
+                __m512i p[GEMM_MR][2];
+                for (int i = 0; i < mr; i++) p[i][0] = p[i][1] = _mm512_setzero_si512();
+                /* rolled: unrolled, gcc spills each product to reorder the 16-bit adds */
+#pragma GCC unroll 1
+                for (int g = g0; g < g0 + group; g++) {
+                    const uint8_t *wq = q + (b * 8 + g) * TILE * 4;
+                    const __m512i w0 = load512(wq), w1 = load512(wq + 64);
+                    const __mmask64 n0 = sign ? _mm512_movepi8_mask(w0) : 0;
+                    const __mmask64 n1 = sign ? _mm512_movepi8_mask(w1) : 0;
+                    const __m512i u0 = sign ? _mm512_abs_epi8(w0) : w0;
+                    const __m512i u1 = sign ? _mm512_abs_epi8(w1) : w1;
+                    for (int i = 0; i < mr; i++) {
+                        int32_t four;
+                        memcpy(&four, x->q + (i0 + i) * x->n + 32 * b + 4 * g, 4);
+                        const __m512i xv = _mm512_set1_epi32(four);
+                        const __m512i x0 = sign ? _mm512_mask_sub_epi8(xv, n0, _mm512_setzero_si512(), xv) : xv;
+                        const __m512i x1 = sign ? _mm512_mask_sub_epi8(xv, n1, _mm512_setzero_si512(), xv) : xv;
+                        p[i][0] = _mm512_add_epi16(p[i][0], _mm512_maddubs_epi16(u0, x0));
+                        p[i][1] = _mm512_add_epi16(p[i][1], _mm512_maddubs_epi16(u1, x1));
+                    }
+                }
+                for (int i = 0; i < mr; i++)
+                    for (int v = 0; v < 2; v++)
+                        s[i][v][h] = _mm512_add_epi32(s[i][v][h], _mm512_madd_epi16(p[i][v], _mm512_set1_epi16(1)));
+#endif
             }
         }
         for (int v = 0; v < 2; v++) {
@@ -588,32 +627,37 @@ ALWAYS_INLINE void gemm_pass(const uint8_t *q, const float *a, const float *c, c
         }
 }
 
-/* Every activation row against one tile (q8.h's gemm_tile_fn). */
+#define GEMM_ROWS(SPLIT, GROUP, SIGN)                                                    \
+    do {                                                                                 \
+        int64_t i0 = 0;                                                                  \
+        for (; i0 + GEMM_MR <= x->m; i0 += GEMM_MR)                                      \
+            gemm_pass(q, a, c, x, i0, GEMM_MR, y, ldy, r0, nr, bias, SPLIT, GROUP, SIGN); \
+        for (; i0 < x->m; i0++) gemm_pass(q, a, c, x, i0, 1, y, ldy, r0, nr, bias, SPLIT, GROUP, SIGN); \
+    } while (0)
+
+/* Every activation row against one tile (q8.h's gemm_tile_fn). With VNNI a group is the
+ * whole block; without it, as many loads as cannot saturate for the type. */
 static void gemm_tile(int type, const uint8_t *q, const float *a, const float *c, const prompt_t *x,
                       float *y, int64_t ldy, int64_t r0, int64_t nr, const float *bias) {
-    const int split = type == Q6_K;
-    int64_t i0 = 0;
-    for (; i0 + GEMM_MR <= x->m; i0 += GEMM_MR)
-        if (split) gemm_pass(q, a, c, x, i0, GEMM_MR, y, ldy, r0, nr, bias, 1);
-        else gemm_pass(q, a, c, x, i0, GEMM_MR, y, ldy, r0, nr, bias, 0);
-    for (; i0 < x->m; i0++)
-        if (split) gemm_pass(q, a, c, x, i0, 1, y, ldy, r0, nr, bias, 1);
-        else gemm_pass(q, a, c, x, i0, 1, y, ldy, r0, nr, bias, 0);
+#ifdef __AVX512VNNI__
+    if (type == Q6_K) GEMM_ROWS(1, 8, 0);
+    else GEMM_ROWS(0, 8, 0);
+#else
+    switch (type) {
+    case Q4_0: case Q4_0_PACKED: case Q4_K: GEMM_ROWS(0, 8, 0); break;
+    case Q6_K: GEMM_ROWS(1, 2, 0); break;
+    case Q8_0: case Q8_0_PACKED: GEMM_ROWS(0, 1, 1); break;
+    default: GEMM_ROWS(0, 4, 0); break; /* Q5_0, Q5_K, MXFP4 */
+    }
+#endif
 }
 
 /* y [m, rows] = x [m, n] W^T (+ bias) with x quantized to Q8_0 rows: 0, or -1 for a type
  * the tiles cannot take (or memory running out); the caller then takes the matvec. */
 int llmrun_gemm_q8(int type, const uint8_t *w, int64_t stride, int64_t rows, const float *x,
                    int64_t m, int64_t n, float *y, const float *bias) {
-    return q8_gemm(type, w, stride, rows, x, m, n, y, bias, TILE, 0, gemm_tile);
+    return q8_gemm(type, w, stride, rows, x, m, n, y, bias, TILE, GEMM_SIGNED, gemm_tile);
 }
-#else
-int llmrun_gemm_q8(int type, const uint8_t *w, int64_t stride, int64_t rows, const float *x,
-                   int64_t m, int64_t n, float *y, const float *bias) {
-    (void)type, (void)w, (void)stride, (void)rows, (void)x, (void)m, (void)n, (void)y, (void)bias;
-    return -1; /* the tiles' kernel is VNNI's: without it, the matvec takes a prompt */
-}
-#endif
 
 DEFINE_Q8_API()
 

@@ -5,8 +5,8 @@ the activations quantized to Q8_0 by gguf's numpy code (gguf.quants.quantize), b
 sides dequantized by gguf, multiplied in float64. What the kernels compute is exactly
 that sum of integer products scaled per block (K-quants: per sub-block, less the mins'
 part); only the float sums' order differs, so the tolerance is float rounding: 1e-5
-of the largest |output|. A prompt's 37 rows take the tiles of llmrun_gemm_q8 where the
-family has them (AVX-512 with VNNI), the passes of the matvec elsewhere.
+of the largest |output|. A prompt's 37 rows take the tiles of llmrun_gemm_q8 (both
+families), the experts and a few rows the passes of the matvec.
 """
 
 import numpy as np
@@ -187,11 +187,11 @@ GEMM_TYPES = [
 
 @pytest.mark.parametrize("ggml_type,packed", GEMM_TYPES, ids=lambda c: getattr(c, "name", c))
 def test_a_prompt_takes_the_tiles_where_the_family_has_them(native_kernels, ggml_type, packed):
-    """llmrun_gemm_q8 itself (what kernels.Matvec tries first for a prompt): AVX2 and
-    AVX-512 with VNNI take every type above (AVX2's Q8_0 also in its packed layout),
-    rows of 40 activations into 45 weight rows (a partial last tile of 16 or 32), bias
-    and all, with weights at the extremes of each type's range (where 16-bit pair sums
-    would saturate first); AVX-512 without VNNI has no tiles and says so."""
+    """llmrun_gemm_q8 itself (what kernels.Matvec tries first for a prompt): both
+    families take every type above (AVX2's Q8_0 also in its packed layout), rows of 40
+    activations into 45 weight rows (a partial last tile of 16 or 32), bias and all,
+    with weights at the extremes of each type's range (where 16-bit pair sums, AVX2's
+    and AVX-512's without VNNI, would saturate first)."""
     lib = native.library()
     if packed and ggml_type not in PACKED_Q8[native_kernels]:
         pytest.skip(f"{native_kernels} does not pack {ggml_type.name}")
@@ -214,11 +214,7 @@ def test_a_prompt_takes_the_tiles_where_the_family_has_them(native_kernels, ggml
     x[4:8] = -x[:4]  # ... and -127
     bias = rng.standard_normal(45).astype(np.float32)
     y = np.zeros((40, 45), np.float32)
-    gemm = getattr(lib, "llmrun_gemm_q8", None)
-    if native_kernels == "AVX-512" and "avx512_vnni" not in build.cpu_features().split():
-        assert gemm is None or gemm(kind, w.data_ptr(), w.stride(0), 45, x.ctypes.data, 40, cols,
-                                    y.ctypes.data, bias.ctypes.data) == -1  # fmt: skip
-        return
+    gemm = lib.llmrun_gemm_q8
     assert gemm(kind, w.data_ptr(), w.stride(0), 45, x.ctypes.data, 40, cols, y.ctypes.data,
                 bias.ctypes.data) == 0  # fmt: skip
     assert_near(y, reference(raw_np, ggml_type, x, bias))
