@@ -1,8 +1,8 @@
 /* What every family's 8-bit-activation kernels (q8_avx512.c, q8_avx2.c) share: the
  * quantization of the activations to Q8_0 blocks, their arrangement for each weight
- * layout, and the passes over the weights (plain C; a family's file includes common.h,
- * defines DPBUSD_VNNI if its integer dot product is VNNI's, includes this, then defines
- * its rows_q8_T kernels and ends with DEFINE_Q8_API()).
+ * layout, the passes over the weights, and a prompt's GEMM on decoded tiles of weights
+ * (q8_gemm). A family's file includes common.h and this, then defines its rows_q8_T
+ * kernels and its pass over a tile (gemm_tile), and ends with DEFINE_Q8_API().
  *
  * The activations are quantized as gguf.quants.quantize writes Q8_0 (and ggml's
  * quantize_row_q8_0_ref): per 32 values d = max|x| / 127, q = x * (1 / d) rounded
