@@ -9,6 +9,8 @@ of the largest |output|. A prompt's 37 rows take the tiles of llmrun_gemm_q8 (bo
 families), the experts and a few rows the passes of the matvec.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -192,9 +194,29 @@ def test_a_prompt_takes_the_tiles_where_the_family_has_them(native_kernels, ggml
     activations into 45 weight rows (a partial last tile of 16 or 32), bias and all,
     with weights at the extremes of each type's range (where 16-bit pair sums, AVX2's
     and AVX-512's without VNNI, would saturate first)."""
-    lib = native.library()
     if packed and ggml_type not in PACKED_Q8[native_kernels]:
         pytest.skip(f"{native_kernels} does not pack {ggml_type.name}")
+    check_tiles(ggml_type, packed)
+
+
+def test_avx512_without_vnni_takes_the_tiles(use_kernels, monkeypatch):
+    """The AVX-512 family built without VNNI (Skylake-X's), on a CPU that has it: its
+    tiles sum vpmaddubsw's 16-bit pairs in groups instead of vpdpbusd (CPUs without
+    VNNI run this through the test above)."""
+    features = build.cpu_features().split()
+    if not {"avx512bw", "avx512_vnni"} <= set(features):
+        pytest.skip("needs an AVX-512 CPU with VNNI (without it, the test above covers this)")
+    family = build.FAMILIES["AVX-512"]
+    without = dataclasses.replace(family, march=(*family.march, "-mno-avx512vnni"))
+    monkeypatch.setitem(build.FAMILIES, "AVX-512", without)
+    use_kernels("AVX-512")  # built again, with those flags
+    for ggml_type, packed in GEMM_TYPES:
+        if not packed or ggml_type in PACKED_Q8["AVX-512"]:
+            check_tiles(ggml_type, packed)
+
+
+def check_tiles(ggml_type: T, packed: bool) -> None:
+    lib = native.library()
     cols = 256 if ggml_type in (T.Q4_0, T.Q5_0) and packed else COLS.get(ggml_type, [96])[0]
     cols = 512 if ggml_type in (T.Q4_K, T.Q5_K, T.Q6_K) else cols
     rng = np.random.default_rng(9)
@@ -214,7 +236,6 @@ def test_a_prompt_takes_the_tiles_where_the_family_has_them(native_kernels, ggml
     x[4:8] = -x[:4]  # ... and -127
     bias = rng.standard_normal(45).astype(np.float32)
     y = np.zeros((40, 45), np.float32)
-    gemm = lib.llmrun_gemm_q8
-    assert gemm(kind, w.data_ptr(), w.stride(0), 45, x.ctypes.data, 40, cols, y.ctypes.data,
-                bias.ctypes.data) == 0  # fmt: skip
+    assert lib.llmrun_gemm_q8(kind, w.data_ptr(), w.stride(0), 45, x.ctypes.data, 40, cols,
+                              y.ctypes.data, bias.ctypes.data) == 0  # fmt: skip
     assert_near(y, reference(raw_np, ggml_type, x, bias))
