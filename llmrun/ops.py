@@ -9,7 +9,9 @@ came to ~8 ms of a ~28 ms token on a 24-layer 0.5B model. Where the native kerne
 are built (llmrun.native) and the inputs are CPU f32, contiguous, without autograd
 and at most NATIVE_MAX_VALUES values (decode, small batches), each op here is one C
 call (llmrun/native/decode_ops.c). Otherwise (GPU, MPS, bf16, prefill) it is
-the torch code beside it. The two agree to float rounding (tests/test_ops.py).
+the torch code beside it. The gated products take a prompt's rows natively too, one
+pass over the OpenMP team where torch makes two (and a temporary). The two agree to
+float rounding (tests/test_ops.py).
 """
 
 from __future__ import annotations
@@ -28,15 +30,16 @@ Q8_0_BLOCK, Q8_0_BYTES = 32, 34  # values per block; bytes per block: f16 scale,
 _KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.uint8: 8, torch.bfloat16: 30}
 
 
-def _native(*tensors: torch.Tensor) -> ctypes.CDLL | None:
-    """The native library if every tensor can go to it, else None."""
+def _native(*tensors: torch.Tensor, most: int | None = NATIVE_MAX_VALUES) -> ctypes.CDLL | None:
+    """The native library if every tensor can go to it (at most `most` values each;
+    None: any number), else None."""
     for t in tensors:
         if (
             t.device.type != "cpu"
             or t.dtype != torch.float32
             or t.requires_grad
             or not t.is_contiguous()
-            or t.numel() > NATIVE_MAX_VALUES
+            or (most is not None and t.numel() > most)
         ):
             return None
     return native.library()
@@ -87,7 +90,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up."""
-    lib = _native(gate, up) if gate.shape == up.shape else None
+    lib = _native(gate, up, most=None) if gate.shape == up.shape else None
     if lib is None:
         return F.silu(gate) * up
     y = torch.empty_like(gate)
@@ -102,7 +105,7 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(gate) * up, Gemma's GeGLU product."""
-    lib = _native(gate, up) if gate.shape == up.shape else None
+    lib = _native(gate, up, most=None) if gate.shape == up.shape else None
     if lib is None:
         return gelu_tanh(gate) * up
     y = torch.empty_like(gate)

@@ -183,8 +183,20 @@ void llmrun_rotary(const float *x, int64_t rows, int64_t dim, const float *cos,
     }
 }
 
+/* Elementwise products of a prompt's many rows go to the OpenMP team in runs of this
+ * many values; a token's few thousand stay on the calling thread. */
+#define PARALLEL_RUN 16384
+
+/* F over n values, in runs of PARALLEL_RUN over the team when there are several. */
+#define IN_RUNS(F, gate, up, n, y)                                                       \
+    do {                                                                                 \
+        _Pragma("omp parallel for schedule(static) if (n > PARALLEL_RUN)")               \
+        for (int64_t r_ = 0; r_ < n; r_ += PARALLEL_RUN)                                 \
+            F(gate + r_, up + r_, n - r_ < PARALLEL_RUN ? n - r_ : PARALLEL_RUN, y + r_); \
+    } while (0)
+
 /* y = silu(gate) * up = gate / (1 + exp(-gate)) * up, over n values. */
-void llmrun_silu_mul(const float *gate, const float *up, int64_t n, float *y) {
+static void silu_mul_run(const float *gate, const float *up, int64_t n, float *y) {
     int64_t i = 0;
 #if VW > 1
     for (; i + VW <= n; i += VW) {
@@ -201,7 +213,7 @@ void llmrun_silu_mul(const float *gate, const float *up, int64_t n, float *y) {
  * g / (1 + exp(-2u)), the same function. */
 #define GELU_C 0.7978845608028654f
 #define GELU_A 0.044715f
-void llmrun_gelu_tanh_mul(const float *gate, const float *up, int64_t n, float *y) {
+static void gelu_tanh_mul_run(const float *gate, const float *up, int64_t n, float *y) {
     int64_t i = 0;
 #if VW > 1
     for (; i + VW <= n; i += VW) {
@@ -215,6 +227,14 @@ void llmrun_gelu_tanh_mul(const float *gate, const float *up, int64_t n, float *
         const float u = -2.0f * GELU_C * (GELU_A * g * g * g + g);
         y[i] = g / (1.0f + exp_scalar(u)) * up[i];
     }
+}
+
+void llmrun_silu_mul(const float *gate, const float *up, int64_t n, float *y) {
+    IN_RUNS(silu_mul_run, gate, up, n, y);
+}
+
+void llmrun_gelu_tanh_mul(const float *gate, const float *up, int64_t n, float *y) {
+    IN_RUNS(gelu_tanh_mul_run, gate, up, n, y);
 }
 
 #if VW > 1
