@@ -142,6 +142,12 @@ static inline int64_t row_chunk(int64_t stride, int64_t rows) {
  * CHUNK bytes. Expects ws, stride, rows, x, x_step, n, y and count in scope, as
  * llmrun_matvec_experts names them. */
 #define EXPERTS_PASS(ROWS)                                                               \
+    FOR_EXPERT_PIECES(ROWS((const uint8_t *)(intptr_t)ws[j_], stride, r0_, r1_,          \
+                           x + j_ * x_step, 1, n, y + j_ * rows, rows, NULL))
+
+/* CALL for every piece of about CHUNK bytes of rows r0_ .. r1_ - 1 of matrix j_ <
+ * count, in one parallel region (stride, rows and count in scope). */
+#define FOR_EXPERT_PIECES(CALL)                                                          \
     do {                                                                                 \
         const int64_t chunk_ = row_chunk(stride, rows);                                  \
         const int64_t pieces_ = (rows + chunk_ - 1) / chunk_;                            \
@@ -149,8 +155,7 @@ static inline int64_t row_chunk(int64_t stride, int64_t rows) {
         for (int64_t p_ = 0; p_ < count * pieces_; p_++) {                               \
             const int64_t j_ = p_ / pieces_, r0_ = p_ % pieces_ * chunk_;                \
             const int64_t r1_ = r0_ + chunk_ < rows ? r0_ + chunk_ : rows;               \
-            ROWS((const uint8_t *)(intptr_t)ws[j_], stride, r0_, r1_, x + j_ * x_step, 1, \
-                 n, y + j_ * rows, rows, NULL);                                          \
+            CALL;                                                                        \
         }                                                                                \
     } while (0)
 #define EXPERTS_CASE(T, _) case T: EXPERTS_PASS(rows_##T); return 0;

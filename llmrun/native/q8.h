@@ -497,17 +497,8 @@ static inline int q8_gemm(int type, const uint8_t *w, int64_t stride, int64_t ro
 /* As EXPERTS_PASS (common.h), over the quantized activations: one activation row, or
  * (PER_EXPERT) row j of A for matrix j, through `count` matrices at addresses ws[j]. */
 #define Q8_EXPERTS_PASS(A, PER_EXPERT, ROWS, ...)                                        \
-    do {                                                                                 \
-        const int64_t chunk_ = row_chunk(stride, rows);                                  \
-        const int64_t pieces_ = (rows + chunk_ - 1) / chunk_;                            \
-        _Pragma("omp parallel for schedule(dynamic)")                                    \
-        for (int64_t p_ = 0; p_ < count * pieces_; p_++) {                               \
-            const int64_t j_ = p_ / pieces_, r0_ = p_ % pieces_ * chunk_;                \
-            const int64_t r1_ = r0_ + chunk_ < rows ? r0_ + chunk_ : rows;               \
-            ROWS((const uint8_t *)(intptr_t)ws[j_], stride, r0_, r1_, A, (PER_EXPERT) ? j_ : 0, \
-                 1, y + j_ * rows, rows, NULL, ##__VA_ARGS__);                           \
-        }                                                                                \
-    } while (0)
+    FOR_EXPERT_PIECES(ROWS((const uint8_t *)(intptr_t)ws[j_], stride, r0_, r1_, A,       \
+                           (PER_EXPERT) ? j_ : 0, 1, y + j_ * rows, rows, NULL, ##__VA_ARGS__))
 
 /* A type's 8-bit-activation matvec (quantize x for its layout, then its passes), the
  * same over a token's experts (q8_experts_T: x quantized once, or once per expert's
