@@ -56,7 +56,7 @@ _Q8_API = {
     "llmrun_q8_block": [ctypes.c_int],
     "llmrun_matvec_q8": [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR],
     "llmrun_matvec_experts_q8": [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64],
-    # a prompt's rows on tiles of weights (AVX-512 with VNNI; -1 where it cannot)
+    # a prompt's rows on tiles of weights (-1 for a type or row length it cannot take)
     "llmrun_gemm_q8": [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR],
 }
 _VOID = (

@@ -8,11 +8,12 @@ the model already holds (QuantLinear blocks in their layout, or f32 nn.Linear we
 its norms and its attention's settings, and gives the model a `decode_step`. The
 model's forward offers it each step (llmrun.models.base.run_layers); it takes the step
 where it can: one token of each of one or more sequences, in f32 on CPU, over a
-KVCache (with rings: one sequence) or serve's paged cache, and returns None otherwise (prefill, GPU, ...), when the model's own
-layers run. Where a router's choice ties, the step stops before that layer and the
-model's layers run the rest (torch.topk breaks ties its own way). It computes what the
-layers compute with the same kernels and ops (tests/quant/test_decode_step.py: against
-the layers, and against transformers). LLMRUN_DECODE_STEP=0 leaves every step to the
+KVCache (with rings: one sequence) or serve's paged cache, and returns None otherwise
+(prefill, GPU, ...), when the model's own layers run. Where a router's choice ties,
+the step stops before that layer and the model's layers run the rest (torch.topk
+breaks ties its own way). It computes what the layers compute with the same kernels
+and ops (tests/quant/test_decode_step.py: against the layers, and against
+transformers). LLMRUN_DECODE_STEP=0 leaves every step to the
 layers.
 """
 

@@ -212,8 +212,8 @@ class Matvec:
         lib = native.library()
         self.q8 = q8
         self.fn = lib.llmrun_matvec_q8 if q8 else lib.llmrun_matvec
-        # a prompt's many rows: tiles of weights where the family has them (q8.h)
-        self.gemm = getattr(lib, "llmrun_gemm_q8", None) if q8 else None
+        # a prompt's many rows: tiles of weights (q8.h), where the type has them
+        self.gemm = lib.llmrun_gemm_q8 if q8 else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x f32 `[m, n]` (contiguous) -> f32 `[m, rows]`."""
