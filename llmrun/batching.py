@@ -6,7 +6,8 @@ Each step it admits waiting requests, oldest first, while fewer than `parallel`
 run and the blocks of the next one's prompt can be allocated, after reusing the
 cached blocks its prompt starts with (automatic prefix caching: the blocks of
 finished and running sequences are named by their tokens and kept until their
-space is needed). It prefills up to PREFILL_BUDGET of their prompt tokens (the
+space is needed; sliding-window layers have a pool of their own, where a
+sequence holds only the blocks of its window). It prefills up to PREFILL_BUDGET of their prompt tokens (the
 chunks of several requests in one padded forward; a long prompt takes several
 steps, so it delays the others by one chunk at a time), then advances every
 decoding sequence by one token in a single batched forward, each row at its own
@@ -36,8 +37,8 @@ import torch
 from llmrun.api import Engine
 from llmrun.errors import ContextOverflowError, LlmrunError, ServerBusyError, UsageError
 from llmrun.generate import KVState, Response, Stats, TokenStream, check_fits
-from llmrun.kv_blocks import BLOCK_SIZE, BlockManager, BlockTable, blocks_for
-from llmrun.models.paged import PagedKVCache
+from llmrun.kv_blocks import BLOCK_SIZE, KVBlocks, SequenceBlocks, blocks_for
+from llmrun.models.paged import PagedKVCache, window_layers
 from llmrun.sampling import Sampler, SamplingParams
 
 # Prompt tokens prefilled per step: smaller than a one-shot run's chunk, since
@@ -70,7 +71,7 @@ class Job:
     request: Request
     on_event: Callable[[Event], None]
     state: KVState | None = None
-    table: BlockTable | None = None  # its blocks while running
+    table: SequenceBlocks | None = None  # its blocks while running
     target: list[int] = field(default_factory=list)  # what the cache must hold before decoding
     order: int = 0  # admission order, for preemption
     sampler: Sampler | None = None
@@ -123,20 +124,9 @@ class Scheduler:
         self.prefill_budget = prefill_budget
         # The model's own one-position cache: its layers, KV heads and cache type.
         like = engine.new_cache(1, 1)
-        block_bytes = PagedKVCache.block_bytes(like, BLOCK_SIZE)
-        if kv_memory is None:
-            wanted = CONTEXTS_PER_SEQUENCE * parallel * blocks_for(engine.ctx_size)
-            share = int(free_memory(engine.device) * MEMORY_SHARE) // block_bytes
-            n_blocks = max(min(wanted, share), 1)
-        else:
-            n_blocks = kv_memory // block_bytes
-            if n_blocks < 1:
-                raise UsageError(
-                    f"--kv-memory {kv_memory} bytes holds no KV block: one block of "
-                    f"{BLOCK_SIZE} tokens takes {block_bytes} bytes for this model"
-                )
-        self.cache = PagedKVCache(like, n_blocks, BLOCK_SIZE, engine.ctx_size)
-        self.blocks = BlockManager(n_blocks, BLOCK_SIZE, prefix_cache)
+        n_blocks, window, window_blocks = self._pool_size(like, kv_memory)
+        self.cache = PagedKVCache(like, n_blocks, BLOCK_SIZE, engine.ctx_size, window_blocks)
+        self.blocks = KVBlocks(n_blocks, BLOCK_SIZE, prefix_cache, window, window_blocks)
         self.waiting: deque[Job] = deque()
         self.active: list[Job] = []  # touched by the scheduler thread only
         self._admissions = itertools.count()
@@ -144,6 +134,39 @@ class Scheduler:
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="llmrun-scheduler", daemon=True)
+
+    def _pool_size(self, like, kv_memory: int | None) -> tuple[int, int | None, int]:
+        """The full layers' blocks, and the sliding-window layers' window and blocks
+        (0: no pool of their own). A windowed pool gets, per --parallel sequence,
+        CONTEXTS_PER_SEQUENCE times the blocks one sequence can hold at once there (its
+        window and a prefill chunk), so running sequences never wait for it; the
+        full layers get the rest of the memory."""
+        windowed, window = window_layers(like, self.engine.ctx_size)
+        full_bytes = PagedKVCache.block_bytes(like, BLOCK_SIZE, windowed.count(False))
+        window_blocks = window_bytes = 0
+        if window is not None:
+            held = blocks_for(min(window + self.prefill_budget, self.engine.ctx_size)) + 1
+            window_blocks = CONTEXTS_PER_SEQUENCE * self.parallel * held
+            window_bytes = window_blocks * PagedKVCache.block_bytes(
+                like, BLOCK_SIZE, windowed.count(True)
+            )
+        if kv_memory is None:
+            wanted = CONTEXTS_PER_SEQUENCE * self.parallel * blocks_for(self.engine.ctx_size)
+            share = int(free_memory(self.engine.device) * MEMORY_SHARE) - window_bytes
+            return max(min(wanted, share // full_bytes), 1), window, window_blocks
+        n_blocks = (kv_memory - window_bytes) // full_bytes
+        if n_blocks < 1:
+            windows = (
+                f" after {window_bytes} bytes for the sliding-window layers' blocks "
+                f"({window_blocks} blocks for {self.parallel} sequences)"
+                if window is not None
+                else ""
+            )
+            raise UsageError(
+                f"--kv-memory {kv_memory} bytes holds no KV block{windows}: one block of "
+                f"{BLOCK_SIZE} tokens takes {full_bytes} bytes for this model"
+            )
+        return n_blocks, window, window_blocks
 
     @property
     def capacity(self) -> int:
@@ -272,6 +295,11 @@ class Scheduler:
                 end = min(len(job.target), (done // self.prefill_budget + 1) * self.prefill_budget)
                 parts.append((job, job.target[done:end]))
                 budget -= len(parts[-1][1])
+        # The windowed layers' blocks come as the chunks need them (their pool is sized
+        # for every running sequence's window: see _pool_size).
+        parts = [
+            (j, p) for j, p in parts if self.blocks.grow(j.table, len(j.state.tokens) + len(p))
+        ]
         if parts:
             self._prefill(parts)
         decoding = self._grow(
@@ -283,7 +311,7 @@ class Scheduler:
         ids = torch.tensor([[j.next_token] for j in decoding], device=device)
         positions = torch.tensor([[len(j.state.tokens)] for j in decoding], device=device)
         try:
-            view = self.cache.view([j.table.blocks for j in decoding])
+            view = self._view(decoding)
             logits = self.engine.model(ids, positions, view)
         except Exception as e:
             for job in decoding:
@@ -360,7 +388,7 @@ class Scheduler:
             counts.append(len(part))
         device = self.cache.k.device
         padded = any(c < width for c in counts)
-        view = self.cache.view([job.table.blocks for job, _ in parts], counts if padded else None)
+        view = self._view([job for job, _ in parts], counts if padded else None)
         logits = self.engine.model(
             torch.tensor(ids, device=device),
             torch.tensor(positions, device=device),
@@ -370,6 +398,13 @@ class Scheduler:
         for job, part in parts:
             job.state.tokens.extend(part)
         return logits[:, -1]
+
+    def _view(self, jobs: list[Job], counts: list[int] | None = None):
+        """The paged cache as the jobs' rows see it."""
+        windows = None
+        if self.blocks.window_manager is not None:
+            windows = [j.table.window.blocks for j in jobs]
+        return self.cache.view([j.table.full.blocks for j in jobs], counts, windows)
 
     def _advance(self, job: Job, logits: torch.Tensor) -> None:
         """Sample the job's next token from its logits and pass on the text it makes."""

@@ -13,6 +13,15 @@ and its name until its space is needed: free blocks are reused nameless ones fir
 then named ones least recently released first. A sequence releases its blocks last
 to first, so a conversation's tail is evicted before the prefix it shares with
 others.
+
+Sliding-window layers (Gemma 2/3, gpt-oss) attend only to their last `window`
+positions, so their keys and values have a pool of their own, with a block manager
+of its own (KVBlocks): a sequence's table there lets go of each block once it has
+left the window of every later position (a HOLE where it was), so a 32k-token
+sequence holds its window's blocks, not 2,000 of them, in those layers. A prefix
+is reused only as far as the windowed layers still hold what its continuation
+attends to; the rest is prefilled again, never read from blocks that were reused
+for something else.
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ from dataclasses import dataclass, field
 # (4 KiB at head_dim 64 in f32) are still a long contiguous read for the decode
 # kernel, and the tables stay short (256 entries for a 4096-token context).
 BLOCK_SIZE = 16
+# A windowed table's entry for a block it has let go of.
+HOLE = -1
 
 
 def blocks_for(tokens: int, block_size: int = BLOCK_SIZE) -> int:
@@ -36,11 +47,13 @@ def blocks_for(tokens: int, block_size: int = BLOCK_SIZE) -> int:
 
 @dataclass(eq=False)
 class BlockTable:
-    """One sequence's blocks, in position order, and the names of its leading full
-    blocks (those registered in the prefix cache or found there)."""
+    """One sequence's blocks, in position order (HOLE where a windowed table let go of
+    one), and the names of its leading full blocks (those registered in the prefix
+    cache or found there)."""
 
     blocks: list[int] = field(default_factory=list)
     names: list[bytes] = field(default_factory=list)
+    holes: int = 0  # the leading entries that are HOLEs
 
 
 class BlockManager:
@@ -92,13 +105,15 @@ class BlockManager:
             hits.append(block)
         return hits
 
-    def allocate(self, tokens: Sequence[int], positions: int) -> tuple[BlockTable, int] | None:
+    def allocate(
+        self, tokens: Sequence[int], positions: int, most: int | None = None
+    ) -> tuple[BlockTable, int] | None:
         """A table for a sequence whose first `positions` positions will hold `tokens`'
         (the tokens to prefill), reusing cached leading blocks of tokens[:-1] (a
-        sequence always feeds at least one token, for its logits); with how many
-        positions it reuses. None, allocating nothing, when the free blocks do not
-        suffice."""
-        hits = self.lookup(tokens[:-1])
+        sequence always feeds at least one token, for its logits), at most `most` of
+        them; with how many positions it reuses. None, allocating nothing, when the
+        free blocks do not suffice."""
+        hits = self.lookup(tokens[:-1])[:most]
         fresh = blocks_for(positions, self.block_size) - len(hits)
         # Cached blocks nobody holds are free ones too: taking them leaves fewer.
         idle_hits = sum(1 for b in hits if self.refs[b] == 0)
@@ -138,21 +153,46 @@ class BlockManager:
         for i, name in enumerate(self.names(tokens[done * size : full * size], start), done):
             table.names.append(name)
             block = table.blocks[i]
-            if name not in self.by_name and self.name_of[block] is None:
+            if block != HOLE and name not in self.by_name and self.name_of[block] is None:
                 self.by_name[name] = block
                 self.name_of[block] = name
 
     def release(self, table: BlockTable) -> None:
         """Let go of a sequence's blocks, last to first (see the module docstring)."""
         for block in reversed(table.blocks):
-            self.refs[block] -= 1
-            if self.refs[block] == 0:
-                if self.name_of[block] is None:
-                    self.empty.append(block)
-                else:
-                    self.cached[block] = None
+            self._let_go(block)
         table.blocks.clear()
         table.names.clear()
+        table.holes = 0
+
+    def drop(self, table: BlockTable, before: int) -> None:
+        """Let go of the table's blocks before index `before` (a windowed table's blocks
+        that left the window), oldest first, so they are the first to be evicted."""
+        before = min(before, len(table.blocks))
+        for i in range(table.holes, before):
+            self._let_go(table.blocks[i])
+            table.blocks[i] = HOLE
+        table.holes = max(table.holes, before)
+
+    def attach(self, table: BlockTable, names: Sequence[bytes], first: int) -> None:
+        """Make `table` (empty) hold the cached blocks named names[first:] at their
+        indices, holes before them, and carry all of `names` (see KVBlocks.allocate)."""
+        table.blocks, table.holes = [HOLE] * first, first
+        for name in names[first:]:
+            block = self.by_name[name]
+            self._hold(block)
+            table.blocks.append(block)
+        table.names = list(names)
+
+    def _let_go(self, block: int) -> None:
+        if block == HOLE:
+            return
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            if self.name_of[block] is None:
+                self.empty.append(block)
+            else:
+                self.cached[block] = None
 
     def _hold(self, block: int) -> None:
         if self.refs[block] == 0:
@@ -170,3 +210,108 @@ class BlockManager:
             self.name_of[block] = None
         self.refs[block] = 1
         return block
+
+
+@dataclass(eq=False)
+class SequenceBlocks:
+    """A sequence's tables: the full layers', and the sliding-window layers' (None
+    where the pool has no windowed group)."""
+
+    full: BlockTable
+    window: BlockTable | None = None
+
+
+class KVBlocks:
+    """The block managers of a pool's layer groups: `full` for the layers that keep
+    every position, and `window_manager` (with `window_blocks` > 0) for the
+    sliding-window layers, whose tables keep only the blocks that hold one of the
+    last `window` positions. n_blocks, used, free and cached_blocks are the full
+    group's, the one whose size bounds how many tokens the pool holds."""
+
+    def __init__(
+        self,
+        n_blocks: int,
+        block_size: int = BLOCK_SIZE,
+        prefix_cache: bool = True,
+        window: int | None = None,
+        window_blocks: int = 0,
+    ) -> None:
+        self.full = BlockManager(n_blocks, block_size, prefix_cache)
+        self.window_manager = (
+            BlockManager(window_blocks, block_size, prefix_cache) if window_blocks else None
+        )
+        self.window = window
+        self.n_blocks, self.block_size = n_blocks, block_size
+
+    @property
+    def free(self) -> int:
+        return self.full.free
+
+    @property
+    def used(self) -> int:
+        return self.full.used
+
+    @property
+    def cached_blocks(self) -> int:
+        return self.full.cached_blocks
+
+    def allocate(self, tokens: Sequence[int], positions: int) -> tuple[SequenceBlocks, int] | None:
+        """BlockManager.allocate for every group: the full layers' blocks for all
+        `positions`, the windowed layers' cached blocks of the reused prefix that its
+        continuation attends to (their new blocks come with grow). The prefix reused
+        is the longest the full layers hold whose window the windowed layers hold."""
+        most = None
+        if self.window_manager is not None:
+            hits = len(self.full.lookup(tokens[:-1]))
+            names = self.full.names(tokens[: hits * self.block_size])
+            most = self._window_reuse(names)
+        got = self.full.allocate(tokens, positions, most)
+        if got is None:
+            return None
+        table, reused = got
+        blocks = SequenceBlocks(table)
+        if self.window_manager is not None:
+            blocks.window = BlockTable()
+            count = reused // self.block_size
+            self.window_manager.attach(blocks.window, table.names[:count], self._first(reused))
+        return blocks, reused
+
+    def grow(self, blocks: SequenceBlocks, positions: int) -> bool:
+        """BlockManager.grow for every group; False (and no change) if one cannot."""
+        window = self.window_manager
+        if window is not None:
+            more = blocks_for(positions, self.block_size) - len(blocks.window.blocks)
+            if more > window.free:
+                return False
+        if not self.full.grow(blocks.full, positions):
+            return False
+        if window is not None:
+            window.grow(blocks.window, positions)
+        return True
+
+    def commit(self, blocks: SequenceBlocks, tokens: Sequence[int]) -> None:
+        """BlockManager.commit for every group; the windowed table then lets go of the
+        blocks that no position from len(tokens) on attends to."""
+        self.full.commit(blocks.full, tokens)
+        if self.window_manager is not None:
+            self.window_manager.commit(blocks.window, tokens)
+            self.window_manager.drop(blocks.window, self._first(len(tokens)))
+
+    def release(self, blocks: SequenceBlocks) -> None:
+        self.full.release(blocks.full)
+        if self.window_manager is not None:
+            self.window_manager.release(blocks.window)
+
+    def _first(self, position: int) -> int:
+        """The first block a query at `position` attends to in the windowed layers."""
+        return max(position - self.window + 1, 0) // self.block_size
+
+    def _window_reuse(self, names: list[bytes]) -> int:
+        """How many of the leading full blocks named `names` (cached in the full group)
+        a prompt may reuse: the most whose continuation finds every windowed block it
+        attends to cached too."""
+        held = [name in self.window_manager.by_name for name in names]
+        count = len(names)
+        while count and not all(held[self._first(count * self.block_size) : count]):
+            count -= 1
+        return count

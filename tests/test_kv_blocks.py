@@ -5,7 +5,7 @@ import hashlib
 
 import pytest
 
-from llmrun.kv_blocks import BlockManager, blocks_for
+from llmrun.kv_blocks import HOLE, BlockManager, KVBlocks, blocks_for
 
 B = 4  # positions per block, small so a few tokens fill several
 
@@ -157,3 +157,93 @@ def test_blocks_for(n, expected):
 def test_a_pool_needs_a_block():
     with pytest.raises(ValueError):
         BlockManager(0, B)
+
+
+# ---- a windowed group: sliding-window layers' blocks -----------------------------------
+
+W = 6  # the window: a query at p attends to p - 5 .. p
+
+
+def feed(kv, seq, history, new):
+    """What the scheduler does for a forward of `new` tokens: grow, then commit."""
+    assert kv.grow(seq, len(history) + len(new))
+    history.extend(new)
+    kv.commit(seq, history)
+
+
+def test_a_windowed_table_lets_go_of_the_blocks_that_left_the_window():
+    kv = KVBlocks(16, B, window=W, window_blocks=8)
+    seq, reused = kv.allocate(tokens(10), 10)
+    assert reused == 0 and len(seq.full.blocks) == 3 and seq.window.blocks == []
+    history = []
+    feed(kv, seq, history, tokens(10))
+    # The next query (position 10) attends to 5 .. 10: blocks 1 and 2 of the window.
+    assert seq.window.blocks[0] == HOLE and HOLE not in seq.window.blocks[1:]
+    assert kv.window_manager.used == 2 and kv.used == 3
+    for t in range(10, 30):  # decoding: the windowed table keeps two or three blocks
+        feed(kv, seq, history, [t])
+        held = [b for b in seq.window.blocks if b != HOLE]
+        assert len(held) <= blocks_for(W, B) + 1
+        assert held == seq.window.blocks[(len(history) - W + 1) // B :]
+    assert kv.used == blocks_for(30, B)
+    kv.release(seq)
+    assert (kv.used, kv.window_manager.used) == (0, 0)
+
+
+def evict(manager, name):
+    """Evict the cached block named `name`, as taking it for new keys would."""
+    block = manager.by_name.pop(name)
+    manager.name_of[block] = None
+    del manager.cached[block]
+    manager.empty.append(block)
+
+
+def test_a_prefix_is_reused_as_far_as_the_windowed_layers_hold_its_window():
+    kv = KVBlocks(16, B, window=W, window_blocks=6)
+    seq, _ = kv.allocate(tokens(21), 21)
+    feed(kv, seq, [], tokens(21))
+    kv.release(seq)  # full blocks 0-4 named in both groups
+    # A continuation at 20 attends to 15 .. 20: blocks 3 and 4, both cached.
+    again, reused = kv.allocate(tokens(21) + [99], 22)
+    assert reused == 20
+    assert again.window.blocks[:3] == [HOLE] * 3 and HOLE not in again.window.blocks[3:]
+    assert again.window.names == again.full.names and len(again.full.names) == 5
+    kv.release(again)
+    # Other sequences take the windowed group's blocks, least recently released
+    # first: once blocks 0-3 are gone, no continuation point has its window.
+    other, _ = kv.allocate(tokens(20, offset=100), 20)
+    assert kv.grow(other, 20) and kv.window_manager.cached_blocks == 1
+    _, reused = kv.allocate(tokens(21) + [99], 22)
+    assert reused == 0
+
+
+def test_a_windowed_continuation_falls_back_to_an_earlier_point_whose_window_is_cached():
+    kv = KVBlocks(32, B, window=W, window_blocks=16)
+    seq, _ = kv.allocate(tokens(40), 40)
+    history = []
+    for start in range(0, 40, 4):  # chunks of 4: at most three windowed blocks at once
+        feed(kv, seq, history, tokens(40)[start : start + 4])
+        assert kv.window_manager.used <= 3
+    kv.release(seq)
+    names = kv.full.names(tokens(40))
+    evict(kv.window_manager, names[8])
+    evict(kv.window_manager, names[9])
+    # A continuation at 40 attends to blocks 8-9, at 36 to 7-8; at 32 to 6-7, cached.
+    seq, reused = kv.allocate(tokens(40) + [99], 41)
+    assert reused == 32
+    assert seq.window.blocks[:6] == [HOLE] * 6 and len(seq.full.blocks) == blocks_for(41, B)
+    history = tokens(32)
+    feed(kv, seq, history, tokens(40)[32:] + [99])
+    assert names[9] in kv.window_manager.by_name  # computed again, and named
+    kv.release(seq)
+    assert (kv.used, kv.window_manager.used) == (0, 0)
+
+
+def test_growing_fails_whole_when_the_windowed_group_runs_short():
+    kv = KVBlocks(16, B, window=W, window_blocks=2)
+    a, _ = kv.allocate(tokens(16), 16)
+    assert not kv.grow(a, 12)  # three windowed blocks, two in the group
+    assert (len(a.full.blocks), a.window.blocks, kv.window_manager.used) == (4, [], 0)
+    assert kv.grow(a, 8) and kv.window_manager.used == 2
+    kv.release(a)
+    assert (kv.used, kv.window_manager.used) == (0, 0)

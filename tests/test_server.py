@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from helpers import chat_model_dir, needs_templates
+from helpers import chat_model_dir, gemma_chat_model_dir, needs_templates
 from serving import Server
 from starlette.testclient import TestClient
 
@@ -444,6 +444,7 @@ def test_kv_memory_and_no_prefix_cache(tmp_path):
         health = httpx.get(f"{s.url}/health").json()
         assert health["kv_blocks"] == {"block_size": 16, "total": 6, "used": 0, "cached": 0}
         assert s.metric('llmrun_kv_blocks{state="total"}') == 6
+        assert s.metric('llmrun_kv_window_blocks{state="total"}') == 0  # no windowed layers
         long_prompt = list(range(5, 105))
         refused = post(s, "/v1/completions", {"prompt": long_prompt}, key=None)
         assert refused.status_code == 400
@@ -458,6 +459,33 @@ def test_kv_memory_and_no_prefix_cache(tmp_path):
         _wait_until_idle(s)
         health = httpx.get(f"{s.url}/health").json()
         assert (health["kv_blocks"]["used"], health["kv_blocks"]["cached"]) == (0, 0)
+    finally:
+        s.stop()
+
+
+def test_sliding_window_layers_get_a_pool_of_their_own(tmp_path):
+    """A tiny Gemma 3 (window 5): its windowed layers' pool is reported beside the full
+    layers' one, sized for --parallel sequences' windows and prefill chunks, and the
+    rest of --kv-memory goes to the full layer (one of six here)."""
+    pytest.importorskip("transformers")
+    model = gemma_chat_model_dir(tmp_path / "gemma")
+    s = Server(tmp_path, str(model), "--parallel", "2", "--kv-memory", "4MiB")
+    try:
+        health = httpx.get(f"{s.url}/health").json()
+        window = health["kv_blocks"]["window"]
+        # Per sequence: blocks for its window and a chunk of 128, and one more; twice.
+        assert window == {"positions": 5, "total": 2 * 2 * (9 + 1), "used": 0, "cached": 0}
+        # A block of the full layer: 2 KV heads x 32 values x 16 positions x 4 bytes x 2;
+        # of the five windowed ones, five times that.
+        full, windowed = 8192, 5 * 8192
+        assert health["kv_blocks"]["total"] == ((4 << 20) - 40 * windowed) // full == 312
+        assert s.metric('llmrun_kv_window_blocks{state="total"}') == 40
+        body = {"prompt": "Once upon a time there was a little dog", "max_tokens": 8}
+        assert post(s, "/v1/completions", {**body, "temperature": 0}, key=None).status_code == 200
+        _wait_until_idle(s)
+        health = httpx.get(f"{s.url}/health").json()["kv_blocks"]
+        assert health["used"] == health["window"]["used"] == 0
+        assert health["window"]["cached"] > 0
     finally:
         s.stop()
 

@@ -117,6 +117,7 @@ class KVCache:
         # Stored values per row: head_dim, or Q8_0's bytes for head_dim values.
         width = head_dim // ops.Q8_0_BLOCK * ops.Q8_0_BYTES if self.quantized else head_dim
         windows = list(windows) if windows is not None else [None] * n_layers
+        self.windows = windows
         ring = [w is not None and w < max_seq_len for w in windows]
         sizes = {w for w, r in zip(windows, ring, strict=True) if r}
         if len(sizes) > 1:

@@ -10,9 +10,13 @@ Attention reads through the tables on every path: a decode step (one token per
 row) on CPU f32 runs the native kernel on each row's blocks in place
 (ops.attend_paged, a sliding window as its first key); elsewhere (prefill, GPU, MPS,
 bf16 activations, gpt-oss's sinks) the blocks a forward attends to are gathered into
-[B, Hkv, L, D] for torch's attention, with the forward's mask. Sliding-window
-layers (Gemma 2/3, gpt-oss) are held whole here and masked to their window; their
-blocks that left the window are not freed.
+[B, Hkv, L, D] for torch's attention, with the forward's mask.
+
+Sliding-window layers (Gemma 2/3, gpt-oss) are masked to their window on every
+path. Given `window_blocks`, they keep their keys in a pool of their own, read
+through tables of their own, in which the block manager (llmrun.kv_blocks.KVBlocks)
+lets go of the blocks that left the window: a let-go entry reads block 0, where
+only keys outside the window, which the mask hides, are looked for.
 
 On CPU the pool is an anonymous memory map: the kernel hands out its pages zeroed when
 they are first written, so the process's memory grows with the blocks used, not with
@@ -38,35 +42,89 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
 
 
-class PagedKVCache:
-    """The block pool of every layer; view(tables) is what a forward takes."""
+def window_layers(like: KVCache, max_seq_len: int) -> tuple[list[bool], int | None]:
+    """Which layers of a model (given by `like`, its one-position KVCache) can keep
+    their keys in a windowed pool of their own, and their window: those whose sliding
+    window is shorter than max_seq_len, where the model has full layers too (else
+    none: one group, the windowed layers masked)."""
+    windowed = [w is not None and w < max_seq_len for w in like.windows]
+    if not any(windowed) or all(windowed):
+        return [False] * len(windowed), None
+    return windowed, next(w for w, wd in zip(like.windows, windowed, strict=True) if wd)
 
-    def __init__(self, like: KVCache, n_blocks: int, block_rows: int, max_seq_len: int) -> None:
+
+class PagedKVCache:
+    """The block pools of every layer; view(tables) is what a forward takes."""
+
+    def __init__(
+        self,
+        like: KVCache,
+        n_blocks: int,
+        block_rows: int,
+        max_seq_len: int,
+        window_blocks: int = 0,
+    ) -> None:
         """A pool of `n_blocks` blocks of `block_rows` positions, storing keys and
         values as `like` (a one-position KVCache of the model: its layers, KV heads,
-        row width and cache type) does; a sequence holds at most max_seq_len positions."""
-        n_layers, _, kv_heads, _, width = like.k.shape
-        shape = (n_layers, n_blocks, kv_heads, block_rows, width)
-        self.k = zeros(shape, like.storage, like.k.device)
-        self.v = zeros(shape, like.storage, like.k.device)
+        row width and cache type) does; a sequence holds at most max_seq_len positions.
+        `window_blocks` > 0: the sliding-window layers (window_layers) get a pool of
+        their own of that many blocks, read through tables of their own."""
+        _, _, kv_heads, _, width = like.k.shape
+        windowed = (
+            window_layers(like, max_seq_len)[0] if window_blocks else [False] * len(like.windows)
+        )
+        self.group = [int(w) for w in windowed]  # each layer's pool: 0 full, 1 windowed
+        self.index = [self.group[:i].count(g) for i, g in enumerate(self.group)]
+        device = like.k.device
+        shape = (self.group.count(0), n_blocks, kv_heads, block_rows, width)
+        self.k = zeros(shape, like.storage, device)
+        self.v = zeros(shape, like.storage, device)
+        self.window_k = self.window_v = None
+        if any(windowed):
+            shape = (self.group.count(1), window_blocks, kv_heads, block_rows, width)
+            self.window_k = zeros(shape, like.storage, device)
+            self.window_v = zeros(shape, like.storage, device)
         self.like = like  # its encode()/decode() convert to and from the cache type
         self.n_blocks, self.block_rows, self.max_seq_len = n_blocks, block_rows, max_seq_len
 
     @staticmethod
-    def block_bytes(like: KVCache, block_rows: int) -> int:
-        """Bytes one block takes, keys and values of every layer."""
-        n_layers, _, kv_heads, _, width = like.k.shape
+    def block_bytes(like: KVCache, block_rows: int, n_layers: int | None = None) -> int:
+        """Bytes one block takes, keys and values of every layer (or of `n_layers`)."""
+        _, _, kv_heads, _, width = like.k.shape
+        n_layers = len(like.windows) if n_layers is None else n_layers
         return 2 * n_layers * kv_heads * block_rows * width * like.k.element_size()
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        windows = self.window_k.nbytes + self.window_v.nbytes if self.window_k is not None else 0
+        return self.k.nbytes + self.v.nbytes + windows
 
-    def view(self, tables: list[list[int]], counts: list[int] | None = None) -> PagedView:
-        """A forward's cache: row b reads and writes the blocks tables[b]. `counts`:
-        each row's real tokens where rows are padded on the right (the padding is
-        never stored)."""
-        return PagedView(self, tables, counts)
+    def view(
+        self,
+        tables: list[list[int]],
+        counts: list[int] | None = None,
+        window_tables: list[list[int]] | None = None,
+    ) -> PagedView:
+        """A forward's cache: row b reads and writes the blocks tables[b] (in the
+        windowed layers' pool, window_tables[b]: a negative entry is a block let go
+        of, which only a key outside the window would read). `counts`: each row's
+        real tokens where rows are padded on the right (the padding is never
+        stored)."""
+        return PagedView(self, tables, counts, window_tables)
+
+
+class _Group:
+    """One pool of a forward's view: its keys, values and the rows' tables into it."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, tables: list[list[int]]) -> None:
+        width = max(len(t) for t in tables)
+        # Short tables padded with block 0, let-go blocks read as block 0: only where
+        # the mask hides them.
+        rows = [[max(b, 0) for b in t] + [0] * (width - len(t)) for t in tables]
+        self.k, self.v = k, v
+        self.tables = torch.tensor(rows, dtype=torch.int32)  # for the native kernel, on CPU
+        self.index = self.tables.to(k.device, torch.long)
+        self.where: tuple | None = None  # the first layer's write indices, for every layer
 
 
 class PagedView:
@@ -75,15 +133,21 @@ class PagedView:
     paged = True
     window = None  # no rings: windowed layers are masked (see the module docstring)
 
-    def __init__(self, pool: PagedKVCache, tables: list[list[int]], counts: list[int] | None):
+    def __init__(
+        self,
+        pool: PagedKVCache,
+        tables: list[list[int]],
+        counts: list[int] | None,
+        window_tables: list[list[int]] | None = None,
+    ):
         self.pool, self.counts = pool, counts
         self.k, self.max_seq_len = pool.k, pool.max_seq_len
-        width = max(len(t) for t in tables)
-        # Short tables padded with block 0: read only where the mask hides it.
-        rows = [t + [0] * (width - len(t)) for t in tables]
-        self.tables = torch.tensor(rows, dtype=torch.int32)  # for the native kernel, on CPU
-        self.index = self.tables.to(pool.k.device, torch.long)
-        self._where: tuple | None = None  # the first layer's write indices, for every layer
+        self.groups = [_Group(pool.k, pool.v, tables)]
+        if pool.window_k is not None:
+            if window_tables is None or len(window_tables) != len(tables):
+                raise ValueError("a pool with a windowed group needs a window table per row")
+            self.groups.append(_Group(pool.window_k, pool.window_v, window_tables))
+        self.tables = self.groups[0].tables
         self._firsts: tuple | None = None
 
     def reusable(self, n: int) -> int:
@@ -92,25 +156,33 @@ class PagedView:
     def windowed(self, layer: int) -> bool:
         return False
 
+    def layer_pool(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The layer's keys and values [blocks, Hkv, block_rows, width], and its group."""
+        group = self.pool.group[layer]
+        pools = self.groups[group]
+        return pools.k[self.pool.index[layer]], pools.v[self.pool.index[layer]], group
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Store k/v [B, Hkv, T, D] at positions [B, T] through the tables."""
-        if self._where is None:
+        group = self.groups[self.pool.group[layer]]
+        if group.where is None:
             rows = self.pool.block_rows
-            blocks = torch.gather(self.index, 1, positions // rows)
+            blocks = torch.gather(group.index, 1, positions // rows)
             offsets = positions % rows
             keep = None
             if self.counts is not None:
                 counts = torch.tensor(self.counts, device=positions.device)
                 keep = torch.arange(positions.shape[1], device=positions.device) < counts[:, None]
                 blocks, offsets = blocks[keep], offsets[keep]
-            self._where = blocks, offsets, keep
-        blocks, offsets, keep = self._where
+            group.where = blocks, offsets, keep
+        blocks, offsets, keep = group.where
         # [B, Hkv, T, D] -> [B, T, Hkv, D], the shape pool[blocks, :, offsets] takes
         k, v = self.pool.like.encode(k).transpose(1, 2), self.pool.like.encode(v).transpose(1, 2)
         if keep is not None:
             k, v = k[keep], v[keep]
-        self.k[layer][blocks, :, offsets] = k
-        self.pool.v[layer][blocks, :, offsets] = v
+        k_pool, v_pool, _ = self.layer_pool(layer)
+        k_pool[blocks, :, offsets] = k
+        v_pool[blocks, :, offsets] = v
 
     def read(
         self, layer: int, length: int, dtype: torch.dtype, stored: bool = False
@@ -118,9 +190,10 @@ class PagedView:
         """Every row's keys and values of positions 0 .. length - 1, gathered into
         [B, Hkv, length, D] in `dtype` (as stored with `stored`)."""
         rows = self.pool.block_rows
-        table = self.index[:, : -(-length // rows)]
+        k_pool, v_pool, group = self.layer_pool(layer)
+        table = self.groups[group].index[:, : -(-length // rows)]
         out = []
-        for pool in (self.k[layer], self.pool.v[layer]):
+        for pool in (k_pool, v_pool):
             blocks = pool[table]  # [B, n, Hkv, rows, D]
             batch, n, heads, _, width = blocks.shape
             x = blocks.transpose(1, 2).reshape(batch, heads, n * rows, width)[:, :, :length]
@@ -165,10 +238,11 @@ class PagedView:
                 self._firsts = mask, mask[:, 0, 0].int().argmax(-1).tolist()
             firsts = self._firsts[1]
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        k, v = self.k[layer], self.pool.v[layer]
+        k, v, group = self.layer_pool(layer)
+        tables = self.groups[group].tables
         rows = []
         for b, (first, end) in enumerate(zip(firsts, ends, strict=True)):
-            y = ops.attend_paged(q[b : b + 1], k, v, self.tables[b], first, end, scale, softcap)
+            y = ops.attend_paged(q[b : b + 1], k, v, tables[b], first, end, scale, softcap)
             if y is None:
                 return None
             rows.append(y)

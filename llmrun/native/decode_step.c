@@ -19,7 +19,8 @@
  * each at its own position, as serve's scheduler decodes them: their matvecs share
  * each read of the weights, and each row attends to its own keys, in a contiguous
  * cache (one row: Gemma's windowed rings too) or through the block tables of a paged
- * one, within its layer's sliding window.
+ * one (sliding-window layers in a pool of their own, with tables of their own), within
+ * its layer's sliding window.
  *
  * The arithmetic is the ops' own: llmrun_matvec or, where a matrix asks for 8-bit
  * activations, llmrun_q8_rows on activations quantized once per phase (q8.h); the
@@ -97,15 +98,16 @@ typedef struct {
     float norm_offset, eps, scale, softcap; /* softcap 0: none */
     float alpha, limit;                     /* ACT_CLAMPED_SWIGLU */
     int32_t heads, kv_heads, head_dim, act, rope, kv_kind;
+    int32_t kv_group; /* a paged cache: which of the step's tables (a pool of its own) */
 } step_layer_t;
 
 /* The tokens, one per row (decode_step.py: Step). */
 typedef struct {
     const float *cos[2], *sin[2]; /* [rows, rotary_dim] each, per kind of layer (.rope) */
     const int64_t *positions;     /* [rows] */
-    const int32_t *tables;        /* a paged cache's block tables [rows, table_width]; NULL:
-                                     a contiguous cache */
-    int64_t table_width, block_rows, block_bytes;
+    const int32_t *tables[2];     /* a paged cache's block tables [rows, table_width] per
+                                     group of layers (.kv_group); NULL: a contiguous cache */
+    int64_t table_width[2], block_bytes[2], block_rows;
     int64_t row_bytes; /* a contiguous cache: from one row's keys to the next's */
     int64_t rows, rotary_dim, hidden, layers;
     int64_t ring_keys; /* one row: the slots of a ring that hold keys, after the write */
@@ -385,9 +387,11 @@ static step_mat_t expert(const step_moe_t *moe, int proj, int e, int64_t hidden)
 static uint8_t *kv_at(const step_t *step, const step_layer_t *L, uint8_t *base, int64_t b,
                       int64_t p, int64_t g) {
     const int64_t row = kv_row_bytes(L->kv_kind, L->head_dim);
-    if (step->tables) {
-        const int64_t block = step->tables[b * step->table_width + p / step->block_rows];
-        return base + block * step->block_bytes + g * L->head_bytes + p % step->block_rows * row;
+    const int32_t *tables = step->tables[L->kv_group];
+    if (tables) {
+        const int64_t block = tables[b * step->table_width[L->kv_group] + p / step->block_rows];
+        return base + block * step->block_bytes[L->kv_group] + g * L->head_bytes +
+               p % step->block_rows * row;
     }
     const int64_t slot = L->ring ? p % L->ring : p;
     return base + b * step->row_bytes + g * L->head_bytes + slot * row;
@@ -483,12 +487,13 @@ static scratch_t *scratch_for(const step_layer_t *layers, const step_t *step, in
  * or -1 where memory ran out or a layer asks for what it cannot do (nothing written). */
 int llmrun_decode_layers(const step_layer_t *layers, const step_t *step, float *x) {
     const int64_t rows = step->rows;
-    if (rows < 1 || rows > MAX_ROWS || (rows > 1 && step->tables == NULL && step->ring_keys))
+    if (rows < 1 || rows > MAX_ROWS || (rows > 1 && step->tables[0] == NULL && step->ring_keys))
         return -1;
     for (int64_t l = 0; l < step->layers; l++) {
         const step_layer_t *L = &layers[l];
         if (L->head_dim % 16 || (L->kv_kind == KV_Q8_0 && L->head_dim % 32) ||
-            L->rope < 0 || L->rope > 1 || (L->ring && (rows > 1 || step->tables)) ||
+            L->rope < 0 || L->rope > 1 || L->kv_group < 0 || L->kv_group > 1 ||
+            (L->ring && (rows > 1 || step->tables[0])) || (step->tables[0] && !step->tables[L->kv_group]) ||
             (L->moe && (L->moe->top_k > MAX_TOP_K || L->moe->top_k > L->moe->experts ||
                         2 * rows * L->moe->top_k + 3 > MAX_JOBS)))
             return -1;
@@ -545,10 +550,11 @@ int llmrun_decode_layers(const step_layer_t *layers, const step_t *step, float *
                 } else if (L->window && p + 1 > L->window) {
                     first = p + 1 - L->window;
                 }
-                const int32_t *table = step->tables ? step->tables + b * step->table_width : NULL;
+                const int32_t *tables = step->tables[L->kv_group];
+                const int32_t *table = tables ? tables + b * step->table_width[L->kv_group] : NULL;
                 const int64_t at = table ? 0 : b * step->row_bytes;
                 llmrun_attend_kv_head(L->kv_kind, g, s->qr + b * qn, L->k_cache + at, L->v_cache + at,
-                                      table, step->block_rows, step->block_bytes, first, length,
+                                      table, step->block_rows, step->block_bytes[L->kv_group], first, length,
                                       L->heads, L->kv_heads, hd, L->head_bytes, L->scale,
                                       L->softcap, L->sinks, s->att + b * qn);
             }

@@ -103,6 +103,7 @@ class Layer(ctypes.Structure):
         ("act", _I32),
         ("rope", _I32),
         ("kv_kind", _I32),
+        ("kv_group", _I32),
     ]
 
 
@@ -111,10 +112,10 @@ class Step(ctypes.Structure):
         ("cos", _PTR * 2),
         ("sin", _PTR * 2),
         ("positions", _PTR),
-        ("tables", _PTR),
-        ("table_width", _I64),
+        ("tables", _PTR * 2),
+        ("table_width", _I64 * 2),
+        ("block_bytes", _I64 * 2),
         ("block_rows", _I64),
-        ("block_bytes", _I64),
         ("row_bytes", _I64),
         ("rows", _I64),
         ("rotary_dim", _I64),
@@ -309,7 +310,8 @@ class DecodeStep:
 
     def _bind_cache(self, cache: Any) -> Any:
         """A copy of the layers pointing each at its part of the cache: row 0 of a
-        KVCache, block 0 of a paged pool; None for a storage type it does not know."""
+        KVCache, block 0 of its group's paged pool; None for a storage type it does
+        not know."""
         kind = ops._KV_KINDS.get(cache.k.dtype)
         if kind is None:
             return None
@@ -318,7 +320,7 @@ class DecodeStep:
         layers._kept = self.layers._kept  # what its pointers point into
         for i, d in enumerate(layers):
             if cache.paged:
-                k, v = cache.k[i], cache.pool.v[i]  # [blocks, Hkv, block_rows, width]
+                k, v, d.kv_group = cache.layer_pool(i)  # [blocks, Hkv, block_rows, width]
                 d.head_bytes, d.ring = k.stride(1) * k.element_size(), 0
             else:
                 index, ring = cache.index[i], cache.windowed(i)
@@ -333,9 +335,10 @@ class DecodeStep:
     def _cache_key(self, cache: Any) -> tuple:
         """What the layers' cache pointers follow from: a new cache at the same addresses
         with the same shapes needs the same pointers."""
-        tensors = (cache.k, cache.pool.v) if cache.paged else (cache.k, cache.v)
-        if not cache.paged:
-            tensors += (cache.ring_k, cache.ring_v)
+        if cache.paged:
+            tensors = (cache.k, cache.pool.v, cache.pool.window_k, cache.pool.window_v)
+        else:
+            tensors = (cache.k, cache.v, cache.ring_k, cache.ring_v)
         return (cache.paged,) + tuple(
             None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors
         )
@@ -356,10 +359,10 @@ class DecodeStep:
         if cache.paged:
             if cache.counts is not None or cache.tables.shape[0] != rows:
                 return None
-            pool = cache.pool
-            step.tables, step.table_width = cache.tables.data_ptr(), cache.tables.shape[1]
-            step.block_rows = pool.block_rows
-            step.block_bytes = pool.k.stride(1) * pool.k.element_size()
+            step.block_rows = cache.pool.block_rows
+            for g, group in enumerate(cache.groups):
+                step.tables[g], step.table_width[g] = group.tables.data_ptr(), group.tables.shape[1]
+                step.block_bytes[g] = group.k.stride(1) * group.k.element_size()
         elif (
             cache.rows is not None
             or cache.k.shape[1] != rows

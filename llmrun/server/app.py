@@ -310,18 +310,28 @@ async def health(request: Request) -> Response:
     scheduler = service.scheduler
     if scheduler is None:
         return JSONResponse({"status": "loading"}, status_code=503)
+    blocks = scheduler.blocks
+    kv_blocks = {
+        "block_size": blocks.block_size,
+        "total": blocks.n_blocks,
+        "used": blocks.used,
+        "cached": blocks.cached_blocks,
+    }
+    if blocks.window_manager is not None:  # the sliding-window layers' pool
+        window = blocks.window_manager
+        kv_blocks["window"] = {
+            "positions": blocks.window,
+            "total": window.n_blocks,
+            "used": window.used,
+            "cached": window.cached_blocks,
+        }
     return JSONResponse(
         {
             "status": "ok",
             "slots": scheduler.parallel,
             "running": len(scheduler.active),
             "waiting": len(scheduler.waiting),
-            "kv_blocks": {
-                "block_size": scheduler.blocks.block_size,
-                "total": scheduler.blocks.n_blocks,
-                "used": scheduler.blocks.used,
-                "cached": scheduler.blocks.cached_blocks,
-            },
+            "kv_blocks": kv_blocks,
         }
     )
 
@@ -414,15 +424,23 @@ def run(
         try:
             engine = api.load(spec, path=path, **load_options)
             service.start(engine)
+            blocks = service.scheduler.blocks
+            windows = ""
+            if blocks.window_manager is not None:
+                windows = (
+                    f" (and {blocks.window_manager.n_blocks} for the layers with a sliding "
+                    f"window of {blocks.window})"
+                )
             LOG.info(
                 "model %s loaded in %.1fs; up to %d sequences of %d tokens over %d KV "
-                "blocks of %d tokens (%.1f MiB)%s",
+                "blocks of %d tokens%s, %.1f MiB%s",
                 model_id,
                 engine.load_seconds,
                 parallel,
                 engine.ctx_size,
-                service.scheduler.blocks.n_blocks,
-                service.scheduler.blocks.block_size,
+                blocks.n_blocks,
+                blocks.block_size,
+                windows,
                 service.scheduler.cache.nbytes / 2**20,
                 "" if prefix_cache else ", no prefix cache",
             )

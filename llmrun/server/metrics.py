@@ -65,14 +65,30 @@ class Metrics:
             ["state"],
             registry=registry,
         )
-        for state, count in (
-            ("total", lambda b: b.n_blocks),
-            ("used", lambda b: b.used),
-            ("cached", lambda b: b.cached_blocks),
-        ):
-            blocks.labels(state).set_function(
-                lambda count=count: count(service.scheduler.blocks) if service.scheduler else 0
-            )
+        window_blocks = Gauge(
+            "llmrun_kv_window_blocks",
+            "The sliding-window layers' KV blocks (0 without such layers): total, used, cached.",
+            ["state"],
+            registry=registry,
+        )
+
+        def group(windowed: bool) -> Any:
+            if service.scheduler is None:
+                return None
+            blocks = service.scheduler.blocks
+            return blocks.window_manager if windowed else blocks
+
+        for gauge, windowed in ((blocks, False), (window_blocks, True)):
+            for state, count in (
+                ("total", lambda b: b.n_blocks),
+                ("used", lambda b: b.used),
+                ("cached", lambda b: b.cached_blocks),
+            ):
+                gauge.labels(state).set_function(
+                    lambda count=count, windowed=windowed: (
+                        0 if group(windowed) is None else count(group(windowed))
+                    )
+                )
         preempted = Gauge(
             "llmrun_preemptions",
             "Sequences preempted (to be prefilled again) when KV blocks ran out.",

@@ -89,3 +89,67 @@ def test_served_requests_batched_past_the_window_reply_as_alone(engine):
     finally:
         scheduler.close()
     assert batched == alone
+
+
+def test_served_turns_reuse_the_prefix_and_the_windowed_pool_holds_only_windows(engine):
+    """serve's scheduler with the sliding-window layers in a pool of their own: each
+    turn of a conversation (the whole conversation as its prompt) reuses the previous
+    one's blocks and replies as a cold cache and `run` do, while each running
+    sequence holds at most its window (and a prefill chunk) of windowed blocks."""
+    import queue
+
+    from llmrun.batching import Request, Scheduler
+    from llmrun.kv_blocks import blocks_for
+
+    def serve(scheduler, prompt):
+        events, held = queue.Queue(), []
+
+        def on_event(event):
+            held.append(scheduler.blocks.window_manager.used)
+            events.put(event)
+
+        scheduler.submit(Request(prompt, GREEDY, 40, ignore_eos=True), on_event)
+        tokens = []
+        while True:
+            event = events.get(timeout=120)
+            if isinstance(event, Exception):
+                raise event
+            if event.token is not None:
+                tokens.append(event.token)
+            if event.finish_reason is not None:
+                return tokens, event.stats, max(held)
+
+    no_eos = api.Engine(**{**engine.__dict__, "eos_ids": []})
+    warm = Scheduler(engine, parallel=2, queue=8, prefill_budget=8)
+    cold = Scheduler(engine, parallel=2, queue=8, prefill_budget=8, prefix_cache=False)
+    assert warm.blocks.window == 5 and warm.cache.window_k is not None
+    warm.start()
+    cold.start()
+    try:
+        conversation = engine.tokenizer.encode("Once upon a time there was a little dog")
+        hits = []
+        for _ in range(3):
+            tokens, stats, held = serve(warm, conversation)
+            assert held <= blocks_for(5 + 8) + 1  # one sequence's window and a chunk
+            alone = [r.token for r in no_eos.generate(conversation, GREEDY, 40)]
+            assert tokens == serve(cold, conversation)[0] == [t for t in alone if t is not None]
+            hits.append(stats.prompt_tokens - stats.prompt_processed)
+            conversation = conversation + tokens + engine.tokenizer.encode(" Then", add_bos=False)
+        assert hits[0] == 0 and hits[1] >= 32 and hits[2] > hits[1]
+    finally:
+        warm.close()
+        cold.close()
+    assert warm.blocks.used == warm.blocks.window_manager.used == 0
+
+
+def test_kv_memory_too_small_for_the_windows_is_refused_with_the_sizes(engine):
+    from llmrun.batching import Scheduler
+    from llmrun.errors import UsageError
+
+    with pytest.raises(UsageError) as refused:
+        Scheduler(engine, parallel=2, kv_memory=1 << 20)
+    assert str(refused.value) == (
+        "--kv-memory 1048576 bytes holds no KV block after 1638400 bytes for the "
+        "sliding-window layers' blocks (40 blocks for 2 sequences): one block of 16 "
+        "tokens takes 8192 bytes for this model"
+    )

@@ -23,6 +23,7 @@ from moe_helpers import MOE_CONFIGS, hub_state_dict, tiny_moe_model
 from test_cache_types import our_model
 
 from llmrun import ops
+from llmrun.kv_blocks import HOLE, KVBlocks
 from llmrun.models import model_module
 from llmrun.models.paged import PagedKVCache
 
@@ -209,3 +210,62 @@ def test_a_pool_is_resident_only_where_blocks_are_written():
         model(IDS[:1], torch.arange(SEQ)[None], pool.view([[7, 4000, 12]]))
     assert pool.k[:, 4000].any()
     assert resident() - before < 16 << 20
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "gpt_oss"])
+def test_windowed_layers_in_a_pool_of_their_own_give_the_contiguous_logits(name):
+    """serve's bookkeeping (KVBlocks) for two rows whose windowed layers (window 5)
+    share a pool of 5 blocks: their tables let go of blocks as they leave the window,
+    the other row takes them, and every block no table holds is scribbled over
+    before each forward, so a key read from outside the window would show."""
+    model = built(name)
+    like = model.new_cache(1, 1, "f32", "cpu")
+    pool = PagedKVCache(like, 16, BLOCK, 256, window_blocks=5)
+    assert pool.window_k is not None and 0 < pool.window_k.shape[0] < len(like.windows)
+    kv = KVBlocks(16, BLOCK, window=5, window_blocks=5)
+    ids = IDS.clone()
+    prompts, chunks, steps = [20, 30], [[7, 13], [20, 10]], 10
+    seqs = [kv.allocate(ids[r, : prompts[r]].tolist(), prompts[r])[0] for r in range(2)]
+    fed = [[], []]
+    got = [[], []]
+    generator = torch.Generator().manual_seed(0)
+
+    def forward(counts):
+        held = {b for s in seqs for b in s.window.blocks if b != HOLE}
+        for b in set(range(5)) - held:
+            for cache in (pool.window_k, pool.window_v):
+                cache[:, b] = 100 * torch.randn(cache[:, b].shape, generator=generator)
+        width = max(counts)
+        rows, positions = [], []
+        for r, n in enumerate(counts):
+            start = len(fed[r])
+            assert kv.grow(seqs[r], start + n)
+            part = ids[r, start : start + n].tolist()
+            rows.append(part + [part[-1]] * (width - n))
+            positions.append([start + min(i, n - 1) for i in range(width)])
+        view = pool.view(
+            [s.full.blocks for s in seqs],
+            counts if min(counts) < width else None,
+            [s.window.blocks for s in seqs],
+        )
+        last = torch.tensor(counts) - 1
+        logits = model(torch.tensor(rows), torch.tensor(positions), view, last=last)[:, -1]
+        for r, n in enumerate(counts):
+            fed[r].extend(ids[r, len(fed[r]) : len(fed[r]) + n].tolist())
+            kv.commit(seqs[r], fed[r])
+            got[r].append(logits[r])
+
+    with torch.inference_mode():
+        for counts in zip(*chunks, strict=True):
+            forward(list(counts))
+        for _ in range(steps):
+            forward([1, 1])
+        assert any(HOLE in s.window.blocks for s in seqs)
+        for r in range(2):
+            sizes = chunks[r] + [1] * steps
+            reference = contiguous_logits(model, ids[r], sizes)
+            ends = torch.tensor(sizes).cumsum(0) - 1
+            torch.testing.assert_close(torch.stack(got[r]), reference[ends], rtol=1e-4, atol=1e-4)
+    for s in seqs:
+        kv.release(s)
+    assert (kv.used, kv.window_manager.used) == (0, 0)

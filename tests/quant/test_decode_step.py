@@ -222,12 +222,14 @@ def test_8_bit_activations_decode_as_gguf_quantized_activations(native_kernels, 
 
 
 @pytest.mark.parametrize("activations", ["f32", "q8"])
-@pytest.mark.parametrize("name", ["qwen2", "gemma3"])
+@pytest.mark.parametrize("name,windowed", [("qwen2", False), ("gemma3", False), ("gemma3", True)])
 def test_batched_rows_through_a_paged_cache_equal_the_layers(
-    native_kernels, name, activations, tmp_path
+    native_kernels, name, windowed, activations, tmp_path
 ):
     """serve's decode step: three sequences at their own positions (one past Gemma's
-    window of 5), each through its own block table of a paged pool."""
+    window of 5), each through its own block table of a paged pool; `windowed`: the
+    sliding-window layers in a pool of their own, where the row past its window has
+    let go of its first block (scribbled over before the step)."""
     from llmrun.models.paged import PagedKVCache
 
     q, _ = random_block_model(name, [T.Q4_0, T.Q8_0], tmp_path)
@@ -236,17 +238,23 @@ def test_batched_rows_through_a_paged_cache_equal_the_layers(
     like = model.new_cache(1, 1, torch.float32, "cpu")
     lengths = [3, 9, 6]
     tables = [[0, 5], [2, 1, 7], [4, 3]]  # blocks of 4 positions, shuffled
+    window_tables = [[1, 6], [3, 0, 5], [7, 2]]
     ids = torch.randint(0, 256, (3, 10), generator=torch.Generator().manual_seed(5))
 
     def run(step) -> torch.Tensor:
         model.decode_step = step
-        pool = PagedKVCache(like, 8, 4, 32)
+        pool = PagedKVCache(like, 8, 4, 32, window_blocks=8 if windowed else 0)
+        windows = window_tables if windowed else None
         with torch.no_grad():
             for b, n in enumerate(lengths):  # each prompt alone
-                model(ids[b : b + 1, :n], torch.arange(n)[None], pool.view([tables[b]]))
+                one = [windows[b]] if windowed else None
+                model(ids[b : b + 1, :n], torch.arange(n)[None], pool.view([tables[b]], None, one))
+            if windowed:  # position 9 attends to 5 .. 9: row 1 lets go of block 3
+                windows = [window_tables[0], [-1, 0, 5], window_tables[2]]
+                pool.window_k[:, 3] = pool.window_v[:, 3] = 1e3
             rows = torch.tensor(lengths)[:, None]
             step_ids = ids[torch.arange(3), torch.tensor(lengths)][:, None]
-            return model(step_ids, rows, pool.view(tables))
+            return model(step_ids, rows, pool.view(tables, None, windows))
 
     step = model.decode_step
     counter = Counting(model)
