@@ -17,12 +17,17 @@ reports TTFT and inter-token latency P50/P99, aggregate generated tokens/s, and
 the share of prompt tokens the server served from its prefix cache
 (usage.prompt_tokens_details.cached_tokens), with the prefix cache on and off
 (--prefix-cache on|off|both; a server started here gets --no-prefix-cache for off).
+It also samples, every 50 ms, how many requests the server is running (llmrun's
+/health `running`; llama-server's /slots `is_processing`), for the concurrency a
+KV budget holds (--kv-memory and --cache-type here; -c and --kv-unified there), and
+counts the requests that failed (a user whose request fails stops there).
 
 Usage:
   python benchmarks/serve_load.py [MODEL] [-c 1,4,8] [--requests 4] [-n 64]
       [--parallel 8] [--threads 2] [--prompt TEXT] [--url http://127.0.0.1:8080]
   python benchmarks/serve_load.py [MODEL] --multi-turn 8x8 [-n 64] [--think-time 0.5]
-      [--prefix-cache both] [--kv-memory 1GiB] [--activations q8] [--parallel 8] [--threads 2]
+      [--prefix-cache both] [--kv-memory 1GiB] [--cache-type f16] [--activations q8]
+      [--parallel 8] [--threads 2]
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ def start_server(
         command += ["--kv-memory", args.kv_memory]
     if args.activations:
         command += ["--activations", args.activations]
+    if args.cache_type:
+        command += ["--cache-type", args.cache_type]
     if args.model:
         command.append(args.model)
     if args.threads:
@@ -181,11 +188,14 @@ def chat_turn(client: httpx.Client, url: str, messages: list[dict], args) -> dic
     start = time.perf_counter()
     first, last, gaps, pieces, usage = None, None, [], [], {}
     with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
-        response.raise_for_status()
+        if response.status_code != 200:
+            return {"error": f"{response.status_code}: {response.read().decode()[:200]}"}
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:
+                return {"error": str(chunk["error"])[:200]}
             usage = chunk.get("usage") or usage
             if not chunk["choices"] or not chunk["choices"][0]["delta"].get("content"):
                 continue
@@ -199,9 +209,24 @@ def chat_turn(client: httpx.Client, url: str, messages: list[dict], args) -> dic
     return {"ttft": first, "gaps": gaps, "answer": "".join(pieces), "usage": usage}
 
 
+def running(client: httpx.Client, url: str) -> int | None:
+    """Requests the server is running now: llmrun's /health, else llama-server's /slots."""
+    try:
+        health = client.get(f"{url}/health", timeout=5).json()
+        if "running" in health:
+            return health["running"]
+        slots = client.get(f"{url}/slots", timeout=5).json()
+        return sum(1 for slot in slots if slot.get("is_processing"))
+    except (httpx.HTTPError, ValueError, TypeError, AttributeError):
+        return None
+
+
 def run_conversations(url: str, users: int, turns: int, args) -> dict:
     results: list[dict] = []
+    errors: list[str] = []
+    samples: list[int] = []
     lock = threading.Lock()
+    done = threading.Event()
 
     def user(index: int) -> None:
         messages = [{"role": "system", "content": f"You are storyteller number {index}."}]
@@ -209,18 +234,32 @@ def run_conversations(url: str, users: int, turns: int, args) -> dict:
             for turn in range(turns):
                 messages.append({"role": "user", "content": USER_TURNS[turn % len(USER_TURNS)]})
                 result = chat_turn(client, url, messages, args)
-                messages.append({"role": "assistant", "content": result["answer"]})
                 with lock:
+                    if "error" in result:
+                        errors.append(result["error"])
+                        return
                     results.append(result)
+                messages.append({"role": "assistant", "content": result["answer"]})
                 time.sleep(args.think_time)
 
+    def sample() -> None:
+        with httpx.Client() as client:
+            while not done.wait(0.05):
+                count = running(client, url)
+                if count is not None:
+                    samples.append(count)
+
     threads = [threading.Thread(target=user, args=(i,)) for i in range(users)]
+    sampler = threading.Thread(target=sample)
     start = time.perf_counter()
+    sampler.start()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
+    done.set()
+    sampler.join()
     ttfts = [r["ttft"] for r in results if r["ttft"] is not None]
     gaps = [g for r in results for g in r["gaps"]]
     tokens = sum(r["usage"].get("completion_tokens", 0) for r in results)
@@ -242,14 +281,19 @@ def run_conversations(url: str, users: int, turns: int, args) -> dict:
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "cached_ratio": cached / prompt if prompt else float("nan"),
+        "failed": len(errors),
+        "first_error": errors[0] if errors else None,
+        "running_max": max(samples, default=0),
+        "running_mean": statistics.mean(samples) if samples else float("nan"),
     }
 
 
 def conversation_table(rows: list[dict]) -> str:
     lines = [
         "| prefix cache | users x turns | tokens | agg tok/s | TTFT P50 / P99 (ms) "
-        "| ITL P50 / P99 (ms) | cached / prompt tokens | peak RSS (MiB) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| ITL P50 / P99 (ms) | cached / prompt tokens | running max / mean | failed "
+        "| peak RSS (MiB) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         rss = f"{r['peak_rss'] / 2**20:.0f}" if r.get("peak_rss") else "-"
@@ -258,9 +302,11 @@ def conversation_table(rows: list[dict]) -> str:
             f"| {r['tokens_per_second']:.1f} "
             f"| {r['ttft_p50'] * 1e3:.0f} / {r['ttft_p99'] * 1e3:.0f} "
             f"| {r['itl_p50'] * 1e3:.1f} / {r['itl_p99'] * 1e3:.1f} "
-            f"| {r['cached_tokens']} / {r['prompt_tokens']} ({r['cached_ratio']:.0%}) | {rss} |"
+            f"| {r['cached_tokens']} / {r['prompt_tokens']} ({r['cached_ratio']:.0%}) "
+            f"| {r['running_max']} / {r['running_mean']:.1f} | {r['failed']} | {rss} |"
         )
-    return "\n".join(lines)
+    errors = [r["first_error"] for r in rows if r["first_error"]]
+    return "\n".join(lines + [f"first error: {e}" for e in errors])
 
 
 def multi_turn(args: argparse.Namespace) -> None:
@@ -330,6 +376,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prefix-cache", choices=["on", "off", "both"], default="both")
     parser.add_argument("--kv-memory", help="the server's --kv-memory")
     parser.add_argument("--activations", choices=["f32", "q8"], help="the server's --activations")
+    parser.add_argument("--cache-type", help="the server's --cache-type")
     return parser.parse_args(argv)
 
 
