@@ -8,6 +8,11 @@ On the Qwen2.5-0.5B-shaped files (make_qwen_model.py's; written first where miss
    memory, weights GB/s against the device's measured read bandwidth);
 3. the baseline: transformers in bf16 on the same shape (random weights), prefill of
    512 and greedy decode of 128 tokens, t/s.
+0. the GPU layout (llmrun.quant.planes) on --device, per type on a 7B-shaped matrix
+   (11008 x 4096): planes dequantized there against gguf's numpy values (exact?), and
+   one row's product timed three ways: the compiled fused kernel, dequantized weights
+   and F.linear in bf16, and F.linear on bf16 weights (what a bf16 model reads), in
+   GB/s of the bytes each reads, next to a measured device copy's GB/s;
 It prints a table and writes JSON lines to --out. On a machine without CUDA it runs
 the same steps with `--device cpu` (smaller, to check the script itself).
 
@@ -77,6 +82,73 @@ def check_file(path: Path, device: str, steps: int) -> dict:
     }
 
 
+def timed_us(fn, device: str, repeats: int = 50) -> float:
+    """Microseconds per call of fn after a warm-up (the device synchronized)."""
+    fn()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / repeats * 1e6
+
+
+def copy_bandwidth(device: str) -> float:
+    """GB/s of a 256 MiB device-to-device copy, bytes read and written."""
+    source = torch.empty(1 << 28, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    return 2 * source.nbytes / timed_us(lambda: target.copy_(source), device, 10) / 1e3
+
+
+def planes_check(device: str, rows: int = 11008, cols: int = 4096) -> list[dict]:
+    """Step 0: the planes' exactness and the decode product's speed on `device`."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES
+    from gguf.quants import dequantize as gguf_dequantize
+
+    from llmrun.quant import planes
+    from llmrun.quant.planes import PlanarLinear
+
+    if device == "cpu":
+        rows, cols = 512, 1024
+    copy_gbps = copy_bandwidth(device)
+    fused = PlanarLinear.compiled()
+    x = torch.randn(1, cols, device=device)
+    out = []
+    rng = np.random.default_rng(0)
+    for ggml_type in sorted(planes.TYPES, key=lambda t: t.name):
+        size, type_size = GGML_QUANT_SIZES[ggml_type]
+        raw = rng.integers(0, 256, (rows * cols // size, type_size), dtype=np.uint8)
+        for offset in {planes.T.Q6_K: (208,), planes.T.Q4_K: (0, 2)}.get(ggml_type, (0,)):
+            scale = (rng.standard_normal(len(raw)) * 1e-3).astype(np.float16)
+            raw[:, offset : offset + 2] = scale.view(np.uint8).reshape(-1, 2)
+        raw = raw.reshape(rows, -1)
+        split = planes.split(torch.from_numpy(raw).to(device), ggml_type)
+        exact = torch.equal(
+            planes.dequantize(split, ggml_type).cpu(),
+            torch.from_numpy(gguf_dequantize(raw, ggml_type).astype(np.float32)),
+        )
+        nbytes = sum(p.nbytes for p in split.values())
+        bf16 = planes.dequantize(split, ggml_type, torch.bfloat16)
+        xb = x.bfloat16()
+        fused_us = timed_us(lambda s=split, t=ggml_type: fused(x, s, t), device)
+        tiles_us = timed_us(
+            lambda s=split, t=ggml_type, xb=xb: torch.nn.functional.linear(
+                xb, planes.dequantize(s, t, torch.bfloat16)
+            ),
+            device,
+        )
+        bf16_us = timed_us(lambda w=bf16, xb=xb: torch.nn.functional.linear(xb, w), device)
+        out.append({
+            "type": ggml_type.name, "exact": exact, "plane_bytes": nbytes,
+            "fused_us": fused_us, "fused_gbps": nbytes / fused_us / 1e3,
+            "dequantize_linear_us": tiles_us, "bf16_linear_us": bf16_us,
+            "bf16_gbps": bf16.nbytes / bf16_us / 1e3, "copy_gbps": copy_gbps,
+        })  # fmt: skip
+    return out
+
+
 def bench(paths: list[Path], device: str, prompt: int, tokens: int) -> list[dict]:
     command = [sys.executable, "-m", "llmrun", "bench", *map(str, paths), "--device", device,
                "-p", str(prompt), "-n", str(tokens), "-r", "3", "--roofline", "-o", "json"]  # fmt: skip
@@ -144,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
                         ",".join(missing), "--out", str(args.models)], check=True)  # fmt: skip
     if args.device == "cuda":
         print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    kernels = planes_check(args.device)
+    for r in kernels:
+        print(json.dumps(r), flush=True)
     records = [check_file(p, args.device, args.greedy) for p in paths]
     for r in records:
         print(f"{r['file']}: {r['device']} {r['dtype']} logits within {r['max_abs_logit_diff']:.3g}"
@@ -156,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(baseline), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("w") as f:
-        for r in [*records, *benched, baseline]:
+        for r in [*kernels, *records, *benched, baseline]:
             f.write(json.dumps(r) + "\n")
     print(f"written: {args.out}")
     return 0

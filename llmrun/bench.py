@@ -37,6 +37,7 @@ from llmrun.loading.loader import Checkpoint
 from llmrun.models import kv_cache_bytes
 from llmrun.models.cache import BYTES_PER_VALUE
 from llmrun.quant.linear import QuantEmbedding
+from llmrun.quant.planes import PlanarLinear
 
 ROOFLINE_BYTES = 1 << 30  # far larger than any L3 cache, so the reads come from DRAM
 ROOFLINE_REPEATS = 5
@@ -251,17 +252,26 @@ def weight_bytes_per_token(model: nn.Module) -> int:
     for module in model.modules():
         experts = getattr(module, "experts", None)
         if isinstance(experts, nn.ModuleList) and hasattr(module, "top_k"):
-            share.update((id(p), module.top_k / len(experts)) for p in experts.parameters())
+            held = (p for m in experts.modules() for p in _weights(m))
+            share.update((id(p), module.top_k / len(experts)) for p in held)
     seen: set[int] = set()
     total = 0.0
     for module in model.modules():
-        for p in module.parameters(recurse=False):
+        for p in _weights(module):
             if isinstance(module, (nn.Embedding, QuantEmbedding)):
                 total += p.nbytes // p.shape[0]
             elif id(p) not in seen:
                 seen.add(id(p))
                 total += p.nbytes * share.get(id(p), 1.0)
     return round(total)
+
+
+def _weights(module: nn.Module) -> list[torch.Tensor]:
+    """A module's own weights: its parameters, and a PlanarLinear's planes (buffers)."""
+    weights = list(module.parameters(recurse=False))
+    if isinstance(module, PlanarLinear):
+        weights += module.planes.values()
+    return weights
 
 
 def disk_bytes(path: Path) -> int:

@@ -20,15 +20,17 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._triton import has_triton
 
 from llmrun import native
 from llmrun.errors import ModelFormatError, ModelNotFoundError, UnsupportedError
 from llmrun.loading import gguf_config, gguf_io, gpt_oss, safetensors_io
 from llmrun.models import model_module
-from llmrun.quant import decode_step, hugepages, kernels
+from llmrun.quant import decode_step, hugepages, kernels, planes
 from llmrun.quant.blocks import SUPPORTED_TYPES
 from llmrun.quant.experts import fuse_experts
 from llmrun.quant.linear import QuantEmbedding, QuantLinear, tied_head
+from llmrun.quant.planes import PlanarLinear
 
 FLOAT_TYPES = {
     GGMLQuantizationType.F32: torch.float32,
@@ -387,6 +389,11 @@ def build_model(checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype
         else:
             model.lm_head.weight = embed.weight
     model.to(device)
+    if device.type != "cpu":
+        # Quantized matrices in the GPU layout; on CUDA (with Triton, which torch.compile
+        # generates its kernels in) decode's products are compiled.
+        compiled = device.type == "cuda" and has_triton()
+        planes.convert(model, PlanarLinear.compiled() if compiled else None)
     # Inference only: parameters that require grad would make every op record autograd history.
     model.requires_grad_(False)
     if device.type == "cpu":

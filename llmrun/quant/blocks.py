@@ -42,7 +42,7 @@ def _shifts(*values: int, shape: tuple[int, ...], device: torch.device) -> torch
     return torch.tensor(values, dtype=torch.uint8, device=device).reshape(shape)
 
 
-def _nibbles(qs: torch.Tensor, groups: int, width: int) -> torch.Tensor:
+def nibbles(qs: torch.Tensor, groups: int, width: int) -> torch.Tensor:
     """Split `[n, groups*width]` bytes into `[n, groups, 2*width]` nibbles, low nibbles first."""
     n = qs.shape[0]
     shifts = _shifts(0, 4, shape=(1, 1, 2, 1), device=qs.device)
@@ -56,14 +56,14 @@ def _bits(mask: torch.Tensor, groups: int) -> torch.Tensor:
     return (mask.reshape(n, 1, 32) >> shifts) & 1
 
 
-def _crumbs(qs: torch.Tensor, chunks: int) -> torch.Tensor:
+def crumbs(qs: torch.Tensor, chunks: int) -> torch.Tensor:
     """2-bit fields of `[n, chunks*32]` bytes: `[n, chunks*4, 32]`, shift 0,2,4,6 per chunk."""
     n = qs.shape[0]
     shifts = _shifts(0, 2, 4, 6, shape=(1, 1, 4, 1), device=qs.device)
     return ((qs.reshape(n, chunks, 1, 32) >> shifts) & 3).reshape(n, chunks * 4, 32)
 
 
-def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Unpack Q4_K/Q5_K's 12 bytes of 6-bit scales and mins into two `[n, 8]` uint8 tensors."""
     d, m, md = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
     sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=1)
@@ -88,13 +88,13 @@ def _bf16(blocks: torch.Tensor) -> torch.Tensor:
 
 @_register(T.Q4_0)
 def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
-    q = _nibbles(blocks[:, 2:], 1, 16).reshape(-1, 32)
+    q = nibbles(blocks[:, 2:], 1, 16).reshape(-1, 32)
     return _f16(blocks, 0) * (q.to(torch.int8) - 8).float()
 
 
 @_register(T.Q4_1)
 def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    q = _nibbles(blocks[:, 4:], 1, 16).reshape(-1, 32)
+    q = nibbles(blocks[:, 4:], 1, 16).reshape(-1, 32)
     return _f16(blocks, 0) * q.float() + _f16(blocks, 2)
 
 
@@ -103,7 +103,7 @@ def _q5(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
     n = qs.shape[0]
     shifts = torch.arange(8, dtype=torch.uint8, device=qh.device).reshape(1, 1, 8)
     high = ((qh.reshape(n, 4, 1) >> shifts) & 1).reshape(n, 32)
-    return _nibbles(qs, 1, 16).reshape(n, 32) | (high << 4)
+    return nibbles(qs, 1, 16).reshape(n, 32) | (high << 4)
 
 
 @_register(T.Q5_0)
@@ -129,7 +129,7 @@ def _q2_k(blocks: torch.Tensor) -> torch.Tensor:
     scales, qs = blocks[:, :16], blocks[:, 16:80]
     dl = (_f16(blocks, 80) * (scales & 0x0F).float()).reshape(n, 16, 1)
     ml = (_f16(blocks, 82) * (scales >> 4).float()).reshape(n, 16, 1)
-    q = _crumbs(qs, 2).reshape(n, 16, 16).float()
+    q = crumbs(qs, 2).reshape(n, 16, 16).float()
     return (dl * q - ml).reshape(n, QK_K)
 
 
@@ -137,34 +137,34 @@ def _q2_k(blocks: torch.Tensor) -> torch.Tensor:
 def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     hmask, qs, scales = blocks[:, :32], blocks[:, 32:96], blocks[:, 96:108]
-    low = _nibbles(scales[:, :8], 1, 8).reshape(n, 16)
+    low = nibbles(scales[:, :8], 1, 8).reshape(n, 16)
     shifts = _shifts(0, 2, 4, 6, shape=(1, 4, 1), device=blocks.device)
     high = ((scales[:, 8:12].reshape(n, 1, 4) >> shifts) & 3).reshape(n, 16)
     sc = ((low | (high << 4)).to(torch.int8) - 32).float()
     dl = (_f16(blocks, 108) * sc).reshape(n, 16, 1)
     # A set hmask bit means "no offset"; a clear one subtracts 4.
     offset = (_bits(hmask, 8) ^ 1) << 2
-    q = _crumbs(qs, 2).to(torch.int8) - offset.to(torch.int8)
+    q = crumbs(qs, 2).to(torch.int8) - offset.to(torch.int8)
     return (dl * q.reshape(n, 16, 16).float()).reshape(n, QK_K)
 
 
 @_register(T.Q4_K)
 def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
-    sc, mn = _k_scales(blocks[:, 4:16])
+    sc, mn = k_scales(blocks[:, 4:16])
     d = (_f16(blocks, 0) * sc.float()).reshape(n, 8, 1)
     dm = (_f16(blocks, 2) * mn.float()).reshape(n, 8, 1)
-    q = _nibbles(blocks[:, 16:], 4, 32).reshape(n, 8, 32).float()
+    q = nibbles(blocks[:, 16:], 4, 32).reshape(n, 8, 32).float()
     return (d * q - dm).reshape(n, QK_K)
 
 
 @_register(T.Q5_K)
 def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
-    sc, mn = _k_scales(blocks[:, 4:16])
+    sc, mn = k_scales(blocks[:, 4:16])
     d = (_f16(blocks, 0) * sc.float()).reshape(n, 8, 1)
     dm = (_f16(blocks, 2) * mn.float()).reshape(n, 8, 1)
-    q = _nibbles(blocks[:, 48:], 4, 32).reshape(n, 8, 32) | (_bits(blocks[:, 16:48], 8) << 4)
+    q = nibbles(blocks[:, 48:], 4, 32).reshape(n, 8, 32) | (_bits(blocks[:, 16:48], 8) << 4)
     return (d * q.float() - dm).reshape(n, QK_K)
 
 
@@ -172,8 +172,8 @@ def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
 def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     ql, qh, scales = blocks[:, :128], blocks[:, 128:192], blocks[:, 192:208]
-    low = _nibbles(ql, 2, 64).reshape(n, 8, 32)
-    q = (low | (_crumbs(qh, 2) << 4)).to(torch.int8) - 32
+    low = nibbles(ql, 2, 64).reshape(n, 8, 32)
+    q = (low | (crumbs(qh, 2) << 4)).to(torch.int8) - 32
     d = (_f16(blocks, 208) * scales.contiguous().view(torch.int8).float()).reshape(n, 16, 1)
     return (d * q.reshape(n, 16, 16).float()).reshape(n, QK_K)
 
@@ -185,7 +185,7 @@ def _iq4_lookup(q: torch.Tensor) -> torch.Tensor:
 
 @_register(T.IQ4_NL)
 def _iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
-    q = _nibbles(blocks[:, 2:], 1, 16).reshape(-1, 32)
+    q = nibbles(blocks[:, 2:], 1, 16).reshape(-1, 32)
     return _f16(blocks, 0) * _iq4_lookup(q)
 
 
@@ -201,7 +201,7 @@ def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
     high = (high >> torch.arange(0, 16, 2, device=blocks.device)) & 3
     sc = ((low.to(torch.int32) | (high << 4)) - 32).float()
     dl = (_f16(blocks, 0) * sc).reshape(n, 8, 1)
-    q = _nibbles(blocks[:, 8:], 8, 16)
+    q = nibbles(blocks[:, 8:], 8, 16)
     return (dl * _iq4_lookup(q)).reshape(n, QK_K)
 
 
@@ -216,7 +216,7 @@ def e8m0_half(e: torch.Tensor) -> torch.Tensor:
 @_register(T.MXFP4)
 def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
     # One E8M0 byte, then 16 bytes of e2m1 codes: low nibbles weights 0..15, high 16..31.
-    q = _nibbles(blocks[:, 1:], 1, 16).reshape(-1, 32)
+    q = nibbles(blocks[:, 1:], 1, 16).reshape(-1, 32)
     table = torch.tensor(MXFP4_VALUES, dtype=torch.float32, device=blocks.device)
     return e8m0_half(blocks[:, :1]) * table[q.long()]
 
