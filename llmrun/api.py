@@ -23,8 +23,9 @@ from llmrun.chat_template import ChatTemplate, select_template
 from llmrun.errors import ModelFormatError, UsageError
 from llmrun.generate import KVState, Response, TokenLogprob, stream_generate
 from llmrun.loading import safetensors_io
-from llmrun.loading.loader import Checkpoint, load_model
-from llmrun.models.cache import KVCache
+from llmrun.loading.loader import Checkpoint, check_device_room, load_model
+from llmrun.models import kv_cache_bytes
+from llmrun.models.cache import BYTES_PER_VALUE, KVCache
 from llmrun.quant.linear import set_activations
 from llmrun.reasoning import (
     ANSWER,
@@ -286,6 +287,15 @@ def load(
     )
     if cache_type is not None:
         engine.new_cache(1, 1)  # refuses a cache type this model cannot store (q8_0's head_dim)
+    if torch_device.type != "cpu":
+        per_value = BYTES_PER_VALUE[cache_type] if cache_type else loaded.dtype.itemsize
+        kv = kv_cache_bytes(checkpoint.config, engine.ctx_size, per_value)
+        check_device_room(
+            torch_device,
+            kv,
+            f"a KV cache of {engine.ctx_size} tokens takes",
+            ": lower --ctx-size or use --cache-type q8_0",
+        )
     return engine
 
 

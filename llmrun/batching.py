@@ -26,7 +26,6 @@ return quickly.
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -38,6 +37,7 @@ from llmrun.api import Engine
 from llmrun.errors import ContextOverflowError, LlmrunError, ServerBusyError, UsageError
 from llmrun.generate import KVState, Response, Stats, TokenStream, check_fits
 from llmrun.kv_blocks import BLOCK_SIZE, KVBlocks, SequenceBlocks, blocks_for
+from llmrun.loading.loader import free_bytes
 from llmrun.models.paged import PagedKVCache, window_layers
 from llmrun.sampling import Sampler, SamplingParams
 
@@ -84,22 +84,6 @@ class Job:
     @property
     def prefilling(self) -> bool:
         return self.state is not None and len(self.state.tokens) < len(self.target)
-
-
-def free_memory(device: torch.device) -> int:
-    """Bytes of memory free now on `device` (CPU: the kernel's MemAvailable)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    if device.type == "mps":
-        return torch.mps.recommended_max_memory() - torch.mps.driver_allocated_memory()
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class Scheduler:
@@ -152,7 +136,7 @@ class Scheduler:
             )
         if kv_memory is None:
             wanted = CONTEXTS_PER_SEQUENCE * self.parallel * blocks_for(self.engine.ctx_size)
-            share = int(free_memory(self.engine.device) * MEMORY_SHARE) - window_bytes
+            share = int(free_bytes(self.engine.device) * MEMORY_SHARE) - window_bytes
             return max(min(wanted, share // full_bytes), 1), window, window_blocks
         n_blocks = (kv_memory - window_bytes) // full_bytes
         if n_blocks < 1:

@@ -99,3 +99,45 @@ def test_gguf_vocabulary_lists_are_released_once_the_tokenizer_has_them():
     ids = engine.tokenizer.encode("Once upon a time")
     assert engine.tokenizer.decode(ids) == "Once upon a time"
     assert engine.eos_ids == [2]
+
+
+def fake_cuda(monkeypatch, free: int) -> None:
+    """A CUDA device with `free` bytes free, as far as the checks before loading see."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 << 30))
+
+
+def test_weights_that_do_not_fit_the_gpu_are_one_line_with_the_sizes(monkeypatch):
+    import pytest
+
+    from llmrun.errors import UsageError
+
+    fake_cuda(monkeypatch, 100 << 10)
+    with pytest.raises(UsageError) as refused:
+        api.load(str(STORIES_GGUF), device="cuda")
+    # stories260K's 292,800 parameters: F32 in the file, bf16 on an accelerator.
+    assert str(refused.value) == "the weights take 0.6 MiB on cuda, but 0.1 MiB is free"
+
+
+def test_a_context_whose_kv_cache_does_not_fit_the_gpu_is_refused(monkeypatch):
+    import pytest
+    import torch
+
+    from llmrun.errors import UsageError
+    from llmrun.loading import loader
+
+    fake_cuda(monkeypatch, 1 << 20)
+    real = loader.load_model
+    monkeypatch.setattr(
+        api, "load_model", lambda path, device, dtype: real(path, torch.device("cpu"), "bf16")
+    )
+    with pytest.raises(UsageError) as refused:
+        api.load(str(STORIES_GGUF), device="cuda", ctx_size=4096)
+    # 5 layers x 4 KV heads x 8 values x keys and values x 2 bytes: 640 bytes a token.
+    assert str(refused.value) == (
+        "a KV cache of 4096 tokens takes 2.5 MiB on cuda, but 1.0 MiB is free: lower "
+        "--ctx-size or use --cache-type q8_0"
+    )
+    assert api.load(str(STORIES_GGUF), device="cuda", ctx_size=1024).ctx_size == 1024

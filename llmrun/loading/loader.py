@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import mmap
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._triton import has_triton
 
 from llmrun import native
-from llmrun.errors import ModelFormatError, ModelNotFoundError, UnsupportedError
+from llmrun.errors import ModelFormatError, ModelNotFoundError, UnsupportedError, UsageError
 from llmrun.loading import gguf_config, gguf_io, gpt_oss, safetensors_io
 from llmrun.models import model_module
 from llmrun.quant import decode_step, hugepages, kernels, planes
@@ -459,10 +460,60 @@ def load_model(path: str | Path, device: torch.device, dtype: str = "auto") -> L
     for note in checkpoint.notes:
         print(f"note: {note}", file=sys.stderr)
     compute_dtype = resolve_dtype(dtype, device, checkpoint)
+    if device.type != "cpu":
+        check_device_room(device, device_bytes(checkpoint, compute_dtype), "the weights take")
     model = build_model(checkpoint, device, compute_dtype)
     if checkpoint.gguf is not None:
         release_unused_pages(model, checkpoint.gguf.buffer)
     return LoadedModel(model, checkpoint, compute_dtype, device)
+
+
+def device_bytes(checkpoint: Checkpoint, dtype: torch.dtype) -> int:
+    """About the bytes a model's weights take on an accelerator: quantized blocks as they
+    are (the GPU layout adds at most 3 %), float tensors in the compute dtype, and a
+    tied head's copy of a quantized embedding."""
+    total = 0
+    for name, w in checkpoint.weights.items():
+        if w.ggml_type is None:
+            total += _numel(w.shape) * dtype.itemsize
+        else:
+            total += w.tensor.nbytes
+            if name.endswith("embed_tokens.weight") and checkpoint.config.get(
+                "tie_word_embeddings"
+            ):
+                total += w.tensor.nbytes
+    return total
+
+
+def free_bytes(device: torch.device) -> int:
+    """Bytes of memory free now on `device` (CPU: the kernel's MemAvailable)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "mps":
+        return torch.mps.recommended_max_memory() - torch.mps.driver_allocated_memory()
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_device_room(device: torch.device, needed: int, what: str, advice: str = "") -> None:
+    """Refuse in one line (UsageError) `needed` bytes that `device` has no room for:
+    "{what} X on DEVICE, but Y is free{advice}"."""
+    free = free_bytes(device)
+    if needed > free:
+        raise UsageError(
+            f"{what} {_binary_size(needed)} on {device.type}, but {_binary_size(free)} is "
+            f"free{advice}"
+        )
+
+
+def _binary_size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def release_unused_pages(model: nn.Module, buffer: mmap.mmap) -> int:
