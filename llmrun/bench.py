@@ -31,7 +31,7 @@ from torch import nn
 
 from llmrun import __version__, api, native
 from llmrun.errors import UsageError
-from llmrun.generate import KVState, prefill
+from llmrun.generate import KVState, decode, prefill
 from llmrun.loading import safetensors_io
 from llmrun.loading.loader import Checkpoint
 from llmrun.models import kv_cache_bytes
@@ -316,7 +316,7 @@ def _run_once(
         synchronize(device)
         first = time.perf_counter() - start
     for token in ids[test.n_prompt :]:
-        prefill(engine.model, state, [token], 1)
+        decode(engine.model, state, token)
         if first is None:
             synchronize(device)
             first = time.perf_counter() - start

@@ -12,10 +12,12 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import nn
 
+from llmrun import static_decode
 from llmrun.errors import ContextOverflowError
 from llmrun.models.cache import KVCache
 from llmrun.sampling import Sampler, top_logprobs
@@ -98,6 +100,17 @@ def prefill(
     return logits[0, -1]
 
 
+def decode(model: nn.Module, state: KVState, token: int) -> torch.Tensor:
+    """Feed one token after the cached ones; its logits [V]. On CUDA through the
+    static step that CUDA graphs replay (llmrun.static_decode) where it applies."""
+    device = state.cache.k.device
+    step = static_decode.decoder(model, state.cache) or partial(model, cache=state.cache)
+    ids = torch.tensor([[token]], device=device)
+    logits = step(ids, torch.tensor([[len(state.tokens)]], device=device))[0, -1]
+    state.tokens.append(token)
+    return logits
+
+
 def reuse_prefix(state: KVState, prompt: Sequence[int]) -> int:
     """Drop cached tokens past the prefix shared with `prompt` and return how many
     are kept (at most len(prompt) - 1, so there is always a token to feed)."""
@@ -119,17 +132,13 @@ def generate_step(
     was drawn from) until the caller stops or the context is full. `history`
     (for penalties) grows with each token."""
     logits = prefill(model, state, tokens)
-    device = state.cache.k.device
     while True:
         token = sampler(logits, history)
         yield token, logits
         history.append(token)
         if len(state.tokens) >= state.capacity:
             return
-        position = len(state.tokens)
-        ids = torch.tensor([[token]], device=device)
-        logits = model(ids, torch.tensor([[position]], device=device), state.cache)[0, -1]
-        state.tokens.append(token)
+        logits = decode(model, state, token)
 
 
 def check_fits(prompt_tokens: int, capacity: int) -> None:

@@ -243,6 +243,9 @@ class Frame:
     # Sliding-window layers of a cache that keeps only the window: how this
     # forward writes and reads their rings (mask is then plan.mask).
     plan: WindowPlan | None = None
+    # One token attending to the whole cache through the mask, every shape fixed and
+    # no position read back to the host (llmrun.static_decode: CUDA graphs).
+    static: bool = False
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, H, T, D] with RoPE applied at these positions."""
@@ -279,6 +282,12 @@ def attend(
     batch, heads, tokens, head_dim = q.shape
     if cache is not None and cache.paged:
         return attend_paged(q, k, v, layer, frame, cache, None)
+    if frame.static:
+        k, v = cache.update_static(layer, k, v, frame.positions)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=frame.mask, enable_gqa=q.shape[1] != k.shape[1]
+        )
+        return out.transpose(1, 2).reshape(batch, tokens, heads * head_dim)
     # One query per head attending to every cached key (decoding): cheaper than SDPA's
     # kernel launch for a single row, and it reads the keys and values as stored.
     decode = tokens == 1 and frame.mask is None
@@ -509,13 +518,19 @@ class CausalLM(nn.Module):
         cache: KVCache | None = None,
         last_only: bool = False,
         last: torch.Tensor | None = None,
+        static: bool = False,
     ) -> torch.Tensor:
         """Float32 logits [B, T, vocab] for input_ids [B, T] at positions [B, T];
         [B, 1, vocab] with last_only (the last token of each row) or with `last`
-        [B] (the index of each row's last real token, for rows padded on the right)."""
+        [B] (the index of each row's last real token, for rows padded on the right).
+        `static`: one token of one sequence, attending to the whole cache through a
+        mask (llmrun.static_decode)."""
         body = self.model
         x = body.embed_tokens(input_ids)
-        frame = self.frame(positions, cache, x.dtype)
+        if static:
+            frame = self.static_frame(positions, cache, x.dtype)
+        else:
+            frame = self.frame(positions, cache, x.dtype)
         x = run_layers(self, x, frame, cache)
         if last is not None:
             x = x[torch.arange(x.shape[0], device=x.device), last][:, None]
@@ -530,6 +545,21 @@ class CausalLM(nn.Module):
         cos, sin = self.model.rotary_emb(positions)
         # [B, T, rotary_dim] -> [B, 1, T, rotary_dim], broadcast over heads
         return Frame(positions, start, length, mask, cos[:, None].to(dtype), sin[:, None].to(dtype))
+
+    def static_frame(self, positions: torch.Tensor, cache: KVCache, dtype: torch.dtype) -> Frame:
+        """The Frame of a static decode step: the whole cache as keys, those past the
+        position (or outside a sliding window) masked, computed on the device."""
+        keys = torch.arange(cache.max_seq_len, device=positions.device)[None, None]
+        query = positions[:, :, None]
+        mask = keys <= query
+        window = getattr(self.args, "sliding_window", None)
+        if window is not None:
+            mask &= query - keys < window
+        cos, sin = self.model.rotary_emb(positions)
+        return Frame(
+            positions, 0, cache.max_seq_len, mask[:, None], cos[:, None].to(dtype),
+            sin[:, None].to(dtype), static=True,
+        )  # fmt: skip
 
     def new_cache(self, batch: int, max_seq_len: int, dtype: torch.dtype, device) -> KVCache:
         a = self.args

@@ -1,0 +1,88 @@
+"""A decode step with every shape fixed, for CUDA graphs.
+
+Decoding one token runs hundreds of small kernels; on a GPU their launches and the
+Python around them cost more than the kernels themselves. A static step fixes every
+shape and keeps every value on the device: the token attends to the whole cache,
+positions past it masked (llmrun.models.base.CausalLM.static_frame), and its keys
+and values are stored by index_copy_ at a position tensor (KVCache.update_static), so
+torch.compile with mode="reduce-overhead" can capture the step as a CUDA graph and
+replay it for each token with one launch. The price: each token reads the whole
+cache, not just its filled positions (as gpt-fast's static cache does).
+
+It applies to the families whose forward is CausalLM's own (Llama, Mistral, Qwen2,
+Qwen3, Phi-3): the others build frames of their own (sliding-window rings, routers
+that read their choices back to the host). Elsewhere, and where the compiled step
+fails, decoding runs the model's ordinary forward (a note says why, once).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from llmrun.models.base import CausalLM
+from llmrun.models.cache import KVCache
+
+Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def supported(model: nn.Module, cache: KVCache) -> bool:
+    """Whether `model` can decode `cache`'s one row in a static step."""
+    return (
+        isinstance(model, CausalLM)
+        and type(model).frame is CausalLM.frame
+        and not cache.paged
+        and cache.ring_k is None
+        and cache.rows is None
+        and cache.k.shape[1] == 1
+    )
+
+
+def step(model: nn.Module, cache: KVCache) -> Step:
+    """The static step over `cache`, eager: logits [1, 1, vocab] for ids [1, 1] at
+    positions [1, 1] (a device tensor)."""
+
+    def decode(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return model(ids, positions, cache, static=True)
+
+    return decode
+
+
+def decoder(model: nn.Module, cache: KVCache) -> Step | None:
+    """The decode step for `cache` on CUDA, captured as a CUDA graph when first called
+    (kept on the cache: a new cache compiles again); None where it does not apply."""
+    if cache.k.device.type != "cuda" or not supported(model, cache):
+        return None
+    found = getattr(cache, "static_step", None)
+    if found is None:
+        found = cache.static_step = _guarded(
+            torch.compile(step(model, cache), mode="reduce-overhead", fullgraph=True),
+            model,
+            cache,
+        )
+    return found
+
+
+def _guarded(compiled: Step, model: nn.Module, cache: KVCache) -> Step:
+    """`compiled`, or the ordinary forward from the first failure on (noted once)."""
+    failed = False
+
+    def decode(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        nonlocal failed
+        if not failed:
+            try:
+                # The graph's outputs are overwritten by its next replay: a copy.
+                return compiled(ids, positions).clone()
+            except Exception as e:  # a torch.compile or graph capture failure
+                failed = True
+                reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+                print(
+                    f"note: CUDA graph decoding failed ({reason}); decoding eagerly",
+                    file=sys.stderr,
+                )
+        return model(ids, positions, cache)
+
+    return decode

@@ -1,0 +1,90 @@
+"""The static decode step (llmrun.static_decode), which CUDA graphs capture, run on
+CPU: its logits equal the ordinary forward's for every family it takes (a Mistral
+sliding window included), eager and through torch.compile; the families and caches
+it cannot take are left to the ordinary forward; a compiled step that fails falls
+back to it with one note."""
+
+import shutil
+
+import pytest
+import torch
+from helpers import BASE
+from test_cache_types import our_model
+
+from llmrun import static_decode
+from llmrun.models.paged import PagedKVCache
+
+STATIC = ["llama", "mistral", "qwen2", "qwen3", "phi3"]
+IDS = torch.randint(0, BASE["vocab_size"], (1, 18), generator=torch.Generator().manual_seed(3))
+PROMPT = 6
+
+
+def decode_logits(model, decode, cache) -> torch.Tensor:
+    """A prompt through the ordinary forward, then one token at a time through `decode`."""
+    with torch.inference_mode():
+        out = [model(IDS[:, :PROMPT], torch.arange(PROMPT)[None], cache)[0, -1]]
+        for p in range(PROMPT, IDS.shape[1]):
+            out.append(decode(IDS[:, p : p + 1], torch.tensor([[p]]))[0, -1])
+    return torch.stack(out)
+
+
+def ordinary(model, cache):
+    return lambda ids, positions: model(ids, positions, cache)
+
+
+@pytest.mark.parametrize("name", STATIC)
+def test_the_static_step_gives_the_ordinary_logits(name):
+    model, _ = our_model(name)
+    static_cache = model.new_cache(1, 32, torch.float32, "cpu")
+    assert static_decode.supported(model, static_cache)
+    got = decode_logits(model, static_decode.step(model, static_cache), static_cache)
+    cache = model.new_cache(1, 32, torch.float32, "cpu")
+    expected = decode_logits(model, ordinary(model, cache), cache)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(static_cache.k[:, :, :, :18], cache.k[:, :, :, :18])
+
+
+@pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("c++") is None,
+    reason="torch.compile on CPU generates C++ and needs a C++ compiler",
+)
+def test_the_compiled_static_step_gives_the_eager_logits():
+    """In bf16, as on a GPU: the ops take their torch paths (the native kernels are f32
+    and CPU only), which torch.compile traces whole."""
+    model, _ = our_model("qwen2")
+    model = model.to(torch.bfloat16)
+    cache = model.new_cache(1, 32, torch.bfloat16, "cpu")
+    compiled = torch.compile(static_decode.step(model, cache), fullgraph=True)
+    got = decode_logits(model, compiled, cache)
+    reference = model.new_cache(1, 32, torch.bfloat16, "cpu")
+    expected = decode_logits(model, static_decode.step(model, reference), reference)
+    # The same bf16 ops, fused and reordered: within a few bf16 steps of the logits.
+    torch.testing.assert_close(got, expected, rtol=0, atol=0.02 * expected.abs().max().item())
+
+
+def test_what_the_static_step_cannot_take_is_left_to_the_forward():
+    gemma, _ = our_model("gemma3")  # rings and frames of its own
+    assert not static_decode.supported(gemma, gemma.new_cache(1, 32, torch.float32, "cpu"))
+    model, _ = our_model("qwen2")
+    assert not static_decode.supported(model, model.new_cache(2, 32, torch.float32, "cpu"))
+    pool = PagedKVCache(model.new_cache(1, 1, "f32", "cpu"), 4, 16, 64)
+    assert not static_decode.supported(model, pool.view([[0]]))
+    # Off CUDA, decoding takes the ordinary forward.
+    assert static_decode.decoder(model, model.new_cache(1, 32, torch.float32, "cpu")) is None
+
+
+def test_a_failing_compiled_step_falls_back_to_the_forward_with_one_note(capsys):
+    model, _ = our_model("qwen2")
+    cache = model.new_cache(1, 32, torch.float32, "cpu")
+
+    def broken(ids, positions):
+        raise RuntimeError("CUDA graphs need static inputs\nmore detail")
+
+    decode = static_decode._guarded(broken, model, cache)
+    got = decode_logits(model, decode, cache)
+    reference = model.new_cache(1, 32, torch.float32, "cpu")
+    expected = decode_logits(model, ordinary(model, reference), reference)
+    torch.testing.assert_close(got, expected)
+    assert capsys.readouterr().err == (
+        "note: CUDA graph decoding failed (CUDA graphs need static inputs); decoding eagerly\n"
+    )
