@@ -3,7 +3,8 @@
 On the Qwen2.5-0.5B-shaped files (make_qwen_model.py's; written first where missing):
 1. correctness: the last prompt position's logits on --device against CPU f32 (the
    largest absolute difference, next to the logits' spread), and 64 greedy tokens
-   decoded on both: how many agree before the first difference;
+   decoded on both (on CUDA through the CUDA-graph step): how many agree before the
+   first difference;
 2. speed: `llmrun bench -p 512 -n 128 -r 3 --roofline` on --device (t/s, peak device
    memory, weights GB/s against the device's measured read bandwidth);
 3. the baseline: transformers in bf16 on the same shape (random weights), prefill of
@@ -42,7 +43,7 @@ sys.path.insert(0, str(HERE.parent))
 import make_qwen_model as shape  # noqa: E402
 
 from llmrun import api  # noqa: E402
-from llmrun.generate import prefill  # noqa: E402
+from llmrun.generate import decode, prefill  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
 
@@ -57,7 +58,7 @@ def greedy(engine: api.Engine, prompt: list[int], steps: int) -> tuple[torch.Ten
         for _ in range(steps):
             token = int(logits.argmax())
             tokens.append(token)
-            logits = prefill(engine.model, state, [token], 1)
+            logits = decode(engine.model, state, token)  # on CUDA: the CUDA graph
     return first, tokens
 
 
