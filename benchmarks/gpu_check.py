@@ -1,5 +1,11 @@
 """Every GPU check of the CUDA issue in one run, for a short device lease.
 
+0. the GPU layout (llmrun.quant.planes) on --device, per type on a 7B-shaped matrix
+   (11008 x 4096): planes dequantized there against gguf's numpy values (exact?), and
+   one row's product timed three ways: the compiled fused kernel, dequantized weights
+   and F.linear in bf16, and F.linear on bf16 weights (what a bf16 model reads), in
+   GB/s of the bytes each reads, next to a measured device copy's GB/s.
+
 On the Qwen2.5-0.5B-shaped files (make_qwen_model.py's; written first where missing):
 1. correctness: the last prompt position's logits on --device against CPU f32 (the
    largest absolute difference, next to the logits' spread), and 64 greedy tokens
@@ -9,11 +15,6 @@ On the Qwen2.5-0.5B-shaped files (make_qwen_model.py's; written first where miss
    memory, weights GB/s against the device's measured read bandwidth);
 3. the baseline: transformers in bf16 on the same shape (random weights), prefill of
    512 and greedy decode of 128 tokens, t/s.
-0. the GPU layout (llmrun.quant.planes) on --device, per type on a 7B-shaped matrix
-   (11008 x 4096): planes dequantized there against gguf's numpy values (exact?), and
-   one row's product timed three ways: the compiled fused kernel, dequantized weights
-   and F.linear in bf16, and F.linear on bf16 weights (what a bf16 model reads), in
-   GB/s of the bytes each reads, next to a measured device copy's GB/s;
 It prints a table and writes JSON lines to --out. On a machine without CUDA it runs
 the same steps with `--device cpu` (smaller, to check the script itself).
 
