@@ -14,7 +14,9 @@ On the Qwen2.5-0.5B-shaped files (make_qwen_model.py's; written first where miss
 2. speed: `llmrun bench -p 512 -n 128 -r 3 --roofline` on --device (t/s, peak device
    memory, weights GB/s against the device's measured read bandwidth);
 3. the baseline: transformers in bf16 on the same shape (random weights), prefill of
-   512 and greedy decode of 128 tokens, t/s.
+   512 and greedy decode of 128 tokens, t/s;
+4. a 7B-shaped Q4_0 file (make_qwen_model.py --shape 7b, random blocks; --seven-b
+   TYPES for others): decode t/s and its share of the measured bandwidth, at batch 1.
 It prints a table and writes JSON lines to --out. On a machine without CUDA it runs
 the same steps with `--device cpu` (smaller, to check the script itself).
 
@@ -209,7 +211,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-n", "--tokens", type=int, default=128)
     parser.add_argument("--models", type=Path, default=HERE / "out")
     parser.add_argument("--out", type=Path, default=HERE / "out/gpu_check.jsonl")
+    parser.add_argument(
+        "--seven-b",
+        default=None,
+        help="types of the 7B-shaped decode check (default: Q4_0 on CUDA, none on CPU)",
+    )
     args = parser.parse_args(argv)
+    seven_b = (
+        args.seven_b if args.seven_b is not None else ("Q4_0" if args.device == "cuda" else "")
+    )
     types = args.types.split(",")
     paths = [args.models / f"qwen2.5-0.5b-shaped-{t}.gguf" for t in types]
     missing = [t for t, p in zip(types, paths, strict=True) if not p.is_file()]
@@ -218,23 +228,31 @@ def main(argv: list[str] | None = None) -> int:
                         ",".join(missing), "--out", str(args.models)], check=True)  # fmt: skip
     if args.device == "cuda":
         print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-    kernels = planes_check(args.device)
-    for r in kernels:
-        print(json.dumps(r), flush=True)
-    records = [check_file(p, args.device, args.greedy) for p in paths]
-    for r in records:
-        print(f"{r['file']}: {r['device']} {r['dtype']} logits within {r['max_abs_logit_diff']:.3g}"
-              f" of CPU f32 (spread {r['logit_spread']:.3g}); greedy agrees for"
-              f" {r['greedy_agree']}/{r['greedy_steps']} tokens", flush=True)  # fmt: skip
-    benched = bench(paths, args.device, args.prompt, args.tokens)
-    for r in benched:
-        print(json.dumps(r), flush=True)
-    baseline = transformers_baseline(args.device, args.prompt, args.tokens)
-    print(json.dumps(baseline), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("w") as f:
-        for r in [*kernels, *records, *benched, baseline]:
-            f.write(json.dumps(r) + "\n")
+    with args.out.open("w") as out:  # each record as it comes: a cut run keeps its results
+
+        def report(record: dict, line: str | None = None) -> None:
+            print(line or json.dumps(record), flush=True)
+            out.write(json.dumps(record) + "\n")
+            out.flush()
+
+        for r in planes_check(args.device):
+            report(r)
+        for p in paths:
+            r = check_file(p, args.device, args.greedy)
+            report(r, f"{r['file']}: {r['device']} {r['dtype']} logits within "
+                      f"{r['max_abs_logit_diff']:.3g} of CPU f32 (spread {r['logit_spread']:.3g}); "
+                      f"greedy agrees for {r['greedy_agree']}/{r['greedy_steps']} tokens")  # fmt: skip
+        for r in bench(paths, args.device, args.prompt, args.tokens):
+            report(r)
+        report(transformers_baseline(args.device, args.prompt, args.tokens))
+        for preset in filter(None, seven_b.split(",")):
+            path = args.models / f"qwen2.5-7b-shaped-{preset}.gguf"
+            if not path.is_file():
+                subprocess.run([sys.executable, str(HERE / "make_qwen_model.py"), "--shape", "7b",
+                                "--types", preset, "--out", str(args.models)], check=True)  # fmt: skip
+            for r in bench([path], args.device, 0, args.tokens):
+                report(r)
     print(f"written: {args.out}")
     return 0
 
