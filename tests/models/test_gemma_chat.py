@@ -50,6 +50,19 @@ def test_a_second_turn_reuses_the_cache_and_replies_as_a_fresh_session(engine):
     assert "".join(fresh.send("What did the dog do next?")) == second
 
 
+def drain(events) -> tuple[list[int], object]:
+    """A served request's tokens and its last event, from the queue its events go to."""
+    tokens = []
+    while True:
+        event = events.get(timeout=120)
+        if isinstance(event, Exception):
+            raise event
+        if event.token is not None:
+            tokens.append(event.token)
+        if event.finish_reason is not None:
+            return tokens, event
+
+
 @needs_templates
 def test_served_requests_batched_past_the_window_reply_as_alone(engine):
     """serve's scheduler: several prompts longer than the window, prefilled in chunks
@@ -74,18 +87,7 @@ def test_served_requests_batched_past_the_window_reply_as_alone(engine):
             events = queue.Queue()
             scheduler.submit(Request(prompt, GREEDY, 8), events.put)
             results.append(events)
-        batched = []
-        for events in results:
-            tokens = []
-            while True:
-                event = events.get(timeout=120)
-                if isinstance(event, Exception):
-                    raise event
-                if event.token is not None:
-                    tokens.append(event.token)
-                if event.finish_reason is not None:
-                    break
-            batched.append(tokens)
+        batched = [drain(events)[0] for events in results]
     finally:
         scheduler.close()
     assert batched == alone
@@ -109,15 +111,8 @@ def test_served_turns_reuse_the_prefix_and_the_windowed_pool_holds_only_windows(
             events.put(event)
 
         scheduler.submit(Request(prompt, GREEDY, 40, ignore_eos=True), on_event)
-        tokens = []
-        while True:
-            event = events.get(timeout=120)
-            if isinstance(event, Exception):
-                raise event
-            if event.token is not None:
-                tokens.append(event.token)
-            if event.finish_reason is not None:
-                return tokens, event.stats, max(held)
+        tokens, last = drain(events)
+        return tokens, last.stats, max(held)
 
     no_eos = api.Engine(**{**engine.__dict__, "eos_ids": []})
     warm = Scheduler(engine, parallel=2, queue=8, prefill_budget=8)
