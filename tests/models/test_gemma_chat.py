@@ -148,3 +148,43 @@ def test_kv_memory_too_small_for_the_windows_is_refused_with_the_sizes(engine):
         "sliding-window layers' blocks (40 blocks for 2 sequences): one block of 16 "
         "tokens takes 8192 bytes for this model"
     )
+
+
+def test_served_requests_preempted_for_blocks_reply_as_alone(engine):
+    """Three requests of 50-odd positions over 7 blocks of 16 for the full layer: the
+    latest is preempted as the others grow, prefilled again past its window (what its
+    windowed layers let go of comes back from its cached blocks or is recomputed), and
+    each replies what it replies alone."""
+    import queue
+    import time
+
+    from llmrun.batching import Request, Scheduler
+    from llmrun.models.paged import PagedKVCache
+
+    no_eos = api.Engine(**{**engine.__dict__, "eos_ids": []})
+    texts = ("Once upon a time there was a little dog named Max who",
+             "The little dog ran to the park and saw", "Lily and Tom went to the park to play with")  # fmt: skip
+    prompts = [engine.tokenizer.encode(t) for t in texts]
+    alone = [[r.token for r in no_eos.generate(p, GREEDY, 40)] for p in prompts]
+    like = engine.new_cache(1, 1)
+    full, windowed = (PagedKVCache.block_bytes(like, 16, n) for n in (1, 5))
+    # The windowed pool: 2 x 3 sequences x (blocks of a window and a chunk, and one).
+    scheduler = Scheduler(
+        engine, parallel=3, queue=8, prefill_budget=8, kv_memory=12 * windowed + 7 * full
+    )
+    assert (scheduler.blocks.n_blocks, scheduler.blocks.window_manager.n_blocks) == (7, 12)
+    scheduler.start()
+    try:
+        events = []
+        for prompt in prompts:
+            events.append(queue.Queue())
+            scheduler.submit(Request(prompt, GREEDY, 40, ignore_eos=True), events[-1].put)
+        replies = [drain(e)[0] for e in events]
+        deadline = time.monotonic() + 60
+        while scheduler.active and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        scheduler.close()
+    assert scheduler.preemptions > 0
+    assert replies == [[t for t in a if t is not None] for a in alone]
+    assert scheduler.blocks.used == scheduler.blocks.window_manager.used == 0
