@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 from torch import nn
@@ -103,12 +102,18 @@ def prefill(
 def decode(model: nn.Module, state: KVState, token: int) -> torch.Tensor:
     """Feed one token after the cached ones; its logits [V]. On CUDA through the
     static step that CUDA graphs replay (llmrun.static_decode) where it applies."""
-    device = state.cache.k.device
-    step = static_decode.decoder(model, state.cache) or partial(model, cache=state.cache)
-    ids = torch.tensor([[token]], device=device)
-    logits = step(ids, torch.tensor([[len(state.tokens)]], device=device))[0, -1]
+    device, position = state.cache.k.device, len(state.tokens)
+    ids, positions = (
+        torch.tensor([[token]], device=device),
+        torch.tensor([[position]], device=device),
+    )
+    step = static_decode.decoder(model, state.cache)
+    if step is not None:
+        logits = step(ids, positions, static_decode.bucket(position, state.capacity))
+    else:
+        logits = model(ids, positions, state.cache)
     state.tokens.append(token)
-    return logits
+    return logits[0, -1]
 
 
 def reuse_prefix(state: KVState, prompt: Sequence[int]) -> int:

@@ -6,8 +6,10 @@ shape and keeps every value on the device: the token attends to the whole cache,
 positions past it masked (llmrun.models.base.CausalLM.static_frame), and its keys
 and values are stored by index_copy_ at a position tensor (KVCache.update_static), so
 torch.compile with mode="reduce-overhead" can capture the step as a CUDA graph and
-replay it for each token with one launch. The price: each token reads the whole
-cache, not just its filled positions (as gpt-fast's static cache does).
+replay it for each token with one launch. A token attends to a bucket of the cache,
+the smallest power of two from FIRST_BUCKET that holds its position (or the whole
+cache), so it reads at most twice the keys it needs, and there is one graph per
+bucket, each captured when first used.
 
 It applies to the families whose forward is CausalLM's own (Llama, Mistral, Qwen2,
 Qwen3, Phi-3): the others build frames of their own (sliding-window rings, routers
@@ -26,7 +28,17 @@ from torch import nn
 from llmrun.models.base import CausalLM
 from llmrun.models.cache import KVCache
 
-Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Step = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+FIRST_BUCKET = 256
+
+
+def bucket(position: int, max_seq_len: int) -> int:
+    """The cache positions a static step at `position` attends to (see the docstring)."""
+    length = FIRST_BUCKET
+    while length <= position:
+        length *= 2
+    return min(length, max_seq_len)
 
 
 def supported(model: nn.Module, cache: KVCache) -> bool:
@@ -43,26 +55,29 @@ def supported(model: nn.Module, cache: KVCache) -> bool:
 
 def step(model: nn.Module, cache: KVCache) -> Step:
     """The static step over `cache`, eager: logits [1, 1, vocab] for ids [1, 1] at
-    positions [1, 1] (a device tensor)."""
+    positions [1, 1] (a device tensor), attending to the first `length` positions
+    (bucket())."""
 
-    def decode(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return model(ids, positions, cache, static=True)
+    def decode(ids: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
+        return model(ids, positions, cache, static=length)
 
     return decode
 
 
 def decoder(model: nn.Module, cache: KVCache) -> Step | None:
-    """The decode step for `cache` on CUDA, captured as a CUDA graph when first called
-    (kept on the cache: a new cache compiles again); None where it does not apply."""
+    """The decode step for `cache` on CUDA, captured as a CUDA graph per bucket when
+    first called there (kept on the cache: a new cache compiles again); None where it
+    does not apply."""
     if cache.k.device.type != "cuda" or not supported(model, cache):
         return None
     found = getattr(cache, "static_step", None)
     if found is None:
-        found = cache.static_step = _guarded(
-            torch.compile(step(model, cache), mode="reduce-overhead", fullgraph=True),
-            model,
-            cache,
+        # A graph per bucket: more than dynamo's default limit of 8 compiles.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        compiled = torch.compile(
+            step(model, cache), mode="reduce-overhead", fullgraph=True, dynamic=False
         )
+        found = cache.static_step = _guarded(compiled, model, cache)
     return found
 
 
@@ -70,12 +85,12 @@ def _guarded(compiled: Step, model: nn.Module, cache: KVCache) -> Step:
     """`compiled`, or the ordinary forward from the first failure on (noted once)."""
     failed = False
 
-    def decode(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def decode(ids: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
         nonlocal failed
         if not failed:
             try:
                 # The graph's outputs are overwritten by its next replay: a copy.
-                return compiled(ids, positions).clone()
+                return compiled(ids, positions, length).clone()
             except Exception as e:  # a torch.compile or graph capture failure
                 failed = True
                 reason = str(e).splitlines()[0] if str(e) else type(e).__name__

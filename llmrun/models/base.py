@@ -243,8 +243,8 @@ class Frame:
     # Sliding-window layers of a cache that keeps only the window: how this
     # forward writes and reads their rings (mask is then plan.mask).
     plan: WindowPlan | None = None
-    # One token attending to the whole cache through the mask, every shape fixed and
-    # no position read back to the host (llmrun.static_decode: CUDA graphs).
+    # One token attending to the cache's first `length` positions through the mask,
+    # every shape fixed and no position read back to the host (llmrun.static_decode).
     static: bool = False
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
@@ -283,7 +283,7 @@ def attend(
     if cache is not None and cache.paged:
         return attend_paged(q, k, v, layer, frame, cache, None)
     if frame.static:
-        k, v = cache.update_static(layer, k, v, frame.positions)
+        k, v = cache.update_static(layer, k, v, frame.positions, frame.length)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=frame.mask, enable_gqa=q.shape[1] != k.shape[1]
         )
@@ -518,17 +518,17 @@ class CausalLM(nn.Module):
         cache: KVCache | None = None,
         last_only: bool = False,
         last: torch.Tensor | None = None,
-        static: bool = False,
+        static: int | None = None,
     ) -> torch.Tensor:
         """Float32 logits [B, T, vocab] for input_ids [B, T] at positions [B, T];
         [B, 1, vocab] with last_only (the last token of each row) or with `last`
         [B] (the index of each row's last real token, for rows padded on the right).
-        `static`: one token of one sequence, attending to the whole cache through a
-        mask (llmrun.static_decode)."""
+        `static`: one token of one sequence, attending to the cache's first `static`
+        positions through a mask (llmrun.static_decode)."""
         body = self.model
         x = body.embed_tokens(input_ids)
-        if static:
-            frame = self.static_frame(positions, cache, x.dtype)
+        if static is not None:
+            frame = self.static_frame(positions, cache, x.dtype, static)
         else:
             frame = self.frame(positions, cache, x.dtype)
         x = run_layers(self, x, frame, cache)
@@ -546,10 +546,13 @@ class CausalLM(nn.Module):
         # [B, T, rotary_dim] -> [B, 1, T, rotary_dim], broadcast over heads
         return Frame(positions, start, length, mask, cos[:, None].to(dtype), sin[:, None].to(dtype))
 
-    def static_frame(self, positions: torch.Tensor, cache: KVCache, dtype: torch.dtype) -> Frame:
-        """The Frame of a static decode step: the whole cache as keys, those past the
-        position (or outside a sliding window) masked, computed on the device."""
-        keys = torch.arange(cache.max_seq_len, device=positions.device)[None, None]
+    def static_frame(
+        self, positions: torch.Tensor, cache: KVCache, dtype: torch.dtype, length: int
+    ) -> Frame:
+        """The Frame of a static decode step: the cache's first `length` positions as
+        keys, those past the position (or outside a sliding window) masked, computed on
+        the device."""
+        keys = torch.arange(length, device=positions.device)[None, None]
         query = positions[:, :, None]
         mask = keys <= query
         window = getattr(self.args, "sliding_window", None)
@@ -557,7 +560,7 @@ class CausalLM(nn.Module):
             mask &= query - keys < window
         cos, sin = self.model.rotary_emb(positions)
         return Frame(
-            positions, 0, cache.max_seq_len, mask[:, None], cos[:, None].to(dtype),
+            positions, 0, length, mask[:, None], cos[:, None].to(dtype),
             sin[:, None].to(dtype), static=True,
         )  # fmt: skip
 

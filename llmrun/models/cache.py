@@ -221,16 +221,18 @@ class KVCache:
         return self.decode(keys, dtype, stored), self.decode(values, dtype, stored)
 
     def update_static(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, length: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A static decode step's update (llmrun.static_decode): one token of row 0,
-        k/v [1, Hkv, 1, D], stored at positions [1, 1] without reading the position
-        back to the host; returns every position's keys and values in k's dtype."""
+        k/v [1, Hkv, 1, D], stored at positions [1, 1] (below `length`) without reading
+        the position back to the host; returns the keys and values of positions
+        0 .. length - 1 in k's dtype."""
         index, dtype = self.index[layer], k.dtype
         k_cache, v_cache = self.k[index, :1], self.v[index, :1]
         k_cache.index_copy_(2, positions[0], self.encode(k))
         v_cache.index_copy_(2, positions[0], self.encode(v))
-        return self.decode(k_cache, dtype), self.decode(v_cache, dtype)
+        keys, values = k_cache[:, :, :length], v_cache[:, :, :length]
+        return self.decode(keys, dtype), self.decode(values, dtype)
 
     # ---- sliding-window layers ----------------------------------------------------------
 

@@ -20,16 +20,28 @@ PROMPT = 6
 
 
 def decode_logits(model, decode, cache) -> torch.Tensor:
-    """A prompt through the ordinary forward, then one token at a time through `decode`."""
+    """A prompt through the ordinary forward, then one token at a time through `decode`,
+    each attending to its bucket of the cache (buckets of 8, 16 and 32 here)."""
     with torch.inference_mode():
         out = [model(IDS[:, :PROMPT], torch.arange(PROMPT)[None], cache)[0, -1]]
         for p in range(PROMPT, IDS.shape[1]):
-            out.append(decode(IDS[:, p : p + 1], torch.tensor([[p]]))[0, -1])
+            length = static_decode.bucket(p, cache.max_seq_len)
+            out.append(decode(IDS[:, p : p + 1], torch.tensor([[p]]), length)[0, -1])
     return torch.stack(out)
 
 
 def ordinary(model, cache):
-    return lambda ids, positions: model(ids, positions, cache)
+    return lambda ids, positions, length: model(ids, positions, cache)
+
+
+@pytest.fixture(autouse=True)
+def small_buckets(monkeypatch):
+    monkeypatch.setattr(static_decode, "FIRST_BUCKET", 8)
+
+
+def test_a_bucket_holds_the_position_within_twice_its_keys():
+    assert [static_decode.bucket(p, 32) for p in (0, 7, 8, 15, 16, 31)] == [8, 8, 16, 16, 32, 32]
+    assert static_decode.bucket(40, 48) == 48  # the whole cache, past the last power of two
 
 
 @pytest.mark.parametrize("name", STATIC)
@@ -77,7 +89,7 @@ def test_a_failing_compiled_step_falls_back_to_the_forward_with_one_note(capsys)
     model, _ = our_model("qwen2")
     cache = model.new_cache(1, 32, torch.float32, "cpu")
 
-    def broken(ids, positions):
+    def broken(ids, positions, length):
         raise RuntimeError("CUDA graphs need static inputs\nmore detail")
 
     decode = static_decode._guarded(broken, model, cache)
