@@ -8,9 +8,9 @@
 
 On the Qwen2.5-0.5B-shaped files (make_qwen_model.py's; written first where missing):
 1. correctness: the last prompt position's logits on --device against CPU f32 (the
-   largest absolute difference, next to the logits' spread), and 64 greedy tokens
-   decoded on both (on CUDA through the CUDA-graph step): how many agree before the
-   first difference;
+   largest absolute difference, next to the logits' spread; within 3 % of it passes),
+   and 64 greedy tokens decoded on both (on CUDA through the CUDA-graph step): how
+   many agree before the first difference;
 2. speed: `llmrun bench -p 512 -n 128 -r 3 --roofline` on --device (t/s, peak device
    memory, weights GB/s against the device's measured read bandwidth);
 3. the baseline: transformers in bf16 on the same shape (random weights), prefill of
@@ -49,6 +49,10 @@ from llmrun import api  # noqa: E402
 from llmrun.generate import decode, prefill  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
+# bf16 keeps 8 bits of mantissa (a relative step of 2^-8, 0.4 %); through 24 layers of
+# rounded activations and weights, the last logits may move by a few of those steps of
+# their range. The stated tolerance: 3 % of the CPU f32 logits' spread.
+LOGIT_TOLERANCE = 0.03
 
 
 def greedy(engine: api.Engine, prompt: list[int], steps: int) -> tuple[torch.Tensor, list[int]]:
@@ -75,12 +79,17 @@ def check_file(path: Path, device: str, steps: int) -> dict:
     agree = next(
         (i for i, (a, b) in enumerate(zip(tokens, ref_tokens, strict=True)) if a != b), steps
     )
+    diff, spread = (
+        float((logits - ref_logits).abs().max()),
+        float(ref_logits.max() - ref_logits.min()),
+    )
     return {
         "file": path.name,
         "device": str(engine.device),
         "dtype": str(engine.dtype).removeprefix("torch."),
-        "max_abs_logit_diff": float((logits - ref_logits).abs().max()),
-        "logit_spread": float(ref_logits.max() - ref_logits.min()),
+        "max_abs_logit_diff": diff,
+        "logit_spread": spread,
+        "within_tolerance": diff <= LOGIT_TOLERANCE * spread,
         "greedy_agree": agree,
         "greedy_steps": steps,
     }
@@ -240,9 +249,10 @@ def main(argv: list[str] | None = None) -> int:
             report(r)
         for p in paths:
             r = check_file(p, args.device, args.greedy)
+            verdict = "ok" if r["within_tolerance"] else f"OVER {LOGIT_TOLERANCE:.0%} of the spread"
             report(r, f"{r['file']}: {r['device']} {r['dtype']} logits within "
-                      f"{r['max_abs_logit_diff']:.3g} of CPU f32 (spread {r['logit_spread']:.3g}); "
-                      f"greedy agrees for {r['greedy_agree']}/{r['greedy_steps']} tokens")  # fmt: skip
+                      f"{r['max_abs_logit_diff']:.3g} of CPU f32 (spread {r['logit_spread']:.3g}, "
+                      f"{verdict}); greedy agrees for {r['greedy_agree']}/{r['greedy_steps']} tokens")  # fmt: skip
         for r in bench(paths, args.device, args.prompt, args.tokens):
             report(r)
         report(transformers_baseline(args.device, args.prompt, args.tokens))
