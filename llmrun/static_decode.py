@@ -2,8 +2,8 @@
 
 Decoding one token runs hundreds of small kernels; on a GPU their launches and the
 Python around them cost more than the kernels themselves. A static step fixes every
-shape and keeps every value on the device: the token attends to the whole cache,
-positions past it masked (llmrun.models.base.CausalLM.static_frame), and its keys
+shape and keeps every value on the device: the token attends to a fixed span of the
+cache, positions past it masked (llmrun.models.base.CausalLM.static_frame), and its keys
 and values are stored by index_copy_ at a position tensor (KVCache.update_static), so
 torch.compile with mode="reduce-overhead" can capture the step as a CUDA graph and
 replay it for each token with one launch. A token attends to a bucket of the cache,
@@ -31,6 +31,8 @@ from llmrun.models.cache import KVCache
 Step = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 FIRST_BUCKET = 256
+# Where the step is compiled: CUDA, the one device whose graphs pay (tests add "cpu").
+DEVICES = ("cuda",)
 
 
 def bucket(position: int, max_seq_len: int) -> int:
@@ -68,12 +70,16 @@ def decoder(model: nn.Module, cache: KVCache) -> Step | None:
     """The decode step for `cache` on CUDA, captured as a CUDA graph per bucket when
     first called there (kept on the cache: a new cache compiles again); None where it
     does not apply."""
-    if cache.k.device.type != "cuda" or not supported(model, cache):
+    if cache.k.device.type not in DEVICES or not supported(model, cache):
         return None
     found = getattr(cache, "static_step", None)
     if found is None:
         # A graph per bucket: more than dynamo's default limit of 8 compiles.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        # The graphs write the cache in place: like a module's buffers, it must keep its
+        # address for them (as transformers' StaticCache marks its tensors).
+        torch._dynamo.mark_static_address(cache.k)
+        torch._dynamo.mark_static_address(cache.v)
         compiled = torch.compile(
             step(model, cache), mode="reduce-overhead", fullgraph=True, dynamic=False
         )

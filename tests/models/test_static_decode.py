@@ -100,3 +100,28 @@ def test_a_failing_compiled_step_falls_back_to_the_forward_with_one_note(capsys)
     assert capsys.readouterr().err == (
         "note: CUDA graph decoding failed (CUDA graphs need static inputs); decoding eagerly\n"
     )
+
+
+@pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("c++") is None,
+    reason="torch.compile on CPU generates C++ and needs a C++ compiler",
+)
+def test_generate_decodes_through_the_compiled_step_where_it_is_on(monkeypatch, capsys):
+    """generate.decode as on CUDA (the device check let through for the CPU): the step
+    compiled with mode="reduce-overhead" (no graphs off CUDA) once per cache, a
+    compile per bucket, in bf16; the tokens' logits are the eager step's."""
+    from llmrun.generate import KVState, decode
+
+    monkeypatch.setattr(static_decode, "DEVICES", ("cuda", "cpu"))
+    model, _ = our_model("qwen2")
+    model = model.to(torch.bfloat16)
+    state = KVState(model.new_cache(1, 32, torch.bfloat16, "cpu"))
+    with torch.inference_mode():
+        model(IDS[:, :PROMPT], torch.arange(PROMPT)[None], state.cache)
+        state.tokens = IDS[0, :PROMPT].tolist()
+        got = torch.stack([decode(model, state, t) for t in IDS[0, PROMPT:].tolist()])
+    assert state.cache.static_step is static_decode.decoder(model, state.cache)
+    assert "note:" not in capsys.readouterr().err  # compiled, not fallen back to eager
+    reference = model.new_cache(1, 32, torch.bfloat16, "cpu")
+    expected = decode_logits(model, static_decode.step(model, reference), reference)[1:]
+    torch.testing.assert_close(got, expected, rtol=0, atol=0.02 * expected.abs().max().item())
