@@ -241,7 +241,14 @@ class KVBlocks:
             BlockManager(window_blocks, block_size, prefix_cache) if window_blocks else None
         )
         self.window = window
-        self.n_blocks, self.block_size = n_blocks, block_size
+
+    @property
+    def n_blocks(self) -> int:
+        return self.full.n_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.full.block_size
 
     @property
     def free(self) -> int:

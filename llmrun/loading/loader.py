@@ -470,17 +470,16 @@ def load_model(path: str | Path, device: torch.device, dtype: str = "auto") -> L
 
 def device_bytes(checkpoint: Checkpoint, dtype: torch.dtype) -> int:
     """About the bytes a model's weights take on an accelerator: quantized blocks as they
-    are (the GPU layout adds at most 3 %), float tensors in the compute dtype, and a
-    tied head's copy of a quantized embedding."""
+    are (the GPU layout adds at most 3 %), float tensors in the compute dtype, and the
+    GPU layout's copy of a tied quantized embedding for the head (planes.convert)."""
+    tied = checkpoint.config.get("tie_word_embeddings")
     total = 0
     for name, w in checkpoint.weights.items():
         if w.ggml_type is None:
             total += _numel(w.shape) * dtype.itemsize
         else:
             total += w.tensor.nbytes
-            if name.endswith("embed_tokens.weight") and checkpoint.config.get(
-                "tie_word_embeddings"
-            ):
+            if tied and name.endswith("embed_tokens.weight") and w.ggml_type in planes.TYPES:
                 total += w.tensor.nbytes
     return total
 
