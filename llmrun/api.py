@@ -230,7 +230,7 @@ def load(
     """Load MODEL (`path`, when given, is where it already resolved to). `cache_type`:
     what the KV cache stores keys and values as (CACHE_TYPES; None: the compute dtype,
     which is exact). `activations`: "f32", exact products of quantized weights, or
-    "q8", activations quantized to Q8_0 first as llama.cpp does (faster on CPU; where
+    "q8", activations quantized to Q8_0 (K-quants: Q8_K) first as llama.cpp does (faster on CPU; where
     the kernels have it for the type, llmrun.quant.linear.set_activations)."""
     if dtype not in DTYPES:
         raise UsageError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")

@@ -66,7 +66,7 @@ Activations = Annotated[
     typer.Option(
         "--activations",
         help="How quantized weights meet activations on CPU: f32 (exact) or q8 (quantized "
-        "to Q8_0 first, as llama.cpp does: faster, not exact).",
+        "to Q8_0 or Q8_K first, as llama.cpp does: faster, not exact).",
     ),
 ]
 Verbose = Annotated[

@@ -209,6 +209,8 @@ static const act_t *act_for(work_t *work, const step_mat_t *mat, const float *in
         switch (order) {
         case ORDER_QUADS: q8_quantize(x, 1, mat->cols, ORDER_QUADS, offset, &row); break;
         case ORDER_K_PAIRS: q8_quantize(x, 1, mat->cols, ORDER_K_PAIRS, offset, &row); break;
+        case ORDER_Q8_K: q8_quantize(x, 1, mat->cols, ORDER_Q8_K, offset, &row); break;
+        case ORDER_Q8_K_PAIRS: q8_quantize(x, 1, mat->cols, ORDER_Q8_K_PAIRS, offset, &row); break;
         default: q8_quantize(x, 1, mat->cols, ORDER_NATURAL, offset, &row); break;
         }
     }

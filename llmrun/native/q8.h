@@ -1,6 +1,6 @@
 /* What every family's 8-bit-activation kernels (q8_avx512.c, q8_avx2.c) share: the
- * quantization of the activations to Q8_0 blocks, their arrangement for each weight
- * layout, the passes over the weights, and a prompt's GEMM on decoded tiles of weights
+ * quantization of the activations to Q8_0 (and Q8_K) blocks, their arrangement for each
+ * weight layout, the passes over the weights, and a prompt's GEMM on decoded tiles of weights
  * (q8_gemm). A family's file includes common.h and this, then defines its rows_q8_T
  * kernels and its pass over a tile (gemm_tile), and ends with DEFINE_Q8_API().
  *
@@ -11,6 +11,13 @@
  * activation quants in exact integer arithmetic, as llama.cpp computes quantized
  * products, and scales the integer sums by the weight and activation scales in f32:
  * the result is sum over blocks of d_w * d_x * sum(q_w * q_x), to float rounding.
+ *
+ * The K-quants (Q4_K, Q5_K, Q6_K) take their activations as llama.cpp's vec_dot_type
+ * for them, Q8_K (ggml's quantize_row_q8_K_ref): per 256 values one f32 scale d =
+ * -max / 127, max the value of largest magnitude (the first such), q = x * (-127 /
+ * max) rounded half to even. With one activation scale per 256, a kernel sums a whole
+ * block's products times the weights' 6- or 8-bit sub-block scales in integers and
+ * converts once per block.
  */
 #include <math.h>
 
@@ -23,7 +30,9 @@
  * dword lane of q (4 quants), the integer sum the kernel starts from (the weights'
  * offset times minus the lane's sum: the kernel's u8 weights are q_w + offset); dq,
  * per dword lane, the activation scale of its block; d and s, per block (natural
- * order), the scale and the scale times the sum of the block's quants. */
+ * order), the scale and the scale times the sum of the block's quants.
+ * Q8_K orders (q8_is_k): d per 256 values, and in lane's memory the int16 sums of the
+ * quants per 16 values, then per 32 (q8k_sums16, q8k_sums32); dq and s unused. */
 typedef struct {
     int8_t *q;
     int32_t *lane;
@@ -33,10 +42,23 @@ typedef struct {
     int64_t n, q_step, lane_step, d_step;
 } act_t;
 
-/* How a weight layout wants its activations: the quant order and the weights' offset.
- * ORDER_NATURAL: x's own order (Q8_0, Q6_K, the packed K-quants; on AVX2 also GGML's
- * Q4_K and Q5_K, whose 32-byte loads hold one sub-block per nibble). */
-enum { ORDER_NATURAL, ORDER_QUADS, ORDER_K_PAIRS };
+/* How a weight layout wants its activations: the quant order (and block format) and
+ * the weights' offset. ORDER_NATURAL: x's own order (Q8_0). ORDER_Q8_K and
+ * ORDER_Q8_K_PAIRS: Q8_K blocks of 256, in x's order (Q6_K, the packed K-quants; on
+ * AVX2 also GGML's Q4_K and Q5_K, whose 32-byte loads hold one sub-block per nibble)
+ * or as ORDER_K_PAIRS places them (AVX-512's GGML Q4_K and Q5_K). */
+enum { ORDER_NATURAL, ORDER_QUADS, ORDER_K_PAIRS, ORDER_Q8_K, ORDER_Q8_K_PAIRS };
+
+static inline int q8_is_k(int order) { return order == ORDER_Q8_K || order == ORDER_Q8_K_PAIRS; }
+
+/* Row i's Q8_K sums of quants per 16 values and per 32 (q8_quantize_rows writes them). */
+static inline const int16_t *q8k_sums16(const act_t *a, int64_t i) {
+    return (const int16_t *)(a->lane + i * a->lane_step);
+}
+
+static inline const int16_t *q8k_sums32(const act_t *a, int64_t i) {
+    return q8k_sums16(a, i) + a->n / 16;
+}
 
 /* One block of 32 values, as gguf.quants.quantize(Q8_0): q in natural order, and the sum
  * of q; returns d before its rounding to f16 (q8_f16 rounds it). */
@@ -60,6 +82,32 @@ static inline float q8_block_quantize(const float *x, int8_t *q, int32_t *sum) {
 
 static inline float q8_f16(float d) { return (float)(_Float16)d; }
 
+/* One block of 256 values as ggml's quantize_row_q8_K_ref: q in natural order, the
+ * sums of q per 16 values; returns d (f32). */
+static inline float q8k_block_quantize_ref(const float *x, int8_t *q, int16_t sums16[16]) {
+    float amax = 0.0f, max = 0.0f;
+    for (int j = 0; j < 256; j++) {
+        const float a = fabsf(x[j]);
+        if (a > amax) amax = a, max = x[j];
+    }
+    if (amax == 0.0f) {
+        memset(q, 0, 256);
+        memset(sums16, 0, 32);
+        return 0.0f;
+    }
+    const float iscale = -127.0f / max;
+    for (int j = 0; j < 256; j++) {
+        const int v = (int)nearbyintf(iscale * x[j]); /* half to even, as nearest_int */
+        q[j] = (int8_t)(v < 127 ? v : 127);
+    }
+    for (int k = 0; k < 16; k++) {
+        int s = 0;
+        for (int j = 0; j < 16; j++) s += q[16 * k + j];
+        sums16[k] = (int16_t)s;
+    }
+    return 1.0f / iscale;
+}
+
 /* Where value j of block b (natural order) goes in q. ORDER_QUADS (Q4_0, Q5_0, MXFP4:
  * a 64-byte vector holds four blocks' 16-byte quants, low nibbles weights 0..15 and high
  * nibbles 16..31 of each): per four blocks, their values 0..15, then their 16..31 (a last
@@ -70,7 +118,7 @@ static inline int64_t q8_place(int order, int64_t b, int j) {
     switch (order) {
     case ORDER_QUADS:
         return 128 * (b / 4) + 64 * (j / 16) + 16 * (b % 4) + j % 16;
-    case ORDER_K_PAIRS: {
+    case ORDER_K_PAIRS: case ORDER_Q8_K_PAIRS: {
         static const int8_t slot[8] = {0, 2, 1, 3, 4, 6, 5, 7};
         return 256 * (b / 8) + 32 * slot[b % 8] + j;
     }
@@ -166,6 +214,68 @@ static inline float q8_block_quantize_split(const float *x, int8_t *q0, int8_t *
     *sum = _mm_cvtsi128_si32(t);
     return d;
 }
+
+ALWAYS_INLINE float reduce_128(__m128 s) {
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+/* A GGML Q4_K/Q5_K block's 6-bit scales (bytes 0..7) and mins (8..15), from its 12
+ * bytes of scale fields, unpacked as get_scale_min_k4. */
+ALWAYS_INLINE __m128i k_scale_bytes(const uint8_t *fields) {
+    uint32_t u[3];
+    memcpy(u, fields, 12);
+    return _mm_setr_epi32((int)(u[0] & 0x3f3f3f3f),
+                          (int)((u[2] & 0x0f0f0f0f) | ((u[0] >> 2) & 0x30303030)),
+                          (int)(u[1] & 0x3f3f3f3f),
+                          (int)(((u[2] >> 4) & 0x0f0f0f0f) | ((u[1] >> 2) & 0x30303030)));
+}
+
+/* q8k_block_quantize_ref, eight values at a time with the same f32 operations (the
+ * first value of largest magnitude found by a compare per vector; vcvtps2dq rounds
+ * half to even as nearest_int does). */
+static inline float q8k_block_quantize(const float *x, int8_t *q, int16_t sums16[16]) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 amax8 = _mm256_setzero_ps();
+    for (int k = 0; k < 32; k++) amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * k)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    if (amax == 0.0f) {
+        memset(q, 0, 256);
+        memset(sums16, 0, 32);
+        return 0.0f;
+    }
+    float max = 0.0f;
+    for (int k = 0; k < 32; k++) {
+        const __m256 abs = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * k));
+        const int hits = _mm256_movemask_ps(_mm256_cmp_ps(abs, _mm256_set1_ps(amax), _CMP_EQ_OQ));
+        if (hits) {
+            max = x[8 * k + __builtin_ctz((unsigned)hits)];
+            break;
+        }
+    }
+    const float iscale = -127.0f / max;
+    const __m256 scale = _mm256_set1_ps(iscale);
+    for (int g = 0; g < 8; g++) { /* 32 values */
+        __m256i r[4];
+        for (int k = 0; k < 4; k++)
+            r[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 32 * g + 8 * k), scale));
+        const __m256i w01 = _mm256_packs_epi32(r[0], r[1]), w23 = _mm256_packs_epi32(r[2], r[3]);
+        const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23),
+                                                      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(q + 32 * g), b);
+        /* per 8 bytes, the sum of q + 128 */
+        const __m256i sad = _mm256_sad_epu8(_mm256_xor_si256(b, _mm256_set1_epi8((char)0x80)),
+                                            _mm256_setzero_si256());
+        int64_t e[4];
+        _mm256_storeu_si256((__m256i *)e, sad);
+        sums16[2 * g] = (int16_t)(e[0] + e[1] - 16 * 128);
+        sums16[2 * g + 1] = (int16_t)(e[2] + e[3] - 16 * 128);
+    }
+    return 1.0f / iscale;
+}
 #else
 static inline float q8_block_quantize_split(const float *x, int8_t *q0, int8_t *q1, int32_t *sum) {
     int8_t q[32];
@@ -174,12 +284,38 @@ static inline float q8_block_quantize_split(const float *x, int8_t *q0, int8_t *
     memcpy(q1, q + 16, 16);
     return d;
 }
+
+static inline float q8k_block_quantize(const float *x, int8_t *q, int16_t sums16[16]) {
+    return q8k_block_quantize_ref(x, q, sums16);
+}
 #endif
+
+/* x [m, n] (n a multiple of 256, rows x_step floats apart) as Q8_K rows into a, for
+ * ORDER_Q8_K or ORDER_Q8_K_PAIRS. */
+static inline void q8k_quantize_rows(const float *x, int64_t x_step, int64_t m, int64_t n,
+                                     int order, act_t *a) {
+    for (int64_t i = 0; i < m; i++) {
+        int8_t *q = a->q + i * a->q_step;
+        int16_t *s16 = (int16_t *)(a->lane + i * a->lane_step), *s32 = s16 + n / 16;
+        for (int64_t b = 0; b < n / 256; b++) {
+            int8_t sorted[256];
+            int8_t *qb = order == ORDER_Q8_K ? q + 256 * b : sorted;
+            a->d[i * a->d_step + b] = q8k_block_quantize(x + i * x_step + 256 * b, qb, s16 + 16 * b);
+            if (order == ORDER_Q8_K_PAIRS)
+                for (int s = 0; s < 8; s++) memcpy(q + q8_place(order, 8 * b + s, 0), sorted + 32 * s, 32);
+            for (int s = 0; s < 8; s++) s32[8 * b + s] = (int16_t)(s16[16 * b + 2 * s] + s16[16 * b + 2 * s + 1]);
+        }
+    }
+}
 
 /* x [m, n] (rows x_step floats apart) -> a (buffers from q8_alloc) for a layout of
  * `order` whose u8 weights are q_w + offset. */
 static inline void q8_quantize_rows(const float *x, int64_t x_step, int64_t m, int64_t n,
                                     int order, int offset, act_t *a) {
+    if (q8_is_k(order)) {
+        q8k_quantize_rows(x, x_step, m, n, order, a);
+        return;
+    }
     const int64_t nb = n / 32, lanes = order == ORDER_QUADS ? n / 8 : n / 4;
     for (int64_t i = 0; i < m; i++) {
         int8_t *q = a->q + i * a->q_step;
@@ -255,9 +391,9 @@ static inline int64_t q8_gemm_chunk(int64_t stride, int64_t rows) {
  * conversion and multiply-add per vector of outputs; the offsets meet each activation
  * block's sum (d_x times the sum of its quants). */
 
-/* A prompt's rows, quantized as q8_block_quantize: q [m, n] in order, d [m, nb], and
- * per block d times the sum of the quants of its halves (s2 [m, nb, 2]) and of all of
- * it (s [m, nb]). */
+/* A prompt's rows, quantized as q8_block_quantize (K-quants: q8k_block_quantize, each
+ * block of 32 with its 256's d): q [m, n] in order, d [m, nb], and per block d times
+ * the sum of the quants of its halves (s2 [m, nb, 2]) and of all of it (s [m, nb]). */
 typedef struct {
     int8_t *q;
     float *d, *s, *s2;
@@ -399,7 +535,7 @@ static inline int q8_fill_tile(int type, const uint8_t *w, int64_t stride, int64
     return 0;
 }
 
-/* y [m, rows] = x [m, n] W^T (+ bias) with x quantized to Q8_0 rows, tile rows of W at a
+/* y [m, rows] = x [m, n] W^T (+ bias) with x quantized to Q8_0 rows (K-quants: Q8_K), tile rows of W at a
  * time through the family's pass: 0, or -1 for a type the tiles cannot take (or memory
  * running out); the caller then takes the matvec. */
 static inline int q8_gemm(int type, const uint8_t *w, int64_t stride, int64_t rows, const float *x,
@@ -427,9 +563,24 @@ static inline int q8_gemm(int type, const uint8_t *w, int64_t stride, int64_t ro
         return -1;
     }
     p.s = p.d + m * nb, p.s2 = p.s + m * nb;
+    /* the K-quants' rows as Q8_K blocks: each block of 32 takes its 256's scale */
+    const int k_quant = type == Q4_K || type == Q5_K || type == Q6_K;
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < m; i++)
-        for (int64_t b = 0; b < nb; b++) {
+        for (int64_t b = 0; k_quant && b < nb; b += 8) {
+            int16_t s16[16];
+            const float d = q8k_block_quantize(x + i * n + 32 * b, p.q + i * n + 32 * b, s16);
+            for (int s = 0; s < 8; s++) {
+                const int64_t at = i * nb + b + s;
+                p.d[at] = d;
+                p.s[at] = d * (float)(s16[2 * s] + s16[2 * s + 1]);
+                p.s2[2 * at] = d * (float)s16[2 * s];
+                p.s2[2 * at + 1] = d * (float)s16[2 * s + 1];
+            }
+        }
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t b = 0; !k_quant && b < nb; b++) {
             int8_t *qb = p.q + i * n + 32 * b;
             int32_t sum;
             const float d = q8_f16(q8_block_quantize_split(x + i * n + 32 * b, qb, qb + 16, &sum));
@@ -550,7 +701,7 @@ static inline int q8_gemm(int type, const uint8_t *w, int64_t stride, int64_t ro
         }                                                                                \
     }                                                                                    \
                                                                                          \
-    /* As llmrun_matvec, with each row of x quantized to Q8_0 blocks first (see q8.h);   \
+    /* As llmrun_matvec, with each row of x quantized to Q8_0 (Q8_K) blocks first (q8.h); \
      * -1 where the type has no such kernel (or memory ran out). */                      \
     int llmrun_matvec_q8(int type, const uint8_t *w, int64_t stride, int64_t rows,       \
                          const float *x, int64_t m, int64_t n, float *y, const float *bias) { \
@@ -568,7 +719,7 @@ static inline int q8_gemm(int type, const uint8_t *w, int64_t stride, int64_t ro
         }                                                                                \
     }                                                                                    \
                                                                                          \
-    /* As llmrun_matvec_experts (common.h), with x quantized to Q8_0 blocks first: once \
+    /* As llmrun_matvec_experts (common.h), with x quantized (Q8_0, Q8_K) first: once     \
      * (x_step 0), or each expert's row; -1 where the type has no such kernel for rows   \
      * of n (or memory ran out). */                                                      \
     int llmrun_matvec_experts_q8(int type, const int64_t *ws, int64_t stride, int64_t rows, \

@@ -293,47 +293,38 @@ ALWAYS_INLINE void rows_q8_ggml_q8_0(const uint8_t *w, int64_t stride, int64_t r
 
 DEFINE_Q8_MATVEC(Q8_0, ORDER_NATURAL, 0, rows_q8_ggml_q8_0)
 
-/* sm = [d*sc_0..7, dmin*m_0..7] of a GGML Q4_K/Q5_K block (the 6-bit scales and mins
- * unpacked as get_scale_min_k4), to broadcast from memory. */
-ALWAYS_INLINE void k_scales_mins(const uint8_t *blk, float sm[16]) {
-    uint32_t u[3];
-    memcpy(u, blk + 4, 12);
-    const __m128i packed = _mm_setr_epi32((int)(u[0] & 0x3f3f3f3f),
-                                          (int)((u[2] & 0x0f0f0f0f) | ((u[0] >> 2) & 0x30303030)),
-                                          (int)(u[1] & 0x3f3f3f3f),
-                                          (int)(((u[2] >> 4) & 0x0f0f0f0f) | ((u[1] >> 2) & 0x30303030)));
-    const __m256 dd = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128((int)u32_at(blk))));
-    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(packed));
-    const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8)));
-    _mm256_storeu_ps(sm, _mm256_mul_ps(_mm256_permutevar8x32_ps(dd, _mm256_set1_epi32(0)), sc));
-    _mm256_storeu_ps(sm + 8, _mm256_mul_ps(_mm256_permutevar8x32_ps(dd, _mm256_set1_epi32(1)), mins));
-    __asm__ volatile("" ::: "memory"); /* broadcast sm from memory: no shuffles */
-}
+/* The K-quants against Q8_K activations (one scale per 256): vpmaddubsw's 16-bit pair
+ * sums (at most 2 * 63 * 127) meet the weights' integer sub-block scales in vpmaddwd,
+ * so a block's whole sum is one integer vector, converted and scaled by d * d_x once. */
 
-/* GGML's Q4_K (144-byte blocks; five 0) and Q5_K (176; five 1) in x's order: 32 bytes of
- * quants hold sub-block 2p in their low nibbles and 2p + 1 in their high ones; Q5_K's
- * bit j of byte l (weight l of sub-block j) moves to bit 4. Each sub-block's sum is
- * scaled by d*sc_j * d_x; the mins' part, dmin * sum_j m_j * s_j, is taken off the
- * accumulator per block, eight lanes at once. */
-ALWAYS_INLINE void rows_q8_k(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
-                             const act_t *a, int64_t i0, const int m, float *y, int64_t ldy,
-                             const float *bias, const int five) {
+/* GGML's Q4_K (144-byte blocks; five 0) and Q5_K (176; five 1) in ORDER_Q8_K: 32 bytes
+ * of quants hold sub-block 2p in their low nibbles and 2p + 1 in their high ones; Q5_K's
+ * bit j of byte l (weight l of sub-block j) moves to bit 4. The mins' part, dmin * d_x *
+ * sum_j m_j * (the sum of sub-block j's activation quants), is an integer per block
+ * too, taken in 128 bits. */
+ALWAYS_INLINE void rows_q8k_k(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
+                              const act_t *a, int64_t i0, const int m, float *y, int64_t ldy,
+                              const float *bias, const int five) {
     const int64_t nb = a->n / 256, bytes = five ? 176 : 144;
-    const int chains = m <= 2 ? 2 : 1;
     const __m256i nibble = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(16);
-    float sm[16];
     const uint8_t *end = w + r1 * stride;
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = w + r * stride;
-        __m256 acc[MAX_M][2];
-        for (int i = 0; i < m; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+        __m256 acc[MAX_M];
+        __m128 accm[MAX_M];
+        for (int i = 0; i < m; i++) acc[i] = _mm256_setzero_ps(), accm[i] = _mm_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = row + bytes * b;
             if (blk + PREFETCH + bytes <= end)
                 for (int l = 0; l < bytes; l += 64)
                     _mm_prefetch((const char *)blk + PREFETCH + l, _MM_HINT_T0);
-            k_scales_mins(blk, sm);
+            const __m256i sm = _mm256_cvtepu8_epi16(k_scale_bytes(blk + 4));
+            const __m256i scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm));
+            const __m128i mins = _mm256_extracti128_si256(sm, 1);
+            const float d = f16_value(blk), dmin = f16_value(blk + 2);
             const uint8_t *qs = blk + (five ? 48 : 16);
+            __m256i sum[MAX_M];
+            for (int i = 0; i < m; i++) sum[i] = _mm256_setzero_si256();
             for (int p = 0; p < 4; p++) {
                 const __m256i v = load256(qs + 32 * p);
                 __m256i u[2] = {_mm256_and_si256(v, nibble),
@@ -346,55 +337,59 @@ ALWAYS_INLINE void rows_q8_k(const uint8_t *w, int64_t stride, int64_t r0, int64
                         u[h] = _mm256_or_si256(u[h], _mm256_and_si256(hb, bit4));
                     }
                 }
+                __m256i sc[2]; /* sub-block 2p + h's scale in every 16-bit lane */
+                for (int h = 0; h < 2; h++) {
+                    const int j = 2 * p + h;
+                    sc[h] = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)(2 * j | (2 * j + 1) << 8)));
+                }
                 for (int i = 0; i < m; i++) {
                     const int8_t *xq = a->q + (i0 + i) * a->q_step + 256 * b + 64 * p;
-                    const float *dx = a->d + (i0 + i) * a->d_step + 8 * b + 2 * p;
-                    for (int h = 0; h < 2; h++) {
-                        const __m256i sum = dot_u8(u[h], load256(xq + 32 * h));
-                        const __m256 scale = _mm256_set1_ps(sm[2 * p + h] * dx[h]);
-                        __m256 *chain = &acc[i][h % chains];
-                        *chain = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, *chain);
-                    }
+                    for (int h = 0; h < 2; h++)
+                        sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(u[h], load256(xq + 32 * h)), sc[h]));
                 }
             }
-            const __m256 mins = _mm256_loadu_ps(sm + 8);
             for (int i = 0; i < m; i++) {
-                const float *s = a->s + (i0 + i) * a->d_step + 8 * b;
-                acc[i][0] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(s), acc[i][0]);
+                const float dx = a->d[(i0 + i) * a->d_step + b];
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[i]), _mm256_set1_ps(d * dx), acc[i]);
+                const __m128i bsum = _mm_loadu_si128((const __m128i *)(q8k_sums32(a, i0 + i) + 8 * b));
+                accm[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mins, bsum)), _mm_set1_ps(dmin * dx), accm[i]);
             }
         }
         for (int i = 0; i < m; i++)
-            y[i * ldy + r] = reduce_256(_mm256_add_ps(acc[i][0], acc[i][1])) + (bias ? bias[r] : 0.0f);
+            y[i * ldy + r] = reduce_256(acc[i]) - reduce_128(accm[i]) + (bias ? bias[r] : 0.0f);
     }
 }
 
-DEFINE_Q8_MATVEC(Q4_K, ORDER_NATURAL, 0, rows_q8_k, 0)
-DEFINE_Q8_MATVEC(Q5_K, ORDER_NATURAL, 0, rows_q8_k, 1)
+DEFINE_Q8_MATVEC(Q4_K, ORDER_Q8_K, 0, rows_q8k_k, 0)
+DEFINE_Q8_MATVEC(Q5_K, ORDER_Q8_K, 0, rows_q8k_k, 1)
 
-/* GGML's Q6_K (210-byte blocks: ql[128], qh[64], int8 scales[16], f16 d) in x's order:
+/* GGML's Q6_K (210-byte blocks: ql[128], qh[64], int8 scales[16], f16 d) in ORDER_Q8_K:
  * weights 128c + 32t + l (t < 4) take nibble t / 2 of ql[64c + 32(t % 2) + l] and bits
  * 2t, 2t + 1 of qh[32c + l], moved to bits 4, 5; u8 weights q + 32. A 32-weight vector
- * spans two scales (16 weights each): its lanes' weight scales by one permute. */
-ALWAYS_INLINE void rows_q8_q6_k(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
-                                const act_t *a, int64_t i0, const int m, float *y,
-                                int64_t ldy, const float *bias) {
+ * spans two scales (16 weights, one 128-bit half each). The offset comes off the block's
+ * integer sum as 32 * sum_k sc_k * (the sum of the k-th 16 activation quants). */
+ALWAYS_INLINE void rows_q8k_q6_k(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
+                                 const act_t *a, int64_t i0, const int m, float *y,
+                                 int64_t ldy, const float *bias) {
     const int64_t nb = a->n / 256, bytes = 210;
-    const int chains = m <= 2 ? 2 : 1;
     const __m256i nibble = _mm256_set1_epi8(15), bits45 = _mm256_set1_epi8(0x30);
+    /* from a dword of two 16-bit scales: the first in the low half, the second in the high */
+    const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                            2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
     const uint8_t *end = w + r1 * stride;
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = w + r * stride;
-        __m256 acc[MAX_M][2];
-        for (int i = 0; i < m; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+        __m256 acc[MAX_M];
+        for (int i = 0; i < m; i++) acc[i] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = row + bytes * b;
             if (blk + PREFETCH + bytes <= end)
                 for (int l = 0; l < bytes + 63; l += 64)
                     _mm_prefetch((const char *)blk + PREFETCH + l, _MM_HINT_T0);
-            const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
-            const __m256 d = _mm256_set1_ps(f16_value(blk + 208));
-            const __m256 dsc[2] = {_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))),
-                                   _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))))};
+            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+            const float d = f16_value(blk + 208);
+            __m256i sum[MAX_M];
+            for (int i = 0; i < m; i++) sum[i] = _mm256_setzero_si256();
             for (int c = 0; c < 2; c++) {
                 const __m256i qh = load256(blk + 128 + 32 * c);
                 for (int t = 0; t < 4; t++) {
@@ -403,27 +398,26 @@ ALWAYS_INLINE void rows_q8_q6_k(const uint8_t *w, int64_t stride, int64_t r0, in
                     const __m256i hs = t == 0 ? _mm256_slli_epi16(qh, 4) : t == 1 ? _mm256_slli_epi16(qh, 2)
                                      : t == 2 ? qh : _mm256_srli_epi16(qh, 2);
                     const __m256i u = _mm256_or_si256(lq, _mm256_and_si256(hs, bits45));
-                    const __m256i pick = _mm256_setr_epi32(2 * t, 2 * t, 2 * t, 2 * t, 2 * t + 1, 2 * t + 1,
-                                                           2 * t + 1, 2 * t + 1);
-                    const __m256 dw = _mm256_permutevar8x32_ps(dsc[c], pick);
-                    const int k = 4 * c + t; /* the block of 32 in the 256 */
+                    const int k = 4 * c + t; /* the block of 32 in the 256: scales 2k, 2k + 1 */
+                    const __m256i sc = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(k)), spread);
                     for (int i = 0; i < m; i++) {
                         const int8_t *xq = a->q + (i0 + i) * a->q_step + 256 * b + 32 * k;
-                        const int64_t l = (i0 + i) * a->lane_step + 64 * b + 8 * k;
-                        const __m256i sum = _mm256_add_epi32(load256(a->lane + l), dot_u8(u, load256(xq)));
-                        const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a->d[(i0 + i) * a->d_step + 8 * b + k]));
-                        __m256 *chain = &acc[i][t % chains];
-                        *chain = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, *chain);
+                        sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(u, load256(xq)), sc));
                     }
                 }
             }
+            for (int i = 0; i < m; i++) {
+                const __m256i bsum = load256(q8k_sums16(a, i0 + i) + 16 * b);
+                const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bsum), 5);
+                const float dx = a->d[(i0 + i) * a->d_step + b];
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum[i], offset)), _mm256_set1_ps(d * dx), acc[i]);
+            }
         }
-        for (int i = 0; i < m; i++)
-            y[i * ldy + r] = reduce_256(_mm256_add_ps(acc[i][0], acc[i][1])) + (bias ? bias[r] : 0.0f);
+        for (int i = 0; i < m; i++) y[i * ldy + r] = reduce_256(acc[i]) + (bias ? bias[r] : 0.0f);
     }
 }
 
-DEFINE_Q8_MATVEC(Q6_K, ORDER_NATURAL, 32, rows_q8_q6_k)
+DEFINE_Q8_MATVEC(Q6_K, ORDER_Q8_K, 0, rows_q8k_q6_k)
 
 /* ---- A prompt's rows: q8.h's GEMM on tiles of 16 weight rows (two vectors of outputs).
  * A 32-byte load of the tile holds 4 quants of each of 8 rows; against 4 quants of an
@@ -525,7 +519,7 @@ static void gemm_tile(int type, const uint8_t *q, const float *a, const float *c
     }
 }
 
-/* y [m, rows] = x [m, n] W^T (+ bias) with x quantized to Q8_0 rows: 0, or -1 for a type
+/* y [m, rows] = x [m, n] W^T (+ bias) with x quantized to Q8_0 (Q8_K) rows: 0, or -1 for a type
  * the tiles cannot take (or memory running out); the caller then takes the matvec. */
 int llmrun_gemm_q8(int type, const uint8_t *w, int64_t stride, int64_t rows, const float *x,
                    int64_t m, int64_t n, float *y, const float *bias) {

@@ -267,69 +267,72 @@ DEFINE_Q8_MATVEC(Q4_0, ORDER_QUADS, 8, rows_q8_quads, QUAD_Q4_0)
 DEFINE_Q8_MATVEC(Q5_0, ORDER_QUADS, 16, rows_q8_quads, QUAD_Q5_0)
 DEFINE_Q8_MATVEC(MXFP4, ORDER_QUADS, 12, rows_q8_quads, QUAD_MXFP4)
 
-/* Each 256-weight block's [d*sc_0..7, dmin*m_0..7] of GGML's Q4_K/Q5_K (blk: the block;
- * the 6-bit scales and mins unpacked as get_scale_min_k4). */
-ALWAYS_INLINE __m512 k_scales_mins(const uint8_t *blk) {
-    uint32_t u[3];
-    memcpy(u, blk + 4, 12);
-    const __m128i packed = _mm_setr_epi32((int)(u[0] & 0x3f3f3f3f),
-                                          (int)((u[2] & 0x0f0f0f0f) | ((u[0] >> 2) & 0x30303030)),
-                                          (int)(u[1] & 0x3f3f3f3f),
-                                          (int)(((u[2] >> 4) & 0x0f0f0f0f) | ((u[1] >> 2) & 0x30303030)));
-    const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)u32_at(blk))); /* d, dmin */
-    const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    return _mm512_mul_ps(_mm512_permutexvar_ps(halves, _mm512_castps128_ps512(dd)),
-                         _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(packed)));
-}
-
 /* a in the low 256 bits, b in the high 256 */
-ALWAYS_INLINE __m512i halves_epi32(int a, int b) {
-    return _mm512_inserti64x4(_mm512_set1_epi32(a), _mm256_set1_epi32(b), 1);
+ALWAYS_INLINE __m512i halves_epi16(int a, int b) {
+    return _mm512_inserti64x4(_mm512_set1_epi16((short)a), _mm256_set1_epi16((short)b), 1);
 }
 
 ALWAYS_INLINE __m512i halves_epi8(int a, int b) {
     return _mm512_inserti64x4(_mm512_set1_epi8((char)a), _mm256_set1_epi8((char)b), 1);
 }
 
-ALWAYS_INLINE float reduce_256(__m256 v) {
-    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+/* The K-quants against Q8_K activations (one scale per 256): vpmaddubsw's 16-bit pair
+ * sums (at most 2 * 63 * 127) meet the weights' integer sub-block scales in vpdpwssd
+ * (VNNI; else vpmaddwd and an add), so a block's whole sum is one integer vector,
+ * converted and scaled by d * d_x once. */
+#ifdef __AVX512VNNI__
+#define DPWSSD(acc, p, s) _mm512_dpwssd_epi32((acc), (p), (s))
+#else
+#define DPWSSD(acc, p, s) _mm512_add_epi32((acc), _mm512_madd_epi16((p), (s)))
+#endif
+
+/* vpshufb indices: in the low 256 bits 16-bit word a of each 128-bit lane, in the high
+ * 256 word b */
+ALWAYS_INLINE __m512i scale_pick(int a, int b) {
+    return halves_epi16(2 * a | (2 * a + 1) << 8, 2 * b | (2 * b + 1) << 8);
 }
 
-/* GGML's Q4_K (144-byte blocks; five 0) and Q5_K (176; five 1). A 64-byte load of quants
- * holds sub-blocks 4h and 4h + 2 in its low nibbles and 4h + 1 and 4h + 3 in its high
- * ones, the order ORDER_K_PAIRS places x's quants in; Q5_K's high bits (bit j of byte l:
- * weight l of sub-block j) are a byte test of its 32 bytes, doubled, against each
- * vector's two sub-blocks' bits. The scales per dword lane come from the block's eight,
- * decoded once, by one permute per vector; the mins' part, dmin * sum_j m_j * s_j, goes
- * into a 256-bit accumulator. */
-ALWAYS_INLINE void rows_q8_k(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
-                             const act_t *a, int64_t i0, const int m, float *y, int64_t ldy,
-                             const float *bias, const int five) {
+/* The block sum of four 64-byte vectors of u8 weights u against x's quants xq, each
+ * pair sum times its 16-bit lane's scale in sc. */
+ALWAYS_INLINE __m512i q8k_block_sum(const __m512i u[4], const __m512i sc[4], const int8_t *xq) {
+    __m512i sum = _mm512_setzero_si512();
+    for (int t = 0; t < 4; t++) sum = DPWSSD(sum, _mm512_maddubs_epi16(u[t], load512(xq + 64 * t)), sc[t]);
+    return sum;
+}
+
+/* GGML's Q4_K (144-byte blocks; five 0) and Q5_K (176; five 1), in ORDER_Q8_K_PAIRS: a
+ * 64-byte load of quants holds sub-blocks 4h and 4h + 2 in its low nibbles and 4h + 1
+ * and 4h + 3 in its high ones; Q5_K's high bits (bit j of byte l: weight l of sub-block
+ * j) are a byte test of its 32 bytes, doubled, against each vector's two sub-blocks'
+ * bits. The mins' part, dmin * d_x * sum_j m_j * (the sum of sub-block j's activation
+ * quants), is an integer per block too, taken in 128 bits. */
+ALWAYS_INLINE void rows_q8k_k(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
+                              const act_t *a, int64_t i0, const int m, float *y, int64_t ldy,
+                              const float *bias, const int five) {
     const int64_t nb = a->n / 256, bytes = five ? 176 : 144;
-    const int chains = m <= 2 ? 2 : 1;
-    /* vector t's sub-blocks (low, high 32 bytes): 0 2, 1 3, 4 6, 5 7 */
-    const __m512i sub[4] = {halves_epi32(0, 2), halves_epi32(1, 3), halves_epi32(4, 6),
-                            halves_epi32(5, 7)};
+    /* vector t's sub-blocks (low, high 32 bytes): 0 2, 1 3, 4 6, 5 7, as vpshufb picks
+     * their 16-bit scales from the 8 in every 128-bit lane */
+    const __m512i sub[4] = {scale_pick(0, 2), scale_pick(1, 3), scale_pick(4, 6), scale_pick(5, 7)};
     const __m512i bit[4] = {halves_epi8(1, 4), halves_epi8(2, 8), halves_epi8(16, 64),
                             halves_epi8(32, 128)};
     const __m512i nibble = _mm512_set1_epi8(15);
     const uint8_t *end = w + r1 * stride;
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = w + r * stride;
-        __m512 acc[MAX_M][2];
-        __m256 accm[MAX_M];
-        for (int i = 0; i < m; i++) {
-            acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-            accm[i] = _mm256_setzero_ps();
-        }
+        __m512 acc[MAX_M];
+        __m128 accm[MAX_M];
+        for (int i = 0; i < m; i++) acc[i] = _mm512_setzero_ps(), accm[i] = _mm_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = row + bytes * b;
             if (blk + PREFETCH + bytes <= end)
                 for (int l = 0; l < bytes; l += 64)
                     _mm_prefetch((const char *)blk + PREFETCH + l, _MM_HINT_T0);
-            const __m512 sm = k_scales_mins(blk);
+            const __m256i sm = _mm256_cvtepu8_epi16(k_scale_bytes(blk + 4));
+            const __m512i scales = _mm512_broadcast_i32x4(_mm256_castsi256_si128(sm));
+            __m512i sc[4];
+            for (int t = 0; t < 4; t++) sc[t] = _mm512_shuffle_epi8(scales, sub[t]);
+            const __m128i mins = _mm256_extracti128_si256(sm, 1);
+            const float d = f16_value(blk), dmin = f16_value(blk + 2);
             const uint8_t *qs = blk + (five ? 48 : 16);
             __m512i u[4];
             for (int h = 0; h < 2; h++) {
@@ -343,55 +346,57 @@ ALWAYS_INLINE void rows_q8_k(const uint8_t *w, int64_t stride, int64_t r0, int64
                     u[t] = _mm512_mask_add_epi8(u[t], _mm512_test_epi8_mask(qh, bit[t]), u[t],
                                                 _mm512_set1_epi8(16));
             }
-            __m512 dw[4];
-            for (int t = 0; t < 4; t++) dw[t] = _mm512_permutexvar_ps(sub[t], sm);
-            const __m256 mins = _mm512_extractf32x8_ps(sm, 1);
             for (int i = 0; i < m; i++) {
-                const int8_t *xq = a->q + (i0 + i) * a->q_step + 256 * b;
-                const int64_t l = (i0 + i) * a->lane_step + 64 * b;
-                for (int t = 0; t < 4; t++) {
-                    const __m512i sum = DPBUSD(_mm512_setzero_si512(), u[t], load512(xq + 64 * t));
-                    const __m512 scale = _mm512_mul_ps(dw[t], _mm512_loadu_ps(a->dq + l + 16 * t));
-                    __m512 *chain = &acc[i][t % chains];
-                    *chain = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, *chain);
-                }
-                const float *s = a->s + (i0 + i) * a->d_step + 8 * b;
-                accm[i] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(s), accm[i]);
+                const __m512i sum = q8k_block_sum(u, sc, a->q + (i0 + i) * a->q_step + 256 * b);
+                const float dx = a->d[(i0 + i) * a->d_step + b];
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * dx), acc[i]);
+                const __m128i bsum = _mm_loadu_si128((const __m128i *)(q8k_sums32(a, i0 + i) + 8 * b));
+                accm[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mins, bsum)), _mm_set1_ps(dmin * dx), accm[i]);
             }
         }
         for (int i = 0; i < m; i++)
-            y[i * ldy + r] = reduce2(acc[i][0], acc[i][1]) - reduce_256(accm[i]) +
-                             (bias ? bias[r] : 0.0f);
+            y[i * ldy + r] = _mm512_reduce_add_ps(acc[i]) - reduce_128(accm[i]) + (bias ? bias[r] : 0.0f);
     }
 }
 
-DEFINE_Q8_MATVEC(Q4_K, ORDER_K_PAIRS, 0, rows_q8_k, 0)
-DEFINE_Q8_MATVEC(Q5_K, ORDER_K_PAIRS, 0, rows_q8_k, 1)
+DEFINE_Q8_MATVEC(Q4_K, ORDER_Q8_K_PAIRS, 0, rows_q8k_k, 0)
+DEFINE_Q8_MATVEC(Q5_K, ORDER_Q8_K_PAIRS, 0, rows_q8k_k, 1)
 
-/* GGML's Q6_K (210-byte blocks: ql[128], qh[64], int8 scales[16], f16 d), in x's order:
+/* GGML's Q6_K (210-byte blocks: ql[128], qh[64], int8 scales[16], f16 d), in ORDER_Q8_K:
  * a 64-byte load of ql holds weights 128c .. 128c + 63 in its low nibbles and the next 64
  * in its high ones, and qh's 32 bytes of that half, doubled, shifted per 16-bit half,
- * give their two high bits (as Q6_K_DEQ in kernels_avx512.c). A scale per 16 weights:
- * vector t's four from the block's sixteen by one permute. The u8 weights are q + 32. */
-ALWAYS_INLINE void rows_q8_q6_k(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
-                                const act_t *a, int64_t i0, const int m, float *y,
-                                int64_t ldy, const float *bias) {
+ * give their two high bits (as Q6_K_DEQ in kernels_avx512.c). The u8 weights are q + 32;
+ * the offset comes off the block's integer sum as 32 * sum_k sc_k * (the sum of the
+ * k-th 16 activation quants). */
+ALWAYS_INLINE void rows_q8k_q6_k(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
+                                 const act_t *a, int64_t i0, const int m, float *y,
+                                 int64_t ldy, const float *bias) {
     const int64_t nb = a->n / 256, bytes = 210;
-    const int chains = m <= 2 ? 2 : 1;
-    const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    /* vector t's 128-bit lane l: weights 64t + 16l .. + 15, of scale 4t + l; vpshufb
+     * picks it from a broadcast of scales 0..7 (t < 2) or 8..15 */
+    __m512i sub[2];
+    for (int t = 0; t < 2; t++) {
+        int16_t idx[32];
+        for (int j = 0; j < 32; j++) idx[j] = (int16_t)(2 * (4 * t + j / 8) | (2 * (4 * t + j / 8) + 1) << 8);
+        sub[t] = _mm512_loadu_si512(idx);
+    }
     const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
     const uint8_t *end = w + r1 * stride;
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = w + r * stride;
-        __m512 acc[MAX_M][2];
-        for (int i = 0; i < m; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+        __m512 acc[MAX_M];
+        for (int i = 0; i < m; i++) acc[i] = _mm512_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = row + bytes * b;
             if (blk + PREFETCH + bytes <= end)
                 for (int l = 0; l < bytes + 63; l += 64)
                     _mm_prefetch((const char *)blk + PREFETCH + l, _MM_HINT_T0);
-            const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)));
-            const __m512 dsc = _mm512_mul_ps(_mm512_set1_ps(f16_value(blk + 208)), _mm512_cvtepi32_ps(sc));
+            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+            const __m512i low = _mm512_broadcast_i32x4(_mm256_castsi256_si128(sc16));
+            const __m512i high = _mm512_broadcast_i32x4(_mm256_extracti128_si256(sc16, 1));
+            const __m512i sc[4] = {_mm512_shuffle_epi8(low, sub[0]), _mm512_shuffle_epi8(low, sub[1]),
+                                   _mm512_shuffle_epi8(high, sub[0]), _mm512_shuffle_epi8(high, sub[1])};
+            const float d = f16_value(blk + 208);
             __m512i u[4];
             for (int c = 0; c < 2; c++) {
                 const __m512i ql = load512(blk + 64 * c);
@@ -404,43 +409,34 @@ ALWAYS_INLINE void rows_q8_q6_k(const uint8_t *w, int64_t stride, int64_t r0, in
                     u[2 * c + h] = _mm512_and_si512(q6, _mm512_set1_epi8(63));
                 }
             }
-            __m512 dw[4];
-            for (int t = 0; t < 4; t++)
-                dw[t] = _mm512_permutexvar_ps(_mm512_add_epi32(quad, _mm512_set1_epi32(4 * t)), dsc);
             for (int i = 0; i < m; i++) {
-                const int8_t *xq = a->q + (i0 + i) * a->q_step + 256 * b;
-                const int64_t l = (i0 + i) * a->lane_step + 64 * b;
-                for (int t = 0; t < 4; t++) {
-                    const __m512i sum = DPBUSD(load512(a->lane + l + 16 * t), u[t], load512(xq + 64 * t));
-                    const __m512 scale = _mm512_mul_ps(dw[t], _mm512_loadu_ps(a->dq + l + 16 * t));
-                    __m512 *chain = &acc[i][t % chains];
-                    *chain = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, *chain);
-                }
+                __m512i sum = q8k_block_sum(u, sc, a->q + (i0 + i) * a->q_step + 256 * b);
+                const __m256i bsum = _mm256_loadu_si256((const __m256i *)(q8k_sums16(a, i0 + i) + 16 * b));
+                const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bsum), 5);
+                sum = _mm512_sub_epi32(sum, _mm512_zextsi256_si512(offset));
+                const float dx = a->d[(i0 + i) * a->d_step + b];
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * dx), acc[i]);
             }
         }
-        for (int i = 0; i < m; i++)
-            y[i * ldy + r] = reduce2(acc[i][0], acc[i][1]) + (bias ? bias[r] : 0.0f);
+        for (int i = 0; i < m; i++) y[i * ldy + r] = _mm512_reduce_add_ps(acc[i]) + (bias ? bias[r] : 0.0f);
     }
 }
 
-DEFINE_Q8_MATVEC(Q6_K, ORDER_NATURAL, 32, rows_q8_q6_k)
+DEFINE_Q8_MATVEC(Q6_K, ORDER_Q8_K, 0, rows_q8k_q6_k)
 
 #ifdef __AVX512VBMI__
 /* Q4_K_PACKED and Q5_K_PACKED (kernels_avx512.c's layouts: a row's f16 d's, dmins, scale
- * fields interleaved by groups of K_GROUP blocks, (Q5_K) high bits, then each block's
- * quants as two 64-byte groups h of four sub-blocks 4h + s, byte 4i + s holding weights
- * i (low nibble) and 16 + i (high)). A dword lane there spans four sub-blocks, so two
- * vpermt2b sort each load's nibbles into x's order, sub-blocks 4h, 4h + 1 and 4h + 2,
- * 4h + 3; Q5_K's high bits of sub-blocks 2t, 2t + 1 (in its u16 masks, bit k of u32 j:
- * weight k of sub-block j) are then the byte mask of vector t as they stand. The scales
- * and mins decode a group at a time, one block a lane (k_scales_group); the mins'
- * part, per group with blocks in lanes, takes the activation blocks' s transposed to
- * match (st). */
+ * fields interleaved by groups of K_GROUP blocks (byte k of block j of a group of c at
+ * k * c + j), (Q5_K) high bits, then each block's quants as two 64-byte groups h of
+ * four sub-blocks 4h + s, byte 4i + s holding weights i (low nibble) and 16 + i
+ * (high)), in ORDER_Q8_K. Two vpermt2b sort each load's nibbles into x's order,
+ * sub-blocks 4h, 4h + 1 and 4h + 2, 4h + 3; Q5_K's high bits of sub-blocks 2t, 2t + 1
+ * (in its u16 masks, bit k of u32 j: weight k of sub-block j) are then the byte mask of
+ * vector t as they stand. The scales and mins decode a group at a time, one block a
+ * lane: the scales of sub-blocks 2t and 2t + 1 as the two 16-bit halves of one vector,
+ * from which one vpermw per block takes vector t's; the mins' part is taken per group,
+ * blocks in lanes, against the activations' sums per 32 transposed to match. */
 #define K_GROUP 16
-
-/* kernels_avx512.c's, one block a lane: ds[s][i] = d*sc[s], ms[s][i] = dmin*m[s]. */
-void k_scales_group(const uint8_t *d16, const uint8_t *dmin16, const uint8_t *scales, int c,
-                    float ds[8][K_GROUP], float ms[8][K_GROUP]);
 
 /* vpermt2b indices: byte k of sub-blocks (s0 + k / 32) from lo (weights < 16) or hi */
 ALWAYS_INLINE __m512i k_packed_sort(int s0) {
@@ -452,29 +448,52 @@ ALWAYS_INLINE __m512i k_packed_sort(int s0) {
     return _mm512_load_si512(idx);
 }
 
-ALWAYS_INLINE void rows_q8_k_packed(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
-                                    const act_t *a, int64_t i0, const int m, float *y,
-                                    int64_t ldy, const float *bias, const int five) {
+/* A group of c blocks' scale fields, one block a lane (as k_scales_group in
+ * kernels_avx512.c, in integers): pairs[t], the 16-bit scales of sub-blocks 2t (low
+ * half) and 2t + 1 (high); mins[s], sub-block s's 6-bit mins. */
+ALWAYS_INLINE void k_group_scales(const uint8_t *fields, int c, __m512i pairs[4], __m512i mins[8]) {
+    const __mmask16 k = (__mmask16)((1u << c) - 1);
+    __m512i q[12];
+    for (int j = 0; j < 12; j++) q[j] = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, fields + c * j));
+    const __m512i low6 = _mm512_set1_epi32(63), low4 = _mm512_set1_epi32(15);
+    const __m512i bits45 = _mm512_set1_epi32(0x30);
+    __m256i sc[8];
+    for (int s = 0; s < 4; s++) {
+        /* sub-block s: the low 6 bits of bytes s and 4 + s; sub-block 4 + s: the nibbles
+         * of byte 8 + s, with bits 6-7 of those bytes as bits 4-5 */
+        sc[s] = _mm512_cvtepi32_epi16(_mm512_and_si512(q[s], low6));
+        mins[s] = _mm512_and_si512(q[s + 4], low6);
+        sc[s + 4] = _mm512_cvtepi32_epi16(_mm512_ternarylogic_epi32(
+            _mm512_and_si512(q[s + 8], low4), _mm512_srli_epi32(q[s], 2), bits45, 0xF8));
+        mins[s + 4] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(q[s + 8], 4),
+                                                _mm512_srli_epi32(q[s + 4], 2), bits45, 0xF8);
+    }
+    for (int t = 0; t < 4; t++)
+        pairs[t] = _mm512_inserti64x4(_mm512_castsi256_si512(sc[2 * t]), sc[2 * t + 1], 1);
+}
+
+ALWAYS_INLINE void rows_q8k_k_packed(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
+                                     const act_t *a, int64_t i0, const int m, float *y,
+                                     int64_t ldy, const float *bias, const int five) {
     const int64_t nb = a->n / 256, bytes = five ? 176 : 144;
-    const int chains = m <= 2 ? 2 : 1;
     const __m512i sort[2] = {k_packed_sort(0), k_packed_sort(2)};
     const __m512i nibble = _mm512_set1_epi8(15);
-    float ds[8][K_GROUP] __attribute__((aligned(64)));
-    float ms[8][K_GROUP] __attribute__((aligned(64)));
-    /* st[i][s * nb + b]: s of activation block 8b + s of row i0 + i */
-    float st[m][8 * nb];
+    const __m512i halves = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(16), 1);
+    /* st[i][s * nb + b]: the sum of sub-block s's quants of activation block b, row i0 + i */
+    int32_t st[m][8 * nb];
     for (int i = 0; i < m; i++)
         for (int64_t b = 0; b < nb; b++)
-            for (int s = 0; s < 8; s++) st[i][s * nb + b] = a->s[(i0 + i) * a->d_step + 8 * b + s];
+            for (int s = 0; s < 8; s++) st[i][s * nb + b] = q8k_sums32(a, i0 + i)[8 * b + s];
     const uint8_t *end = w + r1 * stride;
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = w + r * stride, *qh = row + 16 * nb;
         const uint8_t *qs = row + (five ? 48 : 16) * nb;
-        __m512 acc[MAX_M][2], accm[MAX_M];
-        for (int i = 0; i < m; i++) acc[i][0] = acc[i][1] = accm[i] = _mm512_setzero_ps();
+        __m512 acc[MAX_M], accm[MAX_M];
+        for (int i = 0; i < m; i++) acc[i] = accm[i] = _mm512_setzero_ps();
         for (int64_t b0 = 0; b0 < nb; b0 += K_GROUP) {
             const int c = nb - b0 < K_GROUP ? (int)(nb - b0) : K_GROUP;
-            k_scales_group(row + 2 * b0, row + 2 * nb + 2 * b0, row + 4 * nb + 12 * b0, c, ds, ms);
+            __m512i pairs[4], mins[8];
+            k_group_scales(row + 4 * nb + 12 * b0, c, pairs, mins);
             for (int j = 0; j < c; j++) {
                 const int64_t b = b0 + j;
                 /* at a GGML block's pace through the bytes, as rows_k_packed */
@@ -482,6 +501,9 @@ ALWAYS_INLINE void rows_q8_k_packed(const uint8_t *w, int64_t stride, int64_t r0
                 if (ahead + bytes <= end)
                     for (int l = 0; l < bytes + 63; l += 64)
                         _mm_prefetch((const char *)ahead + l, _MM_HINT_T0);
+                const __m512i pick = _mm512_add_epi16(halves, _mm512_set1_epi16((short)j));
+                __m512i sc[4];
+                for (int t = 0; t < 4; t++) sc[t] = _mm512_permutexvar_epi16(pick, pairs[t]);
                 __m512i u[4];
                 for (int h = 0; h < 2; h++) {
                     const __m512i v = load512(qs + 128 * b + 64 * h);
@@ -497,34 +519,30 @@ ALWAYS_INLINE void rows_q8_k_packed(const uint8_t *w, int64_t stride, int64_t r0
                         u[2 * h + e] = ut;
                     }
                 }
-                __m512 dw[4];
-                for (int t = 0; t < 4; t++)
-                    dw[t] = _mm512_insertf32x8(_mm512_set1_ps(ds[2 * t][j]), _mm256_set1_ps(ds[2 * t + 1][j]), 1);
+                const float d = f16_value(row + 2 * b);
                 for (int i = 0; i < m; i++) {
-                    const int8_t *xq = a->q + (i0 + i) * a->q_step + 256 * b;
-                    const int64_t l = (i0 + i) * a->lane_step + 64 * b;
-                    for (int t = 0; t < 4; t++) {
-                        const __m512i sum = DPBUSD(_mm512_setzero_si512(), u[t], load512(xq + 64 * t));
-                        const __m512 scale = _mm512_mul_ps(dw[t], _mm512_loadu_ps(a->dq + l + 16 * t));
-                        __m512 *chain = &acc[i][t % chains];
-                        *chain = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, *chain);
-                    }
+                    const __m512i sum = q8k_block_sum(u, sc, a->q + (i0 + i) * a->q_step + 256 * b);
+                    const float dx = a->d[(i0 + i) * a->d_step + b];
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * dx), acc[i]);
                 }
             }
             const __mmask16 k = (__mmask16)((1u << c) - 1);
-            for (int i = 0; i < m; i++)
+            const __m512 dmin = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, row + 2 * nb + 2 * b0));
+            for (int i = 0; i < m; i++) {
+                __m512i msum = _mm512_setzero_si512();
                 for (int s = 0; s < 8; s++)
-                    accm[i] = _mm512_fmadd_ps(_mm512_load_ps(ms[s]),
-                                              _mm512_maskz_loadu_ps(k, &st[i][s * nb + b0]), accm[i]);
+                    msum = _mm512_add_epi32(msum, _mm512_mullo_epi32(mins[s], _mm512_maskz_loadu_epi32(k, &st[i][s * nb + b0])));
+                const __m512 dx = _mm512_maskz_loadu_ps(k, a->d + (i0 + i) * a->d_step + b0);
+                accm[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dmin, dx), accm[i]);
+            }
         }
         for (int i = 0; i < m; i++)
-            y[i * ldy + r] = reduce2(acc[i][0], acc[i][1]) - _mm512_reduce_add_ps(accm[i]) +
-                             (bias ? bias[r] : 0.0f);
+            y[i * ldy + r] = _mm512_reduce_add_ps(acc[i]) - _mm512_reduce_add_ps(accm[i]) + (bias ? bias[r] : 0.0f);
     }
 }
 
-DEFINE_Q8_MATVEC(Q4_K_PACKED, ORDER_NATURAL, 0, rows_q8_k_packed, 0)
-DEFINE_Q8_MATVEC(Q5_K_PACKED, ORDER_NATURAL, 0, rows_q8_k_packed, 1)
+DEFINE_Q8_MATVEC(Q4_K_PACKED, ORDER_Q8_K, 0, rows_q8k_k_packed, 0)
+DEFINE_Q8_MATVEC(Q5_K_PACKED, ORDER_Q8_K, 0, rows_q8k_k_packed, 1)
 #endif
 
 /* ---- A prompt's rows: q8.h's GEMM on tiles of 32 weight rows (two vectors of outputs),
@@ -652,7 +670,7 @@ static void gemm_tile(int type, const uint8_t *q, const float *a, const float *c
 #endif
 }
 
-/* y [m, rows] = x [m, n] W^T (+ bias) with x quantized to Q8_0 rows: 0, or -1 for a type
+/* y [m, rows] = x [m, n] W^T (+ bias) with x quantized to Q8_0 (Q8_K) rows: 0, or -1 for a type
  * the tiles cannot take (or memory running out); the caller then takes the matvec. */
 int llmrun_gemm_q8(int type, const uint8_t *w, int64_t stride, int64_t rows, const float *x,
                    int64_t m, int64_t n, float *y, const float *bias) {

@@ -14,7 +14,7 @@ computes (the same kernel rows, one activation row); the weighted sum adds them 
 another order than the modules' path, so the two agree to float rounding. Where the
 experts' modules take 8-bit activations (set_activations "q8") and the type has such a
 kernel, a projection goes through llmrun_matvec_experts_q8 instead: the token's vector
-quantized to Q8_0 once for all gate and up projections, each expert's hidden vector
+quantized once (Q8_0, or Q8_K for K-quants) for all gate and up projections, each expert's hidden vector
 once for its down projection.
 """
 

@@ -175,8 +175,8 @@ def matvec(
     q8: bool = False,
 ) -> torch.Tensor:
     """x f32 `[m, n]` times the blocks `[rows, row_bytes]` transposed (+ f32 `bias`
-    `[rows]`) -> f32 `[m, rows]`; with `q8`, x quantized to Q8_0 blocks first and the
-    products taken in integers (supports_q8)."""
+    `[rows]`) -> f32 `[m, rows]`; with `q8`, x quantized to Q8_0 blocks (K-quants:
+    Q8_K) first and the products taken in integers (supports_q8)."""
     n = _n_cols(raw, ggml_type, packed)
     x = x.contiguous()
     if x.dtype != torch.float32 or x.shape[1] != n:

@@ -71,7 +71,8 @@ class QuantLinear(nn.Module):
     after `.to()` or `load_state_dict`; its bias is added inside the kernel. With
     `q8_activations` set (set_activations), every product goes through the
     8-bit-activation kernel where the type has one (kernels.supports_q8): the
-    activations quantized to Q8_0 as llama.cpp does, faster and no longer exact.
+    activations quantized to Q8_0 (K-quants: Q8_K) as llama.cpp does, faster and no
+    longer exact.
     """
 
     def __init__(
@@ -209,7 +210,7 @@ ACTIVATIONS = ("f32", "q8")
 
 def set_activations(model: nn.Module, activations: str) -> int:
     """How the model's quantized linear layers meet their activations when decoding:
-    "f32" (exact products, the default) or "q8" (quantized to Q8_0 first, where the
+    "f32" (exact products, the default) or "q8" (quantized to Q8_0 or Q8_K first, where the
     kernels have such a matvec for the type). Returns how many layers take q8."""
     from llmrun.quant.experts import ExpertList  # which imports this module
 

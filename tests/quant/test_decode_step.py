@@ -20,10 +20,10 @@ import test_quant_models as quant_models
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
-from gguf.quants import quantize as gguf_quantize
 from gpt_oss_helpers import llmrun_state, tiny_gpt_oss
 from helpers import BASE, our_model, tiny_hf_model, write_gguf
 from moe_helpers import hub_state_dict, tiny_moe_model
+from test_q8_kernels import quantized_activations
 from test_quant_models import random_block_model
 
 from llmrun.loading.loader import load_model
@@ -192,14 +192,15 @@ def test_the_step_writes_and_reads_every_cache_type(native_kernels, cache_type, 
     assert_same(*_logits_both_ways(model, ids, 3, cache_type))
 
 
-def test_8_bit_activations_decode_as_gguf_quantized_activations(native_kernels, tmp_path):
+def test_8_bit_activations_decode_as_reference_quantized_activations(native_kernels, tmp_path):
     """With --activations q8, every quantized linear layer of a decoding model gives,
     for the activations it is given, the float64 product of its gguf-dequantized
-    weights and those activations quantized by gguf's Q8_0 code (1e-5 of the largest
+    weights and those activations quantized by gguf's Q8_0 code, or for K-quants to
+    Q8_K by test_q8_kernels' reference (1e-5 of the largest
     output); the step computes what the layers compute (above). Compared call by call,
     as a whole model's logits would differ wherever float rounding upstream moves an
     activation across a quantization step."""
-    q, _ = random_block_model("llama", [T.Q4_0, T.Q8_0, T.Q5_0], tmp_path)
+    q, _ = random_block_model("llama", [T.Q4_0, T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K, T.Q5_K], tmp_path)
     model = load_model(q, CPU, "f32").model
     set_activations(model, "q8")
     model.decode_step = None
@@ -214,8 +215,7 @@ def test_8_bit_activations_decode_as_gguf_quantized_activations(native_kernels, 
     for layer, x, y in decoded:
         raw = kernels.unpack(layer.weight, layer.ggml_type) if layer.packed else layer.weight
         w = gguf_dequantize(raw.numpy(), layer.ggml_type).astype(np.float64)
-        xq = gguf_dequantize(gguf_quantize(x.reshape(1, -1).numpy(), T.Q8_0), T.Q8_0)
-        expected = xq.astype(np.float64) @ w.T
+        expected = quantized_activations(x.reshape(1, -1).numpy(), layer.ggml_type) @ w.T
         np.testing.assert_allclose(
             y.reshape(1, -1).numpy(), expected, rtol=0, atol=1e-5 * np.abs(expected).max()
         )

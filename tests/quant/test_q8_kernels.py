@@ -1,11 +1,14 @@
 """The 8-bit-activation matvecs (llmrun/native/q8.h, q8_avx512.c, q8_avx2.c), in both
 x86 kernel families, for every type and layout they take (GGML's, as experts keep it,
 and the packed layouts QuantLinear repacks into), against an independent reference:
-the activations quantized to Q8_0 by gguf's numpy code (gguf.quants.quantize), both
-sides dequantized by gguf, multiplied in float64. What the kernels compute is exactly
-that sum of integer products scaled per block (K-quants: per sub-block, less the mins'
-part); only the float sums' order differs, so the tolerance is float rounding: 1e-5
-of the largest |output|. A prompt's 37 rows take the tiles of llmrun_gemm_q8 (both
+the activations quantized as llama.cpp quantizes them for the type (its vec_dot_type):
+to Q8_0 by gguf's numpy code (gguf.quants.quantize), and for the K-quants to Q8_K by
+q8_k_dequantized below (ggml's quantize_row_q8_K_ref, written from its definition),
+the weights dequantized by gguf, multiplied in float64. What the kernels compute is
+exactly that sum of integer products scaled per block (K-quants: per sub-block, less
+the mins' part); only the float sums' order differs, so the tolerance is float
+rounding: 1e-5 of the largest |output| (one activation quant off by one step would
+be about 5e-4 of it). A prompt's 37 rows take the tiles of llmrun_gemm_q8 (both
 families), the experts and a few rows the passes of the matvec.
 """
 
@@ -55,20 +58,51 @@ def random_blocks(ggml_type: T, rows: int, cols: int, rng) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
+K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
+
+
 def activations(m: int, cols: int, rng) -> np.ndarray:
     """A spread of magnitudes per block, a block of zeros, and exact halves that round
-    away from zero."""
+    away from zero (Q8_0); for rows of 512 or more, a block of 256 whose largest
+    magnitude comes first negative, then positive, and one whose largest value is 127,
+    so that its other values scale to exact halves that round to even (Q8_K)."""
     x = rng.standard_normal((m, cols)) * rng.choice([0.01, 1.0, 30.0], (m, cols))
     x = x.astype(np.float32)
     x[0, :32] = 0.0
     x[-1, 32:64] = np.arange(32) - 15.5
+    if cols >= 512:
+        x[0, 300], x[0, 400] = -1000.0, 1000.0
+        x[-1, 256:512] = np.concatenate([[127.0], np.arange(255) * 0.5 - 60.0])
     return x
+
+
+def q8_k_dequantized(x: np.ndarray) -> np.ndarray:
+    """x [m, n] quantized to Q8_K and back, in float64: per 256 values, max the first
+    value of largest magnitude, iscale = -127 / max and q = min(127, x * iscale rounded
+    half to even) in f32, d = 1 / iscale (all zero where the block is)."""
+    blocks = x.astype(np.float32).reshape(-1, 256)
+    out = np.zeros(blocks.shape)
+    for i, block in enumerate(blocks):
+        largest = block[np.argmax(np.abs(block))]
+        if largest == 0:
+            continue
+        iscale = np.float32(-127.0) / largest
+        q = np.minimum(np.rint(iscale * block), 127)
+        out[i] = np.float64(np.float32(1.0) / iscale) * q
+    return out.reshape(x.shape)
+
+
+def quantized_activations(x: np.ndarray, ggml_type: T) -> np.ndarray:
+    """x as the 8-bit-activation kernels of `ggml_type` take it, in float64: Q8_K for
+    the K-quants, else Q8_0 (as llama.cpp's vec_dot_type)."""
+    if ggml_type in K_QUANTS:
+        return q8_k_dequantized(x)
+    return gguf_dequantize(gguf_quantize(x.astype(np.float32), T.Q8_0), T.Q8_0).astype(np.float64)
 
 
 def reference(raw: np.ndarray, ggml_type: T, x: np.ndarray, bias=None) -> np.ndarray:
     w = gguf_dequantize(raw, ggml_type).astype(np.float64)
-    xq = gguf_dequantize(gguf_quantize(x.astype(np.float32), T.Q8_0), T.Q8_0).astype(np.float64)
-    y = xq @ w.T
+    y = quantized_activations(x, ggml_type) @ w.T
     return y if bias is None else y + bias
 
 
@@ -82,7 +116,7 @@ def assert_near(got: np.ndarray, expected: np.ndarray) -> None:
     ids=lambda c: {True: "packed", False: "ggml"}.get(c, getattr(c, "name", c)),
 )
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 11, 37])
-def test_q8_matvec_is_the_product_of_gguf_quantized_activations(
+def test_q8_matvec_is_the_product_of_reference_quantized_activations(
     native_kernels, ggml_type, cols, packed, m
 ):
     if packed and not kernels.supports(ggml_type, cols, packed=True):
