@@ -1,0 +1,83 @@
+"""Two builds of the native kernels side by side: the 8-bit-activation matvec
+(llmrun_matvec_q8) of each, called in turns on the same weights, best of many calls.
+
+On a VM whose speed drifts by 10-30 % within minutes, only kernels timed in turns in
+one run can be compared. Build the old library by checking out the old sources and
+loading llmrun.native once (its path: `python -c "from llmrun import native;
+print(native.library()._name)"`); the new one the same way.
+
+Usage: OMP_NUM_THREADS=1 python benchmarks/kernel_ab.py OLD.so NEW.so
+       [--types Q4_K,Q4_K:packed,Q6_K] [--rows 1] [--reps 30]
+
+warm: 256 rows x 4096 (in the L2 cache; a call's activation quantization counts);
+cold: 40 matrices of 4096 x 4096 in turn (more than the L3 cache holds).
+"""
+
+import argparse
+import ctypes
+import time
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from llmrun.quant import kernels
+
+T = GGMLQuantizationType
+COLS = 4096
+
+
+def random_blocks(ggml_type: T, rows: int, rng) -> torch.Tensor:
+    """Random bytes with small positive f16 scales where the type has d (and dmin)."""
+    block, size = GGML_QUANT_SIZES[ggml_type]
+    raw = rng.integers(0, 256, size=(rows * COLS // block, size), dtype=np.uint8)
+    scales = {T.Q4_0: [0], T.Q5_0: [0], T.Q8_0: [0], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
+    for offset in scales.get(ggml_type, []):
+        d = np.abs(rng.standard_normal(len(raw))) * 2e-2 + 1e-4
+        raw[:, offset : offset + 2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return torch.from_numpy(raw.reshape(rows, -1))
+
+
+def time_call(lib, type_id: int, mats: list[torch.Tensor], rows: int, x, y) -> float:
+    start = time.perf_counter()
+    for w in mats:
+        status = lib.llmrun_matvec_q8(
+            type_id, ctypes.c_void_p(w.data_ptr()), ctypes.c_int64(w.stride(0)),
+            ctypes.c_int64(rows), ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(x.shape[0]),
+            ctypes.c_int64(COLS), ctypes.c_void_p(y.data_ptr()), None,
+        )  # fmt: skip
+        if status:
+            raise SystemExit("no 8-bit-activation kernel for that type in a library")
+    return (time.perf_counter() - start) / len(mats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("old")
+    parser.add_argument("new")
+    parser.add_argument("--types", default="Q4_K,Q4_K:packed,Q5_K,Q6_K,Q8_0")
+    parser.add_argument("--rows", type=int, default=1, help="activation rows per call")
+    parser.add_argument("--reps", type=int, default=30)
+    args = parser.parse_args()
+    libs = {"old": ctypes.CDLL(args.old), "new": ctypes.CDLL(args.new)}
+    rng = np.random.default_rng(0)
+    x = torch.randn(args.rows, COLS)
+    for name in args.types.split(","):
+        type_name, _, layout = name.partition(":")
+        ggml_type, packed = T[type_name], layout == "packed"
+        for label, rows, copies in (("warm", 256, 1), ("cold", 4096, 40)):
+            raw = random_blocks(ggml_type, rows, rng)
+            w = kernels.pack(raw, ggml_type) if packed else raw
+            mats = [w.clone() for _ in range(copies)]
+            type_id = kernels.PACKED[ggml_type] if packed else int(ggml_type)
+            y = torch.empty(args.rows, rows)
+            best = dict.fromkeys(libs, float("inf"))
+            for _ in range(args.reps):
+                for key, lib in libs.items():
+                    best[key] = min(best[key], time_call(lib, type_id, mats, rows, x, y))
+            rates = "  ".join(f"{k} {w.numel() / v / 1e9:5.1f} GB/s" for k, v in best.items())
+            print(f"{name:10} m={args.rows} {label}: {rates}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
