@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from llmrun.chat_template import ChatTemplate, select_template
 from llmrun.errors import ModelFormatError, UsageError
 from llmrun.generate import KVState, Response, TokenLogprob, stream_generate
 from llmrun.loading import safetensors_io
-from llmrun.loading.loader import Checkpoint, check_device_room, load_model
+from llmrun.loading.loader import Checkpoint, check_device_room, load_model, open_checkpoint
 from llmrun.models import kv_cache_bytes
 from llmrun.models.cache import BYTES_PER_VALUE, KVCache
 from llmrun.quant.linear import set_activations
@@ -255,14 +256,15 @@ def load(
         _check_cache_type(cache_type, torch_device)
     path = path or resolve(spec)
     start = time.perf_counter()
-    loaded = load_model(path, torch_device, dtype)
+    checkpoint = open_checkpoint(path)
+    # The tokenizer builds while the weights load: repacking and mapping them run in
+    # native code and page faults, without the GIL (a 262k vocabulary takes ~1 s).
+    with ThreadPoolExecutor(1, thread_name_prefix="llmrun-tokenizer") as pool:
+        building = pool.submit(_tokenizer, checkpoint, path)
+        loaded = load_model(checkpoint, torch_device, dtype)
+        tokenizer = building.result()
     if activations != "f32":
         set_activations(loaded.model, activations)
-    checkpoint = loaded.checkpoint
-    if checkpoint.gguf is not None:
-        tokenizer = Tokenizer.from_gguf_metadata(checkpoint.gguf.metadata, str(path))
-    else:
-        tokenizer = load_tokenizer(path)
     template = _chat_template(checkpoint, tokenizer, template_file)
     max_positions = checkpoint.config.get("max_position_embeddings") or DEFAULT_CTX
     eos_ids = _eos_ids(checkpoint, tokenizer)
@@ -325,6 +327,12 @@ def _as_list(value: Any) -> list[int]:
     if isinstance(value, list):
         return [v for v in value if isinstance(v, int)]
     return []
+
+
+def _tokenizer(checkpoint: Checkpoint, path: Path) -> Tokenizer:
+    if checkpoint.gguf is not None:
+        return Tokenizer.from_gguf_metadata(checkpoint.gguf.metadata, str(path))
+    return load_tokenizer(path)
 
 
 def _eos_ids(checkpoint: Checkpoint, tokenizer: Tokenizer) -> list[int]:

@@ -454,9 +454,12 @@ def _swap_quantized(model: nn.Module, name: str, w: Weight, weights, device, dty
     return new
 
 
-def load_model(path: str | Path, device: torch.device, dtype: str = "auto") -> LoadedModel:
-    """Read a checkpoint and build its model on `device` in the requested dtype."""
-    checkpoint = open_checkpoint(path)
+def load_model(
+    path: str | Path | Checkpoint, device: torch.device, dtype: str = "auto"
+) -> LoadedModel:
+    """Read a checkpoint (or take one open_checkpoint read) and build its model on
+    `device` in the requested dtype."""
+    checkpoint = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     for note in checkpoint.notes:
         print(f"note: {note}", file=sys.stderr)
     compute_dtype = resolve_dtype(dtype, device, checkpoint)

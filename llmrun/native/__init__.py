@@ -34,6 +34,7 @@ _API = {
     "llmrun_matvec": [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR],
     "llmrun_matvec_experts": [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64],
     "llmrun_dequantize": [ctypes.c_int, _PTR, _I64, _I64, _I64, _PTR],
+    "llmrun_pack": [ctypes.c_int, _PTR, _I64, _I64, _PTR],
     "llmrun_rms_norm": [_PTR, _PTR, _F32, _I64, _I64, _PTR],
     "llmrun_rms_norm_offset": [_PTR, _PTR, _F32, _F32, _I64, _I64, _PTR],
     "llmrun_rotary": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR],

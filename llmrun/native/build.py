@@ -2,7 +2,7 @@
 
 A family is one C file of quantized kernels in this folder (with common.h), and on x86
 one of 8-bit-activation kernels (with q8.h), compiled with its -march flags together
-with decode_ops.c into one shared library. The table
+with decode_ops.c, decode_step.c and layout.c into one shared library. The table
 below names each, best first, with the features the CPU must list in /proc/cpuinfo: a
 new family is one more source and one more entry. The library goes into
 the cache folder, keyed by a hash of the sources, the compiler, its flags and the
@@ -27,6 +27,7 @@ HERE = Path(__file__).parent
 # the whole step of a stack of decoder layers in one call (llmrun.quant.decode_step).
 DECODE_OPS = HERE / "decode_ops.c"
 DECODE_STEP = HERE / "decode_step.c"
+LAYOUT = HERE / "layout.c"  # the packed row layouts, written at load (kernels.pack)
 COMMON = HERE / "common.h"
 Q8_HEADER = HERE / "q8.h"  # the 8-bit-activation kernels' shared part
 FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC", "-fopenmp"]
@@ -43,7 +44,8 @@ class Family:
     q8: str | None = None  # its 8-bit-activation kernels' C file, if it has them
 
     def sources(self) -> list[Path]:
-        return [HERE / self.source, *([HERE / self.q8] if self.q8 else []), DECODE_OPS, DECODE_STEP]
+        q8 = [HERE / self.q8] if self.q8 else []
+        return [HERE / self.source, *q8, DECODE_OPS, DECODE_STEP, LAYOUT]
 
 
 # -march=haswell for AVX2, so that build never holds AVX-512 code even on an AVX-512 CPU.

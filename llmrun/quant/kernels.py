@@ -32,7 +32,6 @@ FIELDS = {
     Q5_K: (2, 2, 12, 32, 128),
 }
 K_SCALE_GROUP = 16  # K-quant blocks whose scale fields `pack` interleaves (C: K_GROUP)
-PACK_CHUNK = 1 << 22  # bytes of blocks `pack` repacks at a time
 # Activation rows from which the 8-bit kernels take tiles of weights (a GEMM) rather
 # than passes of up to 8 rows over each run of weights.
 GEMM_MIN_ROWS = 16
@@ -64,87 +63,56 @@ def _kernel_type(ggml_type: GGMLQuantizationType, packed: bool) -> int:
     return PACKED[ggml_type] if packed else int(ggml_type)
 
 
-def _k_quants(qs: torch.Tensor, to_packed: bool) -> torch.Tensor:
-    """Q4_K/Q5_K low quants `[rows, blocks, 128]`, GGML's order <-> the packed order.
+def _k_quants(qs: torch.Tensor) -> torch.Tensor:
+    """Q4_K/Q5_K low quants `[rows, blocks, 128]`, the packed order -> GGML's.
 
     GGML: byte 32p + l holds weight l of sub-block 2p (low nibble) and of 2p + 1 (high).
     Packed: byte 64h + 4i + s holds weights i (low) and 16 + i (high) of sub-block 4h + s.
     """
     rows, nb = qs.shape[:2]
-    if to_packed:
-        q = torch.stack([qs & 15, qs >> 4], 2)  # [.., 2 nibble, 128 byte]
-        q = q.reshape(rows, nb, 2, 4, 32).transpose(2, 3)  # [.., p, nibble, l]: 32p + l
-        q = q.reshape(rows, nb, 2, 4, 2, 16)  # sub-block 4h + s, weight 16t + i
-        return (q[..., 0, :] | q[..., 1, :] << 4).transpose(3, 4).reshape(rows, nb, 128)
     b = qs.reshape(rows, nb, 2, 16, 4).transpose(3, 4)  # [.., h, s, i]
     q = torch.stack([b & 15, b >> 4], 4).reshape(rows, nb, 4, 2, 32)  # [.., p, nibble, l]
     return (q[..., 0, :] | q[..., 1, :] << 4).reshape(rows, nb, 128)
 
 
-def _q5_k_high_bits(qh: torch.Tensor, to_packed: bool) -> torch.Tensor:
-    """Q5_K high bits `[rows, blocks, 32]`, GGML's order <-> Q5_K_PACKED's order.
+def _q5_k_high_bits(qh: torch.Tensor) -> torch.Tensor:
+    """Q5_K high bits `[rows, blocks, 32]`, Q5_K_PACKED's order -> GGML's.
 
     GGML: bit j of byte l is weight l of sub-block j. Packed: bit b of byte 4j + 2t + h
     (bit 8h + b of u16 mask 2j + t) is weight 16t + 8h + b of sub-block j.
     """
     rows, nb = qh.shape[:2]
     shifts = torch.arange(8, device=qh.device, dtype=torch.uint8)
-    if to_packed:
-        bits = (qh[..., None] >> shifts) & 1  # [.., l = 16t + 8h + b, j]
-        bits = bits.reshape(rows, nb, 2, 2, 8, 8).permute(0, 1, 5, 2, 3, 4)  # [.., j, t, h, b]
-    else:
-        bits = (qh.reshape(rows, nb, 8, 2, 2)[..., None] >> shifts) & 1  # [.., j, t, h, b]
-        bits = bits.permute(0, 1, 3, 4, 5, 2)  # [.., t, h, b, j]
+    bits = (qh.reshape(rows, nb, 8, 2, 2)[..., None] >> shifts) & 1  # [.., j, t, h, b]
+    bits = bits.permute(0, 1, 3, 4, 5, 2)  # [.., t, h, b, j]
     return (bits << shifts).sum(-1, dtype=torch.uint8).reshape(rows, nb, 32)
 
 
-def _k_scales(sc: torch.Tensor, to_packed: bool) -> torch.Tensor:
-    """K-quant scale fields `[rows, blocks, 12]`, GGML's order <-> the packed order.
-
-    Packed: in groups of K_SCALE_GROUP blocks (the last group holds the c blocks left),
-    a group of c blocks holding byte j of its block i at c * j + i.
-    """
-    rows, nb = sc.shape[:2]
+def _k_scales(flat: torch.Tensor, nb: int) -> torch.Tensor:
+    """K-quant scale fields `[rows, 12 * blocks]` in the packed order -> GGML's `[rows,
+    blocks, 12]`. Packed: in groups of K_SCALE_GROUP blocks (the last group holds the c
+    blocks left), a group of c blocks holding byte j of its block i at c * j + i."""
+    rows = flat.shape[0]
     full = nb - nb % K_SCALE_GROUP  # blocks in whole groups
-    if to_packed:
-        groups = sc[:, :full].reshape(rows, -1, K_SCALE_GROUP, 12).transpose(2, 3)
-        tail = sc[:, full:].transpose(1, 2)
-    else:
-        flat = sc.reshape(rows, 12 * nb)
-        groups = flat[:, : 12 * full].reshape(rows, -1, 12, K_SCALE_GROUP).transpose(2, 3)
-        tail = flat[:, 12 * full :].reshape(rows, 12, nb - full).transpose(1, 2)
+    groups = flat[:, : 12 * full].reshape(rows, -1, 12, K_SCALE_GROUP).transpose(2, 3)
+    tail = flat[:, 12 * full :].reshape(rows, 12, nb - full).transpose(1, 2)
     return torch.cat([groups.reshape(rows, full, 12), tail.reshape(rows, nb - full, 12)], 1)
 
 
-def _reorder(
-    fields: list[torch.Tensor], ggml_type: GGMLQuantizationType, to_packed: bool
-) -> list[torch.Tensor]:
-    """A block's fields `[rows, blocks, size]` with the K-quants' in-field orders
-    changed to (or back from) the packed layout's; the other types' as they are."""
-    if ggml_type in (Q4_K, Q5_K):
-        fields[2] = _k_scales(fields[2], to_packed)
-        fields[-1] = _k_quants(fields[-1], to_packed)
-    if ggml_type == Q5_K:
-        fields[3] = _q5_k_high_bits(fields[3], to_packed)
-    return fields
-
-
 def pack(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
-    """GGML blocks `[rows, row_bytes]` -> a new tensor in the packed layout: each row
-    stored field by field (all its scales, then ..., then all its quants; same size;
+    """GGML blocks `[rows, row_bytes]` (CPU) -> a new tensor in the packed layout: each
+    row stored field by field (all its scales, then ..., then all its quants; same size;
     Q4_K's and Q5_K's scale fields also interleaved by groups of blocks and their
-    quants, and Q5_K's high bits, reordered within each block)."""
-    if raw.device.type == "cpu":
-        out = hugepages.empty(raw.shape)  # read whole every token: in huge pages
-    else:
-        out = torch.empty_like(raw, memory_format=torch.contiguous_format)
-    rows = max(1, PACK_CHUNK // max(1, raw.shape[1]))
-    # By chunks of rows, so a large tensor (a tied embedding) has no whole-size temporaries.
-    for r0 in range(0, raw.shape[0], rows):
-        part = raw[r0 : r0 + rows]
-        blocks = part.reshape(part.shape[0], -1, GGML_QUANT_SIZES[ggml_type][1])
-        fields = _reorder(list(blocks.split(FIELDS[ggml_type], dim=2)), ggml_type, True)
-        torch.cat([f.reshape(part.shape[0], -1) for f in fields], 1, out=out[r0 : r0 + rows])
+    quants, and Q5_K's high bits, reordered within each block), written by the native
+    library (llmrun/native/layout.c)."""
+    out = hugepages.empty(raw.shape)  # read whole every token: in huge pages
+    raw = raw.contiguous()
+    nb = raw.shape[1] // GGML_QUANT_SIZES[ggml_type][1]
+    lib = native.library()
+    if lib is None or lib.llmrun_pack(
+        int(ggml_type), raw.data_ptr(), raw.shape[0], nb, out.data_ptr()
+    ):
+        raise ValueError(f"no packed layout for {ggml_type.name} here")
     return out
 
 
@@ -152,7 +120,12 @@ def unpack(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
     """The inverse of `pack`, in torch, so packed weights work on any device."""
     rows, nb = raw.shape[0], raw.shape[1] // GGML_QUANT_SIZES[ggml_type][1]
     fields = [f.reshape(rows, nb, -1) for f in raw.split([s * nb for s in FIELDS[ggml_type]], 1)]
-    return torch.cat(_reorder(fields, ggml_type, False), 2).reshape(rows, -1)
+    if ggml_type in (Q4_K, Q5_K):
+        fields[2] = _k_scales(fields[2].reshape(rows, -1), nb)
+        fields[-1] = _k_quants(fields[-1])
+    if ggml_type == Q5_K:
+        fields[3] = _q5_k_high_bits(fields[3])
+    return torch.cat(fields, 2).reshape(rows, -1)
 
 
 def _n_cols(raw: torch.Tensor, ggml_type: GGMLQuantizationType, packed: bool) -> int:

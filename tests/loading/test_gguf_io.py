@@ -80,6 +80,20 @@ def test_a_valid_handmade_file_reads(tmp_path):
             ),
             "elements",
         ),
+        (  # a string array whose second string runs past the end of the file
+            gguf_bytes(
+                kvs=(
+                    (
+                        "tokenizer.ggml.tokens",
+                        GGUFValueType.ARRAY,
+                        (GGUFValueType.STRING, 2, string("a") + struct.pack("<Q", 1 << 40)),
+                    ),
+                ),
+                tensors=(),
+                data=b"",
+            ),
+            "truncated",
+        ),
         (
             gguf_bytes(
                 kvs=(
@@ -104,6 +118,17 @@ def test_a_valid_handmade_file_reads(tmp_path):
 def test_malformed_files_fail_clearly(tmp_path, data, message):
     with pytest.raises((ModelFormatError, UnsupportedError), match=message):
         read_gguf(write(tmp_path, data))
+
+
+def test_string_arrays_read_every_token_and_keep_bytes_that_are_not_utf8(tmp_path):
+    tokens = [b"<s>", b"\xe2\x96\x81the", b"", b"\xff\xfe", "日本".encode()]
+    payload = b"".join(struct.pack("<Q", len(t)) + t for t in tokens)
+    kvs = (
+        ("general.architecture", GGUFValueType.STRING, "llama"),
+        ("tokenizer.ggml.tokens", GGUFValueType.ARRAY, (GGUFValueType.STRING, 5, payload)),
+    )
+    got = read_gguf(write(tmp_path, gguf_bytes(kvs=kvs))).metadata["tokenizer.ggml.tokens"]
+    assert [t.encode("utf-8", errors="surrogateescape") for t in got] == tokens
 
 
 def test_unknown_ggml_type_names_the_tensor(tmp_path):
