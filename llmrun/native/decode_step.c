@@ -139,6 +139,7 @@ typedef struct {
      * its buffers have room for (kept from call to call) */
     act_t a[ACT_SLOTS];
     const float *a_in[ACT_SLOTS];
+    int64_t a_rows[ACT_SLOTS]; /* of in, quantized */
     int a_order[ACT_SLOTS], a_offset[ACT_SLOTS], a_used;
     void *a_buf[ACT_SLOTS];
     int64_t a_room[ACT_SLOTS];
@@ -186,7 +187,8 @@ static const act_t *act_for(work_t *work, const step_mat_t *mat, const float *in
     int order, offset;
     if (llmrun_q8_layout(mat->type, &order, &offset)) return NULL;
     for (int i = 0; i < work->a_used; i++)
-        if (work->a_in[i] == in && work->a_order[i] == order && work->a_offset[i] == offset)
+        if (work->a_in[i] == in && work->a_rows[i] >= m && work->a_order[i] == order &&
+            work->a_offset[i] == offset)
             return &work->a[i];
     if (work->a_used == ACT_SLOTS) return NULL;
     const int i = work->a_used;
@@ -198,7 +200,7 @@ static const act_t *act_for(work_t *work, const step_mat_t *mat, const float *in
         if (work->a_buf[i] == NULL) return NULL;
     }
     work->a_used++;
-    work->a_in[i] = in, work->a_order[i] = order, work->a_offset[i] = offset;
+    work->a_in[i] = in, work->a_rows[i] = m, work->a_order[i] = order, work->a_offset[i] = offset;
     /* the buffers' rows are laid out for the widest vector: x's rows, then q8_quantize's */
     a->n = mat->cols;
     for (int64_t b = 0; b < m; b++) {
@@ -385,6 +387,28 @@ static step_mat_t expert(const step_moe_t *moe, int proj, int e, int64_t hidden)
     return mat;
 }
 
+/* The rows' chosen experts (s->chosen, n pairs), each expert once: the pairs that chose
+ * it take consecutive slots, so that one job per expert and matrix reads its weights
+ * once for all those rows (serve's batched step; the rows' experts of different rows
+ * overlap most where a model has few experts, as Mixtral's 2 of 8). */
+static void group_experts(int32_t *chosen, int64_t n, int32_t *slot, int32_t *pair,
+                          int32_t *first, int32_t *groups) {
+    char placed[MAX_TOP_K * MAX_ROWS] = {0};
+    int32_t next = 0, g = 0;
+    for (int64_t p = 0; p < n; p++) {
+        if (placed[p]) continue;
+        first[g++] = next;
+        for (int64_t q = p; q < n; q++)
+            if (!placed[q] && chosen[q] == chosen[p]) {
+                placed[q] = 1;
+                pair[next] = (int32_t)q;
+                slot[q] = next++;
+            }
+    }
+    first[g] = next;
+    *groups = g;
+}
+
 /* Where row b's keys (or values) of KV head g at position p go. */
 static uint8_t *kv_at(const step_t *step, const step_layer_t *L, uint8_t *base, int64_t b,
                       int64_t p, int64_t g) {
@@ -403,13 +427,17 @@ static uint8_t *kv_at(const step_t *step, const step_layer_t *L, uint8_t *base, 
  * by the calling thread from one step to the next, so a token maps no new memory. */
 typedef struct {
     float *h, *q, *k, *v, *qr, *kr, *att, *y, *gate, *up, *prod, *x_in, *logits, *shared_logit;
-    /* each row's chosen experts: their input, gate, up, product [rows * k, width] and
-       down [rows * k, hidden] */
-    float *eg, *eu, *ep, *ey;
+    /* the chosen experts' slots (grouped by expert: see group_experts): their input
+       [rows * k, hidden], gate, up, product [rows * k, width] and down [rows * k, hidden] */
+    float *eh, *eg, *eu, *ep, *ey;
     float *tmp; /* per thread: a piece's rows of every activation row */
     int64_t tmp_size, floats;
     int32_t chosen[MAX_TOP_K * MAX_ROWS];
     float weight[MAX_TOP_K * MAX_ROWS];
+    /* pair b * k + j (row b's j-th expert) -> its slot, and back; group g of the
+       experts chosen (each once): slots first[g] .. first[g + 1] - 1 */
+    int32_t slot[MAX_TOP_K * MAX_ROWS], pair[MAX_TOP_K * MAX_ROWS];
+    int32_t first[MAX_TOP_K * MAX_ROWS + 1], groups;
     int stop;
     work_t work;
 } scratch_t;
@@ -436,7 +464,7 @@ static scratch_t *scratch_for(const step_layer_t *layers, const step_t *step, in
     /* a piece of an exact matrix is at most its rows over the threads, plus one */
     const int64_t tmp_size = rows > 1 ? rows * (widest / threads + 1) : 0;
     const int64_t floats = rows * (3 * hidden + 4 * heads + 3 * kv + 3 * inter + experts + 1) +
-                           pairs * (3 * width + hidden) + threads * tmp_size;
+                           pairs * (3 * width + 2 * hidden) + threads * tmp_size;
     scratch_t *s = kept;
     if (s == NULL) {
         if ((s = calloc(1, sizeof(scratch_t))) == NULL) return NULL;
@@ -470,6 +498,7 @@ static scratch_t *scratch_for(const step_layer_t *layers, const step_t *step, in
     s->prod = p, p += rows * inter;
     s->logits = p, p += rows * experts;
     s->shared_logit = p, p += rows;
+    s->eh = p, p += pairs * hidden;
     s->eg = p, p += pairs * width;
     s->eu = p, p += pairs * width;
     s->ep = p, p += pairs * width;
@@ -593,18 +622,26 @@ int llmrun_decode_layers(const step_layer_t *layers, const step_t *step, float *
                         memcpy(x, s->x_in, sizeof(float) * (size_t)(rows * hidden));
                         done = l;
                     } else {
-                        /* each row's experts on that row alone, as the row alone would run
-                         * them (an expert two rows chose is read twice, the second time
-                         * from the caches) */
+                        /* each expert chosen once, with the rows that chose it: a lone
+                         * row takes its own input (quantized once for all its experts),
+                         * more rows a copy of theirs in slot order */
                         begin(work);
-                        for (int64_t b = 0; b < rows; b++)
-                            for (int64_t j = 0; j < k; j++) {
-                                const int e = s->chosen[b * k + j];
-                                const step_mat_t g = expert(moe, PROJ_GATE, e, hidden);
-                                const step_mat_t u = expert(moe, PROJ_UP, e, hidden);
-                                const int64_t at = (b * k + j) * width;
-                                add_gate_up(work, &g, &u, s->h + b * hidden, 1, s->eg + at, s->eu + at, s->ep + at);
+                        group_experts(s->chosen, rows * k, s->slot, s->pair, s->first, &s->groups);
+                        for (int g = 0; g < s->groups; g++) {
+                            const int64_t at = s->first[g], m = s->first[g + 1] - at;
+                            const int e = s->chosen[s->pair[at]];
+                            const float *in = s->h + s->pair[at] / k * hidden;
+                            if (m > 1) {
+                                for (int64_t i = at; i < at + m; i++)
+                                    memcpy(s->eh + i * hidden, s->h + s->pair[i] / k * hidden,
+                                           sizeof(float) * (size_t)hidden);
+                                in = s->eh + at * hidden;
                             }
+                            const step_mat_t gm = expert(moe, PROJ_GATE, e, hidden);
+                            const step_mat_t um = expert(moe, PROJ_UP, e, hidden);
+                            add_gate_up(work, &gm, &um, in, m, s->eg + at * width, s->eu + at * width,
+                                        s->ep + at * width);
+                        }
                         if (L->mat[MAT_GATE].w) /* the shared expert */
                             add_gate_up(work, &L->mat[MAT_GATE], &L->mat[MAT_UP], s->h, rows, s->gate, s->up, s->prod);
                         split(work, threads);
@@ -615,11 +652,11 @@ int llmrun_decode_layers(const step_layer_t *layers, const step_t *step, float *
 #pragma omp single
                 {
                     begin(work);
-                    for (int64_t b = 0; b < rows; b++)
-                        for (int64_t j = 0; j < k; j++) {
-                            const step_mat_t d = expert(moe, PROJ_DOWN, s->chosen[b * k + j], hidden);
-                            add_job(work, &d, s->ep + (b * k + j) * width, 1, s->ey + (b * k + j) * hidden, hidden);
-                        }
+                    for (int g = 0; g < s->groups; g++) {
+                        const int64_t at = s->first[g], m = s->first[g + 1] - at;
+                        const step_mat_t d = expert(moe, PROJ_DOWN, s->chosen[s->pair[at]], hidden);
+                        add_job(work, &d, s->ep + at * width, m, s->ey + at * hidden, hidden);
+                    }
                     if (L->mat[MAT_DOWN].w) add_job(work, &L->mat[MAT_DOWN], s->prod, rows, s->y, hidden);
                     split(work, threads);
                 }
@@ -628,7 +665,7 @@ int llmrun_decode_layers(const step_layer_t *layers, const step_t *step, float *
                 for (int64_t b = 0; b < rows; b++) {
                     float *xb = x + b * hidden;
                     for (int64_t j = 0; j < k; j++) {
-                        const float w = s->weight[b * k + j], *ey = s->ey + (b * k + j) * hidden;
+                        const float w = s->weight[b * k + j], *ey = s->ey + s->slot[b * k + j] * hidden;
                         for (int64_t i = 0; i < hidden; i++) xb[i] += w * ey[i];
                     }
                     if (L->mat[MAT_DOWN].w) {
