@@ -1,5 +1,6 @@
 """Two builds of the native kernels side by side: the 8-bit-activation matvec
-(llmrun_matvec_q8) of each, called in turns on the same weights, best of many calls.
+(llmrun_matvec_q8; with --exact the f32 one, llmrun_matvec) of each, called in turns on
+the same weights, best of many calls.
 
 On a VM whose speed drifts by 10-30 % within minutes, only kernels timed in turns in
 one run can be compared. Build the old library by checking out the old sources and
@@ -7,7 +8,7 @@ loading llmrun.native once (its path: `python -c "from llmrun import native;
 print(native.library()._name)"`); the new one the same way.
 
 Usage: OMP_NUM_THREADS=1 python benchmarks/kernel_ab.py OLD.so NEW.so
-       [--types Q4_K,Q4_K:packed,Q6_K] [--rows 1] [--reps 30]
+       [--types Q4_K,Q4_K:packed,Q6_K] [--rows 1] [--reps 30] [--exact]
 
 warm: 256 rows x 4096 (in the L2 cache; a call's activation quantization counts);
 cold: 40 matrices of 4096 x 4096 in turn (more than the L3 cache holds).
@@ -38,16 +39,17 @@ def random_blocks(ggml_type: T, rows: int, rng) -> torch.Tensor:
     return torch.from_numpy(raw.reshape(rows, -1))
 
 
-def time_call(lib, type_id: int, mats: list[torch.Tensor], rows: int, x, y) -> float:
+def time_call(lib, type_id: int, mats: list[torch.Tensor], rows: int, x, y, exact: bool) -> float:
+    call = lib.llmrun_matvec if exact else lib.llmrun_matvec_q8
     start = time.perf_counter()
     for w in mats:
-        status = lib.llmrun_matvec_q8(
+        status = call(
             type_id, ctypes.c_void_p(w.data_ptr()), ctypes.c_int64(w.stride(0)),
             ctypes.c_int64(rows), ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(x.shape[0]),
             ctypes.c_int64(COLS), ctypes.c_void_p(y.data_ptr()), None,
         )  # fmt: skip
         if status:
-            raise SystemExit("no 8-bit-activation kernel for that type in a library")
+            raise SystemExit("no such kernel for that type in a library")
     return (time.perf_counter() - start) / len(mats)
 
 
@@ -58,6 +60,7 @@ def main() -> None:
     parser.add_argument("--types", default="Q4_K,Q4_K:packed,Q5_K,Q6_K,Q8_0")
     parser.add_argument("--rows", type=int, default=1, help="activation rows per call")
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--exact", action="store_true", help="the f32 kernels (llmrun_matvec)")
     args = parser.parse_args()
     libs = {"old": ctypes.CDLL(args.old), "new": ctypes.CDLL(args.new)}
     rng = np.random.default_rng(0)
@@ -74,7 +77,9 @@ def main() -> None:
             best = dict.fromkeys(libs, float("inf"))
             for _ in range(args.reps):
                 for key, lib in libs.items():
-                    best[key] = min(best[key], time_call(lib, type_id, mats, rows, x, y))
+                    best[key] = min(
+                        best[key], time_call(lib, type_id, mats, rows, x, y, args.exact)
+                    )
             rates = "  ".join(f"{k} {w.numel() / v / 1e9:5.1f} GB/s" for k, v in best.items())
             print(f"{name:10} m={args.rows} {label}: {rates}", flush=True)
 

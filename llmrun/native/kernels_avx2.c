@@ -815,7 +815,7 @@ ALWAYS_INLINE void group(const uint8_t *qh, const uint8_t *qs, int64_t g, __m256
 ALWAYS_INLINE void rows_packed(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
                                const float *xp, const int m, int64_t n, float *y,
                                int64_t ldy, const float *bias, const int five) {
-    const int64_t nb = n / 32, ng = nb / 2;
+    const int64_t nb = n / 32, ng = nb / 2, pair_bytes = stride / ng; /* of 2 blocks */
     const float unit = five ? 0x1p-27f : 0x1p-28f;
     const __m256i pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     const uint8_t *end = w + r1 * stride;
@@ -827,10 +827,13 @@ ALWAYS_INLINE void rows_packed(const uint8_t *w, int64_t stride, int64_t r0, int
         int64_t g = 0;
         /* four groups at a time, their eight scales converted at once */
         for (; g + 4 <= ng; g += 4) {
-            const uint8_t *src = qs + 32 * g;
-            if (src + PREFETCH + 128 <= end) {
-                _mm_prefetch((const char *)src + PREFETCH, _MM_HINT_T0);
-                _mm_prefetch((const char *)src + PREFETCH + 64, _MM_HINT_T0);
+            /* at the row's pace through all its bytes (scales and high bits too), so the
+             * rows ahead come in whole */
+            const uint8_t *ahead = row + PREFETCH + pair_bytes * g;
+            if (ahead + 4 * pair_bytes <= end) {
+                for (int64_t l = 0; l < 4 * pair_bytes; l += 64)
+                    _mm_prefetch((const char *)ahead + l, _MM_HINT_T0);
+                _mm_prefetch((const char *)ahead + 4 * pair_bytes - 1, _MM_HINT_T0);
             }
             const __m256 d8 = _mm256_cvtph_ps(load16(row + 4 * g));
             for (int u = 0; u < 4; u++) {
@@ -913,14 +916,15 @@ ALWAYS_INLINE void rows_q8_packed(const uint8_t *w, int64_t stride, int64_t r0, 
         int64_t b = 0;
         /* eight blocks at a time, their scales converted at once */
         for (; b + 8 <= nb; b += 8) {
-            const uint8_t *src = qs + 32 * b;
-            if (src + PREFETCH + 256 <= end)
-                for (int l = 0; l < 256; l += 64)
-                    _mm_prefetch((const char *)src + PREFETCH + l, _MM_HINT_T0);
+            /* at the row's pace through all its bytes, scales too (34 a block) */
+            const uint8_t *ahead = row + PREFETCH + 34 * b;
+            if (ahead + 8 * 34 <= end)
+                for (int l = 0; l < 8 * 34 + 63; l += 64)
+                    _mm_prefetch((const char *)ahead + l, _MM_HINT_T0);
             float d[8];
             _mm256_storeu_ps(d, _mm256_cvtph_ps(load16(row + 2 * b)));
             for (int u = 0; u < 8; u++)
-                q8_block(src + 32 * u, _mm256_broadcast_ss(d + u), x + 32 * (b + u), m, n,
+                q8_block(qs + 32 * (b + u), _mm256_broadcast_ss(d + u), x + 32 * (b + u), m, n,
                          m <= 2 && u % 2 ? acc1 : acc0);
         }
         for (; b < nb; b++)

@@ -622,7 +622,7 @@ static void permute_x(const float *x, int64_t n, float *xp) {
 ALWAYS_INLINE void rows_packed(
     const uint8_t *w, int64_t stride, int64_t r0, int64_t r1, const float *xp, const int m,
     int64_t n, float *y, int64_t ldy, const float *bias, const int five) {
-    const int64_t nb = n / 32, ng = nb / 4;
+    const int64_t nb = n / 32, ng = nb / 4, group = stride / ng; /* bytes of 4 blocks */
     const __m512 t0 = table(_mm512_set1_ps(1.0f), five ? -16.0f : -8.0f);
     const __m512 t1 = table(_mm512_set1_ps(1.0f), 0.0f);
     const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
@@ -636,8 +636,13 @@ ALWAYS_INLINE void rows_packed(
         __m512 acc[MAX_M];
         for (int i = 0; i < m; i++) acc[i] = _mm512_setzero_ps();
         for (int64_t g = 0; g < ng; g++) {
-            if (qs + 64 * g + PREFETCH + 64 <= end)
-                _mm_prefetch((const char *)qs + 64 * g + PREFETCH, _MM_HINT_T0);
+            /* at the row's pace through all its bytes (scales and high bits too), so the
+             * rows ahead come in whole */
+            const uint8_t *ahead = row + PREFETCH + group * g;
+            if (ahead + group <= end) {
+                _mm_prefetch((const char *)ahead, _MM_HINT_T0);
+                _mm_prefetch((const char *)ahead + group - 1, _MM_HINT_T0);
+            }
             const __m512i v = _mm512_loadu_si512(qs + 64 * g);
             __m512 wv[8];
             if (five) {

@@ -26,7 +26,7 @@ ALWAYS_INLINE __m256i load256(const void *p) { return _mm256_loadu_si256((const 
 ALWAYS_INLINE void rows_q8_packed(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
                                   const act_t *a, int64_t i0, const int m, float *y,
                                   int64_t ldy, const float *bias, const int five) {
-    const int64_t n = a->n, nb = n / 32, ng = nb / 4;
+    const int64_t n = a->n, nb = n / 32, ng = nb / 4, group = stride / ng; /* bytes of 4 blocks */
     const __m256i pair01 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     const __m256i pair23 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
     const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
@@ -37,8 +37,13 @@ ALWAYS_INLINE void rows_q8_packed(const uint8_t *w, int64_t stride, int64_t r0, 
         __m256 acc[MAX_M];
         for (int i = 0; i < m; i++) acc[i] = _mm256_setzero_ps();
         for (int64_t g = 0; g < ng; g++) {
-            if (qs + 64 * g + PREFETCH + 64 <= end)
-                _mm_prefetch((const char *)qs + 64 * g + PREFETCH, _MM_HINT_T0);
+            /* at the row's pace through all its bytes (scales and high bits too), so the
+             * rows ahead come in whole */
+            const uint8_t *ahead = row + PREFETCH + group * g;
+            if (ahead + group <= end) {
+                _mm_prefetch((const char *)ahead, _MM_HINT_T0);
+                _mm_prefetch((const char *)ahead + group - 1, _MM_HINT_T0);
+            }
             __m256i lo[2], hi[2];
             for (int h = 0; h < 2; h++) {
                 const __m256i v = load256(qs + 64 * g + 32 * h);
@@ -93,9 +98,11 @@ ALWAYS_INLINE void rows_q8_q8_0(const uint8_t *w, int64_t stride, int64_t r0, in
         for (int i = 0; i < m; i++) acc[i] = _mm256_setzero_ps();
         for (int64_t b0 = 0; b0 < nb; b0 += 8) {
             const int c = nb - b0 < 8 ? (int)(nb - b0) : 8;
-            if (qs + 32 * b0 + PREFETCH + 256 <= end)
-                for (int k = 0; k < 256; k += 64)
-                    _mm_prefetch((const char *)qs + 32 * b0 + PREFETCH + k, _MM_HINT_T0);
+            /* at the row's pace through all its bytes, scales too (34 a block) */
+            const uint8_t *ahead = row + PREFETCH + 34 * b0;
+            if (ahead + 8 * 34 <= end)
+                for (int k = 0; k < 8 * 34 + 63; k += 64)
+                    _mm_prefetch((const char *)ahead + k, _MM_HINT_T0);
             float dw[8];
             if (c == 8)
                 _mm256_storeu_ps(dw, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * b0))));

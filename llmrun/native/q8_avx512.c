@@ -44,7 +44,7 @@ ALWAYS_INLINE __m512i load512(const void *p) { return _mm512_loadu_si512(p); }
 ALWAYS_INLINE void rows_q8_packed(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
                                   const act_t *a, int64_t i0, const int m, float *y,
                                   int64_t ldy, const float *bias, const int five) {
-    const int64_t n = a->n, nb = n / 32, ng = nb / 4;
+    const int64_t n = a->n, nb = n / 32, ng = nb / 4, group = stride / ng; /* bytes of 4 blocks */
     const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     const __m512i nibble = _mm512_set1_epi8(15), bit4 = _mm512_set1_epi8(16);
     const uint8_t *end = w + r1 * stride;
@@ -54,8 +54,13 @@ ALWAYS_INLINE void rows_q8_packed(const uint8_t *w, int64_t stride, int64_t r0, 
         __m512 acc[MAX_M];
         for (int i = 0; i < m; i++) acc[i] = _mm512_setzero_ps();
         for (int64_t g = 0; g < ng; g++) {
-            if (qs + 64 * g + PREFETCH + 64 <= end)
-                _mm_prefetch((const char *)qs + 64 * g + PREFETCH, _MM_HINT_T0);
+            /* at the row's pace through all its bytes (scales and high bits too), so the
+             * rows ahead come in whole */
+            const uint8_t *ahead = row + PREFETCH + group * g;
+            if (ahead + group <= end) {
+                _mm_prefetch((const char *)ahead, _MM_HINT_T0);
+                _mm_prefetch((const char *)ahead + group - 1, _MM_HINT_T0);
+            }
             const __m512i v = load512(qs + 64 * g);
             __m512i lo = _mm512_and_si512(v, nibble);
             __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
@@ -92,7 +97,7 @@ ALWAYS_INLINE void rows_q8_packed(const uint8_t *w, int64_t stride, int64_t r0, 
 ALWAYS_INLINE void rows_q8_packed_ymm(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
                                       const act_t *a, int64_t i0, const int m, float *y,
                                       int64_t ldy, const float *bias) {
-    const int64_t n = a->n, nb = n / 32, ng = nb / 4;
+    const int64_t n = a->n, nb = n / 32, ng = nb / 4, group = stride / ng; /* bytes of 4 blocks */
     const __m256i pair01 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     const __m256i pair23 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
     const __m256i nibble = _mm256_set1_epi8(15);
@@ -103,8 +108,13 @@ ALWAYS_INLINE void rows_q8_packed_ymm(const uint8_t *w, int64_t stride, int64_t 
         __m256 acc[MAX_M];
         for (int i = 0; i < m; i++) acc[i] = _mm256_setzero_ps();
         for (int64_t g = 0; g < ng; g++) {
-            if (qs + 64 * g + PREFETCH + 64 <= end)
-                _mm_prefetch((const char *)qs + 64 * g + PREFETCH, _MM_HINT_T0);
+            /* at the row's pace through all its bytes (scales and high bits too), so the
+             * rows ahead come in whole */
+            const uint8_t *ahead = row + PREFETCH + group * g;
+            if (ahead + group <= end) {
+                _mm_prefetch((const char *)ahead, _MM_HINT_T0);
+                _mm_prefetch((const char *)ahead + group - 1, _MM_HINT_T0);
+            }
             __m256i lo[2], hi[2];
             for (int h = 0; h < 2; h++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 64 * g + 32 * h));
