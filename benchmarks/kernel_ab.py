@@ -18,25 +18,14 @@ import argparse
 import ctypes
 import time
 
-import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
+from quant_matvec import random_blocks
 
 from llmrun.quant import kernels
 
 T = GGMLQuantizationType
 COLS = 4096
-
-
-def random_blocks(ggml_type: T, rows: int, rng) -> torch.Tensor:
-    """Random bytes with small positive f16 scales where the type has d (and dmin)."""
-    block, size = GGML_QUANT_SIZES[ggml_type]
-    raw = rng.integers(0, 256, size=(rows * COLS // block, size), dtype=np.uint8)
-    scales = {T.Q4_0: [0], T.Q5_0: [0], T.Q8_0: [0], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
-    for offset in scales.get(ggml_type, []):
-        d = np.abs(rng.standard_normal(len(raw))) * 2e-2 + 1e-4
-        raw[:, offset : offset + 2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
-    return torch.from_numpy(raw.reshape(rows, -1))
 
 
 def time_call(lib, type_id: int, mats: list[torch.Tensor], rows: int, x, y, exact: bool) -> float:
@@ -63,13 +52,12 @@ def main() -> None:
     parser.add_argument("--exact", action="store_true", help="the f32 kernels (llmrun_matvec)")
     args = parser.parse_args()
     libs = {"old": ctypes.CDLL(args.old), "new": ctypes.CDLL(args.new)}
-    rng = np.random.default_rng(0)
     x = torch.randn(args.rows, COLS)
     for name in args.types.split(","):
         type_name, _, layout = name.partition(":")
         ggml_type, packed = T[type_name], layout == "packed"
         for label, rows, copies in (("warm", 256, 1), ("cold", 4096, 40)):
-            raw = random_blocks(ggml_type, rows, rng)
+            raw = random_blocks(ggml_type, rows, COLS)
             w = kernels.pack(raw, ggml_type) if packed else raw
             mats = [w.clone() for _ in range(copies)]
             type_id = kernels.PACKED[ggml_type] if packed else int(ggml_type)
