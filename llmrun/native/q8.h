@@ -621,6 +621,87 @@ static inline int q8_gemm(int type, const uint8_t *w, int64_t stride, int64_t ro
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* ---- Packed Q4_0 and Q5_0 in 256-bit vectors, for both families ---- */
+
+/* u8 weights lo and hi against activation quants xlo and xhi, added to start per dword
+ * lane: in vpdpbusd where the CPU has it for 256 bits (AVX-512 VNNI), else vpmaddubsw
+ * (pair sums added in 16 bits, at most 2 * 2 * 31 * 127) and vpmaddwd. */
+ALWAYS_INLINE __m256i q8_dot2_256(__m256i start, __m256i lo, __m256i xlo, __m256i hi, __m256i xhi) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(start, lo, xlo), hi, xhi);
+#else
+    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
+    return _mm256_add_epi32(start, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+}
+
+/* Packed Q4_0 (five 0) and Q5_0 (five 1), the kernels' layout (scales, high-bit words,
+ * 16-byte quants per block), four blocks at a time as two 32-byte loads: the low
+ * nibbles of the pair hold their weights 0..15, the high nibbles 16..31, in
+ * ORDER_QUADS; the weights' offset (8 or 16) is in the lanes' start. The AVX2 family's
+ * kernel, and AVX-512's for Q4_0 with VNNI: on Zen 4 these 256-bit loads stream from
+ * memory faster than 512-bit loads (22.3-22.7 -> 24.9-25.2 GB/s with 2 threads,
+ * benchmarks/kernel_ab.py). */
+ALWAYS_INLINE void rows_q8_packed_256(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
+                                      const act_t *a, int64_t i0, const int m, float *y,
+                                      int64_t ldy, const float *bias, const int five) {
+    const int64_t n = a->n, nb = n / 32, ng = nb / 4, group = stride / ng; /* bytes of 4 blocks */
+    const __m256i pair01 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    const __m256i pair23 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+    const __m256i nibble = _mm256_set1_epi8(15);
+    const uint8_t *end = w + r1 * stride;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * stride, *qh = row + 2 * nb;
+        const uint8_t *qs = row + (five ? 6 : 2) * nb;
+        __m256 acc[MAX_M];
+        for (int i = 0; i < m; i++) acc[i] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < ng; g++) {
+            /* at the row's pace through all its bytes (scales and high bits too), so the
+             * rows ahead come in whole */
+            const uint8_t *ahead = row + PREFETCH + group * g;
+            if (ahead + group <= end) {
+                _mm_prefetch((const char *)ahead, _MM_HINT_T0);
+                _mm_prefetch((const char *)ahead + group - 1, _MM_HINT_T0);
+            }
+            __m256i lo[2], hi[2];
+            for (int h = 0; h < 2; h++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 64 * g + 32 * h));
+                lo[h] = _mm256_and_si256(v, nibble);
+                hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+                if (five) {
+                    /* bit j of a block's word: its weight j; low nibbles take bits 0..15 */
+                    const uint32_t q0 = u32_at(qh + 16 * g + 8 * h), q1 = u32_at(qh + 16 * g + 8 * h + 4);
+                    lo[h] = _mm256_or_si256(lo[h], bit4_bytes((q0 & 0xFFFF) | q1 << 16));
+                    hi[h] = _mm256_or_si256(hi[h], bit4_bytes(q0 >> 16 | (q1 & 0xFFFF0000u)));
+                }
+            }
+            const __m128 d4 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(row + 8 * g)));
+            const __m256 dw[2] = {_mm256_permutevar8x32_ps(_mm256_castps128_ps256(d4), pair01),
+                                  _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d4), pair23)};
+            for (int i = 0; i < m; i++) {
+                const int8_t *xq = a->q + (i0 + i) * a->q_step + 128 * g;
+                const int64_t l = (i0 + i) * a->lane_step + 16 * g;
+                for (int h = 0; h < 2; h++) {
+                    const __m256i sum = q8_dot2_256(
+                        _mm256_loadu_si256((const __m256i *)(a->lane + l + 8 * h)), lo[h],
+                        _mm256_loadu_si256((const __m256i *)(xq + 32 * h)), hi[h],
+                        _mm256_loadu_si256((const __m256i *)(xq + 64 + 32 * h)));
+                    const __m256 scale = _mm256_mul_ps(dw[h], _mm256_loadu_ps(a->dq + l + 8 * h));
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[i]);
+                }
+            }
+        }
+        for (int i = 0; i < m; i++) {
+            const __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
+            const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            y[i * ldy + r] = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t))) + (bias ? bias[r] : 0.0f);
+        }
+    }
+}
+
+#endif
+
 /* As ROW_PASSES (common.h), over the quantized activations: ROWS(w, stride, r0, r1,
  * a, i0, m, y, ldy, bias, ...) for the activation rows i0 .. i0 + m - 1, in passes of up
  * to MAX_M rows over each thread's run of weights (a prompt's many rows: over runs of

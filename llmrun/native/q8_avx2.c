@@ -19,70 +19,9 @@
 
 ALWAYS_INLINE __m256i load256(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
-/* Packed Q4_0 (five 0) and Q5_0 (five 1), the kernels' layout (scales, high-bit words,
- * 16-byte quants per block), four blocks at a time as two 32-byte loads: the low
- * nibbles of the pair hold their weights 0..15, the high nibbles 16..31, in
- * ORDER_QUADS (q8.h); the weights' offset (8 or 16) is in the lanes' start. */
-ALWAYS_INLINE void rows_q8_packed(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
-                                  const act_t *a, int64_t i0, const int m, float *y,
-                                  int64_t ldy, const float *bias, const int five) {
-    const int64_t n = a->n, nb = n / 32, ng = nb / 4, group = stride / ng; /* bytes of 4 blocks */
-    const __m256i pair01 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-    const __m256i pair23 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
-    const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-    const uint8_t *end = w + r1 * stride;
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *row = w + r * stride, *qh = row + 2 * nb;
-        const uint8_t *qs = row + (five ? 6 : 2) * nb;
-        __m256 acc[MAX_M];
-        for (int i = 0; i < m; i++) acc[i] = _mm256_setzero_ps();
-        for (int64_t g = 0; g < ng; g++) {
-            /* at the row's pace through all its bytes (scales and high bits too), so the
-             * rows ahead come in whole */
-            const uint8_t *ahead = row + PREFETCH + group * g;
-            if (ahead + group <= end) {
-                _mm_prefetch((const char *)ahead, _MM_HINT_T0);
-                _mm_prefetch((const char *)ahead + group - 1, _MM_HINT_T0);
-            }
-            __m256i lo[2], hi[2];
-            for (int h = 0; h < 2; h++) {
-                const __m256i v = load256(qs + 64 * g + 32 * h);
-                lo[h] = _mm256_and_si256(v, nibble);
-                hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-                if (five) {
-                    /* bit j of a block's word: its weight j; low nibbles take bits 0..15 */
-                    const uint32_t q0 = u32_at(qh + 16 * g + 8 * h), q1 = u32_at(qh + 16 * g + 8 * h + 4);
-                    lo[h] = _mm256_or_si256(lo[h], bit4_bytes((q0 & 0xFFFF) | q1 << 16));
-                    hi[h] = _mm256_or_si256(hi[h], bit4_bytes(q0 >> 16 | (q1 & 0xFFFF0000u)));
-                }
-            }
-            const __m128 d4 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(row + 8 * g)));
-            const __m256 dw[2] = {_mm256_permutevar8x32_ps(_mm256_castps128_ps256(d4), pair01),
-                                  _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d4), pair23)};
-            for (int i = 0; i < m; i++) {
-                const int8_t *xq = a->q + (i0 + i) * a->q_step + 128 * g;
-                const int64_t l = (i0 + i) * a->lane_step + 16 * g;
-                for (int h = 0; h < 2; h++) {
-                    const __m256i pairs =
-                        _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], load256(xq + 32 * h)),
-                                         _mm256_maddubs_epi16(hi[h], load256(xq + 64 + 32 * h)));
-                    const __m256i sum = _mm256_add_epi32(load256(a->lane + l + 8 * h),
-                                                         _mm256_madd_epi16(pairs, ones));
-                    const __m256 scale = _mm256_mul_ps(dw[h], _mm256_loadu_ps(a->dq + l + 8 * h));
-                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[i]);
-                }
-            }
-        }
-        for (int i = 0; i < m; i++) {
-            const __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
-            const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-            y[i * ldy + r] = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t))) + (bias ? bias[r] : 0.0f);
-        }
-    }
-}
-
-DEFINE_Q8_MATVEC(Q4_0_PACKED, ORDER_QUADS, 8, rows_q8_packed, 0)
-DEFINE_Q8_MATVEC(Q5_0_PACKED, ORDER_QUADS, 16, rows_q8_packed, 1)
+/* Packed Q4_0 and Q5_0: q8.h's rows_q8_packed_256 */
+DEFINE_Q8_MATVEC(Q4_0_PACKED, ORDER_QUADS, 8, rows_q8_packed_256, 0)
+DEFINE_Q8_MATVEC(Q5_0_PACKED, ORDER_QUADS, 16, rows_q8_packed_256, 1)
 
 /* Q8_0_PACKED (kernels_avx2.c's layout: a row's f16 scales, then its 32-byte quants),
  * a block a load: |w| against x with w's sign, scaled by d_w * d_x. */

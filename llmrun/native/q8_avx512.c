@@ -90,60 +90,8 @@ ALWAYS_INLINE void rows_q8_packed(const uint8_t *w, int64_t stride, int64_t r0, 
     }
 }
 
-#ifdef __AVX512VNNI__
-/* Packed Q4_0 as rows_q8_packed, in 256-bit halves (vpdpbusd on ymm): on Zen 4 it
- * streams from memory faster, 22.3-22.7 -> 24.9-25.2 GB/s with 2 threads and 13.4-14.6
- * -> 15.6-16.0 with one (benchmarks/kernel_ab.py), though slower from the caches. */
-ALWAYS_INLINE void rows_q8_packed_ymm(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
-                                      const act_t *a, int64_t i0, const int m, float *y,
-                                      int64_t ldy, const float *bias) {
-    const int64_t n = a->n, nb = n / 32, ng = nb / 4, group = stride / ng; /* bytes of 4 blocks */
-    const __m256i pair01 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-    const __m256i pair23 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
-    const __m256i nibble = _mm256_set1_epi8(15);
-    const uint8_t *end = w + r1 * stride;
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *row = w + r * stride;
-        const uint8_t *qs = row + 2 * nb;
-        __m256 acc[MAX_M];
-        for (int i = 0; i < m; i++) acc[i] = _mm256_setzero_ps();
-        for (int64_t g = 0; g < ng; g++) {
-            /* at the row's pace through all its bytes (scales and high bits too), so the
-             * rows ahead come in whole */
-            const uint8_t *ahead = row + PREFETCH + group * g;
-            if (ahead + group <= end) {
-                _mm_prefetch((const char *)ahead, _MM_HINT_T0);
-                _mm_prefetch((const char *)ahead + group - 1, _MM_HINT_T0);
-            }
-            __m256i lo[2], hi[2];
-            for (int h = 0; h < 2; h++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 64 * g + 32 * h));
-                lo[h] = _mm256_and_si256(v, nibble);
-                hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-            }
-            const __m128 d4 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(row + 8 * g)));
-            const __m256 dw[2] = {_mm256_permutevar8x32_ps(_mm256_castps128_ps256(d4), pair01),
-                                  _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d4), pair23)};
-            for (int i = 0; i < m; i++) {
-                const int8_t *xq = a->q + (i0 + i) * a->q_step + 128 * g;
-                const int64_t l = (i0 + i) * a->lane_step + 16 * g;
-                for (int h = 0; h < 2; h++) {
-                    __m256i sum = _mm256_loadu_si256((const __m256i *)(a->lane + l + 8 * h));
-                    sum = _mm256_dpbusd_epi32(sum, lo[h], _mm256_loadu_si256((const __m256i *)(xq + 32 * h)));
-                    sum = _mm256_dpbusd_epi32(sum, hi[h], _mm256_loadu_si256((const __m256i *)(xq + 64 + 32 * h)));
-                    const __m256 scale = _mm256_mul_ps(dw[h], _mm256_loadu_ps(a->dq + l + 8 * h));
-                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[i]);
-                }
-            }
-        }
-        for (int i = 0; i < m; i++) {
-            const __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
-            const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-            y[i * ldy + r] = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t))) + (bias ? bias[r] : 0.0f);
-        }
-    }
-}
-DEFINE_Q8_MATVEC(Q4_0_PACKED, ORDER_QUADS, 8, rows_q8_packed_ymm)
+#ifdef __AVX512VNNI__ /* in 256-bit vectors (q8.h) */
+DEFINE_Q8_MATVEC(Q4_0_PACKED, ORDER_QUADS, 8, rows_q8_packed_256, 0)
 #else
 DEFINE_Q8_MATVEC(Q4_0_PACKED, ORDER_QUADS, 8, rows_q8_packed, 0)
 #endif
