@@ -716,33 +716,47 @@ DEFINE_PACKED(Q5_0_PACKED, 1)
 #define Q5_K_PACKED_BLOCK 256
 #define K_GROUP 16
 
-/* ds[s][i] = d*sc[s] and ms[s][i] = dmin*m[s] for blocks i < c <= K_GROUP of a scale
- * group, from their consecutive d's, dmins and the group's scale bytes: k_scales'
- * decode (get_scale_min_k4 in gguf) with one block per lane. */
-__attribute__((visibility("hidden"))) /* q8_avx512.c's packed K-quants share it */
-void k_scales_group(const uint8_t *d16, const uint8_t *dmin16, const uint8_t *scales, int c,
-                    float ds[8][K_GROUP], float ms[8][K_GROUP]) {
+/* sc[s] and mins[s], one block i < c <= K_GROUP of a scale group a lane: the 6-bit
+ * scale and min of sub-block s, from the group's scale bytes (k_scales' decode,
+ * get_scale_min_k4 in gguf). */
+ALWAYS_INLINE void group_fields(const uint8_t *scales, int c, __m512i sc[8], __m512i mins[8]) {
     const __mmask16 k = (__mmask16)((1u << c) - 1);
     __m512i q[12];
     for (int j = 0; j < 12; j++)
         q[j] = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, scales + c * j));
-    const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, d16));
-    const __m512 dmin = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, dmin16));
     const __m512i low6 = _mm512_set1_epi32(63), low4 = _mm512_set1_epi32(15);
     const __m512i bits45 = _mm512_set1_epi32(0x30);
     for (int s = 0; s < 4; s++) {
         /* Sub-block s: the low 6 bits of bytes s and 4 + s. Sub-block 4 + s: the
          * nibbles of byte 8 + s, with bits 6-7 of those bytes as bits 4-5. */
-        const __m512i sc0 = _mm512_and_si512(q[s], low6);
-        const __m512i m0 = _mm512_and_si512(q[s + 4], low6);
-        const __m512i sc1 = _mm512_ternarylogic_epi32(_mm512_and_si512(q[s + 8], low4),
-                                                      _mm512_srli_epi32(q[s], 2), bits45, 0xF8);
-        const __m512i m1 = _mm512_ternarylogic_epi32(_mm512_srli_epi32(q[s + 8], 4),
-                                                     _mm512_srli_epi32(q[s + 4], 2), bits45, 0xF8);
-        _mm512_store_ps(ds[s], _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc0)));
-        _mm512_store_ps(ms[s], _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m0)));
-        _mm512_store_ps(ds[s + 4], _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc1)));
-        _mm512_store_ps(ms[s + 4], _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m1)));
+        sc[s] = _mm512_and_si512(q[s], low6);
+        mins[s] = _mm512_and_si512(q[s + 4], low6);
+        sc[s + 4] = _mm512_ternarylogic_epi32(_mm512_and_si512(q[s + 8], low4),
+                                              _mm512_srli_epi32(q[s], 2), bits45, 0xF8);
+        mins[s + 4] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(q[s + 8], 4),
+                                                _mm512_srli_epi32(q[s + 4], 2), bits45, 0xF8);
+    }
+}
+
+/* group_fields for q8_avx512.c's packed K-quants (a call per group of blocks). */
+__attribute__((visibility("hidden")))
+void k_group_fields(const uint8_t *scales, int c, __m512i sc[8], __m512i mins[8]) {
+    group_fields(scales, c, sc, mins);
+}
+
+/* ds[s][i] = d*sc[s] and ms[s][i] = dmin*m[s] for blocks i < c <= K_GROUP of a scale
+ * group, from their consecutive d's, dmins and the group's scale bytes. */
+__attribute__((visibility("hidden"))) void k_scales_group(const uint8_t *d16, const uint8_t *dmin16,
+                                                          const uint8_t *scales, int c,
+                                                          float ds[8][K_GROUP], float ms[8][K_GROUP]) {
+    const __mmask16 k = (__mmask16)((1u << c) - 1);
+    __m512i sc[8], mins[8];
+    group_fields(scales, c, sc, mins);
+    const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, d16));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, dmin16));
+    for (int s = 0; s < 8; s++) {
+        _mm512_store_ps(ds[s], _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc[s])));
+        _mm512_store_ps(ms[s], _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mins[s])));
     }
     __asm__ volatile("" ::: "memory"); /* broadcast ds and ms from memory, as k_scales */
 }

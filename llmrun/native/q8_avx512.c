@@ -457,28 +457,17 @@ ALWAYS_INLINE __m512i k_packed_sort(int s0) {
     return _mm512_load_si512(idx);
 }
 
-/* A group of c blocks' scale fields, one block a lane (as k_scales_group in
- * kernels_avx512.c, in integers): pairs[t], the 16-bit scales of sub-blocks 2t (low
- * half) and 2t + 1 (high); mins[s], sub-block s's 6-bit mins. */
+/* kernels_avx512.c's: a group's 6-bit scales and mins, one block a lane. */
+void k_group_fields(const uint8_t *scales, int c, __m512i sc[8], __m512i mins[8]);
+
+/* A group of c blocks' scales and mins (k_group_fields), the scales of sub-blocks 2t
+ * (low half) and 2t + 1 (high) as the 16-bit halves of pairs[t]. */
 ALWAYS_INLINE void k_group_scales(const uint8_t *fields, int c, __m512i pairs[4], __m512i mins[8]) {
-    const __mmask16 k = (__mmask16)((1u << c) - 1);
-    __m512i q[12];
-    for (int j = 0; j < 12; j++) q[j] = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, fields + c * j));
-    const __m512i low6 = _mm512_set1_epi32(63), low4 = _mm512_set1_epi32(15);
-    const __m512i bits45 = _mm512_set1_epi32(0x30);
-    __m256i sc[8];
-    for (int s = 0; s < 4; s++) {
-        /* sub-block s: the low 6 bits of bytes s and 4 + s; sub-block 4 + s: the nibbles
-         * of byte 8 + s, with bits 6-7 of those bytes as bits 4-5 */
-        sc[s] = _mm512_cvtepi32_epi16(_mm512_and_si512(q[s], low6));
-        mins[s] = _mm512_and_si512(q[s + 4], low6);
-        sc[s + 4] = _mm512_cvtepi32_epi16(_mm512_ternarylogic_epi32(
-            _mm512_and_si512(q[s + 8], low4), _mm512_srli_epi32(q[s], 2), bits45, 0xF8));
-        mins[s + 4] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(q[s + 8], 4),
-                                                _mm512_srli_epi32(q[s + 4], 2), bits45, 0xF8);
-    }
+    __m512i sc[8];
+    k_group_fields(fields, c, sc, mins);
     for (int t = 0; t < 4; t++)
-        pairs[t] = _mm512_inserti64x4(_mm512_castsi256_si512(sc[2 * t]), sc[2 * t + 1], 1);
+        pairs[t] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(sc[2 * t])),
+                                      _mm512_cvtepi32_epi16(sc[2 * t + 1]), 1);
 }
 
 ALWAYS_INLINE void rows_q8k_k_packed(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
