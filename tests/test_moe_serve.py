@@ -99,7 +99,7 @@ def test_a_batched_q8_step_gives_each_row_what_its_step_alone_gives(name, tmp_pa
         model(torch.tensor([prompt]), torch.arange(len(prompt))[None], cache.select([slot]))
 
     step, taken = model.decode_step, []
-    model.decode_step = lambda *args: taken.append(step(*args)) or taken[-1]
+    model.decode_step = lambda *args, **kwargs: taken.append(step(*args, **kwargs)) or taken[-1]
     with torch.inference_mode():
         cache = model.new_cache(4, 64, torch.float32, "cpu")
         for slot, prompt in enumerate(prompts):

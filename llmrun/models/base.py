@@ -470,6 +470,37 @@ def run_layers(
     return x
 
 
+def head_logits(
+    model: nn.Module,
+    x: torch.Tensor,
+    frames: Any,
+    cache: KVCache | None,
+    last_only: bool = False,
+    last: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [B, T, hidden] through the decoder layers (run_layers), the final norm
+    (model.model.norm) and the output matrix (model.lm_head): logits [B, T, vocab],
+    [B, 1, vocab] with last_only (each row's last token) or `last` [B] (each row's last
+    real token). Where the decode step takes one token per row, it runs the norm and
+    the output matrix in the same native call (f32 logits)."""
+    step = model.decode_step
+    if step is not None and x.shape[1] == 1:
+        taken = step(x, frames, cache, head=True)
+        if taken is not None:
+            x, logits = taken
+            if logits is not None:
+                return logits
+        else:
+            x = run_layers(model, x, frames, cache)
+    else:
+        x = run_layers(model, x, frames, cache)
+    if last is not None:
+        x = x[torch.arange(x.shape[0], device=x.device), last][:, None]
+    elif last_only:
+        x = x[:, -1:]
+    return model.lm_head(model.model.norm(x))
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
@@ -531,12 +562,7 @@ class CausalLM(nn.Module):
             frame = self.static_frame(positions, cache, x.dtype, static)
         else:
             frame = self.frame(positions, cache, x.dtype)
-        x = run_layers(self, x, frame, cache)
-        if last is not None:
-            x = x[torch.arange(x.shape[0], device=x.device), last][:, None]
-        elif last_only:
-            x = x[:, -1:]
-        return self.lm_head(body.norm(x)).float()
+        return head_logits(self, x, frame, cache, last_only, last).float()
 
     def frame(self, positions: torch.Tensor, cache: KVCache | None, dtype: torch.dtype) -> Frame:
         start, length = int(positions[0, 0]), int(positions.max()) + 1

@@ -21,8 +21,8 @@ from llmrun.models.base import (
     args_from_config,
     attend_scaled,
     attention_mask,
+    head_logits,
     key_positions,
-    run_layers,
 )
 from llmrun.models.cache import KVCache
 
@@ -131,12 +131,7 @@ class Model(nn.Module):
         # The scale rounded to the compute dtype, as transformers does.
         x = x * torch.tensor(self.args.hidden_size**0.5).to(x.dtype)
         frame = self.frame(positions, cache, x.dtype)
-        x = run_layers(self, x, frame, cache)
-        if last is not None:
-            x = x[torch.arange(x.shape[0], device=x.device), last][:, None]
-        elif last_only:
-            x = x[:, -1:]
-        return self.lm_head(body.norm(x)).float()
+        return head_logits(self, x, frame, cache, last_only, last).float()
 
     def frame(self, positions: torch.Tensor, cache: KVCache | None, dtype: torch.dtype) -> Frame:
         start, length = int(positions[0, 0]), int(positions.max()) + 1

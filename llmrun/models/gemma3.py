@@ -24,9 +24,9 @@ from llmrun.models.base import (
     attend_scaled,
     attention_mask,
     check_layer_types,
+    head_logits,
     key_positions,
     rope_parameters,
-    run_layers,
 )
 from llmrun.models.cache import KVCache
 
@@ -215,12 +215,7 @@ class Model(nn.Module):
         # The scale rounded to the compute dtype, as transformers does.
         x = x * torch.tensor(self.args.hidden_size**0.5).to(x.dtype)
         frames = self.frames(positions, cache, x.dtype, last)
-        x = run_layers(self, x, frames, cache)
-        if last is not None:
-            x = x[torch.arange(x.shape[0], device=x.device), last][:, None]
-        elif last_only:
-            x = x[:, -1:]
-        logits = self.lm_head(body.norm(x))
+        logits = head_logits(self, x, frames, cache, last_only, last)
         cap = self.args.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

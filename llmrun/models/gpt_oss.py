@@ -29,9 +29,9 @@ from llmrun.models.base import (
     args_from_config,
     attention_mask,
     check_layer_types,
+    head_logits,
     key_positions,
     mix_experts,
-    run_layers,
 )
 from llmrun.models.cache import KVCache
 
@@ -269,12 +269,7 @@ class Model(nn.Module):
         body = self.model
         x = body.embed_tokens(input_ids)
         frames = self.frames(positions, cache, x.dtype, last)
-        x = run_layers(self, x, frames, cache)
-        if last is not None:
-            x = x[torch.arange(x.shape[0], device=x.device), last][:, None]
-        elif last_only:
-            x = x[:, -1:]
-        return self.lm_head(body.norm(x)).float()
+        return head_logits(self, x, frames, cache, last_only, last).float()
 
     def frames(
         self,

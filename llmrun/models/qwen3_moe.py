@@ -25,10 +25,10 @@ from llmrun.models.base import (
     args_from_config,
     attend,
     attention_mask,
+    head_logits,
     key_positions,
     mix_experts,
     route,
-    run_layers,
 )
 from llmrun.models.cache import KVCache
 
@@ -193,12 +193,7 @@ class Model(nn.Module):
         body = self.model
         x = body.embed_tokens(input_ids)
         frame = self.frame(positions, cache, x.dtype)
-        x = run_layers(self, x, frame, cache)
-        if last is not None:
-            x = x[torch.arange(x.shape[0], device=x.device), last][:, None]
-        elif last_only:
-            x = x[:, -1:]
-        return self.lm_head(body.norm(x)).float()
+        return head_logits(self, x, frame, cache, last_only, last).float()
 
     def frame(self, positions: torch.Tensor, cache: KVCache | None, dtype: torch.dtype) -> Frame:
         start, length = int(positions[0, 0]), int(positions.max()) + 1

@@ -14,6 +14,9 @@
  * gpt-oss's top-k then softmax), the chosen experts' gate/up and down matvecs (and
  * Qwen2-MoE's shared expert with its sigmoid gate) as pools of row ranges, and their
  * weighted sum. The threads meet at a barrier between phases and never leave the team.
+ * Where the caller asks (step_t.head), the model's final norm and its output matrix
+ * follow as one more phase, so a token's logits come out of the same call: between
+ * two calls, Python and torch run with caches the weights have just swept.
  *
  * It takes one row, or (where the feed-forwards are dense) several sequences at once,
  * each at its own position, as serve's scheduler decodes them: their matvecs share
@@ -111,6 +114,12 @@ typedef struct {
     int64_t row_bytes; /* a contiguous cache: from one row's keys to the next's */
     int64_t rows, rotary_dim, hidden, layers;
     int64_t ring_keys; /* one row: the slots of a ring that hold keys, after the write */
+    /* the final norm (weight + offset, eps) and output matrix into logits [rows,
+     * head.rows]; head.w NULL: none (exact heads take one row only) */
+    const float *final_norm;
+    float final_offset, final_eps;
+    step_mat_t head;
+    float *logits;
 } step_t;
 
 /* A phase's matrices (jobs) and their pieces of rows. A job multiplies its matrix by
@@ -513,9 +522,10 @@ static scratch_t *scratch_for(const step_layer_t *layers, const step_t *step, in
     for (int i = 0; i < work->pieces; i++)                                               \
         run_piece(work, i, (LAYER), s->tmp + omp_get_thread_num() * s->tmp_size)
 
-/* The step: x [rows, hidden] in, the output of the layers it ran out. Returns how many
- * layers it ran (all, or fewer where a router tied: x is then the next layer's input),
- * or -1 where memory ran out or a layer asks for what it cannot do (nothing written). */
+/* The step: x [rows, hidden] in, the output of the layers it ran out (and with a head,
+ * the logits, where it ran every layer). Returns how many layers it ran (all, or fewer
+ * where a router tied: x is then the next layer's input), or -1 where memory ran out or
+ * a layer asks for what it cannot do (nothing written). */
 int llmrun_decode_layers(const step_layer_t *layers, const step_t *step, float *x) {
     const int64_t rows = step->rows;
     if (rows < 1 || rows > MAX_ROWS || (rows > 1 && step->tables[0] == NULL && step->ring_keys))
@@ -533,8 +543,12 @@ int llmrun_decode_layers(const step_layer_t *layers, const step_t *step, float *
         if (L->moe) q8 |= L->moe->q8[0] | L->moe->q8[1] | L->moe->q8[2] | L->moe->router.q8;
         if (q8 && (!llmrun_q8_layout || !llmrun_q8_rows)) return -1;
     }
+    if (step->head.w && (step->head.cols != step->hidden || (!step->head.q8 && rows > 1) ||
+                         (step->head.q8 && (!llmrun_q8_layout || !llmrun_q8_rows))))
+        return -1;
     scratch_t *s = scratch_for(layers, step, omp_get_max_threads());
     if (s == NULL) return -1;
+    s->stop = 0;
     const int64_t hidden = step->hidden;
     int64_t done = step->layers;
 #pragma omp parallel
@@ -687,6 +701,17 @@ int llmrun_decode_layers(const step_layer_t *layers, const step_t *step, float *
                     for (int64_t i = 0; i < rows * hidden; i++) x[i] += s->y[i];
                 }
             }
+        }
+        if (step->head.w && !s->stop) {
+#pragma omp single
+            {
+                llmrun_rms_norm_offset(x, step->final_norm, step->final_offset, step->final_eps, rows,
+                                       hidden, s->h);
+                begin(work);
+                add_job(work, &step->head, s->h, rows, step->logits, step->head.rows);
+                split(work, threads);
+            }
+            PIECES(layers);
         }
     }
     return (int)done;

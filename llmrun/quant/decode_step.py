@@ -122,6 +122,11 @@ class Step(ctypes.Structure):
         ("hidden", _I64),
         ("layers", _I64),
         ("ring_keys", _I64),
+        ("final_norm", _PTR),
+        ("final_offset", _F32),
+        ("final_eps", _F32),
+        ("head", Mat),
+        ("logits", _PTR),
     ]
 
 
@@ -167,6 +172,8 @@ class DecodeStep:
     def __init__(self, model: nn.Module, family: str) -> None:
         self.model, self.family = model, family
         self.layers: Any = None  # the described Layer array, without cache pointers
+        # the final norm and output matrix as the step takes them (_describe_head)
+        self.head: tuple[Mat, int, float, float] | None = None
         # Per cache (by _cache_key), a copy of it pointing into that cache: serve's
         # scheduler and a run in another thread decode through different caches at once.
         self.bound: dict[tuple, Any] = {}
@@ -174,7 +181,7 @@ class DecodeStep:
         model.register_load_state_dict_post_hook(lambda *_: self.invalidate())
 
     def invalidate(self) -> None:
-        self.layers, self.bound = None, {}
+        self.layers, self.bound, self.head = None, {}, None
 
     def _describe(self) -> Any:
         """The Layer array, without the cache pointers; None where a layer cannot go.
@@ -237,7 +244,17 @@ class DecodeStep:
             d.rope = ROPES[getattr(attn, "layer_type", "full_attention")]
             d.window = self._window(attn)
         array._kept = self.kept
+        self.head = self._describe_head(offset)
         return array
+
+    def _describe_head(self, offset: float) -> tuple[Mat, int, float, float] | None:
+        """The final norm and the output matrix (its Mat, the norm's weight address,
+        offset and eps), or None where the step cannot take them."""
+        head = _mat(self.model.lm_head) if hasattr(self.model, "lm_head") else None
+        norm = getattr(self.model.model, "norm", None)
+        if head is None or head.bias or norm is None or not _f32(norm.weight):
+            return None
+        return head, norm.weight.data_ptr(), offset, norm.eps
 
     def _window(self, attn: nn.Module) -> int:
         """The layer's sliding window as the family's frames mask it (0: none)."""
@@ -343,9 +360,11 @@ class DecodeStep:
             None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors
         )
 
-    def __call__(self, x: torch.Tensor, frames: Any, cache: Any) -> torch.Tensor | None:
+    def __call__(self, x: torch.Tensor, frames: Any, cache: Any, head: bool = False) -> Any:
         """x [B, 1, hidden] (one token of each of B sequences) through every layer, or
-        None where the step cannot take it."""
+        None where the step cannot take it. With `head`, (that output, the logits [B, 1,
+        vocab] of the model's final norm and output matrix), the logits None where the
+        step could not take those (the caller applies them)."""
         rows = x.shape[0]
         if (
             cache is None
@@ -408,13 +427,21 @@ class DecodeStep:
         step.positions, step.rows = positions.data_ptr(), rows
         step.rotary_dim = frame.cos.shape[-1]
         step.hidden, step.layers = x.shape[-1], len(self.layers)
+        logits = None
+        if head and self.head is not None and (self.head[0].q8 or rows == 1):
+            mat, step.final_norm, step.final_offset, step.final_eps = self.head
+            step.head = mat
+            logits = torch.empty(rows, 1, mat.rows)
+            step.logits = logits.data_ptr()
         out = x.clone()
         done = self.fn(ctypes.addressof(layers), ctypes.addressof(step), out.data_ptr())
         if done < 0:
             return None
-        for layer in self.model.model.layers[done:]:  # a router's tie: torch.topk's to break
-            out = layer(out, frames, cache)
-        return out
+        if done < len(self.layers):  # a router's tie: torch.topk's to break
+            logits = None
+            for layer in self.model.model.layers[done:]:
+                out = layer(out, frames, cache)
+        return (out, logits) if head else out
 
 
 def attach(model: nn.Module) -> bool:

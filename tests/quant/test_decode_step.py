@@ -54,8 +54,8 @@ class Counting:
         self.step, self.taken = model.decode_step, 0
         model.decode_step = self
 
-    def __call__(self, *args):
-        out = self.step(*args)
+    def __call__(self, *args, **kwargs):
+        out = self.step(*args, **kwargs)
         self.taken += out is not None
         return out
 
@@ -182,6 +182,21 @@ def test_the_step_equals_the_layers_on_quantized_weights(
     model = load_model(q, CPU, "f32").model
     set_activations(model, activations)
     assert_same(*_logits_both_ways(model, IDS, 4))
+
+
+@pytest.mark.parametrize("activations", ["f32", "q8"])
+def test_a_decoded_tokens_logits_come_out_of_the_step(native_kernels, activations, tmp_path):
+    """The step takes the final norm and the output matrix too: the head module runs for
+    the prompt only, and the logits equal the layers' and the head's own (above)."""
+    q, _ = random_block_model("qwen2", [T.Q4_0, T.Q8_0], tmp_path)
+    model = load_model(q, CPU, "f32").model
+    set_activations(model, activations)
+    heads = []
+    hook = model.lm_head.register_forward_hook(lambda m, x, y: heads.append(x[0].shape[1]))
+    assert_same(*_logits_both_ways(model, IDS, 4))
+    hook.remove()
+    decoded = IDS.shape[1] - 4
+    assert heads == [4] + [4] + [1] * decoded  # with the step, then without it
 
 
 @pytest.mark.parametrize("cache_type", ["f16", "bf16", "q8_0"])
