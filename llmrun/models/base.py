@@ -114,6 +114,9 @@ class GemmaRMSNorm(nn.Module):
         return ops.rms_norm(x.float(), self.weight.float(), self.eps, offset=1.0).type_as(x)
 
 
+ROPE_TABLE = 512  # positions of cos/sin a decoding sequence computes at once
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin for given positions; `rotary_dim` may be less than head_dim (partial RoPE)."""
 
@@ -160,9 +163,32 @@ class RotaryEmbedding(nn.Module):
             )
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
+        self._table: tuple[Any, ...] | None = None  # see _decoding
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin [B, T, rotary_dim] (see ops.rotary)."""
+        if (
+            positions.shape == (1, 1)
+            and positions.device.type == "cpu"
+            and self.inv_freq.device.type == "cpu"
+            and self.long_inv_freq is None
+        ):
+            return self._decoding(positions)
+        return self._angles(positions)
+
+    def _decoding(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's next position: a row of a table of ROPE_TABLE positions from it
+        on, computed as a prompt's are (the same values: elementwise ops) and kept for
+        the tokens that follow, so a token costs two slices, not ten torch ops."""
+        p, key = int(positions), (self.inv_freq.data_ptr(), self.inv_freq.dtype)
+        table = self._table
+        if table is None or table[0] != key or not table[1] <= p < table[1] + ROPE_TABLE:
+            cos, sin = self._angles(torch.arange(p, p + ROPE_TABLE)[None])
+            table = self._table = (key, p, cos[0], sin[0])
+        _, first, cos, sin = table
+        return cos[None, p - first : p - first + 1], sin[None, p - first : p - first + 1]
+
+    def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = self.inv_freq
         # LongRoPE switches to the long factors once the sequence outgrows the
         # pretraining length, judged per forward call as transformers does, and
