@@ -172,6 +172,7 @@ class RotaryEmbedding(nn.Module):
             and positions.device.type == "cpu"
             and self.inv_freq.device.type == "cpu"
             and self.long_inv_freq is None
+            and not torch.compiler.is_compiling()  # a static step reads no position back
         ):
             return self._decoding(positions)
         return self._angles(positions)
