@@ -308,6 +308,24 @@ static inline void q8k_quantize_rows(const float *x, int64_t x_step, int64_t m, 
     }
 }
 
+/* lane[k] = -offset times the sum of quants 4k .. 4k + 3 at p (plus those at p2, if not
+ * NULL), for k < 8. */
+static inline void q8_lane_sums(const int8_t *p, const int8_t *p2, int offset, int32_t *lane) {
+#if defined(__AVX2__)
+    const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+    __m256i sum = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, _mm256_loadu_si256((const __m256i *)p)), ones16);
+    if (p2)
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, _mm256_loadu_si256((const __m256i *)p2)), ones16));
+    _mm256_storeu_si256((__m256i *)lane, _mm256_mullo_epi32(sum, _mm256_set1_epi32(-offset)));
+#else
+    for (int k = 0; k < 8; k++) {
+        int32_t sum = p[4 * k] + p[4 * k + 1] + p[4 * k + 2] + p[4 * k + 3];
+        if (p2) sum += p2[4 * k] + p2[4 * k + 1] + p2[4 * k + 2] + p2[4 * k + 3];
+        lane[k] = -offset * sum;
+    }
+#endif
+}
+
 /* x [m, n] (rows x_step floats apart) -> a (buffers from q8_alloc) for a layout of
  * `order` whose u8 weights are q_w + offset. */
 static inline void q8_quantize_rows(const float *x, int64_t x_step, int64_t m, int64_t n,
@@ -328,7 +346,20 @@ static inline void q8_quantize_rows(const float *x, int64_t x_step, int64_t m, i
         }
         int32_t *lane = a->lane + i * a->lane_step;
         float *dq = a->dq + i * a->lane_step;
-        for (int64_t l = 0; l < lanes; l++) {
+        int64_t l = 0;
+        if (order == ORDER_NATURAL) /* a block's 8 lanes at a time */
+            for (; l + 8 <= lanes; l += 8) {
+                q8_lane_sums(q + 4 * l, NULL, offset, lane + l);
+                for (int k = 0; k < 8; k++) dq[l + k] = d[l / 8];
+            }
+        else if (order == ORDER_QUADS) /* a whole quad's 16 at a time */
+            for (; l + 16 <= lanes; l += 16) {
+                const int8_t *p = q + 8 * l;
+                q8_lane_sums(p, p + 64, offset, lane + l);
+                q8_lane_sums(p + 32, p + 96, offset, lane + l + 8);
+                for (int k = 0; k < 16; k++) dq[l + k] = d[l / 4 + k / 4];
+            }
+        for (; l < lanes; l++) {
             /* ORDER_QUADS: lane l of the low and the high half of its 128 */
             const int8_t *p = order == ORDER_QUADS ? q + 128 * (l / 16) + 4 * (l % 16) : q + 4 * l;
             int32_t sum = p[0] + p[1] + p[2] + p[3];
