@@ -8,10 +8,13 @@ loading llmrun.native once (its path: `python -c "from llmrun import native;
 print(native.library()._name)"`); the new one the same way.
 
 Usage: OMP_NUM_THREADS=1 python benchmarks/kernel_ab.py OLD.so NEW.so
-       [--types Q4_K,Q4_K:packed,Q6_K] [--rows 1] [--reps 30] [--exact]
+       [--types Q4_K,Q4_K:packed,Q6_K] [--rows 1] [--reps 30] [--exact] [--gemm 512]
 
 warm: 256 rows x 4096 (in the L2 cache; a call's activation quantization counts);
 cold: 40 matrices of 4096 x 4096 in turn (more than the L3 cache holds).
+--gemm M: the prompt GEMM instead (llmrun_gemm_q8), M activation rows against a
+Qwen2.5-0.5B feed-forward's 896 x 4864 and 4864 x 896 matrices, in GMAC/s; with one
+thread timed on the thread's CPU clock, which the VM's other tenants cannot stretch.
 """
 
 import argparse
@@ -19,7 +22,7 @@ import ctypes
 import time
 
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from quant_matvec import random_blocks
 
 from llmrun.quant import kernels
@@ -42,6 +45,37 @@ def time_call(lib, type_id: int, mats: list[torch.Tensor], rows: int, x, y, exac
     return (time.perf_counter() - start) / len(mats)
 
 
+def gemm(libs: dict, types: list[str], m: int, reps: int) -> None:
+    """--gemm: each type's prompt GEMM in both libraries, in turns, best of `reps`."""
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    for name in types:
+        type_name, _, layout = name.partition(":")
+        ggml_type, packed = T[type_name], layout == "packed"
+        for rows, cols in ((896, 4864), (4864, 896)):
+            if cols % GGML_QUANT_SIZES[ggml_type][0]:
+                continue
+            raw = random_blocks(ggml_type, rows, cols)
+            w = kernels.pack(raw, ggml_type) if packed else raw
+            type_id = kernels.PACKED[ggml_type] if packed else int(ggml_type)
+            x, y = torch.randn(m, cols), torch.empty(m, rows)
+            best = dict.fromkeys(libs, float("inf"))
+            for _ in range(reps):
+                for key, lib in libs.items():
+                    start = clock()
+                    status = lib.llmrun_gemm_q8(
+                        type_id, ctypes.c_void_p(w.data_ptr()), ctypes.c_int64(w.stride(0)),
+                        ctypes.c_int64(rows), ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(m),
+                        ctypes.c_int64(cols), ctypes.c_void_p(y.data_ptr()), None,
+                    )  # fmt: skip
+                    best[key] = min(best[key], clock() - start)
+                    if status:
+                        raise SystemExit(f"no prompt GEMM for {name} in a library")
+            rates = "  ".join(
+                f"{k} {m * rows * cols / v / 1e9:6.1f} GMAC/s" for k, v in best.items()
+            )
+            print(f"{name:10} {rows}x{cols} m={m}: {rates}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("old")
@@ -50,8 +84,12 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1, help="activation rows per call")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--exact", action="store_true", help="the f32 kernels (llmrun_matvec)")
+    parser.add_argument("--gemm", type=int, metavar="M", help="the prompt GEMM, M rows")
     args = parser.parse_args()
     libs = {"old": ctypes.CDLL(args.old), "new": ctypes.CDLL(args.new)}
+    if args.gemm:
+        gemm(libs, args.types.split(","), args.gemm, args.reps)
+        return
     x = torch.randn(args.rows, COLS)
     for name in args.types.split(","):
         type_name, _, layout = name.partition(":")
