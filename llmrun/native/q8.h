@@ -674,6 +674,62 @@ ALWAYS_INLINE __m256i q8_dot2_256(__m256i start, __m256i lo, __m256i xlo, __m256
  * kernel, and AVX-512's for Q4_0 with VNNI: on Zen 4 these 256-bit loads stream from
  * memory faster than 512-bit loads (22.3-22.7 -> 24.9-25.2 GB/s with 2 threads,
  * benchmarks/kernel_ab.py). */
+/* rows_q8_packed_256 for one activation row, two weight rows at a time: the
+ * activations' loads serve both, and each row's sum is a chain of its own. */
+ALWAYS_INLINE void rows_q8_packed_256_pair(const uint8_t *w, int64_t stride, int64_t r,
+                                           const uint8_t *end, const act_t *a, int64_t i0,
+                                           float *y, const float *bias, const int five) {
+    const int64_t n = a->n, nb = n / 32, ng = nb / 4, group = stride / ng;
+    const __m256i pair01 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    const __m256i pair23 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+    const __m256i nibble = _mm256_set1_epi8(15);
+    const int8_t *xq = a->q + i0 * a->q_step;
+    const int32_t *lane = a->lane + i0 * a->lane_step;
+    const float *dq = a->dq + i0 * a->lane_step;
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t g = 0; g < ng; g++) {
+        __m256i x[4], start[2];
+        __m256 dx[2];
+        for (int h = 0; h < 2; h++) {
+            x[2 * h] = _mm256_loadu_si256((const __m256i *)(xq + 128 * g + 32 * h));
+            x[2 * h + 1] = _mm256_loadu_si256((const __m256i *)(xq + 128 * g + 64 + 32 * h));
+            start[h] = _mm256_loadu_si256((const __m256i *)(lane + 16 * g + 8 * h));
+            dx[h] = _mm256_loadu_ps(dq + 16 * g + 8 * h);
+        }
+        /* both rows' bytes, at their pace, from the second row's start on */
+        const uint8_t *ahead = w + (r + 1) * stride + PREFETCH + 2 * group * g;
+        if (ahead + 2 * group <= end) {
+            _mm_prefetch((const char *)ahead, _MM_HINT_T0);
+            _mm_prefetch((const char *)ahead + group, _MM_HINT_T0);
+            _mm_prefetch((const char *)ahead + 2 * group - 1, _MM_HINT_T0);
+        }
+        for (int k = 0; k < 2; k++) {
+            const uint8_t *row = w + (r + k) * stride, *qh = row + 2 * nb;
+            const uint8_t *qs = row + (five ? 6 : 2) * nb;
+            const __m128 d4 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(row + 8 * g)));
+            const __m256 dw[2] = {_mm256_permutevar8x32_ps(_mm256_castps128_ps256(d4), pair01),
+                                  _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d4), pair23)};
+            for (int h = 0; h < 2; h++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 64 * g + 32 * h));
+                __m256i lo = _mm256_and_si256(v, nibble);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+                if (five) {
+                    const uint32_t q0 = u32_at(qh + 16 * g + 8 * h), q1 = u32_at(qh + 16 * g + 8 * h + 4);
+                    lo = _mm256_or_si256(lo, bit4_bytes((q0 & 0xFFFF) | q1 << 16));
+                    hi = _mm256_or_si256(hi, bit4_bytes(q0 >> 16 | (q1 & 0xFFFF0000u)));
+                }
+                const __m256i sum = q8_dot2_256(start[h], lo, x[2 * h], hi, x[2 * h + 1]);
+                acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dw[h], dx[h]), acc[k]);
+            }
+        }
+    }
+    for (int k = 0; k < 2; k++) {
+        const __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[k]), _mm256_extractf128_ps(acc[k], 1));
+        const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        y[r + k] = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t))) + (bias ? bias[r + k] : 0.0f);
+    }
+}
+
 ALWAYS_INLINE void rows_q8_packed_256(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
                                       const act_t *a, int64_t i0, const int m, float *y,
                                       int64_t ldy, const float *bias, const int five) {
@@ -682,7 +738,10 @@ ALWAYS_INLINE void rows_q8_packed_256(const uint8_t *w, int64_t stride, int64_t 
     const __m256i pair23 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
     const __m256i nibble = _mm256_set1_epi8(15);
     const uint8_t *end = w + r1 * stride;
-    for (int64_t r = r0; r < r1; r++) {
+    int64_t r = r0;
+    if (m == 1)
+        for (; r + 1 < r1; r += 2) rows_q8_packed_256_pair(w, stride, r, end, a, i0, y, bias, five);
+    for (; r < r1; r++) {
         const uint8_t *row = w + r * stride, *qh = row + 2 * nb;
         const uint8_t *qs = row + (five ? 6 : 2) * nb;
         __m256 acc[MAX_M];
