@@ -473,13 +473,14 @@ def test_sliding_window_layers_get_a_pool_of_their_own(tmp_path):
     try:
         health = httpx.get(f"{s.url}/health").json()
         window = health["kv_blocks"]["window"]
-        # Per sequence: blocks for its window and a chunk of 128, and one more; twice.
-        assert window == {"positions": 5, "total": 2 * 2 * (9 + 1), "used": 0, "cached": 0}
+        # Per sequence: blocks for its window and a chunk of 256 (at most its context of
+        # 256 positions), and one more; twice.
+        assert window == {"positions": 5, "total": 2 * 2 * (16 + 1), "used": 0, "cached": 0}
         # A block of the full layer: 2 KV heads x 32 values x 16 positions x 4 bytes x 2;
         # of the five windowed ones, five times that.
         full, windowed = 8192, 5 * 8192
-        assert health["kv_blocks"]["total"] == ((4 << 20) - 40 * windowed) // full == 312
-        assert s.metric('llmrun_kv_window_blocks{state="total"}') == 40
+        assert health["kv_blocks"]["total"] == ((4 << 20) - 68 * windowed) // full == 172
+        assert s.metric('llmrun_kv_window_blocks{state="total"}') == 68
         body = {"prompt": "Once upon a time there was a little dog", "max_tokens": 8}
         assert post(s, "/v1/completions", {**body, "temperature": 0}, key=None).status_code == 200
         _wait_until_idle(s)

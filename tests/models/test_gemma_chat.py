@@ -144,8 +144,8 @@ def test_kv_memory_too_small_for_the_windows_is_refused_with_the_sizes(engine):
     with pytest.raises(UsageError) as refused:
         Scheduler(engine, parallel=2, kv_memory=1 << 20)
     assert str(refused.value) == (
-        "--kv-memory 1048576 bytes holds no KV block after 1638400 bytes for the "
-        "sliding-window layers' blocks (40 blocks for 2 sequences): one block of 16 "
+        "--kv-memory 1048576 bytes holds no KV block after 2785280 bytes for the "
+        "sliding-window layers' blocks (68 blocks for 2 sequences): one block of 16 "
         "tokens takes 8192 bytes for this model"
     )
 
