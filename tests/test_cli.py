@@ -252,3 +252,12 @@ def test_tokenize_vocab_only_gguf():
 def test_tokenize_default_model():
     result = llmrun("tokenize", "Once upon a time")
     assert json.loads(result.stdout) == [1, 403, 407, 261, 378]
+
+
+@pytest.mark.parametrize(
+    "command,named", [("show", "MODEL"), ("pull", "REPO[:QUANT]"), ("rm", "MODEL")]
+)
+def test_a_missing_argument_is_named_as_the_help_names_it(command, named):
+    result = llmrun(command)
+    assert (result.returncode, result.stderr) == (2, f"error: missing argument '{named}'.\n")
+    assert named in llmrun(command, "--help").stdout

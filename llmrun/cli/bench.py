@@ -17,7 +17,11 @@ BENCH_OUTPUTS = ("json", "jsonl", "csv", "md")
 def bench_command(
     models: Annotated[
         list[str] | None,
-        typer.Argument(help="MODEL... (default: the bundled stories260K)", show_default=False),
+        typer.Argument(
+            help="MODEL... (default: the bundled stories260K)",
+            metavar="MODEL",
+            show_default=False,
+        ),
     ] = None,
     n_prompt: Annotated[
         str,

@@ -56,7 +56,8 @@ from llmrun.errors import UsageError
 @app.command()
 def run(
     args: Annotated[
-        list[str] | None, typer.Argument(help="[MODEL] [PROMPT]", show_default=False)
+        list[str] | None,
+        typer.Argument(help="[MODEL] [PROMPT]", show_default=False),
     ] = None,
     model: ModelOpt = None,
     max_tokens: MaxTokens = None,
@@ -184,7 +185,8 @@ def run(
 @app.command()
 def chat(
     model: Annotated[
-        str | None, typer.Argument(help="MODEL (default: the bundled stories260K)")
+        str | None,
+        typer.Argument(help="MODEL (default: the bundled stories260K)", metavar="MODEL"),
     ] = None,
     system: Annotated[str | None, typer.Option(help="System message.")] = None,
     max_tokens: MaxTokens = None,
@@ -249,7 +251,8 @@ def chat(
 @app.command()
 def tokenize(
     args: Annotated[
-        list[str] | None, typer.Argument(help="[MODEL] [TEXT]", show_default=False)
+        list[str] | None,
+        typer.Argument(help="[MODEL] [TEXT]", show_default=False),
     ] = None,
     model: ModelOpt = None,
     pieces: Annotated[bool, typer.Option("--pieces", help="Print id/piece pairs.")] = False,

@@ -14,6 +14,7 @@ HubNameArg = Annotated[
     str,
     typer.Argument(
         help="org/repo, org/repo:QUANT or org/repo/file.gguf, each with an optional @revision.",
+        metavar="REPO[:QUANT]",
         show_default=False,
     ),
 ]
@@ -46,7 +47,9 @@ def list_models(output_json: JsonOpt = False, debug: Debug = False) -> None:
 
 @app.command()
 def show(
-    name: Annotated[str, typer.Argument(help="A downloaded model or a local path.")],
+    name: Annotated[
+        str, typer.Argument(help="A downloaded model or a local path.", metavar="MODEL")
+    ],
     template: Annotated[bool, typer.Option("--template", help="Print the chat template.")] = False,
     output_json: JsonOpt = False,
     debug: Debug = False,
@@ -68,7 +71,9 @@ def show(
 
 @app.command()
 def rm(
-    names: Annotated[list[str], typer.Argument(help="Downloaded models.", show_default=False)],
+    names: Annotated[
+        list[str], typer.Argument(help="Downloaded models.", metavar="MODEL", show_default=False)
+    ],
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Delete without asking.")] = False,
     debug: Debug = False,
 ) -> None:

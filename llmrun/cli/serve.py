@@ -25,7 +25,8 @@ from llmrun.errors import UsageError
 @app.command()
 def serve(
     model: Annotated[
-        str | None, typer.Argument(help="MODEL (default: the bundled stories260K)")
+        str | None,
+        typer.Argument(help="MODEL (default: the bundled stories260K)", metavar="MODEL"),
     ] = None,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on (0: any free port).")] = 8080,
