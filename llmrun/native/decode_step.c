@@ -112,6 +112,7 @@ typedef struct {
                                      group of layers (.kv_group); NULL: a contiguous cache */
     int64_t table_width[2], block_bytes[2], block_rows;
     int64_t row_bytes; /* a contiguous cache: from one row's keys to the next's */
+    int64_t capacity;  /* a contiguous cache: the positions a row holds */
     int64_t rows, rotary_dim, hidden, layers;
     int64_t ring_keys; /* one row: the slots of a ring that hold keys, after the write */
     /* the final norm (weight + offset, eps) and output matrix into logits [rows,
@@ -530,6 +531,16 @@ int llmrun_decode_layers(const step_layer_t *layers, const step_t *step, float *
     const int64_t rows = step->rows;
     if (rows < 1 || rows > MAX_ROWS || (rows > 1 && step->tables[0] == NULL && step->ring_keys))
         return -1;
+    /* a position the cache has no room for is the caller's layers' to refuse */
+    for (int64_t b = 0; b < rows; b++) {
+        const int64_t p = step->positions[b];
+        if (p < 0 || (!step->tables[0] && p >= step->capacity)) return -1;
+        for (int g = 0; g < 2 && step->tables[0]; g++) {
+            if (!step->tables[g]) continue;
+            const int64_t at = p / step->block_rows, width = step->table_width[g];
+            if (at >= width || step->tables[g][b * width + at] < 0) return -1;
+        }
+    }
     for (int64_t l = 0; l < step->layers; l++) {
         const step_layer_t *L = &layers[l];
         if (L->head_dim % 16 || (L->kv_kind == KV_Q8_0 && L->head_dim % 32) ||

@@ -117,6 +117,7 @@ class Step(ctypes.Structure):
         ("block_bytes", _I64 * 2),
         ("block_rows", _I64),
         ("row_bytes", _I64),
+        ("capacity", _I64),
         ("rows", _I64),
         ("rotary_dim", _I64),
         ("hidden", _I64),
@@ -390,6 +391,7 @@ class DecodeStep:
             return None
         else:
             step.row_bytes = cache.k.stride(1) * cache.k.element_size()
+            step.capacity = cache.max_seq_len
         kinds = frames if isinstance(frames, dict) else {"full_attention": frames}
         full, local = kinds.get("full_attention"), kinds.get("sliding_attention", None)
         frame = full or local

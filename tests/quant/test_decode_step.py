@@ -279,6 +279,60 @@ def test_batched_rows_through_a_paged_cache_equal_the_layers(
     model.decode_step = step
 
 
+PAST_THE_CACHE = """
+import sys, torch
+from llmrun.loading.loader import load_model
+from llmrun.models.paged import PagedKVCache
+model = load_model(sys.argv[1], torch.device("cpu"), "f32").model
+taken, step = [], model.decode_step
+
+
+def counted(*args, **kwargs):
+    out = step(*args, **kwargs)
+    taken.append(out is not None)
+    return out
+
+
+model.decode_step = counted
+ids = torch.arange(3, 12)[None]
+with torch.no_grad():
+    cache = model.new_cache(1, 8, torch.float32, "cpu")
+    model(ids[:, :4], torch.arange(4)[None], cache)
+    for p in range(4, 9):
+        try:
+            model(ids[:, p : p + 1], torch.tensor([[p]]), cache)
+        except (RuntimeError, IndexError):
+            print("refused at", p, taken[:5], any(taken[5:]))
+    like = model.new_cache(1, 1, torch.float32, "cpu")
+    pool = PagedKVCache(like, 4, 4, 32)
+    model(ids[:, :4], torch.arange(4)[None], pool.view([[0]]))
+    offered = len(taken)
+    try:  # position 4 has no block in a table of one
+        model(ids[:, 4:5], torch.tensor([[4]]), pool.view([[0]]))
+    except (RuntimeError, IndexError):
+        print("refused the table", any(taken[offered:]))
+"""
+
+
+def test_a_position_past_the_cache_is_the_layers_to_refuse(native_kernels, tmp_path):
+    """The step writes keys and values where the cache's layout says, so a position past
+    a contiguous cache's end, or past a paged row's table, would write outside it (a
+    crash, or memory overwritten): it leaves such a token to the layers, which refuse
+    it. In a process of its own, for the crash it was."""
+    import subprocess
+    import sys
+
+    q, _ = random_block_model("llama", [T.Q4_0], tmp_path)
+    run = subprocess.run(
+        [sys.executable, "-c", PAST_THE_CACHE, str(q)], capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.splitlines() == [
+        "refused at 8 [False, True, True, True, True] False",  # the prompt, 4..7; then 8
+        "refused the table False",
+    ]
+
+
 def test_the_layers_run_where_the_step_cannot(native_kernels, monkeypatch, tmp_path):
     q, _ = random_block_model("llama", [T.Q4_0], tmp_path)
     model = load_model(q, CPU, "f32").model
