@@ -34,6 +34,9 @@ enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K 
        /* llmrun's packed layouts (llmrun/quant/kernels.py repacks), 1000 + the type */
        Q4_0_PACKED = 1002, Q5_0_PACKED = 1006, Q8_0_PACKED = 1008, Q4_K_PACKED = 1012,
        Q5_K_PACKED = 1013 };
+/* Q4_K_PACKED and Q5_K_PACKED hold their scale fields in groups of this many blocks
+ * (layout.c) */
+#define K_GROUP 16
 
 /* The GGML types every family has kernels for, as X(T, A) for each; a family's
  * KERNEL_TYPES(X, A) lists these and its packed layouts. */

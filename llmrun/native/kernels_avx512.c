@@ -714,7 +714,6 @@ DEFINE_PACKED(Q5_0_PACKED, 1)
  * each bit to index bit 4 for vpermt2ps costs a shift and a ternary logic op. */
 #define Q4_K_PACKED_BLOCK 256
 #define Q5_K_PACKED_BLOCK 256
-#define K_GROUP 16
 
 /* sc[s] and mins[s], one block i < c <= K_GROUP of a scale group a lane: the 6-bit
  * scale and min of sub-block s, from the group's scale bytes (k_scales' decode,

@@ -12,7 +12,6 @@
  */
 #include "common.h"
 
-#define K_GROUP 16
 
 /* GGML: byte 32p + l holds weight l of sub-block 2p (low nibble) and of 2p + 1 (high). */
 static inline uint8_t k_nibble(const uint8_t *qs, int sub, int weight) {

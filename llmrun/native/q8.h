@@ -451,6 +451,15 @@ static inline __m256i q8_bits_at(__m256i v, int k, int mask) {
     return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(k)), _mm256_set1_epi8((char)mask));
 }
 
+/* The 6-bit scale and min of sub-block j from a K-quant block's 12 scale bytes, byte k
+ * at sc[step * k] (GGML's: step 1; kernels.pack's groups: the group's block count). */
+static inline void k_scale_min(const uint8_t *sc, int64_t step, int j, int *scale, int *min) {
+#define SC(k) sc[step * (k)]
+    if (j < 4) *scale = SC(j) & 63, *min = SC(j + 4) & 63;
+    else *scale = (SC(j + 4) & 15) | ((SC(j - 4) >> 6) << 4), *min = (SC(j + 4) >> 4) | ((SC(j) >> 6) << 4);
+#undef SC
+}
+
 /* One weight row as quants in order (q[n]) and each half-block's a and c ([2 nb]): u8
  * values, except Q8_0's with `q8_signed` (its s8 values as they are, c 0: for a family
  * whose u8 x s8 products saturate past 2 * 128 * 127). 0, or -1 for a type without a
@@ -500,10 +509,8 @@ static inline int q8_decode_row(int type, const uint8_t *row, int64_t n, uint8_t
             /* sub-block j of super-block b / 8: (d sc_j) q - dmin m_j */
             const int five = type == Q5_K, j = (int)(b % 8);
             const uint8_t *blk = row + (b / 8) * (five ? 176 : 144);
-            const uint8_t *sc = blk + 4;
-            uint8_t scale, min;
-            if (j < 4) scale = sc[j] & 63, min = sc[j + 4] & 63;
-            else scale = (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4), min = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+            int scale, min;
+            k_scale_min(blk + 4, 1, j, &scale, &min);
             const uint8_t *quants = blk + (five ? 48 : 16) + 32 * (j / 2);
             __m256i t = q8_bits_at(_mm256_loadu_si256((const __m256i *)quants), 4 * (j % 2), 15);
             if (five) { /* bit j of qh[l]: weight l's fifth bit */
@@ -513,6 +520,36 @@ static inline int q8_decode_row(int type, const uint8_t *row, int64_t n, uint8_t
             _mm256_storeu_si256((__m256i *)qb, t);
             d = f16_value(blk) * (float)scale;
             off = -(f16_value(blk + 2) * (float)min);
+            break;
+        }
+        case Q4_K_PACKED: case Q5_K_PACKED: {
+            /* kernels.pack's layout (layout.c): the row's d's, dmin's, scale fields (by
+             * groups of K_GROUP super-blocks), Q5_K's high-bit masks, then the quants,
+             * byte 64h + 4i + s holding weights i (low nibble) and 16 + i (high) of
+             * sub-block 4h + s */
+            const int five = type == Q5_K_PACKED, j = (int)(b % 8), s = j % 4;
+            const int64_t blocks = nb / 8, sb = b / 8, first = sb - sb % K_GROUP;
+            const int64_t group = blocks - first < K_GROUP ? blocks - first : K_GROUP;
+            int scale, min;
+            k_scale_min(row + 4 * blocks + 12 * first + (sb - first), group, j, &scale, &min);
+            const uint8_t *quants = row + (five ? 48 : 16) * blocks + 128 * sb + 64 * (j / 4);
+            /* byte s of each of the 16 words: four from each 16-byte load */
+            const __m128i pick = _mm_add_epi8(
+                _mm_setr_epi8(0, 4, 8, 12, -128, -128, -128, -128, -128, -128, -128, -128, -128,
+                              -128, -128, -128),
+                _mm_set1_epi8((char)s));
+            __m128i part[4];
+            for (int k = 0; k < 4; k++)
+                part[k] = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(quants + 16 * k)), pick);
+            const __m128i v = _mm_unpacklo_epi64(_mm_unpacklo_epi32(part[0], part[1]),
+                                                 _mm_unpacklo_epi32(part[2], part[3]));
+            const __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+            __m256i t = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+            if (five) /* bit w of the sub-block's word: weight w's fifth bit */
+                t = _mm256_or_si256(t, bit4_bytes(u32_at(row + 16 * blocks + 32 * sb + 4 * j)));
+            _mm256_storeu_si256((__m256i *)qb, t);
+            d = f16_value(row + 2 * sb) * (float)scale;
+            off = -(f16_value(row + 2 * blocks + 2 * sb) * (float)min);
             break;
         }
         case Q6_K: { /* weight 32t + l of half h: ql nibble and 2 bits of qh; -32 */
@@ -579,7 +616,7 @@ static inline int q8_gemm(int type, const uint8_t *w, int64_t stride, int64_t ro
     case Q4_0_PACKED: case Q5_0_PACKED:
         if (n % 128) return -1;
         break;
-    case Q4_K: case Q5_K: case Q6_K:
+    case Q4_K: case Q5_K: case Q6_K: case Q4_K_PACKED: case Q5_K_PACKED:
         if (n % 256) return -1;
         break;
     default:
@@ -595,7 +632,8 @@ static inline int q8_gemm(int type, const uint8_t *w, int64_t stride, int64_t ro
     }
     p.s = p.d + m * nb, p.s2 = p.s + m * nb;
     /* the K-quants' rows as Q8_K blocks: each block of 32 takes its 256's scale */
-    const int k_quant = type == Q4_K || type == Q5_K || type == Q6_K;
+    const int k_quant = type == Q4_K || type == Q5_K || type == Q6_K || type == Q4_K_PACKED ||
+                        type == Q5_K_PACKED;
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < m; i++)
         for (int64_t b = 0; k_quant && b < nb; b += 8) {

@@ -660,10 +660,10 @@ static void gemm_tile(int type, const uint8_t *q, const float *a, const float *c
     else GEMM_ROWS(0, 8, 0);
 #else
     switch (type) {
-    case Q4_0: case Q4_0_PACKED: case Q4_K: GEMM_ROWS(0, 8, 0); break;
+    case Q4_0: case Q4_0_PACKED: case Q4_K: case Q4_K_PACKED: GEMM_ROWS(0, 8, 0); break;
     case Q6_K: GEMM_ROWS(1, 2, 0); break;
     case Q8_0: case Q8_0_PACKED: GEMM_ROWS(0, 1, 1); break;
-    default: GEMM_ROWS(0, 4, 0); break; /* Q5_0, Q5_K, MXFP4 */
+    default: GEMM_ROWS(0, 4, 0); break; /* Q5_0, Q5_K (packed too), MXFP4 */
     }
 #endif
 }

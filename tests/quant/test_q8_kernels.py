@@ -218,13 +218,15 @@ def test_quant_linear_takes_q8_for_every_product(native_kernels):
 GEMM_TYPES = [
     (T.Q4_0, True), (T.Q5_0, True), (T.Q8_0, True), (T.Q4_0, False), (T.Q5_0, False),
     (T.Q8_0, False), (T.MXFP4, False), (T.Q4_K, False), (T.Q5_K, False), (T.Q6_K, False),
+    (T.Q4_K, True), (T.Q5_K, True),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize("ggml_type,packed", GEMM_TYPES, ids=lambda c: getattr(c, "name", c))
 def test_a_prompt_takes_the_tiles_where_the_family_has_them(native_kernels, ggml_type, packed):
     """llmrun_gemm_q8 itself (what kernels.Matvec tries first for a prompt): both
-    families take every type above (AVX2's Q8_0 also in its packed layout), rows of 40
+    families take every type above (AVX2's Q8_0, AVX-512's Q4_K and Q5_K also in their
+    packed layouts), rows of 40
     activations into 45 weight rows (a partial last tile of 16 or 32), bias and all,
     with weights at the extremes of each type's range (where 16-bit pair sums, AVX2's
     and AVX-512's without VNNI, would saturate first)."""
