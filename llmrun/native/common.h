@@ -76,29 +76,41 @@ static inline int64_t row_chunk(int64_t stride, int64_t rows) {
     return by_bytes < even ? by_bytes : even > 0 ? even : 1;
 }
 
+/* Bytes of weights a thread takes at a time when more activation rows than one pass
+ * takes (a prompt's) go over them: few enough to stay in its L2 cache while every
+ * pass goes by, so they are read from memory once. */
+#define PASSES_CHUNK (128 << 10)
+
+static inline int64_t passes_chunk(int64_t stride, int64_t rows) {
+    const int64_t by_bytes = stride >= PASSES_CHUNK ? 1 : PASSES_CHUNK / stride;
+    const int64_t chunk = row_chunk(stride, rows);
+    return by_bytes < chunk ? by_bytes : chunk;
+}
+
 /* Every matvec's passes over the weights: 8, 4, 2 or 1 activation rows of X at a
- * time, the rows split over the threads in chunks of about CHUNK bytes. Each pass
- * calls ROWS(w, stride, r0, r1, x, m, n, y, ldy, bias, ...) for its chunks with a
+ * time, the rows split over the threads in chunks of about CHUNK bytes (more rows than
+ * a pass takes: PASSES_CHUNK bytes, every pass over a chunk before the next). Each
+ * pass calls ROWS(w, stride, r0, r1, x, m, n, y, ldy, bias, ...) for its chunk with a
  * constant m, so that ROWS (always inline) is specialized per m. Expects w, stride,
  * rows, m, n, y and bias in scope, as the matvec functions name them. */
 #define ROW_PASSES(X, ROWS, ...)                                                         \
     do {                                                                                 \
-        const int64_t chunk_ = row_chunk(stride, rows);                                  \
-        for (int64_t i0_ = 0; i0_ < m;) {                                                \
-            const int mm_ = m - i0_ >= 8 ? 8 : m - i0_ >= 4 ? 4 : m - i0_ >= 2 ? 2 : 1;  \
-            const float *xi_ = (X) + i0_ * n;                                            \
-            float *yi_ = y + i0_ * rows;                                                 \
-            _Pragma("omp parallel for schedule(dynamic)")                                \
-            for (int64_t r0_ = 0; r0_ < rows; r0_ += chunk_) {                           \
-                const int64_t r1_ = r0_ + chunk_ < rows ? r0_ + chunk_ : rows;           \
+        const int64_t chunk_ = m > MAX_M ? passes_chunk(stride, rows) : row_chunk(stride, rows); \
+        _Pragma("omp parallel for schedule(dynamic)")                                    \
+        for (int64_t r0_ = 0; r0_ < rows; r0_ += chunk_) {                               \
+            const int64_t r1_ = r0_ + chunk_ < rows ? r0_ + chunk_ : rows;               \
+            for (int64_t i0_ = 0; i0_ < m;) {                                            \
+                const int mm_ = m - i0_ >= 8 ? 8 : m - i0_ >= 4 ? 4 : m - i0_ >= 2 ? 2 : 1; \
+                const float *xi_ = (X) + i0_ * n;                                        \
+                float *yi_ = y + i0_ * rows;                                             \
                 switch (mm_) {                                                           \
                 case 1: ROWS(w, stride, r0_, r1_, xi_, 1, n, yi_, rows, bias, ##__VA_ARGS__); break; \
                 case 2: ROWS(w, stride, r0_, r1_, xi_, 2, n, yi_, rows, bias, ##__VA_ARGS__); break; \
                 case 4: ROWS(w, stride, r0_, r1_, xi_, 4, n, yi_, rows, bias, ##__VA_ARGS__); break; \
                 default: ROWS(w, stride, r0_, r1_, xi_, 8, n, yi_, rows, bias, ##__VA_ARGS__); break; \
                 }                                                                        \
+                i0_ += mm_;                                                              \
             }                                                                            \
-            i0_ += mm_;                                                                  \
         }                                                                                \
     } while (0)
 

@@ -23,8 +23,6 @@
 
 #include "common.h"
 
-#define Q8_GEMM_CHUNK (128 << 10)
-
 /* A call's quantized activations, m rows of n values. Per row: q, its n quants in the
  * order the weight type's kernel reads them (and zeros to the next 64); lane, per
  * dword lane of q (4 quants), the integer sum the kernel starts from (the weights'
@@ -397,14 +395,6 @@ static inline void *q8_alloc(int64_t m, int64_t n, act_t *a) {
     a->d = a->dq + m * a->lane_step;
     a->s = a->d + m * a->d_step;
     return p;
-}
-
-/* Rows of weights a thread takes at a time when many activation rows (a prompt) pass
- * over them: few enough to stay in its L2 cache while every activation row goes by. */
-static inline int64_t q8_gemm_chunk(int64_t stride, int64_t rows) {
-    const int64_t by_bytes = stride >= Q8_GEMM_CHUNK ? 1 : Q8_GEMM_CHUNK / stride;
-    const int64_t chunk = row_chunk(stride, rows);
-    return by_bytes < chunk ? by_bytes : chunk;
 }
 
 #if defined(__AVX2__) && defined(__FMA__) /* every family that includes this has AVX2 */
@@ -836,10 +826,10 @@ ALWAYS_INLINE void rows_q8_packed_256(const uint8_t *w, int64_t stride, int64_t 
 /* As ROW_PASSES (common.h), over the quantized activations: ROWS(w, stride, r0, r1,
  * a, i0, m, y, ldy, bias, ...) for the activation rows i0 .. i0 + m - 1, in passes of up
  * to MAX_M rows over each thread's run of weights (a prompt's many rows: over runs of
- * Q8_GEMM_CHUNK bytes, read from memory once and then from the caches). */
+ * PASSES_CHUNK bytes, read from memory once and then from the caches). */
 #define Q8_PASSES(A, ROWS, ...)                                                          \
     do {                                                                                 \
-        const int64_t chunk_ = m > MAX_M ? q8_gemm_chunk(stride, rows) : row_chunk(stride, rows); \
+        const int64_t chunk_ = m > MAX_M ? passes_chunk(stride, rows) : row_chunk(stride, rows); \
         _Pragma("omp parallel for schedule(dynamic)")                                    \
         for (int64_t r0_ = 0; r0_ < rows; r0_ += chunk_) {                               \
             const int64_t r1_ = r0_ + chunk_ < rows ? r0_ + chunk_ : rows;               \

@@ -29,9 +29,11 @@ from llmrun.errors import ModelFormatError
 from llmrun.quant import blocks, kernels
 from llmrun.quant.blocks import check_supported, row_bytes
 
-# Up to this many activation rows (decode, small batches) a native matvec reads the
-# blocks once for all rows; past it, dequantized tiles and a GEMM are faster.
-MATVEC_MAX_ROWS = 16
+# Up to this many activation rows (decode, small batches, short prompts) a native
+# matvec takes them in passes of 8 over each L2-sized run of blocks; past it,
+# dequantized tiles and a GEMM are faster (Zen 4: Qwen2.5-7B's shapes break even at
+# ~128 rows, 0.5B's past 256; at 16, a 32-token prompt took 2.4-2.9x longer).
+MATVEC_MAX_ROWS = 128
 # f32 weights dequantized per GEMM tile, so a 150k-row lm_head never makes a huge temporary.
 TILE_WEIGHTS = 1 << 22
 
