@@ -45,7 +45,7 @@ from llmrun.sampling import Sampler, SamplingParams
 # every decoding sequence waits for it, but room for several new chat turns at once:
 # at 128, turns arriving together were split over steps, and the split put their
 # sequences out of step with each other, so every later turn's prefill stalled the
-# others (8 users x 8 turns: inter-token P99 190-256 ms at 128, 60-67 at 256).
+# others (8 users x 8 turns: inter-token P99 188-228 ms at 128, 60-67 at 256).
 PREFILL_BUDGET = 256
 # Without --kv-memory the pool holds this many whole contexts per --parallel
 # sequence: each one's full context, and as much again for cached prefixes; at most
