@@ -87,13 +87,13 @@ static inline int64_t passes_chunk(int64_t stride, int64_t rows) {
     return by_bytes < chunk ? by_bytes : chunk;
 }
 
-/* Every matvec's passes over the weights: 8, 4, 2 or 1 activation rows of X at a
- * time, the rows split over the threads in chunks of about CHUNK bytes (more rows than
- * a pass takes: PASSES_CHUNK bytes, every pass over a chunk before the next). Each
- * pass calls ROWS(w, stride, r0, r1, x, m, n, y, ldy, bias, ...) for its chunk with a
- * constant m, so that ROWS (always inline) is specialized per m. Expects w, stride,
- * rows, m, n, y and bias in scope, as the matvec functions name them. */
-#define ROW_PASSES(X, ROWS, ...)                                                         \
+/* Every matvec's passes over the weights: 8, 4, 2 or 1 activation rows at a time, the
+ * rows split over the threads in chunks of about CHUNK bytes (more rows than a pass
+ * takes: PASSES_CHUNK bytes, every pass over a chunk before the next). PASS runs once
+ * per chunk and pass, with r0_, r1_ (the chunk's rows), i0_ (the pass's first
+ * activation row) and pass_m_ (its rows, a constant in each case, so that the kernel,
+ * always inline, is specialized per count) in scope. Expects stride, rows and m. */
+#define FOR_PASSES(PASS)                                                                 \
     do {                                                                                 \
         const int64_t chunk_ = m > MAX_M ? passes_chunk(stride, rows) : row_chunk(stride, rows); \
         _Pragma("omp parallel for schedule(dynamic)")                                    \
@@ -101,18 +101,23 @@ static inline int64_t passes_chunk(int64_t stride, int64_t rows) {
             const int64_t r1_ = r0_ + chunk_ < rows ? r0_ + chunk_ : rows;               \
             for (int64_t i0_ = 0; i0_ < m;) {                                            \
                 const int mm_ = m - i0_ >= 8 ? 8 : m - i0_ >= 4 ? 4 : m - i0_ >= 2 ? 2 : 1; \
-                const float *xi_ = (X) + i0_ * n;                                        \
-                float *yi_ = y + i0_ * rows;                                             \
                 switch (mm_) {                                                           \
-                case 1: ROWS(w, stride, r0_, r1_, xi_, 1, n, yi_, rows, bias, ##__VA_ARGS__); break; \
-                case 2: ROWS(w, stride, r0_, r1_, xi_, 2, n, yi_, rows, bias, ##__VA_ARGS__); break; \
-                case 4: ROWS(w, stride, r0_, r1_, xi_, 4, n, yi_, rows, bias, ##__VA_ARGS__); break; \
-                default: ROWS(w, stride, r0_, r1_, xi_, 8, n, yi_, rows, bias, ##__VA_ARGS__); break; \
+                case 1: { const int pass_m_ = 1; PASS; } break;                          \
+                case 2: { const int pass_m_ = 2; PASS; } break;                          \
+                case 4: { const int pass_m_ = 4; PASS; } break;                          \
+                default: { const int pass_m_ = 8; PASS; } break;                         \
                 }                                                                        \
                 i0_ += mm_;                                                              \
             }                                                                            \
         }                                                                                \
     } while (0)
+
+/* FOR_PASSES over X [m, n]: ROWS(w, stride, r0, r1, x, m, n, y, ldy, bias, ...) for the
+ * pass's rows of X. Expects w, stride, rows, m, n, y and bias in scope, as the matvec
+ * functions name them. */
+#define ROW_PASSES(X, ROWS, ...)                                                         \
+    FOR_PASSES(ROWS(w, stride, r0_, r1_, (X) + i0_ * n, pass_m_, n, y + i0_ * rows, rows, bias, \
+                    ##__VA_ARGS__))
 
 /* The packed Q4_0 (FIVE 0) and Q5_0 (FIVE 1) layouts: each row stored field by field,
  * its f16 scales, (Q5_0) its u32 high-bit words, then its 16-byte quants in block

@@ -824,28 +824,9 @@ ALWAYS_INLINE void rows_q8_packed_256(const uint8_t *w, int64_t stride, int64_t 
 #endif
 
 /* As ROW_PASSES (common.h), over the quantized activations: ROWS(w, stride, r0, r1,
- * a, i0, m, y, ldy, bias, ...) for the activation rows i0 .. i0 + m - 1, in passes of up
- * to MAX_M rows over each thread's run of weights (a prompt's many rows: over runs of
- * PASSES_CHUNK bytes, read from memory once and then from the caches). */
+ * a, i0, m, y, ldy, bias, ...) for the activation rows i0 .. i0 + m - 1. */
 #define Q8_PASSES(A, ROWS, ...)                                                          \
-    do {                                                                                 \
-        const int64_t chunk_ = m > MAX_M ? passes_chunk(stride, rows) : row_chunk(stride, rows); \
-        _Pragma("omp parallel for schedule(dynamic)")                                    \
-        for (int64_t r0_ = 0; r0_ < rows; r0_ += chunk_) {                               \
-            const int64_t r1_ = r0_ + chunk_ < rows ? r0_ + chunk_ : rows;               \
-            for (int64_t i0_ = 0; i0_ < m;) {                                            \
-                const int mm_ = m - i0_ >= 8 ? 8 : m - i0_ >= 4 ? 4 : m - i0_ >= 2 ? 2 : 1; \
-                float *yi_ = y + i0_ * rows;                                             \
-                switch (mm_) {                                                           \
-                case 1: ROWS(w, stride, r0_, r1_, A, i0_, 1, yi_, rows, bias, ##__VA_ARGS__); break; \
-                case 2: ROWS(w, stride, r0_, r1_, A, i0_, 2, yi_, rows, bias, ##__VA_ARGS__); break; \
-                case 4: ROWS(w, stride, r0_, r1_, A, i0_, 4, yi_, rows, bias, ##__VA_ARGS__); break; \
-                default: ROWS(w, stride, r0_, r1_, A, i0_, 8, yi_, rows, bias, ##__VA_ARGS__); break; \
-                }                                                                        \
-                i0_ += mm_;                                                              \
-            }                                                                            \
-        }                                                                                \
-    } while (0)
+    FOR_PASSES(ROWS(w, stride, r0_, r1_, A, i0_, pass_m_, y + i0_ * rows, rows, bias, ##__VA_ARGS__))
 
 /* As EXPERTS_PASS (common.h), over the quantized activations: one activation row, or
  * (PER_EXPERT) row j of A for matrix j, through `count` matrices at addresses ws[j]. */
