@@ -56,8 +56,7 @@ from llmrun.errors import UsageError
 @app.command()
 def run(
     args: Annotated[
-        list[str] | None,
-        typer.Argument(help="[MODEL] [PROMPT]", show_default=False),
+        list[str] | None, typer.Argument(help="[MODEL] [PROMPT]", show_default=False)
     ] = None,
     model: ModelOpt = None,
     max_tokens: MaxTokens = None,
@@ -251,8 +250,7 @@ def chat(
 @app.command()
 def tokenize(
     args: Annotated[
-        list[str] | None,
-        typer.Argument(help="[MODEL] [TEXT]", show_default=False),
+        list[str] | None, typer.Argument(help="[MODEL] [TEXT]", show_default=False)
     ] = None,
     model: ModelOpt = None,
     pieces: Annotated[bool, typer.Option("--pieces", help="Print id/piece pairs.")] = False,

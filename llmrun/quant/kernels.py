@@ -190,8 +190,7 @@ class Matvec:
         self.fn = lib.llmrun_matvec_q8 if q8 else lib.llmrun_matvec
         # a prompt's many rows: tiles of weights (q8.h), where the type has them
         self.gemm = lib.llmrun_gemm_q8 if q8 else None
-        k_quant = ggml_type in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
-                                GGMLQuantizationType.Q6_K)  # fmt: skip
+        k_quant = ggml_type in (Q4_K, Q5_K, GGMLQuantizationType.Q6_K)
         self.gemm_min_rows = K_QUANT_GEMM_MIN_ROWS if k_quant else GEMM_MIN_ROWS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
