@@ -111,6 +111,7 @@ typedef struct {
     const int32_t *tables[2];     /* a paged cache's block tables [rows, table_width] per
                                      group of layers (.kv_group); NULL: a contiguous cache */
     int64_t table_width[2], block_bytes[2], block_rows;
+    int64_t pool_blocks[2]; /* a paged cache: the blocks of each group's pool */
     int64_t row_bytes; /* a contiguous cache: from one row's keys to the next's */
     int64_t capacity;  /* a contiguous cache: the positions a row holds */
     int64_t rows, rotary_dim, hidden, layers;
@@ -531,14 +532,19 @@ int llmrun_decode_layers(const step_layer_t *layers, const step_t *step, float *
     const int64_t rows = step->rows;
     if (rows < 1 || rows > MAX_ROWS || (rows > 1 && step->tables[0] == NULL && step->ring_keys))
         return -1;
-    /* a position the cache has no room for is the caller's layers' to refuse */
+    /* A position the cache has no room for, or a table entry up to it outside its pool,
+     * is the caller's layers' to refuse (the step would write or read outside the
+     * cache; torch's indexing checks). */
     for (int64_t b = 0; b < rows; b++) {
         const int64_t p = step->positions[b];
         if (p < 0 || (!step->tables[0] && p >= step->capacity)) return -1;
         for (int g = 0; g < 2 && step->tables[0]; g++) {
             if (!step->tables[g]) continue;
             const int64_t at = p / step->block_rows, width = step->table_width[g];
-            if (at >= width || step->tables[g][b * width + at] < 0) return -1;
+            if (at >= width) return -1;
+            const int32_t *table = step->tables[g] + b * width;
+            for (int64_t j = 0; j <= at; j++)
+                if (table[j] < 0 || table[j] >= step->pool_blocks[g]) return -1;
         }
     }
     for (int64_t l = 0; l < step->layers; l++) {

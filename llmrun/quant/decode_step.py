@@ -115,6 +115,7 @@ class Step(ctypes.Structure):
         ("tables", _PTR * 2),
         ("table_width", _I64 * 2),
         ("block_bytes", _I64 * 2),
+        ("pool_blocks", _I64 * 2),
         ("block_rows", _I64),
         ("row_bytes", _I64),
         ("capacity", _I64),
@@ -383,6 +384,7 @@ class DecodeStep:
             for g, group in enumerate(cache.groups):
                 step.tables[g], step.table_width[g] = group.tables.data_ptr(), group.tables.shape[1]
                 step.block_bytes[g] = group.k.stride(1) * group.k.element_size()
+                step.pool_blocks[g] = group.k.shape[1]
         elif (
             cache.rows is not None
             or cache.k.shape[1] != rows

@@ -311,6 +311,11 @@ with torch.no_grad():
         model(ids[:, 4:5], torch.tensor([[4]]), pool.view([[0]]))
     except (RuntimeError, IndexError):
         print("refused the table", any(taken[offered:]))
+    offered = len(taken)
+    try:  # block 9 of a pool of 4
+        model(ids[:, 4:5], torch.tensor([[4]]), pool.view([[0, 9]]))
+    except (RuntimeError, IndexError):
+        print("refused the pool", any(taken[offered:]))
 """
 
 
@@ -330,6 +335,7 @@ def test_a_position_past_the_cache_is_the_layers_to_refuse(native_kernels, tmp_p
     assert run.stdout.splitlines() == [
         "refused at 8 [False, True, True, True, True] False",  # the prompt, 4..7; then 8
         "refused the table False",
+        "refused the pool False",
     ]
 
 
