@@ -265,6 +265,7 @@ def attend_paged(
         or k.dtype != v.dtype
         or not (k.is_contiguous() and v.is_contiguous() and table.is_contiguous())
         or table.dtype != torch.int32
+        or table.numel() * k.shape[2] < length  # the native kernel reads entries to length
     ):
         return None
     y = torch.empty(1, 1, heads * head_dim)
@@ -275,6 +276,7 @@ def attend_paged(
         k.data_ptr(),
         v.data_ptr(),
         table.data_ptr(),
+        k.shape[0],
         k.shape[2],
         k.stride(0) * size,
         first,

@@ -47,7 +47,7 @@ _API = {
     # as llmrun_attend_one_stored, with the per-head sink logits (f32) before y
     "llmrun_attend_one_sinks": [_INT, _PTR, _PTR, _PTR, *[_I64] * 5, _F32, _F32, _PTR, _PTR],
     # kind, q, k and v pools, the block table (int32), then sizes as named in decode_ops.c
-    "llmrun_attend_paged": [_INT, _PTR, _PTR, _PTR, _PTR, *[_I64] * 8, _F32, _F32, _PTR],
+    "llmrun_attend_paged": [_INT, _PTR, _PTR, _PTR, _PTR, *[_I64] * 9, _F32, _F32, _PTR],
     # the layers (decode_step.c step_layer_t[]), the step (step_t), x; returns the
     # layers it ran, or -1
     "llmrun_decode_layers": [_PTR, _PTR, _PTR],

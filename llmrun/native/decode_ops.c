@@ -520,9 +520,10 @@ int llmrun_attend_one_stored(int kind, const float *q, const void *k, const void
 
 /* llmrun_attend_one_stored over a paged cache: keys first .. length - 1 (first > 0: a
  * sliding window), position p in row p % block_rows of pool block table[p / block_rows].
- * k and v are one layer's pool, blocks block_bytes apart, each kv_heads runs of
- * head_bytes bytes (block_rows rows as `kind`). -1 as llmrun_attend_one_stored, or
- * for block_rows over KEY_TILE or an empty range. */
+ * k and v are one layer's pool of `blocks` blocks, block_bytes apart, each kv_heads runs
+ * of head_bytes bytes (block_rows rows as `kind`). -1 as llmrun_attend_one_stored, or
+ * for block_rows over KEY_TILE, an empty range or a table entry it reads outside the
+ * pool. */
 #define ATTEND_PAGED(KIND)                                                               \
     _Pragma("omp parallel for schedule(static) if (heads * (length - first) * dim >= (1 << 15))") \
     for (int64_t g = 0; g < kv_heads; g++)                                               \
@@ -531,11 +532,14 @@ int llmrun_attend_one_stored(int kind, const float *q, const void *k, const void
                     block_bytes, first)
 
 int llmrun_attend_paged(int kind, const float *q, const void *k, const void *v,
-                        const int32_t *table, int64_t block_rows, int64_t block_bytes,
-                        int64_t first, int64_t length, int64_t heads, int64_t kv_heads,
-                        int64_t dim, int64_t head_bytes, float scale, float softcap, float *y) {
+                        const int32_t *table, int64_t blocks, int64_t block_rows,
+                        int64_t block_bytes, int64_t first, int64_t length, int64_t heads,
+                        int64_t kv_heads, int64_t dim, int64_t head_bytes, float scale,
+                        float softcap, float *y) {
     if (dim % VW != 0 || (kind == KV_Q8_0 && dim % KV_BLOCK != 0)) return -1;
     if (block_rows < 1 || block_rows > KEY_TILE || first < 0 || first >= length) return -1;
+    for (int64_t j = first / block_rows; j <= (length - 1) / block_rows; j++)
+        if (table[j] < 0 || table[j] >= blocks) return -1;
     switch (kind) {
     case KV_F32: ATTEND_PAGED(KV_F32); return 0;
     case KV_F16: ATTEND_PAGED(KV_F16); return 0;

@@ -92,6 +92,13 @@ def test_the_kernel_refuses_what_it_cannot_take(native_kernels):
     assert ops.attend_paged(q, pool, pool, table, 5, 5, 1.0) is None  # an empty range
     assert ops.attend_paged(q, pool, pool, table.long(), 0, 5, 1.0) is None
     assert ops.attend_paged(q.double(), pool, pool, table, 0, 5, 1.0) is None
+    # a table entry outside the pool of 2 blocks, or a table too short for the keys:
+    # the native kernel would read outside the pool
+    for bad in (2, -1):
+        outside = torch.tensor([0, bad], dtype=torch.int32)
+        assert ops.attend_paged(q, pool, pool, outside, 0, BLOCK + 1, 1.0) is None
+    assert ops.attend_paged(q, pool, pool, table[:1], 0, BLOCK + 1, 1.0) is None
+    assert ops.attend_paged(q, pool, pool, table, 0, BLOCK + 1, 1.0) is not None
 
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3"]
