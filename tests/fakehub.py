@@ -22,7 +22,9 @@ Hostile knobs, for what a mirror, a proxy or a compromised host could send: `com
 model info's sha, any string), `sizes` ({path: size} in the listing), `etag` (every ETag and
 X-Linked-Etag), `location` (the LFS redirect's Location), `cdn_redirect` (the CDN answers a
 GET with a redirect there), `cdn_extra` (bytes appended to CDN bodies, with a Content-Length
-that counts them, or none at all with `cdn_chunked`).
+that counts them, or none at all with `cdn_chunked`), `range_from` (a Range is answered 206
+with as many bytes as asked for, but from that offset, as Content-Range says), `info_body`
+(the model info's 200 body, in place of the JSON).
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ class FakeHub:
         self.cdn_redirect: str | None = None
         self.cdn_extra = b""
         self.cdn_chunked = False
+        self.range_from: int | None = None
+        self.info_body: bytes | None = None
         self._servers = [_server(self, "api"), _server(self, "cdn")]
         self.url = _url(self._servers[0])
         self.cdn_url = _url(self._servers[1])
@@ -101,7 +105,9 @@ class FakeHub:
         repo = self.repos.setdefault(repo_id, Repo(gated=gated, private=private))
         digest = hashlib.sha1(repo_id.encode() + str(len(repo.commits)).encode())
         for name in sorted(files):
-            digest.update(name.encode() + hashlib.sha256(files[name]).digest())
+            digest.update(
+                name.encode(errors="surrogatepass") + hashlib.sha256(files[name]).digest()
+            )
         commit = digest.hexdigest()
         repo.commits[commit] = dict(files)
         repo.refs[revision] = commit
@@ -228,6 +234,8 @@ class _Handler(BaseHTTPRequestHandler):
         commit = self._commit(repo, revision)
         if commit is None:
             return
+        if self.hub.info_body is not None:
+            return self._reply(200, self.hub.info_body, {"Content-Type": "application/json"})
         blobs = query.get("blobs") == ["true"]
         siblings = []
         for path, data in sorted(repo.commits[commit].items()):
@@ -313,6 +321,9 @@ class _Handler(BaseHTTPRequestHandler):
             if start >= len(data):
                 return self._reply(416, b"", {"Content-Range": f"bytes */{len(data)}"})
             status, body = 206, data[start : end + 1]
+            if self.hub.range_from is not None:
+                start = self.hub.range_from
+                body = data[start : start + len(body)]
             headers["Content-Range"] = f"bytes {start}-{start + len(body) - 1}/{len(data)}"
         self._reply(status, body, headers, stream=self.role == "cdn")
 

@@ -81,7 +81,7 @@ def rm(
     DEBUG["on"] = debug
     from llmrun import hub
 
-    plans = [hub.plan_removal(name) for name in names]
+    plans = [hub.plan_removal(name) for name in dict.fromkeys(names)]  # each name once
     if not yes:
         if not ui.stdin_is_tty():
             raise UsageError("rm asks before deleting: pass -y to delete without asking")

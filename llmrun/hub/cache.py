@@ -41,7 +41,7 @@ from llmrun.hub.names import (
     select,
     select_safetensors,
 )
-from llmrun.loading.inspect import read_json, weight_stats
+from llmrun.loading.inspect import index_shards, read_json, weight_stats
 from llmrun.paths import cache_dir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
@@ -133,11 +133,11 @@ def complete(snap: Path, sel: Selection, source: str) -> bool:
     if sel.format != "safetensors":
         return True
     try:
-        index = read_json(snap / "model.safetensors.index.json") or {}
+        index = read_json(snap / "model.safetensors.index.json")
     except ModelFormatError:
         return False
-    shards = set(index.get("weight_map", {}).values())
-    if not all(is_safe_file_name(s) and (snap / s).is_file() for s in shards):
+    shards = set() if index is None else index_shards(index)
+    if shards is None or not all(is_safe_file_name(s) and (snap / s).is_file() for s in shards):
         return False
     # llmrun fetches the tokenizer before the weights; other tools may have skipped it.
     return source == "llmrun" or any((snap / f).is_file() for f in TOKENIZER_FILES)
@@ -192,7 +192,15 @@ def read_usage() -> dict[str, float]:
         data = json.loads(_usage_file().read_text())
     except (OSError, ValueError):
         return {}
-    return data if isinstance(data, dict) else {}
+    if not isinstance(data, dict):
+        return {}
+    # Only times a clock could have written (the file may have been edited or damaged).
+    latest = time.time() + 86400
+    return {
+        name: float(when)
+        for name, when in data.items()
+        if isinstance(when, (int, float)) and not isinstance(when, bool) and 0 <= when <= latest
+    }
 
 
 def touch_usage(name: str) -> None:

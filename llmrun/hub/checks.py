@@ -19,18 +19,32 @@ from llmrun.errors import HubError
 COMMIT_RE = re.compile(r"[0-9a-f]{40}")
 _HASH_ETAG_RE = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 _DRIVE_RE = re.compile(r"[A-Za-z]:")
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 def is_safe_file_name(name: object) -> bool:
-    """A relative POSIX path of plain parts: no '', '.', '..', backslash, NUL or drive."""
+    """A relative POSIX path of plain parts: no '', '.', '..', backslash, control character
+    (a terminal would obey it when the name is shown) or drive; each part a UTF-8 name that
+    a file system takes (at most 255 bytes)."""
     return (
         isinstance(name, str)
         and not name.startswith("/")
         and not _DRIVE_RE.match(name)
         and "\\" not in name
-        and "\0" not in name
-        and all(part not in ("", ".", "..") for part in name.split("/"))
+        and not _CONTROL_RE.search(name)
+        and all(
+            part not in ("", ".", "..") and _name_bytes(part) <= 255 for part in name.split("/")
+        )
     )
+
+
+def _name_bytes(part: str) -> int:
+    """A name's length in UTF-8 bytes; past any limit where it is not UTF-8 (a lone
+    surrogate from JSON)."""
+    try:
+        return len(part.encode())
+    except UnicodeEncodeError:
+        return 1 << 30
 
 
 def checked_file_name(repo: str, name: object) -> str:

@@ -103,13 +103,18 @@ def fetch(name: HubName, progress: Progress) -> tuple[Path, Selection]:
 
     endpoint = hub_endpoint()
     with _hub_errors(name, endpoint):
-        info = HfApi(endpoint=endpoint).model_info(
-            name.repo, revision=name.revision or "main", files_metadata=True
-        )
+        with _server_reply(endpoint):
+            info = HfApi(endpoint=endpoint).model_info(
+                name.repo, revision=name.revision or "main", files_metadata=True
+            )
+            siblings = list(info.siblings or [])
         if not info.sha:
             raise HubError(f"{endpoint} sent no commit for {name.repo}: is HF_ENDPOINT a Hub?")
         commit = checked_commit(name.repo, info.sha)
-        sizes = {checked_file_name(name.repo, s.rfilename): s.size for s in info.siblings or []}
+        sizes = {
+            checked_file_name(name.repo, s.rfilename): _listed_size(name.repo, s.rfilename, s.size)
+            for s in siblings
+        }
         sel = select(name, {f: size or 0 for f, size in sizes.items()})
         if sel.note:
             progress.on_notice(sel.note)
@@ -123,8 +128,10 @@ def fetch(name: HubName, progress: Progress) -> tuple[Path, Selection]:
         snap = repo_dir / "snapshots" / commit
         entries = {f: snapshot_entry(name.repo, snap, f) for f in sel.files}
         # Weights last, so a cached snapshot with all its weights has its small files too.
+        # An entry counts only as a file in this cache (a link planted there to a file
+        # elsewhere is replaced).
         todo = sorted(
-            (f for f, path in entries.items() if not path.is_file()),
+            (f for f, path in entries.items() if not (path.is_file() and inside(path, repo_dir))),
             key=lambda f: (f.endswith((".safetensors", ".gguf")), f),
         )
         blobs = [_blob_info(name.repo, commit, f, sizes.get(f), repo_dir, endpoint) for f in todo]
@@ -137,11 +144,31 @@ def fetch(name: HubName, progress: Progress) -> tuple[Path, Selection]:
             _download(blob, progress)
             _link(entries[blob.file], blob.path)
             progress.on_file_done(blob.file)
-    if name.revision != commit:
-        ref = repo_dir / "refs" / (name.revision or "main")
-        ref.parent.mkdir(parents=True, exist_ok=True)
-        ref.write_text(commit)
+        if name.revision != commit:
+            ref = repo_dir / "refs" / (name.revision or "main")
+            ref.parent.mkdir(parents=True, exist_ok=True)
+            ref.write_text(commit)
     return snap, sel
+
+
+def _listed_size(repo: str, file: str, size: object) -> int | None:
+    """A size from the repo's listing: a byte count, or None where it gives none."""
+    if size is None or (isinstance(size, int) and not isinstance(size, bool) and size >= 0):
+        return size
+    raise HubError(f"{repo}: the server lists {file} with a size of {size!r}, not a byte count")
+
+
+@contextmanager
+def _server_reply(endpoint: str) -> Iterator[None]:
+    """Around reading what a server sent: a reply that is not what the Hub protocol
+    says (not JSON, fields of the wrong type, a malformed URL) is one error line."""
+    try:
+        yield
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise HubError(
+            f"{endpoint} sent a reply llmrun cannot read ({type(e).__name__}: {e}): is "
+            "HF_ENDPOINT a Hugging Face Hub?"
+        ) from e
 
 
 @contextmanager
@@ -180,6 +207,17 @@ def _hub_errors(name: HubName, endpoint: str) -> Iterator[None]:
         raise HubError(f"{name} is not in the cache and HF_HUB_OFFLINE=1 is set: unset it") from e
     except hf.HfHubHTTPError as e:
         status = e.response.status_code
+        host = urlsplit(str(e.response.url)).netloc
+        if host and host != urlsplit(endpoint).netloc and status in (401, 403):
+            raise HubError(
+                f"the download server {host} refused {name.repo}'s file (HTTP {status}): its "
+                f"signed link may have expired; {resume}"
+            ) from e
+        if status == 429:
+            raise HubError(
+                f"{host or endpoint} is rate-limiting this machine (HTTP 429): wait a few "
+                f"minutes, then {resume}"
+            ) from e
         if status == 401:
             raise HubError(
                 "the Hub refused the token (401): check HF_TOKEN or run `huggingface-cli login`"
@@ -224,7 +262,8 @@ def _blob_info(
     from huggingface_hub.utils import build_hf_headers
 
     url = hf_hub_url(repo, file, revision=commit, endpoint=endpoint)
-    meta = get_hf_file_metadata(url, endpoint=endpoint)
+    with _server_reply(endpoint):
+        meta = get_hf_file_metadata(url, endpoint=endpoint)
     size = meta.size if meta.size is not None else listed_size
     if not meta.etag or size is None:
         raise HubError(f"{endpoint} sent no ETag or size for {repo}/{file}: is HF_ENDPOINT a Hub?")
@@ -250,7 +289,7 @@ def _check_url(what: str, url: str) -> None:
 
 def _reuse(blob: _Blob, repo: str, link: Path) -> bool:
     """Link a blob that is already here or in the Hugging Face cache instead of downloading."""
-    if not (blob.path.is_file() and blob.path.stat().st_size == blob.size):
+    if not (_regular(blob.path) and blob.path.stat().st_size == blob.size):
         hf_repo = repo_path(hf_cache_dir(), repo)
         theirs = hf_repo / "blobs" / blob.path.name
         usable = theirs.is_file() and not theirs.is_symlink() and inside(theirs, hf_repo)
@@ -267,9 +306,14 @@ def _reuse(blob: _Blob, repo: str, link: Path) -> bool:
     return True
 
 
+def _regular(path: Path) -> bool:
+    """A file of its own here, not a link to one elsewhere."""
+    return path.is_file() and not path.is_symlink()
+
+
 def _part_size(blob: _Blob) -> int:
     part = _part(blob)
-    size = part.stat().st_size if part.is_file() else 0
+    size = part.stat().st_size if _regular(part) else 0
     return size if size <= blob.size else 0
 
 
@@ -319,8 +363,8 @@ class _Partial:
 
     def __init__(self, blob: _Blob) -> None:
         self.blob, self.path = blob, _part(blob)
-        if self.path.is_file() and self.path.stat().st_size > blob.size:
-            self.path.unlink()
+        if self.path.is_symlink() or (self.path.is_file() and self.path.stat().st_size > blob.size):
+            self.path.unlink()  # never written through a link: it may lead anywhere
         self.size = _part_size(blob)
         self.hasher = _new_hasher(blob.etag, blob.size)
         if self.size and self.hasher is not None:
@@ -373,8 +417,14 @@ def _download(blob: _Blob, progress: Progress) -> None:
 
     blob.path.parent.mkdir(parents=True, exist_ok=True)
     with WeakFileLock(blob.path.with_name(blob.path.name + ".lock")):
-        if blob.path.is_file():
-            return  # another process finished it while this one waited for the lock
+        if _regular(blob.path):
+            have = blob.path.stat().st_size
+            if have == blob.size:
+                return  # another process finished it while this one waited for the lock
+            raise HubError(
+                f"{blob.file}: the server gives it the ETag of a {have}-byte file already here "
+                f"and declares {blob.size} bytes; refusing a file whose ETag and size disagree"
+            )
         partial = _Partial(blob)
         for attempt in range(_RETRIES):
             try:
@@ -384,6 +434,7 @@ def _download(blob: _Blob, progress: Progress) -> None:
                 if attempt == _RETRIES - 1 or not _transient(e):
                     raise
                 time.sleep(0.5 * 2**attempt)
+        partial.path.touch()  # an empty file had no bytes to fetch, yet becomes a blob
         partial.check()
         os.replace(partial.path, blob.path)
 
@@ -409,15 +460,22 @@ def _fetch(partial: _Partial, progress: Progress) -> None:
         if response.status_code >= 400:
             response.read()
             hf_raise_for_status(response)
-        if partial.size and response.status_code != 206:  # the server ignored Range
-            partial.restart()
+        if partial.size and _range_start(response) != partial.size:
+            if response.status_code == 206 and _range_start(response) != 0:
+                partial.discard()
+                raise HubError(
+                    f"{blob.file}: asked to resume at byte {partial.size}, the server sent "
+                    f"another range ({response.headers.get('content-range')!r}); the partial "
+                    "download was discarded: pull again"
+                )
+            partial.restart()  # the server ignored Range: the whole file follows
         declared = response.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > blob.size - partial.size:
             raise HubError(
                 f"{blob.file}: the server is sending {declared} bytes where "
                 f"{blob.size - partial.size} remain of the {blob.size} it declared; refused"
             )
-        with open(partial.path, "ab", buffering=0) as f:
+        with open(_append_only(partial.path), "ab", buffering=0) as f:
             for chunk in response.iter_bytes():
                 room = blob.size - partial.size
                 partial.append(f, memoryview(chunk)[:room])
@@ -428,6 +486,21 @@ def _fetch(partial: _Partial, progress: Progress) -> None:
                         f"{blob.file}: the server sent more than the {blob.size} bytes it "
                         "declared; the download was cut off there and discarded"
                     )
+
+
+def _range_start(response: Any) -> int | None:
+    """Where the body starts in the file: 0 for a whole file (200), a 206's Content-Range
+    start, None for a 206 without a valid one."""
+    if response.status_code != 206:
+        return 0
+    m = re.fullmatch(r"bytes (\d+)-\d+/(\d+|\*)", response.headers.get("content-range", "").strip())
+    return int(m.group(1)) if m else None
+
+
+def _append_only(path: Path) -> int:
+    """A descriptor appending to `path`, which must not be a link (O_NOFOLLOW)."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+    return os.open(path, flags, 0o644)
 
 
 @contextmanager
@@ -442,7 +515,13 @@ def _get(blob: _Blob, headers: dict[str, str]) -> Iterator[Any]:
         if not response.is_redirect:
             break
         response.close()
-        target = urljoin(url, response.headers["location"])
+        try:
+            target = urljoin(url, response.headers["location"])
+            urlsplit(target).port  # noqa: B018 (raises for a malformed host or port)
+        except (KeyError, ValueError) as e:
+            raise HubError(
+                f"{blob.file}: {url} answered {response.status_code} without a usable Location"
+            ) from e
         _check_url(blob.file, target)
         if urlsplit(target)[:2] != urlsplit(url)[:2]:
             headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
@@ -458,7 +537,7 @@ def _get(blob: _Blob, headers: dict[str, str]) -> Iterator[Any]:
 def _link(link: Path, blob: Path) -> None:
     """Point `link` at `blob` atomically (relative symlink, else a hard link)."""
     link.parent.mkdir(parents=True, exist_ok=True)
-    tmp = link.with_name(f".{link.name}.{os.getpid()}.tmp")
+    tmp = link.with_name(f".llmrun-{os.getpid()}.tmp")  # short: link.name may be 255 bytes
     tmp.unlink(missing_ok=True)
     try:
         tmp.symlink_to(os.path.relpath(blob, link.parent))

@@ -75,7 +75,7 @@ def parse_name(spec: str) -> HubName:
             raise UsageError(
                 f"{spec}: nothing after ':'; write org/repo:QUANT, e.g. :{DEFAULT_QUANT}"
             )
-    if at and (not revision or revision.startswith("/") or ".." in revision.split("/")):
+    if at and not _is_revision(revision):
         raise UsageError(f"{spec}: write org/repo@BRANCH, TAG or COMMIT after the name")
     parts = rest.split("/")
     if len(parts) < 2 or not all(_REPO_PART_RE.fullmatch(p) for p in parts[:2]):
@@ -89,6 +89,14 @@ def parse_name(spec: str) -> HubName:
         if quant:
             raise UsageError(f"{spec}: name a file or a quant tag, not both")
     return HubName("/".join(parts[:2]), file, quant or None, revision or None)
+
+
+def _is_revision(revision: str) -> bool:
+    """A branch, tag or commit that can name a file under refs/: parts that are names."""
+    return bool(revision) and all(
+        part not in ("", ".", "..") and len(part.encode()) <= 255 and part.isprintable()
+        for part in revision.split("/")
+    )
 
 
 def local_path(spec: str) -> Path | None:
@@ -121,12 +129,18 @@ def first_part(name: str) -> str:
 
 
 def gguf_parts(first: str, files: dict[str, int], repo: str) -> list[str]:
+    """The parts of the GGUF whose first part is `first`: each number 1..N once."""
     parts = sorted(f for f in files if first_part(f) == first)
     m = SPLIT_RE.search(first)
-    count = int(m.group(2)) if m else 1
-    if len(parts) != count:
+    if not m:
+        return parts
+    count = int(m.group(2))
+    numbers = sorted(int(SPLIT_RE.search(f).group(1)) for f in parts)
+    if count < 1 or numbers != list(range(1, count + 1)):
+        have = [n for n in numbers if 1 <= n <= count]
         raise ModelNotFoundError(
-            f"{repo}: only {len(parts)} of the {count} parts of {first} are there"
+            f"{repo}: only {len(set(have))} of the {count} parts of {first} are there"
+            + (f" (and {len(numbers) - len(have)} more)" if len(have) != len(numbers) else "")
         )
     return parts
 
@@ -152,6 +166,11 @@ def _select_gguf(name: HubName, files: dict[str, int]) -> Selection:
         first = first_part(name.file)
         parts = gguf_parts(first, files, name.repo)
         return Selection("gguf", tuple(parts))
+    if not groups and select_safetensors(files):
+        raise ModelNotFoundError(
+            f"{name} names a GGUF, and {name.repo} holds safetensors weights only: pull "
+            f"{name.repo} without a file or quant tag"
+        )
     if not groups:
         listing = ", ".join(sorted(files)[:10]) + (", ..." if len(files) > 10 else "")
         raise HubError(

@@ -190,6 +190,15 @@ def read_json(path: Path) -> Any:
         raise ModelFormatError(f"{path}: not valid JSON ({e})") from None
 
 
+def index_shards(index: Any) -> set[str] | None:
+    """The shard file names a parsed model.safetensors.index.json maps weights to, or
+    None where it is not such an index (no weight_map object of names)."""
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        return None
+    return set(weight_map.values())
+
+
 def safetensors_header(path: Path) -> dict[str, Any]:
     """The JSON header of a .safetensors file (8-byte little-endian length, then JSON)."""
     with open(path, "rb") as f:

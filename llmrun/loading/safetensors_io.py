@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from llmrun.errors import ModelFormatError, ModelNotFoundError, UnsupportedError
+from llmrun.loading.inspect import index_shards
 
 DTYPES = {
     "F32": torch.float32,
@@ -62,10 +63,10 @@ def read_generation_config(model_dir: Path) -> dict[str, Any]:
 def safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ModelFormatError(f"{index}: no weight_map")
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        shards = index_shards(read_json(index))
+        if shards is None:
+            raise ModelFormatError(f"{index}: no weight_map of file names")
+        files = [model_dir / name for name in sorted(shards)]
         for f in files:
             if Path(f.name) != Path(f.relative_to(model_dir)) or not f.is_file():
                 raise ModelFormatError(f"{index}: lists {f.name}, which is missing")

@@ -119,3 +119,32 @@ def test_list_and_show_import_no_torch():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def test_a_bad_index_or_usage_file_breaks_neither_list_nor_show(fake, st_files):
+    """A repo's index without a weight_map of names is an incomplete model, and a damaged
+    last-used file only loses its bad entries: `list` goes on for the other models."""
+    fake.add_repo(
+        "test/bad-index", {**st_files, "model.safetensors.index.json": b'{"weight_map": []}'}
+    )
+    hub.pull("test/bad-index")
+    hub.pull(f"{GGUF_REPO}:Q8_0")
+    usage = cache_module._usage_file()
+    usage.write_text(
+        json.dumps({f"{GGUF_REPO}:Q8_0": "yesterday", "a": 1e300, "b": -1e20, "c": float("nan")})
+    )
+    assert [m.name for m in hub.list_models()] == [f"{GGUF_REPO}:Q8_0"]
+    with pytest.raises(ModelNotFoundError):
+        hub.model_info("test/bad-index")
+
+
+def test_an_empty_file_of_a_repo_is_pulled(fake, st_files):
+    fake.add_repo("test/empty-readme", {**st_files, "README.md": b""})
+    path = hub.pull("test/empty-readme")
+    assert (path / "README.md").read_bytes() == b""
+
+
+def test_a_ref_that_cannot_be_written_is_one_error(fake):
+    (cache(GGUF_REPO) / "refs" / "main").mkdir(parents=True)
+    with pytest.raises(HubError, match="cannot write to .*refs/main"):
+        hub.pull(f"{GGUF_REPO}:Q8_0")

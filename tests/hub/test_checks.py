@@ -92,6 +92,11 @@ UNSAFE_NAMES = [
     "sub//evil.gguf",
     "evil\0.gguf",
     "",
+    "\x1b[2J\x1b[31mPWNED\x1b[0m-Q8_0.gguf",  # shown to the user, a terminal would obey it
+    "evil\n-Q4_K_M.gguf",
+    "x\r.gguf",
+    "a" * 251 + ".gguf",  # longer than a file system's 255-byte names
+    "\ud800.gguf",  # not UTF-8: no file system name
 ]
 
 
@@ -232,3 +237,100 @@ def test_rm_refuses_a_repo_folder_that_is_a_link_outside(server, tmp_path):
     (models / "models--test--tiny-GGUF").symlink_to(tmp_path / "victim")
     with pytest.raises(HubError, match="outside the cache: llmrun deletes nothing there"):
         hub.remove(REPO)
+
+
+def test_links_planted_in_the_cache_are_never_written_through(server, tmp_path):
+    """A .part link (the download would append to its target) and a snapshot entry linked
+    to a file elsewhere (the pull would take it for done) are replaced, not followed."""
+    commit = server.add_repo(REPO, GOOD)
+    blob = hashlib.sha256(GOOD["tiny-Q8_0.gguf"]).hexdigest()
+    blobs_dir().mkdir(parents=True)
+    (blobs_dir() / f"{blob}.part").symlink_to(tmp_path / "victim" / "target.gguf")
+    snapshot_dir(commit).mkdir(parents=True)
+    (snapshot_dir(commit) / "tiny-Q8_0.gguf").symlink_to(tmp_path / "victim" / "notes" / "todo.txt")
+    path = hub.pull(f"{REPO}:Q8_0")
+    assert path.read_bytes() == GOOD["tiny-Q8_0.gguf"]
+    assert path.resolve() == (blobs_dir() / blob).resolve()
+    assert len(server.served("cdn")) == 1
+
+
+def test_an_empty_file_is_pulled(server):
+    server.add_repo(REPO, {**GOOD, "empty-Q4_0.gguf": b""})
+    path = hub.pull(f"{REPO}:Q4_0")
+    assert path.is_file() and path.read_bytes() == b""
+
+
+@pytest.mark.parametrize("start", [0, 7])
+def test_a_resume_answered_from_another_offset_keeps_nothing(server, start):
+    """With an ETag that is no hash only the size is checked: a 206 whose Content-Range
+    starts elsewhere than the bytes kept would make a corrupt file of the right size."""
+    server.add_repo(REPO, GOOD)
+    server.etag = "not-a-hash"
+    data = GOOD["tiny-Q8_0.gguf"]
+    blobs_dir().mkdir(parents=True)
+    part = blobs_dir() / (hashlib.sha256(b"not-a-hash").hexdigest() + ".part")
+    part.write_bytes(data[:100])
+    server.range_from = start
+    with pytest.raises(HubError, match="arrived corrupt|sent another range"):
+        hub.pull(f"{REPO}:Q8_0")
+    assert not part.exists()
+    server.range_from = None
+    assert hub.pull(f"{REPO}:Q8_0").read_bytes() == data
+
+
+def test_an_etag_that_names_a_file_of_another_size_is_refused(server):
+    other = b"GGUF" + b"other bytes" * 30
+    server.add_repo(REPO, {**GOOD, "tiny-Q4_0.gguf": other})
+    server.etag = "same-etag-for-all"
+    assert hub.pull(f"{REPO}:Q8_0").read_bytes() == GOOD["tiny-Q8_0.gguf"]
+    with pytest.raises(HubError, match="ETag of a 10244-byte file already here and declares 334"):
+        hub.pull(f"{REPO}:Q4_0")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"<html>a login page</html>",
+        b"{}",
+        b'{"id": "test/tiny-GGUF", "sha": "' + b"a" * 40 + b'", "siblings": "tiny-Q8_0.gguf"}',
+        b'{"id": "test/tiny-GGUF", "sha": "' + b"a" * 40 + b'", "siblings": {"a": 1}}',
+    ],
+)
+def test_a_model_info_that_is_not_the_hubs_is_one_error(server, body):
+    server.add_repo(REPO, GOOD)
+    server.info_body = body
+    with pytest.raises(HubError, match="sent a reply llmrun cannot read .*: is HF_ENDPOINT a"):
+        hub.pull(f"{REPO}:Q8_0")
+
+
+def test_a_listed_size_that_is_not_a_byte_count_is_refused(server):
+    server.add_repo(REPO, GOOD)
+    server.sizes = {"tiny-Q8_0.gguf": "10244"}
+    with pytest.raises(HubError, match="lists tiny-Q8_0.gguf with a size of '10244', not a byte"):
+        hub.pull(f"{REPO}:Q8_0")
+
+
+def test_a_redirect_to_a_malformed_url_is_one_error(server):
+    server.add_repo(REPO, GOOD)
+    server.cdn_redirect = "http://[::1"
+    with pytest.raises(HubError, match="tiny-Q8_0.gguf: .* answered 302 without a usable Location"):
+        hub.pull(f"{REPO}:Q8_0")
+
+
+@pytest.mark.parametrize(
+    ("where", "status", "says"),
+    [
+        ("/api/models/", 429, "is rate-limiting this machine"),
+        ("/blobs/", 429, "is rate-limiting this machine"),
+        (
+            "/blobs/",
+            403,
+            "the download server 127.0.0.1:.* refused .* signed link may have expired",
+        ),
+    ],
+)
+def test_rate_limits_and_download_server_refusals_say_so(server, where, status, says):
+    server.add_repo(REPO, GOOD)
+    server.fail = {where: status}
+    with pytest.raises(HubError, match=says):
+        hub.pull(f"{REPO}:Q8_0")

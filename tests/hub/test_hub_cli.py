@@ -58,8 +58,8 @@ def test_cli_pull_list_show_rm(fake, gguf_files, st_files):
         "error: rm asks before deleting: pass -y to delete without asking\n",
     )
     blobs = list((cache(ST_REPO) / "blobs").iterdir())
-    r = llmrun("rm", "-y", f"{GGUF_REPO}:Q8_0", ST_REPO)
-    assert r.returncode == 0
+    r = llmrun("rm", "-y", f"{GGUF_REPO}:Q8_0", ST_REPO, ST_REPO)  # a name twice: once
+    assert r.returncode == 0, r.stderr
     ref = 40  # refs/main goes too, as nothing else of either repo stays
     assert r.stdout.splitlines() == [
         f"deleted {GGUF_REPO}:Q8_0: {(q8 + ref) / 1000:.1f} kB freed",

@@ -24,6 +24,11 @@ def test_parse_name_forms():
         "org/repo/x.gguf:Q4_0",
         "o/r/../x.gguf",
         "o/r@../../x",
+        "o/r@.",  # refs/. is refs itself: the ref would be written over the folder
+        "o/r@./",
+        "o/r@a//b",
+        "o/r@" + "v" * 256,  # longer than a file name may be
+        "o/r@v1\n",
     ):
         with pytest.raises(UsageError):
             hub.parse_name(bad)
@@ -107,5 +112,14 @@ def test_gguf_choice_rules():
     )
     with pytest.raises(ModelNotFoundError, match="only 1 of the 2 parts"):
         names.select(hub.parse_name("o/r:Q6_K"), {"m-Q6_K-00001-of-00002.gguf": 9})
+    # two files, but not parts 1 and 2: each part's number counts, not how many there are
+    wrong = {"m-Q6_K-00002-of-00002.gguf": 9, "m-Q6_K-00003-of-00002.gguf": 9}
+    with pytest.raises(ModelNotFoundError, match=r"only 1 of the 2 parts .* \(and 1 more\)"):
+        names.select(hub.parse_name("o/r:Q6_K"), wrong)
+    with pytest.raises(ModelNotFoundError, match="only 0 of the 0 parts"):
+        names.select(hub.parse_name("o/r:Q6_K"), {"m-Q6_K-00001-of-00000.gguf": 9})
+    safetensors = {"config.json": 1, "model.safetensors": 2}
+    with pytest.raises(ModelNotFoundError, match="holds safetensors weights only: pull o/r with"):
+        names.select(hub.parse_name("o/r:Q4_K_M"), safetensors)
     with pytest.raises(HubError, match=r"neither .* \(it has: config.json, pytorch_model.bin\)"):
         names.select(hub.parse_name("o/r"), {"config.json": 1, "pytorch_model.bin": 2})
