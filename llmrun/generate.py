@@ -60,6 +60,7 @@ class TokenLogprob:
     token: int
     logprob: float
     top: list[tuple[int, float]]
+    offset: int = 0  # where the token's text begins in the generated text
 
 
 @dataclass
@@ -70,7 +71,10 @@ class Response:
     token: int | None
     stats: Stats
     finish_reason: str | None = None  # "stop" (EOS or stop string) or "length"
-    logprob: TokenLogprob | None = None
+    # The tokens whose text begins in what has been emitted so far and was not yet reported
+    # (with logprobs asked for): a token held back with its text comes with it, one cut
+    # off with a stop string never.
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 def _sync(device: torch.device) -> None:
@@ -178,6 +182,8 @@ class TokenStream:
         # Decoding continues from the prompt, so a leading space or a split character survives.
         self.decoder = tokenizer.stream(after=prompt)
         self.pending = ""
+        self.emitted = 0  # characters of text emitted so far
+        self.held: list[TokenLogprob] = []  # logprobs of tokens whose text is not out yet
         self.finish = "length"
         self.stopped = False
         self.done = False
@@ -197,10 +203,9 @@ class TokenStream:
         if token in self.eos:
             self.finish, self.done = "stop", True
             return None
-        lp = None
         if self.logprobs is not None:
             value, top = top_logprobs(logits, token, self.logprobs)
-            lp = TokenLogprob(token, value, top)
+            self.held.append(TokenLogprob(token, value, top, self.emitted + len(self.pending)))
         text, self.pending, self.stopped = _split_stop(
             self.pending + self.decoder.add(token), self.stop
         )
@@ -208,7 +213,15 @@ class TokenStream:
             self.finish = "stop"
         limit = self.max_tokens is not None and stats.completion_tokens >= self.max_tokens
         self.done = self.stopped or limit
-        return Response(text, token, stats, logprob=lp)
+        return Response(text, token, stats, logprobs=self._release(text))
+
+    def _release(self, text: str, final: bool = False) -> tuple[TokenLogprob, ...]:
+        """Count `text` as emitted: the held logprobs of tokens that begin in it (at the
+        end, all but those cut off with a stop string)."""
+        self.emitted += len(text)
+        out = [lp for lp in self.held if lp.offset < self.emitted or (final and not self.stopped)]
+        self.held = [] if final or self.stopped else self.held[len(out) :]
+        return tuple(out)
 
     def close(self) -> Response:
         """The last Response: the text held back so far and the finish reason."""
@@ -217,8 +230,10 @@ class TokenStream:
             tail, _, stopped = _split_stop(
                 self.pending + self.decoder.flush(), self.stop, final=True
             )
-            self.finish = "stop" if stopped else self.finish
-        return Response(tail, None, self.stats, finish_reason=self.finish)
+            if stopped:
+                self.finish, self.stopped = "stop", True
+        logprobs = self._release(tail, final=True)
+        return Response(tail, None, self.stats, finish_reason=self.finish, logprobs=logprobs)
 
 
 def stream_generate(

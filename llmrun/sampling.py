@@ -1,6 +1,6 @@
 """Choosing the next token: penalties on the logits, then a sampler.
 
-The chain follows llama.cpp's default order: repetition/presence/frequency
+The chain follows llama.cpp's default order: logit biases, repetition/presence/frequency
 penalties, top-k, top-p, min-p, temperature, then a seeded draw.
 Temperature 0 is greedy (argmax after penalties). Defaults are llama.cpp's.
 With a grammar (structured.py), each Sampler keeps its own place in it and masks the
@@ -35,6 +35,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
+    # (token id, value added to its logit) pairs, as OpenAI's logit_bias: -100 bans a token
+    logit_bias: tuple[tuple[int, float], ...] = ()
     # A structured.Grammar that decoding follows (compiled once, shared by the sequences).
     grammar: Any = field(default=None, compare=False, repr=False)
 
@@ -72,9 +74,25 @@ class Sampler:
         self.params = params
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
         self.seed = seed
-        # Draws happen on the CPU so a seed means the same text on every device.
-        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        # Draws happen on the CPU so a seed means the same text on every device. Its
+        # generator keeps 32 bits of a seed: the high 32 of a 64-bit one are mixed in, so
+        # seeds that differ only there give different text.
+        wide = seed % (1 << 64)
+        low, high = wide & 0xFFFFFFFF, wide >> 32
+        self.generator = torch.Generator(device="cpu").manual_seed(
+            low ^ (high * 0x9E3779B9 & 0xFFFFFFFF)
+        )
         self.constraint = params.grammar.constraint() if params.grammar is not None else None
+        pairs = params.logit_bias
+        self.bias_ids = torch.tensor([i for i, _ in pairs], dtype=torch.long)
+        self.bias = torch.tensor([b for _, b in pairs], dtype=torch.float32)
+
+    def biased(self, logits: torch.Tensor) -> torch.Tensor:
+        if not len(self.bias):
+            return logits
+        logits = logits.clone()
+        logits[self.bias_ids.to(logits.device)] += self.bias.to(logits.device, logits.dtype)
+        return logits
 
     def penalize(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
         p = self.params
@@ -96,7 +114,7 @@ class Sampler:
         return logits
 
     def __call__(self, logits: torch.Tensor, history: Sequence[int] = ()) -> int:
-        logits = self.penalize(logits, history)
+        logits = self.penalize(self.biased(logits), history)
         if self.constraint is None:
             return self.draw(logits)
         token = self.draw(self.constraint.apply(logits))
@@ -121,7 +139,12 @@ class Sampler:
         if p.min_p > 0.0:
             keep = min(keep, max(1, int((probs >= p.min_p * probs[0]).sum())))
         values, ids = values[:keep], ids[:keep]
-        probs = torch.softmax(values.cpu() / p.temperature, dim=-1)
+        scaled = values.cpu() / p.temperature
+        if not torch.isfinite(scaled[0]):
+            # A temperature so small (or a penalty so large) that the best logit is out of
+            # float range: no other token has any probability left.
+            return int(ids[0])
+        probs = torch.softmax(scaled, dim=-1)
         choice = torch.multinomial(probs, 1, generator=self.generator)
         return int(ids[int(choice)])
 

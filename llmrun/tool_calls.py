@@ -156,21 +156,27 @@ class ToolFormat:
         def params(f: Mapping[str, Any]) -> dict[str, Any]:
             return {**(f.get("parameters") or _ANY_OBJECT), "x-guidance": JSON_STYLE}
 
-        def call_object(args_key: str) -> dict[str, Any]:
+        def call_object(args_key: str, at: str = "") -> dict[str, Any]:
+            """The call {"name": ..., args_key: parameters} as a schema that sits at JSON
+            pointer `at` of the grammar's schema."""
+            one = len(functions) == 1
             options = [
                 {
                     "type": "object",
                     "properties": {
                         "name": {"const": f["name"]},
-                        args_key: f.get("parameters") or _ANY_OBJECT,
+                        # its references ($defs, recursion) from where it now sits
+                        args_key: _rebased(
+                            f.get("parameters") or _ANY_OBJECT,
+                            f"{at}{'' if one else f'/anyOf/{i}'}/properties/{args_key}",
+                        ),
                     },
                     "required": ["name", args_key],
                     "additionalProperties": False,
                 }
-                for f in functions
+                for i, f in enumerate(functions)
             ]
-            one = options[0] if len(options) == 1 else {"anyOf": options}
-            return {**one, "x-guidance": JSON_STYLE}
+            return {**(options[0] if one else {"anyOf": options}), "x-guidance": JSON_STYLE}
 
         many = "+" if parallel else ""
         if self.name == HERMES:
@@ -183,7 +189,7 @@ class ToolFormat:
             call = f"{token('<|tool_call|>')} {schema(call_object('arguments'))} {token('<|/tool_call|>')}"
             return f"start: call{many}\ncall: {call}\n"
         if self.name == MISTRAL and not self.args_form:
-            items = {"type": "array", "items": call_object("arguments"), "minItems": 1}
+            items = {"type": "array", "items": call_object("arguments", "/items"), "minItems": 1}
             if not parallel:
                 items["maxItems"] = 1
             return f"start: {token('[TOOL_CALLS]')} {schema({**items, 'x-guidance': JSON_STYLE})}\n"
@@ -244,6 +250,28 @@ def detect_format(template: str | None) -> ToolFormat | None:
 # --- parsing regions -----------------------------------------------------------------
 
 _Call = tuple[str, str, str | None]  # name, arguments JSON, id (None: make one)
+
+
+# Keywords whose values are data, not schemas: a "$ref" inside them is not a reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _rebased(schema: Any, at: str) -> Any:
+    """`schema` placed at JSON pointer `at` inside another: its local references ("#",
+    "#/$defs/X", "#/properties/...") made to point where their targets now are."""
+    if isinstance(schema, list):
+        return [_rebased(v, at) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = "#" + at + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = _rebased(value, at)
+    return out
 
 
 def dumps(value: Any) -> str:

@@ -259,6 +259,7 @@ def test_max_output_tokens_leaves_the_response_incomplete(stories):
     reply = client.responses.create(**args)
     assert (reply.status, reply.incomplete_details.reason) == ("incomplete", "max_output_tokens")
     assert reply.usage.output_tokens == 5 and reply.output_text
+    assert [item.status for item in reply.output] == ["incomplete"]  # the message cut off
     with client.responses.stream(**args) as stream:
         events = list(stream)
     assert events[-1].type == "response.incomplete"

@@ -46,6 +46,33 @@ def test_same_seed_same_draws():
     assert [a(LOGITS) for _ in range(50)] == [b(LOGITS) for _ in range(50)]
 
 
+def test_seeds_differing_only_in_their_high_bits_draw_differently():
+    def sequence(seed):
+        sampler = Sampler(SamplingParams(temperature=5, top_k=0, top_p=1, min_p=0, seed=seed))
+        return [sampler(LOGITS) for _ in range(40)]
+
+    assert sequence(1) != sequence(1 + (1 << 32))
+    assert sequence(7) != sequence(7 + (1 << 63))
+    assert sequence(1 << 40) == sequence(1 << 40)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1e-39, top_k=0, top_p=1, min_p=0),
+        SamplingParams(temperature=1e-45, top_k=2, top_p=0.5, min_p=0.1),
+        SamplingParams(temperature=0.5, repeat_penalty=1e-38, repeat_last_n=4),
+    ],
+)
+def test_values_that_overflow_the_logits_are_greedy(params):
+    """A temperature (or penalty) the API accepts can push the logits out of float range:
+    only the best token is left, where before softmax made NaNs and the draw failed."""
+    logits = torch.tensor([3.0, 2.5, -1.0, 0.5])
+    assert {Sampler(params)(logits, history=[1]) for _ in range(20)} == {
+        0 if params.repeat_penalty == 1.0 else 1
+    }
+
+
 def test_repeat_penalty_as_llama_cpp():
     sampler = Sampler(SamplingParams(repeat_penalty=2.0, repeat_last_n=2))
     out = sampler.penalize(torch.tensor([4.0, -4.0, 1.0, 1.0]), history=[3, 0, 1])

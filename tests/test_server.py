@@ -159,8 +159,58 @@ def test_sse_framing_and_stop(server):
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+def test_logprobs_end_where_the_text_ends_at_a_stop_string(server, client):
+    """Tokens held back as a possible stop string and then cut with it are not
+    reported; a token whose text begins in the reply is (llama-server trims the same)."""
+    args = dict(model="stories260K", prompt="Once upon a time", max_tokens=30, temperature=0)
+    result = client.completions.create(logprobs=1, stop="a little gi", **args)
+    text, lps = result.choices[0].text, result.choices[0].logprobs
+    assert text == ", there was "
+    assert "".join(lps.tokens) == ", there was a"  # ' a' begins with the reply's last space
+    assert lps.text_offset == [0, 1, 7, 11]
+    chunks = list(client.completions.create(logprobs=1, stop="a little gi", stream=True, **args))
+    streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert streamed == lps.tokens
+    # Without a stop string every token is there, offsets where each token's text begins.
+    whole = client.completions.create(logprobs=1, **{**args, "max_tokens": 8})
+    lps = whole.choices[0].logprobs
+    assert "".join(lps.tokens) == whole.choices[0].text and len(lps.tokens) == 8
+    assert lps.text_offset == [sum(map(len, lps.tokens[:i])) for i in range(8)]
+    chat = client.chat.completions.create(
+        model="stories260K",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=30,
+        temperature=0,
+        logprobs=True,
+        stop="Anna",
+    )
+    content = chat.choices[0].message.content
+    assert "".join(e.token for e in chat.choices[0].logprobs.content).startswith(content)
+    assert len("".join(e.token for e in chat.choices[0].logprobs.content)) <= len(content) + 4
+
+
+def test_null_means_the_default_and_logit_bias_counts(server, client):
+    body = {"prompt": "Once upon", "max_tokens": 4, "temperature": 0}
+    nulls = {"n": None, "stream": None, "logprobs": None, "ignore_eos": None, "echo": None}
+    plain = post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    response = post(server, "/v1/completions", {**body, **nulls})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == plain == run_text("Once upon", 4)
+    first = ENGINE.tokenizer.encode("Once upon" + plain)[len(ENGINE.tokenizer.encode("Once upon"))]
+    banned = post(server, "/v1/completions", {**body, "logit_bias": {str(first): -100}})
+    assert banned.status_code == 200, banned.text
+    assert banned.json()["choices"][0]["text"] != plain
+    for bad in ({"-1": 1}, {str(ENGINE.tokenizer.vocab_size): 1}, {"x": 1}, {"1": 101}):
+        response = post(server, "/v1/completions", {**body, "logit_bias": bad})
+        assert response.status_code == 400, (bad, response.text)
+        assert response.json()["error"]["param"].startswith("logit_bias")
+
+
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list()] == ["stories260K"]
+    assert client.models.retrieve("stories260K").id == "stories260K"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
     health = httpx.get(f"{server.url}/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
     # The default pool: two contexts per --parallel sequence, in blocks of 16.
@@ -190,8 +240,9 @@ def test_errors_in_openai_shape(server):
     assert error(post(server, chat, {"messages": [{"role": "robot"}]}), 400)
     assert error(post(server, "/v1/completions", {"prompt": "Hi", "n": 2}), 400)
     long_prompt = {"prompt": "Once upon a time " * 600, "max_tokens": 5}
-    message = error(post(server, "/v1/completions", long_prompt), 400)["message"]
-    assert re.search(r"the prompt is \d+ tokens, but the context holds 2048", message)
+    body = error(post(server, "/v1/completions", long_prompt), 400)
+    assert re.search(r"the prompt is \d+ tokens, but the context holds 2048", body["message"])
+    assert (body["param"], body["code"]) == ("prompt", "context_length_exceeded")
     body = error(post(server, chat, {"model": "gpt-4o", "messages": hi}), 404)
     assert body["code"] == "model_not_found"
     assert error(post(server, chat, {"messages": hi}, key=None), 401)["code"] == "invalid_api_key"
@@ -293,6 +344,21 @@ def test_a_disconnected_client_frees_its_slot(one_slot):
     _wait_until_idle(one_slot)
     assert one_slot.metric("llmrun_generation_tokens_total") < 2000
     assert one_slot.metric('llmrun_requests_total{endpoint="completions",status="499"}') == 1
+
+
+def test_a_client_that_gives_up_on_a_whole_reply_frees_its_slot(one_slot):
+    """Not streamed, nothing is written until the end: the server asks whether the
+    client is still there while the tokens keep coming (before, only when none came for
+    a second, so the request ran to max_tokens)."""
+    gone = 'llmrun_requests_total{endpoint="completions",status="499"}'
+    before, tokens = one_slot.metric(gone), one_slot.metric("llmrun_generation_tokens_total")
+    body = {"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{one_slot.url}/v1/completions", json=body, timeout=0.1)
+    _wait_until_idle(one_slot)
+    assert one_slot.metric(gone) == before + 1
+    context = 512 - 5  # stories260K's, after the prompt; asked after 0.25 s, ~150 tokens here
+    assert one_slot.metric("llmrun_generation_tokens_total") - tokens < context
 
 
 def test_a_full_queue_answers_503_with_retry_after(one_slot):
@@ -410,6 +476,17 @@ def test_bad_tools_are_400(server, extra, param, message):
     assert message in error["message"]
 
 
+def test_tool_choice_none_leaves_the_tools_out_of_a_plain_model(server):
+    """A client that always sends its tools turns them off with tool_choice none."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
+    plain = post(server, "/v1/chat/completions", body)
+    response = post(server, "/v1/chat/completions", {**body, "tools": tools, "tool_choice": "none"})
+    assert response.status_code == 200, response.text
+    message = response.json()["choices"][0]["message"]
+    assert message["content"] == plain.json()["choices"][0]["message"]["content"]
+
+
 def test_a_tool_message_without_its_call_is_400(server):
     call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     for messages, param in [
@@ -495,3 +572,12 @@ def test_a_bad_kv_memory_is_one_error_line():
     result = serve_cli("--kv-memory", "lots")
     assert result.returncode == 2
     assert result.stderr == "error: --kv-memory takes a size such as 4GiB or 512MB, got 'lots'\n"
+
+
+def test_content_parts_are_joined_by_newlines():
+    """As vLLM and llama.cpp join them: two parts are two lines, not one run-on line."""
+    from llmrun.server.schema import Message
+
+    parts = [{"type": "text", "text": "Summarize this:"}, {"type": "text", "text": "The cat sat."}]
+    message = Message(role="user", content=parts).as_dict()
+    assert message["content"] == "Summarize this:\nThe cat sat."

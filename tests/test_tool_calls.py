@@ -544,3 +544,66 @@ def test_tools_with_a_response_format_allow_a_call_or_the_json_answer(family):
         assert (content, finish, calls[0]["name"]) == ("", "tool_calls", "get_weather")
     else:
         assert finish == "stop" and set(json.loads(content)) == {"sunny"}
+
+
+# A tool whose parameters refer to definitions of their own, as pydantic's schemas
+# (openai.pydantic_function_tool) do for nested models and enums.
+LOCATED = {
+    "type": "function",
+    "function": {
+        "name": "w",
+        "parameters": {
+            "type": "object",
+            "properties": {"loc": {"$ref": "#/$defs/Loc"}, "tz": {"$ref": "#/definitions/Zone"}},
+            "required": ["loc", "tz"],
+            "additionalProperties": False,
+            "$defs": {
+                "Loc": {
+                    "type": "object",
+                    "properties": {
+                        "city": {"type": "string", "maxLength": 8},
+                        "unit": {"enum": ["c", "f"]},
+                    },
+                    "required": ["city", "unit"],
+                    "additionalProperties": False,
+                }
+            },
+            "definitions": {"Zone": {"type": "string", "maxLength": 5}},
+        },
+    },
+}
+CLOCK_TOOL = {"type": "function", "function": {"name": "t", "parameters": {"type": "object"}}}
+
+
+@pytest.fixture(scope="module")
+def stories():
+    """The bundled model and its grammar vocabulary."""
+    from llmrun import api, structured
+
+    engine = api.load(None, device="cpu", ctx_size=256)
+    return engine, structured.vocabulary(engine.tokenizer, engine.eos_ids)
+
+
+@pytest.mark.parametrize(
+    ("name", "args_form"),
+    [(HERMES, False), (LLAMA3, False), (MISTRAL, False), (MISTRAL, True), (PHI4, False)],
+)
+@pytest.mark.parametrize("tools", [[LOCATED], [LOCATED, CLOCK_TOOL]], ids=["one", "two"])
+def test_forced_calls_follow_references_in_the_parameters(stories, name, args_form, tools):
+    """The call's grammar puts the parameters inside a {"name", "arguments"} object: their
+    references must still find their targets (before: "Pointer '/$defs/Loc' does not
+    exist", a 400 for any nested pydantic model)."""
+    from llmrun.sampling import SamplingParams
+
+    engine, vocab = stories
+    fmt = get_format(name, args_form)
+    grammar = vocab.lark(fmt.grammar([tools[0]], vocab.token, False))  # only w: made to call it
+    prompt = engine.tokenizer.encode("Once upon a time")
+    params = SamplingParams(temperature=0).updated(grammar=grammar)
+    text = "".join(r.text for r in engine.generate(prompt, params, 120))
+    _, calls = parse(fmt, text)
+    assert [c.name for c in calls] == ["w"], text
+    args = json.loads(calls[0].arguments)
+    assert set(args) == {"loc", "tz"} and len(args["tz"]) <= 5
+    assert args["loc"]["unit"] in ("c", "f") and len(args["loc"]["city"]) <= 8
+    vocab.lark(fmt.grammar(tools, vocab.token, True))  # several tools compile too

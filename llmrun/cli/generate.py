@@ -164,8 +164,7 @@ def run(
             for piece in split.feed(response.token, response.text):
                 if not output_json:
                     out.write(piece)
-            if response.logprob is not None:
-                tokens.append(response.logprob)
+            tokens.extend(response.logprobs)
             final = response
     except KeyboardInterrupt:
         if not output_json:

@@ -141,12 +141,12 @@ async def chat_completions(request: Request) -> Response:
         return counts
 
     def logprobs(event: GenResponse) -> list[dict] | None:
-        lp = event.logprob
-        if lp is None:
-            return None
-        entry = _token_logprob(tokenizer, lp.token, lp.logprob)
-        entry["top_logprobs"] = [_token_logprob(tokenizer, i, v) for i, v in lp.top]
-        return [entry]
+        entries = []
+        for lp in event.logprobs:
+            entry = _token_logprob(tokenizer, lp.token, lp.logprob)
+            entry["top_logprobs"] = [_token_logprob(tokenizer, i, v) for i, v in lp.top]
+            entries.append(entry)
+        return entries or None
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -240,20 +240,16 @@ async def completions(request: Request) -> Response:
         "model": service.model_id,
         "system_fingerprint": f"llmrun-{__version__}",
     }
-    offset = 0  # of the next token's text in the completion
 
     def logprobs(event: GenResponse) -> dict[str, list] | None:
-        nonlocal offset
-        lp, at = event.logprob, offset
-        offset += len(event.text)
-        if lp is None:
+        if not event.logprobs:
             return None
         piece = tokenizer.token_to_piece
         return {
-            "tokens": [piece(lp.token)],
-            "token_logprobs": [lp.logprob],
-            "top_logprobs": [{piece(i): v for i, v in lp.top}],
-            "text_offset": [at],
+            "tokens": [piece(lp.token) for lp in event.logprobs],
+            "token_logprobs": [lp.logprob for lp in event.logprobs],
+            "top_logprobs": [{piece(i): v for i, v in lp.top} for lp in event.logprobs],
+            "text_offset": [lp.offset for lp in event.logprobs],
         }
 
     if body.stream:
@@ -294,6 +290,8 @@ async def completions(request: Request) -> Response:
 
 
 async def models(request: Request) -> Response:
+    """GET /v1/models: the one model served; /v1/models/{id}: its card, by any of its
+    names."""
     service: Service = request.app.state.service
     service.authorize(request)
     card = {
@@ -302,7 +300,17 @@ async def models(request: Request) -> Response:
         "created": service.created,
         "owned_by": "llmrun",
     }
-    return JSONResponse({"object": "list", "data": [card]})
+    wanted = request.path_params.get("model")
+    if wanted is None:
+        return JSONResponse({"object": "list", "data": [card]})
+    if wanted not in service.names:
+        raise ApiError(
+            404,
+            f"the model {wanted!r} does not exist; this server serves {service.model_id!r}",
+            param="model",
+            code="model_not_found",
+        )
+    return JSONResponse(card)
 
 
 async def health(request: Request) -> Response:
@@ -341,6 +349,10 @@ async def metrics(request: Request) -> Response:
     return Response(generate_latest(service.metrics.registry), media_type=PROMETHEUS_TYPE)
 
 
+# Where each endpoint's prompt comes from (a prompt too long for the context is about it).
+PROMPT_PARAMS = {"completions": "prompt", "responses": "input"}
+
+
 def _endpoint(handler: Callable, name: str | None = None) -> Callable:
     """`handler` with every failure answered as an OpenAI error (and counted under `name`)."""
 
@@ -348,7 +360,7 @@ def _endpoint(handler: Callable, name: str | None = None) -> Callable:
         try:
             return await handler(request)
         except Exception as e:
-            error = as_api_error(e)
+            error = as_api_error(e, PROMPT_PARAMS.get(name, "messages"))
             if name is not None:
                 request.app.state.service.metrics.requests.labels(name, str(error.status)).inc()
             return error.response()
@@ -368,6 +380,7 @@ def create_app(service: Service) -> Starlette:
         Route("/v1/responses", _endpoint(responses, "responses"), methods=["POST"]),
         Route("/v1/completions", _endpoint(completions, "completions"), methods=["POST"]),
         Route("/v1/models", _endpoint(models), methods=["GET"]),
+        Route("/v1/models/{model:path}", _endpoint(models), methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]

@@ -52,7 +52,7 @@ def prepare(engine: api.Engine, fmt: ToolFormat | None, ask: Ask) -> Prepared:
     """The prompt and grammar for `ask` (slow for a long conversation: run it off the loop)."""
     plain = engine.template is None
     calling = bool(ask.tools) and ask.tool_choice != "none"
-    if ask.tools and plain:
+    if calling and plain:  # tool_choice "none": the tools are left out, as the choice says
         raise ApiError(
             400, "this model has no chat template, so it cannot take tools", param="tools"
         )

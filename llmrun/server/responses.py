@@ -119,7 +119,7 @@ def _text(content: Any, where: str) -> str:
                 param=f"{where}.{i}",
             )
         parts.append(part["text"])
-    return "".join(parts)
+    return "\n".join(parts)  # as chat's content parts
 
 
 def conversation(body: ResponsesBody) -> list[dict[str, Any]]:
@@ -346,8 +346,9 @@ class Output:
         item = self._open
         return {"item_id": item["id"], "output_index": self.items.index(item), "content_index": 0}
 
-    def close(self) -> list[dict[str, Any]]:
-        """Finish the reasoning or message being written: its done events."""
+    def close(self, status: str = "completed") -> list[dict[str, Any]]:
+        """Finish the reasoning or message being written (`status` "incomplete": cut off
+        by max_output_tokens): its done events."""
         item = self._open
         if item is None:
             return []
@@ -359,7 +360,7 @@ class Output:
             if item["type"] == "reasoning"
             else "response.output_text.done"
         )
-        item["status"] = "completed"
+        item["status"] = status
         index = where["output_index"]
         return [
             {"type": done, **where, "text": part["text"]},
@@ -420,7 +421,7 @@ async def responses(request: Request) -> Response:
     def events(event: GenResponse) -> list[dict[str, Any]]:
         out = [e for item in reader.feed(event) for e in output.add(item)]
         if event.finish_reason is not None:
-            out += output.close()
+            out += output.close("incomplete" if event.finish_reason == "length" else "completed")
         return out
 
     def finished() -> dict[str, Any]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.responses import JSONResponse
 
 from llmrun.errors import ContextOverflowError, LlmrunError, ServerBusyError
@@ -34,6 +34,14 @@ class Sampling(BaseModel):
     """Fields common to both endpoints; top_k, min_p, repeat_penalty and
     ignore_eos are extensions, as in llama.cpp's and vLLM's servers."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """OpenAI's fields are nullable, and clients send null for "not set"."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
@@ -45,6 +53,10 @@ class Sampling(BaseModel):
     frequency_penalty: Penalty | None = None
     seed: Seed | None = None
     stop: StopText | Annotated[list[StopText], Field(max_length=16)] | None = None
+    logit_bias: (
+        Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=1024)]
+        | None
+    ) = None
     n: Literal[1] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -80,7 +92,7 @@ class Message(BaseModel):
     def as_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
+            content = "\n".join(part.text for part in content)  # as vLLM and llama.cpp join them
         # Templates know "system"; OpenAI's newer name for it is "developer".
         role = "system" if self.role == "developer" else self.role
         message: dict[str, Any] = {"role": role, "content": content or ""}
@@ -261,14 +273,15 @@ def busy_error(message: str) -> ApiError:
     return ApiError(503, message, "server_error", code="server_busy", headers=headers)
 
 
-def as_api_error(e: Exception) -> ApiError:
-    """The OpenAI-shaped error for any exception; an unexpected one is logged as a 500."""
+def as_api_error(e: Exception, prompt_param: str = "messages") -> ApiError:
+    """The OpenAI-shaped error for any exception; an unexpected one is logged as a 500.
+    `prompt_param`: the request's field that a prompt too long for the context is about."""
     if isinstance(e, ApiError):
         return e
     if isinstance(e, ServerBusyError):
         return busy_error(str(e))
     if isinstance(e, ContextOverflowError):
-        return ApiError(400, str(e), param="messages", code="context_length_exceeded")
+        return ApiError(400, str(e), param=prompt_param, code="context_length_exceeded")
     if isinstance(e, LlmrunError):
         return ApiError(400, str(e))
     logging.getLogger("uvicorn.error").exception("request failed")

@@ -149,9 +149,32 @@ def sampling_of(engine: api.Engine, body: Sampling) -> tuple[Any, list[str]]:
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         seed=body.seed,
+        logit_bias=_logit_bias(engine, body.logit_bias),
     )
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return params, stop
+
+
+def _logit_bias(engine: api.Engine, bias: dict[str, float] | None) -> tuple | None:
+    """OpenAI's {"token id": bias} as SamplingParams takes it, each id checked."""
+    if not bias:
+        return None
+    pairs = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and int(key) < engine.tokenizer.vocab_size):
+            raise ApiError(
+                400,
+                f"logit_bias: {key!r} is not a token id of this model (0 to "
+                f"{engine.tokenizer.vocab_size - 1})",
+                param="logit_bias",
+            )
+        pairs.append((int(key), value))
+    return tuple(pairs)
+
+
+# How often a reply that is not streamed asks whether its client is still there (a
+# streamed one learns it when a write fails).
+DISCONNECT_CHECK = 0.25
 
 
 class Generation:
@@ -174,18 +197,24 @@ class Generation:
 
     async def events(self, disconnected: Callable | None = None) -> AsyncIterator[GenResponse]:
         """Responses up to and including the final one. Leaving early (the client
-        went away, or `disconnected()` says so while waiting) frees the slot."""
+        went away, or `disconnected()` says so: asked every DISCONNECT_CHECK seconds,
+        whether tokens are arriving or not) frees the slot."""
         done = False
+        checked = time.monotonic()
         try:
             while True:
                 if disconnected is None:
                     event = await self.queue.get()
                 else:
                     try:
-                        event = await asyncio.wait_for(self.queue.get(), timeout=1.0)
+                        event = await asyncio.wait_for(self.queue.get(), DISCONNECT_CHECK)
                     except asyncio.TimeoutError:
+                        event = None
+                    if event is None or time.monotonic() - checked >= DISCONNECT_CHECK:
+                        checked = time.monotonic()
                         if await disconnected():
                             return
+                    if event is None:
                         continue
                 if isinstance(event, Exception):
                     done = True
