@@ -44,8 +44,11 @@ class Markers:
     close_text: str = THINK_CLOSE
 
     def opened_by(self, prompt: str) -> bool:
-        """Whether the prompt leaves reasoning open (a template that writes `<think>` itself)."""
-        return prompt.rfind(self.open_text) > prompt.rfind(self.close_text)
+        """Whether the prompt leaves reasoning open: it ends with `<think>` (and maybe
+        white space), as a template that writes it for the model does (DeepSeek-R1's).
+        One elsewhere in the prompt (a user asking what the tag does) opens nothing, as
+        llama.cpp and vLLM read it."""
+        return prompt.rstrip().endswith(self.open_text)
 
 
 @dataclass(frozen=True)

@@ -278,14 +278,22 @@ def dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def _call(obj: Any, args_keys: tuple[str, ...] = ("arguments", "parameters")) -> _Call:
+def _call(
+    obj: Any, args_keys: tuple[str, ...] = ("arguments", "parameters"), bare: bool = False
+) -> _Call:
+    """A call object: a name, and its arguments under one of `args_keys`. Inside a
+    format's markers a call of no arguments may leave them out; any other key beside the
+    name means it is not a call (arguments written flat would be lost). `bare` (JSON with
+    no marker around it, which may well be an answer): the arguments key is required."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         raise ValueError("not a call")
     name = obj["name"]
     if not NAME_PATTERN.match(name):
         raise ValueError(f"bad function name {name!r}")
-    args = next((obj[k] for k in args_keys if k in obj), {})
-    return name, _arguments(args), None
+    key = next((k for k in args_keys if k in obj), None)
+    if key is None and (bare or set(obj) - {"name", "id", "type"}):
+        raise ValueError("no arguments")
+    return name, _arguments(obj[key] if key else {}), None
 
 
 def _arguments(args: Any) -> str:
@@ -338,7 +346,8 @@ def _llama3(fmt: ToolFormat, region: str) -> list[_Call]:
     values = _json_values(body, separator=";")
     if not values:
         raise ValueError("no calls")
-    return [_call(v, ("parameters", "arguments")) for v in values]
+    bare = not region.lstrip().startswith("<|python_tag|>")
+    return [_call(v, ("parameters", "arguments"), bare) for v in values]
 
 
 def _mistral(fmt: ToolFormat, region: str) -> list[_Call]:
@@ -413,7 +422,8 @@ class ToolCallParser:
     """Reads generated text and hands on content (Pieces) and whole calls, in order.
 
     Content is passed on as soon as it cannot begin a call; whitespace between content
-    and a call is dropped (an output without calls passes exactly as generated). Feeding
+    and a call is dropped, but content on both sides of calls stays parted by the
+    whitespace that followed them (an output without calls passes exactly as generated). Feeding
     the whole text at once gives the same content and calls as feeding it piece by piece.
     """
 
@@ -505,8 +515,10 @@ class ToolCallParser:
             self._space += text
             return
         full = self._space + body
-        if self._after_call:  # the whitespace after a call goes with it
-            full, self._after_call = full.lstrip(), False
+        if self._after_call:
+            # The whitespace after a call goes with it, unless content came before the
+            # call: then it parts that content from this (as llama.cpp keeps it).
+            full, self._after_call = (full if self.content else full.lstrip()), False
         self._started = True
         self._pass(full, out)
         self._space = text[len(body) :]

@@ -43,6 +43,10 @@ def test_a_prompt_that_opens_the_reasoning():
     assert pieces == [(REASONING, "Hm"), (ANSWER, "Yes")]
     _, s = split([(3, "x")], prompt="<think>\n\n</think>\n\n")
     assert s.text[ANSWER] == "x"
+    # A <think> the user (or a system prompt) wrote opens nothing: only the prompt's end.
+    asked = "<|im_start|>user\nWhat does the <think> tag do?<|im_end|>\n<|im_start|>assistant\n"
+    pieces, s = split([(3, "It marks"), (4, " reasoning.")], prompt=asked)
+    assert s.text == {REASONING: "", ANSWER: "It marks reasoning."}
 
 
 def test_no_markers_pass_the_text_exactly():

@@ -84,6 +84,20 @@ def calls_of(fmt, text):
 
 PARIS = ("get_weather", {"city": "Paris"})
 EXACT = [
+    # Text on both sides of a call stays parted as the model wrote it (was glued).
+    (
+        HERMES,
+        'I will check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        "</tool_call>\nThen I will summarize.",
+        "I will check.\nThen I will summarize.",
+        [PARIS],
+    ),
+    (
+        PHI4,
+        'x <|tool_call|>{"name": "get_weather", "arguments": {"city": "Paris"}}<|/tool_call|> y',
+        "x y",
+        [PARIS],
+    ),
     # Hermes / Qwen: text before, two calls, arguments as an object.
     (
         HERMES,
@@ -177,6 +191,10 @@ NOT_CALLS = [
     (HERMES, '<tool_call>\n{"name": "get_weather", "arguments": [1]}\n</tool_call>'),
     (HERMES, "<tool_call>\nnot json\n</tool_call> and more"),
     (LLAMA3, '{"city": "Paris"}'),  # JSON, but not a call
+    (LLAMA3, '{"name": "John", "age": 30, "city": "Paris"}'),  # an answer with a name in it
+    (LLAMA3, '{"name": "get_time"}'),  # bare JSON without arguments: an answer too
+    (MISTRAL, '[TOOL_CALLS][{"name": "get_weather", "city": "Paris"}]'),  # flat arguments
+    (HERMES, '<tool_call>\n{"name": "get_weather", "city": "Paris"}\n</tool_call>'),
     (LLAMA3, '{"name": "get_weather", "parameters": {}} and then some text'),
     (LLAMA3, "<|python_tag|>brave_search.call(query='x')"),
     (MISTRAL, "[TOOL_CALLS]get weather[ARGS]{}"),
