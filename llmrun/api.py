@@ -145,7 +145,10 @@ class Engine:
 
     def sampling(self, flags: Mapping[str, Any]) -> SamplingParams:
         """The model's sampling defaults with a command's sampling flags (None: unset) on top."""
-        return self.defaults.updated(**{name: flags[name] for name in SAMPLING_FLAGS})
+        values = {name: flags[name] for name in SAMPLING_FLAGS}
+        if values["seed"] == -1:
+            values["seed"] = None  # llama.cpp's "-1: a random seed"
+        return self.defaults.updated(**values)
 
     def result_record(
         self, split: Splitter, final: Response, logprobs: list[TokenLogprob] | None
@@ -289,15 +292,15 @@ def load(
     )
     if cache_type is not None:
         engine.new_cache(1, 1)  # refuses a cache type this model cannot store (q8_0's head_dim)
-    if torch_device.type != "cpu":
-        per_value = BYTES_PER_VALUE[cache_type] if cache_type else loaded.dtype.itemsize
-        kv = kv_cache_bytes(checkpoint.config, engine.ctx_size, per_value)
-        check_device_room(
-            torch_device,
-            kv,
-            f"a KV cache of {engine.ctx_size} tokens takes",
-            ": lower --ctx-size or use --cache-type q8_0",
-        )
+    # A whole context's cache must fit (on CPU too: a --ctx-size past the RAM was a traceback).
+    per_value = BYTES_PER_VALUE[cache_type] if cache_type else loaded.dtype.itemsize
+    kv = kv_cache_bytes(checkpoint.config, engine.ctx_size, per_value)
+    check_device_room(
+        torch_device,
+        kv,
+        f"a KV cache of {engine.ctx_size} tokens takes",
+        ": lower --ctx-size or use --cache-type q8_0",
+    )
     return engine
 
 
@@ -362,12 +365,17 @@ def _chat_template(
             source = Path(template_file).expanduser().read_text(encoding="utf-8")
         except OSError as e:
             raise UsageError(f"--template {template_file}: {e.strerror or e}") from None
+        except UnicodeDecodeError:
+            raise UsageError(f"--template {template_file}: not UTF-8 text") from None
     elif checkpoint.gguf is not None:
         source = checkpoint.gguf.get(Keys.Tokenizer.CHAT_TEMPLATE)
     else:
         jinja_file = checkpoint.path / "chat_template.jinja"
         if jinja_file.is_file():
-            source = jinja_file.read_text(encoding="utf-8")
+            try:
+                source = jinja_file.read_text(encoding="utf-8")
+            except UnicodeDecodeError:
+                raise ModelFormatError(f"{jinja_file}: not UTF-8 text") from None
         elif (checkpoint.path / "tokenizer_config.json").is_file():
             config = safetensors_io.read_json(checkpoint.path / "tokenizer_config.json")
             source = select_template(config.get("chat_template"))

@@ -249,11 +249,9 @@ def done_ids(path: Path) -> set[str]:
     except OSError as e:
         raise UsageError(f"--resume {path}: {e.strerror or e}") from None
     whole = data.rfind(b"\n") + 1
-    if whole < len(data):
-        with open(path, "r+b") as f:
-            f.truncate(whole)
     ids = set()
-    for number, raw in enumerate(data[:whole].splitlines(), start=1):
+    lines = data[:whole].splitlines()
+    for number, raw in enumerate(lines, start=1):
         try:
             record = json.loads(raw)
         except ValueError:
@@ -263,6 +261,14 @@ def done_ids(path: Path) -> set[str]:
                 f"--resume {path}: line {number} is not a result line of llmrun run --batch"
             )
         ids.add(id_key(record["id"]))
+    if whole < len(data):
+        # Only a file of result lines, torn in a result line, loses its torn end.
+        if not data[whole:].startswith(b'{"id": '):
+            raise LlmrunError(
+                f"--resume {path}: line {len(lines) + 1} is not a result line of llmrun run --batch"
+            )
+        with open(path, "r+b") as f:
+            f.truncate(whole)
     return ids
 
 

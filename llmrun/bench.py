@@ -353,8 +353,10 @@ def bench_model(
     options: BenchOptions,
     roofline: dict[int, float],
     progress: Progress,
+    path: Path | None = None,
 ) -> list[dict[str, Any]]:
-    """Load one model and run every test on it: one record per test."""
+    """Load one model (found at `path`, if given) and run every test on it: one record per
+    test."""
     tests = options.tests()
     longest = max(tests, key=lambda t: t.positions)
     progress(f"loading {spec or 'stories260K'}", 0)
@@ -366,6 +368,7 @@ def bench_model(
         ctx_size=longest.positions,
         cache_type=options.cache_type,
         activations=options.activations,
+        path=path,
     )
     checkpoint = engine.checkpoint
     name = model_name(engine.path)
@@ -477,8 +480,11 @@ def benchmark(
     if options.roofline:
         report("measuring read bandwidth", 0)
     roofline = measure_rooflines(options) if options.roofline else {}
+    # Every model found (or pulled) first: a missing last one costs nothing, not the runs
+    # of those before it.
+    paths = [api.resolve(spec) for spec in models]
     records = []
-    for spec in models:
-        records += bench_model(spec, options, roofline, report)
+    for spec, path in zip(models, paths, strict=True):
+        records += bench_model(spec, options, roofline, report, path)
         gc.collect()  # free this model before the next one's peak memory is measured
     return records

@@ -144,19 +144,25 @@ class ChatSession:
             data = json.loads(Path(path).expanduser().read_text())
         except OSError as e:
             raise LlmrunError(f"cannot load {path}: {e.strerror or e}") from None
-        except json.JSONDecodeError as e:
+        except ValueError as e:  # not JSON, or not UTF-8
             raise LlmrunError(f"{path}: not a saved conversation ({e})") from None
         messages = data.get("messages") if isinstance(data, dict) else None
-        if not isinstance(messages, list) or not all(
-            isinstance(m, dict)
-            and m.get("role") in ("user", "assistant")
-            and isinstance(m.get("content"), str)
-            for m in messages
+        system = data.get("system") if isinstance(data, dict) else None
+        if (
+            not isinstance(messages, list)
+            or not all(
+                isinstance(m, dict)
+                and m.get("role") in ("user", "assistant")
+                and isinstance(m.get("content"), str)
+                for m in messages
+            )
+            or not isinstance(system, (str, type(None)))
         ):
             raise LlmrunError(
-                f"{path}: not a saved conversation (expected messages with role and content)"
+                f"{path}: not a saved conversation (expected messages with role and content, "
+                "and a system prompt that is text)"
             )
-        self.system = data.get("system") or self.system
+        self.system = system or self.system
         self.messages = messages
 
     def _fit(self, turn: Turn) -> tuple[str, list[int]]:
@@ -168,7 +174,11 @@ class ChatSession:
             else min(self.max_tokens, self.context_size // 2)
         )
         while True:
-            text = self.prompt_text(self.conversation())
+            try:
+                text = self.prompt_text(self.conversation())
+            except LlmrunError:
+                self.messages.pop()  # a template that refuses the turn: it never happened
+                raise
             ids = self.engine.tokenizer.encode(text)
             if len(ids) + room <= self.context_size:
                 return text, ids

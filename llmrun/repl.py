@@ -84,7 +84,7 @@ class Repl:
     def _inputs(self) -> Iterator[str]:
         if not self.interactive:
             for line in sys.stdin:
-                yield line.rstrip("\n")
+                yield line.rstrip("\r\n")  # a file written on Windows ends lines in CRLF
             return
         while True:
             try:

@@ -9,6 +9,7 @@ penalized logits before the draw, so the token drawn is one the grammar allows.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -41,7 +42,7 @@ class SamplingParams:
     grammar: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # NaN too
             raise UsageError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise UsageError(f"top-k must be >= 0 (0 disables it), got {self.top_k}")
@@ -49,10 +50,15 @@ class SamplingParams:
             raise UsageError(f"top-p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
             raise UsageError(f"min-p must be in [0, 1], got {self.min_p}")
-        if self.repeat_penalty <= 0:
+        if not self.repeat_penalty > 0:
             raise UsageError(
                 f"repeat-penalty must be > 0 (1 disables it), got {self.repeat_penalty}"
             )
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise UsageError(
+                    f"{name.replace('_', '-')} must be a number, got {getattr(self, name)}"
+                )
         if self.repeat_last_n < -1:
             raise UsageError(
                 f"repeat-last-n must be >= -1 (-1 means the whole context), got {self.repeat_last_n}"

@@ -366,4 +366,6 @@ def for_grammar_file(vocab: Vocabulary, value: str) -> Grammar:
         text = Path(value).expanduser().read_text(encoding="utf-8")
     except OSError as e:
         raise UsageError(f"--grammar {value}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"--grammar {value}: not UTF-8 text") from None
     return vocab.gbnf(text, f"--grammar {value}")

@@ -67,7 +67,10 @@ class Tokenizer:
         user-defined tokens are matched either way, as llama.cpp does.
         """
         self._backend.encode_special_tokens = not parse_special
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        try:
+            ids = self._backend.encode(text, add_special_tokens=False).ids
+        except TypeError:  # not UTF-8: the library takes only valid text
+            ids = self._backend.encode(valid_text(text), add_special_tokens=False).ids
         wants_bos = self.add_bos if add_bos is None else add_bos
         if wants_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
             ids.insert(0, self.bos_id)
@@ -92,7 +95,11 @@ class Tokenizer:
             # In chunks: the library's Encoding objects hold each token's text and offsets too.
             for start in range(0, len(texts), _BATCH):
                 chunk = texts[start : start + _BATCH]
-                encodings = self._backend.encode_batch_fast(chunk, add_special_tokens=False)
+                try:
+                    encodings = self._backend.encode_batch_fast(chunk, add_special_tokens=False)
+                except TypeError:  # a text that is not UTF-8
+                    chunk = [valid_text(t) for t in chunk]
+                    encodings = self._backend.encode_batch_fast(chunk, add_special_tokens=False)
                 out += [e.ids for e in encodings]
         wants_bos = self.add_bos if add_bos is None else add_bos
         if wants_bos and self.bos_id is not None:
@@ -244,6 +251,16 @@ class StreamDecoder:
     def flush(self) -> str:
         """Whatever is held back (an unfinished character decodes to U+FFFD)."""
         return self._utf8.decode(b"", final=True)
+
+
+def valid_text(text: str) -> str:
+    """`text` with what is not UTF-8 in it as U+FFFD: bytes that were not UTF-8 (which
+    Python reads from stdin and argv as lone surrogates) or a lone surrogate from JSON."""
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        raw = text.encode("utf-8", "surrogatepass")
+    return raw.decode("utf-8", "replace")
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

@@ -199,6 +199,17 @@ def test_resume_skips_the_ids_already_written_and_drops_a_torn_line(tmp_path):
     assert partial.read_text().splitlines(keepends=True) == resumed
 
 
+@pytest.mark.parametrize("text", ["my notes\nsecond line without newline", "one line, no newline"])
+def test_resume_leaves_a_file_that_is_not_results_alone(tmp_path, text):
+    """-o FILE --resume with the wrong FILE: refused before anything is cut from it."""
+    path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "Once", "max_tokens": 2}])
+    notes = tmp_path / "notes.txt"
+    notes.write_text(text)
+    result = CliRunner().invoke(app, ["run", "--batch", path, "-o", str(notes), "--resume"])
+    assert "line 1 is not a result line" in str(result.exception)
+    assert notes.read_text() == text
+
+
 def test_ctrl_c_leaves_whole_lines_that_resume_completes(tmp_path):
     lines = [{"prompt": p, "temperature": 0, "max_tokens": 150} for p in STORY_PROMPTS * 5]
     path = write_jsonl(tmp_path / "in.jsonl", lines)

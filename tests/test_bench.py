@@ -312,3 +312,14 @@ def test_mps_records():
         assert r["device"] == "mps"
         assert r["memory_source"] == "mps driver allocated"
         assert r["peak_memory_bytes"] > 0
+
+
+def test_a_missing_model_is_found_before_any_runs():
+    """`bench A B` with B missing: the error comes before A's runs, which it threw away."""
+    from llmrun.errors import ModelNotFoundError
+
+    options = bench.BenchOptions.from_flags("8", "2", [], "0", "8", "1", 1, "cpu", "auto", False)
+    seen = []
+    with pytest.raises(ModelNotFoundError, match="/nonexistent.gguf"):
+        bench.benchmark([None, "/nonexistent.gguf"], options, lambda what, done: seen.append(what))
+    assert seen == []

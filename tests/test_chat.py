@@ -8,7 +8,7 @@ from helpers import TEMPLATES_MISSING, chat_model_dir
 
 from llmrun import api
 from llmrun.chat import ChatSession, Turn
-from llmrun.errors import ContextOverflowError, UsageError
+from llmrun.errors import ContextOverflowError, LlmrunError, TemplateError, UsageError
 from llmrun.generate import KVState, prefill, reuse_prefix
 from llmrun.sampling import SamplingParams
 
@@ -111,6 +111,26 @@ def test_save_and_load(engine, tmp_path):
     (tmp_path / "bad.json").write_text('{"messages": [{"role": "wizard"}]}')
     with pytest.raises(Exception, match="not a saved conversation"):
         other.load(tmp_path / "bad.json")
+    # Not UTF-8, or a system prompt that is no text: errors, the session as it was.
+    (tmp_path / "binary.json").write_bytes(b"\xd0\xff\x00")
+    (tmp_path / "system.json").write_text('{"system": 5, "messages": []}')
+    for bad in ("binary.json", "system.json"):
+        with pytest.raises(LlmrunError, match="not a saved conversation"):
+            other.load(tmp_path / bad)
+    assert other.messages == session.messages and other.system == "S"
+
+
+def test_a_turn_the_template_refuses_leaves_no_trace(engine):
+    """A template that raises on the conversation (Mistral's and Gemma's want roles
+    to alternate) refuses the turn; the user message must not stay, or every later
+    turn fails the same way."""
+    session = ChatSession(engine, GREEDY, max_tokens=3)
+    reply(session, "Hi")
+    before = list(session.messages)
+    session.prompt_text = lambda conversation: (_ for _ in ()).throw(TemplateError("no"))
+    with pytest.raises(TemplateError):
+        reply(session, "Hi again")
+    assert session.messages == before
 
 
 def test_context_overflow_error_and_shift(stories):

@@ -137,6 +137,10 @@ def test_prompt_longer_than_context_is_an_error():
         (["run", "hi", "--no-such-flag"], 2, "error: no such option: --no-such-flag"),
         (["run", "hi", "-n", "many"], 2, "error: invalid value for '--max-tokens' / '-n'"),
         (["run", "hi", "--logprobs", "2"], 2, "error: --logprobs needs --json"),
+        (["run", "hi", "--temperature", "nan"], 2, "error: temperature must be >= 0"),
+        (["run", "hi", "--repeat-penalty", "nan"], 2, "error: repeat-penalty must be > 0"),
+        (["run", "hi", "-c", "999999999"], 2, "error: a KV cache of 999999999 tokens takes"),
+        (["rm", "-y", "stories260K"], 2, "error: stories260K is a local model, not a downloaded"),
     ],
 )
 def test_bad_input_is_one_error_line(args, code, message):
@@ -162,6 +166,105 @@ def test_corrupt_and_unsupported_models(tmp_path):
         assert result.stderr.count("\n") == 1
     debug = llmrun("run", str(truncated), "hi", "--debug")
     assert "Traceback" in debug.stderr
+
+
+def test_head_counts_that_do_not_fit_are_one_error_line(tmp_path):
+    """Corrupt metadata (a head count of 0, or one that does not divide) was a
+    ZeroDivisionError or a reshape traceback."""
+    import gguf
+
+    hf, config = tiny_hf_model("llama")
+    good = write_gguf(tmp_path / "good.gguf", config, hf.state_dict())
+    for key, value, message in [
+        ("llama.attention.head_count", 0, "num_attention_heads is 0, not a positive whole number"),
+        ("llama.attention.head_count_kv", 3, "attention heads cannot share 3 key/value heads"),
+    ]:
+        field = gguf.GGUFReader(good).fields[key]  # its value: the last of its parts
+        at = field.offset + sum(part.nbytes for part in field.parts[:-1])
+        data = bytearray(good.read_bytes())
+        data[at : at + 4] = value.to_bytes(4, "little")
+        path = tmp_path / f"{value}.gguf"
+        path.write_bytes(data)
+        result = llmrun("run", str(path), "hi")
+        assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+        assert message in result.stderr
+    model_dir = tmp_path / "hf"
+    hf.save_pretrained(model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**cfg, "hidden_size": "64"}))
+    result = llmrun("run", str(model_dir), "hi")
+    assert (
+        result.returncode == 1
+        and "hidden_size is '64', not a positive whole number" in result.stderr
+    )
+
+
+def test_text_that_is_not_utf8_is_read_with_replacements(tmp_path):
+    """Bytes that are not UTF-8 (stdin, argv, a lone surrogate in a batch line) reach the
+    tokenizer as U+FFFD, as a terminal shows them; it was a TypeError traceback."""
+    env = {**os.environ, "LLMRUN_HOME": os.environ["LLMRUN_HOME"]}
+    command = [sys.executable, "-m", "llmrun"]
+    piped = subprocess.run(
+        [*command, "run", "-n", "3", "--temperature", "0", "--json"],
+        input=b"a\xffb",
+        capture_output=True,
+        env=env,
+        timeout=120,
+    )
+    assert piped.returncode == 0, piped.stderr
+    replaced = llmrun("run", "a\ufffdb", "-n", "3", "--temperature", "0", "--json")
+    assert json.loads(piped.stdout)["text"] == json.loads(replaced.stdout)["text"]
+    tokens = subprocess.run(
+        [*command, "tokenize", "--batch"], input=b"a\xffb\n", capture_output=True, env=env
+    )
+    assert (
+        tokens.returncode == 0 and tokens.stdout == llmrun("tokenize", "a\ufffdb").stdout.encode()
+    )
+    lines = tmp_path / "b.jsonl"
+    lines.write_text('{"prompt": "hi \\ud800 there"}\n')
+    batch = llmrun("run", "--batch", str(lines), "-n", "2")
+    assert batch.returncode == 0, batch.stderr
+
+
+def test_files_that_are_not_utf8_are_one_error_line(tmp_path):
+    binary = tmp_path / "bin.txt"
+    binary.write_bytes(b"\xff\xfe")
+    for flag in ("--template", "--grammar"):
+        result = llmrun("run", "hi", flag, str(binary))
+        assert (
+            result.returncode == 2 and result.stderr == f"error: {flag} {binary}: not UTF-8 text\n"
+        )
+
+
+def test_output_that_cannot_be_written(tmp_path):
+    """A full disk or a closed stdout: one error line; a reader that leaves (`| head`)
+    is no error at all (typer exited 1 there)."""
+    command = [sys.executable, "-m", "llmrun"]
+    for args in (["run", "hi", "-n", "3"], ["run", "hi", "-n", "3", "--json"], ["tokenize", "hi"]):
+        with open("/dev/full", "w") as full:
+            result = subprocess.run(
+                [*command, *args], stdout=full, stderr=subprocess.PIPE, text=True
+            )
+        assert result.returncode == 1
+        assert result.stderr == "error: cannot write the output: No space left on device\n"
+    closed = subprocess.run(
+        [*command, "run", "hi"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        pass_fds=(),
+        preexec_fn=lambda: os.close(1),
+    )
+    assert (closed.returncode, closed.stderr) == (1, "error: standard output is closed\n")
+    proc = subprocess.Popen(
+        [*command, "run", "Once upon a time", "-n", "300", "-t", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    proc.stdout.read(5)
+    proc.stdout.close()  # `| head -c 5`
+    assert proc.wait(timeout=60) == 0
+    assert proc.stderr.read() == b""
 
 
 def test_unknown_architecture(tmp_path):

@@ -173,3 +173,18 @@ def test_piped_chat_has_exact_greedy_output(home):
         assert expected == text.strip()
         messages.append({"role": "assistant", "content": expected})
     assert "no chat template" in result.stderr
+
+
+def test_piped_chat_reads_lines_ending_in_crlf(home):
+    """A file written on Windows: /bye still ends the session, and no \\r reaches a message."""
+    env = {**os.environ, "LLMRUN_HOME": str(home)}
+    run = [sys.executable, "-m", "llmrun", "chat", "-n", "5", "--temperature", "0"]
+    crlf = subprocess.run(
+        run, input="Once upon a time\r\n/bye\r\nafter\r\n", capture_output=True, text=True,
+        env=env, timeout=120,
+    )  # fmt: skip
+    lf = subprocess.run(
+        run, input="Once upon a time\n", capture_output=True, text=True, env=env, timeout=120
+    )
+    assert crlf.returncode == 0 and "unknown command" not in crlf.stderr
+    assert crlf.stdout == lf.stdout

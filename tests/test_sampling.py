@@ -144,3 +144,13 @@ def test_top_k_larger_than_the_sample():
     values, ids = top_k(logits, 5000)
     expected_values, expected_ids = torch.topk(logits, 5000)
     assert torch.equal(values, expected_values) and torch.equal(ids, expected_ids)
+
+
+def test_seed_minus_one_is_a_random_seed_on_the_command_line():
+    """As llama.cpp's --seed -1; the API's seeds stay as given."""
+    from llmrun import api
+
+    engine = api.load(None, device="cpu")
+    flags = {name: None for name in api.SAMPLING_FLAGS}
+    assert engine.sampling({**flags, "seed": -1}).seed is None
+    assert engine.sampling({**flags, "seed": 5}).seed == 5

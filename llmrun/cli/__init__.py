@@ -9,6 +9,7 @@ commands on it, in the order `llmrun --help` lists them.
 
 from __future__ import annotations
 
+import errno
 import sys
 
 import typer
@@ -24,6 +25,8 @@ from llmrun.cli import generate, models, bench, serve  # noqa: F401
 
 __all__ = ["app", "main"]
 
+_WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EBADF, errno.EFBIG}
+
 
 def _is_usage_error(e: Exception) -> bool:
     # typer >= 0.20 vendors click, so its UsageError is not click's; match by shape.
@@ -34,6 +37,9 @@ def _is_usage_error(e: Exception) -> bool:
 
 def main() -> None:
     """Console entry point: run the app, turn errors into one line and an exit code."""
+    if sys.stdout is None:  # started with stdout closed (`llmrun ... >&-`)
+        ui.error("standard output is closed")
+        sys.exit(1)
     try:
         code = app(prog_name="llmrun", standalone_mode=False)
     except LlmrunError as e:
@@ -47,6 +53,17 @@ def main() -> None:
         # The reader went away (`llmrun run ... | head`): not an error.
         sys.stderr.close()
         sys.exit(0)
+    except SystemExit as e:
+        # typer answers a broken pipe itself, with exit status 1: the same case as above.
+        if e.code == 1 and isinstance(e.__context__, BrokenPipeError):
+            sys.exit(0)
+        raise
+    except OSError as e:  # output that cannot be written (a full disk), a file unread
+        if DEBUG["on"]:
+            raise
+        where = e.filename or ("cannot write the output" if e.errno in _WRITE_ERRORS else None)
+        ui.error(f"{where}: {e.strerror or e}" if where else str(e.strerror or e))
+        sys.exit(1)
     except Exception as e:
         if not _is_usage_error(e) or DEBUG["on"]:
             raise

@@ -48,7 +48,10 @@ RepeatPenalty = Annotated[
 RepeatLastN = Annotated[
     int | None, typer.Option("--repeat-last-n", help="Tokens the repeat penalty looks back at.")
 ]
-Seed = Annotated[int | None, typer.Option(help="Random seed: the same seed gives the same text.")]
+Seed = Annotated[
+    int | None,
+    typer.Option(help="Random seed: the same seed gives the same text (-1: a random one)."),
+]
 Stop = Annotated[list[str] | None, typer.Option("--stop", help="Stop at this text (repeatable).")]
 CtxSize = Annotated[int | None, typer.Option("--ctx-size", "-c", help="Context size in tokens.")]
 Device = Annotated[str, typer.Option(help="auto, cpu, cuda or mps.")]

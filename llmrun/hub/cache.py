@@ -29,7 +29,7 @@ from typing import Any
 
 from huggingface_hub import constants
 
-from llmrun.errors import HubError, LlmrunError, ModelFormatError, ModelNotFoundError
+from llmrun.errors import HubError, LlmrunError, ModelFormatError, ModelNotFoundError, UsageError
 from llmrun.hub.checks import COMMIT_RE, inside, is_safe_file_name, walk
 from llmrun.hub.names import (
     HubName,
@@ -42,7 +42,7 @@ from llmrun.hub.names import (
     select_safetensors,
 )
 from llmrun.loading.inspect import index_shards, read_json, weight_stats
-from llmrun.paths import cache_dir
+from llmrun.paths import BUNDLED_MODEL, cache_dir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
@@ -276,6 +276,11 @@ def plan_removal(spec: str) -> Removal:
     `org/repo` is the whole repo (every quant, partial downloads too); `org/repo:QUANT` or a
     file is those files and their blobs; `@revision` limits either to that snapshot.
     """
+    if Path(spec).expanduser().exists() or spec.lower() == BUNDLED_MODEL.stem.lower():
+        raise UsageError(
+            f"{spec} is a local model, not a downloaded one: rm deletes only from llmrun's "
+            "cache (see `llmrun list`)"
+        )
     name = parse_name(spec)
     repos, paths = [], []
     for _, root in roots():

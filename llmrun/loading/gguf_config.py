@@ -145,6 +145,7 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
     )
     n_heads = key("attention.head_count", required=True)
     hidden = key("embedding_length", required=True)
+    check_config({"hidden_size": hidden, "num_attention_heads": n_heads}, gg.path)
     head_dim = key("attention.key_length") or hidden // n_heads
     config: dict[str, Any] = {
         "model_type": MODEL_TYPES[arch],
@@ -171,6 +172,40 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         gg, key, head_dim, config["max_position_embeddings"]
     )
     return config
+
+
+# The shape fields of a config (HF names) that must be positive whole numbers where given.
+_SIZES = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+)
+
+
+def check_config(config: dict[str, Any], where: Any) -> None:
+    """Refuse, as ModelFormatError naming `where`, a config whose sizes no model can have:
+    a size that is not a positive whole number, KV heads that do not divide the heads,
+    heads that do not divide the hidden size where no head_dim says otherwise."""
+    for name in _SIZES:
+        value = config.get(name)
+        if value is not None and not (
+            isinstance(value, int) and not isinstance(value, bool) and value > 0
+        ):
+            raise ModelFormatError(f"{where}: {name} is {value!r}, not a positive whole number")
+    heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if heads and kv_heads and heads % kv_heads:
+        raise ModelFormatError(
+            f"{where}: {heads} attention heads cannot share {kv_heads} key/value heads"
+        )
+    hidden = config.get("hidden_size")
+    if heads and hidden and not config.get("head_dim") and hidden % heads:
+        raise ModelFormatError(
+            f"{where}: a hidden size of {hidden} does not split into {heads} heads"
+        )
 
 
 def _moe_config(gg: GGUFFile, config: dict[str, Any]) -> None:

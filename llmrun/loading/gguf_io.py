@@ -359,6 +359,11 @@ def unpermute_rows(rows, n_heads: int):
     RoPE halves of each head; HF keeps them split). Works on float weights and on
     quantized byte rows alike, since it only reorders rows."""
     shape = rows.shape
+    if shape[0] % (2 * n_heads):
+        raise ModelFormatError(
+            f"{shape[0]} query or key rows do not split into {n_heads} heads of two halves: "
+            "the file's head counts do not fit its tensors"
+        )
     return (
         rows.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:])
         .transpose(1, 2)

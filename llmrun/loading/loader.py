@@ -133,6 +133,7 @@ def _open_hf_dir(path: Path) -> Checkpoint:
         notes.append(
             f"{path}: a multimodal Gemma 3; running its language model, without the vision tower"
         )
+    gguf_config.check_config(config, path / "config.json")
     generation = safetensors_io.read_generation_config(path)
     sampling = {
         k: generation[k] for k in ("temperature", "top_k", "top_p", "min_p") if k in generation
@@ -192,6 +193,7 @@ def _open_gguf(path: Path) -> Checkpoint:
                 f"which llmrun does not support (supported: {supported})"
             )
     config = gguf_config.config_from_gguf(gg)
+    gguf_config.check_config(config, path)
     model_type = config["model_type"]
     weights = {}
     for info in gg.tensors.values():
@@ -209,10 +211,16 @@ def _open_gguf(path: Path) -> Checkpoint:
             # *norm.weight); the model holds HF's w and computes x * (1 + w).
             tensor = tensor.float() - 1.0
         llama = gg.architecture == "llama"  # Mixtral included
+        heads = None
         if llama and name.endswith(("q_proj.weight", "q_proj.bias")):
-            tensor = gguf_io.unpermute_rows(tensor, config["num_attention_heads"])
+            heads = config["num_attention_heads"]
         elif llama and name.endswith(("k_proj.weight", "k_proj.bias")):
-            tensor = gguf_io.unpermute_rows(tensor, config["num_key_value_heads"])
+            heads = config["num_key_value_heads"]
+        if heads is not None:
+            try:
+                tensor = gguf_io.unpermute_rows(tensor, heads)
+            except ModelFormatError as e:
+                raise ModelFormatError(f"{path}: {info.name}: {e}") from None
         quantized = info.ggml_type not in FLOAT_TYPES
         if "{expert}" in name:
             weights.update(_expert_weights(path, info, name, tensor, quantized, config))
