@@ -100,6 +100,9 @@ class Engine:
     load_seconds: float
     # the tokens around the model's reasoning (harmony's message tokens), if it has them
     markers: Markers | Harmony | None = None
+    # The model's template for conversations with tools, where it has one of its own (a
+    # "tool_use" template: Hermes 2 Pro/3, Command R); None: `template` takes tools too.
+    tool_template: ChatTemplate | None = None
     cache_type: str | None = None  # what the KV cache stores (CACHE_TYPES); None: the dtype
     activations: str = "f32"  # how quantized weights meet activations on CPU (ACTIVATIONS)
 
@@ -119,9 +122,14 @@ class Engine:
         (enable_thinking, reasoning_effort, ...)."""
         if self.template is None:
             raise ModelFormatError(f"{self.name} has no chat template")
-        return self.template.render(
-            messages, add_generation_prompt=add_generation_prompt, **switches
-        )
+        template = self.tools_template if switches.get("tools") else self.template
+        return template.render(messages, add_generation_prompt=add_generation_prompt, **switches)
+
+    @property
+    def tools_template(self) -> ChatTemplate | None:
+        """The template a conversation with tools is rendered with (as transformers
+        picks it: the one named "tool_use" where the model has it)."""
+        return self.tool_template or self.template
 
     def prompt_text(self, text: str, raw: bool = False, **switches: Any) -> str:
         """The text `run` feeds the model: the template around one user message, or as is."""
@@ -269,6 +277,11 @@ def load(
     if activations != "f32":
         set_activations(loaded.model, activations)
     template = _chat_template(checkpoint, tokenizer, template_file)
+    tool_template = (
+        _chat_template(checkpoint, tokenizer, None, "tool_use")
+        if template is not None and template_file is None
+        else None
+    )
     max_positions = checkpoint.config.get("max_position_embeddings") or DEFAULT_CTX
     eos_ids = _eos_ids(checkpoint, tokenizer)
     if checkpoint.gguf is not None:
@@ -279,6 +292,7 @@ def load(
         model=loaded.model,
         tokenizer=tokenizer,
         template=template,
+        tool_template=tool_template,
         defaults=_sampling_defaults(checkpoint),
         eos_ids=eos_ids,
         ctx_size=ctx_size or min(max_positions, DEFAULT_CTX),
@@ -355,12 +369,39 @@ def _eos_ids(checkpoint: Checkpoint, tokenizer: Tokenizer) -> list[int]:
     return sorted(i for i in ids if 0 <= i < tokenizer.vocab_size)
 
 
+def _named_template(checkpoint: Checkpoint, name: str) -> str | None:
+    """The model's chat template named `name` besides its default, if it has one: a GGUF's
+    tokenizer.chat_template.NAME, an HF folder's additional_chat_templates/NAME.jinja or
+    named entry in tokenizer_config.json."""
+    if checkpoint.gguf is not None:
+        return checkpoint.gguf.get(Keys.Tokenizer.CHAT_TEMPLATE_N.format(name=name))
+    jinja_file = checkpoint.path / "additional_chat_templates" / f"{name}.jinja"
+    if jinja_file.is_file():
+        try:
+            return jinja_file.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise ModelFormatError(f"{jinja_file}: not UTF-8 text") from None
+    config_file = checkpoint.path / "tokenizer_config.json"
+    if config_file.is_file():
+        templates = safetensors_io.read_json(config_file).get("chat_template")
+        if isinstance(templates, list):
+            names = {t.get("name") for t in templates if isinstance(t, dict)}
+            return select_template(templates, name) if name in names else None
+    return None
+
+
 def _chat_template(
-    checkpoint: Checkpoint, tokenizer: Tokenizer, template_file: str | Path | None
+    checkpoint: Checkpoint,
+    tokenizer: Tokenizer,
+    template_file: str | Path | None,
+    name: str | None = None,
 ) -> ChatTemplate | None:
-    """The chat template: --template FILE, else the model's own, else None."""
+    """The chat template: --template FILE, else the model's own, else None; with `name`,
+    the model's template of that name, or None."""
     source = None
-    if template_file is not None:
+    if name is not None:
+        source = _named_template(checkpoint, name)
+    elif template_file is not None:
         try:
             source = Path(template_file).expanduser().read_text(encoding="utf-8")
         except OSError as e:

@@ -142,7 +142,8 @@ def offer_tools(session: Any, tools: list[dict[str, Any]]) -> None:
     from llmrun.errors import UsageError
 
     engine = session.engine
-    fmt = detect_format(engine.template.source if engine.template is not None else None)
+    template = engine.tools_template
+    fmt = detect_format(template.source if template is not None else None)
     if fmt is None:
         raise UsageError(
             f"--tools: llmrun knows no tool-call format in {engine.name}'s chat template "

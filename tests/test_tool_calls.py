@@ -8,7 +8,7 @@ import json
 import random
 
 import pytest
-from helpers import TEMPLATES_DIR, TEMPLATES_MISSING, needs_templates
+from helpers import TEMPLATES_DIR, TEMPLATES_MISSING, chat_model_dir, needs_templates
 from tool_families import FAMILIES, PHI4_MINI_TEMPLATE, RESULT
 
 from llmrun.chat_template import ChatTemplate
@@ -625,3 +625,37 @@ def test_forced_calls_follow_references_in_the_parameters(stories, name, args_fo
     assert set(args) == {"loc", "tz"} and len(args["tz"]) <= 5
     assert args["loc"]["unit"] in ("c", "f") and len(args["loc"]["city"]) <= 8
     vocab.lark(fmt.grammar(tools, vocab.token, True))  # several tools compile too
+
+
+@needs_templates
+def test_a_tool_use_template_renders_conversations_with_tools(tmp_path):
+    """Hermes 2 Pro/3 and Command R ship a default template and one named "tool_use":
+    with tools, transformers renders with the latter, and so does llmrun (the tools never
+    reached the prompt, and no tool-call format was found)."""
+    import transformers
+
+    from llmrun import api
+    from llmrun.server.reply import tool_format
+
+    model = chat_model_dir(tmp_path / "m")
+    config_file = model / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    plain = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    tools_template = (TEMPLATES_DIR / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
+    config["chat_template"] = [
+        {"name": "default", "template": plain},
+        {"name": "tool_use", "template": tools_template},
+    ]
+    config_file.write_text(json.dumps(config))
+    engine = api.load(str(model), device="cpu")
+    reference = transformers.AutoTokenizer.from_pretrained(model)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for tools in (None, [WEATHER]):
+        expected = reference.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=False
+        )
+        assert engine.render(messages, **({"tools": tools} if tools else {})) == expected
+    assert tool_format(engine).name == HERMES

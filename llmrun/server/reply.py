@@ -45,7 +45,8 @@ class Prepared:
 def tool_format(engine: api.Engine) -> ToolFormat | None:
     from llmrun.tool_calls import detect_format
 
-    return detect_format(engine.template.source) if engine.template is not None else None
+    template = engine.tools_template
+    return detect_format(template.source) if template is not None else None
 
 
 def prepare(engine: api.Engine, fmt: ToolFormat | None, ask: Ask) -> Prepared:
@@ -66,7 +67,8 @@ def prepare(engine: api.Engine, fmt: ToolFormat | None, ask: Ask) -> Prepared:
     if plain:
         text = plain_transcript(ask.messages)
     else:
-        messages = prepare_history(ask.messages, fmt, engine.template.source, ask.tools)
+        source = (engine.tools_template if ask.tools else engine.template).source
+        messages = prepare_history(ask.messages, fmt, source, ask.tools)
         switches = dict(ask.switches)
         if ask.tools:
             switches["tools"] = ask.tools
