@@ -11,6 +11,9 @@ The format is chosen from the chat template's source, never from a model name:
   <|constrain|>json<|message|>{...}` (ended by `<|call|>`, an end-of-generation token)
 - phi4_mini: `<|tool_call|>{...} or [{...}]<|/tool_call|>` (Phi-4-mini, whose template
   takes the tools in the system message, between `<|tool|>` and `<|/tool|>`)
+- qwen3_xml: `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n...
+  </function>\n</tool_call>` (Qwen3-Coder, Qwen3.5); a value is text where the tool's
+  schema says string, else JSON (as vLLM's qwen3_coder parser reads it)
 
 ToolCallParser reads the generated text piece by piece: text outside calls passes on as
 content as soon as it cannot begin a call, each call comes out whole once it is complete,
@@ -29,13 +32,14 @@ import re
 import secrets
 import string
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from llmrun.reasoning import ANSWER, REASONING, Piece
 
 HERMES, LLAMA3, MISTRAL, HARMONY, PHI4 = "hermes", "llama3_json", "mistral", "harmony", "phi4_mini"
-FORMATS = (HERMES, LLAMA3, MISTRAL, HARMONY, PHI4)
+QWEN_XML = "qwen3_xml"
+FORMATS = (HERMES, LLAMA3, MISTRAL, HARMONY, PHI4, QWEN_XML)
 # OpenAI's rule for function names.
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 # How the grammars write JSON: as json.dumps does by default, the way these models were
@@ -80,6 +84,14 @@ class ToolFormat:
     at_start: tuple[str, ...] = ()  # text that begins a call only at the start of the output
     whole_output: bool = False  # the whole output is one structure (harmony)
     args_form: bool = False  # mistral: name[ARGS]{...} rather than a JSON list
+    # The offered tools' parameter schemas by function name (for_tools), which a format
+    # that writes arguments as text (qwen3_xml) reads values by.
+    schemas: Mapping[str, Any] | None = field(default=None, compare=False, hash=False)
+
+    def for_tools(self, tools: Sequence[Mapping[str, Any]]) -> ToolFormat:
+        """This format, reading calls of `tools` (OpenAI function tools)."""
+        schemas = {t["function"]["name"]: t["function"].get("parameters") for t in tools}
+        return replace(self, schemas=schemas)
 
     def marker_ids(self, vocab: _Vocab) -> dict[int, str]:
         """Special tokens of this format's markers in `vocab`, by id, with their text:
@@ -132,6 +144,8 @@ class ToolFormat:
             return "[TOOL_CALLS]" + dump(items)
         if self.name == PHI4:
             return "".join(f"<|tool_call|>{dump(c)}<|/tool_call|>" for c in items)
+        if self.name == QWEN_XML:
+            return "\n".join(_xml_call(c["name"], c["arguments"]) for c in items)
         return "".join(
             f"<|start|>assistant to=functions.{c['name']}<|channel|>commentary json"
             f"<|message|>{dump(c['arguments'])}<|call|>"
@@ -188,6 +202,17 @@ class ToolFormat:
         if self.name == PHI4:
             call = f"{token('<|tool_call|>')} {schema(call_object('arguments'))} {token('<|/tool_call|>')}"
             return f"start: call{many}\ncall: {call}\n"
+        if self.name == QWEN_XML:
+            alts = " | ".join(
+                f"{lit(f['name'] + '>')} {_xml_params(f.get('parameters') or _ANY_OBJECT, lit, schema)}"
+                for f in functions
+            )
+            call = (
+                f'{token("<tool_call>")} "\\n<function=" ({alts}) "</function>\\n" '
+                f"{token('</tool_call>')}"
+            )
+            rule = 'call ("\\n" call)*' if parallel else "call"
+            return f"start: {rule}\ncall: {call}\n"
         if self.name == MISTRAL and not self.args_form:
             items = {"type": "array", "items": call_object("arguments", "/items"), "minItems": 1}
             if not parallel:
@@ -220,6 +245,9 @@ _FORMATS = {
     PHI4: ToolFormat(
         PHI4, ("<|tool_call|>",), "<|/tool_call|>", ("<|tool_call|>", "<|/tool_call|>")
     ),
+    QWEN_XML: ToolFormat(
+        QWEN_XML, ("<tool_call>",), "</tool_call>", ("<tool_call>", "</tool_call>")
+    ),
 }
 
 
@@ -238,6 +266,8 @@ def detect_format(template: str | None) -> ToolFormat | None:
         return get_format(MISTRAL, args_form="[ARGS]" in template)
     if "<|tool_call|>" in template or ("<|tool|>" in template and "<|/tool|>" in template):
         return _FORMATS[PHI4]
+    if "<tool_call>" in template and "<function=" in template and "<parameter=" in template:
+        return _FORMATS[QWEN_XML]
     if "<tool_call>" in template:
         return _FORMATS[HERMES]
     if "<|python_tag|>" in template or (
@@ -370,6 +400,71 @@ def _mistral(fmt: ToolFormat, region: str) -> list[_Call]:
     return calls
 
 
+_XML_CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.S)
+_XML_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+
+
+def _qwen_xml(fmt: ToolFormat, region: str) -> list[_Call]:
+    m = _XML_CALL.fullmatch(region.strip())
+    if m is None:
+        raise ValueError("not a call")
+    name, body = m.group(1).strip(), m.group(2)
+    if not NAME_PATTERN.match(name):
+        raise ValueError(f"bad function name {name!r}")
+    if _XML_PARAM.sub("", body).strip():
+        raise ValueError("text between parameters")
+    properties = ((fmt.schemas or {}).get(name) or {}).get("properties") or {}
+    args = {
+        key.strip(): _xml_value(value, properties.get(key.strip()))
+        for key, value in _XML_PARAM.findall(body)
+    }
+    return [(name, dumps(args), None)]
+
+
+def _xml_value(text: str, schema: Any) -> Any:
+    """A parameter's value: the text itself where the schema says string (or says
+    nothing and the text is no JSON), else the JSON it spells."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    texts = schema.get("enum", []) if isinstance(schema, dict) else []
+    if kind == "string" or (isinstance(kind, list) and kind and kind[0] == "string"):
+        return text
+    if text in texts:  # an enum of strings, written unquoted
+        return text
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _xml_call(name: str, arguments: Mapping[str, Any]) -> str:
+    params = "".join(
+        f"<parameter={key}>\n{value if isinstance(value, str) else dumps(value)}\n</parameter>\n"
+        for key, value in arguments.items()
+    )
+    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+
+
+def _xml_params(parameters: Mapping[str, Any], lit: Callable[[str], str], schema: Callable) -> str:
+    """The grammar of a call's parameters, in the schema's order, each required one
+    once and each other one at most once; a string's value is text without "</"."""
+    required = set(parameters.get("required") or ())
+    # Each value's schema stands alone: the definitions its references point to go with it.
+    defs = {k: parameters[k] for k in ("$defs", "definitions") if k in parameters}
+    parts = ['"\\n"']
+    for key, spec in (parameters.get("properties") or {}).items():
+        spec = spec if isinstance(spec, dict) else {}
+        texts = spec.get("enum", [spec["const"]] if "const" in spec else None)
+        if texts and all(isinstance(t, str) for t in texts):
+            value = "(" + " | ".join(lit(t) for t in texts) + ")"  # written as is, unquoted
+        elif spec.get("type") == "string":
+            value = "/([^<]|<[^\\/])*/"
+        else:
+            value = schema({**spec, **defs, "x-guidance": JSON_STYLE})
+        param = f'{lit(f"<parameter={key}>")} "\\n" {value} "\\n" {lit("</parameter>")} "\\n"'
+        parts.append(f"({param})" + ("" if key in required else "?"))
+    return " ".join(parts)
+
+
 _HARMONY_END = re.compile(r"<\|end\|>|<\|call\|>|<\|return\|>")
 _RECIPIENT = re.compile(r"\bto=functions\.([A-Za-z0-9_-]{1,64})")
 _CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
@@ -411,6 +506,7 @@ _PARSERS: dict[str, Callable[[ToolFormat, str], Any]] = {
     MISTRAL: _mistral,
     HARMONY: _harmony,
     PHI4: _phi4,
+    QWEN_XML: _qwen_xml,
 }
 
 

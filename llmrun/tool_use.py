@@ -149,6 +149,7 @@ def offer_tools(session: Any, tools: list[dict[str, Any]]) -> None:
             f"--tools: llmrun knows no tool-call format in {engine.name}'s chat template "
             f"(it reads {', '.join(FORMATS)})"
         )
+    fmt = fmt.for_tools(tools)
     session.switches = {**session.switches, "tools": tools}
     markers = fmt.marker_ids(engine.tokenizer)
     generate = engine.generate

@@ -19,6 +19,7 @@ from llmrun.tool_calls import (
     LLAMA3,
     MISTRAL,
     PHI4,
+    QWEN_XML,
     ToolCall,
     ToolCallParser,
     detect_format,
@@ -43,6 +44,8 @@ TEMPLATE_FORMATS = {
     "microsoft-Phi-3.5-mini-instruct": (None, False),
     "google-gemma-2-2b-it": (None, False),
     "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B": (None, False),
+    "Qwen3-Coder": (QWEN_XML, False),
+    "Qwen3.5-4B": (QWEN_XML, False),
 }
 WEATHER = {
     "type": "function",
@@ -84,6 +87,16 @@ def calls_of(fmt, text):
 
 PARIS = ("get_weather", {"city": "Paris"})
 EXACT = [
+    # Qwen3-Coder / Qwen3.5: XML, text before, two calls; values without a schema are JSON.
+    (
+        QWEN_XML,
+        "Let me look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+        "</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n"
+        '<parameter=zone>\n{"tz": "CET", "dst": true}\n</parameter>\n<parameter=n>\n3\n</parameter>\n'
+        "</function>\n</tool_call>",
+        "Let me look.",
+        [PARIS, ("get_time", {"zone": {"tz": "CET", "dst": True}, "n": 3})],
+    ),
     # Text on both sides of a call stays parted as the model wrote it (was glued).
     (
         HERMES,
@@ -200,6 +213,9 @@ NOT_CALLS = [
     (MISTRAL, "[TOOL_CALLS]get weather[ARGS]{}"),
     (MISTRAL, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": '),
     (PHI4, "<|tool_call|>[]<|/tool_call|>"),
+    (QWEN_XML, "<tool_call>\n<function=get weather>\n</function>\n</tool_call>"),
+    (QWEN_XML, "<tool_call>\n<function=f>\nloose text\n</function>\n</tool_call>"),
+    (QWEN_XML, "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n"),  # cut off
     (HARMONY, "plain text from a harmony model"),
     (HARMONY, "<|channel|>commentary to=browser.search<|message|>{}"),
     (HARMONY, "<|channel|>commentary to=functions.f<|message|>{not json"),
@@ -328,6 +344,7 @@ RENDERED_CALLS = {
     "mistralai-Mistral-Nemo-Instruct-2407": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "',
     "Mistral-Small-3.2-24B-Instruct-2506": '[ARGS]{"city": "Paris"}',
     "openai-gpt-oss-120b": 'to=functions.get_weather<|channel|>commentary json<|message|>"{\\"city\\": \\"Paris\\"}"',
+    "Qwen3-Coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>",
 }
 
 
@@ -437,7 +454,7 @@ def test_a_tool_round_trip_in_each_format(family):
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [PARIS]
     call_id = calls[0]["id"]
     assert len(call_id) == 9 if fam.name == MISTRAL else call_id.startswith("call_")
-    assert reasoning == ("the big" if "Qwen3" in fam.template else "")
+    assert reasoning == ("the big" if fam.call[0] == "<think>" else "")
     assert without_ids(ask(client, name, messages, stream=True)) == without_ids(whole(reply))
 
     # The call and the tool's result go back: the model answers.
@@ -456,7 +473,7 @@ def test_tool_choice_none_leaves_the_call_as_text(family):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     content, _, calls, finish = whole(ask(client, name, messages, tool_choice="none"))
     assert (calls, finish) == ([], "stop")
-    if fam.name in (HERMES, LLAMA3) and "Qwen3" not in fam.template:
+    if fam.name in (HERMES, LLAMA3) and fam.call[0] != "<think>":
         assert json.dumps({"city": "Paris"}) in content
 
 
@@ -540,7 +557,7 @@ def test_tools_with_a_response_format_allow_a_call_or_the_json_answer(family):
     args = dict(tools=[STRICT_WEATHER], response_format=response_format, max_tokens=120)
     args["parallel_tool_calls"] = False  # a scripted model would not stop calling
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    if "Qwen3" not in fam.template:  # Qwen3 would think first, which the grammar forbids
+    if fam.call[0] != "<think>":  # Qwen3 would think first, which the grammar forbids
         content, _, calls, finish = whole(
             client.chat.completions.create(model=name, messages=messages, temperature=0, **args)
         )
@@ -604,7 +621,14 @@ def stories():
 
 @pytest.mark.parametrize(
     ("name", "args_form"),
-    [(HERMES, False), (LLAMA3, False), (MISTRAL, False), (MISTRAL, True), (PHI4, False)],
+    [
+        (HERMES, False),
+        (LLAMA3, False),
+        (MISTRAL, False),
+        (MISTRAL, True),
+        (PHI4, False),
+        (QWEN_XML, False),
+    ],
 )
 @pytest.mark.parametrize("tools", [[LOCATED], [LOCATED, CLOCK_TOOL]], ids=["one", "two"])
 def test_forced_calls_follow_references_in_the_parameters(stories, name, args_form, tools):
@@ -614,7 +638,7 @@ def test_forced_calls_follow_references_in_the_parameters(stories, name, args_fo
     from llmrun.sampling import SamplingParams
 
     engine, vocab = stories
-    fmt = get_format(name, args_form)
+    fmt = get_format(name, args_form).for_tools(tools)
     grammar = vocab.lark(fmt.grammar([tools[0]], vocab.token, False))  # only w: made to call it
     prompt = engine.tokenizer.encode("Once upon a time")
     params = SamplingParams(temperature=0).updated(grammar=grammar)
@@ -659,3 +683,29 @@ def test_a_tool_use_template_renders_conversations_with_tools(tmp_path):
         )
         assert engine.render(messages, **({"tools": tools} if tools else {})) == expected
     assert tool_format(engine).name == HERMES
+
+
+def test_xml_values_follow_the_tools_schemas():
+    """Where the schema says string, a value is its text even when it would read as JSON
+    (vLLM's qwen3_coder parser reads them so); other types are the JSON they spell."""
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {
+                "type": "object",
+                "properties": {"zip": {"type": "string"}, "n": {"type": "integer"}},
+            },
+        },
+    }
+    text = (
+        "<tool_call>\n<function=f>\n<parameter=zip>\n01234\n</parameter>\n"
+        "<parameter=n>\n7\n</parameter>\n<parameter=note>\nnot json\n</parameter>\n"
+        "</function>\n</tool_call>"
+    )
+    fmt = get_format(QWEN_XML).for_tools([tool])
+    assert calls_of(fmt, text) == ("", [("f", {"zip": "01234", "n": 7, "note": "not json"})])
+    assert calls_of(fmt, fmt.call_text([{"name": "f", "arguments": {"zip": "01234", "n": 7}}])) == (
+        "",
+        [("f", {"zip": "01234", "n": 7})],
+    )

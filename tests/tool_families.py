@@ -107,6 +107,7 @@ PHI4_TOKENS = special(
     "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|tool|>", "<|/tool|>"
 ) + special("<|tool_call|>", "<|/tool_call|>", "<|tool_response|>", "<|endoftext|>")
 CHATML_TOKENS = plain("<tool_call>", "</tool_call>", HERMES_CALL) + special("<|endoftext|>")
+XML_CALL = "\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
 
 FAMILIES = {
     "qwen2.5": Family(
@@ -131,6 +132,15 @@ FAMILIES = {
         "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja",
         CHATML_TOKENS,
         ["<tool_call>", HERMES_CALL, "</tool_call>"],
+        [CHATML[1], "<|endoftext|>"],
+        answer_end="<|endoftext|>",
+    ),
+    # Qwen3-Coder writes its calls in XML, one parameter a block.
+    "qwen3-coder": Family(
+        "qwen3_xml",
+        "Qwen3-Coder.jinja",
+        plain("<tool_call>", "</tool_call>", XML_CALL) + special("<|endoftext|>"),
+        ["<tool_call>", XML_CALL, "</tool_call>"],
         [CHATML[1], "<|endoftext|>"],
         answer_end="<|endoftext|>",
     ),

@@ -74,8 +74,9 @@ def prepare(engine: api.Engine, fmt: ToolFormat | None, ask: Ask) -> Prepared:
             switches["tools"] = ask.tools
         text = engine.render(messages, **switches)
     ids = engine.tokenizer.encode(text)
-    grammar = _grammar(engine, fmt if calling else None, ask)
-    return Prepared(text, ids, fmt if calling else None, grammar)
+    fmt = fmt.for_tools(ask.tools) if calling and fmt is not None else None
+    grammar = _grammar(engine, fmt, ask)
+    return Prepared(text, ids, fmt, grammar)
 
 
 def _grammar(engine: api.Engine, fmt: ToolFormat | None, ask: Ask) -> Any:
