@@ -11,6 +11,8 @@ The format is chosen from the chat template's source, never from a model name:
   <|constrain|>json<|message|>{...}` (ended by `<|call|>`, an end-of-generation token)
 - phi4_mini: `<|tool_call|>{...} or [{...}]<|/tool_call|>` (Phi-4-mini, whose template
   takes the tools in the system message, between `<|tool|>` and `<|/tool|>`)
+- granite: `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]` to the end of the output
+  (Granite 3.x, whose template says "<|tool_call|> followed by a JSON list")
 - qwen3_xml: `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n...
   </function>\n</tool_call>` (Qwen3-Coder, Qwen3.5); a value is text where the tool's
   schema says string, else JSON (as vLLM's qwen3_coder parser reads it)
@@ -38,8 +40,8 @@ from typing import Any, Protocol
 from llmrun.reasoning import ANSWER, REASONING, Piece
 
 HERMES, LLAMA3, MISTRAL, HARMONY, PHI4 = "hermes", "llama3_json", "mistral", "harmony", "phi4_mini"
-QWEN_XML = "qwen3_xml"
-FORMATS = (HERMES, LLAMA3, MISTRAL, HARMONY, PHI4, QWEN_XML)
+QWEN_XML, GRANITE = "qwen3_xml", "granite"
+FORMATS = (HERMES, LLAMA3, MISTRAL, HARMONY, PHI4, QWEN_XML, GRANITE)
 # OpenAI's rule for function names.
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 # How the grammars write JSON: as json.dumps does by default, the way these models were
@@ -146,6 +148,8 @@ class ToolFormat:
             return "".join(f"<|tool_call|>{dump(c)}<|/tool_call|>" for c in items)
         if self.name == QWEN_XML:
             return "\n".join(_xml_call(c["name"], c["arguments"]) for c in items)
+        if self.name == GRANITE:
+            return "<|tool_call|>" + dump(items)
         return "".join(
             f"<|start|>assistant to=functions.{c['name']}<|channel|>commentary json"
             f"<|message|>{dump(c['arguments'])}<|call|>"
@@ -213,11 +217,12 @@ class ToolFormat:
             )
             rule = 'call ("\\n" call)*' if parallel else "call"
             return f"start: {rule}\ncall: {call}\n"
-        if self.name == MISTRAL and not self.args_form:
+        if self.name in (MISTRAL, GRANITE) and not self.args_form:
             items = {"type": "array", "items": call_object("arguments", "/items"), "minItems": 1}
             if not parallel:
                 items["maxItems"] = 1
-            return f"start: {token('[TOOL_CALLS]')} {schema({**items, 'x-guidance': JSON_STYLE})}\n"
+            marker = token("[TOOL_CALLS]" if self.name == MISTRAL else "<|tool_call|>")
+            return f"start: {marker} {schema({**items, 'x-guidance': JSON_STYLE})}\n"
         if self.name == MISTRAL:
             alts = " | ".join(
                 f"{token('[TOOL_CALLS]')} {lit(f['name'])} {token('[ARGS]')} {schema(params(f))}"
@@ -248,6 +253,7 @@ _FORMATS = {
     QWEN_XML: ToolFormat(
         QWEN_XML, ("<tool_call>",), "</tool_call>", ("<tool_call>", "</tool_call>")
     ),
+    GRANITE: ToolFormat(GRANITE, ("<|tool_call|>",), markers=("<|tool_call|>",)),
 }
 
 
@@ -264,6 +270,8 @@ def detect_format(template: str | None) -> ToolFormat | None:
         return _FORMATS[HARMONY]
     if "[TOOL_CALLS]" in template:
         return get_format(MISTRAL, args_form="[ARGS]" in template)
+    if "<|tool_call|>" in template and "<|start_of_role|>" in template:
+        return _FORMATS[GRANITE]
     if "<|tool_call|>" in template or ("<|tool|>" in template and "<|/tool|>" in template):
         return _FORMATS[PHI4]
     if "<tool_call>" in template and "<function=" in template and "<parameter=" in template:
@@ -369,6 +377,10 @@ def _hermes(fmt: ToolFormat, region: str) -> list[_Call]:
 def _phi4(fmt: ToolFormat, region: str) -> list[_Call]:
     body = region.removeprefix("<|tool_call|>").removesuffix("<|/tool_call|>")
     return _calls_in(_one_json(body))
+
+
+def _granite(fmt: ToolFormat, region: str) -> list[_Call]:
+    return _calls_in(_one_json(region.removeprefix("<|tool_call|>")))
 
 
 def _llama3(fmt: ToolFormat, region: str) -> list[_Call]:
@@ -507,6 +519,7 @@ _PARSERS: dict[str, Callable[[ToolFormat, str], Any]] = {
     HARMONY: _harmony,
     PHI4: _phi4,
     QWEN_XML: _qwen_xml,
+    GRANITE: _granite,
 }
 
 

@@ -14,6 +14,7 @@ from tool_families import FAMILIES, PHI4_MINI_TEMPLATE, RESULT
 from llmrun.chat_template import ChatTemplate
 from llmrun.reasoning import REASONING
 from llmrun.tool_calls import (
+    GRANITE,
     HARMONY,
     HERMES,
     LLAMA3,
@@ -46,6 +47,8 @@ TEMPLATE_FORMATS = {
     "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B": (None, False),
     "Qwen3-Coder": (QWEN_XML, False),
     "Qwen3.5-4B": (QWEN_XML, False),
+    "ibm-granite-granite-3.3-2B-Instruct": (GRANITE, False),  # not Phi-4-mini's format
+    "ibm-granite-granite-4.0": (HERMES, False),
 }
 WEATHER = {
     "type": "function",
@@ -87,6 +90,14 @@ def calls_of(fmt, text):
 
 PARIS = ("get_weather", {"city": "Paris"})
 EXACT = [
+    # Granite 3.x: a JSON list after <|tool_call|>, to the end of the output.
+    (
+        GRANITE,
+        'I will check. <|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+        '{"name": "get_time", "arguments": {}}]',
+        "I will check.",
+        [PARIS, ("get_time", {})],
+    ),
     # Qwen3-Coder / Qwen3.5: XML, text before, two calls; values without a schema are JSON.
     (
         QWEN_XML,
@@ -628,6 +639,7 @@ def stories():
         (MISTRAL, True),
         (PHI4, False),
         (QWEN_XML, False),
+        (GRANITE, False),
     ],
 )
 @pytest.mark.parametrize("tools", [[LOCATED], [LOCATED, CLOCK_TOOL]], ids=["one", "two"])

@@ -144,6 +144,16 @@ FAMILIES = {
         [CHATML[1], "<|endoftext|>"],
         answer_end="<|endoftext|>",
     ),
+    # Granite 3.3: a JSON list after <|tool_call|>; its template renders no calls, so
+    # the call goes back as the model wrote it, and the result as a "tool" message.
+    "granite3.3": Family(
+        "granite",
+        "ibm-granite-granite-3.3-2B-Instruct.jinja",
+        special("<|start_of_role|>", "<|end_of_role|>", "<|end_of_text|>", "<|tool_call|>")
+        + plain(f"[{JSON_CALL}]"),
+        ["<|tool_call|>", f"[{JSON_CALL}]", "<|end_of_text|>"],
+        ["<|end_of_text|>"],
+    ),
     "llama3.1": Family(
         "llama3_json",
         "meta-llama-Llama-3.1-8B-Instruct.jinja",
