@@ -188,3 +188,25 @@ def test_piped_chat_reads_lines_ending_in_crlf(home):
     )
     assert crlf.returncode == 0 and "unknown command" not in crlf.stderr
     assert crlf.stdout == lf.stdout
+
+
+def test_run_without_a_prompt_at_a_terminal_chats(home):
+    """`llmrun run [MODEL]` (here the bundled one) with no prompt at a terminal opens the chat REPL, as
+    `ollama run MODEL` does (it was an error); its options carry over."""
+    env = {**os.environ, "LLMRUN_HOME": str(home), "TERM": "dumb", "COLUMNS": "200"}
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "llmrun", "run", "-n", "5", "--temperature", "0"],
+        env=env,
+        encoding="utf-8",
+        timeout=90,
+    )
+    child.expect_exact(PROMPT)
+    child.sendline("/show")
+    child.expect_exact("parameters: temperature=0.0")
+    child.expect_exact("max_tokens=5")
+    child.expect_exact(PROMPT)
+    child.sendline("/bye")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0

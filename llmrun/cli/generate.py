@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
 from typing import Annotated
@@ -124,6 +125,15 @@ def run(
         prompt = f"{prompt}\n\n{piped}"
     elif prompt is None:
         prompt = piped
+    if (
+        not prompt
+        and ui.stdin_is_tty()
+        and not (output_json or raw or stop or output_format or grammar)
+    ):
+        # `llmrun run MODEL` at a terminal chats, as `ollama run MODEL` does.
+        chat_options = set(inspect.signature(chat).parameters) - {"model"}
+        options = {k: v for k, v in locals().items() if k in chat_options}
+        return chat(model=model_spec, **options)
     if not prompt:
         raise UsageError('no prompt: give one (llmrun run [MODEL] "PROMPT") or pipe it on stdin')
     if logprobs is not None and not output_json:
