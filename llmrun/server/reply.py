@@ -130,9 +130,11 @@ class ReplyReader:
                 out.append(piece)
             elif self.parser is not None:
                 out.extend(self.parser.feed(piece))
-            else:  # the answer (and harmony's commentary, as written)
+            elif piece.kind == ANSWER:
                 self._content += piece
-                out.append(Piece(ANSWER, piece))
+                out.append(piece)
+            # else harmony's commentary (a call, as written, with its header) where no
+            # tools are called (tool_choice "none"): not the answer, and not for the user
         if event.finish_reason is not None and self.parser is not None:
             out.extend(self.parser.finish())
         return out
