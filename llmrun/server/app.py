@@ -120,7 +120,7 @@ async def chat_completions(request: Request) -> Response:
         prepared.ids,
         params,
         body.max_completion_tokens or body.max_tokens,
-        stop,
+        prepared.stops(stop),
         (body.top_logprobs or 0) if body.logprobs else None,
         body.ignore_eos,
     )

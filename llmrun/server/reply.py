@@ -40,6 +40,12 @@ class Prepared:
     ids: list[int]
     fmt: ToolFormat | None  # the format to read calls in (None: no tools to call)
     grammar: Any = None  # a structured.Grammar, or None
+    forced: bool = False  # tool_choice "required" or a named function: the reply is calls
+
+    def stops(self, stop: list[str]) -> list[str]:
+        """The stop strings to apply: none to a forced call, whose text they would cut
+        into markup that is no call (and which its grammar ends anyway)."""
+        return [] if self.forced else stop
 
 
 def tool_format(engine: api.Engine) -> ToolFormat | None:
@@ -76,7 +82,7 @@ def prepare(engine: api.Engine, fmt: ToolFormat | None, ask: Ask) -> Prepared:
     ids = engine.tokenizer.encode(text)
     fmt = fmt.for_tools(ask.tools) if calling and fmt is not None else None
     grammar = _grammar(engine, fmt, ask)
-    return Prepared(text, ids, fmt, grammar)
+    return Prepared(text, ids, fmt, grammar, forced=fmt is not None and ask.tool_choice != "auto")
 
 
 def _grammar(engine: api.Engine, fmt: ToolFormat | None, ask: Ask) -> Any:

@@ -387,7 +387,9 @@ async def responses(request: Request) -> Response:
     if prepared.grammar is not None:
         params = params.updated(grammar=prepared.grammar)
     reader = ReplyReader(engine, prepared)
-    gen_request = batching.Request(prepared.ids, params, body.max_output_tokens, stop)
+    gen_request = batching.Request(
+        prepared.ids, params, body.max_output_tokens, prepared.stops(stop)
+    )
     gen = Generation(service, "responses", gen_request, arrived)
     output = Output()
     fmt = body.text.format if body.text is not None and body.text.format is not None else None
