@@ -110,8 +110,9 @@ typedef struct {
     const int64_t *positions;     /* [rows] */
     const int32_t *tables[2];     /* a paged cache's block tables [rows, table_width] per
                                      group of layers (.kv_group); NULL: a contiguous cache */
-    int64_t table_width[2], block_bytes[2], block_rows;
+    int64_t table_width[2], block_bytes[2];
     int64_t pool_blocks[2]; /* a paged cache: the blocks of each group's pool */
+    int64_t block_rows;
     int64_t row_bytes; /* a contiguous cache: from one row's keys to the next's */
     int64_t capacity;  /* a contiguous cache: the positions a row holds */
     int64_t rows, rotary_dim, hidden, layers;
