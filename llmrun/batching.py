@@ -197,8 +197,9 @@ class Scheduler:
             if self._closed:
                 raise ServerBusyError("the server is shutting down")
             if len(self.waiting) >= self.queue_size + self.parallel - len(self.active):
+                # (waiting counts the requests not yet admitted to a free slot too)
                 raise ServerBusyError(
-                    f"all {self.parallel} slots are busy and {len(self.waiting)} requests are waiting"
+                    f"all {self.parallel} slots are busy and the queue of {self.queue_size} is full"
                 )
             self.waiting.append(job)
             self._cond.notify()

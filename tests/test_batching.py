@@ -146,7 +146,7 @@ def test_the_queue_is_bounded():
     s = Scheduler(ENGINE, parallel=2, queue=1)  # not started: nothing leaves the queue
     for _ in range(3):
         s.submit(Request(encode("Hi"), GREEDY, 5), Collector())
-    with pytest.raises(ServerBusyError, match="slots are busy"):
+    with pytest.raises(ServerBusyError, match="all 2 slots are busy and the queue of 1 is full"):
         s.submit(Request(encode("Hi"), GREEDY, 5), Collector())
     s.close()
 
