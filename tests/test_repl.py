@@ -21,10 +21,10 @@ def home(tmp_path):
     return tmp_path / "home"
 
 
-def spawn(home, *args):
+def spawn(home, *args, command="chat"):
     env = {**os.environ, "LLMRUN_HOME": str(home), "TERM": "dumb", "COLUMNS": "200"}
     child = pexpect.spawn(
-        sys.executable, ["-m", "llmrun", "chat", *args], env=env, encoding="utf-8", timeout=90
+        sys.executable, ["-m", "llmrun", command, *args], env=env, encoding="utf-8", timeout=90
     )
     child.expect_exact(PROMPT)
     return child
@@ -193,15 +193,7 @@ def test_piped_chat_reads_lines_ending_in_crlf(home):
 def test_run_without_a_prompt_at_a_terminal_chats(home):
     """`llmrun run [MODEL]` (here the bundled one) with no prompt at a terminal opens the chat REPL, as
     `ollama run MODEL` does (it was an error); its options carry over."""
-    env = {**os.environ, "LLMRUN_HOME": str(home), "TERM": "dumb", "COLUMNS": "200"}
-    child = pexpect.spawn(
-        sys.executable,
-        ["-m", "llmrun", "run", "-n", "5", "--temperature", "0"],
-        env=env,
-        encoding="utf-8",
-        timeout=90,
-    )
-    child.expect_exact(PROMPT)
+    child = spawn(home, "-n", "5", "--temperature", "0", command="run")
     child.sendline("/show")
     child.expect_exact("parameters: temperature=0.0")
     child.expect_exact("max_tokens=5")
