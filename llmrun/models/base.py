@@ -165,13 +165,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
         self._table: tuple[Any, ...] | None = None  # see _decoding
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin [B, T, rotary_dim] (see ops.rotary)."""
+    def forward(
+        self, positions: torch.Tensor, capacity: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin [B, T, rotary_dim] (see ops.rotary). `capacity`: the
+        positions the KV cache holds, where there is one (LongRoPE's choice, see _angles)."""
+        if self.long_inv_freq is not None:
+            return self._angles(positions, capacity)
         if (
             positions.shape == (1, 1)
             and positions.device.type == "cpu"
             and self.inv_freq.device.type == "cpu"
-            and self.long_inv_freq is None
             and not torch.compiler.is_compiling()  # a static step reads no position back
         ):
             return self._decoding(positions)
@@ -189,12 +193,18 @@ class RotaryEmbedding(nn.Module):
         _, first, cos, sin = table
         return cos[None, p - first : p - first + 1], sin[None, p - first : p - first + 1]
 
-    def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _angles(
+        self, positions: torch.Tensor, capacity: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = self.inv_freq
-        # LongRoPE switches to the long factors once the sequence outgrows the
-        # pretraining length, judged per forward call as transformers does, and
-        # per row, as each row of a batch is a sequence of its own.
-        if self.long_inv_freq is not None:
+        # LongRoPE takes the long factors for a sequence that outgrows the pretraining
+        # length. With a KV cache, judged once for the cache, as llama.cpp judges it by the
+        # context size: judged per forward call (transformers' way), the keys of a prompt
+        # prefilled in chunks, or of a chat's earlier turns, would keep factors that a
+        # single forward would not give them. Without a cache, per forward call and row.
+        if self.long_inv_freq is not None and capacity is not None:
+            inv_freq = self.long_inv_freq if capacity > self.original_max else inv_freq
+        elif self.long_inv_freq is not None:
             longer = positions.amax(dim=-1, keepdim=True) + 1 > self.original_max
             inv_freq = torch.where(longer[..., None], self.long_inv_freq, inv_freq)
         freqs = positions[..., None].float() * inv_freq
@@ -595,7 +605,9 @@ class CausalLM(nn.Module):
         start, length = int(positions[0, 0]), int(positions.max()) + 1
         window = getattr(self.args, "sliding_window", None)
         mask = attention_mask(positions, key_positions(positions, length, cache), window)
-        cos, sin = self.model.rotary_emb(positions)
+        cos, sin = self.model.rotary_emb(
+            positions, cache.max_seq_len if cache is not None else None
+        )
         # [B, T, rotary_dim] -> [B, 1, T, rotary_dim], broadcast over heads
         return Frame(positions, start, length, mask, cos[:, None].to(dtype), sin[:, None].to(dtype))
 
@@ -611,7 +623,7 @@ class CausalLM(nn.Module):
         window = getattr(self.args, "sliding_window", None)
         if window is not None:
             mask &= query - keys < window
-        cos, sin = self.model.rotary_emb(positions)
+        cos, sin = self.model.rotary_emb(positions, cache.max_seq_len)
         return Frame(
             positions, 0, length, mask[:, None], cos[:, None].to(dtype),
             sin[:, None].to(dtype), static=True,

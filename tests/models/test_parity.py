@@ -111,3 +111,22 @@ def test_gemma2_null_softcap_turns_it_off():
     # Left out, it is transformers' default.
     rest = {k: v for k, v in config.items() if k != "final_logit_softcapping"}
     assert module.ModelArgs.from_config(rest).final_logit_softcapping == 30.0
+
+
+def test_longrope_keys_do_not_depend_on_how_the_prompt_was_split():
+    """LongRoPE's factors are chosen once for a cache (long, as its 64 positions outgrow
+    the 16 of pretraining): a prompt prefilled in two chunks, or over an earlier turn's
+    keys, equals one forward over all 30 tokens. Chosen per forward call, a first chunk
+    of fewer than 16 positions kept short-factor keys (serve's 256-token chunks and a
+    chat's earlier turns did that to Phi-3.5's 4096)."""
+    hf, config = tiny_hf_model("phi3-longrope")
+    ours = our_model(config, hf.state_dict())
+    ids = torch.randint(0, BASE["vocab_size"], (1, 30), generator=torch.Generator().manual_seed(2))
+    positions = torch.arange(30)[None]
+    with torch.no_grad():
+        expected = hf(ids).logits  # one forward of 30 > 16 positions: long factors
+        for split in (5, 10, 15, 20):
+            cache = ours.new_cache(1, 64, torch.float32, "cpu")
+            first = ours(ids[:, :split], positions[:, :split], cache)
+            rest = ours(ids[:, split:], positions[:, split:], cache)
+            torch.testing.assert_close(torch.cat([first, rest], 1), expected, atol=1e-4, rtol=0)
