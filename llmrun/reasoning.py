@@ -229,12 +229,14 @@ def template_switches(
 
     switches = dict(kwargs or {})
     if think is not None:
-        if "enable_thinking" not in variables:
+        # Qwen3's, SmolLM3's name for it; Granite 3.3's and DeepSeek V3.1's `thinking`.
+        name = next((v for v in ("enable_thinking", "thinking") if v in variables), None)
+        if name is None:
             raise UsageError(
-                "this model's chat template has no switch for thinking (it does not read "
-                "enable_thinking): drop --think/--no-think"
+                "this model's chat template has no switch for thinking (it reads neither "
+                "enable_thinking nor thinking): drop --think/--no-think"
             )
-        switches["enable_thinking"] = think
+        switches[name] = think
     if effort is not None:
         if effort not in EFFORTS:
             raise UsageError(

@@ -63,6 +63,8 @@ def test_text_held_back_before_a_marker_goes_to_the_part_before_it():
 
 def test_switches_only_where_the_template_reads_them():
     assert template_switches({"enable_thinking"}, False, None, None) == {"enable_thinking": False}
+    # Granite 3.3's and DeepSeek V3.1's templates read `thinking`
+    assert template_switches({"thinking", "messages"}, True, None, None) == {"thinking": True}
     assert template_switches({"reasoning_effort"}, None, "low", {"x": 1}) == {
         "x": 1,
         "reasoning_effort": "low",
@@ -129,8 +131,8 @@ def test_run_think_switches_through_the_template(thinker, opener):
     r = llmrun("run", str(opener), "Hi", "--no-think")
     assert (r.returncode, r.stdout) == (2, "")
     assert r.stderr == (
-        "error: this model's chat template has no switch for thinking (it does not read "
-        "enable_thinking): drop --think/--no-think\n"
+        "error: this model's chat template has no switch for thinking (it reads neither "
+        "enable_thinking nor thinking): drop --think/--no-think\n"
     )
     r = llmrun("run", str(thinker), "Hi", "--reasoning-effort", "low")
     assert r.returncode == 2 and "has no reasoning effort" in r.stderr
