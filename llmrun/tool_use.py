@@ -133,6 +133,12 @@ def load_tools(path: str) -> list[dict[str, Any]]:
     return tools
 
 
+def engine_format(engine: Any) -> ToolFormat | None:
+    """The tool-call format of an api.Engine's template for conversations with tools."""
+    template = engine.tools_template
+    return detect_format(template.source) if template is not None else None
+
+
 def offer_tools(session: Any, tools: list[dict[str, Any]]) -> None:
     """`chat --tools`: `session` (a ChatSession) renders `tools` through the template, and
     its replies show each call the model makes as a line `-> name(arguments)`; llmrun does
@@ -142,8 +148,7 @@ def offer_tools(session: Any, tools: list[dict[str, Any]]) -> None:
     from llmrun.errors import UsageError
 
     engine = session.engine
-    template = engine.tools_template
-    fmt = detect_format(template.source if template is not None else None)
+    fmt = engine_format(engine)
     if fmt is None:
         raise UsageError(
             f"--tools: llmrun knows no tool-call format in {engine.name}'s chat template "

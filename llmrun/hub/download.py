@@ -460,8 +460,9 @@ def _fetch(partial: _Partial, progress: Progress) -> None:
         if response.status_code >= 400:
             response.read()
             hf_raise_for_status(response)
-        if partial.size and _range_start(response) != partial.size:
-            if response.status_code == 206 and _range_start(response) != 0:
+        start = _range_start(response)
+        if partial.size and start != partial.size:
+            if start != 0:  # a 206 of another range, or of none it names
                 partial.discard()
                 raise HubError(
                     f"{blob.file}: asked to resume at byte {partial.size}, the server sent "

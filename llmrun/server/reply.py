@@ -49,10 +49,9 @@ class Prepared:
 
 
 def tool_format(engine: api.Engine) -> ToolFormat | None:
-    from llmrun.tool_calls import detect_format
+    from llmrun.tool_use import engine_format
 
-    template = engine.tools_template
-    return detect_format(template.source) if template is not None else None
+    return engine_format(engine)
 
 
 def prepare(engine: api.Engine, fmt: ToolFormat | None, ask: Ask) -> Prepared:
@@ -81,12 +80,11 @@ def prepare(engine: api.Engine, fmt: ToolFormat | None, ask: Ask) -> Prepared:
         text = engine.render(messages, **switches)
     ids = engine.tokenizer.encode(text)
     fmt = fmt.for_tools(ask.tools) if calling and fmt is not None else None
-    grammar = _grammar(engine, fmt, ask)
-    return Prepared(text, ids, fmt, grammar, forced=fmt is not None and ask.tool_choice != "auto")
-
-
-def _grammar(engine: api.Engine, fmt: ToolFormat | None, ask: Ask) -> Any:
     forced = fmt is not None and ask.tool_choice != "auto"
+    return Prepared(text, ids, fmt, _grammar(engine, fmt, ask, forced), forced)
+
+
+def _grammar(engine: api.Engine, fmt: ToolFormat | None, ask: Ask, forced: bool) -> Any:
     if not forced and ask.schema is None:
         return None
     from llmrun import structured
