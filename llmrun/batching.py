@@ -120,6 +120,7 @@ class Scheduler:
         self.preemptions = 0
         self._cond = threading.Condition()
         self._closed = False
+        self._closing = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="llmrun-scheduler", daemon=True)
 
     def _pool_size(self, like, kv_memory: int | None) -> tuple[int, int | None, int]:
@@ -163,16 +164,18 @@ class Scheduler:
         self._thread.start()
 
     def close(self) -> None:
-        """Stop after the current step; unfinished requests get an error event."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-        if self._thread.is_alive():
-            self._thread.join()
-        gone = ServerBusyError("the server is shutting down")
-        for job in [*self.waiting, *self.active]:
-            self._finish(job, gone)
-        self.waiting.clear()
+        """Stop after the current step; unfinished requests get an error event. Safe to
+        call again, from any thread (serve closes on its exit signal and at the end)."""
+        with self._closing:
+            with self._cond:
+                self._closed = True
+                self._cond.notify()
+            if self._thread.is_alive():
+                self._thread.join()
+            gone = ServerBusyError("the server is shutting down")
+            for job in [*self.waiting, *self.active]:
+                self._finish(job, gone)
+            self.waiting.clear()
 
     def submit(self, request: Request, on_event: Callable[[Event], None]) -> Job:
         """Queue a request; raises ContextOverflowError for a prompt that does not

@@ -4,6 +4,7 @@ batch-invariant greedy outputs, disconnects and the full queue."""
 
 import json
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -398,6 +399,36 @@ def test_chat_uses_the_models_template(tmp_path):
     assert result["usage"]["prompt_tokens"] == len(prompt)
     assert result["choices"][0]["message"]["content"] == "".join(r.text for r in expected)
     assert result["choices"][0]["finish_reason"] == expected[-1].finish_reason
+
+
+def test_ctrl_c_ends_the_requests_in_flight_with_an_error(tmp_path):
+    """On SIGINT a stream ends with an error event and [DONE], and a whole reply is a
+    503, before the server exits (streams used to be cut off mid-way)."""
+    pytest.importorskip("transformers")
+    model = chat_model_dir(tmp_path / "m", context=32768)
+    s = Server(tmp_path, str(model), "--parallel", "2")
+    body = {"prompt": "Hi", "max_tokens": 30000, "ignore_eos": True}
+    with ThreadPoolExecutor(1) as pool:
+        whole = pool.submit(httpx.post, f"{s.url}/v1/completions", json=body, timeout=60)
+        with httpx.stream(
+            "POST", f"{s.url}/v1/completions", json={**body, "stream": True}, timeout=60
+        ) as stream:
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: ")
+            deadline = time.monotonic() + 30
+            while httpx.get(f"{s.url}/health").json()["running"] < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            s.process.send_signal(signal.SIGINT)
+            events = [line for line in lines if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert error["message"] == "the server is shutting down"
+        reply = whole.result()
+    assert reply.status_code == 503
+    assert reply.json()["error"]["message"] == "the server is shutting down"
+    assert s.process.wait(30) == 128 + signal.SIGINT  # as uvicorn exits on a signal
+    assert "Traceback" not in s.log.read_text()
 
 
 def serve_cli(*args: str) -> subprocess.CompletedProcess:

@@ -406,6 +406,22 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server that, told to exit (Ctrl-C, SIGTERM), first ends the requests in
+    flight: each gets "the server is shutting down" (a 503, or an error event and
+    [DONE] on a stream) while uvicorn drains the connections."""
+
+    def __init__(self, config: uvicorn.Config, service: Service) -> None:
+        super().__init__(config)
+        self.service = service
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.should_exit:
+            # Off the signal handler: closing waits for the scheduler's current step.
+            threading.Thread(target=self.service.close, name="llmrun-close").start()
+        super().handle_exit(sig, frame)
+
+
 def run(
     sock: socket.socket,
     spec: str | None,
@@ -427,10 +443,11 @@ def run(
     aliases = {str(spec)} if spec else set()
     aliases |= {path.name, path.stem}
     service = Service(model_id, aliases, api_key, parallel, queue, kv_memory, prefix_cache)
-    server = uvicorn.Server(
+    server = _Server(
         uvicorn.Config(
             create_app(service), log_level="info", timeout_graceful_shutdown=5, lifespan="off"
-        )
+        ),
+        service,
     )
 
     def load() -> None:

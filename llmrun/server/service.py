@@ -175,6 +175,9 @@ def _logit_bias(engine: api.Engine, bias: dict[str, float] | None) -> tuple | No
 # How often a reply that is not streamed asks whether its client is still there (a
 # streamed one learns it when a write fails).
 DISCONNECT_CHECK = 0.25
+# How long a stream may take to end after the server is told to exit (less than uvicorn's
+# graceful shutdown timeout).
+SHUTDOWN_GRACE = 3.0
 
 
 class Generation:
@@ -285,4 +288,6 @@ def sse(
             yield json.dumps(error.body())
         yield "[DONE]"
 
-    return EventSourceResponse(lines(), sep="\n")
+    # On shutdown, sse_starlette cuts streams unless given a grace period; within it the
+    # scheduler's "shutting down" error reaches `lines`, which ends the stream properly.
+    return EventSourceResponse(lines(), sep="\n", shutdown_grace_period=SHUTDOWN_GRACE)
