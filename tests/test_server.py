@@ -139,6 +139,66 @@ def test_a_seed_gives_the_same_text(client):
     assert sample() == sample() == run_text("Once", 30, temperature=1.0, seed=7)
 
 
+def test_several_prompts_get_a_choice_each(client):
+    """A list of prompts (as lm-eval and vLLM clients send) is answered with one choice
+    per prompt, in order, each what `run` gives for it alone; streamed, the chunks of
+    each index concatenate to it. It was a 400."""
+    prompts = ["Once upon a time", "The little dog", "Tim and Sue"]
+    result = client.completions.create(
+        model="stories260K", prompt=prompts, max_tokens=12, temperature=0
+    )
+    assert [c.index for c in result.choices] == [0, 1, 2]
+    assert [c.text for c in result.choices] == [run_text(p, 12) for p in prompts]
+    sizes = [len(ENGINE.tokenizer.encode(p)) for p in prompts]
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (sum(sizes), 36)
+    ids = [ENGINE.tokenizer.encode(p) for p in prompts]
+    same = client.completions.create(model="stories260K", prompt=ids, max_tokens=12, temperature=0)
+    assert [c.text for c in same.choices] == [c.text for c in result.choices]
+    stream = client.completions.create(
+        model="stories260K", prompt=prompts, max_tokens=12, temperature=0, stream=True
+    )
+    texts = ["", "", ""]
+    for chunk in stream:
+        texts[chunk.choices[0].index] += chunk.choices[0].text
+    assert texts == [c.text for c in result.choices]
+
+
+def test_n_choices_sample_with_seeds_one_apart(client):
+    """`n` choices of a seeded request: choice j is what the request alone gives with
+    seed + j, so they differ and the request repeats. Index = prompt x n + choice."""
+    alone = [run_text("Once", 20, temperature=1.0, seed=7 + j) for j in range(3)]
+    assert len(set(alone)) == 3
+    result = client.completions.create(
+        model="stories260K", prompt=["Once", "Once"], n=3, max_tokens=20, temperature=1.0, seed=7
+    )
+    assert [c.index for c in result.choices] == list(range(6))
+    assert [c.text for c in result.choices] == alone * 2
+    assert result.usage.prompt_tokens == 2 * len(ENGINE.tokenizer.encode("Once"))
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = dict(model="stories260K", messages=messages, max_tokens=15, temperature=1.0, seed=3)
+    one_by_one = [
+        client.chat.completions.create(**{**chat, "seed": 3 + j}).choices[0].message.content
+        for j in range(2)
+    ]
+    whole = client.chat.completions.create(**chat, n=2)
+    assert [c.message.content for c in whole.choices] == one_by_one
+    assert [c.index for c in whole.choices] == [0, 1]
+    texts = ["", ""]
+    for chunk in client.chat.completions.create(**chat, n=2, stream=True):
+        texts[chunk.choices[0].index] += chunk.choices[0].delta.content or ""
+    assert texts == one_by_one
+
+
+def test_a_request_for_more_sequences_than_the_server_holds_is_400(one_slot):
+    body = {"prompt": ["a", "b"], "n": 2, "max_tokens": 1}
+    response = post(one_slot, "/v1/completions", body, key=None)
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == (
+        "the request asks for 4 sequences (prompts times n), but the server runs 1 at once "
+        "and queues 1 more (serve's --parallel and --queue)"
+    )
+
+
 def test_sse_framing_and_stop(server):
     body = {"prompt": "Once upon a time", "max_tokens": 100, "temperature": 0, "stream": True}
     body["stop"] = ["girl named"]
@@ -239,7 +299,9 @@ def test_errors_in_openai_shape(server):
     assert body["param"] == "temperature"
     assert error(post(server, chat, {"messages": []}), 400)["param"] == "messages"
     assert error(post(server, chat, {"messages": [{"role": "robot"}]}), 400)
-    assert error(post(server, "/v1/completions", {"prompt": "Hi", "n": 2}), 400)
+    assert error(post(server, "/v1/completions", {"prompt": "Hi", "n": 17}), 400)["param"] == "n"
+    body = error(post(server, "/v1/completions", {"prompt": [[1], []]}), 400)
+    assert (body["message"], body["param"]) == ("prompt.1: the prompt is empty", "prompt.1")
     long_prompt = {"prompt": "Once upon a time " * 600, "max_tokens": 5}
     body = error(post(server, "/v1/completions", long_prompt), 400)
     assert re.search(r"the prompt is \d+ tokens, but the context holds 2048", body["message"])
@@ -262,8 +324,10 @@ HOSTILE = [
     b"\xff\xfe{}",
     b'{"prompt": []}',
     b'{"prompt": [1000000000]}',
-    b'{"prompt": [[1, 2]]}',
-    b'{"prompt": ["a", "b"]}',
+    b'{"prompt": [[]]}',
+    b'{"prompt": [[1], [1000000000]]}',
+    b'{"prompt": ["a", 1]}',
+    b'{"prompt": "x", "n": 0}',
     b'{"prompt": "x", "stop": "' + b"x" * 1000 + b'"}',
     b'{"prompt": "x", "seed": 1180591620717411303424}',
     b'{"prompt": "x", "logprobs": 50}',

@@ -49,7 +49,15 @@ from llmrun.server.schema import (
     check_history,
     check_tools,
 )
-from llmrun.server.service import Generation, Service, begin, sampling_of, sse, usage_of
+from llmrun.server.service import (
+    Generation,
+    Service,
+    begin,
+    choices_of,
+    sampling_of,
+    sse,
+    usage_of,
+)
 from llmrun.tool_calls import ToolCall
 
 LOG = logging.getLogger("uvicorn.error")
@@ -115,16 +123,19 @@ async def chat_completions(request: Request) -> Response:
     prepared = await asyncio.to_thread(prepare, engine, service.tool_format, ask)
     if prepared.grammar is not None:
         params = params.updated(grammar=prepared.grammar)
-    reader = ReplyReader(engine, prepared)
-    gen_request = batching.Request(
-        prepared.ids,
-        params,
-        body.max_completion_tokens or body.max_tokens,
-        prepared.stops(stop),
-        (body.top_logprobs or 0) if body.logprobs else None,
-        body.ignore_eos,
-    )
-    gen = Generation(service, "chat", gen_request, arrived)
+    readers = [ReplyReader(engine, prepared) for _ in range(body.n)]
+    gen_requests = [
+        batching.Request(
+            prepared.ids,
+            choice_params,
+            body.max_completion_tokens or body.max_tokens,
+            prepared.stops(stop),
+            (body.top_logprobs or 0) if body.logprobs else None,
+            body.ignore_eos,
+        )
+        for choice_params in choices_of(params, body.n)
+    ]
+    gen = Generation(service, "chat", gen_requests, arrived)
     tokenizer = engine.tokenizer
     head = {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -134,9 +145,9 @@ async def chat_completions(request: Request) -> Response:
     }
 
     def usage() -> dict[str, Any]:
-        counts = usage_of(gen.final)
-        if reader.split.markers is not None:
-            reasoning = reader.split.tokens[REASONING]
+        counts = usage_of(gen.finals, body.n)
+        if readers[0].split.markers is not None:
+            reasoning = sum(reader.split.tokens[REASONING] for reader in readers)
             counts["completion_tokens_details"] = {"reasoning_tokens": reasoning}
         return counts
 
@@ -152,23 +163,24 @@ async def chat_completions(request: Request) -> Response:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         usage_field = {"usage": None} if include_usage else {}
         chunk_head = {**head, "object": "chat.completion.chunk"}
-        role_sent = False
+        role_sent = [False] * body.n
 
-        def chunk(delta: dict, lps: list[dict] | None = None, finish: str | None = None) -> dict:
+        def chunk(
+            index: int, delta: dict, lps: list[dict] | None = None, finish: str | None = None
+        ) -> dict:
             choice = {
-                "index": 0,
+                "index": index,
                 "delta": delta,
                 "logprobs": {"content": lps} if lps else None,
                 "finish_reason": finish,
             }
             return {**chunk_head, "choices": [choice], **usage_field}
 
-        def chunks(event: GenResponse) -> list[dict]:
-            nonlocal role_sent
-            out = []
-            if not role_sent:
-                role_sent = True
-                out.append(chunk({"role": "assistant", "content": ""}))
+        def chunks(index: int, event: GenResponse) -> list[dict]:
+            reader, out = readers[index], []
+            if not role_sent[index]:
+                role_sent[index] = True
+                out.append(chunk(index, {"role": "assistant", "content": ""}))
             items, lps = reader.feed(event), logprobs(event)
             for item in items:
                 if isinstance(item, ToolCall):
@@ -178,40 +190,65 @@ async def chat_completions(request: Request) -> Response:
                 else:
                     deltas = [{"content": str(item)}]
                 for delta in deltas:
-                    out.append(chunk(delta, lps))
+                    out.append(chunk(index, delta, lps))
                     lps = None
             if lps:
-                out.append(chunk({"content": ""}, lps))
+                out.append(chunk(index, {"content": ""}, lps))
             if event.finish_reason is not None:
-                out.append(chunk({}, finish=reader.finish_reason(event.finish_reason)))
+                finish = reader.finish_reason(event.finish_reason)
+                out.append(chunk(index, {}, finish=finish))
             return out
 
         usage_head = {**chunk_head, "choices": []} if include_usage else None
         return sse(gen, chunks, usage_head, usage)
 
-    tokens: list[dict] = []
-    async for event in gen.events(request.is_disconnected):
-        reader.feed(event)
-        tokens.extend(logprobs(event) or [])
-    if gen.final is None:
+    tokens: list[list[dict]] = [[] for _ in range(body.n)]
+    async for index, event in gen.events(request.is_disconnected):
+        readers[index].feed(event)
+        tokens[index].extend(logprobs(event) or [])
+    if not gen.done:
         return Response(status_code=499)
-    calls = reader.calls
-    message: dict[str, Any] = {
-        "role": "assistant",
-        "content": reader.content or (None if calls else ""),
-    }
-    if reader.has_reasoning:
-        message["reasoning_content"] = reader.reasoning or None
-    if calls:
-        message["tool_calls"] = [call.as_openai() for call in calls]
-    choice = {
-        "index": 0,
-        "message": message,
-        "logprobs": {"content": tokens} if body.logprobs else None,
-        "finish_reason": reader.finish_reason(gen.final.finish_reason),
-    }
-    result = {**head, "object": "chat.completion", "choices": [choice]}
+    choices = []
+    for index, (reader, final) in enumerate(zip(readers, gen.finals, strict=True)):
+        calls = reader.calls
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": reader.content or (None if calls else ""),
+        }
+        if reader.has_reasoning:
+            message["reasoning_content"] = reader.reasoning or None
+        if calls:
+            message["tool_calls"] = [call.as_openai() for call in calls]
+        choices.append(
+            {
+                "index": index,
+                "message": message,
+                "logprobs": {"content": tokens[index]} if body.logprobs else None,
+                "finish_reason": reader.finish_reason(final.finish_reason),
+            }
+        )
+    result = {**head, "object": "chat.completion", "choices": choices}
     return JSONResponse({**result, "usage": usage()})
+
+
+def _prompts(tokenizer, prompt: str | list) -> list[list[int]]:
+    """A completion request's prompts as token ids, each checked."""
+    many = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+    prompts = prompt if many else [prompt]
+    out = []
+    for i, one in enumerate(prompts):
+        param = f"prompt.{i}" if many else "prompt"
+        if isinstance(one, str):
+            ids = tokenizer.encode(one)
+        else:
+            ids = one
+            if not all(0 <= t < tokenizer.vocab_size for t in ids):
+                message = f"{param}: token ids must be in [0, {tokenizer.vocab_size})"
+                raise ApiError(400, message, param=param)
+        if not ids:
+            raise ApiError(400, f"{param}: the prompt is empty", param=param)
+        out.append(ids)
+    return out
 
 
 async def completions(request: Request) -> Response:
@@ -219,20 +256,17 @@ async def completions(request: Request) -> Response:
     service, body, engine = await begin(request, CompletionBody)
     params, stop = sampling_of(engine, body)
     tokenizer = engine.tokenizer
-    if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], str)):
-        text = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
-        prompt = await asyncio.to_thread(tokenizer.encode, text)
-    else:
-        prompt = body.prompt
-        if not all(0 <= t < tokenizer.vocab_size for t in prompt):
-            message = f"prompt token ids must be in [0, {tokenizer.vocab_size})"
-            raise ApiError(400, message, param="prompt")
-    if not prompt:
-        raise ApiError(400, "the prompt is empty", param="prompt")
-    gen_request = batching.Request(
-        prompt, params, body.max_tokens, stop, body.logprobs, body.ignore_eos
-    )
-    gen = Generation(service, "completions", gen_request, arrived)
+    prompts = await asyncio.to_thread(_prompts, tokenizer, body.prompt)
+    n = body.n
+    # Choice index = prompt index x n + choice of that prompt, as OpenAI numbers them.
+    gen_requests = [
+        batching.Request(
+            prompt, choice_params, body.max_tokens, stop, body.logprobs, body.ignore_eos
+        )
+        for prompt in prompts
+        for choice_params in choices_of(params, n)
+    ]
+    gen = Generation(service, "completions", gen_requests, arrived)
     head = {
         "id": f"cmpl-{uuid.uuid4().hex}",
         "object": "text_completion",
@@ -256,37 +290,42 @@ async def completions(request: Request) -> Response:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         usage_field = {"usage": None} if include_usage else {}
 
-        def chunks(event: GenResponse) -> list[dict]:
+        def chunks(index: int, event: GenResponse) -> list[dict]:
             lps = logprobs(event)
             if not (event.text or lps or event.finish_reason):
                 return []
             choice = {
-                "index": 0,
+                "index": index,
                 "text": event.text,
                 "logprobs": lps,
                 "finish_reason": event.finish_reason,
             }
             return [{**head, "choices": [choice], **usage_field}]
 
-        usage = {**head, "choices": []} if include_usage else None
-        return sse(gen, chunks, usage)
+        usage_head = {**head, "choices": []} if include_usage else None
+        return sse(gen, chunks, usage_head, lambda: usage_of(gen.finals, n))
 
-    pieces: list[str] = []
-    merged: dict[str, list] = {k: [] for k in ("tokens", "token_logprobs", "top_logprobs")}
-    merged["text_offset"] = []
-    async for event in gen.events(request.is_disconnected):
-        pieces.append(event.text)
+    pieces: list[list[str]] = [[] for _ in gen_requests]
+    merged = [
+        {k: [] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+        for _ in gen_requests
+    ]
+    async for index, event in gen.events(request.is_disconnected):
+        pieces[index].append(event.text)
         for key, values in (logprobs(event) or {}).items():
-            merged[key].extend(values)
-    if gen.final is None:
+            merged[index][key].extend(values)
+    if not gen.done:
         return Response(status_code=499)
-    choice = {
-        "index": 0,
-        "text": "".join(pieces),
-        "logprobs": merged if body.logprobs is not None else None,
-        "finish_reason": gen.final.finish_reason,
-    }
-    return JSONResponse({**head, "choices": [choice], "usage": usage_of(gen.final)})
+    choices = [
+        {
+            "index": index,
+            "text": "".join(pieces[index]),
+            "logprobs": merged[index] if body.logprobs is not None else None,
+            "finish_reason": final.finish_reason,
+        }
+        for index, final in enumerate(gen.finals)
+    ]
+    return JSONResponse({**head, "choices": choices, "usage": usage_of(gen.finals, n)})
 
 
 async def models(request: Request) -> Response:

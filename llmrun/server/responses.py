@@ -40,7 +40,7 @@ from llmrun.server.schema import (
     as_api_error,
     check_tools,
 )
-from llmrun.server.service import Generation, begin, sampling_of
+from llmrun.server.service import SHUTDOWN_GRACE, Generation, begin, sampling_of
 from llmrun.tool_calls import Item, ToolCall
 
 ROLES = ("user", "assistant", "system", "developer")
@@ -390,7 +390,7 @@ async def responses(request: Request) -> Response:
     gen_request = batching.Request(
         prepared.ids, params, body.max_output_tokens, prepared.stops(stop)
     )
-    gen = Generation(service, "responses", gen_request, arrived)
+    gen = Generation(service, "responses", [gen_request], arrived)
     output = Output()
     fmt = body.text.format if body.text is not None and body.text.format is not None else None
     response: dict[str, Any] = {
@@ -427,9 +427,10 @@ async def responses(request: Request) -> Response:
         return out
 
     def finished() -> dict[str, Any]:
-        stats = gen.final.stats
+        final = gen.finals[0]
+        stats = final.stats
         reasoning = reader.split.tokens[REASONING]
-        complete = gen.final.finish_reason != "length" or bool(reader.calls)
+        complete = final.finish_reason != "length" or bool(reader.calls)
         return {
             **response,
             "status": "completed" if complete else "incomplete",
@@ -447,10 +448,14 @@ async def responses(request: Request) -> Response:
         }
 
     if body.stream:
-        return EventSourceResponse(_stream(gen, response, events, finished), sep="\n")
-    async for event in gen.events(request.is_disconnected):
+        return EventSourceResponse(
+            _stream(gen, response, events, finished),
+            sep="\n",
+            shutdown_grace_period=SHUTDOWN_GRACE,
+        )
+    async for _, event in gen.events(request.is_disconnected):
         events(event)
-    if gen.final is None:
+    if not gen.done:
         return Response(status_code=499)
     return JSONResponse(finished())
 
@@ -471,7 +476,7 @@ async def _stream(
     yield sse({"type": "response.created", "response": response})
     yield sse({"type": "response.in_progress", "response": response})
     try:
-        async for event in gen.events():
+        async for _, event in gen.events():
             for item in events(event):
                 yield sse(item)
         final = finished()

@@ -24,6 +24,8 @@ Probability = Annotated[float, Field(gt=0, le=1)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
 StopText = Annotated[str, Field(max_length=512)]
+MAX_CHOICES = 16  # a request's `n`
+Choices = Annotated[int, Field(ge=1, le=MAX_CHOICES)]
 
 
 class StreamOptions(BaseModel):
@@ -57,7 +59,6 @@ class Sampling(BaseModel):
         Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=1024)]
         | None
     ) = None
-    n: Literal[1] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -153,6 +154,7 @@ class ResponseFormat(BaseModel):
 
 class ChatBody(Sampling):
     messages: Annotated[list[Message], Field(min_length=1)]
+    n: Choices = 1
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
@@ -228,7 +230,14 @@ def check_history(messages: list[dict[str, Any]], param: str = "messages") -> No
 
 
 class CompletionBody(Sampling):
-    prompt: str | list[int] | Annotated[list[str], Field(min_length=1, max_length=1)]
+    # One prompt (text or token ids) or several, each answered by `n` choices.
+    prompt: (
+        str
+        | list[int]
+        | Annotated[list[str], Field(min_length=1)]
+        | Annotated[list[list[int]], Field(min_length=1)]
+    )
+    n: Choices = 1
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: Literal[False] = False
     suffix: Literal[None, ""] = None

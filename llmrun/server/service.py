@@ -10,6 +10,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -19,6 +20,7 @@ from starlette.requests import Request
 from llmrun import api, batching, native
 from llmrun.batching import Event, Job, Scheduler
 from llmrun.generate import Response as GenResponse
+from llmrun.sampling import SamplingParams
 from llmrun.server.metrics import Metrics
 from llmrun.server.reply import tool_format
 from llmrun.server.schema import (
@@ -155,6 +157,14 @@ def sampling_of(engine: api.Engine, body: Sampling) -> tuple[Any, list[str]]:
     return params, stop
 
 
+def choices_of(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The sampling of a request's `n` choices: with a seed, choice j draws with seed + j,
+    so the choices differ and the request still repeats."""
+    if params.seed is None:
+        return [params] * n
+    return [params.updated(seed=params.seed + j) for j in range(n)]
+
+
 def _logit_bias(engine: api.Engine, bias: dict[str, float] | None) -> tuple | None:
     """OpenAI's {"token id": bias} as SamplingParams takes it, each id checked."""
     if not bias:
@@ -181,38 +191,67 @@ SHUTDOWN_GRACE = 3.0
 
 
 class Generation:
-    """One request's events, carried from the scheduler thread into the event loop,
-    with its latencies recorded as its tokens arrive."""
+    """One HTTP request's sequences (one per prompt and choice of `n`), their events
+    carried from the scheduler thread into the event loop, with latencies recorded as
+    tokens arrive. Events come as (sequence index, response)."""
 
-    def __init__(self, service: Service, endpoint: str, request: batching.Request, arrived: float):
+    def __init__(
+        self,
+        service: Service,
+        endpoint: str,
+        requests: list[batching.Request],
+        arrived: float,
+    ) -> None:
         self.service, self.endpoint, self.arrived = service, endpoint, arrived
         self.metrics = service.metrics
-        self.last_token_at: float | None = None
-        self.counted = 0  # tokens already added to the generation counter
-        self.final: GenResponse | None = None
+        self.last_token_at: list[float | None] = [None] * len(requests)
+        self.counted = [0] * len(requests)  # tokens already added to the generation counter
+        self.finals: list[GenResponse | None] = [None] * len(requests)
         loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
 
-        def deliver(event: Event) -> None:
-            loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        def deliver(index: int, event: Event) -> None:
+            loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
 
-        self.job: Job = service.scheduler.submit(request, deliver)
+        room = service.parallel + service.queue
+        if len(requests) > room:
+            raise ApiError(
+                400,
+                f"the request asks for {len(requests)} sequences (prompts times n), but the "
+                f"server runs {service.parallel} at once and queues {service.queue} more "
+                "(serve's --parallel and --queue)",
+                param="n",
+            )
+        self.jobs: list[Job] = []
+        try:
+            for index, request in enumerate(requests):
+                self.jobs.append(service.scheduler.submit(request, partial(deliver, index)))
+        except BaseException:
+            self._cancel_unfinished()
+            raise
 
-    async def events(self, disconnected: Callable | None = None) -> AsyncIterator[GenResponse]:
-        """Responses up to and including the final one. Leaving early (the client
-        went away, or `disconnected()` says so: asked every DISCONNECT_CHECK seconds,
-        whether tokens are arriving or not) frees the slot."""
-        done = False
+    @property
+    def done(self) -> bool:
+        return all(final is not None for final in self.finals)
+
+    async def events(
+        self, disconnected: Callable | None = None
+    ) -> AsyncIterator[tuple[int, GenResponse]]:
+        """Every sequence's responses up to and including its final one. Leaving early
+        (the client went away, or `disconnected()` says so: asked every DISCONNECT_CHECK
+        seconds, whether tokens are arriving or not) frees the slots; a sequence's error
+        is raised and ends the others."""
+        failed = False
         checked = time.monotonic()
         try:
-            while True:
+            while not self.done:
                 if disconnected is None:
-                    event = await self.queue.get()
+                    index, event = await self.queue.get()
                 else:
                     try:
-                        event = await asyncio.wait_for(self.queue.get(), DISCONNECT_CHECK)
+                        index, event = await asyncio.wait_for(self.queue.get(), DISCONNECT_CHECK)
                     except asyncio.TimeoutError:
-                        event = None
+                        index, event = 0, None
                     if event is None or time.monotonic() - checked >= DISCONNECT_CHECK:
                         checked = time.monotonic()
                         if await disconnected():
@@ -220,68 +259,81 @@ class Generation:
                     if event is None:
                         continue
                 if isinstance(event, Exception):
-                    done = True
+                    failed = True
                     raise event
-                self._record(event)
-                yield event
+                self._record(index, event)
                 if event.finish_reason is not None:
-                    done = True
-                    self.final = event
-                    return
+                    self.finals[index] = event
+                    if self.done:
+                        self.metrics.requests.labels(self.endpoint, "200").inc()
+                yield index, event
         finally:
-            if not done:
-                self.service.scheduler.cancel(self.job)
-                self.metrics.requests.labels(self.endpoint, "499").inc()
+            if not self.done:
+                self._cancel_unfinished()
+                if not failed:
+                    self.metrics.requests.labels(self.endpoint, "499").inc()
 
-    def _record(self, event: GenResponse) -> None:
+    def _cancel_unfinished(self) -> None:
+        # (jobs is shorter than finals while the requests are being submitted)
+        for job, final in zip(self.jobs, self.finals, strict=False):
+            if final is None:
+                self.service.scheduler.cancel(job)
+
+    def _record(self, index: int, event: GenResponse) -> None:
         now = time.perf_counter()
         m = self.metrics
+        last = self.last_token_at[index]
         if event.token is not None:
-            if self.last_token_at is None:
+            if last is None:
                 m.ttft.observe(now - self.arrived)
                 m.prompt_tokens.inc(event.stats.prompt_tokens)
             else:
-                m.tpot.observe(now - self.last_token_at)
-            self.last_token_at = now
-            self.counted += 1
+                m.tpot.observe(now - last)
+            self.last_token_at[index] = now
+            self.counted[index] += 1
             m.generation_tokens.inc()
         if event.finish_reason is not None:
             m.e2e.observe(now - self.arrived)
             m.cached_tokens.inc(event.stats.prompt_tokens - event.stats.prompt_processed)
-            if self.last_token_at is None:
+            if self.last_token_at[index] is None:
                 m.prompt_tokens.inc(event.stats.prompt_tokens)
             # An end-of-text token counts in usage but is never streamed.
-            m.generation_tokens.inc(max(event.stats.completion_tokens - self.counted, 0))
-            m.requests.labels(self.endpoint, "200").inc()
+            m.generation_tokens.inc(max(event.stats.completion_tokens - self.counted[index], 0))
 
 
-def usage_of(final: GenResponse) -> dict[str, Any]:
-    s = final.stats
+def usage_of(finals: list[GenResponse], choices: int = 1) -> dict[str, Any]:
+    """OpenAI's usage of a request's sequences: `choices` per prompt, whose prompt
+    counts once."""
+    prompts = [final.stats for final in finals[::choices]]
+    prompt = sum(s.prompt_tokens for s in prompts)
+    completion = sum(final.stats.completion_tokens for final in finals)
     return {
-        "prompt_tokens": s.prompt_tokens,
-        "completion_tokens": s.completion_tokens,
-        "total_tokens": s.prompt_tokens + s.completion_tokens,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
         # Prompt tokens whose keys and values came from the prefix cache, as OpenAI reports.
-        "prompt_tokens_details": {"cached_tokens": s.prompt_tokens - s.prompt_processed},
+        "prompt_tokens_details": {
+            "cached_tokens": sum(s.prompt_tokens - s.prompt_processed for s in prompts)
+        },
     }
 
 
 def sse(
     gen: Generation,
-    chunks: Callable[[GenResponse], list[dict]],
+    chunks: Callable[[int, GenResponse], list[dict]],
     usage_chunk: dict | None,
-    usage: Callable[[], dict] | None = None,
+    usage: Callable[[], dict],
 ) -> EventSourceResponse:
-    """Stream `chunks(event)` of each event as `data:` lines, then usage, then [DONE]."""
+    """Stream `chunks(index, event)` of each sequence's events as `data:` lines, then
+    usage, then [DONE]."""
 
     async def lines() -> AsyncIterator[str]:
         try:
-            async for event in gen.events():
-                for chunk in chunks(event):
+            async for index, event in gen.events():
+                for chunk in chunks(index, event):
                     yield json.dumps(chunk, ensure_ascii=False, separators=(",", ":"))
             if usage_chunk is not None:
-                counts = usage() if usage else usage_of(gen.final)
-                yield json.dumps({**usage_chunk, "usage": counts}, separators=(",", ":"))
+                yield json.dumps({**usage_chunk, "usage": usage()}, separators=(",", ":"))
         except Exception as e:
             error = as_api_error(e)
             gen.metrics.requests.labels(gen.endpoint, str(error.status)).inc()
