@@ -47,6 +47,10 @@ from llmrun.sampling import Sampler, SamplingParams
 # sequences out of step with each other, so every later turn's prefill stalled the
 # others (8 users x 8 turns: inter-token P99 188-228 ms at 128, 60-67 at 256).
 PREFILL_BUDGET = 256
+# A request waits while a running one computes at least this many tokens of their
+# shared prompt prefix, then reuses them (a wait of a step or more: not worth it for
+# less, such as a chat template's header).
+FOLLOW_MIN = PREFILL_BUDGET // 2
 # Without --kv-memory the pool holds this many whole contexts per --parallel
 # sequence: each one's full context, and as much again for cached prefixes; at most
 # MEMORY_SHARE of the memory free at start.
@@ -237,14 +241,18 @@ class Scheduler:
         for job in [j for j in self.active if j.cancelled]:
             job.finished = True
             self._release(job)
+        followers = []  # waiting for a running sequence to compute their prompt's prefix
         while len(self.active) < self.parallel and self.waiting:
             job = self.waiting[0]
             if job.stream is None and not self._begin(job):
                 self.waiting.popleft()
                 continue
+            if self._follows(job):
+                followers.append(self.waiting.popleft())
+                continue
             got = self.blocks.allocate(job.target, len(job.target))
             if got is None:
-                return  # first come, first served: the next waits for blocks too
+                break  # first come, first served: the next waits for blocks too
             self.waiting.popleft()
             job.table, reused = got
             job.state = KVState(self.cache, job.target[:reused])
@@ -252,6 +260,31 @@ class Scheduler:
                 job.stream.stats.prompt_processed = len(job.request.prompt) - reused
             job.order = next(self._admissions) + 1
             self.active.append(job)
+        self.waiting.extendleft(reversed(followers))
+
+    def _follows(self, job: Job) -> bool:
+        """Whether `job` should wait while a running sequence computes the prefix their
+        prompts share (at least FOLLOW_MIN tokens): then it finds those blocks in the
+        prefix cache rather than computing them again. Requests arriving together with
+        one long system prompt, and `n` choices, are prefilled once, not once each."""
+        if not self.blocks.full.prefix_cache:
+            return False
+        size = self.blocks.block_size
+        for other in self.active:
+            if not other.prefilling or other.cancelled:
+                continue
+            done = len(other.state.tokens) // size * size  # blocks it has computed
+            # Blocks still to come, while they match (a prompt's last token is always fed).
+            last = min(len(job.target) - 1, len(other.target)) // size * size
+            shared = done
+            while (
+                shared < last
+                and job.target[shared : shared + size] == other.target[shared : shared + size]
+            ):
+                shared += size
+            if shared - done >= FOLLOW_MIN and job.target[:done] == other.target[:done]:
+                return True
+        return False
 
     def _begin(self, job: Job) -> bool:
         """A request's sampler and token stream; False (and its error sent) if they fail."""

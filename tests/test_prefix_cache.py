@@ -10,7 +10,7 @@ import time
 import pytest
 
 from llmrun import api
-from llmrun.batching import Request, Scheduler
+from llmrun.batching import FOLLOW_MIN, Request, Scheduler
 from llmrun.errors import ContextOverflowError, UsageError
 from llmrun.kv_blocks import BLOCK_SIZE
 from llmrun.models.paged import PagedKVCache
@@ -148,6 +148,39 @@ def test_a_prefix_shared_by_running_requests(make):
         assert stats.prompt_processed == len(prompt) - shared
         assert (reply, finish) == alone(prompt, GREEDY, 15)
     assert holder.result()[:2] == alone(system, GREEDY, 150, ignore_eos=True)
+
+
+def test_requests_arriving_together_prefill_their_shared_prefix_once():
+    """Three requests with one long prefix arrive at once (as `n` choices, or agents
+    with one system prompt): the first computes it, the others wait a step and reuse
+    its blocks (before, all three computed it). An unrelated request does not wait."""
+    s = Scheduler(ENGINE, parallel=4, queue=8)
+    prefix = encode(STORY * 4)
+    assert len(prefix) - len(prefix) % BLOCK_SIZE >= FOLLOW_MIN
+    prompts = [prefix + ENGINE.tokenizer.encode(t, add_bos=False) for t in (" A", " B", " A")]
+    prompts.insert(1, encode("Tom and his dog went to the park."))
+    collectors = [Collector() for _ in prompts]
+    jobs = [s.submit(Request(p, GREEDY, 10), c) for p, c in zip(prompts, collectors, strict=True)]
+    s.start()
+    try:
+        results = [c.result() for c in collectors]
+    finally:
+        idle(s)
+        s.close()
+    processed = [stats.prompt_processed for _, _, stats, _ in results]
+
+    def reused(prompt):  # the whole blocks it shares with the first prompt
+        pairs = enumerate(zip(prompt, prompts[0], strict=False))
+        same = next((i for i, (a, b) in pairs if a != b), len(prompt))
+        return min(same, len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+    assert reused(prompts[2]) >= len(prefix) // BLOCK_SIZE * BLOCK_SIZE
+    assert processed == [len(prompts[0]), len(prompts[1])] + [
+        len(p) - reused(p) for p in prompts[2:]
+    ]
+    assert [job.order for job in jobs] == [1, 2, 3, 4]  # the unrelated one went first
+    for prompt, (text, finish, _, _) in zip(prompts, results, strict=True):
+        assert (text, finish) == alone(prompt, GREEDY, 10)
 
 
 def test_an_exhausted_pool_preempts_the_latest_and_recomputes_it(make):
