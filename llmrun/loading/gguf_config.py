@@ -155,8 +155,11 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         "num_attention_heads": n_heads,
         "num_key_value_heads": key("attention.head_count_kv", n_heads),
         "head_dim": head_dim,
-        "rms_norm_eps": key("attention.layer_norm_rms_epsilon", 1e-5),
-        "max_position_embeddings": key("context_length", 2048),
+        # llama.cpp refuses a file without these (ml.get_key without `false`: the
+        # general context_length in load_hparams, the norm's epsilon in every family's
+        # load_arch_hparams); no default would be the model's.
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon", required=True),
+        "max_position_embeddings": key("context_length", required=True),
         "vocab_size": vocab_size,
         "tie_word_embeddings": "output.weight" not in gg.tensors,
         "attention_bias": "blk.0.attn_q.bias" in gg.tensors,
@@ -300,18 +303,10 @@ def _gemma_config(gg: GGUFFile, config: dict[str, Any], arch_key) -> dict[str, A
     reads "{arch}.NAME" keys as config_from_gguf's key() does)."""
     arch, model_type = gg.architecture, config["model_type"]
 
-    def key(template: str, default: Any = None, required: bool = False) -> Any:
+    def key(template: str, default: Any = None) -> Any:
         """The value of a gguf.Keys "{arch}..." key."""
-        full = template.format(arch=arch)
-        if full not in gg.metadata:
-            if required:
-                raise ModelFormatError(f"{gg.path}: metadata {full!r} is missing ({arch} needs it)")
-            return default
-        return gg.metadata[full]
+        return gg.metadata.get(template.format(arch=arch), default)
 
-    # llama.cpp refuses a Gemma file without these (ml.get_key without `false`).
-    config["rms_norm_eps"] = key(Keys.Attention.LAYERNORM_RMS_EPS, required=True)
-    config["max_position_embeddings"] = key(Keys.LLM.CONTEXT_LENGTH, required=True)
     config["hidden_activation"] = "gelu_pytorch_tanh"  # its graphs use LLM_FFN_GELU
     context, head_dim = config["max_position_embeddings"], config["head_dim"]
     rope = _rope_from_gguf(gg, arch_key, head_dim, context)

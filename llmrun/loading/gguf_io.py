@@ -5,14 +5,15 @@ takes ~10 s on a 150k-token vocabulary, so the header is parsed here with
 `struct` and the package supplies the constants (value types, quant block sizes,
 key names). Every length, count, size and offset read from the file is checked
 against the file size before it is used, so a truncated or hostile file fails
-with ModelFormatError instead of allocating or reading out of bounds.
+with ModelFormatError instead of allocating or reading out of bounds. A model split
+into parts by gguf-split is read whole from its first part (read_model_gguf).
 """
 
 from __future__ import annotations
 
 import mmap
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from gguf import (
 )
 
 from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.loading.inspect import SPLIT_RE
 
 GGUF_MAGIC = b"GGUF"
 GGML_MAX_DIMS = 4
@@ -60,17 +62,26 @@ class GGUFTensorInfo:
     shape: tuple[int, ...]
     offset: int
     nbytes: int
+    part: int = 0  # the file of a split GGUF that holds it: an index into GGUFFile.buffers
 
 
 @dataclass
 class GGUFFile:
-    """Parsed header of a GGUF file plus a copy-on-write map of its bytes."""
+    """Parsed header of a GGUF file plus a copy-on-write map of its bytes (of every part,
+    for a split GGUF read by read_model_gguf)."""
 
     path: Path
     version: int
     metadata: dict[str, Any]
     tensors: dict[str, GGUFTensorInfo]
     buffer: mmap.mmap | None
+    # A split GGUF's other parts (-00002-of-N.gguf on), mapped likewise.
+    part_buffers: list[mmap.mmap] = field(default_factory=list)
+
+    @property
+    def buffers(self) -> list[mmap.mmap]:
+        """The map of each part, first part first (tensors' `part` indexes it)."""
+        return [] if self.buffer is None else [self.buffer, *self.part_buffers]
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
@@ -269,6 +280,63 @@ def read_gguf(path: str | Path, *, with_tensors: bool = True) -> GGUFFile:
     return GGUFFile(path, version, metadata, tensors, buf)
 
 
+def read_model_gguf(path: str | Path) -> GGUFFile:
+    """A model's GGUF: one file, or one split by gguf-split into NAME-0000i-of-0000N.gguf,
+    given its first part. Split, the first part holds the metadata and every part some
+    tensors; they are read as llama.cpp reads them (llama-model-loader.cpp): each part's
+    split.no must be its place, no tensor may be in two parts, and the parts must hold
+    the first part's split.tensors.count tensors in all."""
+    first = read_gguf(path)
+    count = first.metadata.get(Keys.Split.LLM_KV_SPLIT_COUNT, 0)
+    if not isinstance(count, int) or count <= 1:
+        return first
+    suffix = f"-00001-of-{count:05d}.gguf"
+    number = first.metadata.get(Keys.Split.LLM_KV_SPLIT_NO)
+    if number != 0:
+        first_name = (
+            SPLIT_RE.sub(suffix, first.path.name)
+            if SPLIT_RE.search(first.path.name)
+            else f"...{suffix}"
+        )
+        raise ModelFormatError(
+            f"{first.path}: not the first part of a GGUF split into {count} "
+            f"({Keys.Split.LLM_KV_SPLIT_NO} is {number!r}); give the first part, {first_name}"
+        )
+    if not first.path.name.endswith(suffix):
+        raise ModelFormatError(
+            f"{first.path}: the first part of a GGUF split into {count}, but not named "
+            f"...{suffix}, the name its other parts are found by"
+        )
+    prefix = first.path.name[: -len(suffix)]
+    tensors = dict(first.tensors)
+    for index in range(1, count):
+        part_path = first.path.with_name(f"{prefix}-{index + 1:05d}-of-{count:05d}.gguf")
+        if not part_path.is_file():
+            raise ModelFormatError(
+                f"{first.path}: part {part_path.name} of this split GGUF is missing"
+            )
+        part = read_gguf(part_path)
+        if part.metadata.get(Keys.Split.LLM_KV_SPLIT_NO) != index:
+            raise ModelFormatError(
+                f"{part_path}: its {Keys.Split.LLM_KV_SPLIT_NO} is "
+                f"{part.metadata.get(Keys.Split.LLM_KV_SPLIT_NO)!r}, not {index}: it is not "
+                f"part {index + 1} of {first.path.name}"
+            )
+        for name, info in part.tensors.items():
+            if name in tensors:
+                raise ModelFormatError(f"{part_path}: tensor {name!r} is in an earlier part too")
+            tensors[name] = replace(info, part=index)
+        first.part_buffers.append(part.buffer)
+    expected = first.metadata.get(Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT)
+    if expected != len(tensors):
+        raise ModelFormatError(
+            f"{first.path}: {Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT} is {expected!r}, but its "
+            f"{count} parts hold {len(tensors)} tensors"
+        )
+    first.tensors = tensors
+    return first
+
+
 def _tensor_nbytes(
     path: Path, name: str, ggml_type: GGMLQuantizationType, ne: tuple[int, ...]
 ) -> int:
@@ -299,7 +367,7 @@ def read_float_list(gg: GGUFFile, name: str) -> list[float]:
             f"{gg.path}: tensor {name!r} has type {info.ggml_type.name}; F32 expected"
         )
     n = info.nbytes // 4
-    return list(struct.unpack_from(f"<{n}f", gg.buffer, info.offset))
+    return list(struct.unpack_from(f"<{n}f", gg.buffers[info.part], info.offset))
 
 
 def generation_defaults(gg: GGUFFile) -> dict[str, Any]:
@@ -336,6 +404,7 @@ def load_tensor(gg: GGUFFile, info: GGUFTensorInfo):
 
     if gg.buffer is None:
         raise ValueError("GGUF was read without tensors")
+    buffer = gg.buffers[info.part]
     float_types = {
         GGMLQuantizationType.F32: torch.float32,
         GGMLQuantizationType.F16: torch.float16,
@@ -344,13 +413,13 @@ def load_tensor(gg: GGUFFile, info: GGUFTensorInfo):
     if info.ggml_type in float_types:
         dtype = float_types[info.ggml_type]
         flat = torch.frombuffer(
-            gg.buffer, dtype=dtype, count=info.nbytes // dtype.itemsize, offset=info.offset
+            buffer, dtype=dtype, count=info.nbytes // dtype.itemsize, offset=info.offset
         )
         return flat.view(info.shape)
     rows = info.nbytes // (
         info.shape[-1] // GGML_QUANT_SIZES[info.ggml_type][0] * GGML_QUANT_SIZES[info.ggml_type][1]
     )
-    flat = torch.frombuffer(gg.buffer, dtype=torch.uint8, count=info.nbytes, offset=info.offset)
+    flat = torch.frombuffer(buffer, dtype=torch.uint8, count=info.nbytes, offset=info.offset)
     return flat.view(rows, info.nbytes // rows)
 
 

@@ -13,7 +13,7 @@ import ctypes.util
 import mmap
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -115,23 +115,34 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     if path.is_dir():
         return _open_hf_dir(path)
     if path.is_file():
+        if path.suffix == ".safetensors" or path.name == "config.json":
+            raise ModelNotFoundError(
+                f"{path}: one file of a Hugging Face model; give its folder, which holds "
+                "config.json and the *.safetensors weights"
+            )
         return _open_gguf(path)
     raise ModelNotFoundError(f"{path}: no such file or directory")
 
 
 def _open_hf_dir(path: Path) -> Checkpoint:
     config = safetensors_io.read_config(path)
-    weights = {}
+    weights, files = {}, {}
     for file in safetensors_io.safetensors_files(path):
         for name, tensor in safetensors_io.load_tensors(file).items():
-            weights[name] = Weight(tensor)
+            if name in weights:
+                # Which copy a model gets would depend on the order the files are read in.
+                raise ModelFormatError(
+                    f"{path}: tensor {name} is in both {files[name]} and {file.name}"
+                )
+            weights[name], files[name] = Weight(tensor), file.name
     notes = []
     if config.get("model_type") == gpt_oss.MODEL_TYPE:
         weights = gpt_oss.hf_weights(weights, config, Weight)
-    if config.get("model_type") == "gemma3" and isinstance(config.get("text_config"), dict):
-        config, weights = _gemma3_language_model(config, weights)
+    family = MULTIMODAL.get(config.get("model_type"))
+    if family is not None and isinstance(config.get("text_config"), dict):
+        config, weights = _language_model(config, weights)
         notes.append(
-            f"{path}: a multimodal Gemma 3; running its language model, without the vision tower"
+            f"{path}: a multimodal {family}; running its language model, without the vision tower"
         )
     gguf_config.check_config(config, path / "config.json")
     generation = safetensors_io.read_generation_config(path)
@@ -143,15 +154,18 @@ def _open_hf_dir(path: Path) -> Checkpoint:
     return Checkpoint(path, "safetensors", config, weights, generation, sampling, notes=notes)
 
 
-# Gemma3ForConditionalGeneration's checkpoint keys: its language model under
-# language_model.model. (transformers 5 also accepts model.language_model.), and
-# the vision parts, which llmrun does not run.
-_GEMMA3_TEXT_PREFIXES = {
+# Multimodal checkpoints whose language model llmrun runs, as llama.cpp's converter
+# takes only it into a model GGUF (the vision parts go to a separate mmproj file):
+# model_type -> the family's name.
+MULTIMODAL = {"gemma3": "Gemma 3", "mistral3": "Mistral 3"}
+# Their checkpoint keys: the language model under language_model.model. (transformers
+# 5 also accepts model.language_model.), and the vision parts, which llmrun does not run.
+_TEXT_PREFIXES = {
     "language_model.model.": "model.",
     "model.language_model.": "model.",
     "language_model.lm_head.": "lm_head.",
 }
-_GEMMA3_VISION_PREFIXES = (
+_VISION_PREFIXES = (
     "vision_tower.",
     "multi_modal_projector.",
     "model.vision_tower.",
@@ -159,23 +173,29 @@ _GEMMA3_VISION_PREFIXES = (
 )
 
 
-def _gemma3_language_model(
+def _language_model(
     config: dict[str, Any], weights: dict[str, Weight]
 ) -> tuple[dict[str, Any], dict[str, Weight]]:
-    """The text model's config and weights (under Gemma3ForCausalLM's names) of a
-    multimodal Gemma 3 checkpoint."""
-    text = {**config["text_config"], "model_type": "gemma3_text"}
-    # transformers' Gemma3ForConditionalGeneration never soft-caps its logits, whatever
-    # the text config says (Gemma 3 checkpoints leave it null anyway).
-    text["final_logit_softcapping"] = None
+    """The text model's config and weights (under its *ForCausalLM's names) of a
+    multimodal checkpoint (MULTIMODAL)."""
+    text = dict(config["text_config"])
+    if config["model_type"] == "gemma3":
+        text["model_type"] = "gemma3_text"
+        # transformers' Gemma3ForConditionalGeneration never soft-caps its logits,
+        # whatever the text config says (Gemma 3 checkpoints leave it null anyway).
+        text["final_logit_softcapping"] = None
+    else:
+        # Mistral3Config's text_config is a MistralConfig unless it names another type
+        # (Ministral 3's "ministral3", which llmrun then refuses by name).
+        text.setdefault("model_type", "mistral")
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if name not in text and name in config:
             text[name] = config[name]
     renamed = {}
     for name, weight in weights.items():
-        if name.startswith(_GEMMA3_VISION_PREFIXES):
+        if name.startswith(_VISION_PREFIXES):
             continue
-        for old, new in _GEMMA3_TEXT_PREFIXES.items():
+        for old, new in _TEXT_PREFIXES.items():
             if name.startswith(old):
                 name = new + name[len(old) :]
                 break
@@ -184,7 +204,7 @@ def _gemma3_language_model(
 
 
 def _open_gguf(path: Path) -> Checkpoint:
-    gg = gguf_io.read_gguf(path)
+    gg = gguf_io.read_model_gguf(path)
     for info in gg.tensors.values():
         if info.ggml_type not in SUPPORTED_TYPES:
             supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
@@ -348,7 +368,7 @@ def build_model(checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype
     what is already in the right dtype and place."""
     config = checkpoint.config
     module = model_module(config.get("model_type", "<missing model_type>"))
-    args = module.ModelArgs.from_config(config)
+    args = _model_args(module, checkpoint)
     with torch.device("meta"), _SkipInit():
         model = module.Model(args)
     expected = model.state_dict()
@@ -378,13 +398,13 @@ def build_model(checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype
             )
         if w.ggml_type is None:
             state[name] = w.tensor.to(device=device, dtype=dtype)
-    buffer = checkpoint.gguf.buffer if checkpoint.gguf is not None else None
+    buffers = checkpoint.gguf.buffers if checkpoint.gguf is not None else []
     for name, w in weights.items():
         if w.ggml_type is not None:
             new = _swap_quantized(model, name, w, weights, device, dtype)
-            if buffer is not None and new.weight.data_ptr() != w.tensor.data_ptr():
+            if new.weight.data_ptr() != w.tensor.data_ptr():
                 # Repacked: release the file's copy now, so loading never holds both.
-                _drop_tensor_pages(buffer, w.tensor)
+                _drop_tensor_pages(buffers, w.tensor)
     model.load_state_dict(state, strict=False, assign=True)
     if device.type == "cpu":
         fuse_experts(model)  # MoE blocks: one token's experts in two native calls
@@ -393,8 +413,8 @@ def build_model(checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype
         if isinstance(embed, QuantEmbedding):
             file_view = embed.weight
             model.lm_head = tied_head(embed)
-            if buffer is not None and embed.weight.data_ptr() != file_view.data_ptr():
-                _drop_tensor_pages(buffer, file_view)  # repacked, as above
+            if embed.weight.data_ptr() != file_view.data_ptr():
+                _drop_tensor_pages(buffers, file_view)  # repacked, as above
         else:
             model.lm_head.weight = embed.weight
     model.to(device)
@@ -408,6 +428,27 @@ def build_model(checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype
     if device.type == "cpu":
         decode_step.attach(model)  # dense families: a decode step's layers in one native call
     return model.eval()
+
+
+def _model_args(module: Any, checkpoint: Checkpoint) -> Any:
+    """The family's ModelArgs of the checkpoint's config; fields it must have and the
+    config lacks (a config.json without intermediate_size, say) are named."""
+    config = checkpoint.config
+    try:
+        return module.ModelArgs.from_config(config)
+    except TypeError:
+        required = [
+            f.name
+            for f in fields(module.ModelArgs)
+            if f.default is MISSING and f.default_factory is MISSING
+        ]
+        missing = [name for name in required if config.get(name) is None]
+        if not missing:
+            raise
+        where = checkpoint.path / "config.json" if checkpoint.path.is_dir() else checkpoint.path
+        raise ModelFormatError(
+            f"{where}: no {', '.join(missing)}, which a {config['model_type']} model needs"
+        ) from None
 
 
 HALF_TYPES = {torch.float16: GGMLQuantizationType.F16, torch.bfloat16: GGMLQuantizationType.BF16}
@@ -475,7 +516,8 @@ def load_model(
         check_device_room(device, device_bytes(checkpoint, compute_dtype), "the weights take")
     model = build_model(checkpoint, device, compute_dtype)
     if checkpoint.gguf is not None:
-        release_unused_pages(model, checkpoint.gguf.buffer)
+        for buffer in checkpoint.gguf.buffers:
+            release_unused_pages(model, buffer)
     return LoadedModel(model, checkpoint, compute_dtype, device)
 
 
@@ -557,11 +599,13 @@ def _drop_pages(buffer: mmap.mmap, start: int, end: int) -> int:
     return last - first
 
 
-def _drop_tensor_pages(buffer: mmap.mmap, tensor: torch.Tensor) -> None:
-    base = torch.frombuffer(buffer, dtype=torch.uint8, count=1).data_ptr()
-    start = tensor.untyped_storage().data_ptr() - base
-    if 0 <= start < len(buffer):
-        _drop_pages(buffer, start, start + tensor.untyped_storage().nbytes())
+def _drop_tensor_pages(buffers: list[mmap.mmap], tensor: torch.Tensor) -> None:
+    """Drop the pages of `tensor`'s storage, where it lies in one of the file maps."""
+    for buffer in buffers:
+        base = torch.frombuffer(buffer, dtype=torch.uint8, count=1).data_ptr()
+        start = tensor.untyped_storage().data_ptr() - base
+        if 0 <= start < len(buffer):
+            _drop_pages(buffer, start, start + tensor.untyped_storage().nbytes())
 
 
 def _trim_heap() -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from llmrun.errors import ModelFormatError, ModelNotFoundError, UnsupportedError
-from llmrun.loading.inspect import index_shards
+from llmrun.loading.inspect import index_shards, safetensors_weights
 
 DTYPES = {
     "F32": torch.float32,
@@ -49,6 +49,13 @@ def read_json(path: Path) -> dict[str, Any]:
 def read_config(model_dir: Path) -> dict[str, Any]:
     path = model_dir / "config.json"
     if not path.is_file():
+        ggufs = sorted(p.name for p in model_dir.glob("*.gguf"))
+        if ggufs:
+            raise ModelNotFoundError(
+                f"{model_dir}: a folder of GGUF files, not a Hugging Face model folder (no "
+                f"config.json); give one of its files: {', '.join(ggufs[:5])}"
+                f"{' ...' if len(ggufs) > 5 else ''}"
+            )
         raise ModelNotFoundError(
             f"{model_dir}: no config.json; a model directory needs config.json and *.safetensors"
         )
@@ -66,12 +73,15 @@ def safetensors_files(model_dir: Path) -> list[Path]:
         shards = index_shards(read_json(index))
         if shards is None:
             raise ModelFormatError(f"{index}: no weight_map of file names")
-        files = [model_dir / name for name in sorted(shards)]
-        for f in files:
-            if Path(f.name) != Path(f.relative_to(model_dir)) or not f.is_file():
-                raise ModelFormatError(f"{index}: lists {f.name}, which is missing")
-        return files
-    files = sorted(model_dir.glob("*.safetensors"))
+        for name in sorted(shards):
+            if Path(name).name != name:
+                raise ModelFormatError(f"{index}: lists {name}, which is not a file of {model_dir}")
+            if not (model_dir / name).is_file():
+                raise ModelFormatError(f"{index}: lists {name}, which is missing")
+        return [model_dir / name for name in sorted(shards)]
+    # The Hub's rule (inspect.safetensors_weights): folders often hold the weights twice,
+    # as shards or model.safetensors and again as Mistral's consolidated.safetensors.
+    files = [model_dir / name for name in safetensors_weights(p.name for p in model_dir.iterdir())]
     if not files:
         found = sorted(p.name for p in model_dir.iterdir())
         raise ModelNotFoundError(
