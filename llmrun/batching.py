@@ -35,7 +35,7 @@ import torch
 
 from llmrun.api import Engine
 from llmrun.errors import ContextOverflowError, LlmrunError, ServerBusyError, UsageError
-from llmrun.generate import KVState, Response, Stats, TokenStream, check_fits
+from llmrun.generate import KVState, Response, Stats, TokenLogprob, TokenStream, check_fits
 from llmrun.kv_blocks import BLOCK_SIZE, KVBlocks, SequenceBlocks, blocks_for
 from llmrun.loading.loader import free_bytes
 from llmrun.models.paged import PagedKVCache, window_layers
@@ -68,6 +68,9 @@ class Request:
     stop: Sequence[str] = ()
     logprobs: int | None = None
     ignore_eos: bool = False
+    # Report each prompt token's logprob, with this many top ones (completions' echo):
+    # the prompt is then computed whole, not taken from the prefix cache.
+    prompt_logprobs: int | None = None
 
 
 @dataclass(eq=False)
@@ -87,10 +90,17 @@ class Job:
     next_token: int | None = None  # sampled, not yet fed to the model
     cancelled: bool = False
     finished: bool = False
+    scored: dict[int, TokenLogprob] = field(default_factory=dict)  # prompt logprobs by position
+    prompt_scored: bool = False  # its prompt's logprobs were sent
 
     @property
     def prefilling(self) -> bool:
         return self.state is not None and len(self.state.tokens) < len(self.target)
+
+    @property
+    def scoring(self) -> bool:
+        """Whether the prompt's logprobs are still to be computed and sent."""
+        return self.request.prompt_logprobs is not None and not self.prompt_scored
 
 
 class Scheduler:
@@ -196,7 +206,8 @@ class Scheduler:
                 "tokens); shorten the prompt or raise --kv-memory"
             )
         job = Job(request, on_event)
-        if request.max_tokens is not None and request.max_tokens <= 0:
+        no_tokens = request.max_tokens is not None and request.max_tokens <= 0
+        if no_tokens and request.prompt_logprobs is None:
             stats = Stats(prompt_tokens=len(request.prompt))
             self._finish(job, Response("", None, stats, finish_reason="length"))
             return job
@@ -250,7 +261,7 @@ class Scheduler:
             if self._follows(job):
                 followers.append(self.waiting.popleft())
                 continue
-            got = self.blocks.allocate(job.target, len(job.target))
+            got = self.blocks.allocate(job.target, len(job.target), reuse=not job.scoring)
             if got is None:
                 break  # first come, first served: the next waits for blocks too
             self.waiting.popleft()
@@ -267,7 +278,7 @@ class Scheduler:
         prompts share (at least FOLLOW_MIN tokens): then it finds those blocks in the
         prefix cache rather than computing them again. Requests arriving together with
         one long system prompt, and `n` choices, are prefilled once, not once each."""
-        if not self.blocks.full.prefix_cache:
+        if not self.blocks.full.prefix_cache or job.scoring:
             return False
         size = self.blocks.block_size
         for other in self.active:
@@ -395,9 +406,19 @@ class Scheduler:
             self.blocks.commit(job.table, job.state.tokens)
             if not job.prefilling and job.next_token is None:
                 try:
-                    self._advance(job, row)
+                    if job.scoring:
+                        self._send_prompt_logprobs(job)
+                    if job.request.max_tokens == 0:  # only the prompt's logprobs asked for
+                        self._finish(job, job.stream.close())
+                    else:
+                        self._advance(job, row)
                 except Exception as e:
                     self._finish(job, e)
+
+    def _send_prompt_logprobs(self, job: Job) -> None:
+        scored = [None, *(job.scored[i] for i in range(1, len(job.request.prompt)))]
+        job.scored, job.prompt_scored = {}, True
+        self._send(job, Response("", None, job.stream.stats, prompt_logprobs=tuple(scored)))
 
     def _forward_chunks(self, parts: list[tuple[Job, list[int]]]) -> torch.Tensor:
         """One forward for the chunks, rows padded on the right; each row's last
@@ -413,15 +434,41 @@ class Scheduler:
         device = self.cache.k.device
         padded = any(c < width for c in counts)
         view = self._view([job for job, _ in parts], counts if padded else None)
+        last = torch.tensor([c - 1 for c in counts], device=device)
+        scoring = any(job.scoring for job, _ in parts)
         logits = self.engine.model(
             torch.tensor(ids, device=device),
             torch.tensor(positions, device=device),
             view,
-            last=torch.tensor([c - 1 for c in counts], device=device),
+            last=None if scoring else last,  # every position's logits, to score prompts
         )
-        for job, part in parts:
+        for row, (job, part) in enumerate(parts):
+            if job.scoring:
+                self._score(job, logits[row, : len(part)])
             job.state.tokens.extend(part)
+        if scoring:
+            return logits[torch.arange(len(parts), device=device), last]
         return logits[:, -1]
+
+    @staticmethod
+    def _score(job: Job, logits: torch.Tensor) -> None:
+        """The logprobs of the prompt tokens that `logits` (of the chunk after the
+        cached tokens) predict, kept by position until the prompt is done."""
+        prompt, start = job.request.prompt, len(job.state.tokens)
+        count = min(len(logits), len(prompt) - 1 - start)  # the last predicts no prompt token
+        if count <= 0:
+            return
+        logprobs = torch.log_softmax(logits[:count].float(), dim=-1)
+        tokens = torch.tensor(prompt[start + 1 : start + 1 + count], device=logits.device)
+        chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+        k = min(job.request.prompt_logprobs, logprobs.shape[-1])
+        values, ids = torch.topk(logprobs, k) if k else (logprobs[:, :0], logprobs[:, :0])
+        for i, (value, top_ids, top_values) in enumerate(
+            zip(chosen, ids.tolist(), values.tolist(), strict=True)
+        ):
+            position = start + 1 + i
+            top = list(zip(top_ids, top_values, strict=True))
+            job.scored[position] = TokenLogprob(prompt[position], value, top)
 
     def _view(self, jobs: list[Job], counts: list[int] | None = None):
         """The paged cache as the jobs' rows see it."""

@@ -75,6 +75,9 @@ class Response:
     # (with logprobs asked for): a token held back with its text comes with it, one cut
     # off with a stop string never.
     logprobs: tuple[TokenLogprob, ...] = ()
+    # A prompt's logprobs, when asked for (the batching scheduler sends them once, after
+    # the prefill): one per prompt token, None for the first, which nothing predicts.
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
 
 
 def _sync(device: torch.device) -> None:

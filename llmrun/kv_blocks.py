@@ -262,13 +262,16 @@ class KVBlocks:
     def cached_blocks(self) -> int:
         return self.full.cached_blocks
 
-    def allocate(self, tokens: Sequence[int], positions: int) -> tuple[SequenceBlocks, int] | None:
+    def allocate(
+        self, tokens: Sequence[int], positions: int, reuse: bool = True
+    ) -> tuple[SequenceBlocks, int] | None:
         """BlockManager.allocate for every group: the full layers' blocks for all
         `positions`, the windowed layers' cached blocks of the reused prefix that its
         continuation attends to (their new blocks come with grow). The prefix reused
-        is the longest the full layers hold whose window the windowed layers hold."""
-        most = None
-        if self.window_manager is not None:
+        is the longest the full layers hold whose window the windowed layers hold
+        (none without `reuse`)."""
+        most = None if reuse else 0
+        if reuse and self.window_manager is not None:
             hits = len(self.full.lookup(tokens[:-1]))
             names = self.full.names(tokens[: hits * self.block_size])
             most = self._window_reuse(names)

@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from llmrun import api
 from llmrun.batching import FOLLOW_MIN, Request, Scheduler
@@ -181,6 +182,31 @@ def test_requests_arriving_together_prefill_their_shared_prefix_once():
     assert [job.order for job in jobs] == [1, 2, 3, 4]  # the unrelated one went first
     for prompt, (text, finish, _, _) in zip(prompts, results, strict=True):
         assert (text, finish) == alone(prompt, GREEDY, 10)
+
+
+def test_prompt_logprobs_over_several_chunks_and_a_cached_prefix(make):
+    """Prompt logprobs (echo) of a prompt prefilled in chunks of 32, whose prefix is
+    cached by another request: computed whole, equal to transformers' within 1e-4."""
+    transformers = pytest.importorskip("transformers")
+    from helpers import STORIES_HF
+
+    s = make(prefill_budget=32)
+    prompt = encode(STORY * 2)
+    run(s, prompt, 2)  # caches the prompt's blocks, which scoring must not take
+    hf = transformers.AutoModelForCausalLM.from_pretrained(STORIES_HF, dtype=torch.float32)
+    with torch.no_grad():
+        expected = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], dim=-1)
+    collector = Collector()
+    s.submit(Request(prompt, GREEDY, 0, prompt_logprobs=0), collector)
+    scored = collector.events.get(timeout=600)
+    assert scored.prompt_logprobs[0] is None and len(scored.prompt_logprobs) == len(prompt)
+    got = [lp.logprob for lp in scored.prompt_logprobs[1:]]
+    want = [float(expected[i - 1, prompt[i]]) for i in range(1, len(prompt))]
+    assert got == pytest.approx(want, abs=1e-4)
+    assert all(lp.top == [] for lp in scored.prompt_logprobs[1:])
+    _, finish, stats, tokens = collector.result()
+    assert (finish, stats.completion_tokens, tokens) == ("length", 0, [])
+    assert stats.prompt_processed == len(prompt)
 
 
 def test_an_exhausted_pool_preempts_the_latest_and_recomputes_it(make):

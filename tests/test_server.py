@@ -199,6 +199,50 @@ def test_a_request_for_more_sequences_than_the_server_holds_is_400(one_slot):
     )
 
 
+def test_echo_scores_the_prompt_as_transformers_does(client):
+    """`echo` with `logprobs` (how lm-eval scores a text): each prompt token's logprob
+    and top ones, from every position's logits, equal transformers' log-softmax of the
+    same checkpoint within 1e-4; the first token has none. max_tokens 0 scores only."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+    from helpers import STORIES_HF
+
+    text = "Once upon a time there was a little dog named Max. He liked to run"
+    ids = ENGINE.tokenizer.encode(text)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(STORIES_HF, dtype=torch.float32)
+    with torch.no_grad():
+        expected = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    for _ in range(2):  # the second time, the prompt's blocks are in the prefix cache
+        scored = client.completions.create(
+            model="stories260K", prompt=text, max_tokens=0, echo=True, logprobs=3
+        )
+        choice = scored.choices[0]
+        assert choice.text == text and scored.usage.completion_tokens == 0
+        lps = choice.logprobs
+        assert lps.token_logprobs[0] is None and lps.top_logprobs[0] is None
+        assert lps.tokens == [ENGINE.tokenizer.token_to_piece(t) for t in ids]
+        reference = [float(expected[i - 1, ids[i]]) for i in range(1, len(ids))]
+        assert lps.token_logprobs[1:] == pytest.approx(reference, abs=1e-4)
+        for i, top in enumerate(lps.top_logprobs[1:], start=1):
+            values, best = torch.topk(expected[i - 1], 3)
+            pieces = [ENGINE.tokenizer.token_to_piece(t) for t in best.tolist()]
+            assert list(top) == pieces
+            assert list(top.values()) == pytest.approx(values.tolist(), abs=1e-4)
+        assert lps.text_offset[:3] == [0, 0, len("Once")]
+    generated = client.completions.create(
+        model="stories260K", prompt=text, max_tokens=8, echo=True, logprobs=1, temperature=0
+    )
+    choice = generated.choices[0]
+    assert choice.text == text + run_text(text, 8)
+    assert len(choice.logprobs.tokens) == len(ids) + 8
+    assert choice.logprobs.token_logprobs[: len(ids)] == lps.token_logprobs
+    assert choice.logprobs.text_offset[len(ids)] == len(text)
+    stream = client.completions.create(
+        model="stories260K", prompt=text, max_tokens=8, echo=True, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in stream) == choice.text
+
+
 def test_sse_framing_and_stop(server):
     body = {"prompt": "Once upon a time", "max_tokens": 100, "temperature": 0, "stream": True}
     body["stop"] = ["girl named"]
@@ -334,7 +378,8 @@ HOSTILE = [
     b'{"prompt": "x", "max_tokens": 0}',
     b'{"prompt": "x", "temperature": "hot"}',
     b'{"prompt": "x", "stream_options": 5}',
-    b'{"prompt": "x", "echo": true}',
+    b'{"prompt": "x", "suffix": "y"}',
+    b'{"prompt": "x", "echo": "maybe"}',
     b'{"messages": "x"}',
     b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
     b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}',

@@ -251,6 +251,16 @@ def _prompts(tokenizer, prompt: str | list) -> list[list[int]]:
     return out
 
 
+def _echo(tokenizer, ids: list[int]) -> tuple[str, list[int]]:
+    """A prompt's text as `echo` puts it first, and where each token's text begins."""
+    decoder = tokenizer.stream()
+    text, offsets = "", []
+    for token in ids:
+        offsets.append(len(text))
+        text += decoder.add(token)
+    return text + decoder.flush(), offsets
+
+
 async def completions(request: Request) -> Response:
     arrived = time.perf_counter()
     service, body, engine = await begin(request, CompletionBody)
@@ -258,10 +268,17 @@ async def completions(request: Request) -> Response:
     tokenizer = engine.tokenizer
     prompts = await asyncio.to_thread(_prompts, tokenizer, body.prompt)
     n = body.n
+    echoes = [_echo(tokenizer, ids) for ids in prompts] if body.echo else []
     # Choice index = prompt index x n + choice of that prompt, as OpenAI numbers them.
     gen_requests = [
         batching.Request(
-            prompt, choice_params, body.max_tokens, stop, body.logprobs, body.ignore_eos
+            prompt,
+            choice_params,
+            body.max_tokens,
+            stop,
+            body.logprobs,
+            body.ignore_eos,
+            prompt_logprobs=body.logprobs if body.echo else None,
         )
         for prompt in prompts
         for choice_params in choices_of(params, n)
@@ -274,16 +291,36 @@ async def completions(request: Request) -> Response:
         "model": service.model_id,
         "system_fingerprint": f"llmrun-{__version__}",
     }
+    echoed = [not body.echo] * len(gen_requests)
 
-    def logprobs(event: GenResponse) -> dict[str, list] | None:
+    def text(index: int, event: GenResponse) -> str:
+        """The event's text, after the prompt's where the choice is to echo it first."""
+        if echoed[index]:
+            return event.text
+        echoed[index] = True
+        return echoes[index // n][0] + event.text
+
+    def logprobs(index: int, event: GenResponse) -> dict[str, list] | None:
+        piece = tokenizer.token_to_piece
+        if event.prompt_logprobs:  # echo's: the prompt tokens, the first one unscored
+            ids, (_, offsets) = prompts[index // n], echoes[index // n]
+            scored = event.prompt_logprobs
+            return {
+                "tokens": [piece(token) for token in ids],
+                "token_logprobs": [None if lp is None else lp.logprob for lp in scored],
+                "top_logprobs": [
+                    None if lp is None else {piece(i): v for i, v in lp.top} for lp in scored
+                ],
+                "text_offset": offsets,
+            }
         if not event.logprobs:
             return None
-        piece = tokenizer.token_to_piece
+        shift = len(echoes[index // n][0]) if body.echo else 0
         return {
             "tokens": [piece(lp.token) for lp in event.logprobs],
             "token_logprobs": [lp.logprob for lp in event.logprobs],
             "top_logprobs": [{piece(i): v for i, v in lp.top} for lp in event.logprobs],
-            "text_offset": [lp.offset for lp in event.logprobs],
+            "text_offset": [lp.offset + shift for lp in event.logprobs],
         }
 
     if body.stream:
@@ -291,12 +328,12 @@ async def completions(request: Request) -> Response:
         usage_field = {"usage": None} if include_usage else {}
 
         def chunks(index: int, event: GenResponse) -> list[dict]:
-            lps = logprobs(event)
-            if not (event.text or lps or event.finish_reason):
+            lps, piece = logprobs(index, event), text(index, event)
+            if not (piece or lps or event.finish_reason):
                 return []
             choice = {
                 "index": index,
-                "text": event.text,
+                "text": piece,
                 "logprobs": lps,
                 "finish_reason": event.finish_reason,
             }
@@ -311,8 +348,8 @@ async def completions(request: Request) -> Response:
         for _ in gen_requests
     ]
     async for index, event in gen.events(request.is_disconnected):
-        pieces[index].append(event.text)
-        for key, values in (logprobs(event) or {}).items():
+        pieces[index].append(text(index, event))
+        for key, values in (logprobs(index, event) or {}).items():
             merged[index][key].extend(values)
     if not gen.done:
         return Response(status_code=499)

@@ -238,9 +238,17 @@ class CompletionBody(Sampling):
         | Annotated[list[list[int]], Field(min_length=1)]
     )
     n: Choices = 1
+    # 0 with echo: only the prompt's logprobs (scoring a text, as lm-eval asks).
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    echo: Literal[False] = False
+    echo: bool = False  # the prompt comes first in each choice's text (and logprobs)
     suffix: Literal[None, ""] = None
+
+    @model_validator(mode="after")
+    def _nothing_to_generate_needs_echo(self) -> CompletionBody:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 asks for nothing unless echo is true")
+        return self
 
 
 # --- errors ---------------------------------------------------------------------------
