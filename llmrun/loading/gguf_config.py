@@ -19,9 +19,12 @@ from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import gpt_oss
 from llmrun.loading.gguf_io import GGUFFile, read_float_list
 
-# GGUF architecture -> Hugging Face model_type. llama.cpp converts Mistral to "llama".
+# GGUF architecture -> Hugging Face model_type. llama.cpp converts Mistral to "llama",
+# and Mistral Small 3.1+ and Ministral 3 to "mistral3" (Ministral 3 when it has an
+# attention temperature, see config_from_gguf).
 MODEL_TYPES = {
     "llama": "llama",
+    "mistral3": "mistral",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "phi3": "phi3",
@@ -168,12 +171,21 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         return _gemma_config(gg, config, key)
     if arch in ("llama", "qwen2moe", "qwen3moe"):
         _moe_config(gg, config)
+    if arch == "mistral3" and key("expert_count", 0):
+        raise UnsupportedError(f"{gg.path}: a mistral3 model with experts is not supported")
     window = key("attention.sliding_window")
     if window:
         config["sliding_window"] = window
-    config["rope_parameters"] = _rope_from_gguf(
-        gg, key, head_dim, config["max_position_embeddings"]
-    )
+    rope = _rope_from_gguf(gg, key, head_dim, config["max_position_embeddings"])
+    temperature = key("attention.temperature_scale", 0.0)
+    if arch == "mistral3" and temperature:
+        # Counted in steps of the YaRN original context, as llama.cpp counts them
+        # (n_ctx_orig_yarn: the context length where the file gives none).
+        config["model_type"] = "ministral3"
+        rope["llama_4_scaling_beta"] = temperature
+        if not rope.get("original_max_position_embeddings"):
+            rope["original_max_position_embeddings"] = config["max_position_embeddings"]
+    config["rope_parameters"] = rope
     return config
 
 
@@ -387,8 +399,16 @@ def _rope_from_gguf(gg: GGUFFile, key, head_dim: int, context: int) -> dict[str,
         rope.update(
             rope_type="yarn",
             factor=key("rope.scaling.factor"),
-            original_max_position_embeddings=original,
+            original_max_position_embeddings=original or context,  # llama.cpp's default
         )
+        for name, field in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            value = key(f"rope.scaling.{name}")
+            if value is not None:
+                rope[field] = value
+        log_mul = key("rope.scaling.yarn_log_multiplier")
+        if log_mul:
+            # HF's mscale_all_dim; llama.cpp takes the config's mscale to be 1.
+            rope.update(mscale=1.0, mscale_all_dim=log_mul)
     elif scaling not in ("none", None):
         raise UnsupportedError(
             f"{gg.path}: RoPE scaling {scaling!r} is not supported (none, linear, yarn are)"

@@ -230,7 +230,7 @@ def _open_gguf(path: Path) -> Checkpoint:
             # x * weight (conversion/gemma.py: `data_torch + 1` on every
             # *norm.weight); the model holds HF's w and computes x * (1 + w).
             tensor = tensor.float() - 1.0
-        llama = gg.architecture == "llama"  # Mixtral included
+        llama = gg.architecture in ("llama", "mistral3")  # Mixtral included
         heads = None
         if llama and name.endswith(("q_proj.weight", "q_proj.bias")):
             heads = config["num_attention_heads"]

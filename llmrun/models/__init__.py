@@ -14,6 +14,7 @@ from llmrun.errors import UnsupportedError
 ARCHITECTURES = {
     "llama": "llama",
     "mistral": "llama",
+    "ministral3": "ministral3",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "mixtral": "mixtral",

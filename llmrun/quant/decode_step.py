@@ -32,7 +32,7 @@ from llmrun.quant import kernels
 from llmrun.quant.linear import QuantLinear
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
-FAMILIES += ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
+FAMILIES += ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "ministral3")
 # Gemma 2/3 put a norm after attention and after the feed-forward, and one before it.
 FOUR_NORMS = ("gemma2", "gemma3")
 ACTS = {F.silu: 0, ops.gelu_tanh: 1}
@@ -399,6 +399,9 @@ class DecodeStep:
         frame = full or local
         positions = frame.positions
         if positions.shape != (rows, 1) or positions.dtype != torch.int64:
+            return None
+        limit = getattr(self.model, "step_positions", None)  # positions it may take
+        if limit is not None and int(positions.max()) >= limit:
             return None
         for name, f in kinds.items():
             cos, sin = f.cos, f.sin

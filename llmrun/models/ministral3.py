@@ -1,0 +1,57 @@
+"""Ministral 3 (3B, 8B, 14B; llama.cpp's "mistral3" GGUFs): Mistral with YaRN RoPE and
+Llama 4's attention temperature, which scales the queries at position p by
+1 + beta * log(1 + floor(p / original context)), so 1 within the original context.
+
+Reference: transformers/models/ministral3/modeling_ministral3.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from llmrun.models import llama
+from llmrun.models.base import CausalLM, Frame, GatedMLP, args_from_config, attend
+from llmrun.models.cache import KVCache
+
+
+@dataclass
+class ModelArgs(llama.ModelArgs):
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ModelArgs:
+        return args_from_config(cls, config)
+
+    @property
+    def temperature(self) -> tuple[float, int]:
+        """Llama 4's scaling: beta (0: none) and the context its steps are counted in."""
+        params = self.rope_parameters
+        beta = params.get("llama_4_scaling_beta") or 0.0
+        return beta, params.get("original_max_position_embeddings") or self.max_position_embeddings
+
+
+class Attention(llama.Attention):
+    def __init__(self, args: ModelArgs, layer: int) -> None:
+        super().__init__(args, layer)
+        self.beta, self.original = args.temperature
+
+    def forward(self, x: torch.Tensor, frame: Frame, cache: KVCache | None) -> torch.Tensor:
+        batch, tokens, _ = x.shape
+        q = self.q_proj(x).view(batch, tokens, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, tokens, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, tokens, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = frame.rotate(q), frame.rotate(k)
+        if self.beta:
+            steps = torch.floor(frame.positions.float() / self.original)
+            q = q * (1 + self.beta * torch.log1p(steps))[:, None, :, None].to(q.dtype)
+        return self.o_proj(attend(q, k, v, self.layer, frame, cache))
+
+
+class Model(CausalLM):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__(args, Attention, GatedMLP)
+        beta, original = args.temperature
+        # The native decode step has no query temperature: it takes the positions where
+        # the temperature is 1.
+        self.step_positions = original if beta else None
