@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from helpers import BASE, STORIES_GGUF
+from helpers import BASE, STORIES_GGUF, randomize
 
 # Four layers (local, global, local, global), windows of 5 under prompts of 24, a
 # clamp low enough to bite and YaRN, all from the config.
@@ -43,23 +43,16 @@ LLAMA_CPP = dict(
 
 
 def tiny_gpt_oss(seed: int = 0, **overrides):
-    """A transformers GptOssForCausalLM of GPT_OSS (and `overrides`) with N(0, 0.2)
-    weights, attention outputs 10x smaller, routers 5x larger (so every expert is
-    chosen) and N(0, 1) sinks; its config dict."""
+    """A transformers GptOssForCausalLM of GPT_OSS (and `overrides`) with
+    helpers.randomize's weights but attention outputs and biases 10x smaller, so that
+    tokens differ enough for every expert to be chosen (a bias adds the same to every
+    token), and N(0, 1) sinks; its config dict."""
     import transformers
 
     config = transformers.AutoConfig.for_model(**{**GPT_OSS, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for key, p in model.named_parameters():
-            p.normal_(0, 0.2)
-            if key.endswith("o_proj.weight"):
-                p.mul_(0.1)
-            elif ".router." in key:
-                p.mul_(5.0)
-            elif key.endswith("sinks"):
-                p.normal_(0, 1.0)
+    randomize(model, {"o_proj.weight": 0.1, "bias": 0.1, "sinks": 5.0})
     return model, config.to_dict()
 
 

@@ -70,7 +70,9 @@ CONFIGS = {
             factor=8.0,
             low_freq_factor=1.0,
             high_freq_factor=4.0,
-            original_max_position_embeddings=32,
+            # RoPE wavelengths of 6, 32 and 167 positions kept (under 1024 / 4), of 862
+            # smoothed, of 4443 and more scaled by 8.
+            original_max_position_embeddings=1024,
         ),
     ),
     "llama-tied": dict(model_type="llama", tie_word_embeddings=True),
@@ -119,17 +121,34 @@ CONFIGS = {
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 
 
+def randomize(model, scales: dict[str, float] | None = None) -> None:
+    """Give a transformers model N(0, 0.2) weights but RMSNorm scales near 1, as trained
+    models have them: 1 + N(0, 0.1), or N(0, 0.1) for Gemma's norms, which store the w
+    of x * (1 + w). Norm scales of N(0, 0.2) shrink queries and keys 5x (Qwen3's and
+    Gemma 3's q/k norms 5x more): attention turns near uniform, and a RoPE, mask or KV
+    cache bug then moves the logits by 1e-3..1e-1 instead of several units. `scales`:
+    parameter-name suffix -> factor, applied (first match) after the draw."""
+    gemma = model.config.model_type in GEMMA_TYPES
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if key.endswith("norm.weight"):
+                p.normal_(0.0 if gemma else 1.0, 0.1)
+            else:
+                p.normal_(0, 0.2)
+            factor = next((f for end, f in (scales or {}).items() if key.endswith(end)), None)
+            if factor is not None:
+                p.mul_(factor)
+
+
 def tiny_hf_model(name: str, seed: int = 0, **overrides):
-    """A transformers model of config CONFIGS[name] (and `overrides`) with N(0, 0.2)
+    """A transformers model of config CONFIGS[name] (and `overrides`) with randomize()'s
     weights, and its config dict."""
     import transformers
 
     config = transformers.AutoConfig.for_model(**{**BASE, **CONFIGS[name], **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
+    randomize(model)
     return model, config.to_dict()
 
 
@@ -146,6 +165,28 @@ def our_model(config: dict, state_dict: dict):
     if config.get("tie_word_embeddings"):
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
+
+
+# Prefill chunks for cached_logits: shorter and longer than the windows of 5, one of
+# them the window itself from a multiple of it; sequences past their sum go on one
+# token at a time.
+CHUNKS = (7, 3, 5, 1, 9, 2, 6)
+
+
+def cached_logits(
+    model, ids: torch.Tensor, chunks: tuple[int, ...] = CHUNKS, capacity: int = 64
+) -> torch.Tensor:
+    """llmrun logits of ids [1, T] fed through a fresh KV cache of `capacity` positions:
+    prefills of `chunks` tokens, then the rest one token at a time (decode steps)."""
+    cache = model.new_cache(1, capacity, torch.float32, "cpu")
+    sizes = list(chunks) + [1] * (ids.shape[1] - sum(chunks))
+    out, start = [], 0
+    with torch.no_grad():
+        for n in sizes:
+            positions = torch.arange(start, start + n)[None]
+            out.append(model(ids[:, start : start + n], positions, cache))
+            start += n
+    return torch.cat(out, dim=1)
 
 
 def save_hf_dir(
@@ -330,6 +371,9 @@ def chat_model_dir(
     )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    # Plain N(0, 0.2), norms too, unlike randomize(): chat tests need replies that survive
+    # the template's round trip, and this seed's replies under randomize() end in a
+    # broken UTF-8 byte that re-encodes differently.
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2)
@@ -375,9 +419,7 @@ def gemma_chat_model_dir(path: Path, context: int = 256) -> Path:
     )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
+    randomize(model)
     model.save_pretrained(path)
     tok = json.loads((STORIES_HF / "tokenizer.json").read_text())
     for i, content in enumerate(GEMMA_TURN_TOKENS, start=512):

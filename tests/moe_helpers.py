@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from helpers import BASE, STORIES_GGUF, _permute, gguf_name
+from helpers import BASE, STORIES_GGUF, _permute, gguf_name, randomize
 
 # Enough experts and tokens that every expert is chosen somewhere (tests check it).
 MOE_CONFIGS = {
@@ -52,22 +52,17 @@ GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe
 
 
 def tiny_moe_model(name: str, seed: int = 0, **overrides):
-    """A transformers model of MOE_CONFIGS[name] (and `overrides`) with N(0, 0.2)
-    weights, but attention outputs 10x smaller and routers 5x larger: at N(0, 0.2)
-    the averaged attention outputs make every token look alike to the routers, which
-    then leave some experts unused. Returns the model and its config dict."""
+    """A transformers model of MOE_CONFIGS[name] (and `overrides`) with helpers.randomize's
+    weights but attention outputs 30x smaller, and its config dict. Attention far from
+    uniform moves every token towards the few keys it favours; at full size that shared
+    part makes tokens look alike to the routers, which then leave some experts unused
+    (tests check that none is)."""
     import transformers
 
     config = transformers.AutoConfig.for_model(**{**BASE, **MOE_CONFIGS[name], **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for key, p in model.named_parameters():
-            p.normal_(0, 0.2)
-            if key.endswith("o_proj.weight"):
-                p.mul_(0.1)
-            elif key.endswith("mlp.gate.weight"):
-                p.mul_(5.0)
+    randomize(model, {"o_proj.weight": 0.03})
     return model, config.to_dict()
 
 

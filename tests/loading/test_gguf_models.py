@@ -74,15 +74,12 @@ def test_quantized_gguf_matches_its_dequantized_weights(name, qtype, tmp_path):
     reference = logits(write_gguf(tmp_path / "deq.gguf", config, dequantized))
     torch.testing.assert_close(quant, reference, atol=1e-4, rtol=0)
     f32 = logits(write_gguf(tmp_path / "f32.gguf", config, state))
-    # Logits span about ±4 here; 8-bit blocks move them by ~0.01, 4-bit by ~0.3; Gemma 3's
-    # six layers under an embedding scaled by sqrt(hidden) = 8 by ~0.15 and ~2.
-    bound = {
-        ("llama", GGMLQuantizationType.Q8_0): 0.05,
-        ("llama", GGMLQuantizationType.Q4_0): 0.8,
-        ("gemma3", GGMLQuantizationType.Q8_0): 0.4,
-        ("gemma3", GGMLQuantizationType.Q4_0): 4.0,
-    }[name, qtype]
-    assert (quant - f32).abs().max() < bound
+    # Logits span about ±7 here. On average 8-bit blocks move them by 0.04 (Llama) and
+    # 0.02 (Gemma 3), 4-bit ones by 0.6 and 0.3 (tiny random models with attention far
+    # from uniform are chaotic: Q4_0 changes Llama's top token at 2/3 of the positions);
+    # another model's logits are 1.7-1.8 away.
+    bound = {GGMLQuantizationType.Q8_0: 0.1, GGMLQuantizationType.Q4_0: 1.0}[qtype]
+    assert (quant - f32).abs().mean() < bound
 
 
 def test_llama3_rope_factors_from_rope_freqs_tensor(tmp_path):
