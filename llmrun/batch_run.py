@@ -39,6 +39,8 @@ FIELDS = ("id", "prompt", "messages", *SAMPLING_FIELDS, "max_tokens", "stop", "f
 # What `run --json` prints that says nothing about the reply itself (and would change
 # between two runs of the same batch).
 DROPPED = ("model", "timings")
+# How every result line begins (record_of puts the id first).
+RESULT_START = b'{"id": '
 POLL_SECONDS = 0.1  # how often the main thread looks for a Ctrl-C while it waits
 
 
@@ -262,8 +264,10 @@ def done_ids(path: Path) -> set[str]:
             )
         ids.add(id_key(record["id"]))
     if whole < len(data):
-        # Only a file of result lines, torn in a result line, loses its torn end.
-        if not data[whole:].startswith(b'{"id": '):
+        # Only a file of result lines, torn in a result line (perhaps before its id
+        # was whole), loses its torn end.
+        torn = data[whole:]
+        if not (torn.startswith(RESULT_START) or RESULT_START.startswith(torn)):
             raise LlmrunError(
                 f"--resume {path}: line {len(lines) + 1} is not a result line of llmrun run --batch"
             )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -76,9 +76,10 @@ class ChatSession:
     def context_used(self) -> int:
         return len(self.state.tokens)
 
-    def conversation(self) -> list[dict[str, Any]]:
+    def conversation(self, messages: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+        """The system message, then `messages` (default: the whole history)."""
         system = [{"role": "system", "content": self.system}] if self.system else []
-        return system + self.messages
+        return system + (self.messages if messages is None else messages)
 
     def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         return self.engine.tokenizer.encode(self.prompt_text(messages))
@@ -124,9 +125,15 @@ class ChatSession:
         try:
             parsed = SETTABLE[name](value)
         except ValueError:
-            raise UsageError(f"{name} needs a {SETTABLE[name].__name__}, got {value!r}") from None
+            kind = "an integer" if SETTABLE[name] is int else "a number"
+            raise UsageError(f"{name} needs {kind}, got {value!r}") from None
+        # -1 means what it means for --max-tokens and --seed: no limit, a random seed.
         if name == "max_tokens":
-            self.max_tokens = None if parsed < 0 else parsed
+            if parsed < -1:
+                raise UsageError(f"max_tokens must be >= -1 (-1: no limit), got {parsed}")
+            self.max_tokens = None if parsed == -1 else parsed
+        elif name == "seed" and parsed == -1:
+            self.params = replace(self.params, seed=None)  # updated() ignores None
         else:
             self.params = self.params.updated(**{name: parsed})
 
@@ -173,28 +180,43 @@ class ChatSession:
             if self.max_tokens is None
             else min(self.max_tokens, self.context_size // 2)
         )
+        dropped: list[dict[str, Any]] = []
         while True:
             try:
                 text = self.prompt_text(self.conversation())
             except LlmrunError:
+                self.messages[:0] = dropped
                 self.messages.pop()  # a template that refuses the turn: it never happened
                 raise
             ids = self.engine.tokenizer.encode(text)
             if len(ids) + room <= self.context_size:
+                turn.dropped = len(dropped)
                 return text, ids
             if self.overflow != "shift" or len(self.messages) <= 1:
-                self.messages.pop()
-                raise ContextOverflowError(
-                    f"the conversation needs {len(ids)} tokens plus room for a reply, but the context "
-                    f"holds {self.context_size}: /clear to start over, or use --context-overflow shift"
-                    f" (or a larger --ctx-size)"
-                )
+                self.messages[:0] = dropped  # a refused message costs the history nothing
+                raise self._overflow(len(ids), room)
             # Drop the oldest exchange; the system message is never dropped.
-            self.messages.pop(0)
-            turn.dropped += 1
+            dropped.append(self.messages.pop(0))
             while self.messages and self.messages[0]["role"] != "user":
-                self.messages.pop(0)
-                turn.dropped += 1
+                dropped.append(self.messages.pop(0))
+
+    def _overflow(self, needed: int, room: int) -> ContextOverflowError:
+        """Refuse the new message (it is dropped). /clear and shift help only where the
+        message fits once the older ones are gone; else it must be shorter."""
+        message = self.messages.pop()
+        if self.messages:
+            alone = len(self.prompt_ids(self.conversation([message])))
+            if alone + room <= self.context_size:
+                return ContextOverflowError(
+                    f"the conversation needs {needed} tokens plus room for a reply, but the "
+                    f"context holds {self.context_size}: /clear to start over, or use "
+                    "--context-overflow shift (or a larger --ctx-size)"
+                )
+            needed = alone
+        return ContextOverflowError(
+            f"the message needs {needed} tokens plus room for a reply, but the context holds "
+            f"{self.context_size}: shorten it, or use a larger --ctx-size"
+        )
 
     def _reply(self, turn: Turn) -> Iterator[str]:
         """Stream the reply's pieces (reasoning.Piece: each knows if it is reasoning)."""

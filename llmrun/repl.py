@@ -69,9 +69,9 @@ class Repl:
         if self.interactive:
             _setup_readline()
             ui.info("Type a message, /help for commands, Ctrl-D or /bye to leave.")
-        for text in self._inputs():
+        for text, quoted in self._inputs():
             try:
-                if text.startswith("/") and not text.startswith("//"):
+                if text.startswith("/") and not text.startswith("//") and not quoted:
                     if self._command(text):
                         return
                 elif text.strip():
@@ -80,16 +80,25 @@ class Repl:
                 if not self.interactive:
                     raise
                 ui.error(str(e))
+            except KeyboardInterrupt:
+                # A Ctrl-C that lands just after a reply ends, or in a command: the REPL
+                # goes on (it left with exit status 130).
+                if not self.interactive:
+                    raise
+                ui.write("\n")
 
-    def _inputs(self) -> Iterator[str]:
+    def _inputs(self) -> Iterator[tuple[str, bool]]:
+        """Each input and whether it was between \"\"\" lines: a message then, even one
+        that begins with "/" (a pasted path, say), as in ollama."""
         if not self.interactive:
             for line in sys.stdin:
-                yield line.rstrip("\r\n")  # a file written on Windows ends lines in CRLF
+                yield line.rstrip("\r\n"), False  # a file written on Windows ends lines in CRLF
             return
         while True:
             try:
                 line = input(">>> ")
-                if line.lstrip().startswith(MULTILINE):
+                quoted = line.lstrip().startswith(MULTILINE)
+                if quoted:
                     line = self._multiline(line.lstrip()[len(MULTILINE) :])
             except EOFError:
                 ui.write("\n")
@@ -98,7 +107,7 @@ class Repl:
                 ui.write("\n")
                 ui.info("Use Ctrl-D or /bye to exit.")
                 continue
-            yield line
+            yield line, quoted
 
     def _multiline(self, first: str) -> str:
         lines = [first] if first else []
@@ -136,12 +145,17 @@ class Repl:
             ui.info("(stopped)")
         if turn.dropped:
             ui.warn(f"the context was full: dropped the {turn.dropped} oldest messages")
+        # Under --context-overflow shift the next turn makes room itself: no /clear advice.
+        shift = self.session.overflow == "shift"
         if (
             turn.finish_reason == "length"
             and self.session.context_used >= self.session.context_size
         ):
-            ui.warn("the context is full: /clear to start over")
-        elif self.session.near_full:
+            ui.warn(
+                "the context is full: "
+                + ("the reply stops here" if shift else "/clear to start over")
+            )
+        elif self.session.near_full and not shift:
             ui.warn(f"context {self._usage()} used; /clear starts over")
         if self.verbose and turn.response is not None:
             ui.print_stats(turn.response.stats)
@@ -162,7 +176,8 @@ class Repl:
             f"system: {s.system or '(none)'}",
             f"context: {self._usage()}",
             f"parameters: temperature={p.temperature} top_k={p.top_k} top_p={p.top_p} min_p={p.min_p} "
-            f"repeat_penalty={p.repeat_penalty} repeat_last_n={p.repeat_last_n} seed={p.seed} "
+            f"repeat_penalty={p.repeat_penalty} repeat_last_n={p.repeat_last_n} "
+            f"seed={p.seed if p.seed is not None else -1} "
             f"max_tokens={s.max_tokens if s.max_tokens is not None else -1}",
         ]
         return "\n".join(lines)

@@ -164,11 +164,13 @@ def size(n: float) -> str:
 
 
 def count(n: int) -> str:
-    """A parameter count: 292800 -> '293K', 1_235_814_400 -> '1.2B'."""
-    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.3g}{unit}"
-    return str(n)
+    """A parameter count: 292800 -> '293K', 1_235_814_400 -> '1.24B', 999_950 -> '1M'."""
+    value, units = float(n), ["K", "M", "B", "T"]
+    unit = ""
+    # The next unit up once three digits round to 1000 (999_950 was '1e+03K').
+    while units and float(f"{value:.3g}") >= 1000:
+        value, unit = value / 1000, units.pop(0)
+    return f"{value:.3g}{unit}"
 
 
 def ago(timestamp: float | None) -> str:
@@ -265,7 +267,11 @@ def print_models(models: list[Any]) -> None:
     if stdout_is_tty():
         table = Table(box=None, header_style="bold", pad_edge=False)
         for title in header:
-            table.add_column(title, justify="right" if title in ("PARAMS", "SIZE") else "left")
+            # A name is what `run` takes: folded onto a second line where the terminal is
+            # narrow, never cut short with an ellipsis.
+            overflow = "fold" if title == "NAME" else "ellipsis"
+            justify = "right" if title in ("PARAMS", "SIZE") else "left"
+            table.add_column(title, justify=justify, overflow=overflow)
         for row in rows:
             table.add_row(*row)
         Console(highlight=False).print(table)
@@ -454,14 +460,15 @@ def _rich_table(columns: list[tuple[str, Any]], records: list[dict[str, Any]], *
 
 def _bench_footer(records: list[dict[str, Any]]) -> str:
     first = records[0]
+    runs = first["repetitions"]
     accelerators = sorted({r["device_name"] for r in records if r["device"] != "cpu"})
     sources = ", ".join(sorted({r["memory_source"] for r in records}))
     return (
         f"llmrun {first['llmrun_version']}, torch {first['torch_version']}, "
         f"cpu: {first['cpu']}"
-        f"{f' ({kernels} kernels)' if (kernels := first['cpu_kernels']) else ''}"
+        f"{f', kernels: {kernels}' if (kernels := first['cpu_kernels']) else ''}"
         f"{''.join(f', {name}' for name in accelerators)}. "
-        f"t/s: mean ± sd of {first['repetitions']} runs after a warm-up; "
+        f"t/s: mean ± sd of {runs} run{'s' * (runs != 1)} after a warm-up; "
         f"GB/s: weights/token x tg t/s; peak mem: {sources}"
     )
 

@@ -236,6 +236,33 @@ def test_ctrl_c_leaves_whole_lines_that_resume_completes(tmp_path):
     assert "\x1b[" not in everything.stderr
 
 
+def test_a_killed_run_leaves_whole_lines_that_resume_completes(tmp_path):
+    """SIGKILL gives no chance to clean up: what the file holds is whole lines all the
+    same (each is written with one flushed write), and --resume makes the same file, in
+    another order, as a run that was never killed (greedy and seeded lines)."""
+    lines = [
+        {"prompt": p, "max_tokens": 150, **({"temperature": 0} if i % 2 else {"seed": i})}
+        for i, p in enumerate(STORY_PROMPTS * 4)
+    ]
+    path = write_jsonl(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    args = [sys.executable, "-m", "llmrun", "run", "--batch", path, "--parallel", "2"]
+    process = subprocess.Popen([*args, "-o", str(out)], stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (out.exists() and out.read_bytes().count(b"\n") >= 2):
+        assert process.poll() is None and time.monotonic() < deadline
+        time.sleep(0.02)
+    process.kill()
+    assert process.wait(60) == -signal.SIGKILL
+    killed = records(out.read_text())  # every line is whole JSON
+    assert 2 <= len(killed) < len(lines)
+    assert llmrun("run", "--batch", path, "-o", str(out), "--resume").returncode == 0
+    everything = records(invoke("run", "--batch", path).stdout)
+    resumed = records(out.read_text())
+    assert resumed[: len(killed)] == killed
+    assert sorted(resumed, key=lambda r: r["id"]) == everything
+
+
 def test_a_terminal_gets_a_progress_bar(tmp_path):
     pexpect = pytest.importorskip("pexpect")
     lines = [{"prompt": p, "temperature": 0, "max_tokens": 100} for p in STORY_PROMPTS * 2]
@@ -265,6 +292,18 @@ def test_usage_errors_are_one_line():
         result = llmrun(*args)
         assert result.returncode == 2 and result.stdout == ""
         assert result.stderr.startswith(message) and result.stderr.count("\n") == 1
+
+
+def test_an_output_that_cannot_be_written_is_the_only_error(tmp_path):
+    """-o into a missing folder was found after the model loaded and every line was
+    read: an error line for each bad line came first."""
+    path = write_jsonl(tmp_path / "in.jsonl", ["not json", {"prompt": "Once"}])
+    out = tmp_path / "missing" / "out.jsonl"
+    result = llmrun("run", "--batch", path, "-o", str(out))
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == f"error: -o {out}: No such file or directory\n"
+    assert llmrun("run", "--batch", path, "-o", str(tmp_path / "new.jsonl")).returncode == 1
+    assert len(records((tmp_path / "new.jsonl").read_text())) == 1
 
 
 # ---- the library's pieces, without a model -----------------------------------------------
@@ -303,3 +342,13 @@ def test_done_ids_refuses_a_file_that_is_not_results(tmp_path):
     with pytest.raises(Exception, match="line 2 is not a result line"):
         done_ids(path)
     assert os.path.getsize(path) == len('{"id": 1}\nhello\n')
+
+
+@pytest.mark.parametrize("torn", [b"{", b'{"i', b'{"id": ', b'{"id": 2, "te'])
+def test_done_ids_drops_a_line_torn_anywhere(tmp_path, torn):
+    """A result line cut before its id was whole (`{"i`) was taken for a file that is
+    not results, and --resume refused to go on."""
+    path = tmp_path / "out.jsonl"
+    path.write_bytes(b'{"id": 1}\n' + torn)
+    assert done_ids(path) == {"1"}
+    assert path.read_bytes() == b'{"id": 1}\n'

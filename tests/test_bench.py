@@ -158,6 +158,21 @@ def test_human_tables(records, terminal, capsys, monkeypatch):
         assert lines[8] == ""
 
 
+def test_the_footer_names_the_kernels(records, capsys):
+    """It read 'cpu: X (native (AVX-512) kernels)', and with the torch fallback
+    'cpu: X (torch fallback: REASON kernels)'; and 'of 1 runs' for -r 1."""
+    fallback = [{**r, "cpu_kernels": "torch fallback: no C compiler"} for r in records]
+    for runs, kernels in [(records, native.status()), (fallback, "torch fallback: no C compiler")]:
+        ui.print_bench(runs, "md")
+        footer = capsys.readouterr().out.splitlines()[-1]
+        assert footer.startswith(
+            f"llmrun {llmrun.__version__}, torch {torch.__version__}, cpu: {records[0]['cpu']}, "
+            f"kernels: {kernels}. t/s: mean ± sd of 2 runs after a warm-up; "
+        )
+    ui.print_bench([{**records[0], "repetitions": 1}], "md")
+    assert "t/s: mean ± sd of 1 run after a warm-up; " in capsys.readouterr().out
+
+
 def test_several_models_one_markdown_table(tied_q4_model):
     result = llmrun_cli(
         "bench", str(paths.BUNDLED_MODEL), str(tied_q4_model), "-p", "8", "-n", "4", "-r", "1"

@@ -8,6 +8,7 @@ from helpers import TEMPLATES_MISSING, chat_model_dir
 
 from llmrun import api
 from llmrun.chat import ChatSession, Turn
+from llmrun.chat_template import plain_transcript
 from llmrun.errors import ContextOverflowError, LlmrunError, TemplateError, UsageError
 from llmrun.generate import KVState, prefill, reuse_prefix
 from llmrun.sampling import SamplingParams
@@ -95,8 +96,24 @@ def test_set_param(engine):
     )
     with pytest.raises(UsageError, match="unknown parameter"):
         session.set_param("warmth", "1")
-    with pytest.raises(UsageError, match="needs a int"):
+    with pytest.raises(UsageError, match="top_k needs an integer, got 'many'"):
         session.set_param("top_k", "many")
+    with pytest.raises(UsageError, match="temperature needs a number, got 'warm'"):
+        session.set_param("temperature", "warm")
+
+
+def test_set_minus_one_means_what_the_flags_mean(stories):
+    """-1 is --seed's random seed and --max-tokens' no limit; below it, max_tokens is
+    refused as -n refuses it (it was taken as no limit, and seed -1 as a fixed seed)."""
+    session = ChatSession(stories, SamplingParams(seed=7), max_tokens=5)
+    session.set_param("seed", "-1")
+    assert session.params.seed is None
+    session.set_param("max_tokens", "-1")
+    assert session.max_tokens is None
+    session.set_param("max_tokens", "3")
+    with pytest.raises(UsageError, match=r"max_tokens must be >= -1 \(-1: no limit\), got -7"):
+        session.set_param("max_tokens", "-7")
+    assert session.max_tokens == 3
 
 
 def test_save_and_load(engine, tmp_path):
@@ -154,6 +171,29 @@ def test_context_overflow_error_and_shift(stories):
     assert turn.dropped == 2
     assert shifting.conversation()[0] == {"role": "system", "content": "Tell stories."}
     assert shifting.messages[0]["content"].startswith("The cat had")
+
+
+def test_a_message_longer_than_the_context_says_to_shorten_it(stories):
+    """/clear and --context-overflow shift cannot make room for a message that alone
+    does not fit: the error says so, and the session goes on as it was."""
+    for overflow in ("error", "shift"):
+        session = ChatSession(
+            stories, GREEDY, max_tokens=8, overflow=overflow, state=stories.new_state(64)
+        )
+        reply(session, "Once upon a time")
+        before = list(session.messages)
+        long = "The cat had a big red ball and a little dog " * 5
+        with pytest.raises(ContextOverflowError) as refused:
+            reply(session, long)
+        needed = len(
+            stories.tokenizer.encode(plain_transcript([{"role": "user", "content": long}]))
+        )
+        assert str(refused.value) == (
+            f"the message needs {needed} tokens plus room for a reply, but the context holds "
+            "64: shorten it, or use a larger --ctx-size"
+        )
+        assert session.messages == before
+        assert reply(session, "The end").text
 
 
 def test_model_without_template_uses_a_plain_transcript(stories):

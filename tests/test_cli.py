@@ -364,3 +364,30 @@ def test_a_missing_argument_is_named_as_the_help_names_it(command, named):
     result = llmrun(command)
     assert (result.returncode, result.stderr) == (2, f"error: missing argument '{named}'.\n")
     assert named in llmrun(command, "--help").stdout
+
+
+def test_counts_that_round_to_1000_take_the_next_unit():
+    """Three digits that round up to 1000 printed '1e+03K' in show, list and bench."""
+    from llmrun.ui import count
+
+    got = [count(n) for n in (912, 292_800, 999_499, 999_950, 999_999_999, 1_235_814_400)]
+    assert got == ["912", "293K", "999K", "1M", "1B", "1.24B"]
+
+
+def test_list_on_a_narrow_terminal_shows_whole_names(monkeypatch, capsys):
+    """Rich cut a long name short ('org/a-very-l…'), so two quants of one repo looked
+    the same and neither could be copied into `run`; the name now folds instead."""
+    from types import SimpleNamespace
+
+    from llmrun import ui
+
+    names = [
+        f"some-organisation/a-very-long-model-name-Instruct-GGUF:{q}" for q in ("Q4_K_M", "Q8_0")
+    ]
+    row = dict(format="gguf", quant="Q4_K_M", parameters=7_615_616_512, size=4.7e9)
+    models = [SimpleNamespace(name=n, last_used=None, source="llmrun", **row) for n in names]
+    monkeypatch.setattr(ui, "stdout_is_tty", lambda: True)
+    monkeypatch.setenv("COLUMNS", "80")
+    ui.print_models(models)
+    name_column = [line.split("  ")[0] for line in capsys.readouterr().out.splitlines()[1:]]
+    assert "".join(name_column) == "".join(names)

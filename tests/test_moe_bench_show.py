@@ -73,3 +73,37 @@ def test_dense_models_have_no_active_count(tmp_path):
 
     assert inspect.describe(STORIES_GGUF)["active_parameters"] is None
     assert inspect.describe(STORIES_HF)["active_parameters"] is None
+
+
+def test_gpt_oss_in_each_form_shows_the_same_parameters(tmp_path):
+    """gpt-oss as OpenAI ships it (MXFP4 experts as uint8 _blocks and _scales), as
+    transformers saves it (fused experts) and as GGUF: one parameter count and one
+    active count, from the GGUF file read with gguf's own reader. The Hub's form counted
+    the packed bytes as parameters (227K, of type U8) and neither safetensors form had
+    an active count."""
+    import gguf
+    from gpt_oss_helpers import (
+        gguf_tensors,
+        llmrun_state,
+        save_hub_mxfp4_dir,
+        tiny_gpt_oss,
+        with_mxfp4_experts,
+        write_gpt_oss_gguf,
+    )
+
+    hf, config = tiny_gpt_oss()
+    blocks = with_mxfp4_experts(hf, config)
+    hub = save_hub_mxfp4_dir(tmp_path / "hub", hf, config, blocks)
+    hf.save_pretrained(tmp_path / "saved")
+    path = write_gpt_oss_gguf(
+        tmp_path / "m.gguf", config, gguf_tensors(llmrun_state(hf, config), config)
+    )
+    reader = gguf.GGUFReader(path)
+    params = sum(int(t.n_elements) for t in reader.tensors)
+    experts = sum(int(t.n_elements) for t in reader.tensors if "_exps." in t.name)
+    used, total = config["num_experts_per_tok"], config["num_local_experts"]
+    expected = (params, params - experts + experts * used // total)
+    for model in (hub, tmp_path / "saved", path):
+        info = inspect.describe(model)
+        assert (info["parameters"], info["active_parameters"]) == expected, model
+    assert set(inspect.describe(hub)["tensor_types"]) == {"F32", "MXFP4"}

@@ -1,8 +1,10 @@
 """`llmrun chat` driven as a user would: in a pseudo-terminal, and through a pipe."""
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pexpect
 import pytest
@@ -18,6 +20,12 @@ def chat_model(tmp_path_factory):
 
 @pytest.fixture
 def home(tmp_path):
+    """A home of its own (the REPL's history), sharing the session's built kernels:
+    building them again took each test half a minute."""
+    kernels = Path(os.environ["LLMRUN_HOME"]) / "kernels"
+    kernels.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "kernels").symlink_to(kernels)
     return tmp_path / "home"
 
 
@@ -202,3 +210,98 @@ def test_run_without_a_prompt_at_a_terminal_chats(home):
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0
+
+
+def answer(child, line: str) -> list[str]:
+    """What the REPL prints for one input line, up to the next prompt (the echo left out)."""
+    child.sendline(line)
+    child.expect_exact(PROMPT)
+    return child.before.splitlines()[1:]
+
+
+def test_set_refuses_bad_values_and_minus_one_means_what_the_flags_mean(home):
+    """`/set max_tokens -7` was taken as no limit, `/set seed -1` as the fixed seed -1
+    (shown as seed=None); the flags refuse the first and read the second as random."""
+    child = spawn(home, "-n", "5", "--seed", "7")
+    assert answer(child, "/set max_tokens -7") == [
+        "error: max_tokens must be >= -1 (-1: no limit), got -7"
+    ]
+    assert answer(child, "/set seed many") == ["error: seed needs an integer, got 'many'"]
+    assert answer(child, "/set top_p 2") == ["error: top-p must be in (0, 1], got 2.0"]
+    assert answer(child, "/set seed -1") == ["seed = -1"]
+    assert answer(child, "/show")[-1].endswith(" seed=-1 max_tokens=5")
+    child.sendline("/bye")
+    child.expect(pexpect.EOF)
+
+
+def test_a_message_longer_than_the_context_is_refused_and_the_chat_goes_on(home):
+    """It said to /clear or use --context-overflow shift, neither of which helps (and
+    shift dropped the whole history before refusing the message)."""
+    child = spawn(home, "-n", "5", "--temperature", "0", "--context-overflow", "shift")
+    assert answer(child, "Once upon a time")[0]  # a reply
+    context = answer(child, "/show")[-2]
+    # The line's echo wraps on the terminal: the error is the last line before the prompt.
+    assert answer(child, "Once upon a time there was a cat. " * 300)[-1] == (
+        "error: the message needs 3016 tokens plus room for a reply, but the context holds "
+        "2048: shorten it, or use a larger --ctx-size"
+    )
+    assert answer(child, "/show")[-2] == context  # the conversation as it was
+    assert answer(child, "The end")[0]
+    child.sendline("/bye")
+    child.expect(pexpect.EOF)
+
+
+def test_a_ctrl_c_just_after_a_reply_leaves_the_repl_running(monkeypatch):
+    """A Ctrl-C that lands after the reply's last token (here in --verbose's stats line)
+    ended the REPL with exit status 130; it goes on to the next prompt."""
+    from llmrun import api, ui
+    from llmrun.chat import ChatSession
+    from llmrun.repl import Repl
+    from llmrun.sampling import SamplingParams
+
+    session = ChatSession(api.load(None, device="cpu"), SamplingParams(temperature=0), 3)
+    lines = iter(["Once upon a time", "The end", "/bye"])
+    monkeypatch.setattr("builtins.input", lambda prompt: next(lines))
+    monkeypatch.setattr("llmrun.repl._setup_readline", lambda: None)
+    shown = []
+
+    def print_stats(stats):
+        shown.append(stats)
+        if len(shown) == 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(ui, "print_stats", print_stats)
+    Repl(session, interactive=True, verbose=True).run()
+    assert len(shown) == 2
+    assert [m["role"] for m in session.messages] == ["user", "assistant"] * 2
+
+
+def test_a_multiline_message_that_begins_with_a_slash_is_a_message(home, tmp_path):
+    """Between \"\"\" lines everything is the message, as in ollama; a pasted path at its
+    start made it an unknown command."""
+    child = spawn(home, "-n", "3", "--temperature", "0")
+    child.sendline('"""/usr/lib/libfoo.so is missing.')
+    child.expect_exact("... ")
+    assert "unknown command" not in "".join(answer(child, 'What now?"""'))
+    assert answer(child, f"/save {tmp_path / 'c.json'}")[-1] == (
+        f"saved 2 messages to {tmp_path / 'c.json'}"
+    )
+    saved = json.loads((tmp_path / "c.json").read_text())["messages"]
+    assert saved[0] == {"role": "user", "content": "/usr/lib/libfoo.so is missing.\nWhat now?"}
+    child.sendline("/bye")
+    child.expect(pexpect.EOF)
+
+
+def test_a_full_context_under_shift_gives_no_clear_advice(home):
+    """With --context-overflow shift the next turn drops the oldest messages itself;
+    the warnings still said to /clear."""
+    child = spawn(home, "-c", "64", "--temperature", "0", "--context-overflow", "shift")
+    assert answer(child, "Once upon a time")[-1:] == [
+        "warning: the context is full: the reply stops here"
+    ]
+    assert answer(child, "Then what?")[-2:] == [
+        "warning: the context was full: dropped the 2 oldest messages",
+        "warning: the context is full: the reply stops here",
+    ]
+    child.sendline("/bye")
+    child.expect(pexpect.EOF)

@@ -90,6 +90,8 @@ def run_batch(flags: Mapping[str, Any]) -> None:
         )
     limit = _max_tokens(flags["max_tokens"])
     data = _read_input(flags["batch"])
+    if flags["output"] is not None:
+        _check_output(flags["output"])
     engine = _load(
         flags["model"] or (args[0] if args else None),
         device=flags["device"],
@@ -141,3 +143,16 @@ def _read_input(source: str) -> bytes:
         return Path(source).expanduser().read_bytes()
     except OSError as e:
         raise UsageError(f"--batch {source}: {e.strerror or e}") from None
+
+
+def _check_output(path: Path) -> None:
+    """Refuse an -o FILE that cannot be written before the model loads and the lines are
+    read (it came after both, and after an error line for each bad line)."""
+    existed = path.exists()
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as e:
+        raise UsageError(f"-o {path}: {e.strerror or e}") from None
+    if not existed:
+        path.unlink()  # a run that fails before its first result leaves no empty file

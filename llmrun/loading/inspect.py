@@ -67,17 +67,17 @@ def weight_stats(path: Path) -> dict[str, Any]:
 def active_parameters(path: Path, parameters: int) -> int | None:
     """Of a mixture-of-experts model's `parameters`, those one token uses: all but the
     experts, plus expert_used_count / expert_count of these (GGUF's stacked *_exps
-    tensors; safetensors' per-expert `.experts.N.` keys and num_experts_per_tok). None
-    for a model without experts."""
+    tensors; safetensors' `.experts.` keys, one per expert or fused, with
+    num_experts_per_tok). Expert biases count with their experts. None for a model
+    without experts."""
     if path.is_dir():
         config = read_json(path / "config.json") or {}
         total = config.get("num_local_experts") or config.get("num_experts")
         used = config.get("num_experts_per_tok")
         experts = sum(
-            math.prod(t["shape"])
-            for shard in safetensors_weights(p.name for p in path.iterdir())
-            for key, t in safetensors_header(path / shard).items()
-            if key != "__metadata__" and re.search(r"\.experts\.\d+\.", key)
+            math.prod(shape)
+            for name, _, shape, _ in _safetensors_tensors(path)
+            if re.search(r"\.experts\.", name)
         )
     else:
         from gguf import Keys
@@ -92,16 +92,20 @@ def active_parameters(path: Path, parameters: int) -> int | None:
             math.prod(t.shape)
             for h in headers
             for name, t in h.tensors.items()
-            if name.endswith("_exps.weight")
+            if name.endswith(("_exps.weight", "_exps.bias"))
         )
     if not (isinstance(total, int) and isinstance(used, int) and 0 < used <= total and experts):
         return None
     return parameters - experts + experts * used // total
 
 
-def _stats(tensors: list[tuple[str, tuple[int, ...], int]]) -> dict[str, Any]:
+# (name, storage type, shape, bytes) of each tensor of a model's files
+Tensors = list[tuple[str, str, tuple[int, ...], int]]
+
+
+def _stats(tensors: Tensors) -> dict[str, Any]:
     types: dict[str, dict[str, int]] = {}
-    for kind, shape, nbytes in tensors:
+    for _, kind, shape, nbytes in tensors:
         row = types.setdefault(kind, {"tensors": 0, "parameters": 0, "bytes": 0})
         row["tensors"] += 1
         row["parameters"] += math.prod(shape)
@@ -136,14 +140,14 @@ def split_parts(path: Path) -> list[Path]:
     return parts
 
 
-def _gguf_tensors(parts: list[Path]) -> list[tuple[str, tuple[int, ...], int]]:
+def _gguf_tensors(parts: list[Path]) -> Tensors:
     # Imported here: llmrun.loading imports torch, which resolving a name never needs.
     from llmrun.loading.gguf_io import read_gguf
 
     return [
-        (t.ggml_type.name, t.shape, t.nbytes)
+        (name, t.ggml_type.name, t.shape, t.nbytes)
         for part in parts
-        for t in read_gguf(part, with_tensors=False).tensors.values()
+        for name, t in read_gguf(part, with_tensors=False).tensors.items()
     ]
 
 
@@ -215,18 +219,28 @@ def safetensors_header(path: Path) -> dict[str, Any]:
     return header
 
 
-def _safetensors_tensors(folder: Path) -> list[tuple[str, tuple[int, ...], int]]:
+def _safetensors_tensors(folder: Path) -> Tensors:
+    """The folder's tensors; OpenAI's MXFP4 experts (X_blocks, uint8 [..., G, 16], with
+    X_scales [..., G]) as the one MXFP4 tensor X [..., 32 G] they hold, as the loader
+    reads them."""
     names = {p.name for p in folder.iterdir() if p.is_file()}
     shards = safetensors_weights(names)
     if "config.json" not in names or not shards:
         raise ModelFormatError(f"{folder}: no config.json with .safetensors weights next to it")
-    tensors = []
+    tensors = {}
     for shard in shards:
         for key, t in safetensors_header(folder / shard).items():
             if key != "__metadata__":
                 start, end = t["data_offsets"]
-                tensors.append((t["dtype"], tuple(t["shape"]), end - start))
-    return tensors
+                tensors[key] = (t["dtype"], tuple(t["shape"]), end - start)
+    for key in [k for k in tensors if k.endswith("_blocks")]:
+        kind, shape, nbytes = tensors[key]
+        scales = tensors.get(key.removesuffix("_blocks") + "_scales")
+        if kind == "U8" and shape[-1:] == (16,) and scales and scales[1] == shape[:-1]:
+            del tensors[key], tensors[key.removesuffix("_blocks") + "_scales"]
+            mxfp4 = ("MXFP4", (*shape[:-2], shape[-2] * 32), nbytes + scales[2])
+            tensors[key.removesuffix("_blocks")] = mxfp4
+    return [(key, *t) for key, t in tensors.items()]
 
 
 def _describe_safetensors(folder: Path) -> dict[str, Any]:
