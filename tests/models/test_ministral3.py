@@ -7,7 +7,7 @@ GGUF without the temperature (Mistral Small 3.1+) is a plain Mistral."""
 import numpy as np
 import pytest
 import torch
-from helpers import STORIES_GGUF, _permute, gguf_name, our_model
+from helpers import STORIES_GGUF, _permute, gguf_name, our_model, randomize
 
 from llmrun.loading.gguf_io import read_gguf
 from llmrun.loading.loader import load_model
@@ -44,14 +44,10 @@ IDS = torch.randint(3, 512, (1, 70), generator=torch.Generator().manual_seed(1))
 
 
 def hf_model(**rope):
-    config = transformers.AutoConfig.for_model(
-        **{**CONFIG, "rope_parameters": {**ROPE, **rope}}
-    )
+    config = transformers.AutoConfig.for_model(**{**CONFIG, "rope_parameters": {**ROPE, **rope}})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():  # norms near 1, as trained models have them
-        for name, p in model.named_parameters():
-            p.normal_(1.0, 0.1) if name.endswith("norm.weight") else p.normal_(0, 0.2)
+    randomize(model)
     return model
 
 
@@ -131,7 +127,9 @@ def test_ministral3_matches_transformers_past_its_original_context():
 
 def test_a_mistral3_gguf_with_a_temperature_is_ministral3(tmp_path):
     hf = hf_model()
-    loaded = load_model(write_mistral3(tmp_path / "m.gguf", hf, temperature=True), torch.device("cpu"))
+    loaded = load_model(
+        write_mistral3(tmp_path / "m.gguf", hf, temperature=True), torch.device("cpu")
+    )
     assert loaded.checkpoint.config["model_type"] == "ministral3"
     expected = reference(hf)
     assert (decoded(loaded.model) - expected).abs().max() < 1e-4
@@ -144,10 +142,10 @@ def test_a_mistral3_gguf_without_one_is_a_mistral(tmp_path):
         ),
         dtype=torch.float32,
     ).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.normal_(1.0, 0.1) if name.endswith("norm.weight") else p.normal_(0, 0.2)
+    randomize(hf)
     hf.config.head_dim = CONFIG["head_dim"]
-    loaded = load_model(write_mistral3(tmp_path / "m.gguf", hf, temperature=False), torch.device("cpu"))
+    loaded = load_model(
+        write_mistral3(tmp_path / "m.gguf", hf, temperature=False), torch.device("cpu")
+    )
     assert loaded.checkpoint.config["model_type"] == "mistral"
     assert (decoded(loaded.model) - reference(hf)).abs().max() < 1e-4
