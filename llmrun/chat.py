@@ -220,7 +220,13 @@ class ChatSession:
 
     def _reply(self, turn: Turn) -> Iterator[str]:
         """Stream the reply's pieces (reasoning.Piece: each knows if it is reasoning)."""
-        rendered, prompt = self._fit(turn)
+        try:
+            rendered, prompt = self._fit(turn)
+        except KeyboardInterrupt:
+            # Stopped before a reply began: the message goes, or templates that want
+            # user and assistant turns in alternation would refuse every later one.
+            self.messages.pop()
+            raise
         stop = () if self.uses_template else (PLAIN_STOP,)
         split = Splitter(self.engine.markers, rendered)
         try:

@@ -150,6 +150,26 @@ def test_a_turn_the_template_refuses_leaves_no_trace(engine):
     assert session.messages == before
 
 
+def test_a_ctrl_c_before_the_reply_begins_leaves_no_trace(engine):
+    """Ctrl-C while the conversation is rendered and encoded: the message goes, as if
+    never sent (it stayed without a reply, so templates that want roles in alternation
+    refused every later turn)."""
+    session = ChatSession(engine, GREEDY, max_tokens=3)
+    reply(session, "Hi")
+    before = list(session.messages)
+
+    def interrupted(conversation):
+        raise KeyboardInterrupt
+
+    session.prompt_text = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        reply(session, "Hi again")
+    assert session.messages == before
+    del session.prompt_text  # the next turn goes on from the history as it was
+    reply(session, "Hi again")
+    assert [m["role"] for m in session.messages] == ["user", "assistant"] * 2
+
+
 def test_context_overflow_error_and_shift(stories):
     small = stories.new_state(64)
     session = ChatSession(stories, GREEDY, max_tokens=8, state=small)
