@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from tokenizers import Regex, normalizers, pre_tokenizers
+from tokenizers import Regex, pre_tokenizers
 
 SPM_SPACE = "\u2581"
 
@@ -291,8 +291,32 @@ _RUN_AS_CODE = {
 }
 
 
+# The code points Unicode 16.0 assigned (DerivedAge.txt). llama.cpp's character tables are
+# Unicode 15.1's, in which they are unassigned: in no \p{..} class. The tokenizers library's
+# Oniguruma knows 16.0 (U+105C0, a Todhri letter, is \p{L} there).
+_UNICODE_16 = (
+    r"\x{0897}\x{1B4E}-\x{1B4F}\x{1B7F}\x{1C89}-\x{1C8A}\x{2427}-\x{2429}\x{31E4}-\x{31E5}"
+    r"\x{A7CB}-\x{A7CD}\x{A7DA}-\x{A7DC}\x{105C0}-\x{105F3}\x{10D40}-\x{10D65}"
+    r"\x{10D69}-\x{10D85}\x{10D8E}-\x{10D8F}\x{10EC2}-\x{10EC4}\x{10EFC}\x{11380}-\x{11389}"
+    r"\x{1138B}\x{1138E}\x{11390}-\x{113B5}\x{113B7}-\x{113C0}\x{113C2}\x{113C5}"
+    r"\x{113C7}-\x{113CA}\x{113CC}-\x{113D5}\x{113D7}-\x{113D8}\x{113E1}-\x{113E2}"
+    r"\x{116D0}-\x{116E3}\x{11BC0}-\x{11BE1}\x{11BF0}-\x{11BF9}\x{11F5A}\x{13460}-\x{143FA}"
+    r"\x{16100}-\x{16139}\x{16D40}-\x{16D79}\x{18CFF}\x{1CC00}-\x{1CCF9}\x{1CD00}-\x{1CEB3}"
+    r"\x{1E5D0}-\x{1E5FA}\x{1E5FF}\x{1F8B2}-\x{1F8BB}\x{1F8C0}-\x{1F8C1}\x{1FA89}\x{1FA8F}"
+    r"\x{1FABE}\x{1FAC6}\x{1FADC}\x{1FADF}\x{1FAE9}\x{1FBCB}-\x{1FBEF}"
+)
+
+
 def _as_llama_cpp_runs_it(regex: str) -> str:
     """The regex for `tokenizers` (Oniguruma) that splits text as llama.cpp does with `regex`."""
+    regex = _as_written_for_oniguruma(regex)
+    # Each category as llama.cpp's Unicode 15.1 tables have it.
+    regex = re.sub(r"\\P\{(\w)\}", r"[^\\p{\1}]", regex)
+    return re.sub(r"\\p\{\w\}", lambda m: f"[{m[0]}&&[^{_UNICODE_16}]]", regex)
+
+
+def _as_written_for_oniguruma(regex: str) -> str:
+    """`regex` as Oniguruma must have it to match what llama.cpp's regex engine does."""
     if regex in _RUN_AS_CODE:
         return _RUN_AS_CODE[regex]
     # llama.cpp matches \p{..} on a copy of the text in which each character stands for its
@@ -307,16 +331,19 @@ def _as_llama_cpp_runs_it(regex: str) -> str:
     return re.sub(r"\[(?!\^)((?:[^\]\\]|\\.)*[^\x00-\x7f](?:[^\]\\]|\\.)*)\]", r"[\1&&\\S]", regex)
 
 
-def pre_tokenizer(pre: PreTokenizer) -> pre_tokenizers.PreTokenizer:
+def pre_tokenizer(pre: PreTokenizer, absent: str = "") -> pre_tokenizers.PreTokenizer:
     """The `tokenizers` pre-tokenizer that splits text as llama.cpp does, then maps bytes to
-    GPT-2's alphabet where the vocabulary is byte-level."""
+    GPT-2's alphabet where the vocabulary is byte-level. `absent`: the characters of that
+    alphabet that the vocabulary has no token for."""
     steps: list[pre_tokenizers.PreTokenizer] = [
         pre_tokenizers.Split(Regex(_as_llama_cpp_runs_it(r)), "isolated") for r in pre.regexes
     ]
     if pre.byte_level:
         steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+        if absent:
+            # llama.cpp keeps a character without a token in its word, where no merge takes
+            # it, and drops it at the end; the tokenizers library drops it before merging,
+            # which lets its neighbours merge. Cutting the word there, without it, is
+            # llama.cpp's way.
+            steps.append(pre_tokenizers.Split(Regex(f"[{re.escape(absent)}]"), "removed"))
     return pre_tokenizers.Sequence(steps)
-
-
-def normalizer(pre: PreTokenizer) -> normalizers.Normalizer | None:
-    return normalizers.Replace(" ", SPM_SPACE) if pre.escape_spaces else None

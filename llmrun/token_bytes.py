@@ -20,6 +20,7 @@ def _byte_level_chars() -> dict[str, int]:
 
 
 _BYTE_OF_CHAR = _byte_level_chars()
+BYTE_LEVEL_ALPHABET = "".join(_BYTE_OF_CHAR)  # the 256 characters
 
 
 def byte_level_bytes(text: str) -> bytes:

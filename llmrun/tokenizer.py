@@ -44,6 +44,7 @@ class Tokenizer:
         eog_ids: Iterable[int],
         strip_leading_space: bool,
         source: str,
+        split_special: Callable[[str, bool], list[str | int]] | None = None,
     ) -> None:
         self._backend = backend
         self._spell = spell
@@ -57,6 +58,9 @@ class Tokenizer:
         self.eog_ids = frozenset(eog_ids)
         self.strip_leading_space = strip_leading_space
         self.source = source
+        # (text, parse_special) -> plain text and special-token ids, where llama.cpp finds
+        # special tokens otherwise than the tokenizers library does (tokenizer_gguf).
+        self._split_special = split_special
 
     def encode(
         self, text: str, add_bos: bool | None = None, parse_special: bool = True
@@ -67,10 +71,11 @@ class Tokenizer:
         user-defined tokens are matched either way, as llama.cpp does.
         """
         self._backend.encode_special_tokens = not parse_special
-        try:
-            ids = self._backend.encode(text, add_special_tokens=False).ids
-        except TypeError:  # not UTF-8: the library takes only valid text
-            ids = self._backend.encode(valid_text(text), add_special_tokens=False).ids
+        if self._split_special is None:
+            ids = self._encode_text(text)
+        else:
+            parts = self._split_special(text, parse_special)
+            ids = _stitch(parts, map(self._encode_text, _plain(parts)))
         wants_bos = self.add_bos if add_bos is None else add_bos
         if wants_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
             ids.insert(0, self.bos_id)
@@ -89,23 +94,37 @@ class Tokenizer:
         a `threads` given later than that is not honoured, except 1 (no pool at all).
         """
         self._backend.encode_special_tokens = not parse_special
-        texts = list(texts)
-        out: list[list[int]] = []
         with _thread_pool(threads):
-            # In chunks: the library's Encoding objects hold each token's text and offsets too.
-            for start in range(0, len(texts), _BATCH):
-                chunk = texts[start : start + _BATCH]
-                try:
-                    encodings = self._backend.encode_batch_fast(chunk, add_special_tokens=False)
-                except TypeError:  # a text that is not UTF-8
-                    chunk = [valid_text(t) for t in chunk]
-                    encodings = self._backend.encode_batch_fast(chunk, add_special_tokens=False)
-                out += [e.ids for e in encodings]
+            if self._split_special is None:
+                out = self._encode_texts(list(texts))
+            else:
+                split = [self._split_special(t, parse_special) for t in texts]
+                plain = iter(self._encode_texts([p for parts in split for p in _plain(parts)]))
+                out = [_stitch(parts, plain) for parts in split]
         wants_bos = self.add_bos if add_bos is None else add_bos
         if wants_bos and self.bos_id is not None:
             for ids in out:
                 if ids[:1] != [self.bos_id]:
                     ids.insert(0, self.bos_id)
+        return out
+
+    def _encode_text(self, text: str) -> list[int]:
+        try:
+            return self._backend.encode(text, add_special_tokens=False).ids
+        except TypeError:  # not UTF-8: the library takes only valid text
+            return self._backend.encode(valid_text(text), add_special_tokens=False).ids
+
+    def _encode_texts(self, texts: list[str]) -> list[list[int]]:
+        out: list[list[int]] = []
+        # In chunks: the library's Encoding objects hold each token's text and offsets too.
+        for start in range(0, len(texts), _BATCH):
+            chunk = texts[start : start + _BATCH]
+            try:
+                encodings = self._backend.encode_batch_fast(chunk, add_special_tokens=False)
+            except TypeError:  # a text that is not UTF-8
+                chunk = [valid_text(t) for t in chunk]
+                encodings = self._backend.encode_batch_fast(chunk, add_special_tokens=False)
+            out += [e.ids for e in encodings]
         return out
 
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
@@ -251,6 +270,19 @@ class StreamDecoder:
     def flush(self) -> str:
         """Whatever is held back (an unfinished character decodes to U+FFFD)."""
         return self._utf8.decode(b"", final=True)
+
+
+def _plain(parts: list[str | int]) -> list[str]:
+    return [p for p in parts if isinstance(p, str)]
+
+
+def _stitch(parts: list[str | int], plain_ids: Iterator[list[int]]) -> list[int]:
+    """The ids of text split into plain text and token ids: the plain texts' ids, in order,
+    come from `plain_ids`."""
+    ids: list[int] = []
+    for part in parts:
+        ids += [part] if isinstance(part, int) else next(plain_ids)
+    return ids
 
 
 def valid_text(text: str) -> str:

@@ -24,7 +24,7 @@ from tokenizers.models import BPE
 from llmrun.errors import TokenizerError, UnsupportedError
 from llmrun.pretokenizers import PRE_TOKENIZERS, SPM_SPACE, PreTokenizer, pre_tokenizer
 from llmrun.spm_merges import spm_merges
-from llmrun.token_bytes import byte_level_bytes, raw, spm_bytes
+from llmrun.token_bytes import BYTE_LEVEL_ALPHABET, byte_level_bytes, raw, spm_bytes
 
 # Token texts llama.cpp treats as end of generation (and as control tokens) in any vocabulary.
 END_OF_GENERATION = (
@@ -166,18 +166,9 @@ def tokenizer_args(metadata: dict[str, Any], source: str) -> dict[str, Any]:
         bos, eos = token_id(Keys.Tokenizer.BOS_ID), token_id(Keys.Tokenizer.EOS_ID)
 
     marks = _Marks.from_gguf(metadata, tokens, types, vocab, token_id, bos, eos)
+    added = sorted(i for i in marks.special | marks.user if tokens[i] in vocab)
     backend.add_tokens(
-        [
-            AddedToken(
-                tokens[i],
-                special=i in marks.special,
-                normalized=False,
-                lstrip=i in marks.lstrip,
-                rstrip=i in marks.rstrip,
-            )
-            for i in sorted(marks.special | marks.user)
-            if tokens[i] in vocab
-        ]
+        [AddedToken(tokens[i], special=i in marks.special, normalized=False) for i in added]
     )
     verbatim = marks.special | marks.user | marks.unused
     byte_level = pre is not None and pre.byte_level
@@ -203,6 +194,7 @@ def tokenizer_args(metadata: dict[str, Any], source: str) -> dict[str, Any]:
         special_ids=marks.special,
         eog_ids=marks.eog,
         strip_leading_space=spm and add_prefix,
+        split_special=_special_splitter(tokens, added, marks, vocab),
         source=source,
     )
 
@@ -286,7 +278,8 @@ def _bpe_backend(
     backend = Backend(bpe)
     if pre.escape_spaces:
         backend.normalizer = normalizers.Replace(" ", SPM_SPACE)
-    backend.pre_tokenizer = pre_tokenizer(pre)
+    absent = "".join(c for c in BYTE_LEVEL_ALPHABET if c not in vocab) if pre.byte_level else ""
+    backend.pre_tokenizer = pre_tokenizer(pre, absent)
     return backend
 
 
@@ -381,6 +374,74 @@ def _stripped(
     if "modern-bert" in name:
         return ids_of("[MASK]"), set()
     return set(), set()
+
+
+# What C's isspace() calls space: the whitespace llama.cpp's lstrip and rstrip take.
+_C_SPACE = " \t\n\v\f\r"
+
+
+def _special_splitter(
+    tokens: list[str], added: list[int], marks: _Marks, vocab: dict[str, int]
+) -> Callable[[str, bool], list[str | int]] | None:
+    """(text, parse_special) -> the text cut into plain text and special-token ids as
+    llama.cpp cuts it (tokenizer_st_partition), for a vocabulary where the tokenizers
+    library's own matching of added tokens would cut it otherwise; else None.
+
+    llama.cpp takes the longest special token first, wherever it is in the text, and each
+    one's lstrip/rstrip swallows ASCII whitespace (what C's isspace() takes). The library
+    takes the leftmost longest token, and strips Unicode's whitespace. The two agree unless
+    a token strips, or one token can end with the start of another."""
+    texts = {i: tokens[i] for i in added}
+    strips = marks.lstrip | marks.rstrip
+    if not strips & set(texts) and not _overlapping(list(texts.values())):
+        return None
+    # Longest first; among equal lengths (llama.cpp's std::sort leaves their order open)
+    # by id. A text held by two ids is the later one's, as in the vocabulary.
+    order = sorted(texts, key=lambda i: (-len(texts[i]), i))
+    rules = [(texts[i], vocab[texts[i]], i in marks.lstrip, i in marks.rstrip) for i in order]
+    # Control tokens are matched only where special tokens parse; user-defined ones always.
+    matched = {
+        True: rules,
+        False: [r for r, i in zip(rules, order, strict=True) if i not in marks.special],
+    }
+
+    def split(text: str, parse_special: bool) -> list[str | int]:
+        parts: list[str | int] = [text]
+        for token, token_id, lstrip, rstrip in matched[parse_special]:
+            if not any(isinstance(p, str) and token in p for p in parts):
+                continue
+            cut: list[str | int] = []
+            for part in parts:
+                if isinstance(part, int) or token not in part:
+                    cut.append(part)
+                    continue
+                *before, last = part.split(token)
+                for n, piece in enumerate(before):
+                    piece = piece.lstrip(_C_SPACE) if n and rstrip else piece
+                    piece = piece.rstrip(_C_SPACE) if lstrip else piece
+                    cut += [piece, token_id] if piece else [token_id]
+                last = last.lstrip(_C_SPACE) if rstrip else last
+                cut += [last] if last else []
+            parts = cut
+        return parts
+
+    return split
+
+
+def _overlapping(texts: list[str]) -> bool:
+    """Whether one text can end with the start of another (">>TITLE<<", "<|endoftext|>"),
+    where matching the longest first and matching the leftmost differ. Runs of one
+    character ("   ", "  ") do not count: both ways cut a run alike."""
+    starts: dict[str, list[str]] = {}
+    for text in texts:
+        for k in range(1, len(text)):
+            starts.setdefault(text[:k], []).append(text)
+    return any(
+        other != text and len(set(text + other)) > 1
+        for text in texts
+        for k in range(1, len(text))
+        for other in starts.get(text[k:], ())
+    )
 
 
 def _split_merges(merges: list[str]) -> list[tuple[str, str]]:

@@ -184,6 +184,88 @@ def test_phi3_special_tokens_swallow_the_whitespace_after_them():
     assert vocab("phi-3").encode(prompt, add_bos=False) == [32010, 15043, 32007, 32001]
 
 
+# The ids in the tests below are llama.cpp's (llama-cpp-python 0.3.36), recorded by
+# benchmarks/tokenizer_fuzz.py, which found the difference.
+
+
+def test_phi3_special_tokens_swallow_only_ascii_whitespace():
+    # llama.cpp strips what C's isspace() calls space (" \t\n\v\f\r"); the tokenizers
+    # library would strip Unicode's (no-break, ideographic, line separator...) too.
+    phi3 = vocab("phi-3")
+    assert phi3.encode("<|end|>\xa0hi", add_bos=False) == [32007, 20246, 2918]
+    assert phi3.encode("<|user|>\u3000Hello", add_bos=False) == [32010, 29871, 30358, 10994]
+    assert phi3.encode("<|end|>\n\x85x", add_bos=False) == [32007, 29871, 197, 136, 29916]
+    assert phi3.encode("<|end|>\u2028\n", add_bos=False) == [32007, 29871, 31353, 13]
+    assert phi3.encode("<|assistant|> \xa0 ok", add_bos=False) == [32001, 20246, 3431]
+    assert phi3.encode("<|end|>\v\f\t x", add_bos=False) == [32007, 921]
+    assert phi3.encode("a</s>\xa0x</s> y", add_bos=False) == [263, 2, 20246, 29916, 2, 343]
+    plain = [263, 829, 29879, 29958, 30081, 29916, 829, 29879, 29958, 343]
+    assert phi3.encode("a</s>\xa0x</s> y", add_bos=False, parse_special=False) == plain
+
+
+def test_a_mask_token_swallows_only_ascii_whitespace_before_it():
+    # llama.cpp lstrips "<mask>" for Jina v2 (by tokenizer.ggml.pre); ids from llama.cpp on
+    # a vocabulary-only GGUF file of this metadata.
+    metadata = gguf_metadata(
+        **{
+            Keys.Tokenizer.PRE: "jina-v2-de",
+            Keys.Tokenizer.LIST: ["a", "b", "Ġ", "Â", "ł", "Âł", "ĉ", "Ċ", "<mask>", "<|x|>"],
+            Keys.Tokenizer.TOKEN_TYPE: [1] * 8 + [3, 3],
+            Keys.Tokenizer.MERGES: ["Â ł"],
+            Keys.Tokenizer.BOS_ID: 9,
+            Keys.Tokenizer.ADD_BOS: None,
+        }
+    )
+    tok = Tokenizer.from_gguf_metadata(metadata, "jina.gguf")
+    assert tok.encode("a <mask>b") == [0, 8, 1]
+    assert tok.encode("a\t \n<mask>b") == [0, 8, 1]
+    assert tok.encode("a\xa0<mask>") == [0, 5, 8]
+    assert tok.encode("a \xa0 <mask>") == [0, 2, 5, 8]
+    assert tok.encode("<mask> a") == [8, 2, 0]
+
+
+def test_overlapping_special_tokens_are_matched_longest_first():
+    # Falcon's ">>TITLE<<" ends with the "<" that "<|endoftext|>" starts with. llama.cpp
+    # takes the longest special token first, wherever it is; the tokenizers library would
+    # take the leftmost (">>TITLE<<", then "|endoftext|>" as text).
+    falcon = vocab("falcon")
+    assert falcon.encode(">>TITLE<<|endoftext|>") == [500, 6539, 39, 11]
+    text = "x>>SUMMARY<<|endoftext|>>>ANSWER<< y"
+    assert falcon.encode(text) == [99, 500, 54974, 39, 11, 5, 291]
+    assert falcon.encode("<|endoftext|>>>TITLE<<") == [11, 0]
+    plain = [99, 500, 54974, 503, 103, 415, 1487, 2164, 103, 19613, 20842, 503, 291]
+    assert falcon.encode(text, parse_special=False) == plain
+    assert falcon.encode_batch([text, text], parse_special=False) == [plain, plain]
+    assert falcon.encode_batch([text]) == [[99, 500, 54974, 39, 11, 5, 291]]
+
+
+def test_characters_new_in_unicode_16_are_in_no_category():
+    # llama.cpp's character tables are Unicode 15.1's: Todhri (U+105C0...), Garay (U+10D40...)
+    # and the rest of Unicode 16.0 are unassigned there, no letters, digits or symbols.
+    coder = vocab("deepseek-coder")
+    assert coder.encode("  \U000105d1", add_bos=False) == [243, 170, 225, 232, 226]
+    assert coder.encode("  \U000140f2", add_bos=False) == [243, 170, 229, 212, 110]
+    ids = [87, 109697, 238, 113, 222, 172, 238, 113, 223]
+    assert vocab("llama-bpe").encode("x \U00010d40\U00010d41", add_bos=False) == ids
+    assert vocab("qwen35").encode("\U00016117(x", add_bos=False) == [125427, 226, 245, 7, 87]
+
+
+def test_a_byte_without_a_token_is_dropped_and_nothing_merges_across_it():
+    # Falcon's vocabulary has no token for some bytes (\v, \x03...). llama.cpp keeps such a
+    # character in its word, where no merge takes it, and then drops it: "\n" and " " stay
+    # apart, where the tokenizers library would drop it first and merge them into "\n ".
+    falcon = vocab("falcon")
+    assert falcon.encode("\n\v ", add_bos=False) == [193, 204]
+    assert falcon.encode(" \v ", add_bos=False) == [204, 204]
+    assert falcon.encode("\xa0\v\xa0", add_bos=False) == [4381, 4381]
+    assert falcon.encode("Hello\v world", add_bos=False) == [9856, 1079]
+    # StarCoder's and Refact's have none for 0xF1 (U+40000 to U+7FFFF start with it).
+    ids = [190, 129, 121, 242, 124, 227, 246]
+    assert vocab("refact").encode("\U000b2a4f\U0006c013", add_bos=False) == ids
+    ids = [206, 274, 252, 278, 264, 153]
+    assert vocab("starcoder").encode("\ue706\U000604b7", add_bos=False) == ids
+
+
 def test_token_to_piece_prints_what_llama_tokenize_prints():
     assert vocab("qwen2").token_to_piece(1879) == " world"
     assert vocab("qwen2").token_to_piece(151645) == "<|im_end|>"
