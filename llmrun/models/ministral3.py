@@ -13,8 +13,7 @@ from typing import Any
 import torch
 
 from llmrun.models import llama
-from llmrun.models.base import CausalLM, Frame, GatedMLP, args_from_config, attend
-from llmrun.models.cache import KVCache
+from llmrun.models.base import CausalLM, Frame, GatedMLP, args_from_config
 
 
 @dataclass
@@ -36,16 +35,11 @@ class Attention(llama.Attention):
         super().__init__(args, layer)
         self.beta, self.original = args.temperature
 
-    def forward(self, x: torch.Tensor, frame: Frame, cache: KVCache | None) -> torch.Tensor:
-        batch, tokens, _ = x.shape
-        q = self.q_proj(x).view(batch, tokens, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, tokens, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, tokens, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = frame.rotate(q), frame.rotate(k)
-        if self.beta:
-            steps = torch.floor(frame.positions.float() / self.original)
-            q = q * (1 + self.beta * torch.log1p(steps))[:, None, :, None].to(q.dtype)
-        return self.o_proj(attend(q, k, v, self.layer, frame, cache))
+    def scale_queries(self, q: torch.Tensor, frame: Frame) -> torch.Tensor:
+        if not self.beta:
+            return q
+        steps = torch.floor(frame.positions.float() / self.original)
+        return q * (1 + self.beta * torch.log1p(steps))[:, None, :, None].to(q.dtype)
 
 
 class Model(CausalLM):
