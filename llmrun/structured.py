@@ -1,7 +1,8 @@
 """Structured outputs: decoding that follows a grammar, through llguidance.
 
 A Grammar is a JSON schema, a Lark grammar (llguidance's dialect, which embeds JSON schemas
-with `%json`) or a GBNF grammar, compiled once for a model's vocabulary and cached; each
+with `%json`) or a GBNF grammar (llama.cpp's, which gbnf.py writes as Lark that matches
+what llama.cpp matches), compiled once for a model's vocabulary and cached; each
 sequence that follows it gets its own Constraint, which masks the logits before every draw
 (every token the grammar forbids goes to -inf) and moves on with the token drawn. The
 Sampler applies it (SamplingParams.grammar), so `run`, `chat` and every slot of the
@@ -11,7 +12,7 @@ Why llguidance: a Rust core in one small wheel (3 MB, MIT) with no dependencies,
 xgrammar's wheel requires torch, transformers and triton; it builds its tokenizer from a
 raw byte vocabulary (what GGUF vocabularies are), computes a mask for a 150k vocabulary in
 tens of microseconds without a precomputation per schema, names what it cannot compile,
-and reads JSON schemas, Lark and GBNF. It is optional for the core install (its wheels need
+and reads JSON schemas and Lark. It is optional for the core install (its wheels need
 glibc 2.31, torch's 2.28): the `serve` extra has it, and a constraint without it is one
 clear error.
 
@@ -34,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from llmrun import gbnf, gbnf_lexemes
 from llmrun.errors import UsageError
 from llmrun.tool_calls import JSON_STYLE  # how JSON is written under a schema
 
@@ -123,17 +125,14 @@ class Vocabulary:
                 self._grammars.popitem(last=False)
         return compiled
 
-    def json_schema(self, schema: dict[str, Any] | None, what: str = "the schema") -> Grammar:
+    def json_schema(
+        self, schema: dict[str, Any] | bool | None, what: str = "the schema"
+    ) -> Grammar:
         """A grammar for JSON that matches `schema` (None: any JSON object)."""
-        if schema is not None:
-            problem = check_schema(schema)
-            if problem:
-                raise GrammarError(f"{what} is not a JSON schema: {problem}")
+        body = _schema_object(schema, what)
         llg = _llguidance()
         try:
-            grammar = llg.LLMatcher.grammar_from_json_schema(
-                json.dumps(schema if schema is not None else ANY_OBJECT), defaults=JSON_STYLE
-            )
+            grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(body), defaults=JSON_STYLE)
         except ValueError as e:
             raise GrammarError(f"{what}: {e}") from None
         return self.compile(grammar, what)
@@ -142,12 +141,18 @@ class Vocabulary:
         return self.compile(_llguidance().LLMatcher.grammar_from_lark(text), what)
 
     def gbnf(self, text: str, what: str = "the grammar") -> Grammar:
-        """A GBNF grammar (llama.cpp's); llguidance reads it as Lark."""
+        """A GBNF grammar, read as llama.cpp reads it (gbnf.py), or llguidance's Lark when
+        it starts with `%llguidance`, as llama.cpp takes one."""
+        if text.lstrip().startswith("%llguidance"):
+            return self.lark(text, what)
         try:
-            grammar = _llguidance().grammar_from("gbnf", text)
-        except ValueError as e:
+            rules = gbnf.parse(text, self.tokenizer.token_id, self.size)
+            lark = gbnf.lark(rules, gbnf_lexemes.terminals(rules))
+        except gbnf.GbnfError as e:
             raise GrammarError(f"{what}: {e}") from None
-        return self.compile(grammar, what)
+        except RecursionError:  # read and written by recursion, as llama.cpp does
+            raise GrammarError(f"{what}: groups nest too deeply (hundreds of levels)") from None
+        return self.lark(lark, what)
 
 
 class _Source:
@@ -271,18 +276,27 @@ def _workers() -> ThreadPoolExecutor:
 
 def json_lark(schema: dict[str, Any] | None, what: str = "the schema") -> str:
     """A Lark rule body (`%json {...}`) for JSON that matches `schema` (None: any object)."""
-    if schema is not None:
-        problem = check_schema(schema)
-        if problem:
-            raise GrammarError(f"{what} is not a JSON schema: {problem}")
-    body = dict(schema if isinstance(schema, dict) else ANY_OBJECT)
+    body = dict(_schema_object(schema, what))
     body["x-guidance"] = {**JSON_STYLE, **(body.get("x-guidance") or {})}
     return "%json " + json.dumps(body, ensure_ascii=False)
 
 
+def _schema_object(schema: dict[str, Any] | bool | None, what: str) -> dict[str, Any]:
+    """`schema`, checked, as the object llguidance reads: None is any JSON object, and the
+    boolean schemas (which llguidance refuses at the top) true any JSON value."""
+    if schema is None:
+        return ANY_OBJECT
+    problem = check_schema(schema)
+    if problem:
+        raise GrammarError(f"{what} is not a JSON schema: {problem}")
+    if schema is False:
+        raise GrammarError(f"{what} is false, a schema that no JSON value matches")
+    return {} if schema is True else schema
+
+
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+_SCHEMA_ONE = ("additionalProperties", "additionalItems", "not", "if", "then", "else", "contains")
 
 
 def check_schema(schema: Any, where: str = "") -> str | None:
@@ -317,6 +331,15 @@ def check_schema(schema: Any, where: str = "") -> str | None:
     for key in _SCHEMA_ONE:
         if key in schema:
             problem = check_schema(schema[key], f"{where}/{key}".lstrip("/"))
+            if problem:
+                return problem
+    if "items" in schema:
+        # One schema for every item, or (drafts 4 to 2019-09) a list, one per position.
+        items = schema["items"]
+        subs = dict(enumerate(items)) if isinstance(items, list) else {None: items}
+        for i, sub in subs.items():
+            path = "items" if i is None else f"items/{i}"
+            problem = check_schema(sub, f"{where}/{path}".lstrip("/"))
             if problem:
                 return problem
     required = schema.get("required")

@@ -1,25 +1,31 @@
 """Structured outputs: the grammar engine's masks on the bundled stories260K (alone and in
-batched steps), schemas it refuses, `run --format/--grammar`, and over a real server
-response_format (the openai client's parse with a pydantic model) and forced tool calls."""
+batched steps); GBNF matched as llama.cpp matches it (its tests' cases and grammars);
+JSON schemas, what is sampled under them checked by jsonschema, and those the engine
+refuses; `run --format/--grammar`; and over a real server response_format (the openai
+client's parse with a pydantic model) and forced tool calls."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Literal
 
+import jsonschema
 import numpy as np
+import openai
 import pytest
 import torch
 
 pytest.importorskip("llguidance")
 
 from llguidance.numpy import apply_token_bitmask_inplace  # noqa: E402
-from pydantic import BaseModel, Field  # noqa: E402
+from pydantic import BaseModel, ConfigDict, Field  # noqa: E402
 
-from llmrun import api, structured  # noqa: E402
+from llmrun import api, gbnf, gbnf_lexemes, structured  # noqa: E402
 from llmrun.batching import Request, Scheduler  # noqa: E402
 from llmrun.sampling import SamplingParams  # noqa: E402
 from llmrun.structured import GrammarError, check_schema  # noqa: E402
@@ -108,6 +114,21 @@ def test_gbnf_and_lark_grammars():
         ({"type": "array", "uniqueItems": True}, 'Unimplemented keys: ["uniqueItems"]'),
         ({"type": "string", "pattern": "(?=a)"}, "look-around"),
         ({"type": "string", "format": "colour"}, "Unknown format: colour"),
+        ({"type": "array", "contains": {"type": "integer"}}, 'Unimplemented keys: ["contains"]'),
+        (
+            {"if": {"type": "string"}, "then": {"minLength": 2}},
+            'Unimplemented keys: ["if", "then"]',
+        ),
+        ({"dependentRequired": {"a": ["b"]}}, 'Unimplemented keys: ["dependentRequired"]'),
+        ({"propertyNames": {"pattern": "^a"}}, 'Unimplemented keys: ["propertyNames"]'),
+        ({"unevaluatedProperties": False}, 'Unimplemented keys: ["unevaluatedProperties"]'),
+        (
+            {"oneOf": [{"type": "integer"}, {"type": "number"}]},
+            "oneOf constraints are not supported",
+        ),
+        ({"properties": {"a": {}}, "minProperties": 1}, "min/maxProperties only supported when"),
+        ({"$ref": "https://example.com/s.json"}, "is not present in a registry"),
+        ({"type": "string", "minLength": 3, "maxLength": 1}, "Unsatisfiable schema: minLength"),
     ],
 )
 def test_schemas_the_engine_refuses_name_the_feature(schema, named):
@@ -123,6 +144,9 @@ def test_what_is_not_a_json_schema():
     assert "at properties/a" in check_schema({"properties": {"a": {"type": 3}}})
     assert "anyOf must be a list" in check_schema({"anyOf": {}})
     assert "required must be a list" in check_schema({"required": "a"})
+    # items: a schema, or (drafts 4 to 2019-09) a list of schemas, one per position
+    assert check_schema({"items": [{"type": "integer"}, True]}) is None
+    assert "unknown type 'x' at items/1" in check_schema({"items": [{}, {"type": "x"}]})
     assert "must be an object or a boolean" in check_schema([])
 
 
@@ -172,6 +196,496 @@ def test_batched_steps_give_each_sequence_its_own_mask():
     valid_person(together[0][0])
     valid_person(together[4][0])
     assert together[3][0] in ("yes", "no")
+
+
+# ---- GBNF, as llama.cpp reads it -------------------------------------------------------
+
+# llama.cpp's grammars/*.gbnf, fetched by tests/data/fetch.py (ignored by git).
+GRAMMARS = Path(__file__).resolve().parent / "data" / "cache" / "grammars"
+needs_grammars = pytest.mark.skipif(
+    not any(GRAMMARS.glob("*.gbnf")),
+    reason=f"llama.cpp's grammars are not in {GRAMMARS}: run python tests/data/fetch.py",
+)
+
+
+def matcher(grammar):
+    """A fresh matcher of `grammar`, once the worker computing its first mask is done."""
+    constraint = grammar.constraint()
+    constraint.compute()
+    return constraint.matcher
+
+
+def accepts(grammar, *pieces) -> bool:
+    """Whether `grammar` matches the pieces (text, or token ids) whole, the text cut into
+    the vocabulary's longest tokens, so one token may span several terminals."""
+    m = matcher(grammar)
+    for piece in pieces:
+        ids = [piece] if isinstance(piece, int) else VOCAB.tokenize(piece)
+        if not all(m.consume_token(i) for i in ids):
+            return False
+    return m.is_accepting()
+
+
+def gbnf_file(name):
+    return (GRAMMARS / name).read_text(encoding="utf-8")
+
+
+# (grammar, matched, refused) from llama.cpp's tests/test-grammar-integration.cpp; a tuple
+# is pieces, ints being token ids.
+LLAMA_CPP_CASES = [
+    (
+        'root ::= expr\nexpr ::= term ("+" term)*\nterm ::= number\nnumber ::= [0-9]+',
+        ["42", "1+2+3+4+5", "123+456"],
+        ["+", "/ 3", "1+2+3+4+5+", "12a45"],
+    ),
+    (
+        "root ::= <[10]> content <[11]>\ncontent ::= (!<[11]>)*",
+        [
+            (10, "hello world", 11),
+            (10, "text with ", 12, " other tokens ", 13, " mixed in", 11),
+            (10, 11),
+            (10, 12, 13, 14, 15, 11),
+            (10, "a", 11),
+        ],
+        [
+            (10, "missing end token"),
+            (10,),
+            ("missing start token", 11),
+            (10, 11, 11),
+            (11, "wrong order", 10),
+        ],
+    ),
+    (
+        'root ::= ... "abc" ...',
+        ["abcabcabc", "aaaabcccc", "🔵🟠✅abc❌🟠🔵"],
+        ["aaabcccc", "aaaaabcccc", "aaaabccc", "aaaabccccc", "🔵🟠✅❌abc❌✅🟠🔵", "🔵🟠abc🟠🔵"],
+    ),
+    (
+        "root ::= cons+ vowel* cons? (vowel cons)*\nvowel ::= [aeiouy]\n"
+        "cons ::= [bcdfghjklmnpqrstvwxyz]",
+        ["yes", "no", "noyes", "crwth", "four", "bryyyy"],
+        ["yess", "yesno", "forty", "catyyy"],
+    ),
+    (
+        'root ::= ("0x" [A-F0-9]{2} " "?){3,5}',
+        ["0xFF 0x12 0xAB", "0xFF 0x12 0xAB 0x00 0x00"],
+        ["", "0xFF", "0xFF 0x12", "0xFF 0x12 0xAB 0x00 0x00 0x00"],
+    ),
+    ("root ::= [ab]{4,}", ["aaaa", "aaaaab", "bbbb", "ababab"], ["", "aba"]),
+    ("root ::= [ab]{0,4}", ["", "a", "aa", "aaa", "aaab"], ["aaaaa"]),
+    ("root ::= ( [x]* )*", ["", "x", "xx"], ["y", "yy"]),  # llama.cpp's "segfault" case
+]
+
+
+@pytest.mark.parametrize(("grammar", "matched", "refused"), LLAMA_CPP_CASES)
+def test_gbnf_matches_what_llama_cpp_matches(grammar, matched, refused):
+    compiled = VOCAB.gbnf(grammar)
+    for pieces in matched:
+        assert accepts(compiled, *(pieces if isinstance(pieces, tuple) else [pieces])), pieces
+    for pieces in refused:
+        assert not accepts(compiled, *(pieces if isinstance(pieces, tuple) else [pieces])), pieces
+
+
+# Grammars llama.cpp reads, with text they match and text they do not.
+GBNF_SYNTAX = [
+    ('root ::= start\nstart ::= "a"', ["a"], ["b"]),  # a rule named start is still GBNF
+    ("root ::= . .", ["a\n", "\n\n", "éx"], ["a", "abc"]),  # `.` is any character
+    ('root ::= "\\u0041" [\\u0030-\\u0039] "\\U0001F600" "\\x41"', ["A5😀A"], ["A5😀", "B5😀A"]),
+    ("root ::= [a\\-z]+", ["a-z", "-"], ["b"]),  # \- (which llama.cpp's own schemas use)
+    ('root ::= "a"{0} "b"', ["b"], ["ab"]),
+    ('root ::= "ab"* "c"', ["c", "ababc"], ["abac"]),  # a literal repeats whole
+    ('root ::= ("a"?)+ ("b"+){2}', ["bb", "aabbb"], ["ab"]),
+    ('root ::= 1x ws WS\n1x ::= "x"\nws ::= "-"\nWS ::= "_"', ["x-_"], ["x-"]),
+    ('root ::= | "a"\r\n\r\nx ::= "b"\r\n', ["a", ""], ["b"]),  # CRLF, an empty option
+    ('root ::= ( # one\n  "a"\n  | "b" # two\n)  # three\n', ["a", "b"], ["ab"]),
+    ('root ::= "a" | root "a"', ["a", "aaa"], ["b"]),  # left recursion: llama.cpp refuses it
+    ('root ::= [^"\\\\\\x00-\\x1F] "\\\\" ["\\]]', ['é\\"', "x\\]"], ['"\\"']),
+]
+
+
+@pytest.mark.parametrize(("grammar", "matched", "refused"), GBNF_SYNTAX)
+def test_gbnf_syntax(grammar, matched, refused):
+    compiled = VOCAB.gbnf(grammar)
+    assert [t for t in matched if not accepts(compiled, t)] == []
+    assert [t for t in refused if accepts(compiled, t)] == []
+
+
+# Grammars where a terminal taking its longest match refuses text the grammar allows.
+GREEDY_TRAPS = [
+    ('root ::= x "b"\nx ::= [a-z]*', ["b", "ab", "abab"]),
+    ('root ::= x y\nx ::= "a"+\ny ::= "a" "b"', ["aab", "aaab"]),
+    ('root ::= ("a" | "ab") "bc"', ["abc", "abbc"]),
+    ('root ::= word "!" | "ab" "c"\nword ::= [a-z] [a-z]*', ["ab!", "abc"]),
+    ('root ::= [0-9]+ [0-9] "x"', ["12x", "123x"]),
+    ('root ::= (kw | id) " "\nkw ::= "in" | "int"\nid ::= [a-z] [a-z]*', ["in ", "int ", "i "]),
+]
+
+
+@pytest.mark.parametrize(("grammar", "matched"), GREEDY_TRAPS)
+def test_gbnf_matches_character_by_character(grammar, matched):
+    compiled = VOCAB.gbnf(grammar)
+    assert [t for t in matched if not accepts(compiled, t)] == []
+
+
+@needs_grammars
+@pytest.mark.parametrize(
+    ("name", "matched"),
+    [
+        ("arithmetic.gbnf", ["a=b\n", "x+1= 2\n", "(a+b)*c=d\nq=1\n"]),
+        ("c.gbnf", ["int main(){return 0;}", "int f(int x){int y = x+1;return y;}"]),
+        ("chess.gbnf", ["1. e4 e5\n2. Nf3 Nc6\n"]),
+        ("english.gbnf", ["Hello, world.", "a b"]),
+        ("japanese.gbnf", ["ひらがな カタカナ 漢字"]),
+        ("json.gbnf", ['{"a": [1, 2.5e3, "x\\n", true, null], "b": {}}']),
+        ("json_arr.gbnf", ['[\n1,\n"a"]']),
+        ("list.gbnf", ["- milk\n- 2 eggs\n"]),
+    ],
+)
+def test_llama_cpp_grammars(name, matched):
+    compiled = VOCAB.gbnf(gbnf_file(name), name)
+    assert [t for t in matched if not accepts(compiled, t)] == []
+
+
+@needs_grammars
+def test_sampled_json_gbnf_outputs_are_json():
+    grammar = VOCAB.gbnf(gbnf_file("json.gbnf"))
+    # Nudged toward closing strings and objects, so some end within max_tokens.
+    bias = [(VOCAB.tokenize(c)[0], 4.0) for c in '"}']
+    done = 0
+    for seed in range(8):
+        text, finish = generate(
+            grammar, max_tokens=150, temperature=1.2, seed=seed, logit_bias=bias
+        )
+        if finish == "stop":
+            done += 1
+            assert isinstance(json.loads(text), dict), text
+    assert done
+
+
+@pytest.mark.parametrize(
+    ("grammar", "error"),
+    [
+        (
+            'root ::= x\nx ::= numero\nnumber ::= "1"',
+            "line 2, column 7: rule numero is used but not defined",
+        ),
+        ('rot ::= "a"', "no rule named root"),
+        ("", "no rule named root"),
+        ('root ::= "a"\nroot ::= "b"', "line 2, column 1: rule root is defined twice"),
+        ('root ::= "\\q"', "line 1, column 11: unknown escape \\\\q"),
+        ('root ::= "\\u12"', "\\\\u needs 4 hex digits"),
+        ('root ::= "\\UFFFFFFFF"', "past the last Unicode character"),
+        ('root ::= "\\uD800"', "U\\+D800 is a surrogate"),
+        ('root ::= ("a"', "line 1, column 10: no \\) closes this group"),
+        ('root ::= "a', "unexpected end of the grammar"),
+        ("root ::= [z-a]", "the range z-a is reversed"),
+        ("root ::= []", "matches no character"),
+        ("root ::= [^\\x00-\\U0010FFFF]", "matches no character"),
+        ('root ::= "a" root', "root matches no text: every way through it recurs"),
+        ('root ::= * "a"', "\\* follows nothing to repeat"),
+        ('root ::= "a"{2,1}', "repeats at most fewer than at least"),
+        ('root ::= "a" )', "line 1, column 14: unexpected '\\)' in rule root"),
+        ("root := 'a'", "expected ::= after the rule name root"),
+        ("root ::= <nope>", "<nope> is not one token of the vocabulary"),
+        (
+            "root ::= !<[512]>",
+            "line 1, column 10: token 512 is past the vocabulary \\(512 tokens\\)",
+        ),
+    ],
+)
+def test_gbnf_errors_say_where_and_what(grammar, error):
+    with pytest.raises(GrammarError, match=f"^--grammar g.gbnf: .*{error}"):
+        VOCAB.gbnf(grammar, "--grammar g.gbnf")
+
+
+def test_a_grammar_starting_with_llguidance_is_lark():
+    compiled = VOCAB.gbnf('%llguidance {}\nstart: "a" B\nB: /[0-9]+/')
+    assert accepts(compiled, "a12") and not accepts(compiled, "a")
+
+
+def test_named_tokens_are_the_vocabularys():
+    eos = ENGINE.tokenizer.decode([2], skip_special=False)  # "</s>"
+    compiled = VOCAB.gbnf(f'root ::= "ok" {eos}')
+    assert accepts(compiled, "ok", 2) and not accepts(compiled, "ok")
+
+
+# Grammars whose repetitions may or may not be one terminal: both ways must match the same
+# text, every string over a, b and c of up to four characters tried.
+TERMINAL_CASES = [
+    *[g for g, *_ in GREEDY_TRAPS],
+    'root ::= "a" [ab]* "c" | "a" "b" "b" "a"',
+    'root ::= [a] [ab]+ "c" | [a] "b" "b" "a"',
+    'root ::= x | y\nx ::= [a] [0-9]+ "b"\ny ::= [a-c] "1" "1" "c"',
+    'root ::= ([ab]{1,2})* "c"',
+    "root ::= [ab]{1,2} [ab]{1,2}",
+    'root ::= ("a" [bc]*)+',
+    'root ::= "a"* "b"* | "b"+ "a"',
+    "root ::= x x\nx ::= [abc]*",
+    'root ::= ([ab]+ "c")* [ab]*',
+    'root ::= ("ab" | "a")* "b"? "c"',
+]
+SHORT_TEXTS = [""] + ["".join(t) for n in range(1, 5) for t in itertools.product("abc", repeat=n)]
+
+
+@pytest.mark.parametrize("grammar", TERMINAL_CASES)
+def test_repetitions_made_terminals_lose_no_text(grammar):
+    rules = gbnf.parse(grammar, ENGINE.tokenizer.token_id, VOCAB.size)
+    fast = VOCAB.lark(gbnf.lark(rules, gbnf_lexemes.terminals(rules)))
+    exact = VOCAB.lark(gbnf.lark(rules))  # every terminal one character
+    assert [t for t in SHORT_TEXTS if accepts(fast, t) != accepts(exact, t)] == []
+
+
+@needs_grammars
+def test_long_repetitions_are_terminals_where_safe():
+    def lark(name):
+        rules = gbnf.parse(gbnf_file(name), ENGINE.tokenizer.token_id, VOCAB.size)
+        return gbnf.lark(rules, gbnf_lexemes.terminals(rules))
+
+    # A JSON string's body and a list item's text are one terminal each: llguidance's
+    # lexer, not its parser, reads them (fast for a large vocabulary).
+    assert "/(?:(?:[^\\x{22}\\x{5C}\\x{7F}\\x{0}-\\x{1F}]|" in lark("json.gbnf")
+    assert "/(?:[^\\x{D}\\x{A}" in lark("list.gbnf")
+    # In C, a name's letters stay one at a time: as one greedy terminal they would eat
+    # the "eturn" of "return".
+    assert "(/[\\x{61}-\\x{7A}\\x{41}-\\x{5A}\\x{5F}\\x{30}-\\x{39}]/*)" in lark("c.gbnf")
+
+
+# ---- JSON schemas, outputs checked by jsonschema ----------------------------------------
+
+
+class Pet(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["cat", "dog"]
+    name: str = Field(max_length=8)
+
+
+class Owner(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: int = Field(ge=1, le=999)
+    pets: list[Pet] = Field(max_length=2)
+    nickname: str | None = Field(default=None, max_length=6)
+
+
+def closed(properties, required=()):
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(required),
+        "additionalProperties": False,
+    }
+
+
+# Schemas whose outputs stories260K ends within max_tokens: bounded strings and numbers,
+# no extra properties (which the spec allows and the model would write forever).
+SAMPLED = {
+    "pydantic model with $defs, nullable": Owner.model_json_schema(),
+    "openai strict function": openai.pydantic_function_tool(Owner)["function"]["parameters"],
+    "enum and const": closed({"v": {"const": "v1"}, "c": {"enum": ["red", 42, None, [1]]}}, "vc"),
+    "anyOf": {
+        "anyOf": [
+            {"type": "integer", "minimum": -5, "maximum": 5},
+            {"type": "boolean"},
+            {"type": "string", "maxLength": 3},
+        ]
+    },
+    "oneOf": {"oneOf": [{"type": "null"}, {"type": "array", "items": {"type": "boolean"}}]},
+    "nullable type": {"type": ["string", "null"], "maxLength": 4},
+    "minItems maxItems": {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 10, "maximum": 20},
+        "minItems": 2,
+        "maxItems": 4,
+    },
+    "string lengths and pattern": closed(
+        {
+            "s": {"type": "string", "minLength": 2, "maxLength": 5},
+            "p": {"type": "string", "pattern": "^[A-Z][a-z]{1,3}-[0-9]{2}$"},
+        },
+        "sp",
+    ),
+    "uuid": {"type": "string", "format": "uuid"},
+    "numbers": closed(
+        {
+            "i": {"type": "integer", "exclusiveMinimum": -3, "maximum": 300},
+            "n": {"type": "number", "minimum": 0.5, "maximum": 2.25},
+            "m": {"type": "integer", "multipleOf": 7, "minimum": 0, "maximum": 100},
+        },
+        "inm",
+    ),
+    "additionalProperties schema": {
+        "type": "object",
+        "properties": {"a": {"type": "boolean"}},
+        "required": ["a"],
+        "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 9},
+        "maxProperties": 3,
+    },
+    "optional properties": closed(
+        {"a": {"type": "integer", "minimum": 0, "maximum": 9}, "b": {"type": "boolean"}}
+    ),
+    "nested arrays": {
+        "type": "array",
+        "items": {
+            "type": "array",
+            "items": {"type": "array", "items": {"enum": [0, 1]}, "maxItems": 2},
+            "maxItems": 2,
+        },
+        "maxItems": 2,
+    },
+    "tuple (draft 7)": {
+        "$schema": "http://json-schema.org/draft-07/schema#",
+        "type": "array",
+        "items": [{"type": "boolean"}, {"enum": ["x", "y"]}],
+        "additionalItems": False,
+    },
+    "recursive $ref": {
+        "$defs": {"t": closed({"k": {"type": "array", "items": {"$ref": "#/$defs/t"}}}, "k")},
+        "$ref": "#/$defs/t",
+    },
+}
+
+
+def validator(schema):
+    """jsonschema's validator for the schema's draft (2020-12 unless it says), formats too."""
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+
+
+@pytest.mark.parametrize("name", SAMPLED)
+def test_sampled_outputs_follow_the_schema(name):
+    schema = SAMPLED[name]
+    grammar, check = VOCAB.json_schema(schema, name), validator(schema)
+    bias = [(VOCAB.tokenize(c)[0], 3.0) for c in '",}]']  # toward ends, within max_tokens
+    done = 0
+    for seed in range(6):
+        text, finish = generate(
+            grammar, max_tokens=100, temperature=1.5, seed=seed, logit_bias=bias
+        )
+        if finish == "stop":
+            done += 1
+            assert [e.message for e in check.iter_errors(json.loads(text))] == [], text
+    assert done
+
+
+# (schema, JSON the grammar writes, invalid JSON it refuses, valid JSON it does not write:
+# a fixed key order, ", " and ": " between items, no other whitespace, no "\u00e9" escapes).
+INSTANCES = [
+    (
+        {"type": "integer", "minimum": -123, "maximum": 42},
+        ["-123", "0", "-0", "42"],
+        ["-124", "43", "01", "1.5"],
+        ["1.0", "1e1"],
+    ),
+    (
+        {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 10000},
+        ["1", "9999"],
+        ["0", "10000"],
+        [],
+    ),
+    (
+        {"type": "number"},
+        ["0", "-0", "1.5e10", "1E+5", "-0.0e-0"],
+        ["01", "1.", ".5", "+1", "00"],
+        [],
+    ),
+    (
+        {"type": "string", "minLength": 2, "maxLength": 3},
+        ['"😀😀"', '"\\n\\n"', '"éé"', '"a\\"b"'],
+        ['"😀"', '"éééé"', '"a\tb"', '"\\x41"'],
+        ['"\\u00e9\\u00e9"', '"\\/\\/"'],
+    ),
+    (
+        {"type": "string", "pattern": "^a\\^\\$\\.\\[\\]\\(\\)\\|\\{\\}\\*\\+\\?b$"},
+        ['"a^$.[]()|{}*+?b"'],
+        ['"ab"'],
+        [],
+    ),
+    ({"type": "string", "pattern": "[0-9]"}, ['"x1y"'], ['"x"'], []),
+    (
+        {"type": "string", "format": "uuid"},
+        ['"12345678-1234-1234-1234-1234567890ab"'],
+        ['"1234"'],
+        [],
+    ),
+    (
+        {"type": "string", "format": "date-time"},
+        ['"2024-01-01T10:00:00Z"', '"2024-01-01T10:00:00.5+01:00"'],
+        ['"2024-01-01T25:00:00Z"', '"2024-01-01 10:00:00Z"'],
+        [],
+    ),
+    (
+        {"type": ["array", "null"], "items": {"type": "string"}},
+        ["null", "[]", '["foo", "bar"]'],
+        ['"foo"', '["foo", 42]'],
+        ['["foo","bar"]', "[ ]"],
+    ),
+    (
+        {"items": {"type": "number"}, "minItems": 3, "maxItems": 5},
+        ["[1, 2, 3]", "[1, 2, 3, 4, 5]"],
+        ["[1, 2]", "[1, 2, 3, 4, 5, 6]"],
+        [],
+    ),
+    (
+        {
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "additionalProperties": True,
+        },
+        ['{"a": 42}', '{"c": ""}', '{"a": 42, "c": ""}', '{"a_": ""}'],
+        ['{"a": ""}', '{"a": "", "b": ""}'],
+        [],
+    ),
+    (
+        closed({"b": {"type": "string"}, "a": {"type": "string"}, "d": {"type": "string"}}, "ab"),
+        ['{"b": "x", "a": "y"}', '{"b": "x", "a": "y", "d": "z"}'],
+        ['{"b": "x"}', '{"b": "x", "a": "y", "c": "z"}'],
+        ['{"a": "y", "b": "x"}', '{"b":"x","a":"y"}'],
+    ),
+    (
+        {
+            "$schema": "http://json-schema.org/draft-07/schema#",
+            "items": [{"type": "integer"}, {"type": "string"}],
+        },
+        ['[1, "a"]', "[1]", "[]", '[1, "a", null]'],
+        ['["a", 1]'],
+        [],
+    ),
+    ({"$defs": {"a": {"$anchor": "n", "type": "integer"}}, "$ref": "#n"}, ["1"], ['"x"'], []),
+    ({}, ["[" * 60 + "]" * 60, '{"a": {"b": [null, true]}}'], ['{"a"}', ""], []),
+]
+
+
+@pytest.mark.parametrize(("schema", "written", "refused", "not_written"), INSTANCES)
+def test_the_grammar_writes_the_valid_and_refuses_the_invalid(
+    schema, written, refused, not_written
+):
+    grammar, check = VOCAB.json_schema(schema), validator(schema)
+
+    def valid(text):
+        try:
+            return check.is_valid(json.loads(text))
+        except ValueError:
+            return False
+
+    assert [t for t in written if not (valid(t) and accepts(grammar, t))] == []
+    assert [t for t in refused if valid(t) or accepts(grammar, t)] == []
+    assert [t for t in not_written if not valid(t) or accepts(grammar, t)] == []
+
+
+def test_boolean_schemas():
+    grammar = VOCAB.json_schema(True, "--format any.json")  # any JSON value
+    assert accepts(grammar, "[1]") and accepts(grammar, '"a"') and not accepts(grammar, "a")
+    with pytest.raises(GrammarError, match="^--format none.json is false, a schema that no"):
+        VOCAB.json_schema(False, "--format none.json")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="llguidance's date format is a regular expression that takes year 0000 and "
+    "29 February of every year, which RFC 3339 (and Python's date) refuse",
+)
+def test_dates_are_real_dates():
+    grammar = VOCAB.json_schema({"type": "string", "format": "date"})
+    assert accepts(grammar, '"2024-02-29"')
+    assert not accepts(grammar, '"2023-02-29"') and not accepts(grammar, '"0000-01-01"')
 
 
 # ---- run --format / --grammar --------------------------------------------------------

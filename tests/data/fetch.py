@@ -3,8 +3,9 @@
     python tests/data/fetch.py
 
 llama.cpp's real tokenizers with their reference tokenizations
-(models/ggml-vocab-*.gguf, .inp, .out) go to cache/vocab/ and its real chat
-templates (models/templates/*.jinja) to cache/templates/. Both come from the
+(models/ggml-vocab-*.gguf, .inp, .out) go to cache/vocab/, its real chat
+templates (models/templates/*.jinja) to cache/templates/ and its GBNF grammars
+(grammars/*.gbnf) to cache/grammars/. All come from the
 llama-cpp-python source distribution, which vendors llama.cpp (MIT), downloaded
 with pip into cache/downloads/ and checked against its sha256. Nothing else in
 the archive is extracted. Once done, a run checks the manifest and returns at once.
@@ -25,12 +26,14 @@ from pathlib import Path
 REQUIREMENT = "llama-cpp-python==0.3.36"
 SDIST = "llama_cpp_python-0.3.36.tar.gz"
 SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
-MODELS = "llama_cpp_python-0.3.36/vendor/llama.cpp/models/"
-# Archive member (relative to MODELS) -> cache folder. Plain names only: no
+LLAMA_CPP = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
+MODELS = LLAMA_CPP + "models/"
+# Archive member (relative to LLAMA_CPP) -> cache folder. Plain names only: no
 # folders, no "..", so a member can only land directly in its folder.
 WANTED = {
-    re.compile(r"ggml-vocab-[A-Za-z0-9][A-Za-z0-9._-]*\.gguf(\.inp|\.out)?"): "vocab",
-    re.compile(r"templates/([A-Za-z0-9][A-Za-z0-9._-]*\.jinja)"): "templates",
+    re.compile(r"models/ggml-vocab-[A-Za-z0-9][A-Za-z0-9._-]*\.gguf(\.inp|\.out)?"): "vocab",
+    re.compile(r"models/templates/([A-Za-z0-9][A-Za-z0-9._-]*\.jinja)"): "templates",
+    re.compile(r"grammars/([A-Za-z0-9][A-Za-z0-9._-]*\.gbnf)"): "grammars",
 }
 
 CACHE = Path(__file__).resolve().parent / "cache"
@@ -50,6 +53,8 @@ def up_to_date() -> bool:
     if manifest.get("sha256") != SHA256 or not manifest.get("files"):
         return False
     files = manifest["files"]
+    if {name.partition("/")[0] for name in files} != set(WANTED.values()):
+        return False  # written before a folder was wanted
     return all(
         (CACHE / name).is_file() and (CACHE / name).stat().st_size == size
         for name, size in files.items()
@@ -92,9 +97,9 @@ def download() -> Path:
 
 def destination(name: str) -> Path | None:
     """Where archive member `name` goes, or None if it is not wanted."""
-    if not name.startswith(MODELS):
+    if not name.startswith(LLAMA_CPP):
         return None
-    rest = name[len(MODELS) :]
+    rest = name[len(LLAMA_CPP) :]
     for pattern, folder in WANTED.items():
         if pattern.fullmatch(rest):
             return CACHE / folder / rest.rpartition("/")[2]
@@ -125,7 +130,7 @@ def extract(sdist: Path) -> dict[str, int]:
             files[target.relative_to(CACHE).as_posix()] = member.size
     for folder in sorted(set(WANTED.values())):
         if not any(name.startswith(f"{folder}/") for name in files):
-            raise FetchError(f"{SDIST} holds no files for {folder}/ under {MODELS}")
+            raise FetchError(f"{SDIST} holds no files for {folder}/ under {LLAMA_CPP}")
     return files
 
 

@@ -14,6 +14,7 @@ fetch = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(fetch)
 
 M = fetch.MODELS
+G = fetch.LLAMA_CPP + "grammars/"
 
 
 @pytest.fixture
@@ -51,11 +52,17 @@ def sdist(path: Path, members: list[tuple[str, bytes | None]]) -> Path:
         "templates/.x.jinja",
         "templates/README.md",
         "convert.py",
+        "../grammars/x.gbnf",
     ],
 )
 def test_unwanted_names_are_left_in_the_archive(cache, name):
     assert fetch.destination(M + name) is None
     assert fetch.destination("other/" + name) is None
+
+
+@pytest.mark.parametrize("name", ["sub/x.gbnf", "../x.gbnf", ".x.gbnf", "x.gbnf.txt", "README.md"])
+def test_unwanted_grammar_names_are_left_in_the_archive(cache, name):
+    assert fetch.destination(G + name) is None
 
 
 def test_extracts_the_vocab_and_template_files_only(cache, tmp_path):
@@ -68,6 +75,8 @@ def test_extracts_the_vocab_and_template_files_only(cache, tmp_path):
             (M + "templates/Org-Model.jinja", b"{{ x }}"),
             (M + "templates/../../../escape.jinja", b"no"),
             (M + "templates/README.md", b"no"),
+            (G + "json.gbnf", b"root ::= x"),
+            (G + "README.md", b"no"),
             ("llama_cpp_python-0.3.36/setup.py", b"no"),
         ],
     )
@@ -77,9 +86,10 @@ def test_extracts_the_vocab_and_template_files_only(cache, tmp_path):
         "vocab/ggml-vocab-a.gguf.inp": 3,
         "vocab/ggml-vocab-a.gguf.out": 3,
         "templates/Org-Model.jinja": 7,
+        "grammars/json.gbnf": 10,
     }
     assert sorted(p.relative_to(cache).as_posix() for p in cache.rglob("*")) == sorted(
-        ["vocab", "templates", *files]
+        ["vocab", "templates", "grammars", *files]
     )
     assert (cache / "templates/Org-Model.jinja").read_bytes() == b"{{ x }}"
     assert not (tmp_path / "escape.jinja").exists()
@@ -96,20 +106,33 @@ def test_a_link_is_refused(cache, tmp_path):
 
 
 def test_an_archive_without_the_files_is_refused(cache, tmp_path):
-    archive = sdist(tmp_path / "s.tar.gz", [(M + "templates/a.jinja", b"a")])
+    archive = sdist(tmp_path / "s.tar.gz", [(M + "templates/a.jinja", b"a"), (G + "a.gbnf", b"a")])
     with pytest.raises(fetch.FetchError, match="holds no files for vocab/"):
         fetch.extract(archive)
 
 
 def test_up_to_date_returns_without_pip(cache, monkeypatch, capsys):
-    (cache / "vocab").mkdir(parents=True)
-    (cache / "vocab/ggml-vocab-a.gguf").write_bytes(b"gguf")
-    manifest = {"sha256": fetch.SHA256, "files": {"vocab/ggml-vocab-a.gguf": 4}}
+    files = {"vocab/ggml-vocab-a.gguf": 4, "templates/a.jinja": 4, "grammars/a.gbnf": 4}
+    for name in files:
+        (cache / name).parent.mkdir(parents=True, exist_ok=True)
+        (cache / name).write_bytes(b"abcd")
+    manifest = {"sha256": fetch.SHA256, "files": files}
     fetch.MANIFEST.write_text(fetch.json.dumps(manifest))
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("pip was run"))
     assert fetch.main() == 0
     assert "up to date" in capsys.readouterr().err
     (cache / "vocab/ggml-vocab-a.gguf").write_bytes(b"truncated")
+    assert not fetch.up_to_date()
+
+
+def test_a_manifest_without_a_wanted_folder_is_out_of_date(cache):
+    # One written before grammars/ was wanted: fetch again rather than skip the grammars.
+    (cache / "vocab").mkdir(parents=True)
+    (cache / "vocab/ggml-vocab-a.gguf").write_bytes(b"gguf")
+    (cache / "templates").mkdir()
+    (cache / "templates/a.jinja").write_bytes(b"a")
+    files = {"vocab/ggml-vocab-a.gguf": 4, "templates/a.jinja": 1}
+    fetch.MANIFEST.write_text(fetch.json.dumps({"sha256": fetch.SHA256, "files": files}))
     assert not fetch.up_to_date()
 
 
