@@ -13,8 +13,8 @@ where that cannot lose a parse:
 
 Both are read off Glushkov-style first, last and follow sets of the grammar's terminals
 (over-approximated for rules: a rule's last terminals are followed by whatever follows
-any of its uses), and condition 2 off which terminals may be expected together (see
-_crowded). Every approximation errs toward keeping one-character terminals, which is
+any of its uses), and which terminals may be expected, or matched, together (see
+_Together). Every approximation errs toward keeping one-character terminals, which is
 slower, never wrong; a grammar too large to analyse within WORK_LIMIT keeps them all.
 Checked against the one-character writing of the same grammar in
 tests/test_structured.py (test_repetitions_made_terminals_lose_no_text).
@@ -54,7 +54,7 @@ def terminals(rules: Rules) -> frozenset[Repeat]:
     for body in rules.values():
         candidates |= _outermost(body, qualifies)
     chars: dict[object, CharSet] = {}  # every terminal's first characters
-    work = [WORK_LIMIT]  # what is left of it, spent by _crowded
+    work = [WORK_LIMIT]  # what is left of it, spent by _Together
     while candidates:
         graph = _Sets(rules, frozenset(candidates))
         follow = graph.follows(rules.values())
@@ -64,14 +64,12 @@ def terminals(rules: Rules) -> frozenset[Repeat]:
         for t in candidates:
             chars[t] = _union(_chars(leaf) for leaf in plain.of(t)[1])
         lead = _Lead(chars)
-        crowded = _crowded(start | ({END} if nullable else set()), follow, lead, work)
-        if crowded is None:
+        together = _Together(start | ({END} if nullable else set()), follow, lead, work)
+        crowded = together.crowded()
+        alone = {t: _ends_alone(t, follow[t], lead, plain, rules, work) for t in candidates}
+        if together.gave_up or None in alone.values():
             return frozenset()  # a grammar too large to tell: one character at a time
-        unsafe = {
-            t
-            for t in candidates
-            if t in crowded or not _ends_alone(t, follow[t], lead, plain, rules)
-        }
+        unsafe = {t for t in candidates if t in crowded or not alone[t]}
         if not unsafe:
             break
         candidates -= unsafe
@@ -103,8 +101,10 @@ class _Sets:
     def of(self, node: Item) -> Summary:
         if node in self.memo:
             return self.memo[node]
-        if isinstance(node, (Chars, Token)) or node in self.opaque:
+        if isinstance(node, (Chars, Token)):
             summary: Summary = (False, frozenset({node}), frozenset({node}))
+        elif node in self.opaque:  # a terminal, optional when it may repeat no times
+            summary = (node.least == 0, frozenset({node}), frozenset({node}))
         elif isinstance(node, Ref):
             summary = self.of_rule[node.name]
         elif isinstance(node, Repeat):
@@ -177,57 +177,80 @@ class _Lead:
         return self.known[leaf]
 
 
-def _ends_alone(t: Repeat, after: set, lead: _Lead, plain: _Sets, rules: Rules) -> bool:
+def _ends_alone(
+    t: Repeat, after: set, lead: _Lead, plain: _Sets, rules: Rules, work: list[int]
+) -> bool | None:
     """Condition 1: nothing that may follow `t` begins with a character that could
-    extend a complete match of it."""
+    extend a complete match of it: one that may come after any character of `t` that may
+    have matched together with one it can end on. (None: out of work.)"""
     if any(isinstance(leaf, Token) for leaf in after):
         return False
     inside = [t, *(rules[name] for name in _rules_used(t, rules))]
     follow = plain.follows(inside)
-    extend = _union(_chars(leaf) for end in plain.of(t)[2] for leaf in follow[end])
+    _, first, last = plain.of(t)
+    together = _Together(first, follow, lead, work)
+    if together.gave_up:
+        return None
+    extend = _union(_chars(leaf) for end in last for p in together.with_(end) for leaf in follow[p])
     return not _intersects(extend, _union(lead(leaf) for leaf in after))
 
 
-def _crowded(
-    start: set, follow: defaultdict[object, set], lead: _Lead, work: list[int]
-) -> set | None:
-    """The terminals that condition 2 rules out: ones the parser may expect together with
-    another (or a token) that begins with a character they begin with.
+class _Together:
+    """Which terminals the parser may expect together ("companions"), and which may match
+    the same text, from the terminals at the start and what follows each.
 
-    Which terminals may be expected together ("companions") grows to a fixed point: those
-    at the start are companions; after a terminal x matches, the parser expects what
-    follows x or any companion of x that could have matched the same text, so all of
-    that is companion to each terminal that follows x. Sets are bitmasks over terminals.
-    None: the work left (`work[0]`, spent here) ran out first.
+    Companions grow to a fixed point: those at the start are companions; after a terminal
+    x matches, the parser expects what follows x or any companion of x that could have
+    matched the same text (shares a first character), so all of that is companion to each
+    terminal that follows x. Sets are bitmasks over the terminals. `gave_up`: the work
+    left (`work[0]`, spent here) ran out first.
     """
-    leaves = list({*start, *follow, *(y for ys in follow.values() for y in ys)} - {END})
-    bit = {leaf: 1 << i for i, leaf in enumerate(leaves)}
 
-    def mask(items: Iterable[object]) -> int:
-        return sum(bit[x] for x in set(items) if x != END)
+    def __init__(
+        self, start: set, follow: defaultdict[object, set], lead: _Lead, work: list[int]
+    ) -> None:
+        leaves = list({*start, *follow, *(y for ys in follow.values() for y in ys)} - {END})
+        bit = {leaf: 1 << i for i, leaf in enumerate(leaves)}
 
-    after = {x: mask(follow[x]) for x in leaves}
-    overlap = _overlaps(leaves, bit, lead)
-    companions = dict.fromkeys(leaves, 0)
-    for x in start - {END}:
-        companions[x] = mask(start)
-    matched = dict.fromkeys(leaves, 0)  # what may match with x, so far
-    expected = dict.fromkeys(leaves, 0)  # and what the parser then expects
-    todo = list(leaves)
-    while todo:
-        x = todo.pop()
-        new = (bit[x] | (companions[x] & overlap[x])) & ~matched[x]
-        matched[x] |= new
-        work[0] -= 1 + new.bit_count()
-        if work[0] < 0:
-            return None
-        for z in _members(new, leaves):
-            expected[x] |= after[z]
-        for y in follow[x] - {END}:
-            if expected[x] & ~companions[y]:
-                companions[y] |= expected[x]
-                todo.append(y)
-    return {x for x in leaves if isinstance(x, Repeat) and companions[x] & overlap[x] & ~bit[x]}
+        def mask(items: Iterable[object]) -> int:
+            return sum(bit[x] for x in set(items) if x != END)
+
+        after = {x: mask(follow[x]) for x in leaves}
+        self.leaves, self.bit, self.overlap = leaves, bit, _overlaps(leaves, bit, lead)
+        self.companions = dict.fromkeys(leaves, 0)
+        for x in start - {END}:
+            self.companions[x] = mask(start)
+        self.matched = dict.fromkeys(leaves, 0)  # what may match with x, so far
+        expected = dict.fromkeys(leaves, 0)  # and what the parser then expects
+        self.gave_up = False
+        todo = list(leaves)
+        while todo:
+            x = todo.pop()
+            new = (bit[x] | (self.companions[x] & self.overlap[x])) & ~self.matched[x]
+            self.matched[x] |= new
+            work[0] -= 1 + new.bit_count()
+            if work[0] < 0:
+                self.gave_up = True
+                return
+            for z in _members(new, leaves):
+                expected[x] |= after[z]
+            for y in follow[x] - {END}:
+                if expected[x] & ~self.companions[y]:
+                    self.companions[y] |= expected[x]
+                    todo.append(y)
+
+    def with_(self, leaf: object) -> Iterable[object]:
+        """The terminals that may match the same text as `leaf` (it too)."""
+        return _members(self.matched.get(leaf, 0), self.leaves)
+
+    def crowded(self) -> set:
+        """The repetitions that condition 2 rules out: ones the parser may expect together
+        with another (or a token) that begins with a character they begin with."""
+        return {
+            x
+            for x in self.leaves
+            if isinstance(x, Repeat) and self.companions[x] & self.overlap[x] & ~self.bit[x]
+        }
 
 
 def _overlaps(leaves: list, bit: dict[object, int], lead: _Lead) -> dict[object, int]:

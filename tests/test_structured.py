@@ -423,6 +423,11 @@ TERMINAL_CASES = [
     "root ::= x x\nx ::= [abc]*",
     'root ::= ([ab]+ "c")* [ab]*',
     'root ::= ("ab" | "a")* "b"? "c"',
+    'root ::= [bc]+ ("a")? "c" [ab]',  # an optional terminal between: "c" follows [bc]+
+    'root ::= ([a-c] | "abc"){1} "b"',  # after "a", "b" may go on toward "abc"
+    # found by fuzzing
+    'root ::= "" | "" | (. | "ba" [^a] "ba")?{1,3} (root)?',
+    'root ::= ((([bc]){1,} ("a")? "c") ([a-c] "ba" | "abc" [ab] | "b" "abc")? ([ab])+) [a-c]',
 ]
 SHORT_TEXTS = [""] + ["".join(t) for n in range(1, 5) for t in itertools.product("abc", repeat=n)]
 
