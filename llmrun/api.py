@@ -19,7 +19,7 @@ import torch
 from gguf import Keys
 from torch import nn
 
-from llmrun import paths
+from llmrun import paths, tokenizer_gguf
 from llmrun.chat_template import ChatTemplate, select_template
 from llmrun.errors import ModelFormatError, UsageError
 from llmrun.generate import KVState, Response, TokenLogprob, stream_generate
@@ -39,7 +39,7 @@ from llmrun.reasoning import (
 )
 from llmrun.sampling import Sampler, SamplingParams
 from llmrun.threads import default_threads
-from llmrun.tokenizer import Tokenizer, load_tokenizer
+from llmrun.tokenizer import Tokenizer, hf_tokenizer_file, load_tokenizer
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "f32", "bf16", "f16")
@@ -268,6 +268,7 @@ def load(
     path = path or resolve(spec)
     start = time.perf_counter()
     checkpoint = open_checkpoint(path)
+    _check_tokenizer(checkpoint, path)
     # The tokenizer builds while the weights load: repacking and mapping them run in
     # native code and page faults, without the GIL (a 262k vocabulary takes ~1 s).
     with ThreadPoolExecutor(1, thread_name_prefix="llmrun-tokenizer") as pool:
@@ -344,6 +345,15 @@ def _as_list(value: Any) -> list[int]:
     if isinstance(value, list):
         return [v for v in value if isinstance(v, int)]
     return []
+
+
+def _check_tokenizer(checkpoint: Checkpoint, path: Path) -> None:
+    """Refuses a tokenizer llmrun cannot build before the weights load (which takes
+    minutes for a large model), not after."""
+    if checkpoint.gguf is not None:
+        tokenizer_gguf.check_metadata(checkpoint.gguf.metadata, str(path))
+    elif path.is_dir():
+        hf_tokenizer_file(path)
 
 
 def _tokenizer(checkpoint: Checkpoint, path: Path) -> Tokenizer:

@@ -176,9 +176,7 @@ class Tokenizer:
     def from_hf_dir(cls, path: str | Path) -> Tokenizer:
         """Build from tokenizer.json, with BOS/EOS from tokenizer_config.json when present."""
         path = Path(path)
-        file = path / "tokenizer.json"
-        if not file.is_file():
-            raise TokenizerError(f"{path}: no tokenizer.json (a model directory needs one)")
+        file = hf_tokenizer_file(path)
         try:
             backend = Backend.from_file(str(file))
         except Exception as e:
@@ -293,6 +291,14 @@ def valid_text(text: str) -> str:
     except UnicodeEncodeError:
         raw = text.encode("utf-8", "surrogatepass")
     return raw.decode("utf-8", "replace")
+
+
+def hf_tokenizer_file(folder: Path) -> Path:
+    """A model folder's tokenizer.json; refuses a folder without one."""
+    file = folder / "tokenizer.json"
+    if not file.is_file():
+        raise TokenizerError(f"{folder}: no tokenizer.json (a model directory needs one)")
+    return file
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

@@ -118,10 +118,9 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-@_gc_paused()
-def tokenizer_args(metadata: dict[str, Any], source: str) -> dict[str, Any]:
-    """Keyword arguments of `Tokenizer` for GGUF metadata, as llama.cpp reads it; `source`
-    names the file in errors."""
+def check_metadata(metadata: dict[str, Any], source: str) -> PreTokenizer | None:
+    """Refuses, in a moment, GGUF metadata whose tokenizer llmrun cannot build (so `run`
+    says so before it loads the weights); returns its BPE pre-tokenizer (None: SPM)."""
     model = metadata.get(Keys.Tokenizer.MODEL)
     if model not in GGUF_MODELS:
         if model is None:
@@ -133,6 +132,27 @@ def tokenizer_args(metadata: dict[str, Any], source: str) -> dict[str, Any]:
     tokens = metadata.get(Keys.Tokenizer.LIST)
     if not isinstance(tokens, list) or not tokens:
         raise TokenizerError(f"{source}: no {Keys.Tokenizer.LIST} in the metadata")
+    if model == "llama":
+        return None
+    # llama.cpp reads no tokenizer.ggml.pre for Gemma 4's own tokenizer model, and takes
+    # a missing or empty one for "default".
+    name = "gemma4" if model == "gemma4" else metadata.get(Keys.Tokenizer.PRE) or "default"
+    pre = PRE_TOKENIZERS.get(name)
+    if pre is None:
+        raise UnsupportedError(
+            f"{source}: pre-tokenizer {Keys.Tokenizer.PRE} = {name!r} is not supported "
+            f"(llmrun knows the {len(PRE_TOKENIZERS)} values llama.cpp knows for BPE, "
+            "as of llama-cpp-python 0.3.36; they are listed in llmrun/pretokenizers.py)"
+        )
+    return pre
+
+
+@_gc_paused()
+def tokenizer_args(metadata: dict[str, Any], source: str) -> dict[str, Any]:
+    """Keyword arguments of `Tokenizer` for GGUF metadata, as llama.cpp reads it; `source`
+    names the file in errors."""
+    pre = check_metadata(metadata, source)
+    tokens = metadata[Keys.Tokenizer.LIST]
     n = len(tokens)
     types = _gguf_array(metadata, Keys.Tokenizer.TOKEN_TYPE, n, source, TokenType.NORMAL)
 
@@ -141,25 +161,14 @@ def tokenizer_args(metadata: dict[str, Any], source: str) -> dict[str, Any]:
         # Files write 0xFFFFFFFF (or any id past the end) for "no such token".
         return value if isinstance(value, int) and 0 <= value < n else None
 
-    spm = model == "llama"
+    spm = pre is None
     vocab = _gguf_vocab(tokens)
     if spm:
-        pre = None
         add_prefix = bool(metadata.get(Keys.Tokenizer.ADD_PREFIX, True))
         backend = _spm_backend(metadata, tokens, vocab, n, source, add_prefix)
         add_bos_default = True
         bos, eos = token_id(Keys.Tokenizer.BOS_ID, 1), token_id(Keys.Tokenizer.EOS_ID, 2)
     else:
-        # llama.cpp reads no tokenizer.ggml.pre for Gemma 4's own tokenizer model, and takes
-        # a missing or empty one for "default".
-        name = "gemma4" if model == "gemma4" else metadata.get(Keys.Tokenizer.PRE) or "default"
-        pre = PRE_TOKENIZERS.get(name)
-        if pre is None:
-            raise UnsupportedError(
-                f"{source}: pre-tokenizer {Keys.Tokenizer.PRE} = {name!r} is not supported "
-                f"(llmrun knows the {len(PRE_TOKENIZERS)} values llama.cpp knows for BPE, "
-                "as of llama-cpp-python 0.3.36; they are listed in llmrun/pretokenizers.py)"
-            )
         add_prefix = False
         backend = _bpe_backend(metadata, vocab, pre, source)
         add_bos_default = pre.add_bos

@@ -5,9 +5,11 @@ import shutil
 
 import gguf
 import numpy as np
+import pytest
 from helpers import STORIES_GGUF, STORIES_HF
 
 from llmrun import api
+from llmrun.errors import TokenizerError, UnsupportedError
 from llmrun.loading.gguf_io import read_gguf
 
 
@@ -141,3 +143,31 @@ def test_a_context_whose_kv_cache_does_not_fit_the_gpu_is_refused(monkeypatch):
         "--ctx-size or use --cache-type q8_0"
     )
     assert api.load(str(STORIES_GGUF), device="cuda", ctx_size=1024).ctx_size == 1024
+
+
+def refuse_weights(*args, **kwargs):
+    raise AssertionError("the weights were loaded")
+
+
+def test_an_unknown_pre_tokenizer_is_refused_before_the_weights_load(monkeypatch):
+    opened = api.open_checkpoint
+
+    def with_unknown_pre(path):
+        checkpoint = opened(path)
+        checkpoint.gguf.metadata.update(
+            {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "nonesuch"}
+        )
+        return checkpoint
+
+    monkeypatch.setattr(api, "open_checkpoint", with_unknown_pre)
+    monkeypatch.setattr(api, "load_model", refuse_weights)
+    with pytest.raises(UnsupportedError, match="'nonesuch' is not supported"):
+        api.load(str(STORIES_GGUF), device="cpu")
+
+
+def test_a_folder_without_tokenizer_json_is_refused_before_the_weights_load(tmp_path, monkeypatch):
+    path = hf_copy(tmp_path, {})
+    (path / "tokenizer.json").unlink()
+    monkeypatch.setattr(api, "load_model", refuse_weights)
+    with pytest.raises(TokenizerError, match="no tokenizer.json"):
+        api.load(str(path), device="cpu")
