@@ -291,7 +291,46 @@ def _schema_object(schema: dict[str, Any] | bool | None, what: str) -> dict[str,
         raise GrammarError(f"{what} is not a JSON schema: {problem}")
     if schema is False:
         raise GrammarError(f"{what} is false, a schema that no JSON value matches")
-    return {} if schema is True else schema
+    return {} if schema is True else closed_objects(schema)
+
+
+# Keywords beside which an object's other properties may be described elsewhere.
+_COMBINATIONS = ("allOf", "anyOf", "oneOf", "$ref", "if", "then", "else", "dependentSchemas")
+
+
+def closed_objects(schema: Any, in_combination: bool = False) -> Any:
+    """`schema` with `additionalProperties: false` on each object schema that lists its
+    properties and says nothing of others, as llama.cpp's converter (and vLLM's xgrammar
+    in its default strict mode) read it: a model under a schema writes only the
+    properties the schema names. An object combined with other schemas keeps its
+    default, since closing it would refuse what the others allow (`in_combination`: a
+    branch of allOf, or of anyOf/oneOf beside properties)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            out[key] = {name: closed_objects(sub) for name, sub in schema[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            combined = key == "allOf" or (key != "prefixItems" and "properties" in schema)
+            out[key] = [closed_objects(sub, combined) for sub in schema[key]]
+    for key in (*_SCHEMA_ONE, "items"):
+        if key in schema:
+            value = schema[key]
+            out[key] = (
+                [closed_objects(sub) for sub in value]
+                if isinstance(value, list)
+                else closed_objects(value)
+            )
+    if (
+        "properties" in schema
+        and "additionalProperties" not in schema
+        and not in_combination
+        and not any(key in schema for key in _COMBINATIONS)
+    ):
+        out["additionalProperties"] = False
+    return out
 
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")

@@ -126,7 +126,10 @@ def test_gbnf_and_lark_grammars():
             {"oneOf": [{"type": "integer"}, {"type": "number"}]},
             "oneOf constraints are not supported",
         ),
-        ({"properties": {"a": {}}, "minProperties": 1}, "min/maxProperties only supported when"),
+        (
+            {"properties": {"a": {}}, "additionalProperties": True, "minProperties": 1},
+            "min/maxProperties only supported when",
+        ),
         ({"$ref": "https://example.com/s.json"}, "is not present in a registry"),
         ({"type": "string", "minLength": 3, "maxLength": 1}, "Unsatisfiable schema: minLength"),
     ],
@@ -655,6 +658,31 @@ INSTANCES = [
     ),
     ({"$defs": {"a": {"$anchor": "n", "type": "integer"}}, "$ref": "#n"}, ["1"], ['"x"'], []),
     ({}, ["[" * 60 + "]" * 60, '{"a": {"b": [null, true]}}'], ['{"a"}', ""], []),
+    # Properties listed, others unsaid: only those listed are written, as llama.cpp does.
+    (
+        {"properties": {"p": {"properties": {"x": {"type": "integer"}}}}},
+        ['{"p": {"x": 1}}', "{}", '{"p": {}}'],
+        ['{"p": {"x": "1"}}'],
+        ['{"p": {"x": 1, "y": 2}}', '{"p": {"x": 1}, "q": 2}'],
+    ),
+    (
+        {"properties": {"a": {"type": "integer"}, "b": {}}, "minProperties": 1},
+        ['{"a": 1}', '{"b": null}'],
+        ["{}", '{"a": "1"}'],
+        [],
+    ),
+    (
+        {"allOf": [{"properties": {"a": {"type": "integer"}}}, {"required": ["b"]}]},
+        ['{"a": 1, "b": 2}', '{"b": 2}'],
+        ['{"a": "1", "b": 2}', '{"a": 1}'],
+        [],
+    ),
+    (
+        {"properties": {"a": {"type": "integer"}}, "anyOf": [{"properties": {"b": {}}}]},
+        ['{"a": 1, "b": 2}', '{"c": 3}'],
+        ['{"a": "1"}'],
+        [],
+    ),
 ]
 
 

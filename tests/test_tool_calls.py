@@ -724,3 +724,24 @@ def test_xml_values_follow_the_tools_schemas():
         "",
         [("f", {"zip": "01234", "n": 7})],
     )
+
+
+def test_call_arguments_hold_only_the_parameters_listed(stories):
+    """Parameters that list properties and say nothing of others take no others, as
+    llama.cpp's grammar has it (before: any extra argument was allowed)."""
+    from llmrun.server.reply import Ask, _grammar
+
+    engine, vocab = stories
+    fmt = get_format(HERMES).for_tools([WEATHER])
+    ask = Ask(messages=[], tools=[WEATHER], tool_choice="required", parallel=False)
+    grammar = _grammar(engine, fmt, ask, forced=True)
+
+    def accepts(text):
+        constraint = grammar.constraint()
+        constraint.compute()  # the first mask, computed on a worker: then the matcher is free
+        matcher, ids = constraint.matcher, vocab.tokenize(text)
+        return all(matcher.consume_token(i) for i in ids) and matcher.is_accepting()
+
+    call = '<tool_call>\n{"name": "get_weather", "arguments": %s}\n</tool_call>'
+    assert accepts(call % '{"city": "Paris"}')
+    assert not accepts(call % '{"city": "Paris", "country": "France"}')

@@ -91,17 +91,22 @@ def _grammar(engine: api.Engine, fmt: ToolFormat | None, ask: Ask, forced: bool)
 
     vocab = structured.vocabulary(engine.tokenizer, engine.eos_ids)
     param = ask.schema_param if not forced else "tools"
+    tools = [
+        {**t, "function": {**t["function"], "parameters": structured.closed_objects(params)}}
+        if (params := t["function"].get("parameters"))
+        else t
+        for t in ask.tools or ()
+    ]
     try:
         if not forced and fmt is None:
             return vocab.json_schema(ask.schema or None, param)
         if not forced:  # auto with a response format: a call, or the JSON answer
-            calls = fmt.grammar(ask.tools, vocab.token, ask.parallel)
+            calls = fmt.grammar(tools, vocab.token, ask.parallel)
             answer = structured.json_lark(ask.schema or None, param)
             text = f"start: calls | answer\nanswer: {answer}\n" + calls.replace(
                 "start:", "calls:", 1
             )
             return vocab.lark(text, param)
-        tools = ask.tools
         if ask.tool_choice != "required":
             tools = [t for t in tools if t["function"]["name"] == ask.tool_choice]
         return vocab.lark(fmt.grammar(tools, vocab.token, ask.parallel), "the tools' parameters")
