@@ -74,7 +74,14 @@ class ChatSession:
 
     @property
     def context_used(self) -> int:
-        return len(self.state.tokens)
+        """The tokens the conversation holds now, which the next turn starts from (after
+        /undo or /load, not what the cache last held)."""
+        if not self.messages:
+            return 0
+        try:
+            return len(self.prompt_ids(self.conversation()))
+        except LlmrunError:  # a template that refuses this history as it stands
+            return len(self.state.tokens)
 
     def conversation(self, messages: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         """The system message, then `messages` (default: the whole history)."""

@@ -72,8 +72,11 @@ def test_undo_retry_clear(engine):
     session = ChatSession(engine, GREEDY, max_tokens=4)
     reply(session, "One")
     reply(session, "Two")
+    two = session.context_used
     session.undo()
     assert [m["content"] for m in session.messages if m["role"] == "user"] == ["One"]
+    # What the history holds now, not what the cache last held.
+    assert session.context_used == len(session.prompt_ids(session.conversation())) < two
     before = session.messages[-1]["content"]
     turn = Turn()
     assert "".join(session.retry(turn)) == before  # greedy: the same reply again
