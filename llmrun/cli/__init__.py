@@ -48,6 +48,8 @@ def main() -> None:
         ui.error(str(e))
         sys.exit(e.exit_code)
     except (KeyboardInterrupt, typer.Abort):
+        if sys.stderr.isatty():
+            sys.stderr.write("\n")  # the shell's prompt goes after the ^C, not beside it
         sys.exit(130)
     except BrokenPipeError:
         # The reader went away (`llmrun run ... | head`): not an error.

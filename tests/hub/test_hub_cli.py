@@ -100,3 +100,25 @@ def test_cli_ctrl_c_keeps_the_partial_download(fake, gguf_files):
     assert r.returncode == 0
     assert "resuming with" in r.stderr
     assert fake.served("cdn")[-1].headers["range"] == f"bytes={kept}-"
+
+
+def test_rm_asks_on_a_terminal_and_ctrl_c_deletes_nothing(fake, gguf_files):
+    import pexpect
+
+    assert llmrun("pull", f"{GGUF_REPO}:Q8_0").returncode == 0
+    command = [sys.executable, "-m", "llmrun", "rm", f"{GGUF_REPO}:Q8_0"]
+    env = {**os.environ, "TERM": "dumb"}
+    child = pexpect.spawn(command[0], command[1:], env=env, encoding="utf-8", timeout=60)
+    child.expect_exact("delete 1 model(s)? [y/N]: ")
+    child.sendintr()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 130
+    assert child.before.endswith("\n")  # the shell's prompt starts on a line of its own
+    assert len(json.loads(llmrun("list", "--json").stdout)) == 1
+    child = pexpect.spawn(command[0], command[1:], env=env, encoding="utf-8", timeout=60)
+    child.expect_exact("[y/N]: ")
+    child.sendline("y")
+    child.expect(pexpect.EOF)
+    assert f"deleted {GGUF_REPO}:Q8_0" in child.before
+    assert json.loads(llmrun("list", "--json").stdout) == []
