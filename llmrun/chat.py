@@ -45,6 +45,7 @@ class Turn:
     interrupted: bool = False
     response: Response | None = None
     dropped: int = 0  # messages removed by --context-overflow shift
+    withdrawn: bool = False  # stopped before its first token: the message is not kept
 
 
 @dataclass
@@ -230,12 +231,11 @@ class ChatSession:
         try:
             rendered, prompt = self._fit(turn)
         except KeyboardInterrupt:
-            # Stopped before a reply began: the message goes, or templates that want
-            # user and assistant turns in alternation would refuse every later one.
-            self.messages.pop()
+            self._withdraw(turn)
             raise
         stop = () if self.uses_template else (PLAIN_STOP,)
         split = Splitter(self.engine.markers, rendered)
+        completed = False
         try:
             for response in self.engine.generate(
                 prompt, self.params, self.max_tokens, stop=stop, state=self.state
@@ -246,15 +246,25 @@ class ChatSession:
                     text = text.lstrip()  # the reply to "Assistant:" starts with a space
                 yield from split.feed(response.token, text)
             turn.finish_reason = turn.response.finish_reason if turn.response else None
+            completed = True
         except KeyboardInterrupt:
             turn.interrupted = True
         finally:
             turn.text, turn.reasoning = split.text[ANSWER], split.text[REASONING]
-            reply = turn.text.rstrip() if not self.uses_template else turn.text
-            message = {"role": "assistant", "content": reply}
-            if turn.reasoning:
-                message["reasoning_content"] = turn.reasoning  # the template decides its fate
-            self.messages.append(message)
+            if turn.response is None and not completed:
+                self._withdraw(turn)  # stopped (or failed) before the first token
+            else:
+                reply = turn.text.rstrip() if not self.uses_template else turn.text
+                message = {"role": "assistant", "content": reply}
+                if turn.reasoning:
+                    message["reasoning_content"] = turn.reasoning  # the template decides
+                self.messages.append(message)
+
+    def _withdraw(self, turn: Turn) -> None:
+        """Drop the message of a turn stopped before its reply began, or templates that
+        want user and assistant turns in alternation would refuse every later one."""
+        self.messages.pop()
+        turn.withdrawn = True
 
     @property
     def near_full(self) -> bool:

@@ -141,7 +141,9 @@ class Repl:
             pieces.close()
             out.end()
         ui.write("\n\n" if not self.interactive else "\n")
-        if turn.interrupted:
+        if turn.withdrawn:
+            ui.info("(stopped before the reply began: the message is not kept)")
+        elif turn.interrupted:
             ui.info("(stopped)")
         if turn.dropped:
             ui.warn(f"the context was full: dropped the {turn.dropped} oldest messages")

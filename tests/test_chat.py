@@ -173,6 +173,33 @@ def test_a_ctrl_c_before_the_reply_begins_leaves_no_trace(engine):
     assert [m["role"] for m in session.messages] == ["user", "assistant"] * 2
 
 
+@pytest.mark.parametrize("tokens_first", [0, 2])
+def test_a_ctrl_c_in_the_prefill_leaves_no_trace_and_after_a_token_keeps_the_reply(
+    engine, monkeypatch, tokens_first
+):
+    """Ctrl-C while the prompt is prefilled (no token yet): the message goes, with no
+    empty reply (one was kept); after the first tokens the reply so far is kept."""
+    session = ChatSession(engine, GREEDY, max_tokens=3)
+    reply(session, "Hi")
+    before = list(session.messages)
+    generate = engine.generate
+
+    def interrupted(*args, **kwargs):
+        for i, response in enumerate(generate(*args, **kwargs)):
+            if i == tokens_first:
+                raise KeyboardInterrupt
+            yield response
+
+    monkeypatch.setattr(engine, "generate", interrupted)
+    turn = reply(session, "Hi again")
+    assert turn.interrupted and turn.withdrawn == (tokens_first == 0)
+    if tokens_first == 0:
+        assert session.messages == before
+    else:
+        assert session.messages[:-1] == [*before, {"role": "user", "content": "Hi again"}]
+        assert session.messages[-1] == {"role": "assistant", "content": turn.text} and turn.text
+
+
 def test_context_overflow_error_and_shift(stories):
     small = stories.new_state(64)
     session = ChatSession(stories, GREEDY, max_tokens=8, state=small)
