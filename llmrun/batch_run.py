@@ -224,9 +224,11 @@ def prepare(engine: Engine, line: Line, options: Options, grammar: Any = None) -
     check_fits(len(ids), engine.ctx_size)
     params = options.params.updated(**line.sampling)
     if line.format is not None:
-        params = replace(params, grammar=_grammar(engine, line.format))
-    elif grammar is not None:
-        params = replace(params, grammar=grammar)
+        grammar = _grammar(engine, line.format)
+    if grammar is not None:
+        from llmrun.structured import for_prompt
+
+        params = replace(params, grammar=for_prompt(grammar, engine.markers, text))
     max_tokens = line.max_tokens if line.has_max_tokens else options.max_tokens
     return Item(line, Request(ids, params, max_tokens, stop), text, plain_reply)
 

@@ -79,6 +79,7 @@ class Vocabulary:
                 self._index.setdefault(raw, i)
         self._longest = max((len(raw) for raw in self._index), default=1)
         eos = [i for i in eos_ids if 0 <= i < self.size] or [tokenizer.eos_id or 0]
+        self.eos_ids = eos
         source = _Source(self, pieces, eos[0], tokenizer.bos_id, sorted(special))
         self.lltok = llg.LLTokenizer(llg.TokenizerWrapper(source), eos_token=eos)
         self._grammars: OrderedDict[str, Grammar] = OrderedDict()
@@ -118,7 +119,7 @@ class Vocabulary:
         error = llg.LLMatcher.validate_grammar(grammar, self.lltok)
         if error:
             raise GrammarError(f"{what}: the grammar engine (llguidance) cannot use it: {error}")
-        compiled = Grammar(self, llg.LLMatcher(self.lltok, grammar, log_level=0), what)
+        compiled = Grammar(self, llg.LLMatcher(self.lltok, grammar, log_level=0), what, grammar)
         with self._lock:
             self._grammars[grammar] = compiled
             while len(self._grammars) > CACHED_GRAMMARS:
@@ -136,6 +137,23 @@ class Vocabulary:
         except ValueError as e:
             raise GrammarError(f"{what}: {e}") from None
         return self.compile(grammar, what)
+
+    def after_reasoning(self, grammar: Grammar, close_id: int) -> Grammar:
+        """`grammar` after the reasoning that a prompt left open: any tokens but the
+        reasoning's end and the end-of-generation ones, then the end (`close_id`), then
+        what `grammar` matches. Applied from the first token, a grammar would have the
+        model write its answer inside the reasoning (llama.cpp's grammars for a prompt
+        that opens `<think>` start the same way)."""
+        source = grammar.source
+        inner = (
+            json.loads(source)["grammars"]
+            if source.lstrip().startswith("{")
+            else [{"lark_grammar": source}]
+        )
+        barred = ",".join(str(i) for i in sorted({close_id, *self.eos_ids}))
+        outer = {"lark_grammar": f"start: <[^{barred}]>* <[{close_id}]> @reply\n"}
+        combined = {"grammars": [outer, {**inner[0], "name": "reply"}, *inner[1:]]}
+        return self.compile(json.dumps(combined), grammar.what)
 
     def lark(self, text: str, what: str = "the grammar") -> Grammar:
         return self.compile(_llguidance().LLMatcher.grammar_from_lark(text), what)
@@ -181,10 +199,11 @@ def vocabulary(tokenizer: Any, eos_ids: Sequence[int]) -> Vocabulary:
 
 
 class Grammar:
-    """A compiled grammar; `constraint()` starts one sequence that follows it."""
+    """A compiled grammar; `constraint()` starts one sequence that follows it. `source`
+    is the grammar as llguidance read it (Lark, or its JSON form)."""
 
-    def __init__(self, vocab: Vocabulary, matcher: Any, what: str) -> None:
-        self.vocab, self._matcher, self.what = vocab, matcher, what
+    def __init__(self, vocab: Vocabulary, matcher: Any, what: str, source: str) -> None:
+        self.vocab, self._matcher, self.what, self.source = vocab, matcher, what, source
 
     def constraint(self) -> Constraint:
         return Constraint(self, self._matcher.deep_copy())
@@ -389,6 +408,17 @@ def check_schema(schema: Any, where: str = "") -> str | None:
     if "enum" in schema and not isinstance(schema["enum"], list):
         return f"enum{at} must be a list"
     return None
+
+
+def for_prompt(grammar: Grammar | None, markers: Any, prompt: str) -> Grammar | None:
+    """`grammar` for a reply to `prompt`: where the prompt leaves the model's reasoning
+    open (it ends with `<think>`, as DeepSeek-R1's and GLM-4.7's templates write it), the
+    grammar after that reasoning (Vocabulary.after_reasoning)."""
+    from llmrun.reasoning import Markers
+
+    if grammar is None or not isinstance(markers, Markers) or not markers.opened_by(prompt):
+        return grammar
+    return grammar.vocab.after_reasoning(grammar, markers.close_id)
 
 
 # --- `run --format` and `--grammar` -------------------------------------------------

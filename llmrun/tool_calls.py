@@ -16,6 +16,8 @@ The format is chosen from the chat template's source, never from a model name:
 - qwen3_xml: `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n...
   </function>\n</tool_call>` (Qwen3-Coder, Qwen3.5); a value is text where the tool's
   schema says string, else JSON (as vLLM's qwen3_coder parser reads it)
+- glm45: `<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...</tool_call>`,
+  with or without a newline before each tag (GLM-4.5, 4.6, 4.7); values as in qwen3_xml
 
 ToolCallParser reads the generated text piece by piece: text outside calls passes on as
 content as soon as it cannot begin a call, each call comes out whole once it is complete,
@@ -40,8 +42,8 @@ from typing import Any, Protocol
 from llmrun.reasoning import ANSWER, REASONING, Piece
 
 HERMES, LLAMA3, MISTRAL, HARMONY, PHI4 = "hermes", "llama3_json", "mistral", "harmony", "phi4_mini"
-QWEN_XML, GRANITE = "qwen3_xml", "granite"
-FORMATS = (HERMES, LLAMA3, MISTRAL, HARMONY, PHI4, QWEN_XML, GRANITE)
+QWEN_XML, GRANITE, GLM = "qwen3_xml", "granite", "glm45"
+FORMATS = (HERMES, LLAMA3, MISTRAL, HARMONY, PHI4, QWEN_XML, GRANITE, GLM)
 # OpenAI's rule for function names.
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 # How the grammars write JSON: as json.dumps does by default, the way these models were
@@ -150,6 +152,8 @@ class ToolFormat:
             return "\n".join(_xml_call(c["name"], c["arguments"]) for c in items)
         if self.name == GRANITE:
             return "<|tool_call|>" + dump(items)
+        if self.name == GLM:
+            return "".join(_glm_call(c["name"], c["arguments"]) for c in items)
         return "".join(
             f"<|start|>assistant to=functions.{c['name']}<|channel|>commentary json"
             f"<|message|>{dump(c['arguments'])}<|call|>"
@@ -208,7 +212,8 @@ class ToolFormat:
             return f"start: call{many}\ncall: {call}\n"
         if self.name == QWEN_XML:
             alts = " | ".join(
-                f"{lit(f['name'] + '>')} {_xml_params(f.get('parameters') or _ANY_OBJECT, lit, schema)}"
+                f'{lit(f["name"] + ">")} "\\n" '
+                f"{_xml_params(f.get('parameters') or _ANY_OBJECT, lit, schema, _qwen_param(lit))}"
                 for f in functions
             )
             call = (
@@ -216,6 +221,15 @@ class ToolFormat:
                 f"{token('</tool_call>')}"
             )
             rule = 'call ("\\n" call)*' if parallel else "call"
+            return f"start: {rule}\ncall: {call}\n"
+        if self.name == GLM:
+            alts = " | ".join(
+                f"{lit(f['name'])} "
+                f"{_xml_params(f.get('parameters') or _ANY_OBJECT, lit, schema, _glm_param(lit, token))}"
+                for f in functions
+            )
+            call = f'{token("<tool_call>")} ({alts}) "\\n"? {token("</tool_call>")}'
+            rule = 'call ("\\n"? call)*' if parallel else "call"
             return f"start: {rule}\ncall: {call}\n"
         if self.name in (MISTRAL, GRANITE) and not self.args_form:
             items = {"type": "array", "items": call_object("arguments", "/items"), "minItems": 1}
@@ -254,6 +268,7 @@ _FORMATS = {
         QWEN_XML, ("<tool_call>",), "</tool_call>", ("<tool_call>", "</tool_call>")
     ),
     GRANITE: ToolFormat(GRANITE, ("<|tool_call|>",), markers=("<|tool_call|>",)),
+    GLM: ToolFormat(GLM, ("<tool_call>",), "</tool_call>", ("<tool_call>", "</tool_call>")),
 }
 
 
@@ -276,6 +291,8 @@ def detect_format(template: str | None) -> ToolFormat | None:
         return _FORMATS[PHI4]
     if "<tool_call>" in template and "<function=" in template and "<parameter=" in template:
         return _FORMATS[QWEN_XML]
+    if "<tool_call>" in template and "<arg_key>" in template:
+        return _FORMATS[GLM]
     if "<tool_call>" in template:
         return _FORMATS[HERMES]
     if "<|python_tag|>" in template or (
@@ -456,13 +473,66 @@ def _xml_call(name: str, arguments: Mapping[str, Any]) -> str:
     return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
 
 
-def _xml_params(parameters: Mapping[str, Any], lit: Callable[[str], str], schema: Callable) -> str:
+def _glm_call(name: str, arguments: Mapping[str, Any]) -> str:
+    args = "".join(
+        f"<arg_key>{key}</arg_key><arg_value>{value if isinstance(value, str) else dumps(value)}"
+        "</arg_value>"
+        for key, value in arguments.items()
+    )
+    return f"<tool_call>{name}{args}</tool_call>"
+
+
+_GLM_CALL = re.compile(r"<tool_call>\s*([^<\n]+?)\s*((?:<arg_key>.*)?)</tool_call>", re.S)
+_GLM_ARG = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>\s*", re.S)
+
+
+def _glm(fmt: ToolFormat, region: str) -> list[_Call]:
+    m = _GLM_CALL.fullmatch(region.strip())
+    if m is None:
+        raise ValueError("not a call")
+    name, body = m.group(1).strip(), m.group(2)
+    if not NAME_PATTERN.match(name):
+        raise ValueError(f"bad function name {name!r}")
+    if _GLM_ARG.sub("", body):
+        raise ValueError("text between arguments")
+    properties = ((fmt.schemas or {}).get(name) or {}).get("properties") or {}
+    args = {
+        key.strip(): _xml_value(value, properties.get(key.strip()))
+        for key, value in _GLM_ARG.findall(body)
+    }
+    return [(name, dumps(args), None)]
+
+
+def _qwen_param(lit: Callable[[str], str]) -> Callable[[str, str], str]:
+    def param(key: str, value: str) -> str:
+        return f'{lit(f"<parameter={key}>")} "\\n" {value} "\\n" {lit("</parameter>")} "\\n"'
+
+    return param
+
+
+def _glm_param(lit: Callable[[str], str], token: Callable[[str], str]) -> Callable[[str, str], str]:
+    def param(key: str, value: str) -> str:
+        return (
+            f'"\\n"? {token("<arg_key>")} {lit(key)} {token("</arg_key>")} "\\n"? '
+            f"{token('<arg_value>')} {value} {token('</arg_value>')}"
+        )
+
+    return param
+
+
+def _xml_params(
+    parameters: Mapping[str, Any],
+    lit: Callable[[str], str],
+    schema: Callable,
+    param: Callable[[str, str], str],
+) -> str:
     """The grammar of a call's parameters, in the schema's order, each required one
-    once and each other one at most once; a string's value is text without "</"."""
+    once and each other one at most once, each written by `param(key, value rule)`; a
+    string's value is text without "</"."""
     required = set(parameters.get("required") or ())
     # Each value's schema stands alone: the definitions its references point to go with it.
     defs = {k: parameters[k] for k in ("$defs", "definitions") if k in parameters}
-    parts = ['"\\n"']
+    parts = []
     for key, spec in (parameters.get("properties") or {}).items():
         spec = spec if isinstance(spec, dict) else {}
         texts = spec.get("enum", [spec["const"]] if "const" in spec else None)
@@ -472,8 +542,7 @@ def _xml_params(parameters: Mapping[str, Any], lit: Callable[[str], str], schema
             value = "/([^<]|<[^\\/])*/"
         else:
             value = schema({**spec, **defs, "x-guidance": JSON_STYLE})
-        param = f'{lit(f"<parameter={key}>")} "\\n" {value} "\\n" {lit("</parameter>")} "\\n"'
-        parts.append(f"({param})" + ("" if key in required else "?"))
+        parts.append(f"({param(key, value)})" + ("" if key in required else "?"))
     return " ".join(parts)
 
 
@@ -520,6 +589,7 @@ _PARSERS: dict[str, Callable[[ToolFormat, str], Any]] = {
     PHI4: _phi4,
     QWEN_XML: _qwen_xml,
     GRANITE: _granite,
+    GLM: _glm,
 }
 
 

@@ -258,3 +258,23 @@ def test_a_harmony_tool_call_is_not_printed_as_the_answer(capsys):
     out.write(Piece(ANSWER, "Done."))
     out.end()
     assert capsys.readouterr().out == "Done."
+
+
+def test_a_format_applies_after_the_reasoning_the_prompt_opened(opener, tmp_path):
+    """The prompt opens <think>: the model reasons, then writes the JSON as its answer
+    (before, the grammar held from the first token, so the JSON was written inside the
+    reasoning and the answer was empty). `run` and `run --batch` alike."""
+    schema = tmp_path / "schema.json"
+    boolean = {"type": "boolean"}
+    schema.write_text(
+        json.dumps({"type": "object", "properties": {"a": boolean}, "required": ["a"]})
+    )
+    flags = ("--temperature", "0", "-n", "30", "--format", str(schema))
+    r = llmrun("run", str(opener), "Hi", *flags, "--json")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert result["reasoning"] == "the big"
+    assert set(json.loads(result["text"])) == {"a"}
+    r = llmrun("run", str(opener), "--batch", "-", "--batch-lines", *flags, stdin="Hi\n")
+    record = json.loads(r.stdout)
+    assert (record["reasoning"], record["text"]) == ("the big", result["text"])

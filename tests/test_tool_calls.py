@@ -14,6 +14,7 @@ from tool_families import FAMILIES, PHI4_MINI_TEMPLATE, RESULT
 from llmrun.chat_template import ChatTemplate
 from llmrun.reasoning import REASONING
 from llmrun.tool_calls import (
+    GLM,
     GRANITE,
     HARMONY,
     HERMES,
@@ -48,6 +49,8 @@ TEMPLATE_FORMATS = {
     "Qwen3-Coder": (QWEN_XML, False),
     "Qwen3.5-4B": (QWEN_XML, False),
     "ibm-granite-granite-3.3-2B-Instruct": (GRANITE, False),  # not Phi-4-mini's format
+    "GLM-4.6": (GLM, False),  # not Hermes' (both open calls with <tool_call>)
+    "GLM-4.7-Flash": (GLM, False),
     "ibm-granite-granite-4.0": (HERMES, False),
 }
 WEATHER = {
@@ -107,6 +110,22 @@ EXACT = [
         "</function>\n</tool_call>",
         "Let me look.",
         [PARIS, ("get_time", {"zone": {"tz": "CET", "dst": True}, "n": 3})],
+    ),
+    # GLM-4.7: no newlines; GLM-4.5/4.6: a newline before each tag; values as in XML.
+    (
+        GLM,
+        "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>"
+        '<tool_call>get_time<arg_key>zone</arg_key><arg_value>{"tz": "CET"}</arg_value>'
+        "<arg_key>n</arg_key><arg_value>3</arg_value></tool_call>",
+        "",
+        [PARIS, ("get_time", {"zone": {"tz": "CET"}, "n": 3})],
+    ),
+    (
+        GLM,
+        "Let me look.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n"
+        "<arg_value>Paris</arg_value>\n</tool_call>\n<tool_call>get_time\n</tool_call>",
+        "Let me look.",
+        [PARIS, ("get_time", {})],
     ),
     # Text on both sides of a call stays parted as the model wrote it (was glued).
     (
@@ -227,6 +246,10 @@ NOT_CALLS = [
     (QWEN_XML, "<tool_call>\n<function=get weather>\n</function>\n</tool_call>"),
     (QWEN_XML, "<tool_call>\n<function=f>\nloose text\n</function>\n</tool_call>"),
     (QWEN_XML, "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n"),  # cut off
+    (GLM, "<tool_call>get weather</tool_call>"),
+    (GLM, "<tool_call>f<arg_key>a</arg_key>loose<arg_value>1</arg_value></tool_call>"),
+    (GLM, "<tool_call>f<arg_key>a</arg_key><arg_value>1</arg_value>"),  # cut off
+    (GLM, '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'),  # Hermes' form
     (HARMONY, "plain text from a harmony model"),
     (HARMONY, "<|channel|>commentary to=browser.search<|message|>{}"),
     (HARMONY, "<|channel|>commentary to=functions.f<|message|>{not json"),

@@ -108,6 +108,11 @@ PHI4_TOKENS = special(
 ) + special("<|tool_call|>", "<|/tool_call|>", "<|tool_response|>", "<|endoftext|>")
 CHATML_TOKENS = plain("<tool_call>", "</tool_call>", HERMES_CALL) + special("<|endoftext|>")
 XML_CALL = "\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+GLM_TOKENS = special("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>")
+GLM_TOKENS += special("<|observation|>", "<|endoftext|>")
+GLM_EOS = ["<|user|>", "<|observation|>", "<|endoftext|>"]  # GLM-4.5's eos_token_id list
+GLM47_CALL = "get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>"
+GLM46_CALL = "get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
 
 FAMILIES = {
     "qwen2.5": Family(
@@ -198,6 +203,24 @@ FAMILIES = {
         ],
         ["<|return|>", "<|call|>"],
         answer_head=("<|channel|>", "final", "<|message|>"),
+    ),
+    # GLM-4.7's prompt opens the reasoning; its calls are XML with no newlines, ended by
+    # <|observation|>.
+    "glm-4.7-flash": Family(
+        "glm45",
+        "GLM-4.7-Flash.jinja",
+        [*GLM_TOKENS, *plain("<tool_call>", "</tool_call>", GLM47_CALL)],
+        ["</think>", "<tool_call>", GLM47_CALL, "</tool_call>", "<|observation|>"],
+        GLM_EOS,
+        answer_head=("</think>",),
+    ),
+    "glm-4.6": Family(
+        "glm45",
+        "GLM-4.6.jinja",
+        [*GLM_TOKENS, *plain("<tool_call>", "</tool_call>", GLM46_CALL, "\n<tool_call>")],
+        ["<think>", "▁the", "▁big", "</think>", "\n<tool_call>", GLM46_CALL, "</tool_call>"]
+        + ["<|observation|>"],
+        GLM_EOS,
     ),
     "phi4-mini": Family(
         "phi4_mini",

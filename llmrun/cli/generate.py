@@ -158,11 +158,12 @@ def run(
         activations=activations,
     )
     params = engine.sampling(locals())
+    text = engine.prompt_text(prompt, raw=raw, **engine.switches(think, reasoning_effort))
     if output_format is not None or grammar is not None:
         from llmrun import structured
 
-        params = params.updated(grammar=structured.for_cli(engine, output_format, grammar))
-    text = engine.prompt_text(prompt, raw=raw, **engine.switches(think, reasoning_effort))
+        constraint = structured.for_cli(engine, output_format, grammar)
+        params = params.updated(grammar=structured.for_prompt(constraint, engine.markers, text))
     if show_prompt:
         ui.print_prompt(text)
     ids = engine.tokenizer.encode(text)

@@ -81,10 +81,14 @@ def prepare(engine: api.Engine, fmt: ToolFormat | None, ask: Ask) -> Prepared:
     ids = engine.tokenizer.encode(text)
     fmt = fmt.for_tools(ask.tools) if calling and fmt is not None else None
     forced = fmt is not None and ask.tool_choice != "auto"
-    return Prepared(text, ids, fmt, _grammar(engine, fmt, ask, forced), forced)
+    from llmrun.structured import for_prompt
+
+    grammar = for_prompt(_grammar(engine, fmt, ask, forced), engine.markers, text)
+    return Prepared(text, ids, fmt, grammar, forced)
 
 
 def _grammar(engine: api.Engine, fmt: ToolFormat | None, ask: Ask, forced: bool) -> Any:
+    """The grammar of a response format or of forced calls, from the reply's first token."""
     if not forced and ask.schema is None:
         return None
     from llmrun import structured
