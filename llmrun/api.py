@@ -25,7 +25,7 @@ from llmrun.errors import ModelFormatError, UsageError
 from llmrun.generate import KVState, Response, TokenLogprob, stream_generate
 from llmrun.loading import safetensors_io
 from llmrun.loading.loader import Checkpoint, check_device_room, load_model, open_checkpoint
-from llmrun.models import kv_cache_bytes
+from llmrun.models import kv_cache_bytes, model_module
 from llmrun.models.cache import BYTES_PER_VALUE, KVCache
 from llmrun.quant.linear import set_activations
 from llmrun.reasoning import (
@@ -349,7 +349,8 @@ def _as_list(value: Any) -> list[int]:
 
 def _check_tokenizer(checkpoint: Checkpoint, path: Path) -> None:
     """Refuses a tokenizer llmrun cannot build before the weights load (which takes
-    minutes for a large model), not after."""
+    minutes for a large model), not after; an architecture it cannot run goes first."""
+    model_module(checkpoint.config.get("model_type", ""))
     if checkpoint.gguf is not None:
         tokenizer_gguf.check_metadata(checkpoint.gguf.metadata, str(path))
     elif path.is_dir():

@@ -11,9 +11,10 @@ the smallest power of two from FIRST_BUCKET that holds its position (or the whol
 cache), so it reads at most twice the keys it needs, and there is one graph per
 bucket, each captured when first used.
 
-It applies to the families whose forward is CausalLM's own (Llama, Mistral, Qwen2,
-Qwen3, Phi-3): the others build frames of their own (sliding-window rings, routers
-that read their choices back to the host). Elsewhere, and where the compiled step
+It applies to the families whose forward is CausalLM's own and whose layers have no
+experts (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, GLM-4, ERNIE 4.5, OLMo 2,
+SmolLM3, Command-R): the others build frames of their own (sliding-window rings) or
+route tokens through experts (routers read their choices back to the host). Elsewhere, and where the compiled step
 fails, decoding runs the model's ordinary forward (a note says why, once).
 """
 
@@ -48,6 +49,8 @@ def supported(model: nn.Module, cache: KVCache) -> bool:
     return (
         isinstance(model, CausalLM)
         and type(model).frame is CausalLM.frame
+        # Mixtures of experts read their routers' choices back to the host.
+        and not any(isinstance(getattr(m, "experts", None), nn.ModuleList) for m in model.modules())
         and not cache.paged
         and cache.ring_k is None
         and cache.rows is None

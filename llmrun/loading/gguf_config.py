@@ -16,7 +16,7 @@ from gguf import (
 )
 
 from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.loading import gpt_oss
+from llmrun.loading import cohere, deepseek2, ernie4_5, glm4, gpt_oss, granite, olmo
 from llmrun.loading.gguf_io import GGUFFile, read_float_list
 
 # GGUF architecture -> Hugging Face model_type. llama.cpp converts Mistral to "llama",
@@ -34,6 +34,15 @@ MODEL_TYPES = {
     "qwen2moe": "qwen2_moe",
     "qwen3moe": "qwen3_moe",
     gpt_oss.ARCH: gpt_oss.MODEL_TYPE,  # its mapping: llmrun/loading/gpt_oss.py
+    deepseek2.ARCH: "deepseek_v2",  # or deepseek_v3: llmrun/loading/deepseek2.py
+    "granite": "granite",  # with experts, granitemoe: llmrun/loading/granite.py
+    "granitemoe": "granitemoe",
+    olmo.ARCH: "olmo2",  # OLMo 3 too (a sliding window): llmrun/loading/olmo.py
+    "smollm3": "smollm3",
+    **cohere.MODEL_TYPES,  # their metadata: llmrun/loading/cohere.py
+    glm4.ARCH: glm4.MODEL_TYPE,  # llmrun/loading/glm4.py
+    ernie4_5.ARCH: ernie4_5.MODEL_TYPE,  # llmrun/loading/ernie4_5.py
+    ernie4_5.MOE_ARCH: ernie4_5.MOE_MODEL_TYPE,
 }
 # Families whose RMSNorm is x * (1 + w): llama.cpp's converter stores 1 + w.
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
@@ -75,7 +84,8 @@ _MOE_LAYER_NAMES = {
 }
 EXPERT_STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # gate, up, down
 _EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2")}  # else gate_proj, up_proj, down_proj
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", *granite.MOE_TYPES)
+SMOLLM3_NO_ROPE_INTERVAL = 4
 # Tensors that carry RoPE settings rather than weights; config_from_gguf reads them.
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
@@ -86,6 +96,10 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
     `{expert}` field for its index."""
     if model_type == gpt_oss.MODEL_TYPE:
         return gpt_oss.hf_name(gguf_name)
+    if model_type in deepseek2.MODEL_TYPES:
+        return deepseek2.hf_name(gguf_name)
+    if model_type == ernie4_5.MOE_MODEL_TYPE and (moe := ernie4_5.moe_hf_name(gguf_name)):
+        return moe
     base, _, suffix = gguf_name.rpartition(".")
     if suffix not in ("weight", "bias"):
         return None
@@ -99,6 +113,10 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
     names = _LAYER_NAMES
     if model_type in ("gemma2", "gemma3_text"):
         names = {**_LAYER_NAMES, **_GEMMA2_LAYER_NAMES}
+    elif model_type in olmo.MODEL_TYPES:
+        names = {**_LAYER_NAMES, **olmo.LAYER_NAMES}
+    elif model_type == glm4.MODEL_TYPE:
+        names = {**_LAYER_NAMES, **glm4.LAYER_NAMES}
     if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit() or parts[2] not in names:
         return None
     name = names[parts[2]]
@@ -123,6 +141,10 @@ def _moe_name(parts: list[str], model_type: str) -> str | None:
 def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
     """An HF-style config.json dict from GGUF metadata (and RoPE factor tensors)."""
     arch = gg.architecture
+    granite.refuse(gg)
+    refused = glm4.REFUSED.get(arch)
+    if refused:
+        raise UnsupportedError(f"{gg.path}: {refused}")
     if arch not in MODEL_TYPES:
         raise UnsupportedError(
             f"{gg.path}: architecture {arch!r} is not supported "
@@ -130,6 +152,10 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         )
     if arch == gpt_oss.ARCH:
         return gpt_oss.config_from_gguf(gg, _rope_from_gguf, _gemma_layer_types)
+    if arch == deepseek2.ARCH:
+        return deepseek2.config_from_gguf(gg, _rope_from_gguf)
+    if arch in cohere.MODEL_TYPES:
+        return cohere.config_from_gguf(gg, _rope_from_gguf, _gemma_layer_types)
 
     def key(name: str, default: Any = None, required: bool = False) -> Any:
         full = f"{arch}.{name}"
@@ -169,6 +195,14 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
     }
     if config["model_type"] in GEMMA_TYPES:
         return _gemma_config(gg, config, key)
+    if arch in granite.ARCHS:
+        granite.update_config(gg, config)
+    if arch == olmo.ARCH:
+        return olmo.config_from_gguf(gg, config, key, _rope_from_gguf, _gemma_layer_types)
+    if arch == "smollm3":
+        # llama.cpp reads no key for SmolLM3's NoPE layers: every fourth, always
+        # (llama_model_smollm3::load_arch_hparams, n_no_rope_layer_step = 4).
+        config["no_rope_layer_interval"] = SMOLLM3_NO_ROPE_INTERVAL
     if arch in ("llama", "qwen2moe", "qwen3moe"):
         _moe_config(gg, config)
     if arch == "mistral3" and key("expert_count", 0):
@@ -186,6 +220,13 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         if not rope.get("original_max_position_embeddings"):
             rope["original_max_position_embeddings"] = config["max_position_embeddings"]
     config["rope_parameters"] = rope
+    finish = {
+        glm4.ARCH: glm4.finish_config,
+        ernie4_5.ARCH: ernie4_5.finish_config,
+        ernie4_5.MOE_ARCH: ernie4_5.finish_config,
+    }.get(arch)
+    if finish is not None:
+        finish(gg, config, key)
     return config
 
 

@@ -72,12 +72,18 @@ def active_parameters(path: Path, parameters: int) -> int | None:
     without experts."""
     if path.is_dir():
         config = read_json(path / "config.json") or {}
-        total = config.get("num_local_experts") or config.get("num_experts")
-        used = config.get("num_experts_per_tok")
+        total = (
+            config.get("num_local_experts")
+            or config.get("num_experts")
+            or config.get("n_routed_experts")  # DeepSeek
+            or config.get("moe_num_experts")  # ERNIE 4.5
+        )
+        used = config.get("num_experts_per_tok") or config.get("moe_k")
         experts = sum(
             math.prod(shape)
             for name, _, shape, _ in _safetensors_tensors(path)
-            if re.search(r"\.experts\.", name)
+            # Granite MoE's experts: block_sparse_moe.{input,output}_linear, fused.
+            if re.search(r"\.experts\.|block_sparse_moe\.(input|output)_linear\.", name)
         )
     else:
         from gguf import Keys
@@ -276,7 +282,7 @@ def _describe_safetensors(folder: Path) -> dict[str, Any]:
 
 # Families whose sliding-window layers keep only their window in the KV cache, and
 # transformers' layer pattern for configs that list no layer_types (every n-th is global).
-_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}
+_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6, "olmo3": 4, "cohere2": 4}
 
 
 def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 4) -> int | None:
@@ -287,9 +293,12 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
     try:
         layers, heads = int(text["num_hidden_layers"]), int(text["num_attention_heads"])
         head_dim = int(text.get("head_dim") or text["hidden_size"] // heads)
+        if "kv_lora_rank" in text:  # MLA: each head's key and value, cached one width
+            rope, v_dim = int(text["qk_rope_head_dim"]), int(text["v_head_dim"])
+            head_dim = max(int(text["qk_nope_head_dim"]) + rope, v_dim)
     except (KeyError, TypeError, ValueError):
         return None
-    kv_heads = int(text.get("num_key_value_heads") or heads)
+    kv_heads = heads if "kv_lora_rank" in text else int(text.get("num_key_value_heads") or heads)
     windows: list[int | None] = [None] * layers
     pattern = _WINDOW_PATTERN.get(str(config.get("model_type")))
     window = text.get("sliding_window")

@@ -25,7 +25,15 @@ from torch.utils._triton import has_triton
 
 from llmrun import native
 from llmrun.errors import ModelFormatError, ModelNotFoundError, UnsupportedError, UsageError
-from llmrun.loading import gguf_config, gguf_io, gpt_oss, safetensors_io
+from llmrun.loading import (
+    deepseek2,
+    ernie4_5,
+    gguf_config,
+    gguf_io,
+    gpt_oss,
+    granite,
+    safetensors_io,
+)
 from llmrun.models import model_module
 from llmrun.quant import decode_step, hugepages, kernels, planes
 from llmrun.quant.blocks import SUPPORTED_TYPES
@@ -138,6 +146,12 @@ def _open_hf_dir(path: Path) -> Checkpoint:
     notes = []
     if config.get("model_type") == gpt_oss.MODEL_TYPE:
         weights = gpt_oss.hf_weights(weights, config, Weight)
+    if config.get("model_type") in deepseek2.MODEL_TYPES:
+        weights = deepseek2.hf_weights(weights, config, path)
+    if config.get("model_type") in granite.MOE_TYPES:
+        weights = granite.hf_weights(weights, config, Weight)
+    if config.get("model_type") == ernie4_5.MOE_MODEL_TYPE:
+        weights = ernie4_5.hf_weights(weights)
     family = MULTIMODAL.get(config.get("model_type"))
     if family is not None and isinstance(config.get("text_config"), dict):
         config, weights = _language_model(config, weights)
@@ -230,7 +244,8 @@ def _open_gguf(path: Path) -> Checkpoint:
             # x * weight (conversion/gemma.py: `data_torch + 1` on every
             # *norm.weight); the model holds HF's w and computes x * (1 + w).
             tensor = tensor.float() - 1.0
-        llama = gg.architecture in ("llama", "mistral3")  # Mixtral included
+        # Mixtral included; SmolLM3 and Granite are converted as Llama (conversion/llama.py).
+        llama = gg.architecture in ("llama", "mistral3", "smollm3", *granite.ARCHS)
         heads = None
         if llama and name.endswith(("q_proj.weight", "q_proj.bias")):
             heads = config["num_attention_heads"]
@@ -252,13 +267,19 @@ def _open_gguf(path: Path) -> Checkpoint:
         weights[name] = Weight(tensor, info.ggml_type if quantized else None, shape)
     if model_type in gguf_config.MOE_TYPES:
         _check_expert_stacks(gg, config)
+    if gg.architecture == deepseek2.ARCH:
+        weights = deepseek2.gguf_weights(weights, config, Weight)
+    if gg.architecture == ernie4_5.MOE_ARCH:
+        weights = ernie4_5.gguf_weights(weights, Weight)
     return Checkpoint(
         path, "gguf", config, weights, sampling_defaults=gguf_io.generation_defaults(gg), gguf=gg
     )
 
 
 def _n_experts(config: dict[str, Any]) -> int:
-    return config.get("num_local_experts") or config["num_experts"]
+    return (
+        config.get("num_local_experts") or config.get("num_experts") or config["n_routed_experts"]
+    )
 
 
 def _expert_weights(

@@ -26,6 +26,19 @@ ARCHITECTURES = {
     "gemma3": "gemma3",  # multimodal: its text_config's language model
     "gemma3_text": "gemma3",
     "gpt_oss": "gpt_oss",
+    "deepseek_v2": "deepseek_v2",
+    "deepseek_v3": "deepseek_v3",
+    "olmo2": "olmo2",
+    "olmo3": "olmo3",
+    "smollm3": "smollm3",
+    "glm4": "glm4",
+    "ernie4_5": "ernie4_5",
+    "ernie4_5_moe": "ernie4_5_moe",
+    "granite": "granite",
+    "granitemoe": "granitemoe",
+    "granitemoeshared": "granitemoe",
+    "cohere": "cohere",
+    "cohere2": "cohere2",
 }
 
 
@@ -53,4 +66,6 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
     windows = (
         args.layer_windows() if hasattr(args, "layer_windows") else [None] * args.num_hidden_layers
     )
-    return cache_bytes(args.num_key_value_heads, args.head_dim, windows, context, bytes_per_value)
+    # MLA families cache a width of their own per head (deepseek_v2.ModelArgs).
+    head_dim = getattr(args, "cache_head_dim", args.head_dim)
+    return cache_bytes(args.num_key_value_heads, head_dim, windows, context, bytes_per_value)

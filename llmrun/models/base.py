@@ -289,6 +289,22 @@ class Frame:
         return ops.rotary(x, self.cos, self.sin)
 
 
+def rotate_pairs(x: torch.Tensor, frame: Frame) -> torch.Tensor:
+    """x [B, H, T, D] with RoPE applied at the frame's positions to adjacent pairs
+    (x[2i], x[2i+1]) of its first rotary_dim features: the layout of GLM-4, ERNIE 4.5,
+    Command-R and DeepSeek (llama.cpp's "normal" RoPE, which their GGUFs keep), where
+    Frame.rotate turns x[i] with x[i + rotary_dim / 2]. The pairs are gathered into
+    those halves first, (x0, x2, ..., x1, x3, ...), and the rotated features stay in
+    that order: queries and keys alike, so their dot products are the pairs' (and keys
+    are cached in it), and the rotation is Frame.rotate's (one native call a step)."""
+    rotary_dim = frame.cos.shape[-1]
+    # [..., rotary_dim] -> [..., rotary_dim / 2, 2] -> [..., 2, rotary_dim / 2]
+    halves = x[..., :rotary_dim].unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+    if rotary_dim < x.shape[-1]:
+        halves = torch.cat((halves, x[..., rotary_dim:]), dim=-1)
+    return frame.rotate(halves)
+
+
 def attention_mask(
     positions: torch.Tensor, key_positions: torch.Tensor, sliding_window: int | None = None
 ) -> torch.Tensor | None:
@@ -454,6 +470,48 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tens
     return weights.to(logits.dtype), indices
 
 
+def route_grouped(
+    logits: torch.Tensor,
+    top_k: int,
+    scoring: str = "softmax",
+    bias: torch.Tensor | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    group_score: str = "max",
+    normalize: bool = False,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's routers (V2's greedy and group_limited_greedy, V3's noaux_tc, and the
+    families that copy V3's), as transformers computes them: scores are the softmax or
+    the sigmoid (`scoring`) of the logits [N, E], in f32; experts are chosen by score +
+    `bias` (V3's e_score_correction_bias), only among the topk_group of n_group equal
+    groups that score highest (`group_score` "max": a group's best choice score, V2;
+    "top2": the sum of its best two, V3). A chosen expert weighs its unbiased score,
+    renormalized over the top_k (+1e-20) when `normalize`, times `scale`
+    (routed_scaling_factor). Returns f32 weights [N, top_k] and indices [N, top_k]."""
+    if scoring == "softmax":
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    else:
+        scores = torch.sigmoid(logits.float())
+    choice = scores if bias is None else scores + bias
+    if n_group > 1:
+        # [N, E] -> [N, groups, E / groups]
+        grouped = choice.view(choice.shape[0], n_group, -1)
+        if group_score == "max":
+            best = grouped.amax(dim=-1)
+        else:
+            best = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        kept = torch.zeros_like(best, dtype=torch.bool)
+        kept.scatter_(1, torch.topk(best, topk_group, dim=-1).indices, True)
+        hidden = ~kept[..., None].expand_as(grouped).reshape_as(choice)
+        choice = choice.masked_fill(hidden, float("-inf"))
+    indices = torch.topk(choice, top_k, dim=-1).indices
+    weights = scores.gather(1, indices)
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, indices
+
+
 def mix_experts(
     x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts: nn.ModuleList
 ) -> torch.Tensor:
@@ -538,6 +596,62 @@ def head_logits(
     return model.lm_head(model.model.norm(x))
 
 
+def new_cache(args: Any, batch: int, max_seq_len: int, dtype: torch.dtype, device) -> KVCache:
+    """A KV cache for a model of `args`: its head width (`cache_head_dim` where keys and
+    values are cached wider than the RoPE width, as MLA does), and each layer's sliding
+    window where the family has some (`layer_windows`)."""
+    windows = args.layer_windows() if hasattr(args, "layer_windows") else None
+    return KVCache(
+        args.num_hidden_layers,
+        batch,
+        args.num_key_value_heads,
+        max_seq_len,
+        getattr(args, "cache_head_dim", args.head_dim),
+        dtype,
+        device,
+        windows=windows,
+    )
+
+
+def layer_frames(
+    positions: torch.Tensor,
+    cache: KVCache | None,
+    dtype: torch.dtype,
+    window: int | None,
+    rotary: RotaryEmbedding,
+    local_rotary: RotaryEmbedding | None = None,
+    last: torch.Tensor | None = None,
+) -> dict[str, Frame]:
+    """A Frame per layer type: "full_attention" layers see every earlier position,
+    "sliding_attention" ones the last `window` (in a cache that keeps only those: its
+    plan). The sliding layers turn by `local_rotary` where they have a RoPE of their own."""
+    start, length = int(positions[0, 0]), int(positions.max()) + 1
+    # One row's decode step attends to every key it has: no mask to build.
+    one = positions.shape == (1, 1)
+    mask = None if one else attention_mask(positions, key_positions(positions, length, cache))
+    capacity = cache.max_seq_len if cache is not None else None
+
+    def angles(embedding: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = embedding(positions, capacity)
+        # [B, T, rotary_dim] -> [B, 1, T, rotary_dim], broadcast over heads
+        return cos[:, None].to(dtype), sin[:, None].to(dtype)
+
+    cos, sin = angles(rotary)
+    full = Frame(positions, start, length, mask, cos, sin)
+    if local_rotary is not None:
+        cos, sin = angles(local_rotary)
+    if cache is not None and cache.window is not None:
+        plan = cache.plan_window(positions, last)
+        local = Frame(positions, start, length, plan.mask, cos, sin, plan)
+    else:
+        # Within one window of position 0 the window hides nothing.
+        if window is not None and length > window:
+            keys = key_positions(positions, length, cache)
+            mask = attention_mask(positions, keys, window)
+        local = Frame(positions, start, length, mask, cos, sin)
+    return {"full_attention": full, "sliding_attention": local}
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
@@ -554,11 +668,11 @@ class DecoderLayer(nn.Module):
 
 
 class Body(nn.Module):
-    def __init__(self, args: Any, attention: type, mlp: type) -> None:
+    def __init__(self, args: Any, attention: type, mlp: type, layer: type = DecoderLayer) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(args, i, attention, mlp) for i in range(args.num_hidden_layers)
+            layer(args, i, attention, mlp) for i in range(args.num_hidden_layers)
         )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
@@ -569,14 +683,15 @@ class Body(nn.Module):
 class CausalLM(nn.Module):
     """embed -> decoder layers -> norm -> lm_head, with HF's module names
     (`model.layers.N.self_attn.q_proj`, `lm_head`, ...). A family supplies its
-    attention and MLP classes."""
+    attention and MLP classes, and its decoder layer where the norms sit elsewhere
+    (OLMo 2's after each sublayer)."""
 
     decode_step = None  # see run_layers
 
-    def __init__(self, args: Any, attention: type, mlp: type) -> None:
+    def __init__(self, args: Any, attention: type, mlp: type, layer: type = DecoderLayer) -> None:
         super().__init__()
         self.args = args
-        self.model = Body(args, attention, mlp)
+        self.model = Body(args, attention, mlp, layer)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def forward(
@@ -593,13 +708,16 @@ class CausalLM(nn.Module):
         [B] (the index of each row's last real token, for rows padded on the right).
         `static`: one token of one sequence, attending to the cache's first `static`
         positions through a mask (llmrun.static_decode)."""
-        body = self.model
-        x = body.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         if static is not None:
             frame = self.static_frame(positions, cache, x.dtype, static)
         else:
             frame = self.frame(positions, cache, x.dtype)
         return head_logits(self, x, frame, cache, last_only, last).float()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings [B, T, hidden] of input_ids [B, T] (Granite scales them)."""
+        return self.model.embed_tokens(input_ids)
 
     def frame(self, positions: torch.Tensor, cache: KVCache | None, dtype: torch.dtype) -> Frame:
         start, length = int(positions[0, 0]), int(positions.max()) + 1
@@ -630,13 +748,4 @@ class CausalLM(nn.Module):
         )  # fmt: skip
 
     def new_cache(self, batch: int, max_seq_len: int, dtype: torch.dtype, device) -> KVCache:
-        a = self.args
-        return KVCache(
-            a.num_hidden_layers,
-            batch,
-            a.num_key_value_heads,
-            max_seq_len,
-            a.head_dim,
-            dtype,
-            device,
-        )
+        return new_cache(self.args, batch, max_seq_len, dtype, device)

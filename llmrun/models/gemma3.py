@@ -22,10 +22,10 @@ from llmrun.models.base import (
     RotaryEmbedding,
     args_from_config,
     attend_scaled,
-    attention_mask,
     check_layer_types,
     head_logits,
-    key_positions,
+    layer_frames,
+    new_cache,
     rope_parameters,
 )
 from llmrun.models.cache import KVCache
@@ -231,39 +231,15 @@ class Model(nn.Module):
         """A Frame per layer type: global layers see every earlier position, sliding
         ones the last sliding_window (in a cache that keeps only those: its plan),
         each with its own RoPE."""
-        start, length = int(positions[0, 0]), int(positions.max()) + 1
-        # One row's decode step attends to every key it has: no mask to build.
-        one = positions.shape == (1, 1)
-        mask = None if one else attention_mask(positions, key_positions(positions, length, cache))
-
-        def rope(rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
-            cos, sin = rotary(positions)
-            # [B, T, rotary_dim] -> [B, 1, T, rotary_dim], broadcast over heads
-            return cos[:, None].to(dtype), sin[:, None].to(dtype)
-
-        full = Frame(positions, start, length, mask, *rope(self.model.rotary_emb))
-        cos, sin = rope(self.model.rotary_emb_local)
-        window = self.args.sliding_window
-        if cache is not None and cache.window is not None:
-            plan = cache.plan_window(positions, last)
-            local = Frame(positions, start, length, plan.mask, cos, sin, plan)
-        else:
-            # Within one window of position 0 the window hides nothing.
-            if window is not None and length > window:
-                keys = key_positions(positions, length, cache)
-                mask = attention_mask(positions, keys, window)
-            local = Frame(positions, start, length, mask, cos, sin)
-        return {"full_attention": full, "sliding_attention": local}
+        return layer_frames(
+            positions,
+            cache,
+            dtype,
+            self.args.sliding_window,
+            self.model.rotary_emb,
+            self.model.rotary_emb_local,
+            last=last,
+        )
 
     def new_cache(self, batch: int, max_seq_len: int, dtype: torch.dtype, device) -> KVCache:
-        a = self.args
-        return KVCache(
-            a.num_hidden_layers,
-            batch,
-            a.num_key_value_heads,
-            max_seq_len,
-            a.head_dim,
-            dtype,
-            device,
-            windows=a.layer_windows(),
-        )
+        return new_cache(self.args, batch, max_seq_len, dtype, device)

@@ -64,8 +64,13 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(batch, tokens, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, tokens, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, tokens, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = self.scale_queries(frame.rotate(q), frame), frame.rotate(k)
+        q, k = self.scale_queries(self.rotate(q, frame), frame), self.rotate(k, frame)
         return self.o_proj(attend(q, k, v, self.layer, frame, cache))
+
+    def rotate(self, x: torch.Tensor, frame: Frame) -> torch.Tensor:
+        """x [B, H, T, D] with this layer's position encoding (SmolLM3's NoPE layers have
+        none)."""
+        return frame.rotate(x)
 
     def scale_queries(self, q: torch.Tensor, frame: Frame) -> torch.Tensor:
         """The rotated queries as attention takes them (Ministral 3 scales them)."""

@@ -28,6 +28,7 @@ from llmrun.models.base import (
     head_logits,
     key_positions,
     mix_experts,
+    new_cache,
     route,
 )
 from llmrun.models.cache import KVCache
@@ -200,13 +201,4 @@ class Model(nn.Module):
         return Frame(positions, start, length, mask, cos[:, None].to(dtype), sin[:, None].to(dtype))
 
     def new_cache(self, batch: int, max_seq_len: int, dtype: torch.dtype, device) -> KVCache:
-        a = self.args
-        return KVCache(
-            a.num_hidden_layers,
-            batch,
-            a.num_key_value_heads,
-            max_seq_len,
-            a.head_dim,
-            dtype,
-            device,
-        )
+        return new_cache(self.args, batch, max_seq_len, dtype, device)

@@ -1,0 +1,63 @@
+"""GLM-4 0414 GGUFs (arch "glm4") as llama.cpp's converter writes them
+(conversion/glm.py Glm4Model), and the GLM architectures llmrun refuses.
+
+The converter keeps Hugging Face's q/k rows (GLM's RoPE rotates adjacent pairs, which
+is llama.cpp's "normal" RoPE: nothing to undo), writes the fused gate_up_proj as
+ffn_up, the norm after attention as post_attention_norm and the one after the MLP as
+post_ffw_norm, and the rotated width as rope.dimension_count (llama.cpp: the head
+size where absent).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from gguf import Keys
+
+from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.loading.gguf_io import GGUFFile
+
+ARCH = MODEL_TYPE = "glm4"
+# GGUF layer tensor -> HF module, where GLM-4 differs from the common names.
+LAYER_NAMES = {
+    "post_attention_norm": "post_self_attn_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_mlp_layernorm",
+    "ffn_up": "mlp.gate_up_proj",
+}
+# Architectures of the GLM line that llmrun does not run, and why.
+REFUSED = {
+    "glm4moe": "GLM-4.5 (arch glm4moe, a mixture of experts) is not supported yet",
+    "chatglm": "ChatGLM / GLM-4 before 0414 (arch chatglm) is not supported; "
+    "GLM-4-0414 models (arch glm4) are",
+}
+
+
+def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any]) -> None:
+    """GLM-4's fields of the HF-style config that config_from_gguf built: the rotated
+    share of each head (its ModelArgs default, 0.5, is not llama.cpp's). Refuses the
+    multimodal files (M-RoPE sections: GLM-4V) and those with NextN prediction layers
+    (GLM-OCR), whose layers llmrun does not run."""
+    head_dim = config["head_dim"]
+    sections = key(_name(Keys.Rope.DIMENSION_SECTIONS))
+    if sections and any(sections):
+        raise UnsupportedError(
+            f"{gg.path}: a glm4 file with M-RoPE sections (a multimodal GLM-4V) is not supported"
+        )
+    if key(_name(Keys.LLM.NEXTN_PREDICT_LAYERS), 0):
+        raise UnsupportedError(
+            f"{gg.path}: a glm4 file with NextN prediction layers (GLM-OCR) is not supported"
+        )
+    rotated = key(_name(Keys.Rope.DIMENSION_COUNT)) or head_dim
+    if rotated % 2 or rotated > head_dim:
+        raise ModelFormatError(
+            f"{gg.path}: {ARCH}.rope.dimension_count is {rotated}, but RoPE rotates pairs "
+            f"of the {head_dim} features of a head"
+        )
+    config["rope_parameters"]["partial_rotary_factor"] = rotated / head_dim
+
+
+def _name(template: str) -> str:
+    """A gguf.Keys "{arch}.NAME" template without its arch: the key() argument."""
+    return template.removeprefix("{arch}.")

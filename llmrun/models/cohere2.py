@@ -1,0 +1,124 @@
+"""Cohere 2 (Command R7B, Command A; llama.cpp's "cohere2" GGUFs): Command-R's
+parallel block, LayerNorms, adjacent-pair RoPE and logit_scale, with sliding-window
+layers alternating with global ones (three local to each global by default) and no
+RoPE at all in the global layers. head_dim is always hidden_size / heads, and there
+are no q/k norms.
+
+Reference: transformers/models/cohere2/modeling_cohere2.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.models import cohere
+from llmrun.models.base import (
+    Frame,
+    attend_scaled,
+    check_layer_types,
+    head_logits,
+    layer_frames,
+    new_cache,
+)
+from llmrun.models.cache import KVCache
+
+
+@dataclass
+class ModelArgs(cohere.ModelArgs):
+    sliding_window: int | None = 4096
+    sliding_window_pattern: int = 4
+    layer_types: list[str] | None = None
+
+    default_theta: ClassVar[float] = 10000.0  # Cohere2Config sets none of its own
+
+    def __post_init__(self) -> None:
+        if self.use_qk_norm:
+            raise UnsupportedError("Cohere 2 with use_qk_norm=true is not supported")
+        super().__post_init__()
+        self.head_dim = self.hidden_size // self.num_attention_heads  # as Cohere2Config
+        if self.layer_types is None:
+            # transformers' default from `sliding_window_pattern`: every pattern-th
+            # layer global, the others local.
+            pattern = self.sliding_window_pattern
+            self.layer_types = [
+                "sliding_attention" if (i + 1) % pattern else "full_attention"
+                for i in range(self.num_hidden_layers)
+            ]
+        self.layer_types = check_layer_types(self.layer_types, self.num_hidden_layers)
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ModelFormatError("sliding_attention layers need a sliding_window")
+
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's sliding window, None for global layers."""
+        return [
+            self.sliding_window if kind == "sliding_attention" else None
+            for kind in self.layer_types
+        ]
+
+
+class Attention(cohere.Attention):
+    """Command-R's attention; local layers rotate and see a window, global ones do neither."""
+
+    def __init__(self, args: ModelArgs, layer: int) -> None:
+        super().__init__(args, layer)
+        self.layer_type = args.layer_types[layer]
+        self.rotary = self.layer_type == "sliding_attention"
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self, x: torch.Tensor, frames: dict[str, Frame], cache: KVCache | None
+    ) -> torch.Tensor:
+        return super().forward(x, frames[self.layer_type], cache)
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, frame: Frame, cache: KVCache | None
+    ) -> torch.Tensor:
+        return attend_scaled(q, k, v, self.layer, frame, cache, self.scale)
+
+
+class Model(nn.Module):
+    """embed -> parallel blocks -> norm -> lm_head * logit_scale, with HF's module names."""
+
+    decode_step = None  # see llmrun.models.base.run_layers
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.model = cohere.Body(args, Attention)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache | None = None,
+        last_only: bool = False,
+        last: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Float32 logits [B, T, vocab] for input_ids [B, T] at positions [B, T];
+        [B, 1, vocab] with last_only or `last` (as CausalLM.forward)."""
+        x = self.model.embed_tokens(input_ids)
+        frames = self.frames(positions, cache, x.dtype, last)
+        logits = head_logits(self, x, frames, cache, last_only, last).float()
+        return logits * self.args.logit_scale
+
+    def frames(
+        self,
+        positions: torch.Tensor,
+        cache: KVCache | None,
+        dtype: torch.dtype,
+        last: torch.Tensor | None = None,
+    ) -> dict[str, Frame]:
+        """A Frame per layer type: global layers see every earlier position, sliding
+        ones the last sliding_window (in a cache that keeps only those: its plan)."""
+        return layer_frames(
+            positions, cache, dtype, self.args.sliding_window, self.model.rotary_emb, last=last
+        )
+
+    def new_cache(self, batch: int, max_seq_len: int, dtype: torch.dtype, device) -> KVCache:
+        return new_cache(self.args, batch, max_seq_len, dtype, device)

@@ -1,0 +1,314 @@
+"""DeepSeek-V2 (V2, V2-Lite, V2.5): multi-head latent attention (MLA) and DeepSeekMoE.
+
+MLA: queries come from the hidden state directly (q_proj) or through a low-rank
+bottleneck (q_a_proj -> q_a_layernorm -> q_b_proj). Keys and values come from one
+compressed latent per token (kv_a_proj_with_mqa -> kv_a_layernorm), expanded per head
+by kv_b_proj into a key part without position (qk_nope_head_dim) and the value
+(v_head_dim); the rest of each key (qk_rope_head_dim) is one RoPE'd vector shared by
+all heads, from kv_a_proj_with_mqa too. RoPE turns adjacent pairs of the rope part
+(V3 may say otherwise: rope_interleave). With YaRN, mscale_all_dim scales the softmax.
+
+The KV cache holds each head's full key and value (the value zero-padded to the key's
+width, so the caches and their kernels see one head size): simple and exact; caching
+the latent instead would take ~30x less memory and is left for later.
+
+DeepSeekMoE: the first first_k_dense_replace layers are dense; the others route each
+token to num_experts_per_tok of n_routed_experts small experts (softmax scores, the top
+experts overall, "greedy", or among the topk_group best of n_group groups,
+"group_limited_greedy") and add n_shared_experts always-on experts. The routed weights
+are scaled by routed_scaling_factor, and renormalized first with norm_topk_prob (as V3
+and llama.cpp do; transformers' V2 ignores the flag, which released V2 models leave
+false).
+
+Reference: transformers/models/deepseek_v2/modeling_deepseek_v2.py. Parameter names are
+the Hub's checkpoint keys (one module per expert, `mlp.experts.N.gate_proj`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.models.base import (
+    CausalLM,
+    DecoderLayer,
+    Frame,
+    GatedMLP,
+    RMSNorm,
+    args_from_config,
+    attend_scaled,
+    mix_experts,
+    rotate_pairs,
+    route_grouped,
+)
+from llmrun.models.cache import KVCache
+from llmrun.models.qwen3_moe import MLP
+
+# The routings of each family (config.json's topk_method and scoring_func).
+TOPK_METHODS = ("greedy", "group_limited_greedy")
+SCORING = "softmax"
+# The norms inside attention: transformers builds them with its RMSNorm's default eps.
+LATENT_NORM_EPS = 1e-6
+
+
+@dataclass
+class ModelArgs:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    vocab_size: int
+    num_experts_per_tok: int
+    intermediate_size: int = 11008  # the dense layers'
+    moe_intermediate_size: int = 1407
+    n_routed_experts: int = 64
+    n_shared_experts: int | None = 2
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = False
+    topk_method: str = "greedy"
+    scoring_func: str = SCORING
+    n_group: int | None = None
+    topk_group: int | None = None
+    kv_lora_rank: int = 512
+    q_lora_rank: int | None = 1536
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_interleave: bool = True
+    rms_norm_eps: float = 1e-6
+    # Not a config.json field: llama.cpp normalizes the latents with rms_norm_eps, so a
+    # GGUF's config sets it to that.
+    latent_norm_eps: float = LATENT_NORM_EPS
+    max_position_embeddings: int = 2048
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    rope_parameters: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.mlp_bias:
+            raise UnsupportedError("DeepSeek with mlp_bias=true is not supported")
+        if self.moe_layer_freq != 1:
+            raise UnsupportedError(
+                f"DeepSeek with moe_layer_freq {self.moe_layer_freq} is not supported (only 1)"
+            )
+        if "partial_rotary_factor" in self.rope_parameters:
+            raise UnsupportedError("DeepSeek with partial_rotary_factor is not supported")
+        self.check_routing()
+        experts, groups = self.n_routed_experts, self.n_group or 1
+        if experts % groups:
+            raise ModelFormatError(f"{experts} experts do not split into n_group {groups} groups")
+        if not 0 < (self.topk_group or 1) <= groups:
+            raise ModelFormatError(f"topk_group is {self.topk_group}, but n_group is {groups}")
+        reachable = experts // groups * (self.topk_group or 1) if self.grouped else experts
+        if not 0 < self.num_experts_per_tok <= reachable:
+            raise ModelFormatError(
+                f"num_experts_per_tok is {self.num_experts_per_tok}, but a token can reach "
+                f"{reachable} of the {experts} experts (n_routed_experts, n_group, topk_group)"
+            )
+
+    def check_routing(self) -> None:
+        """Refuse a routing this family does not compute."""
+        if self.topk_method not in TOPK_METHODS:
+            raise UnsupportedError(
+                f"DeepSeek-V2 topk_method {self.topk_method!r} is not supported "
+                f"(supported: {', '.join(TOPK_METHODS)})"
+            )
+        if self.scoring_func != SCORING:
+            raise UnsupportedError(
+                f"DeepSeek-V2 scoring_func {self.scoring_func!r} is not supported ({SCORING})"
+            )
+
+    @property
+    def grouped(self) -> bool:
+        """Whether experts are chosen among the best groups only."""
+        return self.topk_method != "greedy" and (self.n_group or 1) > 1
+
+    @property
+    def group_score(self) -> str:
+        return "max"  # group_limited_greedy: a group's best expert
+
+    @property
+    def num_key_value_heads(self) -> int:
+        """Each head has its own key and value once they are decompressed."""
+        return self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        """The features RoPE turns (transformers' head_dim)."""
+        return self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_head_dim(self) -> int:
+        """The width of a head's cached key and value (the narrower one zero-padded)."""
+        return max(self.qk_head_dim, self.v_head_dim)
+
+    @property
+    def softmax_scale(self) -> float:
+        """qk_head_dim^-0.5, times YaRN's mscale(factor, mscale_all_dim) squared."""
+        scale = self.qk_head_dim**-0.5
+        params = self.rope_parameters
+        mscale_all_dim = params.get("mscale_all_dim")
+        if params["rope_type"] != "default" and mscale_all_dim:
+            # As RotaryEmbedding reads YaRN's factor (the context ratio where none is given).
+            original = params.get("original_max_position_embeddings")
+            factor = params.get("factor") or self.max_position_embeddings / original
+            mscale = 1.0 if factor <= 1 else 0.1 * mscale_all_dim * math.log(factor) + 1.0
+            scale *= mscale * mscale
+        return scale
+
+    def sparse(self, layer: int) -> bool:
+        """Whether `layer` has experts (else a dense feed-forward)."""
+        return layer >= self.first_k_dense_replace
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ModelArgs:
+        if "n_routed_experts" not in config and "num_experts" in config:
+            config = {**config, "n_routed_experts": config["num_experts"]}
+        return args_from_config(cls, config, nullable=("q_lora_rank", "n_shared_experts"))
+
+
+class Attention(nn.Module):
+    """Multi-head latent attention, with each head's key and value expanded from the
+    latent before they are cached."""
+
+    def __init__(self, args: ModelArgs, layer: int) -> None:
+        super().__init__()
+        self.layer, self.n_heads = layer, args.num_attention_heads
+        self.nope, self.rope, self.v_dim = (
+            args.qk_nope_head_dim,
+            args.qk_rope_head_dim,
+            args.v_head_dim,
+        )
+        self.kv_lora_rank, self.width = args.kv_lora_rank, args.cache_head_dim
+        self.interleaved = args.rope_interleave
+        self.scale = args.softmax_scale
+        heads, qk, bias = self.n_heads, args.qk_head_dim, args.attention_bias
+        self.q_lora_rank = args.q_lora_rank
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(args.hidden_size, heads * qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(args.hidden_size, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, args.latent_norm_eps)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(
+            args.hidden_size, args.kv_lora_rank + self.rope, bias=bias
+        )
+        self.kv_a_layernorm = RMSNorm(args.kv_lora_rank, args.latent_norm_eps)
+        self.kv_b_proj = nn.Linear(args.kv_lora_rank, heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(heads * self.v_dim, args.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor, frame: Frame, cache: KVCache | None) -> torch.Tensor:
+        batch, tokens, _ = x.shape
+        heads = self.n_heads
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        # [B, T, H*(nope+rope)] -> [B, H, T, nope+rope]
+        q = q.view(batch, tokens, heads, self.nope + self.rope).transpose(1, 2)
+        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        # [B, T, H*(nope+v)] -> [B, H, T, nope+v]
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent))
+        kv = kv.view(batch, tokens, heads, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        # [B, T, rope] -> [B, 1, T, rope]: one rotated key part shared by every head
+        q_rope, k_rope = self.rotate(q_rope, frame), self.rotate(k_rope[:, None], frame)
+        q = self.pad(torch.cat((q_nope, q_rope), dim=-1))
+        k = self.pad(torch.cat((k_nope, k_rope.expand(-1, heads, -1, -1)), dim=-1))
+        out = attend_scaled(q, k, self.pad(v), self.layer, frame, cache, self.scale)
+        # [B, T, H*width] -> [B, T, H*v]: the values' padding dropped
+        out = out.view(batch, tokens, heads, self.width)[..., : self.v_dim]
+        return self.o_proj(out.reshape(batch, tokens, heads * self.v_dim))
+
+    def rotate(self, x: torch.Tensor, frame: Frame) -> torch.Tensor:
+        """RoPE on the rope parts [B, H, T, rope]: adjacent pairs, or with
+        rope_interleave false, x[i] with x[i + rope / 2]."""
+        return rotate_pairs(x, frame) if self.interleaved else frame.rotate(x)
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, H, T, D] zero-padded to the cache's width (zeros add nothing to q.k
+        and give output features that are dropped)."""
+        return F.pad(x, (0, self.width - x.shape[-1])) if x.shape[-1] < self.width else x
+
+
+class Router(nn.Module):
+    """The experts of each token and their weights, from logits computed in f32 (as
+    transformers keeps the router in f32)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.hidden_size))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, D] -> weights [N, top_k] in x's dtype and expert indices [N, top_k]."""
+        a = self.args
+        logits = F.linear(x.float(), self.weight.float())
+        weights, indices = route_grouped(
+            logits,
+            a.num_experts_per_tok,
+            scoring=a.scoring_func,
+            bias=self.selection_bias(),
+            n_group=a.n_group if a.grouped else 1,
+            topk_group=a.topk_group or 1,
+            group_score=a.group_score,
+            normalize=a.norm_topk_prob,
+            scale=a.routed_scaling_factor,
+        )
+        return weights.to(x.dtype), indices
+
+    def selection_bias(self) -> torch.Tensor | None:
+        """What is added to the scores to choose experts (DeepSeek-V3's correction)."""
+        return None
+
+
+class MoE(nn.Module):
+    """Routed experts plus the shared experts every token goes through."""
+
+    router = Router
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.top_k = args.num_experts_per_tok
+        self.gate = self.router(args)
+        self.experts = nn.ModuleList(
+            MLP(args, args.moe_intermediate_size) for _ in range(args.n_routed_experts)
+        )
+        shared = args.n_shared_experts
+        self.shared_experts = MLP(args, args.moe_intermediate_size * shared) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])  # [B, T, D] -> [B*T, D]
+        weights, indices = self.gate(x2)
+        out = mix_experts(x2, weights, indices, self.experts).view(x.shape)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
+
+
+class Layer(DecoderLayer):
+    """A pre-norm block whose feed-forward is dense in the first layers, else experts."""
+
+    moe = MoE
+
+    def __init__(self, args: ModelArgs, layer: int, attention: type, mlp: type) -> None:
+        super().__init__(args, layer, attention, self.moe if args.sparse(layer) else mlp)
+
+
+class Model(CausalLM):
+    layer = Layer
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__(args, Attention, GatedMLP, self.layer)
