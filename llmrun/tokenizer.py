@@ -1,7 +1,8 @@
 """Text <-> token ids: the Tokenizer every source builds, its streaming decoder, load_tokenizer.
 
 The `tokenizers` library does the encoding. A tokenizer comes from a tokenizer.json (read here)
-or from GGUF `tokenizer.ggml.*` metadata (llmrun.tokenizer_gguf, which reproduces llama.cpp).
+or from GGUF `tokenizer.ggml.*` metadata (llmrun.tokenizer_gguf, which reproduces llama.cpp),
+which a folder's SentencePiece tokenizer.model becomes (llmrun.sentencepiece_model).
 Decoding is done here, from each token's bytes (llmrun.token_bytes), so that a stream of pieces
 concatenates to exactly the full decode and never ends inside a UTF-8 character. No torch here.
 """
@@ -18,7 +19,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as Backend
 
-from llmrun import tokenizer_gguf
+from llmrun import sentencepiece_model, tokenizer_gguf
 from llmrun.errors import TokenizerError, UnsupportedError
 from llmrun.pretokenizers import SPM_SPACE
 from llmrun.token_bytes import byte_level_bytes, raw, spm_bytes
@@ -174,9 +175,14 @@ class Tokenizer:
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> Tokenizer:
-        """Build from tokenizer.json, with BOS/EOS from tokenizer_config.json when present."""
+        """Build from tokenizer.json, with BOS/EOS from tokenizer_config.json when present;
+        from a SentencePiece tokenizer.model as llama.cpp's converter reads it where the
+        folder has no tokenizer.json."""
         path = Path(path)
         file = hf_tokenizer_file(path)
+        if file.name == "tokenizer.model":
+            metadata = sentencepiece_model.gguf_metadata(path)
+            return cls(**tokenizer_gguf.tokenizer_args(metadata, str(file)))
         try:
             backend = Backend.from_file(str(file))
         except Exception as e:
@@ -294,11 +300,14 @@ def valid_text(text: str) -> str:
 
 
 def hf_tokenizer_file(folder: Path) -> Path:
-    """A model folder's tokenizer.json; refuses a folder without one."""
-    file = folder / "tokenizer.json"
-    if not file.is_file():
-        raise TokenizerError(f"{folder}: no tokenizer.json (a model directory needs one)")
-    return file
+    """A model folder's tokenizer.json, else its SentencePiece tokenizer.model; refuses
+    a folder with neither."""
+    for name in ("tokenizer.json", "tokenizer.model"):
+        if (folder / name).is_file():
+            return folder / name
+    raise TokenizerError(
+        f"{folder}: no tokenizer.json or tokenizer.model (a model directory needs one)"
+    )
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

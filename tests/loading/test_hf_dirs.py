@@ -289,9 +289,10 @@ def test_paths_that_are_not_a_model_folder_say_what_to_give(llama_dir, tmp_path)
         load_model(ggufs, CPU)
 
 
-def test_a_folder_with_only_a_sentencepiece_tokenizer_is_refused(llama_dir, tmp_path):
-    """tokenizer.model without tokenizer.json: llmrun reads no SentencePiece model."""
+def test_a_broken_sentencepiece_tokenizer_is_one_clear_error(llama_dir, tmp_path):
+    """tokenizer.model without tokenizer.json is read (tests/test_sentencepiece_model.py);
+    one that is no SentencePiece model is refused, saying so."""
     path = copy(llama_dir, tmp_path)
     (path / "tokenizer.model").write_bytes(b"\n\x00")
-    with pytest.raises(TokenizerError, match="no tokenizer.json"):
+    with pytest.raises(TokenizerError, match="tokenizer.model: not a SentencePiece model"):
         api.load(str(path), device="cpu")

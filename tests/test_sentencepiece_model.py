@@ -1,0 +1,171 @@
+"""A folder's SentencePiece tokenizer.model against the sentencepiece library itself: a BPE
+model trained here (byte fallback, no normalization, as Llama's) encodes every text to
+the library's ids; added tokens and settings come as llama.cpp's converter takes them."""
+
+import json
+
+import pytest
+from helpers import STORIES_HF
+
+from llmrun.errors import TokenizerError, UnsupportedError
+from llmrun.sentencepiece_model import read_model
+from llmrun.tokenizer import Tokenizer
+
+spm = pytest.importorskip("sentencepiece")
+
+TEXTS = [
+    "Once upon a time, there was a little girl named Lily.",
+    "  two leading spaces, and  two  inside",
+    "tabs\tand\nnewlines\n\nand trailing  ",
+    "numbers 1234567 and 3.14159, emoji 🦙🚀, accents café naïve",
+    "中文字符 and 日本語 mixed with English",
+    "",
+    " ",
+    "<s> looks special but is text",
+]
+
+
+SIZE = 400
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """A BPE tokenizer.model of SIZE pieces, trained on the bundled stories' vocabulary:
+    characters past its coverage (CJK, emoji) are spelled in bytes."""
+    folder = tmp_path_factory.mktemp("spm")
+    vocab = json.loads((STORIES_HF / "tokenizer.json").read_text())["model"]["vocab"]
+    words = [w.replace("▁", "") for w in vocab if not w.startswith("<")]
+    lines = [" ".join(words[i : i + 12]) for i in range(0, len(words), 12)]
+    (folder / "corpus.txt").write_text("\n".join(lines * 4 + TEXTS[:2]), encoding="utf-8")
+    spm.SentencePieceTrainer.train(
+        input=str(folder / "corpus.txt"),
+        model_prefix=str(folder / "tokenizer"),
+        vocab_size=SIZE,
+        model_type="bpe",
+        byte_fallback=True,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        split_digits=True,
+        character_coverage=0.995,
+        minloglevel=2,
+    )
+    return folder
+
+
+def test_a_tokenizer_model_encodes_as_sentencepiece_does(folder):
+    reference = spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
+    ours = Tokenizer.from_hf_dir(folder)
+    assert ours.vocab_size == reference.vocab_size()
+    assert (ours.bos_id, ours.eos_id, ours.add_bos) == (1, 2, True)
+    for text in TEXTS:
+        expected = [1] + reference.encode(text)
+        assert ours.encode(text, parse_special=False) == expected, text
+        assert ours.decode(expected[1:]) == reference.decode(expected[1:]), text
+
+
+def test_added_tokens_and_settings_are_the_converters(folder, tmp_path):
+    for name in ("tokenizer.model", "tokenizer.vocab"):
+        (tmp_path / name).write_bytes((folder / name).read_bytes())
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": SIZE + 4}))
+    # Two added tokens past the model's pieces, and two of padding.
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "add_bos_token": False,
+                "eos_token": "<|end|>",
+                "added_tokens_decoder": {
+                    f"{SIZE}": {"content": "<|end|>", "special": True},
+                    f"{SIZE + 1}": {"content": "▁hello▁there", "special": False},
+                },
+            }
+        )
+    )
+    ours = Tokenizer.from_hf_dir(tmp_path)
+    assert (ours.vocab_size, ours.eos_id, ours.add_bos) == (SIZE + 4, SIZE, False)
+    assert SIZE in ours.special_ids and SIZE in ours.eog_ids
+    # The user-defined token is matched in text, its ▁ read as spaces (the converter's).
+    ids = ours.encode("say hello there<|end|>", parse_special=True)
+    assert SIZE + 1 in ids and ids[-1] == SIZE
+    assert ours.decode(ids) == "say hello there"
+
+
+def test_a_file_that_is_not_a_model_is_refused(tmp_path):
+    (tmp_path / "tokenizer.model").write_bytes(b"\x0a\x05\x0a\x03abc\xff")
+    with pytest.raises(TokenizerError, match="not a SentencePiece model"):
+        Tokenizer.from_hf_dir(tmp_path)
+    with pytest.raises(TokenizerError, match="not a SentencePiece model"):
+        read_model(b"\x0a\xff\xff\xff\xff\x0f", "x")
+
+
+def test_a_unigram_model_is_refused(tmp_path):
+    folder = tmp_path / "u"
+    folder.mkdir()
+    corpus = folder / "corpus.txt"
+    corpus.write_text("\n".join(TEXTS[:5] * 20), encoding="utf-8")
+    spm.SentencePieceTrainer.train(
+        input=str(corpus),
+        model_prefix=str(folder / "tokenizer"),
+        vocab_size=60,
+        model_type="unigram",
+        minloglevel=2,
+    )
+    with pytest.raises(UnsupportedError, match="SentencePiece Unigram model is not supported"):
+        Tokenizer.from_hf_dir(folder)
+
+
+def _field(number: int, wire: int, payload: bytes) -> bytes:
+    return _varint(number << 3 | wire) + payload
+
+
+def _varint(value: int) -> bytes:
+    out = b""
+    while True:
+        out += bytes([value & 0x7F | (0x80 if value > 0x7F else 0)])
+        value >>= 7
+        if not value:
+            return out
+
+
+def _message(number: int, body: bytes) -> bytes:
+    return _field(number, 2, _varint(len(body)) + body)
+
+
+def test_a_folder_with_tokenizer_model_runs_as_its_gguf(tmp_path):
+    """stories260K's folder with the GGUF's vocabulary as a tokenizer.model (the protobuf
+    llama2.c's tok512.model is) in place of tokenizer.json: `run` tells the same story."""
+    import shutil
+    import struct
+    import subprocess
+    import sys
+
+    from helpers import STORIES_GGUF
+
+    from llmrun.loading.gguf_io import read_gguf
+
+    meta = read_gguf(STORIES_GGUF, with_tensors=False).metadata
+    pieces = b"".join(
+        _message(
+            1,
+            _message(1, token.encode())
+            + _field(2, 5, struct.pack("<f", score))
+            + _field(3, 0, _varint(kind)),
+        )
+        for token, score, kind in zip(
+            meta["tokenizer.ggml.tokens"],
+            meta["tokenizer.ggml.scores"],
+            meta["tokenizer.ggml.token_type"],
+            strict=True,
+        )
+    )
+    trainer = _field(3, 0, _varint(2)) + b"".join(
+        _field(n, 0, _varint(i)) for n, i in ((40, 0), (41, 1), (42, 2))
+    )
+    folder = tmp_path / "stories"
+    shutil.copytree(STORIES_HF, folder)
+    (folder / "tokenizer.json").unlink()
+    (folder / "tokenizer.model").write_bytes(pieces + _message(2, trainer))
+    run = [sys.executable, "-m", "llmrun", "run", "-n", "20", "--temperature", "0"]
+    expected = subprocess.run([*run, str(STORIES_HF), "Once upon a time"], capture_output=True)
+    got = subprocess.run([*run, str(folder), "Once upon a time"], capture_output=True)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout == expected.stdout and len(expected.stdout) > 40
