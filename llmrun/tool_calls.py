@@ -18,6 +18,18 @@ The format is chosen from the chat template's source, never from a model name:
   schema says string, else JSON (as vLLM's qwen3_coder parser reads it)
 - glm45: `<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...</tool_call>`,
   with or without a newline before each tag (GLM-4.5, 4.6, 4.7); values as in qwen3_xml
+- deepseek_v31: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}
+  <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>` (DeepSeek V3.1)
+- deepseek_v3: the same markers around `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME
+  \n```json\n{...}\n```<｜tool▁call▁end｜>`, calls parted by newlines (DeepSeek R1, V3-0324
+  and the R1 distills' templates)
+- kimi_k2: `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX
+  <|tool_call_argument_begin|>{...}<|tool_call_end|>...<|tool_calls_section_end|>` (Kimi
+  K2); `functions.NAME:IDX` is the call's id, which the template writes back
+- command_r7b: `<|START_ACTION|>[{"tool_call_id": "0", "tool_name": ..., "parameters":
+  {...}}, ...]<|END_ACTION|>` (Command R7B, Command A); the template numbers the ids itself
+- seed_oss: `<seed:tool_call>\n<function=NAME>\n<parameter=KEY>VALUE</parameter>\n...
+  </function>\n</seed:tool_call>` (Seed-OSS); values as in qwen3_xml
 
 ToolCallParser reads the generated text piece by piece: text outside calls passes on as
 content as soon as it cannot begin a call, each call comes out whole once it is complete,
@@ -43,7 +55,10 @@ from llmrun.reasoning import ANSWER, REASONING, Piece
 
 HERMES, LLAMA3, MISTRAL, HARMONY, PHI4 = "hermes", "llama3_json", "mistral", "harmony", "phi4_mini"
 QWEN_XML, GRANITE, GLM = "qwen3_xml", "granite", "glm45"
+DEEPSEEK_V31, DEEPSEEK_V3, KIMI, COMMAND = "deepseek_v31", "deepseek_v3", "kimi_k2", "command_r7b"
+SEED = "seed_oss"
 FORMATS = (HERMES, LLAMA3, MISTRAL, HARMONY, PHI4, QWEN_XML, GRANITE, GLM)
+FORMATS += (DEEPSEEK_V31, DEEPSEEK_V3, KIMI, COMMAND, SEED)
 # OpenAI's rule for function names.
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 # How the grammars write JSON: as json.dumps does by default, the way these models were
@@ -154,6 +169,27 @@ class ToolFormat:
             return "<|tool_call|>" + dump(items)
         if self.name == GLM:
             return "".join(_glm_call(c["name"], c["arguments"]) for c in items)
+        if self.name in (DEEPSEEK_V31, DEEPSEEK_V3):
+            v31 = self.name == DEEPSEEK_V31
+            bodies = [
+                f"{c['name']}{_DS_SEP}{dump(c['arguments'])}"
+                if v31
+                else f"function{_DS_SEP}{c['name']}{_DS_JSON_OPEN}{dump(c['arguments'])}"
+                f"{_DS_JSON_CLOSE}"
+                for c in items
+            ]
+            between = "" if v31 else "\n"
+            return _DS_OPEN + between.join(_DS_BEGIN + b + _DS_END for b in bodies) + _DS_CLOSE
+        if self.name == KIMI:
+            return _kimi_calls(calls)
+        if self.name == SEED:
+            return "\n".join(_seed_call(c["name"], c["arguments"]) for c in items)
+        if self.name == COMMAND:
+            actions = [
+                {"tool_call_id": str(i), "tool_name": c["name"], "parameters": c["arguments"]}
+                for i, c in enumerate(items)
+            ]
+            return f"{_COMMAND_OPEN}{dump(actions)}{_COMMAND_CLOSE}"
         return "".join(
             f"<|start|>assistant to=functions.{c['name']}<|channel|>commentary json"
             f"<|message|>{dump(c['arguments'])}<|call|>"
@@ -178,22 +214,27 @@ class ToolFormat:
         def params(f: Mapping[str, Any]) -> dict[str, Any]:
             return {**(f.get("parameters") or _ANY_OBJECT), "x-guidance": JSON_STYLE}
 
-        def call_object(args_key: str, at: str = "") -> dict[str, Any]:
+        def call_object(
+            args_key: str, at: str = "", name_key: str = "name", id_key: str | None = None
+        ) -> dict[str, Any]:
             """The call {"name": ..., args_key: parameters} as a schema that sits at JSON
-            pointer `at` of the grammar's schema."""
+            pointer `at` of the grammar's schema (with `id_key`, a number as a string first,
+            and the name under `name_key`)."""
             one = len(functions) == 1
+            ids = {id_key: {"type": "string", "pattern": "^[0-9]{1,3}$"}} if id_key else {}
             options = [
                 {
                     "type": "object",
                     "properties": {
-                        "name": {"const": f["name"]},
+                        **ids,
+                        name_key: {"const": f["name"]},
                         # its references ($defs, recursion) from where it now sits
                         args_key: _rebased(
                             f.get("parameters") or _ANY_OBJECT,
                             f"{at}{'' if one else f'/anyOf/{i}'}/properties/{args_key}",
                         ),
                     },
-                    "required": ["name", args_key],
+                    "required": [*ids, name_key, args_key],
                     "additionalProperties": False,
                 }
                 for i, f in enumerate(functions)
@@ -222,6 +263,18 @@ class ToolFormat:
             )
             rule = 'call ("\\n" call)*' if parallel else "call"
             return f"start: {rule}\ncall: {call}\n"
+        if self.name == SEED:
+            alts = " | ".join(
+                f'{lit(f["name"] + ">")} "\\n" '
+                f"{_xml_params(f.get('parameters') or _ANY_OBJECT, lit, schema, _seed_param(lit))}"
+                for f in functions
+            )
+            call = (
+                f'{token(_SEED_OPEN)} "\\n<function=" ({alts}) "</function>\\n" '
+                f"{token(_SEED_CLOSE)}"
+            )
+            rule = 'call ("\\n" call)*' if parallel else "call"
+            return f"start: {rule}\ncall: {call}\n"
         if self.name == GLM:
             alts = " | ".join(
                 f"{lit(f['name'])} "
@@ -231,6 +284,37 @@ class ToolFormat:
             call = f'{token("<tool_call>")} ({alts}) "\\n"? {token("</tool_call>")}'
             rule = 'call ("\\n"? call)*' if parallel else "call"
             return f"start: {rule}\ncall: {call}\n"
+        if self.name in (DEEPSEEK_V31, DEEPSEEK_V3):
+            v31 = self.name == DEEPSEEK_V31
+            alts = " | ".join(
+                f"{lit(f['name'])} {token(_DS_SEP)} {schema(params(f))}"
+                if v31
+                else f'"function" {token(_DS_SEP)} {lit(f["name"] + _DS_JSON_OPEN)} '
+                f"{schema(params(f))} {lit(_DS_JSON_CLOSE)}"
+                for f in functions
+            )
+            call = f"{token(_DS_BEGIN)} ({alts}) {token(_DS_END)}"
+            between = "" if v31 else lit("\n")
+            rule = f"call ({between} call)*" if parallel else "call"
+            opening, closing = token(_DS_OPEN), token(_DS_CLOSE)
+            return f"start: {opening} {rule} {closing}\ncall: {call}\n"
+        if self.name == KIMI:
+            alts = " | ".join(
+                f"{lit('functions.' + f['name'] + ':')} /[0-9]{{1,3}}/ "
+                f"{token(_KIMI_ARGS)} {schema(params(f))}"
+                for f in functions
+            )
+            call = f"{token(_KIMI_BEGIN)} ({alts}) {token(_KIMI_END)}"
+            opening, closing = token(_KIMI_OPEN), token(_KIMI_CLOSE)
+            return f"start: {opening} call{many} {closing}\ncall: {call}\n"
+        if self.name == COMMAND:
+            # laid out as the template writes its calls and the system prompt asks
+            action = schema(call_object("parameters", "", "tool_name", "tool_call_id"))
+            more = '(",\\n    " action)*' if parallel else ""
+            return (
+                f'start: {token(_COMMAND_OPEN)} "[\\n    " action {more} "\\n]" '
+                f"{token(_COMMAND_CLOSE)}\naction: {action}\n"
+            )
         if self.name in (MISTRAL, GRANITE) and not self.args_form:
             items = {"type": "array", "items": call_object("arguments", "/items"), "minItems": 1}
             if not parallel:
@@ -252,6 +336,19 @@ class ToolFormat:
 
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
+_DS_OPEN, _DS_CLOSE = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+_DS_BEGIN, _DS_END, _DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+_DS_JSON_OPEN, _DS_JSON_CLOSE = "\n```json\n", "\n```"  # around DeepSeek-R1's arguments
+_KIMI_OPEN, _KIMI_CLOSE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+_KIMI_BEGIN, _KIMI_ARGS, _KIMI_END = (
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+)
+_COMMAND_OPEN, _COMMAND_CLOSE = "<|START_ACTION|>", "<|END_ACTION|>"
+_SEED_OPEN, _SEED_CLOSE = "<seed:tool_call>", "</seed:tool_call>"
+_DS_MARKERS = (_DS_OPEN, _DS_CLOSE, _DS_BEGIN, _DS_END, _DS_SEP)
+_KIMI_MARKERS = (_KIMI_OPEN, _KIMI_CLOSE, _KIMI_BEGIN, _KIMI_ARGS, _KIMI_END)
 _HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>")
 
 _FORMATS = {
@@ -269,6 +366,11 @@ _FORMATS = {
     ),
     GRANITE: ToolFormat(GRANITE, ("<|tool_call|>",), markers=("<|tool_call|>",)),
     GLM: ToolFormat(GLM, ("<tool_call>",), "</tool_call>", ("<tool_call>", "</tool_call>")),
+    DEEPSEEK_V31: ToolFormat(DEEPSEEK_V31, (_DS_OPEN,), _DS_CLOSE, _DS_MARKERS),
+    DEEPSEEK_V3: ToolFormat(DEEPSEEK_V3, (_DS_OPEN,), _DS_CLOSE, _DS_MARKERS),
+    KIMI: ToolFormat(KIMI, (_KIMI_OPEN,), _KIMI_CLOSE, _KIMI_MARKERS),
+    COMMAND: ToolFormat(COMMAND, (_COMMAND_OPEN,), _COMMAND_CLOSE, (_COMMAND_OPEN, _COMMAND_CLOSE)),
+    SEED: ToolFormat(SEED, (_SEED_OPEN,), _SEED_CLOSE, (_SEED_OPEN, _SEED_CLOSE)),
 }
 
 
@@ -283,6 +385,14 @@ def detect_format(template: str | None) -> ToolFormat | None:
         return None
     if "<|channel|>" in template and "functions." in template:
         return _FORMATS[HARMONY]
+    if _KIMI_OPEN in template and _KIMI_BEGIN in template:
+        return _FORMATS[KIMI]
+    if _DS_OPEN in template and _DS_SEP in template:  # R1's arguments are in a ```json block
+        return _FORMATS[DEEPSEEK_V3 if "```json" in template else DEEPSEEK_V31]
+    if _COMMAND_OPEN in template and '"tool_name"' in template:
+        return _FORMATS[COMMAND]
+    if _SEED_OPEN in template:
+        return _FORMATS[SEED]
     if "[TOOL_CALLS]" in template:
         return get_format(MISTRAL, args_form="[ARGS]" in template)
     if "<|tool_call|>" in template and "<|start_of_role|>" in template:
@@ -430,11 +540,22 @@ def _mistral(fmt: ToolFormat, region: str) -> list[_Call]:
 
 
 _XML_CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.S)
+_SEED_CALL = re.compile(
+    r"<seed:tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</seed:tool_call>", re.S
+)
 _XML_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
 
 
 def _qwen_xml(fmt: ToolFormat, region: str) -> list[_Call]:
-    m = _XML_CALL.fullmatch(region.strip())
+    return _xml_function(fmt, _XML_CALL.fullmatch(region.strip()))
+
+
+def _seed(fmt: ToolFormat, region: str) -> list[_Call]:
+    return _xml_function(fmt, _SEED_CALL.fullmatch(region.strip()))
+
+
+def _xml_function(fmt: ToolFormat, m: re.Match[str] | None) -> list[_Call]:
+    """The call of a `<function=NAME>` block with its `<parameter=KEY>` ones."""
     if m is None:
         raise ValueError("not a call")
     name, body = m.group(1).strip(), m.group(2)
@@ -459,6 +580,8 @@ def _xml_value(text: str, schema: Any) -> Any:
         return text
     if text in texts:  # an enum of strings, written unquoted
         return text
+    if kind == "boolean" and text in ("True", "False"):  # as Seed-OSS's template writes them
+        return text == "True"
     try:
         return json.loads(text)
     except ValueError:
@@ -471,6 +594,14 @@ def _xml_call(name: str, arguments: Mapping[str, Any]) -> str:
         for key, value in arguments.items()
     )
     return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+
+
+def _seed_call(name: str, arguments: Mapping[str, Any]) -> str:
+    params = "".join(
+        f"<parameter={key}>{value if isinstance(value, str) else dumps(value)}</parameter>\n"
+        for key, value in arguments.items()
+    )
+    return f"{_SEED_OPEN}\n<function={name}>\n{params}</function>\n{_SEED_CLOSE}"
 
 
 def _glm_call(name: str, arguments: Mapping[str, Any]) -> str:
@@ -503,9 +634,132 @@ def _glm(fmt: ToolFormat, region: str) -> list[_Call]:
     return [(name, dumps(args), None)]
 
 
+def _in_sequence(pattern: re.Pattern[str], body: str) -> list[re.Match[str]]:
+    """Every match of `pattern` in `body`, which holds nothing else but whitespace."""
+    matches, at = [], 0
+    for m in pattern.finditer(body):
+        if body[at : m.start()].strip():
+            raise ValueError("text between calls")
+        matches.append(m)
+        at = m.end()
+    if not matches or body[at:].strip():
+        raise ValueError("not calls")
+    return matches
+
+
+def _section(region: str, opening: str, closing: str) -> str:
+    """What lies between a section's markers; the closing one may be missing where the
+    output ended after the last call."""
+    body = region.strip()
+    if not body.startswith(opening):
+        raise ValueError("not a call section")
+    return body.removeprefix(opening).removesuffix(closing)
+
+
+def _name(name: str) -> str:
+    if not NAME_PATTERN.match(name):
+        raise ValueError(f"bad function name {name!r}")
+    return name
+
+
+_DS_V31_CALL = re.compile(
+    re.escape(_DS_BEGIN) + r"\s*([^<\s]+?)\s*" + re.escape(_DS_SEP) + "(.*?)" + re.escape(_DS_END),
+    re.S,
+)
+_DS_V3_CALL = re.compile(
+    re.escape(_DS_BEGIN)
+    + r"\s*(\w+)\s*"
+    + re.escape(_DS_SEP)
+    + r"\s*([^\n]+?)\s*\n```(?:json)?\s*\n(.*?)\n?```\s*"
+    + re.escape(_DS_END),
+    re.S,
+)
+
+
+def _deepseek_v31(fmt: ToolFormat, region: str) -> list[_Call]:
+    body = _section(region, _DS_OPEN, _DS_CLOSE)
+    return [
+        (_name(m.group(1)), _arguments(_one_json(m.group(2))), None)
+        for m in _in_sequence(_DS_V31_CALL, body)
+    ]
+
+
+def _deepseek_v3(fmt: ToolFormat, region: str) -> list[_Call]:
+    calls = []
+    for m in _in_sequence(_DS_V3_CALL, _section(region, _DS_OPEN, _DS_CLOSE)):
+        if m.group(1) != "function":
+            raise ValueError(f"a call of type {m.group(1)!r}")
+        calls.append((_name(m.group(2)), _arguments(_one_json(m.group(3))), None))
+    return calls
+
+
+_KIMI_CALL = re.compile(
+    re.escape(_KIMI_BEGIN)
+    + r"\s*(functions\.([^:<\s]+):[0-9]+)\s*"
+    + re.escape(_KIMI_ARGS)
+    + "(.*?)"
+    + re.escape(_KIMI_END),
+    re.S,
+)
+
+
+def _kimi(fmt: ToolFormat, region: str) -> list[_Call]:
+    body = _section(region, _KIMI_OPEN, _KIMI_CLOSE)
+    return [
+        (_name(m.group(2)), _arguments(_one_json(m.group(3))), m.group(1))
+        for m in _in_sequence(_KIMI_CALL, body)
+    ]
+
+
+def _kimi_calls(calls: Sequence[Mapping[str, Any]]) -> str:
+    """Calls as Kimi K2 writes them, each under its id (`functions.NAME:IDX`; another id
+    is replaced by one of that form, numbered by its place)."""
+    parts = []
+    for i, call in enumerate(calls):
+        function = call.get("function", call)
+        call_id = kimi_id(call.get("id") or "", function["name"], i)
+        parts.append(
+            f"{_KIMI_BEGIN}{call_id}{_KIMI_ARGS}{dumps(function.get('arguments') or {})}{_KIMI_END}"
+        )
+    return _KIMI_OPEN + "".join(parts) + _KIMI_CLOSE
+
+
+def kimi_id(call_id: str, name: str, index: int) -> str:
+    """A call id as Kimi K2's templates write them, `functions.NAME:IDX`: the id itself
+    if it is one, else one made of the name and the call's `index` in its message."""
+    m = _KIMI_ID.fullmatch(call_id)
+    return call_id if m and m.group(1) == name else f"functions.{name}:{index}"
+
+
+_KIMI_ID = re.compile(r"functions\.([A-Za-z0-9_-]{1,64}):[0-9]+")
+
+
+_ACTION_KEYS = frozenset({"tool_call_id", "tool_name", "parameters"})
+
+
+def _command(fmt: ToolFormat, region: str) -> list[_Call]:
+    body = _section(region, _COMMAND_OPEN, _COMMAND_CLOSE)
+    actions = _one_json(body)
+    if not isinstance(actions, list) or not actions:
+        raise ValueError("no calls")
+    calls = []
+    for action in actions:
+        if not isinstance(action, dict) or set(action) - _ACTION_KEYS:
+            raise ValueError("not a call")  # arguments written flat would be lost
+        calls.append((_name(action["tool_name"]), _arguments(action.get("parameters") or {}), None))
+    return calls
+
+
 def _qwen_param(lit: Callable[[str], str]) -> Callable[[str, str], str]:
     def param(key: str, value: str) -> str:
         return f'{lit(f"<parameter={key}>")} "\\n" {value} "\\n" {lit("</parameter>")} "\\n"'
+
+    return param
+
+
+def _seed_param(lit: Callable[[str], str]) -> Callable[[str, str], str]:
+    def param(key: str, value: str) -> str:
+        return f'{lit(f"<parameter={key}>")} {value} {lit("</parameter>")} "\\n"'
 
     return param
 
@@ -590,6 +844,11 @@ _PARSERS: dict[str, Callable[[ToolFormat, str], Any]] = {
     QWEN_XML: _qwen_xml,
     GRANITE: _granite,
     GLM: _glm,
+    DEEPSEEK_V31: _deepseek_v31,
+    DEEPSEEK_V3: _deepseek_v3,
+    KIMI: _kimi,
+    COMMAND: _command,
+    SEED: _seed,
 }
 
 

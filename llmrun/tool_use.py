@@ -13,6 +13,7 @@ from typing import Any
 from llmrun.reasoning import ANSWER, REASONING, Piece
 from llmrun.tool_calls import (
     FORMATS,
+    KIMI,
     MISTRAL,
     NAME_PATTERN,
     PHI4,
@@ -22,6 +23,7 @@ from llmrun.tool_calls import (
     ToolFormat,
     detect_format,
     dumps,
+    kimi_id,
 )
 
 # --- rendering a conversation with calls ----------------------------------------------
@@ -45,17 +47,19 @@ def prepare_history(
 ) -> list[dict[str, Any]]:
     """Messages as the template expects them: a call's arguments as a dict (transformers'
     convention; OpenAI sends a JSON string), a tool message named after its call, Mistral's
-    9-character ids, calls written into the content where the template cannot render
+    9-character ids and Kimi K2's `functions.NAME:IDX` ones (which its template writes back
+    with the result), calls written into the content where the template cannot render
     `tool_calls`, and Phi-4-mini's tools in its system message."""
     renders_calls = "tool_calls" in template_source
     names: dict[str, str] = {}
+    kimi_ids: dict[str, str] = {}  # a call's id as given -> as Kimi's template needs it
     out = []
     for message in messages:
         message = dict(message)
         calls = message.get("tool_calls")
         if calls:
             prepared = []
-            for call in calls:
+            for index, call in enumerate(calls):
                 function = dict(call["function"])
                 try:
                     args = json.loads(function.get("arguments") or "{}")
@@ -67,7 +71,11 @@ def prepare_history(
                 names[call_id] = function["name"]
                 if fmt is not None and fmt.name == MISTRAL:
                     call_id = mistral_id(call_id)
-                prepared.append({**call, "id": call_id, "function": function})
+                if fmt is not None and fmt.name == KIMI:
+                    kimi_ids[call_id] = kimi_id(call_id, function["name"], index)
+                    call_id = kimi_ids[call_id]
+                # DeepSeek-R1's template writes the call's type
+                prepared.append({"type": "function", **call, "id": call_id, "function": function})
             message["tool_calls"] = prepared
             if not renders_calls and fmt is not None:
                 text = fmt.call_text(prepared)
@@ -79,6 +87,8 @@ def prepare_history(
                 message["name"] = names[call_id]
             if fmt is not None and fmt.name == MISTRAL:
                 message["tool_call_id"] = mistral_id(call_id)
+            if call_id in kimi_ids:
+                message["tool_call_id"] = kimi_ids[call_id]
             if fmt is not None and fmt.name == PHI4 and not renders_calls:
                 message["role"] = "tool_response"  # <|tool|> opens Phi-4-mini's tool list
         out.append(message)

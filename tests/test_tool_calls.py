@@ -14,18 +14,24 @@ from tool_families import FAMILIES, PHI4_MINI_TEMPLATE, RESULT
 from llmrun.chat_template import ChatTemplate
 from llmrun.reasoning import REASONING
 from llmrun.tool_calls import (
+    COMMAND,
+    DEEPSEEK_V3,
+    DEEPSEEK_V31,
     GLM,
     GRANITE,
     HARMONY,
     HERMES,
+    KIMI,
     LLAMA3,
     MISTRAL,
     PHI4,
     QWEN_XML,
+    SEED,
     ToolCall,
     ToolCallParser,
     detect_format,
     get_format,
+    kimi_id,
     parse,
 )
 from llmrun.tool_use import mistral_id, prepare_history
@@ -45,7 +51,20 @@ TEMPLATE_FORMATS = {
     "openai-gpt-oss-120b": (HARMONY, False),
     "microsoft-Phi-3.5-mini-instruct": (None, False),
     "google-gemma-2-2b-it": (None, False),
-    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B": (None, False),
+    # R1's own template (the distills have it) renders calls in R1's format, as llama.cpp reads it
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B": (DEEPSEEK_V3, False),
+    "deepseek-ai-DeepSeek-R1-Distill-Llama-8B": (DEEPSEEK_V3, False),
+    # (llama.cpp's own; its tools | map | tojson fails in transformers, and so in llmrun)
+    "llama-cpp-deepseek-r1": (DEEPSEEK_V3, False),
+    "deepseek-ai-DeepSeek-V3.1": (DEEPSEEK_V31, False),
+    "Kimi-K2-Instruct": (KIMI, False),
+    "moonshotai-Kimi-K2": (KIMI, False),
+    "Kimi-K2-Thinking": (KIMI, False),
+    "CohereForAI-c4ai-command-r7b-12-2024-tool_use": (COMMAND, False),
+    "Cohere2MoE": (COMMAND, False),
+    "CohereForAI-c4ai-command-r-plus-tool_use": (None, False),  # Command R+'s older format
+    "ByteDance-Seed-OSS": (SEED, False),  # not Qwen3-Coder's, though its calls are alike
+    "HuggingFaceTB-SmolLM3-3B": (None, False),  # this (Unsloth's) template offers no tools
     "Qwen3-Coder": (QWEN_XML, False),
     "Qwen3.5-4B": (QWEN_XML, False),
     "ibm-granite-granite-3.3-2B-Instruct": (GRANITE, False),  # not Phi-4-mini's format
@@ -126,6 +145,62 @@ EXACT = [
         "<arg_value>Paris</arg_value>\n</tool_call>\n<tool_call>get_time\n</tool_call>",
         "Let me look.",
         [PARIS, ("get_time", {})],
+    ),
+    # DeepSeek V3.1: name, separator, JSON; two calls in one section.
+    (
+        DEEPSEEK_V31,
+        "Let me look.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+        '{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{}'
+        "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        "Let me look.",
+        [PARIS, ("get_time", {})],
+    ),
+    # The output ended after the last call, before the section's end.
+    (
+        DEEPSEEK_V31,
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+        '{"city": "Paris"}<｜tool▁call▁end｜>',
+        "",
+        [PARIS],
+    ),
+    # DeepSeek R1 / V3-0324: a type, the name, the arguments in a ```json block (indented,
+    # as R1's template shows it), calls parted by a newline.
+    (
+        DEEPSEEK_V3,
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+        '```json\n{\n  "city": "Paris"\n}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>'
+        "function<｜tool▁sep｜>get_time\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        "",
+        [PARIS, ("get_time", {})],
+    ),
+    # Kimi K2: the id carries the name.
+    (
+        KIMI,
+        "On it.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+        '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>'
+        "functions.get_time:1<|tool_call_argument_begin|>{}<|tool_call_end|>"
+        "<|tool_calls_section_end|>",
+        "On it.",
+        [PARIS, ("get_time", {})],
+    ),
+    # Command R7B: a JSON list of actions, laid out as its template writes them.
+    (
+        COMMAND,
+        '<|START_ACTION|>[\n    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": '
+        '{"city": "Paris"}},\n    {"tool_call_id": "1", "tool_name": "get_time", "parameters": '
+        "{}}\n]<|END_ACTION|>",
+        "",
+        [PARIS, ("get_time", {})],
+    ),
+    # Seed-OSS: XML as Qwen3-Coder's, in its own markers, values without newlines.
+    (
+        SEED,
+        "Let me look.\n<seed:tool_call>\n<function=get_weather>\n<parameter=city>Paris"
+        "</parameter>\n</function>\n</seed:tool_call>\n<seed:tool_call>\n<function=get_time>\n"
+        '<parameter=zone>{"tz": "CET"}</parameter>\n<parameter=n>3</parameter>\n</function>\n'
+        "</seed:tool_call>",
+        "Let me look.",
+        [PARIS, ("get_time", {"zone": {"tz": "CET"}, "n": 3})],
     ),
     # Text on both sides of a call stays parted as the model wrote it (was glued).
     (
@@ -250,6 +325,45 @@ NOT_CALLS = [
     (GLM, "<tool_call>f<arg_key>a</arg_key>loose<arg_value>1</arg_value></tool_call>"),
     (GLM, "<tool_call>f<arg_key>a</arg_key><arg_value>1</arg_value>"),  # cut off
     (GLM, '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'),  # Hermes' form
+    (DEEPSEEK_V31, "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get weather<｜tool▁sep｜>{}"),
+    (
+        DEEPSEEK_V31,
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{not json",
+    ),  # cut off
+    (
+        DEEPSEEK_V31,
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{}<｜tool▁call▁end｜>loose"
+        "<｜tool▁calls▁end｜>",
+    ),
+    (DEEPSEEK_V31, "<｜tool▁calls▁begin｜><｜tool▁calls▁end｜>"),
+    (
+        DEEPSEEK_V3,
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>retrieval<｜tool▁sep｜>f\n```json\n{}\n```"
+        "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+    ),
+    (  # V3.1's form in R1's format: no ```json block
+        DEEPSEEK_V3,
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{}<｜tool▁call▁end｜>"
+        "<｜tool▁calls▁end｜>",
+    ),
+    (
+        KIMI,
+        "<|tool_calls_section_begin|><|tool_call_begin|>get_weather<|tool_call_argument_begin|>"
+        "{}<|tool_call_end|><|tool_calls_section_end|>",
+    ),  # no functions.NAME:IDX id
+    (
+        KIMI,
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>"
+        "[1]<|tool_call_end|><|tool_calls_section_end|>",
+    ),
+    (KIMI, "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0"),  # cut off
+    (COMMAND, '<|START_ACTION|>[{"tool_name": "f", "parameters": {}, "city": "Paris"}]'),
+    (COMMAND, '<|START_ACTION|>{"tool_name": "f", "parameters": {}}<|END_ACTION|>'),  # no list
+    (COMMAND, '<|START_ACTION|>[{"name": "f", "arguments": {}}]<|END_ACTION|>'),
+    (COMMAND, "<|START_ACTION|>[]<|END_ACTION|>"),
+    (SEED, "<seed:tool_call>\n<function=f>\nloose<parameter=a>1</parameter>\n</function>\n"),
+    (SEED, "<seed:tool_call>\n<function=f>\n</function>\n</tool_call>"),  # cut off
+    (SEED, "<tool_call>\n<function=f>\n</function>\n</tool_call>"),  # Qwen3-Coder's markers
     (HARMONY, "plain text from a harmony model"),
     (HARMONY, "<|channel|>commentary to=browser.search<|message|>{}"),
     (HARMONY, "<|channel|>commentary to=functions.f<|message|>{not json"),
@@ -350,12 +464,18 @@ def test_ids():
     assert len(mistral_id("call_x")) == 9 and mistral_id("call_x").isalnum()
 
 
-@pytest.mark.parametrize("name", [HERMES, LLAMA3, MISTRAL, PHI4, HARMONY])
+@pytest.mark.parametrize(
+    "name",
+    [HERMES, LLAMA3, MISTRAL, PHI4, HARMONY, DEEPSEEK_V31, DEEPSEEK_V3, KIMI, COMMAND, SEED],
+)
 @pytest.mark.parametrize("args_form", [False, True])
 def test_call_text_parses_back(name, args_form):
     fmt = get_format(name, args_form)
     calls = [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]
     assert calls_of(fmt, fmt.call_text(calls)) == ("", [PARIS])
+    two = [*calls, {"function": {"name": "get_time", "arguments": {}}}]
+    if name not in (HARMONY, LLAMA3):
+        assert calls_of(fmt, fmt.call_text(two)) == ("", [PARIS, ("get_time", {})])
 
 
 # ---- a conversation with calls, through the real templates ----------------------------
@@ -379,6 +499,16 @@ RENDERED_CALLS = {
     "Mistral-Small-3.2-24B-Instruct-2506": '[ARGS]{"city": "Paris"}',
     "openai-gpt-oss-120b": 'to=functions.get_weather<|channel|>commentary json<|message|>"{\\"city\\": \\"Paris\\"}"',
     "Qwen3-Coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>",
+    "deepseek-ai-DeepSeek-V3.1": '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜>',
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B": 'get_weather\n```json\n{"city": "Paris"}\n```',
+    # the id as the call's: what the template writes back with the result matches it
+    "moonshotai-Kimi-K2": "functions.get_weather:0<|tool_call_argument_begin|>"
+    '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|><|im_end|><|im_system|>tool'
+    "<|im_middle|>## Return of functions.get_weather:0",
+    "CohereForAI-c4ai-command-r7b-12-2024-tool_use": '"tool_name": "get_weather", "parameters": {"city": "Paris"}}',
+    "Cohere2MoE": '"tool_name": "get_weather", "parameters": {"city": "Paris"}}',
+    "ByteDance-Seed-OSS": "<seed:tool_call>\n<function=get_weather>\n<parameter=city>Paris"
+    "</parameter>\n</function>\n</seed:tool_call>",
 }
 
 
@@ -415,6 +545,24 @@ def test_mistral_ids_are_made_to_fit():
     messages = prepare_history(HISTORY, fmt, "tool_calls", None)
     call_id = messages[1]["tool_calls"][0]["id"]
     assert len(call_id) == 9 and messages[2]["tool_call_id"] == call_id
+
+
+def test_kimi_ids():
+    """Kimi K2's own ids stay as they are (its template writes them back with the result);
+    any other becomes one of that form, numbered by the call's place in its message."""
+    assert kimi_id("functions.get_weather:3", "get_weather", 0) == "functions.get_weather:3"
+    assert kimi_id("call_abc", "get_weather", 1) == "functions.get_weather:1"
+    assert kimi_id("functions.get_time:0", "get_weather", 0) == "functions.get_weather:0"
+
+
+@needs_templates
+def test_a_call_without_its_type_renders_in_deepseek_r1s_template():
+    source = template("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B")
+    call = {key: value for key, value in CALL.items() if key != "type"}
+    history = [HISTORY[0], {**HISTORY[1], "tool_calls": [call]}]
+    messages = prepare_history(history + HISTORY[2:], detect_format(source), source, [WEATHER])
+    text = ChatTemplate(source, "<s>", "</s>").render(messages)
+    assert "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n" in text
 
 
 # ---- a real `llmrun serve`, with a scripted model of each family ----------------------
@@ -487,7 +635,10 @@ def test_a_tool_round_trip_in_each_format(family):
     assert reply.choices[0].message.content is None
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [PARIS]
     call_id = calls[0]["id"]
-    assert len(call_id) == 9 if fam.name == MISTRAL else call_id.startswith("call_")
+    if fam.name == KIMI:  # the id Kimi wrote, which its template writes back
+        assert call_id == "functions.get_weather:0"
+    else:
+        assert len(call_id) == 9 if fam.name == MISTRAL else call_id.startswith("call_")
     assert reasoning == ("the big" if fam.call[0] == "<think>" else "")
     assert without_ids(ask(client, name, messages, stream=True)) == without_ids(whole(reply))
 
@@ -513,7 +664,7 @@ def test_tool_choice_none_leaves_the_call_as_text(family):
         assert "commentary" not in content and "functions." not in content
 
 
-@pytest.mark.parametrize("key", ["qwen2.5", "llama3.1"])
+@pytest.mark.parametrize("key", ["qwen2.5", "llama3.1", "deepseek-v3.1", "kimi-k2"])
 def test_chat_tools_shows_the_calls(key, tmp_path):
     import os
     import subprocess
@@ -560,7 +711,7 @@ def test_tool_choice_forces_a_call_that_fits_the_schema(family):
     ]
     tools = [STRICT_WEATHER, CLOCK]
     for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
-        args = dict(tools=tools, tool_choice=choice, parallel_tool_calls=False, max_tokens=60)
+        args = dict(tools=tools, tool_choice=choice, parallel_tool_calls=False, max_tokens=150)
         args["stop"] = ["\n", "city"]  # text a call holds: a forced call is not cut by them
         reply = client.chat.completions.create(model=name, messages=messages, temperature=0, **args)
         content, _, calls, finish = whole(reply)
@@ -666,6 +817,11 @@ def stories():
         (PHI4, False),
         (QWEN_XML, False),
         (GRANITE, False),
+        (DEEPSEEK_V31, False),
+        (DEEPSEEK_V3, False),
+        (KIMI, False),
+        (COMMAND, False),
+        (SEED, False),
     ],
 )
 @pytest.mark.parametrize("tools", [[LOCATED], [LOCATED, CLOCK_TOOL]], ids=["one", "two"])
@@ -680,7 +836,8 @@ def test_forced_calls_follow_references_in_the_parameters(stories, name, args_fo
     grammar = vocab.lark(fmt.grammar([tools[0]], vocab.token, False))  # only w: made to call it
     prompt = engine.tokenizer.encode("Once upon a time")
     params = SamplingParams(temperature=0).updated(grammar=grammar)
-    text = "".join(r.text for r in engine.generate(prompt, params, 120))
+    # the stories vocabulary spells DeepSeek's markers byte by byte: room for them
+    text = "".join(r.text for r in engine.generate(prompt, params, 400))
     _, calls = parse(fmt, text)
     assert [c.name for c in calls] == ["w"], text
     args = json.loads(calls[0].arguments)
@@ -743,6 +900,14 @@ def test_xml_values_follow_the_tools_schemas():
     )
     fmt = get_format(QWEN_XML).for_tools([tool])
     assert calls_of(fmt, text) == ("", [("f", {"zip": "01234", "n": 7, "note": "not json"})])
+    # Seed-OSS's template writes a value with jinja's `string`: a boolean as Python's.
+    tool["function"]["parameters"]["properties"]["ok"] = {"type": "boolean"}
+    seed = get_format(SEED).for_tools([tool])
+    text = (
+        "<seed:tool_call>\n<function=f>\n<parameter=zip>01234</parameter>\n"
+        "<parameter=ok>True</parameter>\n</function>\n</seed:tool_call>"
+    )
+    assert calls_of(seed, text) == ("", [("f", {"zip": "01234", "ok": True})])
     assert calls_of(fmt, fmt.call_text([{"name": "f", "arguments": {"zip": "01234", "n": 7}}])) == (
         "",
         [("f", {"zip": "01234", "n": 7})],

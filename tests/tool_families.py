@@ -113,6 +113,26 @@ GLM_TOKENS += special("<|observation|>", "<|endoftext|>")
 GLM_EOS = ["<|user|>", "<|observation|>", "<|endoftext|>"]  # GLM-4.5's eos_token_id list
 GLM47_CALL = "get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>"
 GLM46_CALL = "get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+DS_CALLS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
+DS_CALL = ("<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>")
+DS_TOKENS = special("<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>", *DS_CALLS, *DS_CALL)
+DS_TOKENS += special("<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>")
+DS_TOKENS += special("<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>")
+R1_CALL = 'get_weather\n```json\n{"city": "Paris"}\n```'
+KIMI_TOKENS = special("<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>")
+KIMI_TOKENS += special("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
+KIMI_TOKENS += special("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")
+KIMI_ID = "functions.get_weather:0"
+COMMAND_TOKENS = special(
+    "<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|USER_TOKEN|>", "<|CHATBOT_TOKEN|>"
+) + special("<|SYSTEM_TOKEN|>", "<|START_THINKING|>", "<|END_THINKING|>", "<|START_ACTION|>")
+COMMAND_TOKENS += special("<|END_ACTION|>", "<|START_TOOL_RESULT|>", "<|END_TOOL_RESULT|>")
+COMMAND_TOKENS += special("<|START_RESPONSE|>", "<|END_RESPONSE|>")
+# As Command R7B's template writes a call back.
+COMMAND_CALL = (
+    '[\n    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": "Paris"}}\n]'
+)
+SEED_CALL = "\n<function=get_weather>\n<parameter=city>Paris</parameter>\n</function>\n"
 
 FAMILIES = {
     "qwen2.5": Family(
@@ -221,6 +241,51 @@ FAMILIES = {
         ["<think>", "▁the", "▁big", "</think>", "\n<tool_call>", GLM46_CALL, "</tool_call>"]
         + ["<|observation|>"],
         GLM_EOS,
+    ),
+    # DeepSeek V3.1 (thinking off: its prompt closes the reasoning).
+    "deepseek-v3.1": Family(
+        "deepseek_v31",
+        "deepseek-ai-DeepSeek-V3.1.jinja",
+        [*DS_TOKENS, *plain("get_weather", ARGS)],
+        [DS_CALLS[0], DS_CALL[0], "get_weather", DS_CALL[1], ARGS, DS_CALL[2], DS_CALLS[1]],
+        ["<｜end▁of▁sentence｜>"],
+    ),
+    # DeepSeek R1's own template (its distills carry it): the arguments are a ```json
+    # block after the name; after the tools' results the model goes on with no new turn.
+    "deepseek-r1": Family(
+        "deepseek_v3",
+        "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja",
+        [*DS_TOKENS, *plain("function", R1_CALL)],
+        [DS_CALLS[0], DS_CALL[0], "function", DS_CALL[1], R1_CALL, DS_CALL[2], DS_CALLS[1]],
+        ["<｜end▁of▁sentence｜>"],
+    ),
+    # Kimi K2: the call's id is its name and number, which the template writes back.
+    "kimi-k2": Family(
+        "kimi_k2",
+        "moonshotai-Kimi-K2.jinja",
+        [*KIMI_TOKENS, *plain(KIMI_ID, ARGS)],
+        ["<|tool_calls_section_begin|>", "<|tool_call_begin|>", KIMI_ID]
+        + ["<|tool_call_argument_begin|>", ARGS, "<|tool_call_end|>", "<|tool_calls_section_end|>"],
+        [CHATML[1]],
+    ),
+    # Command R7B: its prompt closes the plan (thinking); the answer is a response block.
+    "command-r7b": Family(
+        "command_r7b",
+        "CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja",
+        [*COMMAND_TOKENS, *plain(COMMAND_CALL)],
+        ["<|START_ACTION|>", COMMAND_CALL, "<|END_ACTION|>"],
+        ["<|END_OF_TURN_TOKEN|>"],
+        answer_end="<|END_RESPONSE|>",
+        answer_head=("<|START_RESPONSE|>",),
+    ),
+    # Seed-OSS: Qwen3-Coder's XML in its own markers, values written without newlines.
+    "seed-oss": Family(
+        "seed_oss",
+        "ByteDance-Seed-OSS.jinja",
+        special("<seed:bos>", "<seed:eos>", "<seed:tool_call>", "</seed:tool_call>")
+        + plain(SEED_CALL),
+        ["<seed:tool_call>", SEED_CALL, "</seed:tool_call>"],
+        ["<seed:eos>"],
     ),
     "phi4-mini": Family(
         "phi4_mini",

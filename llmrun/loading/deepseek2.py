@@ -10,7 +10,9 @@ llama.cpp's absorbed MLA: attn_k_b [heads, kv_lora_rank, qk_nope] (each head's k
 transposed) and attn_v_b [heads, v_head_dim, kv_lora_rank]; they are joined back into
 kv_b_proj, in floats (dequantized where the file has blocks). The converter writes the
 YaRN log multiplier as 0.1 * mscale_all_dim, and llama.cpp takes the config's mscale to
-be mscale_all_dim.
+be mscale_all_dim. GLM-4.7-Flash's files (conversion/glm.py Glm4MoeLiteModel) end with
+nextn_predict_layers multi-token-prediction layers, counted in block_count; llmrun skips
+them, as llama.cpp's inference does.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from gguf import MODEL_TENSOR, TENSOR_NAMES, ExpertGatingFuncType, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.loading.glm4_moe import NEXTN, trunk_layers
 
 if TYPE_CHECKING:
     import torch
@@ -121,18 +124,16 @@ def config_from_gguf(gg, rope_from_gguf) -> dict[str, Any]:
     def arch_key(short: str, default: Any = None, required: bool = False) -> Any:
         return key(f"{{arch}}.{short}", default, required)
 
-    layers = key(Keys.LLM.BLOCK_COUNT, required=True)
+    key(Keys.LLM.BLOCK_COUNT, required=True)  # named where missing; trunk_layers reads it
     hidden = key(Keys.LLM.EMBEDDING_LENGTH, required=True)
     heads = key(Keys.Attention.HEAD_COUNT, required=True)
     context = key(Keys.LLM.CONTEXT_LENGTH, required=True)
-    for field, value in ((Keys.Attention.HEAD_COUNT, heads), (Keys.LLM.BLOCK_COUNT, layers)):
-        if not isinstance(value, int) or value <= 0:
-            raise UnsupportedError(f"{path}: {name(field)} is {value!r}; llmrun needs one number")
-    if key(Keys.LLM.NEXTN_PREDICT_LAYERS, 0):
+    if not isinstance(heads, int) or heads <= 0:
         raise UnsupportedError(
-            f"{path}: a {ARCH} file with multi-token-prediction layers "
-            f"({name(Keys.LLM.NEXTN_PREDICT_LAYERS)}) is not supported"
+            f"{path}: {name(Keys.Attention.HEAD_COUNT)} is {heads!r}; llmrun needs one number"
         )
+    # GLM-4.7-Flash's files end with its MTP layer, which llama.cpp's inference skips.
+    layers, nextn = trunk_layers(gg, ARCH)
     if key(Keys.Attention.TEMPERATURE_SCALE, 0.0):
         raise UnsupportedError(
             f"{path}: {name(Keys.Attention.TEMPERATURE_SCALE)} (Mistral Large 3's attention "
@@ -175,6 +176,7 @@ def config_from_gguf(gg, rope_from_gguf) -> dict[str, Any]:
         "v_head_dim": v_head_dim,
         "rope_interleave": True,  # llama.cpp's "normal" RoPE: adjacent pairs, unpermuted
         "tie_word_embeddings": "output.weight" not in gg.tensors,
+        NEXTN: nextn,
     }
     config.update(_experts(gg, key, name, layers, vocab))
     config["rope_parameters"] = _rope(
@@ -249,8 +251,8 @@ def _experts(gg, key, name, layers: int, vocab: int | None) -> dict[str, Any]:
             f"{known.get(gating, f'{gating} (unknown)')}; {ARCH} experts are gated by softmax "
             "or sigmoid"
         )
-    if grouped:
-        fields.update(n_group=groups, topk_group=groups_used)
+    # Stated either way: deepseek_v3's defaults (8 groups, 4 used) are not llama.cpp's.
+    fields.update(n_group=groups if grouped else 1, topk_group=groups_used if grouped else 1)
     return fields
 
 

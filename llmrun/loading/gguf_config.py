@@ -16,7 +16,19 @@ from gguf import (
 )
 
 from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.loading import cohere, deepseek2, ernie4_5, glm4, gpt_oss, granite, olmo
+from llmrun.loading import (
+    cohere,
+    deepseek2,
+    ernie4_5,
+    exaone4,
+    glm4,
+    glm4_moe,
+    gpt_oss,
+    granite,
+    hunyuan,
+    olmo,
+    seed_oss,
+)
 from llmrun.loading.gguf_io import GGUFFile, read_float_list
 
 # GGUF architecture -> Hugging Face model_type. llama.cpp converts Mistral to "llama",
@@ -41,8 +53,12 @@ MODEL_TYPES = {
     "smollm3": "smollm3",
     **cohere.MODEL_TYPES,  # their metadata: llmrun/loading/cohere.py
     glm4.ARCH: glm4.MODEL_TYPE,  # llmrun/loading/glm4.py
+    glm4_moe.ARCH: glm4_moe.MODEL_TYPE,  # llmrun/loading/glm4_moe.py
     ernie4_5.ARCH: ernie4_5.MODEL_TYPE,  # llmrun/loading/ernie4_5.py
     ernie4_5.MOE_ARCH: ernie4_5.MOE_MODEL_TYPE,
+    seed_oss.ARCH: seed_oss.MODEL_TYPE,  # llmrun/loading/seed_oss.py
+    exaone4.ARCH: exaone4.MODEL_TYPE,  # llmrun/loading/exaone4.py
+    hunyuan.ARCH: hunyuan.MODEL_TYPE,  # llmrun/loading/hunyuan.py
 }
 # Families whose RMSNorm is x * (1 + w): llama.cpp's converter stores 1 + w.
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
@@ -98,6 +114,8 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
         return gpt_oss.hf_name(gguf_name)
     if model_type in deepseek2.MODEL_TYPES:
         return deepseek2.hf_name(gguf_name)
+    if model_type == glm4_moe.MODEL_TYPE and gguf_name.startswith("blk."):
+        return glm4_moe.hf_name(gguf_name)
     if model_type == ernie4_5.MOE_MODEL_TYPE and (moe := ernie4_5.moe_hf_name(gguf_name)):
         return moe
     base, _, suffix = gguf_name.rpartition(".")
@@ -117,6 +135,12 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
         names = {**_LAYER_NAMES, **olmo.LAYER_NAMES}
     elif model_type == glm4.MODEL_TYPE:
         names = {**_LAYER_NAMES, **glm4.LAYER_NAMES}
+    elif model_type == seed_oss.MODEL_TYPE:
+        names = {**_LAYER_NAMES, **seed_oss.LAYER_NAMES}
+    elif model_type == exaone4.MODEL_TYPE:
+        names = {**_LAYER_NAMES, **exaone4.LAYER_NAMES}
+    elif model_type == hunyuan.MODEL_TYPE:
+        names = {**_LAYER_NAMES, **hunyuan.LAYER_NAMES}
     if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit() or parts[2] not in names:
         return None
     name = names[parts[2]]
@@ -179,7 +203,8 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
     config: dict[str, Any] = {
         "model_type": MODEL_TYPES[arch],
         "hidden_size": hidden,
-        "intermediate_size": key("feed_forward_length", required=True),
+        # glm4moe: optional in llama.cpp (Solar Open's files, every layer experts, lack it).
+        "intermediate_size": key("feed_forward_length", required=arch != glm4_moe.ARCH),
         "num_hidden_layers": key("block_count", required=True),
         "num_attention_heads": n_heads,
         "num_key_value_heads": key("attention.head_count_kv", n_heads),
@@ -222,11 +247,16 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
     config["rope_parameters"] = rope
     finish = {
         glm4.ARCH: glm4.finish_config,
+        glm4_moe.ARCH: glm4_moe.finish_config,
         ernie4_5.ARCH: ernie4_5.finish_config,
         ernie4_5.MOE_ARCH: ernie4_5.finish_config,
+        seed_oss.ARCH: seed_oss.finish_config,
+        hunyuan.ARCH: hunyuan.finish_config,
     }.get(arch)
     if finish is not None:
         finish(gg, config, key)
+    if arch == exaone4.ARCH:
+        exaone4.finish_config(gg, config, _gemma_layer_types)
     return config
 
 

@@ -28,7 +28,6 @@ LAYER_NAMES = {
 }
 # Architectures of the GLM line that llmrun does not run, and why.
 REFUSED = {
-    "glm4moe": "GLM-4.5 (arch glm4moe, a mixture of experts) is not supported yet",
     "chatglm": "ChatGLM / GLM-4 before 0414 (arch chatglm) is not supported; "
     "GLM-4-0414 models (arch glm4) are",
 }

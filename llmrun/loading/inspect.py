@@ -282,7 +282,22 @@ def _describe_safetensors(folder: Path) -> dict[str, Any]:
 
 # Families whose sliding-window layers keep only their window in the KV cache, and
 # transformers' layer pattern for configs that list no layer_types (every n-th is global).
-_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6, "olmo3": 4, "cohere2": 4}
+_WINDOW_PATTERN = {
+    "gemma2": 2,
+    "gemma3": 6,
+    "gemma3_text": 6,
+    "olmo3": 4,
+    "cohere2": 4,
+    "exaone4": 4,
+}
+
+
+def _local(pattern: int | str, layer: int) -> bool:
+    """Whether a layer is a sliding one: every pattern-th layer is global, or, in EXAONE
+    4's string form ("LLLG"), the layer's letter is L."""
+    if isinstance(pattern, str):
+        return pattern[layer % len(pattern)] == "L"
+    return (layer + 1) % pattern != 0
 
 
 def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 4) -> int | None:
@@ -305,7 +320,7 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
     if pattern and window:
         pattern = text.get("sliding_window_pattern") or pattern
         kinds = text.get("layer_types") or [
-            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+            "sliding_attention" if _local(pattern, i) else "full_attention" for i in range(layers)
         ]
         windows = [window if kind == "sliding_attention" else None for kind in kinds]
     per_position = 2 * kv_heads * head_dim * bytes_per_value

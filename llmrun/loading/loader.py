@@ -30,6 +30,7 @@ from llmrun.loading import (
     ernie4_5,
     gguf_config,
     gguf_io,
+    glm4_moe,
     gpt_oss,
     granite,
     safetensors_io,
@@ -146,7 +147,7 @@ def _open_hf_dir(path: Path) -> Checkpoint:
     notes = []
     if config.get("model_type") == gpt_oss.MODEL_TYPE:
         weights = gpt_oss.hf_weights(weights, config, Weight)
-    if config.get("model_type") in deepseek2.MODEL_TYPES:
+    if config.get("model_type") in (*deepseek2.MODEL_TYPES, *glm4_moe.MTP_MODEL_TYPES):
         weights = deepseek2.hf_weights(weights, config, path)
     if config.get("model_type") in granite.MOE_TYPES:
         weights = granite.hf_weights(weights, config, Weight)
@@ -231,8 +232,8 @@ def _open_gguf(path: Path) -> Checkpoint:
     model_type = config["model_type"]
     weights = {}
     for info in gg.tensors.values():
-        if info.name in gguf_config.ROPE_TENSORS:
-            continue
+        if info.name in gguf_config.ROPE_TENSORS or glm4_moe.mtp_tensor(info.name, config):
+            continue  # RoPE settings, or a layer llama.cpp does not run either
         name = gguf_config.hf_name(info.name, model_type)
         if name is None:
             raise UnsupportedError(

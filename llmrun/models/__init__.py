@@ -32,6 +32,9 @@ ARCHITECTURES = {
     "olmo3": "olmo3",
     "smollm3": "smollm3",
     "glm4": "glm4",
+    "glm4_moe": "glm4_moe",
+    "glm4_moe_lite": "glm4_moe_lite",
+    "solar_open": "solar_open",
     "ernie4_5": "ernie4_5",
     "ernie4_5_moe": "ernie4_5_moe",
     "granite": "granite",
@@ -39,6 +42,9 @@ ARCHITECTURES = {
     "granitemoeshared": "granitemoe",
     "cohere": "cohere",
     "cohere2": "cohere2",
+    "seed_oss": "seed_oss",
+    "exaone4": "exaone4",
+    "hunyuan_v1_dense": "hunyuan_v1_dense",
 }
 
 

@@ -4,12 +4,15 @@
  * Driven op by op from Python, a token of a 24-layer model makes ~170 matvec calls and
  * ~300 small ops, each paying Python, ctypes and an OpenMP fork and join: ~6 ms of a
  * ~25 ms token measured on a 0.5B model. Here one OpenMP team runs the whole step: per
- * layer, RMSNorm (Gemma's offset form), the q/k/v matvecs as one pool of row ranges,
- * the per-head q/k norms, the rotary embedding, the write of the new key and value
- * into the cache as it stores them, attention per KV head (with gpt-oss's sinks), the
- * output matvec (Gemma 2/3: its post-norm), the residual; then the feed-forward: the
- * gate and up matvecs with the SiLU, tanh-GELU or gpt-oss's clamped SwiGLU product of
- * each row range, the down matvec and the residual; or, in a mixture-of-experts layer,
+ * layer, RMSNorm (Gemma's offset form; none before OLMo's sublayers), the q/k/v
+ * matvecs as one pool of row ranges, the q/k norms (per head, or OLMo's over the
+ * whole projection), the rotary embedding (none in SmolLM3's NoPE layers), Granite's
+ * query scale, the write of the new key and value into the cache as it stores them,
+ * attention per KV head (with gpt-oss's sinks), the output matvec (Gemma 2/3 and
+ * OLMo: its post-norm; Granite: times its residual multiplier), the residual; then the
+ * feed-forward: the gate and up matvecs with the SiLU, tanh-GELU or gpt-oss's clamped
+ * SwiGLU product of each row range, the down matvec (its post-norm, its residual
+ * multiplier, as attention's) and the residual; or, in a mixture-of-experts layer,
  * the router, the choice of experts (softmax then top-k, renormalized or not; or
  * gpt-oss's top-k then softmax), the chosen experts' gate/up and down matvecs (and
  * Qwen2-MoE's shared expert with its sigmoid gate) as pools of row ranges, and their
@@ -102,6 +105,12 @@ typedef struct {
     float alpha, limit;                     /* ACT_CLAMPED_SWIGLU */
     int32_t heads, kv_heads, head_dim, act, rope, kv_kind;
     int32_t kv_group; /* a paged cache: which of the step's tables (a pool of its own) */
+    /* the values each q_norm and k_norm spans: head_dim (a norm per head), or all the
+       heads' (OLMo's norm of the whole projection) */
+    int32_t q_norm_width, k_norm_width;
+    int32_t nope;      /* 1: no RoPE in this layer (SmolLM3's NoPE layers) */
+    float query_scale; /* the rotated queries times this (Granite); 1: none */
+    float residual;    /* each sublayer's output times this before the sum (Granite); 1: none */
 } step_layer_t;
 
 /* The tokens, one per row (decode_step.py: Step). */
@@ -338,9 +347,20 @@ static void run_piece(const work_t *work, int i, const step_layer_t *layer, floa
     }
 }
 
+/* The layer's RMSNorm of rows of x into y; weight NULL: no norm there (OLMo has none
+ * before its sublayers), y a copy of x. */
 static void rms_norm(const step_layer_t *layer, const float *x, const float *weight, int64_t rows,
                      int64_t n, float *y) {
-    llmrun_rms_norm_offset(x, weight, layer->norm_offset, layer->eps, rows, n, y);
+    if (weight)
+        llmrun_rms_norm_offset(x, weight, layer->norm_offset, layer->eps, rows, n, y);
+    else if (y != x)
+        memcpy(y, x, sizeof(float) * (size_t)(rows * n));
+}
+
+/* n values of y times the layer's residual multiplier, where it has one. */
+static void scale_residual(const step_layer_t *layer, float *y, int64_t n) {
+    if (layer->residual != 1.0f)
+        for (int64_t i = 0; i < n; i++) y[i] *= layer->residual;
 }
 
 /* The router's choice from its logits: top_k experts and their weights; 0, or -1 where
@@ -525,6 +545,11 @@ static scratch_t *scratch_for(const step_layer_t *layers, const step_t *step, in
     for (int i = 0; i < work->pieces; i++)                                               \
         run_piece(work, i, (LAYER), s->tmp + omp_get_thread_num() * s->tmp_size)
 
+/* A q or k norm's span: one head's values or all of them. */
+static int norm_width_ok(int64_t width, int64_t heads, int64_t head_dim) {
+    return width == head_dim || width == heads * head_dim;
+}
+
 /* The step: x [rows, hidden] in, the output of the layers it ran out (and with a head,
  * the logits, where it ran every layer). Returns how many layers it ran (all, or fewer
  * where a router tied: x is then the next layer's input), or -1 where memory ran out or
@@ -553,6 +578,9 @@ int llmrun_decode_layers(const step_layer_t *layers, const step_t *step, float *
         if (L->head_dim % 16 || (L->kv_kind == KV_Q8_0 && L->head_dim % 32) ||
             L->rope < 0 || L->rope > 1 || L->kv_group < 0 || L->kv_group > 1 ||
             (L->ring && (rows > 1 || step->tables[0])) || (step->tables[0] && !step->tables[L->kv_group]) ||
+            (L->q_norm && !norm_width_ok(L->q_norm_width, L->heads, L->head_dim)) ||
+            (L->k_norm && !norm_width_ok(L->k_norm_width, L->kv_heads, L->head_dim)) ||
+            (L->moe && L->residual != 1.0f) ||
             (L->moe && (L->moe->top_k > MAX_TOP_K || L->moe->top_k > L->moe->experts ||
                         2 * rows * L->moe->top_k + 3 > MAX_JOBS)))
             return -1;
@@ -590,13 +618,20 @@ int llmrun_decode_layers(const step_layer_t *layers, const step_t *step, float *
             PIECES(L);
 #pragma omp single
             {
-                if (L->q_norm) llmrun_rms_norm_offset(s->q, L->q_norm, L->norm_offset, L->eps, rows * L->heads, hd, s->q);
-                if (L->k_norm) llmrun_rms_norm_offset(s->k, L->k_norm, L->norm_offset, L->eps, rows * L->kv_heads, hd, s->k);
+                if (L->q_norm) rms_norm(L, s->q, L->q_norm, rows * qn / L->q_norm_width, L->q_norm_width, s->q);
+                if (L->k_norm) rms_norm(L, s->k, L->k_norm, rows * kn / L->k_norm_width, L->k_norm_width, s->k);
                 for (int64_t b = 0; b < rows; b++) {
                     const float *cos = step->cos[L->rope] + b * step->rotary_dim;
                     const float *sin = step->sin[L->rope] + b * step->rotary_dim;
-                    llmrun_rotary(s->q + b * qn, L->heads, hd, cos, sin, step->rotary_dim, s->qr + b * qn);
-                    llmrun_rotary(s->k + b * kn, L->kv_heads, hd, cos, sin, step->rotary_dim, s->kr + b * kn);
+                    if (L->nope) {
+                        memcpy(s->qr + b * qn, s->q + b * qn, sizeof(float) * (size_t)qn);
+                        memcpy(s->kr + b * kn, s->k + b * kn, sizeof(float) * (size_t)kn);
+                    } else {
+                        llmrun_rotary(s->q + b * qn, L->heads, hd, cos, sin, step->rotary_dim, s->qr + b * qn);
+                        llmrun_rotary(s->k + b * kn, L->kv_heads, hd, cos, sin, step->rotary_dim, s->kr + b * kn);
+                    }
+                    if (L->query_scale != 1.0f)
+                        for (int64_t i = 0; i < qn; i++) s->qr[b * qn + i] *= L->query_scale;
                     const int64_t p = step->positions[b];
                     for (int64_t g = 0; g < L->kv_heads; g++) {
                         kv_store(L->kv_kind, s->kr + b * kn + g * hd, hd, kv_at(step, L, L->k_cache, b, p, g));
@@ -631,6 +666,7 @@ int llmrun_decode_layers(const step_layer_t *layers, const step_t *step, float *
 #pragma omp single
             {
                 if (L->post_attn_norm) rms_norm(L, s->y, L->post_attn_norm, rows, hidden, s->y);
+                scale_residual(L, s->y, rows * hidden);
                 for (int64_t i = 0; i < rows * hidden; i++) x[i] += s->y[i];
                 rms_norm(L, x, L->pre_ffn_norm, rows, hidden, s->h);
                 begin(work);
@@ -716,6 +752,7 @@ int llmrun_decode_layers(const step_layer_t *layers, const step_t *step, float *
 #pragma omp single
                 {
                     if (L->post_ffn_norm) rms_norm(L, s->y, L->post_ffn_norm, rows, hidden, s->y);
+                    scale_residual(L, s->y, rows * hidden);
                     for (int64_t i = 0; i < rows * hidden; i++) x[i] += s->y[i];
                 }
             }

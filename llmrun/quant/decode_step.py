@@ -1,6 +1,10 @@
 """A one-sequence decode step through all of a model's decoder layers in one native call
 (llmrun/native/decode_step.c), for the families whose layers it knows: Llama (and
-Mistral), Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, and the mixture-of-experts Mixtral,
+Mistral), Ministral 3, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Granite 3.x dense (its
+residual multiplier and query scale; its embedding multiplier and logits_scaling stay
+in the model's torch code, before and after the step), SmolLM3 (its NoPE layers),
+OLMo 2 and OLMo 3 (norms after the sublayers, q/k norms over the whole projection;
+OLMo 3's sliding-window layers as Gemma 3's), and the mixture-of-experts Mixtral,
 Qwen2-MoE, Qwen3-MoE and gpt-oss.
 
 `attach` (the loader calls it) describes each layer once, as pointers to the weights
@@ -33,8 +37,24 @@ from llmrun.quant.linear import QuantLinear
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
 FAMILIES += ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "ministral3")
-# Gemma 2/3 put a norm after attention and after the feed-forward, and one before it.
-FOUR_NORMS = ("gemma2", "gemma3")
+FAMILIES += ("seed_oss",)  # Llama with biases
+FAMILIES += ("granite", "smollm3", "olmo2", "olmo3")
+# A layer's norms by the Layer field they fill (input_norm, post_attn_norm, pre_ffn_norm,
+# post_ffn_norm), as each family's decoder layer names them; None: no norm there.
+PRE_NORMS = ("input_layernorm", None, "post_attention_layernorm", None)
+FOUR_NORMS = (  # Gemma 2/3: a norm after attention and after the feed-forward too
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
+POST_NORMS = (None, "post_attention_layernorm", None, "post_feedforward_layernorm")  # OLMo
+NORMS = {
+    "gemma2": FOUR_NORMS,
+    "gemma3": FOUR_NORMS,
+    "olmo2": POST_NORMS,
+    "olmo3": POST_NORMS,
+}
 ACTS = {F.silu: 0, ops.gelu_tanh: 1}
 CLAMPED_SWIGLU = 2  # gpt-oss's experts' glu
 ROUTE_SOFTMAX_TOPK, ROUTE_TOPK_SOFTMAX = 0, 1
@@ -104,6 +124,11 @@ class Layer(ctypes.Structure):
         ("rope", _I32),
         ("kv_kind", _I32),
         ("kv_group", _I32),
+        ("q_norm_width", _I32),
+        ("k_norm_width", _I32),
+        ("nope", _I32),
+        ("query_scale", _F32),
+        ("residual", _F32),
     ]
 
 
@@ -209,16 +234,13 @@ class DecodeStep:
                 if mat is None:
                     return None
                 d.mat[j] = mat
-            norms = [layer.input_layernorm]
-            if self.family in FOUR_NORMS:
-                norms += [
-                    layer.post_attention_layernorm,
-                    layer.pre_feedforward_layernorm,
-                    layer.post_feedforward_layernorm,
-                ]
-            else:
-                norms += [None, layer.post_attention_layernorm, None]
+            norms = [
+                None if name is None else getattr(layer, name)
+                for name in NORMS.get(self.family, PRE_NORMS)
+            ]
             qk = [getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
+            if not self._describe_qk_norms(attn, qk, d):
+                return None
             eps = {n.eps for n in norms + qk if n is not None}
             if len(eps) != 1 or not all(n is None or _f32(n.weight) for n in norms + qk):
                 return None
@@ -242,12 +264,31 @@ class DecodeStep:
             d.norm_offset, d.eps = offset, eps.pop()
             d.scale = getattr(attn, "scale", attn.head_dim**-0.5)
             d.softcap = getattr(attn, "softcap", None) or 0.0
+            d.nope = int(not getattr(attn, "use_rope", True))
+            d.query_scale = getattr(attn, "query_scale", 1.0)
+            residual = getattr(attn, "residual_multiplier", 1.0)
+            if getattr(dense, "residual_multiplier", 1.0) != residual:
+                return None
+            d.residual = residual
             d.heads, d.kv_heads, d.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
             d.rope = ROPES[getattr(attn, "layer_type", "full_attention")]
             d.window = self._window(attn)
         array._kept = self.kept
         self.head = self._describe_head(offset)
         return array
+
+    def _describe_qk_norms(self, attn: nn.Module, qk: list[nn.Module | None], d: Layer) -> bool:
+        """The values each of the q and k norms spans, by its weight's size: a head's
+        (Qwen3, Gemma 3) or the whole projection's (OLMo)."""
+        for norm, heads, field in zip(
+            qk, (attn.n_heads, attn.n_kv_heads), ("q_norm_width", "k_norm_width"), strict=True
+        ):
+            if norm is not None:
+                width = norm.weight.numel()
+                if width not in (attn.head_dim, heads * attn.head_dim):
+                    return False
+                setattr(d, field, width)
+        return True
 
     def _describe_head(self, offset: float) -> tuple[Mat, int, float, float] | None:
         """The final norm and the output matrix (its Mat, the norm's weight address,
@@ -261,9 +302,9 @@ class DecodeStep:
     def _window(self, attn: nn.Module) -> int:
         """The layer's sliding window as the family's frames mask it (0: none)."""
         window = getattr(self.model.args, "sliding_window", None) or 0
-        if self.family in ("gemma2", "gemma3", "gpt_oss"):
+        if self.family in ("gemma2", "gemma3", "gpt_oss", "olmo3"):
             return window if attn.layer_type == "sliding_attention" else 0
-        return window if self.family in ("llama", "mixtral") else 0
+        return window  # in every layer, as CausalLM.frame and Mixtral's mask it
 
     def _describe_act(self, ffn: nn.Module, dense: nn.Module | None, d: Layer) -> bool:
         """The feed-forward's gate/up product (its experts' and its dense part's agree)."""

@@ -501,7 +501,10 @@ REFUSED = {
     "no rope dimension count": ({Keys.Rope.DIMENSION_COUNT: None}, ModelFormatError),
     "an unknown gating function": ({Keys.LLM.EXPERT_GATING_FUNC: 3}, UnsupportedError),
     "softmax gating with a selection bias": ({Keys.LLM.EXPERT_GATING_FUNC: 1}, UnsupportedError),
-    "multi-token-prediction layers": ({Keys.LLM.NEXTN_PREDICT_LAYERS: 1}, UnsupportedError),
+    "no layers but multi-token-prediction ones": (
+        {Keys.LLM.NEXTN_PREDICT_LAYERS: 3},
+        ModelFormatError,
+    ),
     "no experts used": ({Keys.LLM.EXPERT_USED_COUNT: 0}, ModelFormatError),
 }
 

@@ -123,7 +123,6 @@ def test_gguf_without_rope_dimension_count_rotates_whole_heads(tmp_path):
 @pytest.mark.parametrize(
     "arch,metadata,message",
     [
-        ("glm4moe", {}, "GLM-4.5 (arch glm4moe, a mixture of experts) is not supported yet"),
         ("chatglm", {}, "arch chatglm) is not supported"),
         ("glm4", {"add_rope_dimension_sections": [8, 4, 4, 0]}, "M-RoPE sections"),
         ("glm4", {"add_nextn_predict_layers": 1}, "NextN prediction layers"),

@@ -42,7 +42,6 @@ from llmrun.loading.gguf_io import read_gguf
 from llmrun.loading.loader import load_model
 from llmrun.models import kv_cache_bytes
 from llmrun.models.paged import PagedKVCache
-from llmrun.quant import decode_step
 from llmrun.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -281,11 +280,11 @@ def test_an_older_olmo3_config_rotates_its_sliding_layers_as_transformers_does()
     assert max_diff(whole(model), reference(hf)) < 1e-4
 
 
-def test_the_native_decode_step_is_not_attached(family, tmp_path):
-    """The native step computes pre-norm layers with per-head q/k norms: not OLMo's."""
-    loaded = load_model(write_olmo_gguf(tmp_path / "m.gguf", family[1]), CPU, "f32")
-    assert loaded.model.decode_step is None
-    assert not decode_step.attach(loaded.model)
+def test_the_native_decode_step_is_attached(family, tmp_path):
+    """The native step takes the decoded tokens (tests/quant/test_decode_step.py): the
+    GGUF tests above decode through it."""
+    model = load_model(write_olmo_gguf(tmp_path / "m.gguf", family[1]), CPU, "f32").model
+    assert model.decode_step is not None
 
 
 def test_olmo3_gguf_defaults_and_refusals(tmp_path):

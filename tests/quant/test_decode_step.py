@@ -11,6 +11,12 @@ one-sequence decode step through every decoder layer in one call.
   float64 elsewhere): quantized GGUF models, every KV cache type, and 8-bit
   activations decode the same logits through the step as through the layers, which
   run the same kernels on the same rows: equal to 1e-6 of the largest logit.
+- Families of Llama's layers with twists (LLAMA_LIKE: Granite 3.x's multipliers,
+  SmolLM3's NoPE layers, OLMo 2's and 3's norms after the sublayers and q/k norms over
+  the whole projection, OLMo 3's windows): against transformers (1e-4), each twist
+  that is a setting shown to move transformers' logits by far more; against their
+  layers (1e-6 of the largest logit) with quantized weights (Q8_0; Q4_K, Q6_K, Q5_K;
+  Q4_0, Q5_0), f32 and 8-bit activations, every cache type, serve's paged cache.
 - Where it cannot go (a batch, a prompt, a mask, LLMRUN_DECODE_STEP=0) the layers run.
 """
 
@@ -18,12 +24,13 @@ import numpy as np
 import pytest
 import test_quant_models as quant_models
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gpt_oss_helpers import llmrun_state, tiny_gpt_oss
 from helpers import BASE, our_model, tiny_hf_model, write_gguf
 from moe_helpers import hub_state_dict, tiny_moe_model
 from test_q8_kernels import quantized_activations
+from test_quant_blocks import F16_FIELDS
 from test_quant_models import random_block_model
 
 from llmrun.loading.loader import load_model
@@ -71,9 +78,9 @@ def decode(model, ids: torch.Tensor, split: int, cache_type=torch.float32) -> to
     return torch.cat(steps, dim=1)
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
-def test_the_step_decodes_as_transformers(native_kernels, name):
-    hf, config = tiny_hf_model(name)
+def steps_taken_decoding_as_transformers(hf, config: dict) -> int:
+    """Asserts that llmrun's model of hf's weights, prefilled with 8 tokens and then
+    decoding 4 with the step, gives hf's logits (1e-4); the steps the step took."""
     ours = our_model(config, hf.state_dict())
     assert decode_step.attach(ours)
     counter = Counting(ours)
@@ -81,7 +88,81 @@ def test_the_step_decodes_as_transformers(native_kernels, name):
     with torch.no_grad():
         expected = hf(ids).logits
     torch.testing.assert_close(decode(ours, ids, 8), expected, atol=1e-4, rtol=0)
-    assert counter.taken == FAMILIES[name]
+    return counter.taken
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_the_step_decodes_as_transformers(native_kernels, name):
+    assert steps_taken_decoding_as_transformers(*tiny_hf_model(name)) == FAMILIES[name]
+
+
+# Llama's layers with a family's twists, as tiny_hf_model("llama", **these): Granite's
+# muP multipliers (attention's 0.4, not head_dim^-0.5 = 0.25; the embedding and logits
+# ones are the model's torch code, around the step), SmolLM3 with every second layer
+# NoPE, OLMo 2 (norms after the sublayers, none before; q/k norms over the whole
+# projection), OLMo 3 (OLMo 2 with three sliding-window layers of 5 to a global one,
+# those with plain RoPE, the global one with YaRN).
+LLAMA_LIKE = {
+    "granite": dict(
+        model_type="granite",
+        embedding_multiplier=3.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.4,
+        logits_scaling=2.0,
+    ),
+    "smollm3": dict(model_type="smollm3", num_hidden_layers=4, no_rope_layer_interval=2),
+    "olmo2": dict(model_type="olmo2"),
+    "olmo3": dict(
+        model_type="olmo3",
+        num_hidden_layers=4,
+        sliding_window=5,
+        rope_parameters={
+            "full_attention": dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                original_max_position_embeddings=16,
+            ),
+            "sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+        },
+    ),
+}
+# A twist of the step's undone in the config.
+UNDONE = {
+    "granite-residual": ("granite", dict(residual_multiplier=1.0)),
+    "granite-attention": ("granite", dict(attention_multiplier=16**-0.5)),
+    "smollm3-nope": ("smollm3", dict(no_rope_layer_interval=100)),  # every layer rotates
+}
+
+
+@pytest.mark.parametrize("name", list(LLAMA_LIKE))
+def test_the_step_decodes_llama_like_families_as_transformers(native_kernels, name):
+    hf, config = tiny_hf_model("llama", **LLAMA_LIKE[name])
+    assert steps_taken_decoding_as_transformers(hf, config) == 4
+
+
+@pytest.mark.parametrize("model_type", ["ministral3", "granite"])
+def test_a_sliding_window_in_a_llama_like_config_is_kept(native_kernels, model_type):
+    """Llama's ModelArgs read sliding_window, and CausalLM.frame masks by it in every
+    layer: the step leaves out the same keys (a window of 5 under 14 positions; without
+    the window, logits 6 away). 1e-4: under a mask the layers attend through torch's SDPA."""
+    hf, config = tiny_hf_model("llama", model_type=model_type, sliding_window=5)
+    model = our_model(config, hf.state_dict()).requires_grad_(False)
+    assert decode_step.attach(model)
+    ids = torch.randint(0, BASE["vocab_size"], (1, 14), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(*_logits_both_ways(model, ids, 3), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("undone", list(UNDONE))
+def test_each_twist_moves_transformers_logits(undone):
+    """Far more than the tolerance: a step that left one out would fail the test above.
+    (OLMo's twists are its layers' shape, not settings.)"""
+    name, overrides = UNDONE[undone]
+    ids = torch.randint(0, BASE["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = tiny_hf_model("llama", **LLAMA_LIKE[name])[0](ids).logits
+        undone_logits = tiny_hf_model("llama", **{**LLAMA_LIKE[name], **overrides})[0](ids).logits
+    assert (logits - undone_logits)[:, 8:].abs().max() > 0.1
 
 
 def our_moe_model(config: dict, state: dict):
@@ -207,6 +288,69 @@ def test_the_step_writes_and_reads_every_cache_type(native_kernels, cache_type, 
     assert_same(*_logits_both_ways(model, ids, 3, cache_type))
 
 
+# A K-quant's mean 4- or 5-bit quant: its minimum (dmin) times this offsets it.
+MEAN_QUANT = {T.Q4_K: 7.5, T.Q5_K: 15.5}
+
+
+def model_like_blocks(ggml_type: T, rows: int, cols: int, rng) -> np.ndarray:
+    """test_quant_models' random blocks, their f16 scales set so the weights look like a
+    model's: mean near 0, standard deviation 0.1. (Its K-quants' weights are near 1 or
+    more and biased: queries and keys saturate the softmax, where attention's scale and
+    RoPE hardly matter.)"""
+    raw = quant_models.blocks(ggml_type, rows, cols, rng)
+    blocks = raw.reshape(-1, GGML_QUANT_SIZES[ggml_type][1])
+    fields = [slice(o, o + 2) for o in F16_FIELDS[ggml_type]]
+    if ggml_type in MEAN_QUANT:  # [d, dmin]
+        d = blocks[:, fields[0]].copy().view(np.float16).astype(np.float32)
+        blocks[:, fields[1]] = (d * MEAN_QUANT[ggml_type]).astype(np.float16).view(np.uint8)
+    factor = 0.1 / gguf_dequantize(raw, ggml_type).std()
+    for field in fields:
+        scale = blocks[:, field].copy().view(np.float16).astype(np.float32) * factor
+        blocks[:, field] = scale.astype(np.float16).view(np.uint8)
+    return raw
+
+
+def quantized_model(name: str, types: list[T]):
+    """LLAMA_LIKE[name] at test_quant_models' SHAPE (widths of 256s, head_dim 64), every
+    matrix (the output too) model_like_blocks of `types` in turn, in QuantLinear layers as
+    the loader makes them; the step attached."""
+    hf, config = tiny_hf_model("llama", **{**LLAMA_LIKE[name], **quant_models.SHAPE})
+    model = our_model(config, hf.state_dict()).requires_grad_(False)
+    rng = np.random.default_rng(0)
+    linears = [(n, m) for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+    for i, (path, linear) in enumerate(linears):
+        ggml_type = types[i % len(types)]
+        raw = model_like_blocks(ggml_type, linear.out_features, linear.in_features, rng)
+        parent, _, child = path.rpartition(".")
+        quantized = QuantLinear(torch.from_numpy(raw), ggml_type, linear.in_features, linear.bias)
+        setattr(model.get_submodule(parent), child, quantized)
+    assert decode_step.attach(model)
+    return model
+
+
+@pytest.mark.parametrize(
+    "types",
+    [[T.Q8_0], [T.Q4_K, T.Q6_K, T.Q5_K], [T.Q4_0, T.Q5_0]],
+    ids=lambda ts: "+".join(t.name for t in ts),
+)
+@pytest.mark.parametrize("activations", ["f32", "q8"])
+@pytest.mark.parametrize("name", list(LLAMA_LIKE))
+def test_llama_like_families_step_as_their_layers_on_quantized_weights(
+    native_kernels, name, types, activations
+):
+    model = quantized_model(name, types)
+    set_activations(model, activations)
+    assert_same(*_logits_both_ways(model, IDS, 4))
+
+
+@pytest.mark.parametrize("cache_type", ["f16", "bf16", "q8_0"])
+@pytest.mark.parametrize("name", list(LLAMA_LIKE))
+def test_llama_like_families_step_through_every_cache_type(native_kernels, name, cache_type):
+    model = quantized_model(name, [T.Q8_0, T.Q4_K])
+    ids = torch.randint(0, 256, (1, 14), generator=torch.Generator().manual_seed(3))
+    assert_same(*_logits_both_ways(model, ids, 3, cache_type))
+
+
 def test_8_bit_activations_decode_as_reference_quantized_activations(native_kernels, tmp_path):
     """With --activations q8, every quantized linear layer of a decoding model gives,
     for the activations it is given, the float64 product of its gguf-dequantized
@@ -245,11 +389,29 @@ def test_batched_rows_through_a_paged_cache_equal_the_layers(
     window of 5), each through its own block table of a paged pool; `windowed`: the
     sliding-window layers in a pool of their own, where the row past its window has
     let go of its first block (scribbled over before the step)."""
-    from llmrun.models.paged import PagedKVCache
-
     q, _ = random_block_model(name, [T.Q4_0, T.Q8_0], tmp_path)
     model = load_model(q, CPU, "f32").model
     set_activations(model, activations)
+    assert_paged_rows_step_as_the_layers(model, windowed)
+
+
+@pytest.mark.parametrize("activations", ["f32", "q8"])
+@pytest.mark.parametrize(
+    "name,windowed", [(name, False) for name in LLAMA_LIKE] + [("olmo3", True)]
+)
+def test_llama_like_families_step_batched_rows_through_a_paged_cache(
+    native_kernels, name, windowed, activations
+):
+    model = quantized_model(name, [T.Q4_0, T.Q8_0])
+    set_activations(model, activations)
+    assert_paged_rows_step_as_the_layers(model, windowed)
+
+
+def assert_paged_rows_step_as_the_layers(model, windowed: bool) -> None:
+    """The rows of the test above decoded by the step and by the layers: the same logits
+    (assert_same), the step taking the one step."""
+    from llmrun.models.paged import PagedKVCache
+
     like = model.new_cache(1, 1, torch.float32, "cpu")
     lengths = [3, 9, 6]
     tables = [[0, 5], [2, 1, 7], [4, 3]]  # blocks of 4 positions, shuffled
