@@ -24,6 +24,13 @@ from typing import Any, Protocol
 
 REASONING, ANSWER, COMMENTARY = "reasoning", "answer", "commentary"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# Reasoning markers, most models' first: Seed-OSS's and Command A Reasoning / R7B's (as
+# llama.cpp's and vLLM's reasoning parsers read them).
+THINK_MARKERS = (
+    (THINK_OPEN, THINK_CLOSE),
+    ("<seed:think>", "</seed:think>"),
+    ("<|START_THINKING|>", "<|END_THINKING|>"),
+)
 # Harmony's message tokens: start, channel, message, end (required), return, call.
 HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>")
 _CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
@@ -71,15 +78,16 @@ class Harmony:
 
 def find_markers(tokenizer: _Vocab) -> Markers | Harmony | None:
     """The model's reasoning markers: harmony's message tokens if its vocabulary has the
-    four it needs (a structure no <think> model's vocabulary has), else <think> and
-    </think> if it has both as single tokens."""
+    four it needs (a structure no <think> model's vocabulary has), else the first pair of
+    THINK_MARKERS it has both of as single tokens."""
     ids = [tokenizer.token_id(t) for t in HARMONY_TOKENS]
     if None not in ids[:4]:
         return Harmony(*ids)
-    open_id, close_id = tokenizer.token_id(THINK_OPEN), tokenizer.token_id(THINK_CLOSE)
-    if open_id is None or close_id is None:
-        return None
-    return Markers(open_id, close_id)
+    for open_text, close_text in THINK_MARKERS:
+        open_id, close_id = tokenizer.token_id(open_text), tokenizer.token_id(close_text)
+        if open_id is not None and close_id is not None:
+            return Markers(open_id, close_id, open_text, close_text)
+    return None
 
 
 class Piece(str):

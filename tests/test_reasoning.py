@@ -12,7 +12,7 @@ import pytest
 from scripted import OPENS_THINK_TEMPLATE, scripted_model_dir
 
 from llmrun.errors import UsageError
-from llmrun.reasoning import ANSWER, REASONING, Markers, Splitter, template_switches
+from llmrun.reasoning import ANSWER, REASONING, Markers, Splitter, find_markers, template_switches
 
 THINKS = ["<think>", "▁the", "▁big", "</think>", "▁Lily", "▁was", "▁happy"]
 M = Markers(open_id=1, close_id=2)
@@ -278,3 +278,28 @@ def test_a_format_applies_after_the_reasoning_the_prompt_opened(opener, tmp_path
     r = llmrun("run", str(opener), "--batch", "-", "--batch-lines", *flags, stdin="Hi\n")
     record = json.loads(r.stdout)
     assert (record["reasoning"], record["text"]) == ("the big", result["text"])
+
+
+class ListVocab:
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def token_id(self, text):
+        return self.tokens.index(text) if text in self.tokens else None
+
+
+@pytest.mark.parametrize(
+    ("opener", "closer"),
+    [("<seed:think>", "</seed:think>"), ("<|START_THINKING|>", "<|END_THINKING|>")],
+)
+def test_seed_oss_and_command_reasoning_markers(opener, closer):
+    """Seed-OSS's and Command A / R7B's reasoning is told from the answer (it came out
+    as the answer), as llama.cpp's and vLLM's reasoning parsers read it."""
+    markers = find_markers(ListVocab(["x", opener, closer]))
+    assert markers == Markers(1, 2, opener, closer)
+    pieces, s = split([(1, opener), (3, "Hm"), (2, closer), (4, "Yes")], markers=markers)
+    assert s.text == {REASONING: "Hm", ANSWER: "Yes"}
+    _, s = split([(3, "Hm"), (2, closer), (4, "Yes")], prompt=f"Q{opener}", markers=markers)
+    assert s.text == {REASONING: "Hm", ANSWER: "Yes"}
+    # Where a vocabulary has <think> too, it is the one.
+    assert find_markers(ListVocab([opener, closer, "<think>", "</think>"])) == Markers(2, 3)
