@@ -22,6 +22,7 @@ import sys
 
 import numpy as np
 import pytest
+import test_paged
 import torch
 from gguf import GGMLQuantizationType, Keys
 from gguf.quants import dequantize, quantize
@@ -33,7 +34,6 @@ from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import inspect
 from llmrun.loading.gguf_io import read_gguf
 from llmrun.loading.loader import load_model
-from llmrun.models.paged import PagedKVCache
 from llmrun.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -197,42 +197,17 @@ def test_dense_layers_after_expert_layers_are_refused():
 
 @pytest.mark.parametrize("name", ["full", "flash"])
 def test_paged_cache_gives_the_contiguous_logits(name):
-    """serve's paged KV cache: a prefill in chunks on shuffled blocks of 16, then one
-    token at a time, as the contiguous cache gives them."""
+    """serve's paged KV cache, as every family is held to (tests/models/test_paged.py)."""
     hf = hf_model(name)
     ours = our_model(hf.config.to_dict(), hub_state_dict(hf))
-    pool = PagedKVCache(ours.new_cache(1, 1, "f32", "cpu"), 8, 16, 256)
-    sizes = [7, 20] + [1] * (IDS.shape[1] - 27)
-    out, start = [], 0
-    with torch.no_grad():
-        for n in sizes:
-            positions = torch.arange(start, start + n)[None]
-            out.append(ours(IDS[:, start : start + n], positions, pool.view([[5, 0, 3]])))
-            start += n
-    assert (torch.cat(out, dim=1) - reference(hf)).abs().max() < 1e-4
+    test_paged.test_one_sequence_on_shuffled_blocks_gives_the_contiguous_logits(ours, "f32")
 
 
 def test_paged_rows_decoded_together_give_their_own_logits():
-    """serve's batches: two prompts (12 and 9 tokens, the second padded on the right)
-    prefilled together on blocks of their own, then decoded together for 4 tokens."""
     hf = hf_model("full")
-    ours = our_model(hf.config.to_dict(), hub_state_dict(hf))
-    pool = PagedKVCache(ours.new_cache(1, 1, "f32", "cpu"), 8, 16, 256)
-    ids = torch.randint(3, 512, (2, 16), generator=torch.Generator().manual_seed(2))
-    tables, counts = [[6, 1], [2, 7]], [12, 9]
-    with torch.no_grad():
-        positions = torch.arange(12).expand(2, 12)
-        last = torch.tensor(counts) - 1
-        first = ours(ids[:, :12], positions, pool.view(tables, counts), last=last)[:, -1]
-        steps = []
-        for step in range(4):
-            rows = torch.stack([ids[r, c + step : c + step + 1] for r, c in enumerate(counts)])
-            at = torch.tensor([[c + step] for c in counts])
-            steps.append(ours(rows, at, pool.view(tables), last_only=True)[:, -1])
-        for row, count in enumerate(counts):
-            alone = hf(ids[row : row + 1, : count + 4]).logits[0, count - 1 :]
-            got = torch.stack([first[row]] + [s[row] for s in steps])
-            assert (got - alone).abs().max() < 1e-4
+    test_paged.test_batched_rows_sharing_prefix_blocks_give_their_own_logits(
+        our_model(hf.config.to_dict(), hub_state_dict(hf))
+    )
 
 
 @pytest.mark.parametrize("cache_type", ["f16", "bf16", "q8_0"])
