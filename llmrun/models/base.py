@@ -712,14 +712,23 @@ class CausalLM(nn.Module):
         if static is not None:
             frame = self.static_frame(positions, cache, x.dtype, static)
         else:
-            frame = self.frame(positions, cache, x.dtype)
+            frame = self.frame(positions, cache, x.dtype, last)
         return head_logits(self, x, frame, cache, last_only, last).float()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The input embeddings [B, T, hidden] of input_ids [B, T] (Granite scales them)."""
         return self.model.embed_tokens(input_ids)
 
-    def frame(self, positions: torch.Tensor, cache: KVCache | None, dtype: torch.dtype) -> Frame:
+    def frame(
+        self,
+        positions: torch.Tensor,
+        cache: KVCache | None,
+        dtype: torch.dtype,
+        last: torch.Tensor | None = None,
+    ) -> Frame | dict[str, Frame]:
+        """What the layers need of this forward's tokens (a Frame per layer type, for a
+        family whose windowed layers keep only their window: `last` places the rows'
+        writes in those rings, see layer_frames)."""
         start, length = int(positions[0, 0]), int(positions.max()) + 1
         window = getattr(self.args, "sliding_window", None)
         mask = attention_mask(positions, key_positions(positions, length, cache), window)

@@ -23,7 +23,6 @@ from llmrun.models.base import (
     args_from_config,
     attend_scaled,
     check_layer_types,
-    head_logits,
     layer_frames,
 )
 from llmrun.models.cache import KVCache
@@ -113,20 +112,6 @@ class Attention(nn.Module):
 class Model(olmo2.Model):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__(args, Attention)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        cache: KVCache | None = None,
-        last_only: bool = False,
-        last: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Float32 logits [B, T, vocab] for input_ids [B, T] at positions [B, T];
-        [B, 1, vocab] with last_only or `last` (as CausalLM.forward)."""
-        x = self.model.embed_tokens(input_ids)
-        frames = self.frame(positions, cache, x.dtype, last)
-        return head_logits(self, x, frames, cache, last_only, last).float()
 
     def frame(
         self,

@@ -21,7 +21,6 @@ from llmrun.models.base import (
     args_from_config,
     attend_scaled,
     check_layer_types,
-    head_logits,
     layer_frames,
     rope_parameters,
 )
@@ -117,20 +116,6 @@ class Model(olmo2.Model):
         self.model.rotary_emb_local = RotaryEmbedding(
             args.rope_local_parameters, args.head_dim, args.max_position_embeddings
         )
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        cache: KVCache | None = None,
-        last_only: bool = False,
-        last: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Float32 logits [B, T, vocab] for input_ids [B, T] at positions [B, T];
-        [B, 1, vocab] with last_only or `last` (as CausalLM.forward)."""
-        x = self.model.embed_tokens(input_ids)
-        frames = self.frame(positions, cache, x.dtype, last)
-        return head_logits(self, x, frames, cache, last_only, last).float()
 
     def frame(
         self,
