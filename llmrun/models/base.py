@@ -668,13 +668,23 @@ class DecoderLayer(nn.Module):
 
 
 class Body(nn.Module):
-    def __init__(self, args: Any, attention: type, mlp: type, layer: type = DecoderLayer) -> None:
+    """The embedding, the decoder layers, the final norm (RMSNorm unless `norm` is given)
+    and the RoPE tables."""
+
+    def __init__(
+        self,
+        args: Any,
+        attention: type,
+        mlp: type,
+        layer: type = DecoderLayer,
+        norm: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(
             layer(args, i, attention, mlp) for i in range(args.num_hidden_layers)
         )
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.norm = norm if norm is not None else RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
             args.rope_parameters, args.head_dim, args.max_position_embeddings
         )
@@ -688,10 +698,17 @@ class CausalLM(nn.Module):
 
     decode_step = None  # see run_layers
 
-    def __init__(self, args: Any, attention: type, mlp: type, layer: type = DecoderLayer) -> None:
+    def __init__(
+        self,
+        args: Any,
+        attention: type,
+        mlp: type,
+        layer: type = DecoderLayer,
+        norm: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         self.args = args
-        self.model = Body(args, attention, mlp, layer)
+        self.model = Body(args, attention, mlp, layer, norm)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def forward(

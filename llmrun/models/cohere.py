@@ -21,7 +21,6 @@ from llmrun.models.base import (
     CausalLM,
     Frame,
     GatedMLP,
-    RotaryEmbedding,
     args_from_config,
     attend,
     rotate_pairs,
@@ -132,10 +131,10 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     """The parallel block: x + attn(norm(x)) + mlp(norm(x))."""
 
-    def __init__(self, args: ModelArgs, layer: int, attention: type) -> None:
+    def __init__(self, args: ModelArgs, layer: int, attention: type, mlp: type) -> None:
         super().__init__()
         self.self_attn = attention(args, layer)
-        self.mlp = GatedMLP(args)
+        self.mlp = mlp(args)
         self.input_layernorm = LayerNorm(args.hidden_size, args.layer_norm_eps)
 
     def forward(self, x: torch.Tensor, frame: Any, cache: KVCache | None) -> torch.Tensor:
@@ -143,29 +142,13 @@ class DecoderLayer(nn.Module):
         return x + self.self_attn(normed, frame, cache) + self.mlp(normed)
 
 
-class Body(nn.Module):
-    def __init__(self, args: ModelArgs, attention: type) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(args, i, attention) for i in range(args.num_hidden_layers)
-        )
-        self.norm = LayerNorm(args.hidden_size, args.layer_norm_eps)
-        self.rotary_emb = RotaryEmbedding(
-            args.rope_parameters, args.head_dim, args.max_position_embeddings
-        )
-
-
 class Model(CausalLM):
     """CausalLM's frames, cache and static decode step over Cohere's body, its logits
     times logit_scale."""
 
     def __init__(self, args: ModelArgs) -> None:
-        # Not CausalLM.__init__: its body is the pre-norm block of RMSNorms.
-        nn.Module.__init__(self)
-        self.args = args
-        self.model = Body(args, Attention)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        norm = LayerNorm(args.hidden_size, args.layer_norm_eps)
+        super().__init__(args, Attention, GatedMLP, DecoderLayer, norm)
 
     def forward(
         self,

@@ -18,7 +18,9 @@ from torch import nn
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.models import cohere
 from llmrun.models.base import (
+    Body,
     Frame,
+    GatedMLP,
     attend_scaled,
     check_layer_types,
     head_logits,
@@ -89,7 +91,8 @@ class Model(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
-        self.model = cohere.Body(args, Attention)
+        norm = cohere.LayerNorm(args.hidden_size, args.layer_norm_eps)
+        self.model = Body(args, Attention, GatedMLP, cohere.DecoderLayer, norm)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def forward(
