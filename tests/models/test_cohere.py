@@ -16,11 +16,15 @@ and the static decode step are held to test_paged's, test_cache_types' and
 test_static_decode's bounds.
 """
 
-import sys
-
 import numpy as np
 import pytest
 import torch
+from family_checks import (
+    check_rounded_cache,
+    check_run_prints_greedy_tokens,
+    check_served_as_alone,
+    check_show,
+)
 from helpers import (
     STORIES_GGUF,
     VOCAB_DIR,
@@ -31,13 +35,11 @@ from helpers import (
     randomize,
     save_hf_dir,
 )
-from test_batching import Collector
-from test_cache_types import TOLERANCE, logits_of
+from test_cache_types import TOLERANCE
 from test_paged import contiguous_logits, pool_for
 from test_static_decode import decode_logits, ordinary
 
 from llmrun import api, static_decode
-from llmrun.batching import Request, Scheduler
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.kv_blocks import KVBlocks
 from llmrun.loading import inspect
@@ -48,7 +50,6 @@ from llmrun.models import kv_cache_bytes, model_module
 from llmrun.models.paged import PagedKVCache
 from llmrun.quant import decode_step
 from llmrun.sampling import SamplingParams
-from llmrun.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
@@ -407,11 +408,7 @@ def test_cache_types_round_only_what_they_store(name, cache_type):
     """--cache-type: the logits of an f32 cache whose writes are rounded alike, and
     near the f32 cache's (test_cache_types' bounds)."""
     model = ours(hf_model(name, num_attention_heads=2, num_key_value_heads=1))  # q8_0: 32
-    reference_logits = logits_of(model, torch.float32)
-    logits = logits_of(model, cache_type)
-    assert 0 < moved(logits, reference_logits) < TOLERANCE[cache_type]
-    expected = logits_of(model, torch.float32, rounded=cache_type)
-    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+    check_rounded_cache(model, cache_type, TOLERANCE[cache_type])
 
 
 def test_the_static_decode_step_takes_command_r_only(monkeypatch):
@@ -441,40 +438,17 @@ def test_show_counts_the_kv_cache_as_the_model_allocates_it(name):
         assert inspect.kv_cache_bytes(config, context) == kv_cache_bytes(config, context)
 
 
-def llmrun_cli(*args):
-    import subprocess
-
-    return subprocess.run(
-        [sys.executable, "-m", "llmrun", *args], capture_output=True, text=True, timeout=300
-    )
-
-
 def test_show_describes_a_cohere2_gguf(tmp_path):
     path = write_cohere_gguf(tmp_path / "m.gguf", hf_model("cohere2"))
-    result = llmrun_cli("show", str(path))
-    assert result.returncode == 0, result.stderr
-    assert "cohere2" in result.stdout
-    info = inspect.describe(path)
-    assert info["architecture"] == "cohere2"
     # Three layers of 5 positions, one of 8192: 2 KV heads of 16 floats, keys and values.
-    assert info["kv_cache_bytes_8k"] == 2 * 2 * 16 * 4 * (3 * 5 + 8192)
+    check_show(path, "cohere2", 2 * 2 * 16 * 4 * (3 * 5 + 8192), timeout=300)
 
 
 @pytest.mark.parametrize("name", ["cohere-qk-norm", "cohere2"])
 def test_llmrun_run_prints_transformers_greedy_text(name, tmp_path):
     hf = hf_model(name)
     path = write_cohere_gguf(tmp_path / "m.gguf", hf)
-    prompt = "Once upon a time"
-    result = llmrun_cli("run", str(path), prompt, "-n", "24", "--temperature", "0")
-    assert result.returncode == 0, result.stderr
-    tokenizer = load_tokenizer(path)
-    ids = torch.tensor([tokenizer.encode(prompt)])
-    with torch.no_grad():
-        out = hf.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=2)
-    new = out[0, ids.shape[1] :].tolist()
-    new = new[: new.index(2)] if 2 in new else new
-    assert len(new) > 8
-    assert result.stdout == tokenizer.decode(new)
+    check_run_prints_greedy_tokens(hf, path, timeout=300)
 
 
 @pytest.mark.parametrize("name", ["cohere", "cohere2"])
@@ -492,19 +466,4 @@ def test_serves_concurrent_requests_as_it_runs_them_alone(name, tmp_path):
         )
         for i, p in enumerate(prompts)
     ]
-    scheduler = Scheduler(engine, parallel=4, queue=8)
-    collectors = []
-    for prompt, params in cases:
-        collectors.append(Collector())
-        scheduler.submit(Request(prompt, params, 20), collectors[-1])
-    scheduler.start()
-    try:
-        for (prompt, params), collector in zip(cases, collectors, strict=True):
-            responses = list(engine.generate(prompt, params, 20))
-            assert len(responses) > 5
-            assert collector.result() == (
-                "".join(r.text for r in responses),
-                responses[-1].finish_reason,
-            )
-    finally:
-        scheduler.close()
+    check_served_as_alone(engine, cases, 20, parallel=4)

@@ -13,23 +13,25 @@ native kernels multiply the blocks exactly in f32). Cache types are held to the 
 cache at test_cache_types' tolerances.
 """
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import test_paged
 import torch
+from family_checks import (
+    check_rounded_cache,
+    check_run_prints_greedy_tokens,
+    check_served_as_alone,
+    check_show,
+)
 from gguf import GGMLQuantizationType, Keys
 from gguf.quants import dequantize, quantize
 from helpers import STORIES_GGUF, cached_logits, our_model, randomize
-from test_cache_types import TOLERANCE, logits_of
+from test_cache_types import TOLERANCE
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import inspect
 from llmrun.loading.gguf_io import read_gguf
 from llmrun.loading.loader import load_model
-from llmrun.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -106,10 +108,15 @@ EXPERTS = ("gate_proj", "up_proj", "down_proj")
 
 
 def hf_model(name: str, **overrides):
-    """A tiny transformers model of CONFIGS[name] with randomize()'s weights (attention
-    outputs smaller, so that tokens do not look alike to the routers), V3's selection
-    biases drawn large enough to change the choice."""
-    config = transformers.AutoConfig.for_model(**{**COMMON, **CONFIGS[name], **overrides})
+    """A tiny transformers model of CONFIGS[name] (routed_model's weights)."""
+    return routed_model({**COMMON, **CONFIGS[name], **overrides})
+
+
+def routed_model(config: dict):
+    """A tiny transformers model of `config` with randomize()'s weights (attention
+    outputs smaller, so that tokens do not look alike to the routers), V3-style
+    selection biases drawn large enough to change the choice."""
+    config = transformers.AutoConfig.for_model(**config)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     randomize(model, {"o_proj.weight": 0.03})
@@ -213,11 +220,8 @@ def test_cache_types_give_the_logits_of_their_rounded_keys_and_values(cache_type
     bf16 or q8_0 a rounding can send a token to other experts."""
     hf = hf_model("v2")
     ours = our_model(hf.config.to_dict(), hub_state_dict(hf))
-    logits = logits_of(ours, cache_type)
-    expected = logits_of(ours, torch.float32, rounded=cache_type)
-    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
-    if cache_type == "f16":
-        assert 0 < (logits - logits_of(ours, torch.float32)).abs().max() < TOLERANCE["f16"]
+    f16 = cache_type == "f16"
+    check_rounded_cache(ours, cache_type, TOLERANCE["f16"] if f16 else None, moves=f16)
 
 
 def test_the_cache_and_kv_count_hold_each_heads_key_width():
@@ -503,54 +507,23 @@ def test_a_gguf_missing_an_expert_stack_is_refused(tmp_path):
         load_model(path, torch.device("cpu"), "f32")
 
 
-def llmrun_cli(*args):
-    import os
-
-    return subprocess.run(
-        [sys.executable, "-m", "llmrun", *args],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-
-
 def test_show_describes_a_deepseek2_gguf(tmp_path):
     hf = hf_model("v3")
     path = write_deepseek2(tmp_path / "m.gguf", hf, gguf_tensors(hf, split_kv=True))
-    result = llmrun_cli("show", str(path))
-    assert result.returncode == 0, result.stderr
-    assert "deepseek2" in result.stdout
-    info = inspect.describe(path)
-    assert info["architecture"] == "deepseek2"
     # Every layer's 4 heads: a key of 64 and a value padded to 64, f32, 8192 positions.
-    assert info["kv_cache_bytes_8k"] == 3 * 2 * 4 * 64 * 4 * 8192
-    assert 0 < info["active_parameters"] < info["parameters"]
+    check_show(path, "deepseek2", 3 * 2 * 4 * 64 * 4 * 8192, moe=True, timeout=180, threads=1)
 
 
 def test_llmrun_run_prints_transformers_greedy_text(tmp_path):
     hf = hf_model("v3")
     path = write_deepseek2(tmp_path / "m.gguf", hf, gguf_tensors(hf, split_kv=True))
-    prompt = "Once upon a time"
-    result = llmrun_cli("run", str(path), prompt, "-n", "24", "--temperature", "0")
-    assert result.returncode == 0, result.stderr
-    tokenizer = load_tokenizer(path)
-    ids = torch.tensor([tokenizer.encode(prompt)])
-    with torch.no_grad():
-        out = hf.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=2)
-    new = out[0, ids.shape[1] :].tolist()
-    new = new[: new.index(2)] if 2 in new else new
-    assert len(new) > 8
-    assert result.stdout == tokenizer.decode(new)
+    check_run_prints_greedy_tokens(hf, path, timeout=180, threads=1)
 
 
 def test_serve_gives_concurrent_requests_their_text_alone(tmp_path):
     """serve's scheduler (paged KV blocks, rows prefilled and decoded together) on a
     Q8_0 file: each request gets the text it gets alone."""
-    from test_batching import Collector
-
     from llmrun import api
-    from llmrun.batching import Request, Scheduler
     from llmrun.sampling import SamplingParams
 
     hf = hf_model("v3")
@@ -562,21 +535,7 @@ def test_serve_gives_concurrent_requests_their_text_alone(tmp_path):
         (engine.tokenizer.encode(p), SamplingParams(seed=i, temperature=0.8))
         for i, p in enumerate(prompts)
     ]
-    scheduler = Scheduler(engine, parallel=3, queue=8)
-    collectors = [Collector() for _ in cases]
-    for (prompt, params), collector in zip(cases, collectors, strict=True):
-        scheduler.submit(Request(prompt, params, 16), collector)
-    scheduler.start()
-    try:
-        for (prompt, params), collector in zip(cases, collectors, strict=True):
-            responses = list(engine.generate(prompt, params, 16))
-            assert len(responses) > 5
-            assert collector.result() == (
-                "".join(r.text for r in responses),
-                responses[-1].finish_reason,
-            )
-    finally:
-        scheduler.close()
+    check_served_as_alone(engine, cases, 16, parallel=3)
 
 
 def test_the_static_decode_step_is_not_offered():

@@ -5,13 +5,11 @@ llama.cpp's converter writes it (F32 and Q8_0). Logits span about ±7; llmrun ma
 to 1e-4 (measured 1e-5). The pairing and the biases each move the logits by units
 (asserted below)."""
 
-import json
-
 import pytest
 import test_cache_types
 import test_paged
-import test_static_decode
 import torch
+from family_checks import check_rounded_cache, check_run_token_ids, check_static_decode
 from gguf import GGMLQuantizationType
 from glm_ernie_helpers import (
     IDS,
@@ -25,11 +23,9 @@ from glm_ernie_helpers import (
 from helpers import cached_logits, our_model, save_hf_dir
 from test_cli import llmrun
 
-from llmrun import static_decode
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading.loader import load_model, open_checkpoint
 from llmrun.models import ernie4_5
-from llmrun.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -135,40 +131,16 @@ def test_paged_batched_rows_give_their_own_logits(ours):
 
 @pytest.mark.parametrize("cache_type", test_cache_types.TYPES)
 def test_cache_types_give_an_f32_cache_of_their_rounded_values(ours, cache_type):
-    logits = test_cache_types.logits_of(ours, cache_type)
-    rounded = test_cache_types.logits_of(ours, torch.float32, rounded=cache_type)
-    torch.testing.assert_close(logits, rounded, atol=1e-5, rtol=0)
-    drift = (logits - test_cache_types.logits_of(ours, torch.float32)).abs().max()
-    assert 0 < drift < CACHE_DRIFT[cache_type]
+    check_rounded_cache(ours, cache_type, CACHE_DRIFT[cache_type])
 
 
 def test_the_static_decode_step_gives_the_ordinary_logits(ours, monkeypatch):
     """The step CUDA graphs capture (llmrun.static_decode), run eagerly on CPU."""
-    monkeypatch.setattr(static_decode, "FIRST_BUCKET", 8)
-    cache = ours.new_cache(1, 32, torch.float32, "cpu")
-    assert static_decode.supported(ours, cache)
-    got = test_static_decode.decode_logits(ours, static_decode.step(ours, cache), cache)
-    plain = ours.new_cache(1, 32, torch.float32, "cpu")
-    expected = test_static_decode.decode_logits(
-        ours, test_static_decode.ordinary(ours, plain), plain
-    )
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    check_static_decode(ours, monkeypatch)
 
 
 def test_llmrun_run_prints_transformers_greedy_text(hf, tmp_path):
-    path = write_gguf(tmp_path / "ernie.gguf", hf)
-    prompt = load_tokenizer(path).encode("Once upon a time")
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
-    expected = out[0, len(prompt) :].tolist()
-    result = llmrun(
-        "run", str(path), "Once upon a time", "-n", "12", "--temperature", "0",
-        "--json", "--logprobs", "1",
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    data = json.loads(result.stdout)
-    assert [entry["id"] for entry in data["logprobs"]] == expected
-    assert data["text"] == load_tokenizer(path).decode(expected)
+    check_run_token_ids(hf, write_gguf(tmp_path / "ernie.gguf", hf))
 
 
 def test_show(hf, tmp_path):

@@ -6,12 +6,11 @@ written as llama.cpp's converter writes it (stacked experts, F32 and Q8_0). Logi
 about ±7; llmrun matches to 1e-4 (measured 2e-5). The selection bias and the shared
 experts each move the logits by units (asserted below)."""
 
-import json
-
 import pytest
 import test_cache_types
 import test_paged
 import torch
+from family_checks import check_rounded_cache, check_run_token_ids
 from gguf import GGMLQuantizationType
 from glm_ernie_helpers import (
     IDS,
@@ -33,7 +32,6 @@ from llmrun.loading.loader import load_model, open_checkpoint
 from llmrun.models import model_module
 from llmrun.models.base import GatedMLP
 from llmrun.models.ernie4_5_moe import SparseMoeBlock
-from llmrun.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -151,12 +149,9 @@ def test_paged_batched_rows_give_their_own_logits(ours):
 
 @pytest.mark.parametrize("cache_type", test_cache_types.TYPES)
 def test_cache_types_give_an_f32_cache_of_their_rounded_values(ours, cache_type):
-    logits = test_cache_types.logits_of(ours, cache_type)
-    rounded = test_cache_types.logits_of(ours, torch.float32, rounded=cache_type)
-    torch.testing.assert_close(logits, rounded, atol=1e-5, rtol=0)
     # The storage rounds. How far that moves the logits is no bound to test: a rounding
     # can send a token to other experts (q8_0 does here: 0.9, as with gpt-oss).
-    assert (logits - test_cache_types.logits_of(ours, torch.float32)).abs().max() > 0
+    check_rounded_cache(ours, cache_type)
 
 
 def test_no_static_decode_step(ours):
@@ -165,18 +160,7 @@ def test_no_static_decode_step(ours):
 
 
 def test_llmrun_run_prints_transformers_greedy_text(hf, tmp_path):
-    path = write_gguf(tmp_path / "ernie-moe.gguf", hf)
-    prompt = load_tokenizer(path).encode("Once upon a time")
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
-    expected = out[0, len(prompt) :].tolist()
-    result = llmrun(
-        "run", str(path), "Once upon a time", "-n", "12", "--temperature", "0",
-        "--json", "--logprobs", "1",
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    data = json.loads(result.stdout)
-    assert [entry["id"] for entry in data["logprobs"]] == expected
+    check_run_token_ids(hf, write_gguf(tmp_path / "ernie-moe.gguf", hf), text=False)
 
 
 def test_show(hf, tmp_path):

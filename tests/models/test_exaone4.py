@@ -22,11 +22,18 @@ import math
 
 import numpy as np
 import pytest
-import test_paged
 import torch
-from helpers import BASE, STORIES_GGUF, cached_logits, gguf_name, our_model, randomize
-from test_cache_types import rounded_to
-from test_seed_oss import greedy_text, run_cli
+from family_checks import (
+    check_paged,
+    check_run_and_show,
+    check_typed_cache,
+    dequantize_2d_weights,
+    finish_stories_gguf,
+    gguf_writer,
+    max_diff,
+)
+from family_checks import hf_model_of as hf_model
+from helpers import BASE, cached_logits, gguf_name, our_model
 
 from llmrun import static_decode
 from llmrun.errors import UnsupportedError
@@ -35,7 +42,6 @@ from llmrun.loading.gguf_config import config_from_gguf
 from llmrun.loading.gguf_io import read_gguf
 from llmrun.loading.loader import load_model
 from llmrun.models import kv_cache_bytes
-from llmrun.models.paged import PagedKVCache
 from llmrun.quant import decode_step
 
 transformers = pytest.importorskip("transformers")
@@ -83,15 +89,6 @@ POST_NORMS = {
 }
 
 
-def hf_model(config: dict):
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(
-        transformers.AutoConfig.for_model(**config), dtype=torch.float32
-    ).eval()
-    randomize(model)
-    return model
-
-
 def reference(model) -> torch.Tensor:
     with torch.no_grad():
         return model(IDS).logits
@@ -99,10 +96,6 @@ def reference(model) -> torch.Tensor:
 
 def ours(hf) -> torch.nn.Module:
     return our_model(hf.config.to_dict(), hf.state_dict())
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a - b).abs().max().item()
 
 
 def exaone_gguf_name(name: str) -> str:
@@ -137,20 +130,11 @@ def write_exaone_gguf(path, hf, qtype=None, pattern=True, window=True, swa_base=
     config has a window, Llama 3 scaling as rope_freqs. 2-D weights in `qtype` (default
     F32). For the defaults and refusals: no pattern, no window, another sliding base."""
     config = hf.config
-    writer = gguf.GGUFWriter(str(path), "exaone4")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer = gguf_writer(path, "exaone4", config)
     rope = config.rope_parameters
     writer.add_rope_freq_base(rope["rope_theta"])
     if swa_base is not None:
         writer.add_rope_freq_base_swa(swa_base)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
     writer.add_vocab_size(config.vocab_size)
     if config.sliding_window is not None and window:
         writer.add_sliding_window(config.sliding_window)
@@ -158,27 +142,9 @@ def write_exaone_gguf(path, hf, qtype=None, pattern=True, window=True, swa_base=
             writer.add_sliding_window_pattern(
                 [t == "sliding_attention" for t in config.layer_types]
             )
-    meta = read_gguf(STORIES_GGUF, with_tensors=False).metadata
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(meta["tokenizer.ggml.tokens"])
-    writer.add_token_scores(meta["tokenizer.ggml.scores"])
-    writer.add_token_types(meta["tokenizer.ggml.token_type"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
     if rope["rope_type"] == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_divisors(rope, config.head_dim))
-    for name, tensor in hf.state_dict().items():
-        data = tensor.float().numpy()
-        if data.ndim == 2 and qtype is not None:
-            raw = gguf.quants.quantize(data, qtype)
-            writer.add_tensor(exaone_gguf_name(name), raw, raw_shape=raw.shape, raw_dtype=qtype)
-        else:
-            writer.add_tensor(exaone_gguf_name(name), np.ascontiguousarray(data))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return finish_stories_gguf(writer, path, hf.state_dict(), exaone_gguf_name, qtype)
 
 
 @pytest.fixture(scope="module", params=list(FORMS))
@@ -209,11 +175,7 @@ def test_a_q8_0_gguf_matches_its_dequantized_weights(family, tmp_path):
     q8 = gguf.GGMLQuantizationType.Q8_0
     hf = hf_model(FORMS[family[0]])
     loaded = load_model(write_exaone_gguf(tmp_path / "q.gguf", hf, q8), CPU, "f32")
-    with torch.no_grad():
-        for p in hf.parameters():
-            if p.dim() == 2:
-                blocks = gguf.quants.quantize(p.numpy(), q8)
-                p.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, q8)))
+    dequantize_2d_weights(hf, q8)
     assert max_diff(cached_logits(loaded.model, IDS), reference(hf)) < 1e-4
 
 
@@ -250,35 +212,13 @@ def test_a_string_pattern_reads_as_the_converter_reads_it():
     assert max_diff(cached_logits(model, IDS), reference(hf)) < 1e-4
 
 
-def cache_logits(model, cache, sizes=(7, 20)) -> torch.Tensor:
-    """Logits of IDS through `cache` (a KV cache, or a function giving each forward call
-    its paged view): prefills of `sizes`, then one token at a time."""
-    out, start = [], 0
-    with torch.inference_mode():
-        for n in list(sizes) + [1] * (SEQ - sum(sizes)):
-            positions = torch.arange(start, start + n)[None]
-            view = cache() if callable(cache) else cache
-            out.append(model(IDS[:, start : start + n], positions, view))
-            start += n
-    return torch.cat(out, dim=1)
-
-
 def test_serves_from_paged_blocks_as_every_family_does(family, monkeypatch):
     """test_paged.py's checks of serve's paged KV cache: one sequence on shuffled blocks
     (f32, f16), rows of a batch sharing prefix blocks, and for the hybrid the windowed
     layers in a pool of their own whose blocks are let go and reused."""
     name, hf, expected = family
-    model = ours(hf)
-    pool = PagedKVCache(model.new_cache(1, 1, "f32", "cpu"), 16, 16, 256)
-    assert max_diff(cache_logits(model, lambda: pool.view([[9, 2, 14]])), expected) < 1e-4
-    for cache_type in ("f32", "f16"):
-        test_paged.test_one_sequence_on_shuffled_blocks_gives_the_contiguous_logits(
-            model, cache_type
-        )
-    test_paged.test_batched_rows_sharing_prefix_blocks_give_their_own_logits(model)
-    if name == "hybrid":
-        monkeypatch.setattr(test_paged, "built", lambda _: model)
-        test_paged.test_windowed_layers_in_a_pool_of_their_own_give_the_contiguous_logits(name)
+    windowed = name if name == "hybrid" else None
+    check_paged(ours(hf), IDS, expected, windowed, monkeypatch)
 
 
 @pytest.mark.parametrize("cache_type", ["f16", "bf16"])
@@ -286,12 +226,7 @@ def test_a_typed_cache_holds_its_rounded_values(family, cache_type):
     """As test_cache_types.py: the logits of an f32 cache whose writes are rounded to
     the type (1e-5), drifting from f32 by the rounding (DRIFT)."""
     _, hf, expected = family
-    model = ours(hf)
-    typed = cache_logits(model, model.new_cache(1, 64, cache_type, "cpu"))
-    rounded = model.new_cache(1, 64, torch.float32, "cpu")
-    rounded.encode = rounded_to(cache_type)
-    assert max_diff(typed, cache_logits(model, rounded)) < 1e-5
-    assert 0 < max_diff(typed, expected) < DRIFT[cache_type]
+    check_typed_cache(ours(hf), IDS, expected, cache_type, DRIFT[cache_type])
 
 
 def test_the_native_and_static_decode_steps_are_not_attached(family, tmp_path):
@@ -340,11 +275,4 @@ def test_kv_bytes_count_windowed_layers_as_the_cache_holds_them(tmp_path):
 
 def test_llmrun_run_prints_transformers_greedy_text(family, tmp_path):
     name, hf, _ = family
-    path = write_exaone_gguf(tmp_path / f"{name}.gguf", hf)
-    expected = greedy_text(hf, path, "Once upon a time", 16)
-    result = run_cli("run", str(path), "Once upon a time", "-n", "16", "--temperature", "0")
-    assert result.returncode == 0, result.stderr
-    assert result.stdout == expected
-    shown = run_cli("show", str(path))
-    assert shown.returncode == 0, shown.stderr
-    assert "exaone4" in shown.stdout
+    check_run_and_show(hf, write_exaone_gguf(tmp_path / f"{name}.gguf", hf), "exaone4")

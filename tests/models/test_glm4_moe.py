@@ -16,25 +16,26 @@ to the f32 cache at test_cache_types' tolerances.
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import test_paged
 import torch
+from family_checks import (
+    check_rounded_cache,
+    check_run_prints_greedy_tokens,
+    check_served_as_alone,
+    check_show,
+)
 from gguf import GGMLQuantizationType, Keys
-from gguf.quants import dequantize, quantize
-from helpers import STORIES_GGUF, cached_logits, our_model, randomize
-from test_cache_types import TOLERANCE, logits_of
-from test_deepseek import gguf_tensors, hub_state_dict, write_deepseek2
+from gguf.quants import quantize
+from helpers import STORIES_GGUF, cached_logits, our_model
+from test_cache_types import TOLERANCE
+from test_deepseek import gguf_tensors, hub_state_dict, q8_0, routed_model, write_deepseek2
 
 from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.loading import inspect
 from llmrun.loading.gguf_io import read_gguf
 from llmrun.loading.loader import load_model
-from llmrun.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -117,19 +118,9 @@ IDS = torch.randint(3, 512, (1, 40), generator=torch.Generator().manual_seed(1))
 
 
 def hf_model(name: str, **overrides):
-    """A tiny transformers model of CONFIGS[name] with randomize()'s weights (attention
-    outputs smaller, so that tokens do not look alike to the routers) and selection
-    biases drawn large enough to change the choice."""
-    config = transformers.AutoConfig.for_model(**{**COMMON, **CONFIGS[name], **overrides})
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    randomize(model, {"o_proj.weight": 0.03})
-    with torch.no_grad():
-        for layer in model.model.layers:
-            gate = getattr(layer.mlp, "gate", None)
-            if hasattr(gate, "e_score_correction_bias"):
-                gate.e_score_correction_bias.normal_(0, 0.3)
-    return model
+    """A tiny transformers model of CONFIGS[name] (test_deepseek.routed_model's weights:
+    selection biases drawn large enough to change the choice)."""
+    return routed_model({**COMMON, **CONFIGS[name], **overrides})
 
 
 def reference(model) -> torch.Tensor:
@@ -217,11 +208,8 @@ def test_cache_types_give_the_logits_of_their_rounded_keys_and_values(cache_type
     bf16 or q8_0 a rounding can send a token to other experts."""
     hf = hf_model("full")
     ours = our_model(hf.config.to_dict(), hub_state_dict(hf))
-    logits = logits_of(ours, cache_type)
-    expected = logits_of(ours, torch.float32, rounded=cache_type)
-    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
-    if cache_type == "f16":
-        assert 0 < (logits - logits_of(ours, torch.float32)).abs().max() < TOLERANCE["f16"]
+    f16 = cache_type == "f16"
+    check_rounded_cache(ours, cache_type, TOLERANCE["f16"] if f16 else None, moves=f16)
 
 
 def test_the_static_decode_step_is_not_offered():
@@ -431,12 +419,6 @@ def test_a_glm4moe_gguf_without_the_optional_keys_reads_as_llama_cpp_does(tmp_pa
     assert (cached_logits(loaded.model, IDS) - reference(hf)).abs().max() < 1e-4
 
 
-def q8_0(x: np.ndarray) -> np.ndarray:
-    """x with each row's blocks of 32 rounded as Q8_0 stores them."""
-    Q8_0 = GGMLQuantizationType.Q8_0
-    return dequantize(quantize(np.ascontiguousarray(x), Q8_0), Q8_0)
-
-
 def test_a_q8_0_gguf_matches_transformers_on_the_dequantized_weights(tmp_path):
     """Every matrix but the router in Q8_0 (the converter keeps ffn_gate_inp in f32);
     the reference holds the same rounded values (Q8_0 rounds each row's blocks, which
@@ -485,43 +467,17 @@ def test_a_file_of_the_mtp_layer_alone_is_refused(tmp_path):
         load_model(path, torch.device("cpu"), "f32")
 
 
-def llmrun_cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "llmrun", *args],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-
-
 def test_show_describes_a_glm4moe_gguf(tmp_path):
     hf = hf_model("full")
     path = write_glm4moe(tmp_path / "m.gguf", hf, glm4moe_tensors(hf))
-    result = llmrun_cli("show", str(path))
-    assert result.returncode == 0, result.stderr
-    assert "glm4moe" in result.stdout
-    info = inspect.describe(path)
-    assert info["architecture"] == "glm4moe"
     # 3 layers (not the MTP one) of keys and values: 1 head of 32, f32, 8192 positions.
-    assert info["kv_cache_bytes_8k"] == 3 * 2 * 1 * 32 * 4 * 8192
-    assert 0 < info["active_parameters"] < info["parameters"]
+    check_show(path, "glm4moe", 3 * 2 * 1 * 32 * 4 * 8192, moe=True, timeout=180, threads=1)
 
 
 def test_llmrun_run_prints_transformers_greedy_text(tmp_path):
     hf = hf_model("full")
     path = write_glm4moe(tmp_path / "m.gguf", hf, glm4moe_tensors(hf))
-    prompt = "Once upon a time"
-    result = llmrun_cli("run", str(path), prompt, "-n", "24", "--temperature", "0")
-    assert result.returncode == 0, result.stderr
-    tokenizer = load_tokenizer(path)
-    ids = torch.tensor([tokenizer.encode(prompt)])
-    with torch.no_grad():
-        out = hf.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=2)
-    new = out[0, ids.shape[1] :].tolist()
-    new = new[: new.index(2)] if 2 in new else new
-    assert len(new) > 8
-    assert result.stdout == tokenizer.decode(new)
+    check_run_prints_greedy_tokens(hf, path, timeout=180, threads=1)
 
 
 # ---- GLM-4.7-Flash as llama.cpp's converter writes it: "deepseek2" ----------------------
@@ -550,10 +506,7 @@ def test_a_glm_4_7_flash_deepseek2_gguf_matches_transformers(tmp_path, mtp):
 def test_serve_gives_concurrent_requests_their_text_alone(tmp_path):
     """serve's scheduler (paged KV blocks, rows prefilled and decoded together) on a
     Q8_0 glm4moe file: each request gets the text it gets alone."""
-    from test_batching import Collector
-
     from llmrun import api
-    from llmrun.batching import Request, Scheduler
     from llmrun.sampling import SamplingParams
 
     hf = hf_model("full")
@@ -564,18 +517,4 @@ def test_serve_gives_concurrent_requests_their_text_alone(tmp_path):
         (engine.tokenizer.encode(p), SamplingParams(seed=i, temperature=0.8))
         for i, p in enumerate(prompts)
     ]
-    scheduler = Scheduler(engine, parallel=3, queue=8)
-    collectors = [Collector() for _ in cases]
-    for (prompt, params), collector in zip(cases, collectors, strict=True):
-        scheduler.submit(Request(prompt, params, 16), collector)
-    scheduler.start()
-    try:
-        for (prompt, params), collector in zip(cases, collectors, strict=True):
-            responses = list(engine.generate(prompt, params, 16))
-            assert len(responses) > 5
-            assert collector.result() == (
-                "".join(r.text for r in responses),
-                responses[-1].finish_reason,
-            )
-    finally:
-        scheduler.close()
+    check_served_as_alone(engine, cases, 16, parallel=3)

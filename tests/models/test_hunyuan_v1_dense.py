@@ -15,21 +15,27 @@ to the type, and DRIFT from f32. A Q8_0 GGUF against transformers run on the wei
 gguf dequantizes: 1e-4.
 """
 
-import numpy as np
 import pytest
-import test_paged
-import test_static_decode
 import torch
-from helpers import BASE, STORIES_GGUF, cached_logits, gguf_name, our_model, randomize
-from test_cache_types import rounded_to
-from test_seed_oss import greedy_text, run_cli
+from family_checks import (
+    check_paged,
+    check_run_and_show,
+    check_static_decode,
+    check_typed_cache,
+    dequantize_2d_weights,
+    finish_stories_gguf,
+    gguf_writer,
+    max_diff,
+)
+from family_checks import (
+    hf_model_of as hf_model,
+)
+from helpers import BASE, cached_logits, gguf_name, our_model
 
-from llmrun import static_decode
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading.gguf_config import config_from_gguf
 from llmrun.loading.gguf_io import read_gguf
 from llmrun.loading.loader import load_model
-from llmrun.models.paged import PagedKVCache
 from llmrun.quant import decode_step
 
 transformers = pytest.importorskip("transformers")
@@ -52,15 +58,6 @@ DRIFT = {"f16": 1e-2, "bf16": 1e-1}
 LONG_CONTEXT = 256 * 1024  # what the converter writes for NTK-alpha RoPE
 
 
-def hf_model(config: dict):
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(
-        transformers.AutoConfig.for_model(**config), dtype=torch.float32
-    ).eval()
-    randomize(model)
-    return model
-
-
 def reference(model) -> torch.Tensor:
     with torch.no_grad():
         return model(IDS).logits
@@ -68,10 +65,6 @@ def reference(model) -> torch.Tensor:
 
 def ours(hf) -> torch.nn.Module:
     return our_model(hf.config.to_dict(), hf.state_dict())
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a - b).abs().max().item()
 
 
 def hunyuan_gguf_name(name: str) -> str:
@@ -87,15 +80,7 @@ def write_hunyuan_gguf(path, hf, qtype=None, alpha_key=False, rope_dims=None, se
     F32). rope_dims, sections: for the refusals."""
     config = hf.config
     rope = config.rope_parameters
-    writer = gguf.GGUFWriter(str(path), "hunyuan-dense")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
+    writer = gguf_writer(path, "hunyuan-dense", config, context=False)
     dim = config.head_dim
     if rope["rope_type"] == "dynamic" and not alpha_key:
         writer.add_rope_freq_base(rope["rope_theta"] * rope["alpha"] ** (dim / (dim - 2)))
@@ -112,27 +97,10 @@ def write_hunyuan_gguf(path, hf, qtype=None, alpha_key=False, rope_dims=None, se
         writer.add_rope_dimension_count(rope_dims)
     if sections is not None:
         writer.add_rope_dimension_sections(sections)
-    meta = read_gguf(STORIES_GGUF, with_tensors=False).metadata
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(meta["tokenizer.ggml.tokens"])
-    writer.add_token_scores(meta["tokenizer.ggml.scores"])
-    writer.add_token_types(meta["tokenizer.ggml.token_type"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    for name, tensor in hf.state_dict().items():
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        data = tensor.float().numpy()
-        if data.ndim == 2 and qtype is not None:
-            raw = gguf.quants.quantize(data, qtype)
-            writer.add_tensor(hunyuan_gguf_name(name), raw, raw_shape=raw.shape, raw_dtype=qtype)
-        else:
-            writer.add_tensor(hunyuan_gguf_name(name), np.ascontiguousarray(data))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    state = hf.state_dict()
+    if config.tie_word_embeddings:
+        del state["lm_head.weight"]
+    return finish_stories_gguf(writer, path, state, hunyuan_gguf_name, qtype)
 
 
 @pytest.fixture(scope="module", params=list(FORMS))
@@ -182,11 +150,7 @@ def test_a_q8_0_gguf_matches_its_dequantized_weights(tmp_path):
     q8 = gguf.GGMLQuantizationType.Q8_0
     hf = hf_model(FORMS["biased"])
     loaded = load_model(write_hunyuan_gguf(tmp_path / "q.gguf", hf, q8), CPU, "f32")
-    with torch.no_grad():
-        for p in hf.parameters():
-            if p.dim() == 2:
-                blocks = gguf.quants.quantize(p.numpy(), q8)
-                p.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, q8)))
+    dequantize_2d_weights(hf, q8)
     assert max_diff(cached_logits(loaded.model, IDS), reference(hf)) < 1e-4
 
 
@@ -197,31 +161,11 @@ def test_an_hf_folder_loads_as_transformers_runs_it(family, tmp_path):
     assert max_diff(cached_logits(loaded.model, IDS), expected) < 1e-4
 
 
-def cache_logits(model, cache, sizes=(7, 20)) -> torch.Tensor:
-    """Logits of IDS through `cache` (a KV cache, or a function giving each forward call
-    its paged view): prefills of `sizes`, then one token at a time."""
-    out, start = [], 0
-    with torch.inference_mode():
-        for n in list(sizes) + [1] * (SEQ - sum(sizes)):
-            positions = torch.arange(start, start + n)[None]
-            view = cache() if callable(cache) else cache
-            out.append(model(IDS[:, start : start + n], positions, view))
-            start += n
-    return torch.cat(out, dim=1)
-
-
 def test_serves_from_paged_blocks_as_every_family_does(family):
     """test_paged.py's checks of serve's paged KV cache: one sequence on shuffled blocks
     (f32, f16) and rows of a batch sharing prefix blocks."""
     _, hf, expected = family
-    model = ours(hf)
-    pool = PagedKVCache(model.new_cache(1, 1, "f32", "cpu"), 16, 16, 256)
-    assert max_diff(cache_logits(model, lambda: pool.view([[9, 2, 14]])), expected) < 1e-4
-    for cache_type in ("f32", "f16"):
-        test_paged.test_one_sequence_on_shuffled_blocks_gives_the_contiguous_logits(
-            model, cache_type
-        )
-    test_paged.test_batched_rows_sharing_prefix_blocks_give_their_own_logits(model)
+    check_paged(ours(hf), IDS, expected)
 
 
 @pytest.mark.parametrize("cache_type", ["f16", "bf16"])
@@ -229,12 +173,7 @@ def test_a_typed_cache_holds_its_rounded_values(family, cache_type):
     """As test_cache_types.py: the logits of an f32 cache whose writes are rounded to
     the type (1e-5), drifting from f32 by the rounding (DRIFT)."""
     _, hf, expected = family
-    model = ours(hf)
-    typed = cache_logits(model, model.new_cache(1, 64, cache_type, "cpu"))
-    rounded = model.new_cache(1, 64, torch.float32, "cpu")
-    rounded.encode = rounded_to(cache_type)
-    assert max_diff(typed, cache_logits(model, rounded)) < 1e-5
-    assert 0 < max_diff(typed, expected) < DRIFT[cache_type]
+    check_typed_cache(ours(hf), IDS, expected, cache_type, DRIFT[cache_type])
 
 
 def test_the_native_decode_step_is_not_attached(family, tmp_path):
@@ -259,28 +198,9 @@ def test_refusals(tmp_path):
 
 def test_llmrun_run_prints_transformers_greedy_text(family, tmp_path):
     name, hf, _ = family
-    path = write_hunyuan_gguf(tmp_path / f"{name}.gguf", hf)
-    expected = greedy_text(hf, path, "Once upon a time", 16)
-    result = run_cli("run", str(path), "Once upon a time", "-n", "16", "--temperature", "0")
-    assert result.returncode == 0, result.stderr
-    assert result.stdout == expected
-    shown = run_cli("show", str(path))
-    assert shown.returncode == 0, shown.stderr
-    assert "hunyuan-dense" in shown.stdout
+    check_run_and_show(hf, write_hunyuan_gguf(tmp_path / f"{name}.gguf", hf), "hunyuan-dense")
 
 
 def test_the_static_decode_step_gives_the_ordinary_logits(family, monkeypatch):
     """CUDA graphs' static step (run eager on CPU, as test_static_decode.py does)."""
-    hf = family[1]
-    model = ours(hf)
-    monkeypatch.setattr(static_decode, "FIRST_BUCKET", 8)
-    static_cache = model.new_cache(1, 32, torch.float32, "cpu")
-    assert static_decode.supported(model, static_cache)
-    cache = model.new_cache(1, 32, torch.float32, "cpu")
-    got = test_static_decode.decode_logits(
-        model, static_decode.step(model, static_cache), static_cache
-    )
-    expected = test_static_decode.decode_logits(
-        model, test_static_decode.ordinary(model, cache), cache
-    )
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    check_static_decode(ours(family[1]), monkeypatch)

@@ -15,24 +15,28 @@ rounded to the type, and DRIFT from f32. A Q8_0 GGUF against transformers run on
 weights gguf dequantizes: 1e-4.
 """
 
-import subprocess
-import sys
-
-import numpy as np
 import pytest
-import test_paged
-import test_static_decode
 import torch
+from family_checks import (
+    check_paged,
+    check_run_and_show,
+    check_static_decode,
+    check_typed_cache,
+    dequantize_2d_weights,
+    finish_stories_gguf,
+    gguf_writer,
+    max_diff,
+)
+from family_checks import (
+    hf_model_of as hf_model,
+)
 from helpers import (
     BASE,
-    STORIES_GGUF,
     cached_logits,
     gguf_name,
     our_model,
-    randomize,
     save_hf_dir,
 )
-from test_cache_types import rounded_to
 
 from llmrun import static_decode
 from llmrun.errors import ModelFormatError, UnsupportedError
@@ -41,8 +45,6 @@ from llmrun.loading.gguf_config import config_from_gguf
 from llmrun.loading.gguf_io import read_gguf
 from llmrun.loading.loader import load_model
 from llmrun.models import kv_cache_bytes
-from llmrun.models.paged import PagedKVCache
-from llmrun.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
@@ -83,15 +85,6 @@ POST_NORMS = {
 }
 
 
-def hf_model(config: dict):
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(
-        transformers.AutoConfig.for_model(**config), dtype=torch.float32
-    ).eval()
-    randomize(model)
-    return model
-
-
 def reference(model) -> torch.Tensor:
     with torch.no_grad():
         return model(IDS).logits
@@ -104,10 +97,6 @@ def whole(model) -> torch.Tensor:
 
 def ours(hf) -> torch.nn.Module:
     return our_model(hf.config.to_dict(), hf.state_dict())
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a - b).abs().max().item()
 
 
 def olmo_gguf_name(name: str) -> str:
@@ -125,13 +114,7 @@ def write_olmo_gguf(path, hf, qtype=None, pattern=True, swa_base=None, rope_dims
     and OLMo 3's window with its per-layer flags. 2-D weights in `qtype` (default F32).
     For refusals: no pattern, another sliding base, a rope dimension count."""
     config = hf.config
-    writer = gguf.GGUFWriter(str(path), "olmo2")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer = gguf_writer(path, "olmo2", config, key_length=False)
     rope = config.rope_parameters
     full = rope.get("full_attention", rope)
     if full["rope_type"] == "yarn":
@@ -145,31 +128,12 @@ def write_olmo_gguf(path, hf, qtype=None, pattern=True, swa_base=None, rope_dims
         writer.add_rope_freq_base_swa(swa_base or rope["sliding_attention"]["rope_theta"])
     if rope_dims is not None:
         writer.add_rope_dimension_count(rope_dims)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     if getattr(config, "sliding_window", None):
         writer.add_sliding_window(config.sliding_window)
         if pattern:
             flags = [t == "sliding_attention" for t in config.layer_types]
             writer.add_sliding_window_pattern(flags)
-    meta = read_gguf(STORIES_GGUF, with_tensors=False).metadata
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(meta["tokenizer.ggml.tokens"])
-    writer.add_token_scores(meta["tokenizer.ggml.scores"])
-    writer.add_token_types(meta["tokenizer.ggml.token_type"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    for name, tensor in hf.state_dict().items():
-        data = tensor.float().numpy()
-        if data.ndim == 2 and qtype is not None:
-            raw = gguf.quants.quantize(data, qtype)
-            writer.add_tensor(olmo_gguf_name(name), raw, raw_shape=raw.shape, raw_dtype=qtype)
-        else:
-            writer.add_tensor(olmo_gguf_name(name), np.ascontiguousarray(data))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return finish_stories_gguf(writer, path, hf.state_dict(), olmo_gguf_name, qtype)
 
 
 @pytest.fixture(scope="module", params=["olmo2", "olmo3"])
@@ -198,11 +162,7 @@ def test_a_q8_0_gguf_matches_its_dequantized_weights(family, tmp_path):
     q8 = gguf.GGMLQuantizationType.Q8_0
     hf = hf_model(family[1].config.to_dict())
     loaded = load_model(write_olmo_gguf(tmp_path / "q.gguf", hf, q8), CPU, "f32")
-    with torch.no_grad():
-        for p in hf.parameters():
-            if p.dim() == 2:
-                blocks = gguf.quants.quantize(p.numpy(), q8)
-                p.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, q8)))
+    dequantize_2d_weights(hf, q8)
     assert max_diff(cached_logits(loaded.model, IDS), reference(hf)) < 1e-4
 
 
@@ -212,35 +172,13 @@ def test_an_hf_folder_loads_as_transformers_runs_it(family, tmp_path):
     assert max_diff(cached_logits(loaded.model, IDS), expected) < 1e-4
 
 
-def cache_logits(model, cache, sizes=(7, 20)) -> torch.Tensor:
-    """Logits of IDS through `cache` (a KV cache, or a function giving each forward call
-    its paged view): prefills of `sizes`, then one token at a time."""
-    out, start = [], 0
-    with torch.inference_mode():
-        for n in list(sizes) + [1] * (SEQ - sum(sizes)):
-            positions = torch.arange(start, start + n)[None]
-            view = cache() if callable(cache) else cache
-            out.append(model(IDS[:, start : start + n], positions, view))
-            start += n
-    return torch.cat(out, dim=1)
-
-
 def test_serves_from_paged_blocks_as_every_family_does(family, monkeypatch):
     """test_paged.py's checks of serve's paged KV cache: one sequence on shuffled blocks
     (f32, f16), rows of a batch sharing prefix blocks, and for OLMo 3 the windowed
     layers in a pool of their own whose blocks are let go and reused."""
     name, hf, expected = family
-    model = ours(hf)
-    pool = PagedKVCache(model.new_cache(1, 1, "f32", "cpu"), 16, 16, 256)
-    assert max_diff(cache_logits(model, lambda: pool.view([[9, 2, 14]])), expected) < 1e-4
-    for cache_type in ("f32", "f16"):
-        test_paged.test_one_sequence_on_shuffled_blocks_gives_the_contiguous_logits(
-            model, cache_type
-        )
-    test_paged.test_batched_rows_sharing_prefix_blocks_give_their_own_logits(model)
-    if name == "olmo3":
-        monkeypatch.setattr(test_paged, "built", lambda _: model)
-        test_paged.test_windowed_layers_in_a_pool_of_their_own_give_the_contiguous_logits(name)
+    windowed = name if name == "olmo3" else None
+    check_paged(ours(hf), IDS, expected, windowed, monkeypatch)
 
 
 @pytest.mark.parametrize("cache_type", ["f16", "bf16"])
@@ -248,12 +186,7 @@ def test_a_typed_cache_holds_its_rounded_values(family, cache_type):
     """As test_cache_types.py: the logits of an f32 cache whose writes are rounded to
     the type (1e-5), drifting from f32 by the rounding (DRIFT)."""
     _, hf, expected = family
-    model = ours(hf)
-    typed = cache_logits(model, model.new_cache(1, 64, cache_type, "cpu"))
-    rounded = model.new_cache(1, 64, torch.float32, "cpu")
-    rounded.encode = rounded_to(cache_type)
-    assert max_diff(typed, cache_logits(model, rounded)) < 1e-5
-    assert 0 < max_diff(typed, expected) < DRIFT[cache_type]
+    check_typed_cache(ours(hf), IDS, expected, cache_type, DRIFT[cache_type])
 
 
 def test_olmo3_layers_each_take_their_own_rope_and_window():
@@ -303,35 +236,9 @@ def test_olmo3_gguf_defaults_and_refusals(tmp_path):
         load_model(partial, CPU, "f32")
 
 
-def greedy_text(hf, path, prompt: str, tokens: int) -> str:
-    """transformers' greedy continuation of `prompt` (encoded by the GGUF's tokenizer),
-    as `llmrun run` prints it: the text the new tokens add to the prompt's."""
-    tokenizer = load_tokenizer(path)
-    ids = tokenizer.encode(prompt)
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([ids]), max_new_tokens=tokens, do_sample=False, eos_token_id=2
-        )
-    new = [t for t in out[0, len(ids) :].tolist() if t != 2]
-    return tokenizer.decode(ids + new)[len(tokenizer.decode(ids)) :]
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "llmrun", *args], capture_output=True, text=True, timeout=120
-    )
-
-
 def test_llmrun_run_prints_transformers_greedy_text(family, tmp_path):
     name, hf, _ = family
-    path = write_olmo_gguf(tmp_path / f"{name}.gguf", hf)
-    expected = greedy_text(hf, path, "Once upon a time", 16)
-    result = run_cli("run", str(path), "Once upon a time", "-n", "16", "--temperature", "0")
-    assert result.returncode == 0, result.stderr
-    assert result.stdout == expected
-    shown = run_cli("show", str(path))
-    assert shown.returncode == 0, shown.stderr
-    assert "olmo2" in shown.stdout
+    check_run_and_show(hf, write_olmo_gguf(tmp_path / f"{name}.gguf", hf), "olmo2")
 
 
 def test_olmo3_kv_bytes_count_windowed_layers_as_the_cache_holds_them(tmp_path):
@@ -351,17 +258,8 @@ def test_the_static_decode_step_takes_olmo2_and_leaves_olmo3(family, monkeypatch
     ordinary forward."""
     name, hf, _ = family
     model = ours(hf)
-    monkeypatch.setattr(static_decode, "FIRST_BUCKET", 8)
-    static_cache = model.new_cache(1, 32, torch.float32, "cpu")
     if name == "olmo3":
-        assert not static_decode.supported(model, static_cache)
+        monkeypatch.setattr(static_decode, "FIRST_BUCKET", 8)
+        assert not static_decode.supported(model, model.new_cache(1, 32, torch.float32, "cpu"))
         return
-    assert static_decode.supported(model, static_cache)
-    cache = model.new_cache(1, 32, torch.float32, "cpu")
-    got = test_static_decode.decode_logits(
-        model, static_decode.step(model, static_cache), static_cache
-    )
-    expected = test_static_decode.decode_logits(
-        model, test_static_decode.ordinary(model, cache), cache
-    )
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    check_static_decode(model, monkeypatch)

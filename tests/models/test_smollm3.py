@@ -14,9 +14,15 @@ against transformers on the dequantized weights.
 """
 
 import pytest
-import test_paged
-import test_static_decode
 import torch
+from family_checks import (
+    check_paged,
+    check_run_and_show,
+    check_static_decode,
+    check_typed_cache,
+    dequantize_2d_weights,
+    max_diff,
+)
 from helpers import (
     BASE,
     _permute,
@@ -26,13 +32,10 @@ from helpers import (
     save_hf_dir,
     write_gguf,
 )
-from test_cache_types import rounded_to
-from test_olmo2 import IDS, POSITIONS, cache_logits, greedy_text, max_diff, run_cli
+from test_olmo2 import IDS, POSITIONS
 
-from llmrun import static_decode
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading.loader import load_model
-from llmrun.models.paged import PagedKVCache
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
@@ -111,12 +114,8 @@ def test_a_q8_0_gguf_matches_its_dequantized_weights(tmp_path):
     q8 = gguf.GGMLQuantizationType.Q8_0
     hf = hf_model()
     loaded = load_model(write_smollm3_gguf(tmp_path / "q.gguf", hf, q8), CPU, "f32")
-    with torch.no_grad():
-        # Row permutations move whole blocks: dequantizing commutes with them.
-        for p in hf.parameters():
-            if p.dim() == 2:
-                blocks = gguf.quants.quantize(p.numpy(), q8)
-                p.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, q8)))
+    # Row permutations move whole blocks: dequantizing commutes with them.
+    dequantize_2d_weights(hf, q8)
     model = loaded.model
     assert max_diff(cached_logits(model, IDS), reference(hf)) < 1e-4
 
@@ -132,25 +131,13 @@ def test_serves_from_paged_blocks_as_every_family_does(smollm3):
     """test_paged.py's checks of serve's paged KV cache: one sequence on shuffled blocks
     (f32, f16), and rows of a batch sharing prefix blocks."""
     hf, expected = smollm3
-    model = ours(hf)
-    pool = PagedKVCache(model.new_cache(1, 1, "f32", "cpu"), 16, 16, 256)
-    assert max_diff(cache_logits(model, lambda: pool.view([[9, 2, 14]])), expected) < 1e-4
-    for cache_type in ("f32", "f16"):
-        test_paged.test_one_sequence_on_shuffled_blocks_gives_the_contiguous_logits(
-            model, cache_type
-        )
-    test_paged.test_batched_rows_sharing_prefix_blocks_give_their_own_logits(model)
+    check_paged(ours(hf), IDS, expected)
 
 
 @pytest.mark.parametrize("cache_type", ["f16", "bf16"])
 def test_a_typed_cache_holds_its_rounded_values(smollm3, cache_type):
     hf, expected = smollm3
-    model = ours(hf)
-    typed = cache_logits(model, model.new_cache(1, 64, cache_type, "cpu"))
-    rounded = model.new_cache(1, 64, torch.float32, "cpu")
-    rounded.encode = rounded_to(cache_type)
-    assert max_diff(typed, cache_logits(model, rounded)) < 1e-5
-    assert 0 < max_diff(typed, expected) < DRIFT[cache_type]
+    check_typed_cache(ours(hf), IDS, expected, cache_type, DRIFT[cache_type])
 
 
 @pytest.mark.parametrize(
@@ -170,28 +157,10 @@ def test_configs_llmrun_does_not_take_are_refused(change, error, message):
 
 def test_llmrun_run_prints_transformers_greedy_text(smollm3, tmp_path):
     hf, _ = smollm3
-    path = write_smollm3_gguf(tmp_path / "smollm3.gguf", hf)
-    expected = greedy_text(hf, path, "Once upon a time", 16)
-    result = run_cli("run", str(path), "Once upon a time", "-n", "16", "--temperature", "0")
-    assert result.returncode == 0, result.stderr
-    assert result.stdout == expected
-    shown = run_cli("show", str(path))
-    assert shown.returncode == 0, shown.stderr
-    assert "smollm3" in shown.stdout
+    check_run_and_show(hf, write_smollm3_gguf(tmp_path / "smollm3.gguf", hf), "smollm3")
 
 
 def test_the_static_decode_step_gives_the_ordinary_logits(smollm3, monkeypatch):
     """CUDA graphs' static step, run eager on CPU as test_static_decode.py does (to 1e-4:
     its masked attention sums in another order, 1.3e-5 apart over these eight layers)."""
-    model = ours(smollm3[0])
-    monkeypatch.setattr(static_decode, "FIRST_BUCKET", 8)
-    static_cache = model.new_cache(1, 32, torch.float32, "cpu")
-    assert static_decode.supported(model, static_cache)
-    cache = model.new_cache(1, 32, torch.float32, "cpu")
-    got = test_static_decode.decode_logits(
-        model, static_decode.step(model, static_cache), static_cache
-    )
-    expected = test_static_decode.decode_logits(
-        model, test_static_decode.ordinary(model, cache), cache
-    )
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    check_static_decode(ours(smollm3[0]), monkeypatch, tolerance=1e-4)
