@@ -7,7 +7,9 @@ run and the blocks of the next one's prompt can be allocated, after reusing the
 cached blocks its prompt starts with (automatic prefix caching: the blocks of
 finished and running sequences are named by their tokens and kept until their
 space is needed; sliding-window layers have a pool of their own, where a
-sequence holds only the blocks of its window). It prefills up to PREFILL_BUDGET of their prompt tokens (the
+sequence holds only the blocks of its window; a hybrid model's recurrent layers get a
+state row per running sequence, and no prefix cache, as a state cannot be taken back
+to a prefix: llmrun.models.recurrent). It prefills up to PREFILL_BUDGET of their prompt tokens (the
 chunks of several requests in one padded forward; a long prompt takes several
 steps, so it delays the others by one chunk at a time), then advances every
 decoding sequence by one token in a single batched forward, each row at its own
@@ -82,6 +84,7 @@ class Job:
     on_event: Callable[[Event], None]
     state: KVState | None = None
     table: SequenceBlocks | None = None  # its blocks while running
+    slot: int | None = None  # its row of a hybrid model's recurrent state, while running
     target: list[int] = field(default_factory=list)  # what the cache must hold before decoding
     order: int = 0  # admission order, for preemption
     sampler: Sampler | None = None
@@ -127,6 +130,11 @@ class Scheduler:
         like = engine.new_cache(1, 1)
         n_blocks, window, window_blocks = self._pool_size(like, kv_memory)
         self.cache = PagedKVCache(like, n_blocks, BLOCK_SIZE, engine.ctx_size, window_blocks)
+        # A hybrid model's recurrent layers: a state row per running sequence. Their state
+        # after a prefix is not kept with its blocks, so such a model has no prefix cache.
+        self.states = like.recurrent.empty_like(parallel) if like.recurrent else None
+        self.free_slots = list(range(parallel))
+        prefix_cache = prefix_cache and self.states is None
         self.blocks = KVBlocks(n_blocks, BLOCK_SIZE, prefix_cache, window, window_blocks)
         self.waiting: deque[Job] = deque()
         self.active: list[Job] = []  # touched by the scheduler thread only
@@ -266,6 +274,8 @@ class Scheduler:
                 break  # first come, first served: the next waits for blocks too
             self.waiting.popleft()
             job.table, reused = got
+            if self.states is not None:
+                job.slot = self.free_slots.pop()
             job.state = KVState(self.cache, job.target[:reused])
             if job.order == 0:  # its first admission: the prompt tokens it reuses
                 job.stream.stats.prompt_processed = len(job.request.prompt) - reused
@@ -388,6 +398,7 @@ class Scheduler:
             job.target = list(job.state.tokens)
         self.preemptions += 1
         self.blocks.release(job.table)
+        self._free_slot(job)
         job.table = job.state = None
         with self._cond:
             self.active.remove(job)
@@ -475,7 +486,10 @@ class Scheduler:
         windows = None
         if self.blocks.window_manager is not None:
             windows = [j.table.window.blocks for j in jobs]
-        return self.cache.view([j.table.full.blocks for j in jobs], counts, windows)
+        view = self.cache.view([j.table.full.blocks for j in jobs], counts, windows)
+        if self.states is not None:
+            view.recurrent = self.states.select([j.slot for j in jobs])
+        return view
 
     def _advance(self, job: Job, logits: torch.Tensor) -> None:
         """Sample the job's next token from its logits and pass on the text it makes."""
@@ -508,5 +522,11 @@ class Scheduler:
         if job.table is not None:
             self.blocks.release(job.table)
             job.table = None
+        self._free_slot(job)
         if job in self.active:
             self.active.remove(job)
+
+    def _free_slot(self, job: Job) -> None:
+        if job.slot is not None:
+            self.free_slots.append(job.slot)
+            job.slot = None

@@ -34,6 +34,7 @@ import torch
 
 from llmrun import ops
 from llmrun.errors import UnsupportedError
+from llmrun.models.recurrent import RecurrentState
 
 # --cache-type names: the storage dtype (q8_0: uint8 rows of Q8_0 blocks) and the bytes
 # one value takes (Q8_0: 34 bytes per 32 values).
@@ -83,6 +84,9 @@ def cache_bytes(
 
 class KVCache:
     paged = False  # llmrun.models.paged.PagedView is the paged one
+    # A hybrid model's recurrent layers keep their state here (llmrun.models.recurrent);
+    # its attention layers are this cache's layers.
+    recurrent: RecurrentState | None = None
 
     def __init__(
         self,
@@ -158,12 +162,15 @@ class KVCache:
         else:
             view.rows = torch.tensor(list(slots), device=self.k.device)
             view.row_list = list(slots)
+        if self.recurrent is not None:
+            view.recurrent = self.recurrent.select(slots)
         return view
 
     @property
     def nbytes(self) -> int:
         rings = self.ring_k.nbytes + self.ring_v.nbytes if self.ring_k is not None else 0
-        return self.k.nbytes + self.v.nbytes + rings
+        states = self.recurrent.nbytes if self.recurrent is not None else 0
+        return self.k.nbytes + self.v.nbytes + rings + states
 
     def windowed(self, layer: int) -> bool:
         """Whether `layer` keeps only its window (a ring) here."""
@@ -251,7 +258,10 @@ class KVCache:
     def reusable(self, n: int) -> int:
         """How many of the first n cached positions a continuation can keep: n, or
         0 when the windowed layers no longer hold what position n needs (a
-        rollback overwrote it), so the prefix must be prefilled again."""
+        rollback overwrote it) or the recurrent layers' state is not that of the
+        first n, so the prefix must be prefilled again."""
+        if self.recurrent is not None and n:
+            n = self.recurrent.reusable(n)
         if self.ring_k is None or n == 0:
             return n
         return 0 if any(self._lost(n, self.written[r]) for r in self.base_rows) else n
@@ -357,18 +367,25 @@ class KVCache:
         return ring_k[rows], ring_v[rows]
 
     def save_windows(self) -> tuple | None:
-        """A copy of this view's rings and their write marks (None without rings),
-        for restore_windows: a benchmark that repeats a test from the same depth."""
+        """A copy of this view's rings and their write marks, and of its recurrent state
+        (None without either), for restore_windows: a benchmark that repeats a test from
+        the same depth."""
+        states = self.recurrent.save() if self.recurrent is not None else None
         if self.ring_k is None:
-            return None
+            return None if states is None else (None, states)
         rows = self.rows if self.rows is not None else slice(None)
         marks = [self.written[r] for r in self.base_rows]
-        return self.ring_k[:, rows].clone(), self.ring_v[:, rows].clone(), marks
+        return (self.ring_k[:, rows].clone(), self.ring_v[:, rows].clone(), marks), states
 
     def restore_windows(self, saved: tuple | None) -> None:
         if saved is None:
             return
-        k, v, marks = saved
+        rings, states = saved
+        if states is not None:
+            self.recurrent.restore(states)
+        if rings is None:
+            return
+        k, v, marks = rings
         rows = self.rows if self.rows is not None else slice(None)
         self.ring_k[:, rows] = k
         self.ring_v[:, rows] = v

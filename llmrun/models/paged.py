@@ -31,6 +31,7 @@ import torch
 
 from llmrun import ops
 from llmrun.models.cache import KVCache
+from llmrun.models.recurrent import RecurrentState
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -132,6 +133,8 @@ class PagedView:
 
     paged = True
     window = None  # no rings: windowed layers are masked (see the module docstring)
+    # A hybrid model's recurrent state: the scheduler's rows of this view's sequences.
+    recurrent: RecurrentState | None = None
 
     def __init__(
         self,

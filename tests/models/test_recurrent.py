@@ -1,0 +1,192 @@
+"""Recurrent layers' state (llmrun.models.recurrent) and where it meets the KV cache,
+`run`'s prefix reuse and the server's scheduler, on a toy hybrid model: the bundled
+stories260K with every other layer's attention swapped for a running average, a
+recurrence whose output depends on every token before it. Whatever path a sequence
+takes (whole, chunked, continued, restarted, batched and padded, served beside others),
+its logits are those of one whole forward."""
+
+import queue
+
+import pytest
+import torch
+from helpers import STORY_PROMPTS
+from torch import nn
+
+from llmrun import api
+from llmrun.batching import Request, Scheduler
+from llmrun.generate import KVState, prefill, reuse_prefix
+from llmrun.models.cache import KVCache
+from llmrun.models.recurrent import RecurrentState
+from llmrun.sampling import SamplingParams
+
+ENGINE = api.load(None, device="cpu", ctx_size=256)
+
+
+class RunningAverage(nn.Module):
+    """s_t = a * s_{t-1} + (1 - a) * x_t per feature, out = proj(s): a state of [hidden]."""
+
+    def __init__(self, hidden: int, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.decay = nn.Parameter(torch.rand(hidden) * 0.8 + 0.1)
+        self.proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x, frame, cache):
+        batch, tokens, hidden = x.shape
+        if cache is None:
+            state, counts = x.new_zeros(batch, hidden), torch.full((batch,), tokens)
+        else:
+            (state,), counts = cache.recurrent.read(self.layer), frame.counts
+        outputs = []
+        for t in range(tokens):
+            moved = self.decay * state + (1 - self.decay) * x[:, t]
+            state = torch.where((t < counts)[:, None], moved, state)  # padding: unchanged
+            outputs.append(state)
+        if cache is not None:
+            cache.recurrent.write(self.layer, [state])
+        return self.proj(torch.stack(outputs, dim=1))
+
+
+class Hybrid(type(ENGINE.model)):
+    """stories260K with the attention of layers 1, 3, ... replaced by RunningAverage."""
+
+    def __init__(self, source: nn.Module) -> None:
+        nn.Module.__init__(self)
+        self.__dict__.update(source.__dict__)
+        self.decode_step = None  # the native step runs attention in every layer
+        torch.manual_seed(0)
+        self.attention_layers = []
+        for i, layer in enumerate(self.model.layers):
+            if i % 2:
+                layer.self_attn = RunningAverage(self.args.hidden_size, i)
+            else:
+                layer.self_attn.layer = len(self.attention_layers)
+                self.attention_layers.append(i)
+
+    def new_cache(self, batch, max_seq_len, dtype, device):
+        args = self.args
+        cache = KVCache(
+            len(self.attention_layers), batch, args.num_key_value_heads, max_seq_len,
+            args.head_dim, dtype, device,
+        )  # fmt: skip
+        recurrent = [i for i in range(args.num_hidden_layers) if i % 2]
+        shapes = {i: [(args.hidden_size,)] for i in recurrent}
+        cache.recurrent = RecurrentState(shapes, batch, torch.float32, device)
+        return cache
+
+    def frame(self, positions, cache, dtype, last=None):
+        frame = super().frame(positions, cache, dtype, last)
+        if cache is not None:
+            frame.counts = cache.recurrent.begin(positions)
+        return frame
+
+
+MODEL = Hybrid(api.load(None, device="cpu").model).eval()
+HYBRID = api.Engine(**{**ENGINE.__dict__, "model": MODEL})
+IDS = ENGINE.tokenizer.encode(STORY_PROMPTS[0] + " and then the dog ran to the park")
+
+
+def whole(ids):
+    """Logits [T, V] of one forward without a cache."""
+    with torch.inference_mode():
+        return MODEL(torch.tensor([ids]), torch.arange(len(ids))[None])[0]
+
+
+def test_the_toy_recurrence_matters():
+    # A token early in the sequence changes the last logits through the state alone
+    # (the attention layers see it too, so compare against the model without state).
+    changed = [IDS[0] + 1] + IDS[1:]
+    assert not torch.allclose(whole(IDS)[-1], whole(changed)[-1])
+
+
+def test_chunked_prefill_and_decode_continue_the_state():
+    reference = whole(IDS)
+    state = HYBRID.new_state(64)
+    with torch.inference_mode():
+        logits = prefill(MODEL, state, IDS[:5], chunk=2)
+        torch.testing.assert_close(logits, reference[4], atol=1e-4, rtol=0)
+        for i in range(5, len(IDS)):
+            positions = torch.tensor([[i]])
+            out = MODEL(torch.tensor([[IDS[i]]]), positions, state.cache)[0, -1]
+            torch.testing.assert_close(out, reference[i], atol=1e-4, rtol=0)
+            state.tokens.append(IDS[i])
+
+
+def test_a_prefix_is_reused_only_where_the_state_ends_there():
+    state = HYBRID.new_state(64)
+    with torch.inference_mode():
+        prefill(MODEL, state, IDS[:8])
+        # The next turn continues exactly where the state ends: all 8 are kept.
+        assert reuse_prefix(state, IDS[:8] + [5, 6]) == 8
+        # A shorter shared prefix: the state has taken in more than it, start again.
+        assert reuse_prefix(state, IDS[:6] + [5, 6]) == 0
+        assert state.tokens == []
+        prompt = IDS[:6] + [5, 6]
+        logits = prefill(MODEL, state, prompt)
+    torch.testing.assert_close(logits, whole(prompt)[-1], atol=1e-4, rtol=0)
+
+
+def test_a_forward_that_skips_ahead_is_refused():
+    state = HYBRID.new_state(64)
+    with torch.inference_mode():
+        prefill(MODEL, state, IDS[:4])
+        with pytest.raises(RuntimeError, match="recurrent state row 0 holds 4 tokens"):
+            MODEL(torch.tensor([[1]]), torch.tensor([[6]]), state.cache)
+
+
+def test_padded_rows_in_scattered_slots_keep_their_own_state():
+    # Three sequences of different lengths padded on the right as the server pads them
+    # (a padded token repeats its row's last position), in slots 3, 0, 2 of a 4-row
+    # cache, then one decode step each.
+    prompts = [IDS[:9], IDS[:4], IDS[2:8]]
+    slots = [3, 0, 2]
+    cache = MODEL.new_cache(4, 64, torch.float32, "cpu")
+    width = max(len(p) for p in prompts)
+    ids = [p + [p[-1]] * (width - len(p)) for p in prompts]
+    positions = [[min(i, len(p) - 1) for i in range(width)] for p in prompts]
+    with torch.inference_mode():
+        view = cache.select(slots)
+        MODEL(torch.tensor(ids), torch.tensor(positions), view)
+        step = MODEL(torch.tensor([[7]] * 3), torch.tensor([[len(p)] for p in prompts]), view)
+    for row, prompt in enumerate(prompts):
+        torch.testing.assert_close(step[row, -1], whole(prompt + [7])[-1], atol=1e-4, rtol=0)
+
+
+def test_served_requests_equal_single_sequence_runs():
+    # More requests than rows, of different lengths: each gets a state row while it
+    # runs, and its greedy text is what `run` makes of its prompt alone.
+    scheduler = Scheduler(HYBRID, parallel=2, queue=8)
+    assert not scheduler.blocks.full.prefix_cache
+    greedy = SamplingParams(temperature=0)
+    prompts = [ENGINE.tokenizer.encode(p) for p in STORY_PROMPTS[:4]] + [IDS]
+    sinks = [queue.Queue() for _ in prompts]
+    for prompt, sink in zip(prompts, sinks, strict=True):
+        scheduler.submit(Request(prompt, greedy, 20), sink.put)
+    scheduler.start()
+    try:
+        for prompt, sink in zip(prompts, sinks, strict=True):
+            expected = "".join(r.text for r in HYBRID.generate(prompt, greedy, 20))
+            pieces = []
+            while True:
+                event = sink.get(timeout=60)
+                assert not isinstance(event, Exception), event
+                pieces.append(event.text)
+                if event.finish_reason is not None:
+                    break
+            assert "".join(pieces) == expected
+        assert sorted(scheduler.free_slots) == [0, 1]
+    finally:
+        scheduler.close()
+
+
+def test_a_benchmark_restores_the_state_of_its_depth():
+    state = HYBRID.new_state(64)
+    with torch.inference_mode():
+        prefill(MODEL, state, IDS[:5])
+        saved = state.cache.save_windows()
+        first = prefill(MODEL, state, IDS[5:9])
+        del state.tokens[5:]
+        state.cache.restore_windows(saved)
+        again = prefill(MODEL, state, IDS[5:9])
+    torch.testing.assert_close(again, first, atol=0, rtol=0)
+    assert isinstance(state, KVState)
