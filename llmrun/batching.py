@@ -8,8 +8,8 @@ cached blocks its prompt starts with (automatic prefix caching: the blocks of
 finished and running sequences are named by their tokens and kept until their
 space is needed; sliding-window layers have a pool of their own, where a
 sequence holds only the blocks of its window; a hybrid model's recurrent layers get a
-state row per running sequence, and no prefix cache, as a state cannot be taken back
-to a prefix: llmrun.models.recurrent). It prefills up to PREFILL_BUDGET of their prompt tokens (the
+state row per running sequence, and a prefix is reused only up to a block end where a
+state was kept: the prompt's last and the sequence's last, see _keep_state). It prefills up to PREFILL_BUDGET of their prompt tokens (the
 chunks of several requests in one padded forward; a long prompt takes several
 steps, so it delays the others by one chunk at a time), then advances every
 decoding sequence by one token in a single batched forward, each row at its own
@@ -41,6 +41,7 @@ from llmrun.generate import KVState, Response, Stats, TokenLogprob, TokenStream,
 from llmrun.kv_blocks import BLOCK_SIZE, KVBlocks, SequenceBlocks, blocks_for
 from llmrun.loading.loader import free_bytes
 from llmrun.models.paged import PagedKVCache, window_layers
+from llmrun.models.recurrent import StateSnapshots, copy_row
 from llmrun.sampling import Sampler, SamplingParams
 
 # Prompt tokens prefilled per step: smaller than a one-shot run's chunk, since
@@ -58,6 +59,9 @@ FOLLOW_MIN = PREFILL_BUDGET // 2
 # MEMORY_SHARE of the memory free at start.
 CONTEXTS_PER_SEQUENCE = 2
 MEMORY_SHARE = 0.5
+# A hybrid model's prefix cache keeps this many recurrent states per --parallel sequence
+# (each as big as one sequence's state: see llmrun.models.recurrent.StateSnapshots).
+SNAPSHOTS_PER_SEQUENCE = 2
 
 Event = Response | Exception
 
@@ -130,11 +134,16 @@ class Scheduler:
         like = engine.new_cache(1, 1)
         n_blocks, window, window_blocks = self._pool_size(like, kv_memory)
         self.cache = PagedKVCache(like, n_blocks, BLOCK_SIZE, engine.ctx_size, window_blocks)
-        # A hybrid model's recurrent layers: a state row per running sequence. Their state
-        # after a prefix is not kept with its blocks, so such a model has no prefix cache.
-        self.states = like.recurrent.empty_like(parallel) if like.recurrent else None
+        # A hybrid model's recurrent layers: a state row per running sequence, and for
+        # its prefix cache the states at some block ends (see _keep_state).
+        self.states = self.pending = self.snapshots = None
+        if like.recurrent is not None:
+            self.states = like.recurrent.empty_like(parallel)
+            self.pending = like.recurrent.empty_like(parallel)
+            if prefix_cache:
+                self.snapshots = StateSnapshots(like.recurrent, SNAPSHOTS_PER_SEQUENCE * parallel)
+        self.pending_names: list[bytes | None] = [None] * parallel
         self.free_slots = list(range(parallel))
-        prefix_cache = prefix_cache and self.states is None
         self.blocks = KVBlocks(n_blocks, BLOCK_SIZE, prefix_cache, window, window_blocks)
         self.waiting: deque[Job] = deque()
         self.active: list[Job] = []  # touched by the scheduler thread only
@@ -269,13 +278,19 @@ class Scheduler:
             if self._follows(job):
                 followers.append(self.waiting.popleft())
                 continue
-            got = self.blocks.allocate(job.target, len(job.target), reuse=not job.scoring)
+            got = self.blocks.allocate(
+                job.target, len(job.target), reuse=not job.scoring, ends=self.snapshots
+            )
             if got is None:
                 break  # first come, first served: the next waits for blocks too
             self.waiting.popleft()
             job.table, reused = got
             if self.states is not None:
                 job.slot = self.free_slots.pop()
+                self.pending_names[job.slot] = None
+                if reused:
+                    name = job.table.full.names[reused // BLOCK_SIZE - 1]
+                    self.snapshots.take(name, self.states, job.slot, reused)
             job.state = KVState(self.cache, job.target[:reused])
             if job.order == 0:  # its first admission: the prompt tokens it reuses
                 job.stream.stats.prompt_processed = len(job.request.prompt) - reused
@@ -288,7 +303,8 @@ class Scheduler:
         prompts share (at least FOLLOW_MIN tokens): then it finds those blocks in the
         prefix cache rather than computing them again. Requests arriving together with
         one long system prompt, and `n` choices, are prefilled once, not once each."""
-        if not self.blocks.full.prefix_cache or job.scoring:
+        if not self.blocks.full.prefix_cache or job.scoring or self.states is not None:
+            # A hybrid model keeps no state at the running one's chunk ends to take.
             return False
         size = self.blocks.block_size
         for other in self.active:
@@ -338,6 +354,10 @@ class Scheduler:
                 # Chunks end at multiples of the budget, so they are the same however busy
                 # the server is and whatever the cache held.
                 end = min(len(job.target), (done // self.prefill_budget + 1) * self.prefill_budget)
+                if self.snapshots is not None and end == len(job.target):
+                    # A chunk ends at the prompt's last block end, where its state is kept.
+                    aligned = end // BLOCK_SIZE * BLOCK_SIZE
+                    end = aligned if aligned > done else end
                 parts.append((job, job.target[done:end]))
                 budget -= len(parts[-1][1])
         # The windowed layers' blocks come as the chunks need them (their pool is sized
@@ -365,6 +385,7 @@ class Scheduler:
         for row, job in enumerate(decoding):
             job.state.tokens.append(job.next_token)
             self.blocks.commit(job.table, job.state.tokens)
+            self._keep_state(job)
             try:
                 self._advance(job, logits[row, -1])
             except Exception as e:
@@ -398,6 +419,7 @@ class Scheduler:
             job.target = list(job.state.tokens)
         self.preemptions += 1
         self.blocks.release(job.table)
+        self._publish_state(job)
         self._free_slot(job)
         job.table = job.state = None
         with self._cond:
@@ -415,6 +437,9 @@ class Scheduler:
             return
         for (job, _), row in zip(parts, logits, strict=True):
             self.blocks.commit(job.table, job.state.tokens)
+            self._keep_state(job)
+            if not job.prefilling:
+                self._publish_state(job)
             if not job.prefilling and job.next_token is None:
                 try:
                     if job.scoring:
@@ -522,6 +547,7 @@ class Scheduler:
         if job.table is not None:
             self.blocks.release(job.table)
             job.table = None
+            self._publish_state(job)
         self._free_slot(job)
         if job in self.active:
             self.active.remove(job)
@@ -530,3 +556,25 @@ class Scheduler:
         if job.slot is not None:
             self.free_slots.append(job.slot)
             job.slot = None
+
+    def _keep_state(self, job: Job) -> None:
+        """At a block end, copy a hybrid model's sequence state aside, to be kept under
+        that block's name for the prefix cache when its prompt is done or it leaves
+        (_publish_state): a later prompt that starts with its tokens goes on from there.
+        Two states per sequence are kept so, the prompt's and the last one, since a chat
+        template may write the answer back otherwise (without its reasoning) next turn."""
+        if self.snapshots is None:
+            return
+        n, names = len(job.state.tokens), job.table.full.names
+        if n == 0 or n % BLOCK_SIZE or len(names) < n // BLOCK_SIZE:
+            return
+        copy_row(self.states, job.slot, self.pending, job.slot)
+        self.pending_names[job.slot] = names[n // BLOCK_SIZE - 1]
+
+    def _publish_state(self, job: Job) -> None:
+        if self.snapshots is None or job.slot is None:
+            return
+        name = self.pending_names[job.slot]
+        if name is not None:
+            self.snapshots.put(name, self.pending, job.slot)
+            self.pending_names[job.slot] = None

@@ -21,14 +21,15 @@ left the window of every later position (a HOLE where it was), so a 32k-token
 sequence holds its window's blocks, not 2,000 of them, in those layers. A prefix
 is reused only as far as the windowed layers still hold what its continuation
 attends to; the rest is prefilled again, never read from blocks that were reused
-for something else.
+for something else. A hybrid model's prefix is reused only up to a block at whose end
+its recurrent state was kept (`ends`: llmrun.models.recurrent.StateSnapshots).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 
 # Positions per block. 16: a prefix hit reuses whole blocks, so smaller blocks reuse
@@ -263,18 +264,23 @@ class KVBlocks:
         return self.full.cached_blocks
 
     def allocate(
-        self, tokens: Sequence[int], positions: int, reuse: bool = True
+        self,
+        tokens: Sequence[int],
+        positions: int,
+        reuse: bool = True,
+        ends: Container[bytes] | None = None,
     ) -> tuple[SequenceBlocks, int] | None:
         """BlockManager.allocate for every group: the full layers' blocks for all
         `positions`, the windowed layers' cached blocks of the reused prefix that its
         continuation attends to (their new blocks come with grow). The prefix reused
-        is the longest the full layers hold whose window the windowed layers hold
-        (none without `reuse`)."""
+        is the longest the full layers hold whose window the windowed layers hold, and
+        that ends at a block named in `ends` where that is given (a hybrid model's
+        kept recurrent states); none without `reuse`."""
         most = None if reuse else 0
-        if reuse and self.window_manager is not None:
+        if reuse and (self.window_manager is not None or ends is not None):
             hits = len(self.full.lookup(tokens[:-1]))
             names = self.full.names(tokens[: hits * self.block_size])
-            most = self._window_reuse(names)
+            most = self._reusable(names, ends)
         got = self.full.allocate(tokens, positions, most)
         if got is None:
             return None
@@ -316,12 +322,16 @@ class KVBlocks:
         """The first block a query at `position` attends to in the windowed layers."""
         return max(position - self.window + 1, 0) // self.block_size
 
-    def _window_reuse(self, names: list[bytes]) -> int:
+    def _reusable(self, names: list[bytes], ends: Container[bytes] | None) -> int:
         """How many of the leading full blocks named `names` (cached in the full group)
         a prompt may reuse: the most whose continuation finds every windowed block it
-        attends to cached too."""
-        held = [name in self.window_manager.by_name for name in names]
+        attends to cached too, and that end at a block named in `ends` (if given)."""
+        windowed = self.window_manager
+        held = [windowed is not None and name in windowed.by_name for name in names]
         count = len(names)
-        while count and not all(held[self._first(count * self.block_size) : count]):
+        while count and (
+            (windowed is not None and not all(held[self._first(count * self.block_size) : count]))
+            or (ends is not None and names[count - 1] not in ends)
+        ):
             count -= 1
         return count

@@ -24,6 +24,7 @@ where its positions stop rising; the layers must leave the padding out of the st
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -144,3 +145,52 @@ class RecurrentState:
             self.write(layer, parts)
         for r, mark in zip(self.rows, marks, strict=True):
             self.seen[r] = mark
+
+
+def copy_row(source: RecurrentState, row: int, target: RecurrentState, to: int) -> None:
+    """Copy allocation row `row` of `source` into row `to` of `target` (same layers)."""
+    for layer, parts in source.tensors.items():
+        for part, into in zip(parts, target.tensors[layer], strict=True):
+            into[to].copy_(part[row])
+
+
+class StateSnapshots:
+    """Recurrent states kept for the server's prefix cache: a sequence's state after its
+    first k blocks of tokens, under the name of its k-th block (llmrun.kv_blocks names a
+    block by the hash of every token up to its end). A later prompt that starts with
+    those tokens takes the state and the blocks' keys and values, and prefills the rest.
+    At most `capacity` are kept; the least recently used goes first."""
+
+    def __init__(self, like: RecurrentState, capacity: int) -> None:
+        self.states = like.empty_like(capacity)
+        self.by_name: OrderedDict[bytes, int] = OrderedDict()
+        self.free = list(range(capacity - 1, -1, -1))
+
+    def __contains__(self, name: bytes) -> bool:
+        return name in self.by_name
+
+    def __len__(self) -> int:
+        return len(self.by_name)
+
+    @property
+    def nbytes(self) -> int:
+        return self.states.nbytes
+
+    def put(self, name: bytes, source: RecurrentState, row: int) -> None:
+        """Keep allocation row `row` of `source` under `name` (as used, if already kept)."""
+        if name in self.by_name:
+            self.by_name.move_to_end(name)
+            return
+        if self.free:
+            to = self.free.pop()
+        else:
+            _, to = self.by_name.popitem(last=False)
+        copy_row(source, row, self.states, to)
+        self.by_name[name] = to
+
+    def take(self, name: bytes, target: RecurrentState, row: int, tokens: int) -> None:
+        """Put the state kept under `name`, that of the first `tokens` tokens, into
+        allocation row `row` of `target`."""
+        self.by_name.move_to_end(name)
+        copy_row(self.states, self.by_name[name], target, row)
+        target.seen[row] = tokens

@@ -83,6 +83,7 @@ class Hybrid(type(ENGINE.model)):
 
 MODEL = Hybrid(api.load(None, device="cpu").model).eval()
 HYBRID = api.Engine(**{**ENGINE.__dict__, "model": MODEL})
+GREEDY = SamplingParams(temperature=0)
 IDS = ENGINE.tokenizer.encode(STORY_PROMPTS[0] + " and then the dog ran to the park")
 
 
@@ -152,31 +153,58 @@ def test_padded_rows_in_scattered_slots_keep_their_own_state():
         torch.testing.assert_close(step[row, -1], whole(prompt + [7])[-1], atol=1e-4, rtol=0)
 
 
-def test_served_requests_equal_single_sequence_runs():
-    # More requests than rows, of different lengths: each gets a state row while it
-    # runs, and its greedy text is what `run` makes of its prompt alone.
-    scheduler = Scheduler(HYBRID, parallel=2, queue=8)
-    assert not scheduler.blocks.full.prefix_cache
-    greedy = SamplingParams(temperature=0)
-    prompts = [ENGINE.tokenizer.encode(p) for p in STORY_PROMPTS[:4]] + [IDS]
+def serve(scheduler, prompts, max_tokens=20):
+    """Each prompt's greedy (text, tokens, stats), served together by `scheduler`."""
     sinks = [queue.Queue() for _ in prompts]
     for prompt, sink in zip(prompts, sinks, strict=True):
-        scheduler.submit(Request(prompt, greedy, 20), sink.put)
-    scheduler.start()
-    try:
-        for prompt, sink in zip(prompts, sinks, strict=True):
-            expected = "".join(r.text for r in HYBRID.generate(prompt, greedy, 20))
-            pieces = []
-            while True:
-                event = sink.get(timeout=60)
-                assert not isinstance(event, Exception), event
-                pieces.append(event.text)
-                if event.finish_reason is not None:
-                    break
-            assert "".join(pieces) == expected
-        assert sorted(scheduler.free_slots) == [0, 1]
-    finally:
-        scheduler.close()
+        scheduler.submit(Request(prompt, GREEDY, max_tokens), sink.put)
+    results = []
+    for sink in sinks:
+        events = []
+        while not events or events[-1].finish_reason is None:
+            events.append(sink.get(timeout=60))
+            assert not isinstance(events[-1], Exception), events[-1]
+        text = "".join(e.text for e in events)
+        results.append((text, [e.token for e in events if e.token is not None], events[-1].stats))
+    return results
+
+
+def alone(prompt, max_tokens=20):
+    return "".join(r.text for r in HYBRID.generate(prompt, GREEDY, max_tokens))
+
+
+@pytest.fixture
+def scheduler():
+    s = Scheduler(HYBRID, parallel=2, queue=8)
+    s.start()
+    yield s
+    s.close()
+
+
+def test_served_requests_equal_single_sequence_runs(scheduler):
+    # More requests than rows, of different lengths: each gets a state row while it
+    # runs, and its greedy text is what `run` makes of its prompt alone.
+    prompts = [ENGINE.tokenizer.encode(p) for p in STORY_PROMPTS[:4]] + [IDS]
+    for prompt, (text, _, _) in zip(prompts, serve(scheduler, prompts), strict=True):
+        assert text == alone(prompt)
+    assert sorted(scheduler.free_slots) == [0, 1]
+
+
+def test_the_next_turn_goes_on_from_a_kept_state(scheduler):
+    # A conversation's next turn starts with the last one's prompt and answer: it goes
+    # on from the state kept at the last block end the sequence reached (64). One that
+    # leaves the answer sooner (a template that drops the reasoning) goes on from the
+    # prompt's last (32), though the blocks of 48 tokens are cached: no state of 48.
+    first = (IDS * 3)[:40]
+    ((_, answer, _),) = serve(scheduler, [first], max_tokens=30)
+    fed = first + answer[:-1]  # the last token was sampled, never fed
+    assert len(fed) == 69
+    follow_up = fed + ENGINE.tokenizer.encode(" The end.")
+    other = fed[:50] + ENGINE.tokenizer.encode(" Then a cat came.")
+    results = serve(scheduler, [follow_up])[0], serve(scheduler, [other])[0]
+    for prompt, (text, _, stats), kept in zip((follow_up, other), results, (64, 32), strict=True):
+        assert stats.prompt_processed == len(prompt) - kept
+        assert text == alone(prompt)
 
 
 def test_a_benchmark_restores_the_state_of_its_depth():
