@@ -37,7 +37,15 @@ import torch
 
 from llmrun.api import Engine
 from llmrun.errors import ContextOverflowError, LlmrunError, ServerBusyError, UsageError
-from llmrun.generate import KVState, Response, Stats, TokenLogprob, TokenStream, check_fits
+from llmrun.generate import (
+    CHECKPOINT_MARGIN,
+    KVState,
+    Response,
+    Stats,
+    TokenLogprob,
+    TokenStream,
+    check_fits,
+)
 from llmrun.kv_blocks import BLOCK_SIZE, KVBlocks, SequenceBlocks, blocks_for
 from llmrun.loading.loader import free_bytes
 from llmrun.models.paged import PagedKVCache, window_layers
@@ -355,8 +363,9 @@ class Scheduler:
                 # the server is and whatever the cache held.
                 end = min(len(job.target), (done // self.prefill_budget + 1) * self.prefill_budget)
                 if self.snapshots is not None and end == len(job.target):
-                    # A chunk ends at the prompt's last block end, where its state is kept.
-                    aligned = end // BLOCK_SIZE * BLOCK_SIZE
+                    # A chunk ends at the prompt's last block end before its last few
+                    # tokens, where its state is kept (generate.CHECKPOINT_MARGIN says why).
+                    aligned = (end - CHECKPOINT_MARGIN) // BLOCK_SIZE * BLOCK_SIZE
                     end = aligned if aligned > done else end
                 parts.append((job, job.target[done:end]))
                 budget -= len(parts[-1][1])

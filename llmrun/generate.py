@@ -22,6 +22,12 @@ from llmrun.models.cache import KVCache
 from llmrun.sampling import Sampler, top_logprobs
 
 PREFILL_CHUNK = 512
+# A hybrid model's state cannot go back, so a prompt keeps a copy of it this many tokens
+# before its end: a chat template writes the last answer back after the turn's header
+# (`<|im_start|>assistant\n`) but may leave out what the generation prompt added after it
+# (`<think>\n`), and the next turn's prompt then agrees with this one up to there, not to
+# its end. llama.cpp's server keeps one 4 tokens before the end for the same reason.
+CHECKPOINT_MARGIN = 4
 
 
 @dataclass
@@ -89,18 +95,31 @@ def _sync(device: torch.device) -> None:
 
 @torch.inference_mode()
 def prefill(
-    model: nn.Module, state: KVState, tokens: Sequence[int], chunk: int = PREFILL_CHUNK
+    model: nn.Module,
+    state: KVState,
+    tokens: Sequence[int],
+    chunk: int = PREFILL_CHUNK,
+    checkpoint: bool = False,
 ) -> torch.Tensor:
-    """Feed `tokens` after what the cache already holds; return the last logits [V]."""
+    """Feed `tokens` after what the cache already holds; return the last logits [V].
+    `checkpoint`: a hybrid model's recurrent state is kept CHECKPOINT_MARGIN tokens
+    before the end too (llmrun.models.recurrent), for a next prompt that agrees with
+    this one only up to there."""
     device = state.cache.k.device
+    cuts = list(range(0, len(tokens), chunk))
+    mark = len(tokens) - CHECKPOINT_MARGIN
+    if checkpoint and state.cache.recurrent is not None and mark > 0:
+        cuts = sorted({*cuts, mark})
     logits = None
-    for begin in range(0, len(tokens), chunk):
-        part = list(tokens[begin : begin + chunk])
+    for begin, end in zip(cuts, [*cuts[1:], len(tokens)], strict=True):
+        part = list(tokens[begin:end])
         start = len(state.tokens)
         ids = torch.tensor([part], device=device)
         positions = torch.arange(start, start + len(part), device=device)[None]
         logits = model(ids, positions, state.cache, last_only=True)
         state.tokens.extend(part)
+        if checkpoint and end == mark and state.cache.recurrent is not None:
+            state.cache.recurrent.checkpoint()
     if logits is None:
         raise ValueError("prefill needs at least one token")
     return logits[0, -1]
@@ -143,7 +162,7 @@ def generate_step(
     """Prefill `tokens` after the cached ones, then yield (token, the raw logits it
     was drawn from) until the caller stops or the context is full. `history`
     (for penalties) grows with each token."""
-    logits = prefill(model, state, tokens)
+    logits = prefill(model, state, tokens, checkpoint=True)
     while True:
         token = sampler(logits, history)
         yield token, logits

@@ -53,8 +53,10 @@ class RecurrentState:
             layer: [torch.zeros((batch, *s), dtype=dtype, device=device) for s in parts]
             for layer, parts in self.shapes.items()
         }
-        # Per allocation row, shared by every view: how many tokens its state has taken in.
+        # Per allocation row, shared by every view: how many tokens its state has taken in,
+        # and a copy of its state at an earlier position (checkpoint()), if kept.
         self.seen = [0] * batch
+        self.saved: dict[int, tuple[int, dict[int, LayerState]]] = {}
         self.rows = list(range(batch))  # this view's rows of the allocation
         self.index: torch.Tensor | None = None  # the rows, where they are not 0 .. n - 1
 
@@ -87,8 +89,20 @@ class RecurrentState:
 
     def reusable(self, n: int) -> int:
         """How many of the first n positions a continuation can keep: n where every row's
-        state has taken in exactly n tokens, else 0 (start again from position 0)."""
-        return n if all(self.seen[r] == n for r in self.rows) else 0
+        state has taken in exactly n tokens, else where each row has a checkpoint at the
+        same position up to n, else 0 (start again from position 0)."""
+        if all(self.seen[r] == n for r in self.rows):
+            return n
+        marks = {self.saved[r][0] if r in self.saved else 0 for r in self.rows}
+        mark = marks.pop()
+        return mark if not marks and mark <= n else 0
+
+    def checkpoint(self) -> None:
+        """Keep a copy of each row's state where it is now, for a continuation from this
+        position after the state has gone further (one per row: the latest)."""
+        for r in self.rows:
+            states = {layer: [t[r].clone() for t in parts] for layer, parts in self.tensors.items()}
+            self.saved[r] = self.seen[r], states
 
     def begin(self, positions: torch.Tensor) -> torch.Tensor:
         """Start a forward of positions [B, T]: zero the rows that start at 0, refuse
@@ -100,6 +114,10 @@ class RecurrentState:
         for row, start, count in zip(self.rows, starts.tolist(), counts.tolist(), strict=True):
             if start == 0:
                 self._zero(row)
+            elif self.seen[row] != start and self.saved.get(row, (0,))[0] == start:
+                for layer, parts in self.saved[row][1].items():
+                    for t, kept in zip(self.tensors[layer], parts, strict=True):
+                        t[row].copy_(kept)
             elif self.seen[row] != start:
                 raise RuntimeError(
                     f"recurrent state row {row} holds {self.seen[row]} tokens, but the "
@@ -110,6 +128,8 @@ class RecurrentState:
         return counts
 
     def _zero(self, row: int) -> None:
+        """Start the row again: zeros, and no checkpoint of the tokens it held before."""
+        self.saved.pop(row, None)
         for parts in self.tensors.values():
             for t in parts:
                 t[row].zero_()

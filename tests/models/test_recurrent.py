@@ -14,10 +14,10 @@ from torch import nn
 
 from llmrun import api
 from llmrun.batching import Request, Scheduler
-from llmrun.generate import KVState, prefill, reuse_prefix
+from llmrun.generate import CHECKPOINT_MARGIN, KVState, prefill, reuse_prefix, stream_generate
 from llmrun.models.cache import KVCache
 from llmrun.models.recurrent import RecurrentState
-from llmrun.sampling import SamplingParams
+from llmrun.sampling import Sampler, SamplingParams
 
 ENGINE = api.load(None, device="cpu", ctx_size=256)
 
@@ -125,6 +125,32 @@ def test_a_prefix_is_reused_only_where_the_state_ends_there():
         prompt = IDS[:6] + [5, 6]
         logits = prefill(MODEL, state, prompt)
     torch.testing.assert_close(logits, whole(prompt)[-1], atol=1e-4, rtol=0)
+
+
+def test_a_chat_turn_goes_on_from_the_state_kept_before_the_prompt_end():
+    # The next prompt agrees with the last one up to a few tokens before its end (a
+    # template that writes the answer back without what its generation prompt added):
+    # it goes on from the state kept there, CHECKPOINT_MARGIN tokens before the end.
+    state = HYBRID.new_state(96)
+    sampler = Sampler(GREEDY)
+    first = (IDS * 2)[:20]
+    replies = list(stream_generate(MODEL, ENGINE.tokenizer, state, first, sampler, 8))
+    assert len(state.tokens) > 20  # the prompt and the answer it fed
+    follow_up = first[: 20 - CHECKPOINT_MARGIN] + ENGINE.tokenizer.encode(" The end. Then")
+    replies = list(stream_generate(MODEL, ENGINE.tokenizer, state, follow_up, sampler, 8))
+    assert replies[-1].stats.prompt_processed == len(follow_up) - (20 - CHECKPOINT_MARGIN)
+    assert "".join(r.text for r in replies) == alone(follow_up, 8)
+    # A prompt that agrees with neither starts again from position 0, and drops the
+    # state kept of the tokens it held before: a prompt too short to keep one of its
+    # own, then one that agrees with what it held past where that state was kept.
+    other = IDS[:3] + [9]
+    replies = list(stream_generate(MODEL, ENGINE.tokenizer, state, other, sampler, 24))
+    assert replies[-1].stats.prompt_processed == len(other)
+    assert len(state.tokens) > 20
+    again = state.tokens[:20] + [5]
+    replies = list(stream_generate(MODEL, ENGINE.tokenizer, state, again, sampler, 8))
+    assert replies[-1].stats.prompt_processed == len(again)
+    assert "".join(r.text for r in replies) == alone(again, 8)
 
 
 def test_a_forward_that_skips_ahead_is_refused():
