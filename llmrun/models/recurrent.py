@@ -6,10 +6,12 @@ size per sequence in each of their other layers: a short convolution's last inpu
 a linear attention's matrix (Qwen3.5's and Qwen3-Next's Gated DeltaNet, LFM2's
 convolutions, Mamba-2). Unlike keys and values, a state sums up every token so far and
 cannot be rolled back. So a sequence goes on only from exactly the position its state
-has taken in; anything else (a shorter shared prefix, an edited history) starts again
-from position 0, from zeros. `reusable()` says so to the code that keeps prefixes
-(generate.reuse_prefix, through KVCache.reusable; the server's scheduler, which gives
-such a model no prefix cache), as KVCache.reusable does for sliding-window rings.
+has taken in, or from a copy kept on the way (`checkpoint()`: a prompt keeps one a few
+tokens before its end, generate.CHECKPOINT_MARGIN); anything else (a shorter shared
+prefix, an edited history) starts again from position 0, from zeros. `reusable()` says
+so to generate.reuse_prefix (through KVCache.reusable), as KVCache.reusable does for
+sliding-window rings. The server's prefix cache keeps states at block ends instead
+(`StateSnapshots`, llmrun.batching).
 
 The state lives in a KVCache (`cache.recurrent`) or in a paged view of the server's
 pool (the scheduler keeps one row per running sequence). Each batch row is a sequence.
