@@ -8,7 +8,8 @@ Two forms of the key/value expansion exist. Older files hold HF's kv_b_proj as
 attn_kv_b. Newer ones (those with attention.key_length_mla) hold it split per head for
 llama.cpp's absorbed MLA: attn_k_b [heads, kv_lora_rank, qk_nope] (each head's key rows
 transposed) and attn_v_b [heads, v_head_dim, kv_lora_rank]; they are joined back into
-kv_b_proj, in floats (dequantized where the file has blocks). The converter writes the
+kv_b_proj, in floats (dequantized where the file has blocks); so is attn_kv_b in blocks,
+since the model reads its rows (deepseek_v2's absorbed attention). The converter writes the
 YaRN log multiplier as 0.1 * mscale_all_dim, and llama.cpp takes the config's mscale to
 be mscale_all_dim. GLM-4.7-Flash's files (conversion/glm.py Glm4MoeLiteModel) end with
 nextn_predict_layers multi-token-prediction layers, counted in block_count; llmrun skips
@@ -311,7 +312,8 @@ def hf_weights(weights: dict[str, Any], config: dict[str, Any], path: Any) -> di
 
 def gguf_weights(weights: dict[str, Any], config: dict[str, Any], weight_type: type) -> dict:
     """The checkpoint's weights as the model takes them: each layer's attn_k_b and
-    attn_v_b joined into kv_b_proj (join_kv_b), and a zero selection bias for the
+    attn_v_b joined into kv_b_proj (join_kv_b), an attn_kv_b in blocks dequantized
+    (the model takes kv_b_proj's rows as floats), and a zero selection bias for the
     sigmoid-gated layers of a file without one (llama.cpp's: the tensor is optional).
     `weight_type` is the loader's Weight."""
     import torch
@@ -324,10 +326,12 @@ def gguf_weights(weights: dict[str, Any], config: dict[str, Any], weight_type: t
             raise ModelFormatError(
                 f"layer {layer} has one of attn_k_b and attn_v_b without the other"
             )
+        kv_b = prefix + "self_attn.kv_b_proj.weight"
         if k_b is not None:
-            out[prefix + "self_attn.kv_b_proj.weight"] = weight_type(
-                join_kv_b(k_b, v_b, config, layer)
-            )
+            out[kv_b] = weight_type(join_kv_b(k_b, v_b, config, layer))
+        elif kv_b in out and out[kv_b].ggml_type is not None:
+            # The model reads kv_b_proj's rows (absorbed MLA), never multiplies by it.
+            out[kv_b] = weight_type(_floats(out[kv_b]))
         bias = prefix + "mlp.gate.e_score_correction_bias"
         sparse = layer >= config["first_k_dense_replace"]
         if config["model_type"] == "deepseek_v3" and sparse and bias not in out:

@@ -308,12 +308,11 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
     try:
         layers, heads = int(text["num_hidden_layers"]), int(text["num_attention_heads"])
         head_dim = int(text.get("head_dim") or text["hidden_size"] // heads)
-        if "kv_lora_rank" in text:  # MLA: each head's key and value, cached one width
-            rope, v_dim = int(text["qk_rope_head_dim"]), int(text["v_head_dim"])
-            head_dim = max(int(text["qk_nope_head_dim"]) + rope, v_dim)
+        if "kv_lora_rank" in text:  # MLA: one KV head, the latent and the rope part
+            head_dim = int(text["kv_lora_rank"]) + int(text["qk_rope_head_dim"])
     except (KeyError, TypeError, ValueError):
         return None
-    kv_heads = heads if "kv_lora_rank" in text else int(text.get("num_key_value_heads") or heads)
+    kv_heads = 1 if "kv_lora_rank" in text else int(text.get("num_key_value_heads") or heads)
     windows: list[int | None] = [None] * layers
     pattern = _WINDOW_PATTERN.get(str(config.get("model_type")))
     window = text.get("sliding_window")

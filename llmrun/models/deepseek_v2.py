@@ -8,9 +8,17 @@ by kv_b_proj into a key part without position (qk_nope_head_dim) and the value
 all heads, from kv_a_proj_with_mqa too. RoPE turns adjacent pairs of the rope part
 (V3 may say otherwise: rope_interleave). With YaRN, mscale_all_dim scales the softmax.
 
-The KV cache holds each head's full key and value (the value zero-padded to the key's
-width, so the caches and their kernels see one head size): simple and exact; caching
-the latent instead would take ~30x less memory and is left for later.
+The KV cache holds the latent, as llama.cpp's MLA graph does (src/models/deepseek2.cpp,
+"absorbed" MLA): per token and layer one KV head [kv_a_layernorm(latent); rotated k_rope]
+of kv_lora_rank + qk_rope_head_dim features (576 for V2-Lite, V3 and GLM-4.7-Flash),
+where every head's key and value took heads x 2 x 192 (V2-Lite: 16 heads). A query is
+taken into the latent space through kv_b_proj's key rows, [W_uk^T q_nope; q_rope], so its
+dot product with a cached latent key is the decompressed key's; the same key serves as
+the value (its first kv_lora_rank features are the latent), and each head's output is
+expanded to v_head_dim by kv_b_proj's value rows. Every query head attends to the one KV
+head (MQA, any cache type and the paged cache alike), and the softmax scale stays
+qk_head_dim's. KVCache stores the key again as the value: 2 x 576 features per token and
+layer (llama.cpp keeps 576, its values a view of its keys).
 
 DeepSeekMoE: the first first_k_dense_replace layers are dense; the others route each
 token to num_experts_per_tok of n_routed_experts small experts (softmax scores, the top
@@ -138,8 +146,8 @@ class ModelArgs:
 
     @property
     def num_key_value_heads(self) -> int:
-        """Each head has its own key and value once they are decompressed."""
-        return self.num_attention_heads
+        """One KV head, the latent, which every query head attends to."""
+        return 1
 
     @property
     def head_dim(self) -> int:
@@ -152,8 +160,9 @@ class ModelArgs:
 
     @property
     def cache_head_dim(self) -> int:
-        """The width of a head's cached key and value (the narrower one zero-padded)."""
-        return max(self.qk_head_dim, self.v_head_dim)
+        """The width of the cached key (and value): the normalized latent and the rotated
+        rope part."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
     @property
     def softmax_scale(self) -> float:
@@ -181,8 +190,8 @@ class ModelArgs:
 
 
 class Attention(nn.Module):
-    """Multi-head latent attention, with each head's key and value expanded from the
-    latent before they are cached."""
+    """Multi-head latent attention over a cache of latents: the queries are absorbed into
+    the latent space, and the outputs expanded from it, through kv_b_proj's weight."""
 
     def __init__(self, args: ModelArgs, layer: int) -> None:
         super().__init__()
@@ -192,7 +201,7 @@ class Attention(nn.Module):
             args.qk_rope_head_dim,
             args.v_head_dim,
         )
-        self.kv_lora_rank, self.width = args.kv_lora_rank, args.cache_head_dim
+        self.kv_lora_rank = args.kv_lora_rank
         self.interleaved = args.rope_interleave
         self.scale = args.softmax_scale
         heads, qk, bias = self.n_heads, args.qk_head_dim, args.attention_bias
@@ -207,12 +216,14 @@ class Attention(nn.Module):
             args.hidden_size, args.kv_lora_rank + self.rope, bias=bias
         )
         self.kv_a_layernorm = RMSNorm(args.kv_lora_rank, args.latent_norm_eps)
+        # Never called: its weight's key and value rows absorb the queries and expand the
+        # outputs (the loader gives it floats, dequantizing a GGUF's blocks).
         self.kv_b_proj = nn.Linear(args.kv_lora_rank, heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(heads * self.v_dim, args.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor, frame: Frame, cache: KVCache | None) -> torch.Tensor:
         batch, tokens, _ = x.shape
-        heads = self.n_heads
+        heads, rank = self.n_heads, self.kv_lora_rank
         if self.q_lora_rank is None:
             q = self.q_proj(x)
         else:
@@ -220,29 +231,27 @@ class Attention(nn.Module):
         # [B, T, H*(nope+rope)] -> [B, H, T, nope+rope]
         q = q.view(batch, tokens, heads, self.nope + self.rope).transpose(1, 2)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
-        # [B, T, H*(nope+v)] -> [B, H, T, nope+v]
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent))
-        kv = kv.view(batch, tokens, heads, self.nope + self.v_dim).transpose(1, 2)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([rank, self.rope], dim=-1)
+        # [H*(nope+v), rank] -> [H, nope+v, rank]: each head's key rows, then value rows
+        w_k, w_v = self.kv_b_proj.weight.view(heads, -1, rank).split([self.nope, self.v_dim], 1)
+        # q_nope . (W_k latent) == (W_k^T q_nope) . latent: [B, H, T, nope] -> [B, H, T, rank]
+        q_latent = q_nope @ w_k
         # [B, T, rope] -> [B, 1, T, rope]: one rotated key part shared by every head
         q_rope, k_rope = self.rotate(q_rope, frame), self.rotate(k_rope[:, None], frame)
-        q = self.pad(torch.cat((q_nope, q_rope), dim=-1))
-        k = self.pad(torch.cat((k_nope, k_rope.expand(-1, heads, -1, -1)), dim=-1))
-        out = attend_scaled(q, k, self.pad(v), self.layer, frame, cache, self.scale)
-        # [B, T, H*width] -> [B, T, H*v]: the values' padding dropped
-        out = out.view(batch, tokens, heads, self.width)[..., : self.v_dim]
+        q = torch.cat((q_latent, q_rope), dim=-1)
+        # [B, T, rank] -> [B, 1, T, rank + rope]: the one KV head, key and value alike
+        k = torch.cat((self.kv_a_layernorm(latent)[:, None], k_rope), dim=-1)
+        out = attend_scaled(q, k, k, self.layer, frame, cache, self.scale)
+        # [B, T, H*(rank+rope)] -> [B, H, T, rank]: the value is the latent part
+        out = out.view(batch, tokens, heads, rank + self.rope)[..., :rank].transpose(1, 2)
+        # each head's output through its value rows: [B, H, T, rank] -> [B, T, H*v]
+        out = (out @ w_v.transpose(1, 2)).transpose(1, 2)
         return self.o_proj(out.reshape(batch, tokens, heads * self.v_dim))
 
     def rotate(self, x: torch.Tensor, frame: Frame) -> torch.Tensor:
         """RoPE on the rope parts [B, H, T, rope]: adjacent pairs, or with
         rope_interleave false, x[i] with x[i + rope / 2]."""
         return rotate_pairs(x, frame) if self.interleaved else frame.rotate(x)
-
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, H, T, D] zero-padded to the cache's width (zeros add nothing to q.k
-        and give output features that are dropped)."""
-        return F.pad(x, (0, self.width - x.shape[-1])) if x.shape[-1] < self.width else x
 
 
 class Router(nn.Module):

@@ -10,7 +10,9 @@ Tolerances: 1e-4 on logits within about ±6 in f32 (measured ~6e-6), through the
 cache (chunked prefill, then one token at a time), the paged cache and the static one.
 A Q8_0 GGUF is held to transformers running the dequantized weights at 1e-4 (the
 native kernels multiply the blocks exactly in f32). Cache types are held to the f32
-cache at test_cache_types' tolerances.
+cache at test_cache_types' tolerances. The cache holds one latent head per token and
+layer (llama.cpp's absorbed MLA), checked by its shape and bytes; in bf16 the logits are
+held to f32 transformers within 1.5x of transformers' own bf16 error.
 """
 
 import numpy as np
@@ -50,7 +52,7 @@ COMMON = dict(
     kv_lora_rank=32,
     qk_nope_head_dim=32,
     qk_rope_head_dim=32,
-    v_head_dim=32,  # keys of 64: the values are padded in the cache
+    v_head_dim=32,  # keys of 64; the cached latent head is 32 + 32 too
     max_position_embeddings=256,
     rms_norm_eps=1e-5,
     bos_token_id=1,
@@ -224,15 +226,69 @@ def test_cache_types_give_the_logits_of_their_rounded_keys_and_values(cache_type
     check_rounded_cache(ours, cache_type, TOLERANCE["f16"] if f16 else None, moves=f16)
 
 
-def test_the_cache_and_kv_count_hold_each_heads_key_width():
-    hf = hf_model("v3")
-    ours = our_model(hf.config.to_dict(), hub_state_dict(hf))
-    cache = ours.new_cache(1, 10, torch.float32, "cpu")
-    assert cache.k.shape == (3, 1, 4, 10, 64)  # 4 heads of 32 + 32 key features
+def test_the_cache_holds_one_latent_head_per_token():
+    """As llama.cpp's MLA caches it: per token and layer one KV head of kv_lora_rank +
+    qk_rope_head_dim features (64 + 32 here, where a head's key has 32 + 32), the keys
+    and the same again as values; the two sizers count what the cache allocates."""
     from llmrun.models import kv_cache_bytes
 
+    hf = hf_model("v3", kv_lora_rank=64)
+    ours = our_model(hf.config.to_dict(), hub_state_dict(hf))
+    cache = ours.new_cache(1, 10, torch.float32, "cpu")
+    assert cache.k.shape == cache.v.shape == (3, 1, 1, 10, 96)
     assert kv_cache_bytes(hf.config.to_dict(), 10) == cache.nbytes
     assert inspect.kv_cache_bytes(hf.config.to_dict(), 10) == cache.nbytes
+    assert (cached_logits(ours, IDS) - reference(hf)).abs().max() < 1e-4
+
+
+# The released shapes (config.json fields that size the cache; the rest transformers'
+# defaults) and their bf16 cache bytes per token: layers x 2 x (512 + 64) x 2 bytes,
+# where every head's key and value took layers x 2 x heads x 192 (GLM: 256) x 2.
+RELEASED = {
+    "DeepSeek-V2-Lite": (
+        dict(
+            model_type="deepseek_v2",
+            num_hidden_layers=27,
+            num_attention_heads=16,
+            q_lora_rank=None,
+            n_routed_experts=64,
+            num_experts_per_tok=6,
+        ),
+        62_208,  # was 331_776
+    ),
+    "DeepSeek-V3": (dict(model_type="deepseek_v3"), 140_544),  # was 5_996_544
+    "GLM-4.7-Flash": (dict(model_type="glm4_moe_lite"), 108_288),  # was 962_560
+}
+
+
+@pytest.mark.parametrize("name", list(RELEASED))
+def test_released_models_cache_their_latents_bytes_per_token(name):
+    from llmrun.models import kv_cache_bytes
+
+    fields, per_token = RELEASED[name]
+    config = transformers.AutoConfig.for_model(**fields).to_dict()
+    assert kv_cache_bytes(config, 1000, 2) == 1000 * per_token
+    assert inspect.kv_cache_bytes(config, 1000, 2) == 1000 * per_token
+
+
+def test_bf16_logits_are_as_close_to_f32_as_transformers_bf16_ones():
+    """The absorbed attention in bf16 (the queries taken into the latent space, the
+    outputs expanded from it, in bf16 products that transformers does not compute) is
+    held to f32 transformers as closely as transformers' own bf16 model is, within 1.5x
+    (its error is ~0.12 on logits of ±6, ours ~0.1), whole and through a bf16 cache. Every
+    layer dense: in bf16 a rounding can send a token to other experts, in either model."""
+    hf = hf_model("v2-lite", first_k_dense_replace=3)
+    expected = reference(hf)
+    ours = our_model(hf.config.to_dict(), hub_state_dict(hf)).to(torch.bfloat16)
+    hf_error = (reference(hf.to(torch.bfloat16)).float() - expected).abs().max()
+    cache = ours.new_cache(1, 64, torch.bfloat16, "cpu")
+    with torch.no_grad():
+        whole = ours(IDS, torch.arange(IDS.shape[1])[None])
+        prefill = ours(IDS[:, :30], torch.arange(30)[None], cache)
+        steps = [ours(IDS[:, [t]], torch.tensor([[t]]), cache) for t in range(30, IDS.shape[1])]
+    cached = torch.cat([prefill, *steps], dim=1)
+    for got in (whole, cached):
+        assert (got - expected).abs().max() < 1.5 * hf_error
 
 
 def test_a_v3_config_that_is_not_sigmoid_noaux_tc_is_refused():
@@ -473,6 +529,27 @@ def test_a_q8_0_gguf_matches_transformers_on_the_dequantized_weights(tmp_path):
     assert (gguf_logits(path) - reference(hf)).abs().max() < 1e-4
 
 
+def test_a_q8_0_gguf_of_the_older_form_matches_transformers_on_the_dequantized_weights(
+    tmp_path,
+):
+    """A file with attn_kv_b, every matrix but the router in Q8_0: the model reads
+    kv_b_proj's rows, so the loader dequantizes it (the rows Q8_0 rounds are
+    transformers' own here)."""
+    hf = hf_model("v2-lite")
+    old = {Keys.LLM.EXPERT_GATING_FUNC: None}
+    tensors = gguf_tensors(hf, split_kv=False)
+    Q8_0 = GGMLQuantizationType.Q8_0
+    path = write_deepseek2(tmp_path / "m.gguf", hf, tensors, Q8_0, split_kv=False, metadata=old)
+    state = {
+        key: torch.from_numpy(q8_0(v.numpy())) if v.ndim > 1 and "mlp.gate." not in key else v
+        for key, v in hf.state_dict().items()
+    }
+    hf.load_state_dict(state)
+    loaded = load_model(path, torch.device("cpu"), "f32")
+    assert type(loaded.model.model.layers[0].self_attn.kv_b_proj) is torch.nn.Linear
+    assert (cached_logits(loaded.model, IDS) - reference(hf)).abs().max() < 1e-4
+
+
 REFUSED = {
     "attention temperature": ({Keys.Attention.TEMPERATURE_SCALE: 0.1}, UnsupportedError),
     "YaRN without its log multiplier": ({Keys.Rope.SCALING_YARN_LOG_MUL: None}, UnsupportedError),
@@ -510,8 +587,8 @@ def test_a_gguf_missing_an_expert_stack_is_refused(tmp_path):
 def test_show_describes_a_deepseek2_gguf(tmp_path):
     hf = hf_model("v3")
     path = write_deepseek2(tmp_path / "m.gguf", hf, gguf_tensors(hf, split_kv=True))
-    # Every layer's 4 heads: a key of 64 and a value padded to 64, f32, 8192 positions.
-    check_show(path, "deepseek2", 3 * 2 * 4 * 64 * 4 * 8192, moe=True, timeout=180, threads=1)
+    # Every layer's one latent head of 32 + 32 as key and value, f32, 8192 positions.
+    check_show(path, "deepseek2", 3 * 2 * 64 * 4 * 8192, moe=True, timeout=180, threads=1)
 
 
 def test_llmrun_run_prints_transformers_greedy_text(tmp_path):

@@ -212,6 +212,20 @@ def test_cache_types_give_the_logits_of_their_rounded_keys_and_values(cache_type
     check_rounded_cache(ours, cache_type, TOLERANCE["f16"] if f16 else None, moves=f16)
 
 
+@pytest.mark.parametrize("cache_type", ["f16", "q8_0"])
+def test_glm_4_7_flash_caches_one_latent_head(cache_type):
+    """As llama.cpp caches GLM-4.7-Flash (deepseek2's MLA): per token and layer one head
+    of kv_lora_rank + qk_rope_head_dim (64 + 32, where a key has 32 + 32 and a value
+    48), exact through the cache, and in every cache type the logits of its rounded
+    latents (test_cache_types' check). f16 moves the logits by up to ~5e-3 here, at
+    test_cache_types' bound: 1e-2 is allowed."""
+    hf = hf_model("flash", kv_lora_rank=64)
+    ours = our_model(hf.config.to_dict(), hub_state_dict(hf))
+    assert ours.new_cache(1, 10, torch.float32, "cpu").k.shape == (3, 1, 1, 10, 96)
+    assert (cached_logits(ours, IDS) - reference(hf)).abs().max() < 1e-4
+    check_rounded_cache(ours, cache_type, 1e-2 if cache_type == "f16" else None)
+
+
 def test_the_static_decode_step_is_not_offered():
     """The static step CUDA graphs capture cannot hold a router that reads its choices
     back to the host: GLM-4.5 decodes through its forward."""
