@@ -322,7 +322,8 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
             "sliding_attention" if _local(pattern, i) else "full_attention" for i in range(layers)
         ]
         windows = [window if kind == "sliding_attention" else None for kind in kinds]
-    per_position = 2 * kv_heads * head_dim * bytes_per_value
+    copies = 1 if "kv_lora_rank" in text else 2  # MLA's latent is the key and the value
+    per_position = copies * kv_heads * head_dim * bytes_per_value
     return sum(per_position * (context if w is None else min(w, context)) for w in windows)
 
 

@@ -63,7 +63,9 @@ def model_module(model_type: str) -> ModuleType:
 def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 4) -> int:
     """Bytes of KV cache a model of this config.json-style dict keeps for `context`
     positions (bytes_per_value: the compute dtype's, 4 for f32): every layer's keys
-    and values, sliding-window layers (Gemma 2/3) holding at most their window.
+    and values, sliding-window layers (Gemma 2/3) holding at most their window; a
+    hybrid model's attention layers (`layer_windows()` has one entry per KV cache
+    layer) and its recurrent state.
     Imports the family's module, hence torch."""
     from llmrun.models.cache import cache_bytes
 
@@ -72,6 +74,20 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
     windows = (
         args.layer_windows() if hasattr(args, "layer_windows") else [None] * args.num_hidden_layers
     )
-    # MLA families cache a width of their own per head (deepseek_v2.ModelArgs).
+    # MLA families cache one head of a width of their own, the latent (deepseek_v2.ModelArgs).
     head_dim = getattr(args, "cache_head_dim", args.head_dim)
-    return cache_bytes(args.num_key_value_heads, head_dim, windows, context, bytes_per_value)
+    shared = getattr(args, "cache_values_are_keys", False)  # MLA's latent: stored once
+    kv = cache_bytes(args.num_key_value_heads, head_dim, windows, context, bytes_per_value, shared)
+    return kv + recurrent_state_bytes(args)
+
+
+def recurrent_state_bytes(args: Any) -> int:
+    """Bytes one sequence's recurrent state takes in a hybrid model (its ModelArgs'
+    `recurrent_shapes()`, llmrun.models.recurrent; float32), 0 for other models."""
+    if not hasattr(args, "recurrent_shapes"):
+        return 0
+    import torch
+
+    from llmrun.models.recurrent import RecurrentState
+
+    return RecurrentState.bytes_per_row(args.recurrent_shapes(), torch.float32)

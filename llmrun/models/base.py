@@ -369,19 +369,34 @@ def attend_scaled(
     cache keeps only the window (frame.plan). Returns [B, T, H*D]."""
     if cache is not None and cache.paged:
         return attend_paged(q, k, v, layer, frame, cache, scale, softcap)
-    if cache is not None:
-        stored = q.shape[2] == 1 and frame.mask is None  # attention() takes ops.attend_one
-        if frame.plan is not None:
-            k, v = cache.update_window(layer, k, v, frame.plan, stored)
-        else:
-            k, v = cache.update(layer, k, v, frame.positions, frame.start, frame.length, stored)
+    k, v = cached_keys_values(k, v, layer, frame, cache, q.shape[2])
     return attention(q, k, v, frame.mask, scale, softcap)
+
+
+def cached_keys_values(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    frame: Frame,
+    cache: KVCache | None,
+    tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's new keys and values k/v [B, Hkv, T, D] stored in a (not paged) cache,
+    and those its `tokens` queries attend to, in frame.mask's order: the new ones alone
+    without a cache; as the cache stores them where one query attends to every key
+    (attention() then takes ops.attend_one, which reads them so)."""
+    if cache is None:
+        return k, v
+    stored = tokens == 1 and frame.mask is None
+    if frame.plan is not None:
+        return cache.update_window(layer, k, v, frame.plan, stored)
+    return cache.update(layer, k, v, frame.positions, frame.start, frame.length, stored)
 
 
 def attend_paged(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     layer: int,
     frame: Frame,
     cache: PagedView,
@@ -389,8 +404,11 @@ def attend_paged(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """attend_scaled over a paged cache: a decode step reads the blocks in place where
-    the native kernel can, anything else attends to them gathered (llmrun.models.paged)."""
-    cache.write(layer, k, v, frame.positions)
+    the native kernel can, anything else attends to them gathered (llmrun.models.paged).
+    k/v None: nothing to write, the queries attend to what `layer` holds (a layer that
+    shares an earlier layer's keys and values, as Gemma 3n's last layers do)."""
+    if k is not None:
+        cache.write(layer, k, v, frame.positions)
     out = cache.attend_one(layer, q, frame.positions, frame.mask, scale, softcap)
     if out is not None:
         return out
@@ -610,6 +628,7 @@ def new_cache(args: Any, batch: int, max_seq_len: int, dtype: torch.dtype, devic
         dtype,
         device,
         windows=windows,
+        values_are_keys=getattr(args, "cache_values_are_keys", False),
     )
 
 
@@ -693,8 +712,9 @@ class Body(nn.Module):
 class CausalLM(nn.Module):
     """embed -> decoder layers -> norm -> lm_head, with HF's module names
     (`model.layers.N.self_attn.q_proj`, `lm_head`, ...). A family supplies its
-    attention and MLP classes, and its decoder layer where the norms sit elsewhere
-    (OLMo 2's after each sublayer)."""
+    attention and MLP classes, its decoder layer where the norms sit elsewhere
+    (OLMo 2's after each sublayer), and its body where the modules are named otherwise
+    (LFM2's final norm)."""
 
     decode_step = None  # see run_layers
 
@@ -705,10 +725,11 @@ class CausalLM(nn.Module):
         mlp: type,
         layer: type = DecoderLayer,
         norm: nn.Module | None = None,
+        body: type = Body,
     ) -> None:
         super().__init__()
         self.args = args
-        self.model = Body(args, attention, mlp, layer, norm)
+        self.model = body(args, attention, mlp, layer, norm)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def forward(

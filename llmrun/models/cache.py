@@ -74,12 +74,33 @@ def cache_bytes(
     windows: Sequence[int | None],
     context: int,
     bytes_per_value: float,
+    values_are_keys: bool = False,
 ) -> int:
     """Bytes of keys and values a KVCache of `context` positions holds for layers with
     these sliding windows (None: a full layer): a windowed layer keeps at most its
-    window. bytes_per_value: BYTES_PER_VALUE of the cache type (q8_0: 34 / 32)."""
-    per_position = round(2 * n_kv_heads * head_dim * bytes_per_value)
+    window. bytes_per_value: BYTES_PER_VALUE of the cache type (q8_0: 34 / 32).
+    `values_are_keys`: the values are stored as the keys, once (see KVCache)."""
+    copies = 1 if values_are_keys else 2
+    per_position = round(copies * n_kv_heads * head_dim * bytes_per_value)
     return sum(per_position * (context if w is None else min(w, context)) for w in windows)
+
+
+def _unpadded(
+    rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The index write of k/v [B, Hkv, T, D] at rows [B, 1] and positions [B, T], as
+    (rows, positions, k, v) with k/v [..., Hkv, D]: without the padding of rows padded on
+    the right (tokens that repeat the position before them), whose keys would overwrite
+    the real token's where they differ from it (a hybrid model's recurrent layers give
+    padded tokens states of their own)."""
+    k, v = k.transpose(1, 2), v.transpose(1, 2)
+    if positions.shape[1] == 1:
+        return rows, positions, k, v
+    real = torch.ones_like(positions, dtype=torch.bool)
+    real[:, 1:] = positions[:, 1:] != positions[:, :-1]
+    if bool(real.all()):
+        return rows, positions, k, v
+    return rows.expand_as(positions)[real], positions[real], k[real], v[real]
 
 
 class KVCache:
@@ -98,11 +119,14 @@ class KVCache:
         dtype: torch.dtype | str,
         device: torch.device | str,
         windows: Sequence[int | None] | None = None,
+        values_are_keys: bool = False,
     ) -> None:
         """`dtype`: what keys and values are stored as, a torch dtype or a cache type
         name (CACHE_TYPES). `windows`: per layer, its sliding window or None (a full
         layer). A window that is not shorter than max_seq_len needs no ring: that
-        layer is full here."""
+        layer is full here. `values_are_keys`: the model's values are its keys (MLA
+        attends to its cached latent as both), so they share one buffer: the values
+        written are the keys again, and memory is taken once."""
         if isinstance(dtype, str):
             if dtype not in CACHE_TYPES:
                 raise UnsupportedError(
@@ -132,13 +156,18 @@ class KVCache:
         self.index = [sum(1 for r in ring[:i] if r == ring[i]) for i in range(n_layers)]
         n_ring = sum(ring)
         shape = (n_layers - n_ring, batch, n_kv_heads, max_seq_len, width)
+        self.values_are_keys = values_are_keys
         self.k = torch.zeros(shape, dtype=storage, device=device)
-        self.v = torch.zeros(shape, dtype=storage, device=device)
+        self.v = self.k if values_are_keys else torch.zeros(shape, dtype=storage, device=device)
         self.ring_k = self.ring_v = None
         if n_ring:
             ring_shape = (n_ring, batch, n_kv_heads, self.window, width)
             self.ring_k = torch.zeros(ring_shape, dtype=storage, device=device)
-            self.ring_v = torch.zeros(ring_shape, dtype=storage, device=device)
+            self.ring_v = (
+                self.ring_k
+                if values_are_keys
+                else torch.zeros(ring_shape, dtype=storage, device=device)
+            )
         self.max_seq_len = max_seq_len
         self.rows: torch.Tensor | None = None  # slots of a non-contiguous select()
         self.row_list: list[int] = list(range(batch))  # this view's rows of its tensors
@@ -168,9 +197,10 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        rings = self.ring_k.nbytes + self.ring_v.nbytes if self.ring_k is not None else 0
+        copies = 1 if self.values_are_keys else 2
+        rings = copies * self.ring_k.nbytes if self.ring_k is not None else 0
         states = self.recurrent.nbytes if self.recurrent is not None else 0
-        return self.k.nbytes + self.v.nbytes + rings + states
+        return copies * self.k.nbytes + rings + states
 
     def windowed(self, layer: int) -> bool:
         """Whether `layer` keeps only its window (a ring) here."""
@@ -207,8 +237,9 @@ class KVCache:
         if self.rows is not None:
             # Scattered slots: index writes, and a gathered copy of their prefixes to attend to.
             k_layer, v_layer = self.k[index], self.v[index]
-            k_layer[self.rows[:, None], :, positions] = k.transpose(1, 2)
-            v_layer[self.rows[:, None], :, positions] = v.transpose(1, 2)
+            rows, positions, k, v = _unpadded(self.rows[:, None], positions, k, v)
+            k_layer[rows, :, positions] = k
+            v_layer[rows, :, positions] = v
             keys, values = k_layer[self.rows, :, :length], v_layer[self.rows, :, :length]
             return self.decode(keys, dtype, stored), self.decode(values, dtype, stored)
         k_cache, v_cache = self.k[index], self.v[index]
@@ -222,8 +253,9 @@ class KVCache:
             keys, values = k_cache.narrow(2, 0, length), v_cache.narrow(2, 0, length)
             return self.decode(keys, dtype, stored), self.decode(values, dtype, stored)
         rows = torch.arange(batch, device=positions.device)[:, None]
-        k_cache[rows, :, positions] = k.transpose(1, 2)
-        v_cache[rows, :, positions] = v.transpose(1, 2)
+        rows, positions, k, v = _unpadded(rows, positions, k, v)
+        k_cache[rows, :, positions] = k
+        v_cache[rows, :, positions] = v
         keys, values = k_cache[:, :, :length], v_cache[:, :, :length]
         return self.decode(keys, dtype, stored), self.decode(values, dtype, stored)
 

@@ -17,8 +17,8 @@ dot product with a cached latent key is the decompressed key's; the same key ser
 the value (its first kv_lora_rank features are the latent), and each head's output is
 expanded to v_head_dim by kv_b_proj's value rows. Every query head attends to the one KV
 head (MQA, any cache type and the paged cache alike), and the softmax scale stays
-qk_head_dim's. KVCache stores the key again as the value: 2 x 576 features per token and
-layer (llama.cpp keeps 576, its values a view of its keys).
+qk_head_dim's. The cache keeps the latent once, its values the keys' buffer
+(cache_values_are_keys): 576 features per token and layer, as llama.cpp keeps.
 
 DeepSeekMoE: the first first_k_dense_replace layers are dense; the others route each
 token to num_experts_per_tok of n_routed_experts small experts (softmax scores, the top
@@ -163,6 +163,11 @@ class ModelArgs:
         """The width of the cached key (and value): the normalized latent and the rotated
         rope part."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def cache_values_are_keys(self) -> bool:
+        """The cached latent is the key and the value alike: stored once."""
+        return True
 
     @property
     def softmax_scale(self) -> float:

@@ -78,13 +78,15 @@ class PagedKVCache:
         self.index = [self.group[:i].count(g) for i, g in enumerate(self.group)]
         device = like.k.device
         shape = (self.group.count(0), n_blocks, kv_heads, block_rows, width)
+        # Values that are the keys (KVCache's values_are_keys) share their pool.
+        shared = like.values_are_keys
         self.k = zeros(shape, like.storage, device)
-        self.v = zeros(shape, like.storage, device)
+        self.v = self.k if shared else zeros(shape, like.storage, device)
         self.window_k = self.window_v = None
         if any(windowed):
             shape = (self.group.count(1), window_blocks, kv_heads, block_rows, width)
             self.window_k = zeros(shape, like.storage, device)
-            self.window_v = zeros(shape, like.storage, device)
+            self.window_v = self.window_k if shared else zeros(shape, like.storage, device)
         self.like = like  # its encode()/decode() convert to and from the cache type
         self.n_blocks, self.block_rows, self.max_seq_len = n_blocks, block_rows, max_seq_len
 
@@ -93,12 +95,14 @@ class PagedKVCache:
         """Bytes one block takes, keys and values of every layer (or of `n_layers`)."""
         _, _, kv_heads, _, width = like.k.shape
         n_layers = len(like.windows) if n_layers is None else n_layers
-        return 2 * n_layers * kv_heads * block_rows * width * like.k.element_size()
+        copies = 1 if like.values_are_keys else 2
+        return copies * n_layers * kv_heads * block_rows * width * like.k.element_size()
 
     @property
     def nbytes(self) -> int:
-        windows = self.window_k.nbytes + self.window_v.nbytes if self.window_k is not None else 0
-        return self.k.nbytes + self.v.nbytes + windows
+        copies = 1 if self.v is self.k else 2
+        windows = copies * self.window_k.nbytes if self.window_k is not None else 0
+        return copies * self.k.nbytes + windows
 
     def view(
         self,

@@ -34,6 +34,7 @@ from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import inspect
 from llmrun.loading.gguf_io import read_gguf
 from llmrun.loading.loader import load_model
+from llmrun.models.paged import PagedKVCache
 
 transformers = pytest.importorskip("transformers")
 
@@ -228,22 +229,27 @@ def test_cache_types_give_the_logits_of_their_rounded_keys_and_values(cache_type
 
 def test_the_cache_holds_one_latent_head_per_token():
     """As llama.cpp's MLA caches it: per token and layer one KV head of kv_lora_rank +
-    qk_rope_head_dim features (64 + 32 here, where a head's key has 32 + 32), the keys
-    and the same again as values; the two sizers count what the cache allocates."""
+    qk_rope_head_dim features (64 + 32 here, where a head's key has 32 + 32), the values
+    the keys' own buffer (stored once, in the paged pool too); the sizers count what the
+    caches allocate."""
     from llmrun.models import kv_cache_bytes
 
     hf = hf_model("v3", kv_lora_rank=64)
     ours = our_model(hf.config.to_dict(), hub_state_dict(hf))
     cache = ours.new_cache(1, 10, torch.float32, "cpu")
-    assert cache.k.shape == cache.v.shape == (3, 1, 1, 10, 96)
+    assert cache.k.shape == (3, 1, 1, 10, 96) and cache.v is cache.k
+    assert cache.nbytes == cache.k.nbytes
+    like = ours.new_cache(1, 1, torch.float32, "cpu")
+    pool = PagedKVCache(like, 4, 16, 64)
+    assert pool.v is pool.k and pool.nbytes == 4 * PagedKVCache.block_bytes(like, 16)
     assert kv_cache_bytes(hf.config.to_dict(), 10) == cache.nbytes
     assert inspect.kv_cache_bytes(hf.config.to_dict(), 10) == cache.nbytes
     assert (cached_logits(ours, IDS) - reference(hf)).abs().max() < 1e-4
 
 
 # The released shapes (config.json fields that size the cache; the rest transformers'
-# defaults) and their bf16 cache bytes per token: layers x 2 x (512 + 64) x 2 bytes,
-# where every head's key and value took layers x 2 x heads x 192 (GLM: 256) x 2.
+# defaults) and their bf16 cache bytes per token: layers x (512 + 64) x 2 bytes, where
+# every head's key and value took layers x 2 x heads x 192 (GLM: 256) x 2.
 RELEASED = {
     "DeepSeek-V2-Lite": (
         dict(
@@ -254,10 +260,10 @@ RELEASED = {
             n_routed_experts=64,
             num_experts_per_tok=6,
         ),
-        62_208,  # was 331_776
+        31_104,  # was 331_776
     ),
-    "DeepSeek-V3": (dict(model_type="deepseek_v3"), 140_544),  # was 5_996_544
-    "GLM-4.7-Flash": (dict(model_type="glm4_moe_lite"), 108_288),  # was 962_560
+    "DeepSeek-V3": (dict(model_type="deepseek_v3"), 70_272),  # was 5_996_544
+    "GLM-4.7-Flash": (dict(model_type="glm4_moe_lite"), 54_144),  # was 962_560
 }
 
 
@@ -587,8 +593,9 @@ def test_a_gguf_missing_an_expert_stack_is_refused(tmp_path):
 def test_show_describes_a_deepseek2_gguf(tmp_path):
     hf = hf_model("v3")
     path = write_deepseek2(tmp_path / "m.gguf", hf, gguf_tensors(hf, split_kv=True))
-    # Every layer's one latent head of 32 + 32 as key and value, f32, 8192 positions.
-    check_show(path, "deepseek2", 3 * 2 * 64 * 4 * 8192, moe=True, timeout=180, threads=1)
+    # Every layer's one latent head of 32 + 32, key and value alike (stored once), f32,
+    # 8192 positions.
+    check_show(path, "deepseek2", 3 * 64 * 4 * 8192, moe=True, timeout=180, threads=1)
 
 
 def test_llmrun_run_prints_transformers_greedy_text(tmp_path):
