@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from llmrun import native, ops
@@ -177,6 +178,8 @@ def _mat(module: nn.Module) -> Mat | None:
     elif type(module) is nn.Linear and _f32(module.weight) and _f32(bias):
         raw, q8, kind = module.weight, False, 0  # F32 rows
         rows, cols = module.weight.shape
+        if not kernels.supports(GGMLQuantizationType.F32, cols):
+            return None  # the kernels take whole blocks of 16 weights (an expert 24 wide)
     else:
         return None
     if bias is not None and bias.shape != (rows,):

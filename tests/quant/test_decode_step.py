@@ -199,6 +199,18 @@ def test_the_step_decodes_mixtures_of_experts_as_transformers(native_kernels, na
     assert counter.taken == 12
 
 
+def test_experts_of_a_width_the_kernels_do_not_take_stay_with_the_layers(native_kernels):
+    """The AVX-512 kernels take F32 rows in blocks of 16 weights: experts 24 wide (rows of
+    24 in their down projections) are the layers' there, and decode as transformers does
+    (the step read 8 weights past each row and was off by 5 in the logits)."""
+    hf, ours = moe_model("qwen3_moe", moe_intermediate_size=24)
+    assert decode_step.attach(ours)
+    ids = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(ids).logits
+    torch.testing.assert_close(decode(ours, ids, 12), expected, atol=1e-4, rtol=0)
+
+
 def test_a_tied_router_hands_its_layer_to_the_layers(native_kernels):
     """Experts 0 and 1 have equal router rows in every layer: where a token's k-th choice
     is one of them, the step stops before that layer and the layers' torch.topk breaks
