@@ -25,7 +25,7 @@ from llmrun.errors import ModelFormatError, UsageError
 from llmrun.generate import KVState, Response, TokenLogprob, stream_generate
 from llmrun.loading import safetensors_io
 from llmrun.loading.loader import Checkpoint, check_device_room, load_model, open_checkpoint
-from llmrun.models import kv_cache_bytes, model_module
+from llmrun.models import kv_cache_bytes, model_module, recurrent_state_bytes
 from llmrun.models.cache import BYTES_PER_VALUE, KVCache
 from llmrun.quant.linear import set_activations
 from llmrun.reasoning import (
@@ -312,7 +312,7 @@ def load(
     kv = kv_cache_bytes(checkpoint.config, engine.ctx_size, per_value)
     check_device_room(
         torch_device,
-        kv,
+        kv + recurrent_state_bytes(engine.model.args),
         f"a KV cache of {engine.ctx_size} tokens takes",
         ": lower --ctx-size or use --cache-type q8_0",
     )

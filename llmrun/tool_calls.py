@@ -30,6 +30,9 @@ The format is chosen from the chat template's source, never from a model name:
   {...}}, ...]<|END_ACTION|>` (Command R7B, Command A); the template numbers the ids itself
 - seed_oss: `<seed:tool_call>\n<function=NAME>\n<parameter=KEY>VALUE</parameter>\n...
   </function>\n</seed:tool_call>` (Seed-OSS); values as in qwen3_xml
+- minimax_m2: `<minimax:tool_call>\n<invoke name="NAME">\n<parameter name="KEY">VALUE
+  </parameter>\n...</invoke>\n...</minimax:tool_call>`, several invokes in one block
+  (MiniMax-M2, M2.1, M2.5); values as in qwen3_xml
 
 ToolCallParser reads the generated text piece by piece: text outside calls passes on as
 content as soon as it cannot begin a call, each call comes out whole once it is complete,
@@ -56,9 +59,9 @@ from llmrun.reasoning import ANSWER, REASONING, Piece
 HERMES, LLAMA3, MISTRAL, HARMONY, PHI4 = "hermes", "llama3_json", "mistral", "harmony", "phi4_mini"
 QWEN_XML, GRANITE, GLM = "qwen3_xml", "granite", "glm45"
 DEEPSEEK_V31, DEEPSEEK_V3, KIMI, COMMAND = "deepseek_v31", "deepseek_v3", "kimi_k2", "command_r7b"
-SEED = "seed_oss"
+SEED, MINIMAX = "seed_oss", "minimax_m2"
 FORMATS = (HERMES, LLAMA3, MISTRAL, HARMONY, PHI4, QWEN_XML, GRANITE, GLM)
-FORMATS += (DEEPSEEK_V31, DEEPSEEK_V3, KIMI, COMMAND, SEED)
+FORMATS += (DEEPSEEK_V31, DEEPSEEK_V3, KIMI, COMMAND, SEED, MINIMAX)
 # OpenAI's rule for function names.
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 # How the grammars write JSON: as json.dumps does by default, the way these models were
@@ -184,6 +187,9 @@ class ToolFormat:
             return _kimi_calls(calls)
         if self.name == SEED:
             return "\n".join(_seed_call(c["name"], c["arguments"]) for c in items)
+        if self.name == MINIMAX:
+            invokes = "".join(_minimax_invoke(c["name"], c["arguments"]) for c in items)
+            return f"{_MINIMAX_OPEN}\n{invokes}{_MINIMAX_CLOSE}"
         if self.name == COMMAND:
             actions = [
                 {"tool_call_id": str(i), "tool_name": c["name"], "parameters": c["arguments"]}
@@ -275,6 +281,15 @@ class ToolFormat:
             )
             rule = 'call ("\\n" call)*' if parallel else "call"
             return f"start: {rule}\ncall: {call}\n"
+        if self.name == MINIMAX:
+            alts = " | ".join(
+                f'{lit(_minimax_opening(f["name"]))} "\\n" '
+                f"{_xml_params(f.get('parameters') or _ANY_OBJECT, lit, schema, _minimax_param(lit))}"
+                for f in functions
+            )
+            invoke = f'({alts}) {lit("</invoke>")} "\\n"'
+            opening, closing = token(_MINIMAX_OPEN), token(_MINIMAX_CLOSE)
+            return f'start: {opening} "\\n" invoke{many} {closing}\ninvoke: {invoke}\n'
         if self.name == GLM:
             alts = " | ".join(
                 f"{lit(f['name'])} "
@@ -347,6 +362,7 @@ _KIMI_BEGIN, _KIMI_ARGS, _KIMI_END = (
 )
 _COMMAND_OPEN, _COMMAND_CLOSE = "<|START_ACTION|>", "<|END_ACTION|>"
 _SEED_OPEN, _SEED_CLOSE = "<seed:tool_call>", "</seed:tool_call>"
+_MINIMAX_OPEN, _MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
 _DS_MARKERS = (_DS_OPEN, _DS_CLOSE, _DS_BEGIN, _DS_END, _DS_SEP)
 _KIMI_MARKERS = (_KIMI_OPEN, _KIMI_CLOSE, _KIMI_BEGIN, _KIMI_ARGS, _KIMI_END)
 _HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>")
@@ -371,6 +387,7 @@ _FORMATS = {
     KIMI: ToolFormat(KIMI, (_KIMI_OPEN,), _KIMI_CLOSE, _KIMI_MARKERS),
     COMMAND: ToolFormat(COMMAND, (_COMMAND_OPEN,), _COMMAND_CLOSE, (_COMMAND_OPEN, _COMMAND_CLOSE)),
     SEED: ToolFormat(SEED, (_SEED_OPEN,), _SEED_CLOSE, (_SEED_OPEN, _SEED_CLOSE)),
+    MINIMAX: ToolFormat(MINIMAX, (_MINIMAX_OPEN,), _MINIMAX_CLOSE, (_MINIMAX_OPEN, _MINIMAX_CLOSE)),
 }
 
 
@@ -393,6 +410,8 @@ def detect_format(template: str | None) -> ToolFormat | None:
         return _FORMATS[COMMAND]
     if _SEED_OPEN in template:
         return _FORMATS[SEED]
+    if _MINIMAX_OPEN in template:
+        return _FORMATS[MINIMAX]
     if "[TOOL_CALLS]" in template:
         return get_format(MISTRAL, args_form="[ARGS]" in template)
     if "<|tool_call|>" in template and "<|start_of_role|>" in template:
@@ -634,6 +653,40 @@ def _glm(fmt: ToolFormat, region: str) -> list[_Call]:
     return [(name, dumps(args), None)]
 
 
+_MINIMAX_INVOKE = re.compile(r'<invoke name="([^"\n]+)">(.*?)</invoke>', re.S)
+_MINIMAX_PARAM = re.compile(r'\s*<parameter name="([^"\n]+)">(.*?)</parameter>\s*', re.S)
+
+
+def _minimax(fmt: ToolFormat, region: str) -> list[_Call]:
+    """The invokes of a `<minimax:tool_call>` block, each a call; values read by the
+    tools' schemas, as in qwen3_xml."""
+    calls = []
+    for m in _in_sequence(_MINIMAX_INVOKE, _section(region, _MINIMAX_OPEN, _MINIMAX_CLOSE)):
+        name, body = _name(m.group(1).strip()), m.group(2)
+        if _MINIMAX_PARAM.sub("", body).strip():
+            raise ValueError("text between parameters")
+        properties = ((fmt.schemas or {}).get(name) or {}).get("properties") or {}
+        args = {
+            key: _xml_value(value, properties.get(key))
+            for key, value in _MINIMAX_PARAM.findall(body)
+        }
+        calls.append((name, dumps(args), None))
+    return calls
+
+
+def _minimax_invoke(name: str, arguments: Mapping[str, Any]) -> str:
+    """One call as MiniMax-M2's template writes it: strings as they are, others as JSON."""
+    params = "".join(
+        f'<parameter name="{key}">{value if isinstance(value, str) else dumps(value)}</parameter>\n'
+        for key, value in arguments.items()
+    )
+    return f"{_minimax_opening(name)}\n{params}</invoke>\n"
+
+
+def _minimax_opening(name: str) -> str:
+    return f'<invoke name="{name}">'
+
+
 def _in_sequence(pattern: re.Pattern[str], body: str) -> list[re.Match[str]]:
     """Every match of `pattern` in `body`, which holds nothing else but whitespace."""
     matches, at = [], 0
@@ -764,6 +817,14 @@ def _seed_param(lit: Callable[[str], str]) -> Callable[[str, str], str]:
     return param
 
 
+def _minimax_param(lit: Callable[[str], str]) -> Callable[[str, str], str]:
+    def param(key: str, value: str) -> str:
+        opening = lit(f'<parameter name="{key}">')
+        return f'{opening} {value} {lit("</parameter>")} "\\n"'
+
+    return param
+
+
 def _glm_param(lit: Callable[[str], str], token: Callable[[str], str]) -> Callable[[str, str], str]:
     def param(key: str, value: str) -> str:
         return (
@@ -849,6 +910,7 @@ _PARSERS: dict[str, Callable[[ToolFormat, str], Any]] = {
     KIMI: _kimi,
     COMMAND: _command,
     SEED: _seed,
+    MINIMAX: _minimax,
 }
 
 

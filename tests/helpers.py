@@ -5,6 +5,7 @@ gguf.GGUFWriter, following llama.cpp's convert_hf_to_gguf conventions)."""
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -250,19 +251,29 @@ def gguf_name(hf_name: str, model_type: str | None = None) -> str:
 
 
 def write_gguf(
-    path: Path, config: dict, state_dict: dict, qtype=None, tokenizer: bool = True
+    path: Path,
+    config: dict,
+    state_dict: dict,
+    qtype=None,
+    tokenizer: bool = True,
+    arch: str | None = None,
+    extra: Callable | None = None,
 ) -> Path:
     """Write a model as llama.cpp's converter would: arch metadata, permuted llama
     q/k, 1-D tensors in F32, 2-D weights in `qtype` (default F32). A state-dict
-    value may also be (uint8 blocks, GGML type): raw blocks written as they are."""
+    value may also be (uint8 blocks, GGML type): raw blocks written as they are.
+    `arch`: the GGUF architecture where it is not the model_type's; `extra(writer)`
+    adds keys of its own."""
     import gguf
 
     from llmrun.loading.gguf_io import read_gguf
 
     qtype = qtype or gguf.GGMLQuantizationType.F32
     model_type = config["model_type"]
-    arch = {"mistral": "llama", "gemma3_text": "gemma3"}.get(model_type, model_type)
+    arch = arch or {"mistral": "llama", "gemma3_text": "gemma3"}.get(model_type, model_type)
     writer = gguf.GGUFWriter(str(path), arch)
+    if extra is not None:
+        extra(writer)
     n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // n_head
     writer.add_block_count(config["num_hidden_layers"])

@@ -23,6 +23,7 @@ from llmrun.tool_calls import (
     HERMES,
     KIMI,
     LLAMA3,
+    MINIMAX,
     MISTRAL,
     PHI4,
     QWEN_XML,
@@ -71,6 +72,7 @@ TEMPLATE_FORMATS = {
     "GLM-4.6": (GLM, False),  # not Hermes' (both open calls with <tool_call>)
     "GLM-4.7-Flash": (GLM, False),
     "ibm-granite-granite-4.0": (HERMES, False),
+    "MiniMax-M2": (MINIMAX, False),
 }
 WEATHER = {
     "type": "function",
@@ -201,6 +203,25 @@ EXACT = [
         "</seed:tool_call>",
         "Let me look.",
         [PARIS, ("get_time", {"zone": {"tz": "CET"}, "n": 3})],
+    ),
+    # MiniMax-M2: invokes in one block, values without newlines; text before, as its
+    # template writes it after the content.
+    (
+        MINIMAX,
+        'Let me look.\n<minimax:tool_call>\n<invoke name="get_weather">\n'
+        '<parameter name="city">Paris</parameter>\n</invoke>\n<invoke name="get_time">\n'
+        '<parameter name="zone">{"tz": "CET"}</parameter>\n<parameter name="n">3</parameter>\n'
+        "</invoke>\n</minimax:tool_call>",
+        "Let me look.",
+        [PARIS, ("get_time", {"zone": {"tz": "CET"}, "n": 3})],
+    ),
+    # The output ended after the last invoke, before the block's end; a call of no
+    # arguments.
+    (
+        MINIMAX,
+        '<minimax:tool_call>\n<invoke name="get_time">\n</invoke>\n',
+        "",
+        [("get_time", {})],
     ),
     # Text on both sides of a call stays parted as the model wrote it (was glued).
     (
@@ -364,6 +385,16 @@ NOT_CALLS = [
     (SEED, "<seed:tool_call>\n<function=f>\nloose<parameter=a>1</parameter>\n</function>\n"),
     (SEED, "<seed:tool_call>\n<function=f>\n</function>\n</tool_call>"),  # cut off
     (SEED, "<tool_call>\n<function=f>\n</function>\n</tool_call>"),  # Qwen3-Coder's markers
+    (MINIMAX, '<minimax:tool_call>\n<invoke name="get weather">\n</invoke>\n</minimax:tool_call>'),
+    (
+        MINIMAX,
+        '<minimax:tool_call>\n<invoke name="f">\nloose<parameter name="a">1</parameter>\n'
+        "</invoke>\n</minimax:tool_call>",
+    ),
+    (MINIMAX, '<minimax:tool_call>\n<invoke name="f">\n</invoke>\nloose</minimax:tool_call>'),
+    (MINIMAX, '<minimax:tool_call>\n<invoke name="f">\n<parameter name="a">1'),  # cut off
+    (MINIMAX, "<minimax:tool_call>\n</minimax:tool_call>"),
+    (MINIMAX, "<minimax:tool_call>\n<function=f>\n</function>\n</minimax:tool_call>"),
     (HARMONY, "plain text from a harmony model"),
     (HARMONY, "<|channel|>commentary to=browser.search<|message|>{}"),
     (HARMONY, "<|channel|>commentary to=functions.f<|message|>{not json"),
@@ -466,7 +497,8 @@ def test_ids():
 
 @pytest.mark.parametrize(
     "name",
-    [HERMES, LLAMA3, MISTRAL, PHI4, HARMONY, DEEPSEEK_V31, DEEPSEEK_V3, KIMI, COMMAND, SEED],
+    [HERMES, LLAMA3, MISTRAL, PHI4, HARMONY, DEEPSEEK_V31, DEEPSEEK_V3, KIMI, COMMAND, SEED]
+    + [MINIMAX],
 )
 @pytest.mark.parametrize("args_form", [False, True])
 def test_call_text_parses_back(name, args_form):
@@ -509,6 +541,8 @@ RENDERED_CALLS = {
     "Cohere2MoE": '"tool_name": "get_weather", "parameters": {"city": "Paris"}}',
     "ByteDance-Seed-OSS": "<seed:tool_call>\n<function=get_weather>\n<parameter=city>Paris"
     "</parameter>\n</function>\n</seed:tool_call>",
+    "MiniMax-M2": '\n<minimax:tool_call>\n<invoke name="get_weather">\n'
+    '<parameter name="city">Paris</parameter>\n</invoke>\n</minimax:tool_call>[e~[',
 }
 
 
@@ -822,6 +856,7 @@ def stories():
         (KIMI, False),
         (COMMAND, False),
         (SEED, False),
+        (MINIMAX, False),
     ],
 )
 @pytest.mark.parametrize("tools", [[LOCATED], [LOCATED, CLOCK_TOOL]], ids=["one", "two"])
@@ -908,6 +943,14 @@ def test_xml_values_follow_the_tools_schemas():
         "<parameter=ok>True</parameter>\n</function>\n</seed:tool_call>"
     )
     assert calls_of(seed, text) == ("", [("f", {"zip": "01234", "ok": True})])
+    # MiniMax-M2's template writes a string as it is, anything else as JSON (tojson).
+    minimax = get_format(MINIMAX).for_tools([tool])
+    text = (
+        '<minimax:tool_call>\n<invoke name="f">\n<parameter name="zip">12345</parameter>\n'
+        '<parameter name="n">7</parameter>\n<parameter name="ok">true</parameter>\n'
+        "</invoke>\n</minimax:tool_call>"
+    )
+    assert calls_of(minimax, text) == ("", [("f", {"zip": "12345", "n": 7, "ok": True})])
     assert calls_of(fmt, fmt.call_text([{"name": "f", "arguments": {"zip": "01234", "n": 7}}])) == (
         "",
         [("f", {"zip": "01234", "n": 7})],

@@ -133,6 +133,9 @@ COMMAND_CALL = (
     '[\n    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": "Paris"}}\n]'
 )
 SEED_CALL = "\n<function=get_weather>\n<parameter=city>Paris</parameter>\n</function>\n"
+MINIMAX_CALL = (
+    '\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n</invoke>\n'
+)
 
 FAMILIES = {
     "qwen2.5": Family(
@@ -286,6 +289,17 @@ FAMILIES = {
         + plain(SEED_CALL),
         ["<seed:tool_call>", SEED_CALL, "</seed:tool_call>"],
         ["<seed:eos>"],
+    ),
+    # MiniMax-M2: its prompt opens the reasoning; invokes in a <minimax:tool_call> block.
+    "minimax-m2": Family(
+        "minimax_m2",
+        "MiniMax-M2.jinja",
+        special("]~!b[", "]~b]", "[e~[")
+        + plain("<minimax:tool_call>", "</minimax:tool_call>")
+        + plain(MINIMAX_CALL),
+        ["</think>", "<minimax:tool_call>", MINIMAX_CALL, "</minimax:tool_call>"],
+        ["[e~["],
+        answer_head=("</think>",),
     ),
     "phi4-mini": Family(
         "phi4_mini",

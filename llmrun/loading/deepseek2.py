@@ -30,12 +30,17 @@ if TYPE_CHECKING:
 
 ARCH = "deepseek2"
 MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+# Mistral 4's GGUF arch and model_type: DeepSeek-V3's layers with a softmax router.
+MISTRAL4 = "mistral4"
+ARCHS = (ARCH, MISTRAL4)
 # llama.cpp's default gating where a file has no expert_gating_func (load_arch_hparams):
 # softmax (DeepSeek V2/V2.5 files predate the key), but sigmoid for GLM-4.7-Flash,
 # told apart by its layer counts and vocabulary.
 SIGMOID_DEFAULT = ((47, 48), 154880)
 # The converter's factor on the YaRN log multiplier ([TAG_DEEPSEEK2_YARN_LOG_MUL_FIX]).
 YARN_LOG_MUL_FACTOR = 0.1
+# llmrun.models.deepseek_v2.TEMPERATURE_LENGTH: the rope_parameters key for the length.
+TEMPERATURE_LENGTH = "llama_4_scaling_length"
 
 
 def _short(tensor: MODEL_TENSOR) -> str:
@@ -105,22 +110,22 @@ def hf_name(gguf_name: str) -> str | None:
 
 
 def config_from_gguf(gg, rope_from_gguf) -> dict[str, Any]:
-    """An HF-style deepseek_v2/deepseek_v3 config from a deepseek2 GGUF's metadata,
-    read as llama.cpp reads it (the general keys and llama_model_deepseek2's
-    load_arch_hparams: which keys it requires, its defaults). `rope_from_gguf` is
-    gguf_config's reader of the RoPE keys."""
-    path = gg.path
+    """An HF-style deepseek_v2/deepseek_v3 config from a deepseek2 GGUF's metadata (or
+    mistral4 from a mistral4 one), read as llama.cpp reads it (the general keys and
+    llama_model_deepseek2's load_arch_hparams, which mistral4's graph shares: which keys
+    it requires, its defaults). `rope_from_gguf` is gguf_config's reader of the RoPE keys."""
+    path, arch = gg.path, gg.architecture  # deepseek2 or mistral4
 
     def key(template: str, default: Any = None, required: bool = False) -> Any:
-        full = template.format(arch=ARCH)
+        full = template.format(arch=arch)
         if full not in gg.metadata:
             if required:
-                raise ModelFormatError(f"{path}: metadata {full!r} is missing ({ARCH} needs it)")
+                raise ModelFormatError(f"{path}: metadata {full!r} is missing ({arch} needs it)")
             return default
         return gg.metadata[full]
 
     def name(template: str) -> str:
-        return template.format(arch=ARCH)
+        return template.format(arch=arch)
 
     def arch_key(short: str, default: Any = None, required: bool = False) -> Any:
         return key(f"{{arch}}.{short}", default, required)
@@ -134,11 +139,15 @@ def config_from_gguf(gg, rope_from_gguf) -> dict[str, Any]:
             f"{path}: {name(Keys.Attention.HEAD_COUNT)} is {heads!r}; llmrun needs one number"
         )
     # GLM-4.7-Flash's files end with its MTP layer, which llama.cpp's inference skips.
-    layers, nextn = trunk_layers(gg, ARCH)
-    if key(Keys.Attention.TEMPERATURE_SCALE, 0.0):
-        raise UnsupportedError(
-            f"{path}: {name(Keys.Attention.TEMPERATURE_SCALE)} (Mistral Large 3's attention "
-            "temperature) is not supported"
+    layers, nextn = trunk_layers(gg, arch)
+    # Llama 4's query temperature (Mistral Large 3's files): llama.cpp counts its steps in
+    # attention.temperature_length positions, which it requires with the scale.
+    temperature = key(Keys.Attention.TEMPERATURE_SCALE, 0.0)
+    temperature_length = key(Keys.Attention.TEMPERATURE_LENGTH, 0)
+    if temperature and not temperature_length:
+        raise ModelFormatError(
+            f"{path}: {name(Keys.Attention.TEMPERATURE_SCALE)} without "
+            f"{name(Keys.Attention.TEMPERATURE_LENGTH)} (llama.cpp refuses it too)"
         )
     tokens = gg.metadata.get(Keys.Tokenizer.LIST)
     vocab = key(Keys.LLM.VOCAB_SIZE) or (len(tokens) if tokens else None)
@@ -183,6 +192,10 @@ def config_from_gguf(gg, rope_from_gguf) -> dict[str, Any]:
     config["rope_parameters"] = _rope(
         gg, rope_from_gguf(gg, arch_key, rope_dim, context), key, name
     )
+    if temperature:
+        config["rope_parameters"].update(
+            {"llama_4_scaling_beta": temperature, TEMPERATURE_LENGTH: temperature_length}
+        )
     return config
 
 
@@ -217,7 +230,9 @@ def _experts(gg, key, name, layers: int, vocab: int | None) -> dict[str, Any]:
             )
         fields["intermediate_size"] = ff
     if dense >= layers:
-        raise UnsupportedError(f"{path}: a {ARCH} file without expert layers is not supported")
+        raise UnsupportedError(
+            f"{path}: a {gg.architecture} file without expert layers is not supported"
+        )
     if not 0 < used <= count:
         raise ModelFormatError(
             f"{path}: {name(Keys.LLM.EXPERT_USED_COUNT)} is {used}, but "
@@ -235,7 +250,14 @@ def _experts(gg, key, name, layers: int, vocab: int | None) -> dict[str, Any]:
     )
     grouped = groups > 1  # llama.cpp ignores one group or none
     bias = f"blk.{dense}.{SELECTION_BIAS}.bias" in gg.tensors
-    if gating == ExpertGatingFuncType.SIGMOID:
+    if gg.architecture == MISTRAL4:
+        if gating != ExpertGatingFuncType.SOFTMAX or bias:
+            raise UnsupportedError(
+                f"{path}: a {MISTRAL4} file whose experts are not softmax-gated without a "
+                f"selection bias ({SELECTION_BIAS}) is not supported"
+            )
+        fields["model_type"] = MISTRAL4  # its groups scored as V3's: llmrun.models.mistral4
+    elif gating == ExpertGatingFuncType.SIGMOID:
         fields.update(model_type="deepseek_v3", topk_method="noaux_tc", scoring_func="sigmoid")
     elif gating == ExpertGatingFuncType.SOFTMAX:
         if bias:
@@ -249,7 +271,7 @@ def _experts(gg, key, name, layers: int, vocab: int | None) -> dict[str, Any]:
         known = {int(t): t.name.lower() for t in ExpertGatingFuncType}
         raise UnsupportedError(
             f"{path}: {name(Keys.LLM.EXPERT_GATING_FUNC)} is "
-            f"{known.get(gating, f'{gating} (unknown)')}; {ARCH} experts are gated by softmax "
+            f"{known.get(gating, f'{gating} (unknown)')}; {gg.architecture} experts are gated by softmax "
             "or sigmoid"
         )
     # Stated either way: deepseek_v3's defaults (8 groups, 4 used) are not llama.cpp's.
@@ -267,25 +289,25 @@ def _rope(gg, rope: dict[str, Any], key, name) -> dict[str, Any]:
     for tensor in ROPE_TENSORS:
         if tensor in gg.tensors:
             raise UnsupportedError(
-                f"{path}: RoPE factors ({tensor}) in a {ARCH} file are not supported"
+                f"{path}: RoPE factors ({tensor}) in a {gg.architecture} file are not supported"
             )
     if rope["rope_type"] not in ("default", "yarn"):
         raise UnsupportedError(
-            f"{path}: RoPE scaling {rope['rope_type']!r} in a {ARCH} file is not supported "
+            f"{path}: RoPE scaling {rope['rope_type']!r} in a {gg.architecture} file is not supported "
             "(none or yarn are)"
         )
     if rope["rope_type"] == "yarn":
         log_mul = key(Keys.Rope.SCALING_YARN_LOG_MUL)
         if not log_mul:
             raise UnsupportedError(
-                f"{path}: YaRN without {name(Keys.Rope.SCALING_YARN_LOG_MUL)} in a {ARCH} file "
+                f"{path}: YaRN without {name(Keys.Rope.SCALING_YARN_LOG_MUL)} in a {gg.architecture} file "
                 "is not supported (llama.cpp scales its attention in a way no DeepSeek config has)"
             )
         if not rope.get("factor"):
             raise ModelFormatError(f"{path}: YaRN without {name(Keys.Rope.SCALING_FACTOR)}")
         if key(Keys.Rope.SCALING_ATTN_FACTOR, 1.0) != 1.0:
             raise UnsupportedError(
-                f"{path}: {name(Keys.Rope.SCALING_ATTN_FACTOR)} in a {ARCH} file is not supported"
+                f"{path}: {name(Keys.Rope.SCALING_ATTN_FACTOR)} in a {gg.architecture} file is not supported"
             )
         mscale = log_mul / YARN_LOG_MUL_FACTOR
         rope.update(mscale=mscale, mscale_all_dim=mscale)

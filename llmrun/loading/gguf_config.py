@@ -21,12 +21,18 @@ from llmrun.loading import (
     deepseek2,
     ernie4_5,
     exaone4,
+    gemma3n,
     glm4,
     glm4_moe,
     gpt_oss,
     granite,
+    granitehybrid,
     hunyuan,
+    lfm2,
+    llama4,
+    minimax_m2,
     olmo,
+    qwen35,
     seed_oss,
 )
 from llmrun.loading.gguf_io import GGUFFile, read_float_list
@@ -43,12 +49,19 @@ MODEL_TYPES = {
     "gemma": "gemma",
     "gemma2": "gemma2",
     "gemma3": "gemma3_text",
+    gemma3n.ARCH: gemma3n.MODEL_TYPE,  # llmrun/loading/gemma3n.py
     "qwen2moe": "qwen2_moe",
     "qwen3moe": "qwen3_moe",
+    # Qwen3-VL's language models: Qwen3 with M-RoPE, which text alone (every position
+    # section the same) turns as plain RoPE; the vision parts are in an mmproj file.
+    "qwen3vl": "qwen3",
+    "qwen3vlmoe": "qwen3_moe",
     gpt_oss.ARCH: gpt_oss.MODEL_TYPE,  # its mapping: llmrun/loading/gpt_oss.py
     deepseek2.ARCH: "deepseek_v2",  # or deepseek_v3: llmrun/loading/deepseek2.py
+    deepseek2.MISTRAL4: deepseek2.MISTRAL4,
     "granite": "granite",  # with experts, granitemoe: llmrun/loading/granite.py
     "granitemoe": "granitemoe",
+    granitehybrid.ARCH: granitehybrid.MODEL_TYPE,  # llmrun/loading/granitehybrid.py
     olmo.ARCH: "olmo2",  # OLMo 3 too (a sliding window): llmrun/loading/olmo.py
     "smollm3": "smollm3",
     **cohere.MODEL_TYPES,  # their metadata: llmrun/loading/cohere.py
@@ -59,6 +72,10 @@ MODEL_TYPES = {
     seed_oss.ARCH: seed_oss.MODEL_TYPE,  # llmrun/loading/seed_oss.py
     exaone4.ARCH: exaone4.MODEL_TYPE,  # llmrun/loading/exaone4.py
     hunyuan.ARCH: hunyuan.MODEL_TYPE,  # llmrun/loading/hunyuan.py
+    **qwen35.ARCHS,  # Qwen3.5 and its MoE: llmrun/loading/qwen35.py
+    **lfm2.MODEL_TYPES,  # llmrun/loading/lfm2.py
+    llama4.ARCH: llama4.MODEL_TYPE,  # llmrun/loading/llama4.py
+    minimax_m2.ARCH: minimax_m2.MODEL_TYPE,  # llmrun/loading/minimax_m2.py
 }
 # Families whose RMSNorm is x * (1 + w): llama.cpp's converter stores 1 + w.
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
@@ -112,11 +129,21 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
     `{expert}` field for its index."""
     if model_type == gpt_oss.MODEL_TYPE:
         return gpt_oss.hf_name(gguf_name)
-    if model_type in deepseek2.MODEL_TYPES:
+    if model_type == gemma3n.MODEL_TYPE:
+        return gemma3n.hf_name(gguf_name)
+    if model_type in (*deepseek2.MODEL_TYPES, deepseek2.MISTRAL4):
         return deepseek2.hf_name(gguf_name)
+    if model_type in lfm2.MODEL_TYPES.values():
+        return lfm2.hf_name(gguf_name)
+    if model_type == granitehybrid.MODEL_TYPE and (name := granitehybrid.hf_name(gguf_name)):
+        return name
     if model_type == glm4_moe.MODEL_TYPE and gguf_name.startswith("blk."):
         return glm4_moe.hf_name(gguf_name)
     if model_type == ernie4_5.MOE_MODEL_TYPE and (moe := ernie4_5.moe_hf_name(gguf_name)):
+        return moe
+    if model_type in qwen35.MODEL_TYPES:
+        return qwen35.hf_name(gguf_name)
+    if model_type == minimax_m2.MODEL_TYPE and (moe := minimax_m2.hf_name(gguf_name)):
         return moe
     base, _, suffix = gguf_name.rpartition(".")
     if suffix not in ("weight", "bias"):
@@ -141,6 +168,8 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
         names = {**_LAYER_NAMES, **exaone4.LAYER_NAMES}
     elif model_type == hunyuan.MODEL_TYPE:
         names = {**_LAYER_NAMES, **hunyuan.LAYER_NAMES}
+    elif model_type == llama4.MODEL_TYPE:
+        names = {**_LAYER_NAMES, **llama4.LAYER_NAMES}
     if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit() or parts[2] not in names:
         return None
     name = names[parts[2]]
@@ -176,10 +205,16 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         )
     if arch == gpt_oss.ARCH:
         return gpt_oss.config_from_gguf(gg, _rope_from_gguf, _gemma_layer_types)
-    if arch == deepseek2.ARCH:
+    if arch in deepseek2.ARCHS:
         return deepseek2.config_from_gguf(gg, _rope_from_gguf)
     if arch in cohere.MODEL_TYPES:
         return cohere.config_from_gguf(gg, _rope_from_gguf, _gemma_layer_types)
+    if arch in qwen35.ARCHS:
+        return qwen35.config_from_gguf(gg, _rope_from_gguf)
+    if arch in lfm2.MODEL_TYPES:
+        return lfm2.config_from_gguf(gg, _rope_from_gguf)
+    if arch == granitehybrid.ARCH:
+        return granitehybrid.config_from_gguf(gg, _rope_from_gguf)
 
     def key(name: str, default: Any = None, required: bool = False) -> Any:
         full = f"{arch}.{name}"
@@ -220,6 +255,8 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
     }
     if config["model_type"] in GEMMA_TYPES:
         return _gemma_config(gg, config, key)
+    if arch == gemma3n.ARCH:
+        return gemma3n.finish_config(gg, config, key, _rope_from_gguf, _gemma_layer_types)
     if arch in granite.ARCHS:
         granite.update_config(gg, config)
     if arch == olmo.ARCH:
@@ -228,7 +265,7 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         # llama.cpp reads no key for SmolLM3's NoPE layers: every fourth, always
         # (llama_model_smollm3::load_arch_hparams, n_no_rope_layer_step = 4).
         config["no_rope_layer_interval"] = SMOLLM3_NO_ROPE_INTERVAL
-    if arch in ("llama", "qwen2moe", "qwen3moe"):
+    if arch in ("llama", "qwen2moe", "qwen3moe", "qwen3vlmoe"):
         _moe_config(gg, config)
     if arch == "mistral3" and key("expert_count", 0):
         raise UnsupportedError(f"{gg.path}: a mistral3 model with experts is not supported")
@@ -252,11 +289,14 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         ernie4_5.MOE_ARCH: ernie4_5.finish_config,
         seed_oss.ARCH: seed_oss.finish_config,
         hunyuan.ARCH: hunyuan.finish_config,
+        minimax_m2.ARCH: minimax_m2.finish_config,
     }.get(arch)
     if finish is not None:
         finish(gg, config, key)
     if arch == exaone4.ARCH:
         exaone4.finish_config(gg, config, _gemma_layer_types)
+    if arch == llama4.ARCH:
+        llama4.finish_config(gg, config, key, _gemma_layer_types)
     return config
 
 
@@ -278,10 +318,12 @@ def check_config(config: dict[str, Any], where: Any) -> None:
     heads that do not divide the hidden size where no head_dim says otherwise."""
     for name in _SIZES:
         value = config.get(name)
-        if value is not None and not (
-            isinstance(value, int) and not isinstance(value, bool) and value > 0
-        ):
-            raise ModelFormatError(f"{where}: {name} is {value!r}, not a positive whole number")
+        # A list: one per layer (Gemma 3n's intermediate_size).
+        for size in value if isinstance(value, list) else [value]:
+            if size is not None and not (
+                isinstance(size, int) and not isinstance(size, bool) and size > 0
+            ):
+                raise ModelFormatError(f"{where}: {name} is {value!r}, not a positive whole number")
     heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads")
     if heads and kv_heads and heads % kv_heads:
         raise ModelFormatError(
@@ -297,8 +339,8 @@ def check_config(config: dict[str, Any], where: Any) -> None:
 def _moe_config(gg: GGUFFile, config: dict[str, Any]) -> None:
     """The experts' HF config fields, read as llama.cpp reads them: expert_count and
     expert_used_count for every architecture (llama-model.cpp load_hparams; a llama
-    file with experts is Mixtral), and in src/models/{llama,qwen2moe,qwen3moe}.cpp
-    softmax gating, renormalized top-k weights for llama and qwen3moe but not for
+    file with experts is Mixtral), and in src/models/{llama,qwen2moe,qwen3moe,qwen3vlmoe}.cpp
+    softmax gating, renormalized top-k weights for llama and qwen3(vl)moe but not for
     qwen2moe, and expert widths that default to feed_forward_length / expert_used_count
     (Qwen2-MoE's shared expert: feed_forward_length). The gating, renormalization and
     scale keys, where a file has them, must agree with what the family computes."""
@@ -359,7 +401,7 @@ def _moe_config(gg: GGUFFile, config: dict[str, Any]) -> None:
         num_experts=count,
         num_experts_per_tok=used,
         moe_intermediate_size=width or ff // used,
-        norm_topk_prob=arch == "qwen3moe" if norm is None else bool(norm),
+        norm_topk_prob=arch in ("qwen3moe", "qwen3vlmoe") if norm is None else bool(norm),
     )
     if arch == "qwen2moe":
         shared = key(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH)

@@ -7,8 +7,9 @@ llama.cpp writes GraniteForCausalLM as arch "granite" and both GraniteMoeForCaus
 GraniteMoeSharedForCausalLM as "granitemoe" (the shared expert: ffn_*_shexp tensors and
 expert_shared_feed_forward_length), with Llama's permuted q/k rows, the experts' fused
 gate/up rows split into ffn_gate_exps and ffn_up_exps, and the muP multipliers under the
-general *_scale keys. Granite 4's hybrid Mamba2 models ("granitehybrid") and the
-sliding-window and adapter variants are other architectures, refused by name.
+general *_scale keys. Granite 4's hybrid Mamba-2 models ("granitehybrid") have a module of
+their own (granitehybrid.py); the sliding-window and adapter variants are other
+architectures, refused by name.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ ARCHS = ("granite", "granitemoe")  # GGUF architectures; Llama's q/k permutation
 MOE_TYPES = ("granitemoe", "granitemoeshared")  # HF model_types with experts
 # Granite architectures llama.cpp writes that llmrun does not run, and what they are.
 REFUSED = {
-    "granitehybrid": "Granite 4.0-H (Mamba2 layers among the attention layers)",
     "granite_swa": "Granite with sliding-window attention layers",
     "graniteswitch": "Granite Switch (per-token LoRA adapters)",
 }

@@ -72,6 +72,7 @@ def active_parameters(path: Path, parameters: int) -> int | None:
     without experts."""
     if path.is_dir():
         config = read_json(path / "config.json") or {}
+        config = config.get("text_config") or config  # a multimodal one's (Llama 4's)
         total = (
             config.get("num_local_experts")
             or config.get("num_experts")
@@ -286,6 +287,8 @@ _WINDOW_PATTERN = {
     "gemma2": 2,
     "gemma3": 6,
     "gemma3_text": 6,
+    "gemma3n": 5,
+    "gemma3n_text": 5,
     "olmo3": 4,
     "cohere2": 4,
     "exaone4": 4,
@@ -322,6 +325,18 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
             "sliding_attention" if _local(pattern, i) else "full_attention" for i in range(layers)
         ]
         windows = [window if kind == "sliding_attention" else None for kind in kinds]
+    # Gemma 3n's last layers reuse earlier layers' keys and values: none of their own.
+    windows = windows[: layers - int(text.get("num_kv_shared_layers") or 0)]
+    from llmrun.loading import granitehybrid, qwen35
+    from llmrun.loading.lfm2 import attention_layer_count
+
+    attending = attention_layer_count(text)  # LFM2's convolution layers cache nothing
+    if attending is None:  # nor do Granite 4.0-H's Mamba-2 layers
+        attending = granitehybrid.attention_layer_count(text)
+    if attending is None:  # nor do Qwen3.5's Gated DeltaNet layers
+        attending = qwen35.attention_layer_count(text)
+    if attending is not None:
+        windows = [None] * attending
     copies = 1 if "kv_lora_rank" in text else 2  # MLA's latent is the key and the value
     per_position = copies * kv_heads * head_dim * bytes_per_value
     return sum(per_position * (context if w is None else min(w, context)) for w in windows)

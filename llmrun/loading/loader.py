@@ -12,6 +12,7 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+import re
 import sys
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
@@ -28,11 +29,18 @@ from llmrun.errors import ModelFormatError, ModelNotFoundError, UnsupportedError
 from llmrun.loading import (
     deepseek2,
     ernie4_5,
+    experts,
+    gemma3n,
     gguf_config,
     gguf_io,
     glm4_moe,
     gpt_oss,
     granite,
+    granitehybrid,
+    lfm2,
+    llama4,
+    minimax_m2,
+    qwen35,
     safetensors_io,
 )
 from llmrun.models import model_module
@@ -151,14 +159,40 @@ def _open_hf_dir(path: Path) -> Checkpoint:
         weights = deepseek2.hf_weights(weights, config, path)
     if config.get("model_type") in granite.MOE_TYPES:
         weights = granite.hf_weights(weights, config, Weight)
+    if config.get("model_type") == granitehybrid.MODEL_TYPE:
+        weights = granitehybrid.hf_weights(weights, config, Weight)
     if config.get("model_type") == ernie4_5.MOE_MODEL_TYPE:
         weights = ernie4_5.hf_weights(weights)
+    if config.get("model_type") == minimax_m2.MODEL_TYPE:
+        weights = minimax_m2.hf_weights(weights, config, path)
+    if config.get("model_type") in qwen35.MODEL_TYPES:
+        config, weights, multimodal = qwen35.hf_checkpoint(config, weights, Weight)
+        if multimodal:
+            notes.append(f"{path}: a multimodal Qwen3.5; running its language model only")
     family = MULTIMODAL.get(config.get("model_type"))
     if family is not None and isinstance(config.get("text_config"), dict):
         config, weights = _language_model(config, weights)
         notes.append(
             f"{path}: a multimodal {family}; running its language model, without the vision tower"
         )
+    if config.get("model_type") == llama4.MODEL_TYPE:
+        weights = llama4.hf_weights(weights, config, Weight)
+    if config.get("model_type") == deepseek2.MISTRAL4:
+        # MLA caches one latent head: Mistral4Config's num_key_value_heads (32 whatever
+        # the heads) means nothing, and would fail check_config's head count check.
+        config = {k: v for k, v in config.items() if k != "num_key_value_heads"}
+        weights = deepseek2.hf_weights(weights, config, path)
+        hidden, width = config["hidden_size"], config["moe_intermediate_size"]
+        weights = experts.split_stacked(weights, _STACKED_EXPERTS, hidden, width, Weight)
+    if config.get("model_type") == "qwen3_moe" and family == "Qwen3-VL":
+        # Qwen3-VL-MoE's Hub stacks are [E, in, out] (llama.cpp's converter transposes
+        # them), transformers 5's saves [E, out, in].
+        hidden, width = config["hidden_size"], config["moe_intermediate_size"]
+        weights = experts.split_stacked(
+            weights, _STACKED_EXPERTS, hidden, width, Weight, transposed=None
+        )
+    if config.get("model_type") in gemma3n.MODEL_TYPES:
+        weights = gemma3n.hf_weights(weights, config)
     gguf_config.check_config(config, path / "config.json")
     generation = safetensors_io.read_generation_config(path)
     sampling = {
@@ -172,7 +206,34 @@ def _open_hf_dir(path: Path) -> Checkpoint:
 # Multimodal checkpoints whose language model llmrun runs, as llama.cpp's converter
 # takes only it into a model GGUF (the vision parts go to a separate mmproj file):
 # model_type -> the family's name.
-MULTIMODAL = {"gemma3": "Gemma 3", "mistral3": "Mistral 3"}
+MULTIMODAL = {
+    "gemma3": "Gemma 3",
+    "gemma3n": "Gemma 3n",
+    "mistral3": "Mistral 3",
+    "llama4": "Llama 4",
+    "qwen3_vl": "Qwen3-VL",
+    "qwen3_vl_moe": "Qwen3-VL",
+}
+# The language models of the multimodal checkpoints whose text_config names another
+# model_type: llmrun's family (Qwen3-VL's text is Qwen3's with M-RoPE, which text alone
+# turns as plain RoPE: every section of a text token's position is the same).
+TEXT_MODEL_TYPES = {
+    "gemma3": "gemma3_text",
+    "gemma3n": "gemma3n_text",  # Gemma3nTextConfig, whatever the file says
+    "qwen3_vl": "qwen3",
+    "qwen3_vl_moe": "qwen3_moe",
+}
+# Fields their text model takes whatever the file says: transformers'
+# Gemma3ForConditionalGeneration never soft-caps its logits (Gemma 3 checkpoints leave it
+# null anyway), and Qwen3-VL-MoE's router always renormalizes its top-k weights.
+TEXT_FIELDS: dict[str, dict[str, Any]] = {
+    "gemma3": {"final_logit_softcapping": None},
+    "qwen3_vl_moe": {"norm_topk_prob": True},
+}
+# transformers 5's stacked experts of a layer (llmrun.loading.experts).
+_STACKED_EXPERTS = re.compile(
+    r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(?:\.weight)?"
+)
 # Their checkpoint keys: the language model under language_model.model. (transformers
 # 5 also accepts model.language_model.), and the vision parts, which llmrun does not run.
 _TEXT_PREFIXES = {
@@ -185,6 +246,11 @@ _VISION_PREFIXES = (
     "multi_modal_projector.",
     "model.vision_tower.",
     "model.multi_modal_projector.",
+    "vision_model.",  # Llama 4's
+    "model.audio_tower.",  # Gemma 3n's audio tower and its embedders
+    "model.embed_vision.",
+    "model.embed_audio.",
+    "model.visual.",  # Qwen3-VL's
 )
 
 
@@ -194,16 +260,14 @@ def _language_model(
     """The text model's config and weights (under its *ForCausalLM's names) of a
     multimodal checkpoint (MULTIMODAL)."""
     text = dict(config["text_config"])
-    if config["model_type"] == "gemma3":
-        text["model_type"] = "gemma3_text"
-        # transformers' Gemma3ForConditionalGeneration never soft-caps its logits,
-        # whatever the text config says (Gemma 3 checkpoints leave it null anyway).
-        text["final_logit_softcapping"] = None
+    text.update(TEXT_FIELDS.get(config["model_type"], {}))
+    if config["model_type"] in TEXT_MODEL_TYPES:
+        text["model_type"] = TEXT_MODEL_TYPES[config["model_type"]]
     else:
         # Mistral3Config's text_config is a MistralConfig unless it names another type
         # (Ministral 3's "ministral3", which llmrun then refuses by name).
         text.setdefault("model_type", "mistral")
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"):
         if name not in text and name in config:
             text[name] = config[name]
     renamed = {}
@@ -268,10 +332,18 @@ def _open_gguf(path: Path) -> Checkpoint:
         weights[name] = Weight(tensor, info.ggml_type if quantized else None, shape)
     if model_type in gguf_config.MOE_TYPES:
         _check_expert_stacks(gg, config)
-    if gg.architecture == deepseek2.ARCH:
+    if gg.architecture in deepseek2.ARCHS:
         weights = deepseek2.gguf_weights(weights, config, Weight)
     if gg.architecture == ernie4_5.MOE_ARCH:
         weights = ernie4_5.gguf_weights(weights, Weight)
+    if gg.architecture in lfm2.MODEL_TYPES:
+        weights = lfm2.gguf_weights(weights, Weight)
+    if gg.architecture == gemma3n.ARCH:
+        weights = gemma3n.gguf_weights(weights, config, Weight)
+    if gg.architecture == granitehybrid.ARCH:
+        weights = granitehybrid.gguf_weights(weights, config, Weight)
+    if gg.architecture in qwen35.ARCHS:
+        weights = qwen35.gguf_weights(weights, config, Weight)
     return Checkpoint(
         path, "gguf", config, weights, sampling_defaults=gguf_io.generation_defaults(gg), gguf=gg
     )

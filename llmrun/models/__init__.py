@@ -25,9 +25,12 @@ ARCHITECTURES = {
     "gemma2": "gemma2",
     "gemma3": "gemma3",  # multimodal: its text_config's language model
     "gemma3_text": "gemma3",
+    "gemma3n": "gemma3n",  # multimodal: its text_config's language model
+    "gemma3n_text": "gemma3n",
     "gpt_oss": "gpt_oss",
     "deepseek_v2": "deepseek_v2",
     "deepseek_v3": "deepseek_v3",
+    "mistral4": "mistral4",
     "olmo2": "olmo2",
     "olmo3": "olmo3",
     "smollm3": "smollm3",
@@ -40,11 +43,22 @@ ARCHITECTURES = {
     "granite": "granite",
     "granitemoe": "granitemoe",
     "granitemoeshared": "granitemoe",
+    "granitemoehybrid": "granitemoehybrid",
     "cohere": "cohere",
     "cohere2": "cohere2",
     "seed_oss": "seed_oss",
     "exaone4": "exaone4",
     "hunyuan_v1_dense": "hunyuan_v1_dense",
+    "qwen3_5": "qwen3_5",  # multimodal: its text_config's language model
+    "qwen3_5_text": "qwen3_5",
+    "qwen3_5_moe": "qwen3_5_moe",
+    "qwen3_5_moe_text": "qwen3_5_moe",
+    "qwen3_next": "qwen3_next",
+    "lfm2": "lfm2",
+    "lfm2_moe": "lfm2_moe",
+    "llama4": "llama4",  # multimodal: its text_config's language model
+    "llama4_text": "llama4",
+    "minimax_m2": "minimax_m2",
 }
 
 
@@ -63,9 +77,9 @@ def model_module(model_type: str) -> ModuleType:
 def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 4) -> int:
     """Bytes of KV cache a model of this config.json-style dict keeps for `context`
     positions (bytes_per_value: the compute dtype's, 4 for f32): every layer's keys
-    and values, sliding-window layers (Gemma 2/3) holding at most their window; a
-    hybrid model's attention layers (`layer_windows()` has one entry per KV cache
-    layer) and its recurrent state.
+    and values, sliding-window layers (Gemma 2/3) holding at most their window; of a
+    hybrid model, its attention layers (`layer_windows()` has one entry per KV cache
+    layer), not its recurrent state (recurrent_state_bytes).
     Imports the family's module, hence torch."""
     from llmrun.models.cache import cache_bytes
 
@@ -77,8 +91,9 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
     # MLA families cache one head of a width of their own, the latent (deepseek_v2.ModelArgs).
     head_dim = getattr(args, "cache_head_dim", args.head_dim)
     shared = getattr(args, "cache_values_are_keys", False)  # MLA's latent: stored once
-    kv = cache_bytes(args.num_key_value_heads, head_dim, windows, context, bytes_per_value, shared)
-    return kv + recurrent_state_bytes(args)
+    return cache_bytes(
+        args.num_key_value_heads, head_dim, windows, context, bytes_per_value, shared
+    )
 
 
 def recurrent_state_bytes(args: Any) -> int:

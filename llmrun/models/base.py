@@ -20,6 +20,7 @@ from llmrun import ops
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.models.cache import KVCache, WindowPlan
 from llmrun.models.paged import PagedView
+from llmrun.models.recurrent import RecurrentState
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ACTIVATIONS = {
@@ -283,6 +284,9 @@ class Frame:
     # One token attending to the cache's first `length` positions through the mask,
     # every shape fixed and no position read back to the host (llmrun.static_decode).
     static: bool = False
+    # Each row's real tokens [B] where the cache carries a hybrid model's recurrent state
+    # (rows padded on the right beyond them; see Hybrid); None otherwise.
+    counts: torch.Tensor | None = None
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, H, T, D] with RoPE applied at these positions."""
@@ -303,6 +307,14 @@ def rotate_pairs(x: torch.Tensor, frame: Frame) -> torch.Tensor:
     if rotary_dim < x.shape[-1]:
         halves = torch.cat((halves, x[..., rotary_dim:]), dim=-1)
     return frame.rotate(halves)
+
+
+def query_temperature(positions: torch.Tensor, beta: float, length: int) -> torch.Tensor:
+    """Llama 4's attention temperature (Ministral 3, Mistral 4, Mistral Large 3): the
+    factor [B, 1, T, 1] on the queries at positions [B, T], 1 + beta * log(1 + floor(p /
+    length)), so 1 within the first `length` positions."""
+    steps = torch.floor(positions.float() / length)
+    return (1 + beta * torch.log1p(steps))[:, None, :, None]
 
 
 def attention_mask(
@@ -796,3 +808,32 @@ class CausalLM(nn.Module):
 
     def new_cache(self, batch: int, max_seq_len: int, dtype: torch.dtype, device) -> KVCache:
         return new_cache(self.args, batch, max_seq_len, dtype, device)
+
+
+class Hybrid:
+    """Mixed in before the CausalLM of a hybrid model (llmrun.models.recurrent), whose
+    args list its attention layers (`attention_layers`, in order) and its recurrent
+    layers' state (`recurrent_shapes()`): the KV cache holds the attention layers alone
+    and every recurrent layer's state, in float32 as llama.cpp keeps it; each frame
+    carries the rows' real token counts (RecurrentState.begin, once per forward)."""
+
+    def frame(
+        self,
+        positions: torch.Tensor,
+        cache: KVCache | None,
+        dtype: torch.dtype,
+        last: torch.Tensor | None = None,
+    ) -> Frame:
+        frame = super().frame(positions, cache, dtype, last)
+        if cache is not None and cache.recurrent is not None:
+            frame.counts = cache.recurrent.begin(positions)
+        return frame
+
+    def new_cache(self, batch: int, max_seq_len: int, dtype: torch.dtype, device) -> KVCache:
+        args = self.args
+        cache = KVCache(
+            len(args.attention_layers), batch, args.num_key_value_heads, max_seq_len,
+            args.head_dim, dtype, device,
+        )  # fmt: skip
+        cache.recurrent = RecurrentState(args.recurrent_shapes(), batch, torch.float32, device)
+        return cache

@@ -52,6 +52,7 @@ from llmrun.models.base import (
     args_from_config,
     attend_scaled,
     mix_experts,
+    query_temperature,
     rotate_pairs,
     route_grouped,
 )
@@ -63,6 +64,9 @@ TOPK_METHODS = ("greedy", "group_limited_greedy")
 SCORING = "softmax"
 # The norms inside attention: transformers builds them with its RMSNorm's default eps.
 LATENT_NORM_EPS = 1e-6
+# A rope_parameters key of llmrun's (from a GGUF's attention.temperature_length): the
+# positions a step of the query temperature counts, where it is not YaRN's original context.
+TEMPERATURE_LENGTH = "llama_4_scaling_length"
 
 
 @dataclass
@@ -183,6 +187,16 @@ class ModelArgs:
             scale *= mscale * mscale
         return scale
 
+    @property
+    def temperature(self) -> tuple[float, int]:
+        """Llama 4's query temperature (Mistral 4, Mistral Large 3): beta (0: none) and
+        the positions its steps count, the YaRN original context where no length of its
+        own is given (a GGUF's attention.temperature_length)."""
+        params = self.rope_parameters
+        beta = params.get("llama_4_scaling_beta") or 0.0
+        length = params.get(TEMPERATURE_LENGTH) or params.get("original_max_position_embeddings")
+        return beta, length or self.max_position_embeddings
+
     def sparse(self, layer: int) -> bool:
         """Whether `layer` has experts (else a dense feed-forward)."""
         return layer >= self.first_k_dense_replace
@@ -209,6 +223,7 @@ class Attention(nn.Module):
         self.kv_lora_rank = args.kv_lora_rank
         self.interleaved = args.rope_interleave
         self.scale = args.softmax_scale
+        self.temperature = args.temperature
         heads, qk, bias = self.n_heads, args.qk_head_dim, args.attention_bias
         self.q_lora_rank = args.q_lora_rank
         if self.q_lora_rank is None:
@@ -244,6 +259,9 @@ class Attention(nn.Module):
         # [B, T, rope] -> [B, 1, T, rope]: one rotated key part shared by every head
         q_rope, k_rope = self.rotate(q_rope, frame), self.rotate(k_rope[:, None], frame)
         q = torch.cat((q_latent, q_rope), dim=-1)
+        beta, length = self.temperature
+        if beta:
+            q = q * query_temperature(frame.positions, beta, length).to(q.dtype)
         # [B, T, rank] -> [B, 1, T, rank + rope]: the one KV head, key and value alike
         k = torch.cat((self.kv_a_layernorm(latent)[:, None], k_rope), dim=-1)
         out = attend_scaled(q, k, k, self.layer, frame, cache, self.scale)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from llmrun.models import llama
-from llmrun.models.base import CausalLM, Frame, GatedMLP, args_from_config
+from llmrun.models.base import CausalLM, Frame, GatedMLP, args_from_config, query_temperature
 
 
 @dataclass
@@ -38,8 +38,7 @@ class Attention(llama.Attention):
     def scale_queries(self, q: torch.Tensor, frame: Frame) -> torch.Tensor:
         if not self.beta:
             return q
-        steps = torch.floor(frame.positions.float() / self.original)
-        return q * (1 + self.beta * torch.log1p(steps))[:, None, :, None].to(q.dtype)
+        return q * query_temperature(frame.positions, self.beta, self.original).to(q.dtype)
 
 
 class Model(CausalLM):

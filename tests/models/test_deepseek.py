@@ -437,13 +437,15 @@ def deepseek2_keys(config, split_kv: bool) -> dict:
     return keys
 
 
-def write_deepseek2(path, model, tensors: dict, qtype=None, split_kv=True, metadata=None):
-    """A deepseek2 GGUF of the model: its metadata as the converter writes it (with
-    `metadata` changed; None leaves a key out), `tensors` (gguf_tensors), 2-D and 3-D
-    ones but the router in `qtype` (default F32)."""
+def write_deepseek2(
+    path, model, tensors: dict, qtype=None, split_kv=True, metadata=None, arch="deepseek2"
+):
+    """A deepseek2 GGUF of the model (or of `arch`, Mistral 4's "mistral4", which the
+    converter writes alike): its metadata as the converter writes it (with `metadata`
+    changed; None leaves a key out), `tensors` (gguf_tensors), 2-D and 3-D ones but the
+    router in `qtype` (default F32)."""
     import gguf
 
-    arch = "deepseek2"
     writer = gguf.GGUFWriter(str(path), arch)
     keys = {**deepseek2_keys(model.config, split_kv), **(metadata or {})}
     for key, value in keys.items():
@@ -519,6 +521,12 @@ def test_a_q8_0_gguf_matches_transformers_on_the_dequantized_weights(tmp_path):
     path = write_deepseek2(
         tmp_path / "m.gguf", hf, gguf_tensors(hf, split_kv=True), GGMLQuantizationType.Q8_0
     )
+    round_as_q8_0_gguf(hf)
+    assert (gguf_logits(path) - reference(hf)).abs().max() < 1e-4
+
+
+def round_as_q8_0_gguf(hf) -> None:
+    """Round `hf`'s weights in place as a split-kv Q8_0 GGUF of it holds them."""
     c = hf.config
     state = {}
     for key, value in hf.state_dict().items():
@@ -532,7 +540,6 @@ def test_a_q8_0_gguf_matches_transformers_on_the_dequantized_weights(tmp_path):
             data = q8_0(data)
         state[key] = torch.from_numpy(np.ascontiguousarray(data))
     hf.load_state_dict(state)
-    assert (gguf_logits(path) - reference(hf)).abs().max() < 1e-4
 
 
 def test_a_q8_0_gguf_of_the_older_form_matches_transformers_on_the_dequantized_weights(
@@ -557,7 +564,8 @@ def test_a_q8_0_gguf_of_the_older_form_matches_transformers_on_the_dequantized_w
 
 
 REFUSED = {
-    "attention temperature": ({Keys.Attention.TEMPERATURE_SCALE: 0.1}, UnsupportedError),
+    # llama.cpp counts its steps in attention.temperature_length, which it then requires.
+    "temperature without its length": ({Keys.Attention.TEMPERATURE_SCALE: 0.1}, ModelFormatError),
     "YaRN without its log multiplier": ({Keys.Rope.SCALING_YARN_LOG_MUL: None}, UnsupportedError),
     "no kv_lora_rank": ({Keys.Attention.KV_LORA_RANK: None}, ModelFormatError),
     "no q_lora_rank for attn_q_a": ({Keys.Attention.Q_LORA_RANK: None}, ModelFormatError),

@@ -10,10 +10,9 @@ decode step give the contiguous f32 cache's logits (test_paged.py's,
 test_cache_types.py's and test_static_decode.py's tolerances); the native decode step
 takes the dense family's decoded tokens (tests/quant/test_decode_step.py), not the MoE
 families'. `llmrun run` prints transformers' greedy text and
-`llmrun show` describes the files. Granite 4's hybrid GGUFs and folders, NoPE Granite and
-a GGUF without logit_scale are refused."""
+`llmrun show` describes the files. Granite's sliding-window and adapter GGUFs, NoPE
+Granite and a GGUF without logit_scale are refused (Granite 4.0-H: test_granitemoehybrid.py)."""
 
-import json
 import subprocess
 import sys
 
@@ -23,7 +22,7 @@ import torch
 from gguf import GGMLQuantizationType, Keys
 from gguf.quants import dequantize, quantize
 from helpers import BASE, STORIES_GGUF, TEMPLATES_DIR, _permute, cached_logits, randomize
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from test_cache_types import logits_of
 from test_paged import contiguous_logits, pool_for
 from test_paged import test_batched_rows_sharing_prefix_blocks_give_their_own_logits as batched
@@ -383,18 +382,11 @@ def test_granite_without_rope_is_refused(tmp_path, dense):
         load_model(gguf_path, CPU)
 
 
-@pytest.mark.parametrize("arch", ["granitehybrid", "granite_swa"])
+@pytest.mark.parametrize("arch", ["granite_swa", "graniteswitch"])
 def test_other_granite_architectures_are_refused_by_name(tmp_path, dense, arch):
     gguf_path = write_granite_gguf(tmp_path / "m.gguf", *dense, arch=arch)
     with pytest.raises(UnsupportedError, match=f"'{arch}'.*not supported"):
         load_model(gguf_path, CPU)
-
-
-def test_granite_4_hybrid_folders_are_refused_by_name(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({**BASE, "model_type": "granitemoehybrid"}))
-    save_file({"model.norm.weight": torch.ones(64)}, str(tmp_path / "model.safetensors"))
-    with pytest.raises(UnsupportedError, match="'granitemoehybrid' is not supported"):
-        load_model(tmp_path, CPU)
 
 
 def test_granite_chat_template_renders():
