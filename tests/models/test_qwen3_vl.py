@@ -85,8 +85,8 @@ def test_a_hub_folder_runs_its_language_model(tmp_path, moe, tie, hub_layout):
     assert (cached_logits(loaded.model, IDS) - reference(hf)).abs().max() < 1e-4
 
 
-def test_a_qwen3vl_gguf_matches_transformers(tmp_path):
-    hf = hf_model()
+def write_text_gguf(path, hf):
+    """The language model as llama.cpp's converter writes Qwen3-VL's (arch qwen3vl)."""
     text = hf.config.text_config.to_dict()
     state = {
         key.replace("model.language_model.", "model."): value
@@ -100,7 +100,11 @@ def test_a_qwen3vl_gguf_matches_transformers(tmp_path):
         writer.add_uint32("qwen3vl.n_deepstack_layers", 1)
 
     config = {**text, "model_type": "qwen3"}
-    path = write_gguf(tmp_path / "m.gguf", config, state, arch="qwen3vl", extra=vision_keys)
-    loaded = load_model(path, torch.device("cpu"), "f32")
+    return write_gguf(path, config, state, arch="qwen3vl", extra=vision_keys)
+
+
+def test_a_qwen3vl_gguf_matches_transformers(tmp_path):
+    hf = hf_model()
+    loaded = load_model(write_text_gguf(tmp_path / "m.gguf", hf), torch.device("cpu"), "f32")
     assert loaded.checkpoint.config["model_type"] == "qwen3"
     assert (cached_logits(loaded.model, IDS) - reference(hf)).abs().max() < 1e-4

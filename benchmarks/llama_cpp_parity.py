@@ -1,0 +1,206 @@
+"""llama.cpp itself reads the GGUFs the tests write, as llmrun does (not run by CI).
+
+    PYTHONPATH=. python benchmarks/llama_cpp_parity.py --llama-cpp DIR [--family NAME ...]
+        [--tokens 24] [--out FILE]
+
+The families' tests write tiny random models as llama.cpp's converter writes them
+(tests/models/test_*.py) and hold llmrun's logits to transformers'. Whether llama.cpp
+reads such a file the same way is the other half: a writer that put a tensor or key where
+llama.cpp does not look would pass with llmrun reading it back. For each family this
+writes the tests' GGUF (F32) into benchmarks/out/parity/, serves it with DIR/llama-server
+(DIR: the prebuilt peers, e.g. a copy of ../shared/peers/llama-cpp-avx512/bin with the run
+bit set), and from the same prompt ids greedily decodes --tokens tokens with both:
+llama.cpp's /completion (temperature 0, its top probability per step) and llmrun's
+KV-cache loop. It prints, per family, the steps where the tokens agree before the first
+difference and the largest difference of the chosen tokens' probabilities over the steps
+that agree; the figures go to --out (benchmarks/out/llama_cpp_parity.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "models"), str(ROOT / "benchmarks")]
+
+from tokenizer_fuzz import Server  # noqa: E402
+
+OUT = ROOT / "benchmarks" / "out"
+PROMPT = [1, 400, 21, 300, 77, 15, 250, 9, 130, 451, 64, 3]
+
+
+def qwen35(path: Path, kind: str) -> None:
+    import test_qwen3_5 as t
+
+    t.write_qwen35_gguf(path, t.hf_model(kind))
+
+
+def qwen3next(path: Path) -> None:
+    import test_qwen3_next as t
+
+    hf = t.hf_model(None, **{**t.NEXT, "mlp_only_layers": []})
+    t.write_qwen35_gguf(path, hf, state=t.converter_split(hf), mtp=True)
+
+
+def qwen3vl(path: Path) -> None:
+    import test_qwen3_vl as t
+
+    t.write_text_gguf(path, t.hf_model())
+
+
+def granite_hybrid(path: Path) -> None:
+    import test_granitemoehybrid as t
+
+    t.write_hybrid_gguf(path, t.hf_model())
+
+
+def lfm2(path: Path, name: str) -> None:
+    import test_lfm2 as t
+
+    t.write_lfm2_gguf(path, t.hf_model(name))
+
+
+def llama4(path: Path) -> None:
+    import test_llama4 as t
+
+    t.write_llama4_gguf(path, t.gguf_hf_model())
+
+
+def gemma3n(path: Path) -> None:
+    """The tests' E2B form, made to the sizes llama.cpp fixes whatever the file says: 20
+    layers with keys of their own, per-layer inputs 256 wide, LAuReL rank 64, the first
+    10 layers sparse, logits soft-capped at 30, every fifth layer global."""
+    import test_gemma3n as t
+
+    layers, sliding, full = 22, "sliding_attention", "full_attention"
+    config = dict(
+        t.E2B,
+        num_hidden_layers=layers,
+        num_kv_shared_layers=layers - 20,
+        intermediate_size=96,
+        layer_types=[full if i % 5 == 4 else sliding for i in range(layers)],
+        activation_sparsity_pattern=[0.95] * 10 + [0.0] * (layers - 10),
+        laurel_rank=64,
+        hidden_size_per_layer_input=256,
+        final_logit_softcapping=30.0,
+    )
+    t.write_gemma3n_gguf(path, t.hf_model(config))
+
+
+def minimax_m2(path: Path) -> None:
+    import test_minimax_m2 as t
+
+    t.write_minimax(path, t.hf_model())
+
+
+def mistral4(path: Path) -> None:
+    import test_mistral4 as t
+
+    t.mistral4_gguf(path, t.hf_model(rope_parameters={**t.ROPE, "llama_4_scaling_beta": 0.0}))
+
+
+FAMILIES: dict[str, Callable[[Path], None]] = {
+    "qwen35": lambda p: qwen35(p, "dense"),
+    "qwen35moe": lambda p: qwen35(p, "moe"),
+    "qwen3next": qwen3next,
+    "qwen3vl": qwen3vl,
+    "granitehybrid": granite_hybrid,
+    "lfm2": lambda p: lfm2(p, "lfm2"),
+    "lfm2moe": lambda p: lfm2(p, "lfm2_moe"),
+    "llama4": llama4,
+    "gemma3n": gemma3n,
+    "minimax-m2": minimax_m2,
+    "mistral4": mistral4,
+}
+
+
+def llmrun_greedy(path: Path, tokens: int) -> tuple[list[int], list[float], list[list]]:
+    """llmrun's greedy ids, their probabilities, and each step's two best (id, p)."""
+    from llmrun.loading.loader import load_model
+
+    model = load_model(path, torch.device("cpu"), "f32").model
+    cache = model.new_cache(1, len(PROMPT) + tokens + 1, torch.float32, "cpu")
+    ids, probs, top2, feed, start = [], [], [], PROMPT, 0
+    with torch.no_grad():
+        for _ in range(tokens):
+            positions = torch.arange(start, start + len(feed))[None]
+            logits = model(torch.tensor([feed]), positions, cache)[0, -1]
+            p = torch.softmax(logits.double(), -1)
+            token = int(p.argmax())
+            ids.append(token)
+            probs.append(float(p[token]))
+            best = torch.topk(p, 2)
+            top2.append([(int(i), round(float(v), 6)) for v, i in zip(*best, strict=True)])
+            start += len(feed)
+            feed = [token]
+    return ids, probs, top2
+
+
+def llama_cpp_greedy(server: Server, tokens: int) -> tuple[list[int], dict[int, float]]:
+    """llama.cpp's greedy ids, and its top probabilities by step. Its per-step entries
+    leave out steps whose token makes no text yet (a byte of a character): they are
+    placed by their ids."""
+    body = {
+        "prompt": PROMPT,
+        "n_predict": tokens,
+        "temperature": 0,
+        "n_probs": 1,
+        "cache_prompt": False,
+        "ignore_eos": True,
+        "return_tokens": True,
+    }
+    answer = server._post("/completion", body)
+    ids, probs, step = answer["tokens"], {}, 0
+    for entry in answer["completion_probabilities"]:
+        while step < len(ids) and ids[step] != entry["id"]:
+            step += 1
+        if step < len(ids):
+            probs[step] = math.exp(entry["top_logprobs"][0]["logprob"])
+            step += 1
+    return ids, probs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--llama-cpp", type=Path, required=True)
+    parser.add_argument("--family", action="append", choices=list(FAMILIES))
+    parser.add_argument("--tokens", type=int, default=24)
+    parser.add_argument("--out", type=Path, default=OUT / "llama_cpp_parity.json")
+    args = parser.parse_args()
+    folder = OUT / "parity"
+    folder.mkdir(parents=True, exist_ok=True)
+    results = []
+    for name in args.family or list(FAMILIES):
+        path = folder / f"{name}.gguf"
+        FAMILIES[name](path)
+        ours, our_probs, our_top2 = llmrun_greedy(path, args.tokens)
+        try:
+            server = Server(args.llama_cpp / "llama-server", path, folder / f"{name}.log")
+        except RuntimeError as e:  # a shape llama.cpp hard-codes (Gemma 3n's)
+            print(f"{name:14} llama.cpp refuses the file: {str(e).splitlines()[-1]}")
+            results.append(dict(family=name, refused=str(e)))
+            continue
+        try:
+            theirs, their_probs = llama_cpp_greedy(server, args.tokens)
+        finally:
+            server.close()
+        pairs = zip(ours, theirs, strict=False)
+        agree = next((i for i, (a, b) in enumerate(pairs) if a != b), len(ours))
+        worst = max((abs(our_probs[i] - p) for i, p in their_probs.items() if i < agree), default=0)
+        results.append(dict(family=name, agree=agree, tokens=args.tokens, max_prob_diff=worst))
+        print(f"{name:14} {agree:3}/{args.tokens} tokens agree, top-probability diff {worst:.2e}")
+        if agree < args.tokens:
+            print(f"{'':14} llmrun {ours}\n{'':14} llama.cpp {theirs}")
+            print(f"{'':14} llmrun's top two at step {agree}: {our_top2[agree]}")
+    args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
