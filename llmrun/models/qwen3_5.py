@@ -215,7 +215,10 @@ class GatedDeltaNet(nn.Module):
             conv_state, state = cache.recurrent.read(self.layer)
             counts = frame.counts
         inputs = torch.cat((conv_state.to(mixed.dtype), mixed), dim=-1)  # [B, C, K-1+T]
-        conv = F.silu(F.conv1d(inputs, self.conv1d.weight, groups=inputs.shape[1]))
+        if tokens == 1:  # one output per channel: a dot product with its taps
+            conv = F.silu((inputs * self.conv1d.weight[:, 0]).sum(dim=-1, keepdim=True))
+        else:
+            conv = F.silu(F.conv1d(inputs, self.conv1d.weight, groups=inputs.shape[1]))
         q, k, v = conv.transpose(1, 2).split(
             [self.key_width, self.key_width, self.value_width], dim=-1
         )
@@ -272,12 +275,12 @@ def recurrent_delta_rule(
     outputs = []
     for t in range(q.shape[2]):
         state = state * decay[:, :, t, None, None].exp()
-        k_t = k[:, :, t]
+        k_t = k[:, :, t, None]  # [B, H, 1, Dk]
         # What the state recalls for k_t, corrected toward v_t by beta.
-        error = (v[:, :, t] - (state * k_t[..., None]).sum(dim=-2)) * beta[:, :, t, None]
-        state = state + k_t[..., None] * error[..., None, :]
-        outputs.append((state * q[:, :, t, :, None]).sum(dim=-2))
-    return torch.stack(outputs, dim=2), state
+        error = (v[:, :, t, None] - k_t @ state) * beta[:, :, t, None, None]  # [B, H, 1, Dv]
+        state.addcmul_(k_t.transpose(-1, -2), error)
+        outputs.append(q[:, :, t, None] @ state)
+    return torch.cat(outputs, dim=2), state
 
 
 def chunked_delta_rule(
