@@ -327,16 +327,15 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
         windows = [window if kind == "sliding_attention" else None for kind in kinds]
     # Gemma 3n's last layers reuse earlier layers' keys and values: none of their own.
     windows = windows[: layers - int(text.get("num_kv_shared_layers") or 0)]
-    from llmrun.loading import granitehybrid, qwen35
-    from llmrun.loading.lfm2 import attention_layer_count
+    # A hybrid model's recurrent layers (LFM2's convolutions, Granite 4.0-H's Mamba-2,
+    # Qwen3.5's Gated DeltaNet) cache no keys or values; their state is the memory check's.
+    from llmrun.loading import granitehybrid, lfm2, qwen35  # they import this module
 
-    attending = attention_layer_count(text)  # LFM2's convolution layers cache nothing
-    if attending is None:  # nor do Granite 4.0-H's Mamba-2 layers
-        attending = granitehybrid.attention_layer_count(text)
-    if attending is None:  # nor do Qwen3.5's Gated DeltaNet layers
-        attending = qwen35.attention_layer_count(text)
-    if attending is not None:
-        windows = [None] * attending
+    for family in (lfm2, granitehybrid, qwen35):
+        attending = family.attention_layer_count(text)
+        if attending is not None:
+            windows = [None] * attending
+            break
     copies = 1 if "kv_lora_rank" in text else 2  # MLA's latent is the key and the value
     per_position = copies * kv_heads * head_dim * bytes_per_value
     return sum(per_position * (context if w is None else min(w, context)) for w in windows)
