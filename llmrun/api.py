@@ -125,6 +125,17 @@ class Engine:
         template = self.tools_template if switches.get("tools") else self.template
         return template.render(messages, add_generation_prompt=add_generation_prompt, **switches)
 
+    def history_end(
+        self, messages: list[dict[str, Any]], prompt: Sequence[int], **switches: Any
+    ) -> int | None:
+        """Where the conversation `messages` ends in `prompt` (their rendering with the
+        generation prompt, encoded): the length of their rendering without it, where those
+        tokens begin the prompt; else None. A hybrid model keeps its recurrent state there,
+        where the next turn's prompt still agrees (llmrun.generate.CHECKPOINT_MARGIN)."""
+        text = self.render(messages, add_generation_prompt=False, **switches)
+        ids = self.tokenizer.encode(text)
+        return len(ids) if len(ids) < len(prompt) and list(prompt[: len(ids)]) == ids else None
+
     @property
     def tools_template(self) -> ChatTemplate | None:
         """The template a conversation with tools is rendered with (as transformers
@@ -210,7 +221,11 @@ class Engine:
         stop: Sequence[str] = (),
         logprobs: int | None = None,
         state: KVState | None = None,
+        history_end: int | None = None,
     ) -> Iterator[Response]:
+        """Stream a reply to `prompt` (ids) through `state` (default: a new cache).
+        `history_end`: where the conversation so far ends in the prompt, before the
+        generation prompt (a hybrid model keeps its state there for the next turn)."""
         if state is None:
             wanted = len(prompt) + (max(max_tokens, 1) if max_tokens is not None else self.ctx_size)
             state = self.new_state(wanted)
@@ -225,6 +240,7 @@ class Engine:
             self.eos_ids,
             stop,
             logprobs,
+            history_end,
         )
 
 

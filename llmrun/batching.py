@@ -85,6 +85,9 @@ class Request:
     # Report each prompt token's logprob, with this many top ones (completions' echo):
     # the prompt is then computed whole, not taken from the prefix cache.
     prompt_logprobs: int | None = None
+    # Where the conversation ends in the prompt, before the generation prompt: a hybrid
+    # model keeps its state at the last block end up to there (see _step).
+    history_end: int | None = None
 
 
 @dataclass(eq=False)
@@ -363,9 +366,11 @@ class Scheduler:
                 # the server is and whatever the cache held.
                 end = min(len(job.target), (done // self.prefill_budget + 1) * self.prefill_budget)
                 if self.snapshots is not None and end == len(job.target):
-                    # A chunk ends at the prompt's last block end before its last few
-                    # tokens, where its state is kept (generate.CHECKPOINT_MARGIN says why).
-                    aligned = (end - CHECKPOINT_MARGIN) // BLOCK_SIZE * BLOCK_SIZE
+                    # A chunk ends at the last block end before the conversation's end (or
+                    # the prompt's last few tokens), where its state is kept for the next
+                    # turn (generate.CHECKPOINT_MARGIN says why).
+                    keep = job.request.history_end or end - CHECKPOINT_MARGIN
+                    aligned = keep // BLOCK_SIZE * BLOCK_SIZE
                     end = aligned if aligned > done else end
                 parts.append((job, job.target[done:end]))
                 budget -= len(parts[-1][1])

@@ -236,9 +236,17 @@ class ChatSession:
         stop = () if self.uses_template else (PLAIN_STOP,)
         split = Splitter(self.engine.markers, rendered)
         completed = False
+        history_end = None
+        if self.uses_template and self.state.cache.recurrent is not None:
+            history_end = self.engine.history_end(self.conversation(), prompt, **self.switches)
         try:
             for response in self.engine.generate(
-                prompt, self.params, self.max_tokens, stop=stop, state=self.state
+                prompt,
+                self.params,
+                self.max_tokens,
+                stop=stop,
+                state=self.state,
+                history_end=history_end,
             ):
                 turn.response = response
                 text = response.text

@@ -22,11 +22,11 @@ from llmrun.models.cache import KVCache
 from llmrun.sampling import Sampler, top_logprobs
 
 PREFILL_CHUNK = 512
-# A hybrid model's state cannot go back, so a prompt keeps a copy of it this many tokens
-# before its end: a chat template writes the last answer back after the turn's header
-# (`<|im_start|>assistant\n`) but may leave out what the generation prompt added after it
-# (`<think>\n`), and the next turn's prompt then agrees with this one up to there, not to
-# its end. llama.cpp's server keeps one 4 tokens before the end for the same reason.
+# A hybrid model's state cannot go back, so a prompt keeps a copy of it where the next
+# turn's prompt will still agree: at the end of the conversation so far (before the
+# generation prompt, which a chat template may not write back with the answer: Qwen3's
+# `<think>\n\n</think>\n\n` without thinking) where the caller knows it, else this many
+# tokens before the prompt's end, as llama.cpp's server keeps one.
 CHECKPOINT_MARGIN = 4
 
 
@@ -99,16 +99,17 @@ def prefill(
     state: KVState,
     tokens: Sequence[int],
     chunk: int = PREFILL_CHUNK,
-    checkpoint: bool = False,
+    keep_at: int | None = None,
 ) -> torch.Tensor:
     """Feed `tokens` after what the cache already holds; return the last logits [V].
-    `checkpoint`: a hybrid model's recurrent state is kept CHECKPOINT_MARGIN tokens
-    before the end too (llmrun.models.recurrent), for a next prompt that agrees with
-    this one only up to there."""
+    `keep_at`: a position (counted from the sequence's start) after which a hybrid
+    model's recurrent state is kept too (llmrun.models.recurrent), for a next prompt
+    that agrees with this one only up to there."""
     device = state.cache.k.device
     cuts = list(range(0, len(tokens), chunk))
-    mark = len(tokens) - CHECKPOINT_MARGIN
-    if checkpoint and state.cache.recurrent is not None and mark > 0:
+    mark = -1 if keep_at is None else keep_at - len(state.tokens)
+    checkpoint = state.cache.recurrent is not None and 0 < mark < len(tokens)
+    if checkpoint:
         cuts = sorted({*cuts, mark})
     logits = None
     for begin, end in zip(cuts, [*cuts[1:], len(tokens)], strict=True):
@@ -157,12 +158,17 @@ def reuse_prefix(state: KVState, prompt: Sequence[int]) -> int:
 
 @torch.inference_mode()
 def generate_step(
-    model: nn.Module, state: KVState, tokens: Sequence[int], sampler: Sampler, history: list[int]
+    model: nn.Module,
+    state: KVState,
+    tokens: Sequence[int],
+    sampler: Sampler,
+    history: list[int],
+    keep_at: int | None = None,
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """Prefill `tokens` after the cached ones, then yield (token, the raw logits it
     was drawn from) until the caller stops or the context is full. `history`
-    (for penalties) grows with each token."""
-    logits = prefill(model, state, tokens, checkpoint=True)
+    (for penalties) grows with each token; `keep_at`: see prefill."""
+    logits = prefill(model, state, tokens, keep_at=keep_at)
     while True:
         token = sampler(logits, history)
         yield token, logits
@@ -268,6 +274,7 @@ def stream_generate(
     eos_ids: Sequence[int] = (),
     stop: Sequence[str] = (),
     logprobs: int | None = None,
+    history_end: int | None = None,
 ) -> Iterator[Response]:
     """Generate after `prompt`, yielding text as it becomes printable.
 
@@ -284,7 +291,11 @@ def stream_generate(
         yield Response("", None, stats, finish_reason="length")
         return
     out = TokenStream(tokenizer, prompt, stats, max_tokens, eos_ids, stop, logprobs)
-    steps = generate_step(model, state, prompt[kept:], sampler, list(prompt))
+    # A hybrid model keeps its state where the next prompt will still agree (see
+    # CHECKPOINT_MARGIN): `history_end`, the conversation's end before the generation
+    # prompt, where the caller knows it.
+    keep_at = history_end if history_end is not None else len(prompt) - CHECKPOINT_MARGIN
+    steps = generate_step(model, state, prompt[kept:], sampler, list(prompt), keep_at)
     try:
         for token, logits in steps:
             if stats.completion_tokens == 0:

@@ -132,6 +132,7 @@ async def chat_completions(request: Request) -> Response:
             prepared.stops(stop),
             (body.top_logprobs or 0) if body.logprobs else None,
             body.ignore_eos,
+            history_end=prepared.history_end,
         )
         for choice_params in choices_of(params, body.n)
     ]

@@ -41,6 +41,9 @@ class Prepared:
     fmt: ToolFormat | None  # the format to read calls in (None: no tools to call)
     grammar: Any = None  # a structured.Grammar, or None
     forced: bool = False  # tool_choice "required" or a named function: the reply is calls
+    # Where the conversation ends in ids, before the generation prompt (api.Engine.
+    # history_end), for a hybrid model, which keeps its state there; else None.
+    history_end: int | None = None
 
     def stops(self, stop: list[str]) -> list[str]:
         """The stop strings to apply: none to a forced call, whose text they would cut
@@ -79,12 +82,15 @@ def prepare(engine: api.Engine, fmt: ToolFormat | None, ask: Ask) -> Prepared:
             switches["tools"] = ask.tools
         text = engine.render(messages, **switches)
     ids = engine.tokenizer.encode(text)
+    history_end = None
+    if not plain and hasattr(engine.model.args, "recurrent_shapes"):
+        history_end = engine.history_end(messages, ids, **switches)
     fmt = fmt.for_tools(ask.tools) if calling and fmt is not None else None
     forced = fmt is not None and ask.tool_choice != "auto"
     from llmrun.structured import for_prompt
 
     grammar = for_prompt(_grammar(engine, fmt, ask, forced), engine.markers, text)
-    return Prepared(text, ids, fmt, grammar, forced)
+    return Prepared(text, ids, fmt, grammar, forced, history_end)
 
 
 def _grammar(engine: api.Engine, fmt: ToolFormat | None, ask: Ask, forced: bool) -> Any:

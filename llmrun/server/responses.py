@@ -388,7 +388,11 @@ async def responses(request: Request) -> Response:
         params = params.updated(grammar=prepared.grammar)
     reader = ReplyReader(engine, prepared)
     gen_request = batching.Request(
-        prepared.ids, params, body.max_output_tokens, prepared.stops(stop)
+        prepared.ids,
+        params,
+        body.max_output_tokens,
+        prepared.stops(stop),
+        history_end=prepared.history_end,
     )
     gen = Generation(service, "responses", [gen_request], arrived)
     output = Output()

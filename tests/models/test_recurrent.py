@@ -9,11 +9,13 @@ import queue
 
 import pytest
 import torch
-from helpers import STORY_PROMPTS
+from helpers import STORY_PROMPTS, TEMPLATES_DIR, needs_templates
 from torch import nn
 
 from llmrun import api
 from llmrun.batching import Request, Scheduler
+from llmrun.chat import ChatSession, Turn
+from llmrun.chat_template import ChatTemplate
 from llmrun.generate import CHECKPOINT_MARGIN, KVState, prefill, reuse_prefix, stream_generate
 from llmrun.models.cache import KVCache
 from llmrun.models.recurrent import RecurrentState
@@ -153,6 +155,27 @@ def test_a_chat_turn_goes_on_from_the_state_kept_before_the_prompt_end():
     assert "".join(r.text for r in replies) == alone(again, 8)
 
 
+@needs_templates
+def test_a_chat_turn_goes_on_from_the_end_of_the_conversation_so_far():
+    # Qwen3.5's template without thinking ends its generation prompt with
+    # `<think>\n\n</think>\n\n`, which it does not write back with the answer: the next
+    # prompt agrees with this one only up to the conversation's end before that prompt,
+    # further back than CHECKPOINT_MARGIN tokens (of stories260K's plain-text pieces here).
+    # The session keeps the state there.
+    template = ChatTemplate((TEMPLATES_DIR / "Qwen3.5-4B.jinja").read_text())
+    engine = api.Engine(**{**HYBRID.__dict__, "template": template})
+    session = ChatSession(engine, GREEDY, max_tokens=6, switches={"enable_thinking": False})
+    list(session.send("Tell me a story."))
+    first = session.prompt_ids(session.conversation(session.messages[:1]))
+    kept = engine.history_end(session.messages[:1], first, enable_thinking=False)
+    assert kept is not None and kept < len(first) - CHECKPOINT_MARGIN
+    turn = Turn()
+    reply = "".join(session.send("And then?", turn))
+    prompt = session.prompt_ids(session.conversation(session.messages[:-1]))
+    assert turn.response.stats.prompt_processed == len(prompt) - kept
+    assert reply == alone(prompt, 6)
+
+
 def test_a_forward_that_skips_ahead_is_refused():
     state = HYBRID.new_state(64)
     with torch.inference_mode():
@@ -231,6 +254,21 @@ def test_the_next_turn_goes_on_from_a_kept_state(scheduler):
     for prompt, (text, _, stats), kept in zip((follow_up, other), results, (64, 32), strict=True):
         assert stats.prompt_processed == len(prompt) - kept
         assert text == alone(prompt)
+
+
+def test_a_served_turn_keeps_its_state_at_the_conversations_end(scheduler):
+    # A request that says where its conversation ends (before the generation prompt)
+    # keeps its prompt's state at the last block end up to there (16), not 4 tokens
+    # before the prompt's end (32): the next turn agrees with it up to 20 tokens only.
+    first = (IDS * 3)[:40]
+    sink = queue.Queue()
+    scheduler.submit(Request(first, GREEDY, 4, history_end=20), sink.put)
+    while getattr(sink.get(timeout=60), "finish_reason", "error") is None:
+        pass
+    follow_up = first[:20] + ENGINE.tokenizer.encode(" Then a cat came.")
+    ((text, _, stats),) = serve(scheduler, [follow_up])
+    assert stats.prompt_processed == len(follow_up) - 16
+    assert text == alone(follow_up)
 
 
 def test_a_benchmark_restores_the_state_of_its_depth():
