@@ -97,6 +97,49 @@ def finish_stories_gguf(writer, path, state: dict, name_of, qtype=None):
     return path
 
 
+def write_keyed_gguf(path, arch: str, keys: dict, tensors: dict, qtype=None):
+    """A GGUF of `arch`: `keys` ("{arch}.…" templates -> value, as the converter writes
+    them; None leaves a key out), stories260K's llama vocabulary, and `tensors` (GGUF
+    name -> array), those of two or more dimensions but the routers (ffn_gate_inp, which
+    the converter keeps in F32) in `qtype` (default F32); returns `path`."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in keys.items():
+        name = key.format(arch=arch)
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            writer.add_bool(name, value)
+        elif isinstance(value, list):
+            writer.add_array(name, value)
+        elif isinstance(value, int):
+            writer.add_uint32(name, value)
+        elif isinstance(value, float):
+            writer.add_float32(name, value)
+        else:
+            writer.add_string(name, value)
+    meta = read_gguf(STORIES_GGUF, with_tensors=False).metadata
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(meta["tokenizer.ggml.tokens"])
+    writer.add_token_scores(meta["tokenizer.ggml.scores"])
+    writer.add_token_types(meta["tokenizer.ggml.token_type"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    for name, data in tensors.items():
+        if data.ndim == 1 or qtype is None or "ffn_gate_inp" in name:
+            writer.add_tensor(name, data.astype(np.float32))
+        else:
+            raw = gguf.quants.quantize(data, qtype)
+            writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 

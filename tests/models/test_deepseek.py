@@ -24,15 +24,15 @@ from family_checks import (
     check_run_prints_greedy_tokens,
     check_served_as_alone,
     check_show,
+    write_keyed_gguf,
 )
 from gguf import GGMLQuantizationType, Keys
 from gguf.quants import dequantize, quantize
-from helpers import STORIES_GGUF, cached_logits, our_model, randomize
+from helpers import cached_logits, our_model, randomize
 from test_cache_types import TOLERANCE
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import inspect
-from llmrun.loading.gguf_io import read_gguf
 from llmrun.loading.loader import load_model
 from llmrun.models.paged import PagedKVCache
 
@@ -444,40 +444,8 @@ def write_deepseek2(
     converter writes alike): its metadata as the converter writes it (with `metadata`
     changed; None leaves a key out), `tensors` (gguf_tensors), 2-D and 3-D ones but the
     router in `qtype` (default F32)."""
-    import gguf
-
-    writer = gguf.GGUFWriter(str(path), arch)
     keys = {**deepseek2_keys(model.config, split_kv), **(metadata or {})}
-    for key, value in keys.items():
-        name = key.format(arch=arch)
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            writer.add_bool(name, value)
-        elif isinstance(value, int):
-            writer.add_uint32(name, value)
-        elif isinstance(value, float):
-            writer.add_float32(name, value)
-        else:
-            writer.add_string(name, value)
-    meta = read_gguf(STORIES_GGUF, with_tensors=False).metadata
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(meta["tokenizer.ggml.tokens"])
-    writer.add_token_scores(meta["tokenizer.ggml.scores"])
-    writer.add_token_types(meta["tokenizer.ggml.token_type"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    for name, data in tensors.items():
-        if data.ndim == 1 or qtype is None or "ffn_gate_inp" in name:
-            writer.add_tensor(name, data.astype(np.float32))
-        else:
-            raw = quantize(data, qtype)
-            writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_keyed_gguf(path, arch, keys, tensors, qtype)
 
 
 def gguf_logits(path) -> torch.Tensor:

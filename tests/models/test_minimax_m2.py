@@ -27,16 +27,15 @@ from family_checks import (
     check_run_and_show,
     check_served_as_alone,
     check_show,
+    write_keyed_gguf,
 )
 from gguf import GGMLQuantizationType, Keys
-from gguf.quants import quantize
-from helpers import BASE, STORIES_GGUF, cached_logits, our_model
+from helpers import BASE, cached_logits, our_model
 from moe_helpers import save_hub_dir
 from test_cache_types import TOLERANCE
 from test_deepseek import q8_0, routed_model
 
 from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.loading.gguf_io import read_gguf
 from llmrun.loading.loader import load_model
 
 transformers = pytest.importorskip("transformers")
@@ -360,38 +359,8 @@ def write_minimax(path, model, qtype=None, metadata=None):
     """A minimax-m2 GGUF of the model: the converter's metadata (with `metadata`
     changed; None leaves a key out), its tensors, 2-D and 3-D ones but the router in
     `qtype` (default F32), stories260K's tokenizer."""
-    import gguf
-
-    arch = "minimax-m2"
-    writer = gguf.GGUFWriter(str(path), arch)
-    for key, value in {**minimax_keys(model.config), **(metadata or {})}.items():
-        name = key.format(arch=arch)
-        if value is None:
-            continue
-        if isinstance(value, list):
-            writer.add_array(name, value)
-        elif isinstance(value, int):
-            writer.add_uint32(name, value)
-        else:
-            writer.add_float32(name, value)
-    meta = read_gguf(STORIES_GGUF, with_tensors=False).metadata
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(meta["tokenizer.ggml.tokens"])
-    writer.add_token_scores(meta["tokenizer.ggml.scores"])
-    writer.add_token_types(meta["tokenizer.ggml.token_type"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    for name, data in gguf_tensors(model).items():
-        if data.ndim == 1 or qtype is None or "ffn_gate_inp" in name:
-            writer.add_tensor(name, data.astype(np.float32))
-        else:
-            raw = quantize(data, qtype)
-            writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    keys = {**minimax_keys(model.config), **(metadata or {})}
+    return write_keyed_gguf(path, "minimax-m2", keys, gguf_tensors(model), qtype)
 
 
 def test_a_minimax_m2_gguf_matches_transformers(tmp_path):
