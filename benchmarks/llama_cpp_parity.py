@@ -34,6 +34,7 @@ from tokenizer_fuzz import Server  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "out"
 PROMPT = [1, 400, 21, 300, 77, 15, 250, 9, 130, 451, 64, 3]
+EOS = 2  # stories260K's, which every file here carries
 
 
 def qwen35(path: Path, kind: str) -> None:
@@ -53,6 +54,12 @@ def qwen3vl(path: Path) -> None:
     import test_qwen3_vl as t
 
     t.write_text_gguf(path, t.hf_model())
+
+
+def qwen3vlmoe(path: Path) -> None:
+    import test_qwen3_vl as t
+
+    t.write_moe_text_gguf(path, t.hf_model(moe=True))
 
 
 def granite_hybrid(path: Path) -> None:
@@ -111,6 +118,7 @@ FAMILIES: dict[str, Callable[[Path], None]] = {
     "qwen35moe": lambda p: qwen35(p, "moe"),
     "qwen3next": qwen3next,
     "qwen3vl": qwen3vl,
+    "qwen3vlmoe": qwen3vlmoe,
     "granitehybrid": granite_hybrid,
     "lfm2": lambda p: lfm2(p, "lfm2"),
     "lfm2moe": lambda p: lfm2(p, "lfm2_moe"),
@@ -133,7 +141,9 @@ def llmrun_greedy(path: Path, tokens: int) -> tuple[list[int], list[float], list
             positions = torch.arange(start, start + len(feed))[None]
             logits = model(torch.tensor([feed]), positions, cache)[0, -1]
             p = torch.softmax(logits.double(), -1)
-            token = int(p.argmax())
+            # llama.cpp's ignore_eos: the end-of-generation token is never drawn (its
+            # probabilities are reported before that).
+            token = int(p.index_fill(0, torch.tensor([EOS]), -1).argmax())
             ids.append(token)
             probs.append(float(p[token]))
             best = torch.topk(p, 2)

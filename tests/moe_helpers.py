@@ -149,19 +149,21 @@ def write_moe_gguf(
     types: dict | None = None,
     metadata: dict | None = None,
     skip_keys: tuple = (),
+    arch: str | None = None,
 ) -> Path:
     """Write GGUF tensors (stacked_gguf_state) with llama.cpp's MoE metadata. `types`
     maps a GGUF name fragment (say "ffn_down_exps") to the type its tensors are
     quantized to (default F32; 1-D tensors stay F32); a tensor may also be given as
     (uint8 blocks, type), written as is. `metadata`: extra or replaced keys (a
-    "{arch}" in a key is filled in); `skip_keys`: keys left out."""
+    "{arch}" in a key is filled in; a value (list, "array") is an array); `skip_keys`:
+    keys left out; `arch`: the GGUF architecture where it is not the model_type's."""
     import gguf
     from gguf import Keys
 
     from llmrun.loading.gguf_io import read_gguf
 
     model_type = config["model_type"]
-    arch = GGUF_ARCH[model_type]
+    arch = arch or GGUF_ARCH[model_type]
     writer = gguf.GGUFWriter(str(path), arch)
     n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // n_head
@@ -202,6 +204,8 @@ def write_moe_gguf(
             writer.add_float32(full, value)
         elif kind == "bool":
             writer.add_bool(full, value)
+        elif kind == "array":
+            writer.add_array(full, value)
     meta = read_gguf(STORIES_GGUF, with_tensors=False).metadata
     writer.add_tokenizer_model("llama")
     writer.add_token_list(meta["tokenizer.ggml.tokens"])

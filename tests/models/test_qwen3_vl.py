@@ -108,3 +108,33 @@ def test_a_qwen3vl_gguf_matches_transformers(tmp_path):
     loaded = load_model(write_text_gguf(tmp_path / "m.gguf", hf), torch.device("cpu"), "f32")
     assert loaded.checkpoint.config["model_type"] == "qwen3"
     assert (cached_logits(loaded.model, IDS) - reference(hf)).abs().max() < 1e-4
+
+
+def write_moe_text_gguf(path, hf):
+    """The MoE's language model as llama.cpp's converter writes it (arch qwen3vlmoe):
+    experts stacked per projection, the rope sections key."""
+    from moe_helpers import stacked_gguf_state, write_moe_gguf
+
+    from llmrun.loading import experts, loader
+
+    config = {**hf.config.text_config.to_dict(), "model_type": "qwen3_moe"}
+    language = {
+        key.replace("model.language_model.", "model."): loader.Weight(value)
+        for key, value in hf.state_dict().items()
+        if not key.startswith("model.visual.")
+    }
+    width = config["moe_intermediate_size"]
+    split = experts.split_stacked(
+        language, loader._STACKED_EXPERTS, config["hidden_size"], width, loader.Weight
+    )
+    state = {key: w.tensor for key, w in split.items()}
+    sections = {"{arch}.rope.dimension_sections": ([2, 3, 3, 0], "array")}
+    tensors = stacked_gguf_state(state, config)
+    return write_moe_gguf(path, config, tensors, metadata=sections, arch="qwen3vlmoe")
+
+
+def test_a_qwen3vlmoe_gguf_matches_transformers(tmp_path):
+    hf = hf_model(moe=True)
+    loaded = load_model(write_moe_text_gguf(tmp_path / "m.gguf", hf), torch.device("cpu"), "f32")
+    assert loaded.checkpoint.config["model_type"] == "qwen3_moe"
+    assert (cached_logits(loaded.model, IDS) - reference(hf)).abs().max() < 1e-4
