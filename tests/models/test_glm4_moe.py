@@ -26,15 +26,14 @@ from family_checks import (
     check_run_prints_greedy_tokens,
     check_served_as_alone,
     check_show,
+    write_keyed_gguf,
 )
 from gguf import GGMLQuantizationType, Keys
-from gguf.quants import quantize
-from helpers import STORIES_GGUF, cached_logits, our_model
+from helpers import cached_logits, our_model
 from test_cache_types import TOLERANCE
 from test_deepseek import gguf_tensors, hub_state_dict, q8_0, routed_model, write_deepseek2
 
 from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.loading.gguf_io import read_gguf
 from llmrun.loading.loader import load_model
 
 transformers = pytest.importorskip("transformers")
@@ -364,44 +363,10 @@ def write_glm4moe(path, model, tensors: dict, qtype=None, mtp=True, metadata=Non
     """A glm4moe GGUF of the model: its metadata as the converter writes it (with
     `metadata` changed; None leaves a key out), `tensors`, 2-D and 3-D ones but the
     router in `qtype` (default F32), stories260K's tokenizer."""
-    import gguf
-
-    arch = "glm4moe"
-    writer = gguf.GGUFWriter(str(path), arch)
-    for key, value in {**glm4moe_keys(model.config, mtp), **(metadata or {})}.items():
-        name = key.format(arch=arch)
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            writer.add_bool(name, value)
-        elif isinstance(value, int):
-            writer.add_uint32(name, value)
-        elif isinstance(value, float):
-            writer.add_float32(name, value)
-        elif isinstance(value, list):
-            writer.add_array(name, value)
-        else:
-            writer.add_string(name, value)
-    meta = read_gguf(STORIES_GGUF, with_tensors=False).metadata
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(meta["tokenizer.ggml.tokens"])
-    writer.add_token_scores(meta["tokenizer.ggml.scores"])
-    writer.add_token_types(meta["tokenizer.ggml.token_type"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    keys = {**glm4moe_keys(model.config, mtp), **(metadata or {})}
     if mtp:
         tensors = with_mtp_layer(tensors, model.config.num_hidden_layers)
-    for name, data in tensors.items():
-        if data.ndim == 1 or qtype is None or "ffn_gate_inp" in name:
-            writer.add_tensor(name, data.astype(np.float32))
-        else:
-            raw = quantize(data, qtype)
-            writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_keyed_gguf(path, "glm4moe", keys, tensors, qtype)
 
 
 @pytest.mark.parametrize(
