@@ -37,10 +37,10 @@ PROMPT = [1, 400, 21, 300, 77, 15, 250, 9, 130, 451, 64, 3]
 EOS = 2  # stories260K's, which every file here carries
 
 
-def qwen35(path: Path, kind: str) -> None:
+def qwen35(path: Path, kind: str, fuse_experts: bool = False) -> None:
     import test_qwen3_5 as t
 
-    t.write_qwen35_gguf(path, t.hf_model(kind))
+    t.write_qwen35_gguf(path, t.hf_model(kind), fuse_experts=fuse_experts)
 
 
 def qwen3next(path: Path) -> None:
@@ -107,15 +107,21 @@ def minimax_m2(path: Path) -> None:
     t.write_minimax(path, t.hf_model())
 
 
-def mistral4(path: Path) -> None:
+def mistral4(path: Path, fuse_experts: bool = False) -> None:
+    import test_deepseek
     import test_mistral4 as t
+    from helpers import fuse_gate_up_experts
 
-    t.mistral4_gguf(path, t.hf_model(rope_parameters={**t.ROPE, "llama_4_scaling_beta": 0.0}))
+    hf = t.hf_model(rope_parameters={**t.ROPE, "llama_4_scaling_beta": 0.0})
+    tensors = test_deepseek.gguf_tensors(hf, split_kv=True)
+    tensors = fuse_gate_up_experts(tensors) if fuse_experts else tensors
+    test_deepseek.write_deepseek2(path, hf, tensors, arch="mistral4")
 
 
 FAMILIES: dict[str, Callable[[Path], None]] = {
     "qwen35": lambda p: qwen35(p, "dense"),
     "qwen35moe": lambda p: qwen35(p, "moe"),
+    "qwen35moe-fused": lambda p: qwen35(p, "moe", fuse_experts=True),  # --fuse-gate-up-exps
     "qwen3next": qwen3next,
     "qwen3vl": qwen3vl,
     "qwen3vlmoe": qwen3vlmoe,
@@ -126,6 +132,7 @@ FAMILIES: dict[str, Callable[[Path], None]] = {
     "gemma3n": gemma3n,
     "minimax-m2": minimax_m2,
     "mistral4": mistral4,
+    "mistral4-fused": lambda p: mistral4(p, fuse_experts=True),
 }
 
 

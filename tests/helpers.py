@@ -465,3 +465,17 @@ STORY_PROMPTS = [
     "There was a boy named Max who liked",
     "The sun was",
 ]
+
+
+def fuse_gate_up_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """GGUF tensors as llama.cpp's converter writes them with --fuse-gate-up-exps: each
+    layer's ffn_gate_exps and ffn_up_exps [experts, width, hidden] as one ffn_gate_up_exps
+    [experts, 2 * width, hidden], gate first (conversion/base.py), in the gate's place."""
+    fused = {}
+    for name, x in tensors.items():
+        if ".ffn_gate_exps." in name:
+            up = tensors[name.replace("ffn_gate_exps", "ffn_up_exps")]
+            fused[name.replace("ffn_gate_exps", "ffn_gate_up_exps")] = np.concatenate([x, up], 1)
+        elif ".ffn_up_exps." not in name:
+            fused[name] = x
+    return fused

@@ -14,6 +14,7 @@ import mmap
 import os
 import re
 import sys
+from collections.abc import Iterator
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from llmrun.loading import (
     deepseek2,
     ernie4_5,
     experts,
+    fused_experts,
     gemma3n,
     gguf_config,
     gguf_io,
@@ -295,15 +297,12 @@ def _open_gguf(path: Path) -> Checkpoint:
     gguf_config.check_config(config, path)
     model_type = config["model_type"]
     weights = {}
-    for info in gg.tensors.values():
-        if info.name in gguf_config.ROPE_TENSORS or glm4_moe.mtp_tensor(info.name, config):
-            continue  # RoPE settings, or a layer llama.cpp does not run either
+    for info, tensor in _stored_tensors(gg, config):
         name = gguf_config.hf_name(info.name, model_type)
         if name is None:
             raise UnsupportedError(
                 f"{path}: tensor {info.name!r} is not part of llmrun's {model_type} model"
             )
-        tensor = gguf_io.load_tensor(gg, info)
         if model_type in gguf_config.GEMMA_TYPES and name.endswith("norm.weight"):
             # llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w, for
             # x * weight (conversion/gemma.py: `data_torch + 1` on every
@@ -347,6 +346,24 @@ def _open_gguf(path: Path) -> Checkpoint:
     return Checkpoint(
         path, "gguf", config, weights, sampling_defaults=gguf_io.generation_defaults(gg), gguf=gg
     )
+
+
+def _stored_tensors(
+    gg: gguf_io.GGUFFile, config: dict[str, Any]
+) -> Iterator[tuple[gguf_io.GGUFTensorInfo, torch.Tensor]]:
+    """Each tensor of the file that the model runs, with a view of its bytes; a fused
+    gate_up stack of experts as its gate and up stacks."""
+    for info in gg.tensors.values():
+        if info.name in gguf_config.ROPE_TENSORS or glm4_moe.mtp_tensor(info.name, config):
+            continue  # RoPE settings, or a layer llama.cpp does not run either
+        tensor = gguf_io.load_tensor(gg, info)
+        if not fused_experts.is_fused(info.name):
+            yield info, tensor
+            continue
+        try:
+            yield from fused_experts.halves(info, tensor)
+        except ModelFormatError as e:
+            raise ModelFormatError(f"{gg.path}: {e}") from None
 
 
 def _n_experts(config: dict[str, Any]) -> int:
@@ -413,11 +430,14 @@ def _expert_biases(
 
 def _check_expert_stacks(gg: gguf_io.GGUFFile, config: dict[str, Any]) -> None:
     """Every layer has its three stacks of experts (llama.cpp's MoE families have
-    experts in every layer)."""
+    experts in every layer; gate and up may be one fused stack)."""
     for layer in range(config["num_hidden_layers"]):
         for stack in gguf_config.EXPERT_STACKS:
             name = f"blk.{layer}.{stack}.weight"
-            if name not in gg.tensors:
+            fused = f"blk.{layer}.{fused_experts.FUSED}.weight"
+            if name not in gg.tensors and not (
+                stack in fused_experts.PARTS and fused in gg.tensors
+            ):
                 raise ModelFormatError(
                     f"{gg.path}: tensor {name!r} is missing: a {gg.architecture} file with "
                     f"expert_count {_n_experts(config)} has the stacked experts "

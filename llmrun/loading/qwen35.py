@@ -77,7 +77,6 @@ _EXPERT_STACKS = {
     _short(MODEL_TENSOR.FFN_UP_EXP): "up_proj",
     _short(MODEL_TENSOR.FFN_DOWN_EXP): "down_proj",
 }
-_FUSED_EXPERTS = _short(MODEL_TENSOR.FFN_GATE_UP_EXP)
 _GLOBAL_NAMES = {
     TENSOR_NAMES[MODEL_TENSOR.TOKEN_EMBD]: "model.embed_tokens",
     TENSOR_NAMES[MODEL_TENSOR.OUTPUT_NORM]: "model.norm",
@@ -131,11 +130,6 @@ def config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable[..., dict]) -> dict[
     def short(template: str) -> str:
         return template.removeprefix("{arch}.")
 
-    if f"blk.0.{_FUSED_EXPERTS}.weight" in gg.tensors:
-        raise UnsupportedError(
-            f"{gg.path}: experts stored fused as {_FUSED_EXPERTS} are not supported; "
-            "convert with separate ffn_gate_exps and ffn_up_exps"
-        )
     if f"blk.0.{_short(MODEL_TENSOR.SSM_IN)}.weight" in gg.tensors:
         raise UnsupportedError(
             f"{gg.path}: the older qwen3next form, with in_proj_qkvz fused as ssm_in, is not "

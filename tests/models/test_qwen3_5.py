@@ -33,7 +33,7 @@ from family_checks import (
     greedy_text,
     max_diff,
 )
-from helpers import CHUNKS, STORIES_GGUF, cached_logits, randomize
+from helpers import CHUNKS, STORIES_GGUF, cached_logits, fuse_gate_up_experts, randomize
 from test_batching import Collector
 
 from llmrun import api, static_decode
@@ -425,13 +425,22 @@ def _quantized(name: str, x: np.ndarray) -> bool:
 
 
 def write_qwen35_gguf(
-    path, hf, qtype=None, round_trip=None, mtp=False, layer_flags=True, state=None, **override
+    path,
+    hf,
+    qtype=None,
+    round_trip=None,
+    mtp=False,
+    layer_flags=True,
+    state=None,
+    fuse_experts=False,
+    **override,
 ) -> str:
     """The model as llama.cpp's converter writes Qwen3.5(-MoE): TextModel's keys, the
     ssm.* keys, attention.recurrent_layers (else only full_attention_interval, with
     layer_flags=False), the rope dimension count and sections, the tensors converted
     (converted_tensors), 2-D and expert weights in `qtype`, or F32 rounded through
-    `round_trip`; `state`: the tensors to convert (default the model's). `override`:
+    `round_trip`; `state`: the tensors to convert (default the model's); `fuse_experts`:
+    gate and up experts fused, as `--fuse-gate-up-exps` writes them. `override`:
     metadata keys (without the arch) to write instead. Qwen3-Next's arch is qwen3next."""
     c = hf.config
     moe = c.model_type in ("qwen3_5_moe_text", "qwen3_next")
@@ -491,7 +500,8 @@ def write_qwen35_gguf(
     writer.add_token_types(meta_stories["tokenizer.ggml.token_type"])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
-    for name, x in converted_tensors(hf, mtp, state).items():
+    tensors = converted_tensors(hf, mtp, state)
+    for name, x in (fuse_gate_up_experts(tensors) if fuse_experts else tensors).items():
         x = np.ascontiguousarray(x, dtype=np.float32)
         kind = qtype or round_trip
         if kind is not None and _quantized(name, x):
