@@ -45,6 +45,12 @@ def _native(*tensors: torch.Tensor, most: int | None = NATIVE_MAX_VALUES) -> cty
     return native.library()
 
 
+def native_takes(*tensors: torch.Tensor) -> bool:
+    """Whether the native ops can take these tensors, of any size (CPU f32, contiguous,
+    without autograd, the native library built)."""
+    return _native(*tensors, most=None) is not None
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
 ) -> torch.Tensor:
@@ -290,3 +296,60 @@ def attend_paged(
         y.data_ptr(),
     )
     return None if failed else y
+
+
+def gated_delta_step(
+    mixed: torch.Tensor,
+    conv_state: torch.Tensor,
+    conv_weight: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    neg_a: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    z: torch.Tensor,
+    norm_weight: torch.Tensor,
+    counts: torch.Tensor,
+    k_heads: int,
+    tiled: bool,
+    l2_eps: float,
+    eps: float,
+) -> torch.Tensor | None:
+    """One token of a Gated DeltaNet layer for each of B rows, natively (decode_ops.c
+    llmrun_gated_delta_step says what it computes): the projections mixed [B, 1,
+    channels], a and b [B, 1, Hv], z [B, 1, Hv * Dv]; conv_state [B, channels, K - 1]
+    and state [B, Hv, Dk, Dv] (f32), updated in place; conv_weight [channels, 1, K];
+    counts [B] (int64, 0 for a padding row). Returns y [B, 1, Hv * Dv], or None where
+    the native op cannot take them (the layer's torch code runs instead)."""
+    tensors = (mixed, conv_state, conv_weight, a, b, neg_a, dt_bias, state, z, norm_weight)
+    lib = _native(*tensors, most=None)
+    if lib is None or counts.dtype != torch.int64 or not counts.is_contiguous():
+        return None
+    rows, _, v_heads, dk, dv = *mixed.shape[:2], *state.shape[1:]
+    channels, kernel = conv_weight.shape[0], conv_weight.shape[-1]
+    y = torch.empty(rows, 1, v_heads * dv)
+    lib.llmrun_gated_delta_step(
+        rows,
+        counts.data_ptr(),
+        mixed.data_ptr(),
+        conv_state.data_ptr(),
+        conv_weight.data_ptr(),
+        channels,
+        kernel,
+        a.data_ptr(),
+        b.data_ptr(),
+        neg_a.data_ptr(),
+        dt_bias.data_ptr(),
+        state.data_ptr(),
+        k_heads,
+        v_heads,
+        dk,
+        dv,
+        int(tiled),
+        l2_eps,
+        z.data_ptr(),
+        norm_weight.data_ptr(),
+        eps,
+        y.data_ptr(),
+    )
+    return y

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmrun import ops
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.models.base import (
     CausalLM,
@@ -207,13 +208,18 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, frame: Frame, cache: KVCache | None) -> torch.Tensor:
         batch, tokens, _ = x.shape
-        mixed = self.in_proj_qkv(x).transpose(1, 2)  # [B, channels, T]
+        mixed = self.in_proj_qkv(x)
         if cache is None:
-            conv_state = mixed.new_zeros(batch, mixed.shape[1], self.kernel - 1)
+            conv_state = mixed.new_zeros(batch, mixed.shape[-1], self.kernel - 1)
             state, counts = None, torch.full((batch,), tokens, device=x.device)
         else:
             conv_state, state = cache.recurrent.read(self.layer)
             counts = frame.counts
+            y = self._native_step(x, mixed, conv_state, state, counts) if tokens == 1 else None
+            if y is not None:
+                cache.recurrent.write(self.layer, [conv_state, state])
+                return self.out_proj(y)
+        mixed = mixed.transpose(1, 2)  # [B, channels, T]
         inputs = torch.cat((conv_state.to(mixed.dtype), mixed), dim=-1)  # [B, C, K-1+T]
         if tokens == 1:  # one output per channel: a dot product with its taps
             conv = F.silu((inputs * self.conv1d.weight[:, 0]).sum(dim=-1, keepdim=True))
@@ -245,6 +251,36 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).view(batch, tokens, self.v_heads, self.v_dim)
         out = self.norm(out.transpose(1, 2).to(x.dtype), z)  # [B, T, Hv, Dv]
         return self.out_proj(out.reshape(batch, tokens, self.value_width))
+
+    def _native_step(
+        self,
+        x: torch.Tensor,
+        mixed: torch.Tensor,
+        conv_state: torch.Tensor,
+        state: torch.Tensor,
+        counts: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """One token natively (llmrun.ops.gated_delta_step: the states updated in place),
+        or None where the native op cannot take it."""
+        if not ops.native_takes(mixed, conv_state, state):
+            return None
+        return ops.gated_delta_step(
+            mixed,
+            conv_state,
+            self.conv1d.weight,
+            self.in_proj_a(x),
+            self.in_proj_b(x),
+            -self.A_log.float().exp(),
+            self.dt_bias,
+            state,
+            self.in_proj_z(x),
+            self.norm.weight,
+            counts,
+            self.k_heads,
+            self.tiled,
+            L2_EPS,
+            self.norm.eps,
+        )
 
     def _per_value_head(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, k heads, D] -> [B, v heads, T, D] in float32, each key head repeated

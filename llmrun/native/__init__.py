@@ -48,6 +48,24 @@ _API = {
     "llmrun_attend_one_sinks": [_INT, _PTR, _PTR, _PTR, *[_I64] * 5, _F32, _F32, _PTR, _PTR],
     # kind, q, k and v pools, the block table (int32), then sizes as named in decode_ops.c
     "llmrun_attend_paged": [_INT, _PTR, _PTR, _PTR, _PTR, *[_I64] * 9, _F32, _F32, _PTR],
+    # rows, counts (int64), then the tensors and sizes as named in decode_ops.c
+    "llmrun_gated_delta_step": [
+        _I64,
+        _PTR,
+        _PTR,
+        _PTR,
+        _PTR,
+        _I64,
+        _I64,
+        *[_PTR] * 5,
+        *[_I64] * 4,
+        _INT,
+        _F32,
+        _PTR,
+        _PTR,
+        _F32,
+        _PTR,
+    ],
     # the layers (decode_step.c step_layer_t[]), the step (step_t), x; returns the
     # layers it ran, or -1
     "llmrun_decode_layers": [_PTR, _PTR, _PTR],
@@ -68,6 +86,7 @@ _VOID = (
     "llmrun_gelu_tanh_mul",
     "llmrun_attend_one",
     "llmrun_attend_one_capped",
+    "llmrun_gated_delta_step",
 )
 
 

@@ -1,7 +1,7 @@
 /* The small f32 ops of a decode step, each one call instead of several torch ops:
  * RMSNorm, rotary embedding, SiLU- and tanh-GELU-gated products, single-query
  * attention over a KV cache (stored as f32, f16, bf16 or Q8_0), soft-capped or not,
- * with attention sinks or not (llmrun/ops.py).
+ * with attention sinks or not, and one token of a Gated DeltaNet layer (llmrun/ops.py).
  *
  * On one token's activations (a few thousand floats) a torch op costs 2-20 us of
  * dispatch and allocation, and a decode step of a 24-layer model runs ~45 of them
@@ -235,6 +235,99 @@ void llmrun_silu_mul(const float *gate, const float *up, int64_t n, float *y) {
 
 void llmrun_gelu_tanh_mul(const float *gate, const float *up, int64_t n, float *y) {
     IN_RUNS(gelu_tanh_mul_run, gate, up, n, y);
+}
+
+/* One token of a Gated DeltaNet layer (Qwen3.5, Qwen3-Next: llmrun/models/qwen3_5.py)
+ * for each of `rows` sequences, on the layer's projections of the token, its state
+ * updated in place (llmrun/ops.py gated_delta_step):
+ *  - the depthwise causal convolution of the channels `mixed` [rows, channels] after
+ *    their last kernel - 1 inputs conv_state [rows, channels, kernel - 1] (which then
+ *    takes the token's), weights [channels, kernel], then SiLU: the queries and keys
+ *    (k_heads heads of dk each) and the values (v_heads of dv);
+ *  - queries and keys L2-normalised (x / sqrt(sum x^2 + l2_eps); queries also times
+ *    dk^-1/2), each key head serving v_heads / k_heads value heads, grouped (value
+ *    head h takes key head h / (v_heads / k_heads)) or tiled (h % k_heads);
+ *  - per value head, g = neg_a * softplus(a + dt_bias) and beta = sigmoid(b), and the
+ *    delta rule on its state S [dk, dv] (state: [rows, v_heads, dk, dv]):
+ *    S = exp(g) S, S += k (beta (v - S^T k))^T, o = S^T q;
+ *  - y = rms_norm(o) * norm_weight * silu(z) per head, into y [rows, v_heads * dv].
+ * A row whose count is 0 (padding) keeps its states. The torch code's operations,
+ * summed in another order. */
+void llmrun_gated_delta_step(int64_t rows, const int64_t *counts, const float *mixed,
+                             float *conv_state, const float *conv_weight, int64_t channels,
+                             int64_t kernel, const float *a, const float *b,
+                             const float *neg_a, const float *dt_bias, float *state,
+                             int64_t k_heads, int64_t v_heads, int64_t dk, int64_t dv,
+                             int tiled, float l2_eps, const float *z,
+                             const float *norm_weight, float eps, float *y) {
+    float *conv = malloc(sizeof(float) * rows * channels);
+    if (conv == NULL) return;
+    const int64_t taps = kernel - 1, key_width = k_heads * dk;
+    for (int64_t i = 0; i < rows * channels; i++) {
+        const int64_t r = i / channels;
+        float *inputs = conv_state + i * taps;
+        const float *w = conv_weight + (i % channels) * kernel;
+        float acc = mixed[i] * w[taps];
+        for (int64_t j = 0; j < taps; j++) acc += inputs[j] * w[j];
+        conv[i] = acc / (1.0f + exp_scalar(-acc));
+        if (counts[r] > 0 && taps > 0) {
+            memmove(inputs, inputs + 1, sizeof(float) * (taps - 1));
+            inputs[taps - 1] = mixed[i];
+        }
+    }
+    const float q_scale = 1.0f / sqrtf((float)dk);
+    for (int64_t i = 0; i < rows * 2 * k_heads; i++) {
+        float *x = conv + (i / (2 * k_heads)) * channels + (i % (2 * k_heads)) * dk;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t d = 0; d < dk; d++) sum += x[d] * x[d];
+        const float inv = 1.0f / sqrtf(sum + l2_eps) * (i % (2 * k_heads) < k_heads ? q_scale : 1.0f);
+#pragma omp simd
+        for (int64_t d = 0; d < dk; d++) x[d] *= inv;
+    }
+#pragma omp parallel for schedule(static) if (rows * v_heads * dk * dv >= (1 << 15))
+    for (int64_t i = 0; i < rows * v_heads; i++) {
+        const int64_t r = i / v_heads, h = i % v_heads;
+        const int64_t kh = tiled ? h % k_heads : h / (v_heads / k_heads);
+        const float *q = conv + r * channels + kh * dk;
+        const float *k = q + key_width;
+        const float *v = conv + r * channels + 2 * key_width + h * dv;
+        const float x = a[i] + dt_bias[h];
+        const int real = counts[r] > 0;
+        const float decay = real ? expf(neg_a[h] * (x > 20.0f ? x : log1pf(expf(x)))) : 1.0f;
+        const float beta = real ? 1.0f / (1.0f + expf(-b[i])) : 0.0f;
+        float *s = state + i * dk * dv, *o = y + i * dv;
+        float recalled[dv];
+        memset(recalled, 0, sizeof(recalled));
+        for (int64_t d = 0; d < dk; d++) {
+            float *row = s + d * dv;
+            const float kd = k[d];
+#pragma omp simd
+            for (int64_t j = 0; j < dv; j++) {
+                row[j] *= decay;
+                recalled[j] += kd * row[j];
+            }
+        }
+        for (int64_t j = 0; j < dv; j++) recalled[j] = (v[j] - recalled[j]) * beta;
+        memset(o, 0, sizeof(float) * dv);
+        for (int64_t d = 0; d < dk; d++) {
+            float *row = s + d * dv;
+            const float kd = k[d], qd = q[d];
+#pragma omp simd
+            for (int64_t j = 0; j < dv; j++) {
+                row[j] += kd * recalled[j];
+                o[j] += qd * row[j];
+            }
+        }
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < dv; j++) sum += o[j] * o[j];
+        const float inv = 1.0f / sqrtf(sum / (float)dv + eps);
+#pragma omp simd
+        for (int64_t j = 0; j < dv; j++) o[j] *= inv * norm_weight[j];
+        silu_mul_run(z + i * dv, o, dv, o);
+    }
+    free(conv);
 }
 
 #if VW > 1

@@ -36,7 +36,7 @@ from family_checks import (
 from helpers import CHUNKS, STORIES_GGUF, cached_logits, fuse_gate_up_experts, randomize
 from test_batching import Collector
 
-from llmrun import api, static_decode
+from llmrun import api, native, ops, static_decode
 from llmrun.batching import Request, Scheduler
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import inspect
@@ -526,6 +526,20 @@ def test_a_gguf_matches_transformers(family, tmp_path):
     assert config["num_hidden_layers"] == 4 and config["tiled_value_heads"]
     assert loaded.model.decode_step is None
     assert max_diff(cached_logits(loaded.model, IDS), expected) < 1e-4
+
+
+def test_decoding_takes_the_native_deltanet_step(family, tmp_path, monkeypatch):
+    """One token at a time, each Gated DeltaNet layer is one native call (where the
+    kernels are built), and the logits still match transformers'."""
+    if not native.available():
+        pytest.skip(f"no native kernels here: {native.status()}")
+    kind, hf, expected = family
+    calls = []
+    step = ops.gated_delta_step
+    monkeypatch.setattr(ops, "gated_delta_step", lambda *a, **k: calls.append(1) or step(*a, **k))
+    loaded = load_model(write_qwen35_gguf(tmp_path / "m.gguf", hf), CPU, "f32")
+    assert max_diff(cached_logits(loaded.model, IDS, (3,)), expected) < 1e-4
+    assert len(calls) == (SEQ - 3) * hf.config.layer_types.count("linear_attention")
 
 
 def test_a_gguf_without_layer_flags_takes_the_interval(tmp_path):
