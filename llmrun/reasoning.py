@@ -30,7 +30,10 @@ THINK_MARKERS = (
     (THINK_OPEN, THINK_CLOSE),
     ("<seed:think>", "</seed:think>"),
     ("<|START_THINKING|>", "<|END_THINKING|>"),
+    ("<|channel>", "<channel|>"),  # Gemma 4's, `thought` written after the opening
 )
+# The name a model writes after its opening marker, part of neither reasoning nor answer.
+CHANNEL_NAMES = {"<|channel>": "thought"}
 # Harmony's message tokens: start, channel, message, end (required), return, call.
 HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>")
 _CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
@@ -49,13 +52,19 @@ class Markers:
     close_id: int
     open_text: str = THINK_OPEN
     close_text: str = THINK_CLOSE
+    name: str = ""  # written after the opening (Gemma 4's `thought`)
 
     def opened_by(self, prompt: str) -> bool:
         """Whether the prompt leaves reasoning open: it ends with `<think>` (and maybe
         white space), as a template that writes it for the model does (DeepSeek-R1's).
         One elsewhere in the prompt (a user asking what the tag does) opens nothing, as
         llama.cpp and vLLM read it."""
-        return prompt.rstrip().endswith(self.open_text)
+        end = prompt.rstrip()
+        return (
+            end.endswith(self.open_text)
+            or bool(self.name)
+            and end.endswith(self.open_text + self.name)
+        )
 
 
 @dataclass(frozen=True)
@@ -86,7 +95,9 @@ def find_markers(tokenizer: _Vocab) -> Markers | Harmony | None:
     for open_text, close_text in THINK_MARKERS:
         open_id, close_id = tokenizer.token_id(open_text), tokenizer.token_id(close_text)
         if open_id is not None and close_id is not None:
-            return Markers(open_id, close_id, open_text, close_text)
+            return Markers(
+                open_id, close_id, open_text, close_text, CHANNEL_NAMES.get(open_text, "")
+            )
     return None
 
 
@@ -123,12 +134,14 @@ class Splitter:
         self.tokens = {REASONING: 0, ANSWER: 0}
         self.text = {REASONING: "", ANSWER: ""}
         self._pending = ""
+        self._name = ""  # what is left to drop of the name after an opening marker
         self.kind = ANSWER
         if isinstance(markers, Harmony):
             self.tokens[COMMENTARY], self.text[COMMENTARY] = 0, ""
             self._harmony_from(prompt)
         elif markers is not None and markers.opened_by(prompt):
             self.kind = REASONING
+            self._name = "" if prompt.rstrip().endswith(markers.name) else markers.name
 
     def feed(self, token: int | None, text: str) -> list[Piece]:
         """The printable pieces for one generated token (`text` is its decoded text)."""
@@ -141,10 +154,23 @@ class Splitter:
             self.tokens[REASONING] += 1
             self._pending = ""
             self.kind = REASONING if token == markers.open_id else ANSWER
+            self._name = markers.name if token == markers.open_id else ""
             return before
         if token is not None:
             self.tokens[self.kind] += 1
+        if self._name:
+            text = self._drop_name(text)
         return self._emit(text)
+
+    def _drop_name(self, text: str) -> str:
+        """The text without what it holds of the name after the opening marker."""
+        if text.startswith(self._name):
+            text, self._name = text[len(self._name) :], ""
+        elif self._name.startswith(text):
+            text, self._name = "", self._name[len(text) :]
+        else:  # the model named no channel
+            self._name = ""
+        return text
 
     # ---- harmony ------------------------------------------------------------------------
 

@@ -33,6 +33,8 @@ The format is chosen from the chat template's source, never from a model name:
 - minimax_m2: `<minimax:tool_call>\n<invoke name="NAME">\n<parameter name="KEY">VALUE
   </parameter>\n...</invoke>\n...</minimax:tool_call>`, several invokes in one block
   (MiniMax-M2, M2.1, M2.5); values as in qwen3_xml
+- gemma4: `<|tool_call>call:NAME{key:<|"|>text<|"|>,n:3}<tool_call|>`, Gemma's own notation
+  for the arguments (Gemma 4; llmrun/gemma4_calls.py reads and writes it)
 
 ToolCallParser reads the generated text piece by piece: text outside calls passes on as
 content as soon as it cannot begin a call, each call comes out whole once it is complete,
@@ -54,14 +56,15 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from llmrun import gemma4_calls
 from llmrun.reasoning import ANSWER, REASONING, Piece
 
 HERMES, LLAMA3, MISTRAL, HARMONY, PHI4 = "hermes", "llama3_json", "mistral", "harmony", "phi4_mini"
 QWEN_XML, GRANITE, GLM = "qwen3_xml", "granite", "glm45"
 DEEPSEEK_V31, DEEPSEEK_V3, KIMI, COMMAND = "deepseek_v31", "deepseek_v3", "kimi_k2", "command_r7b"
-SEED, MINIMAX = "seed_oss", "minimax_m2"
+SEED, MINIMAX, GEMMA4 = "seed_oss", "minimax_m2", "gemma4"
 FORMATS = (HERMES, LLAMA3, MISTRAL, HARMONY, PHI4, QWEN_XML, GRANITE, GLM)
-FORMATS += (DEEPSEEK_V31, DEEPSEEK_V3, KIMI, COMMAND, SEED, MINIMAX)
+FORMATS += (DEEPSEEK_V31, DEEPSEEK_V3, KIMI, COMMAND, SEED, MINIMAX, GEMMA4)
 # OpenAI's rule for function names.
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 # How the grammars write JSON: as json.dumps does by default, the way these models were
@@ -190,6 +193,8 @@ class ToolFormat:
         if self.name == MINIMAX:
             invokes = "".join(_minimax_invoke(c["name"], c["arguments"]) for c in items)
             return f"{_MINIMAX_OPEN}\n{invokes}{_MINIMAX_CLOSE}"
+        if self.name == GEMMA4:
+            return "".join(gemma4_calls.write_call(c["name"], c["arguments"]) for c in items)
         if self.name == COMMAND:
             actions = [
                 {"tool_call_id": str(i), "tool_name": c["name"], "parameters": c["arguments"]}
@@ -322,6 +327,8 @@ class ToolFormat:
             call = f"{token(_KIMI_BEGIN)} ({alts}) {token(_KIMI_END)}"
             opening, closing = token(_KIMI_OPEN), token(_KIMI_CLOSE)
             return f"start: {opening} call{many} {closing}\ncall: {call}\n"
+        if self.name == GEMMA4:
+            return gemma4_calls.grammar(functions, token, parallel)
         if self.name == COMMAND:
             # laid out as the template writes its calls and the system prompt asks
             action = schema(call_object("parameters", "", "tool_name", "tool_call_id"))
@@ -388,6 +395,12 @@ _FORMATS = {
     COMMAND: ToolFormat(COMMAND, (_COMMAND_OPEN,), _COMMAND_CLOSE, (_COMMAND_OPEN, _COMMAND_CLOSE)),
     SEED: ToolFormat(SEED, (_SEED_OPEN,), _SEED_CLOSE, (_SEED_OPEN, _SEED_CLOSE)),
     MINIMAX: ToolFormat(MINIMAX, (_MINIMAX_OPEN,), _MINIMAX_CLOSE, (_MINIMAX_OPEN, _MINIMAX_CLOSE)),
+    GEMMA4: ToolFormat(
+        GEMMA4,
+        (gemma4_calls.OPEN,),
+        gemma4_calls.CLOSE,
+        (gemma4_calls.OPEN, gemma4_calls.CLOSE, gemma4_calls.QUOTE),
+    ),
 }
 
 
@@ -412,6 +425,8 @@ def detect_format(template: str | None) -> ToolFormat | None:
         return _FORMATS[SEED]
     if _MINIMAX_OPEN in template:
         return _FORMATS[MINIMAX]
+    if gemma4_calls.OPEN + "call:" in template:
+        return _FORMATS[GEMMA4]
     if "[TOOL_CALLS]" in template:
         return get_format(MISTRAL, args_form="[ARGS]" in template)
     if "<|tool_call|>" in template and "<|start_of_role|>" in template:
@@ -911,6 +926,7 @@ _PARSERS: dict[str, Callable[[ToolFormat, str], Any]] = {
     COMMAND: _command,
     SEED: _seed,
     MINIMAX: _minimax,
+    GEMMA4: lambda fmt, region: [(*gemma4_calls.parse_call(region), None)],
 }
 
 

@@ -303,3 +303,25 @@ def test_seed_oss_and_command_reasoning_markers(opener, closer):
     assert s.text == {REASONING: "Hm", ANSWER: "Yes"}
     # Where a vocabulary has <think> too, it is the one.
     assert find_markers(ListVocab([opener, closer, "<think>", "</think>"])) == Markers(2, 3)
+
+
+def test_gemma4_channel_markers():
+    """Gemma 4 thinks in a `thought` channel: `<|channel>thought\\n...<channel|>`, its
+    name part of neither reasoning nor answer (as llama.cpp's Gemma 4 parser reads it);
+    the template's prompt without thinking holds an empty channel, so all is answer."""
+    markers = find_markers(ListVocab(["x", "<|channel>", "<channel|>"]))
+    assert markers == Markers(1, 2, "<|channel>", "<channel|>", "thought")
+    stream = [(1, "<|channel>"), (3, "thought"), (4, "\nHm,"), (5, " four."), (2, "<channel|>")]
+    pieces, s = split([*stream, (6, "4")], prompt="<|turn>model\n", markers=markers)
+    assert s.text == {REASONING: "Hm, four.", ANSWER: "4"}
+    # The name cut into pieces, or not written at all.
+    stream = [(1, ""), (3, "tho"), (4, "ught\nHm"), (2, ""), (6, "4")]
+    assert split(stream, markers=markers)[1].text == {REASONING: "Hm", ANSWER: "4"}
+    assert split([(1, ""), (3, "Hm"), (2, "")], markers=markers)[1].text[REASONING] == "Hm"
+    empty = "<|turn>model\n<|channel>thought\n<channel|>"
+    assert split([(6, "4")], prompt=empty, markers=markers)[1].text == {REASONING: "", ANSWER: "4"}
+    opened = "<|turn>model\n<|channel>thought\n"
+    assert split([(3, "Hm"), (2, ""), (6, "4")], prompt=opened, markers=markers)[1].text == {
+        REASONING: "Hm",
+        ANSWER: "4",
+    }

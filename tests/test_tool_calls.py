@@ -17,6 +17,7 @@ from llmrun.tool_calls import (
     COMMAND,
     DEEPSEEK_V3,
     DEEPSEEK_V31,
+    GEMMA4,
     GLM,
     GRANITE,
     HARMONY,
@@ -73,6 +74,8 @@ TEMPLATE_FORMATS = {
     "GLM-4.7-Flash": (GLM, False),
     "ibm-granite-granite-4.0": (HERMES, False),
     "MiniMax-M2": (MINIMAX, False),
+    "google-gemma-4-31B-it": (GEMMA4, False),
+    "google-gemma-4-31B-it-interleaved": (GEMMA4, False),
 }
 WEATHER = {
     "type": "function",
@@ -319,6 +322,28 @@ EXACT = [
 ]
 
 
+# Gemma 4's notation: strings between <|"|> tokens, bare keys, nested values.
+GEMMA4_ARGS = (
+    'city:<|"|>Paris, "France"<|"|>,days:3,opts:{metric:true,<|"|>quoted key<|"|>:-2.5e-1,'
+    'list:[1,<|"|>a,b}<|"|>,null,[]]}'
+)
+GEMMA4_VALUES = {
+    "city": 'Paris, "France"',
+    "days": 3,
+    "opts": {"metric": True, "quoted key": -0.25, "list": [1, "a,b}", None, []]},
+}
+EXACT += [
+    (GEMMA4, '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>', "", [PARIS]),
+    (
+        GEMMA4,
+        f"Let me look.<|tool_call>call:get_weather{{{GEMMA4_ARGS}}}<tool_call|>"
+        "<|tool_call>call:get_time{}<tool_call|>",
+        "Let me look.",
+        [("get_weather", GEMMA4_VALUES), ("get_time", {})],
+    ),
+]
+
+
 @pytest.mark.parametrize(("name", "text", "content", "calls"), EXACT)
 def test_parsers_on_exact_strings(name, text, content, calls):
     fmt = get_format(name, args_form="[ARGS]" in text)
@@ -398,6 +423,11 @@ NOT_CALLS = [
     (HARMONY, "plain text from a harmony model"),
     (HARMONY, "<|channel|>commentary to=browser.search<|message|>{}"),
     (HARMONY, "<|channel|>commentary to=functions.f<|message|>{not json"),
+    (GEMMA4, '<|tool_call>call:f{a:<|"|>1<|"|>'),  # cut off
+    (GEMMA4, '<|tool_call>call:f{a:<|"|>1}<tool_call|>'),  # an open string
+    (GEMMA4, "<|tool_call>call:f{a:1,}<tool_call|>"),
+    (GEMMA4, "<|tool_call>call:f[1]<tool_call|>"),  # arguments that are no mapping
+    (GEMMA4, "<|tool_call>call:f{a:1} and more<tool_call|>"),
 ]
 
 
@@ -498,7 +528,7 @@ def test_ids():
 @pytest.mark.parametrize(
     "name",
     [HERMES, LLAMA3, MISTRAL, PHI4, HARMONY, DEEPSEEK_V31, DEEPSEEK_V3, KIMI, COMMAND, SEED]
-    + [MINIMAX],
+    + [MINIMAX, GEMMA4],
 )
 @pytest.mark.parametrize("args_form", [False, True])
 def test_call_text_parses_back(name, args_form):
@@ -543,6 +573,9 @@ RENDERED_CALLS = {
     "</parameter>\n</function>\n</seed:tool_call>",
     "MiniMax-M2": '\n<minimax:tool_call>\n<invoke name="get_weather">\n'
     '<parameter name="city">Paris</parameter>\n</invoke>\n</minimax:tool_call>[e~[',
+    # the tool's result named after the call it answers
+    "google-gemma-4-31B-it": '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>'
+    '<|tool_response>response:get_weather{value:<|"|>sunny<|"|>}<tool_response|>',
 }
 
 

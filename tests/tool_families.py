@@ -132,6 +132,7 @@ COMMAND_TOKENS += special("<|START_RESPONSE|>", "<|END_RESPONSE|>")
 COMMAND_CALL = (
     '[\n    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": "Paris"}}\n]'
 )
+GEMMA4_CALL = 'call:get_weather{city:<|"|>Paris<|"|>}'
 SEED_CALL = "\n<function=get_weather>\n<parameter=city>Paris</parameter>\n</function>\n"
 MINIMAX_CALL = (
     '\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n</invoke>\n'
@@ -300,6 +301,18 @@ FAMILIES = {
         ["</think>", "<minimax:tool_call>", MINIMAX_CALL, "</minimax:tool_call>"],
         ["[e~["],
         answer_head=("</think>",),
+    ),
+    # Gemma 4: Gemma's notation for the arguments, strings between <|"|> tokens (which,
+    # as its markers, its vocabulary prints); a call ends the turn with <|tool_response>,
+    # after which the template writes the result.
+    "gemma4": Family(
+        "gemma4",
+        "google-gemma-4-31B-it.jinja",
+        special("<|turn>", "<turn|>", "<|tool_response>", "<tool_response|>")
+        + plain("<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", '<|"|>', "<|tool>")
+        + plain("<tool|>", GEMMA4_CALL),
+        ["<|tool_call>", GEMMA4_CALL, "<tool_call|>", "<|tool_response>"],
+        ["<turn|>", "<|tool_response>"],
     ),
     "phi4-mini": Family(
         "phi4_mini",
