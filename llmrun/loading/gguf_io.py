@@ -358,16 +358,30 @@ def _tensor_nbytes(
     return count // block_size * type_size
 
 
+# The most a small F32 tensor read into a list (RoPE factors) may hold.
+FLOAT_LIST_MAX_BYTES = 1 << 20
+
+
 def read_float_list(gg: GGUFFile, name: str) -> list[float]:
+    """A small F32 tensor's values (RoPE factors), also from a header read without its
+    tensors' bytes (`llmrun show`): then from the file itself."""
     info = gg.tensors.get(name)
-    if info is None or gg.buffer is None:
+    if info is None or (gg.buffer is None and info.part != 0):
         raise ModelFormatError(f"{gg.path}: tensor {name!r} is missing")
-    if info.ggml_type != GGMLQuantizationType.F32:
+    if info.ggml_type != GGMLQuantizationType.F32 or info.nbytes > FLOAT_LIST_MAX_BYTES:
         raise UnsupportedError(
-            f"{gg.path}: tensor {name!r} has type {info.ggml_type.name}; F32 expected"
+            f"{gg.path}: tensor {name!r} is {info.ggml_type.name} of {info.nbytes} bytes; "
+            f"F32 of at most {FLOAT_LIST_MAX_BYTES} expected"
         )
     n = info.nbytes // 4
-    return list(struct.unpack_from(f"<{n}f", gg.buffers[info.part], info.offset))
+    if gg.buffer is not None:
+        return list(struct.unpack_from(f"<{n}f", gg.buffers[info.part], info.offset))
+    with open(gg.path, "rb") as f:
+        f.seek(info.offset)
+        data = f.read(4 * n)
+    if len(data) != 4 * n:
+        raise ModelFormatError(f"{gg.path}: tensor {name!r} runs past the end of the file")
+    return list(struct.unpack(f"<{n}f", data))
 
 
 def generation_defaults(gg: GGUFFile) -> dict[str, Any]:

@@ -121,6 +121,13 @@ def test_llama3_rope_factors_from_rope_freqs_tensor(tmp_path):
     with torch.no_grad():
         expected = hf(IDS).logits
     torch.testing.assert_close(logits(tmp_path / "scaled.gguf"), expected, atol=1e-4, rtol=0)
+    # `llmrun show` reads the header alone, and the factors from the file (it printed no
+    # KV cache size for such files).
+    from llmrun.loading import inspect
+
+    shown = inspect.describe(tmp_path / "scaled.gguf")["kv_cache_bytes_8k"]
+    layers, kv_heads = config["num_hidden_layers"], config["num_key_value_heads"]
+    assert shown == 8192 * 2 * layers * kv_heads * 16 * 4  # keys and values, head_dim 16, f32
 
 
 # ---- Gemma: llama.cpp's conventions, the multimodal checkpoint, bad files -------------
