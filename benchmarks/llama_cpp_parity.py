@@ -101,6 +101,14 @@ def gemma3n(path: Path) -> None:
     t.write_gemma3n_gguf(path, t.hf_model(config))
 
 
+def gemma4(path: Path, form: str) -> None:
+    """The tests' forms as they are: "e2b" (per-layer inputs, shared KV, double-wide
+    feed-forwards) and "moe" (experts, values from the keys)."""
+    import test_gemma4 as t
+
+    t.write_gemma4_gguf(path, t.hf_model(t.FORMS[form]))
+
+
 def minimax_m2(path: Path) -> None:
     import test_minimax_m2 as t
 
@@ -130,6 +138,8 @@ FAMILIES: dict[str, Callable[[Path], None]] = {
     "lfm2moe": lambda p: lfm2(p, "lfm2_moe"),
     "llama4": llama4,
     "gemma3n": gemma3n,
+    "gemma4": lambda p: gemma4(p, "e2b"),
+    "gemma4moe": lambda p: gemma4(p, "moe"),
     "minimax-m2": minimax_m2,
     "mistral4": mistral4,
     "mistral4-fused": lambda p: mistral4(p, fuse_experts=True),

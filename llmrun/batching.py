@@ -172,13 +172,14 @@ class Scheduler:
         window and a prefill chunk), so running sequences never wait for it; the
         full layers get the rest of the memory."""
         windowed, window = window_layers(like, self.engine.ctx_size)
-        full_bytes = PagedKVCache.block_bytes(like, BLOCK_SIZE, windowed.count(False))
+        full_layers = [i for i, w in enumerate(windowed) if not w]
+        full_bytes = PagedKVCache.block_bytes(like, BLOCK_SIZE, full_layers)
         window_blocks = window_bytes = 0
         if window is not None:
             held = blocks_for(min(window + self.prefill_budget, self.engine.ctx_size)) + 1
             window_blocks = CONTEXTS_PER_SEQUENCE * self.parallel * held
             window_bytes = window_blocks * PagedKVCache.block_bytes(
-                like, BLOCK_SIZE, windowed.count(True)
+                like, BLOCK_SIZE, [i for i, w in enumerate(windowed) if w]
             )
         if kv_memory is None:
             wanted = CONTEXTS_PER_SEQUENCE * self.parallel * blocks_for(self.engine.ctx_size)

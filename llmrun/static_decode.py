@@ -53,6 +53,7 @@ def supported(model: nn.Module, cache: KVCache) -> bool:
         and not any(isinstance(getattr(m, "experts", None), nn.ModuleList) for m in model.modules())
         and not cache.paged
         and cache.ring_k is None
+        and cache.uniform
         and cache.recurrent is None
         and cache.rows is None
         and cache.k.shape[1] == 1

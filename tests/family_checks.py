@@ -97,11 +97,13 @@ def finish_stories_gguf(writer, path, state: dict, name_of, qtype=None):
     return path
 
 
-def write_keyed_gguf(path, arch: str, keys: dict, tensors: dict, qtype=None):
+def write_keyed_gguf(path, arch: str, keys: dict, tensors: dict, qtype=None, whole_blocks=False):
     """A GGUF of `arch`: `keys` ("{arch}.…" templates -> value, as the converter writes
     them; None leaves a key out), stories260K's llama vocabulary, and `tensors` (GGUF
     name -> array), those of two or more dimensions but the routers (ffn_gate_inp, which
-    the converter keeps in F32) in `qtype` (default F32); returns `path`."""
+    the converter keeps in F32) in `qtype` (default F32); with `whole_blocks`, only those
+    whose rows are whole blocks of it (the rest F32, as the converter falls back);
+    returns `path`."""
     import gguf
     import numpy as np
 
@@ -128,7 +130,10 @@ def write_keyed_gguf(path, arch: str, keys: dict, tensors: dict, qtype=None):
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     for name, data in tensors.items():
-        if data.ndim == 1 or qtype is None or "ffn_gate_inp" in name:
+        partial = (
+            whole_blocks and qtype is not None and data.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]
+        )
+        if data.ndim == 1 or qtype is None or "ffn_gate_inp" in name or partial:
             writer.add_tensor(name, data.astype(np.float32))
         else:
             raw = gguf.quants.quantize(data, qtype)

@@ -17,21 +17,36 @@ from gguf import (
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import (
+    afmoe,
+    apertus,
     cohere,
+    cohere2_moe,
     deepseek2,
+    deepseek4,
+    dsa,
     ernie4_5,
     exaone4,
+    exaone_moe,
+    falcon_h1,
     gemma3n,
+    gemma4,
     glm4,
     glm4_moe,
     gpt_oss,
     granite,
     granitehybrid,
     hunyuan,
+    hy_v3,
+    kimi_linear,
+    laguna,
     lfm2,
     llama4,
+    mimo2,
     minimax_m2,
+    nemotron_h,
     olmo,
+    olmoe,
+    phimoe,
     qwen35,
     seed_oss,
 )
@@ -50,6 +65,7 @@ MODEL_TYPES = {
     "gemma2": "gemma2",
     "gemma3": "gemma3_text",
     gemma3n.ARCH: gemma3n.MODEL_TYPE,  # llmrun/loading/gemma3n.py
+    gemma4.ARCH: gemma4.MODEL_TYPE,  # llmrun/loading/gemma4.py
     "qwen2moe": "qwen2_moe",
     "qwen3moe": "qwen3_moe",
     # Qwen3-VL's language models: Qwen3 with M-RoPE, which text alone (every position
@@ -59,23 +75,38 @@ MODEL_TYPES = {
     gpt_oss.ARCH: gpt_oss.MODEL_TYPE,  # its mapping: llmrun/loading/gpt_oss.py
     deepseek2.ARCH: "deepseek_v2",  # or deepseek_v3: llmrun/loading/deepseek2.py
     deepseek2.MISTRAL4: deepseek2.MISTRAL4,
+    **dsa.ARCHS,  # DeepSeek-V3.2 and GLM-5: llmrun/loading/dsa.py
+    deepseek4.ARCH: deepseek4.MODEL_TYPE,  # llmrun/loading/deepseek4.py
     "granite": "granite",  # with experts, granitemoe: llmrun/loading/granite.py
     "granitemoe": "granitemoe",
+    granite.SWA_ARCH: "granite_swa",  # with experts, granitemoe_swa
     granitehybrid.ARCH: granitehybrid.MODEL_TYPE,  # llmrun/loading/granitehybrid.py
+    kimi_linear.ARCH: kimi_linear.MODEL_TYPE,  # llmrun/loading/kimi_linear.py
     olmo.ARCH: "olmo2",  # OLMo 3 too (a sliding window): llmrun/loading/olmo.py
     "smollm3": "smollm3",
     **cohere.MODEL_TYPES,  # their metadata: llmrun/loading/cohere.py
+    cohere2_moe.ARCH: cohere2_moe.MODEL_TYPE,  # llmrun/loading/cohere2_moe.py
     glm4.ARCH: glm4.MODEL_TYPE,  # llmrun/loading/glm4.py
     glm4_moe.ARCH: glm4_moe.MODEL_TYPE,  # llmrun/loading/glm4_moe.py
     ernie4_5.ARCH: ernie4_5.MODEL_TYPE,  # llmrun/loading/ernie4_5.py
     ernie4_5.MOE_ARCH: ernie4_5.MOE_MODEL_TYPE,
     seed_oss.ARCH: seed_oss.MODEL_TYPE,  # llmrun/loading/seed_oss.py
     exaone4.ARCH: exaone4.MODEL_TYPE,  # llmrun/loading/exaone4.py
+    exaone_moe.ARCH: exaone_moe.MODEL_TYPE,  # llmrun/loading/exaone_moe.py
+    mimo2.ARCH: mimo2.MODEL_TYPE,  # llmrun/loading/mimo2.py
     hunyuan.ARCH: hunyuan.MODEL_TYPE,  # llmrun/loading/hunyuan.py
     **qwen35.ARCHS,  # Qwen3.5 and its MoE: llmrun/loading/qwen35.py
     **lfm2.MODEL_TYPES,  # llmrun/loading/lfm2.py
     llama4.ARCH: llama4.MODEL_TYPE,  # llmrun/loading/llama4.py
     minimax_m2.ARCH: minimax_m2.MODEL_TYPE,  # llmrun/loading/minimax_m2.py
+    **nemotron_h.MODEL_TYPES,  # llmrun/loading/nemotron_h.py
+    apertus.ARCH: apertus.MODEL_TYPE,  # llmrun/loading/apertus.py
+    afmoe.ARCH: afmoe.MODEL_TYPE,  # llmrun/loading/afmoe.py
+    olmoe.ARCH: olmoe.MODEL_TYPE,  # llmrun/loading/olmoe.py
+    falcon_h1.ARCH: falcon_h1.MODEL_TYPE,  # llmrun/loading/falcon_h1.py
+    phimoe.ARCH: phimoe.MODEL_TYPE,  # llmrun/loading/phimoe.py
+    hy_v3.ARCH: hy_v3.MODEL_TYPE,  # llmrun/loading/hy_v3.py
+    laguna.ARCH: laguna.MODEL_TYPE,  # llmrun/loading/laguna.py
 }
 # Families whose RMSNorm is x * (1 + w): llama.cpp's converter stores 1 + w.
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
@@ -117,7 +148,14 @@ _MOE_LAYER_NAMES = {
 }
 EXPERT_STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # gate, up, down
 _EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2")}  # else gate_proj, up_proj, down_proj
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", *granite.MOE_TYPES)
+MOE_TYPES = (
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    *granite.MOE_TYPES,
+    olmoe.MODEL_TYPE,
+    phimoe.MODEL_TYPE,
+)
 SMOLLM3_NO_ROPE_INTERVAL = 4
 # Tensors that carry RoPE settings rather than weights; config_from_gguf reads them.
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
@@ -131,10 +169,28 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
         return gpt_oss.hf_name(gguf_name)
     if model_type == gemma3n.MODEL_TYPE:
         return gemma3n.hf_name(gguf_name)
+    if model_type == gemma4.MODEL_TYPE:
+        return gemma4.hf_name(gguf_name)
     if model_type in (*deepseek2.MODEL_TYPES, deepseek2.MISTRAL4):
         return deepseek2.hf_name(gguf_name)
+    if model_type in dsa.MODEL_TYPES:
+        return dsa.hf_name(gguf_name)
+    if model_type == deepseek4.MODEL_TYPE:
+        return deepseek4.hf_name(gguf_name)
     if model_type in lfm2.MODEL_TYPES.values():
         return lfm2.hf_name(gguf_name)
+    if model_type == nemotron_h.MODEL_TYPE:
+        return nemotron_h.hf_name(gguf_name)
+    if model_type == kimi_linear.MODEL_TYPE:
+        return kimi_linear.hf_name(gguf_name)
+    if model_type == exaone_moe.MODEL_TYPE and gguf_name.startswith("blk."):
+        return exaone_moe.hf_name(gguf_name)
+    if model_type == mimo2.MODEL_TYPE and gguf_name.startswith("blk."):
+        return mimo2.hf_name(gguf_name)
+    if model_type == falcon_h1.MODEL_TYPE:
+        return falcon_h1.hf_name(gguf_name)
+    if model_type == phimoe.MODEL_TYPE and (moe := phimoe.hf_name(gguf_name)):
+        return moe
     if model_type == granitehybrid.MODEL_TYPE and (name := granitehybrid.hf_name(gguf_name)):
         return name
     if model_type == glm4_moe.MODEL_TYPE and gguf_name.startswith("blk."):
@@ -145,6 +201,14 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
         return qwen35.hf_name(gguf_name)
     if model_type == minimax_m2.MODEL_TYPE and (moe := minimax_m2.hf_name(gguf_name)):
         return moe
+    if model_type == afmoe.MODEL_TYPE and (name := afmoe.hf_name(gguf_name)):
+        return name
+    if model_type == hy_v3.MODEL_TYPE and (name := hy_v3.hf_name(gguf_name)):
+        return name
+    if model_type == laguna.MODEL_TYPE and (name := laguna.hf_name(gguf_name)):
+        return name
+    if model_type == cohere2_moe.MODEL_TYPE and (name := cohere2_moe.hf_name(gguf_name)):
+        return name
     base, _, suffix = gguf_name.rpartition(".")
     if suffix not in ("weight", "bias"):
         return None
@@ -170,6 +234,10 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
         names = {**_LAYER_NAMES, **hunyuan.LAYER_NAMES}
     elif model_type == llama4.MODEL_TYPE:
         names = {**_LAYER_NAMES, **llama4.LAYER_NAMES}
+    elif model_type == apertus.MODEL_TYPE:
+        names = {**_LAYER_NAMES, **apertus.LAYER_NAMES}
+    elif model_type in granite.SWA_TYPES:
+        names = {**_LAYER_NAMES, **granite.SWA_LAYER_NAMES}
     if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit() or parts[2] not in names:
         return None
     name = names[parts[2]]
@@ -207,14 +275,30 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         return gpt_oss.config_from_gguf(gg, _rope_from_gguf, _gemma_layer_types)
     if arch in deepseek2.ARCHS:
         return deepseek2.config_from_gguf(gg, _rope_from_gguf)
+    if arch in dsa.ARCHS:
+        return dsa.config_from_gguf(gg, _rope_from_gguf)
+    if arch == deepseek4.ARCH:
+        return deepseek4.config_from_gguf(gg, _rope_from_gguf)
     if arch in cohere.MODEL_TYPES:
         return cohere.config_from_gguf(gg, _rope_from_gguf, _gemma_layer_types)
+    if arch == cohere2_moe.ARCH:
+        return cohere2_moe.config_from_gguf(gg, _rope_from_gguf)
+    if arch == gemma4.ARCH:
+        return gemma4.config_from_gguf(gg)
     if arch in qwen35.ARCHS:
         return qwen35.config_from_gguf(gg, _rope_from_gguf)
     if arch in lfm2.MODEL_TYPES:
         return lfm2.config_from_gguf(gg, _rope_from_gguf)
+    if arch == kimi_linear.ARCH:
+        return kimi_linear.config_from_gguf(gg)
     if arch == granitehybrid.ARCH:
         return granitehybrid.config_from_gguf(gg, _rope_from_gguf)
+    if arch == falcon_h1.ARCH:
+        return falcon_h1.config_from_gguf(gg, _rope_from_gguf)
+    if arch in nemotron_h.ARCHS:
+        return nemotron_h.config_from_gguf(gg)
+    if arch == laguna.ARCH:
+        return laguna.config_from_gguf(gg, _rope_from_gguf)
 
     def key(name: str, default: Any = None, required: bool = False) -> Any:
         full = f"{arch}.{name}"
@@ -290,13 +374,24 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         seed_oss.ARCH: seed_oss.finish_config,
         hunyuan.ARCH: hunyuan.finish_config,
         minimax_m2.ARCH: minimax_m2.finish_config,
+        apertus.ARCH: apertus.finish_config,
+        granite.SWA_ARCH: granite.finish_swa_config,
+        olmoe.ARCH: olmoe.finish_config,
+        phimoe.ARCH: phimoe.finish_config,
+        hy_v3.ARCH: hy_v3.finish_config,
     }.get(arch)
     if finish is not None:
         finish(gg, config, key)
     if arch == exaone4.ARCH:
         exaone4.finish_config(gg, config, _gemma_layer_types)
+    if arch == exaone_moe.ARCH:
+        exaone_moe.finish_config(gg, config, key, _gemma_layer_types)
+    if arch == mimo2.ARCH:
+        mimo2.finish_config(gg, config, key)
     if arch == llama4.ARCH:
         llama4.finish_config(gg, config, key, _gemma_layer_types)
+    if arch == afmoe.ARCH:
+        afmoe.finish_config(gg, config, key, _gemma_layer_types)
     return config
 
 

@@ -31,6 +31,9 @@ GGUF_MAGIC = b"GGUF"
 GGML_MAX_DIMS = 4
 DEFAULT_ALIGNMENT = 32
 NO_TOKEN_ID = 0xFFFFFFFF
+# Integer tensors a model holds as they are (DeepSeek-V4's token -> experts tables, I32),
+# by torch dtype name: read as plain views, never dequantized.
+INTEGER_TYPES = {GGMLQuantizationType.I32: "int32"}
 VOCABULARY_KEYS = (
     Keys.Tokenizer.LIST,
     Keys.Tokenizer.TOKEN_TYPE,
@@ -423,6 +426,7 @@ def load_tensor(gg: GGUFFile, info: GGUFTensorInfo):
         GGMLQuantizationType.F32: torch.float32,
         GGMLQuantizationType.F16: torch.float16,
         GGMLQuantizationType.BF16: torch.bfloat16,
+        **{t: getattr(torch, name) for t, name in INTEGER_TYPES.items()},
     }
     if info.ggml_type in float_types:
         dtype = float_types[info.ggml_type]

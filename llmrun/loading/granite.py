@@ -7,9 +7,13 @@ llama.cpp writes GraniteForCausalLM as arch "granite" and both GraniteMoeForCaus
 GraniteMoeSharedForCausalLM as "granitemoe" (the shared expert: ffn_*_shexp tensors and
 expert_shared_feed_forward_length), with Llama's permuted q/k rows, the experts' fused
 gate/up rows split into ffn_gate_exps and ffn_up_exps, and the muP multipliers under the
-general *_scale keys. Granite 4's hybrid Mamba-2 models ("granitehybrid") have a module of
-their own (granitehybrid.py); the sliding-window and adapter variants are other
-architectures, refused by name.
+general *_scale keys. Granite 4's sliding-window models (GraniteSWAForCausalLM and
+GraniteMoeSWAForCausalLM, both "granite_swa": src/models/granite-swa.cpp) add the
+sliding-window pattern, a rope_pattern for NoPE layers, attention sinks (attn_sinks) and,
+with experts, the routed experts' gate/up stack and the shared expert's gate/up rows kept
+fused (ffn_gate_up_exps, ffn_up_shexp: gate rows, then up rows). Granite 4's hybrid
+Mamba-2 models ("granitehybrid") have a module of their own (granitehybrid.py); the
+adapter variant is another architecture, refused by name.
 """
 
 from __future__ import annotations
@@ -24,13 +28,20 @@ from llmrun.errors import ModelFormatError, UnsupportedError
 if TYPE_CHECKING:
     from llmrun.loading.gguf_io import GGUFFile
 
-ARCHS = ("granite", "granitemoe")  # GGUF architectures; Llama's q/k permutation
-MOE_TYPES = ("granitemoe", "granitemoeshared")  # HF model_types with experts
+SWA_ARCH = "granite_swa"
+ARCHS = ("granite", "granitemoe", SWA_ARCH)  # GGUF architectures; Llama's q/k permutation
+SWA_TYPES = ("granite_swa", "granitemoe_swa")  # HF model_types of SWA_ARCH, dense and MoE
+MOE_TYPES = ("granitemoe", "granitemoeshared", "granitemoe_swa")  # HF model_types with experts
 # Granite architectures llama.cpp writes that llmrun does not run, and what they are.
-REFUSED = {
-    "granite_swa": "Granite with sliding-window attention layers",
-    "graniteswitch": "Granite Switch (per-token LoRA adapters)",
-}
+REFUSED = {"graniteswitch": "Granite Switch (per-token LoRA adapters)"}
+# GGUF tensors of SWA_ARCH beyond Llama's, by their HF module in a layer.
+SWA_LAYER_NAMES = {"attn_sinks": "self_attn.sinks"}
+# Not in the gguf package this project pins: llama.cpp's LLM_KV_ATTENTION_ROPE_PATTERN and
+# LLM_KV_DEEPSTACK_MAPPING (src/llama-arch.cpp).
+ROPE_PATTERN = "{arch}.attention.rope_pattern"
+DEEPSTACK_MAPPING = "{arch}.deepstack_mapping"
+SHARED_UP = "mlp.shared_expert.up_proj.weight"  # SWA_ARCH's fused gate/up rows, by hf_name
+SINKS = "self_attn.sinks.weight"  # hf_name's of attn_sinks.weight: the parameter is .sinks
 
 
 def refuse(gg: GGUFFile) -> None:
@@ -62,8 +73,9 @@ def update_config(gg: GGUFFile, config: dict[str, Any]) -> None:
         raise ModelFormatError(f"{gg.path}: metadata {name(Keys.LLM.LOGIT_SCALE)!r} is missing")
     if not logits:
         raise ModelFormatError(f"{gg.path}: {name(Keys.LLM.LOGIT_SCALE)} is 0")
-    if key(Keys.Rope.SCALING_FINETUNED, True) is False:
-        # llama.cpp's granite reads it as "use RoPE" (Granite 4's NoPE models).
+    if arch != SWA_ARCH and key(Keys.Rope.SCALING_FINETUNED, True) is False:
+        # llama.cpp's granite reads it as "use RoPE" (Granite 4's NoPE models); granite_swa
+        # says which layers rotate in rope_pattern (finish_swa_config).
         raise UnsupportedError(
             f"{gg.path}: {name(Keys.Rope.SCALING_FINETUNED)} is false: a Granite model "
             "without RoPE (NoPE), which llmrun does not support"
@@ -80,7 +92,7 @@ def update_config(gg: GGUFFile, config: dict[str, Any]) -> None:
     if not count:
         return
     used = key(Keys.LLM.EXPERT_USED_COUNT, 0)
-    if not 0 < used <= count:
+    if not isinstance(used, int) or not 0 < used <= count:
         raise ModelFormatError(
             f"{gg.path}: {name(Keys.LLM.EXPERT_USED_COUNT)} is {used}, but "
             f"{name(Keys.LLM.EXPERT_COUNT)} is {count} (each token needs 1 to {count} experts)"
@@ -151,3 +163,88 @@ def _halves(tensor: Any, key: str, width: int | None, dim: int) -> tuple[Any, An
             f"rows of width {width} stacked ({2 * (width or 0)} rows)"
         )
     return tensor.narrow(dim, 0, width), tensor.narrow(dim, width, width)
+
+
+def finish_swa_config(gg: GGUFFile, config: dict[str, Any], key: Any = None) -> None:
+    """Complete a granite_swa GGUF's config (update_config's, with its RoPE settings) as
+    llama.cpp's granite-swa reads the file: the sliding window and each layer's kind
+    (both required), and which layers rotate (rope_pattern; absent, all), which
+    transformers writes as layer_rope_theta (0: no RoPE); with experts, granitemoe_swa.
+    The language model of Granite 4 Vision (deepstack_mapping) is refused."""
+    arch, path = gg.architecture, gg.path
+
+    def name(template: str) -> str:
+        return template.format(arch=arch)
+
+    if name(DEEPSTACK_MAPPING) in gg.metadata:
+        raise UnsupportedError(
+            f"{path}: {name(DEEPSTACK_MAPPING)} is set: the language model of Granite 4 "
+            "Vision, whose layers take in image features; llmrun runs Granite 4's text models"
+        )
+    rope = config["rope_parameters"]
+    if "partial_rotary_factor" in rope:
+        raise UnsupportedError(
+            f"{path}: {name(Keys.Rope.DIMENSION_COUNT)} is not the head size; llama.cpp's "
+            f"{arch} rotates whole heads"
+        )
+    layers = config["num_hidden_layers"]
+    window = gg.metadata.get(name(Keys.Attention.SLIDING_WINDOW))
+    if not isinstance(window, int) or window <= 0:
+        raise ModelFormatError(
+            f"{path}: metadata {name(Keys.Attention.SLIDING_WINDOW)} is {window!r}, not the "
+            f"positive window {arch} needs"
+        )
+    sliding = _layer_flags(gg, name(Keys.Attention.SLIDING_WINDOW_PATTERN), layers, None)
+    rotates = _layer_flags(gg, name(ROPE_PATTERN), layers, True)
+    theta = rope["rope_theta"]
+    config.update(
+        model_type="granitemoe_swa" if config.get("num_local_experts") else "granite_swa",
+        sliding_window=window,
+        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+        layer_rope_theta=[theta if r else 0.0 for r in rotates],
+    )
+
+
+def _layer_flags(gg: GGUFFile, full_key: str, layers: int, default: bool | None) -> list[bool]:
+    """A per-layer array of booleans (or 0/1) under `full_key`; absent, `default` for
+    every layer (None: the key is required)."""
+    value = gg.metadata.get(full_key)
+    if value is None and default is not None:
+        return [default] * layers
+    if (
+        not isinstance(value, list)
+        or len(value) != layers
+        or any(not isinstance(v, int) or v not in (0, 1) for v in value)
+    ):
+        shown = "missing" if value is None else repr(value)
+        raise ModelFormatError(
+            f"{gg.path}: metadata {full_key!r} is {shown}, not a true/false value for each "
+            f"of the {layers} layers"
+        )
+    return [bool(v) for v in value]
+
+
+def swa_gguf_weights(weights: dict[str, Any], config: dict[str, Any], weight_type: type) -> dict:
+    """A granite_swa GGUF's tensors as the model holds them: the sinks under the
+    attention's `sinks`, the shared expert's fused ffn_up_shexp [2 * width, hidden]
+    (gate rows, then up rows, as llama.cpp's swiglu halves it) as its gate_proj and
+    up_proj, views of the file's rows. `weight_type` wraps a tensor (loader.Weight)."""
+    out = {}
+    width = config.get("shared_intermediate_size")
+    for key, w in weights.items():
+        if key.endswith(SINKS):
+            out[key.removesuffix(".weight")] = w
+            continue
+        if not key.endswith(SHARED_UP):
+            out[key] = w
+            continue
+        if not width or w.shape[0] != 2 * width:
+            raise ModelFormatError(
+                f"tensor {key} (ffn_up_shexp) has shape {list(w.shape)}, but the shared "
+                f"expert's gate and up rows of width {width} are fused there"
+            )
+        shape = (width, *w.shape[1:])
+        gate, up = w.tensor.narrow(0, 0, width), w.tensor.narrow(0, width, width)
+        out[key.replace("up_proj", "gate_proj")] = weight_type(gate, w.ggml_type, shape)
+        out[key] = weight_type(up, w.ggml_type, shape)
+    return out

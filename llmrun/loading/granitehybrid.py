@@ -215,25 +215,35 @@ def gguf_weights(weights: dict[str, Any], config: dict[str, Any], weight_type: t
         if part in heads:
             out[name] = weight_type(unpermute_rows(w.tensor, heads[part]), w.ggml_type, w.shape)
             continue
-        if not part.startswith("mamba.") or part.endswith(("in_proj.weight", "out_proj.weight")):
-            out[name] = w
-            continue
-        if w.ggml_type is not None:
-            raise ModelFormatError(
-                f"tensor {name} is quantized ({w.ggml_type.name}); llama.cpp keeps the Mamba-2 "
-                "convolution, A, D, dt bias and norm in float"
-            )
-        tensor = w.tensor
-        if part == "mamba.A_log":
-            if (tensor >= 0).any():
-                raise ModelFormatError(f"tensor {name}: A = -exp(A_log) must be negative")
-            tensor = (-tensor.float()).log().reshape(-1)
-        elif part == "mamba.conv1d.weight":
-            tensor = tensor.reshape(tensor.shape[0], 1, -1)  # [C, K] -> [C, 1, K]
+        if part.startswith("mamba."):
+            out[name] = mamba2_weight(name, part.removeprefix("mamba."), w, weight_type)
         else:
-            tensor = tensor.reshape(-1)  # D [H, 1], norm [G, inner / G]
-        out[name] = weight_type(tensor)
+            out[name] = w
     return out
+
+
+def mamba2_weight(name: str, part: str, w: Any, weight_type: type) -> Any:
+    """A Mamba-2 mixer's tensor `name` (`part`: its name in the mixer, e.g. "A_log") of a
+    GGUF as the model holds it: A_log from A = -exp(A_log) [heads, 1], the convolution
+    [channels, 1, d_conv] from [channels, d_conv], D and the gated norm's weight flat;
+    in_proj and out_proj as they are (llama.cpp's Mamba2Model.modify_tensors, undone)."""
+    if part in ("in_proj.weight", "out_proj.weight"):
+        return w
+    if w.ggml_type is not None:
+        raise ModelFormatError(
+            f"tensor {name} is quantized ({w.ggml_type.name}); llama.cpp keeps the Mamba-2 "
+            "convolution, A, D, dt bias and norm in float"
+        )
+    tensor = w.tensor
+    if part == "A_log":
+        if (tensor >= 0).any():
+            raise ModelFormatError(f"tensor {name}: A = -exp(A_log) must be negative")
+        tensor = (-tensor.float()).log().reshape(-1)
+    elif part == "conv1d.weight":
+        tensor = tensor.reshape(tensor.shape[0], 1, -1)  # [C, K] -> [C, 1, K]
+    else:
+        tensor = tensor.reshape(-1)  # D [H, 1], norm [G, inner / G]
+    return weight_type(tensor)
 
 
 def hf_weights(weights: dict[str, Any], config: dict[str, Any], weight_type: type) -> dict:

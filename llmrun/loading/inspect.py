@@ -289,9 +289,17 @@ _WINDOW_PATTERN = {
     "gemma3_text": 6,
     "gemma3n": 5,
     "gemma3n_text": 5,
+    "gemma4": 6,
+    "gemma4_text": 6,
     "olmo3": 4,
     "cohere2": 4,
     "exaone4": 4,
+    "exaone_moe": 4,
+    "afmoe": 4,
+    "granite_swa": 4,  # transformers' default puts the global layer first, same count
+    "granitemoe_swa": 4,  # where the layers are a multiple of 4 (GGUFs list them all)
+    "cohere2_moe": 4,  # without its dense prefix (transformers' config lists them all)
+    "laguna": 1,  # without layer_types every layer is global
 }
 
 
@@ -309,17 +317,34 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
     The torch-free twin of llmrun.models.kv_cache_bytes (a test keeps the two equal)."""
     text = config.get("text_config") or config
     try:
-        layers, heads = int(text["num_hidden_layers"]), int(text["num_attention_heads"])
+        # transformers 5 saves Nemotron-H's layer count as its pattern's length alone.
+        layers = int(text.get("num_hidden_layers") or len(text["layers_block_type"]))
+        heads = int(text["num_attention_heads"])
         head_dim = int(text.get("head_dim") or text["hidden_size"] // heads)
         if "kv_lora_rank" in text:  # MLA: one KV head, the latent and the rope part
             head_dim = int(text["kv_lora_rank"]) + int(text["qk_rope_head_dim"])
+            # DeepSeek sparse attention caches its indexer's key there too
+            head_dim += int(text.get("index_head_dim") or 0)
     except (KeyError, TypeError, ValueError):
         return None
     kv_heads = 1 if "kv_lora_rank" in text else int(text.get("num_key_value_heads") or heads)
+    shapes = None  # each layer's (KV heads, head width), where layers differ
+    if config.get("model_type") in ("gemma4", "gemma4_text"):
+        from llmrun.loading import gemma4  # each layer cached in its own shape
+
+        shapes = gemma4.cache_shapes(text)
     windows: list[int | None] = [None] * layers
     pattern = _WINDOW_PATTERN.get(str(config.get("model_type")))
     window = text.get("sliding_window")
-    if pattern and window:
+    if config.get("model_type") == "mimo_v2_flash":
+        from llmrun.loading import mimo2  # every layer cached in the widest layer's shape
+
+        kv_heads, head_dim, windows = mimo2.cache_layout(text)
+    elif config.get("model_type") == "deepseek_v4":
+        from llmrun.loading import deepseek4  # one row a token and layer, of its own width
+
+        shapes = deepseek4.cache_shapes(text)
+    elif pattern and window:
         pattern = text.get("sliding_window_pattern") or pattern
         kinds = text.get("layer_types") or [
             "sliding_attention" if _local(pattern, i) else "full_attention" for i in range(layers)
@@ -329,16 +354,26 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
     windows = windows[: layers - int(text.get("num_kv_shared_layers") or 0)]
     # A hybrid model's recurrent layers (LFM2's convolutions, Granite 4.0-H's Mamba-2,
     # Qwen3.5's Gated DeltaNet) cache no keys or values; their state is the memory check's.
-    from llmrun.loading import granitehybrid, lfm2, qwen35  # they import this module
+    from llmrun.loading import (  # they import this module
+        granitehybrid,
+        kimi_linear,
+        lfm2,
+        nemotron_h,
+        qwen35,
+    )
 
-    for family in (lfm2, granitehybrid, qwen35):
+    for family in (lfm2, granitehybrid, qwen35, kimi_linear, nemotron_h):
         attending = family.attention_layer_count(text)
         if attending is not None:
             windows = [None] * attending
             break
-    copies = 1 if "kv_lora_rank" in text else 2  # MLA's latent is the key and the value
-    per_position = copies * kv_heads * head_dim * bytes_per_value
-    return sum(per_position * (context if w is None else min(w, context)) for w in windows)
+    # MLA's latent is the key and the value; so are DeepSeek-V4's rows.
+    copies = 1 if "kv_lora_rank" in text or config.get("model_type") == "deepseek_v4" else 2
+    shapes = shapes[: len(windows)] if shapes else [(kv_heads, head_dim)] * len(windows)
+    return sum(
+        copies * heads * dim * bytes_per_value * (context if w is None else min(w, context))
+        for (heads, dim), w in zip(shapes, windows, strict=True)
+    )
 
 
 def _hf_pre_tokenizer(folder: Path) -> str | None:

@@ -28,20 +28,32 @@ from torch.utils._triton import has_triton
 from llmrun import native
 from llmrun.errors import ModelFormatError, ModelNotFoundError, UnsupportedError, UsageError
 from llmrun.loading import (
+    apertus,
+    cohere2_moe,
     deepseek2,
+    deepseek4,
+    dsa,
     ernie4_5,
+    exaone_moe,
     experts,
+    falcon_h1,
     fused_experts,
     gemma3n,
+    gemma4,
     gguf_config,
     gguf_io,
     glm4_moe,
     gpt_oss,
     granite,
     granitehybrid,
+    hy_v3,
+    kimi_linear,
+    laguna,
     lfm2,
     llama4,
+    mimo2,
     minimax_m2,
+    nemotron_h,
     qwen35,
     safetensors_io,
 )
@@ -157,16 +169,36 @@ def _open_hf_dir(path: Path) -> Checkpoint:
     notes = []
     if config.get("model_type") == gpt_oss.MODEL_TYPE:
         weights = gpt_oss.hf_weights(weights, config, Weight)
-    if config.get("model_type") in (*deepseek2.MODEL_TYPES, *glm4_moe.MTP_MODEL_TYPES):
+    if config.get("model_type") in (
+        *deepseek2.MODEL_TYPES,
+        *glm4_moe.MTP_MODEL_TYPES,
+        *dsa.MODEL_TYPES,
+    ):
         weights = deepseek2.hf_weights(weights, config, path)
     if config.get("model_type") in granite.MOE_TYPES:
         weights = granite.hf_weights(weights, config, Weight)
     if config.get("model_type") == granitehybrid.MODEL_TYPE:
         weights = granitehybrid.hf_weights(weights, config, Weight)
+    if config.get("model_type") == cohere2_moe.MODEL_TYPE:
+        weights = cohere2_moe.hf_weights(weights, config, Weight)
+    if config.get("model_type") == kimi_linear.MODEL_TYPE:
+        weights = kimi_linear.hf_weights(weights)
+    if config.get("model_type") == deepseek4.MODEL_TYPE:
+        weights = deepseek4.hf_weights(weights, config, path, Weight)
     if config.get("model_type") == ernie4_5.MOE_MODEL_TYPE:
         weights = ernie4_5.hf_weights(weights)
     if config.get("model_type") == minimax_m2.MODEL_TYPE:
         weights = minimax_m2.hf_weights(weights, config, path)
+    if config.get("model_type") == exaone_moe.MODEL_TYPE:
+        weights = exaone_moe.hf_weights(weights, config, Weight)
+    if config.get("model_type") == mimo2.MODEL_TYPE:
+        weights = mimo2.hf_weights(weights, config, path, Weight)
+    if config.get("model_type") == nemotron_h.MODEL_TYPE:
+        weights = nemotron_h.hf_weights(weights, Weight)
+    if config.get("model_type") == hy_v3.MODEL_TYPE:
+        weights = hy_v3.hf_weights(weights, config, Weight)
+    if config.get("model_type") == laguna.MODEL_TYPE:
+        weights = laguna.hf_weights(weights, config, Weight)
     if config.get("model_type") in qwen35.MODEL_TYPES:
         config, weights, multimodal = qwen35.hf_checkpoint(config, weights, Weight)
         if multimodal:
@@ -195,6 +227,8 @@ def _open_hf_dir(path: Path) -> Checkpoint:
         )
     if config.get("model_type") in gemma3n.MODEL_TYPES:
         weights = gemma3n.hf_weights(weights, config)
+    if config.get("model_type") in gemma4.MODEL_TYPES:
+        weights = gemma4.hf_weights(weights, config, Weight)
     gguf_config.check_config(config, path / "config.json")
     generation = safetensors_io.read_generation_config(path)
     sampling = {
@@ -211,6 +245,7 @@ def _open_hf_dir(path: Path) -> Checkpoint:
 MULTIMODAL = {
     "gemma3": "Gemma 3",
     "gemma3n": "Gemma 3n",
+    "gemma4": "Gemma 4",
     "mistral3": "Mistral 3",
     "llama4": "Llama 4",
     "qwen3_vl": "Qwen3-VL",
@@ -222,6 +257,7 @@ MULTIMODAL = {
 TEXT_MODEL_TYPES = {
     "gemma3": "gemma3_text",
     "gemma3n": "gemma3n_text",  # Gemma3nTextConfig, whatever the file says
+    "gemma4": "gemma4_text",
     "qwen3_vl": "qwen3",
     "qwen3_vl_moe": "qwen3_moe",
 }
@@ -287,7 +323,7 @@ def _language_model(
 def _open_gguf(path: Path) -> Checkpoint:
     gg = gguf_io.read_model_gguf(path)
     for info in gg.tensors.values():
-        if info.ggml_type not in SUPPORTED_TYPES:
+        if info.ggml_type not in SUPPORTED_TYPES and info.ggml_type not in gguf_io.INTEGER_TYPES:
             supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
             raise UnsupportedError(
                 f"{path}: tensor {info.name!r} has weight type {info.ggml_type.name}, "
@@ -320,7 +356,9 @@ def _open_gguf(path: Path) -> Checkpoint:
                 tensor = gguf_io.unpermute_rows(tensor, heads)
             except ModelFormatError as e:
                 raise ModelFormatError(f"{path}: {info.name}: {e}") from None
-        quantized = info.ggml_type not in FLOAT_TYPES
+        quantized = (
+            info.ggml_type not in FLOAT_TYPES and info.ggml_type not in gguf_io.INTEGER_TYPES
+        )
         if "{expert}" in name:
             weights.update(_expert_weights(path, info, name, tensor, quantized, config))
             continue
@@ -333,16 +371,38 @@ def _open_gguf(path: Path) -> Checkpoint:
         _check_expert_stacks(gg, config)
     if gg.architecture in deepseek2.ARCHS:
         weights = deepseek2.gguf_weights(weights, config, Weight)
+    if gg.architecture in dsa.ARCHS:
+        weights = dsa.gguf_weights(weights, config, Weight)
+    if gg.architecture == deepseek4.ARCH:
+        weights = deepseek4.gguf_weights(weights, Weight)
     if gg.architecture == ernie4_5.MOE_ARCH:
         weights = ernie4_5.gguf_weights(weights, Weight)
     if gg.architecture in lfm2.MODEL_TYPES:
         weights = lfm2.gguf_weights(weights, Weight)
     if gg.architecture == gemma3n.ARCH:
         weights = gemma3n.gguf_weights(weights, config, Weight)
+    if gg.architecture == gemma4.ARCH:
+        weights = gemma4.gguf_weights(weights, config, Weight)
     if gg.architecture == granitehybrid.ARCH:
         weights = granitehybrid.gguf_weights(weights, config, Weight)
+    if gg.architecture == falcon_h1.ARCH:
+        weights = falcon_h1.gguf_weights(weights, Weight)
+    if gg.architecture == granite.SWA_ARCH:
+        weights = granite.swa_gguf_weights(weights, config, Weight)
+    if gg.architecture in nemotron_h.ARCHS:
+        weights = nemotron_h.gguf_weights(weights, config, Weight)
+    if gg.architecture == kimi_linear.ARCH:
+        weights = kimi_linear.gguf_weights(weights, config, Weight)
     if gg.architecture in qwen35.ARCHS:
         weights = qwen35.gguf_weights(weights, config, Weight)
+    if gg.architecture == apertus.ARCH:
+        weights = apertus.gguf_weights(gg, config, weights, Weight)
+    if gg.architecture == exaone_moe.ARCH:
+        weights = exaone_moe.gguf_weights(weights, config, Weight)
+    if gg.architecture == mimo2.ARCH:
+        weights = mimo2.gguf_weights(weights, config, Weight)
+    if gg.architecture == hy_v3.ARCH:
+        weights = hy_v3.gguf_weights(weights, config, Weight)
     return Checkpoint(
         path, "gguf", config, weights, sampling_defaults=gguf_io.generation_defaults(gg), gguf=gg
     )
@@ -391,7 +451,8 @@ def _expert_weights(
             f"{path}: tensor {info.name!r} has shape {list(info.shape)}, but expert_count is "
             f"{count}: it should hold [{count} experts, rows, columns]"
         )
-    hidden = config["hidden_size"]
+    # Nemotron 3 Super's experts work in a latent width of their own.
+    hidden = config.get("moe_latent_size") or config["hidden_size"]
     width = config.get("moe_intermediate_size") or config["intermediate_size"]
     down = info.name.split(".")[2] == gguf_config.EXPERT_STACKS[2]
     expected = (hidden, width) if down else (width, hidden)
@@ -511,7 +572,11 @@ def build_model(checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype
                 f"implies {list(expected[name].shape)}"
             )
         if w.ggml_type is None:
-            state[name] = w.tensor.to(device=device, dtype=dtype)
+            # Integer buffers (DeepSeek-V4's token -> experts tables) keep their type.
+            held = expected[name].dtype
+            state[name] = w.tensor.to(
+                device=device, dtype=dtype if held.is_floating_point else held
+            )
     buffers = checkpoint.gguf.buffers if checkpoint.gguf is not None else []
     for name, w in weights.items():
         if w.ggml_type is not None:

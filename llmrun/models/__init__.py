@@ -30,6 +30,9 @@ ARCHITECTURES = {
     "gpt_oss": "gpt_oss",
     "deepseek_v2": "deepseek_v2",
     "deepseek_v3": "deepseek_v3",
+    "deepseek_v32": "deepseek_v32",
+    "deepseek_v4": "deepseek_v4",
+    "glm_moe_dsa": "glm_moe_dsa",
     "mistral4": "mistral4",
     "olmo2": "olmo2",
     "olmo3": "olmo3",
@@ -44,11 +47,18 @@ ARCHITECTURES = {
     "granitemoe": "granitemoe",
     "granitemoeshared": "granitemoe",
     "granitemoehybrid": "granitemoehybrid",
+    "granite_swa": "granite_swa",
+    "granitemoe_swa": "granitemoe_swa",
     "cohere": "cohere",
     "cohere2": "cohere2",
+    "cohere2_moe": "cohere2_moe",
     "seed_oss": "seed_oss",
     "exaone4": "exaone4",
+    "exaone_moe": "exaone_moe",
+    "mimo_v2_flash": "mimo_v2_flash",
     "hunyuan_v1_dense": "hunyuan_v1_dense",
+    "hy_v3": "hy_v3",
+    "laguna": "laguna",
     "qwen3_5": "qwen3_5",  # multimodal: its text_config's language model
     "qwen3_5_text": "qwen3_5",
     "qwen3_5_moe": "qwen3_5_moe",
@@ -56,9 +66,18 @@ ARCHITECTURES = {
     "qwen3_next": "qwen3_next",
     "lfm2": "lfm2",
     "lfm2_moe": "lfm2_moe",
+    "kimi_linear": "kimi_linear",
+    "nemotron_h": "nemotron_h",  # and its mixture of experts
     "llama4": "llama4",  # multimodal: its text_config's language model
     "llama4_text": "llama4",
     "minimax_m2": "minimax_m2",
+    "gemma4": "gemma4",  # multimodal: its text_config's language model
+    "gemma4_text": "gemma4",
+    "apertus": "apertus",
+    "afmoe": "afmoe",
+    "olmoe": "olmoe",
+    "phimoe": "phimoe",
+    "falcon_h1": "falcon_h1",
 }
 
 
@@ -91,9 +110,14 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
     # MLA families cache one head of a width of their own, the latent (deepseek_v2.ModelArgs).
     head_dim = getattr(args, "cache_head_dim", args.head_dim)
     shared = getattr(args, "cache_values_are_keys", False)  # MLA's latent: stored once
-    return cache_bytes(
-        args.num_key_value_heads, head_dim, windows, context, bytes_per_value, shared
-    )
+    # MiMo-V2-Flash caches every layer with its most KV heads (mimo_v2_flash.ModelArgs).
+    kv_heads = getattr(args, "cache_kv_heads", args.num_key_value_heads)
+    # Gemma 4 caches each layer in its own shape (gemma4.ModelArgs.cache_shapes).
+    if hasattr(args, "cache_shapes"):
+        shapes = args.cache_shapes()
+    else:
+        shapes = [(kv_heads, head_dim)] * len(windows)
+    return cache_bytes(shapes, windows, context, bytes_per_value, shared)
 
 
 def recurrent_state_bytes(args: Any) -> int:

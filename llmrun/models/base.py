@@ -831,9 +831,11 @@ class Hybrid:
 
     def new_cache(self, batch: int, max_seq_len: int, dtype: torch.dtype, device) -> KVCache:
         args = self.args
+        # MLA's latent (Kimi Linear): one head of its own width, the values its keys.
         cache = KVCache(
             len(args.attention_layers), batch, args.num_key_value_heads, max_seq_len,
-            args.head_dim, dtype, device,
+            getattr(args, "cache_head_dim", args.head_dim), dtype, device,
+            values_are_keys=getattr(args, "cache_values_are_keys", False),
         )  # fmt: skip
         cache.recurrent = RecurrentState(args.recurrent_shapes(), batch, torch.float32, device)
         return cache

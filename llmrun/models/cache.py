@@ -15,6 +15,11 @@ continuation that would read overwritten keys is refused (reusable() says how
 much of a prefix survives; the caller re-prefills the rest), and nothing ever
 attends to a key from another sequence.
 
+Layers may differ in shape (Gemma 4: sliding layers with 16 KV heads of 256, full ones
+with 4 of 512): each layer is stored in its own (KV heads, head_dim), as llama.cpp stores
+it. Layers of one shape and kind (full or ring) share one buffer, so a model whose
+layers are alike has one buffer of full layers and one of rings, as before.
+
 Keys and values are stored in the compute dtype, or in a cache type of their own
 (--cache-type: f32, f16, bf16, or q8_0, llama.cpp's blocks of 32 int8 with an f16
 scale along head_dim). Each token's keys and values convert once, when written
@@ -27,6 +32,7 @@ a q8_0 or f16 cache dequantizes the cached prefix once per chunk and layer.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -69,20 +75,22 @@ class WindowPlan:
 
 
 def cache_bytes(
-    n_kv_heads: int,
-    head_dim: int,
+    shapes: Sequence[tuple[int, int]],
     windows: Sequence[int | None],
     context: int,
     bytes_per_value: float,
     values_are_keys: bool = False,
 ) -> int:
-    """Bytes of keys and values a KVCache of `context` positions holds for layers with
-    these sliding windows (None: a full layer): a windowed layer keeps at most its
-    window. bytes_per_value: BYTES_PER_VALUE of the cache type (q8_0: 34 / 32).
-    `values_are_keys`: the values are stored as the keys, once (see KVCache)."""
+    """Bytes of keys and values a KVCache of `context` positions holds for layers of these
+    (KV heads, head_dim) shapes and sliding windows (None: a full layer): a windowed layer
+    keeps at most its window. bytes_per_value: BYTES_PER_VALUE of the cache type (q8_0:
+    34 / 32). `values_are_keys`: the values are stored as the keys, once (see KVCache)."""
     copies = 1 if values_are_keys else 2
-    per_position = round(copies * n_kv_heads * head_dim * bytes_per_value)
-    return sum(per_position * (context if w is None else min(w, context)) for w in windows)
+    return sum(
+        round(copies * heads * head_dim * bytes_per_value)
+        * (context if w is None else min(w, context))
+        for (heads, head_dim), w in zip(shapes, windows, strict=True)
+    )
 
 
 def _unpadded(
@@ -120,30 +128,35 @@ class KVCache:
         device: torch.device | str,
         windows: Sequence[int | None] | None = None,
         values_are_keys: bool = False,
+        shapes: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         """`dtype`: what keys and values are stored as, a torch dtype or a cache type
         name (CACHE_TYPES). `windows`: per layer, its sliding window or None (a full
         layer). A window that is not shorter than max_seq_len needs no ring: that
         layer is full here. `values_are_keys`: the model's values are its keys (MLA
         attends to its cached latent as both), so they share one buffer: the values
-        written are the keys again, and memory is taken once."""
+        written are the keys again, and memory is taken once. `shapes`: per layer, its
+        (KV heads, head_dim) where layers differ; by default every layer's is
+        (n_kv_heads, head_dim)."""
+        shapes = list(shapes) if shapes is not None else [(n_kv_heads, head_dim)] * n_layers
+        if len(shapes) != n_layers:
+            raise ValueError(f"{len(shapes)} layer shapes for {n_layers} layers")
         if isinstance(dtype, str):
             if dtype not in CACHE_TYPES:
                 raise UnsupportedError(
                     f"unknown KV cache type {dtype!r} (choose from {', '.join(CACHE_TYPES)})"
                 )
-            if dtype == "q8_0" and head_dim % ops.Q8_0_BLOCK:
+            odd = sorted({d for _, d in shapes if d % ops.Q8_0_BLOCK})
+            if dtype == "q8_0" and odd:
                 raise UnsupportedError(
                     f"a q8_0 KV cache needs head_dim to be a multiple of 32 (its blocks of "
-                    f"32 values run along head_dim); this model's is {head_dim}: use "
+                    f"32 values run along head_dim); this model's is {odd[0]}: use "
                     "--cache-type f16 or bf16"
                 )
         self.cache_type = cache_type_name(dtype)
         self.quantized = self.cache_type == "q8_0"
         storage = CACHE_TYPES[dtype] if isinstance(dtype, str) else dtype
         self.storage = storage
-        # Stored values per row: head_dim, or Q8_0's bytes for head_dim values.
-        width = head_dim // ops.Q8_0_BLOCK * ops.Q8_0_BYTES if self.quantized else head_dim
         windows = list(windows) if windows is not None else [None] * n_layers
         self.windows = windows
         ring = [w is not None and w < max_seq_len for w in windows]
@@ -152,22 +165,34 @@ class KVCache:
             raise ValueError(f"one window size per cache, got {sorted(sizes)}")
         self.window: int | None = sizes.pop() if sizes else None
         self.ring_layers = tuple(ring)
-        # Each layer's index among the full layers or among the ring layers.
-        self.index = [sum(1 for r in ring[:i] if r == ring[i]) for i in range(n_layers)]
-        n_ring = sum(ring)
-        shape = (n_layers - n_ring, batch, n_kv_heads, max_seq_len, width)
+        self.shapes = shapes
+        self.uniform = len(set(shapes)) == 1  # one shape: the native decode step's kind
+        # One buffer per kind (full or ring) and shape; the first is always a full one
+        # (of no layers where every layer is a ring), so self.k is one.
+        full = [s for s, r in zip(shapes, ring, strict=True) if not r]
+        kinds = [(False, full[0] if full else shapes[0])]
+        kinds += [
+            (r, s) for r, s in dict.fromkeys(zip(ring, shapes, strict=True)) if (r, s) != kinds[0]
+        ]
+        # Each layer's buffer and its index there.
+        self.where: list[tuple[int, int]] = []
+        counts = [0] * len(kinds)
+        for r, s in zip(ring, shapes, strict=True):
+            group = kinds.index((r, s))
+            self.where.append((group, counts[group]))
+            counts[group] += 1
+        self.index = [i for _, i in self.where]  # as the native decode step reads it
         self.values_are_keys = values_are_keys
-        self.k = torch.zeros(shape, dtype=storage, device=device)
-        self.v = self.k if values_are_keys else torch.zeros(shape, dtype=storage, device=device)
-        self.ring_k = self.ring_v = None
-        if n_ring:
-            ring_shape = (n_ring, batch, n_kv_heads, self.window, width)
-            self.ring_k = torch.zeros(ring_shape, dtype=storage, device=device)
-            self.ring_v = (
-                self.ring_k
-                if values_are_keys
-                else torch.zeros(ring_shape, dtype=storage, device=device)
-            )
+        self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for (r, (heads, dim)), layers in zip(kinds, counts, strict=True):
+            # Stored values per row: head_dim, or Q8_0's bytes for head_dim values.
+            width = dim // ops.Q8_0_BLOCK * ops.Q8_0_BYTES if self.quantized else dim
+            shape = (layers, batch, heads, self.window if r else max_seq_len, width)
+            k = torch.zeros(shape, dtype=storage, device=device)
+            v = k if values_are_keys else torch.zeros(shape, dtype=storage, device=device)
+            self.buffers.append((k, v))
+        self.ring_buffers = [g for g, (r, _) in enumerate(kinds) if r]
+        self._name_buffers()
         self.max_seq_len = max_seq_len
         self.rows: torch.Tensor | None = None  # slots of a non-contiguous select()
         self.row_list: list[int] = list(range(batch))  # this view's rows of its tensors
@@ -176,6 +201,15 @@ class KVCache:
         # to the rings (what a rollback may have overwritten).
         self.written: list[int] = [0] * batch
 
+    def _name_buffers(self) -> None:
+        """self.k/v: the first full buffer; self.ring_k/v: the first ring buffer (None
+        without rings). A uniform cache has at most these two (what static and native
+        decode steps read)."""
+        self.k, self.v = self.buffers[0]
+        self.ring_k = self.ring_v = None
+        if self.ring_buffers:
+            self.ring_k, self.ring_v = self.buffers[self.ring_buffers[0]]
+
     def select(self, slots: Sequence[int]) -> KVCache:
         """A view of the rows `slots`, in order: a forward with len(slots) rows
         reads and writes those slots, and no others, of this cache."""
@@ -183,10 +217,11 @@ class KVCache:
         view.base_rows = [self.base_rows[s] for s in slots]
         first, count = slots[0], len(slots)
         if list(slots) == list(range(first, first + count)):
-            view.k, view.v = self.k[:, first : first + count], self.v[:, first : first + count]
-            if self.ring_k is not None:
-                view.ring_k = self.ring_k[:, first : first + count]
-                view.ring_v = self.ring_v[:, first : first + count]
+            view.buffers = []
+            for k, v in self.buffers:
+                rows_k = k[:, first : first + count]
+                view.buffers.append((rows_k, rows_k if v is k else v[:, first : first + count]))
+            view._name_buffers()
             view.row_list = list(range(count))
         else:
             view.rows = torch.tensor(list(slots), device=self.k.device)
@@ -198,9 +233,20 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         copies = 1 if self.values_are_keys else 2
-        rings = copies * self.ring_k.nbytes if self.ring_k is not None else 0
         states = self.recurrent.nbytes if self.recurrent is not None else 0
-        return copies * self.k.nbytes + rings + states
+        return copies * sum(k.nbytes for k, _ in self.buffers) + states
+
+    def layer_shape(self, layer: int) -> tuple[int, int]:
+        """The layer's KV heads and stored row width (head_dim, or its Q8_0 bytes)."""
+        _, _, heads, _, width = self.buffers[self.where[layer][0]][0].shape
+        return heads, width
+
+    def position_bytes(self, layers: Sequence[int] | None = None) -> int:
+        """Bytes one position's keys and values take in these layers (default: all)."""
+        layers = range(len(self.shapes)) if layers is None else layers
+        copies = 1 if self.values_are_keys else 2
+        size = self.k.element_size()
+        return copies * sum(math.prod(self.layer_shape(i)) * size for i in layers)
 
     def windowed(self, layer: int) -> bool:
         """Whether `layer` keeps only its window (a ring) here."""
@@ -232,17 +278,18 @@ class KVCache:
         0 .. length - 1 for every row, in k's dtype, or with `stored` as the cache
         holds them (for llmrun.ops.attend_one, which reads every storage type)."""
         batch, tokens = positions.shape
-        index, dtype = self.index[layer], k.dtype
+        (group, index), dtype = self.where[layer], k.dtype
+        k_all, v_all = self.buffers[group]
         k, v = self.encode(k), self.encode(v)
         if self.rows is not None:
             # Scattered slots: index writes, and a gathered copy of their prefixes to attend to.
-            k_layer, v_layer = self.k[index], self.v[index]
+            k_layer, v_layer = k_all[index], v_all[index]
             rows, positions, k, v = _unpadded(self.rows[:, None], positions, k, v)
             k_layer[rows, :, positions] = k
             v_layer[rows, :, positions] = v
             keys, values = k_layer[self.rows, :, :length], v_layer[self.rows, :, :length]
             return self.decode(keys, dtype, stored), self.decode(values, dtype, stored)
-        k_cache, v_cache = self.k[index], self.v[index]
+        k_cache, v_cache = k_all[index], v_all[index]
         if batch != k_cache.shape[0]:
             k_cache, v_cache = k_cache[:batch], v_cache[:batch]
         if batch == 1 and length - first == tokens:
@@ -266,8 +313,9 @@ class KVCache:
         k/v [1, Hkv, 1, D], stored at positions [1, 1] (below `length`) without reading
         the position back to the host; returns the keys and values of positions
         0 .. length - 1 in k's dtype."""
-        index, dtype = self.index[layer], k.dtype
-        k_cache, v_cache = self.k[index, :1], self.v[index, :1]
+        (group, index), dtype = self.where[layer], k.dtype
+        k_all, v_all = self.buffers[group]
+        k_cache, v_cache = k_all[index, :1], v_all[index, :1]
         k_cache.index_copy_(2, positions[0], self.encode(k))
         v_cache.index_copy_(2, positions[0], self.encode(v))
         keys, values = k_cache[:, :, :length], v_cache[:, :, :length]
@@ -348,8 +396,9 @@ class KVCache:
         (decode: after the write), or for a prefill the ring before it (when
         plan.with_ring) followed by the new tokens; in k's dtype, or with `stored` as
         the cache holds them (see update)."""
-        index, window, dtype = self.index[layer], self.window, k.dtype
-        ring_k, ring_v = self.ring_k[index], self.ring_v[index]
+        (group, index), window, dtype = self.where[layer], self.window, k.dtype
+        k_all, v_all = self.buffers[group]
+        ring_k, ring_v = k_all[index], v_all[index]
         batch = k.shape[0]
         k, v = self.encode(k), self.encode(v)
         if plan.decode:
@@ -407,7 +456,8 @@ class KVCache:
             return None if states is None else (None, states)
         rows = self.rows if self.rows is not None else slice(None)
         marks = [self.written[r] for r in self.base_rows]
-        return (self.ring_k[:, rows].clone(), self.ring_v[:, rows].clone(), marks), states
+        rings = [(k[:, rows].clone(), v[:, rows].clone()) for k, v in self._rings()]
+        return (rings, marks), states
 
     def restore_windows(self, saved: tuple | None) -> None:
         if saved is None:
@@ -417,9 +467,14 @@ class KVCache:
             self.recurrent.restore(states)
         if rings is None:
             return
-        k, v, marks = rings
+        copies, marks = rings
         rows = self.rows if self.rows is not None else slice(None)
-        self.ring_k[:, rows] = k
-        self.ring_v[:, rows] = v
+        for (k, v), (saved_k, saved_v) in zip(self._rings(), copies, strict=True):
+            k[:, rows] = saved_k
+            v[:, rows] = saved_v
         for r, mark in zip(self.base_rows, marks, strict=True):
             self.written[r] = mark
+
+    def _rings(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The ring buffers' keys and values (one pair per shape of windowed layer)."""
+        return [self.buffers[g] for g in self.ring_buffers]

@@ -88,11 +88,18 @@ class Model(nn.Module):
 
     decode_step = None  # see llmrun.models.base.run_layers
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(
+        self,
+        args: ModelArgs,
+        layer: type = cohere.DecoderLayer,
+        attention: type = Attention,
+        norm: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         self.args = args
-        norm = cohere.LayerNorm(args.hidden_size, args.layer_norm_eps)
-        self.model = Body(args, Attention, GatedMLP, cohere.DecoderLayer, norm)
+        if norm is None:
+            norm = cohere.LayerNorm(args.hidden_size, args.layer_norm_eps)
+        self.model = Body(args, attention, GatedMLP, layer, norm)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def forward(

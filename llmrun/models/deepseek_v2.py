@@ -244,10 +244,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, frame: Frame, cache: KVCache | None) -> torch.Tensor:
         batch, tokens, _ = x.shape
         heads, rank = self.n_heads, self.kv_lora_rank
-        if self.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        # The queries' normalized low-rank latent, where they have one (DSA's indexer reads it)
+        q_resid = None if self.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_proj(x) if q_resid is None else self.q_b_proj(q_resid)
         # [B, T, H*(nope+rope)] -> [B, H, T, nope+rope]
         q = q.view(batch, tokens, heads, self.nope + self.rope).transpose(1, 2)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
@@ -264,12 +263,27 @@ class Attention(nn.Module):
             q = q * query_temperature(frame.positions, beta, length).to(q.dtype)
         # [B, T, rank] -> [B, 1, T, rank + rope]: the one KV head, key and value alike
         k = torch.cat((self.kv_a_layernorm(latent)[:, None], k_rope), dim=-1)
-        out = attend_scaled(q, k, k, self.layer, frame, cache, self.scale)
-        # [B, T, H*(rank+rope)] -> [B, H, T, rank]: the value is the latent part
-        out = out.view(batch, tokens, heads, rank + self.rope)[..., :rank].transpose(1, 2)
+        out = self.attend(q, k, frame, cache, x, q_resid)
+        # [B, T, H*(rank+rope+...)] -> [B, H, T, rank]: the value is the latent part
+        out = out.view(batch, tokens, heads, -1)[..., :rank].transpose(1, 2)
         # each head's output through its value rows: [B, H, T, rank] -> [B, T, H*v]
         out = (out @ w_v.transpose(1, 2)).transpose(1, 2)
         return self.o_proj(out.reshape(batch, tokens, heads * self.v_dim))
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        frame: Frame,
+        cache: KVCache | None,
+        x: torch.Tensor,
+        q_resid: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Every query head q [B, H, T, rank + rope] over the one latent head k [B, 1, T,
+        rank + rope], its values too: [B, T, H*(rank + rope)]. `x` (the layer's input) and
+        `q_resid` (the queries' latent) are for a family that chooses the keys first
+        (DeepSeek-V3.2's indexer)."""
+        return attend_scaled(q, k, k, self.layer, frame, cache, self.scale)
 
     def rotate(self, x: torch.Tensor, frame: Frame) -> torch.Tensor:
         """RoPE on the rope parts [B, H, T, rope]: adjacent pairs, or with
@@ -340,7 +354,8 @@ class Layer(DecoderLayer):
 
 
 class Model(CausalLM):
+    attention = Attention
     layer = Layer
 
     def __init__(self, args: ModelArgs) -> None:
-        super().__init__(args, Attention, GatedMLP, self.layer)
+        super().__init__(args, self.attention, GatedMLP, self.layer)

@@ -106,7 +106,7 @@ class ModelArgs:
                 f"{self.altup_num_inputs} AltUp streams"
             )
         self.std_multipliers = self._std_multipliers()
-        self.kv_sources = self._kv_sources()
+        self.kv_sources = kv_sources(self.layer_types, self.num_kv_shared_layers)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:
@@ -147,27 +147,6 @@ class ModelArgs:
             for s in pattern
         ]
 
-    def _kv_sources(self) -> list[int]:
-        """The layer whose keys and values each layer attends to: its own, or for the
-        last num_kv_shared_layers the last earlier layer of its type."""
-        layers, shared = self.num_hidden_layers, self.num_kv_shared_layers
-        if not 0 <= shared < layers:
-            raise ModelFormatError(
-                f"num_kv_shared_layers is {shared}; the model has {layers} layers, and at "
-                "least the first must compute its keys and values"
-            )
-        first = layers - shared
-        sources = list(range(first))
-        for i in range(first, layers):
-            own = [j for j in range(first) if self.layer_types[j] == self.layer_types[i]]
-            if not own:
-                raise ModelFormatError(
-                    f"layer {i} ({self.layer_types[i]}) shares the keys and values of an "
-                    f"earlier layer of its type, but layers 0..{first - 1} have none"
-                )
-            sources.append(own[-1])
-        return sources
-
     @property
     def kv_layers(self) -> int:
         """The layers that compute (and cache) keys and values: all but the sharing ones."""
@@ -179,6 +158,29 @@ class ModelArgs:
             self.sliding_window if kind == "sliding_attention" else None
             for kind in self.layer_types[: self.kv_layers]
         ]
+
+
+def kv_sources(layer_types: list[str], shared: int) -> list[int]:
+    """The layer whose keys and values each layer attends to: its own, or for the last
+    `shared` layers the last earlier layer of its type (Gemma 3n's and Gemma 4's KV
+    sharing)."""
+    layers = len(layer_types)
+    if not 0 <= shared < layers:
+        raise ModelFormatError(
+            f"num_kv_shared_layers is {shared}; the model has {layers} layers, and at "
+            "least the first must compute its keys and values"
+        )
+    first = layers - shared
+    sources = list(range(first))
+    for i in range(first, layers):
+        own = [j for j in range(first) if layer_types[j] == layer_types[i]]
+        if not own:
+            raise ModelFormatError(
+                f"layer {i} ({layer_types[i]}) shares the keys and values of an "
+                f"earlier layer of its type, but layers 0..{first - 1} have none"
+            )
+        sources.append(own[-1])
+    return sources
 
 
 class RMSNorm(nn.Module):
@@ -405,6 +407,20 @@ def rescaled(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return x * target / magnitude
 
 
+def per_layer_inputs(body: nn.Module, args: Any, input_ids: torch.Tensor, x: torch.Tensor):
+    """Each token's input to each layer [B, T, layers, width] (Gemma 3n's and Gemma 4's
+    per-layer embeddings): its per-layer embedding (id 0's for ids past that table) plus
+    the normalized projection of its embedding x [B, T, hidden], over sqrt(2). `body`
+    holds the tables (HF names), `args` their sizes."""
+    shape = (*input_ids.shape, args.num_hidden_layers, args.hidden_size_per_layer_input)
+    in_table = (input_ids >= 0) & (input_ids < args.vocab_size_per_layer_input)
+    embedded = body.embed_tokens_per_layer(torch.where(in_table, input_ids, 0))
+    embedded = embedded * scale_like(args.hidden_size_per_layer_input**0.5, embedded)
+    projected = body.per_layer_model_projection(x) * scale_like(args.hidden_size**-0.5, x)
+    projected = body.per_layer_projection_norm(projected.view(shape))
+    return (projected + embedded.view(shape)) * torch.rsqrt(torch.tensor(2.0)).to(x.dtype)
+
+
 class Model(nn.Module):
     """embed * sqrt(hidden) -> AltUp streams -> decoder layers (each with its per-layer
     input) -> the streams merged -> norm -> lm_head -> soft-cap, with HF's module names."""
@@ -456,17 +472,8 @@ class Model(nn.Module):
         return logits.float()
 
     def per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Each token's input to each layer [B, T, layers, width]: its per-layer embedding
-        (id 0's for ids past that table) plus the normalized projection of its embedding
-        x, over sqrt(2)."""
-        body, args = self.model, self.args
-        shape = (*input_ids.shape, args.num_hidden_layers, args.hidden_size_per_layer_input)
-        in_table = (input_ids >= 0) & (input_ids < args.vocab_size_per_layer_input)
-        embedded = body.embed_tokens_per_layer(torch.where(in_table, input_ids, 0))
-        embedded = embedded * scale_like(args.hidden_size_per_layer_input**0.5, embedded)
-        projected = body.per_layer_model_projection(x) * scale_like(args.hidden_size**-0.5, x)
-        projected = body.per_layer_projection_norm(projected.view(shape))
-        return (projected + embedded.view(shape)) * torch.rsqrt(torch.tensor(2.0)).to(x.dtype)
+        """Each token's input to each layer [B, T, layers, width] (per_layer_inputs)."""
+        return per_layer_inputs(self.model, self.args, input_ids, x)
 
     def spread(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, hidden] -> the AltUp streams [n, B, T, hidden]: x, and its projections

@@ -62,8 +62,8 @@ class MLP(GatedMLP):
 
 
 class Model(CausalLM):
-    def __init__(self, args: ModelArgs, mlp: type = MLP) -> None:
-        super().__init__(args, Attention, mlp)
+    def __init__(self, args: ModelArgs, mlp: type = MLP, attention: type = Attention) -> None:
+        super().__init__(args, attention, mlp)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids) * self.args.embedding_multiplier

@@ -227,7 +227,7 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, x: torch.Tensor, frame: Frame, cache: KVCache | None) -> torch.Tensor:
         batch, tokens, _ = x.shape
-        z, xbc, dt = self.in_proj(x).split([self.inner, self.conv1d.in_channels, self.heads], -1)
+        z, xbc, dt = self.project(x).split([self.inner, self.conv1d.in_channels, self.heads], -1)
         if cache is None:
             conv_state = xbc.new_zeros(batch, xbc.shape[-1], self.conv1d.kernel_size[0] - 1)
             state = xbc.new_zeros(batch, self.heads, self.head_dim, self.state_size).float()
@@ -264,6 +264,11 @@ class Mamba2Mixer(nn.Module):
             last = torch.minimum(torch.arange(tokens, device=x.device)[None], counts[:, None] - 1)
             y = y.gather(1, last[..., None].expand(-1, -1, y.shape[-1]))
         return self.out_proj(y)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """in_proj(x): z, xBC and dt side by side [B, T, inner + channels + heads] (Falcon-H1
+        scales its input and each of its parts)."""
+        return self.in_proj(x)
 
     def convolve(
         self, xbc: torch.Tensor, past: torch.Tensor, counts: torch.Tensor

@@ -65,7 +65,14 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(batch, tokens, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, tokens, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = self.scale_queries(self.rotate(q, frame), frame), self.rotate(k, frame)
-        return self.o_proj(attend(q, k, v, self.layer, frame, cache))
+        return self.o_proj(self.attend(q, k, v, frame, cache))
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, frame: Frame, cache: KVCache | None
+    ) -> torch.Tensor:
+        """The rotated queries' attention [B, T, H*D] over the cache with k/v added
+        (Granite 4's sliding-window layers add their sinks)."""
+        return attend(q, k, v, self.layer, frame, cache)
 
     def rotate(self, x: torch.Tensor, frame: Frame) -> torch.Tensor:
         """x [B, H, T, D] with this layer's position encoding (SmolLM3's NoPE layers have

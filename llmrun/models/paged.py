@@ -1,7 +1,8 @@
 """Paged KV cache: one pool of fixed-size blocks per layer, read through block tables.
 
 The pool holds, per layer, [blocks, Hkv, block_rows, D] keys and values (stored as
-the cache type, like KVCache). A forward gets a view with one block table per row
+the cache type, like KVCache), each layer in its own shape (Gemma 4's differ): layers of
+one shape share a tensor. A forward gets a view with one block table per row
 (llmrun.kv_blocks says which blocks a sequence holds): position p of row b lives in
 row p % block_rows of block tables[b][p // block_rows], so sequences share prefix
 blocks and use memory for the tokens they hold, not for a whole context.
@@ -26,6 +27,7 @@ the pool's size (torch.zeros would write all of it up front).
 from __future__ import annotations
 
 import mmap
+from collections.abc import Sequence
 
 import torch
 
@@ -70,39 +72,49 @@ class PagedKVCache:
         row width and cache type) does; a sequence holds at most max_seq_len positions.
         `window_blocks` > 0: the sliding-window layers (window_layers) get a pool of
         their own of that many blocks, read through tables of their own."""
-        _, _, kv_heads, _, width = like.k.shape
         windowed = (
             window_layers(like, max_seq_len)[0] if window_blocks else [False] * len(like.windows)
         )
-        self.group = [int(w) for w in windowed]  # each layer's pool: 0 full, 1 windowed
-        self.index = [self.group[:i].count(g) for i, g in enumerate(self.group)]
+        self.group = [int(w) for w in windowed]  # each layer's tables: 0 full, 1 windowed
+        # A pool per table group and layer shape (KVCache.layer_shape), the first a full
+        # one (of no layers in a model without any).
+        shapes = [like.layer_shape(i) for i in range(len(windowed))]
+        full = [s for g, s in zip(self.group, shapes, strict=True) if g == 0]
+        kinds = [(0, full[0] if full else (like.k.shape[2], like.k.shape[4]))]
+        kinds += [k for k in dict.fromkeys(zip(self.group, shapes, strict=True)) if k != kinds[0]]
+        self.where: list[tuple[int, int]] = []  # each layer's pool and its index there
+        counts = [0] * len(kinds)
+        for kind in zip(self.group, shapes, strict=True):
+            pool = kinds.index(kind)
+            self.where.append((pool, counts[pool]))
+            counts[pool] += 1
         device = like.k.device
-        shape = (self.group.count(0), n_blocks, kv_heads, block_rows, width)
         # Values that are the keys (KVCache's values_are_keys) share their pool.
         shared = like.values_are_keys
-        self.k = zeros(shape, like.storage, device)
-        self.v = self.k if shared else zeros(shape, like.storage, device)
+        self.pools: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for (group, (kv_heads, width)), layers in zip(kinds, counts, strict=True):
+            blocks = window_blocks if group else n_blocks
+            shape = (layers, blocks, kv_heads, block_rows, width)
+            k = zeros(shape, like.storage, device)
+            self.pools.append((k, k if shared else zeros(shape, like.storage, device)))
+        self.uniform = like.uniform
+        # Each table group's first pool: what a uniform model's native decode step reads.
+        self.k, self.v = self.pools[0]
         self.window_k = self.window_v = None
         if any(windowed):
-            shape = (self.group.count(1), window_blocks, kv_heads, block_rows, width)
-            self.window_k = zeros(shape, like.storage, device)
-            self.window_v = self.window_k if shared else zeros(shape, like.storage, device)
+            self.window_k, self.window_v = self.pools[[g for g, _ in kinds].index(1)]
         self.like = like  # its encode()/decode() convert to and from the cache type
         self.n_blocks, self.block_rows, self.max_seq_len = n_blocks, block_rows, max_seq_len
 
     @staticmethod
-    def block_bytes(like: KVCache, block_rows: int, n_layers: int | None = None) -> int:
-        """Bytes one block takes, keys and values of every layer (or of `n_layers`)."""
-        _, _, kv_heads, _, width = like.k.shape
-        n_layers = len(like.windows) if n_layers is None else n_layers
-        copies = 1 if like.values_are_keys else 2
-        return copies * n_layers * kv_heads * block_rows * width * like.k.element_size()
+    def block_bytes(like: KVCache, block_rows: int, layers: Sequence[int] | None = None) -> int:
+        """Bytes one block takes, keys and values of every layer (or of `layers`)."""
+        return block_rows * like.position_bytes(layers)
 
     @property
     def nbytes(self) -> int:
         copies = 1 if self.v is self.k else 2
-        windows = copies * self.window_k.nbytes if self.window_k is not None else 0
-        return copies * self.k.nbytes + windows
+        return copies * sum(k.nbytes for k, _ in self.pools)
 
     def view(
         self,
@@ -119,7 +131,8 @@ class PagedKVCache:
 
 
 class _Group:
-    """One pool of a forward's view: its keys, values and the rows' tables into it."""
+    """One table group of a forward's view: the rows' tables into its pools, and its first
+    pool's keys and values (a uniform model's only one, which the native decode step reads)."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, tables: list[list[int]]) -> None:
         width = max(len(t) for t in tables)
@@ -147,7 +160,7 @@ class PagedView:
         counts: list[int] | None,
         window_tables: list[list[int]] | None = None,
     ):
-        self.pool, self.counts = pool, counts
+        self.pool, self.counts, self.uniform = pool, counts, pool.uniform
         self.k, self.max_seq_len = pool.k, pool.max_seq_len
         self.groups = [_Group(pool.k, pool.v, tables)]
         if pool.window_k is not None:
@@ -165,9 +178,9 @@ class PagedView:
 
     def layer_pool(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The layer's keys and values [blocks, Hkv, block_rows, width], and its group."""
-        group = self.pool.group[layer]
-        pools = self.groups[group]
-        return pools.k[self.pool.index[layer]], pools.v[self.pool.index[layer]], group
+        pool, index = self.pool.where[layer]
+        k, v = self.pool.pools[pool]
+        return k[index], v[index], self.pool.group[layer]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Store k/v [B, Hkv, T, D] at positions [B, T] through the tables."""

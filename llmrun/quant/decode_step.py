@@ -414,6 +414,7 @@ class DecodeStep:
         rows = x.shape[0]
         if (
             cache is None
+            or not cache.uniform  # its layers' pointers assume one shape (self.k's)
             or cache.k.device.type != "cpu"
             or x.shape[1] != 1
             or not _f32(x)

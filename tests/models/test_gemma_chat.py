@@ -171,7 +171,7 @@ def test_served_requests_preempted_for_blocks_reply_as_alone(engine):
     prompts = [engine.tokenizer.encode(t) for t in texts]
     alone = [[r.token for r in no_eos.generate(p, GREEDY, 40)] for p in prompts]
     like = engine.new_cache(1, 1)
-    full, windowed = (PagedKVCache.block_bytes(like, 16, n) for n in (1, 5))
+    full, windowed = (PagedKVCache.block_bytes(like, 16, range(n)) for n in (1, 5))
     # The windowed pool: 2 x 3 sequences x (blocks of a window and a chunk, and one).
     scheduler = Scheduler(
         engine, parallel=3, queue=8, prefill_budget=8, kv_memory=12 * windowed + 7 * full

@@ -10,8 +10,8 @@ decode step give the contiguous f32 cache's logits (test_paged.py's,
 test_cache_types.py's and test_static_decode.py's tolerances); the native decode step
 takes the dense family's decoded tokens (tests/quant/test_decode_step.py), not the MoE
 families'. `llmrun run` prints transformers' greedy text and
-`llmrun show` describes the files. Granite's sliding-window and adapter GGUFs, NoPE
-Granite and a GGUF without logit_scale are refused (Granite 4.0-H: test_granitemoehybrid.py)."""
+`llmrun show` describes the files. Granite's adapter GGUFs (the sliding-window ones:
+test_granite_swa.py), NoPE Granite and a GGUF without logit_scale are refused (Granite 4.0-H: test_granitemoehybrid.py)."""
 
 import subprocess
 import sys
@@ -382,7 +382,7 @@ def test_granite_without_rope_is_refused(tmp_path, dense):
         load_model(gguf_path, CPU)
 
 
-@pytest.mark.parametrize("arch", ["granite_swa", "graniteswitch"])
+@pytest.mark.parametrize("arch", ["graniteswitch"])  # granite_swa: test_granite_swa.py
 def test_other_granite_architectures_are_refused_by_name(tmp_path, dense, arch):
     gguf_path = write_granite_gguf(tmp_path / "m.gguf", *dense, arch=arch)
     with pytest.raises(UnsupportedError, match=f"'{arch}'.*not supported"):
