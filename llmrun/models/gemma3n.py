@@ -204,20 +204,34 @@ def scale_like(value: float, x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int) -> None:
+    """q/k/v norms, unscaled scores, and the last layers attending to an earlier layer's
+    keys and values. Gemma 4's too: each layer's own `head_dim` and `kv_heads`, and
+    without `own_values` the values taken from the keys' projection."""
+
+    def __init__(
+        self,
+        args: Any,
+        layer: int,
+        head_dim: int | None = None,
+        kv_heads: int | None = None,
+        own_values: bool = True,
+    ) -> None:
         super().__init__()
         self.layer, self.source = layer, args.kv_sources[layer]
         self.read_later = layer in args.kv_sources[args.kv_layers :]  # by a sharing layer
-        self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
-        self.head_dim, self.layer_type = args.head_dim, args.layer_types[layer]
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = kv_heads or args.num_key_value_heads
+        self.head_dim, self.layer_type = head_dim or args.head_dim, args.layer_types[layer]
         dim, width, bias = args.hidden_size, self.n_heads * self.head_dim, args.attention_bias
         self.q_proj = nn.Linear(dim, width, bias=bias)
         self.o_proj = nn.Linear(width, dim, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+        self.v_proj = None
         if self.source == layer:  # a sharing layer has no keys or values to compute
             kv_width = self.n_kv_heads * self.head_dim
             self.k_proj = nn.Linear(dim, kv_width, bias=bias)
-            self.v_proj = nn.Linear(dim, kv_width, bias=bias)
+            if own_values:
+                self.v_proj = nn.Linear(dim, kv_width, bias=bias)
             self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
             self.v_norm = RMSNorm(self.head_dim, args.rms_norm_eps, with_scale=False)
 
@@ -244,8 +258,10 @@ class Attention(nn.Module):
                 out = attention(q, keys, values, frame.mask, 1.0)
             return self.o_proj(out)
         shape = (batch, tokens, self.n_kv_heads, self.head_dim)
-        k = frame.rotate(self.k_norm(self.k_proj(x).view(shape)).transpose(1, 2))
-        v = self.v_norm(self.v_proj(x).view(shape)).transpose(1, 2)
+        k = self.k_proj(x).view(shape)
+        v = k if self.v_proj is None else self.v_proj(x).view(shape)
+        k = frame.rotate(self.k_norm(k).transpose(1, 2))
+        v = self.v_norm(v).transpose(1, 2)
         if paged:
             return self.o_proj(attend_paged(q, k, v, self.layer, frame, cache, 1.0))
         keys, values = cached_keys_values(k, v, self.layer, frame, cache, tokens)

@@ -37,14 +37,12 @@ import torch
 from torch import nn
 
 from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.models import gemma3n
 from llmrun.models.base import (
     Frame,
     RotaryEmbedding,
     activation,
     args_from_config,
-    attend_paged,
-    attention,
-    cached_keys_values,
     check_layer_types,
     layer_frames,
     mix_experts,
@@ -259,60 +257,14 @@ def proportional_rope(params: dict[str, Any], head_dim: int) -> dict[str, Any]:
     }
 
 
-class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int) -> None:
-        super().__init__()
-        self.layer, self.source = layer, args.kv_sources[layer]
-        self.read_later = layer in args.kv_sources[args.kv_layers :]  # by a sharing layer
-        self.layer_type = args.layer_types[layer]
-        self.n_heads = args.num_attention_heads
-        self.head_dim, self.n_kv_heads = args.layer_head_dims[layer], args.layer_kv_heads[layer]
-        dim, width, bias = args.hidden_size, self.n_heads * self.head_dim, args.attention_bias
-        self.q_proj = nn.Linear(dim, width, bias=bias)
-        self.o_proj = nn.Linear(width, dim, bias=bias)
-        self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
-        self.v_proj = None
-        if self.source == layer:  # a sharing layer has no keys or values to compute
-            kv_width = self.n_kv_heads * self.head_dim
-            self.k_proj = nn.Linear(dim, kv_width, bias=bias)
-            if not (args.attention_k_eq_v and self.layer_type == FULL):
-                self.v_proj = nn.Linear(dim, kv_width, bias=bias)
-            self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
-            self.v_norm = RMSNorm(self.head_dim, args.rms_norm_eps, with_scale=False)
+class Attention(gemma3n.Attention):
+    """Gemma 3n's attention in each layer's own head size and KV heads, global layers
+    with attention_k_eq_v taking their values from the keys' projection."""
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        frames: dict[str, Frame],
-        cache: KVCache | None,
-        shared: dict[int, tuple[torch.Tensor, torch.Tensor]],
-    ) -> torch.Tensor:
-        """x [B, T, hidden] -> [B, T, hidden]. `shared`: this forward's keys and values
-        by layer, which the sharing layers attend to (a paged cache: its blocks)."""
-        frame = frames[self.layer_type]
-        batch, tokens, _ = x.shape
-        # [B, T, H*D] -> [B, H, T, D], normalized per head
-        q = self.q_norm(self.q_proj(x).view(batch, tokens, self.n_heads, self.head_dim))
-        q = frame.rotate(q.transpose(1, 2))
-        paged = cache is not None and cache.paged
-        if self.source != self.layer:
-            if paged:
-                out = attend_paged(q, None, None, self.source, frame, cache, 1.0)
-            else:
-                keys, values = shared[self.source]
-                out = attention(q, keys, values, frame.mask, 1.0)
-            return self.o_proj(out)
-        shape = (batch, tokens, self.n_kv_heads, self.head_dim)
-        k = self.k_proj(x).view(shape)
-        v = k if self.v_proj is None else self.v_proj(x).view(shape)
-        k = frame.rotate(self.k_norm(k).transpose(1, 2))
-        v = self.v_norm(v).transpose(1, 2)
-        if paged:
-            return self.o_proj(attend_paged(q, k, v, self.layer, frame, cache, 1.0))
-        keys, values = cached_keys_values(k, v, self.layer, frame, cache, tokens)
-        if self.read_later:
-            shared[self.layer] = keys, values
-        return self.o_proj(attention(q, keys, values, frame.mask, 1.0))
+    def __init__(self, args: ModelArgs, layer: int) -> None:
+        own_values = not (args.attention_k_eq_v and args.layer_types[layer] == FULL)
+        head_dim, kv_heads = args.layer_head_dims[layer], args.layer_kv_heads[layer]
+        super().__init__(args, layer, head_dim, kv_heads, own_values)
 
 
 class Router(nn.Module):

@@ -400,7 +400,7 @@ def test_each_feature_moves_the_logits(e2b):
 def test_the_model_fails_without_its_own_math(e2b, monkeypatch):
     """Gemma 3's norms (1 + w), the values left unnormalized, or scores scaled by
     head_dim^-0.5 each move llmrun's logits far from transformers'."""
-    from llmrun.models import gemma4
+    from llmrun.models import gemma3n, gemma4
 
     hf, expected = e2b
 
@@ -420,9 +420,9 @@ def test_the_model_fails_without_its_own_math(e2b, monkeypatch):
             gemma4.RMSNorm, "forward", lambda self, x: x if self.weight is None else norm(self, x)
         )
         assert moved() > 0.1
-    attention = gemma4.attention
+    attention = gemma3n.attention  # Gemma 4's attention is Gemma 3n's (gemma3n.Attention)
     with monkeypatch.context() as m:
-        m.setattr(gemma4, "attention", lambda q, k, v, mask, scale: attention(
+        m.setattr(gemma3n, "attention", lambda q, k, v, mask, scale: attention(
             q, k, v, mask, q.shape[-1] ** -0.5))  # fmt: skip
         assert moved() > 0.1
 
