@@ -337,9 +337,9 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
     pattern = _WINDOW_PATTERN.get(str(config.get("model_type")))
     window = text.get("sliding_window")
     if config.get("model_type") == "mimo_v2_flash":
-        from llmrun.loading import mimo2  # every layer cached in the widest layer's shape
+        from llmrun.loading import mimo2  # each layer cached with its own KV heads
 
-        kv_heads, head_dim, windows = mimo2.cache_layout(text)
+        shapes, windows = mimo2.cache_layout(text)
     elif config.get("model_type") == "deepseek_v4":
         from llmrun.loading import deepseek4  # one row a token and layer, of its own width
 

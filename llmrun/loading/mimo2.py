@@ -255,10 +255,11 @@ def _full(template: str) -> str:
     return template.format(arch=ARCH)
 
 
-def cache_layout(text: dict[str, Any]) -> tuple[int, int, list[int | None]]:
-    """The KV cache's key/value heads and head width (the widest layer's: every layer is
-    cached so) and each layer's window (None: global) for a mimo_v2_flash config, read as
-    llmrun.models.mimo_v2_flash reads it; torch-free, for `llmrun show`."""
+def cache_layout(text: dict[str, Any]) -> tuple[list[tuple[int, int]], list[int | None]]:
+    """Each layer's cached (key/value heads, head width) and window (None: global) for a
+    mimo_v2_flash config, as llmrun.models.mimo_v2_flash caches it (ModelArgs.cache_shapes,
+    layer_windows): the sliding layers with twice the global layers' heads, values padded
+    to head_dim. Torch-free, for `llmrun show`."""
     layers = int(text["num_hidden_layers"])
     kinds = text.get("layer_types")
     if kinds is None and text.get("hybrid_layer_pattern") is not None:
@@ -274,7 +275,7 @@ def cache_layout(text: dict[str, Any]) -> tuple[int, int, list[int | None]]:
         window = int(text["sliding_window_size"]) + 1
     else:
         window = int(text.get("sliding_window") or 129)
-    kv = int(text.get("num_key_value_heads") or 4)
+    kv, head_dim = int(text.get("num_key_value_heads") or 4), int(text.get("head_dim") or 192)
     sliding = [kind == "sliding_attention" for kind in kinds]
-    kv_heads = kv * 2 if any(sliding) else kv
-    return kv_heads, int(text.get("head_dim") or 192), [window if s else None for s in sliding]
+    shapes = [(kv * 2 if s else kv, head_dim) for s in sliding]
+    return shapes, [window if s else None for s in sliding]

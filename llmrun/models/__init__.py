@@ -110,13 +110,12 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
     # MLA families cache one head of a width of their own, the latent (deepseek_v2.ModelArgs).
     head_dim = getattr(args, "cache_head_dim", args.head_dim)
     shared = getattr(args, "cache_values_are_keys", False)  # MLA's latent: stored once
-    # MiMo-V2-Flash caches every layer with its most KV heads (mimo_v2_flash.ModelArgs).
-    kv_heads = getattr(args, "cache_kv_heads", args.num_key_value_heads)
-    # Gemma 4 caches each layer in its own shape (gemma4.ModelArgs.cache_shapes).
+    # Gemma 4, MiMo-V2-Flash and DeepSeek-V4 cache each layer in its own shape
+    # (ModelArgs.cache_shapes).
     if hasattr(args, "cache_shapes"):
         shapes = args.cache_shapes()
     else:
-        shapes = [(kv_heads, head_dim)] * len(windows)
+        shapes = [(args.num_key_value_heads, head_dim)] * len(windows)
     return cache_bytes(shapes, windows, context, bytes_per_value, shared)
 
 

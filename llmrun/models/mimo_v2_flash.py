@@ -9,9 +9,10 @@ after it, without shared experts: sigmoid scores, chosen by score +
 e_score_correction_bias among the topk_group best of n_group groups, weighted by the
 unbiased scores (renormalized with norm_topk_prob) times routed_scaling_factor.
 
-Every layer is cached in the widest layer's shape (the sliding layers' key/value
-heads, head_dim wide): a global layer's key/value heads each repeated, the values
-padded with zeros, which add nothing to the outputs and are cut from them.
+Each layer is cached with its own key/value heads (cache_shapes: the global layers'
+num_key_value_heads, the sliding layers' twice as many), as llama.cpp caches it. The
+values are padded with zeros to head_dim, since the cache stores keys and values of one
+width; the zeros add nothing to the outputs and are cut from them.
 
 Xiaomi's own config.json names (hybrid_layer_pattern, moe_layer_freq, swa_*,
 sliding_window_size, layernorm_epsilon, add_*_attention_sink_bias, a flat rope_theta)
@@ -144,10 +145,10 @@ class ModelArgs:
         sliding = self.layer_types[layer] == "sliding_attention"
         return self.num_key_value_heads * (SWA_KV_FACTOR if sliding else 1)
 
-    @property
-    def cache_kv_heads(self) -> int:
-        """Every layer is cached with the most key/value heads a layer has."""
-        return max(self.layer_kv_heads(i) for i in range(self.num_hidden_layers))
+    def cache_shapes(self) -> list[tuple[int, int]]:
+        """Each layer's cached (key/value heads, head width): its own heads, values
+        padded to the keys' head_dim."""
+        return [(self.layer_kv_heads(i), self.head_dim) for i in range(self.num_hidden_layers)]
 
     def layer_windows(self) -> list[int | None]:
         """Each layer's sliding window, None for global layers."""
@@ -234,7 +235,7 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer: int) -> None:
         super().__init__()
         self.layer, self.n_heads = layer, args.num_attention_heads
-        self.n_kv_heads, self.cache_kv_heads = args.layer_kv_heads(layer), args.cache_kv_heads
+        self.n_kv_heads = args.layer_kv_heads(layer)
         self.head_dim, self.v_head_dim = args.head_dim, args.v_head_dim
         self.layer_type = args.layer_types[layer]
         self.scale, self.v_scale = args.head_dim**-0.5, args.attention_value_scale
@@ -256,7 +257,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(batch, tokens, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, tokens, self.n_kv_heads, self.v_head_dim).transpose(1, 2)
         q, k = frame.rotate(q), frame.rotate(k)
-        k, v = self.cached_shape(k), self.cached_shape(v * self.v_scale)
+        v = self.padded(v * self.v_scale)
         if self.sinks is None:
             out = attend_scaled(q, k, v, self.layer, frame, cache, self.scale)
         else:
@@ -272,14 +273,11 @@ class Attention(nn.Module):
             out = sink_attention(q, k, v, frame.mask, self.scale, self.sinks)
         return self.o_proj(self.narrowed(out))
 
-    def cached_shape(self, x: torch.Tensor) -> torch.Tensor:
-        """Keys or values [B, Hkv, T, D] in the cache's shape: each head repeated to make
-        up its key/value heads (the query heads it serves are the same), head_dim wide."""
-        if self.n_kv_heads != self.cache_kv_heads:
-            x = x.repeat_interleave(self.cache_kv_heads // self.n_kv_heads, dim=1)
-        if x.shape[-1] != self.head_dim:
-            x = F.pad(x, (0, self.head_dim - x.shape[-1]))
-        return x
+    def padded(self, v: torch.Tensor) -> torch.Tensor:
+        """Values [B, Hkv, T, v_head_dim] as wide as the keys (the cache's one width)."""
+        if self.v_head_dim == self.head_dim:
+            return v
+        return F.pad(v, (0, self.head_dim - self.v_head_dim))
 
     def narrowed(self, out: torch.Tensor) -> torch.Tensor:
         """Attention's output [B, T, H * head_dim] without the values' padding."""
@@ -318,15 +316,18 @@ class Model(CausalLM):
         )
 
     def new_cache(self, batch: int, max_seq_len: int, dtype: torch.dtype, device) -> KVCache:
-        """A KV cache of every layer in the widest layer's shape."""
+        """A KV cache of each layer in its own shape (ModelArgs.cache_shapes)."""
         args = self.args
+        shapes = args.cache_shapes()
+        heads, head_dim = shapes[0]
         return KVCache(
             args.num_hidden_layers,
             batch,
-            args.cache_kv_heads,
+            heads,
             max_seq_len,
-            args.head_dim,
+            head_dim,
             dtype,
             device,
             windows=args.layer_windows(),
+            shapes=shapes,
         )

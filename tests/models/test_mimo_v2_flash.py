@@ -484,13 +484,16 @@ def test_a_gguf_llmrun_cannot_read_as_llama_cpp_does_is_refused(family, tmp_path
         load_model(path, CPU, "f32")
 
 
+# Each layer cached with its own key/value heads, 24 features wide (values padded), keys
+# and values in f32: the global layer's 1 head 192 bytes a position for all 8192, the
+# three sliding layers' 2 heads 384 bytes a position for at most 5.
+CACHE_BYTES_8K = 192 * 8192 + 384 * 3 * 5
+
+
 def test_show_describes_a_mimo2_gguf(family, tmp_path):
-    """Every layer cached as the sliding layers are (2 key/value heads of 24 features,
-    keys and values, f32: 384 bytes a position): the global one all 8192 positions,
-    the three sliding ones at most 5."""
     path = write_mimo2(tmp_path / "m.gguf", family[0])
-    check_show(path, ARCH, 384 * (8192 + 3 * 5), moe=True)
-    assert kv_cache_bytes(family[0].config.to_dict(), 8192) == 384 * (8192 + 3 * 5)
+    check_show(path, ARCH, CACHE_BYTES_8K, moe=True)
+    assert kv_cache_bytes(family[0].config.to_dict(), 8192) == CACHE_BYTES_8K
 
 
 def test_show_counts_a_hub_folder_s_cache_as_the_model_allocates_it(family, tmp_path):
@@ -501,7 +504,36 @@ def test_show_counts_a_hub_folder_s_cache_as_the_model_allocates_it(family, tmp_
     path = hub_folder(family[0], tmp_path / "hub", fused_qkv=False)
     config = json.loads((path / "config.json").read_text())
     assert inspect.kv_cache_bytes(config, 8192) == kv_cache_bytes(config, 8192)
-    assert inspect.kv_cache_bytes(config, 8192) == 384 * (8192 + 3 * 5)
+    assert inspect.kv_cache_bytes(config, 8192) == CACHE_BYTES_8K
+
+
+def test_the_released_shape_caches_each_layer_in_its_own_shape():
+    """MiMoV2FlashConfig's defaults (the released model: 9 global layers with 4 key/value
+    heads, 39 sliding ones with 8 and a window of 129, head_dim 192): the cache the model
+    allocates, `llmrun show`'s count and the per-layer formula agree, values padded to
+    the keys' 192 features."""
+    from types import SimpleNamespace
+
+    from llmrun.loading import inspect
+    from llmrun.models.mimo_v2_flash import Model, ModelArgs
+
+    config = transformers.MiMoV2FlashConfig().to_dict()
+    context, f16 = 512, 2
+    kinds = config["layer_types"]
+    formula = sum(
+        2 * heads * 192 * f16 * (context if kind == "full_attention" else 129)
+        for heads, kind in ((4 if k == "full_attention" else 8, k) for k in kinds)
+    )
+    assert kinds.count("full_attention") == 9
+    # The model's new_cache, without building its 48 layers of weights.
+    args = SimpleNamespace(args=ModelArgs.from_config(config))
+    cache = Model.new_cache(args, 1, context, torch.float16, "cpu")
+    assert [cache.layer_shape(i)[0] for i in range(48)] == [
+        4 if k == "full_attention" else 8 for k in kinds
+    ]
+    assert cache.nbytes == formula
+    assert kv_cache_bytes(config, context, f16) == formula
+    assert inspect.kv_cache_bytes(config, context, f16) == formula
 
 
 def test_llmrun_run_prints_transformers_greedy_text(family, tmp_path):
