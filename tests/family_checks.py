@@ -330,3 +330,11 @@ def check_served_as_alone(engine, cases, tokens: int, parallel: int) -> None:
             )
     finally:
         scheduler.close()
+
+
+def load_matching_weights(source, target) -> None:
+    """Load into `target` (a transformers model) `source`'s weights that `target` has under
+    the same name and shape; the rest of `target` keeps its own."""
+    own = target.state_dict()
+    same = {k: v for k, v in source.state_dict().items() if k in own and own[k].shape == v.shape}
+    target.load_state_dict(same, strict=False)

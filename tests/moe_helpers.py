@@ -1,6 +1,9 @@
 """Tiny random mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE): transformers
 models, their weights under the Hub's per-expert checkpoint keys, and GGUF files
-written as llama.cpp's converter writes them (experts stacked in 3-D tensors)."""
+written as llama.cpp's converter writes them (experts stacked in 3-D tensors). For the
+families whose experts transformers fuses (AFMoE, EXAONE MoE, GLM-4.5, Hunyuan V3,
+Laguna, MiniMax-M2): their tensors under llama.cpp's names, and their weights rounded
+as a Q8_0 GGUF holds them."""
 
 from __future__ import annotations
 
@@ -291,3 +294,76 @@ def quantized_and_dequantized(tensors: dict, types: dict, rng) -> tuple[dict, di
             quantized[name] = (raw, ggml_type)
             dequantized[name] = torch.from_numpy(gguf.quants.dequantize(raw, ggml_type).copy())
     return quantized, dequantized
+
+
+# transformers' names of a layer's modules -> llama.cpp's, as the converters of the MoE
+# families with fused experts name them (a family's own names added or overriding)
+MOE_LAYER_GGUF_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_experts.up_proj": "ffn_up_shexp",
+    "mlp.shared_experts.down_proj": "ffn_down_shexp",
+}
+# transformers' names of the tensors outside the layers -> llama.cpp's
+GLOBAL_GGUF_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def fused_experts_gguf_tensors(
+    model, layer_names: dict[str, str], renamed: dict[str, str]
+) -> dict[str, np.ndarray]:
+    """GGUF name -> array of a transformers MoE whose experts are fused (mlp.experts.
+    gate_up_proj, mlp.experts.down_proj), in llama.cpp's layout: rows as they are,
+    experts stacked [E, rows, cols] (gate_up split into ffn_gate_exps and ffn_up_exps).
+    A layer's parameter named in `renamed` (its name after model.layers.N.) becomes
+    blk.N.<that name>; any other, blk.N.<layer_names[its module]>.<weight or bias>."""
+    out = {}
+    for key, value in model.state_dict().items():
+        data = value.float().numpy()
+        if key in GLOBAL_GGUF_NAMES:
+            out[GLOBAL_GGUF_NAMES[key]] = data
+            continue
+        _, _, layer, rest = key.split(".", 3)
+        module, _, suffix = rest.rpartition(".")
+        if rest in renamed:
+            out[f"blk.{layer}.{renamed[rest]}"] = data
+        elif rest == "mlp.experts.gate_up_proj":
+            width = data.shape[1] // 2
+            out[f"blk.{layer}.ffn_gate_exps.weight"] = data[:, :width]
+            out[f"blk.{layer}.ffn_up_exps.weight"] = data[:, width:]
+        elif rest == "mlp.experts.down_proj":
+            out[f"blk.{layer}.ffn_down_exps.weight"] = data
+        else:
+            out[f"blk.{layer}.{layer_names[module]}.{suffix}"] = data
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def round_matrices_but_the_routers(hf, router: str = "mlp.gate.weight") -> None:
+    """Round `hf`'s matrices in place through Q8_0 and back, but its routers (names
+    ending in `router`, which the converter keeps in F32): the weights a GGUF of
+    Q8_0 matrices holds (Q8_0 rounds each row's blocks, the rows of transformers'
+    tensors)."""
+    import gguf
+
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    state = {}
+    for key, value in hf.state_dict().items():
+        data = value.numpy()
+        if data.ndim > 1 and not key.endswith(router):
+            data = gguf.quants.dequantize(gguf.quants.quantize(np.ascontiguousarray(data), q8), q8)
+        state[key] = torch.from_numpy(np.ascontiguousarray(data))
+    hf.load_state_dict(state)

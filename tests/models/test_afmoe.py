@@ -33,7 +33,12 @@ from family_checks import (
 )
 from gguf import GGMLQuantizationType, Keys
 from helpers import BASE, cached_logits, our_model
-from test_deepseek import q8_0, routed_model
+from moe_helpers import (
+    MOE_LAYER_GGUF_NAMES,
+    fused_experts_gguf_tensors,
+    round_matrices_but_the_routers,
+)
+from test_deepseek import routed_model
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading.loader import load_model
@@ -248,54 +253,19 @@ def test_the_static_decode_step_is_not_offered(family):
 # ---- GGUF, as llama.cpp's converter writes "afmoe" -------------------------------------
 
 LAYER_NAMES = {
-    "input_layernorm": "attn_norm",
+    **MOE_LAYER_GGUF_NAMES,
     "post_attention_layernorm": "post_attention_norm",
     "pre_mlp_layernorm": "ffn_norm",
     "post_mlp_layernorm": "post_ffw_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
     "self_attn.gate_proj": "attn_gate",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
     "mlp.router.gate": "ffn_gate_inp",
-    "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
-    "mlp.shared_experts.up_proj": "ffn_up_shexp",
-    "mlp.shared_experts.down_proj": "ffn_down_shexp",
-}
-GLOBAL_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
 }
 
 
 def gguf_tensors(model) -> dict[str, np.ndarray]:
     """GGUF name -> array in llama.cpp's layout: rows as they are, experts stacked
     [E, rows, cols], the selection bias as exp_probs_b.bias."""
-    out = {}
-    for key, value in model.state_dict().items():
-        data = value.float().numpy()
-        if key in GLOBAL_NAMES:
-            out[GLOBAL_NAMES[key]] = data
-            continue
-        _, _, layer, rest = key.split(".", 3)
-        module, _, suffix = rest.rpartition(".")
-        if rest == "mlp.expert_bias":
-            out[f"blk.{layer}.exp_probs_b.bias"] = data
-        elif rest == "mlp.experts.gate_up_proj":
-            width = data.shape[1] // 2
-            out[f"blk.{layer}.ffn_gate_exps.weight"] = data[:, :width]
-            out[f"blk.{layer}.ffn_up_exps.weight"] = data[:, width:]
-        elif rest == "mlp.experts.down_proj":
-            out[f"blk.{layer}.ffn_down_exps.weight"] = data
-        else:
-            out[f"blk.{layer}.{LAYER_NAMES[module]}.{suffix}"] = data
-    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+    return fused_experts_gguf_tensors(model, LAYER_NAMES, {"mlp.expert_bias": "exp_probs_b.bias"})
 
 
 def afmoe_keys(config, route_norm=True) -> dict:
@@ -354,13 +324,7 @@ def test_a_q8_0_gguf_matches_transformers_on_the_dequantized_weights(tmp_path):
     rows of transformers' tensors)."""
     hf = hf_model()
     path = write_afmoe(tmp_path / "m.gguf", hf, GGMLQuantizationType.Q8_0)
-    state = {}
-    for key, value in hf.state_dict().items():
-        data = value.numpy()
-        if data.ndim > 1 and not key.endswith("router.gate.weight"):
-            data = q8_0(data)
-        state[key] = torch.from_numpy(np.ascontiguousarray(data))
-    hf.load_state_dict(state)
+    round_matrices_but_the_routers(hf, "router.gate.weight")
     loaded = load_model(path, CPU, "f32")
     assert max_diff(cached_logits(loaded.model, IDS), reference(hf)) < 1e-4
 

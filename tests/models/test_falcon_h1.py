@@ -26,25 +26,25 @@ import pytest
 import torch
 from family_checks import (
     PROMPT,
-    cache_logits,
     check_run_and_show,
     check_typed_cache,
-    greedy_text,
     max_diff,
     write_keyed_gguf,
 )
 from helpers import BASE, cached_logits, our_model, randomize
-from test_batching import Collector
+from hybrid_checks import (
+    check_no_static_decode,
+    check_padded_rows_in_scattered_slots,
+    check_paged_with_a_state_row,
+    check_served_greedy_text,
+)
 
-from llmrun import api, static_decode
-from llmrun.batching import Request, Scheduler
+from llmrun import api
 from llmrun.errors import ModelFormatError
 from llmrun.loading import falcon_h1 as falcon_h1_loading
 from llmrun.loading import inspect
 from llmrun.loading.loader import load_model
 from llmrun.models import falcon_h1, kv_cache_bytes, recurrent_state_bytes
-from llmrun.models.paged import PagedKVCache
-from llmrun.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
@@ -275,44 +275,20 @@ def test_the_mixer_inner_size_is_mamba_d_ssm_and_defaults_as_transformers():
 
 
 def test_padded_rows_in_scattered_slots_keep_their_own_state(family):
-    """Three prompts of different lengths padded on the right (a padded token repeats its
-    row's last position, as the server pads them) in rows 3, 0, 2 of a 4-row cache, then
-    a decode step each: each row's logits are transformers' of its prompt alone."""
+    """Three prompts of different lengths padded on the right in rows 3, 0, 2 of a 4-row
+    cache, then a decode step each: each row's logits are transformers' of its prompt
+    alone."""
     hf, _ = family
-    model = ours(hf)
-    prompts = [IDS[0, :9].tolist(), IDS[0, :4].tolist(), IDS[0, 2:30].tolist()]
-    width = max(len(p) for p in prompts)
-    ids = [p + [p[-1]] * (width - len(p)) for p in prompts]
-    positions = [[min(i, len(p) - 1) for i in range(width)] for p in prompts]
-    cache = model.new_cache(4, 64, torch.float32, "cpu")
-    with torch.no_grad():
-        view = cache.select([3, 0, 2])
-        prefill = model(
-            torch.tensor(ids), torch.tensor(positions), view,
-            last=torch.tensor([len(p) - 1 for p in prompts]),
-        )  # fmt: skip
-        step = model(torch.tensor([[7]] * 3), torch.tensor([[len(p)] for p in prompts]), view)
-    for row, prompt in enumerate(prompts):
-        assert max_diff(prefill[row, -1], reference(hf, torch.tensor([prompt]))[0, -1]) < 1e-4
-        expected = reference(hf, torch.tensor([prompt + [7]]))[0, -1]
-        assert max_diff(step[row, -1], expected) < 1e-4
+    check_padded_rows_in_scattered_slots(ours(hf), lambda ids: reference(hf, ids), IDS)
 
 
 def test_serves_from_paged_blocks_with_a_state_row(family):
-    """serve's path: keys and values through blocks 9, 2, 14 of a pool, the Mamba-2
-    state in a row of the scheduler's kind (RecurrentState), in chunked prefills and
-    decode steps."""
+    """serve's path: keys and values through paged blocks, the Mamba-2 state in a row of
+    the scheduler's kind (RecurrentState), in chunked prefills and decode steps."""
     hf, expected = family
     model = ours(hf)
-    pool = PagedKVCache(model.new_cache(1, 1, "f32", "cpu"), 16, 16, 256)
     states = model.new_cache(3, 1, "f32", "cpu").recurrent
-
-    def view():
-        paged = pool.view([[9, 2, 14]])
-        paged.recurrent = states.select([2])
-        return paged
-
-    assert max_diff(cache_logits(model, IDS, view), expected) < 1e-4
+    check_paged_with_a_state_row(model, IDS, expected, states)
 
 
 @pytest.mark.parametrize("cache_type", ["f16", "bf16"])
@@ -324,8 +300,7 @@ def test_a_typed_cache_holds_its_rounded_values(family, cache_type):
 def test_no_static_or_native_decode_step(family):
     """CUDA graphs' static step refuses the recurrent cache; the loader attaches no
     native decode step (test_an_hf_folder... and test_a_gguf... check the loaded model)."""
-    model = ours(family[0])
-    assert not static_decode.supported(model, model.new_cache(1, 32, torch.float32, "cpu"))
+    check_no_static_decode(ours(family[0]))
 
 
 # ---- files --------------------------------------------------------------------------
@@ -395,15 +370,4 @@ def test_served_requests_equal_transformers_greedy_text(tmp_path):
     path = write_falcon_gguf(tmp_path / "served.gguf", hf)
     engine = api.load(str(path), device="cpu", dtype="f32", ctx_size=128)
     prompts = [PROMPT, "One day", "The little dog ran to the park and then"]
-    scheduler = Scheduler(engine, parallel=2, queue=8)
-    greedy = SamplingParams(temperature=0)
-    collectors = [Collector() for _ in prompts]
-    for prompt, collector in zip(prompts, collectors, strict=True):
-        scheduler.submit(Request(engine.tokenizer.encode(prompt), greedy, 12), collector)
-    scheduler.start()
-    try:
-        for prompt, collector in zip(prompts, collectors, strict=True):
-            text, _ = collector.result()
-            assert text == greedy_text(hf, path, prompt, 12)
-    finally:
-        scheduler.close()
+    check_served_greedy_text(engine, hf, path, prompts, parallel=2)

@@ -26,12 +26,18 @@ from family_checks import (
     check_run_prints_greedy_tokens,
     check_served_as_alone,
     check_show,
+    load_matching_weights,
     write_keyed_gguf,
 )
 from gguf import GGMLQuantizationType, Keys
 from helpers import cached_logits, our_model
+from moe_helpers import (
+    MOE_LAYER_GGUF_NAMES,
+    fused_experts_gguf_tensors,
+    round_matrices_but_the_routers,
+)
 from test_cache_types import TOLERANCE
-from test_deepseek import gguf_tensors, hub_state_dict, q8_0, routed_model, write_deepseek2
+from test_deepseek import gguf_tensors, hub_state_dict, routed_model, write_deepseek2
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading.loader import load_model
@@ -160,13 +166,7 @@ FEATURES = {
 def test_each_feature_changes_the_logits(feature):
     name, change = FEATURES[feature]
     with_feature, without = hf_model(name), hf_model(name, **change)
-    target = without.state_dict()
-    same = {
-        k: v
-        for k, v in with_feature.state_dict().items()
-        if k in target and target[k].shape == v.shape
-    }
-    without.load_state_dict(same, strict=False)
+    load_matching_weights(with_feature, without)
     if feature == "selection bias":
         for layer in without.model.layers[1:]:
             layer.mlp.gate.e_score_correction_bias.zero_()
@@ -261,52 +261,15 @@ def test_a_hub_folder_loads_without_its_multi_token_prediction_layer(tmp_path, n
 
 # ---- GGUF, as llama.cpp's converter writes "glm4moe" ------------------------------------
 
-LAYER_NAMES = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "post_attention_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-    "mlp.gate": "ffn_gate_inp",
-    "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
-    "mlp.shared_experts.up_proj": "ffn_up_shexp",
-    "mlp.shared_experts.down_proj": "ffn_down_shexp",
-}
-GLOBAL_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
+LAYER_NAMES = {**MOE_LAYER_GGUF_NAMES, "post_attention_layernorm": "post_attention_norm"}
 
 
 def glm4moe_tensors(model) -> dict[str, np.ndarray]:
     """GGUF name -> array, in llama.cpp's layout (conversion/glm.py Glm4MoeModel: the
     rows as they are, the experts stacked)."""
-    out = {}
-    for key, value in model.state_dict().items():
-        data = value.float().numpy()
-        if key in GLOBAL_NAMES:
-            out[GLOBAL_NAMES[key]] = data
-            continue
-        _, _, layer, rest = key.split(".", 3)
-        module, _, suffix = rest.rpartition(".")
-        if rest == "mlp.gate.e_score_correction_bias":
-            out[f"blk.{layer}.exp_probs_b.bias"] = data
-        elif rest == "mlp.experts.gate_up_proj":
-            width = data.shape[1] // 2
-            out[f"blk.{layer}.ffn_gate_exps.weight"] = data[:, :width]
-            out[f"blk.{layer}.ffn_up_exps.weight"] = data[:, width:]
-        elif rest == "mlp.experts.down_proj":
-            out[f"blk.{layer}.ffn_down_exps.weight"] = data
-        else:
-            out[f"blk.{layer}.{LAYER_NAMES[module]}.{suffix}"] = data
-    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+    return fused_experts_gguf_tensors(
+        model, LAYER_NAMES, {"mlp.gate.e_score_correction_bias": "exp_probs_b.bias"}
+    )
 
 
 def with_mtp_layer(tensors: dict[str, np.ndarray], layers: int) -> dict[str, np.ndarray]:
@@ -404,13 +367,7 @@ def test_a_q8_0_gguf_matches_transformers_on_the_dequantized_weights(tmp_path):
     are the rows of transformers' tensors)."""
     hf = hf_model("full")
     path = write_glm4moe(tmp_path / "m.gguf", hf, glm4moe_tensors(hf), GGMLQuantizationType.Q8_0)
-    state = {}
-    for key, value in hf.state_dict().items():
-        data = value.numpy()
-        if data.ndim > 1 and not key.endswith("mlp.gate.weight"):
-            data = q8_0(data)
-        state[key] = torch.from_numpy(np.ascontiguousarray(data))
-    hf.load_state_dict(state)
+    round_matrices_but_the_routers(hf)
     loaded = load_model(path, torch.device("cpu"), "f32")
     assert (cached_logits(loaded.model, IDS) - reference(hf)).abs().max() < 1e-4
 

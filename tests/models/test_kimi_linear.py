@@ -28,21 +28,22 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from family_checks import check_run_and_show, check_typed_cache, greedy_text, max_diff
-from helpers import CHUNKS, STORIES_GGUF, cached_logits, randomize
-from test_batching import Collector
+from family_checks import check_run_and_show, check_typed_cache, max_diff, write_keyed_gguf
+from helpers import CHUNKS, cached_logits, randomize
+from hybrid_checks import (
+    check_no_static_decode,
+    check_padded_rows_decoded_together,
+    check_paged_with_a_state_row,
+    check_served_greedy_text,
+)
 
-from llmrun import api, models, static_decode
-from llmrun.batching import Request, Scheduler
+from llmrun import api, models
 from llmrun.errors import LlmrunError, UnsupportedError
 from llmrun.loading import inspect
-from llmrun.loading.gguf_io import read_gguf
 from llmrun.loading.loader import load_model
 from llmrun.models import deepseek_v2, kimi_linear
 from llmrun.models.base import GatedMLP
-from llmrun.models.paged import PagedKVCache
 from llmrun.models.recurrent import RecurrentState
-from llmrun.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 
@@ -254,25 +255,7 @@ def test_padded_rows_of_a_batch_keep_their_own_state(family):
     pads them (a padded token repeats its row's last position), then decoded together:
     each row's logits are transformers' for it alone."""
     hf, _ = family
-    model = ours(hf)
-    lengths, steps = [12, 7, 10], 5
-    width = max(lengths)
-    cache = model.new_cache(3, 64, torch.float32, "cpu")
-    ids = IDS[0, : width + steps].repeat(3, 1)
-    ids[1] = ids[1].roll(5)
-    ids[2] = ids[2].roll(11)
-    positions = torch.tensor([[min(i, n - 1) for i in range(width)] for n in lengths])
-    with torch.no_grad():
-        prefill = model(ids[:, :width], positions, cache, last=torch.tensor(lengths) - 1)[:, 0]
-        decoded = []
-        for s in range(steps):
-            step_ids = torch.stack([ids[r, n + s] for r, n in enumerate(lengths)])[:, None]
-            step_positions = torch.tensor([[n + s] for n in lengths])
-            decoded.append(model(step_ids, step_positions, cache)[:, 0])
-    for row, n in enumerate(lengths):
-        expected = reference(hf, ids[row : row + 1, : n + steps])[0]
-        assert max_diff(prefill[row], expected[n - 1]) < 1e-4
-        assert max_diff(torch.stack([d[row] for d in decoded]), expected[n:]) < 1e-4
+    check_padded_rows_decoded_together(ours(hf), lambda ids: reference(hf, ids), IDS)
 
 
 @pytest.mark.parametrize("cache_type", ["f32", "f16"])
@@ -280,23 +263,10 @@ def test_serves_from_paged_blocks(family, cache_type):
     """serve's paged KV blocks (shuffled) with the scheduler's recurrent state rows: a
     sequence prefilled in chunks that end inside blocks, then decoded."""
     hf, expected = family
-    model = ours(hf)
-    like = model.new_cache(1, 1, cache_type, "cpu")
-    pool = PagedKVCache(like, 16, 16, 256)
-    states = like.recurrent.empty_like(4)
-
-    def view():
-        paged = pool.view([[9, 2, 14]])
-        paged.recurrent = states.select([2])
-        return paged
-
-    out, start = [], 0
-    with torch.inference_mode():
-        for n in [7, 20] + [1] * (SEQ - 27):
-            positions = torch.arange(start, start + n)[None]
-            out.append(model(IDS[:, start : start + n], positions, view()))
-            start += n
-    assert max_diff(torch.cat(out, dim=1), expected) < (1e-4 if cache_type == "f32" else 1e-2)
+    tolerance = 1e-4 if cache_type == "f32" else 1e-2
+    check_paged_with_a_state_row(
+        ours(hf), IDS, expected, cache_type=cache_type, tolerance=tolerance
+    )
 
 
 @pytest.mark.parametrize("cache_type", ["f16", "bf16"])
@@ -310,8 +280,7 @@ def test_a_typed_cache_holds_its_rounded_values(family, cache_type):
 
 def test_no_static_decode_step(family):
     """CUDA graphs' static step keeps no recurrent state: it is not offered."""
-    model = ours(family[0])
-    assert not static_decode.supported(model, model.new_cache(1, 32, torch.float32, "cpu"))
+    check_no_static_decode(ours(family[0]))
 
 
 # ---- Hugging Face folders ------------------------------------------------------------
@@ -451,7 +420,6 @@ def write_kimi_gguf(path, hf, qtype=None, round_trip=None, extra=None, **overrid
     arch) to write instead, None to leave one out."""
     c = hf.config
     arch = "kimi-linear"
-    writer = gguf.GGUFWriter(str(path), arch)
     meta = {
         "block_count": c.num_hidden_layers,
         "context_length": c.max_position_embeddings,
@@ -479,38 +447,15 @@ def write_kimi_gguf(path, hf, qtype=None, round_trip=None, extra=None, **overrid
         "rope.freq_base": 10000.0,
     }
     meta.update(override)
-    for name, value in meta.items():
-        key = f"{arch}.{name}"
-        if value is None:
-            continue
-        if isinstance(value, list):
-            writer.add_array(key, value)
-        elif isinstance(value, float):
-            writer.add_float32(key, value)
-        else:
-            writer.add_uint32(key, value)
-    stories = read_gguf(STORIES_GGUF, with_tensors=False).metadata
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(stories["tokenizer.ggml.tokens"])
-    writer.add_token_scores(stories["tokenizer.ggml.scores"])
-    writer.add_token_types(stories["tokenizer.ggml.token_type"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    tensors = {}
     for name, x in {**converted_tensors(hf), **(extra or {})}.items():
         x = np.ascontiguousarray(x, dtype=np.float32)
-        kind = qtype or round_trip
-        if kind is not None and _quantized(name, x):
-            raw = gguf.quants.quantize(x, kind)
-            if qtype is not None:
-                writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qtype)
-                continue
-            x = gguf.quants.dequantize(raw, kind).reshape(x.shape)
-        writer.add_tensor(name, x)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+        if round_trip is not None and _quantized(name, x):
+            rounded = gguf.quants.dequantize(gguf.quants.quantize(x, round_trip), round_trip)
+            x = rounded.reshape(x.shape)
+        tensors[name] = x
+    keys = {f"{{arch}}.{name}": value for name, value in meta.items()}
+    return write_keyed_gguf(path, arch, keys, tensors, qtype, whole_blocks=True)
 
 
 def test_a_gguf_matches_transformers(family, tmp_path):
@@ -572,15 +517,4 @@ def test_serve_gives_concurrent_requests_transformers_greedy_text(family, tmp_pa
     path = write_kimi_gguf(tmp_path / "m.gguf", hf)
     engine = api.load(str(path), device="cpu", ctx_size=128)
     prompts = ["Once upon a time", "The cat", "One day, a little girl named Lily went"]
-    scheduler = Scheduler(engine, parallel=3, queue=8)
-    collectors = [Collector() for _ in prompts]
-    greedy = SamplingParams(temperature=0)
-    for prompt, collector in zip(prompts, collectors, strict=True):
-        scheduler.submit(Request(engine.tokenizer.encode(prompt), greedy, 12), collector)
-    scheduler.start()
-    try:
-        for prompt, collector in zip(prompts, collectors, strict=True):
-            text, _ = collector.result()
-            assert text == greedy_text(hf, path, prompt, 12)
-    finally:
-        scheduler.close()
+    check_served_greedy_text(engine, hf, path, prompts, parallel=3)

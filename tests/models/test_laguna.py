@@ -28,13 +28,18 @@ from family_checks import (
     check_rounded_cache,
     check_run_and_show,
     check_show,
+    load_matching_weights,
     max_diff,
     write_keyed_gguf,
 )
 from gguf import GGMLQuantizationType, Keys
 from helpers import cached_logits, our_model, randomize
+from moe_helpers import (
+    MOE_LAYER_GGUF_NAMES,
+    fused_experts_gguf_tensors,
+    round_matrices_but_the_routers,
+)
 from test_cache_types import TOLERANCE
-from test_deepseek import q8_0
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading.loader import load_model
@@ -217,13 +222,7 @@ FEATURES = {
 def test_each_feature_changes_the_logits(feature):
     name, change = FEATURES[feature]
     with_feature, without = hf_model(name), hf_model(name, **change)
-    target = without.state_dict()
-    same = {
-        k: v
-        for k, v in with_feature.state_dict().items()
-        if k in target and target[k].shape == v.shape
-    }
-    without.load_state_dict(same, strict=False)
+    load_matching_weights(with_feature, without)
     with torch.no_grad():
         for layer in without.model.layers:
             if feature == "selection bias" and hasattr(layer.mlp, "gate"):
@@ -287,53 +286,15 @@ def test_a_saved_folder_loads(tmp_path):
 
 # ---- GGUF, as llama.cpp's converter writes "laguna" ---------------------------------------
 
-LAYER_NAMES = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.g_proj": "attn_gate",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-    "mlp.gate": "ffn_gate_inp",
-    "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
-    "mlp.shared_experts.up_proj": "ffn_up_shexp",
-    "mlp.shared_experts.down_proj": "ffn_down_shexp",
-}
-GLOBAL_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
+LAYER_NAMES = {**MOE_LAYER_GGUF_NAMES, "self_attn.g_proj": "attn_gate"}
 
 
 def laguna_tensors(model) -> dict[str, np.ndarray]:
     """GGUF name -> array, in llama.cpp's layout: rows as they are, experts stacked
     [E, out, in], the selection bias as blk.N.exp_probs_b.bias."""
-    out = {}
-    for key, value in model.state_dict().items():
-        data = value.float().numpy()
-        if key in GLOBAL_NAMES:
-            out[GLOBAL_NAMES[key]] = data
-            continue
-        _, _, layer, rest = key.split(".", 3)
-        module, _, suffix = rest.rpartition(".")
-        if rest == "mlp.gate.e_score_correction_bias":
-            out[f"blk.{layer}.exp_probs_b.bias"] = data
-        elif rest == "mlp.experts.gate_up_proj":
-            width = data.shape[1] // 2
-            out[f"blk.{layer}.ffn_gate_exps.weight"] = data[:, :width]
-            out[f"blk.{layer}.ffn_up_exps.weight"] = data[:, width:]
-        elif rest == "mlp.experts.down_proj":
-            out[f"blk.{layer}.ffn_down_exps.weight"] = data
-        else:
-            out[f"blk.{layer}.{LAYER_NAMES[module]}.{suffix}"] = data
-    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+    return fused_experts_gguf_tensors(
+        model, LAYER_NAMES, {"mlp.gate.e_score_correction_bias": "exp_probs_b.bias"}
+    )
 
 
 def laguna_keys(config) -> dict:
@@ -428,13 +389,7 @@ def test_a_q8_0_gguf_matches_transformers_on_the_dequantized_weights(tmp_path):
     are the rows of transformers' tensors)."""
     hf = hf_model("xs")
     path = write_laguna(tmp_path / "m.gguf", hf, GGMLQuantizationType.Q8_0)
-    state = {}
-    for key, value in hf.state_dict().items():
-        data = value.numpy()
-        if data.ndim > 1 and not key.endswith("mlp.gate.weight"):
-            data = q8_0(data)
-        state[key] = torch.from_numpy(np.ascontiguousarray(data))
-    hf.load_state_dict(state)
+    round_matrices_but_the_routers(hf)
     loaded = load_model(path, CPU, "f32")
     assert max_diff(cached_logits(loaded.model, IDS), reference(hf)) < 1e-4
 

@@ -24,6 +24,7 @@ import pytest
 import torch
 from family_checks import check_run_and_show, check_show, check_typed_cache, max_diff
 from helpers import STORIES_GGUF, cached_logits, our_model, randomize
+from hybrid_checks import check_paged_with_a_state_row
 
 from llmrun import api, static_decode
 from llmrun.batching import Request, Scheduler
@@ -321,18 +322,7 @@ def test_rows_padded_on_the_right_give_each_row_its_logits():
 
 def test_one_sequence_on_paged_blocks_gives_the_contiguous_logits(family):
     hf, expected = family
-    model = ours(hf)
-    like = model.new_cache(1, 1, "f32", "cpu")
-    pool = PagedKVCache(like, 16, 16, 256)
-    states = like.recurrent.empty_like(2)
-    out, start = [], 0
-    with torch.no_grad():
-        for n in [7, 20] + [1] * (SEQ - 27):
-            view = pool.view([[9, 2, 14]])
-            view.recurrent = states.select([1])
-            out.append(model(IDS[:, start : start + n], torch.arange(start, start + n)[None], view))
-            start += n
-    assert max_diff(torch.cat(out, dim=1), expected) < 1e-4
+    check_paged_with_a_state_row(ours(hf), IDS, expected, rows=2, row=1)
 
 
 @pytest.mark.parametrize("cache_type", ["f16", "bf16", "q8_0"])

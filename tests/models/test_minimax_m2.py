@@ -31,9 +31,14 @@ from family_checks import (
 )
 from gguf import GGMLQuantizationType, Keys
 from helpers import BASE, cached_logits, our_model
-from moe_helpers import save_hub_dir
+from moe_helpers import (
+    MOE_LAYER_GGUF_NAMES,
+    fused_experts_gguf_tensors,
+    round_matrices_but_the_routers,
+    save_hub_dir,
+)
 from test_cache_types import TOLERANCE
-from test_deepseek import q8_0, routed_model
+from test_deepseek import routed_model
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading.loader import load_model
@@ -290,46 +295,15 @@ def test_the_static_decode_step_is_not_offered():
 
 # ---- GGUF, as llama.cpp's converter writes "minimax-m2" --------------------------------
 
-LAYER_NAMES = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate": "ffn_gate_inp",
-}
-GLOBAL_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
+LAYER_NAMES = MOE_LAYER_GGUF_NAMES
 
 
 def gguf_tensors(model) -> dict[str, np.ndarray]:
     """GGUF name -> array in llama.cpp's layout: rows as they are, experts stacked
     [E, rows, cols], the selection bias as exp_probs_b.bias."""
-    out = {}
-    for key, value in model.state_dict().items():
-        data = value.float().numpy()
-        if key in GLOBAL_NAMES:
-            out[GLOBAL_NAMES[key]] = data
-            continue
-        _, _, layer, rest = key.split(".", 3)
-        module, _, suffix = rest.rpartition(".")
-        if rest == "mlp.e_score_correction_bias":
-            out[f"blk.{layer}.exp_probs_b.bias"] = data
-        elif rest == "mlp.experts.gate_up_proj":
-            width = data.shape[1] // 2
-            out[f"blk.{layer}.ffn_gate_exps.weight"] = data[:, :width]
-            out[f"blk.{layer}.ffn_up_exps.weight"] = data[:, width:]
-        elif rest == "mlp.experts.down_proj":
-            out[f"blk.{layer}.ffn_down_exps.weight"] = data
-        else:
-            out[f"blk.{layer}.{LAYER_NAMES[module]}.{suffix}"] = data
-    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+    return fused_experts_gguf_tensors(
+        model, LAYER_NAMES, {"mlp.e_score_correction_bias": "exp_probs_b.bias"}
+    )
 
 
 def minimax_keys(config) -> dict:
@@ -386,13 +360,7 @@ def test_a_q8_0_gguf_matches_transformers_on_the_dequantized_weights(tmp_path):
     rows of transformers' tensors)."""
     hf = hf_model()
     path = write_minimax(tmp_path / "m.gguf", hf, GGMLQuantizationType.Q8_0)
-    state = {}
-    for key, value in hf.state_dict().items():
-        data = value.numpy()
-        if data.ndim > 1 and not key.endswith("mlp.gate.weight"):
-            data = q8_0(data)
-        state[key] = torch.from_numpy(np.ascontiguousarray(data))
-    hf.load_state_dict(state)
+    round_matrices_but_the_routers(hf)
     loaded = load_model(path, CPU, "f32")
     assert (cached_logits(loaded.model, IDS) - reference(hf)).abs().max() < 1e-4
 

@@ -30,23 +30,24 @@ import torch
 from family_checks import (
     check_run_and_show,
     check_typed_cache,
-    greedy_text,
     max_diff,
 )
 from helpers import CHUNKS, STORIES_GGUF, cached_logits, fuse_gate_up_experts, randomize
-from test_batching import Collector
+from hybrid_checks import (
+    check_no_static_decode,
+    check_padded_rows_decoded_together,
+    check_paged_with_a_state_row,
+    check_served_greedy_text,
+)
 
-from llmrun import api, native, ops, static_decode
-from llmrun.batching import Request, Scheduler
+from llmrun import api, native, ops
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import inspect
 from llmrun.loading.gguf_io import read_gguf
 from llmrun.loading.loader import load_model
 from llmrun.loading.qwen35 import RECURRENT_LAYERS
 from llmrun.models import qwen3_5
-from llmrun.models.paged import PagedKVCache
 from llmrun.models.recurrent import RecurrentState
-from llmrun.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 
@@ -213,48 +214,14 @@ def test_padded_rows_of_a_batch_keep_their_own_state():
     pads them (a padded token repeats its row's last position), then decoded together:
     each row's logits are transformers' for it alone."""
     hf = hf_model("moe")
-    model = ours(hf)
-    lengths, steps = [12, 7, 10], 5
-    width = max(lengths)
-    cache = model.new_cache(3, 64, torch.float32, "cpu")
-    ids = IDS[0, : width + steps].repeat(3, 1)
-    ids[1] = ids[1].roll(5)
-    ids[2] = ids[2].roll(11)
-    positions = torch.tensor([[min(i, n - 1) for i in range(width)] for n in lengths])
-    with torch.no_grad():
-        prefill = model(ids[:, :width], positions, cache, last=torch.tensor(lengths) - 1)[:, 0]
-        decoded = []
-        for s in range(steps):
-            step_ids = torch.stack([ids[r, n + s] for r, n in enumerate(lengths)])[:, None]
-            step_positions = torch.tensor([[n + s] for n in lengths])
-            decoded.append(model(step_ids, step_positions, cache)[:, 0])
-    for row, n in enumerate(lengths):
-        expected = reference(hf, ids[row : row + 1, : n + steps])[0]
-        assert max_diff(prefill[row], expected[n - 1]) < 1e-4
-        assert max_diff(torch.stack([d[row] for d in decoded]), expected[n:]) < 1e-4
+    check_padded_rows_decoded_together(ours(hf), lambda ids: reference(hf, ids), IDS)
 
 
 def test_serves_from_paged_blocks(family):
     """serve's paged KV blocks (shuffled) with the scheduler's recurrent state rows: a
     sequence prefilled in chunks that end inside blocks, then decoded."""
     _, hf, expected = family
-    model = ours(hf)
-    like = model.new_cache(1, 1, "f32", "cpu")
-    pool = PagedKVCache(like, 16, 16, 256)
-    states = like.recurrent.empty_like(4)
-
-    def view():
-        paged = pool.view([[9, 2, 14]])
-        paged.recurrent = states.select([2])
-        return paged
-
-    out, start = [], 0
-    with torch.inference_mode():
-        for n in [7, 20] + [1] * (SEQ - 27):
-            positions = torch.arange(start, start + n)[None]
-            out.append(model(IDS[:, start : start + n], positions, view()))
-            start += n
-    assert max_diff(torch.cat(out, dim=1), expected) < 1e-4
+    check_paged_with_a_state_row(ours(hf), IDS, expected)
 
 
 @pytest.mark.parametrize("cache_type", ["f16", "bf16"])
@@ -269,8 +236,7 @@ def test_a_typed_cache_holds_its_rounded_values(family, cache_type):
 
 def test_no_static_decode_step(family):
     """CUDA graphs' static step keeps no recurrent state: it is not offered."""
-    model = ours(family[1])
-    assert not static_decode.supported(model, model.new_cache(1, 32, torch.float32, "cpu"))
+    check_no_static_decode(ours(family[1]))
 
 
 # ---- Hugging Face folders ------------------------------------------------------------
@@ -609,15 +575,4 @@ def test_serve_gives_concurrent_requests_transformers_greedy_text(tmp_path):
     path = write_qwen35_gguf(tmp_path / "m.gguf", hf)
     engine = api.load(str(path), device="cpu", ctx_size=128)
     prompts = ["Once upon a time", "The cat", "One day, a little girl named Lily went"]
-    scheduler = Scheduler(engine, parallel=3, queue=8)
-    collectors = [Collector() for _ in prompts]
-    greedy = SamplingParams(temperature=0)
-    for prompt, collector in zip(prompts, collectors, strict=True):
-        scheduler.submit(Request(engine.tokenizer.encode(prompt), greedy, 12), collector)
-    scheduler.start()
-    try:
-        for prompt, collector in zip(prompts, collectors, strict=True):
-            text, _ = collector.result()
-            assert text == greedy_text(hf, path, prompt, 12)
-    finally:
-        scheduler.close()
+    check_served_greedy_text(engine, hf, path, prompts, parallel=3)

@@ -15,13 +15,13 @@ import pytest
 import torch
 from family_checks import check_run_and_show, max_diff
 from helpers import CHUNKS, cached_logits
+from hybrid_checks import check_paged_with_a_state_row
 from test_qwen3_5 import DENSE, IDS, SEQ, hf_model, reference, write_qwen35_gguf
 
 from llmrun.errors import UnsupportedError
 from llmrun.loading import qwen3_next as loading
 from llmrun.loading.loader import load_model
 from llmrun.models import qwen3_next
-from llmrun.models.paged import PagedKVCache
 
 transformers = pytest.importorskip("transformers")
 
@@ -117,24 +117,7 @@ def test_an_hf_folder_loads_as_transformers_runs_it(family, tmp_path):
 
 def test_serves_from_paged_blocks(family):
     hf, expected = family
-    model = ours(hf)
-    like = model.new_cache(1, 1, "f32", "cpu")
-    pool = PagedKVCache(like, 16, 16, 256)
-    states = like.recurrent.empty_like(2)
-
-    def view():
-        paged = pool.view([[3, 11, 5]])
-        paged.recurrent = states.select([1])
-        return paged
-
-    out, start = [], 0
-    with torch.inference_mode():
-        for n in [7, 20] + [1] * (SEQ - 27):
-            out.append(
-                model(IDS[:, start : start + n], torch.arange(start, start + n)[None], view())
-            )
-            start += n
-    assert max_diff(torch.cat(out, dim=1), expected) < 1e-4
+    check_paged_with_a_state_row(ours(hf), IDS, expected, rows=2, row=1, blocks=(3, 11, 5))
 
 
 def test_a_gguf_matches_transformers(tmp_path):
