@@ -35,6 +35,7 @@ from tokenizer_fuzz import Server  # noqa: E402
 OUT = ROOT / "benchmarks" / "out"
 PROMPT = [1, 400, 21, 300, 77, 15, 250, 9, 130, 451, 64, 3]
 EOS = 2  # stories260K's, which every file here carries
+GATING = "{arch}.expert_gating_func"  # 2: sigmoid
 
 
 def qwen35(path: Path, kind: str, fuse_experts: bool = False) -> None:
@@ -126,6 +127,33 @@ def mistral4(path: Path, fuse_experts: bool = False) -> None:
     test_deepseek.write_deepseek2(path, hf, tensors, arch="mistral4")
 
 
+def written(
+    module: str, writer: str, *args, options: dict | None = None, **overrides
+) -> Callable[[Path], None]:
+    """A family whose test module has `hf_model(*args, **overrides)` and `writer(path,
+    model, **options)` (the GGUF as llama.cpp's converter writes it)."""
+
+    def write(path: Path) -> None:
+        import importlib
+
+        t = importlib.import_module(module)
+        getattr(t, writer)(path, t.hf_model(*args, **overrides), **(options or {}))
+
+    return write
+
+
+def variant(module: str, writer: str, name: str) -> Callable[[Path], None]:
+    """As `written`, with the test module's VARIANTS[name] as the model's overrides."""
+
+    def write(path: Path) -> None:
+        import importlib
+
+        t = importlib.import_module(module)
+        getattr(t, writer)(path, t.hf_model(**t.VARIANTS[name]))
+
+    return write
+
+
 FAMILIES: dict[str, Callable[[Path], None]] = {
     "qwen35": lambda p: qwen35(p, "dense"),
     "qwen35moe": lambda p: qwen35(p, "moe"),
@@ -143,7 +171,35 @@ FAMILIES: dict[str, Callable[[Path], None]] = {
     "minimax-m2": minimax_m2,
     "mistral4": mistral4,
     "mistral4-fused": lambda p: mistral4(p, fuse_experts=True),
+    # llama.cpp loads a multi-token-prediction block only whole; the tests' is partial
+    "deepseek32": written("test_deepseek_v32", "write_dsa", "deepseek_v32", options={"mtp": False}),
+    "glm-dsa": written("test_deepseek_v32", "write_dsa", "glm_moe_dsa", options={"mtp": False}),
+    "deepseek4": lambda p: deepseek4(p),
+    "nemotron_h": variant("test_nemotron_h", "write_nemotron_gguf", "dense"),
+    "nemotron_h_moe": variant("test_nemotron_h", "write_nemotron_gguf", "moe"),
+    "falcon-h1": variant("test_falcon_h1", "write_falcon_gguf", "norm-after-gate"),
+    "kimi-linear": written("test_kimi_linear", "write_kimi_gguf"),
+    "apertus": written("test_apertus", "write_apertus_gguf"),
+    "afmoe": written("test_afmoe", "write_afmoe"),
+    # llama.cpp's olmoe has no grouped-query attention (nor has OLMoE)
+    "olmoe": written("test_olmoe", "write_olmoe_gguf", num_key_value_heads=4),
+    "phimoe": written("test_phimoe", "write_phimoe_gguf"),  # llama.cpp approximates it
+    # llama.cpp requires the gating key, which the converter writes from scoring_func
+    "exaone-moe": written("test_exaone_moe", "write_exaone_moe", options={"metadata": {GATING: 2}}),
+    "mimo2": written("test_mimo_v2_flash", "write_mimo2"),
+    "hy_v3": written("test_hy_v3", "write_hy_v3", "default"),
+    "laguna": written("test_laguna", "write_laguna", "xs"),
+    "granite_swa": written("test_granite_swa", "write_swa_gguf", "granite_swa"),
+    "granitemoe_swa": written("test_granite_swa", "write_swa_gguf", "granitemoe_swa"),
+    "cohere2moe": variant("test_cohere2_moe", "write_cohere2_moe_gguf", "rms-norm"),
 }
+
+
+def deepseek4(path: Path) -> None:
+    import test_deepseek_v4 as t
+
+    # llama.cpp's graph takes 4 hyper-connection streams only (GGML_ASSERT(hc == 4))
+    t.write_deepseek4(path, t.hf_model(compress_rates=t.GGUF_RATES, hc_mult=4))
 
 
 def llmrun_greedy(path: Path, tokens: int) -> tuple[list[int], list[float], list[list]]:

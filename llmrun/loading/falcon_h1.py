@@ -56,6 +56,12 @@ LAYER_NAMES = {
 }
 
 
+# The converter writes the feed-forward norm without a ".weight": gguf-py maps the whole
+# name "model.layers.N.pre_ff_layernorm.weight" (suffix included) to this arch's
+# FFN_PRE_NORM, "blk.N.ffn_norm", and llama.cpp's falcon-h1 loader reads that name.
+FFN_NORM_NAME = "ffn_norm"
+
+
 def hf_name(gguf_name: str) -> str | None:
     """The Hugging Face key of a falcon-h1 GGUF tensor, or None if it is not one."""
     base, _, suffix = gguf_name.rpartition(".")
@@ -67,6 +73,8 @@ def hf_name(gguf_name: str) -> str | None:
     mixer = granitehybrid.LAYER_NAMES.get(parts[2])
     if mixer is not None and mixer.startswith("mamba."):
         return f"model.layers.{parts[1]}.{mixer}"
+    if parts[2] == FFN_NORM_NAME:
+        return f"model.layers.{parts[1]}.pre_ff_layernorm.weight"
     module, _, suffix = parts[2].rpartition(".")
     if module not in LAYER_NAMES or suffix not in ("weight", "bias"):
         return None

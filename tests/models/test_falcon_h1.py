@@ -153,7 +153,8 @@ def folded(hf) -> dict[str, torch.Tensor]:
 
 _NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
-    "pre_ff_layernorm.weight": "ffn_norm.weight",
+    # gguf-py maps the whole name to FFN_PRE_NORM, "blk.N.ffn_norm", with no ".weight"
+    "pre_ff_layernorm.weight": "ffn_norm",
     "self_attn.q_proj.weight": "attn_q.weight",
     "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight",
