@@ -43,12 +43,14 @@ from llmrun.loading import (
     llama4,
     mimo2,
     minimax_m2,
+    minimax_m3,
     nemotron_h,
     olmo,
     olmoe,
     phimoe,
     qwen35,
     seed_oss,
+    step3p5,
 )
 from llmrun.loading.gguf_io import GGUFFile, read_float_list
 
@@ -99,6 +101,7 @@ MODEL_TYPES = {
     **lfm2.MODEL_TYPES,  # llmrun/loading/lfm2.py
     llama4.ARCH: llama4.MODEL_TYPE,  # llmrun/loading/llama4.py
     minimax_m2.ARCH: minimax_m2.MODEL_TYPE,  # llmrun/loading/minimax_m2.py
+    minimax_m3.ARCH: minimax_m3.MODEL_TYPE,  # llmrun/loading/minimax_m3.py
     **nemotron_h.MODEL_TYPES,  # llmrun/loading/nemotron_h.py
     apertus.ARCH: apertus.MODEL_TYPE,  # llmrun/loading/apertus.py
     afmoe.ARCH: afmoe.MODEL_TYPE,  # llmrun/loading/afmoe.py
@@ -107,6 +110,7 @@ MODEL_TYPES = {
     phimoe.ARCH: phimoe.MODEL_TYPE,  # llmrun/loading/phimoe.py
     hy_v3.ARCH: hy_v3.MODEL_TYPE,  # llmrun/loading/hy_v3.py
     laguna.ARCH: laguna.MODEL_TYPE,  # llmrun/loading/laguna.py
+    step3p5.ARCH: step3p5.MODEL_TYPE,  # llmrun/loading/step3p5.py
 }
 # Families whose RMSNorm is x * (1 + w): llama.cpp's converter stores 1 + w.
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
@@ -201,11 +205,15 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
         return qwen35.hf_name(gguf_name)
     if model_type == minimax_m2.MODEL_TYPE and (moe := minimax_m2.hf_name(gguf_name)):
         return moe
+    if model_type == minimax_m3.MODEL_TYPE and (name := minimax_m3.hf_name(gguf_name)):
+        return name
     if model_type == afmoe.MODEL_TYPE and (name := afmoe.hf_name(gguf_name)):
         return name
     if model_type == hy_v3.MODEL_TYPE and (name := hy_v3.hf_name(gguf_name)):
         return name
     if model_type == laguna.MODEL_TYPE and (name := laguna.hf_name(gguf_name)):
+        return name
+    if model_type == step3p5.MODEL_TYPE and (name := step3p5.hf_name(gguf_name)):
         return name
     if model_type == cohere2_moe.MODEL_TYPE and (name := cohere2_moe.hf_name(gguf_name)):
         return name
@@ -299,6 +307,8 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         return nemotron_h.config_from_gguf(gg)
     if arch == laguna.ARCH:
         return laguna.config_from_gguf(gg, _rope_from_gguf)
+    if arch == step3p5.ARCH:
+        return step3p5.config_from_gguf(gg)
 
     def key(name: str, default: Any = None, required: bool = False) -> Any:
         full = f"{arch}.{name}"
@@ -374,6 +384,7 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         seed_oss.ARCH: seed_oss.finish_config,
         hunyuan.ARCH: hunyuan.finish_config,
         minimax_m2.ARCH: minimax_m2.finish_config,
+        minimax_m3.ARCH: minimax_m3.finish_config,
         apertus.ARCH: apertus.finish_config,
         granite.SWA_ARCH: granite.finish_swa_config,
         olmoe.ARCH: olmoe.finish_config,

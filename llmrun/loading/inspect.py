@@ -327,6 +327,10 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
             head_dim += int(text.get("index_head_dim") or 0)
     except (KeyError, TypeError, ValueError):
         return None
+    if config.get("model_type") in ("minimax_m3", "minimax_m3_vl", "minimax_m3_vl_text"):
+        from llmrun.loading import minimax_m3  # the indexer's key cached after each head
+
+        head_dim = minimax_m3.cache_head_dim(text, head_dim)
     kv_heads = 1 if "kv_lora_rank" in text else int(text.get("num_key_value_heads") or heads)
     shapes = None  # each layer's (KV heads, head width), where layers differ
     if config.get("model_type") in ("gemma4", "gemma4_text"):
@@ -358,11 +362,12 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
         granitehybrid,
         kimi_linear,
         lfm2,
+        lfm3,
         nemotron_h,
         qwen35,
     )
 
-    for family in (lfm2, granitehybrid, qwen35, kimi_linear, nemotron_h):
+    for family in (lfm2, lfm3, granitehybrid, qwen35, kimi_linear, nemotron_h):
         attending = family.attention_layer_count(text)
         if attending is not None:
             windows = [None] * attending

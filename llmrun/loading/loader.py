@@ -53,9 +53,11 @@ from llmrun.loading import (
     llama4,
     mimo2,
     minimax_m2,
+    minimax_m3,
     nemotron_h,
     qwen35,
     safetensors_io,
+    step3p5,
 )
 from llmrun.models import model_module
 from llmrun.quant import decode_step, hugepages, kernels, planes
@@ -199,10 +201,14 @@ def _open_hf_dir(path: Path) -> Checkpoint:
         weights = hy_v3.hf_weights(weights, config, Weight)
     if config.get("model_type") == laguna.MODEL_TYPE:
         weights = laguna.hf_weights(weights, config, Weight)
+    if config.get("model_type") == step3p5.MODEL_TYPE:
+        weights = step3p5.hf_weights(weights, config, Weight)
     if config.get("model_type") in qwen35.MODEL_TYPES:
         config, weights, multimodal = qwen35.hf_checkpoint(config, weights, Weight)
         if multimodal:
             notes.append(f"{path}: a multimodal Qwen3.5; running its language model only")
+    if config.get("model_type") == minimax_m3.VL_MODEL_TYPE:
+        minimax_m3.refuse_quantized(config, path)
     family = MULTIMODAL.get(config.get("model_type"))
     if family is not None and isinstance(config.get("text_config"), dict):
         config, weights = _language_model(config, weights)
@@ -211,6 +217,8 @@ def _open_hf_dir(path: Path) -> Checkpoint:
         )
     if config.get("model_type") == llama4.MODEL_TYPE:
         weights = llama4.hf_weights(weights, config, Weight)
+    if config.get("model_type") in minimax_m3.HF_MODEL_TYPES:
+        weights = minimax_m3.hf_weights(weights, config, path)
     if config.get("model_type") == deepseek2.MISTRAL4:
         # MLA caches one latent head: Mistral4Config's num_key_value_heads (32 whatever
         # the heads) means nothing, and would fail check_config's head count check.
@@ -248,6 +256,7 @@ MULTIMODAL = {
     "gemma4": "Gemma 4",
     "mistral3": "Mistral 3",
     "llama4": "Llama 4",
+    "minimax_m3_vl": "MiniMax-M3",
     "qwen3_vl": "Qwen3-VL",
     "qwen3_vl_moe": "Qwen3-VL",
 }
@@ -258,6 +267,7 @@ TEXT_MODEL_TYPES = {
     "gemma3": "gemma3_text",
     "gemma3n": "gemma3n_text",  # Gemma3nTextConfig, whatever the file says
     "gemma4": "gemma4_text",
+    "minimax_m3_vl": "minimax_m3_vl_text",
     "qwen3_vl": "qwen3",
     "qwen3_vl_moe": "qwen3_moe",
 }
@@ -289,6 +299,7 @@ _VISION_PREFIXES = (
     "model.embed_vision.",
     "model.embed_audio.",
     "model.visual.",  # Qwen3-VL's
+    "patch_merge_mlp.",  # MiniMax-M3's
 )
 
 
@@ -339,7 +350,8 @@ def _open_gguf(path: Path) -> Checkpoint:
             raise UnsupportedError(
                 f"{path}: tensor {info.name!r} is not part of llmrun's {model_type} model"
             )
-        if model_type in gguf_config.GEMMA_TYPES and name.endswith("norm.weight"):
+        gemma_norms = (*gguf_config.GEMMA_TYPES, minimax_m3.MODEL_TYPE, step3p5.MODEL_TYPE)
+        if model_type in gemma_norms and name.endswith("norm.weight"):
             # llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w, for
             # x * weight (conversion/gemma.py: `data_torch + 1` on every
             # *norm.weight); the model holds HF's w and computes x * (1 + w).
@@ -403,6 +415,8 @@ def _open_gguf(path: Path) -> Checkpoint:
         weights = mimo2.gguf_weights(weights, config, Weight)
     if gg.architecture == hy_v3.ARCH:
         weights = hy_v3.gguf_weights(weights, config, Weight)
+    if gg.architecture == step3p5.ARCH:
+        weights = step3p5.gguf_weights(weights, config, Weight)
     return Checkpoint(
         path, "gguf", config, weights, sampling_defaults=gguf_io.generation_defaults(gg), gguf=gg
     )

@@ -41,6 +41,7 @@ ARCHITECTURES = {
     "glm4_moe": "glm4_moe",
     "glm4_moe_lite": "glm4_moe_lite",
     "solar_open": "solar_open",
+    "step3p5": "step3p5",
     "ernie4_5": "ernie4_5",
     "ernie4_5_moe": "ernie4_5_moe",
     "granite": "granite",
@@ -66,11 +67,15 @@ ARCHITECTURES = {
     "qwen3_next": "qwen3_next",
     "lfm2": "lfm2",
     "lfm2_moe": "lfm2_moe",
+    "lfm3": "lfm3",
     "kimi_linear": "kimi_linear",
     "nemotron_h": "nemotron_h",  # and its mixture of experts
     "llama4": "llama4",  # multimodal: its text_config's language model
     "llama4_text": "llama4",
     "minimax_m2": "minimax_m2",
+    "minimax_m3_vl": "minimax_m3",  # multimodal: its text_config's language model
+    "minimax_m3_vl_text": "minimax_m3",
+    "minimax_m3": "minimax_m3",  # the text-only MiniMaxM3SparseForCausalLM checkpoints
     "gemma4": "gemma4",  # multimodal: its text_config's language model
     "gemma4_text": "gemma4",
     "apertus": "apertus",
