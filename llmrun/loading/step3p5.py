@@ -20,8 +20,11 @@ from gguf import MODEL_TENSOR, TENSOR_NAMES, ExpertGatingFuncType, Keys
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import experts, glm4_moe
 from llmrun.loading.gguf_io import GGUFFile
-from llmrun.models.base import LAYER_TYPES
-from llmrun.models.step3p5 import MLP_TYPES
+
+# As llmrun.models.base and llmrun.models.step3p5 name them (not imported: `llmrun list`
+# and `show` read this module without torch).
+LAYER_TYPES = ("full_attention", "sliding_attention")
+MLP_TYPES = ("dense", "sparse")
 
 MODEL_TYPE = "step3p5"
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")

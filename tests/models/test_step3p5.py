@@ -389,3 +389,14 @@ def test_paged_batched_rows_give_their_own_logits(ours):
 @pytest.mark.parametrize("cache_type", test_cache_types.TYPES)
 def test_cache_types_give_an_f32_cache_of_their_rounded_values(ours, cache_type):
     check_rounded_cache(ours, cache_type, CACHE_DRIFT[cache_type])
+
+
+def test_the_loaders_names_are_the_models():
+    """loading/step3p5 spells the layer and feed-forward kinds itself (it stays
+    torch-free for `llmrun list` and `show`): the same as the model's."""
+    from llmrun.loading import step3p5 as loading
+    from llmrun.models import base
+    from llmrun.models import step3p5 as model
+
+    assert loading.LAYER_TYPES == base.LAYER_TYPES
+    assert loading.MLP_TYPES == model.MLP_TYPES
