@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from typing import Any
 
 import torch
@@ -208,6 +209,9 @@ class DecodeStep:
         # scheduler and a run in another thread decode through different caches at once.
         self.bound: dict[tuple, Any] = {}
         self.fn = native.library().llmrun_decode_layers
+        # serve's scheduler and a run in another thread may take their first step at
+        # once: one describes the layers and binds each cache, the other waits
+        self.lock = threading.Lock()
         model.register_load_state_dict_post_hook(lambda *_: self.invalidate())
 
     def invalidate(self) -> None:
@@ -218,7 +222,7 @@ class DecodeStep:
         What it points into (besides the model's tensors) is held in its `_kept`."""
         layers = self.model.model.layers
         array = (Layer * len(layers))()
-        self.kept: list[Any] = []
+        kept: list[Any] = []
         offset = 1.0 if self.family.startswith("gemma") else 0.0
         for i, layer in enumerate(layers):
             attn, d = layer.self_attn, array[i]
@@ -226,7 +230,7 @@ class DecodeStep:
             if attn.head_dim % 16 or ffn is None:  # the C vectors take heads of 16s
                 return None
             dense = getattr(ffn, "shared_expert", None) if hasattr(ffn, "experts") else ffn
-            if hasattr(ffn, "experts") and not self._describe_moe(ffn, d):
+            if hasattr(ffn, "experts") and not self._describe_moe(ffn, d, kept):
                 return None
             if not self._describe_act(ffn, dense, d):
                 return None
@@ -276,7 +280,7 @@ class DecodeStep:
             d.heads, d.kv_heads, d.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
             d.rope = ROPES[getattr(attn, "layer_type", "full_attention")]
             d.window = self._window(attn)
-        array._kept = self.kept
+        array._kept = kept
         self.head = self._describe_head(offset)
         return array
 
@@ -324,8 +328,9 @@ class DecodeStep:
         d.act = acts.pop()
         return True
 
-    def _describe_moe(self, ffn: nn.Module, d: Layer) -> bool:
-        """A mixture-of-experts block into a Moe that d points to."""
+    def _describe_moe(self, ffn: nn.Module, d: Layer, kept: list[Any]) -> bool:
+        """A mixture-of-experts block into a Moe that d points to (what it points into
+        goes to `kept`)."""
         experts = ffn.experts
         names = next((p for p in PROJECTIONS if hasattr(experts[0], p[0])), None)
         router = getattr(ffn, "gate", None) or getattr(ffn, "router", None)
@@ -344,9 +349,9 @@ class DecodeStep:
             biases = [getattr(getattr(e, name), "bias", None) for e in experts]
             if biases[0] is not None:
                 bias = torch.stack([b.detach().float() for b in biases]).contiguous()
-                self.kept.append(bias)
+                kept.append(bias)
                 moe.bias[p] = bias.data_ptr()
-            self.kept.append(addresses)
+            kept.append(addresses)
             moe.addr[p] = addresses.data_ptr()
             moe.stride[p], moe.type[p], moe.q8[p] = first.stride, first.type, first.q8
             if p == 0:
@@ -367,7 +372,7 @@ class DecodeStep:
         else:
             moe.route = ROUTE_SOFTMAX_TOPK
             moe.normalize = int(getattr(ffn, "norm_topk_prob", self.family == "mixtral"))
-        self.kept.append(moe)
+        kept.append(moe)
         d.moe = ctypes.addressof(moe)
         return True
 
@@ -393,6 +398,24 @@ class DecodeStep:
                 d.ring = cache.window if ring else 0
             d.k_cache, d.v_cache = k.data_ptr(), v.data_ptr()
             d.kv_kind = kind
+        return layers
+
+    def _layers_for(self, cache: Any) -> Any:
+        """The layers bound to `cache` (described and bound the first time), or None."""
+        if self.layers is None:
+            self.layers, self.bound = self._describe(), {}
+            if self.layers is None:
+                self.model.decode_step = None  # a layer it cannot take: never again
+                return None
+        key = self._cache_key(cache)
+        layers = self.bound.get(key)
+        if layers is None:
+            layers = self._bind_cache(cache)
+            if layers is None:
+                return None
+            if len(self.bound) >= 4:  # caches come and go: keep the latest few
+                self.bound.pop(next(iter(self.bound)))
+            self.bound[key] = layers
         return layers
 
     def _cache_key(self, cache: Any) -> tuple:
@@ -461,20 +484,10 @@ class DecodeStep:
             if not local.plan.decode or local.plan.mask is not None:
                 return None
             step.ring_keys = local.plan.keys
-        if self.layers is None:
-            self.layers, self.bound = self._describe(), {}
-            if self.layers is None:
-                self.model.decode_step = None  # a layer it cannot take: never again
-                return None
-        key = self._cache_key(cache)
-        layers = self.bound.get(key)
+        with self.lock:
+            layers = self._layers_for(cache)
         if layers is None:
-            layers = self._bind_cache(cache)
-            if layers is None:
-                return None
-            if len(self.bound) >= 4:  # caches come and go: keep the latest few
-                self.bound.pop(next(iter(self.bound)))
-            self.bound[key] = layers
+            return None
         positions = positions.reshape(rows).contiguous()
         step.positions, step.rows = positions.data_ptr(), rows
         step.rotary_dim = frame.cos.shape[-1]

@@ -20,6 +20,10 @@ one-sequence decode step through every decoder layer in one call.
 - Where it cannot go (a batch, a prompt, a mask, LLMRUN_DECODE_STEP=0) the layers run.
 """
 
+import ctypes
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 import test_quant_models as quant_models
@@ -209,6 +213,34 @@ def test_experts_of_a_width_the_kernels_do_not_take_stay_with_the_layers(native_
     with torch.no_grad():
         expected = hf(ids).logits
     torch.testing.assert_close(decode(ours, ids, 12), expected, atol=1e-4, rtol=0)
+
+
+def test_two_threads_taking_their_first_steps_at_once_share_one_description(
+    native_kernels, monkeypatch
+):
+    """serve's scheduler and a run in another thread may take their first steps at
+    once. Both described the layers, into one list of what the layers point into, so
+    one description lost the experts' tables it points to while the step read them
+    (a crashed test worker); now one thread describes and the other waits. Each decodes
+    as transformers does."""
+    hf, ours = moe_model("qwen3_moe")
+    assert decode_step.attach(ours)
+    step, mat = ours.decode_step, decode_step._mat
+    described = []
+    monkeypatch.setattr(
+        step, "_describe", lambda: described.append(1) or type(step)._describe(step)
+    )
+    monkeypatch.setattr(decode_step, "_mat", lambda module: time.sleep(1e-3) or mat(module))
+    ids = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(ids).logits
+    with ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(decode, ours, ids, 12) for _ in range(2)]
+        for run in runs:
+            torch.testing.assert_close(run.result(), expected, atol=1e-4, rtol=0)
+    assert described == [1]
+    kept = {ctypes.addressof(k) for k in step.layers._kept if isinstance(k, decode_step.Moe)}
+    assert {layer.moe for layer in step.layers} <= kept
 
 
 def test_a_tied_router_hands_its_layer_to_the_layers(native_kernels):
