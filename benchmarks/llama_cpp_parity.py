@@ -1,7 +1,7 @@
 """llama.cpp itself reads the GGUFs the tests write, as llmrun does (not run by CI).
 
     PYTHONPATH=. python benchmarks/llama_cpp_parity.py --llama-cpp DIR [--family NAME ...]
-        [--tokens 24] [--out FILE]
+        [--tokens 24] [--sharpen K] [--out FILE]
 
 The families' tests write tiny random models as llama.cpp's converter writes them
 (tests/models/test_*.py) and hold llmrun's logits to transformers'. Whether llama.cpp
@@ -36,6 +36,10 @@ OUT = ROOT / "benchmarks" / "out"
 PROMPT = [1, 400, 21, 300, 77, 15, 250, 9, 130, 451, 64, 3]
 EOS = 2  # stories260K's, which every file here carries
 GATING = "{arch}.expert_gating_func"  # 2: sigmoid
+SHARPEN = 1.0  # --sharpen
+# llama-server's KV cache is f16 and its CPU flash attention adds ~1e-3 of noise to the
+# log-probabilities even on an f32 cache: both off, the engines' figures agree to ~1e-5
+EXACT = ("--cache-type-k", "f32", "--cache-type-v", "f32", "-fa", "off")
 
 
 def qwen35(path: Path, kind: str, fuse_experts: bool = False) -> None:
@@ -127,6 +131,15 @@ def mistral4(path: Path, fuse_experts: bool = False) -> None:
     test_deepseek.write_deepseek2(path, hf, tensors, arch="mistral4")
 
 
+def sharpened(hf: torch.nn.Module) -> torch.nn.Module:
+    """hf with its output matrix times --sharpen: a tiny random model's next-token
+    probabilities are nearly flat (near ties end the comparison by chance); a steeper
+    model is another model, the same for both engines. Tied embeddings scale too."""
+    with torch.no_grad():
+        hf.get_output_embeddings().weight.mul_(SHARPEN)
+    return hf
+
+
 def written(
     module: str, writer: str, *args, options: dict | None = None, **overrides
 ) -> Callable[[Path], None]:
@@ -137,7 +150,7 @@ def written(
         import importlib
 
         t = importlib.import_module(module)
-        getattr(t, writer)(path, t.hf_model(*args, **overrides), **(options or {}))
+        getattr(t, writer)(path, sharpened(t.hf_model(*args, **overrides)), **(options or {}))
 
     return write
 
@@ -149,7 +162,7 @@ def variant(module: str, writer: str, name: str) -> Callable[[Path], None]:
         import importlib
 
         t = importlib.import_module(module)
-        getattr(t, writer)(path, t.hf_model(**t.VARIANTS[name]))
+        getattr(t, writer)(path, sharpened(t.hf_model(**t.VARIANTS[name])))
 
     return write
 
@@ -192,6 +205,34 @@ FAMILIES: dict[str, Callable[[Path], None]] = {
     "granite_swa": written("test_granite_swa", "write_swa_gguf", "granite_swa"),
     "granitemoe_swa": written("test_granite_swa", "write_swa_gguf", "granitemoe_swa"),
     "cohere2moe": variant("test_cohere2_moe", "write_cohere2_moe_gguf", "rms-norm"),
+    "exaone": written("test_exaone", "write_exaone_gguf"),
+    "nemotron": written("test_nemotron", "write_nemotron_gguf"),
+    "nemotron-biases": variant("test_nemotron", "write_nemotron_gguf", "biases"),
+    "arcee": written("test_arcee", "write_arcee_gguf"),
+    "starcoder2": written("test_starcoder2", "write_starcoder2_gguf"),
+    "phi2": written("test_phi", "write_phi_gguf"),
+    "phi2-fused": written("test_phi", "write_phi_gguf", options={"fused": True}),
+    "hunyuan-moe": written("test_hunyuan_v1_moe", "write_hunyuan_v1_moe_gguf"),
+    "dots1": written("test_dots1", "write_dots1_gguf"),
+    "mellum": written("test_mellum", "write_mellum_gguf"),
+    "mellum-one-base": written(
+        "test_mellum",
+        "write_mellum_gguf",
+        rope_parameters={
+            kind: {"rope_type": "default", "rope_theta": 10000.0}
+            for kind in ("full_attention", "sliding_attention")
+        },
+    ),
+    "minicpm3": written("test_minicpm3", "write_minicpm3_gguf"),
+    # llama.cpp rotates the indexer's keys in halves, transformers in pairs: the two
+    # choose alike while every key is chosen (index_topk past the tokens decoded)
+    "dots3note": written("test_dots3_note", "write_dots3_note_gguf", index_topk=64),
+    "hy_v4": written("test_hy_v4", "write_hy_v4_gguf"),
+    "qwen4exp": written("test_qwen4_exp", "write_qwen4_exp_gguf"),
+    # llama.cpp's QSA takes top_k + ratio - 1 tokens, part of one more block (qwen4exp.cpp:688)
+    "qwen4exp-ratio1": written("test_qwen4_exp", "write_qwen4_exp_gguf", indexer_compress_ratio=1),
+    "stablelm": written("test_stablelm", "write_stablelm_gguf"),
+    "olmo": written("test_olmo", "write_olmo_gguf"),
 }
 
 
@@ -256,7 +297,12 @@ def main() -> None:
     parser.add_argument("--family", action="append", choices=list(FAMILIES))
     parser.add_argument("--tokens", type=int, default=24)
     parser.add_argument("--out", type=Path, default=OUT / "llama_cpp_parity.json")
+    parser.add_argument(
+        "--sharpen", type=float, default=1.0, help="scale the output matrix (see sharpened)"
+    )
     args = parser.parse_args()
+    global SHARPEN
+    SHARPEN = args.sharpen
     folder = OUT / "parity"
     folder.mkdir(parents=True, exist_ok=True)
     results = []
@@ -265,7 +311,7 @@ def main() -> None:
         FAMILIES[name](path)
         ours, our_probs, our_top2 = llmrun_greedy(path, args.tokens)
         try:
-            server = Server(args.llama_cpp / "llama-server", path, folder / f"{name}.log")
+            server = Server(args.llama_cpp / "llama-server", path, folder / f"{name}.log", EXACT)
         except RuntimeError as e:  # a shape llama.cpp hard-codes (Gemma 3n's)
             print(f"{name:14} llama.cpp refuses the file: {str(e).splitlines()[-1]}")
             results.append(dict(family=name, refused=str(e)))

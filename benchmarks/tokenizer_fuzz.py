@@ -127,12 +127,12 @@ class Server:
     """A llama-server on 127.0.0.1 with /tokenize and /detokenize over one kept-alive
     connection."""
 
-    def __init__(self, binary: Path, model: Path, log: Path) -> None:
+    def __init__(self, binary: Path, model: Path, log: Path, extra: tuple[str, ...] = ()) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         command = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port)]
-        command += ["-c", "512", "-t", "1", "--parallel", "1"]
+        command += ["-c", "512", "-t", "1", "--parallel", "1", *extra]
         self.process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT)
         self._connection: http.client.HTTPConnection | None = None
         deadline = time.monotonic() + 120

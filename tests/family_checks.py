@@ -97,13 +97,15 @@ def finish_stories_gguf(writer, path, state: dict, name_of, qtype=None):
     return path
 
 
-def write_keyed_gguf(path, arch: str, keys: dict, tensors: dict, qtype=None, whole_blocks=False):
+def write_keyed_gguf(
+    path, arch: str, keys: dict, tensors: dict, qtype=None, whole_blocks=False, keep_f32=()
+):
     """A GGUF of `arch`: `keys` ("{arch}.…" templates -> value, as the converter writes
     them; None leaves a key out), stories260K's llama vocabulary, and `tensors` (GGUF
     name -> array), those of two or more dimensions but the routers (ffn_gate_inp, which
-    the converter keeps in F32) in `qtype` (default F32); with `whole_blocks`, only those
-    whose rows are whole blocks of it (the rest F32, as the converter falls back);
-    returns `path`."""
+    the converter keeps in F32) and those whose names hold one of `keep_f32` in `qtype`
+    (default F32); with `whole_blocks`, only those whose rows are whole blocks of it (the
+    rest F32, as the converter falls back); returns `path`."""
     import gguf
     import numpy as np
 
@@ -114,6 +116,10 @@ def write_keyed_gguf(path, arch: str, keys: dict, tensors: dict, qtype=None, who
             continue
         if isinstance(value, bool):
             writer.add_bool(name, value)
+        elif isinstance(value, np.ndarray) and value.dtype == np.uint64:  # qwen4exp's
+            writer.add_key_value(
+                name, value.tolist(), gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT64
+            )
         elif isinstance(value, list):
             writer.add_array(name, value)
         elif isinstance(value, int):
@@ -133,7 +139,8 @@ def write_keyed_gguf(path, arch: str, keys: dict, tensors: dict, qtype=None, who
         partial = (
             whole_blocks and qtype is not None and data.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]
         )
-        if data.ndim == 1 or qtype is None or "ffn_gate_inp" in name or partial:
+        kept = "ffn_gate_inp" in name or any(part in name for part in keep_f32)
+        if data.ndim == 1 or qtype is None or kept or partial:
             writer.add_tensor(name, data.astype(np.float32))
         else:
             raw = gguf.quants.quantize(data, qtype)

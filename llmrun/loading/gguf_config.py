@@ -19,12 +19,16 @@ from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import (
     afmoe,
     apertus,
+    arcee,
     cohere,
     cohere2_moe,
     deepseek2,
     deepseek4,
+    dots1,
+    dots3,
     dsa,
     ernie4_5,
+    exaone,
     exaone4,
     exaone_moe,
     falcon_h1,
@@ -37,19 +41,27 @@ from llmrun.loading import (
     granitehybrid,
     hunyuan,
     hy_v3,
+    hy_v4,
     kimi_linear,
     laguna,
     lfm2,
     llama4,
+    mellum,
     mimo2,
+    minicpm3,
     minimax_m2,
     minimax_m3,
+    nemotron,
     nemotron_h,
     olmo,
     olmoe,
+    phi2,
     phimoe,
+    qwen4exp,
     qwen35,
     seed_oss,
+    stablelm,
+    starcoder2,
     step3p5,
 )
 from llmrun.loading.gguf_io import GGUFFile, read_float_list
@@ -78,6 +90,7 @@ MODEL_TYPES = {
     deepseek2.ARCH: "deepseek_v2",  # or deepseek_v3: llmrun/loading/deepseek2.py
     deepseek2.MISTRAL4: deepseek2.MISTRAL4,
     **dsa.ARCHS,  # DeepSeek-V3.2 and GLM-5: llmrun/loading/dsa.py
+    dots3.ARCH: dots3.MODEL_TYPE,  # Dots 3 Note: llmrun/loading/dots3.py
     deepseek4.ARCH: deepseek4.MODEL_TYPE,  # llmrun/loading/deepseek4.py
     "granite": "granite",  # with experts, granitemoe: llmrun/loading/granite.py
     "granitemoe": "granitemoe",
@@ -85,6 +98,8 @@ MODEL_TYPES = {
     granitehybrid.ARCH: granitehybrid.MODEL_TYPE,  # llmrun/loading/granitehybrid.py
     kimi_linear.ARCH: kimi_linear.MODEL_TYPE,  # llmrun/loading/kimi_linear.py
     olmo.ARCH: "olmo2",  # OLMo 3 too (a sliding window): llmrun/loading/olmo.py
+    olmo.OLMO1_ARCH: olmo.OLMO1_MODEL_TYPE,  # the first OLMo: llmrun/loading/olmo.py
+    stablelm.ARCH: stablelm.MODEL_TYPE,  # llmrun/loading/stablelm.py
     "smollm3": "smollm3",
     **cohere.MODEL_TYPES,  # their metadata: llmrun/loading/cohere.py
     cohere2_moe.ARCH: cohere2_moe.MODEL_TYPE,  # llmrun/loading/cohere2_moe.py
@@ -97,7 +112,10 @@ MODEL_TYPES = {
     exaone_moe.ARCH: exaone_moe.MODEL_TYPE,  # llmrun/loading/exaone_moe.py
     mimo2.ARCH: mimo2.MODEL_TYPE,  # llmrun/loading/mimo2.py
     hunyuan.ARCH: hunyuan.MODEL_TYPE,  # llmrun/loading/hunyuan.py
+    hunyuan.MOE_ARCH: hunyuan.MOE_MODEL_TYPE,
+    dots1.ARCH: dots1.MODEL_TYPE,  # llmrun/loading/dots1.py
     **qwen35.ARCHS,  # Qwen3.5 and its MoE: llmrun/loading/qwen35.py
+    qwen4exp.ARCH: qwen4exp.MODEL_TYPE,  # llmrun/loading/qwen4exp.py
     **lfm2.MODEL_TYPES,  # llmrun/loading/lfm2.py
     llama4.ARCH: llama4.MODEL_TYPE,  # llmrun/loading/llama4.py
     minimax_m2.ARCH: minimax_m2.MODEL_TYPE,  # llmrun/loading/minimax_m2.py
@@ -109,8 +127,16 @@ MODEL_TYPES = {
     falcon_h1.ARCH: falcon_h1.MODEL_TYPE,  # llmrun/loading/falcon_h1.py
     phimoe.ARCH: phimoe.MODEL_TYPE,  # llmrun/loading/phimoe.py
     hy_v3.ARCH: hy_v3.MODEL_TYPE,  # llmrun/loading/hy_v3.py
+    hy_v4.ARCH: hy_v4.MODEL_TYPE,  # llmrun/loading/hy_v4.py
     laguna.ARCH: laguna.MODEL_TYPE,  # llmrun/loading/laguna.py
+    mellum.ARCH: mellum.MODEL_TYPE,  # llmrun/loading/mellum.py
+    minicpm3.ARCH: minicpm3.MODEL_TYPE,  # llmrun/loading/minicpm3.py
     step3p5.ARCH: step3p5.MODEL_TYPE,  # llmrun/loading/step3p5.py
+    starcoder2.ARCH: starcoder2.MODEL_TYPE,  # llmrun/loading/starcoder2.py
+    phi2.ARCH: phi2.MODEL_TYPE,  # llmrun/loading/phi2.py
+    exaone.ARCH: exaone.MODEL_TYPE,  # llmrun/loading/exaone.py
+    nemotron.ARCH: nemotron.MODEL_TYPE,  # llmrun/loading/nemotron.py
+    arcee.ARCH: arcee.MODEL_TYPE,  # llmrun/loading/arcee.py
 }
 # Families whose RMSNorm is x * (1 + w): llama.cpp's converter stores 1 + w.
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
@@ -159,6 +185,7 @@ MOE_TYPES = (
     *granite.MOE_TYPES,
     olmoe.MODEL_TYPE,
     phimoe.MODEL_TYPE,
+    mellum.MODEL_TYPE,
 )
 SMOLLM3_NO_ROPE_INTERVAL = 4
 # Tensors that carry RoPE settings rather than weights; config_from_gguf reads them.
@@ -173,12 +200,20 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
         return gpt_oss.hf_name(gguf_name)
     if model_type == gemma3n.MODEL_TYPE:
         return gemma3n.hf_name(gguf_name)
+    if model_type == starcoder2.MODEL_TYPE:
+        return starcoder2.hf_name(gguf_name)
+    if model_type == phi2.MODEL_TYPE:
+        return phi2.hf_name(gguf_name)
     if model_type == gemma4.MODEL_TYPE:
         return gemma4.hf_name(gguf_name)
     if model_type in (*deepseek2.MODEL_TYPES, deepseek2.MISTRAL4):
         return deepseek2.hf_name(gguf_name)
     if model_type in dsa.MODEL_TYPES:
         return dsa.hf_name(gguf_name)
+    if model_type in dots3.MODEL_TYPES:
+        return dots3.hf_name(gguf_name)
+    if model_type == hy_v4.MODEL_TYPE:
+        return hy_v4.hf_name(gguf_name)
     if model_type == deepseek4.MODEL_TYPE:
         return deepseek4.hf_name(gguf_name)
     if model_type in lfm2.MODEL_TYPES.values():
@@ -201,6 +236,8 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
         return glm4_moe.hf_name(gguf_name)
     if model_type == ernie4_5.MOE_MODEL_TYPE and (moe := ernie4_5.moe_hf_name(gguf_name)):
         return moe
+    if model_type in qwen4exp.MODEL_TYPES:
+        return qwen4exp.hf_name(gguf_name)
     if model_type in qwen35.MODEL_TYPES:
         return qwen35.hf_name(gguf_name)
     if model_type == minimax_m2.MODEL_TYPE and (moe := minimax_m2.hf_name(gguf_name)):
@@ -211,9 +248,17 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
         return name
     if model_type == hy_v3.MODEL_TYPE and (name := hy_v3.hf_name(gguf_name)):
         return name
+    if model_type == hunyuan.MOE_MODEL_TYPE and (name := hunyuan.moe_hf_name(gguf_name)):
+        return name
+    if model_type == dots1.MODEL_TYPE and (name := dots1.hf_name(gguf_name)):
+        return name
     if model_type == laguna.MODEL_TYPE and (name := laguna.hf_name(gguf_name)):
         return name
+    if model_type == minicpm3.MODEL_TYPE:
+        return minicpm3.hf_name(gguf_name)
     if model_type == step3p5.MODEL_TYPE and (name := step3p5.hf_name(gguf_name)):
+        return name
+    if model_type == stablelm.MODEL_TYPE and (name := stablelm.hf_name(gguf_name)):
         return name
     if model_type == cohere2_moe.MODEL_TYPE and (name := cohere2_moe.hf_name(gguf_name)):
         return name
@@ -285,6 +330,10 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         return deepseek2.config_from_gguf(gg, _rope_from_gguf)
     if arch in dsa.ARCHS:
         return dsa.config_from_gguf(gg, _rope_from_gguf)
+    if arch == dots3.ARCH:
+        return dots3.config_from_gguf(gg, _rope_from_gguf)
+    if arch == hy_v4.ARCH:
+        return hy_v4.config_from_gguf(gg, _rope_from_gguf)
     if arch == deepseek4.ARCH:
         return deepseek4.config_from_gguf(gg, _rope_from_gguf)
     if arch in cohere.MODEL_TYPES:
@@ -293,6 +342,8 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         return cohere2_moe.config_from_gguf(gg, _rope_from_gguf)
     if arch == gemma4.ARCH:
         return gemma4.config_from_gguf(gg)
+    if arch == qwen4exp.ARCH:
+        return qwen4exp.config_from_gguf(gg, _rope_from_gguf)
     if arch in qwen35.ARCHS:
         return qwen35.config_from_gguf(gg, _rope_from_gguf)
     if arch in lfm2.MODEL_TYPES:
@@ -307,8 +358,22 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         return nemotron_h.config_from_gguf(gg)
     if arch == laguna.ARCH:
         return laguna.config_from_gguf(gg, _rope_from_gguf)
+    if arch == mellum.ARCH:
+        return mellum.config_from_gguf(gg, _rope_from_gguf, _gemma_layer_types)
+    if arch == minicpm3.ARCH:
+        return minicpm3.config_from_gguf(gg, _rope_from_gguf)
     if arch == step3p5.ARCH:
         return step3p5.config_from_gguf(gg)
+    if arch == stablelm.ARCH:
+        return stablelm.config_from_gguf(gg, _rope_from_gguf)
+    if arch == olmo.OLMO1_ARCH:
+        return olmo.olmo1_config_from_gguf(gg, _rope_from_gguf)
+    if arch == starcoder2.ARCH:
+        return starcoder2.config_from_gguf(gg, _rope_from_gguf)
+    if arch == phi2.ARCH:
+        return phi2.config_from_gguf(gg, _rope_from_gguf)
+    if arch == nemotron.ARCH:
+        return nemotron.config_from_gguf(gg, _rope_from_gguf)
 
     def key(name: str, default: Any = None, required: bool = False) -> Any:
         full = f"{arch}.{name}"
@@ -383,6 +448,8 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         ernie4_5.MOE_ARCH: ernie4_5.finish_config,
         seed_oss.ARCH: seed_oss.finish_config,
         hunyuan.ARCH: hunyuan.finish_config,
+        hunyuan.MOE_ARCH: hunyuan.finish_moe_config,
+        dots1.ARCH: dots1.finish_config,
         minimax_m2.ARCH: minimax_m2.finish_config,
         minimax_m3.ARCH: minimax_m3.finish_config,
         apertus.ARCH: apertus.finish_config,
@@ -390,6 +457,8 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         olmoe.ARCH: olmoe.finish_config,
         phimoe.ARCH: phimoe.finish_config,
         hy_v3.ARCH: hy_v3.finish_config,
+        exaone.ARCH: exaone.finish_config,
+        arcee.ARCH: arcee.finish_config,
     }.get(arch)
     if finish is not None:
         finish(gg, config, key)

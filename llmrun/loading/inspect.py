@@ -80,6 +80,8 @@ def active_parameters(path: Path, parameters: int) -> int | None:
             or config.get("moe_num_experts")  # ERNIE 4.5
         )
         used = config.get("num_experts_per_tok") or config.get("moe_k")
+        topk = config.get("moe_topk")  # Hunyuan MoE's: one per layer in the Hub's config
+        used = used or (topk[0] if isinstance(topk, list) and topk else topk)
         experts = sum(
             math.prod(shape)
             for name, _, shape, _ in _safetensors_tensors(path)
@@ -300,6 +302,7 @@ _WINDOW_PATTERN = {
     "granitemoe_swa": 4,  # where the layers are a multiple of 4 (GGUFs list them all)
     "cohere2_moe": 4,  # without its dense prefix (transformers' config lists them all)
     "laguna": 1,  # without layer_types every layer is global
+    "mellum": 1,  # without layer_types every layer is global
 }
 
 
@@ -317,8 +320,13 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
     The torch-free twin of llmrun.models.kv_cache_bytes (a test keeps the two equal)."""
     text = config.get("text_config") or config
     try:
-        # transformers 5 saves Nemotron-H's layer count as its pattern's length alone.
-        layers = int(text.get("num_hidden_layers") or len(text["layers_block_type"]))
+        # transformers 5 saves Nemotron-H's layer count as its pattern's length alone;
+        # EXAONE 3.x's config.json names it num_layers.
+        layers = int(
+            text.get("num_hidden_layers")
+            or text.get("num_layers")
+            or len(text["layers_block_type"])
+        )
         heads = int(text["num_attention_heads"])
         head_dim = int(text.get("head_dim") or text["hidden_size"] // heads)
         if "kv_lora_rank" in text:  # MLA: one KV head, the latent and the rope part
@@ -331,6 +339,8 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
         from llmrun.loading import minimax_m3  # the indexer's key cached after each head
 
         head_dim = minimax_m3.cache_head_dim(text, head_dim)
+    if config.get("model_type") in ("qwen4_exp", "qwen4_exp_text"):
+        head_dim += int(text.get("indexer_head_dim") or 0)  # its QSA key, after each head's
     kv_heads = 1 if "kv_lora_rank" in text else int(text.get("num_key_value_heads") or heads)
     shapes = None  # each layer's (KV heads, head width), where layers differ
     if config.get("model_type") in ("gemma4", "gemma4_text"):
@@ -344,6 +354,10 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
         from llmrun.loading import mimo2  # each layer cached with its own KV heads
 
         shapes, windows = mimo2.cache_layout(text)
+    elif config.get("model_type") in ("dots3_note", "dots3_note_text"):
+        from llmrun.loading import dots3  # each layer's latent in its own width
+
+        shapes, windows = dots3.cache_layout(config)
     elif config.get("model_type") == "deepseek_v4":
         from llmrun.loading import deepseek4  # one row a token and layer, of its own width
 
@@ -364,10 +378,11 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
         lfm2,
         lfm3,
         nemotron_h,
+        qwen4exp,
         qwen35,
     )
 
-    for family in (lfm2, lfm3, granitehybrid, qwen35, kimi_linear, nemotron_h):
+    for family in (lfm2, lfm3, granitehybrid, qwen35, qwen4exp, kimi_linear, nemotron_h):
         attending = family.attention_layer_count(text)
         if attending is not None:
             windows = [None] * attending

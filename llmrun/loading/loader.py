@@ -29,11 +29,15 @@ from llmrun import native
 from llmrun.errors import ModelFormatError, ModelNotFoundError, UnsupportedError, UsageError
 from llmrun.loading import (
     apertus,
+    arcee,
     cohere2_moe,
     deepseek2,
     deepseek4,
+    dots1,
+    dots3,
     dsa,
     ernie4_5,
+    exaone,
     exaone_moe,
     experts,
     falcon_h1,
@@ -47,16 +51,25 @@ from llmrun.loading import (
     granite,
     granitehybrid,
     hy_v3,
+    hy_v4,
     kimi_linear,
     laguna,
     lfm2,
     llama4,
+    mellum,
     mimo2,
+    minicpm3,
+    minicpm5_moe,
     minimax_m2,
     minimax_m3,
+    nemotron,
     nemotron_h,
+    olmo,
+    phi2,
+    qwen4exp,
     qwen35,
     safetensors_io,
+    stablelm,
     step3p5,
 )
 from llmrun.models import model_module
@@ -195,18 +208,32 @@ def _open_hf_dir(path: Path) -> Checkpoint:
         weights = exaone_moe.hf_weights(weights, config, Weight)
     if config.get("model_type") == mimo2.MODEL_TYPE:
         weights = mimo2.hf_weights(weights, config, path, Weight)
+    if config.get("model_type") in dots3.MODEL_TYPES:
+        config, weights, multimodal = dots3.hf_checkpoint(config, weights, path, Weight)
+        if multimodal:
+            notes.append(f"{path}: a multimodal Dots 3 Note; running its language model only")
     if config.get("model_type") == nemotron_h.MODEL_TYPE:
         weights = nemotron_h.hf_weights(weights, Weight)
     if config.get("model_type") == hy_v3.MODEL_TYPE:
         weights = hy_v3.hf_weights(weights, config, Weight)
     if config.get("model_type") == laguna.MODEL_TYPE:
         weights = laguna.hf_weights(weights, config, Weight)
+    if config.get("model_type") == mellum.MODEL_TYPE:
+        weights = mellum.hf_weights(weights, config, Weight)
+    if config.get("model_type") == minicpm5_moe.MODEL_TYPE:
+        weights = minicpm5_moe.hf_weights(weights, config, Weight)
     if config.get("model_type") == step3p5.MODEL_TYPE:
         weights = step3p5.hf_weights(weights, config, Weight)
+    if config.get("model_type") == exaone.MODEL_TYPE:
+        config, weights = exaone.hf_checkpoint(config, weights, path)
     if config.get("model_type") in qwen35.MODEL_TYPES:
         config, weights, multimodal = qwen35.hf_checkpoint(config, weights, Weight)
         if multimodal:
             notes.append(f"{path}: a multimodal Qwen3.5; running its language model only")
+    if config.get("model_type") in qwen4exp.MODEL_TYPES:
+        config, weights, multimodal = qwen4exp.hf_checkpoint(config, weights, Weight)
+        if multimodal:
+            notes.append(f"{path}: a multimodal Qwen4-Exp; running its language model only")
     if config.get("model_type") == minimax_m3.VL_MODEL_TYPE:
         minimax_m3.refuse_quantized(config, path)
     family = MULTIMODAL.get(config.get("model_type"))
@@ -217,6 +244,8 @@ def _open_hf_dir(path: Path) -> Checkpoint:
         )
     if config.get("model_type") == llama4.MODEL_TYPE:
         weights = llama4.hf_weights(weights, config, Weight)
+    if config.get("model_type") in hy_v4.MODEL_TYPES:
+        weights = hy_v4.hf_weights(weights, config, path, Weight)
     if config.get("model_type") in minimax_m3.HF_MODEL_TYPES:
         weights = minimax_m3.hf_weights(weights, config, path)
     if config.get("model_type") == deepseek2.MISTRAL4:
@@ -259,6 +288,7 @@ MULTIMODAL = {
     "minimax_m3_vl": "MiniMax-M3",
     "qwen3_vl": "Qwen3-VL",
     "qwen3_vl_moe": "Qwen3-VL",
+    hy_v4.VL_MODEL_TYPE: "Hunyuan V4",
 }
 # The language models of the multimodal checkpoints whose text_config names another
 # model_type: llmrun's family (Qwen3-VL's text is Qwen3's with M-RoPE, which text alone
@@ -270,6 +300,7 @@ TEXT_MODEL_TYPES = {
     "minimax_m3_vl": "minimax_m3_vl_text",
     "qwen3_vl": "qwen3",
     "qwen3_vl_moe": "qwen3_moe",
+    hy_v4.VL_MODEL_TYPE: hy_v4.VL_TEXT_MODEL_TYPE,
 }
 # Fields their text model takes whatever the file says: transformers'
 # Gemma3ForConditionalGeneration never soft-caps its logits (Gemma 3 checkpoints leave it
@@ -300,6 +331,7 @@ _VISION_PREFIXES = (
     "model.embed_audio.",
     "model.visual.",  # Qwen3-VL's
     "patch_merge_mlp.",  # MiniMax-M3's
+    "vit.",  # Hunyuan V4 VL's
 )
 
 
@@ -350,14 +382,25 @@ def _open_gguf(path: Path) -> Checkpoint:
             raise UnsupportedError(
                 f"{path}: tensor {info.name!r} is not part of llmrun's {model_type} model"
             )
-        gemma_norms = (*gguf_config.GEMMA_TYPES, minimax_m3.MODEL_TYPE, step3p5.MODEL_TYPE)
+        # Nemotron's LayerNorm1P too (conversion/nemotron.py adds 1 to its norm weights).
+        gemma_norms = (
+            *gguf_config.GEMMA_TYPES, minimax_m3.MODEL_TYPE, step3p5.MODEL_TYPE, nemotron.MODEL_TYPE
+        )  # fmt: skip
         if model_type in gemma_norms and name.endswith("norm.weight"):
             # llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w, for
             # x * weight (conversion/gemma.py: `data_torch + 1` on every
             # *norm.weight); the model holds HF's w and computes x * (1 + w).
             tensor = tensor.float() - 1.0
-        # Mixtral included; SmolLM3 and Granite are converted as Llama (conversion/llama.py).
-        llama = gg.architecture in ("llama", "mistral3", "smollm3", *granite.ARCHS)
+        # Mixtral included; SmolLM3 and Granite are converted as Llama (conversion/llama.py),
+        # OLMo's q/k weights permuted as Llama's (conversion/olmo.py).
+        llama = gg.architecture in (
+            "llama",
+            "mistral3",
+            "smollm3",
+            arcee.ARCH,
+            olmo.OLMO1_ARCH,
+            *granite.ARCHS,
+        )
         heads = None
         if llama and name.endswith(("q_proj.weight", "q_proj.bias")):
             heads = config["num_attention_heads"]
@@ -385,6 +428,8 @@ def _open_gguf(path: Path) -> Checkpoint:
         weights = deepseek2.gguf_weights(weights, config, Weight)
     if gg.architecture in dsa.ARCHS:
         weights = dsa.gguf_weights(weights, config, Weight)
+    if gg.architecture == dots3.ARCH:
+        weights = dots3.gguf_weights(weights, config, Weight)
     if gg.architecture == deepseek4.ARCH:
         weights = deepseek4.gguf_weights(weights, Weight)
     if gg.architecture == ernie4_5.MOE_ARCH:
@@ -407,6 +452,8 @@ def _open_gguf(path: Path) -> Checkpoint:
         weights = kimi_linear.gguf_weights(weights, config, Weight)
     if gg.architecture in qwen35.ARCHS:
         weights = qwen35.gguf_weights(weights, config, Weight)
+    if gg.architecture == qwen4exp.ARCH:
+        weights = qwen4exp.gguf_weights(weights, config, Weight)
     if gg.architecture == apertus.ARCH:
         weights = apertus.gguf_weights(gg, config, weights, Weight)
     if gg.architecture == exaone_moe.ARCH:
@@ -415,8 +462,18 @@ def _open_gguf(path: Path) -> Checkpoint:
         weights = mimo2.gguf_weights(weights, config, Weight)
     if gg.architecture == hy_v3.ARCH:
         weights = hy_v3.gguf_weights(weights, config, Weight)
+    if gg.architecture == hy_v4.ARCH:
+        weights = hy_v4.gguf_weights(weights, config, Weight)
+    if gg.architecture == dots1.ARCH:
+        weights = dots1.gguf_weights(weights, config, Weight)
     if gg.architecture == step3p5.ARCH:
         weights = step3p5.gguf_weights(weights, config, Weight)
+    if gg.architecture == minicpm3.ARCH:
+        weights = minicpm3.gguf_weights(weights, config, Weight)
+    if gg.architecture == stablelm.ARCH:
+        weights = stablelm.gguf_weights(weights, Weight)
+    if gg.architecture == phi2.ARCH:
+        weights = phi2.gguf_weights(weights, config, Weight)
     return Checkpoint(
         path, "gguf", config, weights, sampling_defaults=gguf_io.generation_defaults(gg), gguf=gg
     )

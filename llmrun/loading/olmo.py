@@ -2,7 +2,8 @@
 (conversion/olmo.py), OLMo 3 with a sliding window and a per-layer pattern, and reads
 them as src/models/olmo2.cpp does: NEOX RoPE on unpermuted q/k, the window's layers
 (load_swa_pattern(ml, 4) where the file lists none) rotated with the global base and
-no scaling, the global layers with the file's scaling.
+no scaling, the global layers with the file's scaling. The first OLMo is arch "olmo"
+(olmo1_config_from_gguf below): q/k permuted as for arch llama, no norm tensors.
 """
 
 from __future__ import annotations
@@ -67,3 +68,81 @@ def config_from_gguf(
         rope_parameters={"full_attention": rope, "sliding_attention": local},
     )
     return config
+
+
+# OLMo (the first): llama.cpp's arch "olmo" (conversion/olmo.py OlmoModel), a model of
+# its own in llmrun (llmrun/models/olmo.py), not OLMo 2's.
+OLMO1_ARCH = OLMO1_MODEL_TYPE = "olmo"
+OLMO1_NORM_EPS = 1e-5  # the converter's; OlmoLayerNorm's, which no config changes
+
+
+def olmo1_config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable[..., dict[str, Any]]) -> dict:
+    """OLMo's HF-style config (OlmoConfig's fields) from an "olmo" GGUF, as llama.cpp's
+    converter writes it (TextModel's keys, the LayerNorm epsilon 1e-5, clip_qkv as
+    attention.clamp_kqv; q/k rows permuted as for arch llama, which the loader undoes)
+    and src/models/olmo.cpp reads it: no norm tensors, the projections clamped where
+    clamp_kqv is over 0, RoPE on whole heads, the output matrix or else the embedding.
+    rope_from_gguf is gguf_config's reader of the RoPE keys."""
+    arch = OLMO1_ARCH
+
+    def key(name: str, default: Any = None, required: bool = False) -> Any:
+        full = f"{arch}.{name}"
+        if full not in gg.metadata:
+            if required:
+                raise ModelFormatError(f"{gg.path}: metadata {full!r} is missing")
+            return default
+        return gg.metadata[full]
+
+    def field(template: str) -> str:
+        return template.removeprefix("{arch}.")
+
+    for info in gg.tensors.values():
+        # The converter permutes q/k weights but not biases, and llama.cpp's olmo loads
+        # no output bias: a file with biases is one llama.cpp does not run either.
+        if info.name.endswith(".bias") or ".attn_qkv." in info.name:
+            raise UnsupportedError(
+                f"{gg.path}: tensor {info.name!r}: an OLMo GGUF with attention biases or a "
+                "fused attn_qkv is not supported (llama.cpp's converter writes neither)"
+            )
+    eps = key(field(Keys.Attention.LAYERNORM_EPS), required=True)
+    if abs(eps - OLMO1_NORM_EPS) > 1e-9:
+        raise UnsupportedError(
+            f"{gg.path}: {Keys.Attention.LAYERNORM_EPS.format(arch=arch)} is {eps}; OLMo's "
+            f"LayerNorms have an epsilon of {OLMO1_NORM_EPS}, the only one llmrun's OLMo has"
+        )
+    hidden = key(field(Keys.LLM.EMBEDDING_LENGTH), required=True)
+    heads = key(field(Keys.Attention.HEAD_COUNT), required=True)
+    if not (isinstance(hidden, int) and isinstance(heads, int) and heads > 0):
+        raise ModelFormatError(
+            f"{gg.path}: an embedding length of {hidden!r} and a head count of {heads!r} "
+            "are not positive whole numbers"
+        )
+    head_dim = key(field(Keys.Attention.KEY_LENGTH)) or hidden // heads
+    if key(field(Keys.Attention.VALUE_LENGTH), head_dim) != head_dim:
+        raise UnsupportedError(f"{gg.path}: OLMo's keys and values of different lengths")
+    context = key(field(Keys.LLM.CONTEXT_LENGTH), required=True)
+    rope = rope_from_gguf(gg, key, head_dim, context)
+    if "partial_rotary_factor" in rope:
+        raise ModelFormatError(
+            f"{gg.path}: {Keys.Rope.DIMENSION_COUNT.format(arch=arch)} is not the head size "
+            f"{head_dim}; OLMo rotates whole heads"
+        )
+    tokens = gg.metadata.get(Keys.Tokenizer.LIST)
+    embed = gg.tensors.get("token_embd.weight")
+    clamp = key(field(Keys.Attention.CLAMP_KQV), 0.0)
+    return {
+        "model_type": OLMO1_MODEL_TYPE,
+        "hidden_size": hidden,
+        "intermediate_size": key(field(Keys.LLM.FEED_FORWARD_LENGTH), required=True),
+        "num_hidden_layers": key(field(Keys.LLM.BLOCK_COUNT), required=True),
+        "num_attention_heads": heads,
+        "num_key_value_heads": key(field(Keys.Attention.HEAD_COUNT_KV), heads),
+        "head_dim": head_dim,
+        "max_position_embeddings": context,
+        "vocab_size": key(field(Keys.LLM.VOCAB_SIZE))
+        or (len(tokens) if tokens else None)
+        or (embed.shape[0] if embed else None),
+        "tie_word_embeddings": "output.weight" not in gg.tensors,
+        "clip_qkv": clamp if clamp > 0 else None,  # llama.cpp clamps where it is over 0
+        "rope_parameters": rope,
+    }

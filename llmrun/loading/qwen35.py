@@ -114,9 +114,12 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable[..., dict]) -> dict[str, Any]:
+def config_from_gguf(
+    gg: GGUFFile, rope_from_gguf: Callable[..., dict], model_type: str | None = None
+) -> dict[str, Any]:
     """The HF-style config of a qwen35/qwen35moe GGUF, read as llama_model_qwen35(moe)::
-    load_arch_hparams reads it (rope_from_gguf: gguf_config's RoPE reader)."""
+    load_arch_hparams reads it (rope_from_gguf: gguf_config's RoPE reader); `model_type`
+    where an arch that builds on them (qwen4exp, with experts) reads its own keys after."""
     arch = gg.architecture
 
     def key(name: str, default: Any = None, required: bool = False) -> Any:
@@ -167,7 +170,7 @@ def config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable[..., dict]) -> dict[
     rotated = key(short(Keys.Rope.DIMENSION_COUNT)) or head_dim
     rope["partial_rotary_factor"] = rotated / head_dim
     config: dict[str, Any] = {
-        "model_type": ARCHS[arch],
+        "model_type": model_type or ARCHS[arch],
         "hidden_size": hidden,
         # Optional for qwen35moe, whose layers all have experts (checked below for qwen35).
         "intermediate_size": key(short(Keys.LLM.FEED_FORWARD_LENGTH)),

@@ -33,7 +33,10 @@ ARCHITECTURES = {
     "deepseek_v32": "deepseek_v32",
     "deepseek_v4": "deepseek_v4",
     "glm_moe_dsa": "glm_moe_dsa",
+    "dots3_note": "dots3_note",  # multimodal: its language model
+    "dots3_note_text": "dots3_note",
     "mistral4": "mistral4",
+    "olmo": "olmo",
     "olmo2": "olmo2",
     "olmo3": "olmo3",
     "smollm3": "smollm3",
@@ -56,15 +59,28 @@ ARCHITECTURES = {
     "seed_oss": "seed_oss",
     "exaone4": "exaone4",
     "exaone_moe": "exaone_moe",
+    "exaone": "exaone",  # EXAONE 3.x: Llama under other names
+    "nemotron": "nemotron",
+    "arcee": "arcee",
     "mimo_v2_flash": "mimo_v2_flash",
     "hunyuan_v1_dense": "hunyuan_v1_dense",
+    "hunyuan_v1_moe": "hunyuan_v1_moe",
+    "dots1": "dots1",
     "hy_v3": "hy_v3",
+    "hy_v4": "hy_v4",
+    "hy_v4_vl": "hy_v4",  # multimodal: its text_config's language model
+    "hy_v4_vl_text": "hy_v4",
     "laguna": "laguna",
+    "mellum": "mellum",
+    "minicpm3": "minicpm3",
+    "minicpm5_moe": "minicpm5_moe",
     "qwen3_5": "qwen3_5",  # multimodal: its text_config's language model
     "qwen3_5_text": "qwen3_5",
     "qwen3_5_moe": "qwen3_5_moe",
     "qwen3_5_moe_text": "qwen3_5_moe",
     "qwen3_next": "qwen3_next",
+    "qwen4_exp": "qwen4_exp",  # multimodal: its text_config's language model
+    "qwen4_exp_text": "qwen4_exp",
     "lfm2": "lfm2",
     "lfm2_moe": "lfm2_moe",
     "lfm3": "lfm3",
@@ -83,6 +99,9 @@ ARCHITECTURES = {
     "olmoe": "olmoe",
     "phimoe": "phimoe",
     "falcon_h1": "falcon_h1",
+    "stablelm": "stablelm",
+    "starcoder2": "starcoder2",
+    "phi": "phi",
 }
 
 

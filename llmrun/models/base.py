@@ -27,6 +27,7 @@ ACTIVATIONS = {
     "silu": F.silu,
     "gelu": F.gelu,
     "gelu_pytorch_tanh": ops.gelu_tanh,
+    "gelu_new": ops.gelu_tanh,  # transformers' NewGELUActivation: the same tanh formula
 }
 
 

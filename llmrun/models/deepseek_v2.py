@@ -251,6 +251,7 @@ class Attention(nn.Module):
         q = q.view(batch, tokens, heads, self.nope + self.rope).transpose(1, 2)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([rank, self.rope], dim=-1)
+        k_rope = self.rope_key(k_rope)
         # [H*(nope+v), rank] -> [H, nope+v, rank]: each head's key rows, then value rows
         w_k, w_v = self.kv_b_proj.weight.view(heads, -1, rank).split([self.nope, self.v_dim], 1)
         # q_nope . (W_k latent) == (W_k^T q_nope) . latent: [B, H, T, nope] -> [B, H, T, rank]
@@ -268,7 +269,17 @@ class Attention(nn.Module):
         out = out.view(batch, tokens, heads, -1)[..., :rank].transpose(1, 2)
         # each head's output through its value rows: [B, H, T, rank] -> [B, T, H*v]
         out = (out @ w_v.transpose(1, 2)).transpose(1, 2)
-        return self.o_proj(out.reshape(batch, tokens, heads * self.v_dim))
+        return self.o_proj(self.gated_output(out.reshape(batch, tokens, heads * self.v_dim), x))
+
+    def gated_output(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The heads' outputs [B, T, H*v] as o_proj takes them: as they are, here; a
+        family that gates them by the layer's input x (Hunyuan V4) says how."""
+        return out
+
+    def rope_key(self, k_rope: torch.Tensor) -> torch.Tensor:
+        """The keys' shared rope part [B, T, rope] before RoPE: as it is, here; a family
+        that normalizes it first (Dots 3 Note) says how."""
+        return k_rope
 
     def attend(
         self,

@@ -208,12 +208,26 @@ class Attention(deepseek_v2.Attention):
         if frame.length <= self.topk:  # every query sees index_topk keys or fewer
             if indexer is not None:
                 frame.chosen = None
-            return attend_scaled(q, k, k, self.layer, frame, cache, self.scale)
+            return self.attend_all(q, k, frame, cache)
         if cache is not None:
             k, _ = cache.update(self.layer, k, k, frame.positions, frame.start, frame.length)
         if indexer is not None:
             frame.chosen = indexer.choose(x, q_resid, k[..., -self.index_dim :], frame)
-        return attention(q, k, k, frame.chosen, self.scale)
+        return self.attend_chosen(q, k, frame.chosen)
+
+    def attend_all(
+        self, q: torch.Tensor, k: torch.Tensor, frame: IndexedFrame, cache: KVCache | None
+    ) -> torch.Tensor:
+        """The queries over the new keys k and those cached, all that frame.mask lets
+        each see; [B, T, H*D]."""
+        return attend_scaled(q, k, k, self.layer, frame, cache, self.scale)
+
+    def attend_chosen(
+        self, q: torch.Tensor, k: torch.Tensor, chosen: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The queries over the keys k [B, 1, L, D] of every position that `chosen`
+        [B, 1, T, L] (None: all) lets each see; [B, T, H*D]."""
+        return attention(q, k, k, chosen, self.scale)
 
 
 class Model(deepseek_v3.Model):

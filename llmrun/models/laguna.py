@@ -149,19 +149,22 @@ class ModelArgs:
         ]
 
 
-def rope_by_layer_type(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def rope_by_layer_type(
+    config: dict[str, Any], defaults: dict[str, dict[str, Any]] = DEFAULT_ROPE
+) -> dict[str, dict[str, Any]]:
     """Each layer type's RoPE settings (base.rope_parameters' form) from the config's
-    rope_parameters keyed by layer type, LagunaConfig's defaults where it has none."""
-    nested = config.get("rope_parameters") or DEFAULT_ROPE
-    if not set(nested) <= set(DEFAULT_ROPE):
+    rope_parameters keyed by layer type, `defaults` (LagunaConfig's; Mellum's are its
+    own) where it has none."""
+    nested = config.get("rope_parameters") or defaults
+    if not set(nested) <= set(defaults):
         raise ModelFormatError(
-            f"rope_parameters has {sorted(nested)}; Laguna's is keyed by layer type "
-            f"({', '.join(DEFAULT_ROPE)})"
+            f"rope_parameters has {sorted(nested)}; it is keyed by layer type "
+            f"({', '.join(defaults)})"
         )
     plain = {k: v for k, v in config.items() if k not in ("rope_parameters", "rope_scaling")}
     return {
         kind: rope_parameters({**plain, "rope_parameters": dict(nested.get(kind) or default)})
-        for kind, default in DEFAULT_ROPE.items()
+        for kind, default in defaults.items()
     }
 
 
@@ -264,8 +267,11 @@ class Layer(deepseek_v2.Layer):
 
 
 class Model(CausalLM):
+    attention = Attention
+    layer = Layer
+
     def __init__(self, args: ModelArgs) -> None:
-        super().__init__(args, Attention, GatedMLP, Layer)
+        super().__init__(args, self.attention, GatedMLP, self.layer)
         self.model.rotary_emb_local = RotaryEmbedding(
             args.rope_local_parameters, args.head_dim, args.max_position_embeddings
         )

@@ -21,6 +21,7 @@ layers only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,22 +163,37 @@ class Attention(nn.Module):
         k = k.transpose(1, 2)
         v = self.v_proj(x).view(batch, tokens, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = frame.rotate(q), frame.rotate(k)
-        out = attend(q, k, v, self.index, frame, cache)  # [B, T, H*D]
+        out = self.attend(q, k, v, x, frame, cache)  # [B, T, H*D]
         return self.o_proj(out * torch.sigmoid(gate.reshape(batch, tokens, -1)))
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        x: torch.Tensor,
+        frame: Frame,
+        cache: KVCache | None,
+    ) -> torch.Tensor:
+        """The rotated q [B, H, T, D] over the keys and values k/v [B, Hkv, T, D] and the
+        cache's: [B, T, H*D]. A hook: Qwen4-Exp's indexer (given the layer's input x)
+        chooses the keys each query attends to."""
+        return attend(q, k, v, self.index, frame, cache)
 
 
 class GatedRMSNorm(nn.Module):
-    """rms_norm(x) * weight * silu(gate), in float32 (the reference's Qwen3_5RMSNormGated:
-    a plain weight, not 1 + weight)."""
+    """rms_norm(x) * weight * act(gate), act silu unless given, in float32 (the
+    reference's Qwen3_5RMSNormGated: a plain weight, not 1 + weight)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, act: Callable = F.silu) -> None:
         super().__init__()
         self.eps = eps
+        self.act = act
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-        return (self.weight * normed * F.silu(gate.float())).to(x.dtype)
+        return (self.weight * normed * self.act(gate.float())).to(x.dtype)
 
 
 class GatedDeltaNet(nn.Module):

@@ -108,7 +108,14 @@ class Attention(nn.Module):
         ).transpose(1, 2)
         v = self.v_proj(x).view(batch, tokens, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = frame.rotate(q), frame.rotate(k)
-        return self.o_proj(attend(q, k, v, self.layer, frame, cache))
+        return self.o_proj(self.attend(q, k, v, frame, cache))
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, frame: Frame, cache: KVCache | None
+    ) -> torch.Tensor:
+        """The rotated queries' attention [B, T, H*D] over the cache with k/v added
+        (Mellum's sliding layers keep only their window)."""
+        return attend(q, k, v, self.layer, frame, cache)
 
 
 class MLP(nn.Module):
