@@ -42,11 +42,12 @@ VISION = dict(
 IDS = torch.randint(3, 512, (1, 40), generator=torch.Generator().manual_seed(0))
 
 
-def hf_model(moe: bool = False, tie: bool = False):
+def hf_model(moe: bool = False, tie: bool = False, **text):
+    """The tiny random model; `text`: overrides of its text config."""
     family = qwen3_vl_moe if moe else qwen3_vl
     prefix = "Qwen3VLMoe" if moe else "Qwen3VL"
     config = getattr(family, f"{prefix}Config")(
-        text_config={**TEXT, **(MOE if moe else {})},
+        text_config={**TEXT, **(MOE if moe else {}), **text},
         vision_config=VISION,
         tie_word_embeddings=tie,
     )
@@ -85,6 +86,17 @@ def test_a_hub_folder_runs_its_language_model(tmp_path, moe, tie, hub_layout):
     assert (cached_logits(loaded.model, IDS) - reference(hf)).abs().max() < 1e-4
 
 
+def rope_sections(text: dict) -> list[int]:
+    """The converter's rope.dimension_sections: mrope_section padded with 0s to 4."""
+    sections = list(text["rope_parameters"]["mrope_section"])
+    return (sections + [0] * 4)[:4]
+
+
+def deepstack_layers(hf) -> int:
+    """The converter's n_deepstack_layers: how many vision layers feed the text model."""
+    return len(hf.config.vision_config.deepstack_visual_indexes)
+
+
 def write_text_gguf(path, hf):
     """The language model as llama.cpp's converter writes Qwen3-VL's (arch qwen3vl)."""
     text = hf.config.text_config.to_dict()
@@ -96,8 +108,8 @@ def write_text_gguf(path, hf):
 
     def vision_keys(writer):
         # What the converter adds for the text model (llama.cpp reads both; text ignores them).
-        writer.add_array("qwen3vl.rope.dimension_sections", [2, 3, 3, 0])
-        writer.add_uint32("qwen3vl.n_deepstack_layers", 1)
+        writer.add_array("qwen3vl.rope.dimension_sections", rope_sections(text))
+        writer.add_uint32("qwen3vl.n_deepstack_layers", deepstack_layers(hf))
 
     config = {**text, "model_type": "qwen3"}
     return write_gguf(path, config, state, arch="qwen3vl", extra=vision_keys)
@@ -112,7 +124,7 @@ def test_a_qwen3vl_gguf_matches_transformers(tmp_path):
 
 def write_moe_text_gguf(path, hf):
     """The MoE's language model as llama.cpp's converter writes it (arch qwen3vlmoe):
-    experts stacked per projection, the rope sections key."""
+    experts stacked per projection, the rope sections and deepstack keys."""
     from moe_helpers import stacked_gguf_state, write_moe_gguf
 
     from llmrun.loading import experts, loader
@@ -128,9 +140,12 @@ def write_moe_text_gguf(path, hf):
         language, loader._STACKED_EXPERTS, config["hidden_size"], width, loader.Weight
     )
     state = {key: w.tensor for key, w in split.items()}
-    sections = {"{arch}.rope.dimension_sections": ([2, 3, 3, 0], "array")}
+    vision_keys = {
+        "{arch}.rope.dimension_sections": (rope_sections(config), "array"),
+        "{arch}.n_deepstack_layers": deepstack_layers(hf),
+    }
     tensors = stacked_gguf_state(state, config)
-    return write_moe_gguf(path, config, tensors, metadata=sections, arch="qwen3vlmoe")
+    return write_moe_gguf(path, config, tensors, metadata=vision_keys, arch="qwen3vlmoe")
 
 
 def test_a_qwen3vlmoe_gguf_matches_transformers(tmp_path):
