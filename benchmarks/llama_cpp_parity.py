@@ -253,6 +253,22 @@ FAMILIES: dict[str, Callable[[Path], None]] = {
     "qwen4exp-ratio1": written("test_qwen4_exp", "write_qwen4_exp_gguf", indexer_compress_ratio=1),
     "stablelm": written("test_stablelm", "write_stablelm_gguf"),
     "olmo": written("test_olmo", "write_olmo_gguf"),
+    "gptneox": written("test_gpt_neox", "write_gpt_neox_gguf"),
+    "gptneox-sequential": variant("test_gpt_neox", "write_gpt_neox_gguf", "sequential"),
+    "mamba2": written("test_mamba2", "write_mamba2_gguf"),
+    "glm5-next": written("test_glm5_next", "write_glm5_next_gguf"),
+    "falcon": written("test_falcon", "write_falcon_gguf"),
+    "falcon-40b": written(
+        "test_falcon", "write_falcon_gguf", new_decoder_architecture=True, num_kv_heads=2
+    ),
+    "bloom": written("test_bloom", "write_bloom_gguf"),
+    "mpt": written("test_mpt", "write_mpt_gguf"),
+    "dbrx": written("test_dbrx", "write_dbrx_gguf"),
+    "minimax-01": written("test_minimax", "write_minimax_gguf"),
+    "mamba": written("test_mamba", "write_mamba_gguf"),
+    # llama.cpp norms dt, B and C with the file's layer_norm_rms_eps (no mixer eps key)
+    "falcon-mamba": written("test_mamba", "write_mamba_gguf", "falcon_mamba", mixer_rms_eps=1e-5),
+    "jamba": written("test_jamba", "write_jamba_gguf"),
 }
 
 

@@ -174,6 +174,8 @@ class Scheduler:
         windowed, window = window_layers(like, self.engine.ctx_size)
         full_layers = [i for i, w in enumerate(windowed) if not w]
         full_bytes = PagedKVCache.block_bytes(like, BLOCK_SIZE, full_layers)
+        if full_bytes == 0:  # no attention layer (Mamba): blocks hold nothing, cost nothing
+            return CONTEXTS_PER_SEQUENCE * self.parallel * blocks_for(self.engine.ctx_size), None, 0
         window_blocks = window_bytes = 0
         if window is not None:
             held = blocks_for(min(window + self.prefill_budget, self.engine.ctx_size)) + 1

@@ -18,10 +18,12 @@ from gguf import (
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import (
     afmoe,
+    alibi_families,
     apertus,
     arcee,
     cohere,
     cohere2_moe,
+    dbrx,
     deepseek2,
     deepseek4,
     dots1,
@@ -31,24 +33,31 @@ from llmrun.loading import (
     exaone,
     exaone4,
     exaone_moe,
+    falcon,
     falcon_h1,
     gemma3n,
     gemma4,
     glm4,
     glm4_moe,
+    glm5_next,
+    gpt_neox,
     gpt_oss,
     granite,
     granitehybrid,
     hunyuan,
     hy_v3,
     hy_v4,
+    jamba,
     kimi_linear,
     laguna,
     lfm2,
     llama4,
+    mamba,
+    mamba2,
     mellum,
     mimo2,
     minicpm3,
+    minimax,
     minimax_m2,
     minimax_m3,
     nemotron,
@@ -97,6 +106,7 @@ MODEL_TYPES = {
     granite.SWA_ARCH: "granite_swa",  # with experts, granitemoe_swa
     granitehybrid.ARCH: granitehybrid.MODEL_TYPE,  # llmrun/loading/granitehybrid.py
     kimi_linear.ARCH: kimi_linear.MODEL_TYPE,  # llmrun/loading/kimi_linear.py
+    glm5_next.ARCH: glm5_next.GGUF_MODEL_TYPE,  # llmrun/loading/glm5_next.py
     olmo.ARCH: "olmo2",  # OLMo 3 too (a sliding window): llmrun/loading/olmo.py
     olmo.OLMO1_ARCH: olmo.OLMO1_MODEL_TYPE,  # the first OLMo: llmrun/loading/olmo.py
     stablelm.ARCH: stablelm.MODEL_TYPE,  # llmrun/loading/stablelm.py
@@ -125,6 +135,8 @@ MODEL_TYPES = {
     afmoe.ARCH: afmoe.MODEL_TYPE,  # llmrun/loading/afmoe.py
     olmoe.ARCH: olmoe.MODEL_TYPE,  # llmrun/loading/olmoe.py
     falcon_h1.ARCH: falcon_h1.MODEL_TYPE,  # llmrun/loading/falcon_h1.py
+    mamba.ARCH: "mamba",  # or falcon_mamba: llmrun/loading/mamba.py
+    jamba.ARCH: jamba.MODEL_TYPE,  # llmrun/loading/jamba.py
     phimoe.ARCH: phimoe.MODEL_TYPE,  # llmrun/loading/phimoe.py
     hy_v3.ARCH: hy_v3.MODEL_TYPE,  # llmrun/loading/hy_v3.py
     hy_v4.ARCH: hy_v4.MODEL_TYPE,  # llmrun/loading/hy_v4.py
@@ -134,9 +146,15 @@ MODEL_TYPES = {
     step3p5.ARCH: step3p5.MODEL_TYPE,  # llmrun/loading/step3p5.py
     starcoder2.ARCH: starcoder2.MODEL_TYPE,  # llmrun/loading/starcoder2.py
     phi2.ARCH: phi2.MODEL_TYPE,  # llmrun/loading/phi2.py
+    **{arch: arch for arch in alibi_families.ARCHS},  # llmrun/loading/alibi_families.py
+    falcon.ARCH: falcon.MODEL_TYPE,  # llmrun/loading/falcon.py
+    gpt_neox.ARCH: gpt_neox.MODEL_TYPE,  # llmrun/loading/gpt_neox.py
+    mamba2.ARCH: mamba2.MODEL_TYPE,  # llmrun/loading/mamba2.py
     exaone.ARCH: exaone.MODEL_TYPE,  # llmrun/loading/exaone.py
     nemotron.ARCH: nemotron.MODEL_TYPE,  # llmrun/loading/nemotron.py
     arcee.ARCH: arcee.MODEL_TYPE,  # llmrun/loading/arcee.py
+    dbrx.ARCH: dbrx.MODEL_TYPE,  # llmrun/loading/dbrx.py
+    minimax.ARCH: minimax.MODEL_TYPE,  # MiniMax-Text-01: llmrun/loading/minimax.py
 }
 # Families whose RMSNorm is x * (1 + w): llama.cpp's converter stores 1 + w.
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
@@ -204,6 +222,18 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
         return starcoder2.hf_name(gguf_name)
     if model_type == phi2.MODEL_TYPE:
         return phi2.hf_name(gguf_name)
+    if model_type in alibi_families.MODEL_TYPES:
+        return alibi_families.hf_name(gguf_name, model_type)
+    if model_type == falcon.MODEL_TYPE:
+        return falcon.hf_name(gguf_name)
+    if model_type == gpt_neox.MODEL_TYPE:
+        return gpt_neox.hf_name(gguf_name)
+    if model_type == mamba2.MODEL_TYPE:
+        return mamba2.hf_name(gguf_name)
+    if model_type == dbrx.MODEL_TYPE:
+        return dbrx.hf_name(gguf_name)
+    if model_type == minimax.MODEL_TYPE:
+        return minimax.hf_name(gguf_name)
     if model_type == gemma4.MODEL_TYPE:
         return gemma4.hf_name(gguf_name)
     if model_type in (*deepseek2.MODEL_TYPES, deepseek2.MISTRAL4):
@@ -222,12 +252,18 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
         return nemotron_h.hf_name(gguf_name)
     if model_type == kimi_linear.MODEL_TYPE:
         return kimi_linear.hf_name(gguf_name)
+    if model_type in glm5_next.MODEL_TYPES:
+        return glm5_next.hf_name(gguf_name)
     if model_type == exaone_moe.MODEL_TYPE and gguf_name.startswith("blk."):
         return exaone_moe.hf_name(gguf_name)
     if model_type == mimo2.MODEL_TYPE and gguf_name.startswith("blk."):
         return mimo2.hf_name(gguf_name)
     if model_type == falcon_h1.MODEL_TYPE:
         return falcon_h1.hf_name(gguf_name)
+    if model_type in mamba.MODEL_TYPES:
+        return mamba.hf_name(gguf_name)
+    if model_type == jamba.MODEL_TYPE:
+        return jamba.hf_name(gguf_name)
     if model_type == phimoe.MODEL_TYPE and (moe := phimoe.hf_name(gguf_name)):
         return moe
     if model_type == granitehybrid.MODEL_TYPE and (name := granitehybrid.hf_name(gguf_name)):
@@ -350,10 +386,16 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         return lfm2.config_from_gguf(gg, _rope_from_gguf)
     if arch == kimi_linear.ARCH:
         return kimi_linear.config_from_gguf(gg)
+    if arch == glm5_next.ARCH:
+        return glm5_next.config_from_gguf(gg)
     if arch == granitehybrid.ARCH:
         return granitehybrid.config_from_gguf(gg, _rope_from_gguf)
     if arch == falcon_h1.ARCH:
         return falcon_h1.config_from_gguf(gg, _rope_from_gguf)
+    if arch == mamba.ARCH:
+        return mamba.config_from_gguf(gg)
+    if arch == jamba.ARCH:
+        return jamba.config_from_gguf(gg)
     if arch in nemotron_h.ARCHS:
         return nemotron_h.config_from_gguf(gg)
     if arch == laguna.ARCH:
@@ -372,6 +414,18 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         return starcoder2.config_from_gguf(gg, _rope_from_gguf)
     if arch == phi2.ARCH:
         return phi2.config_from_gguf(gg, _rope_from_gguf)
+    if arch in alibi_families.ARCHS:
+        return alibi_families.config_from_gguf(gg)
+    if arch == falcon.ARCH:
+        return falcon.config_from_gguf(gg, _rope_from_gguf)
+    if arch == gpt_neox.ARCH:
+        return gpt_neox.config_from_gguf(gg, _rope_from_gguf)
+    if arch == mamba2.ARCH:
+        return mamba2.config_from_gguf(gg)
+    if arch == dbrx.ARCH:
+        return dbrx.config_from_gguf(gg, _rope_from_gguf)
+    if arch == minimax.ARCH:
+        return minimax.config_from_gguf(gg, _rope_from_gguf)
     if arch == nemotron.ARCH:
         return nemotron.config_from_gguf(gg, _rope_from_gguf)
 

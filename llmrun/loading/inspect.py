@@ -319,6 +319,14 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
     sliding-window layers holding at most their window; None if the config lacks the sizes.
     The torch-free twin of llmrun.models.kv_cache_bytes (a test keeps the two equal)."""
     text = config.get("text_config") or config
+    from llmrun.loading import mamba
+
+    if mamba.attention_layer_count(config) == 0:
+        return 0  # nothing attends: each sequence's state alone
+    from llmrun.loading import mamba2
+
+    if mamba2.attention_layer_count(config) == 0:
+        return 0  # Mamba-2 alone: the same
     try:
         # transformers 5 saves Nemotron-H's layer count as its pattern's length alone;
         # EXAONE 3.x's config.json names it num_layers.
@@ -362,6 +370,10 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
         from llmrun.loading import deepseek4  # one row a token and layer, of its own width
 
         shapes = deepseek4.cache_shapes(text)
+    elif config.get("model_type") in ("glm5_next", "glm5_next_text"):
+        from llmrun.loading import glm5_next  # its indexed layers' rows
+
+        shapes, windows = glm5_next.cache_layout(text)
     elif pattern and window:
         pattern = text.get("sliding_window_pattern") or pattern
         kinds = text.get("layer_types") or [
@@ -374,15 +386,18 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
     # Qwen3.5's Gated DeltaNet) cache no keys or values; their state is the memory check's.
     from llmrun.loading import (  # they import this module
         granitehybrid,
+        jamba,
         kimi_linear,
         lfm2,
         lfm3,
+        minimax,
         nemotron_h,
         qwen4exp,
         qwen35,
     )
 
-    for family in (lfm2, lfm3, granitehybrid, qwen35, qwen4exp, kimi_linear, nemotron_h):
+    hybrids = (lfm2, lfm3, granitehybrid, qwen35, qwen4exp, kimi_linear, nemotron_h, minimax)
+    for family in (*hybrids, jamba):
         attending = family.attention_layer_count(text)
         if attending is not None:
             windows = [None] * attending

@@ -121,7 +121,7 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         "hidden_size": key(Keys.LLM.EMBEDDING_LENGTH, required=True),
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
-        "vocab_size": _vocab_size(gg, key),
+        "vocab_size": vocab_size(gg, key),
         "max_position_embeddings": context,
         "rms_norm_eps": eps,
         "latent_norm_eps": eps,  # llama.cpp normalizes the latents with it too
@@ -136,11 +136,11 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         "layer_types": ["linear_attention" if n == 0 else "full_attention" for n in kv_heads],
         "tie_word_embeddings": "output.weight" not in gg.tensors,
     }
-    config.update(_experts(gg, key, layers))
+    config.update(expert_fields(gg, key, layers))
     return config
 
 
-def _vocab_size(gg: GGUFFile, key) -> int | None:
+def vocab_size(gg: GGUFFile, key) -> int | None:
     tokens = gg.metadata.get(Keys.Tokenizer.LIST)
     embed = gg.tensors.get("token_embd.weight")
     return (
@@ -150,7 +150,7 @@ def _vocab_size(gg: GGUFFile, key) -> int | None:
     )
 
 
-def _experts(gg: GGUFFile, key, layers: int) -> dict[str, Any]:
+def expert_fields(gg: GGUFFile, key, layers: int) -> dict[str, Any]:
     """The feed-forward's fields: the leading dense layers, then sigmoid-gated experts
     with a selection bias and shared experts (llama.cpp's graph: renormalized top-k,
     scaled by expert_weights_scale, no expert groups)."""

@@ -28,9 +28,11 @@ from torch.utils._triton import has_triton
 from llmrun import native
 from llmrun.errors import ModelFormatError, ModelNotFoundError, UnsupportedError, UsageError
 from llmrun.loading import (
+    alibi_families,
     apertus,
     arcee,
     cohere2_moe,
+    dbrx,
     deepseek2,
     deepseek4,
     dots1,
@@ -40,6 +42,7 @@ from llmrun.loading import (
     exaone,
     exaone_moe,
     experts,
+    falcon,
     falcon_h1,
     fused_experts,
     gemma3n,
@@ -47,19 +50,25 @@ from llmrun.loading import (
     gguf_config,
     gguf_io,
     glm4_moe,
+    glm5_next,
+    gpt_neox,
     gpt_oss,
     granite,
     granitehybrid,
     hy_v3,
     hy_v4,
+    jamba,
     kimi_linear,
     laguna,
     lfm2,
     llama4,
+    mamba,
+    mamba2,
     mellum,
     mimo2,
     minicpm3,
     minicpm5_moe,
+    minimax,
     minimax_m2,
     minimax_m3,
     nemotron,
@@ -198,6 +207,10 @@ def _open_hf_dir(path: Path) -> Checkpoint:
         weights = cohere2_moe.hf_weights(weights, config, Weight)
     if config.get("model_type") == kimi_linear.MODEL_TYPE:
         weights = kimi_linear.hf_weights(weights)
+    if config.get("model_type") == dbrx.MODEL_TYPE:
+        weights = dbrx.hf_weights(weights, config, Weight)
+    if config.get("model_type") == minimax.MODEL_TYPE:
+        weights = minimax.hf_weights(weights)
     if config.get("model_type") == deepseek4.MODEL_TYPE:
         weights = deepseek4.hf_weights(weights, config, path, Weight)
     if config.get("model_type") == ernie4_5.MOE_MODEL_TYPE:
@@ -212,6 +225,12 @@ def _open_hf_dir(path: Path) -> Checkpoint:
         config, weights, multimodal = dots3.hf_checkpoint(config, weights, path, Weight)
         if multimodal:
             notes.append(f"{path}: a multimodal Dots 3 Note; running its language model only")
+    if config.get("model_type") == mamba2.MODEL_TYPE:
+        weights = mamba2.hf_weights(weights)
+    if config.get("model_type") == jamba.MODEL_TYPE:
+        weights = jamba.hf_weights(weights, config, Weight)
+    if config.get("model_type") == gpt_neox.MODEL_TYPE:
+        weights = gpt_neox.hf_weights(weights)
     if config.get("model_type") == nemotron_h.MODEL_TYPE:
         weights = nemotron_h.hf_weights(weights, Weight)
     if config.get("model_type") == hy_v3.MODEL_TYPE:
@@ -226,6 +245,10 @@ def _open_hf_dir(path: Path) -> Checkpoint:
         weights = step3p5.hf_weights(weights, config, Weight)
     if config.get("model_type") == exaone.MODEL_TYPE:
         config, weights = exaone.hf_checkpoint(config, weights, path)
+    if config.get("model_type") in alibi_families.MODEL_TYPES:
+        weights = alibi_families.hf_weights(weights, config["model_type"])
+    if config.get("model_type") == falcon.MODEL_TYPE:
+        weights = falcon.hf_weights(weights)
     if config.get("model_type") in qwen35.MODEL_TYPES:
         config, weights, multimodal = qwen35.hf_checkpoint(config, weights, Weight)
         if multimodal:
@@ -246,6 +269,8 @@ def _open_hf_dir(path: Path) -> Checkpoint:
         weights = llama4.hf_weights(weights, config, Weight)
     if config.get("model_type") in hy_v4.MODEL_TYPES:
         weights = hy_v4.hf_weights(weights, config, path, Weight)
+    if config.get("model_type") in glm5_next.MODEL_TYPES:
+        config, weights = glm5_next.hf_checkpoint(config, weights, Weight)
     if config.get("model_type") in minimax_m3.HF_MODEL_TYPES:
         weights = minimax_m3.hf_weights(weights, config, path)
     if config.get("model_type") == deepseek2.MISTRAL4:
@@ -289,6 +314,7 @@ MULTIMODAL = {
     "qwen3_vl": "Qwen3-VL",
     "qwen3_vl_moe": "Qwen3-VL",
     hy_v4.VL_MODEL_TYPE: "Hunyuan V4",
+    "glm5_next": "GLM-5-Next",
 }
 # The language models of the multimodal checkpoints whose text_config names another
 # model_type: llmrun's family (Qwen3-VL's text is Qwen3's with M-RoPE, which text alone
@@ -301,6 +327,7 @@ TEXT_MODEL_TYPES = {
     "qwen3_vl": "qwen3",
     "qwen3_vl_moe": "qwen3_moe",
     hy_v4.VL_MODEL_TYPE: hy_v4.VL_TEXT_MODEL_TYPE,
+    "glm5_next": "glm5_next_text",
 }
 # Fields their text model takes whatever the file says: transformers'
 # Gemma3ForConditionalGeneration never soft-caps its logits (Gemma 3 checkpoints leave it
@@ -444,12 +471,18 @@ def _open_gguf(path: Path) -> Checkpoint:
         weights = granitehybrid.gguf_weights(weights, config, Weight)
     if gg.architecture == falcon_h1.ARCH:
         weights = falcon_h1.gguf_weights(weights, Weight)
+    if gg.architecture == mamba.ARCH:
+        weights = mamba.gguf_weights(weights, Weight)
+    if gg.architecture == jamba.ARCH:
+        weights = jamba.gguf_weights(weights, Weight)
     if gg.architecture == granite.SWA_ARCH:
         weights = granite.swa_gguf_weights(weights, config, Weight)
     if gg.architecture in nemotron_h.ARCHS:
         weights = nemotron_h.gguf_weights(weights, config, Weight)
     if gg.architecture == kimi_linear.ARCH:
         weights = kimi_linear.gguf_weights(weights, config, Weight)
+    if gg.architecture == glm5_next.ARCH:
+        weights = glm5_next.gguf_weights(weights, config, Weight)
     if gg.architecture in qwen35.ARCHS:
         weights = qwen35.gguf_weights(weights, config, Weight)
     if gg.architecture == qwen4exp.ARCH:
@@ -472,8 +505,18 @@ def _open_gguf(path: Path) -> Checkpoint:
         weights = minicpm3.gguf_weights(weights, config, Weight)
     if gg.architecture == stablelm.ARCH:
         weights = stablelm.gguf_weights(weights, Weight)
+    if gg.architecture == mamba2.ARCH:
+        weights = mamba2.gguf_weights(weights, Weight)
+    if gg.architecture == gpt_neox.ARCH:
+        weights = gpt_neox.gguf_weights(weights, config, Weight)
     if gg.architecture == phi2.ARCH:
         weights = phi2.gguf_weights(weights, config, Weight)
+    if gg.architecture in alibi_families.ARCHS:
+        weights = alibi_families.gguf_weights(weights, config, Weight)
+    if gg.architecture == falcon.ARCH:
+        weights = falcon.gguf_weights(weights, config, Weight)
+    if gg.architecture == minimax.ARCH:
+        weights = minimax.gguf_weights(weights, config)
     return Checkpoint(
         path, "gguf", config, weights, sampling_defaults=gguf_io.generation_defaults(gg), gguf=gg
     )

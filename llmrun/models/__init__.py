@@ -33,6 +33,8 @@ ARCHITECTURES = {
     "deepseek_v32": "deepseek_v32",
     "deepseek_v4": "deepseek_v4",
     "glm_moe_dsa": "glm_moe_dsa",
+    "glm5_next": "glm5_next",  # multimodal: its language model
+    "glm5_next_text": "glm5_next",
     "dots3_note": "dots3_note",  # multimodal: its language model
     "dots3_note_text": "dots3_note",
     "mistral4": "mistral4",
@@ -60,6 +62,9 @@ ARCHITECTURES = {
     "exaone4": "exaone4",
     "exaone_moe": "exaone_moe",
     "exaone": "exaone",  # EXAONE 3.x: Llama under other names
+    "bloom": "bloom",
+    "falcon": "falcon",
+    "mpt": "mpt",
     "nemotron": "nemotron",
     "arcee": "arcee",
     "mimo_v2_flash": "mimo_v2_flash",
@@ -99,9 +104,16 @@ ARCHITECTURES = {
     "olmoe": "olmoe",
     "phimoe": "phimoe",
     "falcon_h1": "falcon_h1",
+    "mamba2": "mamba2",
+    "gpt_neox": "gpt_neox",
+    "mamba": "mamba",
+    "falcon_mamba": "mamba",  # Mamba with norms of dt, B and C
+    "jamba": "jamba",
     "stablelm": "stablelm",
     "starcoder2": "starcoder2",
     "phi": "phi",
+    "dbrx": "dbrx",
+    "minimax": "minimax",
 }
 
 

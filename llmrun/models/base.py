@@ -462,6 +462,64 @@ def attention(
     return out.view(batch, heads, tokens, head_dim).transpose(1, 2).reshape(batch, tokens, -1)
 
 
+def alibi_slopes(heads: int, max_bias: float = 8.0) -> torch.Tensor:
+    """ALiBi's slope per head (Press et al.), as BLOOM, MPT and llama.cpp give them: with
+    n the largest power of 2 not above `heads`, 2^(-max_bias * h / n) for h = 1 .. n, then
+    2^(-max_bias * (2j - 1) / 2n) for the remaining heads j = 1, 2, ... (f32 [heads])."""
+    n = 2 ** math.floor(math.log2(heads))
+    first = [2 ** (-max_bias * h / n) for h in range(1, n + 1)]
+    rest = [2 ** (-max_bias * (2 * j - 1) / (2 * n)) for j in range(1, heads - n + 1)]
+    return torch.tensor(first + rest, dtype=torch.float32, device="cpu")
+
+
+class Alibi:
+    """Mixed in before the CausalLM of a family with ALiBi (BLOOM, MPT), whose args give
+    `alibi_slopes()` and whose body has no RoPE tables: each frame's mask is the
+    attention's additive bias [B, H, T, L], slope_h * (key - query) for the keys a query
+    sees and -inf for the others, which its attention takes through attend_biased.
+    Per-query offsets leave the softmax as it is, so this is transformers' bias (BLOOM's
+    slope * key, MPT's slope * (key - last)) and llama.cpp's (-slope * |query - key|),
+    its values kept small for long sequences."""
+
+    def frame(
+        self,
+        positions: torch.Tensor,
+        cache: KVCache | None,
+        dtype: torch.dtype,
+        last: torch.Tensor | None = None,
+    ) -> Frame:
+        start, length = int(positions[0, 0]), int(positions.max()) + 1
+        keys = key_positions(positions, length, cache)
+        # [B, T] and [B, L] -> [B, 1, T, L]
+        distance = (keys[:, None, None, :] - positions[:, None, :, None]).float()
+        slopes = self.args.alibi_slopes().to(positions.device)
+        bias = slopes[None, :, None, None] * distance
+        mask = bias.masked_fill(distance > 0, float("-inf")).to(dtype)
+        no_rope = positions.new_zeros(0, dtype=dtype)
+        return Frame(positions, start, length, mask, no_rope, no_rope)
+
+
+def attend_biased(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    frame: Frame,
+    cache: KVCache | PagedView | None,
+    scale: float,
+) -> torch.Tensor:
+    """Attention with frame.mask an additive float bias [B, H, T, L] (Alibi's): the new
+    q [B, H, T, D], k/v [B, Hkv, T, D] written to the cache, contiguous or paged, and the
+    queries attending to every key the bias gives; returns [B, T, H*D]. The native
+    one-query kernels take no bias, so a decode step attends through SDPA too."""
+    if cache is not None and cache.paged:
+        cache.write(layer, k, v, frame.positions)
+        k, v = cache.read(layer, frame.length, q.dtype)
+    else:
+        k, v = cached_keys_values(k, v, layer, frame, cache, q.shape[2])
+    return attention(q, k, v, frame.mask, scale)
+
+
 def key_positions(positions: torch.Tensor, length: int, cache: KVCache | None) -> torch.Tensor:
     """Positions of the keys attended to: the cache prefix up to the newest token,
     or, without a cache, the new tokens themselves."""

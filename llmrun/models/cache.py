@@ -168,9 +168,10 @@ class KVCache:
         self.shapes = shapes
         self.uniform = len(set(shapes)) == 1  # one shape: the native decode step's kind
         # One buffer per kind (full or ring) and shape; the first is always a full one
-        # (of no layers where every layer is a ring), so self.k is one.
+        # (of no layers where every layer is a ring, or where there are none: Mamba's
+        # cache holds its state alone), so self.k is one.
         full = [s for s, r in zip(shapes, ring, strict=True) if not r]
-        kinds = [(False, full[0] if full else shapes[0])]
+        kinds = [(False, full[0] if full else shapes[0] if shapes else (n_kv_heads, head_dim))]
         kinds += [
             (r, s) for r, s in dict.fromkeys(zip(ring, shapes, strict=True)) if (r, s) != kinds[0]
         ]

@@ -555,9 +555,10 @@ class Attention(nn.Module):
 class Expert(nn.Module):
     """SwiGLU with its inputs clamped: silu(min(gate, limit)) * clamp(up, +-limit)."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, width: int | None = None) -> None:
+        """`width`: the intermediate width, moe_intermediate_size unless given."""
         super().__init__()
-        width = args.moe_intermediate_size
+        width = width or args.moe_intermediate_size
         self.gate_proj = nn.Linear(args.hidden_size, width, bias=False)
         self.up_proj = nn.Linear(args.hidden_size, width, bias=False)
         self.down_proj = nn.Linear(width, args.hidden_size, bias=False)

@@ -41,27 +41,34 @@ class ModelArgs(deepseek_v32.ModelArgs):
     index_skip_topk_offset: int = 2
 
     def __post_init__(self) -> None:
-        if self.indexer_types is None and self.index_topk_pattern is not None:
-            pattern = self.index_topk_pattern
-            if isinstance(pattern, str):
-                if not set(pattern) <= set(PATTERN_LETTERS):
-                    raise ModelFormatError(
-                        f"index_topk_pattern is {pattern!r}; it needs one of "
-                        f"{', '.join(PATTERN_LETTERS)} per layer"
-                    )
-                pattern = [PATTERN_LETTERS[c] for c in pattern]
-            self.indexer_types = list(pattern)
-        elif self.indexer_types is None:
-            freq, offset = max(self.index_topk_freq, 1), self.index_skip_topk_offset
-            self.indexer_types = [
-                "full" if max(i - offset + 1, 0) % freq == 0 else "shared"
-                for i in range(self.num_hidden_layers)
-            ]
+        if self.indexer_types is None:
+            self.indexer_types = derived_indexer_types(self)
         super().__post_init__()
 
     @property
     def indexer_rope_pairs(self) -> bool:
         return True
+
+
+def derived_indexer_types(args: ModelArgs) -> list[str]:
+    """indexer_types as transformers derives it where a config lists none (see the
+    module docstring), from the args' index_topk_pattern, index_topk_freq and
+    index_skip_topk_offset."""
+    pattern = args.index_topk_pattern
+    if pattern is None:
+        freq, offset = max(args.index_topk_freq, 1), args.index_skip_topk_offset
+        return [
+            "full" if max(i - offset + 1, 0) % freq == 0 else "shared"
+            for i in range(args.num_hidden_layers)
+        ]
+    if isinstance(pattern, str):
+        if not set(pattern) <= set(PATTERN_LETTERS):
+            raise ModelFormatError(
+                f"index_topk_pattern is {pattern!r}; it needs one of "
+                f"{', '.join(PATTERN_LETTERS)} per layer"
+            )
+        pattern = [PATTERN_LETTERS[c] for c in pattern]
+    return list(pattern)
 
 
 class Model(deepseek_v32.Model):

@@ -233,9 +233,7 @@ class DeltaAttention(nn.Module):
         real = (torch.arange(tokens, device=x.device) < counts[:, None])[..., None]  # [B, T, 1]
         # Padding (rows padded on the right) leaves the state as it is: no decay, no write.
         beta = torch.sigmoid(self.b_proj(x).float()) * real  # [B, T, heads]
-        decay = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
-        decay = -self.A_log.float().exp() * F.softplus(decay.view(batch, tokens, self.heads, -1))
-        decay = decay * real[..., None]  # [B, T, heads, dim]
+        decay = self.log_decay(x) * real[..., None]  # [B, T, heads, dim]
         if state is None:
             state = v.new_zeros(batch, self.heads, self.dim, self.dim)
         rule = recurrent_kda if tokens == 1 else chunked_kda
@@ -245,6 +243,13 @@ class DeltaAttention(nn.Module):
         gate = self.g_b_proj(self.g_a_proj(x)).view(batch, tokens, self.heads, self.dim)
         out = self.o_norm(out.transpose(1, 2).to(x.dtype), gate)  # [B, T, heads, dim]
         return self.o_proj(out.reshape(batch, tokens, self.width))
+
+    def log_decay(self, x: torch.Tensor) -> torch.Tensor:
+        """The forget gate's log decay [B, T, heads, dim] of x [B, T, hidden]:
+        -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias)."""
+        batch, tokens, _ = x.shape
+        gate = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+        return -self.A_log.float().exp() * F.softplus(gate.view(batch, tokens, self.heads, -1))
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:

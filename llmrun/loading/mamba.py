@@ -1,0 +1,128 @@
+"""Mamba and Falcon Mamba at the loader edge: "mamba" GGUFs as llama.cpp's converter
+writes them (conversion/mamba.py MambaModel) and llama.cpp reads them (src/models/
+mamba.cpp, mamba-base.cpp build_mamba_layer).
+
+What the converter does, undone here: A_log is stored as A = -exp(A_log), the
+convolution [inner, 1, conv_kernel] as [inner, conv_kernel], the output matrix left out
+where it equals the embedding (tied). Falcon Mamba is written as "mamba" with
+ssm.dt_b_c_rms true; llama.cpp then normalizes dt, B and C with the model's
+layer_norm_rms_eps (the file has no mixer_rms_eps), and so does llmrun. llama.cpp reads
+no bias of in_proj or out_proj and requires the convolution's; its context length
+(2**20, "arbitrary" says the converter) is not the model's, so none is taken.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
+
+from llmrun.errors import ModelFormatError
+
+if TYPE_CHECKING:
+    from llmrun.loading.gguf_io import GGUFFile
+
+ARCH = "mamba"
+MODEL_TYPES = ("mamba", "falcon_mamba")
+
+
+def _layer(tensor: MODEL_TENSOR) -> str:
+    """The name of a per-layer tensor after "blk.N."."""
+    return TENSOR_NAMES[tensor].removeprefix("blk.{bid}.")
+
+
+GLOBAL_NAMES = {
+    f"{TENSOR_NAMES[MODEL_TENSOR.TOKEN_EMBD]}.weight": "backbone.embeddings.weight",
+    f"{TENSOR_NAMES[MODEL_TENSOR.OUTPUT_NORM]}.weight": "backbone.norm_f.weight",
+    f"{TENSOR_NAMES[MODEL_TENSOR.OUTPUT]}.weight": "lm_head.weight",
+}
+# GGUF tensor (after "blk.N.", with its suffix; A and D have none) -> HF key (after
+# "backbone.layers.N.").
+LAYER_NAMES = {
+    f"{_layer(MODEL_TENSOR.ATTN_NORM)}.weight": "norm.weight",
+    f"{_layer(MODEL_TENSOR.SSM_IN)}.weight": "mixer.in_proj.weight",
+    f"{_layer(MODEL_TENSOR.SSM_CONV1D)}.weight": "mixer.conv1d.weight",
+    f"{_layer(MODEL_TENSOR.SSM_CONV1D)}.bias": "mixer.conv1d.bias",
+    f"{_layer(MODEL_TENSOR.SSM_X)}.weight": "mixer.x_proj.weight",
+    f"{_layer(MODEL_TENSOR.SSM_DT)}.weight": "mixer.dt_proj.weight",
+    f"{_layer(MODEL_TENSOR.SSM_DT)}.bias": "mixer.dt_proj.bias",
+    _layer(MODEL_TENSOR.SSM_A): "mixer.A_log",
+    _layer(MODEL_TENSOR.SSM_D): "mixer.D",
+    f"{_layer(MODEL_TENSOR.SSM_OUT)}.weight": "mixer.out_proj.weight",
+}
+# Kept in float by llama.cpp's quantizer; llmrun reads them so.
+_FLOAT_PARTS = ("mixer.conv1d.weight", "mixer.conv1d.bias", "mixer.dt_proj.bias")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face key of a "mamba" GGUF tensor, or None if it has none."""
+    if gguf_name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit():
+        return None
+    name = LAYER_NAMES.get(parts[2])
+    return None if name is None else f"backbone.layers.{parts[1]}.{name}"
+
+
+def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
+    """The HF config.json dict (mamba, or falcon_mamba with ssm.dt_b_c_rms) of a "mamba"
+    GGUF, read as llama_model_mamba::load_arch_hparams reads it."""
+
+    def key(template: str, default: Any = None, required: bool = False) -> Any:
+        name = template.format(arch=ARCH)
+        if name not in gg.metadata:
+            if required:
+                raise ModelFormatError(f"{gg.path}: metadata {name!r} is missing")
+            return default
+        return gg.metadata[name]
+
+    embed = gg.tensors.get(f"{TENSOR_NAMES[MODEL_TENSOR.TOKEN_EMBD]}.weight")
+    if embed is None:
+        raise ModelFormatError(f"{gg.path}: tensor token_embd.weight is missing")
+    eps = key(Keys.Attention.LAYERNORM_RMS_EPS, required=True)
+    falcon = bool(key(Keys.SSM.DT_B_C_RMS, False))
+    config: dict[str, Any] = {
+        "model_type": MODEL_TYPES[falcon],
+        "hidden_size": key(Keys.LLM.EMBEDDING_LENGTH, required=True),
+        "num_hidden_layers": key(Keys.LLM.BLOCK_COUNT, required=True),
+        "intermediate_size": key(Keys.SSM.INNER_SIZE, required=True),
+        "state_size": key(Keys.SSM.STATE_SIZE, required=True),
+        "conv_kernel": key(Keys.SSM.CONV_KERNEL, required=True),
+        "time_step_rank": key(Keys.SSM.TIME_STEP_RANK, required=True),
+        "layer_norm_epsilon": eps,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "hidden_act": "silu",
+        "vocab_size": embed.shape[0],
+        "tie_word_embeddings": f"{TENSOR_NAMES[MODEL_TENSOR.OUTPUT]}.weight" not in gg.tensors,
+    }
+    if falcon:
+        config["mixer_rms_eps"] = eps
+    return config
+
+
+def gguf_weights(weights: dict[str, Any], weight_type: type) -> dict[str, Any]:
+    """A "mamba" GGUF's tensors as the model holds them: A_log from A, the convolution
+    [inner, 1, conv_kernel]; `weight_type` wraps a tensor (loader.Weight)."""
+    out = {}
+    for name, w in weights.items():
+        part = name.split(".", 3)[-1]  # after "backbone.layers.N."
+        if part in (*_FLOAT_PARTS, "mixer.A_log", "mixer.D") and w.ggml_type is not None:
+            raise ModelFormatError(
+                f"tensor {name} is quantized ({w.ggml_type.name}); llama.cpp keeps Mamba's "
+                "convolution, A, D and time-step bias in float"
+            )
+        if part == "mixer.A_log":
+            if (w.tensor >= 0).any():
+                raise ModelFormatError(f"tensor {name}: A = -exp(A_log) must be negative")
+            w = weight_type(w.tensor.neg().log(), None, w.shape)
+        elif part == "mixer.conv1d.weight":
+            w = weight_type(w.tensor.unsqueeze(1), None, (w.shape[0], 1, w.shape[1]))
+        out[name] = w
+    return out
+
+
+def attention_layer_count(config: dict[str, Any]) -> int | None:
+    """0 for a mamba or falcon_mamba config (nothing attends, no KV cache), else None."""
+    return 0 if config.get("model_type") in MODEL_TYPES else None
