@@ -62,8 +62,10 @@ class ModelArgs:
         if groups < 1 or experts % groups:
             raise ModelFormatError(f"{experts} experts do not split into n_group {groups} groups")
         if experts // groups < 2:
+            # dots.llm1 and MiniCPM5-MoE take these args too: the message names no family
             raise UnsupportedError(
-                "GLM-4.5 MoE groups of one expert are not supported (a group scores its best two)"
+                f"expert groups of one expert ({experts} experts in n_group {groups}) are not "
+                "supported (a group scores its best two)"
             )
         if not 0 < self.topk_group <= groups:
             raise ModelFormatError(f"topk_group is {self.topk_group}, but n_group is {groups}")

@@ -160,6 +160,15 @@ def test_sliding_window_layers_are_refused():
         our_model(config, hub_state_dict(hf))
 
 
+def test_groups_of_one_expert_are_refused_without_naming_another_family():
+    """dots.llm1 reads GLM-4.5 MoE's args, whose message named GLM-4.5."""
+    hf = hf_model()
+    config = {**hf.config.to_dict(), "n_group": hf.config.n_routed_experts, "topk_group": 1}
+    with pytest.raises(UnsupportedError, match="groups of one expert") as refused:
+        our_model(config, hub_state_dict(hf))
+    assert "GLM" not in str(refused.value)
+
+
 def test_paged_cache_gives_the_contiguous_logits():
     """serve's paged KV cache, as every family is held to (tests/models/test_paged.py)."""
     hf = hf_model()
