@@ -318,8 +318,10 @@ def print_model_info(info: dict[str, Any]) -> None:
 
 
 def _kv_line(at_8k: int | None) -> str:
-    if not at_8k:
+    if at_8k is None:
         return "-"
+    if at_8k == 0:  # Mamba's: its state per sequence is all it keeps
+        return "none (no attention layers)"
     return f"{size(at_8k)} at 8k context ({size(at_8k / 8192)} a token, f32)"
 
 

@@ -27,6 +27,7 @@ from family_checks import (
     check_run_and_show,
     check_show,
     max_diff,
+    run_cli,
     write_keyed_gguf,
 )
 from helpers import cached_logits, our_model, randomize
@@ -354,6 +355,8 @@ def test_llmrun_run_prints_transformers_greedy_text_and_show_names_it(tmp_path):
     path = write_mamba_gguf(tmp_path / "mamba.gguf", hf)
     check_run_and_show(hf, path, "mamba")
     check_show(path, "mamba", 0)  # no attention: no keys or values
+    shown = run_cli("show", str(path)).stdout
+    assert "none (no attention layers)" in shown  # not "-", which says "unknown"
 
 
 def test_show_counts_no_kv_cache():
