@@ -12,7 +12,7 @@ import sys
 import test_paged
 import test_static_decode
 import torch
-from helpers import STORIES_GGUF, randomize
+from helpers import STORIES_GGUF, cached_logits, randomize
 from test_cache_types import logits_of, rounded_to
 from test_cli import llmrun
 
@@ -154,6 +154,17 @@ def write_keyed_gguf(
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
+
+
+def check_whole_and_cached(
+    model, ids: torch.Tensor, expected: torch.Tensor, tolerance: float = 1e-4
+) -> None:
+    """model's logits of ids [1, T], whole and through a KV cache (helpers.cached_logits:
+    prefills in pieces, then a token at a time), within `tolerance` of `expected`
+    (transformers' logits of ids)."""
+    with torch.no_grad():
+        assert max_diff(model(ids, torch.arange(ids.shape[1])[None]), expected) < tolerance
+    assert max_diff(cached_logits(model, ids), expected) < tolerance
 
 
 def cache_logits(model, ids: torch.Tensor, cache, sizes=(7, 20)) -> torch.Tensor:

@@ -23,6 +23,7 @@ from family_checks import (
     check_run_prints_greedy_tokens,
     check_show,
     check_typed_cache,
+    check_whole_and_cached,
     dequantize_2d_weights,
     hf_model_of,
     max_diff,
@@ -157,9 +158,7 @@ def test_config_json_matches_transformers_whole_chunked_and_decoded(variant):
     hf = hf_model(**variant)
     expected = reference(hf)
     model = ours(hf)
-    with torch.no_grad():
-        assert max_diff(model(IDS, torch.arange(SEQ)[None]), expected) < 1e-4
-    assert max_diff(cached_logits(model, IDS), expected) < 1e-4
+    check_whole_and_cached(model, IDS, expected)
 
 
 def test_each_feature_moves_the_logits(family, monkeypatch):

@@ -27,6 +27,7 @@ from family_checks import (
     check_paged,
     check_run_and_show,
     check_typed_cache,
+    check_whole_and_cached,
     max_diff,
     write_keyed_gguf,
 )
@@ -91,9 +92,7 @@ def ours(hf, tmp_path) -> torch.nn.Module:
 
 
 def check_three_ways(model, expected: torch.Tensor) -> None:
-    with torch.no_grad():
-        assert max_diff(model(IDS, torch.arange(SEQ)[None]), expected) < 1e-4
-    assert max_diff(cached_logits(model, IDS), expected) < 1e-4
+    check_whole_and_cached(model, IDS, expected)
     assert max_diff(cached_logits(model, IDS, chunks=(10,)), expected) < 1e-4
 
 

@@ -28,6 +28,7 @@ from family_checks import (
     check_show,
     check_static_decode,
     check_typed_cache,
+    check_whole_and_cached,
     dequantize_2d_weights,
     finish_stories_gguf,
     gguf_writer,
@@ -183,9 +184,7 @@ def test_config_json_matches_transformers_whole_chunked_and_decoded(family):
     hf, expected = family
     model = ours(hf)
     assert expected.abs().max() > 3
-    with torch.no_grad():
-        assert max_diff(model(IDS, torch.arange(SEQ)[None]), expected) < 1e-4
-    assert max_diff(cached_logits(model, IDS), expected) < 1e-4
+    check_whole_and_cached(model, IDS, expected)
 
 
 def test_each_feature_moves_the_logits():

@@ -28,6 +28,7 @@ from family_checks import (
     PROMPT,
     check_run_and_show,
     check_typed_cache,
+    check_whole_and_cached,
     max_diff,
     write_keyed_gguf,
 )
@@ -234,9 +235,7 @@ def test_config_json_matches_transformers_whole_chunked_and_decoded(family):
     hf, expected = family
     model = ours(hf)
     assert expected.abs().max() > 3
-    with torch.no_grad():
-        assert max_diff(model(IDS, torch.arange(SEQ)[None]), expected) < 1e-4
-    assert max_diff(cached_logits(model, IDS), expected) < 1e-4
+    check_whole_and_cached(model, IDS, expected)
 
 
 def _one_multiplier_unscaled() -> list[dict]:

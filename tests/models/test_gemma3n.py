@@ -32,6 +32,7 @@ from family_checks import (
     check_served_as_alone,
     check_show,
     check_typed_cache,
+    check_whole_and_cached,
     finish_stories_gguf,
     gguf_writer,
     max_diff,
@@ -245,9 +246,7 @@ def test_config_json_matches_transformers_whole_chunked_and_decoded(family):
     configs = [hf.config.to_dict()] + ([FORMS[name]] if name == "other" else [])
     for config in configs:  # the older RoPE keys read as transformers reads them
         model = ours(hf, config)
-        with torch.no_grad():
-            assert max_diff(model(IDS, torch.arange(SEQ)[None]), expected) < 1e-4
-        assert max_diff(cached_logits(model, IDS), expected) < 1e-4
+        check_whole_and_cached(model, IDS, expected)
 
 
 def test_bf16_computes_as_transformers_does_in_bf16():

@@ -38,6 +38,7 @@ from family_checks import (
     check_run_and_show,
     check_served_as_alone,
     check_typed_cache,
+    check_whole_and_cached,
     max_diff,
     write_keyed_gguf,
 )
@@ -297,9 +298,7 @@ def test_config_json_matches_transformers_whole_chunked_and_decoded(family):
     assert "per_layer_config" in saved
     for config in (saved, FORMS[name]):
         model = ours(hf, config)
-        with torch.no_grad():
-            assert max_diff(model(IDS, torch.arange(SEQ)[None]), expected) < 1e-4
-        assert max_diff(cached_logits(model, IDS), expected) < 1e-4
+        check_whole_and_cached(model, IDS, expected)
 
 
 def test_a_gguf_matches_transformers(family, tmp_path):

@@ -33,6 +33,7 @@ from family_checks import (
     check_show,
     check_static_decode,
     check_typed_cache,
+    check_whole_and_cached,
     dequantize_2d_weights,
     max_diff,
     write_keyed_gguf,
@@ -174,9 +175,7 @@ def test_config_json_matches_transformers_whole_chunked_and_decoded(variant):
     expected = reference(hf)
     model = ours(hf)
     assert expected.abs().max() > 3
-    with torch.no_grad():
-        assert max_diff(model(IDS, torch.arange(SEQ)[None]), expected) < 1e-4
-    assert max_diff(cached_logits(model, IDS), expected) < 1e-4
+    check_whole_and_cached(model, IDS, expected)
     assert max_diff(cached_logits(model, IDS, chunks=(3, 11, 9)), expected) < 1e-4
 
 

@@ -25,6 +25,7 @@ from family_checks import (
     check_paged,
     check_run_and_show,
     check_typed_cache,
+    check_whole_and_cached,
     max_diff,
     write_keyed_gguf,
 )
@@ -89,9 +90,7 @@ def reference(model) -> torch.Tensor:
 def check_three_ways(model, expected: torch.Tensor) -> None:
     """Whole, prefilled in chunks then decoded, and a prefill of 10 then decoded: each
     within 1e-4 of `expected`."""
-    with torch.no_grad():
-        assert max_diff(model(IDS, torch.arange(SEQ)[None]), expected) < 1e-4
-    assert max_diff(cached_logits(model, IDS), expected) < 1e-4
+    check_whole_and_cached(model, IDS, expected)
     assert max_diff(cached_logits(model, IDS, chunks=(10,)), expected) < 1e-4
 
 

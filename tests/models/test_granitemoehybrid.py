@@ -28,6 +28,7 @@ from family_checks import (
     PROMPT,
     check_run_and_show,
     check_typed_cache,
+    check_whole_and_cached,
     max_diff,
 )
 from helpers import BASE, STORIES_GGUF, _permute, cached_logits, our_model, randomize
@@ -267,9 +268,7 @@ def test_config_json_matches_transformers_whole_chunked_and_decoded(family):
     hf, expected = family
     model = ours(hf)
     assert expected.abs().max() > 3
-    with torch.no_grad():
-        assert max_diff(model(IDS, torch.arange(SEQ)[None]), expected) < 1e-4
-    assert max_diff(cached_logits(model, IDS), expected) < 1e-4
+    check_whole_and_cached(model, IDS, expected)
 
 
 def test_granite_4_micro_without_mamba_layers_matches_transformers(tmp_path):

@@ -22,7 +22,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from family_checks import check_run_and_show, check_show, check_typed_cache, max_diff
+from family_checks import (
+    check_run_and_show,
+    check_show,
+    check_typed_cache,
+    check_whole_and_cached,
+    max_diff,
+)
 from helpers import STORIES_GGUF, cached_logits, our_model, randomize
 from hybrid_checks import check_paged_with_a_state_row
 
@@ -225,9 +231,7 @@ def test_config_json_matches_transformers_whole_chunked_and_decoded(family):
     hf, expected = family
     model = ours(hf)
     assert expected.abs().max() > 3
-    with torch.no_grad():
-        assert max_diff(model(IDS, torch.arange(SEQ)[None]), expected) < 1e-4
-    assert max_diff(cached_logits(model, IDS), expected) < 1e-4
+    check_whole_and_cached(model, IDS, expected)
     assert max_diff(cached_logits(model, IDS, chunks=(SEQ,)), expected) < 1e-4
 
 

@@ -15,7 +15,13 @@ cache: 1e-5 against an f32 cache holding the rounded values, and DRIFT from f32.
 
 import pytest
 import torch
-from family_checks import check_run_and_show, check_show, check_typed_cache, max_diff
+from family_checks import (
+    check_run_and_show,
+    check_show,
+    check_typed_cache,
+    check_whole_and_cached,
+    max_diff,
+)
 from helpers import cached_logits, our_model, randomize, save_hf_dir
 from hybrid_checks import (
     check_no_static_decode,
@@ -95,9 +101,7 @@ def test_config_json_matches_transformers_whole_chunked_and_decoded(family):
     ]  # fmt: skip
     model = ours(hf)
     assert expected.abs().max() > 3
-    with torch.no_grad():
-        assert max_diff(model(IDS, torch.arange(SEQ)[None]), expected) < 1e-4
-    assert max_diff(cached_logits(model, IDS), expected) < 1e-4
+    check_whole_and_cached(model, IDS, expected)
     assert max_diff(cached_logits(model, IDS, chunks=(SEQ,)), expected) < 1e-4
 
 

@@ -31,6 +31,7 @@ from family_checks import (
     check_served_as_alone,
     check_show,
     check_typed_cache,
+    check_whole_and_cached,
     finish_stories_gguf,
     max_diff,
 )
@@ -237,9 +238,7 @@ def family(request):
 def test_config_json_matches_transformers_whole_chunked_and_decoded(family):
     hf, expected, model = family
     assert expected.abs().max() > 3
-    with torch.no_grad():
-        assert max_diff(model(IDS, torch.arange(SEQ)[None]), expected) < 1e-4
-    assert max_diff(cached_logits(model, IDS), expected) < 1e-4
+    check_whole_and_cached(model, IDS, expected)
     # A short prefill, then decode steps across every chunk boundary from 8 on.
     assert max_diff(cached_logits(model, IDS, chunks=(5,)), expected) < 1e-4
 

@@ -30,6 +30,7 @@ from family_checks import (
     cache_logits,
     check_run_prints_greedy_tokens,
     check_show,
+    check_whole_and_cached,
     max_diff,
     write_keyed_gguf,
 )
@@ -192,9 +193,7 @@ def test_config_json_matches_transformers_whole_chunked_and_decoded(variant):
     expected = reference(hf)
     model = ours(hf)
     assert expected.abs().max() > 2
-    with torch.no_grad():
-        assert max_diff(model(IDS, torch.arange(SEQ)[None]), expected) < 1e-4
-    assert max_diff(cached_logits(model, IDS), expected) < 1e-4
+    check_whole_and_cached(model, IDS, expected)
     assert max_diff(cached_logits(model, IDS, chunks=(3, 11, 9)), expected) < 1e-4
 
 

@@ -31,6 +31,7 @@ from family_checks import (
     cache_logits,
     check_paged,
     check_run_and_show,
+    check_whole_and_cached,
     max_diff,
     write_keyed_gguf,
 )
@@ -183,9 +184,7 @@ def test_config_json_matches_transformers_whole_chunked_and_decoded(family):
     hf, expected = family
     model = ours(hf)
     assert expected.abs().max() > 3
-    with torch.no_grad():
-        assert max_diff(model(IDS, torch.arange(SEQ)[None]), expected) < 1e-4
-    assert max_diff(cached_logits(model, IDS), expected) < 1e-4
+    check_whole_and_cached(model, IDS, expected)
 
 
 @pytest.mark.parametrize("jitter", [0.0, 0.01, 0.3, 2.0])
