@@ -269,6 +269,8 @@ FAMILIES: dict[str, Callable[[Path], None]] = {
     # llama.cpp norms dt, B and C with the file's layer_norm_rms_eps (no mixer eps key)
     "falcon-mamba": written("test_mamba", "write_mamba_gguf", "falcon_mamba", mixer_rms_eps=1e-5),
     "jamba": written("test_jamba", "write_jamba_gguf"),
+    "gpt2": written("test_gpt2", "write_gpt2_gguf"),
+    "starcoder": written("test_gpt_bigcode", "write_gpt_bigcode_gguf"),
 }
 
 

@@ -40,6 +40,8 @@ from llmrun.loading import (
     glm4,
     glm4_moe,
     glm5_next,
+    gpt2,
+    gpt_bigcode,
     gpt_neox,
     gpt_oss,
     granite,
@@ -149,6 +151,8 @@ MODEL_TYPES = {
     **{arch: arch for arch in alibi_families.ARCHS},  # llmrun/loading/alibi_families.py
     falcon.ARCH: falcon.MODEL_TYPE,  # llmrun/loading/falcon.py
     gpt_neox.ARCH: gpt_neox.MODEL_TYPE,  # llmrun/loading/gpt_neox.py
+    gpt2.ARCH: gpt2.MODEL_TYPE,  # llmrun/loading/gpt2.py
+    gpt_bigcode.ARCH: gpt_bigcode.MODEL_TYPE,  # llmrun/loading/gpt_bigcode.py
     mamba2.ARCH: mamba2.MODEL_TYPE,  # llmrun/loading/mamba2.py
     exaone.ARCH: exaone.MODEL_TYPE,  # llmrun/loading/exaone.py
     nemotron.ARCH: nemotron.MODEL_TYPE,  # llmrun/loading/nemotron.py
@@ -228,6 +232,10 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
         return falcon.hf_name(gguf_name)
     if model_type == gpt_neox.MODEL_TYPE:
         return gpt_neox.hf_name(gguf_name)
+    if model_type == gpt2.MODEL_TYPE:
+        return gpt2.hf_name(gguf_name)
+    if model_type == gpt_bigcode.MODEL_TYPE:
+        return gpt_bigcode.hf_name(gguf_name)
     if model_type == mamba2.MODEL_TYPE:
         return mamba2.hf_name(gguf_name)
     if model_type == dbrx.MODEL_TYPE:
@@ -416,10 +424,14 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         return phi2.config_from_gguf(gg, _rope_from_gguf)
     if arch in alibi_families.ARCHS:
         return alibi_families.config_from_gguf(gg)
+    if arch == gpt_bigcode.ARCH:
+        return gpt_bigcode.config_from_gguf(gg)
     if arch == falcon.ARCH:
         return falcon.config_from_gguf(gg, _rope_from_gguf)
     if arch == gpt_neox.ARCH:
         return gpt_neox.config_from_gguf(gg, _rope_from_gguf)
+    if arch == gpt2.ARCH:
+        return gpt2.config_from_gguf(gg, _rope_from_gguf)
     if arch == mamba2.ARCH:
         return mamba2.config_from_gguf(gg)
     if arch == dbrx.ARCH:

@@ -314,6 +314,29 @@ def _local(pattern: int | str, layer: int) -> bool:
     return (layer + 1) % pattern != 0
 
 
+# The names config.json files give the sizes, by family: EXAONE 3.x's num_layers; GPT-2's,
+# GPT-BigCode's and BLOOM's n_layer, n_head, n_embd (n_embed); MPT's and DBRX's n_layers,
+# n_heads, d_model (their config classes' attribute maps).
+_LAYERS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
+_HEADS = ("num_attention_heads", "n_head", "n_heads")
+_HIDDEN = ("hidden_size", "n_embd", "n_embed", "d_model")
+
+
+def _size(config: dict[str, Any], names: tuple[str, ...]) -> Any:
+    """The first of `names` the config gives (None where it gives none)."""
+    return next((config[n] for n in names if config.get(n) is not None), None)
+
+
+def _kv_heads(config: dict[str, Any], heads: int) -> int:
+    """KV heads: Falcon's num_kv_heads (one where multi_query, the old architecture),
+    DBRX's attn_config.kv_n_heads, else num_key_value_heads or one per head."""
+    if config.get("model_type") == "falcon" and not config.get("new_decoder_architecture"):
+        return 1 if config.get("multi_query", True) else heads
+    attn = config.get("attn_config") or {}
+    named = config.get("num_key_value_heads") or config.get("num_kv_heads")
+    return int(named or attn.get("kv_n_heads") or heads)
+
+
 def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 4) -> int | None:
     """KV-cache bytes a model of this config.json-style dict keeps for `context` positions,
     sliding-window layers holding at most their window; None if the config lacks the sizes.
@@ -328,15 +351,10 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
     if mamba2.attention_layer_count(config) == 0:
         return 0  # Mamba-2 alone: the same
     try:
-        # transformers 5 saves Nemotron-H's layer count as its pattern's length alone;
-        # EXAONE 3.x's config.json names it num_layers.
-        layers = int(
-            text.get("num_hidden_layers")
-            or text.get("num_layers")
-            or len(text["layers_block_type"])
-        )
-        heads = int(text["num_attention_heads"])
-        head_dim = int(text.get("head_dim") or text["hidden_size"] // heads)
+        # transformers 5 saves Nemotron-H's layer count as its pattern's length alone
+        layers = int(_size(text, _LAYERS) or len(text["layers_block_type"]))
+        heads = int(_size(text, _HEADS))
+        head_dim = int(text.get("head_dim") or int(_size(text, _HIDDEN)) // heads)
         if "kv_lora_rank" in text:  # MLA: one KV head, the latent and the rope part
             head_dim = int(text["kv_lora_rank"]) + int(text["qk_rope_head_dim"])
             # DeepSeek sparse attention caches its indexer's key there too
@@ -349,7 +367,7 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
         head_dim = minimax_m3.cache_head_dim(text, head_dim)
     if config.get("model_type") in ("qwen4_exp", "qwen4_exp_text"):
         head_dim += int(text.get("indexer_head_dim") or 0)  # its QSA key, after each head's
-    kv_heads = 1 if "kv_lora_rank" in text else int(text.get("num_key_value_heads") or heads)
+    kv_heads = 1 if "kv_lora_rank" in text else _kv_heads(text, heads)
     shapes = None  # each layer's (KV heads, head width), where layers differ
     if config.get("model_type") in ("gemma4", "gemma4_text"):
         from llmrun.loading import gemma4  # each layer cached in its own shape

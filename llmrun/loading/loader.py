@@ -51,6 +51,8 @@ from llmrun.loading import (
     gguf_io,
     glm4_moe,
     glm5_next,
+    gpt2,
+    gpt_bigcode,
     gpt_neox,
     gpt_oss,
     granite,
@@ -231,6 +233,10 @@ def _open_hf_dir(path: Path) -> Checkpoint:
         weights = jamba.hf_weights(weights, config, Weight)
     if config.get("model_type") == gpt_neox.MODEL_TYPE:
         weights = gpt_neox.hf_weights(weights)
+    if config.get("model_type") in gpt2.HF_MODEL_TYPES:
+        weights = gpt2.hf_weights(weights, Weight)
+    if config.get("model_type") == gpt_bigcode.MODEL_TYPE:
+        weights = gpt_bigcode.hf_weights(weights)
     if config.get("model_type") == nemotron_h.MODEL_TYPE:
         weights = nemotron_h.hf_weights(weights, Weight)
     if config.get("model_type") == hy_v3.MODEL_TYPE:

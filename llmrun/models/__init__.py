@@ -111,7 +111,10 @@ ARCHITECTURES = {
     "jamba": "jamba",
     "stablelm": "stablelm",
     "starcoder2": "starcoder2",
+    "gpt_bigcode": "gpt_bigcode",
     "phi": "phi",
+    "gpt2": "gpt2",
+    "gptj": "gptj",
     "dbrx": "dbrx",
     "minimax": "minimax",
 }

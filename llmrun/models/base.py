@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmrun import ops
-from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.errors import ContextOverflowError, ModelFormatError, UnsupportedError
 from llmrun.models.cache import KVCache, WindowPlan
 from llmrun.models.paged import PagedView
 from llmrun.models.recurrent import RecurrentState
@@ -520,6 +520,18 @@ def attend_biased(
     return attention(q, k, v, frame.mask, scale)
 
 
+def learned_positions(positions: torch.Tensor, table: int) -> torch.Tensor:
+    """positions, checked to have a row in a learned position table of `table` rows
+    (GPT-2's, GPT-BigCode's): past it, the model has no embedding to give."""
+    # A CUDA graph being captured cannot read a position back (static decode).
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    if not capturing and int(positions.max()) >= table:
+        raise ContextOverflowError(
+            f"position {int(positions.max())} is past the model's {table} learned positions"
+        )
+    return positions
+
+
 def key_positions(positions: torch.Tensor, length: int, cache: KVCache | None) -> torch.Tensor:
     """Positions of the keys attended to: the cache prefix up to the newest token,
     or, without a cache, the new tokens themselves."""
@@ -817,7 +829,7 @@ class CausalLM(nn.Module):
         [B] (the index of each row's last real token, for rows padded on the right).
         `static`: one token of one sequence, attending to the cache's first `static`
         positions through a mask (llmrun.static_decode)."""
-        x = self.embed(input_ids)
+        x = self.embed_at(input_ids, positions)
         if static is not None:
             frame = self.static_frame(positions, cache, x.dtype, static)
         else:
@@ -827,6 +839,11 @@ class CausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The input embeddings [B, T, hidden] of input_ids [B, T] (Granite scales them)."""
         return self.model.embed_tokens(input_ids)
+
+    def embed_at(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The input embeddings of input_ids [B, T] at positions [B, T]: embed()'s, for
+        every family but those with learned absolute positions (GPT-2)."""
+        return self.embed(input_ids)
 
     def frame(
         self,
