@@ -45,6 +45,7 @@ from hybrid_checks import (
     check_paged_with_a_state_row,
     check_served_greedy_text,
 )
+from test_kimi_linear import hub_names
 
 from llmrun import api, models
 from llmrun.errors import LlmrunError, ModelFormatError, UnsupportedError
@@ -137,29 +138,13 @@ def reference(hf, ids: torch.Tensor = IDS) -> torch.Tensor:
 
 def hub_state(hf) -> dict[str, torch.Tensor]:
     """transformers' language-model weights under llmrun's names (the Hub's but for the
-    hyper-connections): the fused convolution split into q, k and v, the forget gate's
-    weights on the layer, the stacked experts split per expert."""
-    out = {}
-    for key, value in hf.state_dict().items():
-        if not key.startswith(("model.language_model.", "lm_head.")):
-            continue
-        key = key.replace("model.language_model.", "model.")
-        head, sep, tail = key.partition(".mlp.experts.")
-        if sep and tail == "gate_up_proj":
-            width = value.shape[1] // 2
-            for e in range(value.shape[0]):
-                out[f"{head}{sep}{e}.gate_proj.weight"] = value[e, :width]
-                out[f"{head}{sep}{e}.up_proj.weight"] = value[e, width:]
-        elif sep and tail == "down_proj":
-            for e in range(value.shape[0]):
-                out[f"{head}{sep}{e}.down_proj.weight"] = value[e]
-        elif key.endswith("self_attn.conv1d.weight"):
-            base = key.removesuffix("conv1d.weight")
-            for name, part in zip("qkv", value.chunk(3), strict=True):
-                out[f"{base}{name}_conv1d.weight"] = part
-        else:
-            out[key.replace(".forget_gate.", ".")] = value
-    return out
+    hyper-connections): Kimi Linear's renames (test_kimi_linear.hub_names)."""
+    language = {
+        key.replace("model.language_model.", "model."): value
+        for key, value in hf.state_dict().items()
+        if key.startswith(("model.language_model.", "lm_head."))
+    }
+    return hub_names(language)
 
 
 def ours(hf) -> torch.nn.Module:

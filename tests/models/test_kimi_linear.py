@@ -105,11 +105,16 @@ def reference(hf, ids: torch.Tensor = IDS) -> torch.Tensor:
 
 
 def hub_state(hf) -> dict[str, torch.Tensor]:
-    """transformers' weights under llmrun's names (the Hub's, experts as DeepSeek's):
-    the fused convolution split into q, k and v, the forget gate's weights on the
-    layer, the stacked experts split per expert."""
+    """transformers' weights under llmrun's names (the Hub's, experts as DeepSeek's)."""
+    return hub_names(hf.state_dict())
+
+
+def hub_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A transformers state dict under llmrun's names: the fused convolution split into
+    q, k and v, the forget gate's weights on the layer, the stacked experts split per
+    expert (GLM-5-Next's test takes it too)."""
     out = {}
-    for key, value in hf.state_dict().items():
+    for key, value in state.items():
         head, sep, tail = key.partition(".mlp.experts.")
         if sep and tail == "gate_up_proj":
             width = value.shape[1] // 2
