@@ -19,11 +19,11 @@ import torch
 from gguf import Keys
 from torch import nn
 
-from llmrun import paths, tokenizer_gguf
+from llmrun import embeddings, paths, tokenizer_gguf
 from llmrun.chat_template import ChatTemplate, select_template
-from llmrun.errors import ModelFormatError, UsageError
+from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
 from llmrun.generate import KVState, Response, TokenLogprob, stream_generate
-from llmrun.loading import safetensors_io
+from llmrun.loading import embedding, safetensors_io
 from llmrun.loading.loader import Checkpoint, check_device_room, load_model, open_checkpoint
 from llmrun.models import kv_cache_bytes, model_module, recurrent_state_bytes
 from llmrun.models.cache import BYTES_PER_VALUE, KVCache
@@ -105,6 +105,39 @@ class Engine:
     tool_template: ChatTemplate | None = None
     cache_type: str | None = None  # what the KV cache stores (CACHE_TYPES); None: the dtype
     activations: str = "f32"  # how quantized weights meet activations on CPU (ACTIVATIONS)
+
+    @property
+    def generates(self) -> bool:
+        """Whether the model generates text: not an encoder, nor a base model saved for
+        embeddings without an output head."""
+        return getattr(self.model, "generates", True) and self.checkpoint.generates
+
+    def embed(
+        self,
+        inputs: Sequence[str] | Sequence[Sequence[int]],
+        pooling: str | None = None,
+        normalized: bool = True,
+        batch_size: int = embeddings.DEFAULT_BATCH_SIZE,
+        truncate: bool = False,
+    ) -> embeddings.Embedded:
+        """A vector per input (a text, or token ids taken as they are), by `pooling` (None:
+        the file's), of unit length where `normalized`; a text with its special tokens
+        (Tokenizer.encode_sequence), longer than the context an error unless `truncate`."""
+        pooling = embeddings.check_pooling(pooling or self.checkpoint.pooling, self.name)
+        if not inputs:
+            raise UsageError("no input to embed")
+        texts = [i for i in inputs if isinstance(i, str)]
+        if texts and len(texts) != len(inputs):
+            raise UsageError("inputs to embed are all texts or all token ids, not both")
+        if texts:
+            ids = embeddings.tokenize(self.tokenizer, texts, self.ctx_size, truncate)
+        else:
+            ids = [list(i) for i in inputs]
+        embeddings.check_ids(ids, self.tokenizer.vocab_size, self.ctx_size)
+        vectors = embeddings.embed_ids(
+            self.model, ids, pooling, normalized, batch_size, self.device
+        )
+        return embeddings.Embedded(vectors, [len(i) for i in ids])
 
     def new_cache(self, batch: int, size: int) -> KVCache:
         """An empty KV cache of `batch` rows of `size` positions, of the cache type."""
@@ -254,8 +287,10 @@ def load(
     path: Path | None = None,
     cache_type: str | None = None,
     activations: str = "f32",
+    generate: bool = True,
 ) -> Engine:
-    """Load MODEL (`path`, when given, is where it already resolved to). `cache_type`:
+    """Load MODEL (`path`, when given, is where it already resolved to); with `generate`,
+    a model that cannot generate (an embedding model) is refused first. `cache_type`:
     what the KV cache stores keys and values as (CACHE_TYPES; None: the compute dtype,
     which is exact). `activations`: "f32", exact products of quantized weights, or
     "q8", activations quantized to Q8_0 (K-quants: Q8_K) first as llama.cpp does (faster on CPU; where
@@ -285,6 +320,7 @@ def load(
     start = time.perf_counter()
     checkpoint = open_checkpoint(path)
     _check_tokenizer(checkpoint, path)
+    generates = _check_use(checkpoint, str(spec) if spec else path.name, generate)
     # The tokenizer builds while the weights load: repacking and mapping them run in
     # native code and page faults, without the GIL (a 262k vocabulary takes ~1 s).
     with ThreadPoolExecutor(1, thread_name_prefix="llmrun-tokenizer") as pool:
@@ -321,6 +357,8 @@ def load(
         cache_type=cache_type,
         activations=activations,
     )
+    if not generates:
+        return engine  # no KV cache to size: an embedding's forward keeps none
     if cache_type is not None:
         engine.new_cache(1, 1)  # refuses a cache type this model cannot store (q8_0's head_dim)
     # A whole context's cache must fit (on CPU too: a --ctx-size past the RAM was a traceback).
@@ -371,6 +409,23 @@ def _check_tokenizer(checkpoint: Checkpoint, path: Path) -> None:
         tokenizer_gguf.check_metadata(checkpoint.gguf.metadata, str(path))
     elif path.is_dir():
         hf_tokenizer_file(path)
+
+
+def _check_use(checkpoint: Checkpoint, name: str, generate: bool) -> bool:
+    """Whether the checkpoint's model generates text, refused where `generate` asks it
+    to and it cannot (an embedding model); a decoder whose GGUF turns causal attention
+    off (a bidirectional embedding model) is refused, not run causally."""
+    generates = getattr(model_module(checkpoint.config["model_type"]).Model, "generates", True)
+    gg = checkpoint.gguf
+    if generates and gg is not None and not embedding.gguf_causal(gg.metadata, gg.architecture):
+        raise UnsupportedError(
+            f"{checkpoint.path}: {gg.architecture} with non-causal attention (an embedding "
+            "model's bidirectional attention) is not supported"
+        )
+    generates = generates and checkpoint.generates
+    if generate and not generates:
+        raise UsageError(f"{name} is an embedding model; use `llmrun embed`")
+    return generates
 
 
 def _tokenizer(checkpoint: Checkpoint, path: Path) -> Tokenizer:

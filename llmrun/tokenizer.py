@@ -46,6 +46,7 @@ class Tokenizer:
         strip_leading_space: bool,
         source: str,
         split_special: Callable[[str, bool], list[str | int]] | None = None,
+        post_processed: bool = False,
     ) -> None:
         self._backend = backend
         self._spell = spell
@@ -62,6 +63,9 @@ class Tokenizer:
         # (text, parse_special) -> plain text and special-token ids, where llama.cpp finds
         # special tokens otherwise than the tokenizers library does (tokenizer_gguf).
         self._split_special = split_special
+        # Whether the backend's post-processor (a tokenizer.json's) says which special
+        # tokens go around a text, as transformers applies it; else add_bos and add_eos say.
+        self._post_processed = post_processed
 
     def encode(
         self, text: str, add_bos: bool | None = None, parse_special: bool = True
@@ -80,6 +84,23 @@ class Tokenizer:
         wants_bos = self.add_bos if add_bos is None else add_bos
         if wants_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
             ids.insert(0, self.bos_id)
+        return ids
+
+    def encode_sequence(self, text: str) -> list[int]:
+        """Token ids of `text` as a sequence on its own, with the special tokens the model's
+        tokenizer puts around one (an embedding's input): a tokenizer.json's post-processor
+        where it has one (transformers' add_special_tokens, e.g. BERT's [CLS] ... [SEP],
+        Qwen3-Embedding's <|endoftext|> at the end), else BOS and EOS as the file's
+        add_bos and add_eos say (llama.cpp's add_special). Special-token text is parsed."""
+        if self._post_processed:
+            self._backend.encode_special_tokens = False
+            try:
+                return self._backend.encode(text, add_special_tokens=True).ids
+            except TypeError:  # not UTF-8: the library takes only valid text
+                return self._backend.encode(valid_text(text), add_special_tokens=True).ids
+        ids = self.encode(text)
+        if self.add_eos and self.eos_id is not None:
+            ids.append(self.eos_id)
         return ids
 
     def encode_batch(
@@ -221,10 +242,15 @@ class Tokenizer:
 
             def spell_model(text: str) -> bytes:
                 return spm_bytes(text, fallback)
+        elif "WordPiece" in decoder:  # BERT's: "##" continues a word, other pieces start one
+            prefix, strip = decoder["WordPiece"].get("prefix", "##"), True
+
+            def spell_model(text: str) -> bytes:
+                return raw(text[len(prefix) :] if text.startswith(prefix) else " " + text)
         else:
             raise UnsupportedError(
                 f"{file}: decoder {sorted(decoder) or 'none'} is not supported "
-                "(supported: ByteLevel, Metaspace, or Replace \u2581 with ByteFallback)"
+                "(supported: ByteLevel, Metaspace, Replace \u2581 with ByteFallback, WordPiece)"
             )
 
         def spell(i: int) -> bytes:
@@ -247,6 +273,7 @@ class Tokenizer:
             eog_ids=eog_ids,
             strip_leading_space=strip,
             source=str(file),
+            post_processed=backend.post_processor is not None,
         )
 
 

@@ -25,6 +25,7 @@ from llmrun.errors import TokenizerError, UnsupportedError
 from llmrun.pretokenizers import PRE_TOKENIZERS, SPM_SPACE, PreTokenizer, pre_tokenizer
 from llmrun.spm_merges import spm_merges
 from llmrun.token_bytes import BYTE_LEVEL_ALPHABET, byte_level_bytes, raw, spm_bytes
+from llmrun.wordpiece import wordpiece_backend
 
 # Token texts llama.cpp treats as end of generation (and as control tokens) in any vocabulary.
 END_OF_GENERATION = (
@@ -102,7 +103,10 @@ _FIM_OLD_KEYS = {  # the names older files use
 }
 # gpt-oss: llama.cpp always matches and prints these, even where the file calls them control.
 _ALWAYS_SHOWN = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
-GGUF_MODELS = ("llama", "gpt2", "gemma4")
+GGUF_MODELS = ("llama", "gpt2", "gemma4", "bert")
+WPM_MODEL = "bert"  # WordPiece: llmrun.wordpiece
+# llama.cpp's WPM ids where the file names none (llama_vocab::impl::load, "bert").
+WPM_DEFAULTS = {Keys.Tokenizer.BOS_ID: 101, Keys.Tokenizer.SEP_ID: 102, Keys.Tokenizer.UNK_ID: 100}
 
 
 @contextlib.contextmanager
@@ -120,7 +124,8 @@ def _gc_paused() -> Iterator[None]:
 
 def check_metadata(metadata: dict[str, Any], source: str) -> PreTokenizer | None:
     """Refuses, in a moment, GGUF metadata whose tokenizer llmrun cannot build (so `run`
-    says so before it loads the weights); returns its BPE pre-tokenizer (None: SPM)."""
+    says so before it loads the weights); returns its BPE pre-tokenizer (None: SPM, or WPM,
+    which has none)."""
     model = metadata.get(Keys.Tokenizer.MODEL)
     if model not in GGUF_MODELS:
         if model is None:
@@ -132,7 +137,7 @@ def check_metadata(metadata: dict[str, Any], source: str) -> PreTokenizer | None
     tokens = metadata.get(Keys.Tokenizer.LIST)
     if not isinstance(tokens, list) or not tokens:
         raise TokenizerError(f"{source}: no {Keys.Tokenizer.LIST} in the metadata")
-    if model == "llama":
+    if model in ("llama", WPM_MODEL):
         return None
     # llama.cpp reads no tokenizer.ggml.pre for Gemma 4's own tokenizer model, and takes
     # a missing or empty one for "default".
@@ -161,9 +166,20 @@ def tokenizer_args(metadata: dict[str, Any], source: str) -> dict[str, Any]:
         # Files write 0xFFFFFFFF (or any id past the end) for "no such token".
         return value if isinstance(value, int) and 0 <= value < n else None
 
-    spm = pre is None
+    wpm = metadata[Keys.Tokenizer.MODEL] == WPM_MODEL
+    spm = pre is None and not wpm
     vocab = _gguf_vocab(tokens)
-    if spm:
+    add_eos = bool(metadata.get(Keys.Tokenizer.ADD_EOS, False))
+    if wpm:
+        add_prefix = False
+        unk = token_id(Keys.Tokenizer.UNK_ID, WPM_DEFAULTS[Keys.Tokenizer.UNK_ID])
+        backend = wordpiece_backend(metadata, tokens, types, unk)
+        add_bos_default = True
+        # [CLS] before a text, [SEP] after it (llama.cpp's add_sep; it reads no add_eos here).
+        bos = token_id(Keys.Tokenizer.BOS_ID, WPM_DEFAULTS[Keys.Tokenizer.BOS_ID])
+        eos = token_id(Keys.Tokenizer.SEP_ID, WPM_DEFAULTS[Keys.Tokenizer.SEP_ID])
+        add_eos = bool(metadata.get(Keys.Tokenizer.ADD_SEP, True))
+    elif spm:
         add_prefix = bool(metadata.get(Keys.Tokenizer.ADD_PREFIX, True))
         backend = _spm_backend(metadata, tokens, vocab, n, source, add_prefix)
         add_bos_default = True
@@ -199,10 +215,11 @@ def tokenizer_args(metadata: dict[str, Any], source: str) -> dict[str, Any]:
         bos_id=bos,
         eos_id=eos,
         add_bos=add_bos,
-        add_eos=bool(metadata.get(Keys.Tokenizer.ADD_EOS, False)),
+        add_eos=add_eos,
         special_ids=marks.special,
         eog_ids=marks.eog,
-        strip_leading_space=spm and add_prefix,
+        # WPM's word-initial pieces each begin with a space.
+        strip_leading_space=(spm and add_prefix) or wpm,
         split_special=_special_splitter(tokens, added, marks, vocab),
         source=source,
     )

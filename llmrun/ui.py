@@ -299,12 +299,13 @@ def print_model_info(info: dict[str, Any]) -> None:
     lines = [
         ("name", info["name"]),
         ("format", info["format"]),
-        ("architecture", info["architecture"] or "-"),
+        ("architecture", _architecture_line(info)),
         ("parameters", params_line),
         ("context length", str(info["context_length"] or "-")),
         ("weights", weights or "-"),
         ("tokenizer", _tokenizer_line(info)),
-        ("KV cache", _kv_line(info.get("kv_cache_bytes_8k"))),
+        ("KV cache", _kv_line(info.get("kv_cache_bytes_8k"), info.get("embedding_model"))),
+        *([("pooling", info["pooling"])] if info.get("pooling") else []),
         ("chat template", "yes (--template prints it)" if info["chat_template"] else "no"),
         ("license", info["license"] or "-"),
         ("path", info["path"]),
@@ -317,9 +318,16 @@ def print_model_info(info: dict[str, Any]) -> None:
         sys.stdout.write(f"{key:<15}{value}\n")
 
 
-def _kv_line(at_8k: int | None) -> str:
+def _architecture_line(info: dict[str, Any]) -> str:
+    architecture = info["architecture"] or "-"
+    return f"{architecture} (embedding model)" if info.get("embedding_model") else architecture
+
+
+def _kv_line(at_8k: int | None, encoder: bool = False) -> str:
     if at_8k is None:
         return "-"
+    if at_8k == 0 and encoder:  # BERT's: a whole text in one forward
+        return "none (an encoder)"
     if at_8k == 0:  # Mamba's: its state per sequence is all it keeps
         return "none (no attention layers)"
     return f"{size(at_8k)} at 8k context ({size(at_8k / 8192)} a token, f32)"

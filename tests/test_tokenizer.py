@@ -26,7 +26,7 @@ REFERENCE_VOCABS = sorted(
     if p.with_suffix(".out").is_file() and p.with_suffix("").is_file()
 )
 # llama.cpp tokenizer models llmrun does not build (the tests of their vocabularies skip).
-UNSUPPORTED_MODELS = {"bert": "WordPiece (WPM)", "t5": "Unigram (UGM)", "rwkv": "RWKV"}
+UNSUPPORTED_MODELS = {"t5": "Unigram (UGM)", "rwkv": "RWKV"}
 FETCH = "run python tests/data/fetch.py"
 
 needs_stories = pytest.mark.skipif(not STORIES_HF.is_dir(), reason=f"{STORIES_HF} is absent")
@@ -106,7 +106,9 @@ def test_every_reference_string_matches_llama_cpp(name):
         if (got := tok.encode(text, add_bos=False, parse_special=False)) != ids
     ]
     assert not wrong, f"{len(cases) - len(wrong)}/{len(cases)} match"
-    assert [tok.decode(ids) for _, ids in cases] == [text for text, _ in cases]
+    # WordPiece ("bert") lower-cases, strips accents and drops spaces: no way back to the text.
+    if tokenizer_model(name) != "bert":
+        assert [tok.decode(ids) for _, ids in cases] == [text for text, _ in cases]
     for _, ids in cases:
         assert "".join(streamed(tok, ids)) == tok.decode(ids)
 
@@ -442,7 +444,7 @@ def test_out_of_range_token_ids_mean_none():
     ("changes", "error", "match"),
     [
         ({Keys.Tokenizer.PRE: "mystery"}, UnsupportedError, "'mystery' is not supported"),
-        ({Keys.Tokenizer.MODEL: "bert"}, UnsupportedError, "tokenizer.ggml.model 'bert'"),
+        ({Keys.Tokenizer.MODEL: "t5"}, UnsupportedError, "tokenizer.ggml.model 't5'"),
         ({Keys.Tokenizer.MODEL: None}, TokenizerError, "no tokenizer.ggml.model"),
         ({Keys.Tokenizer.LIST: None}, TokenizerError, "no tokenizer.ggml.tokens"),
         ({Keys.Tokenizer.MERGES: None}, TokenizerError, "no tokenizer.ggml.merges"),

@@ -20,6 +20,7 @@ from llmrun.cli.app import (
     app,
 )
 from llmrun.errors import UsageError
+from llmrun.loading.embedding import POOLINGS
 
 
 @app.command()
@@ -67,9 +68,16 @@ def serve(
         typer.Option("--threads", "-t", help="CPU threads (default: all cores but one)."),
     ] = None,
     template: TemplateOpt = None,
+    pooling: Annotated[
+        str | None,
+        typer.Option(
+            help=f"/v1/embeddings' pooling: {', '.join(POOLINGS)} (default: the model's own).",
+        ),
+    ] = None,
     debug: Debug = False,
 ) -> None:
-    """Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)."""
+    """Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
+    /v1/embeddings)."""
     DEBUG["on"] = debug
     if parallel < 1:
         raise UsageError(f"--parallel must be positive, got {parallel}")
@@ -77,6 +85,8 @@ def serve(
         raise UsageError(f"--queue must be >= 0, got {queue}")
     if not 0 <= port <= 65535:
         raise UsageError(f"--port must be between 0 and 65535, got {port}")
+    if pooling is not None and pooling not in POOLINGS:
+        raise UsageError(f"unknown --pooling {pooling!r} (choose from {', '.join(POOLINGS)})")
     pool_bytes = None if kv_memory is None else parse_size(kv_memory, "--kv-memory")
     try:
         from llmrun import server
@@ -102,6 +112,7 @@ def serve(
         queue=queue,
         kv_memory=pool_bytes,
         prefix_cache=not no_prefix_cache,
+        pooling=pooling,
         device=device,
         dtype=dtype,
         ctx_size=ctx_size,

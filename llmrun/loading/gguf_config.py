@@ -21,9 +21,14 @@ from llmrun.loading import (
     alibi_families,
     apertus,
     arcee,
+    baichuan,
+    bailingmoe3,
+    bert,
+    chatglm,
     cohere,
     cohere2_moe,
     dbrx,
+    deci,
     deepseek2,
     deepseek4,
     dots1,
@@ -49,6 +54,7 @@ from llmrun.loading import (
     hunyuan,
     hy_v3,
     hy_v4,
+    internlm2,
     jamba,
     kimi_linear,
     laguna,
@@ -58,12 +64,15 @@ from llmrun.loading import (
     mamba2,
     mellum,
     mimo2,
+    minicpm,
     minicpm3,
     minimax,
     minimax_m2,
     minimax_m3,
+    modernbert,
     nemotron,
     nemotron_h,
+    nomic_bert,
     olmo,
     olmoe,
     phi2,
@@ -74,6 +83,7 @@ from llmrun.loading import (
     stablelm,
     starcoder2,
     step3p5,
+    vl_text,
 )
 from llmrun.loading.gguf_io import GGUFFile, read_float_list
 
@@ -97,6 +107,7 @@ MODEL_TYPES = {
     # section the same) turns as plain RoPE; the vision parts are in an mmproj file.
     "qwen3vl": "qwen3",
     "qwen3vlmoe": "qwen3_moe",
+    vl_text.QWEN2VL_ARCH: "qwen2",  # Qwen2-VL's and Qwen2.5-VL's: llmrun/loading/vl_text.py
     gpt_oss.ARCH: gpt_oss.MODEL_TYPE,  # its mapping: llmrun/loading/gpt_oss.py
     deepseek2.ARCH: "deepseek_v2",  # or deepseek_v3: llmrun/loading/deepseek2.py
     deepseek2.MISTRAL4: deepseek2.MISTRAL4,
@@ -108,6 +119,7 @@ MODEL_TYPES = {
     granite.SWA_ARCH: "granite_swa",  # with experts, granitemoe_swa
     granitehybrid.ARCH: granitehybrid.MODEL_TYPE,  # llmrun/loading/granitehybrid.py
     kimi_linear.ARCH: kimi_linear.MODEL_TYPE,  # llmrun/loading/kimi_linear.py
+    bailingmoe3.ARCH: bailingmoe3.MODEL_TYPE,  # Ling 3: llmrun/loading/bailingmoe3.py
     glm5_next.ARCH: glm5_next.GGUF_MODEL_TYPE,  # llmrun/loading/glm5_next.py
     olmo.ARCH: "olmo2",  # OLMo 3 too (a sliding window): llmrun/loading/olmo.py
     olmo.OLMO1_ARCH: olmo.OLMO1_MODEL_TYPE,  # the first OLMo: llmrun/loading/olmo.py
@@ -116,6 +128,7 @@ MODEL_TYPES = {
     **cohere.MODEL_TYPES,  # their metadata: llmrun/loading/cohere.py
     cohere2_moe.ARCH: cohere2_moe.MODEL_TYPE,  # llmrun/loading/cohere2_moe.py
     glm4.ARCH: glm4.MODEL_TYPE,  # llmrun/loading/glm4.py
+    chatglm.ARCH: chatglm.MODEL_TYPE,  # GLM-4-9B: llmrun/loading/chatglm.py
     glm4_moe.ARCH: glm4_moe.MODEL_TYPE,  # llmrun/loading/glm4_moe.py
     ernie4_5.ARCH: ernie4_5.MODEL_TYPE,  # llmrun/loading/ernie4_5.py
     ernie4_5.MOE_ARCH: ernie4_5.MOE_MODEL_TYPE,
@@ -144,6 +157,7 @@ MODEL_TYPES = {
     hy_v4.ARCH: hy_v4.MODEL_TYPE,  # llmrun/loading/hy_v4.py
     laguna.ARCH: laguna.MODEL_TYPE,  # llmrun/loading/laguna.py
     mellum.ARCH: mellum.MODEL_TYPE,  # llmrun/loading/mellum.py
+    minicpm.ARCH: minicpm.MODEL_TYPE,  # llmrun/loading/minicpm.py
     minicpm3.ARCH: minicpm3.MODEL_TYPE,  # llmrun/loading/minicpm3.py
     step3p5.ARCH: step3p5.MODEL_TYPE,  # llmrun/loading/step3p5.py
     starcoder2.ARCH: starcoder2.MODEL_TYPE,  # llmrun/loading/starcoder2.py
@@ -159,6 +173,12 @@ MODEL_TYPES = {
     arcee.ARCH: arcee.MODEL_TYPE,  # llmrun/loading/arcee.py
     dbrx.ARCH: dbrx.MODEL_TYPE,  # llmrun/loading/dbrx.py
     minimax.ARCH: minimax.MODEL_TYPE,  # MiniMax-Text-01: llmrun/loading/minimax.py
+    deci.ARCH: deci.MODEL_TYPE,  # Nemotron-NAS (Nemotron 51B, Super, Ultra): loading/deci.py
+    bert.ARCH: bert.MODEL_TYPE,  # BERT, RoBERTa, XLM-RoBERTa encoders: llmrun/loading/bert.py
+    nomic_bert.ARCH: nomic_bert.MODEL_TYPE,  # llmrun/loading/nomic_bert.py
+    modernbert.ARCH: modernbert.MODEL_TYPE,  # llmrun/loading/modernbert.py
+    internlm2.ARCH: internlm2.MODEL_TYPE,  # llmrun/loading/internlm2.py
+    baichuan.ARCH: baichuan.MODEL_TYPE,  # and Baichuan 2: llmrun/loading/baichuan.py
 }
 # Families whose RMSNorm is x * (1 + w): llama.cpp's converter stores 1 + w.
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
@@ -242,6 +262,12 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
         return dbrx.hf_name(gguf_name)
     if model_type == minimax.MODEL_TYPE:
         return minimax.hf_name(gguf_name)
+    if model_type == bert.MODEL_TYPE:
+        return bert.hf_name(gguf_name)
+    if model_type == nomic_bert.MODEL_TYPE:
+        return nomic_bert.hf_name(gguf_name)
+    if model_type == modernbert.MODEL_TYPE:
+        return modernbert.hf_name(gguf_name)
     if model_type == gemma4.MODEL_TYPE:
         return gemma4.hf_name(gguf_name)
     if model_type in (*deepseek2.MODEL_TYPES, deepseek2.MISTRAL4):
@@ -260,6 +286,8 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
         return nemotron_h.hf_name(gguf_name)
     if model_type == kimi_linear.MODEL_TYPE:
         return kimi_linear.hf_name(gguf_name)
+    if model_type in bailingmoe3.MODEL_TYPES:
+        return bailingmoe3.hf_name(gguf_name)
     if model_type in glm5_next.MODEL_TYPES:
         return glm5_next.hf_name(gguf_name)
     if model_type == exaone_moe.MODEL_TYPE and gguf_name.startswith("blk."):
@@ -323,6 +351,8 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
         names = {**_LAYER_NAMES, **olmo.LAYER_NAMES}
     elif model_type == glm4.MODEL_TYPE:
         names = {**_LAYER_NAMES, **glm4.LAYER_NAMES}
+    elif model_type == chatglm.MODEL_TYPE:
+        names = {**_LAYER_NAMES, **chatglm.LAYER_NAMES}
     elif model_type == seed_oss.MODEL_TYPE:
         names = {**_LAYER_NAMES, **seed_oss.LAYER_NAMES}
     elif model_type == exaone4.MODEL_TYPE:
@@ -360,9 +390,6 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
     """An HF-style config.json dict from GGUF metadata (and RoPE factor tensors)."""
     arch = gg.architecture
     granite.refuse(gg)
-    refused = glm4.REFUSED.get(arch)
-    if refused:
-        raise UnsupportedError(f"{gg.path}: {refused}")
     if arch not in MODEL_TYPES:
         raise UnsupportedError(
             f"{gg.path}: architecture {arch!r} is not supported "
@@ -394,6 +421,8 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         return lfm2.config_from_gguf(gg, _rope_from_gguf)
     if arch == kimi_linear.ARCH:
         return kimi_linear.config_from_gguf(gg)
+    if arch == bailingmoe3.ARCH:
+        return bailingmoe3.config_from_gguf(gg, _rope_from_gguf)
     if arch == glm5_next.ARCH:
         return glm5_next.config_from_gguf(gg)
     if arch == granitehybrid.ARCH:
@@ -438,8 +467,16 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         return dbrx.config_from_gguf(gg, _rope_from_gguf)
     if arch == minimax.ARCH:
         return minimax.config_from_gguf(gg, _rope_from_gguf)
+    if arch == bert.ARCH:
+        return bert.config_from_gguf(gg)
+    if arch == nomic_bert.ARCH:
+        return nomic_bert.config_from_gguf(gg)
+    if arch == modernbert.ARCH:
+        return modernbert.config_from_gguf(gg)
     if arch == nemotron.ARCH:
         return nemotron.config_from_gguf(gg, _rope_from_gguf)
+    if arch == deci.ARCH:
+        return deci.config_from_gguf(gg, _rope_from_gguf)
 
     def key(name: str, default: Any = None, required: bool = False) -> Any:
         full = f"{arch}.{name}"
@@ -509,6 +546,8 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
     config["rope_parameters"] = rope
     finish = {
         glm4.ARCH: glm4.finish_config,
+        chatglm.ARCH: chatglm.finish_config,
+        minicpm.ARCH: minicpm.finish_config,
         glm4_moe.ARCH: glm4_moe.finish_config,
         ernie4_5.ARCH: ernie4_5.finish_config,
         ernie4_5.MOE_ARCH: ernie4_5.finish_config,
@@ -525,6 +564,9 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         hy_v3.ARCH: hy_v3.finish_config,
         exaone.ARCH: exaone.finish_config,
         arcee.ARCH: arcee.finish_config,
+        vl_text.QWEN2VL_ARCH: vl_text.finish_qwen2vl_config,
+        internlm2.ARCH: internlm2.finish_config,
+        baichuan.ARCH: baichuan.finish_config,
     }.get(arch)
     if finish is not None:
         finish(gg, config, key)
@@ -763,7 +805,11 @@ def _rope_from_gguf(gg: GGUFFile, key, head_dim: int, context: int) -> dict[str,
         if log_mul:
             # HF's mscale_all_dim; llama.cpp takes the config's mscale to be 1.
             rope.update(mscale=1.0, mscale_all_dim=log_mul)
-    elif scaling not in ("none", None):
+    elif scaling == "longrope" and "rope_factors_long.weight" not in gg.tensors:
+        raise ModelFormatError(
+            f"{gg.path}: RoPE scaling 'longrope' without its rope_factors_long/short tensors"
+        )
+    elif scaling not in ("none", None, "longrope"):  # longrope: read from its tensors below
         raise UnsupportedError(
             f"{gg.path}: RoPE scaling {scaling!r} is not supported (none, linear, yarn are)"
         )

@@ -1,11 +1,13 @@
 """GLM-4 0414 GGUFs (arch "glm4") as llama.cpp's converter writes them
-(conversion/glm.py Glm4Model), and the GLM architectures llmrun refuses.
+(conversion/glm.py Glm4Model). GLM-4 before 0414 (arch "chatglm") is chatglm.py's.
 
 The converter keeps Hugging Face's q/k rows (GLM's RoPE rotates adjacent pairs, which
 is llama.cpp's "normal" RoPE: nothing to undo), writes the fused gate_up_proj as
 ffn_up, the norm after attention as post_attention_norm and the one after the MLP as
 post_ffw_norm, and the rotated width as rope.dimension_count (llama.cpp: the head
-size where absent).
+size where absent). GLM-4.1V's and GLM-4.6V-Flash's text (Glm4vForConditionalGeneration)
+is converted the same, with M-RoPE sections and the rotated q/k rows reordered into
+halves for llama.cpp's M-RoPE (llmrun/loading/vl_text.py puts them back).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 from gguf import Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.loading import vl_text
 from llmrun.loading.gguf_io import GGUFFile
 
 ARCH = MODEL_TYPE = "glm4"
@@ -26,24 +29,15 @@ LAYER_NAMES = {
     "post_ffw_norm": "post_mlp_layernorm",
     "ffn_up": "mlp.gate_up_proj",
 }
-# Architectures of the GLM line that llmrun does not run, and why.
-REFUSED = {
-    "chatglm": "ChatGLM / GLM-4 before 0414 (arch chatglm) is not supported; "
-    "GLM-4-0414 models (arch glm4) are",
-}
 
 
 def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any]) -> None:
     """GLM-4's fields of the HF-style config that config_from_gguf built: the rotated
     share of each head (its ModelArgs default, 0.5, is not llama.cpp's). Refuses the
-    multimodal files (M-RoPE sections: GLM-4V) and those with NextN prediction layers
-    (GLM-OCR), whose layers llmrun does not run."""
+    files with NextN prediction layers (GLM-OCR), whose layers llmrun does not run.
+    GLM-4.1V's text (M-RoPE sections, its q/k rows reordered: vl_text.gguf_weights)
+    turns by the token's position in every section, as plain RoPE."""
     head_dim = config["head_dim"]
-    sections = key(_name(Keys.Rope.DIMENSION_SECTIONS))
-    if sections and any(sections):
-        raise UnsupportedError(
-            f"{gg.path}: a glm4 file with M-RoPE sections (a multimodal GLM-4V) is not supported"
-        )
     if key(_name(Keys.LLM.NEXTN_PREDICT_LAYERS), 0):
         raise UnsupportedError(
             f"{gg.path}: a glm4 file with NextN prediction layers (GLM-OCR) is not supported"
@@ -55,6 +49,9 @@ def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any])
             f"of the {head_dim} features of a head"
         )
     config["rope_parameters"]["partial_rotary_factor"] = rotated / head_dim
+    sections = vl_text.text_mrope_sections(gg, ARCH, key, rotated)
+    if sections:
+        config["rope_parameters"]["mrope_section"] = sections[:3]
 
 
 def _name(template: str) -> str:

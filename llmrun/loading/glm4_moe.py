@@ -19,6 +19,7 @@ from typing import Any
 from gguf import MODEL_TENSOR, TENSOR_NAMES, ExpertGatingFuncType, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.loading import vl_text
 from llmrun.loading.gguf_io import GGUFFile
 
 ARCH, MODEL_TYPE = "glm4moe", "glm4_moe"
@@ -123,11 +124,6 @@ def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any])
     feed_forward_length itself only where something needs it: Solar Open's files, all
     experts, lack it), and RoPE on all of a head where rope.dimension_count is absent."""
     path = gg.path
-    sections = key(_name(Keys.Rope.DIMENSION_SECTIONS))
-    if sections and any(sections):
-        raise UnsupportedError(
-            f"{path}: a {ARCH} file with M-RoPE sections (a multimodal GLM-4.5V) is not supported"
-        )
     layers, nextn = trunk_layers(gg, ARCH)
     config.update(num_hidden_layers=layers, use_qk_norm="blk.0.attn_q_norm.weight" in gg.tensors)
     config[NEXTN] = nextn
@@ -182,6 +178,11 @@ def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any])
             f"the {config['head_dim']} features of a head"
         )
     config["rope_parameters"]["partial_rotary_factor"] = rotated / config["head_dim"]
+    # GLM-4.5V's text: llama.cpp's M-RoPE turns halves as its NEOX RoPE does, by the
+    # token's position in every section (vl_text refuses sections where it would not).
+    sections = vl_text.text_mrope_sections(gg, ARCH, key, rotated)
+    if sections:
+        config["rope_parameters"]["mrope_section"] = sections[:3]
 
 
 def _name(template: str) -> str:

@@ -59,7 +59,10 @@ def describe(path: Path) -> dict[str, Any]:
 def weight_stats(path: Path) -> dict[str, Any]:
     """Parameter count, main weight type, bytes per weight and per-type totals, from headers."""
     if path.is_dir():
-        return _stats(_safetensors_tensors(path))
+        from llmrun.loading import vl_text  # a vision-language model's: its text's alone
+
+        tensors = _safetensors_tensors(path)
+        return _stats(vl_text.text_tensors(read_json(path / "config.json"), tensors))
     stats = _stats(_gguf_tensors(split_parts(path)))
     return {**stats, "quant": quant_label(path.name) or stats["quant"]}
 
@@ -163,6 +166,7 @@ def _gguf_tensors(parts: list[Path]) -> Tensors:
 def _describe_gguf(path: Path) -> dict[str, Any]:
     from gguf import Keys
 
+    from llmrun.loading import embedding
     from llmrun.loading.gguf_config import config_from_gguf
     from llmrun.loading.gguf_io import read_gguf
 
@@ -187,6 +191,7 @@ def _describe_gguf(path: Path) -> dict[str, Any]:
         "pre_tokenizer": header.get(Keys.Tokenizer.PRE) if tok_model == "gpt2" else None,
         "chat_template": header.get(Keys.Tokenizer.CHAT_TEMPLATE),
         "license": header.get(Keys.General.LICENSE),
+        **embedding.gguf_info(header.metadata, arch, parts[0]),
         **_files_listing(path.parent, parts),
     }
 
@@ -253,6 +258,8 @@ def _safetensors_tensors(folder: Path) -> Tensors:
 
 
 def _describe_safetensors(folder: Path) -> dict[str, Any]:
+    from llmrun.loading import embedding
+
     stats = weight_stats(folder)
     config = read_json(folder / "config.json")
     if not isinstance(config, dict):
@@ -262,11 +269,15 @@ def _describe_safetensors(folder: Path) -> dict[str, Any]:
         (
             c[k]
             for c in (config, text_config)
-            for k in ("max_position_embeddings", "n_positions", "seq_length")
+            # model_max_length: transformers' name for it in Ling 3's saved config.json
+            for k in ("max_position_embeddings", "n_positions", "seq_length", "model_max_length")
             if k in c
         ),
         None,
     )
+    from llmrun.loading import bert  # encoders' usable positions
+
+    context = bert.hf_context(config, context)
     return {
         "kv_cache_bytes_8k": kv_cache_bytes(config, 8192),
         "format": "safetensors",
@@ -279,6 +290,7 @@ def _describe_safetensors(folder: Path) -> dict[str, Any]:
         "pre_tokenizer": _hf_pre_tokenizer(folder),
         "chat_template": _hf_chat_template(folder),
         "license": _readme_license(folder / "README.md"),
+        **embedding.hf_info(folder, config),
         **_files_listing(folder, sorted(p for p in folder.rglob("*") if p.is_file())),
     }
 
@@ -303,6 +315,7 @@ _WINDOW_PATTERN = {
     "cohere2_moe": 4,  # without its dense prefix (transformers' config lists them all)
     "laguna": 1,  # without layer_types every layer is global
     "mellum": 1,  # without layer_types every layer is global
+    "ministral": 1,  # without layer_types every layer slides: counted whole, as Mistral's
 }
 
 
@@ -342,8 +355,11 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
     sliding-window layers holding at most their window; None if the config lacks the sizes.
     The torch-free twin of llmrun.models.kv_cache_bytes (a test keeps the two equal)."""
     text = config.get("text_config") or config
-    from llmrun.loading import mamba
+    from llmrun.loading import bert, mamba, modernbert, nomic_bert
 
+    encoders = (*bert.HF_MODEL_TYPES, nomic_bert.MODEL_TYPE, modernbert.MODEL_TYPE)
+    if config.get("model_type") in encoders:
+        return 0  # an encoder attends within one forward and keeps nothing
     if mamba.attention_layer_count(config) == 0:
         return 0  # nothing attends: each sequence's state alone
     from llmrun.loading import mamba2
@@ -392,6 +408,14 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
         from llmrun.loading import glm5_next  # its indexed layers' rows
 
         shapes, windows = glm5_next.cache_layout(text)
+    elif config.get("model_type") == "nemotron-nas":
+        from llmrun.models import deci_config  # its attention layers, each its own KV heads
+
+        try:
+            shapes = deci_config.cache_shapes(text)
+        except LlmrunError:
+            return None
+        windows = [None] * len(shapes)
     elif pattern and window:
         pattern = text.get("sliding_window_pattern") or pattern
         kinds = text.get("layer_types") or [
@@ -403,6 +427,8 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
     # A hybrid model's recurrent layers (LFM2's convolutions, Granite 4.0-H's Mamba-2,
     # Qwen3.5's Gated DeltaNet) cache no keys or values; their state is the memory check's.
     from llmrun.loading import (  # they import this module
+        bailingmoe3,
+        bamba,
         granitehybrid,
         jamba,
         kimi_linear,
@@ -415,6 +441,8 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
     )
 
     hybrids = (lfm2, lfm3, granitehybrid, qwen35, qwen4exp, kimi_linear, nemotron_h, minimax)
+    hybrids += (bailingmoe3,)
+    hybrids += (bamba,)
     for family in (*hybrids, jamba):
         attending = family.attention_layer_count(text)
         if attending is not None:

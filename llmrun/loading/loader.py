@@ -31,13 +31,20 @@ from llmrun.loading import (
     alibi_families,
     apertus,
     arcee,
+    baichuan,
+    bailingmoe3,
+    bamba,
+    bert,
+    chatglm,
     cohere2_moe,
     dbrx,
+    deci,
     deepseek2,
     deepseek4,
     dots1,
     dots3,
     dsa,
+    embedding,
     ernie4_5,
     exaone,
     exaone_moe,
@@ -59,6 +66,7 @@ from llmrun.loading import (
     granitehybrid,
     hy_v3,
     hy_v4,
+    internlm2,
     jamba,
     kimi_linear,
     laguna,
@@ -68,13 +76,16 @@ from llmrun.loading import (
     mamba2,
     mellum,
     mimo2,
+    minicpm,
     minicpm3,
     minicpm5_moe,
     minimax,
     minimax_m2,
     minimax_m3,
+    modernbert,
     nemotron,
     nemotron_h,
+    nomic_bert,
     olmo,
     phi2,
     qwen4exp,
@@ -82,6 +93,7 @@ from llmrun.loading import (
     safetensors_io,
     stablelm,
     step3p5,
+    vl_text,
 )
 from llmrun.models import model_module
 from llmrun.quant import decode_step, hugepages, kernels, planes
@@ -126,6 +138,12 @@ class Checkpoint:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     gguf: gguf_io.GGUFFile | None = None
     notes: list[str] = field(default_factory=list)  # what the user should know (stderr)
+    # Embeddings: the file's pooling ("none", "mean", "cls", "last"; None: it names none),
+    # whether its vectors are normalized (None: it does not say), and False where it holds
+    # no output head of its own (a base model saved for embeddings) to generate with.
+    pooling: str | None = None
+    normalized: bool | None = None
+    generates: bool = True
 
     @property
     def n_params(self) -> int:
@@ -183,6 +201,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
 
 def _open_hf_dir(path: Path) -> Checkpoint:
     config = safetensors_io.read_config(path)
+    pooling, normalized = embedding.hf_pooling(path)
     weights, files = {}, {}
     for file in safetensors_io.safetensors_files(path):
         for name, tensor in safetensors_io.load_tensors(file).items():
@@ -193,6 +212,15 @@ def _open_hf_dir(path: Path) -> Checkpoint:
                 )
             weights[name], files[name] = Weight(tensor), file.name
     notes = []
+    if config.get("model_type") in vl_text.FAMILIES:
+        # First, so that the text family's own steps below apply to its weights.
+        config, weights, family = vl_text.language_model(config, weights, path)
+        notes.append(
+            f"{path}: a multimodal {family}; running its language model, without the vision tower"
+        )
+    headless = embedding.headless(weights)
+    if headless:
+        weights = embedding.causal_lm_names(weights)
     if config.get("model_type") == gpt_oss.MODEL_TYPE:
         weights = gpt_oss.hf_weights(weights, config, Weight)
     if config.get("model_type") in (
@@ -205,10 +233,14 @@ def _open_hf_dir(path: Path) -> Checkpoint:
         weights = granite.hf_weights(weights, config, Weight)
     if config.get("model_type") == granitehybrid.MODEL_TYPE:
         weights = granitehybrid.hf_weights(weights, config, Weight)
+    if config.get("model_type") == bamba.MODEL_TYPE:
+        weights = bamba.hf_weights(weights)
     if config.get("model_type") == cohere2_moe.MODEL_TYPE:
         weights = cohere2_moe.hf_weights(weights, config, Weight)
     if config.get("model_type") == kimi_linear.MODEL_TYPE:
         weights = kimi_linear.hf_weights(weights)
+    if config.get("model_type") in bailingmoe3.MODEL_TYPES:
+        config, weights = bailingmoe3.hf_checkpoint(config, weights, Weight)
     if config.get("model_type") == dbrx.MODEL_TYPE:
         weights = dbrx.hf_weights(weights, config, Weight)
     if config.get("model_type") == minimax.MODEL_TYPE:
@@ -251,8 +283,18 @@ def _open_hf_dir(path: Path) -> Checkpoint:
         weights = step3p5.hf_weights(weights, config, Weight)
     if config.get("model_type") == exaone.MODEL_TYPE:
         config, weights = exaone.hf_checkpoint(config, weights, path)
+    if config.get("model_type") == internlm2.MODEL_TYPE:
+        weights = internlm2.hf_weights(weights, config, path, Weight)
+    if config.get("model_type") == baichuan.MODEL_TYPE:
+        weights = baichuan.hf_weights(weights, config, path, Weight)
     if config.get("model_type") in alibi_families.MODEL_TYPES:
         weights = alibi_families.hf_weights(weights, config["model_type"])
+    if config.get("model_type") in bert.HF_MODEL_TYPES:
+        config, weights = bert.hf_checkpoint(config, weights, Weight)
+    if config.get("model_type") == nomic_bert.MODEL_TYPE:
+        config, weights = nomic_bert.hf_checkpoint(config, weights, path, Weight)
+    if config.get("model_type") == modernbert.MODEL_TYPE:
+        weights = modernbert.hf_weights(weights)
     if config.get("model_type") == falcon.MODEL_TYPE:
         weights = falcon.hf_weights(weights)
     if config.get("model_type") in qwen35.MODEL_TYPES:
@@ -304,7 +346,11 @@ def _open_hf_dir(path: Path) -> Checkpoint:
     }
     if "repetition_penalty" in generation:
         sampling["repeat_penalty"] = generation["repetition_penalty"]
-    return Checkpoint(path, "safetensors", config, weights, generation, sampling, notes=notes)
+    return Checkpoint(
+        path, "safetensors", config, weights, generation, sampling, notes=notes,
+        pooling=pooling, normalized=normalized,
+        generates=not (headless and config.get("tie_word_embeddings") is False),
+    )  # fmt: skip
 
 
 # Multimodal checkpoints whose language model llmrun runs, as llama.cpp's converter
@@ -432,7 +478,10 @@ def _open_gguf(path: Path) -> Checkpoint:
             "smollm3",
             arcee.ARCH,
             olmo.OLMO1_ARCH,
+            internlm2.ARCH,  # conversion/internlm.py permutes the split wqkv's q and k
+            baichuan.ARCH,  # and conversion/baichuan.py W_pack's
             *granite.ARCHS,
+            minicpm.ARCH,  # conversion/minicpm.py permutes q and k as Llama's
         )
         heads = None
         if llama and name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -457,6 +506,7 @@ def _open_gguf(path: Path) -> Checkpoint:
         weights[name] = Weight(tensor, info.ggml_type if quantized else None, shape)
     if model_type in gguf_config.MOE_TYPES:
         _check_expert_stacks(gg, config)
+    weights = vl_text.gguf_weights(gg.architecture, weights, config)
     if gg.architecture in deepseek2.ARCHS:
         weights = deepseek2.gguf_weights(weights, config, Weight)
     if gg.architecture in dsa.ARCHS:
@@ -475,6 +525,8 @@ def _open_gguf(path: Path) -> Checkpoint:
         weights = gemma4.gguf_weights(weights, config, Weight)
     if gg.architecture == granitehybrid.ARCH:
         weights = granitehybrid.gguf_weights(weights, config, Weight)
+    if gg.architecture == chatglm.ARCH:
+        weights = chatglm.gguf_weights(weights, config, Weight)
     if gg.architecture == falcon_h1.ARCH:
         weights = falcon_h1.gguf_weights(weights, Weight)
     if gg.architecture == mamba.ARCH:
@@ -487,6 +539,8 @@ def _open_gguf(path: Path) -> Checkpoint:
         weights = nemotron_h.gguf_weights(weights, config, Weight)
     if gg.architecture == kimi_linear.ARCH:
         weights = kimi_linear.gguf_weights(weights, config, Weight)
+    if gg.architecture == bailingmoe3.ARCH:
+        weights = bailingmoe3.gguf_weights(weights, config, Weight)
     if gg.architecture == glm5_next.ARCH:
         weights = glm5_next.gguf_weights(weights, config, Weight)
     if gg.architecture in qwen35.ARCHS:
@@ -523,9 +577,16 @@ def _open_gguf(path: Path) -> Checkpoint:
         weights = falcon.gguf_weights(weights, config, Weight)
     if gg.architecture == minimax.ARCH:
         weights = minimax.gguf_weights(weights, config)
+    if gg.architecture == deci.ARCH:
+        weights = deci.gguf_weights(weights, config, Weight)
+    if gg.architecture == bert.ARCH:
+        weights = bert.gguf_weights(weights, config, Weight, *bert.FUSED_QKV)
+    if gg.architecture == nomic_bert.ARCH:
+        weights = nomic_bert.gguf_weights(weights, config, Weight)
     return Checkpoint(
-        path, "gguf", config, weights, sampling_defaults=gguf_io.generation_defaults(gg), gguf=gg
-    )
+        path, "gguf", config, weights, sampling_defaults=gguf_io.generation_defaults(gg), gguf=gg,
+        pooling=embedding.gguf_pooling(gg.metadata, gg.architecture, path),
+    )  # fmt: skip
 
 
 def _stored_tensors(
@@ -674,7 +735,8 @@ def build_model(checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype
             f"{checkpoint.path}: tensors the {config['model_type']} model does not have: "
             f"{', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}"
         )
-    tied = "lm_head.weight" not in weights
+    # An encoder (BERT) has no output head to tie.
+    tied = "lm_head.weight" in expected and "lm_head.weight" not in weights
     missing = sorted(set(expected) - set(weights) - ({"lm_head.weight"} if tied else set()))
     if missing:
         raise ModelFormatError(

@@ -15,6 +15,7 @@ ARCHITECTURES = {
     "llama": "llama",
     "mistral": "llama",
     "ministral3": "ministral3",
+    "ministral": "ministral",  # Ministral-8B-2410: per-layer sliding windows
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "mixtral": "mixtral",
@@ -42,6 +43,7 @@ ARCHITECTURES = {
     "olmo2": "olmo2",
     "olmo3": "olmo3",
     "smollm3": "smollm3",
+    "glm": "glm",  # GLM-4-9B (the -hf checkpoints): glm4 without post-norms
     "glm4": "glm4",
     "glm4_moe": "glm4_moe",
     "glm4_moe_lite": "glm4_moe_lite",
@@ -53,6 +55,7 @@ ARCHITECTURES = {
     "granitemoe": "granitemoe",
     "granitemoeshared": "granitemoe",
     "granitemoehybrid": "granitemoehybrid",
+    "bamba": "bamba",  # Granite 4.0-H's forerunner: its model, BambaConfig's names
     "granite_swa": "granite_swa",
     "granitemoe_swa": "granitemoe_swa",
     "cohere": "cohere",
@@ -77,6 +80,7 @@ ARCHITECTURES = {
     "hy_v4_vl_text": "hy_v4",
     "laguna": "laguna",
     "mellum": "mellum",
+    "minicpm": "minicpm",  # MiniCPM 1/2/4: Granite's muP scalars under other names
     "minicpm3": "minicpm3",
     "minicpm5_moe": "minicpm5_moe",
     "qwen3_5": "qwen3_5",  # multimodal: its text_config's language model
@@ -90,6 +94,8 @@ ARCHITECTURES = {
     "lfm2_moe": "lfm2_moe",
     "lfm3": "lfm3",
     "kimi_linear": "kimi_linear",
+    "bailing_hybrid": "bailing_hybrid",  # Ling 3
+    "bailing_moe_v3": "bailing_hybrid",  # the Hub's config.json for it
     "nemotron_h": "nemotron_h",  # and its mixture of experts
     "llama4": "llama4",  # multimodal: its text_config's language model
     "llama4_text": "llama4",
@@ -117,6 +123,15 @@ ARCHITECTURES = {
     "gptj": "gptj",
     "dbrx": "dbrx",
     "minimax": "minimax",
+    "internlm2": "internlm2",
+    "internlm3": "internlm3",
+    "baichuan": "baichuan",  # and Baichuan 2
+    "bert": "bert",  # encoders for embeddings (generates = False)
+    "roberta": "bert",
+    "xlm-roberta": "bert",
+    "nomic_bert": "nomic_bert",
+    "modernbert": "modernbert",
+    "nemotron-nas": "deci",  # DeciLMForCausalLM: Llama-3.x-Nemotron 51B, Super, Ultra
 }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -666,6 +667,11 @@ def run_layers(
     return x
 
 
+# The hidden states that head_logits hands to final_hidden_states, per thread: serve's
+# scheduler may run the same model for logits on its own thread meanwhile.
+_HIDDEN = threading.local()
+
+
 def head_logits(
     model: nn.Module,
     x: torch.Tensor,
@@ -678,7 +684,13 @@ def head_logits(
     (model.model.norm) and the output matrix (model.lm_head): logits [B, T, vocab],
     [B, 1, vocab] with last_only (each row's last token) or `last` [B] (each row's last
     real token). Where the decode step takes one token per row, it runs the norm and
-    the output matrix in the same native call (f32 logits)."""
+    the output matrix in the same native call (f32 logits). In a thread taking hidden
+    states (final_hidden_states), the final norm's output instead, every token's."""
+    captured = getattr(_HIDDEN, "states", None)
+    if captured is not None:
+        x = model.model.norm(run_layers(model, x, frames, cache))
+        captured.append(x)
+        return x
     step = model.decode_step
     if step is not None and x.shape[1] == 1:
         taken = step(x, frames, cache, head=True)
@@ -695,6 +707,29 @@ def head_logits(
     elif last_only:
         x = x[:, -1:]
     return model.lm_head(model.model.norm(x))
+
+
+def final_hidden_states(
+    model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor
+) -> torch.Tensor:
+    """Float32 final hidden states [B, T, hidden] of input_ids [B, T] at positions [B, T],
+    rows padded on the right beyond `lengths` [B] (causal attention keeps the padding out
+    of the real tokens' states): the model's own forward, without a cache, up to its final
+    norm, the output matrix and what follows it skipped (see head_logits). A model whose
+    forward does not end in head_logits is refused rather than given states it may not
+    compute so."""
+    captured: list[torch.Tensor] = []
+    _HIDDEN.states = captured
+    try:
+        model(input_ids, positions)
+    finally:
+        _HIDDEN.states = None
+    if len(captured) != 1:
+        raise UnsupportedError(
+            f"{type(model).__module__.rpartition('.')[2]}: hidden states for embeddings are "
+            "not supported for this family"
+        )
+    return captured[0].float()
 
 
 def new_cache(args: Any, batch: int, max_seq_len: int, dtype: torch.dtype, device) -> KVCache:
@@ -800,6 +835,7 @@ class CausalLM(nn.Module):
     (LFM2's final norm)."""
 
     decode_step = None  # see run_layers
+    generates = True  # a language model (encoders for embeddings alone say False)
 
     def __init__(
         self,
@@ -835,6 +871,12 @@ class CausalLM(nn.Module):
         else:
             frame = self.frame(positions, cache, x.dtype, last)
         return head_logits(self, x, frame, cache, last_only, last).float()
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor
+    ) -> torch.Tensor:
+        """Float32 final hidden states [B, T, hidden] (see final_hidden_states)."""
+        return final_hidden_states(self, input_ids, positions, lengths)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The input embeddings [B, T, hidden] of input_ids [B, T] (Granite scales them)."""

@@ -227,7 +227,7 @@ class DeltaAttention(kimi_linear.DeltaAttention):
 
     def log_decay(self, x: torch.Tensor) -> torch.Tensor:
         batch, tokens, _ = x.shape
-        gate = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+        gate = self.forget_input(x).float() + self.dt_bias.float()
         gate = gate.view(batch, tokens, self.heads, -1)  # [B, T, heads, dim]
         rate = self.A_log.float().exp()[:, None]  # [heads, 1]
         if self.lower_bound is None:

@@ -240,15 +240,25 @@ class DeltaAttention(nn.Module):
         out, state = rule(q, k, v, decay.transpose(1, 2), beta.transpose(1, 2), state.float())
         if cache is not None:
             cache.recurrent.write(self.layer, [kept, state])
-        gate = self.g_b_proj(self.g_a_proj(x)).view(batch, tokens, self.heads, self.dim)
+        gate = self.output_gate(x).view(batch, tokens, self.heads, self.dim)
         out = self.o_norm(out.transpose(1, 2).to(x.dtype), gate)  # [B, T, heads, dim]
         return self.o_proj(out.reshape(batch, tokens, self.width))
+
+    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """The output norm's gate logits [B, T, width] of x: g_b(g_a(x)), here; a family
+        with one full-rank projection (Ling 3) says so."""
+        return self.g_b_proj(self.g_a_proj(x))
+
+    def forget_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The forget gate's input [B, T, width] of x, before dt_bias: f_b(f_a(x)), here;
+        a family with one full-rank projection (Ling 3) says so."""
+        return self.f_b_proj(self.f_a_proj(x))
 
     def log_decay(self, x: torch.Tensor) -> torch.Tensor:
         """The forget gate's log decay [B, T, heads, dim] of x [B, T, hidden]:
         -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias)."""
         batch, tokens, _ = x.shape
-        gate = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+        gate = self.forget_input(x).float() + self.dt_bias.float()
         return -self.A_log.float().exp() * F.softplus(gate.view(batch, tokens, self.heads, -1))
 
 

@@ -41,6 +41,8 @@ FAMILIES = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
 FAMILIES += ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "ministral3")
 FAMILIES += ("seed_oss",)  # Llama with biases
 FAMILIES += ("granite", "smollm3", "olmo2", "olmo3")
+FAMILIES += ("ministral",)  # Llama with per-layer sliding windows
+FAMILIES += ("internlm2",)  # Llama's layers (InternLM3's too; Baichuan 7B's are llama's)
 # A layer's norms by the Layer field they fill (input_norm, post_attn_norm, pre_ffn_norm,
 # post_ffn_norm), as each family's decoder layer names them; None: no norm there.
 PRE_NORMS = ("input_layernorm", None, "post_attention_layernorm", None)
@@ -309,7 +311,7 @@ class DecodeStep:
     def _window(self, attn: nn.Module) -> int:
         """The layer's sliding window as the family's frames mask it (0: none)."""
         window = getattr(self.model.args, "sliding_window", None) or 0
-        if self.family in ("gemma2", "gemma3", "gpt_oss", "olmo3"):
+        if self.family in ("gemma2", "gemma3", "gpt_oss", "olmo3", "ministral"):
             return window if attn.layer_type == "sliding_attention" else 0
         return window  # in every layer, as CausalLM.frame and Mixtral's mask it
 

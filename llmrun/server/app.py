@@ -1,7 +1,8 @@
 """`llmrun serve`: an OpenAI-compatible HTTP API over the batching scheduler.
 
 Starlette app served by uvicorn: /v1/chat/completions, /v1/completions and
-/v1/responses (responses.py), as JSON or server-sent events; /v1/models, /health
+/v1/responses (responses.py), as JSON or server-sent events; /v1/embeddings (the one
+endpoint of an embedding model, which gets no scheduler); /v1/models, /health
 (503 until the model is loaded) and /metrics (Prometheus text). Requests are
 validated here (pydantic), errors come back in OpenAI's JSON error shape, and
 generation happens on the scheduler thread (batching.py); each request's events
@@ -12,6 +13,7 @@ cross into the event loop through its own asyncio queue. Imported only by
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import os
 import socket
@@ -44,6 +46,7 @@ from llmrun.server.schema import (
     ApiError,
     ChatBody,
     CompletionBody,
+    EmbeddingBody,
     NamedToolChoice,
     as_api_error,
     check_history,
@@ -54,6 +57,7 @@ from llmrun.server.service import (
     Service,
     begin,
     choices_of,
+    read_json,
     sampling_of,
     sse,
     usage_of,
@@ -366,6 +370,57 @@ async def completions(request: Request) -> Response:
     return JSONResponse({**head, "choices": choices, "usage": usage_of(gen.finals, n)})
 
 
+async def embeddings(request: Request) -> Response:
+    """POST /v1/embeddings: a vector per input, pooled as the model (or serve's --pooling)
+    says, in OpenAI's list shape."""
+    service: Service = request.app.state.service
+    service.authorize(request)
+    body = await read_json(request, EmbeddingBody)
+    engine = service.ready_engine(body.model)
+    many = isinstance(body.input, list) and not isinstance(body.input[0], int)
+    inputs = body.input if many else [body.input]
+    pooling = service.pooling or engine.checkpoint.pooling
+    if pooling is None:
+        raise ApiError(
+            400,
+            f"{service.model_id} names no pooling (it is not an embedding model): start serve "
+            "with --pooling mean, cls or last",
+            param="model",
+        )
+
+    def embed():
+        with service.embed_lock:
+            return engine.embed(inputs, pooling, body.embd_normalize == 2, truncate=body.truncate)
+
+    result = await asyncio.to_thread(embed)
+    width = result.vectors.shape[1]
+    if body.dimensions is not None and body.dimensions != width:
+        raise ApiError(
+            400,
+            f"dimensions {body.dimensions}: this model's vectors have {width} (llmrun does "
+            "not shorten them)",
+            param="dimensions",
+        )
+    vectors = result.vectors
+    if body.encoding_format == "base64":
+        raw = vectors.numpy().astype("<f4")
+        data = [base64.b64encode(row.tobytes()).decode("ascii") for row in raw]
+    else:
+        data = vectors.tolist()
+    service.metrics.requests.labels("embeddings", "200").inc()
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [
+                {"object": "embedding", "index": i, "embedding": vector}
+                for i, vector in enumerate(data)
+            ],
+            "model": service.model_id,
+            "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens},
+        }
+    )
+
+
 async def models(request: Request) -> Response:
     """GET /v1/models: the one model served; /v1/models/{id}: its card, by any of its
     names."""
@@ -393,8 +448,10 @@ async def models(request: Request) -> Response:
 async def health(request: Request) -> Response:
     service: Service = request.app.state.service
     scheduler = service.scheduler
-    if scheduler is None:
+    if service.engine is None:
         return JSONResponse({"status": "loading"}, status_code=503)
+    if scheduler is None:  # an embedding model: no slots, no KV blocks
+        return JSONResponse({"status": "ok"})
     blocks = scheduler.blocks
     kv_blocks = {
         "block_size": blocks.block_size,
@@ -427,7 +484,7 @@ async def metrics(request: Request) -> Response:
 
 
 # Where each endpoint's prompt comes from (a prompt too long for the context is about it).
-PROMPT_PARAMS = {"completions": "prompt", "responses": "input"}
+PROMPT_PARAMS = {"completions": "prompt", "responses": "input", "embeddings": "input"}
 
 
 def _endpoint(handler: Callable, name: str | None = None) -> Callable:
@@ -456,6 +513,7 @@ def create_app(service: Service) -> Starlette:
         Route("/v1/chat/completions", _endpoint(chat_completions, "chat"), methods=["POST"]),
         Route("/v1/responses", _endpoint(responses, "responses"), methods=["POST"]),
         Route("/v1/completions", _endpoint(completions, "completions"), methods=["POST"]),
+        Route("/v1/embeddings", _endpoint(embeddings, "embeddings"), methods=["POST"]),
         Route("/v1/models", _endpoint(models), methods=["GET"]),
         Route("/v1/models/{model:path}", _endpoint(models), methods=["GET"]),
         Route("/health", health, methods=["GET"]),
@@ -509,6 +567,7 @@ def run(
     queue: int = 64,
     kv_memory: int | None = None,
     prefix_cache: bool = True,
+    pooling: str | None = None,
     **load_options: Any,
 ) -> None:
     """Serve on `sock` until interrupted; the model loads in the background while
@@ -519,7 +578,7 @@ def run(
         load_options["threads"] = max(1, (os.cpu_count() or 1) - 1)
     aliases = {str(spec)} if spec else set()
     aliases |= {path.name, path.stem}
-    service = Service(model_id, aliases, api_key, parallel, queue, kv_memory, prefix_cache)
+    service = Service(model_id, aliases, api_key, parallel, queue, kv_memory, prefix_cache, pooling)
     server = _Server(
         uvicorn.Config(
             create_app(service), log_level="info", timeout_graceful_shutdown=5, lifespan="off"
@@ -529,8 +588,15 @@ def run(
 
     def load() -> None:
         try:
-            engine = api.load(spec, path=path, **load_options)
+            engine = api.load(spec, path=path, generate=False, **load_options)
             service.start(engine)
+            if service.scheduler is None:
+                LOG.info(
+                    "model %s loaded in %.1fs: an embedding model (/v1/embeddings)",
+                    model_id,
+                    engine.load_seconds,
+                )
+                return
             blocks = service.scheduler.blocks
             windows = ""
             if blocks.window_manager is not None:

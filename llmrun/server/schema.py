@@ -10,7 +10,14 @@ from __future__ import annotations
 import logging
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from starlette.responses import JSONResponse
 
 from llmrun.errors import ContextOverflowError, LlmrunError, ServerBusyError
@@ -249,6 +256,40 @@ class CompletionBody(Sampling):
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens 0 asks for nothing unless echo is true")
         return self
+
+
+class EmbeddingBody(BaseModel):
+    """OpenAI's embeddings request: `input` one text or token id list, or several; vectors
+    as floats or base64 (little-endian float32); `dimensions` only the model's own.
+    `embd_normalize` (llama.cpp's): 2 unit length (the default), -1 raw vectors;
+    `truncate` (llmrun's): cut an input longer than the context rather than refuse it."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+    model: str | None = None
+    input: (
+        str
+        | Annotated[list[int], Field(min_length=1)]
+        | Annotated[list[str], Field(min_length=1)]
+        | Annotated[list[list[int]], Field(min_length=1)]
+    )
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    user: str | None = None
+    embd_normalize: Literal[-1, 2] = 2
+    truncate: bool = False
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _something_to_embed(cls, value: Any) -> Any:
+        if isinstance(value, list) and not value:
+            raise ValueError("an empty list: nothing to embed")
+        return value
 
 
 # --- errors ---------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import asyncio
 import hmac
 import json
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from functools import partial
@@ -51,6 +52,7 @@ class Service:
         queue: int,
         kv_memory: int | None = None,
         prefix_cache: bool = True,
+        pooling: str | None = None,
     ) -> None:
         self.model_id = model_id
         self.names = {model_id, *aliases}
@@ -64,11 +66,19 @@ class Service:
         self.load_error: BaseException | None = None
         self.tool_format: ToolFormat | None = None  # the calls the model's template teaches
         self.metrics = Metrics(self)
+        self.pooling = pooling  # serve's --pooling for /v1/embeddings (None: the model's)
+        # One embedding forward at a time, beside the scheduler's (each takes every core).
+        self.embed_lock = threading.Lock()
 
     def start(self, engine: api.Engine) -> None:
+        """Serve `engine`: a model that generates through the scheduler, an embedding
+        model (/v1/embeddings alone) without one."""
         # Build the native kernels now, while /health says loading, rather than in the
         # first request (a first build takes seconds).
         native.available()
+        if not engine.generates:
+            self.engine = engine
+            return
         scheduler = Scheduler(
             engine,
             self.parallel,
@@ -134,11 +144,19 @@ async def read_json(request: Request, schema: type[BaseModel]) -> Any:
 
 
 async def begin(request: Request, schema: type[Sampling]) -> tuple[Service, Any, api.Engine]:
-    """The checks every generation request passes: key, body, model."""
+    """The checks every generation request passes: key, body, a model that generates."""
     service: Service = request.app.state.service
     service.authorize(request)
     body = await read_json(request, schema)
-    return service, body, service.ready_engine(body.model)
+    engine = service.ready_engine(body.model)
+    if not engine.generates:
+        raise ApiError(
+            400,
+            f"{service.model_id} is an embedding model; use /v1/embeddings",
+            param="model",
+            code="model_not_supported",
+        )
+    return service, body, engine
 
 
 def sampling_of(engine: api.Engine, body: Sampling) -> tuple[Any, list[str]]:

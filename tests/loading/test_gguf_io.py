@@ -169,7 +169,7 @@ def test_unknown_architecture_lists_supported(tmp_path):
     )
     with pytest.raises(
         UnsupportedError,
-        match="'rwkv7' is not supported.*llama, .*mistral3, .*phi3, .*qwen2, qwen2moe, qwen3, .*qwen3moe",
+        match="'rwkv7' is not supported.*llama, .*mistral3, .*phi3, .*qwen2, qwen2moe, .*qwen3, .*qwen3moe",
     ):
         open_checkpoint(path)
 

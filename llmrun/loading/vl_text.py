@@ -1,0 +1,246 @@
+"""The language models of vision-language checkpoints whose text is a family llmrun runs,
+and the M-RoPE of their GGUFs.
+
+Hugging Face folders (the *ForConditionalGeneration checkpoints of FAMILIES): the text
+model's config (text_config, or the top level of Qwen2-VL's and Qwen2.5-VL's older
+config.json files, which have none) and its weights under its *ForCausalLM's names; the
+vision tower and projector are left out, as llama.cpp's converter leaves them to an
+mmproj file. Qwen2-VL's, Qwen2.5-VL's and GLM-4.xV's texts turn positions by M-RoPE,
+whose three sections are one position for a text token: plain RoPE.
+
+GGUFs: llama.cpp's M-RoPE (ggml-cpu/ops.cpp ggml_mrope_cache_init, not interleaved) turns
+the pairs of each section by that section's position, which llama-graph.cpp gives a text
+token as its position in the first three sections and 0 in the fourth: plain RoPE where
+the fourth section is empty, which the converters write (mrope_section padded with 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gguf import Keys
+
+from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.loading.gguf_io import GGUFFile
+
+
+@dataclass(frozen=True)
+class Family:
+    """A vision-language model_type whose language model llmrun runs."""
+
+    name: str  # as the note on stderr names it
+    # llmrun's model_type for the text model whatever its text_config says, or None: the
+    # text_config's own, `default_text` where it names none (its config class's default).
+    text_type: str | None = None
+    default_text: str = "llama"
+    tie_default: bool = False  # the outer config class's tie_word_embeddings
+    # Text config fields the *ForConditionalGeneration takes whatever the file says
+    # (None: the text model's default), and those it defaults otherwise than llmrun's family.
+    fields: dict[str, Any] = field(default_factory=dict)
+    defaults: dict[str, Any] = field(default_factory=dict)
+    rope_defaults: dict[str, Any] = field(default_factory=dict)
+
+
+FAMILIES = {
+    # Qwen2-VL's text attention is Qwen2's (q/k/v biases); Qwen2.5-VL's too.
+    "qwen2_vl": Family("Qwen2-VL", "qwen2"),
+    "qwen2_5_vl": Family("Qwen2.5-VL", "qwen2"),
+    # Glm4vTextAttention: q/k/v biases always, heads of hidden_size / heads whatever
+    # head_dim says; Glm4vTextRotaryEmbedding rotates whole heads where no
+    # partial_rotary_factor is given (Glm4Config's default is half).
+    "glm4v": Family(
+        "GLM-4.1V",
+        "glm4",
+        fields={"attention_bias": True, "head_dim": None},
+        rope_defaults={"partial_rotary_factor": 1.0},
+    ),
+    # Glm4vMoeTextAttention has no q/k norms; Glm4vMoeTextConfig's attention_bias is True.
+    "glm4v_moe": Family(
+        "GLM-4.5V", "glm4_moe", fields={"use_qk_norm": False}, defaults={"attention_bias": True}
+    ),
+    "llava": Family("LLaVA"),
+    "llava_next": Family("LLaVA-NeXT"),
+    "llava_onevision": Family("LLaVA-OneVision", default_text="qwen2"),
+    "idefics3": Family("Idefics3"),
+    "smolvlm": Family("SmolVLM"),
+    "aya_vision": Family("Aya Vision", default_text="cohere2", tie_default=True),
+    "internvl": Family("InternVL", default_text="qwen2", tie_default=True),
+    "lfm2_vl": Family("LFM2-VL", default_text="lfm2", tie_default=True),
+}
+# Families whose older config.json files hold the text model's fields at the top level.
+_FLAT_CONFIGS = ("qwen2_vl", "qwen2_5_vl")
+# Checkpoint key prefixes of the language model -> its *ForCausalLM's: transformers 5's
+# (model.language_model.), its older layout's (language_model.model.), Idefics3's and
+# SmolVLM's text_model; Qwen2-VL's keys are the *ForCausalLM's already.
+_TEXT_PREFIXES = {
+    "model.language_model.": "model.",
+    "language_model.model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+    "model.text_model.": "model.",
+}
+_VISION_PREFIXES = (
+    "visual.",  # Qwen2-VL's, as the Hub and transformers 5 save it
+    "model.visual.",  # GLM-4.xV's
+    "vision_tower.",
+    "model.vision_tower.",
+    "multi_modal_projector.",
+    "model.multi_modal_projector.",
+    "image_newline",  # LLaVA-NeXT's and LLaVA-OneVision's learned separator
+    "model.image_newline",
+    "model.vision_model.",  # Idefics3's and SmolVLM's
+    "model.connector.",
+)
+
+
+def language_model(
+    config: dict[str, Any], weights: dict[str, Any], path: Any
+) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """The text model's config.json dict and weights (under its *ForCausalLM's names) of a
+    FAMILIES checkpoint (the folder `path`), and the family's name."""
+    family = FAMILIES[config["model_type"]]
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        if config["model_type"] not in _FLAT_CONFIGS:
+            raise ModelFormatError(
+                f"{path}: a {family.name} config.json without a text_config: "
+                "its language model is unknown"
+            )
+        text = {k: v for k, v in config.items() if k != "vision_config"}
+    text = {**family.defaults, **text, **family.fields}
+    text["model_type"] = family.text_type or text.get("model_type") or family.default_text
+    # transformers ties where either config asks (pre-v5 files kept it in text_config).
+    outer = config.get("tie_word_embeddings", family.tie_default)
+    text["tie_word_embeddings"] = bool(outer or text.get("tie_word_embeddings"))
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if name not in text and name in config:
+            text[name] = config[name]
+    _plain_rope(text, family)
+    renamed = {}
+    for name, weight in weights.items():
+        if name.startswith(_VISION_PREFIXES):
+            continue
+        for old, new in _TEXT_PREFIXES.items():
+            if name.startswith(old):
+                name = new + name[len(old) :]
+                break
+        renamed[name] = weight
+    return text, renamed, family.name
+
+
+def text_tensors(config: Any, tensors: list[tuple[str, Any, Any, Any]]) -> list:
+    """Of a folder's tensors (name first), its language model's where config.json is a
+    FAMILIES one's (what llmrun runs, as `llmrun show` counts it), else all."""
+    if not isinstance(config, dict) or config.get("model_type") not in FAMILIES:
+        return tensors
+    return [t for t in tensors if not t[0].startswith(_VISION_PREFIXES)]
+
+
+def _plain_rope(text: dict[str, Any], family: Family) -> None:
+    """The text config's RoPE as its family reads it: Qwen2-VL's files name M-RoPE
+    "mrope" (transformers reads "default": for text, plain RoPE), and the family's
+    defaults where neither the RoPE dict nor the top level gives a value."""
+    key = "rope_parameters" if text.get("rope_parameters") else "rope_scaling"
+    rope = dict(text.get(key) or {})
+    if rope.get("rope_type", rope.get("type")) == "mrope":
+        rope.pop("type", None)
+        rope["rope_type"] = "default"
+    for name, value in family.rope_defaults.items():
+        if name not in rope and name not in text:
+            rope[name] = value
+    if rope:
+        text[key] = rope
+
+
+QWEN2VL_ARCH = "qwen2vl"
+GLM4_ARCH = "glm4"  # llmrun.loading.glm4.ARCH, which imports this module
+
+
+def text_mrope_sections(
+    gg: GGUFFile, arch: str, key: Callable[..., Any], rotated: int, always: bool = False
+) -> list[int] | None:
+    """A GGUF's rope.dimension_sections where llama.cpp turns its text by M-RoPE (qwen2vl
+    always; glm4 and glm4moe where the first two sections are set, llama_hparams::
+    use_mrope), else None; `rotated`: the features a head turns. Refuses sections that
+    leave some of the rotated pairs to the fourth, which llama.cpp turns by position 0
+    for text (llmrun turns every pair by the token's position, as transformers does)."""
+    name = f"{arch}.rope.dimension_sections"
+    sections = key(Keys.Rope.DIMENSION_SECTIONS.removeprefix("{arch}."))
+    if not sections:
+        if always:  # llama_model_qwen2vl::load_arch_hparams requires them
+            raise ModelFormatError(f"{gg.path}: metadata {name!r} is missing")
+        return None
+    listed = isinstance(sections, list) and len(sections) <= 4
+    if not listed or any(not isinstance(s, int) or s < 0 for s in sections):
+        raise ModelFormatError(f"{gg.path}: {name} is {sections!r}; llama.cpp reads four sizes")
+    sections = [*sections, 0, 0, 0][:4]
+    if not always and not (sections[0] > 0 and sections[1] > 0):
+        return None
+    if sum(sections) == 0:
+        raise ModelFormatError(f"{gg.path}: {name} is {sections}: M-RoPE needs a section")
+    # ggml_mrope_cache_init: pair p's section is p % sum(sections); past the first three
+    # it takes the fourth position.
+    by_zero = [p for p in range(rotated // 2) if p % sum(sections) >= sum(sections[:3])]
+    if by_zero:
+        raise UnsupportedError(
+            f"{gg.path}: {name} is {sections}: llama.cpp turns {len(by_zero)} of the "
+            f"{rotated // 2} rotated pairs of a text token by position 0 (the fourth "
+            "section's), which llmrun does not"
+        )
+    return sections
+
+
+def finish_qwen2vl_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any]) -> None:
+    """Qwen2-VL's language model (arch qwen2vl, llama.cpp's src/models/qwen2vl.cpp) as
+    Qwen2's: M-RoPE over whole heads (llama.cpp asserts rope.dimension_count is the head
+    size), its sections required."""
+    head_dim = config["head_dim"]
+    rotated = key(Keys.Rope.DIMENSION_COUNT.removeprefix("{arch}."), head_dim)
+    if rotated != head_dim:
+        raise ModelFormatError(
+            f"{gg.path}: {QWEN2VL_ARCH}.rope.dimension_count is {rotated}, but llama.cpp "
+            f"rotates whole heads of {head_dim}"
+        )
+    sections = text_mrope_sections(gg, QWEN2VL_ARCH, key, head_dim, always=True)
+    config["rope_parameters"]["mrope_section"] = sections[:3]
+
+
+def neox_to_pairs(rows, heads: int, head_dim: int, rotated: int):
+    """Undo llama.cpp's GLM-4V converter (conversion/glm.py normal_to_neox), which orders
+    the first `rotated` rows of each q/k head as its even rows, then its odd ones (for
+    llama.cpp's M-RoPE, which turns halves), where GLM turns adjacent pairs. Reorders
+    rows only: float weights, biases and quantized byte rows alike."""
+    import torch
+
+    shape = rows.shape
+    if shape[0] != heads * head_dim or rotated % 2 or rotated > head_dim:
+        raise ModelFormatError(
+            f"{shape[0]} query or key rows are not {heads} heads of {head_dim} features "
+            f"with {rotated} rotated"
+        )
+    # [heads, head_dim, ...]: the rotated rows [2, rotated / 2] (evens, odds) interleaved
+    per_head = rows.reshape(heads, head_dim, *shape[1:])
+    halves = per_head[:, :rotated].reshape(heads, 2, rotated // 2, *shape[1:])
+    pairs = halves.transpose(1, 2).reshape(heads, rotated, *shape[1:])
+    return torch.cat([pairs, per_head[:, rotated:]], dim=1).reshape(shape)
+
+
+def gguf_weights(arch: str, weights: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """A GGUF's weights, those of a glm4 file that llama.cpp turns by M-RoPE (the
+    config's rope_parameters has its sections: GLM-4.1V's and GLM-4.6V-Flash's text,
+    whose q/k rows the converter reordered) with the q/k rows in GLM's adjacent pairs."""
+    if arch != GLM4_ARCH or not config.get("rope_parameters", {}).get("mrope_section"):
+        return weights
+    rope = config["rope_parameters"]
+    head_dim = config["head_dim"]
+    rotated = round(head_dim * rope["partial_rotary_factor"])
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    out = dict(weights)
+    for name, weight in weights.items():
+        parts = name.split(".")
+        if parts[-3:-2] == ["self_attn"] and parts[-2] in heads:
+            rows = neox_to_pairs(weight.tensor, heads[parts[-2]], head_dim, rotated)
+            out[name] = dataclasses.replace(weight, tensor=rows)
+    return out
