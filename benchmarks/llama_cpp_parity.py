@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +41,9 @@ SHARPEN = 1.0  # --sharpen
 # llama-server's KV cache is f16 and its CPU flash attention adds ~1e-3 of noise to the
 # log-probabilities even on an f32 cache: both off, the engines' figures agree to ~1e-5
 EXACT = ("--cache-type-k", "f32", "--cache-type-v", "f32", "-fa", "off")
+# llama.cpp turns LongRoPE by the long factors where its context passes the file's, which
+# llmrun's cannot (it runs at most the file's context): the server gets the file's
+SERVER_ARGS = {"minicpm-longrope": ("-c", "256")}
 
 
 def qwen35(path: Path, kind: str, fuse_experts: bool = False) -> None:
@@ -271,6 +275,22 @@ FAMILIES: dict[str, Callable[[Path], None]] = {
     "jamba": written("test_jamba", "write_jamba_gguf"),
     "gpt2": written("test_gpt2", "write_gpt2_gguf"),
     "starcoder": written("test_gpt_bigcode", "write_gpt_bigcode_gguf"),
+    "deci": written("test_deci", "write_deci_gguf"),
+    "internlm2": written("test_internlm2", "write_internlm2_gguf"),
+    "internlm3": written("test_internlm3", "write_internlm3_gguf"),
+    "baichuan-7b": written("test_baichuan", "write_baichuan_gguf"),
+    "baichuan-13b": variant("test_baichuan", "write_baichuan_gguf", "alibi"),
+    "minicpm": written("test_minicpm", "write_minicpm_gguf"),
+    "minicpm-longrope": variant("test_minicpm", "write_minicpm_gguf", "longrope"),
+    "chatglm": written("test_glm", "write_glm_gguf"),
+    "chatglm-fused": written("test_glm", "write_glm_gguf", options={"fused": True}),
+    # the converter permutes whole heads of q/k but writes half of each as rotated
+    "bamba": written("test_bamba", "write_bamba_gguf"),
+    "qwen2vl": written("test_vl_text", "write_qwen2vl_gguf", "qwen2_vl"),
+    "qwen25vl": written("test_vl_text", "write_qwen2vl_gguf", "qwen2_5_vl"),
+    "glm4v": written("test_vl_text", "write_glm4v_gguf", "glm4v"),
+    "glm4v-moe": written("test_vl_text", "write_glm4v_moe_gguf", "glm4v_moe"),
+    "bailingmoe3": written("test_bailing_hybrid", "write_bailing_hybrid_gguf"),
 }
 
 
@@ -305,11 +325,29 @@ def llmrun_greedy(path: Path, tokens: int) -> tuple[list[int], list[float], list
     return ids, probs, top2
 
 
-def llama_cpp_greedy(server: Server, tokens: int) -> tuple[list[int], dict[int, float]]:
+def token_bytes(path: Path) -> list[bytes]:
+    """Each token's bytes in the file's vocabulary (stories260K's SentencePiece pieces:
+    `<0xXX>` a byte, "\u2581" a space)."""
+    from llmrun.loading.gguf_io import read_gguf
+
+    pieces = read_gguf(path, with_tensors=False).metadata["tokenizer.ggml.tokens"]
+    byte = re.compile(r"<0x([0-9A-F]{2})>")
+    return [
+        bytes([int(m.group(1), 16)])
+        if (m := byte.fullmatch(p))
+        else p.replace("\u2581", " ").encode()
+        for p in pieces
+    ]
+
+
+def llama_cpp_greedy(
+    server: Server, tokens: int, vocab: list[bytes]
+) -> tuple[list[int], dict[int, float]]:
     """llama.cpp's greedy ids, and the chosen tokens' probabilities by step (not its top
     ones: with ignore_eos the top one may be the end-of-generation token's, which is
-    never chosen). Its per-step entries leave out steps whose token makes no text yet (a
-    byte of a character): they are placed by their ids."""
+    never chosen). It gives no entry for a step whose token makes no text yet (a byte of
+    a character): an entry's bytes are those of the steps since the last entry, and its
+    probability is its last step's."""
     body = {
         "prompt": PROMPT,
         "n_predict": tokens,
@@ -322,11 +360,13 @@ def llama_cpp_greedy(server: Server, tokens: int) -> tuple[list[int], dict[int, 
     answer = server._post("/completion", body)
     ids, probs, step = answer["tokens"], {}, 0
     for entry in answer["completion_probabilities"]:
-        while step < len(ids) and ids[step] != entry["id"]:
+        text = b""
+        while step < len(ids) and text != bytes(entry["bytes"]):
+            text += vocab[ids[step]]
             step += 1
-        if step < len(ids):
-            probs[step] = math.exp(entry["logprob"])
-            step += 1
+        if text != bytes(entry["bytes"]) or ids[step - 1] != entry["id"]:
+            raise RuntimeError(f"llama.cpp's entry {entry} matches no steps of {ids}")
+        probs[step - 1] = math.exp(entry["logprob"])
     return ids, probs
 
 
@@ -350,13 +390,14 @@ def main() -> None:
         FAMILIES[name](path)
         ours, our_probs, our_top2 = llmrun_greedy(path, args.tokens)
         try:
-            server = Server(args.llama_cpp / "llama-server", path, folder / f"{name}.log", EXACT)
+            extra = EXACT + SERVER_ARGS.get(name, ())
+            server = Server(args.llama_cpp / "llama-server", path, folder / f"{name}.log", extra)
         except RuntimeError as e:  # a shape llama.cpp hard-codes (Gemma 3n's)
             print(f"{name:14} llama.cpp refuses the file: {str(e).splitlines()[-1]}")
             results.append(dict(family=name, refused=str(e)))
             continue
         try:
-            theirs, their_probs = llama_cpp_greedy(server, args.tokens)
+            theirs, their_probs = llama_cpp_greedy(server, args.tokens, token_bytes(path))
         finally:
             server.close()
         pairs = zip(ours, theirs, strict=False)
