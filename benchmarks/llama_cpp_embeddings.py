@@ -69,6 +69,7 @@ FAMILIES: dict[str, Callable[[Path], None]] = {
     "nomic-bert": written("test_nomic_bert", "write_nomic_bert_gguf"),
     "modern-bert": modern_bert,
     "qwen3-embedding": written("embedding_helpers", "write_embedding_gguf"),
+    "gemma-embedding": written("test_gemma_embedding", "write_gemma_embedding_gguf"),
 }
 
 

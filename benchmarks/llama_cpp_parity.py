@@ -291,6 +291,8 @@ FAMILIES: dict[str, Callable[[Path], None]] = {
     "glm4v": written("test_vl_text", "write_glm4v_gguf", "glm4v"),
     "glm4v-moe": written("test_vl_text", "write_glm4v_moe_gguf", "glm4v_moe"),
     "bailingmoe3": written("test_bailing_hybrid", "write_bailing_hybrid_gguf"),
+    "jais2": written("test_jais2", "write_jais2_gguf"),
+    "hunyuan-vl": written("test_hunyuan_vl", "write_hunyuan_vl_gguf"),
 }
 
 

@@ -4,7 +4,8 @@ A model gives every token's final hidden state (an encoder's `hidden_states(inpu
 positions, lengths)`; a decoder's through models.base.final_hidden_states, its own forward
 up to the final norm); `pool` makes one vector of each text's (mean over
 its tokens, its first token's, or its last token's, as llama.cpp's pooling types and
-sentence-transformers' Pooling modes do), and `normalize` scales it to unit length
+sentence-transformers' Pooling modes do), `project` applies the model's Dense projections
+to it, and `normalize` scales it to unit length
 (llama.cpp's default --embd-normalize 2; OpenAI's vectors are unit length too).
 """
 
@@ -67,6 +68,21 @@ def pool(hidden: torch.Tensor, lengths: torch.Tensor, pooling: str) -> torch.Ten
     if pooling == "last":
         return hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths - 1]
     raise UsageError(f"unknown pooling {pooling!r} (choose from {', '.join(POOLINGS)})")
+
+
+def project(model: nn.Module, pooled: torch.Tensor) -> torch.Tensor:
+    """Pooled vectors [B, H] through the model's linear projections after pooling, in
+    order (its `projections`: sentence-transformers' Dense modules, EmbeddingGemma's
+    2_Dense and 3_Dense), in float32; as they are for a model without any."""
+    projections = getattr(model, "projections", ())
+    if not projections:
+        return pooled
+    # The compute dtype: the model's float parameters' (a quantized matrix holds bytes).
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    for projection in projections:
+        # [B, H] -> [B, 1, H]: a row of one token, as a quantized matrix takes them.
+        pooled = projection(pooled[:, None].to(dtype))[:, 0].float()
+    return pooled
 
 
 def normalize(vectors: torch.Tensor) -> torch.Tensor:
@@ -140,7 +156,7 @@ def embed_ids(
             ids[row, : len(inputs[i])] = torch.tensor(inputs[i], device=device)
         positions = torch.arange(width, device=device).expand(len(chosen), width)
         hidden = hidden_states(ids, positions, lengths).float()
-        pooled = pool(hidden, lengths, pooling)
+        pooled = project(model, pool(hidden, lengths, pooling))
         if normalized:
             pooled = normalize(pooled)
         for row, i in enumerate(chosen):

@@ -15,6 +15,7 @@ from typing import Any
 from gguf import Keys, PoolingType
 
 from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.loading import gemma_embedding
 
 POOLINGS = ("mean", "cls", "last")
 # llama.cpp's pooling enum (LLAMA_POOLING_TYPE_*), as `<arch>.pooling_type` stores it.
@@ -37,9 +38,12 @@ _ST_UNSUPPORTED = (
     "pooling_mode_weightedmean_tokens",
 )
 _ST_MODULES = "sentence_transformers.models."
-# Modules a sentence-transformers pipeline may hold besides the model, the pooling and
-# the normalization, which llmrun does not apply (EmbeddingGemma's Dense projections).
+# The modules llmrun applies: the model, the pooling, the normalization, and for models
+# that hold them (EmbeddingGemma's 2_Dense, 3_Dense), Dense projections after the pooling.
 _ST_KNOWN = {"Transformer", "Pooling", "Normalize"}
+_ST_DENSE = "Dense"
+# A Dense module's activation_function that llmrun applies: none.
+_IDENTITY = ("torch.nn.modules.linear.Identity", "torch.nn.Identity")
 
 
 def gguf_pooling(metadata: dict[str, Any], arch: str, path: Path) -> str | None:
@@ -63,25 +67,27 @@ def gguf_pooling(metadata: dict[str, Any], arch: str, path: Path) -> str | None:
 
 
 def gguf_causal(metadata: dict[str, Any], arch: str) -> bool:
-    """Whether the file's attention is causal (`<arch>.attention.causal`, true unless set)."""
+    """Whether the file's attention is causal (`<arch>.attention.causal`, true unless set;
+    never for EmbeddingGemma, whose llama.cpp loader turns it off whatever the file says)."""
+    if arch == gemma_embedding.ARCH:
+        return False
     return metadata.get(Keys.Attention.CAUSAL.format(arch=arch), True) is not False
 
 
-def hf_pooling(folder: Path) -> tuple[str | None, bool | None]:
+def hf_pooling(folder: Path, dense: bool = False) -> tuple[str | None, bool | None]:
     """The pooling and normalization of a sentence-transformers folder (modules.json, its
     Pooling module's config.json, a Normalize module after it); (None, None) for a folder
-    without modules.json. A module llmrun does not apply (Dense) is refused by name."""
+    without modules.json. A module llmrun does not apply is refused by name: Dense unless
+    `dense` (the model applies them, see hf_dense)."""
     modules_file = folder / "modules.json"
     if not modules_file.is_file():
         return None, None
-    modules = _read_json(modules_file)
-    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
-        raise ModelFormatError(f"{modules_file}: expected a list of modules")
+    known = _ST_KNOWN | {_ST_DENSE} if dense else _ST_KNOWN
     pooling, normalized = None, False
-    for module in modules:
+    for module in _modules(modules_file):
         kind = str(module.get("type", ""))
         name = kind.removeprefix(_ST_MODULES)
-        if name not in _ST_KNOWN:
+        if name not in known:
             raise UnsupportedError(
                 f"{modules_file}: module {module.get('path') or module.get('name')!r} is a "
                 f"{kind}, which llmrun does not apply (it applies the model, its Pooling and "
@@ -92,6 +98,47 @@ def hf_pooling(folder: Path) -> tuple[str | None, bool | None]:
         elif name == "Normalize":
             normalized = True
     return pooling, normalized
+
+
+def hf_dense(folder: Path) -> list[dict[str, Any]]:
+    """The Dense modules of a sentence-transformers folder, in order: each one's
+    in_features, out_features, bias and weights file (`model.safetensors`, its
+    `linear.weight` and `linear.bias`); one with an activation is refused."""
+    modules_file = folder / "modules.json"
+    if not modules_file.is_file():
+        return []
+    out = []
+    for module in _modules(modules_file):
+        if str(module.get("type", "")).removeprefix(_ST_MODULES) != _ST_DENSE:
+            continue
+        where = folder / str(module.get("path", ""))
+        config = _read_json(where / "config.json")
+        if not isinstance(config, dict):
+            raise ModelFormatError(f"{where / 'config.json'}: expected a JSON object")
+        act = config.get("activation_function", _IDENTITY[0])
+        if act not in _IDENTITY:
+            raise UnsupportedError(
+                f"{where / 'config.json'}: Dense activation_function {act!r} is not supported "
+                "(llmrun applies Dense modules without an activation: torch.nn.Identity)"
+            )
+        weights = where / "model.safetensors"
+        if not weights.is_file():
+            raise ModelFormatError(f"{weights}: missing (the Dense module's weights)")
+        try:
+            features = {k: int(config[k]) for k in ("in_features", "out_features")}
+        except (KeyError, TypeError, ValueError):
+            raise ModelFormatError(
+                f"{where / 'config.json'}: in_features and out_features must be integers"
+            ) from None
+        out.append({**features, "bias": bool(config.get("bias", True)), "file": weights})
+    return out
+
+
+def _modules(modules_file: Path) -> list[dict[str, Any]]:
+    modules = _read_json(modules_file)
+    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+        raise ModelFormatError(f"{modules_file}: expected a list of modules")
+    return modules
 
 
 def _st_pooling(config_file: Path) -> str:
@@ -158,7 +205,7 @@ def hf_info(folder: Path, config: dict[str, Any]) -> dict[str, Any]:
     pooling (and normalization), and whether it is an embedding model (no class of its
     config.json's `architectures` generates)."""
     try:
-        pooling, normalized = hf_pooling(folder)
+        pooling, normalized = hf_pooling(folder, dense=gemma_embedding.hf_applies(config))
     except (UnsupportedError, ModelFormatError) as e:
         pooling, normalized = f"unsupported ({e})", None
     if pooling is not None and normalized:

@@ -42,6 +42,7 @@ from llmrun.loading import (
     falcon_h1,
     gemma3n,
     gemma4,
+    gemma_embedding,
     glm4,
     glm4_moe,
     glm5_next,
@@ -52,9 +53,11 @@ from llmrun.loading import (
     granite,
     granitehybrid,
     hunyuan,
+    hunyuan_vl,
     hy_v3,
     hy_v4,
     internlm2,
+    jais2,
     jamba,
     kimi_linear,
     laguna,
@@ -100,6 +103,7 @@ MODEL_TYPES = {
     "gemma2": "gemma2",
     "gemma3": "gemma3_text",
     gemma3n.ARCH: gemma3n.MODEL_TYPE,  # llmrun/loading/gemma3n.py
+    gemma_embedding.ARCH: gemma_embedding.MODEL_TYPE,  # llmrun/loading/gemma_embedding.py
     gemma4.ARCH: gemma4.MODEL_TYPE,  # llmrun/loading/gemma4.py
     "qwen2moe": "qwen2_moe",
     "qwen3moe": "qwen3_moe",
@@ -138,6 +142,7 @@ MODEL_TYPES = {
     mimo2.ARCH: mimo2.MODEL_TYPE,  # llmrun/loading/mimo2.py
     hunyuan.ARCH: hunyuan.MODEL_TYPE,  # llmrun/loading/hunyuan.py
     hunyuan.MOE_ARCH: hunyuan.MOE_MODEL_TYPE,
+    hunyuan_vl.ARCH: hunyuan_vl.MODEL_TYPE,  # HunYuan-VL's text: llmrun/loading/hunyuan_vl.py
     dots1.ARCH: dots1.MODEL_TYPE,  # llmrun/loading/dots1.py
     **qwen35.ARCHS,  # Qwen3.5 and its MoE: llmrun/loading/qwen35.py
     qwen4exp.ARCH: qwen4exp.MODEL_TYPE,  # llmrun/loading/qwen4exp.py
@@ -171,6 +176,7 @@ MODEL_TYPES = {
     exaone.ARCH: exaone.MODEL_TYPE,  # llmrun/loading/exaone.py
     nemotron.ARCH: nemotron.MODEL_TYPE,  # llmrun/loading/nemotron.py
     arcee.ARCH: arcee.MODEL_TYPE,  # llmrun/loading/arcee.py
+    jais2.ARCH: jais2.MODEL_TYPE,  # llmrun/loading/jais2.py
     dbrx.ARCH: dbrx.MODEL_TYPE,  # llmrun/loading/dbrx.py
     minimax.ARCH: minimax.MODEL_TYPE,  # MiniMax-Text-01: llmrun/loading/minimax.py
     deci.ARCH: deci.MODEL_TYPE,  # Nemotron-NAS (Nemotron 51B, Super, Ultra): loading/deci.py
@@ -181,7 +187,7 @@ MODEL_TYPES = {
     baichuan.ARCH: baichuan.MODEL_TYPE,  # and Baichuan 2: llmrun/loading/baichuan.py
 }
 # Families whose RMSNorm is x * (1 + w): llama.cpp's converter stores 1 + w.
-GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
+GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text", gemma_embedding.MODEL_TYPE)
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -242,6 +248,8 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
         return gpt_oss.hf_name(gguf_name)
     if model_type == gemma3n.MODEL_TYPE:
         return gemma3n.hf_name(gguf_name)
+    if model_type == gemma_embedding.MODEL_TYPE and (name := gemma_embedding.hf_name(gguf_name)):
+        return name
     if model_type == starcoder2.MODEL_TYPE:
         return starcoder2.hf_name(gguf_name)
     if model_type == phi2.MODEL_TYPE:
@@ -345,7 +353,7 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
         if name is not None:
             return f"{name}.{suffix}"
     names = _LAYER_NAMES
-    if model_type in ("gemma2", "gemma3_text"):
+    if model_type in ("gemma2", "gemma3_text", gemma_embedding.MODEL_TYPE):
         names = {**_LAYER_NAMES, **_GEMMA2_LAYER_NAMES}
     elif model_type in olmo.MODEL_TYPES:
         names = {**_LAYER_NAMES, **olmo.LAYER_NAMES}
@@ -475,6 +483,8 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         return modernbert.config_from_gguf(gg)
     if arch == nemotron.ARCH:
         return nemotron.config_from_gguf(gg, _rope_from_gguf)
+    if arch == jais2.ARCH:
+        return jais2.config_from_gguf(gg, _rope_from_gguf)
     if arch == deci.ARCH:
         return deci.config_from_gguf(gg, _rope_from_gguf)
 
@@ -515,6 +525,8 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in gg.tensors,
         "attention_bias": "blk.0.attn_q.bias" in gg.tensors,
     }
+    if arch == gemma_embedding.ARCH:
+        return gemma_embedding.finish_config(gg, config, _gemma_config, key)
     if config["model_type"] in GEMMA_TYPES:
         return _gemma_config(gg, config, key)
     if arch == gemma3n.ARCH:
@@ -554,6 +566,7 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         seed_oss.ARCH: seed_oss.finish_config,
         hunyuan.ARCH: hunyuan.finish_config,
         hunyuan.MOE_ARCH: hunyuan.finish_moe_config,
+        hunyuan_vl.ARCH: hunyuan_vl.finish_config,
         dots1.ARCH: dots1.finish_config,
         minimax_m2.ARCH: minimax_m2.finish_config,
         minimax_m3.ARCH: minimax_m3.finish_config,

@@ -299,6 +299,7 @@ def _describe_safetensors(folder: Path) -> dict[str, Any]:
 # transformers' layer pattern for configs that list no layer_types (every n-th is global).
 _WINDOW_PATTERN = {
     "gemma2": 2,
+    "vaultgemma": 2,  # Gemma2Config's default
     "gemma3": 6,
     "gemma3_text": 6,
     "gemma3n": 5,
@@ -329,9 +330,9 @@ def _local(pattern: int | str, layer: int) -> bool:
 
 # The names config.json files give the sizes, by family: EXAONE 3.x's num_layers; GPT-2's,
 # GPT-BigCode's and BLOOM's n_layer, n_head, n_embd (n_embed); MPT's and DBRX's n_layers,
-# n_heads, d_model (their config classes' attribute maps).
+# n_heads, d_model; GPT-Neo's num_layers, num_heads (their config classes' attribute maps).
 _LAYERS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
-_HEADS = ("num_attention_heads", "n_head", "n_heads")
+_HEADS = ("num_attention_heads", "n_head", "n_heads", "num_heads")
 _HIDDEN = ("hidden_size", "n_embd", "n_embed", "d_model")
 
 
@@ -355,10 +356,12 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
     sliding-window layers holding at most their window; None if the config lacks the sizes.
     The torch-free twin of llmrun.models.kv_cache_bytes (a test keeps the two equal)."""
     text = config.get("text_config") or config
-    from llmrun.loading import bert, mamba, modernbert, nomic_bert
+    from llmrun.loading import bert, gemma_embedding, mamba, modernbert, nomic_bert
 
     encoders = (*bert.HF_MODEL_TYPES, nomic_bert.MODEL_TYPE, modernbert.MODEL_TYPE)
-    if config.get("model_type") in encoders:
+    if config.get("model_type") in (*encoders, gemma_embedding.MODEL_TYPE) or (
+        gemma_embedding.hf_applies(config)
+    ):
         return 0  # an encoder attends within one forward and keeps nothing
     if mamba.attention_layer_count(config) == 0:
         return 0  # nothing attends: each sequence's state alone
@@ -408,6 +411,13 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
         from llmrun.loading import glm5_next  # its indexed layers' rows
 
         shapes, windows = glm5_next.cache_layout(text)
+    elif config.get("model_type") == "gpt_neo":
+        from llmrun.models import gpt_neo_config  # its local layers keep their window
+
+        try:
+            windows = gpt_neo_config.layer_windows(text)
+        except LlmrunError:
+            return None
     elif config.get("model_type") == "nemotron-nas":
         from llmrun.models import deci_config  # its attention layers, each its own KV heads
 

@@ -54,12 +54,14 @@ from llmrun.loading import (
     fused_experts,
     gemma3n,
     gemma4,
+    gemma_embedding,
     gguf_config,
     gguf_io,
     glm4_moe,
     glm5_next,
     gpt2,
     gpt_bigcode,
+    gpt_neo,
     gpt_neox,
     gpt_oss,
     granite,
@@ -87,6 +89,7 @@ from llmrun.loading import (
     nemotron_h,
     nomic_bert,
     olmo,
+    opt,
     phi2,
     qwen4exp,
     qwen35,
@@ -201,7 +204,8 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
 
 def _open_hf_dir(path: Path) -> Checkpoint:
     config = safetensors_io.read_config(path)
-    pooling, normalized = embedding.hf_pooling(path)
+    projects = gemma_embedding.hf_applies(config)  # applies Dense modules: EmbeddingGemma
+    pooling, normalized = embedding.hf_pooling(path, dense=projects)
     weights, files = {}, {}
     for file in safetensors_io.safetensors_files(path):
         for name, tensor in safetensors_io.load_tensors(file).items():
@@ -269,6 +273,10 @@ def _open_hf_dir(path: Path) -> Checkpoint:
         weights = gpt2.hf_weights(weights, Weight)
     if config.get("model_type") == gpt_bigcode.MODEL_TYPE:
         weights = gpt_bigcode.hf_weights(weights)
+    if config.get("model_type") == opt.MODEL_TYPE:
+        weights = opt.hf_weights(weights)
+    if config.get("model_type") == gpt_neo.MODEL_TYPE:
+        weights = gpt_neo.hf_weights(weights)
     if config.get("model_type") == nemotron_h.MODEL_TYPE:
         weights = nemotron_h.hf_weights(weights, Weight)
     if config.get("model_type") == hy_v3.MODEL_TYPE:
@@ -339,6 +347,10 @@ def _open_hf_dir(path: Path) -> Checkpoint:
         weights = gemma3n.hf_weights(weights, config)
     if config.get("model_type") in gemma4.MODEL_TYPES:
         weights = gemma4.hf_weights(weights, config, Weight)
+    if projects:
+        config, weights = gemma_embedding.hf_checkpoint(
+            config, weights, embedding.hf_dense(path), Weight
+        )
     gguf_config.check_config(config, path / "config.json")
     generation = safetensors_io.read_generation_config(path)
     sampling = {

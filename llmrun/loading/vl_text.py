@@ -42,6 +42,8 @@ class Family:
     fields: dict[str, Any] = field(default_factory=dict)
     defaults: dict[str, Any] = field(default_factory=dict)
     rope_defaults: dict[str, Any] = field(default_factory=dict)
+    # Older names of text config fields -> the field, read where the field is absent.
+    aliases: dict[str, str] = field(default_factory=dict)
 
 
 FAMILIES = {
@@ -69,9 +71,16 @@ FAMILIES = {
     "aya_vision": Family("Aya Vision", default_text="cohere2", tie_default=True),
     "internvl": Family("InternVL", default_text="qwen2", tie_default=True),
     "lfm2_vl": Family("LFM2-VL", default_text="lfm2", tie_default=True),
+    # HunYuanVLTextConfig is Hunyuan dense's; its XD-RoPE turns text as plain NTK-alpha RoPE.
+    "hunyuan_vl": Family(
+        "HunYuan-VL",
+        "hunyuan_v1_dense",
+        tie_default=True,
+        aliases={"attention_head_dim": "head_dim", "org_vocab_size": "vocab_size"},
+    ),
 }
 # Families whose older config.json files hold the text model's fields at the top level.
-_FLAT_CONFIGS = ("qwen2_vl", "qwen2_5_vl")
+_FLAT_CONFIGS = ("qwen2_vl", "qwen2_5_vl", "hunyuan_vl")  # and Tencent's HunYuan-VL files
 # Checkpoint key prefixes of the language model -> its *ForCausalLM's: transformers 5's
 # (model.language_model.), its older layout's (language_model.model.), Idefics3's and
 # SmolVLM's text_model; Qwen2-VL's keys are the *ForCausalLM's already.
@@ -92,6 +101,8 @@ _VISION_PREFIXES = (
     "model.image_newline",
     "model.vision_model.",  # Idefics3's and SmolVLM's
     "model.connector.",
+    "vit.",  # HunYuan-VL's, as Tencent's files name it
+    "model.vit.",
 )
 
 
@@ -110,6 +121,9 @@ def language_model(
             )
         text = {k: v for k, v in config.items() if k != "vision_config"}
     text = {**family.defaults, **text, **family.fields}
+    for alias, name in family.aliases.items():
+        if text.get(name) is None and alias in text:
+            text[name] = text[alias]
     text["model_type"] = family.text_type or text.get("model_type") or family.default_text
     # transformers ties where either config asks (pre-v5 files kept it in text_config).
     outer = config.get("tie_word_embeddings", family.tie_default)
@@ -147,6 +161,10 @@ def _plain_rope(text: dict[str, Any], family: Family) -> None:
     if rope.get("rope_type", rope.get("type")) == "mrope":
         rope.pop("type", None)
         rope["rope_type"] = "default"
+    if rope.get("rope_type", rope.get("type")) == "xdrope":
+        # HunYuan-VL's, which transformers reads as "dynamic" (NTK-alpha with its alpha).
+        rope.pop("type", None)
+        rope["rope_type"] = "dynamic"
     for name, value in family.rope_defaults.items():
         if name not in rope and name not in text:
             rope[name] = value

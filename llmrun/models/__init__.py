@@ -69,7 +69,11 @@ ARCHITECTURES = {
     "falcon": "falcon",
     "mpt": "mpt",
     "nemotron": "nemotron",
+    "nanochat": "nanochat",  # HF folders: llama.cpp has no converter
+    "helium": "helium",  # HF folders: llama.cpp has no converter
+    "vaultgemma": "vaultgemma",  # HF folders: llama.cpp has no converter
     "arcee": "arcee",
+    "jais2": "jais2",
     "mimo_v2_flash": "mimo_v2_flash",
     "hunyuan_v1_dense": "hunyuan_v1_dense",
     "hunyuan_v1_moe": "hunyuan_v1_moe",
@@ -121,6 +125,8 @@ ARCHITECTURES = {
     "phi": "phi",
     "gpt2": "gpt2",
     "gptj": "gptj",
+    "opt": "opt",
+    "gpt_neo": "gpt_neo",
     "dbrx": "dbrx",
     "minimax": "minimax",
     "internlm2": "internlm2",
@@ -131,6 +137,7 @@ ARCHITECTURES = {
     "xlm-roberta": "bert",
     "nomic_bert": "nomic_bert",
     "modernbert": "modernbert",
+    "gemma_embedding": "gemma_embedding",  # EmbeddingGemma: gemma3_text, bidirectional
     "nemotron-nas": "deci",  # DeciLMForCausalLM: Llama-3.x-Nemotron 51B, Super, Ultra
 }
 

@@ -26,6 +26,7 @@ from llmrun.models.recurrent import RecurrentState
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ACTIVATIONS = {
     "silu": F.silu,
+    "relu": F.relu,  # OPT's
     "gelu": F.gelu,
     "gelu_pytorch_tanh": ops.gelu_tanh,
     "gelu_new": ops.gelu_tanh,  # transformers' NewGELUActivation: the same tanh formula
