@@ -61,8 +61,7 @@ def weight_stats(path: Path) -> dict[str, Any]:
     if path.is_dir():
         from llmrun.loading import vl_text  # a vision-language model's: its text's alone
 
-        tensors = _safetensors_tensors(path)
-        return _stats(vl_text.text_tensors(read_json(path / "config.json"), tensors))
+        return _stats(vl_text.text_tensors(_safetensors_tensors(path)))
     stats = _stats(_gguf_tensors(split_parts(path)))
     return {**stats, "quant": quant_label(path.name) or stats["quant"]}
 

@@ -411,19 +411,6 @@ _TEXT_PREFIXES = {
     "model.language_model.": "model.",
     "language_model.lm_head.": "lm_head.",
 }
-_VISION_PREFIXES = (
-    "vision_tower.",
-    "multi_modal_projector.",
-    "model.vision_tower.",
-    "model.multi_modal_projector.",
-    "vision_model.",  # Llama 4's
-    "model.audio_tower.",  # Gemma 3n's audio tower and its embedders
-    "model.embed_vision.",
-    "model.embed_audio.",
-    "model.visual.",  # Qwen3-VL's
-    "patch_merge_mlp.",  # MiniMax-M3's
-    "vit.",  # Hunyuan V4 VL's
-)
 
 
 def _language_model(
@@ -444,7 +431,7 @@ def _language_model(
             text[name] = config[name]
     renamed = {}
     for name, weight in weights.items():
-        if name.startswith(_VISION_PREFIXES):
+        if name.startswith(vl_text.VISION_PREFIXES):
             continue
         for old, new in _TEXT_PREFIXES.items():
             if name.startswith(old):

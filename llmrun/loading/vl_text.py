@@ -90,9 +90,11 @@ _TEXT_PREFIXES = {
     "language_model.lm_head.": "lm_head.",
     "model.text_model.": "model.",
 }
-_VISION_PREFIXES = (
+# The vision (and audio) parts of every multimodal checkpoint llmrun takes the language
+# model of (these FAMILIES and the loader's MULTIMODAL): never a language model's weight.
+VISION_PREFIXES = (
     "visual.",  # Qwen2-VL's, as the Hub and transformers 5 save it
-    "model.visual.",  # GLM-4.xV's
+    "model.visual.",  # GLM-4.xV's and Qwen3-VL's
     "vision_tower.",
     "model.vision_tower.",
     "multi_modal_projector.",
@@ -100,9 +102,14 @@ _VISION_PREFIXES = (
     "image_newline",  # LLaVA-NeXT's and LLaVA-OneVision's learned separator
     "model.image_newline",
     "model.vision_model.",  # Idefics3's and SmolVLM's
+    "vision_model.",  # Llama 4's
     "model.connector.",
-    "vit.",  # HunYuan-VL's, as Tencent's files name it
+    "vit.",  # HunYuan-VL's as Tencent's files name it, and Hunyuan V4 VL's
     "model.vit.",
+    "model.audio_tower.",  # Gemma 3n's audio tower and its embedders
+    "model.embed_vision.",
+    "model.embed_audio.",
+    "patch_merge_mlp.",  # MiniMax-M3's
 )
 
 
@@ -134,7 +141,7 @@ def language_model(
     _plain_rope(text, family)
     renamed = {}
     for name, weight in weights.items():
-        if name.startswith(_VISION_PREFIXES):
+        if name.startswith(VISION_PREFIXES):
             continue
         for old, new in _TEXT_PREFIXES.items():
             if name.startswith(old):
@@ -144,12 +151,10 @@ def language_model(
     return text, renamed, family.name
 
 
-def text_tensors(config: Any, tensors: list[tuple[str, Any, Any, Any]]) -> list:
-    """Of a folder's tensors (name first), its language model's where config.json is a
-    FAMILIES one's (what llmrun runs, as `llmrun show` counts it), else all."""
-    if not isinstance(config, dict) or config.get("model_type") not in FAMILIES:
-        return tensors
-    return [t for t in tensors if not t[0].startswith(_VISION_PREFIXES)]
+def text_tensors(tensors: list[tuple[str, Any, Any, Any]]) -> list:
+    """Of a folder's tensors (name first), those of its language model: what llmrun runs,
+    as `llmrun show` counts it (all of a text-only model's)."""
+    return [t for t in tensors if not t[0].startswith(VISION_PREFIXES)]
 
 
 def _plain_rope(text: dict[str, Any], family: Family) -> None:

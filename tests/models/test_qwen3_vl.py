@@ -86,6 +86,19 @@ def test_a_hub_folder_runs_its_language_model(tmp_path, moe, tie, hub_layout):
     assert (cached_logits(loaded.model, IDS) - reference(hf)).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("tie", [False, True])
+def test_show_counts_the_language_model_alone(tmp_path, tie):
+    """`llmrun show` on a Qwen3-VL folder counts what llmrun runs, the language model
+    and its head, not the vision tower (it counted both)."""
+    from llmrun.loading import inspect
+
+    hf = hf_model(tie=tie)
+    hf.save_pretrained(tmp_path)
+    text = sum(p.numel() for p in hf.model.language_model.parameters())
+    head = 0 if tie else hf.lm_head.weight.numel()
+    assert inspect.describe(tmp_path)["parameters"] == text + head
+
+
 def rope_sections(text: dict) -> list[int]:
     """The converter's rope.dimension_sections: mrope_section padded with 0s to 4."""
     sections = list(text["rope_parameters"]["mrope_section"])
