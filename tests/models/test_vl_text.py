@@ -101,12 +101,17 @@ FAMILIES = {
         dict(rope_parameters=M_ROPE),
     ),
     # Half of each head turned, as the released models' configs say: 4 pairs.
-    "glm4v": ("Glm4vConfig", "Glm4vForConditionalGeneration", {}, dict(rope_parameters=HALF)),
+    "glm4v": (
+        "Glm4vConfig",
+        "Glm4vForConditionalGeneration",
+        dict(vision_config=GLM_VISION),
+        dict(rope_parameters=HALF),
+    ),
     # Half of each head turned (Glm4vMoeTextConfig's default): 4 pairs.
     "glm4v_moe": (
         "Glm4vMoeConfig",
         "Glm4vMoeForConditionalGeneration",
-        {},
+        dict(vision_config=GLM_VISION),
         dict(
             head_dim=16,
             moe_intermediate_size=32,
