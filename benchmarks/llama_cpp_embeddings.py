@@ -61,6 +61,18 @@ def modern_bert(path: Path) -> None:
     t.write_modernbert_gguf(path, hf, **{"{arch}.attention.layer_norm_epsilon": eps})
 
 
+def jina_bert(qk_norm: bool = False, split: bool = False) -> Callable[[Path], None]:
+    """Jina BERT v2 as the converter writes it: gated_layers whole as ffn_up, or (`split`)
+    as ffn_gate and ffn_up, as it did before 2025; with `qk_norm`, q/k LayerNorms."""
+
+    def write(path: Path) -> None:
+        import test_jina_bert as t
+
+        t.write_jina_gguf(path, t.weights(qk_norm), split=split)
+
+    return write
+
+
 FAMILIES: dict[str, Callable[[Path], None]] = {
     "bert": written("test_bert", "write_bert_gguf", "bert"),
     "bert-fused-qkv": written("test_bert", "write_bert_gguf", "bert", fuse_qkv=True),
@@ -68,6 +80,9 @@ FAMILIES: dict[str, Callable[[Path], None]] = {
     "xlm-roberta": written("test_bert", "write_bert_gguf", "xlm-roberta"),
     "nomic-bert": written("test_nomic_bert", "write_nomic_bert_gguf"),
     "modern-bert": modern_bert,
+    "jina-bert-v2": jina_bert(),
+    "jina-bert-v2-split": jina_bert(split=True),
+    "jina-bert-v2-qk-norm": jina_bert(qk_norm=True),
     "qwen3-embedding": written("embedding_helpers", "write_embedding_gguf"),
     "gemma-embedding": written("test_gemma_embedding", "write_gemma_embedding_gguf"),
 }

@@ -185,6 +185,15 @@ def variant(module: str, writer: str, name: str) -> Callable[[Path], None]:
     return write
 
 
+def smallthinker(path: Path, name: str) -> None:
+    """The tests' SmallThinker in a layout llama.cpp reads: "21b" (global NoPE layers among
+    sliding ones, softmax routing) or "4b" (every layer global, sigmoid, tied)."""
+    import test_smallthinker as t
+
+    form = t.GGUF_VARIANTS[name]
+    t.write_smallthinker(path, sharpened(t.hf_model(form)), form)
+
+
 FAMILIES: dict[str, Callable[[Path], None]] = {
     "qwen35": lambda p: qwen35(p, "dense"),
     "qwen35moe": lambda p: qwen35(p, "moe"),
@@ -291,8 +300,19 @@ FAMILIES: dict[str, Callable[[Path], None]] = {
     "glm4v": written("test_vl_text", "write_glm4v_gguf", "glm4v"),
     "glm4v-moe": written("test_vl_text", "write_glm4v_moe_gguf", "glm4v_moe"),
     "bailingmoe3": written("test_bailing_hybrid", "write_bailing_hybrid_gguf"),
+    # llama.cpp's bailingmoe builds experts in every layer: the tests' dense-first files it refuses
+    "bailingmoe": written("test_bailing_moe", "write_bailingmoe", "lite"),
+    "bailingmoe-qkv-bias": written("test_bailing_moe", "write_bailingmoe", "qkv-bias"),
+    "bailingmoe-unnormalized": written("test_bailing_moe", "write_bailingmoe", "unnormalized"),
+    "bailingmoe2": written("test_bailing_moe_v2", "write_bailingmoe2", "mini"),
+    "deepseek": written("test_deepseek_v1", "write_deepseek", "16b"),
+    "qwen": written("test_qwen", "write_qwen_gguf"),
+    # (llama.cpp's bailingmoe2 loads no attn_qkv bias: the tests' qkv-bias files it refuses)
+    "bailingmoe2-one-expert": written("test_bailing_moe_v2", "write_bailingmoe2", "one-expert"),
     "jais2": written("test_jais2", "write_jais2_gguf"),
     "hunyuan-vl": written("test_hunyuan_vl", "write_hunyuan_vl_gguf"),
+    "smallthinker-21b": lambda p: smallthinker(p, "21b"),
+    "smallthinker-4b": lambda p: smallthinker(p, "4b"),
 }
 
 
@@ -349,7 +369,8 @@ def llama_cpp_greedy(
     ones: with ignore_eos the top one may be the end-of-generation token's, which is
     never chosen). It gives no entry for a step whose token makes no text yet (a byte of
     a character): an entry's bytes are those of the steps since the last entry, and its
-    probability is its last step's."""
+    probability is its last step's. An entry covers at least one step, so a token that
+    prints nothing (a control token such as BOS) gets its own entry."""
     body = {
         "prompt": PROMPT,
         "n_predict": tokens,
@@ -362,8 +383,8 @@ def llama_cpp_greedy(
     answer = server._post("/completion", body)
     ids, probs, step = answer["tokens"], {}, 0
     for entry in answer["completion_probabilities"]:
-        text = b""
-        while step < len(ids) and text != bytes(entry["bytes"]):
+        text, first = b"", step
+        while step < len(ids) and (step == first or text != bytes(entry["bytes"])):
             text += vocab[ids[step]]
             step += 1
         if text != bytes(entry["bytes"]) or ids[step - 1] != entry["id"]:

@@ -406,8 +406,13 @@ def mode_name(mode: tuple[bool, bool]) -> str:
 
 
 def llmrun_encode(tok: Tokenizer, text: str, mode: tuple[bool, bool]) -> list[int]:
+    """llama.cpp's add_special: BOS as the model says, and EOS (WPM: SEP) where the file
+    asks for it, as Tokenizer.encode_sequence adds it."""
     add_special, parse_special = mode
-    return tok.encode(text, add_bos=None if add_special else False, parse_special=parse_special)
+    ids = tok.encode(text, add_bos=None if add_special else False, parse_special=parse_special)
+    if add_special and tok.add_eos and tok.eos_id is not None:
+        ids.append(tok.eos_id)
+    return ids
 
 
 def encode_differs(tok: Tokenizer, expected: list[int], got: list[int]) -> bool:

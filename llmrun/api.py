@@ -19,11 +19,11 @@ import torch
 from gguf import Keys
 from torch import nn
 
-from llmrun import embeddings, paths, tokenizer_gguf
+from llmrun import embeddings, paths, reranking, tokenizer_gguf
 from llmrun.chat_template import ChatTemplate, select_template
 from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
 from llmrun.generate import KVState, Response, TokenLogprob, stream_generate
-from llmrun.loading import embedding, safetensors_io
+from llmrun.loading import embedding, reranker, safetensors_io
 from llmrun.loading.loader import Checkpoint, check_device_room, load_model, open_checkpoint
 from llmrun.models import kv_cache_bytes, model_module, recurrent_state_bytes
 from llmrun.models.cache import BYTES_PER_VALUE, KVCache
@@ -38,6 +38,14 @@ from llmrun.reasoning import (
     template_switches,
 )
 from llmrun.sampling import Sampler, SamplingParams
+from llmrun.speculative import (
+    DEFAULT_DRAFT_MAX,
+    Draft,
+    Lookup,
+    Speculator,
+    check_cache,
+    check_vocab,
+)
 from llmrun.threads import default_threads
 from llmrun.tokenizer import Tokenizer, hf_tokenizer_file, load_tokenizer
 
@@ -105,12 +113,15 @@ class Engine:
     tool_template: ChatTemplate | None = None
     cache_type: str | None = None  # what the KV cache stores (CACHE_TYPES); None: the dtype
     activations: str = "f32"  # how quantized weights meet activations on CPU (ACTIVATIONS)
+    # Speculative decoding's drafts (use_draft, use_lookup); None: plain decoding
+    speculator: Speculator | None = None
 
     @property
     def generates(self) -> bool:
-        """Whether the model generates text: not an encoder, nor a base model saved for
-        embeddings without an output head."""
-        return getattr(self.model, "generates", True) and self.checkpoint.generates
+        """Whether the model generates text: not an encoder, a reranker, nor a base model
+        saved for embeddings without an output head."""
+        own = getattr(self.model, "generates", True) and self.checkpoint.generates
+        return own and not self.reranks
 
     def embed(
         self,
@@ -123,6 +134,8 @@ class Engine:
         """A vector per input (a text, or token ids taken as they are), by `pooling` (None:
         the file's), of unit length where `normalized`; a text with its special tokens
         (Tokenizer.encode_sequence), longer than the context an error unless `truncate`."""
+        if self.reranks:
+            raise UsageError(f"{self.name} is a reranker; use `llmrun rerank`")
         pooling = embeddings.check_pooling(pooling or self.checkpoint.pooling, self.name)
         if not inputs:
             raise UsageError("no input to embed")
@@ -139,6 +152,50 @@ class Engine:
         )
         return embeddings.Embedded(vectors, [len(i) for i in ids])
 
+    @property
+    def reranks(self) -> bool:
+        """Whether the model is a cross-encoder (a reranker)."""
+        return reranker.is_reranker(self.checkpoint.config)
+
+    def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        batch_size: int = reranking.DEFAULT_BATCH_SIZE,
+        truncate: bool = False,
+    ) -> reranking.Reranked:
+        """Each document's relevance to `query` (the cross-encoder's logit; a causal
+        reranker's probability of "yes"), by document index; a pair longer than the context
+        an error unless `truncate` (which cuts a cross-encoder's document)."""
+        if not self.reranks:
+            raise UsageError(
+                f"{self.name} is not a reranker (a cross-encoder with a classifier of one label)"
+            )
+        if not documents:
+            raise UsageError("no document to rerank")
+        metadata = self.checkpoint.gguf.metadata if self.checkpoint.gguf is not None else None
+        head = self.checkpoint.rank_head
+        if head is not None:  # a causal reranker: yes or no after its prompt
+            if truncate:
+                raise UsageError(f"{self.name} is a causal reranker, whose prompts are not cut")
+            template = metadata[reranker.RERANK_TEMPLATE]
+            prompts = reranking.encode_prompts(
+                self.tokenizer, template, query, documents, self.ctx_size
+            )
+            scores = reranking.score_prompts(self.model, prompts, head, batch_size, self.device)
+            return reranking.Reranked(scores, [len(ids) for ids in prompts])
+        pairs = reranking.encode_pairs(
+            self.tokenizer,
+            metadata,
+            query,
+            documents,
+            self.ctx_size,
+            truncate,
+            token_types=self.model.args.type_vocab_size > 1,
+        )
+        scores = reranking.score_pairs(self.model, pairs, batch_size, self.device)
+        return reranking.Reranked(scores, [len(pair.ids) for pair in pairs])
+
     def new_cache(self, batch: int, size: int) -> KVCache:
         """An empty KV cache of `batch` rows of `size` positions, of the cache type."""
         return self.model.new_cache(batch, size, self.cache_type or self.dtype, self.device)
@@ -147,6 +204,21 @@ class Engine:
         """An empty KV cache for `size` tokens (default: the whole context)."""
         size = min(size or self.ctx_size, self.ctx_size)
         return KVState(self.new_cache(1, size))
+
+    def use_draft(self, draft: Engine, max_tokens: int = DEFAULT_DRAFT_MAX) -> None:
+        """Generate by speculative decoding: `draft` (a smaller model of the same
+        vocabulary, on the same device) proposes up to `max_tokens` tokens a step, which
+        this model verifies in one forward (llmrun.speculative)."""
+        check_vocab(self.tokenizer, draft.tokenizer, draft.name)
+        check_cache(self.new_cache(1, 1), self.name)
+        check_cache(draft.new_cache(1, 1), draft.name)
+        self.speculator = Draft(draft.model, lambda size: draft.new_cache(1, size), max_tokens)
+
+    def use_lookup(self, max_tokens: int) -> None:
+        """Generate by speculative decoding with up to `max_tokens` tokens a step drafted
+        from earlier text (prompt lookup: llmrun.speculative.Lookup)."""
+        check_cache(self.new_cache(1, 1), self.name)
+        self.speculator = Lookup(max_tokens)
 
     def render(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **switches: Any
@@ -222,6 +294,8 @@ class Engine:
                 "generation_tokens_per_second": round(stats.generation_tps, 2),
             },
         }
+        if stats.drafted:
+            result["draft"] = {"drafted": stats.drafted, "accepted": stats.accepted}
         if self.markers is not None:
             reasoning = split.tokens[REASONING]
             result["reasoning"] = split.text[REASONING]
@@ -274,6 +348,7 @@ class Engine:
             stop,
             logprobs,
             history_end,
+            self.speculator,
         )
 
 
@@ -288,13 +363,15 @@ def load(
     cache_type: str | None = None,
     activations: str = "f32",
     generate: bool = True,
+    lora: Sequence[tuple[str | Path, float]] = (),
 ) -> Engine:
     """Load MODEL (`path`, when given, is where it already resolved to); with `generate`,
     a model that cannot generate (an embedding model) is refused first. `cache_type`:
     what the KV cache stores keys and values as (CACHE_TYPES; None: the compute dtype,
     which is exact). `activations`: "f32", exact products of quantized weights, or
     "q8", activations quantized to Q8_0 (K-quants: Q8_K) first as llama.cpp does (faster on CPU; where
-    the kernels have it for the type, llmrun.quant.linear.set_activations)."""
+    the kernels have it for the type, llmrun.quant.linear.set_activations). `lora`: LoRA
+    adapters as (path, scale), a GGUF adapter or a PEFT folder (llmrun.loading.lora)."""
     if dtype not in DTYPES:
         raise UsageError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     if cache_type is not None and cache_type not in CACHE_TYPES:
@@ -325,7 +402,7 @@ def load(
     # native code and page faults, without the GIL (a 262k vocabulary takes ~1 s).
     with ThreadPoolExecutor(1, thread_name_prefix="llmrun-tokenizer") as pool:
         building = pool.submit(_tokenizer, checkpoint, path)
-        loaded = load_model(checkpoint, torch_device, dtype)
+        loaded = load_model(checkpoint, torch_device, dtype, lora)
         tokenizer = building.result()
     if activations != "f32":
         set_activations(loaded.model, activations)
@@ -423,6 +500,10 @@ def _check_use(checkpoint: Checkpoint, name: str, generate: bool) -> bool:
             "model's bidirectional attention) is not supported"
         )
     generates = generates and checkpoint.generates
+    if reranker.is_reranker(checkpoint.config):
+        if generate:
+            raise UsageError(f"{name} is a reranker; use `llmrun rerank`")
+        return False
     if generate and not generates:
         raise UsageError(f"{name} is an embedding model; use `llmrun embed`")
     return generates

@@ -2,7 +2,10 @@
 
 Tests follow llama-bench: ppP feeds P random token ids in chunks of the batch
 size, tgN runs N single-token decode steps, ppP+tgN does both as one test, each
-after D tokens already in the KV cache ("@ dD"). Every test runs once as a
+after D tokens already in the KV cache ("@ dD"). With a draft model (or prompt
+lookup), tgN generates N tokens greedily by speculative decoding instead
+(llmrun.speculative), and the record has the share of drafted tokens the model
+accepted. Every test runs once as a
 discarded warm-up, then `repetitions` times; the device is synchronized before
 each timestamp and tokens/s counts only the test's own tokens. The records are
 flat dicts (ui.py prints them), one per test, each carrying what is needed to
@@ -20,7 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -31,13 +34,15 @@ from torch import nn
 
 from llmrun import __version__, api, native
 from llmrun.errors import UsageError
-from llmrun.generate import KVState, decode, prefill
+from llmrun.generate import KVState, Stats, decode, prefill
 from llmrun.loading import safetensors_io
 from llmrun.loading.loader import Checkpoint
 from llmrun.models import kv_cache_bytes
 from llmrun.models.cache import BYTES_PER_VALUE
 from llmrun.quant.linear import QuantEmbedding
 from llmrun.quant.planes import PlanarLinear
+from llmrun.sampling import Sampler, SamplingParams
+from llmrun.speculative import DEFAULT_DRAFT_MAX
 
 ROOFLINE_BYTES = 1 << 30  # far larger than any L3 cache, so the reads come from DRAM
 ROOFLINE_REPEATS = 5
@@ -80,6 +85,10 @@ class BenchOptions:
     roofline: bool = False
     cache_type: str | None = None  # --cache-type (None: the compute dtype)
     activations: str = "f32"  # --activations
+    lora: list[tuple[str, float]] = field(default_factory=list)  # --lora/--lora-scaled
+    draft: str | None = None  # --draft: a draft model for the tg tests
+    draft_max: int = DEFAULT_DRAFT_MAX  # --draft-max
+    lookup: int | None = None  # --lookup: tokens drafted a step by prompt lookup
 
     @classmethod
     def from_flags(
@@ -96,6 +105,10 @@ class BenchOptions:
         roofline: bool,
         cache_type: str | None = None,
         activations: str = "f32",
+        lora: list[tuple[str, float]] | None = None,
+        draft: str | None = None,
+        draft_max: int | None = None,
+        lookup: int | None = None,
     ) -> BenchOptions:
         """Options from `llmrun bench`'s flags as typed (comma lists), validated."""
         options = cls(
@@ -111,7 +124,13 @@ class BenchOptions:
             roofline=roofline,
             cache_type=cache_type,
             activations=activations,
+            lora=lora or [],
+            draft=draft,
+            draft_max=DEFAULT_DRAFT_MAX if draft_max is None else draft_max,
+            lookup=lookup,
         )
+        if draft is None and draft_max is not None:
+            raise UsageError("--draft-max goes with --draft")
         options.validate()
         return options
 
@@ -142,6 +161,12 @@ class BenchOptions:
         for p, n in self.pg:
             if p < 1 or n < 1:
                 raise UsageError(f"--pg needs a positive prompt and generation length, got {p},{n}")
+        if self.draft_max < 1:
+            raise UsageError(f"--draft-max must be at least 1, got {self.draft_max}")
+        if self.lookup is not None and self.lookup < 1:
+            raise UsageError(f"--lookup must be at least 1, got {self.lookup}")
+        if self.lookup is not None and self.draft is not None:
+            raise UsageError("--draft and --lookup: choose one")
         if self.repetitions < 1:
             raise UsageError(f"-r/--repetitions must be at least 1, got {self.repetitions}")
         if not self.tests():
@@ -300,11 +325,18 @@ def _random_ids(vocab_size: int, n: int, rng: random.Random) -> list[int]:
 
 
 def _run_once(
-    engine: api.Engine, state: KVState, test: Test, ids: list[int], depth_windows: Any = None
+    engine: api.Engine,
+    state: KVState,
+    test: Test,
+    ids: list[int],
+    depth_windows: Any = None,
+    stats: Stats | None = None,
 ) -> tuple[float, float]:
     """One timed run after the cached depth: (seconds, seconds to the first new token's logits).
     `depth_windows`: the sliding-window layers' rings as the depth left them (a ring
-    does not keep what the previous run overwrote; see KVCache.save_windows)."""
+    does not keep what the previous run overwrote; see KVCache.save_windows). With the
+    engine's speculator, the generated tokens are the model's greedy ones, drafted and
+    verified (`stats` counts the drafts)."""
     device = engine.device
     del state.tokens[test.n_depth :]
     state.cache.restore_windows(depth_windows)
@@ -315,19 +347,36 @@ def _run_once(
         prefill(engine.model, state, ids[: test.n_prompt], test.n_batch)
         synchronize(device)
         first = time.perf_counter() - start
-    for token in ids[test.n_prompt :]:
-        decode(engine.model, state, token)
-        if first is None:
-            synchronize(device)
-            first = time.perf_counter() - start
+    if engine.speculator is not None and test.n_gen:
+        # The first token is fed as a decode step's is; the model's own tokens follow.
+        greedy = Sampler(SamplingParams(temperature=0))
+        fed = ids[test.n_prompt : test.n_prompt + 1]
+        counts = stats if stats is not None else Stats()
+        steps = engine.speculator.generate_step(engine.model, state, fed, greedy, [], counts)
+        for _ in zip(range(test.n_gen), steps, strict=False):
+            if first is None:
+                synchronize(device)
+                first = time.perf_counter() - start
+        steps.close()
+    else:
+        for token in ids[test.n_prompt :]:
+            decode(engine.model, state, token)
+            if first is None:
+                synchronize(device)
+                first = time.perf_counter() - start
     synchronize(device)
     return time.perf_counter() - start, first
 
 
 def run_test(
-    engine: api.Engine, test: Test, repetitions: int, progress: Progress
+    engine: api.Engine,
+    test: Test,
+    repetitions: int,
+    progress: Progress,
+    stats: Stats | None = None,
 ) -> tuple[list[float], list[float]]:
-    """Seconds and seconds-to-first-token of each timed run, after one warm-up."""
+    """Seconds and seconds-to-first-token of each timed run, after one warm-up; `stats`
+    counts the timed runs' drafts (with the engine's speculator)."""
     rng = random.Random(0)
     vocab = min(engine.tokenizer.vocab_size, engine.model.args.vocab_size)
     state = engine.new_state(test.positions)
@@ -340,7 +389,8 @@ def run_test(
             label = "warm-up" if rep == 0 else f"run {rep}/{repetitions}"
             progress(f"{test.name} {label}", 0)
             ids = _random_ids(vocab, test.n_prompt + test.n_gen, rng)
-            elapsed, first = _run_once(engine, state, test, ids, depth_windows)
+            counted = stats if rep else None
+            elapsed, first = _run_once(engine, state, test, ids, depth_windows, counted)
             if rep:
                 seconds.append(elapsed)
                 firsts.append(first)
@@ -369,6 +419,7 @@ def bench_model(
         cache_type=options.cache_type,
         activations=options.activations,
         path=path,
+        lora=options.lora,
     )
     checkpoint = engine.checkpoint
     name = model_name(engine.path)
@@ -379,6 +430,22 @@ def bench_model(
             f"test {longest.name} needs {longest.positions} positions, but "
             f"{name} holds {max_positions}; use smaller -p/-n/-d/--pg"
         )
+    drafting = {}
+    if options.draft is not None:
+        progress(f"loading draft {options.draft}", 0)
+        draft = api.load(
+            options.draft,
+            engine.device.type,
+            options.dtype,
+            ctx_size=longest.positions,
+            cache_type=options.cache_type,
+            activations=options.activations,
+        )
+        engine.use_draft(draft, options.draft_max)
+        drafting = dict(draft=model_name(draft.path), draft_max=options.draft_max)
+    elif options.lookup is not None:
+        engine.use_lookup(options.lookup)
+        drafting = dict(draft="lookup", draft_max=options.lookup)
     common = dict(
         llmrun_version=__version__,
         torch_version=torch.__version__,
@@ -399,17 +466,27 @@ def bench_model(
         cache_type=cache_type,  # as llama-bench's type_k / type_v, one for both
         activations=engine.activations,
         load_s=engine.load_seconds,
+        **drafting,
     )
     records = []
     for test in tests:
         if test.threads is not None:
             torch.set_num_threads(test.threads)
         threads = torch.get_num_threads()
+        stats = Stats()
         seconds, firsts = run_test(
-            engine, test, options.repetitions, lambda what, done: progress(f"{name} {what}", done)
+            engine,
+            test,
+            options.repetitions,
+            lambda what, done: progress(f"{name} {what}", done),
+            stats,
         )
         peak = peak_memory(engine.device)
         record = _record(common, test, threads, seconds, firsts, peak, roofline.get(threads))
+        if drafting:
+            record.update(drafted=stats.drafted, accepted=stats.accepted)
+            # A verify forward reads the weights once for several tokens: no GB/s per token.
+            record.update(acceptance=stats.acceptance, gbps=None, roofline_pct=None)
         kv = kv_cache_bytes(checkpoint.config, test.positions, BYTES_PER_VALUE[cache_type])
         record.update(kv_cache_bytes=kv, kv_bytes_per_token=kv / test.positions)
         records.append(record)

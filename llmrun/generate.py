@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -20,6 +21,9 @@ from llmrun import static_decode
 from llmrun.errors import ContextOverflowError
 from llmrun.models.cache import KVCache
 from llmrun.sampling import Sampler, top_logprobs
+
+if TYPE_CHECKING:
+    from llmrun.speculative import Speculator
 
 PREFILL_CHUNK = 512
 # A hybrid model's state cannot go back, so a prompt keeps a copy of it where the next
@@ -49,6 +53,13 @@ class Stats:
     completion_tokens: int = 0
     prompt_seconds: float = 0.0
     generation_seconds: float = 0.0
+    drafted: int = 0  # tokens drafted by speculative decoding (llmrun.speculative)
+    accepted: int = 0  # of those, the ones the model accepted
+
+    @property
+    def acceptance(self) -> float | None:
+        """The share of drafted tokens accepted; None without drafts."""
+        return self.accepted / self.drafted if self.drafted else None
 
     @property
     def prompt_tps(self) -> float:
@@ -275,8 +286,10 @@ def stream_generate(
     stop: Sequence[str] = (),
     logprobs: int | None = None,
     history_end: int | None = None,
+    speculator: Speculator | None = None,
 ) -> Iterator[Response]:
-    """Generate after `prompt`, yielding text as it becomes printable.
+    """Generate after `prompt`, yielding text as it becomes printable; with a
+    `speculator`, by speculative decoding (llmrun.speculative).
 
     The cache keeps the prefix it shares with `prompt`, so only new tokens are
     prefilled. The streamed texts concatenate to the decoded completion, cut
@@ -295,7 +308,11 @@ def stream_generate(
     # CHECKPOINT_MARGIN): `history_end`, the conversation's end before the generation
     # prompt, where the caller knows it.
     keep_at = history_end if history_end is not None else len(prompt) - CHECKPOINT_MARGIN
-    steps = generate_step(model, state, prompt[kept:], sampler, list(prompt), keep_at)
+    if speculator is None:
+        steps = generate_step(model, state, prompt[kept:], sampler, list(prompt), keep_at)
+    else:
+        history = list(prompt)
+        steps = speculator.generate_step(model, state, prompt[kept:], sampler, history, stats)
     try:
         for token, logits in steps:
             if stats.completion_tokens == 0:

@@ -129,9 +129,20 @@ class Sampler:
 
     def draw(self, logits: torch.Tensor) -> int:
         """A token from penalized (and masked) logits: greedy, or top-k/top-p/min-p/temperature."""
-        p = self.params
-        if p.temperature == 0:
+        if self.params.temperature == 0:
             return argmax(logits)
+        ids, probs = self.candidates(logits)
+        if probs is None:
+            return int(ids[0])
+        choice = torch.multinomial(probs, 1, generator=self.generator)
+        return int(ids[int(choice)])
+
+    def candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The ids that top-k, top-p and min-p keep of penalized logits (temperature > 0)
+        and their probabilities at the temperature (CPU float32); probabilities None
+        where the best logit is out of float range at the temperature (its id alone has
+        any probability)."""
+        p = self.params
         if p.top_k > 0:
             values, ids = top_k(logits, min(p.top_k, logits.shape[-1]))
         else:
@@ -144,15 +155,33 @@ class Sampler:
             keep = min(keep, int((cumulative < p.top_p).sum()) + 1)
         if p.min_p > 0.0:
             keep = min(keep, max(1, int((probs >= p.min_p * probs[0]).sum())))
-        values, ids = values[:keep], ids[:keep]
+        values, ids = values[:keep], ids[:keep].cpu()
         scaled = values.cpu() / p.temperature
         if not torch.isfinite(scaled[0]):
             # A temperature so small (or a penalty so large) that the best logit is out of
             # float range: no other token has any probability left.
-            return int(ids[0])
-        probs = torch.softmax(scaled, dim=-1)
-        choice = torch.multinomial(probs, 1, generator=self.generator)
-        return int(ids[int(choice)])
+            return ids, None
+        return ids, torch.softmax(scaled, dim=-1)
+
+    def distribution(self, logits: torch.Tensor, history: Sequence[int] = ()) -> torch.Tensor:
+        """The probabilities [V] (CPU float64) that __call__ draws the next token from, after
+        biases, penalties and the samplers: one-hot at the argmax for greedy. Speculative
+        decoding (llmrun.speculative) compares a target's and a draft's."""
+        logits = self.penalize(self.biased(logits), history)
+        probs = torch.zeros(logits.shape[-1], dtype=torch.float64)
+        if self.params.temperature == 0:
+            probs[argmax(logits)] = 1.0
+            return probs
+        ids, kept = self.candidates(logits)
+        if kept is None:
+            probs[ids[0]] = 1.0
+        else:
+            probs[ids] = kept.double()
+        return probs
+
+    def pick(self, probs: torch.Tensor) -> int:
+        """A token drawn from probabilities [V] (not necessarily normalized), seeded."""
+        return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
 def argmax(logits: torch.Tensor) -> int:

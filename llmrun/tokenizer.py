@@ -13,7 +13,7 @@ import codecs
 import contextlib
 import json
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from llmrun import sentencepiece_model, tokenizer_gguf
 from llmrun.errors import TokenizerError, UnsupportedError
 from llmrun.pretokenizers import SPM_SPACE
 from llmrun.token_bytes import byte_level_bytes, raw, spm_bytes
-from llmrun.tokenizer_gguf import END_OF_GENERATION
+from llmrun.tokenizer_gguf import END_OF_GENERATION, FIM_ENDS, fim_by_text
 
 _BATCH = 4096  # texts per call of the tokenizers library's encode_batch
 
@@ -47,8 +47,13 @@ class Tokenizer:
         source: str,
         split_special: Callable[[str, bool], list[str | int]] | None = None,
         post_processed: bool = False,
+        fim_ids: Mapping[str, int] | None = None,
+        token_ids: Mapping[str, int] | None = None,
     ) -> None:
         self._backend = backend
+        # Token text -> id, where the backend's vocabulary does not spell every token
+        # (a GGUF Unigram one holds no control token's text); else the backend's.
+        self._token_ids = token_ids
         self._spell = spell
         self._bytes: list[bytes | None] = [None] * vocab_size
         self.vocab_size = vocab_size
@@ -66,6 +71,9 @@ class Tokenizer:
         # Whether the backend's post-processor (a tokenizer.json's) says which special
         # tokens go around a text, as transformers applies it; else add_bos and add_eos say.
         self._post_processed = post_processed
+        # Fill-in-the-middle tokens by name (tokenizer_gguf.FIM_NAMES: pre, suf, mid, pad,
+        # rep, sep), those the vocabulary has.
+        self.fim_ids = dict(fim_ids or {})
 
     def encode(
         self, text: str, add_bos: bool | None = None, parse_special: bool = True
@@ -102,6 +110,29 @@ class Tokenizer:
         if self.add_eos and self.eos_id is not None:
             ids.append(self.eos_id)
         return ids
+
+    def pair_parts(
+        self, first: str, seconds: Sequence[str]
+    ) -> list[tuple[list[int], list[int], list[int], int]] | None:
+        """`first` joined with each of `seconds` by a tokenizer.json's post-processor, as
+        transformers' `tokenizer(first, second)` joins a cross-encoder's pair: for each, the
+        ids before the second text, the second text's own, those after it, and where token
+        type 1 begins. None without a post-processor (the caller joins by its own rules)."""
+        if not self._post_processed:
+            return None
+        backend = self._backend
+        backend.encode_special_tokens = False
+        head = backend.encode(valid_text(first), add_special_tokens=False)
+        out = []
+        for second in seconds:
+            tail = backend.encode(valid_text(second), add_special_tokens=False)
+            pair = backend.post_process(head, tail, add_special_tokens=True)
+            ids, sequences = pair.ids, pair.sequence_ids
+            start = sequences.index(1) if 1 in sequences else len(ids)
+            end = len(sequences) - sequences[::-1].index(1) if 1 in sequences else len(ids)
+            type_one = pair.type_ids.index(1) if 1 in pair.type_ids else len(ids)
+            out.append((ids[:start], ids[start:end], ids[end:], type_one))
+        return out
 
     def encode_batch(
         self,
@@ -182,6 +213,8 @@ class Tokenizer:
 
     def token_id(self, text: str) -> int | None:
         """The id of a token stored exactly as `text`, such as "<|im_end|>"; None if none."""
+        if self._token_ids is not None:
+            return self._token_ids.get(text)
         return self._backend.token_to_id(text)
 
     def _piece(self, token_id: int, skip_special: bool) -> bytes:
@@ -227,6 +260,12 @@ class Tokenizer:
             add_bos = template_first is not None and template_first == bos
         eog_ids = {i for i, t in added.items() if t.content in END_OF_GENERATION}
         eog_ids |= {eos} if eos is not None else set()
+        eot = config_token("eot_token")  # CodeLlama's "▁<EOT>", which ends an infill
+        eog_ids |= {eot} if eot is not None else set()
+        # As llama.cpp finds them in the GGUF of the same folder: by their text, the pad,
+        # repo and file-separator ones ending generation.
+        fim_ids = fim_by_text(backend.token_to_id)
+        eog_ids |= {fim_ids[name] for name in FIM_ENDS if name in fim_ids}
 
         decoder = _decoder_parts(backend, file)
         strip = False
@@ -274,6 +313,7 @@ class Tokenizer:
             strip_leading_space=strip,
             source=str(file),
             post_processed=backend.post_processor is not None,
+            fim_ids=fim_ids,
         )
 
 

@@ -25,6 +25,7 @@ from llmrun.errors import TokenizerError, UnsupportedError
 from llmrun.pretokenizers import PRE_TOKENIZERS, SPM_SPACE, PreTokenizer, pre_tokenizer
 from llmrun.spm_merges import spm_merges
 from llmrun.token_bytes import BYTE_LEVEL_ALPHABET, byte_level_bytes, raw, spm_bytes
+from llmrun.unigram import unigram_backend
 from llmrun.wordpiece import wordpiece_backend
 
 # Token texts llama.cpp treats as end of generation (and as control tokens) in any vocabulary.
@@ -96,6 +97,16 @@ _FIM_TEXTS = {
     Keys.Tokenizer.FIM_SEP_ID: ("<|file_sep|>",),
 }
 _FIM_ENDS = (Keys.Tokenizer.FIM_PAD_ID, Keys.Tokenizer.FIM_REP_ID, Keys.Tokenizer.FIM_SEP_ID)
+# What Tokenizer.fim_ids calls each one.
+FIM_NAMES = {
+    Keys.Tokenizer.FIM_PRE_ID: "pre",
+    Keys.Tokenizer.FIM_SUF_ID: "suf",
+    Keys.Tokenizer.FIM_MID_ID: "mid",
+    Keys.Tokenizer.FIM_PAD_ID: "pad",
+    Keys.Tokenizer.FIM_REP_ID: "rep",
+    Keys.Tokenizer.FIM_SEP_ID: "sep",
+}
+FIM_ENDS = tuple(FIM_NAMES[key] for key in _FIM_ENDS)
 _FIM_OLD_KEYS = {  # the names older files use
     Keys.Tokenizer.FIM_PRE_ID: Keys.Tokenizer.PREFIX_ID,
     Keys.Tokenizer.FIM_SUF_ID: Keys.Tokenizer.SUFFIX_ID,
@@ -103,8 +114,9 @@ _FIM_OLD_KEYS = {  # the names older files use
 }
 # gpt-oss: llama.cpp always matches and prints these, even where the file calls them control.
 _ALWAYS_SHOWN = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
-GGUF_MODELS = ("llama", "gpt2", "gemma4", "bert")
+GGUF_MODELS = ("llama", "gpt2", "gemma4", "bert", "t5")
 WPM_MODEL = "bert"  # WordPiece: llmrun.wordpiece
+UGM_MODEL = "t5"  # Unigram: llmrun.unigram
 # llama.cpp's WPM ids where the file names none (llama_vocab::impl::load, "bert").
 WPM_DEFAULTS = {Keys.Tokenizer.BOS_ID: 101, Keys.Tokenizer.SEP_ID: 102, Keys.Tokenizer.UNK_ID: 100}
 
@@ -124,8 +136,8 @@ def _gc_paused() -> Iterator[None]:
 
 def check_metadata(metadata: dict[str, Any], source: str) -> PreTokenizer | None:
     """Refuses, in a moment, GGUF metadata whose tokenizer llmrun cannot build (so `run`
-    says so before it loads the weights); returns its BPE pre-tokenizer (None: SPM, or WPM,
-    which has none)."""
+    says so before it loads the weights); returns its BPE pre-tokenizer (None: SPM, WPM or
+    UGM, which have none)."""
     model = metadata.get(Keys.Tokenizer.MODEL)
     if model not in GGUF_MODELS:
         if model is None:
@@ -137,7 +149,7 @@ def check_metadata(metadata: dict[str, Any], source: str) -> PreTokenizer | None
     tokens = metadata.get(Keys.Tokenizer.LIST)
     if not isinstance(tokens, list) or not tokens:
         raise TokenizerError(f"{source}: no {Keys.Tokenizer.LIST} in the metadata")
-    if model in ("llama", WPM_MODEL):
+    if model in ("llama", WPM_MODEL, UGM_MODEL):
         return None
     # llama.cpp reads no tokenizer.ggml.pre for Gemma 4's own tokenizer model, and takes
     # a missing or empty one for "default".
@@ -167,7 +179,8 @@ def tokenizer_args(metadata: dict[str, Any], source: str) -> dict[str, Any]:
         return value if isinstance(value, int) and 0 <= value < n else None
 
     wpm = metadata[Keys.Tokenizer.MODEL] == WPM_MODEL
-    spm = pre is None and not wpm
+    ugm = metadata[Keys.Tokenizer.MODEL] == UGM_MODEL
+    spm = pre is None and not wpm and not ugm
     vocab = _gguf_vocab(tokens)
     add_eos = bool(metadata.get(Keys.Tokenizer.ADD_EOS, False))
     if wpm:
@@ -179,6 +192,18 @@ def tokenizer_args(metadata: dict[str, Any], source: str) -> dict[str, Any]:
         bos = token_id(Keys.Tokenizer.BOS_ID, WPM_DEFAULTS[Keys.Tokenizer.BOS_ID])
         eos = token_id(Keys.Tokenizer.SEP_ID, WPM_DEFAULTS[Keys.Tokenizer.SEP_ID])
         add_eos = bool(metadata.get(Keys.Tokenizer.ADD_SEP, True))
+    elif ugm:
+        add_prefix = bool(metadata.get(Keys.Tokenizer.ADD_PREFIX, False))
+        # llama.cpp's UGM ids where the file names none: unk 2, eos 1, no bos; and it
+        # appends eos, adding no bos, unless the file says otherwise.
+        unk = token_id(Keys.Tokenizer.UNK_ID, 2)
+        if unk is None:
+            raise TokenizerError(f"{source}: {Keys.Tokenizer.UNK_ID} names no token")
+        scores = _gguf_array(metadata, Keys.Tokenizer.SCORES, n, source, 0.0)
+        backend = unigram_backend(metadata, tokens, types, scores, unk, add_prefix, source)
+        add_bos_default = False
+        bos, eos = token_id(Keys.Tokenizer.BOS_ID), token_id(Keys.Tokenizer.EOS_ID, 1)
+        add_eos = bool(metadata.get(Keys.Tokenizer.ADD_EOS, True))
     elif spm:
         add_prefix = bool(metadata.get(Keys.Tokenizer.ADD_PREFIX, True))
         backend = _spm_backend(metadata, tokens, vocab, n, source, add_prefix)
@@ -192,9 +217,11 @@ def tokenizer_args(metadata: dict[str, Any], source: str) -> dict[str, Any]:
 
     marks = _Marks.from_gguf(metadata, tokens, types, vocab, token_id, bos, eos)
     added = sorted(i for i in marks.special | marks.user if tokens[i] in vocab)
-    backend.add_tokens(
-        [AddedToken(tokens[i], special=i in marks.special, normalized=False) for i in added]
-    )
+    # UGM's backend holds no control token's text (llmrun.unigram): the splitter finds them.
+    if not ugm:
+        backend.add_tokens(
+            [AddedToken(tokens[i], special=i in marks.special, normalized=False) for i in added]
+        )
     verbatim = marks.special | marks.user | marks.unused
     byte_level = pre is not None and pre.byte_level
 
@@ -218,11 +245,24 @@ def tokenizer_args(metadata: dict[str, Any], source: str) -> dict[str, Any]:
         add_eos=add_eos,
         special_ids=marks.special,
         eog_ids=marks.eog,
+        fim_ids=marks.fim,
         # WPM's word-initial pieces each begin with a space.
-        strip_leading_space=(spm and add_prefix) or wpm,
-        split_special=_special_splitter(tokens, added, marks, vocab),
+        strip_leading_space=((spm or ugm) and add_prefix) or wpm,
+        split_special=_special_splitter(tokens, added, marks, vocab, always=ugm),
+        token_ids=vocab if ugm else None,
         source=source,
     )
+
+
+def fim_by_text(token_id: Callable[[str], int | None]) -> dict[str, int]:
+    """The fill-in-the-middle tokens found by their text (llama.cpp's list), by FIM_NAMES'
+    names, for a vocabulary whose `token_id(text)` gives a token's id or None."""
+    found = {}
+    for key, texts in _FIM_TEXTS.items():
+        fim = next((i for i in map(token_id, texts) if i is not None), None)
+        if fim is not None:
+            found[FIM_NAMES[key]] = fim
+    return found
 
 
 def _gguf_array(metadata: dict[str, Any], key: str, n: int, source: str, default: Any) -> list:
@@ -319,6 +359,7 @@ class _Marks:
     eog: set[int]  # end generation
     lstrip: set[int]  # swallow the whitespace before them
     rstrip: set[int]  # and after them
+    fim: dict[str, int]  # the fill-in-the-middle tokens, by FIM_NAMES' names
 
     @classmethod
     def from_gguf(
@@ -341,13 +382,16 @@ class _Marks:
         control = kinds[TokenType.CONTROL] | kinds[TokenType.UNKNOWN]
         user = kinds[TokenType.USER_DEFINED]
         eog = {i for i in (eos, token_id(Keys.Tokenizer.EOT_ID), token_id(Keys.Tokenizer.EOM_ID))}
-        for key, texts in _FIM_TEXTS.items():
+        fim_ids, by_text = {}, fim_by_text(vocab.get)
+        for key, name in FIM_NAMES.items():
             fim = token_id(key)
             if fim is None and key in _FIM_OLD_KEYS:
                 fim = token_id(_FIM_OLD_KEYS[key])
             if fim is None:
-                fim = next((vocab[t] for t in texts if t in vocab), None)
+                fim = by_text.get(name)
                 control |= {fim} if fim is not None else set()
+            if fim is not None:
+                fim_ids[name] = fim
             if key in _FIM_ENDS:
                 eog.add(fim)
         ends = {vocab[t] for t in END_OF_GENERATION if t in vocab}
@@ -375,7 +419,8 @@ class _Marks:
             user.discard(plain)
         user -= control
         lstrip, rstrip = _stripped(metadata, vocab, control | user)
-        return cls(control, user, kinds[TokenType.UNUSED] - control - user, eog, lstrip, rstrip)
+        unused = kinds[TokenType.UNUSED] - control - user
+        return cls(control, user, unused, eog, lstrip, rstrip, fim_ids)
 
 
 def _stripped(
@@ -407,11 +452,15 @@ _C_SPACE = " \t\n\v\f\r"
 
 
 def _special_splitter(
-    tokens: list[str], added: list[int], marks: _Marks, vocab: dict[str, int]
+    tokens: list[str],
+    added: list[int],
+    marks: _Marks,
+    vocab: dict[str, int],
+    always: bool = False,
 ) -> Callable[[str, bool], list[str | int]] | None:
     """(text, parse_special) -> the text cut into plain text and special-token ids as
     llama.cpp cuts it (tokenizer_st_partition), for a vocabulary where the tokenizers
-    library's own matching of added tokens would cut it otherwise; else None.
+    library's own matching of added tokens would cut it otherwise, or `always`; else None.
 
     llama.cpp takes the longest special token first, wherever it is in the text, and each
     one's lstrip/rstrip swallows ASCII whitespace (what C's isspace() takes). The library
@@ -419,7 +468,7 @@ def _special_splitter(
     a token strips, or one token can end with the start of another."""
     texts = {i: tokens[i] for i in added}
     strips = marks.lstrip | marks.rstrip
-    if not strips & set(texts) and not _overlapping(list(texts.values())):
+    if not always and not strips & set(texts) and not _overlapping(list(texts.values())):
         return None
     # Longest first; among equal lengths (llama.cpp's std::sort leaves their order open)
     # by id. A text held by two ids is the later one's, as in the vocabulary.

@@ -127,6 +127,10 @@ def stats_line(stats: Any) -> str:
         f"in {stats.prompt_seconds:.2f} s, {stats.prompt_tps:.1f} tokens/s | "
         f"generation: {stats.completion_tokens} tokens in {stats.generation_seconds:.2f} s, "
         f"{stats.generation_tps:.1f} tokens/s"
+    ) + (
+        f" | draft: {stats.accepted}/{stats.drafted} accepted ({100 * stats.acceptance:.0f}%)"
+        if stats.drafted
+        else ""
     )
 
 
@@ -320,6 +324,8 @@ def print_model_info(info: dict[str, Any]) -> None:
 
 def _architecture_line(info: dict[str, Any]) -> str:
     architecture = info["architecture"] or "-"
+    if info.get("reranker"):
+        return f"{architecture} (reranker)"
     return f"{architecture} (embedding model)" if info.get("embedding_model") else architecture
 
 
@@ -410,7 +416,7 @@ def batch_progress(total: int, verbose: bool, results_on_terminal: bool) -> Iter
         )
 
 
-_BENCH_TEXT_COLUMNS = ("model", "quant", "device", "dtype", "test")
+_BENCH_TEXT_COLUMNS = ("model", "quant", "device", "dtype", "test", "draft")
 # Facts about a loaded model rather than a test: on a terminal, a table of their own.
 _BENCH_MODEL_COLUMNS = (
     "quant",
@@ -449,6 +455,11 @@ def _bench_columns(records: list[dict[str, Any]]) -> list[tuple[str, Any]]:
         ("TTFT ms", fixed("ttft_ms", 1)),
         ("GB/s", fixed("gbps", 2)),
     ]
+    if any("draft" in r for r in records):
+        columns += [
+            ("draft", lambda r: f"{r['draft']} (max {r['draft_max']})"),
+            ("accepted", lambda r: "-" if r["acceptance"] is None else f"{r['acceptance']:.0%}"),
+        ]
     if any(r["roofline_gbps"] is not None for r in records):
         columns += [("max GB/s", fixed("roofline_gbps", 1)), ("% of max", fixed("roofline_pct", 1))]
     columns += [

@@ -5,7 +5,7 @@ gguf.GGUFWriter, following llama.cpp's convert_hf_to_gguf conventions)."""
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -413,6 +413,49 @@ def chat_model_dir(
     return path
 
 
+# Qwen2.5-Coder's fill-in-the-middle tokens, in its order, then its end of text.
+FIM_TOKENS = (
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+    "<|endoftext|>",
+)
+
+
+def _stories_tokens_model_dir(
+    path: Path, family: str, overrides: dict, tokens: Sequence[str], tokenizer_config: dict
+) -> Path:
+    """A tiny random `family` model (helpers.CONFIGS) in `path` with stories260K's tokenizer
+    plus `tokens` (special, from id 512 on) and `tokenizer_config`."""
+    import json
+
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**{**BASE, **CONFIGS[family], **overrides})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    randomize(model)
+    model.save_pretrained(path)
+    tok = json.loads((STORIES_HF / "tokenizer.json").read_text())
+    for i, content in enumerate(tokens, start=512):
+        added = dict(id=i, content=content, single_word=False, lstrip=False, rstrip=False)
+        tok["added_tokens"].append({**added, "normalized": False, "special": True})
+    (path / "tokenizer.json").write_text(json.dumps(tok))
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return path
+
+
+def fim_model_dir(path: Path) -> Path:
+    """A tiny random qwen2 code model: stories260K's tokenizer plus FIM_TOKENS (ids 512 to
+    518, special as in Qwen2.5-Coder's tokenizer.json), <|endoftext|> its EOS."""
+    overrides = {"vocab_size": 520, "bos_token_id": None, "eos_token_id": 518}
+    tok_config = {"bos_token": None, "eos_token": "<|endoftext|>", "add_bos_token": False}
+    return _stories_tokens_model_dir(path, "qwen2", overrides, FIM_TOKENS, tok_config)
+
+
 GEMMA_TURN_TOKENS = ("<start_of_turn>", "<end_of_turn>")
 GEMMA_TEMPLATE = "google-gemma-2-2b-it.jinja"
 
@@ -421,39 +464,14 @@ def gemma_chat_model_dir(path: Path, context: int = 256) -> Path:
     """A tiny random Gemma 3 (helpers.CONFIGS["gemma3"], window 5) with Gemma's chat
     template: stories260K's tokenizer plus <start_of_turn> and <end_of_turn> (ids 512
     and 513), which only the tokenizer marks as ending generation (eos_token_id is 2)."""
-    import json
-
-    import transformers
-
-    config = transformers.AutoConfig.for_model(
-        **{**BASE, **CONFIGS["gemma3"], "vocab_size": 514, "max_position_embeddings": context}
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    randomize(model)
-    model.save_pretrained(path)
-    tok = json.loads((STORIES_HF / "tokenizer.json").read_text())
-    for i, content in enumerate(GEMMA_TURN_TOKENS, start=512):
-        tok["added_tokens"].append(
-            dict(
-                id=i,
-                content=content,
-                single_word=False,
-                lstrip=False,
-                rstrip=False,
-                normalized=False,
-                special=True,
-            )
-        )
-    (path / "tokenizer.json").write_text(json.dumps(tok))
     tok_config = {
         "bos_token": "<s>",
         "eos_token": "</s>",
         "add_bos_token": False,
         "chat_template": (TEMPLATES_DIR / GEMMA_TEMPLATE).read_text(),
     }
-    (path / "tokenizer_config.json").write_text(json.dumps(tok_config))
-    return path
+    overrides = {"vocab_size": 514, "max_position_embeddings": context}
+    return _stories_tokens_model_dir(path, "gemma3", overrides, GEMMA_TURN_TOKENS, tok_config)
 
 
 # Openings the bundled stories260K continues, for tests that run several prompts

@@ -133,7 +133,9 @@ def test_a_context_whose_kv_cache_does_not_fit_the_gpu_is_refused(monkeypatch):
     fake_cuda(monkeypatch, 1 << 20)
     real = loader.load_model
     monkeypatch.setattr(
-        api, "load_model", lambda path, device, dtype: real(path, torch.device("cpu"), "bf16")
+        api,
+        "load_model",
+        lambda path, device, dtype, *adapters: real(path, torch.device("cpu"), "bf16", *adapters),
     )
     with pytest.raises(UsageError) as refused:
         api.load(str(STORIES_GGUF), device="cuda", ctx_size=4096)

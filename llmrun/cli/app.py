@@ -72,6 +72,44 @@ Activations = Annotated[
         "to Q8_0 or Q8_K first, as llama.cpp does: faster, not exact).",
     ),
 ]
+Lora = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--lora",
+        metavar="PATH",
+        help="A LoRA adapter (GGUF file or PEFT folder) at scale 1 (repeatable).",
+    ),
+]
+LoraScaled = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--lora-scaled",
+        metavar="PATH:SCALE",
+        help="A LoRA adapter at a scale, after the path's last colon (repeatable).",
+    ),
+]
+DraftOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--draft",
+        help="A draft model (smaller, same vocabulary) for speculative decoding: it proposes "
+        "tokens the model verifies in one forward.",
+    ),
+]
+DraftMax = Annotated[
+    int | None,
+    typer.Option("--draft-max", min=1, help="Tokens the draft proposes a step (default: 3)."),
+]
+LookupOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--lookup",
+        min=1,
+        metavar="N",
+        help="Speculative decoding without a draft model: N tokens a step drafted from "
+        "the context where its last tokens occurred before (prompt lookup).",
+    ),
+]
 Verbose = Annotated[
     bool, typer.Option("--verbose", "-v", help="Print timings and token counts to stderr.")
 ]
@@ -150,6 +188,36 @@ def _load(spec: str | None, **options):
         path = api.resolve(spec, progress)
     with ui.status("loading model"):
         return api.load(spec, path=path, **options)
+
+
+def _adapters(lora: list[str] | None, lora_scaled: list[str] | None) -> list[tuple[str, float]]:
+    """--lora PATH and --lora-scaled PATH:SCALE as (path, scale) pairs, in that order."""
+    from llmrun.loading.lora import parse_spec
+
+    return [(path, 1.0) for path in lora or []] + [parse_spec(s) for s in lora_scaled or []]
+
+
+def _check_draft(spec: str | None, draft_max: int | None, lookup: int | None) -> None:
+    """Refuse --draft with --lookup, and --draft-max without --draft (before loading)."""
+    if spec is not None and lookup is not None:
+        raise UsageError("--draft and --lookup: choose one")
+    if spec is None and draft_max is not None:
+        raise UsageError("--draft-max goes with --draft")
+
+
+def _use_draft(
+    engine, spec: str | None, draft_max: int | None, lookup: int | None, **options
+) -> None:
+    """Speculative decoding for `engine`: load --draft (with the model's other load
+    `options`), or draft by --lookup (the flags checked by _check_draft)."""
+    if lookup is not None:
+        engine.use_lookup(lookup)
+    if spec is None:
+        return
+    from llmrun.speculative import DEFAULT_DRAFT_MAX
+
+    draft = _load(spec, device=engine.device.type, ctx_size=engine.ctx_size, **options)
+    engine.use_draft(draft, draft_max or DEFAULT_DRAFT_MAX)
 
 
 def _max_tokens(value: int | None) -> int | None:

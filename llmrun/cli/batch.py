@@ -10,7 +10,7 @@ from typing import Annotated, Any
 import typer
 
 from llmrun import ui
-from llmrun.cli.app import _load, _max_tokens
+from llmrun.cli.app import _adapters, _load, _max_tokens
 from llmrun.errors import UsageError
 
 Batch = Annotated[
@@ -101,6 +101,7 @@ def run_batch(flags: Mapping[str, Any]) -> None:
         template_file=flags["template"],
         cache_type=flags["cache_type"],
         activations=flags["activations"],
+        lora=_adapters(flags["lora"], flags["lora_scaled"]),
     )
     grammar = None
     if flags["output_format"] is not None or flags["grammar"] is not None:

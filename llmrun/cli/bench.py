@@ -7,7 +7,21 @@ from typing import Annotated
 import typer
 
 from llmrun import ui
-from llmrun.cli.app import DEBUG, Activations, CacheType, Debug, Device, Dtype, app
+from llmrun.cli.app import (
+    DEBUG,
+    Activations,
+    CacheType,
+    Debug,
+    Device,
+    DraftMax,
+    DraftOpt,
+    Dtype,
+    LookupOpt,
+    Lora,
+    LoraScaled,
+    _adapters,
+    app,
+)
 from llmrun.errors import UsageError
 
 BENCH_OUTPUTS = ("json", "jsonl", "csv", "md")
@@ -66,6 +80,11 @@ def bench_command(
     dtype: Dtype = "auto",
     cache_type: CacheType = None,
     activations: Activations = "f32",
+    lora: Lora = None,
+    lora_scaled: LoraScaled = None,
+    draft: DraftOpt = None,
+    draft_max: DraftMax = None,
+    lookup: LookupOpt = None,
     roofline: Annotated[
         bool,
         typer.Option(
@@ -103,6 +122,10 @@ def bench_command(
         roofline,
         cache_type,
         activations,
+        _adapters(lora, lora_scaled),
+        draft=draft,
+        draft_max=draft_max,
+        lookup=lookup,
     )
     specs = list(models or [None])
     with ui.bench_progress(bench.total_runs(options, len(specs))) as progress:

@@ -17,8 +17,13 @@ from llmrun.cli.app import (
     CtxSize,
     Debug,
     Device,
+    DraftMax,
+    DraftOpt,
     Dtype,
     Effort,
+    LookupOpt,
+    Lora,
+    LoraScaled,
     MaxTokens,
     MinP,
     ModelOpt,
@@ -34,10 +39,13 @@ from llmrun.cli.app import (
     TopK,
     TopP,
     Verbose,
+    _adapters,
+    _check_draft,
     _load,
     _max_tokens,
     _read_stdin,
     _split_model_and_prompt,
+    _use_draft,
     app,
 )
 from llmrun.cli.batch import (
@@ -74,11 +82,25 @@ def run(
     dtype: Dtype = "auto",
     cache_type: CacheType = None,
     activations: Activations = "f32",
+    lora: Lora = None,
+    lora_scaled: LoraScaled = None,
     threads: Threads = None,
+    draft: DraftOpt = None,
+    draft_max: DraftMax = None,
+    lookup: LookupOpt = None,
     raw: Annotated[
         bool, typer.Option(help="Send the prompt as is, without the chat template.")
     ] = False,
     template: TemplateOpt = None,
+    suffix: Annotated[
+        str | None,
+        typer.Option(
+            "--suffix",
+            "--fim-suffix",
+            help="Fill in the middle: the code after the gap (the prompt is the code before "
+            "it); prints the middle. For code models with FIM tokens.",
+        ),
+    ] = None,
     show_prompt: Annotated[
         bool, typer.Option("--show-prompt", help="Print the prompt as fed to the model (stderr).")
     ] = False,
@@ -116,11 +138,17 @@ def run(
     """Generate a completion for one prompt: `llmrun run [MODEL] "prompt"`; the prompt may be
     piped. With --batch FILE, one result line for each request of FILE."""
     DEBUG["on"] = debug
+    if suffix is not None:
+        _check_fim_flags(locals())
     if batch is not None:
+        if draft is not None or draft_max is not None or lookup is not None:
+            raise UsageError(
+                "--draft and --lookup do not go with --batch (its requests decode together)"
+            )
         return run_batch(locals())
     check_batch_only(locals())
     model_spec, prompt = _split_model_and_prompt(list(args or []), model)
-    piped = _read_stdin()
+    piped = _read_stdin() if suffix is None else _read_code(prompt)
     if prompt is not None and piped:
         prompt = f"{prompt}\n\n{piped}"
     elif prompt is None:
@@ -128,7 +156,7 @@ def run(
     if (
         not prompt
         and ui.stdin_is_tty()
-        and not (output_json or raw or stop or output_format or grammar)
+        and not (output_json or raw or stop or output_format or grammar or suffix is not None)
     ):
         # `llmrun run MODEL` at a terminal chats, as `ollama run MODEL` does.
         chat_options = set(inspect.signature(chat).parameters) - {"model"}
@@ -145,6 +173,7 @@ def run(
             "--think/--no-think and --reasoning-effort need the chat template: drop --raw"
         )
     limit = _max_tokens(max_tokens)
+    _check_draft(draft, draft_max, lookup)
     from llmrun.reasoning import Splitter
 
     engine = _load(
@@ -156,9 +185,26 @@ def run(
         template_file=template,
         cache_type=cache_type,
         activations=activations,
+        lora=_adapters(lora, lora_scaled),
     )
+    load = dict(dtype=dtype, threads=threads, cache_type=cache_type, activations=activations)
+    _use_draft(engine, draft, draft_max, lookup, **load)
     params = engine.sampling(locals())
-    text = engine.prompt_text(prompt, raw=raw, **engine.switches(think, reasoning_effort))
+    if suffix is None:
+        text = engine.prompt_text(prompt, raw=raw, **engine.switches(think, reasoning_effort))
+        ids = engine.tokenizer.encode(text)
+    else:
+        from llmrun.infill import infill_ids
+
+        ids = infill_ids(
+            engine.tokenizer,
+            engine.name,
+            prompt,
+            suffix,
+            ctx_size=engine.ctx_size,
+            max_tokens=limit,
+        )
+        text = engine.tokenizer.decode(ids, skip_special=False)
     if output_format is not None or grammar is not None:
         from llmrun import structured
 
@@ -166,7 +212,6 @@ def run(
         params = params.updated(grammar=structured.for_prompt(constraint, engine.markers, text))
     if show_prompt:
         ui.print_prompt(text)
-    ids = engine.tokenizer.encode(text)
     split = Splitter(engine.markers, text)
     out = ui.ReplyWriter(ui.stdout_is_tty() if show_thinking is None else show_thinking)
     tokens, final = [], None
@@ -191,6 +236,32 @@ def run(
         ui.print_stats(final.stats)
 
 
+# run's flags that have no meaning for a fill-in-the-middle prompt, which is no chat.
+_NOT_WITH_SUFFIX = {
+    "batch": "--batch",
+    "raw": "--raw",
+    "template": "--template",
+    "think": "--think/--no-think",
+    "reasoning_effort": "--reasoning-effort",
+    "output_format": "--format",
+    "grammar": "--grammar",
+}
+
+
+def _check_fim_flags(flags: dict) -> None:
+    for name, flag in _NOT_WITH_SUFFIX.items():
+        if flags[name] not in (None, False):
+            raise UsageError(f"{flag} does not go with --suffix")
+
+
+def _read_code(prompt: str | None) -> str | None:
+    """The code before the gap from stdin, as it is (its last newline matters), where no
+    argument gives it; None from a terminal."""
+    if prompt is not None or sys.stdin is None or sys.stdin.isatty():
+        return None
+    return sys.stdin.read() or None
+
+
 @app.command()
 def chat(
     model: Annotated[
@@ -211,7 +282,12 @@ def chat(
     dtype: Dtype = "auto",
     cache_type: CacheType = None,
     activations: Activations = "f32",
+    lora: Lora = None,
+    lora_scaled: LoraScaled = None,
     threads: Threads = None,
+    draft: DraftOpt = None,
+    draft_max: DraftMax = None,
+    lookup: LookupOpt = None,
     template: TemplateOpt = None,
     context_overflow: Annotated[
         str,
@@ -233,6 +309,7 @@ def chat(
     """Chat with a model in a REPL (or one message per line from a pipe)."""
     DEBUG["on"] = debug
     limit = _max_tokens(max_tokens)
+    _check_draft(draft, draft_max, lookup)
     from llmrun.chat import ChatSession
     from llmrun.repl import Repl
 
@@ -245,7 +322,10 @@ def chat(
         template_file=template,
         cache_type=cache_type,
         activations=activations,
+        lora=_adapters(lora, lora_scaled),
     )
+    load = dict(dtype=dtype, threads=threads, cache_type=cache_type, activations=activations)
+    _use_draft(engine, draft, draft_max, lookup, **load)
     params = engine.sampling(locals())
     session = ChatSession(engine, params, limit, system=system, overflow=context_overflow)
     session.switches = engine.switches(think, reasoning_effort)

@@ -16,7 +16,10 @@ from llmrun.cli.app import (
     Debug,
     Device,
     Dtype,
+    Lora,
+    LoraScaled,
     TemplateOpt,
+    _adapters,
     app,
 )
 from llmrun.errors import UsageError
@@ -63,6 +66,8 @@ def serve(
     dtype: Dtype = "auto",
     cache_type: CacheType = None,
     activations: Activations = "f32",
+    lora: Lora = None,
+    lora_scaled: LoraScaled = None,
     threads: Annotated[
         int | None,
         typer.Option("--threads", "-t", help="CPU threads (default: all cores but one)."),
@@ -120,6 +125,7 @@ def serve(
         template_file=template,
         cache_type=cache_type,
         activations=activations,
+        lora=_adapters(lora, lora_scaled),
     )
 
 

@@ -12,17 +12,27 @@ padding_idx + 1 rows (and as many from the context length), so a file's position
 attends to every token of a sequence; its GELU is the tanh approximation, the models'
 (transformers' "gelu") the exact one, which llmrun computes.
 
+Cross-encoders (*ForSequenceClassification, one label: rerankers): the Hub's BERT keeps its
+pooler (dense + tanh) and a `classifier` projection, RoBERTa and XLM-RoBERTa a
+`classifier.dense` and `classifier.out_proj`; the model holds both shapes as `classifier.dense`
+and `classifier.out_proj`. The converter writes `cls` (classifier.dense) and `cls.output`
+(out_proj; BERT's `classifier`), but drops BERT's pooler: such a file scores out_proj(h)
+without the dense + tanh, as llama.cpp's rank pooling then computes (llama-graph.cpp,
+build_pooling: tanh(cls h) where the file has cls, then cls.output).
+
 Also the helpers nomic-bert's files share (loading/nomic_bert.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.loading import reranker
 
 if TYPE_CHECKING:
     from llmrun.loading.gguf_io import GGUFFile
@@ -49,6 +59,8 @@ _GLOBAL = {
     MODEL_TENSOR.POS_EMBD: "embeddings.position_embeddings",
     MODEL_TENSOR.TOKEN_TYPES: "embeddings.token_type_embeddings",
     MODEL_TENSOR.TOKEN_EMBD_NORM: "embeddings.LayerNorm",
+    MODEL_TENSOR.CLS: "classifier.dense",
+    MODEL_TENSOR.CLS_OUT: "classifier.out_proj",
 }
 # The fused attn_qkv's module and the projections it holds, in the order of its rows.
 FUSED_QKV = (
@@ -155,8 +167,13 @@ def encoder_config(
 
 def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
     """An HF-style bert config from a "bert" GGUF (its position table starts at position
-    0, whatever the model was)."""
-    return {"model_type": MODEL_TYPE, **encoder_config(gg), "hidden_act": "gelu"}
+    0, whatever the model was), with a cross-encoder's classifier where the file has
+    one (reranker.gguf_head)."""
+    config = {"model_type": MODEL_TYPE, **encoder_config(gg, heads=()), "hidden_act": "gelu"}
+    head = reranker.gguf_head(gg)
+    if head is not None:
+        config["classifier_labels"], config["classifier_dense"] = head
+    return config
 
 
 def gguf_weights(
@@ -165,7 +182,7 @@ def gguf_weights(
     """The weights as the model takes them: a fused attn_qkv (named `qkv`; rows of
     queries, keys, values, weight and bias) as the `parts` projections, each a view of the
     file's rows (whole blocks where quantized); a token-type table the file leaves out
-    (llama.cpp then adds nothing) as one row of zeros."""
+    (llama.cpp then adds nothing) as one row of zeros, a classifier's bias as zeros."""
     import torch
 
     hidden = config["hidden_size"]
@@ -186,6 +203,11 @@ def gguf_weights(
     if types not in out:
         config["type_vocab_size"] = 1
         out[types] = weight_type(torch.zeros(1, hidden))
+    for head in (_GLOBAL[MODEL_TENSOR.CLS], _GLOBAL[MODEL_TENSOR.CLS_OUT]):
+        # A classifier's biases are optional (llama.cpp then adds nothing).
+        weight = out.get(f"{head}.weight")
+        if weight is not None and f"{head}.bias" not in out:
+            out[f"{head}.bias"] = weight_type(torch.zeros(weight.shape[0]))
     return out
 
 
@@ -200,11 +222,20 @@ def hf_context(config: dict[str, Any], context: int | None) -> int | None:
 
 
 def hf_checkpoint(
-    config: dict[str, Any], weights: dict[str, Any], weight_type: type
+    config: dict[str, Any],
+    weights: dict[str, Any],
+    weight_type: type,
+    path: str | Path = "config.json",
 ) -> tuple[dict[str, Any], dict]:
     """A Hub checkpoint as the model takes it (hf_weights), RoBERTa's position table cut
     by padding_idx + 1 rows and its max_position_embeddings by as many, as llama.cpp's
-    converter cuts them: position 0 is the table's first row."""
+    converter cuts them: position 0 is the table's first row. A cross-encoder's
+    classifier (reranker.hf_labels; `path` names the folder in errors) under the model's
+    names: BERT's pooler.dense as classifier.dense, its classifier as classifier.out_proj."""
+    labels = reranker.hf_labels(config, path)
+    if labels:
+        weights = _classifier_names(weights)
+        config = {**config, "classifier_labels": labels, "classifier_dense": True}
     weights = hf_weights(weights)
     pad = config.get("pad_token_id")
     if config.get("model_type") in OFFSET_POSITION_TYPES and pad is not None:
@@ -214,6 +245,20 @@ def hf_checkpoint(
             weights[_POSITIONS] = weight_type(cut)
             config = {**config, "max_position_embeddings": cut.shape[0]}
     return config, weights
+
+
+def _classifier_names(weights: dict[str, Any]) -> dict:
+    """A BertForSequenceClassification's pooler and classifier under the classification
+    head's names (RoBERTa's are those already)."""
+    out = {}
+    for name, w in weights.items():
+        bare = name.removeprefix("bert.")
+        if bare.startswith("pooler.dense."):
+            name = "classifier.dense." + bare.removeprefix("pooler.dense.")
+        elif name in ("classifier.weight", "classifier.bias"):
+            name = "classifier.out_proj." + name.removeprefix("classifier.")
+        out[name] = w
+    return out
 
 
 def hf_weights(weights: dict[str, Any]) -> dict:

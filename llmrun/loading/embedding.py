@@ -15,7 +15,7 @@ from typing import Any
 from gguf import Keys, PoolingType
 
 from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.loading import gemma_embedding
+from llmrun.loading import bert, gemma_embedding, reranker
 
 POOLINGS = ("mean", "cls", "last")
 # llama.cpp's pooling enum (LLAMA_POOLING_TYPE_*), as `<arch>.pooling_type` stores it.
@@ -24,6 +24,7 @@ GGUF_POOLINGS = {
     PoolingType.MEAN: "mean",
     PoolingType.CLS: "cls",
     PoolingType.LAST: "last",
+    PoolingType.RANK: "rank",  # a reranker's: its classifier reads the pooled state
 }
 # sentence-transformers' Pooling config: the flag of each pooling llmrun computes, and those
 # it does not (refused by name rather than pooled otherwise).
@@ -47,16 +48,18 @@ _IDENTITY = ("torch.nn.modules.linear.Identity", "torch.nn.Identity")
 
 
 def gguf_pooling(metadata: dict[str, Any], arch: str, path: Path) -> str | None:
-    """The pooling `<arch>.pooling_type` names ("none", "mean", "cls", "last"), None where
-    the file has none; rank (a reranker's) is refused."""
+    """The pooling `<arch>.pooling_type` names ("none", "mean", "cls", "last", or "rank":
+    a reranker's, of a BERT-family cross-encoder or a causal reranker's family alone), None
+    where the file has none."""
     key = Keys.LLM.POOLING_TYPE.format(arch=arch)
     value = metadata.get(key)
     if value is None:
         return None
-    if value == PoolingType.RANK:
+    if value == PoolingType.RANK and arch not in (bert.ARCH, *reranker.CAUSAL_ARCHS):
         raise UnsupportedError(
-            f"{path}: {key} is {value} (rank): rerankers are not supported, only embeddings "
-            "and text generation"
+            f"{path}: {key} is {value} (rank): a {arch} reranker is not supported; llmrun "
+            f"reranks with BERT-family cross-encoders ({bert.ARCH} files) and "
+            f"{', '.join(reranker.CAUSAL_ARCHS)} rerankers"
         )
     try:
         return GGUF_POOLINGS[PoolingType(value)]
@@ -195,8 +198,7 @@ def gguf_info(metadata: dict[str, Any], arch: str, path: Path) -> dict[str, Any]
     try:
         pooling = gguf_pooling(metadata, arch, path)
     except (UnsupportedError, ModelFormatError):
-        value = metadata.get(Keys.LLM.POOLING_TYPE.format(arch=arch))
-        pooling = "rank (a reranker)" if value == PoolingType.RANK else str(value)
+        pooling = str(metadata.get(Keys.LLM.POOLING_TYPE.format(arch=arch)))
     return {"pooling": pooling, "embedding_model": not gguf_causal(metadata, arch)}
 
 

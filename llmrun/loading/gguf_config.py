@@ -22,6 +22,7 @@ from llmrun.loading import (
     apertus,
     arcee,
     baichuan,
+    bailingmoe,
     bailingmoe3,
     bert,
     chatglm,
@@ -29,6 +30,7 @@ from llmrun.loading import (
     cohere2_moe,
     dbrx,
     deci,
+    deepseek,
     deepseek2,
     deepseek4,
     dots1,
@@ -59,6 +61,7 @@ from llmrun.loading import (
     internlm2,
     jais2,
     jamba,
+    jina_bert,
     kimi_linear,
     laguna,
     lfm2,
@@ -80,9 +83,11 @@ from llmrun.loading import (
     olmoe,
     phi2,
     phimoe,
+    qwen,
     qwen4exp,
     qwen35,
     seed_oss,
+    smallthinker,
     stablelm,
     starcoder2,
     step3p5,
@@ -90,6 +95,24 @@ from llmrun.loading import (
 )
 from llmrun.loading.gguf_io import GGUFFile, read_float_list
 
+# The architectures whose q/k rows llama.cpp's converter permutes as Llama's (for its
+# adjacent-pair RoPE), which the loader undoes. Mixtral included; SmolLM3 and Granite are
+# converted as Llama (conversion/llama.py), OLMo's q/k weights permuted as Llama's
+# (conversion/olmo.py), InternLM2's split wqkv and Baichuan's W_pack too
+# (conversion/internlm.py, conversion/baichuan.py), MiniCPM's as Llama's (conversion/minicpm.py).
+QK_PERMUTED_ARCHS = (
+    "llama",
+    bailingmoe.ARCH,  # Ling 1 (conversion/bailingmoe.py BailingMoeModel)
+    deepseek.ARCH,  # DeepSeek V1 MoE (conversion/deepseek.py DeepseekModel)
+    "mistral3",
+    "smollm3",
+    arcee.ARCH,
+    olmo.OLMO1_ARCH,
+    internlm2.ARCH,
+    baichuan.ARCH,
+    *granite.ARCHS,
+    minicpm.ARCH,
+)
 # GGUF architecture -> Hugging Face model_type. llama.cpp converts Mistral to "llama",
 # and Mistral Small 3.1+ and Ministral 3 to "mistral3" (Ministral 3 when it has an
 # attention temperature, see config_from_gguf).
@@ -123,6 +146,10 @@ MODEL_TYPES = {
     granite.SWA_ARCH: "granite_swa",  # with experts, granitemoe_swa
     granitehybrid.ARCH: granitehybrid.MODEL_TYPE,  # llmrun/loading/granitehybrid.py
     kimi_linear.ARCH: kimi_linear.MODEL_TYPE,  # llmrun/loading/kimi_linear.py
+    bailingmoe.ARCH: bailingmoe.MODEL_TYPE,  # Ling 1: llmrun/loading/bailingmoe.py
+    bailingmoe.V2_ARCH: bailingmoe.V2_MODEL_TYPE,  # Ling 2.0: llmrun/loading/bailingmoe.py
+    deepseek.ARCH: deepseek.MODEL_TYPE,  # DeepSeek V1 MoE: llmrun/loading/deepseek.py
+    qwen.ARCH: qwen.MODEL_TYPE,  # Qwen 1, run as Qwen2: llmrun/loading/qwen.py
     bailingmoe3.ARCH: bailingmoe3.MODEL_TYPE,  # Ling 3: llmrun/loading/bailingmoe3.py
     glm5_next.ARCH: glm5_next.GGUF_MODEL_TYPE,  # llmrun/loading/glm5_next.py
     olmo.ARCH: "olmo2",  # OLMo 3 too (a sliding window): llmrun/loading/olmo.py
@@ -158,6 +185,7 @@ MODEL_TYPES = {
     mamba.ARCH: "mamba",  # or falcon_mamba: llmrun/loading/mamba.py
     jamba.ARCH: jamba.MODEL_TYPE,  # llmrun/loading/jamba.py
     phimoe.ARCH: phimoe.MODEL_TYPE,  # llmrun/loading/phimoe.py
+    smallthinker.ARCH: smallthinker.MODEL_TYPE,  # llmrun/loading/smallthinker.py
     hy_v3.ARCH: hy_v3.MODEL_TYPE,  # llmrun/loading/hy_v3.py
     hy_v4.ARCH: hy_v4.MODEL_TYPE,  # llmrun/loading/hy_v4.py
     laguna.ARCH: laguna.MODEL_TYPE,  # llmrun/loading/laguna.py
@@ -182,6 +210,7 @@ MODEL_TYPES = {
     deci.ARCH: deci.MODEL_TYPE,  # Nemotron-NAS (Nemotron 51B, Super, Ultra): loading/deci.py
     bert.ARCH: bert.MODEL_TYPE,  # BERT, RoBERTa, XLM-RoBERTa encoders: llmrun/loading/bert.py
     nomic_bert.ARCH: nomic_bert.MODEL_TYPE,  # llmrun/loading/nomic_bert.py
+    jina_bert.ARCH: jina_bert.MODEL_TYPE,  # llmrun/loading/jina_bert.py
     modernbert.ARCH: modernbert.MODEL_TYPE,  # llmrun/loading/modernbert.py
     internlm2.ARCH: internlm2.MODEL_TYPE,  # llmrun/loading/internlm2.py
     baichuan.ARCH: baichuan.MODEL_TYPE,  # and Baichuan 2: llmrun/loading/baichuan.py
@@ -274,6 +303,8 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
         return bert.hf_name(gguf_name)
     if model_type == nomic_bert.MODEL_TYPE:
         return nomic_bert.hf_name(gguf_name)
+    if model_type == jina_bert.MODEL_TYPE:
+        return jina_bert.hf_name(gguf_name)
     if model_type == modernbert.MODEL_TYPE:
         return modernbert.hf_name(gguf_name)
     if model_type == gemma4.MODEL_TYPE:
@@ -294,6 +325,10 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
         return nemotron_h.hf_name(gguf_name)
     if model_type == kimi_linear.MODEL_TYPE:
         return kimi_linear.hf_name(gguf_name)
+    if model_type in (*bailingmoe.MODEL_TYPES, deepseek.MODEL_TYPE) and gguf_name.startswith(
+        "blk."
+    ):
+        return bailingmoe.hf_name(gguf_name)
     if model_type in bailingmoe3.MODEL_TYPES:
         return bailingmoe3.hf_name(gguf_name)
     if model_type in glm5_next.MODEL_TYPES:
@@ -309,6 +344,8 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
     if model_type == jamba.MODEL_TYPE:
         return jamba.hf_name(gguf_name)
     if model_type == phimoe.MODEL_TYPE and (moe := phimoe.hf_name(gguf_name)):
+        return moe
+    if model_type == smallthinker.MODEL_TYPE and (moe := smallthinker.hf_name(gguf_name)):
         return moe
     if model_type == granitehybrid.MODEL_TYPE and (name := granitehybrid.hf_name(gguf_name)):
         return name
@@ -479,6 +516,8 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         return bert.config_from_gguf(gg)
     if arch == nomic_bert.ARCH:
         return nomic_bert.config_from_gguf(gg)
+    if arch == jina_bert.ARCH:
+        return jina_bert.config_from_gguf(gg)
     if arch == modernbert.ARCH:
         return modernbert.config_from_gguf(gg)
     if arch == nemotron.ARCH:
@@ -561,6 +600,10 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         chatglm.ARCH: chatglm.finish_config,
         minicpm.ARCH: minicpm.finish_config,
         glm4_moe.ARCH: glm4_moe.finish_config,
+        bailingmoe.ARCH: bailingmoe.finish_config,
+        bailingmoe.V2_ARCH: bailingmoe.finish_v2_config,
+        deepseek.ARCH: deepseek.finish_config,
+        qwen.ARCH: qwen.finish_config,
         ernie4_5.ARCH: ernie4_5.finish_config,
         ernie4_5.MOE_ARCH: ernie4_5.finish_config,
         seed_oss.ARCH: seed_oss.finish_config,
@@ -574,6 +617,7 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         granite.SWA_ARCH: granite.finish_swa_config,
         olmoe.ARCH: olmoe.finish_config,
         phimoe.ARCH: phimoe.finish_config,
+        smallthinker.ARCH: smallthinker.finish_config,
         hy_v3.ARCH: hy_v3.finish_config,
         exaone.ARCH: exaone.finish_config,
         arcee.ARCH: arcee.finish_config,

@@ -80,8 +80,13 @@ def active_parameters(path: Path, parameters: int) -> int | None:
             or config.get("num_experts")
             or config.get("n_routed_experts")  # DeepSeek
             or config.get("moe_num_experts")  # ERNIE 4.5
+            or config.get("moe_num_primary_experts")  # SmallThinker
         )
-        used = config.get("num_experts_per_tok") or config.get("moe_k")
+        used = (
+            config.get("num_experts_per_tok")
+            or config.get("moe_k")
+            or config.get("moe_num_active_primary_experts")  # SmallThinker
+        )
         topk = config.get("moe_topk")  # Hunyuan MoE's: one per layer in the Hub's config
         used = used or (topk[0] if isinstance(topk, list) and topk else topk)
         experts = sum(
@@ -165,7 +170,7 @@ def _gguf_tensors(parts: list[Path]) -> Tensors:
 def _describe_gguf(path: Path) -> dict[str, Any]:
     from gguf import Keys
 
-    from llmrun.loading import embedding
+    from llmrun.loading import embedding, reranker
     from llmrun.loading.gguf_config import config_from_gguf
     from llmrun.loading.gguf_io import read_gguf
 
@@ -178,6 +183,7 @@ def _describe_gguf(path: Path) -> dict[str, Any]:
         config = config_from_gguf(header)
     except LlmrunError:
         config = {}
+    pooling = embedding.gguf_info(header.metadata, arch, parts[0])
     return {
         "kv_cache_bytes_8k": kv_cache_bytes(config, 8192),
         "format": "gguf",
@@ -190,7 +196,9 @@ def _describe_gguf(path: Path) -> dict[str, Any]:
         "pre_tokenizer": header.get(Keys.Tokenizer.PRE) if tok_model == "gpt2" else None,
         "chat_template": header.get(Keys.Tokenizer.CHAT_TEMPLATE),
         "license": header.get(Keys.General.LICENSE),
-        **embedding.gguf_info(header.metadata, arch, parts[0]),
+        **pooling,
+        # A cross-encoder's head, or a causal reranker's pooling (rank: qwen3's).
+        "reranker": reranker.is_reranker(config) or pooling["pooling"] == "rank",
         **_files_listing(path.parent, parts),
     }
 
@@ -257,7 +265,7 @@ def _safetensors_tensors(folder: Path) -> Tensors:
 
 
 def _describe_safetensors(folder: Path) -> dict[str, Any]:
-    from llmrun.loading import embedding
+    from llmrun.loading import embedding, reranker
 
     stats = weight_stats(folder)
     config = read_json(folder / "config.json")
@@ -290,6 +298,7 @@ def _describe_safetensors(folder: Path) -> dict[str, Any]:
         "chat_template": _hf_chat_template(folder),
         "license": _readme_license(folder / "README.md"),
         **embedding.hf_info(folder, config),
+        **reranker.hf_info(config),
         **_files_listing(folder, sorted(p for p in folder.rglob("*") if p.is_file())),
     }
 
@@ -355,9 +364,14 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
     sliding-window layers holding at most their window; None if the config lacks the sizes.
     The torch-free twin of llmrun.models.kv_cache_bytes (a test keeps the two equal)."""
     text = config.get("text_config") or config
-    from llmrun.loading import bert, gemma_embedding, mamba, modernbert, nomic_bert
+    from llmrun.loading import bert, gemma_embedding, jina_bert, mamba, modernbert, nomic_bert
 
-    encoders = (*bert.HF_MODEL_TYPES, nomic_bert.MODEL_TYPE, modernbert.MODEL_TYPE)
+    encoders = (
+        *bert.HF_MODEL_TYPES,
+        nomic_bert.MODEL_TYPE,
+        modernbert.MODEL_TYPE,
+        jina_bert.MODEL_TYPE,
+    )
     if config.get("model_type") in (*encoders, gemma_embedding.MODEL_TYPE) or (
         gemma_embedding.hf_applies(config)
     ):
@@ -425,6 +439,12 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
         except LlmrunError:
             return None
         windows = [None] * len(shapes)
+    elif config.get("model_type") == "smallthinker":  # its sliding layers, listed
+        layout = text.get("sliding_window_layout") or [0] * layers
+        if not isinstance(layout, list) or len(layout) != layers:
+            return None
+        window = text.get("sliding_window_size", 4096)  # SmallThinkerConfig's default
+        windows = [window if sliding else None for sliding in layout]
     elif pattern and window:
         pattern = text.get("sliding_window_pattern") or pattern
         kinds = text.get("layer_types") or [

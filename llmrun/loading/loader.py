@@ -14,7 +14,7 @@ import mmap
 import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -30,8 +30,8 @@ from llmrun.errors import ModelFormatError, ModelNotFoundError, UnsupportedError
 from llmrun.loading import (
     alibi_families,
     apertus,
-    arcee,
     baichuan,
+    bailingmoe,
     bailingmoe3,
     bamba,
     bert,
@@ -70,15 +70,16 @@ from llmrun.loading import (
     hy_v4,
     internlm2,
     jamba,
+    jina_bert,
     kimi_linear,
     laguna,
     lfm2,
     llama4,
+    lora,
     mamba,
     mamba2,
     mellum,
     mimo2,
-    minicpm,
     minicpm3,
     minicpm5_moe,
     minimax,
@@ -88,11 +89,12 @@ from llmrun.loading import (
     nemotron,
     nemotron_h,
     nomic_bert,
-    olmo,
     opt,
     phi2,
+    qwen,
     qwen4exp,
     qwen35,
+    reranker,
     safetensors_io,
     stablelm,
     step3p5,
@@ -147,6 +149,8 @@ class Checkpoint:
     pooling: str | None = None
     normalized: bool | None = None
     generates: bool = True
+    # A causal reranker's head (llama.cpp's cls.output: the output head's yes and no rows).
+    rank_head: Weight | None = None
 
     @property
     def n_params(self) -> int:
@@ -245,6 +249,10 @@ def _open_hf_dir(path: Path) -> Checkpoint:
         weights = kimi_linear.hf_weights(weights)
     if config.get("model_type") in bailingmoe3.MODEL_TYPES:
         config, weights = bailingmoe3.hf_checkpoint(config, weights, Weight)
+    if config.get("model_type") in bailingmoe.MODEL_TYPES:
+        config, weights = bailingmoe.hf_checkpoint(config, weights, Weight)
+    if config.get("model_type") == qwen.MODEL_TYPE:
+        config, weights = qwen.hf_checkpoint(config, weights, Weight)
     if config.get("model_type") == dbrx.MODEL_TYPE:
         weights = dbrx.hf_weights(weights, config, Weight)
     if config.get("model_type") == minimax.MODEL_TYPE:
@@ -297,8 +305,10 @@ def _open_hf_dir(path: Path) -> Checkpoint:
         weights = baichuan.hf_weights(weights, config, path, Weight)
     if config.get("model_type") in alibi_families.MODEL_TYPES:
         weights = alibi_families.hf_weights(weights, config["model_type"])
+    if jina_bert.hf_applies(config):
+        config, weights = jina_bert.hf_checkpoint(config, weights, path / "config.json")
     if config.get("model_type") in bert.HF_MODEL_TYPES:
-        config, weights = bert.hf_checkpoint(config, weights, Weight)
+        config, weights = bert.hf_checkpoint(config, weights, Weight, path / "config.json")
     if config.get("model_type") == nomic_bert.MODEL_TYPE:
         config, weights = nomic_bert.hf_checkpoint(config, weights, path, Weight)
     if config.get("model_type") == modernbert.MODEL_TYPE:
@@ -452,9 +462,19 @@ def _open_gguf(path: Path) -> Checkpoint:
             )
     config = gguf_config.config_from_gguf(gg)
     gguf_config.check_config(config, path)
+    # Before the tensors: a reranker of a family llmrun runs otherwise is refused by name.
+    pooling = embedding.gguf_pooling(gg.metadata, gg.architecture, path)
+    causal_rank = pooling == "rank" and gg.architecture in reranker.CAUSAL_ARCHS
+    if causal_rank:
+        reranker.causal_head(gg)
+        config["classifier_labels"] = 2
     model_type = config["model_type"]
-    weights = {}
+    weights, rank_head = {}, None
     for info, tensor in _stored_tensors(gg, config):
+        if causal_rank and info.name == reranker.CLS_OUT:
+            quantized = info.ggml_type not in FLOAT_TYPES
+            rank_head = Weight(tensor, info.ggml_type if quantized else None, info.shape)
+            continue
         name = gguf_config.hf_name(info.name, model_type)
         if name is None:
             raise UnsupportedError(
@@ -469,19 +489,7 @@ def _open_gguf(path: Path) -> Checkpoint:
             # x * weight (conversion/gemma.py: `data_torch + 1` on every
             # *norm.weight); the model holds HF's w and computes x * (1 + w).
             tensor = tensor.float() - 1.0
-        # Mixtral included; SmolLM3 and Granite are converted as Llama (conversion/llama.py),
-        # OLMo's q/k weights permuted as Llama's (conversion/olmo.py).
-        llama = gg.architecture in (
-            "llama",
-            "mistral3",
-            "smollm3",
-            arcee.ARCH,
-            olmo.OLMO1_ARCH,
-            internlm2.ARCH,  # conversion/internlm.py permutes the split wqkv's q and k
-            baichuan.ARCH,  # and conversion/baichuan.py W_pack's
-            *granite.ARCHS,
-            minicpm.ARCH,  # conversion/minicpm.py permutes q and k as Llama's
-        )
+        llama = gg.architecture in gguf_config.QK_PERMUTED_ARCHS
         heads = None
         if llama and name.endswith(("q_proj.weight", "q_proj.bias")):
             heads = config["num_attention_heads"]
@@ -524,8 +532,10 @@ def _open_gguf(path: Path) -> Checkpoint:
         weights = gemma4.gguf_weights(weights, config, Weight)
     if gg.architecture == granitehybrid.ARCH:
         weights = granitehybrid.gguf_weights(weights, config, Weight)
-    if gg.architecture == chatglm.ARCH:
+    if gg.architecture in (chatglm.ARCH, qwen.ARCH):  # a fused attn_qkv, rows q, k, v
         weights = chatglm.gguf_weights(weights, config, Weight)
+    if gg.architecture == bailingmoe.V2_ARCH:
+        weights = bailingmoe.split_qkv(weights, config, Weight)
     if gg.architecture == falcon_h1.ARCH:
         weights = falcon_h1.gguf_weights(weights, Weight)
     if gg.architecture == mamba.ARCH:
@@ -582,9 +592,11 @@ def _open_gguf(path: Path) -> Checkpoint:
         weights = bert.gguf_weights(weights, config, Weight, *bert.FUSED_QKV)
     if gg.architecture == nomic_bert.ARCH:
         weights = nomic_bert.gguf_weights(weights, config, Weight)
+    if gg.architecture == jina_bert.ARCH:
+        weights = jina_bert.gguf_weights(weights, config, Weight)
     return Checkpoint(
         path, "gguf", config, weights, sampling_defaults=gguf_io.generation_defaults(gg), gguf=gg,
-        pooling=embedding.gguf_pooling(gg.metadata, gg.architecture, path),
+        pooling=pooling, rank_head=rank_head,
     )  # fmt: skip
 
 
@@ -608,7 +620,10 @@ def _stored_tensors(
 
 def _n_experts(config: dict[str, Any]) -> int:
     return (
-        config.get("num_local_experts") or config.get("num_experts") or config["n_routed_experts"]
+        config.get("num_local_experts")
+        or config.get("num_experts")
+        or config.get("moe_num_primary_experts")  # SmallThinker
+        or config["n_routed_experts"]
     )
 
 
@@ -864,17 +879,27 @@ def _swap_quantized(model: nn.Module, name: str, w: Weight, weights, device, dty
 
 
 def load_model(
-    path: str | Path | Checkpoint, device: torch.device, dtype: str = "auto"
+    path: str | Path | Checkpoint,
+    device: torch.device,
+    dtype: str = "auto",
+    adapters: Sequence[tuple[str | Path, float]] = (),
 ) -> LoadedModel:
     """Read a checkpoint (or take one open_checkpoint read) and build its model on
-    `device` in the requested dtype."""
+    `device` in the requested dtype, with the LoRA `adapters` ((path, scale) each)."""
     checkpoint = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     for note in checkpoint.notes:
         print(f"note: {note}", file=sys.stderr)
     compute_dtype = resolve_dtype(dtype, device, checkpoint)
     if device.type != "cpu":
         check_device_room(device, device_bytes(checkpoint, compute_dtype), "the weights take")
+    arch = checkpoint.gguf.architecture if checkpoint.gguf is not None else None
+    # Read (and checked) before the weights load, which takes minutes for a large model.
+    loras = [
+        lora.read_adapter(p, scale, checkpoint.config, arch, compute_dtype, device)
+        for p, scale in adapters
+    ]
     model = build_model(checkpoint, device, compute_dtype)
+    lora.apply_adapters(model, loras)
     if checkpoint.gguf is not None:
         for buffer in checkpoint.gguf.buffers:
             release_unused_pages(model, buffer)

@@ -92,6 +92,13 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 def read_header(path: Path) -> tuple[dict[str, Any], int]:
     """The JSON header of a safetensors file and the offset where data starts."""
+    header, _, data_start = read_header_metadata(path)
+    return header, data_start
+
+
+def read_header_metadata(path: Path) -> tuple[dict[str, Any], dict[str, Any], int]:
+    """read_header's header and offset, with the header's `__metadata__` as written (the
+    format says strings to strings; unchecked here) or {} where it has none."""
     with open(path, "rb") as f:
         size = f.seek(0, 2)
         f.seek(0)
@@ -109,13 +116,22 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
             raise ModelFormatError(f"{path}: corrupt safetensors header: {e}") from None
     if not isinstance(header, dict):
         raise ModelFormatError(f"{path}: corrupt safetensors header")
-    header.pop("__metadata__", None)
+    metadata = header.pop("__metadata__", None)
+    if not isinstance(metadata, dict):
+        metadata = {}
     data_start = 8 + n
     for name, info in header.items():
         try:
             begin, end = info["data_offsets"]
             dtype = info["dtype"]
             shape = info["shape"]
+            if not (
+                isinstance(dtype, str)
+                and isinstance(shape, list)
+                and all(type(x) is int for x in (begin, end, *shape))
+                and min(shape, default=0) >= 0
+            ):
+                raise TypeError
         except (KeyError, TypeError, ValueError):
             raise ModelFormatError(
                 f"{path}: tensor {name!r} has a malformed header entry"
@@ -133,7 +149,7 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
                 f"{path}: tensor {name!r} ({dtype} {shape}) has offsets {begin}..{end}, "
                 f"which do not fit its size or the file ({size} bytes); the file may be truncated"
             )
-    return header, data_start
+    return header, metadata, data_start
 
 
 def load_tensors(path: Path) -> dict[str, torch.Tensor]:

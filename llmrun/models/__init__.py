@@ -16,6 +16,7 @@ ARCHITECTURES = {
     "mistral": "llama",
     "ministral3": "ministral3",
     "ministral": "ministral",  # Ministral-8B-2410: per-layer sliding windows
+    "qwen": "qwen2",  # Qwen 1: its config and weights renamed by llmrun/loading/qwen.py
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "mixtral": "mixtral",
@@ -29,6 +30,7 @@ ARCHITECTURES = {
     "gemma3n": "gemma3n",  # multimodal: its text_config's language model
     "gemma3n_text": "gemma3n",
     "gpt_oss": "gpt_oss",
+    "deepseek": "deepseek",  # DeepSeek V1 MoE (deepseek-moe-16b)
     "deepseek_v2": "deepseek_v2",
     "deepseek_v3": "deepseek_v3",
     "deepseek_v32": "deepseek_v32",
@@ -98,6 +100,9 @@ ARCHITECTURES = {
     "lfm2_moe": "lfm2_moe",
     "lfm3": "lfm3",
     "kimi_linear": "kimi_linear",
+    "bailing_moe": "bailing_moe",  # Ling 1 (Ling 2.0's folders too: see loading/bailingmoe)
+    "bailing_moe_v2": "bailing_moe_v2",  # Ling 2.0 (the Hub's config.json: bailing_moe)
+    "smallthinker": "smallthinker",  # PowerInfer's SmallThinker (HF: remote code)
     "bailing_hybrid": "bailing_hybrid",  # Ling 3
     "bailing_moe_v3": "bailing_hybrid",  # the Hub's config.json for it
     "nemotron_h": "nemotron_h",  # and its mixture of experts
@@ -136,6 +141,7 @@ ARCHITECTURES = {
     "roberta": "bert",
     "xlm-roberta": "bert",
     "nomic_bert": "nomic_bert",
+    "jina_bert": "jina_bert",  # Jina BERT v2 (the Hub's config.json: "bert", JinaBert*)
     "modernbert": "modernbert",
     "gemma_embedding": "gemma_embedding",  # EmbeddingGemma: gemma3_text, bidirectional
     "nemotron-nas": "deci",  # DeciLMForCausalLM: Llama-3.x-Nemotron 51B, Super, Ultra

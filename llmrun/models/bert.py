@@ -4,8 +4,14 @@ arctic-embed, e5, bge-m3, multilingual-e5; llama.cpp's "bert" GGUFs): token, lea
 absolute position and token-type embeddings (type 0, "sentence A") summed and normalized,
 then post-norm blocks x = LN(x + attn(x)), x = LN(x + ffn(x)) with biases everywhere, a
 GELU feed-forward and bidirectional attention in which padded keys are masked. No final
-norm and no head: the model gives each token's last hidden state (`hidden_states`), which
+norm and no LM head: the model gives each token's last hidden state (`hidden_states`), which
 llmrun.embeddings pools; it cannot generate.
+
+A cross-encoder (BertForSequenceClassification, XLMRobertaForSequenceClassification: the
+ms-marco-MiniLM rerankers, bge-reranker) also has a classifier on the first token's state,
+out_proj(tanh(dense(h))) under RobertaClassificationHead's names (BERT's pooler is that
+dense + tanh: the loader renames it); `score` gives its logits. A query-document pair's
+second segment may take token type 1 (BERT's), so the token types are an input.
 
 RoBERTa's checkpoints start their positions at padding_idx + 1 (the table's first rows are
 never read): the loader cuts those rows off, as llama.cpp's converter does, so the model's
@@ -44,6 +50,10 @@ class ModelArgs:
     position_embedding_type: str = "absolute"
     is_decoder: bool = False
     add_cross_attention: bool = False
+    # A cross-encoder's classifier (set by the loader): its labels (0: none), and whether
+    # a dense + tanh layer comes before its output projection.
+    classifier_labels: int = 0
+    classifier_dense: bool = True
 
     def __post_init__(self) -> None:
         if self.is_decoder or self.add_cross_attention:
@@ -94,11 +104,19 @@ class Embeddings(nn.Module):
         self.LayerNorm = nn.LayerNorm(args.hidden_size, args.layer_norm_eps)
         self.context = args.max_position_embeddings
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        token_types: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         rows = learned_positions(positions, self.context)
         x = self.word_embeddings(input_ids) + self.position_embeddings(rows)
-        # Type 0's row by lookup: the loader may hold the table as f16 blocks.
-        return self.LayerNorm(x + self.token_type_embeddings(torch.zeros_like(positions[:, :1])))
+        # Rows by lookup (type 0's where none are given): the loader may hold the table as
+        # f16 blocks.
+        if token_types is None:
+            token_types = torch.zeros_like(positions[:, :1])
+        return self.LayerNorm(x + self.token_type_embeddings(token_types))
 
 
 class SelfAttention(nn.Module):
@@ -173,28 +191,63 @@ class Encoder(nn.Module):
         self.layer = nn.ModuleList(Layer(args) for _ in range(args.num_hidden_layers))
 
 
-class Model(nn.Module):
-    """The encoder under BertModel's module names (embeddings., encoder.layer.N.)."""
+class ClassificationHead(nn.Module):
+    """out_proj(tanh(dense(x))), or out_proj(x) without the dense layer."""
 
-    generates = False  # no LM head: an embedding model (llmrun embed)
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        hidden = args.hidden_size
+        self.dense = nn.Linear(hidden, hidden) if args.classifier_dense else None
+        self.out_proj = nn.Linear(hidden, args.classifier_labels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None:
+            # [B, H] -> [B, 1, H]: a row of one token, as a quantized matrix takes them.
+            x = torch.tanh(self.dense(x[:, None]))[:, 0]
+        return self.out_proj(x[:, None])[:, 0]
+
+
+class Model(nn.Module):
+    """The encoder under BertModel's module names (embeddings., encoder.layer.N.), and a
+    cross-encoder's `classifier`."""
+
+    generates = False  # no LM head: an embedding model (llmrun embed) or a reranker
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
         self.embeddings = Embeddings(args)
         self.encoder = Encoder(args)
+        self.classifier = ClassificationHead(args) if args.classifier_labels else None
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        lengths: torch.Tensor,
+        token_types: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Float32 last hidden states [B, T, hidden] of input_ids [B, T] at positions
-        [B, T], each row's first lengths[b] tokens real (padding after them is never
-        attended to)."""
-        x = self.embeddings(input_ids, positions)
+        [B, T] (of token_types [B, T], default all 0), each row's first lengths[b] tokens
+        real (padding after them is never attended to)."""
+        x = self.embeddings(input_ids, positions, token_types)
         mask = key_padding_mask(lengths, input_ids.shape[1])
         for layer in self.encoder.layer:
             x = layer(x, mask)
         return x.float()
+
+    def score(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        lengths: torch.Tensor,
+        token_types: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """A cross-encoder's float32 logits [B, classifier_labels] of each row: its classifier on
+        the first token's hidden state (forward's arguments)."""
+        hidden = self(input_ids, positions, lengths, token_types)
+        dtype = self.embeddings.LayerNorm.weight.dtype
+        return self.classifier(hidden[:, 0].to(dtype)).float()
 
     def hidden_states(
         self, input_ids: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor

@@ -476,6 +476,36 @@ class KVCache:
         for r, mark in zip(self.base_rows, marks, strict=True):
             self.written[r] = mark
 
+    def save_span(self, start: int, count: int) -> tuple | None:
+        """What writing positions start .. start + count - 1 of this one-row view will
+        overwrite in its rings (count <= window), and the row's write mark, for
+        restore_span: tokens that may be taken back (speculative decoding's drafts).
+        None without rings, or with nothing to write."""
+        if self.ring_k is None or count <= 0:
+            return None
+        if count > self.window or self.rows is not None or len(self.base_rows) != 1:
+            raise ValueError("save_span: one row of at most a window's positions")
+        slots = torch.tensor([(start + i) % self.window for i in range(count)])
+        slots = slots.to(self.k.device)
+        copies = [
+            (k[:, :1, :, slots].clone(), v[:, :1, :, slots].clone()) for k, v in self._rings()
+        ]
+        return start, slots, copies, self.written[self.base_rows[0]]
+
+    def restore_span(self, saved: tuple | None, end: int) -> None:
+        """Take back the writes of save_span's positions from `end` on: their ring slots
+        as they were before, and the write mark where the kept positions end, so a
+        continuation from `end` finds every key it attends to."""
+        if saved is None:
+            return
+        start, slots, copies, mark = saved
+        first = max(end - start, 0)
+        if first < len(slots):
+            for (k, v), (saved_k, saved_v) in zip(self._rings(), copies, strict=True):
+                k[:, :1, :, slots[first:]] = saved_k[:, :, :, first:]
+                v[:, :1, :, slots[first:]] = saved_v[:, :, :, first:]
+        self.written[self.base_rows[0]] = max(mark, min(end, start + len(slots)))
+
     def _rings(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The ring buffers' keys and values (one pair per shape of windowed layer)."""
         return [self.buffers[g] for g in self.ring_buffers]

@@ -10,7 +10,9 @@ AVX2 library's llmrun_block is 0 for them); llmrun.quant.kernels binds those typ
 Each family's library also holds decode_ops.c, the small ops of llmrun.ops.
 LLMRUN_NATIVE=avx2 builds the AVX2 kernels on any CPU with AVX2 (to test them on an
 AVX-512 machine). On 64-bit ARM the NEON family (kernels_neon.c, -march=armv8-a) has the
-same types in the GGML layout only (tested under qemu-user; speed unmeasured). Where
+same types in the GGML layout only, and not the i-quants below IQ4 nor the ternary types
+(iquants.h: scalar C, x86 only), which torch code dequantizes there (tested under
+qemu-user; speed unmeasured). Where
 there is no compiler, the CPU has no family, the build fails,
 or LLMRUN_NATIVE=0 is set, `available()` is False and callers use their torch code.
 """
@@ -78,6 +80,9 @@ _Q8_API = {
     # a prompt's rows on tiles of weights (-1 for a type or row length it cannot take)
     "llmrun_gemm_q8": [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR],
 }
+# Where the family has the i-quants (llmrun/native/iquants.h, the x86 families): their
+# grids and sign table, handed over by llmrun.quant.kernels before any use.
+_IQ_API = {"llmrun_iq_tables": [_PTR] * 7}
 _VOID = (
     "llmrun_rms_norm",
     "llmrun_rms_norm_offset",
@@ -116,9 +121,11 @@ def _library() -> ctypes.CDLL | None:
     _family = family
     for name, argtypes in _API.items():
         getattr(lib, name).argtypes = argtypes
-    for name, argtypes in _Q8_API.items():
+    for name, argtypes in {**_Q8_API, **_IQ_API}.items():
         if hasattr(lib, name):
             getattr(lib, name).argtypes = argtypes
+    if hasattr(lib, "llmrun_iq_tables"):
+        lib.llmrun_iq_tables.restype = None
     for name in _VOID:
         getattr(lib, name).restype = None
     return lib

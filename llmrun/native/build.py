@@ -30,6 +30,7 @@ DECODE_STEP = HERE / "decode_step.c"
 LAYOUT = HERE / "layout.c"  # the packed row layouts, written at load (kernels.pack)
 COMMON = HERE / "common.h"
 Q8_HEADER = HERE / "q8.h"  # the 8-bit-activation kernels' shared part
+IQUANTS = HERE / "iquants.h"  # the x86 families' i-quant dequantizers
 FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC", "-fopenmp"]
 FEATURE_LINES = ("flags", "Features")  # where /proc/cpuinfo lists them, on x86 and on ARM
 
@@ -141,7 +142,7 @@ def _compile(compiler: str, family: str, path: Path) -> None:
 def target(compiler: str, family: str) -> Path:
     """Where the cache keeps `family`'s library as `compiler` builds it for this CPU."""
     key = hashlib.sha256()
-    for path in (*FAMILIES[family].sources(), COMMON, Q8_HEADER):
+    for path in (*FAMILIES[family].sources(), COMMON, Q8_HEADER, IQUANTS):
         key.update(path.read_bytes())
     key.update(" ".join([family, compiler, *_flags(family), cpu_features()]).encode())
     return paths.cache_dir().parent / "kernels" / f"llmrun-{_tag(family)}-{key.hexdigest()[:16]}.so"

@@ -5,8 +5,9 @@
  *
  * Macros, constants and plain C only: a family's file includes this first, then
  * defines its kernels with its own vector code (and, for the macros here, the names
- * they expect: its KERNEL_TYPES, T##_BLOCK, matvec_T and dequant_T per type, and for
- * the packed layouts permute_x, rows_packed and deq_packed), and ends with DEFINE_API().
+ * they expect: its KERNEL_TYPES and EXPERT_TYPES, TYPE_READY(type), T##_BLOCK, matvec_T
+ * and dequant_T per type, and for the packed layouts permute_x, rows_packed and
+ * deq_packed), and ends with DEFINE_API().
  * A new family is one more such file.
  */
 #ifndef LLMRUN_COMMON_H
@@ -29,8 +30,9 @@
 
 /* GGMLQuantizationType values */
 enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10,
-       Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30,
-       MXFP4 = 39,
+       Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18,
+       IQ1_S = 19, IQ4_NL = 20, IQ3_S = 21, IQ2_S = 22, IQ4_XS = 23, IQ1_M = 29, BF16 = 30,
+       TQ1_0 = 34, TQ2_0 = 35, MXFP4 = 39,
        /* llmrun's packed layouts (llmrun/quant/kernels.py repacks), 1000 + the type */
        Q4_0_PACKED = 1002, Q5_0_PACKED = 1006, Q8_0_PACKED = 1008, Q4_K_PACKED = 1012,
        Q5_K_PACKED = 1013 };
@@ -39,7 +41,8 @@ enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K 
 #define K_GROUP 16
 
 /* The GGML types every family has kernels for, as X(T, A) for each; a family's
- * KERNEL_TYPES(X, A) lists these and its packed layouts. */
+ * EXPERT_TYPES(X, A) lists these and the other GGML types it has (the x86 families: the
+ * i-quants, iquants.h), its KERNEL_TYPES(X, A) those and its packed layouts. */
 #define GGML_TYPES(X, A)                                                                 \
     X(F32, A) X(F16, A) X(BF16, A) X(Q4_0, A) X(Q4_1, A) X(Q5_0, A) X(Q5_1, A) X(Q8_0, A) \
     X(Q2_K, A) X(Q3_K, A) X(Q4_K, A) X(Q5_K, A) X(Q6_K, A) X(IQ4_NL, A) X(IQ4_XS, A)    \
@@ -188,12 +191,15 @@ static inline int64_t passes_chunk(int64_t stride, int64_t rows) {
 #define CALL_DEQUANT(T) dequant_##T(w, stride, rows, n, out)
 
 /* The library's C API, over the family's KERNEL_TYPES. Where the compiler targets a CPU
- * without the family's instructions, its file defines llmrun_available() == 0 alone. */
+ * without the family's instructions, its file defines llmrun_available() == 0 alone.
+ * TYPE_READY(type) is 0 for a type whose kernels wait for tables (the i-quants', until
+ * llmrun_iq_tables): no kernel yet (block 0), and the calls return -1. */
 #define DEFINE_API()                                                                     \
     int llmrun_available(void) { return 1; }                                             \
                                                                                          \
     /* Row lengths the kernels take for `type` are multiples of this; 0: no kernel. */  \
     int llmrun_block(int type) {                                                         \
+        if (!TYPE_READY(type)) return 0;                                                 \
         switch (type) {                                                                  \
         KERNEL_TYPES(BLOCK_CASE, _)                                                      \
         default: return 0;                                                               \
@@ -205,6 +211,7 @@ static inline int64_t passes_chunk(int64_t stride, int64_t rows) {
      * contiguous f32. */                                                                \
     int llmrun_matvec(int type, const uint8_t *w, int64_t stride, int64_t rows,          \
                       const float *x, int64_t m, int64_t n, float *y, const float *bias) { \
+        if (!TYPE_READY(type)) return -1;                                                \
         DISPATCH(CALL_MATVEC)                                                            \
     }                                                                                    \
                                                                                          \
@@ -215,9 +222,10 @@ static inline int64_t passes_chunk(int64_t stride, int64_t rows) {
     int llmrun_matvec_experts(int type, const int64_t *ws, int64_t stride, int64_t rows, \
                               const float *x, int64_t x_step, int64_t n, float *y,       \
                               int64_t count) {                                           \
+        if (!TYPE_READY(type)) return -1;                                                \
         EXPERTS_FIRST                                                                    \
         switch (type) {                                                                  \
-        GGML_TYPES(EXPERTS_CASE, _)                                                      \
+        EXPERT_TYPES(EXPERTS_CASE, _)                                                    \
         default: return -1;                                                              \
         }                                                                                \
     }                                                                                    \
@@ -225,6 +233,7 @@ static inline int64_t passes_chunk(int64_t stride, int64_t rows) {
     /* out[r, k] = W[r, k] as f32, out contiguous [rows, n]. */                          \
     int llmrun_dequantize(int type, const uint8_t *w, int64_t stride, int64_t rows,      \
                           int64_t n, float *out) {                                       \
+        if (!TYPE_READY(type)) return -1;                                                \
         DISPATCH(CALL_DEQUANT)                                                           \
     }
 

@@ -29,10 +29,12 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 
-/* The types with kernels here: common.h's, and the packed layouts of Q4_0, Q5_0 and
- * Q8_0 (see below; not those of Q4_K and Q5_K). */
+/* The types with kernels here: common.h's, the i-quants (iquants.h), and the packed
+ * layouts of Q4_0, Q5_0 and Q8_0 (see below; not those of Q4_K and Q5_K). */
+#define EXPERT_TYPES(X, A) GGML_TYPES(X, A) IQ_TYPES(X, A)
+#define TYPE_READY(type) iq_ready(type)
 #define KERNEL_TYPES(X, A) \
-    GGML_TYPES(X, A) X(Q4_0_PACKED, A) X(Q5_0_PACKED, A) X(Q8_0_PACKED, A)
+    EXPERT_TYPES(X, A) X(Q4_0_PACKED, A) X(Q5_0_PACKED, A) X(Q8_0_PACKED, A)
 
 ALWAYS_INLINE float f16_at(const uint8_t *p) {
     uint16_t h;
@@ -392,6 +394,119 @@ ALWAYS_INLINE void deq_MXFP4(const uint8_t *src, sink_t s) {
     put_mul(s, 16, _mm_shuffle_epi8(kv, hi_nibbles(v)), d);
 }
 
+/* The i-quants and ternary types (iquants.h, the block layouts and tables). IQ1_S to
+ * IQ3_S 8 weights at a time: a grid row of 8 (or two of 4) widened to f32 and scaled,
+ * signs flipped by a mask (IQ1_S: the delta added first), the same operations as
+ * iquants.h's scalar code, so the same bits; IQ1_M, TQ1_0 and TQ2_0 by that scalar code
+ * into memory, sent on from there. */
+#include "iquants.h"
+ALWAYS_INLINE uint64_t u64_at(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+/* db * the 8 grid bytes of row, with the sign bit of lane j flipped where bit j of signs is set */
+ALWAYS_INLINE __m256 iq_row8(__m256 db, uint64_t row, uint32_t signs) {
+    const __m256 g = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)row)));
+    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i on = _mm256_and_si256(_mm256_set1_epi32((int)signs), bit);
+    const __m256i set = _mm256_cmpeq_epi32(on, bit);
+    const __m256i flip = _mm256_and_si256(set, _mm256_set1_epi32((int)0x80000000));
+    return _mm256_xor_ps(_mm256_mul_ps(db, g), _mm256_castsi256_ps(flip));
+}
+
+/* grid rows a and b of 4 bytes, as one row of 8 */
+ALWAYS_INLINE uint64_t rows4(const uint8_t *grid, int a, int b) {
+    return u32_at(grid + 4 * a) | (uint64_t)u32_at(grid + 4 * b) << 32;
+}
+
+ALWAYS_INLINE void deq_IQ2_XXS(const uint8_t *src, sink_t s) {
+    const float d = f16_at(src);
+    for (int ib = 0; ib < 8; ib++) {
+        const uint8_t *q = src + 2 + 8 * ib;
+        const uint32_t aux = u32_at(q + 4);
+        const __m256 db = _mm256_set1_ps(d * (0.5f + (float)(aux >> 28)) * 0.25f);
+        for (int l = 0; l < 4; l++)
+            emit(s, 32 * ib + 8 * l,
+                 iq_row8(db, u64_at(iq2xxs_grid + 8 * q[l]), ksigns[(aux >> (7 * l)) & 127]));
+    }
+}
+
+ALWAYS_INLINE void deq_IQ2_XS(const uint8_t *src, sink_t s) {
+    const float d = f16_at(src);
+    for (int e = 0; e < 32; e++) {
+        const uint16_t q = u16_at(src + 2 + 2 * e);
+        const int sc = (src[66 + e / 4] >> (4 * ((e / 2) & 1))) & 15;
+        const __m256 db = _mm256_set1_ps(d * (0.5f + (float)sc) * 0.25f);
+        emit(s, 8 * e, iq_row8(db, u64_at(iq2xs_grid + 8 * (q & 511)), ksigns[q >> 9]));
+    }
+}
+
+ALWAYS_INLINE void deq_IQ2_S(const uint8_t *src, sink_t s) {
+    const float d = f16_at(src);
+    const uint8_t *qs = src + 2, *signs = src + 34, *qh = src + 66, *scales = src + 74;
+    for (int e = 0; e < 32; e++) {
+        const int index = qs[e] | (((qh[e / 4] >> (2 * (e % 4))) & 3) << 8);
+        const int sc = (scales[e / 4] >> (4 * ((e / 2) & 1))) & 15;
+        const __m256 db = _mm256_set1_ps(d * (0.5f + (float)sc) * 0.25f);
+        emit(s, 8 * e, iq_row8(db, u64_at(iq2s_grid + 8 * index), signs[e]));
+    }
+}
+
+ALWAYS_INLINE void deq_IQ3_XXS(const uint8_t *src, sink_t s) {
+    const float d = f16_at(src);
+    for (int ib = 0; ib < 8; ib++) {
+        const uint8_t *q = src + 2 + 8 * ib;
+        const uint32_t aux = u32_at(src + 66 + 4 * ib);
+        const __m256 db = _mm256_set1_ps(d * (0.5f + (float)(aux >> 28)) * 0.5f);
+        for (int l = 0; l < 4; l++)
+            emit(s, 32 * ib + 8 * l, iq_row8(db, rows4(iq3xxs_grid, q[2 * l], q[2 * l + 1]),
+                                             ksigns[(aux >> (7 * l)) & 127]));
+    }
+}
+
+ALWAYS_INLINE void deq_IQ3_S(const uint8_t *src, sink_t s) {
+    const float d = f16_at(src);
+    const uint8_t *qs = src + 2, *qh = src + 66, *signs = src + 74, *scales = src + 106;
+    for (int ib = 0; ib < 8; ib++) {
+        const int sc = (scales[ib / 2] >> (4 * (ib & 1))) & 15;
+        const __m256 db = _mm256_set1_ps(d * (float)(1 + 2 * sc));
+        for (int l = 0; l < 4; l++) {
+            const int e = 8 * ib + 2 * l, h = qh[ib] >> (2 * l);
+            const uint64_t row =
+                rows4(iq3s_grid, qs[e] | (h & 1) << 8, qs[e + 1] | (h >> 1 & 1) << 8);
+            emit(s, 32 * ib + 8 * l, iq_row8(db, row, signs[4 * ib + l]));
+        }
+    }
+}
+
+ALWAYS_INLINE void deq_IQ1_S(const uint8_t *src, sink_t s) {
+    const float d = f16_at(src);
+    for (int ib = 0; ib < 8; ib++) {
+        const uint16_t h = u16_at(src + 34 + 2 * ib);
+        const __m256 dl = _mm256_set1_ps(d * (float)(2 * ((h >> 12) & 7) + 1));
+        const __m256 delta = _mm256_set1_ps(h & 0x8000 ? -IQ1_DELTA : IQ1_DELTA);
+        for (int l = 0; l < 4; l++) {
+            const int index = src[2 + 4 * ib + l] | (((h >> (3 * l)) & 7) << 8);
+            const uint64_t bytes = u64_at((const uint8_t *)iq1s_grid + 8 * index);
+            const __m128i row = _mm_cvtsi64_si128((long long)bytes);
+            const __m256 g = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(row));
+            emit(s, 32 * ib + 8 * l, _mm256_mul_ps(dl, _mm256_add_ps(g, delta)));
+        }
+    }
+}
+
+#define DEFINE_IQ_DEQ(T)                                                                 \
+    ALWAYS_INLINE void deq_##T(const uint8_t *src, sink_t s) {                           \
+        float w[256] __attribute__((aligned(32)));                                       \
+        iq_##T(src, w);                                                                  \
+        for (int k = 0; k < 256; k += 8) emit(s, k, _mm256_load_ps(w + k));              \
+    }
+DEFINE_IQ_DEQ(IQ1_M)
+DEFINE_IQ_DEQ(TQ1_0)
+DEFINE_IQ_DEQ(TQ2_0)
+
 /* Kernels per type: each block is dequantized into multiply-adds with up to MAX_M
  * activation rows (sink_t). */
 
@@ -487,6 +602,8 @@ DEFINE_MATVEC(Q3_K)
 DEFINE_MATVEC(IQ4_NL)
 DEFINE_MATVEC(IQ4_XS)
 DEFINE_MATVEC(MXFP4)
+#define DEFINE_IQ_KERNELS(T, _) DEFINE_KERNELS(T) DEFINE_MATVEC(T)
+IQ_TYPES(DEFINE_IQ_KERNELS, _)
 
 /* Q4_K for one or two activation rows (decoding), with factored scales:
  * y = sum_j (d*sc_j) S_j - sum_j (dmin*m_j) X_j over the sub-blocks j of 32 weights,
@@ -747,12 +864,6 @@ static void permute_x(const float *x, int64_t n, float *xp) {
 }
 
 /* byte j of each dword to its top byte, zeros below */
-ALWAYS_INLINE uint64_t u64_at(const uint8_t *p) {
-    uint64_t v;
-    memcpy(&v, p, 8);
-    return v;
-}
-
 ALWAYS_INLINE __m256i top_byte_index(int j) {
     const int z = 0x808080;
     return _mm256_setr_epi32(j << 24 | z, (4 + j) << 24 | z, (8 + j) << 24 | z,

@@ -21,9 +21,12 @@
 
 #define QK_K 256
 
-/* The types with kernels here: all of common.h's, in GGML's layout and packed. */
+/* The types with kernels here: all of common.h's, in GGML's layout and packed, and the
+ * i-quants (iquants.h). */
+#define EXPERT_TYPES(X, A) GGML_TYPES(X, A) IQ_TYPES(X, A)
+#define TYPE_READY(type) iq_ready(type)
 #define KERNEL_TYPES(X, A)                                                               \
-    GGML_TYPES(X, A) X(Q4_0_PACKED, A) X(Q5_0_PACKED, A) X(Q4_K_PACKED, A) X(Q5_K_PACKED, A)
+    EXPERT_TYPES(X, A) X(Q4_0_PACKED, A) X(Q5_0_PACKED, A) X(Q4_K_PACKED, A) X(Q5_K_PACKED, A)
 
 static const float IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                      1,    13,   25,  38,  53,  69,  89,  113};
@@ -349,6 +352,162 @@ static inline void iq4_xs_scales(const uint8_t *src, float *dl) {
         }                                                                                \
     } while (0)
 
+/* The i-quants and ternary types (iquants.h, the block layouts and tables). IQ1_S to
+ * IQ3_S 16 weights at a time: two (IQ1, IQ2) or four (IQ3) grid rows widened to f32 and
+ * scaled, signs flipped by a mask (IQ1: the delta added first), the same operations as
+ * iquants.h's scalar code, so the same bits; TQ1_0 and TQ2_0 by that scalar code into
+ * memory, emitted from there. */
+#include "iquants.h"
+static inline uint64_t u64_at(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+/* db * rows, with the sign bit of lane j flipped where bit j of signs is set */
+static inline __m512 iq_vec(__m512 db, __m128i rows, uint32_t signs) {
+    const __m512 g = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(rows));
+    const __m512i w = _mm512_castps_si512(_mm512_mul_ps(db, g));
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000);
+    return _mm512_castsi512_ps(_mm512_mask_xor_epi32(w, (__mmask16)signs, w, sign));
+}
+
+static inline __m128i rows8(const uint8_t *grid, int a, int b) {
+    return _mm_set_epi64x((long long)u64_at(grid + 8 * b), (long long)u64_at(grid + 8 * a));
+}
+
+static inline __m128i rows4(const uint8_t *grid, int a, int b, int c, int d) {
+    return _mm_setr_epi32((int)u32_at(grid + 4 * a), (int)u32_at(grid + 4 * b),
+                          (int)u32_at(grid + 4 * c), (int)u32_at(grid + 4 * d));
+}
+
+#define IQ2_XXS_DEQ(src, EMIT)                                                           \
+    do {                                                                                 \
+        const float d_ = f16_at(src);                                                    \
+        for (int ib_ = 0; ib_ < 8; ib_++) {                                              \
+            const uint8_t *q_ = (src) + 2 + 8 * ib_;                                     \
+            const uint32_t aux_ = u32_at(q_ + 4);                                        \
+            const __m512 db_ = _mm512_set1_ps(d_ * (0.5f + (float)(aux_ >> 28)) * 0.25f); \
+            for (int h_ = 0; h_ < 2; h_++) {                                             \
+                const uint32_t s_ = ksigns[(aux_ >> (14 * h_)) & 127] |                  \
+                                    (uint32_t)ksigns[(aux_ >> (14 * h_ + 7)) & 127] << 8; \
+                EMIT(32 * ib_ + 16 * h_,                                                 \
+                     iq_vec(db_, rows8(iq2xxs_grid, q_[2 * h_], q_[2 * h_ + 1]), s_));   \
+            }                                                                            \
+        }                                                                                \
+    } while (0)
+
+#define IQ2_XS_DEQ(src, EMIT)                                                            \
+    do {                                                                                 \
+        const float d_ = f16_at(src);                                                    \
+        for (int k_ = 0; k_ < 16; k_++) {                                                \
+            const uint16_t a_ = u16_at((src) + 2 + 4 * k_), b_ = u16_at((src) + 4 + 4 * k_); \
+            const int sc_ = ((src)[66 + k_ / 2] >> (4 * (k_ & 1))) & 15;                 \
+            const __m512 db_ = _mm512_set1_ps(d_ * (0.5f + (float)sc_) * 0.25f);         \
+            const uint32_t s_ = ksigns[a_ >> 9] | (uint32_t)ksigns[b_ >> 9] << 8;        \
+            EMIT(16 * k_, iq_vec(db_, rows8(iq2xs_grid, a_ & 511, b_ & 511), s_));       \
+        }                                                                                \
+    } while (0)
+
+#define IQ2_S_DEQ(src, EMIT)                                                             \
+    do {                                                                                 \
+        const float d_ = f16_at(src);                                                    \
+        const uint8_t *qs_ = (src) + 2, *sg_ = (src) + 34, *qh_ = (src) + 66;            \
+        for (int k_ = 0; k_ < 16; k_++) {                                                \
+            const int e_ = 2 * k_, h_ = qh_[e_ / 4] >> (2 * (e_ % 4));                   \
+            const int sc_ = ((src)[74 + k_ / 2] >> (4 * (k_ & 1))) & 15;                 \
+            const __m512 db_ = _mm512_set1_ps(d_ * (0.5f + (float)sc_) * 0.25f);         \
+            const __m128i g_ = rows8(iq2s_grid, qs_[e_] | (h_ & 3) << 8,                 \
+                                     qs_[e_ + 1] | (h_ >> 2 & 3) << 8);                  \
+            EMIT(16 * k_, iq_vec(db_, g_, u16_at(sg_ + e_)));                            \
+        }                                                                                \
+    } while (0)
+
+#define IQ3_XXS_DEQ(src, EMIT)                                                           \
+    do {                                                                                 \
+        const float d_ = f16_at(src);                                                    \
+        for (int ib_ = 0; ib_ < 8; ib_++) {                                              \
+            const uint8_t *q_ = (src) + 2 + 8 * ib_;                                     \
+            const uint32_t aux_ = u32_at((src) + 66 + 4 * ib_);                          \
+            const __m512 db_ = _mm512_set1_ps(d_ * (0.5f + (float)(aux_ >> 28)) * 0.5f);  \
+            for (int h_ = 0; h_ < 2; h_++) {                                             \
+                const uint8_t *r_ = q_ + 4 * h_;                                         \
+                const uint32_t s_ = ksigns[(aux_ >> (14 * h_)) & 127] |                  \
+                                    (uint32_t)ksigns[(aux_ >> (14 * h_ + 7)) & 127] << 8; \
+                EMIT(32 * ib_ + 16 * h_,                                                 \
+                     iq_vec(db_, rows4(iq3xxs_grid, r_[0], r_[1], r_[2], r_[3]), s_));   \
+            }                                                                            \
+        }                                                                                \
+    } while (0)
+
+#define IQ3_S_DEQ(src, EMIT)                                                             \
+    do {                                                                                 \
+        const float d_ = f16_at(src);                                                    \
+        const uint8_t *qs_ = (src) + 2, *qh_ = (src) + 66, *sg_ = (src) + 74;            \
+        for (int ib_ = 0; ib_ < 8; ib_++) {                                              \
+            const int sc_ = ((src)[106 + ib_ / 2] >> (4 * (ib_ & 1))) & 15;              \
+            const __m512 db_ = _mm512_set1_ps(d_ * (float)(1 + 2 * sc_));                \
+            for (int h_ = 0; h_ < 2; h_++) {                                             \
+                const int e_ = 8 * ib_ + 4 * h_, hb_ = qh_[ib_] >> (4 * h_);             \
+                const __m128i g_ = rows4(iq3s_grid, qs_[e_] | (hb_ & 1) << 8,            \
+                                         qs_[e_ + 1] | (hb_ >> 1 & 1) << 8,              \
+                                         qs_[e_ + 2] | (hb_ >> 2 & 1) << 8,              \
+                                         qs_[e_ + 3] | (hb_ >> 3 & 1) << 8);             \
+                EMIT(32 * ib_ + 16 * h_, iq_vec(db_, g_, u16_at(sg_ + 4 * ib_ + 2 * h_))); \
+            }                                                                            \
+        }                                                                                \
+    } while (0)
+
+/* dl * (rows + delta) for 16 weights of IQ1_S/IQ1_M: two int8 grid rows widened to f32 */
+static inline __m512 iq1_vec(__m512 dl, int a, int b, __m512 delta) {
+    const __m128i rows = rows8((const uint8_t *)iq1s_grid, a, b);
+    const __m512 g = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(rows));
+    return _mm512_mul_ps(dl, _mm512_add_ps(g, delta));
+}
+
+#define IQ1_S_DEQ(src, EMIT)                                                             \
+    do {                                                                                 \
+        const float d_ = f16_at(src);                                                    \
+        for (int ib_ = 0; ib_ < 8; ib_++) {                                              \
+            const uint16_t h_ = u16_at((src) + 34 + 2 * ib_);                            \
+            const __m512 dl_ = _mm512_set1_ps(d_ * (float)(2 * ((h_ >> 12) & 7) + 1));  \
+            const __m512 delta_ = _mm512_set1_ps(h_ & 0x8000 ? -IQ1_DELTA : IQ1_DELTA);  \
+            const uint8_t *q_ = (src) + 2 + 4 * ib_;                                     \
+            EMIT(32 * ib_, iq1_vec(dl_, q_[0] | (h_ & 7) << 8, q_[1] | (h_ >> 3 & 7) << 8, delta_)); \
+            EMIT(32 * ib_ + 16,                                                          \
+                 iq1_vec(dl_, q_[2] | (h_ >> 6 & 7) << 8, q_[3] | (h_ >> 9 & 7) << 8, delta_)); \
+        }                                                                                \
+    } while (0)
+
+#define IQ1_M_DEQ(src, EMIT)                                                             \
+    do {                                                                                 \
+        uint16_t sc_[4];                                                                 \
+        memcpy(sc_, (src) + 48, 8);                                                      \
+        const uint16_t bits_ = (uint16_t)((sc_[0] >> 12) | ((sc_[1] >> 8) & 0x00F0) |    \
+                                          ((sc_[2] >> 4) & 0x0F00) | (sc_[3] & 0xF000)); \
+        uint8_t d16_[2];                                                                 \
+        memcpy(d16_, &bits_, 2);                                                         \
+        const float d_ = f16_at(d16_);                                                   \
+        for (int k_ = 0; k_ < 16; k_++) {                                                \
+            const int qh_ = (src)[32 + k_], lo_ = qh_ & 15, hi_ = qh_ >> 4;              \
+            const __m512 dl_ = _mm512_set1_ps(d_ * (float)(2 * ((sc_[k_ / 4] >> (3 * (k_ % 4))) & 7) + 1)); \
+            const __m512 delta_ = _mm512_insertf32x8(                                    \
+                _mm512_set1_ps(lo_ & 8 ? -IQ1_DELTA : IQ1_DELTA),                        \
+                _mm256_set1_ps(hi_ & 8 ? -IQ1_DELTA : IQ1_DELTA), 1);                    \
+            EMIT(16 * k_, iq1_vec(dl_, (src)[2 * k_] | (lo_ & 7) << 8,                   \
+                                  (src)[2 * k_ + 1] | (hi_ & 7) << 8, delta_));          \
+        }                                                                                \
+    } while (0)
+
+#define IQ_DEQ(T, src, EMIT)                                                             \
+    do {                                                                                 \
+        float iq_[256] __attribute__((aligned(64)));                                     \
+        iq_##T(src, iq_);                                                                \
+        for (int k_ = 0; k_ < 256; k_ += 16) EMIT(k_, _mm512_load_ps(iq_ + k_));         \
+    } while (0)
+#define TQ1_0_DEQ(src, EMIT) IQ_DEQ(TQ1_0, src, EMIT)
+#define TQ2_0_DEQ(src, EMIT) IQ_DEQ(TQ2_0, src, EMIT)
+
 /* Kernels per type. A matvec dequantizes a group of blocks (up to GROUP weights)
  * into an L1-resident buffer, then takes its dot products with up to MAX_M
  * activation rows; independent accumulators hide the multiply-add latency. */
@@ -504,6 +663,8 @@ DEFINE_KERNELS(Q5_K)
 DEFINE_KERNELS(Q6_K)
 DEFINE_KERNELS(IQ4_NL)
 DEFINE_KERNELS(IQ4_XS)
+#define DEFINE_IQ_KERNELS(T, _) DEFINE_KERNELS(T)
+IQ_TYPES(DEFINE_IQ_KERNELS, _)
 
 /* MXFP4 (common.h), without DEFINE_KERNELS' buffer of dequantized weights: a block's
  * 16 code bytes, spread to dwords, index a table of its 16 exact weights (the codes'

@@ -30,7 +30,9 @@
 #if defined(__aarch64__) && defined(__ARM_NEON)
 #include <arm_neon.h>
 
-#define KERNEL_TYPES(X, A) GGML_TYPES(X, A)
+#define EXPERT_TYPES(X, A) GGML_TYPES(X, A)
+#define KERNEL_TYPES(X, A) EXPERT_TYPES(X, A)
+#define TYPE_READY(type) 1
 
 ALWAYS_INLINE float f16_at(const uint8_t *p) {
     __fp16 h;

@@ -8,10 +8,13 @@ Block layouts: https://github.com/ggml-org/llama.cpp/blob/master/ggml/src/ggml-c
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, QK_K, GGMLQuantizationType
+from gguf import quants as gguf_quants
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 
@@ -219,6 +222,195 @@ def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
     q = nibbles(blocks[:, 1:], 1, 16).reshape(-1, 32)
     table = torch.tensor(MXFP4_VALUES, dtype=torch.float32, device=blocks.device)
     return e8m0_half(blocks[:, :1]) * table[q.long()]
+
+
+# The i-quants' grids (rows of 8 or 4 weights, indexed by the quants) and the sign table
+# ksigns (7 sign bits -> 8, the 8th giving even parity) are gguf's tables, taken from its
+# classes: the same data as llama.cpp's ggml-common.h.
+@functools.cache
+def grid_values(ggml_type: GGMLQuantizationType) -> np.ndarray:
+    """`ggml_type`'s grid (an i-quant's; IQ1_M's is IQ1_S's) as float32 `[entries, width]`."""
+    reference = getattr(gguf_quants, ggml_type.name)
+    reference.init_grid()
+    grid = np.array(reference.grid, dtype=np.float32).reshape(reference.grid_shape)
+    grid.flags.writeable = False
+    return grid
+
+
+def ksign_bytes() -> bytes:
+    """The 128 bytes of the sign table."""
+    return gguf_quants.IQ2_XXS.ksigns
+
+
+@functools.cache
+def _grid(ggml_type: GGMLQuantizationType, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(grid_values(ggml_type).copy()).to(device)
+
+
+@functools.cache
+def _ksigns(device: torch.device) -> torch.Tensor:
+    return torch.frombuffer(bytearray(ksign_bytes()), dtype=torch.uint8).to(device)
+
+
+def _signs(bits: torch.Tensor) -> torch.Tensor:
+    """Sign bytes `[...]` -> float32 `[..., 8]`: -1 where bit j of the byte is set, else 1."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    values = torch.tensor([1.0, -1.0], device=bits.device)
+    return values[((bits.unsqueeze(-1) >> shifts) & 1).long()]
+
+
+def _u16(b: torch.Tensor) -> torch.Tensor:
+    """Little-endian u16 fields of `[n, 2k]` bytes, as int32 `[n, k]`."""
+    b = b.to(torch.int32).reshape(b.shape[0], -1, 2)
+    return b[..., 0] | (b[..., 1] << 8)
+
+
+def _u32(b: torch.Tensor) -> torch.Tensor:
+    """Little-endian u32 fields of `[n, 4k]` bytes, as int64 `[n, k]`."""
+    b = b.to(torch.int64).reshape(b.shape[0], -1, 4)
+    return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+
+
+def _lookup(ggml_type: GGMLQuantizationType, index: torch.Tensor) -> torch.Tensor:
+    """Grid rows for `index` `[n, k]`: float32 `[n, k, width]`."""
+    return _grid(ggml_type, index.device)[index.long()]
+
+
+def _nibble_scales(scales: torch.Tensor) -> torch.Tensor:
+    """4-bit scales, low nibble first: `[n, k]` bytes -> int32 `[n, 2k]`."""
+    return torch.stack([scales & 0x0F, scales >> 4], dim=2).reshape(scales.shape[0], -1).int()
+
+
+@_register(T.IQ2_XXS)
+def _iq2_xxs(blocks: torch.Tensor) -> torch.Tensor:
+    # 8 sub-blocks of 32: 4 grid indices (bytes), then a u32 of four 7-bit sign indices
+    # (bits 0..27) and the 4-bit scale (bits 28..31).
+    n = blocks.shape[0]
+    groups = blocks[:, 2:].reshape(n, 8, 8)
+    aux = _u32(groups[:, :, 4:].reshape(n, 32))  # [n, 8]
+    db = (_f16(blocks, 0) * (0.5 + (aux >> 28).float()) * 0.25).reshape(n, 8, 1, 1)
+    sign_index = (aux.unsqueeze(-1) >> torch.tensor([0, 7, 14, 21], device=aux.device)) & 0x7F
+    signs = _signs(_ksigns(blocks.device)[sign_index])  # [n, 8, 4, 8]
+    grid = _lookup(T.IQ2_XXS, groups[:, :, :4])  # [n, 8, 4, 8]
+    return (db * grid * signs).reshape(n, QK_K)
+
+
+@_register(T.IQ2_XS)
+def _iq2_xs(blocks: torch.Tensor) -> torch.Tensor:
+    # 32 u16 quants: a 9-bit grid index and a 7-bit sign index; 16 4-bit scales.
+    n = blocks.shape[0]
+    qs = _u16(blocks[:, 2:66])
+    db = (_f16(blocks, 0) * (0.5 + _nibble_scales(blocks[:, 66:74]).float()) * 0.25).reshape(
+        n, 16, 1, 1
+    )
+    signs = _signs(_ksigns(blocks.device)[qs >> 9]).reshape(n, 16, 2, 8)
+    grid = _lookup(T.IQ2_XS, qs & 511).reshape(n, 16, 2, 8)
+    return (db * grid * signs).reshape(n, QK_K)
+
+
+@_register(T.IQ2_S)
+def _iq2_s(blocks: torch.Tensor) -> torch.Tensor:
+    # 32 grid indices: low bytes, then 2 high bits each (qh byte j: indices 4j..4j+3);
+    # 32 bytes of plain sign bits; 16 4-bit scales.
+    n = blocks.shape[0]
+    qs, signs, qh = blocks[:, 2:34], blocks[:, 34:66], blocks[:, 66:74]
+    db = (_f16(blocks, 0) * (0.5 + _nibble_scales(blocks[:, 74:82]).float()) * 0.25).reshape(
+        n, 16, 1, 1
+    )
+    high = (qh.unsqueeze(-1) >> _shifts(0, 2, 4, 6, shape=(4,), device=qh.device)) & 3
+    index = qs.int() | (high.reshape(n, 32).int() << 8)
+    grid = _lookup(T.IQ2_S, index).reshape(n, 16, 2, 8)
+    return (db * grid * _signs(signs).reshape(n, 16, 2, 8)).reshape(n, QK_K)
+
+
+@_register(T.IQ3_XXS)
+def _iq3_xxs(blocks: torch.Tensor) -> torch.Tensor:
+    # 64 grid indices of 4 weights, then per sub-block of 32 a u32 as IQ2_XXS's.
+    n = blocks.shape[0]
+    aux = _u32(blocks[:, 66:98])  # [n, 8]
+    db = (_f16(blocks, 0) * (0.5 + (aux >> 28).float()) * 0.5).reshape(n, 8, 1, 1)
+    sign_index = (aux.unsqueeze(-1) >> torch.tensor([0, 7, 14, 21], device=aux.device)) & 0x7F
+    signs = _signs(_ksigns(blocks.device)[sign_index])  # [n, 8, 4, 8]
+    grid = _lookup(T.IQ3_XXS, blocks[:, 2:66]).reshape(n, 8, 4, 8)
+    return (db * grid * signs).reshape(n, QK_K)
+
+
+@_register(T.IQ3_S)
+def _iq3_s(blocks: torch.Tensor) -> torch.Tensor:
+    # 64 grid indices: low bytes, then a high bit each (bit j of qh byte i: index 8i + j);
+    # 32 bytes of sign bits; 8 4-bit scales, w = d * (1 + 2 * scale) * grid * sign.
+    n = blocks.shape[0]
+    qs, qh, signs = blocks[:, 2:66], blocks[:, 66:74], blocks[:, 74:106]
+    db = (_f16(blocks, 0) * (1 + 2 * _nibble_scales(blocks[:, 106:110])).float()).reshape(
+        n, 8, 1, 1
+    )
+    high = (qh.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8, device=qh.device)) & 1
+    index = qs.int() | (high.reshape(n, 64).int() << 8)
+    grid = _lookup(T.IQ3_S, index).reshape(n, 8, 4, 8)
+    return (db * grid * _signs(signs).reshape(n, 8, 4, 8)).reshape(n, QK_K)
+
+
+IQ1_DELTA = 0.125
+
+
+def _deltas(sign: torch.Tensor) -> torch.Tensor:
+    """IQ1's offsets to the grid values: float32 -IQ1_DELTA where `sign` is set, else +."""
+    delta = torch.tensor([IQ1_DELTA, -IQ1_DELTA], device=sign.device)
+    return delta[(sign != 0).long()]
+
+
+@_register(T.IQ1_S)
+def _iq1_s(blocks: torch.Tensor) -> torch.Tensor:
+    # 32 grid indices of 8 weights in -1, 0, 1: low bytes, then per sub-block of 32 a u16
+    # with 3 high bits for each of its 4 indices, its 3-bit scale and the delta's sign.
+    n = blocks.shape[0]
+    qh = _u16(blocks[:, 34:50])  # [n, 8]
+    dl = (_f16(blocks, 0) * (2 * ((qh >> 12) & 7) + 1).float()).reshape(n, 8, 1, 1)
+    delta = _deltas(qh & 0x8000).reshape(n, 8, 1, 1)
+    high = (qh.unsqueeze(-1) >> torch.tensor([0, 3, 6, 9], device=qh.device)) & 7
+    index = blocks[:, 2:34].int() | (high.reshape(n, 32) << 8)
+    grid = _lookup(T.IQ1_S, index).reshape(n, 8, 4, 8)
+    return (dl * (grid + delta)).reshape(n, QK_K)
+
+
+@_register(T.IQ1_M)
+def _iq1_m(blocks: torch.Tensor) -> torch.Tensor:
+    # 32 grid indices: low bytes, then a nibble each (3 high bits and the delta's sign);
+    # four u16 of 3-bit scales (one per 16 weights) whose top nibbles hold the f16 scale.
+    n = blocks.shape[0]
+    qs, qh, sc = blocks[:, :32], blocks[:, 32:48], _u16(blocks[:, 48:56])
+    bits = (sc & 0xF000) >> torch.tensor([12, 8, 4, 0], device=sc.device)
+    d_bits = bits[:, 0] | bits[:, 1] | bits[:, 2] | bits[:, 3]
+    d_bytes = torch.stack([d_bits & 0xFF, d_bits >> 8], dim=1).to(torch.uint8)
+    d = d_bytes.view(torch.float16).float()  # [n, 1]
+    scales = (sc.unsqueeze(-1) >> torch.tensor([0, 3, 6, 9], device=sc.device)) & 7
+    dl = (d * (2 * scales.reshape(n, 16) + 1).float()).reshape(n, 8, 2, 1, 1)
+    nib = torch.stack([qh & 0x0F, qh >> 4], dim=2).reshape(n, 32)  # index 2j: low nibble of j
+    index = qs.int() | ((nib & 7).int() << 8)
+    delta = _deltas(nib & 8).reshape(n, 8, 2, 2, 1)
+    grid = _lookup(T.IQ1_M, index).reshape(n, 8, 2, 2, 8)
+    return (dl * (grid + delta)).reshape(n, QK_K)
+
+
+@_register(T.TQ1_0)
+def _tq1_0(blocks: torch.Tensor) -> torch.Tensor:
+    # Base-3 digits packed 5 a byte (4 in the last 4 bytes) as fixed point: digit k of
+    # byte q is the top of (q * 3^k mod 256) * 3, over 8 bits. Order: 32 bytes' first
+    # digits, their second digits, ..., then the next 16 bytes' likewise, then the last 4.
+    n = blocks.shape[0]
+    powers = torch.tensor([1, 3, 9, 27, 81], dtype=torch.uint8, device=blocks.device)
+    parts = [
+        (blocks[:, a:b].reshape(n, 1, b - a) * powers[:k].reshape(1, k, 1)).reshape(n, -1)
+        for a, b, k in ((0, 32, 5), (32, 48, 5), (48, 52, 4))
+    ]
+    q = ((torch.cat(parts, dim=1).to(torch.int32) * 3) >> 8) - 1
+    return _f16(blocks, 52) * q.float()
+
+
+@_register(T.TQ2_0)
+def _tq2_0(blocks: torch.Tensor) -> torch.Tensor:
+    q = crumbs(blocks[:, :64], 2).reshape(-1, QK_K).to(torch.int8) - 1
+    return _f16(blocks, 64) * q.float()
 
 
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(_DEQUANTIZERS)

@@ -28,7 +28,7 @@ from llmrun.quant import kernels
 from llmrun.quant.linear import QuantLinear
 
 # The (gate, up, down) projections of an expert, by the names its family gives them.
-PROJECTIONS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+PROJECTIONS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"), ("gate", "up", "down"))
 
 
 class _Stack:

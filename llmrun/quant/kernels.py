@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from llmrun import native
-from llmrun.quant import hugepages
+from llmrun.quant import blocks, hugepages
 
 # Types with a faster kernel on a repacked row layout in some kernel family (kernels_avx512.c:
 # Q4_0, Q5_0, Q4_K, Q5_K; kernels_avx2.c: Q4_0, Q5_0, Q8_0; `supports` says which this
@@ -32,6 +33,12 @@ FIELDS = {
     Q5_K: (2, 2, 12, 32, 128),
 }
 K_SCALE_GROUP = 16  # K-quant blocks whose scale fields `pack` interleaves (C: K_GROUP)
+# The i-quants and ternary types, whose kernels (llmrun/native/iquants.h, x86 families)
+# read gguf's grids and sign table: `supports` hands them to the library first.
+IQ_TYPES = frozenset(
+    GGMLQuantizationType[name]
+    for name in "IQ2_XXS IQ2_XS IQ2_S IQ3_XXS IQ3_S IQ1_S IQ1_M TQ1_0 TQ2_0".split()
+)
 # Activation rows past which the 8-bit kernels take tiles of weights (a GEMM) rather
 # than passes of up to 8 rows over each run of weights; the K-quants' passes, which sum
 # a block in integers, stay ahead longer (Zen 4, 2 threads, 17 rows: Q4_K 9.3 against
@@ -45,10 +52,34 @@ def supports(ggml_type: GGMLQuantizationType, n_cols: int, packed: bool = False)
     """Whether the native kernels take rows of `n_cols` weights of `ggml_type`
     (in the packed layout, if `packed`)."""
     lib = native.library()
-    if lib is None or (packed and ggml_type not in PACKED):
+    if lib is None or (ggml_type in IQ_TYPES and not _iq_tables(lib)):
+        return False
+    if packed and ggml_type not in PACKED:
         return False
     block = lib.llmrun_block(_kernel_type(ggml_type, packed))
     return block > 0 and n_cols % block == 0
+
+
+@functools.cache
+def _iq_table_arrays() -> tuple[np.ndarray, ...]:
+    """The sign table and the grids in llmrun_iq_tables' order and C types, kept alive
+    here for the library's lifetime."""
+    T = GGMLQuantizationType
+    grids = [T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S]
+    return (
+        np.frombuffer(blocks.ksign_bytes(), dtype=np.uint8),
+        *(np.ascontiguousarray(blocks.grid_values(t), dtype=np.uint8) for t in grids),
+        np.ascontiguousarray(blocks.grid_values(T.IQ1_S), dtype=np.int8),
+    )
+
+
+@functools.cache
+def _iq_tables(lib) -> bool:
+    """Hand `lib` the i-quants' tables; False where its family has no i-quant kernels."""
+    if not hasattr(lib, "llmrun_iq_tables"):
+        return False
+    lib.llmrun_iq_tables(*(table.ctypes.data for table in _iq_table_arrays()))
+    return True
 
 
 @functools.cache

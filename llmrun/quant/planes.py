@@ -14,7 +14,9 @@ the product for a few rows of activations as elementwise products and sums, whic
 torch.compile fuses with the dequantization into one kernel per matrix that reads
 each quantized weight once (on CUDA, PlanarLinear compiles it); run eagerly it
 would make the [rows, out, in] products, so elsewhere PlanarLinear dequantizes
-tiles and multiplies them with F.linear, as prefill does everywhere.
+tiles and multiplies them with F.linear, as prefill does everywhere. A weight of any
+other type (the i-quants and the ternary types among them) stays a QuantLinear, whose
+torch code dequantizes its blocks on every forward.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """`llmrun serve`: an OpenAI-compatible HTTP API over the batching scheduler.
 
 Starlette app served by uvicorn: /v1/chat/completions, /v1/completions and
-/v1/responses (responses.py), as JSON or server-sent events; /v1/embeddings (the one
-endpoint of an embedding model, which gets no scheduler); /v1/models, /health
+/v1/responses (responses.py), as JSON or server-sent events; llama.cpp's /infill
+(infill.py) for code completion; /v1/embeddings (the one
+endpoint of an embedding model, which gets no scheduler); /v1/rerank, /rerank and /v1/score
+(rerank.py: a reranker's, which gets none either); /v1/models, /health
 (503 until the model is loaded) and /metrics (Prometheus text). Requests are
 validated here (pydantic), errors come back in OpenAI's JSON error shape, and
 generation happens on the scheduler thread (batching.py); each request's events
@@ -40,7 +42,9 @@ from llmrun.chat import PLAIN_STOP
 from llmrun.errors import UsageError
 from llmrun.generate import Response as GenResponse
 from llmrun.reasoning import REASONING
+from llmrun.server.infill import infill, suffix_prompts
 from llmrun.server.reply import Ask, ReplyReader, is_reasoning, prepare
+from llmrun.server.rerank import rerank, score
 from llmrun.server.responses import responses
 from llmrun.server.schema import (
     ApiError,
@@ -271,7 +275,14 @@ async def completions(request: Request) -> Response:
     service, body, engine = await begin(request, CompletionBody)
     params, stop = sampling_of(engine, body)
     tokenizer = engine.tokenizer
-    prompts = await asyncio.to_thread(_prompts, tokenizer, body.prompt)
+    if body.suffix and body.echo:
+        raise ApiError(400, "echo does not go with a suffix", param="echo")
+    if body.suffix:
+        prompts = await asyncio.to_thread(
+            suffix_prompts, engine, service.model_id, body.prompt, body.suffix, body.max_tokens
+        )
+    else:
+        prompts = await asyncio.to_thread(_prompts, tokenizer, body.prompt)
     n = body.n
     echoes = [_echo(tokenizer, ids) for ids in prompts] if body.echo else []
     # Choice index = prompt index x n + choice of that prompt, as OpenAI numbers them.
@@ -377,6 +388,13 @@ async def embeddings(request: Request) -> Response:
     service.authorize(request)
     body = await read_json(request, EmbeddingBody)
     engine = service.ready_engine(body.model)
+    if engine.reranks:
+        raise ApiError(
+            400,
+            f"{service.model_id} is a reranker; use /v1/rerank",
+            param="model",
+            code="model_not_supported",
+        )
     many = isinstance(body.input, list) and not isinstance(body.input[0], int)
     inputs = body.input if many else [body.input]
     pooling = service.pooling or engine.checkpoint.pooling
@@ -484,7 +502,14 @@ async def metrics(request: Request) -> Response:
 
 
 # Where each endpoint's prompt comes from (a prompt too long for the context is about it).
-PROMPT_PARAMS = {"completions": "prompt", "responses": "input", "embeddings": "input"}
+PROMPT_PARAMS = {
+    "completions": "prompt",
+    "responses": "input",
+    "embeddings": "input",
+    "infill": "input_prefix",
+    "rerank": "documents",
+    "score": "text_2",
+}
 
 
 def _endpoint(handler: Callable, name: str | None = None) -> Callable:
@@ -514,6 +539,10 @@ def create_app(service: Service) -> Starlette:
         Route("/v1/responses", _endpoint(responses, "responses"), methods=["POST"]),
         Route("/v1/completions", _endpoint(completions, "completions"), methods=["POST"]),
         Route("/v1/embeddings", _endpoint(embeddings, "embeddings"), methods=["POST"]),
+        Route("/infill", _endpoint(infill, "infill"), methods=["POST"]),
+        Route("/v1/rerank", _endpoint(rerank, "rerank"), methods=["POST"]),
+        Route("/rerank", _endpoint(rerank, "rerank"), methods=["POST"]),
+        Route("/v1/score", _endpoint(score, "score"), methods=["POST"]),
         Route("/v1/models", _endpoint(models), methods=["GET"]),
         Route("/v1/models/{model:path}", _endpoint(models), methods=["GET"]),
         Route("/health", health, methods=["GET"]),
@@ -592,9 +621,12 @@ def run(
             service.start(engine)
             if service.scheduler is None:
                 LOG.info(
-                    "model %s loaded in %.1fs: an embedding model (/v1/embeddings)",
+                    "model %s loaded in %.1fs: %s",
                     model_id,
                     engine.load_seconds,
+                    "a reranker (/v1/rerank, /v1/score)"
+                    if engine.reranks
+                    else "an embedding model (/v1/embeddings)",
                 )
                 return
             blocks = service.scheduler.blocks

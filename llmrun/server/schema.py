@@ -249,7 +249,7 @@ class CompletionBody(Sampling):
     max_tokens: Annotated[int, Field(ge=0)] | None = None
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False  # the prompt comes first in each choice's text (and logprobs)
-    suffix: Literal[None, ""] = None
+    suffix: str | None = None  # the text after the completion: a fill-in-the-middle prompt
 
     @model_validator(mode="after")
     def _nothing_to_generate_needs_echo(self) -> CompletionBody:
@@ -290,6 +290,70 @@ class EmbeddingBody(BaseModel):
         if isinstance(value, list) and not value:
             raise ValueError("an empty list: nothing to embed")
         return value
+
+
+class RerankBody(BaseModel):
+    """A rerank request as Jina's, Cohere's and llama.cpp's /rerank take it: a `query`,
+    its `documents` (texts, or objects with a text), the `top_n` best to return (default:
+    all);
+    `return_documents` (Jina's, Cohere's): each result's text too; `truncate` (llmrun's):
+    cut a document whose pair with the query passes the context rather than refuse it."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+    model: str | None = None
+    query: str
+    documents: Annotated[list[str], Field(min_length=1)]
+    top_n: Annotated[int, Field(ge=1)] | None = None
+    return_documents: bool = False
+    truncate: bool = False
+
+    @field_validator("documents", mode="before")
+    @classmethod
+    def _texts_of_objects(cls, value: Any) -> Any:
+        """Documents given as {"text": ...} objects (Jina's, Cohere's) as their texts."""
+        if not isinstance(value, list):
+            return value
+        return [d["text"] if isinstance(d, dict) and "text" in d else d for d in value]
+
+
+class ScoreBody(BaseModel):
+    """vLLM's /v1/score request: `text_1` scored against each of `text_2` (a text or
+    texts), or texts paired one to one (two lists of one length)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+    model: str | None = None
+    text_1: str | Annotated[list[str], Field(min_length=1)]
+    text_2: str | Annotated[list[str], Field(min_length=1)]
+    truncate: bool = False
+
+    @model_validator(mode="after")
+    def _pairs(self) -> ScoreBody:
+        if isinstance(self.text_1, list) and len(self.text_1) > 1:
+            if not isinstance(self.text_2, list) or len(self.text_2) != len(self.text_1):
+                raise ValueError(
+                    "text_1 of several texts pairs them one to one with text_2: give as many"
+                )
+        return self
+
+    def pairs(self) -> list[tuple[str, str]]:
+        """The (text_1, text_2) pairs to score, in order."""
+        seconds = [self.text_2] if isinstance(self.text_2, str) else self.text_2
+        firsts = [self.text_1] if isinstance(self.text_1, str) else self.text_1
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        return list(zip(firsts, seconds, strict=True))
 
 
 # --- errors ---------------------------------------------------------------------------

@@ -150,11 +150,13 @@ async def begin(request: Request, schema: type[Sampling]) -> tuple[Service, Any,
     body = await read_json(request, schema)
     engine = service.ready_engine(body.model)
     if not engine.generates:
+        use = (
+            "a reranker; use /v1/rerank"
+            if engine.reranks
+            else "an embedding model; use /v1/embeddings"
+        )
         raise ApiError(
-            400,
-            f"{service.model_id} is an embedding model; use /v1/embeddings",
-            param="model",
-            code="model_not_supported",
+            400, f"{service.model_id} is {use}", param="model", code="model_not_supported"
         )
     return service, body, engine
 

@@ -148,18 +148,18 @@ def test_unsupported_weight_type_names_tensor_and_type(tmp_path):
     import gguf
     import numpy as np
 
-    path = tmp_path / "iq2.gguf"
+    path = tmp_path / "q8k.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_tensor(
         "token_embd.weight",
-        np.zeros((2, 66), dtype=np.uint8),
-        raw_dtype=GGMLQuantizationType.IQ2_XXS,
+        np.zeros((2, 292), dtype=np.uint8),
+        raw_dtype=GGMLQuantizationType.Q8_K,  # llama.cpp's activations' type, never a weight's
     )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(UnsupportedError, match="'token_embd.weight' has weight type IQ2_XXS"):
+    with pytest.raises(UnsupportedError, match="'token_embd.weight' has weight type Q8_K"):
         open_checkpoint(path)
 
 

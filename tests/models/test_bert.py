@@ -346,7 +346,9 @@ def test_what_the_encoder_cannot_run_is_refused(tmp_path):
         load_model(no_eps, CPU, "f32")
 
 
-def test_a_reranker_head_is_refused(tmp_path):
+def test_a_reranker_head_makes_a_reranker_not_an_embedder(tmp_path):
+    """A classifier head (cls.output) is a cross-encoder's: `embed` refuses it with a
+    pointer to `rerank` (tests/test_reranking.py holds its scores to transformers')."""
     hf = hf_model()
     path = tmp_path / "r.gguf"
     tensors = converted(hf)
@@ -362,8 +364,10 @@ def test_a_reranker_head_is_refused(tmp_path):
         "tokenizer.ggml.token_type_count": 2,
     }
     write_keyed_gguf(path, "bert", keys, tensors)
-    with pytest.raises(UnsupportedError, match="reranker"):
-        load_model(path, CPU, "f32")
+    assert load_model(path, CPU, "f32").checkpoint.config["classifier_labels"] == 1
+    result = run_cli("embed", str(path), "Once upon a time")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == f"error: {path} is a reranker; use `llmrun rerank`\n"
 
 
 def test_positions_past_the_table_are_a_full_context():

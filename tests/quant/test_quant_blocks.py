@@ -26,12 +26,39 @@ F16_FIELDS = {
     T.Q6_K: (208,),
     T.IQ4_NL: (0,),
     T.IQ4_XS: (0,),
+    T.IQ2_XXS: (0,),
+    T.IQ2_XS: (0,),
+    T.IQ2_S: (0,),
+    T.IQ3_XXS: (0,),
+    T.IQ3_S: (0,),
+    T.IQ1_S: (0,),
+    T.TQ1_0: (52,),
+    T.TQ2_0: (64,),
 }
+# IQ1_M's f16 scale is split in four nibbles: the top nibbles of the u16 words at bytes
+# 48..55, lowest nibble first.
+SPLIT_F16_FIELDS = {T.IQ1_M: 48}
+# The types with f16 scales, in their numeric order.
+SCALED_TYPES = sorted({*F16_FIELDS, *SPLIT_F16_FIELDS}, key=int)
 # Byte offsets of E8M0 scales (a power of two each): random bytes there reach 2^127,
 # whose weights overflow to inf, so random blocks take scales near 1.
 E8M0_FIELDS = {T.MXFP4: (0,)}
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
-EXPECTED_TYPES = set(F16_FIELDS) | set(E8M0_FIELDS) | set(FLOAT_TYPES)
+EXPECTED_TYPES = set(SCALED_TYPES) | set(E8M0_FIELDS) | set(FLOAT_TYPES)
+
+
+def write_scales(raw: np.ndarray, ggml_type: T, draw) -> None:
+    """Put f16 scales `draw(n_blocks)` (floats) into each f16 field of blocks `raw`
+    `[n_blocks, type_size]`, in place."""
+    for offset in F16_FIELDS.get(ggml_type, ()):
+        scales = draw(len(raw)).astype(np.float16)
+        raw[:, offset : offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    if ggml_type in SPLIT_F16_FIELDS:
+        offset = SPLIT_F16_FIELDS[ggml_type]
+        words = raw[:, offset : offset + 8].copy().view(np.uint16)  # [n_blocks, 4]
+        bits = draw(len(raw)).astype(np.float16).view(np.uint16)[:, None]
+        nibbles = (bits >> np.array([0, 4, 8, 12], dtype=np.uint16)) & 0xF
+        raw[:, offset : offset + 8] = ((words & 0x0FFF) | (nibbles << 12)).view(np.uint8)
 
 
 def random_blocks(ggml_type: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -40,9 +67,7 @@ def random_blocks(ggml_type: T, rows: int, cols: int, seed: int = 0) -> np.ndarr
     block_size, type_size = GGML_QUANT_SIZES[ggml_type]
     n_blocks = rows * cols // block_size
     raw = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
-    for offset in F16_FIELDS.get(ggml_type, ()):
-        scale = rng.standard_normal(n_blocks) * 2.0 ** rng.integers(-12, 4, n_blocks)
-        raw[:, offset : offset + 2] = scale.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    write_scales(raw, ggml_type, lambda n: rng.standard_normal(n) * 2.0 ** rng.integers(-12, 4, n))
     for offset in E8M0_FIELDS.get(ggml_type, ()):
         raw[:, offset] = rng.integers(128 - 16, 128 + 8, n_blocks)
     return raw.reshape(rows, -1)
@@ -117,10 +142,10 @@ def test_row_bytes():
 
 
 def test_unsupported_type_names_it_and_lists_supported():
-    with pytest.raises(UnsupportedError, match="IQ2_XXS.*supported:.*Q4_K"):
-        dequantize(torch.zeros(4, 66, dtype=torch.uint8), T.IQ2_XXS)
-    with pytest.raises(UnsupportedError, match="TQ1_0"):
-        row_bytes(T.TQ1_0, 256)
+    with pytest.raises(UnsupportedError, match="Q8_K.*supported:.*IQ2_XXS.*Q4_K"):
+        dequantize(torch.zeros(4, 292, dtype=torch.uint8), T.Q8_K)
+    with pytest.raises(UnsupportedError, match="Q8_1"):
+        row_bytes(T.Q8_1, 256)
 
 
 def test_rows_that_are_not_whole_blocks_are_rejected():

@@ -15,6 +15,7 @@ from torch import nn
 
 from llmrun import native
 from llmrun.models.base import mix_experts, route
+from llmrun.quant import kernels
 from llmrun.quant.experts import ExpertList
 from llmrun.quant.linear import QuantLinear, set_activations
 
@@ -58,6 +59,7 @@ def stacked_experts(
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_one_call_gives_each_experts_own_products(ggml_type: T, native_kernels: str):
     experts = stacked_experts(ggml_type)
+    assert kernels.supports(ggml_type, HIDDEN)  # as ExpertList asks (the i-quants: tables)
     fn = native.library().llmrun_matvec_experts
     x = torch.randn(1, HIDDEN, generator=torch.Generator().manual_seed(1))
     chosen = [4, 0, 5]

@@ -16,6 +16,7 @@ from llmrun.quant.linear import QuantEmbedding, QuantLinear
 T = GGMLQuantizationType
 TYPES = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
 TYPES += [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4]
+TYPES += [T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M, T.TQ1_0, T.TQ2_0]
 # The packed layouts each x86 kernel family has.
 FAMILY_PACKED = {"AVX-512": [T.Q4_0, T.Q5_0, T.Q4_K, T.Q5_K], "AVX2": [T.Q4_0, T.Q5_0, T.Q8_0]}
 
@@ -236,5 +237,5 @@ def test_wrong_byte_size_is_a_format_error():
 
 
 def test_unsupported_type_is_refused():
-    with pytest.raises(UnsupportedError, match="IQ2_XXS"):
-        QuantLinear(torch.zeros(2, 66, dtype=torch.uint8), T.IQ2_XXS, 256)
+    with pytest.raises(UnsupportedError, match="Q8_K"):
+        QuantLinear(torch.zeros(2, 292, dtype=torch.uint8), T.Q8_K, 256)

@@ -24,7 +24,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from helpers import write_gguf
-from test_quant_blocks import F16_FIELDS
+from test_quant_blocks import SCALED_TYPES, write_scales
 
 from llmrun import native
 from llmrun.loading.loader import load_model
@@ -76,9 +76,7 @@ def blocks(ggml_type: T, rows: int, cols: int, rng) -> np.ndarray:
 
     block_size, type_size = GGML_QUANT_SIZES[ggml_type]
     raw = rng.integers(0, 256, size=(rows * cols // block_size, type_size), dtype=np.uint8)
-    for offset in F16_FIELDS[ggml_type]:
-        scale = np.abs(rng.standard_normal(len(raw))) * 2e-3 + 1e-4
-        raw[:, offset : offset + 2] = scale.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    write_scales(raw, ggml_type, lambda n: np.abs(rng.standard_normal(n)) * 2e-3 + 1e-4)
     return raw.reshape(rows, -1)
 
 
@@ -107,7 +105,7 @@ def assert_reassociation_close(got: torch.Tensor, expected: torch.Tensor) -> Non
     assert (got - expected).abs().max().item() <= tolerance
 
 
-@pytest.mark.parametrize("ggml_type", sorted(F16_FIELDS, key=int), ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", SCALED_TYPES, ids=lambda t: t.name)
 def test_every_type_gives_the_logits_of_its_dequantized_weights(ggml_type, tmp_path):
     # llama: q/k rows come un-permuted from llama.cpp's layout, blocks and all.
     q, ref = random_block_model("llama", [ggml_type], tmp_path)

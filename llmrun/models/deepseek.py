@@ -1,0 +1,63 @@
+"""DeepSeek V1's mixture of experts (deepseek-moe-16b-base/-chat; the Hub's
+DeepseekForCausalLM, model_type "deepseek", which transformers does not have; llama.cpp's
+GGUF arch "deepseek"): what Ling 1 computes (llmrun.models.bailing_moe) under Llama's
+names: grouped-query attention without biases, RoPE on whole heads, halves turned;
+first_k_dense_replace dense SwiGLU layers, then the top num_experts_per_tok softmax
+scores' experts, renormalized (+1e-20) where norm_topk_prob and a token takes more than
+one, plus n_shared_experts experts' width of shared SwiGLU.
+
+Refused where the published code computes what this does not: experts in every
+moe_layer_freq-th layer only (moe_layer_freq other than 1), its own RoPE scalings
+(rope_scaling), scores other than softmax, attention biases (attention_bias: q, k, v and
+the output projection's), no experts.
+
+Reference: modeling_deepseek.py of deepseek-ai/deepseek-moe-16b-base.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from llmrun.errors import UnsupportedError
+from llmrun.models import bailing_moe
+
+
+@dataclass
+class ModelArgs(bailing_moe.ModelArgs):
+    # DeepseekConfig's defaults where they differ.
+    intermediate_size: int = 11008
+    moe_intermediate_size: int = 1407
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ModelArgs:
+        for name, value, allowed in (
+            ("moe_layer_freq", config.get("moe_layer_freq", 1), 1),
+            ("scoring_func", config.get("scoring_func", "softmax"), "softmax"),
+            ("topk_method", config.get("topk_method", "greedy"), "greedy"),
+            ("attention_bias", config.get("attention_bias", False), False),
+        ):
+            if value != allowed:
+                raise UnsupportedError(
+                    f"DeepSeek V1 with {name} {value!r} is not supported ({allowed!r})"
+                )
+        if config.get("rope_scaling"):
+            raise UnsupportedError(
+                "DeepSeek V1 with rope_scaling is not supported (the published code scales "
+                "RoPE its own way)"
+            )
+        if not config.get("n_routed_experts") or not config.get("num_experts_per_tok"):
+            raise UnsupportedError(
+                "DeepSeek V1 without n_routed_experts and num_experts_per_tok (a dense model) "
+                "is not supported"
+            )
+        # DeepseekConfig's defaults: no shared experts, no dense layers, no renormalization.
+        config = {"n_shared_experts": None, "first_k_dense_replace": 0, **config}
+        config.setdefault("norm_topk_prob", False)
+        return super().from_config({**config, "use_bias": False})
+
+
+class Model(bailing_moe.Model):
+    """Ling 1's model, under this family's name."""

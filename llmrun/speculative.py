@@ -1,0 +1,338 @@
+"""Speculative decoding: a small draft model (Draft), or the context itself (Lookup,
+prompt lookup), proposes the next tokens, the model checks them all in one forward, and
+each token it agrees with saves a decode step.
+
+A round: up to `max_tokens` tokens are drafted after the sequence; the model runs the
+pending token and the drafts as one forward (on a memory-bound CPU it costs about one
+decode step) and gets the logits after each; the drafts it accepts and one token of its
+own are the round's output; the caches drop the rejected positions.
+Greedy accepts a draft where it is the model's argmax, so the output is plain greedy
+decoding's. Sampling uses the speculative sampling rule (Leviathan et al. 2023, Chen
+et al. 2023): a draft d drawn from the draft's distribution q is accepted with
+probability min(1, p(d) / q(d)), where p is the model's; at the first rejection the
+token is drawn from max(0, p - q), normalized; after all are accepted, from p. The
+tokens are then distributed as the model's own. p and q are both what the sampler
+draws from: logit biases, repetition penalties over the tokens so far (the drafts
+before included), then top-k, top-p, min-p and temperature (Sampler.distribution).
+
+Only a cache that can drop positions can take drafts back: a hybrid or state-space
+model's recurrent state cannot, and is refused. Sliding-window rings keep the slots a
+round overwrites (KVCache.save_span) and put back those of rejected positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from llmrun.errors import UnsupportedError, UsageError
+from llmrun.generate import KVState, Stats, decode, prefill
+from llmrun.models.cache import KVCache
+from llmrun.sampling import Sampler, argmax
+from llmrun.tokenizer import Tokenizer
+
+# Tokens drafted a round: llama.cpp's --draft-max and mlx-lm's --num-draft-tokens
+# default. On a CPU a verify forward grows with its tokens, and a long draft's tail is
+# rarely accepted.
+DEFAULT_DRAFT_MAX = 3
+# Vocabulary sizes may differ by padding (Qwen2.5's 0.5B and 7B), as llama.cpp allows.
+VOCAB_SIZE_SLACK = 128
+VOCAB_SAMPLE = 1000  # token ids compared at the start, the end and spread over the middle
+# Prompt lookup's n-grams, the longest first. Single tokens match almost anywhere and
+# predict little, while each draft costs a position of the verify forward: 128 greedy
+# tokens of stories260K after a prompt that repeats a function drafted 322 tokens and
+# had 53 accepted matching down to 1 token, 116 and 47 down to 2.
+LOOKUP_NGRAM_MAX = 3
+LOOKUP_NGRAM_MIN = 2
+
+
+def check_vocab(target: Tokenizer, draft: Tokenizer, draft_name: str) -> None:
+    """Refuse a draft whose token ids stand for other text than the model's (as llama.cpp's
+    common_speculative_are_compatible): vocabulary sizes, BOS/EOS ids and whether BOS is
+    added, and the bytes of a sample of ids (the first and last VOCAB_SAMPLE and as many
+    spread between) must agree."""
+    problem = None
+    if abs(target.vocab_size - draft.vocab_size) > VOCAB_SIZE_SLACK:
+        problem = f"{draft.vocab_size} tokens, the model {target.vocab_size}"
+    elif draft.add_bos != target.add_bos:
+        problem = "no BOS added, the model adds one" if target.add_bos else "a BOS added"
+    elif (draft.bos_id, draft.eos_id) != (target.bos_id, target.eos_id):
+        problem = f"BOS/EOS ids {draft.bos_id}/{draft.eos_id}, the model's "
+        problem += f"{target.bos_id}/{target.eos_id}"
+    else:
+        shared = min(target.vocab_size, draft.vocab_size)
+        step = max(1, shared // VOCAB_SAMPLE)
+        ids = sorted({*range(min(VOCAB_SAMPLE, shared)), *range(0, shared, step)})
+        ids += range(max(ids[-1] + 1, shared - VOCAB_SAMPLE), shared)
+        differ = next((i for i in ids if target.token_bytes(i) != draft.token_bytes(i)), None)
+        if differ is not None:
+            problem = (
+                f"token {differ} is {draft.token_bytes(differ)!r}, the model's "
+                f"{target.token_bytes(differ)!r}"
+            )
+    if problem is not None:
+        raise UsageError(
+            f"--draft {draft_name}: its vocabulary is not the model's ({problem}); a draft "
+            "must share the model's tokenizer (a smaller model of the same family)"
+        )
+
+
+def check_cache(cache: KVCache, name: str) -> None:
+    """Refuse a model whose cache cannot drop rejected drafts (a recurrent state)."""
+    if cache.recurrent is not None:
+        raise UnsupportedError(
+            f"{name}: speculative decoding needs a cache that can drop rejected tokens, and "
+            "this model's recurrent state cannot go back (a hybrid or state-space model)"
+        )
+
+
+class Speculator:
+    """Speculative decoding's loop (generate_step); a subclass proposes the drafts."""
+
+    def __init__(self, max_tokens: int, flag: str) -> None:
+        if max_tokens < 1:
+            raise UsageError(f"{flag} must be at least 1, got {max_tokens}")
+        self.max_tokens = max_tokens
+
+    def start(self, sequence: Sequence[int], capacity: int) -> None:
+        """Before the first round, with the prompt prefilled (`sequence`) in a cache of
+        `capacity` positions."""
+
+    def room(self) -> int | None:
+        """The sliding window of the proposer's own cache, which a round's drafts must
+        not wrap (None: no limit)."""
+        return None
+
+    def propose(
+        self,
+        sequence: Sequence[int],
+        history: Sequence[int],
+        count: int,
+        sampler: Sampler,
+        vocab: int,
+    ) -> tuple[list[int], list[torch.Tensor], Any]:
+        """Up to `count` tokens to follow `sequence`, the distributions [vocab] they were
+        drawn from (none for greedy), and what take_back needs."""
+        raise NotImplementedError
+
+    def take_back(self, saved: Any, keep: int) -> None:
+        """After a round: the sequence is now its first `keep` tokens."""
+
+    @torch.inference_mode()
+    def generate_step(
+        self,
+        model: nn.Module,
+        state: KVState,
+        tokens: Sequence[int],
+        sampler: Sampler,
+        history: list[int],
+        stats: Stats,
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """llmrun.generate.generate_step with drafts: prefill `tokens` after the cached
+        ones, then yield (token, the model's raw logits it was drawn from) until the
+        caller stops or the context is full; `stats` counts the drafts and those accepted."""
+        check_cache(state.cache, "the model")
+        if sampler.constraint is not None:
+            raise UsageError("speculative decoding does not combine with --grammar or --format")
+        logits = prefill(model, state, tokens)
+        self.start(state.tokens, state.capacity)
+        token = sampler(logits, history)
+        yield token, logits
+        history.append(token)
+        while len(state.tokens) < state.capacity:
+            start = len(state.tokens)
+            count = min(self.max_tokens, state.capacity - start - 1)
+            for room in (state.cache.window, self.room()):
+                if room is not None:  # a round's writes must not wrap a ring
+                    count = min(count, room - 1)
+            drafts, dists, draft_saved = [], [], None
+            if count > 0:
+                sequence = [*state.tokens, token]
+                drafts, dists, draft_saved = self.propose(
+                    sequence, history, count, sampler, model.args.vocab_size
+                )
+            if drafts:
+                saved = state.cache.save_span(start, len(drafts) + 1)
+                rows = verify(model, state, [token, *drafts])
+            else:
+                rows = decode(model, state, token)[None]
+            accepted, token = judge(rows, drafts, dists, sampler, history)
+            if drafts:
+                keep = start + 1 + accepted
+                del state.tokens[keep:]
+                state.cache.restore_span(saved, keep)
+                self.take_back(draft_saved, keep)
+            stats.drafted += len(drafts)
+            stats.accepted += accepted
+            for i, draft in enumerate(drafts[:accepted]):
+                yield draft, rows[i]
+                history.append(draft)
+            yield token, rows[accepted]
+            history.append(token)
+
+
+class Draft(Speculator):
+    """Drafts by a draft model with a KV cache of its own that follows the model's
+    sequence (its shared prefix kept between calls, as a chat's turns keep theirs)."""
+
+    def __init__(
+        self, model: nn.Module, new_cache: Callable[[int], KVCache], max_tokens: int
+    ) -> None:
+        super().__init__(max_tokens, "--draft-max")
+        self.model = model
+        self.new_cache = new_cache
+        self.state: KVState | None = None
+
+    def _follow(self, sequence: Sequence[int]) -> torch.Tensor:
+        """Bring the draft's cache to `sequence` (keeping what it shares with it); the
+        draft's logits after it."""
+        state = self.state
+        n = min(len(state.tokens), len(sequence) - 1)
+        if state.tokens[:n] != list(sequence[:n]):
+            n = next(i for i in range(n) if state.tokens[i] != sequence[i])
+        n = state.cache.reusable(n)
+        del state.tokens[n:]
+        return prefill(self.model, state, sequence[n:])
+
+    def start(self, sequence: Sequence[int], capacity: int) -> None:
+        """Before the first round: a cache of `capacity` positions (the model's), and the
+        prompt prefilled (but its last token), so its time counts as the prompt's."""
+        if self.state is None or self.state.capacity != capacity:
+            self.state = KVState(self.new_cache(capacity))
+            check_cache(self.state.cache, "the draft model")
+        if len(sequence) > 1:
+            self._follow(sequence[:-1])
+
+    def propose(
+        self,
+        sequence: Sequence[int],
+        history: Sequence[int],
+        count: int,
+        sampler: Sampler,
+        vocab: int,
+    ) -> tuple[list[int], list[torch.Tensor], tuple | None]:
+        """`count` tokens after `sequence`, each drawn as `sampler` would from the draft's
+        logits (penalties over `history` and the drafts before it) over the model's
+        `vocab` ids; their distributions (none for greedy); what restore_span needs to
+        take back the drafts fed."""
+        logits = self._follow(sequence)
+        saved = self.state.cache.save_span(len(sequence), count - 1)
+        greedy = sampler.params.temperature == 0
+        seen, drafts, dists = list(history), [], []
+        for i in range(count):
+            if i:
+                logits = decode(self.model, self.state, drafts[-1])
+            logits = _padded(logits, vocab)
+            if greedy:
+                token = argmax(sampler.penalize(sampler.biased(logits), seen))
+            else:
+                dists.append(sampler.distribution(logits, seen))
+                token = sampler.pick(dists[-1])
+            drafts.append(token)
+            seen.append(token)
+        return drafts, dists, saved
+
+    def take_back(self, saved: tuple | None, keep: int) -> None:
+        del self.state.tokens[keep:]
+        self.state.cache.restore_span(saved, keep)
+
+    def room(self) -> int | None:
+        return self.state.cache.window
+
+
+class Lookup(Speculator):
+    """Drafts without a model (prompt lookup decoding, vLLM's "ngram" method): where the
+    sequence's last n tokens (n from LOOKUP_NGRAM_MAX down to LOOKUP_NGRAM_MIN) occurred
+    before, the tokens that followed them there, at the latest such place. Answers that
+    quote or edit their context (code, documents) repeat long spans of it."""
+
+    def __init__(self, max_tokens: int) -> None:
+        super().__init__(max_tokens, "--lookup")
+
+    def propose(
+        self,
+        sequence: Sequence[int],
+        history: Sequence[int],
+        count: int,
+        sampler: Sampler,
+        vocab: int,
+    ) -> tuple[list[int], list[torch.Tensor], None]:
+        """The continuation of the last n-gram's latest earlier occurrence; each draft's
+        distribution one-hot (it is certain), so a sampled draft is accepted with the
+        model's probability of it and a rejected one drawn again without it."""
+        drafts = [d for d in lookup(sequence, count) if d < vocab]
+        if sampler.params.temperature == 0:
+            return drafts, [], None
+        dists = []
+        for draft in drafts:
+            dists.append(torch.zeros(vocab, dtype=torch.float64))
+            dists[-1][draft] = 1.0
+        return drafts, dists, None
+
+
+def lookup(sequence: Sequence[int], count: int) -> list[int]:
+    """Up to `count` tokens that followed the latest earlier occurrence of `sequence`'s
+    last n tokens, for the largest n from LOOKUP_NGRAM_MAX to LOOKUP_NGRAM_MIN that
+    occurs; none where none does."""
+    tokens = np.asarray(sequence, dtype=np.int64)
+    for n in range(min(LOOKUP_NGRAM_MAX, len(tokens) - 1), LOOKUP_NGRAM_MIN - 1, -1):
+        # Every n-gram with a token after it but the sequence's own last one.
+        grams = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+        found = np.flatnonzero((grams == tokens[-n:]).all(axis=1))
+        if len(found):
+            after = int(found[-1]) + n
+            return tokens[after : after + count].tolist()
+    return []
+
+
+def _padded(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Draft logits [V'] over the model's `vocab` ids: cut, or padded with -inf (the
+    vocabularies may differ by padding: see VOCAB_SIZE_SLACK)."""
+    if logits.shape[-1] >= vocab:
+        return logits[:vocab]
+    return torch.cat([logits, logits.new_full((vocab - logits.shape[-1],), float("-inf"))])
+
+
+def verify(model: nn.Module, state: KVState, fed: list[int]) -> torch.Tensor:
+    """Feed `fed` (the pending token and the drafts) after the cached tokens in one
+    forward: the model's logits [len(fed), V] after each."""
+    start, device = len(state.tokens), state.cache.k.device
+    ids = torch.tensor([fed], device=device)
+    positions = torch.arange(start, start + len(fed), device=device)[None]
+    rows = model(ids, positions, state.cache)[0]
+    state.tokens.extend(fed)
+    return rows
+
+
+def judge(
+    rows: torch.Tensor,
+    drafts: Sequence[int],
+    dists: Sequence[torch.Tensor],
+    sampler: Sampler,
+    history: Sequence[int],
+) -> tuple[int, int]:
+    """How many of `drafts` the model accepts, and its token after them: rows [n + 1, V]
+    are its logits after the pending token and each draft, `dists` the draft's
+    distributions (none for greedy), `history` the tokens before the drafts."""
+    seen = list(history)
+    if sampler.params.temperature == 0:
+        for i, draft in enumerate(drafts):
+            best = argmax(sampler.penalize(sampler.biased(rows[i]), seen))
+            if best != draft:
+                return i, best
+            seen.append(draft)
+        return len(drafts), argmax(sampler.penalize(sampler.biased(rows[-1]), seen))
+    for i, (draft, q) in enumerate(zip(drafts, dists, strict=True)):
+        p = sampler.distribution(rows[i], seen)
+        # Accepted with probability min(1, p / q): u * q < p for u uniform in [0, 1).
+        u = torch.rand((), dtype=torch.float64, generator=sampler.generator)
+        if u * q[draft] < p[draft]:
+            seen.append(draft)
+            continue
+        residual = (p - q).clamp_(min=0)
+        return i, sampler.pick(residual if residual.sum() > 0 else p)
+    return len(drafts), sampler.pick(sampler.distribution(rows[-1], seen))
