@@ -11,7 +11,7 @@ Each family's library also holds decode_ops.c, the small ops of llmrun.ops.
 LLMRUN_NATIVE=avx2 builds the AVX2 kernels on any CPU with AVX2 (to test them on an
 AVX-512 machine). On 64-bit ARM the NEON family (kernels_neon.c, -march=armv8-a) has the
 same types in the GGML layout only, and not the i-quants below IQ4 nor the ternary types
-(iquants.h: scalar C, x86 only), which torch code dequantizes there (tested under
+(iquants.h: x86 only), which torch code dequantizes there (tested under
 qemu-user; speed unmeasured). Where
 there is no compiler, the CPU has no family, the build fails,
 or LLMRUN_NATIVE=0 is set, `available()` is False and callers use their torch code.

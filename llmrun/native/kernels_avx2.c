@@ -394,11 +394,10 @@ ALWAYS_INLINE void deq_MXFP4(const uint8_t *src, sink_t s) {
     put_mul(s, 16, _mm_shuffle_epi8(kv, hi_nibbles(v)), d);
 }
 
-/* The i-quants and ternary types (iquants.h, the block layouts and tables). IQ1_S to
- * IQ3_S 8 weights at a time: a grid row of 8 (or two of 4) widened to f32 and scaled,
- * signs flipped by a mask (IQ1_S: the delta added first), the same operations as
- * iquants.h's scalar code, so the same bits; IQ1_M, TQ1_0 and TQ2_0 by that scalar code
- * into memory, sent on from there. */
+/* The i-quants and ternary types (iquants.h, the block layouts and tables), 8 weights
+ * at a time. IQ1_S to IQ3_S: a grid row of 8 (or two of 4) widened to f32 and scaled,
+ * signs flipped by a mask (IQ1_S, IQ1_M: the delta added first); TQ1_0 and TQ2_0: table
+ * lookups. The same operations as gguf's reference, so the same bits. */
 #include "iquants.h"
 ALWAYS_INLINE uint64_t u64_at(const uint8_t *p) {
     uint64_t v;
@@ -433,13 +432,27 @@ ALWAYS_INLINE void deq_IQ2_XXS(const uint8_t *src, sink_t s) {
     }
 }
 
+/* IQ2_XS: db[k] = d * (0.5f + sc) * 0.25f for the 16 4-bit scales (one per 16 weights)
+ * of the 8 bytes at scales, converted together and broadcast from memory, where one
+ * scalar chain per 8 weights held the vector code up. */
+ALWAYS_INLINE void iq2_scales(float d, const uint8_t *scales, float *db) {
+    const __m128i v = _mm_loadl_epi64((const __m128i *)scales), low4 = _mm_set1_epi8(15);
+    const __m128i sc = _mm_unpacklo_epi8(_mm_and_si128(v, low4),
+                                         _mm_and_si128(_mm_srli_epi16(v, 4), low4));
+    const __m256 dv = _mm256_set1_ps(d), half = _mm256_set1_ps(0.5f), quarter = _mm256_set1_ps(0.25f);
+    const __m256 f[2] = {_mm256_add_ps(half, f32_lo(sc)), _mm256_add_ps(half, f32_hi(sc))};
+    for (int h = 0; h < 2; h++)
+        _mm256_storeu_ps(db + 8 * h, _mm256_mul_ps(_mm256_mul_ps(dv, f[h]), quarter));
+    __asm__ volatile("" ::: "memory"); /* broadcast db from memory, as k_scales */
+}
+
 ALWAYS_INLINE void deq_IQ2_XS(const uint8_t *src, sink_t s) {
-    const float d = f16_at(src);
+    float db[16];
+    iq2_scales(f16_at(src), src + 66, db);
     for (int e = 0; e < 32; e++) {
         const uint16_t q = u16_at(src + 2 + 2 * e);
-        const int sc = (src[66 + e / 4] >> (4 * ((e / 2) & 1))) & 15;
-        const __m256 db = _mm256_set1_ps(d * (0.5f + (float)sc) * 0.25f);
-        emit(s, 8 * e, iq_row8(db, u64_at(iq2xs_grid + 8 * (q & 511)), ksigns[q >> 9]));
+        emit(s, 8 * e, iq_row8(_mm256_set1_ps(db[e / 2]), u64_at(iq2xs_grid + 8 * (q & 511)),
+                               ksigns[q >> 9]));
     }
 }
 
@@ -481,31 +494,96 @@ ALWAYS_INLINE void deq_IQ3_S(const uint8_t *src, sink_t s) {
     }
 }
 
+/* dl * (row + delta) for grid row `index` of IQ1_S/IQ1_M */
+ALWAYS_INLINE __m256 iq1_row8(__m256 dl, int index, __m256 delta) {
+    const uint64_t bytes = u64_at((const uint8_t *)iq1s_grid + 8 * index);
+    const __m256 g = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128((long long)bytes)));
+    return _mm256_mul_ps(dl, _mm256_add_ps(g, delta));
+}
+
+/* IQ1_DELTA, negated where `negate` (0 or 1): its sign bit set, without a branch on
+ * random bits */
+ALWAYS_INLINE __m256 iq1_delta(uint32_t negate) {
+    return _mm256_castsi256_ps(_mm256_set1_epi32((int)(0x3E000000u | negate << 31)));
+}
+
 ALWAYS_INLINE void deq_IQ1_S(const uint8_t *src, sink_t s) {
     const float d = f16_at(src);
     for (int ib = 0; ib < 8; ib++) {
         const uint16_t h = u16_at(src + 34 + 2 * ib);
         const __m256 dl = _mm256_set1_ps(d * (float)(2 * ((h >> 12) & 7) + 1));
-        const __m256 delta = _mm256_set1_ps(h & 0x8000 ? -IQ1_DELTA : IQ1_DELTA);
-        for (int l = 0; l < 4; l++) {
-            const int index = src[2 + 4 * ib + l] | (((h >> (3 * l)) & 7) << 8);
-            const uint64_t bytes = u64_at((const uint8_t *)iq1s_grid + 8 * index);
-            const __m128i row = _mm_cvtsi64_si128((long long)bytes);
-            const __m256 g = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(row));
-            emit(s, 32 * ib + 8 * l, _mm256_mul_ps(dl, _mm256_add_ps(g, delta)));
-        }
+        const __m256 delta = iq1_delta(h >> 15);
+        for (int l = 0; l < 4; l++)
+            emit(s, 32 * ib + 8 * l,
+                 iq1_row8(dl, src[2 + 4 * ib + l] | (((h >> (3 * l)) & 7) << 8), delta));
     }
 }
 
-#define DEFINE_IQ_DEQ(T)                                                                 \
-    ALWAYS_INLINE void deq_##T(const uint8_t *src, sink_t s) {                           \
-        float w[256] __attribute__((aligned(32)));                                       \
-        iq_##T(src, w);                                                                  \
-        for (int k = 0; k < 256; k += 8) emit(s, k, _mm256_load_ps(w + k));              \
+ALWAYS_INLINE void deq_IQ1_M(const uint8_t *src, sink_t s) {
+    uint16_t sc[4];
+    memcpy(sc, src + 48, 8);
+    const uint16_t bits = (uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0x00F0) |
+                                     ((sc[2] >> 4) & 0x0F00) | (sc[3] & 0xF000));
+    uint8_t d16[2];
+    memcpy(d16, &bits, 2);
+    const float d = f16_at(d16);
+    for (int k = 0; k < 16; k++) {
+        const int qh = src[32 + k];
+        const __m256 dl = _mm256_set1_ps(d * (float)(2 * ((sc[k / 4] >> (3 * (k % 4))) & 7) + 1));
+        emit(s, 16 * k, iq1_row8(dl, src[2 * k] | (qh & 7) << 8, iq1_delta(qh >> 3 & 1)));
+        emit(s, 16 * k + 8, iq1_row8(dl, src[2 * k + 1] | (qh >> 4 & 7) << 8, iq1_delta(qh >> 7)));
     }
-DEFINE_IQ_DEQ(IQ1_M)
-DEFINE_IQ_DEQ(TQ1_0)
-DEFINE_IQ_DEQ(TQ2_0)
+}
+
+/* Ternary weights, 8 at a time: digit indices into a table of d * (k - 1) (lanes k and
+ * k + 4 alike), read by vpermps from the index's low 3 bits, so a shift alone picks
+ * TQ2_0's 2-bit digit. TQ1_0's digit k of byte q is the top of (q * 3^k mod 256) * 3
+ * over 8 bits, per dword lane. */
+ALWAYS_INLINE __m256 tq_table(const uint8_t *d16) {
+    const __m256i k = _mm256_setr_epi32(-1, 0, 1, 2, -1, 0, 1, 2);
+    return _mm256_mul_ps(_mm256_set1_ps(f16_at(d16)), _mm256_cvtepi32_ps(k));
+}
+
+/* 8 bytes -> 8 dword lanes, zero-extended */
+ALWAYS_INLINE __m256i spread8(const uint8_t *p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+
+ALWAYS_INLINE __m256i tq1_digit(__m256i v, __m256i pow3) {
+    const __m256i q = _mm256_and_si256(_mm256_mullo_epi32(v, pow3), _mm256_set1_epi32(255));
+    return _mm256_srli_epi32(_mm256_add_epi32(q, _mm256_slli_epi32(q, 1)), 8);
+}
+
+ALWAYS_INLINE void deq_TQ1_0(const uint8_t *src, sink_t s) {
+    static const int pow3[5] = {1, 3, 9, 27, 81};
+    const __m256 t = tq_table(src + 52);
+    __m256i v[6];
+    for (int j = 0; j < 6; j++) v[j] = spread8(src + 8 * j);
+    for (int p = 0; p < 5; p++) {
+        const __m256i m = _mm256_set1_epi32(pow3[p]);
+        for (int j = 0; j < 4; j++)
+            emit(s, 32 * p + 8 * j, _mm256_permutevar8x32_ps(t, tq1_digit(v[j], m)));
+        for (int j = 0; j < 2; j++)
+            emit(s, 160 + 16 * p + 8 * j, _mm256_permutevar8x32_ps(t, tq1_digit(v[4 + j], m)));
+    }
+    /* the last 4 bytes' 4 digits: weight 240 + 4p + i from byte 48 + i */
+    const __m256i v4 = _mm256_cvtepu8_epi32(_mm_set1_epi32((int)u32_at(src + 48)));
+    emit(s, 240, _mm256_permutevar8x32_ps(
+                     t, tq1_digit(v4, _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3))));
+    emit(s, 248, _mm256_permutevar8x32_ps(
+                     t, tq1_digit(v4, _mm256_setr_epi32(9, 9, 9, 9, 27, 27, 27, 27))));
+}
+
+ALWAYS_INLINE void deq_TQ2_0(const uint8_t *src, sink_t s) {
+    const __m256 t = tq_table(src + 64);
+    for (int c = 0; c < 2; c++)
+        for (int j = 0; j < 4; j++) {
+            const __m256i v = spread8(src + 32 * c + 8 * j);
+            for (int l = 0; l < 4; l++)
+                emit(s, 128 * c + 32 * l + 8 * j,
+                     _mm256_permutevar8x32_ps(t, _mm256_srli_epi32(v, 2 * l)));
+        }
+}
 
 /* Kernels per type: each block is dequantized into multiply-adds with up to MAX_M
  * activation rows (sink_t). */

@@ -44,6 +44,10 @@ static inline __m512i spread(const uint8_t *p) {
     return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
 }
 
+static inline __m512i iota16i(void) {
+    return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
 static inline __m512 iota16(void) {
     return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 }
@@ -352,11 +356,10 @@ static inline void iq4_xs_scales(const uint8_t *src, float *dl) {
         }                                                                                \
     } while (0)
 
-/* The i-quants and ternary types (iquants.h, the block layouts and tables). IQ1_S to
- * IQ3_S 16 weights at a time: two (IQ1, IQ2) or four (IQ3) grid rows widened to f32 and
- * scaled, signs flipped by a mask (IQ1: the delta added first), the same operations as
- * iquants.h's scalar code, so the same bits; TQ1_0 and TQ2_0 by that scalar code into
- * memory, emitted from there. */
+/* The i-quants and ternary types (iquants.h, the tables; block layouts in ggml-common.h),
+ * 16 weights at a time. IQ1_S to IQ3_S: two (IQ1, IQ2) or four (IQ3) grid rows widened
+ * to f32 and scaled, signs flipped by a mask (IQ1: the delta added first); TQ1_0 and
+ * TQ2_0: table lookups. The same operations as gguf's reference, so the same bits. */
 #include "iquants.h"
 static inline uint64_t u64_at(const uint8_t *p) {
     uint64_t v;
@@ -397,15 +400,28 @@ static inline __m128i rows4(const uint8_t *grid, int a, int b, int c, int d) {
         }                                                                                \
     } while (0)
 
+/* IQ2_XS: db[k] = d * (0.5f + sc) * 0.25f for the 16 4-bit scales (one per 16 weights)
+ * of the 8 bytes at scales, converted together and broadcast from memory, where one
+ * scalar chain per 16 weights held the vector code up (IQ2_S, measured alike either
+ * way, keeps its chain). */
+static inline void iq2_scales(float d, const uint8_t *scales, float *db) {
+    const __m128i v = _mm_loadl_epi64((const __m128i *)scales), low4 = _mm_set1_epi8(15);
+    const __m128i sc = _mm_unpacklo_epi8(_mm_and_si128(v, low4),
+                                         _mm_and_si128(_mm_srli_epi16(v, 4), low4));
+    const __m512 f = _mm512_add_ps(_mm512_set1_ps(0.5f), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
+    _mm512_storeu_ps(db, _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(d), f), _mm512_set1_ps(0.25f)));
+    __asm__ volatile("" ::: "memory"); /* broadcast db from memory, as k_scales */
+}
+
 #define IQ2_XS_DEQ(src, EMIT)                                                            \
     do {                                                                                 \
-        const float d_ = f16_at(src);                                                    \
+        float db_[16];                                                                   \
+        iq2_scales(f16_at(src), (src) + 66, db_);                                        \
         for (int k_ = 0; k_ < 16; k_++) {                                                \
             const uint16_t a_ = u16_at((src) + 2 + 4 * k_), b_ = u16_at((src) + 4 + 4 * k_); \
-            const int sc_ = ((src)[66 + k_ / 2] >> (4 * (k_ & 1))) & 15;                 \
-            const __m512 db_ = _mm512_set1_ps(d_ * (0.5f + (float)sc_) * 0.25f);         \
             const uint32_t s_ = ksigns[a_ >> 9] | (uint32_t)ksigns[b_ >> 9] << 8;        \
-            EMIT(16 * k_, iq_vec(db_, rows8(iq2xs_grid, a_ & 511, b_ & 511), s_));       \
+            EMIT(16 * k_, iq_vec(_mm512_set1_ps(db_[k_]),                                \
+                                 rows8(iq2xs_grid, a_ & 511, b_ & 511), s_));            \
         }                                                                                \
     } while (0)
 
@@ -471,7 +487,9 @@ static inline __m512 iq1_vec(__m512 dl, int a, int b, __m512 delta) {
         for (int ib_ = 0; ib_ < 8; ib_++) {                                              \
             const uint16_t h_ = u16_at((src) + 34 + 2 * ib_);                            \
             const __m512 dl_ = _mm512_set1_ps(d_ * (float)(2 * ((h_ >> 12) & 7) + 1));  \
-            const __m512 delta_ = _mm512_set1_ps(h_ & 0x8000 ? -IQ1_DELTA : IQ1_DELTA);  \
+            /* IQ1_DELTA's bits (0.125f), negative where bit 15 is set: no branch */     \
+            const __m512 delta_ = _mm512_castsi512_ps(                                   \
+                _mm512_set1_epi32((int)(0x3E000000u | (uint32_t)(h_ >> 15) << 31)));     \
             const uint8_t *q_ = (src) + 2 + 4 * ib_;                                     \
             EMIT(32 * ib_, iq1_vec(dl_, q_[0] | (h_ & 7) << 8, q_[1] | (h_ >> 3 & 7) << 8, delta_)); \
             EMIT(32 * ib_ + 16,                                                          \
@@ -479,6 +497,9 @@ static inline __m512 iq1_vec(__m512 dl, int a, int b, __m512 delta) {
         }                                                                                \
     } while (0)
 
+/* 16 weights (two grid rows) a step, each row's delta from its nibble's bit 3: the
+ * sign bit of 0.125f flipped under a lane mask, without a branch on random bits. The
+ * 16 sub-block scales d * (2s + 1) converted together, then broadcast from memory. */
 #define IQ1_M_DEQ(src, EMIT)                                                             \
     do {                                                                                 \
         uint16_t sc_[4];                                                                 \
@@ -487,26 +508,74 @@ static inline __m512 iq1_vec(__m512 dl, int a, int b, __m512 delta) {
                                           ((sc_[2] >> 4) & 0x0F00) | (sc_[3] & 0xF000)); \
         uint8_t d16_[2];                                                                 \
         memcpy(d16_, &bits_, 2);                                                         \
-        const float d_ = f16_at(d16_);                                                   \
+        float dl_[16] __attribute__((aligned(64)));                                      \
+        const __m512i s_ = _mm512_srlv_epi32(                                            \
+            _mm512_cvtepu16_epi32(_mm256_setr_epi64x(                                    \
+                (long long)(0x0001000100010001ULL * sc_[0]),                             \
+                (long long)(0x0001000100010001ULL * sc_[1]),                             \
+                (long long)(0x0001000100010001ULL * sc_[2]),                             \
+                (long long)(0x0001000100010001ULL * sc_[3]))),                           \
+            _mm512_setr_epi32(0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9));          \
+        const __m512i odd_ = _mm512_or_si512(                                            \
+            _mm512_slli_epi32(_mm512_and_si512(s_, _mm512_set1_epi32(7)), 1),            \
+            _mm512_set1_epi32(1));                                                       \
+        _mm512_store_ps(dl_, _mm512_mul_ps(_mm512_set1_ps(f16_at(d16_)),                  \
+                                           _mm512_cvtepi32_ps(odd_)));                   \
+        __asm__ volatile("" ::: "memory"); /* broadcast dl_ from memory, as k_scales */  \
+        const __m512 delta_ = _mm512_set1_ps(IQ1_DELTA);                                 \
+        const __m512i sign_ = _mm512_set1_epi32((int)0x80000000);                        \
         for (int k_ = 0; k_ < 16; k_++) {                                                \
-            const int qh_ = (src)[32 + k_], lo_ = qh_ & 15, hi_ = qh_ >> 4;              \
-            const __m512 dl_ = _mm512_set1_ps(d_ * (float)(2 * ((sc_[k_ / 4] >> (3 * (k_ % 4))) & 7) + 1)); \
-            const __m512 delta_ = _mm512_insertf32x8(                                    \
-                _mm512_set1_ps(lo_ & 8 ? -IQ1_DELTA : IQ1_DELTA),                        \
-                _mm256_set1_ps(hi_ & 8 ? -IQ1_DELTA : IQ1_DELTA), 1);                    \
-            EMIT(16 * k_, iq1_vec(dl_, (src)[2 * k_] | (lo_ & 7) << 8,                   \
-                                  (src)[2 * k_ + 1] | (hi_ & 7) << 8, delta_));          \
+            const int qh_ = (src)[32 + k_];                                              \
+            const __mmask16 neg_ = (__mmask16)((0u - (qh_ >> 3 & 1)) & 0x00FF) |        \
+                                   (__mmask16)((0u - (qh_ >> 7 & 1)) & 0xFF00);          \
+            const __m512 dk_ = _mm512_castsi512_ps(_mm512_mask_xor_epi32(                \
+                _mm512_castps_si512(delta_), neg_, _mm512_castps_si512(delta_), sign_));  \
+            EMIT(16 * k_, iq1_vec(_mm512_set1_ps(dl_[k_]), (src)[2 * k_] | (qh_ & 7) << 8, \
+                                  (src)[2 * k_ + 1] | (qh_ >> 4 & 7) << 8, dk_));        \
         }                                                                                \
     } while (0)
 
-#define IQ_DEQ(T, src, EMIT)                                                             \
+/* Ternary weights, 16 at a time: digit indices into a table of d * (k - 1), read by
+ * vpermps from the index's low 4 bits. TQ2_0's table repeats every 4 lanes, so a shift
+ * alone picks a 2-bit digit. TQ1_0's digit k of byte q is the top of (q * 3^k mod 256)
+ * * 3 over 8 bits, per dword lane. */
+static inline __m512 tq_table(const uint8_t *d16, __m512i k) {
+    return _mm512_mul_ps(bcast_f16(d16), _mm512_cvtepi32_ps(_mm512_sub_epi32(k, _mm512_set1_epi32(1))));
+}
+
+static inline __m512i tq1_digit(__m512i v, __m512i pow3) {
+    const __m512i q = _mm512_and_si512(_mm512_mullo_epi32(v, pow3), _mm512_set1_epi32(255));
+    return _mm512_srli_epi32(_mm512_add_epi32(q, _mm512_slli_epi32(q, 1)), 8);
+}
+
+#define TQ1_0_DEQ(src, EMIT)                                                             \
     do {                                                                                 \
-        float iq_[256] __attribute__((aligned(64)));                                     \
-        iq_##T(src, iq_);                                                                \
-        for (int k_ = 0; k_ < 256; k_ += 16) EMIT(k_, _mm512_load_ps(iq_ + k_));         \
+        const __m512 t_ = tq_table((src) + 52, _mm512_and_si512(iota16i(), _mm512_set1_epi32(3))); \
+        const __m512i v0_ = spread(src), v1_ = spread((src) + 16), v2_ = spread((src) + 32); \
+        static const int pow3_[5] = {1, 3, 9, 27, 81};                                   \
+        for (int p_ = 0; p_ < 5; p_++) {                                                 \
+            const __m512i m_ = _mm512_set1_epi32(pow3_[p_]);                             \
+            EMIT(32 * p_, _mm512_permutexvar_ps(tq1_digit(v0_, m_), t_));                \
+            EMIT(32 * p_ + 16, _mm512_permutexvar_ps(tq1_digit(v1_, m_), t_));           \
+            EMIT(160 + 16 * p_, _mm512_permutexvar_ps(tq1_digit(v2_, m_), t_));          \
+        }                                                                                \
+        const __m512i v3_ = _mm512_cvtepu8_epi32(_mm_set1_epi32((int)u32_at((src) + 48))); \
+        const __m512i m3_ = _mm512_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3, 9, 9, 9, 9, 27, 27, 27, 27); \
+        EMIT(240, _mm512_permutexvar_ps(tq1_digit(v3_, m3_), t_));                       \
     } while (0)
-#define TQ1_0_DEQ(src, EMIT) IQ_DEQ(TQ1_0, src, EMIT)
-#define TQ2_0_DEQ(src, EMIT) IQ_DEQ(TQ2_0, src, EMIT)
+
+#define TQ2_0_DEQ(src, EMIT)                                                             \
+    do {                                                                                 \
+        const __m512 t_ = tq_table((src) + 64, _mm512_and_si512(iota16i(), _mm512_set1_epi32(3))); \
+        for (int c_ = 0; c_ < 2; c_++) {                                                 \
+            const __m512i v0_ = spread((src) + 32 * c_), v1_ = spread((src) + 32 * c_ + 16); \
+            for (int l_ = 0; l_ < 4; l_++) {                                             \
+                EMIT(128 * c_ + 32 * l_, _mm512_permutexvar_ps(_mm512_srli_epi32(v0_, 2 * l_), t_)); \
+                EMIT(128 * c_ + 32 * l_ + 16,                                            \
+                     _mm512_permutexvar_ps(_mm512_srli_epi32(v1_, 2 * l_), t_));          \
+            }                                                                            \
+        }                                                                                \
+    } while (0)
 
 /* Kernels per type. A matvec dequantizes a group of blocks (up to GROUP weights)
  * into an L1-resident buffer, then takes its dot products with up to MAX_M
