@@ -24,6 +24,7 @@ from torch import nn
 
 from llmrun.models.base import activation, alibi_slopes
 from llmrun.models.bert import Output
+from llmrun.models.nomic_bert import Embeddings
 
 
 @dataclass
@@ -47,21 +48,6 @@ class ModelArgs:
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in config.items() if k in names and v is not None})
-
-
-class Embeddings(nn.Module):
-    """LayerNorm(word + token type 0): no position table (ALiBi biases the attention)."""
-
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.word_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.token_type_embeddings = nn.Embedding(args.type_vocab_size, args.hidden_size)
-        self.LayerNorm = nn.LayerNorm(args.hidden_size, args.layer_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        # Type 0's row by lookup: the loader may hold the table as f16 blocks.
-        types = self.token_type_embeddings(torch.zeros_like(input_ids[:, :1]))
-        return self.LayerNorm(self.word_embeddings(input_ids) + types)
 
 
 class SelfAttention(nn.Module):

@@ -58,7 +58,8 @@ class ModelArgs:
 
 
 class Embeddings(nn.Module):
-    """LayerNorm(word + token type 0): no position table (RoPE turns the attention)."""
+    """LayerNorm(word + token type 0): no position table (nomic-bert's RoPE, jina-bert-v2's
+    ALiBi place the tokens in the attention)."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
