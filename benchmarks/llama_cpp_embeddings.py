@@ -73,16 +73,41 @@ def jina_bert(qk_norm: bool = False, split: bool = False) -> Callable[[Path], No
     return write
 
 
+def jina_bert_code(split: bool = False) -> Callable[[Path], None]:
+    """jina-embeddings-v2-base-code's layout as the converter writes it: up_gated_layer
+    whole as ffn_up, whose first half (the up projection) llama.cpp takes as the gate where
+    llmrun takes the second, as the model's modeling file does, so their vectors differ;
+    or (`split`) the gate half as ffn_gate, as before 2025, where both take the same."""
+
+    def write(path: Path) -> None:
+        import test_jina_bert as t
+
+        t.write_code_gguf(path, t.code_weights(), split=split)
+
+    return write
+
+
+def nomic_bert_moe(path: Path) -> None:
+    """nomic-embed-text-v2-moe's shape as the converter writes it: experts in layer 1,
+    mlp.experts.bias dropped (so neither engine adds it)."""
+    import test_nomic_bert_moe as t
+
+    t.write_moe_gguf(path, t.hub_state())
+
+
 FAMILIES: dict[str, Callable[[Path], None]] = {
     "bert": written("test_bert", "write_bert_gguf", "bert"),
     "bert-fused-qkv": written("test_bert", "write_bert_gguf", "bert", fuse_qkv=True),
     "roberta": written("test_bert", "write_bert_gguf", "roberta"),
     "xlm-roberta": written("test_bert", "write_bert_gguf", "xlm-roberta"),
     "nomic-bert": written("test_nomic_bert", "write_nomic_bert_gguf"),
+    "nomic-bert-moe": nomic_bert_moe,
     "modern-bert": modern_bert,
     "jina-bert-v2": jina_bert(),
     "jina-bert-v2-split": jina_bert(split=True),
     "jina-bert-v2-qk-norm": jina_bert(qk_norm=True),
+    "jina-bert-v2-code": jina_bert_code(),
+    "jina-bert-v2-code-split": jina_bert_code(split=True),
     "qwen3-embedding": written("embedding_helpers", "write_embedding_gguf"),
     "gemma-embedding": written("test_gemma_embedding", "write_gemma_embedding_gguf"),
 }

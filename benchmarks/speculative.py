@@ -24,14 +24,28 @@ flags since the `--draft-max` rename; an older binary needs `--draft-max N`).
 Each case runs -r times after a warm-up; t/s is the mean of the runs' decode rates
 (llmrun: Stats.generation_tps; llama-server: timings.predicted_per_second), acceptance
 the accepted/drafted counts summed (llama-server: draft_n_accepted / draft_n).
+
+With --serve, both run as servers with one client: `llmrun serve M --parallel 1
+[--draft D --draft-max N | --lookup N]` against `llama-server -m M --parallel 1` with
+the flags above, each case a server of its own. One client streams greedy
+/v1/completions (ignore_eos) one at a time; t/s is measured by the client alike for
+both, the tokens after the first over the time from the first chunk to the last;
+acceptance from llmrun's usage.completion_tokens_details and llama-server's final
+timings.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import http.client
+import json
+import socket
 import statistics
+import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -108,6 +122,157 @@ def llama_case(
     return statistics.fmean(rates), accepted / drafted if drafted else None
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_case(
+    command: list[str], port: int, prompt: str, args: argparse.Namespace, log: Path
+) -> tuple[float, float | None]:
+    """(mean decode t/s seen by one streaming client, acceptance or None) of a server
+    started by `command` on `port`, over -r greedy completions after a warm-up."""
+    process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while not _healthy(port):
+            if process.poll() is not None or time.monotonic() > deadline:
+                tail = log.read_text(errors="replace").splitlines()[-5:]
+                raise RuntimeError(f"{command[0]} did not start:\n" + "\n".join(tail))
+            time.sleep(0.2)
+        rates, drafted, accepted = [], 0, 0
+        for rep in range(args.repetitions + 1):
+            rate, counts = _stream(port, prompt, args.n_gen)
+            if rep:
+                rates.append(rate)
+                drafted += counts[0]
+                accepted += counts[1]
+    finally:
+        process.terminate()
+        process.wait(30)
+    return statistics.fmean(rates), accepted / drafted if drafted else None
+
+
+def _healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _stream(port: int, prompt: str, tokens: int) -> tuple[float, tuple[int, int]]:
+    """One streamed greedy completion of `tokens` tokens: its decode rate (the tokens
+    after the first over the time from the first chunk to the last) and (drafted,
+    accepted) as the server reports them."""
+    body = dict(
+        prompt=prompt,
+        max_tokens=tokens,
+        temperature=0,
+        ignore_eos=True,
+        stream=True,
+        stream_options={"include_usage": True},
+        cache_prompt=False,
+    )
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    connection.request(
+        "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+    )
+    response = connection.getresponse()
+    if response.status != 200:
+        raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
+    first = last = None
+    drafted = accepted = 0
+    for line in response:
+        if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if any(choice.get("text") for choice in chunk.get("choices", [])):
+            last = time.perf_counter()
+            first = first or last
+        details = (chunk.get("usage") or {}).get("completion_tokens_details") or {}
+        if "accepted_prediction_tokens" in details:  # llmrun
+            accepted = details["accepted_prediction_tokens"]
+            drafted = accepted + details["rejected_prediction_tokens"]
+        timings = chunk.get("timings") or {}
+        if "draft_n" in timings:  # llama-server
+            drafted, accepted = timings["draft_n"], timings["draft_n_accepted"]
+    connection.close()
+    return (tokens - 1) / (last - first), (drafted, accepted)
+
+
+def peer_flags(draft: Path | str | None, args: argparse.Namespace) -> tuple[str, ...]:
+    """llama-server's flags for a case's drafts (a draft .gguf, "lookup" or None)."""
+    if draft == "lookup":
+        return (
+            "--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
+            "--spec-ngram-simple-size-m", str(args.lookup),
+        )  # fmt: skip
+    if draft is not None:
+        return (
+            "-md",
+            str(draft),
+            "--spec-type",
+            "draft-simple",
+            "--spec-draft-n-max",
+            str(args.draft_max),
+        )
+    return ()
+
+
+def serve_rows(model: Path, cases: list, args: argparse.Namespace) -> list:
+    """--serve's rows: (case, llmrun serve's result, llama-server's or None)."""
+    rows = []
+    common = ["--parallel", "1", "-c", "2048", "-t", str(args.threads)]
+    for name, prompt, draft in cases:
+        ours = [sys.executable, "-m", "llmrun", "serve", str(model), *common]
+        if draft == "lookup":
+            ours += ["--lookup", str(args.lookup)]
+        elif draft is not None:
+            ours += ["--draft", str(draft), "--draft-max", str(args.draft_max)]
+        port = free_port()
+        log = args.out / "speculative-serve.log"
+        mine = serve_case([*ours, "--port", str(port)], port, prompt, args, log)
+        peer = None
+        if args.llama_server is not None:
+            theirs = [str(args.llama_server), "-m", str(model), *common, *peer_flags(draft, args)]
+            port = free_port()
+            log = args.out / "speculative-llama-server.log"
+            peer = serve_case([*theirs, "--port", str(port)], port, prompt, args, log)
+        rows.append((name, mine, peer))
+        print(f"{name}: llmrun serve {mine}, llama-server {peer}", file=sys.stderr)
+    return rows
+
+
+def process_rows(model: Path, cases: list, args: argparse.Namespace) -> list:
+    """The in-process rows: (case, llmrun's Engine.generate result, llama-server's or None)."""
+    import torch
+
+    from llmrun import api
+
+    torch.set_num_threads(args.threads)
+    load = dict(device="cpu", ctx_size=2048, threads=args.threads)
+    target = api.load(str(model), **load)
+    target = dataclasses.replace(target, eos_ids=[])
+    rows = []
+    for name, prompt, draft in cases:
+        engine = dataclasses.replace(target, speculator=None)
+        if draft == "lookup":
+            engine.use_lookup(args.lookup)
+        elif draft is not None:
+            engine.use_draft(api.load(str(draft), **load), args.draft_max)
+        ours = llmrun_case(engine, prompt, args.n_gen, args.repetitions)
+        theirs = (
+            llama_case(args.llama_server, model, peer_flags(draft, args), prompt, args)
+            if args.llama_server is not None
+            else None
+        )
+        rows.append((name, ours, theirs))
+        print(f"{name}: llmrun {ours}, llama-server {theirs}", file=sys.stderr)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -121,19 +286,14 @@ def main() -> None:
     parser.add_argument("--lookup", type=int, default=8, help="tokens prompt lookup drafts")
     parser.add_argument("--llama-server", type=Path, help="a llama-server binary, the peer")
     parser.add_argument("--out", type=Path, default=HERE / "out")
+    parser.add_argument(
+        "--serve", action="store_true", help="llmrun serve against llama-server, one client"
+    )
     args = parser.parse_args()
     if (args.model is None) != (args.draft is None):
         parser.error("give --model and --draft together, or neither")
     model, small = (args.model, args.draft) if args.model else default_files(args.out)
-
-    import torch
-
-    from llmrun import api
-
-    torch.set_num_threads(args.threads)
-    load = dict(device="cpu", ctx_size=2048, threads=args.threads)
-    target = api.load(str(model), **load)
-    target = dataclasses.replace(target, eos_ids=[])
+    args.out.mkdir(parents=True, exist_ok=True)
     cases = [
         ("plain", PROMPT, None),
         ("draft = model", PROMPT, model),
@@ -141,27 +301,7 @@ def main() -> None:
         ("plain, repeating prompt", REPEATED, None),
         ("lookup, repeating prompt", REPEATED, "lookup"),
     ]
-    rows = []
-    for name, prompt, draft in cases:
-        engine = dataclasses.replace(target, speculator=None)
-        if draft == "lookup":
-            engine.use_lookup(args.lookup)
-            peer = ("--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3")
-            peer += ("--spec-ngram-simple-size-m", str(args.lookup))
-        elif draft is not None:
-            engine.use_draft(api.load(str(draft), **load), args.draft_max)
-            peer = ("-md", str(draft), "--spec-type", "draft-simple")
-            peer += ("--spec-draft-n-max", str(args.draft_max))
-        else:
-            peer = ()
-        ours = llmrun_case(engine, prompt, args.n_gen, args.repetitions)
-        theirs = (
-            llama_case(args.llama_server, model, peer, prompt, args)
-            if args.llama_server is not None
-            else None
-        )
-        rows.append((name, ours, theirs))
-        print(f"{name}: llmrun {ours}, llama-server {theirs}", file=sys.stderr)
+    rows = (serve_rows if args.serve else process_rows)(model, cases, args)
 
     def cell(result: tuple[float, float | None] | None) -> str:
         if result is None:
@@ -170,7 +310,8 @@ def main() -> None:
         return f"{rate:.2f} | " + ("-" if acceptance is None else f"{acceptance:.0%}")
 
     plain_rate = rows[0][1][0]
-    print(f"\n{model.name}, {args.threads} threads, {args.n_gen} tokens, greedy\n")
+    mode = ", served to one streaming client" if args.serve else ""
+    print(f"\n{model.name}, {args.threads} threads, {args.n_gen} tokens, greedy{mode}\n")
     print("| case | llmrun t/s | llmrun accepted | x plain | llama-server t/s | accepted |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for name, ours, theirs in rows:

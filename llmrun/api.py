@@ -19,14 +19,18 @@ import torch
 from gguf import Keys
 from torch import nn
 
-from llmrun import embeddings, paths, reranking, tokenizer_gguf
+from llmrun import embeddings, multimodal, paths, reranking, tokenizer_gguf
 from llmrun.chat_template import ChatTemplate, select_template
 from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
 from llmrun.generate import KVState, Response, TokenLogprob, stream_generate
 from llmrun.loading import embedding, reranker, safetensors_io
+from llmrun.loading import vision as vision_loading
 from llmrun.loading.loader import Checkpoint, check_device_room, load_model, open_checkpoint
+from llmrun.loading.lora import LoraScales
+from llmrun.loading.vision import Vision
 from llmrun.models import kv_cache_bytes, model_module, recurrent_state_bytes
 from llmrun.models.cache import BYTES_PER_VALUE, KVCache
+from llmrun.multimodal import PromptImages
 from llmrun.quant.linear import set_activations
 from llmrun.reasoning import (
     ANSWER,
@@ -40,6 +44,7 @@ from llmrun.reasoning import (
 from llmrun.sampling import Sampler, SamplingParams
 from llmrun.speculative import (
     DEFAULT_DRAFT_MAX,
+    DEFAULT_DRAFT_P_MIN,
     Draft,
     Lookup,
     Speculator,
@@ -115,6 +120,10 @@ class Engine:
     activations: str = "f32"  # how quantized weights meet activations on CPU (ACTIVATIONS)
     # Speculative decoding's drafts (use_draft, use_lookup); None: plain decoding
     speculator: Speculator | None = None
+    # The LoRA adapters' scales (llmrun.loading.lora), where the model has adapters
+    lora: LoraScales | None = None
+    # The image encoder (llmrun.loading.vision), where one was asked for and loaded
+    vision: Vision | None = None
 
     @property
     def generates(self) -> bool:
@@ -168,8 +177,11 @@ class Engine:
         reranker's probability of "yes"), by document index; a pair longer than the context
         an error unless `truncate` (which cuts a cross-encoder's document)."""
         if not self.reranks:
+            folder = self.checkpoint.gguf is None
+            hint = reranker.causal_hint(self.checkpoint.config) if folder else ""
             raise UsageError(
-                f"{self.name} is not a reranker (a cross-encoder with a classifier of one label)"
+                f"{self.name} is not a reranker (a cross-encoder with a classifier of one "
+                f"label{hint})"
             )
         if not documents:
             raise UsageError("no document to rerank")
@@ -178,9 +190,8 @@ class Engine:
         if head is not None:  # a causal reranker: yes or no after its prompt
             if truncate:
                 raise UsageError(f"{self.name} is a causal reranker, whose prompts are not cut")
-            template = metadata[reranker.RERANK_TEMPLATE]
             prompts = reranking.encode_prompts(
-                self.tokenizer, template, query, documents, self.ctx_size
+                self.tokenizer, self.checkpoint.rank_template, query, documents, self.ctx_size
             )
             scores = reranking.score_prompts(self.model, prompts, head, batch_size, self.device)
             return reranking.Reranked(scores, [len(ids) for ids in prompts])
@@ -205,14 +216,22 @@ class Engine:
         size = min(size or self.ctx_size, self.ctx_size)
         return KVState(self.new_cache(1, size))
 
-    def use_draft(self, draft: Engine, max_tokens: int = DEFAULT_DRAFT_MAX) -> None:
+    def use_draft(
+        self,
+        draft: Engine,
+        max_tokens: int = DEFAULT_DRAFT_MAX,
+        p_min: float = DEFAULT_DRAFT_P_MIN,
+    ) -> None:
         """Generate by speculative decoding: `draft` (a smaller model of the same
-        vocabulary, on the same device) proposes up to `max_tokens` tokens a step, which
-        this model verifies in one forward (llmrun.speculative)."""
+        vocabulary, on the same device) proposes up to `max_tokens` tokens a step, fewer
+        where its top probability falls below `p_min`, which this model verifies in one
+        forward (llmrun.speculative)."""
         check_vocab(self.tokenizer, draft.tokenizer, draft.name)
         check_cache(self.new_cache(1, 1), self.name)
         check_cache(draft.new_cache(1, 1), draft.name)
-        self.speculator = Draft(draft.model, lambda size: draft.new_cache(1, size), max_tokens)
+        self.speculator = Draft(
+            draft.model, lambda size: draft.new_cache(1, size), max_tokens, p_min
+        )
 
     def use_lookup(self, max_tokens: int) -> None:
         """Generate by speculative decoding with up to `max_tokens` tokens a step drafted
@@ -247,11 +266,26 @@ class Engine:
         picks it: the one named "tool_use" where the model has it)."""
         return self.tool_template or self.template
 
-    def prompt_text(self, text: str, raw: bool = False, **switches: Any) -> str:
-        """The text `run` feeds the model: the template around one user message, or as is."""
+    def prompt_text(self, text: str, raw: bool = False, images: int = 0, **switches: Any) -> str:
+        """The text `run` feeds the model: the template around one user message (its
+        `images` first, as content parts of type "image"), or as is."""
         if raw or self.template is None:
             return text
-        return self.render([{"role": "user", "content": text}], **switches)
+        content: Any = text
+        if images:
+            content = [{"type": "image"}] * images + [{"type": "text", "text": text}]
+        return self.render([{"role": "user", "content": content}], **switches)
+
+    def image_prompt(self, text: str, images: Sequence[Any]) -> tuple[list[int], PromptImages]:
+        """The ids of a prompt `text` whose image places (<start_of_image>, as the chat
+        template writes them) take `images` (decoded, llmrun.images.open_image), in
+        order, and those images encoded for generate()."""
+        if self.vision is None:
+            raise UsageError(f"{self.name}: load it with its image encoder to give it images")
+        ids, starts = multimodal.expand(
+            self.tokenizer, text, len(images), self.vision.tokens_per_image
+        )
+        return ids, PromptImages(multimodal.encode(self.vision, images), starts)
 
     def switches(
         self,
@@ -329,10 +363,12 @@ class Engine:
         logprobs: int | None = None,
         state: KVState | None = None,
         history_end: int | None = None,
+        images: PromptImages | None = None,
     ) -> Iterator[Response]:
         """Stream a reply to `prompt` (ids) through `state` (default: a new cache).
         `history_end`: where the conversation so far ends in the prompt, before the
-        generation prompt (a hybrid model keeps its state there for the next turn)."""
+        generation prompt (a hybrid model keeps its state there for the next turn).
+        `images`: the prompt's images, from image_prompt."""
         if state is None:
             wanted = len(prompt) + (max(max_tokens, 1) if max_tokens is not None else self.ctx_size)
             state = self.new_state(wanted)
@@ -349,6 +385,7 @@ class Engine:
             logprobs,
             history_end,
             self.speculator,
+            images,
         )
 
 
@@ -364,6 +401,8 @@ def load(
     activations: str = "f32",
     generate: bool = True,
     lora: Sequence[tuple[str | Path, float]] = (),
+    vision: bool = False,
+    mmproj: str | Path | None = None,
 ) -> Engine:
     """Load MODEL (`path`, when given, is where it already resolved to); with `generate`,
     a model that cannot generate (an embedding model) is refused first. `cache_type`:
@@ -371,7 +410,9 @@ def load(
     which is exact). `activations`: "f32", exact products of quantized weights, or
     "q8", activations quantized to Q8_0 (K-quants: Q8_K) first as llama.cpp does (faster on CPU; where
     the kernels have it for the type, llmrun.quant.linear.set_activations). `lora`: LoRA
-    adapters as (path, scale), a GGUF adapter or a PEFT folder (llmrun.loading.lora)."""
+    adapters as (path, scale), a GGUF adapter or a PEFT folder (llmrun.loading.lora).
+    `vision`: load the image encoder too (a Gemma 3 folder's own, or a GGUF's `mmproj`
+    file, which implies it), for Engine.image_prompt."""
     if dtype not in DTYPES:
         raise UsageError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     if cache_type is not None and cache_type not in CACHE_TYPES:
@@ -398,6 +439,9 @@ def load(
     checkpoint = open_checkpoint(path)
     _check_tokenizer(checkpoint, path)
     generates = _check_use(checkpoint, str(spec) if spec else path.name, generate)
+    encoder = None
+    if vision or mmproj is not None:
+        encoder = _load_vision(checkpoint, path, mmproj)
     # The tokenizer builds while the weights load: repacking and mapping them run in
     # native code and page faults, without the GIL (a 262k vocabulary takes ~1 s).
     with ThreadPoolExecutor(1, thread_name_prefix="llmrun-tokenizer") as pool:
@@ -433,6 +477,8 @@ def load(
         markers=find_markers(tokenizer),
         cache_type=cache_type,
         activations=activations,
+        lora=loaded.lora,
+        vision=encoder,
     )
     if not generates:
         return engine  # no KV cache to size: an embedding's forward keeps none
@@ -448,6 +494,25 @@ def load(
         ": lower --ctx-size or use --cache-type q8_0",
     )
     return engine
+
+
+def _load_vision(checkpoint: Checkpoint, path: Path, mmproj: str | Path | None) -> Vision:
+    """The image encoder of a Gemma 3 model: its folder's own, or a GGUF's mmproj file;
+    the note that its language model runs alone is then dropped."""
+    if checkpoint.config.get("model_type") not in vision_loading.TEXT_MODEL_TYPES:
+        raise UsageError(f"{path}: images go to Gemma 3 models only")
+    hidden = checkpoint.config["hidden_size"]
+    if checkpoint.gguf is not None:
+        if mmproj is None:
+            raise UsageError(
+                f"{path}: a GGUF holds no image encoder; give its mmproj file with --mmproj"
+            )
+        return vision_loading.from_mmproj(mmproj, hidden)
+    if mmproj is not None:
+        raise UsageError(f"--mmproj goes with a GGUF model; {path} holds its image encoder")
+    encoder = vision_loading.from_hf_dir(path, hidden)
+    checkpoint.notes = [n for n in checkpoint.notes if not n.endswith(vision_loading.TEXT_ONLY)]
+    return encoder
 
 
 def _check_cache_type(cache_type: str, device: torch.device) -> None:

@@ -18,9 +18,17 @@ most recently admitted one, which is preempted: it lets go of its blocks (its fu
 ones stay cached) and waits at the front of the queue to be prefilled again, with
 the tokens it has generated, and goes on where it stopped. Each sequence samples
 with its own Sampler and becomes text through its own TokenStream, as
-stream_generate does for one, so its tokens do not depend on what it was batched
-with or what the cache held (float rounding aside: batched logits differ from
-single-row ones by ~1e-5). Finished and cancelled sequences leave between steps.
+stream_generate does for one, and runs with its own LoRA adapter scales (each row's
+delta scaled by its own, llmrun.loading.lora.scaled; its blocks' names start from
+them, so no prefix is shared across scales), so its tokens do not depend on what it
+was batched with or what the cache held (float rounding aside: batched logits differ
+from single-row ones by ~1e-5). Finished and cancelled sequences leave between steps.
+While a single sequence runs, a speculator (the engine's --draft or --lookup,
+llmrun.speculative) drafts its next tokens and the model checks them all in one
+forward, through the same blocks: greedy output stays the batched step's, sampling
+follows the speculative sampling rule. A grammar, or another sequence arriving, means
+the batched step again; the draft model's cache catches up with the accepted tokens
+when drafting resumes.
 Events reach the caller through a callback on the scheduler thread; it must
 return quickly.
 """
@@ -28,6 +36,7 @@ return quickly.
 from __future__ import annotations
 
 import itertools
+import struct
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -47,10 +56,12 @@ from llmrun.generate import (
     check_fits,
 )
 from llmrun.kv_blocks import BLOCK_SIZE, KVBlocks, SequenceBlocks, blocks_for
+from llmrun.loading import lora
 from llmrun.loading.loader import free_bytes
 from llmrun.models.paged import PagedKVCache, window_layers
 from llmrun.models.recurrent import StateSnapshots, copy_row
 from llmrun.sampling import Sampler, SamplingParams
+from llmrun.speculative import verify
 
 # Prompt tokens prefilled per step: smaller than a one-shot run's chunk, since
 # every decoding sequence waits for it, but room for several new chat turns at once:
@@ -88,6 +99,8 @@ class Request:
     # Where the conversation ends in the prompt, before the generation prompt: a hybrid
     # model keeps its state at the last block end up to there (see _step).
     history_end: int | None = None
+    # Each LoRA adapter's scale for this request (None: the model's scales at submit).
+    lora: tuple[float, ...] | None = None
 
 
 @dataclass(eq=False)
@@ -110,6 +123,8 @@ class Job:
     finished: bool = False
     scored: dict[int, TokenLogprob] = field(default_factory=dict)  # prompt logprobs by position
     prompt_scored: bool = False  # its prompt's logprobs were sent
+    lora: tuple[float, ...] = ()  # its adapters' scales, which its rows run with
+    root: bytes = b""  # its blocks' names start here: its keys depend on its scales too
 
     @property
     def prefilling(self) -> bool:
@@ -158,6 +173,8 @@ class Scheduler:
         self.blocks = KVBlocks(n_blocks, BLOCK_SIZE, prefix_cache, window, window_blocks)
         self.waiting: deque[Job] = deque()
         self.active: list[Job] = []  # touched by the scheduler thread only
+        self.speculator = engine.speculator
+        self._drafting: Job | None = None  # the sequence the speculator last drafted for
         self._admissions = itertools.count()
         self.preemptions = 0
         self._cond = threading.Condition()
@@ -237,6 +254,7 @@ class Scheduler:
                 "tokens); shorten the prompt or raise --kv-memory"
             )
         job = Job(request, on_event)
+        job.lora, job.root = self._lora_of(request)
         no_tokens = request.max_tokens is not None and request.max_tokens <= 0
         if no_tokens and request.prompt_logprobs is None:
             stats = Stats(prompt_tokens=len(request.prompt))
@@ -253,6 +271,19 @@ class Scheduler:
             self.waiting.append(job)
             self._cond.notify()
         return job
+
+    def _lora_of(self, request: Request) -> tuple[tuple[float, ...], bytes]:
+        """A request's adapter scales, and the root of its blocks' names (b"" without
+        adapters, so the names are the same as ever)."""
+        adapters = self.engine.lora
+        if adapters is None:
+            if request.lora:
+                raise UsageError("the model has no LoRA adapters (serve's --lora)")
+            return (), b""
+        scales = tuple(adapters.scales if request.lora is None else request.lora)
+        if len(scales) != len(adapters):
+            raise UsageError(f"{len(scales)} LoRA scales for the model's {len(adapters)} adapters")
+        return scales, b"lora" + struct.pack(f"<{len(scales)}d", *scales)
 
     def cancel(self, job: Job) -> None:
         """Drop a request (its client went away); its blocks are free at the next step."""
@@ -293,7 +324,11 @@ class Scheduler:
                 followers.append(self.waiting.popleft())
                 continue
             got = self.blocks.allocate(
-                job.target, len(job.target), reuse=not job.scoring, ends=self.snapshots
+                job.target,
+                len(job.target),
+                reuse=not job.scoring,
+                ends=self.snapshots,
+                root=job.root,
             )
             if got is None:
                 break  # first come, first served: the next waits for blocks too
@@ -322,7 +357,7 @@ class Scheduler:
             return False
         size = self.blocks.block_size
         for other in self.active:
-            if not other.prefilling or other.cancelled:
+            if not other.prefilling or other.cancelled or other.root != job.root:
                 continue
             done = len(other.state.tokens) // size * size  # blocks it has computed
             # Blocks still to come, while they match (a prompt's last token is always fed).
@@ -389,12 +424,15 @@ class Scheduler:
         )
         if not decoding:
             return
+        if len(self.active) == 1 and len(decoding) == 1 and self._speculate(decoding[0]):
+            return
         device = self.cache.k.device
         ids = torch.tensor([[j.next_token] for j in decoding], device=device)
         positions = torch.tensor([[len(j.state.tokens)] for j in decoding], device=device)
         try:
             view = self._view(decoding)
-            logits = self.engine.model(ids, positions, view)
+            with lora.scaled(self.engine.lora, [j.lora for j in decoding], device):
+                logits = self.engine.model(ids, positions, view)
         except Exception as e:
             for job in decoding:
                 self._finish(job, e)
@@ -407,6 +445,57 @@ class Scheduler:
                 self._advance(job, logits[row, -1])
             except Exception as e:
                 self._finish(job, e)
+
+    def _speculate(self, job: Job) -> bool:
+        """A round of speculative decoding for the only running sequence: its drafts and
+        pending token fed in one forward, the tokens accepted and the model's own after
+        them passed on. False, having done nothing, where it does not apply: no
+        speculator, a grammar, no room for a draft, or no blocks for the drafts."""
+        speculator, state = self.speculator, job.state
+        if speculator is None or job.sampler.constraint is not None:
+            return False
+        count = min(speculator.max_tokens, state.capacity - len(state.tokens) - 1)
+        if job.request.max_tokens is not None:  # drafts past the last token asked are wasted
+            count = min(count, job.request.max_tokens - job.stream.stats.completion_tokens - 1)
+        if count < 1:
+            return False
+        model, device = self.engine.model, self.cache.k.device
+
+        def forward(fed: list[int]) -> torch.Tensor:
+            with lora.scaled(self.engine.lora, [job.lora], device):
+                return verify(model, state, self._view([job]), fed)
+
+        start = len(state.tokens)
+        try:
+            if self._drafting is not job:  # the draft's cache follows this sequence now
+                speculator.start([*state.tokens, job.next_token], state.capacity)
+                self._drafting = job
+            if speculator.room() is not None:  # the draft's ring must not wrap in a round
+                count = min(count, speculator.room() - 1)
+            if not self.blocks.grow(job.table, start + 1 + count):
+                return False
+            tokens, rows = speculator.round(
+                state,
+                job.next_token,
+                job.sampler,
+                job.history,
+                job.stream.stats,
+                count,
+                model.args.vocab_size,
+                forward,
+            )
+        except Exception as e:
+            self._finish(job, e)
+            return True
+        self.blocks.commit(job.table, state.tokens)
+        for i, (token, row) in enumerate(zip(tokens, rows, strict=True)):
+            if job.finished or job.cancelled:
+                break
+            try:
+                self._take(job, token, row, start + 1 + i)
+            except Exception as e:
+                self._finish(job, e)
+        return True
 
     def _grow(self, decoding: list[Job]) -> list[Job]:
         """Give each decoding sequence, oldest first, a block for its next token where
@@ -489,12 +578,13 @@ class Scheduler:
         view = self._view([job for job, _ in parts], counts if padded else None)
         last = torch.tensor([c - 1 for c in counts], device=device)
         scoring = any(job.scoring for job, _ in parts)
-        logits = self.engine.model(
-            torch.tensor(ids, device=device),
-            torch.tensor(positions, device=device),
-            view,
-            last=None if scoring else last,  # every position's logits, to score prompts
-        )
+        with lora.scaled(self.engine.lora, [job.lora for job, _ in parts], device):
+            logits = self.engine.model(
+                torch.tensor(ids, device=device),
+                torch.tensor(positions, device=device),
+                view,
+                last=None if scoring else last,  # every position's logits, to score prompts
+            )
         for row, (job, part) in enumerate(parts):
             if job.scoring:
                 self._score(job, logits[row, : len(part)])
@@ -535,12 +625,16 @@ class Scheduler:
 
     def _advance(self, job: Job, logits: torch.Tensor) -> None:
         """Sample the job's next token from its logits and pass on the text it makes."""
-        token = job.sampler(logits, job.history)
+        self._take(job, job.sampler(logits, job.history), logits, len(job.state.tokens))
+
+    def _take(self, job: Job, token: int, logits: torch.Tensor, fed: int) -> None:
+        """Pass on the job's next token (drawn from `logits` after `fed` tokens) and the
+        text it makes; it ends the job, or is the one to feed next."""
         job.history.append(token)
         response = job.stream.add(token, logits)
         if response is not None:
             self._send(job, response)
-        if job.stream.done or len(job.state.tokens) >= job.state.capacity:
+        if job.stream.done or fed >= job.state.capacity:
             self._finish(job, job.stream.close())
         else:
             job.next_token = token

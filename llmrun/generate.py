@@ -18,11 +18,12 @@ import torch
 from torch import nn
 
 from llmrun import static_decode
-from llmrun.errors import ContextOverflowError
+from llmrun.errors import ContextOverflowError, UsageError
 from llmrun.models.cache import KVCache
 from llmrun.sampling import Sampler, top_logprobs
 
 if TYPE_CHECKING:
+    from llmrun.multimodal import PromptImages
     from llmrun.speculative import Speculator
 
 PREFILL_CHUNK = 512
@@ -111,13 +112,18 @@ def prefill(
     tokens: Sequence[int],
     chunk: int = PREFILL_CHUNK,
     keep_at: int | None = None,
+    images: PromptImages | None = None,
 ) -> torch.Tensor:
     """Feed `tokens` after what the cache already holds; return the last logits [V].
     `keep_at`: a position (counted from the sequence's start) after which a hybrid
     model's recurrent state is kept too (llmrun.models.recurrent), for a next prompt
-    that agrees with this one only up to there."""
+    that agrees with this one only up to there. `images`: the prompt's images (indexes
+    counted from the sequence's start), each fed whole in one chunk."""
     device = state.cache.k.device
+    offset = len(state.tokens)
     cuts = list(range(0, len(tokens), chunk))
+    if images is not None:
+        cuts = images.cuts(cuts, offset)
     mark = -1 if keep_at is None else keep_at - len(state.tokens)
     checkpoint = state.cache.recurrent is not None and 0 < mark < len(tokens)
     if checkpoint:
@@ -128,7 +134,11 @@ def prefill(
         start = len(state.tokens)
         ids = torch.tensor([part], device=device)
         positions = torch.arange(start, start + len(part), device=device)[None]
-        logits = model(ids, positions, state.cache, last_only=True)
+        extra = {}
+        if images is not None:
+            soft = images.tokens(offset + begin, offset + end, device)
+            extra = {} if soft is None else {"images": soft}
+        logits = model(ids, positions, state.cache, last_only=True, **extra)
         state.tokens.extend(part)
         if checkpoint and end == mark and state.cache.recurrent is not None:
             state.cache.recurrent.checkpoint()
@@ -175,11 +185,12 @@ def generate_step(
     sampler: Sampler,
     history: list[int],
     keep_at: int | None = None,
+    images: PromptImages | None = None,
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """Prefill `tokens` after the cached ones, then yield (token, the raw logits it
     was drawn from) until the caller stops or the context is full. `history`
-    (for penalties) grows with each token; `keep_at`: see prefill."""
-    logits = prefill(model, state, tokens, keep_at=keep_at)
+    (for penalties) grows with each token; `keep_at` and `images`: see prefill."""
+    logits = prefill(model, state, tokens, keep_at=keep_at, images=images)
     while True:
         token = sampler(logits, history)
         yield token, logits
@@ -287,6 +298,7 @@ def stream_generate(
     logprobs: int | None = None,
     history_end: int | None = None,
     speculator: Speculator | None = None,
+    images: PromptImages | None = None,
 ) -> Iterator[Response]:
     """Generate after `prompt`, yielding text as it becomes printable; with a
     `speculator`, by speculative decoding (llmrun.speculative).
@@ -294,11 +306,12 @@ def stream_generate(
     The cache keeps the prefix it shares with `prompt`, so only new tokens are
     prefilled. The streamed texts concatenate to the decoded completion, cut
     before a stop string; text that might begin a stop string is held back until
-    it cannot.
+    it cannot. `images`: the prompt's images (llmrun.multimodal), prefilled in place of
+    their placeholder tokens; the cache is reused only up to the first.
     """
     check_fits(len(prompt), state.capacity)
     device = state.cache.k.device
-    kept = reuse_prefix(state, prompt)
+    kept = reuse_prefix(state, prompt if images is None else prompt[: images.first + 1])
     stats = Stats(prompt_tokens=len(prompt), prompt_processed=len(prompt) - kept)
     if max_tokens is not None and max_tokens <= 0:
         yield Response("", None, stats, finish_reason="length")
@@ -309,7 +322,9 @@ def stream_generate(
     # prompt, where the caller knows it.
     keep_at = history_end if history_end is not None else len(prompt) - CHECKPOINT_MARGIN
     if speculator is None:
-        steps = generate_step(model, state, prompt[kept:], sampler, list(prompt), keep_at)
+        steps = generate_step(model, state, prompt[kept:], sampler, list(prompt), keep_at, images)
+    elif images is not None:
+        raise UsageError("speculative decoding does not take images")
     else:
         history = list(prompt)
         steps = speculator.generate_step(model, state, prompt[kept:], sampler, history, stats)

@@ -8,7 +8,9 @@ alone calls it.
 Automatic prefix caching: a block whose 16 positions are all computed is named by
 the SHA-256 chain of every token up to and including it (the hash of the previous
 block's name and its own tokens), so two sequences that share a prefix share its
-blocks, each counted by reference. A block nobody holds keeps its keys and values
+blocks, each counted by reference. The chain starts from a sequence's `root`: what
+else its keys and values depend on (serve's per-request LoRA scales), so sequences
+that differ there share no block. A block nobody holds keeps its keys and values
 and its name until its space is needed: free blocks are reused nameless ones first,
 then named ones least recently released first. A sequence releases its blocks last
 to first, so a conversation's tail is evicted before the prefix it shares with
@@ -55,6 +57,7 @@ class BlockTable:
     blocks: list[int] = field(default_factory=list)
     names: list[bytes] = field(default_factory=list)
     holes: int = 0  # the leading entries that are HOLEs
+    root: bytes = b""  # where its names' chain starts (see the module docstring)
 
 
 class BlockManager:
@@ -94,12 +97,12 @@ class BlockManager:
             out.append(name)
         return out
 
-    def lookup(self, tokens: Sequence[int]) -> list[int]:
+    def lookup(self, tokens: Sequence[int], root: bytes = b"") -> list[int]:
         """The cached blocks holding the longest run of `tokens`' full leading blocks."""
         if not self.prefix_cache:
             return []
         hits = []
-        for name in self.names(tokens):
+        for name in self.names(tokens, root):
             block = self.by_name.get(name)
             if block is None:
                 break
@@ -107,20 +110,20 @@ class BlockManager:
         return hits
 
     def allocate(
-        self, tokens: Sequence[int], positions: int, most: int | None = None
+        self, tokens: Sequence[int], positions: int, most: int | None = None, root: bytes = b""
     ) -> tuple[BlockTable, int] | None:
-        """A table for a sequence whose first `positions` positions will hold `tokens`'
-        (the tokens to prefill), reusing cached leading blocks of tokens[:-1] (a
-        sequence always feeds at least one token, for its logits), at most `most` of
-        them; with how many positions it reuses. None, allocating nothing, when the
-        free blocks do not suffice."""
-        hits = self.lookup(tokens[:-1])[:most]
+        """A table (of names chained from `root`) for a sequence whose first `positions`
+        positions will hold `tokens`' (the tokens to prefill), reusing cached leading
+        blocks of tokens[:-1] (a sequence always feeds at least one token, for its
+        logits), at most `most` of them; with how many positions it reuses. None,
+        allocating nothing, when the free blocks do not suffice."""
+        hits = self.lookup(tokens[:-1], root)[:most]
         fresh = blocks_for(positions, self.block_size) - len(hits)
         # Cached blocks nobody holds are free ones too: taking them leaves fewer.
         idle_hits = sum(1 for b in hits if self.refs[b] == 0)
         if fresh > self.free - idle_hits:
             return None
-        table = BlockTable()
+        table = BlockTable(root=root)
         for block in hits:
             self._hold(block)
             table.blocks.append(block)
@@ -150,7 +153,7 @@ class BlockManager:
         if full <= done:
             return
         size = self.block_size
-        start = table.names[-1] if table.names else b""
+        start = table.names[-1] if table.names else table.root
         for i, name in enumerate(self.names(tokens[done * size : full * size], start), done):
             table.names.append(name)
             block = table.blocks[i]
@@ -269,25 +272,26 @@ class KVBlocks:
         positions: int,
         reuse: bool = True,
         ends: Container[bytes] | None = None,
+        root: bytes = b"",
     ) -> tuple[SequenceBlocks, int] | None:
         """BlockManager.allocate for every group: the full layers' blocks for all
         `positions`, the windowed layers' cached blocks of the reused prefix that its
         continuation attends to (their new blocks come with grow). The prefix reused
         is the longest the full layers hold whose window the windowed layers hold, and
         that ends at a block named in `ends` where that is given (a hybrid model's
-        kept recurrent states); none without `reuse`."""
+        kept recurrent states); none without `reuse`. Names chain from `root`."""
         most = None if reuse else 0
         if reuse and (self.window_manager is not None or ends is not None):
-            hits = len(self.full.lookup(tokens[:-1]))
-            names = self.full.names(tokens[: hits * self.block_size])
+            hits = len(self.full.lookup(tokens[:-1], root))
+            names = self.full.names(tokens[: hits * self.block_size], root)
             most = self._reusable(names, ends)
-        got = self.full.allocate(tokens, positions, most)
+        got = self.full.allocate(tokens, positions, most, root)
         if got is None:
             return None
         table, reused = got
         blocks = SequenceBlocks(table)
         if self.window_manager is not None:
-            blocks.window = BlockTable()
+            blocks.window = BlockTable(root=root)
             count = reused // self.block_size
             self.window_manager.attach(blocks.window, table.names[:count], self._first(reused))
         return blocks, reused

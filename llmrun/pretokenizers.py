@@ -10,7 +10,7 @@ except where llama.cpp does not run a string as a regex (see `_as_llama_cpp_runs
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tokenizers import Regex, pre_tokenizers
 
@@ -161,10 +161,14 @@ class PreTokenizer:
     byte_level: bool = True  # GPT-2's byte alphabet; else raw UTF-8 and <0xXX> byte tokens
     escape_spaces: bool = False  # spaces become U+2581 before splitting
     bos_always: bool = False  # BOS is added even where the file says not to (Gemma 4)
+    # llama.cpp's "whitespace" tokenizer model (WHITESPACE_MODEL): the text cut at
+    # whitespace, which is dropped, each piece lowercased where `lowercase`.
+    drop_whitespace: bool = False
+    lowercase: bool = False
 
     @property
     def regexes(self) -> tuple[str, ...]:
-        return REGEX_SETS[self.regex_set]
+        return REGEX_SETS[self.regex_set] if self.regex_set else ()
 
 
 _LLAMA3_FLAGS = dict(add_bos=True, ignore_merges=True)
@@ -269,6 +273,19 @@ _TABLE: list[tuple[tuple[str, ...], PreTokenizer]] = [
 
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {v: pre for values, pre in _TABLE for v in values}
 
+# llama.cpp's "whitespace" tokenizer model (jina-embeddings-v2-base-zh; conversion/base.py
+# _set_vocab_whitespace, llm_tokenizer_whitespace_session): byte-pair encoding over raw text
+# (<0xXX> tokens for bytes), on each run between whitespace characters, which are dropped;
+# its pre value, "whitespace" (\S+), cuts such a run no further. The file's
+# tokenizer.ggml.normalizer.lowercase says whether the runs are lowercased.
+WHITESPACE_MODEL = PreTokenizer("", byte_level=False, drop_whitespace=True)
+# Not llama.cpp's: "jina-v2-zh", which forks carrying its unmerged pull request #7795 wrote
+# for jina-embeddings-v2-base-zh (tokenizer model "gpt2", the vocabulary as raw text, no
+# lowercase key): the same tokenizer, lowercased, as the model's tokenizer.json is.
+FORK_PRE_TOKENIZERS = {"jina-v2-zh": replace(WHITESPACE_MODEL, lowercase=True)}
+# What llama.cpp calls whitespace (unicode_set_whitespace: Unicode's White_Space).
+WHITESPACE = "\t\n\v\f\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+
 
 # Digit runs in threes from the right (1234567: 1 234 567), as llama.cpp's own code splits
 # them: the text before a run goes with its first group. \G (where the last match ended)
@@ -338,6 +355,8 @@ def pre_tokenizer(pre: PreTokenizer, absent: str = "") -> pre_tokenizers.PreToke
     steps: list[pre_tokenizers.PreTokenizer] = [
         pre_tokenizers.Split(Regex(_as_llama_cpp_runs_it(r)), "isolated") for r in pre.regexes
     ]
+    if pre.drop_whitespace:
+        steps.insert(0, pre_tokenizers.Split(Regex(f"[{WHITESPACE}]+"), "removed"))
     if pre.byte_level:
         steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
         if absent:

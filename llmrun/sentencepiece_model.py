@@ -1,15 +1,24 @@
 """A SentencePiece `tokenizer.model` (the protobuf ModelProto) read into the GGUF tokenizer
 metadata llama.cpp's converter writes for it, so a model folder without tokenizer.json
-(Llama 2-era fine-tunes, ERNIE 4.5) tokenizes as its GGUF would (llmrun.tokenizer_gguf).
+(Llama 2-era fine-tunes, ERNIE 4.5; T5-style Unigram ones) tokenizes as its GGUF would
+(llmrun.tokenizer_gguf).
 
 The protobuf is read here, field by field, with no protobuf library and nothing executed:
 ModelProto's pieces (1: piece 1, score 2, type 3), trainer_spec (2: model_type 3,
-unk/bos/eos ids 40-42) and normalizer_spec (3: add_dummy_prefix 3),
-as sentencepiece_model.proto numbers them. The vocabulary is the converter's
-(conversion/base.py, _create_vocab_sentencepiece): the pieces with their scores and
-types (user-defined pieces as normal ones, as it writes them), then added_tokens.json and
-tokenizer_config.json's added_tokens_decoder over them, padded with [PADn] to
-config.json's vocab_size. No torch here.
+unk/bos/eos ids 40-42) and normalizer_spec (3: precompiled_charsmap 2, add_dummy_prefix 3,
+remove_extra_whitespaces 4), as sentencepiece_model.proto numbers them.
+
+A BPE model's vocabulary is the converter's (conversion/base.py,
+_create_vocab_sentencepiece): the pieces with their scores and types (user-defined pieces
+as normal ones, as it writes them), then added_tokens.json and tokenizer_config.json's
+added_tokens_decoder over them, padded with [PADn] to config.json's vocab_size.
+
+A Unigram model's is T5's (conversion/t5.py, T5Model.set_vocab: tokenizer model "t5",
+llama.cpp's UGM, llmrun.unigram): the same pieces, padded with [PADn] unused tokens to
+config.json's vocab_size, added_tokens.json over them, the normalizer spec as it is; the
+special ids are config.json's `*_token_id` (what gguf-py's SpecialVocab reads of a folder
+without tokenizer.json), else the model's own, and add_bos_token / add_eos_token from
+tokenizer_config.json. No torch here.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ from gguf import Keys, TokenType
 from llmrun.errors import TokenizerError, UnsupportedError
 
 # sentencepiece_model.proto: TrainerSpec.ModelType and SentencePiece.Type.
-BPE = 2
+UNIGRAM, BPE = 1, 2
 _MODEL_TYPES = {1: "Unigram", 2: "BPE", 3: "Word", 4: "Char"}
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 _TYPES = {
@@ -48,6 +57,8 @@ class SentencePieceModel:
     bos_id: int = 1
     eos_id: int = 2
     add_dummy_prefix: bool = True
+    remove_extra_whitespaces: bool = True
+    precompiled_charsmap: bytes = b""
 
 
 class _Reader:
@@ -133,8 +144,12 @@ def read_model(data: bytes, source: str) -> SentencePieceModel:
                         setattr(model, {40: "unk_id", 41: "bos_id", 42: "eos_id"}[n], _int32(v))
         elif number == 3 and isinstance(value, bytes):
             for n, v in _Reader(value, source).fields():
-                if n == 3 and isinstance(v, int):
+                if n == 2 and isinstance(v, bytes):
+                    model.precompiled_charsmap = v
+                elif n == 3 and isinstance(v, int):
                     model.add_dummy_prefix = bool(v)
+                elif n == 4 and isinstance(v, int):
+                    model.remove_extra_whitespaces = bool(v)
     if not model.pieces:
         top._fail("no pieces")
     return model
@@ -156,14 +171,17 @@ def gguf_metadata(folder: Path) -> dict[str, Any]:
         model = read_model(file.read_bytes(), source)
     except OSError as e:
         raise TokenizerError(f"{file}: {e.strerror or e}") from None
+    config = _read_json(folder / "config.json")
+    config = config if isinstance(config, dict) else {}
+    if model.model_type == UNIGRAM:
+        return _unigram_metadata(folder, model, config)
     if model.model_type != BPE:
         kind = _MODEL_TYPES.get(model.model_type, str(model.model_type))
         raise UnsupportedError(
-            f"{file}: a SentencePiece {kind} model is not supported (llmrun reads BPE ones, "
-            "as llama.cpp's SentencePiece tokenizer computes)"
+            f"{file}: a SentencePiece {kind} model is not supported (llmrun reads BPE and "
+            "Unigram ones, as llama.cpp's SentencePiece and UGM tokenizers compute)"
         )
-    config = _read_json(folder / "config.json") or {}
-    size = config.get("vocab_size") if isinstance(config, dict) else None
+    size = config.get("vocab_size")
     if not isinstance(size, int) or size < 1:
         size = len(model.pieces)
     tokens = [f"[PAD{i}]" for i in range(size)]
@@ -210,6 +228,60 @@ def gguf_metadata(folder: Path) -> dict[str, Any]:
         Keys.Tokenizer.BOS_ID: settings_id("bos_token", model.bos_id),
         Keys.Tokenizer.EOS_ID: settings_id("eos_token", model.eos_id),
     }
+    for name, key in (
+        ("add_bos_token", Keys.Tokenizer.ADD_BOS),
+        ("add_eos_token", Keys.Tokenizer.ADD_EOS),
+    ):
+        if isinstance(settings.get(name), bool):
+            metadata[key] = settings[name]
+    return metadata
+
+
+def _unigram_metadata(
+    folder: Path, model: SentencePieceModel, config: dict[str, Any]
+) -> dict[str, Any]:
+    """The "t5" metadata of a Unigram model (the module's docstring)."""
+    if any(kind == _BYTE for _, _, kind in model.pieces):
+        # llama.cpp's UGM has no byte fallback: its text would get <unk> where
+        # sentencepiece spells it in bytes.
+        raise UnsupportedError(
+            f"{folder / 'tokenizer.model'}: a SentencePiece Unigram model with byte fallback "
+            "is not supported (llama.cpp's Unigram tokenizer, which llmrun follows, has none)"
+        )
+    size = config.get("vocab_size")
+    size = max(size if isinstance(size, int) else 0, len(model.pieces))
+    tokens = [f"[PAD{i}]" for i in range(size)]
+    scores = [UNSET_SCORE] * size
+    types = [TokenType.UNUSED] * size
+    for i, (piece, score, kind) in enumerate(model.pieces):
+        tokens[i], scores[i], types[i] = piece, score, _TYPES.get(kind, TokenType.NORMAL)
+    added = _read_json(folder / "added_tokens.json")
+    for text, i in added.items() if isinstance(added, dict) else ():
+        if isinstance(i, int) and 0 <= i < size:
+            tokens[i], scores[i], types[i] = text, ADDED_SCORE, TokenType.USER_DEFINED
+    metadata: dict[str, Any] = {
+        Keys.Tokenizer.MODEL: "t5",
+        Keys.Tokenizer.PRE: "default",
+        Keys.Tokenizer.LIST: tokens,
+        Keys.Tokenizer.SCORES: scores,
+        Keys.Tokenizer.TOKEN_TYPE: types,
+        Keys.Tokenizer.ADD_PREFIX: model.add_dummy_prefix,
+        Keys.Tokenizer.REMOVE_EXTRA_WS: model.remove_extra_whitespaces,
+    }
+    if model.precompiled_charsmap:
+        metadata[Keys.Tokenizer.PRECOMPILED_CHARSMAP] = list(model.precompiled_charsmap)
+    own = {"unk": model.unk_id, "bos": model.bos_id, "eos": model.eos_id}
+    for name, key in (
+        ("unk", Keys.Tokenizer.UNK_ID),
+        ("bos", Keys.Tokenizer.BOS_ID),
+        ("eos", Keys.Tokenizer.EOS_ID),
+        ("pad", Keys.Tokenizer.PAD_ID),
+    ):
+        value = config.get(f"{name}_token_id", own.get(name))
+        if isinstance(value, int) and 0 <= value < size:
+            metadata[key] = value
+    settings = _read_json(folder / "tokenizer_config.json")
+    settings = settings if isinstance(settings, dict) else {}
     for name, key in (
         ("add_bos_token", Keys.Tokenizer.ADD_BOS),
         ("add_eos_token", Keys.Tokenizer.ADD_EOS),

@@ -15,6 +15,9 @@ tokens are then distributed as the model's own. p and q are both what the sample
 draws from: logit biases, repetition penalties over the tokens so far (the drafts
 before included), then top-k, top-p, min-p and temperature (Sampler.distribution).
 
+serve's scheduler (llmrun.batching) runs the same rounds (Speculator.round) through its
+paged KV cache while one request runs.
+
 Only a cache that can drop positions can take drafts back: a hybrid or state-space
 model's recurrent state cannot, and is refused. Sliding-window rings keep the slots a
 round overwrites (KVCache.save_span) and put back those of rejected positions.
@@ -39,6 +42,9 @@ from llmrun.tokenizer import Tokenizer
 # default. On a CPU a verify forward grows with its tokens, and a long draft's tail is
 # rarely accepted.
 DEFAULT_DRAFT_MAX = 3
+# A draft's lowest confidence to go on drafting (--draft-p-min): llama.cpp's
+# --spec-draft-p-min, 0 (off) by default since it drafts --draft-max tokens regardless.
+DEFAULT_DRAFT_P_MIN = 0.0
 # Vocabulary sizes may differ by padding (Qwen2.5's 0.5B and 7B), as llama.cpp allows.
 VOCAB_SIZE_SLACK = 128
 VOCAB_SAMPLE = 1000  # token ids compared at the start, the end and spread over the middle
@@ -143,46 +149,80 @@ class Speculator:
         token = sampler(logits, history)
         yield token, logits
         history.append(token)
+
+        def forward(fed: list[int]) -> torch.Tensor:
+            if len(fed) == 1:
+                return decode(model, state, fed[0])[None]
+            return verify(model, state, state.cache, fed)
+
         while len(state.tokens) < state.capacity:
-            start = len(state.tokens)
-            count = min(self.max_tokens, state.capacity - start - 1)
+            count = min(self.max_tokens, state.capacity - len(state.tokens) - 1)
             for room in (state.cache.window, self.room()):
                 if room is not None:  # a round's writes must not wrap a ring
                     count = min(count, room - 1)
-            drafts, dists, draft_saved = [], [], None
-            if count > 0:
-                sequence = [*state.tokens, token]
-                drafts, dists, draft_saved = self.propose(
-                    sequence, history, count, sampler, model.args.vocab_size
-                )
-            if drafts:
-                saved = state.cache.save_span(start, len(drafts) + 1)
-                rows = verify(model, state, [token, *drafts])
-            else:
-                rows = decode(model, state, token)[None]
-            accepted, token = judge(rows, drafts, dists, sampler, history)
-            if drafts:
-                keep = start + 1 + accepted
-                del state.tokens[keep:]
-                state.cache.restore_span(saved, keep)
-                self.take_back(draft_saved, keep)
-            stats.drafted += len(drafts)
-            stats.accepted += accepted
-            for i, draft in enumerate(drafts[:accepted]):
-                yield draft, rows[i]
-                history.append(draft)
-            yield token, rows[accepted]
-            history.append(token)
+            tokens, rows = self.round(
+                state, token, sampler, history, stats, count, model.args.vocab_size, forward
+            )
+            for token, row in zip(tokens, rows, strict=True):
+                yield token, row
+                history.append(token)
+
+    def round(
+        self,
+        state: KVState,
+        token: int,
+        sampler: Sampler,
+        history: Sequence[int],
+        stats: Stats,
+        count: int,
+        vocab: int,
+        forward: Callable[[list[int]], torch.Tensor],
+    ) -> tuple[list[int], torch.Tensor]:
+        """One round after `state`'s tokens and the pending `token` (sampled, not yet
+        fed): up to `count` drafts over `vocab` ids; forward(fed) feeds the pending token
+        and the drafts after state's tokens (extending them) and returns the model's
+        logits [len(fed), V] after each. The rejected positions are dropped; the round's
+        tokens (the drafts accepted and the model's own after them) and the logits each
+        was drawn from."""
+        start = len(state.tokens)
+        drafts, dists, draft_saved = [], [], None
+        if count > 0:
+            drafts, dists, draft_saved = self.propose(
+                [*state.tokens, token], history, count, sampler, vocab
+            )
+        saved = state.cache.save_span(start, len(drafts) + 1) if drafts else None
+        rows = forward([token, *drafts])
+        accepted, last = judge(rows, drafts, dists, sampler, history)
+        keep = start + 1 + accepted
+        del state.tokens[keep:]
+        if drafts:
+            state.cache.restore_span(saved, keep)
+        if count > 0:
+            self.take_back(draft_saved, keep)
+        stats.drafted += len(drafts)
+        stats.accepted += accepted
+        return [*drafts[:accepted], last], rows[: accepted + 1]
 
 
 class Draft(Speculator):
     """Drafts by a draft model with a KV cache of its own that follows the model's
-    sequence (its shared prefix kept between calls, as a chat's turns keep theirs)."""
+    sequence (its shared prefix kept between calls, as a chat's turns keep theirs).
+    A round stops drafting where the draft's most likely next token has a probability
+    below `p_min` (llama.cpp's --draft-p-min, which measures it among the draft's 10 best
+    tokens at temperature 1; here, in the distribution the draft samples from, or for
+    greedy in the softmax of its penalized logits)."""
 
     def __init__(
-        self, model: nn.Module, new_cache: Callable[[int], KVCache], max_tokens: int
+        self,
+        model: nn.Module,
+        new_cache: Callable[[int], KVCache],
+        max_tokens: int,
+        p_min: float = DEFAULT_DRAFT_P_MIN,
     ) -> None:
         super().__init__(max_tokens, "--draft-max")
+        if not 0.0 <= p_min <= 1.0:
+            raise UsageError(f"--draft-p-min must be between 0 and 1, got {p_min}")
+        self.p_min = p_min
         self.model = model
         self.new_cache = new_cache
         self.state: KVState | None = None
@@ -215,10 +255,11 @@ class Draft(Speculator):
         sampler: Sampler,
         vocab: int,
     ) -> tuple[list[int], list[torch.Tensor], tuple | None]:
-        """`count` tokens after `sequence`, each drawn as `sampler` would from the draft's
-        logits (penalties over `history` and the drafts before it) over the model's
-        `vocab` ids; their distributions (none for greedy); what restore_span needs to
-        take back the drafts fed."""
+        """Up to `count` tokens after `sequence`, each drawn as `sampler` would from the
+        draft's logits (penalties over `history` and the drafts before it) over the
+        model's `vocab` ids, fewer where the draft's confidence falls below p_min; their
+        distributions (none for greedy); what restore_span needs to take back the drafts
+        fed."""
         logits = self._follow(sequence)
         saved = self.state.cache.save_span(len(sequence), count - 1)
         greedy = sampler.params.temperature == 0
@@ -228,10 +269,16 @@ class Draft(Speculator):
                 logits = decode(self.model, self.state, drafts[-1])
             logits = _padded(logits, vocab)
             if greedy:
-                token = argmax(sampler.penalize(sampler.biased(logits), seen))
+                scores = sampler.penalize(sampler.biased(logits), seen)
+                if self.p_min and torch.softmax(scores.float(), -1).max() < self.p_min:
+                    break
+                token = argmax(scores)
             else:
-                dists.append(sampler.distribution(logits, seen))
-                token = sampler.pick(dists[-1])
+                dist = sampler.distribution(logits, seen)
+                if dist.max() < self.p_min:
+                    break
+                dists.append(dist)
+                token = sampler.pick(dist)
             drafts.append(token)
             seen.append(token)
         return drafts, dists, saved
@@ -297,13 +344,14 @@ def _padded(logits: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.cat([logits, logits.new_full((vocab - logits.shape[-1],), float("-inf"))])
 
 
-def verify(model: nn.Module, state: KVState, fed: list[int]) -> torch.Tensor:
+def verify(model: nn.Module, state: KVState, cache: Any, fed: list[int]) -> torch.Tensor:
     """Feed `fed` (the pending token and the drafts) after the cached tokens in one
-    forward: the model's logits [len(fed), V] after each."""
-    start, device = len(state.tokens), state.cache.k.device
+    forward through `cache` (state's, or a paged cache's view of its row): the model's
+    logits [len(fed), V] after each."""
+    start, device = len(state.tokens), cache.k.device
     ids = torch.tensor([fed], device=device)
     positions = torch.arange(start, start + len(fed), device=device)[None]
-    rows = model(ids, positions, state.cache)[0]
+    rows = model(ids, positions, cache)[0]
     state.tokens.extend(fed)
     return rows
 

@@ -1,9 +1,10 @@
 """A tokenizer's parts from GGUF `tokenizer.ggml.*` metadata, as llama.cpp reads it.
 
-The vocabulary (text -> id), the merges (the file's own for BPE, "gpt2" and "gemma4"; derived
-from the scores for SentencePiece, "llama", by llmrun.spm_merges), the `tokenizers` backend
-with llama.cpp's pre-tokenizer for the file's `tokenizer.ggml.pre` (llmrun.pretokenizers), and
-llama.cpp's rules for which tokens are control, user-defined, unused or end generation.
+The vocabulary (text -> id), the merges (the file's own for BPE, "gpt2", "gemma4" and
+"whitespace"; derived from the scores for SentencePiece, "llama", by llmrun.spm_merges), the
+`tokenizers` backend with llama.cpp's pre-tokenizer for the file's `tokenizer.ggml.pre`
+(llmrun.pretokenizers), and llama.cpp's rules for which tokens are control, user-defined,
+unused or end generation.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import gc
 import itertools
 import operator
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gguf import Keys, TokenType
@@ -22,11 +23,18 @@ from tokenizers import Tokenizer as Backend
 from tokenizers.models import BPE
 
 from llmrun.errors import TokenizerError, UnsupportedError
-from llmrun.pretokenizers import PRE_TOKENIZERS, SPM_SPACE, PreTokenizer, pre_tokenizer
+from llmrun.pretokenizers import (
+    FORK_PRE_TOKENIZERS,
+    PRE_TOKENIZERS,
+    SPM_SPACE,
+    WHITESPACE_MODEL,
+    PreTokenizer,
+    pre_tokenizer,
+)
 from llmrun.spm_merges import spm_merges
 from llmrun.token_bytes import BYTE_LEVEL_ALPHABET, byte_level_bytes, raw, spm_bytes
 from llmrun.unigram import unigram_backend
-from llmrun.wordpiece import wordpiece_backend
+from llmrun.wordpiece import LOWERCASE_KEY, wordpiece_backend
 
 # Token texts llama.cpp treats as end of generation (and as control tokens) in any vocabulary.
 END_OF_GENERATION = (
@@ -114,7 +122,7 @@ _FIM_OLD_KEYS = {  # the names older files use
 }
 # gpt-oss: llama.cpp always matches and prints these, even where the file calls them control.
 _ALWAYS_SHOWN = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
-GGUF_MODELS = ("llama", "gpt2", "gemma4", "bert", "t5")
+GGUF_MODELS = ("llama", "gpt2", "gemma4", "bert", "t5", "whitespace")
 WPM_MODEL = "bert"  # WordPiece: llmrun.wordpiece
 UGM_MODEL = "t5"  # Unigram: llmrun.unigram
 # llama.cpp's WPM ids where the file names none (llama_vocab::impl::load, "bert").
@@ -151,10 +159,19 @@ def check_metadata(metadata: dict[str, Any], source: str) -> PreTokenizer | None
         raise TokenizerError(f"{source}: no {Keys.Tokenizer.LIST} in the metadata")
     if model in ("llama", WPM_MODEL, UGM_MODEL):
         return None
+    if model == "whitespace":
+        pre_name = metadata.get(Keys.Tokenizer.PRE) or "whitespace"
+        if pre_name != "whitespace":
+            raise UnsupportedError(
+                f"{source}: pre-tokenizer {Keys.Tokenizer.PRE} = {pre_name!r} is not supported "
+                "with tokenizer model 'whitespace' (llama.cpp's converter writes 'whitespace')"
+            )
+        # llama.cpp lowercases there only, as tokenizer.ggml.normalizer.lowercase says.
+        return replace(WHITESPACE_MODEL, lowercase=bool(metadata.get(LOWERCASE_KEY, False)))
     # llama.cpp reads no tokenizer.ggml.pre for Gemma 4's own tokenizer model, and takes
     # a missing or empty one for "default".
     name = "gemma4" if model == "gemma4" else metadata.get(Keys.Tokenizer.PRE) or "default"
-    pre = PRE_TOKENIZERS.get(name)
+    pre = PRE_TOKENIZERS.get(name) or FORK_PRE_TOKENIZERS.get(name)
     if pre is None:
         raise UnsupportedError(
             f"{source}: pre-tokenizer {Keys.Tokenizer.PRE} = {name!r} is not supported "
@@ -344,6 +361,8 @@ def _bpe_backend(
     backend = Backend(bpe)
     if pre.escape_spaces:
         backend.normalizer = normalizers.Replace(" ", SPM_SPACE)
+    if pre.lowercase:
+        backend.normalizer = normalizers.Lowercase()
     absent = "".join(c for c in BYTE_LEVEL_ALPHABET if c not in vocab) if pre.byte_level else ""
     backend.pre_tokenizer = pre_tokenizer(pre, absent)
     return backend

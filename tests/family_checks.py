@@ -1,20 +1,18 @@
 """Checks each model family's test file holds its own model to: through serve's paged
 blocks and a typed KV cache (as tests/models/test_paged.py and test_cache_types.py hold
 every family), CUDA graphs' static decode step run eager (test_static_decode.py), and
-`llmrun run` printing transformers' greedy text, `llmrun show` naming the family.
-Each takes the family's model and its reference and tolerances; only the code is shared."""
+`llmrun run` printing transformers' greedy text, `llmrun show` naming the family (both
+run in process: tests/in_process.py). Each takes the family's model and its reference
+and tolerances; only the code is shared."""
 
 import json
-import os
-import subprocess
-import sys
 
 import test_paged
 import test_static_decode
 import torch
 from helpers import STORIES_GGUF, cached_logits, randomize
+from in_process import llmrun
 from test_cache_types import logits_of, rounded_to
-from test_cli import llmrun
 
 from llmrun import static_decode
 from llmrun.loading import inspect
@@ -251,26 +249,14 @@ def greedy_text(hf, path, prompt: str, tokens: int, eos: int = 2) -> str:
     return tokenizer.decode(ids + new)[len(tokenizer.decode(ids)) :]
 
 
-def run_cli(*args: str, timeout: int = 120, threads: int | None = None):
-    """`python -m llmrun ARGS`, on `threads` OpenMP threads where given."""
-    env = None if threads is None else {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    return subprocess.run(
-        [sys.executable, "-m", "llmrun", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
-
-
 def check_run_and_show(hf, path, model_type: str, tokens: int = 16) -> None:
     """`llmrun run PATH PROMPT -n tokens --temperature 0` prints transformers' greedy
     text exactly, and `llmrun show PATH` succeeds naming `model_type`."""
     expected = greedy_text(hf, path, PROMPT, tokens)
-    result = run_cli("run", str(path), PROMPT, "-n", str(tokens), "--temperature", "0")
+    result = llmrun("run", str(path), PROMPT, "-n", str(tokens), "--temperature", "0")
     assert result.returncode == 0, result.stderr
     assert result.stdout == expected
-    shown = run_cli("show", str(path))
+    shown = llmrun("show", str(path))
     assert shown.returncode == 0, shown.stderr
     assert model_type in shown.stdout
 
@@ -293,12 +279,11 @@ def check_run_token_ids(hf, path, tokens: int = 12, text: bool = True) -> None:
         assert data["text"] == load_tokenizer(path).decode(expected)
 
 
-def check_run_prints_greedy_tokens(hf, path, tokens: int = 24, at_least: int = 8, **cli) -> None:
+def check_run_prints_greedy_tokens(hf, path, tokens: int = 24, at_least: int = 8) -> None:
     """`llmrun run PATH PROMPT -n tokens --temperature 0` prints the decoding of
     transformers' greedy tokens up to its end of sequence (2), at least `at_least` of
-    them (and a first space, where their first token has one). `cli`: run_cli's timeout
-    and threads."""
-    result = run_cli("run", str(path), PROMPT, "-n", str(tokens), "--temperature", "0", **cli)
+    them (and a first space, where their first token has one)."""
+    result = llmrun("run", str(path), PROMPT, "-n", str(tokens), "--temperature", "0")
     assert result.returncode == 0, result.stderr
     tokenizer = load_tokenizer(path)
     ids = torch.tensor([tokenizer.encode(PROMPT)])
@@ -312,10 +297,10 @@ def check_run_prints_greedy_tokens(hf, path, tokens: int = 24, at_least: int = 8
     assert result.stdout.removeprefix(" ") == tokenizer.decode(new)
 
 
-def check_show(path, architecture: str, kv_cache_bytes_8k: int, moe: bool = False, **cli):
+def check_show(path, architecture: str, kv_cache_bytes_8k: int, moe: bool = False):
     """`llmrun show PATH` names the architecture; inspect.describe gives it, the KV
     cache's bytes at 8192 positions and, for `moe`, fewer active parameters than all."""
-    result = run_cli("show", str(path), **cli)
+    result = llmrun("show", str(path))
     assert result.returncode == 0, result.stderr
     assert architecture in result.stdout
     info = inspect.describe(path)

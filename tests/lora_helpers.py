@@ -5,6 +5,7 @@ adapter as a GGUF written the way llama.cpp's convert_lora_to_gguf.py writes one
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -51,14 +52,20 @@ def lora_pairs(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
 
 
 def write_gguf_lora(
-    path: Path, model, config: dict, alpha: float, qtype=None, arch: str | None = None
+    path: Path,
+    model,
+    config: dict,
+    alpha: float,
+    qtype=None,
+    arch: str | None = None,
+    extra: Callable | None = None,
 ) -> Path:
     """The adapter of PEFT `model` as convert_lora_to_gguf.py writes it for a base of
     `config`: general.type "adapter", adapter.type "lora", adapter.lora.alpha, and each
     pair as NAME.weight.lora_a [r, in] and .lora_b [out, r] under the base's GGUF name,
     lora_b of arch llama's q and k permuted as the converter permutes the weights; 2-D
     tensors in `qtype` (default F32) where their rows are whole blocks of it, else F16 (the
-    converter's fallback)."""
+    converter's fallback); `extra(writer)` adds keys of its own."""
     import gguf
 
     qtype = qtype or gguf.GGMLQuantizationType.F32
@@ -68,6 +75,8 @@ def write_gguf_lora(
     writer.add_type(gguf.GGUFType.ADAPTER)
     writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
     writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+    if extra is not None:
+        extra(writer)
     for module, (a, b) in lora_pairs(model).items():
         name = gguf_name(module + ".weight", model_type)
         b = b.float().numpy()

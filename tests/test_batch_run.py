@@ -1,8 +1,9 @@
 """`llmrun run --batch`: each result equals the same prompt run alone through `llmrun run`,
 in input order or as they finish, resumable from its output file, bad lines reported by
 number and skipped, Ctrl-C leaving only whole lines. The single runs and most batches go
-through Typer's test runner (in process, so no interpreter start each); stdin pipes,
-exit codes, error lines and Ctrl-C through real subprocesses."""
+through Typer's test runner, error lines and exit codes through llmrun's own entry point
+(both in process, so no interpreter start each); a stdin pipe, a terminal, Ctrl-C and
+kill -9 through real subprocesses."""
 
 import json
 import os
@@ -13,6 +14,7 @@ import time
 
 import pytest
 from helpers import STORY_PROMPTS
+from in_process import llmrun as llmrun_in_process
 from scripted import scripted_model_dir
 from typer.testing import CliRunner
 
@@ -145,7 +147,7 @@ def test_bad_lines_are_reported_by_number_and_skipped(tmp_path):
     ]
     path = write_jsonl(tmp_path / "in.jsonl", lines)
     flags = ("--temperature", "0", "-c", "48")
-    result = llmrun("run", "--batch", path, *flags)
+    result = llmrun_in_process("run", "--batch", path, *flags)
     assert result.returncode == 1
     assert [r["id"] for r in records(result.stdout)] == ["ok1", "ok2"]
     assert result.stderr.splitlines() == [
@@ -160,7 +162,7 @@ def test_bad_lines_are_reported_by_number_and_skipped(tmp_path):
         "error: line 7: must be a JSON object with a prompt or messages",
         "error: line 9: give either prompt or messages",
     ]
-    strict = llmrun("run", "--batch", path, *flags, "--strict")
+    strict = llmrun_in_process("run", "--batch", path, *flags, "--strict")
     assert (strict.returncode, strict.stdout) == (1, "")
     assert strict.stderr == result.stderr.splitlines(keepends=True)[0]
 
@@ -227,8 +229,8 @@ def test_ctrl_c_leaves_whole_lines_that_resume_completes(tmp_path):
     assert data.endswith(b"\n") and 2 <= data.count(b"\n") < len(lines)
     done = records(data.decode())  # every line is whole JSON
     assert [r["id"] for r in done] == list(range(1, len(done) + 1))
-    assert llmrun("run", "--batch", path, "-o", str(out), "--resume").returncode == 0
-    everything = llmrun("run", "--batch", path, "--parallel", "2", "--verbose")
+    assert llmrun_in_process("run", "--batch", path, "-o", str(out), "--resume").returncode == 0
+    everything = llmrun_in_process("run", "--batch", path, "--parallel", "2", "--verbose")
     assert records(out.read_text()) == records(everything.stdout)
     # In a pipe, --verbose gives stderr the summary (and nothing styled).
     summary = everything.stderr.splitlines()[-1]
@@ -256,7 +258,7 @@ def test_a_killed_run_leaves_whole_lines_that_resume_completes(tmp_path):
     assert process.wait(60) == -signal.SIGKILL
     killed = records(out.read_text())  # every line is whole JSON
     assert 2 <= len(killed) < len(lines)
-    assert llmrun("run", "--batch", path, "-o", str(out), "--resume").returncode == 0
+    assert llmrun_in_process("run", "--batch", path, "-o", str(out), "--resume").returncode == 0
     everything = records(invoke("run", "--batch", path).stdout)
     resumed = records(out.read_text())
     assert resumed[: len(killed)] == killed
@@ -289,7 +291,7 @@ def test_usage_errors_are_one_line():
         (["run", "--batch", "no-such.jsonl"], "error: --batch no-such.jsonl: No such file"),
         (["run", "--batch", "x.jsonl", "--json"], "error: --json does not go with --batch"),
     ]:
-        result = llmrun(*args)
+        result = llmrun_in_process(*args)
         assert result.returncode == 2 and result.stdout == ""
         assert result.stderr.startswith(message) and result.stderr.count("\n") == 1
 
@@ -299,10 +301,12 @@ def test_an_output_that_cannot_be_written_is_the_only_error(tmp_path):
     read: an error line for each bad line came first."""
     path = write_jsonl(tmp_path / "in.jsonl", ["not json", {"prompt": "Once"}])
     out = tmp_path / "missing" / "out.jsonl"
-    result = llmrun("run", "--batch", path, "-o", str(out))
+    result = llmrun_in_process("run", "--batch", path, "-o", str(out))
     assert (result.returncode, result.stdout) == (2, "")
     assert result.stderr == f"error: -o {out}: No such file or directory\n"
-    assert llmrun("run", "--batch", path, "-o", str(tmp_path / "new.jsonl")).returncode == 1
+    assert (
+        llmrun_in_process("run", "--batch", path, "-o", str(tmp_path / "new.jsonl")).returncode == 1
+    )
     assert len(records((tmp_path / "new.jsonl").read_text())) == 1
 
 

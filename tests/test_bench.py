@@ -4,7 +4,6 @@ errors. Tiny sizes on stories260K; no test asserts a speed."""
 import csv
 import io
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import gguf
 import pytest
 import torch
 from helpers import tiny_hf_model, write_gguf
+from in_process import llmrun as llmrun_cli
 
 import llmrun
 from llmrun import api, bench, native, paths, ui
@@ -30,16 +30,6 @@ FIELDS = {
     "kv_cache_bytes", "kv_bytes_per_token",
 }  # fmt: skip
 TESTS = ["pp16", "tg8", "pp16+tg8", "pp16 @ d4", "tg8 @ d4", "pp16+tg8 @ d4"]
-
-
-def llmrun_cli(*args, timeout=120):
-    return subprocess.run(
-        [sys.executable, "-m", "llmrun", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "LLMRUN_HOME": os.environ["LLMRUN_HOME"]},
-    )
 
 
 def reference_bytes_per_token(path) -> int:

@@ -1,4 +1,8 @@
-"""The CLI as a user sees it, through real subprocesses: pipes, exit codes, JSON."""
+"""The CLI as a user sees it: pipes, exit codes, JSON. Through real subprocesses where
+the process itself is under test (the default model's story end to end, piped stdin,
+plain text in pipes, a closed or full stdout, Ctrl-C, what --help imports, --debug's
+traceback); the rest in process (tests/in_process.py), which saves an interpreter start
+and a torch import each."""
 
 import json
 import os
@@ -9,6 +13,7 @@ import time
 
 import pytest
 from helpers import STORIES_GGUF, STORIES_HF, VOCAB_DIR, needs_vocab, tiny_hf_model, write_gguf
+from in_process import llmrun as llmrun_in_process
 
 # The first 100 greedy tokens after "Once upon a time": llama2.c's run.c, llama.cpp and
 # transformers agree on them (tests/data/README.md).
@@ -43,7 +48,7 @@ def test_default_model_tells_the_known_story():
 
 def test_prompt_from_stdin_and_argument_plus_stdin():
     piped = llmrun("run", "-n", "20", "--temperature", "0", input="Once upon a time\n")
-    argument = llmrun("run", "Once upon a time", "-n", "20", "--temperature", "0")
+    argument = llmrun_in_process("run", "Once upon a time", "-n", "20", "--temperature", "0")
     assert piped.returncode == 0, piped.stderr
     assert piped.stdout == argument.stdout
     both = llmrun(
@@ -70,14 +75,16 @@ def test_pipes_get_plain_text_and_verbose_stats_go_to_stderr():
 
 
 def test_same_seed_same_text():
-    runs = [llmrun("run", "Once upon a time", "-n", "30", "--seed", "7").stdout for _ in range(2)]
+    """In two processes: this one and a fresh one."""
+    args = ("run", "Once upon a time", "-n", "30", "--seed", "7")
+    runs = [llmrun(*args).stdout, llmrun_in_process(*args).stdout]
     assert runs[0] == runs[1]
-    other = llmrun("run", "Once upon a time", "-n", "30", "--seed", "8").stdout
+    other = llmrun_in_process("run", "Once upon a time", "-n", "30", "--seed", "8").stdout
     assert other != runs[0]
 
 
 def test_json_output_and_logprobs():
-    result = llmrun(
+    result = llmrun_in_process(
         "run", "Once upon a time", "-n", "8", "--temperature", "0", "--json", "--logprobs", "3"
     )
     assert result.returncode == 0, result.stderr
@@ -97,7 +104,7 @@ def test_json_output_and_logprobs():
 
 
 def test_stop_string_cuts_the_text():
-    result = llmrun(
+    result = llmrun_in_process(
         "run", "Once upon a time", "-n", "100", "--temperature", "0", "--stop", "Lily", "--json"
     )
     data = json.loads(result.stdout)
@@ -106,7 +113,7 @@ def test_stop_string_cuts_the_text():
 
 
 def test_hf_directory_model():
-    result = llmrun(
+    result = llmrun_in_process(
         "run",
         str(STORIES_HF),
         "Once upon a time",
@@ -120,7 +127,7 @@ def test_hf_directory_model():
 
 
 def test_prompt_longer_than_context_is_an_error():
-    result = llmrun("run", "Once upon a time " * 20, "--ctx-size", "16")
+    result = llmrun_in_process("run", "Once upon a time " * 20, "--ctx-size", "16")
     assert result.returncode == 1
     assert result.stderr.startswith("error: the prompt is 82 tokens, but the context holds 16")
 
@@ -144,7 +151,7 @@ def test_prompt_longer_than_context_is_an_error():
     ],
 )
 def test_bad_input_is_one_error_line(args, code, message):
-    result = llmrun(*args)
+    result = llmrun_in_process(*args)
     assert result.returncode == code
     assert result.stderr.startswith(message), result.stderr
     assert result.stderr.count("\n") == 1
@@ -160,7 +167,7 @@ def test_corrupt_and_unsupported_models(tmp_path):
         (truncated, "past the end of the file"),
         (no_config, "no config.json"),
     ]:
-        result = llmrun("run", str(path), "hi")
+        result = llmrun_in_process("run", str(path), "hi")
         assert result.returncode == 1
         assert result.stderr.startswith("error: ") and message in result.stderr
         assert result.stderr.count("\n") == 1
@@ -185,14 +192,14 @@ def test_head_counts_that_do_not_fit_are_one_error_line(tmp_path):
         data[at : at + 4] = value.to_bytes(4, "little")
         path = tmp_path / f"{value}.gguf"
         path.write_bytes(data)
-        result = llmrun("run", str(path), "hi")
+        result = llmrun_in_process("run", str(path), "hi")
         assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
         assert message in result.stderr
     model_dir = tmp_path / "hf"
     hf.save_pretrained(model_dir)
     cfg = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**cfg, "hidden_size": "64"}))
-    result = llmrun("run", str(model_dir), "hi")
+    result = llmrun_in_process("run", str(model_dir), "hi")
     assert (
         result.returncode == 1
         and "hidden_size is '64', not a positive whole number" in result.stderr
@@ -212,17 +219,18 @@ def test_text_that_is_not_utf8_is_read_with_replacements(tmp_path):
         timeout=120,
     )
     assert piped.returncode == 0, piped.stderr
-    replaced = llmrun("run", "a\ufffdb", "-n", "3", "--temperature", "0", "--json")
+    replaced = llmrun_in_process("run", "a\ufffdb", "-n", "3", "--temperature", "0", "--json")
     assert json.loads(piped.stdout)["text"] == json.loads(replaced.stdout)["text"]
     tokens = subprocess.run(
         [*command, "tokenize", "--batch"], input=b"a\xffb\n", capture_output=True, env=env
     )
     assert (
-        tokens.returncode == 0 and tokens.stdout == llmrun("tokenize", "a\ufffdb").stdout.encode()
+        tokens.returncode == 0
+        and tokens.stdout == llmrun_in_process("tokenize", "a\ufffdb").stdout.encode()
     )
     lines = tmp_path / "b.jsonl"
     lines.write_text('{"prompt": "hi \\ud800 there"}\n')
-    batch = llmrun("run", "--batch", str(lines), "-n", "2")
+    batch = llmrun_in_process("run", "--batch", str(lines), "-n", "2")
     assert batch.returncode == 0, batch.stderr
 
 
@@ -230,7 +238,7 @@ def test_files_that_are_not_utf8_are_one_error_line(tmp_path):
     binary = tmp_path / "bin.txt"
     binary.write_bytes(b"\xff\xfe")
     for flag in ("--template", "--grammar"):
-        result = llmrun("run", "hi", flag, str(binary))
+        result = llmrun_in_process("run", "hi", flag, str(binary))
         assert (
             result.returncode == 2 and result.stderr == f"error: {flag} {binary}: not UTF-8 text\n"
         )
@@ -274,7 +282,7 @@ def test_unknown_architecture(tmp_path):
     cfg = json.loads((model_dir / "config.json").read_text())
     cfg["model_type"] = "rwkv7"
     (model_dir / "config.json").write_text(json.dumps(cfg))
-    result = llmrun("run", str(model_dir), "hi")
+    result = llmrun_in_process("run", str(model_dir), "hi")
     assert result.returncode == 1
     from llmrun.models import ARCHITECTURES
 
@@ -287,7 +295,7 @@ def test_missing_tokenizer(tmp_path):
     hf, config = tiny_hf_model("llama")
     model_dir = tmp_path / "m"
     hf.save_pretrained(model_dir)
-    result = llmrun("run", str(model_dir), "hi")
+    result = llmrun_in_process("run", str(model_dir), "hi")
     assert result.returncode == 1
     assert result.stderr.startswith("error: ") and "tokenizer" in result.stderr
 
@@ -295,7 +303,7 @@ def test_missing_tokenizer(tmp_path):
 def test_random_gguf_model_runs(tmp_path):
     hf, config = tiny_hf_model("qwen2")
     path = write_gguf(tmp_path / "qwen2.gguf", config, hf.state_dict())
-    result = llmrun("run", str(path), "Once upon a time", "-n", "5", "--json")
+    result = llmrun_in_process("run", str(path), "Once upon a time", "-n", "5", "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["completion_tokens"] == 5
 
@@ -336,24 +344,24 @@ def test_help_does_not_import_torch():
 @needs_vocab
 def test_tokenize_vocab_only_gguf():
     vocab = VOCAB_DIR / "ggml-vocab-llama-bpe.gguf"
-    result = llmrun("tokenize", str(vocab), "Hello world")
+    result = llmrun_in_process("tokenize", str(vocab), "Hello world")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == [128000, 9906, 1917]
-    no_bos = llmrun("tokenize", str(vocab), "Hello world", "--no-bos")
+    no_bos = llmrun_in_process("tokenize", str(vocab), "Hello world", "--no-bos")
     assert json.loads(no_bos.stdout) == [9906, 1917]
-    pieces = llmrun("tokenize", str(vocab), "--pieces", "--no-bos", input="Hello world")
+    pieces = llmrun_in_process("tokenize", str(vocab), "--pieces", "--no-bos", input="Hello world")
     assert [json.loads(line) for line in pieces.stdout.splitlines()] == [
         {"id": 9906, "piece": "Hello"},
         {"id": 1917, "piece": " world"},
     ]
-    special = llmrun("tokenize", str(vocab), "<|eot_id|>", "--no-bos")
-    plain = llmrun("tokenize", str(vocab), "<|eot_id|>", "--no-bos", "--no-special")
+    special = llmrun_in_process("tokenize", str(vocab), "<|eot_id|>", "--no-bos")
+    plain = llmrun_in_process("tokenize", str(vocab), "<|eot_id|>", "--no-bos", "--no-special")
     assert json.loads(special.stdout) == [128009]
     assert len(json.loads(plain.stdout)) > 1
 
 
 def test_tokenize_default_model():
-    result = llmrun("tokenize", "Once upon a time")
+    result = llmrun_in_process("tokenize", "Once upon a time")
     assert json.loads(result.stdout) == [1, 403, 407, 261, 378]
 
 
@@ -361,9 +369,9 @@ def test_tokenize_default_model():
     "command,named", [("show", "MODEL"), ("pull", "REPO[:QUANT]"), ("rm", "MODEL")]
 )
 def test_a_missing_argument_is_named_as_the_help_names_it(command, named):
-    result = llmrun(command)
+    result = llmrun_in_process(command)
     assert (result.returncode, result.stderr) == (2, f"error: missing argument '{named}'.\n")
-    assert named in llmrun(command, "--help").stdout
+    assert named in llmrun_in_process(command, "--help").stdout
 
 
 def test_counts_that_round_to_1000_take_the_next_unit():

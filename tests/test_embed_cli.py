@@ -7,7 +7,7 @@ import pytest
 import torch
 from embedding_helpers import TEXTS, hf_model, reference, write_embedding_dir
 from helpers import STORIES_GGUF, STORIES_HF
-from test_cli import llmrun
+from in_process import llmrun
 
 from llmrun import api
 

@@ -21,7 +21,7 @@ from embedding_helpers import (
     write_embedding_gguf,
 )
 from helpers import STORIES_GGUF, STORIES_HF, our_model, save_hf_dir, tiny_hf_model
-from test_cli import llmrun
+from in_process import llmrun
 
 from llmrun import api, embeddings
 from llmrun.errors import ContextOverflowError, ModelFormatError, UnsupportedError, UsageError

@@ -13,8 +13,8 @@ import json
 
 import pytest
 from helpers import TEMPLATES_DIR, needs_templates
+from in_process import llmrun
 from scripted import scripted_model_dir
-from test_reasoning import llmrun
 
 from llmrun.reasoning import (
     ANSWER,
@@ -190,7 +190,7 @@ def test_gpt_oss_template_final_message_and_reasoning_effort(gpt_oss):
 
 
 def test_chat_keeps_the_analysis_beside_the_answer(thinker):
-    r = llmrun("chat", str(thinker), "--temperature", "0", stdin="Hi\nHi\n")
+    r = llmrun("chat", str(thinker), "--temperature", "0", input="Hi\nHi\n")
     assert (r.returncode, r.stdout) == (0, "Lily was happy\n\nLily was happy\n\n"), r.stderr
     from llmrun import api
     from llmrun.chat import ChatSession

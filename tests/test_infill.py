@@ -4,12 +4,11 @@ written out here from the special token ids), the FIM tokens an HF folder's toke
 gives are found, and the CLI prints what the model generates for that prompt."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 from gguf import TokenType
 from helpers import FIM_TOKENS, STORIES_GGUF, VOCAB_DIR, fim_model_dir, needs_vocab
+from in_process import llmrun
 
 from llmrun.errors import ContextOverflowError, UnsupportedError
 from llmrun.infill import check_fim, fim_prompt, infill_ids
@@ -197,12 +196,6 @@ def test_the_prompt_leaves_room_to_generate(tmp_path):
         assert len(ids) + (max_tokens or ctx_size // 4) <= ctx_size
     with pytest.raises(ContextOverflowError, match="no room"):
         infill_ids(tok, "m", "a", "b", ctx_size=32, max_tokens=20)
-
-
-def llmrun(*args, input=None):
-    return subprocess.run(
-        [sys.executable, "-m", "llmrun", *args], capture_output=True, text=True, input=input
-    )
 
 
 def test_run_suffix_prints_the_middle(tmp_path):

@@ -6,7 +6,7 @@ import re
 
 import pytest
 from helpers import STORIES_GGUF, STORIES_HF
-from test_cli import llmrun
+from in_process import llmrun
 from test_perplexity import STORY
 
 from llmrun import api, perplexity

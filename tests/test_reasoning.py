@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+from in_process import llmrun
 from scripted import OPENS_THINK_TEMPLATE, scripted_model_dir
 
 from llmrun.errors import UsageError
@@ -91,18 +91,6 @@ def opener(tmp_path_factory):
     return scripted_model_dir(tmp_path_factory.mktemp("opener"), THINKS[1:], OPENS_THINK_TEMPLATE)
 
 
-def llmrun(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "llmrun", *args],
-        input=stdin,
-        stdin=None if stdin is not None else subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=dict(os.environ),
-    )
-
-
 def test_run_in_a_pipe_prints_only_the_answer(thinker, opener):
     for model in (thinker, opener):
         r = llmrun("run", str(model), "Hi", "--temperature", "0")
@@ -160,11 +148,11 @@ def test_run_on_a_terminal_dims_the_reasoning(thinker):
 
 
 def test_chat_keeps_reasoning_out_of_the_pipe_and_switches_it(thinker):
-    r = llmrun("chat", str(thinker), "--temperature", "0", stdin="Hi\n/set think off\nHi\n")
+    r = llmrun("chat", str(thinker), "--temperature", "0", input="Hi\n/set think off\nHi\n")
     assert r.returncode == 0, r.stderr
     assert r.stdout == "Lily was happy\n\nLily was happy\n\n"
     assert "think = off" in r.stderr
-    r = llmrun("chat", str(thinker), "--temperature", "0", "--show-thinking", stdin="Hi\n")
+    r = llmrun("chat", str(thinker), "--temperature", "0", "--show-thinking", input="Hi\n")
     assert r.stdout == "Thinking...\nthe big\n...done thinking.\n\nLily was happy\n\n"
 
 
@@ -275,7 +263,7 @@ def test_a_format_applies_after_the_reasoning_the_prompt_opened(opener, tmp_path
     result = json.loads(r.stdout)
     assert result["reasoning"] == "the big"
     assert set(json.loads(result["text"])) == {"a"}
-    r = llmrun("run", str(opener), "--batch", "-", "--batch-lines", *flags, stdin="Hi\n")
+    r = llmrun("run", str(opener), "--batch", "-", "--batch-lines", *flags, input="Hi\n")
     record = json.loads(r.stdout)
     assert (record["reasoning"], record["text"]) == ("the big", result["text"])
 

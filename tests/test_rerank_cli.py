@@ -6,8 +6,8 @@ import json
 import math
 
 import pytest
+from in_process import llmrun
 from rerank_helpers import DOCUMENTS, QUERY, hf_reranker, reference_scores, write_reranker_dir
-from test_cli import llmrun
 
 transformers = pytest.importorskip("transformers")
 

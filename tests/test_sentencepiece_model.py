@@ -1,11 +1,15 @@
 """A folder's SentencePiece tokenizer.model against the sentencepiece library itself: a BPE
-model trained here (byte fallback, no normalization, as Llama's) encodes every text to
-the library's ids; added tokens and settings come as llama.cpp's converter takes them."""
+model trained here (byte fallback, no normalization, as Llama's) and Unigram ones
+(tests/unigram_helpers.py: T5's and sentencepiece's default ids, nmt_nfkc and identity
+normalization) encode every text to the library's ids; added tokens and settings come as
+llama.cpp's converter takes them."""
 
 import json
 
 import pytest
 from helpers import STORIES_HF
+from unigram_helpers import TEXTS as UNIGRAM_TEXTS
+from unigram_helpers import VARIANTS, processor, train
 
 from llmrun.errors import TokenizerError, UnsupportedError
 from llmrun.sentencepiece_model import read_model
@@ -97,19 +101,67 @@ def test_a_file_that_is_not_a_model_is_refused(tmp_path):
         read_model(b"\x0a\xff\xff\xff\xff\x0f", "x")
 
 
-def test_a_unigram_model_is_refused(tmp_path):
-    folder = tmp_path / "u"
+def unigram_folder(path, name: str, extra: int = 0):
+    """unigram_helpers' trained Unigram model VARIANTS[name] as a folder's tokenizer.model,
+    config.json's vocab_size `extra` past its pieces (T5's ids in config.json where it was
+    trained with them), and sentencepiece's processor of it."""
+    normalization, options, _ = VARIANTS[name]
+    proto = train(normalization, **options)
+    path.mkdir()
+    (path / "tokenizer.model").write_bytes(proto)
+    reference = processor(proto)
+    config = {"vocab_size": reference.vocab_size() + extra}
+    if options.get("eos_id") == 1:
+        config |= {"eos_token_id": 1, "pad_token_id": 0}
+    (path / "config.json").write_text(json.dumps(config))
+    return reference
+
+
+@pytest.mark.parametrize("name", ["nfkc-t5", "identity-t5", "nfkc-xlmr", "identity-xlmr"])
+def test_a_unigram_model_encodes_as_sentencepiece_does(tmp_path, name):
+    """nmt_nfkc (its precompiled charsmap) and identity normalization, extra whitespace
+    removed or kept, with and without the space prefix, T5's ids and sentencepiece's
+    defaults: sentencepiece's ids and decode, EOS after a sequence (llama.cpp's Unigram
+    default). As llama.cpp, a text of spaces alone, with the spaces kept, gets no prefix,
+    and <unk> decodes to nothing."""
+    reference = unigram_folder(tmp_path / name, name, extra=28)
+    ours = Tokenizer.from_hf_dir(tmp_path / name)
+    assert ours.vocab_size == reference.vocab_size() + 28
+    assert (ours.eos_id, ours.add_bos, ours.add_eos) == (reference.eos_id(), False, True)
+    keeps_spaces = VARIANTS[name][1].get("remove_extra_whitespaces") is False
+    prefix = VARIANTS[name][1].get("add_dummy_prefix", True)
+    for text in UNIGRAM_TEXTS:
+        expected = reference.encode(text)
+        if keeps_spaces and prefix and text and not text.strip(" "):
+            expected = expected[1:]
+        assert ours.encode(text, parse_special=False) == expected, text
+        if reference.unk_id() not in expected:  # sentencepiece spells <unk> " \u2047 "
+            assert ours.decode(expected) == reference.decode(expected), text
+    assert ours.encode_sequence("Hello world") == reference.encode("Hello world") + [
+        reference.eos_id()
+    ]
+
+
+def test_a_unigram_folders_settings_are_the_converters(tmp_path):
+    """added_tokens.json's tokens are user-defined ones, matched in text; tokenizer_config's
+    add_*_token flags are the file's."""
+    reference = unigram_folder(tmp_path / "t5", "nfkc-t5", extra=2)
+    size = reference.vocab_size()
+    (tmp_path / "t5" / "added_tokens.json").write_text(json.dumps({"<extra_id_0>": size}))
+    settings = {"add_bos_token": True, "add_eos_token": False}
+    (tmp_path / "t5" / "tokenizer_config.json").write_text(json.dumps(settings))
+    ours = Tokenizer.from_hf_dir(tmp_path / "t5")
+    assert (ours.add_bos, ours.add_eos, ours.bos_id) == (True, False, None)
+    ids = ours.encode("Hello<extra_id_0>world")
+    assert ids == reference.encode("Hello") + [size] + reference.encode("world")
+    assert ours.encode_sequence("Hello") == reference.encode("Hello")
+
+
+def test_a_unigram_model_with_byte_fallback_is_refused(tmp_path):
+    folder = tmp_path / "bytes"
     folder.mkdir()
-    corpus = folder / "corpus.txt"
-    corpus.write_text("\n".join(TEXTS[:5] * 20), encoding="utf-8")
-    spm.SentencePieceTrainer.train(
-        input=str(corpus),
-        model_prefix=str(folder / "tokenizer"),
-        vocab_size=60,
-        model_type="unigram",
-        minloglevel=2,
-    )
-    with pytest.raises(UnsupportedError, match="SentencePiece Unigram model is not supported"):
+    (folder / "tokenizer.model").write_bytes(train(vocab_size=700, byte_fallback=True))
+    with pytest.raises(UnsupportedError, match="Unigram model with byte fallback"):
         Tokenizer.from_hf_dir(folder)
 
 
@@ -135,10 +187,9 @@ def test_a_folder_with_tokenizer_model_runs_as_its_gguf(tmp_path):
     llama2.c's tok512.model is) in place of tokenizer.json: `run` tells the same story."""
     import shutil
     import struct
-    import subprocess
-    import sys
 
     from helpers import STORIES_GGUF
+    from in_process import llmrun
 
     from llmrun.loading.gguf_io import read_gguf
 
@@ -164,8 +215,8 @@ def test_a_folder_with_tokenizer_model_runs_as_its_gguf(tmp_path):
     shutil.copytree(STORIES_HF, folder)
     (folder / "tokenizer.json").unlink()
     (folder / "tokenizer.model").write_bytes(pieces + _message(2, trainer))
-    run = [sys.executable, "-m", "llmrun", "run", "-n", "20", "--temperature", "0"]
-    expected = subprocess.run([*run, str(STORIES_HF), "Once upon a time"], capture_output=True)
-    got = subprocess.run([*run, str(folder), "Once upon a time"], capture_output=True)
+    run = ["run", "-n", "20", "--temperature", "0"]
+    expected = llmrun(*run, str(STORIES_HF), "Once upon a time")
+    got = llmrun(*run, str(folder), "Once upon a time")
     assert got.returncode == 0, got.stderr
     assert got.stdout == expected.stdout and len(expected.stdout) > 40

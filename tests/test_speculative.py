@@ -2,7 +2,8 @@
 greedy decoding's token for token (Llama, Qwen2, Mistral's masked sliding window,
 Gemma 3's sliding-window rings, a Q8_0 GGUF through the native decode step), also where
 a stop string or max tokens lands inside an accepted run and when a conversation
-reuses the cache; a draft equal to the model accepts everything; sampled output follows
+reuses the cache; a draft equal to the model accepts everything, and
+drafts only where its top probability reaches --draft-p-min; sampled output follows
 the model's own distribution (total variation against the distribution computed
 directly from the model's logits, over 5000 fixed-seed draws); prompt lookup drafts
 from earlier text with the same guarantees; a foreign vocabulary, a recurrent model, a
@@ -15,15 +16,16 @@ max(0, p - q): 0.13 and 0.14; accepting every draft: 0.27).
 """
 
 import copy
-import subprocess
-import sys
 
 import gguf
 import pytest
 import torch
 from helpers import STORIES_GGUF, our_model, tiny_hf_model, write_gguf
+from in_process import llmrun
+from typer.testing import CliRunner
 
 from llmrun import api, bench, structured
+from llmrun.cli import app
 from llmrun.errors import UnsupportedError, UsageError
 from llmrun.generate import KVState, Stats, stream_generate
 from llmrun.models import model_module
@@ -62,12 +64,6 @@ def generate(model, draft=None, params=GREEDY, max_tokens=40, stop=(), state=Non
     )
     tokens = [r.token for r in responses if r.token is not None]
     return tokens, "".join(r.text for r in responses), responses[-1]
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "llmrun", *args], capture_output=True, text=True, timeout=120
-    )
 
 
 def draft_model_cache(model, size: int) -> KVCache:
@@ -125,6 +121,33 @@ def test_a_draft_equal_to_the_model_accepts_everything(family):
     tokens, _, last = generate(model, model)
     assert tokens == generate(model)[0]
     assert last.stats.drafted > 0 and last.stats.acceptance == 1.0
+
+
+def test_draft_p_min_drafts_only_where_the_draft_is_sure():
+    # The model as its own draft accepts every draft, so how many a round drafts follows
+    # from the model's top probability before each token of its greedy text (computed
+    # here in one forward over the whole text): drafting stops below --draft-p-min.
+    engine = api.load(None, device="cpu")
+    plain = [r.token for r in engine.generate(PROMPT, GREEDY, 50) if r.token is not None]
+    ids = torch.tensor([PROMPT + plain])
+    with torch.inference_mode():
+        cache = engine.model.new_cache(1, ids.shape[1], torch.float32, "cpu")
+        logits = engine.model(ids, torch.arange(ids.shape[1])[None], cache)[0]
+    tops = torch.softmax(logits[len(PROMPT) - 1 :], -1).amax(-1).tolist()  # per generated token
+    for p_min in (0.0, 0.9, 0.99):
+        expected, made = 0, 1  # the first token comes from the prefill
+        while made < 40:
+            drafts = 0
+            while drafts < 4 and tops[made + drafts] >= p_min:
+                drafts += 1
+            expected, made = expected + drafts, made + drafts + 1
+        engine.use_draft(api.load(None, device="cpu"), 4, p_min)
+        responses = list(engine.generate(PROMPT, GREEDY, 40))
+        assert [r.token for r in responses if r.token is not None] == plain[:40]
+        assert responses[-1].stats.drafted == responses[-1].stats.accepted == expected
+    assert 0 < expected < 20  # 0.99 left some out, not all
+    lonely = CliRunner().invoke(app, ["run", "Once upon a time", "--draft-p-min", "0.5"])
+    assert str(lonely.exception) == "--draft-p-min goes with --draft"
 
 
 def test_limits_inside_an_accepted_run_end_where_plain_decoding_ends(family):
@@ -275,15 +298,15 @@ def test_cli_run_with_a_draft_or_prompt_lookup():
     engine = api.load(None, device="cpu")
     plain = "".join(r.text for r in engine.generate(PROMPT, GREEDY, 30))
     args = ("run", "Once upon a time", "-n", "30", "--temperature", "0", "-v")
-    drafted = run_cli(*args, "--draft", str(STORIES_GGUF), "--draft-max", "5")
+    drafted = llmrun(*args, "--draft", str(STORIES_GGUF), "--draft-max", "5")
     assert drafted.returncode == 0, drafted.stderr
     assert drafted.stdout == plain
     assert "| draft: " in drafted.stderr and "accepted (100%)" in drafted.stderr
     retold = "".join(r.text for r in engine.generate(engine.tokenizer.encode(TWICE), GREEDY, 30))
-    looked_up = run_cli("run", TWICE, "-n", "30", "--temperature", "0", "-v", "--lookup", "4")
+    looked_up = llmrun("run", TWICE, "-n", "30", "--temperature", "0", "-v", "--lookup", "4")
     assert looked_up.returncode == 0, looked_up.stderr
     assert looked_up.stdout == retold and "| draft: " in looked_up.stderr
-    lonely = run_cli("run", "Once upon a time", "--draft-max", "2")
+    lonely = llmrun("run", "Once upon a time", "--draft-max", "2")
     assert lonely.returncode == 2 and lonely.stderr == "error: --draft-max goes with --draft\n"
 
 

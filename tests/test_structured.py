@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Literal
 
@@ -22,6 +19,7 @@ import torch
 
 pytest.importorskip("llguidance")
 
+from in_process import llmrun
 from llguidance.numpy import apply_token_bitmask_inplace  # noqa: E402
 from pydantic import BaseModel, ConfigDict, Field  # noqa: E402
 
@@ -722,17 +720,6 @@ def test_dates_are_real_dates():
 
 
 # ---- run --format / --grammar --------------------------------------------------------
-
-
-def llmrun(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "llmrun", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        stdin=subprocess.DEVNULL,
-        env=dict(os.environ),
-    )
 
 
 def test_run_format_json_and_schema_and_grammar(tmp_path):

@@ -12,6 +12,7 @@ import sys
 import pytest
 from gguf import Keys
 from helpers import STORIES_GGUF, STORIES_HF, VOCAB_DIR
+from in_process import llmrun
 from tokenizers import AddedToken, decoders, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 from tokenizers.models import BPE
@@ -524,9 +525,9 @@ def test_cli_batch_prints_one_list_per_line_in_order():
     ],
 )
 def test_cli_batch_usage_errors(args, message):
-    result = llmrun_cli(str(STORIES_GGUF), *args, input="")
+    result = llmrun("tokenize", str(STORIES_GGUF), *args)
     assert result.returncode == 2
-    assert message in result.stderr.decode()
+    assert message in result.stderr
 
 
 def test_cli_tokenize_of_a_vocab_only_gguf_imports_no_torch():

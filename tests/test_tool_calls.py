@@ -9,6 +9,7 @@ import random
 
 import pytest
 from helpers import TEMPLATES_DIR, TEMPLATES_MISSING, chat_model_dir, needs_templates
+from in_process import llmrun
 from tool_families import FAMILIES, PHI4_MINI_TEMPLATE, RESULT
 
 from llmrun.chat_template import ChatTemplate
@@ -733,29 +734,18 @@ def test_tool_choice_none_leaves_the_call_as_text(family):
 
 @pytest.mark.parametrize("key", ["qwen2.5", "llama3.1", "deepseek-v3.1", "kimi-k2"])
 def test_chat_tools_shows_the_calls(key, tmp_path):
-    import os
-    import subprocess
-    import sys
-
     fam = FAMILIES[key]
     if TEMPLATES_MISSING:
         pytest.skip(TEMPLATES_MISSING)
     model = fam.model_dir(tmp_path / key)
     tools = tmp_path / "tools.json"
     tools.write_text(json.dumps([WEATHER["function"]]))
-    command = [sys.executable, "-m", "llmrun", "chat", str(model), "--temperature", "0"]
-    r = subprocess.run(
-        [*command, "--tools", str(tools)],
-        input="Weather in Paris?\n",
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=dict(os.environ),
-    )
+    command = ["chat", str(model), "--temperature", "0", "--tools", str(tools)]
+    r = llmrun(*command, input="Weather in Paris?\n")
     assert r.returncode == 0, r.stderr
     assert r.stdout == '-> get_weather({"city": "Paris"})\n\n'
     tools.write_text("[{}]")
-    r = subprocess.run([*command, "--tools", str(tools)], capture_output=True, text=True)
+    r = llmrun(*command)
     assert r.returncode == 2 and "tool 0 needs a name" in r.stderr
 
 

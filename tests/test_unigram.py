@@ -16,7 +16,7 @@ vocabulary (unigram_helpers.RULES_VOCAB).
 
 import pytest
 from gguf import Keys
-from test_cli import llmrun
+from in_process import llmrun
 from unigram_helpers import (
     RULE_TEXTS,
     TEXTS,

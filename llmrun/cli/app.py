@@ -100,6 +100,17 @@ DraftMax = Annotated[
     int | None,
     typer.Option("--draft-max", min=1, help="Tokens the draft proposes a step (default: 3)."),
 ]
+DraftPMin = Annotated[
+    float | None,
+    typer.Option(
+        "--draft-p-min",
+        min=0.0,
+        max=1.0,
+        metavar="P",
+        help="Stop drafting a step where the draft's top probability falls below P "
+        "(default: 0, never; llama.cpp's --draft-p-min).",
+    ),
+]
 LookupOpt = Annotated[
     int | None,
     typer.Option(
@@ -197,16 +208,26 @@ def _adapters(lora: list[str] | None, lora_scaled: list[str] | None) -> list[tup
     return [(path, 1.0) for path in lora or []] + [parse_spec(s) for s in lora_scaled or []]
 
 
-def _check_draft(spec: str | None, draft_max: int | None, lookup: int | None) -> None:
-    """Refuse --draft with --lookup, and --draft-max without --draft (before loading)."""
+def _check_draft(
+    spec: str | None, draft_max: int | None, lookup: int | None, p_min: float | None = None
+) -> None:
+    """Refuse --draft with --lookup, and --draft-max or --draft-p-min without --draft
+    (before loading)."""
     if spec is not None and lookup is not None:
         raise UsageError("--draft and --lookup: choose one")
     if spec is None and draft_max is not None:
         raise UsageError("--draft-max goes with --draft")
+    if spec is None and p_min is not None:
+        raise UsageError("--draft-p-min goes with --draft")
 
 
 def _use_draft(
-    engine, spec: str | None, draft_max: int | None, lookup: int | None, **options
+    engine,
+    spec: str | None,
+    draft_max: int | None,
+    lookup: int | None,
+    p_min: float | None = None,
+    **options,
 ) -> None:
     """Speculative decoding for `engine`: load --draft (with the model's other load
     `options`), or draft by --lookup (the flags checked by _check_draft)."""
@@ -214,10 +235,12 @@ def _use_draft(
         engine.use_lookup(lookup)
     if spec is None:
         return
-    from llmrun.speculative import DEFAULT_DRAFT_MAX
+    from llmrun.speculative import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN
 
     draft = _load(spec, device=engine.device.type, ctx_size=engine.ctx_size, **options)
-    engine.use_draft(draft, draft_max or DEFAULT_DRAFT_MAX)
+    engine.use_draft(
+        draft, draft_max or DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN if p_min is None else p_min
+    )
 
 
 def _max_tokens(value: int | None) -> int | None:

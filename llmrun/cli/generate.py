@@ -19,6 +19,7 @@ from llmrun.cli.app import (
     Device,
     DraftMax,
     DraftOpt,
+    DraftPMin,
     Dtype,
     Effort,
     LookupOpt,
@@ -87,6 +88,7 @@ def run(
     threads: Threads = None,
     draft: DraftOpt = None,
     draft_max: DraftMax = None,
+    draft_p_min: DraftPMin = None,
     lookup: LookupOpt = None,
     raw: Annotated[
         bool, typer.Option(help="Send the prompt as is, without the chat template.")
@@ -125,6 +127,22 @@ def run(
     grammar: Annotated[
         str | None, typer.Option("--grammar", help="Constrain the output to a GBNF grammar file.")
     ] = None,
+    image: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--image",
+            metavar="PATH",
+            help="An image for the prompt, before its text (repeatable). Gemma 3 models.",
+        ),
+    ] = None,
+    mmproj: Annotated[
+        str | None,
+        typer.Option(
+            "--mmproj",
+            metavar="FILE",
+            help="The image encoder GGUF of a GGUF model (llama.cpp's mmproj file).",
+        ),
+    ] = None,
     batch: Batch = None,
     batch_lines: BatchLines = False,
     unordered: Unordered = False,
@@ -140,8 +158,15 @@ def run(
     DEBUG["on"] = debug
     if suffix is not None:
         _check_fim_flags(locals())
+    if image and (batch is not None or suffix is not None or draft or lookup is not None):
+        raise UsageError("--image does not go with --batch, --suffix, --draft or --lookup")
     if batch is not None:
-        if draft is not None or draft_max is not None or lookup is not None:
+        if (
+            draft is not None
+            or draft_max is not None
+            or draft_p_min is not None
+            or lookup is not None
+        ):
             raise UsageError(
                 "--draft and --lookup do not go with --batch (its requests decode together)"
             )
@@ -157,6 +182,7 @@ def run(
         not prompt
         and ui.stdin_is_tty()
         and not (output_json or raw or stop or output_format or grammar or suffix is not None)
+        and not image
     ):
         # `llmrun run MODEL` at a terminal chats, as `ollama run MODEL` does.
         chat_options = set(inspect.signature(chat).parameters) - {"model"}
@@ -173,9 +199,11 @@ def run(
             "--think/--no-think and --reasoning-effort need the chat template: drop --raw"
         )
     limit = _max_tokens(max_tokens)
-    _check_draft(draft, draft_max, lookup)
+    _check_draft(draft, draft_max, lookup, draft_p_min)
+    from llmrun.images import open_image
     from llmrun.reasoning import Splitter
 
+    pictures = [open_image(path) for path in image or []]  # bad images fail before loading
     engine = _load(
         model_spec,
         device=device,
@@ -186,13 +214,20 @@ def run(
         cache_type=cache_type,
         activations=activations,
         lora=_adapters(lora, lora_scaled),
+        vision=bool(pictures),
+        mmproj=mmproj,
     )
     load = dict(dtype=dtype, threads=threads, cache_type=cache_type, activations=activations)
-    _use_draft(engine, draft, draft_max, lookup, **load)
+    _use_draft(engine, draft, draft_max, lookup, draft_p_min, **load)
     params = engine.sampling(locals())
+    images = None
     if suffix is None:
-        text = engine.prompt_text(prompt, raw=raw, **engine.switches(think, reasoning_effort))
-        ids = engine.tokenizer.encode(text)
+        switches = engine.switches(think, reasoning_effort)
+        text = engine.prompt_text(prompt, raw=raw, images=len(pictures), **switches)
+        if pictures:
+            ids, images = engine.image_prompt(text, pictures)
+        else:
+            ids = engine.tokenizer.encode(text)
     else:
         from llmrun.infill import infill_ids
 
@@ -216,7 +251,7 @@ def run(
     out = ui.ReplyWriter(ui.stdout_is_tty() if show_thinking is None else show_thinking)
     tokens, final = [], None
     try:
-        for response in engine.generate(ids, params, limit, stop or (), logprobs):
+        for response in engine.generate(ids, params, limit, stop or (), logprobs, images=images):
             for piece in split.feed(response.token, response.text):
                 if not output_json:
                     out.write(piece)
@@ -287,6 +322,7 @@ def chat(
     threads: Threads = None,
     draft: DraftOpt = None,
     draft_max: DraftMax = None,
+    draft_p_min: DraftPMin = None,
     lookup: LookupOpt = None,
     template: TemplateOpt = None,
     context_overflow: Annotated[
@@ -309,7 +345,7 @@ def chat(
     """Chat with a model in a REPL (or one message per line from a pipe)."""
     DEBUG["on"] = debug
     limit = _max_tokens(max_tokens)
-    _check_draft(draft, draft_max, lookup)
+    _check_draft(draft, draft_max, lookup, draft_p_min)
     from llmrun.chat import ChatSession
     from llmrun.repl import Repl
 
@@ -325,7 +361,7 @@ def chat(
         lora=_adapters(lora, lora_scaled),
     )
     load = dict(dtype=dtype, threads=threads, cache_type=cache_type, activations=activations)
-    _use_draft(engine, draft, draft_max, lookup, **load)
+    _use_draft(engine, draft, draft_max, lookup, draft_p_min, **load)
     params = engine.sampling(locals())
     session = ChatSession(engine, params, limit, system=system, overflow=context_overflow)
     session.switches = engine.switches(think, reasoning_effort)

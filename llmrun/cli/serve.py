@@ -15,11 +15,16 @@ from llmrun.cli.app import (
     CtxSize,
     Debug,
     Device,
+    DraftMax,
+    DraftOpt,
+    DraftPMin,
     Dtype,
+    LookupOpt,
     Lora,
     LoraScaled,
     TemplateOpt,
     _adapters,
+    _check_draft,
     app,
 )
 from llmrun.errors import UsageError
@@ -68,10 +73,22 @@ def serve(
     activations: Activations = "f32",
     lora: Lora = None,
     lora_scaled: LoraScaled = None,
+    lora_init_without_apply: Annotated[
+        bool,
+        typer.Option(
+            "--lora-init-without-apply",
+            help="Load the LoRA adapters at scale 0 (set scales with POST /lora-adapters "
+            "or a request's `lora`).",
+        ),
+    ] = False,
     threads: Annotated[
         int | None,
         typer.Option("--threads", "-t", help="CPU threads (default: all cores but one)."),
     ] = None,
+    draft: DraftOpt = None,
+    draft_max: DraftMax = None,
+    draft_p_min: DraftPMin = None,
+    lookup: LookupOpt = None,
     template: TemplateOpt = None,
     pooling: Annotated[
         str | None,
@@ -93,6 +110,12 @@ def serve(
     if pooling is not None and pooling not in POOLINGS:
         raise UsageError(f"unknown --pooling {pooling!r} (choose from {', '.join(POOLINGS)})")
     pool_bytes = None if kv_memory is None else parse_size(kv_memory, "--kv-memory")
+    _check_draft(draft, draft_max, lookup, draft_p_min)
+    adapters = _adapters(lora, lora_scaled)
+    if lora_init_without_apply:
+        if not adapters:
+            raise UsageError("--lora-init-without-apply needs --lora or --lora-scaled")
+        adapters = [(path, 0.0) for path, _ in adapters]
     try:
         from llmrun import server
     except ImportError as e:
@@ -100,9 +123,11 @@ def serve(
             f"serve needs {e.name}, from the serve extra: pip install 'llmrun[serve]'"
         ) from None
     from llmrun import api
+    from llmrun.speculative import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN
 
     with ui.download_progress() as progress:
         path = api.resolve(model, progress)
+        draft_path = None if draft is None else api.resolve(draft, progress)
     sock = server.bind(host, port)
     name = model or path.stem
     address = sock.getsockname()
@@ -125,7 +150,11 @@ def serve(
         template_file=template,
         cache_type=cache_type,
         activations=activations,
-        lora=_adapters(lora, lora_scaled),
+        lora=adapters,
+        draft=None if draft is None else (draft, draft_path),
+        draft_max=draft_max or DEFAULT_DRAFT_MAX,
+        draft_p_min=DEFAULT_DRAFT_P_MIN if draft_p_min is None else draft_p_min,
+        lookup=lookup,
     )
 
 

@@ -24,7 +24,7 @@ from typing import Any
 from gguf import MODEL_TENSOR, TENSOR_NAMES, ExpertGatingFuncType, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH = MODEL_TYPE = "afmoe"
 NO_ROPE_STEP = 4  # llama.cpp's n_no_rope_layer_step, which it reads no key for
@@ -74,7 +74,7 @@ def hf_name(gguf_name: str) -> str | None:
 def finish_config(
     gg: GGUFFile,
     config: dict[str, Any],
-    key: Callable[..., Any],
+    meta: ArchMetadata,
     layer_types: Callable[..., list[str]],
 ) -> None:
     """AFMoE's fields of the HF-style config that config_from_gguf built, as
@@ -83,78 +83,65 @@ def finish_config(
     widths that differ, a gating function other than softmax or sigmoid, and local
     layers other than those llama.cpp rotates."""
     path, layers = gg.path, config["num_hidden_layers"]
-    count = key(_name(Keys.LLM.EXPERT_COUNT), 0)
-    used = key(_name(Keys.LLM.EXPERT_USED_COUNT), 0)
+    count = meta.get(Keys.LLM.EXPERT_COUNT, 0)
+    used = meta.get(Keys.LLM.EXPERT_USED_COUNT, 0)
     if not 0 < used <= count:
         raise ModelFormatError(
-            f"{path}: {_full(Keys.LLM.EXPERT_USED_COUNT)} is {used}, but "
-            f"{_full(Keys.LLM.EXPERT_COUNT)} is {count} (each token needs 1 to {count} experts)"
+            f"{path}: {meta.name(Keys.LLM.EXPERT_USED_COUNT)} is {used}, but "
+            f"{meta.name(Keys.LLM.EXPERT_COUNT)} is {count} (each token needs 1 to {count} experts)"
         )
-    width = key(_name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH), required=True)
+    width = meta.require(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)
     if isinstance(width, list):  # llama.cpp's get_key_or_arr: one per layer
         if len(set(width)) != 1:
             raise UnsupportedError(
-                f"{path}: {_full(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)} differs between "
+                f"{path}: {meta.name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)} differs between "
                 "layers, which llmrun does not support"
             )
         width = width[0]
-    gating = key(_name(Keys.LLM.EXPERT_GATING_FUNC), int(ExpertGatingFuncType.SIGMOID))
+    gating = meta.get(Keys.LLM.EXPERT_GATING_FUNC, int(ExpertGatingFuncType.SIGMOID))
     if gating == 0:  # LLAMA_EXPERT_GATING_FUNC_TYPE_NONE: llama.cpp takes sigmoid
         gating = int(ExpertGatingFuncType.SIGMOID)
     if gating not in GATING:
         known = {int(t): t.name.lower() for t in ExpertGatingFuncType}
         raise UnsupportedError(
-            f"{path}: {_full(Keys.LLM.EXPERT_GATING_FUNC)} is "
+            f"{path}: {meta.name(Keys.LLM.EXPERT_GATING_FUNC)} is "
             f"{known.get(gating, f'{gating} (unknown)')}; llmrun runs AFMoE's experts with "
             "softmax or sigmoid gating"
         )
-    if key(_name(Keys.LLM.EXPERT_GROUP_COUNT), 0) > 1:
+    if meta.get(Keys.LLM.EXPERT_GROUP_COUNT, 0) > 1:
         raise UnsupportedError(
-            f"{path}: AFMoE with grouped expert routing ({_full(Keys.LLM.EXPERT_GROUP_COUNT)}) "
+            f"{path}: AFMoE with grouped expert routing ({meta.name(Keys.LLM.EXPERT_GROUP_COUNT)}) "
             "is not supported"
         )
     config.update(
         num_experts=count,
         num_experts_per_tok=used,
         moe_intermediate_size=width,
-        num_shared_experts=key(_name(Keys.LLM.EXPERT_SHARED_COUNT), required=True),
-        num_dense_layers=key(_name(Keys.LLM.LEADING_DENSE_BLOCK_COUNT), 0),
+        num_shared_experts=meta.require(Keys.LLM.EXPERT_SHARED_COUNT),
+        num_dense_layers=meta.get(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, 0),
         score_func=GATING[gating],
-        route_norm=bool(key(_name(Keys.LLM.EXPERT_WEIGHTS_NORM), False)),
-        route_scale=key(_name(Keys.LLM.EXPERT_WEIGHTS_SCALE), 0.0) or 1.0,
+        route_norm=bool(meta.get(Keys.LLM.EXPERT_WEIGHTS_NORM, False)),
+        route_scale=meta.get(Keys.LLM.EXPERT_WEIGHTS_SCALE, 0.0) or 1.0,
         mup_enabled=True,
         hidden_act="silu",
     )
     rotated = [
         "sliding_attention" if (i + 1) % NO_ROPE_STEP else "full_attention" for i in range(layers)
     ]
-    window = key(_name(Keys.Attention.SLIDING_WINDOW))
+    window = meta.get(Keys.Attention.SLIDING_WINDOW)
     if not window:
         # No window: every layer attends to all earlier positions, and llama.cpp still
         # rotates all but each fourth; as "sliding" layers without a window they do.
         config.update(sliding_window=None, layer_types=rotated)
         return
-
-    def arch_key(template: str, default: Any = None) -> Any:
-        return gg.metadata.get(template.format(arch=ARCH), default)
-
-    local = layer_types(gg, arch_key, layers, SWA_PATTERN)
+    local = layer_types(gg, meta, layers, SWA_PATTERN)
     if local != rotated:
         raise UnsupportedError(
-            f"{path}: {_full(Keys.Attention.SLIDING_WINDOW_PATTERN)} makes other layers "
+            f"{path}: {meta.name(Keys.Attention.SLIDING_WINDOW_PATTERN)} makes other layers "
             "local than llama.cpp rotates (every layer but each fourth); AFMoE rotates its "
             "local layers alone, and llmrun does not guess which the model was trained as"
         )
-    local_base = key(_name(Keys.Rope.FREQ_BASE_SWA))
+    local_base = meta.get(Keys.Rope.FREQ_BASE_SWA)
     if local_base is not None:
         config["rope_parameters"]["rope_theta"] = local_base  # the rotating layers' base
     config.update(sliding_window=window, layer_types=local)
-
-
-def _name(template: str) -> str:
-    """A gguf.Keys "{arch}.NAME" template without its arch: the key() argument."""
-    return template.removeprefix("{arch}.")
-
-
-def _full(template: str) -> str:
-    return template.format(arch=ARCH)

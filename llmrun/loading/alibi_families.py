@@ -24,7 +24,7 @@ from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import starcoder2
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 BLOOM = "bloom"
 MPT = "mpt"
@@ -100,25 +100,17 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
     """An HF-style bloom or mpt config.json dict from a GGUF's metadata, read as
     llama.cpp's load_hparams reads it; refuses what the model cannot run."""
     arch, path = gg.architecture, gg.path
-
-    def key(template: str, default: Any = None, required: bool = False) -> Any:
-        name = template.format(arch=arch)
-        if name not in gg.metadata:
-            if required:
-                raise ModelFormatError(f"{path}: metadata {name!r} is missing ({arch} needs it)")
-            return default
-        return gg.metadata[name]
-
-    hidden = key(Keys.LLM.EMBEDDING_LENGTH, required=True)
-    heads = key(Keys.Attention.HEAD_COUNT, required=True)
+    meta = ArchMetadata.of(gg)
+    hidden = meta.require(Keys.LLM.EMBEDDING_LENGTH)
+    heads = meta.require(Keys.Attention.HEAD_COUNT)
     if not (isinstance(hidden, int) and isinstance(heads, int) and heads > 0):
         raise ModelFormatError(
             f"{path}: an embedding length of {hidden!r} and a head count of {heads!r} "
             "are not positive whole numbers"
         )
-    if key(Keys.Attention.HEAD_COUNT_KV, heads) != heads:
+    if meta.get(Keys.Attention.HEAD_COUNT_KV, heads) != heads:
         raise UnsupportedError(f"{path}: a {arch} model with fewer KV heads than heads")
-    feed_forward = key(Keys.LLM.FEED_FORWARD_LENGTH, required=True)
+    feed_forward = meta.require(Keys.LLM.FEED_FORWARD_LENGTH)
     if feed_forward != 4 * hidden:
         raise UnsupportedError(
             f"{path}: a {arch} feed-forward of {feed_forward}, not 4 x the embedding length "
@@ -129,22 +121,22 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
     common = {
         "model_type": arch,
         "vocab_size": (len(tokens) if tokens else None) or (embed.shape[0] if embed else None),
-        "layer_norm_epsilon": key(Keys.Attention.LAYERNORM_EPS, required=True),
+        "layer_norm_epsilon": meta.require(Keys.Attention.LAYERNORM_EPS),
         "tie_word_embeddings": TENSOR_NAMES[MODEL_TENSOR.OUTPUT] + ".weight" not in gg.tensors,
     }
-    layers = key(Keys.LLM.BLOCK_COUNT, required=True)
-    context = key(Keys.LLM.CONTEXT_LENGTH, required=True)
+    layers = meta.require(Keys.LLM.BLOCK_COUNT)
+    context = meta.require(Keys.LLM.CONTEXT_LENGTH)
     common.update(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads)
     if arch == BLOOM:
         return {**common, "max_position_embeddings": context}
     _refuse_mpt_tensors(gg)
-    max_bias = key(Keys.Attention.MAX_ALIBI_BIAS, 0.0)
+    max_bias = meta.get(Keys.Attention.MAX_ALIBI_BIAS, 0.0)
     if not max_bias > 0:
         raise UnsupportedError(
             f"{path}: an mpt model without ALiBi ({Keys.Attention.MAX_ALIBI_BIAS.format(arch=arch)} "
             f"{max_bias}) is not supported"
         )
-    clamp = key(Keys.Attention.CLAMP_KQV, 0.0)
+    clamp = meta.get(Keys.Attention.CLAMP_KQV, 0.0)
     return {
         **common,
         "expansion_ratio": 4,

@@ -10,13 +10,12 @@ does too. The values become the layers' act_fn tensors, the model's form of them
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
 
 from llmrun.errors import ModelFormatError
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH = MODEL_TYPE = "apertus"
 # GGUF layer tensor -> HF module, where Apertus differs from the common names.
@@ -33,7 +32,7 @@ XIELU_KEYS = {
 }
 
 
-def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any]) -> None:
+def finish_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> None:
     """Apertus's fields of the HF-style config that config_from_gguf built: the xIELU
     activation, whose per-layer values must be there (llama.cpp refuses a file without
     them). Refuses partial RoPE, which llama.cpp's graph asserts away."""

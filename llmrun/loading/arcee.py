@@ -7,16 +7,15 @@ ffn_gate.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from llmrun.loading import exaone
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH = MODEL_TYPE = "arcee"
 
 
-def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any]) -> None:
+def finish_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> None:
     """Arcee's checks of the HF-style config that config_from_gguf built: whole-head RoPE
     and YaRN as llama.cpp applies it (exaone.check_rope)."""
-    exaone.check_rope(gg, config, key, "Arcee")
+    exaone.check_rope(gg, config, meta, "Arcee")

@@ -21,13 +21,12 @@ src/models/baichuan.cpp turns RoPE at 32 layers and ALiBi at 40 (llmrun/models/b
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from llmrun.errors import ModelFormatError
 from llmrun.loading import exaone
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH = MODEL_TYPE = "baichuan"
 BAICHUAN2_VOCAB = 125696
@@ -67,7 +66,7 @@ def hf_weights(
     return out
 
 
-def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any]) -> None:
+def finish_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> None:
     """Baichuan's checks of the config config_from_gguf built: whole-head RoPE (llama.cpp
     asserts it), YaRN as llama.cpp applies it (exaone.check_rope)."""
-    exaone.check_rope(gg, config, key, "Baichuan")
+    exaone.check_rope(gg, config, meta, "Baichuan")

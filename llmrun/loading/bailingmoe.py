@@ -40,14 +40,13 @@ renormalized with one expert a token, or RoPE on part of each head.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from typing import Any
 
 from gguf import MODEL_TENSOR, TENSOR_NAMES, ExpertGatingFuncType, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import glm4_moe
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH, V2_ARCH = "bailingmoe", "bailingmoe2"
 MODEL_TYPE = "bailing_moe"  # the Hub's config.json says so for Ling 1 and Ling 2.0
@@ -117,12 +116,12 @@ def hf_name(gguf_name: str) -> str | None:
     return glm4_moe.hf_name(gguf_name)
 
 
-def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any]) -> None:
+def finish_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> None:
     """Ling 1's fields of the HF-style config that config_from_gguf built, read as
     llama_model_bailingmoe::load_arch_hparams reads them (see the module docstring)."""
     path, arch = gg.path, gg.architecture
-    expert_fields(gg, config, key)
-    scale = key("expert_weights_scale", 0.0)
+    expert_fields(gg, config, meta)
+    scale = meta.get(Keys.LLM.EXPERT_WEIGHTS_SCALE, 0.0)
     if scale not in (0.0, 1.0):
         raise UnsupportedError(
             f"{path}: {arch}.expert_weights_scale is {scale}; Ling 1's expert weights are "
@@ -134,7 +133,7 @@ def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any])
             "it 1, the published code by its score; llmrun does not guess which is meant"
         )
     head_dim = config["head_dim"]
-    rotated = key("rope.dimension_count") or head_dim
+    rotated = meta.get(Keys.Rope.DIMENSION_COUNT) or head_dim
     if rotated != head_dim:
         raise UnsupportedError(
             f"{path}: {arch}.rope.dimension_count is {rotated}, but Ling 1 turns whole heads "
@@ -145,14 +144,14 @@ def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any])
     config["use_bias"] = False
 
 
-def finish_v2_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any]) -> None:
+def finish_v2_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> None:
     """Ling 2.0's fields of the HF-style config that config_from_gguf built, read as
     llama_model_bailingmoe2::load_arch_hparams reads them (see the module docstring)."""
     path, arch = gg.path, gg.architecture
     layers, nextn = glm4_moe.trunk_layers(gg, arch)
     config.update(num_hidden_layers=layers, use_qk_norm=True)
     config[glm4_moe.NEXTN] = nextn
-    gating = _required(gg, key, Keys.LLM.EXPERT_GATING_FUNC)
+    gating = _required(gg, meta, Keys.LLM.EXPERT_GATING_FUNC)
     if gating != ExpertGatingFuncType.SIGMOID:
         known = {int(t): t.name.lower() for t in ExpertGatingFuncType}
         raise UnsupportedError(
@@ -160,9 +159,9 @@ def finish_v2_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., An
             f"{known.get(gating, f'{gating} (unknown)')}; Ling 2.0's experts are scored by "
             "sigmoid"
         )
-    expert_fields(gg, config, key)
+    expert_fields(gg, config, meta)
     width, shared = config["moe_intermediate_size"], config["n_shared_experts"]
-    shared_width = key(_short_key(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH), 0)
+    shared_width = meta.get(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0)
     if shared and (shared_width or width) * shared != width * shared:
         raise UnsupportedError(
             f"{path}: llama.cpp's shared experts here are {(shared_width or width) * shared} "
@@ -170,16 +169,16 @@ def finish_v2_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., An
             f"published model's {width * shared} (expert_feed_forward_length x "
             "expert_shared_count); llmrun does not guess which is meant"
         )
-    groups = key("expert_group_count", 0)
+    groups = meta.get(Keys.LLM.EXPERT_GROUP_COUNT, 0)
     grouped = groups > 1  # llama.cpp ignores one group or none
     config.update(
         # 0 (no key): llama.cpp leaves the weights unscaled.
-        routed_scaling_factor=key("expert_weights_scale", 0.0) or 1.0,
+        routed_scaling_factor=meta.get(Keys.LLM.EXPERT_WEIGHTS_SCALE, 0.0) or 1.0,
         n_group=groups if grouped else 1,
-        topk_group=key("expert_group_used_count", 0) if grouped else 1,
+        topk_group=meta.get(Keys.LLM.EXPERT_GROUP_USED_COUNT, 0) if grouped else 1,
     )
     head_dim = config["head_dim"]
-    rotated = key("rope.dimension_count") or head_dim
+    rotated = meta.get(Keys.Rope.DIMENSION_COUNT) or head_dim
     if rotated % 2 or rotated > head_dim:
         raise ModelFormatError(
             f"{path}: {arch}.rope.dimension_count is {rotated}, but RoPE rotates pairs of "
@@ -189,13 +188,8 @@ def finish_v2_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., An
     config["attention_bias"] = f"blk.0.{_short(MODEL_TENSOR.ATTN_QKV)}.bias" in gg.tensors
 
 
-def _short_key(template: str) -> str:
-    """A gguf.Keys "{arch}.NAME" template without its arch: the key() argument."""
-    return template.removeprefix("{arch}.")
-
-
-def _required(gg: GGUFFile, key: Callable[..., Any], template: str) -> Any:
-    value = key(_short_key(template))
+def _required(gg: GGUFFile, meta: ArchMetadata, template: str) -> Any:
+    value = meta.get(template)
     if value is None:
         raise ModelFormatError(
             f"{gg.path}: metadata {template.format(arch=gg.architecture)!r} is missing"
@@ -203,18 +197,18 @@ def _required(gg: GGUFFile, key: Callable[..., Any], template: str) -> Any:
     return value
 
 
-def expert_fields(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any]) -> None:
+def expert_fields(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> None:
     """The experts that bailingmoe, bailingmoe2 and deepseek read alike: their count, how many a token takes, their
     width (one for every layer), the shared count, the leading dense layers and whether
     the weights are renormalized."""
     path, arch = gg.path, gg.architecture
-    count, used = key("expert_count", 0), key("expert_used_count", 0)
+    count, used = meta.get(Keys.LLM.EXPERT_COUNT, 0), meta.get(Keys.LLM.EXPERT_USED_COUNT, 0)
     if not 0 < used <= count:
         raise ModelFormatError(
             f"{path}: {arch}.expert_used_count is {used}, but {arch}.expert_count is {count} "
             f"(each token needs 1 to {count} experts)"
         )
-    width = _required(gg, key, Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)
+    width = _required(gg, meta, Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)
     if isinstance(width, list):  # one per layer
         if len(set(width)) != 1:
             raise UnsupportedError(
@@ -226,9 +220,9 @@ def expert_fields(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any])
         n_routed_experts=count,
         num_experts_per_tok=used,
         moe_intermediate_size=width,
-        n_shared_experts=_required(gg, key, Keys.LLM.EXPERT_SHARED_COUNT),
-        first_k_dense_replace=key("leading_dense_block_count", 0),
-        norm_topk_prob=bool(key("expert_weights_norm", False)),
+        n_shared_experts=_required(gg, meta, Keys.LLM.EXPERT_SHARED_COUNT),
+        first_k_dense_replace=meta.get(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, 0),
+        norm_topk_prob=bool(meta.get(Keys.LLM.EXPERT_WEIGHTS_NORM, False)),
     )
 
 

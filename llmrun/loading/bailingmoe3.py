@@ -40,6 +40,7 @@ from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import deepseek2, experts, kimi_linear
+from llmrun.loading.gguf_io import ArchMetadata, vocab_size
 from llmrun.loading.glm4_moe import NEXTN, trunk_layers
 
 ARCH = "bailingmoe3"
@@ -138,81 +139,70 @@ def config_from_gguf(gg, rope_from_gguf) -> dict[str, Any]:
     llama_model_bailingmoe3::load_arch_hparams reads it (see the module docstring).
     `rope_from_gguf` is gguf_config's reader of the RoPE keys."""
     arch, path = gg.architecture, gg.path
-
-    def key(template: str, default: Any = None, required: bool = False) -> Any:
-        name = template.format(arch=arch)
-        if name not in gg.metadata:
-            if required:
-                raise ModelFormatError(f"{path}: metadata {name!r} is missing ({arch} needs it)")
-            return default
-        return gg.metadata[name]
-
-    def arch_key(short: str, default: Any = None) -> Any:
-        return key(f"{{arch}}.{short}", default)
-
+    meta = ArchMetadata.of(gg)
     layers, nextn = trunk_layers(gg, arch)
-    heads = key(Keys.Attention.HEAD_COUNT, required=True)
-    kv_heads = key(Keys.Attention.HEAD_COUNT_KV, required=True)
+    heads = meta.require(Keys.Attention.HEAD_COUNT)
+    kv_heads = meta.require(Keys.Attention.HEAD_COUNT_KV)
     kv_heads = kv_heads if isinstance(kv_heads, list) else [kv_heads] * (layers + nextn)
     if len(kv_heads) < layers:
         raise ModelFormatError(
             f"{path}: {Keys.Attention.HEAD_COUNT_KV.format(arch=arch)} lists {len(kv_heads)} "
             f"layers for {layers}"
         )
-    if not key(KDA_SAFE_GATE, True):
+    if not meta.get(KDA_SAFE_GATE, True):
         raise UnsupportedError(
             f"{path}: {KDA_SAFE_GATE.format(arch=arch)} is false; llama.cpp and llmrun run "
             "this arch's bounded KDA gate only"
         )
-    lower_bound = key(KDA_GATE_LOWER_BOUND, required=True)
+    lower_bound = meta.require(KDA_GATE_LOWER_BOUND)
     if not lower_bound < 0:
         raise ModelFormatError(
             f"{path}: {KDA_GATE_LOWER_BOUND.format(arch=arch)} is {lower_bound}; it must be "
             "negative (the least log decay of a step)"
         )
-    if key(ROPE_SECTIONS) is not None:
+    if meta.get(ROPE_SECTIONS) is not None:
         raise UnsupportedError(
             f"{path}: {ROPE_SECTIONS.format(arch=arch)} (M-RoPE: Ling 3 VL's language model) "
             "is not supported"
         )
-    if key(ROPE_SCALING, "none") != "none":
+    if meta.get(ROPE_SCALING, "none") != "none":
         raise UnsupportedError(
-            f"{path}: {ROPE_SCALING.format(arch=arch)} is {key(ROPE_SCALING)!r}; llmrun runs "
+            f"{path}: {ROPE_SCALING.format(arch=arch)} is {meta.get(ROPE_SCALING)!r}; llmrun runs "
             f"{arch} without RoPE scaling (llama.cpp's attention scale takes no YaRN factor)"
         )
-    rope = key(Keys.Rope.DIMENSION_COUNT, required=True)
-    qk_head_dim = key(Keys.Attention.KEY_LENGTH_MLA, required=True)
+    rope = meta.require(Keys.Rope.DIMENSION_COUNT)
+    qk_head_dim = meta.require(Keys.Attention.KEY_LENGTH_MLA)
     if not 0 < rope < qk_head_dim:
         raise ModelFormatError(
             f"{path}: {Keys.Rope.DIMENSION_COUNT.format(arch=arch)} is {rope}, but keys have "
             f"{qk_head_dim} features (attention.key_length_mla)"
         )
-    q_lora_rank = key(Keys.Attention.Q_LORA_RANK) or None
+    q_lora_rank = meta.get(Keys.Attention.Q_LORA_RANK) or None
     if q_lora_rank is None and any(name.endswith(f".{_Q_A}.weight") for name in gg.tensors):
         raise ModelFormatError(
             f"{path}: {_Q_A} tensors without {Keys.Attention.Q_LORA_RANK.format(arch=arch)}"
         )
-    context = key(Keys.LLM.CONTEXT_LENGTH, required=True)
-    eps = key(Keys.Attention.LAYERNORM_RMS_EPS, required=True)
+    context = meta.require(Keys.LLM.CONTEXT_LENGTH)
+    eps = meta.require(Keys.Attention.LAYERNORM_RMS_EPS)
     config: dict[str, Any] = {
         "model_type": MODEL_TYPE,
-        "hidden_size": key(Keys.LLM.EMBEDDING_LENGTH, required=True),
+        "hidden_size": meta.require(Keys.LLM.EMBEDDING_LENGTH),
         "num_hidden_layers": layers,
         NEXTN: nextn,
         "num_attention_heads": heads,
-        "vocab_size": kimi_linear.vocab_size(gg, key),
+        "vocab_size": vocab_size(gg, meta),
         "max_position_embeddings": context,
         "rms_norm_eps": eps,
         "latent_norm_eps": eps,  # llama.cpp normalizes the latents with it too
         "q_lora_rank": q_lora_rank,
-        "kv_lora_rank": key(Keys.Attention.KV_LORA_RANK, required=True),
+        "kv_lora_rank": meta.require(Keys.Attention.KV_LORA_RANK),
         "qk_nope_head_dim": qk_head_dim - rope,
         "qk_rope_head_dim": rope,
-        "v_head_dim": key(Keys.Attention.VALUE_LENGTH_MLA, required=True),
-        "rope_parameters": rope_from_gguf(gg, arch_key, rope, context),
+        "v_head_dim": meta.require(Keys.Attention.VALUE_LENGTH_MLA),
+        "rope_parameters": rope_from_gguf(gg, meta, rope, context),
         "linear_num_heads": heads,  # llama.cpp's KDA layers have n_head heads
-        "linear_head_dim": key(Keys.KDA.HEAD_DIM, required=True),
-        "linear_conv_kernel_dim": key(Keys.SSM.CONV_KERNEL, required=True),
+        "linear_head_dim": meta.require(Keys.KDA.HEAD_DIM),
+        "linear_conv_kernel_dim": meta.require(Keys.SSM.CONV_KERNEL),
         "kda_safe_gate": True,
         "kda_lower_bound": lower_bound,
         "layer_types": [
@@ -220,14 +210,14 @@ def config_from_gguf(gg, rope_from_gguf) -> dict[str, Any]:
         ],
         "tie_word_embeddings": "output.weight" not in gg.tensors,
     }
-    config.update(kimi_linear.expert_fields(gg, key, layers))
-    groups = key(Keys.LLM.EXPERT_GROUP_COUNT, 0) or 1
+    config.update(kimi_linear.expert_fields(gg, meta, layers))
+    groups = meta.get(Keys.LLM.EXPERT_GROUP_COUNT, 0) or 1
     config.update(
-        norm_topk_prob=bool(key(Keys.LLM.EXPERT_WEIGHTS_NORM, False)),
+        norm_topk_prob=bool(meta.get(Keys.LLM.EXPERT_WEIGHTS_NORM, False)),
         n_group=groups,
-        topk_group=key(Keys.LLM.EXPERT_GROUP_USED_COUNT, 0) if groups > 1 else 1,
+        topk_group=meta.get(Keys.LLM.EXPERT_GROUP_USED_COUNT, 0) if groups > 1 else 1,
     )
-    shared_width = key(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH)
+    shared_width = meta.get(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH)
     expected = config["moe_intermediate_size"] * config["n_shared_experts"]
     if shared_width and shared_width != expected:
         raise UnsupportedError(
@@ -235,8 +225,8 @@ def config_from_gguf(gg, rope_from_gguf) -> dict[str, Any]:
             f"{shared_width}; llmrun's (transformers') shared experts are "
             f"expert_feed_forward_length x expert_shared_count ({expected}) wide"
         )
-    config["swiglu_limits"] = _limits(key, SWIGLU_CLAMP_EXP, layers)
-    config["swiglu_limits_shared"] = _limits(key, SWIGLU_CLAMP_SHEXP, layers)
+    config["swiglu_limits"] = _limits(meta, SWIGLU_CLAMP_EXP, layers)
+    config["swiglu_limits_shared"] = _limits(meta, SWIGLU_CLAMP_SHEXP, layers)
     dense = config["first_k_dense_replace"]
     if any(config["swiglu_limits_shared"][:dense]):
         raise UnsupportedError(
@@ -247,10 +237,10 @@ def config_from_gguf(gg, rope_from_gguf) -> dict[str, Any]:
     return config
 
 
-def _limits(key, template: str, layers: int) -> list[float]:
+def _limits(meta: ArchMetadata, template: str, layers: int) -> list[float]:
     """Each layer's SwiGLU clamp (0: none) from a per-layer array or one value, as
     llama.cpp reads it (absent: none; at most CLAMP_EPS: none)."""
-    values = key(template, 0.0)
+    values = meta.get(template, 0.0)
     values = values if isinstance(values, list) else [values] * layers
     if len(values) < layers:
         raise ModelFormatError(f"{template} lists {len(values)} layers for {layers}")

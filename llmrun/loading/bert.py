@@ -33,6 +33,7 @@ from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import reranker
+from llmrun.loading.gguf_io import ArchMetadata
 
 if TYPE_CHECKING:
     from llmrun.loading.gguf_io import GGUFFile
@@ -111,24 +112,16 @@ def encoder_config(
     With `rms_epsilon`, the LayerNorms' epsilon may be under layer_norm_rms_epsilon instead
     (where the converter writes ModernBERT's norm_eps)."""
     arch, path = gg.architecture, gg.path
-
-    def key(template: str, default: Any = None, required: bool = False) -> Any:
-        full = template.format(arch=arch)
-        if full not in gg.metadata:
-            if required:
-                raise ModelFormatError(f"{path}: metadata {full!r} is missing ({arch} needs it)")
-            return default
-        return gg.metadata[full]
-
-    hidden = key(Keys.LLM.EMBEDDING_LENGTH, required=True)
-    n_heads = key(Keys.Attention.HEAD_COUNT, required=True)
-    if key(Keys.Attention.HEAD_COUNT_KV, n_heads) != n_heads:
+    meta = ArchMetadata.of(gg)
+    hidden = meta.require(Keys.LLM.EMBEDDING_LENGTH)
+    n_heads = meta.require(Keys.Attention.HEAD_COUNT)
+    if meta.get(Keys.Attention.HEAD_COUNT_KV, n_heads) != n_heads:
         raise UnsupportedError(
-            f"{path}: a {arch} model with {key(Keys.Attention.HEAD_COUNT_KV)} KV heads for "
+            f"{path}: a {arch} model with {meta.get(Keys.Attention.HEAD_COUNT_KV)} KV heads for "
             f"{n_heads} heads is not supported (BERT-family encoders have one per head)"
         )
     # llama.cpp attends causally unless the file says not (the converter always does).
-    causal = key(Keys.Attention.CAUSAL)
+    causal = meta.get(Keys.Attention.CAUSAL)
     if causal is not False:
         said = "is missing (llama.cpp then attends causally)" if causal is None else "is true"
         raise UnsupportedError(
@@ -145,13 +138,13 @@ def encoder_config(
     embed = gg.tensors.get(TENSOR_NAMES[MODEL_TENSOR.TOKEN_EMBD] + ".weight")
     config = {
         "hidden_size": hidden,
-        "intermediate_size": key(Keys.LLM.FEED_FORWARD_LENGTH, required=True),
-        "num_hidden_layers": key(Keys.LLM.BLOCK_COUNT, required=True),
+        "intermediate_size": meta.require(Keys.LLM.FEED_FORWARD_LENGTH),
+        "num_hidden_layers": meta.require(Keys.LLM.BLOCK_COUNT),
         "num_attention_heads": n_heads,
-        "max_position_embeddings": key(Keys.LLM.CONTEXT_LENGTH, required=True),
-        "layer_norm_eps": key(Keys.Attention.LAYERNORM_EPS)
-        or (key(Keys.Attention.LAYERNORM_RMS_EPS) if rms_epsilon else None)
-        or key(Keys.Attention.LAYERNORM_EPS, required=True),
+        "max_position_embeddings": meta.require(Keys.LLM.CONTEXT_LENGTH),
+        "layer_norm_eps": meta.get(Keys.Attention.LAYERNORM_EPS)
+        or (meta.get(Keys.Attention.LAYERNORM_RMS_EPS) if rms_epsilon else None)
+        or meta.require(Keys.Attention.LAYERNORM_EPS),
         "vocab_size": embed.shape[0] if embed else (len(tokens) if tokens else None),
     }
     if token_types:

@@ -12,13 +12,12 @@ rows one after the other, split here. llama.cpp reads no other key of the family
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from gguf import Keys
 
 from llmrun.errors import ModelFormatError
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH, MODEL_TYPE = "chatglm", "glm"
 # GGUF layer tensor -> HF module, where GLM differs from the common names.
@@ -26,12 +25,12 @@ LAYER_NAMES = {"ffn_up": "mlp.gate_up_proj"}
 FUSED = "self_attn.qkv_proj"  # gguf_config's HF name of attn_qkv
 
 
-def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any]) -> None:
+def finish_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> None:
     """GLM's fields of the HF-style config that config_from_gguf built: the rotated share
     of each head (llama.cpp's n_rot: the head size where the key is absent; GlmConfig's
     default 0.5 is not llama.cpp's) and the q/k/v biases, fused or not."""
     head_dim = config["head_dim"]
-    rotated = key(Keys.Rope.DIMENSION_COUNT.removeprefix("{arch}.")) or head_dim
+    rotated = meta.get(Keys.Rope.DIMENSION_COUNT) or head_dim
     if rotated % 2 or rotated > head_dim:
         raise ModelFormatError(
             f"{gg.path}: {ARCH}.rope.dimension_count is {rotated}, but RoPE rotates pairs "

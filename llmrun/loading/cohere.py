@@ -15,6 +15,7 @@ from typing import Any
 from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.loading.gguf_io import ArchMetadata, vocab_size
 
 # GGUF architecture -> Hugging Face model_type.
 MODEL_TYPES = {"command-r": "cohere", "cohere2": "cohere2"}
@@ -37,42 +38,31 @@ def config_from_gguf(gg, rope_from_gguf, layer_types) -> dict[str, Any]:
     `layer_types` are gguf_config's readers of the RoPE keys and of a sliding-window
     pattern."""
     arch, path = gg.architecture, gg.path
-
-    def key(template: str, default: Any = None, required: bool = False) -> Any:
-        full = template.format(arch=arch)
-        if full not in gg.metadata:
-            if required:
-                raise ModelFormatError(f"{path}: metadata {full!r} is missing ({arch} needs it)")
-            return default
-        return gg.metadata[full]
-
-    def arch_key(name: str, default: Any = None, required: bool = False) -> Any:
-        return key(f"{{arch}}.{name}", default, required)
-
+    meta = ArchMetadata.of(gg)
     for name in (OUTPUT, *ROPE_FACTORS):
         if name in gg.tensors:
             raise UnsupportedError(
                 f"{path}: tensor {name!r} is not part of llama.cpp's {arch} model, "
                 "which llmrun follows"
             )
-    hidden = key(Keys.LLM.EMBEDDING_LENGTH, required=True)
-    n_heads = key(Keys.Attention.HEAD_COUNT, required=True)
-    layers = key(Keys.LLM.BLOCK_COUNT, required=True)
-    context = key(Keys.LLM.CONTEXT_LENGTH, required=True)
+    hidden = meta.require(Keys.LLM.EMBEDDING_LENGTH)
+    n_heads = meta.require(Keys.Attention.HEAD_COUNT)
+    layers = meta.require(Keys.LLM.BLOCK_COUNT)
+    context = meta.require(Keys.LLM.CONTEXT_LENGTH)
     if not (isinstance(hidden, int) and isinstance(n_heads, int) and n_heads > 0):
         raise ModelFormatError(
             f"{path}: an embedding length of {hidden!r} and a head count of {n_heads!r} "
             "are not positive whole numbers"
         )
-    head_dim = key(Keys.Attention.KEY_LENGTH) or hidden // n_heads
-    if key(Keys.Attention.VALUE_LENGTH, head_dim) != head_dim:
+    head_dim = meta.get(Keys.Attention.KEY_LENGTH) or hidden // n_heads
+    if meta.get(Keys.Attention.VALUE_LENGTH, head_dim) != head_dim:
         raise UnsupportedError(f"{path}: keys and values of different lengths are not supported")
     if arch == "cohere2" and head_dim * n_heads != hidden:
         raise UnsupportedError(
             f"{path}: a cohere2 head of {head_dim} features is not hidden size / heads "
             f"({hidden} / {n_heads}), the only one Cohere 2 has"
         )
-    rope = rope_from_gguf(gg, arch_key, head_dim, context)
+    rope = rope_from_gguf(gg, meta, head_dim, context)
     if "partial_rotary_factor" in rope:
         raise UnsupportedError(
             f"{path}: {Keys.Rope.DIMENSION_COUNT.format(arch=arch)} rotates "
@@ -80,22 +70,19 @@ def config_from_gguf(gg, rope_from_gguf, layer_types) -> dict[str, Any]:
             "llmrun's Cohere models rotate them all"
         )
     # Absent or 0, llama.cpp leaves the logits unscaled (`if (f_logit_scale)`).
-    logit_scale = key(Keys.LLM.LOGIT_SCALE, required=arch == "cohere2") or 1.0
-    tokens = gg.metadata.get(Keys.Tokenizer.LIST)
-    embed = gg.tensors.get(TENSOR_NAMES[MODEL_TENSOR.TOKEN_EMBD] + ".weight")
+    scale_key = Keys.LLM.LOGIT_SCALE
+    logit_scale = (meta.require(scale_key) if arch == "cohere2" else meta.get(scale_key)) or 1.0
     config = {
         "model_type": MODEL_TYPES[arch],
         "hidden_size": hidden,
-        "intermediate_size": key(Keys.LLM.FEED_FORWARD_LENGTH, required=True),
+        "intermediate_size": meta.require(Keys.LLM.FEED_FORWARD_LENGTH),
         "num_hidden_layers": layers,
         "num_attention_heads": n_heads,
-        "num_key_value_heads": key(Keys.Attention.HEAD_COUNT_KV, n_heads),
+        "num_key_value_heads": meta.get(Keys.Attention.HEAD_COUNT_KV, n_heads),
         "head_dim": head_dim,
-        "layer_norm_eps": key(Keys.Attention.LAYERNORM_EPS, required=True),
+        "layer_norm_eps": meta.require(Keys.Attention.LAYERNORM_EPS),
         "max_position_embeddings": context,
-        "vocab_size": key(Keys.LLM.VOCAB_SIZE)
-        or (len(tokens) if tokens else None)
-        or (embed.shape[0] if embed else None),
+        "vocab_size": vocab_size(gg, meta),
         "logit_scale": logit_scale,
         "tie_word_embeddings": True,
         "attention_bias": TENSOR_NAMES[MODEL_TENSOR.ATTN_Q].format(bid=0) + ".bias" in gg.tensors,
@@ -105,12 +92,12 @@ def config_from_gguf(gg, rope_from_gguf, layer_types) -> dict[str, Any]:
         "rope_parameters": rope,
     }
     if arch == "cohere2":
-        base_swa = key(Keys.Rope.FREQ_BASE_SWA)
+        base_swa = meta.get(Keys.Rope.FREQ_BASE_SWA)
         if base_swa is not None and base_swa != rope["rope_theta"]:
             raise UnsupportedError(
                 f"{path}: {Keys.Rope.FREQ_BASE_SWA.format(arch=arch)} differs from "
                 f"{Keys.Rope.FREQ_BASE.format(arch=arch)}; Cohere 2 has one RoPE base"
             )
-        config["sliding_window"] = key(Keys.Attention.SLIDING_WINDOW, required=True)
-        config["layer_types"] = layer_types(gg, key, layers, COHERE2_SWA_PATTERN)
+        config["sliding_window"] = meta.require(Keys.Attention.SLIDING_WINDOW)
+        config["layer_types"] = layer_types(gg, meta, layers, COHERE2_SWA_PATTERN)
     return config

@@ -24,7 +24,7 @@ from gguf import MODEL_TENSOR, TENSOR_NAMES, ExpertGatingFuncType, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import experts, glm4_moe
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile, vocab_size
 
 ARCH = "cohere2moe"
 MODEL_TYPE = "cohere2_moe"
@@ -64,71 +64,57 @@ def config_from_gguf(gg: GGUFFile, rope_from_gguf) -> dict[str, Any]:
     """An HF-style cohere2_moe config from a cohere2moe GGUF's metadata, llama.cpp's
     defaults where a key is absent. `rope_from_gguf` is gguf_config's RoPE reader."""
     arch, path = gg.architecture, gg.path
-
-    def name(template: str) -> str:
-        return template.format(arch=arch)
-
-    def key(template: str, default: Any = None, required: bool = False) -> Any:
-        full = name(template)
-        if full not in gg.metadata:
-            if required:
-                raise ModelFormatError(f"{path}: metadata {full!r} is missing ({arch} needs it)")
-            return default
-        return gg.metadata[full]
-
-    def arch_key(short: str, default: Any = None, required: bool = False) -> Any:
-        return key(f"{{arch}}.{short}", default, required)
-
+    meta = ArchMetadata.of(gg)
     layers, nextn = glm4_moe.trunk_layers(gg, arch)
-    hidden = key(Keys.LLM.EMBEDDING_LENGTH, required=True)
-    n_heads = key(Keys.Attention.HEAD_COUNT, required=True)
+    hidden = meta.require(Keys.LLM.EMBEDDING_LENGTH)
+    n_heads = meta.require(Keys.Attention.HEAD_COUNT)
     if not (isinstance(hidden, int) and isinstance(n_heads, int) and n_heads > 0):
         raise ModelFormatError(
             f"{path}: an embedding length of {hidden!r} and a head count of {n_heads!r} "
             "are not positive whole numbers"
         )
-    head_dim = key(Keys.Attention.KEY_LENGTH) or hidden // n_heads
-    if key(Keys.Attention.VALUE_LENGTH, head_dim) != head_dim:
+    head_dim = meta.get(Keys.Attention.KEY_LENGTH) or hidden // n_heads
+    if meta.get(Keys.Attention.VALUE_LENGTH, head_dim) != head_dim:
         raise UnsupportedError(f"{path}: keys and values of different lengths are not supported")
-    context = key(Keys.LLM.CONTEXT_LENGTH, required=True)
-    rope = rope_from_gguf(gg, arch_key, head_dim, context)
+    context = meta.require(Keys.LLM.CONTEXT_LENGTH)
+    rope = rope_from_gguf(gg, meta, head_dim, context)
     if "partial_rotary_factor" in rope or rope["rope_type"] != "default":
         raise UnsupportedError(
             f"{path}: a {arch} model with partial or scaled RoPE is not supported; "
             "Cohere 2 MoE rotates whole heads unscaled"
         )
-    base_swa = key(Keys.Rope.FREQ_BASE_SWA)
+    base_swa = meta.get(Keys.Rope.FREQ_BASE_SWA)
     if base_swa is not None and base_swa != rope["rope_theta"]:
         raise UnsupportedError(
-            f"{path}: {name(Keys.Rope.FREQ_BASE_SWA)} differs from {name(Keys.Rope.FREQ_BASE)}; "
+            f"{path}: {meta.name(Keys.Rope.FREQ_BASE_SWA)} differs from {meta.name(Keys.Rope.FREQ_BASE)}; "
             "llama.cpp's cohere2moe graph rotates every layer by the one base"
         )
-    rms_eps = key(Keys.Attention.LAYERNORM_RMS_EPS)
-    ln_eps = key(Keys.Attention.LAYERNORM_EPS)
+    rms_eps = meta.get(Keys.Attention.LAYERNORM_RMS_EPS)
+    ln_eps = meta.get(Keys.Attention.LAYERNORM_EPS)
     if rms_eps is None and ln_eps is None:
         raise ModelFormatError(
-            f"{path}: neither {name(Keys.Attention.LAYERNORM_RMS_EPS)} nor "
-            f"{name(Keys.Attention.LAYERNORM_EPS)} is set ({arch} needs one)"
+            f"{path}: neither {meta.name(Keys.Attention.LAYERNORM_RMS_EPS)} nor "
+            f"{meta.name(Keys.Attention.LAYERNORM_EPS)} is set ({arch} needs one)"
         )
-    count = key(Keys.LLM.EXPERT_COUNT, 0)
-    used = key(Keys.LLM.EXPERT_USED_COUNT, 0)
+    count = meta.get(Keys.LLM.EXPERT_COUNT, 0)
+    used = meta.get(Keys.LLM.EXPERT_USED_COUNT, 0)
     if not (isinstance(count, int) and isinstance(used, int) and 0 < used <= count):
         raise ModelFormatError(
-            f"{path}: {name(Keys.LLM.EXPERT_USED_COUNT)} is {used!r} and "
-            f"{name(Keys.LLM.EXPERT_COUNT)} {count!r}: {arch} needs 1 to all of its experts"
+            f"{path}: {meta.name(Keys.LLM.EXPERT_USED_COUNT)} is {used!r} and "
+            f"{meta.name(Keys.LLM.EXPERT_COUNT)} {count!r}: {arch} needs 1 to all of its experts"
         )
-    dense = key(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, required=True)
+    dense = meta.require(Keys.LLM.LEADING_DENSE_BLOCK_COUNT)
     if not isinstance(dense, int) or not 0 <= dense <= layers:
         raise ModelFormatError(
-            f"{path}: {name(Keys.LLM.LEADING_DENSE_BLOCK_COUNT)} is {dense!r}, not 0 to {layers}"
+            f"{path}: {meta.name(Keys.LLM.LEADING_DENSE_BLOCK_COUNT)} is {dense!r}, not 0 to {layers}"
         )
-    width = key(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, required=True)
+    width = meta.require(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)
     if not isinstance(width, int):
         raise UnsupportedError(
-            f"{path}: {name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)} per layer is not supported"
+            f"{path}: {meta.name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)} per layer is not supported"
         )
-    shared = key(Keys.LLM.EXPERT_SHARED_COUNT, 0)
-    shared_width = key(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH) or width * shared
+    shared = meta.get(Keys.LLM.EXPERT_SHARED_COUNT, 0)
+    shared_width = meta.get(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH) or width * shared
     if shared and shared_width != width * shared:
         raise UnsupportedError(
             f"{path}: shared experts {shared_width} wide, not {shared} times the experts' "
@@ -138,22 +124,26 @@ def config_from_gguf(gg: GGUFFile, rope_from_gguf) -> dict[str, Any]:
         "model_type": MODEL_TYPE,
         "hidden_size": hidden,
         "intermediate_size": width,
-        "prefix_dense_intermediate_size": key(Keys.LLM.FEED_FORWARD_LENGTH, required=dense > 0),
+        "prefix_dense_intermediate_size": (
+            meta.require(Keys.LLM.FEED_FORWARD_LENGTH)
+            if dense > 0
+            else meta.get(Keys.LLM.FEED_FORWARD_LENGTH)
+        ),
         "num_hidden_layers": layers,
         glm4_moe.NEXTN: nextn,
         "num_attention_heads": n_heads,
-        "num_key_value_heads": key(Keys.Attention.HEAD_COUNT_KV, n_heads),
+        "num_key_value_heads": meta.get(Keys.Attention.HEAD_COUNT_KV, n_heads),
         "head_dim": head_dim,
         "layer_norm_eps": ln_eps if ln_eps is not None else 1e-5,
         "rms_norm_eps": rms_eps,  # None: Cohere's LayerNorm (llama.cpp's LLM_NORM)
         "max_position_embeddings": context,
-        "vocab_size": _vocab_size(gg, key),
-        "logit_scale": key(Keys.LLM.LOGIT_SCALE, required=True) or 1.0,  # 0: unscaled
+        "vocab_size": vocab_size(gg, meta),
+        "logit_scale": meta.require(Keys.LLM.LOGIT_SCALE) or 1.0,  # 0: unscaled
         "tie_word_embeddings": _OUTPUT not in gg.tensors,
         "attention_bias": False,  # the converter refuses non-zero biases, drops the rest
         "rope_parameters": rope,
-        "sliding_window": key(Keys.Attention.SLIDING_WINDOW, required=True),
-        "layer_types": _layer_types(gg, key, layers),
+        "sliding_window": meta.require(Keys.Attention.SLIDING_WINDOW),
+        "layer_types": _layer_types(gg, meta, layers),
         "mlp_layer_types": ["dense" if i < dense else "sparse" for i in range(layers)],
         # llama.cpp rotates every leading dense layer: transformers' force_rope with 1.
         "prefix_dense_sliding_window_pattern": 1,
@@ -161,25 +151,15 @@ def config_from_gguf(gg: GGUFFile, rope_from_gguf) -> dict[str, Any]:
         "num_experts_per_tok": used,
         "num_shared_experts": shared,
         "shared_expert_combination_strategy": "average",  # llama.cpp's (x + shexp) * 0.5
-        **_routing(gg, key, name),
+        **_routing(gg, meta),
     }
     return config
 
 
-def _vocab_size(gg: GGUFFile, key) -> int | None:
-    tokens = gg.metadata.get(Keys.Tokenizer.LIST)
-    embed = gg.tensors.get(TENSOR_NAMES[MODEL_TENSOR.TOKEN_EMBD] + ".weight")
-    return (
-        key(Keys.LLM.VOCAB_SIZE)
-        or (len(tokens) if tokens else None)
-        or (embed.shape[0] if embed else None)
-    )
-
-
-def _layer_types(gg: GGUFFile, key, layers: int) -> list[str]:
+def _layer_types(gg: GGUFFile, meta: ArchMetadata, layers: int) -> list[str]:
     """load_swa_pattern(ml, 4, true): a per-layer flag array (the converter's, one per
     trunk layer), else a period n (default 4) with layer i global where i % n == 0."""
-    value = key(Keys.Attention.SLIDING_WINDOW_PATTERN, SWA_PATTERN)
+    value = meta.get(Keys.Attention.SLIDING_WINDOW_PATTERN, SWA_PATTERN)
     if isinstance(value, list) and len(value) >= layers:
         local = [bool(v) for v in value[:layers]]
     elif isinstance(value, int) and not isinstance(value, bool) and value >= 0:
@@ -192,17 +172,17 @@ def _layer_types(gg: GGUFFile, key, layers: int) -> list[str]:
     return ["sliding_attention" if s else "full_attention" for s in local]
 
 
-def _routing(gg: GGUFFile, key, name) -> dict[str, Any]:
+def _routing(gg: GGUFFile, meta: ArchMetadata) -> dict[str, Any]:
     """The router's config fields as llama.cpp's build_moe_ffn weighs the experts: the
     sigmoid (also where no gating function is given), renormalized with
     expert_weights_norm (default false); the softmax only renormalized, as transformers'
     softmax of the top k logits is (unnormalized, llama.cpp's would not be the model's)."""
-    gating = key(Keys.LLM.EXPERT_GATING_FUNC, 0)
-    norm = bool(key(Keys.LLM.EXPERT_WEIGHTS_NORM, False))
-    scale = key(Keys.LLM.EXPERT_WEIGHTS_SCALE, 0.0)
+    gating = meta.get(Keys.LLM.EXPERT_GATING_FUNC, 0)
+    norm = bool(meta.get(Keys.LLM.EXPERT_WEIGHTS_NORM, False))
+    scale = meta.get(Keys.LLM.EXPERT_WEIGHTS_SCALE, 0.0)
     if scale not in (0.0, 1.0):
         raise UnsupportedError(
-            f"{gg.path}: {name(Keys.LLM.EXPERT_WEIGHTS_SCALE)} {scale} scales the experts' "
+            f"{gg.path}: {meta.name(Keys.LLM.EXPERT_WEIGHTS_SCALE)} {scale} scales the experts' "
             "weights, which Cohere 2 MoE does not"
         )
     if gating in (0, ExpertGatingFuncType.SIGMOID):
@@ -210,7 +190,7 @@ def _routing(gg: GGUFFile, key, name) -> dict[str, Any]:
     if gating == ExpertGatingFuncType.SOFTMAX and norm:
         return {"expert_selection_fn": "softmax", "norm_topk_prob": True}
     raise UnsupportedError(
-        f"{gg.path}: {name(Keys.LLM.EXPERT_GATING_FUNC)} {gating} with "
-        f"{name(Keys.LLM.EXPERT_WEIGHTS_NORM)} {norm} is not a Cohere 2 MoE router "
+        f"{gg.path}: {meta.name(Keys.LLM.EXPERT_GATING_FUNC)} {gating} with "
+        f"{meta.name(Keys.LLM.EXPERT_WEIGHTS_NORM)} {norm} is not a Cohere 2 MoE router "
         "(the sigmoid, or the softmax renormalized over the top k)"
     )

@@ -24,7 +24,7 @@ from typing import Any
 from gguf import Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH = MODEL_TYPE = "dbrx"
 
@@ -121,29 +121,21 @@ def config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable[..., dict]) -> dict[
     llama_model_dbrx and llama.cpp's load_hparams read it. `rope_from_gguf` is
     gguf_config's reader of the RoPE keys."""
     path = gg.path
-
-    def key(name: str, default: Any = None, required: bool = False) -> Any:
-        full = name.format(arch=ARCH)
-        if full not in gg.metadata:
-            if required:
-                raise ModelFormatError(f"{path}: metadata {full!r} is missing")
-            return default
-        return gg.metadata[full]
-
-    hidden = key(Keys.LLM.EMBEDDING_LENGTH, required=True)
-    heads = key(Keys.Attention.HEAD_COUNT, required=True)
+    meta = ArchMetadata.of(gg, ARCH)
+    hidden = meta.require(Keys.LLM.EMBEDDING_LENGTH)
+    heads = meta.require(Keys.Attention.HEAD_COUNT)
     if not isinstance(hidden, int) or not isinstance(heads, int) or heads <= 0 or hidden % heads:
         raise ModelFormatError(
             f"{path}: an embedding of {hidden} does not split into {heads} heads"
         )
     head_dim = hidden // heads
-    key_length = key(Keys.Attention.KEY_LENGTH, head_dim)
-    if key_length != head_dim or key(Keys.Attention.VALUE_LENGTH, head_dim) != head_dim:
+    key_length = meta.get(Keys.Attention.KEY_LENGTH, head_dim)
+    if key_length != head_dim or meta.get(Keys.Attention.VALUE_LENGTH, head_dim) != head_dim:
         raise UnsupportedError(
             f"{path}: heads of {key_length} features in an embedding of {hidden} with "
             f"{heads} heads; DBRX's heads are embedding / heads wide (its fused attn_qkv)"
         )
-    count, used = key(Keys.LLM.EXPERT_COUNT, 0), key(Keys.LLM.EXPERT_USED_COUNT, 0)
+    count, used = meta.get(Keys.LLM.EXPERT_COUNT, 0), meta.get(Keys.LLM.EXPERT_USED_COUNT, 0)
     if not 0 < used <= count:
         raise ModelFormatError(
             f"{path}: {Keys.LLM.EXPERT_USED_COUNT.format(arch=ARCH)} is {used} and "
@@ -154,28 +146,24 @@ def config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable[..., dict]) -> dict[
         raise ModelFormatError(
             f"{path}: tensor 'output.weight' is missing; DBRX has an output matrix of its own"
         )
-    context = key(Keys.LLM.CONTEXT_LENGTH, required=True)
+    context = meta.require(Keys.LLM.CONTEXT_LENGTH)
 
-    def arch_key(name: str, default: Any = None) -> Any:
-        """gguf_config's reading of an "{arch}.NAME" key by its NAME."""
-        return key(f"{{arch}}.{name}", default)
-
-    rope = rope_from_gguf(gg, arch_key, head_dim, context)
+    rope = rope_from_gguf(gg, meta, head_dim, context)
     if "partial_rotary_factor" in rope:
         raise UnsupportedError(
             f"{path}: {Keys.Rope.DIMENSION_COUNT.format(arch=ARCH)} is not the head size "
             f"{head_dim}; DBRX rotates whole heads"
         )
-    clamp = key(Keys.Attention.CLAMP_KQV, required=True)
+    clamp = meta.require(Keys.Attention.CLAMP_KQV)
     tokens = gg.metadata.get(Keys.Tokenizer.LIST)
     embed = gg.tensors.get("token_embd.weight")
     return {
         "model_type": MODEL_TYPE,
         "hidden_size": hidden,
-        "intermediate_size": key(Keys.LLM.FEED_FORWARD_LENGTH, required=True),
-        "num_hidden_layers": key(Keys.LLM.BLOCK_COUNT, required=True),
+        "intermediate_size": meta.require(Keys.LLM.FEED_FORWARD_LENGTH),
+        "num_hidden_layers": meta.require(Keys.LLM.BLOCK_COUNT),
         "num_attention_heads": heads,
-        "num_key_value_heads": key(Keys.Attention.HEAD_COUNT_KV, heads),
+        "num_key_value_heads": meta.get(Keys.Attention.HEAD_COUNT_KV, heads),
         "head_dim": head_dim,
         "max_position_embeddings": context,
         "vocab_size": (len(tokens) if tokens else None) or (embed.shape[0] if embed else None),
@@ -183,7 +171,7 @@ def config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable[..., dict]) -> dict[
         "num_local_experts": count,
         "num_experts_per_tok": used,
         "moe_normalize_expert_weights": 1.0,
-        "layer_norm_eps": key(Keys.Attention.LAYERNORM_EPS, required=True),
+        "layer_norm_eps": meta.require(Keys.Attention.LAYERNORM_EPS),
         "tie_word_embeddings": False,
         "rope_parameters": rope,
     }

@@ -25,7 +25,7 @@ from gguf import Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import exaone
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH = "deci"
 MODEL_TYPE = "nemotron-nas"
@@ -35,22 +35,12 @@ def config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable[..., dict[str, Any]]
     """The HF-style config (the remote code's DeciLMConfig fields, block_configs with
     each feed-forward's width as intermediate_size) of a deci GGUF; rope_from_gguf is
     gguf_config's reader of the RoPE keys."""
-
-    def key(name: str, default: Any = None, required: bool = False) -> Any:
-        full = f"{ARCH}.{name}"
-        if full not in gg.metadata:
-            if required:
-                raise ModelFormatError(f"{gg.path}: metadata {full!r} is missing")
-            return default
-        return gg.metadata[full]
-
-    def field(template: str) -> str:
-        return template.removeprefix("{arch}.")
+    meta = ArchMetadata.of(gg, ARCH)
 
     def per_layer(template: str, default: Any = None) -> list[int]:
         """A key llama.cpp reads with get_key_or_arr: one value for every layer, or one
         per layer."""
-        value = key(field(template), default, required=default is None)
+        value = meta.require(template) if default is None else meta.get(template, default)
         values = value if isinstance(value, list) else [value] * layers
         if len(values) != layers or not all(_count(v) for v in values):
             raise ModelFormatError(
@@ -59,8 +49,8 @@ def config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable[..., dict[str, Any]]
             )
         return values
 
-    layers = key(field(Keys.LLM.BLOCK_COUNT), required=True)
-    hidden = key(field(Keys.LLM.EMBEDDING_LENGTH), required=True)
+    layers = meta.require(Keys.LLM.BLOCK_COUNT)
+    hidden = meta.require(Keys.LLM.EMBEDDING_LENGTH)
     heads = per_layer(Keys.Attention.HEAD_COUNT)
     kv_heads = per_layer(Keys.Attention.HEAD_COUNT_KV, heads)
     widths = per_layer(Keys.LLM.FEED_FORWARD_LENGTH)
@@ -75,8 +65,8 @@ def config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable[..., dict[str, Any]]
         _block(gg, i, h, kv, width)
         for i, (h, kv, width) in enumerate(zip(heads, kv_heads, widths, strict=True))
     ]
-    head_dim = key(field(Keys.Attention.KEY_LENGTH)) or hidden // n_heads
-    context = key(field(Keys.LLM.CONTEXT_LENGTH), required=True)
+    head_dim = meta.get(Keys.Attention.KEY_LENGTH) or hidden // n_heads
+    context = meta.require(Keys.LLM.CONTEXT_LENGTH)
     tokens = gg.metadata.get(Keys.Tokenizer.LIST)
     config: dict[str, Any] = {
         "model_type": MODEL_TYPE,
@@ -85,17 +75,17 @@ def config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable[..., dict[str, Any]]
         "num_attention_heads": n_heads,
         "head_dim": head_dim,
         "block_configs": blocks,
-        "rms_norm_eps": key(field(Keys.Attention.LAYERNORM_RMS_EPS), required=True),
+        "rms_norm_eps": meta.require(Keys.Attention.LAYERNORM_RMS_EPS),
         "max_position_embeddings": context,
-        "vocab_size": key(field(Keys.LLM.VOCAB_SIZE)) or (len(tokens) if tokens else None),
+        "vocab_size": meta.get(Keys.LLM.VOCAB_SIZE) or (len(tokens) if tokens else None),
         "tie_word_embeddings": "output.weight" not in gg.tensors,
         "attention_bias": any(_layer_tensor(gg, i, "attn_q.bias") for i in range(layers)),
         "mlp_bias": any(_layer_tensor(gg, i, "ffn_up.bias") for i in range(layers)),
     }
-    config["rope_parameters"] = rope_from_gguf(gg, key, head_dim, context)
+    config["rope_parameters"] = rope_from_gguf(gg, meta, head_dim, context)
     # llama.cpp turns whole heads (it refuses another rope dimension count) and applies
     # YaRN its own way: as for EXAONE, what it would compute otherwise is refused.
-    exaone.check_rope(gg, config, key, "Nemotron-NAS")
+    exaone.check_rope(gg, config, meta, "Nemotron-NAS")
     return config
 
 

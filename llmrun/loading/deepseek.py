@@ -14,30 +14,31 @@ part of each head.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
+
+from gguf import Keys
 
 from llmrun.errors import UnsupportedError
 from llmrun.loading import bailingmoe
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH, MODEL_TYPE = "deepseek", "deepseek"
 
 
-def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any]) -> None:
+def finish_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> None:
     """DeepSeek V1's fields of the HF-style config that config_from_gguf built, read as
     llama_model_deepseek::load_arch_hparams reads them (see the module docstring)."""
     path, arch = gg.path, gg.architecture
-    bailingmoe.expert_fields(gg, config, key)
+    bailingmoe.expert_fields(gg, config, meta)
     config["norm_topk_prob"] = False
-    scale = key("expert_weights_scale", 0.0)
+    scale = meta.get(Keys.LLM.EXPERT_WEIGHTS_SCALE, 0.0)
     if scale not in (0.0, 1.0):
         raise UnsupportedError(
             f"{path}: {arch}.expert_weights_scale is {scale}; DeepSeek V1's expert weights "
             "are not scaled"
         )
     head_dim = config["head_dim"]
-    rotated = key("rope.dimension_count") or head_dim
+    rotated = meta.get(Keys.Rope.DIMENSION_COUNT) or head_dim
     if rotated != head_dim:
         raise UnsupportedError(
             f"{path}: {arch}.rope.dimension_count is {rotated}, but DeepSeek V1 turns whole "

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from gguf import MODEL_TENSOR, TENSOR_NAMES, ExpertGatingFuncType, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.loading.gguf_io import ArchMetadata
 from llmrun.loading.glm4_moe import NEXTN, trunk_layers
 
 if TYPE_CHECKING:
@@ -115,62 +116,48 @@ def config_from_gguf(gg, rope_from_gguf) -> dict[str, Any]:
     llama_model_deepseek2's load_arch_hparams, which mistral4's graph shares: which keys
     it requires, its defaults). `rope_from_gguf` is gguf_config's reader of the RoPE keys."""
     path, arch = gg.path, gg.architecture  # deepseek2 or mistral4
-
-    def key(template: str, default: Any = None, required: bool = False) -> Any:
-        full = template.format(arch=arch)
-        if full not in gg.metadata:
-            if required:
-                raise ModelFormatError(f"{path}: metadata {full!r} is missing ({arch} needs it)")
-            return default
-        return gg.metadata[full]
-
-    def name(template: str) -> str:
-        return template.format(arch=arch)
-
-    def arch_key(short: str, default: Any = None, required: bool = False) -> Any:
-        return key(f"{{arch}}.{short}", default, required)
-
-    key(Keys.LLM.BLOCK_COUNT, required=True)  # named where missing; trunk_layers reads it
-    hidden = key(Keys.LLM.EMBEDDING_LENGTH, required=True)
-    heads = key(Keys.Attention.HEAD_COUNT, required=True)
-    context = key(Keys.LLM.CONTEXT_LENGTH, required=True)
+    meta = ArchMetadata.of(gg)
+    meta.require(Keys.LLM.BLOCK_COUNT)  # named where missing; trunk_layers reads it
+    hidden = meta.require(Keys.LLM.EMBEDDING_LENGTH)
+    heads = meta.require(Keys.Attention.HEAD_COUNT)
+    context = meta.require(Keys.LLM.CONTEXT_LENGTH)
     if not isinstance(heads, int) or heads <= 0:
         raise UnsupportedError(
-            f"{path}: {name(Keys.Attention.HEAD_COUNT)} is {heads!r}; llmrun needs one number"
+            f"{path}: {meta.name(Keys.Attention.HEAD_COUNT)} is {heads!r}; llmrun needs one number"
         )
     # GLM-4.7-Flash's files end with its MTP layer, which llama.cpp's inference skips.
     layers, nextn = trunk_layers(gg, arch)
     # Llama 4's query temperature (Mistral Large 3's files): llama.cpp counts its steps in
     # attention.temperature_length positions, which it requires with the scale.
-    temperature = key(Keys.Attention.TEMPERATURE_SCALE, 0.0)
-    temperature_length = key(Keys.Attention.TEMPERATURE_LENGTH, 0)
+    temperature = meta.get(Keys.Attention.TEMPERATURE_SCALE, 0.0)
+    temperature_length = meta.get(Keys.Attention.TEMPERATURE_LENGTH, 0)
     if temperature and not temperature_length:
         raise ModelFormatError(
-            f"{path}: {name(Keys.Attention.TEMPERATURE_SCALE)} without "
-            f"{name(Keys.Attention.TEMPERATURE_LENGTH)} (llama.cpp refuses it too)"
+            f"{path}: {meta.name(Keys.Attention.TEMPERATURE_SCALE)} without "
+            f"{meta.name(Keys.Attention.TEMPERATURE_LENGTH)} (llama.cpp refuses it too)"
         )
     tokens = gg.metadata.get(Keys.Tokenizer.LIST)
-    vocab = key(Keys.LLM.VOCAB_SIZE) or (len(tokens) if tokens else None)
+    vocab = meta.get(Keys.LLM.VOCAB_SIZE) or (len(tokens) if tokens else None)
     embed = gg.tensors.get("token_embd.weight")
     vocab = vocab or (embed.shape[0] if embed else None)
-    rope_dim = key(Keys.Rope.DIMENSION_COUNT, required=True)
+    rope_dim = meta.require(Keys.Rope.DIMENSION_COUNT)
     key_mla, value_mla = (
-        key(Keys.Attention.KEY_LENGTH_MLA, 0),
-        key(Keys.Attention.VALUE_LENGTH_MLA, 0),
+        meta.get(Keys.Attention.KEY_LENGTH_MLA, 0),
+        meta.get(Keys.Attention.VALUE_LENGTH_MLA, 0),
     )
     if key_mla and value_mla:  # llama.cpp's is_mla(): attn_k_b and attn_v_b
         qk_head_dim, v_head_dim = key_mla, value_mla
     else:  # attn_kv_b; the head sizes are the plain key and value lengths
-        qk_head_dim = key(Keys.Attention.KEY_LENGTH) or hidden // heads
-        v_head_dim = key(Keys.Attention.VALUE_LENGTH) or hidden // heads
+        qk_head_dim = meta.get(Keys.Attention.KEY_LENGTH) or hidden // heads
+        v_head_dim = meta.get(Keys.Attention.VALUE_LENGTH) or hidden // heads
     if not 0 < rope_dim < qk_head_dim:
         raise ModelFormatError(
-            f"{path}: {name(Keys.Rope.DIMENSION_COUNT)} is {rope_dim}, but keys have "
+            f"{path}: {meta.name(Keys.Rope.DIMENSION_COUNT)} is {rope_dim}, but keys have "
             f"{qk_head_dim} features: no part without RoPE is left"
         )
     # Lite models (V2-Lite) have attn_q and no q_lora_rank; llama.cpp requires it otherwise.
     lora_q = "blk.0.attn_q_a.weight" in gg.tensors
-    eps = key(Keys.Attention.LAYERNORM_RMS_EPS, required=True)
+    eps = meta.require(Keys.Attention.LAYERNORM_RMS_EPS)
     config: dict[str, Any] = {
         "hidden_size": hidden,
         "num_hidden_layers": layers,
@@ -179,8 +166,8 @@ def config_from_gguf(gg, rope_from_gguf) -> dict[str, Any]:
         "max_position_embeddings": context,
         "rms_norm_eps": eps,
         "latent_norm_eps": eps,  # llama.cpp normalizes the latents with it too
-        "kv_lora_rank": key(Keys.Attention.KV_LORA_RANK, required=True),
-        "q_lora_rank": key(Keys.Attention.Q_LORA_RANK, required=True) if lora_q else None,
+        "kv_lora_rank": meta.require(Keys.Attention.KV_LORA_RANK),
+        "q_lora_rank": meta.require(Keys.Attention.Q_LORA_RANK) if lora_q else None,
         "qk_nope_head_dim": qk_head_dim - rope_dim,
         "qk_rope_head_dim": rope_dim,
         "v_head_dim": v_head_dim,
@@ -188,10 +175,8 @@ def config_from_gguf(gg, rope_from_gguf) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in gg.tensors,
         NEXTN: nextn,
     }
-    config.update(_experts(gg, key, name, layers, vocab))
-    config["rope_parameters"] = _rope(
-        gg, rope_from_gguf(gg, arch_key, rope_dim, context), key, name
-    )
+    config.update(_experts(gg, meta, layers, vocab))
+    config["rope_parameters"] = _rope(gg, rope_from_gguf(gg, meta, rope_dim, context), meta)
     if temperature:
         config["rope_parameters"].update(
             {"llama_4_scaling_beta": temperature, TEMPERATURE_LENGTH: temperature_length}
@@ -199,33 +184,33 @@ def config_from_gguf(gg, rope_from_gguf) -> dict[str, Any]:
     return config
 
 
-def _experts(gg, key, name, layers: int, vocab: int | None) -> dict[str, Any]:
+def _experts(gg, meta: ArchMetadata, layers: int, vocab: int | None) -> dict[str, Any]:
     """The feed-forward's config fields: leading dense layers, the experts and their
     routing (model_type: deepseek_v3 for sigmoid gating, else deepseek_v2)."""
     path = gg.path
-    dense = key(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, 0)
-    count, used = key(Keys.LLM.EXPERT_COUNT, 0), key(Keys.LLM.EXPERT_USED_COUNT, 0)
-    width = key(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, required=True)
+    dense = meta.get(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, 0)
+    count, used = meta.get(Keys.LLM.EXPERT_COUNT, 0), meta.get(Keys.LLM.EXPERT_USED_COUNT, 0)
+    width = meta.require(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)
     if isinstance(width, list):  # one per layer
         if len(set(width)) != 1:
             raise UnsupportedError(
-                f"{path}: {name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)} differs between layers, "
+                f"{path}: {meta.name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)} differs between layers, "
                 "which llmrun does not support"
             )
         width = width[0]
     fields: dict[str, Any] = {
         "first_k_dense_replace": dense,
         "moe_intermediate_size": width,
-        "n_shared_experts": key(Keys.LLM.EXPERT_SHARED_COUNT, required=True),
+        "n_shared_experts": meta.require(Keys.LLM.EXPERT_SHARED_COUNT),
         # 0 (no key): llama.cpp leaves the weights unscaled.
-        "routed_scaling_factor": key(Keys.LLM.EXPERT_WEIGHTS_SCALE, 0.0) or 1.0,
-        "norm_topk_prob": bool(key(Keys.LLM.EXPERT_WEIGHTS_NORM, False)),
+        "routed_scaling_factor": meta.get(Keys.LLM.EXPERT_WEIGHTS_SCALE, 0.0) or 1.0,
+        "norm_topk_prob": bool(meta.get(Keys.LLM.EXPERT_WEIGHTS_NORM, False)),
     }
-    ff = key(Keys.LLM.FEED_FORWARD_LENGTH)
+    ff = meta.get(Keys.LLM.FEED_FORWARD_LENGTH)
     if dense:
         if not ff:
             raise ModelFormatError(
-                f"{path}: metadata {name(Keys.LLM.FEED_FORWARD_LENGTH)!r} is missing; the "
+                f"{path}: metadata {meta.name(Keys.LLM.FEED_FORWARD_LENGTH)!r} is missing; the "
                 f"{dense} leading dense layers need it"
             )
         fields["intermediate_size"] = ff
@@ -235,18 +220,18 @@ def _experts(gg, key, name, layers: int, vocab: int | None) -> dict[str, Any]:
         )
     if not 0 < used <= count:
         raise ModelFormatError(
-            f"{path}: {name(Keys.LLM.EXPERT_USED_COUNT)} is {used}, but "
-            f"{name(Keys.LLM.EXPERT_COUNT)} is {count} (each token needs 1 to {count} experts)"
+            f"{path}: {meta.name(Keys.LLM.EXPERT_USED_COUNT)} is {used}, but "
+            f"{meta.name(Keys.LLM.EXPERT_COUNT)} is {count} (each token needs 1 to {count} experts)"
         )
     fields.update(n_routed_experts=count, num_experts_per_tok=used)
-    gating = key(Keys.LLM.EXPERT_GATING_FUNC)
+    gating = meta.get(Keys.LLM.EXPERT_GATING_FUNC)
     if gating is None:
         counts, sigmoid_vocab = SIGMOID_DEFAULT
         sigmoid = layers in counts and vocab == sigmoid_vocab
         gating = ExpertGatingFuncType.SIGMOID if sigmoid else ExpertGatingFuncType.SOFTMAX
     groups, groups_used = (
-        key(Keys.LLM.EXPERT_GROUP_COUNT, 0),
-        key(Keys.LLM.EXPERT_GROUP_USED_COUNT, 0),
+        meta.get(Keys.LLM.EXPERT_GROUP_COUNT, 0),
+        meta.get(Keys.LLM.EXPERT_GROUP_USED_COUNT, 0),
     )
     grouped = groups > 1  # llama.cpp ignores one group or none
     bias = f"blk.{dense}.{SELECTION_BIAS}.bias" in gg.tensors
@@ -270,7 +255,7 @@ def _experts(gg, key, name, layers: int, vocab: int | None) -> dict[str, Any]:
     else:
         known = {int(t): t.name.lower() for t in ExpertGatingFuncType}
         raise UnsupportedError(
-            f"{path}: {name(Keys.LLM.EXPERT_GATING_FUNC)} is "
+            f"{path}: {meta.name(Keys.LLM.EXPERT_GATING_FUNC)} is "
             f"{known.get(gating, f'{gating} (unknown)')}; {gg.architecture} experts are gated by softmax "
             "or sigmoid"
         )
@@ -279,7 +264,7 @@ def _experts(gg, key, name, layers: int, vocab: int | None) -> dict[str, Any]:
     return fields
 
 
-def _rope(gg, rope: dict[str, Any], key, name) -> dict[str, Any]:
+def _rope(gg, rope: dict[str, Any], meta: ArchMetadata) -> dict[str, Any]:
     """`rope` (gguf_config's reading of the RoPE keys) as llama.cpp applies it to a
     deepseek2 graph: none or YaRN, whose mscale_all_dim, the log multiplier / 0.1, scales
     the softmax too."""
@@ -297,17 +282,17 @@ def _rope(gg, rope: dict[str, Any], key, name) -> dict[str, Any]:
             "(none or yarn are)"
         )
     if rope["rope_type"] == "yarn":
-        log_mul = key(Keys.Rope.SCALING_YARN_LOG_MUL)
+        log_mul = meta.get(Keys.Rope.SCALING_YARN_LOG_MUL)
         if not log_mul:
             raise UnsupportedError(
-                f"{path}: YaRN without {name(Keys.Rope.SCALING_YARN_LOG_MUL)} in a {gg.architecture} file "
+                f"{path}: YaRN without {meta.name(Keys.Rope.SCALING_YARN_LOG_MUL)} in a {gg.architecture} file "
                 "is not supported (llama.cpp scales its attention in a way no DeepSeek config has)"
             )
         if not rope.get("factor"):
-            raise ModelFormatError(f"{path}: YaRN without {name(Keys.Rope.SCALING_FACTOR)}")
-        if key(Keys.Rope.SCALING_ATTN_FACTOR, 1.0) != 1.0:
+            raise ModelFormatError(f"{path}: YaRN without {meta.name(Keys.Rope.SCALING_FACTOR)}")
+        if meta.get(Keys.Rope.SCALING_ATTN_FACTOR, 1.0) != 1.0:
             raise UnsupportedError(
-                f"{path}: {name(Keys.Rope.SCALING_ATTN_FACTOR)} in a {gg.architecture} file is not supported"
+                f"{path}: {meta.name(Keys.Rope.SCALING_ATTN_FACTOR)} in a {gg.architecture} file is not supported"
             )
         mscale = log_mul / YARN_LOG_MUL_FACTOR
         rope.update(mscale=mscale, mscale_all_dim=mscale)

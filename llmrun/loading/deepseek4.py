@@ -29,6 +29,7 @@ from gguf import Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import deepseek2, experts
+from llmrun.loading.gguf_io import ArchMetadata
 
 ARCH = "deepseek4"
 MODEL_TYPE = "deepseek_v4"
@@ -114,32 +115,24 @@ def hf_name(gguf_name: str) -> str | None:
 def config_from_gguf(gg, rope_from_gguf) -> dict[str, Any]:
     """An HF-style deepseek_v4 config from the file's metadata, read as llama.cpp reads
     it (every key it requires is required here)."""
-    path, arch, meta = gg.path, gg.architecture, gg.metadata
-
-    def key(template: str, default: Any = None, required: bool = True) -> Any:
-        name = template.format(arch=arch)
-        if name not in meta:
-            if required and default is None:
-                raise ModelFormatError(f"{path}: metadata {name!r} is missing ({arch} needs it)")
-            return default
-        return meta[name]
-
-    gating = key(Keys.LLM.EXPERT_GATING_FUNC)
+    path, arch = gg.path, gg.architecture
+    meta = ArchMetadata.of(gg)
+    gating = meta.require(Keys.LLM.EXPERT_GATING_FUNC)
     if gating != SQRT_SOFTPLUS:
         raise UnsupportedError(
             f"{path}: {Keys.LLM.EXPERT_GATING_FUNC.format(arch=arch)} is {gating}; "
             f"DeepSeek-V4's experts are sqrt(softplus)-gated ({SQRT_SOFTPLUS}), as llama.cpp requires"
         )
-    if not key(Keys.LLM.EXPERT_WEIGHTS_NORM):
+    if not meta.require(Keys.LLM.EXPERT_WEIGHTS_NORM):
         raise UnsupportedError(
             f"{path}: {Keys.LLM.EXPERT_WEIGHTS_NORM.format(arch=arch)} is false; llmrun's "
             "DeepSeek-V4 renormalizes the chosen experts' weights, as transformers does"
         )
-    nextn = key(Keys.LLM.NEXTN_PREDICT_LAYERS, 0, required=False)
-    layers = key(Keys.LLM.BLOCK_COUNT) - nextn
-    hidden, heads = key(Keys.LLM.EMBEDDING_LENGTH), key(Keys.Attention.HEAD_COUNT)
-    head_dim = key(Keys.Attention.KEY_LENGTH, hidden // heads, required=False)
-    ratios = key(COMPRESS_RATIOS)
+    nextn = meta.get(Keys.LLM.NEXTN_PREDICT_LAYERS, 0)
+    layers = meta.require(Keys.LLM.BLOCK_COUNT) - nextn
+    hidden, heads = meta.require(Keys.LLM.EMBEDDING_LENGTH), meta.require(Keys.Attention.HEAD_COUNT)
+    head_dim = meta.get(Keys.Attention.KEY_LENGTH, hidden // heads)
+    ratios = meta.require(COMPRESS_RATIOS)
     if not isinstance(ratios, list) or len(ratios) < layers:
         raise ModelFormatError(
             f"{path}: {COMPRESS_RATIOS.format(arch=arch)} is {ratios!r}, not one ratio per "
@@ -152,28 +145,27 @@ def config_from_gguf(gg, rope_from_gguf) -> dict[str, Any]:
             "llama.cpp)"
         )
     layer_types = [KIND_OF_RATIO.get(r, HCA) for r in ratios[:layers]]
-    experts_used = key(Keys.LLM.EXPERT_USED_COUNT)
-    limits = _per_layer(key(SWIGLU_CLAMP_EXP), layers, path, SWIGLU_CLAMP_EXP.format(arch=arch))
-    shared = key(SWIGLU_CLAMP_SHEXP, limits, required=False)
+    experts_used = meta.require(Keys.LLM.EXPERT_USED_COUNT)
+    limits = _per_layer(
+        meta.require(SWIGLU_CLAMP_EXP), layers, path, SWIGLU_CLAMP_EXP.format(arch=arch)
+    )
+    shared = meta.get(SWIGLU_CLAMP_SHEXP, limits)
     if _per_layer(shared, layers, path, SWIGLU_CLAMP_SHEXP.format(arch=arch)) != limits:
         raise UnsupportedError(f"{path}: routed and shared experts clamped differently")
     if len(set(limits)) > 1:
         raise UnsupportedError(f"{path}: SwiGLU clamps that differ by layer are not supported")
-    hashed = key(HASH_LAYER_COUNT)
-    context = key(Keys.LLM.CONTEXT_LENGTH)
+    hashed = meta.require(HASH_LAYER_COUNT)
+    context = meta.require(Keys.LLM.CONTEXT_LENGTH)
 
-    def plain(name: str, default: Any = None) -> Any:
-        return key(f"{{arch}}.{name}", default, required=False)
-
-    rope = rope_from_gguf(gg, plain, head_dim, context)
+    rope = rope_from_gguf(gg, meta, head_dim, context)
     factor = rope.get("partial_rotary_factor", 1.0)
     main = {"rope_type": "default", "rope_theta": rope["rope_theta"]}
-    compress = {**rope, "rope_theta": key(COMPRESS_ROPE_FREQ_BASE)}
+    compress = {**rope, "rope_theta": meta.require(COMPRESS_ROPE_FREQ_BASE)}
     if compress["rope_type"] == "yarn":
         compress["attention_factor"] = 1.0  # llama.cpp's dsv4_rope_attn_factor undoes it
     for params in (main, compress):
         params["partial_rotary_factor"] = factor
-    tokens = meta.get(Keys.Tokenizer.LIST)
+    tokens = gg.metadata.get(Keys.Tokenizer.LIST)
     embed = gg.tensors.get("token_embd.weight")
     return {
         "model_type": MODEL_TYPE,
@@ -181,29 +173,29 @@ def config_from_gguf(gg, rope_from_gguf) -> dict[str, Any]:
         "hidden_size": hidden,
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
-        "num_key_value_heads": key(Keys.Attention.HEAD_COUNT_KV, 1, required=False),
+        "num_key_value_heads": meta.get(Keys.Attention.HEAD_COUNT_KV, 1),
         "head_dim": head_dim,
-        "q_lora_rank": key(Keys.Attention.Q_LORA_RANK),
-        "rms_norm_eps": key(Keys.Attention.LAYERNORM_RMS_EPS),
+        "q_lora_rank": meta.require(Keys.Attention.Q_LORA_RANK),
+        "rms_norm_eps": meta.require(Keys.Attention.LAYERNORM_RMS_EPS),
         "max_position_embeddings": context,
-        "sliding_window": key(Keys.Attention.SLIDING_WINDOW),
-        "moe_intermediate_size": key(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH),
-        "n_routed_experts": key(Keys.LLM.EXPERT_COUNT),
+        "sliding_window": meta.require(Keys.Attention.SLIDING_WINDOW),
+        "moe_intermediate_size": meta.require(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH),
+        "n_routed_experts": meta.require(Keys.LLM.EXPERT_COUNT),
         "num_experts_per_tok": experts_used,
-        "n_shared_experts": key(Keys.LLM.EXPERT_SHARED_COUNT),
-        "routed_scaling_factor": key(Keys.LLM.EXPERT_WEIGHTS_SCALE),
+        "n_shared_experts": meta.require(Keys.LLM.EXPERT_SHARED_COUNT),
+        "routed_scaling_factor": meta.require(Keys.LLM.EXPERT_WEIGHTS_SCALE),
         "scoring_func": "sqrtsoftplus",
         "swiglu_limit": limits[0],
-        "index_n_heads": key(Keys.Attention.Indexer.HEAD_COUNT),
-        "index_head_dim": key(Keys.Attention.Indexer.KEY_LENGTH),
-        "index_topk": key(Keys.Attention.Indexer.TOP_K),
-        "o_groups": key(OUTPUT_GROUP_COUNT),
-        "o_lora_rank": key(OUTPUT_LORA_RANK),
+        "index_n_heads": meta.require(Keys.Attention.Indexer.HEAD_COUNT),
+        "index_head_dim": meta.require(Keys.Attention.Indexer.KEY_LENGTH),
+        "index_topk": meta.require(Keys.Attention.Indexer.TOP_K),
+        "o_groups": meta.require(OUTPUT_GROUP_COUNT),
+        "o_lora_rank": meta.require(OUTPUT_LORA_RANK),
         "layer_types": layer_types,
         "compress_rates": {CSA: 4, HCA: HCA_RATIO},
-        "hc_mult": key(HC_COUNT),
-        "hc_sinkhorn_iters": key(HC_SINKHORN_ITERATIONS),
-        "hc_eps": key(HC_EPSILON),
+        "hc_mult": meta.require(HC_COUNT),
+        "hc_sinkhorn_iters": meta.require(HC_SINKHORN_ITERATIONS),
+        "hc_eps": meta.require(HC_EPSILON),
         "mlp_layer_types": ["hash_moe"] * min(hashed, layers) + ["moe"] * max(0, layers - hashed),
         "partial_rotary_factor": factor,
         "rope_parameters": {"main": main, "compress": compress},

@@ -10,13 +10,12 @@ reads them, as the config and tensor names of llmrun's dots1 model.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from gguf import ExpertGatingFuncType, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH, MODEL_TYPE = "dots1", "dots1"
 # GGUF layer tensor -> the module in llmrun's layer where it differs from the common
@@ -48,7 +47,7 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any]) -> None:
+def finish_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> None:
     """dots.llm1's fields of the HF-style config that config_from_gguf built, as
     llama_model_dots1::load_arch_hparams and llama.cpp's load_hparams read them: the
     experts (expert_feed_forward_length and expert_shared_count required), the leading
@@ -57,46 +56,46 @@ def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any])
     sigmoid gating (llama.cpp aborts on one without the key, and transformers' dots1
     is sigmoid-gated) and partial RoPE (llama.cpp asserts whole heads)."""
     path = gg.path
-    count, used = key(_name(Keys.LLM.EXPERT_COUNT), 0), key(_name(Keys.LLM.EXPERT_USED_COUNT), 0)
+    count, used = meta.get(Keys.LLM.EXPERT_COUNT, 0), meta.get(Keys.LLM.EXPERT_USED_COUNT, 0)
     if not 0 < used <= count:
         raise ModelFormatError(
-            f"{path}: {_full(Keys.LLM.EXPERT_USED_COUNT)} is {used}, but "
-            f"{_full(Keys.LLM.EXPERT_COUNT)} is {count} (each token needs 1 to {count} experts)"
+            f"{path}: {meta.name(Keys.LLM.EXPERT_USED_COUNT)} is {used}, but "
+            f"{meta.name(Keys.LLM.EXPERT_COUNT)} is {count} (each token needs 1 to {count} experts)"
         )
-    gating = key(_name(Keys.LLM.EXPERT_GATING_FUNC))
+    gating = meta.get(Keys.LLM.EXPERT_GATING_FUNC)
     if gating != ExpertGatingFuncType.SIGMOID:
         known = {int(t): t.name.lower() for t in ExpertGatingFuncType}
         said = "missing" if gating is None else f"{known.get(gating, f'{gating} (unknown)')}"
         raise UnsupportedError(
-            f"{path}: {_full(Keys.LLM.EXPERT_GATING_FUNC)} is {said}; dots.llm1's experts "
+            f"{path}: {meta.name(Keys.LLM.EXPERT_GATING_FUNC)} is {said}; dots.llm1's experts "
             "are gated by sigmoid, the only gating llmrun runs them with"
         )
-    width = key(_name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH), required=True)
+    width = meta.require(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)
     if isinstance(width, list):  # llama.cpp's get_key_or_arr: one per layer
         if len(set(width)) != 1:
             raise UnsupportedError(
-                f"{path}: {_full(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)} differs between "
+                f"{path}: {meta.name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)} differs between "
                 "layers, which llmrun does not support"
             )
         width = width[0]
     if "partial_rotary_factor" in config["rope_parameters"]:
         raise ModelFormatError(
-            f"{path}: {_full(Keys.Rope.DIMENSION_COUNT)} is not the head size "
+            f"{path}: {meta.name(Keys.Rope.DIMENSION_COUNT)} is not the head size "
             f"{config['head_dim']}; dots.llm1 rotates whole heads"
         )
-    groups = key(_name(Keys.LLM.EXPERT_GROUP_COUNT), 0)
+    groups = meta.get(Keys.LLM.EXPERT_GROUP_COUNT, 0)
     grouped = groups > 1  # llama.cpp ignores one group or none
     config.update(
         n_routed_experts=count,
         num_experts_per_tok=used,
         moe_intermediate_size=width,
-        n_shared_experts=key(_name(Keys.LLM.EXPERT_SHARED_COUNT), required=True),
-        first_k_dense_replace=key(_name(Keys.LLM.LEADING_DENSE_BLOCK_COUNT), 0),
+        n_shared_experts=meta.require(Keys.LLM.EXPERT_SHARED_COUNT),
+        first_k_dense_replace=meta.get(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, 0),
         # 0 (no key): llama.cpp leaves the weights unscaled.
-        routed_scaling_factor=key(_name(Keys.LLM.EXPERT_WEIGHTS_SCALE), 0.0) or 1.0,
-        norm_topk_prob=bool(key(_name(Keys.LLM.EXPERT_WEIGHTS_NORM), False)),
+        routed_scaling_factor=meta.get(Keys.LLM.EXPERT_WEIGHTS_SCALE, 0.0) or 1.0,
+        norm_topk_prob=bool(meta.get(Keys.LLM.EXPERT_WEIGHTS_NORM, False)),
         n_group=groups if grouped else 1,
-        topk_group=key(_name(Keys.LLM.EXPERT_GROUP_USED_COUNT), 0) if grouped else 1,
+        topk_group=meta.get(Keys.LLM.EXPERT_GROUP_USED_COUNT, 0) if grouped else 1,
     )
 
 
@@ -112,12 +111,3 @@ def gguf_weights(weights: dict[str, Any], config: dict[str, Any], weight_type: t
         if bias not in out:
             out[bias] = weight_type(torch.zeros(config["n_routed_experts"]))
     return out
-
-
-def _name(template: str) -> str:
-    """A gguf.Keys "{arch}.NAME" template without its arch: the key() argument."""
-    return template.removeprefix("{arch}.")
-
-
-def _full(template: str) -> str:
-    return template.format(arch=ARCH)

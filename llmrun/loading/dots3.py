@@ -34,6 +34,7 @@ from gguf import MODEL_TENSOR, TENSOR_NAMES, ExpertGatingFuncType, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import deepseek2, dsa, experts, glm4_moe
+from llmrun.loading.gguf_io import ArchMetadata
 
 ARCH, MODEL_TYPE = "dots3note", "dots3_note_text"
 MODEL_TYPES = ("dots3_note", MODEL_TYPE)
@@ -116,65 +117,52 @@ def config_from_gguf(gg, rope_from_gguf) -> dict[str, Any]:
     """An HF-style dots3_note_text config from the file's metadata, read as llama.cpp's
     llama_model_dots3note::load_arch_hparams reads it."""
     path, arch = gg.path, gg.architecture
-
-    def key(template: str, default: Any = None, required: bool = False) -> Any:
-        full = template.format(arch=arch)
-        if full not in gg.metadata:
-            if required:
-                raise ModelFormatError(f"{path}: metadata {full!r} is missing ({arch} needs it)")
-            return default
-        return gg.metadata[full]
-
-    def need(template: str) -> Any:
-        return key(template, required=True)
-
-    def name(template: str) -> str:
-        return template.format(arch=arch)
+    meta = ArchMetadata.of(gg)
 
     def per_layer(template: str, layers: int) -> list[Any]:
-        value = need(template)
+        value = meta.require(template)
         value = value if isinstance(value, list) else [value] * layers
         if len(value) < layers:
             raise ModelFormatError(
-                f"{path}: {name(template)} has {len(value)} entries for {layers} layers"
+                f"{path}: {meta.name(template)} has {len(value)} entries for {layers} layers"
             )
         return value[:layers]
 
     A = Keys.Attention
-    gating = need(Keys.LLM.EXPERT_GATING_FUNC)
+    gating = meta.require(Keys.LLM.EXPERT_GATING_FUNC)
     if gating != ExpertGatingFuncType.SIGMOID:
         raise UnsupportedError(
-            f"{path}: {name(Keys.LLM.EXPERT_GATING_FUNC)} is {gating}; {arch} experts are "
+            f"{path}: {meta.name(Keys.LLM.EXPERT_GATING_FUNC)} is {gating}; {arch} experts are "
             f"sigmoid-gated ({int(ExpertGatingFuncType.SIGMOID)}), the only gating its model has"
         )
     layers, nextn = glm4_moe.trunk_layers(gg, arch)
-    hidden, context = need(Keys.LLM.EMBEDDING_LENGTH), need(Keys.LLM.CONTEXT_LENGTH)
+    hidden, context = meta.require(Keys.LLM.EMBEDDING_LENGTH), meta.require(Keys.LLM.CONTEXT_LENGTH)
     heads = per_layer(A.HEAD_COUNT, layers)
     sliding = per_layer(A.SLIDING_WINDOW_PATTERN, layers)
     indexed = per_layer(INDEXER_TYPES, layers)
     if any(not s and not i for s, i in zip(sliding, indexed, strict=True)):
         raise UnsupportedError(
-            f"{path}: a {arch} layer neither sliding ({name(A.SLIDING_WINDOW_PATTERN)}) nor "
-            f"indexed ({name(INDEXER_TYPES)}) is not supported (llama.cpp's graph has none)"
+            f"{path}: a {arch} layer neither sliding ({meta.name(A.SLIDING_WINDOW_PATTERN)}) nor "
+            f"indexed ({meta.name(INDEXER_TYPES)}) is not supported (llama.cpp's graph has none)"
         )
     kinds = ["sliding_attention" if s else "indexed_attention" for s in sliding]
-    rope_dim = need(Keys.Rope.DIMENSION_COUNT)
+    rope_dim = meta.require(Keys.Rope.DIMENSION_COUNT)
     shapes = {
         "indexed_attention": (
-            need(A.KV_LORA_RANK),
-            need(A.KEY_LENGTH_MLA),
-            need(A.VALUE_LENGTH_MLA),
+            meta.require(A.KV_LORA_RANK),
+            meta.require(A.KEY_LENGTH_MLA),
+            meta.require(A.VALUE_LENGTH_MLA),
         ),
         "sliding_attention": (
-            need(KV_LORA_RANK_SWA),
-            need(KEY_LENGTH_MLA_SWA),
-            need(VALUE_LENGTH_MLA_SWA),
+            meta.require(KV_LORA_RANK_SWA),
+            meta.require(KEY_LENGTH_MLA_SWA),
+            meta.require(VALUE_LENGTH_MLA_SWA),
         ),
     }
     for kind, (_, qk, _) in shapes.items():
         if not 0 < rope_dim < qk:
             raise ModelFormatError(
-                f"{path}: {name(Keys.Rope.DIMENSION_COUNT)} is {rope_dim}, but the "
+                f"{path}: {meta.name(Keys.Rope.DIMENSION_COUNT)} is {rope_dim}, but the "
                 f"{kind} layers' keys have {qk} features: no part without RoPE is left"
             )
     first = kinds.index("indexed_attention") if "indexed_attention" in kinds else 0
@@ -184,22 +172,22 @@ def config_from_gguf(gg, rope_from_gguf) -> dict[str, Any]:
         "hidden_size": hidden,
         "num_hidden_layers": layers,
         "num_attention_heads": heads[first],
-        "vocab_size": key(Keys.LLM.VOCAB_SIZE)
+        "vocab_size": meta.get(Keys.LLM.VOCAB_SIZE)
         or len(gg.metadata.get(Keys.Tokenizer.LIST) or [])
         or gg.tensors["token_embd.weight"].shape[0],
         "max_position_embeddings": context,
-        "rms_norm_eps": need(A.LAYERNORM_RMS_EPS),
-        "q_lora_rank": need(A.Q_LORA_RANK),
+        "rms_norm_eps": meta.require(A.LAYERNORM_RMS_EPS),
+        "q_lora_rank": meta.require(A.Q_LORA_RANK),
         "kv_lora_rank": rank,
         "qk_nope_head_dim": qk - rope_dim,
         "qk_rope_head_dim": rope_dim,
         "v_head_dim": v,
         "layer_types": kinds,
-        "sliding_window": need(A.SLIDING_WINDOW),
+        "sliding_window": meta.require(A.SLIDING_WINDOW),
         "per_layer_config": {},
-        "index_n_heads": need(A.Indexer.HEAD_COUNT),
-        "index_head_dim": need(A.Indexer.KEY_LENGTH),
-        "index_topk": need(A.Indexer.TOP_K),
+        "index_n_heads": meta.require(A.Indexer.HEAD_COUNT),
+        "index_head_dim": meta.require(A.Indexer.KEY_LENGTH),
+        "index_topk": meta.require(A.Indexer.TOP_K),
         "tie_word_embeddings": "output.weight" not in gg.tensors,
         "lora_rescale": False,  # the converter folded it into the norms' weights
         glm4_moe.NEXTN: nextn,
@@ -215,8 +203,8 @@ def config_from_gguf(gg, rope_from_gguf) -> dict[str, Any]:
         differ = {k: value for k, value in own.items() if value != config[k]}
         if differ:
             config["per_layer_config"][i] = differ
-    need(Keys.LLM.LEADING_DENSE_BLOCK_COUNT)  # required by llama.cpp, 0 by deepseek2's
-    fields = deepseek2._experts(gg, key, name, layers, config["vocab_size"])
+    meta.require(Keys.LLM.LEADING_DENSE_BLOCK_COUNT)  # required by llama.cpp, 0 by deepseek2's
+    fields = deepseek2._experts(gg, meta, layers, config["vocab_size"])
     dense = fields["first_k_dense_replace"]
     fields.update(
         model_type=MODEL_TYPE,
@@ -225,11 +213,9 @@ def config_from_gguf(gg, rope_from_gguf) -> dict[str, Any]:
         mlp_layer_types=["dense"] * dense + ["sparse"] * (layers - dense),
     )
     config.update(fields)
-    theta_swa = need(Keys.Rope.FREQ_BASE_SWA)
+    theta_swa = meta.require(Keys.Rope.FREQ_BASE_SWA)
     config["rope_parameters"] = {
-        "indexed_attention": rope_from_gguf(
-            gg, lambda short, default=None: key(f"{{arch}}.{short}", default), rope_dim, context
-        ),
+        "indexed_attention": rope_from_gguf(gg, meta, rope_dim, context),
         "sliding_attention": {"rope_type": "default", "rope_theta": theta_swa},
     }
     return config

@@ -33,6 +33,7 @@ from gguf import (
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import deepseek2
+from llmrun.loading.gguf_io import ArchMetadata
 
 # gguf 0.19 names no MODEL_ARCH for DeepSeek-V3.2 (llama.cpp's constants.py does).
 DEEPSEEK32 = "deepseek32"
@@ -93,17 +94,12 @@ def config_from_gguf(gg, rope_from_gguf) -> dict[str, Any]:
     if config.get("q_lora_rank") is None:
         raise UnsupportedError(f"{path}: a {arch} file without attn_q_a is not supported")
 
-    def key(template: str) -> Any:
-        full = template.format(arch=arch)
-        if full not in gg.metadata:
-            raise ModelFormatError(f"{path}: metadata {full!r} is missing ({arch} needs it)")
-        return gg.metadata[full]
-
+    meta = ArchMetadata.of(gg)
     config.update(
         model_type=ARCHS[arch],
-        index_n_heads=key(Keys.Attention.Indexer.HEAD_COUNT),
-        index_head_dim=key(Keys.Attention.Indexer.KEY_LENGTH),
-        index_topk=key(Keys.Attention.Indexer.TOP_K),
+        index_n_heads=meta.require(Keys.Attention.Indexer.HEAD_COUNT),
+        index_head_dim=meta.require(Keys.Attention.Indexer.KEY_LENGTH),
+        index_topk=meta.require(Keys.Attention.Indexer.TOP_K),
     )
     if arch == GLM_DSA:
         config["indexer_types"] = _indexer_types(gg, config)

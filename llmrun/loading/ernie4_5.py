@@ -12,13 +12,12 @@ no model they run.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from gguf import ExpertGatingFuncType, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH, MODEL_TYPE = "ernie4_5", "ernie4_5"
 MOE_ARCH, MOE_MODEL_TYPE = "ernie4_5-moe", "ernie4_5_moe"
@@ -48,10 +47,10 @@ def moe_hf_name(gguf_name: str) -> str | None:
     return None if name is None else f"model.layers.{parts[1]}.{name}"
 
 
-def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any]) -> None:
+def finish_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> None:
     """ERNIE 4.5's fields of the HF-style config that config_from_gguf built."""
     head_dim = config["head_dim"]
-    rotated = key(Keys.Rope.DIMENSION_COUNT.removeprefix("{arch}."))
+    rotated = meta.get(Keys.Rope.DIMENSION_COUNT)
     if rotated not in (None, head_dim):
         raise ModelFormatError(
             f"{gg.path}: {gg.architecture}.rope.dimension_count is {rotated}, but ERNIE 4.5 "
@@ -68,23 +67,20 @@ def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any])
         )
     config["use_bias"] = False
     if gg.architecture == MOE_ARCH:
-        _moe_config(gg, config, key)
+        _moe_config(gg, config, meta)
 
 
-def _moe_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any]) -> None:
+def _moe_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> None:
     """The experts' fields, as llama.cpp reads them (llama_model_ernie4_5::load_arch_hparams
     and its graph): experts from leading_dense_block_count on, softmax gating, the chosen
     weights renormalized, shared experts expert_shared_feed_forward_length wide (none
     where it is absent)."""
 
-    def read(template: str, default: Any = None, required: bool = False) -> Any:
-        return key(template.removeprefix("{arch}."), default, required)
-
-    count = read(Keys.LLM.EXPERT_COUNT, required=True)
-    used = read(Keys.LLM.EXPERT_USED_COUNT, required=True)
-    width = read(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, required=True)
-    step = read(Keys.LLM.INTERLEAVE_MOE_LAYER_STEP, required=True)
-    shared = read(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0)
+    count = meta.require(Keys.LLM.EXPERT_COUNT)
+    used = meta.require(Keys.LLM.EXPERT_USED_COUNT)
+    width = meta.require(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)
+    step = meta.require(Keys.LLM.INTERLEAVE_MOE_LAYER_STEP)
+    shared = meta.get(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0)
     if not 0 < used <= count:
         raise ModelFormatError(
             f"{gg.path}: {MOE_ARCH}.expert_used_count is {used}, but expert_count is {count}"
@@ -105,8 +101,8 @@ def _moe_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any]) -
             f"{gg.path}: {MOE_ARCH}.expert_shared_feed_forward_length {shared} is no whole "
             f"number of experts {width} wide"
         )
-    gating = read(Keys.LLM.EXPERT_GATING_FUNC)
-    scale = read(Keys.LLM.EXPERT_WEIGHTS_SCALE)
+    gating = meta.get(Keys.LLM.EXPERT_GATING_FUNC)
+    scale = meta.get(Keys.LLM.EXPERT_WEIGHTS_SCALE)
     if gating not in (None, ExpertGatingFuncType.SOFTMAX) or scale not in (None, 0.0, 1.0):
         raise UnsupportedError(
             f"{gg.path}: {MOE_ARCH} experts gated other than by softmax, or with scaled "
@@ -118,7 +114,7 @@ def _moe_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any]) -
         moe_k=used,
         moe_intermediate_size=width,
         moe_num_shared_experts=shared // width,
-        moe_layer_start_index=read(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, 0),
+        moe_layer_start_index=meta.get(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, 0),
         moe_layer_end_index=config["num_hidden_layers"] - 1,
         moe_layer_interval=step,
     )

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from gguf import Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH = MODEL_TYPE = "exaone"
 # The checkpoints' module names -> Llama's, in transformers' order.
@@ -62,13 +61,13 @@ def hf_checkpoint(
     return canonical_config(config), renamed
 
 
-def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any]) -> None:
+def finish_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> None:
     """EXAONE's checks of the HF-style config that config_from_gguf built (whole-head
     RoPE, YaRN as llama.cpp applies it: check_rope)."""
-    check_rope(gg, config, key, "EXAONE")
+    check_rope(gg, config, meta, "EXAONE")
 
 
-def check_rope(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any], family: str) -> None:
+def check_rope(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata, family: str) -> None:
     """Refuses, for a family whose llama.cpp graph rotates whole heads (EXAONE, Arcee),
     a rope dimension count below the head size, and YaRN settings llama.cpp would not
     apply as transformers does: an extrapolation factor other than 1, and a magnitude
@@ -82,21 +81,21 @@ def check_rope(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any], fa
             f"{config['head_dim']}; {family} rotates whole heads"
         )
     if rope["rope_type"] == "yarn":
-        ext = key(Keys.Rope.SCALING_YARN_EXT_FACTOR.removeprefix("{arch}."))
+        ext = meta.get(Keys.Rope.SCALING_YARN_EXT_FACTOR)
         if ext is not None and ext != 1.0:
             raise UnsupportedError(
                 f"{gg.path}: a YaRN extrapolation factor of {ext} is not supported (1.0 is)"
             )
         factor = rope.get("factor") or 1.0
         usual = 0.1 * math.log(factor) + 1 if factor > 1 else 1.0
-        magnitude = key(Keys.Rope.SCALING_YARN_ATTN_FACTOR.removeprefix("{arch}."))
+        magnitude = meta.get(Keys.Rope.SCALING_YARN_ATTN_FACTOR)
         if magnitude is not None and abs(magnitude - usual) > 1e-6:
             raise UnsupportedError(
                 f"{gg.path}: {Keys.Rope.SCALING_YARN_ATTN_FACTOR.format(arch=arch)} is "
                 f"{magnitude}, which llama.cpp does not apply ({usual:.6g} instead); llmrun "
                 "does not guess which the model needs"
             )
-    scale = key(Keys.Rope.SCALING_ATTN_FACTOR.removeprefix("{arch}."), 1.0)
+    scale = meta.get(Keys.Rope.SCALING_ATTN_FACTOR, 1.0)
     if scale != 1.0:
         raise UnsupportedError(
             f"{gg.path}: {Keys.Rope.SCALING_ATTN_FACTOR.format(arch=arch)} other than 1 is "

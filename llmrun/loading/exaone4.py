@@ -16,7 +16,7 @@ from typing import Any
 from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH = MODEL_TYPE = "exaone4"
 HYBRID_LAYERS = 64  # llama_model_exaone4::load_arch_hparams: the 32B's layer count
@@ -40,11 +40,8 @@ def finish_config(
     than transformers runs the model: a window outside a 64-layer model, a sliding RoPE
     base of its own; and NextN prediction layers and partial RoPE."""
     layers = config["num_hidden_layers"]
-
-    def arch_key(template: str, default: Any = None) -> Any:
-        return gg.metadata.get(template.format(arch=ARCH), default)
-
-    if arch_key(Keys.LLM.NEXTN_PREDICT_LAYERS, 0):
+    meta = ArchMetadata.of(gg, ARCH)
+    if meta.get(Keys.LLM.NEXTN_PREDICT_LAYERS, 0):
         raise UnsupportedError(
             f"{gg.path}: an exaone4 file with NextN prediction layers (EXAONE 4.5) is not supported"
         )
@@ -54,7 +51,7 @@ def finish_config(
             f"{gg.path}: {Keys.Rope.DIMENSION_COUNT.format(arch=ARCH)} is not the head size "
             f"{config['head_dim']}; EXAONE 4 rotates whole heads"
         )
-    window = arch_key(Keys.Attention.SLIDING_WINDOW)
+    window = meta.get(Keys.Attention.SLIDING_WINDOW)
     if layers != HYBRID_LAYERS:
         if window:
             # The converter writes a window only for a config with one, whose global
@@ -67,7 +64,7 @@ def finish_config(
             )
         config.update(sliding_window=None, layer_types=["full_attention"] * layers)
         return
-    local_base = arch_key(Keys.Rope.FREQ_BASE_SWA)
+    local_base = meta.get(Keys.Rope.FREQ_BASE_SWA)
     if local_base is not None and local_base != rope["rope_theta"]:
         raise UnsupportedError(
             f"{gg.path}: {Keys.Rope.FREQ_BASE_SWA.format(arch=ARCH)} ({local_base}) differs "
@@ -76,5 +73,5 @@ def finish_config(
         )
     config.update(
         sliding_window=window or SLIDING_WINDOW,
-        layer_types=layer_types(gg, arch_key, layers, SWA_PATTERN),
+        layer_types=layer_types(gg, meta, layers, SWA_PATTERN),
     )

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from gguf import MODEL_TENSOR, TENSOR_NAMES, ExpertGatingFuncType, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import experts, glm4_moe
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH, MODEL_TYPE = "exaone-moe", "exaone_moe"
 SLIDING_WINDOW = 128  # llama_model_exaone_moe::load_arch_hparams: n_swa where the file has none
@@ -76,7 +77,7 @@ def gguf_weights(weights: dict[str, Any], config: dict[str, Any], weight_type: t
 def finish_config(
     gg: GGUFFile,
     config: dict[str, Any],
-    key: Callable[..., Any],
+    meta: ArchMetadata,
     layer_types: Callable[..., list[str]],
 ) -> None:
     """EXAONE MoE's fields of the HF-style config that config_from_gguf built, as
@@ -89,48 +90,48 @@ def finish_config(
     layers, nextn = glm4_moe.trunk_layers(gg, ARCH)
     config.update(num_hidden_layers=layers)
     config[glm4_moe.NEXTN] = nextn
-    count, used = key(_name(Keys.LLM.EXPERT_COUNT), 0), key(_name(Keys.LLM.EXPERT_USED_COUNT), 0)
+    count, used = meta.get(Keys.LLM.EXPERT_COUNT, 0), meta.get(Keys.LLM.EXPERT_USED_COUNT, 0)
     if not 0 < used <= count:
         raise ModelFormatError(
-            f"{path}: {_full(Keys.LLM.EXPERT_USED_COUNT)} is {used}, but "
-            f"{_full(Keys.LLM.EXPERT_COUNT)} is {count} (each token needs 1 to {count} experts)"
+            f"{path}: {meta.name(Keys.LLM.EXPERT_USED_COUNT)} is {used}, but "
+            f"{meta.name(Keys.LLM.EXPERT_COUNT)} is {count} (each token needs 1 to {count} experts)"
         )
-    gating = key(_name(Keys.LLM.EXPERT_GATING_FUNC), int(ExpertGatingFuncType.SIGMOID))
+    gating = meta.get(Keys.LLM.EXPERT_GATING_FUNC, int(ExpertGatingFuncType.SIGMOID))
     if gating != ExpertGatingFuncType.SIGMOID:
         known = {int(t): t.name.lower() for t in ExpertGatingFuncType}
         raise UnsupportedError(
-            f"{path}: {_full(Keys.LLM.EXPERT_GATING_FUNC)} is "
+            f"{path}: {meta.name(Keys.LLM.EXPERT_GATING_FUNC)} is "
             f"{known.get(gating, f'{gating} (unknown)')}; EXAONE MoE's experts are gated "
             "by sigmoid"
         )
-    groups = key(_name(Keys.LLM.EXPERT_GROUP_COUNT), 1)
-    if groups > 1 and key(_name(Keys.LLM.EXPERT_GROUP_USED_COUNT), groups) < groups:
+    groups = meta.get(Keys.LLM.EXPERT_GROUP_COUNT, 1)
+    if groups > 1 and meta.get(Keys.LLM.EXPERT_GROUP_USED_COUNT, groups) < groups:
         raise UnsupportedError(
-            f"{path}: {_full(Keys.LLM.EXPERT_GROUP_COUNT)} is {groups} with fewer groups "
+            f"{path}: {meta.name(Keys.LLM.EXPERT_GROUP_COUNT)} is {groups} with fewer groups "
             "used; llama.cpp's exaone-moe ignores the groups, transformers chooses among "
             "them, and llmrun does not guess which the model was trained with"
         )
-    width = key(_name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH), required=True)
+    width = meta.require(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)
     if isinstance(width, list):  # llama.cpp's get_key_or_arr: one per layer
         if len(set(width)) != 1:
             raise UnsupportedError(
-                f"{path}: {_full(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)} differs between "
+                f"{path}: {meta.name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)} differs between "
                 "layers, which llmrun does not support"
             )
         width = width[0]
-    shared_width = key(_name(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH), 0) or width
+    shared_width = meta.get(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0) or width
     if shared_width % width:
         raise UnsupportedError(
-            f"{path}: {_full(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH)} ({shared_width}) "
+            f"{path}: {meta.name(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH)} ({shared_width}) "
             f"is not a whole number of experts {width} wide"
         )
-    rotated = key(_name(Keys.Rope.DIMENSION_COUNT))
+    rotated = meta.get(Keys.Rope.DIMENSION_COUNT)
     if rotated and rotated != config["head_dim"]:
         raise ModelFormatError(
-            f"{path}: {_full(Keys.Rope.DIMENSION_COUNT)} is {rotated}, not the head size "
+            f"{path}: {meta.name(Keys.Rope.DIMENSION_COUNT)} is {rotated}, not the head size "
             f"{config['head_dim']}; EXAONE MoE rotates whole heads"
         )
-    dense = key(_name(Keys.LLM.LEADING_DENSE_BLOCK_COUNT), 0)
+    dense = meta.get(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, 0)
     config.update(
         num_experts=count,
         num_experts_per_tok=used,
@@ -139,31 +140,21 @@ def finish_config(
         first_k_dense_replace=dense,
         mlp_layer_types=["dense" if i < dense else "sparse" for i in range(layers)],
         # 0 (no key): llama.cpp leaves the weights unscaled.
-        routed_scaling_factor=key(_name(Keys.LLM.EXPERT_WEIGHTS_SCALE), 0.0) or 1.0,
-        norm_topk_prob=bool(key(_name(Keys.LLM.EXPERT_WEIGHTS_NORM), False)),
+        routed_scaling_factor=meta.get(Keys.LLM.EXPERT_WEIGHTS_SCALE, 0.0) or 1.0,
+        norm_topk_prob=bool(meta.get(Keys.LLM.EXPERT_WEIGHTS_NORM, False)),
         n_group=1,
         topk_group=1,
         hidden_act="silu",
     )
-    local_base = key(_name(Keys.Rope.FREQ_BASE_SWA))
+    local_base = meta.get(Keys.Rope.FREQ_BASE_SWA)
     if local_base is not None:
         config["rope_parameters"]["rope_theta"] = local_base  # the rotating layers' base
-
-    def trunk_key(template: str, default: Any = None) -> Any:
-        value = gg.metadata.get(template.format(arch=ARCH), default)
+    flags = meta.get(Keys.Attention.SLIDING_WINDOW_PATTERN)
+    if isinstance(flags, list) and len(flags) == layers + nextn:
         # Flags for the MTP layers too: the trunk's come first.
-        return value[:layers] if isinstance(value, list) and len(value) == layers + nextn else value
-
+        trunk = {meta.name(Keys.Attention.SLIDING_WINDOW_PATTERN): flags[:layers]}
+        meta = replace(meta, metadata={**meta.metadata, **trunk})
     config.update(
-        sliding_window=key(_name(Keys.Attention.SLIDING_WINDOW)) or SLIDING_WINDOW,
-        layer_types=layer_types(gg, trunk_key, layers, SWA_PATTERN),
+        sliding_window=meta.get(Keys.Attention.SLIDING_WINDOW) or SLIDING_WINDOW,
+        layer_types=layer_types(gg, meta, layers, SWA_PATTERN),
     )
-
-
-def _name(template: str) -> str:
-    """A gguf.Keys "{arch}.NAME" template without its arch: the key() argument."""
-    return template.removeprefix("{arch}.")
-
-
-def _full(template: str) -> str:
-    return template.format(arch=ARCH)

@@ -24,6 +24,7 @@ from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
 
 from llmrun.errors import ModelFormatError
 from llmrun.loading import granitehybrid
+from llmrun.loading.gguf_io import ArchMetadata
 
 if TYPE_CHECKING:
     from llmrun.loading.gguf_io import GGUFFile
@@ -84,39 +85,31 @@ def hf_name(gguf_name: str) -> str | None:
 def config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable) -> dict[str, Any]:
     """The HF config.json dict of a falcon-h1 GGUF, its multipliers all 1 (folded into
     the weights). rope_from_gguf: gguf_config._rope_from_gguf."""
-
-    def key(template: str, default: Any = None, required: bool = False) -> Any:
-        name = template.format(arch=ARCH)
-        if name not in gg.metadata:
-            if required:
-                raise ModelFormatError(f"{gg.path}: metadata {name!r} is missing")
-            return default
-        return gg.metadata[name]
-
-    hidden = key(Keys.LLM.EMBEDDING_LENGTH, required=True)
-    heads = key(Keys.Attention.HEAD_COUNT, required=True)
-    head_dim = key(Keys.Attention.KEY_LENGTH) or (hidden // heads if heads else None)
-    inner = key(Keys.SSM.INNER_SIZE, required=True)
-    ssm_heads = key(Keys.SSM.TIME_STEP_RANK, required=True)
-    groups = key(Keys.SSM.GROUP_COUNT, required=True)
+    meta = ArchMetadata.of(gg, ARCH)
+    hidden = meta.require(Keys.LLM.EMBEDDING_LENGTH)
+    heads = meta.require(Keys.Attention.HEAD_COUNT)
+    head_dim = meta.get(Keys.Attention.KEY_LENGTH) or (hidden // heads if heads else None)
+    inner = meta.require(Keys.SSM.INNER_SIZE)
+    ssm_heads = meta.require(Keys.SSM.TIME_STEP_RANK)
+    groups = meta.require(Keys.SSM.GROUP_COUNT)
     if not ssm_heads or inner % ssm_heads or not groups or ssm_heads % groups:
         raise ModelFormatError(
             f"{gg.path}: ssm.inner_size {inner} does not split into ssm.time_step_rank "
             f"{ssm_heads} Mamba-2 heads in ssm.group_count {groups} groups"
         )
-    context = key(Keys.LLM.CONTEXT_LENGTH, required=True)
+    context = meta.require(Keys.LLM.CONTEXT_LENGTH)
     embed = gg.tensors.get("token_embd.weight")
     config: dict[str, Any] = {
         "model_type": MODEL_TYPE,
         "hidden_size": hidden,
-        "intermediate_size": key(Keys.LLM.FEED_FORWARD_LENGTH, required=True),
-        "num_hidden_layers": key(Keys.LLM.BLOCK_COUNT, required=True),
+        "intermediate_size": meta.require(Keys.LLM.FEED_FORWARD_LENGTH),
+        "num_hidden_layers": meta.require(Keys.LLM.BLOCK_COUNT),
         "num_attention_heads": heads,
-        "num_key_value_heads": key(Keys.Attention.HEAD_COUNT_KV, heads),
+        "num_key_value_heads": meta.get(Keys.Attention.HEAD_COUNT_KV, heads),
         "head_dim": head_dim,
-        "rms_norm_eps": key(Keys.Attention.LAYERNORM_RMS_EPS, required=True),
+        "rms_norm_eps": meta.require(Keys.Attention.LAYERNORM_RMS_EPS),
         "max_position_embeddings": context,
-        "vocab_size": key(Keys.LLM.VOCAB_SIZE) or (embed.shape[0] if embed else None),
+        "vocab_size": meta.get(Keys.LLM.VOCAB_SIZE) or (embed.shape[0] if embed else None),
         "tie_word_embeddings": "output.weight" not in gg.tensors,
         "attention_bias": "blk.0.attn_q.bias" in gg.tensors,
         "mlp_bias": "blk.0.ffn_gate.bias" in gg.tensors,
@@ -124,14 +117,12 @@ def config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable) -> dict[str, Any]:
         "mamba_n_heads": ssm_heads,
         "mamba_d_head": inner // ssm_heads,
         "mamba_n_groups": groups,
-        "mamba_d_state": key(Keys.SSM.STATE_SIZE, required=True),
-        "mamba_d_conv": key(Keys.SSM.CONV_KERNEL, required=True),
+        "mamba_d_state": meta.require(Keys.SSM.STATE_SIZE),
+        "mamba_d_conv": meta.require(Keys.SSM.CONV_KERNEL),
         "mamba_conv_bias": "blk.0.ssm_conv1d.bias" in gg.tensors,
         "mamba_rms_norm": "blk.0.ssm_norm.weight" in gg.tensors,
         "mamba_norm_before_gate": False,
-        "rope_parameters": rope_from_gguf(
-            gg, lambda name, default=None: key(f"{{arch}}.{name}", default), head_dim, context
-        ),
+        "rope_parameters": rope_from_gguf(gg, meta, head_dim, context),
     }
     return config
 

@@ -27,7 +27,7 @@ from typing import Any
 from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
 
 from llmrun.errors import ModelFormatError
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH = "gemma3n"
 MODEL_TYPE = "gemma3n_text"
@@ -109,42 +109,38 @@ def hf_name(gguf_name: str) -> str | None:
 def finish_config(
     gg: GGUFFile,
     config: dict[str, Any],
-    key: Callable[..., Any],
+    meta: ArchMetadata,
     rope_from_gguf: Callable[..., dict[str, Any]],
     layer_types: Callable[..., list[str]],
 ) -> dict[str, Any]:
-    """Gemma 3n's fields of the HF-style config that config_from_gguf built (`key` reads
-    "gemma3n.NAME" keys; `rope_from_gguf` and `layer_types` are gguf_config's readers of
-    the RoPE keys and of llama.cpp's window pattern)."""
+    """Gemma 3n's fields of the HF-style config that config_from_gguf built
+    (`rope_from_gguf` and `layer_types` are gguf_config's readers of the RoPE keys and of
+    llama.cpp's window pattern)."""
     layers = config["num_hidden_layers"]
-
-    def arch_key(template: str, default: Any = None) -> Any:
-        return gg.metadata.get(template.format(arch=ARCH), default)
-
-    window = arch_key(Keys.Attention.SLIDING_WINDOW)
+    window = meta.get(Keys.Attention.SLIDING_WINDOW)
     if not window:
         # llama.cpp refuses the file too (a required key of gemma3n's hparams).
         raise ModelFormatError(
             f"{gg.path}: {Keys.Attention.SLIDING_WINDOW.format(arch=ARCH)} is missing or 0; "
             "Gemma 3n's local layers need their window"
         )
-    shared = arch_key(Keys.Attention.SHARED_KV_LAYERS, max(layers - KV_LAYERS, 0))
-    scales = arch_key(Keys.LLM.ACTIVATION_SPARSITY_SCALE)
+    shared = meta.get(Keys.Attention.SHARED_KV_LAYERS, max(layers - KV_LAYERS, 0))
+    scales = meta.get(Keys.LLM.ACTIVATION_SPARSITY_SCALE)
     if scales is None:
         scales = [STD_MULTIPLIER if i < SPARSE_LAYERS else -math.inf for i in range(layers)]
-    rope = rope_from_gguf(gg, key, config["head_dim"], config["max_position_embeddings"])
-    local = {"rope_type": "default", "rope_theta": arch_key(Keys.Rope.FREQ_BASE_SWA, ROPE_BASE_SWA)}
+    rope = rope_from_gguf(gg, meta, config["head_dim"], config["max_position_embeddings"])
+    local = {"rope_type": "default", "rope_theta": meta.get(Keys.Rope.FREQ_BASE_SWA, ROPE_BASE_SWA)}
     config.update(
         model_type=MODEL_TYPE,
         hidden_activation="gelu_pytorch_tanh",  # its graph's ggml_gelu
         sliding_window=window,
-        layer_types=layer_types(gg, arch_key, layers, SWA_PATTERN),
+        layer_types=layer_types(gg, meta, layers, SWA_PATTERN),
         rope_parameters={"full_attention": rope, "sliding_attention": local},
-        final_logit_softcapping=arch_key(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, FINAL_SOFTCAP),
-        altup_num_inputs=arch_key(Keys.LLM.ALTUP_NUM_INPUTS, ALTUP_INPUTS),
-        altup_active_idx=arch_key(Keys.LLM.ALTUP_ACTIVE_IDX, ALTUP_ACTIVE),
+        final_logit_softcapping=meta.get(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, FINAL_SOFTCAP),
+        altup_num_inputs=meta.get(Keys.LLM.ALTUP_NUM_INPUTS, ALTUP_INPUTS),
+        altup_active_idx=meta.get(Keys.LLM.ALTUP_ACTIVE_IDX, ALTUP_ACTIVE),
         altup_correct_scale=True,  # llama.cpp always scales (the tensor is always written)
-        hidden_size_per_layer_input=arch_key(Keys.LLM.EMBD_LENGTH_PER_LAYER_INP, PER_LAYER_WIDTH),
+        hidden_size_per_layer_input=meta.get(Keys.LLM.EMBD_LENGTH_PER_LAYER_INP, PER_LAYER_WIDTH),
         num_kv_shared_layers=shared,
         activation_sparsity_std_multipliers=[float(s) for s in scales],
         laurel_rank=_rows(gg, f"blk.0.{TENSOR_NAMES[MODEL_TENSOR.LAUREL_L].split('.')[-1]}"),

@@ -28,7 +28,7 @@ from gguf import MODEL_TENSOR, TENSOR_NAMES, ExpertGatingFuncType, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import experts
-from llmrun.loading.gguf_io import GGUFFile, read_float_list
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile, read_float_list
 
 ARCH = "gemma4"
 MODEL_TYPE = "gemma4_text"
@@ -107,35 +107,27 @@ def hf_name(gguf_name: str) -> str | None:
 def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
     """The HF-style config (Gemma4TextConfig's fields, per_layer_config for the global
     layers' heads) of a gemma4 GGUF."""
-
-    def key(template: str, default: Any = None, required: bool = False) -> Any:
-        full = template.format(arch=ARCH)
-        if full not in gg.metadata:
-            if required:
-                raise ModelFormatError(f"{gg.path}: metadata {full!r} is missing")
-            return default
-        return gg.metadata[full]
-
-    layers = key(Keys.LLM.BLOCK_COUNT, required=True)
-    hidden = key(Keys.LLM.EMBEDDING_LENGTH, required=True)
-    n_heads = _uniform(gg, Keys.Attention.HEAD_COUNT, key(Keys.Attention.HEAD_COUNT, required=True))
-    flags = key(Keys.Attention.SLIDING_WINDOW_PATTERN, required=True)
+    meta = ArchMetadata.of(gg, ARCH)
+    layers = meta.require(Keys.LLM.BLOCK_COUNT)
+    hidden = meta.require(Keys.LLM.EMBEDDING_LENGTH)
+    n_heads = _uniform(gg, Keys.Attention.HEAD_COUNT, meta.require(Keys.Attention.HEAD_COUNT))
+    flags = meta.require(Keys.Attention.SLIDING_WINDOW_PATTERN)
     if not isinstance(flags, list) or len(flags) != layers:
         raise ModelFormatError(
             f"{gg.path}: {Keys.Attention.SLIDING_WINDOW_PATTERN.format(arch=ARCH)} is not a "
             f"list of {layers} layer flags"
         )
     layer_types = [SLIDING if f else FULL for f in flags]
-    full_dim = key(Keys.Attention.KEY_LENGTH, hidden // n_heads)
-    local_dim = key(Keys.Attention.KEY_LENGTH_SWA, required=True)
+    full_dim = meta.get(Keys.Attention.KEY_LENGTH, hidden // n_heads)
+    local_dim = meta.require(Keys.Attention.KEY_LENGTH_SWA)
     for name, value in ((Keys.Attention.VALUE_LENGTH, full_dim),
                         (Keys.Attention.VALUE_LENGTH_SWA, local_dim)):  # fmt: skip
-        if key(name, value) != value:
+        if meta.get(name, value) != value:
             raise UnsupportedError(
                 f"{gg.path}: {name.format(arch=ARCH)} differs from the key length; Gemma 4's "
                 "keys and values are as wide"
             )
-    kv_heads = key(Keys.Attention.HEAD_COUNT_KV, n_heads)
+    kv_heads = meta.get(Keys.Attention.HEAD_COUNT_KV, n_heads)
     kv_heads = kv_heads if isinstance(kv_heads, list) else [kv_heads] * layers
     if len(kv_heads) != layers:
         raise ModelFormatError(
@@ -144,15 +136,15 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         )
     local_heads = next((h for h, t in zip(kv_heads, layer_types, strict=True) if t == SLIDING),
                        kv_heads[0])  # fmt: skip
-    shared = key(Keys.Attention.SHARED_KV_LAYERS, 0)
+    shared = meta.get(Keys.Attention.SHARED_KV_LAYERS, 0)
     _check_sharing(gg, layer_types, shared)
-    per_layer = key(Keys.LLM.EMBD_LENGTH_PER_LAYER_INP, required=True)
+    per_layer = meta.require(Keys.LLM.EMBD_LENGTH_PER_LAYER_INP)
     tokens = gg.metadata.get(Keys.Tokenizer.LIST)
     embed = gg.tensors.get("token_embd.weight")
     config: dict[str, Any] = {
         "model_type": MODEL_TYPE,
         "hidden_size": hidden,
-        "intermediate_size": key(Keys.LLM.FEED_FORWARD_LENGTH, required=True),
+        "intermediate_size": meta.require(Keys.LLM.FEED_FORWARD_LENGTH),
         "num_hidden_layers": layers,
         "num_attention_heads": n_heads,
         "num_key_value_heads": local_heads,
@@ -164,21 +156,22 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
             }
             for i, t in enumerate(layer_types)
         },  # fmt: skip
-        "rms_norm_eps": key(Keys.Attention.LAYERNORM_RMS_EPS, required=True),
-        "max_position_embeddings": key(Keys.LLM.CONTEXT_LENGTH, required=True),
+        "rms_norm_eps": meta.require(Keys.Attention.LAYERNORM_RMS_EPS),
+        "max_position_embeddings": meta.require(Keys.LLM.CONTEXT_LENGTH),
         "vocab_size": len(tokens) if tokens else (embed.shape[0] if embed else None),
         "tie_word_embeddings": "output.weight" not in gg.tensors,
         "attention_bias": False,
         "hidden_activation": "gelu_pytorch_tanh",  # its graph's LLM_FFN_GELU
-        "sliding_window": key(Keys.Attention.SLIDING_WINDOW, required=True),
+        "sliding_window": meta.require(Keys.Attention.SLIDING_WINDOW),
         "layer_types": layer_types,
-        "final_logit_softcapping": key(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, FINAL_SOFTCAP) or None,
+        "final_logit_softcapping": meta.get(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, FINAL_SOFTCAP)
+        or None,
         "num_kv_shared_layers": shared,
         "attention_k_eq_v": _keys_are_values(gg, layer_types, shared),
         "hidden_size_per_layer_input": per_layer or None,
         "rope_parameters": {
-            SLIDING: _local_rope(gg, key, local_dim),
-            FULL: _global_rope(gg, key, full_dim),
+            SLIDING: _local_rope(gg, meta, local_dim),
+            FULL: _global_rope(gg, meta, full_dim),
         },
     }
     if per_layer:
@@ -188,7 +181,7 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
                 f"{gg.path}: per-layer inputs {per_layer} wide, but no per_layer_token_embd"
             )
         config["vocab_size_per_layer_input"] = int(rows.shape[0])
-    config.update(_experts(gg, key, layers))
+    config.update(_experts(gg, meta, layers))
     return config
 
 
@@ -238,30 +231,30 @@ def _keys_are_values(gg: GGUFFile, layer_types: list[str], shared: int) -> bool:
     return bool(missing)
 
 
-def _local_rope(gg: GGUFFile, key, head_dim: int) -> dict[str, Any]:
-    turned = key(Keys.Rope.DIMENSION_COUNT_SWA, head_dim)
+def _local_rope(gg: GGUFFile, meta: ArchMetadata, head_dim: int) -> dict[str, Any]:
+    turned = meta.get(Keys.Rope.DIMENSION_COUNT_SWA, head_dim)
     if turned != head_dim:
         raise UnsupportedError(
             f"{gg.path}: {Keys.Rope.DIMENSION_COUNT_SWA.format(arch=ARCH)} is {turned}, but "
             f"the local heads are {head_dim} wide; Gemma 4 turns them whole"
         )
-    return {"rope_type": "default", "rope_theta": key(Keys.Rope.FREQ_BASE_SWA, ROPE_BASE_SWA)}
+    return {"rope_type": "default", "rope_theta": meta.get(Keys.Rope.FREQ_BASE_SWA, ROPE_BASE_SWA)}
 
 
-def _global_rope(gg: GGUFFile, key, head_dim: int) -> dict[str, Any]:
+def _global_rope(gg: GGUFFile, meta: ArchMetadata, head_dim: int) -> dict[str, Any]:
     """The global layers' proportional RoPE from rope_freqs: its 1s turn, its 1e30s do
     not (a header-only read, `llmrun show`'s, leaves the share out: nothing it reports
     depends on it)."""
-    scaling = key(Keys.Rope.SCALING_TYPE, "none")
+    scaling = meta.get(Keys.Rope.SCALING_TYPE, "none")
     if scaling not in ("none", None):
         raise UnsupportedError(f"{gg.path}: RoPE scaling {scaling!r} is not supported for Gemma 4")
-    turned = key(Keys.Rope.DIMENSION_COUNT, head_dim)
+    turned = meta.get(Keys.Rope.DIMENSION_COUNT, head_dim)
     if turned != head_dim:
         raise UnsupportedError(
             f"{gg.path}: {Keys.Rope.DIMENSION_COUNT.format(arch=ARCH)} is {turned}, but the "
             f"global heads are {head_dim} wide; the converter turns them whole, by rope_freqs"
         )
-    rope = {"rope_type": "proportional", "rope_theta": key(Keys.Rope.FREQ_BASE, 10000.0)}
+    rope = {"rope_type": "proportional", "rope_theta": meta.get(Keys.Rope.FREQ_BASE, 10000.0)}
     name = f"{TENSOR_NAMES[MODEL_TENSOR.ROPE_FREQS]}.weight"
     if name not in gg.tensors:
         raise ModelFormatError(f"{gg.path}: tensor {name!r} is missing; the global layers need it")
@@ -287,18 +280,18 @@ def _global_rope(gg: GGUFFile, key, head_dim: int) -> dict[str, Any]:
     return rope
 
 
-def _experts(gg: GGUFFile, key, layers: int) -> dict[str, Any]:
+def _experts(gg: GGUFFile, meta: ArchMetadata, layers: int) -> dict[str, Any]:
     """The MoE fields (enable_moe_block and the experts' sizes), where the file has experts."""
-    count = key(Keys.LLM.EXPERT_COUNT, 0)
+    count = meta.get(Keys.LLM.EXPERT_COUNT, 0)
     if not count:
         return {}
-    used = key(Keys.LLM.EXPERT_USED_COUNT, 0)
+    used = meta.get(Keys.LLM.EXPERT_USED_COUNT, 0)
     if not 0 < used <= count:
         raise ModelFormatError(
             f"{gg.path}: {Keys.LLM.EXPERT_USED_COUNT.format(arch=ARCH)} is {used}, but "
             f"{Keys.LLM.EXPERT_COUNT.format(arch=ARCH)} is {count}"
         )
-    gating = key(Keys.LLM.EXPERT_GATING_FUNC)
+    gating = meta.get(Keys.LLM.EXPERT_GATING_FUNC)
     if gating is not None and gating != ExpertGatingFuncType.SOFTMAX:
         raise UnsupportedError(
             f"{gg.path}: Gemma 4's experts are gated by softmax, but "
@@ -311,7 +304,7 @@ def _experts(gg: GGUFFile, key, layers: int) -> dict[str, Any]:
                 "with experts in every layer"
             )
     width = _uniform(gg, Keys.LLM.EXPERT_FEED_FORWARD_LENGTH,
-                     key(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, required=True))  # fmt: skip
+                     meta.require(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH))  # fmt: skip
     return {
         "enable_moe_block": True,
         "num_experts": count,

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from gguf import Keys
 
 from llmrun.errors import ModelFormatError
+from llmrun.loading.gguf_io import ArchMetadata
 
 if TYPE_CHECKING:
     from llmrun.loading.gguf_io import GGUFFile
@@ -72,15 +73,17 @@ def hf_name(gguf_name: str) -> str | None:
 
 
 def finish_config(
-    gg: GGUFFile, config: dict[str, Any], gemma_config: Callable[..., dict[str, Any]], key
+    gg: GGUFFile,
+    config: dict[str, Any],
+    gemma_config: Callable[..., dict[str, Any]],
+    meta: ArchMetadata,
 ) -> dict[str, Any]:
     """EmbeddingGemma's config from a "gemma-embedding" GGUF: Gemma 3's (gemma_config,
-    gguf_config._gemma_config, given config's common fields and key, config_from_gguf's
-    reader), with llama.cpp's query scale and the Dense projections the file holds."""
+    gguf_config._gemma_config, given config's common fields and the file's metadata), with llama.cpp's query scale and the Dense projections the file holds."""
     path = gg.path
-    if key("attention.sliding_window") is None:
+    if meta.get(Keys.Attention.SLIDING_WINDOW) is None:
         raise ModelFormatError(f"{path}: metadata {ARCH}.attention.sliding_window is missing")
-    config = gemma_config(gg, {**config, "model_type": "gemma3_text"}, key)
+    config = gemma_config(gg, {**config, "model_type": "gemma3_text"}, meta)
     config["model_type"] = MODEL_TYPE
     config["query_pre_attn_scalar"] = config["head_dim"]
     config["projections"] = _projections(gg, config["hidden_size"])

@@ -93,7 +93,7 @@ from llmrun.loading import (
     step3p5,
     vl_text,
 )
-from llmrun.loading.gguf_io import GGUFFile, read_float_list
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile, read_float_list, vocab_size
 
 # The architectures whose q/k rows llama.cpp's converter permutes as Llama's (for its
 # adjacent-pair RoPE), which the loader undoes. Mixtral included; SmolLM3 and Granite are
@@ -210,6 +210,7 @@ MODEL_TYPES = {
     deci.ARCH: deci.MODEL_TYPE,  # Nemotron-NAS (Nemotron 51B, Super, Ultra): loading/deci.py
     bert.ARCH: bert.MODEL_TYPE,  # BERT, RoBERTa, XLM-RoBERTa encoders: llmrun/loading/bert.py
     nomic_bert.ARCH: nomic_bert.MODEL_TYPE,  # llmrun/loading/nomic_bert.py
+    nomic_bert.MOE_ARCH: nomic_bert.MODEL_TYPE,  # nomic-embed-text-v2-moe: the same file
     jina_bert.ARCH: jina_bert.MODEL_TYPE,  # llmrun/loading/jina_bert.py
     modernbert.ARCH: modernbert.MODEL_TYPE,  # llmrun/loading/modernbert.py
     internlm2.ARCH: internlm2.MODEL_TYPE,  # llmrun/loading/internlm2.py
@@ -514,7 +515,7 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         return minimax.config_from_gguf(gg, _rope_from_gguf)
     if arch == bert.ARCH:
         return bert.config_from_gguf(gg)
-    if arch == nomic_bert.ARCH:
+    if arch in nomic_bert.ARCHS:
         return nomic_bert.config_from_gguf(gg)
     if arch == jina_bert.ARCH:
         return jina_bert.config_from_gguf(gg)
@@ -527,66 +528,56 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
     if arch == deci.ARCH:
         return deci.config_from_gguf(gg, _rope_from_gguf)
 
-    def key(name: str, default: Any = None, required: bool = False) -> Any:
-        full = f"{arch}.{name}"
-        if full not in gg.metadata:
-            if required:
-                raise ModelFormatError(f"{gg.path}: metadata {full!r} is missing")
-            return default
-        return gg.metadata[full]
-
-    embed = gg.tensors.get("token_embd.weight")
-    tokens = gg.metadata.get(Keys.Tokenizer.LIST)
-    vocab_size = (
-        key("vocab_size")
-        or (len(tokens) if tokens else None)
-        or (embed.shape[0] if embed else None)
-    )
-    n_heads = key("attention.head_count", required=True)
-    hidden = key("embedding_length", required=True)
+    meta = ArchMetadata.of(gg)
+    n_heads = meta.require(Keys.Attention.HEAD_COUNT)
+    hidden = meta.require(Keys.LLM.EMBEDDING_LENGTH)
     check_config({"hidden_size": hidden, "num_attention_heads": n_heads}, gg.path)
-    head_dim = key("attention.key_length") or hidden // n_heads
+    head_dim = meta.get(Keys.Attention.KEY_LENGTH) or hidden // n_heads
     config: dict[str, Any] = {
         "model_type": MODEL_TYPES[arch],
         "hidden_size": hidden,
         # glm4moe: optional in llama.cpp (Solar Open's files, every layer experts, lack it).
-        "intermediate_size": key("feed_forward_length", required=arch != glm4_moe.ARCH),
-        "num_hidden_layers": key("block_count", required=True),
+        "intermediate_size": (
+            meta.require(Keys.LLM.FEED_FORWARD_LENGTH)
+            if arch != glm4_moe.ARCH
+            else meta.get(Keys.LLM.FEED_FORWARD_LENGTH)
+        ),
+        "num_hidden_layers": meta.require(Keys.LLM.BLOCK_COUNT),
         "num_attention_heads": n_heads,
-        "num_key_value_heads": key("attention.head_count_kv", n_heads),
+        "num_key_value_heads": meta.get(Keys.Attention.HEAD_COUNT_KV, n_heads),
         "head_dim": head_dim,
         # llama.cpp refuses a file without these (ml.get_key without `false`: the
         # general context_length in load_hparams, the norm's epsilon in every family's
         # load_arch_hparams); no default would be the model's.
-        "rms_norm_eps": key("attention.layer_norm_rms_epsilon", required=True),
-        "max_position_embeddings": key("context_length", required=True),
-        "vocab_size": vocab_size,
+        "rms_norm_eps": meta.require(Keys.Attention.LAYERNORM_RMS_EPS),
+        "max_position_embeddings": meta.require(Keys.LLM.CONTEXT_LENGTH),
+        "vocab_size": vocab_size(gg, meta),
         "tie_word_embeddings": "output.weight" not in gg.tensors,
         "attention_bias": "blk.0.attn_q.bias" in gg.tensors,
     }
     if arch == gemma_embedding.ARCH:
-        return gemma_embedding.finish_config(gg, config, _gemma_config, key)
+        return gemma_embedding.finish_config(gg, config, _gemma_config, meta)
     if config["model_type"] in GEMMA_TYPES:
-        return _gemma_config(gg, config, key)
+        return _gemma_config(gg, config, meta)
     if arch == gemma3n.ARCH:
-        return gemma3n.finish_config(gg, config, key, _rope_from_gguf, _gemma_layer_types)
+        return gemma3n.finish_config(gg, config, meta, _rope_from_gguf, _gemma_layer_types)
     if arch in granite.ARCHS:
         granite.update_config(gg, config)
     if arch == olmo.ARCH:
-        return olmo.config_from_gguf(gg, config, key, _rope_from_gguf, _gemma_layer_types)
+        return olmo.config_from_gguf(gg, config, meta, _rope_from_gguf, _gemma_layer_types)
     if arch == "smollm3":
         # llama.cpp reads no key for SmolLM3's NoPE layers: every fourth, always
         # (llama_model_smollm3::load_arch_hparams, n_no_rope_layer_step = 4).
         config["no_rope_layer_interval"] = SMOLLM3_NO_ROPE_INTERVAL
     if arch in ("llama", "qwen2moe", "qwen3moe", "qwen3vlmoe"):
         _moe_config(gg, config)
-    if arch == "mistral3" and key("expert_count", 0):
+    if arch == "mistral3" and meta.get(Keys.LLM.EXPERT_COUNT, 0):
         raise UnsupportedError(f"{gg.path}: a mistral3 model with experts is not supported")
-    window = key("attention.sliding_window")
+    window = meta.get(Keys.Attention.SLIDING_WINDOW)
     if window:
         config["sliding_window"] = window
-    rope = _rope_from_gguf(gg, key, head_dim, config["max_position_embeddings"])
-    temperature = key("attention.temperature_scale", 0.0)
+    rope = _rope_from_gguf(gg, meta, head_dim, config["max_position_embeddings"])
+    temperature = meta.get(Keys.Attention.TEMPERATURE_SCALE, 0.0)
     if arch == "mistral3" and temperature:
         # Counted in steps of the YaRN original context, as llama.cpp counts them
         # (n_ctx_orig_yarn: the context length where the file gives none).
@@ -626,17 +617,17 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         baichuan.ARCH: baichuan.finish_config,
     }.get(arch)
     if finish is not None:
-        finish(gg, config, key)
+        finish(gg, config, meta)
     if arch == exaone4.ARCH:
         exaone4.finish_config(gg, config, _gemma_layer_types)
     if arch == exaone_moe.ARCH:
-        exaone_moe.finish_config(gg, config, key, _gemma_layer_types)
+        exaone_moe.finish_config(gg, config, meta, _gemma_layer_types)
     if arch == mimo2.ARCH:
-        mimo2.finish_config(gg, config, key)
+        mimo2.finish_config(gg, config, meta)
     if arch == llama4.ARCH:
-        llama4.finish_config(gg, config, key, _gemma_layer_types)
+        llama4.finish_config(gg, config, meta, _gemma_layer_types)
     if arch == afmoe.ARCH:
-        afmoe.finish_config(gg, config, key, _gemma_layer_types)
+        afmoe.finish_config(gg, config, meta, _gemma_layer_types)
     return config
 
 
@@ -685,53 +676,47 @@ def _moe_config(gg: GGUFFile, config: dict[str, Any]) -> None:
     (Qwen2-MoE's shared expert: feed_forward_length). The gating, renormalization and
     scale keys, where a file has them, must agree with what the family computes."""
     arch, ff = gg.architecture, config["intermediate_size"]
-
-    def key(template: str, default: Any = None) -> Any:
-        return gg.metadata.get(template.format(arch=arch), default)
-
-    def name(template: str) -> str:
-        return template.format(arch=arch)
-
-    count = key(Keys.LLM.EXPERT_COUNT, 0)
+    meta = ArchMetadata.of(gg)
+    count = meta.get(Keys.LLM.EXPERT_COUNT, 0)
     if not count:
         if arch != "llama":
             raise ModelFormatError(
-                f"{gg.path}: {name(Keys.LLM.EXPERT_COUNT)} is missing or 0; {arch} has experts"
+                f"{gg.path}: {meta.name(Keys.LLM.EXPERT_COUNT)} is missing or 0; {arch} has experts"
             )
         return  # a dense Llama
-    used = key(Keys.LLM.EXPERT_USED_COUNT, 0)
+    used = meta.get(Keys.LLM.EXPERT_USED_COUNT, 0)
     if not 0 < used <= count:
         raise ModelFormatError(
-            f"{gg.path}: {name(Keys.LLM.EXPERT_USED_COUNT)} is {used}, but "
-            f"{name(Keys.LLM.EXPERT_COUNT)} is {count} (each token needs 1 to {count} experts)"
+            f"{gg.path}: {meta.name(Keys.LLM.EXPERT_USED_COUNT)} is {used}, but "
+            f"{meta.name(Keys.LLM.EXPERT_COUNT)} is {count} (each token needs 1 to {count} experts)"
         )
-    gating = key(Keys.LLM.EXPERT_GATING_FUNC)
+    gating = meta.get(Keys.LLM.EXPERT_GATING_FUNC)
     if gating is not None and gating != ExpertGatingFuncType.SOFTMAX:
         known = {int(t): t.name.lower() for t in ExpertGatingFuncType}
         raise UnsupportedError(
-            f"{gg.path}: {name(Keys.LLM.EXPERT_GATING_FUNC)} is "
+            f"{gg.path}: {meta.name(Keys.LLM.EXPERT_GATING_FUNC)} is "
             f"{known.get(gating, f'{gating} (unknown)')}; {arch} experts are gated by softmax, "
             "the only gating function llmrun supports"
         )
-    scale = key(Keys.LLM.EXPERT_WEIGHTS_SCALE)
+    scale = meta.get(Keys.LLM.EXPERT_WEIGHTS_SCALE)
     if scale not in (None, 0.0, 1.0):
         raise UnsupportedError(
-            f"{gg.path}: {name(Keys.LLM.EXPERT_WEIGHTS_SCALE)} is {scale}; llmrun supports "
+            f"{gg.path}: {meta.name(Keys.LLM.EXPERT_WEIGHTS_SCALE)} is {scale}; llmrun supports "
             "unscaled expert weights only"
         )
-    norm = key(Keys.LLM.EXPERT_WEIGHTS_NORM)
-    width = key(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)
+    norm = meta.get(Keys.LLM.EXPERT_WEIGHTS_NORM)
+    width = meta.get(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)
     if isinstance(width, list):  # one per layer
         if len(set(width)) != 1:
             raise UnsupportedError(
-                f"{gg.path}: {name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)} differs between "
+                f"{gg.path}: {meta.name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)} differs between "
                 "layers, which llmrun does not support"
             )
         width = width[0]
     if arch == "llama":
         if norm is False:
             raise UnsupportedError(
-                f"{gg.path}: {name(Keys.LLM.EXPERT_WEIGHTS_NORM)} is false, but Mixtral "
+                f"{gg.path}: {meta.name(Keys.LLM.EXPERT_WEIGHTS_NORM)} is false, but Mixtral "
                 "renormalizes its top-k expert weights"
             )
         # Its experts are feed_forward_length wide (llama.cpp's llama reads no other width).
@@ -744,7 +729,7 @@ def _moe_config(gg: GGUFFile, config: dict[str, Any]) -> None:
         norm_topk_prob=arch in ("qwen3moe", "qwen3vlmoe") if norm is None else bool(norm),
     )
     if arch == "qwen2moe":
-        shared = key(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH)
+        shared = meta.get(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH)
         config["shared_expert_intermediate_size"] = shared or ff
         config["qkv_bias"] = config["attention_bias"]
 
@@ -763,18 +748,13 @@ ROPE_BASE = 10000.0  # rope_freq_base_train, and Gemma 3's rope_freq_base_train_
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
 
 
-def _gemma_config(gg: GGUFFile, config: dict[str, Any], arch_key) -> dict[str, Any]:
-    """Gemma's HF config fields from a GGUF (config holds the common ones; arch_key
-    reads "{arch}.NAME" keys as config_from_gguf's key() does)."""
+def _gemma_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> dict[str, Any]:
+    """Gemma's HF config fields from a GGUF (config holds the common ones)."""
     arch, model_type = gg.architecture, config["model_type"]
-
-    def key(template: str, default: Any = None) -> Any:
-        """The value of a gguf.Keys "{arch}..." key."""
-        return gg.metadata.get(template.format(arch=arch), default)
 
     config["hidden_activation"] = "gelu_pytorch_tanh"  # its graphs use LLM_FFN_GELU
     context, head_dim = config["max_position_embeddings"], config["head_dim"]
-    rope = _rope_from_gguf(gg, arch_key, head_dim, context)
+    rope = _rope_from_gguf(gg, meta, head_dim, context)
     if model_type == "gemma":
         config["rope_parameters"] = rope
         return config
@@ -785,13 +765,13 @@ def _gemma_config(gg: GGUFFile, config: dict[str, Any], arch_key) -> dict[str, A
         config["query_pre_attn_scalar"] = config["hidden_size"] // config["num_attention_heads"]
     else:
         config["query_pre_attn_scalar"] = head_dim
-    local_base = key(Keys.Rope.FREQ_BASE_SWA)
+    local_base = meta.get(Keys.Rope.FREQ_BASE_SWA)
     if model_type == "gemma2":
-        window = key(Keys.Attention.SLIDING_WINDOW, GEMMA2_SLIDING_WINDOW)
+        window = meta.get(Keys.Attention.SLIDING_WINDOW, GEMMA2_SLIDING_WINDOW)
         pattern = GEMMA2_SWA_PATTERN
         attn_cap, final_cap = GEMMA2_SOFTCAPS
-        config["attn_logit_softcapping"] = key(Keys.LLM.ATTN_LOGIT_SOFTCAPPING, attn_cap)
-        config["final_logit_softcapping"] = key(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, final_cap)
+        config["attn_logit_softcapping"] = meta.get(Keys.LLM.ATTN_LOGIT_SOFTCAPPING, attn_cap)
+        config["final_logit_softcapping"] = meta.get(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, final_cap)
         if local_base is not None and local_base != rope["rope_theta"]:
             raise UnsupportedError(
                 f"{gg.path}: {Keys.Rope.FREQ_BASE_SWA.format(arch=arch)} differs from "
@@ -800,9 +780,9 @@ def _gemma_config(gg: GGUFFile, config: dict[str, Any], arch_key) -> dict[str, A
         config["rope_parameters"] = rope
     else:
         # Without a window llama.cpp runs every layer as a global one (LLAMA_SWA_TYPE_NONE).
-        window = key(Keys.Attention.SLIDING_WINDOW) or None
+        window = meta.get(Keys.Attention.SLIDING_WINDOW) or None
         pattern = GEMMA3_SWA_PATTERN
-        final_cap = key(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, 0.0)
+        final_cap = meta.get(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, 0.0)
         config["final_logit_softcapping"] = final_cap or None  # 0: none
         # The scaling keys are the global layers'; local layers are never scaled.
         local = {
@@ -811,17 +791,19 @@ def _gemma_config(gg: GGUFFile, config: dict[str, Any], arch_key) -> dict[str, A
         }
         config["rope_parameters"] = {"full_attention": rope, "sliding_attention": local}
     config["sliding_window"] = window
-    config["layer_types"] = _gemma_layer_types(gg, key, layers, pattern if window else None)
+    config["layer_types"] = _gemma_layer_types(gg, meta, layers, pattern if window else None)
     return config
 
 
-def _gemma_layer_types(gg: GGUFFile, key, layers: int, pattern: int | None) -> list[str]:
+def _gemma_layer_types(
+    gg: GGUFFile, meta: ArchMetadata, layers: int, pattern: int | None
+) -> list[str]:
     """llama.cpp's load_swa_pattern: a per-layer bool array under
     attention.sliding_window_pattern, else an int n there (default `pattern`): layer
     i is local when n == 0 or i % n < n - 1. No window: every layer global."""
     if pattern is None:
         return ["full_attention"] * layers
-    value = key(Keys.Attention.SLIDING_WINDOW_PATTERN, pattern)
+    value = meta.get(Keys.Attention.SLIDING_WINDOW_PATTERN, pattern)
     if isinstance(value, list):
         if len(value) != layers:
             raise ModelFormatError(
@@ -839,26 +821,34 @@ def _gemma_layer_types(gg: GGUFFile, key, layers: int, pattern: int | None) -> l
     return ["sliding_attention" if s else "full_attention" for s in local]
 
 
-def _rope_from_gguf(gg: GGUFFile, key, head_dim: int, context: int) -> dict[str, Any]:
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": key("rope.freq_base", 10000.0)}
-    rot_dims = key("rope.dimension_count")
+def _rope_from_gguf(
+    gg: GGUFFile, meta: ArchMetadata, head_dim: int, context: int
+) -> dict[str, Any]:
+    rope: dict[str, Any] = {
+        "rope_type": "default",
+        "rope_theta": meta.get(Keys.Rope.FREQ_BASE, 10000.0),
+    }
+    rot_dims = meta.get(Keys.Rope.DIMENSION_COUNT)
     if rot_dims and rot_dims != head_dim:
         rope["partial_rotary_factor"] = rot_dims / head_dim
-    scaling = key("rope.scaling.type", "none")
-    original = key("rope.scaling.original_context_length")
+    scaling = meta.get(Keys.Rope.SCALING_TYPE, "none")
+    original = meta.get(Keys.Rope.SCALING_ORIG_CTX_LEN)
     if scaling == "linear":
-        rope.update(rope_type="linear", factor=key("rope.scaling.factor", 1.0))
+        rope.update(rope_type="linear", factor=meta.get(Keys.Rope.SCALING_FACTOR, 1.0))
     elif scaling == "yarn":
         rope.update(
             rope_type="yarn",
-            factor=key("rope.scaling.factor"),
+            factor=meta.get(Keys.Rope.SCALING_FACTOR),
             original_max_position_embeddings=original or context,  # llama.cpp's default
         )
-        for name, field in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
-            value = key(f"rope.scaling.{name}")
+        for template, field in (
+            (Keys.Rope.SCALING_YARN_BETA_FAST, "beta_fast"),
+            (Keys.Rope.SCALING_YARN_BETA_SLOW, "beta_slow"),
+        ):
+            value = meta.get(template)
             if value is not None:
                 rope[field] = value
-        log_mul = key("rope.scaling.yarn_log_multiplier")
+        log_mul = meta.get(Keys.Rope.SCALING_YARN_LOG_MUL)
         if log_mul:
             # HF's mscale_all_dim; llama.cpp takes the config's mscale to be 1.
             rope.update(mscale=1.0, mscale_all_dim=log_mul)
@@ -877,7 +867,7 @@ def _rope_from_gguf(gg: GGUFFile, key, head_dim: int, context: int) -> dict[str,
             short_factor=read_float_list(gg, "rope_factors_short.weight"),
             original_max_position_embeddings=original or context,
         )
-        attn_factor = key("rope.scaling.attn_factor")
+        attn_factor = meta.get(Keys.Rope.SCALING_ATTN_FACTOR)
         if attn_factor is not None:
             rope["attention_factor"] = attn_factor
     elif "rope_freqs.weight" in gg.tensors:

@@ -12,14 +12,13 @@ halves for llama.cpp's M-RoPE (llmrun/loading/vl_text.py puts them back).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from gguf import Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import vl_text
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH = MODEL_TYPE = "glm4"
 # GGUF layer tensor -> HF module, where GLM-4 differs from the common names.
@@ -31,29 +30,24 @@ LAYER_NAMES = {
 }
 
 
-def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any]) -> None:
+def finish_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> None:
     """GLM-4's fields of the HF-style config that config_from_gguf built: the rotated
     share of each head (its ModelArgs default, 0.5, is not llama.cpp's). Refuses the
     files with NextN prediction layers (GLM-OCR), whose layers llmrun does not run.
     GLM-4.1V's text (M-RoPE sections, its q/k rows reordered: vl_text.gguf_weights)
     turns by the token's position in every section, as plain RoPE."""
     head_dim = config["head_dim"]
-    if key(_name(Keys.LLM.NEXTN_PREDICT_LAYERS), 0):
+    if meta.get(Keys.LLM.NEXTN_PREDICT_LAYERS, 0):
         raise UnsupportedError(
             f"{gg.path}: a glm4 file with NextN prediction layers (GLM-OCR) is not supported"
         )
-    rotated = key(_name(Keys.Rope.DIMENSION_COUNT)) or head_dim
+    rotated = meta.get(Keys.Rope.DIMENSION_COUNT) or head_dim
     if rotated % 2 or rotated > head_dim:
         raise ModelFormatError(
             f"{gg.path}: {ARCH}.rope.dimension_count is {rotated}, but RoPE rotates pairs "
             f"of the {head_dim} features of a head"
         )
     config["rope_parameters"]["partial_rotary_factor"] = rotated / head_dim
-    sections = vl_text.text_mrope_sections(gg, ARCH, key, rotated)
+    sections = vl_text.text_mrope_sections(gg, ARCH, meta, rotated)
     if sections:
         config["rope_parameters"]["mrope_section"] = sections[:3]
-
-
-def _name(template: str) -> str:
-    """A gguf.Keys "{arch}.NAME" template without its arch: the key() argument."""
-    return template.removeprefix("{arch}.")

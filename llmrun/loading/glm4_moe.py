@@ -13,14 +13,13 @@ num_hidden_layers + nextn_predict_layers, those layers last.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from gguf import MODEL_TENSOR, TENSOR_NAMES, ExpertGatingFuncType, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import vl_text
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH, MODEL_TYPE = "glm4moe", "glm4_moe"
 # HF model types whose checkpoints hold MTP layers past num_hidden_layers.
@@ -115,7 +114,7 @@ def trunk_layers(gg: GGUFFile, arch: str) -> tuple[int, int]:
     return blocks - nextn, nextn
 
 
-def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any]) -> None:
+def finish_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> None:
     """GLM-4.5 MoE's fields of the HF-style config that config_from_gguf built, read as
     llama_model_glm4_moe::load_arch_hparams reads them: the trunk's layer count, the
     q/k norms where the tensors are, the experts and their routing (sigmoid gating
@@ -127,13 +126,13 @@ def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any])
     layers, nextn = trunk_layers(gg, ARCH)
     config.update(num_hidden_layers=layers, use_qk_norm="blk.0.attn_q_norm.weight" in gg.tensors)
     config[NEXTN] = nextn
-    count, used = key(_name(Keys.LLM.EXPERT_COUNT), 0), key(_name(Keys.LLM.EXPERT_USED_COUNT), 0)
+    count, used = meta.get(Keys.LLM.EXPERT_COUNT, 0), meta.get(Keys.LLM.EXPERT_USED_COUNT, 0)
     if not 0 < used <= count:
         raise ModelFormatError(
             f"{path}: {ARCH}.expert_used_count is {used}, but {ARCH}.expert_count is {count} "
             f"(each token needs 1 to {count} experts)"
         )
-    gating = key(_name(Keys.LLM.EXPERT_GATING_FUNC), ExpertGatingFuncType.SIGMOID)
+    gating = meta.get(Keys.LLM.EXPERT_GATING_FUNC, ExpertGatingFuncType.SIGMOID)
     if gating != ExpertGatingFuncType.SIGMOID:
         known = {int(t): t.name.lower() for t in ExpertGatingFuncType}
         raise UnsupportedError(
@@ -142,9 +141,9 @@ def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any])
         )
     dense_width, dense = (
         config["intermediate_size"],
-        key(_name(Keys.LLM.LEADING_DENSE_BLOCK_COUNT), 0),
+        meta.get(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, 0),
     )
-    width = key(_name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)) or (dense_width or 0) // used
+    width = meta.get(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH) or (dense_width or 0) // used
     if isinstance(width, list):  # one per layer
         if len(set(width)) != 1:
             raise UnsupportedError(
@@ -157,21 +156,21 @@ def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any])
             f"{path}: {ARCH}.feed_forward_length is missing; the expert width (no "
             f"{ARCH}.expert_feed_forward_length) or the {dense} leading dense layers need it"
         )
-    groups = key(_name(Keys.LLM.EXPERT_GROUP_COUNT), 0)
+    groups = meta.get(Keys.LLM.EXPERT_GROUP_COUNT, 0)
     grouped = groups > 1  # llama.cpp ignores one group or none
     config.update(
         n_routed_experts=count,
         num_experts_per_tok=used,
         moe_intermediate_size=width,
-        n_shared_experts=key(_name(Keys.LLM.EXPERT_SHARED_COUNT), required=True),
+        n_shared_experts=meta.require(Keys.LLM.EXPERT_SHARED_COUNT),
         first_k_dense_replace=dense,
         # 0 (no key): llama.cpp leaves the weights unscaled.
-        routed_scaling_factor=key(_name(Keys.LLM.EXPERT_WEIGHTS_SCALE), 0.0) or 1.0,
-        norm_topk_prob=bool(key(_name(Keys.LLM.EXPERT_WEIGHTS_NORM), False)),
+        routed_scaling_factor=meta.get(Keys.LLM.EXPERT_WEIGHTS_SCALE, 0.0) or 1.0,
+        norm_topk_prob=bool(meta.get(Keys.LLM.EXPERT_WEIGHTS_NORM, False)),
         n_group=groups if grouped else 1,
-        topk_group=key(_name(Keys.LLM.EXPERT_GROUP_USED_COUNT), 0) if grouped else 1,
+        topk_group=meta.get(Keys.LLM.EXPERT_GROUP_USED_COUNT, 0) if grouped else 1,
     )
-    rotated = key(_name(Keys.Rope.DIMENSION_COUNT)) or config["head_dim"]
+    rotated = meta.get(Keys.Rope.DIMENSION_COUNT) or config["head_dim"]
     if rotated % 2 or rotated > config["head_dim"]:
         raise ModelFormatError(
             f"{path}: {ARCH}.rope.dimension_count is {rotated}, but RoPE rotates pairs of "
@@ -180,11 +179,6 @@ def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any])
     config["rope_parameters"]["partial_rotary_factor"] = rotated / config["head_dim"]
     # GLM-4.5V's text: llama.cpp's M-RoPE turns halves as its NEOX RoPE does, by the
     # token's position in every section (vl_text refuses sections where it would not).
-    sections = vl_text.text_mrope_sections(gg, ARCH, key, rotated)
+    sections = vl_text.text_mrope_sections(gg, ARCH, meta, rotated)
     if sections:
         config["rope_parameters"]["mrope_section"] = sections[:3]
-
-
-def _name(template: str) -> str:
-    """A gguf.Keys "{arch}.NAME" template without its arch: the key() argument."""
-    return template.removeprefix("{arch}.")

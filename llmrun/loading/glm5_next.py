@@ -31,14 +31,15 @@ skips them.
 
 from __future__ import annotations
 
-import copy
 import re
+from dataclasses import replace
 from typing import Any
 
 from gguf import ExpertGatingFuncType, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import dsa, experts, kimi_linear
+from llmrun.loading.gguf_io import ArchMetadata, vocab_size
 from llmrun.loading.glm4_moe import NEXTN, trunk_layers
 
 # Mirrors llmrun.models.glm5_next.MODEL_TYPES (this module must not import torch).
@@ -125,94 +126,85 @@ def hf_name(gguf_name: str) -> str | None:
 def config_from_gguf(gg) -> dict[str, Any]:
     """The HF-style glm5_next_text config of a glm5-next GGUF, read as
     llama_model_glm5_next::load_arch_hparams reads it (see the module docstring)."""
-    arch, path, meta = gg.architecture, gg.path, gg.metadata
-
-    def key(template: str, default: Any = None, required: bool = False) -> Any:
-        name = template.format(arch=arch)
-        if name not in meta:
-            if required:
-                raise ModelFormatError(f"{path}: metadata {name!r} is missing ({arch} needs it)")
-            return default
-        return meta[name]
-
+    arch, path = gg.architecture, gg.path
+    meta = ArchMetadata.of(gg)
     layers, nextn = trunk_layers(gg, arch)
-    heads = key(Keys.Attention.HEAD_COUNT, required=True)
-    kv_heads = key(Keys.Attention.HEAD_COUNT_KV, required=True)
+    heads = meta.require(Keys.Attention.HEAD_COUNT)
+    kv_heads = meta.require(Keys.Attention.HEAD_COUNT_KV)
     kv_heads = kv_heads if isinstance(kv_heads, list) else [kv_heads] * (layers + nextn)
     if len(kv_heads) < layers:
         raise ModelFormatError(
             f"{path}: {Keys.Attention.HEAD_COUNT_KV.format(arch=arch)} lists {len(kv_heads)} "
             f"layers for {layers}"
         )
-    rope = key(Keys.Rope.DIMENSION_COUNT, 0)
+    rope = meta.get(Keys.Rope.DIMENSION_COUNT, 0)
     if rope:
         raise UnsupportedError(
             f"{path}: {Keys.Rope.DIMENSION_COUNT.format(arch=arch)} is {rope}; GLM-5-Next's "
             "attention has no RoPE, as transformers requires"
         )
-    if not key(INDEXER_KPOOL_SELECT_TAIL, True):
+    if not meta.get(INDEXER_KPOOL_SELECT_TAIL, True):
         raise UnsupportedError(
             f"{path}: {INDEXER_KPOOL_SELECT_TAIL.format(arch=arch)} is false, which llmrun "
             "does not support (a query would attend to no token before its first pool)"
         )
-    norm_eps = key(Keys.Attention.LAYERNORM_EPS, required=True)
+    norm_eps = meta.require(Keys.Attention.LAYERNORM_EPS)
     if abs(norm_eps - INDEXER_NORM_EPS) > 1e-12:
         raise UnsupportedError(
             f"{path}: {Keys.Attention.LAYERNORM_EPS.format(arch=arch)} is {norm_eps}; "
             f"llmrun's indexer key norm is transformers' ({INDEXER_NORM_EPS})"
         )
-    eps = key(Keys.Attention.LAYERNORM_RMS_EPS, required=True)
-    full = key(dsa.INDEXER_TYPES, [True] * layers)
+    eps = meta.require(Keys.Attention.LAYERNORM_RMS_EPS)
+    full = meta.get(dsa.INDEXER_TYPES, [True] * layers)
     full = full if isinstance(full, list) else [full] * layers
     config: dict[str, Any] = {
         "model_type": GGUF_MODEL_TYPE,
-        "hidden_size": key(Keys.LLM.EMBEDDING_LENGTH, required=True),
+        "hidden_size": meta.require(Keys.LLM.EMBEDDING_LENGTH),
         "num_hidden_layers": layers,
         NEXTN: nextn,
         "num_attention_heads": heads,
-        "vocab_size": kimi_linear.vocab_size(gg, key),
-        "max_position_embeddings": key(Keys.LLM.CONTEXT_LENGTH, required=True),
+        "vocab_size": vocab_size(gg, meta),
+        "max_position_embeddings": meta.require(Keys.LLM.CONTEXT_LENGTH),
         "rms_norm_eps": eps,
         "latent_norm_eps": eps,
-        "q_lora_rank": key(Keys.Attention.Q_LORA_RANK, required=True),
-        "kv_lora_rank": key(Keys.Attention.KV_LORA_RANK, required=True),
-        "qk_nope_head_dim": key(Keys.Attention.KEY_LENGTH_MLA, required=True),
+        "q_lora_rank": meta.require(Keys.Attention.Q_LORA_RANK),
+        "kv_lora_rank": meta.require(Keys.Attention.KV_LORA_RANK),
+        "qk_nope_head_dim": meta.require(Keys.Attention.KEY_LENGTH_MLA),
         "qk_rope_head_dim": 0,
-        "v_head_dim": key(Keys.Attention.VALUE_LENGTH_MLA, required=True),
+        "v_head_dim": meta.require(Keys.Attention.VALUE_LENGTH_MLA),
         "linear_num_heads": heads,  # llama.cpp's KDA layers have n_head heads
-        "linear_head_dim": key(Keys.KDA.HEAD_DIM, required=True),
-        "linear_conv_kernel_dim": key(Keys.SSM.CONV_KERNEL, required=True),
-        "linear_lower_bound": key(KDA_GATE_LOWER_BOUND),
+        "linear_head_dim": meta.require(Keys.KDA.HEAD_DIM),
+        "linear_conv_kernel_dim": meta.require(Keys.SSM.CONV_KERNEL),
+        "linear_lower_bound": meta.get(KDA_GATE_LOWER_BOUND),
         "layer_types": [
             "linear_attention" if n == 0 else "indexed_attention" for n in kv_heads[:layers]
         ],
-        "index_n_heads": key(Keys.Attention.Indexer.HEAD_COUNT, required=True),
-        "index_head_dim": key(Keys.Attention.Indexer.KEY_LENGTH, required=True),
-        "index_topk": key(Keys.Attention.Indexer.TOP_K, required=True),
-        "index_kpool": key(INDEXER_KPOOL, required=True),
+        "index_n_heads": meta.require(Keys.Attention.Indexer.HEAD_COUNT),
+        "index_head_dim": meta.require(Keys.Attention.Indexer.KEY_LENGTH),
+        "index_topk": meta.require(Keys.Attention.Indexer.TOP_K),
+        "index_kpool": meta.require(INDEXER_KPOOL),
         "indexer_types": ["full" if f else "shared" for f in full[:layers]],
-        "hc_mult": key(HC_COUNT, required=True),
-        "hc_sinkhorn_iters": key(HC_SINKHORN_ITERATIONS, required=True),
-        "hc_eps": key(HC_EPSILON, required=True),
-        "swiglu_limit": _swiglu_limit(key, layers, path, arch),
+        "hc_mult": meta.require(HC_COUNT),
+        "hc_sinkhorn_iters": meta.require(HC_SINKHORN_ITERATIONS),
+        "hc_eps": meta.require(HC_EPSILON),
+        "swiglu_limit": _swiglu_limit(meta, layers, path, arch),
         "tie_word_embeddings": "output.weight" not in gg.tensors,
     }
-    gating = Keys.LLM.EXPERT_GATING_FUNC.format(arch=arch)
-    if gating not in meta:  # llama.cpp's default for this arch
-        gg = copy.copy(gg)
-        gg.metadata = meta = {**meta, gating: int(ExpertGatingFuncType.SIGMOID)}
-    config.update(kimi_linear.expert_fields(gg, key, layers))
-    config["norm_topk_prob"] = bool(key(Keys.LLM.EXPERT_WEIGHTS_NORM, False))
+    gating = meta.name(Keys.LLM.EXPERT_GATING_FUNC)
+    if gating not in meta.metadata:  # llama.cpp's default for this arch
+        meta = replace(meta, metadata={**meta.metadata, gating: int(ExpertGatingFuncType.SIGMOID)})
+    config.update(kimi_linear.expert_fields(gg, meta, layers))
+    config["norm_topk_prob"] = bool(meta.get(Keys.LLM.EXPERT_WEIGHTS_NORM, False))
     return config
 
 
-def _swiglu_limit(key, layers: int, path, arch: str) -> float:
+def _swiglu_limit(meta: ArchMetadata, layers: int, path, arch: str) -> float:
     """The one clamp of every SwiGLU (llama.cpp's swiglu_clamp_exp for the routed
     experts, swiglu_clamp_shexp, else the same, for the shared and dense ones); none
     (infinite) where the keys are absent or 0, as llama.cpp reads them."""
     limits = set()
     for template in (SWIGLU_CLAMP_EXP, SWIGLU_CLAMP_SHEXP):
-        values = key(template)
+        values = meta.get(template)
         if values is None:
             continue
         values = values if isinstance(values, list) else [values] * layers

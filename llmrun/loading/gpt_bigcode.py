@@ -23,7 +23,7 @@ from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import starcoder2
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH = "starcoder"
 MODEL_TYPE = "gpt_bigcode"
@@ -68,24 +68,16 @@ def hf_weights(weights: dict[str, Any]) -> dict[str, Any]:
 def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
     """An HF-style gpt_bigcode config.json dict from a "starcoder" GGUF's metadata, read
     as llama.cpp's load_hparams reads it; refuses what llama.cpp's graph does not run."""
-    arch, path = gg.architecture, gg.path
-
-    def key(template: str, default: Any = None, required: bool = False) -> Any:
-        name = template.format(arch=arch)
-        if name not in gg.metadata:
-            if required:
-                raise ModelFormatError(f"{path}: metadata {name!r} is missing ({arch} needs it)")
-            return default
-        return gg.metadata[name]
-
-    hidden = key(Keys.LLM.EMBEDDING_LENGTH, required=True)
-    heads = key(Keys.Attention.HEAD_COUNT, required=True)
+    path = gg.path
+    meta = ArchMetadata.of(gg)
+    hidden = meta.require(Keys.LLM.EMBEDDING_LENGTH)
+    heads = meta.require(Keys.Attention.HEAD_COUNT)
     if not (isinstance(hidden, int) and isinstance(heads, int) and heads > 0):
         raise ModelFormatError(
             f"{path}: an embedding length of {hidden!r} and a head count of {heads!r} "
             "are not positive whole numbers"
         )
-    kv_heads = key(Keys.Attention.HEAD_COUNT_KV, heads)
+    kv_heads = meta.get(Keys.Attention.HEAD_COUNT_KV, heads)
     if kv_heads not in (1, heads):
         raise UnsupportedError(
             f"{path}: a starcoder model with {kv_heads} KV heads; GPT-BigCode has 1 "
@@ -108,10 +100,10 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         "hidden_size": hidden,
         "num_attention_heads": heads,
         "num_key_value_heads": 1,
-        "num_hidden_layers": key(Keys.LLM.BLOCK_COUNT, required=True),
-        "max_position_embeddings": key(Keys.LLM.CONTEXT_LENGTH, required=True),
-        "n_inner": key(Keys.LLM.FEED_FORWARD_LENGTH, required=True),
-        "layer_norm_epsilon": key(Keys.Attention.LAYERNORM_EPS, required=True),
+        "num_hidden_layers": meta.require(Keys.LLM.BLOCK_COUNT),
+        "max_position_embeddings": meta.require(Keys.LLM.CONTEXT_LENGTH),
+        "n_inner": meta.require(Keys.LLM.FEED_FORWARD_LENGTH),
+        "layer_norm_epsilon": meta.require(Keys.Attention.LAYERNORM_EPS),
         "activation_function": GELU_TANH,
         "multi_query": True,
         "scale_attn_weights": True,

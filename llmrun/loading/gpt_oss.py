@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from gguf import MODEL_TENSOR, TENSOR_NAMES, GGMLQuantizationType, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.loading.gguf_io import ArchMetadata, vocab_size
 
 if TYPE_CHECKING:
     import torch
@@ -97,25 +98,14 @@ def config_from_gguf(gg, rope_from_gguf, layer_types) -> dict[str, Any]:
     and `layer_types` are gguf_io's readers of the RoPE keys and of a sliding-window
     pattern."""
     path = gg.path
-
-    def key(template: str, default: Any = None, required: bool = False) -> Any:
-        full = template.format(arch=ARCH)
-        if full not in gg.metadata:
-            if required:
-                raise ModelFormatError(f"{path}: metadata {full!r} is missing ({ARCH} needs it)")
-            return default
-        return gg.metadata[full]
-
-    def arch_key(name: str, default: Any = None, required: bool = False) -> Any:
-        return key(f"{{arch}}.{name}", default, required)
-
-    hidden = key(Keys.LLM.EMBEDDING_LENGTH, required=True)
-    n_heads = key(Keys.Attention.HEAD_COUNT, required=True)
-    layers = key(Keys.LLM.BLOCK_COUNT, required=True)
-    head_dim = key(Keys.Attention.KEY_LENGTH) or hidden // n_heads
-    experts = key(Keys.LLM.EXPERT_COUNT, required=True)
-    used = key(Keys.LLM.EXPERT_USED_COUNT, required=True)
-    width = key(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, required=True)
+    meta = ArchMetadata.of(gg, ARCH)
+    hidden = meta.require(Keys.LLM.EMBEDDING_LENGTH)
+    n_heads = meta.require(Keys.Attention.HEAD_COUNT)
+    layers = meta.require(Keys.LLM.BLOCK_COUNT)
+    head_dim = meta.get(Keys.Attention.KEY_LENGTH) or hidden // n_heads
+    experts = meta.require(Keys.LLM.EXPERT_COUNT)
+    used = meta.require(Keys.LLM.EXPERT_USED_COUNT)
+    width = meta.require(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)
     if isinstance(width, list):  # one per layer
         if len(set(width)) != 1:
             raise UnsupportedError(
@@ -123,8 +113,8 @@ def config_from_gguf(gg, rope_from_gguf, layer_types) -> dict[str, Any]:
                 "between layers, which llmrun does not support"
             )
         width = width[0]
-    context = key(Keys.LLM.CONTEXT_LENGTH, required=True)
-    rope = rope_from_gguf(gg, arch_key, head_dim, context)
+    context = meta.require(Keys.LLM.CONTEXT_LENGTH)
+    rope = rope_from_gguf(gg, meta, head_dim, context)
     if rope["rope_type"] == "yarn":
         # llama.cpp's YaRN: the betas it defaults to, the correction range rounded to whole
         # dimensions (ggml_rope_yarn_corr_dims), and the attention factor of the scale
@@ -132,32 +122,28 @@ def config_from_gguf(gg, rope_from_gguf, layer_types) -> dict[str, Any]:
         factor = rope["factor"]
         rope.update(beta_fast=YARN_BETA_FAST, beta_slow=YARN_BETA_SLOW, truncate=True)
         mscale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
-        rope["attention_factor"] = mscale * key(Keys.Rope.SCALING_ATTN_FACTOR, 1.0)
-    base_swa = key(Keys.Rope.FREQ_BASE_SWA)
+        rope["attention_factor"] = mscale * meta.get(Keys.Rope.SCALING_ATTN_FACTOR, 1.0)
+    base_swa = meta.get(Keys.Rope.FREQ_BASE_SWA)
     if base_swa is not None and base_swa != rope["rope_theta"]:
         raise UnsupportedError(
             f"{path}: {Keys.Rope.FREQ_BASE_SWA.format(arch=ARCH)} differs from "
             f"{Keys.Rope.FREQ_BASE.format(arch=ARCH)}; llmrun's gpt-oss has one RoPE base"
         )
-    tokens = gg.metadata.get(Keys.Tokenizer.LIST)
-    embed = gg.tensors.get(TENSOR_NAMES[MODEL_TENSOR.TOKEN_EMBD] + ".weight")
     return {
         "model_type": MODEL_TYPE,
         "hidden_size": hidden,
         "intermediate_size": width,
         "num_hidden_layers": layers,
         "num_attention_heads": n_heads,
-        "num_key_value_heads": key(Keys.Attention.HEAD_COUNT_KV, n_heads),
+        "num_key_value_heads": meta.get(Keys.Attention.HEAD_COUNT_KV, n_heads),
         "head_dim": head_dim,
         "num_local_experts": experts,
         "num_experts_per_tok": used,
-        "rms_norm_eps": key(Keys.Attention.LAYERNORM_RMS_EPS, required=True),
+        "rms_norm_eps": meta.require(Keys.Attention.LAYERNORM_RMS_EPS),
         "max_position_embeddings": context,
-        "vocab_size": key(Keys.LLM.VOCAB_SIZE)
-        or (len(tokens) if tokens else None)
-        or (embed.shape[0] if embed else None),
-        "sliding_window": key(Keys.Attention.SLIDING_WINDOW, required=True),
-        "layer_types": layer_types(gg, key, layers, SWA_PATTERN),
+        "vocab_size": vocab_size(gg, meta),
+        "sliding_window": meta.require(Keys.Attention.SLIDING_WINDOW),
+        "layer_types": layer_types(gg, meta, layers, SWA_PATTERN),
         "swiglu_alpha": SWIGLU_ALPHA,
         "swiglu_limit": SWIGLU_LIMIT,
         "attention_bias": True,

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from gguf import Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.loading.gguf_io import ArchMetadata
 
 if TYPE_CHECKING:
     from llmrun.loading.gguf_io import GGUFFile
@@ -61,45 +62,37 @@ def update_config(gg: GGUFFile, config: dict[str, Any]) -> None:
     none; attention scale 0, meaning head_dim^-0.5), and the experts where
     expert_count is set, whatever the arch name (llama.cpp's granite graph runs either)."""
     arch = gg.architecture
-
-    def key(template: str, default: Any = None) -> Any:
-        return gg.metadata.get(template.format(arch=arch), default)
-
-    def name(template: str) -> str:
-        return template.format(arch=arch)
-
-    logits = key(Keys.LLM.LOGIT_SCALE)
-    if logits is None:
-        raise ModelFormatError(f"{gg.path}: metadata {name(Keys.LLM.LOGIT_SCALE)!r} is missing")
+    meta = ArchMetadata.of(gg)
+    logits = meta.require(Keys.LLM.LOGIT_SCALE)
     if not logits:
-        raise ModelFormatError(f"{gg.path}: {name(Keys.LLM.LOGIT_SCALE)} is 0")
-    if arch != SWA_ARCH and key(Keys.Rope.SCALING_FINETUNED, True) is False:
+        raise ModelFormatError(f"{gg.path}: {meta.name(Keys.LLM.LOGIT_SCALE)} is 0")
+    if arch != SWA_ARCH and meta.get(Keys.Rope.SCALING_FINETUNED, True) is False:
         # llama.cpp's granite reads it as "use RoPE" (Granite 4's NoPE models); granite_swa
         # says which layers rotate in rope_pattern (finish_swa_config).
         raise UnsupportedError(
-            f"{gg.path}: {name(Keys.Rope.SCALING_FINETUNED)} is false: a Granite model "
+            f"{gg.path}: {meta.name(Keys.Rope.SCALING_FINETUNED)} is false: a Granite model "
             "without RoPE (NoPE), which llmrun does not support"
         )
     config.update(
         model_type="granite",
         logits_scaling=logits,
-        embedding_multiplier=key(Keys.LLM.EMBEDDING_SCALE) or 1.0,
-        residual_multiplier=key(Keys.LLM.RESIDUAL_SCALE) or 1.0,
-        attention_multiplier=key(Keys.Attention.SCALE) or config["head_dim"] ** -0.5,
+        embedding_multiplier=meta.get(Keys.LLM.EMBEDDING_SCALE) or 1.0,
+        residual_multiplier=meta.get(Keys.LLM.RESIDUAL_SCALE) or 1.0,
+        attention_multiplier=meta.get(Keys.Attention.SCALE) or config["head_dim"] ** -0.5,
         mlp_bias="blk.0.ffn_gate.bias" in gg.tensors,
     )
-    count = key(Keys.LLM.EXPERT_COUNT, 0)
+    count = meta.get(Keys.LLM.EXPERT_COUNT, 0)
     if not count:
         return
-    used = key(Keys.LLM.EXPERT_USED_COUNT, 0)
+    used = meta.get(Keys.LLM.EXPERT_USED_COUNT, 0)
     if not isinstance(used, int) or not 0 < used <= count:
         raise ModelFormatError(
-            f"{gg.path}: {name(Keys.LLM.EXPERT_USED_COUNT)} is {used}, but "
-            f"{name(Keys.LLM.EXPERT_COUNT)} is {count} (each token needs 1 to {count} experts)"
+            f"{gg.path}: {meta.name(Keys.LLM.EXPERT_USED_COUNT)} is {used}, but "
+            f"{meta.name(Keys.LLM.EXPERT_COUNT)} is {count} (each token needs 1 to {count} experts)"
         )
     # llama.cpp's granite graph: softmax gating, renormalized top-k weights, unscaled,
     # experts feed_forward_length wide; it reads no gating, norm or scale key for it.
-    shared = key(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0)
+    shared = meta.get(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0)
     config.update(
         model_type="granitemoeshared" if shared else "granitemoe",
         num_local_experts=count,
@@ -165,37 +158,33 @@ def _halves(tensor: Any, key: str, width: int | None, dim: int) -> tuple[Any, An
     return tensor.narrow(dim, 0, width), tensor.narrow(dim, width, width)
 
 
-def finish_swa_config(gg: GGUFFile, config: dict[str, Any], key: Any = None) -> None:
+def finish_swa_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> None:
     """Complete a granite_swa GGUF's config (update_config's, with its RoPE settings) as
     llama.cpp's granite-swa reads the file: the sliding window and each layer's kind
     (both required), and which layers rotate (rope_pattern; absent, all), which
     transformers writes as layer_rope_theta (0: no RoPE); with experts, granitemoe_swa.
     The language model of Granite 4 Vision (deepstack_mapping) is refused."""
     arch, path = gg.architecture, gg.path
-
-    def name(template: str) -> str:
-        return template.format(arch=arch)
-
-    if name(DEEPSTACK_MAPPING) in gg.metadata:
+    if meta.name(DEEPSTACK_MAPPING) in gg.metadata:
         raise UnsupportedError(
-            f"{path}: {name(DEEPSTACK_MAPPING)} is set: the language model of Granite 4 "
+            f"{path}: {meta.name(DEEPSTACK_MAPPING)} is set: the language model of Granite 4 "
             "Vision, whose layers take in image features; llmrun runs Granite 4's text models"
         )
     rope = config["rope_parameters"]
     if "partial_rotary_factor" in rope:
         raise UnsupportedError(
-            f"{path}: {name(Keys.Rope.DIMENSION_COUNT)} is not the head size; llama.cpp's "
+            f"{path}: {meta.name(Keys.Rope.DIMENSION_COUNT)} is not the head size; llama.cpp's "
             f"{arch} rotates whole heads"
         )
     layers = config["num_hidden_layers"]
-    window = gg.metadata.get(name(Keys.Attention.SLIDING_WINDOW))
+    window = meta.get(Keys.Attention.SLIDING_WINDOW)
     if not isinstance(window, int) or window <= 0:
         raise ModelFormatError(
-            f"{path}: metadata {name(Keys.Attention.SLIDING_WINDOW)} is {window!r}, not the "
+            f"{path}: metadata {meta.name(Keys.Attention.SLIDING_WINDOW)} is {window!r}, not the "
             f"positive window {arch} needs"
         )
-    sliding = _layer_flags(gg, name(Keys.Attention.SLIDING_WINDOW_PATTERN), layers, None)
-    rotates = _layer_flags(gg, name(ROPE_PATTERN), layers, True)
+    sliding = _layer_flags(gg, meta.name(Keys.Attention.SLIDING_WINDOW_PATTERN), layers, None)
+    rotates = _layer_flags(gg, meta.name(ROPE_PATTERN), layers, True)
     theta = rope["rope_theta"]
     config.update(
         model_type="granitemoe_swa" if config.get("num_local_experts") else "granite_swa",

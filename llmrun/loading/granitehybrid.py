@@ -26,6 +26,7 @@ from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
 
 from llmrun.errors import ModelFormatError
 from llmrun.loading import granite
+from llmrun.loading.gguf_io import ArchMetadata
 
 if TYPE_CHECKING:
     from llmrun.loading.gguf_io import GGUFFile
@@ -75,35 +76,27 @@ def config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable) -> dict[str, Any]:
     """The HF config.json dict of a granitehybrid GGUF. rope_from_gguf:
     gguf_config._rope_from_gguf."""
     arch = gg.architecture
-
-    def key(template: str, default: Any = None, required: bool = False) -> Any:
-        name = template.format(arch=arch)
-        if name not in gg.metadata:
-            if required:
-                raise ModelFormatError(f"{gg.path}: metadata {name!r} is missing")
-            return default
-        return gg.metadata[name]
-
-    layers = key(Keys.LLM.BLOCK_COUNT, required=True)
-    hidden = key(Keys.LLM.EMBEDDING_LENGTH, required=True)
-    kv_heads = _per_layer(gg, Keys.Attention.HEAD_COUNT_KV, key, layers)
-    heads = _per_layer(gg, Keys.Attention.HEAD_COUNT, key, layers)
+    meta = ArchMetadata.of(gg)
+    layers = meta.require(Keys.LLM.BLOCK_COUNT)
+    hidden = meta.require(Keys.LLM.EMBEDDING_LENGTH)
+    kv_heads = _per_layer(gg, Keys.Attention.HEAD_COUNT_KV, meta, layers)
+    heads = _per_layer(gg, Keys.Attention.HEAD_COUNT, meta, layers)
     # llama.cpp: a layer is recurrent where its KV head count is 0.
     kinds = ["attention" if n else "mamba" for n in kv_heads]
     attending = [i for i, kind in enumerate(kinds) if kind == "attention"]
     n_heads = _one(gg, "attention.head_count", [heads[i] for i in attending]) or 1
     n_kv = _one(gg, "attention.head_count_kv", [kv_heads[i] for i in attending]) or 1
-    head_dim = key(Keys.Attention.KEY_LENGTH) or hidden // n_heads
-    inner = key(Keys.SSM.INNER_SIZE, required=True)
-    ssm_heads = key(Keys.SSM.TIME_STEP_RANK, required=True)
+    head_dim = meta.get(Keys.Attention.KEY_LENGTH) or hidden // n_heads
+    inner = meta.require(Keys.SSM.INNER_SIZE)
+    ssm_heads = meta.require(Keys.SSM.TIME_STEP_RANK)
     if inner % hidden or inner % ssm_heads:
         raise ModelFormatError(
             f"{gg.path}: ssm.inner_size {inner} is not a multiple of the embedding length "
             f"{hidden} and of ssm.time_step_rank {ssm_heads} (the Mamba-2 heads)"
         )
-    context = key(Keys.LLM.CONTEXT_LENGTH, required=True)
-    ff = _one(gg, "feed_forward_length", _as_list(key(Keys.LLM.FEED_FORWARD_LENGTH, required=True)))
-    experts = key(Keys.LLM.EXPERT_COUNT, 0)
+    context = meta.require(Keys.LLM.CONTEXT_LENGTH)
+    ff = _one(gg, "feed_forward_length", _as_list(meta.require(Keys.LLM.FEED_FORWARD_LENGTH)))
+    experts = meta.get(Keys.LLM.EXPERT_COUNT, 0)
     config: dict[str, Any] = {
         "model_type": MODEL_TYPE,
         "hidden_size": hidden,
@@ -112,28 +105,28 @@ def config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable) -> dict[str, Any]:
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv,
         "head_dim": head_dim,
-        "rms_norm_eps": key(Keys.Attention.LAYERNORM_RMS_EPS, required=True),
+        "rms_norm_eps": meta.require(Keys.Attention.LAYERNORM_RMS_EPS),
         "max_position_embeddings": context,
-        "vocab_size": _vocab_size(gg, key),
+        "vocab_size": _vocab_size(gg, meta),
         "tie_word_embeddings": "output.weight" not in gg.tensors,
         "attention_bias": bool(attending) and f"blk.{attending[0]}.attn_q.bias" in gg.tensors,
         "mlp_bias": "blk.0.ffn_gate.bias" in gg.tensors,
         "layer_types": kinds,
-        "logits_scaling": key(Keys.LLM.LOGIT_SCALE) or 1.0,
-        "embedding_multiplier": key(Keys.LLM.EMBEDDING_SCALE) or 1.0,
-        "residual_multiplier": key(Keys.LLM.RESIDUAL_SCALE) or 1.0,
-        "attention_multiplier": key(Keys.Attention.SCALE) or head_dim**-0.5,
+        "logits_scaling": meta.get(Keys.LLM.LOGIT_SCALE) or 1.0,
+        "embedding_multiplier": meta.get(Keys.LLM.EMBEDDING_SCALE) or 1.0,
+        "residual_multiplier": meta.get(Keys.LLM.RESIDUAL_SCALE) or 1.0,
+        "attention_multiplier": meta.get(Keys.Attention.SCALE) or head_dim**-0.5,
         "mamba_expand": inner // hidden,
         "mamba_n_heads": ssm_heads,
         "mamba_d_head": inner // ssm_heads,
-        "mamba_n_groups": key(Keys.SSM.GROUP_COUNT, required=True),
-        "mamba_d_state": key(Keys.SSM.STATE_SIZE, required=True),
-        "mamba_d_conv": key(Keys.SSM.CONV_KERNEL, required=True),
+        "mamba_n_groups": meta.require(Keys.SSM.GROUP_COUNT),
+        "mamba_d_state": meta.require(Keys.SSM.STATE_SIZE),
+        "mamba_d_conv": meta.require(Keys.SSM.CONV_KERNEL),
         "mamba_conv_bias": any(n.endswith(".ssm_conv1d.bias") for n in gg.tensors),
         "mamba_proj_bias": False,  # llama.cpp reads no bias of in_proj or out_proj
     }
     if experts:
-        used = key(Keys.LLM.EXPERT_USED_COUNT, 0)
+        used = meta.get(Keys.LLM.EXPERT_USED_COUNT, 0)
         if not 0 < used <= experts:
             raise ModelFormatError(
                 f"{gg.path}: {Keys.LLM.EXPERT_USED_COUNT.format(arch=arch)} is {used}, but "
@@ -144,16 +137,14 @@ def config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable) -> dict[str, Any]:
         config.update(
             num_local_experts=experts,
             num_experts_per_tok=used,
-            shared_intermediate_size=key(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0),
+            shared_intermediate_size=meta.get(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0),
         )
     else:
         # Without experts the feed-forward is the dense ffn_gate/up/down, n_ff wide.
         config.update(num_local_experts=0, num_experts_per_tok=0, shared_intermediate_size=ff)
-    if key(Keys.Rope.SCALING_FINETUNED, True):
+    if meta.get(Keys.Rope.SCALING_FINETUNED, True):
         config["position_embedding_type"] = "rope"
-        config["rope_parameters"] = rope_from_gguf(
-            gg, lambda name, default=None: key(f"{{arch}}.{name}", default), head_dim, context
-        )
+        config["rope_parameters"] = rope_from_gguf(gg, meta, head_dim, context)
     else:
         config["position_embedding_type"] = "nope"
     return config
@@ -163,9 +154,9 @@ def _as_list(value: Any) -> list:
     return value if isinstance(value, list) else [value]
 
 
-def _per_layer(gg: GGUFFile, template: str, key: Callable, layers: int) -> list[int]:
+def _per_layer(gg: GGUFFile, template: str, meta: ArchMetadata, layers: int) -> list[int]:
     """A key llama.cpp reads per layer (an array) or for all layers (a number)."""
-    value = key(template, required=True)
+    value = meta.require(template)
     if not isinstance(value, list):
         return [value] * layers
     if len(value) != layers:
@@ -187,11 +178,11 @@ def _one(gg: GGUFFile, name: str, values: list[int]) -> int | None:
     return distinct.pop() if distinct else None
 
 
-def _vocab_size(gg: GGUFFile, key: Callable) -> int | None:
+def _vocab_size(gg: GGUFFile, meta: ArchMetadata) -> int | None:
     tokens = gg.metadata.get(Keys.Tokenizer.LIST)
     embed = gg.tensors.get("token_embd.weight")
     return (
-        key(Keys.LLM.VOCAB_SIZE)
+        meta.get(Keys.LLM.VOCAB_SIZE)
         or (embed.shape[0] if embed else None)
         or (len(tokens) if tokens else None)
     )

@@ -17,13 +17,12 @@ rope.scaling.alpha key.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from gguf import ExpertGatingFuncType, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH = "hunyuan-dense"
 MODEL_TYPE = "hunyuan_v1_dense"
@@ -48,14 +47,14 @@ MOE_LAYER_NAMES = {
 }
 
 
-def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any]) -> None:
+def finish_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> None:
     """Hunyuan's fields of the HF-style config that config_from_gguf built: the RoPE base
     stretched by rope.scaling.alpha where the file has one (llama_model_hunyuan_vl::
     load_arch_hparams). Refuses partial RoPE and M-RoPE sections (Hunyuan-VL's XD-RoPE),
     which llmrun's Hunyuan dense does not compute."""
-    _refuse_partial_rope(gg, config, key)
+    _refuse_partial_rope(gg, config, meta)
     head_dim = config["head_dim"]
-    alpha = key(_name(Keys.Rope.SCALING_ALPHA), 0.0)
+    alpha = meta.get(Keys.Rope.SCALING_ALPHA, 0.0)
     if alpha > 0:
         config["rope_parameters"]["rope_theta"] *= alpha ** (head_dim / (head_dim - 2))
 
@@ -71,7 +70,7 @@ def moe_hf_name(gguf_name: str) -> str | None:
     return f"model.layers.{parts[1]}.{MOE_LAYER_NAMES[parts[2]]}.weight"
 
 
-def finish_moe_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any]) -> None:
+def finish_moe_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> None:
     """Hunyuan MoE's fields of the HF-style config that config_from_gguf built, read as
     llama_model_hunyuan_moe::load_arch_hparams reads them: the experts' width
     (expert_feed_forward_length, required), the shared expert's
@@ -80,64 +79,53 @@ def finish_moe_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., A
     RoPE, M-RoPE sections, a rope.scaling.alpha key (llama.cpp reads none for this
     arch), gating other than softmax, top-k weights not renormalized, scaled weights."""
     path = gg.path
-    _refuse_partial_rope(gg, config, key, MOE_ARCH)
-    if key(_name(Keys.Rope.SCALING_ALPHA)) is not None:
+    _refuse_partial_rope(gg, config, meta)
+    if meta.get(Keys.Rope.SCALING_ALPHA) is not None:
         raise UnsupportedError(
-            f"{path}: {_full(Keys.Rope.SCALING_ALPHA, MOE_ARCH)} is set, which llama.cpp does "
+            f"{path}: {meta.name(Keys.Rope.SCALING_ALPHA)} is set, which llama.cpp does "
             f"not read for {MOE_ARCH} (its converter writes the stretched base instead)"
         )
-    count = key(_name(Keys.LLM.EXPERT_COUNT), 0)
-    used = key(_name(Keys.LLM.EXPERT_USED_COUNT), 0)
+    count = meta.get(Keys.LLM.EXPERT_COUNT, 0)
+    used = meta.get(Keys.LLM.EXPERT_USED_COUNT, 0)
     if not 0 < used <= count:
         raise ModelFormatError(
-            f"{path}: {_full(Keys.LLM.EXPERT_USED_COUNT, MOE_ARCH)} is {used}, but "
-            f"{_full(Keys.LLM.EXPERT_COUNT, MOE_ARCH)} is {count} (each token needs 1 to "
+            f"{path}: {meta.name(Keys.LLM.EXPERT_USED_COUNT)} is {used}, but "
+            f"{meta.name(Keys.LLM.EXPERT_COUNT)} is {count} (each token needs 1 to "
             f"{count} experts)"
         )
-    gating = key(_name(Keys.LLM.EXPERT_GATING_FUNC), ExpertGatingFuncType.SOFTMAX)
-    norm = key(_name(Keys.LLM.EXPERT_WEIGHTS_NORM), True)
-    scale = key(_name(Keys.LLM.EXPERT_WEIGHTS_SCALE), 0.0)
+    gating = meta.get(Keys.LLM.EXPERT_GATING_FUNC, ExpertGatingFuncType.SOFTMAX)
+    norm = meta.get(Keys.LLM.EXPERT_WEIGHTS_NORM, True)
+    scale = meta.get(Keys.LLM.EXPERT_WEIGHTS_SCALE, 0.0)
     if gating != ExpertGatingFuncType.SOFTMAX or not norm or scale not in (0.0, 1.0):
         raise UnsupportedError(
             f"{path}: {MOE_ARCH}'s experts are gated by a softmax, their top-k weights "
             f"renormalized and unscaled, but the file says expert_gating_func {gating}, "
             f"expert_weights_norm {norm}, expert_weights_scale {scale}"
         )
-    width = key(_name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH), required=True)
+    width = meta.require(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)
     if isinstance(width, list):  # llama.cpp's get_key_or_arr: one per layer
         if len(set(width)) != 1:
             raise UnsupportedError(
-                f"{path}: {_full(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, MOE_ARCH)} differs "
+                f"{path}: {meta.name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)} differs "
                 "between layers, which llmrun does not support"
             )
         width = width[0]
-    shared = key(_name(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH)) or config["intermediate_size"]
+    shared = meta.get(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH) or config["intermediate_size"]
     config.update(
         num_experts=count, moe_topk=used, moe_intermediate_size=width, intermediate_size=shared
     )
 
 
-def _refuse_partial_rope(
-    gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any], arch: str = ARCH
-) -> None:
+def _refuse_partial_rope(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> None:
     """Refuse partial RoPE and M-RoPE sections (Hunyuan-VL's XD-RoPE), which llmrun's
     Hunyuan does not compute."""
     if "partial_rotary_factor" in config["rope_parameters"]:
         raise ModelFormatError(
-            f"{gg.path}: {_full(Keys.Rope.DIMENSION_COUNT, arch)} is not the head size "
+            f"{gg.path}: {meta.name(Keys.Rope.DIMENSION_COUNT)} is not the head size "
             f"{config['head_dim']}; Hunyuan rotates whole heads"
         )
-    sections = key(_name(Keys.Rope.DIMENSION_SECTIONS))
+    sections = meta.get(Keys.Rope.DIMENSION_SECTIONS)
     if sections and any(sections):
         raise UnsupportedError(
-            f"{gg.path}: a {arch} file with M-RoPE sections (Hunyuan-VL's XD-RoPE) is not supported"
+            f"{gg.path}: a {meta.arch} file with M-RoPE sections (Hunyuan-VL's XD-RoPE) is not supported"
         )
-
-
-def _name(template: str) -> str:
-    """A gguf.Keys "{arch}.NAME" template without its arch: the key() argument."""
-    return template.removeprefix("{arch}.")
-
-
-def _full(template: str, arch: str = ARCH) -> str:
-    return template.format(arch=arch)

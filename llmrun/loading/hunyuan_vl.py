@@ -15,20 +15,19 @@ fourth section empty).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from gguf import Keys
 
 from llmrun.errors import ModelFormatError
 from llmrun.loading import hunyuan
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH = "hunyuan_vl"
 MODEL_TYPE = hunyuan.MODEL_TYPE  # its text is Hunyuan dense's
 
 
-def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any]) -> None:
+def finish_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> None:
     """HunYuan-VL's fields of the HF-style config that config_from_gguf built: whole-head
     RoPE (its graph asserts n_rot == the head size), sections whose text RoPE is plain,
     and the base stretched by rope.scaling.alpha (llama_model_hunyuan_vl::
@@ -39,17 +38,17 @@ def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any])
             f"{gg.path}: {ARCH}.rope.dimension_count is not the head size {head_dim}; "
             "llama.cpp's HunYuan-VL rotates whole heads"
         )
-    _check_sections(gg, key, head_dim)
-    alpha = key(Keys.Rope.SCALING_ALPHA.removeprefix("{arch}."), 0.0)
+    _check_sections(gg, meta, head_dim)
+    alpha = meta.get(Keys.Rope.SCALING_ALPHA, 0.0)
     if alpha > 0:
         config["rope_parameters"]["rope_theta"] *= alpha ** (head_dim / (head_dim - 2))
 
 
-def _check_sections(gg: GGUFFile, key: Callable[..., Any], head_dim: int) -> None:
+def _check_sections(gg: GGUFFile, meta: ArchMetadata, head_dim: int) -> None:
     """rope.dimension_sections, where present: at most four sizes (llama.cpp loads four
     only; the converter writes three for a three-axis config), none negative, covering no
     more than the head's pairs (ggml asserts it)."""
-    sections = key(Keys.Rope.DIMENSION_SECTIONS.removeprefix("{arch}."))
+    sections = meta.get(Keys.Rope.DIMENSION_SECTIONS)
     if sections is None:
         return
     name = Keys.Rope.DIMENSION_SECTIONS.format(arch=ARCH)

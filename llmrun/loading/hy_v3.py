@@ -19,14 +19,13 @@ router (ffn_gate_inp), else a dense feed-forward, and so does llmrun.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from typing import Any
 
 from gguf import MODEL_TENSOR, TENSOR_NAMES, ExpertGatingFuncType, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import experts, glm4_moe
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 # gguf-py's MODEL_ARCH.HY_V3 (newer than the gguf package llmrun depends on).
 ARCH = MODEL_TYPE = "hy_v3"
@@ -72,7 +71,7 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any]) -> None:
+def finish_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> None:
     """Hunyuan V3's fields of the HF-style config that config_from_gguf built, as
     llama_model_hy_v3::load_arch_hparams reads them: the trunk's layers (block_count
     less nextn_predict_layers), a layer's experts where it has a router, sigmoid gating
@@ -86,42 +85,42 @@ def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any])
     layers, nextn = glm4_moe.trunk_layers(gg, ARCH)
     config.update(num_hidden_layers=layers)
     config[glm4_moe.NEXTN] = nextn
-    count, used = key(_name(Keys.LLM.EXPERT_COUNT), 0), key(_name(Keys.LLM.EXPERT_USED_COUNT), 0)
+    count, used = meta.get(Keys.LLM.EXPERT_COUNT, 0), meta.get(Keys.LLM.EXPERT_USED_COUNT, 0)
     if not 0 < used <= count:
         raise ModelFormatError(
-            f"{path}: {_full(Keys.LLM.EXPERT_USED_COUNT)} is {used}, but "
-            f"{_full(Keys.LLM.EXPERT_COUNT)} is {count} (each token needs 1 to {count} experts)"
+            f"{path}: {meta.name(Keys.LLM.EXPERT_USED_COUNT)} is {used}, but "
+            f"{meta.name(Keys.LLM.EXPERT_COUNT)} is {count} (each token needs 1 to {count} experts)"
         )
-    gating = key(_name(Keys.LLM.EXPERT_GATING_FUNC), 0)
+    gating = meta.get(Keys.LLM.EXPERT_GATING_FUNC, 0)
     if gating not in (0, ExpertGatingFuncType.SIGMOID):  # 0: none given, sigmoid
         known = {int(t): t.name.lower() for t in ExpertGatingFuncType}
         raise UnsupportedError(
-            f"{path}: {_full(Keys.LLM.EXPERT_GATING_FUNC)} is "
+            f"{path}: {meta.name(Keys.LLM.EXPERT_GATING_FUNC)} is "
             f"{known.get(gating, f'{gating} (unknown)')}; Hunyuan V3's experts are gated "
             "by sigmoid, the only gating llmrun runs them with"
         )
-    if not key(_name(Keys.LLM.EXPERT_WEIGHTS_NORM), False):
+    if not meta.get(Keys.LLM.EXPERT_WEIGHTS_NORM, False):
         raise UnsupportedError(
-            f"{path}: {_full(Keys.LLM.EXPERT_WEIGHTS_NORM)} is false or absent; Hunyuan V3 "
+            f"{path}: {meta.name(Keys.LLM.EXPERT_WEIGHTS_NORM)} is false or absent; Hunyuan V3 "
             "renormalizes its top-k expert weights, and llmrun runs it that way only"
         )
-    width = key(_name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)) or config["intermediate_size"] // used
+    width = meta.get(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH) or config["intermediate_size"] // used
     if isinstance(width, list):  # llama.cpp's get_key_or_arr: one per layer
         if len(set(width)) != 1:
             raise UnsupportedError(
-                f"{path}: {_full(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)} differs between "
+                f"{path}: {meta.name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)} differs between "
                 "layers, which llmrun does not support"
             )
         width = width[0]
-    shared_width = key(_name(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH)) or width
+    shared_width = meta.get(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH) or width
     if shared_width % width:
         raise UnsupportedError(
-            f"{path}: {_full(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH)} {shared_width} is "
+            f"{path}: {meta.name(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH)} {shared_width} is "
             f"not a whole number of experts {width} wide, which llmrun's Hunyuan V3 needs"
         )
     if config["rope_parameters"].get("partial_rotary_factor", 1.0) != 1.0:
         raise ModelFormatError(
-            f"{path}: {_full(Keys.Rope.DIMENSION_COUNT)} is not the head size "
+            f"{path}: {meta.name(Keys.Rope.DIMENSION_COUNT)} is not the head size "
             f"{config['head_dim']}; Hunyuan V3 rotates whole heads"
         )
     config.update(
@@ -129,7 +128,7 @@ def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any])
         num_experts_per_tok=used,
         moe_intermediate_size=width,
         num_shared_experts=shared_width // width,
-        router_scaling_factor=key(_name(Keys.LLM.EXPERT_WEIGHTS_SCALE), 0.0) or 1.0,
+        router_scaling_factor=meta.get(Keys.LLM.EXPERT_WEIGHTS_SCALE, 0.0) or 1.0,
         mlp_layer_types=[
             "sparse" if f"blk.{i}.ffn_gate_inp.weight" in gg.tensors else "dense"
             for i in range(layers)
@@ -166,12 +165,3 @@ def gguf_weights(weights: dict[str, Any], config: dict[str, Any], weight_type: t
         if kind == "sparse" and bias not in out:
             out[bias] = weight_type(torch.zeros(config["num_experts"]))
     return out
-
-
-def _name(template: str) -> str:
-    """A gguf.Keys "{arch}.NAME" template without its arch: the key() argument."""
-    return template.removeprefix("{arch}.")
-
-
-def _full(template: str) -> str:
-    return template.format(arch=ARCH)

@@ -34,6 +34,7 @@ from gguf import ExpertGatingFuncType, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import deepseek2, dsa, experts
+from llmrun.loading.gguf_io import ArchMetadata
 
 # gguf-py's MODEL_ARCH.HY_V4 and its keys (newer than the gguf package llmrun depends on).
 ARCH = MODEL_TYPE = "hy_v4"
@@ -86,22 +87,13 @@ def config_from_gguf(gg, rope_from_gguf) -> dict[str, Any]:
     """An HF-style hy_v4 config from the file's metadata, read as llama_model_hy_v4's
     load_arch_hparams reads it: deepseek2's keys, sigmoid gating, the hyper-connections,
     the routed experts' clamp and the indexer."""
-    path, arch, meta = gg.path, gg.architecture, gg.metadata
+    path, arch = gg.path, gg.architecture
+    meta = ArchMetadata.of(gg)
 
-    def name(template: str) -> str:
-        return template.format(arch=arch)
-
-    def required(template: str) -> Any:
-        if name(template) not in meta:
-            raise ModelFormatError(
-                f"{path}: metadata {name(template)!r} is missing ({arch} needs it)"
-            )
-        return meta[name(template)]
-
-    gating = meta.get(name(Keys.LLM.EXPERT_GATING_FUNC))
+    gating = meta.get(Keys.LLM.EXPERT_GATING_FUNC)
     if gating != ExpertGatingFuncType.SIGMOID:
         raise UnsupportedError(
-            f"{path}: {name(Keys.LLM.EXPERT_GATING_FUNC)} is {gating}; Hunyuan V4's experts "
+            f"{path}: {meta.name(Keys.LLM.EXPERT_GATING_FUNC)} is {gating}; Hunyuan V4's experts "
             f"are sigmoid-gated ({int(ExpertGatingFuncType.SIGMOID)}), as the converter writes"
         )
     config = deepseek2.config_from_gguf(gg, rope_from_gguf)
@@ -114,34 +106,34 @@ def config_from_gguf(gg, rope_from_gguf) -> dict[str, Any]:
             "does)"
         )
     layers = config["num_hidden_layers"]
-    if not meta.get(name(Keys.Attention.Indexer.TOP_K)):
+    if not meta.get(Keys.Attention.Indexer.TOP_K):
         raise UnsupportedError(
             f"{path}: a {arch} file without DeepSeek sparse attention "
-            f"({name(Keys.Attention.Indexer.TOP_K)}) is not supported"
+            f"({meta.name(Keys.Attention.Indexer.TOP_K)}) is not supported"
         )
-    heads = meta.get(name(Keys.Attention.Indexer.HEAD_COUNT), 0)
-    width = meta.get(name(Keys.Attention.Indexer.KEY_LENGTH), 0)
+    heads = meta.get(Keys.Attention.Indexer.HEAD_COUNT, 0)
+    width = meta.get(Keys.Attention.Indexer.KEY_LENGTH, 0)
     if not heads or width <= config["qk_rope_head_dim"]:
         raise ModelFormatError(
-            f"{path}: {name(Keys.Attention.Indexer.HEAD_COUNT)} {heads} and "
-            f"{name(Keys.Attention.Indexer.KEY_LENGTH)} {width} do not make an indexer "
+            f"{path}: {meta.name(Keys.Attention.Indexer.HEAD_COUNT)} {heads} and "
+            f"{meta.name(Keys.Attention.Indexer.KEY_LENGTH)} {width} do not make an indexer "
             f"(heads, and more features than RoPE's {config['qk_rope_head_dim']})"
         )
-    full = meta.get(name(dsa.INDEXER_TYPES))
+    full = meta.get(dsa.INDEXER_TYPES)
     full = full if isinstance(full, list) else [full] * layers  # get_key_or_arr
     if len(full) < layers or not full[0]:
         raise ModelFormatError(
-            f"{path}: {name(dsa.INDEXER_TYPES)} is {meta.get(name(dsa.INDEXER_TYPES))!r}; it "
+            f"{path}: {meta.name(dsa.INDEXER_TYPES)} is {meta.get(dsa.INDEXER_TYPES)!r}; it "
             f"needs {layers} entries, the first true (layer 0 runs its own indexer)"
         )
     dense = config["first_k_dense_replace"]
     config.update(
         model_type=MODEL_TYPE,
-        hc_mult=required(HC_COUNT),
-        hc_eps=required(HC_EPSILON),
-        hc_magnitude=required(HC_MAGNITUDE),
-        swiglu_limit=_clamp(meta.get(name(SWIGLU_CLAMP_EXP), 0.0), layers, dense, path),
-        index_topk=meta[name(Keys.Attention.Indexer.TOP_K)],
+        hc_mult=meta.require(HC_COUNT),
+        hc_eps=meta.require(HC_EPSILON),
+        hc_magnitude=meta.require(HC_MAGNITUDE),
+        swiglu_limit=_clamp(meta.get(SWIGLU_CLAMP_EXP, 0.0), layers, dense, path),
+        index_topk=meta.require(Keys.Attention.Indexer.TOP_K),
         index_n_heads=heads,
         index_head_dim=width,
         indexer_types=["full" if f else "shared" for f in full[:layers]],

@@ -86,6 +86,7 @@ def active_parameters(path: Path, parameters: int) -> int | None:
             config.get("num_experts_per_tok")
             or config.get("moe_k")
             or config.get("moe_num_active_primary_experts")  # SmallThinker
+            or config.get("moe_top_k")  # Nomic BERT v2-moe
         )
         topk = config.get("moe_topk")  # Hunyuan MoE's: one per layer in the Hub's config
         used = used or (topk[0] if isinstance(topk, list) and topk else topk)
@@ -193,7 +194,7 @@ def _describe_gguf(path: Path) -> dict[str, Any]:
         **stats,
         "active_parameters": active_parameters(parts[0], stats["parameters"]),
         "tokenizer": _GGUF_TOKENIZERS.get(tok_model, tok_model),
-        "pre_tokenizer": header.get(Keys.Tokenizer.PRE) if tok_model == "gpt2" else None,
+        "pre_tokenizer": header.get(Keys.Tokenizer.PRE) if tok_model in _BPE_MODELS else None,
         "chat_template": header.get(Keys.Tokenizer.CHAT_TEMPLATE),
         "license": header.get(Keys.General.LICENSE),
         **pooling,
@@ -203,7 +204,14 @@ def _describe_gguf(path: Path) -> dict[str, Any]:
     }
 
 
-_GGUF_TOKENIZERS = {"llama": "SentencePiece", "gpt2": "BPE", "bert": "WordPiece", "t5": "Unigram"}
+_GGUF_TOKENIZERS = {
+    "llama": "SentencePiece",
+    "gpt2": "BPE",
+    "whitespace": "BPE",  # jina-embeddings-v2-base-zh's: BPE on the text cut at whitespace
+    "bert": "WordPiece",
+    "t5": "Unigram",
+}
+_BPE_MODELS = ("gpt2", "whitespace")
 
 
 def read_json(path: Path) -> Any:
@@ -298,7 +306,7 @@ def _describe_safetensors(folder: Path) -> dict[str, Any]:
         "chat_template": _hf_chat_template(folder),
         "license": _readme_license(folder / "README.md"),
         **embedding.hf_info(folder, config),
-        **reranker.hf_info(config),
+        **reranker.hf_info(config, folder),
         **_files_listing(folder, sorted(p for p in folder.rglob("*") if p.is_file())),
     }
 

@@ -18,13 +18,12 @@ every position), linear scaling as it is. src/models/internlm2.cpp rotates whole
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from llmrun.errors import ModelFormatError
 from llmrun.loading import exaone
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH = MODEL_TYPE = "internlm2"
 _RENAMES = tuple(
@@ -89,7 +88,7 @@ def hf_weights(
     return renamed
 
 
-def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any]) -> None:
+def finish_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> None:
     """InternLM2's checks of the config config_from_gguf built: whole-head RoPE (llama.cpp
     asserts it), YaRN as llama.cpp applies it (exaone.check_rope)."""
-    exaone.check_rope(gg, config, key, "InternLM2")
+    exaone.check_rope(gg, config, meta, "InternLM2")

@@ -14,7 +14,7 @@ from typing import Any
 from gguf import Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH = MODEL_TYPE = "jais2"
 
@@ -22,34 +22,23 @@ ARCH = MODEL_TYPE = "jais2"
 def config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable[..., dict[str, Any]]) -> dict:
     """The HF-style config (Jais2Config's fields) of a jais2 GGUF; rope_from_gguf is
     gguf_config's reader of the RoPE keys."""
-
-    def key(name: str, default: Any = None, required: bool = False) -> Any:
-        full = f"{ARCH}.{name}"
-        if full not in gg.metadata:
-            if required:
-                raise ModelFormatError(f"{gg.path}: metadata {full!r} is missing")
-            return default
-        return gg.metadata[full]
-
-    def field(template: str) -> str:
-        return template.removeprefix("{arch}.")
-
-    hidden = key(field(Keys.LLM.EMBEDDING_LENGTH), required=True)
-    heads = key(field(Keys.Attention.HEAD_COUNT), required=True)
-    head_dim = key(field(Keys.Attention.KEY_LENGTH)) or hidden // heads
-    context = key(field(Keys.LLM.CONTEXT_LENGTH), required=True)
+    meta = ArchMetadata.of(gg, ARCH)
+    hidden = meta.require(Keys.LLM.EMBEDDING_LENGTH)
+    heads = meta.require(Keys.Attention.HEAD_COUNT)
+    head_dim = meta.get(Keys.Attention.KEY_LENGTH) or hidden // heads
+    context = meta.require(Keys.LLM.CONTEXT_LENGTH)
     tokens = gg.metadata.get(Keys.Tokenizer.LIST)
     config: dict[str, Any] = {
         "model_type": MODEL_TYPE,
         "hidden_size": hidden,
-        "intermediate_size": key(field(Keys.LLM.FEED_FORWARD_LENGTH), required=True),
-        "num_hidden_layers": key(field(Keys.LLM.BLOCK_COUNT), required=True),
+        "intermediate_size": meta.require(Keys.LLM.FEED_FORWARD_LENGTH),
+        "num_hidden_layers": meta.require(Keys.LLM.BLOCK_COUNT),
         "num_attention_heads": heads,
-        "num_key_value_heads": key(field(Keys.Attention.HEAD_COUNT_KV), heads),
+        "num_key_value_heads": meta.get(Keys.Attention.HEAD_COUNT_KV, heads),
         "head_dim": head_dim,
-        "layer_norm_eps": key(field(Keys.Attention.LAYERNORM_EPS), required=True),
+        "layer_norm_eps": meta.require(Keys.Attention.LAYERNORM_EPS),
         "max_position_embeddings": context,
-        "vocab_size": key(field(Keys.LLM.VOCAB_SIZE)) or (len(tokens) if tokens else None),
+        "vocab_size": meta.get(Keys.LLM.VOCAB_SIZE) or (len(tokens) if tokens else None),
         "tie_word_embeddings": "output.weight" not in gg.tensors,
         # llama.cpp's loader requires every bias (jais2.cpp load_arch_tensors).
         "attention_bias": True,
@@ -65,11 +54,11 @@ def config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable[..., dict[str, Any]]
             f"{gg.path}: a jais2 file holds the biases of its projections; "
             f"{', '.join(missing)} missing"
         )
-    rope = rope_from_gguf(gg, key, head_dim, context)
+    rope = rope_from_gguf(gg, meta, head_dim, context)
     if "partial_rotary_factor" in rope:
         raise UnsupportedError(
             f"{gg.path}: Jais 2 rotates whole heads; a rope dimension count of "
-            f"{key(field(Keys.Rope.DIMENSION_COUNT))} for heads of {head_dim} is not supported"
+            f"{meta.get(Keys.Rope.DIMENSION_COUNT)} for heads of {head_dim} is not supported"
         )
     config["rope_parameters"] = rope
     return config

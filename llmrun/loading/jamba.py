@@ -19,6 +19,7 @@ from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import experts, mamba
+from llmrun.loading.gguf_io import ArchMetadata
 
 if TYPE_CHECKING:
     from llmrun.loading.gguf_io import GGUFFile
@@ -79,19 +80,11 @@ def hf_name(gguf_name: str) -> str | None:
 
 def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
     """The HF config.json dict of a "jamba" GGUF, read as llama_model_jamba reads it."""
-
-    def key(template: str, default: Any = None, required: bool = False) -> Any:
-        name = template.format(arch=ARCH)
-        if name not in gg.metadata:
-            if required:
-                raise ModelFormatError(f"{gg.path}: metadata {name!r} is missing")
-            return default
-        return gg.metadata[name]
-
-    layers = key(Keys.LLM.BLOCK_COUNT, required=True)
-    hidden = key(Keys.LLM.EMBEDDING_LENGTH, required=True)
-    heads = key(Keys.Attention.HEAD_COUNT, required=True)
-    kv = key(Keys.Attention.HEAD_COUNT_KV, heads)
+    meta = ArchMetadata.of(gg, ARCH)
+    layers = meta.require(Keys.LLM.BLOCK_COUNT)
+    hidden = meta.require(Keys.LLM.EMBEDDING_LENGTH)
+    heads = meta.require(Keys.Attention.HEAD_COUNT)
+    kv = meta.get(Keys.Attention.HEAD_COUNT_KV, heads)
     kv_list = kv if isinstance(kv, list) else [kv] * layers
     if len(kv_list) != layers:
         raise ModelFormatError(
@@ -102,13 +95,13 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
     if (
         len(attending) > 1
         or isinstance(heads, list)
-        or isinstance(key(Keys.LLM.FEED_FORWARD_LENGTH), list)
+        or isinstance(meta.get(Keys.LLM.FEED_FORWARD_LENGTH), list)
     ):
         raise UnsupportedError(
             f"{gg.path}: per-layer head counts or feed-forward widths ({kv}); llmrun runs "
             "Jamba with one value for every attention layer"
         )
-    inner = key(Keys.SSM.INNER_SIZE, required=True)
+    inner = meta.require(Keys.SSM.INNER_SIZE)
     if inner % hidden:
         raise ModelFormatError(
             f"{gg.path}: ssm.inner_size {inner} is not a multiple of the embedding length {hidden}"
@@ -118,8 +111,8 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         raise ModelFormatError(f"{gg.path}: tensor token_embd.weight is missing")
     router = f"{_layer(MODEL_TENSOR.FFN_GATE_INP)}.weight"
     expert_layers = [i for i in range(layers) if f"blk.{i}.{router}" in gg.tensors]
-    count = key(Keys.LLM.EXPERT_COUNT, 0)
-    used = key(Keys.LLM.EXPERT_USED_COUNT, 0)
+    count = meta.get(Keys.LLM.EXPERT_COUNT, 0)
+    used = meta.get(Keys.LLM.EXPERT_USED_COUNT, 0)
     if expert_layers and not 0 < used <= count:
         raise ModelFormatError(
             f"{gg.path}: {Keys.LLM.EXPERT_USED_COUNT.format(arch=ARCH)} is {used}, but "
@@ -128,12 +121,12 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
     return {
         "model_type": MODEL_TYPE,
         "hidden_size": hidden,
-        "intermediate_size": key(Keys.LLM.FEED_FORWARD_LENGTH, required=True),
+        "intermediate_size": meta.require(Keys.LLM.FEED_FORWARD_LENGTH),
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": attending.pop() if attending else heads,
-        "rms_norm_eps": key(Keys.Attention.LAYERNORM_RMS_EPS, required=True),
-        "max_position_embeddings": key(Keys.LLM.CONTEXT_LENGTH, required=True),
+        "rms_norm_eps": meta.require(Keys.Attention.LAYERNORM_RMS_EPS),
+        "max_position_embeddings": meta.require(Keys.LLM.CONTEXT_LENGTH),
         "vocab_size": embed.shape[0],
         "tie_word_embeddings": f"{TENSOR_NAMES[MODEL_TENSOR.OUTPUT]}.weight" not in gg.tensors,
         "layer_types": ["attention" if n else "mamba" for n in kv_list],
@@ -141,9 +134,9 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         "num_experts": count if expert_layers else 1,
         "num_experts_per_tok": used,
         "mamba_expand": inner // hidden,
-        "mamba_d_state": key(Keys.SSM.STATE_SIZE, required=True),
-        "mamba_d_conv": key(Keys.SSM.CONV_KERNEL, required=True),
-        "mamba_dt_rank": key(Keys.SSM.TIME_STEP_RANK, required=True),
+        "mamba_d_state": meta.require(Keys.SSM.STATE_SIZE),
+        "mamba_d_conv": meta.require(Keys.SSM.CONV_KERNEL),
+        "mamba_dt_rank": meta.require(Keys.SSM.TIME_STEP_RANK),
         "mamba_conv_bias": True,  # llama.cpp requires the convolution's bias
         "mamba_proj_bias": False,  # and reads none of in_proj or out_proj
     }

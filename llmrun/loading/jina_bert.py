@@ -12,9 +12,16 @@ attn_q_norm/attn_k_norm. Files from before 2025 hold gated_layers split, the gat
 ffn_gate and the rest as ffn_up (llama.cpp then computes gelu(gate) * up): llmrun joins
 them. llama.cpp biases the attention by ALiBi of max bias 8 whatever the file says.
 
-jina-embeddings-v2-base-code's other layout (up_gated_layer, down_layer, layer_norm_1 and
-layer_norm_2; attn_norm_2 in a GGUF) is refused: which half of up_gated_layer is the gate
-differs between its modeling file and llama.cpp's reading of the converter's file.
+jina-embeddings-v2-base-code's other layout (jinaai/jina-bert-v2-qk-post-norm's
+modeling_bert.py: up_gated_layer, down_layer, layer_norm_1 and layer_norm_2) becomes the
+model's names: down_layer is wo, layer_norm_2 mlp.layernorm, layer_norm_1 the second norm
+after the attention (attn_norm_2 in a GGUF), and up_gated_layer is gated_layers with its
+halves swapped: its modeling file (as text-embeddings-inference's JinaCodeBertLayer) takes
+the first intermediate_size features as the up projection and the rest as the gate,
+up * gelu(gate). The converter writes up_gated_layer whole as ffn_up, whose first half
+llama.cpp then takes as the gate (its GEGLU): llmrun computes the published model there,
+not llama.cpp's reading, swapping the halves of a code-layout file's whole ffn_up. Files
+from before 2025 hold it split, the gate half as ffn_gate, as for the other models.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ hf_name = bert.name_table(
         MODEL_TENSOR.FFN_UP: _GATED,
         MODEL_TENSOR.FFN_DOWN: "mlp.wo",
         MODEL_TENSOR.LAYER_OUT_NORM: "mlp.layernorm",
+        MODEL_TENSOR.ATTN_NORM_2: "layer_norm_1",
     },
     {
         MODEL_TENSOR.TOKEN_EMBD: "embeddings.word_embeddings",
@@ -56,7 +64,12 @@ hf_name = bert.name_table(
     },
     "encoder.layer",
 )
-_CODE_LAYOUT = "jina-embeddings-v2-base-code's layout"
+# jina-embeddings-v2-base-code's modules -> the model's (the module's docstring).
+_CODE_NAMES = {
+    ".mlp.up_gated_layer.": f".{_GATED}.",
+    ".mlp.down_layer.": ".mlp.wo.",
+    ".layer_norm_2.": ".mlp.layernorm.",
+}
 # The Hub's tensors no encoder output needs: the MLM head, the pooler, buffers.
 _DROPPED_PREFIXES = ("cls.", "pooler.")
 _DROPPED = ("embeddings.position_ids", "embeddings.token_type_ids")
@@ -69,12 +82,13 @@ def hf_applies(config: dict[str, Any]) -> bool:
 
 
 def hf_checkpoint(
-    config: dict[str, Any], weights: dict[str, Any], where: Any
+    config: dict[str, Any], weights: dict[str, Any], where: Any, weight_type: type
 ) -> tuple[dict[str, Any], dict]:
     """A Hub folder's config and weights as the model takes them: model_type jina_bert,
-    q/k norms where the weights hold them, the "bert." prefix, MLM head and pooler dropped.
-    What the model does not compute (another feed-forward, position table, the code
-    model's layout, a classifier) is refused by name."""
+    q/k norms and the code model's second attention norm where the weights hold them, its
+    layout renamed (up_gated_layer's halves swapped), the "bert." prefix, MLM head and
+    pooler dropped. What the model does not compute (another feed-forward, position
+    table, a classifier) is refused by name."""
     ffn = config.get("feed_forward_type", "original")
     if ffn != "geglu":
         raise UnsupportedError(
@@ -97,17 +111,31 @@ def hf_checkpoint(
                 f"{where}: tensor {name!r} is a classifier (reranker) head, which llmrun "
                 "does not support for Jina BERT v2"
             )
-        if ".up_gated_layer." in name or ".layer_norm_1." in name:
-            raise UnsupportedError(f"{where}: tensor {name!r}: {_CODE_LAYOUT} is not supported")
+        for old, new in _CODE_NAMES.items():
+            if old in name:
+                if old == ".mlp.up_gated_layer.":
+                    w = _swap_halves(w, weight_type)
+                name = name.replace(old, new)
         out[name] = w
     qk_norm = any(".layer_norm_q." in name for name in out)
-    return {**config, "model_type": MODEL_TYPE, "qk_norm": qk_norm}, out
+    norm_2 = any(".layer_norm_1." in name for name in out)
+    config = {**config, "model_type": MODEL_TYPE, "qk_norm": qk_norm, "attention_norm_2": norm_2}
+    return config, out
+
+
+def _swap_halves(w: Any, weight_type: type) -> Any:
+    """A [2 * width, hidden] matrix (float, or a GGUF's rows of blocks) with its two halves
+    of rows swapped."""
+    import torch
+
+    half = w.tensor.shape[0] // 2
+    return weight_type(torch.cat([w.tensor[half:], w.tensor[:half]]), w.ggml_type, w.shape)
 
 
 def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
-    """An HF-style jina_bert config from a "jina-bert-v2" GGUF, as llama.cpp reads it; a
-    feed-forward without a gate (llama.cpp's plain GELU) and the code model's layout are
-    refused."""
+    """An HF-style jina_bert config from a "jina-bert-v2" GGUF, as llama.cpp reads it (the
+    code model's layout where it has attn_norm_2); a feed-forward without a gate (llama.cpp's
+    plain GELU) is refused."""
     config = bert.encoder_config(gg)
     layers, width = config["num_hidden_layers"], config["intermediate_size"]
 
@@ -115,10 +143,6 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         return gg.tensors.get(TENSOR_NAMES[kind].format(bid=layer) + ".weight")
 
     for i in range(layers):
-        if tensor(MODEL_TENSOR.ATTN_NORM_2, i) is not None:
-            raise UnsupportedError(
-                f"{gg.path}: tensor 'blk.{i}.attn_norm_2.weight': {_CODE_LAYOUT} is not supported"
-            )
         up, gate = tensor(MODEL_TENSOR.FFN_UP, i), tensor(MODEL_TENSOR.FFN_GATE, i)
         rows = up.shape[0] if up is not None else None
         if rows != (width if gate is not None else 2 * width):
@@ -129,16 +153,28 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
                 f"and ffn_up of {width}"
             )
     qk_norm = tensor(MODEL_TENSOR.ATTN_Q_NORM, 0) is not None
-    return {"model_type": MODEL_TYPE, **config, "hidden_act": "gelu", "qk_norm": qk_norm}
+    norm_2 = tensor(MODEL_TENSOR.ATTN_NORM_2, 0) is not None
+    return {
+        "model_type": MODEL_TYPE,
+        **config,
+        "hidden_act": "gelu",
+        "qk_norm": qk_norm,
+        "attention_norm_2": norm_2,
+    }
 
 
 def gguf_weights(weights: dict[str, Any], config: dict[str, Any], weight_type: type) -> dict:
     """The file's weights as the model takes them (bert.gguf_weights: a fused attn_qkv
-    split), an old file's ffn_gate and ffn_up rows joined into gated_layers (gate first)."""
+    split), an old file's ffn_gate and ffn_up rows joined into gated_layers (gate first), a
+    code-layout file's whole ffn_up with its halves swapped (the module's docstring)."""
     import torch
 
     out = {}
     for name, w in weights.items():
+        whole = f".{_GATED}." in name and name.replace(_GATED, _SPLIT_GATE) not in weights
+        if whole and config.get("attention_norm_2"):
+            out[name] = _swap_halves(w, weight_type)
+            continue
         if f".{_SPLIT_GATE}." not in name:
             out.setdefault(name, w)
             continue

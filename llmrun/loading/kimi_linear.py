@@ -22,7 +22,7 @@ from gguf import MODEL_TENSOR, TENSOR_NAMES, ExpertGatingFuncType, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import deepseek2
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile, vocab_size
 
 ARCH = "kimi-linear"
 MODEL_TYPE = "kimi_linear"
@@ -78,50 +78,42 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
     """The HF-style config of a kimi-linear GGUF, read as llama_model_kimi_linear::
     load_arch_hparams reads it (its required keys, its defaults)."""
     arch, path = gg.architecture, gg.path
-
-    def key(template: str, default: Any = None, required: bool = False) -> Any:
-        full = template.format(arch=arch)
-        if full not in gg.metadata:
-            if required:
-                raise ModelFormatError(f"{path}: metadata {full!r} is missing ({arch} needs it)")
-            return default
-        return gg.metadata[full]
-
+    meta = ArchMetadata.of(gg)
     if any(name.endswith(f".{_Q_A}.weight") for name in gg.tensors):
         raise UnsupportedError(
             f"{path}: a {arch} file with compressed queries ({_Q_A}) is not supported "
             "(llama.cpp reads no q_lora_rank for this arch)"
         )
-    layers = key(Keys.LLM.BLOCK_COUNT, required=True)
-    heads = key(Keys.Attention.HEAD_COUNT, required=True)
+    layers = meta.require(Keys.LLM.BLOCK_COUNT)
+    heads = meta.require(Keys.Attention.HEAD_COUNT)
     if not isinstance(heads, int) or heads <= 0:
         raise UnsupportedError(
             f"{path}: {Keys.Attention.HEAD_COUNT.format(arch=arch)} is {heads!r}; llmrun "
             "needs one number"
         )
-    kv_heads = key(Keys.Attention.HEAD_COUNT_KV, heads)
+    kv_heads = meta.get(Keys.Attention.HEAD_COUNT_KV, heads)
     kv_heads = kv_heads if isinstance(kv_heads, list) else [kv_heads] * layers
     if len(kv_heads) != layers:
         raise ModelFormatError(
             f"{path}: {Keys.Attention.HEAD_COUNT_KV.format(arch=arch)} lists {len(kv_heads)} "
             f"layers, but block_count is {layers}"
         )
-    rank = key(Keys.Attention.KV_LORA_RANK, required=True)
-    rope = key(Keys.Rope.DIMENSION_COUNT, required=True)
-    qk_head_dim = key(Keys.Attention.KEY_LENGTH_MLA, required=True)
+    rank = meta.require(Keys.Attention.KV_LORA_RANK)
+    rope = meta.require(Keys.Rope.DIMENSION_COUNT)
+    qk_head_dim = meta.require(Keys.Attention.KEY_LENGTH_MLA)
     if not 0 < rope < qk_head_dim:
         raise ModelFormatError(
             f"{path}: {Keys.Rope.DIMENSION_COUNT.format(arch=arch)} is {rope}, but keys have "
             f"{qk_head_dim} features (attention.key_length_mla)"
         )
-    context = key(Keys.LLM.CONTEXT_LENGTH, required=True)
-    eps = key(Keys.Attention.LAYERNORM_RMS_EPS, required=True)
+    context = meta.require(Keys.LLM.CONTEXT_LENGTH)
+    eps = meta.require(Keys.Attention.LAYERNORM_RMS_EPS)
     config: dict[str, Any] = {
         "model_type": MODEL_TYPE,
-        "hidden_size": key(Keys.LLM.EMBEDDING_LENGTH, required=True),
+        "hidden_size": meta.require(Keys.LLM.EMBEDDING_LENGTH),
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
-        "vocab_size": vocab_size(gg, key),
+        "vocab_size": vocab_size(gg, meta),
         "max_position_embeddings": context,
         "rms_norm_eps": eps,
         "latent_norm_eps": eps,  # llama.cpp normalizes the latents with it too
@@ -129,46 +121,36 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         "q_lora_rank": None,
         "qk_nope_head_dim": qk_head_dim - rope,
         "qk_rope_head_dim": rope,
-        "v_head_dim": key(Keys.Attention.VALUE_LENGTH_MLA, required=True),
+        "v_head_dim": meta.require(Keys.Attention.VALUE_LENGTH_MLA),
         "linear_num_heads": heads,  # llama.cpp's KDA layers have n_head heads
-        "linear_head_dim": key(Keys.KDA.HEAD_DIM, required=True),
-        "linear_conv_kernel_dim": key(Keys.SSM.CONV_KERNEL, required=True),
+        "linear_head_dim": meta.require(Keys.KDA.HEAD_DIM),
+        "linear_conv_kernel_dim": meta.require(Keys.SSM.CONV_KERNEL),
         "layer_types": ["linear_attention" if n == 0 else "full_attention" for n in kv_heads],
         "tie_word_embeddings": "output.weight" not in gg.tensors,
     }
-    config.update(expert_fields(gg, key, layers))
+    config.update(expert_fields(gg, meta, layers))
     return config
 
 
-def vocab_size(gg: GGUFFile, key) -> int | None:
-    tokens = gg.metadata.get(Keys.Tokenizer.LIST)
-    embed = gg.tensors.get("token_embd.weight")
-    return (
-        key(Keys.LLM.VOCAB_SIZE)
-        or (len(tokens) if tokens else None)
-        or (embed.shape[0] if embed else None)
-    )
-
-
-def expert_fields(gg: GGUFFile, key, layers: int) -> dict[str, Any]:
+def expert_fields(gg: GGUFFile, meta: ArchMetadata, layers: int) -> dict[str, Any]:
     """The feed-forward's fields: the leading dense layers, then sigmoid-gated experts
     with a selection bias and shared experts (llama.cpp's graph: renormalized top-k,
     scaled by expert_weights_scale, no expert groups)."""
     arch, path = gg.architecture, gg.path
-    dense = key(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, 0)
-    count, used = key(Keys.LLM.EXPERT_COUNT, 0), key(Keys.LLM.EXPERT_USED_COUNT, 0)
+    dense = meta.get(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, 0)
+    count, used = meta.get(Keys.LLM.EXPERT_COUNT, 0), meta.get(Keys.LLM.EXPERT_USED_COUNT, 0)
     if not 0 < used <= count:
         raise ModelFormatError(
             f"{path}: {Keys.LLM.EXPERT_USED_COUNT.format(arch=arch)} is {used}, but "
             f"{Keys.LLM.EXPERT_COUNT.format(arch=arch)} is {count}"
         )
-    gating = key(Keys.LLM.EXPERT_GATING_FUNC, required=True)
+    gating = meta.require(Keys.LLM.EXPERT_GATING_FUNC)
     if gating != ExpertGatingFuncType.SIGMOID:
         raise UnsupportedError(
             f"{path}: {Keys.LLM.EXPERT_GATING_FUNC.format(arch=arch)} is {gating}; llmrun's "
             f"{arch} experts are gated by sigmoid ({int(ExpertGatingFuncType.SIGMOID)})"
         )
-    width = key(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, required=True)
+    width = meta.require(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)
     if isinstance(width, list):  # one per layer
         if len(set(width)) != 1:
             raise UnsupportedError(
@@ -182,15 +164,15 @@ def expert_fields(gg: GGUFFile, key, layers: int) -> dict[str, Any]:
         "moe_intermediate_size": width,
         "n_routed_experts": count,
         "num_experts_per_tok": used,
-        "n_shared_experts": key(Keys.LLM.EXPERT_SHARED_COUNT, required=True),
+        "n_shared_experts": meta.require(Keys.LLM.EXPERT_SHARED_COUNT),
         # 0 (no key): llama.cpp leaves the weights unscaled.
-        "routed_scaling_factor": key(Keys.LLM.EXPERT_WEIGHTS_SCALE, 0.0) or 1.0,
+        "routed_scaling_factor": meta.get(Keys.LLM.EXPERT_WEIGHTS_SCALE, 0.0) or 1.0,
         "norm_topk_prob": True,
         "n_group": 1,
         "topk_group": 1,
     }
     if dense:
-        fields["intermediate_size"] = key(Keys.LLM.FEED_FORWARD_LENGTH, required=True)
+        fields["intermediate_size"] = meta.require(Keys.LLM.FEED_FORWARD_LENGTH)
     return fields
 
 

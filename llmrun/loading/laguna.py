@@ -30,7 +30,7 @@ from gguf import MODEL_TENSOR, TENSOR_NAMES, ExpertGatingFuncType, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import experts
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile, vocab_size
 
 # gguf-py's MODEL_ARCH.LAGUNA (newer than the gguf package llmrun depends on).
 ARCH = MODEL_TYPE = "laguna"
@@ -93,50 +93,40 @@ def config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable[..., dict[str, Any]]
     """The HF-style config of a laguna GGUF, as llama_model_laguna::load_arch_hparams
     reads it (rope_from_gguf is gguf_config's reader of the global layers' RoPE keys)."""
     path = gg.path
-
-    def key(name: str, default: Any = None, required: bool = False) -> Any:
-        full = f"{ARCH}.{name}"
-        if full not in gg.metadata:
-            if required:
-                raise ModelFormatError(f"{path}: metadata {full!r} is missing")
-            return default
-        return gg.metadata[full]
-
-    layers = key(_name(Keys.LLM.BLOCK_COUNT), required=True)
-    hidden = key(_name(Keys.LLM.EMBEDDING_LENGTH), required=True)
-    heads = _per_layer(gg, key(_name(Keys.Attention.HEAD_COUNT), required=True), layers)
-    kv_heads = set(_per_layer(gg, key(_name(Keys.Attention.HEAD_COUNT_KV), heads), layers))
+    meta = ArchMetadata.of(gg, ARCH)
+    layers = meta.require(Keys.LLM.BLOCK_COUNT)
+    hidden = meta.require(Keys.LLM.EMBEDDING_LENGTH)
+    heads = _per_layer(gg, meta.require(Keys.Attention.HEAD_COUNT), layers)
+    kv_heads = set(_per_layer(gg, meta.get(Keys.Attention.HEAD_COUNT_KV, heads), layers))
     if len(kv_heads) != 1:
         raise UnsupportedError(
-            f"{path}: {_full(Keys.Attention.HEAD_COUNT_KV)} differs between layers, which "
+            f"{path}: {meta.name(Keys.Attention.HEAD_COUNT_KV)} differs between layers, which "
             "llmrun's Laguna does not support"
         )
-    head_dim = key(_name(Keys.Attention.KEY_LENGTH)) or hidden // heads[0]
-    if key(_name(Keys.Attention.VALUE_LENGTH), head_dim) != head_dim:
+    head_dim = meta.get(Keys.Attention.KEY_LENGTH) or hidden // heads[0]
+    if meta.get(Keys.Attention.VALUE_LENGTH, head_dim) != head_dim:
         raise UnsupportedError(f"{path}: Laguna's keys and values of different widths")
-    tokens = gg.metadata.get(Keys.Tokenizer.LIST)
-    embed = gg.tensors.get("token_embd.weight")
-    context = key(_name(Keys.LLM.CONTEXT_LENGTH), required=True)
+    context = meta.require(Keys.LLM.CONTEXT_LENGTH)
     config: dict[str, Any] = {
         "model_type": MODEL_TYPE,
         "hidden_size": hidden,
-        "intermediate_size": key(_name(Keys.LLM.FEED_FORWARD_LENGTH), required=True),
+        "intermediate_size": meta.require(Keys.LLM.FEED_FORWARD_LENGTH),
         "num_hidden_layers": layers,
         "num_attention_heads": heads[0],
         "num_attention_heads_per_layer": heads,
         "num_key_value_heads": kv_heads.pop(),
         "head_dim": head_dim,
-        "rms_norm_eps": key(_name(Keys.Attention.LAYERNORM_RMS_EPS), required=True),
+        "rms_norm_eps": meta.require(Keys.Attention.LAYERNORM_RMS_EPS),
         "max_position_embeddings": context,
-        "vocab_size": key(_name(Keys.LLM.VOCAB_SIZE))
-        or (len(tokens) if tokens else None)
-        or (embed.shape[0] if embed else None),
+        "vocab_size": vocab_size(gg, meta),
         "tie_word_embeddings": "output.weight" not in gg.tensors,
         "attention_bias": "blk.0.attn_q.bias" in gg.tensors,
         "gating": _gating(gg, heads, head_dim),
     }
-    config.update(_attention_layers(gg, key, head_dim, rope_from_gguf(gg, key, head_dim, context)))
-    config.update(_experts(gg, key, layers))
+    config.update(
+        _attention_layers(gg, meta, head_dim, rope_from_gguf(gg, meta, head_dim, context))
+    )
+    config.update(_experts(gg, meta, layers))
     return config
 
 
@@ -174,38 +164,38 @@ def _gating(gg: GGUFFile, heads: list[int], head_dim: int) -> str:
 
 
 def _attention_layers(
-    gg: GGUFFile, key: Callable[..., Any], head_dim: int, rope: dict[str, Any]
+    gg: GGUFFile, meta: ArchMetadata, head_dim: int, rope: dict[str, Any]
 ) -> dict[str, Any]:
     """The window, layer types and each type's RoPE: the sliding layers' (where a window
     makes some) turn by rope.freq_base_swa (default the global base) over
     rope.dimension_count_swa features (default the global layers'), never scaled."""
-    layers = key(_name(Keys.LLM.BLOCK_COUNT))
+    layers = meta.get(Keys.LLM.BLOCK_COUNT)
     if rope["rope_type"] not in ("default", "yarn"):
         raise UnsupportedError(
             f"{gg.path}: Laguna with {rope['rope_type']} RoPE scaling is not supported"
         )
     if rope["rope_type"] == "yarn":
-        ext = key(_name(Keys.Rope.SCALING_YARN_EXT_FACTOR))
+        ext = meta.get(Keys.Rope.SCALING_YARN_EXT_FACTOR)
         if ext is not None and ext != 1.0:
             raise UnsupportedError(
                 f"{gg.path}: a YaRN extrapolation factor of {ext} is not supported (1.0 is)"
             )
         # llama.cpp scales YaRN's magnitude by 0.1 ln(factor) + 1 whatever this key says
         # (llama_context's constructor); transformers by the config's attention_factor.
-        attn_factor = key(_name(Keys.Rope.SCALING_YARN_ATTN_FACTOR))
+        attn_factor = meta.get(Keys.Rope.SCALING_YARN_ATTN_FACTOR)
         factor = rope.get("factor") or 1.0
         usual = 0.1 * math.log(factor) + 1 if factor > 1 else 1.0
         if attn_factor is not None and abs(attn_factor - usual) > 1e-6:
             raise UnsupportedError(
-                f"{gg.path}: {_full(Keys.Rope.SCALING_YARN_ATTN_FACTOR)} is {attn_factor}, "
+                f"{gg.path}: {meta.name(Keys.Rope.SCALING_YARN_ATTN_FACTOR)} is {attn_factor}, "
                 f"which llama.cpp does not apply ({usual:.6g} instead); llmrun does not "
                 "guess which the model needs"
             )
-    if key(_name(Keys.Rope.SCALING_ATTN_FACTOR), 1.0) != 1.0:
+    if meta.get(Keys.Rope.SCALING_ATTN_FACTOR, 1.0) != 1.0:
         raise UnsupportedError(
-            f"{gg.path}: {_full(Keys.Rope.SCALING_ATTN_FACTOR)} other than 1 is not supported"
+            f"{gg.path}: {meta.name(Keys.Rope.SCALING_ATTN_FACTOR)} other than 1 is not supported"
         )
-    window = key(_name(Keys.Attention.SLIDING_WINDOW), 0)
+    window = meta.get(Keys.Attention.SLIDING_WINDOW, 0)
     if not window:
         # No window: llama.cpp runs every layer as a global one.
         return {
@@ -213,11 +203,11 @@ def _attention_layers(
             "layer_types": ["full_attention"] * layers,
             "rope_parameters": {"full_attention": rope},
         }
-    pattern = key(_name(Keys.Attention.SLIDING_WINDOW_PATTERN), SWA_PATTERN)
+    pattern = meta.get(Keys.Attention.SLIDING_WINDOW_PATTERN, SWA_PATTERN)
     if isinstance(pattern, list):
         if len(pattern) != layers:
             raise ModelFormatError(
-                f"{gg.path}: {_full(Keys.Attention.SLIDING_WINDOW_PATTERN)} lists "
+                f"{gg.path}: {meta.name(Keys.Attention.SLIDING_WINDOW_PATTERN)} lists "
                 f"{len(pattern)} layers, but the model has {layers}"
             )
         local = [bool(v) for v in pattern]
@@ -225,20 +215,20 @@ def _attention_layers(
         local = [pattern == 0 or i % pattern != 0 for i in range(layers)]
     else:
         raise ModelFormatError(
-            f"{gg.path}: {_full(Keys.Attention.SLIDING_WINDOW_PATTERN)} is {pattern!r}, not "
+            f"{gg.path}: {meta.name(Keys.Attention.SLIDING_WINDOW_PATTERN)} is {pattern!r}, not "
             "a layer count or a list of flags"
         )
-    rotated = key(_name(Keys.Rope.DIMENSION_COUNT_SWA)) or round(
+    rotated = meta.get(Keys.Rope.DIMENSION_COUNT_SWA) or round(
         head_dim * rope.get("partial_rotary_factor", 1.0)
     )
     if rotated % 2 or not 0 < rotated <= head_dim:
         raise ModelFormatError(
-            f"{gg.path}: {_full(Keys.Rope.DIMENSION_COUNT_SWA)} is {rotated}, but RoPE "
+            f"{gg.path}: {meta.name(Keys.Rope.DIMENSION_COUNT_SWA)} is {rotated}, but RoPE "
             f"rotates pairs of the {head_dim} features of a head"
         )
     sliding = {
         "rope_type": "default",
-        "rope_theta": key(_name(Keys.Rope.FREQ_BASE_SWA), rope["rope_theta"]),
+        "rope_theta": meta.get(Keys.Rope.FREQ_BASE_SWA, rope["rope_theta"]),
         "partial_rotary_factor": rotated / head_dim,
     }
     return {
@@ -248,59 +238,48 @@ def _attention_layers(
     }
 
 
-def _experts(gg: GGUFFile, key: Callable[..., Any], layers: int) -> dict[str, Any]:
+def _experts(gg: GGUFFile, meta: ArchMetadata, layers: int) -> dict[str, Any]:
     """The experts and their routing: sigmoid gating where no key says otherwise, no
     scale where expert_weights_scale is 0 or absent, one shared expert as wide as
     expert_shared_feed_forward_length (or expert_shared_count experts), dense layers
     the leading_dense_block_count first. Refuses softmax gating and top-k weights that
     are not renormalized (absent expert_weights_norm included: llama.cpp's default)."""
     path = gg.path
-    count, used = key(_name(Keys.LLM.EXPERT_COUNT), 0), key(_name(Keys.LLM.EXPERT_USED_COUNT), 0)
+    count, used = meta.get(Keys.LLM.EXPERT_COUNT, 0), meta.get(Keys.LLM.EXPERT_USED_COUNT, 0)
     if not 0 < used <= count:
         raise ModelFormatError(
-            f"{path}: {_full(Keys.LLM.EXPERT_USED_COUNT)} is {used}, but "
-            f"{_full(Keys.LLM.EXPERT_COUNT)} is {count} (each token needs 1 to {count} experts)"
+            f"{path}: {meta.name(Keys.LLM.EXPERT_USED_COUNT)} is {used}, but "
+            f"{meta.name(Keys.LLM.EXPERT_COUNT)} is {count} (each token needs 1 to {count} experts)"
         )
-    gating = key(_name(Keys.LLM.EXPERT_GATING_FUNC), 0)
+    gating = meta.get(Keys.LLM.EXPERT_GATING_FUNC, 0)
     if gating not in (0, ExpertGatingFuncType.SIGMOID):  # 0: none given, sigmoid
         known = {int(t): t.name.lower() for t in ExpertGatingFuncType}
         raise UnsupportedError(
-            f"{path}: {_full(Keys.LLM.EXPERT_GATING_FUNC)} is "
+            f"{path}: {meta.name(Keys.LLM.EXPERT_GATING_FUNC)} is "
             f"{known.get(gating, f'{gating} (unknown)')}; Laguna's experts are gated by "
             "sigmoid, the only gating llmrun runs them with"
         )
-    if not key(_name(Keys.LLM.EXPERT_WEIGHTS_NORM), False):
+    if not meta.get(Keys.LLM.EXPERT_WEIGHTS_NORM, False):
         raise UnsupportedError(
-            f"{path}: {_full(Keys.LLM.EXPERT_WEIGHTS_NORM)} is false or absent; Laguna "
+            f"{path}: {meta.name(Keys.LLM.EXPERT_WEIGHTS_NORM)} is false or absent; Laguna "
             "renormalizes its top-k expert weights, and llmrun runs it that way only"
         )
-    widths = set(
-        _per_layer(gg, key(_name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH), required=True), layers)
-    )
+    widths = set(_per_layer(gg, meta.require(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH), layers))
     if len(widths) != 1:
         raise UnsupportedError(
-            f"{path}: {_full(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)} differs between layers, "
+            f"{path}: {meta.name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)} differs between layers, "
             "which llmrun does not support"
         )
     width = widths.pop()
-    shared = key(_name(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH)) or width * key(
-        _name(Keys.LLM.EXPERT_SHARED_COUNT), 1
+    shared = meta.get(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH) or width * meta.get(
+        Keys.LLM.EXPERT_SHARED_COUNT, 1
     )
-    dense = key(_name(Keys.LLM.LEADING_DENSE_BLOCK_COUNT), required=True)
+    dense = meta.require(Keys.LLM.LEADING_DENSE_BLOCK_COUNT)
     return {
         "num_experts": count,
         "num_experts_per_tok": used,
         "moe_intermediate_size": width,
         "shared_expert_intermediate_size": shared,
-        "moe_routed_scaling_factor": key(_name(Keys.LLM.EXPERT_WEIGHTS_SCALE), 0.0) or 1.0,
+        "moe_routed_scaling_factor": meta.get(Keys.LLM.EXPERT_WEIGHTS_SCALE, 0.0) or 1.0,
         "mlp_layer_types": ["dense"] * min(dense, layers) + ["sparse"] * max(layers - dense, 0),
     }
-
-
-def _name(template: str) -> str:
-    """A gguf.Keys "{arch}.NAME" template without its arch: the key() argument."""
-    return template.removeprefix("{arch}.")
-
-
-def _full(template: str) -> str:
-    return template.format(arch=ARCH)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from gguf import MODEL_TENSOR, TENSOR_NAMES, ExpertGatingFuncType, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.loading.gguf_io import ArchMetadata, vocab_size
 
 if TYPE_CHECKING:  # gguf_io imports inspect, which reads attention_layer_count here
     from llmrun.loading.gguf_io import GGUFFile
@@ -93,20 +94,12 @@ def config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable[..., dict[str, Any]]
     """The HF-style config (lfm2 or lfm2_moe) of an LFM2 GGUF; rope_from_gguf is
     gguf_config's RoPE reader."""
     arch = gg.architecture
-
-    def key(name: str, default: Any = None, required: bool = False) -> Any:
-        full = f"{arch}.{name}"
-        if full not in gg.metadata:
-            if required:
-                raise ModelFormatError(f"{gg.path}: metadata {full!r} is missing")
-            return default
-        return gg.metadata[full]
-
-    _refuse_variants(gg, key)
-    layers = key(_name(Keys.LLM.BLOCK_COUNT), required=True)
-    hidden = key(_name(Keys.LLM.EMBEDDING_LENGTH), required=True)
-    heads = _one_value(gg, key, Keys.Attention.HEAD_COUNT, layers, required=True)
-    kv_heads = key(_name(Keys.Attention.HEAD_COUNT_KV), heads)
+    meta = ArchMetadata.of(gg)
+    _refuse_variants(gg, meta)
+    layers = meta.require(Keys.LLM.BLOCK_COUNT)
+    hidden = meta.require(Keys.LLM.EMBEDDING_LENGTH)
+    heads = _one_value(gg, meta, Keys.Attention.HEAD_COUNT, layers, required=True)
+    kv_heads = meta.get(Keys.Attention.HEAD_COUNT_KV, heads)
     kv_list = kv_heads if isinstance(kv_heads, list) else [kv_heads] * layers
     if len(kv_list) != layers:
         raise ModelFormatError(
@@ -119,28 +112,24 @@ def config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable[..., dict[str, Any]]
             f"{gg.path}: {Keys.Attention.HEAD_COUNT_KV.format(arch=arch)} is {kv_heads}; llmrun "
             "runs LFM2 with attention layers that all have the same number of key/value heads"
         )
-    tokens = gg.metadata.get(Keys.Tokenizer.LIST)
-    embed = gg.tensors.get(TENSOR_NAMES[MODEL_TENSOR.TOKEN_EMBD] + ".weight")
-    head_dim = key(_name(Keys.Attention.KEY_LENGTH)) or hidden // heads
+    head_dim = meta.get(Keys.Attention.KEY_LENGTH) or hidden // heads
     config: dict[str, Any] = {
         "model_type": MODEL_TYPES[arch],
         "hidden_size": hidden,
-        "intermediate_size": key(_name(Keys.LLM.FEED_FORWARD_LENGTH), required=True),
+        "intermediate_size": meta.require(Keys.LLM.FEED_FORWARD_LENGTH),
         "block_auto_adjust_ff_dim": False,  # the file's width is the adjusted one
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": attending.pop(),
         "head_dim": head_dim,
         "layer_types": ["full_attention" if n else "conv" for n in kv_list],
-        "norm_eps": key(_name(Keys.Attention.LAYERNORM_RMS_EPS), required=True),
-        "conv_L_cache": key(_name(Keys.ShortConv.L_CACHE), required=True),
-        "max_position_embeddings": key(_name(Keys.LLM.CONTEXT_LENGTH), required=True),
-        "vocab_size": key(_name(Keys.LLM.VOCAB_SIZE))
-        or (len(tokens) if tokens else None)
-        or (embed.shape[0] if embed else None),
+        "norm_eps": meta.require(Keys.Attention.LAYERNORM_RMS_EPS),
+        "conv_L_cache": meta.require(Keys.ShortConv.L_CACHE),
+        "max_position_embeddings": meta.require(Keys.LLM.CONTEXT_LENGTH),
+        "vocab_size": vocab_size(gg, meta),
         "tie_word_embeddings": TENSOR_NAMES[MODEL_TENSOR.OUTPUT] + ".weight" not in gg.tensors,
     }
-    rope = rope_from_gguf(gg, key, head_dim, config["max_position_embeddings"])
+    rope = rope_from_gguf(gg, meta, head_dim, config["max_position_embeddings"])
     if "partial_rotary_factor" in rope:
         raise ModelFormatError(
             f"{gg.path}: {Keys.Rope.DIMENSION_COUNT.format(arch=arch)} is not the head size "
@@ -148,22 +137,22 @@ def config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable[..., dict[str, Any]]
         )
     config["rope_parameters"] = rope
     if arch == MOE_ARCH:
-        config.update(_experts(gg, key, layers))
+        config.update(_experts(gg, meta, layers))
     return config
 
 
-def _experts(gg: GGUFFile, key: Callable[..., Any], layers: int) -> dict[str, Any]:
+def _experts(gg: GGUFFile, meta: ArchMetadata, layers: int) -> dict[str, Any]:
     """LFM2-MoE's expert fields, read as llama_model_lfm2moe::load_arch_hparams does."""
     arch = gg.architecture
-    count = key(_name(Keys.LLM.EXPERT_COUNT), 0)
-    used = key(_name(Keys.LLM.EXPERT_USED_COUNT), 0)
+    count = meta.get(Keys.LLM.EXPERT_COUNT, 0)
+    used = meta.get(Keys.LLM.EXPERT_USED_COUNT, 0)
     if not 0 < used <= count:
         raise ModelFormatError(
             f"{gg.path}: {Keys.LLM.EXPERT_USED_COUNT.format(arch=arch)} is {used}, but "
             f"{Keys.LLM.EXPERT_COUNT.format(arch=arch)} is {count} (each token needs 1 to "
             f"{count} experts)"
         )
-    gating = key(_name(Keys.LLM.EXPERT_GATING_FUNC), required=True)
+    gating = meta.require(Keys.LLM.EXPERT_GATING_FUNC)
     if gating != ExpertGatingFuncType.SIGMOID:
         known = {int(t): t.name.lower() for t in ExpertGatingFuncType}
         raise UnsupportedError(
@@ -175,22 +164,22 @@ def _experts(gg: GGUFFile, key: Callable[..., Any], layers: int) -> dict[str, An
         "num_experts": count,
         "num_experts_per_tok": used,
         "moe_intermediate_size": _one_value(
-            gg, key, Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, layers, required=True
+            gg, meta, Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, layers, required=True
         ),
-        "num_dense_layers": key(_name(Keys.LLM.LEADING_DENSE_BLOCK_COUNT), 0),
+        "num_dense_layers": meta.get(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, 0),
         "use_expert_bias": True,  # llama.cpp requires exp_probs_b in every expert layer
         "norm_topk_prob": True,
         "routed_scaling_factor": 1.0,
     }
 
 
-def _refuse_variants(gg: GGUFFile, key: Callable[..., Any]) -> None:
+def _refuse_variants(gg: GGUFFile, meta: ArchMetadata) -> None:
     """Refuse what llmrun's LFM2 does not compute: the embedding models' bidirectional
     attention and pooled or projected outputs, and sliding-window attention."""
     arch = gg.architecture
     if (
-        key(_name(Keys.Attention.CAUSAL), True) is False
-        or key(_name(Keys.LLM.POOLING_TYPE))
+        meta.get(Keys.Attention.CAUSAL, True) is False
+        or meta.get(Keys.LLM.POOLING_TYPE)
         or _EMBEDDING_OUT in gg.tensors
     ):
         raise UnsupportedError(
@@ -198,19 +187,17 @@ def _refuse_variants(gg: GGUFFile, key: Callable[..., Any]) -> None:
             "output projection, as LFM2-ColBERT and LFM2.5-Embedding) is not supported; "
             "llmrun runs LFM2's causal language models"
         )
-    if key(_name(Keys.Attention.SLIDING_WINDOW), 0):
+    if meta.get(Keys.Attention.SLIDING_WINDOW, 0):
         raise UnsupportedError(
             f"{gg.path}: {Keys.Attention.SLIDING_WINDOW.format(arch=arch)} is set; LFM2 with "
             "sliding-window attention (LFM2.5-Audio's tokenizer) is not supported"
         )
 
 
-def _one_value(
-    gg: GGUFFile, key: Callable[..., Any], template: str, layers: int, required: bool
-) -> Any:
+def _one_value(gg: GGUFFile, meta: ArchMetadata, template: str, layers: int, required: bool) -> Any:
     """A key llama.cpp reads as one value or one per layer (get_key_or_arr), where llmrun
     needs a single value: refused when the layers differ."""
-    value = key(_name(template), required=required)
+    value = meta.require(template) if required else meta.get(template)
     if isinstance(value, list):
         if len(value) != layers or len(set(value)) != 1:
             raise UnsupportedError(
@@ -219,11 +206,6 @@ def _one_value(
             )
         value = value[0]
     return value
-
-
-def _name(template: str) -> str:
-    """A gguf.Keys "{arch}.NAME" template without its arch: the key() argument."""
-    return template.removeprefix("{arch}.")
 
 
 def gguf_weights(weights: dict[str, Any], weight: type) -> dict[str, Any]:

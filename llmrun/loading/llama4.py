@@ -20,7 +20,7 @@ from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import experts
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH = "llama4"
 MODEL_TYPE = "llama4_text"
@@ -57,12 +57,11 @@ _FUSED = re.compile(r"(.*\.feed_forward\.experts)\.(gate_up_proj|down_proj)")
 def finish_config(
     gg: GGUFFile,
     config: dict[str, Any],
-    key: Callable[..., Any],
+    meta: ArchMetadata,
     layer_types: Callable[..., list[str]],
 ) -> None:
-    """Llama 4's fields of the HF-style config that config_from_gguf built (`key` reads
-    its "llama4.NAME" keys; `layer_types` is gguf_config's reader of llama.cpp's window
-    pattern), with llama.cpp's fixed values (it reads attention.sliding_window only to
+    """Llama 4's fields of the HF-style config that config_from_gguf built
+    (`layer_types` is gguf_config's reader of llama.cpp's window pattern), with llama.cpp's fixed values (it reads attention.sliding_window only to
     turn the chunks off with 0; any other value still gives chunks of 8192, as here).
     Refuses what llama.cpp runs otherwise than transformers would: no chunked attention
     (attention.sliding_window 0: llama.cpp then runs its last layer without RoPE),
@@ -70,46 +69,40 @@ def finish_config(
     which llama.cpp refuses."""
     layers = config["num_hidden_layers"]
 
-    def arch_key(template: str, default: Any = None) -> Any:
-        return gg.metadata.get(template.format(arch=ARCH), default)
-
-    def name(template: str) -> str:
-        return template.format(arch=ARCH)
-
-    if arch_key(Keys.Attention.SLIDING_WINDOW) == 0:
+    if meta.get(Keys.Attention.SLIDING_WINDOW) == 0:
         raise UnsupportedError(
-            f"{gg.path}: a llama4 file without chunked attention ({name(Keys.Attention.SLIDING_WINDOW)} "
+            f"{gg.path}: a llama4 file without chunked attention ({meta.name(Keys.Attention.SLIDING_WINDOW)} "
             "0, as MobileLLM's) is not supported"
         )
     rope = config["rope_parameters"]
     if "partial_rotary_factor" in rope:
         raise ModelFormatError(
-            f"{gg.path}: {name(Keys.Rope.DIMENSION_COUNT)} is not the head size "
+            f"{gg.path}: {meta.name(Keys.Rope.DIMENSION_COUNT)} is not the head size "
             f"{config['head_dim']}; Llama 4 rotates whole heads"
         )
-    local_base = arch_key(Keys.Rope.FREQ_BASE_SWA)
+    local_base = meta.get(Keys.Rope.FREQ_BASE_SWA)
     if local_base is not None and local_base != rope["rope_theta"]:
         raise UnsupportedError(
-            f"{gg.path}: {name(Keys.Rope.FREQ_BASE_SWA)} ({local_base}) differs from "
-            f"{name(Keys.Rope.FREQ_BASE)} ({rope['rope_theta']}); Llama 4 has one RoPE base"
+            f"{gg.path}: {meta.name(Keys.Rope.FREQ_BASE_SWA)} ({local_base}) differs from "
+            f"{meta.name(Keys.Rope.FREQ_BASE)} ({rope['rope_theta']}); Llama 4 has one RoPE base"
         )
-    experts = arch_key(Keys.LLM.EXPERT_COUNT, 0)
+    experts = meta.get(Keys.LLM.EXPERT_COUNT, 0)
     if not experts:
         raise ModelFormatError(
-            f"{gg.path}: {name(Keys.LLM.EXPERT_COUNT)} is missing or 0; a llama4 model has experts"
+            f"{gg.path}: {meta.name(Keys.LLM.EXPERT_COUNT)} is missing or 0; a llama4 model has experts"
         )
-    used = arch_key(Keys.LLM.EXPERT_USED_COUNT, 0)
+    used = meta.get(Keys.LLM.EXPERT_USED_COUNT, 0)
     if not 0 < used <= experts:
         raise ModelFormatError(
-            f"{gg.path}: {name(Keys.LLM.EXPERT_USED_COUNT)} is {used}, but "
-            f"{name(Keys.LLM.EXPERT_COUNT)} is {experts} (each token needs 1 to {experts} experts)"
+            f"{gg.path}: {meta.name(Keys.LLM.EXPERT_USED_COUNT)} is {used}, but "
+            f"{meta.name(Keys.LLM.EXPERT_COUNT)} is {experts} (each token needs 1 to {experts} experts)"
         )
-    step = key("interleave_moe_layer_step", required=True)
-    width = key("expert_feed_forward_length", required=True)
+    step = meta.require(Keys.LLM.INTERLEAVE_MOE_LAYER_STEP)
+    width = meta.require(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)
     if isinstance(width, list):  # one per layer
         if len(set(width)) != 1:
             raise UnsupportedError(
-                f"{gg.path}: {name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)} differs between "
+                f"{gg.path}: {meta.name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)} differs between "
                 "layers, which llmrun does not support"
             )
         width = width[0]
@@ -125,7 +118,7 @@ def finish_config(
         attention_chunk_size=CHUNK_SIZE,
         layer_types=[
             "chunked_attention" if kind == "sliding_attention" else kind
-            for kind in layer_types(gg, arch_key, layers, SWA_PATTERN)
+            for kind in layer_types(gg, meta, layers, SWA_PATTERN)
         ],
         attn_temperature_tuning=True,
         floor_scale=FLOOR_SCALE,

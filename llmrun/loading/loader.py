@@ -149,8 +149,10 @@ class Checkpoint:
     pooling: str | None = None
     normalized: bool | None = None
     generates: bool = True
-    # A causal reranker's head (llama.cpp's cls.output: the output head's yes and no rows).
+    # A causal reranker's head (llama.cpp's cls.output: the output head's yes and no rows)
+    # and its prompt ({query} and {document} replaced).
     rank_head: Weight | None = None
+    rank_template: str | None = None
 
     @property
     def n_params(self) -> int:
@@ -176,6 +178,7 @@ class LoadedModel:
     checkpoint: Checkpoint
     dtype: torch.dtype
     device: torch.device
+    lora: lora.LoraScales | None = None  # its LoRA adapters' scales, where it has adapters
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -306,7 +309,7 @@ def _open_hf_dir(path: Path) -> Checkpoint:
     if config.get("model_type") in alibi_families.MODEL_TYPES:
         weights = alibi_families.hf_weights(weights, config["model_type"])
     if jina_bert.hf_applies(config):
-        config, weights = jina_bert.hf_checkpoint(config, weights, path / "config.json")
+        config, weights = jina_bert.hf_checkpoint(config, weights, path / "config.json", Weight)
     if config.get("model_type") in bert.HF_MODEL_TYPES:
         config, weights = bert.hf_checkpoint(config, weights, Weight, path / "config.json")
     if config.get("model_type") == nomic_bert.MODEL_TYPE:
@@ -361,6 +364,11 @@ def _open_hf_dir(path: Path) -> Checkpoint:
         config, weights = gemma_embedding.hf_checkpoint(
             config, weights, embedding.hf_dense(path), Weight
         )
+    rank_head = rank_template = None
+    if reranker.hf_causal_reranker(config, path):
+        weights, rank_head = _hf_rank_head(path, config, weights)
+        config["classifier_labels"] = 2
+        rank_template = reranker.QWEN3_RERANK_PROMPT
     gguf_config.check_config(config, path / "config.json")
     generation = safetensors_io.read_generation_config(path)
     sampling = {
@@ -372,7 +380,30 @@ def _open_hf_dir(path: Path) -> Checkpoint:
         path, "safetensors", config, weights, generation, sampling, notes=notes,
         pooling=pooling, normalized=normalized,
         generates=not (headless and config.get("tie_word_embeddings") is False),
+        rank_head=rank_head, rank_template=rank_template,
     )  # fmt: skip
+
+
+def _hf_rank_head(
+    path: Path, config: dict[str, Any], weights: dict[str, Weight]
+) -> tuple[dict[str, Weight], Weight]:
+    """A causal reranker folder's weights and head as llama.cpp's converter writes them
+    (conversion/qwen.py): the head is the output head's rows of the yes and no tokens (the
+    embeddings' where tied, or where the file holds no lm_head.weight, as build_model ties
+    it), and an untied output head is dropped."""
+    tied = config.get("tie_word_embeddings", False) or "lm_head.weight" not in weights
+    name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    if name not in weights:
+        raise ModelFormatError(f"{path}: a causal reranker without {name}, its head's rows")
+    table = weights[name].tensor
+    ids = reranker.hf_label_ids(path)
+    if max(ids) >= table.shape[0]:
+        raise ModelFormatError(
+            f"{path}: token id {max(ids)} is past the {table.shape[0]} rows of {name}"
+        )
+    if not tied:
+        weights = {k: w for k, w in weights.items() if k != name}
+    return weights, Weight(table[ids])
 
 
 # Multimodal checkpoints whose language model llmrun runs, as llama.cpp's converter
@@ -590,13 +621,14 @@ def _open_gguf(path: Path) -> Checkpoint:
         weights = deci.gguf_weights(weights, config, Weight)
     if gg.architecture == bert.ARCH:
         weights = bert.gguf_weights(weights, config, Weight, *bert.FUSED_QKV)
-    if gg.architecture == nomic_bert.ARCH:
+    if gg.architecture in nomic_bert.ARCHS:
         weights = nomic_bert.gguf_weights(weights, config, Weight)
     if gg.architecture == jina_bert.ARCH:
         weights = jina_bert.gguf_weights(weights, config, Weight)
     return Checkpoint(
         path, "gguf", config, weights, sampling_defaults=gguf_io.generation_defaults(gg), gguf=gg,
         pooling=pooling, rank_head=rank_head,
+        rank_template=gg.metadata[reranker.RERANK_TEMPLATE] if causal_rank else None,
     )  # fmt: skip
 
 
@@ -722,7 +754,7 @@ def resolve_dtype(requested: str, device: torch.device, checkpoint: Checkpoint) 
     return stored if stored != torch.float32 else torch.bfloat16
 
 
-class _SkipInit(TorchFunctionMode):
+class SkipInit(TorchFunctionMode):
     """Skip torch.nn.init's random fills while a model is built on the meta device:
     there is nothing to fill, and torch's meta `normal_` goes through torch._refs,
     which imports torch._dynamo and sympy (~1.8 s and ~70 MB per process)."""
@@ -739,7 +771,7 @@ def build_model(checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype
     config = checkpoint.config
     module = model_module(config.get("model_type", "<missing model_type>"))
     args = _model_args(module, checkpoint)
-    with torch.device("meta"), _SkipInit():
+    with torch.device("meta"), SkipInit():
         model = module.Model(args)
     expected = model.state_dict()
     weights = {k: w for k, w in checkpoint.weights.items() if not k.endswith(IGNORED_SUFFIXES)}
@@ -899,11 +931,11 @@ def load_model(
         for p, scale in adapters
     ]
     model = build_model(checkpoint, device, compute_dtype)
-    lora.apply_adapters(model, loras)
+    scales = lora.apply_adapters(model, loras)
     if checkpoint.gguf is not None:
         for buffer in checkpoint.gguf.buffers:
             release_unused_pages(model, buffer)
-    return LoadedModel(model, checkpoint, compute_dtype, device)
+    return LoadedModel(model, checkpoint, compute_dtype, device, scales)
 
 
 def device_bytes(checkpoint: Checkpoint, dtype: torch.dtype) -> int:

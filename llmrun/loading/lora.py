@@ -8,14 +8,19 @@ becomes a LoraLinear: base(x) + scale * B(A(x)), the base layer kept as it is (q
 blocks stay quantized), as llama.cpp applies adapters (llm_graph_context::build_lora_mm).
 A GGUF adapter's scale is SCALE * alpha / rank (SCALE alone where alpha is 0,
 llama_adapter_lora_weight::get_scale); a PEFT adapter's is SCALE * lora_alpha / r, or
-/ sqrt(r) with use_rslora, as PEFT computes it.
+/ sqrt(r) with use_rslora, as PEFT computes it. SCALE is the adapter's in the model's
+LoraScales: one per adapter for every forward (run, chat), or one per batch row for the
+forward in flight (serve's per-request scales, set with `scaled`).
 """
 
 from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass, field
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,47 +56,106 @@ DIRECT_WEIGHTS = ("kv_b_proj",)
 
 @dataclass
 class LoraWeight:
-    """One layer's pair: down [rank, in] and up [out, rank], with their scale."""
+    """One layer's pair: down [rank, in] and up [out, rank], with the factor the adapter's
+    settings put on their product (alpha / rank), which the adapter's scale multiplies."""
 
     down: torch.Tensor
     up: torch.Tensor
-    scale: float
+    factor: float
 
 
 @dataclass
 class Adapter:
-    """An adapter read from `path`: its pairs under the model's module names."""
+    """An adapter read from `path` at `scale`: its pairs under the model's module names,
+    and a GGUF adapter's task name and prompt prefix (which llama-server lists)."""
 
     path: Path
+    scale: float = 1.0
     weights: dict[str, LoraWeight] = field(default_factory=dict)
+    task_name: str = ""
+    prompt_prefix: str = ""
+
+
+class LoraScales:
+    """The scales of a model's adapters, by id (their order at load): `scales` apply to
+    every forward, unless a forward's batch rows have scales of their own (`scaled`, on
+    that forward's thread alone: serve's embeddings run beside its scheduler)."""
+
+    def __init__(self, adapters: Sequence[Adapter]) -> None:
+        self.adapters = [replace(a, weights={}) for a in adapters]  # what they are, by id
+        self.scales = [a.scale for a in adapters]
+        # .rows, per adapter: the scale of this thread's forward in flight, a float where
+        # every row has the same, else a tensor [batch].
+        self.local = threading.local()
+
+    def __len__(self) -> int:
+        return len(self.adapters)
+
+    def current(self) -> list[float | torch.Tensor]:
+        rows = getattr(self.local, "rows", None)
+        return self.scales if rows is None else rows
+
+
+@contextmanager
+def scaled(
+    lora: LoraScales | None, rows: Sequence[Sequence[float]], device: torch.device
+) -> Iterator[None]:
+    """The forwards inside run batch row i with adapter j at scale rows[i][j] (serve's
+    requests, each with its own scales); nothing changes for a model without adapters."""
+    if lora is None:
+        yield
+        return
+    columns: list[float | torch.Tensor] = []
+    for column in zip(*rows, strict=True):
+        same = all(s == column[0] for s in column)
+        columns.append(float(column[0]) if same else torch.tensor(column, device=device))
+    lora.local.rows = columns
+    try:
+        yield
+    finally:
+        lora.local.rows = None
 
 
 class LoraLinear(nn.Module):
     """A linear layer (nn.Linear, QuantLinear, ...) with LoRA pairs added to its output:
-    base(x) + sum of scale * (x A^T) B^T. The base layer is untouched."""
+    base(x) + sum of scale * factor * (x A^T) B^T, each pair's scale its adapter's in
+    `lora`. The base layer is untouched."""
 
-    def __init__(self, base: nn.Module) -> None:
+    def __init__(self, base: nn.Module, lora: LoraScales) -> None:
         super().__init__()
         self.base = base
+        self.lora = lora
         self.in_features, self.out_features = base.in_features, base.out_features
         self.downs = nn.ParameterList()
         self.ups = nn.ParameterList()
-        self.scales: list[float] = []
+        self.factors: list[float] = []
+        self.ids: list[int] = []  # each pair's adapter
 
-    def add(self, weight: LoraWeight) -> None:
+    def add(self, weight: LoraWeight, adapter_id: int) -> None:
         self.downs.append(nn.Parameter(weight.down, requires_grad=False))
         self.ups.append(nn.Parameter(weight.up, requires_grad=False))
-        self.scales.append(weight.scale)
+        self.factors.append(weight.factor)
+        self.ids.append(adapter_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        for down, up, scale in zip(self.downs, self.ups, self.scales, strict=True):
-            y = y + scale * F.linear(F.linear(x, down), up)
+        scales = self.lora.current()
+        for down, up, factor, i in zip(self.downs, self.ups, self.factors, self.ids, strict=True):
+            scale = scales[i]
+            if not isinstance(scale, torch.Tensor):
+                if scale != 0:  # a scale of 0 leaves the base's output exactly
+                    y = y + scale * factor * F.linear(F.linear(x, down), up)
+                continue
+            low = F.linear(x, down)  # [batch, ..., rank], or [batch * T, rank] flattened
+            per_row = (scale * factor).to(low.dtype)
+            if low.shape[0] != per_row.shape[0]:  # rows flattened batch-major by reshape
+                per_row = per_row.repeat_interleave(low.shape[0] // per_row.shape[0])
+            y = y + F.linear(low * per_row.view(-1, *[1] * (low.dim() - 1)), up)
         return y
 
     def extra_repr(self) -> str:
         ranks = ", ".join(str(d.shape[0]) for d in self.downs)
-        return f"lora ranks={ranks}, scales={self.scales}"
+        return f"lora ranks={ranks}, adapters={self.ids}, factors={self.factors}"
 
 
 def parse_spec(spec: str) -> tuple[str, float]:
@@ -159,6 +223,10 @@ def _read_gguf(
     alpha = gg.get(Keys.Adapter.LORA_ALPHA, 0.0)
     if not isinstance(alpha, int | float) or not math.isfinite(alpha):
         raise ModelFormatError(f"{path}: {Keys.Adapter.LORA_ALPHA} is {alpha!r}, not a number")
+    task_name, prompt_prefix = (
+        _text(gg, key) for key in (Keys.Adapter.LORA_TASK_NAME, Keys.Adapter.LORA_PROMPT_PREFIX)
+    )
+    adapter = Adapter(path, scale, task_name=task_name, prompt_prefix=prompt_prefix)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     skipped = []
     for name, info in gg.tensors.items():
@@ -175,7 +243,6 @@ def _read_gguf(
             "(llama.cpp skips them too)",
             file=sys.stderr,
         )
-    adapter = Adapter(path)
     for base, pair in pairs.items():
         if len(pair) != 2:
             raise ModelFormatError(f"{path}: tensor {base!r} has a lora_a or a lora_b, not both")
@@ -193,8 +260,15 @@ def _read_gguf(
             )
         up = _unpermute(up, module, arch, config, path)
         rank = down.shape[0]
-        adapter.weights[module] = LoraWeight(down, up, scale * alpha / rank if alpha else scale)
+        adapter.weights[module] = LoraWeight(down, up, alpha / rank if alpha else 1.0)
     return adapter
+
+
+def _text(gg: gguf_io.GGUFFile, key: str) -> str:
+    value = gg.get(key, "")
+    if not isinstance(value, str):
+        raise ModelFormatError(f"{gg.path}: {key} is {value!r}, not a string")
+    return value
 
 
 def _gguf_tensor(gg: gguf_io.GGUFFile, info: gguf_io.GGUFTensorInfo) -> torch.Tensor:
@@ -269,7 +343,7 @@ def _read_peft(path: Path, scale: float) -> Adapter:
                 f"{weights_file}: tensor {name!r} is not a LoRA pair's lora_A or lora_B weight"
             )
         pairs.setdefault(module, {})[part[0]] = tensor.float()
-    adapter = Adapter(path)
+    adapter = Adapter(path, scale)
     for module, pair in pairs.items():
         if len(pair) != 2:
             raise ModelFormatError(f"{weights_file}: {module} has a lora_A or lora_B, not both")
@@ -281,15 +355,19 @@ def _read_peft(path: Path, scale: float) -> Adapter:
             )
         rank = down.shape[0]
         factor = alpha / math.sqrt(rank) if rslora else alpha / rank
-        adapter.weights[module] = LoraWeight(down, up, scale * factor)
+        adapter.weights[module] = LoraWeight(down, up, factor)
     return adapter
 
 
-def apply_adapters(model: nn.Module, adapters: list[Adapter]) -> None:
+def apply_adapters(model: nn.Module, adapters: list[Adapter]) -> LoraScales | None:
     """Wrap each layer the adapters target in a LoraLinear (one per layer, every
-    adapter's pair in it). Refuses a target that is not a decoder layer's linear layer
-    (embeddings, the output head, experts, routers) or whose shapes differ."""
-    for adapter in adapters:
+    adapter's pair in it); the adapters' scales, which those layers read (None without
+    adapters). Refuses a target that is not a decoder layer's linear layer (embeddings,
+    the output head, experts, routers) or whose shapes differ."""
+    if not adapters:
+        return None
+    lora = LoraScales(adapters)
+    for adapter_id, adapter in enumerate(adapters):
         for name, weight in adapter.weights.items():
             parent_name, _, child = name.rpartition(".")
             try:
@@ -312,7 +390,7 @@ def apply_adapters(model: nn.Module, adapters: list[Adapter]) -> None:
             if not isinstance(module, LoraLinear):
                 if not hasattr(module, "in_features") or not hasattr(module, "out_features"):
                     raise UnsupportedError(f"{where}: {type(module).__name__} is not linear")
-                module = LoraLinear(module)
+                module = LoraLinear(module, lora)
                 setattr(parent, child, module)
             shape = (module.out_features, module.in_features)
             if (weight.up.shape[0], weight.down.shape[1]) != shape:
@@ -321,8 +399,8 @@ def apply_adapters(model: nn.Module, adapters: list[Adapter]) -> None:
                     f"{weight.down.shape[1]}], the model's layer {list(shape)}: an adapter "
                     "for another model?"
                 )
-            module.add(weight)
-    if adapters:
-        # The native decode step reads the layers' weights, not their modules: it would
-        # leave the adapters out.
-        model.decode_step = None
+            module.add(weight, adapter_id)
+    # The native decode step reads the layers' weights, not their modules: it would
+    # leave the adapters out.
+    model.decode_step = None
+    return lora

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
 
 from llmrun.errors import ModelFormatError
+from llmrun.loading.gguf_io import ArchMetadata
 
 if TYPE_CHECKING:
     from llmrun.loading.gguf_io import GGUFFile
@@ -68,28 +69,20 @@ def hf_name(gguf_name: str) -> str | None:
 def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
     """The HF config.json dict (mamba, or falcon_mamba with ssm.dt_b_c_rms) of a "mamba"
     GGUF, read as llama_model_mamba::load_arch_hparams reads it."""
-
-    def key(template: str, default: Any = None, required: bool = False) -> Any:
-        name = template.format(arch=ARCH)
-        if name not in gg.metadata:
-            if required:
-                raise ModelFormatError(f"{gg.path}: metadata {name!r} is missing")
-            return default
-        return gg.metadata[name]
-
+    meta = ArchMetadata.of(gg, ARCH)
     embed = gg.tensors.get(f"{TENSOR_NAMES[MODEL_TENSOR.TOKEN_EMBD]}.weight")
     if embed is None:
         raise ModelFormatError(f"{gg.path}: tensor token_embd.weight is missing")
-    eps = key(Keys.Attention.LAYERNORM_RMS_EPS, required=True)
-    falcon = bool(key(Keys.SSM.DT_B_C_RMS, False))
+    eps = meta.require(Keys.Attention.LAYERNORM_RMS_EPS)
+    falcon = bool(meta.get(Keys.SSM.DT_B_C_RMS, False))
     config: dict[str, Any] = {
         "model_type": MODEL_TYPES[falcon],
-        "hidden_size": key(Keys.LLM.EMBEDDING_LENGTH, required=True),
-        "num_hidden_layers": key(Keys.LLM.BLOCK_COUNT, required=True),
-        "intermediate_size": key(Keys.SSM.INNER_SIZE, required=True),
-        "state_size": key(Keys.SSM.STATE_SIZE, required=True),
-        "conv_kernel": key(Keys.SSM.CONV_KERNEL, required=True),
-        "time_step_rank": key(Keys.SSM.TIME_STEP_RANK, required=True),
+        "hidden_size": meta.require(Keys.LLM.EMBEDDING_LENGTH),
+        "num_hidden_layers": meta.require(Keys.LLM.BLOCK_COUNT),
+        "intermediate_size": meta.require(Keys.SSM.INNER_SIZE),
+        "state_size": meta.require(Keys.SSM.STATE_SIZE),
+        "conv_kernel": meta.require(Keys.SSM.CONV_KERNEL),
+        "time_step_rank": meta.require(Keys.SSM.TIME_STEP_RANK),
         "layer_norm_epsilon": eps,
         "use_bias": False,
         "use_conv_bias": True,

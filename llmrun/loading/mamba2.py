@@ -20,6 +20,7 @@ from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
 
 from llmrun.errors import ModelFormatError
 from llmrun.loading import granitehybrid, nemotron_h
+from llmrun.loading.gguf_io import ArchMetadata
 
 if TYPE_CHECKING:
     from llmrun.loading.gguf_io import GGUFFile
@@ -33,16 +34,10 @@ hf_name = nemotron_h.hf_name
 def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
     """The HF config.json dict of a mamba2 GGUF, read as llama_model_mamba2's
     load_arch_hparams and the common load_hparams read it (every key it reads required)."""
-
-    def key(template: str) -> Any:
-        name = template.format(arch=ARCH)
-        if name not in gg.metadata:
-            raise ModelFormatError(f"{gg.path}: metadata {name!r} is missing (mamba2 needs it)")
-        return gg.metadata[name]
-
-    hidden = key(Keys.LLM.EMBEDDING_LENGTH)
-    inner = key(Keys.SSM.INNER_SIZE)
-    heads = key(Keys.SSM.TIME_STEP_RANK)
+    meta = ArchMetadata.of(gg, ARCH)
+    hidden = meta.require(Keys.LLM.EMBEDDING_LENGTH)
+    inner = meta.require(Keys.SSM.INNER_SIZE)
+    heads = meta.require(Keys.SSM.TIME_STEP_RANK)
     if not heads or inner % heads or not hidden or inner % hidden:
         raise ModelFormatError(
             f"{gg.path}: ssm.inner_size {inner} is not a multiple of ssm.time_step_rank "
@@ -54,17 +49,17 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
     return {
         "model_type": MODEL_TYPE,
         "hidden_size": hidden,
-        "num_hidden_layers": key(Keys.LLM.BLOCK_COUNT),
+        "num_hidden_layers": meta.require(Keys.LLM.BLOCK_COUNT),
         "vocab_size": embed.shape[0],
         "num_heads": heads,
         "head_dim": inner // heads,
         "expand": inner // hidden,
-        "state_size": key(Keys.SSM.STATE_SIZE),
-        "n_groups": key(Keys.SSM.GROUP_COUNT),
-        "conv_kernel": key(Keys.SSM.CONV_KERNEL),
+        "state_size": meta.require(Keys.SSM.STATE_SIZE),
+        "n_groups": meta.require(Keys.SSM.GROUP_COUNT),
+        "conv_kernel": meta.require(Keys.SSM.CONV_KERNEL),
         "use_conv_bias": True,  # llama.cpp requires ssm_conv1d.bias
         "use_bias": False,  # and reads no bias of ssm_in or ssm_out
-        "layer_norm_epsilon": key(Keys.Attention.LAYERNORM_RMS_EPS),
+        "layer_norm_epsilon": meta.require(Keys.Attention.LAYERNORM_RMS_EPS),
         "tie_word_embeddings": f"{TENSOR_NAMES[MODEL_TENSOR.OUTPUT]}.weight" not in gg.tensors,
     }
 

@@ -23,7 +23,7 @@ from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import experts
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile, vocab_size
 
 # gguf-py's MODEL_ARCH.MELLUM (newer than the gguf package llmrun depends on).
 ARCH = MODEL_TYPE = "mellum"
@@ -50,79 +50,63 @@ def config_from_gguf(
     the general load_hparams read it. `rope_from_gguf` and `layer_types` are gguf_config's
     readers of the RoPE keys and of load_swa_pattern's layer flags."""
     path = gg.path
-
-    def key(name: str, default: Any = None, required: bool = False) -> Any:
-        full = f"{ARCH}.{name}"
-        if full not in gg.metadata:
-            if required:
-                raise ModelFormatError(f"{path}: metadata {full!r} is missing")
-            return default
-        return gg.metadata[full]
-
-    def arch_key(template: str, default: Any = None) -> Any:
-        """The value of a gguf.Keys "{arch}..." key."""
-        return gg.metadata.get(template.format(arch=ARCH), default)
-
-    layers = key(_name(Keys.LLM.BLOCK_COUNT), required=True)
-    hidden = key(_name(Keys.LLM.EMBEDDING_LENGTH), required=True)
-    heads = key(_name(Keys.Attention.HEAD_COUNT), required=True)
+    meta = ArchMetadata.of(gg, ARCH)
+    layers = meta.require(Keys.LLM.BLOCK_COUNT)
+    hidden = meta.require(Keys.LLM.EMBEDDING_LENGTH)
+    heads = meta.require(Keys.Attention.HEAD_COUNT)
     if not isinstance(heads, int) or not isinstance(hidden, int) or heads <= 0:
         raise UnsupportedError(
-            f"{path}: {_full(Keys.Attention.HEAD_COUNT)} is {heads!r}; llmrun's Mellum needs "
+            f"{path}: {meta.name(Keys.Attention.HEAD_COUNT)} is {heads!r}; llmrun's Mellum needs "
             "one head count for every layer"
         )
-    head_dim = key(_name(Keys.Attention.KEY_LENGTH)) or hidden // heads
-    if key(_name(Keys.Attention.VALUE_LENGTH), head_dim) != head_dim:
+    head_dim = meta.get(Keys.Attention.KEY_LENGTH) or hidden // heads
+    if meta.get(Keys.Attention.VALUE_LENGTH, head_dim) != head_dim:
         raise ModelFormatError(f"{path}: Mellum's keys and values of different widths")
-    context = key(_name(Keys.LLM.CONTEXT_LENGTH), required=True)
-    tokens = gg.metadata.get(Keys.Tokenizer.LIST)
-    embed = gg.tensors.get("token_embd.weight")
+    context = meta.require(Keys.LLM.CONTEXT_LENGTH)
     config: dict[str, Any] = {
         "model_type": MODEL_TYPE,
         "hidden_size": hidden,
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
-        "num_key_value_heads": key(_name(Keys.Attention.HEAD_COUNT_KV), heads),
+        "num_key_value_heads": meta.get(Keys.Attention.HEAD_COUNT_KV, heads),
         "head_dim": head_dim,
-        "rms_norm_eps": key(_name(Keys.Attention.LAYERNORM_RMS_EPS), required=True),
+        "rms_norm_eps": meta.require(Keys.Attention.LAYERNORM_RMS_EPS),
         "max_position_embeddings": context,
-        "vocab_size": key(_name(Keys.LLM.VOCAB_SIZE))
-        or (len(tokens) if tokens else None)
-        or (embed.shape[0] if embed else None),
+        "vocab_size": vocab_size(gg, meta),
         # llama.cpp requires output.weight (no tied embeddings in its mellum).
         "tie_word_embeddings": "output.weight" not in gg.tensors,
         "attention_bias": "blk.0.attn_q.bias" in gg.tensors,
     }
-    rope = rope_from_gguf(gg, key, head_dim, context)
+    rope = rope_from_gguf(gg, meta, head_dim, context)
     if rope["rope_type"] != "default" or set(rope) - {"rope_type", "rope_theta"}:
         raise UnsupportedError(
             f"{path}: Mellum with RoPE scaling or a partly rotated head is not supported "
             "(llmrun runs whole heads without scaling)"
         )
-    window = key(_name(Keys.Attention.SLIDING_WINDOW), 0)
-    kinds = layer_types(gg, arch_key, layers, SWA_PATTERN if window else None)
+    window = meta.get(Keys.Attention.SLIDING_WINDOW, 0)
+    kinds = layer_types(gg, meta, layers, SWA_PATTERN if window else None)
     sliding = {
         "rope_type": "default",
-        "rope_theta": key(_name(Keys.Rope.FREQ_BASE_SWA), rope["rope_theta"]),
+        "rope_theta": meta.get(Keys.Rope.FREQ_BASE_SWA, rope["rope_theta"]),
     }
     config.update(
         sliding_window=window or None,
         layer_types=kinds,
         rope_parameters={"full_attention": rope, "sliding_attention": sliding},
     )
-    config.update(_experts(gg, key, layers))
+    config.update(_experts(gg, meta, layers))
     return config
 
 
-def _experts(gg: GGUFFile, key: Callable[..., Any], layers: int) -> dict[str, Any]:
+def _experts(gg: GGUFFile, meta: ArchMetadata, layers: int) -> dict[str, Any]:
     """Every layer's experts (a router each: llama.cpp's mellum has no dense layer), their
     count, how many a token takes, their width (one for all layers)."""
     path = gg.path
-    count, used = key(_name(Keys.LLM.EXPERT_COUNT), 0), key(_name(Keys.LLM.EXPERT_USED_COUNT), 0)
+    count, used = meta.get(Keys.LLM.EXPERT_COUNT, 0), meta.get(Keys.LLM.EXPERT_USED_COUNT, 0)
     if not 0 < used <= count:
         raise ModelFormatError(
-            f"{path}: {_full(Keys.LLM.EXPERT_USED_COUNT)} is {used}, but "
-            f"{_full(Keys.LLM.EXPERT_COUNT)} is {count} (each token needs 1 to {count} experts)"
+            f"{path}: {meta.name(Keys.LLM.EXPERT_USED_COUNT)} is {used}, but "
+            f"{meta.name(Keys.LLM.EXPERT_COUNT)} is {count} (each token needs 1 to {count} experts)"
         )
     for layer in range(layers):
         if f"blk.{layer}.{_ROUTER}.weight" not in gg.tensors:
@@ -130,11 +114,11 @@ def _experts(gg: GGUFFile, key: Callable[..., Any], layers: int) -> dict[str, An
                 f"{path}: layer {layer} has no experts (no {_ROUTER}); llama.cpp's mellum "
                 "gives every layer experts, and llmrun reads these files as it does"
             )
-    width = key(_name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH), required=True)
+    width = meta.require(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)
     widths = set(width) if isinstance(width, list) else {width}
     if len(widths) != 1:
         raise UnsupportedError(
-            f"{path}: {_full(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)} differs between layers, "
+            f"{path}: {meta.name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)} differs between layers, "
             "which llmrun does not support"
         )
     config = {
@@ -144,16 +128,7 @@ def _experts(gg: GGUFFile, key: Callable[..., Any], layers: int) -> dict[str, An
         "norm_topk_prob": True,
         "mlp_layer_types": ["sparse"] * layers,
     }
-    dense = key(_name(Keys.LLM.FEED_FORWARD_LENGTH))
+    dense = meta.get(Keys.LLM.FEED_FORWARD_LENGTH)
     if isinstance(dense, int) and dense > 0:  # no layer uses it; as the file says
         config["intermediate_size"] = dense
     return config
-
-
-def _name(template: str) -> str:
-    """A gguf.Keys "{arch}.NAME" template without its arch: the key() argument."""
-    return template.removeprefix("{arch}.")
-
-
-def _full(template: str) -> str:
-    return template.format(arch=ARCH)

@@ -21,14 +21,13 @@ no grouped routing, sinks where a layer has them.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from typing import Any
 
 from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import experts, glm4_moe
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH, MODEL_TYPE = "mimo2", "mimo_v2_flash"
 ROPE_BASE_SWA = 10000.0  # llama_hparams::rope_freq_base_train_swa where the file has none
@@ -144,7 +143,7 @@ def gguf_weights(weights: dict[str, Any], config: dict[str, Any], weight_type: t
     return out
 
 
-def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any]) -> None:
+def finish_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> None:
     """MiMo-V2-Flash's fields of the HF-style config that config_from_gguf built, as
     llama_model_mimo2::load_arch_hparams and load_arch_tensors read them. Refuses what
     llama.cpp would run otherwise than transformers: sliding layers without sinks or
@@ -159,10 +158,10 @@ def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any])
         # Per-layer arrays hold the MTP layers too: the trunk's come first.
         return value[:layers] if isinstance(value, list) and len(value) >= layers else value
 
-    flags = trunk(key(_name(Keys.Attention.SLIDING_WINDOW_PATTERN), required=True))
+    flags = trunk(meta.require(Keys.Attention.SLIDING_WINDOW_PATTERN))
     if not isinstance(flags, list) or len(flags) != layers:
         raise ModelFormatError(
-            f"{path}: {_full(Keys.Attention.SLIDING_WINDOW_PATTERN)} is {flags!r}, not a flag "
+            f"{path}: {meta.name(Keys.Attention.SLIDING_WINDOW_PATTERN)} is {flags!r}, not a flag "
             f"for each of the {layers} layers"
         )
     layer_types = ["sliding_attention" if f else "full_attention" for f in flags]
@@ -178,7 +177,7 @@ def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any])
         or (global_kv and local_kv and local_kv != {2 * h for h in global_kv})
     ):
         raise UnsupportedError(
-            f"{path}: {_full(Keys.Attention.HEAD_COUNT_KV)} is {kv}; MiMo-V2-Flash's sliding "
+            f"{path}: {meta.name(Keys.Attention.HEAD_COUNT_KV)} is {kv}; MiMo-V2-Flash's sliding "
             "layers have twice the key/value heads of its global layers"
         )
     for layer, kind in enumerate(layer_types):
@@ -187,24 +186,24 @@ def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any])
                 f"{path}: layer {layer} ({kind}) {'has' if kind == 'full_attention' else 'lacks'} "
                 "attention sinks; MiMo-V2-Flash has them in its sliding layers alone"
             )
-    groups = key(_name(Keys.LLM.EXPERT_GROUP_COUNT), 1)
-    if groups > 1 and key(_name(Keys.LLM.EXPERT_GROUP_USED_COUNT), groups) < groups:
+    groups = meta.get(Keys.LLM.EXPERT_GROUP_COUNT, 1)
+    if groups > 1 and meta.get(Keys.LLM.EXPERT_GROUP_USED_COUNT, groups) < groups:
         raise UnsupportedError(
-            f"{path}: {_full(Keys.LLM.EXPERT_GROUP_COUNT)} is {groups} with fewer groups used; "
+            f"{path}: {meta.name(Keys.LLM.EXPERT_GROUP_COUNT)} is {groups} with fewer groups used; "
             "llama.cpp's mimo2 ignores the groups, transformers chooses among them, and "
             "llmrun does not guess which the model was trained with"
         )
-    count, used = key(_name(Keys.LLM.EXPERT_COUNT), 0), key(_name(Keys.LLM.EXPERT_USED_COUNT), 0)
+    count, used = meta.get(Keys.LLM.EXPERT_COUNT, 0), meta.get(Keys.LLM.EXPERT_USED_COUNT, 0)
     if not 0 < used <= count:
         raise ModelFormatError(
-            f"{path}: {_full(Keys.LLM.EXPERT_USED_COUNT)} is {used}, but "
-            f"{_full(Keys.LLM.EXPERT_COUNT)} is {count} (each token needs 1 to {count} experts)"
+            f"{path}: {meta.name(Keys.LLM.EXPERT_USED_COUNT)} is {used}, but "
+            f"{meta.name(Keys.LLM.EXPERT_COUNT)} is {count} (each token needs 1 to {count} experts)"
         )
-    width = trunk(key(_name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH), required=True))
+    width = trunk(meta.require(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH))
     if isinstance(width, list):  # llama.cpp's get_key_or_arr: one per layer
         if len(set(width)) != 1:
             raise UnsupportedError(
-                f"{path}: {_full(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)} differs between "
+                f"{path}: {meta.name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)} differs between "
                 "layers, which llmrun does not support"
             )
         width = width[0]
@@ -214,19 +213,19 @@ def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any])
             f"{path}: RoPE scaling {rope['rope_type']!r} in a mimo2 file is not supported"
         )
     # Stated for both layer types: the model's default share (0.334) is transformers'.
-    rotated = key(_name(Keys.Rope.DIMENSION_COUNT)) or config["head_dim"]
+    rotated = meta.get(Keys.Rope.DIMENSION_COUNT) or config["head_dim"]
     if rotated % 2 or rotated > config["head_dim"]:
         raise ModelFormatError(
-            f"{path}: {_full(Keys.Rope.DIMENSION_COUNT)} is {rotated}, but RoPE rotates pairs "
+            f"{path}: {meta.name(Keys.Rope.DIMENSION_COUNT)} is {rotated}, but RoPE rotates pairs "
             f"of the {config['head_dim']} features of a head"
         )
     rope["partial_rotary_factor"] = rotated / config["head_dim"]
-    local = {**rope, "rope_theta": key(_name(Keys.Rope.FREQ_BASE_SWA), ROPE_BASE_SWA)}
+    local = {**rope, "rope_theta": meta.get(Keys.Rope.FREQ_BASE_SWA, ROPE_BASE_SWA)}
     config.update(
         layer_types=layer_types,
         num_key_value_heads=min(kv),
-        v_head_dim=key(_name(Keys.Attention.VALUE_LENGTH), config["head_dim"]),
-        sliding_window=key(_name(Keys.Attention.SLIDING_WINDOW), required=True),
+        v_head_dim=meta.get(Keys.Attention.VALUE_LENGTH, config["head_dim"]),
+        sliding_window=meta.require(Keys.Attention.SLIDING_WINDOW),
         mlp_layer_types=[
             "sparse" if f"blk.{i}.ffn_gate_inp.weight" in gg.tensors else "dense"
             for i in range(layers)
@@ -239,20 +238,11 @@ def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any])
         n_group=1,
         topk_group=1,
         # No key (or 1): llama.cpp leaves the values unscaled.
-        attention_value_scale=key(VALUE_SCALE.removeprefix("{arch}."), 1.0),
+        attention_value_scale=meta.get(VALUE_SCALE, 1.0),
         attention_bias=config["attention_bias"] or "blk.0.attn_qkv.bias" in gg.tensors,
         rope_parameters={"full_attention": rope, "sliding_attention": local},
         hidden_act="silu",
     )
-
-
-def _name(template: str) -> str:
-    """A gguf.Keys "{arch}.NAME" template without its arch: the key() argument."""
-    return template.removeprefix("{arch}.")
-
-
-def _full(template: str) -> str:
-    return template.format(arch=ARCH)
 
 
 def cache_layout(text: dict[str, Any]) -> tuple[list[tuple[int, int]], list[int | None]]:

@@ -19,12 +19,12 @@ attention scale for it (head_dim^-0.5).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from gguf import Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.loading.gguf_io import ArchMetadata
 
 if TYPE_CHECKING:
     from llmrun.loading.gguf_io import GGUFFile
@@ -34,35 +34,29 @@ ARCH = MODEL_TYPE = "minicpm"
 SCALE_EMB, SCALE_DEPTH, DIM_MODEL_BASE = 12.0, 1.4, 256
 
 
-def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any]) -> None:
+def finish_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> None:
     """MiniCPM's fields of the HF-style config that config_from_gguf built: its three
     scalars from the general keys (absent: the released models', as llama.cpp takes
     them). Refuses experts (MiniCPM-MoE) and RoPE on part of a head, which llama.cpp's
     graph asserts away."""
 
-    def name(template: str) -> str:
-        return template.format(arch=ARCH)
-
-    def value(template: str) -> Any:
-        return key(template.removeprefix("{arch}."))
-
-    if value(Keys.LLM.EXPERT_COUNT):
+    if meta.get(Keys.LLM.EXPERT_COUNT):
         raise UnsupportedError(
             f"{gg.path}: a minicpm file with experts (MiniCPM-MoE) is not supported"
         )
     if "partial_rotary_factor" in config["rope_parameters"]:
         raise ModelFormatError(
-            f"{gg.path}: {name(Keys.Rope.DIMENSION_COUNT)} is not the head size "
+            f"{gg.path}: {meta.name(Keys.Rope.DIMENSION_COUNT)} is not the head size "
             f"{config['head_dim']}; llama.cpp's minicpm rotates whole heads"
         )
     layers, hidden = config["num_hidden_layers"], config["hidden_size"]
     embedding, residual, logits = (
-        value(Keys.LLM.EMBEDDING_SCALE),
-        value(Keys.LLM.RESIDUAL_SCALE),
-        value(Keys.LLM.LOGIT_SCALE),
+        meta.get(Keys.LLM.EMBEDDING_SCALE),
+        meta.get(Keys.LLM.RESIDUAL_SCALE),
+        meta.get(Keys.LLM.LOGIT_SCALE),
     )
     if logits == 0:
-        raise ModelFormatError(f"{gg.path}: {name(Keys.LLM.LOGIT_SCALE)} is 0")
+        raise ModelFormatError(f"{gg.path}: {meta.name(Keys.LLM.LOGIT_SCALE)} is 0")
     config.update(
         scale_emb=SCALE_EMB if embedding is None else embedding,
         scale_depth=SCALE_DEPTH if residual is None else residual * math.sqrt(layers),

@@ -23,7 +23,7 @@ from gguf import Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import deepseek2
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile, vocab_size
 
 # gguf-py's MODEL_ARCH.MINICPM3
 ARCH = MODEL_TYPE = "minicpm3"
@@ -41,33 +41,23 @@ def config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable[..., dict[str, Any]]
     requires, its defaults). `rope_from_gguf` is gguf_config's reader of the RoPE keys
     and factor tensors."""
     path = gg.path
-
-    def key(name: str, default: Any = None, required: bool = False) -> Any:
-        full = f"{ARCH}.{name}"
-        if full not in gg.metadata:
-            if required:
-                raise ModelFormatError(f"{path}: metadata {full!r} is missing ({ARCH} needs it)")
-            return default
-        return gg.metadata[full]
-
-    hidden = key(_name(Keys.LLM.EMBEDDING_LENGTH), required=True)
-    heads = key(_name(Keys.Attention.HEAD_COUNT), required=True)
+    meta = ArchMetadata.of(gg, ARCH)
+    hidden = meta.require(Keys.LLM.EMBEDDING_LENGTH)
+    heads = meta.require(Keys.Attention.HEAD_COUNT)
     if not isinstance(heads, int) or not isinstance(hidden, int) or heads <= 0:
         raise UnsupportedError(
-            f"{path}: {_full(Keys.Attention.HEAD_COUNT)} is {heads!r}; llmrun needs one number"
+            f"{path}: {meta.name(Keys.Attention.HEAD_COUNT)} is {heads!r}; llmrun needs one number"
         )
-    key_width = key(_name(Keys.Attention.KEY_LENGTH)) or hidden // heads
-    rotated = key(_name(Keys.Rope.DIMENSION_COUNT)) or key_width
+    key_width = meta.get(Keys.Attention.KEY_LENGTH) or hidden // heads
+    rotated = meta.get(Keys.Rope.DIMENSION_COUNT) or key_width
     if not 0 < rotated < key_width or rotated % 2:
         raise ModelFormatError(
-            f"{path}: {_full(Keys.Rope.DIMENSION_COUNT)} is {rotated}, but a key of "
+            f"{path}: {meta.name(Keys.Rope.DIMENSION_COUNT)} is {rotated}, but a key of "
             f"{key_width} features needs an even part of it rotated and a part not"
         )
-    context = key(_name(Keys.LLM.CONTEXT_LENGTH), required=True)
-    tokens = gg.metadata.get(Keys.Tokenizer.LIST)
-    embed = gg.tensors.get("token_embd.weight")
-    eps = key(_name(Keys.Attention.LAYERNORM_RMS_EPS), required=True)
-    rope = rope_from_gguf(gg, key, rotated, context)
+    context = meta.require(Keys.LLM.CONTEXT_LENGTH)
+    eps = meta.require(Keys.Attention.LAYERNORM_RMS_EPS)
+    rope = rope_from_gguf(gg, meta, rotated, context)
     if rope["rope_type"] not in ("default", "longrope"):
         raise UnsupportedError(
             f"{path}: MiniCPM3 with {rope['rope_type']} RoPE scaling is not supported "
@@ -76,20 +66,18 @@ def config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable[..., dict[str, Any]]
     return {
         "model_type": MODEL_TYPE,
         "hidden_size": hidden,
-        "intermediate_size": key(_name(Keys.LLM.FEED_FORWARD_LENGTH), required=True),
-        "num_hidden_layers": key(_name(Keys.LLM.BLOCK_COUNT), required=True),
+        "intermediate_size": meta.require(Keys.LLM.FEED_FORWARD_LENGTH),
+        "num_hidden_layers": meta.require(Keys.LLM.BLOCK_COUNT),
         "num_attention_heads": heads,
-        "q_lora_rank": key(_name(Keys.Attention.Q_LORA_RANK), required=True),
-        "kv_lora_rank": key(_name(Keys.Attention.KV_LORA_RANK), required=True),
+        "q_lora_rank": meta.require(Keys.Attention.Q_LORA_RANK),
+        "kv_lora_rank": meta.require(Keys.Attention.KV_LORA_RANK),
         "qk_nope_head_dim": key_width - rotated,
         "qk_rope_head_dim": rotated,
-        "v_head_dim": key(_name(Keys.Attention.VALUE_LENGTH)) or hidden // heads,
+        "v_head_dim": meta.get(Keys.Attention.VALUE_LENGTH) or hidden // heads,
         "rms_norm_eps": eps,
         "latent_norm_eps": eps,
         "max_position_embeddings": context,
-        "vocab_size": key(_name(Keys.LLM.VOCAB_SIZE))
-        or (len(tokens) if tokens else None)
-        or (embed.shape[0] if embed else None),
+        "vocab_size": vocab_size(gg, meta),
         "tie_word_embeddings": "output.weight" not in gg.tensors,
         "scale_emb": SCALE_EMB,
         "scale_depth": SCALE_DEPTH,
@@ -103,12 +91,3 @@ def gguf_weights(weights: dict[str, Any], config: dict[str, Any], weight_type: t
     blocks (deepseek2.gguf_weights; every layer is dense)."""
     dense = {**config, "first_k_dense_replace": config["num_hidden_layers"]}
     return deepseek2.gguf_weights(weights, dense, weight_type)
-
-
-def _name(template: str) -> str:
-    """A gguf.Keys "{arch}.NAME" template without its arch: the key() argument."""
-    return template.removeprefix("{arch}.")
-
-
-def _full(template: str) -> str:
-    return template.format(arch=ARCH)

@@ -24,7 +24,7 @@ from typing import Any
 from gguf import Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH, MODEL_TYPE = "minimax-01", "minimax"
 DEFAULT_FULL_ATTENTION_INTERVAL = 8  # llama_model_minimax_01::load_arch_hparams
@@ -89,33 +89,25 @@ def config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable[..., dict]) -> dict[
     (see the module's docstring). Refuses a file without experts, one whose lists of
     layers do not fit, and value heads wider or narrower than the keys."""
     path = gg.path
-
-    def key(name: str, default: Any = None, required: bool = False) -> Any:
-        full = name.format(arch=ARCH)
-        if full not in gg.metadata:
-            if required:
-                raise ModelFormatError(f"{path}: metadata {full!r} is missing")
-            return default
-        return gg.metadata[full]
-
-    hidden = key(Keys.LLM.EMBEDDING_LENGTH, required=True)
-    heads = key(Keys.Attention.HEAD_COUNT, required=True)
-    layers = key(Keys.LLM.BLOCK_COUNT, required=True)
+    meta = ArchMetadata.of(gg, ARCH)
+    hidden = meta.require(Keys.LLM.EMBEDDING_LENGTH)
+    heads = meta.require(Keys.Attention.HEAD_COUNT)
+    layers = meta.require(Keys.LLM.BLOCK_COUNT)
     if not all(isinstance(v, int) and v > 0 for v in (hidden, heads, layers)):
         raise ModelFormatError(f"{path}: embedding, head and block counts must be positive")
-    head_dim = key(Keys.Attention.KEY_LENGTH) or hidden // heads
-    if key(Keys.Attention.VALUE_LENGTH, head_dim) != head_dim:
+    head_dim = meta.get(Keys.Attention.KEY_LENGTH) or hidden // heads
+    if meta.get(Keys.Attention.VALUE_LENGTH, head_dim) != head_dim:
         raise UnsupportedError(f"{path}: MiniMax's value heads are as wide as its key heads")
-    count, used = key(Keys.LLM.EXPERT_COUNT, 0), key(Keys.LLM.EXPERT_USED_COUNT, 0)
+    count, used = meta.get(Keys.LLM.EXPERT_COUNT, 0), meta.get(Keys.LLM.EXPERT_USED_COUNT, 0)
     if not 0 < used <= count:
         raise ModelFormatError(
             f"{path}: {Keys.LLM.EXPERT_USED_COUNT.format(arch=ARCH)} is {used} and "
             f"{Keys.LLM.EXPERT_COUNT.format(arch=ARCH)} {count}; MiniMax routes each token "
             "to 1 to expert_count experts"
         )
-    recurrent = key(RECURRENT_LAYERS)
+    recurrent = meta.get(RECURRENT_LAYERS)
     if recurrent is None:
-        interval = key(Keys.LLM.FULL_ATTENTION_INTERVAL, DEFAULT_FULL_ATTENTION_INTERVAL)
+        interval = meta.get(Keys.LLM.FULL_ATTENTION_INTERVAL, DEFAULT_FULL_ATTENTION_INTERVAL)
         if not isinstance(interval, int) or interval <= 0:
             raise ModelFormatError(
                 f"{path}: {Keys.LLM.FULL_ATTENTION_INTERVAL.format(arch=ARCH)} is {interval!r}"
@@ -125,24 +117,20 @@ def config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable[..., dict]) -> dict[
         raise ModelFormatError(
             f"{path}: {RECURRENT_LAYERS.format(arch=ARCH)} does not list {layers} layers"
         )
-    context = key(Keys.LLM.CONTEXT_LENGTH, required=True)
+    context = meta.require(Keys.LLM.CONTEXT_LENGTH)
 
-    def arch_key(name: str, default: Any = None) -> Any:
-        """gguf_config's reading of an "{arch}.NAME" key by its NAME."""
-        return key(f"{{arch}}.{name}", default)
-
-    alpha = key(Keys.LLM.RESIDUAL_SCALE, required=True)
+    alpha = meta.require(Keys.LLM.RESIDUAL_SCALE)
     tokens = gg.metadata.get(Keys.Tokenizer.LIST)
     embed = gg.tensors.get("token_embd.weight")
     return {
         "model_type": MODEL_TYPE,
         "hidden_size": hidden,
-        "intermediate_size": key(Keys.LLM.FEED_FORWARD_LENGTH, required=True),
+        "intermediate_size": meta.require(Keys.LLM.FEED_FORWARD_LENGTH),
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
-        "num_key_value_heads": key(Keys.Attention.HEAD_COUNT_KV, heads),
+        "num_key_value_heads": meta.get(Keys.Attention.HEAD_COUNT_KV, heads),
         "head_dim": head_dim,
-        "rms_norm_eps": key(Keys.Attention.LAYERNORM_RMS_EPS, required=True),
+        "rms_norm_eps": meta.require(Keys.Attention.LAYERNORM_RMS_EPS),
         "max_position_embeddings": context,
         "vocab_size": (len(tokens) if tokens else None) or (embed.shape[0] if embed else None),
         "tie_word_embeddings": "output.weight" not in gg.tensors,
@@ -152,7 +140,7 @@ def config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable[..., dict]) -> dict[
         "full_attn_alpha_factor": alpha,
         "linear_attn_alpha_factor": alpha,
         "mlp_alpha_factor": alpha,
-        "rope_parameters": rope_from_gguf(gg, arch_key, head_dim, context),
+        "rope_parameters": rope_from_gguf(gg, meta, head_dim, context),
     }
 
 

@@ -10,14 +10,13 @@ and never scaled. Also the Hugging Face folders' quantized (FP8) releases, refus
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from gguf import MODEL_TENSOR, TENSOR_NAMES, ExpertGatingFuncType, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import deepseek2
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH, MODEL_TYPE = "minimax-m2", "minimax_m2"
 _BLOCK = "block_sparse_moe"
@@ -52,7 +51,7 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any]) -> None:
+def finish_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> None:
     """MiniMax-M2's fields of the HF-style config that config_from_gguf built, read as
     llama_model_minimax_m2::load_arch_hparams reads them: expert_count and
     expert_used_count; expert_feed_forward_length, which must be feed_forward_length (the
@@ -61,43 +60,43 @@ def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any])
     Grouped routing, which llama.cpp would apply where a file asks for it, and per-layer
     values that differ are refused."""
     path = gg.path
-    count = key(_name(Keys.LLM.EXPERT_COUNT), 0)
-    used = _one_value(gg, Keys.LLM.EXPERT_USED_COUNT, key(_name(Keys.LLM.EXPERT_USED_COUNT), 0))
+    count = meta.get(Keys.LLM.EXPERT_COUNT, 0)
+    used = _one_value(gg, Keys.LLM.EXPERT_USED_COUNT, meta.get(Keys.LLM.EXPERT_USED_COUNT, 0))
     if not 0 < used <= count:
         raise ModelFormatError(
-            f"{path}: {_full(Keys.LLM.EXPERT_USED_COUNT)} is {used}, but "
-            f"{_full(Keys.LLM.EXPERT_COUNT)} is {count} (each token needs 1 to {count} experts)"
+            f"{path}: {meta.name(Keys.LLM.EXPERT_USED_COUNT)} is {used}, but "
+            f"{meta.name(Keys.LLM.EXPERT_COUNT)} is {count} (each token needs 1 to {count} experts)"
         )
-    gating = key(_name(Keys.LLM.EXPERT_GATING_FUNC))
+    gating = meta.get(Keys.LLM.EXPERT_GATING_FUNC)
     if gating is None:
         raise ModelFormatError(
-            f"{path}: {_full(Keys.LLM.EXPERT_GATING_FUNC)} is missing; llama.cpp cannot run "
+            f"{path}: {meta.name(Keys.LLM.EXPERT_GATING_FUNC)} is missing; llama.cpp cannot run "
             "a MiniMax-M2 file without it either (MiniMax-M2's experts are gated by sigmoid)"
         )
     if gating != ExpertGatingFuncType.SIGMOID:
         known = {int(t): t.name.lower() for t in ExpertGatingFuncType}
         raise UnsupportedError(
-            f"{path}: {_full(Keys.LLM.EXPERT_GATING_FUNC)} is "
+            f"{path}: {meta.name(Keys.LLM.EXPERT_GATING_FUNC)} is "
             f"{known.get(gating, f'{gating} (unknown)')}; llmrun runs MiniMax-M2's experts "
             "with sigmoid gating only"
         )
-    width = key(_name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH), required=True)
+    width = meta.require(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)
     width = _one_value(gg, Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, width)
     if width != config["intermediate_size"]:
         raise ModelFormatError(
-            f"{path}: {_full(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)} is {width}, but "
-            f"{_full(Keys.LLM.FEED_FORWARD_LENGTH)} is {config['intermediate_size']} (llama.cpp "
+            f"{path}: {meta.name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)} is {width}, but "
+            f"{meta.name(Keys.LLM.FEED_FORWARD_LENGTH)} is {config['intermediate_size']} (llama.cpp "
             "builds MiniMax-M2's experts that wide; its converter writes both the same)"
         )
-    if key(_name(Keys.LLM.EXPERT_GROUP_COUNT), 0) > 1:
+    if meta.get(Keys.LLM.EXPERT_GROUP_COUNT, 0) > 1:
         raise UnsupportedError(
             f"{path}: MiniMax-M2 with grouped expert routing "
-            f"({_full(Keys.LLM.EXPERT_GROUP_COUNT)}) is not supported"
+            f"({meta.name(Keys.LLM.EXPERT_GROUP_COUNT)}) is not supported"
         )
-    rotated = key(_name(Keys.Rope.DIMENSION_COUNT)) or config["head_dim"]  # llama.cpp's n_rot
+    rotated = meta.get(Keys.Rope.DIMENSION_COUNT) or config["head_dim"]  # llama.cpp's n_rot
     if rotated % 2 or rotated > config["head_dim"]:
         raise ModelFormatError(
-            f"{path}: {_full(Keys.Rope.DIMENSION_COUNT)} is {rotated}, but RoPE rotates pairs "
+            f"{path}: {meta.name(Keys.Rope.DIMENSION_COUNT)} is {rotated}, but RoPE rotates pairs "
             f"of the {config['head_dim']} features of a head"
         )
     config.update(num_local_experts=count, num_experts_per_tok=used)
@@ -120,11 +119,6 @@ def _one_value(gg: GGUFFile, template: str, value: Any) -> Any:
             f"{gg.path}: {_full(template)} differs between layers, which llmrun does not support"
         )
     return value[0]
-
-
-def _name(template: str) -> str:
-    """A gguf.Keys "{arch}.NAME" template without its arch: the key() argument."""
-    return template.removeprefix("{arch}.")
 
 
 def _full(template: str) -> str:

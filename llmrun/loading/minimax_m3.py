@@ -13,14 +13,13 @@ experts of expert_feed_forward_length. Also the Hugging Face folders' language m
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from typing import Any
 
 from gguf import MODEL_TENSOR, TENSOR_NAMES, ExpertGatingFuncType, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import deepseek2
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH, MODEL_TYPE = "minimax-m3", "minimax_m3"
 # The config.json model_types of its language model: the text-only checkpoints', and the
@@ -80,42 +79,42 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any]) -> None:
+def finish_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> None:
     """MiniMax-M3's fields of the HF-style config that config_from_gguf built, read as
     llama_model_minimax_m3::load_arch_hparams reads them (every key it requires
     required here; expert_weights_scale absent: no scaling; expert_weights_norm absent:
     no renormalization, which llmrun refuses, as transformers always renormalizes)."""
     path = gg.path
     layers = config["num_hidden_layers"]
-    count, used = key(_name(Keys.LLM.EXPERT_COUNT), 0), key(_name(Keys.LLM.EXPERT_USED_COUNT), 0)
+    count, used = meta.get(Keys.LLM.EXPERT_COUNT, 0), meta.get(Keys.LLM.EXPERT_USED_COUNT, 0)
     if not 0 < used <= count:
         raise ModelFormatError(
-            f"{path}: {_full(Keys.LLM.EXPERT_USED_COUNT)} is {used}, but "
-            f"{_full(Keys.LLM.EXPERT_COUNT)} is {count} (each token needs 1 to {count} experts)"
+            f"{path}: {meta.name(Keys.LLM.EXPERT_USED_COUNT)} is {used}, but "
+            f"{meta.name(Keys.LLM.EXPERT_COUNT)} is {count} (each token needs 1 to {count} experts)"
         )
-    gating = key(_name(Keys.LLM.EXPERT_GATING_FUNC), required=True)
+    gating = meta.require(Keys.LLM.EXPERT_GATING_FUNC)
     if gating != ExpertGatingFuncType.SIGMOID:
         raise UnsupportedError(
-            f"{path}: {_full(Keys.LLM.EXPERT_GATING_FUNC)} is {gating}; llmrun runs "
+            f"{path}: {meta.name(Keys.LLM.EXPERT_GATING_FUNC)} is {gating}; llmrun runs "
             "MiniMax-M3's experts with sigmoid gating only"
         )
-    if not key(_name(Keys.LLM.EXPERT_WEIGHTS_NORM), False):
+    if not meta.get(Keys.LLM.EXPERT_WEIGHTS_NORM, False):
         raise UnsupportedError(
-            f"{path}: MiniMax-M3 without {_full(Keys.LLM.EXPERT_WEIGHTS_NORM)} (experts' "
+            f"{path}: MiniMax-M3 without {meta.name(Keys.LLM.EXPERT_WEIGHTS_NORM)} (experts' "
             "weights not renormalized) is not supported"
         )
-    width = key(_name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH), required=True)
+    width = meta.require(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)
     if isinstance(width, list):
         if len(set(width)) != 1:
             raise UnsupportedError(
-                f"{path}: {_full(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)} differs between layers"
+                f"{path}: {meta.name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)} differs between layers"
             )
         width = width[0]
-    shared = key(_name(Keys.LLM.EXPERT_SHARED_COUNT), required=True)
-    dense = key(_name(Keys.LLM.LEADING_DENSE_BLOCK_COUNT), 0)
+    shared = meta.require(Keys.LLM.EXPERT_SHARED_COUNT)
+    dense = meta.get(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, 0)
     if not 0 <= dense <= layers:
         raise ModelFormatError(
-            f"{path}: {_full(Keys.LLM.LEADING_DENSE_BLOCK_COUNT)} is {dense} of {layers} layers"
+            f"{path}: {meta.name(Keys.LLM.LEADING_DENSE_BLOCK_COUNT)} is {dense} of {layers} layers"
         )
     # llama.cpp runs the leading dense layers' attention dense, the others' sparse.
     config.update(
@@ -124,12 +123,12 @@ def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any])
         shared_intermediate_size=width * shared,
         num_local_experts=count,
         num_experts_per_tok=used,
-        routed_scaling_factor=key(_name(Keys.LLM.EXPERT_WEIGHTS_SCALE), 0.0) or 1.0,
+        routed_scaling_factor=meta.get(Keys.LLM.EXPERT_WEIGHTS_SCALE, 0.0) or 1.0,
         mlp_layer_types=["dense"] * dense + ["sparse"] * (layers - dense),
         layer_types=["full_attention"] * dense + ["minimax_m3_sparse"] * (layers - dense),
     )
     for template, field in _INDEXER_KEYS.items():
-        config[field] = key(_name(template), required=True)
+        config[field] = meta.require(template)
 
 
 def cache_head_dim(text: dict[str, Any], head_dim: int) -> int:
@@ -160,12 +159,3 @@ def hf_weights(weights: dict[str, Any], config: dict[str, Any], path: Any) -> di
     num_hidden_layers; quantized (FP8) releases refused as DeepSeek-V3's are."""
     weights = {name: w for name, w in weights.items() if not _MTP.search(name)}
     return deepseek2.hf_weights(weights, config, path)
-
-
-def _name(template: str) -> str:
-    """A gguf.Keys "{arch}.NAME" template without its arch: the key() argument."""
-    return template.removeprefix("{arch}.")
-
-
-def _full(template: str) -> str:
-    return template.format(arch=ARCH)

@@ -24,6 +24,7 @@ from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import bert
+from llmrun.loading.gguf_io import ArchMetadata
 
 if TYPE_CHECKING:
     from llmrun.loading.gguf_io import GGUFFile
@@ -61,15 +62,12 @@ _DROPPED_PREFIXES = ("head.", "decoder.")
 def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
     """An HF-style modernbert config from a "modern-bert" GGUF, as llama.cpp reads it."""
     arch, path = gg.architecture, gg.path
-
-    def key(template: str, default: Any = None) -> Any:
-        return gg.metadata.get(template.format(arch=arch), default)
-
+    meta = ArchMetadata.of(gg)
     config = bert.encoder_config(gg, token_types=False, heads=_HEADS, rms_epsilon=True)
     config["norm_eps"] = config.pop("layer_norm_eps")
     layers = config["num_hidden_layers"]
-    window = key(Keys.Attention.SLIDING_WINDOW) or 0
-    pattern = key(Keys.Attention.SLIDING_WINDOW_PATTERN, SWA_PATTERN)
+    window = meta.get(Keys.Attention.SLIDING_WINDOW) or 0
+    pattern = meta.get(Keys.Attention.SLIDING_WINDOW_PATTERN, SWA_PATTERN)
     if not window:
         local = [False] * layers
     elif isinstance(pattern, list):
@@ -86,30 +84,30 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
             f"{path}: {Keys.Attention.SLIDING_WINDOW_PATTERN.format(arch=arch)} is "
             f"{pattern!r}, not a layer count or a list of flags"
         )
-    act = key("{arch}.hidden_activation", "gelu")
+    act = meta.get("{arch}.hidden_activation", "gelu")
     if act not in ACTIVATIONS:
         raise UnsupportedError(
             f"{path}: {arch}.hidden_activation {act!r} is not supported "
             f"(supported: {', '.join(ACTIVATIONS)})"
         )
-    scaling = key(Keys.Rope.SCALING_TYPE, "none")
+    scaling = meta.get(Keys.Rope.SCALING_TYPE, "none")
     if scaling not in ("none", None):
         raise UnsupportedError(f"{path}: RoPE scaling {scaling!r} is not supported in {arch}")
     return {
         "model_type": MODEL_TYPE,
         **config,
-        "vocab_size": key(Keys.LLM.VOCAB_SIZE) or config["vocab_size"],
+        "vocab_size": meta.get(Keys.LLM.VOCAB_SIZE) or config["vocab_size"],
         "hidden_activation": ACTIVATIONS[act],
         "local_attention": window,
         "layer_types": ["sliding_attention" if s else "full_attention" for s in local],
         "rope_parameters": {
             "full_attention": {
                 "rope_type": "default",
-                "rope_theta": key(Keys.Rope.FREQ_BASE, ROPE_BASE),
+                "rope_theta": meta.get(Keys.Rope.FREQ_BASE, ROPE_BASE),
             },
             "sliding_attention": {
                 "rope_type": "default",
-                "rope_theta": key(Keys.Rope.FREQ_BASE_SWA, ROPE_BASE),
+                "rope_theta": meta.get(Keys.Rope.FREQ_BASE_SWA, ROPE_BASE),
             },
         },
     }

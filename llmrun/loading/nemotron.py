@@ -16,7 +16,7 @@ from typing import Any
 from gguf import Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH = MODEL_TYPE = "nemotron"
 
@@ -24,44 +24,33 @@ ARCH = MODEL_TYPE = "nemotron"
 def config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable[..., dict[str, Any]]) -> dict:
     """The HF-style config (NemotronConfig's fields) of a nemotron GGUF; rope_from_gguf is
     gguf_config's reader of the RoPE keys."""
-
-    def key(name: str, default: Any = None, required: bool = False) -> Any:
-        full = f"{ARCH}.{name}"
-        if full not in gg.metadata:
-            if required:
-                raise ModelFormatError(f"{gg.path}: metadata {full!r} is missing")
-            return default
-        return gg.metadata[full]
-
-    def field(template: str) -> str:
-        return template.removeprefix("{arch}.")
-
+    meta = ArchMetadata.of(gg, ARCH)
     if "output.weight" not in gg.tensors:
         raise ModelFormatError(
             f"{gg.path}: no output.weight; a nemotron file holds its output matrix "
             "(llama.cpp cannot run it without one either)"
         )
-    hidden = key(field(Keys.LLM.EMBEDDING_LENGTH), required=True)
-    heads = key(field(Keys.Attention.HEAD_COUNT), required=True)
-    head_dim = key(field(Keys.Attention.KEY_LENGTH)) or hidden // heads
-    context = key(field(Keys.LLM.CONTEXT_LENGTH), required=True)
+    hidden = meta.require(Keys.LLM.EMBEDDING_LENGTH)
+    heads = meta.require(Keys.Attention.HEAD_COUNT)
+    head_dim = meta.get(Keys.Attention.KEY_LENGTH) or hidden // heads
+    context = meta.require(Keys.LLM.CONTEXT_LENGTH)
     tokens = gg.metadata.get(Keys.Tokenizer.LIST)
     config: dict[str, Any] = {
         "model_type": MODEL_TYPE,
         "hidden_size": hidden,
-        "intermediate_size": key(field(Keys.LLM.FEED_FORWARD_LENGTH), required=True),
-        "num_hidden_layers": key(field(Keys.LLM.BLOCK_COUNT), required=True),
+        "intermediate_size": meta.require(Keys.LLM.FEED_FORWARD_LENGTH),
+        "num_hidden_layers": meta.require(Keys.LLM.BLOCK_COUNT),
         "num_attention_heads": heads,
-        "num_key_value_heads": key(field(Keys.Attention.HEAD_COUNT_KV), heads),
+        "num_key_value_heads": meta.get(Keys.Attention.HEAD_COUNT_KV, heads),
         "head_dim": head_dim,
-        "norm_eps": key(field(Keys.Attention.LAYERNORM_EPS), required=True),
+        "norm_eps": meta.require(Keys.Attention.LAYERNORM_EPS),
         "max_position_embeddings": context,
-        "vocab_size": key(field(Keys.LLM.VOCAB_SIZE)) or (len(tokens) if tokens else None),
+        "vocab_size": meta.get(Keys.LLM.VOCAB_SIZE) or (len(tokens) if tokens else None),
         "tie_word_embeddings": False,
         "attention_bias": "blk.0.attn_q.bias" in gg.tensors,
         "mlp_bias": "blk.0.ffn_up.bias" in gg.tensors,
     }
-    rope = rope_from_gguf(gg, key, head_dim, context)
+    rope = rope_from_gguf(gg, meta, head_dim, context)
     if rope["rope_type"] not in ("default", "linear"):
         raise UnsupportedError(
             f"{gg.path}: Nemotron with {rope['rope_type']} RoPE scaling is not supported "

@@ -28,6 +28,7 @@ from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
 
 from llmrun.errors import ModelFormatError
 from llmrun.loading import glm4_moe, granitehybrid
+from llmrun.loading.gguf_io import ArchMetadata
 
 if TYPE_CHECKING:
     from llmrun.loading.gguf_io import GGUFFile
@@ -99,21 +100,13 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
     """The HF config.json dict of a nemotron_h or nemotron_h_moe GGUF, read as
     llama_model_nemotron_h::load_arch_hparams and the common load_hparams read it."""
     arch = gg.architecture
-
-    def key(template: str, default: Any = None, required: bool = False) -> Any:
-        name = template.format(arch=arch)
-        if name not in gg.metadata:
-            if required:
-                raise ModelFormatError(f"{gg.path}: metadata {name!r} is missing")
-            return default
-        return gg.metadata[name]
-
+    meta = ArchMetadata.of(gg)
     layers, nextn = glm4_moe.trunk_layers(gg, arch)
     blocks = layers + nextn
 
     def per_layer(template: str) -> list[int]:
         """A key llama.cpp reads per layer (an array) or for all (a number): the trunk's."""
-        value = key(template, required=True)
+        value = meta.require(template)
         if not isinstance(value, list):
             return [value] * layers
         if len(value) != blocks:
@@ -133,11 +126,11 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
             )
         return distinct.pop() if distinct else None
 
-    hidden = key(Keys.LLM.EMBEDDING_LENGTH, required=True)
+    hidden = meta.require(Keys.LLM.EMBEDDING_LENGTH)
     kv_heads = per_layer(Keys.Attention.HEAD_COUNT_KV)
     heads = per_layer(Keys.Attention.HEAD_COUNT)
     widths = per_layer(Keys.LLM.FEED_FORWARD_LENGTH)
-    experts = key(Keys.LLM.EXPERT_COUNT, 0)
+    experts = meta.get(Keys.LLM.EXPERT_COUNT, 0)
     kinds = [
         ("moe" if experts else "mlp") if ff else ("attention" if kv else "mamba")
         for kv, ff in zip(kv_heads, widths, strict=True)
@@ -145,14 +138,14 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
     attending = [i for i, kind in enumerate(kinds) if kind == "attention"]
     n_heads = one("attention.head_count", [heads[i] for i in attending]) or 1
     n_kv = one("attention.head_count_kv", [kv_heads[i] for i in attending]) or 1
-    inner = key(Keys.SSM.INNER_SIZE, required=True)
-    ssm_heads = key(Keys.SSM.TIME_STEP_RANK, required=True)
+    inner = meta.require(Keys.SSM.INNER_SIZE)
+    ssm_heads = meta.require(Keys.SSM.TIME_STEP_RANK)
     if not ssm_heads or inner % ssm_heads:
         raise ModelFormatError(
             f"{gg.path}: ssm.inner_size {inner} is not a multiple of ssm.time_step_rank "
             f"{ssm_heads} (the Mamba-2 heads)"
         )
-    eps = key(Keys.Attention.LAYERNORM_EPS, required=True)
+    eps = meta.require(Keys.Attention.LAYERNORM_EPS)
     ff = one("feed_forward_length", [w for w in widths if w])  # the MLP or MoE layers
     config: dict[str, Any] = {
         "model_type": MODEL_TYPE,
@@ -161,68 +154,68 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         "layers_block_type": kinds,
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv,
-        "head_dim": key(Keys.Attention.KEY_LENGTH) or hidden // n_heads,
-        "layer_norm_epsilon": key(Keys.Attention.LAYERNORM_RMS_EPS, eps),
-        "max_position_embeddings": key(Keys.LLM.CONTEXT_LENGTH, required=True),
-        "vocab_size": _vocab_size(gg, key),
+        "head_dim": meta.get(Keys.Attention.KEY_LENGTH) or hidden // n_heads,
+        "layer_norm_epsilon": meta.get(Keys.Attention.LAYERNORM_RMS_EPS, eps),
+        "max_position_embeddings": meta.require(Keys.LLM.CONTEXT_LENGTH),
+        "vocab_size": _vocab_size(gg, meta),
         "tie_word_embeddings": f"{TENSOR_NAMES[MODEL_TENSOR.OUTPUT]}.weight" not in gg.tensors,
         "attention_bias": bool(attending) and f"blk.{attending[0]}.attn_q.bias" in gg.tensors,
         "intermediate_size": ff or 1,
         "mlp_bias": any(n.endswith(".ffn_up.bias") for n in gg.tensors),
         "mamba_num_heads": ssm_heads,
         "mamba_head_dim": inner // ssm_heads,
-        "n_groups": key(Keys.SSM.GROUP_COUNT, required=True),
-        "ssm_state_size": key(Keys.SSM.STATE_SIZE, required=True),
-        "conv_kernel": key(Keys.SSM.CONV_KERNEL, required=True),
+        "n_groups": meta.require(Keys.SSM.GROUP_COUNT),
+        "ssm_state_size": meta.require(Keys.SSM.STATE_SIZE),
+        "conv_kernel": meta.require(Keys.SSM.CONV_KERNEL),
         "use_conv_bias": any(n.endswith(".ssm_conv1d.bias") for n in gg.tensors),
         "use_bias": False,  # llama.cpp reads no bias of in_proj or out_proj
         glm4_moe.NEXTN: nextn,
     }
     if experts:
-        config.update(_experts(gg, key, one, kinds, widths, experts))
+        config.update(_experts(gg, meta, one, kinds, widths, experts))
     return config
 
 
 def _experts(
-    gg: GGUFFile, key: Callable, one: Callable, kinds: list[str], widths: list[int], count: int
+    gg: GGUFFile, meta: ArchMetadata, one: Callable, kinds: list[str], widths: list[int], count: int
 ) -> dict[str, Any]:
     """The experts' config fields, as llama.cpp reads and routes them (build_moe_ffn with
     sigmoid gating and the exp_probs_b correction)."""
     moe = [i for i, kind in enumerate(kinds) if kind == "moe"]
-    used = key(Keys.LLM.EXPERT_USED_COUNT, 0)
+    used = meta.get(Keys.LLM.EXPERT_USED_COUNT, 0)
     used = one("expert_used_count", [used[i] for i in moe] if isinstance(used, list) else [used])
     if not used or not 0 < used <= count:
         raise ModelFormatError(
             f"{gg.path}: {Keys.LLM.EXPERT_USED_COUNT.format(arch=gg.architecture)} is {used}, "
             f"but {Keys.LLM.EXPERT_COUNT.format(arch=gg.architecture)} is {count}"
         )
-    width = key(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)
+    width = meta.get(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)
     if isinstance(width, list):
         width = one("expert_feed_forward_length", [width[i] for i in moe])
     if not width:
         width = one("feed_forward_length", [widths[i] // used for i in moe])
-    shared = key(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, required=True)
-    groups = key(Keys.LLM.EXPERT_GROUP_COUNT, 0) or 1
-    chosen_groups = key(Keys.LLM.EXPERT_GROUP_USED_COUNT, 0) if groups > 1 else 1
-    scale = key(Keys.LLM.EXPERT_WEIGHTS_SCALE, 0.0)
+    shared = meta.require(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH)
+    groups = meta.get(Keys.LLM.EXPERT_GROUP_COUNT, 0) or 1
+    chosen_groups = meta.get(Keys.LLM.EXPERT_GROUP_USED_COUNT, 0) if groups > 1 else 1
+    scale = meta.get(Keys.LLM.EXPERT_WEIGHTS_SCALE, 0.0)
     return {
         "n_routed_experts": count,
         "num_experts_per_tok": used,
         "moe_intermediate_size": width,
         "moe_shared_expert_intermediate_size": shared,
-        "moe_latent_size": key(Keys.LLM.MOE_LATENT_SIZE) or None,
-        "norm_topk_prob": bool(key(Keys.LLM.EXPERT_WEIGHTS_NORM, False)),
+        "moe_latent_size": meta.get(Keys.LLM.MOE_LATENT_SIZE) or None,
+        "norm_topk_prob": bool(meta.get(Keys.LLM.EXPERT_WEIGHTS_NORM, False)),
         "routed_scaling_factor": scale or 1.0,  # llama.cpp scales where it is not 0 (or 1)
         "n_group": groups,
         "topk_group": chosen_groups,
     }
 
 
-def _vocab_size(gg: GGUFFile, key: Callable) -> int | None:
+def _vocab_size(gg: GGUFFile, meta: ArchMetadata) -> int | None:
     embed = gg.tensors.get(f"{TENSOR_NAMES[MODEL_TENSOR.TOKEN_EMBD]}.weight")
     tokens = gg.metadata.get(Keys.Tokenizer.LIST)
     return (
-        key(Keys.LLM.VOCAB_SIZE)
+        meta.get(Keys.LLM.VOCAB_SIZE)
         or (embed.shape[0] if embed else None)
         or (len(tokens) if tokens else None)
     )

@@ -14,7 +14,7 @@ from typing import Any
 from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile, vocab_size
 
 ARCH = "olmo2"
 MODEL_TYPES = ("olmo2", "olmo3")
@@ -29,30 +29,25 @@ LAYER_NAMES = {
 def config_from_gguf(
     gg: GGUFFile,
     config: dict[str, Any],
-    arch_key: Callable[..., Any],
+    meta: ArchMetadata,
     rope_from_gguf: Callable[..., dict[str, Any]],
     layer_types: Callable[..., list[str]],
 ) -> dict[str, Any]:
     """OLMo 2's (no window) or OLMo 3's (a window) config from an "olmo2" GGUF. `config`
-    holds the common fields; arch_key reads "{arch}.NAME" keys; rope_from_gguf and
-    layer_types are gguf_config's readers of the RoPE keys and of llama.cpp's window
-    pattern."""
-
-    def key(template: str, default: Any = None) -> Any:
-        return gg.metadata.get(template.format(arch=ARCH), default)
-
+    holds the common fields; rope_from_gguf and layer_types are gguf_config's readers of
+    the RoPE keys and of llama.cpp's window pattern."""
     head_dim = config["head_dim"]
-    rope = rope_from_gguf(gg, arch_key, head_dim, config["max_position_embeddings"])
+    rope = rope_from_gguf(gg, meta, head_dim, config["max_position_embeddings"])
     if "partial_rotary_factor" in rope:
         raise ModelFormatError(
             f"{gg.path}: {Keys.Rope.DIMENSION_COUNT.format(arch=ARCH)} is not the head size "
             f"{head_dim}; OLMo rotates whole heads"
         )
-    window = key(Keys.Attention.SLIDING_WINDOW) or None
+    window = meta.get(Keys.Attention.SLIDING_WINDOW) or None
     if window is None:
         config.update(model_type="olmo2", rope_parameters=rope)
         return config
-    local_base = key(Keys.Rope.FREQ_BASE_SWA)
+    local_base = meta.get(Keys.Rope.FREQ_BASE_SWA)
     if local_base is not None and local_base != rope["rope_theta"]:
         raise UnsupportedError(
             f"{gg.path}: {Keys.Rope.FREQ_BASE_SWA.format(arch=ARCH)} ({local_base}) differs "
@@ -64,7 +59,7 @@ def config_from_gguf(
     config.update(
         model_type="olmo3",
         sliding_window=window,
-        layer_types=layer_types(gg, key, config["num_hidden_layers"], SWA_PATTERN),
+        layer_types=layer_types(gg, meta, config["num_hidden_layers"], SWA_PATTERN),
         rope_parameters={"full_attention": rope, "sliding_attention": local},
     )
     return config
@@ -84,18 +79,7 @@ def olmo1_config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable[..., dict[str,
     clamp_kqv is over 0, RoPE on whole heads, the output matrix or else the embedding.
     rope_from_gguf is gguf_config's reader of the RoPE keys."""
     arch = OLMO1_ARCH
-
-    def key(name: str, default: Any = None, required: bool = False) -> Any:
-        full = f"{arch}.{name}"
-        if full not in gg.metadata:
-            if required:
-                raise ModelFormatError(f"{gg.path}: metadata {full!r} is missing")
-            return default
-        return gg.metadata[full]
-
-    def field(template: str) -> str:
-        return template.removeprefix("{arch}.")
-
+    meta = ArchMetadata.of(gg, arch)
     for info in gg.tensors.values():
         # The converter permutes q/k weights but not biases, and llama.cpp's olmo loads
         # no output bias: a file with biases is one llama.cpp does not run either.
@@ -104,44 +88,40 @@ def olmo1_config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable[..., dict[str,
                 f"{gg.path}: tensor {info.name!r}: an OLMo GGUF with attention biases or a "
                 "fused attn_qkv is not supported (llama.cpp's converter writes neither)"
             )
-    eps = key(field(Keys.Attention.LAYERNORM_EPS), required=True)
+    eps = meta.require(Keys.Attention.LAYERNORM_EPS)
     if abs(eps - OLMO1_NORM_EPS) > 1e-9:
         raise UnsupportedError(
             f"{gg.path}: {Keys.Attention.LAYERNORM_EPS.format(arch=arch)} is {eps}; OLMo's "
             f"LayerNorms have an epsilon of {OLMO1_NORM_EPS}, the only one llmrun's OLMo has"
         )
-    hidden = key(field(Keys.LLM.EMBEDDING_LENGTH), required=True)
-    heads = key(field(Keys.Attention.HEAD_COUNT), required=True)
+    hidden = meta.require(Keys.LLM.EMBEDDING_LENGTH)
+    heads = meta.require(Keys.Attention.HEAD_COUNT)
     if not (isinstance(hidden, int) and isinstance(heads, int) and heads > 0):
         raise ModelFormatError(
             f"{gg.path}: an embedding length of {hidden!r} and a head count of {heads!r} "
             "are not positive whole numbers"
         )
-    head_dim = key(field(Keys.Attention.KEY_LENGTH)) or hidden // heads
-    if key(field(Keys.Attention.VALUE_LENGTH), head_dim) != head_dim:
+    head_dim = meta.get(Keys.Attention.KEY_LENGTH) or hidden // heads
+    if meta.get(Keys.Attention.VALUE_LENGTH, head_dim) != head_dim:
         raise UnsupportedError(f"{gg.path}: OLMo's keys and values of different lengths")
-    context = key(field(Keys.LLM.CONTEXT_LENGTH), required=True)
-    rope = rope_from_gguf(gg, key, head_dim, context)
+    context = meta.require(Keys.LLM.CONTEXT_LENGTH)
+    rope = rope_from_gguf(gg, meta, head_dim, context)
     if "partial_rotary_factor" in rope:
         raise ModelFormatError(
             f"{gg.path}: {Keys.Rope.DIMENSION_COUNT.format(arch=arch)} is not the head size "
             f"{head_dim}; OLMo rotates whole heads"
         )
-    tokens = gg.metadata.get(Keys.Tokenizer.LIST)
-    embed = gg.tensors.get("token_embd.weight")
-    clamp = key(field(Keys.Attention.CLAMP_KQV), 0.0)
+    clamp = meta.get(Keys.Attention.CLAMP_KQV, 0.0)
     return {
         "model_type": OLMO1_MODEL_TYPE,
         "hidden_size": hidden,
-        "intermediate_size": key(field(Keys.LLM.FEED_FORWARD_LENGTH), required=True),
-        "num_hidden_layers": key(field(Keys.LLM.BLOCK_COUNT), required=True),
+        "intermediate_size": meta.require(Keys.LLM.FEED_FORWARD_LENGTH),
+        "num_hidden_layers": meta.require(Keys.LLM.BLOCK_COUNT),
         "num_attention_heads": heads,
-        "num_key_value_heads": key(field(Keys.Attention.HEAD_COUNT_KV), heads),
+        "num_key_value_heads": meta.get(Keys.Attention.HEAD_COUNT_KV, heads),
         "head_dim": head_dim,
         "max_position_embeddings": context,
-        "vocab_size": key(field(Keys.LLM.VOCAB_SIZE))
-        or (len(tokens) if tokens else None)
-        or (embed.shape[0] if embed else None),
+        "vocab_size": vocab_size(gg, meta),
         "tie_word_embeddings": "output.weight" not in gg.tensors,
         "clip_qkv": clamp if clamp > 0 else None,  # llama.cpp clamps where it is over 0
         "rope_parameters": rope,

@@ -8,23 +8,22 @@ experts feed_forward_length wide. Tensor names are gguf_config's mixture-of-expe
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from gguf import Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH = MODEL_TYPE = "olmoe"
 
 
-def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any]) -> None:
-    """The experts' fields of an "olmoe" GGUF's config (`config` holds the common ones;
-    `key` reads "{arch}.NAME" keys). llama.cpp refuses a file without experts, and one
+def finish_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> None:
+    """The experts' fields of an "olmoe" GGUF's config (`config` holds the common ones).
+    llama.cpp refuses a file without experts, and one
     whose heads are not hidden / heads wide or not rotated whole (GGML_ASSERTs)."""
-    count = key(Keys.LLM.EXPERT_COUNT.removeprefix("{arch}."), 0)
-    used = key(Keys.LLM.EXPERT_USED_COUNT.removeprefix("{arch}."), 0)
+    count = meta.get(Keys.LLM.EXPERT_COUNT, 0)
+    used = meta.get(Keys.LLM.EXPERT_USED_COUNT, 0)
     if not 0 < used <= count:
         raise ModelFormatError(
             f"{gg.path}: olmoe.expert_used_count is {used} and olmoe.expert_count {count}; "

@@ -14,13 +14,12 @@ Phi-3.5-MoE's config.json and transformers' default.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
 
 from llmrun.errors import ModelFormatError
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH = MODEL_TYPE = "phimoe"
 ROUTER_JITTER_NOISE = 0.01  # Phi-3.5-MoE's, transformers' PhimoeConfig default
@@ -50,11 +49,11 @@ def hf_name(gguf_name: str) -> str | None:
     return None if module is None else f"model.layers.{parts[1]}.{module}.weight"
 
 
-def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any]) -> None:
+def finish_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> None:
     """The experts' and biases' fields of a "phimoe" GGUF's config (`config` holds the
-    common ones; `key` reads "{arch}.NAME" keys)."""
-    count = key(Keys.LLM.EXPERT_COUNT.removeprefix("{arch}."), 0)
-    used = key(Keys.LLM.EXPERT_USED_COUNT.removeprefix("{arch}."), 0)
+    common ones)."""
+    count = meta.get(Keys.LLM.EXPERT_COUNT, 0)
+    used = meta.get(Keys.LLM.EXPERT_USED_COUNT, 0)
     if not 0 < used <= count:
         raise ModelFormatError(
             f"{gg.path}: phimoe.expert_used_count is {used} and phimoe.expert_count {count}; "

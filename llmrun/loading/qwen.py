@@ -28,11 +28,12 @@ feed-forward projections (no_bias false), RoPE on part of each head (rotary_pct)
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from typing import Any
 
+from gguf import Keys
+
 from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH, MODEL_TYPE = "qwen", "qwen"
 # A folder's names -> the model's (Qwen2's), in order.
@@ -97,12 +98,12 @@ def hf_checkpoint(
     return config, renamed
 
 
-def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any]) -> None:
+def finish_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> None:
     """Qwen 1's fields of the HF-style config that config_from_gguf built, read as
     llama_model_qwen reads them: the feed-forward half of feed_forward_length wide, the
     q/k/v biases, RoPE on whole heads."""
     head_dim = config["head_dim"]
-    rotated = key("rope.dimension_count") or head_dim
+    rotated = meta.get(Keys.Rope.DIMENSION_COUNT) or head_dim
     if rotated != head_dim:
         raise UnsupportedError(
             f"{gg.path}: {ARCH}.rope.dimension_count is {rotated}, but Qwen turns whole "

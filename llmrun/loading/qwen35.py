@@ -28,7 +28,7 @@ from gguf import MODEL_TENSOR, TENSOR_NAMES, ExpertGatingFuncType, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import experts, qwen3_next
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile, vocab_size
 from llmrun.loading.glm4_moe import NEXTN, trunk_layers
 
 ARCHS = {"qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe", qwen3_next.ARCH: qwen3_next.MODEL_TYPE}
@@ -121,99 +121,78 @@ def config_from_gguf(
     load_arch_hparams reads it (rope_from_gguf: gguf_config's RoPE reader); `model_type`
     where an arch that builds on them (qwen4exp, with experts) reads its own keys after."""
     arch = gg.architecture
-
-    def key(name: str, default: Any = None, required: bool = False) -> Any:
-        full = f"{arch}.{name}"
-        if full not in gg.metadata:
-            if required:
-                raise ModelFormatError(f"{gg.path}: metadata {full!r} is missing")
-            return default
-        return gg.metadata[full]
-
-    def short(template: str) -> str:
-        return template.removeprefix("{arch}.")
-
+    meta = ArchMetadata.of(gg)
     if f"blk.0.{_short(MODEL_TENSOR.SSM_IN)}.weight" in gg.tensors:
         raise UnsupportedError(
             f"{gg.path}: the older qwen3next form, with in_proj_qkvz fused as ssm_in, is not "
             "supported; convert the model again with a current llama.cpp"
         )
     layers, nextn = trunk_layers(gg, arch)
-    hidden = key(short(Keys.LLM.EMBEDDING_LENGTH), required=True)
-    heads = key(short(Keys.Attention.HEAD_COUNT), required=True)
-    head_dim = key(short(Keys.Attention.KEY_LENGTH)) or hidden // heads
-    value_length = key(short(Keys.Attention.VALUE_LENGTH), head_dim)
+    hidden = meta.require(Keys.LLM.EMBEDDING_LENGTH)
+    heads = meta.require(Keys.Attention.HEAD_COUNT)
+    head_dim = meta.get(Keys.Attention.KEY_LENGTH) or hidden // heads
+    value_length = meta.get(Keys.Attention.VALUE_LENGTH, head_dim)
     if value_length != head_dim:
         raise ModelFormatError(
             f"{gg.path}: attention key length {head_dim} and value length {value_length} "
             "differ; Qwen3.5's attention heads have one width"
         )
-    scale = key(short(Keys.Attention.SCALE))
+    scale = meta.get(Keys.Attention.SCALE)
     if scale and not math.isclose(scale, head_dim**-0.5, rel_tol=1e-6):
         raise UnsupportedError(
             f"{gg.path}: an attention scale of {scale} (not head_dim^-0.5) is not supported"
         )
-    state = key(short(Keys.SSM.STATE_SIZE), required=True)
-    inner = key(short(Keys.SSM.INNER_SIZE), required=True)
-    k_heads = key(short(Keys.SSM.GROUP_COUNT), required=True)
-    v_heads = key(short(Keys.SSM.TIME_STEP_RANK), required=True)
+    state = meta.require(Keys.SSM.STATE_SIZE)
+    inner = meta.require(Keys.SSM.INNER_SIZE)
+    k_heads = meta.require(Keys.SSM.GROUP_COUNT)
+    v_heads = meta.require(Keys.SSM.TIME_STEP_RANK)
     if not k_heads or not v_heads or inner != v_heads * state:
         # llama.cpp's tensors take value heads of the state size (load_arch_tensors).
         raise ModelFormatError(
             f"{gg.path}: ssm.inner_size {inner} is not ssm.time_step_rank {v_heads} value "
             f"heads of ssm.state_size {state}, as llama.cpp's qwen35 tensors are laid out"
         )
-    context = key(short(Keys.LLM.CONTEXT_LENGTH), required=True)
-    rope = rope_from_gguf(gg, key, head_dim, context)
+    context = meta.require(Keys.LLM.CONTEXT_LENGTH)
+    rope = rope_from_gguf(gg, meta, head_dim, context)
     # llama.cpp turns rope.dimension_count features, the whole head where the key is
     # absent; said here, since the model's default is transformers' quarter.
-    rotated = key(short(Keys.Rope.DIMENSION_COUNT)) or head_dim
+    rotated = meta.get(Keys.Rope.DIMENSION_COUNT) or head_dim
     rope["partial_rotary_factor"] = rotated / head_dim
     config: dict[str, Any] = {
         "model_type": model_type or ARCHS[arch],
         "hidden_size": hidden,
         # Optional for qwen35moe, whose layers all have experts (checked below for qwen35).
-        "intermediate_size": key(short(Keys.LLM.FEED_FORWARD_LENGTH)),
+        "intermediate_size": meta.get(Keys.LLM.FEED_FORWARD_LENGTH),
         "num_hidden_layers": layers,
         NEXTN: nextn,
         "num_attention_heads": heads,
-        "num_key_value_heads": key(short(Keys.Attention.HEAD_COUNT_KV), heads),
+        "num_key_value_heads": meta.get(Keys.Attention.HEAD_COUNT_KV, heads),
         "head_dim": head_dim,
-        "rms_norm_eps": key(short(Keys.Attention.LAYERNORM_RMS_EPS), required=True),
+        "rms_norm_eps": meta.require(Keys.Attention.LAYERNORM_RMS_EPS),
         "max_position_embeddings": context,
-        "vocab_size": _vocab_size(gg, key),
+        "vocab_size": vocab_size(gg, meta),
         "tie_word_embeddings": "output.weight" not in gg.tensors,
         "attention_bias": False,
-        "linear_conv_kernel_dim": key(short(Keys.SSM.CONV_KERNEL), required=True),
+        "linear_conv_kernel_dim": meta.require(Keys.SSM.CONV_KERNEL),
         "linear_key_head_dim": state,
         "linear_value_head_dim": state,
         "linear_num_key_heads": k_heads,
         "linear_num_value_heads": v_heads,
-        "layer_types": _layer_types(gg, key, layers, nextn),
+        "layer_types": _layer_types(gg, meta, layers, nextn),
         # Qwen3.5's converter tiles the value heads; Qwen3-Next's leaves them grouped.
         "tiled_value_heads": v_heads != k_heads and arch != qwen3_next.ARCH,
         "rope_parameters": rope,
     }
     if arch != "qwen35":
-        _moe_config(gg, config, key)
-    elif key(short(Keys.LLM.EXPERT_COUNT), 0):
+        _moe_config(gg, config, meta)
+    elif meta.get(Keys.LLM.EXPERT_COUNT, 0):
         raise ModelFormatError(f"{gg.path}: a qwen35 (dense) file with experts")
     if not config["intermediate_size"] and arch == "qwen35":
         raise ModelFormatError(f"{gg.path}: metadata 'qwen35.feed_forward_length' is missing")
     return config
 
 
-def _vocab_size(gg: GGUFFile, key: Callable[..., Any]) -> int | None:
-    tokens = gg.metadata.get(Keys.Tokenizer.LIST)
-    embed = gg.tensors.get("token_embd.weight")
-    return (
-        key("vocab_size")
-        or (len(tokens) if tokens else None)
-        or (embed.shape[0] if embed else None)
-    )
-
-
-def _layer_types(gg: GGUFFile, key: Callable[..., Any], layers: int, nextn: int) -> list[str]:
+def _layer_types(gg: GGUFFile, meta: ArchMetadata, layers: int, nextn: int) -> list[str]:
     """Which layers are linear attention: attention.recurrent_layers (one flag per block,
     MTP blocks included), else every full_attention_interval-th layer is full attention."""
     flags = gg.metadata.get(RECURRENT_LAYERS.format(arch=gg.architecture))
@@ -225,7 +204,7 @@ def _layer_types(gg: GGUFFile, key: Callable[..., Any], layers: int, nextn: int)
             )
         recurrent = [bool(f) for f in flags[:layers]]
     else:
-        interval = key(Keys.LLM.FULL_ATTENTION_INTERVAL.removeprefix("{arch}."))
+        interval = meta.get(Keys.LLM.FULL_ATTENTION_INTERVAL)
         interval = FULL_ATTENTION_INTERVAL if interval is None else interval
         if not isinstance(interval, int) or interval <= 0:
             raise ModelFormatError(
@@ -235,54 +214,48 @@ def _layer_types(gg: GGUFFile, key: Callable[..., Any], layers: int, nextn: int)
     return ["linear_attention" if r else "full_attention" for r in recurrent]
 
 
-def _moe_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any]) -> None:
+def _moe_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> None:
     """The experts' fields, read as llama_model_qwen35moe and llama_model_qwen3next read
     them (every layer has experts): softmax gating with
     the top-k renormalized (its graph fixes both), expert widths defaulting to
     feed_forward_length / expert_used_count and (shared) feed_forward_length."""
     arch = gg.architecture
 
-    def name(template: str) -> str:
-        return template.format(arch=arch)
-
-    def short(template: str) -> str:
-        return template.removeprefix("{arch}.")
-
-    count = key(short(Keys.LLM.EXPERT_COUNT), 0)
-    used = key(short(Keys.LLM.EXPERT_USED_COUNT), 0)
+    count = meta.get(Keys.LLM.EXPERT_COUNT, 0)
+    used = meta.get(Keys.LLM.EXPERT_USED_COUNT, 0)
     if not count or not 0 < used <= count:
         raise ModelFormatError(
-            f"{gg.path}: {name(Keys.LLM.EXPERT_COUNT)} is {count} and "
-            f"{name(Keys.LLM.EXPERT_USED_COUNT)} {used}; a {arch} file has experts"
+            f"{gg.path}: {meta.name(Keys.LLM.EXPERT_COUNT)} is {count} and "
+            f"{meta.name(Keys.LLM.EXPERT_USED_COUNT)} {used}; a {arch} file has experts"
         )
-    gating = key(short(Keys.LLM.EXPERT_GATING_FUNC))
+    gating = meta.get(Keys.LLM.EXPERT_GATING_FUNC)
     if gating is not None and gating != ExpertGatingFuncType.SOFTMAX:
         raise UnsupportedError(
-            f"{gg.path}: {name(Keys.LLM.EXPERT_GATING_FUNC)} is {gating}; {arch} experts "
+            f"{gg.path}: {meta.name(Keys.LLM.EXPERT_GATING_FUNC)} is {gating}; {arch} experts "
             "are gated by softmax"
         )
-    scale = key(short(Keys.LLM.EXPERT_WEIGHTS_SCALE))
+    scale = meta.get(Keys.LLM.EXPERT_WEIGHTS_SCALE)
     if scale not in (None, 0.0, 1.0):
         raise UnsupportedError(
-            f"{gg.path}: {name(Keys.LLM.EXPERT_WEIGHTS_SCALE)} is {scale}; llmrun supports "
+            f"{gg.path}: {meta.name(Keys.LLM.EXPERT_WEIGHTS_SCALE)} is {scale}; llmrun supports "
             "unscaled expert weights only"
         )
     ff = config["intermediate_size"] or 0
-    width = key(short(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH))
+    width = meta.get(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)
     if isinstance(width, list):
         if len(set(width)) != 1:
             raise UnsupportedError(
-                f"{gg.path}: {name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)} differs between "
+                f"{gg.path}: {meta.name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)} differs between "
                 "layers, which llmrun does not support"
             )
         width = width[0]
-    shared = key(short(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH)) or ff
+    shared = meta.get(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH) or ff
     width = width or ff // used
     if not width or not shared:
         raise ModelFormatError(
             f"{gg.path}: the experts' widths are missing "
-            f"({name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)}, "
-            f"{name(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH)})"
+            f"({meta.name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)}, "
+            f"{meta.name(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH)})"
         )
     config.update(
         num_experts=count,

@@ -34,7 +34,7 @@ from gguf import MODEL_TENSOR, TENSOR_NAMES
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import qwen35
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH, MODEL_TYPE = "qwen4exp", "qwen4_exp"
 MODEL_TYPES = (MODEL_TYPE, "qwen4_exp_text")
@@ -177,17 +177,9 @@ def config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable[..., dict]) -> dict[
     load_arch_hparams reads it (rope_from_gguf: gguf_config's RoPE reader)."""
     config = qwen35.config_from_gguf(gg, rope_from_gguf, MODEL_TYPE)
     arch = gg.architecture
-
-    def key(template: str, required: bool = True) -> Any:
-        name = template.format(arch=arch)
-        if name not in gg.metadata:
-            if required:
-                raise ModelFormatError(f"{gg.path}: metadata {name!r} is missing")
-            return None
-        return gg.metadata[name]
-
+    meta = ArchMetadata.of(gg)
     layers = config["num_hidden_layers"]
-    ratios = key(COMPRESS_RATIOS, required=False)
+    ratios = meta.get(COMPRESS_RATIOS)
     ratios = [ratios] * layers if isinstance(ratios, int) else list(ratios or [])
     attending = [i for i, kind in enumerate(config["layer_types"]) if kind == "full_attention"]
     chosen = {ratios[i] for i in attending if i < len(ratios)}
@@ -197,16 +189,16 @@ def config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable[..., dict]) -> dict[
             "positive QSA compress ratio on every full-attention layer"
         )
     config.update(
-        hc_count=key(HC_COUNT),
-        hc_lowrank=key(HC_LOW_RANK),
-        indexer_n_heads=key(INDEXER_HEADS),
+        hc_count=meta.require(HC_COUNT),
+        hc_lowrank=meta.require(HC_LOW_RANK),
+        indexer_n_heads=meta.require(INDEXER_HEADS),
         indexer_kv_heads=1,
-        indexer_head_dim=key(INDEXER_KEY_LENGTH),
-        indexer_budget=key(INDEXER_TOP_K),
+        indexer_head_dim=meta.require(INDEXER_KEY_LENGTH),
+        indexer_budget=meta.require(INDEXER_TOP_K),
         indexer_compress_ratio=chosen.pop(),
         output_gate_type="sigmoid",
     )
-    ple_layers = key(PLE_LAYERS, required=False) or []
+    ple_layers = meta.get(PLE_LAYERS) or []
     if len(ple_layers) > 1:
         raise UnsupportedError(
             f"{gg.path}: {PLE_LAYERS.format(arch=arch)} lists {len(ple_layers)} layers; a "
@@ -216,18 +208,18 @@ def config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable[..., dict]) -> dict[
         table = gg.tensors.get(PLE_TABLE)
         if table is None:
             raise ModelFormatError(f"{gg.path}: tensor {PLE_TABLE!r} is missing")
-        size, per_order = key(PLE_NGRAM_SIZE), key(PLE_HEADS_PER_NGRAM)
+        size, per_order = meta.require(PLE_NGRAM_SIZE), meta.require(PLE_HEADS_PER_NGRAM)
         heads = (size - 1) * per_order
         config.update(
             ple_layer_ids=[int(ple_layers[0]) + 1],
             ngram_size=size,
             heads_per_ngram=per_order,
-            ple_conv_kernel_size=key(PLE_CONV_KERNEL),
-            eos_token_id=key(PLE_EOS),
+            ple_conv_kernel_size=meta.require(PLE_CONV_KERNEL),
+            eos_token_id=meta.require(PLE_EOS),
             ple_embed_dim=heads * int(table.shape[1]),
-            ple_multipliers=[[int(m) for m in key(PLE_MULTIPLIERS)[:size]]],
-            ple_head_vocab_sizes=[[int(v) for v in key(PLE_VOCAB_SIZES)[:heads]]],
-            ple_head_offsets=[[int(o) for o in key(PLE_OFFSETS)[:heads]]],
+            ple_multipliers=[[int(m) for m in meta.require(PLE_MULTIPLIERS)[:size]]],
+            ple_head_vocab_sizes=[[int(v) for v in meta.require(PLE_VOCAB_SIZES)[:heads]]],
+            ple_head_offsets=[[int(o) for o in meta.require(PLE_OFFSETS)[:heads]]],
             ple_table_rows=[int(table.shape[0])],
         )
     return config

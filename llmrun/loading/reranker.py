@@ -2,13 +2,15 @@
 classifier with one label, its logit the relevance score) and the shape of its head, read
 from an HF folder's config.json (`*ForSequenceClassification`, its labels) or a GGUF's
 classifier tensors (`cls`, `cls.output`) and `<arch>.pooling_type` (rank), as llama.cpp's
-converter writes them; or a causal reranker's GGUF (Qwen3-Reranker: CAUSAL_ARCHS).
+converter writes them; or a causal reranker (Qwen3-Reranker: CAUSAL_ARCHS), a GGUF or an
+HF folder that llama.cpp's converter would write as one (hf_causal_reranker).
 
 No torch here: `llmrun show` reads these too.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -100,6 +102,83 @@ def causal_head(gg: GGUFFile) -> None:
 
 # The prompt of a causal reranker: {query} and {document} replaced (llama.cpp's server).
 RERANK_TEMPLATE = Keys.Tokenizer.CHAT_TEMPLATE_N.format(name="rerank")
+# What llama.cpp's converter writes there for a Qwen3-Reranker folder (conversion/qwen.py):
+# the model card's prompt with its default instruction.
+QWEN3_RERANK_PROMPT = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query "
+    'and the Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n'
+    "<|im_start|>user\n<Instruct>: Given a web search query, retrieve relevant passages that "
+    "answer the query\n<Query>: {query}\n<Document>: {document}<|im_end|>\n"
+    "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+)
+# The tokens whose output-head rows make a causal reranker's head, in its order.
+CAUSAL_LABELS = ("yes", "no")
+_CAUSAL_HF_TYPES = ("qwen3",)
+_CAUSAL_HF_NAMES = ("qwen3-reranker", "qwen3-vl-reranker")
+
+
+def hf_causal_reranker(config: dict[str, Any], folder: Path) -> bool:
+    """Whether an HF folder is a Qwen3-Reranker (a causal LM scored by its "yes" and "no"
+    logits), as llama.cpp's converter decides (conversion/qwen.py): a qwen3 model whose
+    README.md has a `# Qwen3-Reranker` heading, or whose folder name, `_name_or_path` or
+    architecture names Qwen3-Reranker. A Qwen3ForSequenceClassification is refused: its
+    head is not the output head's rows."""
+    if config.get("model_type") not in _CAUSAL_HF_TYPES:
+        return False
+    architecture = str((config.get("architectures") or [""])[0])
+    if architecture.endswith(_CLASSIFIER):
+        raise UnsupportedError(
+            f"{folder}: {architecture} is not supported; llmrun reranks with the "
+            "Qwen3-Reranker checkpoints (Qwen3ForCausalLM) and their GGUFs"
+        )
+    hints = (folder.name, config.get("_name_or_path"), config.get("model_type"), architecture)
+    if any(name in str(hint or "").lower() for hint in hints for name in _CAUSAL_HF_NAMES):
+        return True
+    try:
+        readme = (folder / "README.md").read_text(encoding="utf-8", errors="replace").lower()
+    except OSError:
+        return False
+    return any(f"# {name}" in readme for name in _CAUSAL_HF_NAMES)
+
+
+def causal_hint(config: dict[str, Any]) -> str:
+    """For a folder of a causal reranker's family: how it is recognized as one."""
+    if config.get("model_type") not in _CAUSAL_HF_TYPES:
+        return ""
+    return (
+        ", or a Qwen3-Reranker folder: one whose README.md has a '# Qwen3-Reranker' heading "
+        "or whose name says Qwen3-Reranker, as llama.cpp's converter recognizes it"
+    )
+
+
+def hf_label_ids(folder: Path) -> list[int]:
+    """The ids of CAUSAL_LABELS in a folder's tokenizer.json, looked up as transformers'
+    convert_tokens_to_ids does (added tokens, then the model's vocabulary), as llama.cpp's
+    converter picks the head's rows."""
+    file = folder / "tokenizer.json"
+    try:
+        tokenizer = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelFormatError(
+            f"{folder}: a causal reranker without a tokenizer.json, whose yes and no tokens "
+            "pick its head's rows"
+        ) from None
+    except (OSError, ValueError) as e:
+        raise ModelFormatError(f"{file}: cannot be read as JSON: {e}") from None
+    vocab = (tokenizer.get("model") or {}).get("vocab")
+    ids = dict(vocab) if isinstance(vocab, dict) else {}
+    for token in tokenizer.get("added_tokens") or []:
+        if isinstance(token, dict):
+            ids[token.get("content")] = token.get("id")
+    found = []
+    for label in CAUSAL_LABELS:
+        i = ids.get(label)
+        if not isinstance(i, int) or i < 0:
+            raise ModelFormatError(
+                f"{file}: no token {label!r}, whose output-head row scores a causal reranker"
+            )
+        found.append(i)
+    return found
 
 
 def is_reranker(config: dict[str, Any]) -> bool:
@@ -108,10 +187,11 @@ def is_reranker(config: dict[str, Any]) -> bool:
     return bool(config.get("classifier_labels"))
 
 
-def hf_info(config: dict[str, Any]) -> dict[str, Any]:
-    """What `llmrun show` says of a config.json: whether it is a reranker (a sequence
-    classifier of one label)."""
+def hf_info(config: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """What `llmrun show` says of a folder's config.json: whether it is a reranker (a
+    sequence classifier of one label, or a causal reranker)."""
     try:
-        return {"reranker": hf_labels(config, "config.json") == 1}
+        labels = hf_labels(config, "config.json")
+        return {"reranker": labels == 1 or hf_causal_reranker(config, folder)}
     except UnsupportedError:
         return {"reranker": False}

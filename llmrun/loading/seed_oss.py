@@ -8,13 +8,12 @@ whole heads.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
 
 from llmrun.errors import ModelFormatError
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH = MODEL_TYPE = "seed_oss"
 # GGUF layer tensor -> HF module, where Seed-OSS differs from the common names.
@@ -23,7 +22,7 @@ LAYER_NAMES = {
 }
 
 
-def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any]) -> None:
+def finish_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> None:
     """Seed-OSS's fields of the HF-style config that config_from_gguf built: the output
     projection's bias where the file has one (SeedOssConfig's attention_out_bias).
     Refuses partial RoPE, which llama.cpp's graph asserts away."""

@@ -20,13 +20,12 @@ than 4096, a sliding layers' RoPE base of their own, RoPE on part of each head.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from gguf import MODEL_TENSOR, TENSOR_NAMES, ExpertGatingFuncType, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH = MODEL_TYPE = "smallthinker"
 SLIDING_WINDOW = 4096  # llama_model_smallthinker::load_arch_hparams: hparams.n_swa = 4096
@@ -59,50 +58,42 @@ def hf_name(gguf_name: str) -> str | None:
     return None if module is None else f"model.layers.{parts[1]}.{module}.weight"
 
 
-def _key_name(template: str, arch: str) -> str:
-    return template.format(arch=arch)
-
-
-def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any]) -> None:
+def finish_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> None:
     """SmallThinker's fields of the HF-style config that config_from_gguf built, read as
-    llama_model_smallthinker::load_arch_hparams reads them (see the module docstring;
-    `key` reads "{arch}.NAME" keys)."""
+    llama_model_smallthinker::load_arch_hparams reads them (see the module docstring)."""
     path, arch = gg.path, gg.architecture
 
-    def get(template: str, default: Any = None) -> Any:
-        return key(template.removeprefix("{arch}."), default)
-
-    count, used = get(Keys.LLM.EXPERT_COUNT, 0), get(Keys.LLM.EXPERT_USED_COUNT, 0)
+    count, used = meta.get(Keys.LLM.EXPERT_COUNT, 0), meta.get(Keys.LLM.EXPERT_USED_COUNT, 0)
     if not 0 < used <= count:
         raise ModelFormatError(
             f"{path}: {arch}.expert_used_count is {used} and {arch}.expert_count {count}; "
             "SmallThinker routes each token to 1 to expert_count experts"
         )
-    gating = get(Keys.LLM.EXPERT_GATING_FUNC)
+    gating = meta.get(Keys.LLM.EXPERT_GATING_FUNC)
     if gating is None:
         raise ModelFormatError(
-            f"{path}: {_key_name(Keys.LLM.EXPERT_GATING_FUNC, arch)} is missing (llama.cpp "
+            f"{path}: {meta.name(Keys.LLM.EXPERT_GATING_FUNC)} is missing (llama.cpp "
             "cannot run the file without it)"
         )
     if gating not in GATINGS:
         raise UnsupportedError(
-            f"{path}: {_key_name(Keys.LLM.EXPERT_GATING_FUNC, arch)} is {gating}; "
+            f"{path}: {meta.name(Keys.LLM.EXPERT_GATING_FUNC)} is {gating}; "
             "SmallThinker's routers score by softmax (1) or sigmoid (2)"
         )
-    width = get(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)
+    width = meta.get(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)
     if isinstance(width, list):  # one per layer
         if len(set(width)) != 1:
             raise UnsupportedError(
-                f"{path}: {_key_name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, arch)} differs "
+                f"{path}: {meta.name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)} differs "
                 "between layers, which SmallThinker's experts do not"
             )
         width = width[0]
     if not width:
         raise ModelFormatError(
-            f"{path}: {_key_name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, arch)} is missing"
+            f"{path}: {meta.name(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)} is missing"
         )
     head_dim = config["head_dim"]
-    rotated = get(Keys.Rope.DIMENSION_COUNT) or head_dim
+    rotated = meta.get(Keys.Rope.DIMENSION_COUNT) or head_dim
     if rotated != head_dim:
         raise UnsupportedError(
             f"{path}: {arch}.rope.dimension_count is {rotated}, but SmallThinker turns whole "
@@ -113,17 +104,17 @@ def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any])
     if window:
         if window != SLIDING_WINDOW:
             raise UnsupportedError(
-                f"{path}: {_key_name(Keys.Attention.SLIDING_WINDOW, arch)} is {window}, but "
+                f"{path}: {meta.name(Keys.Attention.SLIDING_WINDOW)} is {window}, but "
                 f"llama.cpp runs SmallThinker's sliding layers over {SLIDING_WINDOW} positions "
                 "whatever the file says"
             )
-        local_base = get(Keys.Rope.FREQ_BASE_SWA)
+        local_base = meta.get(Keys.Rope.FREQ_BASE_SWA)
         if local_base is not None and local_base != config["rope_parameters"]["rope_theta"]:
             raise UnsupportedError(
-                f"{path}: {_key_name(Keys.Rope.FREQ_BASE_SWA, arch)} differs from "
-                f"{_key_name(Keys.Rope.FREQ_BASE, arch)}; SmallThinker has one RoPE base"
+                f"{path}: {meta.name(Keys.Rope.FREQ_BASE_SWA)} differs from "
+                f"{meta.name(Keys.Rope.FREQ_BASE)}; SmallThinker has one RoPE base"
             )
-        sliding = _sliding_layers(gg, get, layers)
+        sliding = _sliding_layers(gg, meta, layers)
         rotates = [int(i % NO_ROPE_STEP != 0) for i in range(layers)]
     else:
         sliding, rotates = [0] * layers, [1] * layers
@@ -139,12 +130,12 @@ def finish_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any])
     )
 
 
-def _sliding_layers(gg: GGUFFile, get: Callable[..., Any], layers: int) -> list[int]:
+def _sliding_layers(gg: GGUFFile, meta: ArchMetadata, layers: int) -> list[int]:
     """llama.cpp's load_swa_pattern(ml, 4, true): a per-layer bool array under
     attention.sliding_window_pattern, else an int n there (default 4): layer i slides
     where n == 0 or i % n != 0."""
-    name = _key_name(Keys.Attention.SLIDING_WINDOW_PATTERN, gg.architecture)
-    value = get(Keys.Attention.SLIDING_WINDOW_PATTERN, SWA_PATTERN)
+    name = meta.name(Keys.Attention.SLIDING_WINDOW_PATTERN)
+    value = meta.get(Keys.Attention.SLIDING_WINDOW_PATTERN, SWA_PATTERN)
     if isinstance(value, list):
         if len(value) != layers:
             raise ModelFormatError(

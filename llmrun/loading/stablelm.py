@@ -17,7 +17,7 @@ from typing import Any
 from gguf import MODEL_TENSOR, TENSOR_NAMES, GGMLQuantizationType, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile, vocab_size
 
 ARCH = MODEL_TYPE = "stablelm"
 # GGUF layer tensor -> the HF module of the stacked per-head norms (gguf_weights splits them).
@@ -34,27 +34,15 @@ _FFN_NORM = TENSOR_NAMES[MODEL_TENSOR.FFN_NORM] + ".weight"
 _FLOATS = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
 
-def _field(template: str) -> str:
-    return template.removeprefix("{arch}.")
-
-
 def config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable[..., dict[str, Any]]) -> dict:
     """The HF-style config (StableLmConfig's fields) of a stablelm GGUF; rope_from_gguf is
     gguf_config's reader of the RoPE keys."""
-
-    def key(name: str, default: Any = None, required: bool = False) -> Any:
-        full = f"{ARCH}.{name}"
-        if full not in gg.metadata:
-            if required:
-                raise ModelFormatError(f"{gg.path}: metadata {full!r} is missing")
-            return default
-        return gg.metadata[full]
-
-    hidden = key(_field(Keys.LLM.EMBEDDING_LENGTH), required=True)
-    heads = key(_field(Keys.Attention.HEAD_COUNT), required=True)
-    layers = key(_field(Keys.LLM.BLOCK_COUNT), required=True)
-    context = key(_field(Keys.LLM.CONTEXT_LENGTH), required=True)
-    kv_heads = key(_field(Keys.Attention.HEAD_COUNT_KV), heads)
+    meta = ArchMetadata.of(gg, ARCH)
+    hidden = meta.require(Keys.LLM.EMBEDDING_LENGTH)
+    heads = meta.require(Keys.Attention.HEAD_COUNT)
+    layers = meta.require(Keys.LLM.BLOCK_COUNT)
+    context = meta.require(Keys.LLM.CONTEXT_LENGTH)
+    kv_heads = meta.get(Keys.Attention.HEAD_COUNT_KV, heads)
     if not all(isinstance(v, int) and v > 0 for v in (hidden, heads, kv_heads, layers)):
         raise ModelFormatError(
             f"{gg.path}: an embedding length of {hidden!r}, {heads!r} heads, {kv_heads!r} KV "
@@ -62,14 +50,12 @@ def config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable[..., dict[str, Any]]
         )
     head_dim = hidden // heads
     for length in (Keys.Attention.KEY_LENGTH, Keys.Attention.VALUE_LENGTH):
-        if key(_field(length), head_dim) != head_dim:
+        if meta.get(length, head_dim) != head_dim:
             raise UnsupportedError(
                 f"{gg.path}: {length.format(arch=ARCH)} is not the hidden size / heads "
                 f"({hidden} / {heads}), the only head size StableLM has"
             )
-    tokens = gg.metadata.get(Keys.Tokenizer.LIST)
-    embed = gg.tensors.get("token_embd.weight")
-    rope = rope_from_gguf(gg, key, head_dim, context)
+    rope = rope_from_gguf(gg, meta, head_dim, context)
     # Without a dimension count llama.cpp turns whole heads, not StableLmConfig's quarter.
     rope.setdefault("partial_rotary_factor", 1.0)
     qk_norms = _every_layer_or_none(gg, _Q_NORM, layers)
@@ -80,15 +66,13 @@ def config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable[..., dict[str, Any]]
     return {
         "model_type": MODEL_TYPE,
         "hidden_size": hidden,
-        "intermediate_size": key(_field(Keys.LLM.FEED_FORWARD_LENGTH), required=True),
+        "intermediate_size": meta.require(Keys.LLM.FEED_FORWARD_LENGTH),
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
-        "layer_norm_eps": key(_field(Keys.Attention.LAYERNORM_EPS), required=True),
+        "layer_norm_eps": meta.require(Keys.Attention.LAYERNORM_EPS),
         "max_position_embeddings": context,
-        "vocab_size": key(_field(Keys.LLM.VOCAB_SIZE))
-        or (len(tokens) if tokens else None)
-        or (embed.shape[0] if embed else None),
+        "vocab_size": vocab_size(gg, meta),
         "tie_word_embeddings": "output.weight" not in gg.tensors,
         "use_qkv_bias": _every_layer_or_none(gg, _Q_BIAS, layers),
         "qk_layernorm": qk_norms,

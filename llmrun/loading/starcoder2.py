@@ -17,7 +17,7 @@ from typing import Any
 from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile, vocab_size
 
 ARCH = MODEL_TYPE = "starcoder2"
 # llama.cpp's LLM_FFN_GELU: GELU's tanh approximation.
@@ -76,50 +76,35 @@ def shape_config(gg: GGUFFile, rope_from_gguf: Callable[..., dict]) -> dict[str,
     epsilon): sizes, head counts, head width, epsilon, context, vocabulary, RoPE.
     Refuses RoPE factor tensors, which neither graph applies."""
     arch, path = gg.architecture, gg.path
-
-    def key(template: str, default: Any = None, required: bool = False) -> Any:
-        full = template.format(arch=arch)
-        if full not in gg.metadata:
-            if required:
-                raise ModelFormatError(f"{path}: metadata {full!r} is missing ({arch} needs it)")
-            return default
-        return gg.metadata[full]
-
-    def arch_key(name: str, default: Any = None, required: bool = False) -> Any:
-        return key(f"{{arch}}.{name}", default, required)
-
+    meta = ArchMetadata.of(gg)
     for name in ROPE_FACTORS:
         if name in gg.tensors:
             raise UnsupportedError(
                 f"{path}: tensor {name!r} is not part of llama.cpp's {arch} model, "
                 "which llmrun follows"
             )
-    hidden = key(Keys.LLM.EMBEDDING_LENGTH, required=True)
-    n_heads = key(Keys.Attention.HEAD_COUNT, required=True)
+    hidden = meta.require(Keys.LLM.EMBEDDING_LENGTH)
+    n_heads = meta.require(Keys.Attention.HEAD_COUNT)
     if not (isinstance(hidden, int) and isinstance(n_heads, int) and n_heads > 0):
         raise ModelFormatError(
             f"{path}: an embedding length of {hidden!r} and a head count of {n_heads!r} "
             "are not positive whole numbers"
         )
-    head_dim = key(Keys.Attention.KEY_LENGTH) or hidden // n_heads
-    if key(Keys.Attention.VALUE_LENGTH, head_dim) != head_dim:
+    head_dim = meta.get(Keys.Attention.KEY_LENGTH) or hidden // n_heads
+    if meta.get(Keys.Attention.VALUE_LENGTH, head_dim) != head_dim:
         raise UnsupportedError(f"{path}: keys and values of different lengths are not supported")
-    context = key(Keys.LLM.CONTEXT_LENGTH, required=True)
-    tokens = gg.metadata.get(Keys.Tokenizer.LIST)
-    embed = gg.tensors.get(TENSOR_NAMES[MODEL_TENSOR.TOKEN_EMBD] + ".weight")
+    context = meta.require(Keys.LLM.CONTEXT_LENGTH)
     return {
         "hidden_size": hidden,
-        "intermediate_size": key(Keys.LLM.FEED_FORWARD_LENGTH, required=True),
-        "num_hidden_layers": key(Keys.LLM.BLOCK_COUNT, required=True),
+        "intermediate_size": meta.require(Keys.LLM.FEED_FORWARD_LENGTH),
+        "num_hidden_layers": meta.require(Keys.LLM.BLOCK_COUNT),
         "num_attention_heads": n_heads,
-        "num_key_value_heads": key(Keys.Attention.HEAD_COUNT_KV, n_heads),
+        "num_key_value_heads": meta.get(Keys.Attention.HEAD_COUNT_KV, n_heads),
         "head_dim": head_dim,
         "max_position_embeddings": context,
-        "vocab_size": key(Keys.LLM.VOCAB_SIZE)
-        or (len(tokens) if tokens else None)
-        or (embed.shape[0] if embed else None),
-        "layer_norm_eps": key(Keys.Attention.LAYERNORM_EPS, required=True),
-        "rope_parameters": rope_from_gguf(gg, arch_key, head_dim, context),
+        "vocab_size": vocab_size(gg, meta),
+        "layer_norm_eps": meta.require(Keys.Attention.LAYERNORM_EPS),
+        "rope_parameters": rope_from_gguf(gg, meta, head_dim, context),
     }
 
 

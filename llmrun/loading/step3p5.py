@@ -19,7 +19,7 @@ from gguf import MODEL_TENSOR, TENSOR_NAMES, ExpertGatingFuncType, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import experts, glm4_moe
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 # As llmrun.models.base and llmrun.models.step3p5 name them (not imported: `llmrun list`
 # and `show` read this module without torch).
@@ -113,15 +113,7 @@ def hf_name(gguf_name: str) -> str | None:
 def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
     """The HF-style config (transformers' Step3p7TextConfig names) of a step35 GGUF."""
     path = gg.path
-
-    def key(name: str, default: Any = None, required: bool = False) -> Any:
-        full = f"{ARCH}.{name}"
-        if full not in gg.metadata:
-            if required:
-                raise ModelFormatError(f"{path}: metadata {full!r} is missing")
-            return default
-        return gg.metadata[full]
-
+    meta = ArchMetadata.of(gg, ARCH)
     layers, nextn = glm4_moe.trunk_layers(gg, ARCH)
 
     def per_layer(name: str, value: Any) -> list:
@@ -132,11 +124,11 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
             raise ModelFormatError(f"{path}: {ARCH}.{name} lists {len(value)} of {layers} layers")
         return value[:layers]
 
-    flags = key("attention.sliding_window_pattern", required=True)
+    flags = meta.require(Keys.Attention.SLIDING_WINDOW_PATTERN)
     flags = per_layer("attention.sliding_window_pattern", flags)
     layer_types = [LAYER_TYPES[bool(f)] for f in flags]
-    heads = per_layer("attention.head_count", key("attention.head_count", required=True))
-    kv = per_layer("attention.head_count_kv", key("attention.head_count_kv", heads))
+    heads = per_layer("attention.head_count", meta.require(Keys.Attention.HEAD_COUNT))
+    kv = per_layer("attention.head_count_kv", meta.get(Keys.Attention.HEAD_COUNT_KV, heads))
     by_type = {
         t: {h for h, k in zip(heads, layer_types, strict=True) if k == t} for t in LAYER_TYPES
     }
@@ -145,42 +137,42 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
             f"{path}: head counts {heads} and key/value heads {kv} per layer; llmrun runs "
             "Step 3.5 with one head count per layer type and one key/value head count"
         )
-    hidden = key("embedding_length", required=True)
-    head_dim = key("attention.key_length") or hidden // heads[0]
-    if key("attention.value_length", head_dim) != head_dim:
+    hidden = meta.require(Keys.LLM.EMBEDDING_LENGTH)
+    head_dim = meta.get(Keys.Attention.KEY_LENGTH) or hidden // heads[0]
+    if meta.get(Keys.Attention.VALUE_LENGTH, head_dim) != head_dim:
         raise UnsupportedError(f"{path}: values of another width than the keys' are not supported")
     for name in ("attn_gate", "attn_q_norm", "attn_k_norm"):
         if f"blk.0.{name}.weight" not in gg.tensors:
             raise UnsupportedError(f"{path}: a step35 model without {name} is not supported")
-    if "rope_freqs.weight" in gg.tensors or key("rope.scaling.type", "none") != "none":
+    if "rope_freqs.weight" in gg.tensors or meta.get(Keys.Rope.SCALING_TYPE, "none") != "none":
         raise UnsupportedError(f"{path}: Step 3.5 with RoPE scaling is not supported")
-    gating = key("expert_gating_func", ExpertGatingFuncType.SIGMOID)
+    gating = meta.get(Keys.LLM.EXPERT_GATING_FUNC, ExpertGatingFuncType.SIGMOID)
     if gating != ExpertGatingFuncType.SIGMOID:
         raise UnsupportedError(
             f"{path}: {ARCH}.expert_gating_func {gating} (not sigmoid) is not supported"
         )
     widths = set(
-        per_layer("expert_feed_forward_length", key("expert_feed_forward_length", required=True))
+        per_layer("expert_feed_forward_length", meta.require(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH))
     )
     if len(widths) != 1:
         raise UnsupportedError(
             f"{path}: expert widths per layer ({sorted(widths)}) are not supported"
         )
-    rotated = key("rope.dimension_count", head_dim)
-    rotated_swa = key("rope.dimension_count_swa", rotated)
-    theta = key("rope.freq_base", 10000.0)
+    rotated = meta.get(Keys.Rope.DIMENSION_COUNT, head_dim)
+    rotated_swa = meta.get(Keys.Rope.DIMENSION_COUNT_SWA, rotated)
+    theta = meta.get(Keys.Rope.FREQ_BASE, 10000.0)
     ropes = {
         "full_attention": (theta, rotated // 2),
-        "sliding_attention": (key("rope.freq_base_swa", theta), rotated_swa),
+        "sliding_attention": (meta.get(Keys.Rope.FREQ_BASE_SWA, theta), rotated_swa),
     }
     full_heads, swa_heads = (next(iter(by_type[t]), None) for t in LAYER_TYPES)
     tokens = gg.metadata.get(Keys.Tokenizer.LIST)
     embed = gg.tensors.get("token_embd.weight")
     config = {
         "model_type": MODEL_TYPE,
-        "vocab_size": key("vocab_size") or (len(tokens) if tokens else embed.shape[0]),
+        "vocab_size": meta.get(Keys.LLM.VOCAB_SIZE) or (len(tokens) if tokens else embed.shape[0]),
         "hidden_size": hidden,
-        "intermediate_size": key("feed_forward_length", required=True),
+        "intermediate_size": meta.require(Keys.LLM.FEED_FORWARD_LENGTH),
         "num_hidden_layers": layers,
         glm4_moe.NEXTN: nextn,
         "num_attention_heads": full_heads or swa_heads,
@@ -189,20 +181,22 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         "head_dim": head_dim,
         "query_pre_attn_scalar": head_dim,
         "layer_types": layer_types,
-        "sliding_window": key("attention.sliding_window", required=True),
+        "sliding_window": meta.require(Keys.Attention.SLIDING_WINDOW),
         "mlp_layer_types": [
             MLP_TYPES[f"blk.{i}.{_ROUTER}.weight" in gg.tensors] for i in range(layers)
         ],
-        "n_routed_experts": key("expert_count", 0),
-        "num_experts_per_tok": key("expert_used_count", 0),
+        "n_routed_experts": meta.get(Keys.LLM.EXPERT_COUNT, 0),
+        "num_experts_per_tok": meta.get(Keys.LLM.EXPERT_USED_COUNT, 0),
         "moe_intermediate_size": widths.pop(),
-        "share_expert_dim": key("expert_shared_feed_forward_length", 0),
-        "moe_router_scaling_factor": key("expert_weights_scale", 0.0) or 1.0,
-        "norm_expert_weight": bool(key("expert_weights_norm", False)),
-        "swiglu_limits": per_layer("swiglu_clamp_exp", key("swiglu_clamp_exp", 0.0)),
-        "swiglu_limits_shared": per_layer("swiglu_clamp_shexp", key("swiglu_clamp_shexp", 0.0)),
-        "rms_norm_eps": key("attention.layer_norm_rms_epsilon", required=True),
-        "max_position_embeddings": key("context_length", required=True),
+        "share_expert_dim": meta.get(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0),
+        "moe_router_scaling_factor": meta.get(Keys.LLM.EXPERT_WEIGHTS_SCALE, 0.0) or 1.0,
+        "norm_expert_weight": bool(meta.get(Keys.LLM.EXPERT_WEIGHTS_NORM, False)),
+        "swiglu_limits": per_layer("swiglu_clamp_exp", meta.get(Keys.LLM.SWIGLU_CLAMP_EXP, 0.0)),
+        "swiglu_limits_shared": per_layer(
+            "swiglu_clamp_shexp", meta.get(Keys.LLM.SWIGLU_CLAMP_SHEXP, 0.0)
+        ),
+        "rms_norm_eps": meta.require(Keys.Attention.LAYERNORM_RMS_EPS),
+        "max_position_embeddings": meta.require(Keys.LLM.CONTEXT_LENGTH),
         "tie_word_embeddings": "output.weight" not in gg.tensors,
         "rope_parameters": {
             kind: {

@@ -17,14 +17,13 @@ the fourth section is empty, which the converters write (mrope_section padded wi
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from gguf import Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.loading.gguf_io import GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 
 @dataclass(frozen=True)
@@ -182,7 +181,7 @@ GLM4_ARCH = "glm4"  # llmrun.loading.glm4.ARCH, which imports this module
 
 
 def text_mrope_sections(
-    gg: GGUFFile, arch: str, key: Callable[..., Any], rotated: int, always: bool = False
+    gg: GGUFFile, arch: str, meta: ArchMetadata, rotated: int, always: bool = False
 ) -> list[int] | None:
     """A GGUF's rope.dimension_sections where llama.cpp turns its text by M-RoPE (qwen2vl
     always; glm4 and glm4moe where the first two sections are set, llama_hparams::
@@ -190,7 +189,7 @@ def text_mrope_sections(
     leave some of the rotated pairs to the fourth, which llama.cpp turns by position 0
     for text (llmrun turns every pair by the token's position, as transformers does)."""
     name = f"{arch}.rope.dimension_sections"
-    sections = key(Keys.Rope.DIMENSION_SECTIONS.removeprefix("{arch}."))
+    sections = meta.get(Keys.Rope.DIMENSION_SECTIONS)
     if not sections:
         if always:  # llama_model_qwen2vl::load_arch_hparams requires them
             raise ModelFormatError(f"{gg.path}: metadata {name!r} is missing")
@@ -215,18 +214,18 @@ def text_mrope_sections(
     return sections
 
 
-def finish_qwen2vl_config(gg: GGUFFile, config: dict[str, Any], key: Callable[..., Any]) -> None:
+def finish_qwen2vl_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> None:
     """Qwen2-VL's language model (arch qwen2vl, llama.cpp's src/models/qwen2vl.cpp) as
     Qwen2's: M-RoPE over whole heads (llama.cpp asserts rope.dimension_count is the head
     size), its sections required."""
     head_dim = config["head_dim"]
-    rotated = key(Keys.Rope.DIMENSION_COUNT.removeprefix("{arch}."), head_dim)
+    rotated = meta.get(Keys.Rope.DIMENSION_COUNT, head_dim)
     if rotated != head_dim:
         raise ModelFormatError(
             f"{gg.path}: {QWEN2VL_ARCH}.rope.dimension_count is {rotated}, but llama.cpp "
             f"rotates whole heads of {head_dim}"
         )
-    sections = text_mrope_sections(gg, QWEN2VL_ARCH, key, head_dim, always=True)
+    sections = text_mrope_sections(gg, QWEN2VL_ARCH, meta, head_dim, always=True)
     config["rope_parameters"]["mrope_section"] = sections[:3]
 
 

@@ -8,6 +8,7 @@ Reference: transformers/models/gemma3/modeling_gemma3.py (Gemma3ForCausalLM).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -188,6 +189,44 @@ class Body(nn.Module):
         )
 
 
+@dataclass
+class ImageTokens:
+    """The image soft tokens of a one-row forward (llmrun.models.gemma3_vision makes
+    them): their embeddings [n, hidden] in the order of the placeholder tokens they
+    replace, and `groups` [T], for each token of the forward the image it belongs to, -1
+    for text. The tokens of one image attend to each other both ways (transformers'
+    token_type_ids mask, llama.cpp's non-causal image batch); an image must lie whole in
+    one forward."""
+
+    embeds: torch.Tensor
+    groups: torch.Tensor
+
+    def place(self, x: torch.Tensor) -> torch.Tensor:
+        """x [1, T, hidden] with the image tokens' rows replaced (not scaled)."""
+        x[0, self.groups >= 0] = self.embeds.to(x.dtype)
+        return x
+
+    def unmask(self, frames: dict[str, Frame], window: int | None) -> dict[str, Frame]:
+        """The frames with each image's tokens seeing each other: (causal or same image),
+        and on sliding layers within the window, as transformers composes them."""
+        groups = self.groups
+        tokens = groups.shape[0]
+        same = (groups[:, None] == groups[None, :]) & (groups[:, None] >= 0)  # [T, T]
+        index = torch.arange(tokens, device=groups.device)
+        near = index[:, None] - index[None, :] < (window or tokens + 1)
+        out = {}
+        for kind, frame in frames.items():
+            if frame.mask is None:  # one token: it sees itself already
+                out[kind] = frame
+                continue
+            # The forward's own keys are the mask's last T columns, in order (after the
+            # cached prefix, or a windowed layer's ring).
+            mask = frame.mask.clone()
+            mask[..., -tokens:] |= same & near if kind == "sliding_attention" else same
+            out[kind] = dataclasses.replace(frame, mask=mask)
+        return out
+
+
 class Model(nn.Module):
     """embed * sqrt(hidden) -> decoder layers -> norm -> lm_head (-> soft-cap), with
     HF's module names."""
@@ -207,14 +246,21 @@ class Model(nn.Module):
         cache: KVCache | None = None,
         last_only: bool = False,
         last: torch.Tensor | None = None,
+        images: ImageTokens | None = None,
     ) -> torch.Tensor:
         """Float32 logits [B, T, vocab] for input_ids [B, T] at positions [B, T];
-        [B, 1, vocab] with last_only or `last` (as CausalLM.forward)."""
+        [B, 1, vocab] with last_only or `last` (as CausalLM.forward). `images`: the
+        image soft tokens in place of their placeholders (one row)."""
         body = self.model
+        if images is not None:  # placeholder ids may lie past the vocabulary
+            input_ids = input_ids.masked_fill(images.groups >= 0, 0)
         x = body.embed_tokens(input_ids)
         # The scale rounded to the compute dtype, as transformers does.
         x = x * torch.tensor(self.args.hidden_size**0.5).to(x.dtype)
         frames = self.frames(positions, cache, x.dtype, last)
+        if images is not None:
+            x = images.place(x)
+            frames = images.unmask(frames, self.args.sliding_window)
         logits = head_logits(self, x, frames, cache, last_only, last)
         cap = self.args.final_logit_softcapping
         if cap is not None:

@@ -1,12 +1,14 @@
-"""Jina BERT v2 (JinaBertModel: jina-embeddings-v2-small-en, -base-en, -base-de/es/zh;
-llama.cpp's "jina-bert-v2" GGUFs): BERT with symmetric ALiBi instead of a position table and
-a GEGLU feed-forward. Token and token-type (0) embeddings summed and normalized, then
+"""Jina BERT v2 (JinaBertModel: jina-embeddings-v2-small-en, -base-en, -base-de/es/zh,
+-base-code; llama.cpp's "jina-bert-v2" GGUFs): BERT with symmetric ALiBi instead of a
+position table and a GEGLU feed-forward. Token and token-type (0) embeddings summed and normalized, then
 post-norm blocks x = LN(x + attn(x)), x = LN(x + wo(gelu(g) * u)), where gated_layers(x)
 gives [g, u] (its first intermediate_size features the gate), and attention scores that
 take -slope_h * |query - key| (ALiBi's slopes, every key before and after a query), padded
 keys masked. Some variants normalize the queries and keys over the whole hidden width
-(layer_norm_q, layer_norm_k) before splitting them into heads. No final norm and no head:
-an embedding model (`hidden_states`).
+(layer_norm_q, layer_norm_k) before splitting them into heads; jina-embeddings-v2-base-code
+(jinaai/jina-bert-v2-qk-post-norm's modeling_bert.py) also adds the layer input to the
+attention's output again and normalizes that (layer_norm_1) before the feed-forward. No
+final norm and no head: an embedding model (`hidden_states`).
 
 Module names are the Hub's (jinaai/jina-bert-implementation's modeling_bert.py):
 embeddings., encoder.layer.N.attention.self.query, mlp.gated_layers, mlp.wo, mlp.layernorm.
@@ -38,8 +40,10 @@ class ModelArgs:
     type_vocab_size: int = 2
     layer_norm_eps: float = 1e-12
     vocab_size: int = 30528
-    # Whether queries and keys pass a LayerNorm (set by the loader from the weights).
+    # Whether queries and keys pass a LayerNorm, and whether the attention's output takes
+    # the layer input and a LayerNorm again (set by the loader from the weights).
     qk_norm: bool = False
+    attention_norm_2: bool = False
 
     def __post_init__(self) -> None:
         self.head_dim = self.hidden_size // self.num_attention_heads
@@ -107,10 +111,15 @@ class Layer(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.attention = Attention(args)
+        norm = args.attention_norm_2
+        self.layer_norm_1 = nn.LayerNorm(args.hidden_size, args.layer_norm_eps) if norm else None
         self.mlp = GLUMLP(args)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.attention(x, bias))
+        out = self.attention(x, bias)
+        if self.layer_norm_1 is not None:
+            out = self.layer_norm_1(out + x)
+        return self.mlp(out)
 
 
 class Encoder(nn.Module):

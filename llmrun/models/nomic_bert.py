@@ -1,16 +1,27 @@
-"""Nomic BERT (NomicBertModel: nomic-embed-text v1 and v1.5; llama.cpp's "nomic-bert"
-GGUFs): a BERT-style encoder with rotary positions instead of a position table, a SwiGLU
-feed-forward and no biases but the LayerNorms': token and token-type (0) embeddings
-summed and normalized, then post-norm blocks x = LN(x + attn(x)), x = LN(x + mlp(x)), the
-attention bidirectional over the unpadded keys, its queries and keys turned by RoPE (half-
-split, over whole heads). No final norm and no head: an embedding model (`hidden_states`).
+"""Nomic BERT (NomicBertModel: nomic-embed-text v1 and v1.5, and v2-moe; llama.cpp's
+"nomic-bert" and "nomic-bert-moe" GGUFs): a BERT-style encoder with rotary positions instead
+of a position table: token and token-type (0) embeddings summed and normalized, then
+post-norm blocks x = LN(x + attn(x)), x = LN(x + mlp(x)), the attention bidirectional over
+the unpadded keys, its queries and keys turned by RoPE (half-split, over whole heads). No
+final norm and no head: an embedding model (`hidden_states`).
+
+v1 and v1.5 have a SwiGLU feed-forward and no biases but the LayerNorms'. v2-moe has biases
+on the attention's and the feed-forward's projections, a plain GELU feed-forward
+(gated_mlp false), and in every layer i with i % moe_every_n_layers == 1 a mixture of
+experts instead: the router's softmax over all experts, the top moe_top_k of it weighing
+their experts' down(gelu(up(x))) as they are (not renormalized), then one bias added to
+the sum.
 
 Module names are transformers 5's (layers.N.self_attn.q_proj, mlp.gate_proj,
-post_attention_layernorm, post_mlp_layernorm); the Hub's original names (emb_ln,
-encoder.layers.N.attn.Wqkv, mlp.fc11/fc12/fc2, norm1/norm2) and config fields (n_embd,
-rotary_emb_base, ...) are mapped at the loader edge (llmrun/loading/nomic_bert.py).
+post_attention_layernorm, post_mlp_layernorm) and, for the experts, llmrun's
+(mlp.router, mlp.experts.N.up_proj / down_proj, mlp.bias); the Hub's original names (emb_ln,
+encoder.layers.N.attn.Wqkv, mlp.fc11/fc12/fc2, norm1/norm2, mlp.experts.mlp.w1/w2) and
+config fields (n_embd, rotary_emb_base, ...) are mapped at the loader edge
+(llmrun/loading/nomic_bert.py).
 
-Reference: transformers/models/nomic_bert/modeling_nomic_bert.py.
+Reference: transformers/models/nomic_bert/modeling_nomic_bert.py (v1.5); v2-moe's is the
+Hub's remote code, nomic-ai/nomic-bert-2048's modeling_hf_nomic_bert.py (NomicRouter,
+NomicExperts, NomicMoELayer).
 """
 
 from __future__ import annotations
@@ -23,7 +34,15 @@ import torch
 from torch import nn
 
 from llmrun import ops
-from llmrun.models.base import GatedMLP, RotaryEmbedding, rope_parameters
+from llmrun.errors import ModelFormatError
+from llmrun.models.base import (
+    GatedMLP,
+    RotaryEmbedding,
+    activation,
+    mix_experts,
+    rope_parameters,
+    route,
+)
 from llmrun.models.bert import encoder_attention, key_padding_mask
 
 # NomicBertConfig's default_theta: the RoPE base of a config that names none.
@@ -43,9 +62,27 @@ class ModelArgs:
     vocab_size: int = 30528
     head_dim: int | None = None
     rope_parameters: dict[str, Any] = field(default_factory=dict)
+    # v2-moe's (set by the loader from the Hub's fields or a "nomic-bert-moe" GGUF):
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    gated_mlp: bool = True  # False: down(act(up(x))), the Hub's activation_function "gelu"
+    moe_every_n_layers: int = 0  # 0: no experts
+    num_experts: int = 0
+    moe_top_k: int = 0
 
     def __post_init__(self) -> None:
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        if self.moe_every_n_layers and not 0 < self.moe_top_k <= self.num_experts:
+            raise ModelFormatError(
+                f"moe_top_k is {self.moe_top_k}, but there are {self.num_experts} experts "
+                "(num_experts)"
+            )
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer`'s feed-forward is the mixture of experts (the Hub's
+        NomicBertEncoder and llama.cpp alike: layer 0 dense, 1 experts, ...)."""
+        every = self.moe_every_n_layers
+        return every > 0 and layer % every == 1
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:
@@ -77,11 +114,11 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.n_heads, self.head_dim = args.num_attention_heads, args.head_dim
-        width = self.n_heads * self.head_dim
-        self.q_proj = nn.Linear(args.hidden_size, width, bias=False)
-        self.k_proj = nn.Linear(args.hidden_size, width, bias=False)
-        self.v_proj = nn.Linear(args.hidden_size, width, bias=False)
-        self.o_proj = nn.Linear(width, args.hidden_size, bias=False)
+        width, bias = self.n_heads * self.head_dim, args.attention_bias
+        self.q_proj = nn.Linear(args.hidden_size, width, bias=bias)
+        self.k_proj = nn.Linear(args.hidden_size, width, bias=bias)
+        self.v_proj = nn.Linear(args.hidden_size, width, bias=bias)
+        self.o_proj = nn.Linear(width, args.hidden_size, bias=bias)
 
     def forward(
         self,
@@ -101,14 +138,53 @@ class Attention(nn.Module):
         return self.o_proj(encoder_attention(q, k, heads(self.v_proj(x)), mask))
 
 
-class Layer(nn.Module):
-    """x = LN(x + attn(x)), then LN(x + mlp(x))."""
+class MLP(nn.Module):
+    """down(act(up(x))): v2-moe's dense feed-forward (the Hub's fc1, fc2), and each of its
+    experts (bias-free)."""
+
+    def __init__(self, args: ModelArgs, bias: bool) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=bias)
+        self.act = activation(args.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
+class MoE(nn.Module):
+    """sum over the top moe_top_k experts of p_e * expert_e(x), p the softmax of the
+    router's logits over all experts (not renormalized over the chosen), plus one bias
+    after the sum (NomicExperts')."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
+        self.top_k = args.moe_top_k
+        self.router = nn.Linear(args.hidden_size, args.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(args, bias=False) for _ in range(args.num_experts))
+        self.bias = nn.Parameter(torch.zeros(args.hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # [B, T, D] -> [B * T, D]
+        weights, indices = route(self.router(flat), self.top_k, normalize=False)
+        return (mix_experts(flat, weights, indices, self.experts) + self.bias).view_as(x)
+
+
+def feed_forward(args: ModelArgs, layer: int) -> nn.Module:
+    """Layer `layer`'s feed-forward: the experts, a SwiGLU (v1, v1.5) or a plain one."""
+    if args.is_moe_layer(layer):
+        return MoE(args)
+    return GatedMLP(args) if args.gated_mlp else MLP(args, args.mlp_bias)
+
+
+class Layer(nn.Module):
+    """x = LN(x + attn(x)), then LN(x + mlp(x))."""
+
+    def __init__(self, args: ModelArgs, index: int) -> None:
+        super().__init__()
         self.self_attn = Attention(args)
         self.post_attention_layernorm = nn.LayerNorm(args.hidden_size, args.layer_norm_eps)
-        self.mlp = GatedMLP(args)
+        self.mlp = feed_forward(args, index)
         self.post_mlp_layernorm = nn.LayerNorm(args.hidden_size, args.layer_norm_eps)
 
     def forward(
@@ -130,7 +206,7 @@ class Model(nn.Module):
         super().__init__()
         self.args = args
         self.embeddings = Embeddings(args)
-        self.layers = nn.ModuleList(Layer(args) for _ in range(args.num_hidden_layers))
+        self.layers = nn.ModuleList(Layer(args, i) for i in range(args.num_hidden_layers))
         self.rotary_emb = RotaryEmbedding(
             args.rope_parameters, args.head_dim, args.max_position_embeddings
         )

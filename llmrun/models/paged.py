@@ -116,6 +116,14 @@ class PagedKVCache:
         copies = 1 if self.v is self.k else 2
         return copies * sum(k.nbytes for k, _ in self.pools)
 
+    def save_span(self, start: int, count: int) -> None:
+        """KVCache.save_span's counterpart, with nothing to save: there are no rings, and a
+        sequence's positions past its tokens are written before they are read again."""
+        return None
+
+    def restore_span(self, saved: None, end: int) -> None:
+        """Nothing to put back (see save_span)."""
+
     def view(
         self,
         tables: list[list[int]],

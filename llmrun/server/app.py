@@ -5,8 +5,9 @@ Starlette app served by uvicorn: /v1/chat/completions, /v1/completions and
 (infill.py) for code completion; /v1/embeddings (the one
 endpoint of an embedding model, which gets no scheduler); /v1/rerank, /rerank and /v1/score
 (rerank.py: a reranker's, which gets none either); /v1/models, /health
-(503 until the model is loaded) and /metrics (Prometheus text). Requests are
-validated here (pydantic), errors come back in OpenAI's JSON error shape, and
+(503 until the model is loaded), /metrics (Prometheus text) and llama.cpp's
+/lora-adapters (lora.py: the adapters' scales, which a request's `lora` overrides).
+Requests are validated here (pydantic), errors come back in OpenAI's JSON error shape, and
 generation happens on the scheduler thread (batching.py); each request's events
 cross into the event loop through its own asyncio queue. Imported only by
 `serve`: its libraries are the `serve` extra.
@@ -43,6 +44,7 @@ from llmrun.errors import UsageError
 from llmrun.generate import Response as GenResponse
 from llmrun.reasoning import REASONING
 from llmrun.server.infill import infill, suffix_prompts
+from llmrun.server.lora import lora_adapters, request_lora
 from llmrun.server.reply import Ask, ReplyReader, is_reasoning, prepare
 from llmrun.server.rerank import rerank, score
 from llmrun.server.responses import responses
@@ -66,6 +68,7 @@ from llmrun.server.service import (
     sse,
     usage_of,
 )
+from llmrun.speculative import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN
 from llmrun.tool_calls import ToolCall
 
 LOG = logging.getLogger("uvicorn.error")
@@ -124,6 +127,7 @@ async def chat_completions(request: Request) -> Response:
     service, body, engine = await begin(request, ChatBody)
     ask = chat_ask(engine, body)
     params, stop = sampling_of(engine, body)
+    lora = request_lora(engine, body)
     if engine.template is None:
         stop.append(PLAIN_STOP)
     # Off the event loop: a long conversation takes a while to render and encode, and a
@@ -141,6 +145,7 @@ async def chat_completions(request: Request) -> Response:
             (body.top_logprobs or 0) if body.logprobs else None,
             body.ignore_eos,
             history_end=prepared.history_end,
+            lora=lora,
         )
         for choice_params in choices_of(params, body.n)
     ]
@@ -274,6 +279,7 @@ async def completions(request: Request) -> Response:
     arrived = time.perf_counter()
     service, body, engine = await begin(request, CompletionBody)
     params, stop = sampling_of(engine, body)
+    lora = request_lora(engine, body)
     tokenizer = engine.tokenizer
     if body.suffix and body.echo:
         raise ApiError(400, "echo does not go with a suffix", param="echo")
@@ -295,6 +301,7 @@ async def completions(request: Request) -> Response:
             body.logprobs,
             body.ignore_eos,
             prompt_logprobs=body.logprobs if body.echo else None,
+            lora=lora,
         )
         for prompt in prompts
         for choice_params in choices_of(params, n)
@@ -545,6 +552,7 @@ def create_app(service: Service) -> Starlette:
         Route("/v1/score", _endpoint(score, "score"), methods=["POST"]),
         Route("/v1/models", _endpoint(models), methods=["GET"]),
         Route("/v1/models/{model:path}", _endpoint(models), methods=["GET"]),
+        Route("/lora-adapters", _endpoint(lora_adapters), methods=["GET", "POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
@@ -586,6 +594,36 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def _use_speculation(
+    engine: api.Engine,
+    draft: tuple[str, Path] | None,
+    draft_max: int,
+    draft_p_min: float,
+    lookup: int | None,
+    load_options: dict[str, Any],
+) -> None:
+    """Give `engine` serve's speculator: the draft model loaded as the model was (its
+    device, context, dtype, threads, cache type and activations), or prompt lookup."""
+    if (draft is not None or lookup is not None) and not engine.generates:
+        raise UsageError(
+            f"--draft and --lookup need a model that generates; {engine.name} does not"
+        )
+    if lookup is not None:
+        engine.use_lookup(lookup)
+    if draft is None:
+        return
+    shared = ("dtype", "threads", "cache_type", "activations")
+    options = {k: v for k, v in load_options.items() if k in shared}
+    spec, path = draft
+    small = api.load(
+        spec, path=path, device=engine.device.type, ctx_size=engine.ctx_size, **options
+    )
+    engine.use_draft(small, draft_max, draft_p_min)
+    LOG.info(
+        "speculative decoding with the draft %s, up to %d tokens a step", small.name, draft_max
+    )
+
+
 def run(
     sock: socket.socket,
     spec: str | None,
@@ -597,10 +635,16 @@ def run(
     kv_memory: int | None = None,
     prefix_cache: bool = True,
     pooling: str | None = None,
+    draft: tuple[str, Path] | None = None,
+    draft_max: int = DEFAULT_DRAFT_MAX,
+    draft_p_min: float = DEFAULT_DRAFT_P_MIN,
+    lookup: int | None = None,
     **load_options: Any,
 ) -> None:
     """Serve on `sock` until interrupted; the model loads in the background while
-    /health answers 503. A failed load stops the server and is raised."""
+    /health answers 503. A failed load stops the server and is raised. `draft` (the
+    name and path of a draft model) or `lookup`: speculative decoding while one request
+    runs (llmrun.batching)."""
     if load_options.get("threads") is None:
         # Leave a core to the HTTP side (event loop, JSON, SSE): torch's threads wait
         # for each other at every op, so one preempted thread stalls them all.
@@ -618,6 +662,7 @@ def run(
     def load() -> None:
         try:
             engine = api.load(spec, path=path, generate=False, **load_options)
+            _use_speculation(engine, draft, draft_max, draft_p_min, lookup, load_options)
             service.start(engine)
             if service.scheduler is None:
                 LOG.info(

@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 from llmrun import api, batching
 from llmrun.generate import Response as GenResponse
 from llmrun.infill import infill_ids
+from llmrun.server.lora import request_lora
 from llmrun.server.schema import ApiError, Sampling, as_api_error
 from llmrun.server.service import SHUTDOWN_GRACE, Generation, begin, sampling_of
 
@@ -85,7 +86,15 @@ async def infill(request: Request) -> Response:
         ctx_size=engine.ctx_size,
         max_tokens=limit,
     )
-    job = batching.Request(ids, params, limit, stop, body.n_probs or None, body.ignore_eos)
+    job = batching.Request(
+        ids,
+        params,
+        limit,
+        stop,
+        body.n_probs or None,
+        body.ignore_eos,
+        lora=request_lora(engine, body),
+    )
     gen = Generation(service, "infill", [job], arrived)
     sent = {"tokens": 0, "text": ""}  # what was generated so far
 
@@ -197,7 +206,7 @@ def _timings(event: GenResponse) -> dict[str, Any]:
     """llama.cpp's timings of a finished request."""
     s = event.stats
     prompt_ms, predicted_ms = s.prompt_seconds * 1e3, s.generation_seconds * 1e3
-    return {
+    timings = {
         "cache_n": s.prompt_tokens - s.prompt_processed,
         "prompt_n": s.prompt_processed,
         "prompt_ms": prompt_ms,
@@ -210,6 +219,9 @@ def _timings(event: GenResponse) -> dict[str, Any]:
         else 0.0,
         "predicted_per_second": s.generation_tps,
     }
+    if s.drafted:  # speculative decoding's counts, as llama.cpp gives them
+        timings |= {"draft_n": s.drafted, "draft_n_accepted": s.accepted}
+    return timings
 
 
 def _json(data: dict[str, Any]) -> str:

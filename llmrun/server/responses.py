@@ -29,6 +29,7 @@ from llmrun import batching
 from llmrun.chat import PLAIN_STOP
 from llmrun.generate import Response as GenResponse
 from llmrun.reasoning import REASONING
+from llmrun.server.lora import request_lora
 from llmrun.server.reply import Ask, ReplyReader, is_reasoning, prepare
 from llmrun.server.schema import (
     ApiError,
@@ -393,6 +394,7 @@ async def responses(request: Request) -> Response:
         body.max_output_tokens,
         prepared.stops(stop),
         history_end=prepared.history_end,
+        lora=request_lora(engine, body),
     )
     gen = Generation(service, "responses", [gen_request], arrived)
     output = Output()

@@ -39,9 +39,18 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class LoraScale(BaseModel):
+    """A LoRA adapter's scale, by its id (GET /lora-adapters), as llama.cpp's server
+    takes it."""
+
+    id: int
+    scale: Annotated[float, Field(allow_inf_nan=False)]
+
+
 class Sampling(BaseModel):
-    """Fields common to both endpoints; top_k, min_p, repeat_penalty and
-    ignore_eos are extensions, as in llama.cpp's and vLLM's servers."""
+    """Fields common to both endpoints; top_k, min_p, repeat_penalty, ignore_eos and
+    lora (the request's adapter scales) are extensions, as in llama.cpp's and vLLM's
+    servers."""
 
     @model_validator(mode="before")
     @classmethod
@@ -69,6 +78,7 @@ class Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    lora: list[LoraScale] | None = None
 
 
 class TextPart(BaseModel):

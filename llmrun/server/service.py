@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, RootModel, ValidationError
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 
@@ -134,7 +134,7 @@ async def read_json(request: Request, schema: type[BaseModel]) -> Any:
         data = json.loads(body)
     except (ValueError, RecursionError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
+    if not isinstance(data, dict) and not issubclass(schema, RootModel):
         raise ApiError(400, "the request body must be a JSON object")
     try:
         return schema.model_validate(data)
@@ -327,7 +327,7 @@ def usage_of(finals: list[GenResponse], choices: int = 1) -> dict[str, Any]:
     prompts = [final.stats for final in finals[::choices]]
     prompt = sum(s.prompt_tokens for s in prompts)
     completion = sum(final.stats.completion_tokens for final in finals)
-    return {
+    usage = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
@@ -336,6 +336,15 @@ def usage_of(finals: list[GenResponse], choices: int = 1) -> dict[str, Any]:
             "cached_tokens": sum(s.prompt_tokens - s.prompt_processed for s in prompts)
         },
     }
+    drafted = sum(final.stats.drafted for final in finals)
+    if drafted:
+        # Speculative decoding's drafts, as OpenAI reports a predicted output's tokens.
+        accepted = sum(final.stats.accepted for final in finals)
+        usage["completion_tokens_details"] = {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": drafted - accepted,
+        }
+    return usage
 
 
 def sse(

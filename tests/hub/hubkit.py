@@ -1,5 +1,5 @@
-"""What the hub tests share: repo names, a Progress that records, cache paths, and ways to
-run a pull or the CLI in a subprocess (the fixtures are in conftest.py)."""
+"""What the hub tests share: repo names, a Progress that records, cache paths, and a way
+to run a pull in a subprocess (the fixtures are in conftest.py)."""
 
 from __future__ import annotations
 
@@ -84,14 +84,3 @@ def wait_for_part(repo: str, at_least: int, proc: subprocess.Popen) -> Path:
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.02)
     raise AssertionError("the download never started")
-
-
-def llmrun(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "llmrun", *args],
-        env=dict(os.environ),
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from fakehub import FakeHub
 from huggingface_hub import constants
+from in_process import llmrun
 
 from llmrun import hub
 from llmrun.errors import HubError, ModelNotFoundError
@@ -126,14 +125,7 @@ def test_unsafe_commit_ids_are_refused(server, commit):
 def test_the_command_line_says_one_error_line(server):
     name = "../../../../../victim/target.gguf"
     server.add_repo(REPO, {**GOOD, name: b"x"})
-    r = subprocess.run(
-        [sys.executable, "-m", "llmrun", "pull", REPO],
-        env=dict(os.environ),
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = llmrun("pull", REPO)
     assert (r.returncode, r.stdout) == (1, "")
     assert (
         r.stderr

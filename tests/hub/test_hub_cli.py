@@ -1,4 +1,5 @@
-"""`llmrun pull`, `list`, `show` and `rm` as a user runs them: output, exit codes, Ctrl-C."""
+"""`llmrun pull`, `list`, `show` and `rm` as a user runs them: output, exit codes, Ctrl-C.
+Ctrl-C and the terminal's question go to real processes; the rest runs in process."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hubkit import GGUF_REPO, ST_PULLED, ST_REPO, cache, llmrun, wait_for_part
+from hubkit import GGUF_REPO, ST_PULLED, ST_REPO, cache, wait_for_part
+from in_process import llmrun
 
 
 def test_cli_pull_list_show_rm(fake, gguf_files, st_files):

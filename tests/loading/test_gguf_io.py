@@ -3,11 +3,12 @@
 import struct
 
 import pytest
-from gguf import GGMLQuantizationType, GGUFValueType
-from helpers import STORIES_GGUF, tiny_hf_model, write_gguf
+from gguf import GGMLQuantizationType, GGUFValueType, Keys
+from helpers import STORIES_GGUF, VOCAB_DIR, tiny_hf_model, write_gguf
 
 from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.loading.gguf_io import read_gguf
+from llmrun.loading import gguf_io
+from llmrun.loading.gguf_io import ArchMetadata, read_gguf
 from llmrun.loading.loader import open_checkpoint
 
 
@@ -131,6 +132,50 @@ def test_string_arrays_read_every_token_and_keep_bytes_that_are_not_utf8(tmp_pat
     assert [t.encode("utf-8", errors="surrogateescape") for t in got] == tokens
 
 
+@pytest.mark.parametrize(
+    ("strings", "at_once"),
+    [
+        # UTF-8 without a NUL, decoded at once: empty strings, 2- to 4-byte characters, and
+        # 128- and 300-byte strings, whose lengths hold bytes that are not ASCII.
+        (["", "a", "\u2581the", "日本", "\U0001f600", "é" * 64, "x" * 300, ""], True),
+        (["a\x00b", "c", "\x00"], False),  # NULs
+        ([b"\xe2\x96", b"\x81x", b"\xff", "ok"], False),  # halves of a character, a stray byte
+    ],
+    ids=["utf8", "nul", "not-utf8"],
+)
+def test_string_arrays_read_as_the_gguf_package_reads_them(tmp_path, monkeypatch, strings, at_once):
+    import gguf
+
+    if at_once:
+        monkeypatch.setattr(gguf_io._Cursor, "_strings_one_by_one", None)
+    path = tmp_path / "strings.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_array("tokenizer.ggml.tokens", strings)
+    writer.add_array("general.tags", ["read", "after", "them"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    field = gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"]
+    expected = [bytes(field.parts[i]).decode("utf-8", "surrogateescape") for i in field.data]
+    assert len(expected) == len(strings)
+    metadata = read_gguf(path, with_tensors=False).metadata
+    assert metadata["tokenizer.ggml.tokens"] == expected
+    assert metadata["general.tags"] == ["read", "after", "them"]
+
+
+def test_a_real_vocabulary_reads_as_the_gguf_package_reads_it():
+    import gguf
+
+    path = VOCAB_DIR / "ggml-vocab-llama-spm.gguf"
+    if not path.is_file():
+        pytest.skip(f"{path.name} is not in {VOCAB_DIR}: run python tests/data/fetch.py")
+    field = gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"]
+    expected = [bytes(field.parts[i]).decode("utf-8", "surrogateescape") for i in field.data]
+    assert len(expected) == 32000
+    assert read_gguf(path, with_tensors=False).metadata["tokenizer.ggml.tokens"] == expected
+
+
 def test_unknown_ggml_type_names_the_tensor(tmp_path):
     with pytest.raises(UnsupportedError, match="'t.weight' has unknown GGML type 99"):
         read_gguf(write(tmp_path, gguf_bytes(tensors=(("t.weight", 2, (32, 2), 99, 0),))))
@@ -194,3 +239,20 @@ def test_none_token_ids_are_absent():
     gg = read_gguf(STORIES_GGUF, with_tensors=False)
     assert token_id(gg, "tokenizer.ggml.seperator_token_id") is None
     assert token_id(gg, "tokenizer.ggml.bos_token_id") == 1
+
+
+def test_arch_metadata_reads_keys_by_template_and_names_a_missing_one(tmp_path):
+    kvs = (
+        ("general.architecture", GGUFValueType.STRING, "llama"),
+        ("llama.block_count", GGUFValueType.UINT32, 2),
+    )
+    path = write(tmp_path, gguf_bytes(kvs=kvs))
+    meta = ArchMetadata.of(read_gguf(path))
+    assert meta.name(Keys.LLM.BLOCK_COUNT) == "llama.block_count"
+    assert meta.require(Keys.LLM.BLOCK_COUNT) == meta.get(Keys.LLM.BLOCK_COUNT) == 2
+    assert meta.get(Keys.LLM.CONTEXT_LENGTH) is None
+    assert meta.get(Keys.LLM.CONTEXT_LENGTH, 4096) == 4096
+    with pytest.raises(
+        ModelFormatError, match=r"bad\.gguf: metadata 'llama\.context_length' is missing \(llama"
+    ):
+        meta.require(Keys.LLM.CONTEXT_LENGTH)

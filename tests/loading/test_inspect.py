@@ -1,11 +1,9 @@
 """What `show` reads from a model's headers without loading it: the tokenizer model and its
 pre-tokenizer, for GGUF metadata and tokenizer.json."""
 
-import subprocess
-import sys
-
 import pytest
 from helpers import BASE, CONFIGS, STORIES_GGUF, STORIES_HF, VOCAB_DIR, needs_vocab
+from in_process import llmrun
 
 from llmrun.loading.inspect import describe, kv_cache_bytes
 
@@ -26,12 +24,7 @@ def test_hf_directory_names_its_pre_tokenizer():
 @needs_vocab
 def test_show_prints_the_tokenizer_line():
     def tokenizer_line(path) -> str:
-        r = subprocess.run(
-            [sys.executable, "-m", "llmrun", "show", str(path)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        r = llmrun("show", str(path))
         return next(line for line in r.stdout.splitlines() if line.startswith("tokenizer"))
 
     assert tokenizer_line(VOCAB_DIR / "ggml-vocab-llama-bpe.gguf") == (

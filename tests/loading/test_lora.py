@@ -6,15 +6,16 @@ a PEFT folder and as a GGUF adapter the way convert_lora_to_gguf.py writes one. 
 logits, prefill and then one token at a time through its KV cache (where the native
 decode step would run without an adapter), match PEFT's within 1e-4 (f32), for the HF
 folder and the GGUF base (F32; Q8_0, against PEFT on the same rounded weights) with
-either adapter; so do a scale of 0.5 (PEFT with half the alpha), rsLoRA and two adapters
-at once. `llmrun run --lora` picks PEFT's greedy tokens and `llmrun serve --lora` answers
+either adapter; so do a scale of 0.5 (PEFT with half the alpha), rsLoRA, two adapters
+at once, and batch rows at scales of their own (serve's per-request scales: 0 is the
+base model). `llmrun run --lora` picks PEFT's greedy tokens and `llmrun serve --lora` answers
 their text. Adapters llmrun does not run are refused in one line.
 """
 
 import copy
 import json
-import subprocess
-import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import gguf
 import httpx
@@ -30,13 +31,14 @@ from helpers import (
     tiny_hf_model,
     write_gguf,
 )
+from in_process import llmrun
 from lora_helpers import peft_model, write_gguf_lora
 from serving import Server
 
 from llmrun import native
 from llmrun.errors import LlmrunError, ModelFormatError, UnsupportedError, UsageError
 from llmrun.loading.loader import load_model
-from llmrun.loading.lora import LoraLinear, parse_spec
+from llmrun.loading.lora import Adapter, LoraLinear, LoraScales, LoraWeight, parse_spec, scaled
 from llmrun.tokenizer import load_tokenizer
 
 pytest.importorskip("peft")
@@ -150,10 +152,59 @@ def test_two_adapters_add_up(family):
     torch.testing.assert_close(got, reference(both.eval()), atol=TOLERANCE, rtol=0)
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "llmrun", *args], capture_output=True, text=True, timeout=120
-    )
+def test_rows_at_their_own_scales_match_the_base_and_peft(family):
+    """serve's batches (lora.scaled): rows at scales 0, 1 and 0.5 in each forward (a
+    prefill, then decode steps) match the base model, PEFT, and PEFT with half the alpha."""
+    _, hf, peft, folder = family
+    half = peft_model(hf, rank=8, alpha=ALPHA / 2)
+    loaded = load_model(folder / "base.gguf", CPU, "f32", [(folder / "lora.gguf", 1.0)])
+    rows = [(0.0,), (1.0,), (0.5,)]
+    ids = IDS.repeat(len(rows), 1)
+    cache = loaded.model.new_cache(len(rows), 64, torch.float32, "cpu")
+    out, start = [], 0
+    with torch.no_grad(), scaled(loaded.lora, rows, CPU):
+        for n in [10] + [1] * (ids.shape[1] - 10):
+            positions = torch.arange(start, start + n)[None].repeat(len(rows), 1)
+            out.append(loaded.model(ids[:, start : start + n], positions, cache))
+            start += n
+    got = torch.cat(out, dim=1)
+    for row, model in enumerate((hf, peft, half)):
+        torch.testing.assert_close(got[row], reference(model)[0], atol=TOLERANCE, rtol=0)
+
+
+def test_rows_flattened_batch_major_keep_their_scales():
+    """A layer called on [batch * T, in] (Qwen2-MoE's shared expert flattens its input)
+    scales each row's positions by that row's scale."""
+    torch.manual_seed(0)
+    weight = LoraWeight(torch.randn(4, 16), torch.randn(8, 4), 2.0)
+    lora = LoraScales([Adapter(Path("adapter.gguf"), 1.0, {"layer": weight})])
+    layer = LoraLinear(torch.nn.Linear(16, 8), lora)
+    layer.add(weight, 0)
+    x = torch.randn(2, 3, 16)
+    with torch.no_grad(), scaled(lora, [(0.5,), (3.0,)], CPU):
+        batched, flat = layer(x), layer(x.reshape(6, 16)).reshape(2, 3, 8)
+    with torch.no_grad():
+        lora.scales = [0.5]
+        first = layer(x[:1])
+        lora.scales = [3.0]
+        second = layer(x[1:])
+    torch.testing.assert_close(batched, torch.cat([first, second]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(flat, batched, atol=1e-5, rtol=0)
+
+
+def test_rows_scales_hold_on_their_own_thread():
+    """A forward on another thread (serve's embeddings, beside its scheduler's batch)
+    runs at the adapters' own scales."""
+    weight = LoraWeight(torch.randn(4, 16), torch.randn(8, 4), 1.0)
+    lora = LoraScales([Adapter(Path("adapter.gguf"), 1.0, {"layer": weight})])
+    layer = LoraLinear(torch.nn.Linear(16, 8), lora)
+    layer.add(weight, 0)
+    x = torch.randn(2, 3, 16)
+    with torch.no_grad():
+        expected = layer(x)
+        with scaled(lora, [(0.0,), (2.0,)], CPU), ThreadPoolExecutor(1) as pool:
+            elsewhere = pool.submit(layer, x).result()
+    torch.testing.assert_close(elsewhere, expected, atol=0, rtol=0)
 
 
 def test_run_prints_pefts_greedy_tokens(family):
@@ -167,7 +218,7 @@ def test_run_prints_pefts_greedy_tokens(family):
             input_ids=torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=None
         )
     expected = out[0, len(ids) :].tolist()
-    result = run_cli(
+    result = llmrun(
         "run", str(folder / "base.gguf"), "--lora", str(folder / "lora.gguf"), prompt,
         "-n", "6", "--temperature", "0", "--json", "--logprobs", "1",
     )  # fmt: skip
@@ -198,7 +249,7 @@ def test_serve_completes_with_the_adapter(family, tmp_path):
 
 def test_cli_refuses_a_model_file_as_adapter_in_one_line():
     model = str(STORIES_GGUF)
-    result = run_cli("run", model, "--lora", model, "hi", "-n", "1")
+    result = llmrun("run", model, "--lora", model, "hi", "-n", "1")
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
         f"error: {model}: not a LoRA adapter (general.type is None, adapter.type None; "

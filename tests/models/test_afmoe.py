@@ -410,7 +410,7 @@ def test_show_describes_an_afmoe_gguf(family, tmp_path):
     path = write_afmoe(tmp_path / "m.gguf", family[0])
     # Keys and values of 2 heads of 16, f32: three local layers of 5 positions, one global.
     per_position = 2 * 2 * 16 * 4
-    check_show(path, "afmoe", per_position * (3 * 5 + 8192), moe=True, timeout=180, threads=1)
+    check_show(path, "afmoe", per_position * (3 * 5 + 8192), moe=True)
 
 
 def test_llmrun_run_prints_transformers_greedy_text(family, tmp_path):

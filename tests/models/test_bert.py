@@ -25,8 +25,9 @@ import json
 import numpy as np
 import pytest
 import torch
-from family_checks import dequantize_2d_weights, max_diff, run_cli, write_keyed_gguf
+from family_checks import dequantize_2d_weights, max_diff, write_keyed_gguf
 from helpers import randomize
+from in_process import llmrun
 
 from llmrun.embeddings import pool
 from llmrun.errors import ContextOverflowError, ModelFormatError, UnsupportedError
@@ -365,7 +366,7 @@ def test_a_reranker_head_makes_a_reranker_not_an_embedder(tmp_path):
     }
     write_keyed_gguf(path, "bert", keys, tensors)
     assert load_model(path, CPU, "f32").checkpoint.config["classifier_labels"] == 1
-    result = run_cli("embed", str(path), "Once upon a time")
+    result = llmrun("embed", str(path), "Once upon a time")
     assert result.returncode == 2, result.stderr
     assert result.stderr == f"error: {path} is a reranker; use `llmrun rerank`\n"
 
@@ -388,7 +389,7 @@ def test_no_decode_step_or_cache_is_attached(tmp_path):
 
 def test_show_describes_the_gguf_and_a_folder(tmp_path):
     path = write_bert_gguf(tmp_path / "m.gguf", hf_model())
-    result = run_cli("show", str(path))
+    result = llmrun("show", str(path))
     assert result.returncode == 0, result.stderr
     assert "bert (embedding model)" in result.stdout
     assert "none (an encoder)" in result.stdout
@@ -401,7 +402,7 @@ def test_show_describes_the_gguf_and_a_folder(tmp_path):
 
 def test_run_refuses_an_encoder(tmp_path):
     path = write_bert_gguf(tmp_path / "m.gguf", hf_model())
-    result = run_cli("run", str(path), "Once upon a time", "-n", "4")
+    result = llmrun("run", str(path), "Once upon a time", "-n", "4")
     assert result.returncode != 0
     assert "embedding model" in result.stderr and "llmrun embed" in result.stderr
     assert "Traceback" not in result.stderr
@@ -417,7 +418,7 @@ def test_embed_prints_the_pooled_normalized_vector(tmp_path):
     ids = load_tokenizer(path).encode_sequence("Once upon a time")
     expected = reference(hf, torch.tensor([ids]))[0].mean(dim=0)
     expected = expected / expected.norm()
-    result = run_cli("embed", str(path), "Once upon a time", "--json")
+    result = llmrun("embed", str(path), "Once upon a time", "--json")
     assert result.returncode == 0, result.stderr
     vector = torch.tensor(json.loads(result.stdout)["data"][0]["embedding"])
     assert max_diff(vector, expected) < 1e-4
@@ -467,7 +468,7 @@ def test_embed_on_a_sentence_transformers_folder(pooling, tmp_path):
     assert ids[0] == 2 and ids[-1] == 3 and 1 not in ids  # [CLS] ... [SEP], no [UNK]
     states = reference(hf, torch.tensor([ids]))[0]
     expected = states[0] if pooling == "cls" else states.mean(dim=0)
-    result = run_cli("embed", str(folder), text, "--json")
+    result = llmrun("embed", str(folder), text, "--json")
     assert result.returncode == 0, result.stderr
     vector = torch.tensor(json.loads(result.stdout)["data"][0]["embedding"])
     assert max_diff(vector, expected / expected.norm()) < 1e-4

@@ -268,10 +268,10 @@ def test_what_a_gguf_cannot_mean_is_refused(family, tmp_path, keys, error, messa
 
 def test_llmrun_run_prints_transformers_greedy_text(family, tmp_path):
     hf = family[0]
-    check_run_prints_greedy_tokens(hf, write_bloom_gguf(tmp_path / "m.gguf", hf), timeout=300)
+    check_run_prints_greedy_tokens(hf, write_bloom_gguf(tmp_path / "m.gguf", hf))
 
 
 def test_show_describes_a_bloom_gguf(family, tmp_path):
     path = write_bloom_gguf(tmp_path / "m.gguf", family[0])
     # Two layers of 8192 positions: 4 KV heads of 16 floats, keys and values.
-    check_show(path, "bloom", 2 * 2 * 4 * 16 * 4 * 8192, timeout=300)
+    check_show(path, "bloom", 2 * 2 * 4 * 16 * 4 * 8192)

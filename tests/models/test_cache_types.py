@@ -23,6 +23,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 from helpers import BASE, tiny_hf_model
+from in_process import llmrun
 
 from llmrun import api, ops
 from llmrun.batching import Request, Scheduler
@@ -294,15 +295,7 @@ def test_bench_records_the_cache_type_and_its_kv_bytes():
 
 
 def test_the_cli_refuses_q8_0_for_stories260k_in_one_line():
-    import subprocess
-    import sys
-
-    result = subprocess.run(
-        [sys.executable, "-m", "llmrun", "run", "--cache-type", "q8_0", "-n", "2", "Once"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = llmrun("run", "--cache-type", "q8_0", "-n", "2", "Once")
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "head_dim to be a multiple of 32" in lines[0], result.stderr

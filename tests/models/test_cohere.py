@@ -441,14 +441,14 @@ def test_show_counts_the_kv_cache_as_the_model_allocates_it(name):
 def test_show_describes_a_cohere2_gguf(tmp_path):
     path = write_cohere_gguf(tmp_path / "m.gguf", hf_model("cohere2"))
     # Three layers of 5 positions, one of 8192: 2 KV heads of 16 floats, keys and values.
-    check_show(path, "cohere2", 2 * 2 * 16 * 4 * (3 * 5 + 8192), timeout=300)
+    check_show(path, "cohere2", 2 * 2 * 16 * 4 * (3 * 5 + 8192))
 
 
 @pytest.mark.parametrize("name", ["cohere-qk-norm", "cohere2"])
 def test_llmrun_run_prints_transformers_greedy_text(name, tmp_path):
     hf = hf_model(name)
     path = write_cohere_gguf(tmp_path / "m.gguf", hf)
-    check_run_prints_greedy_tokens(hf, path, timeout=300)
+    check_run_prints_greedy_tokens(hf, path)
 
 
 @pytest.mark.parametrize("name", ["cohere", "cohere2"])

@@ -571,13 +571,13 @@ def test_show_describes_a_deepseek2_gguf(tmp_path):
     path = write_deepseek2(tmp_path / "m.gguf", hf, gguf_tensors(hf, split_kv=True))
     # Every layer's one latent head of 32 + 32, key and value alike (stored once), f32,
     # 8192 positions.
-    check_show(path, "deepseek2", 3 * 64 * 4 * 8192, moe=True, timeout=180, threads=1)
+    check_show(path, "deepseek2", 3 * 64 * 4 * 8192, moe=True)
 
 
 def test_llmrun_run_prints_transformers_greedy_text(tmp_path):
     hf = hf_model("v3")
     path = write_deepseek2(tmp_path / "m.gguf", hf, gguf_tensors(hf, split_kv=True))
-    check_run_prints_greedy_tokens(hf, path, timeout=180, threads=1)
+    check_run_prints_greedy_tokens(hf, path)
 
 
 def test_serve_gives_concurrent_requests_their_text_alone(tmp_path):

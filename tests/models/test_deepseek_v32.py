@@ -302,6 +302,6 @@ def test_a_deepseek32_gguf_it_cannot_run_is_refused(tmp_path, metadata, error, m
 def test_llmrun_run_and_show(tmp_path, name):
     hf = hf_model(name)
     path = write_dsa(tmp_path / "m.gguf", hf)
-    check_run_prints_greedy_tokens(hf, path, timeout=180, threads=1)
+    check_run_prints_greedy_tokens(hf, path)
     # One head of 32 + 32 + 64, key and value alike, f32, 8192 positions, 3 layers.
-    check_show(path, ARCHS[name], 3 * 128 * 4 * 8192, moe=True, timeout=180, threads=1)
+    check_show(path, ARCHS[name], 3 * 128 * 4 * 8192, moe=True)

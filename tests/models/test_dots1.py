@@ -317,10 +317,10 @@ def test_a_gguf_llmrun_cannot_read_as_llama_cpp_does_is_refused(tmp_path, case):
 def test_show_describes_a_dots1_gguf(tmp_path):
     path = write_dots1_gguf(tmp_path / "m.gguf", hf_model())
     # 3 layers of keys and values: 2 KV heads of 32, f32, 8192 positions.
-    check_show(path, ARCH, 3 * 2 * 2 * 32 * 4 * 8192, moe=True, timeout=180, threads=1)
+    check_show(path, ARCH, 3 * 2 * 2 * 32 * 4 * 8192, moe=True)
 
 
 def test_llmrun_run_prints_transformers_greedy_text(tmp_path):
     hf = hf_model()
     path = write_dots1_gguf(tmp_path / "m.gguf", hf)
-    check_run_prints_greedy_tokens(hf, path, timeout=180, threads=1)
+    check_run_prints_greedy_tokens(hf, path)

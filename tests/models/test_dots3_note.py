@@ -548,11 +548,10 @@ def test_serve_gives_concurrent_requests_their_text_alone(tmp_path):
 def test_llmrun_run_and_show(tmp_path):
     hf = hf_model()
     path = write_dots3_note_gguf(tmp_path / "m.gguf", hf)
-    check_run_prints_greedy_tokens(hf, path, timeout=180, threads=1)
+    check_run_prints_greedy_tokens(hf, path)
     # One latent head a layer, f32, 8192 positions: three indexed layers of 128 and three
     # sliding ones of 96 holding their window of 5.
-    check_show(path, dots3.ARCH, (3 * 128 * 8192 + 3 * 96 * 5) * 4, moe=True, timeout=180,
-               threads=1)  # fmt: skip
+    check_show(path, dots3.ARCH, (3 * 128 * 8192 + 3 * 96 * 5) * 4, moe=True)
 
 
 def test_show_reads_a_released_config_as_the_model_does():

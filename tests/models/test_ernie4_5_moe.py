@@ -23,8 +23,8 @@ from glm_ernie_helpers import (
     write_gguf,
 )
 from helpers import cached_logits
+from in_process import llmrun
 from moe_helpers import save_hub_dir
-from test_cli import llmrun
 
 from llmrun import static_decode
 from llmrun.errors import UnsupportedError

@@ -285,10 +285,10 @@ def test_llmrun_run_prints_transformers_greedy_text(tmp_path):
     """Falcon 2 11B's shape: 2 KV groups regrouped in the file, one LayerNorm. (40B's
     shape greedily picks a "\\r", which the test's text-mode pipe turns to "\\n".)"""
     hf = hf_model(**NEW, num_ln_in_parallel_attn=1)
-    check_run_prints_greedy_tokens(hf, write_falcon_gguf(tmp_path / "m.gguf", hf), timeout=300)
+    check_run_prints_greedy_tokens(hf, write_falcon_gguf(tmp_path / "m.gguf", hf))
 
 
 def test_show_describes_a_falcon_gguf(family, tmp_path):
     path = write_falcon_gguf(tmp_path / "m.gguf", family[0])
     # Two layers of 8192 positions: 1 KV head of 16 floats, keys and values.
-    check_show(path, "falcon", 2 * 2 * 1 * 16 * 4 * 8192, timeout=300)
+    check_show(path, "falcon", 2 * 2 * 1 * 16 * 4 * 8192)

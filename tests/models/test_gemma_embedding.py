@@ -29,8 +29,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from embedding_helpers import TEXTS, write_embedding_dir
-from family_checks import max_diff, run_cli
+from family_checks import max_diff
 from helpers import randomize, write_gguf
+from in_process import llmrun
 
 from llmrun import api
 from llmrun.embeddings import embed_ids
@@ -279,21 +280,21 @@ def test_llmrun_embed_on_the_folder_and_the_gguf(hf, folder, tmp_path):
     engine = api.load(str(folder), device="cpu", generate=False)
     ids = [engine.tokenizer.encode_sequence(t) for t in TEXTS[:2]]
     for model in (folder, path):
-        result = run_cli("embed", str(model), *TEXTS[:2])
+        result = llmrun("embed", str(model), *TEXTS[:2])
         assert result.returncode == 0, result.stderr
         got = torch.tensor([json.loads(line) for line in result.stdout.splitlines()])
         if model == path:
             ids = [api.load(str(path), device="cpu", generate=False).tokenizer.encode_sequence(t)
                    for t in TEXTS[:2]]  # fmt: skip
         assert max_diff(got, reference(hf, ids)) < 1e-4
-    refused = run_cli("run", str(path), "hi")
+    refused = llmrun("run", str(path), "hi")
     assert refused.returncode != 0 and "use `llmrun embed`" in refused.stderr
 
 
 def test_show_describes_the_gguf_and_the_folder(hf, folder, tmp_path):
     path = write_gemma_embedding_gguf(tmp_path / "e.gguf", hf)
     for model in (path, folder):
-        result = run_cli("show", str(model))
+        result = llmrun("show", str(model))
         assert result.returncode == 0, result.stderr
         assert "(embedding model)" in result.stdout and "none (an encoder)" in result.stdout
     code = (

@@ -21,7 +21,7 @@ from glm_ernie_helpers import (
     write_gguf,
 )
 from helpers import cached_logits, our_model, save_hf_dir
-from test_cli import llmrun
+from in_process import llmrun
 
 from llmrun.errors import UnsupportedError
 from llmrun.loading.loader import load_model, open_checkpoint

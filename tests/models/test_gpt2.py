@@ -319,10 +319,10 @@ def test_cross_attention_is_refused():
 
 def test_llmrun_run_prints_transformers_greedy_text(family, tmp_path):
     hf = family[0]
-    check_run_prints_greedy_tokens(hf, write_gpt2_gguf(tmp_path / "m.gguf", hf), timeout=300)
+    check_run_prints_greedy_tokens(hf, write_gpt2_gguf(tmp_path / "m.gguf", hf))
 
 
 def test_show_describes_a_gpt2_gguf(family, tmp_path):
     path = write_gpt2_gguf(tmp_path / "m.gguf", family[0])
     # Two layers of 8192 positions: 4 KV heads of 16 floats, keys and values.
-    check_show(path, "gpt2", 2 * 2 * 4 * 16 * 4 * 8192, timeout=300)
+    check_show(path, "gpt2", 2 * 2 * 4 * 16 * 4 * 8192)

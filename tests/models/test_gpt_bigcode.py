@@ -269,17 +269,17 @@ def test_a_gguf_without_learned_positions_is_refused(family, tmp_path):
 
 def test_llmrun_run_prints_transformers_greedy_text(family, tmp_path):
     hf = family[0]
-    check_run_prints_greedy_tokens(hf, write_gpt_bigcode_gguf(tmp_path / "m.gguf", hf), timeout=300)
+    check_run_prints_greedy_tokens(hf, write_gpt_bigcode_gguf(tmp_path / "m.gguf", hf))
 
 
 def test_show_describes_a_starcoder_gguf(family, tmp_path):
     path = write_gpt_bigcode_gguf(tmp_path / "m.gguf", family[0])
     # Two layers of 8192 positions: 1 KV head of 16 floats, keys and values.
-    check_show(path, "starcoder", 2 * 2 * 1 * 16 * 4 * 8192, timeout=300)
+    check_show(path, "starcoder", 2 * 2 * 1 * 16 * 4 * 8192)
 
 
 @pytest.mark.parametrize("multi_query,kv_heads", [(True, 1), (False, 4)])
 def test_show_describes_an_hf_folder(tmp_path, multi_query, kv_heads):
     """config.json names the sizes n_layer, n_head, n_embd; show reads them."""
     hf_model(multi_query=multi_query).save_pretrained(tmp_path / "hf")
-    check_show(tmp_path / "hf", "gpt_bigcode", 2 * 2 * kv_heads * 16 * 4 * 8192, timeout=300)
+    check_show(tmp_path / "hf", "gpt_bigcode", 2 * 2 * kv_heads * 16 * 4 * 8192)

@@ -25,9 +25,9 @@ from family_checks import (
     check_whole_and_cached,
     hf_model_of,
     max_diff,
-    run_cli,
 )
 from helpers import cached_logits, our_model, save_hf_dir
+from in_process import llmrun
 
 from llmrun import static_decode
 from llmrun.errors import ModelFormatError, UnsupportedError
@@ -212,12 +212,12 @@ def test_attention_types_it_cannot_mean_are_refused(attention_types, error, mess
 def test_llmrun_run_prints_transformers_greedy_text(family, tmp_path):
     hf = family[0]
     path = save_hf_dir(hf, tmp_path / "hf", tokenizer=True)
-    check_run_prints_greedy_tokens(hf, path, timeout=300)
+    check_run_prints_greedy_tokens(hf, path)
 
 
 def test_show_describes_a_gpt_neo_folder(family, tmp_path):
     path = save_hf_dir(family[0], tmp_path / "hf", tokenizer=True)
-    result = run_cli("show", str(path), timeout=300)
+    result = llmrun("show", str(path))
     assert result.returncode == 0, result.stderr
     assert "gpt_neo" in result.stdout
     expected = kv_cache_bytes(family[0].config.to_dict(), 8192)

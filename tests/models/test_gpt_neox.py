@@ -337,13 +337,13 @@ def test_heads_of_another_width_are_refused(family, tmp_path):
 
 def test_llmrun_run_prints_transformers_greedy_text(family, tmp_path):
     hf = family[0]
-    check_run_prints_greedy_tokens(hf, write_gpt_neox_gguf(tmp_path / "m.gguf", hf), timeout=300)
+    check_run_prints_greedy_tokens(hf, write_gpt_neox_gguf(tmp_path / "m.gguf", hf))
 
 
 def test_show_describes_a_gptneox_gguf(family, tmp_path):
     path = write_gpt_neox_gguf(tmp_path / "m.gguf", family[0])
     # Two layers of 8192 positions: 4 KV heads of 16 floats, keys and values.
-    check_show(path, "gptneox", 2 * 2 * 4 * 16 * 4 * 8192, timeout=300)
+    check_show(path, "gptneox", 2 * 2 * 4 * 16 * 4 * 8192)
 
 
 def test_config_json_round_trip_keeps_the_hub_fields(tmp_path):

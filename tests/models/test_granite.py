@@ -13,15 +13,13 @@ families'. `llmrun run` prints transformers' greedy text and
 `llmrun show` describes the files. Granite's adapter GGUFs (the sliding-window ones:
 test_granite_swa.py), NoPE Granite and a GGUF without logit_scale are refused (Granite 4.0-H: test_granitemoehybrid.py)."""
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, Keys
 from gguf.quants import dequantize, quantize
 from helpers import BASE, STORIES_GGUF, TEMPLATES_DIR, _permute, cached_logits, randomize
+from in_process import llmrun
 from safetensors.torch import load_file
 from test_cache_types import logits_of
 from test_paged import contiguous_logits, pool_for
@@ -404,12 +402,6 @@ def test_granite_chat_template_renders():
 
 
 # ---- the CLI ----------------------------------------------------------------------------
-
-
-def llmrun(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "llmrun", *args], capture_output=True, text=True, timeout=120
-    )
 
 
 def test_llmrun_run_prints_transformers_greedy_text(saved, family, tmp_path):

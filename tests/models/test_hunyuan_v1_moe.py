@@ -340,10 +340,10 @@ def test_a_gguf_llmrun_cannot_read_as_llama_cpp_does_is_refused(tmp_path, case):
 def test_show_describes_a_hunyuan_moe_gguf(tmp_path):
     path = write_hunyuan_v1_moe_gguf(tmp_path / "m.gguf", hf_model())
     # 2 layers of keys and values: 1 KV head of 32, f32, 8192 positions.
-    check_show(path, ARCH, 2 * 2 * 1 * 32 * 4 * 8192, moe=True, timeout=180, threads=1)
+    check_show(path, ARCH, 2 * 2 * 1 * 32 * 4 * 8192, moe=True)
 
 
 def test_llmrun_run_prints_transformers_greedy_text(tmp_path):
     hf = hf_model()
     path = write_hunyuan_v1_moe_gguf(tmp_path / "m.gguf", hf)
-    check_run_prints_greedy_tokens(hf, path, timeout=180, threads=1)
+    check_run_prints_greedy_tokens(hf, path)

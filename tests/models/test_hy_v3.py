@@ -367,7 +367,7 @@ def test_a_gguf_llmrun_cannot_read_as_llama_cpp_does_is_refused(tmp_path, case):
 def test_show_describes_a_hy_v3_gguf(tmp_path):
     path = write_hy_v3(tmp_path / "m.gguf", hf_model("default"))
     # 3 layers (not the MTP one) of keys and values: 2 heads of 32, f32, 8192 positions.
-    check_show(path, ARCH, 3 * 2 * 2 * 32 * 4 * 8192, moe=True, timeout=180, threads=1)
+    check_show(path, ARCH, 3 * 2 * 2 * 32 * 4 * 8192, moe=True)
 
 
 def test_llmrun_run_prints_transformers_greedy_text(tmp_path):

@@ -31,7 +31,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from family_checks import max_diff, run_cli, write_keyed_gguf
+from family_checks import max_diff, write_keyed_gguf
+from in_process import llmrun
 from safetensors.torch import save_file
 from test_bert import hidden
 
@@ -344,15 +345,136 @@ def test_hub_settings_llmrun_does_not_compute_are_refused(changes, match, tmp_pa
         load_model(path, CPU, "f32")
 
 
-def test_the_code_models_layout_is_refused(tmp_path):
-    state = weights()
-    state["encoder.layer.0.layer_norm_1.weight"] = torch.ones(HIDDEN)
-    with pytest.raises(UnsupportedError, match="base-code's layout"):
-        load_model(write_hub_folder(tmp_path / "hub", state), CPU, "f32")
-    extra = {"blk.0.attn_norm_2.weight": np.ones(HIDDEN, dtype=np.float32)}
-    path = write_jina_gguf(tmp_path / "m.gguf", weights(), extra=extra)
-    with pytest.raises(UnsupportedError, match="base-code's layout"):
-        load_model(path, CPU, "f32")
+def code_weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random tensors of jina-embeddings-v2-base-code's layout (weights()'s with q/k norms,
+    under its names, and its second attention norm layer_norm_1)."""
+    renames = {"mlp.gated_layers": "mlp.up_gated_layer", "mlp.wo": "mlp.down_layer"}
+    renames["mlp.layernorm"] = "layer_norm_2"
+    out = {}
+    for name, t in weights(qk_norm=True, seed=seed).items():
+        for old, new in renames.items():
+            name = name.replace(f".{old}.", f".{new}.")
+        out[name] = t
+    g = torch.Generator().manual_seed(seed + 1)
+    for i in range(LAYERS):
+        out[f"encoder.layer.{i}.layer_norm_1.weight"] = 1 + torch.randn(HIDDEN, generator=g) / 10
+        out[f"encoder.layer.{i}.layer_norm_1.bias"] = torch.randn(HIDDEN, generator=g) / 5
+    return out
+
+
+@torch.no_grad()
+def code_reference(state: dict[str, torch.Tensor], ids: torch.Tensor = IDS) -> torch.Tensor:
+    """jina-embeddings-v2-base-code's last_hidden_state [1, T, H], written from its modeling
+    file (jinaai/jina-bert-v2-qk-post-norm, modeling_bert.py): JinaBertLayer.forward's
+    residual = layer_norm_1(input + attention output), then layer_norm_2(residual +
+    mlp(residual)), JinaBertGLUMLP taking the first intermediate_size features of
+    up_gated_layer as `up` and the rest as `gated`, up * GELU(gated)."""
+    w = {k: v.float() for k, v in state.items()}
+
+    def ln(x, name):
+        return F.layer_norm(x, (HIDDEN,), w[f"{name}.weight"], w[f"{name}.bias"], EPS)
+
+    def linear(x, name):
+        return x @ w[f"{name}.weight"].T + w.get(f"{name}.bias", 0)
+
+    tokens = ids.shape[1]
+    x = w["embeddings.word_embeddings.weight"][ids[0]]
+    x = ln(x + w["embeddings.token_type_embeddings.weight"][0], "embeddings.LayerNorm")
+    pos = torch.arange(tokens)
+    alibi = -torch.tensor(jina_slopes(HEADS))[:, None, None] * (pos[None] - pos[:, None]).abs()
+    head = HIDDEN // HEADS
+    for i in range(LAYERS):
+        p = f"encoder.layer.{i}"
+        q = ln(linear(x, f"{p}.attention.self.query"), f"{p}.attention.self.layer_norm_q")
+        k = ln(linear(x, f"{p}.attention.self.key"), f"{p}.attention.self.layer_norm_k")
+        v = linear(x, f"{p}.attention.self.value")
+        q, k, v = (t.view(tokens, HEADS, head).transpose(0, 1) for t in (q, k, v))
+        scores = q @ k.transpose(1, 2) / math.sqrt(head) + alibi
+        context = (scores.softmax(dim=-1) @ v).transpose(0, 1).reshape(tokens, HIDDEN)
+        attention = ln(
+            linear(context, f"{p}.attention.output.dense") + x, f"{p}.attention.output.LayerNorm"
+        )
+        residual = ln(x + attention, f"{p}.layer_norm_1")
+        both = linear(residual, f"{p}.mlp.up_gated_layer")
+        up, gated = both[:, :WIDTH], both[:, WIDTH:]
+        mlp = linear(up * F.gelu(gated), f"{p}.mlp.down_layer")
+        x = ln(residual + mlp, f"{p}.layer_norm_2")
+    return x[None]
+
+
+# jina-embeddings-v2-base-code's modules -> llama.cpp's tensors (gguf-py's tensor_mapping).
+_CODE_GGUF = {
+    **{k: v for k, v in _GGUF.items() if not k.startswith("mlp.")},
+    "layer_norm_1": "attn_norm_2",
+    "mlp.up_gated_layer": "ffn_up",
+    "mlp.down_layer": "ffn_down",
+    "layer_norm_2": "layer_output_norm",
+}
+
+
+def write_code_gguf(path, state, qtype=None, split=False):
+    """The code model as llama.cpp's converter writes it: up_gated_layer whole as ffn_up;
+    with `split`, as before 2025: its gate half (the second) as ffn_gate, the up half as
+    ffn_up."""
+    tensors = {}
+    for name, t in state.items():
+        module, _, suffix = name.rpartition(".")
+        if module in _GLOBAL:
+            tensors[f"{_GLOBAL[module]}.{suffix}"] = t.numpy()
+            continue
+        _, _, layer, rest = module.split(".", 3)
+        if split and rest == "mlp.up_gated_layer":
+            tensors[f"blk.{layer}.ffn_up.{suffix}"] = t[:WIDTH].numpy()
+            tensors[f"blk.{layer}.ffn_gate.{suffix}"] = t[WIDTH:].numpy()
+            continue
+        tensors[f"blk.{layer}.{_CODE_GGUF[rest]}.{suffix}"] = t.numpy()
+    metadata = {
+        "{arch}.block_count": LAYERS,
+        "{arch}.context_length": CONTEXT,
+        "{arch}.embedding_length": HIDDEN,
+        "{arch}.feed_forward_length": WIDTH,
+        "{arch}.attention.head_count": HEADS,
+        "{arch}.attention.layer_norm_epsilon": EPS,
+        "{arch}.attention.causal": False,
+        "{arch}.pooling_type": int(gguf.PoolingType.MEAN),
+        "tokenizer.ggml.token_type_count": 2,
+    }
+    return write_keyed_gguf(
+        path, "jina-bert-v2", metadata, tensors, qtype, keep_f32=("token_types",)
+    )
+
+
+def test_the_code_models_folder_matches_its_modeling_file(tmp_path):
+    """The halves of up_gated_layer (up first, then the gate) and the second attention norm
+    each move the states by far more than the tolerance."""
+    state = code_weights()
+    expected = code_reference(state)
+    assert expected.abs().max() > 2
+    loaded = load_model(write_hub_folder(tmp_path / "hub", state), CPU, "f32")
+    assert loaded.model.args.attention_norm_2 and loaded.model.args.qk_norm
+    assert max_diff(hidden(loaded.model), expected) < 1e-4
+    swapped, plain = dict(state), dict(state)
+    for i in range(LAYERS):
+        name = f"encoder.layer.{i}.mlp.up_gated_layer.weight"
+        swapped[name] = torch.cat([state[name][WIDTH:], state[name][:WIDTH]])
+        plain[f"encoder.layer.{i}.layer_norm_1.weight"] = torch.ones(HIDDEN)
+        plain[f"encoder.layer.{i}.layer_norm_1.bias"] = torch.zeros(HIDDEN)
+    assert max_diff(code_reference(swapped), expected) > 0.1
+    assert max_diff(code_reference(plain), expected) > 0.1
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_code_gguf_matches_its_modeling_file(split, tmp_path):
+    """Whole (today's converter) and split (before 2025); a Q8_0 file against the weights
+    gguf dequantizes."""
+    state = code_weights()
+    path = write_code_gguf(tmp_path / "code.gguf", state, split=split)
+    assert max_diff(hidden(load_model(path, CPU, "f32").model), code_reference(state)) < 1e-4
+    if not split:
+        q8 = gguf.GGMLQuantizationType.Q8_0
+        path = write_code_gguf(tmp_path / "q8.gguf", state, q8)
+        got = hidden(load_model(path, CPU, "f32").model)
+        assert max_diff(got, code_reference(dequantized(state, q8))) < 1e-4
 
 
 def test_a_gguf_without_a_gate_or_with_a_classifier_is_refused(tmp_path):
@@ -373,7 +495,7 @@ def test_embed_and_show_run_a_gguf(tmp_path):
     tokens (the file's pooling)."""
     state = weights()
     path = write_jina_gguf(tmp_path / "m.gguf", state)
-    result = run_cli("embed", str(path), "Once upon a time")
+    result = llmrun("embed", str(path), "Once upon a time")
     assert result.returncode == 0, result.stderr
     ids = load_tokenizer(path).encode_sequence("Once upon a time")
     expected = F.normalize(reference(state, torch.tensor([ids]))[0].mean(dim=0), dim=0)

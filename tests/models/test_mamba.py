@@ -27,7 +27,6 @@ from family_checks import (
     check_run_and_show,
     check_show,
     max_diff,
-    run_cli,
     write_keyed_gguf,
 )
 from helpers import cached_logits, our_model, randomize
@@ -38,6 +37,7 @@ from hybrid_checks import (
     check_paged_with_a_state_row,
     check_served_greedy_text,
 )
+from in_process import llmrun
 
 from llmrun import api
 from llmrun.errors import ModelFormatError, UnsupportedError
@@ -355,7 +355,7 @@ def test_llmrun_run_prints_transformers_greedy_text_and_show_names_it(tmp_path):
     path = write_mamba_gguf(tmp_path / "mamba.gguf", hf)
     check_run_and_show(hf, path, "mamba")
     check_show(path, "mamba", 0)  # no attention: no keys or values
-    shown = run_cli("show", str(path)).stdout
+    shown = llmrun("show", str(path)).stdout
     assert "none (no attention layers)" in shown  # not "-", which says "unknown"
 
 

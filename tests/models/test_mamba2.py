@@ -374,11 +374,11 @@ def test_a_quantized_small_tensor_is_refused(family, tmp_path):
 
 def test_llmrun_run_prints_transformers_greedy_text(family, tmp_path):
     hf = family[0]
-    check_run_prints_greedy_tokens(hf, write_mamba2_gguf(tmp_path / "m.gguf", hf), timeout=300)
+    check_run_prints_greedy_tokens(hf, write_mamba2_gguf(tmp_path / "m.gguf", hf))
 
 
 def test_show_describes_a_mamba2_gguf(family, tmp_path):
-    check_show(write_mamba2_gguf(tmp_path / "m.gguf", family[0]), "mamba2", 0, timeout=300)
+    check_show(write_mamba2_gguf(tmp_path / "m.gguf", family[0]), "mamba2", 0)
 
 
 def test_served_requests_equal_transformers_greedy_text(tmp_path):

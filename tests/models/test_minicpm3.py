@@ -330,7 +330,7 @@ def test_a_gguf_llmrun_cannot_read_as_llama_cpp_does_is_refused(tmp_path, case):
 def test_show_describes_a_minicpm3_gguf(tmp_path):
     path = write_minicpm3_gguf(tmp_path / "m.gguf", hf_model(**LLAMA_CPP))
     # One latent head of 32 + 8 features a token and layer, in f32, stored once.
-    check_show(path, ARCH, 3 * (32 + 8) * 4 * 8192, timeout=180, threads=1)
+    check_show(path, ARCH, 3 * (32 + 8) * 4 * 8192)
 
 
 def test_llmrun_run_prints_transformers_greedy_text(tmp_path):

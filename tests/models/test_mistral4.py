@@ -142,6 +142,6 @@ def test_a_temperature_without_its_length_is_refused(tmp_path):
 def test_llmrun_run_and_show(tmp_path):
     hf = hf_model(rope_parameters={**ROPE, "llama_4_scaling_beta": 0.0})
     path = mistral4_gguf(tmp_path / "m.gguf", hf)
-    check_run_prints_greedy_tokens(hf, path, timeout=180, threads=1)
+    check_run_prints_greedy_tokens(hf, path)
     # One latent head of 32 + 32, key and value alike, f32, 8192 positions, 3 layers.
-    check_show(path, "mistral4", 3 * 64 * 4 * 8192, moe=True, timeout=180, threads=1)
+    check_show(path, "mistral4", 3 * 64 * 4 * 8192, moe=True)

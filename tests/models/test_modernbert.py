@@ -22,8 +22,9 @@ weights within 0.5 (Q8_0's rounding grows through four pre-norm layers' residual
 
 import pytest
 import torch
-from family_checks import dequantize_2d_weights, max_diff, run_cli, write_keyed_gguf
+from family_checks import dequantize_2d_weights, max_diff, write_keyed_gguf
 from helpers import randomize
+from in_process import llmrun
 from test_bert import hidden
 
 from llmrun.embeddings import pool
@@ -257,7 +258,7 @@ def test_no_decode_step_is_attached_and_show_describes_it(tmp_path):
     path = write_modernbert_gguf(tmp_path / "m.gguf", hf_model())
     loaded = load_model(path, CPU, "f32")
     assert decode_step.attach(loaded.model) is False
-    result = run_cli("show", str(path))
+    result = llmrun("show", str(path))
     assert result.returncode == 0, result.stderr
     assert "modern-bert" in result.stdout and "none (an encoder)" in result.stdout
     assert inspect.describe(path)["architecture"] == "modern-bert"

@@ -266,10 +266,10 @@ def test_configs_transformers_does_not_run_are_refused(attn, message):
 
 def test_llmrun_run_prints_transformers_greedy_text(family, tmp_path):
     hf = family[0]
-    check_run_prints_greedy_tokens(hf, write_mpt_gguf(tmp_path / "m.gguf", hf), timeout=300)
+    check_run_prints_greedy_tokens(hf, write_mpt_gguf(tmp_path / "m.gguf", hf))
 
 
 def test_show_describes_an_mpt_gguf(family, tmp_path):
     path = write_mpt_gguf(tmp_path / "m.gguf", family[0])
     # Two layers of 8192 positions: 4 KV heads of 16 floats, keys and values.
-    check_show(path, "mpt", 2 * 2 * 4 * 16 * 4 * 8192, timeout=300)
+    check_show(path, "mpt", 2 * 2 * 4 * 16 * 4 * 8192)

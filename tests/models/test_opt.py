@@ -26,9 +26,9 @@ from family_checks import (
     check_whole_and_cached,
     hf_model_of,
     max_diff,
-    run_cli,
 )
 from helpers import cached_logits, our_model, save_hf_dir
+from in_process import llmrun
 
 from llmrun.loading import inspect
 from llmrun.loading import opt as loading
@@ -188,12 +188,12 @@ def test_a_position_past_the_table_is_a_full_context(family):
 def test_llmrun_run_prints_transformers_greedy_text(family, tmp_path):
     hf = family[0]
     path = save_hf_dir(hf, tmp_path / "hf", tokenizer=True)
-    check_run_prints_greedy_tokens(hf, path, timeout=300)
+    check_run_prints_greedy_tokens(hf, path)
 
 
 def test_show_describes_an_opt_folder(family, tmp_path):
     path = save_hf_dir(family[0], tmp_path / "hf", tokenizer=True)
-    result = run_cli("show", str(path), timeout=300)
+    result = llmrun("show", str(path))
     assert result.returncode == 0, result.stderr
     assert "opt" in result.stdout
     # Two layers of 8192 positions: 4 KV heads of 16 floats, keys and values.

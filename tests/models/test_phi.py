@@ -295,10 +295,10 @@ def test_a_fused_qkv_of_the_wrong_height_is_refused(family, tmp_path):
 
 def test_llmrun_run_prints_transformers_greedy_text(family, tmp_path):
     hf = family[0]
-    check_run_prints_greedy_tokens(hf, write_phi_gguf(tmp_path / "m.gguf", hf), timeout=300)
+    check_run_prints_greedy_tokens(hf, write_phi_gguf(tmp_path / "m.gguf", hf))
 
 
 def test_show_describes_a_phi2_gguf(family, tmp_path):
     path = write_phi_gguf(tmp_path / "m.gguf", family[0], fused=True)
     # Two layers of 8192 positions: 4 KV heads of 16 floats, keys and values.
-    check_show(path, "phi2", 2 * 2 * 4 * 16 * 4 * 8192, timeout=300)
+    check_show(path, "phi2", 2 * 2 * 4 * 16 * 4 * 8192)

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from family_checks import PROMPT, check_paged, check_show, max_diff, write_keyed_gguf
 from gguf import GGMLQuantizationType, Keys
 from helpers import BASE, cached_logits, randomize
+from in_process import llmrun
 from moe_helpers import round_matrices_but_the_routers
-from test_cli import llmrun
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import inspect
@@ -352,4 +352,4 @@ def test_run_picks_the_reference_s_greedy_tokens_and_show_names_it(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert [entry["id"] for entry in json.loads(result.stdout)["logprobs"]] == ids[-12:]
-    check_show(path, "smallthinker", 2 * 2 * HEAD_DIM * 4 * (8192 + 4096), moe=True, threads=1)
+    check_show(path, "smallthinker", 2 * 2 * HEAD_DIM * 4 * (8192 + 4096), moe=True)

@@ -260,10 +260,10 @@ def test_a_gguf_without_the_layernorm_epsilon_is_refused(tmp_path):
 
 def test_llmrun_run_prints_transformers_greedy_text(tmp_path):
     hf = hf_model()
-    check_run_prints_greedy_tokens(hf, write_starcoder2_gguf(tmp_path / "m.gguf", hf), timeout=300)
+    check_run_prints_greedy_tokens(hf, write_starcoder2_gguf(tmp_path / "m.gguf", hf))
 
 
 def test_show_describes_a_starcoder2_gguf(tmp_path):
     path = write_starcoder2_gguf(tmp_path / "m.gguf", hf_model())
     # Two layers of 8192 positions: 2 KV heads of 16 floats, keys and values.
-    check_show(path, "starcoder2", 2 * 2 * 2 * 16 * 4 * 8192, timeout=300)
+    check_show(path, "starcoder2", 2 * 2 * 2 * 16 * 4 * 8192)

@@ -31,11 +31,11 @@ from family_checks import (
     check_whole_and_cached,
     dequantize_2d_weights,
     max_diff,
-    run_cli,
     write_keyed_gguf,
 )
 from gguf import GGMLQuantizationType, Keys
 from helpers import cached_logits, randomize
+from in_process import llmrun
 from moe_helpers import fused_experts_gguf_tensors, round_matrices_but_the_routers
 
 from llmrun.errors import ModelFormatError, UnsupportedError
@@ -579,7 +579,7 @@ def test_show_counts_a_folders_language_model_alone(families, family, tmp_path):
     head, not the vision tower and projector."""
     hf, _ = families(family)
     folder = saved(hf, tmp_path / "hf")
-    result = run_cli("show", str(folder))
+    result = llmrun("show", str(folder))
     assert result.returncode == 0, result.stderr
     assert family in result.stdout
     text = sum(p.numel() for p in hf.get_decoder().parameters()) + hf.lm_head.weight.numel()

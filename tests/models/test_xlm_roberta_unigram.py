@@ -15,7 +15,8 @@ import json
 import gguf
 import pytest
 import torch
-from family_checks import max_diff, run_cli
+from family_checks import max_diff
+from in_process import llmrun
 from test_bert import converted, hf_model, reference
 from unigram_helpers import add_tokenizer, processor, trained, xlmr_ids
 
@@ -67,7 +68,7 @@ def test_embed_matches_transformers_on_sentencepieces_ids(model_files):
     assert 3 not in ids  # every character is in the vocabulary
     expected = reference(hf, torch.tensor([ids]))[0][0]
     # The first native call of a test session builds the kernels: minutes on a busy machine.
-    result = run_cli("embed", str(path), TEXT, "--json", timeout=600)
+    result = llmrun("embed", str(path), TEXT, "--json")
     assert result.returncode == 0, result.stderr
     vector = torch.tensor(json.loads(result.stdout)["data"][0]["embedding"])
     assert max_diff(vector, expected / expected.norm()) < 1e-4
@@ -75,9 +76,9 @@ def test_embed_matches_transformers_on_sentencepieces_ids(model_files):
 
 def test_tokenize_and_show_name_what_they_read(model_files):
     path, _, sp = model_files
-    result = run_cli("tokenize", str(path), TEXT)
+    result = llmrun("tokenize", str(path), TEXT)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == expected_ids(sp, TEXT)[:-1]  # <s>, no </s>
-    result = run_cli("show", str(path))
+    result = llmrun("show", str(path))
     assert result.returncode == 0, result.stderr
     assert "Unigram" in result.stdout

@@ -19,7 +19,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from helpers import BASE, cached_logits, write_gguf
-from test_cli import llmrun
+from in_process import llmrun
 from test_quant_blocks import assert_same_bits, random_blocks, write_scales
 
 from llmrun.loading.loader import load_model

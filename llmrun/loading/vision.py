@@ -1,0 +1,242 @@
+"""Image encoders of vision-language models, from either format: Gemma 3's vision tower
+and projector from its Hugging Face folder (Gemma3ForConditionalGeneration), or from the
+mmproj GGUF that llama.cpp's converter writes beside the text model's GGUF (`--mmproj`:
+clip.* metadata, v.* and mm.* tensors, as tools/mtmd/clip.cpp reads them). Both give the
+encoder HF's weights; the language model loads as for text (llmrun.loading.loader).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from gguf import GGMLQuantizationType, Keys, VisionProjectorType
+
+from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
+from llmrun.loading import gguf_io, safetensors_io
+from llmrun.loading.loader import SkipInit
+from llmrun.models import gemma3_vision, siglip
+from llmrun.quant.blocks import dequantize
+
+# The language models the encoders feed (their config's model_type, either format).
+TEXT_MODEL_TYPES = ("gemma3_text",)
+# How the loader's note on a multimodal folder ends (llmrun.loading.loader), dropped
+# where the vision tower does load.
+TEXT_ONLY = "without the vision tower"
+# Gemma3ImageProcessor's (and llama.cpp's clip.cpp default) mean and std per channel.
+GEMMA3_MEAN_STD = (0.5, 0.5, 0.5)
+# Checkpoint key prefixes of Gemma 3's vision parts -> ImageEncoder's: the Hub's files
+# (vision_tower.vision_model.), transformers 5's (model.vision_tower., no vision_model.).
+_HF_PREFIXES = {
+    "model.vision_tower.vision_model.": "vision_tower.vision_model.",
+    "vision_tower.vision_model.": "vision_tower.vision_model.",
+    "model.vision_tower.": "vision_tower.vision_model.",
+    "vision_tower.": "vision_tower.vision_model.",
+    "model.multi_modal_projector.": "multi_modal_projector.",
+    "multi_modal_projector.": "multi_modal_projector.",
+}
+# SiglipVisionModel's attention-pooling head, which Gemma 3 never runs (its checkpoints
+# have none; transformers' default SiglipVisionConfig builds one).
+_UNUSED = ".head."
+# The GGUF names of a layer's tensors (clip-impl.h) -> SigLIP's.
+_GGUF_LAYER = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_out": "self_attn.out_proj",
+    "ln1": "layer_norm1",
+    "ln2": "layer_norm2",
+    "ffn_up": "mlp.fc1",
+    "ffn_down": "mlp.fc2",
+}
+_GGUF_NAMES = {
+    "v.patch_embd.weight": "embeddings.patch_embedding.weight",
+    "v.patch_embd.bias": "embeddings.patch_embedding.bias",
+    "v.position_embd.weight": "embeddings.position_embedding.weight",
+    "v.post_ln.weight": "post_layernorm.weight",
+    "v.post_ln.bias": "post_layernorm.bias",
+}
+_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+_SOFT_EMB_NORM = "mm.soft_emb_norm.weight"
+_INPUT_PROJECTION = "mm.input_projection.weight"
+
+
+@dataclass
+class Vision:
+    """A loaded image encoder and how images are prepared for it."""
+
+    encoder: gemma3_vision.ImageEncoder
+    image_size: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.encoder.args.mm_tokens_per_image
+
+
+def has_vision(config: dict[str, Any]) -> bool:
+    """Whether a Hugging Face config.json is that of a Gemma 3 with its vision tower."""
+    return config.get("model_type") == "gemma3" and isinstance(config.get("vision_config"), dict)
+
+
+def from_hf_dir(path: Path, text_hidden: int) -> Vision:
+    """Gemma 3's image encoder from its Hugging Face folder (f32, on the CPU)."""
+    config = safetensors_io.read_config(path)
+    if not has_vision(config):
+        raise UsageError(f"{path}: not a vision model llmrun runs (Gemma 3 with a vision_config)")
+    args = gemma3_vision.EncoderArgs.from_config(config)
+    weights = {}
+    for file in safetensors_io.safetensors_files(path):
+        for name, tensor in safetensors_io.load_tensors(file).items():
+            new = _hf_name(name)
+            if new is not None:
+                weights[new] = tensor
+    mean, std = _processor_mean_std(path)
+    return _build(args, weights, text_hidden, path, mean, std)
+
+
+def _hf_name(name: str) -> str | None:
+    for old, new in _HF_PREFIXES.items():
+        if name.startswith(old):
+            return None if _UNUSED in name else new + name[len(old) :]
+    return None
+
+
+def _processor_mean_std(path: Path) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """preprocessor_config.json's image_mean and image_std, else Gemma 3's."""
+    file = path / "preprocessor_config.json"
+    if not file.is_file():
+        return GEMMA3_MEAN_STD, GEMMA3_MEAN_STD
+    try:
+        processor = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelFormatError(f"{file}: not readable JSON ({e})") from None
+    values = tuple(
+        _three(processor.get(key, GEMMA3_MEAN_STD), file, key)
+        for key in ("image_mean", "image_std")
+    )
+    return values[0], values[1]
+
+
+def _three(value: Any, source: Path, key: str) -> tuple[float, ...]:
+    ok = isinstance(value, list | tuple) and len(value) == 3
+    if not ok or not all(isinstance(v, int | float) for v in value):
+        raise ModelFormatError(f"{source}: {key} is {value!r}, not three numbers")
+    if key.endswith("std") and any(v <= 0 for v in value):
+        raise ModelFormatError(f"{source}: {key} is {value!r}; it divides, so must be positive")
+    return tuple(float(v) for v in value)
+
+
+def from_mmproj(path: str | Path, text_hidden: int) -> Vision:
+    """The image encoder of llama.cpp's mmproj GGUF (projector type gemma3)."""
+    gg = gguf_io.read_gguf(path)
+    meta = gg.metadata
+    kind = meta.get(Keys.Clip.PROJECTOR_TYPE, meta.get(Keys.ClipVision.PROJECTOR_TYPE))
+    if kind is None or not meta.get(Keys.Clip.HAS_VISION_ENCODER, False):
+        raise ModelFormatError(f"{gg.path}: not an mmproj GGUF with a vision encoder")
+    if kind != VisionProjectorType.GEMMA3:
+        raise UnsupportedError(
+            f"{gg.path}: projector type {kind!r}; llmrun runs {VisionProjectorType.GEMMA3!r} only"
+        )
+
+    def need(key: str) -> Any:
+        value = meta.get(key)
+        if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+            raise ModelFormatError(f"{gg.path}: metadata {key!r} is {value!r}")
+        return value
+
+    vision = Keys.ClipVision
+    args = siglip.VisionArgs(
+        hidden_size=need(vision.EMBEDDING_LENGTH),
+        intermediate_size=need(vision.FEED_FORWARD_LENGTH),
+        num_hidden_layers=need(vision.BLOCK_COUNT),
+        num_attention_heads=need(vision.Attention.HEAD_COUNT),
+        image_size=need(vision.IMAGE_SIZE),
+        patch_size=need(vision.PATCH_SIZE),
+        layer_norm_eps=float(need(vision.Attention.LAYERNORM_EPS)),
+    )
+    # clip.cpp's n_merge: the pooling side, 4 unless the file says otherwise.
+    pool = meta.get(vision.Projector.SCALE_FACTOR, 4)
+    if not isinstance(pool, int) or pool < 1 or args.patches_per_side % pool:
+        raise ModelFormatError(f"{gg.path}: projector scale factor {pool!r}")
+    tokens = (args.patches_per_side // pool) ** 2
+    projection = gg.tensors.get(_INPUT_PROJECTION)
+    if projection is None or len(projection.shape) != 2:
+        raise ModelFormatError(f"{gg.path}: no 2-D {_INPUT_PROJECTION}")
+    # [vision hidden, text hidden]: the width it projects to.
+    encoder_args = gemma3_vision.EncoderArgs(args, projection.shape[1], tokens)
+    weights = {}
+    for info in gg.tensors.values():
+        name = _gguf_name(info.name)
+        if name is None:
+            raise UnsupportedError(
+                f"{gg.path}: tensor {info.name!r} is not part of Gemma 3's encoder"
+            )
+        tensor = gguf_io.load_tensor(gg, info)
+        if info.ggml_type not in _FLOAT_TYPES:
+            tensor = dequantize(tensor, info.ggml_type).reshape(info.shape)
+        if info.name == _SOFT_EMB_NORM:
+            tensor = tensor.float() - 1.0  # the converter stores Gemma's 1 + w
+        weights[name] = tensor
+    mean = _three(meta.get(vision.IMAGE_MEAN, GEMMA3_MEAN_STD), gg.path, vision.IMAGE_MEAN)
+    std = _three(meta.get(vision.IMAGE_STD, GEMMA3_MEAN_STD), gg.path, vision.IMAGE_STD)
+    return _build(encoder_args, weights, text_hidden, gg.path, mean, std)
+
+
+def _gguf_name(name: str) -> str | None:
+    tower = "vision_tower.vision_model."
+    if name == _INPUT_PROJECTION:
+        return "multi_modal_projector.mm_input_projection_weight"
+    if name == _SOFT_EMB_NORM:
+        return "multi_modal_projector.mm_soft_emb_norm.weight"
+    if name in _GGUF_NAMES:
+        return tower + _GGUF_NAMES[name]
+    parts = name.split(".")
+    if len(parts) == 5 and parts[:2] == ["v", "blk"] and parts[2].isdigit():
+        layer = _GGUF_LAYER.get(parts[3])
+        if layer is not None and parts[4] in ("weight", "bias"):
+            return f"{tower}encoder.layers.{parts[2]}.{layer}.{parts[4]}"
+    return None
+
+
+def _build(
+    args: gemma3_vision.EncoderArgs,
+    weights: dict[str, torch.Tensor],
+    text_hidden: int,
+    source: Path,
+    mean: tuple[float, ...],
+    std: tuple[float, ...],
+) -> Vision:
+    """The encoder with `weights` (checked against its shapes), in f32."""
+    if args.text_hidden_size != text_hidden:
+        raise ModelFormatError(
+            f"{source}: the image encoder projects to {args.text_hidden_size} features, but "
+            f"the language model's width is {text_hidden}"
+        )
+    with torch.device("meta"), SkipInit():
+        encoder = gemma3_vision.ImageEncoder(args)
+    expected = encoder.state_dict()
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        names = missing or unexpected
+        what = "missing vision tensors" if missing else "vision tensors the encoder does not have"
+        raise ModelFormatError(
+            f"{source}: {what}: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
+        )
+    state = {}
+    for name, tensor in weights.items():
+        shape = tuple(expected[name].shape)
+        if tuple(tensor.shape) != shape:
+            raise ModelFormatError(
+                f"{source}: vision tensor {name} has shape {list(tensor.shape)}, but the "
+                f"config implies {list(shape)}"
+            )
+        state[name] = tensor.to(torch.float32)
+    encoder.load_state_dict(state, assign=True)
+    encoder.requires_grad_(False)
+    return Vision(encoder.eval(), args.vision.image_size, mean, std)
