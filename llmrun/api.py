@@ -287,6 +287,26 @@ class Engine:
         )
         return ids, PromptImages(multimodal.encode(self.vision, images), starts)
 
+    def encode_images(self, images: Sequence[Any]) -> list[torch.Tensor]:
+        """Each decoded image's (llmrun.images.open_image) soft-token embeddings, for
+        encoded_prompt; the image encoder loads now where load() was not asked for it
+        (a chat's first /image)."""
+        if self.vision is None:
+            self.vision = _load_vision(self.checkpoint, self.path, None)
+        return multimodal.encode(self.vision, images)
+
+    def encoded_prompt(
+        self, text: str, embeds: Sequence[torch.Tensor]
+    ) -> tuple[list[int], PromptImages]:
+        """image_prompt for images already encoded (encode_images): a chat encodes each
+        image once and renders it again every turn."""
+        if self.vision is None:
+            raise UsageError(f"{self.name}: load it with its image encoder to give it images")
+        ids, starts = multimodal.expand(
+            self.tokenizer, text, len(embeds), self.vision.tokens_per_image
+        )
+        return ids, PromptImages(list(embeds), starts)
+
     def switches(
         self,
         think: bool | None = None,

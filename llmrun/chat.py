@@ -13,10 +13,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from llmrun.api import Engine
 from llmrun.chat_template import plain_transcript
 from llmrun.errors import ContextOverflowError, LlmrunError, UsageError
 from llmrun.generate import KVState, Response
+from llmrun.multimodal import PromptImages
 from llmrun.reasoning import ANSWER, REASONING, Splitter
 from llmrun.sampling import SamplingParams
 
@@ -58,6 +61,8 @@ class ChatSession:
     messages: list[dict[str, Any]] = field(default_factory=list)
     state: KVState | None = None
     switches: dict[str, Any] = field(default_factory=dict)  # template variables (thinking)
+    # Images attached for the next user message (attach), encoded
+    pending: list[torch.Tensor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.overflow not in ("error", "shift"):
@@ -90,7 +95,30 @@ class ChatSession:
         return system + (self.messages if messages is None else messages)
 
     def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.engine.tokenizer.encode(self.prompt_text(messages))
+        return self._encode(self.prompt_text(messages), messages)[0]
+
+    def _encode(
+        self, text: str, messages: list[dict[str, Any]]
+    ) -> tuple[list[int], PromptImages | None]:
+        """The ids of `messages` rendered as `text`, and their images (each image part
+        holds its embeddings), which every turn feeds the model again."""
+        embeds = [
+            part["embeds"]
+            for message in messages
+            if isinstance(message["content"], list)
+            for part in message["content"]
+            if part.get("type") == "image"
+        ]
+        if not embeds:
+            return self.engine.tokenizer.encode(text), None
+        return self.engine.encoded_prompt(text, embeds)
+
+    def attach(self, images: list[Any]) -> None:
+        """Encode decoded images (llmrun.images.open_image) to go with the next user
+        message, before its text."""
+        if self.engine.speculator is not None:
+            raise UsageError("images do not go with --draft or --lookup")
+        self.pending.extend(self.engine.encode_images(images))
 
     def prompt_text(self, messages: list[dict[str, Any]]) -> str:
         if self.uses_template:
@@ -100,7 +128,12 @@ class ChatSession:
     def send(self, text: str, turn: Turn | None = None) -> Iterator[str]:
         """Add a user message and stream the reply's text. `turn` receives the
         outcome; an interrupted reply (KeyboardInterrupt) is kept as it stands."""
-        self.messages.append({"role": "user", "content": text})
+        content: str | list[dict[str, Any]] = text
+        if self.pending:
+            images = [{"type": "image", "embeds": embeds} for embeds in self.pending]
+            content = [*images, {"type": "text", "text": text}]
+            self.pending = []
+        self.messages.append({"role": "user", "content": content})
         return self._reply(turn if turn is not None else Turn())
 
     def retry(self, turn: Turn | None = None) -> Iterator[str]:
@@ -120,6 +153,7 @@ class ChatSession:
     def clear(self) -> None:
         """Start a new conversation (the system message stays)."""
         self.messages.clear()
+        self.pending.clear()
         self.state.tokens.clear()
 
     def set_param(self, name: str, value: str) -> None:
@@ -146,6 +180,8 @@ class ChatSession:
             self.params = self.params.updated(**{name: parsed})
 
     def save(self, path: str | Path) -> None:
+        if any(isinstance(m["content"], list) for m in self.messages):
+            raise UsageError("/save keeps text only, and this conversation has images")
         data = {"system": self.system, "messages": self.messages}
         try:
             Path(path).expanduser().write_text(
@@ -180,9 +216,9 @@ class ChatSession:
         self.system = system or self.system
         self.messages = messages
 
-    def _fit(self, turn: Turn) -> tuple[str, list[int]]:
-        """The prompt (text and ids) for the conversation, dropping old turns if allowed and
-        needed."""
+    def _fit(self, turn: Turn) -> tuple[str, list[int], PromptImages | None]:
+        """The prompt (text, ids and images) for the conversation, dropping old turns if
+        allowed and needed."""
         room = (
             max(self.context_size // 8, 1)
             if self.max_tokens is None
@@ -192,14 +228,15 @@ class ChatSession:
         while True:
             try:
                 text = self.prompt_text(self.conversation())
+                ids, images = self._encode(text, self.conversation())
             except LlmrunError:
                 self.messages[:0] = dropped
-                self.messages.pop()  # a template that refuses the turn: it never happened
+                # a template (or image places) that refuse the turn: it never happened
+                self.messages.pop()
                 raise
-            ids = self.engine.tokenizer.encode(text)
             if len(ids) + room <= self.context_size:
                 turn.dropped = len(dropped)
-                return text, ids
+                return text, ids, images
             if self.overflow != "shift" or len(self.messages) <= 1:
                 self.messages[:0] = dropped  # a refused message costs the history nothing
                 raise self._overflow(len(ids), room)
@@ -229,7 +266,7 @@ class ChatSession:
     def _reply(self, turn: Turn) -> Iterator[str]:
         """Stream the reply's pieces (reasoning.Piece: each knows if it is reasoning)."""
         try:
-            rendered, prompt = self._fit(turn)
+            rendered, prompt, images = self._fit(turn)
         except KeyboardInterrupt:
             self._withdraw(turn)
             raise
@@ -247,6 +284,7 @@ class ChatSession:
                 stop=stop,
                 state=self.state,
                 history_end=history_end,
+                images=images,
             ):
                 turn.response = response
                 text = response.text

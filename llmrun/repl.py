@@ -14,12 +14,14 @@ from collections.abc import Callable, Iterator
 from llmrun import paths, ui
 from llmrun.chat import SETTABLE, ChatSession, Turn
 from llmrun.errors import LlmrunError
+from llmrun.images import open_image
 
 HELP = """Commands:
   /help                 this help
   /bye, /exit           leave (Ctrl-D too)
   /clear                start a new conversation
   /system TEXT          set the system message
+  /image PATH           attach an image to the next message (Gemma 3 models)
   /set PARAM VALUE      set a parameter: {params}
   /set think on|off     switch thinking (models whose template has the switch)
   /show                 model, parameters and context use
@@ -53,6 +55,7 @@ class Repl:
             "/exit": lambda _: True,
             "/clear": self._clear,
             "/system": self._system,
+            "/image": self._image,
             "/set": self._set,
             "/show": lambda _: ui.info(self._show()),
             "/save": self._save,
@@ -191,6 +194,13 @@ class Repl:
     def _system(self, text: str) -> None:
         self.session.system = text or None
         ui.info("system message set" if text else "system message cleared")
+
+    def _image(self, path: str) -> None:
+        if not path:
+            ui.warn("usage: /image PATH")
+            return
+        self.session.attach([open_image(path)])
+        ui.info(f"{path} goes with the next message")
 
     def _set(self, arg: str) -> None:
         name, _, value = arg.partition(" ")

@@ -157,10 +157,12 @@ def save_gemma3_vl_dir(model, path: Path) -> Path:
     return path
 
 
-def processor_inputs(folder: Path, images: list, question: str):
+def processor_inputs(folder: Path, images: list, question: str | list[dict]):
     """transformers' Gemma3Processor inputs (input_ids, pixel_values, token_type_ids) for
-    one user message of `images` then `question`, with the generation prompt: Gemma 3's
-    chat template, the image tokens expanded, the images through Gemma3ImageProcessor."""
+    one user message of `images` then `question`, or for a conversation (`question` a list
+    of messages, whose image parts take `images` in order), with the generation prompt:
+    Gemma 3's chat template, the image tokens expanded, the images through
+    Gemma3ImageProcessor."""
     import transformers
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
@@ -177,8 +179,11 @@ def processor_inputs(folder: Path, images: list, question: str):
         chat_template=GEMMA3_TEMPLATE,
         image_seq_length=TOKENS_PER_IMAGE,
     )
-    content = [{"type": "image"}] * len(images) + [{"type": "text", "text": question}]
-    messages = [{"role": "user", "content": content}]
+    if isinstance(question, str):
+        content = [{"type": "image"}] * len(images) + [{"type": "text", "text": question}]
+        messages = [{"role": "user", "content": content}]
+    else:
+        messages = question
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     # The template writes BOS already.
     return processor(text=text, images=images, return_tensors="pt", add_special_tokens=False)

@@ -62,6 +62,15 @@ from llmrun.cli.batch import (
 )
 from llmrun.errors import UsageError
 
+Mmproj = Annotated[
+    str | None,
+    typer.Option(
+        "--mmproj",
+        metavar="FILE",
+        help="The image encoder GGUF of a GGUF model (llama.cpp's mmproj file).",
+    ),
+]
+
 
 @app.command()
 def run(
@@ -135,14 +144,7 @@ def run(
             help="An image for the prompt, before its text (repeatable). Gemma 3 models.",
         ),
     ] = None,
-    mmproj: Annotated[
-        str | None,
-        typer.Option(
-            "--mmproj",
-            metavar="FILE",
-            help="The image encoder GGUF of a GGUF model (llama.cpp's mmproj file).",
-        ),
-    ] = None,
+    mmproj: Mmproj = None,
     batch: Batch = None,
     batch_lines: BatchLines = False,
     unordered: Unordered = False,
@@ -339,6 +341,16 @@ def chat(
         str | None,
         typer.Option("--tools", help="A JSON file of function tools the model may call (shown)."),
     ] = None,
+    image: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--image",
+            metavar="PATH",
+            help="An image for the first message, before its text (repeatable); /image "
+            "attaches one later. Gemma 3 models.",
+        ),
+    ] = None,
+    mmproj: Mmproj = None,
     verbose: Verbose = False,
     debug: Debug = False,
 ) -> None:
@@ -346,9 +358,13 @@ def chat(
     DEBUG["on"] = debug
     limit = _max_tokens(max_tokens)
     _check_draft(draft, draft_max, lookup, draft_p_min)
+    if image and (draft or lookup is not None):
+        raise UsageError("--image does not go with --draft or --lookup")
     from llmrun.chat import ChatSession
+    from llmrun.images import open_image
     from llmrun.repl import Repl
 
+    pictures = [open_image(path) for path in image or []]  # bad images fail before loading
     engine = _load(
         model,
         device=device,
@@ -359,12 +375,16 @@ def chat(
         cache_type=cache_type,
         activations=activations,
         lora=_adapters(lora, lora_scaled),
+        vision=bool(pictures),
+        mmproj=mmproj,
     )
     load = dict(dtype=dtype, threads=threads, cache_type=cache_type, activations=activations)
     _use_draft(engine, draft, draft_max, lookup, draft_p_min, **load)
     params = engine.sampling(locals())
     session = ChatSession(engine, params, limit, system=system, overflow=context_overflow)
     session.switches = engine.switches(think, reasoning_effort)
+    if pictures:
+        session.attach(pictures)
     if tools is not None:
         from llmrun import tool_use
 
