@@ -26,14 +26,13 @@ from gguf import (
     MODEL_ARCH,
     MODEL_ARCH_NAMES,
     MODEL_TENSOR,
-    TENSOR_NAMES,
     ExpertGatingFuncType,
     Keys,
 )
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import deepseek2
-from llmrun.loading.gguf_io import ArchMetadata
+from llmrun.loading.gguf_io import ArchMetadata, layer_name
 
 # gguf 0.19 names no MODEL_ARCH for DeepSeek-V3.2 (llama.cpp's constants.py does).
 DEEPSEEK32 = "deepseek32"
@@ -49,16 +48,12 @@ GLM_5_2_CONTEXT = 1048576
 GLM_5_2_LAYERS = 78
 
 
-def _short(tensor: MODEL_TENSOR) -> str:
-    return TENSOR_NAMES[tensor].removeprefix("blk.{bid}.")
-
-
 # GGUF tensor (after blk.N., without .weight/.bias) -> the model's indexer module.
 INDEXER_NAMES = {
-    _short(MODEL_TENSOR.INDEXER_ATTN_Q_B): "wq_b",
-    _short(MODEL_TENSOR.INDEXER_ATTN_K): "wk",
-    _short(MODEL_TENSOR.INDEXER_K_NORM): "k_norm",
-    _short(MODEL_TENSOR.INDEXER_PROJ): "weights_proj",
+    layer_name(MODEL_TENSOR.INDEXER_ATTN_Q_B): "wq_b",
+    layer_name(MODEL_TENSOR.INDEXER_ATTN_K): "wk",
+    layer_name(MODEL_TENSOR.INDEXER_K_NORM): "k_norm",
+    layer_name(MODEL_TENSOR.INDEXER_PROJ): "weights_proj",
 }
 
 

@@ -24,17 +24,12 @@ from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
 
 from llmrun.errors import ModelFormatError
 from llmrun.loading import granitehybrid
-from llmrun.loading.gguf_io import ArchMetadata
+from llmrun.loading.gguf_io import ArchMetadata, layer_name
 
 if TYPE_CHECKING:
     from llmrun.loading.gguf_io import GGUFFile
 
 ARCH, MODEL_TYPE = "falcon-h1", "falcon_h1"
-
-
-def _layer(tensor: MODEL_TENSOR) -> str:
-    """The name of a per-layer tensor after "blk.N."."""
-    return TENSOR_NAMES[tensor].removeprefix("blk.{bid}.")
 
 
 GLOBAL_NAMES = {
@@ -45,15 +40,15 @@ GLOBAL_NAMES = {
 # GGUF module (after "blk.N.") -> HF module (after "model.layers.N."); the mixer's
 # tensors are granitehybrid.LAYER_NAMES.
 LAYER_NAMES = {
-    _layer(MODEL_TENSOR.ATTN_NORM): "input_layernorm",
-    _layer(MODEL_TENSOR.FFN_NORM): "pre_ff_layernorm",
-    _layer(MODEL_TENSOR.ATTN_Q): "self_attn.q_proj",
-    _layer(MODEL_TENSOR.ATTN_K): "self_attn.k_proj",
-    _layer(MODEL_TENSOR.ATTN_V): "self_attn.v_proj",
-    _layer(MODEL_TENSOR.ATTN_OUT): "self_attn.o_proj",
-    _layer(MODEL_TENSOR.FFN_GATE): "feed_forward.gate_proj",
-    _layer(MODEL_TENSOR.FFN_UP): "feed_forward.up_proj",
-    _layer(MODEL_TENSOR.FFN_DOWN): "feed_forward.down_proj",
+    layer_name(MODEL_TENSOR.ATTN_NORM): "input_layernorm",
+    layer_name(MODEL_TENSOR.FFN_NORM): "pre_ff_layernorm",
+    layer_name(MODEL_TENSOR.ATTN_Q): "self_attn.q_proj",
+    layer_name(MODEL_TENSOR.ATTN_K): "self_attn.k_proj",
+    layer_name(MODEL_TENSOR.ATTN_V): "self_attn.v_proj",
+    layer_name(MODEL_TENSOR.ATTN_OUT): "self_attn.o_proj",
+    layer_name(MODEL_TENSOR.FFN_GATE): "feed_forward.gate_proj",
+    layer_name(MODEL_TENSOR.FFN_UP): "feed_forward.up_proj",
+    layer_name(MODEL_TENSOR.FFN_DOWN): "feed_forward.down_proj",
 }
 
 

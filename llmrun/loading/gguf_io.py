@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 from gguf import (
     GGML_QUANT_SIZES,
+    MODEL_TENSOR,
+    TENSOR_NAMES,
     GGMLQuantizationType,
     GGUFValueType,
     Keys,
@@ -137,6 +139,11 @@ class ArchMetadata:
                 f"{self.source}: metadata {name!r} is missing ({self.arch} needs it)"
             )
         return self.metadata[name]
+
+
+def layer_name(tensor: MODEL_TENSOR) -> str:
+    """A per-layer tensor's GGUF name after "blk.N." ("ffn_up_exps"), from gguf's table."""
+    return TENSOR_NAMES[tensor].removeprefix("blk.{bid}.")
 
 
 def vocab_size(gg: GGUFFile, meta: ArchMetadata) -> int | None:

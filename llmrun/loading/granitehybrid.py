@@ -22,11 +22,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
+from gguf import MODEL_TENSOR, Keys
 
 from llmrun.errors import ModelFormatError
 from llmrun.loading import granite
-from llmrun.loading.gguf_io import ArchMetadata
+from llmrun.loading.gguf_io import ArchMetadata, layer_name
 
 if TYPE_CHECKING:
     from llmrun.loading.gguf_io import GGUFFile
@@ -34,31 +34,26 @@ if TYPE_CHECKING:
 ARCH, MODEL_TYPE = "granitehybrid", "granitemoehybrid"
 
 
-def _layer(tensor: MODEL_TENSOR) -> str:
-    """The name of a per-layer tensor after "blk.N."."""
-    return TENSOR_NAMES[tensor].removeprefix("blk.{bid}.")
-
-
 # GGUF tensor (after "blk.N.", with its suffix) -> HF key (after "model.layers.N."): the
 # Mamba-2 mixer's (A and D have no suffix in llama.cpp's files) and the experts'; the
 # loader splits the stacks ({expert}). Attention, norms and a dense feed-forward have
 # Llama's names (gguf_config.hf_name).
 LAYER_NAMES = {
-    f"{_layer(MODEL_TENSOR.SSM_IN)}.weight": "mamba.in_proj.weight",
-    f"{_layer(MODEL_TENSOR.SSM_CONV1D)}.weight": "mamba.conv1d.weight",
-    f"{_layer(MODEL_TENSOR.SSM_CONV1D)}.bias": "mamba.conv1d.bias",
-    f"{_layer(MODEL_TENSOR.SSM_DT)}.bias": "mamba.dt_bias",
-    _layer(MODEL_TENSOR.SSM_A): "mamba.A_log",
-    _layer(MODEL_TENSOR.SSM_D): "mamba.D",
-    f"{_layer(MODEL_TENSOR.SSM_NORM)}.weight": "mamba.norm.weight",
-    f"{_layer(MODEL_TENSOR.SSM_OUT)}.weight": "mamba.out_proj.weight",
-    f"{_layer(MODEL_TENSOR.FFN_GATE_INP)}.weight": "mlp.gate.weight",
-    f"{_layer(MODEL_TENSOR.FFN_GATE_EXP)}.weight": "mlp.experts.{expert}.gate_proj.weight",
-    f"{_layer(MODEL_TENSOR.FFN_UP_EXP)}.weight": "mlp.experts.{expert}.up_proj.weight",
-    f"{_layer(MODEL_TENSOR.FFN_DOWN_EXP)}.weight": "mlp.experts.{expert}.down_proj.weight",
-    f"{_layer(MODEL_TENSOR.FFN_GATE_SHEXP)}.weight": "mlp.shared_expert.gate_proj.weight",
-    f"{_layer(MODEL_TENSOR.FFN_UP_SHEXP)}.weight": "mlp.shared_expert.up_proj.weight",
-    f"{_layer(MODEL_TENSOR.FFN_DOWN_SHEXP)}.weight": "mlp.shared_expert.down_proj.weight",
+    f"{layer_name(MODEL_TENSOR.SSM_IN)}.weight": "mamba.in_proj.weight",
+    f"{layer_name(MODEL_TENSOR.SSM_CONV1D)}.weight": "mamba.conv1d.weight",
+    f"{layer_name(MODEL_TENSOR.SSM_CONV1D)}.bias": "mamba.conv1d.bias",
+    f"{layer_name(MODEL_TENSOR.SSM_DT)}.bias": "mamba.dt_bias",
+    layer_name(MODEL_TENSOR.SSM_A): "mamba.A_log",
+    layer_name(MODEL_TENSOR.SSM_D): "mamba.D",
+    f"{layer_name(MODEL_TENSOR.SSM_NORM)}.weight": "mamba.norm.weight",
+    f"{layer_name(MODEL_TENSOR.SSM_OUT)}.weight": "mamba.out_proj.weight",
+    f"{layer_name(MODEL_TENSOR.FFN_GATE_INP)}.weight": "mlp.gate.weight",
+    f"{layer_name(MODEL_TENSOR.FFN_GATE_EXP)}.weight": "mlp.experts.{expert}.gate_proj.weight",
+    f"{layer_name(MODEL_TENSOR.FFN_UP_EXP)}.weight": "mlp.experts.{expert}.up_proj.weight",
+    f"{layer_name(MODEL_TENSOR.FFN_DOWN_EXP)}.weight": "mlp.experts.{expert}.down_proj.weight",
+    f"{layer_name(MODEL_TENSOR.FFN_GATE_SHEXP)}.weight": "mlp.shared_expert.gate_proj.weight",
+    f"{layer_name(MODEL_TENSOR.FFN_UP_SHEXP)}.weight": "mlp.shared_expert.up_proj.weight",
+    f"{layer_name(MODEL_TENSOR.FFN_DOWN_SHEXP)}.weight": "mlp.shared_expert.down_proj.weight",
 }
 
 

@@ -19,17 +19,12 @@ from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import experts, mamba
-from llmrun.loading.gguf_io import ArchMetadata
+from llmrun.loading.gguf_io import ArchMetadata, layer_name
 
 if TYPE_CHECKING:
     from llmrun.loading.gguf_io import GGUFFile
 
 ARCH, MODEL_TYPE = "jamba", "jamba"
-
-
-def _layer(tensor: MODEL_TENSOR) -> str:
-    """The name of a per-layer tensor after "blk.N."."""
-    return TENSOR_NAMES[tensor].removeprefix("blk.{bid}.")
 
 
 GLOBAL_NAMES = {
@@ -39,23 +34,23 @@ GLOBAL_NAMES = {
 }
 # GGUF tensor (after "blk.N.", with its suffix) -> HF key (after "model.layers.N.").
 LAYER_NAMES = {
-    f"{_layer(MODEL_TENSOR.ATTN_NORM)}.weight": "input_layernorm.weight",
-    f"{_layer(MODEL_TENSOR.FFN_NORM)}.weight": "pre_ff_layernorm.weight",
-    f"{_layer(MODEL_TENSOR.ATTN_Q)}.weight": "self_attn.q_proj.weight",
-    f"{_layer(MODEL_TENSOR.ATTN_K)}.weight": "self_attn.k_proj.weight",
-    f"{_layer(MODEL_TENSOR.ATTN_V)}.weight": "self_attn.v_proj.weight",
-    f"{_layer(MODEL_TENSOR.ATTN_OUT)}.weight": "self_attn.o_proj.weight",
-    f"{_layer(MODEL_TENSOR.SSM_DT_NORM)}.weight": "mamba.dt_layernorm.weight",
-    f"{_layer(MODEL_TENSOR.SSM_B_NORM)}.weight": "mamba.b_layernorm.weight",
-    f"{_layer(MODEL_TENSOR.SSM_C_NORM)}.weight": "mamba.c_layernorm.weight",
-    f"{_layer(MODEL_TENSOR.FFN_GATE)}.weight": "feed_forward.gate_proj.weight",
-    f"{_layer(MODEL_TENSOR.FFN_UP)}.weight": "feed_forward.up_proj.weight",
-    f"{_layer(MODEL_TENSOR.FFN_DOWN)}.weight": "feed_forward.down_proj.weight",
-    f"{_layer(MODEL_TENSOR.FFN_GATE_INP)}.weight": "feed_forward.router.weight",
+    f"{layer_name(MODEL_TENSOR.ATTN_NORM)}.weight": "input_layernorm.weight",
+    f"{layer_name(MODEL_TENSOR.FFN_NORM)}.weight": "pre_ff_layernorm.weight",
+    f"{layer_name(MODEL_TENSOR.ATTN_Q)}.weight": "self_attn.q_proj.weight",
+    f"{layer_name(MODEL_TENSOR.ATTN_K)}.weight": "self_attn.k_proj.weight",
+    f"{layer_name(MODEL_TENSOR.ATTN_V)}.weight": "self_attn.v_proj.weight",
+    f"{layer_name(MODEL_TENSOR.ATTN_OUT)}.weight": "self_attn.o_proj.weight",
+    f"{layer_name(MODEL_TENSOR.SSM_DT_NORM)}.weight": "mamba.dt_layernorm.weight",
+    f"{layer_name(MODEL_TENSOR.SSM_B_NORM)}.weight": "mamba.b_layernorm.weight",
+    f"{layer_name(MODEL_TENSOR.SSM_C_NORM)}.weight": "mamba.c_layernorm.weight",
+    f"{layer_name(MODEL_TENSOR.FFN_GATE)}.weight": "feed_forward.gate_proj.weight",
+    f"{layer_name(MODEL_TENSOR.FFN_UP)}.weight": "feed_forward.up_proj.weight",
+    f"{layer_name(MODEL_TENSOR.FFN_DOWN)}.weight": "feed_forward.down_proj.weight",
+    f"{layer_name(MODEL_TENSOR.FFN_GATE_INP)}.weight": "feed_forward.router.weight",
     # Each expert's key, with an {expert} field: the loader splits the stacks.
-    f"{_layer(MODEL_TENSOR.FFN_GATE_EXP)}.weight": "feed_forward.experts.{expert}.gate_proj.weight",
-    f"{_layer(MODEL_TENSOR.FFN_UP_EXP)}.weight": "feed_forward.experts.{expert}.up_proj.weight",
-    f"{_layer(MODEL_TENSOR.FFN_DOWN_EXP)}.weight": "feed_forward.experts.{expert}.down_proj.weight",
+    f"{layer_name(MODEL_TENSOR.FFN_GATE_EXP)}.weight": "feed_forward.experts.{expert}.gate_proj.weight",
+    f"{layer_name(MODEL_TENSOR.FFN_UP_EXP)}.weight": "feed_forward.experts.{expert}.up_proj.weight",
+    f"{layer_name(MODEL_TENSOR.FFN_DOWN_EXP)}.weight": "feed_forward.experts.{expert}.down_proj.weight",
     # The Mamba mixer's, as the "mamba" arch names them.
     **{
         gguf: f"mamba.{hf.removeprefix('mixer.')}"
@@ -109,7 +104,7 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
     embed = gg.tensors.get(f"{TENSOR_NAMES[MODEL_TENSOR.TOKEN_EMBD]}.weight")
     if embed is None:
         raise ModelFormatError(f"{gg.path}: tensor token_embd.weight is missing")
-    router = f"{_layer(MODEL_TENSOR.FFN_GATE_INP)}.weight"
+    router = f"{layer_name(MODEL_TENSOR.FFN_GATE_INP)}.weight"
     expert_layers = [i for i in range(layers) if f"blk.{i}.{router}" in gg.tensors]
     count = meta.get(Keys.LLM.EXPERT_COUNT, 0)
     used = meta.get(Keys.LLM.EXPERT_USED_COUNT, 0)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from gguf import MODEL_TENSOR, TENSOR_NAMES, ExpertGatingFuncType, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.loading.gguf_io import ArchMetadata, vocab_size
+from llmrun.loading.gguf_io import ArchMetadata, layer_name, vocab_size
 
 if TYPE_CHECKING:  # gguf_io imports inspect, which reads attention_layer_count here
     from llmrun.loading.gguf_io import GGUFFile
@@ -32,34 +32,29 @@ ARCH, MOE_ARCH = "lfm2", "lfm2moe"
 MODEL_TYPES = {ARCH: "lfm2", MOE_ARCH: "lfm2_moe"}
 
 
-def _layer(tensor: MODEL_TENSOR) -> str:
-    """The name of a per-layer tensor after "blk.N."."""
-    return TENSOR_NAMES[tensor].removeprefix("blk.{bid}.")
-
-
 # GGUF tensor (after "blk.N.") -> HF module (after "model.layers.N.").
 LAYER_NAMES = {
-    _layer(MODEL_TENSOR.ATTN_NORM): "operator_norm",
-    _layer(MODEL_TENSOR.FFN_NORM): "ffn_norm",
-    _layer(MODEL_TENSOR.ATTN_Q): "self_attn.q_proj",
-    _layer(MODEL_TENSOR.ATTN_K): "self_attn.k_proj",
-    _layer(MODEL_TENSOR.ATTN_V): "self_attn.v_proj",
-    _layer(MODEL_TENSOR.ATTN_OUT): "self_attn.out_proj",
-    _layer(MODEL_TENSOR.ATTN_Q_NORM): "self_attn.q_layernorm",
-    _layer(MODEL_TENSOR.ATTN_K_NORM): "self_attn.k_layernorm",
-    _layer(MODEL_TENSOR.SHORTCONV_CONV): "conv.conv",
-    _layer(MODEL_TENSOR.SHORTCONV_INPROJ): "conv.in_proj",
-    _layer(MODEL_TENSOR.SHORTCONV_OUTPROJ): "conv.out_proj",
-    _layer(MODEL_TENSOR.FFN_GATE): "feed_forward.w1",
-    _layer(MODEL_TENSOR.FFN_UP): "feed_forward.w3",
-    _layer(MODEL_TENSOR.FFN_DOWN): "feed_forward.w2",
-    _layer(MODEL_TENSOR.FFN_GATE_INP): "feed_forward.gate",
+    layer_name(MODEL_TENSOR.ATTN_NORM): "operator_norm",
+    layer_name(MODEL_TENSOR.FFN_NORM): "ffn_norm",
+    layer_name(MODEL_TENSOR.ATTN_Q): "self_attn.q_proj",
+    layer_name(MODEL_TENSOR.ATTN_K): "self_attn.k_proj",
+    layer_name(MODEL_TENSOR.ATTN_V): "self_attn.v_proj",
+    layer_name(MODEL_TENSOR.ATTN_OUT): "self_attn.out_proj",
+    layer_name(MODEL_TENSOR.ATTN_Q_NORM): "self_attn.q_layernorm",
+    layer_name(MODEL_TENSOR.ATTN_K_NORM): "self_attn.k_layernorm",
+    layer_name(MODEL_TENSOR.SHORTCONV_CONV): "conv.conv",
+    layer_name(MODEL_TENSOR.SHORTCONV_INPROJ): "conv.in_proj",
+    layer_name(MODEL_TENSOR.SHORTCONV_OUTPROJ): "conv.out_proj",
+    layer_name(MODEL_TENSOR.FFN_GATE): "feed_forward.w1",
+    layer_name(MODEL_TENSOR.FFN_UP): "feed_forward.w3",
+    layer_name(MODEL_TENSOR.FFN_DOWN): "feed_forward.w2",
+    layer_name(MODEL_TENSOR.FFN_GATE_INP): "feed_forward.gate",
     # The converter renames the expert_bias buffer to expert_bias.bias, so ".bias" ends it.
-    _layer(MODEL_TENSOR.FFN_EXP_PROBS_B): "feed_forward.expert_bias",
+    layer_name(MODEL_TENSOR.FFN_EXP_PROBS_B): "feed_forward.expert_bias",
     # Each expert's key, with an {expert} field: the loader splits the stacks.
-    _layer(MODEL_TENSOR.FFN_GATE_EXP): "feed_forward.experts.{expert}.w1",
-    _layer(MODEL_TENSOR.FFN_UP_EXP): "feed_forward.experts.{expert}.w3",
-    _layer(MODEL_TENSOR.FFN_DOWN_EXP): "feed_forward.experts.{expert}.w2",
+    layer_name(MODEL_TENSOR.FFN_GATE_EXP): "feed_forward.experts.{expert}.w1",
+    layer_name(MODEL_TENSOR.FFN_UP_EXP): "feed_forward.experts.{expert}.w3",
+    layer_name(MODEL_TENSOR.FFN_DOWN_EXP): "feed_forward.experts.{expert}.w2",
 }
 GLOBAL_NAMES = {
     TENSOR_NAMES[MODEL_TENSOR.TOKEN_EMBD]: "model.embed_tokens",
@@ -85,7 +80,7 @@ def hf_name(gguf_name: str) -> str | None:
     ):
         return None
     name = f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"
-    if parts[2] == _layer(MODEL_TENSOR.FFN_EXP_PROBS_B):
+    if parts[2] == layer_name(MODEL_TENSOR.FFN_EXP_PROBS_B):
         return name if suffix == "bias" else None
     return f"{name}.{suffix}"
 

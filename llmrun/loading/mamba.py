@@ -18,18 +18,13 @@ from typing import TYPE_CHECKING, Any
 from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
 
 from llmrun.errors import ModelFormatError
-from llmrun.loading.gguf_io import ArchMetadata
+from llmrun.loading.gguf_io import ArchMetadata, layer_name
 
 if TYPE_CHECKING:
     from llmrun.loading.gguf_io import GGUFFile
 
 ARCH = "mamba"
 MODEL_TYPES = ("mamba", "falcon_mamba")
-
-
-def _layer(tensor: MODEL_TENSOR) -> str:
-    """The name of a per-layer tensor after "blk.N."."""
-    return TENSOR_NAMES[tensor].removeprefix("blk.{bid}.")
 
 
 GLOBAL_NAMES = {
@@ -40,16 +35,16 @@ GLOBAL_NAMES = {
 # GGUF tensor (after "blk.N.", with its suffix; A and D have none) -> HF key (after
 # "backbone.layers.N.").
 LAYER_NAMES = {
-    f"{_layer(MODEL_TENSOR.ATTN_NORM)}.weight": "norm.weight",
-    f"{_layer(MODEL_TENSOR.SSM_IN)}.weight": "mixer.in_proj.weight",
-    f"{_layer(MODEL_TENSOR.SSM_CONV1D)}.weight": "mixer.conv1d.weight",
-    f"{_layer(MODEL_TENSOR.SSM_CONV1D)}.bias": "mixer.conv1d.bias",
-    f"{_layer(MODEL_TENSOR.SSM_X)}.weight": "mixer.x_proj.weight",
-    f"{_layer(MODEL_TENSOR.SSM_DT)}.weight": "mixer.dt_proj.weight",
-    f"{_layer(MODEL_TENSOR.SSM_DT)}.bias": "mixer.dt_proj.bias",
-    _layer(MODEL_TENSOR.SSM_A): "mixer.A_log",
-    _layer(MODEL_TENSOR.SSM_D): "mixer.D",
-    f"{_layer(MODEL_TENSOR.SSM_OUT)}.weight": "mixer.out_proj.weight",
+    f"{layer_name(MODEL_TENSOR.ATTN_NORM)}.weight": "norm.weight",
+    f"{layer_name(MODEL_TENSOR.SSM_IN)}.weight": "mixer.in_proj.weight",
+    f"{layer_name(MODEL_TENSOR.SSM_CONV1D)}.weight": "mixer.conv1d.weight",
+    f"{layer_name(MODEL_TENSOR.SSM_CONV1D)}.bias": "mixer.conv1d.bias",
+    f"{layer_name(MODEL_TENSOR.SSM_X)}.weight": "mixer.x_proj.weight",
+    f"{layer_name(MODEL_TENSOR.SSM_DT)}.weight": "mixer.dt_proj.weight",
+    f"{layer_name(MODEL_TENSOR.SSM_DT)}.bias": "mixer.dt_proj.bias",
+    layer_name(MODEL_TENSOR.SSM_A): "mixer.A_log",
+    layer_name(MODEL_TENSOR.SSM_D): "mixer.D",
+    f"{layer_name(MODEL_TENSOR.SSM_OUT)}.weight": "mixer.out_proj.weight",
 }
 # Kept in float by llama.cpp's quantizer; llmrun reads them so.
 _FLOAT_PARTS = ("mixer.conv1d.weight", "mixer.conv1d.bias", "mixer.dt_proj.bias")

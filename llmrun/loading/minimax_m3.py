@@ -15,11 +15,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from gguf import MODEL_TENSOR, TENSOR_NAMES, ExpertGatingFuncType, Keys
+from gguf import MODEL_TENSOR, ExpertGatingFuncType, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import deepseek2
-from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile, layer_name
 
 ARCH, MODEL_TYPE = "minimax-m3", "minimax_m3"
 # The config.json model_types of its language model: the text-only checkpoints', and the
@@ -31,21 +31,16 @@ _MTP = re.compile(r"(^|\.)mtp\.")
 _BLOCK = "block_sparse_moe"
 
 
-def _short(tensor: MODEL_TENSOR) -> str:
-    """A layer tensor's GGUF name without "blk.{bid}." ("indexer.q_proj", "ffn_up_shexp")."""
-    return TENSOR_NAMES[tensor].removeprefix("blk.{bid}.")
-
-
 # GGUF layer tensor -> the module in the layer (the checkpoint's names, llmrun's model's),
 # where MiniMax-M3 differs from the common names; a stack of experts names each expert's.
 _LAYER_NAMES = {
-    _short(MODEL_TENSOR.FFN_GATE_INP): f"{_BLOCK}.gate",
-    _short(MODEL_TENSOR.FFN_GATE_EXP): f"{_BLOCK}.experts.{{expert}}.w1",
-    _short(MODEL_TENSOR.FFN_UP_EXP): f"{_BLOCK}.experts.{{expert}}.w3",
-    _short(MODEL_TENSOR.FFN_DOWN_EXP): f"{_BLOCK}.experts.{{expert}}.w2",
-    _short(MODEL_TENSOR.FFN_GATE_SHEXP): f"{_BLOCK}.shared_experts.gate_proj",
-    _short(MODEL_TENSOR.FFN_UP_SHEXP): f"{_BLOCK}.shared_experts.up_proj",
-    _short(MODEL_TENSOR.FFN_DOWN_SHEXP): f"{_BLOCK}.shared_experts.down_proj",
+    layer_name(MODEL_TENSOR.FFN_GATE_INP): f"{_BLOCK}.gate",
+    layer_name(MODEL_TENSOR.FFN_GATE_EXP): f"{_BLOCK}.experts.{{expert}}.w1",
+    layer_name(MODEL_TENSOR.FFN_UP_EXP): f"{_BLOCK}.experts.{{expert}}.w3",
+    layer_name(MODEL_TENSOR.FFN_DOWN_EXP): f"{_BLOCK}.experts.{{expert}}.w2",
+    layer_name(MODEL_TENSOR.FFN_GATE_SHEXP): f"{_BLOCK}.shared_experts.gate_proj",
+    layer_name(MODEL_TENSOR.FFN_UP_SHEXP): f"{_BLOCK}.shared_experts.up_proj",
+    layer_name(MODEL_TENSOR.FFN_DOWN_SHEXP): f"{_BLOCK}.shared_experts.down_proj",
     # MiniMax's indexer (gguf-py's INDEXER_{Q,K}_PROJ and INDEXER_Q_NORM, newer than
     # the gguf package llmrun requires, and INDEXER_K_NORM).
     "indexer.q_proj": "self_attn.index_q_proj",
@@ -53,7 +48,7 @@ _LAYER_NAMES = {
     "indexer.q_norm": "self_attn.index_q_norm",
     "indexer.k_norm": "self_attn.index_k_norm",
 }
-_SELECTION_BIAS = _short(MODEL_TENSOR.FFN_EXP_PROBS_B)
+_SELECTION_BIAS = layer_name(MODEL_TENSOR.FFN_EXP_PROBS_B)
 # The indexer's keys (MiniMax Sparse Attention; gguf-py's Keys.Attention.Indexer, whose
 # block_size and local_blocks are newer than the gguf package llmrun requires) ->
 # MiniMaxM3VLTextConfig's fields.

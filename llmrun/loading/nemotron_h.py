@@ -28,7 +28,7 @@ from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
 
 from llmrun.errors import ModelFormatError
 from llmrun.loading import glm4_moe, granitehybrid
-from llmrun.loading.gguf_io import ArchMetadata
+from llmrun.loading.gguf_io import ArchMetadata, layer_name
 
 if TYPE_CHECKING:
     from llmrun.loading.gguf_io import GGUFFile
@@ -38,39 +38,34 @@ ARCHS = ("nemotron_h", "nemotron_h_moe")
 MODEL_TYPES = dict.fromkeys(ARCHS, MODEL_TYPE)
 
 
-def _layer(tensor: MODEL_TENSOR) -> str:
-    """The name of a per-layer tensor after "blk.N."."""
-    return TENSOR_NAMES[tensor].removeprefix("blk.{bid}.")
-
-
 # GGUF tensor (after "blk.N.", without its suffix) -> HF module (after "model.layers.N.").
 LAYER_NAMES = {
-    _layer(MODEL_TENSOR.ATTN_NORM): "norm",
-    _layer(MODEL_TENSOR.ATTN_Q): "mixer.q_proj",
-    _layer(MODEL_TENSOR.ATTN_K): "mixer.k_proj",
-    _layer(MODEL_TENSOR.ATTN_V): "mixer.v_proj",
-    _layer(MODEL_TENSOR.ATTN_OUT): "mixer.o_proj",
-    _layer(MODEL_TENSOR.SSM_IN): "mixer.in_proj",
-    _layer(MODEL_TENSOR.SSM_CONV1D): "mixer.conv1d",
-    _layer(MODEL_TENSOR.SSM_NORM): "mixer.norm",
-    _layer(MODEL_TENSOR.SSM_OUT): "mixer.out_proj",
-    _layer(MODEL_TENSOR.FFN_UP): "mixer.up_proj",
-    _layer(MODEL_TENSOR.FFN_DOWN): "mixer.down_proj",
-    _layer(MODEL_TENSOR.FFN_GATE_INP): "mixer.gate",
-    _layer(MODEL_TENSOR.FFN_UP_SHEXP): "mixer.shared_experts.up_proj",
-    _layer(MODEL_TENSOR.FFN_DOWN_SHEXP): "mixer.shared_experts.down_proj",
-    _layer(MODEL_TENSOR.MOE_LATENT_DOWN): "mixer.fc1_latent_proj",
-    _layer(MODEL_TENSOR.MOE_LATENT_UP): "mixer.fc2_latent_proj",
+    layer_name(MODEL_TENSOR.ATTN_NORM): "norm",
+    layer_name(MODEL_TENSOR.ATTN_Q): "mixer.q_proj",
+    layer_name(MODEL_TENSOR.ATTN_K): "mixer.k_proj",
+    layer_name(MODEL_TENSOR.ATTN_V): "mixer.v_proj",
+    layer_name(MODEL_TENSOR.ATTN_OUT): "mixer.o_proj",
+    layer_name(MODEL_TENSOR.SSM_IN): "mixer.in_proj",
+    layer_name(MODEL_TENSOR.SSM_CONV1D): "mixer.conv1d",
+    layer_name(MODEL_TENSOR.SSM_NORM): "mixer.norm",
+    layer_name(MODEL_TENSOR.SSM_OUT): "mixer.out_proj",
+    layer_name(MODEL_TENSOR.FFN_UP): "mixer.up_proj",
+    layer_name(MODEL_TENSOR.FFN_DOWN): "mixer.down_proj",
+    layer_name(MODEL_TENSOR.FFN_GATE_INP): "mixer.gate",
+    layer_name(MODEL_TENSOR.FFN_UP_SHEXP): "mixer.shared_experts.up_proj",
+    layer_name(MODEL_TENSOR.FFN_DOWN_SHEXP): "mixer.shared_experts.down_proj",
+    layer_name(MODEL_TENSOR.MOE_LATENT_DOWN): "mixer.fc1_latent_proj",
+    layer_name(MODEL_TENSOR.MOE_LATENT_UP): "mixer.fc2_latent_proj",
     # Each expert's module, with an {expert} field: the loader splits the stacks.
-    _layer(MODEL_TENSOR.FFN_UP_EXP): "mixer.experts.{expert}.up_proj",
-    _layer(MODEL_TENSOR.FFN_DOWN_EXP): "mixer.experts.{expert}.down_proj",
+    layer_name(MODEL_TENSOR.FFN_UP_EXP): "mixer.experts.{expert}.up_proj",
+    layer_name(MODEL_TENSOR.FFN_DOWN_EXP): "mixer.experts.{expert}.down_proj",
 }
 # Whole names (after "blk.N.") of the tensors that are a parameter, not a module's.
 LAYER_PARAMETERS = {
-    f"{_layer(MODEL_TENSOR.SSM_DT)}.bias": "mixer.dt_bias",
-    _layer(MODEL_TENSOR.SSM_A): "mixer.A_log",  # A and D have no suffix in llama.cpp's files
-    _layer(MODEL_TENSOR.SSM_D): "mixer.D",
-    f"{_layer(MODEL_TENSOR.FFN_EXP_PROBS_B)}.bias": "mixer.gate.e_score_correction_bias",
+    f"{layer_name(MODEL_TENSOR.SSM_DT)}.bias": "mixer.dt_bias",
+    layer_name(MODEL_TENSOR.SSM_A): "mixer.A_log",  # A and D have no suffix in llama.cpp's files
+    layer_name(MODEL_TENSOR.SSM_D): "mixer.D",
+    f"{layer_name(MODEL_TENSOR.FFN_EXP_PROBS_B)}.bias": "mixer.gate.e_score_correction_bias",
 }
 GLOBAL_NAMES = {
     TENSOR_NAMES[MODEL_TENSOR.TOKEN_EMBD]: "model.embeddings",

@@ -16,27 +16,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
+from gguf import MODEL_TENSOR, Keys
 
 from llmrun.errors import ModelFormatError
-from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile, layer_name
 
 ARCH = MODEL_TYPE = "phimoe"
 ROUTER_JITTER_NOISE = 0.01  # Phi-3.5-MoE's, transformers' PhimoeConfig default
 
 
-def _layer(tensor: MODEL_TENSOR) -> str:
-    """The name of a per-layer tensor after "blk.N."."""
-    return TENSOR_NAMES[tensor].removeprefix("blk.{bid}.")
-
-
 # The mixture of experts, GGUF module (after "blk.N.") -> HF module (after
 # "model.layers.N."), a stack's with an {expert} field; the rest has Llama's names.
 MOE_NAMES = {
-    _layer(MODEL_TENSOR.FFN_GATE_INP): "block_sparse_moe.gate",
-    _layer(MODEL_TENSOR.FFN_GATE_EXP): "block_sparse_moe.experts.{expert}.w1",
-    _layer(MODEL_TENSOR.FFN_UP_EXP): "block_sparse_moe.experts.{expert}.w3",
-    _layer(MODEL_TENSOR.FFN_DOWN_EXP): "block_sparse_moe.experts.{expert}.w2",
+    layer_name(MODEL_TENSOR.FFN_GATE_INP): "block_sparse_moe.gate",
+    layer_name(MODEL_TENSOR.FFN_GATE_EXP): "block_sparse_moe.experts.{expert}.w1",
+    layer_name(MODEL_TENSOR.FFN_UP_EXP): "block_sparse_moe.experts.{expert}.w3",
+    layer_name(MODEL_TENSOR.FFN_DOWN_EXP): "block_sparse_moe.experts.{expert}.w2",
 }
 
 

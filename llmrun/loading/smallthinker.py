@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from gguf import MODEL_TENSOR, TENSOR_NAMES, ExpertGatingFuncType, Keys
+from gguf import MODEL_TENSOR, ExpertGatingFuncType, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile, layer_name
 
 ARCH = MODEL_TYPE = "smallthinker"
 SLIDING_WINDOW = 4096  # llama_model_smallthinker::load_arch_hparams: hparams.n_swa = 4096
@@ -34,18 +34,13 @@ NO_ROPE_STEP = 4  # hparams.n_no_rope_layer_step's default: layer i NoPE where i
 GATINGS = {ExpertGatingFuncType.SOFTMAX: True, ExpertGatingFuncType.SIGMOID: False}
 
 
-def _layer(tensor: MODEL_TENSOR) -> str:
-    """The name of a per-layer tensor after "blk.N."."""
-    return TENSOR_NAMES[tensor].removeprefix("blk.{bid}.")
-
-
 # The mixture of experts, GGUF module (after "blk.N.") -> HF module (after
 # "model.layers.N."), a stack's with an {expert} field; the rest has Llama's names.
 MOE_NAMES = {
-    _layer(MODEL_TENSOR.FFN_GATE_INP): "block_sparse_moe.primary_router",
-    _layer(MODEL_TENSOR.FFN_GATE_EXP): "block_sparse_moe.experts.{expert}.gate",
-    _layer(MODEL_TENSOR.FFN_UP_EXP): "block_sparse_moe.experts.{expert}.up",
-    _layer(MODEL_TENSOR.FFN_DOWN_EXP): "block_sparse_moe.experts.{expert}.down",
+    layer_name(MODEL_TENSOR.FFN_GATE_INP): "block_sparse_moe.primary_router",
+    layer_name(MODEL_TENSOR.FFN_GATE_EXP): "block_sparse_moe.experts.{expert}.gate",
+    layer_name(MODEL_TENSOR.FFN_UP_EXP): "block_sparse_moe.experts.{expert}.up",
+    layer_name(MODEL_TENSOR.FFN_DOWN_EXP): "block_sparse_moe.experts.{expert}.down",
 }
 
 
