@@ -47,18 +47,22 @@ class LoraScale(BaseModel):
     scale: Annotated[float, Field(allow_inf_nan=False)]
 
 
-class Sampling(BaseModel):
-    """Fields common to both endpoints; top_k, min_p, repeat_penalty, ignore_eos and
-    lora (the request's adapter scales) are extensions, as in llama.cpp's and vLLM's
-    servers."""
+class Body(BaseModel):
+    """A request body whose fields may be null: OpenAI's fields are nullable, and clients
+    send null for "not set", which takes the default."""
 
     @model_validator(mode="before")
     @classmethod
     def _null_is_the_default(cls, data: Any) -> Any:
-        """OpenAI's fields are nullable, and clients send null for "not set"."""
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if v is not None}
         return data
+
+
+class Sampling(Body):
+    """Fields common to both endpoints; top_k, min_p, repeat_penalty, ignore_eos and
+    lora (the request's adapter scales) are extensions, as in llama.cpp's and vLLM's
+    servers."""
 
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -268,18 +272,11 @@ class CompletionBody(Sampling):
         return self
 
 
-class EmbeddingBody(BaseModel):
+class EmbeddingBody(Body):
     """OpenAI's embeddings request: `input` one text or token id list, or several; vectors
     as floats or base64 (little-endian float32); `dimensions` only the model's own.
     `embd_normalize` (llama.cpp's): 2 unit length (the default), -1 raw vectors;
     `truncate` (llmrun's): cut an input longer than the context rather than refuse it."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_the_default(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
-        return data
 
     model: str | None = None
     input: (
@@ -302,19 +299,12 @@ class EmbeddingBody(BaseModel):
         return value
 
 
-class RerankBody(BaseModel):
+class RerankBody(Body):
     """A rerank request as Jina's, Cohere's and llama.cpp's /rerank take it: a `query`,
     its `documents` (texts, or objects with a text), the `top_n` best to return (default:
     all);
     `return_documents` (Jina's, Cohere's): each result's text too; `truncate` (llmrun's):
     cut a document whose pair with the query passes the context rather than refuse it."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_the_default(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
-        return data
 
     model: str | None = None
     query: str
@@ -332,16 +322,9 @@ class RerankBody(BaseModel):
         return [d["text"] if isinstance(d, dict) and "text" in d else d for d in value]
 
 
-class ScoreBody(BaseModel):
+class ScoreBody(Body):
     """vLLM's /v1/score request: `text_1` scored against each of `text_2` (a text or
     texts), or texts paired one to one (two lists of one length)."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_the_default(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
-        return data
 
     model: str | None = None
     text_1: str | Annotated[list[str], Field(min_length=1)]
