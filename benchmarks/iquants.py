@@ -1,4 +1,4 @@
-"""The i-quants and ternary types (IQ1_S ... IQ3_S, TQ1_0, TQ2_0) against llama.cpp (not
+"""The i-quants and ternary types (IQ1_S ... IQ4_XS, TQ1_0, TQ2_0) against llama.cpp (not
 run by CI).
 
     PYTHONPATH=. python benchmarks/iquants.py --llama-cpp DIR [--types IQ2_XXS,IQ3_S]
@@ -15,12 +15,15 @@ over them. llama.cpp multiplies these types with activations quantized to Q8_K (
 multiplies the exactly dequantized weights in f32), so small differences are expected;
 a layout misread would scramble the tokens from the first step. IQ4_XS, whose kernels
 were held exact before, runs first by default, to give the scale of those differences.
-The first step's log-probabilities over the whole vocabulary are compared too.
+The first step's log-probabilities over the whole vocabulary are compared too. Both
+comparisons run again with llmrun's 8-bit-activation kernels (`--activations q8`,
+which quantize the activations as llama.cpp does: Q8_K, IQ4_NL's Q8_0), which should
+come much closer to llama.cpp.
 
 --speed: per type, a bigger Llama of random blocks (hidden 2048, FFN 8192, --layers
 layers, 32 heads and 8 KV heads, stories260K's 512-token vocabulary), decoded by
-`llama-bench -p 0 -n N` and `llmrun bench -p 0 -n N`: tokens/s side by side. Timings
-are only worth reading on an otherwise idle machine.
+`llama-bench -p 0 -n N` and `llmrun bench -p 0 -n N`, exact and with `--activations q8`:
+tokens/s side by side. Timings are only worth reading on an otherwise idle machine.
 
 Files go to benchmarks/out/iquants/; the figures to --out (benchmarks/out/iquants.json).
 """
@@ -140,12 +143,13 @@ def llama_cpp_steps(server: Server, tokens: int, path: Path) -> tuple[list[int],
     return llama_cpp_greedy(server, tokens, token_bytes(path))
 
 
-def first_logprobs(server: Server, path: Path) -> tuple[np.ndarray, np.ndarray]:
+def first_logprobs(server: Server, path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The next token's log-probabilities after PROMPT over the whole vocabulary, by
-    llama.cpp and by llmrun."""
+    llama.cpp and by llmrun, exact and with 8-bit activations."""
     import torch
 
     from llmrun.loading.loader import load_model
+    from llmrun.quant.linear import set_activations
 
     body = {"prompt": PROMPT, "n_predict": 1, "n_probs": LLAMA["vocab_size"]}
     body |= {"temperature": 0, "cache_prompt": False}
@@ -154,33 +158,45 @@ def first_logprobs(server: Server, path: Path) -> tuple[np.ndarray, np.ndarray]:
     for entry in top:
         theirs[entry["id"]] = entry["logprob"]
     model = load_model(path, torch.device("cpu"), "f32").model
-    with torch.no_grad():
-        logits = model(torch.tensor([PROMPT]), torch.arange(len(PROMPT))[None])[0, -1]
-    return theirs, torch.log_softmax(logits.double(), -1).numpy()
+    ours = []
+    for activations in ("f32", "q8"):
+        set_activations(model, activations)
+        with torch.no_grad():
+            logits = model(torch.tensor([PROMPT]), torch.arange(len(PROMPT))[None])[0, -1]
+        ours.append(torch.log_softmax(logits.double(), -1).numpy())
+    return theirs, *ours
+
+
+def agreeing(ours: list[int], theirs: list[int]) -> int:
+    """The steps whose tokens agree before the first difference."""
+    pairs = zip(ours, theirs, strict=False)
+    return next((i for i, (a, b) in enumerate(pairs) if a != b), len(ours))
 
 
 def parity(llama_cpp: Path, ggml_type: T, folder: Path, tokens: int) -> dict:
     path = tiny_model(folder / f"tiny-{ggml_type.name}.gguf", ggml_type)
     ours, our_probs, our_top2 = llmrun_greedy(path, tokens)
+    ours_q8, _, _ = llmrun_greedy(path, tokens, "q8")
     server = Server(llama_cpp / "llama-server", path, folder / f"{ggml_type.name}.log", EXACT)
     try:
         theirs, their_probs = llama_cpp_steps(server, tokens, path)
-        their_first, our_first = first_logprobs(server, path)
+        their_first, our_first, our_q8_first = first_logprobs(server, path)
     finally:
         server.close()
     known = ~np.isnan(their_first)
     first_diff = float(np.abs(their_first - our_first)[known].max())
+    q8_diff = float(np.abs(their_first - our_q8_first)[known].max())
     spread = float(our_first.max() - our_first.min())
-    pairs = zip(ours, theirs, strict=False)
-    agree = next((i for i, (a, b) in enumerate(pairs) if a != b), len(ours))
+    agree, agree_q8 = (agreeing(mine, theirs) for mine in (ours, ours_q8))
     worst = max((abs(our_probs[i] - p) for i, p in their_probs.items() if i < agree), default=0)
     print(
-        f"{ggml_type.name:8} first step: max |log-prob diff| {first_diff:.3f} over "
-        f"{known.sum()} tokens (log-probs span {spread:.1f}); {agree:3}/{tokens} tokens "
-        f"agree, chosen-token prob diff {worst:.2e}"
+        f"{ggml_type.name:8} first step: max |log-prob diff| {first_diff:.3f} (q8 "
+        f"{q8_diff:.1e}) over {known.sum()} tokens (log-probs span {spread:.1f}); "
+        f"{agree:3}/{tokens} tokens agree (q8 {agree_q8}), chosen-token prob diff {worst:.2e}"
     )
     result = dict(type=ggml_type.name, agree=agree, tokens=tokens, max_prob_diff=worst)
     result |= dict(first_step_max_logprob_diff=first_diff, first_step_logprob_span=spread)
+    result |= dict(first_step_max_logprob_diff_q8=q8_diff, agree_q8=agree_q8)
     if agree < tokens:  # a near tie where they part?
         print(f"{'':8} llmrun's top two at step {agree}: {our_top2[agree]}")
         result["llmrun_top2_where_they_differ"] = our_top2[agree]
@@ -195,23 +211,27 @@ def speed(llama_cpp: Path, ggml_type: T, folder: Path, args: argparse.Namespace)
         [str(llama_cpp / "llama-bench"), "-m", str(path), *common, "-o", "json"],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
-    ours = subprocess.run(
-        [sys.executable, "-m", "llmrun", "bench", str(path), *common, "-o", "json"],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
     llama_ts = json.loads(theirs.stdout)[0]["avg_ts"]
-    llmrun_ts = json.loads(ours.stdout)[0]["avg_ts"]
-    print(
-        f"{ggml_type.name:8} tg{args.n_gen}: llama.cpp {llama_ts:.2f} t/s, llmrun "
-        f"{llmrun_ts:.2f} t/s, llmrun / llama.cpp {llmrun_ts / llama_ts:.2f}"
-    )
-    return dict(type=ggml_type.name, test=f"tg{args.n_gen}", llama_cpp=llama_ts, llmrun=llmrun_ts)
+    result = dict(type=ggml_type.name, test=f"tg{args.n_gen}", llama_cpp=llama_ts)
+    line = f"{ggml_type.name:8} tg{args.n_gen}: llama.cpp {llama_ts:.2f} t/s"
+    for activations in ("f32", "q8"):
+        ours = subprocess.run(
+            [sys.executable, "-m", "llmrun", "bench", str(path), *common,
+             "--activations", activations, "-o", "json"],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        llmrun_ts = json.loads(ours.stdout)[0]["avg_ts"]
+        key = "llmrun" if activations == "f32" else "llmrun_q8"
+        result[key] = llmrun_ts
+        line += f", {key} {llmrun_ts:.2f} t/s ({llmrun_ts / llama_ts:.2f}x)"
+    print(line)
+    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llama-cpp", type=Path, required=True)
-    parser.add_argument("--types", default=",".join(t.name for t in [T.IQ4_XS, *TYPES]))
+    parser.add_argument("--types", default=",".join(t.name for t in [T.IQ4_XS, T.IQ4_NL, *TYPES]))
     parser.add_argument("--tokens", type=int, default=24)
     parser.add_argument("--speed", action="store_true")
     parser.add_argument("--layers", type=int, default=8)

@@ -323,11 +323,16 @@ def deepseek4(path: Path) -> None:
     t.write_deepseek4(path, t.hf_model(compress_rates=t.GGUF_RATES, hc_mult=4))
 
 
-def llmrun_greedy(path: Path, tokens: int) -> tuple[list[int], list[float], list[list]]:
-    """llmrun's greedy ids, their probabilities, and each step's two best (id, p)."""
+def llmrun_greedy(
+    path: Path, tokens: int, activations: str = "f32"
+) -> tuple[list[int], list[float], list[list]]:
+    """llmrun's greedy ids, their probabilities, and each step's two best (id, p), with
+    `activations` as --activations sets them."""
     from llmrun.loading.loader import load_model
+    from llmrun.quant.linear import set_activations
 
     model = load_model(path, torch.device("cpu"), "f32").model
+    set_activations(model, activations)
     cache = model.new_cache(1, len(PROMPT) + tokens + 1, torch.float32, "cpu")
     ids, probs, top2, feed, start = [], [], [], PROMPT, 0
     with torch.no_grad():

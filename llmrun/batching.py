@@ -23,6 +23,17 @@ delta scaled by its own, llmrun.loading.lora.scaled; its blocks' names start fro
 them, so no prefix is shared across scales), so its tokens do not depend on what it
 was batched with or what the cache held (float rounding aside: batched logits differ
 from single-row ones by ~1e-5). Finished and cancelled sequences leave between steps.
+A prompt with images (Gemma 3's, llmrun.multimodal; Mistral 3's and Qwen2-VL's, spans
+of a length by the image's size) prefills with their embeddings in place of their
+placeholder tokens: a chunk never ends inside an image, and a chunk that holds image
+tokens goes in a forward of its own (one row: Gemma 3's image tokens attend to each
+other both ways), while the decode steps batch as ever. Qwen2-VL's images take M-RoPE
+positions and shift the text after them, so each row of a forward without image tokens
+carries its own shift (PagedView.rope_shifts). The blocks an
+image's tokens begin in are salted with its digest (llmrun.kv_blocks), so a prefix is
+reused across prompts only where they hold the same image; a reused prefix may end
+inside an image, whose rest is then fed whole (the cached part was computed with all of
+it, and the rest attends to the cached part as the whole image's forward did).
 While a single sequence runs, a speculator (the engine's --draft or --lookup,
 llmrun.speculative) drafts its next tokens and the model checks them all in one
 forward, through the same blocks: greedy output stays the batched step's, sampling
@@ -40,7 +51,7 @@ import struct
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -60,6 +71,7 @@ from llmrun.loading import lora
 from llmrun.loading.loader import free_bytes
 from llmrun.models.paged import PagedKVCache, window_layers
 from llmrun.models.recurrent import StateSnapshots, copy_row
+from llmrun.multimodal import PromptImages
 from llmrun.sampling import Sampler, SamplingParams
 from llmrun.speculative import verify
 
@@ -101,6 +113,10 @@ class Request:
     history_end: int | None = None
     # Each LoRA adapter's scale for this request (None: the model's scales at submit).
     lora: tuple[float, ...] | None = None
+    # The prompt's images, encoded (Engine.encoded_prompt), and a digest of each one's
+    # content, which salts the names of the KV blocks it begins in (see kv_blocks).
+    images: PromptImages | None = None
+    image_digests: Sequence[bytes] = ()
 
 
 @dataclass(eq=False)
@@ -125,6 +141,7 @@ class Job:
     prompt_scored: bool = False  # its prompt's logprobs were sent
     lora: tuple[float, ...] = ()  # its adapters' scales, which its rows run with
     root: bytes = b""  # its blocks' names start here: its keys depend on its scales too
+    salts: dict[int, bytes] = field(default_factory=dict)  # its images' digests, by block
 
     @property
     def prefilling(self) -> bool:
@@ -255,6 +272,7 @@ class Scheduler:
             )
         job = Job(request, on_event)
         job.lora, job.root = self._lora_of(request)
+        job.salts = _image_salts(request)
         no_tokens = request.max_tokens is not None and request.max_tokens <= 0
         if no_tokens and request.prompt_logprobs is None:
             stats = Stats(prompt_tokens=len(request.prompt))
@@ -329,6 +347,7 @@ class Scheduler:
                 reuse=not job.scoring,
                 ends=self.snapshots,
                 root=job.root,
+                salts=job.salts,
             )
             if got is None:
                 break  # first come, first served: the next waits for blocks too
@@ -362,6 +381,11 @@ class Scheduler:
             done = len(other.state.tokens) // size * size  # blocks it has computed
             # Blocks still to come, while they match (a prompt's last token is always fed).
             last = min(len(job.target) - 1, len(other.target)) // size * size
+            # From a block whose salt differs (another image), they share nothing.
+            salts = job.salts, other.salts
+            differ = [i for i in {*salts[0], *salts[1]} if salts[0].get(i) != salts[1].get(i)]
+            if differ:
+                last = min(last, min(differ) * size)
             shared = done
             while (
                 shared < last
@@ -410,6 +434,8 @@ class Scheduler:
                     keep = job.request.history_end or end - CHECKPOINT_MARGIN
                     aligned = keep // BLOCK_SIZE * BLOCK_SIZE
                     end = aligned if aligned > done else end
+                if job.request.images is not None:
+                    end = _whole_images(job.request.images, done, end)
                 parts.append((job, job.target[done:end]))
                 budget -= len(parts[-1][1])
         # The windowed layers' blocks come as the chunks need them (their pool is sized
@@ -533,10 +559,32 @@ class Scheduler:
             self.waiting.appendleft(job)
 
     def _prefill(self, parts: list[tuple[Job, list[int]]]) -> None:
-        """Feed each job its chunk; a job whose prompt is then complete gets its first
-        token (a preempted one already has its next token)."""
+        """Feed each job its chunk, those without image tokens in one forward, each with
+        them in one of its own (the model places one row's images)."""
+        plain, imaged = [], []
+        for job, part in parts:
+            images = job.request.images
+            done = len(job.state.tokens)
+            soft = None
+            if images is not None:
+                soft = _images_from(images, done).tokens(
+                    done, done + len(part), self.cache.k.device
+                )
+            if soft is None:
+                plain.append((job, part))
+            else:
+                imaged.append(((job, part), soft))
+        if plain:
+            self._prefill_group(plain)
+        for part, soft in imaged:
+            self._prefill_group([part], soft)
+
+    def _prefill_group(self, parts: list[tuple[Job, list[int]]], images=None) -> None:
+        """Feed each job its chunk in one forward (with `images`, the ImageTokens of a
+        single job's chunk); a job whose prompt is then complete gets its first token (a
+        preempted one already has its next token)."""
         try:
-            logits = self._forward_chunks(parts)
+            logits = self._forward_chunks(parts, images)
         except Exception as e:  # a failed forward fails its requests, not the server
             for job, _ in parts:
                 self._finish(job, e)
@@ -562,10 +610,10 @@ class Scheduler:
         job.scored, job.prompt_scored = {}, True
         self._send(job, Response("", None, job.stream.stats, prompt_logprobs=tuple(scored)))
 
-    def _forward_chunks(self, parts: list[tuple[Job, list[int]]]) -> torch.Tensor:
+    def _forward_chunks(self, parts: list[tuple[Job, list[int]]], images=None) -> torch.Tensor:
         """One forward for the chunks, rows padded on the right; each row's last
         logits. A padded token repeats its row's last position and is never stored,
-        so no real query sees it."""
+        so no real query sees it. `images`: a single chunk's image tokens."""
         width = max(len(part) for _, part in parts)
         ids, positions, counts = [], [], []
         for job, part in parts:
@@ -578,12 +626,14 @@ class Scheduler:
         view = self._view([job for job, _ in parts], counts if padded else None)
         last = torch.tensor([c - 1 for c in counts], device=device)
         scoring = any(job.scoring for job, _ in parts)
+        extra = {} if images is None else {"images": images}
         with lora.scaled(self.engine.lora, [job.lora for job, _ in parts], device):
             logits = self.engine.model(
                 torch.tensor(ids, device=device),
                 torch.tensor(positions, device=device),
                 view,
                 last=None if scoring else last,  # every position's logits, to score prompts
+                **extra,
             )
         for row, (job, part) in enumerate(parts):
             if job.scoring:
@@ -621,6 +671,14 @@ class Scheduler:
         view = self.cache.view([j.table.full.blocks for j in jobs], counts, windows)
         if self.states is not None:
             view.recurrent = self.states.select([j.slot for j in jobs])
+        # Text after Qwen2-VL's images turns by shifted positions; each row feeds text
+        # from its next position on (a chunk with image tokens brings their own).
+        shifts = [
+            0 if j.request.images is None else j.request.images.shift_at(len(j.state.tokens))
+            for j in jobs
+        ]
+        if any(shifts):
+            view.rope_shifts = torch.tensor(shifts, device=self.cache.k.device)
         return view
 
     def _advance(self, job: Job, logits: torch.Tensor) -> None:
@@ -689,3 +747,44 @@ class Scheduler:
         if name is not None:
             self.snapshots.put(name, self.pending, job.slot)
             self.pending_names[job.slot] = None
+
+
+def _image_salts(request: Request) -> dict[int, bytes]:
+    """The salts of a request's blocks: each image's digest at the block its tokens begin
+    in (several in one block: joined in order)."""
+    images = request.images
+    if images is None:
+        if request.image_digests:
+            raise ValueError("image digests without images")
+        return {}
+    if len(request.image_digests) != len(images.embeds):
+        raise ValueError(
+            f"{len(request.image_digests)} image digests for {len(images.embeds)} images"
+        )
+    salts: dict[int, bytes] = {}
+    for start, digest in zip(images.starts, request.image_digests, strict=True):
+        index = start // BLOCK_SIZE
+        salts[index] = salts.get(index, b"") + digest
+    return salts
+
+
+def _whole_images(images: PromptImages, done: int, end: int) -> int:
+    """A chunk's end (`done` tokens fed) moved out of an image it would split: back to
+    the image's start where the chunk keeps a token, else on to its end."""
+    for a, b in images.spans():
+        if a < end < b:
+            return a if a > done else b
+    return end
+
+
+def _images_from(images: PromptImages, begin: int) -> PromptImages:
+    """The images from prompt position `begin` on, one that began before cut to its rest
+    (a reused prefix may end inside an image); of the same kind (Qwen2-VL's keep their
+    prompt's M-RoPE positions)."""
+    embeds, starts = [], []
+    for (a, b), embed in zip(images.spans(), images.embeds, strict=True):
+        if b > begin:
+            cut = max(begin - a, 0)
+            embeds.append(embed[cut:])
+            starts.append(a + cut)
+    return replace(images, embeds=embeds, starts=starts)

@@ -69,10 +69,15 @@ def pixel_values(image, size: int, mean: Sequence[float], std: Sequence[float]) 
     filter, antialiased when shrinking), / 255, then (x - mean) / std per channel."""
     from PIL import Image
 
-    resized = image.resize((size, size), Image.Resampling.BILINEAR)
+    return normalized(image.resize((size, size), Image.Resampling.BILINEAR), mean, std)
+
+
+def normalized(image, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
+    """Float32 pixels [3, H, W] of an RGB Pillow image as it is: / 255, then
+    (x - mean) / std per channel."""
     # [H, W, 3] uint8 -> [3, H, W]; scaled in float64 then float32, as transformers does.
-    pixels = torch.frombuffer(bytearray(resized.tobytes()), dtype=torch.uint8)
-    pixels = pixels.view(size, size, 3).permute(2, 0, 1).double() * (1 / 255)
+    pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
+    pixels = pixels.view(image.height, image.width, 3).permute(2, 0, 1).double() * (1 / 255)
     pixels = pixels.float()
     mean_t = torch.tensor(mean, dtype=torch.float32)[:, None, None]
     std_t = torch.tensor(std, dtype=torch.float32)[:, None, None]

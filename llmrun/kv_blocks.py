@@ -10,11 +10,13 @@ the SHA-256 chain of every token up to and including it (the hash of the previou
 block's name and its own tokens), so two sequences that share a prefix share its
 blocks, each counted by reference. The chain starts from a sequence's `root`: what
 else its keys and values depend on (serve's per-request LoRA scales), so sequences
-that differ there share no block. A block nobody holds keeps its keys and values
-and its name until its space is needed: free blocks are reused nameless ones first,
-then named ones least recently released first. A sequence releases its blocks last
-to first, so a conversation's tail is evicted before the prefix it shares with
-others.
+that differ there share no block. A block's salt joins its name too: the digest of
+each image whose tokens begin in it (every image's placeholder tokens are the same
+ids), so from there on prompts share blocks only where they hold the same image. A
+block nobody holds keeps its keys and values and its name until its space is needed:
+free blocks are reused nameless ones first, then named ones least recently released
+first. A sequence releases its blocks last to first, so a conversation's tail is
+evicted before the prefix it shares with others.
 
 Sliding-window layers (Gemma 2/3, gpt-oss) attend only to their last `window`
 positions, so their keys and values have a pool of their own, with a block manager
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Container, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
 
 # Positions per block. 16: a prefix hit reuses whole blocks, so smaller blocks reuse
@@ -58,6 +60,7 @@ class BlockTable:
     names: list[bytes] = field(default_factory=list)
     holes: int = 0  # the leading entries that are HOLEs
     root: bytes = b""  # where its names' chain starts (see the module docstring)
+    salts: Mapping[int, bytes] = field(default_factory=dict)  # by block index (see there)
 
 
 class BlockManager:
@@ -88,21 +91,31 @@ class BlockManager:
         """Blocks that keep a named prefix (held or not)."""
         return len(self.by_name)
 
-    def names(self, tokens: Sequence[int], start: bytes = b"") -> list[bytes]:
-        """The names of the full blocks of `tokens` (a prefix from position 0)."""
+    def names(
+        self,
+        tokens: Sequence[int],
+        start: bytes = b"",
+        salts: Mapping[int, bytes] | None = None,
+        first: int = 0,
+    ) -> list[bytes]:
+        """The names of the full blocks of `tokens`, which begin at block index `first`
+        (after the block named `start`), each salted by salts[its index]."""
         size, out, name = self.block_size, [], start
-        for begin in range(0, len(tokens) - size + 1, size):
-            chunk = tokens[begin : begin + size]
-            name = hashlib.sha256(name + b"".join(t.to_bytes(4, "little") for t in chunk)).digest()
+        for index, begin in enumerate(range(0, len(tokens) - size + 1, size), first):
+            chunk = b"".join(t.to_bytes(4, "little") for t in tokens[begin : begin + size])
+            salt = salts.get(index, b"") if salts else b""
+            name = hashlib.sha256(name + chunk + salt).digest()
             out.append(name)
         return out
 
-    def lookup(self, tokens: Sequence[int], root: bytes = b"") -> list[int]:
+    def lookup(
+        self, tokens: Sequence[int], root: bytes = b"", salts: Mapping[int, bytes] | None = None
+    ) -> list[int]:
         """The cached blocks holding the longest run of `tokens`' full leading blocks."""
         if not self.prefix_cache:
             return []
         hits = []
-        for name in self.names(tokens, root):
+        for name in self.names(tokens, root, salts):
             block = self.by_name.get(name)
             if block is None:
                 break
@@ -110,20 +123,25 @@ class BlockManager:
         return hits
 
     def allocate(
-        self, tokens: Sequence[int], positions: int, most: int | None = None, root: bytes = b""
+        self,
+        tokens: Sequence[int],
+        positions: int,
+        most: int | None = None,
+        root: bytes = b"",
+        salts: Mapping[int, bytes] | None = None,
     ) -> tuple[BlockTable, int] | None:
-        """A table (of names chained from `root`) for a sequence whose first `positions`
-        positions will hold `tokens`' (the tokens to prefill), reusing cached leading
-        blocks of tokens[:-1] (a sequence always feeds at least one token, for its
-        logits), at most `most` of them; with how many positions it reuses. None,
-        allocating nothing, when the free blocks do not suffice."""
-        hits = self.lookup(tokens[:-1], root)[:most]
+        """A table (of names chained from `root`, salted by `salts`) for a sequence whose
+        first `positions` positions will hold `tokens`' (the tokens to prefill), reusing
+        cached leading blocks of tokens[:-1] (a sequence always feeds at least one token,
+        for its logits), at most `most` of them; with how many positions it reuses.
+        None, allocating nothing, when the free blocks do not suffice."""
+        hits = self.lookup(tokens[:-1], root, salts)[:most]
         fresh = blocks_for(positions, self.block_size) - len(hits)
         # Cached blocks nobody holds are free ones too: taking them leaves fewer.
         idle_hits = sum(1 for b in hits if self.refs[b] == 0)
         if fresh > self.free - idle_hits:
             return None
-        table = BlockTable(root=root)
+        table = BlockTable(root=root, salts=salts or {})
         for block in hits:
             self._hold(block)
             table.blocks.append(block)
@@ -154,7 +172,8 @@ class BlockManager:
             return
         size = self.block_size
         start = table.names[-1] if table.names else table.root
-        for i, name in enumerate(self.names(tokens[done * size : full * size], start), done):
+        named = self.names(tokens[done * size : full * size], start, table.salts, done)
+        for i, name in enumerate(named, done):
             table.names.append(name)
             block = table.blocks[i]
             if block != HOLE and name not in self.by_name and self.name_of[block] is None:
@@ -273,25 +292,27 @@ class KVBlocks:
         reuse: bool = True,
         ends: Container[bytes] | None = None,
         root: bytes = b"",
+        salts: Mapping[int, bytes] | None = None,
     ) -> tuple[SequenceBlocks, int] | None:
         """BlockManager.allocate for every group: the full layers' blocks for all
         `positions`, the windowed layers' cached blocks of the reused prefix that its
         continuation attends to (their new blocks come with grow). The prefix reused
         is the longest the full layers hold whose window the windowed layers hold, and
         that ends at a block named in `ends` where that is given (a hybrid model's
-        kept recurrent states); none without `reuse`. Names chain from `root`."""
+        kept recurrent states); none without `reuse`. Names chain from `root`, salted by
+        `salts`."""
         most = None if reuse else 0
         if reuse and (self.window_manager is not None or ends is not None):
-            hits = len(self.full.lookup(tokens[:-1], root))
-            names = self.full.names(tokens[: hits * self.block_size], root)
+            hits = len(self.full.lookup(tokens[:-1], root, salts))
+            names = self.full.names(tokens[: hits * self.block_size], root, salts)
             most = self._reusable(names, ends)
-        got = self.full.allocate(tokens, positions, most, root)
+        got = self.full.allocate(tokens, positions, most, root, salts)
         if got is None:
             return None
         table, reused = got
         blocks = SequenceBlocks(table)
         if self.window_manager is not None:
-            blocks.window = BlockTable(root=root)
+            blocks.window = BlockTable(root=root, salts=table.salts)
             count = reused // self.block_size
             self.window_manager.attach(blocks.window, table.names[:count], self._first(reused))
         return blocks, reused

@@ -37,6 +37,11 @@ class PromptImages:
     def spans(self) -> list[tuple[int, int]]:
         return [(s, s + len(e)) for s, e in zip(self.starts, self.embeds, strict=True)]
 
+    def shift_at(self, position: int) -> int:
+        """How far the RoPE position of a text token at `position` lies before its place:
+        none here (Qwen2-VL's images shift the text after them: qwen2_vl_images)."""
+        return 0
+
     def cuts(self, cuts: Sequence[int], offset: int) -> list[int]:
         """Prefill chunk starts (indexes into the tokens fed, which begin at prompt index
         `offset`) without those that would split an image."""

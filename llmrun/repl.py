@@ -21,7 +21,7 @@ HELP = """Commands:
   /bye, /exit           leave (Ctrl-D too)
   /clear                start a new conversation
   /system TEXT          set the system message
-  /image PATH           attach an image to the next message (Gemma 3 models)
+  /image PATH           attach an image to the next message (vision models)
   /set PARAM VALUE      set a parameter: {params}
   /set think on|off     switch thinking (models whose template has the switch)
   /show                 model, parameters and context use

@@ -1,7 +1,10 @@
-"""A SentencePiece `tokenizer.model` (the protobuf ModelProto) read into the GGUF tokenizer
+"""A SentencePiece model file (the protobuf ModelProto) read into the GGUF tokenizer
 metadata llama.cpp's converter writes for it, so a model folder without tokenizer.json
 (Llama 2-era fine-tunes, ERNIE 4.5; T5-style Unigram ones) tokenizes as its GGUF would
-(llmrun.tokenizer_gguf).
+(llmrun.tokenizer_gguf). The file is `tokenizer.model`, or, in older uploads, the vocab file
+of the transformers tokenizer the folder was made for: T5Tokenizer's `spiece.model`,
+XLMRobertaTokenizer's `sentencepiece.bpe.model` (multilingual-e5, bge-m3); each of those
+two gets that tokenizer's ids.
 
 The protobuf is read here, field by field, with no protobuf library and nothing executed:
 ModelProto's pieces (1: piece 1, score 2, type 3), trainer_spec (2: model_type 3,
@@ -18,7 +21,13 @@ llama.cpp's UGM, llmrun.unigram): the same pieces, padded with [PADn] unused tok
 config.json's vocab_size, added_tokens.json over them, the normalizer spec as it is; the
 special ids are config.json's `*_token_id` (what gguf-py's SpecialVocab reads of a folder
 without tokenizer.json), else the model's own, and add_bos_token / add_eos_token from
-tokenizer_config.json. No torch here.
+tokenizer_config.json. A `spiece.model` adds T5Tokenizer's sentinels after the pieces,
+<extra_id_0> last (tokenizer_config.json's extra_ids of them, else 100), which the converter
+leaves [PADn] fillers. A `sentencepiece.bpe.model` is laid out as XLMRobertaTokenizer lays it
+(fairseq's): <s> <pad> </s> <unk> as 0-3, every other piece one id later, <mask> after them,
+<s> ... </s> around a sequence; the converter (conversion/bert.py, _xlmroberta_set_vocab)
+moves the pieces alike but leaves <mask> a filler and writes no unknown id (llama.cpp then
+takes 2, </s>). No torch here.
 """
 
 from __future__ import annotations
@@ -47,6 +56,14 @@ _TYPES = {
 }
 ADDED_SCORE = -1000.0  # the converter's score for added and padding tokens
 UNSET_SCORE = -10000.0
+T5_FILE, XLMR_FILE = "spiece.model", "sentencepiece.bpe.model"
+# A folder's SentencePiece model files, in the order they are looked for.
+FILES = ("tokenizer.model", T5_FILE, XLMR_FILE)
+T5_EXTRA_IDS = 100  # T5Tokenizer's default number of sentinels
+MAX_EXTRA_IDS = 1 << 16
+# XLMRobertaTokenizer's (fairseq's) ids 0-2, <unk> being 3; they take the place of
+# SentencePiece's own unk, bos and eos (0-2).
+XLMR_CONTROL = ("<s>", "<pad>", "</s>")
 
 
 @dataclass
@@ -162,11 +179,11 @@ def _read_json(path: Path) -> Any:
         return None
 
 
-def gguf_metadata(folder: Path) -> dict[str, Any]:
-    """The `tokenizer.ggml.*` metadata llama.cpp's converter writes for the folder's
-    tokenizer.model (with its added tokens and tokenizer_config.json's settings)."""
-    file = folder / "tokenizer.model"
-    source = str(file)
+def gguf_metadata(file: Path) -> dict[str, Any]:
+    """The `tokenizer.ggml.*` metadata llama.cpp's converter writes for a folder's
+    SentencePiece model file, one of FILES (with its added tokens and tokenizer_config.json's
+    settings; the module's docstring)."""
+    folder, source = file.parent, str(file)
     try:
         model = read_model(file.read_bytes(), source)
     except OSError as e:
@@ -174,12 +191,17 @@ def gguf_metadata(folder: Path) -> dict[str, Any]:
     config = _read_json(folder / "config.json")
     config = config if isinstance(config, dict) else {}
     if model.model_type == UNIGRAM:
-        return _unigram_metadata(folder, model, config)
+        return _unigram_metadata(file, model, config)
     if model.model_type != BPE:
         kind = _MODEL_TYPES.get(model.model_type, str(model.model_type))
         raise UnsupportedError(
             f"{file}: a SentencePiece {kind} model is not supported (llmrun reads BPE and "
             "Unigram ones, as llama.cpp's SentencePiece and UGM tokenizers compute)"
+        )
+    if file.name != "tokenizer.model":
+        raise UnsupportedError(
+            f"{file}: a SentencePiece BPE model is supported as tokenizer.model only "
+            f"(llama.cpp's converter reads {file.name} as a Unigram model)"
         )
     size = config.get("vocab_size")
     if not isinstance(size, int) or size < 1:
@@ -238,23 +260,43 @@ def gguf_metadata(folder: Path) -> dict[str, Any]:
 
 
 def _unigram_metadata(
-    folder: Path, model: SentencePieceModel, config: dict[str, Any]
+    file: Path, model: SentencePieceModel, config: dict[str, Any]
 ) -> dict[str, Any]:
     """The "t5" metadata of a Unigram model (the module's docstring)."""
+    folder = file.parent
     if any(kind == _BYTE for _, _, kind in model.pieces):
         # llama.cpp's UGM has no byte fallback: its text would get <unk> where
         # sentencepiece spells it in bytes.
         raise UnsupportedError(
-            f"{folder / 'tokenizer.model'}: a SentencePiece Unigram model with byte fallback "
+            f"{file}: a SentencePiece Unigram model with byte fallback "
             "is not supported (llama.cpp's Unigram tokenizer, which llmrun follows, has none)"
         )
+    settings = _read_json(folder / "tokenizer_config.json")
+    settings = settings if isinstance(settings, dict) else {}
+    pieces = [
+        (text, score, _TYPES.get(kind, TokenType.NORMAL)) for text, score, kind in model.pieces
+    ]
+    special: dict[str, int] = {}
+    if file.name == XLMR_FILE:
+        control = TokenType.CONTROL
+        first = [(text, 0.0, control) for text in XLMR_CONTROL]
+        pieces = [*first, ("<unk>", 0.0, TokenType.UNKNOWN), *pieces[3:], ("<mask>", 0.0, control)]
+        special = {"bos": 0, "pad": 1, "eos": 2, "unk": 3, "mask": len(pieces) - 1}
+    elif file.name == T5_FILE:
+        extra = settings.get("extra_ids", T5_EXTRA_IDS)
+        if not isinstance(extra, int) or not 0 <= extra <= MAX_EXTRA_IDS:
+            raise TokenizerError(
+                f"{folder / 'tokenizer_config.json'}: extra_ids {extra!r} is not a number "
+                f"of sentinel tokens from 0 to {MAX_EXTRA_IDS}"
+            )
+        pieces += [(f"<extra_id_{i}>", 0.0, TokenType.CONTROL) for i in reversed(range(extra))]
     size = config.get("vocab_size")
-    size = max(size if isinstance(size, int) else 0, len(model.pieces))
+    size = max(size if isinstance(size, int) else 0, len(pieces))
     tokens = [f"[PAD{i}]" for i in range(size)]
     scores = [UNSET_SCORE] * size
     types = [TokenType.UNUSED] * size
-    for i, (piece, score, kind) in enumerate(model.pieces):
-        tokens[i], scores[i], types[i] = piece, score, _TYPES.get(kind, TokenType.NORMAL)
+    for i, (piece, score, kind) in enumerate(pieces):
+        tokens[i], scores[i], types[i] = piece, score, kind
     added = _read_json(folder / "added_tokens.json")
     for text, i in added.items() if isinstance(added, dict) else ():
         if isinstance(i, int) and 0 <= i < size:
@@ -276,12 +318,13 @@ def _unigram_metadata(
         ("bos", Keys.Tokenizer.BOS_ID),
         ("eos", Keys.Tokenizer.EOS_ID),
         ("pad", Keys.Tokenizer.PAD_ID),
+        ("mask", Keys.Tokenizer.MASK_ID),
     ):
-        value = config.get(f"{name}_token_id", own.get(name))
+        value = special.get(name, config.get(f"{name}_token_id", own.get(name)))
         if isinstance(value, int) and 0 <= value < size:
             metadata[key] = value
-    settings = _read_json(folder / "tokenizer_config.json")
-    settings = settings if isinstance(settings, dict) else {}
+    if file.name == XLMR_FILE:  # XLMRobertaTokenizer's <s> ... </s> around a sequence
+        metadata[Keys.Tokenizer.ADD_BOS] = metadata[Keys.Tokenizer.ADD_EOS] = True
     for name, key in (
         ("add_bos_token", Keys.Tokenizer.ADD_BOS),
         ("add_eos_token", Keys.Tokenizer.ADD_EOS),

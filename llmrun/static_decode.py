@@ -55,6 +55,7 @@ def supported(model: nn.Module, cache: KVCache) -> bool:
         and cache.ring_k is None
         and cache.uniform
         and cache.recurrent is None
+        and not cache.rope_shifts  # positions shifted after images (llmrun.models.mrope)
         and cache.rows is None
         and cache.k.shape[1] == 1
     )

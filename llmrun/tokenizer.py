@@ -2,7 +2,7 @@
 
 The `tokenizers` library does the encoding. A tokenizer comes from a tokenizer.json (read here)
 or from GGUF `tokenizer.ggml.*` metadata (llmrun.tokenizer_gguf, which reproduces llama.cpp),
-which a folder's SentencePiece tokenizer.model becomes (llmrun.sentencepiece_model).
+which a folder's SentencePiece model file becomes (llmrun.sentencepiece_model).
 Decoding is done here, from each token's bytes (llmrun.token_bytes), so that a stream of pieces
 concatenates to exactly the full decode and never ends inside a UTF-8 character. No torch here.
 """
@@ -230,12 +230,13 @@ class Tokenizer:
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> Tokenizer:
         """Build from tokenizer.json, with BOS/EOS from tokenizer_config.json when present;
-        from a SentencePiece tokenizer.model as llama.cpp's converter reads it where the
-        folder has no tokenizer.json."""
+        from a SentencePiece model file (tokenizer.model, spiece.model or
+        sentencepiece.bpe.model) as llama.cpp's converter reads it where the folder has no
+        tokenizer.json."""
         path = Path(path)
         file = hf_tokenizer_file(path)
-        if file.name == "tokenizer.model":
-            metadata = sentencepiece_model.gguf_metadata(path)
+        if file.name in sentencepiece_model.FILES:
+            metadata = sentencepiece_model.gguf_metadata(file)
             return cls(**tokenizer_gguf.tokenizer_args(metadata, str(file)))
         try:
             backend = Backend.from_file(str(file))
@@ -367,13 +368,14 @@ def valid_text(text: str) -> str:
 
 
 def hf_tokenizer_file(folder: Path) -> Path:
-    """A model folder's tokenizer.json, else its SentencePiece tokenizer.model; refuses
-    a folder with neither."""
-    for name in ("tokenizer.json", "tokenizer.model"):
+    """A model folder's tokenizer.json, else its SentencePiece model file; refuses a
+    folder with neither."""
+    for name in ("tokenizer.json", *sentencepiece_model.FILES):
         if (folder / name).is_file():
             return folder / name
     raise TokenizerError(
-        f"{folder}: no tokenizer.json or tokenizer.model (a model directory needs one)"
+        f"{folder}: no tokenizer.json or tokenizer.model (a model directory needs one; "
+        f"{' or '.join(sentencepiece_model.FILES[1:])} also do)"
     )
 
 

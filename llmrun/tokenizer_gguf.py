@@ -540,7 +540,12 @@ def _overlapping(texts: list[str]) -> bool:
 
 def _split_merges(merges: list[str]) -> list[tuple[str, str]]:
     """Cut each merge "a b" at the first space after its first character, as llama.cpp does; a
-    merge without one can never apply there, and is left out."""
+    merge without one can never apply there, and is left out. A merge the list repeats keeps
+    its first rank, as in llama.cpp (the tokenizers library would give it its last)."""
+    # One text is one pair, so the texts show repeats; a set of them costs far less than the
+    # BPE built from them, and a list without repeats (the usual case) stays as it is.
+    if len(set(merges)) < len(merges):
+        merges = list(dict.fromkeys(merges))
     # Byte-level tokens hold no spaces, so splitting the joined list at once is the fast path.
     parts = " ".join(merges).split(" ")
     if (

@@ -284,10 +284,14 @@ def hf_causal_reranker():
     return model
 
 
-def write_causal_reranker_gguf(path: Path, hf, qtype=None, prompt: bool = True) -> Path:
+def write_causal_reranker_gguf(
+    path: Path, hf, qtype=None, prompt: bool = True, arch: str = "qwen3"
+) -> Path:
     """hf as conversion/qwen.py writes a Qwen3-Reranker: pooling_type rank, `cls.output`
     the output head's "yes" and "no" rows, a rerank prompt template (RERANK_PROMPT; none
-    without `prompt`), the labels; 2-D weights in `qtype` (default F32)."""
+    without `prompt`), the labels; 2-D weights in `qtype` (default F32). `arch` "qwen3vl":
+    as conversion/qwen3vl.py writes Qwen3-VL-Reranker's language model (the same keys and
+    tensors under Qwen3-VL's architecture)."""
     from helpers import write_gguf
 
     head = hf.lm_head.weight.detach().float()
@@ -305,7 +309,7 @@ def write_causal_reranker_gguf(path: Path, hf, qtype=None, prompt: bool = True) 
             writer.add_tensor("cls.output.weight", raw, raw_shape=raw.shape, raw_dtype=qtype)
 
     return write_gguf(
-        path, hf.config.to_dict(), hf.state_dict(), qtype=qtype, arch="qwen3", extra=extra
+        path, hf.config.to_dict(), hf.state_dict(), qtype=qtype, arch=arch, extra=extra
     )
 
 

@@ -1,6 +1,11 @@
-"""`llmrun serve` as a real server in a subprocess, for tests that drive it over HTTP."""
+"""`llmrun serve` as a real server in a subprocess, for tests that drive it over HTTP;
+images as requests send them, and the single-sequence reply serve's must equal; a
+scheduler's replies to requests decoded together."""
 
+import base64
+import hashlib
 import os
+import queue
 import re
 import subprocess
 import sys
@@ -8,6 +13,11 @@ import time
 from pathlib import Path
 
 import httpx
+
+from llmrun.images import open_image
+from llmrun.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0)
 
 
 class Server:
@@ -46,3 +56,74 @@ class Server:
         labels = "" if "{" in name else r"(?:\{[^}]*\})?"
         pattern = rf"^{re.escape(name)}{labels} (\S+)$"
         return sum(float(v) for v in re.findall(pattern, text, re.M))
+
+
+def data_url(image: bytes) -> str:
+    """An image's bytes (PNG) as a request's base64 data: URL."""
+    return "data:image/png;base64," + base64.b64encode(image).decode()
+
+
+def image_content(*parts) -> list[dict]:
+    """Chat content parts: a text for a str, an image_url data: URL for bytes."""
+    return [
+        {"type": "text", "text": part}
+        if isinstance(part, str)
+        else {"type": "image_url", "image_url": {"url": data_url(part)}}
+        for part in parts
+    ]
+
+
+def chat_reply(client, *parts, max_tokens: int = 8) -> dict:
+    """A greedy /v1/chat/completions reply to one user message of `parts` (image_content)."""
+    body = {
+        "messages": [{"role": "user", "content": image_content(*parts)}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def image_prompt(engine, *parts):
+    """What `llmrun run --image` feeds the model for a user message of these parts: its
+    text, ids, PromptImages, and each image's digest (as serve names them)."""
+    template_parts = [
+        {"type": "text", "text": p} if isinstance(p, str) else {"type": "image"} for p in parts
+    ]
+    text = engine.render([{"role": "user", "content": template_parts}])
+    pictures = [p for p in parts if isinstance(p, bytes)]
+    ids, prompt_images = engine.image_prompt(text, [open_image(p) for p in pictures])
+    return text, ids, prompt_images, [hashlib.sha256(p).digest() for p in pictures]
+
+
+def alone(engine, *parts, max_tokens: int = 8) -> tuple[str, list[int]]:
+    """The single-sequence loop's greedy reply to image_prompt: its text and tokens."""
+    _, ids, prompt_images, _ = image_prompt(engine, *parts)
+    responses = list(engine.generate(ids, GREEDY, max_tokens, images=prompt_images))
+    return "".join(r.text for r in responses), [r.token for r in responses if r.token is not None]
+
+
+def scheduled(scheduler, requests) -> list[tuple[str, list[int]]]:
+    """Each llmrun.batching.Request's text and tokens, all submitted before the scheduler
+    starts, so they are admitted and decoded together."""
+    queues = [queue.Queue() for _ in requests]
+    for request, events in zip(requests, queues, strict=True):
+        scheduler.submit(request, events.put)
+    scheduler.start()
+    out = []
+    try:
+        for events in queues:
+            pieces, tokens = [], []
+            while True:
+                event = events.get(timeout=300)
+                if isinstance(event, Exception):
+                    raise event
+                pieces.append(event.text)
+                tokens += [event.token] if event.token is not None else []
+                if event.finish_reason is not None:
+                    break
+            out.append(("".join(pieces), tokens))
+    finally:
+        scheduler.close()
+    return out

@@ -32,6 +32,28 @@ def test_names_chain_every_token_up_to_and_including_the_block():
     assert m.names([9, 1, 2, 3, 4, 5, 6, 7])[1] != second.digest()
 
 
+def test_a_salt_joins_its_blocks_name_and_every_later_one():
+    """An image's digest salts the block its tokens begin in: the prompt with the same
+    tokens and another image shares the blocks before it only; the same image, all."""
+    m = BlockManager(8, B)
+    red, blue = {1: b"red"}, {1: b"blue"}
+    plain, salted = m.names(tokens(12)), m.names(tokens(12), salts=red)
+    chunk = b"".join(t.to_bytes(4, "little") for t in [4, 5, 6, 7])
+    assert salted[0] == plain[0]
+    assert salted[1] == hashlib.sha256(plain[0] + chunk + b"red").digest()
+    assert salted[2] != plain[2]
+    table, _ = m.allocate(tokens(13), 13, salts=red)
+    m.commit(table, tokens(13))
+    assert table.names == salted
+    m.release(table)
+    other, reused = m.allocate(tokens(13), 13, salts=blue)
+    same, reused_same = m.allocate(tokens(13), 13, salts=red)
+    assert (reused, reused_same) == (B, 3 * B)
+    m.release(other)
+    m.release(same)
+    assert m.used == 0
+
+
 def test_a_later_prompt_reuses_the_full_blocks_of_a_finished_one():
     m = BlockManager(8, B)
     table, _ = m.allocate(tokens(10), 10)

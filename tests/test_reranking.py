@@ -253,3 +253,13 @@ def test_a_causal_reranker_gguf_scores_as_transformers(tmp_path, qtype):
         unprompted = write_causal_reranker_gguf(tmp_path / "u.gguf", hf, prompt=False)
         with pytest.raises(ModelFormatError, match="without a tokenizer.chat_template.rerank"):
             open_checkpoint(unprompted)
+
+
+def test_a_qwen3_vl_reranker_gguf_scores_as_transformers(tmp_path):
+    """Qwen3-VL-Reranker's language model as conversion/qwen3vl.py writes it: Qwen3's
+    reranker keys and tensors under arch qwen3vl (whose M-RoPE turns text alone as plain
+    RoPE), scored as its Qwen3 twin in transformers."""
+    hf = hf_causal_reranker()
+    engine = load(write_causal_reranker_gguf(tmp_path / "vl.gguf", hf, arch="qwen3vl"))
+    assert engine.reranks and not engine.generates
+    assert max_diff(engine.rerank(QUERY, DOCUMENTS).scores, causal_reference(hf)) < 1e-5

@@ -88,8 +88,8 @@ def test_input_items_become_a_conversation():
         ({"input": [{"role": "robot", "content": "x"}]}, "input.0.role", "must be one of"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
-            "input.0.content.0",
-            "only text parts",
+            "input.0.content.0.image_url",
+            "needs an image_url",
         ),
         ({"input": [{"type": "web_search_call"}]}, "input.0.type", "unsupported input item"),
         (

@@ -2,7 +2,8 @@
 model trained here (byte fallback, no normalization, as Llama's) and Unigram ones
 (tests/unigram_helpers.py: T5's and sentencepiece's default ids, nmt_nfkc and identity
 normalization) encode every text to the library's ids; added tokens and settings come as
-llama.cpp's converter takes them."""
+llama.cpp's converter takes them. An older folder's spiece.model or sentencepiece.bpe.model
+gives the ids of transformers' T5Tokenizer or XLMRobertaTokenizer."""
 
 import json
 
@@ -163,6 +164,61 @@ def test_a_unigram_model_with_byte_fallback_is_refused(tmp_path):
     (folder / "tokenizer.model").write_bytes(train(vocab_size=700, byte_fallback=True))
     with pytest.raises(UnsupportedError, match="Unigram model with byte fallback"):
         Tokenizer.from_hf_dir(folder)
+
+
+# Special-token text as these tokenizers read it in a text.
+SPECIAL_TEXTS = ["Hello <extra_id_0> world<extra_id_1>!", "a <mask> b", "x</s> <pad>y<unk> z"]
+
+
+@pytest.mark.parametrize(
+    ("name", "file", "settings"),
+    [
+        ("nfkc-t5", "spiece.model", {}),
+        ("nfkc-t5", "spiece.model", {"extra_ids": 3}),
+        ("nfkc-xlmr", "sentencepiece.bpe.model", {}),
+    ],
+)
+def test_older_sentencepiece_files_give_their_transformers_tokenizers_ids(
+    tmp_path, name, file, settings
+):
+    """A folder whose only tokenizer is T5Tokenizer's spiece.model (sentinels <extra_id_N>
+    after the pieces, <extra_id_0> last) or XLMRobertaTokenizer's sentencepiece.bpe.model
+    (fairseq's <s> <pad> </s> <unk>, every other piece one id later, <mask> last): the ids
+    transformers' tokenizer of that class gives, with and without its special tokens, on
+    the multilingual texts. The models are nmt_nfkc ones with sentencepiece's default
+    normalizer settings, as T5's and XLM-R's are (transformers' converter drops the
+    settings, so on other ones it is not a reference)."""
+    import transformers
+
+    normalization, options, _ = VARIANTS[name]
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / file).write_bytes(train(normalization, **options))
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    kind = transformers.T5Tokenizer if file == "spiece.model" else transformers.XLMRobertaTokenizer
+    reference = kind.from_pretrained(folder)
+    ours = Tokenizer.from_hf_dir(folder)
+    assert ours.vocab_size == len(reference)
+    for token, i in reference.get_vocab().items():
+        assert ours.token_id(token) == i, token
+    for text in UNIGRAM_TEXTS + SPECIAL_TEXTS:
+        assert ours.encode_sequence(text) == reference(text).input_ids, text
+        plain = reference(text, add_special_tokens=False).input_ids
+        assert ours.encode(text, add_bos=False) == plain, text
+
+
+def test_older_sentencepiece_files_that_transformers_reads_otherwise_are_refused(folder, tmp_path):
+    bpe = tmp_path / "bpe"
+    bpe.mkdir()
+    (bpe / "spiece.model").write_bytes((folder / "tokenizer.model").read_bytes())
+    with pytest.raises(UnsupportedError, match="BPE model is supported as tokenizer.model only"):
+        Tokenizer.from_hf_dir(bpe)
+    t5 = tmp_path / "t5"
+    t5.mkdir()
+    (t5 / "spiece.model").write_bytes(train(**VARIANTS["nfkc-t5"][1]))
+    (t5 / "tokenizer_config.json").write_text(json.dumps({"extra_ids": -1}))
+    with pytest.raises(TokenizerError, match="extra_ids -1 is not a number"):
+        Tokenizer.from_hf_dir(t5)
 
 
 def _field(number: int, wire: int, payload: bytes) -> bytes:

@@ -141,7 +141,8 @@ def run(
         typer.Option(
             "--image",
             metavar="PATH",
-            help="An image for the prompt, before its text (repeatable). Gemma 3 models.",
+            help="An image for the prompt, before its text (repeatable). Gemma 3, Mistral 3, "
+            "Qwen2-VL and Qwen2.5-VL models.",
         ),
     ] = None,
     mmproj: Mmproj = None,
@@ -347,7 +348,7 @@ def chat(
             "--image",
             metavar="PATH",
             help="An image for the first message, before its text (repeatable); /image "
-            "attaches one later. Gemma 3 models.",
+            "attaches one later. Gemma 3, Mistral 3, Qwen2-VL and Qwen2.5-VL models.",
         ),
     ] = None,
     mmproj: Mmproj = None,

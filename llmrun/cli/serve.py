@@ -27,6 +27,7 @@ from llmrun.cli.app import (
     _check_draft,
     app,
 )
+from llmrun.cli.generate import Mmproj
 from llmrun.errors import UsageError
 from llmrun.loading.embedding import POOLINGS
 
@@ -90,6 +91,7 @@ def serve(
     draft_p_min: DraftPMin = None,
     lookup: LookupOpt = None,
     template: TemplateOpt = None,
+    mmproj: Mmproj = None,
     pooling: Annotated[
         str | None,
         typer.Option(
@@ -151,6 +153,7 @@ def serve(
         cache_type=cache_type,
         activations=activations,
         lora=adapters,
+        mmproj=mmproj,
         draft=None if draft is None else (draft, draft_path),
         draft_max=draft_max or DEFAULT_DRAFT_MAX,
         draft_p_min=DEFAULT_DRAFT_P_MIN if draft_p_min is None else draft_p_min,

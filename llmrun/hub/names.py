@@ -36,6 +36,9 @@ SAFETENSORS_SIDECARS = frozenset(
         "README.md",
     }
 )
+# Older uploads' only tokenizer (T5Tokenizer's, XLMRobertaTokenizer's): fetched where a repo
+# has no tokenizer.json, as they are large and the json is the one read where both are.
+OLDER_SENTENCEPIECE_FILES = frozenset({"spiece.model", "sentencepiece.bpe.model"})
 _REPO_PART_RE = re.compile(r"[A-Za-z0-9][\w.-]*")
 
 
@@ -214,7 +217,10 @@ def select_safetensors(files: dict[str, int]) -> Selection | None:
     weights = set(safetensors_weights(top))
     if "config.json" not in top or not weights:
         return None
-    return Selection("safetensors", tuple(sorted(weights | (top & SAFETENSORS_SIDECARS))))
+    sidecars = top & SAFETENSORS_SIDECARS
+    if "tokenizer.json" not in top:
+        sidecars |= top & OLDER_SENTENCEPIECE_FILES
+    return Selection("safetensors", tuple(sorted(weights | sidecars)))
 
 
 def select(name: HubName, files: dict[str, int]) -> Selection:

@@ -559,3 +559,21 @@ def unpermute_rows(rows, n_heads: int):
         .transpose(1, 2)
         .reshape(shape)
     )
+
+
+def stored_metadata(gg: GGUFFile) -> list[tuple[str, GGUFValueType, bytes]]:
+    """Each metadata entry of `gg` (its first part, mapped) as (key, value type, the value's
+    bytes as the file stores them), in file order: to copy them unchanged into another
+    GGUF, typed arrays, empty arrays and strings that are not UTF-8 included."""
+    if gg.buffer is None:
+        raise ValueError("stored_metadata needs a GGUF read with its tensors mapped")
+    cur = _Cursor(gg.buffer, len(gg.buffer), gg.path)
+    cur.pos = 16  # magic, version and tensor count: read_gguf checked them
+    entries = []
+    for _ in range(cur.unpack("<Q", "the metadata count")):
+        key = cur.string("a metadata key")
+        vtype = cur.value_type(f"metadata {key!r}")
+        start = cur.pos
+        cur.value(vtype, f"metadata {key!r}")
+        entries.append((key, vtype, bytes(gg.buffer[start : cur.pos])))
+    return entries

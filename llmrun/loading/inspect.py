@@ -510,7 +510,8 @@ def _hf_tokenizer_kind(folder: Path) -> str | None:
     tok = read_json(folder / "tokenizer.json")
     if isinstance(tok, dict) and isinstance(tok.get("model"), dict):
         return tok["model"].get("type")
-    return "SentencePiece" if (folder / "tokenizer.model").is_file() else None
+    files = ("tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
+    return "SentencePiece" if any((folder / f).is_file() for f in files) else None
 
 
 def _hf_chat_template(folder: Path) -> str | None:

@@ -26,9 +26,10 @@ _DENSE = TENSOR_NAMES[MODEL_TENSOR.CLS] + ".weight"
 _OUT = TENSOR_NAMES[MODEL_TENSOR.CLS_OUT] + ".weight"
 CLS_OUT = _OUT
 # Causal LMs llama.cpp's converter turns into rerankers (conversion/qwen.py,
-# Qwen3-Reranker): cls.output holds the output head's "yes" and "no" rows, and the
-# score is softmax over them, "yes"'s share, at the prompt's last token.
-CAUSAL_ARCHS = ("qwen3",)
+# Qwen3-Reranker; conversion/qwen3vl.py's Qwen3VLTextModel, a Qwen3Model, takes
+# Qwen3-VL-Reranker's language model alike): cls.output holds the output head's "yes" and
+# "no" rows, and the score is softmax over them, "yes"'s share, at the prompt's last token.
+CAUSAL_ARCHS = ("qwen3", "qwen3vl")
 # The pooling before the head (ModernBERT's mean); gguf-py 0.18 has no constant for it.
 _CLASSIFIER_POOLING = "{arch}.classifier.pooling_type"
 
@@ -113,16 +114,17 @@ QWEN3_RERANK_PROMPT = (
 )
 # The tokens whose output-head rows make a causal reranker's head, in its order.
 CAUSAL_LABELS = ("yes", "no")
-_CAUSAL_HF_TYPES = ("qwen3",)
+_CAUSAL_HF_TYPES = ("qwen3", "qwen3_vl")
 _CAUSAL_HF_NAMES = ("qwen3-reranker", "qwen3-vl-reranker")
 
 
 def hf_causal_reranker(config: dict[str, Any], folder: Path) -> bool:
     """Whether an HF folder is a Qwen3-Reranker (a causal LM scored by its "yes" and "no"
-    logits), as llama.cpp's converter decides (conversion/qwen.py): a qwen3 model whose
-    README.md has a `# Qwen3-Reranker` heading, or whose folder name, `_name_or_path` or
-    architecture names Qwen3-Reranker. A Qwen3ForSequenceClassification is refused: its
-    head is not the output head's rows."""
+    logits), as llama.cpp's converter decides (conversion/qwen.py): a qwen3 model (or
+    Qwen3-VL's, or its language model's config) whose README.md has a `# Qwen3-Reranker` or
+    `# Qwen3-VL-Reranker` heading, or whose folder name, `_name_or_path` or architecture
+    names one. A Qwen3ForSequenceClassification is refused: its head is not the output
+    head's rows."""
     if config.get("model_type") not in _CAUSAL_HF_TYPES:
         return False
     architecture = str((config.get("architectures") or [""])[0])

@@ -116,13 +116,14 @@ def _processor_mean_std(path: Path) -> tuple[tuple[float, ...], tuple[float, ...
     except (OSError, ValueError) as e:
         raise ModelFormatError(f"{file}: not readable JSON ({e})") from None
     values = tuple(
-        _three(processor.get(key, GEMMA3_MEAN_STD), file, key)
+        three_floats(processor.get(key, GEMMA3_MEAN_STD), file, key)
         for key in ("image_mean", "image_std")
     )
     return values[0], values[1]
 
 
-def _three(value: Any, source: Path, key: str) -> tuple[float, ...]:
+def three_floats(value: Any, source: Path, key: str) -> tuple[float, ...]:
+    """A per-channel mean or std (`key` of `source`) as three floats, a std positive."""
     ok = isinstance(value, list | tuple) and len(value) == 3
     if not ok or not all(isinstance(v, int | float) for v in value):
         raise ModelFormatError(f"{source}: {key} is {value!r}, not three numbers")
@@ -182,8 +183,8 @@ def from_mmproj(path: str | Path, text_hidden: int) -> Vision:
         if info.name == _SOFT_EMB_NORM:
             tensor = tensor.float() - 1.0  # the converter stores Gemma's 1 + w
         weights[name] = tensor
-    mean = _three(meta.get(vision.IMAGE_MEAN, GEMMA3_MEAN_STD), gg.path, vision.IMAGE_MEAN)
-    std = _three(meta.get(vision.IMAGE_STD, GEMMA3_MEAN_STD), gg.path, vision.IMAGE_STD)
+    mean = three_floats(meta.get(vision.IMAGE_MEAN, GEMMA3_MEAN_STD), gg.path, vision.IMAGE_MEAN)
+    std = three_floats(meta.get(vision.IMAGE_STD, GEMMA3_MEAN_STD), gg.path, vision.IMAGE_STD)
     return _build(encoder_args, weights, text_hidden, gg.path, mean, std)
 
 

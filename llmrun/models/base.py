@@ -860,13 +860,20 @@ class CausalLM(nn.Module):
         last_only: bool = False,
         last: torch.Tensor | None = None,
         static: int | None = None,
+        images: Any = None,
     ) -> torch.Tensor:
         """Float32 logits [B, T, vocab] for input_ids [B, T] at positions [B, T];
         [B, 1, vocab] with last_only (the last token of each row) or with `last`
         [B] (the index of each row's last real token, for rows padded on the right).
         `static`: one token of one sequence, attending to the cache's first `static`
-        positions through a mask (llmrun.static_decode)."""
+        positions through a mask (llmrun.static_decode). `images`: image tokens
+        (llmrun.models.gemma3.ImageTokens, one row) in place of their placeholders, seen
+        causally as text is (Mistral 3's)."""
+        if images is not None:  # placeholder ids may lie past the vocabulary
+            input_ids = input_ids.masked_fill(images.groups >= 0, 0)
         x = self.embed_at(input_ids, positions)
+        if images is not None:
+            x = images.place(x)
         if static is not None:
             frame = self.static_frame(positions, cache, x.dtype, static)
         else:

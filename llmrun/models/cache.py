@@ -116,6 +116,9 @@ class KVCache:
     # A hybrid model's recurrent layers keep their state here (llmrun.models.recurrent);
     # its attention layers are this cache's layers.
     recurrent: RecurrentState | None = None
+    # M-RoPE (llmrun.models.mrope): from each (position, shift) on, one row's tokens turn
+    # by position + shift, where images before them took fewer positions than tokens.
+    rope_shifts: tuple[tuple[int, int], ...] = ()
 
     def __init__(
         self,

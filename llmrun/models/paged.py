@@ -160,6 +160,9 @@ class PagedView:
     window = None  # no rings: windowed layers are masked (see the module docstring)
     # A hybrid model's recurrent state: the scheduler's rows of this view's sequences.
     recurrent: RecurrentState | None = None
+    # Each row's shift of its text tokens' M-RoPE positions [B] (Qwen2-VL's after
+    # images, llmrun.models.mrope); None: none is shifted.
+    rope_shifts: torch.Tensor | None = None
 
     def __init__(
         self,

@@ -1,10 +1,13 @@
-"""Qwen2 and Qwen2.5: Llama with biases on the q/k/v projections.
+"""Qwen2 and Qwen2.5: Llama with biases on the q/k/v projections; also the language model
+of Qwen2-VL and Qwen2.5-VL, whose prompts with images turn by M-RoPE
+(llmrun.models.mrope; rope_parameters' mrope_section).
 
 Reference: transformers/models/qwen2/modeling_qwen2.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,7 +15,8 @@ import torch
 from torch import nn
 
 from llmrun.errors import UnsupportedError
-from llmrun.models.base import CausalLM, Frame, GatedMLP, args_from_config, attend
+from llmrun.models import mrope
+from llmrun.models.base import CausalLM, Frame, GatedMLP, args_from_config, attend, head_logits
 from llmrun.models.cache import KVCache
 
 
@@ -70,3 +74,41 @@ class Attention(nn.Module):
 class Model(CausalLM):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__(args, Attention, GatedMLP)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache | None = None,
+        last_only: bool = False,
+        last: torch.Tensor | None = None,
+        static: int | None = None,
+        images: mrope.MRopeImages | None = None,
+    ) -> torch.Tensor:
+        """CausalLM.forward; `images`: Qwen2-VL's image tokens (one row) in place of their
+        placeholders, which with the text after them turn by M-RoPE."""
+        sections = self.args.rope_parameters.get("mrope_section")
+        if images is not None and not sections:
+            raise UnsupportedError("images go to a Qwen2 whose RoPE is M-RoPE (mrope_section)")
+        rope = mrope.rope_positions(positions, cache, images) if sections else None
+        if rope is None:
+            return super().forward(input_ids, positions, cache, last_only, last, static)
+        if images is not None:  # placeholder ids may lie past the vocabulary
+            input_ids = input_ids.masked_fill(images.groups >= 0, 0)
+        x = self.embed(input_ids)
+        if images is not None:
+            x = images.place(x)
+        capacity = cache.max_seq_len if cache is not None else None
+        if images is None:  # text after images: every axis at the same shifted position
+            cos, sin = self.model.rotary_emb(rope[0], capacity)
+        else:
+            cos, sin = mrope.angles(self.model.rotary_emb, rope, sections, capacity)
+        if static is not None:
+            frame = self.static_frame(positions, cache, x.dtype, static)
+        else:
+            frame = self.frame(positions, cache, x.dtype, last)
+        # [B, T, rotary_dim] -> [B, 1, T, rotary_dim], broadcast over heads
+        frame = dataclasses.replace(
+            frame, cos=cos[:, None].to(x.dtype), sin=sin[:, None].to(x.dtype)
+        )
+        return head_logits(self, x, frame, cache, last_only, last).float()

@@ -71,6 +71,8 @@ _API = {
     # the layers (decode_step.c step_layer_t[]), the step (step_t), x; returns the
     # layers it ran, or -1
     "llmrun_decode_layers": [_PTR, _PTR, _PTR],
+    # type, f32 rows, out, rows, row length, threads (quantize.c); returns bytes or -1
+    "llmrun_quantize": [_INT, _PTR, _PTR, _I64, _I64, _INT],
 }
 # The 8-bit-activation kernels (q8.h), in the x86 families only.
 _Q8_API = {
@@ -128,6 +130,7 @@ def _library() -> ctypes.CDLL | None:
         lib.llmrun_iq_tables.restype = None
     for name in _VOID:
         getattr(lib, name).restype = None
+    lib.llmrun_quantize.restype = _I64
     return lib
 
 

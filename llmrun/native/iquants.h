@@ -39,10 +39,13 @@
 
 #define IQ1_DELTA 0.125f
 
-static const uint8_t *ksigns;                                /* [128] */
-static const uint8_t *iq2xxs_grid, *iq2xs_grid, *iq2s_grid; /* [256], [512], [1024] x 8 */
-static const uint8_t *iq3xxs_grid, *iq3s_grid;               /* [256], [512] x 4 */
-static const int8_t *iq1s_grid;                              /* [2048] x 8, for IQ1_S and IQ1_M */
+/* Not static: the family's 8-bit-activation kernels (q8.h, another file of its library)
+ * read them too. */
+#define IQ_TABLE __attribute__((visibility("hidden")))
+IQ_TABLE const uint8_t *ksigns;                                /* [128] */
+IQ_TABLE const uint8_t *iq2xxs_grid, *iq2xs_grid, *iq2s_grid; /* [256], [512], [1024] x 8 */
+IQ_TABLE const uint8_t *iq3xxs_grid, *iq3s_grid;               /* [256], [512] x 4 */
+IQ_TABLE const int8_t *iq1s_grid;                              /* [2048] x 8, for IQ1_S and IQ1_M */
 
 /* The tables, which must outlive the library's use of these types. */
 void llmrun_iq_tables(const uint8_t *signs, const uint8_t *iq2xxs, const uint8_t *iq2xs,

@@ -12,12 +12,12 @@
  * products, and scales the integer sums by the weight and activation scales in f32:
  * the result is sum over blocks of d_w * d_x * sum(q_w * q_x), to float rounding.
  *
- * The K-quants (Q4_K, Q5_K, Q6_K) take their activations as llama.cpp's vec_dot_type
- * for them, Q8_K (ggml's quantize_row_q8_K_ref): per 256 values one f32 scale d =
- * -max / 127, max the value of largest magnitude (the first such), q = x * (-127 /
- * max) rounded half to even. With one activation scale per 256, a kernel sums a whole
- * block's products times the weights' 6- or 8-bit sub-block scales in integers and
- * converts once per block.
+ * The K-quants (Q4_K, Q5_K, Q6_K), the i-quants but IQ4_NL (which takes Q8_0) and the
+ * ternary types take their activations as llama.cpp's vec_dot_type for them, Q8_K
+ * (ggml's quantize_row_q8_K_ref): per 256 values one f32 scale d = -max / 127, max the
+ * value of largest magnitude (the first such), q = x * (-127 / max) rounded half to
+ * even. With one activation scale per 256, a kernel sums a whole block's products times
+ * the weights' sub-block scales in integers and converts once per block.
  */
 #include <math.h>
 
@@ -146,11 +146,33 @@ static inline int64_t q8_half_place(int order, int64_t b, int h) {
 }
 
 /* The GGML-layout types whose kernels take four blocks at a time (ORDER_QUADS), and the
- * bytes of their blocks. */
-enum { QUAD_Q4_0, QUAD_Q5_0, QUAD_MXFP4 };
+ * bytes of their blocks (IQ4_NL's as Q4_0's: an f16 scale, then 16 bytes of nibbles). */
+enum { QUAD_Q4_0, QUAD_Q5_0, QUAD_MXFP4, QUAD_IQ4_NL };
 
 ALWAYS_INLINE int quad_bytes(const int kind) {
-    return kind == QUAD_Q4_0 ? 18 : kind == QUAD_Q5_0 ? 22 : MXFP4_BYTES;
+    return kind == QUAD_Q4_0 || kind == QUAD_IQ4_NL ? 18 : kind == QUAD_Q5_0 ? 22 : MXFP4_BYTES;
+}
+
+/* IQ4_NL's and IQ4_XS's codebook (kvalues_iq4nl, gguf's IQ4_NL.kvalues): a weight is its
+ * block's scale times the value its nibble picks. Their kernels take the values' sizes
+ * against the activation quants with the values' signs (llama.cpp's way: |w| <= 127, so
+ * vpmaddubsw's pair sums stay below 2 * 127 * 127 and never saturate). */
+static const int8_t IQ4_NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                         1,    13,   25,  38,  53,  69,  89,  113};
+#define IQ4_NL_BYTES 18
+#define IQ4_XS_BYTES 136
+
+/* An IQ4_XS block's 8 sub-block scales less 32 (-32 .. 31), byte j sub-block j's: 4 low
+ * bits from scales_l (bytes 4..7, nibble j), 2 high ones from scales_h (bytes 2..3, bits
+ * 2j and 2j + 1). */
+static inline uint64_t iq4_xs_scales(const uint8_t *blk) {
+    const uint64_t low = u32_at(blk + 4), high = (uint64_t)blk[2] | (uint64_t)blk[3] << 8;
+    uint64_t v = 0;
+    for (int j = 0; j < 8; j++) {
+        const uint64_t ls = (low >> 4 * j & 15) | (high >> 2 * j & 3) << 4;
+        v |= (uint64_t)(uint8_t)((int)ls - 32) << 8 * j;
+    }
+    return v;
 }
 
 /* Bytes (size 1) or u16s (size 2) k < 8 of the fields `bytes` apart at src, packed into
@@ -227,6 +249,258 @@ ALWAYS_INLINE __m128i k_scale_bytes(const uint8_t *fields) {
                           (int)((u[2] & 0x0f0f0f0f) | ((u[0] >> 2) & 0x30303030)),
                           (int)(u[1] & 0x3f3f3f3f),
                           (int)(((u[2] >> 4) & 0x0f0f0f0f) | ((u[1] >> 2) & 0x30303030)));
+}
+
+/* The ternary types (TQ1_0: 54-byte blocks, TQ2_0: 66), whose weights are d (t - 1) for
+ * trits t: a block's trits as u8 0..2, its 256 in x's order as 8 vectors of 32 (their
+ * offset of 1 comes off each block's sum as the sum of its activation quants). */
+#define TQ1_0_BYTES 54
+#define TQ2_0_BYTES 66
+
+/* TQ2_0 (qs[64], f16 d): weight 128h + 32l + k is bits 2l, 2l + 1 of qs[32h + k]. */
+ALWAYS_INLINE void tq2_0_trits(const uint8_t *blk, __m256i u[8]) {
+    for (int h = 0; h < 2; h++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 * h));
+        for (int l = 0; l < 4; l++) u[4 * h + l] = _mm256_and_si256(_mm256_srli_epi16(v, 2 * l), _mm256_set1_epi8(3));
+    }
+}
+
+/* (q * 3) >> 8 per byte: the leading trit of a byte that holds trits in base 3 (scaled to
+ * 256 / 243), 1 from 86 on, 2 from 171 on */
+ALWAYS_INLINE __m256i tq1_0_top_trit(__m256i q) {
+    const __m256i one = _mm256_set1_epi8(1);
+    return _mm256_add_epi8(_mm256_min_epu8(_mm256_subs_epu8(q, _mm256_set1_epi8(85)), one),
+                           _mm256_min_epu8(_mm256_subs_epu8(q, _mm256_set1_epi8((char)170)), one));
+}
+
+/* q * 3 per byte, mod 256: the next trit to the top */
+ALWAYS_INLINE __m256i times3(__m256i q) { return _mm256_add_epi8(_mm256_add_epi8(q, q), q); }
+
+/* TQ1_0 (qs[48], qh[4], f16 d), as ggml's dequantize_row_tq1_0: weight 32l + m (l < 5)
+ * is trit l of qs[m], 160 + 16l + m trit l of qs[32 + m], 240 + 4l + j trit l of qh[j]
+ * (l < 4), trit l of byte q the top trit of q * 3^l mod 256. */
+ALWAYS_INLINE void tq1_0_trits(const uint8_t *blk, __m256i u[8]) {
+    __m256i q = _mm256_loadu_si256((const __m256i *)blk);
+    for (int l = 0; l < 5; l++, q = times3(q)) u[l] = tq1_0_top_trit(q);
+    /* qs[32..47] times 3^l for l < 5, in both halves */
+    __m256i r[5];
+    r[0] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + 32)));
+    for (int l = 1; l < 5; l++) r[l] = times3(r[l - 1]);
+    /* qh times 3^l in dword l */
+    __m128i h[4] = {_mm_set1_epi32((int)u32_at(blk + 48))};
+    for (int l = 1; l < 4; l++) h[l] = _mm_add_epi8(_mm_add_epi8(h[l - 1], h[l - 1]), h[l - 1]);
+    const __m128i hs = _mm_blend_epi32(_mm_blend_epi32(h[0], h[1], 2), _mm_blend_epi32(h[2], h[3], 8), 12);
+    u[5] = tq1_0_top_trit(_mm256_blend_epi32(r[0], r[1], 0xF0));
+    u[6] = tq1_0_top_trit(_mm256_blend_epi32(r[2], r[3], 0xF0));
+    u[7] = tq1_0_top_trit(_mm256_inserti128_si256(r[4], hs, 1));
+}
+
+/* ---- The i-quants on grids (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M) ----
+ * A block's weights are its f16 d times a factor (1/8, 1/4 or 1) times an odd integer
+ * scale per 16 or 32 weights times a signed grid value. iq_grid_block decodes a block's
+ * 256 as those int8 values' sizes and signs (+-1), x's order, 8 vectors of 32 each (IQ2's
+ * and IQ3's grids hold the sizes, their sign bits the signs), and its 16 scales, one per
+ * 16 weights, returning d times the factor; the families then take the sizes against the
+ * activation quants with the signs (as IQ4's, at most 62 * 127 per product) and the pair
+ * sums times the scales in integers. IQ1_S's and IQ1_M's weights, grid values -1..1 plus
+ * a delta of +-1/8, are 8 g +- 1 times 1/8. Layouts: iquants.h (the exact kernels'
+ * dequantizers read the same fields). */
+#define IQ2_XXS_BYTES 66
+#define IQ2_XS_BYTES 74
+#define IQ2_S_BYTES 82
+#define IQ3_XXS_BYTES 98
+#define IQ3_S_BYTES 110
+#define IQ1_S_BYTES 50
+#define IQ1_M_BYTES 56
+
+/* iquants.h's tables, which the family's kernel file holds (llmrun_iq_tables) */
+extern __attribute__((visibility("hidden"))) const uint8_t *ksigns, *iq2xxs_grid, *iq2xs_grid,
+    *iq2s_grid, *iq3xxs_grid, *iq3s_grid;
+extern __attribute__((visibility("hidden"))) const int8_t *iq1s_grid;
+
+ALWAYS_INLINE uint64_t grid_row(const void *grid, int index) {
+    uint64_t v;
+    memcpy(&v, (const uint8_t *)grid + 8 * index, 8);
+    return v;
+}
+
+/* rows a, b, c, e of an 8-byte grid, in that order */
+ALWAYS_INLINE __m256i grid8(const void *grid, int a, int b, int c, int e) {
+    return _mm256_setr_epi64x((long long)grid_row(grid, a), (long long)grid_row(grid, b),
+                              (long long)grid_row(grid, c), (long long)grid_row(grid, e));
+}
+
+/* rows of a 4-byte grid, two per 8 weights */
+ALWAYS_INLINE __m256i grid4(const uint8_t *grid, const int idx[8]) {
+    return _mm256_setr_epi32((int)u32_at(grid + 4 * idx[0]), (int)u32_at(grid + 4 * idx[1]),
+                             (int)u32_at(grid + 4 * idx[2]), (int)u32_at(grid + 4 * idx[3]),
+                             (int)u32_at(grid + 4 * idx[4]), (int)u32_at(grid + 4 * idx[5]),
+                             (int)u32_at(grid + 4 * idx[6]), (int)u32_at(grid + 4 * idx[7]));
+}
+
+/* Signs as vpsignb takes them, 8 bytes of +1, or -1 where bit j of the byte is set: by
+ * sign byte, and by 7-bit index into ksigns (whose byte adds an eighth bit for even
+ * parity), filled when the library loads. */
+static uint64_t iq_signs[256], iq_ksigns[128];
+
+__attribute__((constructor)) static void iq_sign_tables(void) {
+    for (int b = 0; b < 256; b++) {
+        uint64_t v = 0;
+        for (int j = 0; j < 8; j++) v |= (uint64_t)(b >> j & 1 ? 0xFF : 0x01) << 8 * j;
+        iq_signs[b] = v;
+    }
+    for (int i = 0; i < 128; i++) iq_ksigns[i] = iq_signs[i | (__builtin_popcount(i) & 1) << 7];
+}
+
+/* the signs of 4 sign bytes, in order */
+ALWAYS_INLINE __m256i signs_of_bytes(uint32_t bytes) {
+    return _mm256_setr_epi64x((long long)iq_signs[bytes & 255], (long long)iq_signs[bytes >> 8 & 255],
+                              (long long)iq_signs[bytes >> 16 & 255], (long long)iq_signs[bytes >> 24]);
+}
+
+/* the signs of 4 7-bit ksigns indices, in order */
+ALWAYS_INLINE __m256i signs_of_indices(int a, int b, int c, int e) {
+    return _mm256_setr_epi64x((long long)iq_ksigns[a], (long long)iq_ksigns[b],
+                              (long long)iq_ksigns[c], (long long)iq_ksigns[e]);
+}
+
+/* signs_of_indices of the 7-bit fields k < 4 of aux */
+ALWAYS_INLINE __m256i signs_of_aux(uint32_t aux) {
+    return signs_of_indices(aux & 127, aux >> 7 & 127, aux >> 14 & 127, aux >> 21 & 127);
+}
+
+/* IQ1's 8 g + delta (g -1, 0, 1 from the grid, delta +-1 per 8: bytes of deltas), as its
+ * size and its sign (the value: never 0) */
+ALWAYS_INLINE void iq1_values(__m256i g, __m256i deltas, __m256i *size, __m256i *sign) {
+    *sign = _mm256_add_epi8(_mm256_sign_epi8(_mm256_set1_epi8(8), g), deltas);
+    *size = _mm256_abs_epi8(*sign);
+}
+
+/* +1 in each of 8 bytes, or -1 where negative */
+ALWAYS_INLINE long long iq1_delta8(int negative) {
+    return negative ? -1LL : 0x0101010101010101LL;
+}
+
+ALWAYS_INLINE float iq_grid_block(const int type, const uint8_t *blk, __m256i size[8], __m256i sign[8],
+                                  int16_t sc[16]) {
+    switch (type) {
+    case IQ2_XXS: /* per 32: 4 grid indices, then a u32 of 4 7-bit sign indices and the scale */
+        for (int ib = 0; ib < 8; ib++) {
+            const uint8_t *q = blk + 2 + 8 * ib;
+            const uint32_t aux = u32_at(q + 4);
+            size[ib] = grid8(iq2xxs_grid, q[0], q[1], q[2], q[3]);
+            sign[ib] = signs_of_aux(aux);
+            sc[2 * ib] = sc[2 * ib + 1] = (int16_t)(2 * (aux >> 28) + 1);
+        }
+        return f16_value(blk) * 0.125f;
+    case IQ2_XS: { /* per 8: a u16 of a 9-bit grid index and a 7-bit sign index; scales per 16 */
+        for (int ib = 0; ib < 8; ib++) {
+            uint16_t q[4];
+            memcpy(q, blk + 2 + 8 * ib, 8);
+            size[ib] = grid8(iq2xs_grid, q[0] & 511, q[1] & 511, q[2] & 511, q[3] & 511);
+            sign[ib] = signs_of_indices(q[0] >> 9, q[1] >> 9, q[2] >> 9, q[3] >> 9);
+            sc[2 * ib] = (int16_t)(2 * (blk[66 + ib] & 15) + 1);
+            sc[2 * ib + 1] = (int16_t)(2 * (blk[66 + ib] >> 4) + 1);
+        }
+        return f16_value(blk) * 0.125f;
+    }
+    case IQ2_S: { /* qs[32] (low 8 bits of the indices), signs[32], qh[8] (2 high bits each), scales[8] */
+        const uint8_t *qs = blk + 2, *signs = blk + 34, *qh = blk + 66, *scales = blk + 74;
+        for (int ib = 0; ib < 8; ib++) {
+            int idx[4];
+            for (int l = 0; l < 4; l++) idx[l] = qs[4 * ib + l] | (qh[ib] >> 2 * l & 3) << 8;
+            size[ib] = grid8(iq2s_grid, idx[0], idx[1], idx[2], idx[3]);
+            sign[ib] = signs_of_bytes(u32_at(signs + 4 * ib));
+            sc[2 * ib] = (int16_t)(2 * (scales[ib] & 15) + 1);
+            sc[2 * ib + 1] = (int16_t)(2 * (scales[ib] >> 4) + 1);
+        }
+        return f16_value(blk) * 0.125f;
+    }
+    case IQ3_XXS: /* per 32: 8 indices of 4-byte grid rows; u32s of sign indices and scale after */
+        for (int ib = 0; ib < 8; ib++) {
+            const uint8_t *q = blk + 2 + 8 * ib;
+            const uint32_t aux = u32_at(blk + 66 + 4 * ib);
+            const int idx[8] = {q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7]};
+            size[ib] = grid4(iq3xxs_grid, idx);
+            sign[ib] = signs_of_aux(aux);
+            sc[2 * ib] = sc[2 * ib + 1] = (int16_t)(2 * (aux >> 28) + 1);
+        }
+        return f16_value(blk) * 0.25f;
+    case IQ3_S: { /* qs[64] (low 8 bits of the indices), qh[8] (bit 8), signs[32], scales[4] */
+        const uint8_t *qs = blk + 2, *qh = blk + 66, *signs = blk + 74, *scales = blk + 106;
+        for (int ib = 0; ib < 8; ib++) {
+            int idx[8];
+            for (int j = 0; j < 8; j++) idx[j] = qs[8 * ib + j] | (qh[ib] >> j & 1) << 8;
+            size[ib] = grid4(iq3s_grid, idx);
+            sign[ib] = signs_of_bytes(u32_at(signs + 4 * ib));
+            sc[2 * ib] = sc[2 * ib + 1] = (int16_t)(2 * (scales[ib / 2] >> 4 * (ib % 2) & 15) + 1);
+        }
+        return f16_value(blk);
+    }
+    case IQ1_S: /* qs[32] (low 8 bits of the indices), per 32 a u16: 3 high bits per 8, scale, delta sign */
+        for (int ib = 0; ib < 8; ib++) {
+            const uint16_t h = (uint16_t)(blk[34 + 2 * ib] | blk[35 + 2 * ib] << 8);
+            const uint8_t *q = blk + 2 + 4 * ib;
+            const __m256i g = grid8(iq1s_grid, q[0] | (h & 7) << 8, q[1] | (h >> 3 & 7) << 8,
+                                    q[2] | (h >> 6 & 7) << 8, q[3] | (h >> 9 & 7) << 8);
+            iq1_values(g, _mm256_set1_epi64x(iq1_delta8(h >> 15)), size + ib, sign + ib);
+            sc[2 * ib] = sc[2 * ib + 1] = (int16_t)(2 * (h >> 12 & 7) + 1);
+        }
+        return f16_value(blk) * 0.125f;
+    default: { /* IQ1_M: qs[32], qh[16] (per 8: 3 high index bits, delta sign), u16 scales[4] (3 bits per 16; d in their top nibbles) */
+        uint16_t s4[4];
+        memcpy(s4, blk + 48, 8);
+        const uint16_t bits = (uint16_t)((s4[0] >> 12) | ((s4[1] >> 8) & 0x00F0) |
+                                         ((s4[2] >> 4) & 0x0F00) | (s4[3] & 0xF000));
+        for (int ib = 0; ib < 8; ib++) {
+            const int h0 = blk[32 + 2 * ib], h1 = blk[33 + 2 * ib];
+            const uint8_t *q = blk + 4 * ib;
+            const __m256i g = grid8(iq1s_grid, q[0] | (h0 & 7) << 8, q[1] | (h0 >> 4 & 7) << 8,
+                                    q[2] | (h1 & 7) << 8, q[3] | (h1 >> 4 & 7) << 8);
+            const __m256i deltas = _mm256_setr_epi64x(iq1_delta8(h0 >> 3 & 1), iq1_delta8(h0 >> 7),
+                                                      iq1_delta8(h1 >> 3 & 1), iq1_delta8(h1 >> 7));
+            iq1_values(g, deltas, size + ib, sign + ib);
+            for (int k = 0; k < 2; k++) {
+                const int j = 2 * ib + k;
+                sc[j] = (int16_t)(2 * (s4[j / 4] >> 3 * (j % 4) & 7) + 1);
+            }
+        }
+        return _cvtsh_ss(bits) * 0.125f;
+    }
+    }
+}
+
+/* 0 for the grid types until llmrun_iq_tables has handed their tables over, else 1 */
+static inline int q8_ready(int type) {
+    switch (type) {
+    case IQ2_XXS: case IQ2_XS: case IQ2_S: case IQ3_XXS: case IQ3_S: case IQ1_S: case IQ1_M:
+        return ksigns != NULL;
+    default:
+        return 1;
+    }
+}
+
+/* The largest |value| iq_grid_block gives for the type (IQ2's grids hold 8, 25 and 43,
+ * IQ3_XXS's 4 .. 62, IQ3_S's 1 .. 15) */
+ALWAYS_INLINE int iq_grid_largest(const int type) {
+    switch (type) {
+    case IQ3_XXS: return 62;
+    case IQ3_S: return 15;
+    case IQ1_S: case IQ1_M: return 9;
+    default: return 43;
+    }
+}
+
+ALWAYS_INLINE int iq_grid_bytes(const int type) {
+    switch (type) {
+    case IQ2_XXS: return IQ2_XXS_BYTES;
+    case IQ2_XS: return IQ2_XS_BYTES;
+    case IQ2_S: return IQ2_S_BYTES;
+    case IQ3_XXS: return IQ3_XXS_BYTES;
+    case IQ3_S: return IQ3_S_BYTES;
+    case IQ1_S: return IQ1_S_BYTES;
+    default: return IQ1_M_BYTES;
+    }
 }
 
 /* q8k_block_quantize_ref, eight values at a time with the same f32 operations (the
@@ -451,9 +725,9 @@ static inline void k_scale_min(const uint8_t *sc, int64_t step, int j, int *scal
 }
 
 /* One weight row as quants in order (q[n]) and each half-block's a and c ([2 nb]): u8
- * values, except Q8_0's with `q8_signed` (its s8 values as they are, c 0: for a family
- * whose u8 x s8 products saturate past 2 * 128 * 127). 0, or -1 for a type without a
- * decoder here. */
+ * values, except Q8_0's and the i-quants' and ternary types' with `q8_signed` (their s8
+ * values as they are, c 0: for a family whose u8 x s8 products saturate past 2 * 128 *
+ * 127). 0, or -1 for a type without a decoder here. */
 static inline int q8_decode_row(int type, const uint8_t *row, int64_t n, uint8_t *q, float *a,
                                 float *c, int q8_signed) {
     const int64_t nb = n / 32;
@@ -485,6 +759,51 @@ static inline int q8_decode_row(int type, const uint8_t *row, int64_t n, uint8_t
             _mm256_storeu_si256((__m256i *)qb, q8_signed ? v : _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)));
             off = q8_signed ? 0.0f : -128.0f * d;
             break;
+        }
+        case IQ4_NL: case IQ4_XS: {
+            /* IQ4_XS: sub-block j of block b / 8, its scale d (ls_j - 32) */
+            const uint8_t *blk = row + (type == IQ4_NL ? IQ4_NL_BYTES * b : IQ4_XS_BYTES * (b / 8));
+            const uint8_t *qs = type == IQ4_NL ? blk + 2 : blk + 8 + 16 * (b % 8);
+            d = f16_value(blk);
+            if (type == IQ4_XS) d *= (float)(int8_t)(iq4_xs_scales(blk) >> 8 * (b % 8));
+            const __m128i values = _mm_add_epi8(_mm_loadu_si128((const __m128i *)IQ4_NL_VALUES),
+                                                _mm_set1_epi8(q8_signed ? 0 : (char)0x80));
+            const __m128i v = _mm_loadu_si128((const __m128i *)qs);
+            _mm_storeu_si128((__m128i *)qb, _mm_shuffle_epi8(values, _mm_and_si128(v, low4)));
+            _mm_storeu_si128((__m128i *)(qb + 16), _mm_shuffle_epi8(values, _mm_and_si128(_mm_srli_epi16(v, 4), low4)));
+            off = q8_signed ? 0.0f : -128.0f * d;
+            break;
+        }
+        case IQ2_XXS: case IQ2_XS: case IQ2_S: case IQ3_XXS: case IQ3_S: case IQ1_S: case IQ1_M:
+        case TQ1_0: case TQ2_0: {
+            /* a whole block of 256 at its first 32: its values (trits less 1), a scale per 16;
+             * unsigned, the values plus their largest size (a small offset, whose part
+             * cancels in floats, the smaller the less rounding) */
+            if (b % 8) continue;
+            __m256i v[8];
+            int16_t sc[16];
+            float f;
+            const int offset = type == TQ1_0 || type == TQ2_0 ? 1 : iq_grid_largest(type);
+            if (type == TQ1_0 || type == TQ2_0) {
+                const uint8_t *blk = row + (type == TQ1_0 ? TQ1_0_BYTES : TQ2_0_BYTES) * (b / 8);
+                if (type == TQ1_0) tq1_0_trits(blk, v);
+                else tq2_0_trits(blk, v);
+                for (int k = 0; k < 8; k++) v[k] = _mm256_sub_epi8(v[k], _mm256_set1_epi8(1));
+                for (int j = 0; j < 16; j++) sc[j] = 1;
+                f = f16_value(blk + (type == TQ1_0 ? TQ1_0_BYTES : TQ2_0_BYTES) - 2);
+            } else {
+                __m256i size[8], sign[8];
+                f = iq_grid_block(type, row + iq_grid_bytes(type) * (b / 8), size, sign, sc);
+                for (int k = 0; k < 8; k++) v[k] = _mm256_sign_epi8(size[k], sign[k]);
+            }
+            for (int k = 0; k < 8; k++)
+                _mm256_storeu_si256((__m256i *)(qb + 32 * k),
+                                    q8_signed ? v[k] : _mm256_add_epi8(v[k], _mm256_set1_epi8((char)offset)));
+            for (int j = 0; j < 16; j++) {
+                a[2 * b + j] = f * (float)sc[j];
+                c[2 * b + j] = q8_signed ? 0.0f : -(float)offset * a[2 * b + j];
+            }
+            continue;
         }
         case MXFP4: {
             d = e8m0_half(row[17 * b]);
@@ -599,15 +918,22 @@ static inline int q8_fill_tile(int type, const uint8_t *w, int64_t stride, int64
 static inline int q8_gemm(int type, const uint8_t *w, int64_t stride, int64_t rows, const float *x,
                           int64_t m, int64_t n, float *y, const float *bias, int tile,
                           int q8_signed, gemm_tile_fn pass) {
+    /* the types in blocks of 256 (K-quants, i-quants but IQ4_NL, ternary) take their rows as
+     * Q8_K blocks: each block of 32 takes its 256's scale */
+    int k_quant = 0;
+    if (!q8_ready(type)) return -1;
     switch (type) { /* the types q8_decode_row takes, in rows it takes */
-    case Q4_0: case Q5_0: case Q8_0: case Q8_0_PACKED: case MXFP4:
+    case Q4_0: case Q5_0: case Q8_0: case Q8_0_PACKED: case MXFP4: case IQ4_NL:
         if (n % 32) return -1;
         break;
     case Q4_0_PACKED: case Q5_0_PACKED:
         if (n % 128) return -1;
         break;
-    case Q4_K: case Q5_K: case Q6_K: case Q4_K_PACKED: case Q5_K_PACKED:
+    case Q4_K: case Q5_K: case Q6_K: case Q4_K_PACKED: case Q5_K_PACKED: case IQ4_XS:
+    case IQ2_XXS: case IQ2_XS: case IQ2_S: case IQ3_XXS: case IQ3_S: case IQ1_S: case IQ1_M:
+    case TQ1_0: case TQ2_0:
         if (n % 256) return -1;
+        k_quant = 1;
         break;
     default:
         return -1;
@@ -621,9 +947,6 @@ static inline int q8_gemm(int type, const uint8_t *w, int64_t stride, int64_t ro
         return -1;
     }
     p.s = p.d + m * nb, p.s2 = p.s + m * nb;
-    /* the K-quants' rows as Q8_K blocks: each block of 32 takes its 256's scale */
-    const int k_quant = type == Q4_K || type == Q5_K || type == Q6_K || type == Q4_K_PACKED ||
-                        type == Q5_K_PACKED;
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < m; i++)
         for (int64_t b = 0; k_quant && b < nb; b += 8) {
@@ -878,6 +1201,7 @@ ALWAYS_INLINE void rows_q8_packed_256(const uint8_t *w, int64_t stride, int64_t 
     /* Row lengths the 8-bit-activation kernel takes for `type` are multiples of this; \
      * 0: none for that type. */                                                         \
     int llmrun_q8_block(int type) {                                                      \
+        if (!q8_ready(type)) return 0;                                                   \
         switch (type) {                                                                  \
         Q8_TYPES(Q8_BLOCK_CASE)                                                          \
         default: return 0;                                                               \
@@ -888,6 +1212,7 @@ ALWAYS_INLINE void rows_q8_packed_256(const uint8_t *w, int64_t stride, int64_t 
      * -1 where the type has no such kernel (or memory ran out). */                      \
     int llmrun_matvec_q8(int type, const uint8_t *w, int64_t stride, int64_t rows,       \
                          const float *x, int64_t m, int64_t n, float *y, const float *bias) { \
+        if (!q8_ready(type)) return -1;                                                  \
         switch (type) {                                                                  \
         Q8_TYPES(Q8_CALL_CASE)                                                           \
         default: return -1;                                                              \
@@ -908,6 +1233,7 @@ ALWAYS_INLINE void rows_q8_packed_256(const uint8_t *w, int64_t stride, int64_t 
     int llmrun_matvec_experts_q8(int type, const int64_t *ws, int64_t stride, int64_t rows, \
                                  const float *x, int64_t x_step, int64_t n, float *y,    \
                                  int64_t count) {                                        \
+        if (!q8_ready(type)) return -1;                                                  \
         switch (type) {                                                                  \
         Q8_TYPES(Q8_EXPERTS_CASE)                                                        \
         default: return -1;                                                              \
@@ -918,6 +1244,7 @@ ALWAYS_INLINE void rows_q8_packed_256(const uint8_t *w, int64_t stride, int64_t 
      * type's layout, on the calling thread (the decode step's share of a matvec). */   \
     int llmrun_q8_rows(int type, const uint8_t *w, int64_t stride, int64_t r0, int64_t r1, \
                        const act_t *a, float *y, const float *bias) {                    \
+        if (!q8_ready(type)) return -1;                                                  \
         switch (type) {                                                                  \
         Q8_TYPES(Q8_ROWS_CASE)                                                           \
         default: return -1;                                                              \

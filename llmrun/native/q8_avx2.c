@@ -3,8 +3,8 @@
  * to s32); each dword lane of the sum holds one block's, so its float, times the
  * lane's weight scale and activation scale, goes into a float accumulator. The 16-bit
  * pair sums never saturate: Q4_0, Q5_0 and MXFP4 (u8 weights up to 31) add two of
- * them, at most 2 * 2 * 31 * 127; Q6_K's reach 2 * 63 * 127; Q8_0 takes |w| against x
- * with w's sign (at most 2 * 128 * 127), as llama.cpp does.
+ * them, at most 2 * 2 * 31 * 127; Q6_K's reach 2 * 63 * 127; Q8_0 and the i-quants
+ * take |w| against x with w's sign (at most 2 * 128 * 127), as llama.cpp does.
  */
 #include "common.h"
 
@@ -15,7 +15,9 @@
 
 #define Q8_TYPES(X)                                                                      \
     X(Q4_0_PACKED, 128) X(Q5_0_PACKED, 128) X(Q8_0_PACKED, 32) X(Q4_0, 32) X(Q5_0, 32)      \
-    X(Q8_0, 32) X(MXFP4, 32) X(Q4_K, 256) X(Q5_K, 256) X(Q6_K, 256)
+    X(Q8_0, 32) X(MXFP4, 32) X(Q4_K, 256) X(Q5_K, 256) X(Q6_K, 256) X(IQ4_NL, 32)        \
+    X(IQ4_XS, 256) X(TQ1_0, 256) X(TQ2_0, 256) X(IQ2_XXS, 256) X(IQ2_XS, 256) X(IQ2_S, 256) \
+    X(IQ3_XXS, 256) X(IQ3_S, 256) X(IQ1_S, 256) X(IQ1_M, 256)
 
 ALWAYS_INLINE __m256i load256(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
@@ -84,12 +86,14 @@ ALWAYS_INLINE __m256i dot_u8(__m256i u, __m256i x) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
 }
 
-/* GGML's Q4_0 (18-byte blocks), Q5_0 (22) and MXFP4 (17), two blocks a 32-byte vector,
- * one 16-byte lane each (ORDER_QUADS, as the packed layouts): the low nibbles meet the
- * blocks' activations 0..15 and the high ones 16..31, their pair sums added in 16 bits
- * (at most 2 * 2 * 31 * 127), so one float scale and multiply-add per 64 weights.
- * Q5_0's high bits spread to bytes as in rows_q8_packed; MXFP4's codes look up their
- * values plus 12 (so unsigned). The weights' offset (8, 16, 12) is in the lanes' start.
+/* GGML's Q4_0 (18-byte blocks), Q5_0 (22), MXFP4 (17) and IQ4_NL (18), two blocks a
+ * 32-byte vector, one 16-byte lane each (ORDER_QUADS, as the packed layouts): the low
+ * nibbles meet the blocks' activations 0..15 and the high ones 16..31, their pair sums
+ * added in 16 bits (at most 2 * 2 * 31 * 127; IQ4_NL's, up to 2 * 127 * 127, widened
+ * apart), so one float scale and multiply-add per 64 weights. Q5_0's high bits spread to
+ * bytes as in rows_q8_packed; MXFP4's codes look up their values plus 12 (so unsigned);
+ * IQ4_NL's look up theirs, whose sizes meet the activations with their signs (q8.h).
+ * The weights' offset (8, 16, 12; IQ4_NL's 0) is in the lanes' start.
  * A row's last quad may hold fewer blocks (rows of any multiple of 32): the lanes of the
  * missing ones have scale 0. */
 /* The scales of c <= 8 blocks `bytes` apart, 0 past c: their fields gathered (a whole
@@ -127,7 +131,8 @@ ALWAYS_INLINE __m256 quad_scales(const uint8_t *src, int c, const int kind) {
 ALWAYS_INLINE void quad_step(const uint8_t *src, const int two, __m256 d8, int h,
                              const act_t *a, int64_t i0, const int m, int64_t b,
                              __m256 acc[][2], const int chain, const int kind) {
-    const int bytes = quad_bytes(kind), qs = kind == QUAD_Q4_0 ? 2 : kind == QUAD_Q5_0 ? 6 : 1;
+    const int bytes = quad_bytes(kind);
+    const int qs = kind == QUAD_Q4_0 || kind == QUAD_IQ4_NL ? 2 : kind == QUAD_Q5_0 ? 6 : 1;
     const __m128i q0 = _mm_loadu_si128((const __m128i *)(src + qs));
     const __m256i v = _mm256_set_m128i(two ? _mm_loadu_si128((const __m128i *)(src + bytes + qs)) : q0, q0);
     const __m256i nibble = _mm256_set1_epi8(15);
@@ -144,6 +149,13 @@ ALWAYS_INLINE void quad_step(const uint8_t *src, const int two, __m256 d8, int h
         lo = _mm256_shuffle_epi8(table, lo);
         hi = _mm256_shuffle_epi8(table, hi);
     }
+    __m256i size_lo = lo, size_hi = hi; /* IQ4_NL: its values' sizes (lo, hi: the values) */
+    if (kind == QUAD_IQ4_NL) {
+        const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_NL_VALUES));
+        lo = _mm256_shuffle_epi8(table, lo);
+        hi = _mm256_shuffle_epi8(table, hi);
+        size_lo = _mm256_abs_epi8(lo), size_hi = _mm256_abs_epi8(hi);
+    }
     const __m256i pick = _mm256_setr_epi32(2 * h, 2 * h, 2 * h, 2 * h, 2 * h + 1, 2 * h + 1,
                                            2 * h + 1, 2 * h + 1);
     const __m256 dw = _mm256_permutevar8x32_ps(d8, pick);
@@ -151,10 +163,15 @@ ALWAYS_INLINE void quad_step(const uint8_t *src, const int two, __m256 d8, int h
         /* ORDER_QUADS: block b's values 0..15 at 128 (b / 4) + 16 (b % 4), 16..31 64 on */
         const int8_t *xq = a->q + (i0 + i) * a->q_step + 128 * (b / 4) + 16 * (b % 4);
         const int64_t l = (i0 + i) * a->lane_step + 16 * (b / 4) + 4 * (b % 4);
-        const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, load256(xq)),
-                                               _mm256_maddubs_epi16(hi, load256(xq + 64)));
-        const __m256i sum = _mm256_add_epi32(load256(a->lane + l),
-                                             _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+        __m256i sum;
+        if (kind == QUAD_IQ4_NL) {
+            const __m256i xlo = _mm256_sign_epi8(load256(xq), lo), xhi = _mm256_sign_epi8(load256(xq + 64), hi);
+            sum = _mm256_add_epi32(dot_u8(size_lo, xlo), dot_u8(size_hi, xhi));
+        } else {
+            const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, load256(xq)),
+                                                   _mm256_maddubs_epi16(hi, load256(xq + 64)));
+            sum = _mm256_add_epi32(load256(a->lane + l), _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+        }
         const __m256 scale = _mm256_mul_ps(dw, _mm256_loadu_ps(a->dq + l));
         acc[i][chain] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[i][chain]);
     }
@@ -197,6 +214,7 @@ ALWAYS_INLINE void rows_q8_quads(const uint8_t *w, int64_t stride, int64_t r0, i
 DEFINE_Q8_MATVEC(Q4_0, ORDER_QUADS, 8, rows_q8_quads, QUAD_Q4_0)
 DEFINE_Q8_MATVEC(Q5_0, ORDER_QUADS, 16, rows_q8_quads, QUAD_Q5_0)
 DEFINE_Q8_MATVEC(MXFP4, ORDER_QUADS, 12, rows_q8_quads, QUAD_MXFP4)
+DEFINE_Q8_MATVEC(IQ4_NL, ORDER_QUADS, 0, rows_q8_quads, QUAD_IQ4_NL)
 
 /* GGML's Q8_0 (34-byte blocks), a block a 32-byte vector in x's order: |w| against x
  * with w's sign, scaled by d_w * d_x, into acc[i][chain] (constant, as quad_step's). */
@@ -365,14 +383,157 @@ ALWAYS_INLINE void rows_q8k_q6_k(const uint8_t *w, int64_t stride, int64_t r0, i
 
 DEFINE_Q8_MATVEC(Q6_K, ORDER_Q8_K, 0, rows_q8k_q6_k)
 
+/* GGML's IQ4_XS (136-byte blocks: f16 d, u16 scales_h, u8 scales_l[4], qs[128]) in
+ * ORDER_Q8_K: 32 bytes of qs hold sub-blocks 2p and 2p + 1 of 32, one 16-byte lane each,
+ * their weights 0..15 in the low nibbles and 16..31 in the high ones; vpshufb looks up
+ * the values and vperm2i128 puts each sub-block's halves together in x's order. The
+ * values' sizes meet the activations with their signs in vpmaddubsw, whose pair sums
+ * meet the sub-block's scale less 32 in vpmaddwd, so a block's sum is one integer
+ * vector, converted and scaled by d * d_x once. */
+ALWAYS_INLINE void rows_q8k_iq4_xs(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
+                                   const act_t *a, int64_t i0, const int m, float *y,
+                                   int64_t ldy, const float *bias) {
+    const int64_t nb = a->n / 256;
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_NL_VALUES));
+    const __m256i nibble = _mm256_set1_epi8(15);
+    const uint8_t *end = w + r1 * stride;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * stride;
+        __m256 acc[MAX_M];
+        for (int i = 0; i < m; i++) acc[i] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = row + IQ4_XS_BYTES * b;
+            if (blk + PREFETCH + IQ4_XS_BYTES <= end)
+                for (int l = 0; l < IQ4_XS_BYTES + 63; l += 64)
+                    _mm_prefetch((const char *)blk + PREFETCH + l, _MM_HINT_T0);
+            const uint64_t scales = iq4_xs_scales(blk);
+            __m256i sum[MAX_M];
+            for (int i = 0; i < m; i++) sum[i] = _mm256_setzero_si256();
+            for (int p = 0; p < 4; p++) {
+                const __m256i v = load256(blk + 8 + 32 * p);
+                const __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(v, nibble));
+                const __m256i hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble));
+                const __m256i values[2] = {_mm256_permute2x128_si256(lo, hi, 0x20),
+                                           _mm256_permute2x128_si256(lo, hi, 0x31)};
+                __m256i size[2], sc[2];
+                for (int h = 0; h < 2; h++) {
+                    size[h] = _mm256_abs_epi8(values[h]);
+                    sc[h] = _mm256_set1_epi16((int8_t)(scales >> 8 * (2 * p + h)));
+                }
+                for (int i = 0; i < m; i++) {
+                    const int8_t *xq = a->q + (i0 + i) * a->q_step + 256 * b + 64 * p;
+                    for (int h = 0; h < 2; h++) {
+                        const __m256i x = _mm256_sign_epi8(load256(xq + 32 * h), values[h]);
+                        sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(size[h], x), sc[h]));
+                    }
+                }
+            }
+            const float d = f16_value(blk);
+            for (int i = 0; i < m; i++) {
+                const float dx = a->d[(i0 + i) * a->d_step + b];
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[i]), _mm256_set1_ps(d * dx), acc[i]);
+            }
+        }
+        for (int i = 0; i < m; i++) y[i * ldy + r] = reduce_256(acc[i]) + (bias ? bias[r] : 0.0f);
+    }
+}
+
+DEFINE_Q8_MATVEC(IQ4_XS, ORDER_Q8_K, 0, rows_q8k_iq4_xs)
+
+/* GGML's TQ1_0 (one 1) and TQ2_0 (one 0) in ORDER_Q8_K, a block's trits as q8.h decodes
+ * them: their pair sums with the activation quants (at most 2 * 2 * 127) add up over the
+ * whole block in 16 bits, less the sum of the block's activation quants (the trits'
+ * offset of 1), times d * d_x. */
+ALWAYS_INLINE void rows_q8k_ternary(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
+                                    const act_t *a, int64_t i0, const int m, float *y,
+                                    int64_t ldy, const float *bias, const int one) {
+    const int64_t nb = a->n / 256, bytes = one ? TQ1_0_BYTES : TQ2_0_BYTES;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const uint8_t *end = w + r1 * stride;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * stride;
+        __m256 acc[MAX_M];
+        for (int i = 0; i < m; i++) acc[i] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = row + bytes * b;
+            if (blk + PREFETCH + bytes <= end)
+                for (int l = 0; l < bytes + 63; l += 64)
+                    _mm_prefetch((const char *)blk + PREFETCH + l, _MM_HINT_T0);
+            __m256i u[8];
+            if (one) tq1_0_trits(blk, u);
+            else tq2_0_trits(blk, u);
+            const float d = f16_value(blk + bytes - 2);
+            for (int i = 0; i < m; i++) {
+                const int8_t *xq = a->q + (i0 + i) * a->q_step + 256 * b;
+                __m256i pairs = _mm256_setzero_si256();
+                for (int k = 0; k < 8; k++) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(u[k], load256(xq + 32 * k)));
+                const __m256i xsum = _mm256_madd_epi16(load256(q8k_sums16(a, i0 + i) + 16 * b), ones);
+                const __m256i sum = _mm256_sub_epi32(_mm256_madd_epi16(pairs, ones), xsum);
+                const float dx = a->d[(i0 + i) * a->d_step + b];
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * dx), acc[i]);
+            }
+        }
+        for (int i = 0; i < m; i++) y[i * ldy + r] = reduce_256(acc[i]) + (bias ? bias[r] : 0.0f);
+    }
+}
+
+DEFINE_Q8_MATVEC(TQ1_0, ORDER_Q8_K, 0, rows_q8k_ternary, 1)
+DEFINE_Q8_MATVEC(TQ2_0, ORDER_Q8_K, 0, rows_q8k_ternary, 0)
+
+/* The i-quants on grids in ORDER_Q8_K, a block's values and scales as q8.h decodes them:
+ * each 32 values' sizes against the activation quants with the values' signs in
+ * vpmaddubsw, the pair sums times their 16 values' scale (one per 128-bit half) in
+ * vpmaddwd, so a block's sum is one integer vector, times d * factor * d_x. */
+ALWAYS_INLINE void rows_q8k_grid(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
+                                 const act_t *a, int64_t i0, const int m, float *y,
+                                 int64_t ldy, const float *bias, const int type) {
+    const int64_t nb = a->n / 256, bytes = iq_grid_bytes(type);
+    const uint8_t *end = w + r1 * stride;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * stride;
+        __m256 acc[MAX_M];
+        for (int i = 0; i < m; i++) acc[i] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = row + bytes * b;
+            if (blk + PREFETCH + bytes <= end)
+                for (int l = 0; l < bytes + 63; l += 64)
+                    _mm_prefetch((const char *)blk + PREFETCH + l, _MM_HINT_T0);
+            __m256i size[8], sign[8], scale[8];
+            int16_t sc[16];
+            const float d = iq_grid_block(type, blk, size, sign, sc);
+            for (int k = 0; k < 8; k++)
+                scale[k] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * k + 1]), _mm_set1_epi16(sc[2 * k]));
+            for (int i = 0; i < m; i++) {
+                const int8_t *xq = a->q + (i0 + i) * a->q_step + 256 * b;
+                __m256i sum = _mm256_setzero_si256();
+                for (int k = 0; k < 8; k++) {
+                    const __m256i x = _mm256_sign_epi8(load256(xq + 32 * k), sign[k]);
+                    sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(size[k], x), scale[k]));
+                }
+                const float dx = a->d[(i0 + i) * a->d_step + b];
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * dx), acc[i]);
+            }
+        }
+        for (int i = 0; i < m; i++) y[i * ldy + r] = reduce_256(acc[i]) + (bias ? bias[r] : 0.0f);
+    }
+}
+
+DEFINE_Q8_MATVEC(IQ2_XXS, ORDER_Q8_K, 0, rows_q8k_grid, IQ2_XXS)
+DEFINE_Q8_MATVEC(IQ2_XS, ORDER_Q8_K, 0, rows_q8k_grid, IQ2_XS)
+DEFINE_Q8_MATVEC(IQ2_S, ORDER_Q8_K, 0, rows_q8k_grid, IQ2_S)
+DEFINE_Q8_MATVEC(IQ3_XXS, ORDER_Q8_K, 0, rows_q8k_grid, IQ3_XXS)
+DEFINE_Q8_MATVEC(IQ3_S, ORDER_Q8_K, 0, rows_q8k_grid, IQ3_S)
+DEFINE_Q8_MATVEC(IQ1_S, ORDER_Q8_K, 0, rows_q8k_grid, IQ1_S)
+DEFINE_Q8_MATVEC(IQ1_M, ORDER_Q8_K, 0, rows_q8k_grid, IQ1_M)
+
 /* ---- A prompt's rows: q8.h's GEMM on tiles of 16 weight rows (two vectors of outputs).
  * A 32-byte load of the tile holds 4 quants of each of 8 rows; against 4 quants of an
  * activation row (broadcast), vpmaddubsw gives each row's two pair sums in 16 bits.
  * Those add up in 16 bits over `group` loads before vpmaddwd widens them: a group
  * never saturates (at most 2 * group * max u8 * 127: Q4_0/Q4_K's 15 over 8 loads,
- * Q5's 31 and MXFP4's 24 over 4, Q6_K's 63 over 2), and Q8_0 takes |w| against x with
- * w's sign, one load at a time (2 * 128 * 127). Three activation rows share each load
- * of the tile. ---- */
+ * Q5's 31 and MXFP4's 24 over 4, Q6_K's 63 over 2), and Q8_0, the i-quants and the
+ * ternary types take |w| against x with w's sign, one load at a time (2 * 128 * 127).
+ * Three activation rows share each load of the tile. ---- */
 #define TILE 16 /* weight rows a tile holds */
 #define GEMM_MR 3 /* activation rows a pass takes (with four, accumulators spill) */
 
@@ -461,7 +622,11 @@ static void gemm_tile(int type, const uint8_t *q, const float *a, const float *c
     switch (type) {
     case Q4_0: case Q4_0_PACKED: case Q4_K: GEMM_ROWS(8, 0, 0); break;
     case Q6_K: GEMM_ROWS(2, 1, 0); break;
-    case Q8_0: case Q8_0_PACKED: GEMM_ROWS(1, 0, 1); break;
+    case Q8_0: case Q8_0_PACKED: case IQ4_NL: case IQ4_XS: case IQ2_XXS: case IQ3_XXS: case IQ3_S:
+    case IQ1_S: case TQ1_0: case TQ2_0:
+        GEMM_ROWS(1, 0, 1);
+        break;
+    case IQ2_XS: case IQ2_S: case IQ1_M: GEMM_ROWS(1, 1, 1); break; /* a scale per 16 */
     default: GEMM_ROWS(4, 0, 0); break; /* Q5_0, Q5_K, MXFP4 */
     }
 }

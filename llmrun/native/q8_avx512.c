@@ -3,7 +3,8 @@
  * vpmaddubsw and vpmaddwd (whose 16-bit pair sums do not saturate for the u8 values
  * used here, at most 63 * 127 * 2: Q8_0 then takes |w| and x with w's sign instead of
  * w + 128). Each dword lane of an integer sum holds one block's, so its float, times
- * the lane's weight scale and activation scale, goes into a float accumulator.
+ * the lane's weight scale and activation scale, goes into a float accumulator. The
+ * i-quants and ternary types take sizes and signs, as llama.cpp does (|w| <= 127).
  */
 #include "common.h"
 
@@ -33,7 +34,9 @@ ALWAYS_INLINE __m512i dpbusd_bw(__m512i acc, __m512i u, __m512i s) {
 
 #define Q8_TYPES(X)                                                                      \
     X(Q4_0_PACKED, 128) X(Q5_0_PACKED, 128) X(Q8_0, 32) X(Q4_0, 32) X(Q5_0, 32) X(MXFP4, 32) \
-    X(Q4_K, 256) X(Q5_K, 256) X(Q6_K, 256) Q8_K_PACKED_TYPES(X)
+    X(Q4_K, 256) X(Q5_K, 256) X(Q6_K, 256) X(IQ4_NL, 32) X(IQ4_XS, 256) X(TQ1_0, 256)       \
+    X(TQ2_0, 256) X(IQ2_XXS, 256) X(IQ2_XS, 256) X(IQ2_S, 256) X(IQ3_XXS, 256) X(IQ3_S, 256)   \
+    X(IQ1_S, 256) X(IQ1_M, 256) Q8_K_PACKED_TYPES(X)
 
 ALWAYS_INLINE __m512i load512(const void *p) { return _mm512_loadu_si512(p); }
 
@@ -148,13 +151,15 @@ DEFINE_Q8_MATVEC(Q8_0, ORDER_NATURAL, Q8_0_OFFSET, rows_q8_q8_0)
 
 ALWAYS_INLINE float reduce2(__m512 a, __m512 b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
 
-/* GGML's Q4_0 (18-byte blocks), Q5_0 (22) and MXFP4 (17), four blocks a 64-byte vector,
- * one 16-byte lane each (ORDER_QUADS, as the packed layouts): the low nibbles meet the
- * blocks' activations 0..15 and the high ones 16..31 in the same dword lanes, so one
- * float scale and multiply-add per 128 weights. Q5_0's high-bit words split as in
- * rows_q8_packed; MXFP4's codes look up their values plus 12 (so unsigned). The
- * weights' offset (8, 16, 12) is in the lanes' start. A row's last quad may hold fewer
- * blocks (rows of any multiple of 32): the lanes of the missing ones have scale 0. */
+/* GGML's Q4_0 (18-byte blocks), Q5_0 (22), MXFP4 (17) and IQ4_NL (18), four blocks a
+ * 64-byte vector, one 16-byte lane each (ORDER_QUADS, as the packed layouts): the low
+ * nibbles meet the blocks' activations 0..15 and the high ones 16..31 in the same dword
+ * lanes, so one float scale and multiply-add per 128 weights. Q5_0's high-bit words split
+ * as in rows_q8_packed; MXFP4's codes look up their values plus 12 (so unsigned);
+ * IQ4_NL's look up theirs, whose sizes meet the activations with their signs (q8.h). The
+ * weights' offset (8, 16, 12; IQ4_NL's 0) is in the lanes' start. A row's last quad may
+ * hold fewer blocks (rows of any multiple of 32): the lanes of the missing ones have
+ * scale 0. */
 /* The scales of c <= 16 blocks `bytes` apart, 0 past c: their fields gathered (a whole
  * group without branches), then converted at once (E8M0 as e8m0_half). */
 ALWAYS_INLINE __m512 quad_scales(const uint8_t *src, int c, const int kind) {
@@ -198,7 +203,8 @@ ALWAYS_INLINE __m512 quad_scales(const uint8_t *src, int c, const int kind) {
 ALWAYS_INLINE void quad_step(const uint8_t *src, const int have, __m512 d16, int q,
                              const act_t *a, int64_t i0, const int m, int64_t b,
                              __m512 acc[][2], const int chain, const int kind) {
-    const int bytes = quad_bytes(kind), qs = kind == QUAD_Q4_0 ? 2 : kind == QUAD_Q5_0 ? 6 : 1;
+    const int bytes = quad_bytes(kind);
+    const int qs = kind == QUAD_Q4_0 || kind == QUAD_IQ4_NL ? 2 : kind == QUAD_Q5_0 ? 6 : 1;
     __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(src + qs)));
     for (int k = 1; k < 4; k++)
         if (k < have) v = _mm512_mask_broadcast_i32x4(v, (__mmask16)(0xF << 4 * k),
@@ -223,13 +229,26 @@ ALWAYS_INLINE void quad_step(const uint8_t *src, const int have, __m512 d16, int
         lo = _mm512_shuffle_epi8(table, lo);
         hi = _mm512_shuffle_epi8(table, hi);
     }
+    __mmask64 neg_lo = 0, neg_hi = 0; /* IQ4_NL: its values' signs, for the activations */
+    if (kind == QUAD_IQ4_NL) {
+        const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_NL_VALUES));
+        lo = _mm512_shuffle_epi8(table, lo);
+        hi = _mm512_shuffle_epi8(table, hi);
+        neg_lo = _mm512_movepi8_mask(lo), neg_hi = _mm512_movepi8_mask(hi);
+        lo = _mm512_abs_epi8(lo), hi = _mm512_abs_epi8(hi);
+    }
     const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     const __m512 dw = _mm512_permutexvar_ps(_mm512_add_epi32(quad, _mm512_set1_epi32(4 * q)), d16);
     for (int i = 0; i < m; i++) {
         const int8_t *xq = a->q + (i0 + i) * a->q_step + 32 * b;
         const int64_t l = (i0 + i) * a->lane_step + 4 * b;
-        __m512i sum = DPBUSD(load512(a->lane + l), lo, load512(xq));
-        sum = DPBUSD(sum, hi, load512(xq + 64));
+        __m512i xlo = load512(xq), xhi = load512(xq + 64);
+        if (kind == QUAD_IQ4_NL) {
+            xlo = _mm512_mask_sub_epi8(xlo, neg_lo, _mm512_setzero_si512(), xlo);
+            xhi = _mm512_mask_sub_epi8(xhi, neg_hi, _mm512_setzero_si512(), xhi);
+        }
+        __m512i sum = DPBUSD(load512(a->lane + l), lo, xlo);
+        sum = DPBUSD(sum, hi, xhi);
         const __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps(a->dq + l));
         acc[i][chain] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[i][chain]);
     }
@@ -275,6 +294,7 @@ ALWAYS_INLINE void rows_q8_quads(const uint8_t *w, int64_t stride, int64_t r0, i
 DEFINE_Q8_MATVEC(Q4_0, ORDER_QUADS, 8, rows_q8_quads, QUAD_Q4_0)
 DEFINE_Q8_MATVEC(Q5_0, ORDER_QUADS, 16, rows_q8_quads, QUAD_Q5_0)
 DEFINE_Q8_MATVEC(MXFP4, ORDER_QUADS, 12, rows_q8_quads, QUAD_MXFP4)
+DEFINE_Q8_MATVEC(IQ4_NL, ORDER_QUADS, 0, rows_q8_quads, QUAD_IQ4_NL)
 
 /* a in the low 256 bits, b in the high 256 */
 ALWAYS_INLINE __m512i halves_epi16(int a, int b) {
@@ -433,6 +453,169 @@ ALWAYS_INLINE void rows_q8k_q6_k(const uint8_t *w, int64_t stride, int64_t r0, i
 
 DEFINE_Q8_MATVEC(Q6_K, ORDER_Q8_K, 0, rows_q8k_q6_k)
 
+/* GGML's IQ4_XS (136-byte blocks: f16 d, u16 scales_h, u8 scales_l[4], qs[128]) in
+ * ORDER_Q8_K: a 64-byte load of qs holds sub-blocks 4h .. 4h + 3 of 32, one 16-byte lane
+ * each, their weights 0..15 in the low nibbles and 16..31 in the high ones; vpshufb looks
+ * up the values and vpermt2q puts the lanes in x's order (sub-blocks 4h, 4h + 1, then
+ * 4h + 2, 4h + 3). The values' sizes meet the activations with their signs in vpmaddubsw,
+ * whose pair sums meet the sub-blocks' scales less 32 in vpdpwssd, so a block's sum is
+ * one integer vector, converted and scaled by d * d_x once (llama.cpp's vec_dot scales
+ * each sub-block's sum in floats: the same to float rounding). */
+ALWAYS_INLINE void rows_q8k_iq4_xs(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
+                                   const act_t *a, int64_t i0, const int m, float *y,
+                                   int64_t ldy, const float *bias) {
+    const int64_t nb = a->n / 256;
+    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_NL_VALUES));
+    const __m512i nibble = _mm512_set1_epi8(15);
+    const __m512i order[2] = {_mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11),
+                              _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15)};
+    __m512i pick[4]; /* vector t's scales: sub-block 2t's in the low 256 bits, 2t + 1's high */
+    for (int t = 0; t < 4; t++) pick[t] = halves_epi16(2 * t, 2 * t + 1);
+    const uint8_t *end = w + r1 * stride;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * stride;
+        __m512 acc[MAX_M];
+        for (int i = 0; i < m; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = row + IQ4_XS_BYTES * b;
+            if (blk + PREFETCH + IQ4_XS_BYTES <= end)
+                for (int l = 0; l < IQ4_XS_BYTES + 63; l += 64)
+                    _mm_prefetch((const char *)blk + PREFETCH + l, _MM_HINT_T0);
+            const __m128i s8 = _mm_cvtsi64_si128((long long)iq4_xs_scales(blk));
+            const __m512i s16 = _mm512_zextsi128_si512(_mm_cvtepi8_epi16(s8));
+            __m512i sc[4], u[4];
+            __mmask64 neg[4];
+            for (int t = 0; t < 4; t++) sc[t] = _mm512_permutexvar_epi16(pick[t], s16);
+            for (int h = 0; h < 2; h++) {
+                const __m512i v = load512(blk + 8 + 64 * h);
+                const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(v, nibble));
+                const __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble));
+                for (int e = 0; e < 2; e++) {
+                    const __m512i values = _mm512_permutex2var_epi64(lo, order[e], hi);
+                    neg[2 * h + e] = _mm512_movepi8_mask(values);
+                    u[2 * h + e] = _mm512_abs_epi8(values);
+                }
+            }
+            const float d = f16_value(blk);
+            for (int i = 0; i < m; i++) {
+                const int8_t *xq = a->q + (i0 + i) * a->q_step + 256 * b;
+                __m512i sum = _mm512_setzero_si512();
+                for (int t = 0; t < 4; t++) {
+                    const __m512i x = load512(xq + 64 * t);
+                    const __m512i signed_x = _mm512_mask_sub_epi8(x, neg[t], _mm512_setzero_si512(), x);
+                    sum = DPWSSD(sum, _mm512_maddubs_epi16(u[t], signed_x), sc[t]);
+                }
+                const float dx = a->d[(i0 + i) * a->d_step + b];
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * dx), acc[i]);
+            }
+        }
+        for (int i = 0; i < m; i++) y[i * ldy + r] = _mm512_reduce_add_ps(acc[i]) + (bias ? bias[r] : 0.0f);
+    }
+}
+
+DEFINE_Q8_MATVEC(IQ4_XS, ORDER_Q8_K, 0, rows_q8k_iq4_xs)
+
+/* GGML's TQ1_0 (one 1) and TQ2_0 (one 0) in ORDER_Q8_K, a block's trits as q8.h decodes
+ * them, two vectors of 32 to one of 64: against the activation quants in vpdpbusd, less
+ * the sum of the block's activation quants (the trits' offset of 1), times d * d_x. */
+ALWAYS_INLINE void rows_q8k_ternary(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
+                                    const act_t *a, int64_t i0, const int m, float *y,
+                                    int64_t ldy, const float *bias, const int one) {
+    const int64_t nb = a->n / 256, bytes = one ? TQ1_0_BYTES : TQ2_0_BYTES;
+    const uint8_t *end = w + r1 * stride;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * stride;
+        __m512 acc[MAX_M];
+        for (int i = 0; i < m; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = row + bytes * b;
+            if (blk + PREFETCH + bytes <= end)
+                for (int l = 0; l < bytes + 63; l += 64)
+                    _mm_prefetch((const char *)blk + PREFETCH + l, _MM_HINT_T0);
+            __m256i t[8];
+            if (one) tq1_0_trits(blk, t);
+            else tq2_0_trits(blk, t);
+            __m512i u[4];
+            for (int k = 0; k < 4; k++) u[k] = _mm512_inserti64x4(_mm512_castsi256_si512(t[2 * k]), t[2 * k + 1], 1);
+            const float d = f16_value(blk + bytes - 2);
+            for (int i = 0; i < m; i++) {
+                const int8_t *xq = a->q + (i0 + i) * a->q_step + 256 * b;
+                __m512i sum = _mm512_setzero_si512();
+                for (int k = 0; k < 4; k++) sum = DPBUSD(sum, u[k], load512(xq + 64 * k));
+                const __m256i bsum = _mm256_loadu_si256((const __m256i *)(q8k_sums16(a, i0 + i) + 16 * b));
+                const __m256i xsum = _mm256_madd_epi16(bsum, _mm256_set1_epi16(1));
+                sum = _mm512_sub_epi32(sum, _mm512_zextsi256_si512(xsum));
+                const float dx = a->d[(i0 + i) * a->d_step + b];
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * dx), acc[i]);
+            }
+        }
+        for (int i = 0; i < m; i++) y[i * ldy + r] = _mm512_reduce_add_ps(acc[i]) + (bias ? bias[r] : 0.0f);
+    }
+}
+
+DEFINE_Q8_MATVEC(TQ1_0, ORDER_Q8_K, 0, rows_q8k_ternary, 1)
+DEFINE_Q8_MATVEC(TQ2_0, ORDER_Q8_K, 0, rows_q8k_ternary, 0)
+
+/* The i-quants on grids in ORDER_Q8_K, a block's values and scales as q8.h decodes them,
+ * two vectors of 32 to one of 64: the values' sizes against the activation quants with
+ * the values' signs in vpmaddubsw, the pair sums times their 16 values' scale (one per
+ * 128-bit lane, vpermw from the 16) in vpdpwssd, so a block's sum is one integer vector,
+ * times d * factor * d_x. */
+ALWAYS_INLINE void rows_q8k_grid(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
+                                 const act_t *a, int64_t i0, const int m, float *y,
+                                 int64_t ldy, const float *bias, const int type) {
+    const int64_t nb = a->n / 256, bytes = iq_grid_bytes(type);
+    __m512i pick[4]; /* vector k's 128-bit lane j: scale 4k + j */
+    for (int k = 0; k < 4; k++) {
+        int16_t idx[32];
+        for (int j = 0; j < 32; j++) idx[j] = (int16_t)(4 * k + j / 8);
+        pick[k] = _mm512_loadu_si512(idx);
+    }
+    const uint8_t *end = w + r1 * stride;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * stride;
+        __m512 acc[MAX_M];
+        for (int i = 0; i < m; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = row + bytes * b;
+            if (blk + PREFETCH + bytes <= end)
+                for (int l = 0; l < bytes + 63; l += 64)
+                    _mm_prefetch((const char *)blk + PREFETCH + l, _MM_HINT_T0);
+            __m256i sizes[8], signs[8];
+            int16_t sc[16];
+            const float d = iq_grid_block(type, blk, sizes, signs, sc);
+            const __m512i sc16 = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)sc));
+            __m512i size[4], scale[4];
+            __mmask64 neg[4];
+            for (int k = 0; k < 4; k++) {
+                size[k] = _mm512_inserti64x4(_mm512_castsi256_si512(sizes[2 * k]), sizes[2 * k + 1], 1);
+                neg[k] = _mm512_movepi8_mask(_mm512_inserti64x4(_mm512_castsi256_si512(signs[2 * k]), signs[2 * k + 1], 1));
+                scale[k] = _mm512_permutexvar_epi16(pick[k], sc16);
+            }
+            for (int i = 0; i < m; i++) {
+                const int8_t *xq = a->q + (i0 + i) * a->q_step + 256 * b;
+                __m512i sum = _mm512_setzero_si512();
+                for (int k = 0; k < 4; k++) {
+                    const __m512i x = load512(xq + 64 * k);
+                    const __m512i signed_x = _mm512_mask_sub_epi8(x, neg[k], _mm512_setzero_si512(), x);
+                    sum = DPWSSD(sum, _mm512_maddubs_epi16(size[k], signed_x), scale[k]);
+                }
+                const float dx = a->d[(i0 + i) * a->d_step + b];
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * dx), acc[i]);
+            }
+        }
+        for (int i = 0; i < m; i++) y[i * ldy + r] = _mm512_reduce_add_ps(acc[i]) + (bias ? bias[r] : 0.0f);
+    }
+}
+
+DEFINE_Q8_MATVEC(IQ2_XXS, ORDER_Q8_K, 0, rows_q8k_grid, IQ2_XXS)
+DEFINE_Q8_MATVEC(IQ2_XS, ORDER_Q8_K, 0, rows_q8k_grid, IQ2_XS)
+DEFINE_Q8_MATVEC(IQ2_S, ORDER_Q8_K, 0, rows_q8k_grid, IQ2_S)
+DEFINE_Q8_MATVEC(IQ3_XXS, ORDER_Q8_K, 0, rows_q8k_grid, IQ3_XXS)
+DEFINE_Q8_MATVEC(IQ3_S, ORDER_Q8_K, 0, rows_q8k_grid, IQ3_S)
+DEFINE_Q8_MATVEC(IQ1_S, ORDER_Q8_K, 0, rows_q8k_grid, IQ1_S)
+DEFINE_Q8_MATVEC(IQ1_M, ORDER_Q8_K, 0, rows_q8k_grid, IQ1_M)
+
 #ifdef __AVX512VBMI__
 /* Q4_K_PACKED and Q5_K_PACKED (kernels_avx512.c's layouts: a row's f16 d's, dmins, scale
  * fields interleaved by groups of K_GROUP blocks (byte k of block j of a group of c at
@@ -547,14 +730,14 @@ DEFINE_Q8_MATVEC(Q5_K_PACKED, ORDER_Q8_K, 0, rows_q8k_k_packed, 1)
  * each 64-byte load of the tile meeting 4 quants of an activation row (broadcast): in
  * vpdpbusd with VNNI; without it in vpmaddubsw, whose 16-bit pair sums add up over
  * `group` loads before vpmaddwd widens them, as in q8_avx2.c (a group never saturates;
- * Q8_0 takes |w| against x negated where w is negative, one load at a time). Four
- * activation rows share each load. ---- */
+ * Q8_0, the i-quants and the ternary types take |w| against x negated where w is
+ * negative, one load at a time). Four activation rows share each load. ---- */
 #define TILE 32 /* weight rows a tile holds */
 #define GEMM_MR 4 /* activation rows a pass takes */
 #ifdef __AVX512VNNI__
-#define GEMM_SIGNED 0 /* Q8_0's tiles hold w + 128 */
+#define GEMM_SIGNED 0 /* Q8_0's tiles hold w + 128 (the i-quants', ternary types': q8.h) */
 #else
-#define GEMM_SIGNED 1 /* Q8_0's tiles hold w */
+#define GEMM_SIGNED 1 /* Q8_0's (the i-quants', ternary types') tiles hold w */
 #endif
 
 /* The tile against activation rows i0 .. i0 + mr - 1, into y[i, r0 + j] for j < nr. */
@@ -656,13 +839,18 @@ ALWAYS_INLINE void gemm_pass(const uint8_t *q, const float *a, const float *c, c
 static void gemm_tile(int type, const uint8_t *q, const float *a, const float *c, const prompt_t *x,
                       float *y, int64_t ldy, int64_t r0, int64_t nr, const float *bias) {
 #ifdef __AVX512VNNI__
-    if (type == Q6_K) GEMM_ROWS(1, 8, 0);
+    /* split: a scale per 16 weights */
+    if (type == Q6_K || type == IQ2_XS || type == IQ2_S || type == IQ1_M) GEMM_ROWS(1, 8, 0);
     else GEMM_ROWS(0, 8, 0);
 #else
     switch (type) {
     case Q4_0: case Q4_0_PACKED: case Q4_K: case Q4_K_PACKED: GEMM_ROWS(0, 8, 0); break;
     case Q6_K: GEMM_ROWS(1, 2, 0); break;
-    case Q8_0: case Q8_0_PACKED: GEMM_ROWS(0, 1, 1); break;
+    case Q8_0: case Q8_0_PACKED: case IQ4_NL: case IQ4_XS: case IQ2_XXS: case IQ3_XXS: case IQ3_S:
+    case IQ1_S: case TQ1_0: case TQ2_0:
+        GEMM_ROWS(0, 1, 1);
+        break;
+    case IQ2_XS: case IQ2_S: case IQ1_M: GEMM_ROWS(1, 1, 1); break; /* a scale per 16 */
     default: GEMM_ROWS(0, 4, 0); break; /* Q5_0, Q5_K (packed too), MXFP4 */
     }
 #endif

@@ -89,6 +89,8 @@ def supports_q8(ggml_type: GGMLQuantizationType, n_cols: int, packed: bool = Fal
     lib = native.library()
     if lib is None or not hasattr(lib, "llmrun_q8_block") or (packed and ggml_type not in PACKED):
         return False
+    if ggml_type in IQ_TYPES and not _iq_tables(lib):  # the i-quants' kernels read the grids
+        return False
     block = lib.llmrun_q8_block(_kernel_type(ggml_type, packed))
     return block > 0 and n_cols % block == 0
 
@@ -182,8 +184,9 @@ def matvec(
     q8: bool = False,
 ) -> torch.Tensor:
     """x f32 `[m, n]` times the blocks `[rows, row_bytes]` transposed (+ f32 `bias`
-    `[rows]`) -> f32 `[m, rows]`; with `q8`, x quantized to Q8_0 blocks (K-quants:
-    Q8_K) first and the products taken in integers (supports_q8)."""
+    `[rows]`) -> f32 `[m, rows]`; with `q8`, x quantized to Q8_0 blocks (K-quants,
+    i-quants but IQ4_NL, ternary types: Q8_K) first and the products taken in integers
+    (supports_q8)."""
     n = _n_cols(raw, ggml_type, packed)
     x = x.contiguous()
     if x.dtype != torch.float32 or x.shape[1] != n:

@@ -7,6 +7,7 @@ endpoint of an embedding model, which gets no scheduler); /v1/rerank, /rerank an
 (rerank.py: a reranker's, which gets none either); /v1/models, /health
 (503 until the model is loaded), /metrics (Prometheus text) and llama.cpp's
 /lora-adapters (lora.py: the adapters' scales, which a request's `lora` overrides).
+ollama's /api/* endpoints live in ollama.py and ollama_models.py.
 Requests are validated here (pydantic), errors come back in OpenAI's JSON error shape, and
 generation happens on the scheduler thread (batching.py); each request's events
 cross into the event loop through its own asyncio queue. Imported only by
@@ -43,6 +44,8 @@ from llmrun.chat import PLAIN_STOP
 from llmrun.errors import UsageError
 from llmrun.generate import Response as GenResponse
 from llmrun.reasoning import REASONING
+from llmrun.server import anthropic, llama_server, ollama, ollama_models
+from llmrun.server.images import check_body, image_refs, read_images
 from llmrun.server.infill import infill, suffix_prompts
 from llmrun.server.lora import lora_adapters, request_lora
 from llmrun.server.reply import Ask, ReplyReader, is_reasoning, prepare
@@ -59,6 +62,8 @@ from llmrun.server.schema import (
     check_tools,
 )
 from llmrun.server.service import (
+    MAX_BODY_BYTES,
+    MAX_IMAGE_BODY_BYTES,
     Generation,
     Service,
     begin,
@@ -124,8 +129,13 @@ def _call_chunks(index: int, call: ToolCall) -> list[dict[str, Any]]:
 
 async def chat_completions(request: Request) -> Response:
     arrived = time.perf_counter()
-    service, body, engine = await begin(request, ChatBody)
+    service, body, engine = await begin(request, ChatBody, MAX_IMAGE_BODY_BYTES)
     ask = chat_ask(engine, body)
+    refs = image_refs(ask.messages, "messages")
+    check_body(request, refs, MAX_BODY_BYTES)
+    pictures = await read_images(engine, service.image_encoder, service.model_id, refs)
+    if pictures is not None:
+        ask.images = pictures.embeds
     params, stop = sampling_of(engine, body)
     lora = request_lora(engine, body)
     if engine.template is None:
@@ -146,6 +156,8 @@ async def chat_completions(request: Request) -> Response:
             body.ignore_eos,
             history_end=prepared.history_end,
             lora=lora,
+            images=prepared.images,
+            image_digests=pictures.digests if pictures is not None else (),
         )
         for choice_params in choices_of(params, body.n)
     ]
@@ -514,6 +526,7 @@ PROMPT_PARAMS = {
     "responses": "input",
     "embeddings": "input",
     "infill": "input_prefix",
+    "completion": "prompt",
     "rerank": "documents",
     "score": "text_2",
 }
@@ -555,6 +568,30 @@ def create_app(service: Service) -> Starlette:
         Route("/lora-adapters", _endpoint(lora_adapters), methods=["GET", "POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        # Anthropic's Messages API (anthropic.py)
+        Route("/v1/messages", anthropic.endpoint(anthropic.messages, "messages"), methods=["POST"]),
+        Route(
+            "/v1/messages/count_tokens",
+            anthropic.endpoint(anthropic.count_tokens, "count_tokens"),
+            methods=["POST"],
+        ),
+        # llama-server's own endpoints (llama_server.py)
+        Route("/completion", _endpoint(llama_server.completion, "completion"), methods=["POST"]),
+        Route("/completions", _endpoint(llama_server.completion, "completion"), methods=["POST"]),
+        Route("/tokenize", _endpoint(llama_server.tokenize), methods=["POST"]),
+        Route("/detokenize", _endpoint(llama_server.detokenize), methods=["POST"]),
+        Route("/apply-template", _endpoint(llama_server.apply_template), methods=["POST"]),
+        Route("/props", _endpoint(llama_server.props), methods=["GET"]),
+        # ollama's API (ollama.py, ollama_models.py)
+        Route("/api/chat", ollama.endpoint(ollama.chat), methods=["POST"]),
+        Route("/api/generate", ollama.endpoint(ollama.generate), methods=["POST"]),
+        Route("/api/embed", ollama.endpoint(ollama.embed), methods=["POST"]),
+        Route("/api/embeddings", ollama.endpoint(ollama.embeddings), methods=["POST"]),
+        Route("/api/tags", ollama.endpoint(ollama_models.tags), methods=["GET"]),
+        Route("/api/show", ollama.endpoint(ollama_models.show), methods=["POST"]),
+        Route("/api/ps", ollama.endpoint(ollama_models.ps), methods=["GET"]),
+        Route("/api/version", ollama_models.version, methods=["GET"]),
+        Route("/", ollama_models.heartbeat, methods=["GET", "HEAD"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
     app.state.service = service
@@ -592,6 +629,21 @@ class _Server(uvicorn.Server):
             # Off the signal handler: closing waits for the scheduler's current step.
             threading.Thread(target=self.service.close, name="llmrun-close").start()
         super().handle_exit(sig, frame)
+
+
+def _has_image_encoder(path: Path) -> bool:
+    """Whether MODEL is a Hugging Face folder of Gemma 3, Mistral 3, Qwen2-VL or Qwen2.5-VL
+    with its vision tower (a GGUF's image encoder is serve's --mmproj)."""
+    from llmrun.loading import pixtral_vision, qwen2_vl_vision, safetensors_io, vision
+
+    if not (path / "config.json").is_file():
+        return False
+    config = safetensors_io.read_config(path)
+    return (
+        vision.has_vision(config)
+        or pixtral_vision.has_vision(config)
+        or qwen2_vl_vision.folder_has_vision(path)
+    )
 
 
 def _use_speculation(
@@ -644,7 +696,8 @@ def run(
     """Serve on `sock` until interrupted; the model loads in the background while
     /health answers 503. A failed load stops the server and is raised. `draft` (the
     name and path of a draft model) or `lookup`: speculative decoding while one request
-    runs (llmrun.batching)."""
+    runs (llmrun.batching). `load_options` go to api.load; a folder's vision tower loads
+    too, as a GGUF's `mmproj` does (requests' images: llmrun.server.images)."""
     if load_options.get("threads") is None:
         # Leave a core to the HTTP side (event loop, JSON, SSE): torch's threads wait
         # for each other at every op, so one preempted thread stalls them all.
@@ -661,7 +714,8 @@ def run(
 
     def load() -> None:
         try:
-            engine = api.load(spec, path=path, generate=False, **load_options)
+            vision = load_options.get("mmproj") is not None or _has_image_encoder(path)
+            engine = api.load(spec, path=path, generate=False, vision=vision, **load_options)
             _use_speculation(engine, draft, draft_max, draft_p_min, lookup, load_options)
             service.start(engine)
             if service.scheduler is None:
@@ -692,7 +746,8 @@ def run(
                 blocks.block_size,
                 windows,
                 service.scheduler.cache.nbytes / 2**20,
-                "" if prefix_cache else ", no prefix cache",
+                ("" if prefix_cache else ", no prefix cache")
+                + (", takes images" if engine.vision is not None else ""),
             )
         except BaseException as e:
             service.load_error = e

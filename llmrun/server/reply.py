@@ -15,6 +15,7 @@ from typing import Any
 from llmrun import api
 from llmrun.chat_template import plain_transcript
 from llmrun.generate import Response as GenResponse
+from llmrun.multimodal import PromptImages
 from llmrun.reasoning import ANSWER, REASONING, Piece, Splitter
 from llmrun.server.schema import ApiError
 from llmrun.tool_calls import FORMATS, Item, ToolCall, ToolCallParser, ToolFormat
@@ -32,6 +33,8 @@ class Ask:
     schema: dict[str, Any] | None = None  # JSON output: {} for any object, else a schema
     schema_param: str = "response_format"
     switches: dict[str, Any] = field(default_factory=dict)
+    # The soft-token embeddings of the messages' image parts, in order (server.images)
+    images: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -44,6 +47,7 @@ class Prepared:
     # Where the conversation ends in ids, before the generation prompt (api.Engine.
     # history_end), for a hybrid model, which keeps its state there; else None.
     history_end: int | None = None
+    images: PromptImages | None = None  # where the images go in ids
 
     def stops(self, stop: list[str]) -> list[str]:
         """The stop strings to apply: none to a forced call, whose text they would cut
@@ -81,7 +85,11 @@ def prepare(engine: api.Engine, fmt: ToolFormat | None, ask: Ask) -> Prepared:
         if ask.tools:
             switches["tools"] = ask.tools
         text = engine.render(messages, **switches)
-    ids = engine.tokenizer.encode(text)
+    images = None
+    if ask.images:
+        ids, images = engine.encoded_prompt(text, ask.images)
+    else:
+        ids = engine.tokenizer.encode(text)
     history_end = None
     if not plain and hasattr(engine.model.args, "recurrent_shapes"):
         history_end = engine.history_end(messages, ids, **switches)
@@ -90,7 +98,7 @@ def prepare(engine: api.Engine, fmt: ToolFormat | None, ask: Ask) -> Prepared:
     from llmrun.structured import for_prompt
 
     grammar = for_prompt(_grammar(engine, fmt, ask, forced), engine.markers, text)
-    return Prepared(text, ids, fmt, grammar, forced, history_end)
+    return Prepared(text, ids, fmt, grammar, forced, history_end, images)
 
 
 def _grammar(engine: api.Engine, fmt: ToolFormat | None, ask: Ask, forced: bool) -> Any:

@@ -29,6 +29,7 @@ from llmrun import batching
 from llmrun.chat import PLAIN_STOP
 from llmrun.generate import Response as GenResponse
 from llmrun.reasoning import REASONING
+from llmrun.server.images import check_body, image_refs, read_images
 from llmrun.server.lora import request_lora
 from llmrun.server.reply import Ask, ReplyReader, is_reasoning, prepare
 from llmrun.server.schema import (
@@ -41,10 +42,18 @@ from llmrun.server.schema import (
     as_api_error,
     check_tools,
 )
-from llmrun.server.service import SHUTDOWN_GRACE, Generation, begin, sampling_of
+from llmrun.server.service import (
+    MAX_BODY_BYTES,
+    MAX_IMAGE_BODY_BYTES,
+    SHUTDOWN_GRACE,
+    Generation,
+    begin,
+    sampling_of,
+)
 from llmrun.tool_calls import Item, ToolCall
 
 ROLES = ("user", "assistant", "system", "developer")
+TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 class FunctionTool(BaseModel):
@@ -110,9 +119,7 @@ def _text(content: Any, where: str) -> str:
     parts = []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text") or not isinstance(
-            part.get("text"), str
-        ):
+        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
             raise ApiError(
                 400,
                 f"{where}.{i}: only text parts (input_text, output_text) are supported, got "
@@ -121,6 +128,42 @@ def _text(content: Any, where: str) -> str:
             )
         parts.append(part["text"])
     return "\n".join(parts)  # as chat's content parts
+
+
+def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content as _text makes it, or, where it has input_image parts, its
+    parts in order as chat's Message.as_dict gives them (llmrun.server.images)."""
+    if not isinstance(content, list) or not any(
+        isinstance(p, dict) and p.get("type") == "input_image" for p in content
+    ):
+        return _text(content, where)
+    parts = []
+    for j, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise ApiError(
+                    400,
+                    f"{where}.{j}: an input_image needs an image_url (a base64 data: URL); "
+                    "llmrun keeps no files",
+                    param=f"{where}.{j}.image_url",
+                )
+            parts.append({"type": "image", "url": url, "param": f"{where}.{j}.image_url"})
+        elif (
+            isinstance(part, dict)
+            and part.get("type") in TEXT_PARTS
+            and isinstance(part.get("text"), str)
+        ):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            kind = part.get("type") if isinstance(part, dict) else None
+            raise ApiError(
+                400,
+                f"{where}.{j}: only text and image parts (input_text, input_image) are "
+                f"supported, got {kind!r}",
+                param=f"{where}.{j}",
+            )
+    return parts
 
 
 def conversation(body: ResponsesBody) -> list[dict[str, Any]]:
@@ -155,13 +198,13 @@ def conversation(body: ResponsesBody) -> list[dict[str, Any]]:
                 raise ApiError(
                     400, f"{where}.role: must be one of {', '.join(ROLES)}", param=f"{where}.role"
                 )
-            text = _text(item.get("content", ""), f"{where}.content")
             if role == "assistant":
                 message = assistant()
-                message["content"] += text
+                message["content"] += _text(item.get("content", ""), f"{where}.content")
             else:
+                content = _content(item.get("content", ""), f"{where}.content")
                 messages.append(
-                    {"role": "system" if role == "developer" else role, "content": text}
+                    {"role": "system" if role == "developer" else role, "content": content}
                 )
         elif kind == "function_call":
             name, call_id, arguments = item.get("name"), item.get("call_id"), item.get("arguments")
@@ -379,8 +422,13 @@ def _copy(value: Any) -> Any:
 
 async def responses(request: Request) -> Response:
     arrived = time.perf_counter()
-    service, body, engine = await begin(request, ResponsesBody)
+    service, body, engine = await begin(request, ResponsesBody, MAX_IMAGE_BODY_BYTES)
     ask = responses_ask(engine, body)
+    refs = image_refs(ask.messages, "input")
+    check_body(request, refs, MAX_BODY_BYTES)
+    pictures = await read_images(engine, service.image_encoder, service.model_id, refs)
+    if pictures is not None:
+        ask.images = pictures.embeds
     params, stop = sampling_of(engine, body)
     if engine.template is None:
         stop.append(PLAIN_STOP)
@@ -395,6 +443,8 @@ async def responses(request: Request) -> Response:
         prepared.stops(stop),
         history_end=prepared.history_end,
         lora=request_lora(engine, body),
+        images=prepared.images,
+        image_digests=pictures.digests if pictures is not None else (),
     )
     gen = Generation(service, "responses", [gen_request], arrived)
     output = Output()

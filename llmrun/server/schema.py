@@ -90,6 +90,19 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageUrl(BaseModel):
+    url: str  # a data: URL (llmrun.server.images)
+    detail: str | None = None  # OpenAI's resolution hint; Gemma 3 sees every image alike
+
+
+class ImagePart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class FunctionCall(BaseModel):
     name: str
     arguments: str = ""  # a JSON object's text, as OpenAI sends it
@@ -105,15 +118,25 @@ class ToolCallIn(BaseModel):
 
 class Message(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     reasoning_content: str | None = None  # an earlier reply's reasoning (DeepSeek's field)
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
     name: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        content = self.content
-        if isinstance(content, list):
+        """The message as chat templates take it; text parts joined by newlines, or, where
+        it has images, its parts in order: {"type": "image", "url": ...} (the template's
+        image part, carrying the image's URL: llmrun.server.images) and text parts."""
+        content: Any = self.content
+        if isinstance(content, list) and any(isinstance(p, ImagePart) for p in content):
+            content = [
+                {"type": "image", "url": part.image_url.url}
+                if isinstance(part, ImagePart)
+                else {"type": "text", "text": part.text}
+                for part in content
+            ]
+        elif isinstance(content, list):
             content = "\n".join(part.text for part in content)  # as vLLM and llama.cpp join them
         # Templates know "system"; OpenAI's newer name for it is "developer".
         role = "system" if self.role == "developer" else self.role

@@ -22,6 +22,7 @@ from llmrun import api, batching, native
 from llmrun.batching import Event, Job, Scheduler
 from llmrun.generate import Response as GenResponse
 from llmrun.sampling import SamplingParams
+from llmrun.server.images import ImageEncoder
 from llmrun.server.metrics import Metrics
 from llmrun.server.reply import tool_format
 from llmrun.server.schema import (
@@ -34,6 +35,9 @@ from llmrun.server.schema import (
 from llmrun.tool_calls import ToolFormat
 
 MAX_BODY_BYTES = 4 << 20
+# A body that may carry base64 images (chat's, responses'): this much in all, of which
+# MAX_BODY_BYTES besides the images' URLs (llmrun.server.images.check_body).
+MAX_IMAGE_BODY_BYTES = 50 << 20
 LOG = logging.getLogger("uvicorn.error")
 
 
@@ -69,6 +73,7 @@ class Service:
         self.pooling = pooling  # serve's --pooling for /v1/embeddings (None: the model's)
         # One embedding forward at a time, beside the scheduler's (each takes every core).
         self.embed_lock = threading.Lock()
+        self.image_encoder = ImageEncoder()  # requests' images (llmrun.server.images)
 
     def start(self, engine: api.Engine) -> None:
         """Serve `engine`: a model that generates through the scheduler, an embedding
@@ -98,12 +103,15 @@ class Service:
         if self.api_key is None:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if "x-api-key" in request.headers:  # Anthropic's clients send the key so
+            scheme, given = "bearer", request.headers["x-api-key"]
         if scheme.lower() != "bearer" or not hmac.compare_digest(
             given.strip().encode(), self.api_key.encode()
         ):
             raise ApiError(
                 401,
-                "missing or incorrect API key: send `Authorization: Bearer KEY`",
+                "missing or incorrect API key: send `Authorization: Bearer KEY` (or "
+                "`x-api-key: KEY`)",
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
             )
@@ -121,15 +129,18 @@ class Service:
         return self.engine
 
 
-async def read_json(request: Request, schema: type[BaseModel]) -> Any:
+async def read_json(request: Request, schema: type[BaseModel], limit: int = MAX_BODY_BYTES) -> Any:
+    """The body, at most `limit` bytes (its size kept as request.state.body_bytes), as
+    `schema`."""
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+    if declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body is over {limit} bytes")
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+        if len(body) > limit:
+            raise ApiError(413, f"the request body is over {limit} bytes")
+    request.state.body_bytes = len(body)
     try:
         data = json.loads(body)
     except (ValueError, RecursionError) as e:
@@ -143,11 +154,14 @@ async def read_json(request: Request, schema: type[BaseModel]) -> Any:
         raise ApiError(400, message, param=param) from None
 
 
-async def begin(request: Request, schema: type[Sampling]) -> tuple[Service, Any, api.Engine]:
-    """The checks every generation request passes: key, body, a model that generates."""
+async def begin(
+    request: Request, schema: type[Sampling], limit: int = MAX_BODY_BYTES
+) -> tuple[Service, Any, api.Engine]:
+    """The checks every generation request passes: key, body (at most `limit` bytes), a
+    model that generates."""
     service: Service = request.app.state.service
     service.authorize(request)
-    body = await read_json(request, schema)
+    body = await read_json(request, schema, limit)
     engine = service.ready_engine(body.model)
     if not engine.generates:
         use = (

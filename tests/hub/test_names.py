@@ -59,6 +59,23 @@ def test_quant_labels():
     assert {name: hub.quant_label(name) for name in cases} == cases
 
 
+def test_an_older_sentencepiece_file_is_fetched_only_without_tokenizer_json():
+    weights = {"config.json": 1, "model.safetensors": 1}
+    old = {**weights, "sentencepiece.bpe.model": 1, "spiece.model": 1}
+    assert names.select(hub.parse_name("o/r"), old).files == (
+        "config.json",
+        "model.safetensors",
+        "sentencepiece.bpe.model",
+        "spiece.model",
+    )
+    both = {**old, "tokenizer.json": 1}
+    assert names.select(hub.parse_name("o/r"), both).files == (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    )
+
+
 def test_safetensors_choice_skips_other_formats_and_duplicates():
     files = dict.fromkeys(
         [

@@ -132,3 +132,32 @@ def test_a_qwen3_sequence_classifier_is_refused(tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedError, match="Qwen3ForSequenceClassification is not supported"):
         load(folder)
+
+
+def test_a_qwen3_vl_reranker_folder_scores_as_transformers(tmp_path):
+    """Qwen3-VL-Reranker, a Qwen3VLForConditionalGeneration recognized as llama.cpp's
+    converter recognizes it (conversion/qwen3vl.py's Qwen3VLTextModel is a Qwen3Model): its
+    language model scores text as the model card scores transformers' whole model; `show`
+    calls it a reranker."""
+    folder = tmp_path / "model"
+    write_folder(folder, readme="# Qwen3-VL-Reranker-2B")  # the tokenizer and README
+    text = {k: v for k, v in CONFIG.items() if k not in ("model_type", "architectures")}
+    text["rope_scaling"] = {"rope_type": "default", "mrope_section": [2, 3, 3]}
+    vision = dict(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+        num_position_embeddings=16, deepstack_visual_indexes=[],
+    )  # fmt: skip
+    config = transformers.Qwen3VLConfig(
+        text_config=text, vision_config=vision, tie_word_embeddings=True
+    )
+    torch.manual_seed(0)
+    hf = transformers.Qwen3VLForConditionalGeneration(config).eval()
+    randomize(hf)
+    hf.save_pretrained(folder)
+    engine = load(folder)
+    assert engine.reranks and not engine.generates
+    expected = model_card_scores(hf, folder)
+    assert max(expected) - min(expected) > 0.01
+    got = engine.rerank(QUERY, DOCUMENTS).scores
+    assert max(abs(a - b) for a, b in zip(got, expected, strict=True)) < 1e-5
+    assert inspect.describe(folder)["reranker"]

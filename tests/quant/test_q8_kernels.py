@@ -2,13 +2,14 @@
 x86 kernel families, for every type and layout they take (GGML's, as experts keep it,
 and the packed layouts QuantLinear repacks into), against an independent reference:
 the activations quantized as llama.cpp quantizes them for the type (its vec_dot_type):
-to Q8_0 by gguf's numpy code (gguf.quants.quantize), and for the K-quants to Q8_K by
-q8_k_dequantized below (ggml's quantize_row_q8_K_ref, written from its definition),
-the weights dequantized by gguf, multiplied in float64. What the kernels compute is
-exactly that sum of integer products scaled per block (K-quants: per sub-block, less
-the mins' part); only the float sums' order differs, so the tolerance is float
-rounding: 1e-5 of the largest |output| (one activation quant off by one step would
-be about 5e-4 of it). A prompt's 37 rows take the tiles of llmrun_gemm_q8 (both
+to Q8_0 by gguf's numpy code (gguf.quants.quantize; Q4_0, Q5_0, Q8_0, MXFP4, IQ4_NL),
+and for the K-quants, the other i-quants and the ternary types to Q8_K by
+q8_k_dequantized below (ggml's quantize_row_q8_K_ref, written from its definition), the
+weights dequantized by gguf, multiplied in float64. What the kernels compute is exactly
+that sum of integer products scaled per block (K-quants and i-quants: per sub-block,
+the K-quants less the mins' part); only the float sums' order differs, so the tolerance
+is float rounding: 1e-5 of the largest |output| (one activation quant off by one step
+would be about 5e-4 of it). A prompt's 37 rows take the tiles of llmrun_gemm_q8 (both
 families), the experts and a few rows the passes of the matvec.
 """
 
@@ -20,7 +21,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
-from test_quant_blocks import E8M0_FIELDS, F16_FIELDS
+from test_quant_blocks import E8M0_FIELDS, F16_FIELDS, SPLIT_F16_FIELDS, write_scales
 
 from llmrun import native
 from llmrun.native import build
@@ -28,11 +29,15 @@ from llmrun.quant import kernels
 from llmrun.quant.linear import QuantLinear, set_activations
 
 T = GGMLQuantizationType
-TYPES = [T.Q4_0, T.Q5_0, T.Q8_0, T.MXFP4, T.Q4_K, T.Q5_K, T.Q6_K]
+# The i-quants and ternary types whose activations llama.cpp quantizes to Q8_K.
+IQ_Q8_K = [
+    T[name] for name in "IQ4_XS IQ3_S IQ3_XXS IQ2_XXS IQ2_XS IQ2_S IQ1_S IQ1_M TQ1_0 TQ2_0".split()
+]
+TYPES = [T.Q4_0, T.Q5_0, T.Q8_0, T.MXFP4, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, *IQ_Q8_K]
 # Row lengths: K-quants take multiples of 256 (4352: a packed row's whole group of 16
 # blocks' scales and one more), the others of 32 (96 and 2880, gpt-oss's: a last four
 # blocks of fewer).
-COLS = {t: [256, 768, 4352] for t in (T.Q4_K, T.Q5_K, T.Q6_K)}
+COLS = {t: [256, 768, 4352] for t in (T.Q4_K, T.Q5_K, T.Q6_K, *IQ_Q8_K)}
 CASES = [(t, cols) for t in TYPES for cols in COLS.get(t, [96, 128, 384, 2880])]
 # ... in GGML's layout, and packed where some family packs the type
 CASES = [(t, cols, False) for t, cols in CASES] + [
@@ -50,15 +55,14 @@ PACKED_Q8 = {
 def random_blocks(ggml_type: T, rows: int, cols: int, rng) -> np.ndarray:
     block_size, type_size = GGML_QUANT_SIZES[ggml_type]
     raw = rng.integers(0, 256, size=(rows * cols // block_size, type_size), dtype=np.uint8)
-    for offset in F16_FIELDS.get(ggml_type, ()):
-        scale = np.abs(rng.standard_normal(len(raw))) * 2e-2 + 1e-4
-        raw[:, offset : offset + 2] = scale.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    write_scales(raw, ggml_type, lambda n: np.abs(rng.standard_normal(n)) * 2e-2 + 1e-4)
     for offset in E8M0_FIELDS.get(ggml_type, ()):
         raw[:, offset] = rng.integers(120, 128, len(raw))  # 2^-8 .. 2^-1
     return raw.reshape(rows, -1)
 
 
-K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
+# The types whose activations llama.cpp quantizes to Q8_K (its vec_dot_type), not Q8_0.
+Q8_K_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K, *IQ_Q8_K)
 
 
 def activations(m: int, cols: int, rng) -> np.ndarray:
@@ -94,8 +98,8 @@ def q8_k_dequantized(x: np.ndarray) -> np.ndarray:
 
 def quantized_activations(x: np.ndarray, ggml_type: T) -> np.ndarray:
     """x as the 8-bit-activation kernels of `ggml_type` take it, in float64: Q8_K for
-    the K-quants, else Q8_0 (as llama.cpp's vec_dot_type)."""
-    if ggml_type in K_QUANTS:
+    Q8_K_TYPES, else Q8_0 (as llama.cpp's vec_dot_type)."""
+    if ggml_type in Q8_K_TYPES:
         return q8_k_dequantized(x)
     return gguf_dequantize(gguf_quantize(x.astype(np.float32), T.Q8_0), T.Q8_0).astype(np.float64)
 
@@ -218,7 +222,7 @@ def test_quant_linear_takes_q8_for_every_product(native_kernels):
 GEMM_TYPES = [
     (T.Q4_0, True), (T.Q5_0, True), (T.Q8_0, True), (T.Q4_0, False), (T.Q5_0, False),
     (T.Q8_0, False), (T.MXFP4, False), (T.Q4_K, False), (T.Q5_K, False), (T.Q6_K, False),
-    (T.Q4_K, True), (T.Q5_K, True),
+    (T.Q4_K, True), (T.Q5_K, True), (T.IQ4_NL, False), *((t, False) for t in IQ_Q8_K),
 ]  # fmt: skip
 
 
@@ -251,8 +255,28 @@ def test_avx512_without_vnni_takes_the_tiles(use_kernels, monkeypatch):
             check_tiles(ggml_type, packed)
 
 
+def test_avx512_without_vnni_takes_the_iquants(use_kernels, monkeypatch):
+    """The same build's matvecs of the i-quants and ternary types, whose pair sums widen
+    in vpmaddwd (and meet the scales in vpmaddwd and an add) instead of vpdpbusd and
+    vpdpwssd."""
+    if not {"avx512bw", "avx512_vnni"} <= set(build.cpu_features().split()):
+        pytest.skip("needs an AVX-512 CPU with VNNI (without it, the tests above cover this)")
+    family = build.FAMILIES["AVX-512"]
+    without = dataclasses.replace(family, march=(*family.march, "-mno-avx512vnni"))
+    monkeypatch.setitem(build.FAMILIES, "AVX-512", without)
+    use_kernels("AVX-512")
+    rng = np.random.default_rng(3)
+    for ggml_type in [T.IQ4_NL, *IQ_Q8_K]:
+        cols = COLS.get(ggml_type, [96])[0]
+        raw = random_blocks(ggml_type, 20, cols, rng)
+        x = activations(3, cols, rng)
+        got = kernels.matvec(torch.from_numpy(raw), ggml_type, torch.from_numpy(x), q8=True)
+        assert_near(got.numpy(), reference(raw, ggml_type, x))
+
+
 def check_tiles(ggml_type: T, packed: bool) -> None:
     lib = native.library()
+    assert kernels.supports(ggml_type, 256)  # the i-quants' tables handed over first
     cols = 256 if ggml_type in (T.Q4_0, T.Q5_0) and packed else COLS.get(ggml_type, [96])[0]
     cols = 512 if ggml_type in (T.Q4_K, T.Q5_K, T.Q6_K) else cols
     rng = np.random.default_rng(9)
@@ -260,9 +284,13 @@ def check_tiles(ggml_type: T, packed: bool) -> None:
     extreme = random_blocks(ggml_type, 45, cols, rng)
     scales = {o + k for o in F16_FIELDS.get(ggml_type, ()) for k in (0, 1)}
     scales |= set(E8M0_FIELDS.get(ggml_type, ()))
+    if ggml_type in SPLIT_F16_FIELDS:  # IQ1_M's scale words, which hold its d too
+        scales |= set(range(SPLIT_F16_FIELDS[ggml_type], SPLIT_F16_FIELDS[ggml_type] + 8))
     quants = [i for i in range(raw_np.shape[1]) if i % GGML_QUANT_SIZES[ggml_type][1] not in scales]
-    # the largest u8 each type's quants take (MXFP4: 12 + 12), or Q8_0's -128
-    extreme[:, quants] = {T.Q8_0: 0x80, T.MXFP4: 0x77}.get(ggml_type, 0xFF)
+    # the largest u8 each type's quants take (MXFP4: 12 + 12), or Q8_0's -128, or the
+    # IQ4 codebook's -127 (IQ4_XS: with its sub-block scales' -32)
+    largest = {T.Q8_0: 0x80, T.MXFP4: 0x77, T.IQ4_NL: 0, T.IQ4_XS: 0}
+    extreme[:, quants] = largest.get(ggml_type, 0xFF)
     raw_np[:5] = extreme[:5]
     raw = torch.from_numpy(raw_np)
     w = kernels.pack(raw, ggml_type) if packed else raw

@@ -1,0 +1,247 @@
+"""Mistral 3's image encoder (Pixtral's tower, Mistral 3's projector) from either format:
+its Hugging Face folder (Mistral3ForConditionalGeneration), or the mmproj GGUF that
+llama.cpp's converter writes beside the text model's GGUF (conversion/llava.py: projector
+type pixtral, q/k rows permuted as Llama's). Both give the encoder HF's weights.
+
+llama.cpp splices an [IMG_BREAK] embedding after each row of an image's tokens, from the
+mmproj's v.token_embd.img_break (a copy of the language model's row, which today's
+converter leaves out of mmproj files made from a Hugging Face folder). llmrun embeds
+[IMG_BREAK] by the language model's own row, as transformers does (llmrun.pixtral_images).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from gguf import GGMLQuantizationType, Keys, VisionProjectorType
+
+from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
+from llmrun.loading import gguf_io, safetensors_io
+from llmrun.loading.loader import SkipInit
+from llmrun.loading.vision import three_floats
+from llmrun.models import pixtral
+from llmrun.quant.blocks import dequantize
+
+MODEL_TYPE = "mistral3"
+# PixtralImageProcessor's mean and std per channel (CLIP's).
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+# Checkpoint key prefixes of the vision parts (the Hub's, transformers 5's) -> the encoder's.
+_HF_PREFIXES = {
+    "model.vision_tower.": "vision_tower.",
+    "vision_tower.": "vision_tower.",
+    "model.multi_modal_projector.": "multi_modal_projector.",
+    "multi_modal_projector.": "multi_modal_projector.",
+}
+# The GGUF names of a layer's tensors (gguf-py's tensor_mapping) -> Pixtral's.
+_GGUF_LAYER = {
+    "ln1": "attention_norm",
+    "attn_q": "attention.q_proj",
+    "attn_k": "attention.k_proj",
+    "attn_v": "attention.v_proj",
+    "attn_out": "attention.o_proj",
+    "ln2": "ffn_norm",
+    "ffn_gate": "feed_forward.gate_proj",
+    "ffn_up": "feed_forward.up_proj",
+    "ffn_down": "feed_forward.down_proj",
+}
+_GGUF_NAMES = {
+    "v.patch_embd.weight": "vision_tower.patch_conv.weight",
+    "v.pre_ln.weight": "vision_tower.ln_pre.weight",
+    "mm.input_norm.weight": "multi_modal_projector.norm.weight",
+    "mm.patch_merger.weight": "multi_modal_projector.patch_merger.merging_layer.weight",
+    "mm.1.weight": "multi_modal_projector.linear_1.weight",
+    "mm.1.bias": "multi_modal_projector.linear_1.bias",
+    "mm.2.weight": "multi_modal_projector.linear_2.weight",
+    "mm.2.bias": "multi_modal_projector.linear_2.bias",
+}
+# The language model's [IMG_BREAK] row, which it embeds itself.
+_IMAGE_BREAK = "v.token_embd.img_break"
+_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+
+
+@dataclass
+class PixtralVision:
+    """A loaded Mistral 3 image encoder and how images are prepared for it: resized to
+    fit `longest_edge` in sides of encoder.args.unit pixels, normalized by mean and std."""
+
+    encoder: pixtral.ImageEncoder
+    longest_edge: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+
+def has_vision(config: dict[str, Any]) -> bool:
+    """Whether a Hugging Face config.json is that of a Mistral 3 with its vision tower."""
+    vision = config.get("vision_config")
+    return config.get("model_type") == MODEL_TYPE and isinstance(vision, dict)
+
+
+def folder_has_vision(path: Path) -> bool:
+    """Whether `path` is a Hugging Face folder of a Mistral 3 with its vision tower."""
+    config = path / "config.json"
+    return path.is_dir() and config.is_file() and has_vision(safetensors_io.read_json(config))
+
+
+def is_mmproj(path: str | Path) -> bool:
+    """Whether a GGUF is an mmproj of projector type pixtral (read_gguf's checks)."""
+    meta = gguf_io.read_gguf(path, with_tensors=False).metadata
+    kind = meta.get(Keys.Clip.PROJECTOR_TYPE, meta.get(Keys.ClipVision.PROJECTOR_TYPE))
+    return kind == VisionProjectorType.PIXTRAL
+
+
+def from_hf_dir(path: Path, text_hidden: int) -> PixtralVision:
+    """Mistral 3's image encoder from its Hugging Face folder (f32, on the CPU)."""
+    config = safetensors_io.read_config(path)
+    if not has_vision(config):
+        raise UsageError(f"{path}: not a Mistral 3 folder with a vision_config")
+    args = pixtral.EncoderArgs.from_config(config)
+    weights = {}
+    for file in safetensors_io.safetensors_files(path):
+        for name, tensor in safetensors_io.load_tensors(file).items():
+            for old, new in _HF_PREFIXES.items():
+                if name.startswith(old):
+                    weights[new + name[len(old) :]] = tensor
+                    break
+    longest_edge, mean, std = _processor_settings(path, args.vision.image_size)
+    return _build(args, weights, text_hidden, path, longest_edge, mean, std)
+
+
+def _processor_settings(
+    path: Path, image_size: int
+) -> tuple[int, tuple[float, ...], tuple[float, ...]]:
+    """preprocessor_config.json's size.longest_edge, image_mean and image_std, else the
+    vision config's image_size and CLIP's mean and std (PixtralImageProcessor's)."""
+    file = path / "preprocessor_config.json"
+    processor: dict[str, Any] = {}
+    if file.is_file():
+        try:
+            processor = json.loads(file.read_text())
+        except (OSError, ValueError) as e:
+            raise ModelFormatError(f"{file}: not readable JSON ({e})") from None
+    size = processor.get("size") or {}
+    longest = size.get("longest_edge", image_size) if isinstance(size, dict) else None
+    if not isinstance(longest, int) or isinstance(longest, bool) or longest < 1:
+        raise ModelFormatError(f"{file}: size is {size!r}, not a longest_edge in pixels")
+    mean = three_floats(processor.get("image_mean", CLIP_MEAN), file, "image_mean")
+    std = three_floats(processor.get("image_std", CLIP_STD), file, "image_std")
+    return longest, mean, std
+
+
+def from_mmproj(path: str | Path, text_hidden: int) -> PixtralVision:
+    """The image encoder of llama.cpp's mmproj GGUF (projector type pixtral, with
+    Mistral 3's patch merger)."""
+    gg = gguf_io.read_gguf(path)
+    meta = gg.metadata
+    if not meta.get(Keys.Clip.HAS_VISION_ENCODER, False):
+        raise ModelFormatError(f"{gg.path}: not an mmproj GGUF with a vision encoder")
+    vision = Keys.ClipVision
+
+    def need(key: str) -> Any:
+        value = meta.get(key)
+        if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+            raise ModelFormatError(f"{gg.path}: metadata {key!r} is {value!r}")
+        return value
+
+    if "mm.patch_merger.weight" not in gg.tensors:
+        raise UnsupportedError(
+            f"{gg.path}: a Pixtral mmproj without Mistral 3's patch merger (Pixtral 12B's); "
+            "llmrun runs Mistral 3's"
+        )
+    act = "silu" if meta.get(vision.USE_SILU) else "gelu"
+    args = pixtral.EncoderArgs(
+        pixtral.VisionArgs(
+            hidden_size=need(vision.EMBEDDING_LENGTH),
+            intermediate_size=need(vision.FEED_FORWARD_LENGTH),
+            num_hidden_layers=need(vision.BLOCK_COUNT),
+            num_attention_heads=need(vision.Attention.HEAD_COUNT),
+            image_size=need(vision.IMAGE_SIZE),
+            patch_size=need(vision.PATCH_SIZE),
+            hidden_act=act,
+            # clip.cpp's for pixtral, whatever the file says
+            rope_theta=10000.0,
+        ),
+        text_hidden_size=need(vision.PROJECTION_DIM),
+        spatial_merge_size=need(vision.SPATIAL_MERGE_SIZE),
+        multimodal_projector_bias="mm.1.bias" in gg.tensors,
+        # the projector's RMSNorm takes clip.cpp's eps, the file's layer norm eps
+        norm_eps=float(meta.get(vision.Attention.LAYERNORM_EPS, 1e-5)),
+    )
+    heads = args.vision.num_attention_heads
+    weights = {}
+    for info in gg.tensors.values():
+        if info.name == _IMAGE_BREAK:
+            continue
+        name = _gguf_name(info.name)
+        if name is None:
+            raise UnsupportedError(
+                f"{gg.path}: tensor {info.name!r} is not part of Mistral 3's encoder"
+            )
+        tensor = gguf_io.load_tensor(gg, info)
+        if info.ggml_type not in _FLOAT_TYPES:
+            tensor = dequantize(tensor, info.ggml_type).reshape(info.shape)
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            tensor = gguf_io.unpermute_rows(tensor, heads)
+        weights[name] = tensor
+    mean = three_floats(meta.get(vision.IMAGE_MEAN, CLIP_MEAN), gg.path, vision.IMAGE_MEAN)
+    std = three_floats(meta.get(vision.IMAGE_STD, CLIP_STD), gg.path, vision.IMAGE_STD)
+    return _build(args, weights, text_hidden, gg.path, args.vision.image_size, mean, std)
+
+
+def _gguf_name(name: str) -> str | None:
+    if name in _GGUF_NAMES:
+        return _GGUF_NAMES[name]
+    parts = name.split(".")
+    if len(parts) == 5 and parts[:2] == ["v", "blk"] and parts[2].isdigit():
+        layer = _GGUF_LAYER.get(parts[3])
+        if layer is not None and parts[4] == "weight":
+            return f"vision_tower.transformer.layers.{parts[2]}.{layer}.weight"
+    return None
+
+
+def _build(
+    args: pixtral.EncoderArgs,
+    weights: dict[str, torch.Tensor],
+    text_hidden: int,
+    source: Path,
+    longest_edge: int,
+    mean: tuple[float, ...],
+    std: tuple[float, ...],
+) -> PixtralVision:
+    """The encoder with `weights` (checked against its shapes), in f32."""
+    if args.text_hidden_size != text_hidden:
+        raise ModelFormatError(
+            f"{source}: the image encoder projects to {args.text_hidden_size} features, but "
+            f"the language model's width is {text_hidden}"
+        )
+    if longest_edge < args.unit:
+        raise ModelFormatError(
+            f"{source}: images fit in {longest_edge} pixels, less than a token's {args.unit}"
+        )
+    with torch.device("meta"), SkipInit():
+        encoder = pixtral.ImageEncoder(args)
+    expected = encoder.state_dict()
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        names = missing or unexpected
+        what = "missing vision tensors" if missing else "vision tensors the encoder does not have"
+        raise ModelFormatError(
+            f"{source}: {what}: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
+        )
+    state = {}
+    for name, tensor in weights.items():
+        shape = tuple(expected[name].shape)
+        if tuple(tensor.shape) != shape:
+            raise ModelFormatError(
+                f"{source}: vision tensor {name} has shape {list(tensor.shape)}, but the "
+                f"config implies {list(shape)}"
+            )
+        state[name] = tensor.to(torch.float32)
+    encoder.load_state_dict(state, assign=True)
+    encoder.requires_grad_(False)
+    return PixtralVision(encoder.eval(), longest_edge, mean, std)
