@@ -87,6 +87,10 @@ def main() -> None:
     parser.add_argument("--gemm", type=int, metavar="M", help="the prompt GEMM, M rows")
     args = parser.parse_args()
     libs = {"old": ctypes.CDLL(args.old), "new": ctypes.CDLL(args.new)}
+    for lib in libs.values():  # the grid i-quants' kernels read gguf's tables
+        if hasattr(lib, "llmrun_iq_tables"):
+            lib.llmrun_iq_tables.argtypes = [ctypes.c_void_p] * 7
+            kernels._iq_tables(lib)
     if args.gemm:
         gemm(libs, args.types.split(","), args.gemm, args.reps)
         return

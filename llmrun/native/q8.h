@@ -304,7 +304,9 @@ ALWAYS_INLINE void tq1_0_trits(const uint8_t *blk, __m256i u[8]) {
  * activation quants with the signs (as IQ4's, at most 62 * 127 per product) and the pair
  * sums times the scales in integers. IQ1_S's and IQ1_M's weights, grid values -1..1 plus
  * a delta of +-1/8, are 8 g +- 1 times 1/8. Layouts: iquants.h (the exact kernels'
- * dequantizers read the same fields). */
+ * dequantizers read the same fields). The AVX2 family's matvec and both families' prompt
+ * tiles decode with iq_grid_block; AVX-512's matvec decodes 64 weights a vector in
+ * q8_avx512.c (grid_block). */
 #define IQ2_XXS_BYTES 66
 #define IQ2_XS_BYTES 74
 #define IQ2_S_BYTES 82
@@ -330,12 +332,15 @@ ALWAYS_INLINE __m256i grid8(const void *grid, int a, int b, int c, int e) {
                               (long long)grid_row(grid, c), (long long)grid_row(grid, e));
 }
 
-/* rows of a 4-byte grid, two per 8 weights */
-ALWAYS_INLINE __m256i grid4(const uint8_t *grid, const int idx[8]) {
-    return _mm256_setr_epi32((int)u32_at(grid + 4 * idx[0]), (int)u32_at(grid + 4 * idx[1]),
-                             (int)u32_at(grid + 4 * idx[2]), (int)u32_at(grid + 4 * idx[3]),
-                             (int)u32_at(grid + 4 * idx[4]), (int)u32_at(grid + 4 * idx[5]),
-                             (int)u32_at(grid + 4 * idx[6]), (int)u32_at(grid + 4 * idx[7]));
+/* rows of a 4-byte grid, two per 8 weights, by the indices in idx's dwords (one gather:
+ * faster than eight loads put in place one by one) */
+ALWAYS_INLINE __m256i grid4(const uint8_t *grid, __m256i idx) {
+    return _mm256_i32gather_epi32((const int *)grid, idx, 4);
+}
+
+/* the 8 bytes at p, one a dword */
+ALWAYS_INLINE __m256i bytes_epi32(const uint8_t *p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
 }
 
 /* Signs as vpsignb takes them, 8 bytes of +1, or -1 where bit j of the byte is set: by
@@ -420,18 +425,18 @@ ALWAYS_INLINE float iq_grid_block(const int type, const uint8_t *blk, __m256i si
         for (int ib = 0; ib < 8; ib++) {
             const uint8_t *q = blk + 2 + 8 * ib;
             const uint32_t aux = u32_at(blk + 66 + 4 * ib);
-            const int idx[8] = {q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7]};
-            size[ib] = grid4(iq3xxs_grid, idx);
+            size[ib] = grid4(iq3xxs_grid, bytes_epi32(q));
             sign[ib] = signs_of_aux(aux);
             sc[2 * ib] = sc[2 * ib + 1] = (int16_t)(2 * (aux >> 28) + 1);
         }
         return f16_value(blk) * 0.25f;
     case IQ3_S: { /* qs[64] (low 8 bits of the indices), qh[8] (bit 8), signs[32], scales[4] */
         const uint8_t *qs = blk + 2, *qh = blk + 66, *signs = blk + 74, *scales = blk + 106;
+        const __m256i shifts = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
         for (int ib = 0; ib < 8; ib++) {
-            int idx[8];
-            for (int j = 0; j < 8; j++) idx[j] = qs[8 * ib + j] | (qh[ib] >> j & 1) << 8;
-            size[ib] = grid4(iq3s_grid, idx);
+            /* index j: qs[8 ib + j], plus 256 where bit j of qh[ib] is set */
+            const __m256i high = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(qh[ib]), shifts), _mm256_set1_epi32(1));
+            size[ib] = grid4(iq3s_grid, _mm256_or_si256(bytes_epi32(qs + 8 * ib), _mm256_slli_epi32(high, 8)));
             sign[ib] = signs_of_bytes(u32_at(signs + 4 * ib));
             sc[2 * ib] = sc[2 * ib + 1] = (int16_t)(2 * (scales[ib / 2] >> 4 * (ib % 2) & 15) + 1);
         }

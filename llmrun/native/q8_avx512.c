@@ -556,19 +556,190 @@ ALWAYS_INLINE void rows_q8k_ternary(const uint8_t *w, int64_t stride, int64_t r0
 DEFINE_Q8_MATVEC(TQ1_0, ORDER_Q8_K, 0, rows_q8k_ternary, 1)
 DEFINE_Q8_MATVEC(TQ2_0, ORDER_Q8_K, 0, rows_q8k_ternary, 0)
 
-/* The i-quants on grids in ORDER_Q8_K, a block's values and scales as q8.h decodes them,
- * two vectors of 32 to one of 64: the values' sizes against the activation quants with
- * the values' signs in vpmaddubsw, the pair sums times their 16 values' scale (one per
- * 128-bit lane, vpermw from the 16) in vpdpwssd, so a block's sum is one integer vector,
- * times d * factor * d_x. */
+/* The i-quants on grids in ORDER_Q8_K, each block decoded straight into four vectors of
+ * 64 weights (64k .. 64k + 63): their grid rows fetched by one gather (eight 8-byte rows,
+ * or sixteen 4-byte ones; on Zen 4 faster than as many loads put in place one by one),
+ * their signs as the vector's byte mask (IQ2_S's and IQ3_S's
+ * sign bytes are that mask as they stand; ksigns indices gain their parity bit in
+ * registers), and the block's scales as 16-bit words of one vector, where the type's
+ * fields put them (grid_scale_word). The values' sizes meet the activation quants with
+ * the values' signs in vpmaddubsw, the pair sums times their 16 values' scale (vpermw to
+ * one per 128-bit lane) in vpdpwssd, so a block's sum is one integer vector, times
+ * d * factor * d_x (q8.h: the block's meaning; iq_grid_block the AVX2 family's decoder). */
+typedef struct {
+    __m512i size[4];
+    __mmask64 neg[4];
+    __m512i scales; /* 2 s + 1, the scale of weights 16j .. 16j + 15 in word grid_scale_word(j) */
+    float d;
+} grid_block_t;
+
+/* The word of grid_block_t.scales that holds the scale of weights 16j .. 16j + 15 */
+static int grid_scale_word(const int type, int j) {
+    switch (type) {
+    case IQ2_XXS: return 4 * (j / 2); /* the low word of each 8-byte group's qword */
+    case IQ3_XXS: return 2 * (j / 2); /* the low word of each aux dword */
+    case IQ3_S: case IQ1_S: return j / 2; /* one per 32 */
+    default: return j; /* IQ2_XS, IQ2_S, IQ1_M: one per 16 */
+    }
+}
+
+/* The sign bytes of eight 7-bit ksigns indices (the bytes of v, bit 7 clear): each index
+ * with its parity in bit 7, as ksigns holds them. */
+ALWAYS_INLINE uint64_t ksigns8(uint64_t v) {
+    uint64_t p = v ^ v >> 4; /* bit 0 of each byte ends up as the parity of the byte */
+    p ^= p >> 2;
+    p ^= p >> 1;
+    return v | (p & 0x0101010101010101ull) << 7;
+}
+
+/* The sign bytes of the 7-bit ksigns indices in bits 0..27 of the aux words at p, p + 4
+ * (IQ2_XXS, IQ3_XXS) */
+ALWAYS_INLINE __mmask64 aux_signs(const uint8_t *p0, const uint8_t *p1) {
+    return ksigns8(_pdep_u64(u32_at(p0), 0x7F7F7F7Full) | _pdep_u64(u32_at(p1), 0x7F7F7F7Full) << 32);
+}
+
+/* 2 s + 1 for the scale nibbles (low first) of the 8 bytes at p, one a word in order
+ * (IQ2_XS, IQ2_S) */
+ALWAYS_INLINE __m512i nibble_scales(const uint8_t *p) {
+    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    const __m128i lo = _mm_and_si128(b, _mm_set1_epi16(15)), hi = _mm_srli_epi16(b, 4);
+    const __m256i s = _mm256_set_m128i(_mm_unpackhi_epi16(lo, hi), _mm_unpacklo_epi16(lo, hi));
+    return _mm512_zextsi256_si512(_mm256_add_epi16(_mm256_add_epi16(s, s), _mm256_set1_epi16(1)));
+}
+
+/* 2 s + 1 per word */
+ALWAYS_INLINE __m512i odd_scales(__m512i s) {
+    return _mm512_add_epi16(_mm512_add_epi16(s, s), _mm512_set1_epi16(1));
+}
+
+ALWAYS_INLINE uint64_t u64_at(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+/* IQ1's 8 g + delta (grid values g -1, 0, 1; delta +1, or -1 in the bytes of `minus`):
+ * its size and sign into g */
+ALWAYS_INLINE void iq1_vector(__m512i grid, __mmask64 minus, grid_block_t *g, int k) {
+    const __m512i eight_g = _mm512_and_si512(_mm512_slli_epi16(grid, 3), _mm512_set1_epi8((char)0xF8));
+    const __m512i delta = _mm512_mask_blend_epi8(minus, _mm512_set1_epi8(1), _mm512_set1_epi8(-1));
+    const __m512i value = _mm512_add_epi8(eight_g, delta);
+    g->neg[k] = _mm512_movepi8_mask(value);
+    g->size[k] = _mm512_abs_epi8(value);
+}
+
+ALWAYS_INLINE void grid_block(const int type, const uint8_t *blk, grid_block_t *g) {
+    switch (type) {
+    case IQ2_XXS: { /* per 32: 4 grid indices, then a u32 of 4 7-bit sign indices and the scale */
+        const __m128i pick = _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, -1, -1, -1, -1, -1, -1, -1, -1);
+        for (int k = 0; k < 4; k++) {
+            const uint8_t *q = blk + 2 + 16 * k;
+            const __m128i idx = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)q), pick);
+            g->size[k] = _mm512_i32gather_epi64(_mm256_cvtepu8_epi32(idx), iq2xxs_grid, 8);
+            g->neg[k] = aux_signs(q + 4, q + 12);
+        }
+        g->scales = odd_scales(_mm512_srli_epi64(_mm512_loadu_si512(blk + 2), 60));
+        g->d = f16_value(blk) * 0.125f;
+        return;
+    }
+    case IQ2_XS: { /* per 8: a u16 of a 9-bit grid index and a 7-bit sign index; scales per 16 */
+        const uint64_t top = 0xFE00FE00FE00FE00ull; /* the sign indices of four u16s */
+        for (int k = 0; k < 4; k++) {
+            const uint8_t *q = blk + 2 + 16 * k;
+            const __m256i idx = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)q));
+            g->size[k] = _mm512_i32gather_epi64(_mm256_and_si256(idx, _mm256_set1_epi32(511)), iq2xs_grid, 8);
+            const uint64_t signs = _pext_u64(u64_at(q), top) | _pext_u64(u64_at(q + 8), top) << 28;
+            g->neg[k] = ksigns8(_pdep_u64(signs, 0x7F7F7F7F7F7F7F7Full));
+        }
+        g->scales = nibble_scales(blk + 66);
+        g->d = f16_value(blk) * 0.125f;
+        return;
+    }
+    case IQ2_S: { /* qs[32] (low 8 bits of the indices), signs[32], qh[8] (2 high bits each), scales[8] */
+        const __m256i shifts = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+        for (int k = 0; k < 4; k++) {
+            const __m256i qh = _mm256_srlv_epi32(_mm256_set1_epi32((int)(u32_at(blk + 66 + 2 * k) & 0xFFFF)), shifts);
+            const __m256i high = _mm256_slli_epi32(_mm256_and_si256(qh, _mm256_set1_epi32(3)), 8);
+            const __m256i low = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * k)));
+            g->size[k] = _mm512_i32gather_epi64(_mm256_or_si256(low, high), iq2s_grid, 8);
+            g->neg[k] = u64_at(blk + 34 + 8 * k);
+        }
+        g->scales = nibble_scales(blk + 74);
+        g->d = f16_value(blk) * 0.125f;
+        return;
+    }
+    case IQ3_XXS: /* per 32: 8 indices of 4-byte grid rows; u32s of sign indices and scale after */
+        for (int k = 0; k < 4; k++) {
+            const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2 + 16 * k)));
+            g->size[k] = _mm512_i32gather_epi32(idx, iq3xxs_grid, 4);
+            g->neg[k] = aux_signs(blk + 66 + 8 * k, blk + 70 + 8 * k);
+        }
+        g->scales = odd_scales(_mm512_zextsi256_si512(_mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)(blk + 66)), 28)));
+        g->d = f16_value(blk) * 0.25f;
+        return;
+    case IQ3_S: { /* qs[64] (low 8 bits of the indices), qh[8] (bit 8), signs[32], scales[4] */
+        for (int k = 0; k < 4; k++) {
+            const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2 + 16 * k)));
+            const __mmask16 high = (__mmask16)u32_at(blk + 66 + 2 * k);
+            g->size[k] = _mm512_i32gather_epi32(_mm512_mask_add_epi32(idx, high, idx, _mm512_set1_epi32(256)), iq3s_grid, 4);
+            g->neg[k] = u64_at(blk + 74 + 8 * k);
+        }
+        const __m128i b = _mm_cvtepu8_epi16(_mm_cvtsi32_si128((int)u32_at(blk + 106)));
+        const __m128i s = _mm_unpacklo_epi16(_mm_and_si128(b, _mm_set1_epi16(15)), _mm_srli_epi16(b, 4));
+        g->scales = odd_scales(_mm512_zextsi128_si512(s));
+        g->d = f16_value(blk);
+        return;
+    }
+    case IQ1_S: { /* qs[32] (low 8 bits of the indices), per 32 a u16: 3 high bits per 8, scale, delta sign */
+        const __m256i shifts = _mm256_setr_epi32(0, 3, 6, 9, 16, 19, 22, 25);
+        for (int k = 0; k < 4; k++) {
+            const uint32_t h = u32_at(blk + 34 + 4 * k); /* groups 2k, 2k + 1 */
+            const __m256i qh = _mm256_srlv_epi32(_mm256_set1_epi32((int)h), shifts);
+            const __m256i high = _mm256_slli_epi32(_mm256_and_si256(qh, _mm256_set1_epi32(7)), 8);
+            const __m256i low = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * k)));
+            const __m512i grid = _mm512_i32gather_epi64(_mm256_or_si256(low, high), iq1s_grid, 8);
+            const __mmask64 minus = (h >> 15 & 1 ? 0xFFFFFFFFull : 0) | (h >> 31 ? 0xFFFFFFFF00000000ull : 0);
+            iq1_vector(grid, minus, g, k);
+        }
+        const __m512i h = _mm512_zextsi128_si512(_mm_loadu_si128((const __m128i *)(blk + 34)));
+        g->scales = odd_scales(_mm512_and_si512(_mm512_srli_epi16(h, 12), _mm512_set1_epi16(7)));
+        g->d = f16_value(blk) * 0.125f;
+        return;
+    }
+    default: { /* IQ1_M: qs[32], qh[16] (per 8: 3 high index bits, delta sign), u16 scales[4] (3 bits per 16; d in their top nibbles) */
+        const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+        for (int k = 0; k < 4; k++) {
+            const uint32_t h = u32_at(blk + 32 + 4 * k); /* a nibble per 8 weights */
+            const __m256i qh = _mm256_srlv_epi32(_mm256_set1_epi32((int)h), shifts);
+            const __m256i high = _mm256_slli_epi32(_mm256_and_si256(qh, _mm256_set1_epi32(7)), 8);
+            const __m256i low = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 8 * k)));
+            const __m512i grid = _mm512_i32gather_epi64(_mm256_or_si256(low, high), iq1s_grid, 8);
+            const uint64_t minus = _pdep_u64(_pext_u64(h, 0x88888888u), 0x0101010101010101ull) * 0xFF;
+            iq1_vector(grid, minus, g, k);
+        }
+        const uint64_t s4 = u64_at(blk + 48);
+        const __m512i words = _mm512_permutexvar_epi16(
+            _mm512_setr_epi32(0, 0, 0x10001, 0x10001, 0x20002, 0x20002, 0x30003, 0x30003,
+                              0, 0, 0, 0, 0, 0, 0, 0),
+            _mm512_castsi128_si512(_mm_cvtsi64_si128((long long)s4)));
+        const __m512i shift = _mm512_setr_epi32(0x30000, 0x90006, 0x30000, 0x90006, 0x30000, 0x90006,
+                                                0x30000, 0x90006, 0, 0, 0, 0, 0, 0, 0, 0);
+        g->scales = odd_scales(_mm512_and_si512(_mm512_srlv_epi16(words, shift), _mm512_set1_epi16(7)));
+        const uint16_t bits = (uint16_t)((s4 >> 12 & 0x000F) | (s4 >> 24 & 0x00F0) | (s4 >> 36 & 0x0F00) | (s4 >> 48 & 0xF000));
+        g->d = _cvtsh_ss(bits) * 0.125f;
+        return;
+    }
+    }
+}
+
 ALWAYS_INLINE void rows_q8k_grid(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
                                  const act_t *a, int64_t i0, const int m, float *y,
                                  int64_t ldy, const float *bias, const int type) {
     const int64_t nb = a->n / 256, bytes = iq_grid_bytes(type);
-    __m512i pick[4]; /* vector k's 128-bit lane j: scale 4k + j */
+    __m512i pick[4]; /* vector k's 128-bit lane j: the scale of weights 64k + 16j .. + 15 */
     for (int k = 0; k < 4; k++) {
         int16_t idx[32];
-        for (int j = 0; j < 32; j++) idx[j] = (int16_t)(4 * k + j / 8);
+        for (int j = 0; j < 32; j++) idx[j] = (int16_t)grid_scale_word(type, 4 * k + j / 8);
         pick[k] = _mm512_loadu_si512(idx);
     }
     const uint8_t *end = w + r1 * stride;
@@ -581,27 +752,20 @@ ALWAYS_INLINE void rows_q8k_grid(const uint8_t *w, int64_t stride, int64_t r0, i
             if (blk + PREFETCH + bytes <= end)
                 for (int l = 0; l < bytes + 63; l += 64)
                     _mm_prefetch((const char *)blk + PREFETCH + l, _MM_HINT_T0);
-            __m256i sizes[8], signs[8];
-            int16_t sc[16];
-            const float d = iq_grid_block(type, blk, sizes, signs, sc);
-            const __m512i sc16 = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)sc));
-            __m512i size[4], scale[4];
-            __mmask64 neg[4];
-            for (int k = 0; k < 4; k++) {
-                size[k] = _mm512_inserti64x4(_mm512_castsi256_si512(sizes[2 * k]), sizes[2 * k + 1], 1);
-                neg[k] = _mm512_movepi8_mask(_mm512_inserti64x4(_mm512_castsi256_si512(signs[2 * k]), signs[2 * k + 1], 1));
-                scale[k] = _mm512_permutexvar_epi16(pick[k], sc16);
-            }
+            grid_block_t g;
+            grid_block(type, blk, &g);
+            __m512i scale[4];
+            for (int k = 0; k < 4; k++) scale[k] = _mm512_permutexvar_epi16(pick[k], g.scales);
             for (int i = 0; i < m; i++) {
                 const int8_t *xq = a->q + (i0 + i) * a->q_step + 256 * b;
                 __m512i sum = _mm512_setzero_si512();
                 for (int k = 0; k < 4; k++) {
                     const __m512i x = load512(xq + 64 * k);
-                    const __m512i signed_x = _mm512_mask_sub_epi8(x, neg[k], _mm512_setzero_si512(), x);
-                    sum = DPWSSD(sum, _mm512_maddubs_epi16(size[k], signed_x), scale[k]);
+                    const __m512i signed_x = _mm512_mask_sub_epi8(x, g.neg[k], _mm512_setzero_si512(), x);
+                    sum = DPWSSD(sum, _mm512_maddubs_epi16(g.size[k], signed_x), scale[k]);
                 }
                 const float dx = a->d[(i0 + i) * a->d_step + b];
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * dx), acc[i]);
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(g.d * dx), acc[i]);
             }
         }
         for (int i = 0; i < m; i++) y[i * ldy + r] = _mm512_reduce_add_ps(acc[i]) + (bias ? bias[r] : 0.0f);

@@ -170,6 +170,9 @@ def test_q8_experts_take_each_matrix_with_its_activations(native_kernels, ggml_t
     chosen = [4, 0, 5]
     addresses = torch.tensor([stacked[e].data_ptr() for e in chosen], dtype=torch.int64)
     fn = native.library().llmrun_matvec_experts_q8
+    # The i-quants' kernels read grid tables that supports_q8 hands the library first; a
+    # test of its own must not rely on another having done it in this process.
+    assert kernels.supports_q8(ggml_type, cols)
 
     def call(x: np.ndarray, x_step: int) -> np.ndarray:
         y = torch.empty(len(chosen), rows)
