@@ -21,8 +21,7 @@ from gguf import GGMLQuantizationType, Keys, VisionProjectorType
 
 from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
 from llmrun.loading import gguf_io, safetensors_io
-from llmrun.loading.loader import SkipInit
-from llmrun.loading.vision import three_floats
+from llmrun.loading.vision import three_floats, with_weights
 from llmrun.models import pixtral
 from llmrun.quant.blocks import dequantize
 
@@ -222,26 +221,5 @@ def _build(
         raise ModelFormatError(
             f"{source}: images fit in {longest_edge} pixels, less than a token's {args.unit}"
         )
-    with torch.device("meta"), SkipInit():
-        encoder = pixtral.ImageEncoder(args)
-    expected = encoder.state_dict()
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(expected))
-    if missing or unexpected:
-        names = missing or unexpected
-        what = "missing vision tensors" if missing else "vision tensors the encoder does not have"
-        raise ModelFormatError(
-            f"{source}: {what}: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
-        )
-    state = {}
-    for name, tensor in weights.items():
-        shape = tuple(expected[name].shape)
-        if tuple(tensor.shape) != shape:
-            raise ModelFormatError(
-                f"{source}: vision tensor {name} has shape {list(tensor.shape)}, but the "
-                f"config implies {list(shape)}"
-            )
-        state[name] = tensor.to(torch.float32)
-    encoder.load_state_dict(state, assign=True)
-    encoder.requires_grad_(False)
-    return PixtralVision(encoder.eval(), longest_edge, mean, std)
+    encoder = with_weights(pixtral.ImageEncoder, args, weights, source)
+    return PixtralVision(encoder, longest_edge, mean, std)

@@ -21,8 +21,7 @@ from gguf import GGMLQuantizationType, Keys, VisionProjectorType
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import gguf_io, safetensors_io
-from llmrun.loading.loader import SkipInit
-from llmrun.loading.vision import three_floats
+from llmrun.loading.vision import three_floats, with_weights
 from llmrun.models.qwen2_vl_vision import QWEN2_5_VL, QWEN2_VL, EncoderArgs, VisionModel
 from llmrun.quant.blocks import dequantize
 
@@ -271,26 +270,5 @@ def _build(
             f"{source}: the vision tower projects to {args.out_hidden_size} features, but "
             f"the language model's width is {text_hidden}"
         )
-    with torch.device("meta"), SkipInit():
-        encoder = VisionModel(args)
-    expected = encoder.state_dict()
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(expected))
-    if missing or unexpected:
-        names = missing or unexpected
-        what = "missing vision tensors" if missing else "vision tensors the tower does not have"
-        raise ModelFormatError(
-            f"{source}: {what}: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
-        )
-    state = {}
-    for name, tensor in weights.items():
-        shape = tuple(expected[name].shape)
-        if tuple(tensor.shape) != shape:
-            raise ModelFormatError(
-                f"{source}: vision tensor {name} has shape {list(tensor.shape)}, but the "
-                f"config implies {list(shape)}"
-            )
-        state[name] = tensor.to(torch.float32)
-    encoder.load_state_dict(state, assign=True)
-    encoder.requires_grad_(False)
-    return QwenVision(encoder.eval(), **processor)
+    encoder = with_weights(VisionModel, args, weights, source)
+    return QwenVision(encoder, **processor)

@@ -8,6 +8,7 @@ encoder HF's weights; the language model loads as for text (llmrun.loading.loade
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -218,8 +219,20 @@ def _build(
             f"{source}: the image encoder projects to {args.text_hidden_size} features, but "
             f"the language model's width is {text_hidden}"
         )
+    encoder = with_weights(gemma3_vision.ImageEncoder, args, weights, source)
+    return Vision(encoder, args.vision.image_size, mean, std)
+
+
+def with_weights(
+    encoder_class: Callable[[Any], torch.nn.Module],
+    args: Any,
+    weights: dict[str, torch.Tensor],
+    source: Path,
+) -> torch.nn.Module:
+    """An image encoder built from `args` on the meta device and given `weights` (each
+    checked against the shape the config implies) in f32, frozen, in eval mode."""
     with torch.device("meta"), SkipInit():
-        encoder = gemma3_vision.ImageEncoder(args)
+        encoder = encoder_class(args)
     expected = encoder.state_dict()
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
@@ -240,4 +253,4 @@ def _build(
         state[name] = tensor.to(torch.float32)
     encoder.load_state_dict(state, assign=True)
     encoder.requires_grad_(False)
-    return Vision(encoder.eval(), args.vision.image_size, mean, std)
+    return encoder.eval()
