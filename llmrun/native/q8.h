@@ -304,9 +304,10 @@ ALWAYS_INLINE void tq1_0_trits(const uint8_t *blk, __m256i u[8]) {
  * activation quants with the signs (as IQ4's, at most 62 * 127 per product) and the pair
  * sums times the scales in integers. IQ1_S's and IQ1_M's weights, grid values -1..1 plus
  * a delta of +-1/8, are 8 g +- 1 times 1/8. Layouts: iquants.h (the exact kernels'
- * dequantizers read the same fields). The AVX2 family's matvec and both families' prompt
- * tiles decode with iq_grid_block; AVX-512's matvec decodes 64 weights a vector in
- * q8_avx512.c (grid_block). */
+ * dequantizers read the same fields). Both families' prompt tiles and the AVX2 matvec's
+ * IQ3s decode with iq_grid_block; AVX-512's matvec decodes 64 weights a vector in
+ * q8_avx512.c (grid_block), the AVX2 matvec the IQ2s and IQ1s 32 at a time in
+ * q8_avx2.c (grid_group). */
 #define IQ2_XXS_BYTES 66
 #define IQ2_XS_BYTES 74
 #define IQ2_S_BYTES 82
