@@ -21,23 +21,18 @@ from torch import nn
 
 from llmrun import (
     embeddings,
-    multimodal,
     paths,
-    pixtral_images,
-    qwen2_vl_images,
     reranking,
     tokenizer_gguf,
+    vision_families,
 )
 from llmrun.chat_template import ChatTemplate, select_template
 from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
 from llmrun.generate import KVState, Response, TokenLogprob, stream_generate
-from llmrun.loading import embedding, pixtral_vision, qwen2_vl_vision, reranker, safetensors_io
+from llmrun.loading import embedding, reranker, safetensors_io
 from llmrun.loading import vision as vision_loading
 from llmrun.loading.loader import Checkpoint, check_device_room, load_model, open_checkpoint
 from llmrun.loading.lora import LoraScales
-from llmrun.loading.pixtral_vision import PixtralVision
-from llmrun.loading.qwen2_vl_vision import QwenVision
-from llmrun.loading.vision import Vision
 from llmrun.models import kv_cache_bytes, model_module, recurrent_state_bytes
 from llmrun.models.cache import BYTES_PER_VALUE, KVCache
 from llmrun.multimodal import PromptImages
@@ -132,9 +127,9 @@ class Engine:
     speculator: Speculator | None = None
     # The LoRA adapters' scales (llmrun.loading.lora), where the model has adapters
     lora: LoraScales | None = None
-    # The image encoder (llmrun.loading.vision, or .pixtral_vision for Mistral 3, or
-    # .qwen2_vl_vision for Qwen2-VL and Qwen2.5-VL), where one was asked for and loaded
-    vision: Vision | PixtralVision | QwenVision | None = None
+    # The image encoder (of a llmrun.vision_families family), where one was asked for and
+    # loaded
+    vision: Any = None
 
     @property
     def generates(self) -> bool:
@@ -288,19 +283,12 @@ class Engine:
         return self.render([{"role": "user", "content": content}], **switches)
 
     def image_prompt(self, text: str, images: Sequence[Any]) -> tuple[list[int], PromptImages]:
-        """The ids of a prompt `text` whose image places (<start_of_image>, as the chat
-        template writes them) take `images` (decoded, llmrun.images.open_image), in
-        order, and those images encoded for generate()."""
+        """The ids of a prompt `text` whose image places (as the chat template writes them)
+        take `images` (decoded, llmrun.images.open_image), in order, and those images
+        encoded for generate()."""
         if self.vision is None:
             raise UsageError(f"{self.name}: load it with its image encoder to give it images")
-        if isinstance(self.vision, PixtralVision):
-            return self.encoded_prompt(text, pixtral_images.encode(self.vision, images))
-        if isinstance(self.vision, QwenVision):
-            return self.encoded_prompt(text, qwen2_vl_images.encode(self.vision, images))
-        ids, starts = multimodal.expand(
-            self.tokenizer, text, len(images), self.vision.tokens_per_image
-        )
-        return ids, PromptImages(multimodal.encode(self.vision, images), starts)
+        return self.encoded_prompt(text, self.encode_images(images))
 
     def encode_images(self, images: Sequence[Any]) -> list[torch.Tensor]:
         """Each decoded image's (llmrun.images.open_image) soft-token embeddings, for
@@ -308,23 +296,15 @@ class Engine:
         (a chat's first /image)."""
         if self.vision is None:
             self.vision = _load_vision(self.checkpoint, self.path, None)
-        if isinstance(self.vision, PixtralVision):
-            return pixtral_images.encode(self.vision, images)
-        if isinstance(self.vision, QwenVision):
-            return qwen2_vl_images.encode(self.vision, images)
-        return multimodal.encode(self.vision, images)
+        return vision_families.of_vision(self.vision).encode(self.vision, images)
 
     def image_tokens(self, image: Any) -> int:
         """How many prompt tokens a decoded image takes where image_prompt expands its
         place (the text around it aside), before it is encoded: Gemma 3's fixed count,
-        Mistral 3's and Qwen2-VL's by the image's size."""
+        others' by the image's size."""
         if self.vision is None:
             raise UsageError(f"{self.name}: load it with its image encoder to give it images")
-        if isinstance(self.vision, PixtralVision):
-            return pixtral_images.image_tokens(self.vision, image)
-        if isinstance(self.vision, QwenVision):
-            return qwen2_vl_images.image_tokens(self.vision, image)
-        return self.vision.tokens_per_image
+        return vision_families.of_vision(self.vision).image_tokens(self.vision, image)
 
     def encoded_prompt(
         self, text: str, embeds: Sequence[torch.Tensor]
@@ -333,14 +313,8 @@ class Engine:
         image once and renders it again every turn."""
         if self.vision is None:
             raise UsageError(f"{self.name}: load it with its image encoder to give it images")
-        if isinstance(self.vision, PixtralVision):
-            return pixtral_images.prompt(self.tokenizer, text, embeds, self._embed_token)
-        if isinstance(self.vision, QwenVision):
-            return qwen2_vl_images.prompt(self.tokenizer, text, embeds)
-        ids, starts = multimodal.expand(
-            self.tokenizer, text, len(embeds), self.vision.tokens_per_image
-        )
-        return ids, PromptImages(list(embeds), starts)
+        family = vision_families.of_vision(self.vision)
+        return family.prompt(self.vision, self.tokenizer, text, embeds, self._embed_token)
 
     @torch.inference_mode()
     def _embed_token(self, token: int) -> torch.Tensor:
@@ -557,53 +531,38 @@ def load(
     return engine
 
 
-def _load_vision(
-    checkpoint: Checkpoint, path: Path, mmproj: str | Path | None
-) -> Vision | PixtralVision | QwenVision:
-    """The image encoder of a Gemma 3, Mistral 3, Qwen2-VL or Qwen2.5-VL model: its
-    folder's own, or a GGUF's mmproj file (whose projector type says the family: a
-    Mistral 3 GGUF's text is llama's, a Qwen2-VL's qwen2 with M-RoPE); the note that its
-    language model runs alone is then dropped."""
-    hidden = checkpoint.config["hidden_size"]
-    pixtral = (
-        pixtral_vision.is_mmproj(mmproj)
-        if mmproj is not None and checkpoint.gguf is not None
-        else checkpoint.gguf is None and pixtral_vision.folder_has_vision(path)
-    )
-    qwen = (
-        qwen2_vl_vision.is_mmproj(mmproj)
-        if mmproj is not None and checkpoint.gguf is not None
-        else checkpoint.gguf is None and qwen2_vl_vision.folder_has_vision(path)
-    )
-    if qwen and not qwen2_vl_vision.turns_by_mrope(checkpoint.config):
-        raise UsageError(f"{path}: Qwen2-VL's images go to a language model with M-RoPE")
-    if (
-        not (pixtral or qwen)
-        and checkpoint.config.get("model_type") not in vision_loading.TEXT_MODEL_TYPES
-    ):
-        # A GGUF's text alone does not say which family its mmproj file would be of.
-        hint = " (a GGUF's with its mmproj file, --mmproj)" if checkpoint.gguf is not None else ""
-        raise UsageError(
-            f"{path}: images go to Gemma 3, Mistral 3, Qwen2-VL and Qwen2.5-VL models only{hint}"
-        )
+def _load_vision(checkpoint: Checkpoint, path: Path, mmproj: str | Path | None) -> Any:
+    """The image encoder of a vision-language model (llmrun.vision_families): its folder's
+    own, or a GGUF's mmproj file (whose projector type says the family: a GGUF's text alone
+    does not); the note that its language model runs alone is then dropped."""
     if checkpoint.gguf is not None:
         if mmproj is None:
             raise UsageError(
-                f"{path}: a GGUF holds no image encoder; give its mmproj file with --mmproj"
+                f"{path}: images go to {vision_families.NAMES} models, and a GGUF holds no "
+                "image encoder: give its mmproj file with --mmproj"
             )
-        if pixtral:
-            return pixtral_vision.from_mmproj(mmproj, hidden)
-        if qwen:
-            return qwen2_vl_vision.from_mmproj(mmproj, hidden)
-        return vision_loading.from_mmproj(mmproj, hidden)
-    if mmproj is not None:
+        family = vision_families.of_mmproj(Path(mmproj))
+        if family is None:
+            kind = vision_loading.projector_type(mmproj)
+            raise UnsupportedError(
+                f"{mmproj}: projector type {kind!r}; llmrun takes images for "
+                f"{vision_families.NAMES} models"
+            )
+    elif mmproj is not None:
         raise UsageError(f"--mmproj goes with a GGUF model; {path} holds its image encoder")
-    if pixtral:
-        encoder = pixtral_vision.from_hf_dir(path, hidden)
-    elif qwen:
-        encoder = qwen2_vl_vision.from_hf_dir(path, hidden)
     else:
-        encoder = vision_loading.from_hf_dir(path, hidden)
+        family = vision_families.of_folder(path)
+        if family is None:
+            raise UsageError(
+                f"{path}: images go to {vision_families.NAMES} models with their vision tower"
+            )
+    takes = family.text_takes_images
+    if takes is not None and not takes(checkpoint.config):
+        raise UsageError(f"{path}: {family.name}'s images go to its own language model")
+    hidden = checkpoint.config["hidden_size"]
+    if checkpoint.gguf is not None:
+        return family.from_mmproj(Path(mmproj), hidden)
+    encoder = family.from_hf_dir(path, hidden)
     checkpoint.notes = [n for n in checkpoint.notes if not n.endswith(vision_loading.TEXT_ONLY)]
     return encoder
 

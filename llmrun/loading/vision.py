@@ -22,8 +22,6 @@ from llmrun.loading.loader import SkipInit
 from llmrun.models import gemma3_vision, siglip
 from llmrun.quant.blocks import dequantize
 
-# The language models the encoders feed (their config's model_type, either format).
-TEXT_MODEL_TYPES = ("gemma3_text",)
 # How the loader's note on a multimodal folder ends (llmrun.loading.loader), dropped
 # where the vision tower does load.
 TEXT_ONLY = "without the vision tower"
@@ -131,6 +129,17 @@ def three_floats(value: Any, source: Path, key: str) -> tuple[float, ...]:
     if key.endswith("std") and any(v <= 0 for v in value):
         raise ModelFormatError(f"{source}: {key} is {value!r}; it divides, so must be positive")
     return tuple(float(v) for v in value)
+
+
+def projector_type(path: str | Path) -> Any:
+    """An mmproj GGUF's projector type (clip.projector_type), None where it names none."""
+    meta = gguf_io.read_gguf(path, with_tensors=False).metadata
+    return meta.get(Keys.Clip.PROJECTOR_TYPE, meta.get(Keys.ClipVision.PROJECTOR_TYPE))
+
+
+def is_mmproj(path: str | Path) -> bool:
+    """Whether an mmproj GGUF's projector is Gemma 3's."""
+    return projector_type(path) == VisionProjectorType.GEMMA3
 
 
 def from_mmproj(path: str | Path, text_hidden: int) -> Vision:

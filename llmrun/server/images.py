@@ -31,8 +31,8 @@ from starlette.requests import Request
 from llmrun import api
 from llmrun.errors import UsageError
 from llmrun.images import open_image
-from llmrun.loading.vision import TEXT_MODEL_TYPES
 from llmrun.server.schema import ApiError
+from llmrun.vision_families import NAMES
 
 # An image's bytes, after base64 (OpenAI's limit per image).
 MAX_IMAGE_BYTES = 20 << 20
@@ -188,13 +188,9 @@ def data_url_bytes(url: str, param: str) -> bytes:
 
 def _no_images(engine: api.Engine, name: str) -> str:
     """Why the model takes no images, and what to do where something can be."""
-    checkpoint = engine.checkpoint
-    if checkpoint.config.get("model_type") in TEXT_MODEL_TYPES and checkpoint.gguf is not None:
+    if engine.checkpoint.gguf is not None:
         return (
-            f"{name} is a GGUF without its image encoder: start serve with --mmproj FILE "
-            "(llama.cpp's mmproj GGUF of the model)"
+            f"{name} takes no images: a GGUF's image encoder is its mmproj file; for {NAMES} "
+            "models, start serve with --mmproj FILE (llama.cpp's mmproj GGUF of the model)"
         )
-    return (
-        f"{name} takes no images (serve takes them for Gemma 3, Mistral 3, Qwen2-VL and "
-        "Qwen2.5-VL models)"
-    )
+    return f"{name} takes no images (serve takes them for {NAMES} models)"

@@ -34,7 +34,6 @@ from llmrun.batching import Request, Scheduler
 from llmrun.images import open_image
 from llmrun.kv_blocks import BLOCK_SIZE
 from llmrun.models.paged import PagedKVCache
-from llmrun.multimodal import encode as multimodal_encode
 from llmrun.sampling import SamplingParams
 from llmrun.server import Service, create_app, images
 
@@ -150,11 +149,13 @@ def test_images_across_messages_are_transformers_and_each_encoded_once(
     ]
     encoded = []
 
-    def encode(vision, pictures):
-        encoded.extend(pictures)
-        return multimodal_encode(vision, pictures)
+    encode_images = api.Engine.encode_images
 
-    monkeypatch.setattr("llmrun.multimodal.encode", encode)
+    def encode(self, pictures):
+        encoded.extend(pictures)
+        return encode_images(self, pictures)
+
+    monkeypatch.setattr(api.Engine, "encode_images", encode)
     messages = [
         {"role": role, "content": content(*parts) if role == "user" else parts[0]}
         for role, parts in turns
