@@ -107,7 +107,7 @@ FAMILIES: tuple[VisionFamily, ...] = (
         prompt=_pixtral_prompt,
     ),
     VisionFamily(
-        name="Qwen2-VL and Qwen2.5-VL",
+        name="Qwen2-VL/2.5-VL",
         vision_type=qwen2_vl_vision.QwenVision,
         folder_has_vision=qwen2_vl_vision.folder_has_vision,
         is_mmproj=qwen2_vl_vision.is_mmproj,
@@ -120,7 +120,7 @@ FAMILIES: tuple[VisionFamily, ...] = (
     ),
 )
 
-# How messages list the families: "Gemma 3, Mistral 3 and Qwen2-VL and Qwen2.5-VL".
+# How messages list the families: "Gemma 3, Mistral 3 and Qwen2-VL/2.5-VL".
 NAMES = ", ".join(f.name for f in FAMILIES[:-1]) + f" and {FAMILIES[-1].name}"
 
 

@@ -1,0 +1,42 @@
+"""Which image encoder a model gets (llmrun.vision_families): an mmproj GGUF whose projector
+no family runs, and a GGUF given images without one, are one clear error each."""
+
+import gguf
+import pytest
+
+from llmrun import api, vision_families
+from llmrun.errors import UnsupportedError, UsageError
+
+
+def mmproj(path, projector: str):
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_string(gguf.Keys.Clip.PROJECTOR_TYPE, projector)
+    writer.add_bool(gguf.Keys.Clip.HAS_VISION_ENCODER, True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_an_unknown_projector_is_named(tmp_path):
+    path = mmproj(tmp_path / "mmproj.gguf", "ldpv2")
+    assert vision_families.of_mmproj(path) is None
+    with pytest.raises(UnsupportedError, match="projector type 'ldpv2'.*Gemma 3"):
+        api.load(None, device="cpu", mmproj=path)
+
+
+def test_each_projector_finds_its_family(tmp_path):
+    for projector, family in (
+        ("gemma3", "Gemma 3"),
+        ("pixtral", "Mistral 3"),
+        ("qwen2vl_merger", "Qwen2-VL/2.5-VL"),
+        ("qwen2.5vl_merger", "Qwen2-VL/2.5-VL"),
+    ):
+        found = vision_families.of_mmproj(mmproj(tmp_path / f"{projector}.gguf", projector))
+        assert found is not None and found.name == family
+
+
+def test_a_gguf_without_mmproj_names_the_flag():
+    with pytest.raises(UsageError, match="--mmproj"):
+        api.load(None, device="cpu", vision=True)
