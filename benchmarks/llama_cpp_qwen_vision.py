@@ -60,8 +60,9 @@ def same_tower(ours: Path, converted: Path) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def compare(engine, server, marker: str, image: bytes) -> dict:
-    """Greedy tokens of llmrun and of llama.cpp on one image and QUESTION."""
+def compare(engine, server, marker: str, image: bytes, place: str = PLACE) -> dict:
+    """Greedy tokens of llmrun and of llama.cpp on one image and QUESTION; `place`: the
+    chat template's image place, which the server's media marker replaces."""
     from llmrun.images import open_image
     from llmrun.sampling import SamplingParams
 
@@ -70,7 +71,7 @@ def compare(engine, server, marker: str, image: bytes) -> dict:
         "/completion",
         {
             "prompt": {
-                "prompt_string": text.replace(PLACE, marker),
+                "prompt_string": text.replace(place, marker),
                 "multimodal_data": [base64.b64encode(image).decode()],
             },
             "n_predict": TOKENS,

@@ -20,6 +20,7 @@ from gguf import Keys
 from torch import nn
 
 from llmrun import (
+    audio_families,
     embeddings,
     paths,
     reranking,
@@ -29,7 +30,7 @@ from llmrun import (
 from llmrun.chat_template import ChatTemplate, select_template
 from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
 from llmrun.generate import KVState, Response, TokenLogprob, stream_generate
-from llmrun.loading import embedding, reranker, safetensors_io
+from llmrun.loading import embedding, reranker, safetensors_io, voxtral_audio
 from llmrun.loading import vision as vision_loading
 from llmrun.loading.loader import Checkpoint, check_device_room, load_model, open_checkpoint
 from llmrun.loading.lora import LoraScales
@@ -130,6 +131,8 @@ class Engine:
     # The image encoder (of a llmrun.vision_families family), where one was asked for and
     # loaded
     vision: Any = None
+    # The audio encoder (of a llmrun.audio_families family), where one was asked for
+    audio: Any = None
 
     @property
     def generates(self) -> bool:
@@ -272,14 +275,18 @@ class Engine:
         picks it: the one named "tool_use" where the model has it)."""
         return self.tool_template or self.template
 
-    def prompt_text(self, text: str, raw: bool = False, images: int = 0, **switches: Any) -> str:
+    def prompt_text(
+        self, text: str, raw: bool = False, images: int = 0, audio: int = 0, **switches: Any
+    ) -> str:
         """The text `run` feeds the model: the template around one user message (its
-        `images` first, as content parts of type "image"), or as is."""
+        `images`, then its `audio` clips first, as content parts of type "image" and
+        "audio"), or as is."""
         if raw or self.template is None:
             return text
         content: Any = text
-        if images:
-            content = [{"type": "image"}] * images + [{"type": "text", "text": text}]
+        if images or audio:
+            parts = [{"type": "image"}] * images + [{"type": "audio"}] * audio
+            content = [*parts, {"type": "text", "text": text}]
         return self.render([{"role": "user", "content": content}], **switches)
 
     def image_prompt(self, text: str, images: Sequence[Any]) -> tuple[list[int], PromptImages]:
@@ -315,6 +322,34 @@ class Engine:
             raise UsageError(f"{self.name}: load it with its image encoder to give it images")
         family = vision_families.of_vision(self.vision)
         return family.prompt(self.vision, self.tokenizer, text, embeds, self._embed_token)
+
+    def audio_prompt(self, text: str, clips: Sequence[Any]) -> tuple[list[int], PromptImages]:
+        """The ids of a prompt `text` whose audio places (as the chat template writes them)
+        take `clips` (decoded, llmrun.audio.open_audio), in order, and those clips encoded
+        for generate() (which places them as it places images)."""
+        return self.encoded_audio_prompt(text, self.encode_audio(clips))
+
+    def encode_audio(self, clips: Sequence[Any]) -> list[torch.Tensor]:
+        """Each decoded clip's token embeddings, for encoded_audio_prompt; the audio
+        encoder loads now where load() was not asked for it (a chat's first /audio)."""
+        if self.audio is None:
+            self.audio = _load_audio(self.checkpoint, self.path, None)
+        return audio_families.of_encoder(self.audio).encode(self.audio, clips)
+
+    def audio_tokens(self, clip: Any) -> int:
+        """How many prompt tokens a decoded clip takes where audio_prompt expands its
+        place, before it is encoded."""
+        if self.audio is None:
+            raise UsageError(f"{self.name}: load it with its audio encoder to give it audio")
+        return audio_families.of_encoder(self.audio).clip_tokens(self.audio, clip)
+
+    def encoded_audio_prompt(
+        self, text: str, embeds: Sequence[torch.Tensor]
+    ) -> tuple[list[int], PromptImages]:
+        """audio_prompt for clips already encoded (encode_audio)."""
+        if self.audio is None:
+            raise UsageError(f"{self.name}: load it with its audio encoder to give it audio")
+        return audio_families.of_encoder(self.audio).prompt(self.tokenizer, text, embeds)
 
     @torch.inference_mode()
     def _embed_token(self, token: int) -> torch.Tensor:
@@ -437,6 +472,7 @@ def load(
     lora: Sequence[tuple[str | Path, float]] = (),
     vision: bool = False,
     mmproj: str | Path | None = None,
+    audio: bool = False,
 ) -> Engine:
     """Load MODEL (`path`, when given, is where it already resolved to); with `generate`,
     a model that cannot generate (an embedding model) is refused first. `cache_type`:
@@ -446,8 +482,9 @@ def load(
     (Q8_0; K-quants and most i-quants: Q8_K), faster on CPU, where the kernels have it for
     the type (llmrun.quant.linear.set_activations). `lora`: LoRA adapters as (path,
     scale), a GGUF adapter or a PEFT folder (llmrun.loading.lora). `vision`: load the image
-    encoder too (a vision checkpoint's own, or a GGUF's `mmproj` file, which implies it),
-    for Engine.image_prompt."""
+    encoder too (a vision checkpoint's own, or a GGUF's `mmproj` file, which implies it
+    unless `audio`), for Engine.image_prompt. `audio`: load the audio encoder (a Voxtral
+    folder's own, or the `mmproj` file's), for Engine.audio_prompt."""
     if dtype not in DTYPES:
         raise UsageError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     if cache_type is not None and cache_type not in CACHE_TYPES:
@@ -474,9 +511,11 @@ def load(
     checkpoint = open_checkpoint(path)
     _check_tokenizer(checkpoint, path)
     generates = _check_use(checkpoint, str(spec) if spec else path.name, generate)
-    encoder = None
-    if vision or mmproj is not None:
+    encoder = audio_encoder = None
+    if vision or (mmproj is not None and not audio):
         encoder = _load_vision(checkpoint, path, mmproj)
+    if audio:
+        audio_encoder = _load_audio(checkpoint, path, mmproj)
     # The tokenizer builds while the weights load: repacking and mapping them run in
     # native code and page faults, without the GIL (a 262k vocabulary takes ~1 s).
     with ThreadPoolExecutor(1, thread_name_prefix="llmrun-tokenizer") as pool:
@@ -514,6 +553,7 @@ def load(
         activations=activations,
         lora=loaded.lora,
         vision=encoder,
+        audio=audio_encoder,
     )
     if not generates:
         return engine  # no KV cache to size: an embedding's forward keeps none
@@ -564,6 +604,41 @@ def _load_vision(checkpoint: Checkpoint, path: Path, mmproj: str | Path | None) 
         return family.from_mmproj(Path(mmproj), hidden)
     encoder = family.from_hf_dir(path, hidden)
     checkpoint.notes = [n for n in checkpoint.notes if not n.endswith(vision_loading.TEXT_ONLY)]
+    return encoder
+
+
+def _load_audio(checkpoint: Checkpoint, path: Path, mmproj: str | Path | None) -> Any:
+    """The audio encoder of an audio-language model (llmrun.audio_families): its folder's
+    own, or a GGUF's mmproj file (whose projector type says the family); the note that its
+    language model runs alone is then dropped."""
+    if checkpoint.gguf is not None:
+        if mmproj is None:
+            raise UsageError(
+                f"{path}: audio goes to {audio_families.NAMES} models, and a GGUF holds no "
+                "audio encoder: give its mmproj file with --mmproj"
+            )
+        family = audio_families.of_mmproj(Path(mmproj))
+        if family is None:
+            kind = voxtral_audio.projector_type(mmproj)
+            raise UnsupportedError(
+                f"{mmproj}: projector type {kind!r}; llmrun takes audio for "
+                f"{audio_families.NAMES} models"
+            )
+    elif mmproj is not None:
+        raise UsageError(f"--mmproj goes with a GGUF model; {path} holds its audio encoder")
+    else:
+        family = audio_families.of_folder(path)
+        if family is None:
+            raise UsageError(
+                f"{path}: audio goes to {audio_families.NAMES} models with their audio tower"
+            )
+    if not family.text_takes_audio(checkpoint.config):
+        raise UsageError(f"{path}: {family.name}'s audio goes to its own language model")
+    hidden = checkpoint.config["hidden_size"]
+    if checkpoint.gguf is not None:
+        return family.from_mmproj(Path(mmproj), hidden)
+    encoder = family.from_hf_dir(path, hidden)
+    checkpoint.notes = [n for n in checkpoint.notes if not n.endswith(voxtral_audio.TEXT_ONLY)]
     return encoder
 
 

@@ -63,6 +63,8 @@ class ChatSession:
     switches: dict[str, Any] = field(default_factory=dict)  # template variables (thinking)
     # Images attached for the next user message (attach), encoded
     pending: list[torch.Tensor] = field(default_factory=list)
+    # Audio clips attached for the next user message (attach_audio), encoded
+    pending_audio: list[torch.Tensor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.overflow not in ("error", "shift"):
@@ -100,17 +102,22 @@ class ChatSession:
     def _encode(
         self, text: str, messages: list[dict[str, Any]]
     ) -> tuple[list[int], PromptImages | None]:
-        """The ids of `messages` rendered as `text`, and their images (each image part
-        holds its embeddings), which every turn feeds the model again."""
-        embeds = [
-            part["embeds"]
+        """The ids of `messages` rendered as `text`, and their images or audio clips (each
+        such part holds its embeddings), which every turn feeds the model again."""
+        parts = [
+            part
             for message in messages
             if isinstance(message["content"], list)
             for part in message["content"]
-            if part.get("type") == "image"
+            if part.get("type") in ("image", "audio")
         ]
+        embeds = [part["embeds"] for part in parts]
         if not embeds:
             return self.engine.tokenizer.encode(text), None
+        if all(part["type"] == "audio" for part in parts):
+            return self.engine.encoded_audio_prompt(text, embeds)
+        if any(part["type"] == "audio" for part in parts):
+            raise UsageError("a conversation takes images or audio, not both")
         return self.engine.encoded_prompt(text, embeds)
 
     def attach(self, images: list[Any]) -> None:
@@ -119,6 +126,13 @@ class ChatSession:
         if self.engine.speculator is not None:
             raise UsageError("images do not go with --draft or --lookup")
         self.pending.extend(self.engine.encode_images(images))
+
+    def attach_audio(self, clips: list[Any]) -> None:
+        """Encode decoded audio clips (llmrun.audio.open_audio) to go with the next user
+        message, before its text."""
+        if self.engine.speculator is not None:
+            raise UsageError("audio does not go with --draft or --lookup")
+        self.pending_audio.extend(self.engine.encode_audio(clips))
 
     def prompt_text(self, messages: list[dict[str, Any]]) -> str:
         if self.uses_template:
@@ -129,10 +143,11 @@ class ChatSession:
         """Add a user message and stream the reply's text. `turn` receives the
         outcome; an interrupted reply (KeyboardInterrupt) is kept as it stands."""
         content: str | list[dict[str, Any]] = text
-        if self.pending:
+        if self.pending or self.pending_audio:
             images = [{"type": "image", "embeds": embeds} for embeds in self.pending]
-            content = [*images, {"type": "text", "text": text}]
-            self.pending = []
+            clips = [{"type": "audio", "embeds": embeds} for embeds in self.pending_audio]
+            content = [*images, *clips, {"type": "text", "text": text}]
+            self.pending, self.pending_audio = [], []
         self.messages.append({"role": "user", "content": content})
         return self._reply(turn if turn is not None else Turn())
 
@@ -154,6 +169,7 @@ class ChatSession:
         """Start a new conversation (the system message stays)."""
         self.messages.clear()
         self.pending.clear()
+        self.pending_audio.clear()
         self.state.tokens.clear()
 
     def set_param(self, name: str, value: str) -> None:
@@ -181,7 +197,7 @@ class ChatSession:
 
     def save(self, path: str | Path) -> None:
         if any(isinstance(m["content"], list) for m in self.messages):
-            raise UsageError("/save keeps text only, and this conversation has images")
+            raise UsageError("/save keeps text only, and this conversation has images or audio")
         data = {"system": self.system, "messages": self.messages}
         try:
             Path(path).expanduser().write_text(

@@ -1,8 +1,11 @@
-"""Prompts with images, for Qwen2-VL and Qwen2.5-VL: each image resized and cut into
-patches as transformers' Qwen2VLImageProcessor does, encoded (llmrun.models.qwen2_vl_vision),
-each image place that the chat template marks (<|vision_start|><|image_pad|><|vision_end|>)
-expanded as Qwen2_5_VLProcessor expands it (one <|image_pad|> per merged token), and every
-token's M-RoPE positions (llmrun.models.mrope) as get_rope_index gives them.
+"""Prompts with images, for Qwen2-VL and Qwen2.5-VL, and for Qwen3-VL and Qwen3.5, whose
+processor and prompts are the same: each image resized and cut into patches as
+transformers' Qwen2VLImageProcessor does, encoded (llmrun.models.qwen2_vl_vision, or
+llmrun.models.qwen3_vl_vision, whose tokens carry deepstack features after them), each
+image place that the chat template marks (<|vision_start|><|image_pad|><|vision_end|>)
+expanded as Qwen2_5_VLProcessor and Qwen3VLProcessor expand it (one <|image_pad|> per
+merged token), and every token's M-RoPE positions (llmrun.models.mrope) as get_rope_index
+gives them (Qwen3-VL's is the same).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 from llmrun.errors import TokenizerError, UsageError
 from llmrun.images import normalized
 from llmrun.loading.qwen2_vl_vision import QwenVision
+from llmrun.loading.qwen3_vl_vision import Qwen3Vision
 from llmrun.models.mrope import MRopeImages
 from llmrun.multimodal import PromptImages
 from llmrun.tokenizer import Tokenizer
@@ -47,7 +51,7 @@ def smart_resize(
     return h_bar, w_bar
 
 
-def pixel_patches(image, vision: QwenVision) -> tuple[torch.Tensor, int, int]:
+def pixel_patches(image, vision: QwenVision | Qwen3Vision) -> tuple[torch.Tensor, int, int]:
     """An RGB Pillow image as Qwen2VLImageProcessor's Pillow backend makes it: resized
     bicubically to smart_resize's size, / 255, (x - mean) / std, cut into patches of
     temporal_patch_size frames (the image repeated): float32 [grid_h * grid_w,
@@ -71,7 +75,7 @@ def pixel_patches(image, vision: QwenVision) -> tuple[torch.Tensor, int, int]:
     return repeated.reshape(grid_h * grid_w, -1), grid_h, grid_w
 
 
-def image_tokens(vision: QwenVision, image) -> int:
+def image_tokens(vision: QwenVision | Qwen3Vision, image) -> int:
     """How many prompt tokens (<|image_pad|>s) a (Pillow) image takes: its merged patches
     at the size encode resizes it to, known before encoding it."""
     args = vision.encoder.args
@@ -83,9 +87,9 @@ def image_tokens(vision: QwenVision, image) -> int:
 
 
 @torch.inference_mode()
-def encode(vision: QwenVision, images: Sequence) -> list[torch.Tensor]:
-    """Each (Pillow) image's tokens [rows, columns, hidden] (its grid of merged patches),
-    encoded one at a time."""
+def encode(vision: QwenVision | Qwen3Vision, images: Sequence) -> list[torch.Tensor]:
+    """Each (Pillow) image's tokens [rows, columns, hidden] (its grid of merged patches;
+    Qwen3-VL's hidden * (1 + deepstack layers) wide), encoded one at a time."""
     merge = vision.encoder.args.spatial_merge_size
     out = []
     for image in images:

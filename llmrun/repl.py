@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Iterator
 
 from llmrun import paths, ui
+from llmrun.audio import open_audio
 from llmrun.chat import SETTABLE, ChatSession, Turn
 from llmrun.errors import LlmrunError
 from llmrun.images import open_image
@@ -22,6 +23,7 @@ HELP = """Commands:
   /clear                start a new conversation
   /system TEXT          set the system message
   /image PATH           attach an image to the next message (vision models)
+  /audio PATH           attach a WAV file to the next message (Voxtral)
   /set PARAM VALUE      set a parameter: {params}
   /set think on|off     switch thinking (models whose template has the switch)
   /show                 model, parameters and context use
@@ -56,6 +58,7 @@ class Repl:
             "/clear": self._clear,
             "/system": self._system,
             "/image": self._image,
+            "/audio": self._audio,
             "/set": self._set,
             "/show": lambda _: ui.info(self._show()),
             "/save": self._save,
@@ -200,6 +203,13 @@ class Repl:
             ui.warn("usage: /image PATH")
             return
         self.session.attach([open_image(path)])
+        ui.info(f"{path} goes with the next message")
+
+    def _audio(self, path: str) -> None:
+        if not path:
+            ui.warn("usage: /audio PATH")
+            return
+        self.session.attach_audio([open_audio(path)])
         ui.info(f"{path} goes with the next message")
 
     def _set(self, arg: str) -> None:

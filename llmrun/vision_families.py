@@ -13,8 +13,29 @@ from typing import Any
 
 import torch
 
-from llmrun import multimodal, pixtral_images, qwen2_vl_images
-from llmrun.loading import pixtral_vision, qwen2_vl_vision, safetensors_io
+from llmrun import (
+    gemma4_images,
+    glm4v_images,
+    idefics3_images,
+    internvl_images,
+    lfm2_vl_images,
+    llava_images,
+    multimodal,
+    pixtral_images,
+    qwen2_vl_images,
+)
+from llmrun.loading import (
+    gemma4_vision,
+    glm4v_vision,
+    idefics3_vision,
+    internvl_vision,
+    lfm2_vl_vision,
+    llava_vision,
+    pixtral_vision,
+    qwen2_vl_vision,
+    qwen3_vl_vision,
+    safetensors_io,
+)
 from llmrun.loading import vision as gemma3_vision
 from llmrun.tokenizer import Tokenizer
 
@@ -22,6 +43,8 @@ from llmrun.tokenizer import Tokenizer
 # family's subclass).
 Prompt = tuple[list[int], multimodal.PromptImages]
 EmbedToken = Callable[[int], torch.Tensor]
+# (vision, tokenizer, text, encoded images, embed_token) -> the prompt
+PromptFn = Callable[[Any, Tokenizer, str, Sequence[Any], EmbedToken], Prompt]
 
 
 @dataclass(frozen=True)
@@ -40,10 +63,10 @@ class VisionFamily:
     text_takes_images: Callable[[dict[str, Any]], bool] | None
     # The prompt tokens an (opened, Pillow) image takes, before it is encoded.
     image_tokens: Callable[[Any, Any], int]
-    # Each opened image's encoding, in order.
-    encode: Callable[[Any, Sequence[Any]], list[torch.Tensor]]
+    # Each opened image's encoding, in order (a tensor, or a family's own pieces).
+    encode: Callable[[Any, Sequence[Any]], list[Any]]
     # The ids of a text whose image places take the encoded images, and those images.
-    prompt: Callable[[Any, Tokenizer, str, Sequence[torch.Tensor], EmbedToken], Prompt]
+    prompt: PromptFn
 
 
 def _gemma3_prompt(
@@ -57,24 +80,28 @@ def _gemma3_prompt(
     return ids, multimodal.PromptImages(list(embeds), starts)
 
 
-def _pixtral_prompt(
-    vision: pixtral_vision.PixtralVision,
-    tokenizer: Tokenizer,
-    text: str,
-    embeds: Sequence[torch.Tensor],
-    embed_token: EmbedToken,
-) -> Prompt:
-    return pixtral_images.prompt(tokenizer, text, embeds, embed_token)
+def _by_text(prompt: Callable[[Tokenizer, str, Sequence[Any]], Prompt]) -> PromptFn:
+    """A family's prompt that needs only the tokenizer, the text and the encoded images."""
+
+    def full(
+        vision: Any, tokenizer: Tokenizer, text: str, embeds: Sequence[Any], embed: EmbedToken
+    ) -> Prompt:
+        return prompt(tokenizer, text, embeds)
+
+    return full
 
 
-def _qwen2_vl_prompt(
-    vision: qwen2_vl_vision.QwenVision,
-    tokenizer: Tokenizer,
-    text: str,
-    embeds: Sequence[torch.Tensor],
-    embed_token: EmbedToken,
-) -> Prompt:
-    return qwen2_vl_images.prompt(tokenizer, text, embeds)
+def _with_embed_token(
+    prompt: Callable[[Tokenizer, str, Sequence[Any], EmbedToken], Prompt],
+) -> PromptFn:
+    """A family's prompt that also embeds marker tokens between an image's pieces."""
+
+    def full(
+        vision: Any, tokenizer: Tokenizer, text: str, embeds: Sequence[Any], embed: EmbedToken
+    ) -> Prompt:
+        return prompt(tokenizer, text, embeds, embed)
+
+    return full
 
 
 def _gemma3_folder(path: Path) -> bool:
@@ -95,6 +122,18 @@ FAMILIES: tuple[VisionFamily, ...] = (
         prompt=_gemma3_prompt,
     ),
     VisionFamily(
+        name="Gemma 4",
+        vision_type=gemma4_vision.Gemma4Vision,
+        folder_has_vision=gemma4_vision.folder_has_vision,
+        is_mmproj=gemma4_vision.is_mmproj,
+        from_hf_dir=gemma4_vision.from_hf_dir,
+        from_mmproj=gemma4_vision.from_mmproj,
+        text_takes_images=lambda config: config.get("model_type") == "gemma4_text",
+        image_tokens=gemma4_images.image_tokens,
+        encode=gemma4_images.encode,
+        prompt=_by_text(gemma4_images.prompt),
+    ),
+    VisionFamily(
         name="Mistral 3",
         vision_type=pixtral_vision.PixtralVision,
         folder_has_vision=pixtral_vision.folder_has_vision,
@@ -104,7 +143,7 @@ FAMILIES: tuple[VisionFamily, ...] = (
         text_takes_images=None,
         image_tokens=pixtral_images.image_tokens,
         encode=pixtral_images.encode,
-        prompt=_pixtral_prompt,
+        prompt=_with_embed_token(pixtral_images.prompt),
     ),
     VisionFamily(
         name="Qwen2-VL/2.5-VL",
@@ -116,7 +155,85 @@ FAMILIES: tuple[VisionFamily, ...] = (
         text_takes_images=qwen2_vl_vision.turns_by_mrope,
         image_tokens=qwen2_vl_images.image_tokens,
         encode=qwen2_vl_images.encode,
-        prompt=_qwen2_vl_prompt,
+        prompt=_by_text(qwen2_vl_images.prompt),
+    ),
+    # Qwen2-VL's processing and prompts; its tokens carry deepstack features after them.
+    VisionFamily(
+        name="Qwen3-VL/Qwen3.5",
+        vision_type=qwen3_vl_vision.Qwen3Vision,
+        folder_has_vision=qwen3_vl_vision.folder_has_vision,
+        is_mmproj=qwen3_vl_vision.is_mmproj,
+        from_hf_dir=qwen3_vl_vision.from_hf_dir,
+        from_mmproj=qwen3_vl_vision.from_mmproj,
+        text_takes_images=qwen3_vl_vision.text_takes_images,
+        image_tokens=qwen2_vl_images.image_tokens,
+        encode=qwen2_vl_images.encode,
+        prompt=_by_text(qwen2_vl_images.prompt),
+    ),
+    # Qwen2-VL's M-RoPE positions; GLM's own resizing and image tokens.
+    VisionFamily(
+        name="GLM-4.1V/4.5V",
+        vision_type=glm4v_vision.Glm4vVision,
+        folder_has_vision=glm4v_vision.folder_has_vision,
+        is_mmproj=glm4v_vision.is_mmproj,
+        from_hf_dir=glm4v_vision.from_hf_dir,
+        from_mmproj=glm4v_vision.from_mmproj,
+        text_takes_images=glm4v_vision.text_takes_images,
+        image_tokens=glm4v_images.image_tokens,
+        encode=glm4v_images.encode,
+        prompt=_by_text(glm4v_images.prompt),
+    ),
+    VisionFamily(
+        name="InternVL",
+        vision_type=internvl_vision.InternVLVision,
+        folder_has_vision=internvl_vision.folder_has_vision,
+        is_mmproj=internvl_vision.is_mmproj,
+        from_hf_dir=internvl_vision.from_hf_dir,
+        from_mmproj=internvl_vision.from_mmproj,
+        # Its image tokens turn by their positions: not a Qwen2-VL's M-RoPE text.
+        text_takes_images=lambda config: not qwen2_vl_vision.turns_by_mrope(config),
+        image_tokens=internvl_images.image_tokens,
+        encode=internvl_images.encode,
+        prompt=_by_text(internvl_images.prompt),
+    ),
+    # Tiles and the whole image, each pixel-shuffled; its images go to a Llama.
+    VisionFamily(
+        name="SmolVLM/Idefics3",
+        vision_type=idefics3_vision.Idefics3Vision,
+        folder_has_vision=idefics3_vision.folder_has_vision,
+        is_mmproj=idefics3_vision.is_mmproj,
+        from_hf_dir=idefics3_vision.from_hf_dir,
+        from_mmproj=idefics3_vision.from_mmproj,
+        text_takes_images=lambda config: config.get("model_type") == "llama",
+        image_tokens=idefics3_images.image_tokens,
+        encode=idefics3_images.encode,
+        prompt=_with_embed_token(idefics3_images.prompt),
+    ),
+    # CLIP and a two-layer MLP; LLaVA-NeXT's tiles (anyres) where it has grid pinpoints.
+    VisionFamily(
+        name="LLaVA 1.5/NeXT",
+        vision_type=llava_vision.LlavaVision,
+        folder_has_vision=llava_vision.folder_has_vision,
+        is_mmproj=llava_vision.is_mmproj,
+        from_hf_dir=llava_vision.from_hf_dir,
+        from_mmproj=llava_vision.from_mmproj,
+        text_takes_images=None,
+        image_tokens=llava_images.image_tokens,
+        encode=llava_images.encode,
+        prompt=_by_text(llava_images.prompt),
+    ),
+    # Tiles of any grid and a thumbnail, pixel-unshuffled; its images go to an LFM2.
+    VisionFamily(
+        name="LFM2-VL",
+        vision_type=lfm2_vl_vision.Lfm2VlVision,
+        folder_has_vision=lfm2_vl_vision.folder_has_vision,
+        is_mmproj=lfm2_vl_vision.is_mmproj,
+        from_hf_dir=lfm2_vl_vision.from_hf_dir,
+        from_mmproj=lfm2_vl_vision.from_mmproj,
+        text_takes_images=lambda config: config.get("model_type") == "lfm2",
+        image_tokens=lfm2_vl_images.image_tokens,
+        encode=lfm2_vl_images.encode,
+        prompt=lfm2_vl_images.prompt,
     ),
 )
 

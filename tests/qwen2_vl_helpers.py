@@ -171,14 +171,18 @@ def greedy_tokens(model, inputs, tokens: int = 8) -> list[int]:
     return out[0, inputs.input_ids.shape[1] :].tolist()
 
 
-def write_text_gguf(model, path: Path) -> Path:
+def write_text_gguf(
+    model, path: Path, arch: str = "qwen2vl", model_type: str = "qwen2", keys=None
+) -> Path:
     """The language model as llama.cpp's converter writes it (conversion/qwenvl.py
     Qwen2VLModel: arch qwen2vl, Qwen2's tensors, rope.dimension_sections), F32, with
-    stories260K's vocabulary plus QWEN_TOKENS as control tokens and the chat template."""
+    stories260K's vocabulary plus QWEN_TOKENS as control tokens and the chat template.
+    `arch` and `model_type`: another family's (Qwen3-VL's qwen3vl, qwen3), `keys(writer)`
+    adding its own metadata."""
     import gguf
     from helpers import STORIES_GGUF, write_gguf
 
-    config = {**model.config.text_config.to_dict(), "model_type": "qwen2"}
+    config = {**model.config.text_config.to_dict(), "model_type": model_type}
     prefix = "model.language_model."
     state = {
         ("model." + k[len(prefix) :] if k.startswith(prefix) else k): v
@@ -204,8 +208,10 @@ def write_text_gguf(model, path: Path) -> Path:
         writer.add_add_bos_token(False)
         writer.add_add_space_prefix(False)  # as the text of the Hub's tokenizer.json
         writer.add_chat_template(QWEN2_VL_TEMPLATE)
+        if keys is not None:
+            keys(writer)
 
-    return write_gguf(path, config, state, tokenizer=False, arch="qwen2vl", extra=extra)
+    return write_gguf(path, config, state, tokenizer=False, arch=arch, extra=extra)
 
 
 def write_mmproj(model, path: Path, qtype=None, legacy: bool = False) -> Path:

@@ -32,6 +32,13 @@ def test_each_projector_finds_its_family(tmp_path):
         ("pixtral", "Mistral 3"),
         ("qwen2vl_merger", "Qwen2-VL/2.5-VL"),
         ("qwen2.5vl_merger", "Qwen2-VL/2.5-VL"),
+        ("gemma4v", "Gemma 4"),
+        ("qwen3vl_merger", "Qwen3-VL/Qwen3.5"),
+        ("glm4v", "GLM-4.1V/4.5V"),
+        ("internvl", "InternVL"),
+        ("idefics3", "SmolVLM/Idefics3"),
+        ("mlp", "LLaVA 1.5/NeXT"),
+        ("lfm2", "LFM2-VL"),
     ):
         found = vision_families.of_mmproj(mmproj(tmp_path / f"{projector}.gguf", projector))
         assert found is not None and found.name == family

@@ -67,7 +67,15 @@ Mmproj = Annotated[
     typer.Option(
         "--mmproj",
         metavar="FILE",
-        help="The image encoder GGUF of a GGUF model (llama.cpp's mmproj file).",
+        help="The image or audio encoder GGUF of a GGUF model (llama.cpp's mmproj file).",
+    ),
+]
+AudioOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--audio",
+        metavar="PATH",
+        help="A WAV file for the prompt, before its text (repeatable). Voxtral models.",
     ),
 ]
 
@@ -145,6 +153,7 @@ def run(
             "Qwen2-VL and Qwen2.5-VL models.",
         ),
     ] = None,
+    audio: AudioOpt = None,
     mmproj: Mmproj = None,
     batch: Batch = None,
     batch_lines: BatchLines = False,
@@ -163,6 +172,10 @@ def run(
         _check_fim_flags(locals())
     if image and (batch is not None or suffix is not None or draft or lookup is not None):
         raise UsageError("--image does not go with --batch, --suffix, --draft or --lookup")
+    if audio and (batch is not None or suffix is not None or draft or lookup is not None):
+        raise UsageError("--audio does not go with --batch, --suffix, --draft or --lookup")
+    if image and audio:
+        raise UsageError("--image and --audio: a prompt takes one or the other")
     if batch is not None:
         if (
             draft is not None
@@ -186,6 +199,7 @@ def run(
         and ui.stdin_is_tty()
         and not (output_json or raw or stop or output_format or grammar or suffix is not None)
         and not image
+        and not audio
     ):
         # `llmrun run MODEL` at a terminal chats, as `ollama run MODEL` does.
         chat_options = set(inspect.signature(chat).parameters) - {"model"}
@@ -203,10 +217,12 @@ def run(
         )
     limit = _max_tokens(max_tokens)
     _check_draft(draft, draft_max, lookup, draft_p_min)
+    from llmrun.audio import open_audio
     from llmrun.images import open_image
     from llmrun.reasoning import Splitter
 
     pictures = [open_image(path) for path in image or []]  # bad images fail before loading
+    clips = [open_audio(path) for path in audio or []]  # so does bad audio
     engine = _load(
         model_spec,
         device=device,
@@ -219,6 +235,7 @@ def run(
         lora=_adapters(lora, lora_scaled),
         vision=bool(pictures),
         mmproj=mmproj,
+        audio=bool(clips),
     )
     load = dict(dtype=dtype, threads=threads, cache_type=cache_type, activations=activations)
     _use_draft(engine, draft, draft_max, lookup, draft_p_min, **load)
@@ -226,9 +243,13 @@ def run(
     images = None
     if suffix is None:
         switches = engine.switches(think, reasoning_effort)
-        text = engine.prompt_text(prompt, raw=raw, images=len(pictures), **switches)
+        text = engine.prompt_text(
+            prompt, raw=raw, images=len(pictures), audio=len(clips), **switches
+        )
         if pictures:
             ids, images = engine.image_prompt(text, pictures)
+        elif clips:
+            ids, images = engine.audio_prompt(text, clips)
         else:
             ids = engine.tokenizer.encode(text)
     else:
@@ -351,6 +372,7 @@ def chat(
             "attaches one later. Gemma 3, Mistral 3, Qwen2-VL and Qwen2.5-VL models.",
         ),
     ] = None,
+    audio: AudioOpt = None,
     mmproj: Mmproj = None,
     verbose: Verbose = False,
     debug: Debug = False,
@@ -361,11 +383,17 @@ def chat(
     _check_draft(draft, draft_max, lookup, draft_p_min)
     if image and (draft or lookup is not None):
         raise UsageError("--image does not go with --draft or --lookup")
+    if audio and (draft or lookup is not None):
+        raise UsageError("--audio does not go with --draft or --lookup")
+    if image and audio:
+        raise UsageError("--image and --audio: a message takes one or the other")
+    from llmrun.audio import open_audio
     from llmrun.chat import ChatSession
     from llmrun.images import open_image
     from llmrun.repl import Repl
 
     pictures = [open_image(path) for path in image or []]  # bad images fail before loading
+    clips = [open_audio(path) for path in audio or []]  # so does bad audio
     engine = _load(
         model,
         device=device,
@@ -378,6 +406,7 @@ def chat(
         lora=_adapters(lora, lora_scaled),
         vision=bool(pictures),
         mmproj=mmproj,
+        audio=bool(clips),
     )
     load = dict(dtype=dtype, threads=threads, cache_type=cache_type, activations=activations)
     _use_draft(engine, draft, draft_max, lookup, draft_p_min, **load)
@@ -386,6 +415,8 @@ def chat(
     session.switches = engine.switches(think, reasoning_effort)
     if pictures:
         session.attach(pictures)
+    if clips:
+        session.attach_audio(clips)
     if tools is not None:
         from llmrun import tool_use
 

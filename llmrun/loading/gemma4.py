@@ -39,6 +39,7 @@ UNTURNED = 1e30  # the converter's freq factor of a frequency that does not turn
 SLIDING, FULL = "sliding_attention", "full_attention"
 GLOBAL_HEAD_DIM = 512  # Gemma4TextConfig's default global_head_dim
 GLOBAL_EVERY = 6  # transformers' default layer_types: every sixth layer global
+CAUSAL_IMAGE_WIDTHS = (1536, 2560)  # E2B's and E4B's: their image tokens attend causally
 
 
 def _name(tensor: MODEL_TENSOR) -> str:
@@ -169,6 +170,11 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         "num_kv_shared_layers": shared,
         "attention_k_eq_v": _keys_are_values(gg, layer_types, shared),
         "hidden_size_per_layer_input": per_layer or None,
+        # What image soft tokens embed as before they are placed (llmrun.models.gemma4).
+        "pad_token_id": gg.metadata.get(Keys.Tokenizer.PAD_ID, 0),
+        # The file does not say whether an image's tokens see each other both ways:
+        # llama.cpp's rule (mtmd_decode_use_non_causal), all but E2B's and E4B's widths.
+        "use_bidirectional_attention": None if hidden in CAUSAL_IMAGE_WIDTHS else "vision",
         "rope_parameters": {
             SLIDING: _local_rope(gg, meta, local_dim),
             FULL: _global_rope(gg, meta, full_dim),

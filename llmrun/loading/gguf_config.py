@@ -613,6 +613,7 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         exaone.ARCH: exaone.finish_config,
         arcee.ARCH: arcee.finish_config,
         vl_text.QWEN2VL_ARCH: vl_text.finish_qwen2vl_config,
+        **dict.fromkeys(vl_text.QWEN3VL_ARCHS, vl_text.finish_qwen3vl_config),
         internlm2.ARCH: internlm2.finish_config,
         baichuan.ARCH: baichuan.finish_config,
     }.get(arch)

@@ -225,9 +225,10 @@ def _open_hf_dir(path: Path) -> Checkpoint:
     notes = []
     if config.get("model_type") in vl_text.FAMILIES:
         # First, so that the text family's own steps below apply to its weights.
+        tower = "audio" if isinstance(config.get("audio_config"), dict) else "vision"
         config, weights, family = vl_text.language_model(config, weights, path)
         notes.append(
-            f"{path}: a multimodal {family}; running its language model, without the vision tower"
+            f"{path}: a multimodal {family}; running its language model, without the {tower} tower"
         )
     headless = embedding.headless(weights)
     if headless:
@@ -321,7 +322,10 @@ def _open_hf_dir(path: Path) -> Checkpoint:
     if config.get("model_type") in qwen35.MODEL_TYPES:
         config, weights, multimodal = qwen35.hf_checkpoint(config, weights, Weight)
         if multimodal:
-            notes.append(f"{path}: a multimodal Qwen3.5; running its language model only")
+            notes.append(
+                f"{path}: a multimodal Qwen3.5; running its language model only, "
+                "without the vision tower"
+            )
     if config.get("model_type") in qwen4exp.MODEL_TYPES:
         config, weights, multimodal = qwen4exp.hf_checkpoint(config, weights, Weight)
         if multimodal:
@@ -330,6 +334,8 @@ def _open_hf_dir(path: Path) -> Checkpoint:
         minimax_m3.refuse_quantized(config, path)
     family = MULTIMODAL.get(config.get("model_type"))
     if family is not None and isinstance(config.get("text_config"), dict):
+        if isinstance(config.get("audio_config"), dict):
+            notes.append(f"{path}: {family}'s audio tower is not run")
         config, weights = _language_model(config, weights)
         notes.append(
             f"{path}: a multimodal {family}; running its language model, without the vision tower"

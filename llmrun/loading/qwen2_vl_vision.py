@@ -97,13 +97,21 @@ def from_hf_dir(path: Path, text_hidden: int) -> QwenVision:
             prefix = next((p for p in _HF_PREFIXES if name.startswith(p)), None)
             if prefix is not None:
                 weights[name[len(prefix) :]] = tensor
-    processor = _processor(path, args)
+    processor = processor_settings(path, args)
     return _build(args, weights, text_hidden, path, processor)
 
 
-def _processor(path: Path, args: EncoderArgs) -> dict[str, Any]:
-    """preprocessor_config.json's mean, std and pixel limits (the processor's defaults
-    where it has none), its patch sizes checked against the encoder's."""
+def processor_settings(
+    path: Path,
+    args: Any,
+    mean: tuple[float, ...] = CLIP_MEAN,
+    std: tuple[float, ...] = CLIP_STD,
+    min_pixels: int = MIN_PIXELS,
+    max_pixels: int = MAX_PIXELS,
+) -> dict[str, Any]:
+    """A folder's preprocessor_config.json's mean, std and pixel limits (the defaults
+    given where it has none: Qwen2VLImageProcessor's), its patch sizes checked against
+    the encoder's `args` (patch_size, spatial_merge_size, temporal_patch_size)."""
     file = path / "preprocessor_config.json"
     settings: dict[str, Any] = {}
     if file.is_file():
@@ -123,8 +131,8 @@ def _processor(path: Path, args: EncoderArgs) -> dict[str, Any]:
     size = settings.get("size") if isinstance(settings.get("size"), dict) else {}
     limits = []
     for key, alias, default in (
-        ("min_pixels", "shortest_edge", MIN_PIXELS),
-        ("max_pixels", "longest_edge", MAX_PIXELS),
+        ("min_pixels", "shortest_edge", min_pixels),
+        ("max_pixels", "longest_edge", max_pixels),
     ):
         value = settings.get(key, size.get(alias, default))
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -133,8 +141,8 @@ def _processor(path: Path, args: EncoderArgs) -> dict[str, Any]:
     if limits[0] > limits[1]:
         raise ModelFormatError(f"{file}: min_pixels {limits[0]} > max_pixels {limits[1]}")
     return dict(
-        mean=three_floats(settings.get("image_mean", CLIP_MEAN), file, "image_mean"),
-        std=three_floats(settings.get("image_std", CLIP_STD), file, "image_std"),
+        mean=three_floats(settings.get("image_mean", mean), file, "image_mean"),
+        std=three_floats(settings.get("image_std", std), file, "image_std"),
         min_pixels=limits[0],
         max_pixels=limits[1],
     )

@@ -12,9 +12,10 @@ value heads than key heads it reorders the value heads from grouped by key head 
 (in_proj_qkv's value rows, in_proj_z, in_proj_a/b, A_log, dt_bias, the convolution's value
 channels and out_proj's columns alike); the model takes them so (tiled_value_heads), as
 llama.cpp's graph does, since out_proj's columns could not be reordered in blocks. The
-M-RoPE sections only matter for image positions: for text every section turns by the
-token's position, which is ordinary RoPE. Multi-token-prediction layers (blk.N past
-block_count - nextn_predict_layers) are skipped, as llama.cpp's inference skips them.
+M-RoPE sections only matter for image positions (kept for them, llmrun.models.mrope): for
+text every section turns by the token's position, which is ordinary RoPE.
+Multi-token-prediction layers (blk.N past block_count - nextn_predict_layers) are
+skipped, as llama.cpp's inference skips them.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 from gguf import MODEL_TENSOR, TENSOR_NAMES, ExpertGatingFuncType, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.loading import experts, qwen3_next
+from llmrun.loading import experts, qwen3_next, vl_text
 from llmrun.loading.gguf_io import ArchMetadata, GGUFFile, vocab_size
 from llmrun.loading.glm4_moe import NEXTN, trunk_layers
 
@@ -158,6 +159,9 @@ def config_from_gguf(
     # absent; said here, since the model's default is transformers' quarter.
     rotated = meta.get(Keys.Rope.DIMENSION_COUNT) or head_dim
     rope["partial_rotary_factor"] = rotated / head_dim
+    sections = vl_text.interleaved_sections(meta, rotated)
+    if sections is not None:  # a prompt with images turns by them
+        rope.update(mrope_section=sections, mrope_interleaved=True)
     config: dict[str, Any] = {
         "model_type": model_type or ARCHS[arch],
         "hidden_size": hidden,

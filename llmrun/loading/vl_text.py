@@ -63,6 +63,22 @@ FAMILIES = {
         "GLM-4.5V", "glm4_moe", fields={"use_qk_norm": False}, defaults={"attention_bias": True}
     ),
     "llava": Family("LLaVA"),
+    # VoxtralConfig's text_config defaults (Voxtral Mini 3B's); its audio tower is
+    # llmrun.loading.voxtral_audio's.
+    "voxtral": Family(
+        "Voxtral",
+        defaults={
+            "vocab_size": 131072,
+            "hidden_size": 3072,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 30,
+            "num_key_value_heads": 8,
+            "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-05,
+            "head_dim": 128,
+        },
+        rope_defaults={"rope_theta": 100000000.0},
+    ),
     "llava_next": Family("LLaVA-NeXT"),
     "llava_onevision": Family("LLaVA-OneVision", default_text="qwen2"),
     "idefics3": Family("Idefics3"),
@@ -105,7 +121,8 @@ VISION_PREFIXES = (
     "model.connector.",
     "vit.",  # HunYuan-VL's as Tencent's files name it, and Hunyuan V4 VL's
     "model.vit.",
-    "model.audio_tower.",  # Gemma 3n's audio tower and its embedders
+    "model.audio_tower.",  # Gemma 3n's audio tower and its embedders, Voxtral's
+    "audio_tower.",  # Voxtral's, as the Hub saves it
     "model.embed_vision.",
     "model.embed_audio.",
     "patch_merge_mlp.",  # MiniMax-M3's
@@ -227,6 +244,35 @@ def finish_qwen2vl_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetada
         )
     sections = text_mrope_sections(gg, QWEN2VL_ARCH, meta, head_dim, always=True)
     config["rope_parameters"]["mrope_section"] = sections[:3]
+
+
+QWEN3VL_ARCHS = ("qwen3vl", "qwen3vlmoe")
+
+
+def interleaved_sections(meta: ArchMetadata, rotated: int) -> list[int] | None:
+    """A GGUF's rope.dimension_sections as transformers' interleaved M-RoPE takes them
+    (Qwen3-VL's, Qwen3.5's): the time, height and width sections where the file has
+    three that split the `rotated` features' pairs, else None (the text turns as plain
+    RoPE either way; images are then refused)."""
+    sections = meta.get(Keys.Rope.DIMENSION_SECTIONS)
+    if not isinstance(sections, list) or not 3 <= len(sections) <= 4:
+        return None
+    if any(not isinstance(s, int) or s < 0 for s in sections):
+        return None
+    sections = [*sections, 0][:4]
+    if sections[3] or sum(sections) != rotated // 2:
+        return None
+    return sections[:3]
+
+
+def finish_qwen3vl_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> None:
+    """Qwen3-VL's language model (arch qwen3vl or qwen3vlmoe, Qwen3's and Qwen3-MoE's with
+    interleaved M-RoPE over whole heads): its sections where the file has them, which a
+    prompt with images turns by."""
+    sections = interleaved_sections(meta, config["head_dim"])
+    if sections is not None:
+        config["rope_parameters"]["mrope_section"] = sections
+        config["rope_parameters"]["mrope_interleaved"] = True
 
 
 def neox_to_pairs(rows, heads: int, head_dim: int, rotated: int):

@@ -48,6 +48,7 @@ from llmrun.models.base import (
     mix_experts,
 )
 from llmrun.models.cache import KVCache
+from llmrun.models.gemma3 import ImageTokens
 from llmrun.models.gemma3n import RMSNorm, kv_sources, per_layer_inputs, scale_like
 from llmrun.models.qwen2_moe import MLP
 
@@ -84,6 +85,7 @@ class ModelArgs:
     layer_types: list[str] | None = None
     final_logit_softcapping: float | None = None
     use_bidirectional_attention: str | None = None
+    pad_token_id: int = 0  # what an image's soft tokens embed as before they are placed
     vocab_size_per_layer_input: int = 262144
     hidden_size_per_layer_input: int | None = 256
     attention_k_eq_v: bool = False
@@ -391,12 +393,26 @@ class Model(nn.Module):
         cache: KVCache | None = None,
         last_only: bool = False,
         last: torch.Tensor | None = None,
+        images: ImageTokens | None = None,
     ) -> torch.Tensor:
         """Float32 logits [B, T, vocab] for input_ids [B, T] at positions [B, T];
-        [B, 1, vocab] with last_only or `last` (as CausalLM.forward)."""
+        [B, 1, vocab] with last_only or `last` (as CausalLM.forward). `images`: the image
+        soft tokens in place of their placeholders (one row), which embed as padding
+        before they are placed (so their per-layer inputs are the pad token's, plus the
+        projection of the image's embeddings), and with use_bidirectional_attention
+        "vision" see each other both ways on sliding layers (Gemma4Model.forward)."""
         body, args = self.model, self.args
+        if images is not None:
+            if not 0 <= args.pad_token_id < args.vocab_size:
+                raise ModelFormatError(
+                    f"pad_token_id {args.pad_token_id} is not in the vocabulary of "
+                    f"{args.vocab_size}: an image's tokens embed as it"
+                )
+            input_ids = input_ids.masked_fill(images.groups >= 0, args.pad_token_id)
         x = body.embed_tokens(input_ids)
         x = x * scale_like(args.hidden_size**0.5, x)
+        if images is not None:
+            x = images.place(x)
         per_layer = None
         if args.has_per_layer_inputs:
             per_layer = per_layer_inputs(body, args, input_ids, x)
@@ -409,6 +425,10 @@ class Model(nn.Module):
             body.rotary_emb_local,
             last=last,
         )
+        if images is not None and args.use_bidirectional_attention == "vision":
+            # Global layers stay causal (create_masks_for_vision_model).
+            both_ways = images.unmask(frames, args.sliding_window)
+            frames = {**frames, SLIDING: both_ways[SLIDING]}
         shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for i, layer in enumerate(body.layers):
             x = layer(x, None if per_layer is None else per_layer[:, :, i], frames, cache, shared)

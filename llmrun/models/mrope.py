@@ -7,19 +7,29 @@ in the sequence: from there on a token turns by its place plus a (negative) shif
 while decoding, which the KV cache keeps (KVCache.rope_shifts), or for serve's paged
 cache the scheduler, which gives each row's (PagedView.rope_shifts).
 
+Qwen3-VL's and Qwen3.5's (mrope_interleaved) take the sections' pairs interleaved instead
+of in blocks: pair 3i+1 turned by the height, 3i+2 by the width while the height's and
+the width's sections last, the others by the time. Qwen3-VL's images carry deepstack
+features too: each image token's embedding is followed by one more of the same width per
+deepstack layer (llama.cpp's layout), added to the hidden states after the first decoder
+layers.
+
 Reference: transformers/models/qwen2_5_vl/modeling_qwen2_5_vl.py (get_rope_index,
-Qwen2_5_VLRotaryEmbedding, the rope_deltas of decoding).
+Qwen2_5_VLRotaryEmbedding, the rope_deltas of decoding); models/qwen3_vl/
+modeling_qwen3_vl.py (Qwen3VLTextRotaryEmbedding, Qwen3VLTextModel._deepstack_process).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from llmrun.errors import ModelFormatError
-from llmrun.models.base import RotaryEmbedding
+from llmrun.models.base import Frame, RotaryEmbedding, head_logits
 from llmrun.models.cache import KVCache
 
 
@@ -37,8 +47,39 @@ class MRopeImages:
 
     def place(self, x: torch.Tensor) -> torch.Tensor:
         """x [1, T, hidden] with the image tokens' rows replaced."""
-        x[0, self.groups >= 0] = self.embeds.to(x.dtype)
+        x[0, self.groups >= 0] = self.embeds[:, : x.shape[-1]].to(x.dtype)
         return x
+
+    def deepstack_layers(self, hidden: int) -> int:
+        """How many decoder layers take deepstack features (Qwen3-VL's) of the images,
+        for a language model `hidden` wide."""
+        width = self.embeds.shape[-1]
+        if width % hidden:
+            raise ModelFormatError(
+                f"image embeddings of {width} features are not the language model's "
+                f"{hidden} and its deepstack layers'"
+            )
+        return width // hidden - 1
+
+    def add_deepstack(self, x: torch.Tensor, layer: int) -> torch.Tensor:
+        """x [1, T, hidden] (the output of decoder layer `layer`) with that layer's
+        deepstack features added at the image tokens."""
+        hidden = x.shape[-1]
+        features = self.embeds[:, hidden * (layer + 1) : hidden * (layer + 2)]
+        x = x.clone()
+        x[0, self.groups >= 0] += features.to(x.dtype)
+        return x
+
+
+def shifted(cache: Any, images: MRopeImages | None) -> bool:
+    """Whether a forward may turn otherwise than by its positions: it takes images, or the
+    cache (a KVCache, or serve's paged view) holds shifts of images before. A language
+    model that takes images but turns text as plain RoPE skips rope_positions otherwise
+    (its per-forward reads of positions)."""
+    if images is not None:
+        return True
+    shifts = getattr(cache, "rope_shifts", None)
+    return shifts is not None and (not isinstance(shifts, tuple) or len(shifts) > 0)
 
 
 def rope_positions(
@@ -75,10 +116,13 @@ def angles(
     rope: torch.Tensor,
     sections: Sequence[int],
     capacity: int | None = None,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sign-folded sin [B, T, rotary_dim] (as RotaryEmbedding gives them) of the
     positions rope [3, B, T]: each pair of the first section turned by the time position,
-    of the second by the height, of the third by the width (both halves alike)."""
+    of the second by the height, of the third by the width (both halves alike); or,
+    `interleaved`, pair 3i+1 by the height for i < sections[1], 3i+2 by the width for
+    i < sections[2], the others by the time."""
     half = rotary.rotary_dim // 2
     if len(sections) != 3 or sum(sections) != half:
         raise ModelFormatError(
@@ -86,8 +130,14 @@ def angles(
             "head into time, height and width"
         )
     turned = [rotary(rope[axis], capacity) for axis in range(3)]
-    # Each feature's axis: [half] by section, for both halves -> [rotary_dim]
-    axis = torch.repeat_interleave(torch.arange(3), torch.tensor(list(sections)))
+    # Each feature's axis: [half], for both halves -> [rotary_dim]
+    if interleaved:
+        pair = torch.arange(half)
+        axis = torch.zeros(half, dtype=torch.long)
+        axis[(pair % 3 == 1) & (pair < 3 * sections[1])] = 1
+        axis[(pair % 3 == 2) & (pair < 3 * sections[2])] = 2
+    else:
+        axis = torch.repeat_interleave(torch.arange(3), torch.tensor(list(sections)))
     axis = torch.cat([axis, axis]).to(rope.device)
     out = []
     for part in (0, 1):  # cos, sin
@@ -95,3 +145,48 @@ def angles(
         pick = axis.expand(1, *stacked.shape[1:])
         out.append(stacked.gather(0, pick)[0])
     return out[0], out[1]
+
+
+def forward(
+    model: Any,
+    x: torch.Tensor,
+    frame: Frame,
+    rope: torch.Tensor,
+    cache: KVCache | None,
+    images: MRopeImages | None,
+    interleaved: bool,
+    last_only: bool = False,
+    last: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Float32 logits of the embedded tokens x [B, T, hidden] (their images placed)
+    through a language model's decoder layers, final norm and head (model.model.layers,
+    .norm, model.lm_head, as head_logits), turned by M-RoPE at rope [3, B, T]
+    (rope_positions'; the sections of the model's rope_parameters, `interleaved` or not)
+    instead of by the frame's positions, the images' deepstack features added after the
+    first layers."""
+    sections = model.args.rope_parameters["mrope_section"]
+    rotary = model.model.rotary_emb
+    capacity = cache.max_seq_len if cache is not None else None
+    if images is None:  # text after images: every axis at the same shifted position
+        cos, sin = rotary(rope[0], capacity)
+    else:
+        cos, sin = angles(rotary, rope, sections, capacity, interleaved)
+    # [B, T, rotary_dim] -> [B, 1, T, rotary_dim], broadcast over heads
+    frame = dataclasses.replace(frame, cos=cos[:, None].to(x.dtype), sin=sin[:, None].to(x.dtype))
+    deepstack = 0 if images is None else images.deepstack_layers(x.shape[-1])
+    if not deepstack:
+        return head_logits(model, x, frame, cache, last_only, last).float()
+    layers = model.model.layers
+    if deepstack > len(layers):
+        raise ModelFormatError(
+            f"images with {deepstack} deepstack layers for a language model of {len(layers)}"
+        )
+    for i, layer in enumerate(layers):
+        x = layer(x, frame, cache)
+        if i < deepstack:
+            x = images.add_deepstack(x, i)
+    if last is not None:
+        x = x[torch.arange(x.shape[0], device=x.device), last][:, None]
+    elif last_only:
+        x = x[:, -1:]
+    return model.lm_head(model.model.norm(x)).float()

@@ -86,13 +86,12 @@ class Model(CausalLM):
         images: mrope.MRopeImages | None = None,
     ) -> torch.Tensor:
         """CausalLM.forward; `images`: Qwen2-VL's image tokens (one row) in place of their
-        placeholders, which with the text after them turn by M-RoPE."""
+        placeholders, which with the text after them turn by M-RoPE; without M-RoPE
+        (InternVL's), CausalLM's image tokens, which turn by their positions as text does."""
         sections = self.args.rope_parameters.get("mrope_section")
-        if images is not None and not sections:
-            raise UnsupportedError("images go to a Qwen2 whose RoPE is M-RoPE (mrope_section)")
         rope = mrope.rope_positions(positions, cache, images) if sections else None
         if rope is None:
-            return super().forward(input_ids, positions, cache, last_only, last, static)
+            return super().forward(input_ids, positions, cache, last_only, last, static, images)
         if images is not None:  # placeholder ids may lie past the vocabulary
             input_ids = input_ids.masked_fill(images.groups >= 0, 0)
         x = self.embed(input_ids)

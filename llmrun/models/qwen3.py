@@ -1,6 +1,9 @@
-"""Qwen3 (dense): Llama with an RMSNorm on each query and key head before RoPE.
+"""Qwen3 (dense): Llama with an RMSNorm on each query and key head before RoPE; also the
+language model of Qwen3-VL, whose prompts with images turn by interleaved M-RoPE and take
+the images' deepstack features (llmrun.models.mrope; rope_parameters' mrope_section).
 
-Reference: transformers/models/qwen3/modeling_qwen3.py.
+Reference: transformers/models/qwen3/modeling_qwen3.py,
+models/qwen3_vl/modeling_qwen3_vl.py (Qwen3VLTextModel).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import torch
 from torch import nn
 
 from llmrun.errors import UnsupportedError
+from llmrun.models import mrope
 from llmrun.models.base import CausalLM, Frame, GatedMLP, RMSNorm, args_from_config, attend
 from llmrun.models.cache import KVCache
 
@@ -78,3 +82,33 @@ class Attention(nn.Module):
 class Model(CausalLM):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__(args, Attention, GatedMLP)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache | None = None,
+        last_only: bool = False,
+        last: torch.Tensor | None = None,
+        static: int | None = None,
+        images: mrope.MRopeImages | None = None,
+    ) -> torch.Tensor:
+        """CausalLM.forward; `images`: Qwen3-VL's image tokens (one row) in place of their
+        placeholders, which with the text after them turn by M-RoPE; without M-RoPE
+        (InternVL 3.5's), CausalLM's image tokens, which turn by their positions as text does."""
+        sections = self.args.rope_parameters.get("mrope_section")
+        shifted = sections and mrope.shifted(cache, images)
+        rope = mrope.rope_positions(positions, cache, images) if shifted else None
+        if rope is None:
+            return super().forward(input_ids, positions, cache, last_only, last, static, images)
+        if images is not None:  # placeholder ids may lie past the vocabulary
+            input_ids = input_ids.masked_fill(images.groups >= 0, 0)
+        x = self.embed(input_ids)
+        if images is not None:
+            x = images.place(x)
+        if static is not None:
+            frame = self.static_frame(positions, cache, x.dtype, static)
+        else:
+            frame = self.frame(positions, cache, x.dtype, last)
+        # Qwen3VLTextRotaryEmbedding interleaves the sections whatever the config says.
+        return mrope.forward(self, x, frame, rope, cache, images, True, last_only, last)

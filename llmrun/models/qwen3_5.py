@@ -11,7 +11,9 @@ linear_num_key_heads value heads. A full-attention layer is Qwen3's (an RMSNorm 
 query and key head) with queries twice as wide, their second half a gate: the output is
 multiplied by sigmoid(gate). RoPE turns the first quarter of each head (partial_rotary_
 factor); the reference's M-RoPE gives its three sections the same position for text, so
-it is ordinary RoPE here. Every RMSNorm but the gated one scales by 1 + weight.
+it is ordinary RoPE for text; a prompt with images (Qwen3.5's own, llmrun.models.mrope)
+turns the full-attention layers by interleaved M-RoPE. Every RMSNorm but the gated one
+scales by 1 + weight.
 
 Reference: transformers/models/qwen3_5/modeling_qwen3_5.py (Qwen3_5ForCausalLM, and the
 language model of Qwen3_5ForConditionalGeneration). The recurrent layers keep their state
@@ -31,6 +33,7 @@ from torch import nn
 
 from llmrun import ops
 from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.models import mrope
 from llmrun.models.base import (
     CausalLM,
     Frame,
@@ -416,3 +419,32 @@ class Model(Hybrid, CausalLM):
     def __init__(self, args: ModelArgs, mlp: type = GatedMLP, layer: type = DecoderLayer) -> None:
         norm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps)
         super().__init__(args, Attention, mlp, layer, norm)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache | None = None,
+        last_only: bool = False,
+        last: torch.Tensor | None = None,
+        static: int | None = None,
+        images: mrope.MRopeImages | None = None,
+    ) -> torch.Tensor:
+        """CausalLM.forward; `images`: Qwen3.5's image tokens (one row) in place of their
+        placeholders, which with the text after them turn by M-RoPE."""
+        sections = self.args.rope_parameters.get("mrope_section")
+        shifted = sections and mrope.shifted(cache, images)
+        rope = mrope.rope_positions(positions, cache, images) if shifted else None
+        if rope is None:
+            return super().forward(input_ids, positions, cache, last_only, last, static, images)
+        if images is not None:  # placeholder ids may lie past the vocabulary
+            input_ids = input_ids.masked_fill(images.groups >= 0, 0)
+        x = self.embed(input_ids)
+        if images is not None:
+            x = images.place(x)
+        if static is not None:
+            frame = self.static_frame(positions, cache, x.dtype, static)
+        else:
+            frame = self.frame(positions, cache, x.dtype, last)
+        # Qwen3_5TextRotaryEmbedding interleaves the sections whatever the config says.
+        return mrope.forward(self, x, frame, rope, cache, images, True, last_only, last)

@@ -1,5 +1,7 @@
 """Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3 (an RMSNorm on each query and
-key head) with a mixture-of-experts feed-forward, the top-k of many small experts.
+key head) with a mixture-of-experts feed-forward, the top-k of many small experts; also
+the language model of Qwen3-VL-MoE, whose prompts with images turn by interleaved M-RoPE
+and take the images' deepstack features (llmrun.models.mrope).
 
 Reference: transformers/models/qwen3_moe/modeling_qwen3_moe.py. Parameter names are
 the Hub's per-expert checkpoint keys (`mlp.experts.N.gate_proj`, ...), which
@@ -17,6 +19,7 @@ from torch import nn
 
 from llmrun import ops
 from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.models import mrope
 from llmrun.models.base import (
     Frame,
     RMSNorm,
@@ -195,13 +198,25 @@ class Model(nn.Module):
         cache: KVCache | None = None,
         last_only: bool = False,
         last: torch.Tensor | None = None,
+        images: mrope.MRopeImages | None = None,
     ) -> torch.Tensor:
         """Float32 logits [B, T, vocab] for input_ids [B, T] at positions [B, T];
-        [B, 1, vocab] with last_only or `last` (as CausalLM.forward)."""
-        body = self.model
-        x = body.embed_tokens(input_ids)
+        [B, 1, vocab] with last_only or `last` (as CausalLM.forward). `images`:
+        Qwen3-VL-MoE's image tokens (one row) in place of their placeholders, which with
+        the text after them turn by M-RoPE (others' image tokens, as text does)."""
+        sections = self.args.rope_parameters.get("mrope_section")
+        shifted = sections and mrope.shifted(cache, images)
+        rope = mrope.rope_positions(positions, cache, images) if shifted else None
+        if images is not None:  # placeholder ids may lie past the vocabulary
+            input_ids = input_ids.masked_fill(images.groups >= 0, 0)
+        x = self.model.embed_tokens(input_ids)
+        if images is not None:
+            x = images.place(x)
         frame = self.frame(positions, cache, x.dtype)
-        return head_logits(self, x, frame, cache, last_only, last).float()
+        if rope is None:
+            return head_logits(self, x, frame, cache, last_only, last).float()
+        # Qwen3VLMoeTextRotaryEmbedding interleaves the sections whatever the config says.
+        return mrope.forward(self, x, frame, rope, cache, images, True, last_only, last)
 
     def frame(self, positions: torch.Tensor, cache: KVCache | None, dtype: torch.dtype) -> Frame:
         start, length = int(positions[0, 0]), int(positions.max()) + 1

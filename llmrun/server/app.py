@@ -45,6 +45,7 @@ from llmrun.errors import UsageError
 from llmrun.generate import Response as GenResponse
 from llmrun.reasoning import REASONING
 from llmrun.server import anthropic, llama_server, ollama, ollama_models
+from llmrun.server.audio import audio_refs, read_audio
 from llmrun.server.images import check_body, image_refs, read_images
 from llmrun.server.infill import infill, suffix_prompts
 from llmrun.server.lora import lora_adapters, request_lora
@@ -132,10 +133,16 @@ async def chat_completions(request: Request) -> Response:
     service, body, engine = await begin(request, ChatBody, MAX_IMAGE_BODY_BYTES)
     ask = chat_ask(engine, body)
     refs = image_refs(ask.messages, "messages")
-    check_body(request, refs, MAX_BODY_BYTES)
+    clips = audio_refs(ask.messages, "messages")
+    check_body(request, [*refs, *clips], MAX_BODY_BYTES)
+    if refs and clips:
+        raise ApiError(400, "a request takes images or audio, not both", param=clips[0].param)
     pictures = await read_images(engine, service.image_encoder, service.model_id, refs)
     if pictures is not None:
         ask.images = pictures.embeds
+    sound = await read_audio(engine, service.audio_encoder, service.model_id, clips)
+    if sound is not None:
+        ask.audio, pictures = sound.embeds, sound
     params, stop = sampling_of(engine, body)
     lora = request_lora(engine, body)
     if engine.template is None:
@@ -631,19 +638,23 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def _has_image_encoder(path: Path) -> bool:
-    """Whether MODEL is a Hugging Face folder of Gemma 3, Mistral 3, Qwen2-VL or Qwen2.5-VL
-    with its vision tower (a GGUF's image encoder is serve's --mmproj)."""
-    from llmrun.loading import pixtral_vision, qwen2_vl_vision, safetensors_io, vision
+def _has_audio_encoder(path: Path, mmproj: str | Path | None) -> bool:
+    """Whether MODEL is a Hugging Face folder of a family that takes audio
+    (llmrun.audio_families) with its audio tower, or `mmproj` an audio encoder's GGUF."""
+    from llmrun import audio_families
 
-    if not (path / "config.json").is_file():
-        return False
-    config = safetensors_io.read_config(path)
-    return (
-        vision.has_vision(config)
-        or pixtral_vision.has_vision(config)
-        or qwen2_vl_vision.folder_has_vision(path)
-    )
+    if mmproj is not None:
+        return audio_families.of_mmproj(Path(mmproj)) is not None
+    return audio_families.of_folder(path) is not None
+
+
+def _has_image_encoder(path: Path) -> bool:
+    """Whether MODEL is a Hugging Face folder of a family that takes images
+    (llmrun.vision_families) with its vision tower (a GGUF's image encoder is serve's
+    --mmproj)."""
+    from llmrun import vision_families
+
+    return vision_families.of_folder(path) is not None
 
 
 def _use_speculation(
@@ -696,8 +707,9 @@ def run(
     """Serve on `sock` until interrupted; the model loads in the background while
     /health answers 503. A failed load stops the server and is raised. `draft` (the
     name and path of a draft model) or `lookup`: speculative decoding while one request
-    runs (llmrun.batching). `load_options` go to api.load; a folder's vision tower loads
-    too, as a GGUF's `mmproj` does (requests' images: llmrun.server.images)."""
+    runs (llmrun.batching). `load_options` go to api.load; a folder's vision or audio tower
+    loads too, as a GGUF's `mmproj` does (requests' images and audio:
+    llmrun.server.images, llmrun.server.audio)."""
     if load_options.get("threads") is None:
         # Leave a core to the HTTP side (event loop, JSON, SSE): torch's threads wait
         # for each other at every op, so one preempted thread stalls them all.
@@ -714,8 +726,12 @@ def run(
 
     def load() -> None:
         try:
-            vision = load_options.get("mmproj") is not None or _has_image_encoder(path)
-            engine = api.load(spec, path=path, generate=False, vision=vision, **load_options)
+            mmproj = load_options.get("mmproj")
+            audio = _has_audio_encoder(path, mmproj)
+            vision = (mmproj is not None and not audio) or _has_image_encoder(path)
+            engine = api.load(
+                spec, path=path, generate=False, vision=vision, audio=audio, **load_options
+            )
             _use_speculation(engine, draft, draft_max, draft_p_min, lookup, load_options)
             service.start(engine)
             if service.scheduler is None:
@@ -747,7 +763,8 @@ def run(
                 windows,
                 service.scheduler.cache.nbytes / 2**20,
                 ("" if prefix_cache else ", no prefix cache")
-                + (", takes images" if engine.vision is not None else ""),
+                + (", takes images" if engine.vision is not None else "")
+                + (", takes audio" if engine.audio is not None else ""),
             )
         except BaseException as e:
             service.load_error = e

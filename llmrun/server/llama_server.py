@@ -214,7 +214,7 @@ async def props(request: Request) -> Response:
             "model_alias": service.model_id,
             "model_path": str(engine.path),
             "chat_template": template,
-            "modalities": {"vision": engine.vision is not None, "audio": False},
+            "modalities": {"vision": engine.vision is not None, "audio": engine.audio is not None},
             "bos_token": _special_text(engine.tokenizer, engine.tokenizer.bos_id),
             "eos_token": _special_text(engine.tokenizer, (engine.eos_ids or [None])[0]),
             "build_info": f"llmrun-{__version__}",

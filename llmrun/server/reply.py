@@ -35,6 +35,8 @@ class Ask:
     switches: dict[str, Any] = field(default_factory=dict)
     # The soft-token embeddings of the messages' image parts, in order (server.images)
     images: list[Any] = field(default_factory=list)
+    # The token embeddings of the messages' audio parts, in order (server.audio)
+    audio: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -88,6 +90,8 @@ def prepare(engine: api.Engine, fmt: ToolFormat | None, ask: Ask) -> Prepared:
     images = None
     if ask.images:
         ids, images = engine.encoded_prompt(text, ask.images)
+    elif ask.audio:
+        ids, images = engine.encoded_audio_prompt(text, ask.audio)
     else:
         ids = engine.tokenizer.encode(text)
     history_end = None

@@ -100,7 +100,17 @@ class ImagePart(BaseModel):
     image_url: ImageUrl
 
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+class InputAudio(BaseModel):
+    data: str  # base64 (llmrun.server.audio)
+    format: str  # "wav" is what serve takes
+
+
+class AudioPart(BaseModel):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+ContentPart = Annotated[TextPart | ImagePart | AudioPart, Field(discriminator="type")]
 
 
 class FunctionCall(BaseModel):
@@ -126,16 +136,13 @@ class Message(BaseModel):
 
     def as_dict(self) -> dict[str, Any]:
         """The message as chat templates take it; text parts joined by newlines, or, where
-        it has images, its parts in order: {"type": "image", "url": ...} (the template's
-        image part, carrying the image's URL: llmrun.server.images) and text parts."""
+        it has images or audio, its parts in order: {"type": "image", "url": ...} (the
+        template's image part, carrying the image's URL: llmrun.server.images), {"type":
+        "audio", "data": ..., "format": ...} (llmrun.server.audio) and text parts."""
         content: Any = self.content
-        if isinstance(content, list) and any(isinstance(p, ImagePart) for p in content):
-            content = [
-                {"type": "image", "url": part.image_url.url}
-                if isinstance(part, ImagePart)
-                else {"type": "text", "text": part.text}
-                for part in content
-            ]
+        media = (ImagePart, AudioPart)
+        if isinstance(content, list) and any(isinstance(p, media) for p in content):
+            content = [_template_part(part) for part in content]
         elif isinstance(content, list):
             content = "\n".join(part.text for part in content)  # as vLLM and llama.cpp join them
         # Templates know "system"; OpenAI's newer name for it is "developer".
@@ -150,6 +157,15 @@ class Message(BaseModel):
         if self.name is not None:
             message["name"] = self.name
         return message
+
+
+def _template_part(part: TextPart | ImagePart | AudioPart) -> dict[str, Any]:
+    """A content part as chat templates take it (Message.as_dict)."""
+    if isinstance(part, ImagePart):
+        return {"type": "image", "url": part.image_url.url}
+    if isinstance(part, AudioPart):
+        return {"type": "audio", **part.input_audio.model_dump()}
+    return {"type": "text", "text": part.text}
 
 
 class FunctionDef(BaseModel):

@@ -22,6 +22,7 @@ from llmrun import api, batching, native
 from llmrun.batching import Event, Job, Scheduler
 from llmrun.generate import Response as GenResponse
 from llmrun.sampling import SamplingParams
+from llmrun.server.audio import AudioEncoder
 from llmrun.server.images import ImageEncoder
 from llmrun.server.metrics import Metrics
 from llmrun.server.reply import tool_format
@@ -74,6 +75,7 @@ class Service:
         # One embedding forward at a time, beside the scheduler's (each takes every core).
         self.embed_lock = threading.Lock()
         self.image_encoder = ImageEncoder()  # requests' images (llmrun.server.images)
+        self.audio_encoder = AudioEncoder()  # requests' audio (llmrun.server.audio)
 
     def start(self, engine: api.Engine) -> None:
         """Serve `engine`: a model that generates through the scheduler, an embedding

@@ -494,6 +494,33 @@ def test_a_gguf_matches_transformers(family, tmp_path):
     assert max_diff(cached_logits(loaded.model, IDS), expected) < 1e-4
 
 
+def test_a_gguf_turns_image_tokens_by_its_interleaved_sections(family, tmp_path):
+    """A GGUF keeps its rope.dimension_sections for prompts with images: 12 embeddings in
+    place of tokens 10..21 (a 3x4 grid of an image's tokens, as Qwen3.5's vision tower
+    gives them) at their (time, height, width) positions turn as transformers' language
+    model turns them given the same inputs_embeds and position_ids [3, 1, T] (its sections,
+    [11, 11, 10] by default, assign these 4 pairs as the file's [2, 1, 1] do)."""
+    from llmrun.models.mrope import MRopeImages
+    from llmrun.qwen2_vl_images import rope_index
+
+    _, hf, _ = family
+    loaded = load_model(write_qwen35_gguf(tmp_path / "m.gguf", hf), CPU, "f32")
+    assert loaded.checkpoint.config["rope_parameters"]["mrope_section"] == [2, 1, 1]
+    start, (rows, columns) = 10, (3, 4)
+    rope = rope_index(SEQ, [start], [(rows, columns)])
+    embeds = torch.randn(rows * columns, 64, generator=torch.Generator().manual_seed(3))
+    groups = torch.full((SEQ,), -1)
+    groups[start : start + rows * columns] = 0
+    images = MRopeImages(embeds, groups, rope, int(rope.max()) + 1 - SEQ)
+    with torch.no_grad():
+        x = hf.model.embed_tokens(IDS)
+        x[0, groups >= 0] = embeds
+        expected = hf(inputs_embeds=x, position_ids=rope[:, None]).logits
+        ours = loaded.model(IDS, torch.arange(SEQ)[None], images=images)
+    assert (expected - hf(IDS).logits).abs().max() > 1e-1  # the image moves the logits
+    assert max_diff(ours, expected) < 1e-4
+
+
 def test_decoding_takes_the_native_deltanet_step(family, tmp_path, monkeypatch):
     """One token at a time, each Gated DeltaNet layer is one native call (where the
     kernels are built), and the logits still match transformers'."""

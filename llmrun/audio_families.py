@@ -1,0 +1,79 @@
+"""The families that take audio, one table entry each: how a family's audio encoder is
+recognized and loaded (its Hugging Face folder, or llama.cpp's mmproj GGUF beside a text
+GGUF), how many prompt tokens a clip takes, how clips are encoded, and how a prompt's
+audio places are expanded for them. The engine (llmrun.api) dispatches through it, as it
+does through llmrun.vision_families for images; a clip's embeddings reach the language
+model as an image's do (multimodal.PromptImages).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmrun import audio, multimodal, voxtral_clips
+from llmrun.loading import voxtral_audio
+from llmrun.tokenizer import Tokenizer
+
+Prompt = tuple[list[int], multimodal.PromptImages]
+
+
+@dataclass(frozen=True)
+class AudioFamily:
+    """One family's audio handling; `encoder` below is what its loaders return."""
+
+    name: str  # as messages name it: "Voxtral"
+    encoder_type: type
+    # Whether a Hugging Face folder / an mmproj GGUF holds this family's audio encoder.
+    folder_has_audio: Callable[[Path], bool]
+    is_mmproj: Callable[[Path], bool]
+    # The encoder from a folder / an mmproj, for a language model `text_hidden` wide.
+    from_hf_dir: Callable[[Path, int], Any]
+    from_mmproj: Callable[[Path, int], Any]
+    # Whether a language model's config takes this family's audio.
+    text_takes_audio: Callable[[dict[str, Any]], bool]
+    # The prompt tokens a decoded clip takes, before it is encoded.
+    clip_tokens: Callable[[Any, audio.Clip], int]
+    # Each decoded clip's encoding, in order.
+    encode: Callable[[Any, Sequence[audio.Clip]], list[torch.Tensor]]
+    # The ids of a text whose audio places take the encoded clips, and those clips.
+    prompt: Callable[[Tokenizer, str, Sequence[torch.Tensor]], Prompt]
+
+
+FAMILIES: tuple[AudioFamily, ...] = (
+    AudioFamily(
+        name="Voxtral",
+        encoder_type=voxtral_audio.VoxtralAudio,
+        folder_has_audio=voxtral_audio.folder_has_audio,
+        is_mmproj=voxtral_audio.is_mmproj,
+        from_hf_dir=voxtral_audio.from_hf_dir,
+        from_mmproj=voxtral_audio.from_mmproj,
+        text_takes_audio=lambda config: config.get("model_type") in ("llama", "mistral"),
+        clip_tokens=voxtral_clips.clip_tokens,
+        encode=voxtral_clips.encode,
+        prompt=voxtral_clips.prompt,
+    ),
+)
+
+NAMES = ", ".join(f.name for f in FAMILIES)
+
+
+def of_encoder(encoder: Any) -> AudioFamily:
+    """The family of a loaded audio encoder."""
+    return next(f for f in FAMILIES if isinstance(encoder, f.encoder_type))
+
+
+def of_folder(path: Path) -> AudioFamily | None:
+    """The family whose audio encoder a Hugging Face folder holds, if any."""
+    if not (path.is_dir() and (path / "config.json").is_file()):
+        return None
+    return next((f for f in FAMILIES if f.folder_has_audio(path)), None)
+
+
+def of_mmproj(path: Path) -> AudioFamily | None:
+    """The family of an mmproj GGUF's audio projector, if llmrun runs it."""
+    return next((f for f in FAMILIES if f.is_mmproj(path)), None)

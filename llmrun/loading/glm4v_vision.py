@@ -1,0 +1,206 @@
+"""GLM-4.1V's and GLM-4.5V's vision tower (llmrun.models.glm4v_vision) from either format:
+the Hugging Face folder's model.visual.* tensors and its preprocessor_config.json, or the
+mmproj GGUF that llama.cpp's converter writes (conversion/qwen3vl.py Glm4VVisionModel;
+tools/mtmd/models/glm4v.cpp reads it): projector type glm4v, the Conv3d patch weight split
+into its two frames (v.patch_embd.weight and .weight.1), the downsample Conv2d as
+mm.patch_merger, the merger as mm.model.fc, mm.post_norm, mm.gate, mm.up and mm.down.
+Both give the encoder HF's weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from gguf import GGMLQuantizationType, Keys, VisionProjectorType
+
+from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.loading import gguf_io, safetensors_io
+from llmrun.loading.qwen2_vl_vision import processor_settings
+from llmrun.loading.vision import projector_type, three_floats, with_weights
+from llmrun.models.glm4v_vision import EncoderArgs, VisionModel
+from llmrun.quant.blocks import dequantize
+
+MODEL_TYPES = ("glm4v", "glm4v_moe")
+# Glm4vImageProcessor's defaults (OpenAI CLIP's mean and std; its pixel limits count the
+# two frames of a still image), what a folder without its own settings or an mmproj gets.
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+MIN_PIXELS, MAX_PIXELS = 112 * 112, 28 * 28 * 15000
+_HF_PREFIXES = ("model.visual.", "visual.")
+# clip.cpp's names -> the tower's.
+_GGUF_LAYER = {
+    "attn_qkv": "attn.qkv",
+    "attn_out": "attn.proj",
+    "ln1": "norm1",
+    "ln2": "norm2",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_NAMES = {
+    "v.patch_embd": "patch_embed.proj",
+    "v.norm_embd": "post_conv_layernorm",
+    "v.position_embd": "embeddings.position_embedding",
+    "v.post_ln": "post_layernorm",
+    "mm.patch_merger": "downsample",
+    "mm.model.fc": "merger.proj",
+    "mm.post_norm": "merger.post_projection_norm",
+    "mm.gate": "merger.gate_proj",
+    "mm.up": "merger.up_proj",
+    "mm.down": "merger.down_proj",
+}
+_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+_PATCH = "v.patch_embd.weight"
+
+
+@dataclass
+class Glm4vVision:
+    """A loaded GLM-4.1V or GLM-4.5V vision tower and how images are prepared for it
+    (Glm4vImageProcessor's settings, as llmrun.glm4v_images reads them)."""
+
+    encoder: VisionModel
+    mean: tuple[float, ...] = CLIP_MEAN
+    std: tuple[float, ...] = CLIP_STD
+    min_pixels: int = MIN_PIXELS
+    max_pixels: int = MAX_PIXELS
+
+
+def folder_has_vision(path: Path) -> bool:
+    """Whether a Hugging Face folder's config.json is a GLM-4.1V's or GLM-4.5V's with its
+    vision_config."""
+    config = safetensors_io.read_config(path)
+    return config.get("model_type") in MODEL_TYPES and isinstance(config.get("vision_config"), dict)
+
+
+# llmrun's families of their language models, which take images where they turn by M-RoPE.
+TEXT_MODEL_TYPES = ("glm4", "glm4_moe")
+
+
+def text_takes_images(text_config: dict[str, Any]) -> bool:
+    """Whether a language model's config is GLM-4.xV's: GLM-4's or GLM-4.5's with M-RoPE
+    sections."""
+    rope = text_config.get("rope_parameters") or text_config.get("rope_scaling") or {}
+    return text_config.get("model_type") in TEXT_MODEL_TYPES and bool(rope.get("mrope_section"))
+
+
+def is_mmproj(path: str | Path) -> bool:
+    """Whether an mmproj GGUF's projector is GLM-4V's."""
+    return projector_type(path) == VisionProjectorType.GLM4V
+
+
+def from_hf_dir(path: Path, text_hidden: int) -> Glm4vVision:
+    """The vision tower of a GLM-4.1V or GLM-4.5V folder (f32, on the CPU)."""
+    config = safetensors_io.read_config(path)
+    args = EncoderArgs.from_config(config)
+    weights = {}
+    for file in safetensors_io.safetensors_files(path):
+        for name, tensor in safetensors_io.load_tensors(file).items():
+            prefix = next((p for p in _HF_PREFIXES if name.startswith(p)), None)
+            if prefix is not None:
+                weights[name[len(prefix) :]] = tensor
+    processor = processor_settings(path, args, CLIP_MEAN, CLIP_STD, MIN_PIXELS, MAX_PIXELS)
+    return _build(args, weights, text_hidden, path, processor)
+
+
+def from_mmproj(path: str | Path, text_hidden: int) -> Glm4vVision:
+    """The vision tower of llama.cpp's mmproj GGUF (projector glm4v)."""
+    gg = gguf_io.read_gguf(path)
+    meta = gg.metadata
+    kind = meta.get(Keys.Clip.PROJECTOR_TYPE, meta.get(Keys.ClipVision.PROJECTOR_TYPE))
+    if kind is None or not meta.get(Keys.Clip.HAS_VISION_ENCODER, False):
+        raise ModelFormatError(f"{gg.path}: not an mmproj GGUF with a vision encoder")
+    if kind != VisionProjectorType.GLM4V:
+        raise UnsupportedError(f"{gg.path}: projector type {kind!r} is not GLM-4V's")
+
+    def need(key: str, default: int | None = None) -> int:
+        value = meta.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ModelFormatError(f"{gg.path}: metadata {key!r} is {value!r}")
+        return value
+
+    vision = Keys.ClipVision
+    if meta.get(vision.USE_SILU, False):
+        act = "silu"
+    elif meta.get(vision.USE_GELU, False):
+        act = "gelu"
+    else:
+        raise UnsupportedError(f"{gg.path}: names neither {vision.USE_SILU} nor {vision.USE_GELU}")
+    positions = gg.tensors.get("v.position_embd.weight")
+    if positions is None:
+        raise ModelFormatError(f"{gg.path}: no v.position_embd.weight")
+    eps = meta.get(vision.Attention.LAYERNORM_EPS, 1e-5)
+    if not isinstance(eps, float) or not 0 < eps < 1:
+        raise ModelFormatError(f"{gg.path}: metadata {vision.Attention.LAYERNORM_EPS!r} is {eps!r}")
+    args = EncoderArgs(
+        hidden_size=need(vision.EMBEDDING_LENGTH),
+        intermediate_size=need(vision.FEED_FORWARD_LENGTH),
+        depth=need(vision.BLOCK_COUNT),
+        num_heads=need(vision.Attention.HEAD_COUNT),
+        out_hidden_size=need(vision.PROJECTION_DIM),
+        num_position_embeddings=positions.shape[0],
+        hidden_act=act,
+        attention_bias="v.blk.0.attn_qkv.bias" in gg.tensors,
+        rms_norm_eps=eps,
+        patch_size=need(vision.PATCH_SIZE),
+        spatial_merge_size=need(vision.SPATIAL_MERGE_SIZE, 2),
+    )
+    tensors = {}
+    for info in gg.tensors.values():
+        tensor = gguf_io.load_tensor(gg, info)
+        if info.ggml_type not in _FLOAT_TYPES:
+            tensor = dequantize(tensor, info.ggml_type).reshape(info.shape)
+        tensors[info.name] = tensor.float()
+    weights = _hf_weights(tensors, gg.path)
+    processor = dict(
+        mean=three_floats(meta.get(vision.IMAGE_MEAN, CLIP_MEAN), gg.path, vision.IMAGE_MEAN),
+        std=three_floats(meta.get(vision.IMAGE_STD, CLIP_STD), gg.path, vision.IMAGE_STD),
+        min_pixels=need(vision.IMAGE_MIN_PIXELS, MIN_PIXELS),
+        max_pixels=need(vision.IMAGE_MAX_PIXELS, MAX_PIXELS),
+    )
+    return _build(args, weights, text_hidden, gg.path, processor)
+
+
+def _hf_weights(tensors: dict[str, torch.Tensor], source: Path) -> dict:
+    """The mmproj's tensors under HF's names, the patch weight's frames stacked again."""
+    weights = {}
+    for name, tensor in tensors.items():
+        if name in (_PATCH, _PATCH + ".1"):
+            continue
+        stem, _, suffix = name.rpartition(".")
+        parts = stem.split(".")
+        known = suffix in ("weight", "bias")
+        if stem in _GGUF_NAMES and known:
+            weights[f"{_GGUF_NAMES[stem]}.{suffix}"] = tensor
+        elif len(parts) == 4 and parts[:2] == ["v", "blk"] and parts[2].isdigit() and known:
+            layer = _GGUF_LAYER.get(parts[3])
+            if layer is None:
+                raise UnsupportedError(f"{source}: tensor {name!r} is not part of the tower")
+            weights[f"blocks.{parts[2]}.{layer}.{suffix}"] = tensor
+        else:
+            raise UnsupportedError(f"{source}: tensor {name!r} is not part of the tower")
+    frames = [tensors.get(_PATCH), tensors.get(_PATCH + ".1")]
+    if frames[0] is None or frames[1] is None or frames[0].shape != frames[1].shape:
+        raise ModelFormatError(f"{source}: no {_PATCH} and {_PATCH}.1 of one shape")
+    # Two Conv2d weights [out, C, P, P], one per frame -> Conv3d's [out, C, 2, P, P]
+    weights["patch_embed.proj.weight"] = torch.stack(frames, dim=2)
+    return weights
+
+
+def _build(
+    args: EncoderArgs,
+    weights: dict[str, torch.Tensor],
+    text_hidden: int,
+    source: Path,
+    processor: dict[str, Any],
+) -> Glm4vVision:
+    """The encoder with `weights` (checked against its shapes), in f32."""
+    if args.out_hidden_size != text_hidden:
+        raise ModelFormatError(
+            f"{source}: the vision tower projects to {args.out_hidden_size} features, but "
+            f"the language model's width is {text_hidden}"
+        )
+    encoder = with_weights(VisionModel, args, weights, source)
+    return Glm4vVision(encoder, **processor)
