@@ -263,10 +263,7 @@ def _build(
     tokens: int,
 ) -> Gemma4Vision:
     """The encoder with `weights` (checked against its shapes), in f32."""
-    if args.text_hidden_size != text_hidden:
-        raise ModelFormatError(
-            f"{source}: the image encoder projects to {args.text_hidden_size} features, but "
-            f"the language model's width is {text_hidden}"
-        )
-    encoder = with_weights(gemma4_vision.ImageEncoder, args, weights, source)
+    encoder = with_weights(
+        gemma4_vision.ImageEncoder, args, weights, source, (args.text_hidden_size, text_hidden)
+    )
     return Gemma4Vision(encoder, tokens)

@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType, Keys, VisionProjectorType
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import gguf_io, safetensors_io
-from llmrun.loading.qwen2_vl_vision import processor_settings
+from llmrun.loading.qwen2_vl_vision import PATCH, conv3d_patch_weight, processor_settings
 from llmrun.loading.vision import projector_type, three_floats, with_weights
 from llmrun.models.glm4v_vision import EncoderArgs, VisionModel
 from llmrun.quant.blocks import dequantize
@@ -53,7 +53,6 @@ _GGUF_NAMES = {
     "mm.down": "merger.down_proj",
 }
 _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
-_PATCH = "v.patch_embd.weight"
 
 
 @dataclass
@@ -167,7 +166,7 @@ def _hf_weights(tensors: dict[str, torch.Tensor], source: Path) -> dict:
     """The mmproj's tensors under HF's names, the patch weight's frames stacked again."""
     weights = {}
     for name, tensor in tensors.items():
-        if name in (_PATCH, _PATCH + ".1"):
+        if name in (PATCH, PATCH + ".1"):
             continue
         stem, _, suffix = name.rpartition(".")
         parts = stem.split(".")
@@ -181,11 +180,7 @@ def _hf_weights(tensors: dict[str, torch.Tensor], source: Path) -> dict:
             weights[f"blocks.{parts[2]}.{layer}.{suffix}"] = tensor
         else:
             raise UnsupportedError(f"{source}: tensor {name!r} is not part of the tower")
-    frames = [tensors.get(_PATCH), tensors.get(_PATCH + ".1")]
-    if frames[0] is None or frames[1] is None or frames[0].shape != frames[1].shape:
-        raise ModelFormatError(f"{source}: no {_PATCH} and {_PATCH}.1 of one shape")
-    # Two Conv2d weights [out, C, P, P], one per frame -> Conv3d's [out, C, 2, P, P]
-    weights["patch_embed.proj.weight"] = torch.stack(frames, dim=2)
+    weights["patch_embed.proj.weight"] = conv3d_patch_weight(tensors, source)
     return weights
 
 
@@ -197,10 +192,5 @@ def _build(
     processor: dict[str, Any],
 ) -> Glm4vVision:
     """The encoder with `weights` (checked against its shapes), in f32."""
-    if args.out_hidden_size != text_hidden:
-        raise ModelFormatError(
-            f"{source}: the vision tower projects to {args.out_hidden_size} features, but "
-            f"the language model's width is {text_hidden}"
-        )
-    encoder = with_weights(VisionModel, args, weights, source)
+    encoder = with_weights(VisionModel, args, weights, source, (args.out_hidden_size, text_hidden))
     return Glm4vVision(encoder, **processor)

@@ -232,16 +232,13 @@ def _build(
     **settings: Any,
 ) -> Idefics3Vision:
     """The encoder with `weights` (checked against its shapes), in f32."""
-    if args.text_hidden_size != text_hidden:
-        raise ModelFormatError(
-            f"{source}: the image encoder projects to {args.text_hidden_size} features, but "
-            f"the language model's width is {text_hidden}"
-        )
     unit = args.vision.patch_size * args.scale_factor
     if settings["tile"] % unit:
         raise ModelFormatError(
             f"{source}: tiles of {settings['tile']} pixels are not a multiple of {unit} "
             f"(patches of {args.vision.patch_size}, pixel-shuffled by {args.scale_factor})"
         )
-    encoder = with_weights(idefics3_vision.ImageEncoder, args, weights, source)
+    encoder = with_weights(
+        idefics3_vision.ImageEncoder, args, weights, source, (args.text_hidden_size, text_hidden)
+    )
     return Idefics3Vision(encoder, **settings)

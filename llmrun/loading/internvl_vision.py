@@ -260,15 +260,12 @@ def _build(
     **settings: Any,
 ) -> InternVLVision:
     """The encoder with `weights` (checked against its shapes), in f32."""
-    if args.text_hidden_size != text_hidden:
-        raise ModelFormatError(
-            f"{source}: the image encoder projects to {args.text_hidden_size} features, but "
-            f"the language model's width is {text_hidden}"
-        )
     unit = args.vision.patch_size * args.merge
     if settings["tile"] % unit:
         raise ModelFormatError(
             f"{source}: tiles of {settings['tile']} pixels are not whole tokens of {unit}"
         )
-    encoder = with_weights(ImageEncoder, args, weights, source)
+    encoder = with_weights(
+        ImageEncoder, args, weights, source, (args.text_hidden_size, text_hidden)
+    )
     return InternVLVision(encoder, **settings)

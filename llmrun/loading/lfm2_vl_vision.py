@@ -286,16 +286,13 @@ def _build(
     **settings: Any,
 ) -> Lfm2VlVision:
     """The encoder with `weights` (checked against its shapes), in f32."""
-    if args.text_hidden_size != text_hidden:
-        raise ModelFormatError(
-            f"{source}: the image encoder projects to {args.text_hidden_size} features, but "
-            f"the language model's width is {text_hidden}"
-        )
     unit = args.vision.patch_size * args.downsample_factor
     if settings["tile_size"] % unit:
         raise ModelFormatError(
             f"{source}: tiles of {settings['tile_size']} pixels are not a multiple of {unit} "
             f"(patches of {args.vision.patch_size}, unshuffled by {args.downsample_factor})"
         )
-    encoder = with_weights(lfm2_vl_vision.ImageEncoder, args, weights, source)
+    encoder = with_weights(
+        lfm2_vl_vision.ImageEncoder, args, weights, source, (args.text_hidden_size, text_hidden)
+    )
     return Lfm2VlVision(encoder, **settings)

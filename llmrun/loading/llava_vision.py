@@ -366,10 +366,7 @@ def _build(
     **settings: Any,
 ) -> LlavaVision:
     """The encoder with `weights` (checked against its shapes), in f32."""
-    if args.text_hidden_size != text_hidden:
-        raise ModelFormatError(
-            f"{source}: the image encoder projects to {args.text_hidden_size} features, but "
-            f"the language model's width is {text_hidden}"
-        )
-    encoder = with_weights(ImageEncoder, args, weights, source)
+    encoder = with_weights(
+        ImageEncoder, args, weights, source, (args.text_hidden_size, text_hidden)
+    )
     return LlavaVision(encoder, **settings)

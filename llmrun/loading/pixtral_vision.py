@@ -212,14 +212,11 @@ def _build(
     std: tuple[float, ...],
 ) -> PixtralVision:
     """The encoder with `weights` (checked against its shapes), in f32."""
-    if args.text_hidden_size != text_hidden:
-        raise ModelFormatError(
-            f"{source}: the image encoder projects to {args.text_hidden_size} features, but "
-            f"the language model's width is {text_hidden}"
-        )
     if longest_edge < args.unit:
         raise ModelFormatError(
             f"{source}: images fit in {longest_edge} pixels, less than a token's {args.unit}"
         )
-    encoder = with_weights(pixtral.ImageEncoder, args, weights, source)
+    encoder = with_weights(
+        pixtral.ImageEncoder, args, weights, source, (args.text_hidden_size, text_hidden)
+    )
     return PixtralVision(encoder, longest_edge, mean, std)

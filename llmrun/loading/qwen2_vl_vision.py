@@ -49,7 +49,7 @@ _GGUF_NAMES = {
     "mm.2": "merger.mlp.2",
 }
 _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
-_PATCH = "v.patch_embd.weight"
+PATCH = "v.patch_embd.weight"
 
 
 @dataclass
@@ -218,7 +218,7 @@ def _hf_weights(tensors: dict[str, torch.Tensor], family: str, width: int, sourc
     weights = {}
     split: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
-        if name in (_PATCH, _PATCH + ".1"):
+        if name in (PATCH, PATCH + ".1"):
             continue
         stem, _, suffix = name.rpartition(".")
         parts = stem.split(".")
@@ -240,12 +240,17 @@ def _hf_weights(tensors: dict[str, torch.Tensor], family: str, width: int, sourc
         if set(pieces) != {"attn_q", "attn_k", "attn_v"}:
             raise ModelFormatError(f"{source}: {name} lacks some of attn_q, attn_k and attn_v")
         weights[name] = torch.cat([pieces["attn_q"], pieces["attn_k"], pieces["attn_v"]])
-    frames = [tensors.get(_PATCH), tensors.get(_PATCH + ".1")]
-    if frames[0] is None or frames[1] is None or frames[0].shape != frames[1].shape:
-        raise ModelFormatError(f"{source}: no {_PATCH} and {_PATCH}.1 of one shape")
-    # Two Conv2d weights [out, C, P, P], one per frame -> Conv3d's [out, C, 2, P, P]
-    weights["patch_embed.proj.weight"] = torch.stack(frames, dim=2)
+    weights["patch_embed.proj.weight"] = conv3d_patch_weight(tensors, source)
     return weights
+
+
+def conv3d_patch_weight(tensors: dict[str, torch.Tensor], source: Path) -> torch.Tensor:
+    """The Conv3d patch weight [out, C, 2, P, P] from the two Conv2d weights [out, C, P, P],
+    one per frame, that llama.cpp's converter stores it as (v.patch_embd.weight and .1)."""
+    frames = [tensors.get(PATCH), tensors.get(PATCH + ".1")]
+    if frames[0] is None or frames[1] is None or frames[0].shape != frames[1].shape:
+        raise ModelFormatError(f"{source}: no {PATCH} and {PATCH}.1 of one shape")
+    return torch.stack(frames, dim=2)
 
 
 def _unswap_ffn(weights: dict[str, torch.Tensor], width: int) -> None:
@@ -273,10 +278,5 @@ def _build(
     processor: dict[str, Any],
 ) -> QwenVision:
     """The encoder with `weights` (checked against its shapes), in f32."""
-    if args.out_hidden_size != text_hidden:
-        raise ModelFormatError(
-            f"{source}: the vision tower projects to {args.out_hidden_size} features, but "
-            f"the language model's width is {text_hidden}"
-        )
-    encoder = with_weights(VisionModel, args, weights, source)
+    encoder = with_weights(VisionModel, args, weights, source, (args.out_hidden_size, text_hidden))
     return QwenVision(encoder, **processor)

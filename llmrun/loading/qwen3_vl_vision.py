@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType, Keys, VisionProjectorType
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import gguf_io, safetensors_io
-from llmrun.loading.qwen2_vl_vision import processor_settings
+from llmrun.loading.qwen2_vl_vision import PATCH, conv3d_patch_weight, processor_settings
 from llmrun.loading.vision import three_floats, with_weights
 from llmrun.models.qwen3_vl_vision import EncoderArgs, VisionModel
 from llmrun.quant.blocks import dequantize
@@ -48,7 +48,6 @@ _GGUF_NAMES = {
 }
 _GGUF_DEEPSTACK = {"norm": "norm", "fc1": "linear_fc1", "fc2": "linear_fc2"}
 _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
-_PATCH = "v.patch_embd.weight"
 
 
 @dataclass
@@ -164,7 +163,7 @@ def _hf_weights(tensors: dict[str, torch.Tensor], args: EncoderArgs, source: Pat
     """The mmproj's tensors under HF's names, the patch weight's frames stacked again."""
     weights = {}
     for name, tensor in tensors.items():
-        if name in (_PATCH, _PATCH + ".1"):
+        if name in (PATCH, PATCH + ".1"):
             continue
         stem, _, suffix = name.rpartition(".")
         parts = stem.split(".")
@@ -187,11 +186,7 @@ def _hf_weights(tensors: dict[str, torch.Tensor], args: EncoderArgs, source: Pat
             weights[f"deepstack_merger_list.{index}.{layer}.{suffix}"] = tensor
         else:
             raise UnsupportedError(f"{source}: tensor {name!r} is not part of the tower")
-    frames = [tensors.get(_PATCH), tensors.get(_PATCH + ".1")]
-    if frames[0] is None or frames[1] is None or frames[0].shape != frames[1].shape:
-        raise ModelFormatError(f"{source}: no {_PATCH} and {_PATCH}.1 of one shape")
-    # Two Conv2d weights [out, C, P, P], one per frame -> Conv3d's [out, C, 2, P, P]
-    weights["patch_embed.proj.weight"] = torch.stack(frames, dim=2)
+    weights["patch_embed.proj.weight"] = conv3d_patch_weight(tensors, source)
     return weights
 
 
@@ -203,10 +198,5 @@ def _build(
     processor: dict[str, Any],
 ) -> Qwen3Vision:
     """The encoder with `weights` (checked against its shapes), in f32."""
-    if args.out_hidden_size != text_hidden:
-        raise ModelFormatError(
-            f"{source}: the vision tower projects to {args.out_hidden_size} features, but "
-            f"the language model's width is {text_hidden}"
-        )
-    encoder = with_weights(VisionModel, args, weights, source)
+    encoder = with_weights(VisionModel, args, weights, source, (args.out_hidden_size, text_hidden))
     return Qwen3Vision(encoder, **processor)

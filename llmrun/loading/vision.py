@@ -223,12 +223,9 @@ def _build(
     std: tuple[float, ...],
 ) -> Vision:
     """The encoder with `weights` (checked against its shapes), in f32."""
-    if args.text_hidden_size != text_hidden:
-        raise ModelFormatError(
-            f"{source}: the image encoder projects to {args.text_hidden_size} features, but "
-            f"the language model's width is {text_hidden}"
-        )
-    encoder = with_weights(gemma3_vision.ImageEncoder, args, weights, source)
+    encoder = with_weights(
+        gemma3_vision.ImageEncoder, args, weights, source, (args.text_hidden_size, text_hidden)
+    )
     return Vision(encoder, args.vision.image_size, mean, std)
 
 
@@ -237,9 +234,17 @@ def with_weights(
     args: Any,
     weights: dict[str, torch.Tensor],
     source: Path,
+    widths: tuple[int, int],
 ) -> torch.nn.Module:
-    """An image encoder built from `args` on the meta device and given `weights` (each
-    checked against the shape the config implies) in f32, frozen, in eval mode."""
+    """An image (or audio) encoder built from `args` on the meta device and given `weights`
+    (each checked against the shape the config implies) in f32, frozen, in eval mode;
+    `widths`: the width it projects to and the language model's, which must agree."""
+    projects_to, text_hidden = widths
+    if projects_to != text_hidden:
+        raise ModelFormatError(
+            f"{source}: the encoder projects to {projects_to} features, but the language "
+            f"model's width is {text_hidden}"
+        )
     with torch.device("meta"), SkipInit():
         encoder = encoder_class(args)
     expected = encoder.state_dict()
@@ -247,7 +252,7 @@ def with_weights(
     unexpected = sorted(set(weights) - set(expected))
     if missing or unexpected:
         names = missing or unexpected
-        what = "missing vision tensors" if missing else "vision tensors the encoder does not have"
+        what = "missing encoder tensors" if missing else "tensors the encoder does not have"
         raise ModelFormatError(
             f"{source}: {what}: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
         )
@@ -256,7 +261,7 @@ def with_weights(
         shape = tuple(expected[name].shape)
         if tuple(tensor.shape) != shape:
             raise ModelFormatError(
-                f"{source}: vision tensor {name} has shape {list(tensor.shape)}, but the "
+                f"{source}: encoder tensor {name} has shape {list(tensor.shape)}, but the "
                 f"config implies {list(shape)}"
             )
         state[name] = tensor.to(torch.float32)

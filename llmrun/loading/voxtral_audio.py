@@ -175,9 +175,6 @@ def _build(
     args: EncoderArgs, weights: dict[str, torch.Tensor], text_hidden: int, source: Path
 ) -> VoxtralAudio:
     """The encoder with `weights` (checked against its shapes), in f32."""
-    if args.text_hidden_size != text_hidden:
-        raise ModelFormatError(
-            f"{source}: the audio encoder projects to {args.text_hidden_size} features, but "
-            f"the language model's width is {text_hidden}"
-        )
-    return VoxtralAudio(with_weights(AudioEncoder, args, weights, source))
+    return VoxtralAudio(
+        with_weights(AudioEncoder, args, weights, source, (args.text_hidden_size, text_hidden))
+    )
