@@ -2,19 +2,22 @@
 preset, as llama-quantize writes it.
 
 The types come from llmrun.quant.presets; the blocks from the native library's
-quantizers (llmrun/native/quantize.c), bit-identical to ggml's reference ones. The output
-holds every metadata entry of the input, with general.quantization_version and
-general.file_type set last (split keys dropped), and the tensors in llama.cpp's order at
-the input's alignment. Tensors stream through in slabs of rows, so memory stays near a
-slab whatever the model's size; the file is written under a temporary name beside the
-output and renamed at the end, so an interrupted run leaves no half file.
+quantizers (llmrun/native/quantize.c), bit-identical to ggml's, weighted by an importance
+matrix where one is given (llmrun.imatrix: each tensor's row, each expert's of a stack of
+experts, checked as llama-quantize checks them). The output holds every metadata entry
+of the input, with general.quantization_version and general.file_type set last (split
+keys dropped; then llama-quantize's quantize.imatrix.* entries where given), and the
+tensors in llama.cpp's order at the input's alignment. Tensors stream through in slabs
+of rows, so memory stays near a slab whatever the model's size; the file is written
+under a temporary name beside the output and renamed at the end, so an interrupted run
+leaves no half file.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +29,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWrit
 from llmrun import native
 from llmrun.errors import LlmrunError, ModelFormatError, UnsupportedError, UsageError
 from llmrun.loading import gguf_io
-from llmrun.quant import blocks, kernels
+from llmrun.quant import blocks, kernels, quantize_iq
 from llmrun.quant.presets import (
     FLOAT_TYPES,
     WRITABLE,
@@ -35,12 +38,14 @@ from llmrun.quant.presets import (
     Preset,
     choose_types,
     is_quantized,
+    requires_imatrix,
     tensor_order,
 )
 
 T = GGMLQuantizationType
 QUANTIZATION_VERSION = 2  # GGML_QNT_VERSION
 SLAB_BYTES = 64 << 20  # f32 rows quantized at a time
+_TOKEN_EMBEDDINGS = ("token_embd.weight", "per_layer_token_embd.weight")
 _DROPPED_KEYS = {
     Keys.General.QUANTIZATION_VERSION,
     Keys.General.FILE_TYPE,
@@ -101,12 +106,15 @@ def model_facts(gg: gguf_io.GGUFFile) -> Model:
     )
 
 
-def plan(gg: gguf_io.GGUFFile, preset: Preset, overrides: Overrides) -> list[TensorPlan]:
-    """Each tensor of `gg` in output order with its new type."""
+def plan(
+    gg: gguf_io.GGUFFile, preset: Preset, overrides: Overrides, has_imatrix: bool = False
+) -> list[TensorPlan]:
+    """Each tensor of `gg` in output order with its new type (some rules differ where an
+    importance matrix is given: `has_imatrix`)."""
     names = tensor_order(gg.tensors)
     infos = [gg.tensors[name] for name in names]
     described = [(i.name, i.ggml_type, tuple(reversed(i.shape))) for i in infos]
-    types = choose_types(described, model_facts(gg), preset, overrides)
+    types = choose_types(described, model_facts(gg), preset, overrides, has_imatrix=has_imatrix)
     for info, new_type in zip(infos, types, strict=True):
         if new_type != info.ggml_type and new_type not in WRITABLE:
             raise UnsupportedError(f"tensor {info.name!r}: llmrun cannot write {new_type.name}")
@@ -149,15 +157,22 @@ def quantize_file(
     allow_requantize: bool = False,
     threads: int = 1,
     progress: Progress | None = None,
+    imatrix: Mapping[str, np.ndarray] | None = None,
+    metadata: Sequence[tuple[str, str | int]] = (),
 ) -> Summary:
-    """Quantize the GGUF model `source` into `target` (replaced if it exists)."""
+    """Quantize the GGUF model `source` into `target` (replaced if it exists). `imatrix`:
+    an importance matrix, tensor name -> per-column importances (experts one after
+    another), as llama-quantize reads one (llmrun.imatrix.Imatrix.means); `metadata`:
+    entries written after general.file_type, a string or a u32 each (llama-quantize's
+    quantize.imatrix.* of the imatrix file)."""
     source, target = Path(source).expanduser(), Path(target).expanduser()
     check_paths(source, target)
     if native.library() is None:
         raise UnsupportedError(f"llmrun quantize needs the native library ({native.status()})")
     gg = gguf_io.read_model_gguf(source)
-    plans = plan(gg, preset, overrides or Overrides())
+    plans = plan(gg, preset, overrides or Overrides(), has_imatrix=imatrix is not None)
     check_conversions(plans, allow_requantize)
+    importance = importance_rows(plans, imatrix, preset) if imatrix is not None else {}
     alignment = gg.get(Keys.General.ALIGNMENT, gguf_io.DEFAULT_ALIGNMENT)
     header = min((i.offset for i in gg.tensors.values() if i.part == 0), default=0)
     needed = header + sum(-(-p.new_nbytes // alignment) * alignment for p in plans)
@@ -169,7 +184,7 @@ def quantize_file(
         )
     temporary = target.with_name(f".{target.name}.{os.getpid()}.part")
     try:
-        _write(gg, plans, preset, temporary, alignment, threads, progress)
+        _write(gg, plans, preset, temporary, alignment, threads, progress, importance, metadata)
         os.replace(temporary, target)
     except BaseException:
         temporary.unlink(missing_ok=True)
@@ -180,6 +195,49 @@ def quantize_file(
         bytes_after=sum(p.new_nbytes for p in plans),
         parameters=sum(int(np.prod(p.info.shape)) for p in plans),
     )
+
+
+def importance_rows(
+    plans: list[TensorPlan], imatrix: Mapping[str, np.ndarray], preset: Preset
+) -> dict[str, np.ndarray]:
+    """The importance rows [experts or 1, columns] of each tensor that changes type, by
+    name, from an importance matrix checked as llama-quantize checks it: finite values,
+    and as many as the tensor's columns times its experts (token embeddings of another
+    size are quantized without, as llama-quantize does). Tensors it has no entry for go
+    without, but for those of a type that needs one; a matrix without an entry for any
+    tensor of the model is refused."""
+    for name, values in imatrix.items():
+        if not np.isfinite(values).all():
+            raise UsageError(f"the importance matrix's entry {name!r} holds NaN or infinite values")
+    if not any(p.info.name in imatrix for p in plans):
+        raise UsageError(
+            f"none of the importance matrix's {len(imatrix)} entries names a tensor of the "
+            "model: was it computed for another model?"
+        )
+    rows = {}
+    for p in plans:
+        values = imatrix.get(p.info.name)
+        if values is None or p.new_type == p.info.ggml_type:
+            continue
+        n_cols = p.info.shape[-1]
+        experts = p.info.shape[0] if len(p.info.shape) == 3 else 1
+        if np.size(values) != n_cols * experts:
+            if p.info.name in _TOKEN_EMBEDDINGS:
+                continue
+            raise UsageError(
+                f"the importance matrix has {np.size(values)} values for tensor "
+                f"{p.info.name!r}, which takes {n_cols * experts}: was it computed for "
+                "another model?"
+            )
+        rows[p.info.name] = np.asarray(values, np.float32).reshape(experts, n_cols)
+    for p in plans:
+        needs = requires_imatrix(p.info.name, p.new_type, preset)
+        if needs and p.new_type != p.info.ggml_type and p.info.name not in rows:
+            raise UsageError(
+                f"the importance matrix has no entry for tensor {p.info.name!r}, which "
+                f"{preset.name} makes {p.new_type.name}: a very low-bit type needs one"
+            )
+    return rows
 
 
 class _Stored(bytes):
@@ -206,14 +264,22 @@ def _write(
     alignment: int,
     threads: int,
     progress: Progress | None,
+    importance: dict[str, np.ndarray],
+    metadata: Sequence[tuple[str, str | int]],
 ) -> None:
     writer = _CopyingWriter(path, gg.architecture)
     writer.data_alignment = alignment
+    replaced = {key for key, _ in metadata}
     for key, vtype, stored in gguf_io.stored_metadata(gg):
-        if key not in _DROPPED_KEYS:
+        if key not in _DROPPED_KEYS and key not in replaced:
             writer.add_key_value(key, _Stored(stored), vtype)
     writer.add_quantization_version(QUANTIZATION_VERSION)
     writer.add_file_type(int(preset.file_type))
+    for key, value in metadata:  # as gguf_set_val_*: an input's entry moves to the end
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            writer.add_uint32(key, value)
     for p in plans:
         writer.add_tensor_info(p.info.name, p.info.shape, np.float32, p.new_nbytes, p.new_type)
     try:
@@ -225,7 +291,7 @@ def _write(
         for index, p in enumerate(plans):
             if progress is not None:
                 progress(index, len(plans), p)
-            for chunk in _tensor_bytes(gg, p, threads):
+            for chunk in _tensor_bytes(gg, p, threads, importance.get(p.info.name)):
                 out.write(chunk)
             writer.write_padding(out, p.new_nbytes)
         writer.flush()
@@ -234,23 +300,32 @@ def _write(
         writer.close()
 
 
-def _tensor_bytes(gg: gguf_io.GGUFFile, p: TensorPlan, threads: int) -> Iterator[memoryview]:
-    """The tensor's data in its new type, a slab of rows at a time."""
+def _tensor_bytes(
+    gg: gguf_io.GGUFFile, p: TensorPlan, threads: int, importance: np.ndarray | None = None
+) -> Iterator[memoryview]:
+    """The tensor's data in its new type, a slab of rows at a time (with `importance`,
+    [experts, columns], no slab crosses from one expert's rows to the next's)."""
     info = p.info
     raw = np.frombuffer(gg.buffers[info.part], np.uint8, info.nbytes, info.offset)
     n_cols = info.shape[-1]
     rows = int(np.prod(info.shape[:-1]))
     row_bytes = info.nbytes // rows
     step = max(1, SLAB_BYTES // (4 * n_cols))
-    for first in range(0, rows, step):
-        slab = raw[first * row_bytes : min(rows, first + step) * row_bytes]
-        if p.new_type == info.ggml_type:
-            yield memoryview(slab)
-            continue
-        weights = _as_f32(slab.reshape(-1, row_bytes), info.ggml_type, n_cols)
-        if not np.isfinite(weights).all():
-            raise ModelFormatError(f"{gg.path}: tensor {info.name!r} holds NaN or infinite values")
-        yield memoryview(quantize_rows(weights, p.new_type, threads))
+    per_expert = rows if importance is None else rows // len(importance)
+    for expert_start in range(0, rows, per_expert):
+        expert_end = expert_start + per_expert
+        row = None if importance is None else importance[expert_start // per_expert]
+        for first in range(expert_start, expert_end, step):
+            slab = raw[first * row_bytes : min(expert_end, first + step) * row_bytes]
+            if p.new_type == info.ggml_type:
+                yield memoryview(slab)
+                continue
+            weights = _as_f32(slab.reshape(-1, row_bytes), info.ggml_type, n_cols)
+            if not np.isfinite(weights).all():
+                raise ModelFormatError(
+                    f"{gg.path}: tensor {info.name!r} holds NaN or infinite values"
+                )
+            yield memoryview(quantize_rows(weights, p.new_type, threads, row))
 
 
 def _as_f32(rows: np.ndarray, ggml_type: GGMLQuantizationType, n_cols: int) -> np.ndarray:
@@ -268,18 +343,37 @@ def _as_f32(rows: np.ndarray, ggml_type: GGMLQuantizationType, n_cols: int) -> n
 
 
 def quantize_rows(
-    weights: np.ndarray, ggml_type: GGMLQuantizationType, threads: int = 1
+    weights: np.ndarray,
+    ggml_type: GGMLQuantizationType,
+    threads: int = 1,
+    imatrix: np.ndarray | None = None,
 ) -> np.ndarray:
-    """f32 rows `[rows, n]` as `ggml_type`'s bytes, as ggml's reference quantizer writes them."""
+    """f32 rows `[rows, n]` as `ggml_type`'s bytes, as ggml's quantizer (ggml_quantize_chunk)
+    writes them: with `imatrix`, n f32 importances of the columns (an importance matrix's
+    row for this tensor or expert), the weighted search where the type has one."""
+    if ggml_type in quantize_iq.TYPES:
+        return quantize_iq.quantize_rows(weights, ggml_type, threads, imatrix)
     lib = native.library()
     if lib is None:
         raise UnsupportedError(f"quantizing needs the native library ({native.status()})")
     weights = np.ascontiguousarray(weights, dtype=np.float32)
     rows, n_cols = weights.shape
+    if imatrix is not None:
+        imatrix = np.ascontiguousarray(imatrix, dtype=np.float32)
+        if imatrix.shape != (n_cols,):
+            raise UsageError(
+                f"an importance row of {imatrix.size} values does not fit rows of {n_cols}"
+            )
     size, type_size = GGML_QUANT_SIZES[ggml_type]
     out = np.empty(rows * (n_cols // size) * type_size, dtype=np.uint8)
     written = lib.llmrun_quantize(
-        int(ggml_type), weights.ctypes.data, out.ctypes.data, rows, n_cols, threads
+        int(ggml_type),
+        weights.ctypes.data,
+        out.ctypes.data,
+        rows,
+        n_cols,
+        None if imatrix is None else imatrix.ctypes.data,
+        threads,
     )
     if written != out.nbytes:
         raise UnsupportedError(f"cannot quantize rows of {n_cols} weights to {ggml_type.name}")

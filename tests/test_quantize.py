@@ -119,8 +119,8 @@ def test_metadata_copied_with_type_and_version(random_model: Path, tmp_path):
     "args, code, message",
     [
         (["Q7_K"], 2, "unknown quantization type 'Q7_K'; choose from F32, F16, BF16, Q8_0"),
-        (["IQ2_XXS"], 1, "IQ2_XXS needs an importance matrix (llama-quantize --imatrix)"),
-        (["Q4_0", "--output-tensor-type", "iq4_nl"], 1, "--output-tensor-type: llmrun "),
+        (["MXFP4_MOE"], 1, "llmrun quantize cannot write MXFP4_MOE yet"),
+        (["Q4_0", "--output-tensor-type", "mxfp4"], 1, "--output-tensor-type: llmrun "),
         (["Q4_0", "--threads", "0"], 2, "--threads must be positive, got 0"),
     ],
 )

@@ -21,7 +21,7 @@ from llmrun.errors import LlmrunError
 # Importing a command module registers its commands, in the order `--help` lists them.
 # isort: off
 from llmrun.cli import generate, embed, rerank, models, bench, perplexity, serve  # noqa: F401
-from llmrun.cli import quantize  # noqa: F401
+from llmrun.cli import quantize, imatrix  # noqa: F401
 # isort: on
 
 __all__ = ["app", "main"]

@@ -48,6 +48,15 @@ def quantize(
             "--token-embedding-type", metavar="T", help="The type of the token embeddings."
         ),
     ] = None,
+    imatrix: Annotated[
+        Path | None,
+        typer.Option(
+            "--imatrix",
+            metavar="FILE",
+            help="An importance matrix (llmrun imatrix or llama-imatrix; GGUF or .dat) to "
+            "weigh each weight's rounding error by.",
+        ),
+    ] = None,
     threads: Threads = None,
     debug: Debug = False,
 ) -> None:
@@ -71,9 +80,21 @@ def quantize(
         else presets.parse_tensor_type(token_embedding_type, "--token-embedding-type"),
     )
 
+    importance, metadata = None, []
+    if imatrix is not None:
+        from llmrun import imatrix as im
+
+        loaded = im.read(imatrix)
+        importance, metadata = loaded.means(), im.quantize_metadata(loaded, str(imatrix))
+
     def report(index: int, total: int, p: q.TensorPlan) -> None:
         if index == 0:  # the input is read and its plan checked
             ui.info(f"quantizing {source} to {target} as {chosen.name}")
+            if imatrix is not None:
+                ui.info(
+                    f"with the importance matrix {imatrix}: {len(importance)} entries over "
+                    f"{loaded.chunk_count} chunks"
+                )
         change = (
             p.info.ggml_type.name
             if p.new_type == p.info.ggml_type
@@ -93,6 +114,8 @@ def quantize(
         allow_requantize=allow_requantize,
         threads=threads or default_threads(),
         progress=report,
+        imatrix=importance,
+        metadata=metadata,
     )
     bits = 8 / max(1, summary.parameters)
     ui.info(

@@ -71,8 +71,13 @@ _API = {
     # the layers (decode_step.c step_layer_t[]), the step (step_t), x; returns the
     # layers it ran, or -1
     "llmrun_decode_layers": [_PTR, _PTR, _PTR],
-    # type, f32 rows, out, rows, row length, threads (quantize.c); returns bytes or -1
-    "llmrun_quantize": [_INT, _PTR, _PTR, _I64, _I64, _INT],
+    # type, f32 rows, out, rows, row length, importance row (or NULL), threads (quantize.c);
+    # returns bytes or -1
+    "llmrun_quantize": [_INT, _PTR, _PTR, _I64, _I64, _PTR, _INT],
+    # the same for the i-quant and ternary types (quantize_iq.c), and the kgrid tables
+    # of their lattices, handed over by llmrun.quant.quantize_iq before any use
+    "llmrun_quantize_iq": [_INT, _PTR, _PTR, _I64, _I64, _PTR, _INT],
+    "llmrun_quantize_iq_grids": [_PTR] * 6,
 }
 # The 8-bit-activation kernels (q8.h), in the x86 families only.
 _Q8_API = {
@@ -94,6 +99,7 @@ _VOID = (
     "llmrun_attend_one",
     "llmrun_attend_one_capped",
     "llmrun_gated_delta_step",
+    "llmrun_quantize_iq_grids",
 )
 
 
@@ -131,6 +137,7 @@ def _library() -> ctypes.CDLL | None:
     for name in _VOID:
         getattr(lib, name).restype = None
     lib.llmrun_quantize.restype = _I64
+    lib.llmrun_quantize_iq.restype = _I64
     return lib
 
 

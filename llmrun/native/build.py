@@ -2,9 +2,9 @@
 
 A family is one C file of quantized kernels in this folder (with common.h), and on x86
 one of 8-bit-activation kernels (with q8.h), compiled with its -march flags together
-with decode_ops.c, decode_step.c, layout.c and quantize.c into one shared library. The table
-below names each, best first, with the features the CPU must list in /proc/cpuinfo: a
-new family is one more source and one more entry. The library goes into
+with decode_ops.c, decode_step.c, layout.c, quantize.c and quantize_iq.c into one shared
+library. The table below names each, best first, with the features the CPU must list in
+/proc/cpuinfo: a new family is one more source and one more entry. The library goes into
 the cache folder, keyed by a hash of the sources, the compiler, its flags and the
 CPU's features, so later runs load it at once.
 """
@@ -29,6 +29,7 @@ DECODE_OPS = HERE / "decode_ops.c"
 DECODE_STEP = HERE / "decode_step.c"
 LAYOUT = HERE / "layout.c"  # the packed row layouts, written at load (kernels.pack)
 QUANTIZE = HERE / "quantize.c"  # f32 rows -> GGML blocks, as ggml's reference (llmrun quantize)
+QUANTIZE_IQ = HERE / "quantize_iq.c"  # f32 rows -> i-quant and ternary blocks, as ggml's
 COMMON = HERE / "common.h"
 Q8_HEADER = HERE / "q8.h"  # the 8-bit-activation kernels' shared part
 IQUANTS = HERE / "iquants.h"  # the x86 families' i-quant dequantizers
@@ -47,7 +48,7 @@ class Family:
 
     def sources(self) -> list[Path]:
         q8 = [HERE / self.q8] if self.q8 else []
-        return [HERE / self.source, *q8, DECODE_OPS, DECODE_STEP, LAYOUT, QUANTIZE]
+        return [HERE / self.source, *q8, DECODE_OPS, DECODE_STEP, LAYOUT, QUANTIZE, QUANTIZE_IQ]
 
 
 # -march=haswell for AVX2, so that build never holds AVX-512 code even on an AVX-512 CPU.

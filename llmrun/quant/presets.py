@@ -1,14 +1,14 @@
-"""llama-quantize's presets (Q4_K_M, Q8_0, ...) and the GGML type each tensor of a model gets
-under one, chosen exactly as llama.cpp chooses it (src/llama-quant.cpp:
+"""llama-quantize's presets (Q4_K_M, IQ4_XS, IQ2_M, ...) and the GGML type each tensor of a
+model gets under one, chosen exactly as llama.cpp chooses it (src/llama-quant.cpp:
 tensor_allows_quantization, llama_tensor_get_type and its callers).
 
-Only the presets llmrun can write are here: those without an importance matrix and
-without i-quants, so the rules for the i-quant, ternary and MXFP4 presets and those that
-need an imatrix are left out (parse_preset refuses those presets). Which tensor stays as
-it is, which gets more bits (attn_v and ffn_down by layer, output.weight, GQA and
-8-expert models), and the fallback where a row length is not a multiple of the type's
-block all follow llama.cpp, as does the order of the tensors (non-layer tensors first,
-then each layer's, by name), on which the layer counters depend.
+Every preset but MXFP4_MOE is here. Which tensor stays as it is, which gets more bits
+(attn_v and ffn_down by layer, output.weight, GQA and 8-expert models, and where an
+importance matrix is given or not), and the fallback where a row length is not a multiple
+of the type's block all follow llama.cpp, as does the order of the tensors (non-layer
+tensors first, then each layer's, by name), on which the layer counters depend. So does
+the refusal of a mix whose very low-bit tensors need an importance matrix when none is
+given (tensor_requires_imatrix).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ T = GGMLQuantizationType
 F = LlamaFileType
 
 # The presets llmrun writes, by llama-quantize's name, with their file type and default
-# tensor type; Q3_K, Q4_K and Q5_K are its aliases of the _M mixes.
+# tensor type (llama_ftype_get_default_type); Q3_K, Q4_K and Q5_K are its aliases of the
+# _M mixes.
 PRESETS: dict[str, tuple[LlamaFileType, GGMLQuantizationType]] = {
     "F32": (F.ALL_F32, T.F32),
     "F16": (F.MOSTLY_F16, T.F16),
@@ -44,21 +45,52 @@ PRESETS: dict[str, tuple[LlamaFileType, GGMLQuantizationType]] = {
     "Q5_K_S": (F.MOSTLY_Q5_K_S, T.Q5_K),
     "Q5_K_M": (F.MOSTLY_Q5_K_M, T.Q5_K),
     "Q6_K": (F.MOSTLY_Q6_K, T.Q6_K),
+    "Q2_K_S": (F.MOSTLY_Q2_K_S, T.Q2_K),
+    "IQ4_NL": (F.MOSTLY_IQ4_NL, T.IQ4_NL),
+    "IQ4_XS": (F.MOSTLY_IQ4_XS, T.IQ4_XS),
+    "IQ3_M": (F.MOSTLY_IQ3_M, T.IQ3_S),
+    "IQ3_S": (F.MOSTLY_IQ3_S, T.IQ3_S),
+    "IQ3_XS": (F.MOSTLY_IQ3_XS, T.IQ3_S),
+    "IQ3_XXS": (F.MOSTLY_IQ3_XXS, T.IQ3_XXS),
+    "IQ2_M": (F.MOSTLY_IQ2_M, T.IQ2_S),
+    "IQ2_S": (F.MOSTLY_IQ2_S, T.IQ2_XS),
+    "IQ2_XS": (F.MOSTLY_IQ2_XS, T.IQ2_XS),
+    "IQ2_XXS": (F.MOSTLY_IQ2_XXS, T.IQ2_XXS),
+    "IQ1_M": (F.MOSTLY_IQ1_M, T.IQ1_M),
+    "IQ1_S": (F.MOSTLY_IQ1_S, T.IQ1_S),
+    "TQ2_0": (F.MOSTLY_TQ2_0, T.TQ2_0),
+    "TQ1_0": (F.MOSTLY_TQ1_0, T.TQ1_0),
 }
 ALIASES = {"Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M"}
-# llama-quantize's other presets: these need an importance matrix ...
-NEEDS_IMATRIX = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "Q2_K_S")
-# ... and these llmrun cannot write (no quantizer for their types here).
-NOT_WRITTEN = ("IQ3_XS", "IQ3_S", "IQ3_M", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4_MOE")
-# The tensor types llmrun writes (llmrun/native/quantize.c), for --output-tensor-type and
-# --token-embedding-type too.
+# llama-quantize's presets llmrun cannot write (no quantizer for their types here).
+NOT_WRITTEN = ("MXFP4_MOE",)
+# The tensor types llmrun writes (llmrun/native/quantize.c, quantize_iq.c), for
+# --output-tensor-type and --token-embedding-type too.
 WRITABLE = frozenset(
     {T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0}
     | {T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K}
+    | {T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ4_NL, T.IQ4_XS}
+    | {T.TQ1_0, T.TQ2_0}
 )
 FLOAT_TYPES = frozenset({T.F32, T.F16, T.BF16})
-# A K-quant's type where a row is not a whole number of its 256-weight blocks.
-FALLBACK = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
+# A 256-weight block type's type where a row is not a whole number of its blocks
+# (tensor_type_fallback); a 32-weight one that does not fit, and these where theirs does
+# not, become F16.
+FALLBACK = {
+    **dict.fromkeys([T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S], T.IQ4_NL),
+    **dict.fromkeys([T.IQ3_XXS, T.IQ3_S, T.IQ4_XS], T.IQ4_NL),
+    **dict.fromkeys([T.Q2_K, T.Q3_K, T.TQ1_0, T.TQ2_0], T.Q4_0),
+    T.Q4_K: T.Q5_0,
+    T.Q5_K: T.Q5_1,
+    T.Q6_K: T.Q8_0,
+}
+# The tensor types that need an importance matrix (tensor_requires_imatrix), Q2_K only in
+# a Q2_K_S mix; never token_embd.weight, per_layer_token_embd.weight or output.weight.
+_NEED_IMATRIX = frozenset({T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS})
+_NO_IMATRIX_NAMES = ("token_embd.weight", "per_layer_token_embd.weight", "output.weight")
+# llama.cpp's IQ1 and IQ2 mixes, which share one set of rules.
+_VERY_LOW_BIT = (F.MOSTLY_IQ2_XXS, F.MOSTLY_IQ2_XS, F.MOSTLY_IQ2_S, F.MOSTLY_IQ2_M)
+_VERY_LOW_BIT += (F.MOSTLY_IQ1_S, F.MOSTLY_IQ1_M)
 
 # Names of tensors never quantized (llama.cpp's tensor_allows_quantization).
 _KEPT_PARTS = (
@@ -151,11 +183,6 @@ def parse_preset(name: str) -> Preset:
     key = ALIASES.get(key, key)
     if key in PRESETS:
         return Preset(key, *PRESETS[key])
-    if key in NEEDS_IMATRIX:
-        raise UnsupportedError(
-            f"{key} needs an importance matrix (llama-quantize --imatrix), which llmrun "
-            "quantize does not make or take; choose a K-quant such as Q4_K_M"
-        )
     if key in NOT_WRITTEN:
         raise UnsupportedError(f"llmrun quantize cannot write {key} yet; choose from {_names()}")
     raise UsageError(f"unknown quantization type {name!r}; choose from {_names()}")
@@ -267,6 +294,14 @@ def _layer_info(model: Model, counter: int, n_layer: int, name: str) -> tuple[in
     return i_layer, n_layer
 
 
+# The mixes whose attn_output is Q5_K in a model of 8 experts.
+_Q5_K_ATTN_OUTPUT_WITH_8_EXPERTS = (
+    *(F.MOSTLY_Q2_K, F.MOSTLY_Q3_K_S, F.MOSTLY_Q3_K_M, F.MOSTLY_Q4_K_S, F.MOSTLY_Q4_K_M),
+    *(F.MOSTLY_IQ3_XS, F.MOSTLY_IQ3_XXS, F.MOSTLY_IQ3_S, F.MOSTLY_IQ3_M),
+    *(F.MOSTLY_IQ4_NL, F.MOSTLY_IQ4_XS),
+)
+
+
 def _mixed_type(
     model: Model,
     preset: Preset,
@@ -275,8 +310,9 @@ def _mixed_type(
     tied: bool,
     name: str,
     ne: tuple[int, ...],
+    has_imatrix: bool,
 ) -> GGMLQuantizationType:
-    """llama_tensor_get_type_impl for the presets here: the preset's mix."""
+    """llama_tensor_get_type_impl: the preset's mix."""
     ft, new_type, cat, arch = preset.file_type, preset.default_type, _category(name), model.arch
     if arch == "glm5-next" and any(part in name for part in _GLM5_NEXT_Q8):
         return T.Q8_0
@@ -285,16 +321,35 @@ def _mixed_type(
             return overrides.output_tensor_type
         if arch == "falcon" or ne[0] % block_size(new_type):
             return T.Q8_0
+        if ft in (*_VERY_LOW_BIT, F.MOSTLY_IQ3_XXS):
+            return T.Q5_K
         return T.Q6_K if new_type != T.Q8_0 else new_type
     if cat == "token_embd":
-        return new_type
+        if ft in (F.MOSTLY_IQ2_XXS, F.MOSTLY_IQ2_XS, F.MOSTLY_IQ1_S, F.MOSTLY_IQ1_M):
+            return T.Q2_K
+        if ft in (F.MOSTLY_IQ2_S, F.MOSTLY_IQ2_M, F.MOSTLY_IQ3_XXS):
+            return T.IQ3_S
+        return T.Q4_K if ft in (F.MOSTLY_TQ1_0, F.MOSTLY_TQ2_0) else new_type
+    if ft in _VERY_LOW_BIT:
+        return _very_low_bit_type(model, ft, new_type, counters, cat)
+    gqa4 = model.n_gqa >= 4
     if cat == "attn_v":
         i, n = counters.i_attention_wv, counters.n_attention_wv
         if ft == F.MOSTLY_Q2_K:
-            new_type = T.Q4_K if model.n_gqa >= 4 else T.Q3_K
+            new_type = T.Q4_K if gqa4 else T.Q3_K
+        elif ft == F.MOSTLY_Q2_K_S and gqa4:
+            new_type = T.Q4_K
+        elif ft == F.MOSTLY_IQ3_XXS:
+            new_type = T.Q4_K if gqa4 else T.IQ3_XXS if has_imatrix else T.IQ3_S
+        elif ft in (F.MOSTLY_IQ3_XS, F.MOSTLY_IQ3_S) and gqa4:
+            new_type = T.Q4_K
+        elif ft == F.MOSTLY_IQ3_M:
+            new_type = T.Q4_K
         elif ft == F.MOSTLY_Q3_K_M:
             new_type = T.Q5_K if i < 2 else T.Q4_K
         elif ft == F.MOSTLY_Q3_K_L:
+            new_type = T.Q5_K
+        elif ft in (F.MOSTLY_IQ4_NL, F.MOSTLY_IQ4_XS) and gqa4:
             new_type = T.Q5_K
         elif ft in (F.MOSTLY_Q4_K_M, F.MOSTLY_Q5_K_M) and _more_bits(i, n):
             new_type = T.Q6_K
@@ -305,13 +360,21 @@ def _mixed_type(
         if model.n_expert == 8:
             new_type = T.Q8_0
         counters.i_attention_wv += 1
-    elif cat == "attn_k":
-        if model.n_expert == 8:
+    elif cat in ("attn_k", "attn_q"):
+        if cat == "attn_k" and model.n_expert == 8:
             new_type = T.Q8_0
+        elif ft == F.MOSTLY_IQ3_XS:
+            new_type = T.IQ3_XXS
+        elif ft == F.MOSTLY_IQ3_XXS:
+            new_type = T.IQ2_S
     elif cat == "ffn_down":
         i, n = _layer_info(model, counters.i_ffn_down, counters.n_ffn, name)
         if ft == F.MOSTLY_Q2_K:
             new_type = T.Q3_K
+        elif ft == F.MOSTLY_Q2_K_S:
+            new_type = T.Q4_K if i < n // 8 else new_type
+        elif ft == F.MOSTLY_IQ3_XXS and not has_imatrix:
+            new_type = T.Q4_K if i < n // 8 else T.Q3_K
         elif ft == F.MOSTLY_Q3_K_M:
             new_type = (
                 T.Q5_K
@@ -320,6 +383,8 @@ def _mixed_type(
                 if arch != "falcon" or _more_bits(i, n)
                 else T.Q3_K
             )
+        elif ft == F.MOSTLY_IQ3_M and (i < n // 8 or (model.n_expert == 8 and _more_bits(i, n))):
+            new_type = T.Q4_K
         elif ft == F.MOSTLY_Q3_K_L:
             new_type = T.Q4_K if arch == "falcon" else T.Q5_K
         elif ft == F.MOSTLY_Q4_K_M:
@@ -327,30 +392,62 @@ def _mixed_type(
                 new_type = T.Q6_K if i < n // 16 else T.Q5_K if _more_bits(i, n) else T.Q4_K
             elif _more_bits(i, n):
                 new_type = T.Q6_K
+        elif i < n // 8 and ft in (F.MOSTLY_IQ4_NL, F.MOSTLY_IQ4_XS) and not has_imatrix:
+            new_type = T.Q5_K
         elif ft == F.MOSTLY_Q5_K_M and _more_bits(i, n):
             new_type = T.Q6_K
         elif ft == F.MOSTLY_Q4_K_S and arch != "falcon" and i < n // 8:
             new_type = T.Q5_K
+        elif ft in (F.MOSTLY_Q4_0, F.MOSTLY_Q5_0) and has_imatrix and i < n // 8:
+            # llama.cpp's guard for the first ffn_down layers, with an imatrix only
+            new_type = T.Q4_1 if ft == F.MOSTLY_Q4_0 else T.Q5_1
         counters.i_ffn_down += 1
     elif cat == "attn_output":
-        q5_with_8_experts = (F.MOSTLY_Q2_K, F.MOSTLY_Q3_K_S, F.MOSTLY_Q3_K_M)
-        q5_with_8_experts += (F.MOSTLY_Q4_K_S, F.MOSTLY_Q4_K_M)
         if arch == "falcon":
             new_type = T.Q4_K if ft == F.MOSTLY_Q3_K_L else new_type
         elif model.n_expert == 8:
-            new_type = T.Q5_K if ft in q5_with_8_experts else new_type
+            new_type = T.Q5_K if ft in _Q5_K_ATTN_OUTPUT_WITH_8_EXPERTS else new_type
         else:
             new_type = {
                 F.MOSTLY_Q2_K: T.Q3_K,
+                F.MOSTLY_IQ3_XXS: T.IQ3_S,
                 F.MOSTLY_Q3_K_M: T.Q4_K,
                 F.MOSTLY_Q3_K_L: T.Q5_K,
+                F.MOSTLY_IQ3_M: T.Q4_K,
             }.get(ft, new_type)
-    elif cat == "ffn_gate":
-        _layer_info(model, counters.i_ffn_gate, counters.n_ffn, name)
-        counters.i_ffn_gate += 1
-    elif cat == "ffn_up":
-        _layer_info(model, counters.i_ffn_up, counters.n_ffn, name)
-        counters.i_ffn_up += 1
+    elif cat in ("ffn_gate", "ffn_up"):
+        counter = "i_ffn_gate" if cat == "ffn_gate" else "i_ffn_up"
+        i, n = _layer_info(model, getattr(counters, counter), counters.n_ffn, name)
+        if ft == F.MOSTLY_IQ3_XS and n // 8 <= i < 7 * n // 8:
+            new_type = T.IQ3_XXS
+        setattr(counters, counter, getattr(counters, counter) + 1)
+    return new_type
+
+
+def _very_low_bit_type(
+    model: Model, ft: LlamaFileType, new_type: GGMLQuantizationType, counters: _Counters, cat: str
+) -> GGMLQuantizationType:
+    """The IQ1 and IQ2 mixes' rules for the layers' tensors (by running count only)."""
+    two_bit_s = ft in (F.MOSTLY_IQ2_S, F.MOSTLY_IQ2_M)
+    if cat == "attn_v":
+        if model.n_gqa >= 4 or model.n_expert >= 4:
+            new_type = T.Q4_K
+        else:
+            new_type = T.IQ3_S if two_bit_s else T.Q2_K
+        counters.i_attention_wv += 1
+    elif model.n_expert == 8 and cat == "attn_k":
+        new_type = T.Q4_K
+    elif cat == "ffn_down":
+        if counters.i_ffn_down < counters.n_ffn // 8:
+            new_type = T.IQ3_S if two_bit_s else T.Q2_K
+        counters.i_ffn_down += 1
+    elif cat == "attn_output":
+        if model.n_expert == 8:
+            new_type = T.Q5_K
+        elif ft in (F.MOSTLY_IQ1_S, F.MOSTLY_IQ1_M):
+            new_type = T.IQ2_XXS
+        elif two_bit_s:
+            new_type = T.IQ3_S
     return new_type
 
 
@@ -362,14 +459,27 @@ def _fallback(ggml_type: GGMLQuantizationType, n_cols: int) -> GGMLQuantizationT
     return smaller if n_cols % block_size(smaller) == 0 else T.F16
 
 
+def requires_imatrix(name: str, ggml_type: GGMLQuantizationType, preset: Preset) -> bool:
+    """Whether a tensor quantized to `ggml_type` under `preset` needs an importance matrix
+    (tensor_requires_imatrix): llama-quantize refuses the mix without one."""
+    if name in _NO_IMATRIX_NAMES:
+        return False
+    if ggml_type == T.Q2_K:
+        return preset.file_type == F.MOSTLY_Q2_K_S
+    return ggml_type in _NEED_IMATRIX
+
+
 def choose_types(
     tensors: list[tuple[str, GGMLQuantizationType, tuple[int, ...]]],
     model: Model,
     preset: Preset,
     overrides: Overrides = Overrides(),
+    has_imatrix: bool = False,
 ) -> list[GGMLQuantizationType]:
     """The type of each tensor (name, type, shape with the fastest dimension first, in
-    tensor_order) under `preset`: its own where it stays as it is."""
+    tensor_order) under `preset`: its own where it stays as it is. Without an importance
+    matrix (`has_imatrix`), a mix that would give a tensor a type that needs one is
+    refused, naming the first such tensor."""
     names = [name for name, _, _ in tensors]
     counters = _Counters(names, model.n_layer)
     tied = "output.weight" not in names
@@ -386,7 +496,9 @@ def choose_types(
         elif is_quantized(preset.default_type):
             new_type = preset.default_type
             if not overrides.pure:
-                new_type = _mixed_type(model, preset, overrides, counters, tied, name, ne)
+                new_type = _mixed_type(
+                    model, preset, overrides, counters, tied, name, ne, has_imatrix
+                )
             new_type = _fallback(new_type, ne[0])
         else:
             new_type = preset.default_type
@@ -394,6 +506,11 @@ def choose_types(
             raise UsageError(
                 f"tensor {name!r} has rows of {ne[0]} weights, not a whole number of "
                 f"{new_type.name} blocks of {block_size(new_type)}"
+            )
+        if not has_imatrix and requires_imatrix(name, new_type, preset):
+            raise UsageError(
+                f"{preset.name} needs an importance matrix: tensor {name!r} would be "
+                f"{new_type.name}; pass --imatrix FILE (made by llmrun imatrix or llama-imatrix)"
             )
         chosen.append(new_type)
     return chosen

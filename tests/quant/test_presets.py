@@ -1,4 +1,5 @@
-"""The type each tensor gets under each preset (llmrun.quant.presets) is llama.cpp's.
+"""The type each tensor gets under each preset (llmrun.quant.presets) is llama.cpp's, and so
+is the refusal of a mix that needs an importance matrix when none is given.
 
 The expected types are llama.cpp's own: the models of quantize_helpers (16 layers with
 4x GQA and tied embeddings, 16 with MHA and an output matrix, 4 with 8 experts, 80 with
@@ -308,6 +309,174 @@ LLAMA_CPP_TYPES = {
     ),
 }
 
+# The i-quant, ternary and Q2_K_S presets and Q4_0/Q5_0 with an importance matrix, on the
+# same models, without one and with one (llama_model_quantize's params.imatrix, seeded
+# values for every 2-D tensor but token_embd.weight): (variant, preset, has_imatrix) -> the
+# first 16 hex digits of the sha256 of llama.cpp's "name TYPE" lines, or the first tensor
+# it named when it refused the mix ("this quantization requires an importance matrix").
+LLAMA_CPP_IQ_TYPES = {
+    ("gqa4-tied", "IQ4_NL", False): "cd1bd574f15ccb89",
+    ("gqa4-tied", "IQ4_NL", True): "55fabcea8f89af1f",
+    ("gqa4-tied", "IQ4_XS", False): "01a5bb6df08d9737",
+    ("gqa4-tied", "IQ4_XS", True): "c08b6896c47cf001",
+    ("gqa4-tied", "IQ3_M", False): "0f68936bf7c260a5",
+    ("gqa4-tied", "IQ3_M", True): "0f68936bf7c260a5",
+    ("gqa4-tied", "IQ3_S", False): "0b35cafb6b7c90b7",
+    ("gqa4-tied", "IQ3_S", True): "0b35cafb6b7c90b7",
+    ("gqa4-tied", "IQ3_XS", False): "refused: blk.0.attn_k.weight",
+    ("gqa4-tied", "IQ3_XS", True): "a3b7d3360fedc753",
+    ("gqa4-tied", "IQ3_XXS", False): "refused: blk.0.attn_k.weight",
+    ("gqa4-tied", "IQ3_XXS", True): "ba591862249ddf2c",
+    ("gqa4-tied", "IQ2_M", False): "refused: blk.0.attn_k.weight",
+    ("gqa4-tied", "IQ2_M", True): "cf3d290340c08c1a",
+    ("gqa4-tied", "IQ2_S", False): "refused: blk.0.attn_k.weight",
+    ("gqa4-tied", "IQ2_S", True): "53f217a9618f44f7",
+    ("gqa4-tied", "IQ2_XS", False): "refused: blk.0.attn_k.weight",
+    ("gqa4-tied", "IQ2_XS", True): "1fad126d5a6cb02e",
+    ("gqa4-tied", "IQ2_XXS", False): "refused: blk.0.attn_k.weight",
+    ("gqa4-tied", "IQ2_XXS", True): "72721e58360e8e25",
+    ("gqa4-tied", "IQ1_M", False): "refused: blk.0.attn_k.weight",
+    ("gqa4-tied", "IQ1_M", True): "8f28586aaa7a36d9",
+    ("gqa4-tied", "IQ1_S", False): "refused: blk.0.attn_k.weight",
+    ("gqa4-tied", "IQ1_S", True): "519d881853aba699",
+    ("gqa4-tied", "TQ2_0", False): "b43c0bba2d63cf77",
+    ("gqa4-tied", "TQ2_0", True): "b43c0bba2d63cf77",
+    ("gqa4-tied", "TQ1_0", False): "6a8e0d5d7356d111",
+    ("gqa4-tied", "TQ1_0", True): "6a8e0d5d7356d111",
+    ("gqa4-tied", "Q2_K_S", False): "refused: blk.0.attn_k.weight",
+    ("gqa4-tied", "Q2_K_S", True): "2fc72af282734e4f",
+    ("gqa4-tied", "Q4_0", True): "9eea8ceb59d6b663",
+    ("gqa4-tied", "Q5_0", True): "b24c89c10baf535f",
+    ("mha-untied", "IQ4_NL", False): "b72a8b4e32f8dd28",
+    ("mha-untied", "IQ4_NL", True): "52b08571908549dc",
+    ("mha-untied", "IQ4_XS", False): "581e922fd08ad729",
+    ("mha-untied", "IQ4_XS", True): "3eff8c5fa630ab09",
+    ("mha-untied", "IQ3_M", False): "8d612e4be07b73bb",
+    ("mha-untied", "IQ3_M", True): "8d612e4be07b73bb",
+    ("mha-untied", "IQ3_S", False): "6b85c97b1693ddcd",
+    ("mha-untied", "IQ3_S", True): "6b85c97b1693ddcd",
+    ("mha-untied", "IQ3_XS", False): "refused: blk.0.attn_k.weight",
+    ("mha-untied", "IQ3_XS", True): "5da3476b200d0098",
+    ("mha-untied", "IQ3_XXS", False): "refused: blk.0.attn_k.weight",
+    ("mha-untied", "IQ3_XXS", True): "525b5b44addc405d",
+    ("mha-untied", "IQ2_M", False): "refused: blk.0.attn_k.weight",
+    ("mha-untied", "IQ2_M", True): "8e4c84a0e4f39bf5",
+    ("mha-untied", "IQ2_S", False): "refused: blk.0.attn_k.weight",
+    ("mha-untied", "IQ2_S", True): "72dadadb674f0a7d",
+    ("mha-untied", "IQ2_XS", False): "refused: blk.0.attn_k.weight",
+    ("mha-untied", "IQ2_XS", True): "8203af77bec238da",
+    ("mha-untied", "IQ2_XXS", False): "refused: blk.0.attn_k.weight",
+    ("mha-untied", "IQ2_XXS", True): "a2ad8ac02879ef84",
+    ("mha-untied", "IQ1_M", False): "refused: blk.0.attn_k.weight",
+    ("mha-untied", "IQ1_M", True): "0361af9e8a97237f",
+    ("mha-untied", "IQ1_S", False): "refused: blk.0.attn_k.weight",
+    ("mha-untied", "IQ1_S", True): "7fe39d8611fdc573",
+    ("mha-untied", "TQ2_0", False): "009656cdb7891a4c",
+    ("mha-untied", "TQ2_0", True): "009656cdb7891a4c",
+    ("mha-untied", "TQ1_0", False): "abec7365989c6fdd",
+    ("mha-untied", "TQ1_0", True): "abec7365989c6fdd",
+    ("mha-untied", "Q2_K_S", False): "refused: blk.0.attn_k.weight",
+    ("mha-untied", "Q2_K_S", True): "58e28eab9467a191",
+    ("mha-untied", "Q4_0", True): "905185357c51dd5b",
+    ("mha-untied", "Q5_0", True): "87123a31f32ef654",
+    ("8-experts", "IQ4_NL", False): "e33a930e2f27db40",
+    ("8-experts", "IQ4_NL", True): "e33a930e2f27db40",
+    ("8-experts", "IQ4_XS", False): "0f6daedd9bd2ee46",
+    ("8-experts", "IQ4_XS", True): "0f6daedd9bd2ee46",
+    ("8-experts", "IQ3_M", False): "2e6130787f628566",
+    ("8-experts", "IQ3_M", True): "2e6130787f628566",
+    ("8-experts", "IQ3_S", False): "2aeaf790b514d043",
+    ("8-experts", "IQ3_S", True): "2aeaf790b514d043",
+    ("8-experts", "IQ3_XS", False): "refused: blk.0.attn_q.weight",
+    ("8-experts", "IQ3_XS", True): "1432747ec55b191c",
+    ("8-experts", "IQ3_XXS", False): "refused: blk.0.attn_q.weight",
+    ("8-experts", "IQ3_XXS", True): "554d8efb9b7afe0f",
+    ("8-experts", "IQ2_M", False): "refused: blk.0.attn_q.weight",
+    ("8-experts", "IQ2_M", True): "94e117642ef7fe7e",
+    ("8-experts", "IQ2_S", False): "refused: blk.0.attn_q.weight",
+    ("8-experts", "IQ2_S", True): "d559693e7d27ec76",
+    ("8-experts", "IQ2_XS", False): "refused: blk.0.attn_q.weight",
+    ("8-experts", "IQ2_XS", True): "bc70cacc9bb5b5a4",
+    ("8-experts", "IQ2_XXS", False): "refused: blk.0.attn_q.weight",
+    ("8-experts", "IQ2_XXS", True): "1bd06556f491c0c3",
+    ("8-experts", "IQ1_M", False): "refused: blk.0.attn_q.weight",
+    ("8-experts", "IQ1_M", True): "30847679aface37b",
+    ("8-experts", "IQ1_S", False): "refused: blk.0.attn_q.weight",
+    ("8-experts", "IQ1_S", True): "bac8274293711bea",
+    ("8-experts", "TQ2_0", False): "923ebbae8c551b66",
+    ("8-experts", "TQ2_0", True): "923ebbae8c551b66",
+    ("8-experts", "TQ1_0", False): "2b2cefb3b10446b1",
+    ("8-experts", "TQ1_0", True): "2b2cefb3b10446b1",
+    ("8-experts", "Q2_K_S", False): "refused: blk.0.attn_output.weight",
+    ("8-experts", "Q2_K_S", True): "129dcadc3dcd4816",
+    ("8-experts", "Q4_0", True): "e6b0383231bd3558",
+    ("8-experts", "Q5_0", True): "07e765ce7914f43a",
+    ("80-layers-gqa", "IQ4_NL", False): "e638930a8308fa9e",
+    ("80-layers-gqa", "IQ4_NL", True): "b3894541ee396fda",
+    ("80-layers-gqa", "IQ4_XS", False): "bd4b9bc4457242f3",
+    ("80-layers-gqa", "IQ4_XS", True): "b58b9b83289ec81b",
+    ("80-layers-gqa", "IQ3_M", False): "ee9823a3158027d0",
+    ("80-layers-gqa", "IQ3_M", True): "ee9823a3158027d0",
+    ("80-layers-gqa", "IQ3_S", False): "868953c5c49f74c8",
+    ("80-layers-gqa", "IQ3_S", True): "868953c5c49f74c8",
+    ("80-layers-gqa", "IQ3_XS", False): "refused: blk.0.attn_k.weight",
+    ("80-layers-gqa", "IQ3_XS", True): "c766eadfd303d8c7",
+    ("80-layers-gqa", "IQ3_XXS", False): "refused: blk.0.attn_k.weight",
+    ("80-layers-gqa", "IQ3_XXS", True): "6670ec5dbdb3ab51",
+    ("80-layers-gqa", "IQ2_M", False): "refused: blk.0.attn_k.weight",
+    ("80-layers-gqa", "IQ2_M", True): "ebfde7fcbf41873f",
+    ("80-layers-gqa", "IQ2_S", False): "refused: blk.0.attn_k.weight",
+    ("80-layers-gqa", "IQ2_S", True): "c5935265d4f82e0f",
+    ("80-layers-gqa", "IQ2_XS", False): "refused: blk.0.attn_k.weight",
+    ("80-layers-gqa", "IQ2_XS", True): "2d962d79da382170",
+    ("80-layers-gqa", "IQ2_XXS", False): "refused: blk.0.attn_k.weight",
+    ("80-layers-gqa", "IQ2_XXS", True): "0a650a241fc5f92d",
+    ("80-layers-gqa", "IQ1_M", False): "refused: blk.0.attn_k.weight",
+    ("80-layers-gqa", "IQ1_M", True): "5aa6505d7862c54c",
+    ("80-layers-gqa", "IQ1_S", False): "refused: blk.0.attn_k.weight",
+    ("80-layers-gqa", "IQ1_S", True): "a2a153872231f3ab",
+    ("80-layers-gqa", "TQ2_0", False): "4ffdfb995ff0cb07",
+    ("80-layers-gqa", "TQ2_0", True): "4ffdfb995ff0cb07",
+    ("80-layers-gqa", "TQ1_0", False): "01b145afe83f99ed",
+    ("80-layers-gqa", "TQ1_0", True): "01b145afe83f99ed",
+    ("80-layers-gqa", "Q2_K_S", False): "refused: blk.0.attn_k.weight",
+    ("80-layers-gqa", "Q2_K_S", True): "bb7ec3f0d31bfd73",
+    ("80-layers-gqa", "Q4_0", True): "32e8237751bb2007",
+    ("80-layers-gqa", "Q5_0", True): "750ba732146a1458",
+    ("falcon", "IQ4_NL", False): "cdb8ad613aef5d80",
+    ("falcon", "IQ4_NL", True): "7b4a0b1cc4ff91ec",
+    ("falcon", "IQ4_XS", False): "d8fedcccd29aee47",
+    ("falcon", "IQ4_XS", True): "2e804ab38ca39b85",
+    ("falcon", "IQ3_M", False): "6e4a11cdfc2a6030",
+    ("falcon", "IQ3_M", True): "6e4a11cdfc2a6030",
+    ("falcon", "IQ3_S", False): "21257d191969b06a",
+    ("falcon", "IQ3_S", True): "21257d191969b06a",
+    ("falcon", "IQ3_XS", False): "refused: blk.1.ffn_up.weight",
+    ("falcon", "IQ3_XS", True): "eb8d69d1ac827885",
+    ("falcon", "IQ3_XXS", False): "refused: blk.0.attn_output.weight",
+    ("falcon", "IQ3_XXS", True): "8cc0fe14cbcd6eff",
+    ("falcon", "IQ2_M", False): "refused: blk.0.ffn_up.weight",
+    ("falcon", "IQ2_M", True): "0f1cb084f7605c56",
+    ("falcon", "IQ2_S", False): "refused: blk.0.ffn_up.weight",
+    ("falcon", "IQ2_S", True): "9c68ccb56f7b85e2",
+    ("falcon", "IQ2_XS", False): "refused: blk.0.attn_output.weight",
+    ("falcon", "IQ2_XS", True): "fa84fac5ad1e23f6",
+    ("falcon", "IQ2_XXS", False): "refused: blk.0.attn_output.weight",
+    ("falcon", "IQ2_XXS", True): "8ab79975e0a9ac54",
+    ("falcon", "IQ1_M", False): "refused: blk.0.attn_output.weight",
+    ("falcon", "IQ1_M", True): "1b53be6113394d3d",
+    ("falcon", "IQ1_S", False): "refused: blk.0.attn_output.weight",
+    ("falcon", "IQ1_S", True): "22bb026419cbada4",
+    ("falcon", "TQ2_0", False): "ada79693e57cca25",
+    ("falcon", "TQ2_0", True): "ada79693e57cca25",
+    ("falcon", "TQ1_0", False): "f72342e8a553e927",
+    ("falcon", "TQ1_0", True): "f72342e8a553e927",
+    ("falcon", "Q2_K_S", False): "refused: blk.0.attn_output.weight",
+    ("falcon", "Q2_K_S", True): "4493f4ec09674efa",
+    ("falcon", "Q4_0", True): "000cb3bd82ec4d2c",
+    ("falcon", "Q5_0", True): "96eaa97f35990530",
+}
+
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict:
@@ -328,6 +497,21 @@ def test_types_equal_llama_cpp(case: tuple[str, str, str], models: dict):
     digest, summary = LLAMA_CPP_TYPES[case]
     assert " ".join(f"{k}:{counts[k]}" for k in sorted(counts)) == summary
     assert hashlib.sha256(lines.encode()).hexdigest() == digest
+
+
+@pytest.mark.parametrize("case", list(LLAMA_CPP_IQ_TYPES), ids=lambda c: "-".join(map(str, c)))
+def test_iq_types_and_refusals_equal_llama_cpp(case: tuple[str, str, bool], models: dict):
+    variant, preset, has_imatrix = case
+    expected = LLAMA_CPP_IQ_TYPES[case]
+    args = (models[variant], presets.parse_preset(preset), presets.Overrides(), has_imatrix)
+    if expected.startswith("refused: "):
+        tensor = expected.removeprefix("refused: ")
+        with pytest.raises(UsageError, match=f"needs an importance matrix: tensor '{tensor}'"):
+            plan(*args)
+        return
+    plans = plan(*args)
+    lines = "".join(f"{p.info.name} {p.new_type.name}\n" for p in plans)
+    assert hashlib.sha256(lines.encode()).hexdigest()[:16] == expected
 
 
 def test_tensor_order_is_llama_cpps():
@@ -352,8 +536,7 @@ def test_presets_by_llama_quantize_names(name: str, found: str):
     "name, error, message",
     [
         ("Q7_K", UsageError, "unknown quantization type 'Q7_K'"),
-        ("iq2_xxs", UnsupportedError, "IQ2_XXS needs an importance matrix"),
-        ("IQ4_XS", UnsupportedError, "cannot write IQ4_XS yet"),
+        ("mxfp4_moe", UnsupportedError, "cannot write MXFP4_MOE yet"),
     ],
 )
 def test_presets_refused(name: str, error: type, message: str):
@@ -362,8 +545,8 @@ def test_presets_refused(name: str, error: type, message: str):
 
 
 def test_tensor_types_refused():
-    with pytest.raises(UnsupportedError, match="cannot write IQ4_NL"):
-        presets.parse_tensor_type("iq4_nl", "--output-tensor-type")
+    with pytest.raises(UnsupportedError, match="cannot write MXFP4"):
+        presets.parse_tensor_type("mxfp4", "--output-tensor-type")
     with pytest.raises(UsageError, match="unknown tensor type 'q9'"):
         presets.parse_tensor_type("q9", "--token-embedding-type")
     assert presets.parse_tensor_type("q6_k", "--output-tensor-type") == T.Q6_K
