@@ -333,7 +333,8 @@ def _as_f32(rows: np.ndarray, ggml_type: GGMLQuantizationType, n_cols: int) -> n
     if ggml_type == T.F32:
         return rows.view(np.float32)
     if ggml_type == T.F16:
-        return rows.view(np.float16).astype(np.float32)
+        # torch's conversion is vectorized (F16C) where numpy's is not: twice as fast.
+        return torch.from_numpy(rows.view(np.float16)).float().numpy()
     if ggml_type == T.BF16:
         return (rows.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
     tensor = torch.from_numpy(rows)
