@@ -20,7 +20,8 @@ def quantize(
         str,
         typer.Argument(
             help="llama-quantize's type: Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0, Q2_K, Q3_K_M, F16, "
-            "... (any case).",
+            "IQ4_XS, IQ3_M, TQ2_0, ...; IQ1_*, IQ2_*, IQ3_XXS, IQ3_XS and Q2_K_S need --imatrix "
+            "(any case).",
             metavar="TYPE",
         ),
     ],
