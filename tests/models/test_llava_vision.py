@@ -138,9 +138,8 @@ def test_a_kept_class_token_fails(model, engine, images, reference, monkeypatch)
     assert (features - image_features(model, reference)).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("kind", ["llava_next"], indirect=True)  # LLaVA 1.5 has none
 def test_a_dropped_image_newline_fails(kind, model, engine, images, reference, monkeypatch):
-    if kind != "llava_next":
-        pytest.skip("LLaVA 1.5 has no image_newline")
     zeros = torch.nn.Parameter(torch.zeros_like(engine.vision.encoder.image_newline))
     monkeypatch.setattr(engine.vision.encoder, "image_newline", zeros)
     features = torch.cat(llava_images.encode(engine.vision, images))
@@ -379,12 +378,11 @@ def test_a_config_s_settings_are_checked(kind, folder, tmp_path):
     assert result.returncode != 0 and "vision_feature_select_strategy 'full'" in result.stderr
 
 
+@pytest.mark.parametrize("kind", ["llava"], indirect=True)  # one family is enough here
 def test_run_with_an_image_replies_as_transformers(kind, model, folder, tmp_path):
     """`llmrun run MODEL --image PATH "prompt"` from the folder."""
     from PIL import Image
 
-    if kind != "llava":
-        pytest.skip("one family is enough for the CLI")
     image = tmp_path / "cat.png"
     image.write_bytes(picture(90, 70, seed=4))
     reference = processor_inputs(folder, [Image.open(image).convert("RGB")], QUESTION)
