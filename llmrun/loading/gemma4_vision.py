@@ -20,13 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gguf import GGMLQuantizationType, Keys, VisionProjectorType
+from gguf import Keys, VisionProjectorType
 
 from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
 from llmrun.loading import gguf_io, safetensors_io
-from llmrun.loading.vision import projector_type, with_weights
+from llmrun.loading.vision import encoder_tensor, projector_type, with_weights
 from llmrun.models import gemma4_vision
-from llmrun.quant.blocks import dequantize
 
 MODEL_TYPE = "gemma4"
 # Gemma4ImageProcessor's soft-token budgets, and its default.
@@ -67,7 +66,6 @@ _GGUF_NAMES = {
 }
 # E2B's and E4B's mmproj files hold the audio encoder too (gemma4a), which is not run.
 _AUDIO = ("a.", "mm.a.")
-_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
 
 @dataclass
@@ -217,9 +215,7 @@ def from_mmproj(path: str | Path, text_hidden: int) -> Gemma4Vision:
             raise UnsupportedError(
                 f"{gg.path}: tensor {info.name!r} is not part of Gemma 4's image encoder"
             )
-        tensor = gguf_io.load_tensor(gg, info)
-        if info.ggml_type not in _FLOAT_TYPES:
-            tensor = dequantize(tensor, info.ggml_type).reshape(info.shape)
+        tensor = encoder_tensor(gg, info)
         if name.endswith(_BOUNDS):
             if tensor.numel() != 1:
                 raise ModelFormatError(f"{gg.path}: {info.name} is not one number")

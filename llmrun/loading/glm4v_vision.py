@@ -14,14 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gguf import GGMLQuantizationType, Keys, VisionProjectorType
+from gguf import Keys, VisionProjectorType
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import gguf_io, safetensors_io
 from llmrun.loading.qwen2_vl_vision import PATCH, conv3d_patch_weight, processor_settings
-from llmrun.loading.vision import projector_type, three_floats, with_weights
+from llmrun.loading.vision import encoder_tensor, projector_type, three_floats, with_weights
 from llmrun.models.glm4v_vision import EncoderArgs, VisionModel
-from llmrun.quant.blocks import dequantize
 
 MODEL_TYPES = ("glm4v", "glm4v_moe")
 # Glm4vImageProcessor's defaults (OpenAI CLIP's mean and std; its pixel limits count the
@@ -52,7 +51,6 @@ _GGUF_NAMES = {
     "mm.up": "merger.up_proj",
     "mm.down": "merger.down_proj",
 }
-_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
 
 @dataclass
@@ -148,9 +146,7 @@ def from_mmproj(path: str | Path, text_hidden: int) -> Glm4vVision:
     )
     tensors = {}
     for info in gg.tensors.values():
-        tensor = gguf_io.load_tensor(gg, info)
-        if info.ggml_type not in _FLOAT_TYPES:
-            tensor = dequantize(tensor, info.ggml_type).reshape(info.shape)
+        tensor = encoder_tensor(gg, info)
         tensors[info.name] = tensor.float()
     weights = _hf_weights(tensors, gg.path)
     processor = dict(

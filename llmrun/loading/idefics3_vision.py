@@ -15,13 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gguf import GGMLQuantizationType, Keys, VisionProjectorType
+from gguf import Keys, VisionProjectorType
 
 from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
 from llmrun.loading import gguf_io, safetensors_io
-from llmrun.loading.vision import projector_type, three_floats, with_weights
+from llmrun.loading.vision import encoder_tensor, projector_type, three_floats, with_weights
 from llmrun.models import idefics3_vision, siglip
-from llmrun.quant.blocks import dequantize
 
 MODEL_TYPES = ("smolvlm", "idefics3")
 # SmolVLMImageProcessor's (and Idefics3ImageProcessor's) defaults: images resized to
@@ -54,7 +53,6 @@ _GGUF_NAMES = {
     "v.post_ln.bias": "vision_model.post_layernorm.bias",
     "mm.model.fc.weight": "connector.modality_projection.proj.weight",
 }
-_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
 
 @dataclass
@@ -191,9 +189,7 @@ def from_mmproj(path: str | Path, text_hidden: int) -> Idefics3Vision:
             raise UnsupportedError(
                 f"{gg.path}: tensor {info.name!r} is not part of SmolVLM's image encoder"
             )
-        tensor = gguf_io.load_tensor(gg, info)
-        if info.ggml_type not in _FLOAT_TYPES:
-            tensor = dequantize(tensor, info.ggml_type).reshape(info.shape)
+        tensor = encoder_tensor(gg, info)
         weights[name] = tensor
     tile = args.vision.image_size
     mean, std = (

@@ -21,13 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gguf import GGMLQuantizationType, Keys, VisionProjectorType
+from gguf import Keys, VisionProjectorType
 
 from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
 from llmrun.loading import gguf_io, safetensors_io
-from llmrun.loading.vision import projector_type, three_floats, with_weights
+from llmrun.loading.vision import encoder_tensor, projector_type, three_floats, with_weights
 from llmrun.models.internvl_vision import EncoderArgs, ImageEncoder, VisionArgs
-from llmrun.quant.blocks import dequantize
 
 MODEL_TYPE = "internvl"
 # GotOcr2ImageProcessor's defaults (OpenAI CLIP's mean and std; 1 to 12 tiles).
@@ -69,7 +68,6 @@ _GGUF_NAMES = {
     "mm.model.mlp.3.weight": "multi_modal_projector.linear_2.weight",
     "mm.model.mlp.3.bias": "multi_modal_projector.linear_2.bias",
 }
-_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
 
 @dataclass
@@ -206,9 +204,7 @@ def from_mmproj(path: str | Path, text_hidden: int) -> InternVLVision:
             raise UnsupportedError(
                 f"{gg.path}: tensor {info.name!r} is not part of InternVL's encoder"
             )
-        tensor = gguf_io.load_tensor(gg, info)
-        if info.ggml_type not in _FLOAT_TYPES:
-            tensor = dequantize(tensor, info.ggml_type).reshape(info.shape)
+        tensor = encoder_tensor(gg, info)
         shape = expected.get(name)
         if shape is not None and tensor.numel() == shape.numel():
             tensor = tensor.reshape(shape)  # the class and position tables' leading 1s

@@ -19,13 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gguf import GGMLQuantizationType, Keys, VisionProjectorType
+from gguf import Keys, VisionProjectorType
 
 from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
 from llmrun.loading import gguf_io, safetensors_io
-from llmrun.loading.vision import projector_type, three_floats, with_weights
+from llmrun.loading.vision import encoder_tensor, projector_type, three_floats, with_weights
 from llmrun.models import lfm2_vl_vision, siglip
-from llmrun.quant.blocks import dequantize
 
 MODEL_TYPE = "lfm2_vl"
 # Lfm2VlImageProcessor's defaults.
@@ -70,7 +69,6 @@ _GGUF_NAMES = {
     "mm.1": "multi_modal_projector.linear_1",
     "mm.2": "multi_modal_projector.linear_2",
 }
-_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
 
 @dataclass
@@ -221,9 +219,7 @@ def from_mmproj(path: str | Path, text_hidden: int) -> Lfm2VlVision:
             )
         if _layer(name) >= layers:  # llama.cpp's block count leaves it out
             continue
-        tensor = gguf_io.load_tensor(gg, info)
-        if info.ggml_type not in _FLOAT_TYPES:
-            tensor = dequantize(tensor, info.ggml_type).reshape(info.shape)
+        tensor = encoder_tensor(gg, info)
         weights[name] = tensor
     patch = need(vision.PATCH_SIZE)
     embedding = weights.get("vision_tower.embeddings.patch_embedding.weight")

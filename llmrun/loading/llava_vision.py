@@ -29,15 +29,13 @@ import torch
 from gguf import (
     VISION_PROJECTOR_TYPE,
     VISION_PROJECTOR_TYPE_NAMES,
-    GGMLQuantizationType,
     Keys,
 )
 
 from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
 from llmrun.loading import gguf_io, safetensors_io
-from llmrun.loading.vision import projector_type, three_floats, with_weights
+from llmrun.loading.vision import encoder_tensor, projector_type, three_floats, with_weights
 from llmrun.models.llava_vision import EncoderArgs, ImageEncoder, VisionArgs
-from llmrun.quant.blocks import dequantize
 
 MODEL_TYPES = ("llava", "llava_next")
 # CLIPImageProcessor's OpenAI CLIP mean and std.
@@ -87,7 +85,6 @@ _GGUF_NAMES = {
     **{name: "image_newline" for name in _NEWLINES},
 }
 MLP = VISION_PROJECTOR_TYPE_NAMES[VISION_PROJECTOR_TYPE.MLP]  # "mlp"
-_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
 
 @dataclass
@@ -314,9 +311,7 @@ def from_mmproj(path: str | Path, text_hidden: int) -> LlavaVision:
             )
         if ".encoder.layers." in name and int(name.split(".")[4]) >= args.layers_run:
             continue  # past the feature layer
-        tensor = gguf_io.load_tensor(gg, info)
-        if info.ggml_type not in _FLOAT_TYPES:
-            tensor = dequantize(tensor, info.ggml_type).reshape(info.shape)
+        tensor = encoder_tensor(gg, info)
         weights[name] = tensor
     weights = _unswapped(weights, args.vision.hidden_size)
     size = args.vision.image_size

@@ -17,13 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gguf import GGMLQuantizationType, Keys, VisionProjectorType
+from gguf import Keys, VisionProjectorType
 
 from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
 from llmrun.loading import gguf_io, safetensors_io
-from llmrun.loading.vision import three_floats, with_weights
+from llmrun.loading.vision import encoder_tensor, three_floats, with_weights
 from llmrun.models import pixtral
-from llmrun.quant.blocks import dequantize
 
 MODEL_TYPE = "mistral3"
 # PixtralImageProcessor's mean and std per channel (CLIP's).
@@ -60,7 +59,6 @@ _GGUF_NAMES = {
 }
 # The language model's [IMG_BREAK] row, which it embeds itself.
 _IMAGE_BREAK = "v.token_embd.img_break"
-_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
 
 @dataclass
@@ -180,9 +178,7 @@ def from_mmproj(path: str | Path, text_hidden: int) -> PixtralVision:
             raise UnsupportedError(
                 f"{gg.path}: tensor {info.name!r} is not part of Mistral 3's encoder"
             )
-        tensor = gguf_io.load_tensor(gg, info)
-        if info.ggml_type not in _FLOAT_TYPES:
-            tensor = dequantize(tensor, info.ggml_type).reshape(info.shape)
+        tensor = encoder_tensor(gg, info)
         if name.endswith(("q_proj.weight", "k_proj.weight")):
             tensor = gguf_io.unpermute_rows(tensor, heads)
         weights[name] = tensor

@@ -17,13 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gguf import GGMLQuantizationType, Keys, VisionProjectorType
+from gguf import Keys, VisionProjectorType
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import gguf_io, safetensors_io
-from llmrun.loading.vision import three_floats, with_weights
+from llmrun.loading.vision import encoder_tensor, three_floats, with_weights
 from llmrun.models.qwen2_vl_vision import QWEN2_5_VL, QWEN2_VL, EncoderArgs, VisionModel
-from llmrun.quant.blocks import dequantize
 
 MODEL_TYPES = (QWEN2_VL, QWEN2_5_VL)
 # Qwen2VLImageProcessor's defaults (OpenAI CLIP's mean and std; 4 to 1280 merged tokens).
@@ -48,7 +47,6 @@ _GGUF_NAMES = {
     "mm.0": "merger.mlp.0",
     "mm.2": "merger.mlp.2",
 }
-_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 PATCH = "v.patch_embd.weight"
 
 
@@ -198,9 +196,7 @@ def from_mmproj(path: str | Path, text_hidden: int) -> QwenVision:
     )
     tensors = {}
     for info in gg.tensors.values():
-        tensor = gguf_io.load_tensor(gg, info)
-        if info.ggml_type not in _FLOAT_TYPES:
-            tensor = dequantize(tensor, info.ggml_type).reshape(info.shape)
+        tensor = encoder_tensor(gg, info)
         tensors[info.name] = tensor.float()
     weights = _hf_weights(tensors, family, args.hidden_size, gg.path)
     mean = three_floats(meta.get(vision.IMAGE_MEAN, CLIP_MEAN), gg.path, vision.IMAGE_MEAN)

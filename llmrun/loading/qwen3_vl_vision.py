@@ -15,14 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gguf import GGMLQuantizationType, Keys, VisionProjectorType
+from gguf import Keys, VisionProjectorType
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import gguf_io, safetensors_io
 from llmrun.loading.qwen2_vl_vision import PATCH, conv3d_patch_weight, processor_settings
-from llmrun.loading.vision import three_floats, with_weights
+from llmrun.loading.vision import encoder_tensor, three_floats, with_weights
 from llmrun.models.qwen3_vl_vision import EncoderArgs, VisionModel
-from llmrun.quant.blocks import dequantize
 
 MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 # The Hub's preprocessor_config.json of Qwen3-VL (and Qwen3.5): mean and std 0.5, and
@@ -47,7 +46,6 @@ _GGUF_NAMES = {
     "v.patch_embd": "patch_embed.proj",
 }
 _GGUF_DEEPSTACK = {"norm": "norm", "fc1": "linear_fc1", "fc2": "linear_fc2"}
-_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
 
 @dataclass
@@ -145,9 +143,7 @@ def from_mmproj(path: str | Path, text_hidden: int) -> Qwen3Vision:
     )
     tensors = {}
     for info in gg.tensors.values():
-        tensor = gguf_io.load_tensor(gg, info)
-        if info.ggml_type not in _FLOAT_TYPES:
-            tensor = dequantize(tensor, info.ggml_type).reshape(info.shape)
+        tensor = encoder_tensor(gg, info)
         tensors[info.name] = tensor.float()
     weights = _hf_weights(tensors, args, gg.path)
     processor = dict(

@@ -58,7 +58,6 @@ _GGUF_NAMES = {
     "v.post_ln.weight": "post_layernorm.weight",
     "v.post_ln.bias": "post_layernorm.bias",
 }
-_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 _SOFT_EMB_NORM = "mm.soft_emb_norm.weight"
 _INPUT_PROJECTION = "mm.input_projection.weight"
 
@@ -187,9 +186,7 @@ def from_mmproj(path: str | Path, text_hidden: int) -> Vision:
             raise UnsupportedError(
                 f"{gg.path}: tensor {info.name!r} is not part of Gemma 3's encoder"
             )
-        tensor = gguf_io.load_tensor(gg, info)
-        if info.ggml_type not in _FLOAT_TYPES:
-            tensor = dequantize(tensor, info.ggml_type).reshape(info.shape)
+        tensor = encoder_tensor(gg, info)
         if info.name == _SOFT_EMB_NORM:
             tensor = tensor.float() - 1.0  # the converter stores Gemma's 1 + w
         weights[name] = tensor
@@ -227,6 +224,19 @@ def _build(
         gemma3_vision.ImageEncoder, args, weights, source, (args.text_hidden_size, text_hidden)
     )
     return Vision(encoder, args.vision.image_size, mean, std)
+
+
+def encoder_tensor(gg: gguf_io.GGUFFile, info: Any) -> torch.Tensor:
+    """An mmproj tensor as the encoders take it: F32, F16 and BF16 as stored, a quantized one
+    dequantized to its shape (the towers run in f32; with_weights converts)."""
+    tensor = gguf_io.load_tensor(gg, info)
+    if info.ggml_type in (
+        GGMLQuantizationType.F32,
+        GGMLQuantizationType.F16,
+        GGMLQuantizationType.BF16,
+    ):
+        return tensor
+    return dequantize(tensor, info.ggml_type).reshape(info.shape)
 
 
 def with_weights(

@@ -17,13 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gguf import GGMLQuantizationType, Keys, VisionProjectorType
+from gguf import Keys, VisionProjectorType
 
 from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
 from llmrun.loading import gguf_io, safetensors_io
-from llmrun.loading.vision import with_weights
+from llmrun.loading.vision import encoder_tensor, with_weights
 from llmrun.models.whisper_encoder import AudioEncoder, EncoderArgs
-from llmrun.quant.blocks import dequantize
 
 MODEL_TYPE = "voxtral"
 TEXT_ONLY = "without the audio tower"  # how the loader's note on a Voxtral folder ends
@@ -53,7 +52,6 @@ _GGUF_NAMES = {
     "mm.a.mlp.1": "multi_modal_projector.linear_1",
     "mm.a.mlp.2": "multi_modal_projector.linear_2",
 }
-_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
 
 @dataclass
@@ -148,9 +146,7 @@ def from_mmproj(path: str | Path, text_hidden: int) -> VoxtralAudio:
             raise UnsupportedError(
                 f"{gg.path}: tensor {info.name!r} is not part of Voxtral's audio encoder"
             )
-        tensor = gguf_io.load_tensor(gg, info)
-        if info.ggml_type not in _FLOAT_TYPES:
-            tensor = dequantize(tensor, info.ggml_type).reshape(info.shape)
+        tensor = encoder_tensor(gg, info)
         if name.endswith(("conv1.bias", "conv2.bias")) and tensor.dim() == 2:
             tensor = tensor.reshape(-1)  # [channels, 1] for ggml's broadcast
         weights[name] = tensor
