@@ -514,6 +514,14 @@ def load(
     encoder = audio_encoder = None
     if vision or (mmproj is not None and not audio):
         encoder = _load_vision(checkpoint, path, mmproj)
+    elif checkpoint.gguf is None and vision_families.of_folder(path) is not None:
+        # Its tower loads at the first image (`chat`'s /image), so the note says when.
+        checkpoint.notes = [
+            f"{note} until an image is given (--image, /image)"
+            if note.endswith(vision_loading.TEXT_ONLY)
+            else note
+            for note in checkpoint.notes
+        ]
     if audio:
         audio_encoder = _load_audio(checkpoint, path, mmproj)
     # The tokenizer builds while the weights load: repacking and mapping them run in

@@ -58,6 +58,9 @@ def test_a_chat_with_an_image_replies_as_transformers_in_every_turn(files):
     command = llmrun("chat", folder, *options, input="\n".join([f"/image {image}", *QUESTIONS]))
     assert command.returncode == 0, command.stderr
     assert command.stdout == expected
+    # The tower is not loaded at the start, but /image loads it: the note says so.
+    assert "without the vision tower until an image is given (--image, /image)" in command.stderr
+    assert "without the vision tower" not in flag.stderr
 
 
 def test_image_of_a_missing_file_is_one_error_line_and_the_chat_goes_on(
