@@ -18,7 +18,12 @@ from gguf import Keys, VisionProjectorType
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import gguf_io, safetensors_io
-from llmrun.loading.qwen2_vl_vision import PATCH, conv3d_patch_weight, processor_settings
+from llmrun.loading.qwen2_vl_vision import (
+    PATCH,
+    conv3d_patch_weight,
+    processor_settings,
+    visual_tensors,
+)
 from llmrun.loading.vision import encoder_tensor, projector_type, three_floats, with_weights
 from llmrun.models.glm4v_vision import EncoderArgs, VisionModel
 
@@ -28,7 +33,6 @@ MODEL_TYPES = ("glm4v", "glm4v_moe")
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MIN_PIXELS, MAX_PIXELS = 112 * 112, 28 * 28 * 15000
-_HF_PREFIXES = ("model.visual.", "visual.")
 # clip.cpp's names -> the tower's.
 _GGUF_LAYER = {
     "attn_qkv": "attn.qkv",
@@ -92,12 +96,7 @@ def from_hf_dir(path: Path, text_hidden: int) -> Glm4vVision:
     """The vision tower of a GLM-4.1V or GLM-4.5V folder (f32, on the CPU)."""
     config = safetensors_io.read_config(path)
     args = EncoderArgs.from_config(config)
-    weights = {}
-    for file in safetensors_io.safetensors_files(path):
-        for name, tensor in safetensors_io.load_tensors(file).items():
-            prefix = next((p for p in _HF_PREFIXES if name.startswith(p)), None)
-            if prefix is not None:
-                weights[name[len(prefix) :]] = tensor
+    weights = visual_tensors(path)
     processor = processor_settings(path, args, CLIP_MEAN, CLIP_STD, MIN_PIXELS, MAX_PIXELS)
     return _build(args, weights, text_hidden, path, processor)
 

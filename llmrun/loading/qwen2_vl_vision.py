@@ -85,16 +85,23 @@ def _projector(meta: dict[str, Any]) -> Any:
     return meta.get(Keys.Clip.PROJECTOR_TYPE, meta.get(Keys.ClipVision.PROJECTOR_TYPE))
 
 
-def from_hf_dir(path: Path, text_hidden: int) -> QwenVision:
-    """The vision tower of a Qwen2-VL or Qwen2.5-VL folder (f32, on the CPU)."""
-    config = safetensors_io.read_config(path)
-    args = EncoderArgs.from_config(config)
+def visual_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """A folder's vision-tower tensors (`model.visual.*` or `visual.*`), named as the
+    tower's own: the layout of Qwen2-VL, Qwen3-VL and GLM-4V folders alike."""
     weights = {}
     for file in safetensors_io.safetensors_files(path):
         for name, tensor in safetensors_io.load_tensors(file).items():
             prefix = next((p for p in _HF_PREFIXES if name.startswith(p)), None)
             if prefix is not None:
                 weights[name[len(prefix) :]] = tensor
+    return weights
+
+
+def from_hf_dir(path: Path, text_hidden: int) -> QwenVision:
+    """The vision tower of a Qwen2-VL or Qwen2.5-VL folder (f32, on the CPU)."""
+    config = safetensors_io.read_config(path)
+    args = EncoderArgs.from_config(config)
+    weights = visual_tensors(path)
     processor = processor_settings(path, args)
     return _build(args, weights, text_hidden, path, processor)
 

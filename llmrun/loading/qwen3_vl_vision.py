@@ -19,7 +19,12 @@ from gguf import Keys, VisionProjectorType
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import gguf_io, safetensors_io
-from llmrun.loading.qwen2_vl_vision import PATCH, conv3d_patch_weight, processor_settings
+from llmrun.loading.qwen2_vl_vision import (
+    PATCH,
+    conv3d_patch_weight,
+    processor_settings,
+    visual_tensors,
+)
 from llmrun.loading.vision import encoder_tensor, three_floats, with_weights
 from llmrun.models.qwen3_vl_vision import EncoderArgs, VisionModel
 
@@ -28,7 +33,6 @@ MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 # 65536 to 16777216 pixels; what a folder without one, or an mmproj, gets.
 MEAN = STD = (0.5, 0.5, 0.5)
 MIN_PIXELS, MAX_PIXELS = 65536, 16777216
-_HF_PREFIXES = ("model.visual.", "visual.")
 # clip.cpp's names -> the tower's.
 _GGUF_LAYER = {
     "attn_qkv": "attn.qkv",
@@ -91,12 +95,7 @@ def from_hf_dir(path: Path, text_hidden: int) -> Qwen3Vision:
     """The vision tower of a Qwen3-VL or Qwen3.5 folder (f32, on the CPU)."""
     config = safetensors_io.read_config(path)
     args = EncoderArgs.from_config(config)
-    weights = {}
-    for file in safetensors_io.safetensors_files(path):
-        for name, tensor in safetensors_io.load_tensors(file).items():
-            prefix = next((p for p in _HF_PREFIXES if name.startswith(p)), None)
-            if prefix is not None:
-                weights[name[len(prefix) :]] = tensor
+    weights = visual_tensors(path)
     processor = processor_settings(path, args, MEAN, STD, MIN_PIXELS, MAX_PIXELS)
     return _build(args, weights, text_hidden, path, processor)
 
