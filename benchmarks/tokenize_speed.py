@@ -8,9 +8,10 @@ tests/data/cache/vocab/) and prints three tables:
 
 - build: CPU seconds (the least of -r runs; CPU time, as other work on the machine stretches
   wall time) for `Tokenizer.from_gguf_metadata` on each vocabulary, the GGUF header read
-  (`read_gguf`) apart, and of it the `tokenizers` library's own `BPE(vocab, merges)`
-  constructor, the floor of any build. "spm-262k" is Gemma 4's 262,144 tokens given
-  SentencePiece scores (-id), standing in for Gemma 3's SentencePiece vocabulary.
+  (`read_gguf`) apart: as llmrun builds it (merging in C, llmrun.gguf_bpe), as it builds it
+  where the C library cannot be built (the `tokenizers` library's BPE), and the library's
+  own `BPE(vocab, merges)` constructor, the floor of that second way. "spm-262k" is Gemma 4's
+  262,144 tokens given SentencePiece scores (-id), standing in for Gemma 3's vocabulary.
 - batch: texts/s and tokens/s for --mb MB of text (llama.cpp's test strings, CJK text and
   the sources of Python's standard library; one text per line), encoded by a plain
   per-line loop of `encode` and by `encode_batch` with each --threads value (0: all cores).
@@ -72,7 +73,7 @@ def corpus(vocab_dir: Path, megabytes: float) -> list[str]:
 def build_times(vocab_dir: Path, repeat: int) -> list[dict]:
     from tokenizers.models import BPE
 
-    from llmrun import tokenizer_gguf
+    from llmrun import native, tokenizer_gguf
     from llmrun.loading.gguf_io import read_gguf
     from llmrun.spm_merges import spm_merges
     from llmrun.tokenizer import Tokenizer
@@ -91,6 +92,10 @@ def build_times(vocab_dir: Path, repeat: int) -> list[dict]:
                 -float(i) for i in range(len(meta["tokenizer.ggml.tokens"]))
             ]
         build = cpu_best(lambda: Tokenizer.from_gguf_metadata(meta, str(path)), repeat)  # noqa: B023
+        merging = native.tokenize_library
+        native.tokenize_library = lambda: None
+        without_c = cpu_best(lambda: Tokenizer.from_gguf_metadata(meta, str(path)), repeat)  # noqa: B023
+        native.tokenize_library = merging
         # The same vocabulary and merges as the build gives the library.
         vocab = tokenizer_gguf._gguf_vocab(meta["tokenizer.ggml.tokens"])
         if meta["tokenizer.ggml.model"] == "llama":
@@ -105,6 +110,7 @@ def build_times(vocab_dir: Path, repeat: int) -> list[dict]:
                 "merges": len(merges),
                 "read_s": read,
                 "build_s": build,
+                "library_s": without_c,
                 "bpe_s": library,
             }
         )
@@ -224,6 +230,7 @@ def main() -> None:
                 "merges": "merges",
                 "read_s": "read_gguf CPU s",
                 "build_s": "from_gguf_metadata CPU s",
+                "library_s": "without C: library's BPE CPU s",
                 "bpe_s": "of which BPE() CPU s",
             },
         )

@@ -165,6 +165,9 @@ class PreTokenizer:
     # whitespace, which is dropped, each piece lowercased where `lowercase`.
     drop_whitespace: bool = False
     lowercase: bool = False
+    # Gemma 4: a word of newlines that is a token is that token, unmerged (llama.cpp's
+    # LLAMA_VOCAB_PRE_TYPE_GEMMA4 rule).
+    newline_words: bool = False
 
     @property
     def regexes(self) -> tuple[str, ...]:
@@ -232,7 +235,9 @@ _TABLE: list[tuple[tuple[str, ...], PreTokenizer]] = [
     (("jais-2",), PreTokenizer("jais2")),
     (
         ("gemma4", "granite-embed-multi-311m"),
-        PreTokenizer("gemma4", byte_level=False, escape_spaces=True, bos_always=True),
+        PreTokenizer(
+            "gemma4", byte_level=False, escape_spaces=True, bos_always=True, newline_words=True
+        ),
     ),
     (
         ("sarvam-moe",),

@@ -22,7 +22,9 @@ from tokenizers import AddedToken, normalizers
 from tokenizers import Tokenizer as Backend
 from tokenizers.models import BPE
 
+from llmrun import gguf_bpe
 from llmrun.errors import TokenizerError, UnsupportedError
+from llmrun.gguf_bpe import MergingBackend
 from llmrun.pretokenizers import (
     FORK_PRE_TOKENIZERS,
     PRE_TOKENIZERS,
@@ -228,7 +230,7 @@ def tokenizer_args(metadata: dict[str, Any], source: str) -> dict[str, Any]:
         bos, eos = token_id(Keys.Tokenizer.BOS_ID, 1), token_id(Keys.Tokenizer.EOS_ID, 2)
     else:
         add_prefix = False
-        backend = _bpe_backend(metadata, vocab, pre, source)
+        backend = _bpe_backend(metadata, vocab, n, pre, source)
         add_bos_default = pre.add_bos
         bos, eos = token_id(Keys.Tokenizer.BOS_ID), token_id(Keys.Tokenizer.EOS_ID)
 
@@ -265,7 +267,9 @@ def tokenizer_args(metadata: dict[str, Any], source: str) -> dict[str, Any]:
         fim_ids=marks.fim,
         # WPM's word-initial pieces each begin with a space.
         strip_leading_space=((spm or ugm) and add_prefix) or wpm,
-        split_special=_special_splitter(tokens, added, marks, vocab, always=ugm),
+        split_special=_special_splitter(
+            tokens, added, marks, vocab, always=ugm or isinstance(backend, MergingBackend)
+        ),
         token_ids=vocab if ugm else None,
         source=source,
     )
@@ -320,52 +324,77 @@ def _spm_backend(
     n: int,
     source: str,
     add_prefix: bool,
-) -> Backend:
+) -> Backend | MergingBackend:
     scores = _gguf_array(metadata, Keys.Tokenizer.SCORES, n, source, 0.0)
     unk = metadata.get(Keys.Tokenizer.UNK_ID, 0)
     unk_token = tokens[unk] if isinstance(unk, int) and 0 <= unk < n else None
-    bpe = BPE(
-        vocab,
-        spm_merges(vocab, scores),
-        unk_token=unk_token if unk_token in vocab else None,
-        byte_fallback=True,
+    unk_token = unk_token if unk_token in vocab else None
+
+    def library() -> Backend:
+        bpe = BPE(vocab, spm_merges(vocab, scores), unk_token=unk_token, byte_fallback=True)
+        backend = Backend(bpe)
+        escape = normalizers.Replace(" ", SPM_SPACE)
+        # llama.cpp adds the space prefix to every run of text, also after a special token.
+        backend.normalizer = (
+            normalizers.Sequence([normalizers.Prepend(SPM_SPACE), escape]) if add_prefix else escape
+        )
+        return backend
+
+    unk_id = None if unk_token is None else vocab[unk_token]
+    merging = gguf_bpe.spm_backend(
+        vocab, n, scores, unk=unk_id, add_prefix=add_prefix, batch_backend=library
     )
-    backend = Backend(bpe)
-    escape = normalizers.Replace(" ", SPM_SPACE)
-    # llama.cpp adds the space prefix to every run of text, also after a special token.
-    backend.normalizer = (
-        normalizers.Sequence([normalizers.Prepend(SPM_SPACE), escape]) if add_prefix else escape
-    )
-    return backend
+    return merging or library()
 
 
 def _bpe_backend(
-    metadata: dict[str, Any], vocab: dict[str, int], pre: PreTokenizer, source: str
-) -> Backend:
+    metadata: dict[str, Any], vocab: dict[str, int], n: int, pre: PreTokenizer, source: str
+) -> Backend | MergingBackend:
     merges = metadata.get(Keys.Tokenizer.MERGES)
     if not isinstance(merges, list):
         raise TokenizerError(f"{source}: no {Keys.Tokenizer.MERGES} in the metadata")
-    try:
-        bpe = BPE(
-            vocab,
-            _split_merges(merges),
-            ignore_merges=pre.ignore_merges,
-            # Without GPT-2's byte alphabet, a character outside the vocabulary is spelled
-            # with <0xXX> byte tokens.
-            byte_fallback=not pre.byte_level,
-        )
-    except Exception as e:
-        raise TokenizerError(
-            f"{source}: {Keys.Tokenizer.MERGES} does not fit {Keys.Tokenizer.LIST}: {e}"
-        ) from None
-    backend = Backend(bpe)
+    normalizer = None
     if pre.escape_spaces:
-        backend.normalizer = normalizers.Replace(" ", SPM_SPACE)
+        normalizer = normalizers.Replace(" ", SPM_SPACE)
     if pre.lowercase:
-        backend.normalizer = normalizers.Lowercase()
-    absent = "".join(c for c in BYTE_LEVEL_ALPHABET if c not in vocab) if pre.byte_level else ""
-    backend.pre_tokenizer = pre_tokenizer(pre, absent)
-    return backend
+        normalizer = normalizers.Lowercase()
+
+    def library() -> Backend:
+        try:
+            bpe = BPE(
+                vocab,
+                _split_merges(merges),
+                ignore_merges=pre.ignore_merges,
+                # Without GPT-2's byte alphabet, a character outside the vocabulary is spelled
+                # with <0xXX> byte tokens.
+                byte_fallback=not pre.byte_level,
+            )
+        except Exception as e:
+            raise TokenizerError(
+                f"{source}: {Keys.Tokenizer.MERGES} does not fit {Keys.Tokenizer.LIST}: {e}"
+            ) from None
+        backend = Backend(bpe)
+        backend.normalizer = normalizer
+        byte_level = pre.byte_level
+        absent = "".join(c for c in BYTE_LEVEL_ALPHABET if c not in vocab) if byte_level else ""
+        backend.pre_tokenizer = pre_tokenizer(pre, absent)
+        return backend
+
+    merging = gguf_bpe.bpe_backend(
+        vocab,
+        n,
+        merges,
+        normalizer=normalizer,
+        # A character of the byte alphabet without a token stays in its word, where no merge
+        # takes it, as in llama.cpp (the library's BPE needs the word cut there instead).
+        pre_tokenizer=pre_tokenizer(pre),
+        ignore_merges=pre.ignore_merges,
+        newline_words=pre.newline_words,
+        byte_level=pre.byte_level,
+        source=source,
+        batch_backend=library,
+    )
+    return merging or library()
 
 
 @dataclass

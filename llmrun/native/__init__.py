@@ -141,6 +141,33 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
+# The tokenizer's library (tokenize.c): the vocabulary, its merges, and the two encoders.
+_TOKENIZE_API = {
+    "llmrun_vocab_new": ([_PTR, _I64, _PTR, _PTR, _I64, ctypes.c_int32, _PTR], _PTR),
+    "llmrun_vocab_merges": ([_PTR, _PTR, _I64, _PTR, _I64], _I64),
+    "llmrun_vocab_free": ([_PTR], None),
+    "llmrun_bpe_encode": ([_PTR, _PTR, _I64, _PTR, _I64, _INT, _PTR], _I64),
+    "llmrun_spm_encode": ([_PTR, _PTR, _I64, ctypes.c_int32, _PTR], _I64),
+}
+
+
+@functools.cache
+def tokenize_library() -> ctypes.CDLL | None:
+    """The tokenizer's merging library (llmrun.gguf_bpe), or None where there is no C compiler,
+    it fails to build, or LLMRUN_NATIVE=0 is set (the tokenizers library merges then)."""
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if os.environ.get("LLMRUN_NATIVE", "1") == "0" or compiler is None:
+        return None
+    try:
+        lib = build.load_tokenize(compiler)
+    except build.BuildError:
+        return None
+    for name, (argtypes, restype) in _TOKENIZE_API.items():
+        getattr(lib, name).argtypes = argtypes
+        getattr(lib, name).restype = restype
+    return lib
+
+
 def library() -> ctypes.CDLL | None:
     """The loaded library (None without native kernels), for other modules' bindings."""
     return _library()

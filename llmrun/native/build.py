@@ -7,6 +7,9 @@ library. The table below names each, best first, with the features the CPU must 
 /proc/cpuinfo: a new family is one more source and one more entry. The library goes into
 the cache folder, keyed by a hash of the sources, the compiler, its flags and the
 CPU's features, so later runs load it at once.
+
+The tokenizer's merging (tokenize.c, llmrun.gguf_bpe) is a library of its own, built
+without -march flags: it holds no kernels and builds in a moment.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ DECODE_STEP = HERE / "decode_step.c"
 LAYOUT = HERE / "layout.c"  # the packed row layouts, written at load (kernels.pack)
 QUANTIZE = HERE / "quantize.c"  # f32 rows -> GGML blocks, as ggml's reference (llmrun quantize)
 QUANTIZE_IQ = HERE / "quantize_iq.c"  # f32 rows -> i-quant and ternary blocks, as ggml's
+TOKENIZE = HERE / "tokenize.c"
+TOKENIZE_FLAGS = ["-O2", "-shared", "-fPIC"]
 COMMON = HERE / "common.h"
 Q8_HEADER = HERE / "q8.h"  # the 8-bit-activation kernels' shared part
 IQUANTS = HERE / "iquants.h"  # the x86 families' i-quant dequantizers
@@ -122,14 +127,14 @@ def _flags(family: str) -> list[str]:
     return [*FAMILIES[family].march, *FLAGS]
 
 
-def _compile(compiler: str, family: str, path: Path) -> None:
+def _compile(compiler: str, flags: list[str], sources: list[Path], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename, so concurrent first runs never load half a file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *_flags(family), *map(str, FAMILIES[family].sources()), "-o", tmp],
+            [compiler, *flags, *map(str, sources), "-o", tmp],
             check=True,
             capture_output=True,
             text=True,
@@ -143,11 +148,30 @@ def _compile(compiler: str, family: str, path: Path) -> None:
 
 def target(compiler: str, family: str) -> Path:
     """Where the cache keeps `family`'s library as `compiler` builds it for this CPU."""
+    sources = (*FAMILIES[family].sources(), COMMON, Q8_HEADER, IQUANTS)
+    return _cached(_tag(family), sources, [family, compiler, *_flags(family), cpu_features()])
+
+
+def _cached(name: str, sources: tuple[Path, ...], settings: list[str]) -> Path:
     key = hashlib.sha256()
-    for path in (*FAMILIES[family].sources(), COMMON, Q8_HEADER, IQUANTS):
+    for path in sources:
         key.update(path.read_bytes())
-    key.update(" ".join([family, compiler, *_flags(family), cpu_features()]).encode())
-    return paths.cache_dir().parent / "kernels" / f"llmrun-{_tag(family)}-{key.hexdigest()[:16]}.so"
+    key.update(" ".join(settings).encode())
+    return paths.cache_dir().parent / "kernels" / f"llmrun-{name}-{key.hexdigest()[:16]}.so"
+
+
+def load_tokenize(compiler: str) -> ctypes.CDLL:
+    """The tokenizer's library (tokenize.c), built first if the cache lacks it; BuildError
+    if it cannot be built or loaded."""
+    path = _cached("tokenize", (TOKENIZE,), [compiler, *TOKENIZE_FLAGS])
+    try:
+        if not path.exists():
+            _compile(compiler, TOKENIZE_FLAGS, [TOKENIZE], path)
+        return ctypes.CDLL(str(path))
+    except subprocess.CalledProcessError as e:
+        raise BuildError(f"building tokenize.c failed: {e.stderr.strip()[-500:]}") from e
+    except (OSError, subprocess.SubprocessError) as e:
+        raise BuildError(f"building or loading tokenize.c failed: {e}") from e
 
 
 def load(compiler: str, family: str) -> ctypes.CDLL:
@@ -157,7 +181,7 @@ def load(compiler: str, family: str) -> ctypes.CDLL:
     path = target(compiler, family)
     try:
         if not path.exists():
-            _compile(compiler, family, path)
+            _compile(compiler, _flags(family), FAMILIES[family].sources(), path)
         lib = ctypes.CDLL(str(path))
     except subprocess.CalledProcessError as e:
         raise BuildError(f"building {source} failed: {e.stderr.strip()[-500:]}") from e
