@@ -4,8 +4,9 @@ Why not the `tokenizers` library's BPE: its constructor alone takes about 0.5 s 
 262,144 tokens and 514,906 merges, where the C tables take a few hundredths. The library still
 does what it is quick at: the normalizer and the pre-tokenizer (llmrun.pretokenizers' Split
 and ByteLevel steps) run before the merging, and a batch (`encode_batch_fast`) is encoded on
-its threads by its own BPE, built at the first batch. Special tokens are cut out of a text
-before it gets here (tokenizer_gguf's splitter), so this backend sees plain text only.
+its threads by its own BPE, built at the first batch. Added (special and user-defined)
+tokens are found as the library finds them, by its own matcher (an empty model that holds
+only them), so a text cuts where the library's BPE would cut it.
 Where the C library cannot be built (no compiler, LLMRUN_NATIVE=0), `merging_backend` gives
 None and the library's BPE does all of it.
 """
@@ -20,6 +21,7 @@ import numpy as np
 from gguf import Keys
 from tokenizers import AddedToken, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as Backend
+from tokenizers.models import BPE
 
 from llmrun import native
 from llmrun.errors import TokenizerError
@@ -69,18 +71,37 @@ class MergingBackend:
         self._make_batch_backend = batch_backend
         self._batch_backend: Backend | None = None
         self._added: list[AddedToken] = []
+        self._matcher: Backend | None = None
+        self._matched_ids: dict[int, int] = {}  # the matcher's ids -> the vocabulary's
+        self._first_chars: frozenset[str] = frozenset()  # where an added token can begin
         self.encode_special_tokens = False
 
     def add_tokens(self, tokens: list[AddedToken]) -> None:
-        """The special and user-defined tokens, for the library's BPE of batches (one text is
-        cut at them before it comes here)."""
+        """The special and user-defined tokens: matched in a text before its plain runs
+        are merged, and given to the library's BPE of batches."""
         self._added = tokens
+        self._matcher = Backend(BPE({}, [])) if tokens else None  # plain text: no ids
+        if self._matcher is not None:
+            self._matcher.add_tokens(tokens)
+            ids = {t.content: self._matcher.token_to_id(t.content) for t in tokens}
+            self._matched_ids = {i: self._vocab[text] for text, i in ids.items()}
+            self._first_chars = frozenset(text[0] for text in ids)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> Encoding:
-        """`text`'s ids (special tokens are the splitter's, so `add_special_tokens` is moot);
-        TypeError for text that is not UTF-8, as the library raises."""
+        """`text`'s ids (`add_special_tokens` is moot: no post-processor); TypeError for
+        text that is not UTF-8, as the library raises."""
         try:
-            return Encoding(self._encode(text))
+            if self._matcher is None or self._first_chars.isdisjoint(text):
+                return Encoding(self._encode(text))
+            self._matcher.encode_special_tokens = self.encode_special_tokens
+            found = self._matcher.encode(text, add_special_tokens=False)
+            ids: list[int] = []
+            at = 0
+            for i, (start, end) in zip(found.ids, found.offsets, strict=True):
+                ids += self._encode(text[at:start]) if start > at else []
+                ids.append(self._matched_ids[i])
+                at = end
+            return Encoding(ids + self._encode(text[at:]) if at < len(text) else ids)
         except UnicodeEncodeError as e:
             raise TypeError(str(e)) from None
 

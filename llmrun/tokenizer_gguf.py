@@ -267,9 +267,7 @@ def tokenizer_args(metadata: dict[str, Any], source: str) -> dict[str, Any]:
         fim_ids=marks.fim,
         # WPM's word-initial pieces each begin with a space.
         strip_leading_space=((spm or ugm) and add_prefix) or wpm,
-        split_special=_special_splitter(
-            tokens, added, marks, vocab, always=ugm or isinstance(backend, MergingBackend)
-        ),
+        split_special=_special_splitter(tokens, added, marks, vocab, always=ugm),
         token_ids=vocab if ugm else None,
         source=source,
     )

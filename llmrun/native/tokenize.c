@@ -20,14 +20,18 @@ typedef struct {
 } entry_t;
 
 typedef struct {
+    uint64_t key; /* (left id << 32 | right id) + 1; 0 for an empty slot */
+    int32_t rank; /* the merge's place in the list */
+    int32_t id;   /* the token it makes */
+} pair_t;
+
+typedef struct {
     char *blob;         /* every token's text */
     entry_t *entries;   /* the text table: open addressing, `mask` + 1 slots */
     uint64_t mask;
     int32_t n_ids;      /* the vocabulary's size (ids are below it) */
     float *scores;      /* by id, for SentencePiece; NULL for BPE */
-    uint64_t *pair_key; /* the merge table: (left id << 32 | right id) + 1, 0 = empty */
-    int32_t *pair_rank;
-    int32_t *pair_id;
+    pair_t *pairs; /* the merge table, open addressing, `pair_mask` + 1 slots */
     uint64_t pair_mask;
     int32_t byte_token[256]; /* the token a lone byte falls back to, -1 for none */
     int32_t hex_token[256];  /* the "<0xXX>" token of each byte, -1 for none */
@@ -93,9 +97,7 @@ void llmrun_vocab_free(vocab_t *v) {
     free(v->blob);
     free(v->entries);
     free(v->scores);
-    free(v->pair_key);
-    free(v->pair_rank);
-    free(v->pair_id);
+    free(v->pairs);
     free(v);
 }
 
@@ -167,12 +169,11 @@ vocab_t *llmrun_vocab_new(const char *blob, int64_t blob_size, const int32_t *ch
 int64_t llmrun_vocab_merges(vocab_t *v, const char *blob, int64_t blob_size, const int32_t *chars,
                             int64_t n) {
     uint64_t size = table_size(n);
+    free(v->pairs);
     v->pair_mask = size - 1;
-    v->pair_key = calloc(size, sizeof(uint64_t));
-    v->pair_rank = malloc(sizeof(int32_t) * size);
-    v->pair_id = malloc(sizeof(int32_t) * size);
+    v->pairs = calloc(size, sizeof(pair_t));
     char *joined = malloc((size_t)blob_size + 1);
-    if (v->pair_key == NULL || v->pair_rank == NULL || v->pair_id == NULL || joined == NULL) {
+    if (v->pairs == NULL || joined == NULL) {
         free(joined);
         return -1;
     }
@@ -197,13 +198,11 @@ int64_t llmrun_vocab_merges(vocab_t *v, const char *blob, int64_t blob_size, con
         }
         uint64_t key = ((uint64_t)(uint32_t)left << 32 | (uint32_t)right) + 1;
         uint64_t slot = hash_pair(key) & v->pair_mask;
-        while (v->pair_key[slot] != 0 && v->pair_key[slot] != key) {
+        while (v->pairs[slot].key != 0 && v->pairs[slot].key != key) {
             slot = (slot + 1) & v->pair_mask;
         }
-        if (v->pair_key[slot] == 0) {
-            v->pair_key[slot] = key;
-            v->pair_rank[slot] = (int32_t)i;
-            v->pair_id[slot] = result;
+        if (v->pairs[slot].key == 0) {
+            v->pairs[slot] = (pair_t){key, (int32_t)i, result};
         }
     }
     free(joined);
@@ -212,17 +211,18 @@ int64_t llmrun_vocab_merges(vocab_t *v, const char *blob, int64_t blob_size, con
 
 /* The merge of two tokens: its rank, and the token it makes in *result; -1 if none. */
 static int32_t merge_rank(const vocab_t *v, int32_t left, int32_t right, int32_t *result) {
-    if (left < 0 || right < 0 || v->pair_key == NULL) {
+    if (left < 0 || right < 0 || v->pairs == NULL) {
         return -1;
     }
     uint64_t key = ((uint64_t)(uint32_t)left << 32 | (uint32_t)right) + 1;
     for (uint64_t slot = hash_pair(key) & v->pair_mask;; slot = (slot + 1) & v->pair_mask) {
-        if (v->pair_key[slot] == 0) {
+        const pair_t *pair = &v->pairs[slot];
+        if (pair->key == 0) {
             return -1;
         }
-        if (v->pair_key[slot] == key) {
-            *result = v->pair_id[slot];
-            return v->pair_rank[slot];
+        if (pair->key == key) {
+            *result = pair->id;
+            return pair->rank;
         }
     }
 }
