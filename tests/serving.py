@@ -1,8 +1,10 @@
-"""`llmrun serve` as a real server in a subprocess, for tests that drive it over HTTP;
-images as requests send them, and the single-sequence reply serve's must equal; a
-scheduler's replies to requests decoded together."""
+"""`llmrun serve` as a real server in a subprocess, for tests that drive it over HTTP, or
+its app in process over a started Service; images as requests send them, and the
+single-sequence reply serve's must equal; a scheduler's replies to requests decoded
+together."""
 
 import base64
+import dataclasses
 import hashlib
 import os
 import queue
@@ -10,12 +12,16 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+from starlette.testclient import TestClient
 
+from llmrun.batching import Request
 from llmrun.images import open_image
 from llmrun.sampling import SamplingParams
+from llmrun.server import Service, create_app
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -58,6 +64,19 @@ class Server:
         return sum(float(v) for v in re.findall(pattern, text, re.M))
 
 
+def served(engine, name: str) -> Iterator[TestClient]:
+    """A TestClient on serve's app over a started Service of `engine` named `name` (2
+    requests decoded together, 4 queued), the Service closed after; a module fixture
+    yields from it."""
+    service = Service(name, set(), None, parallel=2, queue=4)
+    service.start(engine)
+    try:
+        with TestClient(create_app(service)) as http:
+            yield http
+    finally:
+        service.close()
+
+
 def data_url(image: bytes) -> str:
     """An image's bytes (PNG) as a request's base64 data: URL."""
     return "data:image/png;base64," + base64.b64encode(image).decode()
@@ -97,11 +116,20 @@ def image_prompt(engine, *parts):
     return text, ids, prompt_images, [hashlib.sha256(p).digest() for p in pictures]
 
 
-def alone(engine, *parts, max_tokens: int = 8) -> tuple[str, list[int]]:
+def alone(engine, *parts, max_tokens: int = 8, ignore_eos: bool = False) -> tuple[str, list[int]]:
     """The single-sequence loop's greedy reply to image_prompt: its text and tokens."""
     _, ids, prompt_images, _ = image_prompt(engine, *parts)
+    if ignore_eos:
+        engine = dataclasses.replace(engine, eos_ids=[])
     responses = list(engine.generate(ids, GREEDY, max_tokens, images=prompt_images))
     return "".join(r.text for r in responses), [r.token for r in responses if r.token is not None]
+
+
+def image_request(engine, *parts, max_tokens: int = 8, **options) -> Request:
+    """A greedy llmrun.batching.Request of image_prompt, its images named by their digests
+    (as serve sends it to the scheduler); `options`: Request's own."""
+    _, ids, prompt_images, digests = image_prompt(engine, *parts)
+    return Request(ids, GREEDY, max_tokens, images=prompt_images, image_digests=digests, **options)
 
 
 def scheduled(scheduler, requests) -> list[tuple[str, list[int]]]:

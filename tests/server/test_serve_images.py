@@ -7,17 +7,31 @@ requests with different images batched together (in prefill chunks that would sp
 image, and preempted) each get their reply alone; the prefix cache reuses an image's
 blocks for the same image only, also where the reused prefix ends inside the image;
 URLs that are not base64 data:, undecodable or oversized images, and a model without
-an image encoder are 400s; `llmrun serve GGUF --mmproj FILE` takes images.
+an image encoder are 400s; `llmrun serve GGUF --mmproj FILE` takes images (the checks
+shared with the other families: image_serving's).
 
 Tolerances: tokens and text exact.
 """
 
-import dataclasses
-import hashlib
-
-import httpx
 import pytest
-from serving import Server, data_url, scheduled
+from image_serving import (
+    Reused,
+    check_batched_replies_are_alone_s,
+    check_prefix_cache_reuses_an_image_only_for_the_same_image,
+    check_reply_is_run_s,
+    served_process_reply,
+)
+from serving import (
+    GREEDY,
+    alone,
+    chat_reply,
+    data_url,
+    image_content,
+    image_prompt,
+    image_request,
+    scheduled,
+    served,
+)
 from starlette.testclient import TestClient
 from vision_helpers import (
     greedy_tokens,
@@ -30,16 +44,14 @@ from vision_helpers import (
 )
 
 from llmrun import api
-from llmrun.batching import Request, Scheduler
+from llmrun.batching import Scheduler
 from llmrun.images import open_image
 from llmrun.kv_blocks import BLOCK_SIZE
 from llmrun.models.paged import PagedKVCache
-from llmrun.sampling import SamplingParams
 from llmrun.server import Service, create_app, images
 
 pytest.importorskip("PIL")
 transformers = pytest.importorskip("transformers")
-GREEDY = SamplingParams(temperature=0)
 QUESTION = "What is in this picture?"
 RED, BLUE = picture(48, 80, 1), picture(100, 60, 2)  # PNG bytes
 
@@ -61,56 +73,7 @@ def engine(folder):
 
 @pytest.fixture(scope="module")
 def client(engine):
-    service = Service("gemma3", set(), None, parallel=2, queue=4)
-    service.start(engine)
-    try:
-        with TestClient(create_app(service)) as http:
-            yield http
-    finally:
-        service.close()
-
-
-def content(*parts) -> list[dict]:
-    """Chat content parts: a text for a str, an image_url data: URL for bytes."""
-    return [
-        {"type": "text", "text": part}
-        if isinstance(part, str)
-        else {"type": "image_url", "image_url": {"url": data_url(part)}}
-        for part in parts
-    ]
-
-
-def chat(client, *parts, max_tokens=8) -> dict:
-    body = {
-        "messages": [{"role": "user", "content": content(*parts)}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-    }
-    response = client.post("/v1/chat/completions", json=body)
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-def prompt(engine, *parts):
-    """What `llmrun run --image` feeds the model for a user message of these parts: ids,
-    PromptImages, and each image's digest (as serve names them)."""
-    template_parts = [
-        {"type": "text", "text": p} if isinstance(p, str) else {"type": "image"} for p in parts
-    ]
-    text = engine.render([{"role": "user", "content": template_parts}])
-    pictures = [p for p in parts if isinstance(p, bytes)]
-    ids, prompt_images = engine.image_prompt(text, [open_image(p) for p in pictures])
-    return ids, prompt_images, [hashlib.sha256(p).digest() for p in pictures]
-
-
-def alone(engine, *parts, max_tokens=8, ignore_eos=False):
-    """The single-sequence loop's greedy reply: its text and tokens."""
-    ids, prompt_images, _ = prompt(engine, *parts)
-    if ignore_eos:
-        engine = dataclasses.replace(engine, eos_ids=[])
-    responses = list(engine.generate(ids, GREEDY, max_tokens, images=prompt_images))
-    tokens = [r.token for r in responses if r.token is not None]
-    return "".join(r.text for r in responses), tokens
+    yield from served(engine, "gemma3")
 
 
 def test_a_greedy_reply_to_an_image_is_run_s_and_transformers(client, engine, model, folder):
@@ -128,14 +91,10 @@ def test_a_greedy_reply_to_an_image_is_run_s_and_transformers(client, engine, mo
         "temperature": 0,
     }
     reply = client.post("/v1/chat/completions", json=body).json()
-    text, tokens = alone(engine, RED, QUESTION)
     reference = processor_inputs(folder, [open_image(RED)], QUESTION)
-    assert tokens == greedy_tokens(model, reference, 8)
-    assert reply["choices"][0]["message"]["content"] == text
-    usage = reply["usage"]
-    # The prompt's tokens count the image's.
-    assert usage["prompt_tokens"] == reference.input_ids.shape[1]
-    assert usage["completion_tokens"] == len(tokens)
+    expected = greedy_tokens(model, reference, 8)
+    prompt_tokens = reference.input_ids.shape[1]
+    check_reply_is_run_s(reply, engine, (RED, QUESTION), expected, prompt_tokens, whole=True)
 
 
 def test_images_across_messages_are_transformers_and_each_encoded_once(
@@ -157,7 +116,7 @@ def test_images_across_messages_are_transformers_and_each_encoded_once(
 
     monkeypatch.setattr(api.Engine, "encode_images", encode)
     messages = [
-        {"role": role, "content": content(*parts) if role == "user" else parts[0]}
+        {"role": role, "content": image_content(*parts) if role == "user" else parts[0]}
         for role, parts in turns
     ]
     body = {"messages": messages, "max_tokens": 8, "temperature": 0}
@@ -193,12 +152,7 @@ def test_responses_take_input_image_parts(client):
     body = {"input": [item], "max_output_tokens": 8, "temperature": 0}
     response = client.post("/v1/responses", json=body).json()
     text = response["output"][0]["content"][0]["text"]
-    assert text == chat(client, BLUE, QUESTION)["choices"][0]["message"]["content"]
-
-
-def image_request(engine, *parts, max_tokens=8, **options) -> Request:
-    ids, prompt_images, digests = prompt(engine, *parts)
-    return Request(ids, GREEDY, max_tokens, images=prompt_images, image_digests=digests, **options)
+    assert text == chat_reply(client, BLUE, QUESTION)["choices"][0]["message"]["content"]
 
 
 def test_different_images_batched_together_each_get_their_own_reply(engine):
@@ -206,19 +160,8 @@ def test_different_images_batched_together_each_get_their_own_reply(engine):
     # end inside it at 16.
     red = ("Look here", RED, "What is it?")
     blue = ("Look here", BLUE, "What is it?")
-    assert prompt(engine, *red)[1].starts == [14]
-    text_only = engine.tokenizer.encode(engine.render([{"role": "user", "content": "Hi"}]))
-    requests = [
-        image_request(engine, *red),
-        image_request(engine, *blue),
-        Request(text_only, GREEDY, 8),
-    ]
-    got = scheduled(Scheduler(engine, parallel=3, prefill_budget=8), requests)
-    assert got[0] == alone(engine, *red)
-    assert got[1] == alone(engine, *blue)
-    assert got[0] != got[1]  # each saw its own image
-    expected = list(engine.generate(text_only, GREEDY, 8))
-    assert got[2][0] == "".join(r.text for r in expected)
+    assert image_prompt(engine, *red)[2].starts == [14]
+    check_batched_replies_are_alone_s(engine, red, blue, prefill_budget=8)
 
 
 def test_preempted_requests_are_prefilled_again_with_their_images(engine):
@@ -239,22 +182,11 @@ def test_preempted_requests_are_prefilled_again_with_their_images(engine):
 
 
 def test_the_prefix_cache_reuses_an_image_only_for_the_same_image(client, engine):
-    def cached(reply):
-        return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
-
-    first = chat(client, "Look here", RED, "What is it?")
-    again = chat(client, "Look here", RED, "What is it?")
-    assert cached(again) == 32 and again["choices"] == first["choices"]
     # The first block (0..15) ends inside the image (14..18): the rest of it is fed.
-    other_question = ("Look here", RED, "And what else is there?")
-    reply = chat(client, *other_question)
-    assert cached(reply) == BLOCK_SIZE
-    assert reply["choices"][0]["message"]["content"] == alone(engine, *other_question)[0]
-    # Another image at the same place: no block from its start on is shared.
-    other_image = ("Look here", BLUE, "And what else is there?")
-    reply = chat(client, *other_image)
-    assert cached(reply) == 0
-    assert reply["choices"][0]["message"]["content"] == alone(engine, *other_image)[0]
+    reused = check_prefix_cache_reuses_an_image_only_for_the_same_image(
+        client, engine, ("Look here", RED, "What is it?"), BLUE, "And what else is there?"
+    )
+    assert reused == Reused(again=32, other_question=BLOCK_SIZE, other_image=0)
 
 
 def error(client, body, status=400) -> dict:
@@ -335,13 +267,6 @@ def test_a_model_without_an_image_encoder_says_so(model, tmp_path):
 def test_serve_takes_a_gguf_s_mmproj(model, tmp_path):
     text = write_text_gguf(model, tmp_path / "gemma3.gguf")
     mmproj = write_mmproj(model, tmp_path / "mmproj.gguf")
-    server = Server(tmp_path, str(text), "--mmproj", str(mmproj))
-    try:
-        assert "takes images" in server.log.read_text()
-        body = image_body(data_url(RED))
-        body.update(temperature=0, max_tokens=8)
-        reply = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120).json()
-    finally:
-        server.stop()
+    reply = served_process_reply(tmp_path, [str(text), "--mmproj", str(mmproj)], RED, QUESTION)
     engine = api.load(str(text), device="cpu", mmproj=mmproj)
-    assert reply["choices"][0]["message"]["content"] == alone(engine, RED, QUESTION)[0]
+    assert reply == alone(engine, RED, QUESTION)[0]

@@ -3,21 +3,19 @@
 then the unpadded grid of its pinpoint's tiles, a newline a row). A greedy chat completion
 with an image equals `llmrun run --image`'s tokens (the engine's single-sequence loop) and
 transformers'; requests with images of other token counts batched together (in prefill
-chunks that would split an image) each get their reply alone.
+chunks that would split an image) each get their reply alone (image_serving's checks).
 
 Tolerances: tokens and text exact.
 """
 
 import pytest
+from image_serving import check_batched_replies_are_alone_s, check_reply_is_run_s
 from llava_helpers import greedy_tokens, processor_inputs, save_llava_dir, tiny_llava
-from serving import GREEDY, alone, chat_reply, image_prompt, scheduled
-from starlette.testclient import TestClient
+from serving import chat_reply, image_prompt, served
 from vision_helpers import picture
 
 from llmrun import api
-from llmrun.batching import Request, Scheduler
 from llmrun.images import open_image
-from llmrun.server import Service, create_app
 
 pytest.importorskip("PIL")
 transformers = pytest.importorskip("transformers")
@@ -44,24 +42,15 @@ def engine(folder):
 
 @pytest.fixture(scope="module")
 def client(engine):
-    service = Service("llava", set(), None, parallel=2, queue=4)
-    service.start(engine)
-    try:
-        with TestClient(create_app(service)) as http:
-            yield http
-    finally:
-        service.close()
+    yield from served(engine, "llava")
 
 
 def test_a_greedy_reply_to_an_image_is_run_s_and_transformers(client, engine, model, folder):
     reply = chat_reply(client, WIDE, QUESTION)
-    text, tokens = alone(engine, WIDE, QUESTION)
     reference = processor_inputs(folder, [open_image(WIDE)], QUESTION)
     expected = greedy_tokens(model, reference)
-    assert tokens == expected[: len(tokens)] and len(tokens) >= 4  # run stops at EOS
-    assert reply["choices"][0]["message"]["content"] == text
-    assert reply["usage"]["prompt_tokens"] == reference["input_ids"].shape[1]
-    assert reply["usage"]["completion_tokens"] == len(tokens)
+    prompt_tokens = reference["input_ids"].shape[1]
+    check_reply_is_run_s(reply, engine, (WIDE, QUESTION), expected, prompt_tokens)
 
 
 def test_images_of_other_token_counts_batched_together_each_get_their_own_reply(engine):
@@ -70,14 +59,4 @@ def test_images_of_other_token_counts_batched_together_each_get_their_own_reply(
     # Chunks of 16 tokens would end inside each image.
     assert [b - a for ((a, b),) in spans] == [52, 56]
     assert all(a < 16 < b for ((a, b),) in spans)
-    text_only = engine.tokenizer.encode(engine.render([{"role": "user", "content": "Hi"}]))
-    requests = []
-    for parts in (wide, tall):
-        _, ids, prompt_images, digests = image_prompt(engine, *parts)
-        requests.append(Request(ids, GREEDY, 8, images=prompt_images, image_digests=digests))
-    requests.append(Request(text_only, GREEDY, 8))
-    got = scheduled(Scheduler(engine, parallel=3, prefill_budget=16), requests)
-    assert got[0] == alone(engine, *wide)
-    assert got[1] == alone(engine, *tall)
-    assert got[0] != got[1]
-    assert got[2][0] == "".join(r.text for r in engine.generate(text_only, GREEDY, 8))
+    check_batched_replies_are_alone_s(engine, wide, tall, prefill_budget=16)
