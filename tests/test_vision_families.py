@@ -39,6 +39,8 @@ def test_each_projector_finds_its_family(tmp_path):
         ("idefics3", "SmolVLM/Idefics3"),
         ("mlp", "LLaVA 1.5/NeXT"),
         ("lfm2", "LFM2-VL"),
+        ("minicpmv4_6", "MiniCPM-V 4.6"),
+        ("llama4", "Llama 4"),
     ):
         found = vision_families.of_mmproj(mmproj(tmp_path / f"{projector}.gguf", projector))
         assert found is not None and found.name == family

@@ -1,6 +1,6 @@
 """Gemma 4's image encoder from either format: its Hugging Face folder
 (Gemma4ForConditionalGeneration: model.vision_tower.*, model.embed_vision.*; its audio
-tower is not run), or the mmproj GGUF that llama.cpp's converter writes beside the text
+tower is loading.gemma4_audio's), or the mmproj GGUF that llama.cpp's converter writes beside the text
 model's GGUF (conversion/gemma.py Gemma4VisionAudioModel: projector type gemma4v, the
 patch projection stored as a [hidden, 3, patch, patch] convolution, each clipped linear's
 bounds as 1-element tensors beside its weight, gguf-py's mmproj tensor names). Both give
@@ -14,7 +14,6 @@ llama.cpp itself allows up to 1120), its patch and pooling sizes the encoder's.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from gguf import Keys, VisionProjectorType
 
 from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
 from llmrun.loading import gguf_io, safetensors_io
-from llmrun.loading.vision import encoder_tensor, projector_type, with_weights
+from llmrun.loading.vision import encoder_tensor, image_processor, projector_type, with_weights
 from llmrun.models import gemma4_vision
 
 MODEL_TYPE = "gemma4"
@@ -64,7 +63,7 @@ _GGUF_NAMES = {
     "v.std_scale": "vision_tower.std_scale",
     "mm.input_projection.weight": "embed_vision.embedding_projection.weight",
 }
-# E2B's and E4B's mmproj files hold the audio encoder too (gemma4a), which is not run.
+# E2B's and E4B's mmproj files hold the audio encoder too (gemma4a: loading.gemma4_audio).
 _AUDIO = ("a.", "mm.a.")
 
 
@@ -119,31 +118,10 @@ def from_hf_dir(path: Path, text_hidden: int) -> Gemma4Vision:
     return _build(args, weights, text_hidden, path, tokens)
 
 
-def _image_processor(path: Path) -> tuple[Path, dict[str, Any]]:
-    """The image processor's settings: preprocessor_config.json, or transformers 5's
-    processor_config.json, which holds them under "image_processor"; none where neither
-    is there."""
-    for name, key in (
-        ("preprocessor_config.json", None),
-        ("processor_config.json", "image_processor"),
-    ):
-        file = path / name
-        if not file.is_file():
-            continue
-        try:
-            settings = json.loads(file.read_text())
-        except (OSError, ValueError) as e:
-            raise ModelFormatError(f"{file}: not readable JSON ({e})") from None
-        settings = settings.get(key) if key and isinstance(settings, dict) else settings
-        if isinstance(settings, dict):
-            return file, settings
-    return path, {}
-
-
 def _max_soft_tokens(path: Path, args: gemma4_vision.VisionArgs) -> int:
     """The image processor's max_soft_tokens (default 280), its patch and pooling sizes
     checked against the encoder's, its resizing and scaling Gemma 4's."""
-    file, processor = _image_processor(path)
+    file, processor = image_processor(path)
     tokens = processor.get("max_soft_tokens", DEFAULT_SOFT_TOKENS)
     if tokens not in SOFT_TOKEN_BUDGETS:
         raise ModelFormatError(

@@ -18,8 +18,15 @@ import torch
 from gguf import Keys, VisionProjectorType
 
 from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
-from llmrun.loading import gguf_io, safetensors_io
-from llmrun.loading.vision import encoder_tensor, projector_type, three_floats, with_weights
+from llmrun.loading import safetensors_io
+from llmrun.loading.vision import (
+    encoder_tensor,
+    open_mmproj,
+    prefixed_weights,
+    projector_type,
+    three_floats,
+    with_weights,
+)
 from llmrun.models import idefics3_vision, siglip
 
 MODEL_TYPES = ("smolvlm", "idefics3")
@@ -101,13 +108,7 @@ def from_hf_dir(path: Path, text_hidden: int) -> Idefics3Vision:
     if not has_vision(config):
         raise UsageError(f"{path}: not a SmolVLM or Idefics3 folder with a vision_config")
     args = idefics3_vision.EncoderArgs.from_config(config)
-    weights = {}
-    for file in safetensors_io.safetensors_files(path):
-        for name, tensor in safetensors_io.load_tensors(file).items():
-            for old, new in _HF_PREFIXES.items():
-                if name.startswith(old):
-                    weights[new + name[len(old) :]] = tensor
-                    break
+    weights = prefixed_weights(path, _HF_PREFIXES)
     settings = _processor_settings(path)
     return _build(args, weights, text_hidden, path, **settings)
 
@@ -152,22 +153,9 @@ def from_mmproj(path: str | Path, text_hidden: int) -> Idefics3Vision:
     are the tower's image_size; images are resized to clip.vision.preproc_image_size on
     their longest side (4 tiles where an older file does not say, the image processor's
     default) and always split, as SmolVLM's processors are set up."""
-    gg = gguf_io.read_gguf(path)
+    gg, need = open_mmproj(path, VisionProjectorType.IDEFICS3)
     meta = gg.metadata
-    kind = meta.get(Keys.Clip.PROJECTOR_TYPE, meta.get(Keys.ClipVision.PROJECTOR_TYPE))
-    if kind is None or not meta.get(Keys.Clip.HAS_VISION_ENCODER, False):
-        raise ModelFormatError(f"{gg.path}: not an mmproj GGUF with a vision encoder")
-    if kind != VisionProjectorType.IDEFICS3:
-        raise UnsupportedError(
-            f"{gg.path}: projector type {kind!r}, not {VisionProjectorType.IDEFICS3!r}"
-        )
     vision = Keys.ClipVision
-
-    def need(key: str, default: Any = None) -> Any:
-        value = meta.get(key, default)
-        if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
-            raise ModelFormatError(f"{gg.path}: metadata {key!r} is {value!r}")
-        return value
 
     args = idefics3_vision.EncoderArgs(
         siglip.VisionArgs(

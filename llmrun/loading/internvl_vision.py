@@ -24,8 +24,15 @@ import torch
 from gguf import Keys, VisionProjectorType
 
 from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
-from llmrun.loading import gguf_io, safetensors_io
-from llmrun.loading.vision import encoder_tensor, projector_type, three_floats, with_weights
+from llmrun.loading import safetensors_io
+from llmrun.loading.vision import (
+    encoder_tensor,
+    open_mmproj,
+    positive_int,
+    projector_type,
+    three_floats,
+    with_weights,
+)
 from llmrun.models.internvl_vision import EncoderArgs, ImageEncoder, VisionArgs
 
 MODEL_TYPE = "internvl"
@@ -131,12 +138,12 @@ def _processor_settings(path: Path, image_size: int) -> dict[str, Any]:
             raise ModelFormatError(f"{file}: not readable JSON ({e})") from None
     size = processor.get("size", {"height": image_size, "width": image_size})
     tile = size.get("height") if isinstance(size, dict) else None
-    if not _positive(tile) or size.get("width") != tile:
+    if not positive_int(tile) or size.get("width") != tile:
         raise ModelFormatError(f"{file}: size is {size!r}, not a square tile in pixels")
     tiles = [
         processor.get(k, d) for k, d in (("min_patches", MIN_TILES), ("max_patches", MAX_TILES))
     ]
-    if not all(_positive(t) for t in tiles) or tiles[0] > tiles[1]:
+    if not all(positive_int(t) for t in tiles) or tiles[0] > tiles[1]:
         raise ModelFormatError(f"{file}: min_patches and max_patches are {tiles}")
     return dict(
         tile=tile,
@@ -147,26 +154,11 @@ def _processor_settings(path: Path, image_size: int) -> dict[str, Any]:
     )
 
 
-def _positive(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
 def from_mmproj(path: str | Path, text_hidden: int) -> InternVLVision:
     """The image encoder of llama.cpp's mmproj GGUF (projector type internvl)."""
-    gg = gguf_io.read_gguf(path)
+    gg, need = open_mmproj(path, VisionProjectorType.INTERNVL)
     meta = gg.metadata
-    kind = meta.get(Keys.Clip.PROJECTOR_TYPE, meta.get(Keys.ClipVision.PROJECTOR_TYPE))
-    if kind is None or not meta.get(Keys.Clip.HAS_VISION_ENCODER, False):
-        raise ModelFormatError(f"{gg.path}: not an mmproj GGUF with a vision encoder")
-    if kind != VisionProjectorType.INTERNVL:
-        raise UnsupportedError(f"{gg.path}: projector type {kind!r} is not InternVL's")
     vision = Keys.ClipVision
-
-    def need(key: str, default: Any = None) -> Any:
-        value = meta.get(key, default)
-        if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
-            raise ModelFormatError(f"{gg.path}: metadata {key!r} is {value!r}")
-        return value
 
     if meta.get(vision.USE_SILU):
         act = "silu"

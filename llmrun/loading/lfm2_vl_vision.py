@@ -22,8 +22,14 @@ import torch
 from gguf import Keys, VisionProjectorType
 
 from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
-from llmrun.loading import gguf_io, safetensors_io
-from llmrun.loading.vision import encoder_tensor, projector_type, three_floats, with_weights
+from llmrun.loading import safetensors_io
+from llmrun.loading.vision import (
+    encoder_tensor,
+    open_mmproj,
+    projector_type,
+    three_floats,
+    with_weights,
+)
 from llmrun.models import lfm2_vl_vision, siglip
 
 MODEL_TYPE = "lfm2_vl"
@@ -192,22 +198,9 @@ def _processor_settings(path: Path, args: lfm2_vl_vision.EncoderArgs) -> dict[st
 
 def from_mmproj(path: str | Path, text_hidden: int) -> Lfm2VlVision:
     """The image encoder of llama.cpp's mmproj GGUF (projector type lfm2)."""
-    gg = gguf_io.read_gguf(path)
+    gg, need = open_mmproj(path, VisionProjectorType.LFM2)
     meta = gg.metadata
-    kind = meta.get(Keys.Clip.PROJECTOR_TYPE, meta.get(Keys.ClipVision.PROJECTOR_TYPE))
-    if kind is None or not meta.get(Keys.Clip.HAS_VISION_ENCODER, False):
-        raise ModelFormatError(f"{gg.path}: not an mmproj GGUF with a vision encoder")
-    if kind != VisionProjectorType.LFM2:
-        raise UnsupportedError(
-            f"{gg.path}: projector type {kind!r}, not {VisionProjectorType.LFM2!r}"
-        )
     vision = Keys.ClipVision
-
-    def need(key: str, default: Any = None) -> Any:
-        value = meta.get(key, default)
-        if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
-            raise ModelFormatError(f"{gg.path}: metadata {key!r} is {value!r}")
-        return value
 
     layers = need(vision.BLOCK_COUNT)
     weights = {}

@@ -33,8 +33,15 @@ from gguf import (
 )
 
 from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
-from llmrun.loading import gguf_io, safetensors_io
-from llmrun.loading.vision import encoder_tensor, projector_type, three_floats, with_weights
+from llmrun.loading import safetensors_io
+from llmrun.loading.vision import (
+    encoder_tensor,
+    open_mmproj,
+    positive_int,
+    projector_type,
+    three_floats,
+    with_weights,
+)
 from llmrun.models.llava_vision import EncoderArgs, ImageEncoder, VisionArgs
 
 MODEL_TYPES = ("llava", "llava_next")
@@ -210,29 +217,25 @@ def _processor_settings(path: Path, image_size: int, next_: bool) -> dict[str, A
 def _size(value: Any, source: Path, key: str) -> int | tuple[int, int]:
     """A processor size: {"shortest_edge": n} as n, {"height": h, "width": w} as (h, w)."""
     if isinstance(value, dict):
-        if set(value) == {"shortest_edge"} and _positive(value["shortest_edge"]):
+        if set(value) == {"shortest_edge"} and positive_int(value["shortest_edge"]):
             return value["shortest_edge"]
-        if set(value) == {"height", "width"} and all(_positive(v) for v in value.values()):
+        if set(value) == {"height", "width"} and all(positive_int(v) for v in value.values()):
             return value["height"], value["width"]
-    elif _positive(value):
+    elif positive_int(value):
         return value
     raise ModelFormatError(f"{source}: {key} is {value!r}, not a size in pixels")
 
 
-def _positive(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
 def _pinpoints(value: Any, source: Path | str, tile: int) -> list[tuple[int, int]]:
     """image_grid_pinpoints as (height, width) pairs of whole tiles."""
-    if isinstance(value, list) and value and all(_positive(v) for v in value):
+    if isinstance(value, list) and value and all(positive_int(v) for v in value):
         if len(value) % 2 == 0:  # an mmproj's, flattened
             value = [value[i : i + 2] for i in range(0, len(value), 2)]
     ok = (
         isinstance(value, list)
         and value
         and all(
-            isinstance(p, list | tuple) and len(p) == 2 and all(_positive(v) for v in p)
+            isinstance(p, list | tuple) and len(p) == 2 and all(positive_int(v) for v in p)
             for p in value
         )
     )
@@ -252,20 +255,9 @@ def _pinpoints(value: Any, source: Path | str, tile: int) -> list[tuple[int, int
 
 def from_mmproj(path: str | Path, text_hidden: int) -> LlavaVision:
     """The image encoder of llama.cpp's LLaVA mmproj GGUF (projector type mlp)."""
-    gg = gguf_io.read_gguf(path)
+    gg, need = open_mmproj(path, MLP)
     meta = gg.metadata
-    kind = meta.get(Keys.Clip.PROJECTOR_TYPE, meta.get(Keys.ClipVision.PROJECTOR_TYPE))
-    if kind is None or not meta.get(Keys.Clip.HAS_VISION_ENCODER, False):
-        raise ModelFormatError(f"{gg.path}: not an mmproj GGUF with a vision encoder")
-    if kind != MLP:
-        raise UnsupportedError(f"{gg.path}: projector type {kind!r} is not LLaVA's")
     vision = Keys.ClipVision
-
-    def need(key: str) -> Any:
-        value = meta.get(key)
-        if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
-            raise ModelFormatError(f"{gg.path}: metadata {key!r} is {value!r}")
-        return value
 
     if meta.get(vision.USE_SILU):
         raise UnsupportedError(f"{gg.path}: a SiLU vision tower; LLaVA's CLIP is quick-GELU")

@@ -21,7 +21,7 @@ from gguf import Keys, VisionProjectorType
 
 from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
 from llmrun.loading import gguf_io, safetensors_io
-from llmrun.loading.vision import encoder_tensor, three_floats, with_weights
+from llmrun.loading.vision import encoder_tensor, prefixed_weights, three_floats, with_weights
 from llmrun.models import pixtral
 
 MODEL_TYPE = "mistral3"
@@ -97,13 +97,7 @@ def from_hf_dir(path: Path, text_hidden: int) -> PixtralVision:
     if not has_vision(config):
         raise UsageError(f"{path}: not a Mistral 3 folder with a vision_config")
     args = pixtral.EncoderArgs.from_config(config)
-    weights = {}
-    for file in safetensors_io.safetensors_files(path):
-        for name, tensor in safetensors_io.load_tensors(file).items():
-            for old, new in _HF_PREFIXES.items():
-                if name.startswith(old):
-                    weights[new + name[len(old) :]] = tensor
-                    break
+    weights = prefixed_weights(path, _HF_PREFIXES)
     longest_edge, mean, std = _processor_settings(path, args.vision.image_size)
     return _build(args, weights, text_hidden, path, longest_edge, mean, std)
 

@@ -120,6 +120,27 @@ def _processor_mean_std(path: Path) -> tuple[tuple[float, ...], tuple[float, ...
     return values[0], values[1]
 
 
+def image_processor(path: Path) -> tuple[Path, dict[str, Any]]:
+    """The image processor's settings: preprocessor_config.json, or transformers 5's
+    processor_config.json, which holds them under "image_processor"; none where neither
+    is there."""
+    for name, key in (
+        ("preprocessor_config.json", None),
+        ("processor_config.json", "image_processor"),
+    ):
+        file = path / name
+        if not file.is_file():
+            continue
+        try:
+            settings = json.loads(file.read_text())
+        except (OSError, ValueError) as e:
+            raise ModelFormatError(f"{file}: not readable JSON ({e})") from None
+        settings = settings.get(key) if key and isinstance(settings, dict) else settings
+        if isinstance(settings, dict):
+            return file, settings
+    return path, {}
+
+
 def three_floats(value: Any, source: Path, key: str) -> tuple[float, ...]:
     """A per-channel mean or std (`key` of `source`) as three floats, a std positive."""
     ok = isinstance(value, list | tuple) and len(value) == 3
@@ -128,6 +149,11 @@ def three_floats(value: Any, source: Path, key: str) -> tuple[float, ...]:
     if key.endswith("std") and any(v <= 0 for v in value):
         raise ModelFormatError(f"{source}: {key} is {value!r}; it divides, so must be positive")
     return tuple(float(v) for v in value)
+
+
+def positive_int(value: Any) -> bool:
+    """Whether a config value is a positive integer (a bool is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def projector_type(path: str | Path) -> Any:
@@ -141,24 +167,44 @@ def is_mmproj(path: str | Path) -> bool:
     return projector_type(path) == VisionProjectorType.GEMMA3
 
 
-def from_mmproj(path: str | Path, text_hidden: int) -> Vision:
-    """The image encoder of llama.cpp's mmproj GGUF (projector type gemma3)."""
+def open_mmproj(path: str | Path, projector: str) -> tuple[gguf_io.GGUFFile, Callable[..., Any]]:
+    """An mmproj GGUF that must hold a vision encoder of projector type `projector`, and its
+    `need(key, default=None)`: a positive number from the metadata, else one error naming
+    the key."""
     gg = gguf_io.read_gguf(path)
     meta = gg.metadata
     kind = meta.get(Keys.Clip.PROJECTOR_TYPE, meta.get(Keys.ClipVision.PROJECTOR_TYPE))
     if kind is None or not meta.get(Keys.Clip.HAS_VISION_ENCODER, False):
         raise ModelFormatError(f"{gg.path}: not an mmproj GGUF with a vision encoder")
-    if kind != VisionProjectorType.GEMMA3:
-        raise UnsupportedError(
-            f"{gg.path}: projector type {kind!r}; llmrun runs {VisionProjectorType.GEMMA3!r} only"
-        )
+    if kind != projector:
+        raise UnsupportedError(f"{gg.path}: projector type {kind!r}, not {projector!r}")
 
-    def need(key: str) -> Any:
-        value = meta.get(key)
+    def need(key: str, default: Any = None) -> Any:
+        value = meta.get(key, default)
         if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
             raise ModelFormatError(f"{gg.path}: metadata {key!r} is {value!r}")
         return value
 
+    return gg, need
+
+
+def prefixed_weights(path: Path, prefixes: dict[str, str]) -> dict[str, torch.Tensor]:
+    """A folder's tensors whose names begin with a key of `prefixes`, renamed to begin
+    with its value instead (the encoder's names); the language model's are left out."""
+    weights = {}
+    for file in safetensors_io.safetensors_files(path):
+        for name, tensor in safetensors_io.load_tensors(file).items():
+            for old, new in prefixes.items():
+                if name.startswith(old):
+                    weights[new + name[len(old) :]] = tensor
+                    break
+    return weights
+
+
+def from_mmproj(path: str | Path, text_hidden: int) -> Vision:
+    """The image encoder of llama.cpp's mmproj GGUF (projector type gemma3)."""
+    gg, need = open_mmproj(path, VisionProjectorType.GEMMA3)
+    meta = gg.metadata
     vision = Keys.ClipVision
     args = siglip.VisionArgs(
         hidden_size=need(vision.EMBEDDING_LENGTH),

@@ -44,6 +44,7 @@ from llmrun.models.base import (
     attend,
 )
 from llmrun.models.cache import KVCache
+from llmrun.models.gemma3 import ImageTokens
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 CHUNK = 64  # tokens the chunked delta rule takes at once
@@ -428,12 +429,14 @@ class Model(Hybrid, CausalLM):
         last_only: bool = False,
         last: torch.Tensor | None = None,
         static: int | None = None,
-        images: mrope.MRopeImages | None = None,
+        images: mrope.MRopeImages | ImageTokens | None = None,
     ) -> torch.Tensor:
         """CausalLM.forward; `images`: Qwen3.5's image tokens (one row) in place of their
-        placeholders, which with the text after them turn by M-RoPE."""
+        placeholders, which with the text after them turn by M-RoPE (MiniCPM-V 4.6's,
+        ImageTokens, by their places)."""
         sections = self.args.rope_parameters.get("mrope_section")
-        shifted = sections and mrope.shifted(cache, images)
+        plain = isinstance(images, ImageTokens)
+        shifted = sections and not plain and mrope.shifted(cache, images)
         rope = mrope.rope_positions(positions, cache, images) if shifted else None
         if rope is None:
             return super().forward(input_ids, positions, cache, last_only, last, static, images)

@@ -20,9 +20,6 @@ to the type, and DRIFT from f32. A Q8_0 GGUF (every matrix, the experts' stacks 
 against transformers run on the weights gguf dequantizes: 1e-4.
 """
 
-import re
-
-import numpy as np
 import pytest
 import torch
 from family_checks import (
@@ -32,10 +29,10 @@ from family_checks import (
     check_show,
     check_typed_cache,
     check_whole_and_cached,
-    finish_stories_gguf,
     max_diff,
 )
-from helpers import BASE, cached_logits, gguf_name, our_model, randomize, save_hf_dir
+from helpers import BASE, cached_logits, our_model, randomize, save_hf_dir
+from llama4_helpers import write_llama4_gguf
 
 from llmrun import static_decode
 from llmrun.errors import ModelFormatError, UnsupportedError
@@ -80,17 +77,6 @@ IDS = torch.randint(3, BASE["vocab_size"], (1, SEQ), generator=torch.Generator()
 # A typed cache's drift from f32 logits, measured: f16 6.8e-3 (Scout's shape), 1.5e-2
 # (Maverick's, without the q/k norms), bf16 6.1e-2 and 9.5e-2.
 DRIFT = {"f16": 3e-2, "bf16": 2e-1}
-# HF module of a layer -> llama.cpp's tensor, where Llama 4 differs from helpers'.
-GGUF_LAYER_NAMES = {
-    "feed_forward.gate_proj": "ffn_gate",
-    "feed_forward.up_proj": "ffn_up",
-    "feed_forward.down_proj": "ffn_down",
-    "feed_forward.router": "ffn_gate_inp",
-    "feed_forward.shared_expert.gate_proj": "ffn_gate_shexp",
-    "feed_forward.shared_expert.up_proj": "ffn_up_shexp",
-    "feed_forward.shared_expert.down_proj": "ffn_down_shexp",
-}
-FUSED = re.compile(r"model\.layers\.(\d+)\.feed_forward\.experts\.(gate_up_proj|down_proj)")
 
 
 def hf_model(base=LLAMA4, **overrides):
@@ -124,92 +110,6 @@ def ours(hf) -> torch.nn.Module:
         name: w.tensor for name, w in llama4_loading.hf_weights(weights, config, Plain).items()
     }
     return our_model(config, state)
-
-
-def llama3_freq_factors(rope: dict, head_dim: int) -> np.ndarray:
-    """The rope_freqs tensor llama.cpp's converter writes for Llama 3 RoPE scaling."""
-    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
-    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
-    old = rope["original_max_position_embeddings"]
-    factors = []
-    for freq in freqs:
-        wavelen = 2 * np.pi / freq
-        if wavelen < old / high:
-            factors.append(1.0)
-        elif wavelen > old / low:
-            factors.append(factor)
-        else:
-            smooth = (old / wavelen - low) / (high - low)
-            factors.append(1 / ((1 - smooth) / factor + smooth))
-    return np.array(factors, dtype=np.float32)
-
-
-def gguf_tensors(hf) -> dict[str, torch.Tensor]:
-    """The model's tensors under llama.cpp's names, the experts of a layer stacked as
-    the converter stacks them ([experts, out, in])."""
-    out = {}
-    for name, tensor in hf.state_dict().items():
-        fused = FUSED.fullmatch(name)
-        if fused is None:
-            module, _, suffix = name.rpartition(".")
-            rest = module.split(".", 3)[-1]
-            if rest in GGUF_LAYER_NAMES:
-                out[f"blk.{module.split('.')[2]}.{GGUF_LAYER_NAMES[rest]}.{suffix}"] = tensor
-            else:
-                out[gguf_name(name)] = tensor
-            continue
-        layer, part = fused.groups()
-        stacked = tensor.transpose(1, 2).contiguous()  # [E, in, out] -> [E, out, in]
-        if part == "gate_up_proj":
-            gate, up = stacked.chunk(2, dim=1)
-            out[f"blk.{layer}.ffn_gate_exps.weight"] = gate
-            out[f"blk.{layer}.ffn_up_exps.weight"] = up
-        else:
-            out[f"blk.{layer}.ffn_down_exps.weight"] = stacked
-    return out
-
-
-def write_llama4_gguf(
-    path, hf, qtype=None, sliding_window=None, rope_dims=None, swa_base=None, experts=None
-):
-    """The model as llama.cpp's converter writes Llama 4, matrices (the experts' stacks
-    too) in `qtype` (default F32). sliding_window, rope_dims, swa_base, experts (the
-    expert count): keys the converter writes for other models, for the refusals."""
-    config = hf.config
-    head_dim = rope_dims or config.head_dim
-    rope = config.rope_parameters
-    writer = gguf.GGUFWriter(str(path), "llama4")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size_mlp)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(rope["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_expert_count(config.num_local_experts if experts is None else experts)
-    writer.add_expert_used_count(config.num_experts_per_tok)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
-    writer.add_vocab_size(config.vocab_size)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_interleave_moe_layer_step(config.interleave_moe_layer_step)
-    writer.add_expert_feed_forward_length(config.intermediate_size)
-    if sliding_window is not None:
-        writer.add_sliding_window(sliding_window)
-    if swa_base is not None:
-        writer.add_rope_freq_base_swa(swa_base)
-    if rope["rope_type"] == "llama3":
-        writer.add_tensor("rope_freqs.weight", llama3_freq_factors(rope, config.head_dim))
-    tensors = gguf_tensors(hf)
-    for name in [n for n, t in tensors.items() if t.dim() == 3]:
-        data = tensors.pop(name).numpy()
-        if qtype is None:
-            writer.add_tensor(name, data)
-        else:
-            raw = gguf.quants.quantize(data, qtype)
-            writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qtype)
-    return finish_stories_gguf(writer, path, tensors, lambda name: name, qtype)
 
 
 def dequantize_weights(hf, qtype) -> None:
