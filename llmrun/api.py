@@ -30,7 +30,7 @@ from llmrun import (
 from llmrun.chat_template import ChatTemplate, select_template
 from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
 from llmrun.generate import KVState, Response, TokenLogprob, stream_generate
-from llmrun.loading import embedding, reranker, safetensors_io, voxtral_audio
+from llmrun.loading import embedding, reranker, safetensors_io, whisper_audio
 from llmrun.loading import vision as vision_loading
 from llmrun.loading.loader import Checkpoint, check_device_room, load_model, open_checkpoint
 from llmrun.loading.lora import LoraScales
@@ -483,8 +483,8 @@ def load(
     the type (llmrun.quant.linear.set_activations). `lora`: LoRA adapters as (path,
     scale), a GGUF adapter or a PEFT folder (llmrun.loading.lora). `vision`: load the image
     encoder too (a vision checkpoint's own, or a GGUF's `mmproj` file, which implies it
-    unless `audio`), for Engine.image_prompt. `audio`: load the audio encoder (a Voxtral
-    folder's own, or the `mmproj` file's), for Engine.audio_prompt."""
+    unless `audio`), for Engine.image_prompt. `audio`: load the audio encoder (a Voxtral,
+    Qwen2-Audio or Gemma 4 folder's own, or the `mmproj` file's), for Engine.audio_prompt."""
     if dtype not in DTYPES:
         raise UsageError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     if cache_type is not None and cache_type not in CACHE_TYPES:
@@ -627,7 +627,7 @@ def _load_audio(checkpoint: Checkpoint, path: Path, mmproj: str | Path | None) -
             )
         family = audio_families.of_mmproj(Path(mmproj))
         if family is None:
-            kind = voxtral_audio.projector_type(mmproj)
+            kind = whisper_audio.projector_type(mmproj)
             raise UnsupportedError(
                 f"{mmproj}: projector type {kind!r}; llmrun takes audio for "
                 f"{audio_families.NAMES} models"
@@ -646,7 +646,9 @@ def _load_audio(checkpoint: Checkpoint, path: Path, mmproj: str | Path | None) -
     if checkpoint.gguf is not None:
         return family.from_mmproj(Path(mmproj), hidden)
     encoder = family.from_hf_dir(path, hidden)
-    checkpoint.notes = [n for n in checkpoint.notes if not n.endswith(voxtral_audio.TEXT_ONLY)]
+    # Gemma 4's note says its audio tower "is not run".
+    spent = (whisper_audio.TEXT_ONLY, "audio tower is not run")
+    checkpoint.notes = [n for n in checkpoint.notes if not n.endswith(spent)]
     return encoder
 
 

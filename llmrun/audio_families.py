@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from llmrun import audio, multimodal, voxtral_clips
-from llmrun.loading import voxtral_audio
+from llmrun import audio, gemma4_audio_clips, multimodal, qwen2_audio_clips, voxtral_clips
+from llmrun.loading import gemma4_audio, qwen2_audio, voxtral_audio
 from llmrun.tokenizer import Tokenizer
 
 Prompt = tuple[list[int], multimodal.PromptImages]
@@ -26,7 +26,7 @@ Prompt = tuple[list[int], multimodal.PromptImages]
 class AudioFamily:
     """One family's audio handling; `encoder` below is what its loaders return."""
 
-    name: str  # as messages name it: "Voxtral"
+    name: str  # as messages name it: "Voxtral", "Qwen2-Audio", "Gemma 4"
     encoder_type: type
     # Whether a Hugging Face folder / an mmproj GGUF holds this family's audio encoder.
     folder_has_audio: Callable[[Path], bool]
@@ -56,6 +56,30 @@ FAMILIES: tuple[AudioFamily, ...] = (
         clip_tokens=voxtral_clips.clip_tokens,
         encode=voxtral_clips.encode,
         prompt=voxtral_clips.prompt,
+    ),
+    AudioFamily(
+        name="Qwen2-Audio",
+        encoder_type=qwen2_audio.Qwen2Audio,
+        folder_has_audio=qwen2_audio.folder_has_audio,
+        is_mmproj=qwen2_audio.is_mmproj,
+        from_hf_dir=qwen2_audio.from_hf_dir,
+        from_mmproj=qwen2_audio.from_mmproj,
+        text_takes_audio=lambda config: config.get("model_type") == "qwen2",
+        clip_tokens=qwen2_audio_clips.clip_tokens,
+        encode=qwen2_audio_clips.encode,
+        prompt=qwen2_audio_clips.prompt,
+    ),
+    AudioFamily(
+        name="Gemma 4",
+        encoder_type=gemma4_audio.Gemma4Audio,
+        folder_has_audio=gemma4_audio.folder_has_audio,
+        is_mmproj=gemma4_audio.is_mmproj,
+        from_hf_dir=gemma4_audio.from_hf_dir,
+        from_mmproj=gemma4_audio.from_mmproj,
+        text_takes_audio=lambda config: config.get("model_type") == "gemma4_text",
+        clip_tokens=gemma4_audio_clips.clip_tokens,
+        encode=gemma4_audio_clips.encode,
+        prompt=gemma4_audio_clips.prompt,
     ),
 )
 

@@ -23,7 +23,7 @@ HELP = """Commands:
   /clear                start a new conversation
   /system TEXT          set the system message
   /image PATH           attach an image to the next message (vision models)
-  /audio PATH           attach a WAV file to the next message (Voxtral)
+  /audio PATH           attach a WAV file to the next message (audio models)
   /set PARAM VALUE      set a parameter: {params}
   /set think on|off     switch thinking (models whose template has the switch)
   /show                 model, parameters and context use

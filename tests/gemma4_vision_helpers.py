@@ -38,11 +38,12 @@ LOCAL_DIM, GLOBAL_DIM = 16, 32
 S, F = "sliding_attention", "full_attention"
 
 
-def tiny_gemma4_vl(seed: int = 0):
+def tiny_gemma4_vl(seed: int = 0, audio: dict | None = None):
     """A random transformers Gemma4ForConditionalGeneration: text hidden 64 (a sliding
     layer of window 8, then a global one; per-layer inputs of 16; image tokens attending
     each other both ways on the sliding layer), a vision tower of hidden 32 (2 layers,
-    heads of 16, 2D RoPE, pooling 3x3 patches, standardized features, clipped linears)."""
+    heads of 16, 2D RoPE, pooling 3x3 patches, standardized features, clipped linears);
+    with `audio`, an audio tower of that Gemma4AudioConfig too."""
     import transformers
 
     text = dict(
@@ -87,6 +88,7 @@ def tiny_gemma4_vl(seed: int = 0):
     config = transformers.Gemma4Config(
         text_config=text,
         vision_config=vision,
+        audio_config=audio,
         boi_token_id=BOI,
         eoi_token_id=EOI,
         image_token_id=IMAGE,
@@ -264,14 +266,15 @@ def write_text_gguf(model, path: Path) -> Path:
     return path
 
 
-def write_mmproj(model, path: Path, audio: bool = False, f16: bool = False) -> Path:
+def write_mmproj(model, path: Path, audio: bool = False, f16: bool = False, extra=None) -> Path:
     """The vision tower and embedder as conversion/gemma.py Gemma4VisionAudioModel writes
     an mmproj GGUF with --outtype f32 (with `f16`, its default: the matrices but the
     position table in F16): clip.* metadata (no pooling size: clip.cpp takes 3,
     as the model has), the patch
     projection as a [hidden, 3, patch, patch] convolution, the position table, the
     clipping bounds as 1-element tensors, gguf's mmproj tensor names. With `audio`, an
-    audio encoder's keys and (random) tensors too, as E2B's and E4B's files hold them."""
+    audio encoder's keys and (random) tensors too, as E2B's and E4B's files hold them;
+    `extra(writer)` adds more keys and tensors before the file is written."""
     vision = model.config.vision_config
     writer = gguf.GGUFWriter(str(path), "clip")
     writer.add_type(gguf.GGUFType.MMPROJ)
@@ -297,6 +300,8 @@ def write_mmproj(model, path: Path, audio: bool = False, f16: bool = False) -> P
         rng = np.random.default_rng(0)
         for name in ("a.conv1d.0.weight", "a.blk.0.attn_q.weight", "mm.a.input_projection.weight"):
             writer.add_tensor(name, rng.standard_normal((8, 8), dtype=np.float32))
+    if extra is not None:
+        extra(writer)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision.num_hidden_layers)
     suffixes = (".weight", ".bias", ".input_max", ".input_min", ".output_max", ".output_min")
     for name, tensor in model.state_dict().items():

@@ -75,7 +75,8 @@ AudioOpt = Annotated[
     typer.Option(
         "--audio",
         metavar="PATH",
-        help="A WAV file for the prompt, before its text (repeatable). Voxtral models.",
+        help="A WAV file for the prompt, before its text (repeatable). Voxtral, "
+        "Qwen2-Audio and Gemma 4 (E2B, E4B) models.",
     ),
 ]
 

@@ -79,6 +79,22 @@ FAMILIES = {
         },
         rope_defaults={"rope_theta": 100000000.0},
     ),
+    # Qwen2AudioConfig's text_config is a Qwen2Config: its defaults where the Hub's file
+    # (Qwen2-Audio-7B's) leaves fields out; its audio tower is llmrun.loading.qwen2_audio's.
+    "qwen2_audio": Family(
+        "Qwen2-Audio",
+        default_text="qwen2",
+        defaults={
+            "vocab_size": 151936,
+            "hidden_size": 4096,
+            "intermediate_size": 22016,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-06,
+        },
+        rope_defaults={"rope_theta": 10000.0},
+    ),
     "llava_next": Family("LLaVA-NeXT"),
     "llava_onevision": Family("LLaVA-OneVision", default_text="qwen2"),
     "idefics3": Family("Idefics3"),
@@ -86,6 +102,8 @@ FAMILIES = {
     "aya_vision": Family("Aya Vision", default_text="cohere2", tie_default=True),
     "internvl": Family("InternVL", default_text="qwen2", tie_default=True),
     "lfm2_vl": Family("LFM2-VL", default_text="lfm2", tie_default=True),
+    # MiniCPMV4_6Config's text_config is a Qwen3.5's (its own file names it).
+    "minicpmv4_6": Family("MiniCPM-V 4.6", default_text="qwen3_5_text"),
     # HunYuanVLTextConfig is Hunyuan dense's; its XD-RoPE turns text as plain NTK-alpha RoPE.
     "hunyuan_vl": Family(
         "HunYuan-VL",
@@ -119,10 +137,11 @@ VISION_PREFIXES = (
     "model.vision_model.",  # Idefics3's and SmolVLM's
     "vision_model.",  # Llama 4's
     "model.connector.",
+    "model.merger.",  # MiniCPM-V 4.6's
     "vit.",  # HunYuan-VL's as Tencent's files name it, and Hunyuan V4 VL's
     "model.vit.",
-    "model.audio_tower.",  # Gemma 3n's audio tower and its embedders, Voxtral's
-    "audio_tower.",  # Voxtral's, as the Hub saves it
+    "model.audio_tower.",  # Gemma 3n's audio tower and its embedders, Voxtral's, Qwen2-Audio's
+    "audio_tower.",  # Voxtral's and Qwen2-Audio's, as the Hub saves them
     "model.embed_vision.",
     "model.embed_audio.",
     "patch_merge_mlp.",  # MiniMax-M3's

@@ -1,16 +1,24 @@
-"""Whisper's audio encoder and Voxtral's projector: 30-second chunks of log-mel features
-[chunks, mel bins, 3000] -> one token in the language model's width per 80 ms, chunk by
-chunk (375 a chunk).
+"""Whisper's audio encoder with Voxtral's and Qwen2-Audio's projectors: log-mel features
+[chunks, mel bins, frames] -> tokens in the language model's width.
 
 Whisper's encoder: two 1-D convolutions with GELU (the second halves the frames: 3000 ->
 1500), learned positions added, pre-LayerNorm layers (attention with biases on q, v and
-out but none on k, q scaled before the product; GELU MLP), a final LayerNorm. Voxtral's
-projector: each `stack` consecutive frames of a chunk concatenated into one row
-(intermediate_size / hidden_size of them: 4), then linear-GELU-linear without biases.
+out but none on k, q scaled before the product; GELU MLP), a final LayerNorm.
 
-Reference: transformers/models/voxtral/modeling_voxtral.py (VoxtralEncoder,
+Voxtral (30-second chunks, 375 tokens each): each `stack` consecutive frames of a chunk
+concatenated into one row (intermediate_size / hidden_size of them: 4), then
+linear-GELU-linear without biases.
+
+Qwen2-Audio (one clip of up to 30 seconds): the frames its audio reaches (the processor's
+feature length after the convolutions), which attend only to each other, as
+transformers' mask has it; an average of each pair of frames before the final LayerNorm
+(one token per 40 ms); one linear layer with a bias.
+
+References: transformers/models/voxtral/modeling_voxtral.py (VoxtralEncoder,
 VoxtralMultiModalProjector, VoxtralModel.get_audio_features), which is
-transformers/models/whisper/modeling_whisper.py's WhisperEncoder without its unused pooler.
+transformers/models/whisper/modeling_whisper.py's WhisperEncoder without its unused
+pooler; transformers/models/qwen2_audio/modeling_qwen2_audio.py (Qwen2AudioEncoder,
+Qwen2AudioMultiModalProjector, Qwen2AudioModel.forward's audio attention mask).
 """
 
 from __future__ import annotations
@@ -28,8 +36,8 @@ from llmrun.models.base import activation
 
 @dataclass
 class EncoderArgs:
-    """A VoxtralEncoderConfig's fields (WhisperEncoder's under their HF names), the
-    projector's activation and the language model's width."""
+    """A VoxtralEncoderConfig's or Qwen2AudioEncoderConfig's fields (WhisperEncoder's under
+    their HF names), Voxtral's projector activation and the language model's width."""
 
     hidden_size: int  # d_model
     intermediate_size: int  # encoder_ffn_dim; also the projector's input width
@@ -47,11 +55,6 @@ class EncoderArgs:
             raise ModelFormatError(
                 f"audio hidden_size {self.hidden_size} does not split into "
                 f"{self.num_attention_heads} heads"
-            )
-        if self.intermediate_size % self.hidden_size:
-            raise ModelFormatError(
-                f"audio intermediate_size {self.intermediate_size} is not a whole number of "
-                f"frames of {self.hidden_size} (Voxtral's projector stacks frames)"
             )
         activation(self.activation_function)  # refuses an unknown one
         activation(self.projector_hidden_act)
@@ -71,9 +74,12 @@ class EncoderArgs:
         return self.max_source_positions // self.stack
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> EncoderArgs:
-        """From a VoxtralConfig dict (its audio_config and text_config)."""
-        audio, text = config["audio_config"], config["text_config"]
+    def from_config(
+        cls, config: dict[str, Any], defaults: dict[str, Any] | None = None
+    ) -> EncoderArgs:
+        """From a VoxtralConfig or Qwen2AudioConfig dict (its audio_config and text_config);
+        `defaults`: audio_config values (by the config's names) where it has none."""
+        audio, text = {**(defaults or {}), **config["audio_config"]}, config["text_config"]
         names = {
             "hidden_size": "d_model",
             "intermediate_size": "encoder_ffn_dim",
@@ -133,9 +139,10 @@ class EncoderLayer(nn.Module):
 
 
 class WhisperEncoder(nn.Module):
-    def __init__(self, args: EncoderArgs):
+    def __init__(self, args: EncoderArgs, pool: bool = False):
         super().__init__()
         width = args.hidden_size
+        self.pool = pool  # Qwen2-Audio's: frames averaged in pairs before the final norm
         self.conv1 = nn.Conv1d(args.num_mel_bins, width, kernel_size=3, padding=1)
         self.conv2 = nn.Conv1d(width, width, kernel_size=3, stride=2, padding=1)
         self.embed_positions = nn.Embedding(args.max_source_positions, width)
@@ -143,13 +150,16 @@ class WhisperEncoder(nn.Module):
         self.layer_norm = nn.LayerNorm(width, eps=args.layer_norm_eps)
         self.act = activation(args.activation_function)
 
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        """[chunks, mel bins, 2 * positions] -> [chunks, positions, hidden]."""
+    def forward(self, features: torch.Tensor, positions: int | None = None) -> torch.Tensor:
+        """[chunks, mel bins, frames] -> [chunks, positions, hidden] (half that with
+        `pool`): the first `positions` frames after the convolutions (all by default)."""
         x = self.act(self.conv1(features))
-        x = self.act(self.conv2(x)).transpose(1, 2)
-        x = x + self.embed_positions.weight
+        x = self.act(self.conv2(x)).transpose(1, 2)[:, :positions]
+        x = x + self.embed_positions.weight[: x.shape[1]]
         for layer in self.layers:
             x = layer(x)
+        if self.pool:
+            x = F.avg_pool1d(x.transpose(1, 2), 2).transpose(1, 2)
         return self.layer_norm(x)
 
 
@@ -169,6 +179,11 @@ class AudioEncoder(nn.Module):
 
     def __init__(self, args: EncoderArgs):
         super().__init__()
+        if args.intermediate_size % args.hidden_size:
+            raise ModelFormatError(
+                f"audio intermediate_size {args.intermediate_size} is not a whole number of "
+                f"frames of {args.hidden_size} (Voxtral's projector stacks frames)"
+            )
         self.args = args
         self.audio_tower = WhisperEncoder(args)
         self.multi_modal_projector = Projector(args)
@@ -183,3 +198,33 @@ class AudioEncoder(nn.Module):
         # row `stack` consecutive frames of one chunk.
         rows = frames.reshape(-1, self.args.intermediate_size)
         return self.multi_modal_projector(rows)
+
+
+class Qwen2AudioProjector(nn.Module):
+    def __init__(self, args: EncoderArgs):
+        super().__init__()
+        self.linear = nn.Linear(args.hidden_size, args.text_hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+class Qwen2AudioEncoder(nn.Module):
+    """Qwen2-Audio's audio encoder: the Whisper tower with its pool and the projector."""
+
+    def __init__(self, args: EncoderArgs):
+        super().__init__()
+        self.args = args
+        self.audio_tower = WhisperEncoder(args, pool=True)
+        self.multi_modal_projector = Qwen2AudioProjector(args)
+
+    def forward(self, features: torch.Tensor, frames: int) -> torch.Tensor:
+        """One clip's log-mel features [1, mel bins, chunk_frames] of which its audio
+        reaches the first `frames` -> its tokens [positions // 2, text hidden], where
+        positions = (frames - 1) // 2 + 1 are the frames the convolutions leave of them."""
+        if tuple(features.shape[1:]) != (self.args.num_mel_bins, self.args.chunk_frames):
+            raise ValueError(f"audio features of shape {list(features.shape)}")
+        positions = (frames - 1) // 2 + 1
+        # The convolutions reach one mel frame each way: 2 * positions + 1 frames make them.
+        x = self.audio_tower(features[:, :, : 2 * positions + 1], positions)
+        return self.multi_modal_projector(x)[0]

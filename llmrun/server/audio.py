@@ -82,9 +82,9 @@ class AudioEncoder:
                 else:
                     try:
                         clip = open_audio(data, name=param)
+                        count = engine.audio_tokens(clip)  # (Qwen2-Audio refuses some lengths)
                     except UsageError as e:
                         raise ApiError(400, str(e), param=param) from None
-                    count = engine.audio_tokens(clip)
                 tokens += count
                 if tokens > engine.ctx_size:
                     raise ApiError(

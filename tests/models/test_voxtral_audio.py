@@ -27,7 +27,7 @@ from voxtral_helpers import (
     write_text_gguf,
 )
 
-from llmrun import api, audio
+from llmrun import api, audio, audio_families
 from llmrun.errors import ModelFormatError, UsageError
 from llmrun.generate import KVState, prefill
 from llmrun.loading.voxtral_audio import from_hf_dir, from_mmproj
@@ -262,7 +262,7 @@ def test_audio_for_a_model_without_an_audio_tower_is_one_error_line(wavs):
     result = llmrun("run", "--audio", str(wavs[0]), "hello")
     assert result.returncode == 2
     [line] = result.stderr.strip().splitlines()
-    assert line.startswith("error: ") and "audio goes to Voxtral models" in line
+    assert line.startswith("error: ") and f"audio goes to {audio_families.NAMES} models" in line
 
 
 def test_a_chat_with_audio_replies_as_transformers_in_every_turn(model, folder, wavs, reference):
