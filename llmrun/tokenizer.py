@@ -1,8 +1,9 @@
 """Text <-> token ids: the Tokenizer every source builds, its streaming decoder, load_tokenizer.
 
-The `tokenizers` library does the encoding. A tokenizer comes from a tokenizer.json (read here)
-or from GGUF `tokenizer.ggml.*` metadata (llmrun.tokenizer_gguf, which reproduces llama.cpp),
-which a folder's SentencePiece model file becomes (llmrun.sentencepiece_model).
+The `tokenizers` library does the encoding. A tokenizer comes from a tokenizer.json (read here),
+from Mistral's tekken.json (llmrun.tekken) or from GGUF `tokenizer.ggml.*` metadata
+(llmrun.tokenizer_gguf, which reproduces llama.cpp), which a folder's SentencePiece model file
+becomes (llmrun.sentencepiece_model).
 Decoding is done here, from each token's bytes (llmrun.token_bytes), so that a stream of pieces
 concatenates to exactly the full decode and never ends inside a UTF-8 character. No torch here.
 """
@@ -19,7 +20,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as Backend
 
-from llmrun import sentencepiece_model, tokenizer_gguf
+from llmrun import sentencepiece_model, tekken, tokenizer_gguf
 from llmrun.errors import TokenizerError, UnsupportedError
 from llmrun.pretokenizers import SPM_SPACE
 from llmrun.token_bytes import byte_level_bytes, raw, spm_bytes
@@ -230,11 +231,13 @@ class Tokenizer:
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> Tokenizer:
         """Build from tokenizer.json, with BOS/EOS from tokenizer_config.json when present;
-        from a SentencePiece model file (tokenizer.model, spiece.model or
-        sentencepiece.bpe.model) as llama.cpp's converter reads it where the folder has no
-        tokenizer.json."""
+        where the folder has no tokenizer.json, from Mistral's tekken.json as mistral_common
+        reads it, else from a SentencePiece model file (tokenizer.model, spiece.model or
+        sentencepiece.bpe.model) as llama.cpp's converter reads it."""
         path = Path(path)
         file = hf_tokenizer_file(path)
+        if file.name == tekken.FILE:
+            return cls(**tekken.tokenizer_args(file))
         if file.name in sentencepiece_model.FILES:
             metadata = sentencepiece_model.gguf_metadata(file)
             return cls(**tokenizer_gguf.tokenizer_args(metadata, str(file)))
@@ -368,14 +371,14 @@ def valid_text(text: str) -> str:
 
 
 def hf_tokenizer_file(folder: Path) -> Path:
-    """A model folder's tokenizer.json, else its SentencePiece model file; refuses a
-    folder with neither."""
-    for name in ("tokenizer.json", *sentencepiece_model.FILES):
+    """A model folder's tokenizer.json, else its tekken.json (as llama.cpp's converter
+    chooses), else its SentencePiece model file; refuses a folder with none."""
+    for name in ("tokenizer.json", tekken.FILE, *sentencepiece_model.FILES):
         if (folder / name).is_file():
             return folder / name
     raise TokenizerError(
-        f"{folder}: no tokenizer.json or tokenizer.model (a model directory needs one; "
-        f"{' or '.join(sentencepiece_model.FILES[1:])} also do)"
+        f"{folder}: no tokenizer.json, tekken.json or tokenizer.model (a model directory "
+        f"needs one; {' or '.join(sentencepiece_model.FILES[1:])} also do)"
     )
 
 

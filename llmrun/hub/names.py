@@ -36,9 +36,11 @@ SAFETENSORS_SIDECARS = frozenset(
         "README.md",
     }
 )
-# Older uploads' only tokenizer (T5Tokenizer's, XLMRobertaTokenizer's): fetched where a repo
-# has no tokenizer.json, as they are large and the json is the one read where both are.
+# Older uploads' only tokenizer (T5Tokenizer's, XLMRobertaTokenizer's), and Mistral's
+# tekken.json: fetched where a repo has no tokenizer.json, as they are large and the json is
+# the one read where both are.
 OLDER_SENTENCEPIECE_FILES = frozenset({"spiece.model", "sentencepiece.bpe.model"})
+TEKKEN_FILE = "tekken.json"
 _REPO_PART_RE = re.compile(r"[A-Za-z0-9][\w.-]*")
 
 
@@ -219,7 +221,7 @@ def select_safetensors(files: dict[str, int]) -> Selection | None:
         return None
     sidecars = top & SAFETENSORS_SIDECARS
     if "tokenizer.json" not in top:
-        sidecars |= top & OLDER_SENTENCEPIECE_FILES
+        sidecars |= top & (OLDER_SENTENCEPIECE_FILES | {TEKKEN_FILE})
     return Selection("safetensors", tuple(sorted(weights | sidecars)))
 
 

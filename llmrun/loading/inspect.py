@@ -510,6 +510,8 @@ def _hf_tokenizer_kind(folder: Path) -> str | None:
     tok = read_json(folder / "tokenizer.json")
     if isinstance(tok, dict) and isinstance(tok.get("model"), dict):
         return tok["model"].get("type")
+    if (folder / "tekken.json").is_file():  # the one llmrun reads where there is no tokenizer.json
+        return "BPE (tekken.json)"
     files = ("tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
     return "SentencePiece" if any((folder / f).is_file() for f in files) else None
 

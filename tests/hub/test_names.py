@@ -76,6 +76,14 @@ def test_an_older_sentencepiece_file_is_fetched_only_without_tokenizer_json():
     )
 
 
+def test_mistrals_tekken_json_is_fetched_only_without_tokenizer_json():
+    tekken = {"config.json": 1, "model.safetensors": 1, "tekken.json": 1}
+    selected = names.select(hub.parse_name("o/r"), tekken).files
+    assert selected == ("config.json", "model.safetensors", "tekken.json")
+    both = {**tekken, "tokenizer.json": 1}
+    assert "tekken.json" not in names.select(hub.parse_name("o/r"), both).files
+
+
 def test_safetensors_choice_skips_other_formats_and_duplicates():
     files = dict.fromkeys(
         [
