@@ -782,9 +782,13 @@ def _chat_template(
                 source = jinja_file.read_text(encoding="utf-8")
             except UnicodeDecodeError:
                 raise ModelFormatError(f"{jinja_file}: not UTF-8 text") from None
-        elif (checkpoint.path / "tokenizer_config.json").is_file():
-            config = safetensors_io.read_json(checkpoint.path / "tokenizer_config.json")
-            source = select_template(config.get("chat_template"))
+        else:
+            # tokenizer_config.json's, else a processor's chat_template.json (many
+            # vision-language folders keep it only there), as llama.cpp's converter reads them.
+            for name in ("tokenizer_config.json", "chat_template.json"):
+                if not source and (checkpoint.path / name).is_file():
+                    config = safetensors_io.read_json(checkpoint.path / name)
+                    source = select_template(config.get("chat_template"))
     if not source:
         return None
     bos = (

@@ -173,3 +173,21 @@ def test_a_folder_without_tokenizer_json_is_refused_before_the_weights_load(tmp_
     monkeypatch.setattr(api, "load_model", refuse_weights)
     with pytest.raises(TokenizerError, match="no tokenizer.json"):
         api.load(str(path), device="cpu")
+
+
+@pytest.mark.parametrize("config_has_one", [False, True])
+def test_a_folder_template_in_chat_template_json_is_used_where_tokenizer_config_has_none(
+    tmp_path, config_has_one
+):
+    """As llama.cpp's converter (gguf-py's SpecialVocab) reads them: tokenizer_config.json's
+    chat_template, else chat_template.json's (a processor's, as many vision folders ship)."""
+    folder = shutil.copytree(STORIES_HF, tmp_path / "model")
+    processor = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}"
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": processor}))
+    if config_has_one:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        config["chat_template"] = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    engine = api.load(str(folder))
+    text = engine.template.render([{"role": "user", "content": "hi"}], add_generation_prompt=False)
+    assert text == ("<hi>" if config_has_one else "[user] hi")
