@@ -75,6 +75,12 @@ def turns_by_mrope(text_config: dict[str, Any]) -> bool:
     return bool(rope.get("mrope_section"))
 
 
+def text_takes_images(text_config: dict[str, Any]) -> bool:
+    """Whether a language model's config is Qwen2-VL's or Qwen2.5-VL's: Qwen2's with M-RoPE
+    sections (Qwen3-VL's and GLM-4V's turn by M-RoPE too, and take other towers)."""
+    return text_config.get("model_type") == "qwen2" and turns_by_mrope(text_config)
+
+
 def is_mmproj(path: str | Path) -> bool:
     """Whether an mmproj GGUF's projector is Qwen2-VL's or Qwen2.5-VL's."""
     meta = gguf_io.read_gguf(path, with_tensors=False).metadata

@@ -23,7 +23,7 @@ import json
 import pytest
 import torch
 from in_process import llmrun
-from qwen2_vl_helpers import IMAGE, TEXT
+from qwen2_vl_helpers import IMAGE, TEXT, tiny_qwen_vl, write_mmproj
 from qwen3_vl_helpers import (
     PROCESSOR,
     processor_inputs,
@@ -218,6 +218,14 @@ def test_images_need_a_qwen3_vl_language_model(family, tmp_path):
         api.load(str(plain), device="cpu", vision=True)
     with pytest.raises(UsageError, match="--mmproj goes with a GGUF model"):
         api.load(str(family[1]), device="cpu", mmproj=mmproj)
+
+
+def test_a_qwen2_vl_mmproj_is_refused_for_a_qwen3_vl_language_model(family, tmp_path):
+    """Both language models turn by M-RoPE, but Qwen2-VL's tower feeds only Qwen2's."""
+    text = write_qwen3_text_gguf(family[0], tmp_path / "qwen3vl.gguf")
+    qwen2_mmproj = write_mmproj(tiny_qwen_vl(), tmp_path / "mmproj-qwen2vl.gguf")
+    with pytest.raises(UsageError, match="Qwen2-VL/2.5-VL's images go to its own language model"):
+        api.load(str(text), device="cpu", mmproj=qwen2_mmproj)
 
 
 def test_the_moe_takes_images_as_transformers(images, tmp_path):
