@@ -17,10 +17,12 @@ from typing import Any
 import torch
 from gguf import Keys, VisionProjectorType
 
-from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
+from llmrun.errors import ModelFormatError, UsageError
 from llmrun.loading import safetensors_io
 from llmrun.loading.vision import (
-    encoder_tensor,
+    SIGLIP_LAYER,
+    mmproj_name,
+    mmproj_tensors,
     open_mmproj,
     prefixed_weights,
     projector_type,
@@ -40,17 +42,6 @@ LANCZOS = 1  # PIL.Image.Resampling.LANCZOS, as preprocessor_config.json numbers
 _HF_PREFIXES = {
     "model.vision_model.": "vision_model.",
     "model.connector.": "connector.",
-}
-# The GGUF names of a layer's tensors (gguf-py's tensor_mapping) -> SigLIP's.
-_GGUF_LAYER = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_out": "self_attn.out_proj",
-    "ln1": "layer_norm1",
-    "ln2": "layer_norm2",
-    "ffn_up": "mlp.fc1",
-    "ffn_down": "mlp.fc2",
 }
 _GGUF_NAMES = {
     "v.patch_embd.weight": "vision_model.embeddings.patch_embedding.weight",
@@ -170,15 +161,7 @@ def from_mmproj(path: str | Path, text_hidden: int) -> Idefics3Vision:
         text_hidden_size=need(vision.PROJECTION_DIM),
         scale_factor=need(vision.Projector.SCALE_FACTOR, 2),
     )
-    weights = {}
-    for info in gg.tensors.values():
-        name = _gguf_name(info.name)
-        if name is None:
-            raise UnsupportedError(
-                f"{gg.path}: tensor {info.name!r} is not part of SmolVLM's image encoder"
-            )
-        tensor = encoder_tensor(gg, info)
-        weights[name] = tensor
+    weights = mmproj_tensors(gg, _gguf_name, "SmolVLM's image encoder")
     tile = args.vision.image_size
     mean, std = (
         three_floats(meta.get(key, DEFAULT_MEAN_STD), gg.path, key)
@@ -198,14 +181,7 @@ def from_mmproj(path: str | Path, text_hidden: int) -> Idefics3Vision:
 
 
 def _gguf_name(name: str) -> str | None:
-    if name in _GGUF_NAMES:
-        return _GGUF_NAMES[name]
-    parts = name.split(".")
-    if len(parts) == 5 and parts[:2] == ["v", "blk"] and parts[2].isdigit():
-        layer = _GGUF_LAYER.get(parts[3])
-        if layer is not None and parts[4] in ("weight", "bias"):
-            return f"vision_model.encoder.layers.{parts[2]}.{layer}.{parts[4]}"
-    return None
+    return mmproj_name(name, _GGUF_NAMES, SIGLIP_LAYER, "vision_model.encoder.layers.")
 
 
 def _build(

@@ -26,7 +26,7 @@ from gguf import Keys, VisionProjectorType
 from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
 from llmrun.loading import safetensors_io
 from llmrun.loading.vision import (
-    encoder_tensor,
+    mmproj_tensors,
     open_mmproj,
     positive_int,
     projector_type,
@@ -188,19 +188,11 @@ def from_mmproj(path: str | Path, text_hidden: int) -> InternVLVision:
         text_hidden_size=need(vision.PROJECTION_DIM),
         downsample_ratio=1 / merge,
     )
-    expected = _table_shapes(args)
-    weights = {}
-    for info in gg.tensors.values():
-        name = _gguf_name(info.name)
-        if name is None:
-            raise UnsupportedError(
-                f"{gg.path}: tensor {info.name!r} is not part of InternVL's encoder"
-            )
-        tensor = encoder_tensor(gg, info)
-        shape = expected.get(name)
-        if shape is not None and tensor.numel() == shape.numel():
-            tensor = tensor.reshape(shape)  # the class and position tables' leading 1s
-        weights[name] = tensor
+    weights = mmproj_tensors(gg, _gguf_name, "InternVL's encoder")
+    for name, shape in _table_shapes(args).items():
+        tensor = weights.get(name)
+        if tensor is not None and tensor.numel() == shape.numel():
+            weights[name] = tensor.reshape(shape)  # the class and position tables' leading 1s
     tiles = [need(vision.PREPROC_MIN_TILES, MIN_TILES), need(vision.PREPROC_MAX_TILES, MAX_TILES)]
     if tiles[0] > tiles[1]:
         raise ModelFormatError(f"{gg.path}: min and max tiles are {tiles}")

@@ -24,10 +24,13 @@ from gguf import Keys, VisionProjectorType
 from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
 from llmrun.loading import safetensors_io
 from llmrun.loading.vision import (
-    encoder_tensor,
+    SIGLIP_LAYER,
+    mmproj_name,
+    mmproj_tensors,
     open_mmproj,
     projector_type,
     three_floats,
+    with_suffixes,
     with_weights,
 )
 from llmrun.models import lfm2_vl_vision, siglip
@@ -56,18 +59,8 @@ _HF_PREFIXES = {
     "model.multi_modal_projector.": "multi_modal_projector.",
     "multi_modal_projector.": "multi_modal_projector.",
 }
-# The GGUF names of a layer's tensors (gguf-py's tensor_mapping) -> SigLIP's.
-_GGUF_LAYER = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_out": "self_attn.out_proj",
-    "ln1": "layer_norm1",
-    "ln2": "layer_norm2",
-    "ffn_up": "mlp.fc1",
-    "ffn_down": "mlp.fc2",
-}
-_GGUF_NAMES = {
+# The GGUF module names (gguf-py's tensor_mapping) -> the encoder's; the layers' are SigLIP's.
+_GGUF_MODULES = {
     "v.patch_embd": "vision_tower.embeddings.patch_embedding",
     "v.position_embd": "vision_tower.embeddings.position_embedding",
     "v.post_ln": "vision_tower.post_layernorm",
@@ -75,6 +68,7 @@ _GGUF_NAMES = {
     "mm.1": "multi_modal_projector.linear_1",
     "mm.2": "multi_modal_projector.linear_2",
 }
+_GGUF_NAMES = with_suffixes(_GGUF_MODULES)
 
 
 @dataclass
@@ -203,17 +197,10 @@ def from_mmproj(path: str | Path, text_hidden: int) -> Lfm2VlVision:
     vision = Keys.ClipVision
 
     layers = need(vision.BLOCK_COUNT)
-    weights = {}
-    for info in gg.tensors.values():
-        name = _gguf_name(info.name)
-        if name is None:
-            raise UnsupportedError(
-                f"{gg.path}: tensor {info.name!r} is not part of LFM2-VL's image encoder"
-            )
-        if _layer(name) >= layers:  # llama.cpp's block count leaves it out
-            continue
-        tensor = encoder_tensor(gg, info)
-        weights[name] = tensor
+    # llama.cpp's block count leaves out the layers past it.
+    weights = mmproj_tensors(
+        gg, _gguf_name, "LFM2-VL's image encoder", keep=lambda name: _layer(name) < layers
+    )
     patch = need(vision.PATCH_SIZE)
     embedding = weights.get("vision_tower.embeddings.patch_embedding.weight")
     if embedding is not None and embedding.dim() == 4:
@@ -254,17 +241,7 @@ def from_mmproj(path: str | Path, text_hidden: int) -> Lfm2VlVision:
 
 
 def _gguf_name(name: str) -> str | None:
-    module, _, suffix = name.rpartition(".")
-    if suffix not in ("weight", "bias"):
-        return None
-    if module in _GGUF_NAMES:
-        return f"{_GGUF_NAMES[module]}.{suffix}"
-    parts = module.split(".")
-    if len(parts) == 4 and parts[:2] == ["v", "blk"] and parts[2].isdigit():
-        layer = _GGUF_LAYER.get(parts[3])
-        if layer is not None:
-            return f"vision_tower.encoder.layers.{parts[2]}.{layer}.{suffix}"
-    return None
+    return mmproj_name(name, _GGUF_NAMES, SIGLIP_LAYER, "vision_tower.encoder.layers.")
 
 
 def _build(

@@ -27,6 +27,7 @@ from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
 from llmrun.loading import safetensors_io
 from llmrun.loading.vision import (
     encoder_tensor,
+    mmproj_name,
     open_mmproj,
     positive_int,
     prefixed_weights,
@@ -222,14 +223,7 @@ def from_mmproj(path: str | Path, text_hidden: int) -> Llama4Vision:
 
 
 def _gguf_name(name: str) -> str | None:
-    if name in _GGUF_NAMES:
-        return _GGUF_NAMES[name]
-    parts = name.split(".")
-    if len(parts) == 5 and parts[:2] == ["v", "blk"] and parts[2].isdigit():
-        layer = _GGUF_LAYER.get(parts[3])
-        if layer is not None and parts[4] in ("weight", "bias"):
-            return f"{_TOWER}model.layers.{parts[2]}.{layer}.{parts[4]}"
-    return None
+    return mmproj_name(name, _GGUF_NAMES, _GGUF_LAYER, _TOWER + "model.layers.")
 
 
 def _build(

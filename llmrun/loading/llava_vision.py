@@ -35,7 +35,9 @@ from gguf import (
 from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
 from llmrun.loading import safetensors_io
 from llmrun.loading.vision import (
-    encoder_tensor,
+    SIGLIP_LAYER,
+    mmproj_name,
+    mmproj_tensors,
     open_mmproj,
     positive_int,
     projector_type,
@@ -69,16 +71,6 @@ _HF_PREFIXES = {
     "image_newline": "image_newline",
 }
 _TOWER = "vision_tower.vision_model."
-_GGUF_LAYER = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_out": "self_attn.out_proj",
-    "ln1": "layer_norm1",
-    "ln2": "layer_norm2",
-    "ffn_up": "mlp.fc1",  # until _unswapped looks at the shapes
-    "ffn_down": "mlp.fc2",
-}
 _GGUF_NAMES = {
     "v.class_embd": _TOWER + "embeddings.class_embedding",
     "v.patch_embd.weight": _TOWER + "embeddings.patch_embedding.weight",
@@ -294,17 +286,11 @@ def from_mmproj(path: str | Path, text_hidden: int) -> LlavaVision:
         feature_layers=feature_layers,
         newline=newline,
     )
-    weights = {}
-    for info in gg.tensors.values():
-        name = _gguf_name(info.name)
-        if name is None:
-            raise UnsupportedError(
-                f"{gg.path}: tensor {info.name!r} is not part of LLaVA's encoder"
-            )
-        if ".encoder.layers." in name and int(name.split(".")[4]) >= args.layers_run:
-            continue  # past the feature layer
-        tensor = encoder_tensor(gg, info)
-        weights[name] = tensor
+
+    def not_past_feature_layer(name: str) -> bool:
+        return ".encoder.layers." not in name or int(name.split(".")[4]) < args.layers_run
+
+    weights = mmproj_tensors(gg, _gguf_name, "LLaVA's encoder", keep=not_past_feature_layer)
     weights = _unswapped(weights, args.vision.hidden_size)
     size = args.vision.image_size
     settings: dict[str, Any] = dict(
@@ -322,14 +308,9 @@ def from_mmproj(path: str | Path, text_hidden: int) -> LlavaVision:
 
 
 def _gguf_name(name: str) -> str | None:
-    if name in _GGUF_NAMES:
-        return _GGUF_NAMES[name]
-    parts = name.split(".")
-    if len(parts) == 5 and parts[:2] == ["v", "blk"] and parts[2].isdigit():
-        layer = _GGUF_LAYER.get(parts[3])
-        if layer is not None and parts[4] in ("weight", "bias"):
-            return f"{_TOWER}encoder.layers.{parts[2]}.{layer}.{parts[4]}"
-    return None
+    # CLIP's layers are named as SigLIP's; ffn_up is mlp.fc1 until _unswapped looks at
+    # the shapes.
+    return mmproj_name(name, _GGUF_NAMES, SIGLIP_LAYER, _TOWER + "encoder.layers.")
 
 
 def _unswapped(weights: dict[str, torch.Tensor], hidden: int) -> dict[str, torch.Tensor]:

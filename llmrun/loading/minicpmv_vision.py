@@ -21,12 +21,15 @@ from gguf import Keys
 from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
 from llmrun.loading import safetensors_io
 from llmrun.loading.vision import (
-    encoder_tensor,
+    SIGLIP_LAYER,
     image_processor,
+    mmproj_name,
+    mmproj_tensors,
     open_mmproj,
     prefixed_weights,
     projector_type,
     three_floats,
+    with_suffixes,
     with_weights,
 )
 from llmrun.models import minicpmv_vision, siglip
@@ -40,18 +43,8 @@ DEFAULT_MAX_SLICES = 9
 DEFAULT_MEAN_STD = (0.5, 0.5, 0.5)
 BICUBIC = 3  # PIL.Image.Resampling.BICUBIC, as preprocessor_config.json numbers it
 _HF_PREFIXES = {"model.vision_tower.": "vision_tower.", "model.merger.": "merger."}
-# The GGUF names (clip-impl.h's TN_*) -> the encoder's.
-_GGUF_LAYER = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_out": "self_attn.out_proj",
-    "ln1": "layer_norm1",
-    "ln2": "layer_norm2",
-    "ffn_up": "mlp.fc1",
-    "ffn_down": "mlp.fc2",
-}
-_GGUF_NAMES = {
+# The GGUF module names (clip-impl.h's TN_*) -> the encoder's; the layers' are SigLIP's.
+_GGUF_MODULES = {
     "v.patch_embd": "vision_tower.embeddings.patch_embedding",
     "v.position_embd": "vision_tower.embeddings.position_embedding",
     "v.post_ln": "vision_tower.post_layernorm",
@@ -67,6 +60,7 @@ _GGUF_NAMES = {
     "mm.up": "merger.mlp.0.linear_1",
     "mm.down": "merger.mlp.0.linear_2",
 }
+_GGUF_NAMES = with_suffixes(_GGUF_MODULES)
 
 
 @dataclass
@@ -199,14 +193,7 @@ def from_mmproj(path: str | Path, text_hidden: int) -> MiniCPMVVision:
         insert_layer_id=inserted[0],
         window_merge=scale == 4,
     )
-    weights = {}
-    for info in gg.tensors.values():
-        name = _gguf_name(info.name)
-        if name is None:
-            raise UnsupportedError(
-                f"{gg.path}: tensor {info.name!r} is not part of MiniCPM-V 4.6's image encoder"
-            )
-        weights[name] = encoder_tensor(gg, info)
+    weights = mmproj_tensors(gg, _gguf_name, "MiniCPM-V 4.6's image encoder")
     mean, std = (
         three_floats(meta.get(key, DEFAULT_MEAN_STD), gg.path, key)
         for key in (vision.IMAGE_MEAN, vision.IMAGE_STD)
@@ -225,17 +212,7 @@ def from_mmproj(path: str | Path, text_hidden: int) -> MiniCPMVVision:
 
 
 def _gguf_name(name: str) -> str | None:
-    module, _, suffix = name.rpartition(".")
-    if suffix not in ("weight", "bias"):
-        return None
-    if module in _GGUF_NAMES:
-        return f"{_GGUF_NAMES[module]}.{suffix}"
-    parts = module.split(".")
-    if len(parts) == 4 and parts[:2] == ["v", "blk"] and parts[2].isdigit():
-        layer = _GGUF_LAYER.get(parts[3])
-        if layer is not None:
-            return f"vision_tower.encoder.layers.{parts[2]}.{layer}.{suffix}"
-    return None
+    return mmproj_name(name, _GGUF_NAMES, SIGLIP_LAYER, "vision_tower.encoder.layers.")
 
 
 def _build(

@@ -21,7 +21,13 @@ from gguf import Keys, VisionProjectorType
 
 from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
 from llmrun.loading import gguf_io, safetensors_io
-from llmrun.loading.vision import encoder_tensor, prefixed_weights, three_floats, with_weights
+from llmrun.loading.vision import (
+    encoder_tensor,
+    mmproj_name,
+    prefixed_weights,
+    three_floats,
+    with_weights,
+)
 from llmrun.models import pixtral
 
 MODEL_TYPE = "mistral3"
@@ -182,14 +188,8 @@ def from_mmproj(path: str | Path, text_hidden: int) -> PixtralVision:
 
 
 def _gguf_name(name: str) -> str | None:
-    if name in _GGUF_NAMES:
-        return _GGUF_NAMES[name]
-    parts = name.split(".")
-    if len(parts) == 5 and parts[:2] == ["v", "blk"] and parts[2].isdigit():
-        layer = _GGUF_LAYER.get(parts[3])
-        if layer is not None and parts[4] == "weight":
-            return f"vision_tower.transformer.layers.{parts[2]}.{layer}.weight"
-    return None
+    into = "vision_tower.transformer.layers."
+    return mmproj_name(name, _GGUF_NAMES, _GGUF_LAYER, into, suffixes=("weight",))
 
 
 def _build(

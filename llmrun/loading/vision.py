@@ -3,6 +3,8 @@ and projector from its Hugging Face folder (Gemma3ForConditionalGeneration), or 
 mmproj GGUF that llama.cpp's converter writes beside the text model's GGUF (`--mmproj`:
 clip.* metadata, v.* and mm.* tensors, as tools/mtmd/clip.cpp reads them). Both give the
 encoder HF's weights; the language model loads as for text (llmrun.loading.loader).
+It also holds what the other families' encoder loaders share: opening an mmproj, naming
+and reading its tensors (SigLIP's layer names among them), building an encoder from them.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ _HF_PREFIXES = {
 # SiglipVisionModel's attention-pooling head, which Gemma 3 never runs (its checkpoints
 # have none; transformers' default SiglipVisionConfig builds one).
 _UNUSED = ".head."
-# The GGUF names of a layer's tensors (clip-impl.h) -> SigLIP's.
-_GGUF_LAYER = {
+# The GGUF names of a SigLIP (or CLIP) layer's tensors (clip-impl.h, gguf-py's
+# tensor_mapping) -> transformers'.
+SIGLIP_LAYER = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -51,15 +54,18 @@ _GGUF_LAYER = {
     "ffn_up": "mlp.fc1",
     "ffn_down": "mlp.fc2",
 }
-_GGUF_NAMES = {
-    "v.patch_embd.weight": "embeddings.patch_embedding.weight",
-    "v.patch_embd.bias": "embeddings.patch_embedding.bias",
-    "v.position_embd.weight": "embeddings.position_embedding.weight",
-    "v.post_ln.weight": "post_layernorm.weight",
-    "v.post_ln.bias": "post_layernorm.bias",
-}
-_SOFT_EMB_NORM = "mm.soft_emb_norm.weight"
+_TOWER = "vision_tower.vision_model."
 _INPUT_PROJECTION = "mm.input_projection.weight"
+_SOFT_EMB_NORM = "multi_modal_projector.mm_soft_emb_norm.weight"
+_GGUF_NAMES = {
+    "v.patch_embd.weight": _TOWER + "embeddings.patch_embedding.weight",
+    "v.patch_embd.bias": _TOWER + "embeddings.patch_embedding.bias",
+    "v.position_embd.weight": _TOWER + "embeddings.position_embedding.weight",
+    "v.post_ln.weight": _TOWER + "post_layernorm.weight",
+    "v.post_ln.bias": _TOWER + "post_layernorm.bias",
+    _INPUT_PROJECTION: "multi_modal_projector.mm_input_projection_weight",
+    "mm.soft_emb_norm.weight": _SOFT_EMB_NORM,
+}
 
 
 @dataclass
@@ -225,36 +231,66 @@ def from_mmproj(path: str | Path, text_hidden: int) -> Vision:
         raise ModelFormatError(f"{gg.path}: no 2-D {_INPUT_PROJECTION}")
     # [vision hidden, text hidden]: the width it projects to.
     encoder_args = gemma3_vision.EncoderArgs(args, projection.shape[1], tokens)
-    weights = {}
-    for info in gg.tensors.values():
-        name = _gguf_name(info.name)
-        if name is None:
-            raise UnsupportedError(
-                f"{gg.path}: tensor {info.name!r} is not part of Gemma 3's encoder"
-            )
-        tensor = encoder_tensor(gg, info)
-        if info.name == _SOFT_EMB_NORM:
-            tensor = tensor.float() - 1.0  # the converter stores Gemma's 1 + w
-        weights[name] = tensor
+    weights = mmproj_tensors(gg, _gguf_name, "Gemma 3's encoder")
+    if _SOFT_EMB_NORM in weights:
+        weights[_SOFT_EMB_NORM] = weights[_SOFT_EMB_NORM].float() - 1.0  # Gemma's 1 + w
     mean = three_floats(meta.get(vision.IMAGE_MEAN, GEMMA3_MEAN_STD), gg.path, vision.IMAGE_MEAN)
     std = three_floats(meta.get(vision.IMAGE_STD, GEMMA3_MEAN_STD), gg.path, vision.IMAGE_STD)
     return _build(encoder_args, weights, text_hidden, gg.path, mean, std)
 
 
 def _gguf_name(name: str) -> str | None:
-    tower = "vision_tower.vision_model."
-    if name == _INPUT_PROJECTION:
-        return "multi_modal_projector.mm_input_projection_weight"
-    if name == _SOFT_EMB_NORM:
-        return "multi_modal_projector.mm_soft_emb_norm.weight"
-    if name in _GGUF_NAMES:
-        return tower + _GGUF_NAMES[name]
+    return mmproj_name(name, _GGUF_NAMES, SIGLIP_LAYER, _TOWER + "encoder.layers.")
+
+
+def mmproj_name(
+    name: str,
+    names: dict[str, str],
+    layers: dict[str, str],
+    into: str,
+    suffixes: tuple[str, ...] = ("weight", "bias"),
+    tower: str = "v",
+) -> str | None:
+    """An mmproj tensor's name in the encoder: `names[name]` for one of the whole names,
+    `<into>N.<layers[part]>.<suffix>` for a layer's `<tower>.blk.N.<part>.<suffix>` whose
+    suffix is one of `suffixes`; None for any other."""
+    if name in names:
+        return names[name]
     parts = name.split(".")
-    if len(parts) == 5 and parts[:2] == ["v", "blk"] and parts[2].isdigit():
-        layer = _GGUF_LAYER.get(parts[3])
-        if layer is not None and parts[4] in ("weight", "bias"):
-            return f"{tower}encoder.layers.{parts[2]}.{layer}.{parts[4]}"
+    if len(parts) == 5 and parts[:2] == [tower, "blk"] and parts[2].isdigit():
+        layer = layers.get(parts[3])
+        if layer is not None and parts[4] in suffixes:
+            return f"{into}{parts[2]}.{layer}.{parts[4]}"
     return None
+
+
+def with_suffixes(modules: dict[str, str]) -> dict[str, str]:
+    """Whole tensor names from module names: `<module>.weight` and `<module>.bias` -> the
+    encoder module's `.weight` and `.bias`."""
+    return {
+        f"{module}.{suffix}": f"{new}.{suffix}"
+        for module, new in modules.items()
+        for suffix in ("weight", "bias")
+    }
+
+
+def mmproj_tensors(
+    gg: gguf_io.GGUFFile,
+    name_of: Callable[[str], str | None],
+    encoder: str,
+    keep: Callable[[str], bool] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Every tensor of an mmproj GGUF under the encoder's name `name_of(its name)`, read by
+    encoder_tensor (only those whose name `keep` keeps, where given); one `name_of` does not
+    name is refused as not part of `encoder` ("Gemma 3's encoder")."""
+    weights = {}
+    for info in gg.tensors.values():
+        name = name_of(info.name)
+        if name is None:
+            raise UnsupportedError(f"{gg.path}: tensor {info.name!r} is not part of {encoder}")
+        if keep is None or keep(name):
+            weights[name] = encoder_tensor(gg, info)
+    return weights
 
 
 def _build(

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from gguf import Keys
 
-from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.errors import ModelFormatError
 from llmrun.loading import gguf_io
-from llmrun.loading.vision import encoder_tensor
+from llmrun.loading.vision import mmproj_name, mmproj_tensors, with_suffixes
 from llmrun.models.whisper_encoder import EncoderArgs
 
 TEXT_ONLY = "without the audio tower"  # how the loader's note on such a folder ends
@@ -80,30 +80,13 @@ def mmproj_weights(
     """Every tensor of an mmproj GGUF under the encoder's names: the tower's (a.*), and the
     projector's by `projector` (GGUF module name -> the encoder's); another is refused as
     not part of `family`'s encoder. The conv biases as the HF model has them ([channels])."""
-    weights = {}
-    for info in gg.tensors.values():
-        name = _gguf_name(info.name, projector)
-        if name is None:
-            raise UnsupportedError(
-                f"{gg.path}: tensor {info.name!r} is not part of {family}'s audio encoder"
-            )
-        tensor = encoder_tensor(gg, info)
+    names = with_suffixes({**_GGUF_TOWER, **projector})
+
+    def name_of(name: str) -> str | None:
+        return mmproj_name(name, names, _GGUF_LAYER, "audio_tower.layers.", tower="a")
+
+    weights = mmproj_tensors(gg, name_of, f"{family}'s audio encoder")
+    for name, tensor in weights.items():
         if name.endswith(("conv1.bias", "conv2.bias")) and tensor.dim() == 2:
-            tensor = tensor.reshape(-1)  # [channels, 1] for ggml's broadcast
-        weights[name] = tensor
+            weights[name] = tensor.reshape(-1)  # [channels, 1] for ggml's broadcast
     return weights
-
-
-def _gguf_name(name: str, projector: dict[str, str]) -> str | None:
-    module, _, suffix = name.rpartition(".")
-    if suffix not in ("weight", "bias"):
-        return None
-    known = {**_GGUF_TOWER, **projector}
-    if module in known:
-        return f"{known[module]}.{suffix}"
-    parts = module.split(".")
-    if len(parts) == 4 and parts[:2] == ["a", "blk"] and parts[2].isdigit():
-        layer = _GGUF_LAYER.get(parts[3])
-        if layer is not None:
-            return f"audio_tower.layers.{parts[2]}.{layer}.{suffix}"
-    return None
