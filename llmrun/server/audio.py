@@ -17,9 +17,6 @@ import asyncio
 import base64
 import binascii
 import hashlib
-import threading
-from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,8 +25,7 @@ import torch
 from llmrun import api
 from llmrun.audio import open_audio
 from llmrun.audio_families import NAMES
-from llmrun.errors import UsageError
-from llmrun.server.images import Encoded
+from llmrun.server.images import Encoded, MediaEncoder
 from llmrun.server.schema import ApiError
 
 # A clip's bytes, after base64 (OpenAI's limit for an audio file).
@@ -50,56 +46,23 @@ class AudioRef:
         return self.data
 
 
-class AudioEncoder:
-    """The server's audio encoding: one clip at a time, the latest KEPT_CLIPS kept by
-    digest with the prompt tokens each takes."""
+class AudioEncoder(MediaEncoder):
+    """Audio clips: their prompt tokens by Engine.audio_tokens (Qwen2-Audio refuses some
+    lengths)."""
+
+    over = "the audio up to {param} takes"
 
     def __init__(self, kept: int = KEPT_CLIPS) -> None:
-        self.kept_count = kept
-        self.kept: OrderedDict[bytes, tuple[torch.Tensor, int]] = OrderedDict()
-        self.lock = threading.Lock()
+        super().__init__(kept)
 
-    def encode(
-        self,
-        engine: api.Engine,
-        payloads: Sequence[bytes],
-        digests: Sequence[bytes],
-        params: Sequence[str],
-    ) -> list[torch.Tensor]:
-        """Each clip's embeddings, in order, each distinct one encoded once; its prompt
-        tokens are counted first, and clips that take more than the context holds are a
-        400 before the clip over it is encoded."""
-        encoded: dict[bytes, tuple[torch.Tensor, int]] = {}  # this request's
-        tokens = 0
-        with self.lock:
-            for data, digest, param in zip(payloads, digests, params, strict=True):
-                if digest not in encoded and digest in self.kept:
-                    self.kept.move_to_end(digest)
-                    encoded[digest] = self.kept[digest]
-                clip = None
-                if digest in encoded:
-                    count = encoded[digest][1]
-                else:
-                    try:
-                        clip = open_audio(data, name=param)
-                        count = engine.audio_tokens(clip)  # (Qwen2-Audio refuses some lengths)
-                    except UsageError as e:
-                        raise ApiError(400, str(e), param=param) from None
-                tokens += count
-                if tokens > engine.ctx_size:
-                    raise ApiError(
-                        400,
-                        f"the audio up to {param} takes {tokens} tokens, more than the "
-                        f"context of {engine.ctx_size} tokens holds",
-                        param=param,
-                        code="context_length_exceeded",
-                    )
-                if clip is not None:
-                    encoded[digest] = (engine.encode_audio([clip])[0], count)
-                    self.kept[digest] = encoded[digest]
-                    while len(self.kept) > self.kept_count:
-                        self.kept.popitem(last=False)
-        return [encoded[d][0] for d in digests]
+    def open(self, data: bytes, param: str) -> Any:
+        return open_audio(data, name=param)
+
+    def tokens(self, engine: api.Engine, part: Any) -> int:
+        return engine.audio_tokens(part)
+
+    def embed(self, engine: api.Engine, part: Any) -> torch.Tensor:
+        return engine.encode_audio([part])[0]
 
 
 def audio_refs(messages: list[dict[str, Any]], where: str) -> list[AudioRef]:

@@ -54,15 +54,27 @@ class Encoded:
     digests: list[bytes]
 
 
-class ImageEncoder:
-    """The server's image encoding: one image at a time (each takes every core, and an
-    896-pixel image's attention takes memory), the latest KEPT_IMAGES kept by digest
-    with the prompt tokens each takes."""
+class MediaEncoder:
+    """The server's encoding of one kind of content part (images here, audio in
+    llmrun.server.audio): one part at a time (each takes every core, and an 896-pixel
+    image's attention takes memory), the latest `kept` kept by digest with the prompt
+    tokens each takes. A kind says how to open a part, count its tokens and encode it."""
 
-    def __init__(self, kept: int = KEPT_IMAGES) -> None:
+    over = "the parts up to {param} take"  # how a 400 names the parts over the context
+
+    def __init__(self, kept: int) -> None:
         self.kept_count = kept
         self.kept: OrderedDict[bytes, tuple[torch.Tensor, int]] = OrderedDict()
         self.lock = threading.Lock()
+
+    def open(self, data: bytes, param: str) -> Any:
+        raise NotImplementedError
+
+    def tokens(self, engine: api.Engine, part: Any) -> int:
+        raise NotImplementedError
+
+    def embed(self, engine: api.Engine, part: Any) -> torch.Tensor:
+        raise NotImplementedError
 
     def encode(
         self,
@@ -71,9 +83,9 @@ class ImageEncoder:
         digests: Sequence[bytes],
         params: Sequence[str],
     ) -> list[torch.Tensor]:
-        """Each image's embeddings, in order, each distinct one encoded once; its prompt
-        tokens (Engine.image_tokens, by its size) are counted first, and images that
-        take more than the context holds are a 400 before the image over it is encoded."""
+        """Each part's embeddings, in order, each distinct one encoded once; its prompt
+        tokens are counted first, and parts that take more than the context holds are a
+        400 before the part over it is encoded."""
         encoded: dict[bytes, tuple[torch.Tensor, int]] = {}  # this request's
         tokens = 0
         with self.lock:
@@ -81,30 +93,49 @@ class ImageEncoder:
                 if digest not in encoded and digest in self.kept:
                     self.kept.move_to_end(digest)
                     encoded[digest] = self.kept[digest]
-                image = None
+                part = None
                 if digest in encoded:
                     count = encoded[digest][1]
                 else:
                     try:
-                        image = open_image(data, name=param)
-                        count = engine.image_tokens(image)  # (Qwen2-VL refuses some shapes)
+                        part = self.open(data, param)
+                        count = self.tokens(engine, part)  # (some shapes are refused)
                     except UsageError as e:
                         raise ApiError(400, str(e), param=param) from None
                 tokens += count
                 if tokens > engine.ctx_size:
                     raise ApiError(
                         400,
-                        f"the images up to {param} take {tokens} tokens, more than the "
+                        f"{self.over.format(param=param)} {tokens} tokens, more than the "
                         f"context of {engine.ctx_size} tokens holds",
                         param=param,
                         code="context_length_exceeded",
                     )
-                if image is not None:
-                    encoded[digest] = (engine.encode_images([image])[0], count)
+                if part is not None:
+                    encoded[digest] = (self.embed(engine, part), count)
                     self.kept[digest] = encoded[digest]
                     while len(self.kept) > self.kept_count:
                         self.kept.popitem(last=False)
         return [encoded[d][0] for d in digests]
+
+
+class ImageEncoder(MediaEncoder):
+    """Images: their prompt tokens by Engine.image_tokens (Gemma 3's fixed count, Mistral
+    3's and Qwen2-VL's by its size)."""
+
+    over = "the images up to {param} take"
+
+    def __init__(self, kept: int = KEPT_IMAGES) -> None:
+        super().__init__(kept)
+
+    def open(self, data: bytes, param: str) -> Any:
+        return open_image(data, name=param)
+
+    def tokens(self, engine: api.Engine, part: Any) -> int:
+        return engine.image_tokens(part)
+
+    def embed(self, engine: api.Engine, part: Any) -> torch.Tensor:
+        return engine.encode_images([part])[0]
 
 
 def image_refs(messages: list[dict[str, Any]], where: str) -> list[ImageRef]:
