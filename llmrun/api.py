@@ -609,9 +609,12 @@ def _load_vision(checkpoint: Checkpoint, path: Path, mmproj: str | Path | None) 
         raise UsageError(f"{path}: {family.name}'s images go to its own language model")
     hidden = checkpoint.config["hidden_size"]
     if checkpoint.gguf is not None:
-        return family.from_mmproj(Path(mmproj), hidden)
-    encoder = family.from_hf_dir(path, hidden)
-    checkpoint.notes = [n for n in checkpoint.notes if not n.endswith(vision_loading.TEXT_ONLY)]
+        encoder = family.from_mmproj(Path(mmproj), hidden)
+    else:
+        encoder = family.from_hf_dir(path, hidden)
+        checkpoint.notes = [n for n in checkpoint.notes if not n.endswith(vision_loading.TEXT_ONLY)]
+    if family.check_text is not None:
+        family.check_text(encoder, checkpoint.config, Path(mmproj or path))
     return encoder
 
 

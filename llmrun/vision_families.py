@@ -71,6 +71,9 @@ class VisionFamily:
     encode: Callable[[Any, Sequence[Any]], list[Any]]
     # The ids of a text whose image places take the encoded images, and those images.
     prompt: PromptFn
+    # Refuses a loaded encoder that does not fit the language model's config (beyond
+    # text_takes_images and the widths), naming the source.
+    check_text: Callable[[Any, dict[str, Any], Path], None] | None = None
 
 
 def _gemma3_prompt(
@@ -173,6 +176,7 @@ FAMILIES: tuple[VisionFamily, ...] = (
         image_tokens=qwen2_vl_images.image_tokens,
         encode=qwen2_vl_images.encode,
         prompt=_by_text(qwen2_vl_images.prompt),
+        check_text=qwen3_vl_vision.check_deepstack,
     ),
     # Qwen2-VL's M-RoPE positions; GLM's own resizing and image tokens.
     VisionFamily(

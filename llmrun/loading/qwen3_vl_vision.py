@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from gguf import Keys, VisionProjectorType
 
-from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
 from llmrun.loading import gguf_io, safetensors_io
 from llmrun.loading.qwen2_vl_vision import (
     PATCH,
@@ -79,6 +79,18 @@ def text_takes_images(text_config: dict[str, Any]) -> bool:
     """Whether a language model's config is Qwen3-VL's: Qwen3's with M-RoPE sections."""
     rope = text_config.get("rope_parameters") or text_config.get("rope_scaling") or {}
     return text_config.get("model_type") in TEXT_MODEL_TYPES and bool(rope.get("mrope_section"))
+
+
+def check_deepstack(vision: Qwen3Vision, text_config: dict[str, Any], source: Path) -> None:
+    """Refuses a tower whose deepstack features are not as many as the language model adds
+    (a text GGUF's n_deepstack_layers, where it says), as llama.cpp does by width."""
+    layers = text_config.get("n_deepstack_layers")
+    count = len(vision.encoder.args.deepstack_visual_indexes)
+    if layers is not None and layers != count:
+        raise UsageError(
+            f"{source}: the language model adds {layers} deepstack features to each image "
+            f"token, but the mmproj's tower gives {count}: they are not one model's"
+        )
 
 
 def is_mmproj(path: str | Path) -> bool:

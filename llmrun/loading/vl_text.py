@@ -292,6 +292,11 @@ def finish_qwen3vl_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetada
     if sections is not None:
         config["rope_parameters"]["mrope_section"] = sections
         config["rope_parameters"]["mrope_interleaved"] = True
+    # How many of an image token's deepstack features the layers add (the mmproj's tower
+    # must give as many: llmrun.loading.qwen3_vl_vision.check_deepstack).
+    layers = meta.get(Keys.LLM.NUM_DEEPSTACK_LAYERS)
+    if isinstance(layers, int) and not isinstance(layers, bool):
+        config["n_deepstack_layers"] = layers
 
 
 def neox_to_pairs(rows, heads: int, head_dim: int, rotated: int):

@@ -228,6 +228,24 @@ def test_a_qwen2_vl_mmproj_is_refused_for_a_qwen3_vl_language_model(family, tmp_
         api.load(str(text), device="cpu", mmproj=qwen2_mmproj)
 
 
+def test_an_mmproj_of_another_deepstack_count_is_refused(family, tmp_path):
+    """The text GGUF says how many deepstack features its layers add; a tower that gives
+    another number is another model's (llama.cpp refuses it by the embedding width)."""
+    model = family[0]
+    mmproj = write_qwen3_mmproj(model, tmp_path / "mmproj.gguf")
+    vision = model.config.vision_config
+    indexes = list(vision.deepstack_visual_indexes)
+    vision.deepstack_visual_indexes = indexes[:-1]
+    try:
+        text = write_qwen3_text_gguf(model, tmp_path / "other.gguf")
+    finally:
+        vision.deepstack_visual_indexes = indexes
+    with pytest.raises(UsageError, match=f"adds {len(indexes) - 1} deepstack features"):
+        api.load(str(text), device="cpu", mmproj=mmproj)
+    same = write_qwen3_text_gguf(model, tmp_path / "same.gguf")
+    assert api.load(str(same), device="cpu", mmproj=mmproj).vision is not None
+
+
 def test_the_moe_takes_images_as_transformers(images, tmp_path):
     """Qwen3-VL-MoE (Qwen3VLMoeForConditionalGeneration: 4 experts, 2 a token): the same
     tower, its language model's logits and greedy tokens with the images."""
