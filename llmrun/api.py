@@ -524,8 +524,16 @@ def load(
         ]
     if audio:
         audio_encoder = _load_audio(checkpoint, path, mmproj)
+    elif checkpoint.gguf is None and audio_families.of_folder(path) is not None:
+        # Its audio tower loads at the first clip (`chat`'s /audio), as a tower at an image.
+        checkpoint.notes = [
+            f"{note} until a clip is given (--audio, /audio)"
+            if note.endswith(_AUDIO_NOTES)
+            else note
+            for note in checkpoint.notes
+        ]
     # The tokenizer builds while the weights load: repacking and mapping them run in
-    # native code and page faults, without the GIL (a 262k vocabulary takes ~1 s).
+    # native code and page faults, without the GIL (a 262k vocabulary takes ~0.3 s).
     with ThreadPoolExecutor(1, thread_name_prefix="llmrun-tokenizer") as pool:
         building = pool.submit(_tokenizer, checkpoint, path)
         loaded = load_model(checkpoint, torch_device, dtype, lora)
@@ -618,6 +626,11 @@ def _load_vision(checkpoint: Checkpoint, path: Path, mmproj: str | Path | None) 
     return encoder
 
 
+# How the loader's notes on a folder with an audio tower end (Gemma 4's says its tower "is
+# not run"; it also runs without the vision tower).
+_AUDIO_NOTES = (whisper_audio.TEXT_ONLY, "audio tower is not run")
+
+
 def _load_audio(checkpoint: Checkpoint, path: Path, mmproj: str | Path | None) -> Any:
     """The audio encoder of an audio-language model (llmrun.audio_families): its folder's
     own, or a GGUF's mmproj file (whose projector type says the family); the note that its
@@ -649,9 +662,7 @@ def _load_audio(checkpoint: Checkpoint, path: Path, mmproj: str | Path | None) -
     if checkpoint.gguf is not None:
         return family.from_mmproj(Path(mmproj), hidden)
     encoder = family.from_hf_dir(path, hidden)
-    # Gemma 4's note says its audio tower "is not run".
-    spent = (whisper_audio.TEXT_ONLY, "audio tower is not run")
-    checkpoint.notes = [n for n in checkpoint.notes if not n.endswith(spent)]
+    checkpoint.notes = [n for n in checkpoint.notes if not n.endswith(_AUDIO_NOTES)]
     return encoder
 
 

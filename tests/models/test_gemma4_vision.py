@@ -251,7 +251,9 @@ def test_an_audio_tower_is_left_with_a_note(folder, tmp_path):
     config["audio_config"] = {"model_type": "gemma4_audio"}
     (copy / "config.json").write_text(json.dumps(config))
     engine = api.load(str(copy), device="cpu", vision=True)
-    assert engine.checkpoint.notes == [f"{copy}: Gemma 4's audio tower is not run"]
+    assert engine.checkpoint.notes == [
+        f"{copy}: Gemma 4's audio tower is not run until a clip is given (--audio, /audio)"
+    ]
     assert engine.vision is not None
 
 

@@ -242,6 +242,16 @@ def test_transformers_5s_key_names_load_the_same_encoder(folder, engine, tmp_pat
     assert all(torch.equal(loaded[k], expected[k]) for k in expected)
 
 
+def test_a_folder_opened_without_audio_says_its_tower_loads_at_the_first_clip(folder):
+    """`chat FOLDER` runs the language model at once; its note says when the audio tower
+    loads (as a vision folder's says for its tower), and the tower then loads on demand."""
+    engine = api.load(str(folder), device="cpu")
+    assert engine.checkpoint.notes == [
+        f"{folder}: a multimodal Voxtral; running its language model, without the audio tower"
+        " until a clip is given (--audio, /audio)"
+    ]
+
+
 def test_audio_places_must_match_the_clips(engine, clips):
     with pytest.raises(UsageError, match=r"marks 1 audio place \(\[BEGIN_AUDIO\]\) for 2 clips"):
         engine.audio_prompt("[INST][BEGIN_AUDIO]two?[/INST]", clips)
