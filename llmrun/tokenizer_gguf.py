@@ -1,10 +1,11 @@
 """A tokenizer's parts from GGUF `tokenizer.ggml.*` metadata, as llama.cpp reads it.
 
-The vocabulary (text -> id), the merges (the file's own for BPE, "gpt2", "gemma4" and
-"whitespace"; derived from the scores for SentencePiece, "llama", by llmrun.spm_merges), the
-`tokenizers` backend with llama.cpp's pre-tokenizer for the file's `tokenizer.ggml.pre`
-(llmrun.pretokenizers), and llama.cpp's rules for which tokens are control, user-defined,
-unused or end generation.
+The vocabulary (text -> id), the backend that merges it (llmrun.gguf_bpe's C merging: the
+file's merges for BPE, "gpt2", "gemma4" and "whitespace", the scores for SentencePiece,
+"llama"; the `tokenizers` library's BPE for batches and where nothing can be compiled, with
+SentencePiece merges derived from the scores by llmrun.spm_merges), llama.cpp's
+pre-tokenizer for the file's `tokenizer.ggml.pre` (llmrun.pretokenizers), and llama.cpp's
+rules for which tokens are control, user-defined, unused or end generation.
 """
 
 from __future__ import annotations
