@@ -9,6 +9,10 @@ subfolders can `import helpers`.
 - `native_kernels` runs a test against each native kernel family this CPU has:
   AVX-512 (kernels_avx512.c, the default where the CPU has it) and AVX2
   (kernels_avx2.c, forced with LLMRUN_NATIVE=avx2, so an AVX-512 machine tests both).
+- LLMRUN_TEST_KERNELS=DIR (opt-in, for development) keeps the built kernels in DIR
+  across sessions instead of rebuilding them in each fresh LLMRUN_HOME (tens of
+  seconds per run on 2 cores). Safe to share: a library's name hashes its sources,
+  flags and the CPU's features, and each is built beside its name and renamed.
 """
 
 import atexit
@@ -25,6 +29,11 @@ if "LLMRUN_HOME" not in os.environ:
     _home = tempfile.mkdtemp(prefix="llmrun-tests-")
     os.environ["LLMRUN_HOME"] = _home
     atexit.register(shutil.rmtree, _home, ignore_errors=True)
+    if os.environ.get("LLMRUN_TEST_KERNELS"):
+        os.makedirs(os.environ["LLMRUN_TEST_KERNELS"], exist_ok=True)
+        os.symlink(
+            os.path.abspath(os.environ["LLMRUN_TEST_KERNELS"]), os.path.join(_home, "kernels")
+        )
 
 from llmrun import native  # noqa: E402  (after LLMRUN_HOME is set)
 from llmrun.quant import kernels  # noqa: E402
