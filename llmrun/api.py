@@ -30,7 +30,14 @@ from llmrun import (
 from llmrun.chat_template import ChatTemplate, select_template
 from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
 from llmrun.generate import KVState, Response, TokenLogprob, stream_generate
-from llmrun.loading import embedding, reranker, safetensors_io, whisper_audio
+from llmrun.loading import (
+    embedding,
+    gemma3n,
+    mistral_native,
+    reranker,
+    safetensors_io,
+    whisper_audio,
+)
 from llmrun.loading import vision as vision_loading
 from llmrun.loading.loader import Checkpoint, check_device_room, load_model, open_checkpoint
 from llmrun.loading.lora import LoraScales
@@ -483,8 +490,8 @@ def load(
     the type (llmrun.quant.linear.set_activations). `lora`: LoRA adapters as (path,
     scale), a GGUF adapter or a PEFT folder (llmrun.loading.lora). `vision`: load the image
     encoder too (a vision checkpoint's own, or a GGUF's `mmproj` file, which implies it
-    unless `audio`), for Engine.image_prompt. `audio`: load the audio encoder (a Voxtral,
-    Qwen2-Audio or Gemma 4 folder's own, or the `mmproj` file's), for Engine.audio_prompt."""
+    unless `audio`), for Engine.image_prompt. `audio`: load the audio encoder (an
+    llmrun.audio_families folder's own, or the `mmproj` file's), for Engine.audio_prompt."""
     if dtype not in DTYPES:
         raise UsageError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     if cache_type is not None and cache_type not in CACHE_TYPES:
@@ -591,6 +598,11 @@ def _load_vision(checkpoint: Checkpoint, path: Path, mmproj: str | Path | None) 
     """The image encoder of a vision-language model (llmrun.vision_families): its folder's
     own, or a GGUF's mmproj file (whose projector type says the family: a GGUF's text alone
     does not); the note that its language model runs alone is then dropped."""
+    if checkpoint.config.get("model_type") == gemma3n.MODEL_TYPE:
+        raise UnsupportedError(
+            f"{path}: Gemma 3n's vision tower (MobileNetV5) is not supported; it takes text "
+            "and audio (--audio)"
+        )
     if checkpoint.gguf is not None:
         if mmproj is None:
             raise UsageError(
@@ -803,6 +815,8 @@ def _chat_template(
                 if not source and (checkpoint.path / name).is_file():
                     config = safetensors_io.read_json(checkpoint.path / name)
                     source = select_template(config.get("chat_template"))
+            if not source and mistral_native.is_native(p.name for p in checkpoint.path.iterdir()):
+                source = mistral_native.chat_template(checkpoint.path)  # its tekken's format
     if not source:
         return None
     bos = (

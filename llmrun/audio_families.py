@@ -15,8 +15,23 @@ from typing import Any
 
 import torch
 
-from llmrun import audio, gemma4_audio_clips, multimodal, qwen2_audio_clips, voxtral_clips
-from llmrun.loading import gemma4_audio, qwen2_audio, voxtral_audio
+from llmrun import (
+    audio,
+    gemma3n_audio_clips,
+    gemma4_audio_clips,
+    multimodal,
+    qwen2_5_omni_clips,
+    qwen2_audio_clips,
+    voxtral_clips,
+)
+from llmrun.loading import (
+    gemma3n_audio,
+    gemma4_audio,
+    qwen2_5_omni,
+    qwen2_audio,
+    qwen2_vl_vision,
+    voxtral_audio,
+)
 from llmrun.tokenizer import Tokenizer
 
 Prompt = tuple[list[int], multimodal.PromptImages]
@@ -69,6 +84,19 @@ FAMILIES: tuple[AudioFamily, ...] = (
         encode=qwen2_audio_clips.encode,
         prompt=qwen2_audio_clips.prompt,
     ),
+    # Its tokens' positions run on as text's, by M-RoPE (its language model's).
+    AudioFamily(
+        name="Qwen2.5-Omni",
+        encoder_type=qwen2_5_omni.Qwen25OmniAudio,
+        folder_has_audio=qwen2_5_omni.folder_has_audio,
+        is_mmproj=qwen2_5_omni.is_audio_mmproj,
+        from_hf_dir=qwen2_5_omni.audio_from_hf_dir,
+        from_mmproj=qwen2_5_omni.audio_from_mmproj,
+        text_takes_audio=qwen2_vl_vision.text_takes_images,
+        clip_tokens=qwen2_5_omni_clips.clip_tokens,
+        encode=qwen2_5_omni_clips.encode,
+        prompt=qwen2_5_omni_clips.prompt,
+    ),
     AudioFamily(
         name="Gemma 4",
         encoder_type=gemma4_audio.Gemma4Audio,
@@ -80,6 +108,18 @@ FAMILIES: tuple[AudioFamily, ...] = (
         clip_tokens=gemma4_audio_clips.clip_tokens,
         encode=gemma4_audio_clips.encode,
         prompt=gemma4_audio_clips.prompt,
+    ),
+    AudioFamily(
+        name="Gemma 3n",
+        encoder_type=gemma3n_audio.Gemma3nAudio,
+        folder_has_audio=gemma3n_audio.folder_has_audio,
+        is_mmproj=gemma3n_audio.is_mmproj,
+        from_hf_dir=gemma3n_audio.from_hf_dir,
+        from_mmproj=gemma3n_audio.from_mmproj,
+        text_takes_audio=lambda config: config.get("model_type") == "gemma3n_text",
+        clip_tokens=gemma3n_audio_clips.clip_tokens,
+        encode=gemma3n_audio_clips.encode,
+        prompt=gemma3n_audio_clips.prompt,
     ),
 )
 

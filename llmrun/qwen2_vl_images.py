@@ -25,6 +25,8 @@ from llmrun.multimodal import PromptImages
 from llmrun.tokenizer import Tokenizer
 
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+# Qwen2.5-Omni's tokenizer names the same three tokens otherwise.
+OMNI_MARKERS = ("<|vision_bos|>", "<|IMAGE|>", "<|vision_eos|>")
 # Qwen2VLImageProcessor refuses images longer than this many times their width (or wider).
 MAX_ASPECT = 200
 
@@ -151,39 +153,51 @@ class QwenPromptImages(PromptImages):
         return int(self.rope.max()) + 1 - length
 
 
-def _token_ids(tokenizer: Tokenizer) -> int:
-    """The id of <|image_pad|>, where the tokenizer has Qwen2-VL's vision tokens."""
-    markers = (VISION_START, IMAGE_PAD, VISION_END)
+def _token_ids(tokenizer: Tokenizer, markers: tuple[str, str, str]) -> int:
+    """The id of the image pad (the middle of `markers`), where the tokenizer has all
+    three vision tokens."""
     missing = [text for text in markers if tokenizer.token_id(text) is None]
     if missing:
         raise TokenizerError(f"the tokenizer has no {', '.join(missing)}: not Qwen2-VL's")
-    return tokenizer.token_id(IMAGE_PAD)
+    return tokenizer.token_id(markers[1])
 
 
 def prompt(
-    tokenizer: Tokenizer, text: str, encoded: Sequence[torch.Tensor]
+    tokenizer: Tokenizer,
+    text: str,
+    encoded: Sequence[torch.Tensor],
+    markers: tuple[str, str, str] = (VISION_START, IMAGE_PAD, VISION_END),
 ) -> tuple[list[int], QwenPromptImages]:
-    """The ids of `text` with each <|image_pad|> repeated once per merged token of the
-    image `encoded` (encode's tokens) in order, and the images as generate() takes them.
-    The text must mark exactly as many places as there are images."""
-    pad = _token_ids(tokenizer)
-    places = text.count(IMAGE_PAD)
+    """The ids of `text` with each image pad (<|image_pad|>, the middle of `markers`)
+    repeated once per merged token of the image `encoded` (encode's tokens) in order, and
+    the images as generate() takes them. The text must mark exactly as many places as
+    there are images."""
+    pad_text = markers[1]
+    pad = _token_ids(tokenizer, markers)
+    places = text.count(pad_text)
     if places != len(encoded):
         raise UsageError(
-            f"the prompt marks {places} image place{'s' * (places != 1)} ({IMAGE_PAD}) for "
+            f"the prompt marks {places} image place{'s' * (places != 1)} ({pad_text}) for "
             f"{len(encoded)} image{'s' * (len(encoded) != 1)}: write "
-            f"{VISION_START}{IMAGE_PAD}{VISION_END} where each goes"
+            f"{''.join(markers)} where each goes"
         )
     grids = [(int(e.shape[0]), int(e.shape[1])) for e in encoded]
-    pieces = text.split(IMAGE_PAD)
+    pieces = text.split(pad_text)
     expanded = pieces[0] + "".join(
-        IMAGE_PAD * (rows * columns) + piece
+        pad_text * (rows * columns) + piece
         for (rows, columns), piece in zip(grids, pieces[1:], strict=True)
     )
     ids = tokenizer.encode(expanded)
     starts = [i for i, t in enumerate(ids) if t == pad and (i == 0 or ids[i - 1] != pad)]
     if len(starts) != len(encoded) or ids.count(pad) != sum(r * c for r, c in grids):
-        raise UsageError(f"the prompt holds {IMAGE_PAD} of its own: remove it")
+        raise UsageError(f"the prompt holds {pad_text} of its own: remove it")
     embeds = [e.flatten(0, 1) for e in encoded]
     rope = rope_index(len(ids), starts, grids)
     return ids, QwenPromptImages(embeds, starts, rope)
+
+
+def omni_prompt(
+    tokenizer: Tokenizer, text: str, encoded: Sequence[torch.Tensor]
+) -> tuple[list[int], QwenPromptImages]:
+    """prompt for Qwen2.5-Omni, whose tokenizer names the vision tokens OMNI_MARKERS."""
+    return prompt(tokenizer, text, encoded, OMNI_MARKERS)

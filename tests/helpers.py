@@ -46,6 +46,11 @@ TEMPLATES_MISSING = (
 )
 needs_vocab = pytest.mark.skipif(VOCAB_MISSING is not None, reason=str(VOCAB_MISSING))
 needs_templates = pytest.mark.skipif(TEMPLATES_MISSING is not None, reason=str(TEMPLATES_MISSING))
+# llama.cpp's converter (with the conversion/ and gguf-py/ modules it imports), fetched too.
+CONVERTER = FETCHED / "converter" / "convert_hf_to_gguf.py"
+needs_converter = pytest.mark.skipif(
+    not CONVERTER.is_file(), reason=f"llama.cpp's converter is not in {CONVERTER.parent}: {_FETCH}"
+)
 
 BASE = dict(
     hidden_size=64,

@@ -76,7 +76,7 @@ AudioOpt = Annotated[
         "--audio",
         metavar="PATH",
         help="A WAV file for the prompt, before its text (repeatable). Voxtral, "
-        "Qwen2-Audio and Gemma 4 (E2B, E4B) models.",
+        "Qwen2-Audio, Gemma 4 and Gemma 3n (E2B, E4B) models.",
     ),
 ]
 

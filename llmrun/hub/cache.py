@@ -44,7 +44,13 @@ from llmrun.hub.names import (
 from llmrun.loading.inspect import index_shards, read_json, weight_stats
 from llmrun.paths import BUNDLED_MODEL, cache_dir
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tekken.json",  # Mistral's, a native folder's only one
+)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Hub model names and the files of a repo that make up one model.
 
     org/repo                  safetensors repo: config.json, *.safetensors, tokenizer files
+                              (or Mistral's params.json, consolidated.safetensors)
     org/repo:Q4_K_M           GGUF repo: the file (all parts of a split one) with that quant tag
     org/repo/path/file.gguf   one GGUF file of a repo
     ...@revision              any of these at a branch, tag or commit
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmrun.errors import HubError, ModelNotFoundError, UsageError
+from llmrun.loading import mistral_native
 from llmrun.loading.inspect import SPLIT_RE, quant_label, safetensors_weights
 from llmrun.paths import BUNDLED_MODEL
 
@@ -179,7 +181,8 @@ def _select_gguf(name: HubName, files: dict[str, int]) -> Selection:
     if not groups:
         listing = ", ".join(sorted(files)[:10]) + (", ..." if len(files) > 10 else "")
         raise HubError(
-            f"{name.repo} has neither safetensors weights with a config.json nor GGUF files "
+            f"{name.repo} has neither safetensors weights with a config.json (or Mistral's "
+            f"params.json) nor GGUF files "
             f"(it has: {listing or 'no files'})"
         )
     choices = choice_names(name.repo, groups)
@@ -214,8 +217,15 @@ def _select_gguf(name: HubName, files: dict[str, int]) -> Selection:
 
 
 def select_safetensors(files: dict[str, int]) -> Selection | None:
-    """Config, weights and tokenizer files of a safetensors repo; None if it is not one."""
+    """Config, weights and tokenizer files of a safetensors repo, or of a Mistral native
+    one (params.json, consolidated*.safetensors, no config.json); None if it is neither."""
     top = {f for f in files if "/" not in f}
+    if _native_weights(top):
+        try:
+            weights = mistral_native.weight_files(top, "")
+        except ModelNotFoundError:
+            return None  # shards missing: select names them
+        return Selection("safetensors", tuple(sorted({*weights, *(top & mistral_native.SIDECARS)})))
     weights = set(safetensors_weights(top))
     if "config.json" not in top or not weights:
         return None
@@ -225,8 +235,17 @@ def select_safetensors(files: dict[str, int]) -> Selection | None:
     return Selection("safetensors", tuple(sorted(weights | sidecars)))
 
 
+def _native_weights(top: set[str]) -> bool:
+    """Whether a repo's top-level files are a Mistral native folder's, weights included."""
+    return mistral_native.is_native(top) and any(map(mistral_native.WEIGHTS_RE.fullmatch, top))
+
+
 def select(name: HubName, files: dict[str, int]) -> Selection:
     """The files of a repo listing ({path: size}) that make up the model `name` asks for."""
     if name.file or name.quant:
         return _select_gguf(name, files)
-    return select_safetensors(files) or _select_gguf(name, files)
+    chosen = select_safetensors(files)
+    top = {f for f in files if "/" not in f}
+    if chosen is None and _native_weights(top):
+        mistral_native.weight_files(top, name.repo)  # refuses shards with a gap
+    return chosen or _select_gguf(name, files)

@@ -1,6 +1,7 @@
-"""ERNIE 4.5 GGUFs, dense (arch "ernie4_5") and with experts ("ernie4_5-moe"), as
-llama.cpp's converter writes them (conversion/ernie.py), and the Hub ERNIE 4.5 MoE
-folders' multi-token-prediction layers, which llmrun skips.
+"""ERNIE 4.5 GGUFs, dense (arch "ernie4_5") and with experts ("ernie4_5-moe"), and
+PaddleOCR-VL's language model ("paddleocr": ERNIE 4.5 dense turned by M-RoPE, llama.cpp's
+src/models/paddleocr.cpp), as llama.cpp's converter writes them (conversion/ernie.py),
+and the Hub ERNIE 4.5 MoE folders' multi-token-prediction layers, which llmrun skips.
 
 The converter keeps Hugging Face's q/k rows (ERNIE's RoPE rotates adjacent pairs,
 llama.cpp's "normal" RoPE) and the common tensor names; it stacks each layer's experts
@@ -17,10 +18,12 @@ from typing import Any
 from gguf import ExpertGatingFuncType, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.loading import vl_text
 from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH, MODEL_TYPE = "ernie4_5", "ernie4_5"
 MOE_ARCH, MOE_MODEL_TYPE = "ernie4_5-moe", "ernie4_5_moe"
+PADDLEOCR_ARCH, PADDLEOCR_MODEL_TYPE = "paddleocr", "paddleocr_vl_text"
 # The MoE layer's tensors that are not among the common names (GGUF -> HF module).
 _MOE_NAMES = {
     "ffn_gate_inp.weight": "mlp.gate.weight",
@@ -68,6 +71,10 @@ def finish_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> N
     config["use_bias"] = False
     if gg.architecture == MOE_ARCH:
         _moe_config(gg, config, meta)
+    if gg.architecture == PADDLEOCR_ARCH:
+        # llama.cpp turns it by M-RoPE (LLAMA_ROPE_TYPE_MROPE) always: its sections required.
+        sections = vl_text.text_mrope_sections(gg, PADDLEOCR_ARCH, meta, head_dim, always=True)
+        config["rope_parameters"]["mrope_section"] = sections[:3]
 
 
 def _moe_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> None:

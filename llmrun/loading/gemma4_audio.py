@@ -113,26 +113,32 @@ def from_hf_dir(path: Path, text_hidden: int) -> Gemma4Audio:
     return _build(args, prefixed_weights(path, _HF_PREFIXES), text_hidden, path, settings)
 
 
-def feature_settings(path: Path) -> FeatureSettings:
+def feature_settings(
+    path: Path,
+    defaults: type = FeatureSettings,
+    extractor: str = EXTRACTOR,
+    family: str = "Gemma 4",
+) -> Any:
     """The feature extractor's settings in a folder (processor_config.json's
-    "feature_extractor", or a preprocessor_config.json of Gemma 4's extractor); its
-    defaults where neither is there. Random dithering and other rates are refused."""
+    "feature_extractor", or a preprocessor_config.json of the family's `extractor`), as a
+    `defaults` (a FeatureSettings); its defaults where neither is there. Random dithering
+    and other rates are refused. Gemma 3n's extractor takes the same settings."""
     file = path / "processor_config.json"
     values = _json(file).get("feature_extractor") if file.is_file() else None
     if not isinstance(values, dict):
         file = path / "preprocessor_config.json"
         values = _json(file) if file.is_file() else {}
-        if values.get("feature_extractor_type") != EXTRACTOR:
-            return FeatureSettings()  # an image processor's, or none
+        if values.get("feature_extractor_type") != extractor:
+            return defaults()  # an image processor's, or none
     if (
         values.get("dither", 0.0)
         or values.get("sampling_rate", audio.SAMPLE_RATE) != audio.SAMPLE_RATE
     ):
         raise UnsupportedError(
             f"{file}: dither {values.get('dither')!r}, sampling_rate "
-            f"{values.get('sampling_rate')!r}; llmrun takes Gemma 4's audio at 16 kHz undithered"
+            f"{values.get('sampling_rate')!r}; llmrun takes {family}'s audio at 16 kHz undithered"
         )
-    known = {f.name for f in fields(FeatureSettings)}
+    known = {f.name for f in fields(defaults)}
     ms = {"frame_length": "frame_length_ms", "hop_length": "hop_length_ms"}
     chosen = {k: values[k] for k in known - set(ms) if k in values}
     try:
@@ -148,7 +154,7 @@ def feature_settings(path: Path) -> FeatureSettings:
                 chosen[key] = float(chosen[key])
     except (TypeError, ValueError) as e:
         raise ModelFormatError(f"{file}: feature extractor settings: {e}") from None
-    settings = FeatureSettings(**chosen)
+    settings = defaults(**chosen)
     for key in ("per_bin_mean", "per_bin_stddev"):
         value = getattr(settings, key)
         if value is not None and len(value) != settings.feature_size:

@@ -163,6 +163,7 @@ MODEL_TYPES = {
     glm4_moe.ARCH: glm4_moe.MODEL_TYPE,  # llmrun/loading/glm4_moe.py
     ernie4_5.ARCH: ernie4_5.MODEL_TYPE,  # llmrun/loading/ernie4_5.py
     ernie4_5.MOE_ARCH: ernie4_5.MOE_MODEL_TYPE,
+    ernie4_5.PADDLEOCR_ARCH: ernie4_5.PADDLEOCR_MODEL_TYPE,  # PaddleOCR-VL's text
     seed_oss.ARCH: seed_oss.MODEL_TYPE,  # llmrun/loading/seed_oss.py
     exaone4.ARCH: exaone4.MODEL_TYPE,  # llmrun/loading/exaone4.py
     exaone_moe.ARCH: exaone_moe.MODEL_TYPE,  # llmrun/loading/exaone_moe.py
@@ -597,6 +598,7 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         qwen.ARCH: qwen.finish_config,
         ernie4_5.ARCH: ernie4_5.finish_config,
         ernie4_5.MOE_ARCH: ernie4_5.finish_config,
+        ernie4_5.PADDLEOCR_ARCH: ernie4_5.finish_config,
         seed_oss.ARCH: seed_oss.finish_config,
         hunyuan.ARCH: hunyuan.finish_config,
         hunyuan.MOE_ARCH: hunyuan.finish_moe_config,

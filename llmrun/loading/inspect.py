@@ -59,9 +59,12 @@ def describe(path: Path) -> dict[str, Any]:
 def weight_stats(path: Path) -> dict[str, Any]:
     """Parameter count, main weight type, bytes per weight and per-type totals, from headers."""
     if path.is_dir():
-        from llmrun.loading import vl_text  # a vision-language model's: its text's alone
+        from llmrun.loading import mistral_native, vl_text  # a vision model's: its text's alone
 
-        return _stats(vl_text.text_tensors(_safetensors_tensors(path)))
+        tensors = vl_text.text_tensors(_safetensors_tensors(path))
+        if mistral_native.is_native(p.name for p in path.iterdir()):
+            tensors = [t for t in tensors if not t[0].startswith(mistral_native.VISION_PREFIXES)]
+        return _stats(tensors)
     stats = _stats(_gguf_tensors(split_parts(path)))
     return {**stats, "quant": quant_label(path.name) or stats["quant"]}
 
@@ -252,9 +255,13 @@ def _safetensors_tensors(folder: Path) -> Tensors:
     """The folder's tensors; OpenAI's MXFP4 experts (X_blocks, uint8 [..., G, 16], with
     X_scales [..., G]) as the one MXFP4 tensor X [..., 32 G] they hold, as the loader
     reads them."""
+    from llmrun.loading import mistral_native
+
     names = {p.name for p in folder.iterdir() if p.is_file()}
     shards = safetensors_weights(names)
-    if "config.json" not in names or not shards:
+    if mistral_native.is_native(names):
+        shards = mistral_native.weight_files(names, folder)
+    elif "config.json" not in names or not shards:
         raise ModelFormatError(f"{folder}: no config.json with .safetensors weights next to it")
     tensors = {}
     for shard in shards:
@@ -273,12 +280,17 @@ def _safetensors_tensors(folder: Path) -> Tensors:
 
 
 def _describe_safetensors(folder: Path) -> dict[str, Any]:
-    from llmrun.loading import embedding, reranker
+    from llmrun.loading import embedding, mistral_native, reranker
 
     stats = weight_stats(folder)
-    config = read_json(folder / "config.json")
+    native = mistral_native.is_native(p.name for p in folder.iterdir())
+    config = mistral_native.read_config(folder) if native else read_json(folder / "config.json")
     if not isinstance(config, dict):
         raise ModelFormatError(f"{folder / 'config.json'}: not a JSON object")
+    thinker = config.get("thinker_config")
+    if config.get("model_type") == "qwen2_5_omni" and isinstance(thinker, dict):
+        # The Hub's Qwen2.5-Omni: what runs is its thinker (llmrun.loading.vl_text).
+        config = {**thinker, "model_type": config["model_type"]}
     text_config = config.get("text_config") or {}
     context = next(
         (
@@ -303,7 +315,8 @@ def _describe_safetensors(folder: Path) -> dict[str, Any]:
         "active_parameters": active_parameters(folder, stats["parameters"]),
         "tokenizer": _hf_tokenizer_kind(folder),
         "pre_tokenizer": _hf_pre_tokenizer(folder),
-        "chat_template": _hf_chat_template(folder),
+        "chat_template": _hf_chat_template(folder)
+        or (mistral_native.known_chat_template(folder) if native else None),
         "license": _readme_license(folder / "README.md"),
         **embedding.hf_info(folder, config),
         **reranker.hf_info(config, folder),

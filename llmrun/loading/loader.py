@@ -85,6 +85,7 @@ from llmrun.loading import (
     minimax,
     minimax_m2,
     minimax_m3,
+    mistral_native,
     modernbert,
     nemotron,
     nemotron_h,
@@ -198,6 +199,8 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     """Read a .gguf file or an HF model directory (config, weights as mapped views)."""
     path = Path(path)
     if path.is_dir():
+        if mistral_native.is_native(p.name for p in path.iterdir()):
+            return _open_mistral_native(path)
         return _open_hf_dir(path)
     if path.is_file():
         if path.suffix == ".safetensors" or path.name == "config.json":
@@ -388,6 +391,22 @@ def _open_hf_dir(path: Path) -> Checkpoint:
         generates=not (headless and config.get("tie_word_embeddings") is False),
         rank_head=rank_head, rank_template=rank_template,
     )  # fmt: skip
+
+
+def _open_mistral_native(path: Path) -> Checkpoint:
+    """A Mistral native folder (params.json, consolidated*.safetensors) as the checkpoint
+    of the same model's Hugging Face folder."""
+    config = mistral_native.read_config(path)
+    gguf_config.check_config(config, path / mistral_native.PARAMS)
+    mistral_native.check_tokenizer_vocab(path, config)
+    tensors, files = {}, {}
+    for name in mistral_native.weight_files((p.name for p in path.iterdir()), path):
+        for key, tensor in safetensors_io.load_tensors(path / name).items():
+            if key in tensors:
+                raise ModelFormatError(f"{path}: tensor {key} is in both {files[key]} and {name}")
+            tensors[key], files[key] = tensor, name
+    weights, notes = mistral_native.hf_weights(path, config, tensors, Weight)
+    return Checkpoint(path, "safetensors", config, weights, notes=notes)
 
 
 def _hf_rank_head(

@@ -24,6 +24,7 @@ from llmrun.loading import gguf_io, safetensors_io
 from llmrun.loading.vision import (
     encoder_tensor,
     mmproj_name,
+    open_mmproj,
     prefixed_weights,
     three_floats,
     with_weights,
@@ -31,6 +32,8 @@ from llmrun.loading.vision import (
 from llmrun.models import pixtral
 
 MODEL_TYPE = "mistral3"
+# The architecture of LightOnOCR-1B's config.json, whose model_type is mistral3.
+LIGHTONOCR_ARCHITECTURE = "LightOnOCRForConditionalGeneration"
 # PixtralImageProcessor's mean and std per channel (CLIP's).
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -79,9 +82,12 @@ class PixtralVision:
 
 
 def has_vision(config: dict[str, Any]) -> bool:
-    """Whether a Hugging Face config.json is that of a Mistral 3 with its vision tower."""
+    """Whether a Hugging Face config.json is that of a Mistral 3 with its vision tower
+    (not LightOnOCR's older files, which say mistral3 too: llmrun.loading.lighton_ocr_vision)."""
     vision = config.get("vision_config")
-    return config.get("model_type") == MODEL_TYPE and isinstance(vision, dict)
+    architectures = config.get("architectures") or [None]
+    lighton = architectures[0] == LIGHTONOCR_ARCHITECTURE
+    return config.get("model_type") == MODEL_TYPE and isinstance(vision, dict) and not lighton
 
 
 def folder_has_vision(path: Path) -> bool:
@@ -132,22 +138,23 @@ def _processor_settings(
 def from_mmproj(path: str | Path, text_hidden: int) -> PixtralVision:
     """The image encoder of llama.cpp's mmproj GGUF (projector type pixtral, with
     Mistral 3's patch merger)."""
-    gg = gguf_io.read_gguf(path)
+    args, weights, mean, std, gg = read_mmproj(path, VisionProjectorType.PIXTRAL, "Mistral 3")
+    return _build(args, weights, text_hidden, gg.path, args.vision.image_size, mean, std)
+
+
+def read_mmproj(
+    path: str | Path, projector: str, family: str
+) -> tuple[pixtral.EncoderArgs, dict[str, torch.Tensor], Any, Any, gguf_io.GGUFFile]:
+    """The encoder's args, weights (q/k rows unpermuted), mean and std of an mmproj GGUF of
+    projector type `projector` (pixtral, or lightonocr: the same tensors), with the
+    patch merger `family` (as messages name it) has, and the file."""
+    gg, need = open_mmproj(path, projector)
     meta = gg.metadata
-    if not meta.get(Keys.Clip.HAS_VISION_ENCODER, False):
-        raise ModelFormatError(f"{gg.path}: not an mmproj GGUF with a vision encoder")
     vision = Keys.ClipVision
-
-    def need(key: str) -> Any:
-        value = meta.get(key)
-        if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
-            raise ModelFormatError(f"{gg.path}: metadata {key!r} is {value!r}")
-        return value
-
     if "mm.patch_merger.weight" not in gg.tensors:
         raise UnsupportedError(
-            f"{gg.path}: a Pixtral mmproj without Mistral 3's patch merger (Pixtral 12B's); "
-            "llmrun runs Mistral 3's"
+            f"{gg.path}: a {projector} mmproj without {family}'s patch merger (Pixtral "
+            f"12B's); llmrun runs {family}'s"
         )
     act = "silu" if meta.get(vision.USE_SILU) else "gelu"
     args = pixtral.EncoderArgs(
@@ -159,7 +166,7 @@ def from_mmproj(path: str | Path, text_hidden: int) -> PixtralVision:
             image_size=need(vision.IMAGE_SIZE),
             patch_size=need(vision.PATCH_SIZE),
             hidden_act=act,
-            # clip.cpp's for pixtral, whatever the file says
+            # clip.cpp's for pixtral and lightonocr, whatever the file says
             rope_theta=10000.0,
         ),
         text_hidden_size=need(vision.PROJECTION_DIM),
@@ -176,7 +183,7 @@ def from_mmproj(path: str | Path, text_hidden: int) -> PixtralVision:
         name = _gguf_name(info.name)
         if name is None:
             raise UnsupportedError(
-                f"{gg.path}: tensor {info.name!r} is not part of Mistral 3's encoder"
+                f"{gg.path}: tensor {info.name!r} is not part of {family}'s encoder"
             )
         tensor = encoder_tensor(gg, info)
         if name.endswith(("q_proj.weight", "k_proj.weight")):
@@ -184,7 +191,7 @@ def from_mmproj(path: str | Path, text_hidden: int) -> PixtralVision:
         weights[name] = tensor
     mean = three_floats(meta.get(vision.IMAGE_MEAN, CLIP_MEAN), gg.path, vision.IMAGE_MEAN)
     std = three_floats(meta.get(vision.IMAGE_STD, CLIP_STD), gg.path, vision.IMAGE_STD)
-    return _build(args, weights, text_hidden, gg.path, args.vision.image_size, mean, std)
+    return args, weights, mean, std, gg
 
 
 def _gguf_name(name: str) -> str | None:

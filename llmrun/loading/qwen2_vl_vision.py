@@ -159,17 +159,18 @@ def processor_settings(
     )
 
 
-def from_mmproj(path: str | Path, text_hidden: int) -> QwenVision:
+def from_mmproj(path: str | Path, text_hidden: int, skip: tuple[str, ...] = ()) -> QwenVision:
     """The vision tower of llama.cpp's mmproj GGUF (projector qwen2vl_merger or
-    qwen2.5vl_merger)."""
+    qwen2.5vl_merger, or qwen2.5o: Qwen2.5-Omni's, whose tower is Qwen2.5-VL's), the
+    tensors whose names begin with one of `skip` left out (another encoder's)."""
     gg = gguf_io.read_gguf(path)
     meta = gg.metadata
     kind = _projector(meta)
     if kind is None or not meta.get(Keys.Clip.HAS_VISION_ENCODER, False):
         raise ModelFormatError(f"{gg.path}: not an mmproj GGUF with a vision encoder")
-    if kind not in _PROJECTORS:
+    if kind not in _PROJECTORS and kind != VisionProjectorType.QWEN25O:
         raise UnsupportedError(f"{gg.path}: projector type {kind!r} is not Qwen2-VL's")
-    family = _PROJECTORS[kind]
+    family = _PROJECTORS.get(kind, QWEN2_5_VL)
 
     def need(key: str, default: int | None = None, value: Any = None) -> int:
         value = meta.get(key, default) if value is None else value
@@ -209,8 +210,8 @@ def from_mmproj(path: str | Path, text_hidden: int) -> QwenVision:
     )
     tensors = {}
     for info in gg.tensors.values():
-        tensor = encoder_tensor(gg, info)
-        tensors[info.name] = tensor.float()
+        if not info.name.startswith(skip):
+            tensors[info.name] = encoder_tensor(gg, info).float()
     weights = _hf_weights(tensors, family, args.hidden_size, gg.path)
     mean = three_floats(meta.get(vision.IMAGE_MEAN, CLIP_MEAN), gg.path, vision.IMAGE_MEAN)
     std = three_floats(meta.get(vision.IMAGE_STD, CLIP_STD), gg.path, vision.IMAGE_STD)

@@ -62,6 +62,13 @@ FAMILIES = {
     "glm4v_moe": Family(
         "GLM-4.5V", "glm4_moe", fields={"use_qk_norm": False}, defaults={"attention_bias": True}
     ),
+    # PaddleOCRVLConfig ties the head to the embeddings (transformers keeps a head of the
+    # file's own); its text turns by M-RoPE over the halves of a head.
+    "paddleocr_vl": Family("PaddleOCR-VL", "paddleocr_vl_text", tie_default=True),
+    # Qwen2.5-Omni's thinker (the Hub's files hold it as thinker_config): a Qwen2 whose head
+    # is tied as the thinker's config says (its text_config's True is not read).
+    "qwen2_5_omni_thinker": Family("Qwen2.5-Omni", "qwen2", fields={"tie_word_embeddings": None}),
+    "qwen2_5_omni": Family("Qwen2.5-Omni", "qwen2"),  # read as its thinker's (language_model)
     "llava": Family("LLaVA"),
     # VoxtralConfig's text_config defaults (Voxtral Mini 3B's); its audio tower is
     # llmrun.loading.voxtral_audio's.
@@ -102,6 +109,8 @@ FAMILIES = {
     "aya_vision": Family("Aya Vision", default_text="cohere2", tie_default=True),
     "internvl": Family("InternVL", default_text="qwen2", tie_default=True),
     "lfm2_vl": Family("LFM2-VL", default_text="lfm2", tie_default=True),
+    # LightOnOcrConfig's text_config is a Qwen3's; it ties the output head by default.
+    "lighton_ocr": Family("LightOnOCR", default_text="qwen3", tie_default=True),
     # MiniCPMV4_6Config's text_config is a Qwen3.5's (its own file names it).
     "minicpmv4_6": Family("MiniCPM-V 4.6", default_text="qwen3_5_text"),
     # HunYuanVLTextConfig is Hunyuan dense's; its XD-RoPE turns text as plain NTK-alpha RoPE.
@@ -113,7 +122,8 @@ FAMILIES = {
     ),
 }
 # Families whose older config.json files hold the text model's fields at the top level.
-_FLAT_CONFIGS = ("qwen2_vl", "qwen2_5_vl", "hunyuan_vl")  # and Tencent's HunYuan-VL files
+# and Tencent's HunYuan-VL files, and PaddlePaddle's PaddleOCR-VL file.
+_FLAT_CONFIGS = ("qwen2_vl", "qwen2_5_vl", "hunyuan_vl", "paddleocr_vl")
 # Checkpoint key prefixes of the language model -> its *ForCausalLM's: transformers 5's
 # (model.language_model.), its older layout's (language_model.model.), Idefics3's and
 # SmolVLM's text_model; Qwen2-VL's keys are the *ForCausalLM's already.
@@ -122,6 +132,8 @@ _TEXT_PREFIXES = {
     "language_model.model.": "model.",
     "language_model.lm_head.": "lm_head.",
     "model.text_model.": "model.",
+    "thinker.model.": "model.",  # Qwen2.5-Omni's thinker, as the Hub saves it
+    "thinker.lm_head.": "lm_head.",
 }
 # The vision (and audio) parts of every multimodal checkpoint llmrun takes the language
 # model of (these FAMILIES and the loader's MULTIMODAL): never a language model's weight.
@@ -145,6 +157,14 @@ VISION_PREFIXES = (
     "model.embed_vision.",
     "model.embed_audio.",
     "patch_merge_mlp.",  # MiniMax-M3's
+    "thinker.visual.",  # Qwen2.5-Omni's, as the Hub saves it; its speech output's parts
+    "thinker.audio_tower.",
+    "talker.",
+    "token2wav.",
+    "model.vision_encoder.",  # LightOnOCR's
+    "model.vision_projection.",
+    "mlp_AR.",  # PaddleOCR-VL's projector, as the Hub saves it
+    "model.projector.",
 )
 
 
@@ -153,6 +173,11 @@ def language_model(
 ) -> tuple[dict[str, Any], dict[str, Any], str]:
     """The text model's config.json dict and weights (under its *ForCausalLM's names) of a
     FAMILIES checkpoint (the folder `path`), and the family's name."""
+    if config["model_type"] == "qwen2_5_omni":
+        thinker = config.get("thinker_config")
+        if not isinstance(thinker, dict):
+            raise ModelFormatError(f"{path}: a Qwen2.5-Omni config.json without a thinker_config")
+        config = {**thinker, "model_type": "qwen2_5_omni_thinker"}
     family = FAMILIES[config["model_type"]]
     text = config.get("text_config")
     if not isinstance(text, dict):

@@ -20,7 +20,7 @@ from llmrun.models.whisper_encoder import EncoderArgs
 
 TEXT_ONLY = "without the audio tower"  # how the loader's note on such a folder ends
 # The GGUF names of a layer's tensors (gguf-py's tensor_mapping) -> Whisper's.
-_GGUF_LAYER = {
+GGUF_LAYER = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -83,7 +83,7 @@ def mmproj_weights(
     names = with_suffixes({**_GGUF_TOWER, **projector})
 
     def name_of(name: str) -> str | None:
-        return mmproj_name(name, names, _GGUF_LAYER, "audio_tower.layers.", tower="a")
+        return mmproj_name(name, names, GGUF_LAYER, "audio_tower.layers.", tower="a")
 
     weights = mmproj_tensors(gg, name_of, f"{family}'s audio encoder")
     for name, tensor in weights.items():

@@ -53,6 +53,7 @@ ARCHITECTURES = {
     "step3p5": "step3p5",
     "ernie4_5": "ernie4_5",
     "ernie4_5_moe": "ernie4_5_moe",
+    "paddleocr_vl_text": "paddleocr_vl",  # PaddleOCR-VL's language model
     "granite": "granite",
     "granitemoe": "granitemoe",
     "granitemoeshared": "granitemoe",

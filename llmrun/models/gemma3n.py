@@ -43,7 +43,7 @@ from llmrun.models.base import (
     layer_frames,
 )
 from llmrun.models.cache import KVCache
-from llmrun.models.gemma3 import rope_by_layer_type
+from llmrun.models.gemma3 import ImageTokens, rope_by_layer_type
 
 GLOBAL_EVERY = 5  # transformers' default layer_types: every fifth layer global
 SPARSE_LAYERS, SPARSITY = 10, 0.95  # its default activation_sparsity_pattern
@@ -456,12 +456,17 @@ class Model(nn.Module):
         cache: KVCache | None = None,
         last_only: bool = False,
         last: torch.Tensor | None = None,
+        images: ImageTokens | None = None,
     ) -> torch.Tensor:
         """Float32 logits [B, T, vocab] for input_ids [B, T] at positions [B, T];
-        [B, 1, vocab] with last_only or `last` (as CausalLM.forward)."""
+        [B, 1, vocab] with last_only or `last` (as CausalLM.forward). `images`: a clip's
+        embeddings in place of its tokens (one row; they attend causally), whose per-layer
+        inputs take the ids as they are (Gemma3nModel.forward)."""
         body, args = self.model, self.args
         x = body.embed_tokens(input_ids)
         x = x * scale_like(args.hidden_size**0.5, x)
+        if images is not None:
+            x = images.place(x)
         per_layer = self.per_layer_inputs(input_ids, x)
         frames = layer_frames(
             positions,

@@ -170,13 +170,8 @@ class Attention(nn.Module):
         self.per_dim_scale = nn.Parameter(torch.zeros(args.head_dim))
 
     def relative_positions(self, distances: int, dtype: torch.dtype) -> torch.Tensor:
-        """[distances, hidden]: [sin, cos] of each distance 0, 1, ... at timescales from 1
-        to 10^4 (Gemma4AudioRelPositionalEncoding)."""
-        half = self.args.hidden_size // 2
-        step = math.log(10000.0) / max(half - 1, 1)
-        inv_timescales = torch.exp(torch.arange(half) * -step)
-        scaled = torch.arange(distances)[:, None] * inv_timescales[None, :]
-        return torch.cat([torch.sin(scaled), torch.cos(scaled)], dim=-1).to(dtype)
+        """[distances, hidden] (Gemma4AudioRelPositionalEncoding): relative_timing."""
+        return relative_timing(distances, self.args.hidden_size, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         args = self.args
@@ -190,18 +185,38 @@ class Attention(nn.Module):
         past = args.past_frames
         relative = self.relative_k_proj(self.relative_positions(past, x.dtype))
         relative = relative.view(past, heads, head_dim)
-        index = torch.arange(frames)
-        distance = index[:, None] - index[None, :]  # [query, key]
-        allowed = (distance >= 0) & (distance < past)
-        content = torch.einsum("qhd,khd->hqk", q, k)
-        by_distance = torch.einsum("qhd,phd->hqp", q, relative)  # [heads, query, distance]
-        gather = distance.clamp(0, past - 1).expand(heads, frames, frames)
-        logits = content + by_distance.gather(-1, gather)
-        cap = args.attention_logit_cap
-        logits = torch.tanh(logits / cap) * cap
-        logits = logits.masked_fill(~allowed, float("-inf"))
-        out = torch.softmax(logits, dim=-1) @ v.transpose(0, 1)  # [heads, query, head_dim]
-        return self.post(out.transpose(0, 1).reshape(frames, -1))
+        return self.post(local_attention(q, k, v, relative, args.attention_logit_cap))
+
+
+def relative_timing(distances: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """[distances, width]: [sin, cos] of each distance 0, 1, ... at timescales from 1 to
+    10^4 (the USM conformer's relative positions, Gemma 3n's and Gemma 4's)."""
+    half = width // 2
+    step = math.log(10000.0) / max(half - 1, 1)
+    inv_timescales = torch.exp(torch.arange(half) * -step)
+    scaled = torch.arange(distances)[:, None] * inv_timescales[None, :]
+    return torch.cat([torch.sin(scaled), torch.cos(scaled)], dim=-1).to(dtype)
+
+
+def local_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, relative: torch.Tensor, cap: float
+) -> torch.Tensor:
+    """The USM conformer's local attention over frames q, k, v [T, heads, head_dim]: frame
+    i attends to frames i - span + 1 .. i (span: relative's rows [span, heads, head_dim],
+    one per distance), with logits q.k + q.relative[distance] soft-capped at `cap`;
+    -> [T, heads * head_dim]."""
+    frames, heads, span = q.shape[0], q.shape[1], relative.shape[0]
+    index = torch.arange(frames)
+    distance = index[:, None] - index[None, :]  # [query, key]
+    allowed = (distance >= 0) & (distance < span)
+    content = torch.einsum("qhd,khd->hqk", q, k)
+    by_distance = torch.einsum("qhd,phd->hqp", q, relative)  # [heads, query, distance]
+    gather = distance.clamp(0, span - 1).expand(heads, frames, frames)
+    logits = content + by_distance.gather(-1, gather)
+    logits = torch.tanh(logits / cap) * cap
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    out = torch.softmax(logits, dim=-1) @ v.transpose(0, 1)  # [heads, query, head_dim]
+    return out.transpose(0, 1).reshape(frames, -1)
 
 
 class LightConv(nn.Module):

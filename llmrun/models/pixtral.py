@@ -1,6 +1,7 @@
-"""Mistral 3's image encoder (Mistral Small 3.1/3.2): an image of any size (sides
-multiples of patch_size * spatial_merge_size) -> one token in the language model's width
-per 2x2 group of patches, row by row.
+"""Mistral 3's image encoder (Mistral Small 3.1/3.2), and LightOnOCR's: an image of any
+size (sides multiples of patch_size * spatial_merge_size for Mistral 3, of patch_size for
+LightOnOCR) -> one token in the language model's width per 2x2 group of patches, row by
+row.
 
 Pixtral's vision transformer: patches through a strided convolution, RMSNorm, pre-norm
 layers (RMSNorm, attention with 2D RoPE, where the first half of each head's frequencies
@@ -10,7 +11,8 @@ torch's unfold orders them, then a linear layer), linear-GELU-linear.
 
 Reference: transformers/models/pixtral/modeling_pixtral.py (PixtralVisionModel),
 transformers/models/mistral3/modeling_mistral3.py (Mistral3MultiModalProjector,
-Mistral3Model.get_image_features).
+Mistral3Model.get_image_features), transformers/models/lighton_ocr/modeling_lighton_ocr.py
+(LightOnOcrMultiModalProjector: the same without biases).
 """
 
 from __future__ import annotations
@@ -243,10 +245,12 @@ class PatchMerger(nn.Module):
 
     def forward(self, x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
         m, hidden = self.merge, x.shape[-1]
-        # [rows * cols, hidden] -> [rows/m, m, cols/m, m, hidden] -> [rows/m, cols/m,
+        # A last row or column of patches short of m is left out, as F.unfold leaves it.
+        grid = x.view(rows, cols, hidden)[: rows // m * m, : cols // m * m]
+        # [rows, cols, hidden] -> [rows/m, m, cols/m, m, hidden] -> [rows/m, cols/m,
         # hidden, m, m] -> [tokens, hidden * m * m]: F.unfold's order, a channel's m x m
         # patches together.
-        groups = x.view(rows // m, m, cols // m, m, hidden).permute(0, 2, 4, 1, 3)
+        groups = grid.reshape(rows // m, m, cols // m, m, hidden).permute(0, 2, 4, 1, 3)
         return self.merging_layer(groups.reshape(-1, hidden * m * m))
 
 
@@ -270,8 +274,10 @@ class MultiModalProjector(nn.Module):
 
 
 class ImageEncoder(nn.Module):
-    """Pixels [C, H, W] -> the image's tokens [H/u, W/u, text hidden] (u = args.unit),
-    with HF's module names (vision_tower, multi_modal_projector)."""
+    """Pixels [C, H, W] -> the image's tokens [H//u, W//u, text hidden] (u = args.unit;
+    the sides are multiples of the patch size, and of u for Mistral 3, whose processor
+    resizes so: LightOnOCR's need not be), with HF's module names (vision_tower,
+    multi_modal_projector)."""
 
     def __init__(self, args: EncoderArgs) -> None:
         super().__init__()
@@ -280,11 +286,12 @@ class ImageEncoder(nn.Module):
         self.multi_modal_projector = MultiModalProjector(args)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        unit = self.args.unit
+        unit, patch = self.args.unit, self.args.vision.patch_size
         height, width = pixels.shape[-2:]
-        if height % unit or width % unit:
-            raise ValueError(f"image sides {height}x{width} are not multiples of {unit}")
-        patch = self.args.vision.patch_size
+        if height % patch or width % patch or height < unit or width < unit:
+            raise ValueError(
+                f"image sides {height}x{width} are not multiples of {patch} from {unit}"
+            )
         states = self.vision_tower(pixels, self.args.layers_run)
         tokens = self.multi_modal_projector(states, height // patch, width // patch)
         return tokens.view(height // unit, width // unit, -1)

@@ -4,8 +4,9 @@
 
 llama.cpp's real tokenizers with their reference tokenizations
 (models/ggml-vocab-*.gguf, .inp, .out) go to cache/vocab/, its real chat
-templates (models/templates/*.jinja) to cache/templates/ and its GBNF grammars
-(grammars/*.gbnf) to cache/grammars/. All come from the
+templates (models/templates/*.jinja) to cache/templates/, its GBNF grammars
+(grammars/*.gbnf) to cache/grammars/ and its converter (convert_hf_to_gguf.py with
+the conversion/ and gguf-py/gguf/ modules it imports) to cache/converter/. All come from the
 llama-cpp-python source distribution, which vendors llama.cpp (MIT), downloaded
 with pip into cache/downloads/ and checked against its sha256. Nothing else in
 the archive is extracted. Once done, a run checks the manifest and returns at once.
@@ -35,6 +36,10 @@ WANTED = {
     re.compile(r"models/templates/([A-Za-z0-9][A-Za-z0-9._-]*\.jinja)"): "templates",
     re.compile(r"grammars/([A-Za-z0-9][A-Za-z0-9._-]*\.gbnf)"): "grammars",
 }
+# Members kept with their folders under cache/converter/: llama.cpp's converter, run by
+# tests as a conversion independent of llmrun. Fixed folders, plain module names.
+CONVERTER = re.compile(r"convert_hf_to_gguf\.py|(conversion|gguf-py/gguf)/[A-Za-z0-9_]+\.py")
+FOLDERS = {*WANTED.values(), "converter"}
 
 CACHE = Path(__file__).resolve().parent / "cache"
 DOWNLOADS = CACHE / "downloads"
@@ -53,7 +58,7 @@ def up_to_date() -> bool:
     if manifest.get("sha256") != SHA256 or not manifest.get("files"):
         return False
     files = manifest["files"]
-    if {name.partition("/")[0] for name in files} != set(WANTED.values()):
+    if {name.partition("/")[0] for name in files} != FOLDERS:
         return False  # written before a folder was wanted
     return all(
         (CACHE / name).is_file() and (CACHE / name).stat().st_size == size
@@ -100,6 +105,8 @@ def destination(name: str) -> Path | None:
     if not name.startswith(LLAMA_CPP):
         return None
     rest = name[len(LLAMA_CPP) :]
+    if CONVERTER.fullmatch(rest):
+        return CACHE / "converter" / rest
     for pattern, folder in WANTED.items():
         if pattern.fullmatch(rest):
             return CACHE / folder / rest.rpartition("/")[2]
@@ -117,7 +124,7 @@ def extract(sdist: Path) -> dict[str, int]:
                 continue
             if not member.isreg():
                 raise FetchError(f"{SDIST}: {member.name} is not a regular file")
-            if target.parent.parent != CACHE or target.name.startswith("."):
+            if CACHE not in target.parents or target.name.startswith("."):
                 raise FetchError(f"{SDIST}: {member.name} would land outside {CACHE}")
             source = archive.extractfile(member)
             assert source is not None  # a regular file
@@ -128,7 +135,7 @@ def extract(sdist: Path) -> dict[str, int]:
                     out.write(chunk)
             os.replace(partial, target)
             files[target.relative_to(CACHE).as_posix()] = member.size
-    for folder in sorted(set(WANTED.values())):
+    for folder in sorted(FOLDERS):
         if not any(name.startswith(f"{folder}/") for name in files):
             raise FetchError(f"{SDIST} holds no files for {folder}/ under {LLAMA_CPP}")
     return files
@@ -147,7 +154,7 @@ def main() -> int:
     except (FetchError, OSError, tarfile.TarError) as e:
         print(f"fetch.py: error: {e}", file=sys.stderr)
         return 1
-    counts = {f: sum(n.startswith(f"{f}/") for n in files) for f in sorted(set(WANTED.values()))}
+    counts = {f: sum(n.startswith(f"{f}/") for n in files) for f in sorted(FOLDERS)}
     summary = ", ".join(f"{n} files in {CACHE / f}" for f, n in counts.items())
     print(f"fetch.py: {summary}", file=sys.stderr)
     return 0

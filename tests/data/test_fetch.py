@@ -65,6 +65,22 @@ def test_unwanted_grammar_names_are_left_in_the_archive(cache, name):
     assert fetch.destination(G + name) is None
 
 
+@pytest.mark.parametrize(
+    "name",
+    [
+        "conversion/sub/x.py",
+        "conversion/../x.py",
+        "conversion/.x.py",
+        "conversion/README.md",
+        "gguf-py/gguf/scripts/x.py",
+        "gguf-py/x.py",
+        "convert_lora_to_gguf.py",
+    ],
+)
+def test_unwanted_converter_names_are_left_in_the_archive(cache, name):
+    assert fetch.destination(fetch.LLAMA_CPP + name) is None
+
+
 def test_extracts_the_vocab_and_template_files_only(cache, tmp_path):
     archive = sdist(
         tmp_path / "s.tar.gz",
@@ -77,6 +93,10 @@ def test_extracts_the_vocab_and_template_files_only(cache, tmp_path):
             (M + "templates/README.md", b"no"),
             (G + "json.gbnf", b"root ::= x"),
             (G + "README.md", b"no"),
+            (fetch.LLAMA_CPP + "convert_hf_to_gguf.py", b"main"),
+            (fetch.LLAMA_CPP + "conversion/mistral.py", b"mod"),
+            (fetch.LLAMA_CPP + "gguf-py/gguf/constants.py", b"k"),
+            (fetch.LLAMA_CPP + "gguf-py/gguf/scripts/gguf_dump.py", b"no"),
             ("llama_cpp_python-0.3.36/setup.py", b"no"),
         ],
     )
@@ -87,9 +107,13 @@ def test_extracts_the_vocab_and_template_files_only(cache, tmp_path):
         "vocab/ggml-vocab-a.gguf.out": 3,
         "templates/Org-Model.jinja": 7,
         "grammars/json.gbnf": 10,
+        "converter/convert_hf_to_gguf.py": 4,
+        "converter/conversion/mistral.py": 3,
+        "converter/gguf-py/gguf/constants.py": 1,
     }
+    folders = ["converter/conversion", "converter/gguf-py", "converter/gguf-py/gguf"]
     assert sorted(p.relative_to(cache).as_posix() for p in cache.rglob("*")) == sorted(
-        ["vocab", "templates", "grammars", *files]
+        ["vocab", "templates", "grammars", "converter", *folders, *files]
     )
     assert (cache / "templates/Org-Model.jinja").read_bytes() == b"{{ x }}"
     assert not (tmp_path / "escape.jinja").exists()
@@ -106,13 +130,17 @@ def test_a_link_is_refused(cache, tmp_path):
 
 
 def test_an_archive_without_the_files_is_refused(cache, tmp_path):
-    archive = sdist(tmp_path / "s.tar.gz", [(M + "templates/a.jinja", b"a"), (G + "a.gbnf", b"a")])
+    converter = (fetch.LLAMA_CPP + "convert_hf_to_gguf.py", b"a")
+    archive = sdist(
+        tmp_path / "s.tar.gz", [(M + "templates/a.jinja", b"a"), (G + "a.gbnf", b"a"), converter]
+    )
     with pytest.raises(fetch.FetchError, match="holds no files for vocab/"):
         fetch.extract(archive)
 
 
 def test_up_to_date_returns_without_pip(cache, monkeypatch, capsys):
     files = {"vocab/ggml-vocab-a.gguf": 4, "templates/a.jinja": 4, "grammars/a.gbnf": 4}
+    files["converter/convert_hf_to_gguf.py"] = 4
     for name in files:
         (cache / name).parent.mkdir(parents=True, exist_ok=True)
         (cache / name).write_bytes(b"abcd")

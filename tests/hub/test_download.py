@@ -5,10 +5,13 @@ and the Hugging Face cache used in place."""
 from __future__ import annotations
 
 import hashlib
+import json
 import signal
 import socket
 
+import numpy as np
 import pytest
+import safetensors.numpy
 from fakehub import TOKEN
 from hubkit import (
     GGUF_REPO,
@@ -55,6 +58,35 @@ def test_pull_safetensors_repo(fake, st_files):
     assert [r.path for r in fake.requests[before:]] == [
         f"/api/models/{ST_REPO}/revision/main?blobs=true"
     ]
+
+
+def test_pull_a_mistral_native_repo(fake):
+    """A repo of Mistral's own format only (params.json, consolidated.safetensors,
+    tekken.json): its files and no others, listed and shown as a Mistral model."""
+    weights = {
+        "tok_embeddings.weight": np.zeros((32, 16), np.float16),
+        "layers.0.attention.wq.weight": np.zeros((16, 16), np.float16),
+        "norm.weight": np.ones(16, np.float32),
+    }
+    params = {"dim": 16, "n_layers": 1, "hidden_dim": 24, "n_heads": 2, "n_kv_heads": 1}
+    params |= {"norm_eps": 1e-5, "vocab_size": 32, "rope_theta": 1e6}
+    files = {
+        "params.json": json.dumps(params).encode(),
+        "consolidated.safetensors": safetensors.numpy.save(weights),
+        "tekken.json": b'{"config": {"version": "v13"}}',
+        "SYSTEM_PROMPT.txt": b"You are a tiny model.",
+        "README.md": b"---\nlicense: apache-2.0\n---\n",
+        "tokenizer.model.v3": b"sentencepiece" * 10,
+        "consolidated.00.pth": b"\x80\x02pickle" * 10,
+    }
+    fake.add_repo("test/tiny-mistral", files)
+    path = hub.pull("test/tiny-mistral")
+    pulled = {"params.json", "consolidated.safetensors", "tekken.json", "SYSTEM_PROMPT.txt"}
+    assert {p.name for p in path.iterdir()} == pulled | {"README.md"}
+    (row,) = [m for m in hub.list_models() if m.name == "test/tiny-mistral"]
+    assert (row.format, row.quant, row.parameters) == ("safetensors", "F16", 32 * 16 + 256 + 16)
+    info = hub.model_info("test/tiny-mistral")
+    assert (info["architecture"], info["tokenizer"]) == ("mistral", "BPE (tekken.json)")
 
 
 def test_pull_gguf_quant_choice(fake, gguf_files, capsys):

@@ -84,6 +84,53 @@ def test_mistrals_tekken_json_is_fetched_only_without_tokenizer_json():
     assert "tekken.json" not in names.select(hub.parse_name("o/r"), both).files
 
 
+def test_a_mistral_native_repo_selects_its_own_files():
+    native = dict.fromkeys(
+        [
+            "params.json",
+            "consolidated.safetensors",
+            "tekken.json",
+            "chat_template.jinja",
+            "SYSTEM_PROMPT.txt",
+            "README.md",
+            "tokenizer.model.v3",
+            "consolidated.00.pth",
+            ".gitattributes",
+        ],
+        1,
+    )
+    sel = names.select(hub.parse_name("o/r"), native)
+    assert sel.format == "safetensors"
+    assert sel.files == (
+        "README.md",
+        "SYSTEM_PROMPT.txt",
+        "chat_template.jinja",
+        "consolidated.safetensors",
+        "params.json",
+        "tekken.json",
+    )
+    shards = {"params.json": 1, "tekken.json": 1}
+    shards |= {f"consolidated-0000{i}-of-00002.safetensors": 1 for i in (1, 2)}
+    assert names.select(hub.parse_name("o/r"), shards).files == (
+        "consolidated-00001-of-00002.safetensors",
+        "consolidated-00002-of-00002.safetensors",
+        "params.json",
+        "tekken.json",
+    )
+    del shards["consolidated-00002-of-00002.safetensors"]
+    with pytest.raises(ModelNotFoundError, match="o/r: only 1 of the 2 consolidated-"):
+        names.select(hub.parse_name("o/r"), shards)
+    # A repo with both formats is read as its Hugging Face files, never both.
+    both = {**native, "config.json": 1, "model.safetensors": 1, "tokenizer.json": 1}
+    assert names.select(hub.parse_name("o/r"), both).files == (
+        "README.md",
+        "chat_template.jinja",
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    )
+
+
 def test_safetensors_choice_skips_other_formats_and_duplicates():
     files = dict.fromkeys(
         [
