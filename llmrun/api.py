@@ -140,6 +140,9 @@ class Engine:
     vision: Any = None
     # The audio encoder (of a llmrun.audio_families family), where one was asked for
     audio: Any = None
+    # A GGUF model's mmproj file: the tower load() was not asked for loads from it at the
+    # first image or clip (Gemma 4's and Qwen2.5-Omni's hold both)
+    mmproj: Path | None = None
 
     @property
     def generates(self) -> bool:
@@ -300,8 +303,6 @@ class Engine:
         """The ids of a prompt `text` whose image places (as the chat template writes them)
         take `images` (decoded, llmrun.images.open_image), in order, and those images
         encoded for generate()."""
-        if self.vision is None:
-            raise UsageError(f"{self.name}: load it with its image encoder to give it images")
         return self.encoded_prompt(text, self.encode_images(images))
 
     def encode_images(self, images: Sequence[Any]) -> list[torch.Tensor]:
@@ -309,7 +310,7 @@ class Engine:
         encoded_prompt; the image encoder loads now where load() was not asked for it
         (a chat's first /image)."""
         if self.vision is None:
-            self.vision = _load_vision(self.checkpoint, self.path, None)
+            self.vision = _load_vision(self.checkpoint, self.path, self.mmproj)
         return vision_families.of_vision(self.vision).encode(self.vision, images)
 
     def image_tokens(self, image: Any) -> int:
@@ -340,7 +341,7 @@ class Engine:
         """Each decoded clip's token embeddings, for encoded_audio_prompt; the audio
         encoder loads now where load() was not asked for it (a chat's first /audio)."""
         if self.audio is None:
-            self.audio = _load_audio(self.checkpoint, self.path, None)
+            self.audio = _load_audio(self.checkpoint, self.path, self.mmproj)
         return audio_families.of_encoder(self.audio).encode(self.audio, clips)
 
     def audio_tokens(self, clip: Any) -> int:
@@ -577,6 +578,7 @@ def load(
         lora=loaded.lora,
         vision=encoder,
         audio=audio_encoder,
+        mmproj=Path(mmproj) if mmproj is not None else None,
     )
     if not generates:
         return engine  # no KV cache to size: an embedding's forward keeps none

@@ -75,8 +75,8 @@ AudioOpt = Annotated[
     typer.Option(
         "--audio",
         metavar="PATH",
-        help="A WAV file for the prompt, before its text (repeatable). Voxtral, "
-        "Qwen2-Audio, Gemma 4 and Gemma 3n (E2B, E4B) models.",
+        help="A WAV file for the prompt, before its text (repeatable), for the "
+        "audio-language families README lists (Voxtral, Qwen2-Audio, Gemma 4, ...).",
     ),
 ]
 
@@ -150,8 +150,8 @@ def run(
         typer.Option(
             "--image",
             metavar="PATH",
-            help="An image for the prompt, before its text (repeatable). Gemma 3, Mistral 3, "
-            "Qwen2-VL and Qwen2.5-VL models.",
+            help="An image for the prompt, before its text (repeatable), for the "
+            "vision-language families README lists (Gemma 3, Mistral 3, Qwen2.5-VL, ...).",
         ),
     ] = None,
     audio: AudioOpt = None,
@@ -370,7 +370,7 @@ def chat(
             "--image",
             metavar="PATH",
             help="An image for the first message, before its text (repeatable); /image "
-            "attaches one later. Gemma 3, Mistral 3, Qwen2-VL and Qwen2.5-VL models.",
+            "attaches one later. The vision-language families README lists.",
         ),
     ] = None,
     audio: AudioOpt = None,

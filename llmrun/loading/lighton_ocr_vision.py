@@ -21,7 +21,7 @@ from typing import Any
 from gguf import Keys, VisionProjectorType
 
 from llmrun.errors import ModelFormatError, UsageError
-from llmrun.loading import pixtral_vision, safetensors_io
+from llmrun.loading import pixtral_vision, safetensors_io, vl_text
 from llmrun.loading.vision import (
     image_processor,
     positive_int,
@@ -63,7 +63,7 @@ def has_vision(config: dict[str, Any]) -> bool:
     architectures = config.get("architectures") or [None]
     return (
         config.get("model_type") == pixtral_vision.MODEL_TYPE
-        and architectures[0] == pixtral_vision.LIGHTONOCR_ARCHITECTURE
+        and architectures[0] == vl_text.LIGHTONOCR_ARCHITECTURE
     )
 
 

@@ -212,6 +212,15 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     raise ModelNotFoundError(f"{path}: no such file or directory")
 
 
+def _towers(config: dict[str, Any]) -> list[str]:
+    """The towers ("vision", "audio") of a multimodal config.json (Qwen2.5-Omni's in its
+    thinker_config), vision first; ["vision"] where it names neither."""
+    thinker = config.get("thinker_config")
+    held = thinker if isinstance(thinker, dict) else config
+    towers = [kind for kind in ("vision", "audio") if isinstance(held.get(f"{kind}_config"), dict)]
+    return towers or ["vision"]
+
+
 def _open_hf_dir(path: Path) -> Checkpoint:
     config = safetensors_io.read_config(path)
     projects = gemma_embedding.hf_applies(config)  # applies Dense modules: EmbeddingGemma
@@ -228,11 +237,14 @@ def _open_hf_dir(path: Path) -> Checkpoint:
     notes = []
     if config.get("model_type") in vl_text.FAMILIES:
         # First, so that the text family's own steps below apply to its weights.
-        tower = "audio" if isinstance(config.get("audio_config"), dict) else "vision"
+        towers = _towers(config)
         config, weights, family = vl_text.language_model(config, weights, path)
         notes.append(
-            f"{path}: a multimodal {family}; running its language model, without the {tower} tower"
+            f"{path}: a multimodal {family}; running its language model, without the "
+            f"{towers[0]} tower"
         )
+        if len(towers) > 1:
+            notes.append(f"{path}: {family}'s audio tower is not run")
     headless = embedding.headless(weights)
     if headless:
         weights = embedding.causal_lm_names(weights)
@@ -336,6 +348,8 @@ def _open_hf_dir(path: Path) -> Checkpoint:
     if config.get("model_type") == minimax_m3.VL_MODEL_TYPE:
         minimax_m3.refuse_quantized(config, path)
     family = MULTIMODAL.get(config.get("model_type"))
+    if (config.get("architectures") or [None])[0] == vl_text.LIGHTONOCR_ARCHITECTURE:
+        family = "LightOnOCR"  # its first config.json says mistral3
     if family is not None and isinstance(config.get("text_config"), dict):
         if isinstance(config.get("audio_config"), dict):
             notes.append(f"{path}: {family}'s audio tower is not run")

@@ -20,7 +20,7 @@ import torch
 from gguf import Keys, VisionProjectorType
 
 from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
-from llmrun.loading import gguf_io, safetensors_io
+from llmrun.loading import gguf_io, safetensors_io, vl_text
 from llmrun.loading.vision import (
     encoder_tensor,
     mmproj_name,
@@ -32,8 +32,6 @@ from llmrun.loading.vision import (
 from llmrun.models import pixtral
 
 MODEL_TYPE = "mistral3"
-# The architecture of LightOnOCR-1B's config.json, whose model_type is mistral3.
-LIGHTONOCR_ARCHITECTURE = "LightOnOCRForConditionalGeneration"
 # PixtralImageProcessor's mean and std per channel (CLIP's).
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -86,7 +84,7 @@ def has_vision(config: dict[str, Any]) -> bool:
     (not LightOnOCR's older files, which say mistral3 too: llmrun.loading.lighton_ocr_vision)."""
     vision = config.get("vision_config")
     architectures = config.get("architectures") or [None]
-    lighton = architectures[0] == LIGHTONOCR_ARCHITECTURE
+    lighton = architectures[0] == vl_text.LIGHTONOCR_ARCHITECTURE
     return config.get("model_type") == MODEL_TYPE and isinstance(vision, dict) and not lighton
 
 

@@ -70,6 +70,8 @@ FAMILIES = {
     "qwen2_5_omni_thinker": Family("Qwen2.5-Omni", "qwen2", fields={"tie_word_embeddings": None}),
     "qwen2_5_omni": Family("Qwen2.5-Omni", "qwen2"),  # read as its thinker's (language_model)
     "llava": Family("LLaVA"),
+    # JanusConfig ties the head to the embeddings by default; its text_config is a Llama's.
+    "janus": Family("Janus-Pro", tie_default=True),
     # VoxtralConfig's text_config defaults (Voxtral Mini 3B's); its audio tower is
     # llmrun.loading.voxtral_audio's.
     "voxtral": Family(
@@ -102,6 +104,9 @@ FAMILIES = {
         },
         rope_defaults={"rope_theta": 10000.0},
     ),
+    # GraniteSpeechConfig's text_config is a GraniteConfig; it ties the output head by
+    # default. Its audio encoder and LoRA adapter are llmrun.loading.granite_speech's.
+    "granite_speech": Family("Granite Speech", default_text="granite", tie_default=True),
     "llava_next": Family("LLaVA-NeXT"),
     "llava_onevision": Family("LLaVA-OneVision", default_text="qwen2"),
     "idefics3": Family("Idefics3"),
@@ -113,6 +118,9 @@ FAMILIES = {
     "lighton_ocr": Family("LightOnOCR", default_text="qwen3", tie_default=True),
     # MiniCPMV4_6Config's text_config is a Qwen3.5's (its own file names it).
     "minicpmv4_6": Family("MiniCPM-V 4.6", default_text="qwen3_5_text"),
+    # DeepseekOcr2TextConfig: DeepSeek V2's MoE under Llama's attention, DeepSeek V1's
+    # (llmrun.models.deepseek reads its mlp_layer_types).
+    "deepseek_ocr2": Family("DeepSeek-OCR 2", "deepseek"),
     # HunYuanVLTextConfig is Hunyuan dense's; its XD-RoPE turns text as plain NTK-alpha RoPE.
     "hunyuan_vl": Family(
         "HunYuan-VL",
@@ -121,6 +129,8 @@ FAMILIES = {
         aliases={"attention_head_dim": "head_dim", "org_vocab_size": "vocab_size"},
     ),
 }
+# The architecture of LightOnOCR-1B's first config.json, whose model_type is mistral3.
+LIGHTONOCR_ARCHITECTURE = "LightOnOCRForConditionalGeneration"
 # Families whose older config.json files hold the text model's fields at the top level.
 # and Tencent's HunYuan-VL files, and PaddlePaddle's PaddleOCR-VL file.
 _FLAT_CONFIGS = ("qwen2_vl", "qwen2_5_vl", "hunyuan_vl", "paddleocr_vl")
@@ -164,7 +174,18 @@ VISION_PREFIXES = (
     "model.vision_encoder.",  # LightOnOCR's
     "model.vision_projection.",
     "mlp_AR.",  # PaddleOCR-VL's projector, as the Hub saves it
-    "model.projector.",
+    "model.projector.",  # PaddleOCR-VL's, and DeepSeek-OCR 2's as its files name it
+    "model.sam_model.",  # DeepSeek-OCR 2's
+    "model.qwen2_model.",
+    "model.view_seperator",
+    "model.aligner.",  # Janus-Pro's, and its image-generation half's parts
+    "model.vqmodel.",
+    "model.generation_embeddings.",
+    "model.generation_aligner.",
+    "model.generation_head.",
+    "model.encoder.",  # Granite Speech's conformer and projector, as transformers 5 and
+    "encoder.",  # the Hub save them
+    "projector.",
 )
 
 

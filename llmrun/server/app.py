@@ -638,23 +638,18 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def _has_audio_encoder(path: Path, mmproj: str | Path | None) -> bool:
-    """Whether MODEL is a Hugging Face folder of a family that takes audio
-    (llmrun.audio_families) with its audio tower, or `mmproj` an audio encoder's GGUF."""
-    from llmrun import audio_families
+def _towers(path: Path, mmproj: str | Path | None) -> tuple[bool, bool]:
+    """Which encoders serve loads, (images, audio): a Hugging Face folder's own towers
+    (llmrun.vision_families, llmrun.audio_families), or those of a GGUF's `mmproj`: both
+    where it holds both (Gemma 4's, Qwen2.5-Omni's); one of neither kind goes to the image
+    loader, whose error names its projector."""
+    from llmrun import audio_families, vision_families
 
-    if mmproj is not None:
-        return audio_families.of_mmproj(Path(mmproj)) is not None
-    return audio_families.of_folder(path) is not None
-
-
-def _has_image_encoder(path: Path) -> bool:
-    """Whether MODEL is a Hugging Face folder of a family that takes images
-    (llmrun.vision_families) with its vision tower (a GGUF's image encoder is serve's
-    --mmproj)."""
-    from llmrun import vision_families
-
-    return vision_families.of_folder(path) is not None
+    if mmproj is None:
+        folder = vision_families.of_folder(path), audio_families.of_folder(path)
+        return folder[0] is not None, folder[1] is not None
+    audio = audio_families.of_mmproj(Path(mmproj)) is not None
+    return vision_families.of_mmproj(Path(mmproj)) is not None or not audio, audio
 
 
 def _use_speculation(
@@ -726,9 +721,7 @@ def run(
 
     def load() -> None:
         try:
-            mmproj = load_options.get("mmproj")
-            audio = _has_audio_encoder(path, mmproj)
-            vision = (mmproj is not None and not audio) or _has_image_encoder(path)
+            vision, audio = _towers(path, load_options.get("mmproj"))
             engine = api.load(
                 spec, path=path, generate=False, vision=vision, audio=audio, **load_options
             )

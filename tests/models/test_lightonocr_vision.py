@@ -188,6 +188,8 @@ def test_lighton_ocr_1b_s_first_config_loads_the_same_model(engine, folder, prom
     config.update(model_type="mistral3", architectures=["LightOnOCRForConditionalGeneration"])
     (old / "config.json").write_text(json.dumps(config))
     assert vision_families.of_folder(old).name == "LightOnOCR"
+    text_only = api.load(str(old), device="cpu")  # its note named Mistral 3
+    assert text_only.checkpoint.notes[0].startswith(f"{old}: a multimodal LightOnOCR; ")
     loaded = api.load(str(old), device="cpu", vision=True)
     ids, prompt_images = prompt
     torch.testing.assert_close(

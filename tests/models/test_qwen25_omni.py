@@ -44,6 +44,7 @@ from llmrun import api, audio, qwen2_vl_images
 from llmrun.errors import UsageError
 from llmrun.generate import KVState, prefill
 from llmrun.images import open_image
+from llmrun.server.app import _towers
 
 pytest.importorskip("PIL")
 transformers = pytest.importorskip("transformers")
@@ -208,7 +209,12 @@ def test_the_hubs_layout_loads_the_thinker(
     torch.testing.assert_close(heard, expected_rows, atol=1e-4, rtol=0)
     text_only = api.load(str(hub), device="cpu")
     assert text_only.vision is None and text_only.audio is None
-    assert any("Qwen2.5-Omni" in note for note in text_only.checkpoint.notes)
+    # Both towers said to load at their first input (the note named the vision tower only).
+    assert text_only.checkpoint.notes == [
+        f"{hub}: a multimodal Qwen2.5-Omni; running its language model, without the vision "
+        "tower until an image is given (--image, /image)",
+        f"{hub}: Qwen2.5-Omni's audio tower is not run until a clip is given (--audio, /audio)",
+    ]
     shown = llmrun("show", hub)  # the thinker's language model, not its talker's
     assert shown.returncode == 0, shown.stderr
     assert "architecture   qwen2_5_omni\n" in shown.stdout
@@ -230,6 +236,23 @@ def test_gguf_with_mmproj_matches_transformers(
     engine = api.load(str(text), device="cpu", mmproj=mmproj, vision=True, audio=True)
     check_matches(rounded, engine, image_prompt_of(engine), image_reference, IMAGE)
     check_matches(rounded, engine, audio_prompt_of(engine, clips), audio_reference, AUDIO)
+
+
+def test_a_gguf_loads_the_other_tower_of_its_mmproj_at_first_use(model, clips, tmp_path):
+    """A GGUF loaded with its mmproj for images only (`chat --mmproj`) takes a clip too: the
+    audio tower loads from the same mmproj at the first one (it said to give --mmproj); and
+    serve loads both towers of such an mmproj (it loaded the audio tower alone)."""
+    text = write_text_gguf(model, tmp_path / "model.gguf")
+    mmproj = write_mmproj(model, tmp_path / "mmproj.gguf")
+    engine = api.load(str(text), device="cpu", mmproj=mmproj)
+    assert engine.vision is not None and engine.audio is None
+    ids, prompt_images = audio_prompt_of(engine, clips)
+    assert engine.audio is not None and AUDIO in ids
+    heard = api.load(str(text), device="cpu", mmproj=mmproj, audio=True)
+    assert heard.vision is None
+    image_ids, _ = image_prompt_of(heard)
+    assert heard.vision is not None and IMAGE in image_ids
+    assert _towers(text, mmproj) == (True, True)
 
 
 @pytest.mark.parametrize("kind", ["image", "audio"])
