@@ -546,6 +546,12 @@ def load(
         building = pool.submit(_tokenizer, checkpoint, path)
         loaded = load_model(checkpoint, torch_device, dtype, lora)
         tokenizer = building.result()
+    if (
+        checkpoint.gguf is None
+        and path.is_dir()
+        and mistral_native.is_native(p.name for p in path.iterdir())
+    ):
+        mistral_native.check_tokenizer_vocab(path, checkpoint.config, tokenizer.vocab_size)
     if activations != "f32":
         set_activations(loaded.model, activations)
     template = _chat_template(checkpoint, tokenizer, template_file)

@@ -218,6 +218,8 @@ def _towers(config: dict[str, Any]) -> list[str]:
     thinker = config.get("thinker_config")
     held = thinker if isinstance(thinker, dict) else config
     towers = [kind for kind in ("vision", "audio") if isinstance(held.get(f"{kind}_config"), dict)]
+    if isinstance(held.get("encoder_config"), dict):  # Granite Speech's audio encoder
+        towers.append("audio")
     return towers or ["vision"]
 
 
@@ -412,7 +414,6 @@ def _open_mistral_native(path: Path) -> Checkpoint:
     of the same model's Hugging Face folder."""
     config = mistral_native.read_config(path)
     gguf_config.check_config(config, path / mistral_native.PARAMS)
-    mistral_native.check_tokenizer_vocab(path, config)
     tensors, files = {}, {}
     for name in mistral_native.weight_files((p.name for p in path.iterdir()), path):
         for key, tensor in safetensors_io.load_tensors(path / name).items():

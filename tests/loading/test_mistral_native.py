@@ -274,7 +274,7 @@ def test_a_tekken_json_past_the_models_vocabulary_is_refused(mistral, tmp_path):
     (folder / "tekken.json").write_text(json.dumps(data))
     result = llmrun("run", str(folder), "Hello", "-n", "2")
     assert result.returncode != 0 and len(result.stderr.splitlines()) == 1
-    assert "default_vocab_size 3060 is more than params.json's vocab_size 3040" in result.stderr
+    assert "3060 tokens, more than params.json's vocab_size 3040" in result.stderr
 
 
 def test_show_describes_a_native_folder(mistral):
