@@ -544,11 +544,11 @@ def test_cli_tokenize_of_a_vocab_only_gguf_imports_no_torch():
     assert json.loads(result.stdout) == vocab("gemma-4").encode("Hi there")
 
 
-def llama_cpp_spm(tokens: list[str], scores: list[float], text: str) -> list[int]:
+def llama_cpp_spm(vocab: dict[str, int], scores: list[float], text: str) -> list[int]:
     """llama.cpp's SentencePiece tokenizer (llm_tokenizer_spm_session) on one run of text whose
     spaces are already U+2581: merge the adjacent pair whose joined text is the best-scoring
-    token, the leftmost on a tie, until none is; spell what is left with byte tokens."""
-    vocab = {t: i for i, t in enumerate(tokens)}
+    token, the leftmost on a tie, until none is; spell what is left with byte tokens.
+    `vocab`: each token's id."""
     symbols = [[c, i - 1, i + 1] for i, c in enumerate(text)]  # text, prev, next
     if symbols:
         symbols[-1][2] = -1
@@ -617,11 +617,12 @@ def test_sentencepiece_merges_as_llama_cpp_does(name):
         meta[Keys.Tokenizer.MODEL] = "llama"
         meta[Keys.Tokenizer.SCORES] = [-float(i) for i in range(len(meta[Keys.Tokenizer.LIST]))]
     tok = Tokenizer.from_gguf_metadata(meta, name)
-    tokens, scores = meta[Keys.Tokenizer.LIST], meta[Keys.Tokenizer.SCORES]
+    scores = meta[Keys.Tokenizer.SCORES]
+    vocab = {t: i for i, t in enumerate(meta[Keys.Tokenizer.LIST])}
     prefix = "\u2581" if meta.get(Keys.Tokenizer.ADD_PREFIX, True) else ""
     texts = [text for text, _ in reference_cases(source)] + random_texts(200, 0)
     for text in texts:
         # llama.cpp has no run of text at all for an empty one, so no space prefix either.
         run = prefix + text if text else ""
-        expected = llama_cpp_spm(tokens, scores, run.replace(" ", "\u2581"))
+        expected = llama_cpp_spm(vocab, scores, run.replace(" ", "\u2581"))
         assert tok.encode(text, add_bos=False, parse_special=False) == expected, repr(text)
