@@ -12,10 +12,11 @@ from collections.abc import Sequence
 
 import torch
 
-from llmrun.errors import TokenizerError, UsageError
+from llmrun import qwen2_vl_images
+from llmrun.errors import UsageError
 from llmrun.images import normalized
 from llmrun.loading.paddleocr_vl_vision import PaddleOCRVision
-from llmrun.qwen2_vl_images import MAX_ASPECT, QwenPromptImages, rope_index, smart_resize
+from llmrun.qwen2_vl_images import MAX_ASPECT, QwenPromptImages, smart_resize
 from llmrun.tokenizer import Tokenizer
 
 IMAGE_START, IMAGE_PAD, IMAGE_END = "<|IMAGE_START|>", "<|IMAGE_PLACEHOLDER|>", "<|IMAGE_END|>"
@@ -83,28 +84,6 @@ def prompt(
 ) -> tuple[list[int], QwenPromptImages]:
     """The ids of `text` with each <|IMAGE_PLACEHOLDER|> repeated once per merged token of
     the image `encoded` (encode's tokens) in order, and the images as generate() takes
-    them. The text must mark exactly as many places as there are images."""
+    them: Qwen2-VL's layout and positions, under PaddleOCR-VL's token names."""
     markers = (IMAGE_START, IMAGE_PAD, IMAGE_END)
-    missing = [m for m in markers if tokenizer.token_id(m) is None]
-    if missing:
-        raise TokenizerError(f"the tokenizer has no {', '.join(missing)}: not PaddleOCR-VL's")
-    pad = tokenizer.token_id(IMAGE_PAD)
-    places = text.count(IMAGE_PAD)
-    if places != len(encoded):
-        raise UsageError(
-            f"the prompt marks {places} image place{'s' * (places != 1)} ({IMAGE_PAD}) for "
-            f"{len(encoded)} image{'s' * (len(encoded) != 1)}: write "
-            f"{IMAGE_START}{IMAGE_PAD}{IMAGE_END} where each goes"
-        )
-    grids = [(int(e.shape[0]), int(e.shape[1])) for e in encoded]
-    pieces = text.split(IMAGE_PAD)
-    expanded = pieces[0] + "".join(
-        IMAGE_PAD * (rows * columns) + piece
-        for (rows, columns), piece in zip(grids, pieces[1:], strict=True)
-    )
-    ids = tokenizer.encode(expanded)
-    starts = [i for i, t in enumerate(ids) if t == pad and (i == 0 or ids[i - 1] != pad)]
-    if len(starts) != len(encoded) or ids.count(pad) != sum(r * c for r, c in grids):
-        raise UsageError(f"the prompt holds {IMAGE_PAD} of its own: remove it")
-    embeds = [e.flatten(0, 1) for e in encoded]
-    return ids, QwenPromptImages(embeds, starts, rope_index(len(ids), starts, grids))
+    return qwen2_vl_images.prompt(tokenizer, text, encoded, markers, "PaddleOCR-VL")

@@ -153,12 +153,12 @@ class QwenPromptImages(PromptImages):
         return int(self.rope.max()) + 1 - length
 
 
-def _token_ids(tokenizer: Tokenizer, markers: tuple[str, str, str]) -> int:
+def _token_ids(tokenizer: Tokenizer, markers: tuple[str, str, str], family: str) -> int:
     """The id of the image pad (the middle of `markers`), where the tokenizer has all
-    three vision tokens."""
+    three vision tokens (else it is not `family`'s)."""
     missing = [text for text in markers if tokenizer.token_id(text) is None]
     if missing:
-        raise TokenizerError(f"the tokenizer has no {', '.join(missing)}: not Qwen2-VL's")
+        raise TokenizerError(f"the tokenizer has no {', '.join(missing)}: not {family}'s")
     return tokenizer.token_id(markers[1])
 
 
@@ -167,13 +167,14 @@ def prompt(
     text: str,
     encoded: Sequence[torch.Tensor],
     markers: tuple[str, str, str] = (VISION_START, IMAGE_PAD, VISION_END),
+    family: str = "Qwen2-VL",
 ) -> tuple[list[int], QwenPromptImages]:
-    """The ids of `text` with each image pad (<|image_pad|>, the middle of `markers`)
-    repeated once per merged token of the image `encoded` (encode's tokens) in order, and
-    the images as generate() takes them. The text must mark exactly as many places as
-    there are images."""
+    """The ids of `text` with each image pad (<|image_pad|>, the middle of `markers`: the
+    vision tokens of `family`'s tokenizer) repeated once per merged token of the image
+    `encoded` (encode's tokens) in order, and the images as generate() takes them. The
+    text must mark exactly as many places as there are images."""
     pad_text = markers[1]
-    pad = _token_ids(tokenizer, markers)
+    pad = _token_ids(tokenizer, markers, family)
     places = text.count(pad_text)
     if places != len(encoded):
         raise UsageError(
@@ -200,4 +201,4 @@ def omni_prompt(
     tokenizer: Tokenizer, text: str, encoded: Sequence[torch.Tensor]
 ) -> tuple[list[int], QwenPromptImages]:
     """prompt for Qwen2.5-Omni, whose tokenizer names the vision tokens OMNI_MARKERS."""
-    return prompt(tokenizer, text, encoded, OMNI_MARKERS)
+    return prompt(tokenizer, text, encoded, OMNI_MARKERS, "Qwen2.5-Omni")
