@@ -30,12 +30,8 @@ moves them by about 1e-3 wherever the image reaches the answer). Results go to -
 
 from __future__ import annotations
 
-import argparse
-import base64
 import json
-import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import torch
@@ -49,11 +45,18 @@ from gemma4_vision_helpers import (  # noqa: E402
     write_mmproj,
     write_text_gguf,
 )
-from tokenizer_fuzz import Server  # noqa: E402
+from llama_server_compare import (  # noqa: E402
+    LlamaServer,
+    agreement,
+    arguments,
+    convert,
+    describe,
+    greedy_completion,
+    llmrun_greedy,
+)
 from vision_helpers import picture  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "out"
-EXACT = ("--cache-type-k", "f32", "--cache-type-v", "f32", "-fa", "off", "--temp", "0")
 BUDGET = ("--image-max-tokens", "280")
 QUESTION = "What is in this picture?"
 BOS = "<s>"  # stories260K's, as the tests' template writes it
@@ -63,51 +66,17 @@ IMAGES = [(168, 240, 1), (240, 168, 2), (120, 336, 3)]
 WIDE_WINDOW = 512  # the control's window: the whole prompt, so its last token sees the image
 
 
-def compare(engine, server, marker: str, data: bytes) -> dict:
+def compare(engine, server: LlamaServer, data: bytes) -> dict:
     """Greedy tokens of llmrun and of llama.cpp on the image `data` and QUESTION."""
     from llmrun.images import open_image
-    from llmrun.sampling import SamplingParams
 
     text = engine.prompt_text(QUESTION, images=1)
-    answer = server._post(
-        "/completion",
-        {
-            "prompt": {
-                # llama-server adds the BOS the template writes.
-                "prompt_string": text.removeprefix(BOS).replace("<|image|>", marker),
-                "multimodal_data": [base64.b64encode(data).decode()],
-            },
-            "n_predict": TOKENS,
-            "temperature": 0,
-            "top_k": 1,
-            "n_probs": 1,
-            "return_tokens": True,
-            "cache_prompt": False,
-        },
-    )
-    theirs = answer["tokens"]
+    # llama-server adds the BOS the template writes.
+    prompt = text.removeprefix(BOS).replace("<|image|>", server.media_marker)
+    answer = greedy_completion(server, prompt, [data], TOKENS)
     ids, images = engine.image_prompt(text, [open_image(data)])
-    stream = engine.generate(ids, SamplingParams(temperature=0.0), TOKENS, logprobs=0,
-                             images=images)  # fmt: skip
-    chosen = [lp for r in stream for lp in r.logprobs]
-    ours = [lp.token for lp in chosen]
-    pairs = zip(ours, theirs, strict=False)
-    agree = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(ours), len(theirs)))
-    # The server reports no probability for a token whose text is an incomplete UTF-8
-    # character: its entries are matched to the agreeing tokens by id, in order.
-    diffs, cursor = [], 0
-    for entry in answer["completion_probabilities"]:
-        while cursor < agree and ours[cursor] != entry["id"]:
-            cursor += 1
-        if cursor == agree:
-            break
-        diffs.append(abs(chosen[cursor].logprob - entry["logprob"]))
-        cursor += 1
     return dict(
-        llmrun=ours,
-        llama_cpp=theirs,
-        tokens_agreeing=agree,
-        max_abs_logprob_diff=max(diffs, default=None),
+        **agreement(*llmrun_greedy(engine, ids, TOKENS, images), answer),
         prompt_tokens_llmrun=len(ids),
         prompt_tokens_llama_cpp=answer["tokens_evaluated"],
     )
@@ -147,15 +116,10 @@ def run(name: str, model, args, work: Path) -> list[dict]:
 
     folder = save_gemma4_vl_dir(model, work / name)
     mmproj = work / f"{name}-mmproj.gguf"
-    converter = [sys.executable, str(args.converter / "convert_hf_to_gguf.py"), str(folder)]
-    subprocess.run(
-        [*converter, "--mmproj", "--outtype", "f32", "--outfile", str(mmproj)],
-        check=True,
-        capture_output=True,
-    )
+    convert(args.converter, folder, mmproj, "--mmproj", "--outtype", "f32")
     differences = layout_differences(mmproj, write_mmproj(model, work / f"{name}-test.gguf"))
     f16 = work / f"{name}-mmproj-f16.gguf"  # the converter's default: F16 matrices
-    subprocess.run([*converter, "--mmproj", "--outfile", str(f16)], check=True, capture_output=True)
+    convert(args.converter, folder, f16, "--mmproj")
     test_f16 = write_mmproj(model, work / f"{name}-test-f16.gguf", f16=True)
     differences += layout_differences(f16, test_f16)
     verdict = "equal the converter's"
@@ -164,40 +128,19 @@ def run(name: str, model, args, work: Path) -> list[dict]:
     print(f"{name:>11}: the tests' mmproj files (F32, F16) {verdict}")
     text = write_text_gguf(model, work / f"{name}.gguf")
     engine = api.load(str(text), device="cpu", mmproj=mmproj)
-    server = Server(
-        args.llama_cpp / "llama-server",
-        text,
-        work / f"{name}-server.log",
-        ("--mmproj", str(mmproj), *EXACT, *BUDGET),
-    )
     results = []
-    try:
-        # The server's own media marker (random unless LLAMA_MEDIA_MARKER pins it).
-        url = f"http://127.0.0.1:{server.port}/props"
-        with urllib.request.urlopen(url, timeout=10) as response:
-            marker = json.loads(response.read())["media_marker"]
+    log = work / f"{name}-server.log"
+    with LlamaServer(args.llama_cpp, text, log, *BUDGET, mmproj=mmproj) as server:
         for height, width, seed in IMAGES:
             record = {"model": name, "image": f"{width}x{height}"}
-            record.update(compare(engine, server, marker, picture(height, width, seed)))
+            record.update(compare(engine, server, picture(height, width, seed)))
             results.append(record)
-            diff = record["max_abs_logprob_diff"]
-            print(
-                f"{name:>11} {record['image']:>8}: {record['tokens_agreeing']}/{TOKENS} greedy "
-                f"tokens agree, |logprob diff| {diff if diff is None else f'{diff:.2e}'}, "
-                f"prompt tokens {record['prompt_tokens_llmrun']} / "
-                f"{record['prompt_tokens_llama_cpp']}"
-            )
-    finally:
-        server.close()
+            print(f"{name:>11} {record['image']:>8}: {describe(record, TOKENS)}")
     return results
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--llama-cpp", type=Path, required=True, help="its bin/ folder")
-    parser.add_argument("--converter", type=Path, required=True, help="llama.cpp's source")
-    parser.add_argument("--out", type=Path, default=OUT / "llama_cpp_gemma4_vision.json")
-    args = parser.parse_args()
+    args = arguments(__doc__, OUT / "llama_cpp_gemma4_vision.json")
     work = OUT / "gemma4_vision"
     work.mkdir(parents=True, exist_ok=True)
     model = tiny_gemma4_vl()

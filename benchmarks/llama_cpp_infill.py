@@ -19,7 +19,9 @@ llama-server's n_ctx, n_batch and n_predict) and the script checks, per case:
   /infill answered (the same tokens and the same n_probs to the last digit: the same
   prompt through the same engine), so the ids, not only their count and text, agree;
 - llmrun's greedy tokens for its ids against llama.cpp's, and the largest difference of
-  their top logprobs (both exact f32: about 5e-3 apart is llama.cpp's f16 KV cache).
+  their top logprobs at the steps where they agree, llama.cpp's steps matched to llmrun's
+  by token id (it reports none for a token ending inside a UTF-8 character; both exact
+  f32: about 5e-3 apart is llama.cpp's f16 KV cache).
 
 The "long" case cuts all three parts (prefix past 3/4 of the batch, suffix past 1/4,
 the other files past n_ctx - n_batch - 2 * n_predict). Results go to --out
@@ -40,16 +42,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 from helpers import FIM_TOKENS, VOCAB_DIR, tiny_hf_model, write_gguf  # noqa: E402
-from tokenizer_fuzz import Server, _field_value  # noqa: E402
+from llama_server_compare import (  # noqa: E402
+    LlamaServer,
+    agreeing,
+    llmrun_greedy,
+    max_top_logprob_diff,
+)
+from tokenizer_fuzz import _field_value  # noqa: E402
 
 from llmrun import api  # noqa: E402
 from llmrun.infill import fim_prompt  # noqa: E402
-from llmrun.sampling import SamplingParams  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "out"
 N_CTX, N_BATCH, N_PREDICT = 8192, 2048, 16  # llama-server -c, -b (its default), -n
 GENERATE, N_PROBS = 8, 5
-EXACT = ("--cache-type-k", "f32", "--cache-type-v", "f32", "-fa", "off")
 VOCABS = ("qwen2.5-coder", "starcoder", "deepseek-coder", "refact", "codellama")
 # CodeLlama's FIM tokens, given ids 32000 to 32003 after Llama 2's SentencePiece vocabulary
 # (CodeLlama has them at 32007 to 32010, among 16 tokens it adds).
@@ -119,15 +125,14 @@ def request(case: dict) -> dict:
     }
 
 
-def compare(binary: Path, vocab: str, work: Path) -> dict:
+def compare(llama_cpp: Path, vocab: str, work: Path) -> dict:
     model_file = work / f"{vocab}.gguf"
     if not model_file.exists():
         write_model(vocab, model_file)
     engine = api.load(str(model_file), device="cpu", ctx_size=N_CTX)
     tok = engine.tokenizer
-    log = work / f"{vocab}.log"
-    extra = ("-c", str(N_CTX), "-n", str(N_PREDICT), "-b", str(N_BATCH), *EXACT)
-    server = Server(binary, model_file, log, extra)
+    extra = ("-c", str(N_CTX), "-n", str(N_PREDICT), "-b", str(N_BATCH))
+    server = LlamaServer(llama_cpp, model_file, work / f"{vocab}.log", *extra)
     sampling = {
         "temperature": 0,
         "n_predict": GENERATE,
@@ -152,23 +157,7 @@ def compare(binary: Path, vocab: str, work: Path) -> dict:
             )
             infill = server._post("/infill", {**body, **sampling})
             replay = server._post("/completion", {"prompt": ids, **sampling})
-            ours = list(engine.generate(ids, SamplingParams(temperature=0), GENERATE, (), N_PROBS))
-            our_tokens = [e.token for e in ours if e.token is not None]
-            our_top = [dict(lp.top) for e in ours for lp in e.logprobs]
-            their_top = [
-                {t["id"]: t["logprob"] for t in p["top_logprobs"]}
-                for p in infill["completion_probabilities"]
-            ]
-            shared = [
-                abs(mine[i] - theirs[i])
-                for mine, theirs in zip(our_top, their_top, strict=False)
-                for i in mine.keys() & theirs.keys()
-            ]
-            same_steps = 0
-            for a, b in zip(our_tokens, infill["tokens"], strict=False):
-                if a != b:
-                    break
-                same_steps += 1
+            ours, chosen = llmrun_greedy(engine, ids, GENERATE, top=N_PROBS)
             results[name] = {
                 "prompt_tokens": len(ids),
                 "llama_cpp_prompt_tokens": infill["tokens_evaluated"],
@@ -178,8 +167,8 @@ def compare(binary: Path, vocab: str, work: Path) -> dict:
                     replay["tokens"] == infill["tokens"]
                     and replay["completion_probabilities"] == infill["completion_probabilities"]
                 ),
-                "greedy_tokens_equal": f"{same_steps}/{len(infill['tokens'])}",
-                "max_top_logprob_diff": max(shared) if shared else None,
+                "greedy_tokens_equal": f"{agreeing(ours, infill['tokens'])}/{len(infill['tokens'])}",
+                "max_top_logprob_diff": max_top_logprob_diff(chosen, infill),
             }
             print(vocab, name, json.dumps(results[name]), flush=True)
     finally:
@@ -196,7 +185,7 @@ def main() -> None:
     torch.set_num_threads(1)
     work = OUT / "infill"
     work.mkdir(parents=True, exist_ok=True)
-    results = {v: compare(args.llama_cpp / "llama-server", v, work) for v in args.vocab or VOCABS}
+    results = {v: compare(args.llama_cpp, v, work) for v in args.vocab or VOCABS}
     args.out.write_text(json.dumps(results, indent=1) + "\n")
     ok = all(
         r["same_count"] and r["same_text"] and r["replay_identical"]

@@ -28,11 +28,8 @@ rest of the pipeline agrees. Results go to --out (benchmarks/out/llama_cpp_inter
 
 from __future__ import annotations
 
-import argparse
 import json
-import subprocess
 import sys
-import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -48,8 +45,15 @@ from internvl_helpers import (  # noqa: E402
     write_mmproj,
     write_text_gguf,
 )
-from llama_cpp_pixtral import EXACT, converter_agreement  # noqa: E402
-from tokenizer_fuzz import Server  # noqa: E402
+from llama_server_compare import (  # noqa: E402
+    LlamaServer,
+    agreement,
+    arguments,
+    convert,
+    converter_agreement,
+    greedy_completion,
+    llmrun_greedy,
+)
 from vision_helpers import picture  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "out"
@@ -120,80 +124,40 @@ def llama_cpp_positions():
         internvl_vision.Embeddings.forward = original
 
 
-def greedy(engine, text: str, image) -> tuple[list[int], list]:
-    """llmrun's greedy tokens and their log-probabilities for a prompt with one image."""
-    from llmrun.sampling import SamplingParams
-
+def ours(engine, text: str, image, answer: dict) -> tuple[int, dict]:
+    """llmrun's prompt length and greedy tokens for a prompt with one image, how many
+    agree with llama.cpp's and the largest difference of the agreeing tokens'
+    log-probabilities."""
     ids, images = engine.image_prompt(text, [image])
-    stream = engine.generate(
-        ids, SamplingParams(temperature=0.0), TOKENS, logprobs=0, images=images
-    )
-    chosen = [lp for r in stream for lp in r.logprobs]
-    return ids, chosen
+    record = agreement(*llmrun_greedy(engine, ids, TOKENS, images), answer)
+    del record["llama_cpp"]  # once per image, beside both of llmrun's
+    return len(ids), record
 
 
-def agreement(chosen: list, answer: dict) -> dict:
-    """How many of llama.cpp's greedy tokens llmrun's agree with, and the largest
-    difference of the agreeing tokens' log-probabilities."""
-    ours, theirs = [lp.token for lp in chosen], answer["tokens"]
-    pairs = zip(ours, theirs, strict=False)
-    agree = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(ours), len(theirs)))
-    # The server reports no probability for a token whose text is an incomplete UTF-8
-    # character: its entries are matched to the agreeing tokens by id, in order.
-    diffs, cursor = [], 0
-    for entry in answer["completion_probabilities"]:
-        while cursor < agree and ours[cursor] != entry["id"]:
-            cursor += 1
-        if cursor == agree:
-            break
-        diffs.append(abs(chosen[cursor].logprob - entry["logprob"]))
-        cursor += 1
-    return dict(llmrun=ours, tokens_agreeing=agree, max_abs_logprob_diff=max(diffs, default=None))
-
-
-def compare(engine, server, marker: str, height: int, width: int, seed: int) -> dict:
+def compare(engine, server: LlamaServer, height: int, width: int, seed: int) -> dict:
     """Greedy tokens of llmrun (as transformers, and with llama.cpp's position order) and
     of llama.cpp on one image."""
-    import base64
-
     from llmrun.images import open_image
 
     data = picture(height, width, seed)
     text = engine.prompt_text(QUESTION, images=1)
-    answer = server._post(
-        "/completion",
-        {
-            "prompt": {
-                "prompt_string": text.replace("<IMG_CONTEXT>", marker),
-                "multimodal_data": [base64.b64encode(data).decode()],
-            },
-            "n_predict": TOKENS,
-            "temperature": 0,
-            "top_k": 1,
-            "n_probs": 1,
-            "return_tokens": True,
-            "cache_prompt": False,
-        },
-    )
-    ids, chosen = greedy(engine, text, open_image(data))
+    prompt = text.replace("<IMG_CONTEXT>", server.media_marker)
+    answer = greedy_completion(server, prompt, [data], TOKENS)
+    length, as_transformers = ours(engine, text, open_image(data), answer)
     with llama_cpp_positions():
-        _, shifted = greedy(engine, text, open_image(data))
+        _, shifted = ours(engine, text, open_image(data), answer)
     return dict(
         image=f"{width}x{height} seed {seed}",
         llama_cpp=answer["tokens"],
-        as_transformers=agreement(chosen, answer),
-        with_llama_cpp_positions=agreement(shifted, answer),
-        prompt_tokens_llmrun=len(ids),
+        as_transformers=as_transformers,
+        with_llama_cpp_positions=shifted,
+        prompt_tokens_llmrun=length,
         prompt_tokens_llama_cpp=answer["tokens_evaluated"],
     )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--llama-cpp", type=Path, required=True, help="its bin/ folder")
-    parser.add_argument("--converter", type=Path, required=True, help="llama.cpp's source")
-    parser.add_argument("--out", type=Path, default=OUT / "llama_cpp_internvl.json")
-    args = parser.parse_args()
+    args = arguments(__doc__, OUT / "llama_cpp_internvl.json")
     from llmrun import api
 
     work = OUT / "internvl"
@@ -201,30 +165,16 @@ def main() -> None:
     model = tiny_internvl(vision_layers=4)
     repo = save_original_repo(model, work / "original")
     converted = work / "mmproj-converter.gguf"
-    converter = [sys.executable, str(args.converter / "convert_hf_to_gguf.py"), str(repo)]
-    subprocess.run(
-        [*converter, "--mmproj", "--outtype", "f32", "--outfile", str(converted)],
-        check=True,
-        capture_output=True,
-    )
+    convert(args.converter, repo, converted, "--mmproj", "--outtype", "f32")
     mmproj = write_mmproj(model, work / "mmproj.gguf")
-    agreement = converter_agreement(converted, mmproj)
-    print(f"converter vs write_mmproj: {json.dumps(agreement)}")
+    layout = converter_agreement(converted, mmproj)
+    print(f"converter vs write_mmproj: {json.dumps(layout)}")
     text = write_text_gguf(model, work / "model.gguf")
     engine = api.load(str(text), device="cpu", mmproj=converted)  # llmrun reads the converter's
-    server = Server(
-        args.llama_cpp / "llama-server",
-        text,
-        work / "server.log",
-        ("--mmproj", str(converted), *EXACT),
-    )
     results = []
-    try:
-        url = f"http://127.0.0.1:{server.port}/props"
-        with urllib.request.urlopen(url, timeout=10) as response:
-            marker = json.loads(response.read())["media_marker"]
+    with LlamaServer(args.llama_cpp, text, work / "server.log", mmproj=converted) as server:
         for height, width, seed in IMAGES:
-            record = compare(engine, server, marker, height, width, seed)
+            record = compare(engine, server, height, width, seed)
             results.append(record)
             line = [f"{record['image']:>16}:"]
             for kind in ("as_transformers", "with_llama_cpp_positions"):
@@ -237,9 +187,7 @@ def main() -> None:
                 f"{record['prompt_tokens_llama_cpp']}"
             )
             print(" ".join(line))
-    finally:
-        server.close()
-    args.out.write_text(json.dumps(dict(converter=agreement, greedy=results), indent=1))
+    args.out.write_text(json.dumps(dict(converter=layout, greedy=results), indent=1))
 
 
 if __name__ == "__main__":

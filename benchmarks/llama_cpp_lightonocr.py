@@ -23,12 +23,8 @@ resizes. Results go to --out (benchmarks/out/llama_cpp_lightonocr.json).
 
 from __future__ import annotations
 
-import argparse
-import base64
 import json
-import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,8 +36,15 @@ from lighton_ocr_helpers import (  # noqa: E402
     write_mmproj,
     write_text_gguf,
 )
-from llama_cpp_pixtral import EXACT, converter_agreement  # noqa: E402
-from tokenizer_fuzz import Server  # noqa: E402
+from llama_server_compare import (  # noqa: E402
+    LlamaServer,
+    agreement,
+    arguments,
+    convert,
+    converter_agreement,
+    greedy_completion,
+    llmrun_greedy,
+)
 from vision_helpers import picture  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "out"
@@ -51,49 +54,18 @@ TOKENS = 8
 SEEDS = (1, 2, 3, 4, 5)
 
 
-def compare(engine, server, marker: str, seed: int) -> dict:
+def compare(engine, server: LlamaServer, seed: int) -> dict:
     """Greedy tokens of llmrun and of llama.cpp on one 84x84 image."""
     from llmrun.images import open_image
-    from llmrun.sampling import SamplingParams
 
     data = picture(84, 84, seed)
     content = [{"type": "image"}, {"type": "text", "text": QUESTION}]
     text = engine.render([{"role": "user", "content": content}])
-    answer = server._post(
-        "/completion",
-        {
-            "prompt": {
-                "prompt_string": text.replace(IMAGE, marker),
-                "multimodal_data": [base64.b64encode(data).decode()],
-            },
-            "n_predict": TOKENS,
-            "temperature": 0,
-            "top_k": 1,
-            "n_probs": 1,
-            "return_tokens": True,
-            "cache_prompt": False,
-        },
-    )
-    theirs = answer["tokens"]
+    answer = greedy_completion(server, text.replace(IMAGE, server.media_marker), [data], TOKENS)
     wrapped = text.replace(IMAGE, f"<|im_start|>{IMAGE}<|im_end|>")
     ids, images = engine.image_prompt(wrapped, [open_image(data)])
-    stream = engine.generate(
-        ids, SamplingParams(temperature=0.0), TOKENS, logprobs=0, images=images
-    )
-    chosen = [lp for r in stream for lp in r.logprobs]
-    ours = [lp.token for lp in chosen]
-    pairs = zip(ours, theirs, strict=False)
-    agree = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(ours), len(theirs)))
-    # The server reports no probability for a token whose text is an incomplete UTF-8
-    # character: its entries are matched to the agreeing tokens by id, in order.
-    diffs, cursor = [], 0
-    for entry in answer["completion_probabilities"]:
-        while cursor < agree and ours[cursor] != entry["id"]:
-            cursor += 1
-        if cursor == agree:
-            break
-        diffs.append(abs(chosen[cursor].logprob - entry["logprob"]))
-        cursor += 1
+    record = agreement(*llmrun_greedy(engine, ids, TOKENS, images), answer)
+    ours, theirs, agree = record["llmrun"], record["llama_cpp"], record["tokens_agreeing"]
     return dict(
         image=f"84x84 seed {seed}",
         llmrun=ours,
@@ -101,18 +73,14 @@ def compare(engine, server, marker: str, seed: int) -> dict:
         tokens_agreeing=agree,
         # llmrun stops before an end token (EOS, <|im_end|>), which llama.cpp lists last.
         stops_alike=theirs[agree:] in ([], *([t] for t in engine.eos_ids)) and agree == len(ours),
-        max_abs_logprob_diff=max(diffs, default=None),
+        max_abs_logprob_diff=record["max_abs_logprob_diff"],
         prompt_tokens_llmrun=len(ids),
         prompt_tokens_llama_cpp=answer["tokens_evaluated"],
     )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--llama-cpp", type=Path, required=True, help="its bin/ folder")
-    parser.add_argument("--converter", type=Path, required=True, help="llama.cpp's source")
-    parser.add_argument("--out", type=Path, default=OUT / "llama_cpp_lightonocr.json")
-    args = parser.parse_args()
+    args = arguments(__doc__, OUT / "llama_cpp_lightonocr.json")
     from llmrun import api
 
     work = OUT / "lightonocr"
@@ -123,40 +91,25 @@ def main() -> None:
     config["architectures"] = ["LightOnOCRForConditionalGeneration"]
     config["text_config"]["architectures"] = ["Qwen3ForCausalLM"]
     (folder / "config.json").write_text(json.dumps(config))
-    converted = work / "mmproj-converter.gguf"
-    converter = [sys.executable, str(args.converter / "convert_hf_to_gguf.py"), str(folder)]
-    subprocess.run(
-        [*converter, "--mmproj", "--outfile", str(converted)], check=True, capture_output=True
-    )
+    converted = convert(args.converter, folder, work / "mmproj-converter.gguf", "--mmproj")
     mmproj = write_mmproj(model, work / "mmproj.gguf")
-    agreement = converter_agreement(converted, mmproj)
-    print(f"converter vs write_mmproj: {json.dumps(agreement)}")
+    layout = converter_agreement(converted, mmproj)
+    print(f"converter vs write_mmproj: {json.dumps(layout)}")
     text = write_text_gguf(model, work / "model.gguf")
     engine = api.load(str(text), device="cpu", mmproj=converted)  # llmrun reads the converter's
-    server = Server(
-        args.llama_cpp / "llama-server",
-        text,
-        work / "server.log",
-        ("--mmproj", str(converted), *EXACT),
-    )
     results = []
-    try:
-        # The server's own media marker (random unless LLAMA_MEDIA_MARKER pins it).
-        url = f"http://127.0.0.1:{server.port}/props"
-        with urllib.request.urlopen(url, timeout=10) as response:
-            marker = json.loads(response.read())["media_marker"]
+    with LlamaServer(args.llama_cpp, text, work / "server.log", mmproj=converted) as server:
         for seed in SEEDS:
-            record = compare(engine, server, marker, seed)
+            record = compare(engine, server, seed)
             results.append(record)
             diff = record["max_abs_logprob_diff"]
             print(
                 f"{record['image']:>16}: {record['tokens_agreeing']}/{len(record['llmrun'])} "
-                f"greedy tokens agree, stops alike: {record['stops_alike']}, |logprob diff| {diff if diff is None else f'{diff:.2e}'}, prompt "
+                f"greedy tokens agree, stops alike: {record['stops_alike']}, |logprob diff| "
+                f"{diff if diff is None else f'{diff:.2e}'}, prompt "
                 f"tokens {record['prompt_tokens_llmrun']} / {record['prompt_tokens_llama_cpp']}"
             )
-    finally:
-        server.close()
-    args.out.write_text(json.dumps(dict(converter=agreement, greedy=results), indent=1))
+    args.out.write_text(json.dumps(dict(converter=layout, greedy=results), indent=1))
 
 
 if __name__ == "__main__":

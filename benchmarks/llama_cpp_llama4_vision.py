@@ -30,12 +30,8 @@ that both run the text GGUF alike. Results go to --out
 
 from __future__ import annotations
 
-import argparse
-import base64
 import json
-import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import torch
@@ -53,29 +49,23 @@ from llama4_vision_helpers import (  # noqa: E402
     write_mmproj,
     write_text_gguf,
 )
-from llama_cpp_pixtral import converter_agreement  # noqa: E402
-from tokenizer_fuzz import Server  # noqa: E402
+from llama_server_compare import (  # noqa: E402
+    LlamaServer,
+    agreeing,
+    arguments,
+    convert,
+    converter_agreement,
+    greedy_completion,
+    image_logits_difference,
+    llmrun_greedy,
+)
 from vision_helpers import picture  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "out"
-EXACT = ("--cache-type-k", "f32", "--cache-type-v", "f32", "-fa", "off", "--temp", "0")
 QUESTION = "What is in this picture?"
 TOKENS = 8
 # (height, width, seed): one tile exactly, smaller than a tile, then tiled ones.
 IMAGES = [(84, 84, 1), (84, 84, 7), (60, 50, 2), (84, 168, 3), (200, 90, 4), (300, 300, 5)]
-
-
-def greedy(engine, ids: list[int], images=None) -> list[int]:
-    from llmrun.sampling import SamplingParams
-
-    stream = engine.generate(ids, SamplingParams(temperature=0.0), TOKENS, images=images)
-    return [r.token for r in stream if r.token is not None]
-
-
-def agreeing(ours: list[int], theirs: list[int]) -> int:
-    """How many greedy tokens agree from the start (an EOS llmrun stops at counts)."""
-    pairs = zip(ours, theirs, strict=False)
-    return next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(ours), len(theirs)))
 
 
 def llama_cpp_layout(engine, text: str, image) -> tuple[list[int], object]:
@@ -94,26 +84,17 @@ def llama_cpp_layout(engine, text: str, image) -> tuple[list[int], object]:
     return ids, PromptImages([tokens], [ids.index(engine.tokenizer.token_id(patch))])
 
 
-def completion(server, prompt, images: list[bytes] = ()) -> dict:
-    if images:
-        prompt = {
-            "prompt_string": prompt,
-            "multimodal_data": [base64.b64encode(data).decode() for data in images],
-        }
-    body = {"prompt": prompt, "n_predict": TOKENS, "temperature": 0, "top_k": 1}
-    return server._post("/completion", {**body, "return_tokens": True, "cache_prompt": False})
-
-
-def compare(engine, server, marker: str, height: int, width: int, seed: int) -> dict:
+def compare(engine, server: LlamaServer, height: int, width: int, seed: int) -> dict:
     """Greedy tokens of llmrun and of llama.cpp on one image."""
     from llmrun.images import open_image
 
     data = picture(height, width, seed)
     text = engine.prompt_text(QUESTION, images=1)
-    answer = completion(server, text.replace("<|image|>", marker), [data])
+    prompt = text.replace("<|image|>", server.media_marker)
+    answer = greedy_completion(server, prompt, [data], TOKENS, n_probs=0)
     theirs = answer["tokens"]
     ids, images = engine.image_prompt(text, [open_image(data)])
-    ours = greedy(engine, ids, images)
+    ours, _ = llmrun_greedy(engine, ids, TOKENS, images)
     record = dict(
         image=f"{width}x{height} seed {seed}",
         llmrun=ours,
@@ -125,85 +106,50 @@ def compare(engine, server, marker: str, height: int, width: int, seed: int) -> 
     if height == width == TILE:
         ids, images = llama_cpp_layout(engine, text, open_image(data))
         record["tokens_agreeing_in_llama_cpp_layout"] = agreeing(
-            greedy(engine, ids, images), theirs
+            llmrun_greedy(engine, ids, TOKENS, images)[0], theirs
         )
     return record
 
 
-def logit_difference(model, engine) -> float:
-    """The largest |logit difference| of transformers and llmrun on the GGUFs (`engine`)
-    for a prompt with a 200x300 image."""
+def main() -> None:
+    args = arguments(__doc__, OUT / "llama_cpp_llama4_vision.json")
+    from llmrun import api
     from llmrun.images import open_image
 
-    image = open_image(picture(200, 300, 6))
-    ids, images = engine.image_prompt(engine.prompt_text(QUESTION, images=1), [image])
-    tokens = images.tokens(0, len(ids), torch.device("cpu"))
-    inputs = model_inputs(engine.vision, ids, [image])
-    with torch.no_grad():
-        expected = model(**inputs).logits[0]
-        ours = engine.model(
-            torch.tensor([ids]),
-            torch.arange(len(ids))[None],
-            cache=engine.model.new_cache(1, len(ids), torch.float32, "cpu"),
-            images=tokens,
-        )[0]
-    return (ours - expected).abs().max().item()
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--llama-cpp", type=Path, required=True, help="its bin/ folder")
-    parser.add_argument("--converter", type=Path, required=True, help="llama.cpp's source")
-    parser.add_argument("--out", type=Path, default=OUT / "llama_cpp_llama4_vision.json")
-    args = parser.parse_args()
-    from llmrun import api
-
+    image = open_image(picture(200, 300, 6))  # for the logits against transformers'
     work = OUT / "llama4_vision"
     work.mkdir(parents=True, exist_ok=True)
     model = tiny_llama4(vision_layers=3)
     folder = save_llama4_dir(model, work / "hf")
-    converter = [sys.executable, str(args.converter / "convert_hf_to_gguf.py"), str(folder)]
     converted = work / "mmproj-converter.gguf"
-    subprocess.run(
-        [*converter, "--mmproj", "--outtype", "f32", "--outfile", str(converted)], check=True
-    )
+    convert(args.converter, folder, converted, "--mmproj", "--outtype", "f32")
     mmproj = write_mmproj(model, work / "mmproj.gguf")
-    agreement = converter_agreement(converted, mmproj)
-    print(f"converter vs write_mmproj: {json.dumps(agreement)}")
+    layout = converter_agreement(converted, mmproj)
+    print(f"converter vs write_mmproj: {json.dumps(layout)}")
     text = write_text_gguf(model, work / "text.gguf")
     engine = api.load(str(text), device="cpu", mmproj=mmproj)
-    difference = logit_difference(model, engine)
+    difference = image_logits_difference(model, engine, model_inputs, image, QUESTION)
     print(f"llmrun vs transformers, max |logit diff|: {difference:.2e}")
-    server = Server(
-        args.llama_cpp / "llama-server",
-        text,
-        work / "server.log",
-        ("--mmproj", str(mmproj), "-c", "2048", *EXACT),
-    )
     results = []
-    try:
-        # The server's own media marker (random unless LLAMA_MEDIA_MARKER pins it).
-        url = f"http://127.0.0.1:{server.port}/props"
-        with urllib.request.urlopen(url, timeout=10) as response:
-            marker = json.loads(response.read())["media_marker"]
+    log = work / "server.log"
+    with LlamaServer(args.llama_cpp, text, log, "-c", "2048", mmproj=mmproj) as server:
         story = engine.prompt_text("Tell me a story.")
+        ours, _ = llmrun_greedy(engine, engine.tokenizer.encode(story), TOKENS)
         text_only = agreeing(
-            greedy(engine, engine.tokenizer.encode(story)), completion(server, story)["tokens"]
+            ours, greedy_completion(server, story, (), TOKENS, n_probs=0)["tokens"]
         )
         print(f"text only: {text_only}/{TOKENS} greedy tokens agree")
         for height, width, seed in IMAGES:
-            record = compare(engine, server, marker, height, width, seed)
+            record = compare(engine, server, height, width, seed)
             results.append(record)
-            layout = record.get("tokens_agreeing_in_llama_cpp_layout")
+            reordered = record.get("tokens_agreeing_in_llama_cpp_layout")
             print(
                 f"{record['image']:>20}: {record['tokens_agreeing']}/{TOKENS} greedy tokens "
                 f"agree, prompt tokens {record['prompt_tokens_llmrun']} / "
                 f"{record['prompt_tokens_llama_cpp']}"
-                + ("" if layout is None else f"; in llama.cpp's layout {layout}/{TOKENS}")
+                + ("" if reordered is None else f"; in llama.cpp's layout {reordered}/{TOKENS}")
             )
-    finally:
-        server.close()
-    summary = dict(converter=agreement, logits=difference, text_only=text_only, greedy=results)
+    summary = dict(converter=layout, logits=difference, text_only=text_only, greedy=results)
     args.out.write_text(json.dumps(summary, indent=1))
 
 

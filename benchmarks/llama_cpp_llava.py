@@ -29,11 +29,9 @@ file holds), which shows that order is the whole difference. Results go to --out
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import runpy
 import sys
-import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -42,7 +40,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-from llama_cpp_pixtral import EXACT, converter_agreement  # noqa: E402
+from llama_server_compare import (  # noqa: E402
+    LlamaServer,
+    agreeing,
+    converter_agreement,
+    greedy_completion,
+    llmrun_greedy,
+)
 from llava_helpers import (  # noqa: E402
     image_features,
     processor_inputs,
@@ -51,7 +55,6 @@ from llava_helpers import (  # noqa: E402
     write_mmproj,
     write_text_gguf,
 )
-from tokenizer_fuzz import Server  # noqa: E402
 from vision_helpers import picture  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "out"
@@ -137,66 +140,37 @@ def llama_cpp_order():
         llava_vision.ImageEncoder.forward = original
 
 
-def greedy(engine, text: str, data: bytes) -> tuple[int, list[int]]:
-    """llmrun's prompt length and greedy tokens for a prompt with one image."""
-    from llmrun.images import open_image
-    from llmrun.sampling import SamplingParams
-
-    ids, images = engine.image_prompt(text, [open_image(data)])
-    stream = engine.generate(ids, SamplingParams(temperature=0.0), TOKENS, images=images)
-    return len(ids), [r.token for r in stream if r.token is not None]
-
-
-def agreeing(ours: list[int], theirs: list[int]) -> int:
-    """How many leading tokens agree."""
-    pairs = zip(ours, theirs, strict=False)
-    return next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(ours), len(theirs)))
-
-
 def server_agreement(llama_cpp: Path, model, mmproj: Path, work: Path) -> list[dict]:
     """llama-server's greedy tokens against llmrun's, both orders, on 32x32 images."""
     from llmrun import api
+    from llmrun.images import open_image
 
     text = write_text_gguf(model, work / "model.gguf")
     engine = api.load(str(text), device="cpu", mmproj=mmproj)
-    server = Server(
-        llama_cpp / "llama-server", text, work / "server.log", ("--mmproj", str(mmproj), *EXACT)
-    )
     results = []
-    try:
-        url = f"http://127.0.0.1:{server.port}/props"
-        with urllib.request.urlopen(url, timeout=10) as response:
-            marker = json.loads(response.read())["media_marker"]
+    with LlamaServer(llama_cpp, text, work / "server.log", mmproj=mmproj) as server:
         prompt = engine.prompt_text(QUESTION, images=1)
+        marked = prompt.replace("<image>", server.media_marker)
         for seed in (1, 2, 3):
             data = picture(32, 32, seed)
-            body = {
-                "prompt_string": prompt.replace("<image>", marker),
-                "multimodal_data": [base64.b64encode(data).decode()],
-            }
-            answer = server._post(
-                "/completion",
-                {"prompt": body, "n_predict": TOKENS, "temperature": 0, "top_k": 1}
-                | {"return_tokens": True, "cache_prompt": False},
-            )
-            length, ours = greedy(engine, prompt, data)
+            theirs = greedy_completion(server, marked, [data], TOKENS, n_probs=0)
+            ids, images = engine.image_prompt(prompt, [open_image(data)])
+            ours, _ = llmrun_greedy(engine, ids, TOKENS, images)
             with llama_cpp_order():
-                _, reordered = greedy(engine, prompt, data)
-            theirs = answer["tokens"]
+                _, reordered_images = engine.image_prompt(prompt, [open_image(data)])
+                reordered, _ = llmrun_greedy(engine, ids, TOKENS, reordered_images)
             results.append(
                 dict(
                     seed=seed,
-                    llama_cpp=theirs,
+                    llama_cpp=theirs["tokens"],
                     as_transformers=ours,
                     with_llama_cpp_order=reordered,
-                    agree_as_transformers=agreeing(ours, theirs),
-                    agree_with_llama_cpp_order=agreeing(reordered, theirs),
-                    prompt_tokens=[length, answer["tokens_evaluated"]],
+                    agree_as_transformers=agreeing(ours, theirs["tokens"]),
+                    agree_with_llama_cpp_order=agreeing(reordered, theirs["tokens"]),
+                    prompt_tokens=[len(ids), theirs["tokens_evaluated"]],
                 )
             )
             print(f"llama-server, 32x32 seed {seed}: {json.dumps(results[-1])}")
-    finally:
-        server.close()
     return results
 
 

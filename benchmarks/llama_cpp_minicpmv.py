@@ -22,62 +22,45 @@ Results go to --out (benchmarks/out/llama_cpp_minicpmv.json).
 
 from __future__ import annotations
 
-import argparse
-import base64
 import dataclasses
 import json
-import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "models"), str(ROOT / "benchmarks")]
 
-from llama_cpp_pixtral import converter_agreement  # noqa: E402
+from llama_server_compare import (  # noqa: E402
+    LlamaServer,
+    agreeing,
+    arguments,
+    convert,
+    converter_agreement,
+    greedy_completion,
+    llmrun_greedy,
+)
 from minicpmv_helpers import (  # noqa: E402
     save_minicpmv_dir,
     tiny_minicpmv,
     write_mmproj,
     write_text_gguf,
 )
-from tokenizer_fuzz import Server  # noqa: E402
 from vision_helpers import picture  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "out"
-EXACT = ("--cache-type-k", "f32", "--cache-type-v", "f32", "-fa", "off", "--temp", "0")
 QUESTION = "What is in this picture?"
 TOKENS = 8
 # (height, width, seed): 2x2 slices, 1x2, 1x3, 3x1, not sliced.
 IMAGES = [(64, 64, 1), (40, 64, 2), (30, 90, 3), (100, 17, 4), (20, 20, 5)]
 
 
-def agreeing(ours: list[int], theirs: list[int]) -> int:
-    pairs = zip(ours, theirs, strict=False)
-    return next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(ours), len(theirs)))
-
-
-def compare(engines: dict, server, marker: str, height: int, width: int, seed: int) -> dict:
+def compare(engines: dict, server: LlamaServer, height: int, width: int, seed: int) -> dict:
     """Greedy tokens of llama.cpp and of each llmrun engine on one image."""
     from llmrun.images import open_image
-    from llmrun.sampling import SamplingParams
 
     data = picture(height, width, seed)
-    answer = server._post(
-        "/completion",
-        {
-            "prompt": {
-                "prompt_string": f"<|im_start|>user\n{marker}{QUESTION}<|im_end|>\n"
-                "<|im_start|>assistant\n",
-                "multimodal_data": [base64.b64encode(data).decode()],
-            },
-            "n_predict": TOKENS,
-            "temperature": 0,
-            "top_k": 1,
-            "return_tokens": True,
-            "cache_prompt": False,
-        },
-    )
+    prompt = f"<|im_start|>user\n{server.media_marker}{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
+    answer = greedy_completion(server, prompt, [data], TOKENS, n_probs=0)
     record = dict(
         image=f"{width}x{height} seed {seed}",
         llama_cpp=answer["tokens"],
@@ -86,8 +69,7 @@ def compare(engines: dict, server, marker: str, height: int, width: int, seed: i
     for name, engine in engines.items():
         text = engine.prompt_text(QUESTION, images=1)
         ids, images = engine.image_prompt(text, [open_image(data)])
-        stream = engine.generate(ids, SamplingParams(temperature=0.0), TOKENS, images=images)
-        ours = [r.token for r in stream if r.token is not None]
+        ours, _ = llmrun_greedy(engine, ids, TOKENS, images)
         record[name] = ours
         record[f"tokens_agreeing_{name}"] = agreeing(ours, answer["tokens"])
         record[f"prompt_tokens_{name}"] = len(ids)
@@ -95,11 +77,7 @@ def compare(engines: dict, server, marker: str, height: int, width: int, seed: i
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--llama-cpp", type=Path, required=True, help="its bin/ folder")
-    parser.add_argument("--converter", type=Path, required=True, help="llama.cpp's source")
-    parser.add_argument("--out", type=Path, default=OUT / "llama_cpp_minicpmv.json")
-    args = parser.parse_args()
+    args = arguments(__doc__, OUT / "llama_cpp_minicpmv.json")
     from llmrun import api
 
     work = OUT / "minicpmv"
@@ -107,32 +85,20 @@ def main() -> None:
     model = tiny_minicpmv()
     folder = save_minicpmv_dir(model, work / "hf")
     converted = work / "mmproj-converter-f32.gguf"
-    command = [sys.executable, str(args.converter / "convert_hf_to_gguf.py"), str(folder)]
-    command += ["--mmproj", "--outtype", "f32", "--outfile", str(converted)]
-    subprocess.run(command, check=True, capture_output=True)
+    convert(args.converter, folder, converted, "--mmproj", "--outtype", "f32")
     mmproj = write_mmproj(model, work / "mmproj.gguf")
-    agreement = converter_agreement(converted, mmproj)
-    print(f"converter vs write_mmproj: {json.dumps(agreement)}")
+    layout = converter_agreement(converted, mmproj)
+    print(f"converter vs write_mmproj: {json.dumps(layout)}")
     text = write_text_gguf(model, work / "text.gguf")
     transformers_prompt = api.load(str(text), device="cpu", mmproj=mmproj)
     llama_cpp_prompt = dataclasses.replace(
         transformers_prompt, vision=dataclasses.replace(transformers_prompt.vision, image_ids=False)
     )
     engines = {"llmrun": transformers_prompt, "llmrun_without_image_id": llama_cpp_prompt}
-    server = Server(
-        args.llama_cpp / "llama-server",
-        text,
-        work / "server.log",
-        ("--mmproj", str(mmproj), *EXACT),
-    )
     results = []
-    try:
-        # The server's own media marker (random unless LLAMA_MEDIA_MARKER pins it).
-        url = f"http://127.0.0.1:{server.port}/props"
-        with urllib.request.urlopen(url, timeout=10) as response:
-            marker = json.loads(response.read())["media_marker"]
+    with LlamaServer(args.llama_cpp, text, work / "server.log", mmproj=mmproj) as server:
         for height, width, seed in IMAGES:
-            record = compare(engines, server, marker, height, width, seed)
+            record = compare(engines, server, height, width, seed)
             results.append(record)
             print(
                 f"{record['image']:>16}: greedy tokens agreeing with llama.cpp "
@@ -142,9 +108,7 @@ def main() -> None:
                 f"{record['prompt_tokens_llmrun_without_image_id']} / "
                 f"{record['prompt_tokens_llama_cpp']}"
             )
-    finally:
-        server.close()
-    args.out.write_text(json.dumps(dict(converter=agreement, greedy=results), indent=1))
+    args.out.write_text(json.dumps(dict(converter=layout, greedy=results), indent=1))
 
 
 if __name__ == "__main__":

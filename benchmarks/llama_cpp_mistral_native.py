@@ -15,7 +15,7 @@ attention) and, for each prompt, checks:
   (plain ASCII and Latin text, where llama.cpp's approximation of the pattern agrees);
 - the greedy tokens of llama-server's /completion (given llmrun's ids) against llmrun's on
   the native folder (16 tokens), and the largest difference of their top-5 logprobs at the
-  same steps (both f32 here, with an f32 KV cache).
+  steps where they agree, matched by token id (both f32 here, with an f32 KV cache).
 
 Results go to --out (benchmarks/out/llama_cpp_mistral_native.json).
 """
@@ -32,15 +32,19 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "loading"), str(ROOT / "benchmarks")]
 
+from llama_server_compare import (  # noqa: E402
+    LlamaServer,
+    agreeing,
+    greedy_completion,
+    llmrun_greedy,
+    max_top_logprob_diff,
+)
 from test_mistral_native import MINISTRAL3_ROPE, YARN, convert, hf_model, write_native  # noqa: E402
-from tokenizer_fuzz import Server  # noqa: E402
 
 from llmrun import api  # noqa: E402
-from llmrun.sampling import SamplingParams  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "out"
 GENERATE, N_PROBS = 16, 5
-EXACT = ("--cache-type-k", "f32", "--cache-type-v", "f32", "-fa", "off")
 PROMPTS = (
     "Once upon a time",
     "The quick brown fox jumps over the lazy dog, and then some more words follow here.",
@@ -63,58 +67,24 @@ def write_models(work: Path) -> dict[str, Path]:
     return folders
 
 
-def _paired_tops(ours: list, theirs: list[dict]) -> list[tuple[dict, dict]]:
-    """Each step's top logprobs from both, paired by the token chosen: llama-server leaves
-    out the steps whose token ends inside a UTF-8 character."""
-    mine = iter((lp.token, dict(lp.top)) for e in ours for lp in e.logprobs)
-    pairs = []
-    for step in theirs:
-        for token, top in mine:
-            if token == step["id"]:
-                pairs.append((top, {t["id"]: t["logprob"] for t in step["top_logprobs"]}))
-                break
-    return pairs
-
-
-def compare(binary: Path, name: str, folder: Path, work: Path) -> dict:
+def compare(llama_cpp: Path, name: str, folder: Path, work: Path) -> dict:
     gguf = work / f"{name}.gguf"
     if not gguf.is_file():
         convert(folder, gguf)
     engine = api.load(str(folder), device="cpu")
-    server = Server(binary, gguf, work / f"{name}.log", EXACT)
-    sampling = {
-        "temperature": 0,
-        "n_predict": GENERATE,
-        "n_probs": N_PROBS,
-        "return_tokens": True,
-        "cache_prompt": False,
-    }
     results = {}
-    try:
+    with LlamaServer(llama_cpp, gguf, work / f"{name}.log") as server:
         for prompt in PROMPTS:
             ids = engine.tokenizer.encode(prompt)
-            theirs = server._post("/completion", {"prompt": ids, **sampling})
-            ours = list(engine.generate(ids, SamplingParams(temperature=0), GENERATE, (), N_PROBS))
-            our_tokens = [e.token for e in ours if e.token is not None]
-            shared = [
-                abs(mine[i] - other[i])
-                for mine, other in _paired_tops(ours, theirs["completion_probabilities"])
-                for i in mine.keys() & other.keys()
-            ]
-            same = 0
-            for a, b in zip(our_tokens, theirs["tokens"], strict=False):
-                if a != b:
-                    break
-                same += 1
+            theirs = greedy_completion(server, ids, (), GENERATE, N_PROBS)
+            ours, chosen = llmrun_greedy(engine, ids, GENERATE, top=N_PROBS)
             results[prompt] = {
                 "prompt_tokens": len(ids),
                 "same_prompt_ids": server.tokenize(prompt, True, False) == ids,
-                "greedy_tokens_equal": f"{same}/{len(theirs['tokens'])}",
-                "max_top_logprob_diff": max(shared) if shared else None,
+                "greedy_tokens_equal": f"{agreeing(ours, theirs['tokens'])}/{len(theirs['tokens'])}",
+                "max_top_logprob_diff": max_top_logprob_diff(chosen, theirs),
             }
             print(name, json.dumps(prompt), json.dumps(results[prompt]), flush=True)
-    finally:
-        server.close()
     return results
 
 
@@ -126,9 +96,9 @@ def main() -> None:
     torch.set_num_threads(1)
     work = OUT / "mistral_native"
     work.mkdir(parents=True, exist_ok=True)
-    binary = args.llama_cpp / "llama-server"
     results = {
-        name: compare(binary, name, folder, work) for name, folder in write_models(work).items()
+        name: compare(args.llama_cpp, name, folder, work)
+        for name, folder in write_models(work).items()
     }
     args.out.write_text(json.dumps(results, indent=1) + "\n")
 

@@ -30,22 +30,26 @@ Results go to --out (benchmarks/out/llama_cpp_qwen25_omni.json).
 
 from __future__ import annotations
 
-import argparse
-import base64
 import copy
 import json
-import os
-import subprocess
 import sys
 import tempfile
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-import torch  # noqa: E402
-from llama_cpp_qwen2_audio import EXACT, compare_files  # noqa: E402
+from llama_server_compare import (  # noqa: E402
+    LlamaServer,
+    against_transformers,
+    agreement,
+    arguments,
+    clip_layout,
+    convert,
+    describe,
+    greedy_completion,
+    llmrun_greedy,
+)
 from qwen2_5_omni_helpers import (  # noqa: E402
     AUDIO,
     IMAGE,
@@ -56,7 +60,6 @@ from qwen2_5_omni_helpers import (  # noqa: E402
     write_mmproj,
     write_text_gguf,
 )
-from tokenizer_fuzz import Server  # noqa: E402
 from vision_helpers import picture  # noqa: E402
 from voxtral_helpers import chirp, wav_bytes  # noqa: E402
 
@@ -71,67 +74,50 @@ IMAGE_BYTES = picture(112, 84, 1)  # 4x3 merged tokens: a size neither engine re
 CLIP_BYTES = wav_bytes(chirp(2.0, 16000, seed=1), 16000)
 
 
-def converted_mmproj(converter: Path, folder: Path, out: Path) -> Path:
-    env = {**os.environ, "PYTHONPATH": str(converter / "gguf-py")}
-    command = [sys.executable, str(converter / "convert_hf_to_gguf.py"), "--mmproj"]
-    subprocess.run(
-        [*command, "--outtype", "f32", "--outfile", str(out), str(folder)],
-        check=True,
-        env=env,
-        capture_output=True,
-    )
-    return out
-
-
 def parity(model, folder: Path, engine) -> dict:
     """llmrun on the converter's mmproj against transformers, for one image and one clip."""
-    from llmrun import audio
-    from llmrun.images import open_image
-
     rounded = copy.deepcopy(model)
     for conv in (rounded.model.audio_tower.conv1, rounded.model.audio_tower.conv2):
         conv.weight.data = conv.weight.data.half().float()
-    image, clip = open_image(IMAGE_BYTES), audio.open_audio(CLIP_BYTES)
+    media = {"image": (IMAGE, IMAGE_BYTES), "audio": (AUDIO, CLIP_BYTES)}
+    return media_parity(rounded, folder, engine, processor_inputs, media)
+
+
+def media_parity(rounded, folder: Path, engine, processor_inputs, media: dict) -> dict:
+    """llmrun on the converter's mmproj against the transformers model `rounded` (its
+    weights rounded as the file holds them), for the image and the clip of `media`
+    ({"image": (placeholder id, bytes), "audio": (...)}; `processor_inputs(folder,
+    messages, images=, clips=)`: the family's processor)."""
+    from llmrun import audio
+    from llmrun.images import open_image
+
+    (image_token, image_bytes), (audio_token, clip_bytes) = media["image"], media["audio"]
+    image, clip = open_image(image_bytes), audio.open_audio(clip_bytes)
     out = {}
     for kind, token, made in (
-        ("image", IMAGE, engine.image_prompt(engine.prompt_text(QUESTION, images=1), [image])),
-        ("audio", AUDIO, engine.audio_prompt(engine.prompt_text(QUESTION, audio=1), [clip])),
+        (
+            "image",
+            image_token,
+            engine.image_prompt(engine.prompt_text(QUESTION, images=1), [image]),
+        ),
+        ("audio", audio_token, engine.audio_prompt(engine.prompt_text(QUESTION, audio=1), [clip])),
     ):
         ids, prompt_images = made
         messages = [
             {"role": "user", "content": [{"type": kind}, {"type": "text", "text": QUESTION}]}
         ]
-        media = {"images": [image]} if kind == "image" else {"clips": [clip.samples]}
-        inputs = processor_inputs(folder, messages, **media)
-        taken = {}
-
-        def keep(module, args, kwargs, taken=taken):
-            taken["embeds"] = kwargs["inputs_embeds"][0]
-
-        hook = rounded.model.language_model.register_forward_pre_hook(keep, with_kwargs=True)
-        with torch.no_grad():
-            expected = rounded(**inputs).logits[0]
-            got = engine.model(
-                torch.tensor([ids]),
-                torch.arange(len(ids))[None],
-                images=prompt_images.tokens(0, len(ids), torch.device("cpu")),
-            )[0]
-        hook.remove()
-        rows = taken["embeds"][inputs["input_ids"][0] == token]
-        out[kind] = {
-            "same_ids": ids == inputs["input_ids"][0].tolist(),
-            "embeddings_max_abs_diff": float((prompt_images.embeds[0] - rows).abs().max()),
-            "logits_max_abs_diff": float((got - expected).abs().max()),
-            "logits_max_abs": float(expected.abs().max()),
-        }
+        inputs_media = {"images": [image]} if kind == "image" else {"clips": [clip.samples]}
+        inputs = processor_inputs(folder, messages, **inputs_media)
+        out[kind] = against_transformers(rounded, inputs, token, engine, ids, prompt_images)
     return out
 
 
-def compare(engine, server: Server, marker: str, kind: str, data: bytes) -> dict:
-    """Greedy tokens of llmrun and of llama.cpp for one image or clip and QUESTION."""
+def compare(engine, server: LlamaServer, kind: str, data: bytes, places: dict = PLACES) -> dict:
+    """Greedy tokens of llmrun and of llama.cpp for one image or clip and QUESTION;
+    `places`: the chat template's image and audio places, which the server's media marker
+    replaces."""
     from llmrun import audio
     from llmrun.images import open_image
-    from llmrun.sampling import SamplingParams
 
     if kind == "image":
         text = engine.prompt_text(QUESTION, images=1)
@@ -139,41 +125,18 @@ def compare(engine, server: Server, marker: str, kind: str, data: bytes) -> dict
     else:
         text = engine.prompt_text(QUESTION, audio=1)
         ids, media = engine.audio_prompt(text, [audio.open_audio(data)])
-    answer = server._post(
-        "/completion",
-        {
-            "prompt": {
-                "prompt_string": text.replace(PLACES[kind], marker),
-                "multimodal_data": [base64.b64encode(data).decode()],
-            },
-            "n_predict": TOKENS,
-            "temperature": 0,
-            "top_k": 1,
-            "return_tokens": True,
-            "cache_prompt": False,
-        },
-    )
-    theirs = answer["tokens"]
-    stream = engine.generate(ids, SamplingParams(temperature=0.0), TOKENS, images=media)
-    ours = [r.token for r in stream if r.token is not None]
-    pairs = zip(ours, theirs, strict=False)
-    agree = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(ours), len(theirs)))
+    prompt = text.replace(places[kind], server.media_marker)
+    answer = greedy_completion(server, prompt, [data], TOKENS, n_probs=0)
     return dict(
         kind=kind,
-        llmrun=ours,
-        llama_cpp=theirs,
-        tokens_agreeing=agree,
+        **agreement(*llmrun_greedy(engine, ids, TOKENS, media), answer),
         prompt_tokens_llmrun=len(ids),
         prompt_tokens_llama_cpp=answer["tokens_evaluated"],
     )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--llama-cpp", type=Path, required=True, help="its bin/ folder")
-    parser.add_argument("--converter", type=Path, required=True, help="llama.cpp's source")
-    parser.add_argument("--out", type=Path, default=OUT / "llama_cpp_qwen25_omni.json")
-    args = parser.parse_args()
+    args = arguments(__doc__, OUT / "llama_cpp_qwen25_omni.json")
     from llmrun import api
 
     model = tiny_qwen25_omni(audio_layers=3)
@@ -182,9 +145,11 @@ def main() -> None:
         tmp = Path(tmp_dir)
         folder = save_qwen25_omni_dir(model, tmp / "thinker")
         hub = hub_layout(folder, tmp / "hub")
-        theirs = converted_mmproj(args.converter, hub, tmp / "converted-mmproj.gguf")
+        theirs = convert(
+            args.converter, hub, tmp / "converted-mmproj.gguf", "--mmproj", "--outtype", "f32"
+        )
         ours = write_mmproj(model, tmp / "ours-mmproj.gguf")
-        result["layout"] = compare_files(theirs, ours)
+        result["layout"] = clip_layout(theirs, ours)
         print("layout:", json.dumps(result["layout"]))
         text = write_text_gguf(model, tmp / "model.gguf")
         engine = api.load(str(text), device="cpu", mmproj=theirs, vision=True, audio=True)
@@ -192,26 +157,12 @@ def main() -> None:
         print("llmrun on the converter's mmproj:", json.dumps(result["llmrun_on_converted"]))
         mtmd_names = {"<|vision_bos|>": "<|vision_start|>", "<|vision_eos|>": "<|vision_end|>"}
         served = write_text_gguf(model, tmp / "model-mtmd.gguf", mtmd_names)
-        server = Server(
-            args.llama_cpp / "llama-server",
-            served,
-            tmp / "server.log",
-            ("--mmproj", str(theirs), *EXACT),
-        )
-        try:
-            url = f"http://127.0.0.1:{server.port}/props"
-            with urllib.request.urlopen(url, timeout=10) as response:
-                marker = json.loads(response.read())["media_marker"]
+        log = tmp / "server.log"
+        with LlamaServer(args.llama_cpp, served, log, "-c", "2048", mmproj=theirs) as server:
             for kind, data in (("image", IMAGE_BYTES), ("audio", CLIP_BYTES)):
-                record = compare(engine, server, marker, kind, data)
+                record = compare(engine, server, kind, data)
                 result["inputs"].append(record)
-                print(
-                    f"{kind}: {record['tokens_agreeing']}/{TOKENS} greedy tokens agree; "
-                    f"prompt tokens {record['prompt_tokens_llmrun']} (llmrun) / "
-                    f"{record['prompt_tokens_llama_cpp']} (llama.cpp)"
-                )
-        finally:
-            server.close()
+                print(f"{kind}: {describe(record, TOKENS)}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
 

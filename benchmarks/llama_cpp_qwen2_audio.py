@@ -27,22 +27,26 @@ Per clip: the 8 greedy tokens of each engine and how many agree. Results go to -
 
 from __future__ import annotations
 
-import argparse
-import base64
 import copy
 import json
-import os
-import subprocess
 import sys
 import tempfile
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+from llama_server_compare import (  # noqa: E402
+    LlamaServer,
+    against_transformers,
+    agreement,
+    arguments,
+    clip_layout,
+    convert,
+    describe,
+    greedy_completion,
+    llmrun_greedy,
+)
 from qwen2_audio_helpers import (  # noqa: E402
     AUDIO,
     processor_inputs,
@@ -51,65 +55,14 @@ from qwen2_audio_helpers import (  # noqa: E402
     write_mmproj,
     write_text_gguf,
 )
-from tokenizer_fuzz import Server  # noqa: E402
 from voxtral_helpers import chirp, wav_bytes  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "out"
-EXACT = (
-    "--cache-type-k",
-    "f32",
-    "--cache-type-v",
-    "f32",
-    "-fa",
-    "off",
-    "--temp",
-    "0",
-    "-c",
-    "2048",
-)
 QUESTION = "What do you hear?"
 PLACE = "<|audio_bos|><|AUDIO|><|audio_eos|>"
 TOKENS = 8
 # (seconds, sample rate, seed): prompts of different sizes, then of the same.
 CLIPS = [(2.0, 16000, 1), (29.9875, 16000, 2)]
-
-
-def converted_mmproj(converter: Path, folder: Path, out: Path) -> Path:
-    env = {**os.environ, "PYTHONPATH": str(converter / "gguf-py")}
-    command = [sys.executable, str(converter / "convert_hf_to_gguf.py"), "--mmproj"]
-    subprocess.run(
-        [*command, "--outtype", "f32", "--outfile", str(out), str(folder)],
-        check=True,
-        env=env,
-        capture_output=True,
-    )
-    return out
-
-
-def compare_files(theirs: Path, ours: Path) -> dict:
-    import gguf
-
-    a, b = gguf.GGUFReader(theirs), gguf.GGUFReader(ours)
-    meta = {
-        name: (a.fields[name].contents(), b.fields[name].contents() if name in b.fields else None)
-        for name in a.fields
-        if name.startswith("clip.")
-    }
-    tensors_a = {t.name: t for t in a.tensors}
-    tensors_b = {t.name: t for t in b.tensors}
-    differing = [
-        name
-        for name, t in tensors_a.items()
-        if name not in tensors_b
-        or t.tensor_type != tensors_b[name].tensor_type
-        or not np.array_equal(np.asarray(t.data), np.asarray(tensors_b[name].data))
-    ]
-    return {
-        "metadata_differing": [k for k, (x, y) in meta.items() if x != y],
-        "tensors": len(tensors_a),
-        "tensors_only_ours": sorted(set(tensors_b) - set(tensors_a)),
-        "tensors_differing": differing,
-    }
 
 
 def parity(model, folder: Path, engine) -> dict:
@@ -125,70 +78,26 @@ def parity(model, folder: Path, engine) -> dict:
     rounded = copy.deepcopy(model)
     for conv in (rounded.model.audio_tower.conv1, rounded.model.audio_tower.conv2):
         conv.weight.data = conv.weight.data.half().float()
-    taken = {}
-
-    def keep(module, args, kwargs):
-        taken["embeds"] = kwargs["inputs_embeds"][0]
-
-    hook = rounded.model.language_model.register_forward_pre_hook(keep, with_kwargs=True)
-    with torch.no_grad():
-        expected = rounded(**inputs).logits[0]
-        got = engine.model(
-            torch.tensor([ids]),
-            torch.arange(len(ids))[None],
-            images=prompt_images.tokens(0, len(ids), torch.device("cpu")),
-        )[0]
-    hook.remove()
-    expected_embeds = taken["embeds"][inputs["input_ids"][0] == AUDIO]
-    return {
-        "same_ids": ids == inputs["input_ids"][0].tolist(),
-        "embeddings_max_abs_diff": float((prompt_images.embeds[0] - expected_embeds).abs().max()),
-        "logits_max_abs_diff": float((got - expected).abs().max()),
-        "logits_max_abs": float(expected.abs().max()),
-    }
+    return against_transformers(rounded, inputs, AUDIO, engine, ids, prompt_images)
 
 
-def compare(engine, server: Server, marker: str, wav: bytes) -> dict:
+def compare(engine, server: LlamaServer, wav: bytes) -> dict:
     """Greedy tokens of llmrun and of llama.cpp for one clip and QUESTION."""
     from llmrun import audio
-    from llmrun.sampling import SamplingParams
 
     text = engine.prompt_text(QUESTION, audio=1)
-    answer = server._post(
-        "/completion",
-        {
-            "prompt": {
-                "prompt_string": text.replace(PLACE, marker),
-                "multimodal_data": [base64.b64encode(wav).decode()],
-            },
-            "n_predict": TOKENS,
-            "temperature": 0,
-            "top_k": 1,
-            "return_tokens": True,
-            "cache_prompt": False,
-        },
-    )
-    theirs = answer["tokens"]
+    prompt = text.replace(PLACE, server.media_marker)
+    answer = greedy_completion(server, prompt, [wav], TOKENS, n_probs=0)
     ids, clips = engine.audio_prompt(text, [audio.open_audio(wav)])
-    stream = engine.generate(ids, SamplingParams(temperature=0.0), TOKENS, images=clips)
-    ours = [r.token for r in stream if r.token is not None]
-    pairs = zip(ours, theirs, strict=False)
-    agree = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(ours), len(theirs)))
     return dict(
-        llmrun=ours,
-        llama_cpp=theirs,
-        tokens_agreeing=agree,
+        **agreement(*llmrun_greedy(engine, ids, TOKENS, clips), answer),
         prompt_tokens_llmrun=len(ids),
         prompt_tokens_llama_cpp=answer["tokens_evaluated"],
     )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--llama-cpp", type=Path, required=True, help="its bin/ folder")
-    parser.add_argument("--converter", type=Path, required=True, help="llama.cpp's source")
-    parser.add_argument("--out", type=Path, default=OUT / "llama_cpp_qwen2_audio.json")
-    args = parser.parse_args()
+    args = arguments(__doc__, OUT / "llama_cpp_qwen2_audio.json")
     from llmrun import api
 
     model = tiny_qwen2_audio(audio_layers=3)
@@ -196,37 +105,23 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         folder = save_qwen2_audio_dir(model, tmp / "hf")
-        theirs = converted_mmproj(args.converter, folder, tmp / "converted-mmproj.gguf")
+        theirs = convert(
+            args.converter, folder, tmp / "converted-mmproj.gguf", "--mmproj", "--outtype", "f32"
+        )
         ours = write_mmproj(model, tmp / "ours-mmproj.gguf")
-        result["layout"] = compare_files(theirs, ours)
+        result["layout"] = clip_layout(theirs, ours)
         print("layout:", json.dumps(result["layout"]))
         text = write_text_gguf(model, tmp / "model.gguf")
         engine = api.load(str(text), device="cpu", mmproj=theirs, audio=True)
         result["llmrun_on_converted"] = parity(model, folder, engine)
         print("llmrun on the converter's mmproj:", json.dumps(result["llmrun_on_converted"]))
-        server = Server(
-            args.llama_cpp / "llama-server",
-            text,
-            tmp / "server.log",
-            ("--mmproj", str(theirs), *EXACT),
-        )
-        try:
-            url = f"http://127.0.0.1:{server.port}/props"
-            with urllib.request.urlopen(url, timeout=10) as response:
-                marker = json.loads(response.read())["media_marker"]
+        log = tmp / "server.log"
+        with LlamaServer(args.llama_cpp, text, log, "-c", "2048", mmproj=theirs) as server:
             for seconds, rate, seed in CLIPS:
-                record = compare(
-                    engine, server, marker, wav_bytes(chirp(seconds, rate, seed), rate)
-                )
+                record = compare(engine, server, wav_bytes(chirp(seconds, rate, seed), rate))
                 record.update(seconds=seconds, rate=rate)
                 result["clips"].append(record)
-                print(
-                    f"{seconds} s at {rate} Hz: {record['tokens_agreeing']}/{TOKENS} greedy "
-                    f"tokens agree; prompt tokens {record['prompt_tokens_llmrun']} (llmrun) / "
-                    f"{record['prompt_tokens_llama_cpp']} (llama.cpp)"
-                )
-        finally:
-            server.close()
+                print(f"{seconds} s at {rate} Hz: {describe(record, TOKENS)}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
 

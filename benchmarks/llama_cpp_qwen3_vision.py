@@ -21,88 +21,38 @@ go to --out (benchmarks/out/llama_cpp_qwen3_vision.json).
 
 from __future__ import annotations
 
-import argparse
 import json
-import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-import torch  # noqa: E402
-from llama_cpp_qwen_vision import EXACT, TOKENS, compare  # noqa: E402
+from llama_cpp_qwen_vision import compare_family  # noqa: E402
+from llama_server_compare import arguments  # noqa: E402
 from qwen3_vl_helpers import (  # noqa: E402
     save_qwen3_vl_dir,
     tiny_qwen3_vl,
     write_qwen3_mmproj,
     write_qwen3_text_gguf,
 )
-from tokenizer_fuzz import Server  # noqa: E402
-from vision_helpers import picture  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "out"
 # (height, width, seed): 64, 80 and 108 merged tokens.
 IMAGES = [(256, 256, 1), (256, 320, 2), (288, 384, 3)]
 
 
-def same_tower(ours: Path, converted: Path) -> bool:
-    """Whether the converter's mmproj and the tests' give llmrun the same tower."""
-    from llmrun.loading.qwen3_vl_vision import from_mmproj
-
-    a = from_mmproj(ours, 64).encoder.state_dict()
-    b = from_mmproj(converted, 64).encoder.state_dict()
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--llama-cpp", type=Path, required=True, help="its bin/ folder")
-    parser.add_argument("--converter", type=Path, required=True, help="llama.cpp's source")
-    parser.add_argument("--out", type=Path, default=OUT / "llama_cpp_qwen3_vision.json")
-    args = parser.parse_args()
-    from llmrun import api
+    args = arguments(__doc__, OUT / "llama_cpp_qwen3_vision.json")
+    from llmrun.loading.qwen3_vl_vision import from_mmproj
 
     work = OUT / "qwen3_vision"
     work.mkdir(parents=True, exist_ok=True)
     model = tiny_qwen3_vl()
     folder = save_qwen3_vl_dir(model, work / "hf")
-    mmproj = work / "mmproj.gguf"
-    converter = [sys.executable, str(args.converter / "convert_hf_to_gguf.py"), str(folder)]
-    subprocess.run(
-        [*converter, "--mmproj", "--outtype", "f32", "--outfile", str(mmproj)],
-        check=True,
-        capture_output=True,
-    )
-    agrees = same_tower(write_qwen3_mmproj(model, work / "mmproj-tests.gguf"), mmproj)
-    print(f"the converter's mmproj gives the tests' tower: {agrees}")
+    tests_mmproj = write_qwen3_mmproj(model, work / "mmproj-tests.gguf")
     text = write_qwen3_text_gguf(model, work / "model.gguf")
-    engine = api.load(str(text), device="cpu", mmproj=mmproj)
-    server = Server(
-        args.llama_cpp / "llama-server",
-        text,
-        work / "server.log",
-        ("--mmproj", str(mmproj), *EXACT),
-    )
-    results = []
-    try:
-        # The server's own media marker (random unless LLAMA_MEDIA_MARKER pins it).
-        url = f"http://127.0.0.1:{server.port}/props"
-        with urllib.request.urlopen(url, timeout=10) as response:
-            marker = json.loads(response.read())["media_marker"]
-        for height, width, seed in IMAGES:
-            record = compare(engine, server, marker, picture(height, width, seed))
-            record.update(image=f"{width}x{height}", converter=agrees)
-            results.append(record)
-            diff = record["max_abs_logprob_diff"]
-            print(
-                f"{width}x{height}: {record['tokens_agreeing']}/{TOKENS} greedy tokens agree, "
-                f"|logprob diff| {diff if diff is None else f'{diff:.2e}'}, prompt tokens "
-                f"{record['prompt_tokens_llmrun']} / {record['prompt_tokens_llama_cpp']}"
-            )
-    finally:
-        server.close()
+    results = compare_family(args, folder, tests_mmproj, text, from_mmproj, IMAGES)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
 

@@ -22,28 +22,32 @@ of the chosen tokens' log-probabilities. Results go to --out
 from __future__ import annotations
 
 import argparse
-import base64
 import json
-import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-import torch  # noqa: E402
+from llama_server_compare import (  # noqa: E402
+    LlamaServer,
+    agreement,
+    arguments,
+    convert,
+    describe,
+    greedy_completion,
+    llmrun_greedy,
+    same_tower,
+)
 from qwen2_vl_helpers import (  # noqa: E402
     save_qwen_vl_dir,
     tiny_qwen_vl,
     write_mmproj,
     write_text_gguf,
 )
-from tokenizer_fuzz import Server  # noqa: E402
 from vision_helpers import picture  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "out"
-EXACT = ("--cache-type-k", "f32", "--cache-type-v", "f32", "-fa", "off", "--temp", "0")
 QUESTION = "What is in this picture?"
 PLACE = "<|vision_start|><|image_pad|><|vision_end|>"
 TOKENS = 8
@@ -51,73 +55,59 @@ TOKENS = 8
 IMAGES = [(112, 84, 1), (168, 168, 2), (140, 224, 3)]
 
 
-def same_tower(ours: Path, converted: Path) -> bool:
-    """Whether the converter's mmproj and the tests' give llmrun the same tower."""
-    from llmrun.loading.qwen2_vl_vision import from_mmproj
-
-    a = from_mmproj(ours, 64).encoder.state_dict()
-    b = from_mmproj(converted, 64).encoder.state_dict()
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def compare(engine, server, marker: str, image: bytes, place: str = PLACE) -> dict:
+def compare(engine, server: LlamaServer, image: bytes, place: str = PLACE) -> dict:
     """Greedy tokens of llmrun and of llama.cpp on one image and QUESTION; `place`: the
     chat template's image place, which the server's media marker replaces."""
     from llmrun.images import open_image
-    from llmrun.sampling import SamplingParams
 
     text = engine.prompt_text(QUESTION, images=1)
-    answer = server._post(
-        "/completion",
-        {
-            "prompt": {
-                "prompt_string": text.replace(place, marker),
-                "multimodal_data": [base64.b64encode(image).decode()],
-            },
-            "n_predict": TOKENS,
-            "temperature": 0,
-            "top_k": 1,
-            "n_probs": 1,
-            "return_tokens": True,
-            "cache_prompt": False,
-        },
-    )
-    theirs = answer["tokens"]
+    answer = greedy_completion(server, text.replace(place, server.media_marker), [image], TOKENS)
     ids, images = engine.image_prompt(text, [open_image(image)])
-    stream = engine.generate(
-        ids, SamplingParams(temperature=0.0), TOKENS, logprobs=0, images=images
-    )
-    chosen = [lp for r in stream for lp in r.logprobs]
-    ours = [lp.token for lp in chosen]
-    pairs = zip(ours, theirs, strict=False)
-    agree = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(ours), len(theirs)))
-    # The server reports no probability for a token whose text is an incomplete UTF-8
-    # character: its entries are matched to the agreeing tokens by id, in order.
-    diffs, cursor = [], 0
-    for entry in answer["completion_probabilities"]:
-        while cursor < agree and ours[cursor] != entry["id"]:
-            cursor += 1
-        if cursor == agree:
-            break
-        diffs.append(abs(chosen[cursor].logprob - entry["logprob"]))
-        cursor += 1
     return dict(
-        llmrun=ours,
-        llama_cpp=theirs,
-        tokens_agreeing=agree,
-        max_abs_logprob_diff=max(diffs, default=None),
+        **agreement(*llmrun_greedy(engine, ids, TOKENS, images), answer),
         prompt_tokens_llmrun=len(ids),
         prompt_tokens_llama_cpp=answer["tokens_evaluated"],
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--llama-cpp", type=Path, required=True, help="its bin/ folder")
-    parser.add_argument("--converter", type=Path, required=True, help="llama.cpp's source")
-    parser.add_argument("--out", type=Path, default=OUT / "llama_cpp_qwen_vision.json")
-    args = parser.parse_args()
+def compare_family(
+    args: argparse.Namespace,
+    folder: Path,
+    tests_mmproj: Path,
+    text: Path,
+    from_mmproj,
+    images: list[tuple[int, int, int]],
+    place: str = PLACE,
+    server_args: tuple[str, ...] = (),
+    **labels: str,
+) -> list[dict]:
+    """llama.cpp's converter on the model's `folder` (an F32 mmproj beside it), whether it
+    gives llmrun the tower of the tests' `tests_mmproj` (`from_mmproj`: the family's
+    loader), then both engines' greedy tokens on the text GGUF `text` with it for each of
+    `images` ((height, width, seed)), llama-server given `server_args` too; `labels` lead
+    each record."""
     from llmrun import api
+
+    work = folder.parent
+    mmproj = convert(args.converter, folder, work / "mmproj.gguf", "--mmproj", "--outtype", "f32")
+    agrees = same_tower(from_mmproj, tests_mmproj, mmproj)
+    name = " ".join(labels.values())
+    print(f"{name}{': ' if name else ''}the converter's mmproj gives the tests' tower: {agrees}")
+    engine = api.load(str(text), device="cpu", mmproj=mmproj)
+    results = []
+    log = work / "server.log"
+    with LlamaServer(args.llama_cpp, text, log, *server_args, mmproj=mmproj) as server:
+        for height, width, seed in images:
+            record = compare(engine, server, picture(height, width, seed), place)
+            record.update(**labels, image=f"{width}x{height}", converter=agrees)
+            results.append(record)
+            print(f"{name} {width}x{height}: {describe(record, TOKENS)}".lstrip())
+    return results
+
+
+def main() -> None:
+    args = arguments(__doc__, OUT / "llama_cpp_qwen_vision.json")
+    from llmrun.loading.qwen2_vl_vision import from_mmproj
 
     results = []
     for family in ("qwen2_5_vl", "qwen2_vl"):
@@ -125,41 +115,11 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         model = tiny_qwen_vl(family)
         folder = save_qwen_vl_dir(model, work / "hf")
-        mmproj = work / "mmproj.gguf"
-        converter = [sys.executable, str(args.converter / "convert_hf_to_gguf.py"), str(folder)]
-        subprocess.run(
-            [*converter, "--mmproj", "--outtype", "f32", "--outfile", str(mmproj)],
-            check=True,
-            capture_output=True,
-        )
-        agrees = same_tower(write_mmproj(model, work / "mmproj-tests.gguf"), mmproj)
-        print(f"{family}: the converter's mmproj gives the tests' tower: {agrees}")
+        tests_mmproj = write_mmproj(model, work / "mmproj-tests.gguf")
         text = write_text_gguf(model, work / "model.gguf")
-        engine = api.load(str(text), device="cpu", mmproj=mmproj)
-        server = Server(
-            args.llama_cpp / "llama-server",
-            text,
-            work / "server.log",
-            ("--mmproj", str(mmproj), *EXACT),
+        results += compare_family(
+            args, folder, tests_mmproj, text, from_mmproj, IMAGES, family=family
         )
-        try:
-            # The server's own media marker (random unless LLAMA_MEDIA_MARKER pins it).
-            url = f"http://127.0.0.1:{server.port}/props"
-            with urllib.request.urlopen(url, timeout=10) as response:
-                marker = json.loads(response.read())["media_marker"]
-            for height, width, seed in IMAGES:
-                record = compare(engine, server, marker, picture(height, width, seed))
-                record.update(family=family, image=f"{width}x{height}", converter=agrees)
-                results.append(record)
-                diff = record["max_abs_logprob_diff"]
-                print(
-                    f"{family} {width}x{height}: {record['tokens_agreeing']}/{TOKENS} greedy "
-                    f"tokens agree, |logprob diff| {diff if diff is None else f'{diff:.2e}'}, "
-                    f"prompt tokens {record['prompt_tokens_llmrun']} / "
-                    f"{record['prompt_tokens_llama_cpp']}"
-                )
-        finally:
-            server.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
 

@@ -23,12 +23,8 @@ prompt lengths. Results go to --out (benchmarks/out/llama_cpp_smolvlm.json).
 
 from __future__ import annotations
 
-import argparse
-import base64
 import json
-import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import torch
@@ -36,7 +32,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-from llama_cpp_pixtral import converter_agreement  # noqa: E402
+from llama_server_compare import (  # noqa: E402
+    LlamaServer,
+    agreement,
+    arguments,
+    convert,
+    converter_agreement,
+    describe,
+    greedy_completion,
+    llmrun_greedy,
+)
 from smolvlm_helpers import (  # noqa: E402
     SMOLVLM_TOKENS,
     reference_inputs,
@@ -45,11 +50,9 @@ from smolvlm_helpers import (  # noqa: E402
     write_mmproj,
     write_text_gguf,
 )
-from tokenizer_fuzz import Server  # noqa: E402
 from vision_helpers import picture  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "out"
-EXACT = ("--cache-type-k", "f32", "--cache-type-v", "f32", "-fa", "off", "--temp", "0")
 QUESTION = "What is in this picture?"
 TOKENS = 8
 # (height, width, seed): 64 pixels is the longest edge (2x2 tiles of 32, not resized
@@ -68,52 +71,18 @@ def double_newline_token(folder: Path) -> None:
     file.write_text(json.dumps(tok))
 
 
-def compare(engine, server, marker: str, seed: int, height: int, width: int) -> dict:
+def compare(engine, server: LlamaServer, seed: int, height: int, width: int) -> dict:
     """Greedy tokens of llmrun and of llama.cpp on one image."""
     from llmrun.images import open_image
-    from llmrun.sampling import SamplingParams
 
     data = picture(height, width, seed)
-    answer = server._post(
-        "/completion",
-        {
-            "prompt": {
-                "prompt_string": f"<|im_start|>User:{marker}{QUESTION}<end_of_utterance>\n"
-                "Assistant:",
-                "multimodal_data": [base64.b64encode(data).decode()],
-            },
-            "n_predict": TOKENS,
-            "temperature": 0,
-            "top_k": 1,
-            "n_probs": 1,
-            "return_tokens": True,
-            "cache_prompt": False,
-        },
-    )
-    theirs = answer["tokens"]
+    prompt = f"<|im_start|>User:{server.media_marker}{QUESTION}<end_of_utterance>\nAssistant:"
+    answer = greedy_completion(server, prompt, [data], TOKENS)
     text = engine.prompt_text(QUESTION, images=1)
     ids, images = engine.image_prompt(text, [open_image(data)])
-    stream = engine.generate(
-        ids, SamplingParams(temperature=0.0), TOKENS, logprobs=0, images=images
-    )
-    chosen = [lp for r in stream for lp in r.logprobs]
-    ours = [lp.token for lp in chosen]
-    pairs = zip(ours, theirs, strict=False)
-    agree = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(ours), len(theirs)))
-    diffs, cursor = [], 0
-    for entry in answer["completion_probabilities"]:
-        while cursor < agree and ours[cursor] != entry["id"]:
-            cursor += 1
-        if cursor == agree:
-            break
-        diffs.append(abs(chosen[cursor].logprob - entry["logprob"]))
-        cursor += 1
     return dict(
         image=f"{width}x{height} seed {seed}",
-        llmrun=ours,
-        llama_cpp=theirs,
-        tokens_agreeing=agree,
-        max_abs_logprob_diff=max(diffs, default=None),
+        **agreement(*llmrun_greedy(engine, ids, TOKENS, images), answer),
         prompt_tokens_llmrun=len(ids),
         prompt_tokens_llama_cpp=answer["tokens_evaluated"],
     )
@@ -147,11 +116,7 @@ def converted_logits(model, folder: Path, engine, converted) -> tuple[float, flo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--llama-cpp", type=Path, required=True, help="its bin/ folder")
-    parser.add_argument("--converter", type=Path, required=True, help="llama.cpp's source")
-    parser.add_argument("--out", type=Path, default=OUT / "llama_cpp_smolvlm.json")
-    args = parser.parse_args()
+    args = arguments(__doc__, OUT / "llama_cpp_smolvlm.json")
     from llmrun import api
 
     work = OUT / "smolvlm"
@@ -159,18 +124,14 @@ def main() -> None:
     model = tiny_smolvlm()
     folder = save_smolvlm_dir(model, work / "hf")
     double_newline_token(folder)
-    converter = [sys.executable, str(args.converter / "convert_hf_to_gguf.py"), str(folder)]
-    mmproj = work / "mmproj-converter.gguf"
-    converted_text = work / "text-converter.gguf"
+    mmproj = convert(args.converter, folder, work / "mmproj-converter.gguf", "--mmproj")
     mmproj_f32 = work / "mmproj-converter-f32.gguf"
-    for extra in (
-        ["--mmproj", "--outfile", str(mmproj)],
-        ["--mmproj", "--outtype", "f32", "--outfile", str(mmproj_f32)],
-        ["--outtype", "f32", "--outfile", str(converted_text)],
-    ):
-        subprocess.run([*converter, *extra], check=True, capture_output=True)
-    agreement = converter_agreement(mmproj, write_mmproj(model, work / "mmproj.gguf"))
-    print(f"converter vs write_mmproj: {json.dumps(agreement)}")
+    convert(args.converter, folder, mmproj_f32, "--mmproj", "--outtype", "f32")
+    converted_text = convert(
+        args.converter, folder, work / "text-converter.gguf", "--outtype", "f32"
+    )
+    layout = converter_agreement(mmproj, write_mmproj(model, work / "mmproj.gguf"))
+    print(f"converter vs write_mmproj: {json.dumps(layout)}")
     # The converter reads stories260K's vocabulary with a space prefix (SmolVLM's own is
     # GPT-2's): the tests' writer gives the text GGUF its tokenizer.
     tokens = tuple(
@@ -186,31 +147,14 @@ def main() -> None:
         f"llmrun vs transformers, max |logit diff|: tests' text GGUF {ours:.2e}, "
         f"converter's {theirs:.2e}"
     )
-    server = Server(
-        args.llama_cpp / "llama-server",
-        text,
-        work / "server.log",
-        ("--mmproj", str(mmproj), *EXACT),
-    )
     results = []
-    try:
-        # The server's own media marker (random unless LLAMA_MEDIA_MARKER pins it).
-        url = f"http://127.0.0.1:{server.port}/props"
-        with urllib.request.urlopen(url, timeout=10) as response:
-            marker = json.loads(response.read())["media_marker"]
+    with LlamaServer(args.llama_cpp, text, work / "server.log", mmproj=mmproj) as server:
         for height, width, seed in IMAGES:
-            record = compare(engine, server, marker, seed, height, width)
+            record = compare(engine, server, seed, height, width)
             results.append(record)
-            diff = record["max_abs_logprob_diff"]
-            print(
-                f"{record['image']:>16}: {record['tokens_agreeing']}/{TOKENS} greedy tokens "
-                f"agree, |logprob diff| {diff if diff is None else f'{diff:.2e}'}, prompt "
-                f"tokens {record['prompt_tokens_llmrun']} / {record['prompt_tokens_llama_cpp']}"
-            )
-    finally:
-        server.close()
+            print(f"{record['image']:>16}: {describe(record, TOKENS)}")
     args.out.write_text(
-        json.dumps(dict(converter=agreement, logits=differences, greedy=results), indent=1)
+        json.dumps(dict(converter=layout, logits=differences, greedy=results), indent=1)
     )
 
 

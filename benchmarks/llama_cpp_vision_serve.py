@@ -21,10 +21,8 @@ of the encoder's size (64) are not resized by either; others are sent Pillow-res
 
 from __future__ import annotations
 
-import argparse
 import base64
 import json
-import subprocess
 import sys
 import tempfile
 import urllib.request
@@ -33,19 +31,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-from llama_cpp_vision import EXACT, QUESTION, TOKENS, hub_names, resized  # noqa: E402
+from llama_cpp_vision import QUESTION, TOKENS, cases  # noqa: E402
+from llama_server_compare import (  # noqa: E402
+    LlamaServer,
+    arguments,
+    convert,
+    greedy_completion,
+    hub_tower_names,
+)
 from serving import Server as LlmrunServer  # noqa: E402
-from tokenizer_fuzz import Server  # noqa: E402
 from vision_helpers import (  # noqa: E402
-    picture,
     save_gemma3_vl_dir,
     tiny_gemma3_vl,
     write_text_gguf,
 )
 
 OUT = ROOT / "benchmarks" / "out"
-# (height, width, seed) of each image; 64x64 is the encoder's own size.
-IMAGES = [(64, 64, 1), (64, 64, 2), (64, 64, 3), (48, 80, 4), (200, 300, 5)]
 
 
 def post(url: str, body: dict) -> dict:
@@ -70,24 +71,13 @@ def chat_body(data: bytes) -> dict:
     }
 
 
-def compare(llmrun_url: str, server: Server, marker: str, name: str, data: bytes) -> dict:
+def compare(llmrun_url: str, server: LlamaServer, name: str, data: bytes) -> dict:
     ours = post(f"{llmrun_url}/v1/chat/completions", chat_body(data))
     theirs = server._post("/v1/chat/completions", {**chat_body(data), "cache_prompt": False})
     # llmrun's layout: Gemma3Processor's blank lines around the image chunk.
+    marker = server.media_marker
     prompt = f"<start_of_turn>user\n\n\n{marker}\n\n{QUESTION}<end_of_turn>\n<start_of_turn>model\n"
-    same_layout = server._post(
-        "/completion",
-        {
-            "prompt": {
-                "prompt_string": prompt,
-                "multimodal_data": [base64.b64encode(data).decode()],
-            },
-            "n_predict": TOKENS,
-            "temperature": 0,
-            "top_k": 1,
-            "cache_prompt": False,
-        },
-    )
+    same_layout = greedy_completion(server, prompt, [data], TOKENS, n_probs=0)
     text = ours["choices"][0]["message"]["content"]
     chat_text = theirs["choices"][0]["message"]["content"]
     return dict(
@@ -104,52 +94,28 @@ def compare(llmrun_url: str, server: Server, marker: str, name: str, data: bytes
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--llama-cpp", type=Path, required=True, help="its bin/ folder")
-    parser.add_argument("--converter", type=Path, required=True, help="llama.cpp's source")
-    parser.add_argument("--out", type=Path, default=OUT / "llama_cpp_vision_serve.json")
-    args = parser.parse_args()
+    args = arguments(__doc__, OUT / "llama_cpp_vision_serve.json")
     work = OUT / "vision_serve"
     work.mkdir(parents=True, exist_ok=True)
     model = tiny_gemma3_vl()
     folder = save_gemma3_vl_dir(model, work / "hf")
-    hub_names(folder)
-    mmproj = work / "mmproj.gguf"
-    converter = [sys.executable, str(args.converter / "convert_hf_to_gguf.py"), str(folder)]
-    subprocess.run(
-        [*converter, "--mmproj", "--outtype", "f32", "--outfile", str(mmproj)],
-        check=True,
-        capture_output=True,
-    )
+    hub_tower_names(folder, "vision_tower.")
+    mmproj = convert(args.converter, folder, work / "mmproj.gguf", "--mmproj", "--outtype", "f32")
     text = write_text_gguf(model, work / "model.gguf")
-    server = Server(
-        args.llama_cpp / "llama-server",
-        text,
-        work / "server.log",
-        ("--mmproj", str(mmproj), *EXACT),
-    )
+    server = LlamaServer(args.llama_cpp, text, work / "server.log", mmproj=mmproj)
     ours = LlmrunServer(Path(tempfile.mkdtemp()), str(text), "--mmproj", str(mmproj))
     results = []
     try:
-        # The server's own media marker (random unless LLAMA_MEDIA_MARKER pins it).
-        props = f"http://127.0.0.1:{server.port}/props"
-        with urllib.request.urlopen(props, timeout=10) as response:
-            marker = json.loads(response.read())["media_marker"]
-        for height, width, seed in IMAGES:
-            data = picture(height, width, seed)
-            cases = [(f"{width}x{height}", data)]
-            if (height, width) != (64, 64):
-                cases.append((f"{width}x{height} resized", resized(data, 64)))
-            for name, sent in cases:
-                record = compare(ours.url, server, marker, name, sent)
-                results.append(record)
-                print(
-                    f"{name:>16}: same layout {'equal' if record['equal_same_layout'] else 'DIFFER'}"
-                    f", own chat layouts {'equal' if record['equal_chat'] else 'differ'}; "
-                    f"prompt tokens {record['prompt_tokens_llmrun']} / "
-                    f"{record['prompt_tokens_llama_server_llmrun_layout']} (llama-server chat "
-                    f"{record['prompt_tokens_llama_server_chat']})"
-                )
+        for name, _, sent in cases():
+            record = compare(ours.url, server, name, sent)
+            results.append(record)
+            print(
+                f"{name:>16}: same layout {'equal' if record['equal_same_layout'] else 'DIFFER'}"
+                f", own chat layouts {'equal' if record['equal_chat'] else 'differ'}; "
+                f"prompt tokens {record['prompt_tokens_llmrun']} / "
+                f"{record['prompt_tokens_llama_server_llmrun_layout']} (llama-server chat "
+                f"{record['prompt_tokens_llama_server_chat']})"
+            )
     finally:
         server.close()
         ours.stop()

@@ -20,18 +20,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
+from llama_server_compare import clip_layout, convert  # noqa: E402
 from voxtral_helpers import (  # noqa: E402
     AUDIO,
     BEGIN_AUDIO,
@@ -42,39 +40,6 @@ from voxtral_helpers import (  # noqa: E402
     write_mmproj,
     write_text_gguf,
 )
-
-
-def converted_mmproj(converter: Path, folder: Path, out: Path) -> Path:
-    env = {**os.environ, "PYTHONPATH": str(converter / "gguf-py")}
-    command = [sys.executable, str(converter / "convert_hf_to_gguf.py"), "--mmproj"]
-    subprocess.run([*command, "--outfile", str(out), str(folder)], check=True, env=env)
-    return out
-
-
-def compare_files(theirs: Path, ours: Path) -> dict:
-    import gguf
-
-    a, b = gguf.GGUFReader(theirs), gguf.GGUFReader(ours)
-    meta = {
-        name: (a.fields[name].contents(), b.fields[name].contents() if name in b.fields else None)
-        for name in a.fields
-        if name.startswith("clip.")
-    }
-    tensors_a = {t.name: t for t in a.tensors}
-    tensors_b = {t.name: t for t in b.tensors}
-    differing = [
-        name
-        for name, t in tensors_a.items()
-        if name not in tensors_b
-        or t.tensor_type != tensors_b[name].tensor_type
-        or not np.array_equal(np.asarray(t.data), np.asarray(tensors_b[name].data))
-    ]
-    return {
-        "metadata_differing": [k for k, (x, y) in meta.items() if x != y],
-        "tensors": len(tensors_a),
-        "tensors_only_ours": sorted(set(tensors_b) - set(tensors_a)),
-        "tensors_differing": differing,
-    }
 
 
 def parity(model, mmproj: Path, tmp: Path) -> dict:
@@ -119,9 +84,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         folder = save_voxtral_dir(model, tmp / "model")
-        theirs = converted_mmproj(args.converter, folder, tmp / "converted-mmproj.gguf")
+        theirs = convert(args.converter, folder, tmp / "converted-mmproj.gguf", "--mmproj")
         ours = write_mmproj(model, tmp / "ours-mmproj.gguf")
-        result = {"layout": compare_files(theirs, ours), "llmrun_on_converted": None}
+        result = {"layout": clip_layout(theirs, ours), "llmrun_on_converted": None}
         result["llmrun_on_converted"] = parity(model, theirs, tmp)
     print(json.dumps(result, indent=2))
     args.out.parent.mkdir(parents=True, exist_ok=True)
