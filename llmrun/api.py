@@ -40,7 +40,8 @@ from llmrun.loading import (
 )
 from llmrun.loading import vision as vision_loading
 from llmrun.loading.loader import Checkpoint, check_device_room, load_model, open_checkpoint
-from llmrun.loading.lora import LoraScales
+from llmrun.loading.lora import LoraScales, apply_adapters
+from llmrun.loading.lora import scaled as lora_scaled
 from llmrun.models import kv_cache_bytes, model_module, recurrent_state_bytes
 from llmrun.models.cache import BYTES_PER_VALUE, KVCache
 from llmrun.multimodal import PromptImages
@@ -140,6 +141,9 @@ class Engine:
     vision: Any = None
     # The audio encoder (of a llmrun.audio_families family), where one was asked for
     audio: Any = None
+    # Whether `lora` is the audio encoder's own adapter (Granite Speech's), which runs for
+    # prompts with audio alone, as transformers turns it on
+    audio_lora: bool = False
     # A GGUF model's mmproj file: the tower load() was not asked for loads from it at the
     # first image or clip (Gemma 4's and Qwen2.5-Omni's hold both)
     mmproj: Path | None = None
@@ -266,6 +270,9 @@ class Engine:
         if self.template is None:
             raise ModelFormatError(f"{self.name} has no chat template")
         template = self.tools_template if switches.get("tools") else self.template
+        place = self.audio is not None and audio_families.of_encoder(self.audio).text_place
+        if place:
+            messages = audio_families.written_places(messages, place)
         return template.render(messages, add_generation_prompt=add_generation_prompt, **switches)
 
     def history_end(
@@ -341,8 +348,24 @@ class Engine:
         """Each decoded clip's token embeddings, for encoded_audio_prompt; the audio
         encoder loads now where load() was not asked for it (a chat's first /audio)."""
         if self.audio is None:
-            self.audio = _load_audio(self.checkpoint, self.path, self.mmproj)
+            encoder = _load_audio(self.checkpoint, self.path, self.mmproj)
+            self._add_audio_adapter(encoder)
+            self.audio = encoder
         return audio_families.of_encoder(self.audio).encode(self.audio, clips)
+
+    def _add_audio_adapter(self, encoder: Any) -> None:
+        """Add an audio encoder's LoRA adapter (Granite Speech's) to the model, if it has one."""
+        adapter = audio_families.of_encoder(encoder).adapter(encoder)
+        if adapter is None:
+            return
+        if self.lora is not None:
+            raise UnsupportedError(
+                f"{self.name}: --lora with its audio, which brings a LoRA adapter of its own"
+            )
+        for w in adapter.weights.values():
+            w.down = w.down.to(device=self.device, dtype=self.dtype)
+            w.up = w.up.to(device=self.device, dtype=self.dtype)
+        self.lora, self.audio_lora = apply_adapters(self.model, [adapter]), True
 
     def audio_tokens(self, clip: Any) -> int:
         """How many prompt tokens a decoded clip takes where audio_prompt expands its
@@ -450,7 +473,7 @@ class Engine:
             wanted = len(prompt) + (max(max_tokens, 1) if max_tokens is not None else self.ctx_size)
             state = self.new_state(wanted)
         sampler = Sampler(params)
-        return stream_generate(
+        stream = stream_generate(
             self.model,
             self.tokenizer,
             state,
@@ -464,6 +487,18 @@ class Engine:
             self.speculator,
             images,
         )
+        if self.audio_lora and images is None:
+            # transformers runs a prompt without audio without the audio's adapter
+            return _without_adapter(stream, self.lora, self.device)
+        return stream
+
+
+def _without_adapter(
+    stream: Iterator[Response], scales: LoraScales | None, device: torch.device
+) -> Iterator[Response]:
+    """`stream`, its forwards run with the adapters at scale 0."""
+    with lora_scaled(scales, [[0.0] * len(scales or ())], device):
+        yield from stream
 
 
 def load(
@@ -586,6 +621,8 @@ def load(
         audio=audio_encoder,
         mmproj=Path(mmproj) if mmproj is not None else None,
     )
+    if engine.audio is not None:
+        engine._add_audio_adapter(engine.audio)
     if not generates:
         return engine  # no KV cache to size: an embedding's forward keeps none
     if cache_type is not None:

@@ -19,19 +19,25 @@ from llmrun import (
     audio,
     gemma3n_audio_clips,
     gemma4_audio_clips,
+    granite_speech_clips,
     multimodal,
     qwen2_5_omni_clips,
     qwen2_audio_clips,
+    qwen3_omni_clips,
     voxtral_clips,
 )
 from llmrun.loading import (
     gemma3n_audio,
     gemma4_audio,
+    granite_speech,
     qwen2_5_omni,
     qwen2_audio,
     qwen2_vl_vision,
+    qwen3_omni,
+    qwen3_vl_vision,
     voxtral_audio,
 )
+from llmrun.loading.lora import Adapter
 from llmrun.tokenizer import Tokenizer
 
 Prompt = tuple[list[int], multimodal.PromptImages]
@@ -57,6 +63,11 @@ class AudioFamily:
     encode: Callable[[Any, Sequence[audio.Clip]], list[torch.Tensor]]
     # The ids of a text whose audio places take the encoded clips, and those clips.
     prompt: Callable[[Tokenizer, str, Sequence[torch.Tensor]], Prompt]
+    # The text a message's audio part is written as, for a family whose chat template
+    # reads a message's content as text (Granite Speech's); None: it takes audio parts.
+    text_place: str | None = None
+    # The LoRA adapter a loaded encoder brings, which runs for prompts with audio alone.
+    adapter: Callable[[Any], Adapter | None] = lambda encoder: None
 
 
 FAMILIES: tuple[AudioFamily, ...] = (
@@ -97,6 +108,19 @@ FAMILIES: tuple[AudioFamily, ...] = (
         encode=qwen2_5_omni_clips.encode,
         prompt=qwen2_5_omni_clips.prompt,
     ),
+    # Its tokens' positions run on as text's, by its language model's interleaved M-RoPE.
+    AudioFamily(
+        name="Qwen3-Omni",
+        encoder_type=qwen3_omni.Qwen3OmniAudio,
+        folder_has_audio=qwen3_omni.folder_has_audio,
+        is_mmproj=qwen3_omni.is_mmproj,
+        from_hf_dir=qwen3_omni.audio_from_hf_dir,
+        from_mmproj=qwen3_omni.audio_from_mmproj,
+        text_takes_audio=qwen3_vl_vision.text_takes_images,
+        clip_tokens=qwen3_omni_clips.clip_tokens,
+        encode=qwen3_omni_clips.encode,
+        prompt=qwen3_omni_clips.prompt,
+    ),
     AudioFamily(
         name="Gemma 4",
         encoder_type=gemma4_audio.Gemma4Audio,
@@ -108,6 +132,21 @@ FAMILIES: tuple[AudioFamily, ...] = (
         clip_tokens=gemma4_audio_clips.clip_tokens,
         encode=gemma4_audio_clips.encode,
         prompt=gemma4_audio_clips.prompt,
+    ),
+    # Its adapter on the language model runs for prompts with audio alone.
+    AudioFamily(
+        name="Granite Speech",
+        encoder_type=granite_speech.GraniteSpeechAudio,
+        folder_has_audio=granite_speech.folder_has_audio,
+        is_mmproj=granite_speech.is_mmproj,
+        from_hf_dir=granite_speech.from_hf_dir,
+        from_mmproj=granite_speech.from_mmproj,
+        text_takes_audio=granite_speech.text_takes_audio,
+        clip_tokens=granite_speech_clips.clip_tokens,
+        encode=granite_speech_clips.encode,
+        prompt=granite_speech_clips.prompt,
+        text_place=granite_speech_clips.AUDIO,
+        adapter=lambda encoder: encoder.adapter,
     ),
     AudioFamily(
         name="Gemma 3n",
@@ -124,6 +163,21 @@ FAMILIES: tuple[AudioFamily, ...] = (
 )
 
 NAMES = ", ".join(f.name for f in FAMILIES)
+
+
+def written_places(messages: list[dict[str, Any]], place: str) -> list[dict[str, Any]]:
+    """`messages` with each content of parts written as text: an audio part as `place`,
+    a text part as its text."""
+    return [
+        {**m, "content": "".join(_written(part, place) for part in m["content"])}
+        if isinstance(m.get("content"), list)
+        else m
+        for m in messages
+    ]
+
+
+def _written(part: dict[str, Any], place: str) -> str:
+    return place if part.get("type") == "audio" else part.get("text", "")
 
 
 def of_encoder(encoder: Any) -> AudioFamily:

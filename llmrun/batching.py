@@ -298,7 +298,11 @@ class Scheduler:
             if request.lora:
                 raise UsageError("the model has no LoRA adapters (serve's --lora)")
             return (), b""
-        scales = tuple(adapters.scales if request.lora is None else request.lora)
+        if request.lora is None and self.engine.audio_lora:
+            # The audio's own adapter (Granite Speech's) runs for prompts with audio alone.
+            scales: tuple[float, ...] = (float(request.images is not None),)
+        else:
+            scales = tuple(adapters.scales if request.lora is None else request.lora)
         if len(scales) != len(adapters):
             raise UsageError(f"{len(scales)} LoRA scales for the model's {len(adapters)} adapters")
         return scales, b"lora" + struct.pack(f"<{len(scales)}d", *scales)

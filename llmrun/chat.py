@@ -65,6 +65,8 @@ class ChatSession:
     pending: list[torch.Tensor] = field(default_factory=list)
     # Audio clips attached for the next user message (attach_audio), encoded
     pending_audio: list[torch.Tensor] = field(default_factory=list)
+    # Whether the cached tokens ran with the audio's own adapter (Engine.audio_lora)
+    audio_adapted: bool = False
 
     def __post_init__(self) -> None:
         if self.overflow not in ("error", "shift"):
@@ -292,6 +294,10 @@ class ChatSession:
         history_end = None
         if self.uses_template and self.state.cache.recurrent is not None:
             history_end = self.engine.history_end(self.conversation(), prompt, **self.switches)
+        adapted = self.engine.audio_lora and images is not None
+        if adapted != self.audio_adapted:  # the cached tokens ran otherwise: none is reused
+            self.state.tokens.clear()
+            self.audio_adapted = adapted
         try:
             for response in self.engine.generate(
                 prompt,

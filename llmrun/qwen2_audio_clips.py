@@ -59,23 +59,24 @@ def encode(encoder: Qwen2Audio, clips: Sequence[audio.Clip]) -> list[torch.Tenso
 
 
 def prompt(
-    tokenizer: Tokenizer, text: str, embeds: Sequence[torch.Tensor]
+    tokenizer: Tokenizer, text: str, embeds: Sequence[torch.Tensor], pad: str = AUDIO
 ) -> tuple[list[int], PromptImages]:
-    """The ids of `text` with each <|AUDIO|> repeated for its clip's tokens, and where each
-    clip's embeddings begin. The text must mark exactly one place per clip."""
-    token = tokenizer.token_id(AUDIO)
+    """The ids of `text` with each audio pad (`pad`: <|AUDIO|>, or Qwen3-Omni's
+    <|audio_pad|>) repeated for its clip's tokens, and where each clip's embeddings begin.
+    The text must mark exactly one place per clip."""
+    token = tokenizer.token_id(pad)
     if token is None:
-        raise TokenizerError(f"the tokenizer has no {AUDIO}: not Qwen2-Audio's")
-    places = text.count(AUDIO)
+        raise TokenizerError(f"the tokenizer has no {pad}: not the audio model's")
+    places = text.count(pad)
     if places != len(embeds):
         clips = len(embeds)
         raise UsageError(
-            f"the prompt marks {places} audio place{'s' * (places != 1)} ({AUDIO}) for "
-            f"{clips} clip{'s' * (clips != 1)}: write one {AUDIO} where each goes"
+            f"the prompt marks {places} audio place{'s' * (places != 1)} ({pad}) for "
+            f"{clips} clip{'s' * (clips != 1)}: write one {pad} where each goes"
         )
-    pieces = text.split(AUDIO)
+    pieces = text.split(pad)
     expanded = pieces[0] + "".join(
-        AUDIO * len(e) + piece for e, piece in zip(embeds, pieces[1:], strict=True)
+        pad * len(e) + piece for e, piece in zip(embeds, pieces[1:], strict=True)
     )
     ids = tokenizer.encode(expanded)
     runs = [
@@ -84,5 +85,5 @@ def prompt(
         if t == token and (i == 0 or ids[i - 1] != token)
     ]
     if [length for _, length in runs] != [len(e) for e in embeds]:
-        raise UsageError(f"the prompt's {AUDIO} places are not apart: write text between them")
+        raise UsageError(f"the prompt's {pad} places are not apart: write text between them")
     return ids, PromptImages(list(embeds), [start for start, _ in runs])

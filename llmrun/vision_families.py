@@ -14,10 +14,12 @@ from typing import Any
 import torch
 
 from llmrun import (
+    deepseek_ocr2_images,
     gemma4_images,
     glm4v_images,
     idefics3_images,
     internvl_images,
+    janus_images,
     lfm2_vl_images,
     lighton_ocr_images,
     llama4_images,
@@ -29,10 +31,12 @@ from llmrun import (
     qwen2_vl_images,
 )
 from llmrun.loading import (
+    deepseek_ocr2_vision,
     gemma4_vision,
     glm4v_vision,
     idefics3_vision,
     internvl_vision,
+    janus_vision,
     lfm2_vl_vision,
     lighton_ocr_vision,
     llama4_vision,
@@ -42,6 +46,7 @@ from llmrun.loading import (
     pixtral_vision,
     qwen2_5_omni,
     qwen2_vl_vision,
+    qwen3_omni,
     qwen3_vl_vision,
     safetensors_io,
 )
@@ -99,6 +104,19 @@ def _by_text(prompt: Callable[[Tokenizer, str, Sequence[Any]], Prompt]) -> Promp
         vision: Any, tokenizer: Tokenizer, text: str, embeds: Sequence[Any], embed: EmbedToken
     ) -> Prompt:
         return prompt(tokenizer, text, embeds)
+
+    return full
+
+
+def _by_vision(
+    prompt: Callable[[Any, Tokenizer, str, Sequence[Any]], Prompt],
+) -> PromptFn:
+    """A family's prompt that also needs the loaded encoder's settings."""
+
+    def full(
+        vision: Any, tokenizer: Tokenizer, text: str, embeds: Sequence[Any], embed: EmbedToken
+    ) -> Prompt:
+        return prompt(vision, tokenizer, text, embeds)
 
     return full
 
@@ -196,6 +214,21 @@ FAMILIES: tuple[VisionFamily, ...] = (
         encode=qwen2_vl_images.encode,
         prompt=_by_text(qwen2_vl_images.prompt),
     ),
+    # Qwen3-VL's tower and prompts; before Qwen3-VL's, whose vision_type its own
+    # subclasses and whose projector its mmproj's vision tower has. Its text GGUF's
+    # n_deepstack_layers is 0 whatever the tower has (the converter's), so not checked.
+    VisionFamily(
+        name="Qwen3-Omni",
+        vision_type=qwen3_omni.OmniVision,
+        folder_has_vision=qwen3_omni.folder_has_vision,
+        is_mmproj=qwen3_omni.is_mmproj,
+        from_hf_dir=qwen3_omni.vision_from_hf_dir,
+        from_mmproj=qwen3_omni.vision_from_mmproj,
+        text_takes_images=qwen3_vl_vision.text_takes_images,
+        image_tokens=qwen2_vl_images.image_tokens,
+        encode=qwen2_vl_images.encode,
+        prompt=_by_text(qwen2_vl_images.prompt),
+    ),
     # Qwen2-VL's processing and prompts; its tokens carry deepstack features after them.
     VisionFamily(
         name="Qwen3-VL/Qwen3.5",
@@ -275,6 +308,19 @@ FAMILIES: tuple[VisionFamily, ...] = (
         encode=llava_images.encode,
         prompt=_by_text(llava_images.prompt),
     ),
+    # SigLIP and an MLP aligner, one token a patch; its images go to a Llama.
+    VisionFamily(
+        name="Janus-Pro",
+        vision_type=janus_vision.JanusVision,
+        folder_has_vision=janus_vision.folder_has_vision,
+        is_mmproj=janus_vision.is_mmproj,
+        from_hf_dir=janus_vision.from_hf_dir,
+        from_mmproj=janus_vision.from_mmproj,
+        text_takes_images=janus_vision.text_takes_images,
+        image_tokens=janus_images.image_tokens,
+        encode=janus_images.encode,
+        prompt=_by_vision(janus_images.prompt),
+    ),
     # Tiles of any grid and a thumbnail, pixel-unshuffled; its images go to an LFM2.
     VisionFamily(
         name="LFM2-VL",
@@ -300,6 +346,20 @@ FAMILIES: tuple[VisionFamily, ...] = (
         image_tokens=minicpmv_images.image_tokens,
         encode=minicpmv_images.encode,
         prompt=minicpmv_images.prompt,
+    ),
+    # SAM's ViT, then learned queries through Qwen2 layers, for crops and the whole image;
+    # its images go to a DeepSeek V1 MoE (llmrun's deepseek).
+    VisionFamily(
+        name="DeepSeek-OCR 2",
+        vision_type=deepseek_ocr2_vision.DeepseekOcr2Vision,
+        folder_has_vision=deepseek_ocr2_vision.folder_has_vision,
+        is_mmproj=deepseek_ocr2_vision.is_mmproj,
+        from_hf_dir=deepseek_ocr2_vision.from_hf_dir,
+        from_mmproj=deepseek_ocr2_vision.from_mmproj,
+        text_takes_images=deepseek_ocr2_vision.text_takes_images,
+        image_tokens=deepseek_ocr2_images.image_tokens,
+        encode=deepseek_ocr2_images.encode,
+        prompt=_by_text(deepseek_ocr2_images.prompt),
     ),
     # Tiles and the whole image, each pixel-shuffled; separators between the tiles.
     VisionFamily(

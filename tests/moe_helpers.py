@@ -8,6 +8,7 @@ as a Q8_0 GGUF holds them."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -153,13 +154,15 @@ def write_moe_gguf(
     metadata: dict | None = None,
     skip_keys: tuple = (),
     arch: str | None = None,
+    tokenizer: Callable | None = None,
 ) -> Path:
     """Write GGUF tensors (stacked_gguf_state) with llama.cpp's MoE metadata. `types`
     maps a GGUF name fragment (say "ffn_down_exps") to the type its tensors are
     quantized to (default F32; 1-D tensors stay F32); a tensor may also be given as
     (uint8 blocks, type), written as is. `metadata`: extra or replaced keys (a
     "{arch}" in a key is filled in; a value (list, "array") is an array); `skip_keys`:
-    keys left out; `arch`: the GGUF architecture where it is not the model_type's."""
+    keys left out; `arch`: the GGUF architecture where it is not the model_type's;
+    `tokenizer(writer)` adds the tokenizer's keys instead of stories260K's."""
     import gguf
     from gguf import Keys
 
@@ -209,13 +212,16 @@ def write_moe_gguf(
             writer.add_bool(full, value)
         elif kind == "array":
             writer.add_array(full, value)
-    meta = read_gguf(STORIES_GGUF, with_tensors=False).metadata
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(meta["tokenizer.ggml.tokens"])
-    writer.add_token_scores(meta["tokenizer.ggml.scores"])
-    writer.add_token_types(meta["tokenizer.ggml.token_type"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    if tokenizer is not None:
+        tokenizer(writer)
+    else:
+        meta = read_gguf(STORIES_GGUF, with_tensors=False).metadata
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(meta["tokenizer.ggml.tokens"])
+        writer.add_token_scores(meta["tokenizer.ggml.scores"])
+        writer.add_token_types(meta["tokenizer.ggml.token_type"])
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
     for name, tensor in tensors.items():
         qtype = next((t for frag, t in (types or {}).items() if frag in name), None)
         if isinstance(tensor, tuple):  # raw blocks [.., rows, row bytes] and their type

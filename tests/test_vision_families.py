@@ -41,6 +41,7 @@ def test_each_projector_finds_its_family(tmp_path):
         ("internvl", "InternVL"),
         ("idefics3", "SmolVLM/Idefics3"),
         ("mlp", "LLaVA 1.5/NeXT"),
+        ("janus_pro", "Janus-Pro"),
         ("lfm2", "LFM2-VL"),
         ("minicpmv4_6", "MiniCPM-V 4.6"),
         ("llama4", "Llama 4"),

@@ -36,6 +36,11 @@ SAFETENSORS_SIDECARS = frozenset(
         "chat_template.jinja",
         "chat_template.json",
         "README.md",
+        # Granite Speech's feature extractor settings and its LoRA adapter, which runs for
+        # prompts with audio (llmrun.loading.granite_speech)
+        "preprocessor_config.json",
+        "adapter_config.json",
+        "adapter_model.safetensors",
     }
 )
 # Older uploads' only tokenizer (T5Tokenizer's, XLMRobertaTokenizer's), and Mistral's

@@ -149,6 +149,7 @@ MODEL_TYPES = {
     bailingmoe.ARCH: bailingmoe.MODEL_TYPE,  # Ling 1: llmrun/loading/bailingmoe.py
     bailingmoe.V2_ARCH: bailingmoe.V2_MODEL_TYPE,  # Ling 2.0: llmrun/loading/bailingmoe.py
     deepseek.ARCH: deepseek.MODEL_TYPE,  # DeepSeek V1 MoE: llmrun/loading/deepseek.py
+    deepseek.OCR_ARCH: deepseek.MODEL_TYPE,  # DeepSeek-OCR's text: llmrun/loading/deepseek.py
     qwen.ARCH: qwen.MODEL_TYPE,  # Qwen 1, run as Qwen2: llmrun/loading/qwen.py
     bailingmoe3.ARCH: bailingmoe3.MODEL_TYPE,  # Ling 3: llmrun/loading/bailingmoe3.py
     glm5_next.ARCH: glm5_next.GGUF_MODEL_TYPE,  # llmrun/loading/glm5_next.py
@@ -595,6 +596,7 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         bailingmoe.ARCH: bailingmoe.finish_config,
         bailingmoe.V2_ARCH: bailingmoe.finish_v2_config,
         deepseek.ARCH: deepseek.finish_config,
+        deepseek.OCR_ARCH: deepseek.finish_ocr_config,
         qwen.ARCH: qwen.finish_config,
         ernie4_5.ARCH: ernie4_5.finish_config,
         ernie4_5.MOE_ARCH: ernie4_5.finish_config,

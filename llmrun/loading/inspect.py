@@ -36,10 +36,14 @@ def quant_label(path: str) -> str | None:
     return None
 
 
+LORA_ADAPTER = "adapter_model.safetensors"
+
+
 def safetensors_weights(names: Iterable[str]) -> list[str]:
     """The weight files among a folder's names: its shards if it has any, else
     model.safetensors, else every .safetensors file."""
-    weights = {f for f in names if f.endswith(".safetensors")}
+    # A PEFT adapter beside them (Granite Speech's) is never the model's own weights.
+    weights = {f for f in names if f.endswith(".safetensors") and f != LORA_ADAPTER}
     # Repos often carry the same weights twice (sharded and consolidated.safetensors).
     shards = {f for f in weights if SHARD_RE.search(f)}
     if shards:

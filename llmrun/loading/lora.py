@@ -31,11 +31,12 @@ from torch import nn
 
 from llmrun.errors import ModelFormatError, ModelNotFoundError, UnsupportedError, UsageError
 from llmrun.loading import gguf_config, gguf_io, safetensors_io
+from llmrun.loading.inspect import LORA_ADAPTER
 from llmrun.quant import blocks
 
 FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 PEFT_CONFIG = "adapter_config.json"
-PEFT_WEIGHTS = "adapter_model.safetensors"
+PEFT_WEIGHTS = LORA_ADAPTER
 PEFT_PREFIX = "base_model.model."
 # PEFT settings that change what the adapter computes, which llmrun does not run: a
 # setting -> what it is, refused where the config sets it.

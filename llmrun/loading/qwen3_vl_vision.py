@@ -112,8 +112,9 @@ def from_hf_dir(path: Path, text_hidden: int) -> Qwen3Vision:
     return _build(args, weights, text_hidden, path, processor)
 
 
-def from_mmproj(path: str | Path, text_hidden: int) -> Qwen3Vision:
-    """The vision tower of llama.cpp's mmproj GGUF (projector qwen3vl_merger)."""
+def from_mmproj(path: str | Path, text_hidden: int, skip: tuple[str, ...] = ()) -> Qwen3Vision:
+    """The vision tower of llama.cpp's mmproj GGUF (projector qwen3vl_merger), the tensors
+    whose names begin with one of `skip` left out (another encoder's: Qwen3-Omni's audio)."""
     gg = gguf_io.read_gguf(path)
     meta = gg.metadata
     kind = _projector(meta)
@@ -154,8 +155,8 @@ def from_mmproj(path: str | Path, text_hidden: int) -> Qwen3Vision:
     )
     tensors = {}
     for info in gg.tensors.values():
-        tensor = encoder_tensor(gg, info)
-        tensors[info.name] = tensor.float()
+        if not info.name.startswith(skip):
+            tensors[info.name] = encoder_tensor(gg, info).float()
     weights = _hf_weights(tensors, args, gg.path)
     processor = dict(
         mean=three_floats(meta.get(vision.IMAGE_MEAN, MEAN), gg.path, vision.IMAGE_MEAN),

@@ -69,6 +69,16 @@ FAMILIES = {
     # is tied as the thinker's config says (its text_config's True is not read).
     "qwen2_5_omni_thinker": Family("Qwen2.5-Omni", "qwen2", fields={"tie_word_embeddings": None}),
     "qwen2_5_omni": Family("Qwen2.5-Omni", "qwen2"),  # read as its thinker's (language_model)
+    # Qwen3-Omni's thinker: a Qwen3-MoE whose M-RoPE always interleaves its sections
+    # (Qwen3OmniMoeThinkerTextRotaryEmbedding), tied as the thinker's config says.
+    "qwen3_omni_moe_thinker": Family(
+        "Qwen3-Omni",
+        "qwen3_moe",
+        fields={"tie_word_embeddings": None},
+        defaults={"norm_topk_prob": True},
+        rope_defaults={"mrope_section": [24, 20, 20], "mrope_interleaved": True},
+    ),
+    "qwen3_omni_moe": Family("Qwen3-Omni", "qwen3_moe"),  # read as its thinker's
     "llava": Family("LLaVA"),
     # JanusConfig ties the head to the embeddings by default; its text_config is a Llama's.
     "janus": Family("Janus-Pro", tie_default=True),
@@ -131,6 +141,9 @@ FAMILIES = {
 }
 # The architecture of LightOnOCR-1B's first config.json, whose model_type is mistral3.
 LIGHTONOCR_ARCHITECTURE = "LightOnOCRForConditionalGeneration"
+# The Hub's Omni model_types -> their thinker's, whose config (thinker_config) holds the
+# language model's.
+_THINKERS = {"qwen2_5_omni": "qwen2_5_omni_thinker", "qwen3_omni_moe": "qwen3_omni_moe_thinker"}
 # Families whose older config.json files hold the text model's fields at the top level.
 # and Tencent's HunYuan-VL files, and PaddlePaddle's PaddleOCR-VL file.
 _FLAT_CONFIGS = ("qwen2_vl", "qwen2_5_vl", "hunyuan_vl", "paddleocr_vl")
@@ -171,6 +184,7 @@ VISION_PREFIXES = (
     "thinker.audio_tower.",
     "talker.",
     "token2wav.",
+    "code2wav.",  # Qwen3-Omni's speech output, beside its talker.
     "model.vision_encoder.",  # LightOnOCR's
     "model.vision_projection.",
     "mlp_AR.",  # PaddleOCR-VL's projector, as the Hub saves it
@@ -194,11 +208,12 @@ def language_model(
 ) -> tuple[dict[str, Any], dict[str, Any], str]:
     """The text model's config.json dict and weights (under its *ForCausalLM's names) of a
     FAMILIES checkpoint (the folder `path`), and the family's name."""
-    if config["model_type"] == "qwen2_5_omni":
+    if config["model_type"] in _THINKERS:
         thinker = config.get("thinker_config")
         if not isinstance(thinker, dict):
-            raise ModelFormatError(f"{path}: a Qwen2.5-Omni config.json without a thinker_config")
-        config = {**thinker, "model_type": "qwen2_5_omni_thinker"}
+            name = FAMILIES[config["model_type"]].name
+            raise ModelFormatError(f"{path}: a {name} config.json without a thinker_config")
+        config = {**thinker, "model_type": _THINKERS[config["model_type"]]}
     family = FAMILIES[config["model_type"]]
     text = config.get("text_config")
     if not isinstance(text, dict):

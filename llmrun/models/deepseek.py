@@ -11,6 +11,10 @@ moe_layer_freq-th layer only (moe_layer_freq other than 1), its own RoPE scaling
 (rope_scaling), scores other than softmax, attention biases (attention_bias: q, k, v and
 the output projection's), no experts.
 
+DeepSeek-OCR 2's text model (transformers' DeepseekOcr2TextModel: DeepSeek V2's experts,
+Llama's attention) computes the same: its mlp_layer_types names the dense layers, which
+must come first; a routed_scaling_factor other than 1 is refused.
+
 Reference: modeling_deepseek.py of deepseek-ai/deepseek-moe-16b-base.
 """
 
@@ -53,6 +57,19 @@ class ModelArgs(bailing_moe.ModelArgs):
                 "DeepSeek V1 without n_routed_experts and num_experts_per_tok (a dense model) "
                 "is not supported"
             )
+        if config.get("routed_scaling_factor", 1.0) != 1.0:
+            raise UnsupportedError(
+                f"DeepSeek V1 with routed_scaling_factor {config['routed_scaling_factor']} "
+                "is not supported (1.0)"
+            )
+        kinds = config.get("mlp_layer_types")
+        if kinds is not None:
+            dense = kinds.index("sparse") if "sparse" in kinds else len(kinds)
+            if kinds != ["dense"] * dense + ["sparse"] * (len(kinds) - dense):
+                raise UnsupportedError(
+                    f"mlp_layer_types {kinds!r}: llmrun runs dense layers first, then sparse"
+                )
+            config = {**config, "first_k_dense_replace": dense}
         # DeepseekConfig's defaults: no shared experts, no dense layers, no renormalization.
         config = {"n_shared_experts": None, "first_k_dense_replace": 0, **config}
         config.setdefault("norm_topk_prob", False)

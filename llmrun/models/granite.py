@@ -10,7 +10,7 @@ Face checkpoint keys. The MoE variants (granitemoe.py) share these pieces.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -76,7 +76,12 @@ class Model(CausalLM):
         last_only: bool = False,
         last: torch.Tensor | None = None,
         static: int | None = None,
+        images: Any = None,
     ) -> torch.Tensor:
-        """CausalLM.forward's logits divided by logits_scaling."""
-        logits = super().forward(input_ids, positions, cache, last_only, last, static)
+        """CausalLM.forward's logits divided by logits_scaling. `images` (Granite Speech's
+        audio tokens) are scaled by embedding_multiplier as text's embeddings are:
+        transformers scales the embeddings after it places them."""
+        if images is not None and self.args.embedding_multiplier != 1.0:
+            images = replace(images, embeds=images.embeds * self.args.embedding_multiplier)
+        logits = super().forward(input_ids, positions, cache, last_only, last, static, images)
         return logits / self.args.logits_scaling

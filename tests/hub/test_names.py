@@ -7,6 +7,7 @@ import pytest
 from llmrun import hub
 from llmrun.errors import HubError, ModelNotFoundError, UsageError
 from llmrun.hub import names
+from llmrun.loading.inspect import safetensors_weights
 from llmrun.paths import BUNDLED_MODEL
 
 
@@ -162,6 +163,15 @@ def test_safetensors_choice_skips_other_formats_and_duplicates():
         "tokenizer.json",
         "tokenizer_config.json",
     )
+
+
+def test_a_lora_adapter_beside_the_weights_is_not_taken_for_them():
+    """adapter_model.safetensors (Granite Speech's adapter, fetched beside the weights) is
+    never part of the model's weights: with unsharded weights of another name it was."""
+    files = dict.fromkeys(["config.json", "weights.safetensors", "adapter_model.safetensors"], 1)
+    sel = names.select(hub.parse_name("o/r"), files)
+    assert "weights.safetensors" in sel.files and "adapter_model.safetensors" in sel.files
+    assert safetensors_weights(sel.files) == ["weights.safetensors"]
 
 
 def test_gguf_choice_rules():
