@@ -34,6 +34,7 @@ from llmrun.loading import (
     embedding,
     gemma3n,
     mistral_native,
+    pixtral_vision,
     reranker,
     safetensors_io,
     whisper_audio,
@@ -382,6 +383,36 @@ class Engine:
             raise UsageError(f"{self.name}: load it with its audio encoder to give it audio")
         return audio_families.of_encoder(self.audio).prompt(self.tokenizer, text, embeds)
 
+    def media_prompt(
+        self, text: str, images: Sequence[Any], clips: Sequence[Any]
+    ) -> tuple[list[int], PromptImages]:
+        """The ids of a prompt `text` whose image places take `images` and whose audio
+        places take `clips` (decoded), each kind in order, and both encoded for generate();
+        image_prompt or audio_prompt where one kind is missing."""
+        pictures = self.encode_images(images) if images else []
+        sounds = self.encode_audio(clips) if clips else []
+        return self.encoded_media_prompt(text, pictures, sounds)
+
+    def encoded_media_prompt(
+        self, text: str, images: Sequence[Any], clips: Sequence[torch.Tensor]
+    ) -> tuple[list[int], PromptImages]:
+        """media_prompt for images and clips already encoded (encode_images,
+        encode_audio): images and audio in one prompt where the audio family takes both
+        (audio_families.AudioFamily.with_images)."""
+        if not clips:
+            return self.encoded_prompt(text, images)
+        if not images:
+            return self.encoded_audio_prompt(text, clips)
+        if self.vision is None or self.audio is None:
+            raise UsageError(f"{self.name}: load it with its image and audio encoders")
+        with_images = audio_families.of_encoder(self.audio).with_images
+        if with_images is None:
+            raise UsageError(
+                f"{self.name} takes images or audio in a prompt, not both (both go to "
+                f"{audio_families.WITH_IMAGES} models)"
+            )
+        return with_images(self.tokenizer, text, images, clips)
+
     @torch.inference_mode()
     def _embed_token(self, token: int) -> torch.Tensor:
         """The language model's input embedding of one token, [hidden] in f32 on the CPU."""
@@ -666,6 +697,7 @@ def _load_vision(checkpoint: Checkpoint, path: Path, mmproj: str | Path | None) 
     else:
         family = vision_families.of_folder(path)
         if family is None:
+            pixtral_vision.check_native_tower(path)  # Pixtral 12B's: its own refusal
             raise UsageError(
                 f"{path}: images go to {vision_families.NAMES} models with their vision tower"
             )

@@ -20,6 +20,7 @@ from llmrun import (
     gemma3n_audio_clips,
     gemma4_audio_clips,
     granite_speech_clips,
+    mixed_media,
     multimodal,
     qwen2_5_omni_clips,
     qwen2_audio_clips,
@@ -68,6 +69,12 @@ class AudioFamily:
     text_place: str | None = None
     # The LoRA adapter a loaded encoder brings, which runs for prompts with audio alone.
     adapter: Callable[[Any], Adapter | None] = lambda encoder: None
+    # The ids of a text whose image places take its encoded images (its vision family's)
+    # and whose audio places take its encoded clips, and both, for a family whose
+    # processor takes both in one prompt; None: a prompt takes one or the other.
+    with_images: (
+        Callable[[Tokenizer, str, Sequence[Any], Sequence[torch.Tensor]], Prompt] | None
+    ) = None
 
 
 FAMILIES: tuple[AudioFamily, ...] = (
@@ -107,6 +114,7 @@ FAMILIES: tuple[AudioFamily, ...] = (
         clip_tokens=qwen2_5_omni_clips.clip_tokens,
         encode=qwen2_5_omni_clips.encode,
         prompt=qwen2_5_omni_clips.prompt,
+        with_images=mixed_media.qwen2_5_omni,
     ),
     # Its tokens' positions run on as text's, by its language model's interleaved M-RoPE.
     AudioFamily(
@@ -120,6 +128,7 @@ FAMILIES: tuple[AudioFamily, ...] = (
         clip_tokens=qwen3_omni_clips.clip_tokens,
         encode=qwen3_omni_clips.encode,
         prompt=qwen3_omni_clips.prompt,
+        with_images=mixed_media.qwen3_omni,
     ),
     AudioFamily(
         name="Gemma 4",
@@ -132,6 +141,7 @@ FAMILIES: tuple[AudioFamily, ...] = (
         clip_tokens=gemma4_audio_clips.clip_tokens,
         encode=gemma4_audio_clips.encode,
         prompt=gemma4_audio_clips.prompt,
+        with_images=mixed_media.gemma4,
     ),
     # Its adapter on the language model runs for prompts with audio alone.
     AudioFamily(
@@ -163,6 +173,8 @@ FAMILIES: tuple[AudioFamily, ...] = (
 )
 
 NAMES = ", ".join(f.name for f in FAMILIES)
+# The families that take images and audio in one prompt.
+WITH_IMAGES = ", ".join(f.name for f in FAMILIES if f.with_images is not None)
 
 
 def written_places(messages: list[dict[str, Any]], place: str) -> list[dict[str, Any]]:

@@ -13,8 +13,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from llmrun.api import Engine
 from llmrun.chat_template import plain_transcript
 from llmrun.errors import ContextOverflowError, LlmrunError, UsageError
@@ -61,10 +59,9 @@ class ChatSession:
     messages: list[dict[str, Any]] = field(default_factory=list)
     state: KVState | None = None
     switches: dict[str, Any] = field(default_factory=dict)  # template variables (thinking)
-    # Images attached for the next user message (attach), encoded
-    pending: list[torch.Tensor] = field(default_factory=list)
-    # Audio clips attached for the next user message (attach_audio), encoded
-    pending_audio: list[torch.Tensor] = field(default_factory=list)
+    # The image and audio parts attached for the next user message (attach, attach_audio),
+    # in the order attached, each holding its embeddings
+    pending: list[dict[str, Any]] = field(default_factory=list)
     # Whether the cached tokens ran with the audio's own adapter (Engine.audio_lora)
     audio_adapted: bool = False
 
@@ -113,28 +110,27 @@ class ChatSession:
             for part in message["content"]
             if part.get("type") in ("image", "audio")
         ]
-        embeds = [part["embeds"] for part in parts]
-        if not embeds:
+        if not parts:
             return self.engine.tokenizer.encode(text), None
-        if all(part["type"] == "audio" for part in parts):
-            return self.engine.encoded_audio_prompt(text, embeds)
-        if any(part["type"] == "audio" for part in parts):
-            raise UsageError("a conversation takes images or audio, not both")
-        return self.engine.encoded_prompt(text, embeds)
+        images = [part["embeds"] for part in parts if part["type"] == "image"]
+        clips = [part["embeds"] for part in parts if part["type"] == "audio"]
+        return self.engine.encoded_media_prompt(text, images, clips)
 
     def attach(self, images: list[Any]) -> None:
         """Encode decoded images (llmrun.images.open_image) to go with the next user
         message, before its text."""
         if self.engine.speculator is not None:
             raise UsageError("images do not go with --draft or --lookup")
-        self.pending.extend(self.engine.encode_images(images))
+        embeds = self.engine.encode_images(images)
+        self.pending.extend({"type": "image", "embeds": e} for e in embeds)
 
     def attach_audio(self, clips: list[Any]) -> None:
         """Encode decoded audio clips (llmrun.audio.open_audio) to go with the next user
         message, before its text."""
         if self.engine.speculator is not None:
             raise UsageError("audio does not go with --draft or --lookup")
-        self.pending_audio.extend(self.engine.encode_audio(clips))
+        embeds = self.engine.encode_audio(clips)
+        self.pending.extend({"type": "audio", "embeds": e} for e in embeds)
 
     def prompt_text(self, messages: list[dict[str, Any]]) -> str:
         if self.uses_template:
@@ -145,11 +141,9 @@ class ChatSession:
         """Add a user message and stream the reply's text. `turn` receives the
         outcome; an interrupted reply (KeyboardInterrupt) is kept as it stands."""
         content: str | list[dict[str, Any]] = text
-        if self.pending or self.pending_audio:
-            images = [{"type": "image", "embeds": embeds} for embeds in self.pending]
-            clips = [{"type": "audio", "embeds": embeds} for embeds in self.pending_audio]
-            content = [*images, *clips, {"type": "text", "text": text}]
-            self.pending, self.pending_audio = [], []
+        if self.pending:
+            content = [*self.pending, {"type": "text", "text": text}]
+            self.pending = []
         self.messages.append({"role": "user", "content": content})
         return self._reply(turn if turn is not None else Turn())
 
@@ -171,7 +165,6 @@ class ChatSession:
         """Start a new conversation (the system message stays)."""
         self.messages.clear()
         self.pending.clear()
-        self.pending_audio.clear()
         self.state.tokens.clear()
 
     def set_param(self, name: str, value: str) -> None:

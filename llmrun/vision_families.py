@@ -17,6 +17,7 @@ from llmrun import (
     deepseek_ocr2_images,
     gemma4_images,
     glm4v_images,
+    granite4_vision_images,
     idefics3_images,
     internvl_images,
     janus_images,
@@ -34,6 +35,7 @@ from llmrun.loading import (
     deepseek_ocr2_vision,
     gemma4_vision,
     glm4v_vision,
+    granite4_vision,
     idefics3_vision,
     internvl_vision,
     janus_vision,
@@ -295,6 +297,20 @@ FAMILIES: tuple[VisionFamily, ...] = (
         encode=idefics3_images.encode,
         prompt=_with_embed_token(idefics3_images.prompt),
     ),
+    # LLaVA-NeXT's tiles through SigLIP and Window Q-Formers, one stream for each decoder
+    # layer that takes the image in; before LLaVA's, whose vision_type its own subclasses.
+    VisionFamily(
+        name="Granite 4 Vision",
+        vision_type=granite4_vision.Granite4Vision,
+        folder_has_vision=granite4_vision.folder_has_vision,
+        is_mmproj=granite4_vision.is_mmproj,
+        from_hf_dir=granite4_vision.from_hf_dir,
+        from_mmproj=granite4_vision.from_mmproj,
+        text_takes_images=granite4_vision.text_takes_images,
+        image_tokens=granite4_vision_images.image_tokens,
+        encode=granite4_vision_images.encode,
+        prompt=_by_text(llava_images.prompt),
+    ),
     # CLIP and a two-layer MLP; LLaVA-NeXT's tiles (anyres) where it has grid pinpoints.
     VisionFamily(
         name="LLaVA 1.5/NeXT",
@@ -386,10 +402,15 @@ def of_vision(vision: Any) -> VisionFamily:
 
 
 def of_folder(path: Path) -> VisionFamily | None:
-    """The family whose image encoder a Hugging Face folder holds, if any."""
-    if not (path.is_dir() and (path / "config.json").is_file()):
+    """The family whose image encoder a Hugging Face folder holds, if any; a Mistral native
+    folder (params.json) holds Mistral 3's or none."""
+    if not path.is_dir():
         return None
-    return next((f for f in FAMILIES if f.folder_has_vision(path)), None)
+    if (path / "config.json").is_file():
+        return next((f for f in FAMILIES if f.folder_has_vision(path)), None)
+    if pixtral_vision.folder_has_vision(path):
+        return next(f for f in FAMILIES if f.vision_type is pixtral_vision.PixtralVision)
+    return None
 
 
 def of_mmproj(path: Path) -> VisionFamily | None:

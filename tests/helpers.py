@@ -255,6 +255,10 @@ def gguf_name(hf_name: str, model_type: str | None = None) -> str:
     return f"blk.{layer}.{names[rest]}.{suffix}"
 
 
+# GGUF architectures whose q/k rows llama.cpp's converter permutes (Llama's RoPE pairs).
+PERMUTED_ARCHS = ("llama", "granite")
+
+
 def write_gguf(
     path: Path,
     config: dict,
@@ -264,8 +268,8 @@ def write_gguf(
     arch: str | None = None,
     extra: Callable | None = None,
 ) -> Path:
-    """Write a model as llama.cpp's converter would: arch metadata, permuted llama
-    q/k, 1-D tensors in F32, 2-D weights in `qtype` (default F32). A state-dict
+    """Write a model as llama.cpp's converter would: arch metadata, permuted
+    PERMUTED_ARCHS q/k, 1-D tensors in F32, 2-D weights in `qtype` (default F32). A state-dict
     value may also be (uint8 blocks, GGML type): raw blocks written as they are.
     `arch`: the GGUF architecture where it is not the model_type's; `extra(writer)`
     adds keys of its own."""
@@ -321,7 +325,7 @@ def write_gguf(
             continue
         if isinstance(tensor, tuple):  # (uint8 blocks [rows, row bytes], their type), written as is
             raw, raw_type = tensor
-            if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            if arch in PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
                 raw = _permute(raw, n_head if "q_proj" in name else n_kv)
             writer.add_tensor(
                 gguf_name(name, model_type), np.ascontiguousarray(raw), raw_dtype=raw_type
@@ -330,9 +334,9 @@ def write_gguf(
         data = tensor.detach().float().numpy()
         if model_type in GEMMA_TYPES and name.endswith("norm.weight"):
             data = data + 1  # llama.cpp's converter stores Gemma's norms as 1 + w
-        if arch == "llama" and name.endswith("q_proj.weight"):
+        if arch in PERMUTED_ARCHS and name.endswith("q_proj.weight"):
             data = _permute(data, n_head)
-        elif arch == "llama" and name.endswith("k_proj.weight"):
+        elif arch in PERMUTED_ARCHS and name.endswith("k_proj.weight"):
             data = _permute(data, n_kv)
         if data.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(

@@ -190,10 +190,10 @@ def greedy_tokens(model, inputs: dict, tokens: int = 8) -> list[int]:
     return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
-def write_text_gguf(model, path: Path) -> Path:
+def write_text_gguf(model, path: Path, arch: str | None = None, extra=None) -> Path:
     """The language model as llama.cpp's converter writes a LLaVA's (arch llama, q/k
     permuted; helpers.write_gguf, F32) with stories260K's vocabulary plus LLAVA_TOKENS as
-    control tokens and the chat template."""
+    control tokens and the chat template; `arch` and `extra(writer)` as write_gguf's."""
     config = model.config.text_config.to_dict()
     prefix = "model.language_model."
     state = {
@@ -217,8 +217,10 @@ def write_text_gguf(model, path: Path) -> Path:
         writer.add_unk_token_id(0)
         writer.add_add_bos_token(True)
         writer.add_chat_template(LLAVA_TEMPLATE)
+        if extra is not None:
+            extra(writer)
 
-    return write_gguf(path, config, state, tokenizer=False, extra=vocabulary)
+    return write_gguf(path, config, state, tokenizer=False, arch=arch, extra=vocabulary)
 
 
 # CLIP's names after vision_model. -> the mmproj's, as the script renames them.

@@ -157,9 +157,6 @@ def test_a_file_that_is_not_wav_is_one_error_line(tmp_path):
     missing = llmrun("run", "--audio", str(tmp_path / "none.wav"), "hello")
     assert missing.returncode == 2
     assert "cannot read the audio (No such file or directory)" in missing.stderr
-    both = llmrun("run", "--image", "a.png", "--audio", "a.wav", "hello")
-    assert both.returncode == 2
-    assert both.stderr == "error: --image and --audio: a prompt takes one or the other\n"
     batch = llmrun("run", "--audio", "a.wav", "--batch", "requests.jsonl")
     assert batch.returncode == 2
     assert batch.stderr.startswith("error: --audio does not go with --batch")

@@ -75,8 +75,9 @@ AudioOpt = Annotated[
     typer.Option(
         "--audio",
         metavar="PATH",
-        help="A WAV file for the prompt, before its text (repeatable), for the "
-        "audio-language families README lists (Voxtral, Qwen2-Audio, Gemma 4, ...).",
+        help="A WAV file for the prompt, before its text and after any --image "
+        "(repeatable), for the audio-language families README lists (Voxtral, Qwen2-Audio, "
+        "Gemma 4, ...); Gemma 4 and the Omni models take images and audio in one prompt.",
     ),
 ]
 
@@ -175,8 +176,6 @@ def run(
         raise UsageError("--image does not go with --batch, --suffix, --draft or --lookup")
     if audio and (batch is not None or suffix is not None or draft or lookup is not None):
         raise UsageError("--audio does not go with --batch, --suffix, --draft or --lookup")
-    if image and audio:
-        raise UsageError("--image and --audio: a prompt takes one or the other")
     if batch is not None:
         if (
             draft is not None
@@ -247,10 +246,8 @@ def run(
         text = engine.prompt_text(
             prompt, raw=raw, images=len(pictures), audio=len(clips), **switches
         )
-        if pictures:
-            ids, images = engine.image_prompt(text, pictures)
-        elif clips:
-            ids, images = engine.audio_prompt(text, clips)
+        if pictures or clips:
+            ids, images = engine.media_prompt(text, pictures, clips)
         else:
             ids = engine.tokenizer.encode(text)
     else:
@@ -386,8 +383,6 @@ def chat(
         raise UsageError("--image does not go with --draft or --lookup")
     if audio and (draft or lookup is not None):
         raise UsageError("--audio does not go with --draft or --lookup")
-    if image and audio:
-        raise UsageError("--image and --audio: a message takes one or the other")
     from llmrun.audio import open_audio
     from llmrun.chat import ChatSession
     from llmrun.images import open_image

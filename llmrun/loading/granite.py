@@ -60,7 +60,9 @@ def update_config(gg: GGUFFile, config: dict[str, Any]) -> None:
     holds the common ones): the multipliers, llama.cpp's defaults where a key is absent
     (load_arch_hparams: logit_scale required; embedding and residual scales 0, meaning
     none; attention scale 0, meaning head_dim^-0.5), and the experts where
-    expert_count is set, whatever the arch name (llama.cpp's granite graph runs either)."""
+    expert_count is set, whatever the arch name (llama.cpp's granite graph runs either).
+    A dense granite GGUF with deepstack_mapping is Granite 4 Vision's language model
+    (granite4_vision_text, the decoder layers its images enter)."""
     arch = gg.architecture
     meta = ArchMetadata.of(gg)
     logits = meta.require(Keys.LLM.LOGIT_SCALE)
@@ -82,6 +84,8 @@ def update_config(gg: GGUFFile, config: dict[str, Any]) -> None:
         mlp_bias="blk.0.ffn_gate.bias" in gg.tensors,
     )
     count = meta.get(Keys.LLM.EXPERT_COUNT, 0)
+    if arch == "granite" and meta.name(DEEPSTACK_MAPPING) in gg.metadata and not count:
+        config.update(model_type="granite4_vision_text", image_layers=_image_layers(gg, meta))
     if not count:
         return
     used = meta.get(Keys.LLM.EXPERT_USED_COUNT, 0)
@@ -146,6 +150,31 @@ def hf_weights(weights: dict[str, Any], config: dict[str, Any], weight_type: typ
             for e in range(tensor.shape[0]):
                 out[f"{mlp}.experts.{e}.down_proj.weight"] = weight_type(tensor[e])
     return out
+
+
+def _image_layers(gg: GGUFFile, meta: ArchMetadata) -> list[int]:
+    """Granite 4 Vision's decoder layers that take the image streams in, in stream order,
+    from deepstack_mapping as llama.cpp's converter writes it (one entry a layer: the
+    stream added before it, -1 none) and llama.cpp reads it: stream 0 is the image token's
+    input embedding, the converter's -1 at layer 0 (src/models/granite.cpp)."""
+    key = meta.name(DEEPSTACK_MAPPING)
+    mapping = gg.metadata[key]
+    layers = meta.require(Keys.LLM.BLOCK_COUNT)
+    streams = sorted((k, i) for i, k in enumerate(mapping) if isinstance(k, int) and k >= 0)
+    ok = (
+        isinstance(mapping, list)
+        and len(mapping) == layers
+        and all(isinstance(k, int) and k >= -1 for k in mapping)
+        and mapping[0] == -1
+        and [k for k, _ in streams] == list(range(1, len(streams) + 1))
+        and [i for _, i in streams] == sorted(i for _, i in streams)
+    )
+    if not ok:
+        raise ModelFormatError(
+            f"{gg.path}: {key} is {mapping!r}, not one entry a layer numbering streams 1.. "
+            "in layer order after the input's (-1 at layer 0)"
+        )
+    return [0, *(i for _, i in streams)]
 
 
 def _halves(tensor: Any, key: str, width: int | None, dim: int) -> tuple[Any, Any]:

@@ -9,8 +9,9 @@ conversion/mistral.py MistralModel, gguf-py's tensor_mapping):
 - params.json: dim, n_layers, head_dim, hidden_dim (the FFN width), n_heads, n_kv_heads,
   norm_eps, vocab_size, rope_theta; optional `yarn` (factor, original_max_position_embeddings,
   beta -> beta_fast, alpha -> beta_slow, apply_scale) and `llama_4_scaling` (Ministral 3's
-  query temperature: its beta), `tied_embeddings`, `vision_encoder` (a Pixtral tower),
-  `moe` and `quantization` (FP8), which llmrun refuses.
+  query temperature: its beta), `tied_embeddings`, `vision_encoder` (a Pixtral tower,
+  which llmrun.loading.pixtral_vision loads), `moe` and `quantization` (FP8), which llmrun
+  refuses.
 - tensors: tok_embeddings, layers.N.attention.wq/wk/wv/wo, attention_norm, ffn_norm,
   feed_forward.w1 (gate)/w2 (down)/w3 (up), norm, output. The q/k rows are in the
   interleaved-pair RoPE layout that GGUF keeps (the converter writes them unpermuted,
@@ -35,13 +36,16 @@ WEIGHTS_RE = re.compile(r"consolidated(?:-(\d{5})-of-(\d{5}))?\.safetensors")
 SIDECARS = frozenset(
     {PARAMS, "tekken.json", "chat_template.jinja", "SYSTEM_PROMPT.txt", "README.md"}
 )
-# The image tower of a params.json with vision_encoder (Pixtral's), not run.
+# The image tower of a params.json with vision_encoder (Pixtral's), which
+# llmrun.loading.pixtral_vision loads where it has Mistral 3's patch merger.
 VISION_PREFIXES = (
     "vision_encoder.",
     "vision_language_adapter.",
     "patch_merger.",
     "pre_mm_projector_norm.",
 )
+# How the note on a folder whose tower loads for images ends (llmrun.loading.vision's).
+TEXT_ONLY = "without the vision tower"
 _REQUIRED = ("dim", "n_layers", "hidden_dim", "n_heads", "norm_eps", "vocab_size", "rope_theta")
 _LAYER_NAMES = {
     "attention.wq": "self_attn.q_proj",
@@ -214,10 +218,13 @@ def hf_weights(
     where = folder / PARAMS
     notes = []
     vision = [n for n in tensors if n.startswith(VISION_PREFIXES)]
-    if vision:
+    if any(n.startswith("patch_merger.") for n in vision):
+        # Mistral 3's tower, which loads for images (llmrun.loading.pixtral_vision).
+        notes.append(f"{folder}: a multimodal Mistral; running its language model, {TEXT_ONLY}")
+    elif vision:
         notes.append(
             f"{folder}: a multimodal Mistral; running its language model, without the vision "
-            "tower (images need the model's Hugging Face folder or a GGUF with its mmproj)"
+            "tower (Pixtral 12B's, without Mistral 3's patch merger, which llmrun does not run)"
         )
     weights = {}
     for name, tensor in tensors.items():
@@ -265,7 +272,26 @@ def check_tokenizer_vocab(folder: Path, config: dict[str, Any], tokens: int) -> 
 # from v7, each system message is [SYSTEM_PROMPT]...[/SYSTEM_PROMPT] before the turns; in
 # v3, the system messages go, joined by blank lines, before the last user turn's text.
 # Messages of one role in a row are one turn, joined by blank lines; system messages come
-# first. (mistral_common leaves the texts as they are; its last turn is a user's.)
+# first. A content of parts is their texts, each image part [IMG] (which llmrun.pixtral_images
+# expands), one after the other as mistral_common encodes its chunks. (mistral_common leaves
+# the texts as they are; its last turn is a user's.)
+_CONTENT = """\
+{%- macro text(content) %}
+  {%- if content is string %}
+    {{- content }}
+  {%- else %}
+    {%- for part in content %}
+      {%- if part['type'] == 'text' %}
+        {{- part['text'] }}
+      {%- elif part['type'] == 'image' %}
+        {{- '[IMG]' }}
+      {%- else %}
+        {{- raise_exception("Mistral's format takes text and image parts") }}
+      {%- endif %}
+    {%- endfor %}
+  {%- endif %}
+{%- endmacro %}
+"""
 _CHAT_V7 = """\
 {{- bos_token }}
 {%- set ns = namespace(role=none) %}
@@ -277,13 +303,13 @@ _CHAT_V7 = """\
     {{- raise_exception("Mistral's format takes system messages before the others") }}
   {%- endif %}
   {%- if role == 'system' %}
-    {{- '[SYSTEM_PROMPT]' + message['content'] + '[/SYSTEM_PROMPT]' }}
+    {{- '[SYSTEM_PROMPT]' + text(message['content']) + '[/SYSTEM_PROMPT]' }}
   {%- elif role == ns.role %}
-    {{- '\\n\\n' + message['content'] }}
+    {{- '\\n\\n' + text(message['content']) }}
   {%- else %}
     {{- '[/INST]' if ns.role == 'user' else eos_token if ns.role == 'assistant' else '' }}
     {{- '[INST]' if role == 'user' else '' }}
-    {{- message['content'] }}
+    {{- text(message['content']) }}
   {%- endif %}
   {%- set ns.role = role %}
 {%- endfor %}
@@ -295,7 +321,7 @@ _CHAT_V3 = """\
   {%- if message['role'] == 'user' and (loop.first or loop.previtem['role'] != 'user') %}
     {%- set ns.last = loop.index0 %}
   {%- elif message['role'] == 'system' %}
-    {%- set ns.system = ns.system + [message['content']] %}
+    {%- set ns.system = ns.system + [text(message['content'])] %}
   {%- endif %}
 {%- endfor %}
 {%- for message in messages %}
@@ -307,19 +333,22 @@ _CHAT_V3 = """\
   {%- endif %}
   {%- if role == 'system' %}
   {%- elif role == ns.role %}
-    {{- '\\n\\n' + message['content'] }}
+    {{- '\\n\\n' + text(message['content']) }}
   {%- else %}
     {{- '[/INST]' if ns.role == 'user' else eos_token if ns.role == 'assistant' else '' }}
     {{- '[INST]' if role == 'user' else '[INST][/INST]' if ns.role in (none, 'system') else '' }}
     {%- if loop.index0 == ns.last and ns.system %}
       {{- ns.system | join('\\n\\n') + '\\n\\n' }}
     {%- endif %}
-    {{- message['content'] }}
+    {{- text(message['content']) }}
   {%- endif %}
   {%- set ns.role = role %}
 {%- endfor %}
 {{- '[/INST]' if ns.role == 'user' else eos_token if ns.role == 'assistant' else '' }}"""
-CHAT_TEMPLATES = {"v3": _CHAT_V3, "v7": _CHAT_V7, "v11": _CHAT_V7, "v13": _CHAT_V7}
+CHAT_TEMPLATES = {
+    version: _CONTENT + chat
+    for version, chat in {"v3": _CHAT_V3, "v7": _CHAT_V7, "v11": _CHAT_V7, "v13": _CHAT_V7}.items()
+}
 
 
 def tekken_version(folder: Path) -> str | None:

@@ -1,7 +1,10 @@
 """Mistral 3's image encoder (Pixtral's tower, Mistral 3's projector) from either format:
 its Hugging Face folder (Mistral3ForConditionalGeneration), or the mmproj GGUF that
 llama.cpp's converter writes beside the text model's GGUF (conversion/llava.py: projector
-type pixtral, q/k rows permuted as Llama's). Both give the encoder HF's weights.
+type pixtral, q/k rows permuted as Llama's), or Mistral's native folder (params.json's
+vision_encoder, consolidated*.safetensors: the names transformers' convert_mistral3_weights_to_hf
+and llama.cpp's `--mistral-format --mmproj` read, q/k rows interleaved as GGUF's). All give
+the encoder HF's weights.
 
 llama.cpp splices an [IMG_BREAK] embedding after each row of an image's tokens, from the
 mmproj's v.token_embd.img_break (a copy of the language model's row, which today's
@@ -12,6 +15,7 @@ converter leaves out of mmproj files made from a Hugging Face folder). llmrun em
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +24,7 @@ import torch
 from gguf import Keys, VisionProjectorType
 
 from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
-from llmrun.loading import gguf_io, safetensors_io, vl_text
+from llmrun.loading import gguf_io, mistral_native, safetensors_io, vl_text
 from llmrun.loading.vision import (
     encoder_tensor,
     mmproj_name,
@@ -66,6 +70,29 @@ _GGUF_NAMES = {
 }
 # The language model's [IMG_BREAK] row, which it embeds itself.
 _IMAGE_BREAK = "v.token_embd.img_break"
+# A native folder's tensor names (mistral-inference's) -> the encoder's; a layer's below.
+_NATIVE_NAMES = {
+    "vision_encoder.patch_conv.weight": "vision_tower.patch_conv.weight",
+    "vision_encoder.ln_pre.weight": "vision_tower.ln_pre.weight",
+    "pre_mm_projector_norm.weight": "multi_modal_projector.norm.weight",
+    "patch_merger.merging_layer.weight": "multi_modal_projector.patch_merger.merging_layer.weight",
+    "vision_language_adapter.w_in.weight": "multi_modal_projector.linear_1.weight",
+    "vision_language_adapter.w_in.bias": "multi_modal_projector.linear_1.bias",
+    "vision_language_adapter.w_out.weight": "multi_modal_projector.linear_2.weight",
+    "vision_language_adapter.w_out.bias": "multi_modal_projector.linear_2.bias",
+}
+_NATIVE_LAYER = {
+    "attention.wq": "attention.q_proj",
+    "attention.wk": "attention.k_proj",
+    "attention.wv": "attention.v_proj",
+    "attention.wo": "attention.o_proj",
+    "attention_norm": "attention_norm",
+    "ffn_norm": "ffn_norm",
+    "feed_forward.w1": "feed_forward.gate_proj",
+    "feed_forward.w2": "feed_forward.down_proj",
+    "feed_forward.w3": "feed_forward.up_proj",
+}
+_NATIVE_LAYER_RE = re.compile(r"vision_encoder\.transformer\.layers\.(\d+)\.(.+)\.weight")
 
 
 @dataclass
@@ -89,9 +116,28 @@ def has_vision(config: dict[str, Any]) -> bool:
 
 
 def folder_has_vision(path: Path) -> bool:
-    """Whether `path` is a Hugging Face folder of a Mistral 3 with its vision tower."""
+    """Whether `path` is a Hugging Face folder of a Mistral 3 with its vision tower, or a
+    native folder whose params.json has Mistral 3's (a vision_encoder with the patch merger:
+    check_native_tower refuses Pixtral 12B's)."""
+    if not path.is_dir():
+        return False
     config = path / "config.json"
-    return path.is_dir() and config.is_file() and has_vision(safetensors_io.read_json(config))
+    if config.is_file():
+        return has_vision(safetensors_io.read_json(config))
+    if not (path / mistral_native.PARAMS).is_file():
+        return False
+    vision = mistral_native.read_params(path).get("vision_encoder")
+    return isinstance(vision, dict) and vision.get("mm_projector_id") == "patch_merge"
+
+
+def check_native_tower(path: Path) -> None:
+    """Refuse images for a native folder whose vision_encoder is not Mistral 3's, saying
+    why (Pixtral 12B's, without the patch merger); any other folder passes."""
+    params = path / mistral_native.PARAMS
+    if path.is_dir() and not (path / "config.json").is_file() and params.is_file():
+        native = mistral_native.read_params(path)
+        if isinstance(native.get("vision_encoder"), dict):
+            native_config(native, params)
 
 
 def is_mmproj(path: str | Path) -> bool:
@@ -102,7 +148,10 @@ def is_mmproj(path: str | Path) -> bool:
 
 
 def from_hf_dir(path: Path, text_hidden: int) -> PixtralVision:
-    """Mistral 3's image encoder from its Hugging Face folder (f32, on the CPU)."""
+    """Mistral 3's image encoder from its Hugging Face folder, or its native folder (f32,
+    on the CPU)."""
+    if not (path / "config.json").is_file() and (path / mistral_native.PARAMS).is_file():
+        return from_native_dir(path, text_hidden)
     config = safetensors_io.read_config(path)
     if not has_vision(config):
         raise UsageError(f"{path}: not a Mistral 3 folder with a vision_config")
@@ -110,6 +159,73 @@ def from_hf_dir(path: Path, text_hidden: int) -> PixtralVision:
     weights = prefixed_weights(path, _HF_PREFIXES)
     longest_edge, mean, std = _processor_settings(path, args.vision.image_size)
     return _build(args, weights, text_hidden, path, longest_edge, mean, std)
+
+
+def from_native_dir(path: Path, text_hidden: int) -> PixtralVision:
+    """Mistral 3's image encoder from a native folder: params.json's vision_encoder (with
+    the patch merger, mm_projector_id "patch_merge") and the consolidated files' vision
+    tensors; images fit its image_size, normalized by CLIP's mean and std (mistral_common's,
+    which llama.cpp's converter writes for such a folder)."""
+    where = path / mistral_native.PARAMS
+    params = mistral_native.read_params(path)
+    args = pixtral.EncoderArgs.from_config(native_config(params, where))
+    names = (p.name for p in path.iterdir())
+    weights = {}
+    for file in mistral_native.weight_files(names, path):
+        for name, tensor in safetensors_io.load_tensors(path / file).items():
+            if name.startswith(mistral_native.VISION_PREFIXES):
+                weights[_native_name(name, path)] = tensor
+    heads = args.vision.num_attention_heads
+    for name, tensor in weights.items():
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            try:
+                weights[name] = gguf_io.unpermute_rows(tensor, heads)
+            except ModelFormatError as e:
+                raise ModelFormatError(f"{path}: {name}: {e}") from None
+    return _build(args, weights, text_hidden, path, args.vision.image_size, CLIP_MEAN, CLIP_STD)
+
+
+def native_config(params: dict[str, Any], where: Path) -> dict[str, Any]:
+    """A native params.json as the Mistral3Config of the same model's image parts, as
+    transformers' convert_mistral3_weights_to_hf writes it (the tower's activation SiLU,
+    llama.cpp's for such a folder; the projector's norm eps the text model's norm_eps)."""
+    vision = params.get("vision_encoder")
+    if not isinstance(vision, dict):
+        raise UsageError(f"{where}: no vision_encoder: the model takes no images")
+    if vision.get("mm_projector_id") != "patch_merge":
+        raise UnsupportedError(
+            f"{where}: a vision_encoder without Mistral 3's patch merger (mm_projector_id "
+            f"{vision.get('mm_projector_id')!r}: Pixtral 12B's); llmrun runs Mistral 3's"
+        )
+    if vision.get("add_pre_mm_projector_layer_norm", True) is not True:
+        raise UnsupportedError(f"{where}: a vision_encoder without its pre-projector norm")
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    vision_config = {k: vision[k] for k in (*keys, "image_size", "patch_size") if k in vision}
+    vision_config.update(
+        num_channels=vision.get("num_channels", 3),
+        rope_theta=vision.get("rope_theta", 10000.0),
+        hidden_act="silu",
+    )
+    merge = vision.get("spatial_merge_size")
+    if not isinstance(merge, int) or isinstance(merge, bool):
+        raise ModelFormatError(f"{where}: vision_encoder's spatial_merge_size is {merge!r}")
+    return {
+        "vision_config": vision_config,
+        "text_config": {"hidden_size": params["dim"], "rms_norm_eps": params["norm_eps"]},
+        "spatial_merge_size": merge,
+        "multimodal_projector_bias": bool(vision.get("adapter_bias", False)),
+    }
+
+
+def _native_name(name: str, path: Path) -> str:
+    hf = _NATIVE_NAMES.get(name)
+    layer = _NATIVE_LAYER_RE.fullmatch(name)
+    if layer and layer.group(2) in _NATIVE_LAYER:
+        into = "vision_tower.transformer.layers."
+        hf = f"{into}{layer.group(1)}.{_NATIVE_LAYER[layer.group(2)]}.weight"
+    if hf is None:
+        raise UnsupportedError(f"{path}: tensor {name!r} is not part of Mistral 3's encoder")
+    return hf
 
 
 def _processor_settings(

@@ -17,6 +17,7 @@ the fourth section is empty, which the converters write (mrope_section padded wi
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,14 @@ from gguf import Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
+
+
+def _granite4_image_layers(config: dict[str, Any]) -> list[int]:
+    """Granite 4 Vision's decoder layers that take its image streams."""
+    # Imported here: vl_text is read by `list` and `show`, which never import torch.
+    from llmrun.models import granite4_vision
+
+    return granite4_vision.image_layers(config)
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,8 @@ class Family:
     rope_defaults: dict[str, Any] = field(default_factory=dict)
     # Older names of text config fields -> the field, read where the field is absent.
     aliases: dict[str, str] = field(default_factory=dict)
+    # Text config fields that the outer config gives.
+    from_outer: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
 
 FAMILIES = {
@@ -117,6 +128,12 @@ FAMILIES = {
     # GraniteSpeechConfig's text_config is a GraniteConfig; it ties the output head by
     # default. Its audio encoder and LoRA adapter are llmrun.loading.granite_speech's.
     "granite_speech": Family("Granite Speech", default_text="granite", tie_default=True),
+    # Granite4VisionTextConfig is a GraniteConfig; its decoder layers take the images in.
+    "granite4_vision": Family(
+        "Granite 4 Vision",
+        "granite4_vision_text",
+        from_outer=lambda config: {"image_layers": _granite4_image_layers(config)},
+    ),
     "llava_next": Family("LLaVA-NeXT"),
     "llava_onevision": Family("LLaVA-OneVision", default_text="qwen2"),
     "idefics3": Family("Idefics3"),
@@ -190,6 +207,8 @@ VISION_PREFIXES = (
     "mlp_AR.",  # PaddleOCR-VL's projector, as the Hub saves it
     "model.projector.",  # PaddleOCR-VL's, and DeepSeek-OCR 2's as its files name it
     "model.sam_model.",  # DeepSeek-OCR 2's
+    "model.layerwise_projectors.",  # Granite 4 Vision's
+    "model.spatial_projectors.",
     "model.qwen2_model.",
     "model.view_seperator",
     "model.aligner.",  # Janus-Pro's, and its image-generation half's parts
@@ -224,6 +243,11 @@ def language_model(
             )
         text = {k: v for k, v in config.items() if k != "vision_config"}
     text = {**family.defaults, **text, **family.fields}
+    if family.from_outer is not None:
+        try:
+            text.update(family.from_outer(config))
+        except (ModelFormatError, UnsupportedError) as e:
+            raise type(e)(f"{path}: {e}") from None
     for alias, name in family.aliases.items():
         if text.get(name) is None and alias in text:
             text[name] = text[alias]

@@ -61,6 +61,7 @@ ARCHITECTURES = {
     "bamba": "bamba",  # Granite 4.0-H's forerunner: its model, BambaConfig's names
     "granite_swa": "granite_swa",
     "granitemoe_swa": "granitemoe_swa",
+    "granite4_vision_text": "granite4_vision_text",  # Granite 4 Vision's language model
     "cohere": "cohere",
     "cohere2": "cohere2",
     "cohere2_moe": "cohere2_moe",

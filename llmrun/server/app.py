@@ -45,7 +45,7 @@ from llmrun.errors import UsageError
 from llmrun.generate import Response as GenResponse
 from llmrun.reasoning import REASONING
 from llmrun.server import anthropic, llama_server, ollama, ollama_models
-from llmrun.server.audio import audio_refs, read_audio
+from llmrun.server.audio import audio_refs, media_digests, read_audio
 from llmrun.server.images import check_body, image_refs, read_images
 from llmrun.server.infill import infill, suffix_prompts
 from llmrun.server.lora import lora_adapters, request_lora
@@ -135,14 +135,13 @@ async def chat_completions(request: Request) -> Response:
     refs = image_refs(ask.messages, "messages")
     clips = audio_refs(ask.messages, "messages")
     check_body(request, [*refs, *clips], MAX_BODY_BYTES)
-    if refs and clips:
-        raise ApiError(400, "a request takes images or audio, not both", param=clips[0].param)
     pictures = await read_images(engine, service.image_encoder, service.model_id, refs)
     if pictures is not None:
         ask.images = pictures.embeds
     sound = await read_audio(engine, service.audio_encoder, service.model_id, clips)
     if sound is not None:
-        ask.audio, pictures = sound.embeds, sound
+        ask.audio = sound.embeds
+    digests = media_digests(ask.messages, pictures, sound)
     params, stop = sampling_of(engine, body)
     lora = request_lora(engine, body)
     if engine.template is None:
@@ -164,7 +163,7 @@ async def chat_completions(request: Request) -> Response:
             history_end=prepared.history_end,
             lora=lora,
             images=prepared.images,
-            image_digests=pictures.digests if pictures is not None else (),
+            image_digests=digests,
         )
         for choice_params in choices_of(params, body.n)
     ]

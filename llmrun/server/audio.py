@@ -106,6 +106,25 @@ async def read_audio(
     return await asyncio.to_thread(encode)
 
 
+def media_digests(
+    messages: list[dict[str, Any]], images: Encoded | None, clips: Encoded | None
+) -> list[bytes]:
+    """The digests of the messages' images and clips in the order their parts come, which
+    is the prompt's (each kind's `Encoded` holds its own in order)."""
+    kinds = [
+        part["type"]
+        for message in messages
+        if isinstance(message.get("content"), list)
+        for part in message["content"]
+        if part.get("type") in ("image", "audio")
+    ]
+    digests = {
+        "image": iter(images.digests if images is not None else ()),
+        "audio": iter(clips.digests if clips is not None else ()),
+    }
+    return [next(digests[kind]) for kind in kinds]
+
+
 def _wav_bytes(ref: AudioRef) -> bytes:
     """The bytes of a part's base64 WAV data; another format, or bad base64, is a 400."""
     param = ref.param

@@ -88,10 +88,8 @@ def prepare(engine: api.Engine, fmt: ToolFormat | None, ask: Ask) -> Prepared:
             switches["tools"] = ask.tools
         text = engine.render(messages, **switches)
     images = None
-    if ask.images:
-        ids, images = engine.encoded_prompt(text, ask.images)
-    elif ask.audio:
-        ids, images = engine.encoded_audio_prompt(text, ask.audio)
+    if ask.images or ask.audio:
+        ids, images = engine.encoded_media_prompt(text, ask.images, ask.audio)
     else:
         ids = engine.tokenizer.encode(text)
     history_end = None
