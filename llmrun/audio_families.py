@@ -75,6 +75,10 @@ class AudioFamily:
     with_images: (
         Callable[[Tokenizer, str, Sequence[Any], Sequence[torch.Tensor]], Prompt] | None
     ) = None
+    # The prompt text of a transcription of one clip (its audio place marked as `prompt`
+    # takes it), in a language (ISO 639-1) where one is given, as the family's processor
+    # documents it; None: it documents none (serve's /v1/audio/transcriptions refuses it).
+    transcription: Callable[[Tokenizer, str | None], str] | None = None
 
 
 FAMILIES: tuple[AudioFamily, ...] = (
@@ -89,6 +93,7 @@ FAMILIES: tuple[AudioFamily, ...] = (
         clip_tokens=voxtral_clips.clip_tokens,
         encode=voxtral_clips.encode,
         prompt=voxtral_clips.prompt,
+        transcription=voxtral_clips.transcription,
     ),
     AudioFamily(
         name="Qwen2-Audio",

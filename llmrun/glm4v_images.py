@@ -1,4 +1,4 @@
-"""Prompts with images, for GLM-4.1V and GLM-4.5V: each image resized and cut into patches
+"""Prompts with images, for GLM-4.1V, GLM-4.5V and GLM-OCR: each image resized and cut into patches
 as transformers' Glm4vImageProcessor does, encoded (llmrun.models.glm4v_vision), each image
 place that the chat template marks (<|begin_of_image|><|image|><|end_of_image|>) expanded
 as Glm4vProcessor expands it (one <|image|> per merged token), and every token's M-RoPE

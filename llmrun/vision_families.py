@@ -18,6 +18,7 @@ from llmrun import (
     gemma4_images,
     glm4v_images,
     granite4_vision_images,
+    hunyuan_vl_images,
     idefics3_images,
     internvl_images,
     janus_images,
@@ -36,6 +37,7 @@ from llmrun.loading import (
     gemma4_vision,
     glm4v_vision,
     granite4_vision,
+    hunyuan_vl_vision,
     idefics3_vision,
     internvl_vision,
     janus_vision,
@@ -245,9 +247,10 @@ FAMILIES: tuple[VisionFamily, ...] = (
         prompt=_by_text(qwen2_vl_images.prompt),
         check_text=qwen3_vl_vision.check_deepstack,
     ),
-    # Qwen2-VL's M-RoPE positions; GLM's own resizing and image tokens.
+    # Qwen2-VL's M-RoPE positions; GLM's own resizing and image tokens (GLM-OCR's tower a
+    # variant of GLM-4.1V's).
     VisionFamily(
-        name="GLM-4.1V/4.5V",
+        name="GLM-4.1V/4.5V/GLM-OCR",
         vision_type=glm4v_vision.Glm4vVision,
         folder_has_vision=glm4v_vision.folder_has_vision,
         is_mmproj=glm4v_vision.is_mmproj,
@@ -270,6 +273,20 @@ FAMILIES: tuple[VisionFamily, ...] = (
         image_tokens=paddleocr_vl_images.image_tokens,
         encode=paddleocr_vl_images.encode,
         prompt=_by_text(paddleocr_vl_images.prompt),
+    ),
+    # A ViT whose projector merges 2x2 patches by convolution, a newline closing each row
+    # and begin and end tokens around them; XD-RoPE positions (column, row, image index).
+    VisionFamily(
+        name="HunYuan-VL",
+        vision_type=hunyuan_vl_vision.HunyuanVision,
+        folder_has_vision=hunyuan_vl_vision.folder_has_vision,
+        is_mmproj=hunyuan_vl_vision.is_mmproj,
+        from_hf_dir=hunyuan_vl_vision.from_hf_dir,
+        from_mmproj=hunyuan_vl_vision.from_mmproj,
+        text_takes_images=hunyuan_vl_vision.text_takes_images,
+        image_tokens=hunyuan_vl_images.image_tokens,
+        encode=hunyuan_vl_images.encode,
+        prompt=_by_text(hunyuan_vl_images.prompt),
     ),
     VisionFamily(
         name="InternVL",

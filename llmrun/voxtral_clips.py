@@ -2,7 +2,8 @@
 ([BEGIN_AUDIO], as mistral_common writes an audio part) followed by the clip's [AUDIO]
 tokens, 375 per 30-second chunk (the clip zero-padded to whole chunks), and the clips
 encoded chunk by chunk; where their embeddings go is a multimodal.PromptImages, which the
-prefill places as it places images.
+prefill places as it places images. A transcription's prompt is mistral_common's
+(InstructTokenizerV7.encode_transcription).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from llmrun.loading.voxtral_audio import VoxtralAudio
 from llmrun.multimodal import PromptImages
 from llmrun.tokenizer import Tokenizer
 
-BEGIN_AUDIO, AUDIO = "[BEGIN_AUDIO]", "[AUDIO]"
+BEGIN_AUDIO, AUDIO, TRANSCRIBE = "[BEGIN_AUDIO]", "[AUDIO]", "[TRANSCRIBE]"
 
 
 def clip_tokens(encoder: VoxtralAudio, clip: audio.Clip) -> int:
@@ -71,3 +72,13 @@ def prompt(
     if not runs_fit or ids.count(token) != sum(len(e) for e in embeds):
         raise UsageError(f"the prompt holds {AUDIO} of its own: remove it")
     return ids, PromptImages(list(embeds), starts)
+
+
+def transcription(tokenizer: Tokenizer, language: str | None) -> str:
+    """A transcription request's prompt text, as mistral_common lays it out: BOS, a user
+    turn of the one clip, `lang:LANGUAGE` where the language is given, then [TRANSCRIBE]."""
+    if tokenizer.token_id(TRANSCRIBE) is None:
+        raise TokenizerError(f"the tokenizer has no {TRANSCRIBE}: not Voxtral's")
+    bos = "" if tokenizer.bos_id is None else tokenizer.token_to_piece(tokenizer.bos_id)
+    spoken = "" if language is None else f"lang:{language}"
+    return f"{bos}[INST]{BEGIN_AUDIO}[/INST]{spoken}{TRANSCRIBE}"

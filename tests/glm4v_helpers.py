@@ -92,13 +92,18 @@ PROCESSOR = {
 }
 
 
-def tiny_glm4v(seed: int = 0, moe: bool = False):
+# The tower's norms, randomized about 1 (GLM-OCR's q/k norms among them).
+NORMS = ("norm1", "norm2", "post_projection_norm", "q_norm", "k_norm")
+
+
+def tiny_glm4v(seed: int = 0, moe: bool = False, kind: str = "Glm4v"):
     """A random transformers Glm4vForConditionalGeneration (with `moe`, GLM-4.5V's
-    Glm4vMoeForConditionalGeneration): text hidden 64 in 2 layers, a vision tower of
+    Glm4vMoeForConditionalGeneration; with kind "GlmOcr", GLM-OCR's
+    GlmOcrForConditionalGeneration): text hidden 64 in 2 layers, a vision tower of
     hidden 32 in 2 blocks."""
     import transformers
 
-    kind = "Glm4vMoe" if moe else "Glm4v"
+    kind = "Glm4vMoe" if moe else kind
     config = getattr(transformers, f"{kind}Config")(
         text_config={**TEXT, **MOE} if moe else TEXT,
         vision_config=VISION,
@@ -115,7 +120,7 @@ def tiny_glm4v(seed: int = 0, moe: bool = False):
     randomize(model)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.rsplit(".", 2)[-2] in ("norm1", "norm2", "post_projection_norm"):
+            if name.rsplit(".", 2)[-2] in NORMS:
                 p.normal_(1.0, 0.1)
     return model
 
@@ -182,14 +187,16 @@ def greedy_tokens(model, inputs, tokens: int = 8) -> list[int]:
     return out[0, inputs.input_ids.shape[1] :].tolist()
 
 
-def write_text_gguf(model, path: Path) -> Path:
+def write_text_gguf(model, path: Path, mtp: bool = False) -> Path:
     """The language model as llama.cpp's converter writes it (conversion/glm.py Glm4Model:
     arch glm4, the rotated q/k rows reordered into halves, the rotated width and the rope
     sections; test_vl_text.write_glm4v_gguf's), F32, with stories260K's vocabulary plus
-    GLM_TOKENS as control tokens and the chat template."""
+    GLM_TOKENS as control tokens and the chat template; with `mtp`, a NextN/MTP layer
+    after the last (GLM-OCR's, as conversion/glm.py GlmOCRModel keeps it)."""
     import gguf
     import numpy as np
     from helpers import STORIES_GGUF
+    from test_glm4_moe import with_mtp_layer
     from test_vl_text import GLM4_NAMES, TextModel, gguf_tensors, normal_to_neox, text_keys
 
     from llmrun.loading.gguf_io import read_gguf
@@ -204,8 +211,13 @@ def write_text_gguf(model, path: Path) -> Path:
         kind = name.split(".")[2] if name.startswith("blk.") else None
         if kind in heads:
             tensors[name] = normal_to_neox(data, heads[kind], head_dim, rotated)
+    keys = text_keys(c, head_dim, rotated)
+    if mtp:
+        tensors = with_mtp_layer(tensors, c.num_hidden_layers)
+        keys[gguf.Keys.LLM.BLOCK_COUNT] += 1
+        keys[gguf.Keys.LLM.NEXTN_PREDICT_LAYERS] = 1
     writer = gguf.GGUFWriter(str(path), "glm4")
-    for key, value in text_keys(c, head_dim, rotated).items():
+    for key, value in keys.items():
         name = key.format(arch="glm4")
         if isinstance(value, list):
             writer.add_array(name, value)
@@ -252,6 +264,8 @@ MMPROJ_NAMES = {
 MMPROJ_LAYER = {
     "attn.qkv": "attn_qkv",
     "attn.proj": "attn_out",
+    "attn.q_norm": "attn_q_norm",  # GLM-OCR's
+    "attn.k_norm": "attn_k_norm",
     "norm1": "ln1",
     "norm2": "ln2",
     "mlp.gate_proj": "ffn_gate",

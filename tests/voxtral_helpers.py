@@ -2,8 +2,9 @@
 projector, a Llama) for the audio tests: as a Hugging Face folder (stories260K's tokenizer
 plus Mistral's instruction and audio tokens, a chat template that writes an audio part as
 mistral_common does: [BEGIN_AUDIO]), and as llama.cpp's converter writes it, a text GGUF
-plus an mmproj GGUF (conversion/ultravox.py VoxtralWhisperEncoderModel); and synthetic
-audio written as WAV files."""
+plus an mmproj GGUF (conversion/ultravox.py VoxtralWhisperEncoderModel); a tekken.json with
+Voxtral's special tokens and audio settings, as mistral_common reads Voxtral's; and
+synthetic audio written as WAV files."""
 
 from __future__ import annotations
 
@@ -46,7 +47,9 @@ VOXTRAL_TEMPLATE = """{{- bos_token }}
 """
 
 
-def tiny_voxtral(seed: int = 0, audio_layers: int = 2):
+def tiny_voxtral(
+    seed: int = 0, audio_layers: int = 2, vocab_size: int = VOCAB, audio_token: int = AUDIO
+):
     """A random transformers VoxtralForConditionalGeneration: text hidden 64 (two layers),
     a Whisper encoder of width 32 (`audio_layers` layers, 128 mel bins, 1500 positions)
     whose intermediate_size is 4x its width, as Voxtral's (the projector takes 4 frames a
@@ -61,7 +64,7 @@ def tiny_voxtral(seed: int = 0, audio_layers: int = 2):
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=32,
-        vocab_size=VOCAB,
+        vocab_size=vocab_size,
         rms_norm_eps=1e-5,
         max_position_embeddings=2048,
         bos_token_id=1,
@@ -76,7 +79,9 @@ def tiny_voxtral(seed: int = 0, audio_layers: int = 2):
         num_mel_bins=128,
         max_source_positions=1500,
     )
-    config = transformers.VoxtralConfig(text_config=text, audio_config=audio, audio_token_id=AUDIO)
+    config = transformers.VoxtralConfig(
+        text_config=text, audio_config=audio, audio_token_id=audio_token
+    )
     torch.manual_seed(seed)
     model = transformers.VoxtralForConditionalGeneration(config).eval()
     randomize(model)
@@ -98,6 +103,50 @@ def save_voxtral_dir(model, path: Path) -> Path:
         "chat_template": VOXTRAL_TEMPLATE,
     }
     (path / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    return path
+
+
+# Voxtral's tekken.json: Mistral's special tokens ([AUDIO] 24, [BEGIN_AUDIO] 25, [TRANSCRIBE]
+# 34 among them), then plain tokens; TEKKEN_RANKS of Mistral Nemo's ranks keep it small.
+TEKKEN_AUDIO, TEKKEN_SPECIALS, TEKKEN_RANKS = 24, 40, 1000
+TEKKEN_VOCAB = TEKKEN_SPECIALS + TEKKEN_RANKS
+
+
+def write_voxtral_tekken(path: Path) -> Path:
+    """A tekken.json in `path` as Voxtral's (version v7, its special tokens, its `audio`
+    settings: 16 kHz, 12.5 tokens a second, 128 mel bins, 30-second chunks, instruct
+    transcription), with Mistral Nemo's first TEKKEN_RANKS ranks, which mistral_common ships."""
+    import mistral_common
+
+    from llmrun import tekken
+
+    nemo = json.loads(
+        (Path(mistral_common.__file__).parent / "data" / "tekken_240718.json").read_text()
+    )
+    names = dict(enumerate(tekken.DEFAULT_SPECIALS))
+    names.update({TEKKEN_AUDIO: "[AUDIO]", TEKKEN_AUDIO + 1: "[BEGIN_AUDIO]", 34: "[TRANSCRIBE]"})
+    data = {
+        "config": {
+            **nemo["config"],
+            "num_vocab_tokens": TEKKEN_RANKS,
+            "default_vocab_size": TEKKEN_VOCAB,
+            "default_num_special_tokens": TEKKEN_SPECIALS,
+            "version": "v7",
+        },
+        "vocab": nemo["vocab"][:TEKKEN_RANKS],
+        "special_tokens": [
+            {"rank": i, "token_str": names.get(i, f"<SPECIAL_{i}>"), "is_control": True}
+            for i in range(TEKKEN_SPECIALS)
+        ],
+        "audio": {
+            "sampling_rate": 16000,
+            "frame_rate": 12.5,
+            "audio_encoding_config": {"num_mel_bins": 128, "hop_length": 160, "window_size": 400},
+            "chunk_length_s": 30.0,
+            "transcription_format": "instruct",
+        },
+    }
+    (path / "tekken.json").write_text(json.dumps(data), encoding="utf-8")
     return path
 
 

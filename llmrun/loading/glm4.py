@@ -7,7 +7,9 @@ ffn_up, the norm after attention as post_attention_norm and the one after the ML
 post_ffw_norm, and the rotated width as rope.dimension_count (llama.cpp: the head
 size where absent). GLM-4.1V's and GLM-4.6V-Flash's text (Glm4vForConditionalGeneration)
 is converted the same, with M-RoPE sections and the rotated q/k rows reordered into
-halves for llama.cpp's M-RoPE (llmrun/loading/vl_text.py puts them back).
+halves for llama.cpp's M-RoPE (llmrun/loading/vl_text.py puts them back). GLM-OCR's
+text (GlmOcrForConditionalGeneration) too, its NextN/MTP layer last (counted in
+block_count and named by nextn_predict_layers), which llama.cpp's inference skips.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from typing import Any
 
 from gguf import Keys
 
-from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.loading import vl_text
+from llmrun.errors import ModelFormatError
+from llmrun.loading import glm4_moe, vl_text
 from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH = MODEL_TYPE = "glm4"
@@ -32,15 +34,14 @@ LAYER_NAMES = {
 
 def finish_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> None:
     """GLM-4's fields of the HF-style config that config_from_gguf built: the rotated
-    share of each head (its ModelArgs default, 0.5, is not llama.cpp's). Refuses the
-    files with NextN prediction layers (GLM-OCR), whose layers llmrun does not run.
-    GLM-4.1V's text (M-RoPE sections, its q/k rows reordered: vl_text.gguf_weights)
-    turns by the token's position in every section, as plain RoPE."""
+    share of each head (its ModelArgs default, 0.5, is not llama.cpp's), and the trunk's
+    layers without the NextN prediction layers (GLM-OCR's), which llmrun skips as
+    llama.cpp does. GLM-4.1V's text (M-RoPE sections, its q/k rows reordered:
+    vl_text.gguf_weights) turns by the token's position in every section, as plain RoPE."""
     head_dim = config["head_dim"]
-    if meta.get(Keys.LLM.NEXTN_PREDICT_LAYERS, 0):
-        raise UnsupportedError(
-            f"{gg.path}: a glm4 file with NextN prediction layers (GLM-OCR) is not supported"
-        )
+    layers, nextn = glm4_moe.trunk_layers(gg, ARCH)
+    config["num_hidden_layers"] = layers
+    config[glm4_moe.NEXTN] = nextn
     rotated = meta.get(Keys.Rope.DIMENSION_COUNT) or head_dim
     if rotated % 2 or rotated > head_dim:
         raise ModelFormatError(

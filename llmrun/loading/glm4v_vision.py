@@ -1,10 +1,12 @@
-"""GLM-4.1V's and GLM-4.5V's vision tower (llmrun.models.glm4v_vision) from either format:
-the Hugging Face folder's model.visual.* tensors and its preprocessor_config.json, or the
-mmproj GGUF that llama.cpp's converter writes (conversion/qwen3vl.py Glm4VVisionModel;
-tools/mtmd/models/glm4v.cpp reads it): projector type glm4v, the Conv3d patch weight split
-into its two frames (v.patch_embd.weight and .weight.1), the downsample Conv2d as
-mm.patch_merger, the merger as mm.model.fc, mm.post_norm, mm.gate, mm.up and mm.down.
-Both give the encoder HF's weights.
+"""GLM-4.1V's, GLM-4.5V's and GLM-OCR's vision tower (llmrun.models.glm4v_vision) from
+either format: the Hugging Face folder's model.visual.* tensors and its
+preprocessor_config.json, or the mmproj GGUF that llama.cpp's converter writes
+(conversion/qwen3vl.py Glm4VVisionModel; tools/mtmd/models/glm4v.cpp reads it): projector
+type glm4v, the Conv3d patch weight split into its two frames (v.patch_embd.weight and
+.weight.1), the downsample Conv2d as mm.patch_merger, the merger as mm.model.fc,
+mm.post_norm, mm.gate, mm.up and mm.down.
+GLM-OCR's mmproj has the same projector type, no v.norm_embd nor v.position_embd, and
+per-head v.blk.N.attn_q_norm / attn_k_norm. Both give the encoder HF's weights.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from llmrun.loading.qwen2_vl_vision import (
 from llmrun.loading.vision import encoder_tensor, projector_type, three_floats, with_weights
 from llmrun.models.glm4v_vision import EncoderArgs, VisionModel
 
-MODEL_TYPES = ("glm4v", "glm4v_moe")
+MODEL_TYPES = ("glm4v", "glm4v_moe", "glm_ocr")
 # Glm4vImageProcessor's defaults (OpenAI CLIP's mean and std; its pixel limits count the
 # two frames of a still image), what a folder without its own settings or an mmproj gets.
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -37,6 +39,8 @@ MIN_PIXELS, MAX_PIXELS = 112 * 112, 28 * 28 * 15000
 _GGUF_LAYER = {
     "attn_qkv": "attn.qkv",
     "attn_out": "attn.proj",
+    "attn_q_norm": "attn.q_norm",
+    "attn_k_norm": "attn.k_norm",
     "ln1": "norm1",
     "ln2": "norm2",
     "ffn_gate": "mlp.gate_proj",
@@ -59,8 +63,8 @@ _GGUF_NAMES = {
 
 @dataclass
 class Glm4vVision:
-    """A loaded GLM-4.1V or GLM-4.5V vision tower and how images are prepared for it
-    (Glm4vImageProcessor's settings, as llmrun.glm4v_images reads them)."""
+    """A loaded GLM-4.1V, GLM-4.5V or GLM-OCR vision tower and how images are prepared
+    for it (Glm4vImageProcessor's settings, as llmrun.glm4v_images reads them)."""
 
     encoder: VisionModel
     mean: tuple[float, ...] = CLIP_MEAN
@@ -70,8 +74,8 @@ class Glm4vVision:
 
 
 def folder_has_vision(path: Path) -> bool:
-    """Whether a Hugging Face folder's config.json is a GLM-4.1V's or GLM-4.5V's with its
-    vision_config."""
+    """Whether a Hugging Face folder's config.json is a GLM-4.1V's, GLM-4.5V's or GLM-OCR's
+    with its vision_config."""
     config = safetensors_io.read_config(path)
     return config.get("model_type") in MODEL_TYPES and isinstance(config.get("vision_config"), dict)
 
@@ -93,7 +97,7 @@ def is_mmproj(path: str | Path) -> bool:
 
 
 def from_hf_dir(path: Path, text_hidden: int) -> Glm4vVision:
-    """The vision tower of a GLM-4.1V or GLM-4.5V folder (f32, on the CPU)."""
+    """The vision tower of a GLM-4.1V, GLM-4.5V or GLM-OCR folder (f32, on the CPU)."""
     config = safetensors_io.read_config(path)
     args = EncoderArgs.from_config(config)
     weights = visual_tensors(path)
@@ -102,7 +106,8 @@ def from_hf_dir(path: Path, text_hidden: int) -> Glm4vVision:
 
 
 def from_mmproj(path: str | Path, text_hidden: int) -> Glm4vVision:
-    """The vision tower of llama.cpp's mmproj GGUF (projector glm4v)."""
+    """The vision tower of llama.cpp's mmproj GGUF (projector glm4v; GLM-OCR's where it
+    has no learned positions)."""
     gg = gguf_io.read_gguf(path)
     meta = gg.metadata
     kind = meta.get(Keys.Clip.PROJECTOR_TYPE, meta.get(Keys.ClipVision.PROJECTOR_TYPE))
@@ -125,8 +130,12 @@ def from_mmproj(path: str | Path, text_hidden: int) -> Glm4vVision:
     else:
         raise UnsupportedError(f"{gg.path}: names neither {vision.USE_SILU} nor {vision.USE_GELU}")
     positions = gg.tensors.get("v.position_embd.weight")
-    if positions is None:
-        raise ModelFormatError(f"{gg.path}: no v.position_embd.weight")
+    glm_ocr = positions is None
+    if glm_ocr and "v.blk.0.attn_q_norm.weight" not in gg.tensors:
+        raise ModelFormatError(
+            f"{gg.path}: neither v.position_embd.weight (GLM-4.xV) nor "
+            "v.blk.0.attn_q_norm.weight (GLM-OCR)"
+        )
     eps = meta.get(vision.Attention.LAYERNORM_EPS, 1e-5)
     if not isinstance(eps, float) or not 0 < eps < 1:
         raise ModelFormatError(f"{gg.path}: metadata {vision.Attention.LAYERNORM_EPS!r} is {eps!r}")
@@ -136,12 +145,13 @@ def from_mmproj(path: str | Path, text_hidden: int) -> Glm4vVision:
         depth=need(vision.BLOCK_COUNT),
         num_heads=need(vision.Attention.HEAD_COUNT),
         out_hidden_size=need(vision.PROJECTION_DIM),
-        num_position_embeddings=positions.shape[0],
+        num_position_embeddings=0 if glm_ocr else positions.shape[0],
         hidden_act=act,
         attention_bias="v.blk.0.attn_qkv.bias" in gg.tensors,
         rms_norm_eps=eps,
         patch_size=need(vision.PATCH_SIZE),
         spatial_merge_size=need(vision.SPATIAL_MERGE_SIZE, 2),
+        glm_ocr=glm_ocr,
     )
     tensors = {}
     for info in gg.tensors.values():

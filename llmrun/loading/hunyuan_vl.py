@@ -10,7 +10,8 @@ position on every axis: plain RoPE, which llmrun computes whatever the sections.
 fourth section holds pairs (HunyuanOCR's [16, 16, 16, 16]) llama.cpp turns those by 0
 instead; llmrun follows the reference there rather than refuse the model's own files
 (unlike vl_text.text_mrope_sections for Qwen2-VL and GLM-4V, whose converters leave the
-fourth section empty).
+fourth section empty). The sections become the config's mrope_section, by which prompts
+with images turn (llmrun.models.hunyuan_v1_dense).
 """
 
 from __future__ import annotations
@@ -38,19 +39,21 @@ def finish_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -> N
             f"{gg.path}: {ARCH}.rope.dimension_count is not the head size {head_dim}; "
             "llama.cpp's HunYuan-VL rotates whole heads"
         )
-    _check_sections(gg, meta, head_dim)
+    sections = _check_sections(gg, meta, head_dim)
+    if sections:  # the XD-RoPE of prompts with images (llmrun.models.hunyuan_v1_dense)
+        config["rope_parameters"]["mrope_section"] = sections
     alpha = meta.get(Keys.Rope.SCALING_ALPHA, 0.0)
     if alpha > 0:
         config["rope_parameters"]["rope_theta"] *= alpha ** (head_dim / (head_dim - 2))
 
 
-def _check_sections(gg: GGUFFile, meta: ArchMetadata, head_dim: int) -> None:
+def _check_sections(gg: GGUFFile, meta: ArchMetadata, head_dim: int) -> list[int] | None:
     """rope.dimension_sections, where present: at most four sizes (llama.cpp loads four
     only; the converter writes three for a three-axis config), none negative, covering no
     more than the head's pairs (ggml asserts it)."""
     sections = meta.get(Keys.Rope.DIMENSION_SECTIONS)
     if sections is None:
-        return
+        return None
     name = Keys.Rope.DIMENSION_SECTIONS.format(arch=ARCH)
     listed = isinstance(sections, list) and len(sections) <= 4
     if not listed or any(not isinstance(s, int) or s < 0 for s in sections):
@@ -60,3 +63,4 @@ def _check_sections(gg: GGUFFile, meta: ArchMetadata, head_dim: int) -> None:
             f"{gg.path}: {name} {sections} covers {sum(sections)} pairs; a head of "
             f"{head_dim} has {head_dim // 2}"
         )
+    return list(sections)

@@ -54,6 +54,9 @@ class Family:
     aliases: dict[str, str] = field(default_factory=dict)
     # Text config fields that the outer config gives.
     from_outer: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    # Whether its checkpoints hold multi-token-prediction layers past num_hidden_layers,
+    # which transformers (and llmrun) never runs.
+    mtp_layers: bool = False
 
 
 FAMILIES = {
@@ -68,6 +71,15 @@ FAMILIES = {
         "glm4",
         fields={"attention_bias": True, "head_dim": None},
         rope_defaults={"partial_rotary_factor": 1.0},
+    ),
+    # GlmOcrTextAttention: GLM-4.1V's without q/k/v biases, heads of head_dim where given;
+    # the Hub's checkpoint holds one MTP layer past num_hidden_layers.
+    "glm_ocr": Family(
+        "GLM-OCR",
+        "glm4",
+        fields={"attention_bias": False},
+        rope_defaults={"partial_rotary_factor": 1.0},
+        mtp_layers=True,
     ),
     # Glm4vMoeTextAttention has no q/k norms; Glm4vMoeTextConfig's attention_bias is True.
     "glm4v_moe": Family(
@@ -267,8 +279,23 @@ def language_model(
             if name.startswith(old):
                 name = new + name[len(old) :]
                 break
+        if family.mtp_layers and _mtp_layer(name, text):
+            continue
         renamed[name] = weight
     return text, renamed, family.name
+
+
+def _mtp_layer(name: str, text: dict[str, Any]) -> bool:
+    """Whether a language model's weight is in a layer past num_hidden_layers."""
+    parts = name.split(".")
+    layers = text.get("num_hidden_layers")
+    return (
+        len(parts) > 3
+        and parts[:2] == ["model", "layers"]
+        and parts[2].isdigit()
+        and isinstance(layers, int)
+        and int(parts[2]) >= layers
+    )
 
 
 def text_tensors(tensors: list[tuple[str, Any, Any, Any]]) -> list:
@@ -290,6 +317,8 @@ def _plain_rope(text: dict[str, Any], family: Family) -> None:
         # HunYuan-VL's, which transformers reads as "dynamic" (NTK-alpha with its alpha).
         rope.pop("type", None)
         rope["rope_type"] = "dynamic"
+    if "xdrope_section" in rope:  # HunYuan-VL's name for its XD-RoPE's mrope_section
+        rope.setdefault("mrope_section", rope.pop("xdrope_section"))
     for name, value in family.rope_defaults.items():
         if name not in rope and name not in text:
             rope[name] = value

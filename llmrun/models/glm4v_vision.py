@@ -10,10 +10,16 @@ quarter by its column) and a SwiGLU MLP out_hidden_size wide; then a final RMSNo
 2x2 strided Conv2d that merges each group of patches into the language model's width,
 and a merger: Linear, LayerNorm, GELU, SwiGLU.
 
+GLM-OCR's tower (glm_ocr) is the same without the post-conv RMSNorm and the learned
+positions: its attention normalizes each head's q and k (RMSNorm) before the RoPE and has
+a bias on its output too, its blocks' MLP is intermediate_size wide with biases, and its
+merger's SwiGLU is 3 * out_hidden_size wide (out_hidden_size * in_channels, as HF's).
+
 The patches come in the order Qwen2VLImageProcessor (and Glm4vImageProcessor) flattens
 them: 2x2 groups row by row, the 4 patches of a group together (llmrun.glm4v_images).
 
-Reference: transformers/models/glm4v/modeling_glm4v.py (Glm4vVisionModel).
+Reference: transformers/models/glm4v/modeling_glm4v.py (Glm4vVisionModel),
+models/glm_ocr/modular_glm_ocr.py (GlmOcrVisionModel).
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ class EncoderArgs:
     spatial_merge_size: int = 2
     in_channels: int = 3
     rope_theta: float = 10000.0
+    glm_ocr: bool = False  # GLM-OCR's tower (the module docstring)
 
     def __post_init__(self) -> None:
         if self.hidden_act not in _ACTIVATIONS:
@@ -60,7 +67,7 @@ class EncoderArgs:
                 "multiple of 4 features (the 2D RoPE turns a quarter by rows, a quarter by columns)"
             )
         side = math.isqrt(self.num_position_embeddings)
-        if side < 1 or side * side != self.num_position_embeddings:
+        if not self.glm_ocr and (side < 1 or side * side != self.num_position_embeddings):
             raise ModelFormatError(
                 f"vision num_position_embeddings {self.num_position_embeddings} is not a "
                 "square grid"
@@ -68,12 +75,14 @@ class EncoderArgs:
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> EncoderArgs:
-        """From a Glm4vForConditionalGeneration's (or Glm4vMoe's) config.json dict."""
+        """From a Glm4vForConditionalGeneration's (or Glm4vMoe's, GlmOcr's) config.json
+        dict."""
         family = config.get("model_type")
         vision = config.get("vision_config")
         if not isinstance(vision, dict):
             raise ModelFormatError(f"a {family} config.json without a vision_config")
         rope = vision.get("rope_parameters") or {}
+        glm_ocr = family == "glm_ocr"
         try:
             patch = vision.get("patch_size", 14)
             return cls(
@@ -84,13 +93,14 @@ class EncoderArgs:
                 out_hidden_size=vision["out_hidden_size"],
                 num_position_embeddings=(vision.get("image_size", 336) // patch) ** 2,
                 hidden_act=vision.get("hidden_act", "silu"),
-                attention_bias=vision.get("attention_bias", False),
+                attention_bias=vision.get("attention_bias", glm_ocr),
                 rms_norm_eps=vision.get("rms_norm_eps", 1e-5),
                 patch_size=patch,
                 temporal_patch_size=vision.get("temporal_patch_size", 2),
                 spatial_merge_size=vision.get("spatial_merge_size", 2),
                 in_channels=vision.get("in_channels", 3),
                 rope_theta=rope.get("rope_theta", 10000.0),
+                glm_ocr=glm_ocr,
             )
         except KeyError as e:
             raise ModelFormatError(f"a {family} vision_config without {e.args[0]!r}") from None
@@ -98,6 +108,14 @@ class EncoderArgs:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def block_mlp_size(self) -> int:
+        return self.intermediate_size if self.glm_ocr else self.out_hidden_size
+
+    @property
+    def merger_size(self) -> int:
+        return self.out_hidden_size * self.in_channels if self.glm_ocr else self.intermediate_size
 
 
 class PatchEmbed(nn.Module):
@@ -157,12 +175,19 @@ class Attention(nn.Module):
         super().__init__()
         self.heads = args.num_heads
         self.qkv = nn.Linear(args.hidden_size, 3 * args.hidden_size, bias=args.attention_bias)
-        self.proj = nn.Linear(args.hidden_size, args.hidden_size, bias=False)
+        proj_bias = args.glm_ocr and args.attention_bias
+        self.proj = nn.Linear(args.hidden_size, args.hidden_size, bias=proj_bias)
+        self.qk_norm = args.glm_ocr
+        if self.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         n, dim = x.shape
         # [N, 3*dim] -> 3 x [N, heads, head_dim]
         q, k, v = self.qkv(x).view(n, 3, self.heads, -1).unbind(1)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         # [N, heads, head_dim] -> [1, heads, N, head_dim]: the whole image attends to itself
         out = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)))
@@ -170,14 +195,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """down(act(gate(x)) * up(x)), without biases."""
+    """down(act(gate(x)) * up(x))."""
 
-    def __init__(self, dim: int, inner: int, act: str) -> None:
+    def __init__(self, dim: int, inner: int, act: str, bias: bool) -> None:
         super().__init__()
         self.act = _ACTIVATIONS[act]
-        self.gate_proj = nn.Linear(dim, inner, bias=False)
-        self.up_proj = nn.Linear(dim, inner, bias=False)
-        self.down_proj = nn.Linear(inner, dim, bias=False)
+        self.gate_proj = nn.Linear(dim, inner, bias=bias)
+        self.up_proj = nn.Linear(dim, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
@@ -191,7 +216,8 @@ class Block(nn.Module):
         self.norm1 = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.norm2 = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.attn = Attention(args)
-        self.mlp = MLP(args.hidden_size, args.out_hidden_size, args.hidden_act)
+        mlp_bias = args.glm_ocr and args.attention_bias
+        self.mlp = MLP(args.hidden_size, args.block_mlp_size, args.hidden_act, mlp_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin)
@@ -204,7 +230,7 @@ class PatchMerger(nn.Module):
 
     def __init__(self, args: EncoderArgs) -> None:
         super().__init__()
-        dim, inner = args.out_hidden_size, args.intermediate_size
+        dim, inner = args.out_hidden_size, args.merger_size
         self.act = _ACTIVATIONS[args.hidden_act]
         self.proj = nn.Linear(dim, dim, bias=False)
         self.post_projection_norm = nn.LayerNorm(dim, eps=MERGER_EPS)
@@ -225,8 +251,9 @@ class VisionModel(nn.Module):
         super().__init__()
         self.args = args
         self.patch_embed = PatchEmbed(args)
-        self.post_conv_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.embeddings = Embeddings(args)
+        if not args.glm_ocr:
+            self.post_conv_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+            self.embeddings = Embeddings(args)
         self.blocks = nn.ModuleList(Block(args) for _ in range(args.depth))
         self.post_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         merge = args.spatial_merge_size
@@ -235,8 +262,10 @@ class VisionModel(nn.Module):
 
     def forward(self, patches: torch.Tensor, grid_h: int, grid_w: int) -> torch.Tensor:
         args = self.args
-        x = self.post_conv_layernorm(self.patch_embed(patches))
-        x = x + self.embeddings(grid_h, grid_w).to(x.dtype)
+        x = self.patch_embed(patches)
+        if not args.glm_ocr:
+            x = self.post_conv_layernorm(x)
+            x = x + self.embeddings(grid_h, grid_w).to(x.dtype)
         cos, sin = rotary_angles(args, grid_h, grid_w)
         for block in self.blocks:
             x = block(x, cos, sin)

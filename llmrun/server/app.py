@@ -4,7 +4,8 @@ Starlette app served by uvicorn: /v1/chat/completions, /v1/completions and
 /v1/responses (responses.py), as JSON or server-sent events; llama.cpp's /infill
 (infill.py) for code completion; /v1/embeddings (the one
 endpoint of an embedding model, which gets no scheduler); /v1/rerank, /rerank and /v1/score
-(rerank.py: a reranker's, which gets none either); /v1/models, /health
+(rerank.py: a reranker's, which gets none either); /v1/audio/transcriptions
+(transcriptions.py: an audio model's speech to text); /v1/models, /health
 (503 until the model is loaded), /metrics (Prometheus text) and llama.cpp's
 /lora-adapters (lora.py: the adapters' scales, which a request's `lora` overrides).
 ollama's /api/* endpoints live in ollama.py and ollama_models.py.
@@ -74,6 +75,7 @@ from llmrun.server.service import (
     sse,
     usage_of,
 )
+from llmrun.server.transcriptions import transcriptions
 from llmrun.speculative import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN
 from llmrun.tool_calls import ToolCall
 
@@ -535,6 +537,7 @@ PROMPT_PARAMS = {
     "completion": "prompt",
     "rerank": "documents",
     "score": "text_2",
+    "transcriptions": "file",
 }
 
 
@@ -569,6 +572,11 @@ def create_app(service: Service) -> Starlette:
         Route("/v1/rerank", _endpoint(rerank, "rerank"), methods=["POST"]),
         Route("/rerank", _endpoint(rerank, "rerank"), methods=["POST"]),
         Route("/v1/score", _endpoint(score, "score"), methods=["POST"]),
+        Route(
+            "/v1/audio/transcriptions",
+            _endpoint(transcriptions, "transcriptions"),
+            methods=["POST"],
+        ),
         Route("/v1/models", _endpoint(models), methods=["GET"]),
         Route("/v1/models/{model:path}", _endpoint(models), methods=["GET"]),
         Route("/lora-adapters", _endpoint(lora_adapters), methods=["GET", "POST"]),

@@ -93,7 +93,7 @@ async def read_audio(
         return None
     param = refs[0].param
     if engine.audio is None:
-        raise ApiError(400, f"{param}: {_no_audio(engine, name)}", param=param)
+        raise ApiError(400, f"{param}: {no_audio(engine, name)}", param=param)
     if engine.template is None:
         raise ApiError(400, f"{name} has no chat template to place audio in", param=param)
 
@@ -144,7 +144,7 @@ def _wav_bytes(ref: AudioRef) -> bytes:
     return data
 
 
-def _no_audio(engine: api.Engine, name: str) -> str:
+def no_audio(engine: api.Engine, name: str) -> str:
     """Why the model takes no audio, and what to do where something can be."""
     if engine.checkpoint.gguf is not None:
         return (

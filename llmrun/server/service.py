@@ -164,7 +164,12 @@ async def begin(
     service: Service = request.app.state.service
     service.authorize(request)
     body = await read_json(request, schema, limit)
-    engine = service.ready_engine(body.model)
+    return service, body, generating_engine(service, body.model)
+
+
+def generating_engine(service: Service, model: str | None) -> api.Engine:
+    """The engine a request naming `model` gets, which must generate."""
+    engine = service.ready_engine(model)
     if not engine.generates:
         use = (
             "a reranker; use /v1/rerank"
@@ -174,7 +179,7 @@ async def begin(
         raise ApiError(
             400, f"{service.model_id} is {use}", param="model", code="model_not_supported"
         )
-    return service, body, engine
+    return engine
 
 
 def sampling_of(engine: api.Engine, body: Sampling) -> tuple[Any, list[str]]:

@@ -121,7 +121,6 @@ def test_gguf_without_rope_dimension_count_rotates_whole_heads(tmp_path):
     [
         # GLM-4.1V's M-RoPE is read (tests/models/test_vl_text.py), not a fourth section's.
         ("glm4", {"add_rope_dimension_sections": [2, 2, 2, 2]}, "by position 0"),
-        ("glm4", {"add_nextn_predict_layers": 1}, "NextN prediction layers"),
     ],
 )
 def test_what_is_refused(hf, tmp_path, arch, metadata, message):

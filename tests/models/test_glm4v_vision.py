@@ -317,5 +317,5 @@ def test_a_language_model_without_m_rope_takes_no_images(folder, images, tmp_pat
     config = json.loads((plain / "config.json").read_text())
     del config["text_config"]["rope_parameters"]["mrope_section"]
     (plain / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UsageError, match="GLM-4.1V/4.5V's images go to its own language model"):
+    with pytest.raises(UsageError, match="GLM-OCR's images go to its own language model"):
         api.load(str(plain), device="cpu", vision=True)

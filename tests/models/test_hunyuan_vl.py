@@ -26,8 +26,6 @@ paged. An f16 or bf16 cache: 1e-5 against an f32 cache of the rounded values, an
 from f32. A Q8_0 GGUF against transformers run on the weights gguf dequantizes: 1e-4.
 """
 
-import json
-
 import pytest
 import torch
 from family_checks import (
@@ -41,6 +39,7 @@ from family_checks import (
     max_diff,
 )
 from helpers import BASE, cached_logits, gguf_name, randomize
+from hunyuan_vl_helpers import flatten_as_tencent
 
 from llmrun.errors import ModelFormatError
 from llmrun.loading.loader import load_model
@@ -200,35 +199,6 @@ def test_ntk_alpha_and_head_dim_move_the_logits():
     assert max_diff(reference(hf_model(rope_parameters={**XD_ROPE, "alpha": 1.0})), expected) > 0.1
     sections = {**XD_ROPE, "mrope_section": [3, 3, 2]}
     assert max_diff(reference(hf_model(head_dim=16, rope_parameters=sections)), expected) > 0.1
-
-
-def flatten_as_tencent(folder) -> None:
-    """config.json as Tencent's files write it: the text fields at the top level,
-    attention_head_dim for head_dim, rope_scaling {"type": "xdrope", "xdrope_section"}
-    and rope_theta; the vision tower's keys under vit."""
-    file = folder / "config.json"
-    config = json.loads(file.read_text())
-    text = config.pop("text_config")
-    rope = text.pop("rope_parameters")
-    text.pop("model_type")
-    text["attention_head_dim"] = text.pop("head_dim")
-    config.update(text, rope_theta=rope["rope_theta"])
-    config["rope_scaling"] = {
-        "type": "xdrope",
-        "alpha": rope["alpha"],
-        "factor": rope["factor"],
-        "xdrope_section": rope["mrope_section"],
-    }
-    file.write_text(json.dumps(config))
-    from safetensors.torch import load_file, save_file
-
-    weights_file = next(folder.glob("*.safetensors"))
-    weights = load_file(weights_file)
-    renamed = {}
-    for key, value in weights.items():
-        key = key.replace("model.language_model.", "model.")
-        renamed[key.replace("model.vision_tower.", "vit.")] = value
-    save_file(renamed, weights_file, metadata={"format": "pt"})
 
 
 def test_a_folder_of_tencents_flat_config_runs(family, tmp_path):

@@ -1,0 +1,179 @@
+"""OpenAI's speech to text: POST /v1/audio/transcriptions, a multipart/form-data body of
+`file` (WAV), `model`, `language` (ISO 639-1), `prompt`, `response_format` (json or
+text) and `temperature` (0, greedy, unless given), answered as OpenAI answers.
+
+The prompt is the one the model's audio family documents for transcription
+(llmrun.audio_families: Voxtral's is mistral_common's); a family that documents none is a
+400. The clip is encoded as chat's `input_audio` parts are (llmrun.server.audio: the same
+size limit, WAV checks and kept encodings), and the request runs on the scheduler with the
+others, cancelled when its client goes away and counted in /metrics as "transcriptions".
+The body is read up to a limit before the form is parsed (python-multipart, Starlette's
+form parser), so an upload's size is bounded however it is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import re
+import time
+from typing import Any
+
+import python_multipart  # noqa: F401  (Starlette's form parser: serve names it if missing)
+from starlette.datastructures import FormData, UploadFile
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from llmrun import audio_families, batching
+from llmrun.server.audio import MAX_AUDIO_BYTES, no_audio
+from llmrun.server.schema import ApiError
+from llmrun.server.service import Generation, Service, generating_engine
+
+FIELDS = ("file", "model", "language", "prompt", "response_format", "temperature")
+FORMATS = ("json", "text")
+# The form's fields besides the file.
+MAX_FIELDS_BYTES = 64 << 10
+TRANSCRIBES = ", ".join(f.name for f in audio_families.FAMILIES if f.transcription is not None)
+
+
+async def transcriptions(request: Request) -> Response:
+    """POST /v1/audio/transcriptions: the text of the uploaded clip, as {"text": ...,
+    "usage": ...} (json) or plain text (text)."""
+    arrived = time.perf_counter()
+    service: Service = request.app.state.service
+    service.authorize(request)
+    form, data = await _read_form(request)
+    fields = {name: _text(form, name) for name in FIELDS[1:]}
+    engine = generating_engine(service, fields["model"])
+    response_format = fields["response_format"] or "json"
+    if response_format not in FORMATS:
+        raise ApiError(
+            400,
+            f"response_format {response_format!r}: llmrun answers {' or '.join(FORMATS)}",
+            param="response_format",
+        )
+    language = fields["language"] or None
+    if language is not None and not re.fullmatch("[a-z]{2}", language):
+        raise ApiError(
+            400,
+            f"language {language!r}: give an ISO 639-1 code, such as 'en'",
+            param="language",
+        )
+    params = engine.defaults.updated(temperature=_temperature(fields["temperature"]))
+    if engine.audio is None:
+        raise ApiError(400, f"file: {no_audio(engine, service.model_id)}", param="file")
+    family = audio_families.of_encoder(engine.audio)
+    if family.transcription is None:
+        raise ApiError(
+            400,
+            f"{service.model_id} is a {family.name} model, whose transcription prompt llmrun "
+            f"does not know (it transcribes with {TRANSCRIBES} models); send the audio to "
+            "/v1/chat/completions as an input_audio part with your instruction",
+            param="model",
+            code="model_not_supported",
+        )
+    if fields["prompt"]:
+        raise ApiError(
+            400,
+            f"prompt: {family.name}'s transcription prompt has no place for a text",
+            param="prompt",
+        )
+    text = family.transcription(engine.tokenizer, language)
+    digest = hashlib.sha256(data).digest()
+    embeds = await asyncio.to_thread(
+        service.audio_encoder.encode, engine, [data], [digest], ["file"]
+    )
+    ids, clips = await asyncio.to_thread(engine.encoded_audio_prompt, text, embeds)
+    job = batching.Request(ids, params, images=clips, image_digests=[digest])
+    gen = Generation(service, "transcriptions", [job], arrived)
+    pieces = [event.text async for _, event in gen.events(request.is_disconnected)]
+    if not gen.done:
+        return Response(status_code=499)
+    transcript = "".join(pieces)
+    if response_format == "text":
+        return PlainTextResponse(transcript)
+    stats = gen.finals[0].stats
+    audio_tokens = len(embeds[0])
+    usage = {
+        "type": "tokens",
+        "input_tokens": stats.prompt_tokens,
+        "input_token_details": {
+            "text_tokens": stats.prompt_tokens - audio_tokens,
+            "audio_tokens": audio_tokens,
+        },
+        "output_tokens": stats.completion_tokens,
+        "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+    }
+    return JSONResponse({"text": transcript, "usage": usage})
+
+
+async def _read_form(request: Request) -> tuple[FormData, bytes]:
+    """The multipart form, its body read up to MAX_AUDIO_BYTES and the fields' room first,
+    and the bytes of its `file`; anything else in it is a 400."""
+    limit = MAX_AUDIO_BYTES + MAX_FIELDS_BYTES
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body is over {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ApiError(413, f"the request body is over {limit} bytes")
+    kind = request.headers.get("content-type", "").lower()
+    if not kind.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
+        raise ApiError(
+            400,
+            "the request body must be multipart/form-data, with the audio as its `file` field",
+        )
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+    try:
+        form = await Request(request.scope, receive).form(max_files=1, max_fields=len(FIELDS))
+    except HTTPException as e:
+        raise ApiError(400, f"the multipart body does not parse: {e.detail}") from None
+    unknown = [name for name in form if name not in FIELDS]
+    if unknown:
+        raise ApiError(
+            400,
+            f"{unknown[0]}: not a field llmrun takes (it takes {', '.join(FIELDS)})",
+            param=unknown[0],
+        )
+    upload = form.get("file")
+    if not isinstance(upload, UploadFile):
+        raise ApiError(
+            400, "file: the audio is missing: send it as the form's file field", param="file"
+        )
+    data = await upload.read()
+    await form.close()
+    if not data:
+        raise ApiError(400, "file: no audio", param="file")
+    if len(data) > MAX_AUDIO_BYTES:
+        raise ApiError(400, f"file: audio over {MAX_AUDIO_BYTES >> 20} MiB", param="file")
+    return form, data
+
+
+def _text(form: FormData, name: str) -> str | None:
+    """A text field of the form; a file there is a 400."""
+    value = form.get(name)
+    if isinstance(value, UploadFile):
+        raise ApiError(400, f"{name}: a text field, not a file", param=name)
+    return value
+
+
+def _temperature(value: str | None) -> float:
+    """The form's temperature: 0 (greedy) unless given, from 0 to 2."""
+    if value is None or value == "":
+        return 0.0
+    try:
+        temperature = float(value)
+    except ValueError:
+        temperature = math.nan
+    if not 0 <= temperature <= 2:
+        raise ApiError(
+            400, f"temperature {value!r}: give a number from 0 to 2", param="temperature"
+        )
+    return temperature
