@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from llmrun.errors import TokenizerError, UsageError
+from llmrun import multimodal
+from llmrun.errors import UsageError
 from llmrun.loading.lighton_ocr_vision import LightOnOcrVision
 from llmrun.multimodal import PromptImages
 from llmrun.pixtral_images import pixel_values, resized_size
@@ -57,31 +58,5 @@ def prompt(
     tokenizer: Tokenizer, text: str, encoded: Sequence[torch.Tensor]
 ) -> tuple[list[int], PromptImages]:
     """The ids of `text` with each <|image_pad|> repeated for the image `encoded` (encode's
-    tokens) in order, and the images as generate() takes them. The text must mark exactly
-    as many places as there are images."""
-    image = tokenizer.token_id(IMAGE)
-    if image is None:
-        raise TokenizerError(f"the tokenizer has no {IMAGE}: not LightOnOCR's")
-    places = text.count(IMAGE)
-    if places != len(encoded):
-        raise UsageError(
-            f"the prompt marks {places} image place{'s' * (places != 1)} ({IMAGE}) for "
-            f"{len(encoded)} image{'s' * (len(encoded) != 1)}: write {IMAGE} where each goes"
-        )
-    pieces = text.split(IMAGE)
-    expanded = pieces[0] + "".join(
-        IMAGE * len(e) + piece for e, piece in zip(encoded, pieces[1:], strict=True)
-    )
-    ids = tokenizer.encode(expanded)
-    # Each image's tokens begin where the run of <|image_pad|> of the one before ends.
-    starts, at = [], 0
-    for e in encoded:
-        at = ids.index(image, at) if image in ids[at:] else len(ids)
-        starts.append(at)
-        at += len(e)
-    runs_hold = all(
-        ids[s : s + len(e)] == [image] * len(e) for s, e in zip(starts, encoded, strict=True)
-    )
-    if not runs_hold or ids.count(image) != sum(len(e) for e in encoded):
-        raise UsageError(f"the prompt holds {IMAGE} of its own")
-    return ids, PromptImages(list(encoded), starts)
+    tokens) in order, and the images as generate() takes them."""
+    return multimodal.pad_prompt(tokenizer, text, encoded, IMAGE, "LightOnOCR")

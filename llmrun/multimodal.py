@@ -95,6 +95,40 @@ def expand(
     return ids, starts
 
 
+def pad_prompt(
+    tokenizer: Tokenizer, text: str, encoded: Sequence[torch.Tensor], pad: str, family: str
+) -> tuple[list[int], PromptImages]:
+    """The ids of `text` with each image place `pad` (one token of `family`'s tokenizer)
+    repeated once per token of the image `encoded`, in order, and the images as generate()
+    takes them. The text must mark exactly as many places as there are images."""
+    token = tokenizer.token_id(pad)
+    if token is None:
+        raise TokenizerError(f"the tokenizer has no {pad}: not {family}'s")
+    places = text.count(pad)
+    if places != len(encoded):
+        raise UsageError(
+            f"the prompt marks {places} image place{'s' * (places != 1)} ({pad}) for "
+            f"{len(encoded)} image{'s' * (len(encoded) != 1)}: write {pad} where each goes"
+        )
+    pieces = text.split(pad)
+    expanded = pieces[0] + "".join(
+        pad * len(e) + piece for e, piece in zip(encoded, pieces[1:], strict=True)
+    )
+    ids = tokenizer.encode(expanded)
+    # Each image's tokens begin where the run of pads of the one before ends.
+    starts, at = [], 0
+    for e in encoded:
+        at = ids.index(token, at) if token in ids[at:] else len(ids)
+        starts.append(at)
+        at += len(e)
+    runs_hold = all(
+        ids[s : s + len(e)] == [token] * len(e) for s, e in zip(starts, encoded, strict=True)
+    )
+    if not runs_hold or ids.count(token) != sum(len(e) for e in encoded):
+        raise UsageError(f"the prompt holds {pad} of its own")
+    return ids, PromptImages(list(encoded), starts)
+
+
 @torch.inference_mode()
 def encode(vision: Vision, images: Sequence) -> list[torch.Tensor]:
     """Each (Pillow) image's soft tokens [tokens, hidden], encoded one at a time (the
