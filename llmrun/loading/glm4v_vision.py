@@ -26,7 +26,12 @@ from llmrun.loading.qwen2_vl_vision import (
     processor_settings,
     visual_tensors,
 )
-from llmrun.loading.vision import encoder_tensor, projector_type, three_floats, with_weights
+from llmrun.loading.vision import (
+    encoder_tensor,
+    pixel_settings,
+    projector_type,
+    with_weights,
+)
 from llmrun.models.glm4v_vision import EncoderArgs, VisionModel
 
 MODEL_TYPES = ("glm4v", "glm4v_moe", "glm_ocr")
@@ -158,12 +163,7 @@ def from_mmproj(path: str | Path, text_hidden: int) -> Glm4vVision:
         tensor = encoder_tensor(gg, info)
         tensors[info.name] = tensor.float()
     weights = _hf_weights(tensors, gg.path)
-    processor = dict(
-        mean=three_floats(meta.get(vision.IMAGE_MEAN, CLIP_MEAN), gg.path, vision.IMAGE_MEAN),
-        std=three_floats(meta.get(vision.IMAGE_STD, CLIP_STD), gg.path, vision.IMAGE_STD),
-        min_pixels=need(vision.IMAGE_MIN_PIXELS, MIN_PIXELS),
-        max_pixels=need(vision.IMAGE_MAX_PIXELS, MAX_PIXELS),
-    )
+    processor = pixel_settings(gg, need, CLIP_MEAN, CLIP_STD, MIN_PIXELS, MAX_PIXELS)
     return _build(args, weights, text_hidden, gg.path, processor)
 
 

@@ -24,9 +24,9 @@ from llmrun.loading.vision import (
     mmproj_name,
     mmproj_tensors,
     open_mmproj,
+    pixel_settings,
     prefixed_weights,
     projector_type,
-    three_floats,
     with_suffixes,
     with_weights,
 )
@@ -138,15 +138,8 @@ def from_mmproj(path: str | Path, text_hidden: int) -> HunyuanVision:
     table = weights["embeddings.position_embedding.weight"]
     unused_row = torch.zeros(1, table.shape[-1], dtype=table.dtype)
     weights["embeddings.position_embedding.weight"] = torch.cat([unused_row, table])
-    mean = three_floats(meta.get(vision.IMAGE_MEAN, CLIP_MEAN), gg.path, vision.IMAGE_MEAN)
-    std = three_floats(meta.get(vision.IMAGE_STD, CLIP_STD), gg.path, vision.IMAGE_STD)
-    limits = dict(
-        min_pixels=need(vision.IMAGE_MIN_PIXELS, MIN_PIXELS),
-        max_pixels=need(vision.IMAGE_MAX_PIXELS, MAX_PIXELS),
-    )
-    if limits["min_pixels"] > limits["max_pixels"]:
-        raise ModelFormatError(f"{gg.path}: image_min_pixels > image_max_pixels")
-    return _build(args, weights, text_hidden, gg.path, dict(mean=mean, std=std, **limits))
+    processor = pixel_settings(gg, need, CLIP_MEAN, CLIP_STD, MIN_PIXELS, MAX_PIXELS)
+    return _build(args, weights, text_hidden, gg.path, processor)
 
 
 def _gguf_name(name: str) -> str | None:

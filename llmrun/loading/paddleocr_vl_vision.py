@@ -24,8 +24,8 @@ from llmrun.loading.vision import (
     mmproj_name,
     mmproj_tensors,
     open_mmproj,
+    pixel_settings,
     projector_type,
-    three_floats,
     with_suffixes,
     with_weights,
 )
@@ -137,15 +137,8 @@ def from_mmproj(path: str | Path, text_hidden: int) -> PaddleOCRVision:
         layer_norm_eps=float(need(vision.Attention.LAYERNORM_EPS, 1e-6)),
     )
     weights = mmproj_tensors(gg, _gguf_name, "PaddleOCR-VL's tower")
-    mean = three_floats(meta.get(vision.IMAGE_MEAN, CLIP_MEAN), gg.path, vision.IMAGE_MEAN)
-    std = three_floats(meta.get(vision.IMAGE_STD, CLIP_STD), gg.path, vision.IMAGE_STD)
-    limits = dict(
-        min_pixels=need(vision.IMAGE_MIN_PIXELS, MIN_PIXELS),
-        max_pixels=need(vision.IMAGE_MAX_PIXELS, MAX_PIXELS),
-    )
-    if limits["min_pixels"] > limits["max_pixels"]:
-        raise ModelFormatError(f"{gg.path}: image_min_pixels > image_max_pixels")
-    return _build(args, weights, text_hidden, gg.path, dict(mean=mean, std=std, **limits))
+    processor = pixel_settings(gg, need, CLIP_MEAN, CLIP_STD, MIN_PIXELS, MAX_PIXELS)
+    return _build(args, weights, text_hidden, gg.path, processor)
 
 
 def _gguf_name(name: str) -> str | None:

@@ -21,7 +21,12 @@ from gguf import Keys, VisionProjectorType
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import gguf_io, safetensors_io
-from llmrun.loading.vision import encoder_tensor, three_floats, with_weights
+from llmrun.loading.vision import (
+    encoder_tensor,
+    pixel_settings,
+    three_floats,
+    with_weights,
+)
 from llmrun.models.qwen2_vl_vision import QWEN2_5_VL, QWEN2_VL, EncoderArgs, VisionModel
 
 MODEL_TYPES = (QWEN2_VL, QWEN2_5_VL)
@@ -213,13 +218,8 @@ def from_mmproj(path: str | Path, text_hidden: int, skip: tuple[str, ...] = ()) 
         if not info.name.startswith(skip):
             tensors[info.name] = encoder_tensor(gg, info).float()
     weights = _hf_weights(tensors, family, args.hidden_size, gg.path)
-    mean = three_floats(meta.get(vision.IMAGE_MEAN, CLIP_MEAN), gg.path, vision.IMAGE_MEAN)
-    std = three_floats(meta.get(vision.IMAGE_STD, CLIP_STD), gg.path, vision.IMAGE_STD)
-    limits = dict(
-        min_pixels=need(vision.IMAGE_MIN_PIXELS, MIN_PIXELS),
-        max_pixels=need(vision.IMAGE_MAX_PIXELS, MAX_PIXELS),
-    )
-    return _build(args, weights, text_hidden, gg.path, dict(mean=mean, std=std, **limits))
+    processor = pixel_settings(gg, need, CLIP_MEAN, CLIP_STD, MIN_PIXELS, MAX_PIXELS)
+    return _build(args, weights, text_hidden, gg.path, processor)
 
 
 def _hf_weights(tensors: dict[str, torch.Tensor], family: str, width: int, source: Path) -> dict:

@@ -25,7 +25,11 @@ from llmrun.loading.qwen2_vl_vision import (
     processor_settings,
     visual_tensors,
 )
-from llmrun.loading.vision import encoder_tensor, three_floats, with_weights
+from llmrun.loading.vision import (
+    encoder_tensor,
+    pixel_settings,
+    with_weights,
+)
 from llmrun.models.qwen3_vl_vision import EncoderArgs, VisionModel
 
 MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
@@ -158,12 +162,7 @@ def from_mmproj(path: str | Path, text_hidden: int, skip: tuple[str, ...] = ()) 
         if not info.name.startswith(skip):
             tensors[info.name] = encoder_tensor(gg, info).float()
     weights = _hf_weights(tensors, args, gg.path)
-    processor = dict(
-        mean=three_floats(meta.get(vision.IMAGE_MEAN, MEAN), gg.path, vision.IMAGE_MEAN),
-        std=three_floats(meta.get(vision.IMAGE_STD, STD), gg.path, vision.IMAGE_STD),
-        min_pixels=need(vision.IMAGE_MIN_PIXELS, MIN_PIXELS),
-        max_pixels=need(vision.IMAGE_MAX_PIXELS, MAX_PIXELS),
-    )
+    processor = pixel_settings(gg, need, MEAN, STD, MIN_PIXELS, MAX_PIXELS)
     return _build(args, weights, text_hidden, gg.path, processor)
 
 

@@ -157,6 +157,29 @@ def three_floats(value: Any, source: Path, key: str) -> tuple[float, ...]:
     return tuple(float(v) for v in value)
 
 
+def pixel_settings(
+    gg: gguf_io.GGUFFile,
+    need: Callable[[str, int], int],
+    mean: tuple[float, ...],
+    std: tuple[float, ...],
+    min_pixels: int,
+    max_pixels: int,
+) -> dict[str, Any]:
+    """An mmproj's image settings for the processors that resize by pixel count (Qwen2-VL's
+    and its kin): the mean and std per channel and the least and most pixels, each the
+    given default where the file has none (`need` reads the counts, checked positive)."""
+    vision, meta = Keys.ClipVision, gg.metadata
+    settings = dict(
+        mean=three_floats(meta.get(vision.IMAGE_MEAN, mean), gg.path, vision.IMAGE_MEAN),
+        std=three_floats(meta.get(vision.IMAGE_STD, std), gg.path, vision.IMAGE_STD),
+        min_pixels=need(vision.IMAGE_MIN_PIXELS, min_pixels),
+        max_pixels=need(vision.IMAGE_MAX_PIXELS, max_pixels),
+    )
+    if settings["min_pixels"] > settings["max_pixels"]:
+        raise ModelFormatError(f"{gg.path}: image_min_pixels > image_max_pixels")
+    return settings
+
+
 def positive_int(value: Any) -> bool:
     """Whether a config value is a positive integer (a bool is not one)."""
     return isinstance(value, int) and not isinstance(value, bool) and value > 0

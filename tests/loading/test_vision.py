@@ -8,9 +8,15 @@ import gguf
 import numpy as np
 import pytest
 
-from llmrun.errors import UnsupportedError
+from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import gguf_io
-from llmrun.loading.vision import SIGLIP_LAYER, mmproj_name, mmproj_tensors, with_suffixes
+from llmrun.loading.vision import (
+    SIGLIP_LAYER,
+    mmproj_name,
+    mmproj_tensors,
+    pixel_settings,
+    with_suffixes,
+)
 
 NAMES = with_suffixes({"v.post_ln": "tower.post_layernorm"})
 
@@ -45,8 +51,13 @@ def test_only_the_suffixes_given_and_the_tower_named_are_mapped():
     )
 
 
-def write_gguf(path: Path, names: list[str]) -> Path:
+def write_gguf(path: Path, names: list[str], settings: dict | None = None) -> Path:
     writer = gguf.GGUFWriter(str(path), "clip")
+    for key, value in (settings or {}).items():
+        if isinstance(value, list):
+            writer.add_array(key, value)
+        else:
+            writer.add_uint32(key, value)
     for i, name in enumerate(names):
         writer.add_tensor(name, np.full((2, 3), i, dtype=np.float32))
     writer.write_header_to_file()
@@ -77,3 +88,27 @@ def test_a_tensor_the_encoder_does_not_have_is_refused_by_its_name(tmp_path):
         r"a test's encoder$",
     ):
         mmproj_tensors(gguf_io.read_gguf(path), name_of, "a test's encoder")
+
+
+def test_pixel_settings_are_the_files_or_the_defaults_and_in_order(tmp_path):
+    """Qwen2-VL-style mmprojs' mean, std and pixel limits: the file's where it has them, the
+    family's defaults where not; a least count over the most is refused (it was read as it
+    stood by Qwen2-VL's, GLM-4V's and Qwen3-VL's loaders)."""
+    vision = gguf.Keys.ClipVision
+
+    def settings(path: Path) -> dict:
+        gg = gguf_io.read_gguf(path)
+        return pixel_settings(gg, lambda key, default: gg.metadata.get(key, default), *DEFAULTS)
+
+    DEFAULTS = ((0.5, 0.5, 0.5), (0.25, 0.25, 0.25), 100, 1000)
+    bare = write_gguf(tmp_path / "bare.gguf", ["v.post_ln.weight"])
+    assert settings(bare) == dict(
+        mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25), min_pixels=100, max_pixels=1000
+    )
+    own = {vision.IMAGE_MEAN: [0.0, 0.5, 1.0], vision.IMAGE_MIN_PIXELS: 200}
+    given = write_gguf(tmp_path / "own.gguf", ["v.post_ln.weight"], own)
+    assert settings(given)["mean"] == (0.0, 0.5, 1.0) and settings(given)["min_pixels"] == 200
+    swapped = {vision.IMAGE_MIN_PIXELS: 2000, vision.IMAGE_MAX_PIXELS: 1000}
+    bad = write_gguf(tmp_path / "bad.gguf", ["v.post_ln.weight"], swapped)
+    with pytest.raises(ModelFormatError, match="bad.gguf: image_min_pixels > image_max_pixels"):
+        settings(bad)
