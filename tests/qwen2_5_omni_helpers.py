@@ -175,6 +175,31 @@ def hub_layout(folder: Path, path: Path) -> Path:
     return path
 
 
+def omni_processor(base, folder: Path, names: dict[str, str], image_processor, template: str):
+    """transformers' omni processor class `base` for the folder, images and audio only (its
+    video processor needs torchvision): the tokenizer's media tokens named by `names`,
+    `image_processor`, WhisperFeatureExtractor of 128 mel bins, the chat `template`."""
+    import transformers
+
+    class Processor(base):
+        def check_argument_for_proper_class(self, name, argument):
+            if name != "video_processor":
+                return super().check_argument_for_proper_class(name, argument)
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    for name, text in names.items():
+        setattr(tokenizer, name, text)
+        if name in ("image_token", "audio_token", "video_token"):
+            setattr(tokenizer, f"{name}_id", tokenizer.convert_tokens_to_ids(text))
+    return Processor(
+        image_processor=image_processor,
+        video_processor=None,
+        feature_extractor=transformers.WhisperFeatureExtractor(feature_size=128),
+        tokenizer=tokenizer,
+        chat_template=template,
+    )
+
+
 def processor(folder: Path):
     """transformers' Qwen2_5OmniProcessor for the folder (Qwen2VLImageProcessorPil and
     WhisperFeatureExtractor, 128 mel bins)."""
@@ -183,13 +208,6 @@ def processor(folder: Path):
         Qwen2VLImageProcessorPil,
     )
 
-    class Processor(transformers.Qwen2_5OmniProcessor):
-        # Images and audio only: its video processor needs torchvision.
-        def check_argument_for_proper_class(self, name, argument):
-            if name != "video_processor":
-                return super().check_argument_for_proper_class(name, argument)
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     names = dict(
         image_token="<|IMAGE|>",
         audio_token="<|AUDIO|>",
@@ -199,23 +217,16 @@ def processor(folder: Path):
         audio_bos_token="<|audio_bos|>",
         audio_eos_token="<|audio_eos|>",
     )
-    for name, text in names.items():
-        setattr(tokenizer, name, text)
-        if name in ("image_token", "audio_token", "video_token"):
-            setattr(tokenizer, f"{name}_id", tokenizer.convert_tokens_to_ids(text))
-    return Processor(
-        image_processor=Qwen2VLImageProcessorPil(),
-        video_processor=None,
-        feature_extractor=transformers.WhisperFeatureExtractor(feature_size=128),
-        tokenizer=tokenizer,
-        chat_template=OMNI_TEMPLATE,
-    )
+    image = Qwen2VLImageProcessorPil()
+    base = transformers.Qwen2_5OmniProcessor
+    return omni_processor(base, folder, names, image, OMNI_TEMPLATE)
 
 
-def processor_inputs(folder: Path, messages: list[dict], images=None, clips=None):
+def processor_inputs(folder: Path, messages: list[dict], images=None, clips=None, made=None):
     """The processor's inputs for `messages` (their image and audio parts take `images`
-    and `clips`, 16 kHz float samples, in order), with the generation prompt."""
-    made = processor(folder)
+    and `clips`, 16 kHz float samples, in order), with the generation prompt; `made`: the
+    processor (this module's for the folder if None)."""
+    made = made or processor(folder)
     text = made.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return made(
         text=text,

@@ -17,6 +17,8 @@ import gguf
 import numpy as np
 import torch
 from helpers import STORIES_HF, randomize
+from qwen2_5_omni_helpers import omni_processor
+from qwen2_5_omni_helpers import processor_inputs as omni_inputs
 from safetensors.torch import load_file, save_file
 
 # Ids 512 on, after stories260K's 512 tokens.
@@ -190,13 +192,6 @@ def processor(folder: Path):
         Qwen2VLImageProcessorPil,
     )
 
-    class Processor(transformers.Qwen3OmniMoeProcessor):
-        # Images and audio only: its video processor needs torchvision.
-        def check_argument_for_proper_class(self, name, argument):
-            if name != "video_processor":
-                return super().check_argument_for_proper_class(name, argument)
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     names = dict(
         image_token="<|image_pad|>",
         audio_token="<|audio_pad|>",
@@ -206,10 +201,6 @@ def processor(folder: Path):
         audio_bos_token="<|audio_start|>",
         audio_eos_token="<|audio_end|>",
     )
-    for name, text in names.items():
-        setattr(tokenizer, name, text)
-        if name in ("image_token", "audio_token", "video_token"):
-            setattr(tokenizer, f"{name}_id", tokenizer.convert_tokens_to_ids(text))
     image = Qwen2VLImageProcessorPil(
         min_pixels=PROCESSOR["min_pixels"],
         max_pixels=PROCESSOR["max_pixels"],
@@ -217,30 +208,14 @@ def processor(folder: Path):
         image_mean=PROCESSOR["image_mean"],
         image_std=PROCESSOR["image_std"],
     )
-    return Processor(
-        image_processor=image,
-        video_processor=None,
-        feature_extractor=transformers.WhisperFeatureExtractor(feature_size=128),
-        tokenizer=tokenizer,
-        chat_template=OMNI_TEMPLATE,
-    )
+    base = transformers.Qwen3OmniMoeProcessor
+    return omni_processor(base, folder, names, image, OMNI_TEMPLATE)
 
 
 def processor_inputs(folder: Path, messages: list[dict], images=None, clips=None):
     """The processor's inputs for `messages` (their image and audio parts take `images`
     and `clips`, 16 kHz float samples, in order), with the generation prompt."""
-    made = processor(folder)
-    text = made.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return made(
-        text=text, images=images, audio=clips, return_tensors="pt", add_special_tokens=False
-    )
-
-
-def greedy_tokens(model, inputs, tokens: int = 8) -> list[int]:
-    """transformers' greedy continuation of processor_inputs."""
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=tokens, do_sample=False)
-    return out[0, inputs["input_ids"].shape[1] :].tolist()
+    return omni_inputs(folder, messages, images, clips, made=processor(folder))
 
 
 def write_text_gguf(model, path: Path) -> Path:

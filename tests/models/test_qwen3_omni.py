@@ -24,12 +24,12 @@ import pytest
 import torch
 from image_serving import check_reply_is_run_s
 from in_process import llmrun
+from qwen2_5_omni_helpers import greedy_tokens
 from qwen3_omni_helpers import (
     AUDIO,
     AUDIO_END,
     AUDIO_START,
     IMAGE,
-    greedy_tokens,
     hub_layout,
     processor_inputs,
     save_qwen3_omni_dir,
