@@ -12,13 +12,12 @@ mmproj.gguf` (f32 KV cache, no flash attention) answers /completion with the ima
 multimodal_data; mtmd puts the image start and end tokens around the image's tokens
 itself, which is the chat template's layout. Images are sent at sizes that are multiples
 of 32 within both engines' pixel limits, so that neither resizes them. Two variants of
-the model's XD-RoPE sections: the tests' [1, 3, 2, 2] and [2, 3, 3, 0]. llama.cpp's M-RoPE
-assigns the sections to a head's rotated pairs, transformers' XD-RoPE (which llmrun
-follows) to its features (both halves in one run of blocks), so the image tokens turn
-otherwise: measured (2026-12-06), 0 to 5 of 8 greedy tokens agree; with llmrun patched to
-assign them to pairs, 8/8 agree in every case with log-probabilities within 6e-3 (the
-tower, the mmproj loading, the layout and the positions are llama.cpp's). Per variant and
-image:
+the model's XD-RoPE sections: the tests' [1, 3, 2, 2] and [2, 3, 3, 0]. Both engines give
+each section's rotated pairs (both halves) to its axis, as Tencent's own code does
+(llmrun.models.hunyuan_v1_dense's docstring); measured (2026-12-06): 8/8 greedy tokens
+agree in every case, log-probabilities within 6e-3. (Before llmrun left transformers
+5.25's split, which gives a pair's halves to different axes, 0 to 5 of 8 agreed.) Per
+variant and image:
 the 8 greedy tokens of each engine, how many agree, and the largest difference of the
 chosen tokens' log-probabilities. Results go to --out
 (benchmarks/out/llama_cpp_hunyuan_vl.json).

@@ -2,11 +2,14 @@
 for the image tests: a Hugging Face folder as save_pretrained writes it (Tencent's vit.*
 names; stories260K's tokenizer plus HunyuanOCR's image tokens, a chat template that wraps
 each image in them, a preprocessor_config.json), transformers' HunYuanVLProcessor inputs
-for it, and its language model as llama.cpp's converter writes it (a hunyuan_vl GGUF)."""
+for it, and its language model as llama.cpp's converter writes it (a hunyuan_vl GGUF).
+The transformers reference runs with Tencent's XD-RoPE split (tencents_xd_rope)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import gguf
@@ -78,6 +81,31 @@ PROCESSOR = {
     "temporal_patch_size": 1,
     "merge_size": 2,
 }
+
+
+def tencents_recomposition(self, freq: torch.Tensor) -> torch.Tensor:
+    """HunYuanVLRotaryEmbedding.recomposition_frequencies as Tencent's own modeling code
+    does it: the section list repeated (`xdrope_section * 2`), so both halves of a rotated
+    pair turn by one axis. transformers 5.25 doubles each size instead (`section * 2`),
+    giving a pair's halves to different axes; vLLM and llama.cpp do as Tencent."""
+    sections = list(self.mrope_section)
+    whole = torch.cat((freq, freq), dim=-1)
+    runs = whole.split(sections * 2, dim=-1)
+    return torch.cat([run[i % len(sections)] for i, run in enumerate(runs)], dim=-1)
+
+
+@contextmanager
+def tencents_xd_rope() -> Iterator[None]:
+    """transformers' HunYuan-VL with tencents_recomposition while the block runs."""
+    from transformers.models.hunyuan_vl import modeling_hunyuan_vl
+
+    rotary = modeling_hunyuan_vl.HunYuanVLRotaryEmbedding
+    original = rotary.recomposition_frequencies
+    rotary.recomposition_frequencies = tencents_recomposition
+    try:
+        yield
+    finally:
+        rotary.recomposition_frequencies = original
 
 
 def tiny_hunyuan_vl(seed: int = 4, sections: list[int] | None = None):
@@ -168,8 +196,8 @@ def processor_inputs(folder: Path, images: list, question: str):
 
 
 def greedy_tokens(model, inputs, tokens: int = 8) -> list[int]:
-    """transformers' greedy continuation of processor_inputs."""
-    with torch.no_grad():
+    """transformers' greedy continuation of processor_inputs (with Tencent's XD-RoPE)."""
+    with torch.no_grad(), tencents_xd_rope():
         out = model.generate(**inputs, max_new_tokens=tokens, do_sample=False)
     return out[0, inputs.input_ids.shape[1] :].tolist()
 

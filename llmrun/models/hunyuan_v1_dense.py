@@ -4,10 +4,15 @@ key_layernorm), and NTK-alpha RoPE: rope_type "dynamic" with an `alpha` stretche
 base once, to rope_theta * alpha^(head_dim / (head_dim - 2)), whatever the length.
 
 HunYuan-VL's (HunyuanOCR's) language model is this one; a forward with its images turns by
-XD-RoPE (rope_parameters' mrope_section, one size per axis): the head's features, both
-halves in one run, cut into blocks of 2 x size, block i turned by axis i's position. The
-last three axes take an image token's column, row and image index, the others its place
-(llmrun.hunyuan_vl_images); text turns by its place on every axis, plain RoPE.
+XD-RoPE (rope_parameters' mrope_section, one size per axis): a head's rotated pairs cut
+into runs of `size` pairs, run i turned by axis i's position, both halves of a pair by the
+same axis. The last three axes take an image token's column, row and image index, the
+others its place (llmrun.hunyuan_vl_images); text turns by its place on every axis, plain
+RoPE. That is Tencent's own code (its HunYuan-VL modeling file and training code repeat
+the list, `xdrope_section * 2`, before splitting the cos/sin of the whole head), vLLM's
+XDRotaryEmbedding (written by the HunYuan team) and llama.cpp's M-RoPE; transformers 5.25
+doubles each size instead (`section * 2`), which turns a pair's two halves by different
+axes, so the tests compare against transformers with Tencent's split restored.
 
 Reference: transformers/models/hunyuan_v1_dense/modeling_hunyuan_v1_dense.py;
 transformers/models/hunyuan_vl/modeling_hunyuan_vl.py (HunYuanVLRotaryEmbedding,
@@ -85,9 +90,9 @@ def xd_rope_angles(
     rotary: RotaryEmbedding, rope: torch.Tensor, sections: Sequence[int], capacity: int | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sign-folded sin [B, T, rotary_dim] (as RotaryEmbedding gives them) of the
-    positions rope [4, B, T] (place, column, row, image index): feature block i (2 x
-    sections[i] features) turned by axis i, the last three axes by column, row and image
-    index, any before them by the place (HunYuanVLRotaryEmbedding's recomposition)."""
+    positions rope [4, B, T] (place, column, row, image index): the pairs of run i
+    (sections[i] pairs, both halves) turned by axis i, the last three axes by column, row
+    and image index, any before them by the place (the module's docstring)."""
     if len(sections) < 3 or 2 * sum(sections) != rotary.rotary_dim:
         raise ModelFormatError(
             f"mrope_section {list(sections)} does not cut a head's {rotary.rotary_dim} "
@@ -95,7 +100,8 @@ def xd_rope_angles(
         )
     turned = [rotary(rope[row], capacity) for row in range(4)]
     rows = torch.tensor([0] * (len(sections) - 3) + [1, 2, 3])
-    row_of = torch.repeat_interleave(rows, 2 * torch.tensor(list(sections))).to(rope.device)
+    row_of_pair = torch.repeat_interleave(rows, torch.tensor(list(sections)))
+    row_of = torch.cat([row_of_pair, row_of_pair]).to(rope.device)
     out = []
     for part in (0, 1):  # cos, sin
         stacked = torch.stack([t[part] for t in turned])  # [4, B, T, rotary_dim]

@@ -7,8 +7,10 @@ merged patches: 10 tokens with the newlines, begin and end) and 160x224 (5x7: 42
 patches, the prompt ids, the XD-RoPE positions (get_rope_index), the image features, the
 logits (whole, and a chunked prefill through a KV cache) and 8 greedy tokens match; so
 does the model as llama.cpp's converter writes it, a hunyuan_vl text GGUF and the mmproj
-GGUF the converter itself writes, and Tencent's flat config.json. Image tokens turned by
-their places, or with rows and columns swapped, are far off.
+GGUF the converter itself writes, and Tencent's flat config.json. transformers runs with
+Tencent's XD-RoPE split (hunyuan_vl_helpers.tencents_recomposition: a pair's halves turned
+by one axis, as vLLM and llama.cpp do), which transformers 5.25's own split is far from.
+Image tokens turned by their places, or with rows and columns swapped, are far off.
 
 Tolerances: 1e-4 on f32 image features (about ±3) and logits (about ±6); patches 1e-5."""
 
@@ -30,6 +32,7 @@ from hunyuan_vl_helpers import (
     processor,
     processor_inputs,
     save_hunyuan_vl_dir,
+    tencents_xd_rope,
     tiny_hunyuan_vl,
     write_text_gguf,
 )
@@ -46,9 +49,16 @@ from llmrun.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL")
+ORIGINAL_RECOMPOSITION = transformers.models.hunyuan_vl.modeling_hunyuan_vl.HunYuanVLRotaryEmbedding.recomposition_frequencies
 GREEDY = SamplingParams(temperature=0.0)
 QUESTION = "What is in these pictures?"
 CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tencents_rope():
+    with tencents_xd_rope():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +138,11 @@ def test_image_features_and_logits_match_transformers(family, prompt, reference)
     torch.testing.assert_close(whole, expected, atol=1e-4, rtol=0)
     torch.testing.assert_close(last, expected[-1], atol=1e-4, rtol=0)
     assert all((bad - expected).abs().max() > 1e-2 for bad in wrong)
+    # transformers 5.25's own split (a pair's halves by different axes) is far off.
+    rotary = transformers.models.hunyuan_vl.modeling_hunyuan_vl.HunYuanVLRotaryEmbedding
+    with pytest.MonkeyPatch.context() as patch, torch.no_grad():
+        patch.setattr(rotary, "recomposition_frequencies", ORIGINAL_RECOMPOSITION)
+        assert (model(**reference).logits[0] - expected).abs().max() > 1e-2
 
 
 def generated(engine, ids, prompt_images, state=None) -> list[int]:
