@@ -22,6 +22,7 @@ No torch at import: `show`, `list` and `pull` read the config and file names.
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 from collections.abc import Callable, Iterable
@@ -31,11 +32,10 @@ from typing import Any
 from llmrun.errors import ModelFormatError, ModelNotFoundError, UnsupportedError
 
 PARAMS = "params.json"
+SYSTEM_PROMPT = "SYSTEM_PROMPT.txt"
 WEIGHTS_RE = re.compile(r"consolidated(?:-(\d{5})-of-(\d{5}))?\.safetensors")
 # Files a native repo may carry besides its weights (tekken.json: its tokenizer).
-SIDECARS = frozenset(
-    {PARAMS, "tekken.json", "chat_template.jinja", "SYSTEM_PROMPT.txt", "README.md"}
-)
+SIDECARS = frozenset({PARAMS, "tekken.json", "chat_template.jinja", SYSTEM_PROMPT, "README.md"})
 # The image tower of a params.json with vision_encoder (Pixtral's), which
 # llmrun.loading.pixtral_vision loads where it has Mistral 3's patch merger.
 VISION_PREFIXES = (
@@ -369,11 +369,14 @@ def known_chat_template(folder: Path) -> str | None:
 
 def chat_template(folder: Path) -> str:
     """Mistral's chat format for a native folder's tekken.json version (the folder's
-    chat_template.jinja comes first, read elsewhere); for a version whose format llmrun does
-    not know, a template that refuses to render, saying so, rather than a guess."""
+    chat_template.jinja comes first, read elsewhere), with the folder's SYSTEM_PROMPT.txt
+    as the system message of a conversation that has none; for a version whose format
+    llmrun does not know, a template that refuses to render, saying so, rather than a
+    guess."""
     known = known_chat_template(folder)
     if known is not None:
-        return known
+        default = default_system_prompt(folder)
+        return known if default is None else _with_default_system(default) + known
     version = tekken_version(folder) or ""
     named = version if re.fullmatch(r"v\d+", version) else "unknown"
     message = (
@@ -382,3 +385,45 @@ def chat_template(folder: Path) -> str:
         "(or `run --raw`)"
     )
     return "{{- raise_exception(" + json.dumps(message) + ") }}"
+
+
+def default_system_prompt(folder: Path, today: datetime.date | None = None) -> str | None:
+    """The folder's SYSTEM_PROMPT.txt (Magistral's reasoning instructions, Mistral Small's
+    and Devstral's persona) as the model cards load it: {name} the repo's name, {today}
+    and {yesterday} ISO dates; other braces stay. None without one (or if it is not UTF-8
+    text): ollama's and the Hub GGUFs' templates carry the same text as their default."""
+    try:
+        text = (folder / SYSTEM_PROMPT).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    if not text.strip():
+        return None
+    today = today or datetime.date.today()
+    fields = {
+        "{name}": _repo_name(folder),
+        "{today}": today.isoformat(),
+        "{yesterday}": (today - datetime.timedelta(days=1)).isoformat(),
+    }
+    return re.sub("|".join(map(re.escape, fields)), lambda m: fields[m.group()], text)
+
+
+def _repo_name(folder: Path) -> str:
+    """A Hub repo's name from a snapshot in a cache (models--org--Name/snapshots/COMMIT),
+    else the folder's own name."""
+    folder = folder.resolve()
+    if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
+        return folder.parent.parent.name.split("--")[-1]
+    return folder.name
+
+
+def _with_default_system(text: str) -> str:
+    """A template head that puts `text` first as the system message where the
+    conversation starts with none (a raw block, so the text needs no escaping)."""
+    if "endraw" in text:  # the one text a raw block cannot hold
+        raise ModelFormatError(f"{SYSTEM_PROMPT}: 'endraw' in the text")
+    return (
+        "{%- set default_system %}{% raw %}" + text + "{% endraw %}{% endset %}"
+        "{%- if not messages or messages[0]['role'] != 'system' %}"
+        "{%- set messages = [{'role': 'system', 'content': default_system}] + messages %}"
+        "{%- endif %}"
+    )

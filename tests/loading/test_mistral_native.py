@@ -7,6 +7,7 @@ llama.cpp's permutation of Hugging Face's). Chats are checked against mistral_co
 token ids for each tekken.json version llmrun knows the format of.
 """
 
+import datetime
 import json
 import shutil
 import subprocess
@@ -321,6 +322,39 @@ def test_chat_ids_are_mistral_commons(mistral, tmp_path, version):
         "chat", str(folder), "--system", "S", "-n", "3", "--temperature", "0", input="a\nb\n"
     )
     assert chat.returncode == 0, chat.stderr
+
+
+@pytest.mark.parametrize("version", ["v3", "v13"])
+def test_the_folders_system_prompt_is_the_default_system_message(mistral, tmp_path, version):
+    """SYSTEM_PROMPT.txt, filled in as the model cards load it ({name} the repo's name,
+    {today} and {yesterday}), is the system message of a conversation without one: the ids
+    are mistral_common's for the conversation with it first. A system message given
+    replaces it."""
+    _, base = mistral
+    repo = tmp_path / "models--mistralai--Magistral-Small-2509"
+    folder = shutil.copytree(base, repo / "snapshots" / ("a" * 40))
+    data = json.loads((folder / "tekken.json").read_text())
+    data["config"]["version"] = version
+    (folder / "tekken.json").write_text(json.dumps(data))
+    (folder / "SYSTEM_PROMPT.txt").write_text(
+        "You are {name}. Today is {today}, yesterday was {yesterday}.\n{other} stays.\n"
+    )
+    today = datetime.date.today()
+    default = (
+        f"You are Magistral-Small-2509. Today is {today}, yesterday was "
+        f"{today - datetime.timedelta(days=1)}.\n{{other}} stays.\n"
+    )
+    engine = load(path=folder, spec=str(folder))
+    reference = MistralTokenizer.from_file(str(folder / "tekken.json"))
+    for conversation, sent in [
+        ([("user", "Hi"), ("assistant", "Hello!"), ("user", "And you?")], False),
+        ([("system", "Be brief."), ("user", "Hi")], True),
+    ]:
+        messages = [{"role": role, "content": text} for role, text in conversation]
+        full = conversation if sent else [("system", default), *conversation]
+        request = ChatCompletionRequest(messages=[MESSAGES[r](content=t) for r, t in full])
+        expected = reference.encode_chat_completion(request).tokens
+        assert engine.tokenizer.encode(engine.render(messages)) == expected, conversation
 
 
 def test_a_folders_chat_template_comes_first_and_an_unknown_version_is_refused(mistral, tmp_path):
