@@ -586,7 +586,12 @@ def load(
     _check_tokenizer(checkpoint, path)
     generates = _check_use(checkpoint, str(spec) if spec else path.name, generate)
     encoder = audio_encoder = None
-    if vision or (mmproj is not None and not audio):
+    # An mmproj of audio alone loads at the first clip (`chat`'s /audio) where not asked for.
+    audio_only = mmproj is not None and (
+        audio_families.of_mmproj(Path(mmproj)) is not None
+        and vision_families.of_mmproj(Path(mmproj)) is None
+    )
+    if vision or (mmproj is not None and not audio and not audio_only):
         encoder = _load_vision(checkpoint, path, mmproj)
     elif checkpoint.gguf is None and vision_families.of_folder(path) is not None:
         # Its tower loads at the first image (`chat`'s /image), so the note says when.

@@ -24,6 +24,7 @@ from llmrun import (
     multimodal,
     qwen2_5_omni_clips,
     qwen2_audio_clips,
+    qwen3_asr_clips,
     qwen3_omni_clips,
     voxtral_clips,
 )
@@ -34,6 +35,7 @@ from llmrun.loading import (
     qwen2_5_omni,
     qwen2_audio,
     qwen2_vl_vision,
+    qwen3_asr,
     qwen3_omni,
     qwen3_vl_vision,
     voxtral_audio,
@@ -76,9 +78,19 @@ class AudioFamily:
         Callable[[Tokenizer, str, Sequence[Any], Sequence[torch.Tensor]], Prompt] | None
     ) = None
     # The prompt text of a transcription of one clip (its audio place marked as `prompt`
-    # takes it), in a language (ISO 639-1) where one is given, as the family's processor
-    # documents it; None: it documents none (serve's /v1/audio/transcriptions refuses it).
-    transcription: Callable[[Tokenizer, str | None], str] | None = None
+    # takes it), in a language (ISO 639-1) where one is given, with a context text (OpenAI's
+    # `prompt`) where one is given and the family takes it, as the family's processor
+    # documents it, from the tokenizer and the model's chat template (messages -> text,
+    # without the generation prompt); None: it documents none (serve's
+    # /v1/audio/transcriptions refuses it).
+    transcription: (
+        Callable[[Tokenizer, Callable[[list[dict[str, Any]]], str], str | None, str | None], str]
+        | None
+    ) = None
+    # Whether its transcription prompt takes a context text.
+    transcription_context: bool = False
+    # The transcription in a transcription prompt's answer, as the processor reads it.
+    transcript: Callable[[str], str] = lambda answer: answer
 
 
 FAMILIES: tuple[AudioFamily, ...] = (
@@ -93,7 +105,9 @@ FAMILIES: tuple[AudioFamily, ...] = (
         clip_tokens=voxtral_clips.clip_tokens,
         encode=voxtral_clips.encode,
         prompt=voxtral_clips.prompt,
-        transcription=voxtral_clips.transcription,
+        transcription=lambda tokenizer, render, language, context: voxtral_clips.transcription(
+            tokenizer, language
+        ),
     ),
     AudioFamily(
         name="Qwen2-Audio",
@@ -134,6 +148,24 @@ FAMILIES: tuple[AudioFamily, ...] = (
         encode=qwen3_omni_clips.encode,
         prompt=qwen3_omni_clips.prompt,
         with_images=mixed_media.qwen3_omni,
+    ),
+    # Qwen3-Omni's audio tower under a Qwen3; its chat template on llama.cpp's text GGUF
+    # reads a message's content as text.
+    AudioFamily(
+        name="Qwen3-ASR",
+        encoder_type=qwen3_asr.Qwen3ASRAudio,
+        folder_has_audio=qwen3_asr.folder_has_audio,
+        is_mmproj=qwen3_asr.is_mmproj,
+        from_hf_dir=qwen3_asr.from_hf_dir,
+        from_mmproj=qwen3_asr.from_mmproj,
+        text_takes_audio=qwen3_asr.text_takes_audio,
+        clip_tokens=qwen3_asr_clips.clip_tokens,
+        encode=qwen3_asr_clips.encode,
+        prompt=qwen3_asr_clips.prompt,
+        text_place=qwen3_asr_clips.AUDIO,
+        transcription=qwen3_asr_clips.transcription,
+        transcription_context=True,
+        transcript=qwen3_asr_clips.transcript,
     ),
     AudioFamily(
         name="Gemma 4",

@@ -15,6 +15,7 @@ import torch
 
 from llmrun import (
     deepseek_ocr2_images,
+    exaone4_5_images,
     gemma4_images,
     glm4v_images,
     granite4_vision_images,
@@ -22,18 +23,21 @@ from llmrun import (
     idefics3_images,
     internvl_images,
     janus_images,
+    kimi_k25_images,
     lfm2_vl_images,
     lighton_ocr_images,
     llama4_images,
     llava_images,
     minicpmv_images,
     multimodal,
+    muse_glimmer_images,
     paddleocr_vl_images,
     pixtral_images,
     qwen2_vl_images,
 )
 from llmrun.loading import (
     deepseek_ocr2_vision,
+    exaone4_5_vision,
     gemma4_vision,
     glm4v_vision,
     granite4_vision,
@@ -41,11 +45,13 @@ from llmrun.loading import (
     idefics3_vision,
     internvl_vision,
     janus_vision,
+    kimi_k25_vision,
     lfm2_vl_vision,
     lighton_ocr_vision,
     llama4_vision,
     llava_vision,
     minicpmv_vision,
+    muse_glimmer_vision,
     paddleocr_vl_vision,
     pixtral_vision,
     qwen2_5_omni,
@@ -205,6 +211,21 @@ FAMILIES: tuple[VisionFamily, ...] = (
         image_tokens=qwen2_vl_images.image_tokens,
         encode=qwen2_vl_images.encode,
         prompt=_by_text(qwen2_vl_images.omni_prompt),
+    ),
+    # Qwen2.5-VL's tower with grouped-query attention and Qwen2-VL's processing; its images
+    # go to an EXAONE 4, every token turned by its place. Before Qwen2-VL's, whose
+    # vision_type its own subclasses.
+    VisionFamily(
+        name="EXAONE 4.5",
+        vision_type=exaone4_5_vision.Exaone45Vision,
+        folder_has_vision=exaone4_5_vision.folder_has_vision,
+        is_mmproj=exaone4_5_vision.is_mmproj,
+        from_hf_dir=exaone4_5_vision.from_hf_dir,
+        from_mmproj=exaone4_5_vision.from_mmproj,
+        text_takes_images=exaone4_5_vision.text_takes_images,
+        image_tokens=qwen2_vl_images.image_tokens,
+        encode=exaone4_5_images.encode,
+        prompt=_by_text(exaone4_5_images.prompt),
     ),
     VisionFamily(
         name="Qwen2-VL/2.5-VL",
@@ -394,6 +415,20 @@ FAMILIES: tuple[VisionFamily, ...] = (
         encode=deepseek_ocr2_images.encode,
         prompt=_by_text(deepseek_ocr2_images.prompt),
     ),
+    # MoonViT (a learned position table resized to each image, a 2D RoPE) with 2x2 patches
+    # a token; its images go to a DeepSeek-V3.
+    VisionFamily(
+        name="Kimi K2.5",
+        vision_type=kimi_k25_vision.KimiK25Vision,
+        folder_has_vision=kimi_k25_vision.folder_has_vision,
+        is_mmproj=kimi_k25_vision.is_mmproj,
+        from_hf_dir=kimi_k25_vision.from_hf_dir,
+        from_mmproj=kimi_k25_vision.from_mmproj,
+        text_takes_images=kimi_k25_vision.text_takes_images,
+        image_tokens=kimi_k25_images.image_tokens,
+        encode=kimi_k25_images.encode,
+        prompt=_by_text(kimi_k25_images.prompt),
+    ),
     # Tiles and the whole image, each pixel-shuffled; separators between the tiles.
     VisionFamily(
         name="Llama 4",
@@ -406,6 +441,20 @@ FAMILIES: tuple[VisionFamily, ...] = (
         image_tokens=llama4_images.image_tokens,
         encode=llama4_images.encode,
         prompt=_with_embed_token(llama4_images.prompt),
+    ),
+    # A windowed ViT with an axial 2D RoPE, 2x2 patches folded into a token; its images go
+    # to Muse Glimmer's language model between <|image_start|> and <|image_end|>.
+    VisionFamily(
+        name="Muse Glimmer",
+        vision_type=muse_glimmer_vision.MuseGlimmerVision,
+        folder_has_vision=muse_glimmer_vision.folder_has_vision,
+        is_mmproj=muse_glimmer_vision.is_mmproj,
+        from_hf_dir=muse_glimmer_vision.from_hf_dir,
+        from_mmproj=muse_glimmer_vision.from_mmproj,
+        text_takes_images=muse_glimmer_vision.text_takes_images,
+        image_tokens=muse_glimmer_images.image_tokens,
+        encode=muse_glimmer_images.encode,
+        prompt=_by_text(muse_glimmer_images.prompt),
     ),
 )
 

@@ -34,6 +34,7 @@ def test_each_projector_finds_its_family(tmp_path):
         ("qwen2vl_merger", "Qwen2-VL/2.5-VL"),
         ("qwen2.5vl_merger", "Qwen2-VL/2.5-VL"),
         ("qwen2.5o", "Qwen2.5-Omni"),
+        ("exaone4_5", "EXAONE 4.5"),
         ("gemma4v", "Gemma 4"),
         ("qwen3vl_merger", "Qwen3-VL/Qwen3.5"),
         ("glm4v", "GLM-4.1V/4.5V/GLM-OCR"),
@@ -45,7 +46,9 @@ def test_each_projector_finds_its_family(tmp_path):
         ("janus_pro", "Janus-Pro"),
         ("lfm2", "LFM2-VL"),
         ("minicpmv4_6", "MiniCPM-V 4.6"),
+        ("kimik25", "Kimi K2.5"),
         ("llama4", "Llama 4"),
+        ("muse-glimmer", "Muse Glimmer"),
     ):
         found = vision_families.of_mmproj(mmproj(tmp_path / f"{projector}.gguf", projector))
         assert found is not None and found.name == family

@@ -5,17 +5,22 @@ Llama 3 RoPE scaling as a rope_freqs tensor), read as src/models/exaone4.cpp rea
 them: the sliding-window hybrid (global layers without RoPE) only in a 64-layer model
 (the 32B), with a window of 4096 and load_swa_pattern(ml, 4) where the file has none
 (older files of the 32B); every other model is all global layers that rotate, as
-transformers runs a config without a window (the 1.2B's).
+transformers runs a config without a window (the 1.2B's). EXAONE 4.5's text GGUFs
+(conversion/exaone.py Exaone4_5_TextModel) end with nextn_predict_layers
+multi-token-prediction layers, counted in block_count, which llama.cpp's inference skips
+(TENSOR_SKIP) and so does llmrun.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.loading import glm4_moe
 from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH = MODEL_TYPE = "exaone4"
@@ -38,13 +43,22 @@ def finish_config(
     and each layer's type, as llama.cpp decides them (`layer_types` is gguf_config's
     reader of llama.cpp's window pattern). Refuses what llama.cpp would run otherwise
     than transformers runs the model: a window outside a 64-layer model, a sliding RoPE
-    base of its own; and NextN prediction layers and partial RoPE."""
-    layers = config["num_hidden_layers"]
+    base of its own; and partial RoPE. NextN prediction layers are left out."""
     meta = ArchMetadata.of(gg, ARCH)
-    if meta.get(Keys.LLM.NEXTN_PREDICT_LAYERS, 0):
-        raise UnsupportedError(
-            f"{gg.path}: an exaone4 file with NextN prediction layers (EXAONE 4.5) is not supported"
+    blocks, nextn = config["num_hidden_layers"], meta.get(Keys.LLM.NEXTN_PREDICT_LAYERS, 0)
+    if not isinstance(nextn, int) or isinstance(nextn, bool) or not 0 <= nextn < blocks:
+        raise ModelFormatError(
+            f"{gg.path}: {meta.name(Keys.LLM.NEXTN_PREDICT_LAYERS)} is {nextn!r} of "
+            f"{blocks} blocks: no layers are left to run"
         )
+    layers = blocks - nextn
+    config.update(num_hidden_layers=layers)
+    config[glm4_moe.NEXTN] = nextn
+    flags = meta.get(Keys.Attention.SLIDING_WINDOW_PATTERN)
+    if nextn and isinstance(flags, list) and len(flags) == layers + nextn:
+        # Flags for the MTP layers too: the trunk's come first.
+        trunk = {meta.name(Keys.Attention.SLIDING_WINDOW_PATTERN): flags[:layers]}
+        meta = replace(meta, metadata={**meta.metadata, **trunk})
     rope = config["rope_parameters"]
     if "partial_rotary_factor" in rope:
         raise ModelFormatError(

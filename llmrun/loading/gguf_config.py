@@ -25,6 +25,7 @@ from llmrun.loading import (
     bailingmoe,
     bailingmoe3,
     bert,
+    bitnet,
     chatglm,
     cohere,
     cohere2_moe,
@@ -76,6 +77,7 @@ from llmrun.loading import (
     minimax_m2,
     minimax_m3,
     modernbert,
+    muse_glimmer,
     nemotron,
     nemotron_h,
     nomic_bert,
@@ -112,6 +114,7 @@ QK_PERMUTED_ARCHS = (
     baichuan.ARCH,
     *granite.ARCHS,
     minicpm.ARCH,
+    muse_glimmer.ARCH,  # conversion/muse_glimmer.py _unpermute_for_rope
 )
 # GGUF architecture -> Hugging Face model_type. llama.cpp converts Mistral to "llama",
 # and Mistral Small 3.1+ and Ministral 3 to "mistral3" (Ministral 3 when it has an
@@ -182,6 +185,7 @@ MODEL_TYPES = {
     **nemotron_h.MODEL_TYPES,  # llmrun/loading/nemotron_h.py
     apertus.ARCH: apertus.MODEL_TYPE,  # llmrun/loading/apertus.py
     afmoe.ARCH: afmoe.MODEL_TYPE,  # llmrun/loading/afmoe.py
+    muse_glimmer.ARCH: muse_glimmer.MODEL_TYPE,  # llmrun/loading/muse_glimmer.py
     olmoe.ARCH: olmoe.MODEL_TYPE,  # llmrun/loading/olmoe.py
     falcon_h1.ARCH: falcon_h1.MODEL_TYPE,  # llmrun/loading/falcon_h1.py
     mamba.ARCH: "mamba",  # or falcon_mamba: llmrun/loading/mamba.py
@@ -206,6 +210,7 @@ MODEL_TYPES = {
     exaone.ARCH: exaone.MODEL_TYPE,  # llmrun/loading/exaone.py
     nemotron.ARCH: nemotron.MODEL_TYPE,  # llmrun/loading/nemotron.py
     arcee.ARCH: arcee.MODEL_TYPE,  # llmrun/loading/arcee.py
+    bitnet.ARCH: bitnet.MODEL_TYPE,  # llmrun/loading/bitnet.py
     jais2.ARCH: jais2.MODEL_TYPE,  # llmrun/loading/jais2.py
     dbrx.ARCH: dbrx.MODEL_TYPE,  # llmrun/loading/dbrx.py
     minimax.ARCH: minimax.MODEL_TYPE,  # MiniMax-Text-01: llmrun/loading/minimax.py
@@ -405,12 +410,16 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
         names = {**_LAYER_NAMES, **seed_oss.LAYER_NAMES}
     elif model_type == exaone4.MODEL_TYPE:
         names = {**_LAYER_NAMES, **exaone4.LAYER_NAMES}
+    elif model_type == muse_glimmer.MODEL_TYPE:
+        names = {**_LAYER_NAMES, **muse_glimmer.LAYER_NAMES}
     elif model_type == hunyuan.MODEL_TYPE:
         names = {**_LAYER_NAMES, **hunyuan.LAYER_NAMES}
     elif model_type == llama4.MODEL_TYPE:
         names = {**_LAYER_NAMES, **llama4.LAYER_NAMES}
     elif model_type == apertus.MODEL_TYPE:
         names = {**_LAYER_NAMES, **apertus.LAYER_NAMES}
+    elif model_type == bitnet.MODEL_TYPE:
+        names = {**_LAYER_NAMES, **bitnet.LAYER_NAMES}
     elif model_type in granite.SWA_TYPES:
         names = {**_LAYER_NAMES, **granite.SWA_LAYER_NAMES}
     if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit() or parts[2] not in names:
@@ -616,6 +625,7 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         hy_v3.ARCH: hy_v3.finish_config,
         exaone.ARCH: exaone.finish_config,
         arcee.ARCH: arcee.finish_config,
+        bitnet.ARCH: bitnet.finish_config,
         vl_text.QWEN2VL_ARCH: vl_text.finish_qwen2vl_config,
         **dict.fromkeys(vl_text.QWEN3VL_ARCHS, vl_text.finish_qwen3vl_config),
         internlm2.ARCH: internlm2.finish_config,
@@ -633,6 +643,8 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         llama4.finish_config(gg, config, meta, _gemma_layer_types)
     if arch == afmoe.ARCH:
         afmoe.finish_config(gg, config, meta, _gemma_layer_types)
+    if arch == muse_glimmer.ARCH:
+        muse_glimmer.finish_config(gg, config, meta, _gemma_layer_types)
     return config
 
 

@@ -280,6 +280,14 @@ def _safetensors_tensors(folder: Path) -> Tensors:
             del tensors[key], tensors[key.removesuffix("_blocks") + "_scales"]
             mxfp4 = ("MXFP4", (*shape[:-2], shape[-2] * 32), nbytes + scales[2])
             tensors[key.removesuffix("_blocks")] = mxfp4
+    # BitNet's packed projections (uint8 [R, C], four 2-bit codes a byte, with a one-value
+    # weight_scale) as the ternary [4 R, C] they hold (llmrun.loading.bitnet).
+    for key in [k for k in tensors if k.endswith(".weight_scale")]:
+        packed = tensors.get(key.removesuffix("_scale"))
+        if packed and packed[0] == "U8" and math.prod(tensors[key][1]) == 1:
+            shape = (packed[1][0] * 4, *packed[1][1:])
+            ternary = ("TERNARY", shape, packed[2] + tensors.pop(key)[2])
+            tensors[key.removesuffix("_scale")] = ternary
     return [(key, *t) for key, t in tensors.items()]
 
 
@@ -344,6 +352,8 @@ _WINDOW_PATTERN = {
     "exaone4": 4,
     "exaone_moe": 4,
     "afmoe": 4,
+    "muse_glimmer": 4,  # its config.json lists layer_types (the global last, each 4th back)
+    "muse_glimmer_text": 4,
     "granite_swa": 4,  # transformers' default puts the global layer first, same count
     "granitemoe_swa": 4,  # where the layers are a multiple of 4 (GGUFs list them all)
     "cohere2_moe": 4,  # without its dense prefix (transformers' config lists them all)

@@ -35,6 +35,7 @@ from llmrun.loading import (
     bailingmoe3,
     bamba,
     bert,
+    bitnet,
     chatglm,
     cohere2_moe,
     dbrx,
@@ -87,6 +88,7 @@ from llmrun.loading import (
     minimax_m3,
     mistral_native,
     modernbert,
+    muse_glimmer,
     nemotron,
     nemotron_h,
     nomic_bert,
@@ -225,6 +227,7 @@ def _towers(config: dict[str, Any]) -> list[str]:
 
 def _open_hf_dir(path: Path) -> Checkpoint:
     config = safetensors_io.read_config(path)
+    bitnet.refuse_remote(config, path)
     projects = gemma_embedding.hf_applies(config)  # applies Dense modules: EmbeddingGemma
     pooling, normalized = embedding.hf_pooling(path, dense=projects)
     weights, files = {}, {}
@@ -264,6 +267,8 @@ def _open_hf_dir(path: Path) -> Checkpoint:
         weights = granitehybrid.hf_weights(weights, config, Weight)
     if config.get("model_type") == bamba.MODEL_TYPE:
         weights = bamba.hf_weights(weights)
+    if config.get("model_type") == bitnet.MODEL_TYPE:
+        weights = bitnet.hf_weights(config, weights, path, Weight)
     if config.get("model_type") == cohere2_moe.MODEL_TYPE:
         weights = cohere2_moe.hf_weights(weights, config, Weight)
     if config.get("model_type") == kimi_linear.MODEL_TYPE:
@@ -631,6 +636,8 @@ def _open_gguf(path: Path) -> Checkpoint:
         weights = apertus.gguf_weights(gg, config, weights, Weight)
     if gg.architecture == exaone_moe.ARCH:
         weights = exaone_moe.gguf_weights(weights, config, Weight)
+    if gg.architecture == muse_glimmer.ARCH:
+        weights = muse_glimmer.gguf_weights(weights, config, Weight, path)
     if gg.architecture == mimo2.ARCH:
         weights = mimo2.gguf_weights(weights, config, Weight)
     if gg.architecture == hy_v3.ARCH:

@@ -5,8 +5,11 @@ converter writes (conversion/qwenvl.py Qwen2VLVisionModel; tools/mtmd/clip.cpp r
 projector type qwen2vl_merger or qwen2.5vl_merger, the Conv3d patch weight split into its
 two frames (v.patch_embd.weight and .weight.1), each block's qkv split into attn_q, attn_k
 and attn_v, the window attention's pattern as n_wa_pattern (every n-th block full); the
-older conversion script's files name the MLP matrices the other way round. Both give the
-encoder HF's weights.
+older conversion script's files name the MLP matrices the other way round. EXAONE 4.5's
+mmproj (conversion/exaone.py Exaone4_5VisionModel: projector type exaone4_5) keeps each
+block's qkv whole (attn_qkv, grouped-query: attention.head_count_kv) and writes the
+config's window_size, which llmrun reads as transformers does (clip.cpp runs 112-pixel
+windows whatever it says). Both give the encoder HF's weights.
 """
 
 from __future__ import annotations
@@ -36,8 +39,13 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 1280
 _HF_PREFIXES = ("model.visual.", "visual.")
 _PROJECTORS = {VisionProjectorType.QWEN2VL: QWEN2_VL, VisionProjectorType.QWEN25VL: QWEN2_5_VL}
+# gguf 0.19 names neither this projector type nor the vision head_count_kv key (llama.cpp's
+# gguf-py does: VisionProjectorType.EXAONE4_5, Keys.ClipVision.Attention.HEAD_COUNT_KV).
+EXAONE4_5_PROJECTOR = "exaone4_5"
+HEAD_COUNT_KV = "clip.vision.attention.head_count_kv"
 # clip.cpp's names of a block's tensors -> the block's (Qwen2.5-VL's MLP, Qwen2-VL's).
 _GGUF_LAYER = {
+    "attn_qkv": "attn.qkv",  # EXAONE 4.5's, kept whole
     "attn_out": "attn.proj",
     "ln1": "norm1",
     "ln2": "norm2",
@@ -166,15 +174,17 @@ def processor_settings(
 
 def from_mmproj(path: str | Path, text_hidden: int, skip: tuple[str, ...] = ()) -> QwenVision:
     """The vision tower of llama.cpp's mmproj GGUF (projector qwen2vl_merger or
-    qwen2.5vl_merger, or qwen2.5o: Qwen2.5-Omni's, whose tower is Qwen2.5-VL's), the
-    tensors whose names begin with one of `skip` left out (another encoder's)."""
+    qwen2.5vl_merger, or qwen2.5o: Qwen2.5-Omni's, whose tower is Qwen2.5-VL's, or
+    exaone4_5: EXAONE 4.5's), the tensors whose names begin with one of `skip` left out
+    (another encoder's)."""
     gg = gguf_io.read_gguf(path)
     meta = gg.metadata
     kind = _projector(meta)
     if kind is None or not meta.get(Keys.Clip.HAS_VISION_ENCODER, False):
         raise ModelFormatError(f"{gg.path}: not an mmproj GGUF with a vision encoder")
-    if kind not in _PROJECTORS and kind != VisionProjectorType.QWEN25O:
+    if kind not in (*_PROJECTORS, VisionProjectorType.QWEN25O, EXAONE4_5_PROJECTOR):
         raise UnsupportedError(f"{gg.path}: projector type {kind!r} is not Qwen2-VL's")
+    exaone = kind == EXAONE4_5_PROJECTOR
     family = _PROJECTORS.get(kind, QWEN2_5_VL)
 
     def need(key: str, default: int | None = None, value: Any = None) -> int:
@@ -212,6 +222,8 @@ def from_mmproj(path: str | Path, text_hidden: int, skip: tuple[str, ...] = ()) 
         patch_size=need(vision.PATCH_SIZE),
         spatial_merge_size=need(vision.SPATIAL_MERGE_SIZE, 2),
         fullatt_block_indexes=fullatt,
+        window_size=need(vision.WINDOW_SIZE, 112) if exaone else 112,
+        num_key_value_heads=need(HEAD_COUNT_KV) if exaone else None,
     )
     tensors = {}
     for info in gg.tensors.values():

@@ -176,8 +176,15 @@ def vision_from_mmproj(path: str | Path, text_hidden: int) -> OmniVision:
 
 def audio_from_hf_dir(path: Path, text_hidden: int) -> Qwen3OmniAudio:
     """The audio encoder of a Qwen3-Omni folder (f32, on the CPU)."""
-    audio = {**_AUDIO_DEFAULTS, **_thinker(path, "audio_config")["audio_config"]}
-    args = EncoderArgs(
+    args = audio_args(_thinker(path, "audio_config")["audio_config"], _AUDIO_DEFAULTS)
+    return _build_audio(args, prefixed_weights(path, _AUDIO_PREFIXES), text_hidden, path)
+
+
+def audio_args(config: dict[str, Any], defaults: dict[str, Any]) -> EncoderArgs:
+    """The audio tower's settings of its audio_config dict, `defaults` (its config class's)
+    where it leaves some out (Qwen3-ASR's tower is this one under other defaults)."""
+    audio = {**defaults, **config}
+    return EncoderArgs(
         hidden_size=audio["d_model"],
         intermediate_size=audio["encoder_ffn_dim"],
         num_hidden_layers=audio["encoder_layers"],
@@ -189,12 +196,12 @@ def audio_from_hf_dir(path: Path, text_hidden: int) -> Qwen3OmniAudio:
         n_window_infer=audio["n_window_infer"],
         activation_function=audio["activation_function"],
     )
-    return _build_audio(args, prefixed_weights(path, _AUDIO_PREFIXES), text_hidden, path)
 
 
 def audio_from_mmproj(path: str | Path, text_hidden: int) -> Qwen3OmniAudio:
     """The audio encoder of llama.cpp's Qwen3-Omni mmproj (clip.audio.projector_type
-    qwen3a), its windows the Hub's (the file does not hold them)."""
+    qwen3a; Qwen3-ASR's holds the same tower alone), its windows the Hub's (the file does
+    not hold them)."""
     gg = gguf_io.read_gguf(path)
     meta, key = gg.metadata, Keys.ClipAudio
     if not meta.get(Keys.Clip.HAS_AUDIO_ENCODER, False):

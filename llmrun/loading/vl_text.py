@@ -57,6 +57,8 @@ class Family:
     # Whether its checkpoints hold multi-token-prediction layers past num_hidden_layers,
     # which transformers (and llmrun) never runs.
     mtp_layers: bool = False
+    # Checkpoint key prefixes of weights that transformers never loads.
+    unused: tuple[str, ...] = ()
 
 
 FAMILIES = {
@@ -140,6 +142,14 @@ FAMILIES = {
     # GraniteSpeechConfig's text_config is a GraniteConfig; it ties the output head by
     # default. Its audio encoder and LoRA adapter are llmrun.loading.granite_speech's.
     "granite_speech": Family("Granite Speech", default_text="granite", tie_default=True),
+    # Qwen3ASRConfig's text_config is a Qwen3's; it ties the output head by default. Qwen's
+    # own files hold it in a thinker_config (read as its thinker's, tied as that says).
+    # Its audio tower is llmrun.loading.qwen3_asr's.
+    "qwen3_asr": Family("Qwen3-ASR", "qwen3", tie_default=True),
+    "qwen3_asr_thinker": Family("Qwen3-ASR", "qwen3"),
+    # Exaone4_5_Config's text_config is an Exaone4Config (its first files said exaone4_5_text);
+    # the Hub's checkpoints hold a multi-token-prediction layer as mtp.*.
+    "exaone4_5": Family("EXAONE 4.5", "exaone4", unused=("mtp.",)),
     # Granite4VisionTextConfig is a GraniteConfig; its decoder layers take the images in.
     "granite4_vision": Family(
         "Granite 4 Vision",
@@ -160,6 +170,9 @@ FAMILIES = {
     # DeepseekOcr2TextConfig: DeepSeek V2's MoE under Llama's attention, DeepSeek V1's
     # (llmrun.models.deepseek reads its mlp_layer_types).
     "deepseek_ocr2": Family("DeepSeek-OCR 2", "deepseek"),
+    # Kimi_K25Config's text_config is a DeepseekV3Config (the Hub's file says kimi_k2); it
+    # ties the output head by default.
+    "kimi_k25": Family("Kimi K2.5", "deepseek_v3", tie_default=True),
     # HunYuanVLTextConfig is Hunyuan dense's; its XD-RoPE turns text as plain NTK-alpha RoPE.
     "hunyuan_vl": Family(
         "HunYuan-VL",
@@ -167,6 +180,8 @@ FAMILIES = {
         tie_default=True,
         aliases={"attention_head_dim": "head_dim", "org_vocab_size": "vocab_size"},
     ),
+    # MuseGlimmerTextConfig (its DFlash drafter, MuseGlimmerAssistantModel, is not run).
+    "muse_glimmer": Family("Muse Glimmer", "muse_glimmer_text"),
 }
 # The architecture of LightOnOCR-1B's first config.json, whose model_type is mistral3.
 LIGHTONOCR_ARCHITECTURE = "LightOnOCRForConditionalGeneration"
@@ -216,12 +231,14 @@ VISION_PREFIXES = (
     "code2wav.",  # Qwen3-Omni's speech output, beside its talker.
     "model.vision_encoder.",  # LightOnOCR's
     "model.vision_projection.",
+    "model.vision_adapter.",  # Muse Glimmer's projector (with its vision_projection)
     "mlp_AR.",  # PaddleOCR-VL's projector, as the Hub saves it
     "model.projector.",  # PaddleOCR-VL's, and DeepSeek-OCR 2's as its files name it
     "model.sam_model.",  # DeepSeek-OCR 2's
     "model.layerwise_projectors.",  # Granite 4 Vision's
     "model.spatial_projectors.",
     "model.qwen2_model.",
+    "mm_projector.",  # Kimi K2.5's, as the Hub saves it
     "model.view_seperator",
     "model.aligner.",  # Janus-Pro's, and its image-generation half's parts
     "model.vqmodel.",
@@ -239,6 +256,8 @@ def language_model(
 ) -> tuple[dict[str, Any], dict[str, Any], str]:
     """The text model's config.json dict and weights (under its *ForCausalLM's names) of a
     FAMILIES checkpoint (the folder `path`), and the family's name."""
+    if config["model_type"] == "qwen3_asr" and isinstance(config.get("thinker_config"), dict):
+        config = {**config["thinker_config"], "model_type": "qwen3_asr_thinker"}
     if config["model_type"] in _THINKERS:
         thinker = config.get("thinker_config")
         if not isinstance(thinker, dict):
@@ -273,7 +292,7 @@ def language_model(
     _plain_rope(text, family)
     renamed = {}
     for name, weight in weights.items():
-        if name.startswith(VISION_PREFIXES):
+        if name.startswith(VISION_PREFIXES) or name.startswith(family.unused):
             continue
         for old, new in _TEXT_PREFIXES.items():
             if name.startswith(old):

@@ -77,6 +77,7 @@ ARCHITECTURES = {
     "helium": "helium",  # HF folders: llama.cpp has no converter
     "vaultgemma": "vaultgemma",  # HF folders: llama.cpp has no converter
     "arcee": "arcee",
+    "bitnet": "bitnet",  # BitNet b1.58: ternary weights (loading/bitnet.py)
     "jais2": "jais2",
     "mimo_v2_flash": "mimo_v2_flash",
     "hunyuan_v1_dense": "hunyuan_v1_dense",
@@ -118,6 +119,7 @@ ARCHITECTURES = {
     "gemma4_text": "gemma4",
     "apertus": "apertus",
     "afmoe": "afmoe",
+    "muse_glimmer_text": "muse_glimmer",
     "olmoe": "olmoe",
     "phimoe": "phimoe",
     "falcon_h1": "falcon_h1",

@@ -8,14 +8,17 @@ concatenates each 2x2 group and projects it through a GELU MLP. Qwen2-VL: LayerN
 a QuickGELU MLP, every block attending to the whole image. Qwen2.5-VL: RMSNorm and a
 SwiGLU MLP, blocks attending within windows of window_size pixels but for the
 fullatt_block_indexes ones; the patches are reordered window by window for the blocks
-and the merged tokens put back in order after.
+and the merged tokens put back in order after. EXAONE 4.5's tower is Qwen2.5-VL's with
+fewer key and value heads than query heads (num_key_value_heads, grouped-query
+attention; its axial 2D RoPE is the same turning).
 
 The patches come in the order Qwen2VLImageProcessor flattens them: 2x2 groups row by row,
 the 4 patches of a group together (llmrun.qwen2_vl_images).
 
 Reference: transformers/models/qwen2_5_vl/modeling_qwen2_5_vl.py
 (Qwen2_5_VisionTransformerPretrainedModel), models/qwen2_vl/modeling_qwen2_vl.py
-(Qwen2VisionTransformerPretrainedModel), vision_utils.py (get_vision_window_index).
+(Qwen2VisionTransformerPretrainedModel), vision_utils.py (get_vision_window_index),
+models/exaone4_5/modeling_exaone4_5.py (Exaone4_5_VisionAttention).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from llmrun.models.base import RMSNorm
 
 # The families (config model_type), and what their blocks are made of.
 QWEN2_VL, QWEN2_5_VL = "qwen2_vl", "qwen2_5_vl"
+EXAONE4_5 = "exaone4_5"  # a config of Qwen2.5-VL's blocks with num_key_value_heads
 EPS = 1e-6  # both families' vision norms
 
 
@@ -58,10 +62,18 @@ class EncoderArgs:
     window_size: int = 112  # Qwen2.5-VL's, in pixels
     fullatt_block_indexes: tuple[int, ...] = ()
     rope_theta: float = 10000.0
+    num_key_value_heads: int | None = None  # EXAONE 4.5's; None: num_heads
 
     def __post_init__(self) -> None:
         if self.family not in (QWEN2_VL, QWEN2_5_VL):
             raise UnsupportedError(f"vision family {self.family!r} is not Qwen2-VL's")
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_heads
+        if self.num_key_value_heads < 1 or self.num_heads % self.num_key_value_heads:
+            raise ModelFormatError(
+                f"vision num_heads {self.num_heads} is not a multiple of num_key_value_heads "
+                f"{self.num_key_value_heads}"
+            )
         if self.hidden_act not in _ACTIVATIONS:
             raise UnsupportedError(f"vision activation {self.hidden_act!r} is not supported")
         if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
@@ -82,8 +94,8 @@ class EncoderArgs:
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> EncoderArgs:
-        """From a Qwen2VLForConditionalGeneration's or Qwen2_5_VLForConditionalGeneration's
-        config.json dict."""
+        """From a Qwen2VLForConditionalGeneration's, Qwen2_5_VLForConditionalGeneration's or
+        Exaone4_5_ForConditionalGeneration's config.json dict."""
         family = config.get("model_type")
         vision = config.get("vision_config")
         if not isinstance(vision, dict):
@@ -91,7 +103,7 @@ class EncoderArgs:
         try:
             rope = vision.get("rope_parameters") or {}
             common = dict(
-                family=family,
+                family=QWEN2_5_VL if family == EXAONE4_5 else family,
                 depth=vision["depth"],
                 num_heads=vision["num_heads"],
                 patch_size=vision.get("patch_size", 14),
@@ -118,6 +130,10 @@ class EncoderArgs:
                 hidden_act=vision.get("hidden_act", "silu"),
                 window_size=vision.get("window_size", 112),
                 fullatt_block_indexes=tuple(vision.get("fullatt_block_indexes", (7, 15, 23, 31))),
+                # Exaone4_5_VisionConfig's default
+                num_key_value_heads=vision.get("num_key_value_heads", 8)
+                if family == EXAONE4_5
+                else None,
                 **common,
             )
         except KeyError as e:
@@ -179,17 +195,21 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class Attention(nn.Module):
     def __init__(self, args: EncoderArgs) -> None:
         super().__init__()
-        self.heads = args.num_heads
-        self.qkv = nn.Linear(args.hidden_size, 3 * args.hidden_size)
+        self.heads, self.kv_heads = args.num_heads, args.num_key_value_heads
+        kv_width = self.kv_heads * args.head_dim
+        self.qkv = nn.Linear(args.hidden_size, args.hidden_size + 2 * kv_width)
         self.proj = nn.Linear(args.hidden_size, args.hidden_size)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[int]
     ) -> torch.Tensor:
         n, dim = x.shape
-        # [N, 3*dim] -> 3 x [N, heads, head_dim]
-        q, k, v = self.qkv(x).view(n, 3, self.heads, -1).unbind(1)
+        # [N, (heads + 2*kv_heads) * head_dim] -> [N, heads, head_dim], 2 x [N, kv_heads, ...]
+        qkv = self.qkv(x).view(n, self.heads + 2 * self.kv_heads, -1)
+        q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=1)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if self.kv_heads != self.heads:
+            k, v = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))
         out = []
         # Each segment (the whole image, or one window) attends to itself only.
         for qs, ks, vs in zip(*(t.split(segments) for t in (q, k, v)), strict=True):

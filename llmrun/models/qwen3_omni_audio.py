@@ -149,11 +149,13 @@ class AudioTower(nn.Module):
         self.act = activation(args.activation_function)
         self.proj2 = nn.Linear(args.hidden_size, args.text_hidden_size)
 
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        """[mel bins, frames] -> [clip_tokens(frames), text hidden]."""
+    def forward(self, features: torch.Tensor, whole_chunks: bool = False) -> torch.Tensor:
+        """[mel bins, frames] -> [clip_tokens(frames), text hidden]; `whole_chunks`: the
+        last chunk zero-padded to a whole one whatever the clip's length, as Qwen3-ASR's
+        feature extractor pads it (Qwen3-Omni pads it to the longest chunk's)."""
         args = self.args
         chunks = list(features.split(2 * args.n_window, dim=1))
-        longest = chunks[0].shape[1]
+        longest = 2 * args.n_window if whole_chunks else chunks[0].shape[1]
         # [chunks, 1, mel bins, longest]: the last chunk zero-padded, as pad_sequence does
         x = torch.stack([F.pad(c, (0, longest - c.shape[1])) for c in chunks])[:, None]
         for conv in (self.conv2d1, self.conv2d2, self.conv2d3):
@@ -179,5 +181,5 @@ class Qwen3OmniAudioEncoder(nn.Module):
         self.args = args
         self.audio_tower = AudioTower(args)
 
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        return self.audio_tower(features)
+    def forward(self, features: torch.Tensor, whole_chunks: bool = False) -> torch.Tensor:
+        return self.audio_tower(features, whole_chunks)

@@ -3,7 +3,9 @@
 text) and `temperature` (0, greedy, unless given), answered as OpenAI answers.
 
 The prompt is the one the model's audio family documents for transcription
-(llmrun.audio_families: Voxtral's is mistral_common's); a family that documents none is a
+(llmrun.audio_families: Voxtral's is mistral_common's, Qwen3-ASR's its processor's through
+the chat template, OpenAI's `prompt` its context), and the answer's text is read as the family's processor reads it
+(Qwen3-ASR's without its "language NAME<asr_text>"); a family that documents none is a
 400. The clip is encoded as chat's `input_audio` parts are (llmrun.server.audio: the same
 size limit, WAV checks and kept encodings), and the request runs on the scheduler with the
 others, cancelled when its client goes away and counted in /metrics as "transcriptions".
@@ -27,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from llmrun import audio_families, batching
+from llmrun.errors import UsageError
 from llmrun.server.audio import MAX_AUDIO_BYTES, no_audio
 from llmrun.server.schema import ApiError
 from llmrun.server.service import Generation, Service, generating_engine
@@ -74,13 +77,22 @@ async def transcriptions(request: Request) -> Response:
             param="model",
             code="model_not_supported",
         )
-    if fields["prompt"]:
+    if fields["prompt"] and not family.transcription_context:
         raise ApiError(
             400,
             f"prompt: {family.name}'s transcription prompt has no place for a text",
             param="prompt",
         )
-    text = family.transcription(engine.tokenizer, language)
+
+    def render(messages: list[dict[str, Any]]) -> str:
+        if engine.template is None:
+            raise ApiError(400, f"{service.model_id} has no chat template to place audio in")
+        return engine.render(messages, add_generation_prompt=False)
+
+    try:
+        text = family.transcription(engine.tokenizer, render, language, fields["prompt"] or None)
+    except UsageError as e:
+        raise ApiError(400, str(e)) from None
     digest = hashlib.sha256(data).digest()
     embeds = await asyncio.to_thread(
         service.audio_encoder.encode, engine, [data], [digest], ["file"]
@@ -91,7 +103,7 @@ async def transcriptions(request: Request) -> Response:
     pieces = [event.text async for _, event in gen.events(request.is_disconnected)]
     if not gen.done:
         return Response(status_code=499)
-    transcript = "".join(pieces)
+    transcript = family.transcript("".join(pieces))
     if response_format == "text":
         return PlainTextResponse(transcript)
     stats = gen.finals[0].stats
