@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmrun.models.base import RMSNorm
+from llmrun.models.vision_rope import rotate
 
 
 @dataclass
@@ -224,17 +225,11 @@ class QueryAttention(nn.Module):
         q = self.q_proj(x).view(batch, length, self.heads, -1).transpose(1, 2)
         k = self.k_proj(x).view(batch, length, self.kv_heads, -1).transpose(1, 2)
         v = self.v_proj(x).view(batch, length, self.kv_heads, -1).transpose(1, 2)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         groups = self.heads // self.kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE over whole heads, halves turned (Qwen2's)."""
-    first, second = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-second, first), dim=-1) * sin
 
 
 class QueryMLP(nn.Module):

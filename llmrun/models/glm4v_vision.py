@@ -35,6 +35,7 @@ from torch import nn
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.models.base import RMSNorm
 from llmrun.models.qwen2_vl_vision import rotary_angles
+from llmrun.models.vision_rope import rotate_heads
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
 MERGER_EPS = 1e-5  # the merger's LayerNorm (nn.LayerNorm's default)
@@ -163,13 +164,6 @@ class Embeddings(nn.Module):
         return sampled[0, :, :, 0].T
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, heads, head_dim] turned by cos/sin [N, head_dim] (rotate_half's layout)."""
-    half = x.shape[-1] // 2
-    swapped = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None] + swapped * sin[:, None]
-
-
 class Attention(nn.Module):
     def __init__(self, args: EncoderArgs) -> None:
         super().__init__()
@@ -188,7 +182,7 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).view(n, 3, self.heads, -1).unbind(1)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = rotate_heads(q, cos, sin), rotate_heads(k, cos, sin)
         # [N, heads, head_dim] -> [1, heads, N, head_dim]: the whole image attends to itself
         out = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)))
         return self.proj(out[0].transpose(0, 1).reshape(n, dim))

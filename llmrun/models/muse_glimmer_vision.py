@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.models.vision_rope import rotate
 
 LAYER_KINDS = ("window_attention", "full_attention")
 
@@ -163,11 +164,6 @@ def windows(grid_h: int, grid_w: int, side: int) -> tuple[torch.Tensor, list[int
     return torch.cat(order), sizes
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, args: EncoderArgs) -> None:
         super().__init__()
@@ -187,7 +183,7 @@ class Attention(nn.Module):
             p(x).view(tokens, self.heads, self.head_dim).transpose(0, 1)
             for p in (self.q_proj, self.k_proj, self.v_proj)
         )
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         out, start = [], 0
         for span in spans:  # each window (or the whole image) attends within itself
             part = slice(start, start + span)

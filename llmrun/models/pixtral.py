@@ -26,6 +26,7 @@ from torch import nn
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.models.base import RMSNorm, activation
+from llmrun.models.vision_rope import rotate
 
 # PixtralAttentionLayer's and PixtralVisionModel.ln_pre's epsilon, fixed in transformers.
 PIXTRAL_NORM_EPS = 1e-5
@@ -150,11 +151,6 @@ def rope_2d(args: VisionArgs, rows: int, cols: int) -> tuple[torch.Tensor, torch
     return angles.cos(), angles.sin()
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
-
-
 class Attention(nn.Module):
     def __init__(self, args: VisionArgs) -> None:
         super().__init__()
@@ -172,7 +168,7 @@ class Attention(nn.Module):
             proj(x).view(patches, self.heads, -1).transpose(0, 1)
             for proj in (self.q_proj, self.k_proj, self.v_proj)
         )
-        out = F.scaled_dot_product_attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v)
+        out = F.scaled_dot_product_attention(rotate(q, cos, sin), rotate(k, cos, sin), v)
         return self.o_proj(out.transpose(0, 1).reshape(patches, dim))
 
 

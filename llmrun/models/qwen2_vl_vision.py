@@ -32,6 +32,7 @@ from torch import nn
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.models.base import RMSNorm
+from llmrun.models.vision_rope import rotate_heads
 
 # The families (config model_type), and what their blocks are made of.
 QWEN2_VL, QWEN2_5_VL = "qwen2_vl", "qwen2_5_vl"
@@ -185,13 +186,6 @@ def rotary_angles(args: EncoderArgs, grid_h: int, grid_w: int) -> tuple[torch.Te
     return angles.cos(), angles.sin()
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, heads, head_dim] turned by cos/sin [N, head_dim] (rotate_half's layout)."""
-    half = x.shape[-1] // 2
-    swapped = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None] + swapped * sin[:, None]
-
-
 class Attention(nn.Module):
     def __init__(self, args: EncoderArgs) -> None:
         super().__init__()
@@ -207,7 +201,7 @@ class Attention(nn.Module):
         # [N, (heads + 2*kv_heads) * head_dim] -> [N, heads, head_dim], 2 x [N, kv_heads, ...]
         qkv = self.qkv(x).view(n, self.heads + 2 * self.kv_heads, -1)
         q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=1)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = rotate_heads(q, cos, sin), rotate_heads(k, cos, sin)
         if self.kv_heads != self.heads:
             k, v = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))
         out = []

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.models.vision_rope import rotate_heads
 
 EPS = 1e-6  # the tower's LayerNorms
 _ACTIVATIONS = {
@@ -145,13 +146,6 @@ def rotary_angles(args: EncoderArgs, grid_h: int, grid_w: int) -> tuple[torch.Te
     return angles.cos(), angles.sin()
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, heads, head_dim] turned by cos/sin [N, head_dim] (rotate_half's layout)."""
-    half = x.shape[-1] // 2
-    swapped = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None] + swapped * sin[:, None]
-
-
 class Attention(nn.Module):
     def __init__(self, args: EncoderArgs) -> None:
         super().__init__()
@@ -163,7 +157,7 @@ class Attention(nn.Module):
         n, dim = x.shape
         # [N, 3*dim] -> 3 x [N, heads, head_dim]
         q, k, v = self.qkv(x).view(n, 3, self.heads, -1).unbind(1)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = rotate_heads(q, cos, sin), rotate_heads(k, cos, sin)
         # [N, heads, head_dim] -> [1, heads, N, head_dim]: the whole image attends to itself
         out = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)))
         return self.proj(out[0].transpose(0, 1).reshape(n, dim))
