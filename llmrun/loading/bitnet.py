@@ -28,13 +28,15 @@ the 2B-4T's folders reach llmrun as folders, not as its GGUFs.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from gguf import GGMLQuantizationType
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
+
+if TYPE_CHECKING:  # torch only where weights load: `list` and `show` read the config
+    import torch
 
 ARCH = MODEL_TYPE = "bitnet"
 QUANT_METHOD = "bitnet"
@@ -52,7 +54,7 @@ LINEAR_CLASSES = ("bitlinear", "autobitlinear")
 MODES = ("offline", "online")
 # A checkpoint's 16-bit scale (the 2B-4T's bf16) fits TQ2_0's f16 d with its ternary codes
 # exact; a float32 one is folded into float32 weights, as transformers computes in f32.
-HALF_SCALES = (torch.bfloat16, torch.float16)
+HALF_SCALES = ("torch.bfloat16", "torch.float16")
 TQ2_0_BLOCK = 256
 
 
@@ -60,6 +62,8 @@ def unpack_ternary(packed: torch.Tensor) -> torch.Tensor:
     """Ternary float32 weights [4 R, C] of BitNet's packed uint8 rows [R, C]: row r of
     block i (rows i R .. i R + R - 1) is bits 2i and 2i + 1 of packed row r, minus 1.
     A code of 3 (no ternary value) is refused."""
+    import torch
+
     codes = torch.stack([(packed >> (2 * i)) & 3 for i in range(ROWS_PER_BYTE)])
     if bool((codes == 3).any()):
         raise ModelFormatError("packed ternary weights hold the code 3, which is no -1, 0 or 1")
@@ -81,6 +85,8 @@ def hf_weights(config: dict[str, Any], weights: dict[str, Any], path: Path, weig
     """A BitNet folder's weights as the model takes them: master weights as they are, or
     (quant_method "bitnet") each projection's ternary weights times their scale, in the
     checkpoint's float type. `weight` is the loader's Weight."""
+    import torch
+
     quant = config.get("quantization_config")
     if not isinstance(quant, dict) or quant.get("quant_method") != QUANT_METHOD:
         if quant is not None:
@@ -135,7 +141,7 @@ def hf_weights(config: dict[str, Any], weights: dict[str, Any], path: Path, weig
         value = scale.float().reshape(())
         # BitLinear divides its products by weight_scale; AutoBitLinear multiplies them.
         factor = 1 / value if linear == "bitlinear" else value
-        if scale.dtype in HALF_SCALES and ternary.shape[-1] % TQ2_0_BLOCK == 0:
+        if str(scale.dtype) in HALF_SCALES and ternary.shape[-1] % TQ2_0_BLOCK == 0:
             blocks = tq2_0_blocks(ternary, factor)
             out[name] = weight(blocks, GGMLQuantizationType.TQ2_0, tuple(ternary.shape))
         else:
@@ -148,6 +154,8 @@ def tq2_0_blocks(ternary: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     """Ternary weights [R, C] (C a multiple of 256) times `factor` as TQ2_0 blocks, uint8
     [R, C / 256 * 66]: per 256 weights 64 bytes of 2-bit codes t + 1 (weight 128 h + 32 l
     + k in bits 2 l, 2 l + 1 of byte 32 h + k), then d = factor as f16."""
+    import torch
+
     rows = ternary.shape[0]
     # [R, C] -> [R, blocks, h 2, l 4, k 32]
     codes = (ternary + 1).to(torch.uint8).reshape(rows, -1, 2, 4, 32)
@@ -159,6 +167,7 @@ def tq2_0_blocks(ternary: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
 def _ternarized(master: torch.Tensor) -> torch.Tensor:
     """AutoBitLinear "online"'s WeightQuant: the weights rounded to -1, 0, 1 times their
     mean magnitude (at least 1e-5), computed in float32, in the weights' type."""
+
     w = master.float()
     scale = 1.0 / w.abs().mean().clamp(min=1e-5)
     return ((w * scale).round().clamp(-1, 1) / scale).to(master.dtype)

@@ -18,7 +18,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
@@ -89,7 +88,7 @@ def gguf_weights(
         if norm:
             out[name] = weight(w.tensor.float() - 1.0)
             continue
-        values = torch.unique(w.tensor.float())
+        values = w.tensor.float().unique()
         is_key = name.endswith("k_norm.weight")
         if values.numel() != 1 or (is_key and float(values) != 1.0):
             raise UnsupportedError(
