@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -87,6 +88,22 @@ def jina_bert_code(split: bool = False) -> Callable[[Path], None]:
     return write
 
 
+def eurobert(flags: str) -> Callable[[Path], None]:
+    """EuroBERT as llama.cpp's converter (the tests' copy, run with `flags`) writes the
+    tests' sentence-transformers folder (last-token pooling), which goes beside the file."""
+
+    def write(path: Path) -> None:
+        import test_eurobert as t
+        from muse_glimmer_helpers import run_converter
+
+        folder = path.with_suffix("")
+        shutil.rmtree(folder, ignore_errors=True)
+        t.write_folder(folder, t.hf_model())
+        run_converter(folder, {path: flags})
+
+    return write
+
+
 def nomic_bert_moe(path: Path) -> None:
     """nomic-embed-text-v2-moe's shape as the converter writes it: experts in layer 1,
     mlp.experts.bias dropped (so neither engine adds it)."""
@@ -110,6 +127,8 @@ FAMILIES: dict[str, Callable[[Path], None]] = {
     "jina-bert-v2-code-split": jina_bert_code(split=True),
     "qwen3-embedding": written("embedding_helpers", "write_embedding_gguf"),
     "gemma-embedding": written("test_gemma_embedding", "write_gemma_embedding_gguf"),
+    "eurobert": eurobert("--outtype f32"),
+    "eurobert-fused-qkv": eurobert("--outtype f32 --fuse-qkv"),
 }
 
 

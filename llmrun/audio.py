@@ -171,11 +171,11 @@ def resample(samples: np.ndarray, rate: int, target: int = SAMPLE_RATE) -> np.nd
     return out
 
 
-def mel_filters(mel_bins: int, rate: int = SAMPLE_RATE) -> np.ndarray:
-    """Whisper's mel filter bank [N_FFT // 2 + 1, mel_bins]: triangles on the Slaney mel
+def mel_filters(mel_bins: int, rate: int = SAMPLE_RATE, n_fft: int = N_FFT) -> np.ndarray:
+    """Whisper's mel filter bank [n_fft // 2 + 1, mel_bins]: triangles on the Slaney mel
     scale from 0 to 8 kHz, each scaled to unit area (Slaney's norm), as transformers'
     mel_filter_bank(norm="slaney", mel_scale="slaney") builds it."""
-    fft_freqs = np.linspace(0, rate // 2, N_FFT // 2 + 1)
+    fft_freqs = np.linspace(0, rate // 2, n_fft // 2 + 1)
     mels = np.linspace(_hz_to_mel(0.0), _hz_to_mel(8000.0), mel_bins + 2)
     edges = _mel_to_hz(mels)
     widths = np.diff(edges)

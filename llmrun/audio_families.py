@@ -19,9 +19,11 @@ from llmrun import (
     audio,
     gemma3n_audio_clips,
     gemma4_audio_clips,
+    glmasr_clips,
     granite_speech_clips,
     mixed_media,
     multimodal,
+    nemotron_omni_clips,
     qwen2_5_omni_clips,
     qwen2_audio_clips,
     qwen3_asr_clips,
@@ -31,7 +33,9 @@ from llmrun import (
 from llmrun.loading import (
     gemma3n_audio,
     gemma4_audio,
+    glmasr,
     granite_speech,
+    nemotron_omni_audio,
     qwen2_5_omni,
     qwen2_audio,
     qwen2_vl_vision,
@@ -81,12 +85,11 @@ class AudioFamily:
     # takes it), in a language (ISO 639-1) where one is given, with a context text (OpenAI's
     # `prompt`) where one is given and the family takes it, as the family's processor
     # documents it, from the tokenizer and the model's chat template (messages -> text,
-    # without the generation prompt); None: it documents none (serve's
-    # /v1/audio/transcriptions refuses it).
-    transcription: (
-        Callable[[Tokenizer, Callable[[list[dict[str, Any]]], str], str | None, str | None], str]
-        | None
-    ) = None
+    # without the generation prompt unless called with add_generation_prompt=True); None: it
+    # documents none (serve's /v1/audio/transcriptions refuses it).
+    transcription: Callable[[Tokenizer, Callable[..., str], str | None, str | None], str] | None = (
+        None
+    )
     # Whether its transcription prompt takes a context text.
     transcription_context: bool = False
     # The transcription in a transcription prompt's answer, as the processor reads it.
@@ -206,6 +209,37 @@ FAMILIES: tuple[AudioFamily, ...] = (
         clip_tokens=gemma3n_audio_clips.clip_tokens,
         encode=gemma3n_audio_clips.encode,
         prompt=gemma3n_audio_clips.prompt,
+    ),
+    # A Whisper-style tower with RoPE under a Llama; its transcription prompt takes no
+    # language.
+    AudioFamily(
+        name="GLM-ASR",
+        encoder_type=glmasr.GlmAsrAudio,
+        folder_has_audio=glmasr.folder_has_audio,
+        is_mmproj=glmasr.is_mmproj,
+        from_hf_dir=glmasr.from_hf_dir,
+        from_mmproj=glmasr.from_mmproj,
+        text_takes_audio=glmasr.text_takes_audio,
+        clip_tokens=glmasr_clips.clip_tokens,
+        encode=glmasr_clips.encode,
+        prompt=glmasr_clips.prompt,
+        transcription=glmasr_clips.transcription,
+        transcript=glmasr_clips.transcript,
+    ),
+    # Parakeet's FastConformer under a Nemotron-H, between <so_start> and <so_end>; images
+    # in the same prompt (its vision family's).
+    AudioFamily(
+        name="Nemotron 3 Nano Omni",
+        encoder_type=nemotron_omni_audio.AudioEncoder,
+        folder_has_audio=nemotron_omni_audio.folder_has_audio,
+        is_mmproj=nemotron_omni_audio.is_mmproj,
+        from_hf_dir=nemotron_omni_audio.from_hf_dir,
+        from_mmproj=nemotron_omni_audio.from_mmproj,
+        text_takes_audio=nemotron_omni_audio.text_takes_audio,
+        clip_tokens=nemotron_omni_clips.clip_tokens,
+        encode=nemotron_omni_clips.encode,
+        prompt=nemotron_omni_clips.prompt,
+        with_images=mixed_media.nemotron_omni,
     ),
 )
 

@@ -1,5 +1,6 @@
 """Prompts with images and audio together, for the families whose processors take both in
-one message (Gemma4Processor, Qwen2_5OmniProcessor, Qwen3OmniMoeProcessor): the text's
+one message (Gemma4Processor, Qwen2_5OmniProcessor, Qwen3OmniMoeProcessor,
+NemotronH_Omni_Reasoning_V3Processor): the text's
 audio places expanded for their clips first, then the family's own image prompt over it
 (an audio token is text to it), then the clips' tokens found in its ids; one PromptImages
 holds both in prompt order.
@@ -19,7 +20,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from llmrun import gemma4_audio_clips, gemma4_images, qwen2_vl_images, qwen3_omni_clips
+from llmrun import (
+    gemma4_audio_clips,
+    gemma4_images,
+    nemotron_omni_clips,
+    nemotron_omni_images,
+    qwen2_vl_images,
+    qwen3_omni_clips,
+)
 from llmrun.errors import TokenizerError, UsageError
 from llmrun.models.gemma3 import ImageTokens
 from llmrun.multimodal import PromptImages
@@ -167,3 +175,29 @@ def gemma4(
     starts = _clip_starts(ids, tokenizer.token_id(soft), soft, clips)
     embeds, begins, are_clips = _in_order(pictures, clips, starts)
     return ids, PromptMedia(embeds, begins, are_clips)
+
+
+def nemotron_omni(
+    tokenizer: Tokenizer,
+    text: str,
+    images: Sequence[torch.Tensor],
+    clips: Sequence[torch.Tensor],
+) -> tuple[list[int], PromptImages]:
+    """The ids of `text` with its <image> and <so_embedding> places expanded for the
+    encoded `images` and `clips`, each kind in order, between their begin and end markers,
+    and both as generate() takes them (all seen causally, as text is)."""
+    begin, soft, end = (
+        nemotron_omni_clips.AUDIO_START,
+        nemotron_omni_clips.AUDIO,
+        nemotron_omni_clips.AUDIO_END,
+    )
+    missing = [t for t in (begin, soft, end) if tokenizer.token_id(t) is None]
+    if missing:
+        raise TokenizerError(
+            f"the tokenizer has no {', '.join(missing)}: not Nemotron 3 Nano Omni's"
+        )
+    expanded = _audio_expanded(text, soft, clips, lambda tokens: f"{begin}{soft * tokens}{end}")
+    ids, pictures = nemotron_omni_images.prompt(tokenizer, expanded, images)
+    starts = _clip_starts(ids, tokenizer.token_id(soft), soft, clips)
+    embeds, begins, _ = _in_order(pictures, clips, starts)
+    return ids, PromptImages(embeds, begins)

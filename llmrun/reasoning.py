@@ -7,13 +7,18 @@ in the prompt themselves). gpt-oss writes harmony messages instead,
 reasoning, `final` its answer, and `commentary` its tool calls (a header with
 `to=functions.NAME`) and their preambles, kept as a kind of its own (COMMENTARY) whose
 pieces are the messages as written, header and markers included as fed, so a tool-call
-parser can read them. The markers are found in the tokenizer's vocabulary, never in a
-list of model names; a model without them has no reasoning to split. Splitting works on
-token ids, so a marker is recognised however the text around it is cut into pieces.
+parser can read them. Muse Glimmer writes messages of the same shape without channels,
+`<|start|>assistant to=RECIPIENT<|message|>...` ended by `<|eom|>` (more follow) or `<|eot|>`
+(the turn's end): `to=self` is its reasoning, `to=user` its answer, any other recipient a
+tool's call (as llama.cpp's common/parsers/muse-glimmer.cpp reads them). The markers are
+found in the tokenizer's vocabulary, never in a list of model names; a model without them
+has no reasoning to split. Splitting works on token ids, so a marker is recognised however
+the text around it is cut into pieces.
 
 The switches are the variables a chat template reads: `enable_thinking` (Qwen3, SmolLM3)
-turns thinking on or off, `reasoning_effort` (gpt-oss) sets its depth. A switch the template
-does not read is refused rather than silently ignored.
+turns thinking on or off, `reasoning_effort` (gpt-oss; Muse Glimmer's `reasoning_strength`,
+which llama.cpp sets to the same value) sets its depth. A switch the template does not read
+is refused rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -36,8 +41,14 @@ THINK_MARKERS = (
 CHANNEL_NAMES = {"<|channel>": "thought"}
 # Harmony's message tokens: start, channel, message, end (required), return, call.
 HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>")
+# Muse Glimmer's: start, message, end of a message that more follow, end of the turn.
+MUSE_TOKENS = ("<|start|>", "<|message|>", "<|eom|>", "<|eot|>")
 _CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
+_RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 EFFORTS = ("low", "medium", "high")
+# The template variables of a reasoning effort: gpt-oss's, and Muse Glimmer's, which
+# llama.cpp sets to the effort too.
+EFFORT_VARIABLES = ("reasoning_effort", "reasoning_strength")
 
 
 class _Vocab(Protocol):
@@ -70,14 +81,17 @@ class Markers:
 @dataclass(frozen=True)
 class Harmony:
     """The token ids of harmony's message structure (gpt-oss): <|start|>, <|channel|>,
-    <|message|>, <|end|>, and <|return|> and <|call|> where the vocabulary has them."""
+    <|message|>, <|end|>, and <|return|> and <|call|> where the vocabulary has them; or of
+    Muse Glimmer's (no <|channel|>; <|eom|> and <|eot|> as `end` and `return_`), whose
+    `end_texts` are its own."""
 
     start: int
-    channel: int
+    channel: int | None
     message: int
     end: int
     return_: int | None = None
     call: int | None = None
+    end_texts: tuple[str, ...] = HARMONY_TOKENS[3:]  # the end markers' texts
 
     @property
     def ends(self) -> tuple[int | None, ...]:
@@ -87,11 +101,15 @@ class Harmony:
 
 def find_markers(tokenizer: _Vocab) -> Markers | Harmony | None:
     """The model's reasoning markers: harmony's message tokens if its vocabulary has the
-    four it needs (a structure no <think> model's vocabulary has), else the first pair of
-    THINK_MARKERS it has both of as single tokens."""
+    four it needs (a structure no <think> model's vocabulary has), else Muse Glimmer's if it
+    has all of them, else the first pair of THINK_MARKERS it has both of as single tokens."""
     ids = [tokenizer.token_id(t) for t in HARMONY_TOKENS]
     if None not in ids[:4]:
         return Harmony(*ids)
+    muse = [tokenizer.token_id(t) for t in MUSE_TOKENS]
+    if None not in muse:
+        start, message, eom, eot = muse
+        return Harmony(start, None, message, eom, eot, end_texts=MUSE_TOKENS[2:])
     for open_text, close_text in THINK_MARKERS:
         open_id, close_id = tokenizer.token_id(open_text), tokenizer.token_id(close_text)
         if open_id is not None and close_id is not None:
@@ -122,11 +140,12 @@ class Splitter:
     without reasoning passes exactly as generated.
 
     With Harmony markers it reads harmony messages: headers (up to <|message|>) print
-    nothing, an `analysis` message is reasoning, `final` (or any other channel) the
-    answer, and a `commentary` message or one with a recipient (` to=`) COMMENTARY,
-    passed as fed from its <|start|> to its end marker. Each token counts towards the
-    kind of the message it belongs to, its header and end marker included; text outside
-    any message passes as answer.
+    nothing, an `analysis` message (or one `to=self`, Muse Glimmer's) is reasoning, `final`
+    (or any other channel, or `to=user`) the answer, and a `commentary` message or one with
+    another recipient (` to=`) COMMENTARY, passed as fed from its <|start|> (where the
+    prompt opened its header: from what the model wrote of it) to its end marker. Each
+    token counts towards the kind of the message it belongs to, its header and end marker
+    included; text outside any message passes as answer.
     """
 
     def __init__(self, markers: Markers | Harmony | None, prompt: str = "") -> None:
@@ -185,7 +204,7 @@ class Splitter:
         self._counted = 0  # the open header's tokens, counted once its kind is known
         self._open = False  # whether a message's body is open
         start = prompt.rfind("<|start|>")
-        ends = max(prompt.rfind(t) for t in HARMONY_TOKENS[3:])
+        ends = max(prompt.rfind(t) for t in self.markers.end_texts)
         if start < 0 or ends > start:
             return
         head, found, _ = prompt[start:].partition("<|message|>")
@@ -195,11 +214,12 @@ class Splitter:
             self._head, self.header = head, ""
 
     def _open_body(self, header: str) -> None:
-        channel = _CHANNEL.search(header)
+        channel, recipient = _CHANNEL.search(header), _RECIPIENT.search(header)
         name = channel.group(1) if channel else ""
-        if " to=" in header or name == "commentary":
+        to = recipient.group(1) if recipient else ""
+        if (to and to not in ("self", "user")) or name == "commentary":
             self.kind = COMMENTARY
-        elif name == "analysis":
+        elif name == "analysis" or to == "self":
             self.kind = REASONING
             if self.text[REASONING]:
                 self._pending = "\n"  # messages of reasoning apart by a line
@@ -209,13 +229,14 @@ class Splitter:
 
     def _harmony(self, m: Harmony, token: int | None, text: str) -> list[Piece]:
         counted = token is not None
-        if token == m.start or (token == m.channel and self.header is None and not self._open):
+        channel = counted and token == m.channel
+        if token == m.start or (channel and self.header is None and not self._open):
             # A new message (one still open ends here, as if closed).
             self._close()
             self.header, self._head, self._counted = "", "", 0
         if self.header is not None:  # in a header: nothing prints until <|message|>
             self.header += text
-            self._head += "<|channel|>" if token == m.channel else "" if token == m.start else text
+            self._head += "<|channel|>" if channel else "" if token == m.start else text
             self._counted += counted
             if token != m.message:
                 return []
@@ -276,10 +297,11 @@ def template_switches(
             raise UsageError(
                 f"reasoning effort must be one of {', '.join(EFFORTS)}, got {effort!r}"
             )
-        if "reasoning_effort" not in variables:
+        name = next((v for v in EFFORT_VARIABLES if v in variables), None)
+        if name is None:
             raise UsageError(
                 "this model's chat template has no reasoning effort (it does not read "
                 "reasoning_effort): drop --reasoning-effort"
             )
-        switches["reasoning_effort"] = effort
+        switches[name] = effort
     return switches

@@ -144,14 +144,29 @@ class Vocabulary:
         what `grammar` matches. Applied from the first token, a grammar would have the
         model write its answer inside the reasoning (llama.cpp's grammars for a prompt
         that opens `<think>` start the same way)."""
+        barred = ",".join(str(i) for i in sorted({close_id, *self.eos_ids}))
+        return self._after(f"<[^{barred}]>* <[{close_id}]>", grammar)
+
+    def in_answer_message(self, grammar: Grammar, markers: Any) -> Grammar:
+        """`grammar` as Muse Glimmer's answer (`markers`, a reasoning.Harmony of its tokens),
+        for a prompt that ends with `<|start|>assistant`: after any messages of reasoning
+        (` to=self<|message|>`, any tokens but the message's end, then `<|eom|><|start|>
+        assistant`), in its message to the user (` to=user<|message|>`), as llama.cpp's
+        grammar for a response format has it (common/parsers/muse-glimmer.cpp)."""
+        barred = ",".join(str(i) for i in sorted({markers.end, *self.eos_ids}))
+        message, end, start = (f"<[{i}]>" for i in (markers.message, markers.end, markers.start))
+        reasoning = f'(" to=self" {message} <[^{barred}]>* {end} {start} "assistant")*'
+        return self._after(f'{reasoning} " to=user"? {message}', grammar)
+
+    def _after(self, before: str, grammar: Grammar) -> Grammar:
+        """`grammar` after what the Lark expression `before` matches."""
         source = grammar.source
         inner = (
             json.loads(source)["grammars"]
             if source.lstrip().startswith("{")
             else [{"lark_grammar": source}]
         )
-        barred = ",".join(str(i) for i in sorted({close_id, *self.eos_ids}))
-        outer = {"lark_grammar": f"start: <[^{barred}]>* <[{close_id}]> @reply\n"}
+        outer = {"lark_grammar": f"start: {before} @reply\n"}
         combined = {"grammars": [outer, {**inner[0], "name": "reply"}, *inner[1:]]}
         return self.compile(json.dumps(combined), grammar.what)
 
@@ -410,13 +425,23 @@ def check_schema(schema: Any, where: str = "") -> str | None:
     return None
 
 
-def for_prompt(grammar: Grammar | None, markers: Any, prompt: str) -> Grammar | None:
+def for_prompt(
+    grammar: Grammar | None, markers: Any, prompt: str, answer: bool = True
+) -> Grammar | None:
     """`grammar` for a reply to `prompt`: where the prompt leaves the model's reasoning
     open (it ends with `<think>`, as DeepSeek-R1's and GLM-4.7's templates write it), the
-    grammar after that reasoning (Vocabulary.after_reasoning)."""
-    from llmrun.reasoning import Markers
+    grammar after that reasoning (Vocabulary.after_reasoning); for Muse Glimmer's messages,
+    an `answer`'s grammar in its message to the user (Vocabulary.in_answer_message), where
+    the prompt leaves the reply's header open (calls' grammars spell their own messages)."""
+    from llmrun.reasoning import Harmony, Markers
 
-    if grammar is None or not isinstance(markers, Markers) or not markers.opened_by(prompt):
+    if grammar is None:
+        return None
+    if isinstance(markers, Harmony) and markers.channel is None:
+        if answer and prompt.endswith("<|start|>assistant"):
+            return grammar.vocab.in_answer_message(grammar, markers)
+        return grammar
+    if not isinstance(markers, Markers) or not markers.opened_by(prompt):
         return grammar
     return grammar.vocab.after_reasoning(grammar, markers.close_id)
 

@@ -35,6 +35,11 @@ The format is chosen from the chat template's source, never from a model name:
   (MiniMax-M2, M2.1, M2.5); values as in qwen3_xml
 - gemma4: `<|tool_call>call:NAME{key:<|"|>text<|"|>,n:3}<tool_call|>`, Gemma's own notation
   for the arguments (Gemma 4; llmrun/gemma4_calls.py reads and writes it)
+- muse_glimmer: a message to the tool, `<|start|>assistant to=NAME<|message|>
+  <atem:function_calls>\n<atem:invoke name="NAME">\n<atem:parameter name="KEY">VALUE
+  </atem:parameter>\n...</atem:invoke>\n</atem:function_calls>` (Muse Glimmer; the first
+  message's `<|start|>assistant` is the prompt's); a value is text where the tool's schema
+  allows a string, else JSON (as llama.cpp's common/parsers/muse-glimmer.cpp reads it)
 
 ToolCallParser reads the generated text piece by piece: text outside calls passes on as
 content as soon as it cannot begin a call, each call comes out whole once it is complete,
@@ -62,9 +67,9 @@ from llmrun.reasoning import ANSWER, REASONING, Piece
 HERMES, LLAMA3, MISTRAL, HARMONY, PHI4 = "hermes", "llama3_json", "mistral", "harmony", "phi4_mini"
 QWEN_XML, GRANITE, GLM = "qwen3_xml", "granite", "glm45"
 DEEPSEEK_V31, DEEPSEEK_V3, KIMI, COMMAND = "deepseek_v31", "deepseek_v3", "kimi_k2", "command_r7b"
-SEED, MINIMAX, GEMMA4 = "seed_oss", "minimax_m2", "gemma4"
+SEED, MINIMAX, GEMMA4, MUSE = "seed_oss", "minimax_m2", "gemma4", "muse_glimmer"
 FORMATS = (HERMES, LLAMA3, MISTRAL, HARMONY, PHI4, QWEN_XML, GRANITE, GLM)
-FORMATS += (DEEPSEEK_V31, DEEPSEEK_V3, KIMI, COMMAND, SEED, MINIMAX, GEMMA4)
+FORMATS += (DEEPSEEK_V31, DEEPSEEK_V3, KIMI, COMMAND, SEED, MINIMAX, GEMMA4, MUSE)
 # OpenAI's rule for function names.
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 # How the grammars write JSON: as json.dumps does by default, the way these models were
@@ -195,6 +200,8 @@ class ToolFormat:
             return f"{_MINIMAX_OPEN}\n{invokes}{_MINIMAX_CLOSE}"
         if self.name == GEMMA4:
             return "".join(gemma4_calls.write_call(c["name"], c["arguments"]) for c in items)
+        if self.name == MUSE:
+            return "<|eom|>".join(_muse_call(c["name"], c["arguments"]) for c in items)
         if self.name == COMMAND:
             actions = [
                 {"tool_call_id": str(i), "tool_name": c["name"], "parameters": c["arguments"]}
@@ -206,6 +213,14 @@ class ToolFormat:
             f"<|message|>{dump(c['arguments'])}<|call|>"
             for c in items
         )
+
+    def answer(self, rule: str, token: Callable[[str], str]) -> str:
+        """A Lark expression for an answer that `rule` spells, beside this format's
+        grammar of calls (tool_choice auto with a response format): Muse Glimmer's in its
+        message to the user, after its messages of reasoning (the calls' grammar's rule)."""
+        if self.name == MUSE:
+            return f'muse_reasoning* " to=user"? {token("<|message|>")} {rule}'
+        return rule
 
     def grammar(
         self, tools: Sequence[Mapping[str, Any]], token: Callable[[str], str], parallel: bool
@@ -329,6 +344,28 @@ class ToolFormat:
             return f"start: {opening} call{many} {closing}\ncall: {call}\n"
         if self.name == GEMMA4:
             return gemma4_calls.grammar(functions, token, parallel)
+        if self.name == MUSE:
+
+            def muse_call(f: Mapping[str, Any]) -> str:
+                name, parameters = f["name"], f.get("parameters") or _ANY_OBJECT
+                invoke = f"{token(_ATEM_INVOKE)} {lit(' name=' + json.dumps(name) + '>')}"
+                return (
+                    f'{lit(" to=" + name)} {token("<|message|>")} {token(_ATEM_OPEN)} "\\n" '
+                    f'{invoke} "\\n" {_xml_params(parameters, lit, schema, _atem_param(lit, token))} '
+                    f'{token("</atem:invoke>")} "\\n" {token(_ATEM_CLOSE)}'
+                )
+
+            alts = " | ".join(muse_call(f) for f in functions)
+            eom, start = token("<|eom|>"), token("<|start|>")
+            # Messages of reasoning first, as llama.cpp's grammar allows (any text: special
+            # tokens are no text); each further call in a message of its own, as the
+            # template writes them.
+            more = f' ({eom} {start} "assistant" call)*' if parallel else ""
+            return (
+                f"start: muse_reasoning* call{more}\ncall: {alts}\n"
+                f'muse_reasoning: " to=self" {token("<|message|>")} MUSE_THOUGHT {eom} {start} '
+                '"assistant"\nMUSE_THOUGHT: /(?s:.*)/\n'
+            )
         if self.name == COMMAND:
             # laid out as the template writes its calls and the system prompt asks
             action = schema(call_object("parameters", "", "tool_name", "tool_call_id"))
@@ -370,6 +407,15 @@ _KIMI_BEGIN, _KIMI_ARGS, _KIMI_END = (
 _COMMAND_OPEN, _COMMAND_CLOSE = "<|START_ACTION|>", "<|END_ACTION|>"
 _SEED_OPEN, _SEED_CLOSE = "<seed:tool_call>", "</seed:tool_call>"
 _MINIMAX_OPEN, _MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
+_ATEM_OPEN, _ATEM_CLOSE, _ATEM_INVOKE = (
+    "<atem:function_calls>",
+    "</atem:function_calls>",
+    "<atem:invoke",
+)
+# The tokens llama.cpp keeps whole in Muse Glimmer's output (its preserved_tokens), but for
+# the ends of messages, which the reply reader takes apart already.
+_ATEM_MARKERS = ("<|start|>", "<|message|>", _ATEM_OPEN, _ATEM_INVOKE, "<atem:parameter")
+_ATEM_MARKERS += ("</atem:parameter>", "</atem:invoke>", _ATEM_CLOSE)
 _DS_MARKERS = (_DS_OPEN, _DS_CLOSE, _DS_BEGIN, _DS_END, _DS_SEP)
 _KIMI_MARKERS = (_KIMI_OPEN, _KIMI_CLOSE, _KIMI_BEGIN, _KIMI_ARGS, _KIMI_END)
 _HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>")
@@ -401,6 +447,10 @@ _FORMATS = {
         gemma4_calls.CLOSE,
         (gemma4_calls.OPEN, gemma4_calls.CLOSE, gemma4_calls.QUOTE),
     ),
+    # The reply reader (reasoning.Splitter) passes a message to a tool on as written, from
+    # <|start|>, or for the reply's first message, whose header the prompt opened, from
+    # ` to=`; an answer's header it takes away.
+    MUSE: ToolFormat(MUSE, ("<|start|>",), _ATEM_CLOSE, _ATEM_MARKERS, at_start=("to=",)),
 }
 
 
@@ -415,6 +465,8 @@ def detect_format(template: str | None) -> ToolFormat | None:
         return None
     if "<|channel|>" in template and "functions." in template:
         return _FORMATS[HARMONY]
+    if _ATEM_OPEN in template and "<|start|>" in template:
+        return _FORMATS[MUSE]
     if _KIMI_OPEN in template and _KIMI_BEGIN in template:
         return _FORMATS[KIMI]
     if _DS_OPEN in template and _DS_SEP in template:  # R1's arguments are in a ```json block
@@ -578,6 +630,95 @@ _SEED_CALL = re.compile(
     r"<seed:tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</seed:tool_call>", re.S
 )
 _XML_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+
+
+_MUSE_CALL = re.compile(
+    r"(?:<\|start\|>\s*assistant)?\s*to=[^<]*<\|message\|>\s*"
+    + re.escape(_ATEM_OPEN)
+    + "(.*)"
+    + re.escape(_ATEM_CLOSE),
+    re.S,
+)
+_ATEM_INVOKE_BLOCK = re.compile(r'<atem:invoke name="([^"\n]+)">(.*?)</atem:invoke>', re.S)
+_ATEM_PARAM = re.compile(r'\s*<atem:parameter name="([^"\n]+)">(.*?)</atem:parameter>\s*', re.S)
+
+
+def _muse(fmt: ToolFormat, region: str) -> list[_Call]:
+    """The calls of a message to a tool: its invokes, each a call whatever the message's
+    recipient (llama.cpp takes the name from the invoke too); a value is the text itself
+    where its schema allows a string, else the JSON it spells."""
+    m = _MUSE_CALL.fullmatch(region.strip())
+    if m is None:
+        raise ValueError("not a message to a tool")
+    calls = []
+    for invoke in _in_sequence(_ATEM_INVOKE_BLOCK, m.group(1)):
+        name, body = _name(invoke.group(1)), invoke.group(2)
+        if _ATEM_PARAM.sub("", body).strip():
+            raise ValueError("text between parameters")
+        parameters = (fmt.schemas or {}).get(name) or {}
+        properties = parameters.get("properties") or {}
+        args = {
+            key: value if may_be_string(properties.get(key), parameters) else _json_or_text(value)
+            for key, value in _ATEM_PARAM.findall(body)
+        }
+        calls.append((name, dumps(args), None))
+    return calls
+
+
+def may_be_string(schema: Any, root: Any = None, seen: frozenset[str] = frozenset()) -> bool:
+    """Whether a value of `schema` may be a string, as llama.cpp's may_be_string decides it
+    (common/json-schema.cpp): a string type, a string const or enum member, a reference to
+    such a schema (in `root`), any of anyOf's, all of allOf's; a schema with no type not."""
+    if not isinstance(schema, Mapping):
+        return False
+    kinds = schema.get("type")
+    if kinds == "string" or (isinstance(kinds, list) and "string" in kinds):
+        return True
+    if "const" in schema:
+        return isinstance(schema["const"], str)
+    if isinstance(schema.get("enum"), list):
+        return any(isinstance(v, str) for v in schema["enum"])
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/") and ref not in seen:
+        target: Any = root
+        for part in ref[2:].split("/"):
+            target = target.get(part) if isinstance(target, Mapping) else None
+        return may_be_string(target, root, seen | {ref})
+    options = schema.get("anyOf") or schema.get("oneOf")
+    if isinstance(options, list):
+        return any(may_be_string(o, root, seen) for o in options)
+    parts = [p for p in schema.get("allOf") or () if isinstance(p, Mapping) and p]
+    return bool(parts) and all(may_be_string(p, root, seen) for p in parts)
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _muse_call(name: str, arguments: Mapping[str, Any]) -> str:
+    """One call as Muse Glimmer's template writes it: strings as they are, others as JSON."""
+    params = "".join(
+        f'<atem:parameter name="{key}">{value if isinstance(value, str) else dumps(value)}'
+        "</atem:parameter>\n"
+        for key, value in arguments.items()
+    )
+    return (
+        f"<|start|>assistant to={name}<|message|>{_ATEM_OPEN}\n"
+        f'{_ATEM_INVOKE} name="{name}">\n{params}</atem:invoke>\n{_ATEM_CLOSE}'
+    )
+
+
+def _atem_param(
+    lit: Callable[[str], str], token: Callable[[str], str]
+) -> Callable[[str, str], str]:
+    def param(key: str, value: str) -> str:
+        opening = f"{token('<atem:parameter')} {lit(' name=' + json.dumps(key) + '>')}"
+        return f'{opening} {value} {token("</atem:parameter>")} "\\n"'
+
+    return param
 
 
 def _qwen_xml(fmt: ToolFormat, region: str) -> list[_Call]:
@@ -927,6 +1068,7 @@ _PARSERS: dict[str, Callable[[ToolFormat, str], Any]] = {
     SEED: _seed,
     MINIMAX: _minimax,
     GEMMA4: lambda fmt, region: [(*gemma4_calls.parse_call(region), None)],
+    MUSE: _muse,
 }
 
 

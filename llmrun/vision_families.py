@@ -31,6 +31,7 @@ from llmrun import (
     minicpmv_images,
     multimodal,
     muse_glimmer_images,
+    nemotron_omni_images,
     paddleocr_vl_images,
     pixtral_images,
     qwen2_vl_images,
@@ -52,6 +53,7 @@ from llmrun.loading import (
     llava_vision,
     minicpmv_vision,
     muse_glimmer_vision,
+    nemotron_omni_vision,
     paddleocr_vl_vision,
     pixtral_vision,
     qwen2_5_omni,
@@ -455,6 +457,20 @@ FAMILIES: tuple[VisionFamily, ...] = (
         image_tokens=muse_glimmer_images.image_tokens,
         encode=muse_glimmer_images.encode,
         prompt=_by_text(muse_glimmer_images.prompt),
+    ),
+    # RADIO (a learned position table cropped to each image's grid), 2x2 patches shuffled
+    # into a token; its images go to a Nemotron-H between <img> and </img>.
+    VisionFamily(
+        name="Nemotron 3 Nano Omni",
+        vision_type=nemotron_omni_vision.NemotronOmniVision,
+        folder_has_vision=nemotron_omni_vision.folder_has_vision,
+        is_mmproj=nemotron_omni_vision.is_mmproj,
+        from_hf_dir=nemotron_omni_vision.from_hf_dir,
+        from_mmproj=nemotron_omni_vision.from_mmproj,
+        text_takes_images=nemotron_omni_vision.text_takes_images,
+        image_tokens=nemotron_omni_images.image_tokens,
+        encode=nemotron_omni_images.encode,
+        prompt=_by_text(nemotron_omni_images.prompt),
     ),
 )
 

@@ -27,6 +27,7 @@ from llmrun.tool_calls import (
     LLAMA3,
     MINIMAX,
     MISTRAL,
+    MUSE,
     PHI4,
     QWEN_XML,
     SEED,
@@ -77,6 +78,7 @@ TEMPLATE_FORMATS = {
     "MiniMax-M2": (MINIMAX, False),
     "google-gemma-4-31B-it": (GEMMA4, False),
     "google-gemma-4-31B-it-interleaved": (GEMMA4, False),
+    "muse-glimmer": (MUSE, False),
 }
 WEATHER = {
     "type": "function",
@@ -577,6 +579,11 @@ RENDERED_CALLS = {
     # the tool's result named after the call it answers
     "google-gemma-4-31B-it": '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>'
     '<|tool_response>response:get_weather{value:<|"|>sunny<|"|>}<tool_response|>',
+    # a message to the tool, then the tool's (the template finds its name by the call's id)
+    "muse-glimmer": "<|start|>assistant to=get_weather<|message|><atem:function_calls>\n"
+    '<atem:invoke name="get_weather">\n<atem:parameter name="city">Paris</atem:parameter>\n'
+    "</atem:invoke>\n</atem:function_calls><|eot|><|start|>tool get_weather<|message|>"
+    '<tool_output name="get_weather">\nsunny\n</tool_output><|eot|>',
 }
 
 

@@ -137,6 +137,10 @@ SEED_CALL = "\n<function=get_weather>\n<parameter=city>Paris</parameter>\n</func
 MINIMAX_CALL = (
     '\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n</invoke>\n'
 )
+MUSE_CALL = (
+    '<atem:function_calls>\n<atem:invoke name="get_weather">\n'
+    '<atem:parameter name="city">Paris</atem:parameter>\n</atem:invoke>\n</atem:function_calls>'
+)
 
 FAMILIES = {
     "qwen2.5": Family(
@@ -313,6 +317,17 @@ FAMILIES = {
         + plain("<tool|>", GEMMA4_CALL),
         ["<|tool_call>", GEMMA4_CALL, "<tool_call|>", "<|tool_response>"],
         ["<turn|>", "<|tool_response>"],
+    ),
+    # Muse Glimmer: a message to the tool (its header's `<|start|>assistant` the prompt's),
+    # ending the turn; the answer is a message to the user.
+    "muse-glimmer": Family(
+        "muse_glimmer",
+        "muse-glimmer.jinja",
+        special("<|start|>", "<|message|>", "<|eom|>", "<|eot|>", "<|patch|>")
+        + plain(" to=get_weather", " to=user", MUSE_CALL),
+        [" to=get_weather", "<|message|>", MUSE_CALL, "<|eot|>"],
+        ["<|eot|>"],
+        answer_head=(" to=user", "<|message|>"),
     ),
     "phi4-mini": Family(
         "phi4_mini",

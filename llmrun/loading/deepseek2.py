@@ -2,7 +2,7 @@
 llama.cpp's converter writes it (conversion/deepseek.py) and llama.cpp reads it
 (src/models/deepseek2.cpp, llama-context.cpp's YaRN factors, llama-graph.cpp's
 build_moe_ffn), as the config and tensors of llmrun's deepseek_v2 (softmax gating) or
-deepseek_v3 (sigmoid gating) model.
+deepseek_v3 (sigmoid gating) model, or youtu (Youtu-LLM: every block dense, no experts).
 
 Two forms of the key/value expansion exist. Older files hold HF's kv_b_proj as
 attn_kv_b. Newer ones (those with attention.key_length_mla) hold it split per head for
@@ -30,7 +30,9 @@ if TYPE_CHECKING:
     import torch
 
 ARCH = "deepseek2"
-MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+# Youtu-LLM: DeepSeek-V3's attention, every layer dense (a deepseek2 file without experts).
+YOUTU = "youtu"
+MODEL_TYPES = ("deepseek_v2", "deepseek_v3", YOUTU)
 # Mistral 4's GGUF arch and model_type: DeepSeek-V3's layers with a softmax router.
 MISTRAL4 = "mistral4"
 ARCHS = (ARCH, MISTRAL4)
@@ -186,7 +188,8 @@ def config_from_gguf(gg, rope_from_gguf) -> dict[str, Any]:
 
 def _experts(gg, meta: ArchMetadata, layers: int, vocab: int | None) -> dict[str, Any]:
     """The feed-forward's config fields: leading dense layers, the experts and their
-    routing (model_type: deepseek_v3 for sigmoid gating, else deepseek_v2)."""
+    routing (model_type: deepseek_v3 for sigmoid gating, else deepseek_v2; youtu where
+    every layer is dense)."""
     path = gg.path
     dense = meta.get(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, 0)
     count, used = meta.get(Keys.LLM.EXPERT_COUNT, 0), meta.get(Keys.LLM.EXPERT_USED_COUNT, 0)
@@ -215,9 +218,13 @@ def _experts(gg, meta: ArchMetadata, layers: int, vocab: int | None) -> dict[str
             )
         fields["intermediate_size"] = ff
     if dense >= layers:
-        raise UnsupportedError(
-            f"{path}: a {gg.architecture} file without expert layers is not supported"
-        )
+        if gg.architecture != ARCH:
+            raise UnsupportedError(
+                f"{path}: a {gg.architecture} file without expert layers is not supported"
+            )
+        # Every block a leading dense one: Youtu-LLM's files (llmrun.models.youtu), the
+        # expert keys the converter writes for llama.cpp's loader meaning nothing.
+        return {"model_type": YOUTU, "intermediate_size": ff, "first_k_dense_replace": dense}
     if not 0 < used <= count:
         raise ModelFormatError(
             f"{path}: {meta.name(Keys.LLM.EXPERT_USED_COUNT)} is {used}, but "

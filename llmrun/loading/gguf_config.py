@@ -38,6 +38,7 @@ from llmrun.loading import (
     dots3,
     dsa,
     ernie4_5,
+    eurobert,
     exaone,
     exaone4,
     exaone_moe,
@@ -220,6 +221,7 @@ MODEL_TYPES = {
     nomic_bert.MOE_ARCH: nomic_bert.MODEL_TYPE,  # nomic-embed-text-v2-moe: the same file
     jina_bert.ARCH: jina_bert.MODEL_TYPE,  # llmrun/loading/jina_bert.py
     modernbert.ARCH: modernbert.MODEL_TYPE,  # llmrun/loading/modernbert.py
+    eurobert.ARCH: eurobert.MODEL_TYPE,  # llmrun/loading/eurobert.py
     internlm2.ARCH: internlm2.MODEL_TYPE,  # llmrun/loading/internlm2.py
     baichuan.ARCH: baichuan.MODEL_TYPE,  # and Baichuan 2: llmrun/loading/baichuan.py
 }
@@ -315,6 +317,8 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
         return jina_bert.hf_name(gguf_name)
     if model_type == modernbert.MODEL_TYPE:
         return modernbert.hf_name(gguf_name)
+    if model_type == eurobert.MODEL_TYPE:
+        return eurobert.hf_name(gguf_name)
     if model_type == gemma4.MODEL_TYPE:
         return gemma4.hf_name(gguf_name)
     if model_type in (*deepseek2.MODEL_TYPES, deepseek2.MISTRAL4):
@@ -532,6 +536,8 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         return jina_bert.config_from_gguf(gg)
     if arch == modernbert.ARCH:
         return modernbert.config_from_gguf(gg)
+    if arch == eurobert.ARCH:
+        return eurobert.config_from_gguf(gg, _rope_from_gguf)
     if arch == nemotron.ARCH:
         return nemotron.config_from_gguf(gg, _rope_from_gguf)
     if arch == jais2.ARCH:

@@ -291,6 +291,14 @@ def _safetensors_tensors(folder: Path) -> Tensors:
     return [(key, *t) for key, t in tensors.items()]
 
 
+def _generates_text(config: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal checkpoint whose language model llmrun runs generates, whatever its
+    class is named (Qwen2_5OmniModel, NemotronH_Nano_Omni_Reasoning_V3)."""
+    from llmrun.loading import vl_text
+
+    return {"embedding_model": False} if config.get("model_type") in vl_text.FAMILIES else {}
+
+
 def _describe_safetensors(folder: Path) -> dict[str, Any]:
     from llmrun.loading import embedding, mistral_native, reranker
 
@@ -303,6 +311,9 @@ def _describe_safetensors(folder: Path) -> dict[str, Any]:
     if config.get("model_type") == "qwen2_5_omni" and isinstance(thinker, dict):
         # The Hub's Qwen2.5-Omni: what runs is its thinker (llmrun.loading.vl_text).
         config = {**thinker, "model_type": config["model_type"]}
+    if isinstance(config.get("llm_config"), dict) and "text_config" not in config:
+        # The Hub's Nemotron 3 Nano Omni names its text config so (llmrun.loading.vl_text).
+        config = {**config, "text_config": config["llm_config"]}
     text_config = config.get("text_config") or {}
     context = next(
         (
@@ -331,6 +342,7 @@ def _describe_safetensors(folder: Path) -> dict[str, Any]:
         or (mistral_native.known_chat_template(folder) if native else None),
         "license": _readme_license(folder / "README.md"),
         **embedding.hf_info(folder, config),
+        **_generates_text(config),
         **reranker.hf_info(config, folder),
         **_files_listing(folder, sorted(p for p in folder.rglob("*") if p.is_file())),
     }
@@ -399,13 +411,22 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
     sliding-window layers holding at most their window; None if the config lacks the sizes.
     The torch-free twin of llmrun.models.kv_cache_bytes (a test keeps the two equal)."""
     text = config.get("text_config") or config
-    from llmrun.loading import bert, gemma_embedding, jina_bert, mamba, modernbert, nomic_bert
+    from llmrun.loading import (
+        bert,
+        eurobert,
+        gemma_embedding,
+        jina_bert,
+        mamba,
+        modernbert,
+        nomic_bert,
+    )
 
     encoders = (
         *bert.HF_MODEL_TYPES,
         nomic_bert.MODEL_TYPE,
         modernbert.MODEL_TYPE,
         jina_bert.MODEL_TYPE,
+        eurobert.MODEL_TYPE,
     )
     if config.get("model_type") in (*encoders, gemma_embedding.MODEL_TYPE) or (
         gemma_embedding.hf_applies(config)

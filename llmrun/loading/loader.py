@@ -47,6 +47,7 @@ from llmrun.loading import (
     dsa,
     embedding,
     ernie4_5,
+    eurobert,
     exaone,
     exaone_moe,
     experts,
@@ -222,12 +223,15 @@ def _towers(config: dict[str, Any]) -> list[str]:
     towers = [kind for kind in ("vision", "audio") if isinstance(held.get(f"{kind}_config"), dict)]
     if isinstance(held.get("encoder_config"), dict):  # Granite Speech's audio encoder
         towers.append("audio")
+    if isinstance(held.get("sound_config"), dict):  # Nemotron 3 Nano Omni's, by the Hub's name
+        towers.append("audio")
     return towers or ["vision"]
 
 
 def _open_hf_dir(path: Path) -> Checkpoint:
     config = safetensors_io.read_config(path)
     bitnet.refuse_remote(config, path)
+    eurobert.refuse_task_adapters(config, path)
     projects = gemma_embedding.hf_applies(config)  # applies Dense modules: EmbeddingGemma
     pooling, normalized = embedding.hf_pooling(path, dense=projects)
     weights, files = {}, {}
@@ -339,6 +343,8 @@ def _open_hf_dir(path: Path) -> Checkpoint:
         config, weights = nomic_bert.hf_checkpoint(config, weights, path, Weight)
     if config.get("model_type") == modernbert.MODEL_TYPE:
         weights = modernbert.hf_weights(weights)
+    if config.get("model_type") == eurobert.MODEL_TYPE:
+        weights = eurobert.hf_weights(weights)
     if config.get("model_type") == falcon.MODEL_TYPE:
         weights = falcon.hf_weights(weights)
     if config.get("model_type") in qwen35.MODEL_TYPES:
@@ -672,6 +678,8 @@ def _open_gguf(path: Path) -> Checkpoint:
         weights = nomic_bert.gguf_weights(weights, config, Weight)
     if gg.architecture == jina_bert.ARCH:
         weights = jina_bert.gguf_weights(weights, config, Weight)
+    if gg.architecture == eurobert.ARCH:
+        weights = eurobert.gguf_weights(weights, config, Weight)
     return Checkpoint(
         path, "gguf", config, weights, sampling_defaults=gguf_io.generation_defaults(gg), gguf=gg,
         pooling=pooling, rank_head=rank_head,

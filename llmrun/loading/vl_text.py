@@ -59,6 +59,8 @@ class Family:
     mtp_layers: bool = False
     # Checkpoint key prefixes of weights that transformers never loads.
     unused: tuple[str, ...] = ()
+    # Where the outer config holds the text model's: text_config, or an older name.
+    text_names: tuple[str, ...] = ("text_config",)
 
 
 FAMILIES = {
@@ -147,6 +149,25 @@ FAMILIES = {
     # Its audio tower is llmrun.loading.qwen3_asr's.
     "qwen3_asr": Family("Qwen3-ASR", "qwen3", tie_default=True),
     "qwen3_asr_thinker": Family("Qwen3-ASR", "qwen3"),
+    # GlmAsrConfig's text_config is a Llama's under GLM-ASR-Nano's defaults; it ties the
+    # output head by default. Its audio tower is llmrun.loading.glmasr's.
+    "glmasr": Family(
+        "GLM-ASR",
+        "llama",
+        tie_default=True,
+        defaults={
+            "vocab_size": 59264,
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 4,
+            "max_position_embeddings": 8192,
+            "rms_norm_eps": 1e-05,
+            "eos_token_id": [59246, 59253, 59255],
+        },
+        rope_defaults={"rope_theta": 10000.0},
+    ),
     # Exaone4_5_Config's text_config is an Exaone4Config (its first files said exaone4_5_text);
     # the Hub's checkpoints hold a multi-token-prediction layer as mtp.*.
     "exaone4_5": Family("EXAONE 4.5", "exaone4", unused=("mtp.",)),
@@ -182,6 +203,12 @@ FAMILIES = {
     ),
     # MuseGlimmerTextConfig (its DFlash drafter, MuseGlimmerAssistantModel, is not run).
     "muse_glimmer": Family("Muse Glimmer", "muse_glimmer_text"),
+    # Nemotron 3 Nano Omni: transformers 5.25's NemotronH_Omni_Reasoning_V3, and the Hub's
+    # own model_type, whose text config is llm_config; a Nemotron-H under the Hub's names.
+    "nemotron_h_omni": Family("Nemotron 3 Nano Omni", "nemotron_h"),
+    "NemotronH_Nano_Omni_Reasoning_V3": Family(
+        "Nemotron 3 Nano Omni", "nemotron_h", text_names=("text_config", "llm_config")
+    ),
 }
 # The architecture of LightOnOCR-1B's first config.json, whose model_type is mistral3.
 LIGHTONOCR_ARCHITECTURE = "LightOnOCRForConditionalGeneration"
@@ -201,6 +228,8 @@ _TEXT_PREFIXES = {
     "model.text_model.": "model.",
     "thinker.model.": "model.",  # Qwen2.5-Omni's thinker, as the Hub saves it
     "thinker.lm_head.": "lm_head.",
+    "language_model.backbone.": "backbone.",  # Nemotron 3 Nano Omni's, as the Hub saves it
+    "language_model.mtp.": "mtp.",
 }
 # The vision (and audio) parts of every multimodal checkpoint llmrun takes the language
 # model of (these FAMILIES and the loader's MULTIMODAL): never a language model's weight.
@@ -248,6 +277,10 @@ VISION_PREFIXES = (
     "model.encoder.",  # Granite Speech's conformer and projector, as transformers 5 and
     "encoder.",  # the Hub save them
     "projector.",
+    "mlp1.",  # Nemotron 3 Nano Omni's projectors and audio tower, as the Hub saves them
+    "vision_projector.",
+    "sound_encoder.",
+    "sound_projection.",
 )
 
 
@@ -265,7 +298,7 @@ def language_model(
             raise ModelFormatError(f"{path}: a {name} config.json without a thinker_config")
         config = {**thinker, "model_type": _THINKERS[config["model_type"]]}
     family = FAMILIES[config["model_type"]]
-    text = config.get("text_config")
+    text = next((config[k] for k in family.text_names if isinstance(config.get(k), dict)), None)
     if not isinstance(text, dict):
         if config["model_type"] not in _FLAT_CONFIGS:
             raise ModelFormatError(

@@ -41,6 +41,7 @@ ARCHITECTURES = {
     "dots3_note": "dots3_note",  # multimodal: its language model
     "dots3_note_text": "dots3_note",
     "mistral4": "mistral4",
+    "youtu": "youtu",  # Youtu-LLM: DeepSeek-V3's attention, every layer dense
     "olmo": "olmo",
     "olmo2": "olmo2",
     "olmo3": "olmo3",
@@ -147,6 +148,7 @@ ARCHITECTURES = {
     "nomic_bert": "nomic_bert",
     "jina_bert": "jina_bert",  # Jina BERT v2 (the Hub's config.json: "bert", JinaBert*)
     "modernbert": "modernbert",
+    "eurobert": "eurobert",  # EuroBERT encoders (jina-embeddings-v5-text-nano's backbone)
     "gemma_embedding": "gemma_embedding",  # EmbeddingGemma: gemma3_text, bidirectional
     "nemotron-nas": "deci",  # DeciLMForCausalLM: Llama-3.x-Nemotron 51B, Super, Ultra
 }

@@ -114,6 +114,8 @@ class ModelArgs:
             )
         if "partial_rotary_factor" in self.rope_parameters:
             raise UnsupportedError("DeepSeek with partial_rotary_factor is not supported")
+        if self.first_k_dense_replace >= self.num_hidden_layers:
+            return  # every layer dense (Youtu-LLM): nothing is routed
         self.check_routing()
         experts, groups = self.n_routed_experts, self.n_group or 1
         if experts % groups:

@@ -29,6 +29,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from llmrun import api, batching
 from llmrun.chat import PLAIN_STOP
 from llmrun.generate import Response as GenResponse
+from llmrun.reasoning import EFFORT_VARIABLES
 from llmrun.server.images import Encoded, check_body, image_refs, read_images
 from llmrun.server.infill import suffix_prompts
 from llmrun.server.reply import Ask, Prepared, ReplyReader, is_reasoning, prepare
@@ -252,14 +253,15 @@ def switches(engine: api.Engine, think: bool | str | None) -> dict[str, Any]:
         return {}
     variables = engine.template.variables if engine.template is not None else set()
     if isinstance(think, str):
-        if "reasoning_effort" not in variables:
+        effort = next((v for v in EFFORT_VARIABLES if v in variables), None)
+        if effort is None:
             raise ApiError(
                 400,
                 f"think {think!r}: this model's chat template takes no reasoning effort "
                 "(send true or false)",
                 param="think",
             )
-        return {"reasoning_effort": think}
+        return {effort: think}
     switch = next((v for v in ("enable_thinking", "thinking") if v in variables), None)
     if switch is not None:
         return {switch: think}

@@ -99,7 +99,8 @@ def prepare(engine: api.Engine, fmt: ToolFormat | None, ask: Ask) -> Prepared:
     forced = fmt is not None and ask.tool_choice != "auto"
     from llmrun.structured import for_prompt
 
-    grammar = for_prompt(_grammar(engine, fmt, ask, forced), engine.markers, text)
+    grammar = _grammar(engine, fmt, ask, forced)
+    grammar = for_prompt(grammar, engine.markers, text, answer=fmt is None)
     return Prepared(text, ids, fmt, grammar, forced, history_end, images)
 
 
@@ -122,7 +123,7 @@ def _grammar(engine: api.Engine, fmt: ToolFormat | None, ask: Ask, forced: bool)
             return vocab.json_schema(ask.schema or None, param)
         if not forced:  # auto with a response format: a call, or the JSON answer
             calls = fmt.grammar(tools, vocab.token, ask.parallel)
-            answer = structured.json_lark(ask.schema or None, param)
+            answer = fmt.answer(structured.json_lark(ask.schema or None, param), vocab.token)
             text = f"start: calls | answer\nanswer: {answer}\n" + calls.replace(
                 "start:", "calls:", 1
             )

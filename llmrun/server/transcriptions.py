@@ -3,10 +3,10 @@
 text) and `temperature` (0, greedy, unless given), answered as OpenAI answers.
 
 The prompt is the one the model's audio family documents for transcription
-(llmrun.audio_families: Voxtral's is mistral_common's, Qwen3-ASR's its processor's through
-the chat template, OpenAI's `prompt` its context), and the answer's text is read as the family's processor reads it
-(Qwen3-ASR's without its "language NAME<asr_text>"); a family that documents none is a
-400. The clip is encoded as chat's `input_audio` parts are (llmrun.server.audio: the same
+(llmrun.audio_families: Voxtral's is mistral_common's, Qwen3-ASR's and GLM-ASR's their
+processors' through the chat template, OpenAI's `prompt` Qwen3-ASR's context), and the answer's text is read as the family's processor reads it
+(Qwen3-ASR's without its "language NAME<asr_text>", GLM-ASR's without its "The spoken
+content of the audio is"); a family that documents none is a 400. The clip is encoded as chat's `input_audio` parts are (llmrun.server.audio: the same
 size limit, WAV checks and kept encodings), and the request runs on the scheduler with the
 others, cancelled when its client goes away and counted in /metrics as "transcriptions".
 The body is read up to a limit before the form is parsed (python-multipart, Starlette's
@@ -84,10 +84,10 @@ async def transcriptions(request: Request) -> Response:
             param="prompt",
         )
 
-    def render(messages: list[dict[str, Any]]) -> str:
+    def render(messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
         if engine.template is None:
             raise ApiError(400, f"{service.model_id} has no chat template to place audio in")
-        return engine.render(messages, add_generation_prompt=False)
+        return engine.render(messages, add_generation_prompt=add_generation_prompt)
 
     try:
         text = family.transcription(engine.tokenizer, render, language, fields["prompt"] or None)
