@@ -238,6 +238,13 @@ class Splitter:
             self.header += text
             self._head += "<|channel|>" if channel else "" if token == m.start else text
             self._counted += counted
+            if not _could_be_header(self._head):
+                # Not a message header after all (a model that ignores the format): its
+                # text is the answer, as text outside any message is, so nothing is lost.
+                written, self.header, self._head = self.header, None, ""
+                self.kind = ANSWER
+                self.tokens[ANSWER] += self._counted
+                return self._emit(written)
             if token != m.message:
                 return []
             header = self.header
@@ -273,6 +280,22 @@ class Splitter:
         self._pending = text[len(stripped) :]
         self.text[REASONING] += out
         return [Piece(REASONING, out)] if out else []
+
+
+# What may follow <|start|> in a message the model writes: its role, then a channel, a
+# recipient, a constraint or the body's <|message|> (harmony's and Muse Glimmer's headers).
+_ROLE = "assistant"
+_AFTER_ROLE = ("<|channel|>", " to=", "<|constrain|>", "<|message|>")
+
+
+def _could_be_header(head: str) -> bool:
+    """Whether `head` (a header's text so far, <|start|> and all) begins as a header can:
+    the role, or no role (a header opened by <|channel|>), then what may follow it."""
+    head = head.removeprefix("<|start|>")
+    if _ROLE.startswith(head):
+        return True
+    rest = head.removeprefix(_ROLE)
+    return any(rest.startswith(o) or o.startswith(rest) for o in _AFTER_ROLE)
 
 
 def template_switches(

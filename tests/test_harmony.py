@@ -108,6 +108,17 @@ def test_where_the_prompt_leaves_the_reply():
     assert pieces == [(REASONING, "A"), (ANSWER, "B")]
 
 
+def test_a_reply_without_a_header_is_the_answer():
+    """A model that writes no header after the prompt's `<|start|>assistant` (one that
+    ignores the format, a random test model) has its text shown as the answer, from the
+    token that shows it is no header; a header cut anywhere still waits."""
+    pieces, s = split([(10, " t"), (11, "he"), (12, " end")])
+    assert pieces == [(ANSWER, " the"), (ANSWER, " end")]
+    assert s.tokens[ANSWER] == 3
+    pieces, _ = split([(10, " t"), (11, "o=user"), (3, ""), (12, "Hi"), (5, "")])
+    assert pieces == [(ANSWER, "Hi")]
+
+
 class Vocab:
     def __init__(self, tokens):
         self.ids = {t: i for i, t in enumerate(tokens)}
