@@ -19,6 +19,7 @@ from llmrun import (
     audio,
     gemma3n_audio_clips,
     gemma4_audio_clips,
+    gemma4_unified_media,
     glmasr_clips,
     granite_speech_clips,
     mixed_media,
@@ -33,6 +34,7 @@ from llmrun import (
 from llmrun.loading import (
     gemma3n_audio,
     gemma4_audio,
+    gemma4_unified,
     glmasr,
     granite_speech,
     nemotron_omni_audio,
@@ -182,6 +184,37 @@ FAMILIES: tuple[AudioFamily, ...] = (
         encode=gemma4_audio_clips.encode,
         prompt=gemma4_audio_clips.prompt,
         with_images=mixed_media.gemma4,
+    ),
+    # No encoder: a token per frame of raw samples (llmrun.gemma4_unified_media).
+    AudioFamily(
+        name="Gemma 4 Unified",
+        encoder_type=gemma4_unified.Gemma4UnifiedAudio,
+        folder_has_audio=gemma4_unified.folder_has_audio,
+        is_mmproj=gemma4_unified.is_audio_mmproj,
+        from_hf_dir=gemma4_unified.audio_from_hf_dir,
+        from_mmproj=gemma4_unified.audio_from_mmproj,
+        text_takes_audio=lambda config: config.get("model_type") in gemma4_unified.TEXT_MODEL_TYPES,
+        clip_tokens=gemma4_unified_media.clip_tokens,
+        encode=gemma4_unified_media.encode_clips,
+        prompt=gemma4_unified_media.clip_prompt,
+        with_images=gemma4_unified_media.with_images,
+    ),
+    # Granite Speech's with chosen conformer layers' outputs read by its projector too;
+    # before Granite Speech, whose encoder class its own extends.
+    AudioFamily(
+        name="Granite Speech Plus",
+        encoder_type=granite_speech.GraniteSpeechPlusAudio,
+        folder_has_audio=granite_speech.plus_folder_has_audio,
+        is_mmproj=granite_speech.plus_is_mmproj,
+        from_hf_dir=granite_speech.from_hf_dir,
+        from_mmproj=granite_speech.plus_from_mmproj,
+        text_takes_audio=granite_speech.text_takes_audio,
+        clip_tokens=granite_speech_clips.clip_tokens,
+        encode=granite_speech_clips.encode,
+        prompt=granite_speech_clips.prompt,
+        text_place=granite_speech_clips.AUDIO,
+        adapter=lambda encoder: encoder.adapter,
+        transcription=granite_speech_clips.plus_transcription,
     ),
     # Its adapter on the language model runs for prompts with audio alone.
     AudioFamily(

@@ -14,12 +14,16 @@ processor counts (samples // 160 + 1) // 2 encoder frames and gives the clip
 window_size // downsample_rate tokens per window_size of them begun. Each clip is
 encoded alone (transformers pads a batch's clips to the longest, which gives a shorter
 clip the encoding of its padding).
+
+Granite Speech Plus takes its prompts and clips alike; its transcription request is the one
+transformers documents for it (model_doc/granite_speech_plus: its SYSTEM_PROMPT, then
+ASR_PROMPT as the user's turn, with the generation prompt).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,6 +39,11 @@ if TYPE_CHECKING:  # the loader imports FeatureSettings from here
     from llmrun.loading.granite_speech import GraniteSpeechAudio
 
 AUDIO = "<|audio|>"
+PLUS_SYSTEM = (
+    "Knowledge Cutoff Date: April 2024.\nToday's Date: December 19, 2024.\n"
+    "You are Granite, developed by IBM. You are a helpful AI assistant"
+)
+PLUS_INSTRUCTION = " can you transcribe the speech into a written format?"
 
 
 @dataclass(frozen=True)
@@ -140,3 +149,26 @@ def prompt(
     if taken != len(places):
         raise UsageError(f"the prompt's text holds {AUDIO} tokens of its own")
     return ids, PromptImages(list(embeds), starts)
+
+
+def plus_transcription(
+    tokenizer: Tokenizer,
+    render: Callable[..., str],
+    language: str | None,
+    context: str | None = None,
+) -> str:
+    """Granite Speech Plus's transcription prompt text: the chat template (`render`, asked
+    for the generation prompt) of its system turn and a user turn of the clip and the
+    instruction. A language is refused: the documented prompt names none."""
+    if tokenizer.token_id(AUDIO) is None:
+        raise TokenizerError(f"the tokenizer has no {AUDIO}: not Granite Speech's")
+    if language is not None:
+        raise UsageError(
+            f"language {language!r}: Granite Speech Plus's transcription prompt takes no "
+            "language: leave language out"
+        )
+    messages = [
+        {"role": "system", "content": PLUS_SYSTEM},
+        {"role": "user", "content": AUDIO + PLUS_INSTRUCTION},
+    ]
+    return render(messages, add_generation_prompt=True)

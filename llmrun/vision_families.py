@@ -17,6 +17,7 @@ from llmrun import (
     deepseek_ocr2_images,
     exaone4_5_images,
     gemma4_images,
+    gemma4_unified_media,
     glm4v_images,
     granite4_vision_images,
     hunyuan_vl_images,
@@ -35,10 +36,12 @@ from llmrun import (
     paddleocr_vl_images,
     pixtral_images,
     qwen2_vl_images,
+    unlimited_ocr_images,
 )
 from llmrun.loading import (
     deepseek_ocr2_vision,
     exaone4_5_vision,
+    gemma4_unified,
     gemma4_vision,
     glm4v_vision,
     granite4_vision,
@@ -61,6 +64,7 @@ from llmrun.loading import (
     qwen3_omni,
     qwen3_vl_vision,
     safetensors_io,
+    unlimited_ocr_vision,
 )
 from llmrun.loading import vision as gemma3_vision
 from llmrun.tokenizer import Tokenizer
@@ -174,6 +178,21 @@ FAMILIES: tuple[VisionFamily, ...] = (
         image_tokens=gemma4_images.image_tokens,
         encode=gemma4_images.encode,
         prompt=_by_text(gemma4_images.prompt),
+    ),
+    # No encoder: an image's patches embedded as they are (llmrun.gemma4_unified_media).
+    VisionFamily(
+        name="Gemma 4 Unified",
+        vision_type=gemma4_unified.Gemma4UnifiedVision,
+        folder_has_vision=gemma4_unified.folder_has_vision,
+        is_mmproj=gemma4_unified.is_vision_mmproj,
+        from_hf_dir=gemma4_unified.vision_from_hf_dir,
+        from_mmproj=gemma4_unified.vision_from_mmproj,
+        text_takes_images=lambda config: (
+            config.get("model_type") in gemma4_unified.TEXT_MODEL_TYPES
+        ),
+        image_tokens=gemma4_unified_media.image_tokens,
+        encode=gemma4_unified_media.encode,
+        prompt=_by_text(gemma4_unified_media.prompt),
     ),
     VisionFamily(
         name="Mistral 3",
@@ -416,6 +435,20 @@ FAMILIES: tuple[VisionFamily, ...] = (
         image_tokens=deepseek_ocr2_images.image_tokens,
         encode=deepseek_ocr2_images.encode,
         prompt=_by_text(deepseek_ocr2_images.prompt),
+    ),
+    # DeepSeek-OCR's SAM then CLIP-L for crops and the whole image, each grid's rows closed
+    # by a newline; its images go to a DeepSeek V1 MoE (llmrun's deepseek).
+    VisionFamily(
+        name="Unlimited-OCR",
+        vision_type=unlimited_ocr_vision.UnlimitedOcrVision,
+        folder_has_vision=unlimited_ocr_vision.folder_has_vision,
+        is_mmproj=unlimited_ocr_vision.is_mmproj,
+        from_hf_dir=unlimited_ocr_vision.from_hf_dir,
+        from_mmproj=unlimited_ocr_vision.from_mmproj,
+        text_takes_images=unlimited_ocr_vision.text_takes_images,
+        image_tokens=unlimited_ocr_images.image_tokens,
+        encode=unlimited_ocr_images.encode,
+        prompt=_by_text(unlimited_ocr_images.prompt),
     ),
     # MoonViT (a learned position table resized to each image, a 2D RoPE) with 2x2 patches
     # a token; its images go to a DeepSeek-V3.

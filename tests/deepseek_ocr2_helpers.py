@@ -177,11 +177,12 @@ _TEXT_NAMES = {
 }
 
 
-def write_text_gguf(model, folder: Path, path: Path) -> Path:
+def write_text_gguf(model, folder: Path, path: Path, sliding_window: int | None = None) -> Path:
     """The language model as llama.cpp's converter writes it from DeepSeek's checkpoint
     (conversion/deepseek.py DeepseekV2Model for DeepseekOCR2ForCausalLM: arch deepseek2-ocr,
     q/k rows unpermuted, experts stacked), F32, with stories260K's vocabulary plus <image>
-    and the folder's chat template (the converter writes tokenizer_config.json's)."""
+    and the folder's chat template (the converter writes tokenizer_config.json's);
+    `sliding_window`: Unlimited-OCR's, which the converter writes and llama.cpp never reads."""
     import gguf
 
     from llmrun.loading.gguf_io import read_gguf
@@ -207,6 +208,8 @@ def write_text_gguf(model, folder: Path, path: Path) -> Path:
     writer.add_expert_shared_count(text.n_shared_experts)
     writer.add_expert_weights_scale(text.routed_scaling_factor)
     writer.add_rope_dimension_count(0)  # the checkpoint's qk_rope_head_dim, unread
+    if sliding_window:
+        writer.add_sliding_window(sliding_window)
     meta = read_gguf(STORIES_GGUF, with_tensors=False).metadata
     tokens = ["<image>", *(f"<pad{i}>" for i in range(VOCAB - 513))]
     writer.add_tokenizer_model("llama")

@@ -239,7 +239,8 @@ def write_text_gguf(model, path: Path) -> Path:
     writer.add_sliding_window(config.sliding_window)
     writer.add_sliding_window_pattern([t == S for t in config.layer_types])
     writer.add_shared_kv_layers(0)
-    writer.add_embedding_length_per_layer_input(config.hidden_size_per_layer_input)
+    # Gemma 4 Unified's config has no per-layer inputs (the converter writes 0).
+    writer.add_embedding_length_per_layer_input(getattr(config, "hidden_size_per_layer_input", 0))
     writer.add_key_length(GLOBAL_DIM)
     writer.add_value_length(GLOBAL_DIM)
     writer.add_key_length_swa(LOCAL_DIM)

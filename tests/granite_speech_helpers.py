@@ -1,5 +1,6 @@
 """A tiny random Granite Speech (transformers' GraniteSpeechForConditionalGeneration with a
-PEFT LoRA adapter on its language model's q_proj and v_proj) for the audio tests, as a
+PEFT LoRA adapter on its language model's q_proj and v_proj) and Granite Speech Plus
+(GraniteSpeechPlusForConditionalGeneration, without one) for the audio tests, each as a
 Hugging Face folder (stories260K's tokenizer plus Granite's role tokens and <|audio|>, a
 Granite chat template that reads content as text), and transformers'
 GraniteSpeechProcessor on it.
@@ -36,6 +37,46 @@ TEMPLATE = (
     "{%- endif -%}"
 )
 
+_TEXT = dict(
+    model_type="granite",
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    max_position_embeddings=512,
+    embedding_multiplier=2.0,
+    residual_multiplier=0.5,
+    attention_multiplier=0.1,
+    logits_scaling=2.0,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+_ENCODER = dict(
+    input_dim=160,
+    num_layers=2,
+    hidden_dim=32,
+    feedforward_mult=2,
+    num_heads=2,
+    dim_head=16,
+    output_dim=8,
+    context_size=16,
+    max_pos_emb=16,
+    conv_kernel_size=5,
+)
+_PROJECTOR = dict(
+    model_type="blip_2_qformer",
+    hidden_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    intermediate_size=64,
+    encoder_hidden_size=32,
+    cross_attention_frequency=1,
+)
+
 
 def tiny_granite_speech(path: Path, seed: int = 0):
     """A random GraniteSpeechForConditionalGeneration saved to `path`: a Granite of width
@@ -47,62 +88,16 @@ def tiny_granite_speech(path: Path, seed: int = 0):
     import transformers
     from peft import LoraConfig, get_peft_model
 
-    text = dict(
-        model_type="granite",
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=512,
-        embedding_multiplier=2.0,
-        residual_multiplier=0.5,
-        attention_multiplier=0.1,
-        logits_scaling=2.0,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    encoder = dict(
-        input_dim=160,
-        num_layers=2,
-        hidden_dim=32,
-        feedforward_mult=2,
-        num_heads=2,
-        dim_head=16,
-        output_dim=8,
-        context_size=16,
-        max_pos_emb=16,
-        conv_kernel_size=5,
-    )
-    projector = dict(
-        model_type="blip_2_qformer",
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-        encoder_hidden_size=32,
-        cross_attention_frequency=1,
-    )
     config = transformers.GraniteSpeechConfig(
-        text_config=text,
-        encoder_config=encoder,
-        projector_config=projector,
+        text_config={**_TEXT},
+        encoder_config={**_ENCODER},
+        projector_config={**_PROJECTOR},
         audio_token_index=AUDIO,
         tie_word_embeddings=True,
     )
     torch.manual_seed(seed)
     model = transformers.GraniteSpeechForConditionalGeneration(config).eval()
-    randomize(model, {"embed_tokens.weight": 0.5})
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", "LayerNorm.weight", "layernorm.weight")):
-                p.normal_(1.0, 0.1)
-        for layer in model.model.encoder.layers:
-            layer.conv.batch_norm.running_mean.normal_(0, 0.2)
-            layer.conv.batch_norm.running_var.uniform_(0.5, 1.5)
+    _randomize(model)
     model.save_pretrained(path)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     peft = get_peft_model(model, lora).eval()
@@ -113,6 +108,48 @@ def tiny_granite_speech(path: Path, seed: int = 0):
     peft.save_pretrained(path)
     _save_tokenizer(path)
     return peft
+
+
+def tiny_granite_speech_plus(path: Path, seed: int = 0, cat_hidden_layers=(0, 1)):
+    """A random GraniteSpeechPlusForConditionalGeneration saved to `path`, without a LoRA
+    adapter (as ibm-granite/granite-speech-4.1-2b-plus: has_lora_adapter false): a Granite
+    of width 64 (2 layers), a conformer of width 32 (3 blocks of 2 heads, context blocks of
+    16 frames) whose layers `cat_hidden_layers` names (by default the input layer and the
+    middle block) go to the projector beside its last block, a 2-layer Q-Former of width 32
+    taking them all.
+    Returns the model."""
+    import transformers
+
+    encoder = {**_ENCODER, "num_layers": 3, "cat_hidden_layers": list(cat_hidden_layers)}
+    width = _ENCODER["hidden_dim"] * (len(cat_hidden_layers) + 1)
+    config = transformers.GraniteSpeechPlusConfig(
+        # The Hub's names its language model's class, which llama.cpp's converter reads.
+        text_config={**_TEXT, "architectures": ["GraniteForCausalLM"]},
+        encoder_config=encoder,
+        # 2 layers, as the Hub's and as llama.cpp's clip loader takes.
+        projector_config={**_PROJECTOR, "num_hidden_layers": 2, "encoder_hidden_size": width},
+        audio_token_index=AUDIO,
+        has_lora_adapter=False,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = transformers.GraniteSpeechPlusForConditionalGeneration(config).eval()
+    _randomize(model)
+    model.save_pretrained(path)
+    _save_tokenizer(path)
+    return model
+
+
+def _randomize(model) -> None:
+    """Random weights, norms near 1 and batch norms' running statistics away from 0 and 1."""
+    randomize(model, {"embed_tokens.weight": 0.5})
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "LayerNorm.weight", "layernorm.weight")):
+                p.normal_(1.0, 0.1)
+        for layer in model.model.encoder.layers:
+            layer.conv.batch_norm.running_mean.normal_(0, 0.2)
+            layer.conv.batch_norm.running_var.uniform_(0.5, 1.5)
 
 
 def _save_tokenizer(path: Path) -> None:

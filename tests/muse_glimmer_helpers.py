@@ -206,7 +206,8 @@ converter = Path(sys.argv[1])
 sys.path[:0] = [str(converter.parent), str(converter.parent / "gguf-py")]
 import conversion.base as base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "llama-bpe"
-for args in sys.argv[2:]:
+exec(sys.argv[2])
+for args in sys.argv[3:]:
     sys.argv = [str(converter), *args.split("|")]
     runpy.run_path(str(converter), run_name="__main__")
 """
@@ -221,12 +222,15 @@ def folder_of(tmp_path_factory) -> Path:
     return folder
 
 
-def run_converter(folder: Path, outputs: dict[Path, str], converter: Path = CONVERTER) -> None:
+def run_converter(
+    folder: Path, outputs: dict[Path, str], converter: Path = CONVERTER, patch: str = ""
+) -> None:
     """llama.cpp's converter (`converter`, its convert_hf_to_gguf.py beside its conversion/
     and gguf-py/) on `folder` into each output file, with its flags ("--outtype f32
-    --mmproj"), all in one process (its imports take most of the time)."""
+    --mmproj"), all in one process (its imports take most of the time); `patch`: Python
+    run after its modules are imported (`base` is conversion.base)."""
     runs = [f"{folder}|--outfile|{out}|{'|'.join(flags.split())}" for out, flags in outputs.items()]
-    command = [sys.executable, "-c", _CONVERT, str(converter), *runs]
+    command = [sys.executable, "-c", _CONVERT, str(converter), patch, *runs]
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
 

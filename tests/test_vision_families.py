@@ -36,6 +36,7 @@ def test_each_projector_finds_its_family(tmp_path):
         ("qwen2.5o", "Qwen2.5-Omni"),
         ("exaone4_5", "EXAONE 4.5"),
         ("gemma4v", "Gemma 4"),
+        ("gemma4uv", "Gemma 4 Unified"),
         ("qwen3vl_merger", "Qwen3-VL/Qwen3.5"),
         ("glm4v", "GLM-4.1V/4.5V/GLM-OCR"),
         ("paddleocr", "PaddleOCR-VL"),
@@ -49,6 +50,7 @@ def test_each_projector_finds_its_family(tmp_path):
         ("kimik25", "Kimi K2.5"),
         ("llama4", "Llama 4"),
         ("muse-glimmer", "Muse Glimmer"),
+        ("deepseekocr", "Unlimited-OCR"),
     ):
         found = vision_families.of_mmproj(mmproj(tmp_path / f"{projector}.gguf", projector))
         assert found is not None and found.name == family

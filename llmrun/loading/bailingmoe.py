@@ -3,7 +3,10 @@ BailingMoeV2ForCausalLM, whose config.json files both say model_type "bailing_mo
 class in `architectures` tells them apart) and GGUFs of llama.cpp's archs "bailingmoe"
 and "bailingmoe2" as its converter writes them (conversion/bailingmoe.py
 BailingMoeModel, BailingMoeV2Model) and llama.cpp reads them (src/models/bailingmoe.cpp,
-bailingmoe2.cpp), as the weights of llmrun.models.bailing_moe and bailing_moe_v2.
+bailingmoe2.cpp), as the weights of llmrun.models.bailing_moe and bailing_moe_v2. Sarvam
+MoE's folders (model_type sarvam_moe) hold Ling 2.0's names; its GGUFs are bailingmoe2's
+(conversion/bailingmoe.py SarvamMoEModel: the whole head's width as rope.dimension_count,
+the selection bias shifted to mean zero, which chooses the same experts).
 
 A folder names the embedding model.word_embeddings, each layer's attention `attention`
 (its fused query_key_value: all queries' rows, then keys', then values'; its output
@@ -31,8 +34,10 @@ gating function; it scales the weights by expert_weights_scale where the key is 
 and renormalizes them where expert_weights_norm says so.
 
 What llama.cpp computes otherwise than the published code is refused: Ling 2.0's gating
-other than sigmoid, or shared experts' width (expert_shared_feed_forward_length, else
-expert_feed_forward_length, times expert_shared_count) other than
+other than sigmoid, expert_weights_norm other than "more than one expert a token" (when
+Ling's published code renormalizes; Sarvam's does where its config says so, which the
+file cannot tell apart), or shared experts' width (expert_shared_feed_forward_length,
+else expert_feed_forward_length, times expert_shared_count) other than
 expert_feed_forward_length x expert_shared_count; Ling 1's weights scaled, or
 renormalized with one expert a token, or RoPE on part of each head.
 """
@@ -51,7 +56,10 @@ from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 ARCH, V2_ARCH = "bailingmoe", "bailingmoe2"
 MODEL_TYPE = "bailing_moe"  # the Hub's config.json says so for Ling 1 and Ling 2.0
 V2_MODEL_TYPE = "bailing_moe_v2"  # llmrun's registry name of llmrun.models.bailing_moe_v2
-MODEL_TYPES = (MODEL_TYPE, V2_MODEL_TYPE)
+# Sarvam MoE's folders hold Ling 2.0's names (llmrun.models.sarvam_moe); its GGUFs are
+# bailingmoe2's.
+SARVAM_MODEL_TYPE = "sarvam_moe"
+MODEL_TYPES = (MODEL_TYPE, V2_MODEL_TYPE, SARVAM_MODEL_TYPE)
 V2_CLASS = "BailingMoeV2ForCausalLM"
 NORM_HEAD_EPS = 1e-7  # the published code's
 # A folder's names -> the model's, in order.
@@ -80,9 +88,12 @@ _LAYER_NAMES = {
 def hf_checkpoint(
     config: dict[str, Any], weights: dict[str, Any], weight_type: type
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A Ling folder's config (model_type bailing_moe_v2 where `architectures` names
-    BailingMoeV2ForCausalLM) and its `weights` ({key: loader Weight}) under the model's
-    names, query_key_value split, Ling 1's norm_head applied (see the module docstring)."""
+    """A Ling or Sarvam MoE folder's config (model_type bailing_moe_v2 where
+    `architectures` names BailingMoeV2ForCausalLM) and its `weights` ({key: loader
+    Weight}) under the model's names, query_key_value split, Ling 1's norm_head applied
+    (see the module docstring)."""
+    if config["model_type"] == SARVAM_MODEL_TYPE:
+        return config, split_qkv(_renamed(weights), config, weight_type)
     v2 = V2_CLASS in (config.get("architectures") or []) or config["model_type"] == V2_MODEL_TYPE
     if v2 and config.get("num_nextn_predict_layers"):
         raise UnsupportedError(
@@ -91,11 +102,7 @@ def hf_checkpoint(
             "num_hidden_layers, llama.cpp's converter after them"
         )
     config = {**config, "model_type": V2_MODEL_TYPE if v2 else MODEL_TYPE}
-    renamed = {}
-    for key, weight in weights.items():
-        for pattern, new in _HF_RENAMES:
-            key = pattern.sub(new, key)
-        renamed[key] = weight
+    renamed = _renamed(weights)
     head = renamed.get("lm_head.weight")
     if not v2 and config.get("norm_head") and head is not None:
         w = head.tensor.float()
@@ -103,6 +110,16 @@ def hf_checkpoint(
             w / (w.norm(p=2, dim=0, keepdim=True) + NORM_HEAD_EPS)
         )
     return config, split_qkv(renamed, config, weight_type)
+
+
+def _renamed(weights: dict[str, Any]) -> dict[str, Any]:
+    """`weights` under the model's names but query_key_value (_HF_RENAMES)."""
+    renamed = {}
+    for key, weight in weights.items():
+        for pattern, new in _HF_RENAMES:
+            key = pattern.sub(new, key)
+        renamed[key] = weight
+    return renamed
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -168,6 +185,14 @@ def finish_v2_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) -
             f"wide ({arch}.expert_shared_feed_forward_length x expert_shared_count), the "
             f"published model's {width * shared} (expert_feed_forward_length x "
             "expert_shared_count); llmrun does not guess which is meant"
+        )
+    used = config["num_experts_per_tok"]
+    if config["norm_topk_prob"] != (used > 1):
+        raise UnsupportedError(
+            f"{path}: {arch}.expert_weights_norm is {config['norm_topk_prob']} with {used} "
+            "experts a token: Ling 2.0's published code renormalizes the weights exactly "
+            "when a token takes more than one expert, Sarvam MoE's where its config says "
+            "so; llmrun does not guess which model this is"
         )
     groups = meta.get(Keys.LLM.EXPERT_GROUP_COUNT, 0)
     grouped = groups > 1  # llama.cpp ignores one group or none

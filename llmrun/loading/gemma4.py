@@ -32,7 +32,8 @@ from llmrun.loading.gguf_io import ArchMetadata, GGUFFile, read_float_list
 
 ARCH = "gemma4"
 MODEL_TYPE = "gemma4_text"
-MODEL_TYPES = ("gemma4", "gemma4_text")  # multimodal, text-only
+# Multimodal, text-only; Gemma 4 Unified's multimodal and its language model.
+MODEL_TYPES = ("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text")
 FINAL_SOFTCAP = 30.0  # f_final_logit_softcapping
 ROPE_BASE_SWA = 10000.0  # rope_freq_base_train_swa
 UNTURNED = 1e30  # the converter's freq factor of a frequency that does not turn

@@ -114,13 +114,14 @@ def from_hf_dir(path: Path, text_hidden: int) -> Gemma4Vision:
             prefix = next((p for p in _HF_PREFIXES if name.startswith(p)), None)
             if prefix is not None:
                 weights[_HF_PREFIXES[prefix] + name[len(prefix) :]] = tensor
-    tokens = _max_soft_tokens(path, args.vision)
+    tokens = max_soft_tokens(path, args.vision)
     return _build(args, weights, text_hidden, path, tokens)
 
 
-def _max_soft_tokens(path: Path, args: gemma4_vision.VisionArgs) -> int:
+def max_soft_tokens(path: Path, args: gemma4_vision.VisionArgs) -> int:
     """The image processor's max_soft_tokens (default 280), its patch and pooling sizes
-    checked against the encoder's, its resizing and scaling Gemma 4's."""
+    checked against the encoder's (`args`': any with Gemma 4's two fields), its resizing
+    and scaling Gemma 4's."""
     file, processor = image_processor(path)
     tokens = processor.get("max_soft_tokens", DEFAULT_SOFT_TOKENS)
     if tokens not in SOFT_TOKEN_BUDGETS:

@@ -359,6 +359,8 @@ _WINDOW_PATTERN = {
     "gemma3n_text": 5,
     "gemma4": 6,
     "gemma4_text": 6,
+    "gemma4_unified": 6,
+    "gemma4_unified_text": 6,
     "olmo3": 4,
     "cohere2": 4,
     "exaone4": 4,
@@ -457,7 +459,12 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
         head_dim += int(text.get("indexer_head_dim") or 0)  # its QSA key, after each head's
     kv_heads = 1 if "kv_lora_rank" in text else _kv_heads(text, heads)
     shapes = None  # each layer's (KV heads, head width), where layers differ
-    if config.get("model_type") in ("gemma4", "gemma4_text"):
+    if config.get("model_type") in (
+        "gemma4",
+        "gemma4_text",
+        "gemma4_unified",
+        "gemma4_unified_text",
+    ):
         from llmrun.loading import gemma4  # each layer cached in its own shape
 
         shapes = gemma4.cache_shapes(text)

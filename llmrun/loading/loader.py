@@ -464,6 +464,7 @@ MULTIMODAL = {
     "gemma3": "Gemma 3",
     "gemma3n": "Gemma 3n",
     "gemma4": "Gemma 4",
+    "gemma4_unified": "Gemma 4 Unified",
     "mistral3": "Mistral 3",
     "llama4": "Llama 4",
     "minimax_m3_vl": "MiniMax-M3",
@@ -479,6 +480,7 @@ TEXT_MODEL_TYPES = {
     "gemma3": "gemma3_text",
     "gemma3n": "gemma3n_text",  # Gemma3nTextConfig, whatever the file says
     "gemma4": "gemma4_text",
+    "gemma4_unified": "gemma4_unified_text",
     "minimax_m3_vl": "minimax_m3_vl_text",
     "qwen3_vl": "qwen3",
     "qwen3_vl_moe": "qwen3_moe",

@@ -144,6 +144,8 @@ FAMILIES = {
     # GraniteSpeechConfig's text_config is a GraniteConfig; it ties the output head by
     # default. Its audio encoder and LoRA adapter are llmrun.loading.granite_speech's.
     "granite_speech": Family("Granite Speech", default_text="granite", tie_default=True),
+    # GraniteSpeechPlusConfig's: the same.
+    "granite_speech_plus": Family("Granite Speech Plus", default_text="granite", tie_default=True),
     # Qwen3ASRConfig's text_config is a Qwen3's; it ties the output head by default. Qwen's
     # own files hold it in a thinker_config (read as its thinker's, tied as that says).
     # Its audio tower is llmrun.loading.qwen3_asr's.
@@ -191,6 +193,12 @@ FAMILIES = {
     # DeepseekOcr2TextConfig: DeepSeek V2's MoE under Llama's attention, DeepSeek V1's
     # (llmrun.models.deepseek reads its mlp_layer_types).
     "deepseek_ocr2": Family("DeepSeek-OCR 2", "deepseek"),
+    # UnlimitedOcrTextConfig: DeepSeek-OCR 2's text (the Hub's file holds it as
+    # language_config). Its reference sliding-window attention (decoded tokens past the
+    # window's see the prompt and the window only) is run as llama.cpp runs it: full.
+    "unlimited_ocr": Family(
+        "Unlimited-OCR", "deepseek", text_names=("text_config", "language_config")
+    ),
     # Kimi_K25Config's text_config is a DeepseekV3Config (the Hub's file says kimi_k2); it
     # ties the output head by default.
     "kimi_k25": Family("Kimi K2.5", "deepseek_v3", tie_default=True),
@@ -251,6 +259,7 @@ VISION_PREFIXES = (
     "model.audio_tower.",  # Gemma 3n's audio tower and its embedders, Voxtral's, Qwen2-Audio's
     "audio_tower.",  # Voxtral's and Qwen2-Audio's, as the Hub saves them
     "model.embed_vision.",
+    "model.vision_embedder.",  # Gemma 4 Unified's, as the Hub saves it
     "model.embed_audio.",
     "patch_merge_mlp.",  # MiniMax-M3's
     "thinker.visual.",  # Qwen2.5-Omni's, as the Hub saves it; its speech output's parts

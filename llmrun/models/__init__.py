@@ -106,6 +106,7 @@ ARCHITECTURES = {
     "kimi_linear": "kimi_linear",
     "bailing_moe": "bailing_moe",  # Ling 1 (Ling 2.0's folders too: see loading/bailingmoe)
     "bailing_moe_v2": "bailing_moe_v2",  # Ling 2.0 (the Hub's config.json: bailing_moe)
+    "sarvam_moe": "sarvam_moe",  # Sarvam MoE (its folders: Ling 2.0's names)
     "smallthinker": "smallthinker",  # PowerInfer's SmallThinker (HF: remote code)
     "bailing_hybrid": "bailing_hybrid",  # Ling 3
     "bailing_moe_v3": "bailing_hybrid",  # the Hub's config.json for it
@@ -118,6 +119,8 @@ ARCHITECTURES = {
     "minimax_m3": "minimax_m3",  # the text-only MiniMaxM3SparseForCausalLM checkpoints
     "gemma4": "gemma4",  # multimodal: its text_config's language model
     "gemma4_text": "gemma4",
+    "gemma4_unified": "gemma4",  # Gemma 4 Unified: its text_config's language model
+    "gemma4_unified_text": "gemma4",
     "apertus": "apertus",
     "afmoe": "afmoe",
     "muse_glimmer_text": "muse_glimmer",

@@ -1,5 +1,5 @@
-"""Gemma 4 (text: E2B, E4B, 26B-A4B, 31B; of a multimodal checkpoint, its language
-model): Gemma 3's local/global layers with four norms each and q/k norms, and
+"""Gemma 4 (text: E2B, E4B, 26B-A4B, 31B, Unified 12B; of a multimodal checkpoint, its
+language model): Gemma 3's local/global layers with four norms each and q/k norms, and
 
 - head sizes of their own: global layers have global_head_dim-wide heads (and, where
   keys are values, num_global_key_value_heads of them), local layers head_dim-wide ones;
@@ -61,6 +61,7 @@ DEFAULT_ROPE = {
     FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
 }
 LAYER_OVERRIDES = ("head_dim", "num_key_value_heads")  # what per_layer_config may set
+UNIFIED_TEXT = "gemma4_unified_text"  # Gemma 4 Unified's language model (Gemma 4's)
 
 
 @dataclass
@@ -137,6 +138,9 @@ class ModelArgs:
         # A multimodal (Gemma4ForConditionalGeneration) config: its language model.
         config = config.get("text_config") or config
         flat = {k: v for k, v in config.items() if k not in ("rope_parameters", "rope_scaling")}
+        if config.get("model_type") == UNIFIED_TEXT:
+            # Gemma4UnifiedTextConfig has neither per-layer inputs nor experts.
+            flat.update(hidden_size_per_layer_input=None, enable_moe_block=False)
         nullable = ("final_logit_softcapping", "hidden_size_per_layer_input",
                     "num_global_key_value_heads", "use_bidirectional_attention")  # fmt: skip
         args = args_from_config(cls, flat, nullable=nullable)
@@ -257,6 +261,13 @@ def proportional_rope(params: dict[str, Any], head_dim: int) -> dict[str, Any]:
         "rope_theta": params.get("rope_theta", 10_000.0),
         "freq_factors": [factor] * turned + [math.inf] * still,
     }
+
+
+class GlobalBothWays:
+    """Marks image tokens (an ImageTokens subclass) that see each other both ways on
+    global layers too, not on sliding ones alone: Gemma 4 Unified's (transformers'
+    Gemma4UnifiedModel masks every layer by its image blocks; llama.cpp decodes a
+    gemma4uv image batch non-causally)."""
 
 
 class Attention(gemma3n.Attention):
@@ -400,7 +411,8 @@ class Model(nn.Module):
         soft tokens in place of their placeholders (one row), which embed as padding
         before they are placed (so their per-layer inputs are the pad token's, plus the
         projection of the image's embeddings), and with use_bidirectional_attention
-        "vision" see each other both ways on sliding layers (Gemma4Model.forward)."""
+        "vision" see each other both ways on sliding layers (Gemma4Model.forward; on every
+        layer where they are GlobalBothWays)."""
         body, args = self.model, self.args
         if images is not None:
             if not 0 <= args.pad_token_id < args.vocab_size:
@@ -426,9 +438,12 @@ class Model(nn.Module):
             last=last,
         )
         if images is not None and args.use_bidirectional_attention == "vision":
-            # Global layers stay causal (create_masks_for_vision_model).
+            # Global layers stay causal (create_masks_for_vision_model), but for images
+            # that see each other both ways on them too (GlobalBothWays).
             both_ways = images.unmask(frames, args.sliding_window)
-            frames = {**frames, SLIDING: both_ways[SLIDING]}
+            if not isinstance(images, GlobalBothWays):
+                both_ways = {**frames, SLIDING: both_ways[SLIDING]}
+            frames = both_ways
         shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for i, layer in enumerate(body.layers):
             x = layer(x, None if per_layer is None else per_layer[:, :, i], frames, cache, shared)

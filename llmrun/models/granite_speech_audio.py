@@ -5,12 +5,16 @@ A conformer (GraniteSpeechCTCEncoder): a linear input layer, then blocks of half
 feed-forward, self-attention with Shaw's relative positions inside fixed blocks of
 context_size frames (the last block padded, its padding masked), a convolution module
 (pointwise, GLU, depthwise, batch norm, SiLU, pointwise), another half feed-forward and a
-LayerNorm; after the middle block, a CTC head's softmax is projected back and added. Then
+LayerNorm; after the middle block, a CTC head's softmax is projected back and added.
+Granite Speech Plus (cat_hidden_layers) puts the input layer's output (0) or chosen blocks'
+(1-based) beside the last block's along the features, in that order; the middle block's is
+taken with the CTC head's addition, as transformers adds it in place. Then
 a Q-Former (Blip2QFormerModel) whose window_size // downsample_rate learned queries attend
 to each window_size frames in turn (the last window padded with zeros, which the queries
 see), and a linear layer to the language model's width.
 
-Reference: transformers/models/granite_speech/modeling_granite_speech.py and
+Reference: transformers/models/granite_speech/modeling_granite_speech.py,
+transformers/models/granite_speech_plus/modeling_granite_speech_plus.py and
 transformers/models/blip_2/modeling_blip_2.py (Blip2QFormer*).
 """
 
@@ -26,8 +30,9 @@ from torch import nn
 
 @dataclass
 class EncoderArgs:
-    """GraniteSpeechEncoderConfig's fields, the projector's (Blip2QFormerConfig's) and the
-    outer config's window."""
+    """GraniteSpeechEncoderConfig's fields (GraniteSpeechPlusEncoderConfig's
+    cat_hidden_layers too), the projector's (Blip2QFormerConfig's) and the outer config's
+    window."""
 
     input_dim: int = 160
     num_layers: int = 10
@@ -40,6 +45,9 @@ class EncoderArgs:
     max_pos_emb: int = 512
     conv_kernel_size: int = 15
     conv_expansion_factor: int = 2
+    cat_hidden_layers: tuple[int, ...] = ()
+    # The batch norms' eps: 0 for weights with their running statistics folded in.
+    batch_norm_eps: float = 1e-5
     qformer_hidden_size: int = 1024
     qformer_layers: int = 2
     qformer_heads: int = 16
@@ -135,7 +143,7 @@ class ConvModule(nn.Module):
         self.norm = nn.LayerNorm(args.hidden_dim)
         self.up_conv = nn.Conv1d(args.hidden_dim, inner * 2, 1)
         self.depth_conv = DepthwiseConv(inner, args.conv_kernel_size)
-        self.batch_norm = BatchNorm(inner)
+        self.batch_norm = BatchNorm(inner, args.batch_norm_eps)
         self.down_conv = nn.Conv1d(inner, args.hidden_dim, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -166,6 +174,7 @@ class Conformer(nn.Module):
 
     def __init__(self, args: EncoderArgs) -> None:
         super().__init__()
+        self.cat_hidden_layers = set(args.cat_hidden_layers)
         self.input_linear = nn.Linear(args.input_dim, args.hidden_dim)
         self.layers = nn.ModuleList(ConformerBlock(args) for _ in range(args.num_layers))
         self.out = nn.Linear(args.hidden_dim, args.output_dim)
@@ -173,11 +182,15 @@ class Conformer(nn.Module):
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         x = self.input_linear(features)
+        kept = [x] if 0 in self.cat_hidden_layers else []
         for i, layer in enumerate(self.layers, start=1):
             x = layer(x)
             if i == len(self.layers) // 2:
                 x = x + self.out_mid(torch.softmax(self.out(x), dim=-1))
-        return x
+            if i in self.cat_hidden_layers:
+                kept.append(x)
+        # [frames, hidden] each -> [frames, hidden * (len(kept) + 1)]
+        return torch.cat([*kept, x], dim=-1)
 
 
 class QFormerAttention(nn.Module):

@@ -276,6 +276,8 @@ GGUFS_REFUSED = {
         UnsupportedError,
     ),
     "an odd rotated width": ({Keys.Rope.DIMENSION_COUNT: 7}, ModelFormatError),
+    # Ling renormalizes 3 experts' weights, llama.cpp and Sarvam MoE would not.
+    "weights not renormalized": ({Keys.LLM.EXPERT_WEIGHTS_NORM: False}, UnsupportedError),
 }
 
 

@@ -29,7 +29,7 @@ from voxtral_helpers import (
     write_voxtral_tekken,
 )
 
-from llmrun import api
+from llmrun import api, audio_families
 from llmrun.server import Service, create_app
 from llmrun.server.audio import MAX_AUDIO_BYTES
 
@@ -157,9 +157,8 @@ def test_a_model_without_an_audio_encoder_is_a_400():
         service.close()
     assert response.status_code == 400
     assert response.json()["error"]["message"] == (
-        "file: stories takes no audio: a GGUF's audio encoder is its mmproj file; for Voxtral, "
-        "Qwen2-Audio, Qwen2.5-Omni, Qwen3-Omni, Qwen3-ASR, Gemma 4, Granite Speech, Gemma 3n, "
-        "GLM-ASR, Nemotron 3 Nano Omni models, start serve with --mmproj FILE (llama.cpp's "
+        "file: stories takes no audio: a GGUF's audio encoder is its mmproj file; for "
+        f"{audio_families.NAMES} models, start serve with --mmproj FILE (llama.cpp's "
         "mmproj GGUF of the model)"
     )
 
@@ -220,6 +219,7 @@ def test_an_audio_model_without_a_documented_transcription_prompt_is_a_400(tmp_p
     assert response.status_code == 400
     assert response.json()["error"]["message"] == (
         "qwen2-audio is a Qwen2-Audio model, whose transcription prompt llmrun does not know "
-        "(it transcribes with Voxtral, Qwen3-ASR, GLM-ASR models); send the audio to /v1/chat/completions as an "
+        "(it transcribes with Voxtral, Qwen3-ASR, Granite Speech Plus, GLM-ASR models); send the "
+        "audio to /v1/chat/completions as an "
         "input_audio part with your instruction"
     )
