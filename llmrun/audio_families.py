@@ -17,6 +17,7 @@ import torch
 
 from llmrun import (
     audio,
+    audioflamingo3_clips,
     gemma3n_audio_clips,
     gemma4_audio_clips,
     gemma4_unified_media,
@@ -32,6 +33,7 @@ from llmrun import (
     voxtral_clips,
 )
 from llmrun.loading import (
+    audioflamingo3,
     gemma3n_audio,
     gemma4_audio,
     gemma4_unified,
@@ -258,6 +260,36 @@ FAMILIES: tuple[AudioFamily, ...] = (
         prompt=glmasr_clips.prompt,
         transcription=glmasr_clips.transcription,
         transcript=glmasr_clips.transcript,
+    ),
+    # Audio Flamingo 3's with rotary time embeddings, from its folder; before Audio
+    # Flamingo 3, whose encoder class its own extends.
+    AudioFamily(
+        name="Music Flamingo",
+        encoder_type=audioflamingo3.MusicFlamingoAudio,
+        folder_has_audio=audioflamingo3.music_folder_has_audio,
+        is_mmproj=audioflamingo3.music_is_mmproj,
+        from_hf_dir=audioflamingo3.from_hf_dir,
+        from_mmproj=audioflamingo3.music_from_mmproj,
+        text_takes_audio=audioflamingo3.text_takes_audio,
+        clip_tokens=audioflamingo3_clips.clip_tokens,
+        encode=audioflamingo3_clips.encode,
+        prompt=audioflamingo3_clips.music_prompt,
+    ),
+    # Whisper's tower with Qwen2-Audio's pool under a Qwen2, 30-second windows; its
+    # transcription prompt takes no language.
+    AudioFamily(
+        name="Audio Flamingo 3",
+        encoder_type=audioflamingo3.AudioFlamingo3Audio,
+        folder_has_audio=audioflamingo3.folder_has_audio,
+        is_mmproj=audioflamingo3.is_mmproj,
+        from_hf_dir=audioflamingo3.from_hf_dir,
+        from_mmproj=audioflamingo3.from_mmproj,
+        text_takes_audio=audioflamingo3.text_takes_audio,
+        clip_tokens=audioflamingo3_clips.clip_tokens,
+        encode=audioflamingo3_clips.encode,
+        prompt=audioflamingo3_clips.prompt,
+        transcription=audioflamingo3_clips.transcription,
+        transcript=audioflamingo3_clips.transcript,
     ),
     # Parakeet's FastConformer under a Nemotron-H, between <so_start> and <so_end>; images
     # in the same prompt (its vision family's).

@@ -26,6 +26,7 @@ from llmrun import (
     janus_images,
     kimi_k25_images,
     lfm2_vl_images,
+    lfm3_vl_images,
     lighton_ocr_images,
     llama4_images,
     llava_images,
@@ -51,6 +52,7 @@ from llmrun.loading import (
     janus_vision,
     kimi_k25_vision,
     lfm2_vl_vision,
+    lfm3_vl_vision,
     lighton_ocr_vision,
     llama4_vision,
     llava_vision,
@@ -408,6 +410,20 @@ FAMILIES: tuple[VisionFamily, ...] = (
         image_tokens=lfm2_vl_images.image_tokens,
         encode=lfm2_vl_images.encode,
         prompt=lfm2_vl_images.prompt,
+    ),
+    # A tower of LFM2's layers (gated 2D convolutions over the grid of patches, attention
+    # with a 2D RoPE) on Qwen2-VL's patches, 2x2 merged a token; its images go to an LFM3.
+    VisionFamily(
+        name="LFM3-VL",
+        vision_type=lfm3_vl_vision.Lfm3VlVision,
+        folder_has_vision=lfm3_vl_vision.folder_has_vision,
+        is_mmproj=lfm3_vl_vision.is_mmproj,
+        from_hf_dir=lfm3_vl_vision.from_hf_dir,
+        from_mmproj=lfm3_vl_vision.from_mmproj,
+        text_takes_images=lfm3_vl_vision.text_takes_images,
+        image_tokens=lfm3_vl_images.image_tokens,
+        encode=lfm3_vl_images.encode,
+        prompt=_by_vision(lfm3_vl_images.prompt),
     ),
     # The whole image and its slices, each 4x4 patches a token; its images go to a Qwen3.5.
     VisionFamily(

@@ -99,13 +99,18 @@ NORMS = ("norm1", "norm2", "post_projection_norm", "q_norm", "k_norm")
 def tiny_glm4v(seed: int = 0, moe: bool = False, kind: str = "Glm4v"):
     """A random transformers Glm4vForConditionalGeneration (with `moe`, GLM-4.5V's
     Glm4vMoeForConditionalGeneration; with kind "GlmOcr", GLM-OCR's
-    GlmOcrForConditionalGeneration): text hidden 64 in 2 layers, a vision tower of
-    hidden 32 in 2 blocks."""
+    GlmOcrForConditionalGeneration; with kind "Glm46V", GLM-4.6V's
+    Glm46VForConditionalGeneration, its text GLM-4.5V's with `moe`): text hidden 64 in 2
+    layers, a vision tower of hidden 32 in 2 blocks."""
     import transformers
 
-    kind = "Glm4vMoe" if moe else kind
+    text = {**TEXT, **MOE} if moe else TEXT
+    if kind == "Glm46V" and moe:  # Glm46VConfig builds the text model its text_config names
+        text = {**text, "model_type": "glm4v_moe_text"}
+    elif moe:
+        kind = "Glm4vMoe"
     config = getattr(transformers, f"{kind}Config")(
-        text_config={**TEXT, **MOE} if moe else TEXT,
+        text_config=text,
         vision_config=VISION,
         image_token_id=IMAGE,
         video_token_id=VIDEO,
@@ -146,12 +151,13 @@ def save_glm4v_dir(model, path: Path) -> Path:
     return path
 
 
-def processor(folder: Path):
-    """transformers' Glm4vProcessor for the folder (Glm4vImageProcessorPil)."""
+def processor(folder: Path, kind: str = "Glm4v"):
+    """transformers' Glm4vProcessor for the folder (Glm4vImageProcessorPil); with kind
+    "Glm46V", Glm46VProcessor and Glm46VImageProcessorPil (subclasses that differ in
+    videos alone)."""
     import transformers
-    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
 
-    class Processor(transformers.Glm4vProcessor):
+    class Processor(getattr(transformers, f"{kind}Processor")):
         # Images only: its video processor needs torchvision, which the tests go without.
         def check_argument_for_proper_class(self, name, argument):
             if name != "video_processor":
@@ -159,23 +165,23 @@ def processor(folder: Path):
 
     settings = {k: PROCESSOR[k] for k in ("image_mean", "image_std", "size", "patch_size")}
     return Processor(
-        image_processor=Glm4vImageProcessorPil(**settings),
+        image_processor=getattr(transformers, f"{kind}ImageProcessorPil")(**settings),
         tokenizer=transformers.AutoTokenizer.from_pretrained(folder),
         chat_template=GLM4V_TEMPLATE,
     )
 
 
-def processor_inputs(folder: Path, images: list, question: str | list[dict]):
+def processor_inputs(folder: Path, images: list, question: str | list[dict], kind: str = "Glm4v"):
     """The processor's inputs (input_ids, pixel_values, image_grid_thw, mm_token_type_ids)
     for one user message of `images` then `question`, or for a conversation (`question` a
     list of messages, whose image parts take `images` in order), with the generation
-    prompt."""
+    prompt; `kind` as processor's."""
     if isinstance(question, str):
         content = [{"type": "image"}] * len(images) + [{"type": "text", "text": question}]
         messages = [{"role": "user", "content": content}]
     else:
         messages = question
-    made = processor(folder)
+    made = processor(folder, kind)
     text = made.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return made(text=text, images=images, return_tensors="pt", add_special_tokens=False)
 

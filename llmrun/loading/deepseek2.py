@@ -33,6 +33,8 @@ ARCH = "deepseek2"
 # Youtu-LLM: DeepSeek-V3's attention, every layer dense (a deepseek2 file without experts).
 YOUTU = "youtu"
 MODEL_TYPES = ("deepseek_v2", "deepseek_v3", YOUTU)
+# Sarvam MLA's folders (sarvam-105b): DeepSeek-V3's keys; llama.cpp has no converter for it.
+SARVAM_MLA = "sarvam_mla"
 # Mistral 4's GGUF arch and model_type: DeepSeek-V3's layers with a softmax router.
 MISTRAL4 = "mistral4"
 ARCHS = (ARCH, MISTRAL4)

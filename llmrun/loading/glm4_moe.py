@@ -13,12 +13,13 @@ num_hidden_layers + nextn_predict_layers, those layers last.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from gguf import MODEL_TENSOR, TENSOR_NAMES, ExpertGatingFuncType, Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.loading import vl_text
+from llmrun.loading import experts, vl_text
 from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
 
 ARCH, MODEL_TYPE = "glm4moe", "glm4_moe"
@@ -26,6 +27,17 @@ ARCH, MODEL_TYPE = "glm4moe", "glm4_moe"
 MTP_MODEL_TYPES = (MODEL_TYPE, "glm4_moe_lite")
 # The config field that says how many MTP layers a GGUF's blocks end with.
 NEXTN = "num_nextn_predict_layers"
+_STACKED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)")
+
+
+def hf_weights(
+    weights: dict[str, Any], config: dict[str, Any], weight_type: type
+) -> dict[str, Any]:
+    """A folder's weights with stacked experts split: transformers 5 saves GLM-4.5V's text
+    so inside GLM-4.6V (glm46v), where its weight conversions, keyed by glm4v_moe, do not
+    reach the language model; the Hub's files hold one module per expert."""
+    width = config.get("moe_intermediate_size", 1408)
+    return experts.split_stacked(weights, _STACKED, config["hidden_size"], width, weight_type)
 
 
 def _short(tensor: MODEL_TENSOR) -> str:

@@ -1,4 +1,4 @@
-"""GLM-4.1V's, GLM-4.5V's and GLM-OCR's vision tower (llmrun.models.glm4v_vision) from
+"""GLM-4.1V's, GLM-4.5V's, GLM-4.6V's and GLM-OCR's vision tower (llmrun.models.glm4v_vision) from
 either format: the Hugging Face folder's model.visual.* tensors and its
 preprocessor_config.json, or the mmproj GGUF that llama.cpp's converter writes
 (conversion/qwen3vl.py Glm4VVisionModel; tools/mtmd/models/glm4v.cpp reads it): projector
@@ -34,7 +34,8 @@ from llmrun.loading.vision import (
 )
 from llmrun.models.glm4v_vision import EncoderArgs, VisionModel
 
-MODEL_TYPES = ("glm4v", "glm4v_moe", "glm_ocr")
+# GLM-4.6V as transformers 5 saves it (glm46v) has GLM-4.1V's tower (glm4v_vision).
+MODEL_TYPES = ("glm4v", "glm4v_moe", "glm46v", "glm_ocr")
 # Glm4vImageProcessor's defaults (OpenAI CLIP's mean and std; its pixel limits count the
 # two frames of a still image), what a folder without its own settings or an mmproj gets.
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -79,8 +80,8 @@ class Glm4vVision:
 
 
 def folder_has_vision(path: Path) -> bool:
-    """Whether a Hugging Face folder's config.json is a GLM-4.1V's, GLM-4.5V's or GLM-OCR's
-    with its vision_config."""
+    """Whether a Hugging Face folder's config.json is a GLM-4.1V's, GLM-4.5V's, GLM-4.6V's
+    or GLM-OCR's with its vision_config."""
     config = safetensors_io.read_config(path)
     return config.get("model_type") in MODEL_TYPES and isinstance(config.get("vision_config"), dict)
 

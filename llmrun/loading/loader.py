@@ -261,10 +261,13 @@ def _open_hf_dir(path: Path) -> Checkpoint:
         weights = gpt_oss.hf_weights(weights, config, Weight)
     if config.get("model_type") in (
         *deepseek2.MODEL_TYPES,
+        deepseek2.SARVAM_MLA,
         *glm4_moe.MTP_MODEL_TYPES,
         *dsa.MODEL_TYPES,
     ):
         weights = deepseek2.hf_weights(weights, config, path)
+    if config.get("model_type") == glm4_moe.MODEL_TYPE:
+        weights = glm4_moe.hf_weights(weights, config, Weight)
     if config.get("model_type") in granite.MOE_TYPES:
         weights = granite.hf_weights(weights, config, Weight)
     if config.get("model_type") == granitehybrid.MODEL_TYPE:

@@ -141,6 +141,22 @@ FAMILIES = {
         },
         rope_defaults={"rope_theta": 10000.0},
     ),
+    # AudioFlamingo3Config's and MusicFlamingoConfig's text_config is a Qwen2Config, as
+    # Qwen2-Audio's; their audio towers are llmrun.loading.audioflamingo3's.
+    "audioflamingo3": Family(
+        "Audio Flamingo 3",
+        default_text="qwen2",
+        defaults={
+            "vocab_size": 151936,
+            "hidden_size": 4096,
+            "intermediate_size": 22016,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-06,
+        },
+        rope_defaults={"rope_theta": 10000.0},
+    ),
     # GraniteSpeechConfig's text_config is a GraniteConfig; it ties the output head by
     # default. Its audio encoder and LoRA adapter are llmrun.loading.granite_speech's.
     "granite_speech": Family("Granite Speech", default_text="granite", tie_default=True),
@@ -186,6 +202,8 @@ FAMILIES = {
     "aya_vision": Family("Aya Vision", default_text="cohere2", tie_default=True),
     "internvl": Family("InternVL", default_text="qwen2", tie_default=True),
     "lfm2_vl": Family("LFM2-VL", default_text="lfm2", tie_default=True),
+    # Lfm3VlConfig's text_config is an Lfm3Config; it ties the output head by default.
+    "lfm3_vl": Family("LFM3-VL", default_text="lfm3", tie_default=True),
     # LightOnOcrConfig's text_config is a Qwen3's; it ties the output head by default.
     "lighton_ocr": Family("LightOnOCR", default_text="qwen3", tie_default=True),
     # MiniCPMV4_6Config's text_config is a Qwen3.5's (its own file names it).
@@ -217,6 +235,16 @@ FAMILIES = {
     "NemotronH_Nano_Omni_Reasoning_V3": Family(
         "Nemotron 3 Nano Omni", "nemotron_h", text_names=("text_config", "llm_config")
     ),
+}
+FAMILIES["musicflamingo"] = dataclasses.replace(FAMILIES["audioflamingo3"], name="Music Flamingo")
+# GLM-4.6V as transformers 5 saves it (Glm46VConfig, Glm46VForConditionalGeneration; the
+# Hub's own files say glm4v and glm4v_moe): Glm46VModel builds the language model its
+# text_config names, GLM-4.1V's (the config's default) or GLM-4.5V's, read as theirs.
+GLM46V = "glm46v"
+FAMILIES[GLM46V] = dataclasses.replace(FAMILIES["glm4v"], name="GLM-4.6V")
+_GLM46V_TEXTS = {
+    "glm4v_text": FAMILIES[GLM46V],
+    "glm4v_moe_text": dataclasses.replace(FAMILIES["glm4v_moe"], name="GLM-4.6V"),
 }
 # The architecture of LightOnOCR-1B's first config.json, whose model_type is mistral3.
 LIGHTONOCR_ARCHITECTURE = "LightOnOCRForConditionalGeneration"
@@ -307,6 +335,8 @@ def language_model(
             raise ModelFormatError(f"{path}: a {name} config.json without a thinker_config")
         config = {**thinker, "model_type": _THINKERS[config["model_type"]]}
     family = FAMILIES[config["model_type"]]
+    if config["model_type"] == GLM46V:
+        family = _glm46v_text_family(config, path)
     text = next((config[k] for k in family.text_names if isinstance(config.get(k), dict)), None)
     if not isinstance(text, dict):
         if config["model_type"] not in _FLAT_CONFIGS:
@@ -344,6 +374,19 @@ def language_model(
             continue
         renamed[name] = weight
     return text, renamed, family.name
+
+
+def _glm46v_text_family(config: dict[str, Any], path: Any) -> Family:
+    """The family a GLM-4.6V config.json's language model is read as, by its text_config's
+    model_type (Glm46VConfig's default where it names none)."""
+    text = config.get("text_config")
+    kind = text.get("model_type", "glm4v_text") if isinstance(text, dict) else "glm4v_text"
+    if kind not in _GLM46V_TEXTS:
+        raise UnsupportedError(
+            f"{path}: a GLM-4.6V text_config of model_type {kind!r}; llmrun runs "
+            f"{' and '.join(_GLM46V_TEXTS)}"
+        )
+    return _GLM46V_TEXTS[kind]
 
 
 def _mtp_layer(name: str, text: dict[str, Any]) -> bool:

@@ -107,6 +107,7 @@ ARCHITECTURES = {
     "bailing_moe": "bailing_moe",  # Ling 1 (Ling 2.0's folders too: see loading/bailingmoe)
     "bailing_moe_v2": "bailing_moe_v2",  # Ling 2.0 (the Hub's config.json: bailing_moe)
     "sarvam_moe": "sarvam_moe",  # Sarvam MoE (its folders: Ling 2.0's names)
+    "sarvam_mla": "sarvam_mla",  # Sarvam MLA: DeepSeek-V3's model
     "smallthinker": "smallthinker",  # PowerInfer's SmallThinker (HF: remote code)
     "bailing_hybrid": "bailing_hybrid",  # Ling 3
     "bailing_moe_v3": "bailing_hybrid",  # the Hub's config.json for it

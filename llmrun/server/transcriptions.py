@@ -3,11 +3,11 @@
 text) and `temperature` (0, greedy, unless given), answered as OpenAI answers.
 
 The prompt is the one the model's audio family documents for transcription
-(llmrun.audio_families: Voxtral's is mistral_common's, Qwen3-ASR's and GLM-ASR's their
-processors' through the chat template, Granite Speech Plus's the one transformers documents,
+(llmrun.audio_families: Voxtral's is mistral_common's, Qwen3-ASR's, GLM-ASR's and Audio Flamingo 3's
+their processors' through the chat template, Granite Speech Plus's the one transformers documents,
 OpenAI's `prompt` Qwen3-ASR's context), and the answer's text is read as the family's processor reads it
-(Qwen3-ASR's without its "language NAME<asr_text>", GLM-ASR's without its "The spoken
-content of the audio is"); a family that documents none is a 400. The clip is encoded as chat's `input_audio` parts are (llmrun.server.audio: the same
+(Qwen3-ASR's without its "language NAME<asr_text>", GLM-ASR's and Audio Flamingo 3's without "The
+spoken content of the audio is"); a family that documents none is a 400. The clip is encoded as chat's `input_audio` parts are (llmrun.server.audio: the same
 size limit, WAV checks and kept encodings), and the request runs on the scheduler with the
 others, cancelled when its client goes away and counted in /metrics as "transcriptions".
 The body is read up to a limit before the form is parsed (python-multipart, Starlette's
