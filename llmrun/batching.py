@@ -769,6 +769,9 @@ def _image_salts(request: Request) -> dict[int, bytes]:
     for start, digest in zip(images.starts, request.image_digests, strict=True):
         index = start // BLOCK_SIZE
         salts[index] = salts.get(index, b"") + digest
+    salt = images.salt()  # what else the images' keys and values depend on
+    if salt:
+        salts[images.starts[0] // BLOCK_SIZE] += salt
     return salts
 
 

@@ -37,6 +37,12 @@ class PromptImages:
     def spans(self) -> list[tuple[int, int]]:
         return [(s, s + len(e)) for s, e in zip(self.starts, self.embeds, strict=True)]
 
+    def salt(self) -> bytes:
+        """What the cached keys and values of the images' first block depend on besides
+        the images and the tokens up to there: nothing here (PaliGemma's images see its
+        whole prompt: paligemma_images)."""
+        return b""
+
     def shift_at(self, position: int) -> int:
         """How far the RoPE position of a text token at `position` lies before its place:
         none here (Qwen2-VL's images shift the text after them: qwen2_vl_images)."""

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from llmrun import (
+    cohere2_vision_images,
     deepseek_ocr2_images,
     exaone4_5_images,
     gemma4_images,
@@ -35,11 +36,13 @@ from llmrun import (
     muse_glimmer_images,
     nemotron_omni_images,
     paddleocr_vl_images,
+    paligemma_images,
     pixtral_images,
     qwen2_vl_images,
     unlimited_ocr_images,
 )
 from llmrun.loading import (
+    cohere2_vision,
     deepseek_ocr2_vision,
     exaone4_5_vision,
     gemma4_unified,
@@ -60,6 +63,7 @@ from llmrun.loading import (
     muse_glimmer_vision,
     nemotron_omni_vision,
     paddleocr_vl_vision,
+    paligemma_vision,
     pixtral_vision,
     qwen2_5_omni,
     qwen2_vl_vision,
@@ -358,6 +362,20 @@ FAMILIES: tuple[VisionFamily, ...] = (
         encode=idefics3_images.encode,
         prompt=_with_embed_token(idefics3_images.prompt),
     ),
+    # SigLIP and a linear projector, one token a patch, ahead of BOS and the prompt, which
+    # its Gemma 2 sees both ways (prefix-LM); no mmproj (llama.cpp has no PaliGemma path).
+    VisionFamily(
+        name="PaliGemma 2",
+        vision_type=paligemma_vision.PaliGemmaVision,
+        folder_has_vision=paligemma_vision.folder_has_vision,
+        is_mmproj=paligemma_vision.is_mmproj,
+        from_hf_dir=paligemma_vision.from_hf_dir,
+        from_mmproj=paligemma_vision.from_mmproj,
+        text_takes_images=paligemma_vision.text_takes_images,
+        image_tokens=paligemma_images.image_tokens,
+        encode=paligemma_images.encode,
+        prompt=_with_embed_token(paligemma_images.prompt),
+    ),
     # LLaVA-NeXT's tiles through SigLIP and Window Q-Formers, one stream for each decoder
     # layer that takes the image in; before LLaVA's, whose vision_type its own subclasses.
     VisionFamily(
@@ -397,6 +415,20 @@ FAMILIES: tuple[VisionFamily, ...] = (
         image_tokens=janus_images.image_tokens,
         encode=janus_images.encode,
         prompt=_by_vision(janus_images.prompt),
+    ),
+    # Tiles and a thumbnail through SigLIP, pixel-shuffled, a SwiGLU projector, a line
+    # break closing each tile; its images go to a Cohere2.
+    VisionFamily(
+        name="Command A Vision",
+        vision_type=cohere2_vision.Cohere2Vision,
+        folder_has_vision=cohere2_vision.folder_has_vision,
+        is_mmproj=cohere2_vision.is_mmproj,
+        from_hf_dir=cohere2_vision.from_hf_dir,
+        from_mmproj=cohere2_vision.from_mmproj,
+        text_takes_images=cohere2_vision.text_takes_images,
+        image_tokens=cohere2_vision_images.image_tokens,
+        encode=cohere2_vision_images.encode,
+        prompt=cohere2_vision_images.prompt,
     ),
     # Tiles of any grid and a thumbnail, pixel-unshuffled; its images go to an LFM2.
     VisionFamily(

@@ -35,6 +35,16 @@ def _granite4_image_layers(config: dict[str, Any]) -> list[int]:
     return granite4_vision.image_layers(config)
 
 
+def _paligemma_text(config: dict[str, Any]) -> dict[str, Any]:
+    """Refuses PaliGemma 1, whose language model is a Gemma's (PaliGemmaConfig's default)."""
+    text = config.get("text_config") or {}
+    if text.get("model_type", "gemma") != "gemma2":
+        raise UnsupportedError(
+            "PaliGemma 1 (a Gemma language model) is not supported; PaliGemma 2 (Gemma 2) is"
+        )
+    return {}
+
+
 @dataclass(frozen=True)
 class Family:
     """A vision-language model_type whose language model llmrun runs."""
@@ -107,6 +117,16 @@ FAMILIES = {
     ),
     "qwen3_omni_moe": Family("Qwen3-Omni", "qwen3_moe"),  # read as its thinker's
     "llava": Family("LLaVA"),
+    # PaliGemma 2's text_config is a Gemma 2's, run as llmrun's paligemma_text (a prefix-LM
+    # mask over the prompt); PaliGemmaConfig sets use_bidirectional_attention, which its
+    # own mask overrides, and ties the output head by default.
+    "paligemma": Family(
+        "PaliGemma 2",
+        "paligemma_text",
+        tie_default=True,
+        fields={"use_bidirectional_attention": False},
+        from_outer=_paligemma_text,
+    ),
     # JanusConfig ties the head to the embeddings by default; its text_config is a Llama's.
     "janus": Family("Janus-Pro", tie_default=True),
     # VoxtralConfig's text_config defaults (Voxtral Mini 3B's); its audio tower is
@@ -200,6 +220,8 @@ FAMILIES = {
     "idefics3": Family("Idefics3"),
     "smolvlm": Family("SmolVLM"),
     "aya_vision": Family("Aya Vision", default_text="cohere2", tie_default=True),
+    # Cohere2VisionConfig's text_config is a Cohere2's; it ties the output head by default.
+    "cohere2_vision": Family("Command A Vision", default_text="cohere2", tie_default=True),
     "internvl": Family("InternVL", default_text="qwen2", tie_default=True),
     "lfm2_vl": Family("LFM2-VL", default_text="lfm2", tie_default=True),
     # Lfm3VlConfig's text_config is an Lfm3Config; it ties the output head by default.

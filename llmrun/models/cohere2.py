@@ -28,6 +28,7 @@ from llmrun.models.base import (
     new_cache,
 )
 from llmrun.models.cache import KVCache
+from llmrun.models.gemma3 import ImageTokens
 
 
 @dataclass
@@ -109,13 +110,23 @@ class Model(nn.Module):
         cache: KVCache | None = None,
         last_only: bool = False,
         last: torch.Tensor | None = None,
+        images: ImageTokens | None = None,
     ) -> torch.Tensor:
         """Float32 logits [B, T, vocab] for input_ids [B, T] at positions [B, T];
-        [B, 1, vocab] with last_only or `last` (as CausalLM.forward)."""
-        x = self.model.embed_tokens(input_ids)
+        [B, 1, vocab] with last_only or `last` (as CausalLM.forward); `images` in place of
+        their placeholders (Command A Vision's), seen causally as text is."""
+        if images is not None:  # placeholder ids may lie past the vocabulary
+            input_ids = input_ids.masked_fill(images.groups >= 0, 0)
+        x = self.embed(input_ids)
+        if images is not None:
+            x = images.place(x)
         frames = self.frames(positions, cache, x.dtype, last)
         logits = head_logits(self, x, frames, cache, last_only, last).float()
         return logits * self.args.logit_scale
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings [B, T, hidden] of input_ids [B, T]."""
+        return self.model.embed_tokens(input_ids)
 
     def frames(
         self,
