@@ -148,34 +148,8 @@ def from_hf_dir(path: Path, text_hidden: int) -> DeepseekOcr2Vision:
         raise UsageError(f"{path}: not a DeepSeek-OCR 2 folder with a vision_config")
     args = encoder_args(config, path)
     source, settings = image_processor(path)
-    size = settings.get("size", {"height": _SIZE, "width": _SIZE})
-    size = (
-        size.get("height")
-        if isinstance(size, dict) and size.get("height") == size.get("width")
-        else None
-    )
-    tile = settings.get("tile_size", _TILE)
-    min_crops = settings.get("min_patches", _MIN_CROPS)
-    max_crops = settings.get("max_patches", _MAX_CROPS)
-    if (
-        not all(positive_int(v) for v in (size, tile, min_crops, max_crops))
-        or min_crops > max_crops
-    ):
-        raise ModelFormatError(
-            f"{source}: size, tile_size, min_patches and max_patches are not a square size, "
-            "a tile size and a range of crops"
-        )
-    if not settings.get("crop_to_patches", True):
-        raise UnsupportedError(
-            f"{source}: crop_to_patches false (the processor then counts a whole image's "
-            "tokens other than the encoder gives)"
-        )
-    background = settings.get("background_color", _BACKGROUND)
-    colour = isinstance(background, list | tuple) and len(background) == 3
-    if not colour or not all(isinstance(v, int) and 0 <= v <= 255 for v in background):
-        raise ModelFormatError(f"{source}: background_color is {background!r}, not an RGB colour")
-    mean = three_floats(settings.get("image_mean", _MEAN_STD), source, "image_mean")
-    std = three_floats(settings.get("image_std", _MEAN_STD), source, "image_std")
+    crops = crop_settings(source, settings, _SIZE, _TILE, _MIN_CROPS, _MAX_CROPS)
+    size, tile = crops.size, crops.tile
     global_tokens = _view_tokens(args, size, source)
     crop_tokens = _view_tokens(args, tile, source)
     encoder = with_weights(
@@ -189,14 +163,64 @@ def from_hf_dir(path: Path, text_hidden: int) -> DeepseekOcr2Vision:
         encoder,
         size,
         tile,
-        min_crops,
-        max_crops,
-        tuple(background),
-        mean,
-        std,
+        crops.min_crops,
+        crops.max_crops,
+        crops.background,
+        crops.mean,
+        crops.std,
         global_tokens,
         crop_tokens,
     )
+
+
+@dataclass(frozen=True)
+class CropSettings:
+    """How a DeepSeek-OCR-style image processor cuts an image: the whole view's side, a
+    crop's side, the range of crops, the padding colour, the normalization."""
+
+    size: int
+    tile: int
+    min_crops: int
+    max_crops: int
+    background: tuple[int, int, int]
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+
+
+def crop_settings(
+    source: Path, settings: dict[str, Any], size: int, tile: int, min_crops: int, max_crops: int
+) -> CropSettings:
+    """The image processor's `settings` (read from `source`) over a family's defaults, checked:
+    a square size, a tile size and a range of crops, crops on, an RGB background."""
+    side = settings.get("size", {"height": size, "width": size})
+    side = (
+        side.get("height")
+        if isinstance(side, dict) and side.get("height") == side.get("width")
+        else None
+    )
+    tile = settings.get("tile_size", tile)
+    min_crops = settings.get("min_patches", min_crops)
+    max_crops = settings.get("max_patches", max_crops)
+    if (
+        not all(positive_int(v) for v in (side, tile, min_crops, max_crops))
+        or min_crops > max_crops
+    ):
+        raise ModelFormatError(
+            f"{source}: size, tile_size, min_patches and max_patches are not a square size, "
+            "a tile size and a range of crops"
+        )
+    if not settings.get("crop_to_patches", True):
+        raise UnsupportedError(
+            f"{source}: crop_to_patches false (llmrun prepares images as the processor "
+            "does with crops)"
+        )
+    background = settings.get("background_color", _BACKGROUND)
+    colour = isinstance(background, list | tuple) and len(background) == 3
+    if not colour or not all(isinstance(v, int) and 0 <= v <= 255 for v in background):
+        raise ModelFormatError(f"{source}: background_color is {background!r}, not an RGB colour")
+    mean = three_floats(settings.get("image_mean", _MEAN_STD), source, "image_mean")
+    std = three_floats(settings.get("image_std", _MEAN_STD), source, "image_std")
+    return CropSettings(side, tile, min_crops, max_crops, tuple(background), mean, std)
 
 
 def _view_tokens(args: model.EncoderArgs, side: int, source: Path) -> int:

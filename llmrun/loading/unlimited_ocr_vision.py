@@ -28,6 +28,7 @@ from gguf import Keys
 from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
 from llmrun.loading import deepseek, safetensors_io
 from llmrun.loading.deepseek_ocr2_vision import _gguf_name as _sam_gguf_name
+from llmrun.loading.deepseek_ocr2_vision import crop_settings
 from llmrun.loading.vision import (
     image_processor,
     mmproj_tensors,
@@ -200,34 +201,7 @@ def from_hf_dir(path: Path, text_hidden: int) -> UnlimitedOcrVision:
         raise UsageError(f"{path}: not an Unlimited-OCR folder with a vision_config")
     args = encoder_args(config, path)
     source, settings = image_processor(path)
-    size = settings.get("size", {"height": _SIZE, "width": _SIZE})
-    size = (
-        size.get("height")
-        if isinstance(size, dict) and size.get("height") == size.get("width")
-        else None
-    )
-    tile = settings.get("tile_size", _TILE)
-    min_crops = settings.get("min_patches", _MIN_CROPS)
-    max_crops = settings.get("max_patches", _MAX_CROPS)
-    if (
-        not all(positive_int(v) for v in (size, tile, min_crops, max_crops))
-        or min_crops > max_crops
-    ):
-        raise ModelFormatError(
-            f"{source}: size, tile_size, min_patches and max_patches are not a square size, "
-            "a tile size and a range of crops"
-        )
-    if not settings.get("crop_to_patches", True):
-        raise UnsupportedError(
-            f"{source}: crop_to_patches false (llmrun prepares images as the processor "
-            "does with crops)"
-        )
-    background = settings.get("background_color", _BACKGROUND)
-    colour = isinstance(background, list | tuple) and len(background) == 3
-    if not colour or not all(isinstance(v, int) and 0 <= v <= 255 for v in background):
-        raise ModelFormatError(f"{source}: background_color is {background!r}, not an RGB colour")
-    mean = three_floats(settings.get("image_mean", _MEAN_STD), source, "image_mean")
-    std = three_floats(settings.get("image_std", _MEAN_STD), source, "image_std")
+    crops = crop_settings(source, settings, _SIZE, _TILE, _MIN_CROPS, _MAX_CROPS)
     patch = _processor_patch(path)
     weights = prefixed_weights(path, _HF_PREFIXES)
     weights = {k: v for k, v in weights.items() if not k.startswith(_UNUSED)}
@@ -240,15 +214,15 @@ def from_hf_dir(path: Path, text_hidden: int) -> UnlimitedOcrVision:
     )
     return UnlimitedOcrVision(
         encoder,
-        size,
-        tile,
-        min_crops,
-        max_crops,
-        tuple(background),
-        mean,
-        std,
-        _view_side(args, size, patch, source),
-        _view_side(args, tile, patch, source),
+        crops.size,
+        crops.tile,
+        crops.min_crops,
+        crops.max_crops,
+        crops.background,
+        crops.mean,
+        crops.std,
+        _view_side(args, crops.size, patch, source),
+        _view_side(args, crops.tile, patch, source),
     )
 
 
