@@ -1,10 +1,11 @@
-"""Prompts with an image, for PaliGemma 2: the image prepared as transformers'
+"""Prompts with an image, for PaliGemma 1 and 2: the image prepared as transformers'
 SiglipImageProcessor does (its Pillow backend: resized to the tower's square, bicubic by
 default; / 255, (x - mean) / std), encoded (llmrun.models.paligemma_vision), and the prompt
 laid out as PaliGemmaProcessor lays it out: the image's tokens, BOS, the text and "\\n"
 (a text that writes <image> keeps what it writes before it). The whole prompt is one
 group of embeddings from its first token, the image's then the text's, which the language
-model sees both ways (llmrun.models.paligemma); the answer follows causally.
+model sees both ways (llmrun.models.gemma's, llmrun.models.paligemma's); the answer
+follows causally.
 """
 
 from __future__ import annotations

@@ -363,9 +363,10 @@ FAMILIES: tuple[VisionFamily, ...] = (
         prompt=_with_embed_token(idefics3_images.prompt),
     ),
     # SigLIP and a linear projector, one token a patch, ahead of BOS and the prompt, which
-    # its Gemma 2 sees both ways (prefix-LM); no mmproj (llama.cpp has no PaliGemma path).
+    # its Gemma (PaliGemma 1) or Gemma 2 (PaliGemma 2) sees both ways (prefix-LM); no mmproj
+    # (llama.cpp has no PaliGemma path).
     VisionFamily(
-        name="PaliGemma 2",
+        name="PaliGemma",
         vision_type=paligemma_vision.PaliGemmaVision,
         folder_has_vision=paligemma_vision.folder_has_vision,
         is_mmproj=paligemma_vision.is_mmproj,

@@ -1,5 +1,5 @@
-"""A tiny random PaliGemma 2 (PaliGemmaForConditionalGeneration: SigLIP tower, linear
-projector, Gemma 2 text) for the image tests, as a Hugging Face folder (stories260K's
+"""A tiny random PaliGemma 1 or 2 (PaliGemmaForConditionalGeneration: SigLIP tower, linear
+projector, Gemma or Gemma 2 text) for the image tests, as a Hugging Face folder (stories260K's
 tokenizer plus <image>, a preprocessor_config.json), and PaliGemmaProcessor's inputs for
 it (SiglipImageProcessor's Pillow backend)."""
 
@@ -17,13 +17,14 @@ IMAGE_SIZE, TOKENS = 64, 16  # 4x4 patches of 16 pixels
 SLIDING_WINDOW = 6  # shorter than a prompt: the window and the prefix meet
 
 
-def tiny_paligemma(seed: int = 0):
-    """Text hidden 64 (a sliding layer of window 6, then a global one), SigLIP of hidden
-    32 on 64-pixel images."""
+def tiny_paligemma(seed: int = 0, text_type: str = "gemma2"):
+    """Text hidden 64 of two layers (PaliGemma 2's gemma2: a sliding layer of window 6, then
+    a global one; PaliGemma 1's gemma: two global ones), SigLIP of hidden 32 on 64-pixel
+    images."""
     import transformers
 
     text = dict(
-        model_type="gemma2",
+        model_type=text_type,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -31,13 +32,13 @@ def tiny_paligemma(seed: int = 0):
         num_key_value_heads=1,
         head_dim=32,
         vocab_size=VOCAB,
-        sliding_window=SLIDING_WINDOW,
-        query_pre_attn_scalar=32,
         max_position_embeddings=256,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
     )
+    if text_type == "gemma2":
+        text.update(sliding_window=SLIDING_WINDOW, query_pre_attn_scalar=32)
     vision = dict(
         model_type="siglip_vision_model",
         hidden_size=32,

@@ -1,4 +1,4 @@
-"""PaliGemma 2's image encoder (llmrun.models.paligemma_vision) from its Hugging Face folder
+"""PaliGemma 1's and 2's image encoder (llmrun.models.paligemma_vision) from its Hugging Face folder
 (PaliGemmaForConditionalGeneration: vision_tower.* and multi_modal_projector.*, under
 model. as transformers 5 saves them) with its image processor's settings
 (SiglipImageProcessor). llama.cpp has no PaliGemma projector (tools/mtmd), so there is no
@@ -16,11 +16,11 @@ import torch
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading import safetensors_io
 from llmrun.loading.vision import image_processor, three_floats, with_weights
+from llmrun.loading.vl_text import PALIGEMMA_TEXTS
 from llmrun.models import siglip
 from llmrun.models.paligemma_vision import EncoderArgs, ImageEncoder
 
 MODEL_TYPE = "paligemma"
-TEXT_TYPE = "paligemma_text"  # llmrun's model_type for its language model (vl_text)
 # PaliGemmaConfig's defaults where its config.json leaves them out.
 _VISION_DEFAULTS = {
     "intermediate_size": 4096,
@@ -82,8 +82,8 @@ def from_mmproj(path: str | Path, text_hidden: int) -> PaliGemmaVision:
 
 
 def text_takes_images(config: dict[str, Any]) -> bool:
-    """Whether a language model's config is PaliGemma 2's (vl_text's text type)."""
-    return config.get("model_type") == TEXT_TYPE
+    """Whether a language model's config is PaliGemma 1's or 2's (vl_text's text types)."""
+    return config.get("model_type") in PALIGEMMA_TEXTS.values()
 
 
 def encoder_args(config: dict[str, Any]) -> EncoderArgs:

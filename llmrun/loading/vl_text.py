@@ -35,14 +35,20 @@ def _granite4_image_layers(config: dict[str, Any]) -> list[int]:
     return granite4_vision.image_layers(config)
 
 
+# PaliGemma's text_config model_type -> llmrun's for it: PaliGemma 1's Gemma (PaliGemmaConfig's
+# default) and PaliGemma 2's Gemma 2, each with a prefix-LM mask over the prompt.
+PALIGEMMA_TEXTS = {"gemma": "paligemma1_text", "gemma2": "paligemma_text"}
+
+
 def _paligemma_text(config: dict[str, Any]) -> dict[str, Any]:
-    """Refuses PaliGemma 1, whose language model is a Gemma's (PaliGemmaConfig's default)."""
-    text = config.get("text_config") or {}
-    if text.get("model_type", "gemma") != "gemma2":
+    """llmrun's model_type for a PaliGemma's language model; refuses any other text."""
+    kind = (config.get("text_config") or {}).get("model_type", "gemma")
+    if kind not in PALIGEMMA_TEXTS:
         raise UnsupportedError(
-            "PaliGemma 1 (a Gemma language model) is not supported; PaliGemma 2 (Gemma 2) is"
+            f"a PaliGemma language model of type {kind!r}; PaliGemma 1 (gemma) and 2 (gemma2) "
+            "are supported"
         )
-    return {}
+    return {"model_type": PALIGEMMA_TEXTS[kind]}
 
 
 @dataclass(frozen=True)
@@ -117,12 +123,12 @@ FAMILIES = {
     ),
     "qwen3_omni_moe": Family("Qwen3-Omni", "qwen3_moe"),  # read as its thinker's
     "llava": Family("LLaVA"),
-    # PaliGemma 2's text_config is a Gemma 2's, run as llmrun's paligemma_text (a prefix-LM
-    # mask over the prompt); PaliGemmaConfig sets use_bidirectional_attention, which its
-    # own mask overrides, and ties the output head by default.
+    # PaliGemma 1's text_config is a Gemma's, PaliGemma 2's a Gemma 2's, run as llmrun's
+    # PALIGEMMA_TEXTS (a prefix-LM mask over the prompt); PaliGemmaConfig sets
+    # use_bidirectional_attention, which its own mask overrides, and ties the output head
+    # by default.
     "paligemma": Family(
-        "PaliGemma 2",
-        "paligemma_text",
+        "PaliGemma",
         tie_default=True,
         fields={"use_bidirectional_attention": False},
         from_outer=_paligemma_text,

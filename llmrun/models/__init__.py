@@ -26,6 +26,7 @@ ARCHITECTURES = {
     "gemma": "gemma",
     "gemma2": "gemma2",
     "paligemma_text": "paligemma",  # PaliGemma 2's language model (loading/vl_text.py)
+    "paligemma1_text": "gemma",  # PaliGemma 1's language model (loading/vl_text.py)
     "gemma3": "gemma3",  # multimodal: its text_config's language model
     "gemma3_text": "gemma3",
     "gemma3n": "gemma3n",  # multimodal: its text_config's language model

@@ -1,6 +1,7 @@
 """Gemma: Llama's layout with a GeGLU feed-forward (tanh GELU), RMSNorm as
 x * (1 + w), the embedding scaled by sqrt(hidden_size), head_dim 256 and tied
-embeddings.
+embeddings. PaliGemma 1's language model (llmrun.paligemma_images) is one that takes an
+image: its prompt seen both ways, as PaliGemma 2's (llmrun.models.paligemma).
 
 Reference: transformers/models/gemma/modeling_gemma.py.
 """
@@ -26,6 +27,7 @@ from llmrun.models.base import (
     new_cache,
 )
 from llmrun.models.cache import KVCache
+from llmrun.models.gemma3 import ImageTokens
 
 
 @dataclass
@@ -124,15 +126,25 @@ class Model(nn.Module):
         cache: KVCache | None = None,
         last_only: bool = False,
         last: torch.Tensor | None = None,
+        images: ImageTokens | None = None,
     ) -> torch.Tensor:
         """Float32 logits [B, T, vocab] for input_ids [B, T] at positions [B, T];
-        [B, 1, vocab] with last_only or `last` (as CausalLM.forward)."""
-        body = self.model
-        x = body.embed_tokens(input_ids)
-        # The scale rounded to the compute dtype, as transformers does.
-        x = x * torch.tensor(self.args.hidden_size**0.5).to(x.dtype)
+        [B, 1, vocab] with last_only or `last` (as CausalLM.forward). `images`: PaliGemma
+        1's prompt embeddings in place of its tokens, one group seen both ways (one row)."""
+        if images is not None:  # placeholder ids may lie past the vocabulary
+            input_ids = input_ids.masked_fill(images.groups >= 0, 0)
+        x = self.embed(input_ids)
         frame = self.frame(positions, cache, x.dtype)
+        if images is not None:
+            x = images.place(x)
+            frame = images.unmask({"full_attention": frame}, None)["full_attention"]
         return head_logits(self, x, frame, cache, last_only, last).float()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings [B, T, hidden] of input_ids [B, T], scaled by sqrt(hidden)
+        rounded to the compute dtype, as transformers does (an image's are not scaled)."""
+        x = self.model.embed_tokens(input_ids)
+        return x * torch.tensor(self.args.hidden_size**0.5).to(x.dtype)
 
     def frame(self, positions: torch.Tensor, cache: KVCache | None, dtype: torch.dtype) -> Frame:
         start, length = int(positions[0, 0]), int(positions.max()) + 1

@@ -1,8 +1,9 @@
-"""PaliGemma 2 with an image against transformers: a tiny random
-PaliGemmaForConditionalGeneration (SigLIP tower, linear projector, Gemma 2 text with a
-sliding window shorter than the prompt) and PaliGemmaProcessor (SiglipImageProcessor's
-Pillow backend) make the reference inputs. The prompt ids (the image's tokens, BOS, the
-text and "\\n"; text written before <image> kept there), the pixels, the image features,
+"""PaliGemma 1 and 2 with an image against transformers: a tiny random
+PaliGemmaForConditionalGeneration (SigLIP tower, linear projector, and PaliGemma 2's Gemma 2
+text with a sliding window shorter than the prompt or PaliGemma 1's Gemma text: every test
+runs for both) and PaliGemmaProcessor (SiglipImageProcessor's Pillow backend) make the
+reference inputs. The prompt ids (the image's tokens, BOS, the text and "\\n"; text
+written before <image> kept there), the pixels, the image features,
 the logits of the whole prompt (seen both ways) and, through the KV cache, of the answer
 after it (seen causally), and 8 greedy tokens match; so do `llmrun run --image`, serve's
 scheduler (which reuses no block of another prompt) and serve given a prompt template.
@@ -36,7 +37,7 @@ from llmrun.generate import KVState, decode, prefill
 from llmrun.images import open_image
 from llmrun.loading import vl_text
 from llmrun.loading.paligemma_vision import PaliGemmaVision
-from llmrun.models import gemma3
+from llmrun.models import gemma, gemma3, paligemma
 from llmrun.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
@@ -51,9 +52,10 @@ PROMPT_TEMPLATE = (
 )
 
 
-@pytest.fixture(scope="module")
-def model():
-    return tiny_paligemma(seed=1)
+@pytest.fixture(scope="module", params=["gemma2", "gemma"])
+def model(request):
+    """PaliGemma 2 (its text a Gemma 2) and PaliGemma 1 (a Gemma)."""
+    return tiny_paligemma(seed=1, text_type=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +92,10 @@ def logits(engine, ids, prompt_images) -> torch.Tensor:
         )[0]
 
 
-def test_the_prompt_and_pixels_are_the_processors(engine, folder, image, prompt, reference):
+def test_the_prompt_and_pixels_are_the_processors(model, engine, folder, image, prompt, reference):
     assert isinstance(engine.vision, PaliGemmaVision)
+    texts = {"gemma2": paligemma.Model, "gemma": gemma.Model}
+    assert type(engine.model) is texts[model.config.text_config.model_type]
     ids, prompt_images = prompt
     assert ids == reference["input_ids"][0].tolist()
     assert ids[: TOKENS + 1] == [IMAGE] * TOKENS + [engine.tokenizer.bos_id]
@@ -215,8 +219,11 @@ def test_serve_with_a_prompt_template_replies_as_transformers(model, folder, ima
         assert reply["usage"]["prompt_tokens"] == len(ids)
 
 
-def test_paligemma_1_is_refused(tmp_path):
-    """PaliGemma 1's language model (a Gemma, PaliGemmaConfig's default) is not run."""
+def test_a_text_neither_gemma_nor_gemma2_is_refused(tmp_path):
+    """A PaliGemma's language model is PaliGemma 1's Gemma (PaliGemmaConfig's default, run
+    as llmrun's paligemma1_text) or PaliGemma 2's Gemma 2; another is refused."""
     config = {"model_type": "paligemma", "text_config": {"hidden_size": 64}}
-    with pytest.raises(UnsupportedError, match="PaliGemma 1 .* is not supported"):
+    assert vl_text.language_model(config, {}, tmp_path)[0]["model_type"] == "paligemma1_text"
+    config["text_config"]["model_type"] = "llama"
+    with pytest.raises(UnsupportedError, match="PaliGemma language model of type 'llama'"):
         vl_text.language_model(config, {}, tmp_path)
