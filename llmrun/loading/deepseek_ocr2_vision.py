@@ -92,11 +92,13 @@ def folder_has_vision(path: Path) -> bool:
 
 
 def text_takes_images(config: dict[str, Any]) -> bool:
-    """Whether a language model's config is DeepSeek V1's, which DeepSeek-OCR 2's text runs as."""
+    """Whether a language model's config is DeepSeek V1's, which DeepSeek-OCR 2's and
+    Unlimited-OCR's text runs as."""
     return config.get("model_type") == deepseek.MODEL_TYPE
 
 
-def _sub_config(vision: dict[str, Any], key: str, path: Path) -> dict[str, Any]:
+def sub_config(vision: dict[str, Any], key: str, path: Path) -> dict[str, Any]:
+    """The vision_config's sub-config `key` (SAM's, the encoder's), refused if not a dict."""
     sub = vision.get(key, {})
     if not isinstance(sub, dict):
         raise ModelFormatError(f"{path}: vision_config.{key} is {sub!r}, not a config")
@@ -108,12 +110,12 @@ def encoder_args(config: dict[str, Any], path: Path) -> model.EncoderArgs:
     vision, text = config["vision_config"], config.get("text_config")
     if not isinstance(text, dict) or not positive_int(text.get("hidden_size")):
         raise ModelFormatError(f"{path}: a DeepSeek-OCR 2 config without its text_config's width")
-    sam_config = _sub_config(vision, "sam_config", path)
+    sam_config = sub_config(vision, "sam_config", path)
     names = {f.name for f in dataclasses.fields(model.SamArgs)}
     sam = model.SamArgs(**{k: v for k, v in sam_config.items() if k in names and v is not None})
     if sam_config.get("mlp_dim") is None:  # SamVisionConfig's: hidden_size * mlp_ratio
         sam.mlp_dim = int(sam.hidden_size * sam_config.get("mlp_ratio", 4.0))
-    queries_config = _sub_config(vision, "encoder_config", path)
+    queries_config = sub_config(vision, "encoder_config", path)
     queries = args_from_config(model.QueryArgs, queries_config)
     if queries_config.get("num_key_value_heads") is None:
         queries.num_key_value_heads = queries.num_attention_heads

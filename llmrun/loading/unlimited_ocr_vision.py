@@ -26,9 +26,9 @@ import torch
 from gguf import Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
-from llmrun.loading import deepseek, safetensors_io
+from llmrun.loading import safetensors_io
 from llmrun.loading.deepseek_ocr2_vision import _gguf_name as _sam_gguf_name
-from llmrun.loading.deepseek_ocr2_vision import crop_settings
+from llmrun.loading.deepseek_ocr2_vision import crop_settings, sub_config
 from llmrun.loading.vision import (
     image_processor,
     mmproj_tensors,
@@ -110,18 +110,6 @@ def folder_has_vision(path: Path) -> bool:
     return path.is_dir() and config.is_file() and has_vision(safetensors_io.read_json(config))
 
 
-def text_takes_images(config: dict[str, Any]) -> bool:
-    """Whether a language model's config is DeepSeek V1's, which Unlimited-OCR's text runs as."""
-    return config.get("model_type") == deepseek.MODEL_TYPE
-
-
-def _sub_config(vision: dict[str, Any], key: str, path: Path) -> dict[str, Any]:
-    sub = vision.get(key, {})
-    if not isinstance(sub, dict):
-        raise ModelFormatError(f"{path}: vision_config.{key} is {sub!r}, not a config")
-    return sub
-
-
 def _text_hidden(config: dict[str, Any], path: Path) -> int:
     text = config.get("text_config", config.get("language_config"))
     width = text.get("hidden_size", 1280) if isinstance(text, dict) else None
@@ -134,14 +122,14 @@ def encoder_args(config: dict[str, Any], path: Path) -> model.EncoderArgs:
     """The encoder's shape from an Unlimited-OCR config.json (its sub-configs' defaults
     where it has none, as transformers reads DeepSeek's own files)."""
     vision = config["vision_config"]
-    sam_config = {**_SAM_DEFAULTS, **_sub_config(vision, "sam_config", path)}
+    sam_config = {**_SAM_DEFAULTS, **sub_config(vision, "sam_config", path)}
     names = set(SamArgs.__dataclass_fields__)
     sam = SamArgs(**{k: v for k, v in sam_config.items() if k in names and v is not None})
     sam.global_attn_indexes = list(sam.global_attn_indexes)
     sam.downsample_channels = list(sam.downsample_channels)
     if sam_config.get("mlp_dim") is None:  # SamVisionConfig's: hidden_size * mlp_ratio
         sam.mlp_dim = int(sam.hidden_size * sam_config.get("mlp_ratio", 4.0))
-    clip_config = {**_CLIP_DEFAULTS, **_sub_config(vision, "encoder_config", path)}
+    clip_config = {**_CLIP_DEFAULTS, **sub_config(vision, "encoder_config", path)}
     clip = VisionArgs.from_config(clip_config)
     for name, value, runs in (
         ("sam_config.use_abs_pos", sam_config.get("use_abs_pos", True), True),
