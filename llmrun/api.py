@@ -24,8 +24,11 @@ from llmrun import (
     embeddings,
     paths,
     reranking,
+    text_to_text,
     tokenizer_gguf,
+    transcribers,
     vision_families,
+    whisper,
 )
 from llmrun.chat_template import ChatTemplate, select_template
 from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
@@ -33,6 +36,7 @@ from llmrun.generate import KVState, Response, TokenLogprob, stream_generate
 from llmrun.loading import (
     embedding,
     gemma3n,
+    gemma4_assistant,
     mistral_native,
     pixtral_vision,
     reranker,
@@ -60,6 +64,7 @@ from llmrun.sampling import Sampler, SamplingParams
 from llmrun.speculative import (
     DEFAULT_DRAFT_MAX,
     DEFAULT_DRAFT_P_MIN,
+    Assistant,
     Draft,
     Lookup,
     Speculator,
@@ -150,6 +155,52 @@ class Engine:
     mmproj: Path | None = None
 
     @property
+    def transcribes(self) -> bool:
+        """Whether the model is an encoder-decoder's speech recognition (Engine.transcribe),
+        which llmrun.transcribers decodes, not the generation loop."""
+        return getattr(self.model, "transcribes", False)
+
+    @property
+    def speech_family(self) -> str | None:
+        """The name of the model's speech recognition family (llmrun.transcribers)."""
+        if not self.transcribes:
+            return None
+        return transcribers.family(self.checkpoint.config["model_type"])[0]
+
+    def transcribe(
+        self,
+        clip: Any,
+        language: str | None = None,
+        task: str | None = None,
+        prompt: str | None = None,
+    ) -> whisper.Transcription:
+        """A decoded clip's (llmrun.audio.open_audio) transcript, in `language` (a code or
+        name; None: detected where the family detects it), for `task` ("transcribe" or
+        "translate"; None: the model's default), after `prompt` (Whisper's initial prompt),
+        by the family's transcriber (llmrun.transcribers)."""
+        if not self.transcribes:
+            raise UsageError(f"{self.name} is not a speech recognition model")
+        checkpoint = self.checkpoint
+        _, transcriber = transcribers.family(checkpoint.config["model_type"])
+        return transcriber(
+            self.model,
+            self.tokenizer,
+            checkpoint.path,
+            checkpoint.generation_config,
+            checkpoint.config,
+            clip,
+            language,
+            task,
+            prompt,
+        )
+
+    @property
+    def text_to_text(self) -> bool:
+        """Whether the model is an encoder-decoder of text (T5, BART, Marian, M2M100),
+        which `generate` runs through llmrun.text_to_text, off the batching scheduler."""
+        return getattr(self.model, "text_to_text", False)
+
+    @property
     def generates(self) -> bool:
         """Whether the model generates text: not an encoder, a reranker, nor a base model
         saved for embeddings without an output head."""
@@ -169,6 +220,12 @@ class Engine:
         (Tokenizer.encode_sequence), longer than the context an error unless `truncate`."""
         if self.reranks:
             raise UsageError(f"{self.name} is a reranker; use `llmrun rerank`")
+        if self.transcribes:
+            raise UsageError(f"{self.name} is a speech recognition model")
+        if self.text_to_text:
+            raise UsageError(
+                f"{self.name} is a text-to-text model (encoder-decoder), not an embedding model"
+            )
         pooling = embeddings.check_pooling(pooling or self.checkpoint.pooling, self.name)
         if not inputs:
             raise UsageError("no input to embed")
@@ -256,6 +313,21 @@ class Engine:
         self.speculator = Draft(
             draft.model, lambda size: draft.new_cache(1, size), max_tokens, p_min
         )
+
+    def use_assistant(
+        self,
+        path: Path,
+        max_tokens: int = DEFAULT_DRAFT_MAX,
+        p_min: float = DEFAULT_DRAFT_P_MIN,
+    ) -> None:
+        """Generate by speculative decoding with Gemma 4's assistant drafter of folder
+        `path` (loaded in this model's dtype and device), which reads this model's last
+        hidden state and KV cache to propose up to `max_tokens` tokens a step, fewer where
+        its top probability falls below `p_min` (llmrun.speculative.Assistant)."""
+        check_cache(self.new_cache(1, 1), self.name)
+        assistant = gemma4_assistant.load(path, self.device, self.dtype)
+        gemma4_assistant.check_pair(assistant, self.model, str(path))
+        self.speculator = Assistant(assistant, max_tokens, p_min)
 
     def use_lookup(self, max_tokens: int) -> None:
         """Generate by speculative decoding with up to `max_tokens` tokens a step drafted
@@ -499,7 +571,30 @@ class Engine:
         """Stream a reply to `prompt` (ids) through `state` (default: a new cache).
         `history_end`: where the conversation so far ends in the prompt, before the
         generation prompt (a hybrid model keeps its state there for the next turn).
-        `images`: the prompt's images, from image_prompt."""
+        `images`: the prompt's images, from image_prompt. A text-to-text model takes
+        `prompt` as its encoder's input and decodes in a cache of its own."""
+        if self.text_to_text:
+            if images is not None or self.speculator is not None:
+                raise UsageError(
+                    f"{self.name} (a text-to-text model) takes neither images nor --draft/--lookup"
+                )
+            checkpoint = self.checkpoint
+            rules = text_to_text.Rules.of(
+                checkpoint.generation_config, checkpoint.config, self.tokenizer.vocab_size
+            )
+            return text_to_text.generate(
+                self.model,
+                self.tokenizer,
+                self.new_state,
+                self.ctx_size,
+                prompt,
+                Sampler(params),
+                max_tokens,
+                self.eos_ids,
+                stop,
+                logprobs,
+                rules,
+            )
         if state is None:
             wanted = len(prompt) + (max(max_tokens, 1) if max_tokens is not None else self.ctx_size)
             state = self.new_state(wanted)
@@ -547,6 +642,8 @@ def load(
     vision: bool = False,
     mmproj: str | Path | None = None,
     audio: bool = False,
+    transcribe: bool = False,
+    text_to_text: bool = False,
 ) -> Engine:
     """Load MODEL (`path`, when given, is where it already resolved to); with `generate`,
     a model that cannot generate (an embedding model) is refused first. `cache_type`:
@@ -558,7 +655,10 @@ def load(
     scale), a GGUF adapter or a PEFT folder (llmrun.loading.lora). `vision`: load the image
     encoder too (a vision checkpoint's own, or a GGUF's `mmproj` file, which implies it
     unless `audio`), for Engine.image_prompt. `audio`: load the audio encoder (an
-    llmrun.audio_families folder's own, or the `mmproj` file's), for Engine.audio_prompt."""
+    llmrun.audio_families folder's own, or the `mmproj` file's), for Engine.audio_prompt.
+    `transcribe`: the caller transcribes a Whisper model's clips (Engine.transcribe), which
+    `generate` otherwise refuses. `text_to_text`: the caller generates through
+    Engine.generate alone, which runs a T5 model, which `generate` otherwise refuses."""
     if dtype not in DTYPES:
         raise UsageError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     if cache_type is not None and cache_type not in CACHE_TYPES:
@@ -584,7 +684,8 @@ def load(
     start = time.perf_counter()
     checkpoint = open_checkpoint(path)
     _check_tokenizer(checkpoint, path)
-    generates = _check_use(checkpoint, str(spec) if spec else path.name, generate)
+    name = str(spec) if spec else path.name
+    generates = _check_use(checkpoint, name, generate, transcribe, text_to_text)
     encoder = audio_encoder = None
     # An mmproj of audio alone loads at the first clip (`chat`'s /audio) where not asked for.
     audio_only = mmproj is not None and (
@@ -601,7 +702,7 @@ def load(
             else note
             for note in checkpoint.notes
         ]
-    if audio:
+    if audio and not _transcribes(checkpoint):  # Whisper's encoder is its model's own
         audio_encoder = _load_audio(checkpoint, path, mmproj)
     elif checkpoint.gguf is None and audio_families.of_folder(path) is not None:
         # Its audio tower loads at the first clip (`chat`'s /audio), as a tower at an image.
@@ -798,11 +899,29 @@ def _check_tokenizer(checkpoint: Checkpoint, path: Path) -> None:
         hf_tokenizer_file(path)
 
 
-def _check_use(checkpoint: Checkpoint, name: str, generate: bool) -> bool:
+def _check_use(
+    checkpoint: Checkpoint, name: str, generate: bool, transcribe: bool, text_to_text: bool
+) -> bool:
     """Whether the checkpoint's model generates text, refused where `generate` asks it
-    to and it cannot (an embedding model); a decoder whose GGUF turns causal attention
-    off (a bidirectional embedding model) is refused, not run causally."""
-    generates = getattr(model_module(checkpoint.config["model_type"]).Model, "generates", True)
+    to and it cannot (an embedding model, a Whisper model unless the caller
+    `transcribe`s, a T5 model unless it generates `text_to_text`); a decoder whose GGUF
+    turns causal attention off (a bidirectional embedding model) is refused, not run
+    causally."""
+    if _transcribes(checkpoint):
+        if generate and not transcribe:
+            family, _ = transcribers.family(checkpoint.config["model_type"])
+            raise UsageError(
+                f"{name} is a speech recognition model ({family}): transcribe with "
+                "`llmrun run MODEL --audio FILE.wav`, or serve it"
+            )
+        return False  # llmrun.transcribers decodes it (Engine.transcribe)
+    module = model_module(checkpoint.config["model_type"])
+    if getattr(module.Model, "text_to_text", False) and generate and not text_to_text:
+        raise UsageError(
+            f"{name} is a text-to-text model (encoder-decoder), without a chat template: give it a prompt "
+            'with `llmrun run MODEL "PROMPT"`, or serve it (/v1/completions)'
+        )
+    generates = getattr(module.Model, "generates", True)
     gg = checkpoint.gguf
     if generates and gg is not None and not embedding.gguf_causal(gg.metadata, gg.architecture):
         raise UnsupportedError(
@@ -817,6 +936,11 @@ def _check_use(checkpoint: Checkpoint, name: str, generate: bool) -> bool:
     if generate and not generates:
         raise UsageError(f"{name} is an embedding model; use `llmrun embed`")
     return generates
+
+
+def _transcribes(checkpoint: Checkpoint) -> bool:
+    """Whether the checkpoint's model is an encoder-decoder's speech recognition."""
+    return getattr(model_module(checkpoint.config["model_type"]).Model, "transcribes", False)
 
 
 def _tokenizer(checkpoint: Checkpoint, path: Path) -> Tokenizer:

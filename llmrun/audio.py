@@ -39,10 +39,33 @@ _PCM, _FLOAT, _EXTENSIBLE = 1, 3, 0xFFFE
 
 @dataclass(frozen=True)
 class Clip:
-    """Decoded audio: mono float32 samples in [-1, 1] at SAMPLE_RATE."""
+    """Decoded audio: mono float32 samples in [-1, 1] at SAMPLE_RATE; where the file had
+    another rate, also its samples at that rate (`decoded`, `rate`), so an encoder of
+    another rate (Muse Spark's 24 kHz) resamples from them and not from 16 kHz."""
 
     samples: np.ndarray
     name: str
+    decoded: np.ndarray | None = None
+    rate: int = SAMPLE_RATE
+
+    def at(self, rate: int) -> np.ndarray:
+        """The samples at `rate` Hz, resampled once from the file's own."""
+        if rate == SAMPLE_RATE:
+            return self.samples
+        if self.decoded is not None and rate == self.rate:
+            return self.decoded
+        source = self.samples if self.decoded is None else self.decoded
+        return resample(
+            source, self.rate if self.decoded is not None else SAMPLE_RATE, rate
+        ).astype(np.float32)
+
+    def length_at(self, rate: int) -> int:
+        """How many samples `at(rate)` holds (resample's length)."""
+        source, from_rate = (
+            (self.samples, SAMPLE_RATE) if self.decoded is None else (self.decoded, self.rate)
+        )
+        g = math.gcd(from_rate, rate)
+        return -(-len(source) * (rate // g) // (from_rate // g))
 
 
 def open_audio(source: str | Path | bytes, name: str | None = None) -> Clip:
@@ -62,7 +85,10 @@ def open_audio(source: str | Path | bytes, name: str | None = None) -> Clip:
     if len(data) > MAX_FILE_BYTES:
         raise UsageError(f"{name}: audio over {MAX_FILE_BYTES >> 20} MiB")
     samples, rate = decode_wav(data, name)
-    return Clip(resample(samples, rate, SAMPLE_RATE).astype(np.float32), name)
+    at_16k = resample(samples, rate, SAMPLE_RATE).astype(np.float32)
+    if rate == SAMPLE_RATE:
+        return Clip(at_16k, name)
+    return Clip(at_16k, name, samples.astype(np.float32), rate)
 
 
 def decode_wav(data: bytes, name: str = "the audio") -> tuple[np.ndarray, int]:

@@ -25,7 +25,9 @@ from llmrun import (
     granite_speech_clips,
     mixed_media,
     multimodal,
+    muse_spark_clips,
     nemotron_omni_clips,
+    phi4mm_clips,
     qwen2_5_omni_clips,
     qwen2_audio_clips,
     qwen3_asr_clips,
@@ -39,7 +41,9 @@ from llmrun.loading import (
     gemma4_unified,
     glmasr,
     granite_speech,
+    muse_spark_audio,
     nemotron_omni_audio,
+    phi4mm_audio,
     qwen2_5_omni,
     qwen2_audio,
     qwen2_vl_vision,
@@ -305,6 +309,37 @@ FAMILIES: tuple[AudioFamily, ...] = (
         encode=nemotron_omni_clips.encode,
         prompt=nemotron_omni_clips.prompt,
         with_images=mixed_media.nemotron_omni,
+    ),
+    # A causal convolutional encoder of the 24 kHz waveform under Muse Spark's language
+    # model; folders only. Its audio parts are written as <|audio|>, which the processor
+    # expands (the chat template llama.cpp keeps for Muse Glimmer renders none).
+    AudioFamily(
+        name="Muse Spark",
+        encoder_type=muse_spark_audio.MuseSparkAudio,
+        folder_has_audio=muse_spark_audio.folder_has_audio,
+        is_mmproj=lambda path: False,
+        from_hf_dir=muse_spark_audio.from_hf_dir,
+        from_mmproj=muse_spark_audio.from_mmproj,
+        text_takes_audio=muse_spark_audio.text_takes_audio,
+        clip_tokens=muse_spark_clips.clip_tokens,
+        encode=muse_spark_clips.encode,
+        prompt=muse_spark_clips.prompt,
+        text_place=muse_spark_clips.AUDIO,
+    ),
+    # A Conformer with NeMo's subsampling under a Phi-3, its speech projection; folders
+    # only. A prompt takes audio or images, not both (both take its other projection).
+    AudioFamily(
+        name="Phi-4-multimodal",
+        encoder_type=phi4mm_audio.Phi4mmAudio,
+        folder_has_audio=phi4mm_audio.folder_has_audio,
+        is_mmproj=phi4mm_audio.is_mmproj,
+        from_hf_dir=phi4mm_audio.from_hf_dir,
+        from_mmproj=phi4mm_audio.from_mmproj,
+        text_takes_audio=phi4mm_audio.text_takes_audio,
+        clip_tokens=phi4mm_clips.clip_tokens,
+        encode=phi4mm_clips.encode,
+        prompt=phi4mm_clips.prompt,
+        transcription=phi4mm_clips.transcription,
     ),
 )
 

@@ -33,7 +33,12 @@ carries its own shift (PagedView.rope_shifts). The blocks an
 image's tokens begin in are salted with its digest (llmrun.kv_blocks), so a prefix is
 reused across prompts only where they hold the same image; a reused prefix may end
 inside an image, whose rest is then fed whole (the cached part was computed with all of
-it, and the rest attends to the cached part as the whole image's forward did).
+it, and the rest attends to the cached part as the whole image's forward did). Llama 3.2
+Vision's image takes no tokens: the prompt up to its <|image|> goes in one forward of its
+own, which computes the image's cross-attention keys and values; the sequence keeps them
+(Job.image_state) and every later forward gives its row them (llmrun.models.mllama). Every
+token of such a prompt attends to the image, so its blocks are salted from the first, and
+it takes none from the prefix cache (the blocks do not hold the image's state).
 While a single sequence runs, a speculator (the engine's --draft or --lookup,
 llmrun.speculative) drafts its next tokens and the model checks them all in one
 forward, through the same blocks: greedy output stays the batched step's, sampling
@@ -52,6 +57,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -142,6 +148,9 @@ class Job:
     lora: tuple[float, ...] = ()  # its adapters' scales, which its rows run with
     root: bytes = b""  # its blocks' names start here: its keys depend on its scales too
     salts: dict[int, bytes] = field(default_factory=dict)  # its images' digests, by block
+    # Its image's state beside its blocks, where the model keeps one per sequence (Llama
+    # 3.2 Vision's cross-attention keys and values: llmrun.models.mllama), once computed.
+    image_state: Any = None
 
     @property
     def prefilling(self) -> bool:
@@ -177,6 +186,12 @@ class Scheduler:
         like = engine.new_cache(1, 1)
         n_blocks, window, window_blocks = self._pool_size(like, kv_memory)
         self.cache = PagedKVCache(like, n_blocks, BLOCK_SIZE, engine.ctx_size, window_blocks)
+        # A model that keeps each sequence's image beside its KV cache (`images`, by row):
+        # each forward's view gets its rows' (see _view).
+        self.holds_images = hasattr(like, "images")
+        # Unlimited-OCR's reference sliding window: each row's attention follows its
+        # prompt's length (see _view and _commit).
+        self.reference_window = like.reference_window
         # A hybrid model's recurrent layers: a state row per running sequence, and for
         # its prefix cache the states at some block ends (see _keep_state).
         self.states = self.pending = self.snapshots = None
@@ -345,10 +360,11 @@ class Scheduler:
             if self._follows(job):
                 followers.append(self.waiting.popleft())
                 continue
+            images = job.request.images
             got = self.blocks.allocate(
                 job.target,
                 len(job.target),
-                reuse=not job.scoring,
+                reuse=not job.scoring and (images is None or images.prefix_cached),
                 ends=self.snapshots,
                 root=job.root,
                 salts=job.salts,
@@ -378,6 +394,8 @@ class Scheduler:
         if not self.blocks.full.prefix_cache or job.scoring or self.states is not None:
             # A hybrid model keeps no state at the running one's chunk ends to take.
             return False
+        if job.request.images is not None and not job.request.images.prefix_cached:
+            return False  # it would find blocks it does not take
         size = self.blocks.block_size
         for other in self.active:
             if not other.prefilling or other.cancelled or other.root != job.root:
@@ -469,7 +487,7 @@ class Scheduler:
             return
         for row, job in enumerate(decoding):
             job.state.tokens.append(job.next_token)
-            self.blocks.commit(job.table, job.state.tokens)
+            self._commit(job, job.state.tokens)
             self._keep_state(job)
             try:
                 self._advance(job, logits[row, -1])
@@ -517,7 +535,7 @@ class Scheduler:
         except Exception as e:
             self._finish(job, e)
             return True
-        self.blocks.commit(job.table, state.tokens)
+        self._commit(job, state.tokens)
         for i, (token, row) in enumerate(zip(tokens, rows, strict=True)):
             if job.finished or job.cancelled:
                 break
@@ -594,7 +612,7 @@ class Scheduler:
                 self._finish(job, e)
             return
         for (job, _), row in zip(parts, logits, strict=True):
-            self.blocks.commit(job.table, job.state.tokens)
+            self._commit(job, job.state.tokens)
             self._keep_state(job)
             if not job.prefilling:
                 self._publish_state(job)
@@ -639,6 +657,8 @@ class Scheduler:
                 last=None if scoring else last,  # every position's logits, to score prompts
                 **extra,
             )
+        if images is not None and self.holds_images:
+            parts[0][0].image_state = view.images.get(0)  # what the image's forward kept
         for row, (job, part) in enumerate(parts):
             if job.scoring:
                 self._score(job, logits[row, : len(part)])
@@ -675,6 +695,10 @@ class Scheduler:
         view = self.cache.view([j.table.full.blocks for j in jobs], counts, windows)
         if self.states is not None:
             view.recurrent = self.states.select([j.slot for j in jobs])
+        if self.holds_images:
+            view.images = {
+                r: j.image_state for r, j in enumerate(jobs) if j.image_state is not None
+            }
         # Text after Qwen2-VL's images turns by shifted positions; each row feeds text
         # from its next position on (a chunk with image tokens brings their own).
         shifts = [
@@ -683,7 +707,19 @@ class Scheduler:
         ]
         if any(shifts):
             view.rope_shifts = torch.tensor(shifts, device=self.cache.k.device)
+        if self.reference_window is not None:
+            ends = [len(j.request.prompt) for j in jobs]
+            view.prompt_ends = torch.tensor(ends, device=self.cache.k.device)
         return view
+
+    def _commit(self, job: Job, tokens: list[int]) -> None:
+        """Name the job's full blocks of `tokens` for the prefix cache; with a reference
+        window only those before its prompt's end plus the window: past it, keys and
+        values were computed seeing the window alone, which another prompt's prefill of
+        the same tokens does not."""
+        if self.reference_window is not None:
+            tokens = tokens[: len(job.request.prompt) + self.reference_window]
+        self.blocks.commit(job.table, tokens)
 
     def _advance(self, job: Job, logits: torch.Tensor) -> None:
         """Sample the job's next token from its logits and pass on the text it makes."""
@@ -754,7 +790,7 @@ class Scheduler:
 
 
 def _image_salts(request: Request) -> dict[int, bytes]:
-    """The salts of a request's blocks: each image's digest at the block its tokens begin
+    """The salts of a request's blocks: each image's digest at the block its span begins
     in (several in one block: joined in order)."""
     images = request.images
     if images is None:
@@ -766,19 +802,20 @@ def _image_salts(request: Request) -> dict[int, bytes]:
             f"{len(request.image_digests)} image digests for {len(images.embeds)} images"
         )
     salts: dict[int, bytes] = {}
-    for start, digest in zip(images.starts, request.image_digests, strict=True):
-        index = start // BLOCK_SIZE
+    begins = [a for a, _ in images.spans()]  # Llama 3.2 Vision's spans begin before it
+    for begin, digest in zip(begins, request.image_digests, strict=True):
+        index = begin // BLOCK_SIZE
         salts[index] = salts.get(index, b"") + digest
     salt = images.salt()  # what else the images' keys and values depend on
     if salt:
-        salts[images.starts[0] // BLOCK_SIZE] += salt
+        salts[begins[0] // BLOCK_SIZE] += salt
     return salts
 
 
 def _whole_images(images: PromptImages, done: int, end: int) -> int:
     """A chunk's end (`done` tokens fed) moved out of an image it would split: back to
     the image's start where the chunk keeps a token, else on to its end."""
-    for a, b in images.spans():
+    for a, b in images.wholes():
         if a < end < b:
             return a if a > done else b
     return end
@@ -788,6 +825,8 @@ def _images_from(images: PromptImages, begin: int) -> PromptImages:
     """The images from prompt position `begin` on, one that began before cut to its rest
     (a reused prefix may end inside an image); of the same kind (Qwen2-VL's keep their
     prompt's M-RoPE positions)."""
+    if all(a >= begin for a, _ in images.spans()):
+        return images  # none began before
     embeds, starts = [], []
     for (a, b), embed in zip(images.spans(), images.embeds, strict=True):
         if b > begin:

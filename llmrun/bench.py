@@ -35,7 +35,7 @@ from torch import nn
 from llmrun import __version__, api, native
 from llmrun.errors import UsageError
 from llmrun.generate import KVState, Stats, decode, prefill
-from llmrun.loading import safetensors_io
+from llmrun.loading import gemma4_assistant, safetensors_io
 from llmrun.loading.loader import Checkpoint
 from llmrun.models import kv_cache_bytes
 from llmrun.models.cache import BYTES_PER_VALUE
@@ -433,16 +433,21 @@ def bench_model(
     drafting = {}
     if options.draft is not None:
         progress(f"loading draft {options.draft}", 0)
-        draft = api.load(
-            options.draft,
-            engine.device.type,
-            options.dtype,
-            ctx_size=longest.positions,
-            cache_type=options.cache_type,
-            activations=options.activations,
-        )
-        engine.use_draft(draft, options.draft_max)
-        drafting = dict(draft=model_name(draft.path), draft_max=options.draft_max)
+        path = api.resolve(options.draft)
+        if gemma4_assistant.is_assistant(path):
+            engine.use_assistant(path, options.draft_max)
+        else:
+            draft = api.load(
+                options.draft,
+                engine.device.type,
+                options.dtype,
+                ctx_size=longest.positions,
+                path=path,
+                cache_type=options.cache_type,
+                activations=options.activations,
+            )
+            engine.use_draft(draft, options.draft_max)
+        drafting = dict(draft=model_name(path), draft_max=options.draft_max)
     elif options.lookup is not None:
         engine.use_lookup(options.lookup)
         drafting = dict(draft="lookup", draft_max=options.lookup)

@@ -118,9 +118,12 @@ def prefill(
     `keep_at`: a position (counted from the sequence's start) after which a hybrid
     model's recurrent state is kept too (llmrun.models.recurrent), for a next prompt
     that agrees with this one only up to there. `images`: the prompt's images (indexes
-    counted from the sequence's start), each fed whole in one chunk."""
+    counted from the sequence's start), each fed whole in one chunk. The prompt ends
+    where `tokens` do (KVCache.prompt_ends, for a model with a reference window)."""
     device = state.cache.k.device
     offset = len(state.tokens)
+    if state.cache.reference_window is not None:
+        state.cache.prompt_ends = torch.tensor([offset + len(tokens)], device=device)
     cuts = list(range(0, len(tokens), chunk))
     if images is not None:
         cuts = images.cuts(cuts, offset)

@@ -4,7 +4,9 @@ aspect is nearest the image's, the image resized bicubically onto it, plus a thu
 the whole image where there are several tiles), encoded (llmrun.models.internvl_vision),
 and each image place that the chat template marks (<IMG_CONTEXT>) expanded as
 InternVLProcessor expands it: <img>, an <IMG_CONTEXT> per soft token of every tile, </img>.
-An image's embeddings take its <IMG_CONTEXT>s' places: one span per image.
+An image's embeddings take its <IMG_CONTEXT>s' places: one span per image. Qianfan-OCR's
+(QianfanOCRProcessor) expand alike, but its chat template marks an image's place by its
+placeholder (<image>).
 
 llama.cpp (tools/mtmd, mtmd_image_preprocessor_internvl) tiles otherwise: an image no
 larger than a tile is one tile, resized; a larger one takes the grid of least wasted area
@@ -21,7 +23,7 @@ import torch
 
 from llmrun.errors import TokenizerError, UsageError
 from llmrun.images import normalized
-from llmrun.loading.internvl_vision import InternVLVision
+from llmrun.loading.internvl_vision import InternVLVision, QianfanOcrVision
 from llmrun.multimodal import PromptImages
 from llmrun.tokenizer import Tokenizer
 
@@ -29,27 +31,36 @@ IMAGE_START, IMAGE_CONTEXT, IMAGE_END = "<img>", "<IMG_CONTEXT>", "</img>"
 
 
 @lru_cache(maxsize=16)
-def _arrangements(min_tiles: int, max_tiles: int) -> tuple[tuple[int, int], ...]:
-    """Every (columns, rows) of min_tiles..max_tiles tiles, fewest tiles first
-    (get_all_supported_aspect_ratios)."""
+def _arrangements(
+    min_tiles: int, max_tiles: int, max_side: int | None
+) -> tuple[tuple[int, int], ...]:
+    """Every (columns, rows) of min_tiles..max_tiles tiles (and at most max_side a side),
+    fewest tiles first (get_all_supported_aspect_ratios)."""
+    side = max_tiles if max_side is None else min(max_tiles, max_side)
     grids = [
         (columns, rows)
-        for columns in range(1, max_tiles + 1)
-        for rows in range(1, max_tiles + 1)
+        for columns in range(1, side + 1)
+        for rows in range(1, side + 1)
         if min_tiles <= columns * rows <= max_tiles
     ]
     return tuple(sorted(grids, key=lambda grid: grid[0] * grid[1]))
 
 
 def tile_grid(
-    height: int, width: int, tile: int, min_tiles: int, max_tiles: int
+    height: int,
+    width: int,
+    tile: int,
+    min_tiles: int,
+    max_tiles: int,
+    max_side: int | None = None,
 ) -> tuple[int, int]:
     """The (columns, rows) of tiles an image is cut into: the arrangement whose aspect is
     nearest the image's; of equally near ones, the later (more tiles) while the image's
-    area is over half theirs (get_optimal_tiled_canvas)."""
+    area is over half theirs (get_optimal_tiled_canvas). Granite Docling's pages take at
+    most `max_side` tiles a side."""
     aspect, area = width / height, width * height
     best, best_diff = (1, 1), float("inf")
-    for columns, rows in _arrangements(min_tiles, max_tiles):
+    for columns, rows in _arrangements(min_tiles, max_tiles, max_side):
         diff = abs(aspect - columns / rows)
         if diff < best_diff:
             best, best_diff = (columns, rows), diff
@@ -116,20 +127,20 @@ def _token_ids(tokenizer: Tokenizer) -> tuple[int, int, int]:
 
 
 def prompt(
-    tokenizer: Tokenizer, text: str, encoded: Sequence[torch.Tensor]
+    tokenizer: Tokenizer, text: str, encoded: Sequence[torch.Tensor], place: str = IMAGE_CONTEXT
 ) -> tuple[list[int], PromptImages]:
-    """The ids of `text` with each <IMG_CONTEXT> expanded for the image `encoded` (encode's
-    tokens) in order, and the images as generate() takes them. The text must mark exactly
-    as many places as there are images."""
+    """The ids of `text` with each image place (`place`: <IMG_CONTEXT>) expanded for the
+    image `encoded` (encode's tokens) in order, and the images as generate() takes them.
+    The text must mark exactly as many places as there are images."""
     start, context, end = _token_ids(tokenizer)
-    places = text.count(IMAGE_CONTEXT)
+    places = text.count(place)
     if places != len(encoded):
         raise UsageError(
-            f"the prompt marks {places} image place{'s' * (places != 1)} ({IMAGE_CONTEXT}) "
-            f"for {len(encoded)} image{'s' * (len(encoded) != 1)}: write {IMAGE_CONTEXT} "
+            f"the prompt marks {places} image place{'s' * (places != 1)} ({place}) "
+            f"for {len(encoded)} image{'s' * (len(encoded) != 1)}: write {place} "
             "where each goes"
         )
-    pieces = text.split(IMAGE_CONTEXT)
+    pieces = text.split(place)
     expanded = pieces[0] + "".join(
         f"{IMAGE_START}{IMAGE_CONTEXT * len(e)}{IMAGE_END}{piece}"
         for e, piece in zip(encoded, pieces[1:], strict=True)
@@ -143,3 +154,10 @@ def prompt(
             f"the prompt holds {IMAGE_START}, {IMAGE_CONTEXT} or {IMAGE_END} of its own: remove it"
         )
     return ids, PromptImages(list(encoded), starts)
+
+
+def qianfan_prompt(
+    vision: QianfanOcrVision, tokenizer: Tokenizer, text: str, encoded: Sequence[torch.Tensor]
+) -> tuple[list[int], PromptImages]:
+    """prompt for Qianfan-OCR, whose image places are its placeholder."""
+    return prompt(tokenizer, text, encoded, vision.placeholder)

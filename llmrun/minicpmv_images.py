@@ -22,6 +22,10 @@ a half away from zero (transformers' Python round takes the even one: a 40x64 im
 view is 32x32 pixels there, 32x48 in llama.cpp), resamples with its own filter, and turns
 the image tokens of its qwen35 text by M-RoPE (the time and height sections at the image's
 first place, the width's along its tokens), where transformers turns them as text.
+
+MiniCPM-V 4.7 (MiniCPMV4_7Processor: 4.6's processing and expansion) turns its tokens by
+canvas M-RoPE (llmrun.minicpmv_canvas): an image's span then runs from its <image> to the
+markers that close it, whose positions are pinned to its canvas too.
 """
 
 from __future__ import annotations
@@ -32,10 +36,12 @@ from dataclasses import dataclass
 
 import torch
 
+from llmrun import minicpmv_canvas
 from llmrun.errors import TokenizerError, UsageError
 from llmrun.images import normalized
-from llmrun.loading.minicpmv_vision import MiniCPMVVision
+from llmrun.loading.minicpmv_vision import MiniCPMV47Vision, MiniCPMVVision
 from llmrun.multimodal import PromptImages
+from llmrun.qwen2_vl_images import QwenPromptImages
 from llmrun.tokenizer import Tokenizer
 
 IMAGE_PAD, IMAGE_START, IMAGE_END = "<|image_pad|>", "<image>", "</image>"
@@ -46,10 +52,13 @@ ID_START, ID_END = "<image_id>", "</image_id>"
 @dataclass(frozen=True)
 class SlicedImage:
     """An image's soft tokens: the whole image's [tokens, hidden] and its slices'
-    [rows, columns, tokens, hidden] (rows and columns 0 where it was not sliced)."""
+    [rows, columns, tokens, hidden] (rows and columns 0 where it was not sliced), and the
+    rows and columns of tokens of the whole image and of a slice ((0, 0): none)."""
 
     whole: torch.Tensor
     slices: torch.Tensor
+    whole_grid: tuple[int, int]
+    slice_grid: tuple[int, int]
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -158,7 +167,8 @@ def encode(vision: MiniCPMVVision, images: Sequence) -> list[SlicedImage]:
             sliced = sliced.view(rows, columns, *sliced.shape[1:])
         else:
             sliced = tokens.new_zeros(0, 0, *tokens.shape)
-        out.append(SlicedImage(tokens, sliced))
+        grids = [(t.shape[1] // vision.unit, t.shape[2] // vision.unit) for t in [whole, *slices]]
+        out.append(SlicedImage(tokens, sliced, grids[0], grids[1] if slices else (0, 0)))
     return out
 
 
@@ -205,9 +215,10 @@ def prompt(
 ) -> tuple[list[int], PromptImages]:
     """The ids of `text` with each <|image_pad|> expanded for the image `encoded`
     (encode's) in order, and the images as generate() takes them: each one's span from
-    its first <|image_pad|> to its last, the soft tokens in the <|image_pad|> places and
-    the embeddings (`embed_token(id)`, [hidden]) of the text tokens between them. The text
-    must mark exactly as many places as there are images."""
+    its first <|image_pad|> to its last (MiniCPM-V 4.7's: its canvas frame), the soft
+    tokens in the <|image_pad|> places and the embeddings (`embed_token(id)`, [hidden]) of
+    the text tokens between them. The text must mark exactly as many places as there are
+    images."""
     pad = _pad_id(vision, tokenizer)
     places = text.count(IMAGE_PAD)
     if places != len(encoded):
@@ -226,17 +237,29 @@ def prompt(
     counts = [e.soft.shape[0] for e in encoded]
     if len(where) != sum(counts):
         raise UsageError(f"the prompt holds {IMAGE_PAD} of its own: remove it")
-    starts, embeds, done = [], [], 0
-    for e, count in zip(encoded, counts, strict=True):
-        first, last = where[done], where[done + count - 1]
-        done += count
-        span = ids[first : last + 1]
+    rope = None
+    if isinstance(vision, MiniCPMV47Vision):
+        grids = []
+        for e in encoded:
+            grids += [e.whole_grid] + [e.slice_grid] * (e.grid[0] * e.grid[1])
+        is_pad = [t == pad for t in ids]
+        rope, spans = minicpmv_canvas.positions(ids, is_pad, grids, vision.markers)
+    else:
+        spans, done = [], 0
+        for count in counts:
+            spans.append((where[done], where[done + count - 1] + 1))
+            done += count
+    embeds = []
+    for e, (first, end) in zip(encoded, spans, strict=True):
+        span = ids[first:end]
         soft = e.soft
         rows = torch.empty(len(span), soft.shape[1], dtype=soft.dtype)
         is_soft = torch.tensor([t == pad for t in span])
         rows[is_soft] = soft
         for i in (~is_soft).nonzero().flatten().tolist():
             rows[i] = embed_token(span[i]).to(soft.dtype)
-        starts.append(first)
         embeds.append(rows)
+    starts = [first for first, _ in spans]
+    if rope is not None:
+        return ids, QwenPromptImages(embeds, starts, rope)
     return ids, PromptImages(embeds, starts)

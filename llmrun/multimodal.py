@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -27,6 +28,9 @@ class PromptImages:
 
     embeds: list[torch.Tensor]
     starts: list[int]
+    # Whether the server's prefix cache may give a prompt with these images its leading
+    # blocks (Llama 3.2 Vision's may not: its image's state is not in them).
+    prefix_cached: ClassVar[bool] = True
 
     @property
     def first(self) -> int:
@@ -48,10 +52,15 @@ class PromptImages:
         none here (Qwen2-VL's images shift the text after them: qwen2_vl_images)."""
         return 0
 
+    def wholes(self) -> list[tuple[int, int]]:
+        """The stretches of the prompt a prefill chunk must hold whole: each image's span
+        (Molmo 2's images see each other, so all of them together: molmo2_images)."""
+        return self.spans()
+
     def cuts(self, cuts: Sequence[int], offset: int) -> list[int]:
         """Prefill chunk starts (indexes into the tokens fed, which begin at prompt index
         `offset`) without those that would split an image."""
-        return [c for c in cuts if not any(a < c + offset < b for a, b in self.spans())]
+        return [c for c in cuts if not any(a < c + offset < b for a, b in self.wholes())]
 
     def tokens(self, begin: int, end: int, device: torch.device) -> ImageTokens | None:
         """What the forward of prompt[begin:end] takes of the images; None if none."""

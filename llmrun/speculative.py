@@ -1,6 +1,7 @@
-"""Speculative decoding: a small draft model (Draft), or the context itself (Lookup,
-prompt lookup), proposes the next tokens, the model checks them all in one forward, and
-each token it agrees with saves a decode step.
+"""Speculative decoding: a small draft model (Draft), Gemma 4's assistant reading the
+model's own state (Assistant), or the context itself (Lookup, prompt lookup), proposes the
+next tokens, the model checks them all in one forward, and each token it agrees with saves
+a decode step.
 
 A round: up to `max_tokens` tokens are drafted after the sequence; the model runs the
 pending token and the drafts as one forward (on a memory-bound CPU it costs about one
@@ -16,7 +17,7 @@ draws from: logit biases, repetition penalties over the tokens so far (the draft
 before included), then top-k, top-p, min-p and temperature (Sampler.distribution).
 
 serve's scheduler (llmrun.batching) runs the same rounds (Speculator.round) through its
-paged KV cache while one request runs.
+paged KV cache while one request runs (Draft's and Lookup's; not Assistant's).
 
 Only a cache that can drop positions can take drafts back: a hybrid or state-space
 model's recurrent state cannot, and is refused. Sliding-window rings keep the slots a
@@ -34,6 +35,7 @@ from torch import nn
 
 from llmrun.errors import UnsupportedError, UsageError
 from llmrun.generate import KVState, Stats, decode, prefill
+from llmrun.models import gemma3n, gemma4_assistant
 from llmrun.models.cache import KVCache
 from llmrun.sampling import Sampler, argmax
 from llmrun.tokenizer import Tokenizer
@@ -262,25 +264,12 @@ class Draft(Speculator):
         fed."""
         logits = self._follow(sequence)
         saved = self.state.cache.save_span(len(sequence), count - 1)
-        greedy = sampler.params.temperature == 0
         seen, drafts, dists = list(history), [], []
         for i in range(count):
             if i:
                 logits = decode(self.model, self.state, drafts[-1])
-            logits = _padded(logits, vocab)
-            if greedy:
-                scores = sampler.penalize(sampler.biased(logits), seen)
-                if self.p_min and torch.softmax(scores.float(), -1).max() < self.p_min:
-                    break
-                token = argmax(scores)
-            else:
-                dist = sampler.distribution(logits, seen)
-                if dist.max() < self.p_min:
-                    break
-                dists.append(dist)
-                token = sampler.pick(dist)
-            drafts.append(token)
-            seen.append(token)
+            if not choose(_padded(logits, vocab), sampler, seen, self.p_min, drafts, dists):
+                break
         return drafts, dists, saved
 
     def take_back(self, saved: tuple | None, keep: int) -> None:
@@ -289,6 +278,126 @@ class Draft(Speculator):
 
     def room(self) -> int | None:
         return self.state.cache.window
+
+
+class Assistant(Speculator):
+    """Drafts by Gemma 4's assistant (llmrun.models.gemma4_assistant), which reads the
+    model's own state instead of keeping a cache: each draft of a round after a token t at
+    position p takes t's embedding (the model's) and a hidden state (the model's final
+    normed one at p - 1, then the assistant's own projected output), and attends, at
+    position p for every draft of the round, to the model's cached keys and values of
+    positions before p in its last layer of each type (of the sliding one, the last
+    sliding_window positions the model's ring holds). transformers' candidate generator
+    and llama.cpp agree on all that (transformers' sliding layers see one position more,
+    llama.cpp's one fewer), but transformers also lets the assistant see the keys of the
+    first rejected draft after a rejection; here a rejection leaves no trace, as in
+    llama.cpp. The model's hidden states are taken as its forward computes them (hooks
+    on its final norm while generate_step runs), so only generate_step drives it; serve's
+    paged rounds do not."""
+
+    def __init__(self, assistant: nn.Module, max_tokens: int, p_min: float = DEFAULT_DRAFT_P_MIN):
+        super().__init__(max_tokens, "--draft-max")
+        if not 0.0 <= p_min <= 1.0:
+            raise UsageError(f"--draft-p-min must be between 0 and 1, got {p_min}")
+        self.assistant, self.p_min = assistant, p_min
+        self.dtype = assistant.pre_projection.weight.dtype
+        self.model: nn.Module | None = None
+        self.cache: KVCache | None = None
+        self.hidden: torch.Tensor | None = None  # [T, hidden] of the model's last forward
+        self.positions: torch.Tensor | None = None  # [T] their positions
+
+    @torch.inference_mode()
+    def generate_step(
+        self,
+        model: nn.Module,
+        state: KVState,
+        tokens: Sequence[int],
+        sampler: Sampler,
+        history: list[int],
+        stats: Stats,
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """Speculator.generate_step, with the model's hidden states watched."""
+        if state.cache.paged or state.cache.rows is not None:
+            raise UnsupportedError("Gemma 4's assistant drafts for one sequence in its own cache")
+        self.model, self.cache = model, state.cache
+
+        def called(_module, args, kwargs) -> None:
+            self.positions = (args[1] if len(args) > 1 else kwargs["positions"])[0]
+
+        def normed(_module, _args, out: torch.Tensor) -> None:
+            self.hidden = out[0]
+
+        hooks = [
+            model.register_forward_pre_hook(called, with_kwargs=True),
+            model.model.norm.register_forward_hook(normed),
+        ]
+        try:
+            yield from super().generate_step(model, state, tokens, sampler, history, stats)
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    def _hidden_at(self, position: int) -> torch.Tensor:
+        """The model's final normed hidden state [hidden] at `position`, of its last
+        forward (which normed its last rows alone where it kept only the last logits)."""
+        positions = self.positions[-self.hidden.shape[0] :]
+        row = position - int(positions[0])
+        if not 0 <= row < len(positions) or int(positions[row]) != position:
+            raise RuntimeError(f"the model's last forward did not compute position {position}")
+        return self.hidden[row]
+
+    def _keys_values(self, position: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer type, the keys and values [1, Hkv, L, D] a query at `position` reads:
+        the model's of positions before it, in its last cached layer of the type (the last
+        sliding_window of them for the sliding type)."""
+        cache, target = self.cache, self.model.args
+        window = self.assistant.args.text.sliding_window
+        out = {}
+        for kind in set(self.assistant.args.text.layer_types):
+            layer = max(
+                i for i, t in enumerate(target.layer_types[: target.kv_layers]) if t == kind
+            )
+            group, index = cache.where[layer]
+            keys, values = (stored[index, :1] for stored in cache.buffers[group])
+            first = max(0, position - window) if kind == gemma4_assistant.SLIDING else 0
+            if cache.windowed(layer):
+                slots = torch.arange(cache.window, device=keys.device)
+                held = position - 1 - (position - 1 - slots) % cache.window
+                slots = slots[held >= first]
+                keys, values = keys[:, :, slots], values[:, :, slots]
+            else:
+                keys, values = keys[:, :, first:position], values[:, :, first:position]
+            out[kind] = (cache.decode(keys, self.dtype), cache.decode(values, self.dtype))
+        return out
+
+    def propose(
+        self,
+        sequence: Sequence[int],
+        history: Sequence[int],
+        count: int,
+        sampler: Sampler,
+        vocab: int,
+    ) -> tuple[list[int], list[torch.Tensor], None]:
+        """Up to `count` tokens after `sequence`, each drawn as `sampler` would from the
+        assistant's logits (penalties over `history` and the drafts before it), fewer
+        where its confidence falls below p_min; their distributions (none for greedy)."""
+        position = len(sequence) - 1
+        hidden = self._hidden_at(position - 1)
+        kv = self._keys_values(position)
+        embed = self.model.model.embed_tokens
+        device = hidden.device
+        positions = torch.tensor([[position]], device=device)
+        seen, drafts, dists = list(history), [], []
+        token = sequence[-1]
+        for _ in range(count):
+            x = embed(torch.tensor([[token]], device=device))
+            x = x * gemma3n.scale_like(self.model.args.hidden_size**0.5, x)
+            inputs = torch.cat([x[0, 0], hidden]).to(self.dtype)[None, None]
+            logits, projected = self.assistant(inputs, positions, kv)
+            if not choose(_padded(logits[0, -1], vocab), sampler, seen, self.p_min, drafts, dists):
+                break
+            token, hidden = drafts[-1], projected[0, -1].to(hidden.dtype)
+        return drafts, dists, None
 
 
 class Lookup(Speculator):
@@ -319,6 +428,34 @@ class Lookup(Speculator):
             dists.append(torch.zeros(vocab, dtype=torch.float64))
             dists[-1][draft] = 1.0
         return drafts, dists, None
+
+
+def choose(
+    logits: torch.Tensor,
+    sampler: Sampler,
+    seen: list[int],
+    p_min: float,
+    drafts: list[int],
+    dists: list[torch.Tensor],
+) -> bool:
+    """Draw a draft from the drafter's `logits` [vocab] as `sampler` would (penalties over
+    `seen`) and append it to `drafts` and `seen`, its distribution to `dists` (none for
+    greedy); False, drawing nothing, where the drafter's top probability is below
+    `p_min` (for greedy, in the softmax of its penalized logits)."""
+    if sampler.params.temperature == 0:
+        scores = sampler.penalize(sampler.biased(logits), seen)
+        if p_min and torch.softmax(scores.float(), -1).max() < p_min:
+            return False
+        token = argmax(scores)
+    else:
+        dist = sampler.distribution(logits, seen)
+        if dist.max() < p_min:
+            return False
+        dists.append(dist)
+        token = sampler.pick(dist)
+    drafts.append(token)
+    seen.append(token)
+    return True
 
 
 def lookup(sequence: Sequence[int], count: int) -> list[int]:

@@ -1,7 +1,8 @@
 """Text <-> token ids: the Tokenizer every source builds, its streaming decoder, load_tokenizer.
 
 The `tokenizers` library does the encoding. A tokenizer comes from a tokenizer.json (read here),
-from Mistral's tekken.json (llmrun.tekken) or from GGUF `tokenizer.ggml.*` metadata
+from Mistral's tekken.json (llmrun.tekken), from a Marian folder's source.spm and vocab.json
+(llmrun.marian_tokenizer) or from GGUF `tokenizer.ggml.*` metadata
 (llmrun.tokenizer_gguf, which reproduces llama.cpp), which a folder's SentencePiece model file
 becomes (llmrun.sentencepiece_model).
 Decoding is done here, from each token's bytes (llmrun.token_bytes), so that a stream of pieces
@@ -20,7 +21,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as Backend
 
-from llmrun import sentencepiece_model, tekken, tokenizer_gguf
+from llmrun import marian_tokenizer, sentencepiece_model, tekken, tokenizer_gguf
 from llmrun.errors import TokenizerError, UnsupportedError
 from llmrun.pretokenizers import SPM_SPACE
 from llmrun.token_bytes import byte_level_bytes, raw, spm_bytes
@@ -233,11 +234,21 @@ class Tokenizer:
         """Build from tokenizer.json, with BOS/EOS from tokenizer_config.json when present;
         where the folder has no tokenizer.json, from Mistral's tekken.json as mistral_common
         reads it, else from a SentencePiece model file (tokenizer.model, spiece.model or
-        sentencepiece.bpe.model) as llama.cpp's converter reads it."""
+        sentencepiece.bpe.model) as llama.cpp's converter reads it, else a Marian folder's
+        source.spm and vocab.json as MarianTokenizer reads them (llmrun.marian_tokenizer)."""
         path = Path(path)
         file = hf_tokenizer_file(path)
         if file.name == tekken.FILE:
             return cls(**tekken.tokenizer_args(file))
+        if file.name == marian_tokenizer.FILE:
+            return cls(**marian_tokenizer.tokenizer_args(path))
+        if file.name == sentencepiece_model.XLMR_FILE and (path / "vocab.json").is_file():
+            # M2M100Tokenizer's files (facebook/m2m100_*): pieces looked up in vocab.json,
+            # not laid out as XLM-RoBERTa's are, which would give other ids.
+            raise UnsupportedError(
+                f"{file} with vocab.json (M2M100Tokenizer's) is not supported: a folder "
+                "with tokenizer.json is"
+            )
         if file.name in sentencepiece_model.FILES:
             metadata = sentencepiece_model.gguf_metadata(file)
             return cls(**tokenizer_gguf.tokenizer_args(metadata, str(file)))
@@ -372,8 +383,9 @@ def valid_text(text: str) -> str:
 
 def hf_tokenizer_file(folder: Path) -> Path:
     """A model folder's tokenizer.json, else its tekken.json (as llama.cpp's converter
-    chooses), else its SentencePiece model file; refuses a folder with none."""
-    for name in ("tokenizer.json", tekken.FILE, *sentencepiece_model.FILES):
+    chooses), else its SentencePiece model file, else a Marian folder's source.spm;
+    refuses a folder with none."""
+    for name in ("tokenizer.json", tekken.FILE, *sentencepiece_model.FILES, marian_tokenizer.FILE):
         if (folder / name).is_file():
             return folder / name
     raise TokenizerError(

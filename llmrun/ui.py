@@ -324,6 +324,10 @@ def print_model_info(info: dict[str, Any]) -> None:
 
 def _architecture_line(info: dict[str, Any]) -> str:
     architecture = info["architecture"] or "-"
+    if info.get("speech_recognition"):
+        return f"{architecture} ({info['speech_recognition']})"
+    if info.get("text_to_text"):
+        return f"{architecture} ({info['text_to_text']})"
     if info.get("reranker"):
         return f"{architecture} (reranker)"
     return f"{architecture} (embedding model)" if info.get("embedding_model") else architecture

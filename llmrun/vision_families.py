@@ -15,13 +15,17 @@ import torch
 
 from llmrun import (
     cohere2_vision_images,
+    cosmos3_edge_images,
     deepseek_ocr2_images,
     exaone4_5_images,
     gemma4_images,
     gemma4_unified_media,
     glm4v_images,
+    got_ocr2_images,
     granite4_vision_images,
+    granite_docling_images,
     hunyuan_vl_images,
+    hyperclovax_vision_images,
     idefics3_images,
     internvl_images,
     janus_images,
@@ -31,25 +35,36 @@ from llmrun import (
     lighton_ocr_images,
     llama4_images,
     llava_images,
+    llava_onevision1_5_images,
     minicpmv_images,
+    mllama_images,
+    molmo2_images,
     multimodal,
     muse_glimmer_images,
     nemotron_omni_images,
+    ovis2_5_images,
+    ovis2_images,
     paddleocr_vl_images,
     paligemma_images,
+    phi4mm_images,
     pixtral_images,
     qwen2_vl_images,
+    step3p7_images,
     unlimited_ocr_images,
 )
 from llmrun.loading import (
     cohere2_vision,
+    cosmos3_edge_vision,
     deepseek_ocr2_vision,
     exaone4_5_vision,
     gemma4_unified,
     gemma4_vision,
     glm4v_vision,
+    got_ocr2_vision,
     granite4_vision,
+    granite_docling_vision,
     hunyuan_vl_vision,
+    hyperclovax_vision,
     idefics3_vision,
     internvl_vision,
     janus_vision,
@@ -58,18 +73,25 @@ from llmrun.loading import (
     lfm3_vl_vision,
     lighton_ocr_vision,
     llama4_vision,
+    llava_onevision1_5_vision,
     llava_vision,
     minicpmv_vision,
+    mllama_vision,
+    molmo2_vision,
     muse_glimmer_vision,
     nemotron_omni_vision,
+    ovis2_5_vision,
+    ovis2_vision,
     paddleocr_vl_vision,
     paligemma_vision,
+    phi4mm_vision,
     pixtral_vision,
     qwen2_5_omni,
     qwen2_vl_vision,
     qwen3_omni,
     qwen3_vl_vision,
     safetensors_io,
+    step3p7_vision,
     unlimited_ocr_vision,
 )
 from llmrun.loading import vision as gemma3_vision
@@ -239,6 +261,21 @@ FAMILIES: tuple[VisionFamily, ...] = (
         encode=qwen2_vl_images.encode,
         prompt=_by_text(qwen2_vl_images.omni_prompt),
     ),
+    # RICE-ViT: Qwen2-VL's tower on single frames with a class token, Qwen3-VL's merger; its
+    # images go to a Qwen3, every token turned by its place. Before Qwen2-VL's, whose
+    # vision_type its own subclasses. Folders only (llama.cpp has no converter for it).
+    VisionFamily(
+        name="LLaVA-OneVision-1.5",
+        vision_type=llava_onevision1_5_vision.LlavaOnevision15Vision,
+        folder_has_vision=llava_onevision1_5_vision.folder_has_vision,
+        is_mmproj=llava_onevision1_5_vision.no_mmproj,
+        from_hf_dir=llava_onevision1_5_vision.from_hf_dir,
+        from_mmproj=llava_onevision1_5_vision.from_mmproj,
+        text_takes_images=llava_onevision1_5_vision.text_takes_images,
+        image_tokens=qwen2_vl_images.image_tokens,
+        encode=llava_onevision1_5_images.encode,
+        prompt=_by_text(llava_onevision1_5_images.prompt),
+    ),
     # Qwen2.5-VL's tower with grouped-query attention and Qwen2-VL's processing; its images
     # go to an EXAONE 4, every token turned by its place. Before Qwen2-VL's, whose
     # vision_type its own subclasses.
@@ -253,6 +290,36 @@ FAMILIES: tuple[VisionFamily, ...] = (
         image_tokens=qwen2_vl_images.image_tokens,
         encode=exaone4_5_images.encode,
         prompt=_by_text(exaone4_5_images.prompt),
+    ),
+    # SigLIP 2's tower on flattened patches and Qwen3.5's merger, GLM-4V's resizing; its
+    # images go to a Llama-like language model between <|vision_start|> and <|vision_end|>,
+    # turned by Qwen3-VL's M-RoPE. Folders only (llama.cpp has no converter for it).
+    VisionFamily(
+        name="Cosmos3 Edge",
+        vision_type=cosmos3_edge_vision.Cosmos3EdgeVision,
+        folder_has_vision=cosmos3_edge_vision.folder_has_vision,
+        is_mmproj=cosmos3_edge_vision.no_mmproj,
+        from_hf_dir=cosmos3_edge_vision.from_hf_dir,
+        from_mmproj=cosmos3_edge_vision.from_mmproj,
+        text_takes_images=cosmos3_edge_vision.text_takes_images,
+        image_tokens=cosmos3_edge_images.image_tokens,
+        encode=cosmos3_edge_images.encode,
+        prompt=_by_text(cosmos3_edge_images.prompt),
+    ),
+    # Qwen2.5-VL's tower and a Linear projector, Qwen2-VL's processing; its images go to a
+    # HyperCLOVA X SEED, every token turned by its place. Folders only (llama.cpp has no
+    # converter for it). Before Qwen2-VL's, whose vision_type its own subclasses.
+    VisionFamily(
+        name="HyperCLOVA X SEED Vision",
+        vision_type=hyperclovax_vision.HyperclovaxVision,
+        folder_has_vision=hyperclovax_vision.folder_has_vision,
+        is_mmproj=hyperclovax_vision.no_mmproj,
+        from_hf_dir=hyperclovax_vision.from_hf_dir,
+        from_mmproj=hyperclovax_vision.from_mmproj,
+        text_takes_images=hyperclovax_vision.text_takes_images,
+        image_tokens=qwen2_vl_images.image_tokens,
+        encode=hyperclovax_vision_images.encode,
+        prompt=_by_text(hyperclovax_vision_images.prompt),
     ),
     VisionFamily(
         name="Qwen2-VL/2.5-VL",
@@ -336,6 +403,21 @@ FAMILIES: tuple[VisionFamily, ...] = (
         encode=hunyuan_vl_images.encode,
         prompt=_by_text(hunyuan_vl_images.prompt),
     ),
+    # InternVL's encoder, tiles and expansion, an image's place marked <image>; before
+    # InternVL's, whose vision_type its own subclasses. No mmproj (llama.cpp has no
+    # Qianfan-OCR converter).
+    VisionFamily(
+        name="Qianfan-OCR",
+        vision_type=internvl_vision.QianfanOcrVision,
+        folder_has_vision=internvl_vision.folder_has_qianfan_vision,
+        is_mmproj=internvl_vision.no_mmproj,
+        from_hf_dir=internvl_vision.qianfan_from_hf_dir,
+        from_mmproj=internvl_vision.qianfan_from_mmproj,
+        text_takes_images=lambda config: not qwen2_vl_vision.turns_by_mrope(config),
+        image_tokens=internvl_images.image_tokens,
+        encode=internvl_images.encode,
+        prompt=_by_vision(internvl_images.qianfan_prompt),
+    ),
     VisionFamily(
         name="InternVL",
         vision_type=internvl_vision.InternVLVision,
@@ -348,6 +430,21 @@ FAMILIES: tuple[VisionFamily, ...] = (
         image_tokens=internvl_images.image_tokens,
         encode=internvl_images.encode,
         prompt=_by_text(internvl_images.prompt),
+    ),
+    # Idefics3's tower on GOT-OCR2 tiles, a connector with DeepStack mergers; its images go
+    # to a Granite whose layers add the DeepStack features. Folders only (llama.cpp has no
+    # converter for it).
+    VisionFamily(
+        name="Granite Docling",
+        vision_type=granite_docling_vision.GraniteDoclingVision,
+        folder_has_vision=granite_docling_vision.folder_has_vision,
+        is_mmproj=granite_docling_vision.no_mmproj,
+        from_hf_dir=granite_docling_vision.from_hf_dir,
+        from_mmproj=granite_docling_vision.from_mmproj,
+        text_takes_images=granite_docling_vision.text_takes_images,
+        image_tokens=granite_docling_images.image_tokens,
+        encode=granite_docling_images.encode,
+        prompt=_by_text(granite_docling_images.prompt),
     ),
     # Tiles and the whole image, each pixel-shuffled; its images go to a Llama.
     VisionFamily(
@@ -431,6 +528,36 @@ FAMILIES: tuple[VisionFamily, ...] = (
         encode=cohere2_vision_images.encode,
         prompt=cohere2_vision_images.prompt,
     ),
+    # The whole image and overlapping crops through a ViT, windows of patches pooled by
+    # attention into tokens added to their placeholders, all of a prompt's image tokens
+    # seen both ways; its images go to its own Qwen3- or OLMo-like language model. Folders
+    # only (llama.cpp has no converter for it).
+    VisionFamily(
+        name="Molmo 2",
+        vision_type=molmo2_vision.Molmo2Vision,
+        folder_has_vision=molmo2_vision.folder_has_vision,
+        is_mmproj=molmo2_vision.is_mmproj,
+        from_hf_dir=molmo2_vision.from_hf_dir,
+        from_mmproj=molmo2_vision.from_mmproj,
+        text_takes_images=molmo2_vision.text_takes_images,
+        image_tokens=molmo2_images.image_tokens,
+        encode=molmo2_images.encode,
+        prompt=_by_vision(molmo2_images.prompt),
+    ),
+    # A global view and HD crops through SigLIP, 2x2-averaged, a separator ending each
+    # row, a GELU MLP; its images go to a Phi-3.
+    VisionFamily(
+        name="Phi-4-multimodal",
+        vision_type=phi4mm_vision.Phi4mmVision,
+        folder_has_vision=phi4mm_vision.folder_has_vision,
+        is_mmproj=phi4mm_vision.is_mmproj,
+        from_hf_dir=phi4mm_vision.from_hf_dir,
+        from_mmproj=phi4mm_vision.from_mmproj,
+        text_takes_images=phi4mm_vision.text_takes_images,
+        image_tokens=phi4mm_images.image_tokens,
+        encode=phi4mm_images.encode,
+        prompt=phi4mm_images.prompt,
+    ),
     # Tiles of any grid and a thumbnail, pixel-unshuffled; its images go to an LFM2.
     VisionFamily(
         name="LFM2-VL",
@@ -457,6 +584,21 @@ FAMILIES: tuple[VisionFamily, ...] = (
         image_tokens=lfm3_vl_images.image_tokens,
         encode=lfm3_vl_images.encode,
         prompt=_by_vision(lfm3_vl_images.prompt),
+    ),
+    # MiniCPM-V 4.6's encoder and prompts, every token of an image's frame turned by canvas
+    # M-RoPE; before 4.6's, whose vision_type its own subclasses. No mmproj (llama.cpp has
+    # no MiniCPM-V 4.7 converter).
+    VisionFamily(
+        name="MiniCPM-V 4.7",
+        vision_type=minicpmv_vision.MiniCPMV47Vision,
+        folder_has_vision=minicpmv_vision.folder_has_vision_4_7,
+        is_mmproj=minicpmv_vision.no_mmproj,
+        from_hf_dir=minicpmv_vision.from_hf_dir_4_7,
+        from_mmproj=minicpmv_vision.from_mmproj_4_7,
+        text_takes_images=minicpmv_vision.text_takes_images,
+        image_tokens=minicpmv_images.image_tokens,
+        encode=minicpmv_images.encode,
+        prompt=minicpmv_images.prompt,
     ),
     # The whole image and its slices, each 4x4 patches a token; its images go to a Qwen3.5.
     VisionFamily(
@@ -526,6 +668,20 @@ FAMILIES: tuple[VisionFamily, ...] = (
         encode=llama4_images.encode,
         prompt=_with_embed_token(llama4_images.prompt),
     ),
+    # Tiles through a ViT of plain and gated global layers; not tokens: its image's states
+    # go to the cross-attention layers of its Llama 3.1, from the prompt's one <|image|>.
+    VisionFamily(
+        name="Llama 3.2 Vision",
+        vision_type=mllama_vision.MllamaVision,
+        folder_has_vision=mllama_vision.folder_has_vision,
+        is_mmproj=mllama_vision.is_mmproj,
+        from_hf_dir=mllama_vision.from_hf_dir,
+        from_mmproj=mllama_vision.from_mmproj,
+        text_takes_images=mllama_vision.text_takes_images,
+        image_tokens=mllama_images.image_tokens,
+        encode=mllama_images.encode,
+        prompt=_by_vision(mllama_images.prompt),
+    ),
     # A windowed ViT with an axial 2D RoPE, 2x2 patches folded into a token; its images go
     # to Muse Glimmer's language model between <|image_start|> and <|image_end|>.
     VisionFamily(
@@ -540,6 +696,65 @@ FAMILIES: tuple[VisionFamily, ...] = (
         encode=muse_glimmer_images.encode,
         prompt=_by_text(muse_glimmer_images.prompt),
     ),
+    # SAM's ViT, its grid downsampled 4x4 by two stride-2 convolutions to the text's width,
+    # projected linearly; its images go to a Qwen2. Folders only (llama.cpp has no
+    # converter for it).
+    VisionFamily(
+        name="GOT-OCR 2.0",
+        vision_type=got_ocr2_vision.GotOcr2Vision,
+        folder_has_vision=got_ocr2_vision.folder_has_vision,
+        is_mmproj=got_ocr2_vision.no_mmproj,
+        from_hf_dir=got_ocr2_vision.from_hf_dir,
+        from_mmproj=got_ocr2_vision.from_mmproj,
+        text_takes_images=got_ocr2_vision.text_takes_images,
+        image_tokens=got_ocr2_images.image_tokens,
+        encode=got_ocr2_images.encode,
+        prompt=_by_text(got_ocr2_images.prompt),
+    ),
+    # Muse Glimmer's tower for Muse Spark's language model; folders only (llama.cpp has no
+    # converter for it, so no mmproj is Muse Spark's).
+    VisionFamily(
+        name="Muse Spark",
+        vision_type=muse_glimmer_vision.MuseGlimmerVision,
+        folder_has_vision=muse_glimmer_vision.spark_folder_has_vision,
+        is_mmproj=lambda path: False,
+        from_hf_dir=muse_glimmer_vision.from_hf_dir,
+        from_mmproj=muse_glimmer_vision.from_mmproj,
+        text_takes_images=muse_glimmer_vision.spark_text_takes_images,
+        image_tokens=muse_glimmer_images.image_tokens,
+        encode=muse_glimmer_images.encode,
+        prompt=_by_text(muse_glimmer_images.prompt),
+    ),
+    # A NaViT SigLIP 2 whose 2x2 patches become a distribution over a visual vocabulary,
+    # embedded through its table; learned start and end embeddings around an image; its
+    # images go to a Qwen3. Folders only (llama.cpp has no converter for it).
+    VisionFamily(
+        name="Ovis2.5",
+        vision_type=ovis2_5_vision.Ovis25Vision,
+        folder_has_vision=ovis2_5_vision.folder_has_vision,
+        is_mmproj=ovis2_5_vision.no_mmproj,
+        from_hf_dir=ovis2_5_vision.from_hf_dir,
+        from_mmproj=ovis2_5_vision.from_mmproj,
+        text_takes_images=ovis2_5_vision.text_takes_images,
+        image_tokens=ovis2_5_images.image_tokens,
+        encode=ovis2_5_images.encode,
+        prompt=_by_vision(ovis2_5_images.prompt),
+    ),
+    # An AIMv2 ViT over tiles and a thumbnail, hidden_stride² patches a distribution over a
+    # visual vocabulary embedded through its table; learned marker embeddings between the
+    # tiles; its images go to a Qwen2. Folders only (llama.cpp has no converter for it).
+    VisionFamily(
+        name="Ovis2",
+        vision_type=ovis2_vision.Ovis2Vision,
+        folder_has_vision=ovis2_vision.folder_has_vision,
+        is_mmproj=ovis2_vision.no_mmproj,
+        from_hf_dir=ovis2_vision.from_hf_dir,
+        from_mmproj=ovis2_vision.from_mmproj,
+        text_takes_images=ovis2_vision.text_takes_images,
+        image_tokens=ovis2_images.image_tokens,
+        encode=ovis2_images.encode,
+        prompt=_by_vision(ovis2_images.prompt),
+    ),
     # RADIO (a learned position table cropped to each image's grid), 2x2 patches shuffled
     # into a token; its images go to a Nemotron-H between <img> and </img>.
     VisionFamily(
@@ -553,6 +768,20 @@ FAMILIES: tuple[VisionFamily, ...] = (
         image_tokens=nemotron_omni_images.image_tokens,
         encode=nemotron_omni_images.encode,
         prompt=_by_text(nemotron_omni_images.prompt),
+    ),
+    # A global view and local crops through a ViT with a 2-D RoPE, two stride-2
+    # convolutions, a linear projector; its images go to a Step 3.5.
+    VisionFamily(
+        name="Step 3.7",
+        vision_type=step3p7_vision.Step3p7Vision,
+        folder_has_vision=step3p7_vision.folder_has_vision,
+        is_mmproj=step3p7_vision.is_mmproj,
+        from_hf_dir=step3p7_vision.from_hf_dir,
+        from_mmproj=step3p7_vision.from_mmproj,
+        text_takes_images=step3p7_vision.text_takes_images,
+        image_tokens=step3p7_images.image_tokens,
+        encode=step3p7_images.encode,
+        prompt=step3p7_images.prompt,
     ),
 )
 

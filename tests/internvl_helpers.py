@@ -1,9 +1,11 @@
-"""A tiny random InternVL (InternVLForConditionalGeneration, Qwen2 text) for the image
-tests: a Hugging Face folder as save_pretrained writes it (stories260K's tokenizer plus
-Qwen's chat tokens and InternVL's image tokens, the -hf repos' chat template, a
-preprocessor_config.json), transformers' InternVLProcessor inputs for it, and the model as
-llama.cpp's converter writes an original InternVL repo: a text GGUF (arch qwen2) and an
-mmproj GGUF (conversion/internvl.py)."""
+"""A tiny random InternVL (InternVLForConditionalGeneration, Qwen2 text) or Qianfan-OCR
+(QianfanOCRForConditionalGeneration: InternVL's encoder, Qwen3 text) for the image tests: a
+Hugging Face folder as save_pretrained writes it (stories260K's tokenizer plus Qwen's chat
+tokens and InternVL's image tokens, the -hf repos' chat template or Qianfan-OCR's with
+<image> for an image, a preprocessor_config.json), transformers' InternVLProcessor or
+QianfanOCRProcessor inputs for it, and the InternVL as llama.cpp's converter writes an
+original InternVL repo: a text GGUF (arch qwen2) and an mmproj GGUF
+(conversion/internvl.py)."""
 
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ INTERNVL_TEMPLATE = (
     "{% endif %}{{'<|im_end|>\\n'}}{% endfor %}"
     "{% if add_generation_prompt %}{{'<|im_start|>assistant\\n' }}{% endif %}"
 )
+# Qianfan-OCR's: the same with QianfanOCRProcessor's image placeholder.
+QIANFAN_TEMPLATE = INTERNVL_TEMPLATE.replace("<IMG_CONTEXT>\\n", "<image>\\n")
 TEXT = dict(
     model_type="qwen2",
     hidden_size=64,
@@ -65,15 +69,18 @@ VISION = dict(
 )
 
 
-def tiny_internvl(seed: int = 0, vision_layers: int = 2, text_type: str = "qwen2"):
-    """A random transformers InternVLForConditionalGeneration: Qwen2 text (InternVL 3's;
-    or `text_type` qwen3, InternVL 3.5's) of hidden 64 in 2 layers, InternViT of hidden 32
-    in `vision_layers` layers on 64-pixel tiles; layer scales, class token and position
+def tiny_internvl(
+    seed: int = 0, vision_layers: int = 2, text_type: str = "qwen2", family: str = "InternVL"
+):
+    """A random transformers InternVLForConditionalGeneration (`family` QianfanOCR:
+    QianfanOCRForConditionalGeneration): Qwen2 text (InternVL 3's; or `text_type` qwen3,
+    InternVL 3.5's and Qianfan-OCR's) of hidden 64 in 2 layers, InternViT of hidden 32 in
+    `vision_layers` layers on 64-pixel tiles; layer scales, class token and position
     embeddings random too. (llama.cpp's converter maps the projector's mlp1.3 only where
     the tower has 4 layers or more.)"""
     import transformers
 
-    config = transformers.InternVLConfig(
+    config = getattr(transformers, f"{family}Config")(
         text_config={**TEXT, "model_type": text_type},
         vision_config={**VISION, "num_hidden_layers": vision_layers},
         image_token_id=IMG_CONTEXT,
@@ -82,7 +89,7 @@ def tiny_internvl(seed: int = 0, vision_layers: int = 2, text_type: str = "qwen2
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = transformers.InternVLForConditionalGeneration(config).eval()
+    model = getattr(transformers, f"{family}ForConditionalGeneration")(config).eval()
     randomize(model)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -99,6 +106,7 @@ def save_internvl_dir(model, path: Path, **processor_settings) -> Path:
     processor's settings (GotOcr2ImageProcessor's, as the -hf repos have them, but tiles of
     TILE pixels and at most MAX_TILES)."""
     model.save_pretrained(path)
+    template = _template(path)
     tok = json.loads((STORIES_HF / "tokenizer.json").read_text())
     for i, content in enumerate(INTERNVL_TOKENS, start=512):
         added = dict(id=i, content=content, single_word=False, lstrip=False, rstrip=False)
@@ -109,7 +117,7 @@ def save_internvl_dir(model, path: Path, **processor_settings) -> Path:
         "eos_token": "</s>",
         "add_bos_token": False,
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "chat_template": INTERNVL_TEMPLATE,
+        "chat_template": template,
         "extra_special_tokens": {
             "start_image_token": "<img>",
             "end_image_token": "</img>",
@@ -134,15 +142,44 @@ def save_internvl_dir(model, path: Path, **processor_settings) -> Path:
     return path
 
 
+def save_qianfan_ocr_dir(model, path: Path) -> Path:
+    """A Qianfan-OCR's folder (save_internvl_dir's) with its weights as the Hub's files
+    hold them: the original InternVL-chat names (original_layout; transformers renames
+    them on loading), the language model as language_model.model.* and its head."""
+    from safetensors.torch import save_file
+
+    save_internvl_dir(model, path)
+    tensors = {k: torch.from_numpy(v) for k, v in original_layout(model).items()}
+    for name, tensor in model.state_dict().items():
+        if name.startswith("model.language_model."):
+            tensors["language_model.model." + name[len("model.language_model.") :]] = tensor
+        elif name == "lm_head.weight":
+            tensors["language_model.lm_head.weight"] = tensor
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path / "model.safetensors")
+    return path
+
+
+def _template(folder: Path) -> str:
+    """The chat template of the folder's family (its config.json's model_type)."""
+    qianfan = json.loads((folder / "config.json").read_text())["model_type"] == "qianfan_ocr"
+    return QIANFAN_TEMPLATE if qianfan else INTERNVL_TEMPLATE
+
+
 def processor(folder: Path):
-    """transformers' InternVLProcessor for the folder, with GotOcr2ImageProcessor's Pillow
-    backend (the default one needs torchvision, which the tests go without)."""
+    """transformers' InternVLProcessor (QianfanOCRProcessor for a Qianfan-OCR) for the
+    folder, with GotOcr2ImageProcessor's Pillow backend (the default one needs
+    torchvision, which the tests go without)."""
     import transformers
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import (
         GotOcr2ImageProcessorPil,
     )
 
-    class Processor(transformers.InternVLProcessor):
+    template = _template(folder)
+    base = transformers.QianfanOCRProcessor
+    if template == INTERNVL_TEMPLATE:
+        base = transformers.InternVLProcessor
+
+    class Processor(base):
         # Images only: its video processor needs torchvision.
         def check_argument_for_proper_class(self, name, argument):
             if name != "video_processor":
@@ -154,7 +191,7 @@ def processor(folder: Path):
         image_processor=GotOcr2ImageProcessorPil(**{k: settings[k] for k in keys}),
         tokenizer=transformers.AutoTokenizer.from_pretrained(folder),
         image_seq_length=TOKENS_PER_TILE,
-        chat_template=INTERNVL_TEMPLATE,
+        chat_template=template,
     )
 
 
@@ -210,8 +247,8 @@ def write_text_gguf(model, path: Path) -> Path:
 
 
 def original_layout(model) -> dict[str, np.ndarray]:
-    """The vision tower and projector under an original InternVL repo's names
-    (InternVLChatModel: vision_model.*, its qkv fused, mlp1.*), as
+    """The vision tower and projector (InternVL's or Qianfan-OCR's) under an original
+    InternVL repo's names (InternVLChatModel: vision_model.*, its qkv fused, mlp1.*), as
     transformers' convert_internvl_weights_to_hf.py reads them."""
     out = {}
     vision = "model.vision_tower."
@@ -247,7 +284,8 @@ def original_layout(model) -> dict[str, np.ndarray]:
                 out["vision_model." + new + rest[len(old) :]] = data
                 break
         else:
-            _, _, index, module = rest.split(".", 3)  # encoder.layer.N.module...
+            # encoder.layer.N.module... (Qianfan-OCR's: layers.N.module...)
+            index, module = rest.removeprefix("encoder.").split(".", 2)[1:]
             base = f"vision_model.encoder.layers.{index}"
             part = module.split(".")
             if part[0] == "attention" and part[1] in ("q_proj", "k_proj", "v_proj"):

@@ -1,9 +1,9 @@
 """A tiny random MiniCPM-V 4.6 (MiniCPMV4_6ForConditionalGeneration: SigLIP tower with its
-window merger, the merger, Qwen3.5 text) for the image tests: as a Hugging Face folder
-(stories260K's tokenizer plus MiniCPM-V's chat and image tokens named as its tokenizer
-names them, a ChatML template that writes <|image_pad|> for an image, a
-preprocessor_config.json), and its reference inputs from transformers'
-MiniCPMV4_6Processor (its Pillow image processor)."""
+window merger, the merger, Qwen3.5 text) or 4.7 (the same with canvas M-RoPE) for the
+image tests: as a Hugging Face folder (stories260K's tokenizer plus MiniCPM-V's chat and
+image tokens named as its tokenizer names them, a ChatML template that writes
+<|image_pad|> for an image, a preprocessor_config.json), and its reference inputs from
+transformers' MiniCPMV4_6Processor or MiniCPMV4_7Processor (the Pillow image processor)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,11 @@ MINICPMV_TOKENS = (
     "</image_id>",
 )
 IM_END, IMAGE_PAD, VIDEO_PAD = 513, 514, 515
+# MiniCPMV4_7Config's marker ids: <image>, </image>, <slice>, </slice>, and stories260K's
+# newline (<0x0A>).
+MARKER_IDS = dict(
+    image_start_id=516, image_end_id=517, slice_start_id=518, slice_end_id=519, newline_id=13
+)
 VOCAB = 512 + len(MINICPMV_TOKENS)
 # The tokenizer's names of them (MiniCPMV4_6Processor reads its image tokens from them).
 EXTRA_SPECIAL_TOKENS = {
@@ -81,11 +86,11 @@ TEXT = dict(
 )
 
 
-def tiny_minicpmv(seed: int = 0, downsample_mode: str = "16x"):
-    """A random transformers MiniCPMV4_6ForConditionalGeneration: TEXT (a Gated DeltaNet
-    layer, then a full-attention one), a tower of hidden 32 in two layers, the window
-    merger after the first; slow decays and an output matrix scaled down (logits within
-    about ±6)."""
+def tiny_minicpmv(seed: int = 0, downsample_mode: str = "16x", version: str = "4.6"):
+    """A random transformers MiniCPMV4_6ForConditionalGeneration (`version` 4.7:
+    MiniCPMV4_7ForConditionalGeneration, with MARKER_IDS): TEXT (a Gated DeltaNet layer,
+    then a full-attention one), a tower of hidden 32 in two layers, the window merger after
+    the first; slow decays and an output matrix scaled down (logits within about ±6)."""
     import transformers
 
     vision = dict(
@@ -96,16 +101,18 @@ def tiny_minicpmv(seed: int = 0, downsample_mode: str = "16x"):
         image_size=POSITIONS_SIDE * PATCH,
         patch_size=PATCH,
     )
-    config = transformers.MiniCPMV4_6Config(
+    name = version.replace(".", "_")
+    config = getattr(transformers, f"MiniCPMV{name}Config")(
         text_config=TEXT,
         vision_config=vision,
         insert_layer_id=0,
         image_token_id=IMAGE_PAD,
         video_token_id=VIDEO_PAD,
         downsample_mode=downsample_mode,
+        **(MARKER_IDS if version == "4.7" else {}),
     )
     torch.manual_seed(seed)
-    model = transformers.MiniCPMV4_6ForConditionalGeneration(config).eval()
+    model = getattr(transformers, f"MiniCPMV{name}ForConditionalGeneration")(config).eval()
     randomize(model, {"lm_head.weight": 0.4})
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -152,7 +159,8 @@ def save_minicpmv_dir(model, path: Path, image_ids: bool = True) -> Path:
 
 
 def processor(folder: Path):
-    """transformers' MiniCPMV4_6Processor for the folder (MiniCPMV4_6ImageProcessorPil)."""
+    """transformers' MiniCPMV4_6Processor (or MiniCPMV4_7Processor, by the folder's
+    model_type) for the folder (MiniCPMV4_6ImageProcessorPil)."""
     import transformers
     from transformers.models.minicpmv4_6.image_processing_pil_minicpmv4_6 import (
         MiniCPMV4_6ImageProcessorPil,
@@ -161,7 +169,10 @@ def processor(folder: Path):
         MiniCPMV4_6VideoProcessor,
     )
 
-    class Processor(transformers.MiniCPMV4_6Processor):
+    model_type = json.loads((folder / "config.json").read_text())["model_type"]
+    base = getattr(transformers, f"MiniCPMV{model_type[len('minicpmv') :]}Processor")
+
+    class Processor(base):
         # Its check of the video processor's class needs torchvision; images never use it.
         def check_argument_for_proper_class(self, name, argument):
             if name != "video_processor":
@@ -178,7 +189,7 @@ def processor(folder: Path):
 
 
 def reference_inputs(folder: Path, images: list, text: str) -> dict:
-    """MiniCPMV4_6Processor's inputs for a rendered prompt `text` (its image places
+    """The processor's inputs for a rendered prompt `text` (its image places
     <|image_pad|>)."""
     return dict(processor(folder)(text=text, images=images, return_tensors="pt"))
 

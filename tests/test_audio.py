@@ -78,6 +78,22 @@ def test_open_audio_gives_16khz_mono_float32(tmp_path):
     assert clip.name == str(path)
 
 
+@pytest.mark.parametrize("rate", [16000, 24000, 48000])
+def test_a_clip_at_another_rate_is_resampled_from_the_file_not_from_16khz(rate):
+    """Muse Spark's 24 kHz encoder gets a 24 kHz file's samples as they are, and a 48 kHz
+    file's resampled once (as scipy's resample_poly), never through 16 kHz."""
+    x = chirp(0.5, rate, seed=3)
+    clip = audio.open_audio(float_wav(x[:, None], rate))
+    expected = (
+        x.astype(np.float32).astype(np.float64)
+        if rate == 24000
+        else signal.resample_poly(x.astype(np.float32).astype(np.float64), 24000, rate)
+    )
+    np.testing.assert_allclose(clip.at(24000), expected, atol=1e-6, rtol=0)
+    assert clip.length_at(24000) == len(clip.at(24000)) == len(expected)
+    assert clip.at(16000) is clip.samples
+
+
 @pytest.mark.parametrize("seconds", [0.3, 30.0, 41.5])
 def test_log_mel_matches_whisper_feature_extractor(seconds):
     """128 mel bins (Voxtral's), 80 (Whisper's); the clip padded to whole 30-s chunks."""

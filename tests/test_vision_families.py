@@ -51,6 +51,7 @@ def test_each_projector_finds_its_family(tmp_path):
         ("llama4", "Llama 4"),
         ("muse-glimmer", "Muse Glimmer"),
         ("deepseekocr", "Unlimited-OCR"),
+        ("step3vl", "Step 3.7"),
     ):
         found = vision_families.of_mmproj(mmproj(tmp_path / f"{projector}.gguf", projector))
         assert found is not None and found.name == family

@@ -33,14 +33,14 @@ PROCESSOR = {
 }
 
 
-def tiny_unlimited_ocr(seed: int = 0):
+def tiny_unlimited_ocr(seed: int = 0, sliding_window: int = SLIDING_WINDOW):
     """A random transformers UnlimitedOcrForConditionalGeneration: SAM of hidden 32 in
     three layers (two windowed, then the global one at index 2, where llama.cpp has its
     first) on patches of 16, CLIP of 32 in four layers over SAM's 32 features (llama.cpp's
     converter names SAM's layers and its neck's 4 modules only up to CLIP's count), its
     position table a 16x16 grid (the whole view's: the crops' 10x10 grids take it resized), a
     DeepSeek MoE text of hidden 64 (a dense layer, then 4 experts of which 2 are taken,
-    and a shared one)."""
+    and a shared one), its reference sliding window `sliding_window` tokens."""
     import transformers
 
     sam = dict(
@@ -76,7 +76,7 @@ def tiny_unlimited_ocr(seed: int = 0):
         moe_intermediate_size=32,
         mlp_layer_types=["dense", "sparse"],
         max_position_embeddings=2048,
-        sliding_window=SLIDING_WINDOW,
+        sliding_window=sliding_window,
         bos_token_id=1,
         eos_token_id=2,
     )

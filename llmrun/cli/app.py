@@ -92,8 +92,8 @@ DraftOpt = Annotated[
     str | None,
     typer.Option(
         "--draft",
-        help="A draft model (smaller, same vocabulary) for speculative decoding: it proposes "
-        "tokens the model verifies in one forward.",
+        help="A draft model (smaller, same vocabulary; or a Gemma 4 model's assistant) for "
+        "speculative decoding: it proposes tokens the model verifies in one forward.",
     ),
 ]
 DraftMax = Annotated[
@@ -230,17 +230,29 @@ def _use_draft(
     **options,
 ) -> None:
     """Speculative decoding for `engine`: load --draft (with the model's other load
-    `options`), or draft by --lookup (the flags checked by _check_draft)."""
+    `options`; a Gemma 4 assistant folder in the model's dtype), or draft by --lookup (the
+    flags checked by _check_draft)."""
     if lookup is not None:
         engine.use_lookup(lookup)
     if spec is None:
         return
+    from llmrun import api
+    from llmrun.loading.gemma4_assistant import is_assistant
     from llmrun.speculative import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN
 
-    draft = _load(spec, device=engine.device.type, ctx_size=engine.ctx_size, **options)
-    engine.use_draft(
-        draft, draft_max or DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN if p_min is None else p_min
-    )
+    max_tokens = draft_max or DEFAULT_DRAFT_MAX
+    p_min = DEFAULT_DRAFT_P_MIN if p_min is None else p_min
+    with ui.download_progress() as progress:
+        path = api.resolve(spec, progress)
+    if is_assistant(path):
+        with ui.status("loading the assistant"):
+            engine.use_assistant(path, max_tokens, p_min)
+        return
+    with ui.status("loading model"):
+        draft = api.load(
+            spec, path=path, device=engine.device.type, ctx_size=engine.ctx_size, **options
+        )
+    engine.use_draft(draft, max_tokens, p_min)
 
 
 def _max_tokens(value: int | None) -> int | None:

@@ -80,6 +80,23 @@ AudioOpt = Annotated[
         "Gemma 4, ...); Gemma 4 and the Omni models take images and audio in one prompt.",
     ),
 ]
+Language = Annotated[
+    str | None,
+    typer.Option(
+        "--language",
+        metavar="LANG",
+        help="Speech recognition: the language spoken in --audio, an ISO 639-1 code or a "
+        "name (en, german); Whisper detects it when not given.",
+    ),
+]
+Task = Annotated[
+    str | None,
+    typer.Option(
+        "--task",
+        metavar="TASK",
+        help="Whisper: transcribe (the default) or translate (into English).",
+    ),
+]
 
 
 @app.command()
@@ -156,6 +173,8 @@ def run(
         ),
     ] = None,
     audio: AudioOpt = None,
+    language: Language = None,
+    task: Task = None,
     mmproj: Mmproj = None,
     batch: Batch = None,
     batch_lines: BatchLines = False,
@@ -168,7 +187,9 @@ def run(
     debug: Debug = False,
 ) -> None:
     """Generate a completion for one prompt: `llmrun run [MODEL] "prompt"`; the prompt may be
-    piped. With --batch FILE, one result line for each request of FILE."""
+    piped. With --batch FILE, one result line for each request of FILE. A speech recognition
+    model (Whisper, Cohere Transcribe, Moonshine) prints the transcript of each --audio (the
+    prompt, if any, is Whisper's initial prompt)."""
     DEBUG["on"] = debug
     if suffix is not None:
         _check_fim_flags(locals())
@@ -205,8 +226,10 @@ def run(
         chat_options = set(inspect.signature(chat).parameters) - {"model"}
         options = {k: v for k, v in locals().items() if k in chat_options}
         return chat(model=model_spec, **options)
-    if not prompt:
-        raise UsageError('no prompt: give one (llmrun run [MODEL] "PROMPT") or pipe it on stdin')
+    if not prompt and not audio:  # a speech recognition model transcribes audio without one
+        raise UsageError(NO_PROMPT)
+    if (language is not None or task is not None) and not audio:
+        raise UsageError("--language and --task go with --audio and a speech recognition model")
     if logprobs is not None and not output_json:
         raise UsageError("--logprobs needs --json")
     if logprobs is not None and not 0 <= logprobs <= 20:
@@ -236,7 +259,17 @@ def run(
         vision=bool(pictures),
         mmproj=mmproj,
         audio=bool(clips),
+        transcribe=bool(clips),
+        text_to_text=True,
     )
+    if engine.transcribes:
+        return _transcribe(engine, clips, prompt, language, task, output_json)
+    if language is not None or task is not None:
+        raise UsageError(
+            f"--language and --task go with a speech recognition model, not {engine.name}"
+        )
+    if not prompt:
+        raise UsageError(NO_PROMPT)
     load = dict(dtype=dtype, threads=threads, cache_type=cache_type, activations=activations)
     _use_draft(engine, draft, draft_max, lookup, draft_p_min, **load)
     params = engine.sampling(locals())
@@ -291,6 +324,20 @@ def run(
         ui.end_text()
     if verbose:
         ui.print_stats(final.stats)
+
+
+NO_PROMPT = 'no prompt: give one (llmrun run [MODEL] "PROMPT") or pipe it on stdin'
+
+
+def _transcribe(engine, clips, prompt, language, task, output_json: bool) -> None:
+    """A speech recognition model's transcript of each clip, a line each (--json: an object
+    each)."""
+    for clip in clips:
+        result = engine.transcribe(clip, language, task, prompt)
+        if output_json:
+            ui.print_json({"text": result.text, "language": result.language})
+        else:
+            ui.write(result.text + "\n")
 
 
 # run's flags that have no meaning for a fill-in-the-middle prompt, which is no chat.

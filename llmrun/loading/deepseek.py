@@ -77,3 +77,8 @@ def finish_ocr_config(gg: GGUFFile, config: dict[str, Any], meta: ArchMetadata) 
         )
     # llama.cpp turns whole heads whatever rope.dimension_count says (0 in the converter's).
     config["rope_parameters"].pop("partial_rotary_factor", None)
+    # Unlimited-OCR's reference sliding window, which the converter writes (for this arch
+    # only Unlimited-OCR's) and llama.cpp leaves unread: transformers attends through it.
+    window = meta.get(Keys.Attention.SLIDING_WINDOW)
+    if window:
+        config["reference_window"] = int(window)

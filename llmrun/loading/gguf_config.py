@@ -94,6 +94,7 @@ from llmrun.loading import (
     stablelm,
     starcoder2,
     step3p5,
+    t5,
     vl_text,
 )
 from llmrun.loading.gguf_io import ArchMetadata, GGUFFile, read_float_list, vocab_size
@@ -122,6 +123,7 @@ QK_PERMUTED_ARCHS = (
 # attention temperature, see config_from_gguf).
 MODEL_TYPES = {
     "llama": "llama",
+    "t5": "t5",  # and UMT5 (llmrun.loading.t5)
     "mistral3": "mistral",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
@@ -285,6 +287,8 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
     `{expert}` field for its index."""
     if model_type == gpt_oss.MODEL_TYPE:
         return gpt_oss.hf_name(gguf_name)
+    if model_type in t5.MODEL_TYPES:
+        return t5.hf_name(gguf_name)
     if model_type == gemma3n.MODEL_TYPE:
         return gemma3n.hf_name(gguf_name)
     if model_type == gemma_embedding.MODEL_TYPE and (name := gemma_embedding.hf_name(gguf_name)):
@@ -544,6 +548,8 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         return jais2.config_from_gguf(gg, _rope_from_gguf)
     if arch == deci.ARCH:
         return deci.config_from_gguf(gg, _rope_from_gguf)
+    if arch == t5.ARCH:
+        return t5.config_from_gguf(gg)
 
     meta = ArchMetadata.of(gg)
     n_heads = meta.require(Keys.Attention.HEAD_COUNT)

@@ -100,8 +100,10 @@ def active_parameters(path: Path, parameters: int) -> int | None:
         experts = sum(
             math.prod(shape)
             for name, _, shape, _ in _safetensors_tensors(path)
-            # Granite MoE's experts: block_sparse_moe.{input,output}_linear, fused.
+            # Granite MoE's experts: block_sparse_moe.{input,output}_linear, fused; Ergo's
+            # Hub names: feed_forward.{up,down}_proj and their norms, stacked.
             if re.search(r"\.experts\.|block_sparse_moe\.(input|output)_linear\.", name)
+            or re.search(r"\.feed_forward\.(up_proj|down_proj|expert_output_norm\.scale)$", name)
         )
     else:
         from gguf import Keys
@@ -178,7 +180,7 @@ def _gguf_tensors(parts: list[Path]) -> Tensors:
 def _describe_gguf(path: Path) -> dict[str, Any]:
     from gguf import Keys
 
-    from llmrun.loading import embedding, reranker
+    from llmrun.loading import embedding, reranker, t5
     from llmrun.loading.gguf_config import config_from_gguf
     from llmrun.loading.gguf_io import read_gguf
 
@@ -207,6 +209,7 @@ def _describe_gguf(path: Path) -> dict[str, Any]:
         **pooling,
         # A cross-encoder's head, or a causal reranker's pooling (rank: qwen3's).
         "reranker": reranker.is_reranker(config) or pooling["pooling"] == "rank",
+        **t5.info(config),
         **_files_listing(path.parent, parts),
     }
 
@@ -300,7 +303,16 @@ def _generates_text(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _describe_safetensors(folder: Path) -> dict[str, Any]:
-    from llmrun.loading import embedding, mistral_native, reranker
+    from llmrun.loading import (
+        bart,
+        cohere_asr,
+        embedding,
+        mistral_native,
+        moonshine,
+        reranker,
+        t5,
+        whisper,
+    )
 
     stats = weight_stats(folder)
     native = mistral_native.is_native(p.name for p in folder.iterdir())
@@ -343,6 +355,11 @@ def _describe_safetensors(folder: Path) -> dict[str, Any]:
         "license": _readme_license(folder / "README.md"),
         **embedding.hf_info(folder, config),
         **_generates_text(config),
+        **whisper.hf_info(config),
+        **t5.info(config),
+        **bart.info(config),
+        **cohere_asr.hf_info(config),
+        **moonshine.hf_info(config),
         **reranker.hf_info(config, folder),
         **_files_listing(folder, sorted(p for p in folder.rglob("*") if p.is_file())),
     }
@@ -366,14 +383,18 @@ _WINDOW_PATTERN = {
     "exaone4": 4,
     "exaone_moe": 4,
     "afmoe": 4,
+    "kolibri1": 5,
     "muse_glimmer": 4,  # its config.json lists layer_types (the global last, each 4th back)
     "muse_glimmer_text": 4,
+    "muse_spark": 4,  # as Muse Glimmer's
+    "muse_spark_text": 4,
     "granite_swa": 4,  # transformers' default puts the global layer first, same count
     "granitemoe_swa": 4,  # where the layers are a multiple of 4 (GGUFs list them all)
     "cohere2_moe": 4,  # without its dense prefix (transformers' config lists them all)
     "laguna": 1,  # without layer_types every layer is global
     "mellum": 1,  # without layer_types every layer is global
     "ministral": 1,  # without layer_types every layer slides: counted whole, as Mistral's
+    "cwm": "GLLL",  # CwmConfig's default: the first of each 4 global
 }
 
 
@@ -487,6 +508,52 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
         from llmrun.loading import glm5_next  # its indexed layers' rows
 
         shapes, windows = glm5_next.cache_layout(text)
+    elif config.get("model_type") == "dory":
+        from llmrun.models import dory_config  # loops that keep KV entries of their own
+
+        try:
+            windows = dory_config.layer_windows(text)
+        except LlmrunError:
+            return None
+    elif config.get("model_type") == "kolibri1_1":
+        from llmrun.models import kolibri1_1_config  # layers reading another's keys keep none
+
+        try:
+            windows = kolibri1_1_config.cache_windows(text)
+        except LlmrunError:
+            return None
+    elif config.get("model_type") == "longcat_flash":
+        from llmrun.loading import longcat_flash  # two attention blocks a layer
+
+        try:
+            layers = longcat_flash.cache_layers(text)
+            windows = [None] * layers
+        except LlmrunError:
+            return None
+    elif config.get("model_type") == "beam":
+        # BeamConfig's default (llmrun.models.beam): every sixth layer full, and the last.
+        kinds = text.get("layer_types") or [
+            "full_attention" if (i + 1) % 6 == 0 or i == layers - 1 else "sliding_attention"
+            for i in range(layers)
+        ]
+        window = text.get("sliding_window", 512)
+        windows = [window if kind == "sliding_attention" else None for kind in kinds]
+    elif config.get("model_type") == "ergo":
+        # ErgoConfig's default (llmrun.models.ergo): every n-th layer full.
+        every = text.get("global_attention_every_n_layers") or 4
+        kinds = text.get("layer_types") or [
+            "sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)
+        ]
+        window = text.get("sliding_window") or text.get("local_attention_window") or 512
+        windows = [window if kind == "sliding_attention" else None for kind in kinds]
+    elif config.get("model_type") in ("inkling2", "inkling2_text"):
+        from llmrun.loading import inkling2  # sliding and full layers of their own shapes
+
+        shapes = inkling2.cache_shapes(text)
+    elif config.get("model_type") == "zaya":
+        from llmrun.loading import zaya  # every layer attends, hybrid_sliding ones windowed
+
+        windows = zaya.layer_windows(text)
     elif config.get("model_type") == "gpt_neo":
         from llmrun.models import gpt_neo_config  # its local layers keep their window
 
@@ -502,12 +569,26 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
         except LlmrunError:
             return None
         windows = [None] * len(shapes)
+    elif config.get("model_type") in ("mllama", "mllama_text"):
+        # Llama 3.2 Vision's cross-attention layers keep no keys per position (llmrun.models.
+        # mllama; MllamaTextConfig's default layers where the file lists none).
+        crossed = text.get("cross_attention_layers") or [3, 8, 13, 18, 23, 28, 33, 38]
+        windows = [None] * (layers - len(crossed))
     elif config.get("model_type") == "smallthinker":  # its sliding layers, listed
         layout = text.get("sliding_window_layout") or [0] * layers
         if not isinstance(layout, list) or len(layout) != layers:
             return None
         window = text.get("sliding_window_size", 4096)  # SmallThinkerConfig's default
         windows = [window if sliding else None for sliding in layout]
+    elif config.get("model_type") == "flint":
+        # FlintConfig's default (llmrun.models.flint): full in the first two layers, every
+        # fourth from layer 1 and the last.
+        kinds = text.get("layer_types") or [
+            "full_attention" if i < 2 or i % 4 == 1 or i == layers - 1 else "sliding_attention"
+            for i in range(layers)
+        ]
+        window = text.get("sliding_window", 513)
+        windows = [window if kind == "sliding_attention" else None for kind in kinds]
     elif pattern and window:
         pattern = text.get("sliding_window_pattern") or pattern
         kinds = text.get("layer_types") or [
@@ -524,15 +605,18 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
         granitehybrid,
         jamba,
         kimi_linear,
+        lara_mini,
         lfm2,
         lfm3,
         minimax,
         nemotron_h,
+        olmo_hybrid,
         qwen4exp,
         qwen35,
     )
 
     hybrids = (lfm2, lfm3, granitehybrid, qwen35, qwen4exp, kimi_linear, nemotron_h, minimax)
+    hybrids += (olmo_hybrid, lara_mini)
     hybrids += (bailingmoe3,)
     hybrids += (bamba,)
     for family in (*hybrids, jamba):

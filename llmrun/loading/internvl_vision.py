@@ -11,11 +11,19 @@ layers: InternVL 2.5/3 26B, 38B, 78B) and LayerNorm otherwise; llmrun does the s
 adds the position table with the class token after the patches, each patch taking its
 neighbour's row; llmrun adds it as transformers and the original InternViT do, the class
 token first (benchmarks/llama_cpp_internvl.py measures the difference).
+
+Qianfan-OCR's folder (QianfanOCRForConditionalGeneration, Qwen3 text) holds InternVL's
+encoder (its layers' drop paths do nothing at inference; q/k/v biases by default) under
+the original InternVL-chat names, which transformers renames on loading
+(conversion_mapping.py's qianfan_ocr, save_pretrained writes them back): vision_model.*
+with each qkv fused, ls1/ls2 layer scales, the projector as mlp1.0/1/3; read here under
+InternVL's HF names. Its prompts mark an image by processor_config.json's
+image_placeholder_token (<image>), not <IMG_CONTEXT>. llama.cpp has no converter for it:
+no mmproj.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +34,7 @@ from gguf import Keys, VisionProjectorType
 from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
 from llmrun.loading import safetensors_io
 from llmrun.loading.vision import (
+    image_processor,
     mmproj_tensors,
     open_mmproj,
     positive_int,
@@ -36,6 +45,9 @@ from llmrun.loading.vision import (
 from llmrun.models.internvl_vision import EncoderArgs, ImageEncoder, VisionArgs
 
 MODEL_TYPE = "internvl"
+QIANFAN_MODEL_TYPE = "qianfan_ocr"
+# QianfanOCRProcessor's default image_placeholder_token.
+QIANFAN_PLACEHOLDER = "<image>"
 # GotOcr2ImageProcessor's defaults (OpenAI CLIP's mean and std; 1 to 12 tiles).
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -63,6 +75,25 @@ _GGUF_LAYER = {
     "ls2": "lambda_2",
 }
 _EMBEDDINGS = "vision_tower.embeddings."
+_LAYERS = "vision_tower.encoder.layer."
+# The original InternVL-chat names (Qianfan-OCR's files) -> InternVL's HF names, as
+# transformers renames them (no q/k norms: it reads none).
+_ORIGINAL_MODULES = {
+    "vision_model.embeddings.class_embedding": _EMBEDDINGS + "cls_token",
+    "vision_model.embeddings.position_embedding": _EMBEDDINGS + "position_embeddings",
+    "vision_model.embeddings.patch_embedding.": _EMBEDDINGS + "patch_embeddings.projection.",
+    "mlp1.0.": "multi_modal_projector.layer_norm.",
+    "mlp1.1.": "multi_modal_projector.linear_1.",
+    "mlp1.3.": "multi_modal_projector.linear_2.",
+}
+_ORIGINAL_LAYERS = "vision_model.encoder.layers."
+_ORIGINAL_LAYER = {
+    "attn.proj.": "attention.projection_layer.",
+    "norm1.": "layernorm_before.",
+    "norm2.": "layernorm_after.",
+    "ls1": "lambda_1",
+    "ls2": "lambda_2",
+}
 _GGUF_NAMES = {
     "v.patch_embd.weight": _EMBEDDINGS + "patch_embeddings.projection.weight",
     "v.patch_embd.bias": _EMBEDDINGS + "patch_embeddings.projection.bias",
@@ -95,11 +126,34 @@ class InternVLVision:
         return self.encoder.args.tokens_per_tile(self.tile)
 
 
-def folder_has_vision(path: Path) -> bool:
-    """Whether a Hugging Face folder is an InternVLForConditionalGeneration's with its
-    vision_config."""
+@dataclass
+class QianfanOcrVision(InternVLVision):
+    """A loaded Qianfan-OCR image encoder (InternVL's, its images tiled alike) and the text
+    that marks an image's place in its prompts."""
+
+    placeholder: str = QIANFAN_PLACEHOLDER
+
+
+def folder_has_vision(path: Path, model_type: str = MODEL_TYPE) -> bool:
+    """Whether a Hugging Face folder is an InternVLForConditionalGeneration's (or
+    `model_type`'s) with its vision_config."""
     config = safetensors_io.read_config(path)
-    return config.get("model_type") == MODEL_TYPE and isinstance(config.get("vision_config"), dict)
+    return config.get("model_type") == model_type and isinstance(config.get("vision_config"), dict)
+
+
+def folder_has_qianfan_vision(path: Path) -> bool:
+    """Whether a Hugging Face folder is a QianfanOCRForConditionalGeneration's."""
+    return folder_has_vision(path, QIANFAN_MODEL_TYPE)
+
+
+def no_mmproj(path: str | Path) -> bool:
+    """llama.cpp writes no Qianfan-OCR mmproj: never one of its."""
+    return False
+
+
+def qianfan_from_mmproj(path: str | Path, text_hidden: int) -> QianfanOcrVision:
+    """Refused: there is no Qianfan-OCR mmproj to read."""
+    raise UnsupportedError(f"{path}: llama.cpp has no Qianfan-OCR projector; give its folder")
 
 
 def is_mmproj(path: str | Path) -> bool:
@@ -109,33 +163,82 @@ def is_mmproj(path: str | Path) -> bool:
 
 def from_hf_dir(path: Path, text_hidden: int) -> InternVLVision:
     """InternVL's image encoder from its Hugging Face folder (f32, on the CPU)."""
+    return _from_hf_dir(path, text_hidden, MODEL_TYPE)
+
+
+def qianfan_from_hf_dir(path: Path, text_hidden: int) -> QianfanOcrVision:
+    """Qianfan-OCR's image encoder from its Hugging Face folder (f32, on the CPU)."""
+    return _from_hf_dir(path, text_hidden, QIANFAN_MODEL_TYPE)
+
+
+def _from_hf_dir(path: Path, text_hidden: int, model_type: str) -> Any:
+    qianfan = model_type == QIANFAN_MODEL_TYPE
     config = safetensors_io.read_config(path)
-    if config.get("model_type") != MODEL_TYPE or not isinstance(config.get("vision_config"), dict):
-        raise UsageError(f"{path}: not an InternVL folder with a vision_config")
+    vision = config.get("vision_config")
+    if config.get("model_type") != model_type or not isinstance(vision, dict):
+        name = "a Qianfan-OCR" if qianfan else "an InternVL"
+        raise UsageError(f"{path}: not {name} folder with a vision_config")
+    if qianfan:  # QianfanOCRVisionConfig's default
+        config = {**config, "vision_config": {"attention_bias": True, **vision}}
     args = EncoderArgs.from_config(config)
     weights = {}
     for file in safetensors_io.safetensors_files(path):
         for name, tensor in safetensors_io.load_tensors(file).items():
+            if qianfan:
+                weights.update(_from_original(name, tensor, file))
+                continue
             for old, new in _HF_PREFIXES.items():
                 if name.startswith(old):
                     if not name.endswith(".mask_token"):  # masked image modelling's only
                         weights[new + name[len(old) :]] = tensor
                     break
     settings = _processor_settings(path, args.vision.image_size)
+    if qianfan:
+        settings["placeholder"] = _placeholder(path)
     return _build(args, weights, text_hidden, path, **settings)
 
 
+def _from_original(name: str, tensor: torch.Tensor, file: Path) -> dict[str, torch.Tensor]:
+    """A weight of Qianfan-OCR's file (the original InternVL-chat names) under InternVL's HF
+    names, a fused qkv as its three (none for the language model's; a name it does not
+    know kept, for the encoder's check to refuse)."""
+    for old, new in _ORIGINAL_MODULES.items():
+        if name.startswith(old):
+            return {new + name[len(old) :]: tensor}
+    if not name.startswith(_ORIGINAL_LAYERS):
+        return {}
+    index, module = name[len(_ORIGINAL_LAYERS) :].split(".", 1)
+    layer = f"{_LAYERS}{index}."
+    if module.startswith("attn.qkv."):
+        if tensor.shape[0] % 3:
+            raise ModelFormatError(f"{file}: {name} of {tensor.shape[0]} rows is not q, k, v")
+        suffix = module[len("attn.qkv.") :]
+        pieces = tensor.chunk(3)
+        return {
+            f"{layer}attention.{p}_proj.{suffix}": t for p, t in zip("qkv", pieces, strict=True)
+        }
+    for old, new in _ORIGINAL_LAYER.items():
+        if module.startswith(old):
+            return {layer + new + module[len(old) :]: tensor}
+    return {layer + module: tensor}
+
+
+def _placeholder(path: Path) -> str:
+    """processor_config.json's image_placeholder_token, else QianfanOCRProcessor's."""
+    file = path / "processor_config.json"
+    settings = safetensors_io.read_json(file) if file.is_file() else {}
+    token = settings.get("image_placeholder_token", QIANFAN_PLACEHOLDER)
+    if not isinstance(token, str) or not token:
+        raise ModelFormatError(f"{file}: image_placeholder_token is {token!r}, not a text")
+    return token
+
+
 def _processor_settings(path: Path, image_size: int) -> dict[str, Any]:
-    """preprocessor_config.json's tile size, min_patches, max_patches, image_mean and
-    image_std; GotOcr2ImageProcessor's defaults where it has none, but tiles of the vision
-    tower's image_size."""
-    file = path / "preprocessor_config.json"
-    processor: dict[str, Any] = {}
-    if file.is_file():
-        try:
-            processor = json.loads(file.read_text())
-        except (OSError, ValueError) as e:
-            raise ModelFormatError(f"{file}: not readable JSON ({e})") from None
+    """The image processor's tile size, min_patches, max_patches, image_mean and
+    image_std (preprocessor_config.json, or processor_config.json's image_processor);
+    GotOcr2ImageProcessor's defaults where it has none, but tiles of the vision tower's
+    image_size."""
+    file, processor = image_processor(path)
     size = processor.get("size", {"height": image_size, "width": image_size})
     tile = size.get("height") if isinstance(size, dict) else None
     if not positive_int(tile) or size.get("width") != tile:
@@ -228,7 +331,7 @@ def _gguf_name(name: str) -> str | None:
         layer = _GGUF_LAYER.get(parts[3])
         if layer is not None and parts[4] in ("weight", "bias"):
             suffix = "" if layer.startswith("lambda_") else f".{parts[4]}"
-            return f"vision_tower.encoder.layer.{parts[2]}.{layer}{suffix}"
+            return f"{_LAYERS}{parts[2]}.{layer}{suffix}"
     return None
 
 
@@ -248,4 +351,5 @@ def _build(
     encoder = with_weights(
         ImageEncoder, args, weights, source, (args.text_hidden_size, text_hidden)
     )
-    return InternVLVision(encoder, **settings)
+    kind = QianfanOcrVision if "placeholder" in settings else InternVLVision
+    return kind(encoder, **settings)

@@ -30,22 +30,27 @@ from llmrun.errors import ModelFormatError, ModelNotFoundError, UnsupportedError
 from llmrun.loading import (
     alibi_families,
     apertus,
+    axk,
     baichuan,
     bailingmoe,
     bailingmoe3,
     bamba,
+    bart,
     bert,
     bitnet,
     chatglm,
     cohere2_moe,
+    cohere_asr,
     dbrx,
     deci,
     deepseek2,
     deepseek4,
+    dory,
     dots1,
     dots3,
     dsa,
     embedding,
+    ergo,
     ernie4_5,
     eurobert,
     exaone,
@@ -70,13 +75,17 @@ from llmrun.loading import (
     granitehybrid,
     hy_v3,
     hy_v4,
+    inkling2,
     internlm2,
     jamba,
     jina_bert,
     kimi_linear,
+    kolibri1,
     laguna,
+    lara_mini,
     lfm2,
     llama4,
+    longcat_flash,
     lora,
     mamba,
     mamba2,
@@ -87,12 +96,16 @@ from llmrun.loading import (
     minimax,
     minimax_m2,
     minimax_m3,
+    mistral_large4,
     mistral_native,
     modernbert,
+    molmo2_text,
+    moonshine,
     muse_glimmer,
     nemotron,
     nemotron_h,
     nomic_bert,
+    olmo_hybrid,
     opt,
     phi2,
     qwen,
@@ -102,7 +115,10 @@ from llmrun.loading import (
     safetensors_io,
     stablelm,
     step3p5,
+    t5,
     vl_text,
+    whisper,
+    zaya,
 )
 from llmrun.models import model_module
 from llmrun.quant import decode_step, hugepages, kernels, planes
@@ -211,6 +227,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
                 f"{path}: one file of a Hugging Face model; give its folder, which holds "
                 "config.json and the *.safetensors weights"
             )
+        whisper.refuse_ggml(path)
         return _open_gguf(path)
     raise ModelNotFoundError(f"{path}: no such file or directory")
 
@@ -235,8 +252,9 @@ def _open_hf_dir(path: Path) -> Checkpoint:
     projects = gemma_embedding.hf_applies(config)  # applies Dense modules: EmbeddingGemma
     pooling, normalized = embedding.hf_pooling(path, dense=projects)
     weights, files = {}, {}
+    fp8 = config.get("model_type") in inkling2.MODEL_TYPES  # dequantized by its loader
     for file in safetensors_io.safetensors_files(path):
-        for name, tensor in safetensors_io.load_tensors(file).items():
+        for name, tensor in safetensors_io.load_tensors(file, fp8).items():
             if name in weights:
                 # Which copy a model gets would depend on the order the files are read in.
                 raise ModelFormatError(
@@ -310,6 +328,8 @@ def _open_hf_dir(path: Path) -> Checkpoint:
         weights = jamba.hf_weights(weights, config, Weight)
     if config.get("model_type") == gpt_neox.MODEL_TYPE:
         weights = gpt_neox.hf_weights(weights)
+    if config.get("model_type") == molmo2_text.MODEL_TYPE:
+        weights = molmo2_text.hf_weights(weights, config, Weight)
     if config.get("model_type") in gpt2.HF_MODEL_TYPES:
         weights = gpt2.hf_weights(weights, Weight)
     if config.get("model_type") == gpt_bigcode.MODEL_TYPE:
@@ -320,18 +340,46 @@ def _open_hf_dir(path: Path) -> Checkpoint:
         weights = gpt_neo.hf_weights(weights)
     if config.get("model_type") == nemotron_h.MODEL_TYPE:
         weights = nemotron_h.hf_weights(weights, Weight)
+    if config.get("model_type") == olmo_hybrid.MODEL_TYPE:
+        weights = olmo_hybrid.hf_weights(weights, path, Weight)
+    if config.get("model_type") == lara_mini.MODEL_TYPE:
+        weights = lara_mini.hf_weights(weights, config, path, Weight)
     if config.get("model_type") == hy_v3.MODEL_TYPE:
         weights = hy_v3.hf_weights(weights, config, Weight)
     if config.get("model_type") == laguna.MODEL_TYPE:
         weights = laguna.hf_weights(weights, config, Weight)
+    if config.get("model_type") in inkling2.MODEL_TYPES:
+        config, weights, multimodal = inkling2.hf_checkpoint(config, weights, Weight)
+        if multimodal:
+            notes.append(f"{path}: a multimodal Inkling 2; running its language model only")
     if config.get("model_type") == mellum.MODEL_TYPE:
         weights = mellum.hf_weights(weights, config, Weight)
     if config.get("model_type") == minicpm5_moe.MODEL_TYPE:
         weights = minicpm5_moe.hf_weights(weights, config, Weight)
     if config.get("model_type") == step3p5.MODEL_TYPE:
         weights = step3p5.hf_weights(weights, config, Weight)
+    if config.get("model_type") in kolibri1.MODEL_TYPES:
+        weights = kolibri1.hf_weights(weights, config, Weight)
+    if config.get("model_type") == zaya.MODEL_TYPE:
+        weights = zaya.hf_weights(weights, config, Weight)
+    if config.get("model_type") == dory.MODEL_TYPE:
+        weights = dory.hf_weights(weights)
+    if config.get("model_type") == longcat_flash.MODEL_TYPE:
+        weights = longcat_flash.hf_weights(weights, config, path)
+    if config.get("model_type") == ergo.MODEL_TYPE:
+        weights = ergo.hf_weights(weights, Weight)
     if config.get("model_type") == exaone.MODEL_TYPE:
         config, weights = exaone.hf_checkpoint(config, weights, path)
+    if config.get("model_type") == whisper.MODEL_TYPE:
+        weights = whisper.hf_weights(weights, config)
+    if config.get("model_type") in t5.MODEL_TYPES:
+        weights = t5.hf_weights(weights)
+    if config.get("model_type") in bart.MODEL_TYPES:
+        weights = bart.hf_weights(weights, config, Weight)
+    if config.get("model_type") == cohere_asr.MODEL_TYPE:
+        weights = cohere_asr.hf_weights(weights)
+    if config.get("model_type") == moonshine.MODEL_TYPE:
+        weights = moonshine.hf_weights(weights, config)
     if config.get("model_type") == internlm2.MODEL_TYPE:
         weights = internlm2.hf_weights(weights, config, path, Weight)
     if config.get("model_type") == baichuan.MODEL_TYPE:
@@ -363,6 +411,10 @@ def _open_hf_dir(path: Path) -> Checkpoint:
             notes.append(f"{path}: a multimodal Qwen4-Exp; running its language model only")
     if config.get("model_type") == minimax_m3.VL_MODEL_TYPE:
         minimax_m3.refuse_quantized(config, path)
+    if config.get("model_type") == mistral_large4.MODEL_TYPE:
+        weights = mistral_large4.hf_names(weights)
+    if config.get("model_type") in axk.MODEL_TYPES:
+        weights = axk.hf_weights(weights, config, path)
     family = MULTIMODAL.get(config.get("model_type"))
     if (config.get("architectures") or [None])[0] == vl_text.LIGHTONOCR_ARCHITECTURE:
         family = "LightOnOCR"  # its first config.json says mistral3
@@ -375,6 +427,8 @@ def _open_hf_dir(path: Path) -> Checkpoint:
         )
     if config.get("model_type") == llama4.MODEL_TYPE:
         weights = llama4.hf_weights(weights, config, Weight)
+    if config.get("model_type") == mistral_large4.TEXT_MODEL_TYPE:
+        config, weights = mistral_large4.hf_checkpoint(config, weights, path, Weight)
     if config.get("model_type") in hy_v4.MODEL_TYPES:
         weights = hy_v4.hf_weights(weights, config, path, Weight)
     if config.get("model_type") in glm5_next.MODEL_TYPES:
@@ -387,6 +441,12 @@ def _open_hf_dir(path: Path) -> Checkpoint:
         config = {k: v for k, v in config.items() if k != "num_key_value_heads"}
         weights = deepseek2.hf_weights(weights, config, path)
         hidden, width = config["hidden_size"], config["moe_intermediate_size"]
+        weights = experts.split_stacked(weights, _STACKED_EXPERTS, hidden, width, Weight)
+    if config.get("model_type") == MUSE_SPARK_TEXT:
+        # Its experts run at moe_hidden_size (pooled down from hidden_size);
+        # MuseSparkTextConfig's defaults where the file gives no widths.
+        hidden = config.get("moe_hidden_size", 4096)
+        width = config.get("moe_intermediate_size", 4096)
         weights = experts.split_stacked(weights, _STACKED_EXPERTS, hidden, width, Weight)
     if config.get("model_type") == "qwen3_moe" and family == "Qwen3-VL":
         # Qwen3-VL-MoE's Hub stacks are [E, in, out] (llama.cpp's converter transposes
@@ -469,12 +529,14 @@ MULTIMODAL = {
     "gemma4": "Gemma 4",
     "gemma4_unified": "Gemma 4 Unified",
     "mistral3": "Mistral 3",
+    mistral_large4.MODEL_TYPE: "Mistral Large 4",
     "llama4": "Llama 4",
     "minimax_m3_vl": "MiniMax-M3",
     "qwen3_vl": "Qwen3-VL",
     "qwen3_vl_moe": "Qwen3-VL",
     hy_v4.VL_MODEL_TYPE: "Hunyuan V4",
     "glm5_next": "GLM-5-Next",
+    "apertus1p5": "Apertus 1.5",
 }
 # The language models of the multimodal checkpoints whose text_config names another
 # model_type: llmrun's family (Qwen3-VL's text is Qwen3's with M-RoPE, which text alone
@@ -487,8 +549,10 @@ TEXT_MODEL_TYPES = {
     "minimax_m3_vl": "minimax_m3_vl_text",
     "qwen3_vl": "qwen3",
     "qwen3_vl_moe": "qwen3_moe",
+    mistral_large4.MODEL_TYPE: mistral_large4.TEXT_MODEL_TYPE,
     hy_v4.VL_MODEL_TYPE: hy_v4.VL_TEXT_MODEL_TYPE,
     "glm5_next": "glm5_next_text",
+    "apertus1p5": "apertus1p5_text",
 }
 # Fields their text model takes whatever the file says: transformers'
 # Gemma3ForConditionalGeneration never soft-caps its logits (Gemma 3 checkpoints leave it
@@ -497,6 +561,7 @@ TEXT_FIELDS: dict[str, dict[str, Any]] = {
     "gemma3": {"final_logit_softcapping": None},
     "qwen3_vl_moe": {"norm_topk_prob": True},
 }
+MUSE_SPARK_TEXT = "muse_spark_text"  # its experts are stacked in every checkpoint
 # transformers 5's stacked experts of a layer (llmrun.loading.experts).
 _STACKED_EXPERTS = re.compile(
     r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(?:\.weight)?"
@@ -615,6 +680,8 @@ def _open_gguf(path: Path) -> Checkpoint:
         weights = lfm2.gguf_weights(weights, Weight)
     if gg.architecture == gemma3n.ARCH:
         weights = gemma3n.gguf_weights(weights, config, Weight)
+    if gg.architecture == t5.ARCH:
+        weights = t5.gguf_weights(weights)
     if gg.architecture == gemma4.ARCH:
         weights = gemma4.gguf_weights(weights, config, Weight)
     if gg.architecture == granitehybrid.ARCH:
@@ -860,11 +927,11 @@ def build_model(checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype
                 f"implies {list(expected[name].shape)}"
             )
         if w.ggml_type is None:
-            # Integer buffers (DeepSeek-V4's token -> experts tables) keep their type.
+            # Integer buffers (DeepSeek-V4's token -> experts tables) keep their type, and
+            # so do the f32 weights a model names (Mistral Large 4's learned RoPE scales).
             held = expected[name].dtype
-            state[name] = w.tensor.to(
-                device=device, dtype=dtype if held.is_floating_point else held
-            )
+            kept = not held.is_floating_point or name in getattr(model, "float32_weights", ())
+            state[name] = w.tensor.to(device=device, dtype=held if kept else dtype)
     buffers = checkpoint.gguf.buffers if checkpoint.gguf is not None else []
     for name, w in weights.items():
         if w.ggml_type is not None:
@@ -926,11 +993,14 @@ def _half_as_blocks(model: nn.Module, name: str, w: Weight) -> Weight:
     in memory and the native kernels multiply it exactly in f32 (a bf16 copy would
     round f16 weights and read them slower)."""
     module_name, _, param = name.rpartition(".")
+    module = model.get_submodule(module_name)
     if (
         w.ggml_type is not None
         or w.tensor.dtype not in HALF_TYPES
         or param != "weight"
-        or not isinstance(model.get_submodule(module_name), nn.Linear | nn.Embedding)
+        or not isinstance(module, nn.Linear | nn.Embedding)
+        # A matrix the model reads rather than multiplies by (MLA's kv_b_proj).
+        or getattr(module, "read_as_floats", False)
         or not kernels.supports(HALF_TYPES[w.tensor.dtype], w.shape[-1])
     ):
         return w

@@ -6,6 +6,10 @@ projector type minicpmv4_6, the image processor's scale_resolution as the tower'
 image_size, the window merger's layer as wa_layer_indexes, 4 (16x) or 2 (4x) as the
 projector's scale factor). Both give the encoder HF's weights; the language model
 (Qwen3.5) loads as for text.
+
+MiniCPM-V 4.7's folder (MiniCPMV4_7ForConditionalGeneration) holds 4.6's encoder and image
+processor; its config.json adds the ids of the markers that its canvas M-RoPE pins
+(llmrun.minicpmv_canvas). llama.cpp has no converter for it: no mmproj.
 """
 
 from __future__ import annotations
@@ -32,9 +36,19 @@ from llmrun.loading.vision import (
     with_suffixes,
     with_weights,
 )
+from llmrun.minicpmv_canvas import Markers
 from llmrun.models import minicpmv_vision, siglip
 
 MODEL_TYPE = "minicpmv4_6"
+MODEL_TYPE_4_7 = "minicpmv4_7"
+# MiniCPMV4_7Config's fields -> Markers'.
+_MARKER_FIELDS = {
+    "image_start_id": "image_start",
+    "image_end_id": "image_end",
+    "slice_start_id": "slice_start",
+    "slice_end_id": "slice_end",
+    "newline_id": "newline",
+}
 # clip-impl.h's PROJECTOR_TYPE_MINICPMV4_6 (newer than the gguf package here).
 PROJECTOR_TYPE = "minicpmv4_6"
 # MiniCPMV4_6ImageProcessorPil's defaults (and llama.cpp's fixed slice limit).
@@ -86,15 +100,43 @@ class MiniCPMVVision:
         return self.encoder.args.vision.patch_size * self.encoder.args.merge
 
 
-def has_vision(config: dict[str, Any]) -> bool:
-    """Whether a Hugging Face config.json is a MiniCPM-V 4.6's with its vision tower."""
-    return config.get("model_type") == MODEL_TYPE and isinstance(config.get("vision_config"), dict)
+@dataclass
+class MiniCPMV47Vision(MiniCPMVVision):
+    """A loaded MiniCPM-V 4.7 image encoder (4.6's, its images prepared alike) and the
+    markers whose places its prompts' canvas M-RoPE pins."""
+
+    markers: Markers | None = None
 
 
-def folder_has_vision(path: Path) -> bool:
-    """Whether `path` is a Hugging Face folder of a MiniCPM-V 4.6."""
+def has_vision(config: dict[str, Any], model_type: str = MODEL_TYPE) -> bool:
+    """Whether a Hugging Face config.json is a MiniCPM-V 4.6's (or `model_type`'s) with its
+    vision tower."""
+    return config.get("model_type") == model_type and isinstance(config.get("vision_config"), dict)
+
+
+def folder_has_vision(path: Path, model_type: str = MODEL_TYPE) -> bool:
+    """Whether `path` is a Hugging Face folder of a MiniCPM-V 4.6 (or `model_type`)."""
     config = path / "config.json"
-    return path.is_dir() and config.is_file() and has_vision(safetensors_io.read_json(config))
+    return (
+        path.is_dir()
+        and config.is_file()
+        and has_vision(safetensors_io.read_json(config), model_type)
+    )
+
+
+def folder_has_vision_4_7(path: Path) -> bool:
+    """Whether `path` is a Hugging Face folder of a MiniCPM-V 4.7."""
+    return folder_has_vision(path, MODEL_TYPE_4_7)
+
+
+def no_mmproj(path: str | Path) -> bool:
+    """llama.cpp writes no MiniCPM-V 4.7 mmproj: never one of its."""
+    return False
+
+
+def from_mmproj_4_7(path: str | Path, text_hidden: int) -> MiniCPMV47Vision:
+    """Refused: there is no MiniCPM-V 4.7 mmproj to read."""
+    raise UnsupportedError(f"{path}: llama.cpp has no MiniCPM-V 4.7 projector; give its folder")
 
 
 def is_mmproj(path: str | Path) -> bool:
@@ -109,14 +151,43 @@ def text_takes_images(config: dict[str, Any]) -> bool:
 
 def from_hf_dir(path: Path, text_hidden: int) -> MiniCPMVVision:
     """The image encoder of a MiniCPM-V 4.6 Hugging Face folder (f32, on the CPU)."""
+    return _from_hf_dir(path, text_hidden, MODEL_TYPE, "4.6")
+
+
+def from_hf_dir_4_7(path: Path, text_hidden: int) -> MiniCPMV47Vision:
+    """The image encoder of a MiniCPM-V 4.7 Hugging Face folder (f32, on the CPU), with
+    its config.json's marker ids."""
+    return _from_hf_dir(path, text_hidden, MODEL_TYPE_4_7, "4.7")
+
+
+def _markers(config: dict[str, Any], path: Path) -> Markers:
+    """The marker ids of a MiniCPM-V 4.7 config.json, which its images need."""
+    ids = {name: config.get(key) for key, name in _MARKER_FIELDS.items()}
+    missing = [
+        key
+        for key, name in _MARKER_FIELDS.items()
+        if not isinstance(ids[name], int) or isinstance(ids[name], bool) or ids[name] < 0
+    ]
+    if missing:
+        raise ModelFormatError(
+            f"{path / 'config.json'}: no token id {', '.join(missing)}, which MiniCPM-V 4.7's "
+            "images need"
+        )
+    return Markers(**ids)
+
+
+def _from_hf_dir(path: Path, text_hidden: int, model_type: str, version: str) -> Any:
     config = safetensors_io.read_config(path)
-    if not has_vision(config):
-        raise UsageError(f"{path}: not a MiniCPM-V 4.6 folder with a vision_config")
+    if not has_vision(config, model_type):
+        raise UsageError(f"{path}: not a MiniCPM-V {version} folder with a vision_config")
     args = minicpmv_vision.EncoderArgs.from_config(config)
     weights = prefixed_weights(path, _HF_PREFIXES)
     if not args.window_merge:  # 4x: the checkpoint's window merger goes unused
         weights = {k: v for k, v in weights.items() if ".vit_merger." not in k}
-    return _build(args, weights, text_hidden, path, **_processor_settings(path, config, args))
+    settings = _processor_settings(path, config, args)
+    if model_type == MODEL_TYPE_4_7:
+        settings["markers"] = _markers(config, path)
+    return _build(args, weights, text_hidden, path, **settings)
 
 
 def _processor_settings(
@@ -230,4 +301,5 @@ def _build(
         source,
         (args.text_hidden_size, text_hidden),
     )
-    return MiniCPMVVision(encoder, **settings)
+    kind = MiniCPMV47Vision if "markers" in settings else MiniCPMVVision
+    return kind(encoder, **settings)

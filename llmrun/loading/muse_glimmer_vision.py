@@ -35,6 +35,8 @@ from llmrun.loading.vision import (
 from llmrun.models.muse_glimmer_vision import EncoderArgs, VisionModel, check_square
 
 MODEL_TYPE, TEXT_MODEL_TYPE = "muse_glimmer", "muse_glimmer_text"
+# Muse Spark's tower, adapter and projection are Muse Glimmer's (MuseSparkVisionModel).
+SPARK_MODEL_TYPE, SPARK_TEXT_MODEL_TYPE = "muse_spark", "muse_spark_text"
 PROJECTOR = "muse-glimmer"
 MEAN = STD = (0.5, 0.5, 0.5)  # MuseGlimmerImageProcessor's (IMAGENET_STANDARD_*)
 MAX_IMAGE_TOKENS = 4096  # MuseGlimmerImageProcessor's, and clip.cpp's token limit
@@ -77,8 +79,8 @@ class MuseGlimmerVision:
     max_tokens: int = MAX_IMAGE_TOKENS
 
 
-def has_vision(config: dict[str, Any]) -> bool:
-    return config.get("model_type") == MODEL_TYPE and isinstance(config.get("vision_config"), dict)
+def has_vision(config: dict[str, Any], model_type: str = MODEL_TYPE) -> bool:
+    return config.get("model_type") == model_type and isinstance(config.get("vision_config"), dict)
 
 
 def folder_has_vision(path: Path) -> bool:
@@ -89,6 +91,16 @@ def folder_has_vision(path: Path) -> bool:
 
 def text_takes_images(config: dict[str, Any]) -> bool:
     return config.get("model_type") == TEXT_MODEL_TYPE
+
+
+def spark_folder_has_vision(path: Path) -> bool:
+    """Whether a Hugging Face folder's config.json is a Muse Spark's with its
+    vision_config."""
+    return has_vision(safetensors_io.read_config(path), SPARK_MODEL_TYPE)
+
+
+def spark_text_takes_images(config: dict[str, Any]) -> bool:
+    return config.get("model_type") == SPARK_TEXT_MODEL_TYPE
 
 
 def is_mmproj(path: str | Path) -> bool:

@@ -3,8 +3,9 @@ its Hugging Face folder (Mistral3ForConditionalGeneration), or the mmproj GGUF t
 llama.cpp's converter writes beside the text model's GGUF (conversion/llava.py: projector
 type pixtral, q/k rows permuted as Llama's), or Mistral's native folder (params.json's
 vision_encoder, consolidated*.safetensors: the names transformers' convert_mistral3_weights_to_hf
-and llama.cpp's `--mistral-format --mmproj` read, q/k rows interleaved as GGUF's). All give
-the encoder HF's weights.
+and llama.cpp's `--mistral-format --mmproj` read, q/k rows interleaved as GGUF's). Mistral
+Large 4's Hugging Face folders (MistralLarge4ForConditionalGeneration) hold the same tower
+and projector under those native names. All give the encoder HF's weights.
 
 llama.cpp splices an [IMG_BREAK] embedding after each row of an image's tokens, from the
 mmproj's v.token_embd.img_break (a copy of the language model's row, which today's
@@ -36,6 +37,8 @@ from llmrun.loading.vision import (
 from llmrun.models import pixtral
 
 MODEL_TYPE = "mistral3"
+# The model types whose folders hold Mistral 3's tower and projector: Mistral Large 4's too.
+MODEL_TYPES = (MODEL_TYPE, "mistral_large4")
 # PixtralImageProcessor's mean and std per channel (CLIP's).
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -107,12 +110,13 @@ class PixtralVision:
 
 
 def has_vision(config: dict[str, Any]) -> bool:
-    """Whether a Hugging Face config.json is that of a Mistral 3 with its vision tower
-    (not LightOnOCR's older files, which say mistral3 too: llmrun.loading.lighton_ocr_vision)."""
+    """Whether a Hugging Face config.json is that of a Mistral 3 (or Mistral Large 4) with
+    its vision tower (not LightOnOCR's older files, which say mistral3 too:
+    llmrun.loading.lighton_ocr_vision)."""
     vision = config.get("vision_config")
     architectures = config.get("architectures") or [None]
     lighton = architectures[0] == vl_text.LIGHTONOCR_ARCHITECTURE
-    return config.get("model_type") == MODEL_TYPE and isinstance(vision, dict) and not lighton
+    return config.get("model_type") in MODEL_TYPES and isinstance(vision, dict) and not lighton
 
 
 def folder_has_vision(path: Path) -> bool:
@@ -157,6 +161,9 @@ def from_hf_dir(path: Path, text_hidden: int) -> PixtralVision:
         raise UsageError(f"{path}: not a Mistral 3 folder with a vision_config")
     args = pixtral.EncoderArgs.from_config(config)
     weights = prefixed_weights(path, _HF_PREFIXES)
+    if not weights:  # Mistral Large 4's files: the native names (transformers saves them so)
+        files = [f.name for f in safetensors_io.safetensors_files(path)]
+        weights = _native_weights(path, files, args.vision.num_attention_heads)
     longest_edge, mean, std = _processor_settings(path, args.vision.image_size)
     return _build(args, weights, text_hidden, path, longest_edge, mean, std)
 
@@ -169,20 +176,26 @@ def from_native_dir(path: Path, text_hidden: int) -> PixtralVision:
     where = path / mistral_native.PARAMS
     params = mistral_native.read_params(path)
     args = pixtral.EncoderArgs.from_config(native_config(params, where))
-    names = (p.name for p in path.iterdir())
+    files = mistral_native.weight_files((p.name for p in path.iterdir()), path)
+    weights = _native_weights(path, files, args.vision.num_attention_heads)
+    return _build(args, weights, text_hidden, path, args.vision.image_size, CLIP_MEAN, CLIP_STD)
+
+
+def _native_weights(path: Path, files: list[str], heads: int) -> dict[str, torch.Tensor]:
+    """The vision tensors of `files` in `path` under their native names (mistral-inference's),
+    as the encoder's, q/k rows un-interleaved (`heads` heads)."""
     weights = {}
-    for file in mistral_native.weight_files(names, path):
+    for file in files:
         for name, tensor in safetensors_io.load_tensors(path / file).items():
             if name.startswith(mistral_native.VISION_PREFIXES):
                 weights[_native_name(name, path)] = tensor
-    heads = args.vision.num_attention_heads
     for name, tensor in weights.items():
         if name.endswith(("q_proj.weight", "k_proj.weight")):
             try:
                 weights[name] = gguf_io.unpermute_rows(tensor, heads)
             except ModelFormatError as e:
                 raise ModelFormatError(f"{path}: {name}: {e}") from None
-    return _build(args, weights, text_hidden, path, args.vision.image_size, CLIP_MEAN, CLIP_STD)
+    return weights
 
 
 def native_config(params: dict[str, Any], where: Path) -> dict[str, Any]:

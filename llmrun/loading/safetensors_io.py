@@ -31,6 +31,9 @@ DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+# FP8 values, which are weights only with their block scales: read for a family whose
+# loader dequantizes them (Inkling 2's MXFP8, llmrun.loading.inkling2), else refused.
+FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn}
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
@@ -90,15 +93,19 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def read_header(path: Path) -> tuple[dict[str, Any], int]:
-    """The JSON header of a safetensors file and the offset where data starts."""
-    header, _, data_start = read_header_metadata(path)
+def read_header(path: Path, fp8: bool = False) -> tuple[dict[str, Any], int]:
+    """The JSON header of a safetensors file and the offset where data starts (FP8
+    tensors refused unless `fp8`)."""
+    header, _, data_start = read_header_metadata(path, fp8)
     return header, data_start
 
 
-def read_header_metadata(path: Path) -> tuple[dict[str, Any], dict[str, Any], int]:
+def read_header_metadata(
+    path: Path, fp8: bool = False
+) -> tuple[dict[str, Any], dict[str, Any], int]:
     """read_header's header and offset, with the header's `__metadata__` as written (the
     format says strings to strings; unchecked here) or {} where it has none."""
+    dtypes = {**DTYPES, **FP8_DTYPES} if fp8 else DTYPES
     with open(path, "rb") as f:
         size = f.seek(0, 2)
         f.seek(0)
@@ -136,14 +143,14 @@ def read_header_metadata(path: Path) -> tuple[dict[str, Any], dict[str, Any], in
             raise ModelFormatError(
                 f"{path}: tensor {name!r} has a malformed header entry"
             ) from None
-        if dtype not in DTYPES:
+        if dtype not in dtypes:
             raise UnsupportedError(
                 f"{path}: tensor {name!r} has dtype {dtype}, which is not supported"
             )
         count = 1
         for dim in shape:
             count *= dim
-        expected = count * DTYPES[dtype].itemsize
+        expected = count * dtypes[dtype].itemsize
         if not 0 <= begin <= end or end - begin != expected or data_start + end > size:
             raise ModelFormatError(
                 f"{path}: tensor {name!r} ({dtype} {shape}) has offsets {begin}..{end}, "
@@ -152,15 +159,16 @@ def read_header_metadata(path: Path) -> tuple[dict[str, Any], dict[str, Any], in
     return header, metadata, data_start
 
 
-def load_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file, as zero-copy views of a private map."""
-    header, data_start = read_header(path)
+def load_tensors(path: Path, fp8: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file, as zero-copy views of a private map (FP8 ones
+    refused unless `fp8`)."""
+    header, data_start = read_header(path, fp8)
     with open(path, "rb") as f:
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     tensors = {}
     for name, info in header.items():
         begin, end = info["data_offsets"]
-        dtype = DTYPES[info["dtype"]]
+        dtype = {**DTYPES, **FP8_DTYPES}[info["dtype"]]
         if end == begin:
             tensors[name] = torch.empty(info["shape"], dtype=dtype)
             continue

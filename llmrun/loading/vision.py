@@ -147,6 +147,27 @@ def image_processor(path: Path) -> tuple[Path, dict[str, Any]]:
     return path, {}
 
 
+def feature_extractor(path: Path) -> tuple[Path, dict[str, Any]]:
+    """The audio feature extractor's settings, as image_processor finds an image
+    processor's: transformers 5's processor_config.json "feature_extractor", or
+    preprocessor_config.json; none where neither is there."""
+    for name, key in (
+        ("processor_config.json", "feature_extractor"),
+        ("preprocessor_config.json", None),
+    ):
+        file = path / name
+        if not file.is_file():
+            continue
+        try:
+            settings = json.loads(file.read_text())
+        except (OSError, ValueError) as e:
+            raise ModelFormatError(f"{file}: not readable JSON ({e})") from None
+        settings = settings.get(key) if key and isinstance(settings, dict) else settings
+        if isinstance(settings, dict):
+            return file, settings
+    return path, {}
+
+
 def three_floats(value: Any, source: Path, key: str) -> tuple[float, ...]:
     """A per-channel mean or std (`key` of `source`) as three floats, a std positive."""
     ok = isinstance(value, list | tuple) and len(value) == 3

@@ -17,6 +17,7 @@ the fourth section is empty, which the converters write (mrope_section padded wi
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,73 @@ def _granite4_image_layers(config: dict[str, Any]) -> list[int]:
     from llmrun.models import granite4_vision
 
     return granite4_vision.image_layers(config)
+
+
+def _granite_docling_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """Granite Docling's image token and how many DeepStack features its layers add."""
+    vision = config.get("vision_config") or {}
+    indexes = vision.get("deepstack_visual_indexes") or [3, 7, 10]
+    return {
+        "image_token_id": config.get("image_token_id", 100337),
+        "deepstack_layers": len(indexes),
+    }
+
+
+def _unlimited_ocr_window(config: dict[str, Any]) -> dict[str, Any]:
+    """Unlimited-OCR's reference sliding window (UnlimitedOcrTextConfig.sliding_window, 128
+    by default; the Hub's file gives it on the outer config, beside language_config)."""
+    if config.get("text_config") is not None:
+        window = config["text_config"].get("sliding_window", 128)
+    else:  # the outer one wins, as UnlimitedOcrConfig.__post_init__ has it
+        language = config.get("language_config") or {}
+        window = config.get("sliding_window", language.get("sliding_window", 128))
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ModelFormatError(f"Unlimited-OCR's sliding_window {window!r} is not a positive int")
+    return {"reference_window": window}
+
+
+# Cosmos3 Edge's checkpoints (as the Hub and save_pretrained write them): the language
+# model's keys at the top level, Diffusers' attention names and up/down for its MLP's
+# fc1/fc2; and the parts of its generator, which transformers drops
+# (_COSMOS3_EDGE_DROPPED_GENERATOR_KEYS).
+_COSMOS3_EDGE_TOP = ("embed_tokens.", "layers.", "norm.")
+_COSMOS3_EDGE_NAMES = {
+    ".self_attn.to_q.": ".self_attn.q_proj.",
+    ".self_attn.to_k.": ".self_attn.k_proj.",
+    ".self_attn.to_v.": ".self_attn.v_proj.",
+    ".self_attn.to_out.": ".self_attn.o_proj.",
+    ".mlp.fc1.": ".mlp.up_proj.",
+    ".mlp.fc2.": ".mlp.down_proj.",
+}
+_COSMOS3_EDGE_GENERATOR = re.compile(
+    r"^(?:model\.)?(?:action_modality_embed$|action_proj_(?:in|out)\.|time_embedder\."
+    r"|proj_(?:in|out)\.|norm_moe_gen\."
+    r"|layers\.\d+\.(?:input_layernorm_moe_gen|post_attention_layernorm_moe_gen|mlp_moe_gen)\."
+    r"|layers\.\d+\.self_attn\.(?:add_[qkv]_proj|to_add_out|norm_added_[qk]|k_norm_und_for_gen)\.)"
+)
+
+
+def _cosmos3_edge_text_key(name: str) -> str | None:
+    """A Cosmos3 Edge checkpoint key's name in llmrun.models.cosmos3_edge_text (None: its
+    generator's)."""
+    if _COSMOS3_EDGE_GENERATOR.match(name):
+        return None
+    if name.startswith(_COSMOS3_EDGE_TOP):
+        name = "model." + name
+    for old, new in _COSMOS3_EDGE_NAMES.items():
+        name = name.replace(old, new)
+    return name
+
+
+def _llava_onevision1_5_text_key(name: str) -> str:
+    """A LLaVA-OneVision-1.5 checkpoint key's name in its Qwen3ForCausalLM (the files, as
+    save_pretrained writes them, hold the language model as model.model.*)."""
+    return name[len("model.") :] if name.startswith("model.model.") else name
+
+
+def _ovis_text_key(name: str) -> str:
+    """An Ovis checkpoint key's name in its *ForCausalLM (llm.model.* -> model.*)."""
+    return name[len("llm.") :] if name.startswith("llm.") else name
 
 
 # PaliGemma's text_config model_type -> llmrun's for it: PaliGemma 1's Gemma (PaliGemmaConfig's
@@ -77,6 +145,9 @@ class Family:
     unused: tuple[str, ...] = ()
     # Where the outer config holds the text model's: text_config, or an older name.
     text_names: tuple[str, ...] = ("text_config",)
+    # The *ForCausalLM's name of a checkpoint key (its prefix already renamed), or None
+    # for a weight transformers never loads; None: the key as it is.
+    text_key: Callable[[str], str | None] | None = None
 
 
 FAMILIES = {
@@ -215,20 +286,95 @@ FAMILIES = {
     # Exaone4_5_Config's text_config is an Exaone4Config (its first files said exaone4_5_text);
     # the Hub's checkpoints hold a multi-token-prediction layer as mtp.*.
     "exaone4_5": Family("EXAONE 4.5", "exaone4", unused=("mtp.",)),
+    # HyperCLOVAXVisionV2Config's text_config is a HyperCLOVA X SEED's; it ties the output
+    # head by default. The Hub's own config.json says "vlm" (llmrun.loading.hyperclovax_vision).
+    "hyperclovax_vision_v2": Family("HyperCLOVA X SEED Vision", "hyperclovax", tie_default=True),
+    # Cosmos3EdgeTextConfig: Llama's attention, an ungated relu² MLP, interleaved M-RoPE
+    # (llmrun.models.cosmos3_edge_text); its defaults where the file leaves fields out.
+    "cosmos3_edge": Family(
+        "Cosmos3 Edge",
+        "cosmos3_edge_text",
+        defaults={
+            "vocab_size": 131072,
+            "hidden_size": 2048,
+            "intermediate_size": 9216,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "max_position_embeddings": 131072,
+            "hidden_act": "relu2",
+            "rms_norm_eps": 1e-5,
+            "bos_token_id": 1,
+            "eos_token_id": 11,
+        },
+        rope_defaults={"rope_theta": 100_000_000.0, "mrope_section": [24, 20, 20]},
+        text_key=_cosmos3_edge_text_key,
+    ),
     # Granite4VisionTextConfig is a GraniteConfig; its decoder layers take the images in.
     "granite4_vision": Family(
         "Granite 4 Vision",
         "granite4_vision_text",
         from_outer=lambda config: {"image_layers": _granite4_image_layers(config)},
     ),
+    # GraniteDoclingTextConfig is a GraniteConfig (its own defaults); its image tokens carry
+    # DeepStack features; density_router and mtp are never run by transformers.
+    "granite_docling": Family(
+        "Granite Docling",
+        "granite_docling_text",
+        tie_default=True,
+        defaults={
+            "vocab_size": 133800,
+            "hidden_size": 1024,
+            "intermediate_size": 2048,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 4,
+            "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-5,
+            "embedding_multiplier": 12.0,
+            "logits_scaling": 4.0,
+            "residual_multiplier": 0.263,
+            "attention_multiplier": 0.015625,
+        },
+        from_outer=_granite_docling_fields,
+        unused=("model.density_router.", "mtp."),
+    ),
+    # MllamaTextConfig: Llama 3.1 with cross-attention layers (llmrun.models.mllama), its
+    # RoPE theta 500000 where the file gives none.
+    "mllama": Family("Llama 3.2 Vision", "mllama_text", rope_defaults={"rope_theta": 500000.0}),
     "llava_next": Family("LLaVA-NeXT"),
     "llava_onevision": Family("LLaVA-OneVision", default_text="qwen2"),
+    # LlavaOnevision15Config's text_config is a Qwen3's; its text turns by 1D positions.
+    "llava_onevision1_5": Family(
+        "LLaVA-OneVision-1.5", default_text="qwen3", text_key=_llava_onevision1_5_text_key
+    ),
+    # GotOcr2Config's text_config is a Qwen2's under GOT-OCR-2.0's defaults; it ties the
+    # output head by default.
+    "got_ocr2": Family(
+        "GOT-OCR 2.0",
+        default_text="qwen2",
+        tie_default=True,
+        defaults={
+            "vocab_size": 151860,
+            "hidden_size": 1024,
+            "intermediate_size": 2816,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-06,
+        },
+        rope_defaults={"rope_theta": 1000000.0},
+    ),
     "idefics3": Family("Idefics3"),
     "smolvlm": Family("SmolVLM"),
     "aya_vision": Family("Aya Vision", default_text="cohere2", tie_default=True),
     # Cohere2VisionConfig's text_config is a Cohere2's; it ties the output head by default.
     "cohere2_vision": Family("Command A Vision", default_text="cohere2", tie_default=True),
     "internvl": Family("InternVL", default_text="qwen2", tie_default=True),
+    # QianfanOCRConfig's text_config is a Qwen3's; unlike InternVLConfig it does not tie.
+    "qianfan_ocr": Family("Qianfan-OCR", default_text="qwen3"),
     "lfm2_vl": Family("LFM2-VL", default_text="lfm2", tie_default=True),
     # Lfm3VlConfig's text_config is an Lfm3Config; it ties the output head by default.
     "lfm3_vl": Family("LFM3-VL", default_text="lfm3", tie_default=True),
@@ -236,14 +382,24 @@ FAMILIES = {
     "lighton_ocr": Family("LightOnOCR", default_text="qwen3", tie_default=True),
     # MiniCPMV4_6Config's text_config is a Qwen3.5's (its own file names it).
     "minicpmv4_6": Family("MiniCPM-V 4.6", default_text="qwen3_5_text"),
+    # MiniCPMV4_7Config's too; its images turn by M-RoPE over Qwen3_5TextRotaryEmbedding's
+    # sections, [11, 11, 10] where the file gives none.
+    "minicpmv4_7": Family(
+        "MiniCPM-V 4.7",
+        default_text="qwen3_5_text",
+        rope_defaults={"mrope_section": [11, 11, 10]},
+    ),
     # DeepseekOcr2TextConfig: DeepSeek V2's MoE under Llama's attention, DeepSeek V1's
     # (llmrun.models.deepseek reads its mlp_layer_types).
     "deepseek_ocr2": Family("DeepSeek-OCR 2", "deepseek"),
     # UnlimitedOcrTextConfig: DeepSeek-OCR 2's text (the Hub's file holds it as
-    # language_config). Its reference sliding-window attention (decoded tokens past the
-    # window's see the prompt and the window only) is run as llama.cpp runs it: full.
+    # language_config). Its reference sliding-window attention: decoded tokens past the
+    # window's see the prompt and the window only (llmrun.models.deepseek).
     "unlimited_ocr": Family(
-        "Unlimited-OCR", "deepseek", text_names=("text_config", "language_config")
+        "Unlimited-OCR",
+        "deepseek",
+        text_names=("text_config", "language_config"),
+        from_outer=_unlimited_ocr_window,
     ),
     # Kimi_K25Config's text_config is a DeepseekV3Config (the Hub's file says kimi_k2); it
     # ties the output head by default.
@@ -255,15 +411,72 @@ FAMILIES = {
         tie_default=True,
         aliases={"attention_head_dim": "head_dim", "org_vocab_size": "vocab_size"},
     ),
+    # Step3p7Config's text_config is a Step 3.5's (llmrun.loading.step3p5 reads the Hub's
+    # names and skips its multi-token-prediction layers); the outer config does not tie.
+    "step3p7": Family("Step 3.7", "step3p5"),
     # MuseGlimmerTextConfig (its DFlash drafter, MuseGlimmerAssistantModel, is not run).
     "muse_glimmer": Family("Muse Glimmer", "muse_glimmer_text"),
+    # MuseSparkTextConfig: Muse Glimmer's with experts (llmrun.models.muse_spark).
+    "muse_spark": Family("Muse Spark", "muse_spark_text"),
+    # Molmo2TextConfig: Qwen3's or OLMo's attention, an embedding longer than the head
+    # (llmrun.models.molmo2_text), under AI2's names (llmrun.loading.molmo2_text); AI2's
+    # config.json names two fields otherwise (Molmo2TextConfig.attribute_map).
+    "molmo2": Family(
+        "Molmo 2",
+        "molmo2_text",
+        aliases={"qkv_bias": "attention_bias", "layer_norm_eps": "rms_norm_eps"},
+    ),
+    # Ovis2_5Config's text_config is a Qwen3's (its default); the outer config does not tie.
+    # Its files name the language model llm.* (save_pretrained writes Ovis2.5's own names).
+    "ovis2_5": Family("Ovis2.5", default_text="qwen3", text_key=_ovis_text_key),
+    # Ovis2Config's text_config is a Qwen2's (its default); it ties the output head by default.
+    "ovis2": Family("Ovis2", default_text="qwen2", tie_default=True),
     # Nemotron 3 Nano Omni: transformers 5.25's NemotronH_Omni_Reasoning_V3, and the Hub's
     # own model_type, whose text config is llm_config; a Nemotron-H under the Hub's names.
     "nemotron_h_omni": Family("Nemotron 3 Nano Omni", "nemotron_h"),
     "NemotronH_Nano_Omni_Reasoning_V3": Family(
         "Nemotron 3 Nano Omni", "nemotron_h", text_names=("text_config", "llm_config")
     ),
+    # Phi4MultimodalConfig's top level is its Phi-3 language model's, under its own defaults
+    # (Phi-4-multimodal-instruct's). Phi4MultimodalForCausalLM applies no LoRA adapter (the
+    # Hub's vision-lora and speech-lora folders are PEFT adapters a user loads by hand).
+    "phi4_multimodal": Family(
+        "Phi-4-multimodal",
+        "phi3",
+        defaults={
+            "vocab_size": 200064,
+            "hidden_size": 3072,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "max_position_embeddings": 131072,
+            "original_max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-05,
+            "bos_token_id": 199999,
+            "pad_token_id": 199999,
+        },
+        # Phi4MultimodalConfig.__post_init__: no eos_token_id means these two.
+        from_outer=lambda config: {"eos_token_id": config.get("eos_token_id") or [199999, 200020]},
+    ),
 }
+
+
+def _hyperclovax_hub_text(config: dict[str, Any]) -> dict[str, Any]:
+    """Nothing to add; refuses a "vlm" config.json whose text is not HyperCLOVA X SEED's
+    (the name is generic)."""
+    kind = (config.get("text_config") or {}).get("model_type")
+    if kind != "hyperclovax":
+        raise UnsupportedError(
+            f"a 'vlm' config.json with a language model of type {kind!r}; HyperCLOVA X SEED "
+            "Vision's (hyperclovax) is supported"
+        )
+    return {}
+
+
+FAMILIES["vlm"] = dataclasses.replace(
+    FAMILIES["hyperclovax_vision_v2"], from_outer=_hyperclovax_hub_text
+)
 FAMILIES["musicflamingo"] = dataclasses.replace(FAMILIES["audioflamingo3"], name="Music Flamingo")
 # GLM-4.6V as transformers 5 saves it (Glm46VConfig, Glm46VForConditionalGeneration; the
 # Hub's own files say glm4v and glm4v_moe): Glm46VModel builds the language model its
@@ -280,12 +493,16 @@ LIGHTONOCR_ARCHITECTURE = "LightOnOCRForConditionalGeneration"
 # language model's.
 _THINKERS = {"qwen2_5_omni": "qwen2_5_omni_thinker", "qwen3_omni_moe": "qwen3_omni_moe_thinker"}
 # Families whose older config.json files hold the text model's fields at the top level.
-# and Tencent's HunYuan-VL files, and PaddlePaddle's PaddleOCR-VL file.
-_FLAT_CONFIGS = ("qwen2_vl", "qwen2_5_vl", "hunyuan_vl", "paddleocr_vl")
+# and Tencent's HunYuan-VL files, and PaddlePaddle's PaddleOCR-VL file; Phi-4-multimodal's
+# always.
+_FLAT_CONFIGS = ("qwen2_vl", "qwen2_5_vl", "hunyuan_vl", "paddleocr_vl", "phi4_multimodal")
 # Checkpoint key prefixes of the language model -> its *ForCausalLM's: transformers 5's
 # (model.language_model.), its older layout's (language_model.model.), Idefics3's and
 # SmolVLM's text_model; Qwen2-VL's keys are the *ForCausalLM's already.
 _TEXT_PREFIXES = {
+    # HyperCLOVA X SEED Vision's, as the Hub saves it (its *ForCausalLM whole)
+    "model.language_model.model.": "model.",
+    "model.language_model.lm_head.": "lm_head.",
     "model.language_model.": "model.",
     "language_model.model.": "model.",
     "language_model.lm_head.": "lm_head.",
@@ -328,11 +545,15 @@ VISION_PREFIXES = (
     "model.vision_adapter.",  # Muse Glimmer's projector (with its vision_projection)
     "mlp_AR.",  # PaddleOCR-VL's projector, as the Hub saves it
     "model.projector.",  # PaddleOCR-VL's, and DeepSeek-OCR 2's as its files name it
+    "model.vision_projector.",  # HyperCLOVA X SEED Vision's
     "model.sam_model.",  # DeepSeek-OCR 2's
     "model.layerwise_projectors.",  # Granite 4 Vision's
     "model.spatial_projectors.",
     "model.qwen2_model.",
     "mm_projector.",  # Kimi K2.5's, as the Hub saves it
+    "vit_large_projector.",  # Step 3.7's, as the Hub (and transformers) saves it
+    "model.vision_tokenizer.",  # Apertus 1.5's image and audio tokenizers
+    "model.audio_tokenizer.",
     "model.view_seperator",
     "model.aligner.",  # Janus-Pro's, and its image-generation half's parts
     "model.vqmodel.",
@@ -346,6 +567,11 @@ VISION_PREFIXES = (
     "vision_projector.",
     "sound_encoder.",
     "sound_projection.",
+    "model.embed_tokens_extend.",  # Phi-4-multimodal's image and audio embedders
+    "model.vision_backbone.",  # Molmo 2's tower and adapter, under AI2's names
+    "visual_tokenizer.",  # Ovis2.5's tower and head, and its visual embedding table
+    "vte.",
+    "model.visual_embeddings_table.",  # Ovis2's (its tower is model.vision_tower.)
 )
 
 
@@ -400,6 +626,10 @@ def language_model(
                 break
         if family.mtp_layers and _mtp_layer(name, text):
             continue
+        if family.text_key is not None:
+            name = family.text_key(name)
+            if name is None:
+                continue
         renamed[name] = weight
     return text, renamed, family.name
 

@@ -16,12 +16,15 @@ ARCHITECTURES = {
     "mistral": "llama",
     "ministral3": "ministral3",
     "ministral": "ministral",  # Ministral-8B-2410: per-layer sliding windows
+    "cwm": "cwm",  # Code World Model: Ministral's model, CwmConfig's defaults
     "qwen": "qwen2",  # Qwen 1: its config and weights renamed by llmrun/loading/qwen.py
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "molmo2_text": "molmo2_text",  # Molmo 2's language model (loading/vl_text.py)
     "mixtral": "mixtral",
     "qwen2_moe": "qwen2_moe",
     "qwen3_moe": "qwen3_moe",
+    "flint": "flint",  # Qwen3-MoE's parts with sinks, NoPE full layers, sigmoid experts
     "phi3": "phi3",
     "gemma": "gemma",
     "gemma2": "gemma2",
@@ -43,10 +46,14 @@ ARCHITECTURES = {
     "dots3_note": "dots3_note",  # multimodal: its language model
     "dots3_note_text": "dots3_note",
     "mistral4": "mistral4",
+    "mistral_large4_text": "mistral_large4",  # Mistral Large 4's language model
     "youtu": "youtu",  # Youtu-LLM: DeepSeek-V3's attention, every layer dense
+    "axk1": "axk1",  # A.X K1: DeepSeek-V3 with a norm after each expert layer
+    "axk2": "axk2",  # A.X K2: DeepSeek-V3.2 with gated queries and norms
     "olmo": "olmo",
     "olmo2": "olmo2",
     "olmo3": "olmo3",
+    "olmo_hybrid": "olmo_hybrid",  # OLMo 3's attention among Gated DeltaNet layers
     "smollm3": "smollm3",
     "glm": "glm",  # GLM-4-9B (the -hf checkpoints): glm4 without post-norms
     "glm4": "glm4",
@@ -65,6 +72,10 @@ ARCHITECTURES = {
     "granite_swa": "granite_swa",
     "granitemoe_swa": "granitemoe_swa",
     "granite4_vision_text": "granite4_vision_text",  # Granite 4 Vision's language model
+    "granite_docling_text": "granite_docling_text",  # Granite Docling's (loading/vl_text.py)
+    "mllama_text": "mllama",  # Llama 3.2 Vision's language model (loading/vl_text.py)
+    "cosmos3_edge_text": "cosmos3_edge_text",  # Cosmos3 Edge's (loading/vl_text.py)
+    "hyperclovax": "hyperclovax",  # HyperCLOVA X SEED: Granite's scalars, Peri-LN norms
     "cohere": "cohere",
     "cohere2": "cohere2",
     "cohere2_moe": "cohere2_moe",
@@ -78,6 +89,16 @@ ARCHITECTURES = {
     "nemotron": "nemotron",
     "nanochat": "nanochat",  # HF folders: llama.cpp has no converter
     "helium": "helium",  # HF folders: llama.cpp has no converter
+    "whisper": "whisper",  # speech recognition, an encoder-decoder (llmrun.whisper decodes it)
+    "t5": "t5",  # text-to-text, an encoder-decoder (llmrun.text_to_text decodes it)
+    "mt5": "t5",
+    "umt5": "t5",
+    "bart": "bart",  # text-to-text, encoder-decoders (llmrun.text_to_text decodes them)
+    "mbart": "bart",
+    "marian": "bart",
+    "m2m_100": "bart",  # M2M100 and NLLB
+    "cohere_asr": "cohere_asr",  # Cohere Transcribe: speech recognition (llmrun.cohere_asr)
+    "moonshine": "moonshine",  # speech recognition over raw audio (llmrun.moonshine)
     "vaultgemma": "vaultgemma",  # HF folders: llama.cpp has no converter
     "arcee": "arcee",
     "bitnet": "bitnet",  # BitNet b1.58: ternary weights (loading/bitnet.py)
@@ -100,10 +121,12 @@ ARCHITECTURES = {
     "qwen3_5_moe": "qwen3_5_moe",
     "qwen3_5_moe_text": "qwen3_5_moe",
     "qwen3_next": "qwen3_next",
+    "lara_mini": "lara_mini",  # Qwen3.5's DeltaNet, sliding and NoPE attention, Flint's experts
     "qwen4_exp": "qwen4_exp",  # multimodal: its text_config's language model
     "qwen4_exp_text": "qwen4_exp",
     "lfm2": "lfm2",
     "lfm2_moe": "lfm2_moe",
+    "inkling2_text": "inkling2",  # Inkling 2 (its ForConditionalGeneration: the loader)
     "lfm3": "lfm3",
     "kimi_linear": "kimi_linear",
     "bailing_moe": "bailing_moe",  # Ling 1 (Ling 2.0's folders too: see loading/bailingmoe)
@@ -125,8 +148,17 @@ ARCHITECTURES = {
     "gemma4_unified": "gemma4",  # Gemma 4 Unified: its text_config's language model
     "gemma4_unified_text": "gemma4",
     "apertus": "apertus",
+    "apertus1p5_text": "apertus",  # Apertus 1.5's language model: a pruned output head
     "afmoe": "afmoe",
+    "dory": "dory",  # Nemotron Labs Dory: a looped nGPT (HF folders only)
+    "kolibri1": "kolibri1",  # EXAONE 4 attention in GLM-4 blocks, experts (HF folders)
+    "kolibri1_1": "kolibri1_1",  # Kolibri-1 with indexed sparse attention (HF folders)
+    "zaya": "zaya",  # ZAYA1: convolutional attention, one expert or none (HF folders)
+    "longcat_flash": "longcat_flash",  # HF folders: llama.cpp has no converter
+    "beam": "beam",  # HF folders: llama.cpp has no converter
+    "ergo": "ergo",  # HF folders (renamed by loading/ergo.py): llama.cpp has no converter
     "muse_glimmer_text": "muse_glimmer",
+    "muse_spark_text": "muse_spark",  # Muse Glimmer with experts (HF folders)
     "olmoe": "olmoe",
     "phimoe": "phimoe",
     "falcon_h1": "falcon_h1",

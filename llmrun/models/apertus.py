@@ -4,6 +4,11 @@ activation has learned parameters of its own in each layer, and its norms named
 attention_layernorm and feedforward_layernorm. A config without RoPE settings takes
 Apertus's Llama 3 scaling (ApertusConfig's default).
 
+Apertus 1.5 (apertus1p5_text, or the language model of an apertus1p5 checkpoint) is the
+same model over a vocabulary extended with image and audio codes, its output head often
+pruned to the first output_vocab_size ids: the ids past it, which the model cannot
+emit, get logits of -inf, so the logits keep the vocabulary's width.
+
 Reference: transformers/models/apertus/modeling_apertus.py, and XIELUActivation in
 transformers/activations.py.
 """
@@ -17,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.models import llama, qwen3
 from llmrun.models.base import CausalLM, Frame, RMSNorm, activation, args_from_config
 from llmrun.models.cache import KVCache
@@ -39,6 +45,23 @@ class ModelArgs(llama.ModelArgs):
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 65536
     hidden_act: str = XIELU_ACT
+    output_vocab_size: int | None = None  # Apertus 1.5's pruned head: its rows
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.output_vocab_size == self.vocab_size:
+            self.output_vocab_size = None
+        if self.output_vocab_size is not None:
+            if not 1 <= self.output_vocab_size < self.vocab_size:
+                raise ModelFormatError(
+                    f"output_vocab_size ({self.output_vocab_size}) must be in [1, vocab_size] "
+                    f"(vocab_size is {self.vocab_size})"
+                )
+            if self.tie_word_embeddings:
+                raise UnsupportedError(
+                    "an output head pruned to output_vocab_size rows tied to the embeddings "
+                    "is not supported"
+                )
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:
@@ -98,3 +121,20 @@ class Layer(nn.Module):
 class Model(CausalLM):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__(args, qwen3.Attention, MLP, Layer)
+        if args.output_vocab_size is not None:
+            self.lm_head = nn.Linear(args.hidden_size, args.output_vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache | None = None,
+        last_only: bool = False,
+        last: torch.Tensor | None = None,
+        static: int | None = None,
+        images: Any = None,
+    ) -> torch.Tensor:
+        """CausalLM.forward's logits, those of the ids a pruned head lacks -inf."""
+        logits = super().forward(input_ids, positions, cache, last_only, last, static, images)
+        missing = self.args.vocab_size - logits.shape[-1]
+        return F.pad(logits, (0, missing), value=float("-inf")) if missing > 0 else logits

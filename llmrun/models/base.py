@@ -335,6 +335,21 @@ def attention_mask(
     return mask[:, None]
 
 
+def reference_window_mask(
+    positions: torch.Tensor, key_positions: torch.Tensor, prompt_ends: torch.Tensor, window: int
+) -> torch.Tensor | None:
+    """Boolean mask [B, 1, T, L] of reference sliding-window attention (Unlimited-OCR's):
+    query at position p of row b sees keys at positions <= p that are in its prompt
+    (< prompt_ends[b]) or among the last `window` (> p - window). None when that hides
+    nothing the causal mask shows (no query is `window` past its prompt)."""
+    ends = prompt_ends.to(positions.device)[:, None, None]
+    q = positions[:, :, None]
+    if not bool((q - window >= ends).any()):
+        return None
+    k = key_positions[:, None, :]
+    return ((k <= q) & ((k < ends) | (q - k < window)))[:, None]
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -583,13 +598,16 @@ def route_grouped(
     group_score: str = "max",
     normalize: bool = False,
     scale: float = 1.0,
+    masked: float = float("-inf"),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek's routers (V2's greedy and group_limited_greedy, V3's noaux_tc, and the
     families that copy V3's), as transformers computes them: scores are the softmax or
     the sigmoid (`scoring`) of the logits [N, E], in f32; experts are chosen by score +
     `bias` (V3's e_score_correction_bias), only among the topk_group of n_group equal
     groups that score highest (`group_score` "max": a group's best choice score, V2;
-    "top2": the sum of its best two, V3). A chosen expert weighs its unbiased score,
+    "top2": the sum of its best two, V3), the others' choice scores set to `masked`
+    (A.X K2's 0: one of them then beats a kept expert whose biased score is below
+    zero). A chosen expert weighs its unbiased score,
     renormalized over the top_k (+1e-20) when `normalize`, times `scale`
     (routed_scaling_factor). Returns f32 weights [N, top_k] and indices [N, top_k]."""
     if scoring == "softmax":
@@ -607,7 +625,7 @@ def route_grouped(
         kept = torch.zeros_like(best, dtype=torch.bool)
         kept.scatter_(1, torch.topk(best, topk_group, dim=-1).indices, True)
         hidden = ~kept[..., None].expand_as(grouped).reshape_as(choice)
-        choice = choice.masked_fill(hidden, float("-inf"))
+        choice = choice.masked_fill(hidden, masked)
     indices = torch.topk(choice, top_k, dim=-1).indices
     weights = scores.gather(1, indices)
     if normalize:

@@ -119,6 +119,11 @@ class KVCache:
     # M-RoPE (llmrun.models.mrope): from each (position, shift) on, one row's tokens turn
     # by position + shift, where images before them took fewer positions than tokens.
     rope_shifts: tuple[tuple[int, int], ...] = ()
+    # Reference sliding-window attention (Unlimited-OCR, llmrun.models.deepseek): each
+    # row's prompt length [B], which the generation loop sets per prompt, and the
+    # model's window; None: full attention.
+    prompt_ends: torch.Tensor | None = None
+    reference_window: int | None = None
 
     def __init__(
         self,
@@ -343,9 +348,14 @@ class KVCache:
         """How many of the first n cached positions a continuation can keep: n, or
         0 when the windowed layers no longer hold what position n needs (a
         rollback overwrote it) or the recurrent layers' state is not that of the
-        first n, so the prefix must be prefilled again."""
+        first n, so the prefix must be prefilled again; at most a reference window
+        past the last prompt's end."""
         if self.recurrent is not None and n:
             n = self.recurrent.reusable(n)
+        if self.reference_window is not None and self.prompt_ends is not None:
+            # Past its prompt's end plus the window, a token's keys and values were computed
+            # seeing only the window: not what the next prompt's prefill computes.
+            n = min(n, int(self.prompt_ends.min()) + self.reference_window)
         if self.ring_k is None or n == 0:
             return n
         return 0 if any(self._lost(n, self.written[r]) for r in self.base_rows) else n

@@ -13,7 +13,10 @@ the output projection's), no experts.
 
 DeepSeek-OCR 2's text model (transformers' DeepseekOcr2TextModel: DeepSeek V2's experts,
 Llama's attention) computes the same: its mlp_layer_types names the dense layers, which
-must come first; a routed_scaling_factor other than 1 is refused.
+must come first; a routed_scaling_factor other than 1 is refused. Unlimited-OCR's text
+model too, whose reference sliding window (reference_window) lets a token decoded past the
+window's see its prompt and the last reference_window positions only (transformers'
+UnlimitedOcrDynamicReferenceSlidingWindowLayer keeps just those keys).
 
 Reference: modeling_deepseek.py of deepseek-ai/deepseek-moe-16b-base.
 """
@@ -23,8 +26,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from llmrun.errors import UnsupportedError
 from llmrun.models import bailing_moe
+from llmrun.models.base import Frame, key_positions, reference_window_mask
+from llmrun.models.cache import KVCache
 
 
 @dataclass
@@ -34,6 +41,10 @@ class ModelArgs(bailing_moe.ModelArgs):
     moe_intermediate_size: int = 1407
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 2048
+    # Unlimited-OCR's reference sliding window (llmrun.loading.vl_text gives it): a
+    # decoded token past the window's sees its prompt and the last reference_window
+    # positions only. None: full attention.
+    reference_window: int | None = None
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:
@@ -77,4 +88,27 @@ class ModelArgs(bailing_moe.ModelArgs):
 
 
 class Model(bailing_moe.Model):
-    """Ling 1's model, under this family's name."""
+    """Ling 1's model, under this family's name; with a reference_window, its attention
+    follows the cache's prompt_ends (each row's prompt length, which the generation loop
+    and serve's scheduler give), as transformers' UnlimitedOcr caches and masks do."""
+
+    def frame(
+        self,
+        positions: torch.Tensor,
+        cache: KVCache | None,
+        dtype: torch.dtype,
+        last: torch.Tensor | None = None,
+    ) -> Frame:
+        frame = super().frame(positions, cache, dtype, last)
+        window, ends = self.args.reference_window, getattr(cache, "prompt_ends", None)
+        if window is not None and ends is not None:
+            keys = key_positions(positions, frame.length, cache)
+            mask = reference_window_mask(positions, keys, ends, window)
+            if mask is not None:
+                frame.mask = mask
+        return frame
+
+    def new_cache(self, batch: int, max_seq_len: int, dtype: torch.dtype, device) -> KVCache:
+        cache = super().new_cache(batch, max_seq_len, dtype, device)
+        cache.reference_window = self.args.reference_window
+        return cache

@@ -239,8 +239,10 @@ class Attention(nn.Module):
         )
         self.kv_a_layernorm = RMSNorm(args.kv_lora_rank, args.latent_norm_eps)
         # Never called: its weight's key and value rows absorb the queries and expand the
-        # outputs (the loader gives it floats, dequantizing a GGUF's blocks).
+        # outputs (the loader gives it floats, dequantizing a GGUF's blocks and keeping a
+        # half-precision folder's weight out of blocks: read_as_floats).
         self.kv_b_proj = nn.Linear(args.kv_lora_rank, heads * (self.nope + self.v_dim), bias=False)
+        self.kv_b_proj.read_as_floats = True
         self.o_proj = nn.Linear(heads * self.v_dim, args.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor, frame: Frame, cache: KVCache | None) -> torch.Tensor:
@@ -308,6 +310,8 @@ class Router(nn.Module):
     """The experts of each token and their weights, from logits computed in f32 (as
     transformers keeps the router in f32)."""
 
+    masked = float("-inf")  # the choice score of an expert outside the kept groups
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
@@ -327,6 +331,7 @@ class Router(nn.Module):
             group_score=a.group_score,
             normalize=a.norm_topk_prob,
             scale=a.routed_scaling_factor,
+            masked=self.masked,
         )
         return weights.to(x.dtype), indices
 

@@ -75,11 +75,7 @@ class ModelArgs(glm4_moe_lite.ModelArgs):
         if self.mlp_layer_types is None:  # transformers: from first_k_dense_replace
             dense = min(self.first_k_dense_replace, layers)
             self.mlp_layer_types = ["dense"] * dense + ["sparse"] * (layers - dense)
-        if self.q_lora_rank is None:
-            raise UnsupportedError(
-                "DeepSeek sparse attention without q_lora_rank is not supported (the "
-                "indexer's queries come from the queries' latent)"
-            )
+        self.check_queries()
         if not 0 < self.qk_rope_head_dim <= self.index_head_dim:
             raise ModelFormatError(
                 f"index_head_dim is {self.index_head_dim}, but RoPE turns "
@@ -99,6 +95,14 @@ class ModelArgs(glm4_moe_lite.ModelArgs):
             )
         self.indexer_types = list(kinds[:layers])
         super().__post_init__()
+
+    def check_queries(self) -> None:
+        """Refuse queries the indexer cannot read: it reads the queries' latent."""
+        if self.q_lora_rank is None:
+            raise UnsupportedError(
+                "DeepSeek sparse attention without q_lora_rank is not supported (the "
+                "indexer's queries come from the queries' latent)"
+            )
 
     @property
     def cache_head_dim(self) -> int:
@@ -135,11 +139,14 @@ class IndexedFrame(Frame):
 class Indexer(nn.Module):
     """The lightning indexer: which keys each query attends to."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, query_width: int | None = None) -> None:
+        """`query_width`: that of what its queries are projected from (wq_b's input),
+        default the queries' latent (q_lora_rank)."""
         super().__init__()
         self.n_heads, self.head_dim = args.index_n_heads, args.index_head_dim
         self.topk, self.pairs = args.index_topk, args.indexer_rope_pairs
-        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        width = args.q_lora_rank if query_width is None else query_width
+        self.wq_b = nn.Linear(width, self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=INDEXER_NORM_EPS)
         self.weights_proj = nn.Linear(args.hidden_size, self.n_heads, bias=False)
@@ -159,10 +166,7 @@ class Indexer(nn.Module):
         keys [B, 1, L, D] of every position: the index_topk that score highest among
         those frame.mask lets it see, as a mask [B, 1, T, L] (True: attend) that
         includes frame.mask."""
-        batch, tokens, _ = x.shape
-        # [B, T, H*D] -> [B, H, T, D] to rotate, then [B, T, H, D]
-        q = self.wq_b(q_resid).view(batch, tokens, self.n_heads, self.head_dim).transpose(1, 2)
-        q = self.rotate(q, frame).transpose(1, 2)
+        q = self.queries(q_resid, frame)
         # [B, T, H, D] @ [B, 1, D, L] -> [B, T, H, L]
         scores = torch.matmul(q.float(), keys.transpose(-1, -2).float()) * self.head_dim**-0.5
         weights = self.weights_proj(x).float() * self.n_heads**-0.5  # [B, T, H]
@@ -174,6 +178,14 @@ class Indexer(nn.Module):
         top = index.topk(min(self.topk, index.shape[-1]), dim=-1).indices
         chosen = torch.zeros_like(index, dtype=torch.bool).scatter_(-1, top, True)[:, None]
         return chosen if mask is None else chosen & mask
+
+    def queries(self, q_resid: torch.Tensor, frame: Frame) -> torch.Tensor:
+        """The indexer's queries [B, T, H, D] of the queries' latent q_resid [B, T, rank],
+        rotated."""
+        batch, tokens, _ = q_resid.shape
+        # [B, T, H*D] -> [B, H, T, D] to rotate, then [B, T, H, D]
+        q = self.wq_b(q_resid).view(batch, tokens, self.n_heads, self.head_dim).transpose(1, 2)
+        return self.rotate(q, frame).transpose(1, 2)
 
     def rotate(self, x: torch.Tensor, frame: Frame) -> torch.Tensor:
         """RoPE on the first qk_rope_head_dim features of x [B, H, T, D]."""
@@ -187,7 +199,11 @@ class Attention(deepseek_v2.Attention):
     def __init__(self, args: ModelArgs, layer: int) -> None:
         super().__init__(args, layer)
         self.index_dim, self.topk = args.index_head_dim, args.index_topk
-        self.indexer = Indexer(args) if args.indexed(layer) else None
+        self.indexer = self.make_indexer(args, layer) if args.indexed(layer) else None
+
+    def make_indexer(self, args: ModelArgs, layer: int) -> nn.Module:
+        """The indexer of `layer`, one that runs its own: DeepSeek-V3.2's, here."""
+        return Indexer(args)
 
     def attend(
         self,

@@ -1,6 +1,6 @@
-"""MiniCPM-V 4.6's image encoder: a tile (the whole image resized, or one slice of it) ->
-soft tokens in the language model's width, one per 4x4 patches (16x, the default) or per
-2x2 (4x).
+"""MiniCPM-V 4.6's (and 4.7's) image encoder: a tile (the whole image resized, or one slice
+of it) -> soft tokens in the language model's width, one per 4x4 patches (16x, the
+default) or per 2x2 (4x).
 
 SigLIP's patch embedding and encoder layers (llmrun.models.siglip), each patch given the
 learned position nearest its fraction of the way along either axis of a
@@ -58,10 +58,11 @@ class EncoderArgs:
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> EncoderArgs:
-        """From a MiniCPMV4_6ForConditionalGeneration config.json dict."""
+        """From a MiniCPMV4_6ForConditionalGeneration (or 4.7's) config.json dict."""
         vision, text = config.get("vision_config"), config.get("text_config")
         if not isinstance(vision, dict) or not isinstance(text, dict):
-            raise ModelFormatError("a minicpmv4_6 config without vision_config or text_config")
+            kind = config.get("model_type")
+            raise ModelFormatError(f"a {kind} config without vision_config or text_config")
         if "hidden_size" not in text:
             raise ModelFormatError("a text_config without hidden_size")
         for name, default in (("window_kernel_size", [2, 2]), ("merge_kernel_size", [2, 2])):

@@ -143,7 +143,11 @@ class Attention(nn.Module):
         if self.rotates:
             q, k = frame.rotate(q), frame.rotate(k)
         out = attend_scaled(q, k, v, self.layer, frame, cache, self.scale)
-        return self.o_proj(out * torch.sigmoid(self.gate_proj(x)))
+        return self.o_proj(self.heads_out(out) * torch.sigmoid(self.gate_proj(x)))
+
+    def heads_out(self, out: torch.Tensor) -> torch.Tensor:
+        """The heads' outputs [B, T, H*D] as the gate takes them (Muse Spark norms each)."""
+        return out
 
 
 class Layer(nn.Module):

@@ -163,6 +163,9 @@ class PagedView:
     # Each row's shift of its text tokens' M-RoPE positions [B] (Qwen2-VL's after
     # images, llmrun.models.mrope); None: none is shifted.
     rope_shifts: torch.Tensor | None = None
+    # Each row's prompt length [B] for reference sliding-window attention (Unlimited-OCR,
+    # llmrun.models.deepseek); None: full attention.
+    prompt_ends: torch.Tensor | None = None
 
     def __init__(
         self,
@@ -257,7 +260,8 @@ class PagedView:
     ) -> torch.Tensor | None:
         """A decode step's attention q [B, H, 1, D] read from the blocks in place, each
         row over the keys its mask row allows (a causal range, cut by a sliding
-        window); [B, 1, H*D], or None where the native kernel cannot run it."""
+        window); [B, 1, H*D], or None where the native kernel cannot run it (or the
+        mask is no range: a reference window's prompt and window)."""
         if q.shape[2] != 1:
             return None
         ends = (positions[:, 0] + 1).tolist()
@@ -265,9 +269,14 @@ class PagedView:
             firsts = [0] * len(ends)
         else:
             if self._firsts is None or self._firsts[0] is not mask:
-                # The first key each row attends to: the mask is a range per row.
-                self._firsts = mask, mask[:, 0, 0].int().argmax(-1).tolist()
+                # The first key each row attends to, where the mask is a range per row.
+                row = mask[:, 0, 0]
+                first = row.int().argmax(-1)
+                ranged = bool((row.sum(-1) == positions[:, 0] + 1 - first).all())
+                self._firsts = mask, first.tolist() if ranged else None
             firsts = self._firsts[1]
+            if firsts is None:
+                return None
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         k, v, group = self.layer_pool(layer)
         tables = self.groups[group].tables

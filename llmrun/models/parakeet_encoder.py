@@ -212,8 +212,8 @@ class Conformer(nn.Module):
         x = self.subsampling(features, valid)
         if self.args.scale_input:
             x = x * math.sqrt(self.args.hidden_size)
-        positions = relative_positions(x.shape[0], self.args.hidden_size)
-        kept = torch.arange(x.shape[0]) < self.args.tokens(valid)
+        positions = relative_positions(x.shape[0], self.args.hidden_size).to(x.device, x.dtype)
+        kept = torch.arange(x.shape[0], device=x.device) < self.args.tokens(valid)
         for layer in self.layers:
             x = layer(x, positions, kept)
         return x

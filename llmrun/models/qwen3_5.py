@@ -204,6 +204,8 @@ class GatedDeltaNet(nn.Module):
     """The linear-attention layer (see the module docstring), its state carried in
     cache.recurrent between forwards."""
 
+    beta_scale = 1.0  # OLMo Hybrid's doubles its betas (llmrun.models.olmo_hybrid)
+
     def __init__(self, args: ModelArgs, layer: int) -> None:
         super().__init__()
         self.layer = layer
@@ -250,7 +252,7 @@ class GatedDeltaNet(nn.Module):
         )
         real = torch.arange(tokens, device=x.device) < counts[:, None]  # [B, T]
         # Padding (rows padded on the right) leaves the state as it is: no decay, no write.
-        beta = torch.sigmoid(self.in_proj_b(x).float()) * real[..., None]
+        beta = torch.sigmoid(self.in_proj_b(x).float()) * self.beta_scale * real[..., None]
         decay = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         decay = decay * real[..., None]
         # [B, T, heads * dim] -> [B, heads, T, dim], queries and keys for each value head

@@ -155,7 +155,8 @@ class WhisperEncoder(nn.Module):
         `pool`): the first `positions` frames after the convolutions (all by default)."""
         x = self.act(self.conv1(features))
         x = self.act(self.conv2(x)).transpose(1, 2)[:, :positions]
-        x = x + self.embed_positions.weight[: x.shape[1]]
+        # A lookup, not a slice of .weight: a half table may load as a QuantEmbedding.
+        x = x + self.embed_positions(torch.arange(x.shape[1], device=x.device))
         for layer in self.layers:
             x = layer(x)
         if self.pool:

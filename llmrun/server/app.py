@@ -5,7 +5,8 @@ Starlette app served by uvicorn: /v1/chat/completions, /v1/completions and
 (infill.py) for code completion; /v1/embeddings (the one
 endpoint of an embedding model, which gets no scheduler); /v1/rerank, /rerank and /v1/score
 (rerank.py: a reranker's, which gets none either); /v1/audio/transcriptions
-(transcriptions.py: an audio model's speech to text); /v1/models, /health
+(transcriptions.py: an audio model's speech to text) and /v1/audio/translations (a Whisper
+model's); /v1/models, /health
 (503 until the model is loaded), /metrics (Prometheus text) and llama.cpp's
 /lora-adapters (lora.py: the adapters' scales, which a request's `lora` overrides).
 ollama's /api/* endpoints live in ollama.py and ollama_models.py.
@@ -44,6 +45,7 @@ from llmrun import __version__, api, batching
 from llmrun.chat import PLAIN_STOP
 from llmrun.errors import UsageError
 from llmrun.generate import Response as GenResponse
+from llmrun.loading import gemma4_assistant
 from llmrun.reasoning import REASONING
 from llmrun.server import anthropic, llama_server, ollama, ollama_models
 from llmrun.server.audio import audio_refs, media_digests, read_audio
@@ -75,7 +77,7 @@ from llmrun.server.service import (
     sse,
     usage_of,
 )
-from llmrun.server.transcriptions import transcriptions
+from llmrun.server.transcriptions import transcriptions, translations
 from llmrun.speculative import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN
 from llmrun.tool_calls import ToolCall
 
@@ -538,6 +540,7 @@ PROMPT_PARAMS = {
     "rerank": "documents",
     "score": "text_2",
     "transcriptions": "file",
+    "translations": "file",
 }
 
 
@@ -577,6 +580,7 @@ def create_app(service: Service) -> Starlette:
             _endpoint(transcriptions, "transcriptions"),
             methods=["POST"],
         ),
+        Route("/v1/audio/translations", _endpoint(translations, "translations"), methods=["POST"]),
         Route("/v1/models", _endpoint(models), methods=["GET"]),
         Route("/v1/models/{model:path}", _endpoint(models), methods=["GET"]),
         Route("/lora-adapters", _endpoint(lora_adapters), methods=["GET", "POST"]),
@@ -673,6 +677,10 @@ def _use_speculation(
         raise UsageError(
             f"--draft and --lookup need a model that generates; {engine.name} does not"
         )
+    if (draft is not None or lookup is not None) and engine.text_to_text:
+        raise UsageError(
+            f"--draft and --lookup do not go with {engine.name} (a text-to-text model)"
+        )
     if lookup is not None:
         engine.use_lookup(lookup)
     if draft is None:
@@ -680,6 +688,11 @@ def _use_speculation(
     shared = ("dtype", "threads", "cache_type", "activations")
     options = {k: v for k, v in load_options.items() if k in shared}
     spec, path = draft
+    if gemma4_assistant.is_assistant(path):
+        raise UsageError(
+            f"--draft {spec}: serve does not draft with a Gemma 4 assistant (run, chat and "
+            "bench do)"
+        )
     small = api.load(
         spec, path=path, device=engine.device.type, ctx_size=engine.ctx_size, **options
     )
@@ -741,6 +754,10 @@ def run(
                     engine.load_seconds,
                     "a reranker (/v1/rerank, /v1/score)"
                     if engine.reranks
+                    else "speech recognition (/v1/audio/transcriptions, /v1/audio/translations)"
+                    if engine.transcribes
+                    else "text-to-text (/v1/completions, one request at a time)"
+                    if engine.text_to_text
                     else "an embedding model (/v1/embeddings)",
                 )
                 return

@@ -198,7 +198,14 @@ async def _begin(request: Request, schema: type[Generating]) -> tuple[Service, A
     body = await read_json(request, schema, MAX_IMAGE_BODY_BYTES)
     engine = model_engine(service, body.model)
     if not engine.generates:
-        use = "a reranker" if engine.reranks else "an embedding model; use /api/embed"
+        use = (
+            "a reranker"
+            if engine.reranks
+            else f"a speech recognition model ({engine.speech_family}); use "
+            "/v1/audio/transcriptions"
+            if engine.transcribes
+            else "an embedding model; use /api/embed"
+        )
         raise ApiError(400, f"{service.model_id} is {use}", param="model")
     return service, body, engine
 

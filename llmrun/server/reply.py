@@ -65,6 +65,13 @@ def tool_format(engine: api.Engine) -> ToolFormat | None:
 
 def prepare(engine: api.Engine, fmt: ToolFormat | None, ask: Ask) -> Prepared:
     """The prompt and grammar for `ask` (slow for a long conversation: run it off the loop)."""
+    if engine.text_to_text:
+        raise ApiError(
+            400,
+            f"{engine.name} is a text-to-text model (encoder-decoder), which has no chat template: send "
+            "its prompt to /v1/completions",
+            param="messages",
+        )
     plain = engine.template is None
     calling = bool(ask.tools) and ask.tool_choice != "none"
     if calling and plain:  # tool_choice "none": the tools are left out, as the choice says

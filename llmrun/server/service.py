@@ -33,6 +33,7 @@ from llmrun.server.schema import (
     busy_error,
     validation_message,
 )
+from llmrun.server.serial import Serial
 from llmrun.tool_calls import ToolFormat
 
 MAX_BODY_BYTES = 4 << 20
@@ -68,6 +69,7 @@ class Service:
         self.created = int(time.time())
         self.engine: api.Engine | None = None
         self.scheduler: Scheduler | None = None
+        self.serial: Serial | None = None  # a text-to-text model's runner (no scheduler)
         self.load_error: BaseException | None = None
         self.tool_format: ToolFormat | None = None  # the calls the model's template teaches
         self.metrics = Metrics(self)
@@ -78,11 +80,15 @@ class Service:
         self.audio_encoder = AudioEncoder()  # requests' audio (llmrun.server.audio)
 
     def start(self, engine: api.Engine) -> None:
-        """Serve `engine`: a model that generates through the scheduler, an embedding
-        model (/v1/embeddings alone) without one."""
+        """Serve `engine`: a model that generates through the scheduler, a text-to-text
+        model (T5, BART, Marian, ...) one request at a time (llmrun.server.serial), an embedding model
+        (/v1/embeddings alone) without either."""
         # Build the native kernels now, while /health says loading, rather than in the
         # first request (a first build takes seconds).
         native.available()
+        if engine.text_to_text:
+            self.engine, self.serial = engine, Serial(engine)
+            return
         if not engine.generates:
             self.engine = engine
             return
@@ -174,6 +180,9 @@ def generating_engine(service: Service, model: str | None) -> api.Engine:
         use = (
             "a reranker; use /v1/rerank"
             if engine.reranks
+            else f"a speech recognition model ({engine.speech_family}); use "
+            "/v1/audio/transcriptions"
+            if engine.transcribes
             else "an embedding model; use /v1/embeddings"
         )
         raise ApiError(
@@ -264,9 +273,11 @@ class Generation:
                 param="n",
             )
         self.jobs: list[Job] = []
+        # The scheduler, or a text-to-text model's one-at-a-time runner.
+        self.runner = service.scheduler if service.scheduler is not None else service.serial
         try:
             for index, request in enumerate(requests):
-                self.jobs.append(service.scheduler.submit(request, partial(deliver, index)))
+                self.jobs.append(self.runner.submit(request, partial(deliver, index)))
         except BaseException:
             self._cancel_unfinished()
             raise
@@ -318,7 +329,7 @@ class Generation:
         # (jobs is shorter than finals while the requests are being submitted)
         for job, final in zip(self.jobs, self.finals, strict=False):
             if final is None:
-                self.service.scheduler.cancel(job)
+                self.runner.cancel(job)
 
     def _record(self, index: int, event: GenResponse) -> None:
         now = time.perf_counter()

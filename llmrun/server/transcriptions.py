@@ -12,6 +12,12 @@ size limit, WAV checks and kept encodings), and the request runs on the schedule
 others, cancelled when its client goes away and counted in /metrics as "transcriptions".
 The body is read up to a limit before the form is parsed (python-multipart, Starlette's
 form parser), so an upload's size is bounded however it is sent.
+
+A Whisper model (llmrun.whisper), and so a Cohere Transcribe or Moonshine model (the
+encoder-decoders of llmrun.transcribers), transcribes off the scheduler, which decodes
+decoder-only models: one request at a time under a lock (each takes every core), greedily
+(temperature 0 alone), OpenAI's `prompt` as Whisper's initial prompt. POST /v1/audio/translations is
+Whisper's English translation of the clip, the same form without `language`.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import asyncio
 import hashlib
 import math
 import re
+import threading
 import time
 from typing import Any
 
@@ -29,7 +36,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from llmrun import audio_families, batching
+from llmrun import audio, audio_families, batching
 from llmrun.errors import UsageError
 from llmrun.server.audio import MAX_AUDIO_BYTES, no_audio
 from llmrun.server.schema import ApiError
@@ -40,6 +47,9 @@ FORMATS = ("json", "text")
 # The form's fields besides the file.
 MAX_FIELDS_BYTES = 64 << 10
 TRANSCRIBES = ", ".join(f.name for f in audio_families.FAMILIES if f.transcription is not None)
+# One encoder-decoder speech request at a time (Whisper, Cohere Transcribe, Moonshine):
+# its decoding, off the scheduler, takes every core.
+SPEECH_LOCK = threading.Lock()
 
 
 async def transcriptions(request: Request) -> Response:
@@ -50,7 +60,9 @@ async def transcriptions(request: Request) -> Response:
     service.authorize(request)
     form, data = await _read_form(request)
     fields = {name: _text(form, name) for name in FIELDS[1:]}
-    engine = generating_engine(service, fields["model"])
+    engine = service.ready_engine(fields["model"])
+    if not engine.transcribes:
+        engine = generating_engine(service, fields["model"])
     response_format = fields["response_format"] or "json"
     if response_format not in FORMATS:
         raise ApiError(
@@ -66,6 +78,8 @@ async def transcriptions(request: Request) -> Response:
             param="language",
         )
     params = engine.defaults.updated(temperature=_temperature(fields["temperature"]))
+    if engine.transcribes:
+        return await _speech_to_text(service, engine, data, fields, response_format, None)
     if engine.audio is None:
         raise ApiError(400, f"file: {no_audio(engine, service.model_id)}", param="file")
     family = audio_families.of_encoder(engine.audio)
@@ -120,6 +134,72 @@ async def transcriptions(request: Request) -> Response:
         "total_tokens": stats.prompt_tokens + stats.completion_tokens,
     }
     return JSONResponse({"text": transcript, "usage": usage})
+
+
+async def translations(request: Request) -> Response:
+    """POST /v1/audio/translations: a Whisper model's English translation of the uploaded
+    clip, as {"text": ...} (json) or plain text (text)."""
+    service: Service = request.app.state.service
+    service.authorize(request)
+    form, data = await _read_form(request)
+    fields = {name: _text(form, name) for name in FIELDS[1:]}
+    engine = service.ready_engine(fields["model"])
+    if not engine.transcribes:
+        raise ApiError(
+            400,
+            f"{service.model_id} is not a Whisper model: llmrun translates speech with Whisper",
+            param="model",
+            code="model_not_supported",
+        )
+    if fields["language"]:
+        raise ApiError(400, "language: a translation is into English", param="language")
+    response_format = fields["response_format"] or "json"
+    if response_format not in FORMATS:
+        raise ApiError(
+            400,
+            f"response_format {response_format!r}: llmrun answers {' or '.join(FORMATS)}",
+            param="response_format",
+        )
+    _temperature(fields["temperature"])
+    return await _speech_to_text(service, engine, data, fields, response_format, "translate")
+
+
+async def _speech_to_text(
+    service: Service,
+    engine: Any,
+    data: bytes,
+    fields: dict[str, str | None],
+    response_format: str,
+    task: str | None,
+) -> Response:
+    """A speech recognition model's (Whisper's, ...) answer to a transcription (`task`
+    None: generate's default, which transcribes) or translation request, one at a time."""
+    if _temperature(fields["temperature"]) != 0:
+        raise ApiError(
+            400,
+            f"temperature: llmrun decodes {engine.speech_family} greedily; give 0 or leave it out",
+            param="temperature",
+        )
+    clip = audio.open_audio(data, "file")
+
+    def transcribe():
+        with SPEECH_LOCK:
+            return engine.transcribe(
+                clip, fields["language"] or None, task, fields["prompt"] or None
+            )
+
+    result = await asyncio.to_thread(transcribe)
+    endpoint = "translations" if task == "translate" else "transcriptions"
+    service.metrics.requests.labels(endpoint, "200").inc()
+    if response_format == "text":
+        return PlainTextResponse(result.text)
+    usage = {
+        "type": "tokens",
+        "input_tokens": result.prompt_tokens,
+        "output_tokens": len(result.ids),
+        "total_tokens": result.prompt_tokens + len(result.ids),
+    }
+    return JSONResponse({"text": result.text, "usage": usage})
 
 
 async def _read_form(request: Request) -> tuple[FormData, bytes]:

@@ -11,7 +11,8 @@ the folder and from a text GGUF plus an mmproj GGUF. A pixel shuffle in another 
 fails.
 
 transformers' own model_type granite_docling (ibm-granite/granite-for-docling-500m:
-DeepStack mergers, Granite text, GOT-OCR2 tiling) is another architecture, not run here.
+DeepStack mergers, Granite text, GOT-OCR2 tiling) is another architecture, checked in
+tests/models/test_granite_docling.py.
 """
 
 import pytest

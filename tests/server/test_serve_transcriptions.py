@@ -219,7 +219,7 @@ def test_an_audio_model_without_a_documented_transcription_prompt_is_a_400(tmp_p
     assert response.status_code == 400
     assert response.json()["error"]["message"] == (
         "qwen2-audio is a Qwen2-Audio model, whose transcription prompt llmrun does not know "
-        "(it transcribes with Voxtral, Qwen3-ASR, Granite Speech Plus, GLM-ASR, Audio Flamingo 3 "
-        "models); send the audio to /v1/chat/completions as an "
+        "(it transcribes with Voxtral, Qwen3-ASR, Granite Speech Plus, GLM-ASR, Audio Flamingo 3, "
+        "Phi-4-multimodal models); send the audio to /v1/chat/completions as an "
         "input_audio part with your instruction"
     )

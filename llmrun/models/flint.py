@@ -1,0 +1,219 @@
+"""Flint (RecursiveSI/flint, FlintForCausalLM): Qwen3-MoE's attention (an RMSNorm on each
+query and key head) with gpt-oss's attention sinks (a learned logit per head in every
+softmax's denominator, the Hub's `self_attn.softmax_offset`), sliding-window and full
+layers as `layer_types` says, RoPE on the sliding layers alone (the full ones have no
+position encoding); dense feed-forwards in `mlp_only_layers`, elsewhere the top-k of many
+small experts by sigmoid scores (renormalized where norm_topk_prob) plus one shared
+expert added whole, without a gate.
+
+Reference: transformers/models/flint/modular_flint.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmrun.errors import ModelFormatError
+from llmrun.models import qwen3_moe
+from llmrun.models.base import (
+    Frame,
+    RMSNorm,
+    RotaryEmbedding,
+    args_from_config,
+    check_layer_types,
+    head_logits,
+    layer_frames,
+    mix_experts,
+    new_cache,
+)
+from llmrun.models.cache import KVCache
+from llmrun.models.gpt_oss import sink_attention
+from llmrun.models.qwen3_moe import MLP
+
+
+@dataclass
+class ModelArgs(qwen3_moe.ModelArgs):
+    # FlintConfig's defaults where they differ from Qwen3-MoE's.
+    intermediate_size: int = 6144
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 1024
+    num_experts: int = 256
+    num_experts_per_tok: int = 6
+    norm_topk_prob: bool = True
+    head_dim: int | None = 128
+    max_position_embeddings: int = 262144
+    sliding_window: int | None = 513
+    layer_types: list[str] | None = None
+    mlp_only_layers: list[int] = field(default_factory=lambda: [0, 1])
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.layer_types is None:
+            # FlintConfig: full attention in the first two layers, every fourth from
+            # layer 1 and the last; sliding elsewhere.
+            last = self.num_hidden_layers - 1
+            self.layer_types = [
+                "full_attention" if i < 2 or i % 4 == 1 or i == last else "sliding_attention"
+                for i in range(self.num_hidden_layers)
+            ]
+        self.layer_types = check_layer_types(self.layer_types, self.num_hidden_layers)
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ModelFormatError("sliding_attention layers need a sliding_window")
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ModelArgs:
+        # FlintConfig has no use_sliding_window (its windows are the layer types').
+        config = {k: v for k, v in config.items() if k != "use_sliding_window"}
+        return args_from_config(cls, config, nullable=("sliding_window",))
+
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's sliding window, None for full layers."""
+        return [
+            self.sliding_window if kind == "sliding_attention" else None
+            for kind in self.layer_types
+        ]
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int) -> None:
+        super().__init__()
+        self.layer, self.n_heads, self.n_kv_heads = (
+            layer,
+            args.num_attention_heads,
+            args.num_key_value_heads,
+        )
+        self.head_dim = args.head_dim
+        self.layer_type = args.layer_types[layer]
+        self.rotary = self.layer_type == "sliding_attention"
+        self.scale = args.head_dim**-0.5
+        bias = args.attention_bias
+        self.q_proj = nn.Linear(args.hidden_size, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, args.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+        self.softmax_offset = nn.Parameter(torch.zeros(self.n_heads))  # the sinks
+
+    def forward(
+        self, x: torch.Tensor, frames: dict[str, Frame], cache: KVCache | None
+    ) -> torch.Tensor:
+        frame = frames[self.layer_type]
+        batch, tokens, _ = x.shape
+        # [B, T, H*D] -> [B, H, T, D], normalized per head
+        q = self.q_proj(x).view(batch, tokens, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, tokens, self.n_kv_heads, self.head_dim)
+        q, k = self.q_norm(q).transpose(1, 2), self.k_norm(k).transpose(1, 2)
+        v = self.v_proj(x).view(batch, tokens, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.rotary:
+            q, k = frame.rotate(q), frame.rotate(k)
+        if cache is not None:
+            # Read as stored where sink_attention takes ops.attend_one (gpt_oss.Attention).
+            stored = tokens == 1 and frame.mask is None
+            if frame.plan is not None:
+                k, v = cache.update_window(self.layer, k, v, frame.plan, stored)
+            else:
+                k, v = cache.update(
+                    self.layer, k, v, frame.positions, frame.start, frame.length, stored
+                )
+        out = sink_attention(q, k, v, frame.mask, self.scale, self.softmax_offset)
+        return self.o_proj(out)
+
+
+class SparseMoeBlock(nn.Module):
+    """The top-k experts of the router's sigmoid scores (f32), renormalized where
+    norm_topk_prob, plus the shared expert, whole."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk_prob = args.num_experts_per_tok, args.norm_topk_prob
+        self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            MLP(args, args.moe_intermediate_size) for _ in range(args.num_experts)
+        )
+        self.shared_expert = MLP(args, args.shared_expert_intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])  # [B, T, D] -> [B*T, D]
+        scores = torch.sigmoid(nn.functional.linear(x2.float(), self.gate.weight.float()))
+        weights, indices = torch.topk(scores, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        routed = mix_experts(x2, weights.to(x2.dtype), indices, self.experts)
+        return (routed + self.shared_expert(x2)).view(x.shape)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(args, layer)
+        if args.sparse(layer):
+            self.mlp = SparseMoeBlock(args)
+        else:
+            self.mlp = MLP(args, args.intermediate_size)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, frames: dict[str, Frame], cache: KVCache | None
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), frames, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Body(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(
+            args.rope_parameters, args.head_dim, args.max_position_embeddings
+        )
+
+
+class Model(nn.Module):
+    """embed -> decoder layers -> norm -> lm_head, with the Hub checkpoint's module names
+    (one module per expert, as the Hub's files hold them)."""
+
+    decode_step = None  # see llmrun.models.base.run_layers
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.model = Body(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache | None = None,
+        last_only: bool = False,
+        last: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Float32 logits [B, T, vocab] for input_ids [B, T] at positions [B, T];
+        [B, 1, vocab] with last_only or `last` (as CausalLM.forward)."""
+        x = self.model.embed_tokens(input_ids)
+        frames = self.frames(positions, cache, x.dtype, last)
+        return head_logits(self, x, frames, cache, last_only, last).float()
+
+    def frames(
+        self,
+        positions: torch.Tensor,
+        cache: KVCache | None,
+        dtype: torch.dtype,
+        last: torch.Tensor | None = None,
+    ) -> dict[str, Frame]:
+        """A Frame per layer type: full layers see every earlier position, sliding ones
+        the last sliding_window (in a cache that keeps only those: its plan)."""
+        return layer_frames(
+            positions, cache, dtype, self.args.sliding_window, self.model.rotary_emb, last=last
+        )
+
+    def new_cache(self, batch: int, max_seq_len: int, dtype: torch.dtype, device) -> KVCache:
+        return new_cache(self.args, batch, max_seq_len, dtype, device)
