@@ -23,7 +23,7 @@ import tempfile
 import pytest
 
 # The shared checks' asserts explain their failures as a test module's do.
-pytest.register_assert_rewrite("image_serving", "family_checks", "hybrid_checks")
+pytest.register_assert_rewrite("image_serving", "family_checks", "hybrid_checks", "vision_checks")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 if "LLMRUN_HOME" not in os.environ:
     _home = tempfile.mkdtemp(prefix="llmrun-tests-")

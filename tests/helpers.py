@@ -4,6 +4,7 @@ gguf.GGUFWriter, following llama.cpp's convert_hf_to_gguf conventions)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -204,6 +205,30 @@ def save_hf_dir(
     if tokenizer:
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(STORIES_HF / name, path / name)
+    return path
+
+
+def save_vision_dir(
+    model, path: Path, tokens: Sequence[str], template: str, processor: dict
+) -> Path:
+    """An image model's folder as save_pretrained writes it, with stories260K's tokenizer
+    plus `tokens` (special, ids 512 on), EOS </s> and no BOS, the chat `template`, and the
+    image `processor`'s preprocessor_config.json."""
+    model.save_pretrained(path)
+    tok = json.loads((STORIES_HF / "tokenizer.json").read_text())
+    for i, content in enumerate(tokens, start=512):
+        added = dict(id=i, content=content, single_word=False, lstrip=False, rstrip=False)
+        tok["added_tokens"].append({**added, "normalized": False, "special": True})
+    (path / "tokenizer.json").write_text(json.dumps(tok))
+    tok_config = {
+        "bos_token": None,
+        "eos_token": "</s>",
+        "add_bos_token": False,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": template,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    (path / "preprocessor_config.json").write_text(json.dumps(processor))
     return path
 
 

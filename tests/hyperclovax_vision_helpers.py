@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from chat_processor import images_only, user_message_inputs
 from exaone4_5_helpers import IMAGE, PROCESSOR, TEMPLATE, VIDEO, VOCAB, save_exaone4_5_dir
 from helpers import randomize
 
@@ -79,22 +80,14 @@ def processor_inputs(folder: Path, images: list, question: str) -> dict:
         Qwen2VLImageProcessorPil,
     )
 
-    class Processor(transformers.HyperCLOVAXVisionV2Processor):
-        # Images only: its video processor needs torchvision, which the tests go without.
-        def check_argument_for_proper_class(self, name, argument):
-            if name != "video_processor":
-                return super().check_argument_for_proper_class(name, argument)
-
     settings = {k: v for k, v in PROCESSOR.items() if k != "image_processor_type"}
-    made = Processor(
+    made = images_only(transformers.HyperCLOVAXVisionV2Processor)(
         image_processor=Qwen2VLImageProcessorPil(**settings),
         # The folder's tokenizer.json as it is: AutoTokenizer would rebuild it as the
         # GPT2Tokenizer of HyperCLOVA X's own vocabulary, not the test's SentencePiece one.
         tokenizer=transformers.PreTrainedTokenizerFast.from_pretrained(folder),
         chat_template=TEMPLATE,
     )
-    content = [{"type": "image"}] * len(images) + [{"type": "text", "text": question}]
-    messages = [{"role": "user", "content": content}]
-    text = made.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    inputs = made(text=text, images=images, return_tensors="pt", add_special_tokens=False)
-    return {k: inputs[k] for k in ("input_ids", "pixel_values", "image_grid_thw")}
+    return user_message_inputs(
+        made, images, question, ("input_ids", "pixel_values", "image_grid_thw")
+    )

@@ -12,7 +12,9 @@ import json
 from pathlib import Path
 
 import torch
+from chat_processor import images_only, user_message_inputs
 from helpers import STORIES_HF, randomize
+from ovis2_helpers import TEMPLATE  # Ovis2's ChatML template, as Ovis2.5's
 
 # Ids 512 on, after stories260K's 512 tokens.
 OVIS_TOKENS = (
@@ -27,18 +29,6 @@ OVIS_TOKENS = (
 )
 IMAGE, VIDEO, IMAGE_START, IMAGE_END, VIDEO_START, VIDEO_END = range(514, 520)
 VOCAB = 520
-TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\n' -}}"
-    "{%- if message['content'] is string -%}{{- message['content'] -}}"
-    "{%- else -%}{%- for content in message['content'] -%}"
-    "{%- if content['type'] == 'image' -%}{{- '<image>\n' -}}"
-    "{%- elif content['type'] == 'text' -%}{{- content['text'] -}}{%- endif -%}"
-    "{%- endfor -%}{%- endif -%}"
-    "{{- '<|im_end|>\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
-)
 TEXT = dict(
     model_type="qwen3",
     hidden_size=64,
@@ -142,20 +132,12 @@ def processor_inputs(folder: Path, images: list, question: str) -> dict:
         Ovis2_5ImageProcessorPil,
     )
 
-    class Processor(transformers.Ovis2_5Processor):
-        # Images only: its video processor needs torchvision, which the tests go without.
-        def check_argument_for_proper_class(self, name, argument):
-            if name != "video_processor":
-                return super().check_argument_for_proper_class(name, argument)
-
     settings = {k: v for k, v in PROCESSOR.items() if k != "image_processor_type"}
-    made = Processor(
+    made = images_only(transformers.Ovis2_5Processor)(
         image_processor=Ovis2_5ImageProcessorPil(**settings),
         tokenizer=transformers.PreTrainedTokenizerFast.from_pretrained(folder),
         chat_template=TEMPLATE,
     )
-    content = [{"type": "image"}] * len(images) + [{"type": "text", "text": question}]
-    messages = [{"role": "user", "content": content}]
-    text = made.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    inputs = made(text=text, images=images, return_tensors="pt", add_special_tokens=False)
-    return {k: inputs[k] for k in ("input_ids", "pixel_values", "image_grid_thw")}
+    return user_message_inputs(
+        made, images, question, ("input_ids", "pixel_values", "image_grid_thw")
+    )

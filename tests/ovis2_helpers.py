@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import torch
+from chat_processor import user_message_inputs
 from helpers import STORIES_HF, randomize
 
 # Ids 512 on, after stories260K's 512 tokens.
@@ -143,8 +144,4 @@ def processor_inputs(folder: Path, images: list, question: str) -> dict:
         chat_template=TEMPLATE,
         image_seq_length=TOKENS_PER_TILE,
     )
-    content = [{"type": "image"}] * len(images) + [{"type": "text", "text": question}]
-    messages = [{"role": "user", "content": content}]
-    text = made.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    inputs = made(text=text, images=images, return_tensors="pt", add_special_tokens=False)
-    return {k: inputs[k] for k in ("input_ids", "pixel_values")}
+    return user_message_inputs(made, images, question, ("input_ids", "pixel_values"))

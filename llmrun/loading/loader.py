@@ -329,7 +329,7 @@ def _open_hf_dir(path: Path) -> Checkpoint:
     if config.get("model_type") == gpt_neox.MODEL_TYPE:
         weights = gpt_neox.hf_weights(weights)
     if config.get("model_type") == molmo2_text.MODEL_TYPE:
-        weights = molmo2_text.hf_weights(weights, config, Weight)
+        config, weights = molmo2_text.hf_checkpoint(config, weights, Weight)
     if config.get("model_type") in gpt2.HF_MODEL_TYPES:
         weights = gpt2.hf_weights(weights, Weight)
     if config.get("model_type") == gpt_bigcode.MODEL_TYPE:

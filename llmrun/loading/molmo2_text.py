@@ -1,7 +1,9 @@
 """Molmo 2's language model weights as its checkpoints hold them (AI2's names, which
 transformers' save_pretrained writes back) -> llmrun.models.molmo2_text's: the fused
-att_proj cut into q/k/v (views), ff_proj into its up and gate halves, wte's embedding and
-new_embedding rows joined into one table (transformers' conversion_mapping "molmo2").
+att_proj cut into q/k/v (views), ff_proj into its up and gate halves (transformers'
+conversion_mapping "molmo2"), wte's embedding and new_embedding kept as the model's two
+tables, however the checkpoint cut its rows between them (AI2's: the base vocabulary and
+the image tokens; transformers' save_pretrained: two halves).
 """
 
 from __future__ import annotations
@@ -23,33 +25,42 @@ _BLOCK_NAMES = {
     "self_attn.k_norm.": "self_attn.k_norm.",
     "mlp.ff_out.": "mlp.down_proj.",
 }
+# The two embedding tables -> the model's (llmrun.models.molmo2_text.TwoTableEmbedding).
+_TABLES = {
+    "wte.embedding": "model.embed_tokens.embedding.weight",
+    "wte.new_embedding": "model.embed_tokens.new_embedding.weight",
+}
 
 
-def hf_weights(weights: dict[str, Any], config: dict[str, Any], weight: type) -> dict[str, Any]:
-    """The language model's weights under llmrun's names (`weight`: the loader's Weight)."""
+def hf_checkpoint(
+    config: dict[str, Any], weights: dict[str, Any], weight: type
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The config with the first embedding table's rows (embedding_rows) and the language
+    model's weights under llmrun's names (`weight`: the loader's Weight)."""
     heads, dim = config["num_attention_heads"], _head_dim(config)
     kv_heads = config.get("num_key_value_heads") or heads
     qkv = (heads * dim, kv_heads * dim, kv_heads * dim)
-    out, rows = {}, []
+    out, tables = {}, {}
     for name, w in weights.items():
         if not name.startswith(_TOP):
             out[name] = w
             continue
         rest = name[len(_TOP) :]
-        if rest in ("wte.embedding", "wte.new_embedding"):
-            rows.append((rest, w))
+        if rest in _TABLES:
+            tables[rest] = w
         elif rest.startswith("ln_f."):
             out["model.norm." + rest[len("ln_f.") :]] = w
         elif rest.startswith("blocks."):
             out.update(_block(name, rest[len("blocks.") :], w, qkv, weight))
         else:
             raise ModelFormatError(f"tensor {name}: not one of Molmo 2's language model")
-    if sorted(n for n, _ in rows) != ["wte.embedding", "wte.new_embedding"]:
+    if sorted(tables) != sorted(_TABLES):
         raise ModelFormatError("Molmo 2 weights without wte.embedding and wte.new_embedding")
-    # The base rows, then the added ones: one copy, at load (the model's one table).
-    tables = [w.tensor for _, w in sorted(rows)]
-    out["model.embed_tokens.weight"] = weight(torch.cat(tables))
-    return out
+    if "lm_head.weight" not in out:
+        raise ModelFormatError("Molmo 2 weights without lm_head.weight (it ties no head)")
+    for name, new in _TABLES.items():
+        out[new] = tables[name]
+    return {**config, "embedding_rows": tables["wte.embedding"].shape[0]}, out
 
 
 def _head_dim(config: dict[str, Any]) -> int:

@@ -1,10 +1,11 @@
 """Molmo 2's language model: Qwen3's (an RMSNorm on each query and key head) or OLMo's
 (one RMSNorm over each whole query and key projection) attention, q/k/v biases where the
 config says and none on the output, its norms before each sublayer or after it
-(norm_after), an embedding table longer than the output head by additional_vocab_size
-rows (the image tokens'). Prompts with images take Molmo2Model's image features added to
-their <im_patch> tokens' embeddings, and every image token of the prompt (patches, column
-ends, starts and ends) sees every other both ways (llmrun.molmo2_images).
+(norm_after), an embedding longer than the output head by additional_vocab_size rows (the
+image tokens'), held as the checkpoint's two tables (TwoTableEmbedding). Prompts with
+images take Molmo2Model's image features added to their <im_patch> tokens' embeddings,
+and every image token of the prompt (patches, column ends, starts and ends) sees every
+other both ways (llmrun.molmo2_images).
 
 Reference: transformers/models/molmo2/modeling_molmo2.py (Molmo2TextModel, Molmo2Model).
 """
@@ -52,6 +53,9 @@ class ModelArgs:
     rope_scaling_layers: list[int] | None = None
     tie_word_embeddings: bool = False
     rope_parameters: dict[str, Any] = field(default_factory=dict)
+    # The first embedding table's rows (wte.embedding's), the rest in the second; the
+    # loader reads it off the checkpoint (transformers' save_pretrained cuts in halves).
+    embedding_rows: int | None = None
 
     def __post_init__(self) -> None:
         self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
@@ -60,6 +64,13 @@ class ModelArgs:
             raise UnsupportedError(f"Molmo 2 with qk_norm_type {self.qk_norm_type!r}")
         if self.additional_vocab_size < 0:
             raise UnsupportedError(f"additional_vocab_size {self.additional_vocab_size} < 0")
+        rows = self.vocab_size + self.additional_vocab_size
+        if self.embedding_rows is None:
+            self.embedding_rows = self.vocab_size
+        if not 0 <= self.embedding_rows <= rows:
+            raise UnsupportedError(
+                f"embedding_rows {self.embedding_rows} outside the embedding's {rows} rows"
+            )
         scaled = self.rope_scaling_layers
         every = scaled is None or set(scaled) >= set(range(self.num_hidden_layers))
         if not every and self.rope_parameters.get("rope_type", "default") != "default":
@@ -129,6 +140,29 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class TwoTableEmbedding(nn.Module):
+    """One embedding of `rows` + `new_rows` rows held as two tables, as the checkpoint
+    holds them (wte.embedding and wte.new_embedding), so loading joins no copy: ids below
+    `rows` read the first table, the rest the second from its row 0."""
+
+    def __init__(self, rows: int, new_rows: int, hidden: int) -> None:
+        super().__init__()
+        self.rows, self.new_rows = rows, new_rows
+        self.embedding = nn.Embedding(rows, hidden)
+        self.new_embedding = nn.Embedding(new_rows, hidden)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.new_rows == 0:
+            return self.embedding(input_ids)
+        if self.rows == 0:
+            return self.new_embedding(input_ids)
+        # Both lookups for every id (clamped in range), then each id's own: no
+        # data-dependent shapes, so no wait on an accelerator for a mask's count.
+        base = self.embedding(input_ids.clamp(max=self.rows - 1))
+        added = self.new_embedding((input_ids - self.rows).clamp(min=0))
+        return torch.where((input_ids < self.rows)[..., None], base, added)
+
+
 class BlockImageTokens(ImageTokens):
     """Molmo 2's image tokens of a forward: `embeds` [n, hidden] added to the embeddings
     of the tokens where groups >= 0 (zero rows at the markers), and all of those tokens
@@ -149,7 +183,9 @@ class Model(CausalLM):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__(args, Attention, GatedMLP, DecoderLayer)
         rows = args.vocab_size + args.additional_vocab_size
-        self.model.embed_tokens = nn.Embedding(rows, args.hidden_size)
+        self.model.embed_tokens = TwoTableEmbedding(
+            args.embedding_rows, rows - args.embedding_rows, args.hidden_size
+        )
 
     def forward(
         self,

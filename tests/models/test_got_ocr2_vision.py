@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import STORIES_HF, randomize
+from exaone4_5_helpers import greedy_tokens
+from helpers import randomize, save_vision_dir
 from vision_helpers import picture
 
 from llmrun import api
@@ -98,25 +99,6 @@ def tiny_got_ocr2(seed: int = 0):
     return model
 
 
-def save_got_ocr2_dir(model, path: Path) -> Path:
-    model.save_pretrained(path)
-    tok = json.loads((STORIES_HF / "tokenizer.json").read_text())
-    for i, content in enumerate(GOT_TOKENS, start=512):
-        added = dict(id=i, content=content, single_word=False, lstrip=False, rstrip=False)
-        tok["added_tokens"].append({**added, "normalized": False, "special": True})
-    (path / "tokenizer.json").write_text(json.dumps(tok))
-    tok_config = {
-        "bos_token": None,
-        "eos_token": "</s>",
-        "add_bos_token": False,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "chat_template": TEMPLATE,
-    }
-    (path / "tokenizer_config.json").write_text(json.dumps(tok_config))
-    (path / "preprocessor_config.json").write_text(json.dumps(PROCESSOR))
-    return path
-
-
 def processor_inputs(folder: Path, image) -> dict:
     """GotOcr2Processor's inputs for one image, with its own OCR prompt."""
     processor = transformers.GotOcr2Processor(
@@ -130,12 +112,6 @@ def processor_inputs(folder: Path, image) -> dict:
     return {k: inputs[k] for k in ("input_ids", "attention_mask", "pixel_values")}
 
 
-def greedy_tokens(model, inputs: dict, tokens: int = 8) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=tokens, do_sample=False)
-    return out[0, inputs["input_ids"].shape[1] :].tolist()
-
-
 @pytest.fixture(scope="module")
 def model():
     return tiny_got_ocr2()
@@ -143,7 +119,8 @@ def model():
 
 @pytest.fixture(scope="module")
 def folder(model, tmp_path_factory):
-    return save_got_ocr2_dir(model, tmp_path_factory.mktemp("got_ocr2"))
+    folder = tmp_path_factory.mktemp("got_ocr2")
+    return save_vision_dir(model, folder, GOT_TOKENS, TEMPLATE, PROCESSOR)
 
 
 @pytest.fixture(scope="module")

@@ -20,28 +20,31 @@ import json
 
 import pytest
 import torch
-from exaone4_5_helpers import IMAGE, greedy_tokens
+from exaone4_5_helpers import IMAGE
 from hyperclovax_vision_helpers import (
     processor_inputs,
     save_hyperclovax_vision_dir,
     tiny_hyperclovax_vision,
 )
 from in_process import llmrun
+from vision_checks import (
+    check_logits_chunks_and_greedy,
+    check_run_and_chat_with_an_image,
+    check_text_only_prompt,
+    image_features,
+    logits,
+)
 from vision_helpers import picture
 
 from llmrun import api, vision_families
-from llmrun.generate import KVState, prefill
 from llmrun.images import open_image
 from llmrun.loading import safetensors_io
 from llmrun.loading.hyperclovax_vision import HyperclovaxVision
 from llmrun.models import hyperclovax, hyperclovax_vision
 from llmrun.qwen2_vl_images import pixel_patches
-from llmrun.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL")
-GREEDY = SamplingParams(temperature=0.0)
-CPU = torch.device("cpu")
 QUESTION = "What is in these pictures?"
 SIZES = [(140, 168), (150, 60)]
 TOKENS = [30, 10]
@@ -83,21 +86,6 @@ def expected_logits(model, reference):
         return model(**reference).logits[0]
 
 
-def image_features(model, reference) -> torch.Tensor:
-    with torch.no_grad():
-        out = model.model.get_image_features(reference["pixel_values"], reference["image_grid_thw"])
-    return torch.cat(out.pooler_output)
-
-
-def logits(engine, ids, prompt_images) -> torch.Tensor:
-    with torch.no_grad():
-        return engine.model(
-            torch.tensor([ids]),
-            torch.arange(len(ids))[None],
-            images=prompt_images.tokens(0, len(ids), CPU),
-        )[0]
-
-
 def test_the_prompt_pixels_features_logits_and_tokens_are_transformers(
     model, engine, images, prompt, reference, expected_logits
 ):
@@ -112,24 +100,11 @@ def test_the_prompt_pixels_features_logits_and_tokens_are_transformers(
     torch.testing.assert_close(ours, reference["pixel_values"], atol=1e-5, rtol=0)
     features = torch.cat(prompt_images.embeds)
     torch.testing.assert_close(features, image_features(model, reference), atol=1e-4, rtol=0)
-    with torch.no_grad():
-        # generate's prefill in chunks of 7, moved so that no image is split.
-        state = KVState(engine.model.new_cache(1, 128, torch.float32, "cpu"))
-        last = prefill(engine.model, state, ids, chunk=7, images=prompt_images)
-    torch.testing.assert_close(logits(engine, *prompt), expected_logits, atol=1e-4, rtol=0)
-    torch.testing.assert_close(last, expected_logits[-1], atol=1e-4, rtol=0)
-    expected = greedy_tokens(model, reference)
-    assert len(expected) == 8 and len(set(expected)) > 1
-    stream = engine.generate(ids, GREEDY, 8, images=prompt_images)
-    assert [r.token for r in stream if r.token is not None] == expected
+    check_logits_chunks_and_greedy(model, engine, prompt, reference, expected_logits)
 
 
 def test_a_text_only_prompt_is_transformers(model, engine):
-    ids = engine.tokenizer.encode(engine.prompt_text(QUESTION))
-    with torch.no_grad():
-        expected = model(input_ids=torch.tensor([ids])).logits[0]
-        ours = engine.model(torch.tensor([ids]), torch.arange(len(ids))[None])[0]
-    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
+    check_text_only_prompt(model, engine, QUESTION)
 
 
 def test_planted_bugs_move_the_logits_or_features(
@@ -196,23 +171,6 @@ def test_the_hubs_layout_loads_as_transformers_loads_it(folder, images, tmp_path
 def test_run_and_chat_with_an_image_reply_as_transformers(model, folder, tmp_path):
     """`llmrun run MODEL --image PATH "prompt"` and `llmrun chat MODEL --image PATH` from the
     folder; the folder's text alone with its usual note."""
-    from PIL import Image
-
-    from llmrun.tokenizer import load_tokenizer
-
-    image = tmp_path / "photo.png"
-    image.write_bytes(picture(60, 90, seed=6))
-    expected = greedy_tokens(model, processor_inputs(folder, [Image.open(image)], QUESTION))
-    expected = expected[: expected.index(2)] if 2 in expected else expected  # run stops at EOS
-    assert len(expected) >= 4
-    args = [str(folder), "--image", str(image), QUESTION, "-n", "8", "--temperature", "0"]
-    result = llmrun("run", *args, "--json", "--logprobs", "0")
-    assert result.returncode == 0, result.stderr
-    assert [e["id"] for e in json.loads(result.stdout)["logprobs"]] == expected
-    options = ("--image", str(image), "-n", "8", "--temperature", "0")
-    chat = llmrun("chat", str(folder), *options, input=QUESTION)
-    assert chat.returncode == 0, chat.stderr
-    assert chat.stdout == load_tokenizer(folder).decode(expected) + "\n\n"
-    result = llmrun("run", str(folder), QUESTION, "-n", "2", "--temperature", "0")
-    assert result.returncode == 0, result.stderr
-    assert "a multimodal HyperCLOVA X SEED Vision; running its language model" in result.stderr
+    check_run_and_chat_with_an_image(
+        model, folder, tmp_path, processor_inputs, QUESTION, "HyperCLOVA X SEED Vision"
+    )

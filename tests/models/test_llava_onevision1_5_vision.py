@@ -16,7 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import STORIES_HF, randomize
+from chat_processor import images_only, user_message_inputs
+from exaone4_5_helpers import greedy_tokens
+from helpers import randomize, save_vision_dir
+from qwen2_vl_helpers import QWEN_TOKENS  # ids 512 on, after stories260K's 512
+from vision_checks import image_features
 from vision_helpers import picture
 
 from llmrun import api
@@ -32,15 +36,6 @@ pytest.importorskip("PIL")
 GREEDY = SamplingParams(temperature=0.0)
 CPU = torch.device("cpu")
 QUESTION = "What is in these pictures?"
-# Ids 512 on, after stories260K's 512 tokens.
-QWEN_TOKENS = (
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-)
 IMAGE, VIDEO = 516, 517
 VOCAB = 520
 # Qwen's ChatML, an image as <|vision_start|><|image_pad|><|vision_end|>.
@@ -100,54 +95,21 @@ def tiny_llava_onevision1_5(seed: int = 0):
     return model
 
 
-def save_dir(model, path: Path) -> Path:
-    model.save_pretrained(path)
-    tok = json.loads((STORIES_HF / "tokenizer.json").read_text())
-    for i, content in enumerate(QWEN_TOKENS, start=512):
-        added = dict(id=i, content=content, single_word=False, lstrip=False, rstrip=False)
-        tok["added_tokens"].append({**added, "normalized": False, "special": True})
-    (path / "tokenizer.json").write_text(json.dumps(tok))
-    tok_config = {
-        "bos_token": None,
-        "eos_token": "</s>",
-        "add_bos_token": False,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "chat_template": TEMPLATE,
-    }
-    (path / "tokenizer_config.json").write_text(json.dumps(tok_config))
-    (path / "preprocessor_config.json").write_text(json.dumps(PROCESSOR))
-    return path
-
-
 def processor_inputs(folder: Path, images: list, question: str) -> dict:
     """Exaone4_5_Processor's inputs for one user message of `images` then `question`."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
 
-    class Processor(transformers.Exaone4_5_Processor):
-        # Images only: its video processor needs torchvision, which the tests go without.
-        def check_argument_for_proper_class(self, name, argument):
-            if name != "video_processor":
-                return super().check_argument_for_proper_class(name, argument)
-
     settings = {k: v for k, v in PROCESSOR.items() if k != "image_processor_type"}
-    made = Processor(
+    made = images_only(transformers.Exaone4_5_Processor)(
         image_processor=Qwen2VLImageProcessorPil(**settings),
         tokenizer=transformers.AutoTokenizer.from_pretrained(folder),
         chat_template=TEMPLATE,
     )
-    content = [{"type": "image"}] * len(images) + [{"type": "text", "text": question}]
-    messages = [{"role": "user", "content": content}]
-    text = made.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    inputs = made(text=text, images=images, return_tensors="pt", add_special_tokens=False)
-    return {k: inputs[k] for k in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw")}
-
-
-def greedy_tokens(model, inputs: dict, tokens: int = 8) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=tokens, do_sample=False)
-    return out[0, inputs["input_ids"].shape[1] :].tolist()
+    return user_message_inputs(
+        made, images, question, ("input_ids", "attention_mask", "pixel_values", "image_grid_thw")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +119,8 @@ def model():
 
 @pytest.fixture(scope="module")
 def folder(model, tmp_path_factory):
-    return save_dir(model, tmp_path_factory.mktemp("llava_onevision1_5"))
+    folder = tmp_path_factory.mktemp("llava_onevision1_5")
+    return save_vision_dir(model, folder, QWEN_TOKENS, TEMPLATE, PROCESSOR)
 
 
 @pytest.fixture(scope="module")
@@ -178,12 +141,6 @@ def reference(folder, images):
 @pytest.fixture(scope="module")
 def prompt(engine, images):
     return engine.image_prompt(engine.prompt_text(QUESTION, images=len(images)), images)
-
-
-def image_features(model, reference) -> torch.Tensor:
-    with torch.no_grad():
-        out = model.model.get_image_features(reference["pixel_values"], reference["image_grid_thw"])
-    return torch.cat(out.pooler_output)
 
 
 def test_the_prompt_pixels_features_and_logits_are_transformers(

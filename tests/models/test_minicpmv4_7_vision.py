@@ -27,6 +27,7 @@ from minicpmv_helpers import (
     tiny_minicpmv,
 )
 from test_minicpmv_vision import packed  # tests/models, beside this file
+from vision_checks import logits
 from vision_helpers import picture
 
 from llmrun import api, minicpmv_canvas, minicpmv_images, vision_families
@@ -40,7 +41,6 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 GREEDY = SamplingParams(temperature=0.0)
 QUESTION = "What is in these pictures?"
-CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
@@ -76,15 +76,6 @@ def prompt(engine, images):
 def expected_logits(model, reference) -> torch.Tensor:
     with torch.no_grad():
         return model(**reference).logits[0]
-
-
-def logits(engine, ids, prompt_images) -> torch.Tensor:
-    with torch.no_grad():
-        return engine.model(
-            torch.tensor([ids]),
-            torch.arange(len(ids))[None],
-            images=prompt_images.tokens(0, len(ids), CPU),
-        )[0]
 
 
 def test_the_prompt_pixels_and_positions_are_transformers(engine, model, images, prompt, reference):

@@ -12,24 +12,30 @@ where torchvision is installed); the image features, the logits and 8 greedy tok
 Molmo2ForConditionalGeneration's on those inputs. Pooling windows that keep the crops'
 overlaps, and image tokens seen causally, fail.
 
-Tolerances: patches 1e-6 relative on two checksums; f32 image features and logits 1e-4.
+Tolerances: patches 1e-6 relative on two checksums; f32 image features and logits 1e-4;
+embeddings of the ids around either cut of the two tables exact.
 """
 
+import copy
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as T
 from helpers import STORIES_HF, randomize
-from image_serving import check_reply_is_run_s
 from in_process import llmrun
-from serving import chat_reply, served
+from vision_checks import check_run_chat_and_serve_with_an_image
 from vision_helpers import picture
 
 from llmrun import api, generate, molmo2_images
 from llmrun.errors import UsageError
 from llmrun.images import open_image
+from llmrun.loading import loader
 from llmrun.models import molmo2_text
+from llmrun.quant import kernels
+from llmrun.quant.linear import QuantEmbedding
 from llmrun.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
@@ -292,23 +298,7 @@ def test_run_chat_and_serve_with_an_image_reply_as_transformers(model, folder, e
             do_sample=False,
         )
     expected = out[0, len(ids) :].tolist()
-    options = ("-n", "8", "--temperature", "0")
-    result = llmrun(
-        "run", folder, "--image", image, QUESTION, *options, "--json", "--logprobs", "0"
-    )
-    assert result.returncode == 0, result.stderr
-    assert [e["id"] for e in json.loads(result.stdout)["logprobs"]] == expected
-    stream = engine.tokenizer.stream(after=ids)
-    reply = "".join(stream.add(t) for t in expected) + stream.flush()
-    chat = llmrun("chat", folder, *options, input=f"/image {image}\n{QUESTION}")
-    assert chat.returncode == 0, chat.stderr
-    assert chat.stdout == reply + "\n\n"
-    for client in served(engine, "molmo2"):
-        served_reply = chat_reply(client, image.read_bytes(), QUESTION)
-        check_reply_is_run_s(served_reply, engine, (image.read_bytes(), QUESTION), expected, len(ids))  # fmt: skip
-    text = llmrun("run", folder, QUESTION, "-n", "2", "--temperature", "0")
-    assert text.returncode == 0, text.stderr
-    assert "a multimodal Molmo 2; running its language model" in text.stderr
+    check_run_chat_and_serve_with_an_image(engine, folder, image, QUESTION, expected, "Molmo 2")
 
 
 def test_a_processor_that_does_not_fit_the_tower_is_one_error_line(folder, tmp_path):
@@ -322,6 +312,56 @@ def test_a_processor_that_does_not_fit_the_tower_is_one_error_line(folder, tmp_p
     assert result.returncode != 0
     assert result.stderr.startswith("error: ") and "do not fit the vision tower" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def recut_tables(folder: Path, path: Path, rows: int) -> Path:
+    """A copy of `folder` whose wte.embedding holds the first `rows` rows of the joined
+    table and wte.new_embedding the rest (AI2's files cut at the base vocabulary)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, path)
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    wte = "model.transformer.wte."
+    joined = torch.cat([tensors[wte + "embedding"], tensors[wte + "new_embedding"]])
+    tensors[wte + "embedding"], tensors[wte + "new_embedding"] = joined[:rows], joined[rows:]
+    save_file({k: t.contiguous() for k, t in tensors.items()}, file, metadata={"format": "pt"})
+    return path
+
+
+def test_the_model_holds_the_checkpoints_two_tables_without_a_copy(model, folder, tmp_path):
+    """save_pretrained cuts the 520 rows in halves; the loaded model reads the file's
+    tables where they are mapped (f32 as they are, bf16 as raw 2-byte blocks)."""
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    for files in (folder, save_folder(half, tmp_path / "bf16")):
+        loaded = loader.load_model(files, torch.device("cpu"), "f32")
+        tables = loaded.model.model.embed_tokens
+        for name in ("embedding", "new_embedding"):
+            held = getattr(tables, name)
+            mapped = loaded.checkpoint.weights[f"model.embed_tokens.{name}.weight"].tensor
+            assert held.weight.data_ptr() == mapped.data_ptr()
+            assert held.num_embeddings == 260
+            if files != folder:
+                assert kernels.supports(T.BF16, 64) and isinstance(held, QuantEmbedding)
+        shapes = [tuple(t.shape) for t in loaded.model.state_dict().values()]
+        assert (520, 64) not in shapes
+
+
+def test_ids_on_both_sides_of_the_boundary_embed_as_transformers(model, engine, folder, tmp_path):
+    """Both cuts of the tables (the halves, AI2's base vocabulary then image tokens):
+    the ids around each cut and the ends embed as transformers' joined table does."""
+    ids = torch.tensor([[0, 259, 260, 261, 511, 512, 513, 519]])
+    with torch.no_grad():
+        theirs = model.get_input_embeddings()(ids)
+        assert torch.equal(engine.model.embed(ids), theirs)
+        ai2 = api.load(str(recut_tables(folder, tmp_path / "ai2", 512)), device="cpu")
+        assert ai2.model.model.embed_tokens.new_embedding.num_embeddings == 8
+        assert torch.equal(ai2.model.embed(ids), theirs)
+        text = torch.tensor([engine.tokenizer.encode("user:" + QUESTION)])
+        positions = torch.arange(text.shape[1])[None]
+        torch.testing.assert_close(
+            ai2.model(text, positions)[0], model(input_ids=text).logits[0], atol=1e-4, rtol=0
+        )
 
 
 def test_olmo_attention_and_norms_after_match_transformers(tmp_path):

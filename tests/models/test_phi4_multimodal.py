@@ -37,12 +37,12 @@ from pathlib import Path
 import pytest
 import torch
 from family_checks import check_whole_and_cached, max_diff
-from image_serving import check_reply_is_run_s
 from in_process import llmrun
 from lora_helpers import peft_model
 from phi4mm_helpers import AUDIO, END, IMAGE, processor, save_phi4mm_dir, tiny_phi4mm
 from serving import GREEDY, chat_reply, served
 from starlette.testclient import TestClient
+from vision_checks import check_run_chat_and_serve_with_an_image
 from vision_helpers import picture
 from voxtral_helpers import chirp, wav_bytes
 
@@ -302,20 +302,7 @@ def test_run_chat_and_serve_with_an_image_reply_as_transformers(
             do_sample=False,
         )
     expected = out[0, len(ids) :].tolist()
-    options = ("-n", "8", "--temperature", "0")
-    result = llmrun(
-        "run", folder, "--image", image, QUESTION, *options, "--json", "--logprobs", "0"
-    )
-    assert result.returncode == 0, result.stderr
-    assert [e["id"] for e in json.loads(result.stdout)["logprobs"]] == expected
-    stream = vision_engine.tokenizer.stream(after=ids)
-    reply = "".join(stream.add(t) for t in expected) + stream.flush()
-    chat = llmrun("chat", folder, *options, input=f"/image {image}\n{QUESTION}")
-    assert chat.returncode == 0, chat.stderr
-    assert chat.stdout == reply + "\n\n"
-    for client in served(vision_engine, "phi4mm"):
-        served_reply = chat_reply(client, image.read_bytes(), QUESTION)
-        check_reply_is_run_s(served_reply, vision_engine, (image.read_bytes(), QUESTION), expected, len(ids))  # fmt: skip
+    check_run_chat_and_serve_with_an_image(vision_engine, folder, image, QUESTION, expected, None)
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ from internvl_helpers import (
     save_qianfan_ocr_dir,
     tiny_internvl,
 )
+from vision_checks import logits
 from vision_helpers import picture
 
 from llmrun import api, internvl_images, vision_families
@@ -41,7 +42,6 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 GREEDY = SamplingParams(temperature=0.0)
 QUESTION = "What is in these pictures?"
-CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
@@ -77,15 +77,6 @@ def prompt(engine, images):
 def image_features(model, pixels) -> torch.Tensor:
     with torch.no_grad():
         return model.model.get_image_features(pixels).pooler_output.flatten(0, 1)
-
-
-def logits(engine, ids, prompt_images) -> torch.Tensor:
-    with torch.no_grad():
-        return engine.model(
-            torch.tensor([ids]),
-            torch.arange(len(ids))[None],
-            images=prompt_images.tokens(0, len(ids), CPU),
-        )[0]
 
 
 def test_the_prompt_and_tiles_are_the_processors(engine, images, prompt, reference):

@@ -24,10 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import CONVERTER, needs_converter
-from image_serving import check_reply_is_run_s
 from in_process import llmrun
 from muse_glimmer_helpers import run_converter
-from serving import chat_reply, served
 from step3p7_helpers import (
     CONVERT_TINY,
     HUB_TEXT,
@@ -40,6 +38,7 @@ from step3p7_helpers import (
     save_folder,
     tiny_model,
 )
+from vision_checks import check_run_chat_and_serve_with_an_image
 from vision_helpers import picture
 
 from llmrun import api, step3p7_images, vision_families
@@ -273,23 +272,7 @@ def test_run_chat_and_serve_with_an_image_reply_as_transformers(model, folder, e
             do_sample=False,
         )
     expected = out[0, len(ids) :].tolist()
-    options = ("-n", "8", "--temperature", "0")
-    result = llmrun(
-        "run", folder, "--image", image, QUESTION, *options, "--json", "--logprobs", "0"
-    )
-    assert result.returncode == 0, result.stderr
-    assert [e["id"] for e in json.loads(result.stdout)["logprobs"]] == expected
-    stream = engine.tokenizer.stream(after=ids)
-    reply = "".join(stream.add(t) for t in expected) + stream.flush()
-    chat = llmrun("chat", folder, *options, input=f"/image {image}\n{QUESTION}")
-    assert chat.returncode == 0, chat.stderr
-    assert chat.stdout == reply + "\n\n"
-    for client in served(engine, "step3p7"):
-        served_reply = chat_reply(client, image.read_bytes(), QUESTION)
-        check_reply_is_run_s(served_reply, engine, (image.read_bytes(), QUESTION), expected, len(ids))  # fmt: skip
-    text = llmrun("run", folder, QUESTION, "-n", "2", "--temperature", "0")
-    assert text.returncode == 0, text.stderr
-    assert "a multimodal Step 3.7; running its language model" in text.stderr
+    check_run_chat_and_serve_with_an_image(engine, folder, image, QUESTION, expected, "Step 3.7")
 
 
 def test_a_processor_that_does_not_fit_the_tower_is_one_error_line(folder, tmp_path):
