@@ -24,6 +24,7 @@ from llmrun.models.base import (
     RMSNorm,
     RotaryEmbedding,
     args_from_config,
+    cached_keys_values,
     check_layer_types,
     head_logits,
     layer_frames,
@@ -111,15 +112,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(batch, tokens, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if self.rotary:
             q, k = frame.rotate(q), frame.rotate(k)
-        if cache is not None:
-            # Read as stored where sink_attention takes ops.attend_one (gpt_oss.Attention).
-            stored = tokens == 1 and frame.mask is None
-            if frame.plan is not None:
-                k, v = cache.update_window(self.layer, k, v, frame.plan, stored)
-            else:
-                k, v = cache.update(
-                    self.layer, k, v, frame.positions, frame.start, frame.length, stored
-                )
+        k, v = cached_keys_values(k, v, self.layer, frame, cache, tokens)
         out = sink_attention(q, k, v, frame.mask, self.scale, self.softmax_offset)
         return self.o_proj(out)
 

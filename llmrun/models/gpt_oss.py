@@ -27,6 +27,7 @@ from llmrun.models.base import (
     RMSNorm,
     RotaryEmbedding,
     args_from_config,
+    cached_keys_values,
     check_layer_types,
     head_logits,
     layer_frames,
@@ -165,16 +166,9 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(batch, tokens, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, tokens, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = frame.rotate(q), frame.rotate(k)
-        if cache is not None:
-            # Read as stored where sink_attention takes ops.attend_one: no conversion
-            # of the whole cache each step.
-            stored = tokens == 1 and frame.mask is None
-            if frame.plan is not None:
-                k, v = cache.update_window(self.layer, k, v, frame.plan, stored)
-            else:
-                k, v = cache.update(
-                    self.layer, k, v, frame.positions, frame.start, frame.length, stored
-                )
+        # Read as stored where sink_attention takes ops.attend_one: no conversion of the
+        # whole cache each step.
+        k, v = cached_keys_values(k, v, self.layer, frame, cache, tokens)
         out = sink_attention(q, k, v, frame.mask, self.scale, self.sinks)
         return self.o_proj(out)
 

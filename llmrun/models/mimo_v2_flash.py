@@ -41,6 +41,7 @@ from llmrun.models.base import (
     RotaryEmbedding,
     args_from_config,
     attend_scaled,
+    cached_keys_values,
     check_layer_types,
     layer_frames,
     rope_parameters,
@@ -261,15 +262,7 @@ class Attention(nn.Module):
         if self.sinks is None:
             out = attend_scaled(q, k, v, self.layer, frame, cache, self.scale)
         else:
-            if cache is not None:
-                # Read as stored where sink_attention takes ops.attend_one.
-                stored = tokens == 1 and frame.mask is None
-                if frame.plan is not None:
-                    k, v = cache.update_window(self.layer, k, v, frame.plan, stored)
-                else:
-                    k, v = cache.update(
-                        self.layer, k, v, frame.positions, frame.start, frame.length, stored
-                    )
+            k, v = cached_keys_values(k, v, self.layer, frame, cache, tokens)
             out = sink_attention(q, k, v, frame.mask, self.scale, self.sinks)
         return self.o_proj(self.narrowed(out))
 
