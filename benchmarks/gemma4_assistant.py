@@ -4,8 +4,8 @@ prompt: greedy tokens/s of each engine alone and drafted, the drafted speed rela
 plain, llmrun's acceptance, and whether each engine's drafted text equals its plain text.
 
 Needs a real pair (e.g. google/gemma-4-E2B-it and google/gemma-4-E2B-it-assistant
-folders); with random tiny weights the assistant's drafts are never accepted, so the
-numbers mean nothing there.
+folders, or a Gemma 4 Unified folder and its gemma4_unified_assistant); with random
+tiny weights the assistant's drafts are never accepted, so the numbers mean nothing there.
 
 Usage:
   python benchmarks/gemma4_assistant.py MODEL_DIR ASSISTANT_DIR [-n 128] [-t 4]

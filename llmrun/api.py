@@ -30,7 +30,7 @@ from llmrun import (
     vision_families,
     whisper,
 )
-from llmrun.chat_template import ChatTemplate, select_template
+from llmrun.chat_template import NAMED_TEMPLATES, ChatTemplate, select_template
 from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
 from llmrun.generate import KVState, Response, TokenLogprob, stream_generate
 from llmrun.loading import (
@@ -167,21 +167,43 @@ class Engine:
             return None
         return transcribers.family(self.checkpoint.config["model_type"])[0]
 
+    @property
+    def speech_timestamps(self) -> bool:
+        """Whether the model's speech recognition family predicts times, so that
+        Engine.transcribe gives the transcript's segments (llmrun.transcribers.TIMESTAMPED)."""
+        return self.transcribes and self.checkpoint.config["model_type"] in (
+            transcribers.TIMESTAMPED
+        )
+
     def transcribe(
         self,
         clip: Any,
         language: str | None = None,
         task: str | None = None,
         prompt: str | None = None,
+        timestamps: bool = False,
+        num_beams: int | None = None,
     ) -> whisper.Transcription:
         """A decoded clip's (llmrun.audio.open_audio) transcript, in `language` (a code or
         name; None: detected where the family detects it), for `task` ("transcribe" or
         "translate"; None: the model's default), after `prompt` (Whisper's initial prompt),
-        by the family's transcriber (llmrun.transcribers)."""
+        by the family's transcriber (llmrun.transcribers); `timestamps`: with its segments'
+        times (Transcription.segments), for a family that predicts them; `num_beams`: a
+        beam search's (1: greedy; None: the folder's), for a family that searches."""
         if not self.transcribes:
             raise UsageError(f"{self.name} is not a speech recognition model")
         checkpoint = self.checkpoint
-        _, transcriber = transcribers.family(checkpoint.config["model_type"])
+        model_type = checkpoint.config["model_type"]
+        family, transcriber = transcribers.family(model_type)
+        if timestamps:
+            if not self.speech_timestamps:
+                raise UsageError(f"{self.name} is a {family} model, which predicts no timestamps")
+            transcriber = transcribers.TIMESTAMPED[model_type]
+        beams = {}
+        if model_type in transcribers.BEAMED:
+            beams = {"num_beams": num_beams}
+        elif num_beams not in (None, 1):
+            raise UsageError(f"{self.name} is a {family} model, which decodes without beams")
         return transcriber(
             self.model,
             self.tokenizer,
@@ -192,6 +214,7 @@ class Engine:
             language,
             task,
             prompt,
+            **beams,
         )
 
     @property
@@ -199,6 +222,39 @@ class Engine:
         """Whether the model is an encoder-decoder of text (T5, BART, Marian, M2M100),
         which `generate` runs through llmrun.text_to_text, off the batching scheduler."""
         return getattr(self.model, "text_to_text", False)
+
+    @property
+    def image_to_text(self) -> bool:
+        """Whether the model is an image-to-text encoder-decoder (Florence-2, TrOCR,
+        vision_families.VisionFamily.image_to_text) with its image encoder loaded."""
+        vision = self.vision
+        return vision is not None and vision_families.of_vision(vision).image_to_text
+
+    @property
+    def image_first(self) -> bool:
+        """Whether the model's image encoder puts a prompt's image before the whole text
+        itself (vision_families.VisionFamily.image_first), needing no chat template."""
+        vision = self.vision
+        return vision is not None and vision_families.of_vision(vision).image_first
+
+    def text_to_text_plan(
+        self,
+        params: SamplingParams,
+        logprobs: int | None = None,
+        options: text_to_text.Options | None = None,
+    ) -> text_to_text.Plan:
+        """How a text-to-text model decodes a request (llmrun.text_to_text.Plan.of): what
+        it cannot do is a UsageError here, before anything decodes."""
+        checkpoint = self.checkpoint
+        return text_to_text.Plan.of(
+            checkpoint.generation_config,
+            checkpoint.config,
+            self.tokenizer,
+            self.name,
+            params,
+            logprobs,
+            options,
+        )
 
     @property
     def generates(self) -> bool:
@@ -440,6 +496,32 @@ class Engine:
             w.up = w.up.to(device=self.device, dtype=self.dtype)
         self.lora, self.audio_lora = apply_adapters(self.model, [adapter]), True
 
+    def transcription_prompt(self, language: str | None = None, context: str | None = None) -> str:
+        """The prompt text of a transcription of one clip by an audio-language model, as its
+        family documents it (llmrun.audio_families; its audio place takes the clip), in
+        `language` (ISO 639-1) and with a `context` text where given and the family takes
+        them; read its answer with transcript()."""
+        family = self._transcribing_family()
+        if context is not None and not family.transcription_context:
+            raise UsageError(f"{family.name}'s transcription prompt has no place for a text")
+        return family.transcription(self.tokenizer, self.render, language, context)
+
+    def transcript(self, answer: str) -> str:
+        """The transcription in the answer to a transcription_prompt, as the family's
+        processor reads it."""
+        return self._transcribing_family().transcript(answer)
+
+    def _transcribing_family(self) -> audio_families.AudioFamily:
+        if self.audio is None:
+            raise UsageError(f"{self.name}: load it with its audio encoder to give it audio")
+        family = audio_families.of_encoder(self.audio)
+        if family.transcription is None:
+            raise UsageError(
+                f"{self.name} is a {family.name} model, whose transcription prompt llmrun does "
+                "not know: give a prompt with the audio"
+            )
+        return family
+
     def audio_tokens(self, clip: Any) -> int:
         """How many prompt tokens a decoded clip takes where audio_prompt expands its
         place, before it is encoded."""
@@ -567,25 +649,21 @@ class Engine:
         state: KVState | None = None,
         history_end: int | None = None,
         images: PromptImages | None = None,
+        options: text_to_text.Options | None = None,
     ) -> Iterator[Response]:
         """Stream a reply to `prompt` (ids) through `state` (default: a new cache).
         `history_end`: where the conversation so far ends in the prompt, before the
         generation prompt (a hybrid model keeps its state there for the next turn).
         `images`: the prompt's images, from image_prompt. A text-to-text model takes
-        `prompt` as its encoder's input and decodes in a cache of its own."""
+        `prompt` as its encoder's input and decodes in a cache of its own, by the beams
+        and languages `options` ask for (text_to_text_plan)."""
         if self.text_to_text:
-            if images is not None or self.speculator is not None:
-                raise UsageError(
-                    f"{self.name} (a text-to-text model) takes neither images nor --draft/--lookup"
-                )
-            checkpoint = self.checkpoint
-            rules = text_to_text.Rules.of(
-                checkpoint.generation_config, checkpoint.config, self.tokenizer.vocab_size
-            )
+            if self.speculator is not None:
+                raise UsageError(f"{self.name} (a text-to-text model) takes no --draft/--lookup")
             return text_to_text.generate(
                 self.model,
                 self.tokenizer,
-                self.new_state,
+                self.new_cache,
                 self.ctx_size,
                 prompt,
                 Sampler(params),
@@ -593,7 +671,12 @@ class Engine:
                 self.eos_ids,
                 stop,
                 logprobs,
-                rules,
+                self.text_to_text_plan(params, logprobs, options),
+                images,
+            )
+        if options is not None and options != text_to_text.Options():
+            raise UsageError(
+                f"beams and source or target languages go with a text-to-text model, not {self.name}"
             )
         if state is None:
             wanted = len(prompt) + (max(max_tokens, 1) if max_tokens is not None else self.ctx_size)
@@ -810,7 +893,7 @@ def _load_vision(checkpoint: Checkpoint, path: Path, mmproj: str | Path | None) 
     takes = family.text_takes_images
     if takes is not None and not takes(checkpoint.config):
         raise UsageError(f"{path}: {family.name}'s images go to its own language model")
-    hidden = checkpoint.config["hidden_size"]
+    hidden = checkpoint.config.get("hidden_size")  # T5Gemma 2's nests it: its loader reads it
     if checkpoint.gguf is not None:
         encoder = family.from_mmproj(Path(mmproj), hidden)
     else:
@@ -876,7 +959,13 @@ def _check_cache_type(cache_type: str, device: torch.device) -> None:
 
 def _sampling_defaults(checkpoint: Checkpoint) -> SamplingParams:
     defaults = dict(checkpoint.sampling_defaults)
-    if checkpoint.generation_config.get("do_sample") is False:
+    do_sample = checkpoint.generation_config.get("do_sample")
+    # A text-to-text model decodes as transformers' generate does unless its file asks to
+    # sample (by beams where it asks for them): what its users compare outputs with.
+    text_to_text = getattr(
+        model_module(checkpoint.config["model_type"]).Model, "text_to_text", False
+    )
+    if do_sample is False or (do_sample is not True and text_to_text):
         defaults["temperature"] = 0.0
     return SamplingParams().updated(**defaults)
 
@@ -899,6 +988,15 @@ def _check_tokenizer(checkpoint: Checkpoint, path: Path) -> None:
         hf_tokenizer_file(path)
 
 
+def untemplated_text_to_text(name: str) -> str:
+    """What refuses a conversation to a text-to-text model without a chat template (T5's,
+    BART's), whose encoder takes a prompt as it is."""
+    return (
+        f"{name} is a text-to-text model (encoder-decoder), without a chat template: give it "
+        'a prompt with `llmrun run MODEL "PROMPT"`, or serve it (/v1/completions)'
+    )
+
+
 def _check_use(
     checkpoint: Checkpoint, name: str, generate: bool, transcribe: bool, text_to_text: bool
 ) -> bool:
@@ -918,8 +1016,8 @@ def _check_use(
     module = model_module(checkpoint.config["model_type"])
     if getattr(module.Model, "text_to_text", False) and generate and not text_to_text:
         raise UsageError(
-            f"{name} is a text-to-text model (encoder-decoder), without a chat template: give it a prompt "
-            'with `llmrun run MODEL "PROMPT"`, or serve it (/v1/completions)'
+            f"{name} is a text-to-text model (encoder-decoder), which this command does not "
+            'run: give it a prompt with `llmrun run MODEL "PROMPT"`, or serve it'
         )
     generates = getattr(module.Model, "generates", True)
     gg = checkpoint.gguf
@@ -1007,6 +1105,7 @@ def _chat_template(
             raise UsageError(f"--template {template_file}: not UTF-8 text") from None
     elif checkpoint.gguf is not None:
         source = checkpoint.gguf.get(Keys.Tokenizer.CHAT_TEMPLATE)
+        source = NAMED_TEMPLATES.get(source, source)
     else:
         jinja_file = checkpoint.path / "chat_template.jinja"
         if jinja_file.is_file():

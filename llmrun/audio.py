@@ -225,11 +225,12 @@ def _mel_to_hz(mels: np.ndarray) -> np.ndarray:
     return np.where(mels >= 15.0, log, linear)
 
 
-def log_mel(samples: np.ndarray, mel_bins: int) -> np.ndarray:
+def log_mel(samples: np.ndarray, mel_bins: int, log_max: float | None = None) -> np.ndarray:
     """The log-mel spectrogram [mel_bins, len(samples) // HOP_LENGTH] of 16 kHz samples, as
     WhisperFeatureExtractor computes it: centered Hann windows (reflect-padded), power
     spectra through mel_filters, log10 floored at 1e-10, values under the maximum - 8
-    raised to it, then (x + 4) / 4; float32."""
+    raised to it, then (x + 4) / 4; float32. `log_max`: a fixed maximum instead of the
+    spectrogram's own (Voxtral Realtime's global_log_mel_max)."""
     x = np.pad(samples.astype(np.float32).astype(np.float64), N_FFT // 2, mode="reflect")
     frames = 1 + (len(x) - N_FFT) // HOP_LENGTH
     window = np.hanning(N_FFT + 1)[:-1]  # periodic
@@ -244,7 +245,7 @@ def log_mel(samples: np.ndarray, mel_bins: int) -> np.ndarray:
         power = np.abs(np.fft.rfft(view * window, axis=1)) ** 2
         out[:, first : first + count] = np.log10(np.maximum(1e-10, bank @ power.T))
     out = out[:, :-1]
-    out = np.maximum(out, out.max() - 8.0)
+    out = np.maximum(out, (out.max() if log_max is None else log_max) - 8.0)
     return ((out + 4.0) / 4.0).astype(np.float32)
 
 

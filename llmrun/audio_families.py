@@ -18,6 +18,7 @@ import torch
 from llmrun import (
     audio,
     audioflamingo3_clips,
+    fun_asr_nano_clips,
     gemma3n_audio_clips,
     gemma4_audio_clips,
     gemma4_unified_media,
@@ -32,10 +33,12 @@ from llmrun import (
     qwen2_audio_clips,
     qwen3_asr_clips,
     qwen3_omni_clips,
+    vibevoice_asr_clips,
     voxtral_clips,
 )
 from llmrun.loading import (
     audioflamingo3,
+    fun_asr_nano,
     gemma3n_audio,
     gemma4_audio,
     gemma4_unified,
@@ -50,6 +53,7 @@ from llmrun.loading import (
     qwen3_asr,
     qwen3_omni,
     qwen3_vl_vision,
+    vibevoice_asr,
     voxtral_audio,
 )
 from llmrun.loading.lora import Adapter
@@ -264,6 +268,41 @@ FAMILIES: tuple[AudioFamily, ...] = (
         prompt=glmasr_clips.prompt,
         transcription=glmasr_clips.transcription,
         transcript=glmasr_clips.transcript,
+    ),
+    # SenseVoice's SAN-M encoder and a Transformer adaptor under a Qwen3, a token per 60 ms;
+    # folders only. Its transcription prompt names the language (Chinese, English or
+    # Japanese) and takes a context text.
+    AudioFamily(
+        name="Fun-ASR-Nano",
+        encoder_type=fun_asr_nano.FunAsrNanoAudio,
+        folder_has_audio=fun_asr_nano.folder_has_audio,
+        is_mmproj=lambda path: False,
+        from_hf_dir=fun_asr_nano.from_hf_dir,
+        from_mmproj=fun_asr_nano.from_mmproj,
+        text_takes_audio=fun_asr_nano.text_takes_audio,
+        clip_tokens=fun_asr_nano_clips.clip_tokens,
+        encode=fun_asr_nano_clips.encode,
+        prompt=fun_asr_nano_clips.prompt,
+        transcription=fun_asr_nano_clips.transcription,
+        transcription_context=True,
+    ),
+    # Acoustic and semantic convolutional tokenizer encoders of the 24 kHz waveform under a
+    # Qwen2, a token per 3200 samples; folders only. Its transcription prompt takes a context
+    # text and no language; the answer is JSON segments with times and speakers.
+    AudioFamily(
+        name="VibeVoice-ASR",
+        encoder_type=vibevoice_asr.VibeVoiceAsrAudio,
+        folder_has_audio=vibevoice_asr.folder_has_audio,
+        is_mmproj=lambda path: False,
+        from_hf_dir=vibevoice_asr.from_hf_dir,
+        from_mmproj=vibevoice_asr.from_mmproj,
+        text_takes_audio=vibevoice_asr.text_takes_audio,
+        clip_tokens=vibevoice_asr_clips.clip_tokens,
+        encode=vibevoice_asr_clips.encode,
+        prompt=vibevoice_asr_clips.prompt,
+        transcription=vibevoice_asr_clips.transcription,
+        transcription_context=True,
+        transcript=vibevoice_asr_clips.transcript,
     ),
     # Audio Flamingo 3's with rotary time embeddings, from its folder; before Audio
     # Flamingo 3, whose encoder class its own extends.

@@ -80,6 +80,7 @@ from llmrun.models.recurrent import StateSnapshots, copy_row
 from llmrun.multimodal import PromptImages
 from llmrun.sampling import Sampler, SamplingParams
 from llmrun.speculative import verify
+from llmrun.text_to_text import Options
 
 # Prompt tokens prefilled per step: smaller than a one-shot run's chunk, since
 # every decoding sequence waits for it, but room for several new chat turns at once:
@@ -123,6 +124,8 @@ class Request:
     # content, which salts the names of the KV blocks it begins in (see kv_blocks).
     images: PromptImages | None = None
     image_digests: Sequence[bytes] = ()
+    # A text-to-text model's beams and languages (llmrun.server.serial runs its requests).
+    text_to_text: Options | None = None
 
 
 @dataclass(eq=False)

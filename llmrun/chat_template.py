@@ -226,6 +226,24 @@ class ChatTemplate:
             ) from e
 
 
+# llama.cpp's built-in templates that its converter writes by name in place of a Jinja one
+# (RWKV's "rwkv-world", where its llama-cpp-rwkv-world.jinja is missing), written in Jinja
+# from how llama-chat.cpp renders them: each message trimmed, "Assistant:" after a last
+# user message (the model's "\n\n" token ends a reply).
+NAMED_TEMPLATES = {
+    "rwkv-world": (
+        "{%- for message in messages -%}"
+        "{%- if message.role == 'system' -%}{{ 'System: ' + message.content | trim + '\n\n' }}"
+        "{%- elif message.role == 'user' -%}{{ 'User: ' + message.content | trim + '\n\n' }}"
+        "{%- if loop.last %}{{ 'Assistant:' }}{% endif -%}"
+        "{%- elif message.role == 'assistant' -%}"
+        "{{ 'Assistant: ' + message.content | trim + '\n\n' }}"
+        "{%- endif -%}"
+        "{%- endfor -%}"
+    ),
+}
+
+
 def select_template(chat_template: str | list[dict] | None, name: str = "default") -> str | None:
     """Pick the template to use from tokenizer_config.json's `chat_template` value.
 

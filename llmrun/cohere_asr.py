@@ -1,10 +1,11 @@
 """Cohere Transcribe's speech recognition (llmrun.models.cohere_asr), as transformers'
-CohereAsrProcessor prepares a clip and CohereAsrForConditionalGeneration.generate decodes
-it greedily: the clip's features as CohereAsrFeatureExtractor computes them (its seeded
-dither, then Parakeet's normalized log-mel: llmrun.nemotron_omni_clips.features), the
-decoder prompt get_decoder_prompt_ids makes for the clip's language (which the model does
-not detect: it must be given) with punctuation, greedy decoding (llmrun.seq2seq), and the
-text decoded without special tokens, as batch_decode(skip_special_tokens=True).
+CohereAsrProcessor prepares a clip and CohereAsrForConditionalGeneration.generate decodes it
+(greedily, or by beam search): the clip's features as CohereAsrFeatureExtractor computes
+them (its seeded dither, then Parakeet's normalized log-mel:
+llmrun.nemotron_omni_clips.features), the decoder prompt get_decoder_prompt_ids makes for
+the clip's language (which the model does not detect: it must be given) with punctuation,
+decoding by llmrun.seq2seq, and the text decoded without special tokens, as
+batch_decode(skip_special_tokens=True).
 
 A clip longer than max_audio_clip_s - overlap_chunk_second (30 s) is split as the feature
 extractor splits it (chunks of up to max_audio_clip_s, each ending at the quietest
@@ -133,18 +134,30 @@ class Extractor:
         return nemotron_omni_clips.features(x.numpy(), self.feature_size)
 
 
-def language_code(language: str | None) -> str:
+def language_code(
+    language: str | None, family: str = FAMILY, languages: tuple[str, ...] = LANGUAGES
+) -> str:
     """The clip's language as the processor takes it: a code (or an English name) of
-    LANGUAGES; none given is an error, as the model does not detect it."""
+    the `family`'s `languages`; none given is an error, as the model does not detect it."""
     if language is None:
         raise UsageError(
-            f"{FAMILY} does not detect the language: give it (--language, or the request's "
-            f"`language`), one of {', '.join(LANGUAGES)}"
+            f"{family} does not detect the language: give it (--language, or the request's "
+            f"`language`), one of {', '.join(languages)}"
         )
     code = CODES.get(language.lower(), language.lower())
-    if code not in LANGUAGES:
-        raise UsageError(f"language {language!r}: {FAMILY} transcribes {', '.join(LANGUAGES)}")
+    if code not in languages:
+        raise UsageError(f"language {language!r}: {family} transcribes {', '.join(languages)}")
     return code
+
+
+def token_ids(tokenizer: Tokenizer, pieces: list[str], family: str) -> list[int]:
+    """The ids of a decoder prompt's special `pieces`; a piece the tokenizer lacks is a
+    ModelFormatError naming the `family`."""
+    ids = [tokenizer.token_id(p) for p in pieces]
+    missing = [p for p, i in zip(pieces, ids, strict=True) if i is None]
+    if missing:
+        raise ModelFormatError(f"the tokenizer has no {', '.join(missing)}: not {family}'s")
+    return ids
 
 
 def prompt_ids(tokenizer: Tokenizer, language: str) -> list[int]:
@@ -161,11 +174,7 @@ def prompt_ids(tokenizer: Tokenizer, language: str) -> list[int]:
         "<|notimestamp|>",
         "<|nodiarize|>",
     ]
-    ids = [tokenizer.token_id(p) for p in pieces]
-    missing = [p for p, i in zip(pieces, ids, strict=True) if i is None]
-    if missing:
-        raise ModelFormatError(f"the tokenizer has no {', '.join(missing)}: not {FAMILY}'s")
-    return ids
+    return token_ids(tokenizer, pieces, FAMILY)
 
 
 def transcribe(
@@ -178,14 +187,12 @@ def transcribe(
     language: str | None = None,
     task: str | None = None,
     prompt: str | None = None,
+    num_beams: int | None = None,
 ) -> Transcription:
     """A clip's transcript by a Cohere Transcribe `model` loaded from `folder`."""
-    if task not in (None, "transcribe"):
-        raise UsageError(f"{FAMILY} transcribes; it does not {task}")
-    if prompt:
-        raise UsageError(f"{FAMILY} takes no prompt before the audio")
+    seq2seq.only_transcribes(task, prompt, FAMILY)
     code = language_code(language)
-    settings = seq2seq.Settings.of(generation, config, FAMILY)
+    settings = seq2seq.Settings.of(generation, config, FAMILY, num_beams)
     extractor = Extractor.of_folder(folder)
     if extractor.feature_size != model.args.encoder.num_mel_bins:
         raise ModelFormatError(
@@ -199,7 +206,7 @@ def transcribe(
         for chunk in extractor.chunks(clip.samples):
             features = extractor.features(chunk)
             encoded = model.encode(features.to(norm.device, norm.dtype), features.shape[0] - 1)
-            ids = seq2seq.greedy(model, encoded, prompt_tokens, settings)
+            ids = seq2seq.generate(model, encoded, prompt_tokens, settings)
             generated += ids
             texts.append(tokenizer.decode(prompt_tokens + ids, skip_special=True))
     if len(texts) == 1:

@@ -30,20 +30,27 @@ SYSTEM_PROMPT = (
 
 def pixel_values(image, vision: JanusVision) -> torch.Tensor:
     """Float32 pixels [3, S, S] of an RGB Pillow image, S the tower's image size."""
+    square = squared(image, vision.image_size, vision.min_size, vision.resample, vision.background)
+    return normalized(square, vision.mean, vision.std)
+
+
+def squared(image, side: int, min_size: int, resample: int, background: tuple[int, ...]):
+    """An RGB Pillow image resized as JanusImageProcessor resizes it (the longer side to
+    `side`, the shorter in proportion but at least `min_size`) and centred on a square of
+    the `background` colour where it is not square."""
     from PIL import Image
 
-    side = vision.image_size
     scale = side / max(image.height, image.width)
     # Python's round, as JanusImageProcessor's (half to even).
-    height = max(round(image.height * scale), vision.min_size)
-    width = max(round(image.width * scale), vision.min_size)
-    resized = image.resize((width, height), Image.Resampling(vision.resample))
-    if height != width:
-        square = max(height, width)
-        canvas = Image.new("RGB", (square, square), vision.background)
-        canvas.paste(resized, ((square - width) // 2, (square - height) // 2))
-        resized = canvas
-    return normalized(resized, vision.mean, vision.std)
+    height = max(round(image.height * scale), min_size)
+    width = max(round(image.width * scale), min_size)
+    resized = image.resize((width, height), Image.Resampling(resample))
+    if height == width:
+        return resized
+    square = max(height, width)
+    canvas = Image.new("RGB", (square, square), background)
+    canvas.paste(resized, ((square - width) // 2, (square - height) // 2))
+    return canvas
 
 
 def image_tokens(vision: JanusVision, image) -> int:

@@ -3,7 +3,8 @@ no tokenizer.json) as transformers' MarianTokenizer gives its ids: the text cut 
 source.spm's SentencePiece Unigram pieces, each piece then looked up in vocab.json (the
 model's ids), the special tokens' text and a leading ">>xx<<" target-language code kept as
 their own tokens, </s> after a sequence; decoding spells each id's vocab.json piece, "\u2581"
-as a space.
+as a space. Speech2TextTokenizer's files (sentencepiece.bpe.model and vocab.json, the same
+lookup; <s> one more special token, no language codes) are read the same way (SPEECH_TO_TEXT).
 
 The pieces are found as llmrun.unigram finds a SentencePiece Unigram's (source.spm's scores
 and normalizer spec), over a vocabulary laid out at vocab.json's ids: each id holds its piece
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +33,26 @@ from llmrun.token_bytes import spm_bytes
 from llmrun.unigram import Charsmap, UnigramNormalizer
 
 FILE, VOCAB = "source.spm", "vocab.json"
+SPEECH_TO_TEXT_FILE = "sentencepiece.bpe.model"
 # sentencepiece_model.proto's SentencePiece.Type of the pieces a text can be cut into.
 _NORMAL, _USER_DEFINED = 1, 4
 # MarianTokenizer's special tokens (its defaults, which every opus-mt folder keeps).
 UNK, EOS, PAD = "<unk>", "</s>", "<pad>"
+BOS = "<s>"  # one more of Speech2TextTokenizer's
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which SentencePiece file, special tokens and target-language codes a family's
+    tokenizer has."""
+
+    file: str
+    specials: tuple[str, ...]
+    codes: bool  # a leading ">>xx<<" is its own token
+
+
+MARIAN = Layout(FILE, (EOS, UNK, PAD), codes=True)
+SPEECH_TO_TEXT = Layout(SPEECH_TO_TEXT_FILE, (BOS, EOS, UNK, PAD), codes=False)
 
 
 def _vocab(file: Path) -> dict[str, int]:
@@ -52,25 +70,25 @@ def _vocab(file: Path) -> dict[str, int]:
     return vocab
 
 
-def split_special(text: str, vocab: dict[str, int]) -> list[str | int]:
+def split_special(text: str, vocab: dict[str, int], layout: Layout = MARIAN) -> list[str | int]:
     """The text as MarianTokenizer cuts it before SentencePiece: its special tokens' text
     (</s>, <unk>, <pad>) taken out as their ids, and in each run between them
     (remove_language_code) a leading ">>xx<<" as that token."""
-    specials = [name for name in (EOS, UNK, PAD) if name in vocab]
+    specials = [name for name in layout.specials if name in vocab]
     out: list[str | int] = []
     for part in re.split(f"({'|'.join(map(re.escape, specials))})", text):
         if part in specials:
             out.append(vocab[part])
-        elif part.startswith(">>") and (end := part.find("<<")) != -1:
+        elif layout.codes and part.startswith(">>") and (end := part.find("<<")) != -1:
             out += [vocab.get(part[: end + 2], vocab[UNK]), part[end + 2 :]]
         else:
             out.append(part)
     return out
 
 
-def tokenizer_args(folder: Path) -> dict[str, Any]:
-    """llmrun.tokenizer.Tokenizer's arguments for a Marian folder."""
-    file = folder / FILE
+def tokenizer_args(folder: Path, layout: Layout = MARIAN) -> dict[str, Any]:
+    """llmrun.tokenizer.Tokenizer's arguments for a Marian folder (or another `layout`'s)."""
+    file = folder / layout.file
     vocab = _vocab(folder / VOCAB)
     model = read_model(file.read_bytes(), str(file))
     if model.model_type != UNIGRAM:
@@ -84,7 +102,7 @@ def tokenizer_args(folder: Path) -> dict[str, Any]:
     if lacking:
         raise UnsupportedError(
             f"{file}: {len(lacking)} pieces (such as {lacking[0]!r}) are not in {VOCAB}, "
-            "which MarianTokenizer reads as <unk>: not supported"
+            "which the tokenizer reads as <unk>: not supported"
         )
     size = max(vocab.values()) + 1
     lowest = min(s for p, s, k in model.pieces if k == _NORMAL)
@@ -106,9 +124,9 @@ def tokenizer_args(folder: Path) -> dict[str, Any]:
         return spm_bytes(texts[i], False)
 
     def split(text: str, parse_special: bool) -> list[str | int]:
-        return split_special(text, vocab) if parse_special else [text]
+        return split_special(text, vocab, layout) if parse_special else [text]
 
-    specials = {vocab[name] for name in (UNK, EOS, PAD) if name in vocab}
+    specials = {vocab[name] for name in layout.specials if name in vocab}
     return dict(
         backend=backend,
         spell=spell,

@@ -1,9 +1,9 @@
 """Moonshine's speech recognition (llmrun.models.moonshine), as transformers' processor
 (Wav2Vec2FeatureExtractor: the raw 16 kHz samples, zero-mean unit-variance where its
-do_normalize says) prepares a clip and
-MoonshineForConditionalGeneration.generate decodes it greedily from decoder_start_token_id
-(llmrun.seq2seq), the text decoded without special tokens, as
-batch_decode(skip_special_tokens=True). The model takes no language, task or prompt.
+do_normalize says) prepares a clip and MoonshineForConditionalGeneration.generate decodes it
+from decoder_start_token_id (greedily, or by beam search: llmrun.seq2seq), the text decoded
+without special tokens, as batch_decode(skip_special_tokens=True). The model takes no
+language, task or prompt.
 
 Where generation_config.json gives no max_length or max_new_tokens, a transcript is cut at
 the model card's 6.5 tokens per second of audio (generate's max_length =
@@ -17,6 +17,7 @@ models/wav2vec2/feature_extraction_wav2vec2.py (zero_mean_unit_var_norm).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,25 +66,48 @@ def transcribe(
     language: str | None = None,
     task: str | None = None,
     prompt: str | None = None,
+    num_beams: int | None = None,
 ) -> Transcription:
     """A clip's transcript by a Moonshine `model` loaded from `folder`."""
+    refuse(language, task, prompt, FAMILY)
+    x = samples(clip, normalizes(folder))
+    return transcript(
+        model, tokenizer, folder, generation, config, x, model.encode, FAMILY, num_beams
+    )
+
+
+def refuse(language: str | None, task: str | None, prompt: str | None, family: str) -> None:
+    """What a Moonshine family's models do not take: a language, a translation, a prompt."""
     if language is not None:
-        raise UsageError(f"{FAMILY} takes no language (its models are each one language's)")
-    if task not in (None, "transcribe"):
-        raise UsageError(f"{FAMILY} transcribes; it does not {task}")
-    if prompt:
-        raise UsageError(f"{FAMILY} takes no prompt before the audio")
-    settings = seq2seq.Settings.of(generation, config, FAMILY)
+        raise UsageError(f"{family} takes no language (its models are each one language's)")
+    seq2seq.only_transcribes(task, prompt, family)
+
+
+def transcript(
+    model: Any,
+    tokenizer: Tokenizer,
+    folder: Path,
+    generation: dict[str, Any],
+    config: dict[str, Any],
+    x: np.ndarray,
+    encode: Callable[[torch.Tensor], torch.Tensor],
+    family: str,
+    num_beams: int | None = None,
+) -> Transcription:
+    """The transcript of samples `x` (as the feature extractor gives them) that `encode`
+    ([1, samples] -> [1, positions, width]) encodes, decoded from the decoder start token
+    (greedily, or with `num_beams`, else the file's), up to the model card's 6.5 tokens a
+    second where the file gives no length."""
+    settings = seq2seq.Settings.of(generation, config, family, num_beams)
     if settings.start is None:
         raise ModelFormatError(f"{folder}: no decoder_start_token_id")
-    x = samples(clip, normalizes(folder))
     if settings.max_length is None and settings.max_new_tokens is None:
         limit = int(len(x) * TOKENS_PER_SECOND / audio.SAMPLE_RATE)
         settings = dataclasses.replace(settings, max_length=max(limit, 2))
     prompt_tokens = settings.prompt([])
     norm = model.model.decoder.norm.weight
     with torch.inference_mode():
-        encoded = model.encode(torch.from_numpy(x)[None].to(norm.device, norm.dtype))
-        ids = seq2seq.greedy(model, encoded, prompt_tokens, settings)
+        encoded = encode(torch.from_numpy(x)[None].to(norm.device, norm.dtype))
+        ids = seq2seq.generate(model, encoded, prompt_tokens, settings)
     text = tokenizer.decode(prompt_tokens + ids, skip_special=True)
     return Transcription(text, ids, None, len(prompt_tokens))

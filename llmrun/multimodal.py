@@ -31,6 +31,10 @@ class PromptImages:
     # Whether the server's prefix cache may give a prompt with these images its leading
     # blocks (Llama 3.2 Vision's may not: its image's state is not in them).
     prefix_cached: ClassVar[bool] = True
+    # Whether the prompt's ids are framed already (an image-to-text encoder-decoder's
+    # processor put its image before the tokenizer's frame: Florence-2's), so that
+    # llmrun.text_to_text adds no frame of its tokenizer's.
+    framed: ClassVar[bool] = False
 
     @property
     def first(self) -> int:
@@ -75,6 +79,13 @@ class PromptImages:
         if not embeds:
             return None
         return ImageTokens(torch.cat(embeds).to(device), groups.to(device))
+
+
+class FramedImages(PromptImages):
+    """An image-to-text encoder-decoder's images whose prompt its processor framed already
+    (Florence-2's image before <s>; TrOCR's image alone)."""
+
+    framed: ClassVar[bool] = True
 
 
 def _soft_token(tokenizer: Tokenizer) -> int:

@@ -21,13 +21,22 @@ from typing import Any
 
 from tokenizers import Tokenizer as Backend
 
-from llmrun import marian_tokenizer, sentencepiece_model, tekken, tokenizer_gguf
+from llmrun import (
+    byte_level_bpe,
+    gpt_neox_japanese_tokenizer,
+    marian_tokenizer,
+    rwkv_tokenizer,
+    sentencepiece_model,
+    tekken,
+    tokenizer_gguf,
+)
 from llmrun.errors import TokenizerError, UnsupportedError
 from llmrun.pretokenizers import SPM_SPACE
 from llmrun.token_bytes import byte_level_bytes, raw, spm_bytes
 from llmrun.tokenizer_gguf import END_OF_GENERATION, FIM_ENDS, fim_by_text
 
 _BATCH = 4096  # texts per call of the tokenizers library's encode_batch
+XGLM_CLASSES = ("XGLMTokenizer", "XGLMTokenizerFast")
 
 
 class Tokenizer:
@@ -235,13 +244,25 @@ class Tokenizer:
         where the folder has no tokenizer.json, from Mistral's tekken.json as mistral_common
         reads it, else from a SentencePiece model file (tokenizer.model, spiece.model or
         sentencepiece.bpe.model) as llama.cpp's converter reads it, else a Marian folder's
-        source.spm and vocab.json as MarianTokenizer reads them (llmrun.marian_tokenizer)."""
+        source.spm and vocab.json as MarianTokenizer reads them (llmrun.marian_tokenizer, which
+        reads a Speech2Text folder's sentencepiece.bpe.model and vocab.json too), else a
+        Blenderbot folder's vocab.json and merges.txt (llmrun.byte_level_bpe), else GPT-NeoX
+        Japanese's vocab.txt and emoji.json (llmrun.gpt_neox_japanese_tokenizer)."""
         path = Path(path)
         file = hf_tokenizer_file(path)
         if file.name == tekken.FILE:
             return cls(**tekken.tokenizer_args(file))
+        if file.name == rwkv_tokenizer.VOCAB_FILE:  # fla-hub's RWKV, as llama.cpp converts it
+            vocab_size = _read_json(path / "config.json").get("vocab_size", 65536)
+            metadata = rwkv_tokenizer.folder_metadata(path, vocab_size)
+            return cls.from_gguf_metadata(metadata, str(file))
         if file.name == marian_tokenizer.FILE:
             return cls(**marian_tokenizer.tokenizer_args(path))
+        if (
+            file.name == marian_tokenizer.SPEECH_TO_TEXT_FILE
+            and _read_json(path / "config.json").get("model_type") == "speech_to_text"
+        ):
+            return cls(**marian_tokenizer.tokenizer_args(path, marian_tokenizer.SPEECH_TO_TEXT))
         if file.name == sentencepiece_model.XLMR_FILE and (path / "vocab.json").is_file():
             # M2M100Tokenizer's files (facebook/m2m100_*): pieces looked up in vocab.json,
             # not laid out as XLM-RoBERTa's are, which would give other ids.
@@ -249,13 +270,28 @@ class Tokenizer:
                 f"{file} with vocab.json (M2M100Tokenizer's) is not supported: a folder "
                 "with tokenizer.json is"
             )
+        if file.name == sentencepiece_model.T5_FILE and _read_json(path / "config.json").get(
+            "model_type"
+        ) in ("pegasus", "pegasus_x"):
+            # PegasusTokenizer's spiece.model: its pieces 103 ids on, after <pad>, </s>, the
+            # masks and <unk_2>..<unk_102>, not where T5Tokenizer puts them.
+            raise UnsupportedError(
+                f"{file} (PegasusTokenizer's) is not supported: a folder with tokenizer.json is"
+            )
         if file.name in sentencepiece_model.FILES:
             metadata = sentencepiece_model.gguf_metadata(file)
             return cls(**tokenizer_gguf.tokenizer_args(metadata, str(file)))
-        try:
-            backend = Backend.from_file(str(file))
-        except Exception as e:
-            raise TokenizerError(f"{file}: cannot be read by the tokenizers library: {e}") from None
+        if file.name == gpt_neox_japanese_tokenizer.VOCAB:
+            return cls(**gpt_neox_japanese_tokenizer.tokenizer_args(path))
+        if file.name == byte_level_bpe.VOCAB:
+            backend = byte_level_bpe.backend(path)
+        else:
+            try:
+                backend = Backend.from_file(str(file))
+            except Exception as e:
+                raise TokenizerError(
+                    f"{file}: cannot be read by the tokenizers library: {e}"
+                ) from None
         config = _read_json(path / "tokenizer_config.json")
 
         def config_token(key: str) -> int | None:
@@ -266,6 +302,11 @@ class Tokenizer:
 
         added = backend.get_added_tokens_decoder()
         special_ids = {i for i, t in added.items() if t.special}
+        if _read_json(path / "config.json").get("model_type") == "florence2":
+            # Florence-2's task and location tokens (<od>, <loc_N>, ...) are its replies'
+            # text: its processor decodes them (skip_special_tokens=False) and drops only
+            # <s>, </s> and <pad>.
+            special_ids &= {config_token(k) for k in ("bos_token", "eos_token", "pad_token")}
         bos, eos = config_token("bos_token"), config_token("eos_token")
         template_first = _template_first_special(backend)
         if bos is None:
@@ -273,6 +314,10 @@ class Tokenizer:
         add_bos = config.get("add_bos_token")
         if not isinstance(add_bos, bool):
             add_bos = template_first is not None and template_first == bos
+        if config.get("tokenizer_class") in XGLM_CLASSES:
+            # transformers' XGLMTokenizer sets a post-processor that puts its EOS (</s>),
+            # not its BOS, before every text, whatever tokenizer.json holds.
+            bos, add_bos = eos, eos is not None
         eog_ids = {i for i, t in added.items() if t.content in END_OF_GENERATION}
         eog_ids |= {eos} if eos is not None else set()
         eot = config_token("eot_token")  # CodeLlama's "▁<EOT>", which ends an infill
@@ -383,11 +428,18 @@ def valid_text(text: str) -> str:
 
 def hf_tokenizer_file(folder: Path) -> Path:
     """A model folder's tokenizer.json, else its tekken.json (as llama.cpp's converter
-    chooses), else its SentencePiece model file, else a Marian folder's source.spm;
+    chooses), else its SentencePiece model file, else a Marian folder's source.spm, else its
+    vocab.json beside merges.txt, else GPT-NeoX Japanese's vocab.txt beside emoji.json;
     refuses a folder with none."""
     for name in ("tokenizer.json", tekken.FILE, *sentencepiece_model.FILES, marian_tokenizer.FILE):
         if (folder / name).is_file():
             return folder / name
+    if byte_level_bpe.applies(folder):
+        return folder / byte_level_bpe.VOCAB
+    if gpt_neox_japanese_tokenizer.applies(folder):
+        return folder / gpt_neox_japanese_tokenizer.VOCAB
+    if rwkv_tokenizer.applies(folder):
+        return folder / rwkv_tokenizer.VOCAB_FILE
     raise TokenizerError(
         f"{folder}: no tokenizer.json, tekken.json or tokenizer.model (a model directory "
         f"needs one; {' or '.join(sentencepiece_model.FILES[1:])} also do)"

@@ -34,6 +34,7 @@ from llmrun.pretokenizers import (
     PreTokenizer,
     pre_tokenizer,
 )
+from llmrun.rwkv_tokenizer import RwkvBackend
 from llmrun.spm_merges import spm_merges
 from llmrun.token_bytes import BYTE_LEVEL_ALPHABET, byte_level_bytes, raw, spm_bytes
 from llmrun.unigram import unigram_backend
@@ -125,7 +126,8 @@ _FIM_OLD_KEYS = {  # the names older files use
 }
 # gpt-oss: llama.cpp always matches and prints these, even where the file calls them control.
 _ALWAYS_SHOWN = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
-GGUF_MODELS = ("llama", "gpt2", "gemma4", "bert", "t5", "whitespace")
+GGUF_MODELS = ("llama", "gpt2", "gemma4", "bert", "t5", "whitespace", "rwkv")
+RWKV_MODEL = "rwkv"  # RWKV world: llmrun.rwkv_tokenizer
 WPM_MODEL = "bert"  # WordPiece: llmrun.wordpiece
 UGM_MODEL = "t5"  # Unigram: llmrun.unigram
 # llama.cpp's WPM ids where the file names none (llama_vocab::impl::load, "bert").
@@ -160,7 +162,7 @@ def check_metadata(metadata: dict[str, Any], source: str) -> PreTokenizer | None
     tokens = metadata.get(Keys.Tokenizer.LIST)
     if not isinstance(tokens, list) or not tokens:
         raise TokenizerError(f"{source}: no {Keys.Tokenizer.LIST} in the metadata")
-    if model in ("llama", WPM_MODEL, UGM_MODEL):
+    if model in ("llama", WPM_MODEL, UGM_MODEL, RWKV_MODEL):
         return None
     if model == "whitespace":
         pre_name = metadata.get(Keys.Tokenizer.PRE) or "whitespace"
@@ -200,7 +202,8 @@ def tokenizer_args(metadata: dict[str, Any], source: str) -> dict[str, Any]:
 
     wpm = metadata[Keys.Tokenizer.MODEL] == WPM_MODEL
     ugm = metadata[Keys.Tokenizer.MODEL] == UGM_MODEL
-    spm = pre is None and not wpm and not ugm
+    rwkv = metadata[Keys.Tokenizer.MODEL] == RWKV_MODEL
+    spm = pre is None and not wpm and not ugm and not rwkv
     vocab = _gguf_vocab(tokens)
     add_eos = bool(metadata.get(Keys.Tokenizer.ADD_EOS, False))
     if wpm:
@@ -224,6 +227,12 @@ def tokenizer_args(metadata: dict[str, Any], source: str) -> dict[str, Any]:
         add_bos_default = False
         bos, eos = token_id(Keys.Tokenizer.BOS_ID), token_id(Keys.Tokenizer.EOS_ID, 1)
         add_eos = bool(metadata.get(Keys.Tokenizer.ADD_EOS, True))
+    elif rwkv:
+        # llama.cpp's RWKV defaults: no space prefix, no BOS or EOS added.
+        add_prefix = False
+        backend = RwkvBackend(tokens, token_id(Keys.Tokenizer.UNK_ID))
+        add_bos_default = False
+        bos, eos = token_id(Keys.Tokenizer.BOS_ID), token_id(Keys.Tokenizer.EOS_ID)
     elif spm:
         add_prefix = bool(metadata.get(Keys.Tokenizer.ADD_PREFIX, True))
         backend = _spm_backend(metadata, tokens, vocab, n, source, add_prefix)
@@ -251,6 +260,8 @@ def tokenizer_args(metadata: dict[str, Any], source: str) -> dict[str, Any]:
             return b"" if i in marks.unused else raw(tokens[i])
         if byte_level:
             return byte_level_bytes(tokens[i])
+        if rwkv:
+            return backend.spellings[i]
         return spm_bytes(tokens[i], types[i] == TokenType.BYTE)
 
     add_bos = bool(metadata.get(Keys.Tokenizer.ADD_BOS, add_bos_default))
@@ -268,7 +279,9 @@ def tokenizer_args(metadata: dict[str, Any], source: str) -> dict[str, Any]:
         fim_ids=marks.fim,
         # WPM's word-initial pieces each begin with a space.
         strip_leading_space=((spm or ugm) and add_prefix) or wpm,
-        split_special=_special_splitter(tokens, added, marks, vocab, always=ugm),
+        # RWKV: special tokens cut the text where they parse, as llama.cpp cuts it, before
+        # the trie (which holds them too) runs over each piece.
+        split_special=_special_splitter(tokens, added, marks, vocab, always=ugm or rwkv),
         token_ids=vocab if ugm else None,
         source=source,
     )

@@ -14,10 +14,18 @@ from typing import Any
 import torch
 
 from llmrun import (
+    aria_images,
+    blip2_images,
     cohere2_vision_images,
+    cohere_compass_images,
     cosmos3_edge_images,
     deepseek_ocr2_images,
+    deepseek_vl_hybrid_images,
+    deepseek_vl_images,
+    ernie4_5_vl_images,
     exaone4_5_images,
+    florence2_images,
+    fuyu_images,
     gemma4_images,
     gemma4_unified_media,
     glm4v_images,
@@ -26,6 +34,7 @@ from llmrun import (
     granite_docling_images,
     hunyuan_vl_images,
     hyperclovax_vision_images,
+    idefics2_images,
     idefics3_images,
     internvl_images,
     janus_images,
@@ -50,13 +59,23 @@ from llmrun import (
     pixtral_images,
     qwen2_vl_images,
     step3p7_images,
+    trocr_images,
     unlimited_ocr_images,
+    video_llama_3_images,
 )
 from llmrun.loading import (
+    aria_vision,
+    blip2_vision,
     cohere2_vision,
+    cohere_compass_vision,
     cosmos3_edge_vision,
     deepseek_ocr2_vision,
+    deepseek_vl_hybrid_vision,
+    deepseek_vl_vision,
+    ernie4_5_vl_vision,
     exaone4_5_vision,
+    florence2_vision,
+    fuyu_vision,
     gemma4_unified,
     gemma4_vision,
     glm4v_vision,
@@ -65,6 +84,7 @@ from llmrun.loading import (
     granite_docling_vision,
     hunyuan_vl_vision,
     hyperclovax_vision,
+    idefics2_vision,
     idefics3_vision,
     internvl_vision,
     janus_vision,
@@ -92,7 +112,10 @@ from llmrun.loading import (
     qwen3_vl_vision,
     safetensors_io,
     step3p7_vision,
+    t5gemma2_vision,
+    trocr_vision,
     unlimited_ocr_vision,
+    video_llama_3_vision,
 )
 from llmrun.loading import vision as gemma3_vision
 from llmrun.tokenizer import Tokenizer
@@ -128,6 +151,12 @@ class VisionFamily:
     # Refuses a loaded encoder that does not fit the language model's config (beyond
     # text_takes_images and the widths), naming the source.
     check_text: Callable[[Any, dict[str, Any], Path], None] | None = None
+    # Whether it is an image-to-text encoder-decoder (Florence-2, TrOCR): its prompt is one
+    # image and a text of its own (a task), framed by its processor, with no chat template.
+    image_to_text: bool = False
+    # Whether its prompt puts its one image before the whole text, wherever the text would
+    # place it (Fuyu's): a prompt without a chat template (a plain transcript) takes it.
+    image_first: bool = False
 
 
 def _gemma3_prompt(
@@ -195,6 +224,51 @@ FAMILIES: tuple[VisionFamily, ...] = (
         encode=multimodal.encode,
         prompt=_gemma3_prompt,
     ),
+    # Gemma 3's image encoder in a T5Gemma 2 folder, its images into the encoder's input.
+    # Its loaded encoder is Gemma 3's Vision, which Gemma 3's entry (of_vision) prepares and
+    # places, as Gemma3Processor does for T5Gemma 2. Folders only.
+    VisionFamily(
+        name="T5Gemma 2",
+        vision_type=t5gemma2_vision.Vision,
+        folder_has_vision=t5gemma2_vision.folder_has_vision,
+        is_mmproj=t5gemma2_vision.no_mmproj,
+        from_hf_dir=t5gemma2_vision.from_hf_dir,
+        from_mmproj=t5gemma2_vision.from_mmproj,
+        text_takes_images=t5gemma2_vision.text_takes_images,
+        image_tokens=lambda vision, image: vision.tokens_per_image,
+        encode=multimodal.encode,
+        prompt=_gemma3_prompt,
+    ),
+    # A DaViT's image tokens first in Florence-2's BART encoder's input (an image-to-text
+    # encoder-decoder: llmrun.text_to_text decodes it), one image a prompt. Folders only.
+    VisionFamily(
+        name="Florence-2",
+        vision_type=florence2_vision.Florence2Vision,
+        folder_has_vision=florence2_vision.folder_has_vision,
+        is_mmproj=florence2_vision.no_mmproj,
+        from_hf_dir=florence2_vision.from_hf_dir,
+        from_mmproj=florence2_vision.from_mmproj,
+        text_takes_images=florence2_vision.text_takes_images,
+        image_tokens=florence2_images.image_tokens,
+        encode=florence2_images.encode,
+        prompt=_by_vision(florence2_images.prompt),
+        image_to_text=True,
+    ),
+    # TrOCR: a ViT's (DeiT's) tokens are its text decoder's source, with no prompt (an
+    # image-to-text encoder-decoder: llmrun.text_to_text decodes it). Folders only.
+    VisionFamily(
+        name="TrOCR",
+        vision_type=trocr_vision.TrOcrVision,
+        folder_has_vision=trocr_vision.folder_has_vision,
+        is_mmproj=trocr_vision.no_mmproj,
+        from_hf_dir=trocr_vision.from_hf_dir,
+        from_mmproj=trocr_vision.from_mmproj,
+        text_takes_images=trocr_vision.text_takes_images,
+        image_tokens=trocr_images.image_tokens,
+        encode=trocr_images.encode,
+        prompt=_by_text(trocr_images.prompt),
+        image_to_text=True,
+    ),
     VisionFamily(
         name="Gemma 4",
         vision_type=gemma4_vision.Gemma4Vision,
@@ -246,6 +320,20 @@ FAMILIES: tuple[VisionFamily, ...] = (
         image_tokens=lighton_ocr_images.image_tokens,
         encode=lighton_ocr_images.encode,
         prompt=_by_text(lighton_ocr_images.prompt),
+    ),
+    # A SigLIP with a 2D RoPE and no position table, each patch a token; its images go to a
+    # Qwen2, every token turned by its place. Folders only (llama.cpp has no converter).
+    VisionFamily(
+        name="VideoLLaMA3",
+        vision_type=video_llama_3_vision.VideoLlama3Vision,
+        folder_has_vision=video_llama_3_vision.folder_has_vision,
+        is_mmproj=video_llama_3_vision.no_mmproj,
+        from_hf_dir=video_llama_3_vision.from_hf_dir,
+        from_mmproj=video_llama_3_vision.from_mmproj,
+        text_takes_images=video_llama_3_vision.text_takes_images,
+        image_tokens=qwen2_vl_images.image_tokens,
+        encode=video_llama_3_images.encode,
+        prompt=_by_text(video_llama_3_images.prompt),
     ),
     # Qwen2.5-VL's tower and prompts under its own vision tokens' names; before Qwen2-VL's,
     # whose vision_type its own subclasses.
@@ -333,6 +421,21 @@ FAMILIES: tuple[VisionFamily, ...] = (
         encode=qwen2_vl_images.encode,
         prompt=_by_text(qwen2_vl_images.prompt),
     ),
+    # Qwen3-VL's tower, Qwen2-VL's processing and prompts under its own vision tokens'
+    # names; its images go to a Cohere 2 with M-RoPE and deepstack. Before Qwen3-VL's,
+    # whose vision_type its own subclasses. Folders only (llama.cpp has no converter).
+    VisionFamily(
+        name="Cohere Compass",
+        vision_type=cohere_compass_vision.CompassVision,
+        folder_has_vision=cohere_compass_vision.folder_has_vision,
+        is_mmproj=cohere_compass_vision.no_mmproj,
+        from_hf_dir=cohere_compass_vision.from_hf_dir,
+        from_mmproj=cohere_compass_vision.from_mmproj,
+        text_takes_images=cohere_compass_vision.text_takes_images,
+        image_tokens=qwen2_vl_images.image_tokens,
+        encode=qwen2_vl_images.encode,
+        prompt=_by_text(cohere_compass_images.prompt),
+    ),
     # Qwen3-VL's tower and prompts; before Qwen3-VL's, whose vision_type its own
     # subclasses and whose projector its mmproj's vision tower has. Its text GGUF's
     # n_deepstack_layers is 0 whatever the tower has (the converter's), so not checked.
@@ -375,6 +478,21 @@ FAMILIES: tuple[VisionFamily, ...] = (
         image_tokens=glm4v_images.image_tokens,
         encode=glm4v_images.encode,
         prompt=_by_text(glm4v_images.prompt),
+    ),
+    # Qwen2-VL's blocks on single frames, a resampler of 2x2 patches; Qwen2-VL's processing
+    # and M-RoPE positions; its images go to ERNIE 4.5's layers with vision experts. Folders
+    # only (llama.cpp has no converter for it).
+    VisionFamily(
+        name="ERNIE 4.5 VL",
+        vision_type=ernie4_5_vl_vision.Ernie45VLVision,
+        folder_has_vision=ernie4_5_vl_vision.folder_has_vision,
+        is_mmproj=ernie4_5_vl_vision.no_mmproj,
+        from_hf_dir=ernie4_5_vl_vision.from_hf_dir,
+        from_mmproj=ernie4_5_vl_vision.from_mmproj,
+        text_takes_images=ernie4_5_vl_vision.text_takes_images,
+        image_tokens=qwen2_vl_images.image_tokens,
+        encode=qwen2_vl_images.encode,
+        prompt=_by_text(ernie4_5_vl_images.prompt),
     ),
     # Qwen2-VL's M-RoPE positions; a NaViT SigLIP over patches row by row, merged 2x2 after.
     VisionFamily(
@@ -446,6 +564,36 @@ FAMILIES: tuple[VisionFamily, ...] = (
         encode=granite_docling_images.encode,
         prompt=_by_text(granite_docling_images.prompt),
     ),
+    # Idefics3's SigLIP on each crop's real patches, learned queries attending to them; its
+    # images go to its mixture of experts (run as DeepSeek V1's). Folders only (llama.cpp
+    # has no converter for it).
+    VisionFamily(
+        name="Aria",
+        vision_type=aria_vision.AriaVision,
+        folder_has_vision=aria_vision.folder_has_vision,
+        is_mmproj=aria_vision.no_mmproj,
+        from_hf_dir=aria_vision.from_hf_dir,
+        from_mmproj=aria_vision.from_mmproj,
+        text_takes_images=aria_vision.text_takes_images,
+        image_tokens=aria_images.image_tokens,
+        encode=aria_images.encode,
+        prompt=_by_text(aria_images.prompt),
+    ),
+    # SigLIP on the whole image (and its four crops where it splits them), a perceiver
+    # resampler's latents a token each; its images go to a Mistral. Folders only (llama.cpp
+    # has no converter for it).
+    VisionFamily(
+        name="Idefics2",
+        vision_type=idefics2_vision.Idefics2Vision,
+        folder_has_vision=idefics2_vision.folder_has_vision,
+        is_mmproj=idefics2_vision.no_mmproj,
+        from_hf_dir=idefics2_vision.from_hf_dir,
+        from_mmproj=idefics2_vision.from_mmproj,
+        text_takes_images=idefics2_vision.text_takes_images,
+        image_tokens=idefics2_images.image_tokens,
+        encode=idefics2_images.encode,
+        prompt=_with_embed_token(idefics2_images.prompt),
+    ),
     # Tiles and the whole image, each pixel-shuffled; its images go to a Llama.
     VisionFamily(
         name="SmolVLM/Idefics3",
@@ -500,6 +648,79 @@ FAMILIES: tuple[VisionFamily, ...] = (
         image_tokens=llava_images.image_tokens,
         encode=llava_images.encode,
         prompt=_by_text(llava_images.prompt),
+    ),
+    # BLIP-2's encoder whose Q-Former reads the prompt too: an image is encoded to its
+    # tower's states, read with the text where the prompt is made. Its images go to a
+    # Llama (Vicuna). Before BLIP-2's, whose vision_type its own subclasses. Folders only.
+    VisionFamily(
+        name="InstructBLIP",
+        vision_type=blip2_vision.InstructBlipVision,
+        folder_has_vision=blip2_vision.instructblip_folder_has_vision,
+        is_mmproj=blip2_vision.no_mmproj,
+        from_hf_dir=blip2_vision.instructblip_from_hf_dir,
+        from_mmproj=blip2_vision.from_mmproj,
+        text_takes_images=blip2_vision.text_takes_images,
+        image_tokens=blip2_images.image_tokens,
+        encode=blip2_images.encode_for_instructblip,
+        prompt=_by_vision(blip2_images.instructblip_prompt),
+    ),
+    # A ViT's tokens read by the Q-Former's learned queries, projected; one image a prompt,
+    # its tokens before the whole text. Its images go to an OPT. Folders only.
+    VisionFamily(
+        name="BLIP-2",
+        vision_type=blip2_vision.Blip2Vision,
+        folder_has_vision=blip2_vision.folder_has_vision,
+        is_mmproj=blip2_vision.no_mmproj,
+        from_hf_dir=blip2_vision.from_hf_dir,
+        from_mmproj=blip2_vision.from_mmproj,
+        text_takes_images=blip2_vision.text_takes_images,
+        image_tokens=blip2_images.image_tokens,
+        encode=blip2_images.encode,
+        prompt=_by_vision(blip2_images.prompt),
+    ),
+    # No tower: an image's patches through one Linear, a |NEWLINE| after each row; one
+    # image a prompt, before the whole text. Its images go to a Persimmon. Folders only.
+    VisionFamily(
+        name="Fuyu",
+        vision_type=fuyu_vision.FuyuVision,
+        folder_has_vision=fuyu_vision.folder_has_vision,
+        is_mmproj=fuyu_vision.no_mmproj,
+        from_hf_dir=fuyu_vision.from_hf_dir,
+        from_mmproj=fuyu_vision.from_mmproj,
+        text_takes_images=fuyu_vision.text_takes_images,
+        image_tokens=fuyu_images.image_tokens,
+        encode=fuyu_images.encode,
+        prompt=fuyu_images.prompt,
+        image_first=True,
+    ),
+    # DeepSeek-VL 7B: a SigLIP and a SAM tower on the image at two sizes, their features
+    # joined per token; DeepSeek-VL's prompts. Folders only.
+    VisionFamily(
+        name="DeepSeek-VL (hybrid)",
+        vision_type=deepseek_vl_hybrid_vision.DeepseekVlHybridVision,
+        folder_has_vision=deepseek_vl_hybrid_vision.folder_has_vision,
+        is_mmproj=deepseek_vl_hybrid_vision.no_mmproj,
+        from_hf_dir=deepseek_vl_hybrid_vision.from_hf_dir,
+        from_mmproj=deepseek_vl_hybrid_vision.from_mmproj,
+        text_takes_images=deepseek_vl_vision.text_takes_images,
+        image_tokens=deepseek_vl_hybrid_images.image_tokens,
+        encode=deepseek_vl_hybrid_images.encode,
+        prompt=_by_text(deepseek_vl_images.prompt),
+    ),
+    # Janus-Pro's tower and preparation, a two-Linear aligner, one <image_placeholder> a
+    # token; its images go to a Llama. Before Janus-Pro's, whose vision_type its own
+    # subclasses. Folders only (llama.cpp has no converter for it).
+    VisionFamily(
+        name="DeepSeek-VL",
+        vision_type=deepseek_vl_vision.DeepseekVlVision,
+        folder_has_vision=deepseek_vl_vision.folder_has_vision,
+        is_mmproj=deepseek_vl_vision.no_mmproj,
+        from_hf_dir=deepseek_vl_vision.from_hf_dir,
+        from_mmproj=deepseek_vl_vision.from_mmproj,
+        text_takes_images=deepseek_vl_vision.text_takes_images,
+        image_tokens=deepseek_vl_images.image_tokens,
+        encode=janus_images.encode,
+        prompt=_by_text(deepseek_vl_images.prompt),
     ),
     # SigLIP and an MLP aligner, one token a patch; its images go to a Llama.
     VisionFamily(
@@ -595,6 +816,20 @@ FAMILIES: tuple[VisionFamily, ...] = (
         is_mmproj=minicpmv_vision.no_mmproj,
         from_hf_dir=minicpmv_vision.from_hf_dir_4_7,
         from_mmproj=minicpmv_vision.from_mmproj_4_7,
+        text_takes_images=minicpmv_vision.text_takes_images,
+        image_tokens=minicpmv_images.image_tokens,
+        encode=minicpmv_images.encode,
+        prompt=minicpmv_images.prompt,
+    ),
+    # MiniCPM-V 4.6's encoder (2x2 patches a token by default) and prompts; before 4.6's,
+    # whose vision_type its own subclasses. No mmproj (llama.cpp has no converter).
+    VisionFamily(
+        name="MiniCPM-OCR",
+        vision_type=minicpmv_vision.MiniCPMOcrVision,
+        folder_has_vision=minicpmv_vision.folder_has_vision_ocr,
+        is_mmproj=minicpmv_vision.no_mmproj,
+        from_hf_dir=minicpmv_vision.from_hf_dir_ocr,
+        from_mmproj=minicpmv_vision.from_mmproj_ocr,
         text_takes_images=minicpmv_vision.text_takes_images,
         image_tokens=minicpmv_images.image_tokens,
         encode=minicpmv_images.encode,

@@ -1,5 +1,7 @@
 """Whisper's speech recognition, decoded as transformers' WhisperForConditionalGeneration
-.generate decodes a clip greedily (num_beams=1, no temperature fallback): the forced decoder
+.generate decodes a clip greedily, or by beam search (llmrun.beam_search) where
+generation_config.json's num_beams or a request's asks for it, every rule below applied to
+each beam's log-probabilities (no temperature fallback): the forced decoder
 prompt (<|startoftranscript|>, the language, the task, <|notimestamps|>, after
 <|startofprev|> and the prompt's tokens where a prompt is given), the language detected from
 the first step's logits over the language tokens where none is given,
@@ -18,23 +20,37 @@ starts at that pair's first timestamp (after the window where it ends on a lone 
 or has no pair); the prompt goes before every window, no previous text does
 (condition_on_prev_tokens off, generate's default).
 
+Asked for `timestamps` (OpenAI's verbose_json, srt and vtt), a clip of up to 30 seconds is
+decoded with them too, and the transcript comes with its segments: each window's kept tokens
+split at every pair of timestamps, with their start and end times, as generate's
+return_segments gives them (_retrieve_segment), and each window's scores as openai-whisper's
+transcribe reports them with its segments (temperature 0; avg_logprob: the chosen tokens'
+log-probabilities after the decoding rules, end-of-text's included, summed and divided by the
+number of tokens plus one; compression_ratio: the window's text, UTF-8, over its zlib
+compression; no_speech_prob: the <|nospeech|> (or <|nocaptions|>) token's probability in the
+logits at <|startoftranscript|>).
+
 Reference: transformers/models/whisper/generation_whisper.py (generate,
 _retrieve_init_tokens, detect_language, _retrieve_logit_processors, _retrieve_segment,
 _set_max_new_tokens_and_length), generation/logits_process.py
-(WhisperTimeStampLogitsProcessor), tokenization_whisper.py (get_prompt_ids, decode).
+(WhisperTimeStampLogitsProcessor), tokenization_whisper.py (get_prompt_ids, decode);
+openai-whisper's whisper/decoding.py (DecodingResult) and utils.py (compression_ratio).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from llmrun import audio
+from llmrun import audio, beam_search
+from llmrun.beam_search import Beams
 from llmrun.errors import ModelFormatError, UsageError
 from llmrun.tokenizer import Tokenizer
 from llmrun.whisper_languages import CODES, LANGUAGES
@@ -44,6 +60,9 @@ WINDOW_SAMPLES = 30 * audio.SAMPLE_RATE
 # Mel frames a window's features take, and per encoder position (the second convolution's
 # stride): a timestamp's 20 ms is 2 frames.
 WINDOW_FRAMES, FRAMES_PER_POSITION = WINDOW_SAMPLES // audio.HOP_LENGTH, 2
+# Seconds per timestamp step, and per mel frame (generate's time_precision and
+# time_precision_features).
+TIME_PRECISION, FRAME_SECONDS = 0.02, 0.01
 # GenerationConfig's max_length where generation_config.json gives none.
 DEFAULT_MAX_LENGTH = 20
 # What WhisperTokenizer.decode removes from the text (timestamp tokens).
@@ -51,11 +70,31 @@ TIMESTAMP = re.compile(r"<\|(\d+\.\d+)\|>")
 
 
 @dataclass(frozen=True)
+class Segment:
+    """A stretch of a transcript between two timestamps, with its window's scores, as
+    OpenAI's verbose_json segments hold it."""
+
+    id: int
+    seek: int  # the first mel frame (10 ms) of the window it was decoded in
+    start: float  # seconds from the clip's start
+    end: float
+    text: str
+    tokens: list[int]  # its timestamp tokens included
+    temperature: float
+    avg_logprob: float
+    compression_ratio: float
+    no_speech_prob: float | None  # None: the model has no <|nospeech|> token
+
+
+@dataclass(frozen=True)
 class Transcription:
     text: str
     ids: list[int]  # the tokens generated, every window's, without end-of-text
-    language: str | None  # the language's code (given or detected); None: the model has none
+    # The language's code: given, detected, "en" for an English-only Whisper; None: unknown.
+    language: str | None
     prompt_tokens: int  # the decoder prompt's tokens, every window's
+    # With their times, where asked for and the family predicts them; else None.
+    segments: tuple[Segment, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -74,6 +113,7 @@ class Settings:
     max_length: int
     max_initial_timestamp: int | None  # max_initial_timestamp_index
     return_timestamps: bool  # timestamps for a clip of up to 30 seconds too
+    beams: Beams = Beams()  # num_beams 1: greedy
 
     def check(self, vocab_size: int) -> None:
         """Refuse token ids outside the model's vocabulary (suppressed ones may be: they
@@ -142,6 +182,7 @@ class Settings:
             max_initial_timestamp=None
             if initial is None
             else _id(initial, "max_initial_timestamp_index"),
+            beams=Beams.of(generation, {}),
         )
 
 
@@ -262,8 +303,17 @@ def features(clip: audio.Clip, mel_bins: int) -> np.ndarray:
     return audio.log_mel(samples, mel_bins)
 
 
+class Window(NamedTuple):
+    """A window's decoding."""
+
+    tokens: list[int]  # generated, without end-of-text
+    logprob: float  # the chosen tokens' log-probabilities (end-of-text's too), summed
+    no_speech: float | None  # the no-speech token's probability at <|startoftranscript|>
+
+
 class Decoder:
-    """Greedy decoding of one 30-second window by a Whisper model (llmrun.models.whisper)."""
+    """Decoding of one 30-second window by a Whisper model (llmrun.models.whisper): greedy,
+    or by the beam search its settings ask for."""
 
     def __init__(self, model: Any, settings: Settings, window: np.ndarray):
         self.model, self.settings = model, settings
@@ -276,21 +326,34 @@ class Decoder:
         self.begin_suppress = [t for t in settings.begin_suppress if 0 <= t < vocab]
 
     def _logits(self, ids: list[int], cache: Any, start: int) -> torch.Tensor:
+        """The logits [len(ids), vocab] after each of `ids`, in the model's dtype."""
         tensor = torch.tensor([ids], dtype=torch.long, device=self.device)
-        return self.model.decode(tensor, cache, start, self.cross)[0, -1].float()
+        return self.model.decode(tensor, cache, start, self.cross)[0]
 
     def detect_language(self) -> int:
         """The language token whose logit is highest after <|startoftranscript|>."""
-        logits = self._logits([self.settings.decoder_start], self.model.new_cache(1, 1), 0)
+        start = [self.settings.decoder_start]
+        logits = self._logits(start, self.model.new_cache(1, 1), 0)[-1].float()
         languages = torch.tensor(sorted(self.settings.lang_to_id.values()), device=self.device)
         return int(languages[logits[languages].argmax()])
 
-    def generate(self, ids: list[int], max_length: int, timestamps: bool) -> list[int]:
-        """The greedy tokens after the decoder prompt `ids`, up to `max_length` tokens in
-        all, without end-of-text; `timestamps`: predicted, by the timestamp rules."""
+    def generate(
+        self, ids: list[int], max_length: int, timestamps: bool, no_speech: int | None = None
+    ) -> Window:
+        """The tokens after the decoder prompt `ids`, up to `max_length` tokens in all;
+        `timestamps`: predicted, by the timestamp rules; `no_speech`: the token whose
+        probability at <|startoftranscript|> the window reports."""
+        if self.settings.beams.num_beams > 1:
+            return self._beams(ids, max_length, timestamps, no_speech)
         cache = self.model.new_cache()
-        logits = self._logits(ids, cache, 0)
+        prompt = self._logits(ids, cache, 0)
+        silence = None
+        if no_speech is not None:
+            at_start = prompt[ids.index(self.settings.decoder_start)].float()
+            silence = float(torch.softmax(at_start, dim=-1)[no_speech])
+        logits = prompt[-1].float()
         out: list[int] = []
+        logprob = 0.0
         while True:
             if not out:
                 logits[self.begin_suppress] = -float("inf")
@@ -298,12 +361,56 @@ class Decoder:
             if timestamps:
                 self._timestamp_rules(logits, out)
             token = int(logits.argmax())
+            logprob += float(torch.log_softmax(logits, dim=-1)[token])
             if token in self.settings.eos:
-                return out
+                return Window(out, logprob, silence)
             out.append(token)
             if len(ids) + len(out) >= max_length:
-                return out
-            logits = self._logits([token], cache, len(ids) + len(out) - 1)
+                return Window(out, logprob, silence)
+            logits = self._logits([token], cache, len(ids) + len(out) - 1)[-1].float()
+
+    def _beams(
+        self, ids: list[int], max_length: int, timestamps: bool, no_speech: int | None
+    ) -> Window:
+        """The best hypothesis of the beam search (llmrun.beam_search), the rules applied to
+        each beam's log-probabilities as generate's logits processors apply them; its
+        log-probability the sum its score was divided from."""
+        beams = self.settings.beams
+        n, silence = beams.num_beams, None
+        cache = self.model.new_cache(n)
+        cross = [(k.expand(n, *k.shape[1:]), v.expand(n, *v.shape[1:])) for k, v in self.cross]
+
+        def step(tokens: torch.Tensor, start: int) -> torch.Tensor:
+            nonlocal silence
+            logits = self.model.decode(tokens.to(self.device), cache, start, cross)
+            if start == 0 and no_speech is not None:
+                at_start = logits[0, ids.index(self.settings.decoder_start)].float()
+                silence = float(torch.softmax(at_start, dim=-1)[no_speech])
+            return logits[:, -1].float().cpu()
+
+        def process(log_probs: torch.Tensor, sequences: torch.Tensor) -> None:
+            for row, tokens in zip(log_probs, sequences.tolist(), strict=True):
+                out = tokens[len(ids) :]
+                if not out:
+                    row[self.begin_suppress] = -float("inf")
+                row[self.suppress] = -float("inf")
+                if timestamps:
+                    self._timestamp_rules(row, out)
+
+        best = beam_search.search(
+            step,
+            lambda rows: cache.reorder_rows(rows.to(self.device)),
+            process,
+            ids,
+            beams,
+            max_length,
+            sorted(self.settings.eos),
+        )[0]
+        logprob = best.score * max(len(best.tokens), 1) ** beams.length_penalty
+        tokens = best.tokens
+        if tokens and tokens[-1] in self.settings.eos:
+            tokens = tokens[:-1]
+        return Window(tokens, logprob, silence)
 
     def _timestamp_rules(self, logits: torch.Tensor, out: list[int]) -> None:
         """WhisperTimeStampLogitsProcessor on the logits after the tokens `out`: no
@@ -334,17 +441,49 @@ class Decoder:
             logits[:first] = -float("inf")
 
 
-def kept_tokens(tokens: list[int], frames: int, first: int) -> tuple[list[int], int]:
-    """A long-form window's tokens that generate keeps (up to its last pair of timestamps,
-    where it has one and does not end on a lone timestamp; else all), and the frames its
-    `seek` moves on (to the last pair's first timestamp; else the window's `frames`), as
-    _retrieve_segment has them."""
+class Piece(NamedTuple):
+    """A segment of a window: its tokens, and its start and end in timestamp steps (20 ms)
+    from the window's start."""
+
+    tokens: list[int]
+    start: int
+    end: int
+
+
+def split_window(tokens: list[int], frames: int, first: int) -> tuple[list[Piece], int]:
+    """A window's segments as _retrieve_segment splits its tokens, and the frames its `seek`
+    moves on. With a pair of timestamps: a segment ends at each pair's first timestamp and
+    the next starts at its second; the tokens after the last pair are dropped and `seek`
+    moves to its first timestamp, unless the window ends on a lone timestamp (the last
+    segment ends there, `seek` moves by the window's `frames`). Without: one segment of
+    every token from the window's start to its last timestamp (the window's end where that
+    is none or <|0.00|>), `seek` moved by `frames`."""
     stamp = [t >= first for t in tokens]
     pairs = [i + 1 for i in range(len(tokens) - 1) if stamp[i] and stamp[i + 1]]
-    if not pairs or stamp[-2:] == [False, True]:
-        return tokens, frames
-    end = pairs[-1] + 1  # the pair's second timestamp is kept
-    return tokens[:end], (tokens[end - 2] - first) * FRAMES_PER_POSITION
+    if not pairs:
+        stamps = [t for t in tokens if t >= first]
+        # generate computes the window's end in float32: int(frames * 0.01 / 0.02).
+        ends = np.float32(frames) * np.float32(FRAME_SECONDS) / np.float32(TIME_PRECISION)
+        end = stamps[-1] - first if stamps and stamps[-1] != first else int(ends)
+        return [Piece(tokens, 0, end)], frames
+    single_ending = stamp[-2:] == [False, True]
+    cuts = [*pairs, len(tokens)] if single_ending else [*pairs[:-1], pairs[-1] + 1]
+    pieces, begin = [], 0
+    for cut in cuts:
+        piece = tokens[begin:cut]
+        # The last segment's end is its pair's first timestamp (its second is kept too).
+        last = piece[-2] if cut == cuts[-1] and not single_ending else piece[-1]
+        pieces.append(Piece(piece, piece[0] - first, last - first))
+        begin = cut
+    if single_ending:
+        return pieces, frames
+    return pieces, (tokens[cuts[-1] - 2] - first) * FRAMES_PER_POSITION
+
+
+def compression_ratio(text: str) -> float:
+    """The text's UTF-8 bytes over their zlib compression (openai-whisper's)."""
+    data = text.encode("utf-8")
+    return len(data) / len(zlib.compress(data))
 
 
 def transcribe(
@@ -355,20 +494,31 @@ def transcribe(
     language: str | None = None,
     task: str | None = None,
     prompt: str | None = None,
+    timestamps: bool = False,
+    num_beams: int | None = None,
 ) -> Transcription:
     """A clip's transcript (or English translation, with task "translate") by `model`;
-    `prompt`: the text before it (generate's prompt_ids)."""
+    `prompt`: the text before it (generate's prompt_ids); `timestamps`: predicted whatever
+    the clip's length, and the transcript's segments given with their times; `num_beams`:
+    a beam search's (1: greedy), over the settings'."""
     settings.check(model.args.vocab_size)
+    settings = dataclasses.replace(settings, beams=settings.beams.requested(num_beams))
     before = prompt_ids(tokenizer, prompt) if prompt else []
     mel = features(clip, model.args.num_mel_bins)
     total = mel.shape[1]
-    timestamps = total > WINDOW_FRAMES or settings.return_timestamps  # long-form needs them
+    segments: list[Segment] | None = [] if timestamps else None
+    # Long-form predicts them, asked for or not.
+    timestamps = timestamps or total > WINDOW_FRAMES or settings.return_timestamps
     if timestamps and settings.timestamp_begin is None:
         raise UsageError(
-            f"{clip.name}: Whisper transcribes it with timestamps (a clip over 30 seconds, or "
-            "return_timestamps), and this model's generation_config.json has no "
-            "no_timestamps_token_id"
+            f"{clip.name}: Whisper transcribes it with timestamps (a clip over 30 seconds, "
+            "return_timestamps or a format with times), and this model's "
+            "generation_config.json has no no_timestamps_token_id"
         )
+    no_speech = None
+    if segments is not None:
+        named = (tokenizer.token_id(t) for t in ("<|nospeech|>", "<|nocaptions|>"))
+        no_speech = next((t for t in named if t is not None), None)
     longest, max_length = model.args.max_target_positions, settings.max_length
     # Where no <|notimestamps|> says it, no token is a timestamp (generate's fallback).
     first = settings.timestamp_begin or model.args.vocab_size + 1
@@ -394,14 +544,51 @@ def transcribe(
                     f"generates up to {max_length} in all: shorten the prompt"
                 )
             prompt_tokens += len(ids)
+            decoded = decoder.generate(ids, max_length, timestamps, no_speech)
             # Without timestamps too: a timestamp token the model writes moves `seek` (the
             # window is then decoded again from there), as in generate.
-            kept, moved = kept_tokens(decoder.generate(ids, max_length, timestamps), frames, first)
-            generated += kept
+            pieces, moved = split_window(decoded.tokens, frames, first)
+            generated += [t for piece in pieces for t in piece.tokens]
+            if segments is not None:
+                segments += window_segments(tokenizer, decoded, pieces, seek, first, len(segments))
             # A pair at <|0.00|> (possible after <|notimestamps|>, where no rule holds)
             # would have generate decode the same window forever: move past it.
             seek += moved or frames
     text = TIMESTAMP.sub("", tokenizer.decode(generated, skip_special=True))
     languages = {v: k.strip("<|>") for k, v in (settings.lang_to_id or {}).items()}
     found = next((languages[t] for t in forced if t in languages), None)
-    return Transcription(text, generated, found, prompt_tokens)
+    if found is None and settings.multilingual is False:
+        found = "en"  # an English-only model (*.en)
+    return Transcription(
+        text, generated, found, prompt_tokens, None if segments is None else tuple(segments)
+    )
+
+
+def window_segments(
+    tokenizer: Tokenizer, window: Window, pieces: list[Piece], seek: int, first: int, count: int
+) -> list[Segment]:
+    """A window's pieces as segments numbered from `count`, timed from its `seek` as
+    generate times them (float64: seek * 0.02 / 2 + position * 0.02), with the window's
+    scores."""
+
+    def text(tokens: list[int]) -> str:
+        return tokenizer.decode([t for t in tokens if t < first], skip_special=True)
+
+    offset = seek * TIME_PRECISION / FRAMES_PER_POSITION
+    avg_logprob = window.logprob / (len(window.tokens) + 1)
+    ratio = compression_ratio(text(window.tokens).strip())
+    return [
+        Segment(
+            id=count + i,
+            seek=seek,
+            start=offset + piece.start * TIME_PRECISION,
+            end=offset + piece.end * TIME_PRECISION,
+            text=text(piece.tokens),
+            tokens=piece.tokens,
+            temperature=0.0,
+            avg_logprob=avg_logprob,
+            compression_ratio=ratio,
+            no_speech_prob=window.no_speech,
+        )
+        for i, piece in enumerate(pieces)
+    ]

@@ -23,15 +23,16 @@ from llmrun.tokenizer import load_tokenizer
 PROMPT = "Once upon a time"
 
 
-def hf_model_of(config: dict):
-    """transformers' model of `config` (f32, eval) with randomize()'s weights, seed 0."""
+def hf_model_of(config: dict, scales: dict[str, float] | None = None):
+    """transformers' model of `config` (f32, eval) with randomize()'s weights (and
+    `scales`), seed 0."""
     import transformers
 
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.for_model(**config), dtype=torch.float32
     ).eval()
-    randomize(model)
+    randomize(model, scales)
     return model
 
 

@@ -80,14 +80,16 @@ def target_state(target, ids: list[int]):
     return out.hidden_states[-1], dict(out.shared_kv_states)
 
 
-def hf_drafts(target, assistant, sequence: list[int], count: int) -> list[int]:
+def hf_drafts(
+    target, assistant, sequence: list[int], count: int, window: int = WINDOW
+) -> list[int]:
     """The assistant's greedy drafts after `sequence` as transformers' candidate generator
     makes them (Gemma4AssistantCandidateGenerator.get_candidates): from the target's state
     over all but the last token, at the last token's position, each draft's hidden state
-    the assistant's own. The sliding keys given are the last WINDOW (transformers' mask
+    the assistant's own. The sliding keys given are the last `window` (transformers' mask
     would see one more)."""
     hidden, kv = target_state(target, sequence[:-1])
-    kv[S] = tuple(t[:, :, -WINDOW:] for t in kv[S])
+    kv[S] = tuple(t[:, :, -window:] for t in kv[S])
     hidden, token, drafts = hidden[:, -1:], sequence[-1], []
     position = torch.tensor([[len(sequence) - 1]])
     with torch.no_grad():

@@ -86,9 +86,15 @@ TEXT = dict(
 )
 
 
+# transformers' class names of each version ("ocr": MiniCPM-OCR, 4.6's model) and model_type.
+CLASS_PREFIXES = {"4.6": "MiniCPMV4_6", "4.7": "MiniCPMV4_7", "ocr": "MiniCPMOcr"}
+MODEL_TYPES = {"minicpmv4_6": "4.6", "minicpmv4_7": "4.7", "minicpm_ocr": "ocr"}
+
+
 def tiny_minicpmv(seed: int = 0, downsample_mode: str = "16x", version: str = "4.6"):
     """A random transformers MiniCPMV4_6ForConditionalGeneration (`version` 4.7:
-    MiniCPMV4_7ForConditionalGeneration, with MARKER_IDS): TEXT (a Gated DeltaNet layer,
+    MiniCPMV4_7ForConditionalGeneration, with MARKER_IDS; "ocr":
+    MiniCPMOcrForConditionalGeneration): TEXT (a Gated DeltaNet layer,
     then a full-attention one), a tower of hidden 32 in two layers, the window merger after
     the first; slow decays and an output matrix scaled down (logits within about ±6)."""
     import transformers
@@ -101,8 +107,8 @@ def tiny_minicpmv(seed: int = 0, downsample_mode: str = "16x", version: str = "4
         image_size=POSITIONS_SIDE * PATCH,
         patch_size=PATCH,
     )
-    name = version.replace(".", "_")
-    config = getattr(transformers, f"MiniCPMV{name}Config")(
+    name = CLASS_PREFIXES[version]
+    config = getattr(transformers, f"{name}Config")(
         text_config=TEXT,
         vision_config=vision,
         insert_layer_id=0,
@@ -112,7 +118,7 @@ def tiny_minicpmv(seed: int = 0, downsample_mode: str = "16x", version: str = "4
         **(MARKER_IDS if version == "4.7" else {}),
     )
     torch.manual_seed(seed)
-    model = getattr(transformers, f"MiniCPMV{name}ForConditionalGeneration")(config).eval()
+    model = getattr(transformers, f"{name}ForConditionalGeneration")(config).eval()
     randomize(model, {"lm_head.weight": 0.4})
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -159,8 +165,9 @@ def save_minicpmv_dir(model, path: Path, image_ids: bool = True) -> Path:
 
 
 def processor(folder: Path):
-    """transformers' MiniCPMV4_6Processor (or MiniCPMV4_7Processor, by the folder's
-    model_type) for the folder (MiniCPMV4_6ImageProcessorPil)."""
+    """transformers' MiniCPMV4_6Processor (or MiniCPMV4_7Processor, MiniCPMOcrProcessor, by
+    the folder's model_type) for the folder (MiniCPMV4_6ImageProcessorPil: MiniCPM-OCR's
+    own image processor needs torchvision)."""
     import transformers
     from transformers.models.minicpmv4_6.image_processing_pil_minicpmv4_6 import (
         MiniCPMV4_6ImageProcessorPil,
@@ -170,12 +177,13 @@ def processor(folder: Path):
     )
 
     model_type = json.loads((folder / "config.json").read_text())["model_type"]
-    base = getattr(transformers, f"MiniCPMV{model_type[len('minicpmv') :]}Processor")
+    base = getattr(transformers, f"{CLASS_PREFIXES[MODEL_TYPES[model_type]]}Processor")
 
     class Processor(base):
         # Its check of the video processor's class needs torchvision; images never use it.
+        # (MiniCPM-OCR's expects its own image processor class: 4.6's with its settings.)
         def check_argument_for_proper_class(self, name, argument):
-            if name != "video_processor":
+            if name not in ("video_processor", "image_processor"):
                 return super().check_argument_for_proper_class(name, argument)
 
     settings = json.loads((folder / "preprocessor_config.json").read_text())

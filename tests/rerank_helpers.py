@@ -85,13 +85,13 @@ def write_reranker_dir(path: Path, hf) -> Path:
     """hf saved with its family's tokenizer (the module's docstring)."""
     hf.save_pretrained(path)
     if hf.config.model_type == "bert":
-        _write_wordpiece(path)
+        write_wordpiece(path)
     else:
         _write_roberta_bpe(path)
     return path
 
 
-def _write_wordpiece(path: Path) -> None:
+def write_wordpiece(path: Path) -> None:
     from tokenizers.implementations import BertWordPieceTokenizer
     from tokenizers.processors import TemplateProcessing
 

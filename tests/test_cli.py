@@ -280,14 +280,14 @@ def test_unknown_architecture(tmp_path):
     model_dir = tmp_path / "m"
     hf.save_pretrained(model_dir)
     cfg = json.loads((model_dir / "config.json").read_text())
-    cfg["model_type"] = "rwkv7"
+    cfg["model_type"] = "rwkv5"
     (model_dir / "config.json").write_text(json.dumps(cfg))
     result = llmrun_in_process("run", str(model_dir), "hi")
     assert result.returncode == 1
     from llmrun.models import ARCHITECTURES
 
     supported = ", ".join(sorted(ARCHITECTURES))
-    assert f"error: architecture 'rwkv7' is not supported (supported: {supported})" in result.stderr
+    assert f"error: architecture 'rwkv5' is not supported (supported: {supported})" in result.stderr
     assert {"llama", "qwen3", "gemma3", "qwen3_moe", "gpt_oss"} <= set(ARCHITECTURES)
 
 

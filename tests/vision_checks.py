@@ -47,7 +47,7 @@ def check_logits_chunks_and_greedy(model, engine, prompt, reference, expected_lo
     that no image is split) are transformers'; so are 8 greedy tokens (not all one)."""
     ids, prompt_images = prompt
     with torch.no_grad():
-        state = KVState(engine.model.new_cache(1, 128, torch.float32, "cpu"))
+        state = KVState(engine.model.new_cache(1, max(128, len(ids)), torch.float32, "cpu"))
         last = prefill(engine.model, state, ids, chunk=7, images=prompt_images)
     torch.testing.assert_close(logits(engine, *prompt), expected_logits, atol=1e-4, rtol=0)
     torch.testing.assert_close(last, expected_logits[-1], atol=1e-4, rtol=0)

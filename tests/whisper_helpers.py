@@ -3,7 +3,8 @@ bins) saved as a Hugging Face folder: safetensors, config.json, generation_confi
 preprocessor_config.json as the Hub's Whisper folders hold them, and a small byte-level BPE
 tokenizer.json (the real Whisper tokenizer is not offline) with the special tokens Whisper's
 generate reads (<|endoftext|>, <|startoftranscript|>, language, task, <|startofprev|>,
-<|notimestamps|>, ...) and the timestamp tokens after them, in the Hub's order."""
+<|notimestamps|>, ...) and the timestamp tokens after them, in the Hub's order; transformers'
+timestamped segments of a clip, and the cues of an srt or vtt body."""
 
 from __future__ import annotations
 
@@ -121,3 +122,67 @@ def tiny_whisper_dir(path: Path, seed: int = 0, timestamp_scale: float = 0.5):
     (path / "generation_config.json").write_text(json.dumps(generation))
     transformers.WhisperFeatureExtractor(feature_size=80).save_pretrained(path)
     return transformers.WhisperForConditionalGeneration.from_pretrained(path).eval()
+
+
+def reference_segments(hf, path: Path, features, **kwargs) -> list[dict]:
+    """transformers' segments of a clip's features: generate(return_timestamps=True,
+    return_segments=True) with the folder's generation config as saved; each with its
+    start, end, tokens, text (decode(skip_special_tokens=True)) and its window's decoder
+    prompt, generated tokens (end-of-text included) and scores."""
+    import transformers
+
+    hf.generation_config = transformers.GenerationConfig.from_pretrained(path)
+    out = hf.generate(
+        features,
+        return_timestamps=True,
+        return_segments=True,
+        return_dict_in_generate=True,
+        output_scores=True,
+        **kwargs,
+    )
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    segments, starts = [], {}
+    for segment in out["segments"][0]:
+        window = segment["result"]
+        # A window's first segment begins right after its decoder prompt.
+        prompt = starts.setdefault(id(window), segment["idxs"][0])
+        segments.append(
+            {
+                "start": float(segment["start"]),
+                "end": float(segment["end"]),
+                "tokens": segment["tokens"].tolist(),
+                "text": tokenizer.decode(segment["tokens"], skip_special_tokens=True),
+                "window": id(window),
+                "prompt": window["sequences"][:prompt].tolist(),
+                "generated": window["sequences"][prompt:].tolist(),
+                "scores": torch.stack(window["scores"]).float(),
+            }
+        )
+    return segments
+
+
+def subtitle_cues(body: str, marker: str) -> list[tuple[int, int, str]]:
+    """The cues of an srt (`marker` ",") or vtt (".") body, as (start, end) milliseconds
+    and text, each cue checked for its format: srt's numbered from 1, vtt's after WEBVTT,
+    times hh:mm:ss{marker}mmm, a blank line after each."""
+    import re
+
+    stamp = rf"(\d\d):(\d\d):(\d\d){re.escape(marker)}(\d\d\d)"
+    number = r"(\d+)\n" if marker == "," else ""
+    cue = re.compile(rf"{number}{stamp} --> {stamp}\n((?:[^\n]+\n)+)\n")
+    if marker == ".":
+        assert body.startswith("WEBVTT\n\n")
+        body = body[len("WEBVTT\n\n") :]
+    cues, at = [], 0
+    while at < len(body):
+        found = cue.match(body, at)
+        assert found, body[at:]
+        groups = [int(g) for g in found.groups()[:-1]]
+        if marker == ",":
+            assert groups.pop(0) == len(cues) + 1
+        h1, m1, s1, ms1, h2, m2, s2, ms2 = groups
+        start = ((h1 * 60 + m1) * 60 + s1) * 1000 + ms1
+        end = ((h2 * 60 + m2) * 60 + s2) * 1000 + ms2
+        cues.append((start, end, found.group(found.lastindex)[:-1]))
+        at = found.end()
+    return cues

@@ -97,6 +97,45 @@ Task = Annotated[
         help="Whisper: transcribe (the default) or translate (into English).",
     ),
 ]
+TranscriptFormat = Annotated[
+    str | None,
+    typer.Option(
+        "--output-format",
+        metavar="FORMAT",
+        help="Speech recognition: print the transcript of --audio as text (the default), json, "
+        "verbose_json, srt or vtt, as serve's /v1/audio/transcriptions answers them (srt, vtt "
+        "and segments from Whisper's timestamps).",
+    ),
+]
+Beams = Annotated[
+    int | None,
+    typer.Option(
+        "--beams",
+        metavar="N",
+        min=1,
+        help="Text-to-text and speech recognition models: beam search with N beams (1: "
+        "greedy, or sampling with --temperature); default: generation_config.json's "
+        "num_beams, when not sampling.",
+    ),
+]
+SourceLanguage = Annotated[
+    str | None,
+    typer.Option(
+        "--source-language",
+        metavar="CODE",
+        help="Many-to-many translators (mBART-50, NLLB, M2M100): the prompt's language, as "
+        "the model's code (en_XX, eng_Latn, en).",
+    ),
+]
+TargetLanguage = Annotated[
+    str | None,
+    typer.Option(
+        "--target-language",
+        metavar="CODE",
+        help="Many-to-many translators: the language to translate into (de_DE, deu_Latn, de); "
+        "a multilingual Marian's >>xxx<< target token (deu or >>deu<<).",
+    ),
+]
 
 
 @app.command()
@@ -175,6 +214,10 @@ def run(
     audio: AudioOpt = None,
     language: Language = None,
     task: Task = None,
+    transcript_format: TranscriptFormat = None,
+    beams: Beams = None,
+    source_language: SourceLanguage = None,
+    target_language: TargetLanguage = None,
     mmproj: Mmproj = None,
     batch: Batch = None,
     batch_lines: BatchLines = False,
@@ -189,7 +232,8 @@ def run(
     """Generate a completion for one prompt: `llmrun run [MODEL] "prompt"`; the prompt may be
     piped. With --batch FILE, one result line for each request of FILE. A speech recognition
     model (Whisper, Cohere Transcribe, Moonshine) prints the transcript of each --audio (the
-    prompt, if any, is Whisper's initial prompt)."""
+    prompt, if any, is Whisper's initial prompt); so does an audio-language model given
+    --audio and no prompt, by its family's transcription prompt (GLM-ASR, Fun-ASR-Nano, ...)."""
     DEBUG["on"] = debug
     if suffix is not None:
         _check_fim_flags(locals())
@@ -197,6 +241,8 @@ def run(
         raise UsageError("--image does not go with --batch, --suffix, --draft or --lookup")
     if audio and (batch is not None or suffix is not None or draft or lookup is not None):
         raise UsageError("--audio does not go with --batch, --suffix, --draft or --lookup")
+    if transcript_format is not None:
+        _check_transcript_format(transcript_format, len(audio or []), output_json)
     if batch is not None:
         if (
             draft is not None
@@ -206,6 +252,10 @@ def run(
         ):
             raise UsageError(
                 "--draft and --lookup do not go with --batch (its requests decode together)"
+            )
+        if beams is not None or source_language is not None or target_language is not None:
+            raise UsageError(
+                "--beams, --source-language and --target-language do not go with --batch"
             )
         return run_batch(locals())
     check_batch_only(locals())
@@ -226,7 +276,8 @@ def run(
         chat_options = set(inspect.signature(chat).parameters) - {"model"}
         options = {k: v for k, v in locals().items() if k in chat_options}
         return chat(model=model_spec, **options)
-    if not prompt and not audio:  # a speech recognition model transcribes audio without one
+    if not prompt and not audio and not image:
+        # a speech recognition model transcribes audio without one; TrOCR reads an image
         raise UsageError(NO_PROMPT)
     if (language is not None or task is not None) and not audio:
         raise UsageError("--language and --task go with --audio and a speech recognition model")
@@ -262,14 +313,46 @@ def run(
         transcribe=bool(clips),
         text_to_text=True,
     )
+    options = None
+    languages = source_language is not None or target_language is not None
+    if (beams is not None and not engine.transcribes) or languages:
+        if not engine.text_to_text:
+            raise UsageError(
+                "--beams, --source-language and --target-language go with a text-to-text "
+                "model (T5, BART, Marian, M2M100, ...), --beams with a speech recognition "
+                f"model too; not {engine.name}"
+            )
+        from llmrun.text_to_text import Options
+
+        options = Options(beams, source_language, target_language)
     if engine.transcribes:
-        return _transcribe(engine, clips, prompt, language, task, output_json)
-    if language is not None or task is not None:
-        raise UsageError(
-            f"--language and --task go with a speech recognition model, not {engine.name}"
+        return _transcribe(
+            engine, clips, prompt, language, task, output_json, transcript_format, beams
         )
-    if not prompt:
+    if not prompt and clips and engine.audio is not None:
+        if task is not None:
+            raise UsageError(f"--task goes with a speech recognition model, not {engine.name}")
+        from llmrun.transcript_formats import SUBTITLES
+
+        if transcript_format in SUBTITLES:
+            raise UsageError(
+                f"--output-format {transcript_format}: {engine.name} is an audio-language "
+                "model, which predicts no timestamps"
+            )
+        params = engine.sampling(locals())
+        if temperature is None:  # greedy, as serve's transcriptions are unless asked
+            params = params.updated(temperature=0.0)
+        return _transcribe_by_prompt(
+            engine, clips, language, params, limit, output_json, transcript_format
+        )
+    if language is not None or task is not None or transcript_format is not None:
+        raise UsageError(
+            "--language, --task and --output-format go with a speech recognition model, not "
+            f"{engine.name}"
+        )
+    if not prompt and not (pictures and engine.text_to_text):
         raise UsageError(NO_PROMPT)
+    prompt = prompt or ""  # an image-to-text model's image alone (TrOCR takes no prompt)
     load = dict(dtype=dtype, threads=threads, cache_type=cache_type, activations=activations)
     _use_draft(engine, draft, draft_max, lookup, draft_p_min, **load)
     params = engine.sampling(locals())
@@ -306,7 +389,9 @@ def run(
     out = ui.ReplyWriter(ui.stdout_is_tty() if show_thinking is None else show_thinking)
     tokens, final = [], None
     try:
-        for response in engine.generate(ids, params, limit, stop or (), logprobs, images=images):
+        for response in engine.generate(
+            ids, params, limit, stop or (), logprobs, images=images, options=options
+        ):
             for piece in split.feed(response.token, response.text):
                 if not output_json:
                     out.write(piece)
@@ -329,13 +414,87 @@ def run(
 NO_PROMPT = 'no prompt: give one (llmrun run [MODEL] "PROMPT") or pipe it on stdin'
 
 
-def _transcribe(engine, clips, prompt, language, task, output_json: bool) -> None:
-    """A speech recognition model's transcript of each clip, a line each (--json: an object
-    each)."""
+def _transcribe_by_prompt(
+    engine, clips, language, params, limit, output_json: bool, transcript_format: str | None
+) -> None:
+    """An audio-language model's transcript of each clip by its family's transcription
+    prompt, a line each (--json: an object each; --output-format json or verbose_json: as
+    serve answers them, an object a line)."""
+    from llmrun import transcript_formats as formats
+    from llmrun.audio import SAMPLE_RATE
+
     for clip in clips:
-        result = engine.transcribe(clip, language, task, prompt)
+        ids, images = engine.audio_prompt(engine.transcription_prompt(language), [clip])
+        responses = list(engine.generate(ids, params, limit, images=images))
+        text = engine.transcript("".join(r.text for r in responses))
+        if output_json:
+            ui.print_json({"text": text, "language": language})
+        elif transcript_format == "json":
+            generated = sum(r.token is not None for r in responses)
+            usage = {
+                "type": "tokens",
+                "input_tokens": len(ids),
+                "output_tokens": generated,
+                "total_tokens": len(ids) + generated,
+            }
+            ui.print_json({"text": text, "usage": usage})
+        elif transcript_format == "verbose_json":
+            duration = len(clip.samples) / SAMPLE_RATE
+            ui.print_json(formats.verbose_json(text, language, "transcribe", duration))
+        else:
+            ui.write(text + "\n")
+
+
+def _check_transcript_format(transcript_format: str, clips: int, output_json: bool) -> None:
+    """Refuse a bad --output-format before the model loads."""
+    from llmrun.transcript_formats import FORMATS, SUBTITLES
+
+    if not clips:
+        raise UsageError("--output-format goes with --audio and a speech recognition model")
+    if transcript_format not in FORMATS:
+        raise UsageError(f"--output-format {transcript_format!r}: give {', '.join(FORMATS)}")
+    if output_json:
+        raise UsageError("--json and --output-format: give one")
+    if transcript_format in SUBTITLES and clips > 1:
+        raise UsageError(f"--output-format {transcript_format} takes one --audio (one file each)")
+
+
+def _transcribe(
+    engine,
+    clips,
+    prompt,
+    language,
+    task,
+    output_json: bool,
+    transcript_format: str | None,
+    beams: int | None,
+) -> None:
+    """A speech recognition model's transcript of each clip, a line each (--json: an object
+    each; --output-format: as serve answers it, json and verbose_json an object a line);
+    `beams`: --beams."""
+    from llmrun import transcript_formats as formats
+    from llmrun.audio import SAMPLE_RATE
+
+    if transcript_format in formats.SUBTITLES and not engine.speech_timestamps:
+        raise UsageError(
+            f"--output-format {transcript_format}: {engine.name} is a {engine.speech_family} "
+            "model, which predicts no timestamps"
+        )
+    timed = engine.speech_timestamps and transcript_format in formats.TIMED
+    for clip in clips:
+        result = engine.transcribe(clip, language, task, prompt, timed, beams)
         if output_json:
             ui.print_json({"text": result.text, "language": result.language})
+        elif transcript_format == "json":
+            ui.print_json(formats.json_body(result))
+        elif transcript_format == "verbose_json":
+            duration = len(clip.samples) / SAMPLE_RATE
+            body = formats.verbose_json(
+                result.text, result.language, task or "transcribe", duration, result.segments
+            )
+            ui.print_json(body)
+        elif transcript_format in formats.SUBTITLES:
+            ui.write(formats.subtitles(transcript_format, result.segments))
         else:
             ui.write(result.text + "\n")
 
@@ -430,6 +589,7 @@ def chat(
         raise UsageError("--image does not go with --draft or --lookup")
     if audio and (draft or lookup is not None):
         raise UsageError("--audio does not go with --draft or --lookup")
+    from llmrun.api import untemplated_text_to_text
     from llmrun.audio import open_audio
     from llmrun.chat import ChatSession
     from llmrun.images import open_image
@@ -450,7 +610,10 @@ def chat(
         vision=bool(pictures),
         mmproj=mmproj,
         audio=bool(clips),
+        text_to_text=True,
     )
+    if engine.text_to_text and engine.template is None:
+        raise UsageError(untemplated_text_to_text(engine.name))
     load = dict(dtype=dtype, threads=threads, cache_type=cache_type, activations=activations)
     _use_draft(engine, draft, draft_max, lookup, draft_p_min, **load)
     params = engine.sampling(locals())

@@ -1,7 +1,8 @@
 """Gemma 4's assistant drafter (llmrun.models.gemma4_assistant) from either format, checked
 against the target model it drafts for: its Hugging Face folder (Gemma4AssistantForCausalLM:
-config.json of model_type gemma4_assistant and its safetensors), or a GGUF of arch
-"gemma4-assistant" as llama.cpp's converter writes it (conversion/gemma.py
+config.json of model_type gemma4_assistant and its safetensors; Gemma 4 Unified's
+Gemma4UnifiedAssistantForCausalLM, model_type gemma4_unified_assistant, alike), or a GGUF
+of arch "gemma4-assistant" as llama.cpp's converter writes either (conversion/gemma.py
 Gemma4AssistantModel: Gemma 4's keys and tensor names (llmrun.loading.gemma4), the target's
 width as embedding_length_out, the projections as nextn.pre_projection and
 nextn.post_projection, and no ordered embeddings: the converter drops the centroids, so
@@ -22,7 +23,14 @@ from llmrun.loading import gguf_io, safetensors_io
 from llmrun.loading.loader import SkipInit
 from llmrun.loading.vision import encoder_tensor
 from llmrun.models import gemma4
-from llmrun.models.gemma4_assistant import FULL, MODEL_TYPE, SLIDING, Model, ModelArgs
+from llmrun.models.gemma4_assistant import (
+    FULL,
+    MODEL_TYPE,
+    SLIDING,
+    UNIFIED_MODEL_TYPE,
+    Model,
+    ModelArgs,
+)
 
 TIED = "lm_head.weight"  # the assistant's output is its embedding (tie_word_embeddings)
 # llama.cpp's names, which the gguf package (0.18) does not have yet.
@@ -42,7 +50,7 @@ def is_assistant(path: Path) -> bool:
     return (
         path.is_dir()
         and config.is_file()
-        and safetensors_io.read_json(config).get("model_type") == MODEL_TYPE
+        and safetensors_io.read_json(config).get("model_type") in (MODEL_TYPE, UNIFIED_MODEL_TYPE)
     )
 
 

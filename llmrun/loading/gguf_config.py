@@ -56,6 +56,7 @@ from llmrun.loading import (
     gpt_oss,
     granite,
     granitehybrid,
+    hrm_text,
     hunyuan,
     hunyuan_vl,
     hy_v3,
@@ -89,6 +90,8 @@ from llmrun.loading import (
     qwen,
     qwen4exp,
     qwen35,
+    rwkv6,
+    rwkv7,
     seed_oss,
     smallthinker,
     stablelm,
@@ -192,12 +195,15 @@ MODEL_TYPES = {
     olmoe.ARCH: olmoe.MODEL_TYPE,  # llmrun/loading/olmoe.py
     falcon_h1.ARCH: falcon_h1.MODEL_TYPE,  # llmrun/loading/falcon_h1.py
     mamba.ARCH: "mamba",  # or falcon_mamba: llmrun/loading/mamba.py
+    rwkv7.ARCH: rwkv7.MODEL_TYPE,  # llmrun/loading/rwkv7.py
+    rwkv6.ARCH: rwkv6.MODEL_TYPE,  # llmrun/loading/rwkv6.py
     jamba.ARCH: jamba.MODEL_TYPE,  # llmrun/loading/jamba.py
     phimoe.ARCH: phimoe.MODEL_TYPE,  # llmrun/loading/phimoe.py
     smallthinker.ARCH: smallthinker.MODEL_TYPE,  # llmrun/loading/smallthinker.py
     hy_v3.ARCH: hy_v3.MODEL_TYPE,  # llmrun/loading/hy_v3.py
     hy_v4.ARCH: hy_v4.MODEL_TYPE,  # llmrun/loading/hy_v4.py
     laguna.ARCH: laguna.MODEL_TYPE,  # llmrun/loading/laguna.py
+    hrm_text.ARCH: hrm_text.MODEL_TYPE,  # llmrun/loading/hrm_text.py
     mellum.ARCH: mellum.MODEL_TYPE,  # llmrun/loading/mellum.py
     minicpm.ARCH: minicpm.MODEL_TYPE,  # llmrun/loading/minicpm.py
     minicpm3.ARCH: minicpm3.MODEL_TYPE,  # llmrun/loading/minicpm3.py
@@ -357,6 +363,10 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
         return falcon_h1.hf_name(gguf_name)
     if model_type in mamba.MODEL_TYPES:
         return mamba.hf_name(gguf_name)
+    if model_type == rwkv7.MODEL_TYPE:
+        return rwkv7.hf_name(gguf_name)
+    if model_type == rwkv6.MODEL_TYPE:
+        return rwkv6.hf_name(gguf_name)
     if model_type == jamba.MODEL_TYPE:
         return jamba.hf_name(gguf_name)
     if model_type == phimoe.MODEL_TYPE and (moe := phimoe.hf_name(gguf_name)):
@@ -386,6 +396,8 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
     if model_type == dots1.MODEL_TYPE and (name := dots1.hf_name(gguf_name)):
         return name
     if model_type == laguna.MODEL_TYPE and (name := laguna.hf_name(gguf_name)):
+        return name
+    if model_type == hrm_text.MODEL_TYPE and (name := hrm_text.hf_name(gguf_name)):
         return name
     if model_type == minicpm3.MODEL_TYPE:
         return minicpm3.hf_name(gguf_name)
@@ -496,12 +508,18 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         return falcon_h1.config_from_gguf(gg, _rope_from_gguf)
     if arch == mamba.ARCH:
         return mamba.config_from_gguf(gg)
+    if arch == rwkv7.ARCH:
+        return rwkv7.config_from_gguf(gg)
+    if arch == rwkv6.ARCH:
+        return rwkv6.config_from_gguf(gg)
     if arch == jamba.ARCH:
         return jamba.config_from_gguf(gg)
     if arch in nemotron_h.ARCHS:
         return nemotron_h.config_from_gguf(gg)
     if arch == laguna.ARCH:
         return laguna.config_from_gguf(gg, _rope_from_gguf)
+    if arch == hrm_text.ARCH:
+        return hrm_text.config_from_gguf(gg, _rope_from_gguf)
     if arch == mellum.ARCH:
         return mellum.config_from_gguf(gg, _rope_from_gguf, _gemma_layer_types)
     if arch == minicpm3.ARCH:

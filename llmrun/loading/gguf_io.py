@@ -146,6 +146,20 @@ def layer_name(tensor: MODEL_TENSOR) -> str:
     return TENSOR_NAMES[tensor].removeprefix("blk.{bid}.")
 
 
+def mapped_name(
+    gguf_name: str, global_names: dict[str, str], layer_names: dict[str, str], layers: str
+) -> str | None:
+    """A GGUF tensor's checkpoint key: global_names' for a global tensor, else
+    f"{layers}N.{layer_names[rest]}" for "blk.N.rest"; None if it has none."""
+    if gguf_name in global_names:
+        return global_names[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit():
+        return None
+    name = layer_names.get(parts[2])
+    return None if name is None else f"{layers}{parts[1]}.{name}"
+
+
 def vocab_size(gg: GGUFFile, meta: ArchMetadata) -> int | None:
     """The vocabulary's size: {arch}.vocab_size, else the length of the tokenizer's token
     list, else the rows of the token embedding; None where the file has none of them."""

@@ -220,6 +220,7 @@ _GGUF_TOKENIZERS = {
     "whitespace": "BPE",  # jina-embeddings-v2-base-zh's: BPE on the text cut at whitespace
     "bert": "WordPiece",
     "t5": "Unigram",
+    "rwkv": "RWKV world (trie)",
 }
 _BPE_MODELS = ("gpt2", "whitespace")
 
@@ -305,12 +306,19 @@ def _generates_text(config: dict[str, Any]) -> dict[str, Any]:
 def _describe_safetensors(folder: Path) -> dict[str, Any]:
     from llmrun.loading import (
         bart,
+        canary,
         cohere_asr,
         embedding,
         mistral_native,
         moonshine,
+        moonshine_streaming,
         reranker,
+        speech_to_text,
         t5,
+        t5gemma,
+        trocr,
+        vl_text,
+        voxtral_realtime,
         whisper,
     )
 
@@ -331,8 +339,15 @@ def _describe_safetensors(folder: Path) -> dict[str, Any]:
         (
             c[k]
             for c in (config, text_config)
-            # model_max_length: transformers' name for it in Ling 3's saved config.json
-            for k in ("max_position_embeddings", "n_positions", "seq_length", "model_max_length")
+            # model_max_length: transformers' name for it in Ling 3's saved config.json;
+            # max_encoder_position_embeddings: LED's source (its decoder has fewer)
+            for k in (
+                "max_position_embeddings",
+                "n_positions",
+                "seq_length",
+                "model_max_length",
+                "max_encoder_position_embeddings",
+            )
             if k in c
         ),
         None,
@@ -357,9 +372,16 @@ def _describe_safetensors(folder: Path) -> dict[str, Any]:
         **_generates_text(config),
         **whisper.hf_info(config),
         **t5.info(config),
+        **t5gemma.info(config),
         **bart.info(config),
+        **vl_text.florence2_info(config),
+        **trocr.info(config),
         **cohere_asr.hf_info(config),
         **moonshine.hf_info(config),
+        **canary.hf_info(config),
+        **moonshine_streaming.hf_info(config),
+        **speech_to_text.hf_info(config),
+        **voxtral_realtime.hf_info(config),
         **reranker.hf_info(config, folder),
         **_files_listing(folder, sorted(p for p in folder.rglob("*") if p.is_file())),
     }
@@ -408,9 +430,10 @@ def _local(pattern: int | str, layer: int) -> bool:
 
 # The names config.json files give the sizes, by family: EXAONE 3.x's num_layers; GPT-2's,
 # GPT-BigCode's and BLOOM's n_layer, n_head, n_embd (n_embed); MPT's and DBRX's n_layers,
-# n_heads, d_model; GPT-Neo's num_layers, num_heads (their config classes' attribute maps).
+# n_heads, d_model; GPT-Neo's num_layers, num_heads; XGLM's num_layers, attention_heads,
+# d_model (their config classes' attribute maps).
 _LAYERS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
-_HEADS = ("num_attention_heads", "n_head", "n_heads", "num_heads")
+_HEADS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "attention_heads")
 _HIDDEN = ("hidden_size", "n_embd", "n_embed", "d_model")
 
 
@@ -461,6 +484,18 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
 
     if mamba2.attention_layer_count(config) == 0:
         return 0  # Mamba-2 alone: the same
+    if config.get("model_type") in ("rwkv6", "rwkv7"):
+        return 0  # RWKV-6 and RWKV-7: the same
+    if config.get("model_type") == "xlstm":
+        return 0  # mLSTM blocks alone: the same
+    if config.get("model_type") == "jetmoe":
+        # JetMoeConfig's defaults: each KV head kv_channels wide (the Hub's config.json
+        # names no head_dim or query heads).
+        text = {
+            **text,
+            "num_attention_heads": text.get("num_key_value_heads") or 16,
+            "head_dim": text.get("kv_channels") or 128,
+        }
     try:
         # transformers 5 saves Nemotron-H's layer count as its pattern's length alone
         layers = int(_size(text, _LAYERS) or len(text["layers_block_type"]))
@@ -472,6 +507,10 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
             head_dim += int(text.get("index_head_dim") or 0)
     except (KeyError, TypeError, ValueError):
         return None
+    if config.get("model_type") == "hrm_text" and not text.get("num_layers_per_stack"):
+        # The original configs count each stack's layers; the cache holds every stack run's
+        # (llmrun.models.hrm_text), as transformers' rewritten num_hidden_layers does.
+        layers *= int(text.get("H_cycles") or 2) * (int(text.get("L_cycles") or 3) + 1)
     if config.get("model_type") in ("minimax_m3", "minimax_m3_vl", "minimax_m3_vl_text"):
         from llmrun.loading import minimax_m3  # the indexer's key cached after each head
 
@@ -550,6 +589,14 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
         from llmrun.loading import inkling2  # sliding and full layers of their own shapes
 
         shapes = inkling2.cache_shapes(text)
+    elif config.get("model_type") in ("zamba", "zamba2"):
+        from llmrun.loading import zamba2  # its hybrid layers, heads of 2 * hidden / heads
+
+        try:
+            shapes = zamba2.cache_shapes(text)
+        except (LlmrunError, KeyError, TypeError):
+            return None
+        windows = [None] * len(shapes)
     elif config.get("model_type") == "zaya":
         from llmrun.loading import zaya  # every layer attends, hybrid_sliding ones windowed
 
@@ -613,12 +660,14 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
         olmo_hybrid,
         qwen4exp,
         qwen35,
+        recurrent_gemma,
     )
 
     hybrids = (lfm2, lfm3, granitehybrid, qwen35, qwen4exp, kimi_linear, nemotron_h, minimax)
     hybrids += (olmo_hybrid, lara_mini)
     hybrids += (bailingmoe3,)
     hybrids += (bamba,)
+    hybrids += (recurrent_gemma,)
     for family in (*hybrids, jamba):
         attending = family.attention_layer_count(text)
         if attending is not None:
@@ -652,7 +701,13 @@ def _hf_tokenizer_kind(folder: Path) -> str | None:
     if (folder / "tekken.json").is_file():  # the one llmrun reads where there is no tokenizer.json
         return "BPE (tekken.json)"
     files = ("tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
-    return "SentencePiece" if any((folder / f).is_file() for f in files) else None
+    if any((folder / f).is_file() for f in files):
+        return "SentencePiece"
+    if (folder / "vocab.txt").is_file() and (folder / "emoji.json").is_file():
+        return "GPT-NeoX Japanese (vocab.txt)"  # llmrun.gpt_neox_japanese_tokenizer
+    if (folder / "rwkv_vocab_v20230424.txt").is_file():
+        return "RWKV world (trie)"  # llmrun.rwkv_tokenizer
+    return None
 
 
 def _hf_chat_template(folder: Path) -> str | None:

@@ -105,7 +105,8 @@ def from_hf_dir(path: Path, text_hidden: int) -> JanusVision:
             new = _hf_name(name)
             if new is not None:
                 weights[new] = tensor
-    return _build(args, weights, text_hidden, path, **_processor_settings(path, args))
+    settings = processor_settings(path, args.vision.image_size, args.tokens_per_image)
+    return _build(args, weights, text_hidden, path, **settings)
 
 
 def _hf_name(name: str) -> str | None:
@@ -116,13 +117,13 @@ def _hf_name(name: str) -> str | None:
     return None
 
 
-def _processor_settings(path: Path, args: EncoderArgs) -> dict[str, Any]:
+def processor_settings(path: Path, side: int, tokens: int) -> dict[str, Any]:
     """JanusImageProcessor's settings (its defaults where the folder gives none), refused
-    where they would not make the tower's square images; JanusProcessor's
-    use_default_system_prompt, and its num_image_tokens checked against the tower's."""
+    where they would not make the tower's square images of `side` pixels; JanusProcessor's
+    use_default_system_prompt, and its num_image_tokens checked against the tower's
+    `tokens` an image."""
     file, settings = image_processor(path)
     size = settings.get("size", {"height": 384, "width": 384})
-    side = args.vision.image_size
     if size != {"height": side, "width": side} or settings.get("do_pad", True) is not True:
         raise UnsupportedError(
             f"{file}: images of size {size!r} (do_pad {settings.get('do_pad', True)!r}); the "
@@ -134,11 +135,11 @@ def _processor_settings(path: Path, args: EncoderArgs) -> dict[str, Any]:
     if resample not in range(6):
         raise ModelFormatError(f"{file}: resample is {resample!r}, not a Pillow filter")
     processor = _processor_config(path)
-    tokens = processor.get("num_image_tokens", args.tokens_per_image)
-    if tokens != args.tokens_per_image:
+    count = processor.get("num_image_tokens", tokens)
+    if count != tokens:
         raise ModelFormatError(
-            f"{path / 'processor_config.json'}: num_image_tokens is {tokens!r}, but the "
-            f"vision tower makes {args.tokens_per_image} an image"
+            f"{path / 'processor_config.json'}: num_image_tokens is {count!r}, but the "
+            f"vision tower makes {tokens} an image"
         )
     return dict(
         mean=three_floats(settings.get("image_mean", CLIP_MEAN), file, "image_mean"),

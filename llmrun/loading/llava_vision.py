@@ -1,6 +1,10 @@
 """LLaVA's image encoder (llmrun.models.llava_vision) from either format: the Hugging Face
 folder of a LlavaForConditionalGeneration or LlavaNextForConditionalGeneration (the "-hf"
-repos, as the Hub or transformers 5 saves them) with its preprocessor_config.json, or the
+repos, as the Hub or transformers 5 saves them) with its preprocessor_config.json, or of
+their kin VipLlavaForConditionalGeneration (llava-hf/vip-llava-7b-hf),
+VideoLlavaForConditionalGeneration (LanguageBind/Video-LLaVA-7B-hf: its image_tower; the
+video_tower is not read) and LlavaNextVideoForConditionalGeneration
+(llava-hf/LLaVA-NeXT-Video-7B-hf), whose images only llmrun takes; or the
 mmproj GGUF that llama.cpp's LLaVA script writes (tools/mtmd/legacy-models/
 convert_image_encoder_to_gguf.py: projector type mlp, CLIP's tensors as v.*, the projector
 as mm.0 / mm.2, LLaVA-NeXT's image_grid_pinpoints and model.image_newline). Both give the
@@ -44,9 +48,9 @@ from llmrun.loading.vision import (
     three_floats,
     with_weights,
 )
-from llmrun.models.llava_vision import EncoderArgs, ImageEncoder, VisionArgs
+from llmrun.models.llava_vision import NEWLINE_MODEL_TYPES, EncoderArgs, ImageEncoder, VisionArgs
 
-MODEL_TYPES = ("llava", "llava_next")
+MODEL_TYPES = ("llava", "llava_next", "vipllava", "video_llava", "llava_next_video")
 # CLIPImageProcessor's OpenAI CLIP mean and std.
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -65,6 +69,11 @@ _HF_PREFIXES = {
     "vision_tower.vision_model.": "vision_tower.vision_model.",
     "model.vision_tower.": "vision_tower.vision_model.",
     "vision_tower.": "vision_tower.vision_model.",
+    # Video-LLaVA's image tower (its video tower is another CLIP, for videos only)
+    "model.image_tower.vision_model.": "vision_tower.vision_model.",
+    "image_tower.vision_model.": "vision_tower.vision_model.",
+    "model.image_tower.": "vision_tower.vision_model.",
+    "image_tower.": "vision_tower.vision_model.",
     "model.multi_modal_projector.": "multi_modal_projector.",
     "multi_modal_projector.": "multi_modal_projector.",
     "model.image_newline": "image_newline",
@@ -110,7 +119,8 @@ class LlavaVision:
 
 
 def folder_has_vision(path: Path) -> bool:
-    """Whether a Hugging Face folder is a LLaVA 1.5 / LLaVA-NeXT with its vision_config."""
+    """Whether a Hugging Face folder is a LLaVA 1.5 / LLaVA-NeXT (or VipLLaVA, Video-LLaVA,
+    LLaVA-NeXT-Video) with its vision_config."""
     config = safetensors_io.read_config(path)
     return config.get("model_type") in MODEL_TYPES and isinstance(config.get("vision_config"), dict)
 
@@ -132,7 +142,7 @@ def from_hf_dir(path: Path, text_hidden: int) -> LlavaVision:
             new = _hf_name(name, args)
             if new is not None:
                 weights[new] = tensor
-    next_ = config["model_type"] == "llava_next"
+    next_ = config["model_type"] in NEWLINE_MODEL_TYPES
     settings = _processor_settings(path, args.vision.image_size, next_)
     if next_:
         settings["pinpoints"] = _pinpoints(

@@ -38,7 +38,9 @@ from llmrun.loading import (
     bart,
     bert,
     bitnet,
+    canary,
     chatglm,
+    codegen,
     cohere2_moe,
     cohere_asr,
     dbrx,
@@ -56,6 +58,7 @@ from llmrun.loading import (
     exaone,
     exaone_moe,
     experts,
+    fairseq_lm,
     falcon,
     falcon_h1,
     fused_experts,
@@ -70,14 +73,17 @@ from llmrun.loading import (
     gpt_bigcode,
     gpt_neo,
     gpt_neox,
+    gpt_neox_japanese,
     gpt_oss,
     granite,
     granitehybrid,
+    hrm_text,
     hy_v3,
     hy_v4,
     inkling2,
     internlm2,
     jamba,
+    jetmoe,
     jina_bert,
     kimi_linear,
     kolibri1,
@@ -101,23 +107,32 @@ from llmrun.loading import (
     modernbert,
     molmo2_text,
     moonshine,
+    moonshine_streaming,
     muse_glimmer,
     nemotron,
     nemotron_h,
     nomic_bert,
     olmo_hybrid,
     opt,
+    persimmon,
     phi2,
     qwen,
     qwen4exp,
     qwen35,
     reranker,
+    rwkv6,
+    rwkv7,
     safetensors_io,
+    speech_to_text,
     stablelm,
     step3p5,
     t5,
+    t5gemma,
+    trocr,
     vl_text,
+    voxtral_realtime,
     whisper,
+    zamba2,
     zaya,
 )
 from llmrun.models import model_module
@@ -242,6 +257,8 @@ def _towers(config: dict[str, Any]) -> list[str]:
         towers.append("audio")
     if isinstance(held.get("sound_config"), dict):  # Nemotron 3 Nano Omni's, by the Hub's name
         towers.append("audio")
+    if isinstance(held.get("acoustic_tokenizer_encoder_config"), dict):  # VibeVoice-ASR's
+        towers.append("audio")
     return towers or ["vision"]
 
 
@@ -272,6 +289,12 @@ def _open_hf_dir(path: Path) -> Checkpoint:
         )
         if len(towers) > 1:
             notes.append(f"{path}: {family}'s audio tower is not run")
+        if family == vl_text.FAMILIES[vl_text.ARIA].name:
+            # Aria's expert stacks are [E, in, out], whichever names its files give them.
+            hidden, width = config["hidden_size"], config["moe_intermediate_size"]
+            weights = experts.split_stacked(
+                weights, _STACKED_EXPERTS, hidden, width, Weight, transposed=True
+            )
     headless = embedding.headless(weights)
     if headless:
         weights = embedding.causal_lm_names(weights)
@@ -324,18 +347,30 @@ def _open_hf_dir(path: Path) -> Checkpoint:
             notes.append(f"{path}: a multimodal Dots 3 Note; running its language model only")
     if config.get("model_type") == mamba2.MODEL_TYPE:
         weights = mamba2.hf_weights(weights)
+    if config.get("model_type") == rwkv6.MODEL_TYPE:
+        config, weights = rwkv6.hf_checkpoint(config, weights)
     if config.get("model_type") == jamba.MODEL_TYPE:
         weights = jamba.hf_weights(weights, config, Weight)
+    if config.get("model_type") in zamba2.MODEL_TYPES:
+        weights = zamba2.hf_weights(weights, config)
     if config.get("model_type") == gpt_neox.MODEL_TYPE:
         weights = gpt_neox.hf_weights(weights)
+    if config.get("model_type") == persimmon.MODEL_TYPE:
+        weights = persimmon.hf_weights(weights)
+    if config.get("model_type") == gpt_neox_japanese.MODEL_TYPE:
+        weights = gpt_neox_japanese.hf_weights(weights)
     if config.get("model_type") == molmo2_text.MODEL_TYPE:
         config, weights = molmo2_text.hf_checkpoint(config, weights, Weight)
     if config.get("model_type") in gpt2.HF_MODEL_TYPES:
         weights = gpt2.hf_weights(weights, Weight)
+    if config.get("model_type") == codegen.MODEL_TYPE:
+        weights = codegen.hf_weights(weights, config, path, Weight)
     if config.get("model_type") == gpt_bigcode.MODEL_TYPE:
         weights = gpt_bigcode.hf_weights(weights)
     if config.get("model_type") == opt.MODEL_TYPE:
         weights = opt.hf_weights(weights)
+    if config.get("model_type") in fairseq_lm.MODEL_TYPES:
+        weights = fairseq_lm.hf_weights(weights, config["model_type"])
     if config.get("model_type") == gpt_neo.MODEL_TYPE:
         weights = gpt_neo.hf_weights(weights)
     if config.get("model_type") == nemotron_h.MODEL_TYPE:
@@ -348,6 +383,10 @@ def _open_hf_dir(path: Path) -> Checkpoint:
         weights = hy_v3.hf_weights(weights, config, Weight)
     if config.get("model_type") == laguna.MODEL_TYPE:
         weights = laguna.hf_weights(weights, config, Weight)
+    if config.get("model_type") == hrm_text.MODEL_TYPE:
+        weights = hrm_text.hf_weights(weights, path, Weight)
+    if config.get("model_type") == jetmoe.MODEL_TYPE:
+        weights = jetmoe.hf_weights(weights, config, path, Weight)
     if config.get("model_type") in inkling2.MODEL_TYPES:
         config, weights, multimodal = inkling2.hf_checkpoint(config, weights, Weight)
         if multimodal:
@@ -374,12 +413,29 @@ def _open_hf_dir(path: Path) -> Checkpoint:
         weights = whisper.hf_weights(weights, config)
     if config.get("model_type") in t5.MODEL_TYPES:
         weights = t5.hf_weights(weights)
+    if config.get("model_type") in t5gemma.MODEL_TYPES:
+        weights, multimodal = t5gemma.hf_weights(weights, config)
+        if multimodal:
+            notes.append(
+                f"{path}: a multimodal T5Gemma 2; running its text, without the vision tower"
+            )
+    if config.get("model_type") == trocr.MODEL_TYPE:
+        config, weights = trocr.hf_checkpoint(config, weights, path)
+        notes.append(f"{path}: a TrOCR (image-to-text); its text decoder, {trocr.TEXT_ONLY}")
     if config.get("model_type") in bart.MODEL_TYPES:
         weights = bart.hf_weights(weights, config, Weight)
     if config.get("model_type") == cohere_asr.MODEL_TYPE:
         weights = cohere_asr.hf_weights(weights)
     if config.get("model_type") == moonshine.MODEL_TYPE:
         weights = moonshine.hf_weights(weights, config)
+    if config.get("model_type") == canary.MODEL_TYPE:
+        weights = canary.hf_weights(weights, config)
+    if config.get("model_type") == moonshine_streaming.MODEL_TYPE:
+        weights = moonshine_streaming.hf_weights(weights, config)
+    if config.get("model_type") == speech_to_text.MODEL_TYPE:
+        weights = speech_to_text.hf_weights(weights, config)
+    if config.get("model_type") == voxtral_realtime.MODEL_TYPE:
+        weights = voxtral_realtime.hf_weights(weights)
     if config.get("model_type") == internlm2.MODEL_TYPE:
         weights = internlm2.hf_weights(weights, config, path, Weight)
     if config.get("model_type") == baichuan.MODEL_TYPE:
@@ -694,6 +750,10 @@ def _open_gguf(path: Path) -> Checkpoint:
         weights = falcon_h1.gguf_weights(weights, Weight)
     if gg.architecture == mamba.ARCH:
         weights = mamba.gguf_weights(weights, Weight)
+    if gg.architecture == rwkv7.ARCH:
+        weights = rwkv7.gguf_weights(weights, config, Weight)
+    if gg.architecture == rwkv6.ARCH:
+        weights = rwkv6.gguf_weights(weights, config, Weight)
     if gg.architecture == jamba.ARCH:
         weights = jamba.gguf_weights(weights, Weight)
     if gg.architecture == granite.SWA_ARCH:
@@ -728,6 +788,8 @@ def _open_gguf(path: Path) -> Checkpoint:
         weights = step3p5.gguf_weights(weights, config, Weight)
     if gg.architecture == minicpm3.ARCH:
         weights = minicpm3.gguf_weights(weights, config, Weight)
+    if gg.architecture == hrm_text.ARCH:
+        weights = hrm_text.gguf_weights(weights, config, path)
     if gg.architecture == stablelm.ARCH:
         weights = stablelm.gguf_weights(weights, Weight)
     if gg.architecture == mamba2.ARCH:

@@ -10,6 +10,11 @@ projector's scale factor). Both give the encoder HF's weights; the language mode
 MiniCPM-V 4.7's folder (MiniCPMV4_7ForConditionalGeneration) holds 4.6's encoder and image
 processor; its config.json adds the ids of the markers that its canvas M-RoPE pins
 (llmrun.minicpmv_canvas). llama.cpp has no converter for it: no mmproj.
+
+MiniCPM-OCR's folder (MiniCPMOcrForConditionalGeneration, model_type minicpm_ocr) is 4.6's
+model under other defaults: downsample_mode 4x where config.json gives none, and an image
+processor whose default small_image_upsize ("always") resizes as 4.6's does. llama.cpp has
+no converter for it either.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from llmrun.models import minicpmv_vision, siglip
 
 MODEL_TYPE = "minicpmv4_6"
 MODEL_TYPE_4_7 = "minicpmv4_7"
+MODEL_TYPE_OCR = "minicpm_ocr"
 # MiniCPMV4_7Config's fields -> Markers'.
 _MARKER_FIELDS = {
     "image_start_id": "image_start",
@@ -108,6 +114,10 @@ class MiniCPMV47Vision(MiniCPMVVision):
     markers: Markers | None = None
 
 
+class MiniCPMOcrVision(MiniCPMVVision):
+    """A loaded MiniCPM-OCR image encoder (4.6's, its images prepared alike)."""
+
+
 def has_vision(config: dict[str, Any], model_type: str = MODEL_TYPE) -> bool:
     """Whether a Hugging Face config.json is a MiniCPM-V 4.6's (or `model_type`'s) with its
     vision tower."""
@@ -129,14 +139,24 @@ def folder_has_vision_4_7(path: Path) -> bool:
     return folder_has_vision(path, MODEL_TYPE_4_7)
 
 
+def folder_has_vision_ocr(path: Path) -> bool:
+    """Whether `path` is a Hugging Face folder of a MiniCPM-OCR."""
+    return folder_has_vision(path, MODEL_TYPE_OCR)
+
+
 def no_mmproj(path: str | Path) -> bool:
-    """llama.cpp writes no MiniCPM-V 4.7 mmproj: never one of its."""
+    """llama.cpp writes no MiniCPM-V 4.7 or MiniCPM-OCR mmproj: never one of theirs."""
     return False
 
 
 def from_mmproj_4_7(path: str | Path, text_hidden: int) -> MiniCPMV47Vision:
     """Refused: there is no MiniCPM-V 4.7 mmproj to read."""
     raise UnsupportedError(f"{path}: llama.cpp has no MiniCPM-V 4.7 projector; give its folder")
+
+
+def from_mmproj_ocr(path: str | Path, text_hidden: int) -> MiniCPMOcrVision:
+    """Refused: there is no MiniCPM-OCR mmproj to read."""
+    raise UnsupportedError(f"{path}: llama.cpp has no MiniCPM-OCR projector; give its folder")
 
 
 def is_mmproj(path: str | Path) -> bool:
@@ -160,6 +180,11 @@ def from_hf_dir_4_7(path: Path, text_hidden: int) -> MiniCPMV47Vision:
     return _from_hf_dir(path, text_hidden, MODEL_TYPE_4_7, "4.7")
 
 
+def from_hf_dir_ocr(path: Path, text_hidden: int) -> MiniCPMOcrVision:
+    """The image encoder of a MiniCPM-OCR Hugging Face folder (f32, on the CPU)."""
+    return _from_hf_dir(path, text_hidden, MODEL_TYPE_OCR, "OCR")
+
+
 def _markers(config: dict[str, Any], path: Path) -> Markers:
     """The marker ids of a MiniCPM-V 4.7 config.json, which its images need."""
     ids = {name: config.get(key) for key, name in _MARKER_FIELDS.items()}
@@ -180,6 +205,8 @@ def _from_hf_dir(path: Path, text_hidden: int, model_type: str, version: str) ->
     config = safetensors_io.read_config(path)
     if not has_vision(config, model_type):
         raise UsageError(f"{path}: not a MiniCPM-V {version} folder with a vision_config")
+    if model_type == MODEL_TYPE_OCR:  # MiniCPMOcrConfig's default
+        config = {**config, "downsample_mode": config.get("downsample_mode") or "4x"}
     args = minicpmv_vision.EncoderArgs.from_config(config)
     weights = prefixed_weights(path, _HF_PREFIXES)
     if not args.window_merge:  # 4x: the checkpoint's window merger goes unused
@@ -187,7 +214,8 @@ def _from_hf_dir(path: Path, text_hidden: int, model_type: str, version: str) ->
     settings = _processor_settings(path, config, args)
     if model_type == MODEL_TYPE_4_7:
         settings["markers"] = _markers(config, path)
-    return _build(args, weights, text_hidden, path, **settings)
+    kind = MiniCPMOcrVision if model_type == MODEL_TYPE_OCR else None
+    return _build(args, weights, text_hidden, path, kind, **settings)
 
 
 def _processor_settings(
@@ -206,6 +234,12 @@ def _processor_settings(
             )
     if not processor.get("do_resize", True):
         raise UnsupportedError(f"{file}: do_resize is false; llmrun resizes MiniCPM-V's images")
+    upsize = processor.get("small_image_upsize", "always")  # MiniCPM-OCR's processor's
+    if upsize != "always":
+        raise UnsupportedError(
+            f"{file}: small_image_upsize is {upsize!r}; llmrun resizes small images as "
+            '"always" does'
+        )
     resample = processor.get("resample", BICUBIC)
     if not isinstance(resample, int) or isinstance(resample, bool) or resample not in range(6):
         raise ModelFormatError(f"{file}: resample is {resample!r}, not a Pillow filter (0..5)")
@@ -291,9 +325,11 @@ def _build(
     weights: dict[str, torch.Tensor],
     text_hidden: int,
     source: Path,
+    kind: type | None = None,
     **settings: Any,
 ) -> MiniCPMVVision:
-    """The encoder with `weights` (checked against its shapes), in f32."""
+    """The encoder with `weights` (checked against its shapes), in f32, as a `kind` (by
+    default 4.7's where `settings` hold markers, else 4.6's)."""
     encoder = with_weights(
         minicpmv_vision.ImageEncoder,
         args,
@@ -301,5 +337,6 @@ def _build(
         source,
         (args.text_hidden_size, text_hidden),
     )
-    kind = MiniCPMV47Vision if "markers" in settings else MiniCPMVVision
+    if kind is None:
+        kind = MiniCPMV47Vision if "markers" in settings else MiniCPMVVision
     return kind(encoder, **settings)

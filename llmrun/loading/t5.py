@@ -1,8 +1,8 @@
-"""T5 at the loader edge (T5, mT5, UMT5 text-to-text models): a Hugging Face folder's
-tensors under llmrun.models.t5's names (the output head the shared embedding where the file
-leaves it out, the stacks' own embed_tokens copies of it dropped), llama.cpp's t5 GGUFs
-(their metadata as a T5 config.json, their tensors under the same names), and what `show`
-says of one."""
+"""T5 at the loader edge (T5, mT5, UMT5, LongT5 and Switch Transformers text-to-text
+models): a Hugging Face folder's tensors under llmrun.models.t5's names (the output head the
+shared embedding where the file leaves it out, the stacks' own embed_tokens copies of it
+dropped), llama.cpp's t5 GGUFs (their metadata as a T5 config.json, their tensors under the
+same names), and what `show` says of one."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
 from llmrun.errors import UnsupportedError
 from llmrun.loading.gguf_io import ArchMetadata, GGUFFile, vocab_size
 
-MODEL_TYPES = ("t5", "mt5", "umt5")
+MODEL_TYPES = ("t5", "mt5", "umt5", "longt5", "switch_transformers")
 SHARED, HEAD = "shared.weight", "lm_head.weight"
 # Copies of `shared` some files keep, and a table transformers ignores on load.
 DROPPED = (

@@ -80,6 +80,13 @@ _COSMOS3_EDGE_GENERATOR = re.compile(
 )
 
 
+def _ernie4_5_vl_markers(config: dict[str, Any]) -> dict[str, Any]:
+    """The ids that ERNIE 4.5 VL's language model routes to its vision experts beside the
+    image tokens: the outer config's image markers (Ernie4_5_VLMoeConfig's defaults)."""
+    ids = [config.get("image_start_token_id", 101304), config.get("image_end_token_id", 101305)]
+    return {"vision_marker_ids": ids}
+
+
 def _cosmos3_edge_text_key(name: str) -> str | None:
     """A Cosmos3 Edge checkpoint key's name in llmrun.models.cosmos3_edge_text (None: its
     generator's)."""
@@ -98,11 +105,48 @@ def _llava_onevision1_5_text_key(name: str) -> str:
     return name[len("model.") :] if name.startswith("model.model.") else name
 
 
+# Aria's checkpoint names for its experts (the Hub's fc1/fc2, transformers 5's stacks) and
+# router -> DeepSeek V1's, whose experts its stacks become (llmrun.loading.loader).
+_ARIA_NAMES = {
+    ".mlp.experts.fc1.weight": ".mlp.experts.gate_up_proj",
+    ".mlp.experts.fc2.weight": ".mlp.experts.down_proj",
+    ".mlp.router.weight": ".mlp.gate.weight",
+}
+
+
+def _aria_text_key(name: str) -> str:
+    for old, new in _ARIA_NAMES.items():
+        if name.endswith(old):
+            return name[: -len(old)] + new
+    return name
+
+
+def _aria_text(config: dict[str, Any]) -> dict[str, Any]:
+    """AriaTextConfig's experts as DeepSeek V1's fields (every layer's; the routed ones as
+    wide as intermediate_size, the shared ones moe_num_shared_experts times that); refuses
+    what DeepSeek V1's model does not compute as Aria's."""
+    text = config.get("text_config") or {}
+    if text.get("hidden_act", "silu") != "silu" or text.get("mlp_bias", False):
+        raise UnsupportedError(
+            "an Aria language model with hidden_act other than silu or with mlp_bias; "
+            "its routed experts are SiLU-gated without biases"
+        )
+    return {
+        "n_routed_experts": text.get("moe_num_experts", 8),
+        "num_experts_per_tok": text.get("moe_topk", 2),
+        "n_shared_experts": text.get("moe_num_shared_experts", 2),
+        "moe_intermediate_size": text.get("intermediate_size", 4096),
+        "first_k_dense_replace": 0,
+        "norm_topk_prob": True,  # a softmax over the chosen experts' logits alone
+    }
+
+
 def _ovis_text_key(name: str) -> str:
     """An Ovis checkpoint key's name in its *ForCausalLM (llm.model.* -> model.*)."""
     return name[len("llm.") :] if name.startswith("llm.") else name
 
 
+ARIA = "aria"
 # PaliGemma's text_config model_type -> llmrun's for it: PaliGemma 1's Gemma (PaliGemmaConfig's
 # default) and PaliGemma 2's Gemma 2, each with a prefix-LM mask over the prompt.
 PALIGEMMA_TEXTS = {"gemma": "paligemma1_text", "gemma2": "paligemma_text"}
@@ -117,6 +161,62 @@ def _paligemma_text(config: dict[str, Any]) -> dict[str, Any]:
             "are supported"
         )
     return {"model_type": PALIGEMMA_TEXTS[kind]}
+
+
+def _decoder_only_blip(config: dict[str, Any]) -> dict[str, Any]:
+    """Nothing the text config takes from a BLIP-2's or InstructBLIP's outer config; refuses
+    the Flan-T5 ones, whose language model is an encoder-decoder."""
+    if config.get("use_decoder_only_language_model", True) is not True:
+        raise UnsupportedError(
+            f"a {config['model_type']} with an encoder-decoder language model (Flan-T5); the "
+            "decoder-only ones (OPT, Vicuna) are supported"
+        )
+    return {}
+
+
+def _fuyu_text(config: dict[str, Any]) -> dict[str, Any]:
+    """What a Fuyu's Persimmon config takes from FuyuConfig: half of each head rotated
+    where the file is flat (the Hub's: FuyuConfig reads its text fields from the top level
+    and sets partial_rotary_factor itself); refuses a text_config of another family."""
+    text = config.get("text_config")
+    if isinstance(text, dict):
+        kind = text.get("model_type", "persimmon")
+        if kind != "persimmon":
+            raise UnsupportedError(f"a Fuyu language model of type {kind!r}; Persimmon's is run")
+        return {}
+    return {"partial_rotary_factor": 0.5}
+
+
+def florence2_text_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """What Florence-2's BART config takes from Florence2Config: its image token's id. The
+    original trust_remote_code folders (a florence2_language text_config, other tensor
+    names) are refused by name."""
+    text = config.get("text_config")
+    kind = text.get("model_type", "bart") if isinstance(text, dict) else None
+    if kind != "bart":
+        raise UnsupportedError(
+            f"a Florence-2 text_config of model_type {kind!r}, not transformers 5's BART: "
+            "llmrun runs Florence2ForConditionalGeneration's format (florence-community's "
+            "conversions), not the original trust_remote_code one"
+        )
+    token = config.get("image_token_id", 51289)  # Florence2Config's default
+    if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+        raise ModelFormatError(f"Florence-2's image_token_id is {token!r}")
+    return {"image_token_id": token}
+
+
+def florence2_info(config: dict[str, Any]) -> dict[str, Any]:
+    """What `llmrun show` says of a Florence-2 folder: image-to-text, its layers."""
+    if config.get("model_type") != "florence2":
+        return {}
+    text = config.get("text_config")
+    text = text if isinstance(text, dict) else {}
+    return {
+        "text_to_text": (
+            f"image-to-text (encoder-decoder): a DaViT image encoder, "
+            f"{text.get('encoder_layers')} encoder and {text.get('decoder_layers')} decoder layers"
+        )
+    }
 
 
 @dataclass(frozen=True)
@@ -206,6 +306,17 @@ FAMILIES = {
     ),
     # JanusConfig ties the head to the embeddings by default; its text_config is a Llama's.
     "janus": Family("Janus-Pro", tie_default=True),
+    # DeepseekVLConfig ties the head to the embeddings by default; its text_config is a
+    # Llama's.
+    "deepseek_vl": Family("DeepSeek-VL", tie_default=True),
+    "deepseek_vl_hybrid": Family("DeepSeek-VL", tie_default=True),
+    # Blip2Config's text_config is an OPTConfig by default (its own tie_word_embeddings).
+    "blip-2": Family("BLIP-2", default_text="opt", from_outer=_decoder_only_blip),
+    # InstructBlipConfig's text_config is an OPTConfig by default (the Hub's Vicuna ones
+    # name llama).
+    "instructblip": Family("InstructBLIP", default_text="opt", from_outer=_decoder_only_blip),
+    # FuyuConfig's text_config is a Persimmon's.
+    "fuyu": Family("Fuyu", "persimmon", from_outer=_fuyu_text),
     # VoxtralConfig's text_config defaults (Voxtral Mini 3B's); its audio tower is
     # llmrun.loading.voxtral_audio's.
     "voxtral": Family(
@@ -264,6 +375,38 @@ FAMILIES = {
     # Its audio tower is llmrun.loading.qwen3_asr's.
     "qwen3_asr": Family("Qwen3-ASR", "qwen3", tie_default=True),
     "qwen3_asr_thinker": Family("Qwen3-ASR", "qwen3"),
+    # FunAsrNanoConfig's text_config is a Qwen3's under Fun-ASR-Nano-2512's defaults; it
+    # ties the output head by default. Its audio tower is llmrun.loading.fun_asr_nano's.
+    "fun_asr_nano": Family(
+        "Fun-ASR-Nano",
+        "qwen3",
+        tie_default=True,
+        defaults={
+            "hidden_size": 1024,
+            "intermediate_size": 3072,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "max_position_embeddings": 40960,
+        },
+    ),
+    # VibeVoiceAsrConfig's text_config is a Qwen2Config (its defaults where the file leaves
+    # fields out); save_pretrained writes it as language_model.model.* and
+    # language_model.lm_head.*. Its audio encoders are llmrun.loading.vibevoice_asr's.
+    "vibevoice_asr": Family(
+        "VibeVoice-ASR",
+        "qwen2",
+        defaults={
+            "vocab_size": 151936,
+            "hidden_size": 4096,
+            "intermediate_size": 22016,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-06,
+        },
+        rope_defaults={"rope_theta": 10000.0},
+    ),
     # GlmAsrConfig's text_config is a Llama's under GLM-ASR-Nano's defaults; it ties the
     # output head by default. Its audio tower is llmrun.loading.glmasr's.
     "glmasr": Family(
@@ -344,11 +487,17 @@ FAMILIES = {
     # RoPE theta 500000 where the file gives none.
     "mllama": Family("Llama 3.2 Vision", "mllama_text", rope_defaults={"rope_theta": 500000.0}),
     "llava_next": Family("LLaVA-NeXT"),
+    # VipLlavaConfig's, VideoLlavaConfig's and LlavaNextVideoConfig's text_config is a Llama's.
+    "vipllava": Family("VipLLaVA"),
+    "video_llava": Family("Video-LLaVA"),
+    "llava_next_video": Family("LLaVA-NeXT-Video"),
     "llava_onevision": Family("LLaVA-OneVision", default_text="qwen2"),
     # LlavaOnevision15Config's text_config is a Qwen3's; its text turns by 1D positions.
     "llava_onevision1_5": Family(
         "LLaVA-OneVision-1.5", default_text="qwen3", text_key=_llava_onevision1_5_text_key
     ),
+    # VideoLlama3Config's text_config is a Qwen2's (its default); it ties where it does.
+    "video_llama_3": Family("VideoLLaMA3", default_text="qwen2"),
     # GotOcr2Config's text_config is a Qwen2's under GOT-OCR-2.0's defaults; it ties the
     # output head by default.
     "got_ocr2": Family(
@@ -367,11 +516,35 @@ FAMILIES = {
         },
         rope_defaults={"rope_theta": 1000000.0},
     ),
+    # Idefics2Config's text_config is a Mistral's (its default); the outer config does not tie.
+    "idefics2": Family("Idefics2", default_text="mistral"),
     "idefics3": Family("Idefics3"),
+    # AriaTextConfig: Llama's attention, experts in every layer (softmax over the top-k
+    # logits, shared experts beside them): DeepSeek V1's MoE (llmrun.models.deepseek).
+    ARIA: Family(
+        "Aria",
+        "deepseek",
+        defaults={
+            "vocab_size": 32000,
+            "hidden_size": 4096,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "max_position_embeddings": 2048,
+            "rms_norm_eps": 1e-6,
+            "head_dim": 128,
+            "pad_token_id": 2,
+        },
+        rope_defaults={"rope_theta": 10000.0},
+        from_outer=_aria_text,
+        text_key=_aria_text_key,
+    ),
     "smolvlm": Family("SmolVLM"),
     "aya_vision": Family("Aya Vision", default_text="cohere2", tie_default=True),
     # Cohere2VisionConfig's text_config is a Cohere2's; it ties the output head by default.
     "cohere2_vision": Family("Command A Vision", default_text="cohere2", tie_default=True),
+    # CohereCompassTextConfig: Cohere 2's with Qwen3's RoPE per layer type and Qwen3-VL's
+    # M-RoPE and deepstack (llmrun.models.cohere_compass_text).
+    "cohere_compass": Family("Cohere Compass", "cohere_compass_text"),
     "internvl": Family("InternVL", default_text="qwen2", tie_default=True),
     # QianfanOCRConfig's text_config is a Qwen3's; unlike InternVLConfig it does not tie.
     "qianfan_ocr": Family("Qianfan-OCR", default_text="qwen3"),
@@ -382,6 +555,16 @@ FAMILIES = {
     "lighton_ocr": Family("LightOnOCR", default_text="qwen3", tie_default=True),
     # MiniCPMV4_6Config's text_config is a Qwen3.5's (its own file names it).
     "minicpmv4_6": Family("MiniCPM-V 4.6", default_text="qwen3_5_text"),
+    # Ernie4_5_VLMoeTextConfig: ERNIE 4.5's attention, text and vision experts, 3D RoPE
+    # (llmrun.models.ernie4_5_vl_moe_text); the outer config ties the output head.
+    "ernie4_5_vl_moe": Family(
+        "ERNIE 4.5 VL",
+        "ernie4_5_vl_moe_text",
+        tie_default=True,
+        from_outer=_ernie4_5_vl_markers,
+    ),
+    # MiniCPMOcrConfig is MiniCPMV4_6Config's with the output head tied by default.
+    "minicpm_ocr": Family("MiniCPM-OCR", default_text="qwen3_5_text", tie_default=True),
     # MiniCPMV4_7Config's too; its images turn by M-RoPE over Qwen3_5TextRotaryEmbedding's
     # sections, [11, 11, 10] where the file gives none.
     "minicpmv4_7": Family(
@@ -459,6 +642,9 @@ FAMILIES = {
         # Phi4MultimodalConfig.__post_init__: no eos_token_id means these two.
         from_outer=lambda config: {"eos_token_id": config.get("eos_token_id") or [199999, 200020]},
     ),
+    # Florence-2: a BART whose encoder takes the image's tokens first (llmrun.florence2_images);
+    # Florence2Config ties the output head, and its image_token_id marks the image's places.
+    "florence2": Family("Florence-2", "bart", tie_default=True, from_outer=florence2_text_fields),
 }
 
 
@@ -494,8 +680,15 @@ LIGHTONOCR_ARCHITECTURE = "LightOnOCRForConditionalGeneration"
 _THINKERS = {"qwen2_5_omni": "qwen2_5_omni_thinker", "qwen3_omni_moe": "qwen3_omni_moe_thinker"}
 # Families whose older config.json files hold the text model's fields at the top level.
 # and Tencent's HunYuan-VL files, and PaddlePaddle's PaddleOCR-VL file; Phi-4-multimodal's
-# always.
-_FLAT_CONFIGS = ("qwen2_vl", "qwen2_5_vl", "hunyuan_vl", "paddleocr_vl", "phi4_multimodal")
+# always; Fuyu's on the Hub.
+_FLAT_CONFIGS = (
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "hunyuan_vl",
+    "paddleocr_vl",
+    "phi4_multimodal",
+    "fuyu",
+)
 # Checkpoint key prefixes of the language model -> its *ForCausalLM's: transformers 5's
 # (model.language_model.), its older layout's (language_model.model.), Idefics3's and
 # SmolVLM's text_model; Qwen2-VL's keys are the *ForCausalLM's already.
@@ -519,6 +712,10 @@ VISION_PREFIXES = (
     "model.visual.",  # GLM-4.xV's and Qwen3-VL's
     "vision_tower.",
     "model.vision_tower.",
+    "image_tower.",  # Video-LLaVA's, as the Hub and transformers 5 save them
+    "model.image_tower.",
+    "video_tower.",
+    "model.video_tower.",
     "multi_modal_projector.",
     "model.multi_modal_projector.",
     "image_newline",  # LLaVA-NeXT's and LLaVA-OneVision's learned separator
@@ -529,6 +726,10 @@ VISION_PREFIXES = (
     "model.merger.",  # MiniCPM-V 4.6's
     "vit.",  # HunYuan-VL's as Tencent's files name it, and Hunyuan V4 VL's
     "model.vit.",
+    "acoustic_tokenizer_encoder.",  # VibeVoice-ASR's, as save_pretrained writes them
+    "semantic_tokenizer_encoder.",
+    "model.acoustic_tokenizer_encoder.",
+    "model.semantic_tokenizer_encoder.",
     "model.audio_tower.",  # Gemma 3n's audio tower and its embedders, Voxtral's, Qwen2-Audio's
     "audio_tower.",  # Voxtral's and Qwen2-Audio's, as the Hub saves them
     "model.embed_vision.",
@@ -545,6 +746,7 @@ VISION_PREFIXES = (
     "model.vision_adapter.",  # Muse Glimmer's projector (with its vision_projection)
     "mlp_AR.",  # PaddleOCR-VL's projector, as the Hub saves it
     "model.projector.",  # PaddleOCR-VL's, and DeepSeek-OCR 2's as its files name it
+    "model.resampler_model.",  # ERNIE 4.5 VL's (its tower is model.vision_model.)
     "model.vision_projector.",  # HyperCLOVA X SEED Vision's
     "model.sam_model.",  # DeepSeek-OCR 2's
     "model.layerwise_projectors.",  # Granite 4 Vision's
@@ -560,6 +762,10 @@ VISION_PREFIXES = (
     "model.generation_embeddings.",
     "model.generation_aligner.",
     "model.generation_head.",
+    "model.high_res_vision_",  # DeepSeek-VL 7B's SAM tower, its neck, projection and alpha
+    "qformer.",  # BLIP-2's Q-Former, its queries and projector (its tower: vision_model.)
+    "query_tokens",
+    "language_projection.",
     "model.encoder.",  # Granite Speech's conformer and projector, as transformers 5 and
     "encoder.",  # the Hub save them
     "projector.",
@@ -572,6 +778,8 @@ VISION_PREFIXES = (
     "visual_tokenizer.",  # Ovis2.5's tower and head, and its visual embedding table
     "vte.",
     "model.visual_embeddings_table.",  # Ovis2's (its tower is model.vision_tower.)
+    "vision_embed_tokens.",  # Fuyu's patch embedding, as the Hub saves it
+    "model.vision_embed_tokens.",
 )
 
 

@@ -79,6 +79,8 @@ ARCHITECTURES = {
     "cohere": "cohere",
     "cohere2": "cohere2",
     "cohere2_moe": "cohere2_moe",
+    "cohere_compass_text": "cohere_compass_text",  # Cohere Compass's (loading/vl_text.py)
+    "ernie4_5_vl_moe_text": "ernie4_5_vl_moe_text",  # ERNIE 4.5 VL's (loading/vl_text.py)
     "seed_oss": "seed_oss",
     "exaone4": "exaone4",
     "exaone_moe": "exaone_moe",
@@ -89,16 +91,34 @@ ARCHITECTURES = {
     "nemotron": "nemotron",
     "nanochat": "nanochat",  # HF folders: llama.cpp has no converter
     "helium": "helium",  # HF folders: llama.cpp has no converter
+    "diffllama": "diffllama",  # differential attention (HF folders only)
+    "doge": "doge",  # dynamic mask attention, CDMoE (HF folders only)
+    "xlstm": "xlstm",  # mLSTM blocks, no attention (HF folders only)
     "whisper": "whisper",  # speech recognition, an encoder-decoder (llmrun.whisper decodes it)
     "t5": "t5",  # text-to-text, an encoder-decoder (llmrun.text_to_text decodes it)
     "mt5": "t5",
     "umt5": "t5",
+    "longt5": "t5",  # local / transient-global encoder attention
+    "switch_transformers": "t5",  # sparse layers of experts
+    "t5gemma": "t5gemma",  # text-to-text: Gemma 2 layers as encoder and decoder
+    "t5gemma2": "t5gemma2",  # text-to-text: Gemma 3 layers, merged attention (its text)
     "bart": "bart",  # text-to-text, encoder-decoders (llmrun.text_to_text decodes them)
     "mbart": "bart",
     "marian": "bart",
     "m2m_100": "bart",  # M2M100 and NLLB
+    "pegasus": "bart",
+    "pegasus_x": "pegasus_x",  # text-to-text: PEGASUS with block-local + global attention
+    "blenderbot": "bart",
+    "blenderbot-small": "bart",
+    "mvp": "bart",
+    "led": "bart",  # LED: BART with Longformer's windowed attention in its encoder
+    "trocr": "trocr",  # image-to-text: TrOCR's decoder over a ViT's tokens (llmrun.trocr_images)
     "cohere_asr": "cohere_asr",  # Cohere Transcribe: speech recognition (llmrun.cohere_asr)
     "moonshine": "moonshine",  # speech recognition over raw audio (llmrun.moonshine)
+    "canary": "canary",  # speech recognition and translation (llmrun.canary)
+    "moonshine_streaming": "moonshine_streaming",  # speech recognition (its llmrun module)
+    "speech_to_text": "speech_to_text",  # Speech2Text: speech recognition (its llmrun module)
+    "voxtral_realtime": "voxtral_realtime",  # speech recognition (llmrun.voxtral_realtime)
     "vaultgemma": "vaultgemma",  # HF folders: llama.cpp has no converter
     "arcee": "arcee",
     "bitnet": "bitnet",  # BitNet b1.58: ternary weights (loading/bitnet.py)
@@ -151,6 +171,8 @@ ARCHITECTURES = {
     "apertus1p5_text": "apertus",  # Apertus 1.5's language model: a pruned output head
     "afmoe": "afmoe",
     "dory": "dory",  # Nemotron Labs Dory: a looped nGPT (HF folders only)
+    "hrm_text": "hrm_text",  # HRM-Text: two Llama stacks run in cycles
+    "jetmoe": "jetmoe",  # JetMoE: mixtures of attention heads and of experts (HF folders)
     "kolibri1": "kolibri1",  # EXAONE 4 attention in GLM-4 blocks, experts (HF folders)
     "kolibri1_1": "kolibri1_1",  # Kolibri-1 with indexed sparse attention (HF folders)
     "zaya": "zaya",  # ZAYA1: convolutional attention, one expert or none (HF folders)
@@ -160,20 +182,31 @@ ARCHITECTURES = {
     "muse_glimmer_text": "muse_glimmer",
     "muse_spark_text": "muse_spark",  # Muse Glimmer with experts (HF folders)
     "olmoe": "olmoe",
+    "flex_olmo": "flex_olmo",  # FlexOlmo: OLMoE in OLMo 2's post-norm blocks (HF folders)
     "phimoe": "phimoe",
     "falcon_h1": "falcon_h1",
     "mamba2": "mamba2",
     "gpt_neox": "gpt_neox",
+    "persimmon": "gpt_neox",  # sequential GPT-NeoX with q/k LayerNorms, squared ReLU
+    "gpt_neox_japanese": "gpt_neox",  # sequential, unbiased but the last attention's
     "mamba": "mamba",
     "falcon_mamba": "mamba",  # Mamba with norms of dt, B and C
+    "rwkv7": "rwkv7",  # RWKV-7: fla-hub folders and llama.cpp's rwkv7 GGUFs
+    "rwkv6": "rwkv6",  # RWKV-6: llama.cpp's rwkv6 GGUFs
     "jamba": "jamba",
+    "zamba": "zamba",  # HF folders: llama.cpp has no converter
+    "zamba2": "zamba2",  # HF folders: llama.cpp has no converter
+    "recurrent_gemma": "recurrent_gemma",  # HF folders: llama.cpp has no converter
     "stablelm": "stablelm",
     "starcoder2": "starcoder2",
     "gpt_bigcode": "gpt_bigcode",
     "phi": "phi",
     "gpt2": "gpt2",
     "gptj": "gptj",
+    "codegen": "gptj",  # GPT-J with a fused qkv_proj (split by llmrun/loading/codegen.py)
     "opt": "opt",
+    "biogpt": "opt",  # BioGPT: pre-LN OPT with scaled token embeddings
+    "xglm": "opt",  # XGLM: BioGPT's model with sinusoidal positions
     "gpt_neo": "gpt_neo",
     "dbrx": "dbrx",
     "minimax": "minimax",

@@ -983,3 +983,55 @@ class Hybrid:
         )  # fmt: skip
         cache.recurrent = RecurrentState(args.recurrent_shapes(), batch, torch.float32, device)
         return cache
+
+
+class StateOnlyArgs:
+    """Mixed into the args of a model with no attention (Mamba, RWKV, xLSTM): a KV cache
+    of no layers, as llmrun.models.kv_cache_bytes and the server's pool read one."""
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return []
+
+    @property
+    def num_key_value_heads(self) -> int:
+        return 1
+
+    @property
+    def head_dim(self) -> int:
+        return 1
+
+    def layer_windows(self) -> list[None]:
+        return []
+
+
+class StateOnly:
+    """Mixed in before the CausalLM of a model with no attention, whose args are
+    StateOnlyArgs with `recurrent_shapes()`: the KV cache holds no layers, only every
+    layer's state in float32; each frame (of type `frame_type`) carries the rows' real
+    token counts (RecurrentState.begin) and no mask or RoPE, as nothing attends."""
+
+    frame_type: type[Frame] = Frame
+
+    def frame(
+        self,
+        positions: torch.Tensor,
+        cache: KVCache | None,
+        dtype: torch.dtype,
+        last: torch.Tensor | None = None,
+    ) -> Frame:
+        start, length = int(positions[0, 0]), int(positions.max()) + 1
+        none = positions.new_zeros(0, dtype=dtype)
+        frame = self.frame_type(positions, start, length, None, none, none)
+        if cache is not None:
+            if cache.recurrent is None:
+                raise RuntimeError(
+                    f"{type(self).__module__} needs a cache with its state (the model's new_cache)"
+                )
+            frame.counts = cache.recurrent.begin(positions)
+        return frame
+
+    def new_cache(self, batch: int, max_seq_len: int, dtype: torch.dtype, device) -> KVCache:
+        cache = KVCache(0, batch, 1, max_seq_len, 1, dtype, device)
+        cache.recurrent = RecurrentState(self.args.recurrent_shapes(), batch, torch.float32, device)
+        return cache

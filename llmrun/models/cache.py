@@ -239,6 +239,14 @@ class KVCache:
             view.recurrent = self.recurrent.select(slots)
         return view
 
+    def reorder_rows(self, rows: torch.Tensor) -> None:
+        """Row i takes the keys and values row rows[i] held (beam search: each beam goes
+        on from one of the last step's), for rows that all hold the same positions."""
+        for k, v in self.buffers:
+            k.copy_(k.index_select(1, rows))
+            if v is not k:
+                v.copy_(v.index_select(1, rows))
+
     @property
     def nbytes(self) -> int:
         copies = 1 if self.values_are_keys else 2

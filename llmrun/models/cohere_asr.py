@@ -169,6 +169,12 @@ class SelfCache:
         self.v[layer][:, :, start:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
+    def reorder_rows(self, rows: torch.Tensor) -> None:
+        """Row i takes what row rows[i] held (beam search: each beam goes on from one of
+        the last step's)."""
+        for cache in (*self.k, *self.v):
+            cache.copy_(cache.index_select(0, rows))
+
 
 # Each decoder layer's cross-attention keys and values, [b, kv_heads, positions, head_dim].
 CrossCache = list[tuple[torch.Tensor, torch.Tensor]]
@@ -222,11 +228,13 @@ class Model(nn.Module):
 
     generates = False  # not through llmrun's decoder-only loop: llmrun.cohere_asr decodes it
     transcribes = True
+    family = "Cohere Transcribe"
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, model: nn.Module | None = None):
+        """`model`: the encoder and decoder (a family built on this one's), else CohereAsr's."""
         super().__init__()
         self.args = args
-        self.model = CohereAsr(args)
+        self.model = CohereAsr(args) if model is None else model
         self.proj_out = nn.Linear(args.hidden_size, args.vocab_size)
 
     def encode(self, features: torch.Tensor, valid: int) -> torch.Tensor:
@@ -235,7 +243,7 @@ class Model(nn.Module):
         which the decoder attends to."""
         encoder = self.args.encoder
         if features.shape[1] != encoder.num_mel_bins:
-            raise ValueError(f"Cohere Transcribe features of shape {list(features.shape)}")
+            raise ValueError(f"{self.family} features of shape {list(features.shape)}")
         return self.model.encoder(features, valid)[None, : encoder.tokens(valid)]
 
     def cross_cache(self, encoded: torch.Tensor) -> CrossCache:
@@ -261,8 +269,14 @@ class Model(nn.Module):
             raise ValueError(
                 f"decoder positions up to {end}, over {self.args.max_position_embeddings}"
             )
-        positions = decoder.pos_emb(torch.arange(start, end, device=ids.device))
-        x = decoder.embedding_layernorm(decoder.embed_tokens(ids) + positions)
+        x = self.embed(ids, start, end)
         for index, layer in enumerate(decoder.layers):
             x = layer(x, cache, index, start, cross)
         return self.proj_out(decoder.norm(x))
+
+    def embed(self, ids: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """The decoder's input [b, t, width] of ids [b, t] at positions start..end: token
+        embeddings plus learned positions, under a LayerNorm."""
+        decoder = self.model.decoder
+        positions = decoder.pos_emb(torch.arange(start, end, device=ids.device))
+        return decoder.embedding_layernorm(decoder.embed_tokens(ids) + positions)

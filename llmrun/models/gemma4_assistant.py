@@ -1,5 +1,7 @@
 """Gemma 4's assistant: the small drafter Google ships beside a Gemma 4 model for
-speculative decoding (multi-token prediction). It has no keys or values of its own:
+speculative decoding (multi-token prediction), and Gemma 4 Unified's (the same model and
+weights under other names: model_type gemma4_unified_assistant, its text_config a
+gemma4_unified_text). It has no keys or values of its own:
 
 - its input is the target's embedding of the last token (scaled by sqrt(target hidden))
   beside the target's last hidden state (after its final norm), [2 * backbone] projected
@@ -14,7 +16,8 @@ speculative decoding (multi-token prediction). It has no keys or values of its o
   draft's input takes in place of the target's.
 
 Reference: transformers/models/gemma4_assistant/modeling_gemma4_assistant.py
-(Gemma4AssistantForCausalLM) and generation/candidate_generator.py
+(Gemma4AssistantForCausalLM; gemma4_unified_assistant's Gemma4UnifiedAssistantForCausalLM
+subclasses it unchanged) and generation/candidate_generator.py
 (Gemma4AssistantCandidateGenerator); llama.cpp's src/models/gemma4-assistant.cpp.
 """
 
@@ -34,6 +37,7 @@ from llmrun.models.gemma3n import RMSNorm
 from llmrun.models.qwen2_moe import MLP
 
 MODEL_TYPE = "gemma4_assistant"
+UNIFIED_MODEL_TYPE = "gemma4_unified_assistant"  # Gemma 4 Unified's: the same fields
 SLIDING, FULL = gemma4.SLIDING, gemma4.FULL
 
 
@@ -50,7 +54,7 @@ class ModelArgs:
         text_config = config.get("text_config")
         if not isinstance(text_config, dict) or "backbone_hidden_size" not in config:
             raise ModelFormatError(
-                "a gemma4_assistant config.json needs a text_config and backbone_hidden_size"
+                "a Gemma 4 assistant's config.json needs a text_config and backbone_hidden_size"
             )
         for key in ("hidden_size_per_layer_input", "vocab_size_per_layer_input"):
             if text_config.get(key):

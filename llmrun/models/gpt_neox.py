@@ -4,9 +4,18 @@ rows hold each head's query, key and value side by side ([heads, 3, head_dim]), 
 turning halves (NEOX) of the first partial_rotary_factor of each head's features (the
 Hub's config.json says rotary_pct and rotary_emb_base), a GELU feed-forward without a
 gate, and either the parallel residual x + attn(ln1(x)) + mlp(ln2(x))
-(use_parallel_residual, the default) or the sequential one.
+(use_parallel_residual, the default) or the sequential one. Persimmon
+(PersimmonForCausalLM: adept/persimmon-8b-base and -chat) is the sequential model with
+LayerNorms of each head's queries and keys before RoPE (qk_layernorm, one LayerNorm
+shared by the heads), a squared-ReLU feed-forward and half of each head rotated by
+default; its checkpoints' names are renamed by llmrun/loading/persimmon.py. GPT-NeoX
+Japanese (GPTNeoXJapaneseForCausalLM: abeja/gpt-neox-japanese-2.7b) is the sequential
+model without biases but one added after the last layer's attention (dense_bias), its
+feed-forward intermediate_multiple_size times the hidden size, every feature rotated by
+default; llmrun/loading/gpt_neox_japanese.py renames its checkpoints.
 
-Reference: transformers/models/gpt_neox/modeling_gpt_neox.py. Parameter names are
+Reference: transformers/models/gpt_neox/modeling_gpt_neox.py, persimmon/
+modeling_persimmon.py, gpt_neox_japanese/modeling_gpt_neox_japanese.py. Parameter names are
 transformers 5's with model. for gpt_neox. (llmrun/loading/gpt_neox.py renames the Hub's
 gpt_neox. and embed_out.).
 """
@@ -28,6 +37,7 @@ from llmrun.models.base import (
     attend,
 )
 from llmrun.models.cache import KVCache
+from llmrun.models.nemotron import RELU2, relu_squared
 
 # The Hub's config.json names (GPTNeoXConfig reads them into rope_parameters) and
 # transformers' defaults for them.
@@ -35,6 +45,8 @@ ROPE_ALIASES = {
     "rotary_pct": ("partial_rotary_factor", 0.25),
     "rotary_emb_base": ("rope_theta", 10000.0),
 }
+# GPTNeoXJapaneseConfig reads the same names, with every feature rotated by default.
+JAPANESE_ROPE_ALIASES = {**ROPE_ALIASES, "rotary_pct": ("partial_rotary_factor", 1.0)}
 
 
 @dataclass
@@ -49,6 +61,9 @@ class ModelArgs:
     max_position_embeddings: int = 2048
     use_parallel_residual: bool = True
     attention_bias: bool = True
+    qk_layernorm: bool = False
+    mlp_bias: bool = True
+    last_layer_dense_bias: bool = False
     tie_word_embeddings: bool = False
     rope_parameters: dict[str, Any] = field(default_factory=dict)
 
@@ -58,15 +73,38 @@ class ModelArgs:
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:
+        if config.get("model_type") == "persimmon":
+            # PersimmonConfig's defaults; its RoPE settings are read as any config.json's.
+            defaults = {"hidden_act": RELU2, "qk_layernorm": True, "partial_rotary_factor": 0.5}
+            return args_from_config(cls, {**defaults, **config, "use_parallel_residual": False})
+        aliases = ROPE_ALIASES
+        if config.get("model_type") == "gpt_neox_japanese":
+            config = japanese_config(config)
+            aliases = JAPANESE_ROPE_ALIASES
         params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-        for old, (new, default) in ROPE_ALIASES.items():
+        for old, (new, default) in aliases.items():
             params.setdefault(new, config.get(old, default))
         return args_from_config(cls, {**config, "rope_parameters": params})
 
 
+def japanese_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A GPT-NeoX Japanese config.json as GPT-NeoX's fields, GPTNeoXJapaneseConfig's
+    defaults where it gives none."""
+    config = {"intermediate_multiple_size": 4, "tie_word_embeddings": True, **config}
+    return {
+        **config,
+        "intermediate_size": int(config["hidden_size"] * config["intermediate_multiple_size"]),
+        "use_parallel_residual": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "last_layer_dense_bias": True,
+    }
+
+
 class Attention(nn.Module):
     """The fused projection's per-head queries, keys and values, the queries and keys
-    rotated on their first rotary_dim features, attended and projected by `dense`."""
+    (LayerNorm-ed first with qk_layernorm) rotated on their first rotary_dim features,
+    attended and projected by `dense`."""
 
     def __init__(self, args: ModelArgs, layer: int) -> None:
         super().__init__()
@@ -74,24 +112,34 @@ class Attention(nn.Module):
         width = self.n_heads * self.head_dim
         self.query_key_value = nn.Linear(args.hidden_size, 3 * width, bias=args.attention_bias)
         self.dense = nn.Linear(width, args.hidden_size, bias=args.attention_bias)
+        if args.qk_layernorm:
+            self.q_layernorm = nn.LayerNorm(self.head_dim, args.layer_norm_eps)
+            self.k_layernorm = nn.LayerNorm(self.head_dim, args.layer_norm_eps)
+        self.qk_layernorm = args.qk_layernorm
+        self.dense_bias = None
+        if args.last_layer_dense_bias and layer == args.num_hidden_layers - 1:
+            self.dense_bias = nn.Parameter(torch.zeros(args.hidden_size))
 
     def forward(self, x: torch.Tensor, frame: Frame, cache: KVCache | None) -> torch.Tensor:
         batch, tokens, _ = x.shape
         # [B, T, H * 3 * D] -> [B, H, T, 3 * D] -> three [B, H, T, D]
         qkv = self.query_key_value(x).view(batch, tokens, self.n_heads, 3 * self.head_dim)
         q, k, v = qkv.transpose(1, 2).chunk(3, dim=-1)
+        if self.qk_layernorm:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         q, k = frame.rotate(q), frame.rotate(k)
-        return self.dense(attend(q, k, v, self.layer, frame, cache))
+        out = self.dense(attend(q, k, v, self.layer, frame, cache))
+        return out if self.dense_bias is None else out + self.dense_bias
 
 
 class MLP(nn.Module):
-    """dense_4h_to_h(act(dense_h_to_4h(x))), both biased."""
+    """dense_4h_to_h(act(dense_h_to_4h(x))), both biased unless mlp_bias is false."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.dense_h_to_4h = nn.Linear(args.hidden_size, args.intermediate_size)
-        self.dense_4h_to_h = nn.Linear(args.intermediate_size, args.hidden_size)
-        self.act = activation(args.hidden_act)
+        self.dense_h_to_4h = nn.Linear(args.hidden_size, args.intermediate_size, args.mlp_bias)
+        self.dense_4h_to_h = nn.Linear(args.intermediate_size, args.hidden_size, args.mlp_bias)
+        self.act = relu_squared if args.hidden_act == RELU2 else activation(args.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dense_4h_to_h(self.act(self.dense_h_to_4h(x)))

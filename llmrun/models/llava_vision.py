@@ -6,12 +6,15 @@ in front, learned absolute positions, a LayerNorm before the layers (pre_layrnor
 pre-norm layers (attention, quick-GELU MLP). The features are the hidden states after
 `feature_layers` layers (-2 by default: all but the last layer, whose weights are then never
 used), the class token dropped, concatenated where several layers are named, and projected
-by Linear, GELU, Linear to the language model's width. LLaVA-NeXT's learned image_newline
-(one row of the text width) is held here too; llmrun.llava_images lays the tiles out.
+by Linear, GELU, Linear to the language model's width (VipLLaVA: after a LayerNorm over
+the concatenated layers, five of them by default). LLaVA-NeXT's learned image_newline (one
+row of the text width) is held here too; llmrun.llava_images lays the tiles out. Video-LLaVA
+(images only) and LLaVA-NeXT-Video (images only) are LLaVA 1.5 and LLaVA-NeXT here.
 
 Reference: transformers/models/clip/modeling_clip.py (CLIPVisionTransformer) and
 transformers/models/llava/modeling_llava.py (LlavaMultiModalProjector,
-LlavaModel.get_image_features).
+LlavaModel.get_image_features), transformers/models/vipllava/modeling_vipllava.py
+(VipLlavaMultiModalProjector).
 """
 
 from __future__ import annotations
@@ -25,6 +28,12 @@ from torch import nn
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.models.base import activation
+
+VIPLLAVA = "vipllava"
+# VipLlavaConfig's vision_feature_layer: hidden states concatenated in this order.
+VIPLLAVA_LAYERS = [-2, -5, -8, -11, 6]
+# The model_types whose tiles are laid out with LLaVA-NeXT's learned image_newline.
+NEWLINE_MODEL_TYPES = ("llava_next", "llava_next_video")
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -88,6 +97,7 @@ class EncoderArgs:
     projector_hidden_act: str = "gelu"
     projector_bias: bool = True
     newline: bool = False  # LLaVA-NeXT's image_newline
+    projector_norm_eps: float | None = None  # VipLLaVA's LayerNorm before the projector
 
     def __post_init__(self) -> None:
         layers = self.vision.num_hidden_layers
@@ -102,8 +112,9 @@ class EncoderArgs:
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> EncoderArgs:
-        """From a LlavaForConditionalGeneration / LlavaNextForConditionalGeneration
-        config.json dict; only CLIP towers and the "default" strategy (class token dropped)."""
+        """From a LlavaForConditionalGeneration / LlavaNextForConditionalGeneration (or
+        VipLlava-, VideoLlava-, LlavaNextVideoForConditionalGeneration) config.json dict;
+        only CLIP towers and the "default" strategy (class token dropped)."""
         vision, text = config.get("vision_config"), config.get("text_config")
         if not isinstance(vision, dict) or not isinstance(text, dict):
             raise ModelFormatError("a LLaVA config without vision_config and text_config")
@@ -111,7 +122,9 @@ class EncoderArgs:
             raise UnsupportedError(
                 f"a LLaVA vision tower of type {vision.get('model_type')!r}; llmrun runs CLIP's"
             )
-        strategy = config.get("vision_feature_select_strategy", "default")
+        vip = config.get("model_type") == VIPLLAVA
+        # VipLlava has no strategy: it always drops the class token.
+        strategy = "default" if vip else config.get("vision_feature_select_strategy", "default")
         if strategy != "default":
             raise UnsupportedError(
                 f"LLaVA image features with vision_feature_select_strategy {strategy!r}; "
@@ -121,8 +134,12 @@ class EncoderArgs:
         if not isinstance(width, int) or isinstance(width, bool) or width < 1:
             raise ModelFormatError(f"text_config's hidden_size is {width!r}")
         args = VisionArgs.from_config(vision)
-        layer = config.get("vision_feature_layer", -2)
-        named = layer if isinstance(layer, list) else [layer]
+        if vip:  # the Hub's file names it vision_feature_layers
+            layer = config.get("vision_feature_layer", config.get("vision_feature_layers"))
+            layer = VIPLLAVA_LAYERS if layer is None else layer
+        else:
+            layer = config.get("vision_feature_layer", -2)
+        named = list(layer) if isinstance(layer, list | tuple) else [layer]
         layers = args.num_hidden_layers
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in named):
             raise ModelFormatError(f"vision_feature_layer is {layer!r}")
@@ -131,8 +148,10 @@ class EncoderArgs:
             width,
             [i if i >= 0 else layers + 1 + i for i in named],
             config.get("projector_hidden_act", "gelu"),
-            config.get("multimodal_projector_bias", True),
-            config.get("model_type") == "llava_next",
+            # VipLlava's projector always has biases.
+            True if vip else config.get("multimodal_projector_bias", True),
+            config.get("model_type") in NEWLINE_MODEL_TYPES,
+            config.get("projector_layernorm_eps", 1e-5) if vip else None,
         )
 
     @property
@@ -242,6 +261,11 @@ class MultiModalProjector(nn.Module):
     def __init__(self, args: EncoderArgs) -> None:
         super().__init__()
         width = args.vision.hidden_size * len(args.feature_layers)
+        self.projector_layernorm = (
+            None
+            if args.projector_norm_eps is None
+            else nn.LayerNorm(width, eps=args.projector_norm_eps)
+        )
         self.linear_1 = nn.Linear(width, args.text_hidden_size, bias=args.projector_bias)
         self.act = _activation(args.projector_hidden_act)
         self.linear_2 = nn.Linear(
@@ -249,6 +273,8 @@ class MultiModalProjector(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.projector_layernorm is not None:
+            x = self.projector_layernorm(x)
         return self.linear_2(self.act(self.linear_1(x)))
 
 

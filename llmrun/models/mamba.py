@@ -26,9 +26,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.models.base import CausalLM, Frame, RMSNorm, args_from_config
+from llmrun.models.base import (
+    CausalLM,
+    Frame,
+    RMSNorm,
+    StateOnly,
+    StateOnlyArgs,
+    args_from_config,
+)
 from llmrun.models.cache import KVCache
-from llmrun.models.recurrent import RecurrentState
 
 FALCON_MAMBA = "falcon_mamba"
 # Tokens whose scan runs at once: the scan's temporaries are [B, SCAN_CHUNK, inner, state].
@@ -36,7 +42,7 @@ SCAN_CHUNK = 64
 
 
 @dataclass
-class ModelArgs:
+class ModelArgs(StateOnlyArgs):
     hidden_size: int
     num_hidden_layers: int
     vocab_size: int
@@ -74,22 +80,6 @@ class ModelArgs:
         else:
             args.mixer_rms_eps = None
         return args
-
-    # A KV cache of no layers: what llmrun.models.kv_cache_bytes reads of one.
-    @property
-    def attention_layers(self) -> list[int]:
-        return []
-
-    @property
-    def num_key_value_heads(self) -> int:
-        return 1
-
-    @property
-    def head_dim(self) -> int:
-        return 1
-
-    def layer_windows(self) -> list[None]:
-        return []
 
     def mixer_shape(self) -> MixerShape:
         return MixerShape(
@@ -247,40 +237,18 @@ class Backbone(nn.Module):
         return self.norm_f
 
 
-class Model(CausalLM):
+class Model(StateOnly, CausalLM):
     """backbone -> lm_head; the KV cache holds no layers, only each block's state."""
+
+    backbone_type: type[nn.Module] = Backbone  # xLSTM's (llmrun/models/xlstm.py) is its own
 
     def __init__(self, args: ModelArgs) -> None:
         nn.Module.__init__(self)
         self.args = args
-        self.backbone = Backbone(args)
+        self.backbone = self.backbone_type(args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     @property
-    def model(self) -> Backbone:
+    def model(self) -> nn.Module:
         """The backbone, under the name CausalLM's helpers and the loader read."""
         return self.backbone
-
-    def frame(
-        self,
-        positions: torch.Tensor,
-        cache: KVCache | None,
-        dtype: torch.dtype,
-        last: torch.Tensor | None = None,
-    ) -> Frame:
-        """The rows' positions and real token counts (RecurrentState.begin); no mask or
-        RoPE: nothing attends."""
-        start, length = int(positions[0, 0]), int(positions.max()) + 1
-        none = positions.new_zeros(0, dtype=dtype)
-        frame = Frame(positions, start, length, None, none, none)
-        if cache is not None:
-            if cache.recurrent is None:
-                raise RuntimeError("Mamba needs a cache with its state (the model's new_cache)")
-            frame.counts = cache.recurrent.begin(positions)
-        return frame
-
-    def new_cache(self, batch: int, max_seq_len: int, dtype: torch.dtype, device) -> KVCache:
-        """A cache of no attention layers, with every block's state in float32."""
-        cache = KVCache(0, batch, 1, max_seq_len, 1, dtype, device)
-        cache.recurrent = RecurrentState(self.args.recurrent_shapes(), batch, torch.float32, device)
-        return cache

@@ -234,6 +234,12 @@ class SelfCache:
         self.v[layer][:, :, start:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
+    def reorder_rows(self, rows: torch.Tensor) -> None:
+        """Row i takes what row rows[i] held (beam search: each beam goes on from one of
+        the last step's)."""
+        for cache in (*self.k, *self.v):
+            cache.copy_(cache.index_select(0, rows))
+
 
 # Each decoder layer's cross-attention keys and values, [b, heads, positions, head_dim].
 CrossCache = list[tuple[torch.Tensor, torch.Tensor]]

@@ -6,11 +6,21 @@ ReLU feed-forward fc2(act(fc1(x))) (biases unless enable_bias is false), LayerNo
 or without weights (layer_norm_elementwise_affine), before each sublayer or, where
 do_layer_norm_before is false (opt-350m), after each residual sum, without a final one.
 
+BioGPT (BioGptForCausalLM: microsoft/biogpt, BioGPT-Large) is the pre-LN model with its
+token embeddings scaled by sqrt(hidden size) (scale_embedding) and its own config names
+(intermediate_size, hidden_act), read by from_config; its LayerNorms take torch's default
+epsilon, as transformers' do, whatever layer_norm_eps says. XGLM
+(XGLMForCausalLM: facebook/xglm-564M to 7.5B) is BioGPT's model with fairseq's sinusoidal
+positions (row p + 2 of a computed table, the pad_token_id row zeroed) in place of the
+learned table, under its own names (d_model, num_layers, attention_heads).
+
 The checkpoints name the modules (model.)decoder.embed_tokens, decoder.layers.N, ...;
 llmrun/loading/opt.py renames them to llmrun's: model.layers.N, and model.norm for the
-final LayerNorm and project_out, which head_logits applies as the final norm.
+final LayerNorm and project_out, which head_logits applies as the final norm (BioGPT's
+and XGLM's names: llmrun/loading/fairseq_lm.py).
 
-Reference: transformers/models/opt/modeling_opt.py.
+Reference: transformers/models/opt/modeling_opt.py, transformers/models/biogpt/
+modular_biogpt.py, transformers/models/xglm/modeling_xglm.py.
 """
 
 from __future__ import annotations
@@ -22,17 +32,27 @@ import torch
 from torch import nn
 
 from llmrun.models import gpt2
+from llmrun.models.bart import fairseq_positions
 from llmrun.models.base import (
     CausalLM,
     Frame,
     activation,
     args_from_config,
     attend,
+    head_logits,
     learned_positions,
 )
 from llmrun.models.cache import KVCache
 
 POSITION_OFFSET = 2  # OPTLearnedPositionalEmbedding: position p reads row p + 2
+# BioGptConfig's names for OPT's fields.
+BIOGPT_NAMES = {"intermediate_size": "ffn_dim", "hidden_act": "activation_function"}
+# XGLMConfig's.
+XGLM_NAMES = {
+    "d_model": "hidden_size",
+    "num_layers": "num_hidden_layers",
+    "attention_heads": "num_attention_heads",
+}
 
 
 @dataclass
@@ -49,6 +69,9 @@ class ModelArgs:
     enable_bias: bool = True
     layer_norm_elementwise_affine: bool = True
     activation_function: str = "relu"
+    scale_embedding: bool = False
+    sinusoidal_positions: bool = False
+    pad_token_id: int | None = None
     tie_word_embeddings: bool = True
     rope_parameters: dict[str, Any] = field(default_factory=dict)
 
@@ -64,6 +87,14 @@ class ModelArgs:
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:
+        if config.get("model_type") == "biogpt":
+            config = {BIOGPT_NAMES.get(k, k): v for k, v in config.items()}
+            config.setdefault("scale_embedding", True)  # BioGptConfig's default
+        if config.get("model_type") == "xglm":
+            config = {XGLM_NAMES.get(k, k): v for k, v in config.items()}
+            # XGLMConfig's defaults where they differ from OPT's.
+            config = {"scale_embedding": True, "activation_function": "gelu", **config}
+            config.update(sinusoidal_positions=True)
         return args_from_config(cls, config)
 
 
@@ -155,8 +186,10 @@ class Body(nn.Module):
         self.project_in = None
         if args.word_embed_proj_dim != args.hidden_size:
             self.project_in = nn.Linear(args.word_embed_proj_dim, args.hidden_size, bias=False)
-        rows = args.max_position_embeddings + POSITION_OFFSET
-        self.embed_positions = nn.Embedding(rows, args.hidden_size)
+        self.embed_positions = None
+        if not args.sinusoidal_positions:
+            rows = args.max_position_embeddings + POSITION_OFFSET
+            self.embed_positions = nn.Embedding(rows, args.hidden_size)
         self.layers = nn.ModuleList(
             layer(args, i, attention, mlp) for i in range(args.num_hidden_layers)
         )
@@ -168,11 +201,47 @@ class Model(CausalLM):
         super().__init__(args, Attention, MLP, DecoderLayer, body=Body)
         self.lm_head = nn.Linear(args.word_embed_proj_dim, args.vocab_size, bias=False)
 
-    def embed_at(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The token embeddings (projected in) plus the learned embeddings of their
-        positions, two rows on."""
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache | None = None,
+        last_only: bool = False,
+        last: torch.Tensor | None = None,
+        static: int | None = None,
+        images: Any = None,
+    ) -> torch.Tensor:
+        """CausalLM.forward; `images` (BLIP-2's image tokens, one row) take their
+        placeholders' token embeddings, before project_in and the positions, as OPTDecoder
+        takes inputs_embeds."""
+        if images is None:
+            return super().forward(input_ids, positions, cache, last_only, last, static)
+        # placeholder ids may lie past the vocabulary
+        x = self.embed_at(input_ids.masked_fill(images.groups >= 0, 0), positions, images)
+        if static is not None:
+            frame = self.static_frame(positions, cache, x.dtype, static)
+        else:
+            frame = self.frame(positions, cache, x.dtype, last)
+        return head_logits(self, x, frame, cache, last_only, last).float()
+
+    def embed_at(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, images: Any = None
+    ) -> torch.Tensor:
+        """The token embeddings (scaled; `images` in their places; projected in) plus the
+        embeddings of their positions, two rows on: the learned table's, or XGLM's
+        sinusoids."""
         x = self.model.embed_tokens(input_ids)
+        if self.args.scale_embedding:
+            x = x * self.args.hidden_size**0.5
+        if images is not None:
+            x = images.place(x)
         if self.model.project_in is not None:
             x = self.model.project_in(x)
         rows = learned_positions(positions, self.args.max_position_embeddings)
-        return x + self.model.embed_positions(rows + POSITION_OFFSET)
+        rows = rows + POSITION_OFFSET
+        if self.model.embed_positions is not None:
+            return x + self.model.embed_positions(rows)
+        table = fairseq_positions(rows, self.args.hidden_size)
+        if self.args.pad_token_id is not None:  # XGLM's table has zeros in that row
+            table = table.masked_fill((rows == self.args.pad_token_id)[..., None], 0)
+        return x + table.to(x.dtype)

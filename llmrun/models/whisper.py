@@ -95,13 +95,17 @@ class ModelArgs:
 
 
 class Attention(nn.Module):
-    """Whisper's attention: biases on q, v and out, none on k; q scaled before the product."""
+    """Whisper's attention: biases on q, v and out, none on k; q scaled before the product.
+    A family built on it sets `key_bias` and `queries_scaled_first` to its own."""
+
+    key_bias = False
+    queries_scaled_first = True  # WhisperAttention's order; else scaled inside the product
 
     def __init__(self, width: int, heads: int):
         super().__init__()
         self.heads = heads
         self.q_proj = nn.Linear(width, width)
-        self.k_proj = nn.Linear(width, width, bias=False)
+        self.k_proj = nn.Linear(width, width, bias=self.key_bias)
         self.v_proj = nn.Linear(width, width)
         self.out_proj = nn.Linear(width, width)
 
@@ -119,22 +123,26 @@ class Attention(nn.Module):
         """x [b, t, width] attending to k, v [b, heads, s, head_dim]; `causal_from`: the
         position of x's first row among k's (self-attention), None: all of k (cross)."""
         b, t, width = x.shape
-        q = self.split(self.q_proj(x) * (width // self.heads) ** -0.5)
+        q, scale = self.q_proj(x), None
+        if self.queries_scaled_first:
+            q, scale = q * (width // self.heads) ** -0.5, 1.0
         mask = None
         if causal_from is not None and t > 1:
             rows = torch.arange(t, device=x.device)[:, None] + causal_from
             mask = torch.arange(k.shape[2], device=x.device)[None, :] <= rows
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+        out = F.scaled_dot_product_attention(self.split(q), k, v, attn_mask=mask, scale=scale)
         return self.out_proj(out.transpose(1, 2).reshape(b, t, width))
 
 
 class DecoderLayer(nn.Module):
+    attention_class: type[nn.Module] = Attention  # a family built on this layer swaps in its own
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         width = args.d_model
-        self.self_attn = Attention(width, args.decoder_attention_heads)
+        self.self_attn = self.attention_class(width, args.decoder_attention_heads)
         self.self_attn_layer_norm = nn.LayerNorm(width)
-        self.encoder_attn = Attention(width, args.decoder_attention_heads)
+        self.encoder_attn = self.attention_class(width, args.decoder_attention_heads)
         self.encoder_attn_layer_norm = nn.LayerNorm(width)
         self.fc1 = nn.Linear(width, args.decoder_ffn_dim)
         self.fc2 = nn.Linear(args.decoder_ffn_dim, width)
@@ -198,6 +206,12 @@ class SelfCache:
         self.k[layer][:, :, start:end] = k
         self.v[layer][:, :, start:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def reorder_rows(self, rows: torch.Tensor) -> None:
+        """Row i takes what row rows[i] held (beam search: each beam goes on from one of
+        the last step's)."""
+        for cache in (*self.k, *self.v):
+            cache.copy_(cache.index_select(0, rows))
 
 
 class Model(nn.Module):

@@ -65,6 +65,7 @@ from llmrun.server.schema import (
     check_history,
     check_tools,
 )
+from llmrun.server.serial import choice_options, options_of
 from llmrun.server.service import (
     MAX_BODY_BYTES,
     MAX_IMAGE_BODY_BYTES,
@@ -156,20 +157,26 @@ async def chat_completions(request: Request) -> Response:
     if prepared.grammar is not None:
         params = params.updated(grammar=prepared.grammar)
     readers = [ReplyReader(engine, prepared) for _ in range(body.n)]
+    top = (body.top_logprobs or 0) if body.logprobs else None
     gen_requests = [
         batching.Request(
             prepared.ids,
             choice_params,
             body.max_completion_tokens or body.max_tokens,
             prepared.stops(stop),
-            (body.top_logprobs or 0) if body.logprobs else None,
+            top,
             body.ignore_eos,
             history_end=prepared.history_end,
             lora=lora,
             images=prepared.images,
             image_digests=digests,
+            text_to_text=choice_text_to_text,
         )
-        for choice_params in choices_of(params, body.n)
+        for choice_params, choice_text_to_text in zip(
+            choices_of(params, body.n),
+            choice_options(engine, params, top, None, body.n),
+            strict=True,
+        )
     ]
     gen = Generation(service, "chat", gen_requests, arrived)
     tokenizer = engine.tokenizer
@@ -302,6 +309,7 @@ async def completions(request: Request) -> Response:
     service, body, engine = await begin(request, CompletionBody)
     params, stop = sampling_of(engine, body)
     lora = request_lora(engine, body)
+    options = options_of(engine, body)
     tokenizer = engine.tokenizer
     if body.suffix and body.echo:
         raise ApiError(400, "echo does not go with a suffix", param="echo")
@@ -313,6 +321,13 @@ async def completions(request: Request) -> Response:
         prompts = await asyncio.to_thread(_prompts, tokenizer, body.prompt)
     n = body.n
     echoes = [_echo(tokenizer, ids) for ids in prompts] if body.echo else []
+    choices = list(
+        zip(
+            choices_of(params, n),
+            choice_options(engine, params, body.logprobs, options, n),
+            strict=True,
+        )
+    )
     # Choice index = prompt index x n + choice of that prompt, as OpenAI numbers them.
     gen_requests = [
         batching.Request(
@@ -324,9 +339,10 @@ async def completions(request: Request) -> Response:
             body.ignore_eos,
             prompt_logprobs=body.logprobs if body.echo else None,
             lora=lora,
+            text_to_text=choice_text_to_text,
         )
         for prompt in prompts
-        for choice_params in choices_of(params, n)
+        for choice_params, choice_text_to_text in choices
     ]
     gen = Generation(service, "completions", gen_requests, arrived)
     head = {
@@ -756,7 +772,9 @@ def run(
                     if engine.reranks
                     else "speech recognition (/v1/audio/transcriptions, /v1/audio/translations)"
                     if engine.transcribes
-                    else "text-to-text (/v1/completions, one request at a time)"
+                    else "text-to-text (/v1/completions"
+                    + (", /v1/chat/completions" if engine.template is not None else "")
+                    + ", one request at a time)"
                     if engine.text_to_text
                     else "an embedding model (/v1/embeddings)",
                 )

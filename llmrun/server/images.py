@@ -174,7 +174,7 @@ async def read_images(
     param = refs[0].param
     if engine.vision is None:
         raise ApiError(400, f"{refs[0].param}: {_no_images(engine, name)}", param=param)
-    if engine.template is None:
+    if engine.template is None and not (engine.image_to_text or engine.image_first):
         raise ApiError(400, f"{name} has no chat template to place images in", param=param)
 
     def encode() -> Encoded:

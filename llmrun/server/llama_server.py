@@ -28,10 +28,12 @@ from llmrun.server.schema import (
     ChatBody,
     NamedToolChoice,
     Sampling,
+    TextToTextFields,
     as_api_error,
     check_history,
     check_tools,
 )
+from llmrun.server.serial import options_of
 from llmrun.server.service import (
     SHUTDOWN_GRACE,
     Generation,
@@ -41,6 +43,7 @@ from llmrun.server.service import (
     sampling_of,
 )
 from llmrun.server.stops import StopWatch
+from llmrun.text_to_text import Options
 
 # llama.cpp's seeds that ask for a random one: -1, and LLAMA_DEFAULT_SEED.
 RANDOM_SEEDS = (-1, 0xFFFFFFFF)
@@ -65,9 +68,9 @@ class NativeBody(Sampling):
         return None if limit == -1 else limit
 
 
-class CompletionBody(NativeBody):
+class CompletionBody(NativeBody, TextToTextFields):
     """POST /completion: one prompt, as text, token ids, or both mixed; `grammar` (GBNF)
-    or `json_schema` constrain the reply. `cache_prompt` is accepted: serve keeps every
+    or `json_schema` constrain the reply; a text-to-text model's beams and languages. `cache_prompt` is accepted: serve keeps every
     prompt's blocks for reuse unless started with --no-prefix-cache."""
 
     prompt: str | Annotated[list[Any], Field(min_length=1)]
@@ -256,7 +259,17 @@ async def completion(request: Request) -> Response:
     if grammar is not None:
         params = params.updated(grammar=grammar)
     return await complete(
-        request, service, engine, body, ids, params, stop, limit, "completion", arrived
+        request,
+        service,
+        engine,
+        body,
+        ids,
+        params,
+        stop,
+        limit,
+        "completion",
+        arrived,
+        options_of(engine, body),
     )
 
 
@@ -290,9 +303,10 @@ async def complete(
     limit: int | None,
     endpoint: str,
     arrived: float,
+    options: Options | None = None,
 ) -> Response:
     """Generate after `ids` and answer in llama.cpp's /completion shape, streamed with
-    `body.stream`."""
+    `body.stream`; `options`: a text-to-text model's beams and languages."""
     tokenizer = engine.tokenizer
     job = batching.Request(
         ids,
@@ -302,6 +316,7 @@ async def complete(
         body.n_probs or None,
         body.ignore_eos,
         lora=request_lora(engine, body),
+        text_to_text=options,
     )
     gen = Generation(service, endpoint, [job], arrived)
     watch = StopWatch(tokenizer, ids, stop)

@@ -39,10 +39,12 @@ from llmrun.server.schema import (
     Probability,
     Seed,
     StopText,
+    TextToTextFields,
     Tool,
     as_api_error,
     check_tools,
 )
+from llmrun.server.serial import options_of
 from llmrun.server.service import (
     MAX_BODY_BYTES,
     MAX_IMAGE_BODY_BYTES,
@@ -59,8 +61,9 @@ LATEST = ":latest"  # ollama's default tag: "name" and "name:latest" are one mod
 # --- request bodies ---------------------------------------------------------------------
 
 
-class Options(Body):
-    """The `options` llmrun's sampler takes; the rest of ollama's are accepted and ignored."""
+class Options(TextToTextFields):
+    """The `options` llmrun's sampler takes, and a text-to-text model's beams and languages
+    (llmrun's extensions); the rest of ollama's are accepted and ignored."""
 
     temperature: Annotated[float, Field(ge=0)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None
@@ -467,6 +470,7 @@ async def chat(request: Request) -> Response:
         images=pictures.embeds if pictures is not None else [],
     )
     params, stop, limit = sampling(engine, body.options)
+    options_of(engine, body.options)  # refused for a model that is not text-to-text
     if engine.template is None:
         stop.append(PLAIN_STOP)
     prepared = await asyncio.to_thread(prepare, engine, service.tool_format, ask)
@@ -583,6 +587,7 @@ async def generate(request: Request) -> Response:
         history_end=prepared.history_end if not body.context else None,
         images=prepared.images,
         image_digests=pictures.digests if pictures is not None else (),
+        text_to_text=options_of(engine, body.options),
     )
     gen = Generation(service, "ollama_generate", [gen_request], arrived)
     reply = Reply(reader, arrived)

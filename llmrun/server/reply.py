@@ -65,7 +65,9 @@ def tool_format(engine: api.Engine) -> ToolFormat | None:
 
 def prepare(engine: api.Engine, fmt: ToolFormat | None, ask: Ask) -> Prepared:
     """The prompt and grammar for `ask` (slow for a long conversation: run it off the loop)."""
-    if engine.text_to_text:
+    if engine.image_to_text and ask.images:
+        return _image_to_text(engine, ask)
+    if engine.text_to_text and engine.template is None:  # T5Gemma's -it models have one
         raise ApiError(
             400,
             f"{engine.name} is a text-to-text model (encoder-decoder), which has no chat template: send "
@@ -109,6 +111,26 @@ def prepare(engine: api.Engine, fmt: ToolFormat | None, ask: Ask) -> Prepared:
     grammar = _grammar(engine, fmt, ask, forced)
     grammar = for_prompt(grammar, engine.markers, text, answer=fmt is None)
     return Prepared(text, ids, fmt, grammar, forced, history_end, images)
+
+
+def _image_to_text(engine: api.Engine, ask: Ask) -> Prepared:
+    """An image-to-text encoder-decoder's prompt (Florence-2's, TrOCR's): one user message,
+    its image and its text (a task prompt, or none), framed by the model's processor."""
+    message = ask.messages[0]
+    if len(ask.messages) != 1 or message["role"] != "user":
+        raise ApiError(
+            400,
+            f"{engine.name} is an image-to-text model: send one user message, its image and "
+            "its prompt",
+            param="messages",
+        )
+    if ask.tools or ask.schema is not None:
+        raise ApiError(400, f"{engine.name} is an image-to-text model: no tools or response format")
+    content = message.get("content") or ""
+    if not isinstance(content, str):
+        content = "".join(block["text"] for block in content if "text" in block)
+    ids, images = engine.encoded_media_prompt(content, ask.images, ask.audio)
+    return Prepared(content, ids, None, images=images)
 
 
 def _grammar(engine: api.Engine, fmt: ToolFormat | None, ask: Ask, forced: bool) -> Any:

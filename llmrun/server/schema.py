@@ -85,6 +85,16 @@ class Sampling(Body):
     lora: list[LoraScale] | None = None
 
 
+class TextToTextFields(Body):
+    """Extensions for a text-to-text model's completions (llmrun.server.serial.options_of):
+    its beams (vLLM's and transformers' name; 1: greedy or sampled) and a many-to-many
+    translator's language codes."""
+
+    num_beams: Annotated[int, Field(ge=1)] | None = None
+    source_language: Annotated[str, Field(max_length=64)] | None = None
+    target_language: Annotated[str, Field(max_length=64)] | None = None
+
+
 class TextPart(BaseModel):
     type: Literal["text"]
     text: str
@@ -289,7 +299,7 @@ def check_history(messages: list[dict[str, Any]], param: str = "messages") -> No
                 )
 
 
-class CompletionBody(Sampling):
+class CompletionBody(Sampling, TextToTextFields):
     # One prompt (text or token ids) or several, each answered by `n` choices.
     prompt: (
         str

@@ -4,18 +4,70 @@ scheduler's batched decoder-only forward has no place for. `Serial` takes the sc
 submit and cancel (service.Generation drives either); each request generates through
 Engine.generate in a thread of its own, one after the other in the order they arrive (as
 Whisper's transcriptions run one at a time, llmrun.server.transcriptions). A later task may
-batch them.
+batch them. A request's num_beams, source_language and target_language (extensions of the
+completion endpoints' bodies: options_of) choose its beams and languages.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmrun import api
 from llmrun.batching import Event, Request
-from llmrun.server.schema import ApiError
+from llmrun.errors import LlmrunError
+from llmrun.sampling import SamplingParams
+from llmrun.server.schema import ApiError, as_api_error
+from llmrun.text_to_text import Options
+
+FIELDS = ("num_beams", "source_language", "target_language")
+
+
+def options_of(engine: api.Engine, fields: object) -> Options | None:
+    """The beams and languages a request's body (or ollama's `options`) asks for in its
+    FIELDS: None where it gives none; a 400 for a model that is not text-to-text."""
+    values = {name: getattr(fields, name, None) for name in FIELDS}
+    given = [name for name, value in values.items() if value is not None]
+    if not given:
+        return None
+    if not engine.text_to_text:
+        raise ApiError(
+            400,
+            f"{given[0]}: only a text-to-text model (T5, BART, Marian, M2M100, ...) takes "
+            f"it, not {engine.name}",
+            param=given[0],
+        )
+    return Options(**values)
+
+
+def choice_options(
+    engine: api.Engine,
+    params: SamplingParams,
+    logprobs: int | None,
+    options: Options | None,
+    n: int,
+) -> list[Options | None]:
+    """The options of each of a request's `n` choices: with beams, choice j is the search's
+    j-th best finished hypothesis (transformers' num_return_sequences), so `n` may not
+    exceed num_beams (a 400); else every choice decodes as the request asks."""
+    if n == 1 or not engine.text_to_text:
+        return [options] * n
+    try:
+        beams = engine.text_to_text_plan(params, logprobs, options).beams.num_beams
+    except LlmrunError as e:
+        raise as_api_error(e) from None
+    if beams == 1:
+        return [options] * n
+    if n > beams:
+        raise ApiError(
+            400,
+            f"n: {n} choices, and a beam search of {beams} beams finishes {beams} hypotheses; "
+            f"ask for up to {beams}, or for more beams",
+            param="n",
+        )
+    return [dataclasses.replace(options or Options(), hypothesis=j) for j in range(n)]
 
 
 @dataclass(eq=False)
@@ -39,14 +91,19 @@ class Serial:
         refused = {
             "ignore_eos": request.ignore_eos,
             "echo with logprobs": request.prompt_logprobs is not None,
-            "images": request.images is not None,
+            # an image-to-text model's (Florence-2's, TrOCR's) come framed by its processor
+            "images": request.images is not None and not request.images.framed,
             "lora": request.lora is not None,
         }
         for name, asked in refused.items():
             if asked:
                 raise ApiError(
-                    400, f"{name}: {self.engine.name} (T5, text-to-text) does not take it"
+                    400, f"{name}: {self.engine.name} (an encoder-decoder) does not take it"
                 )
+        try:  # beams and languages it cannot take are a 400 before anything runs
+            self.engine.text_to_text_plan(request.params, request.logprobs, request.text_to_text)
+        except LlmrunError as e:
+            raise as_api_error(e) from None
         job = SerialJob(request, on_event)
         with self.order:
             ticket, self.arrived = self.arrived, self.arrived + 1
@@ -72,7 +129,15 @@ class Serial:
     def _generate(self, job: SerialJob) -> None:
         r = job.request
         try:
-            stream = self.engine.generate(r.prompt, r.params, r.max_tokens, r.stop, r.logprobs)
+            stream = self.engine.generate(
+                r.prompt,
+                r.params,
+                r.max_tokens,
+                r.stop,
+                r.logprobs,
+                images=r.images,
+                options=r.text_to_text,
+            )
             for response in stream:
                 if job.cancelled:  # the client went away: stop decoding
                     stream.close()

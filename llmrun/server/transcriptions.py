@@ -1,6 +1,10 @@
 """OpenAI's speech to text: POST /v1/audio/transcriptions, a multipart/form-data body of
-`file` (WAV), `model`, `language` (ISO 639-1), `prompt`, `response_format` (json or
-text) and `temperature` (0, greedy, unless given), answered as OpenAI answers.
+`file` (WAV), `model`, `language` (ISO 639-1), `prompt`, `response_format` (json, text,
+srt, verbose_json or vtt: llmrun.transcript_formats), `timestamp_granularities[]` (segment;
+with verbose_json) and `temperature` (0, greedy, unless given), answered as OpenAI answers.
+srt, vtt and segment timestamps come from a family that predicts times (Whisper: decoded
+with timestamps for them); another's srt, vtt or segment is a 400 naming the model, its
+verbose_json one without segments; word timestamps are a 400 (llmrun aligns no words).
 
 The prompt is the one the model's audio family documents for transcription
 (llmrun.audio_families: Voxtral's is mistral_common's, Qwen3-ASR's, GLM-ASR's and Audio Flamingo 3's
@@ -17,7 +21,8 @@ A Whisper model (llmrun.whisper), and so a Cohere Transcribe or Moonshine model 
 encoder-decoders of llmrun.transcribers), transcribes off the scheduler, which decodes
 decoder-only models: one request at a time under a lock (each takes every core), greedily
 (temperature 0 alone), OpenAI's `prompt` as Whisper's initial prompt. POST /v1/audio/translations is
-Whisper's English translation of the clip, the same form without `language`.
+Whisper's (or Canary's) English translation of the clip, the same form without `language`
+(Canary's with it: the clip's, which Canary does not detect).
 """
 
 from __future__ import annotations
@@ -36,14 +41,16 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from llmrun import audio, audio_families, batching
-from llmrun.errors import UsageError
+from llmrun import audio, audio_families, batching, transcribers
+from llmrun import transcript_formats as formats
+from llmrun.errors import ModelFormatError, UsageError
 from llmrun.server.audio import MAX_AUDIO_BYTES, no_audio
 from llmrun.server.schema import ApiError
 from llmrun.server.service import Generation, Service, generating_engine
 
-FIELDS = ("file", "model", "language", "prompt", "response_format", "temperature")
-FORMATS = ("json", "text")
+GRANULARITIES = "timestamp_granularities[]"  # as OpenAI's clients send the list
+FIELDS = ("file", "model", "language", "prompt", "response_format", "temperature", GRANULARITIES)
+TIMED_FAMILIES = ", ".join(transcribers.FAMILIES[t][0] for t in transcribers.TIMESTAMPED)
 # The form's fields besides the file.
 MAX_FIELDS_BYTES = 64 << 10
 TRANSCRIBES = ", ".join(f.name for f in audio_families.FAMILIES if f.transcription is not None)
@@ -53,8 +60,8 @@ SPEECH_LOCK = threading.Lock()
 
 
 async def transcriptions(request: Request) -> Response:
-    """POST /v1/audio/transcriptions: the text of the uploaded clip, as {"text": ...,
-    "usage": ...} (json) or plain text (text)."""
+    """POST /v1/audio/transcriptions: the text of the uploaded clip, in the response_format
+    asked for."""
     arrived = time.perf_counter()
     service: Service = request.app.state.service
     service.authorize(request)
@@ -63,13 +70,7 @@ async def transcriptions(request: Request) -> Response:
     engine = service.ready_engine(fields["model"])
     if not engine.transcribes:
         engine = generating_engine(service, fields["model"])
-    response_format = fields["response_format"] or "json"
-    if response_format not in FORMATS:
-        raise ApiError(
-            400,
-            f"response_format {response_format!r}: llmrun answers {' or '.join(FORMATS)}",
-            param="response_format",
-        )
+    response_format = _response_format(form, engine.speech_timestamps, service.model_id)
     language = fields["language"] or None
     if language is not None and not re.fullmatch("[a-z]{2}", language):
         raise ApiError(
@@ -99,14 +100,9 @@ async def transcriptions(request: Request) -> Response:
             param="prompt",
         )
 
-    def render(messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
-        if engine.template is None:
-            raise ApiError(400, f"{service.model_id} has no chat template to place audio in")
-        return engine.render(messages, add_generation_prompt=add_generation_prompt)
-
     try:
-        text = family.transcription(engine.tokenizer, render, language, fields["prompt"] or None)
-    except UsageError as e:
+        text = engine.transcription_prompt(language, fields["prompt"] or None)
+    except (UsageError, ModelFormatError) as e:  # a language it does not take, no template
         raise ApiError(400, str(e)) from None
     digest = hashlib.sha256(data).digest()
     embeds = await asyncio.to_thread(
@@ -121,6 +117,9 @@ async def transcriptions(request: Request) -> Response:
     transcript = family.transcript("".join(pieces))
     if response_format == "text":
         return PlainTextResponse(transcript)
+    if response_format == "verbose_json":
+        duration = len(audio.open_audio(data, "file").samples) / audio.SAMPLE_RATE
+        return JSONResponse(formats.verbose_json(transcript, language, "transcribe", duration))
     stats = gen.finals[0].stats
     audio_tokens = len(embeds[0])
     usage = {
@@ -138,7 +137,7 @@ async def transcriptions(request: Request) -> Response:
 
 async def translations(request: Request) -> Response:
     """POST /v1/audio/translations: a Whisper model's English translation of the uploaded
-    clip, as {"text": ...} (json) or plain text (text)."""
+    clip, in the response_format asked for."""
     service: Service = request.app.state.service
     service.authorize(request)
     form, data = await _read_form(request)
@@ -147,19 +146,14 @@ async def translations(request: Request) -> Response:
     if not engine.transcribes:
         raise ApiError(
             400,
-            f"{service.model_id} is not a Whisper model: llmrun translates speech with Whisper",
+            f"{service.model_id} does not translate speech: llmrun translates it with "
+            "Whisper and Canary models",
             param="model",
             code="model_not_supported",
         )
-    if fields["language"]:
+    if fields["language"] and engine.speech_family not in transcribers.TRANSLATE_FROM_LANGUAGE:
         raise ApiError(400, "language: a translation is into English", param="language")
-    response_format = fields["response_format"] or "json"
-    if response_format not in FORMATS:
-        raise ApiError(
-            400,
-            f"response_format {response_format!r}: llmrun answers {' or '.join(FORMATS)}",
-            param="response_format",
-        )
+    response_format = _response_format(form, engine.speech_timestamps, service.model_id)
     _temperature(fields["temperature"])
     return await _speech_to_text(service, engine, data, fields, response_format, "translate")
 
@@ -181,11 +175,12 @@ async def _speech_to_text(
             param="temperature",
         )
     clip = audio.open_audio(data, "file")
+    timed = engine.speech_timestamps and response_format in formats.TIMED
 
     def transcribe():
         with SPEECH_LOCK:
             return engine.transcribe(
-                clip, fields["language"] or None, task, fields["prompt"] or None
+                clip, fields["language"] or None, task, fields["prompt"] or None, timed
             )
 
     result = await asyncio.to_thread(transcribe)
@@ -193,13 +188,61 @@ async def _speech_to_text(
     service.metrics.requests.labels(endpoint, "200").inc()
     if response_format == "text":
         return PlainTextResponse(result.text)
-    usage = {
-        "type": "tokens",
-        "input_tokens": result.prompt_tokens,
-        "output_tokens": len(result.ids),
-        "total_tokens": result.prompt_tokens + len(result.ids),
-    }
-    return JSONResponse({"text": result.text, "usage": usage})
+    if response_format == "json":
+        return JSONResponse(formats.json_body(result))
+    if response_format == "verbose_json":
+        duration = len(clip.samples) / audio.SAMPLE_RATE
+        return JSONResponse(
+            formats.verbose_json(
+                result.text, result.language, task or "transcribe", duration, result.segments
+            )
+        )
+    return Response(
+        formats.subtitles(response_format, result.segments),
+        media_type=formats.MEDIA_TYPES[response_format],
+    )
+
+
+def _response_format(form: FormData, timed: bool, model: str) -> str:
+    """The form's response_format (json unless given), checked with its
+    timestamp_granularities[] against what the model answers (`timed`: its family predicts
+    times): srt, vtt and segment timestamps from a timed one alone, word timestamps from
+    none, timestamp_granularities[] with verbose_json alone."""
+    response_format = _text(form, "response_format") or "json"
+    if response_format not in formats.FORMATS:
+        raise ApiError(
+            400,
+            f"response_format {response_format!r}: llmrun answers {', '.join(formats.FORMATS)}",
+            param="response_format",
+        )
+    granularities = form.getlist(GRANULARITIES)
+    for granularity in granularities:
+        if granularity == "word":
+            raise ApiError(
+                400,
+                f"{GRANULARITIES} word: llmrun times segments, not words (it aligns no "
+                "words to the audio); ask for segment",
+                param=GRANULARITIES,
+            )
+        if granularity != "segment":
+            raise ApiError(
+                400, f"{GRANULARITIES} {granularity!r}: give segment", param=GRANULARITIES
+            )
+    if granularities and response_format != "verbose_json":
+        raise ApiError(
+            400, f"{GRANULARITIES} goes with response_format verbose_json", param=GRANULARITIES
+        )
+    if not timed and (granularities or response_format in formats.SUBTITLES):
+        asked = (
+            f"{GRANULARITIES} segment" if granularities else f"response_format {response_format!r}"
+        )
+        raise ApiError(
+            400,
+            f"{asked}: {model} predicts no timestamps (llmrun times speech with "
+            f"{TIMED_FAMILIES} models)",
+            param=GRANULARITIES if granularities else "response_format",
+        )
+    return response_format
 
 
 async def _read_form(request: Request) -> tuple[FormData, bytes]:
@@ -225,7 +268,8 @@ async def _read_form(request: Request) -> tuple[FormData, bytes]:
         return {"type": "http.request", "body": bytes(body), "more_body": False}
 
     try:
-        form = await Request(request.scope, receive).form(max_files=1, max_fields=len(FIELDS))
+        # timestamp_granularities[] may be there twice (segment and word).
+        form = await Request(request.scope, receive).form(max_files=1, max_fields=len(FIELDS) + 1)
     except HTTPException as e:
         raise ApiError(400, f"the multipart body does not parse: {e.detail}") from None
     unknown = [name for name in form if name not in FIELDS]

@@ -210,11 +210,11 @@ def test_unsupported_weight_type_names_tensor_and_type(tmp_path):
 
 def test_unknown_architecture_lists_supported(tmp_path):
     path = write(
-        tmp_path, gguf_bytes(kvs=(("general.architecture", GGUFValueType.STRING, "rwkv7"),))
+        tmp_path, gguf_bytes(kvs=(("general.architecture", GGUFValueType.STRING, "rwkv6qwen2"),))
     )
     with pytest.raises(
         UnsupportedError,
-        match="'rwkv7' is not supported.*llama, .*mistral3, .*phi3, .*qwen2, qwen2moe, .*qwen3, .*qwen3moe",
+        match="'rwkv6qwen2' is not supported.*llama, .*mistral3, .*phi3, .*qwen2, qwen2moe, .*qwen3, .*qwen3moe",
     ):
         open_checkpoint(path)
 

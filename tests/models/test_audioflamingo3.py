@@ -23,6 +23,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from audio_checks import chirp_wavs, placed
 from audioflamingo3_helpers import (
     SOUND,
     SOUND_BOS,
@@ -35,7 +36,6 @@ from helpers import CONVERTER, needs_converter
 from in_process import llmrun
 from qwen3_asr_helpers import converted
 from serving import GREEDY
-from voxtral_helpers import chirp, wav_bytes
 
 from llmrun import api, audio, audioflamingo3_clips
 from llmrun.errors import UsageError
@@ -69,11 +69,7 @@ def engine(folder):
 
 @pytest.fixture(scope="module")
 def wavs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("wavs")
-    long, short = tmp / "long.wav", tmp / "short.wav"
-    long.write_bytes(wav_bytes(chirp(31.3, 16000, seed=1), 16000))
-    short.write_bytes(wav_bytes(chirp(0.7, 16000, seed=2), 16000))
-    return long, short
+    return chirp_wavs(tmp_path_factory.mktemp("wavs"), 31.3)
 
 
 @pytest.fixture(scope="module")
@@ -88,22 +84,6 @@ def references(made, clips):
     ]
     text = made.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return [made(text=text, audio=[clip.samples], sampling_rate=16000) for clip in clips]
-
-
-def placed(model, reference) -> torch.Tensor:
-    """The rows the language model takes at the audio places, as transformers makes them."""
-    taken = {}
-
-    def keep(module, args, kwargs):
-        taken["embeds"] = kwargs["inputs_embeds"][0]
-
-    hook = model.model.language_model.register_forward_pre_hook(keep, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            model(**reference)
-    finally:
-        hook.remove()
-    return taken["embeds"][reference["input_ids"][0] == SOUND]
 
 
 def greedy_tokens(model, reference) -> list[int]:
@@ -122,7 +102,9 @@ def check_matches(model, engine, clip, reference, same_ids: bool = True) -> list
     else:
         row = torch.tensor([ids])
         reference = {**reference, "input_ids": row, "attention_mask": torch.ones_like(row)}
-    torch.testing.assert_close(prompt_images.embeds[0], placed(model, reference), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        prompt_images.embeds[0], placed(model, reference, SOUND), atol=1e-4, rtol=0
+    )
     with torch.no_grad():
         expected = model(**reference).logits[0]
         whole = engine.model(
@@ -166,7 +148,7 @@ def test_padding_attended_to_or_frames_not_averaged_fails(
     model, engine, clips, references, monkeypatch
 ):
     short = clips[1]
-    expected = placed(model, references[1])
+    expected = placed(model, references[1], SOUND)
     tower = engine.audio.encoder.audio_tower
     features = audioflamingo3_clips._features(short.samples, 128)
     with torch.no_grad():
@@ -246,6 +228,6 @@ def test_music_flamingo_matches_transformers(clips, tmp_path, monkeypatch):
     turned = MusicFlamingoEncoder._turned
     monkeypatch.setattr(MusicFlamingoEncoder, "_turned", lambda self, x, window: turned(self, x, 0))
     planted = engine.encode_audio([long])[0]
-    expected = placed(music, reference)
+    expected = placed(music, reference, SOUND)
     assert (planted[:750] - expected[:750]).abs().max() < 1e-4
     assert (planted[750:] - expected[750:]).abs().max() > 1e-2

@@ -5,7 +5,7 @@ output and the decoder's logits (prefilled in two pieces through the self-attent
 equal transformers' forward, and the transcript's ids equal generate's (greedy) after
 CohereAsrProcessor's decoder prompt, in two languages (by code and by name), its text
 batch_decode(skip_special_tokens=True)'s, with generation_config.json's max_length or
-max_new_tokens (beams refused), from bf16 weights too; a clip over the extractor's limit is
+max_new_tokens, with beams, from bf16 weights too; a clip over the extractor's limit is
 split and transcribed chunk by chunk as the processor does. A decoder without its causal
 mask, or decoding without suppress_tokens (the planted bugs), fails.
 `llmrun run --audio` prints the transcript, `show` says what the folder is; no language,
@@ -100,38 +100,40 @@ def test_decoding_without_suppress_tokens_is_not_transformers(folder, engine, cl
     encoded = engine.model.encode(features, features.shape[0] - 1)
     with torch.inference_mode():
         assert (
-            seq2seq.greedy(engine.model, encoded, prompt, settings)
+            seq2seq.generate(engine.model, encoded, prompt, settings)
             == engine.transcribe(clip, "en").ids
         )
         planted = dataclasses.replace(settings, suppress=())
         assert (
-            seq2seq.greedy(engine.model, encoded, prompt, planted)
+            seq2seq.generate(engine.model, encoded, prompt, planted)
             != (generate(folder, clip.samples, "en")[0])
         )
 
 
-def test_max_new_tokens_is_generate_s_and_beams_are_refused(folder, clip, tmp_path):
+def test_max_new_tokens_and_beams_are_generate_s(folder, clip, tmp_path):
     path, hf, processor = folder
     shutil.copytree(path, tmp_path, dirs_exist_ok=True)
     generation = json.loads((path / "generation_config.json").read_text())
     del generation["max_length"]
     generation["max_new_tokens"] = 5
-    (tmp_path / "generation_config.json").write_text(json.dumps(generation))
-    hf.generation_config = transformers.GenerationConfig.from_pretrained(tmp_path)
-    try:
-        ids, text = transcript(hf, processor, clip.samples, "fr")
-    finally:
-        hf.generation_config = transformers.GenerationConfig.from_pretrained(path)
-    engine = api.load(str(tmp_path), device="cpu", transcribe=True)
-    result = engine.transcribe(clip, "fr")
-    assert (result.ids, result.text) == (ids, text)
-    assert len(ids) == 5
-    (tmp_path / "generation_config.json").write_text(json.dumps({**generation, "num_beams": 4}))
+    for beams in (1, 4):
+        file = {**generation, "num_beams": beams}
+        (tmp_path / "generation_config.json").write_text(json.dumps(file))
+        hf.generation_config = transformers.GenerationConfig.from_pretrained(tmp_path)
+        try:
+            ids, text = transcript(hf, processor, clip.samples, "fr")
+        finally:
+            hf.generation_config = transformers.GenerationConfig.from_pretrained(path)
+        engine = api.load(str(tmp_path), device="cpu", transcribe=True)
+        result = engine.transcribe(clip, "fr")
+        assert (result.ids, result.text) == (ids, text)
+        assert len(ids) == 5 or beams > 1  # the beams' best ended sooner
+    (tmp_path / "generation_config.json").write_text(json.dumps({**generation, "min_length": 4}))
     run = llmrun("run", str(tmp_path), "--audio", str(path / "clip.wav"), "--language", "fr")
     assert run.returncode != 0
     assert run.stderr == (
-        "error: Cohere Transcribe's generation_config.json asks for num_beams 4, which "
-        "llmrun's greedy decoding does not apply\n"
+        "error: Cohere Transcribe's generation_config.json asks for min_length 4, which "
+        "llmrun's decoding does not apply\n"
     )
 
 

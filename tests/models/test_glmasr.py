@@ -23,6 +23,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from audio_checks import audio_user_turn, chirp_wavs, placed
 from glmasr_helpers import (
     AUDIO,
     BEGIN_AUDIO,
@@ -38,7 +39,6 @@ from glmasr_helpers import (
 from helpers import CONVERTER, needs_converter
 from in_process import llmrun
 from serving import GREEDY
-from voxtral_helpers import chirp, wav_bytes
 
 from llmrun import api, audio, glmasr_clips
 from llmrun.errors import UsageError
@@ -72,11 +72,7 @@ def engine(folder):
 
 @pytest.fixture(scope="module")
 def wavs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("wavs")
-    long, short = tmp / "long.wav", tmp / "short.wav"
-    long.write_bytes(wav_bytes(chirp(31.3, 16000, seed=1), 16000))
-    short.write_bytes(wav_bytes(chirp(0.7, 16000, seed=2), 16000))
-    return long, short
+    return chirp_wavs(tmp_path_factory.mktemp("wavs"), 31.3)
 
 
 @pytest.fixture(scope="module")
@@ -84,29 +80,9 @@ def clips(wavs):
     return [audio.open_audio(path) for path in wavs]
 
 
-def user_turn() -> list[dict]:
-    return [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": QUESTION}]}]
-
-
 @pytest.fixture(scope="module")
 def references(made, clips):
-    return [processor_inputs(made, user_turn(), [clip.samples]) for clip in clips]
-
-
-def placed(model, reference) -> torch.Tensor:
-    """The rows the language model takes at the audio places, as transformers makes them."""
-    taken = {}
-
-    def keep(module, args, kwargs):
-        taken["embeds"] = kwargs["inputs_embeds"][0]
-
-    hook = model.model.language_model.register_forward_pre_hook(keep, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            model(**reference)
-    finally:
-        hook.remove()
-    return taken["embeds"][reference["input_ids"][0] == AUDIO]
+    return [processor_inputs(made, audio_user_turn(QUESTION), [clip.samples]) for clip in clips]
 
 
 def logits(engine, ids, prompt_images) -> torch.Tensor:
@@ -131,7 +107,9 @@ def check_matches(model, engine, clip, reference, same_ids: bool = True) -> list
     (start,) = prompt_images.starts
     count = len(prompt_images.embeds[0])
     assert ids[start - 1] == BEGIN_AUDIO and ids[start + count] == END_AUDIO
-    torch.testing.assert_close(prompt_images.embeds[0], placed(model, reference), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        prompt_images.embeds[0], placed(model, reference, AUDIO), atol=1e-4, rtol=0
+    )
     with torch.no_grad():
         expected = model(**reference).logits[0]
         state = KVState(engine.model.new_cache(1, 512, torch.float32, "cpu"))
@@ -171,7 +149,7 @@ def test_the_tower_without_rope_or_a_window_unpadded_fails(
     model, engine, clips, references, monkeypatch
 ):
     short = clips[1]
-    expected = placed(model, references[1])
+    expected = placed(model, references[1], AUDIO)
     with monkeypatch.context() as patched:
         patched.setattr(glmasr_encoder, "_rotated", lambda x, cos, sin: x)
         unturned = engine.encode_audio([short])[0]

@@ -6,8 +6,9 @@ transformers' forward, and the transcript's ids equal generate's (greedy), its t
 batch_decode(skip_special_tokens=True)'s, with generation_config.json's max_length and,
 without one, the model card's max_length of 6.5 tokens a second. RoPE turning half-split
 instead of adjacent pairs, and a decoder without its causal mask (the planted bugs), fail.
-`llmrun run --audio` prints the transcript, `show` says what the folder is; a language, a
-prompt and translation are one error line each.
+`llmrun run --audio` prints the transcript (--output-format verbose_json: without segments),
+`show` says what the folder is; a language, a prompt, translation and srt (Moonshine predicts
+no times) are one error line each.
 
 Tolerances: samples, encoder output and logits 1e-4; ids and text exact.
 """
@@ -135,6 +136,17 @@ def test_run_prints_the_transcript_and_show_says_what_it_is(folder, clip):
     result = llmrun("run", str(path), "--audio", str(path / "clip.wav"))
     assert result.returncode == 0, result.stderr
     assert result.stdout == text + "\n"
+    verbose = llmrun(
+        "run", str(path), "--audio", str(path / "clip.wav"), "--output-format", "verbose_json"
+    )
+    assert verbose.returncode == 0, verbose.stderr
+    duration = len(clip.samples) / 16000
+    assert json.loads(verbose.stdout) == {
+        "task": "transcribe",
+        "language": None,
+        "duration": duration,
+        "text": text,
+    }
     shown = llmrun("show", str(path))
     assert shown.returncode == 0, shown.stderr
     assert (
@@ -149,8 +161,12 @@ def test_run_prints_the_transcript_and_show_says_what_it_is(folder, clip):
         (["--audio", "clip.wav", "--task", "translate"], "Moonshine transcribes; it does not"),
         (["the quick fox", "--audio", "clip.wav"], "Moonshine takes no prompt"),
         (["--audio", "short.wav"], "{path}/short.wav: too short for Moonshine (under 56 ms)"),
+        (
+            ["--audio", "clip.wav", "--output-format", "srt"],
+            "--output-format srt: {path} is a Moonshine model, which predicts no timestamps",
+        ),
     ],
-    ids=["language", "translate", "prompt", "short"],
+    ids=["language", "translate", "prompt", "short", "srt"],
 )
 def test_a_bad_option_is_one_error_line(folder, args, message):
     path = folder[0]

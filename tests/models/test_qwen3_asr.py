@@ -20,6 +20,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from audio_checks import audio_user_turn, chirp_wavs, placed
 from helpers import CONVERTER, needs_converter
 from in_process import llmrun
 from qwen3_asr_helpers import (
@@ -36,7 +37,6 @@ from qwen3_asr_helpers import (
     tiny_qwen3_asr,
 )
 from serving import GREEDY
-from voxtral_helpers import chirp, wav_bytes
 
 from llmrun import api, audio, qwen3_asr_clips
 from llmrun.errors import UsageError
@@ -68,11 +68,7 @@ def engine(folder):
 
 @pytest.fixture(scope="module")
 def wavs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("wavs")
-    long, short = tmp / "long.wav", tmp / "short.wav"
-    long.write_bytes(wav_bytes(chirp(2.5, 16000, seed=1), 16000))
-    short.write_bytes(wav_bytes(chirp(0.3, 16000, seed=2), 16000))
-    return long, short
+    return chirp_wavs(tmp_path_factory.mktemp("wavs"), 2.5, 0.3)
 
 
 @pytest.fixture(scope="module")
@@ -80,29 +76,11 @@ def clips(wavs):
     return [audio.open_audio(path) for path in wavs]
 
 
-def user_turn() -> list[dict]:
-    return [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": QUESTION}]}]
-
-
 @pytest.fixture(scope="module")
 def references(folder, made, clips):
-    return [processor_inputs(folder, user_turn(), [clip.samples], made) for clip in clips]
-
-
-def placed(model, reference) -> torch.Tensor:
-    """The rows the language model takes at the audio places, as transformers makes them."""
-    taken = {}
-
-    def keep(module, args, kwargs):
-        taken["embeds"] = kwargs["inputs_embeds"][0]
-
-    hook = model.model.language_model.register_forward_pre_hook(keep, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            model(**reference)
-    finally:
-        hook.remove()
-    return taken["embeds"][reference["input_ids"][0] == AUDIO]
+    return [
+        processor_inputs(folder, audio_user_turn(QUESTION), [clip.samples], made) for clip in clips
+    ]
 
 
 def logits(engine, ids, prompt_images) -> torch.Tensor:
@@ -127,7 +105,9 @@ def check_matches(model, engine, clip, reference, same_ids: bool = True) -> list
     (start,) = prompt_images.starts
     count = len(prompt_images.embeds[0])
     assert ids[start - 1] == AUDIO_START and ids[start + count] == AUDIO_END
-    torch.testing.assert_close(prompt_images.embeds[0], placed(model, reference), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        prompt_images.embeds[0], placed(model, reference, AUDIO), atol=1e-4, rtol=0
+    )
     with torch.no_grad():
         expected = model(**reference).logits[0]
         state = KVState(engine.model.new_cache(1, 256, torch.float32, "cpu"))
@@ -164,14 +144,14 @@ def test_audio_across_windows_or_a_short_clip_unpadded_fail(
     with monkeypatch.context() as patched:
         patched.setattr(engine.audio.encoder.args, "n_window_infer", 1000)
         planted = engine.encode_audio([long])[0]
-    expected = placed(model, references[0])
+    expected = placed(model, references[0], AUDIO)
     assert planted.shape == expected.shape
     assert (planted - expected).abs().max() > 1e-2
     padded = np.pad(short.samples, (0, 8000 - len(short.samples)))
     features = torch.from_numpy(audio.log_mel(padded, 128))
     with torch.no_grad():
         unpadded_chunk = engine.audio.encoder(features, whole_chunks=False)
-    assert (unpadded_chunk - placed(model, references[1])).abs().max() > 1e-2
+    assert (unpadded_chunk - placed(model, references[1], AUDIO)).abs().max() > 1e-2
     monkeypatch.setattr(qwen3_asr_clips, "MIN_SAMPLES", 0)
     assert engine.audio_tokens(short) != int((references[1]["input_ids"] == AUDIO).sum())
 

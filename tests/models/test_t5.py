@@ -2,13 +2,18 @@
 tiny random flan-t5 (gated GELU, its own head), t5 v1.0 (ReLU, the head tied and outputs
 scaled by d_model**-0.5) and UMT5 (a bias table per layer) give transformers' encoder output
 and decoder logits (prefilled, then a token a step through the KV cache), and greedy
-decoding gives transformers' generate ids. The decoder's relative positions read
-bidirectionally (the planted bug) fail. `run` prints generate's text, `show` names the
+decoding gives transformers' generate ids; so do LongT5 (local and transient-global
+encoder attention, a prompt of several blocks and a partial last one) and Switch
+Transformers (experts whose capacity drops some of the prompt's tokens). The decoder's
+relative positions read bidirectionally (the planted bug) fail, and so do LongT5's encoder
+with its radius one short or without its global keys and Switch's without the capacity. `run` prints generate's text, `show` names the
 model, and commands that need a chat template or the decoder-only loop refuse it in one
 error line.
 
 Tolerances: encoder output and logits 1e-4; ids and text exact.
 """
+
+import json
 
 import pytest
 import torch
@@ -65,6 +70,29 @@ def test_encoder_and_decoder_match_transformers(variant, monkeypatch):
         assert (wrong - expected.logits).abs().max() > 1e-2
 
 
+def _break_encoder(model, name: str, monkeypatch) -> None:
+    """Plant the bug of variant `name`'s own encoder: LongT5's radius one
+    short, its global keys left out; Switch Transformers' capacity ignored."""
+    if name == "longt5-local":
+        monkeypatch.setattr(model.args, "local_radius", 4)
+    elif name == "longt5-tglobal":
+        monkeypatch.setattr(model.args, "encoder_attention_type", "local")
+    elif name == "switch":
+        for block in model.encoder.block:
+            if isinstance(getattr(block.layer[-1], "mlp", None), t5_model.SparseMLP):
+                monkeypatch.setattr(block.layer[-1].mlp, "capacity", 10**6)
+
+
+@pytest.mark.parametrize("variant", ["longt5-local", "longt5-tglobal", "switch"], indirect=True)
+def test_encoders_of_longt5_and_switch_fail_their_planted_bugs(variant, request, monkeypatch):
+    _, ref, engine, ids = variant
+    _break_encoder(engine.model, request.node.callspec.params["variant"], monkeypatch)
+    prompt = torch.tensor([ids])
+    with torch.no_grad():
+        expected = ref.get_encoder()(input_ids=prompt).last_hidden_state
+        assert (engine.model.encode(prompt) - expected).abs().max() > 1e-2
+
+
 def test_greedy_decoding_is_transformers_generate(variant):
     _, ref, engine, ids = variant
     with torch.no_grad():
@@ -91,7 +119,7 @@ def test_run_prints_generates_text_and_show_names_it(variant, tokenizer):
     assert result.stdout == text  # a pipe gets the text exactly
     shown = llmrun("show", str(folder))
     assert shown.returncode == 0, shown.stderr
-    kind = "umt5" if "umt5" in folder.name else "t5"
+    kind = json.loads((folder / "config.json").read_text())["model_type"]
     assert f"{kind} (text-to-text (encoder-decoder): 2 encoder and 2 decoder layers)" in (
         shown.stdout
     )

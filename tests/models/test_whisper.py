@@ -11,22 +11,31 @@ batch_decode(skip_special_tokens=True)'s; a clip over 30 seconds is generate's l
 transcription of the whole clip's features (truncation=False), timestamps and all, with
 and without a language and a prompt. A decoder without its causal mask, or decoding without
 suppress_tokens (the planted bugs), fails.
-`llmrun run --audio` prints the transcript, `show` says what the folder is, and bad
-options, a Whisper model without audio and whisper.cpp's ggml files are one error line each.
+Asked for timestamps, a short clip and a long one give generate(return_timestamps=True,
+return_segments=True)'s segments: tokens, start and end times, texts (decode's), each
+window split as _retrieve_segment splits it (every branch, on made-up windows too); each
+segment with its window's openai-whisper scores: avg_logprob from generate's scores,
+compression_ratio of the window's text, no_speech_prob from transformers' forward. Times
+off by a factor (the planted bug) fail.
+`llmrun run --audio` prints the transcript (--output-format srt and verbose_json: those
+segments), `show` says what the folder is, and bad options, a Whisper model without audio
+and whisper.cpp's ggml files are one error line each.
 
-Tolerances: features, encoder output and logits 1e-4; ids and text exact.
+Tolerances: features, encoder output and logits 1e-4; avg_logprob and no_speech_prob 1e-4;
+ids, text, times and compression_ratio exact.
 """
 
 import dataclasses
 import json
 import shutil
+import zlib
 
 import numpy as np
 import pytest
 import torch
 from in_process import llmrun
 from voxtral_helpers import chirp, wav_bytes
-from whisper_helpers import tiny_whisper_dir
+from whisper_helpers import reference_segments, subtitle_cues, tiny_whisper_dir
 
 from llmrun import api, audio, whisper
 from llmrun.models import whisper as whisper_model
@@ -197,8 +206,8 @@ def test_a_long_clip_is_transformers_long_form_generate(
         folder, inputs.input_features, attention_mask=inputs.attention_mask, **kwargs
     )
     windows = []
-    kept = whisper.kept_tokens
-    monkeypatch.setattr(whisper, "kept_tokens", lambda *a: windows.append(a) or kept(*a))
+    kept = whisper.split_window
+    monkeypatch.setattr(whisper, "split_window", lambda *a: windows.append(a) or kept(*a))
     result = engine.transcribe(
         audio.Clip(samples, "long"), options.get("language"), None, options.get("prompt")
     )
@@ -234,8 +243,17 @@ def test_run_prints_the_transcript_and_show_says_what_it_is(folder, reference):
             "language 'klingon': not one Whisper knows",
         ),
         (["hello"], "{path} is a speech recognition model (Whisper): transcribe with `llmrun run"),
+        (
+            ["--audio", "clip.wav", "--output-format", "tsv"],
+            "--output-format 'tsv': give json, text, srt, verbose_json, vtt",
+        ),
+        (
+            ["--audio", "clip.wav", "--audio", "clip.wav", "--output-format", "vtt"],
+            "--output-format vtt takes one --audio",
+        ),
+        (["hello", "--output-format", "srt"], "--output-format goes with --audio"),
     ],
-    ids=["task", "language", "no-audio"],
+    ids=["task", "language", "no-audio", "format", "two-subtitles", "format-no-audio"],
 )
 def test_a_bad_option_is_one_error_line(folder, args, message):
     path, _ = folder
@@ -252,3 +270,131 @@ def test_whisper_cpp_s_ggml_files_are_refused_by_name(folder, tmp_path):
     result = llmrun("run", str(model), "--audio", str(folder[0] / "clip.wav"))
     assert result.returncode != 0
     assert result.stderr.startswith(f"error: {model}: a whisper.cpp ggml model")
+
+
+def segment_differences(segments, expected, tokenizer) -> list[str]:
+    """Where llmrun's segments differ from transformers' (reference_segments): tokens,
+    times, text; their window's avg_logprob (openai-whisper's: the chosen tokens'
+    log-probabilities under generate's scores, end-of-text's included, over their number
+    plus one) and compression_ratio (the window's text over its zlib compression); one
+    seek per window."""
+    eot = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    if len(segments) != len(expected):
+        return [f"{len(segments)} segments, not {len(expected)}"]
+    wrong, seeks = [], {}
+    for mine, theirs in zip(segments, expected, strict=True):
+        for name in ("tokens", "start", "end", "text"):
+            if getattr(mine, name) != theirs[name]:
+                wrong.append(f"{mine.id} {name}: {getattr(mine, name)!r} != {theirs[name]!r}")
+        generated = theirs["generated"]
+        chosen = torch.log_softmax(theirs["scores"], -1)[range(len(generated)), generated]
+        tokens = len(generated) - (generated[-1] == eot)
+        if abs(mine.avg_logprob - chosen.sum().item() / (tokens + 1)) > 1e-4:
+            wrong.append(f"{mine.id} avg_logprob {mine.avg_logprob}")
+        text = tokenizer.decode(generated[:tokens], skip_special_tokens=True).strip()
+        data = text.encode()
+        if mine.compression_ratio != len(data) / len(zlib.compress(data)):
+            wrong.append(f"{mine.id} compression_ratio {mine.compression_ratio}")
+        if seeks.setdefault(theirs["window"], mine.seek) != mine.seek:
+            wrong.append(f"{mine.id} seek {mine.seek}")
+    if sorted(seeks.values()) != list(seeks.values()) or len(set(seeks.values())) != len(seeks):
+        wrong.append(f"seeks {list(seeks.values())}")
+    return wrong
+
+
+@pytest.mark.parametrize(
+    ("seconds", "options"),
+    [(3.0, {"language": "de"}), (65.0, {"prompt": "the quick fox"})],
+    ids=["short", "long-prompt"],
+)
+def test_segments_are_transformers_return_segments(
+    folder, engine, reference, seconds, options, monkeypatch
+):
+    path, hf = folder
+    tokenizer = reference[2]
+    samples = chirp(seconds, 16000, seed=4).astype(np.float32)
+    extractor = transformers.WhisperFeatureExtractor.from_pretrained(path)
+    long = {"truncation": False, "padding": "longest"} if seconds > 30 else {}
+    inputs = extractor(samples, sampling_rate=16000, return_tensors="pt", **long)
+    features = inputs.input_features
+    kwargs = {"language": options.get("language")}
+    if "prompt" in options:
+        kwargs["prompt_ids"] = tokenizer.get_prompt_ids(options["prompt"], return_tensors="pt")
+    expected = reference_segments(hf, path, features, **kwargs)
+    clip = audio.Clip(samples, "clip")
+    result = engine.transcribe(clip, options.get("language"), None, options.get("prompt"), True)
+    assert len({s["window"] for s in expected}) >= 2
+    assert [t for s in result.segments for t in s.tokens] == result.ids
+    assert segment_differences(result.segments, expected, tokenizer) == []
+    assert {s.temperature for s in result.segments} == {0.0}
+    # no_speech_prob: <|nospeech|>'s probability after <|startoftranscript|> in the first
+    # window, by transformers' forward on its decoder prompt.
+    prompt = torch.tensor([expected[0]["prompt"]])
+    with torch.no_grad():
+        logits = hf(input_features=features[..., :3000], decoder_input_ids=prompt).logits
+    start = expected[0]["prompt"].index(tokenizer.convert_tokens_to_ids("<|startoftranscript|>"))
+    no_speech = logits[0, start].softmax(-1)[tokenizer.convert_tokens_to_ids("<|nospeech|>")]
+    assert abs(result.segments[0].no_speech_prob - no_speech.item()) < 1e-4
+    monkeypatch.setattr(whisper, "TIME_PRECISION", 0.04)  # the planted bug
+    planted = engine.transcribe(clip, options.get("language"), None, options.get("prompt"), True)
+    assert segment_differences(planted.segments, expected, tokenizer) != []
+
+
+def ts(position: int) -> int:
+    """A made-up window's timestamp token: <|0.00|> is 1000."""
+    return 1000 + position
+
+
+@pytest.mark.parametrize(
+    ("tokens", "frames"),
+    [
+        ([ts(0), 5, 6, ts(50), ts(60), 7, ts(80), ts(90), 9, 10], 3000),
+        ([ts(0), 5, ts(50), ts(60), 7, 8, ts(120)], 3000),
+        ([ts(3), 5, 6, ts(40), ts(40)], 3000),
+        ([ts(0), 5, 6, ts(70)], 2345),
+        ([ts(0), 5, 6], 2345),
+        ([5, 6, 7], 30),  # generate's float32 window end: int(30 * 0.01 / 0.02) is 14
+    ],
+    ids=["pairs", "lone-end", "pair-end", "no-pair-lone", "no-pair", "no-timestamp"],
+)
+def test_a_window_splits_as_transformers_retrieve_segment(engine, tokens, frames):
+    seek = 1234
+    expected, offset = transformers.WhisperForConditionalGeneration._retrieve_segment(
+        seek_sequence=torch.tensor(tokens),
+        seek_outputs=[{}],
+        time_offset=torch.tensor([seek], dtype=torch.float64) * 0.02 / 2,
+        timestamp_begin=1000,
+        seek_num_frames=torch.tensor([frames]),
+        time_precision=0.02,
+        time_precision_features=0.01,
+        input_stride=2,
+        prev_idx=0,
+        idx=0,
+        return_token_timestamps=False,
+        decoder_input_ids=torch.zeros(1, 3, dtype=torch.long),
+    )
+    pieces, moved = whisper.split_window(tokens, frames, 1000)
+    window = whisper.Window(tokens, -1.0, None)
+    segments = whisper.window_segments(engine.tokenizer, window, pieces, seek, 1000, 0)
+    assert moved == int(offset)
+    assert [(s.tokens, s.start, s.end) for s in segments] == [
+        (e["tokens"].tolist(), e["start"].item(), e["end"].item()) for e in expected
+    ]
+
+
+def test_run_prints_srt_and_verbose_json_of_the_segments(folder, reference):
+    path, hf = folder
+    _, features, tokenizer = reference
+    expected = reference_segments(hf, path, features, language="en")
+    args = ["run", str(path), "--audio", str(path / "clip.wav"), "--language", "en"]
+    result = llmrun(*args, "--output-format", "srt")
+    assert result.returncode == 0, result.stderr
+    cues = [(round(s["start"] * 1000), round(s["end"] * 1000), s["text"].strip()) for s in expected]
+    assert subtitle_cues(result.stdout, ",") == [c for c in cues if c[2]]
+    verbose = llmrun(*args, "--output-format", "verbose_json")
+    assert verbose.returncode == 0, verbose.stderr
+    body = json.loads(verbose.stdout)
+    assert (body["task"], body["language"], body["duration"]) == ("transcribe", "english", 3.0)
+    assert [(s["start"], s["end"], s["text"], s["tokens"]) for s in body["segments"]] == [
+        (round(s["start"], 3), round(s["end"], 3), s["text"], s["tokens"]) for s in expected
+    ]

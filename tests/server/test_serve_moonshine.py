@@ -1,7 +1,8 @@
 """serve with a tiny random Moonshine (tests/moonshine_helpers.py): /v1/audio/transcriptions
 answers transformers' MoonshineForConditionalGeneration.generate text (greedy) for the
-uploaded WAV, as json (with usage) and as text; a language (Moonshine takes none) and a
-translation are one clear 400 each.
+uploaded WAV, as json (with usage), as text and as verbose_json (without segments: Moonshine
+predicts no times); a language (Moonshine takes none), a translation, srt and segment
+timestamps are one clear 400 each.
 
 Tolerances: text exact.
 """
@@ -48,6 +49,8 @@ def test_a_transcription_is_transformers_generate(client, folder):
     plain = post(client, response_format="text")
     assert plain.headers["content-type"].startswith("text/plain")
     assert plain.text == text
+    verbose = post(client, response_format="verbose_json").json()
+    assert verbose == {"task": "transcribe", "language": None, "duration": 2.0, "text": text}
 
 
 @pytest.mark.parametrize(
@@ -55,8 +58,19 @@ def test_a_transcription_is_transformers_generate(client, folder):
     [
         ("transcriptions", {"language": "en"}, "Moonshine takes no language"),
         ("translations", {}, "Moonshine transcribes; it does not translate"),
+        (
+            "transcriptions",
+            {"response_format": "srt"},
+            "response_format 'srt': moonshine predicts no timestamps (llmrun times speech "
+            "with Whisper models)",
+        ),
+        (
+            "transcriptions",
+            {"response_format": "verbose_json", "timestamp_granularities[]": "segment"},
+            "timestamp_granularities[] segment: moonshine predicts no timestamps",
+        ),
     ],
-    ids=["language", "translation"],
+    ids=["language", "translation", "srt", "segment"],
 )
 def test_what_it_cannot_do_is_one_400(client, endpoint, fields, message):
     response = post(client, endpoint, **fields)

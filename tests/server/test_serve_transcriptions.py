@@ -3,8 +3,9 @@ tekken.json as Voxtral's (voxtral_helpers.write_voxtral_tekken): the prompt ids 
 of transformers' VoxtralProcessor.apply_transcription_request (mistral_common's
 TranscriptionRequest), with and without a language, and the reply is transformers' greedy
 generation on them, decoded (the context ends it, a random model not stopping: its last
-position's token is the last), as json and as text. A bad file, a missing file field, an
-unknown response format, a bad language, a file over serve's audio limit, a model without
+position's token is the last), as json, as text and as verbose_json (without segments:
+Voxtral predicts no times). A bad file, a missing file field, an unknown response format,
+srt (no times), a bad language, a file over serve's audio limit, a model without
 an audio encoder and an audio model whose family documents no transcription prompt are
 one clear 400 each (a body over the limit a 413); a transcription and a chat request in
 flight together are decoded together and both complete as each does alone, and /metrics
@@ -120,6 +121,14 @@ def test_a_transcription_is_transformers_on_apply_transcription_request_s_ids(
     plain = transcribe(client, response_format="text", **fields)
     assert plain.headers["content-type"].startswith("text/plain")
     assert plain.text == text
+    if language:  # verbose_json: no segments (Voxtral predicts no times)
+        verbose = transcribe(client, response_format="verbose_json", **fields).json()
+        assert verbose == {
+            "task": "transcribe",
+            "language": "english",
+            "duration": 1.0,
+            "text": text,
+        }
 
 
 @pytest.mark.parametrize(
@@ -127,7 +136,13 @@ def test_a_transcription_is_transformers_on_apply_transcription_request_s_ids(
     [
         (b"fLaC" + bytes(64), {}, "file: FLAC audio; llmrun reads WAV"),
         (None, {}, "file: the audio is missing: send it as the form's file field"),
-        (CLIP, {"response_format": "srt"}, "response_format 'srt': llmrun answers json or text"),
+        (
+            CLIP,
+            {"response_format": "srt"},
+            "response_format 'srt': voxtral predicts no timestamps (llmrun times speech with "
+            "Whisper models)",
+        ),
+        (CLIP, {"response_format": "tsv"}, "response_format 'tsv': llmrun answers json, text"),
         (CLIP, {"language": "english"}, "language 'english': give an ISO 639-1 code"),
     ],
 )
@@ -219,7 +234,7 @@ def test_an_audio_model_without_a_documented_transcription_prompt_is_a_400(tmp_p
     assert response.status_code == 400
     assert response.json()["error"]["message"] == (
         "qwen2-audio is a Qwen2-Audio model, whose transcription prompt llmrun does not know "
-        "(it transcribes with Voxtral, Qwen3-ASR, Granite Speech Plus, GLM-ASR, Audio Flamingo 3, "
-        "Phi-4-multimodal models); send the audio to /v1/chat/completions as an "
-        "input_audio part with your instruction"
+        "(it transcribes with Voxtral, Qwen3-ASR, Granite Speech Plus, GLM-ASR, Fun-ASR-Nano, "
+        "VibeVoice-ASR, Audio Flamingo 3, Phi-4-multimodal models); send the audio to "
+        "/v1/chat/completions as an input_audio part with your instruction"
     )

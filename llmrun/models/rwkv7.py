@@ -1,0 +1,313 @@
+"""RWKV-7 "Goose" (fla-hub/rwkv7-*, RWKV7ForCausalLM; BlinkDL's RWKV-7 world models): a stack
+of blocks, each x + time_mix(norm(x)) then x + channel_mix(norm(x)), with no attention. The
+first block normalizes the embedding first (pre_norm, BlinkDL's ln0).
+
+Time mix: each token is mixed with the one before it (token shift: x + (x_prev - x) * x_c
+for c in r, w, k, v, a, g); r, k, v are projections; low-rank maps (LoRAs) give the decay
+w = exp(-e^-0.5 * sigmoid(w0 + tanh(x W1) W2)), the in-context learning rate
+a = sigmoid(a0 + x A1 A2), the output gate g = sigmoid(x G1) G2, and in every block but the
+first, how far v moves to the first block's v (v-first residual: sigmoid(v0 + x V1 V2)).
+kk = l2norm(k * k_k) per head, and k becomes k * (1 + (a - 1) * k_a). Each head's state
+S [head_size (v), head_size (k)] takes, per token, S = S diag(w) - (S kk) (kk a)^T + v k^T,
+and gives out = S r; the outputs are group-normed per head (eps 64e-5, as llama.cpp and
+BlinkDL's code have it), get ((r * k * r_k) summed per head) * v added, are gated by g and
+projected (o_proj). Channel mix: value(relu(key(x + (x_prev - x) * x_k))^2).
+
+Each sequence carries, per block, the last token's input to each mix and the heads' states
+from one forward to the next (llmrun.models.recurrent): the cache holds no keys or values.
+
+Reference: BlinkDL's RWKV-LM RWKV-v7 and the `rwkv` package (rwkv/model.py RWKV_x070);
+flash-linear-attention's fla/models/rwkv7 and fla/layers/rwkv7.py, whose checkpoint keys
+the parameters are named after.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmrun.errors import UnsupportedError
+from llmrun.models.base import CausalLM, Frame, StateOnly, StateOnlyArgs, args_from_config
+from llmrun.models.cache import KVCache
+
+# e^-0.5: the largest log-decay a token can take (w = exp(-DECAY_SCALE * sigmoid(...))).
+DECAY_SCALE = math.exp(-0.5)
+# The output group norm's eps: llama.cpp's and BlinkDL's constant, whatever the head size.
+GROUP_NORM_EPS = 64e-5
+
+
+@dataclass
+class ModelArgs(StateOnlyArgs):
+    hidden_size: int
+    num_hidden_layers: int
+    vocab_size: int
+    head_dim: int = 64
+    decay_low_rank_dim: int = 64
+    a_low_rank_dim: int = 64
+    v_low_rank_dim: int = 16
+    gate_low_rank_dim: int = 128
+    intermediate_size: int | None = None
+    hidden_ratio: float | None = 4
+    hidden_act: str = "sqrelu"
+    norm_eps: float = 1e-5
+    norm_bias: bool = True
+    norm_first: bool = True
+    value_dim: Any = None
+    tie_word_embeddings: bool = False
+    rope_parameters: dict[str, Any] = field(default_factory=dict)  # unused: no attention
+
+    def __post_init__(self) -> None:
+        if self.intermediate_size is None:
+            # fla's RWKV7FeedForward: hidden * ratio, rounded up to a multiple of 32
+            size = int(self.hidden_size * (self.hidden_ratio or 4))
+            self.intermediate_size = 32 * ((size + 31) // 32)
+        if self.hidden_act != "sqrelu":
+            raise UnsupportedError(f"RWKV-7 with hidden_act {self.hidden_act!r} is not supported")
+        values = self.value_dim if isinstance(self.value_dim, list) else [self.value_dim]
+        if any(v not in (None, self.hidden_size) for v in values):
+            raise UnsupportedError(
+                "RWKV-7 with value_dim other than hidden_size is not supported "
+                "(llama.cpp runs none such)"
+            )
+        if self.hidden_size % self.head_dim:
+            raise UnsupportedError(
+                f"RWKV-7's hidden_size {self.hidden_size} is not a multiple of its head_dim "
+                f"{self.head_dim}"
+            )
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ModelArgs:
+        return args_from_config(cls, config)
+
+    @property
+    def num_heads(self) -> int:
+        return self.hidden_size // self.head_dim
+
+    def recurrent_shapes(self) -> dict[int, list[tuple[int, ...]]]:
+        """Each block's state of one sequence: the time mix's last input [hidden], the
+        heads' states [heads, head_dim (v), head_dim (k)], the channel mix's last input."""
+        h, n = self.num_heads, self.head_dim
+        shapes = [(self.hidden_size,), (h, n, n), (self.hidden_size,)]
+        return {i: shapes for i in range(self.num_hidden_layers)}
+
+
+@dataclass
+class RwkvFrame(Frame):
+    """A Frame that carries the first block's values to the later blocks (v-first)."""
+
+    v_first: torch.Tensor | None = None
+
+
+class LoRA(nn.Module):
+    """x -> activation(x A) B (+ bias): fla's LoRA, under its keys (lora.0, lora.2)."""
+
+    def __init__(self, hidden: int, rank: int, activation: str | None, bias: bool = True) -> None:
+        super().__init__()
+        acts = {None: nn.Identity(), "tanh": nn.Tanh(), "sigmoid": nn.Sigmoid()}
+        self.lora = nn.Sequential(
+            nn.Linear(hidden, rank, bias=False),
+            acts[activation],
+            nn.Linear(rank, hidden, bias=bias),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lora(x)
+
+
+def shifted(x: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    """x [B, T, C] moved one token later, `previous` [B, C] first: each token's predecessor."""
+    return torch.cat((previous[:, None].to(x.dtype), x[:, :-1]), dim=1)
+
+
+def last_real(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Each row's last real token of x [B, T, C] ([B, C]), rows padded beyond `counts`."""
+    return x[torch.arange(x.shape[0], device=x.device), counts.to(x.device) - 1]
+
+
+def run_block(
+    x: torch.Tensor,
+    frame: Frame,
+    cache: KVCache | None,
+    layer: int,
+    time_norm: nn.Module,
+    time_mix: nn.Module,
+    channel_norm: nn.Module,
+    channel_mix: nn.Module,
+) -> torch.Tensor:
+    """An RWKV block (RWKV-7's, RWKV-6's) after its pre-norm: x + time_mix(time_norm(x)),
+    then + channel_mix(channel_norm(x)), each mix given the token before the first (its
+    input's last real token in the layer's state; zeros without a cache) and the time mix
+    its heads' state, written back after each row's real tokens."""
+    batch, tokens, hidden = x.shape
+    if cache is None:
+        shift_in = x.new_zeros(batch, hidden, dtype=torch.float32)
+        size = hidden // time_mix.heads
+        state = x.new_zeros(batch, time_mix.heads, size, size, dtype=torch.float32)
+        shift_ffn = shift_in
+    else:
+        shift_in, state, shift_ffn = cache.recurrent.read(layer)
+    counts = frame.counts if frame.counts is not None else torch.full((batch,), tokens)
+    mixed_in = time_norm(x)
+    out, state = time_mix(mixed_in, shift_in, state, frame)
+    x = x + out
+    ffn_in = channel_norm(x)
+    x = x + channel_mix(ffn_in, shift_ffn)
+    if cache is not None:
+        states = [last_real(mixed_in, counts).float(), state, last_real(ffn_in, counts).float()]
+        cache.recurrent.write(layer, states)
+    return x
+
+
+def wkv7(
+    state: torch.Tensor,
+    r: torch.Tensor,
+    decay: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kk: torch.Tensor,
+    a: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The heads' recurrence over T tokens: state [B, H, N, N] (v by k), the rest [B, T, H, N]
+    in float32 -> (outputs [B, T, H, N], the last state). Per token:
+    S = S * decay - (S kk) (kk * a)^T + v k^T, out = S r."""
+    removal = kk * a
+    outputs = []
+    for t in range(r.shape[1]):
+        taken = (state @ kk[:, t, :, :, None]) @ removal[:, t, :, None, :]  # [B, H, N, N]
+        state = state * decay[:, t, :, None, :] - taken + v[:, t, :, :, None] * k[:, t, :, None, :]
+        outputs.append((state @ r[:, t, :, :, None])[..., 0])
+    return torch.stack(outputs, dim=1), state
+
+
+class TimeMix(nn.Module):
+    """RWKV-7's time mix of one block (fla's RWKV7Attention, under its keys)."""
+
+    def __init__(self, args: ModelArgs, layer: int) -> None:
+        super().__init__()
+        hidden = args.hidden_size
+        self.layer, self.heads, self.head_dim = layer, args.num_heads, args.head_dim
+        for name in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g"):
+            setattr(self, name, nn.Parameter(torch.empty(1, 1, hidden)))
+        self.k_k = nn.Parameter(torch.empty(hidden))
+        self.k_a = nn.Parameter(torch.empty(hidden))
+        self.r_k = nn.Parameter(torch.empty(self.heads, self.head_dim))
+        self.r_proj = nn.Linear(hidden, hidden, bias=False)
+        self.k_proj = nn.Linear(hidden, hidden, bias=False)
+        self.v_proj = nn.Linear(hidden, hidden, bias=False)
+        self.o_proj = nn.Linear(hidden, hidden, bias=False)
+        self.w_lora = LoRA(hidden, args.decay_low_rank_dim, "tanh")
+        if layer != 0:
+            self.v_lora = LoRA(hidden, args.v_low_rank_dim, None)
+        self.a_lora = LoRA(hidden, args.a_low_rank_dim, None)
+        self.g_lora = LoRA(hidden, args.gate_low_rank_dim, "sigmoid", bias=False)
+        self.g_norm = nn.GroupNorm(self.heads, hidden, eps=GROUP_NORM_EPS)
+
+    def forward(
+        self, x: torch.Tensor, previous: torch.Tensor, state: torch.Tensor, frame: RwkvFrame
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, hidden] with the token before it `previous` [B, hidden] and the heads'
+        state [B, H, N, N] -> (output, the state after the rows' real tokens)."""
+        batch, tokens, hidden = x.shape
+        delta = shifted(x, previous) - x
+        xr, xw, xk, xv, xa, xg = (
+            x + delta * mix for mix in (self.x_r, self.x_w, self.x_k, self.x_v, self.x_a, self.x_g)
+        )
+        r, k, v = self.r_proj(xr), self.k_proj(xk), self.v_proj(xv)
+        log_decay = -DECAY_SCALE * torch.sigmoid(self.w_lora(xw).float())
+        if self.layer == 0:
+            frame.v_first = v
+        else:
+            v = v + (frame.v_first - v) * torch.sigmoid(self.v_lora(xv))
+        a = torch.sigmoid(self.a_lora(xa))
+        g = self.g_lora(xg)
+        heads = (batch, tokens, self.heads, self.head_dim)  # [B, T, hidden] -> per head
+        kk = F.normalize((k * self.k_k).view(heads).float(), dim=-1, eps=1e-12)
+        k = k * (1 + (a - 1) * self.k_a)
+        real = frame.counts is not None and bool((frame.counts < tokens).any())
+        if real:
+            # A row's padding leaves its state as it is: no decay, nothing taken or added.
+            mask = torch.arange(tokens, device=x.device)[None] < frame.counts.to(x.device)[:, None]
+            log_decay = log_decay * mask[..., None]
+            kk = kk * mask[..., None, None]
+            k = k * mask[..., None].to(k.dtype)
+        r32, k32, v32 = (t.view(heads).float() for t in (r, k, v))
+        out, state = wkv7(
+            state, r32, torch.exp(log_decay).view(heads), k32, v32, kk, a.view(heads).float()
+        )
+        norm = self.g_norm  # in float32, as the recurrence's outputs are
+        out = F.group_norm(
+            out.reshape(batch * tokens, hidden), self.heads, norm.weight.float(),
+            norm.bias.float(), norm.eps,
+        ).view(heads)  # fmt: skip
+        bonus = (r32 * k32 * self.r_k.float()).sum(-1, keepdim=True) * v32
+        out = ((out + bonus).reshape(batch, tokens, hidden) * g.float()).to(x.dtype)
+        return self.o_proj(out), state
+
+
+class ChannelMix(nn.Module):
+    """value(relu(key(x + (x_prev - x) * x_k))^2) (fla's RWKV7FeedForward)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.x_k = nn.Parameter(torch.empty(args.hidden_size))
+        self.key = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.value = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+        xk = x + (shifted(x, previous) - x) * self.x_k
+        return self.value(torch.relu(self.key(xk)).square())
+
+
+class Block(nn.Module):
+    """x + time_mix(attn_norm(x)), then + channel_mix(ffn_norm(x)); the first block
+    normalizes its input first (pre_norm)."""
+
+    def __init__(self, args: ModelArgs, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        norm = dict(eps=args.norm_eps, bias=args.norm_bias)
+        if layer == 0 and args.norm_first:
+            self.pre_norm = nn.LayerNorm(args.hidden_size, **norm)
+        self.attn_norm = nn.LayerNorm(args.hidden_size, **norm)
+        self.attn = TimeMix(args, layer)
+        self.ffn_norm = nn.LayerNorm(args.hidden_size, **norm)
+        self.ffn = ChannelMix(args)
+
+    def forward(self, x: torch.Tensor, frame: RwkvFrame, cache: KVCache | None) -> torch.Tensor:
+        if hasattr(self, "pre_norm"):
+            x = self.pre_norm(x)
+        mixes = (self.attn_norm, self.attn, self.ffn_norm, self.ffn)
+        return run_block(x, frame, cache, self.layer, *mixes)
+
+
+class Body(nn.Module):
+    """The embedding, the blocks and the final norm under fla's names (embeddings, layers,
+    norm)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_hidden_layers))
+        self.norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps, bias=args.norm_bias)
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        """The embedding, under the name CausalLM and the loader read."""
+        return self.embeddings
+
+
+class Model(StateOnly, CausalLM):
+    """model -> lm_head; the KV cache holds no layers, only each block's state."""
+
+    frame_type = RwkvFrame
+
+    def __init__(self, args: ModelArgs) -> None:
+        nn.Module.__init__(self)
+        self.args = args
+        self.model = Body(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
