@@ -1,13 +1,16 @@
 """A folder's byte-level BPE tokenizer from vocab.json and merges.txt, where it ships no
-tokenizer.json (facebook/blenderbot-400M-distill, -1B-distill), built as transformers 5's
-BlenderbotTokenizer builds it: the BPE of vocab.json's ids and merges.txt's merges in their
-order, GPT-2's byte-level pre-tokenizer (a space put before the text where
-tokenizer_config.json's add_prefix_space says, as it does by default) and decoder, the
-special tokens (<s>, </s>, <unk>, <pad>, <mask> unless tokenizer_config.json names others;
-<mask> takes the space before it), added_tokens.json's tokens, and nothing put around a
-sequence (transformers 5 frames none; its version 4 put </s> after). Other tokenizer
-classes of the same two files (BlenderbotSmallTokenizer's, which lowercases and splits
-words its own way; GPT-2's, RoBERTa's) are refused. No torch here.
+tokenizer.json (facebook/blenderbot-400M-distill, -1B-distill; microsoft/trocr-*'s
+RobertaTokenizer files), built as transformers 5's BlenderbotTokenizer and RobertaTokenizer
+build it: the BPE of vocab.json's ids and merges.txt's merges in their order, GPT-2's
+byte-level pre-tokenizer (a space put before the text where tokenizer_config.json's
+add_prefix_space says; Blenderbot's default puts one, RoBERTa's none) and decoder, the special
+tokens (<s>, </s>, <unk>, <pad>, <mask> unless tokenizer_config.json or special_tokens_map.json
+names others; a token's lstrip and rstrip as they or added_tokens_decoder say, else
+Blenderbot's <mask> takes the space before it), added_tokens.json's tokens, and what is put
+around a sequence: nothing for Blenderbot (transformers 5 frames none; its version 4 put </s>
+after), <s> ... </s> for RoBERTa. Other tokenizer classes of the same two files
+(BlenderbotSmallTokenizer's, which lowercases and splits words its own way; GPT-2's) are
+refused. No torch here.
 """
 
 from __future__ import annotations
@@ -16,17 +19,24 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, decoders, pre_tokenizers
+from tokenizers import AddedToken, decoders, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 from tokenizers.models import BPE
 
 from llmrun.errors import TokenizerError, UnsupportedError
 
 VOCAB, MERGES = "vocab.json", "merges.txt"
-CLASS = "BlenderbotTokenizer"
+CLASS, ROBERTA = "BlenderbotTokenizer", "RobertaTokenizer"
+# Per class: add_prefix_space's default, whether <mask> takes the space before it by default,
+# whether <s> ... </s> frame a sequence.
+_CLASSES = {CLASS: (True, True, False), ROBERTA: (False, False, True)}
 # The tokenizer class transformers takes for a folder whose tokenizer_config.json names none.
-_BY_MODEL_TYPE = {"blenderbot": CLASS, "blenderbot-small": "BlenderbotSmallTokenizer"}
-# BlenderbotTokenizer's special tokens, by tokenizer_config.json's names, and their defaults.
+_BY_MODEL_TYPE = {
+    "blenderbot": CLASS,
+    "blenderbot-small": "BlenderbotSmallTokenizer",
+    "roberta": ROBERTA,
+}
+# The two classes' special tokens, by tokenizer_config.json's names, and their defaults.
 _SPECIALS = {
     "bos_token": "<s>",
     "eos_token": "</s>",
@@ -60,12 +70,13 @@ def backend(folder: Path) -> Backend:
     kind = settings.get("tokenizer_class") or (
         _BY_MODEL_TYPE.get(config.get("model_type")) if isinstance(config, dict) else None
     )
-    if kind != CLASS:
+    if kind not in _CLASSES:
         owner = f" ({kind}'s)" if kind else ""
         raise UnsupportedError(
-            f"{folder / VOCAB} with {MERGES}{owner} is not supported: {CLASS}'s is, and a "
-            "folder with tokenizer.json"
+            f"{folder / VOCAB} with {MERGES}{owner} is not supported: {CLASS}'s and "
+            f"{ROBERTA}'s are, and a folder with tokenizer.json"
         )
+    prefix_default, mask_lstrip, framed = _CLASSES[kind]
     vocab = _json(folder / VOCAB)
     if not isinstance(vocab, dict) or not all(
         isinstance(k, str) and isinstance(v, int) and v >= 0 for k, v in vocab.items()
@@ -92,17 +103,37 @@ def backend(folder: Path) -> Backend:
         fuse_unk=False,
     )
     tokenizer = Backend(model)
-    prefix = settings.get("add_prefix_space", True)
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=prefix is not False)
+    prefix = settings.get("add_prefix_space", prefix_default)
+    prefix = prefix if isinstance(prefix, bool) else prefix_default
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=prefix)
     tokenizer.decoder = decoders.ByteLevel()
-    specials = []
-    for name, default in _SPECIALS.items():
-        value = settings.get(name, default)
+    specials: list[AddedToken] = []
+    values = _special_values(folder, settings)
+    for name, value in values.items():
         text = value.get("content") if isinstance(value, dict) else value
         if isinstance(text, str) and text not in (t.content for t in specials):
-            mask = name == "mask_token"
-            specials.append(AddedToken(text, lstrip=mask, normalized=False, special=True))
+            lstrip = mask_lstrip and name == "mask_token"
+            strips = value if isinstance(value, dict) else {"lstrip": lstrip}
+            specials.append(
+                AddedToken(
+                    text,
+                    lstrip=strips.get("lstrip") is True,
+                    rstrip=strips.get("rstrip") is True,
+                    normalized=False,
+                    special=True,
+                )
+            )
     tokenizer.add_special_tokens(specials)
+    if framed:
+        cls, sep = (_content(values[k]) for k in ("cls_token", "sep_token"))
+        cls_id, sep_id = (
+            tokenizer.token_to_id(t) if isinstance(t, str) else None for t in (cls, sep)
+        )
+        if cls_id is None or sep_id is None:
+            raise TokenizerError(f"{folder}: {ROBERTA}'s {cls!r} or {sep!r} has no id")
+        tokenizer.post_processor = processors.RobertaProcessing(
+            (sep, sep_id), (cls, cls_id), trim_offsets=True, add_prefix_space=prefix
+        )
     added = _json(folder / "added_tokens.json")
     for text, wanted in sorted(added.items() if isinstance(added, dict) else (), key=_id):
         if text in vocab:
@@ -114,6 +145,27 @@ def backend(folder: Path) -> Backend:
                 "vocabulary, is not supported"
             )
     return tokenizer
+
+
+def _special_values(folder: Path, settings: dict[str, Any]) -> dict[str, Any]:
+    """Each special token's text or settings, as transformers 5 resolves them: from
+    tokenizer_config.json, which special_tokens_map.json overrides where tokenizer_config.json
+    has no added_tokens_decoder, and whose entry of the same text (lstrip, rstrip) wins."""
+    values = {name: settings.get(name, default) for name, default in _SPECIALS.items()}
+    decoder = settings.get("added_tokens_decoder")
+    if not isinstance(decoder, dict):
+        mapped = _json(folder / "special_tokens_map.json")
+        mapped = mapped if isinstance(mapped, dict) else {}
+        values.update({k: v for k, v in mapped.items() if k in _SPECIALS and v})
+        return values
+    by_text = {
+        t.get("content"): t for t in decoder.values() if isinstance(t, dict) and t.get("content")
+    }
+    return {name: by_text.get(_content(value), value) for name, value in values.items()}
+
+
+def _content(value: Any) -> Any:
+    return value.get("content") if isinstance(value, dict) else value
 
 
 def _id(item: tuple[str, Any]) -> int:

@@ -246,8 +246,8 @@ class Tokenizer:
         sentencepiece.bpe.model) as llama.cpp's converter reads it, else a Marian folder's
         source.spm and vocab.json as MarianTokenizer reads them (llmrun.marian_tokenizer, which
         reads a Speech2Text folder's sentencepiece.bpe.model and vocab.json too), else a
-        Blenderbot folder's vocab.json and merges.txt (llmrun.byte_level_bpe), else GPT-NeoX
-        Japanese's vocab.txt and emoji.json (llmrun.gpt_neox_japanese_tokenizer)."""
+        Blenderbot or RoBERTa folder's vocab.json and merges.txt (llmrun.byte_level_bpe), else
+        GPT-NeoX Japanese's vocab.txt and emoji.json (llmrun.gpt_neox_japanese_tokenizer)."""
         path = Path(path)
         file = hf_tokenizer_file(path)
         if file.name == tekken.FILE:

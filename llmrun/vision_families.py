@@ -155,7 +155,8 @@ class VisionFamily:
     # image and a text of its own (a task), framed by its processor, with no chat template.
     image_to_text: bool = False
     # Whether its prompt puts its one image before the whole text, wherever the text would
-    # place it (Fuyu's): a prompt without a chat template (a plain transcript) takes it.
+    # place it (Fuyu's, BLIP-2's): a prompt without a chat template (a plain transcript)
+    # takes it.
     image_first: bool = False
 
 
@@ -663,6 +664,7 @@ FAMILIES: tuple[VisionFamily, ...] = (
         image_tokens=blip2_images.image_tokens,
         encode=blip2_images.encode_for_instructblip,
         prompt=_by_vision(blip2_images.instructblip_prompt),
+        image_first=True,
     ),
     # A ViT's tokens read by the Q-Former's learned queries, projected; one image a prompt,
     # its tokens before the whole text. Its images go to an OPT. Folders only.
@@ -677,6 +679,7 @@ FAMILIES: tuple[VisionFamily, ...] = (
         image_tokens=blip2_images.image_tokens,
         encode=blip2_images.encode,
         prompt=_by_vision(blip2_images.prompt),
+        image_first=True,
     ),
     # No tower: an image's patches through one Linear, a |NEWLINE| after each row; one
     # image a prompt, before the whole text. Its images go to a Persimmon. Folders only.

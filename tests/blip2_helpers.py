@@ -1,7 +1,7 @@
 """What the tests of BLIP-2 and its child InstructBLIP share: the tiny models' added tokens,
 sizes and image processor settings, their ViT, a random model of a config (LayerNorm scales
-near 1), BlipImageProcessor's Pillow backend of those settings, and the folder without a
-chat template, as the Hub's have none."""
+near 1), BlipImageProcessor's Pillow backend of those settings, the folder without a chat
+template, as the Hub's have none, and serve's check of an image part's reply."""
 
 import json
 from pathlib import Path
@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import randomize, save_vision_dir
+from serving import chat_reply, image_content, served
 
 pytest.importorskip("transformers")
 pytest.importorskip("PIL")
@@ -65,3 +66,21 @@ def save_blip2_dir(model, path: Path) -> Path:
     del config["chat_template"]
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
+
+
+def check_serve_reply(
+    engine, image: bytes, question: str, expected: str, inputs: dict, completion: int
+) -> None:
+    """serve's greedy reply to one user message of `image` and `question` is `expected`
+    (chat's text), its prompt transformers' `inputs` long and its completion `completion`
+    tokens; the same message with two images is one 400."""
+    for client in served(engine, "model"):
+        reply = chat_reply(client, image, question)
+        assert reply["choices"][0]["message"]["content"] == expected
+        usage = (reply["usage"]["prompt_tokens"], reply["usage"]["completion_tokens"])
+        assert usage == (inputs["input_ids"].shape[1], completion)
+        content = image_content(image, image, question)
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": 2}
+        response = client.post("/v1/chat/completions", json=body)
+        assert response.status_code == 400, response.text
+        assert "one image a prompt, not 2" in response.json()["error"]["message"]

@@ -1,5 +1,7 @@
 """Shared test setup. Its presence puts tests/ on sys.path, so test modules in
-subfolders can `import helpers`.
+subfolders can `import helpers`; it adds tests/models after it, whose checks the shared
+family_checks reuses (test_paged, test_static_decode, test_cache_types), so a helper that
+imports family_checks works however the tests are chosen.
 
 - Tests run torch on one thread (subprocesses inherit it): the test models are
   tiny, and on a busy 2-core machine two OpenMP threads per process spin against
@@ -18,9 +20,13 @@ subfolders can `import helpers`.
 import atexit
 import os
 import shutil
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
+
+sys.path.append(str(Path(__file__).parent / "models"))
 
 # The shared checks' asserts explain their failures as a test module's do.
 pytest.register_assert_rewrite("image_serving", "family_checks", "hybrid_checks", "vision_checks")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from family_checks import max_diff
 from helpers import CONVERTER
 from in_process import llmrun
 from muse_glimmer_helpers import _CONVERT
@@ -331,7 +332,6 @@ def check_gguf_matches_reference(ref, path: Path):
     """The GGUF's logits of IDS at once, then of each token through the state, within 1e-4
     of the reference's; `llmrun run`'s 8 greedy tokens are its greedy tokens. Returns the
     loaded model."""
-    from family_checks import max_diff  # here: it needs tests/models on the path
 
     model = load_model(path, CPU, "f32").model
     expected = reference_logits(ref, IDS)
@@ -354,7 +354,6 @@ def check_gguf_matches_reference(ref, path: Path):
 def check_folder_matches_reference(ref, folder: Path, gguf_path: Path) -> None:
     """The folder's logits of IDS within 1e-4 of the reference's, its ids of PROMPT the
     GGUF's, and `llmrun run`'s greedy tokens (up to 4) the reference's."""
-    from family_checks import max_diff  # here: it needs tests/models on the path
 
     model = load_model(folder, CPU, "f32").model
     with torch.no_grad():

@@ -4,8 +4,8 @@ Linear projection, OPT text) and Blip2Processor (BlipImageProcessor's Pillow bac
 image resized square, bicubic) make the reference inputs; the folder has no chat template,
 as the Hub's blip2-opt folders have none, so prompts are plain text. The prompt ids (the
 queries' tokens before the text), the pixel values, the image features, the logits (whole
-and prefilled in chunks), 8 greedy tokens and a text-only prompt match; `run --image` and
-`chat` (its plain transcript) reply with transformers' tokens. A Q-Former cross-attending
+and prefilled in chunks), 8 greedy tokens and a text-only prompt match; `run --image`,
+`chat` (its plain transcript) and serve's image parts reply with transformers' tokens. A Q-Former cross-attending
 in every layer differs.
 
 Tolerances: pixels 1e-5, features and logits 1e-4 (absolute), tokens exact.
@@ -22,6 +22,7 @@ from blip2_helpers import (
     TOKENS,
     VISION,
     VOCAB,
+    check_serve_reply,
     image_processor,
     random_model,
     save_blip2_dir,
@@ -187,9 +188,11 @@ def test_one_image_a_prompt(engine, image):
         engine.image_prompt("<image>" + QUESTION, [image])
 
 
-def test_run_and_chat_with_an_image_reply_as_transformers(model, folder, tmp_path):
-    """`llmrun run MODEL --image PATH "prompt"` and `llmrun chat MODEL --image PATH` give
-    transformers' greedy tokens; text alone runs the language model with a note."""
+def test_run_chat_and_serve_with_an_image_reply_as_transformers(model, folder, engine, tmp_path):
+    """`llmrun run MODEL --image PATH "prompt"`, `llmrun chat MODEL --image PATH` and
+    serve's image parts (no chat template: the image before the plain transcript, as
+    chat's) give transformers' greedy tokens; two images are one 400; text alone runs the
+    language model with a note."""
     from PIL import Image
 
     from llmrun.chat_template import plain_transcript
@@ -204,15 +207,18 @@ def test_run_and_chat_with_an_image_reply_as_transformers(model, folder, tmp_pat
     result = llmrun("run", str(folder), "--image", str(path), QUESTION, *options)
     assert result.returncode == 0, result.stderr
     assert [e["id"] for e in json.loads(result.stdout)["logprobs"]] == expected
-    # chat: no chat template, so a plain transcript, the image's tokens before it.
+    # chat and serve: no chat template, so a plain transcript, the image's tokens before it.
     transcript = plain_transcript([{"role": "user", "content": QUESTION}])
-    expected = greedy_tokens(model, processor_inputs(folder, [Image.open(path)], transcript))
+    inputs = processor_inputs(folder, [Image.open(path)], transcript)
+    expected = greedy_tokens(model, inputs)
     expected = expected[: expected.index(2)] if 2 in expected else expected
     assert len(expected) >= 4
     options = ("--image", str(path), "-n", "8", "--temperature", "0")
     chat = llmrun("chat", str(folder), *options, input=QUESTION)
     assert chat.returncode == 0, chat.stderr
     assert chat.stdout == load_tokenizer(folder).decode(expected) + "\n\n"
+    reply = chat.stdout[:-2]
+    check_serve_reply(engine, path.read_bytes(), QUESTION, reply, inputs, len(expected))
     text = llmrun("run", str(folder), QUESTION, "-n", "2", "--temperature", "0")
     assert text.returncode == 0, text.stderr
     assert "a multimodal BLIP-2; running its language model" in text.stderr

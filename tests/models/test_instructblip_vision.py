@@ -5,7 +5,7 @@ InstructBlipProcessor (BlipImageProcessor's Pillow backend, the folder's
 qformer_tokenizer/) make the reference inputs; no chat template, as the Hub's folders have
 none. The prompt ids, the pixel values, the image features, the logits (whole and
 prefilled in chunks), 8 greedy tokens and a text-only prompt match; `run --image` and
-`chat` reply with transformers' tokens. Features read without the prompt differ.
+`chat` and serve's image parts reply with transformers' tokens. Features read without the prompt differ.
 
 Tolerances: pixels 1e-5, features and logits 1e-4 (absolute), tokens exact.
 """
@@ -19,6 +19,7 @@ from blip2_helpers import (
     QUERIES,
     VISION,
     VOCAB,
+    check_serve_reply,
     image_processor,
     random_model,
     save_blip2_dir,
@@ -170,9 +171,10 @@ def test_features_read_without_the_prompt_differ(engine, image, reference, model
     assert (planted - image_features(model, reference)).abs().max() > 1e-2
 
 
-def test_run_and_chat_with_an_image_reply_as_transformers(model, folder, tmp_path):
-    """`llmrun run MODEL --image PATH "prompt"` and `llmrun chat MODEL --image PATH` give
-    transformers' greedy tokens."""
+def test_run_chat_and_serve_with_an_image_reply_as_transformers(model, folder, engine, tmp_path):
+    """`llmrun run MODEL --image PATH "prompt"`, `llmrun chat MODEL --image PATH` and
+    serve's image parts (the image before the plain transcript, which the Q-Former reads
+    too, as chat's) give transformers' greedy tokens; two images are one 400."""
     from PIL import Image
 
     from llmrun.chat_template import plain_transcript
@@ -184,7 +186,8 @@ def test_run_and_chat_with_an_image_reply_as_transformers(model, folder, tmp_pat
         ("run", QUESTION),
         ("chat", plain_transcript([{"role": "user", "content": QUESTION}])),
     ):
-        expected = greedy_tokens(model, processor_inputs(folder, [Image.open(path)], text))
+        inputs = processor_inputs(folder, [Image.open(path)], text)
+        expected = greedy_tokens(model, inputs)
         expected = expected[: expected.index(2)] if 2 in expected else expected  # EOS
         assert len(expected) >= 4
         options = ("--image", str(path), "-n", "8", "--temperature", "0")
@@ -196,3 +199,5 @@ def test_run_and_chat_with_an_image_reply_as_transformers(model, folder, tmp_pat
             chat = llmrun("chat", str(folder), *options, input=QUESTION)
             assert chat.returncode == 0, chat.stderr
             assert chat.stdout == load_tokenizer(folder).decode(expected) + "\n\n"
+            reply, image = chat.stdout[:-2], path.read_bytes()
+            check_serve_reply(engine, image, QUESTION, reply, inputs, len(expected))

@@ -8,7 +8,9 @@ padding token last: a DeiT decoder's sinusoid for it is zero, and left non-zero,
 bug, the logits differ), and greedy and 3-beam decoding give transformers' generate ids; so does a folder without generation_config.json whose config.json gives beams
 and lengths, decoded as transformers' generate decodes it by default. `run --image` without
 a prompt prints generate's text, as serve's chat endpoint answers an image part alone; a
-prompt, no image, or an encoder TrOCR's checkpoints do not use, is refused in one line.
+prompt, no image, or an encoder TrOCR's checkpoints do not use, is refused in one line. A
+folder of RobertaTokenizer's vocab.json and merges.txt (no tokenizer.json, as microsoft/trocr-*
+ship) prints the text transformers' RobertaTokenizer decodes.
 
 Tolerances: pixel values and ids exact; encoder output and logits 1e-4.
 """
@@ -19,6 +21,7 @@ import shutil
 import pytest
 import serving
 import torch
+from bart_kin_helpers import vocab_and_merges
 from in_process import llmrun
 from trocr_helpers import reference, trocr_folder
 from vision_helpers import picture
@@ -133,3 +136,24 @@ def test_an_older_folder_decodes_as_its_config_says(models, tmp_path):
     ids, images = engine.image_prompt("", [open_image(image)])
     replies = engine.generate(ids, SamplingParams(temperature=0.0), None, images=images)
     assert [r.token for r in replies if r.token is not None] == out[1:].tolist()
+
+
+def test_a_folder_of_roberta_tokenizer_files_reads_as_transformers(models, tmp_path):
+    folder, ref, processor, _, image = models["vit"]
+    files = shutil.copytree(folder, tmp_path / "roberta")
+    model = json.loads((files / "tokenizer.json").read_text())["model"]
+    (files / "tokenizer.json").unlink()
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    vocab_and_merges(files, model["vocab"], merges)
+    mask = {"content": "<mask>", "lstrip": True, "normalized": True, "__type": "AddedToken"}
+    settings = {"tokenizer_class": "RobertaTokenizer", "mask_token": mask}
+    (files / "tokenizer_config.json").write_text(json.dumps(settings))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(files)
+    assert type(tokenizer).__name__ == "RobertaTokenizer"
+    pixels = processor(images=open_image(image), return_tensors="pt").pixel_values
+    with torch.no_grad():
+        out = ref.generate(pixels, do_sample=False, num_beams=1, max_new_tokens=12)[0]
+    result = llmrun("run", files, "--image", image, "-n", "12", "--beams", "1")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == tokenizer.decode(out, skip_special_tokens=True)
+    assert result.stdout.strip()
