@@ -21,6 +21,7 @@ from torch import nn
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.models.base import activation
+from llmrun.models.moonshine import CrossCache, SelfCache  # the same preallocated caches
 from llmrun.models.parakeet_encoder import Conformer, EncoderArgs
 
 # CohereAsrConfig's encoder_config defaults (its sub_configs_defaults), under
@@ -150,34 +151,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
-
-
-class SelfCache:
-    """The decoder's self-attention keys and values, [b, kv_heads, positions, head_dim] per
-    layer, preallocated."""
-
-    def __init__(self, layers: int, shape: tuple[int, ...], device: torch.device, dtype):
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
-
-    def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [b, kv_heads, t, head_dim] at positions start.. and return all so far."""
-        end = start + k.shape[2]
-        self.k[layer][:, :, start:end] = k
-        self.v[layer][:, :, start:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
-
-    def reorder_rows(self, rows: torch.Tensor) -> None:
-        """Row i takes what row rows[i] held (beam search: each beam goes on from one of
-        the last step's)."""
-        for cache in (*self.k, *self.v):
-            cache.copy_(cache.index_select(0, rows))
-
-
-# Each decoder layer's cross-attention keys and values, [b, kv_heads, positions, head_dim].
-CrossCache = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class DecoderLayer(nn.Module):
