@@ -175,6 +175,22 @@ class Engine:
             transcribers.TIMESTAMPED
         )
 
+    @property
+    def word_timestamps(self) -> bool:
+        """Whether the model's speech recognition family times words (Engine.transcribe's
+        words; transcribers.WORD_TIMED)."""
+        return self.transcribes and self.checkpoint.config["model_type"] in (
+            transcribers.WORD_TIMED
+        )
+
+    @property
+    def whisper_options(self) -> bool:
+        """Whether the model's speech recognition family takes Engine.transcribe's words,
+        temperature and seed (transcribers.WHISPER_OPTIONS)."""
+        return self.transcribes and self.checkpoint.config["model_type"] in (
+            transcribers.WHISPER_OPTIONS
+        )
+
     def transcribe(
         self,
         clip: Any,
@@ -183,13 +199,22 @@ class Engine:
         prompt: str | None = None,
         timestamps: bool = False,
         num_beams: int | None = None,
+        target_language: str | None = None,
+        words: bool = False,
+        temperature: float | None = None,
+        seed: int | None = None,
     ) -> whisper.Transcription:
         """A decoded clip's (llmrun.audio.open_audio) transcript, in `language` (a code or
         name; None: detected where the family detects it), for `task` ("transcribe" or
         "translate"; None: the model's default), after `prompt` (Whisper's initial prompt),
         by the family's transcriber (llmrun.transcribers); `timestamps`: with its segments'
         times (Transcription.segments), for a family that predicts them; `num_beams`: a
-        beam search's (1: greedy; None: the folder's), for a family that searches."""
+        beam search's (1: greedy; None: the folder's), for a family that searches;
+        `target_language`: the language to translate into, for a family that takes one
+        (transcribers.TARGETED); `words`: with its words' times too (Transcription.words),
+        for a family that times words (transcribers.WORD_TIMED); `temperature`:
+        openai-whisper's temperature fallback from it (None: none), its sampling seeded by
+        `seed`, for Whisper (transcribers.WHISPER_OPTIONS)."""
         if not self.transcribes:
             raise UsageError(f"{self.name} is not a speech recognition model")
         checkpoint = self.checkpoint
@@ -204,6 +229,24 @@ class Engine:
             beams = {"num_beams": num_beams}
         elif num_beams not in (None, 1):
             raise UsageError(f"{self.name} is a {family} model, which decodes without beams")
+        if model_type in transcribers.TARGETED:
+            beams["target_language"] = target_language
+        elif target_language is not None:
+            raise UsageError(f"{self.name} is a {family} model, which takes no target language")
+        if model_type in transcribers.WORD_TIMED:
+            beams["words"] = words
+        elif words:
+            raise UsageError(
+                f"{self.name} is a {family} model: llmrun times words with Whisper and "
+                "Parakeet TDT and RNN-T models"
+            )
+        if model_type in transcribers.WHISPER_OPTIONS:
+            beams.update(temperature=temperature, seed=seed)
+        elif temperature not in (None, 0):
+            raise UsageError(
+                f"{self.name} is a {family} model, which llmrun decodes greedily: give "
+                "temperature 0 or none"
+            )
         return transcriber(
             self.model,
             self.tokenizer,
@@ -1005,7 +1048,10 @@ def _check_use(
     `transcribe`s, a T5 model unless it generates `text_to_text`); a decoder whose GGUF
     turns causal attention off (a bidirectional embedding model) is refused, not run
     causally."""
-    if _transcribes(checkpoint):
+    module = model_module(checkpoint.config["model_type"])
+    # SeamlessM4T translates text too (llmrun.text_to_text).
+    text_too = text_to_text and getattr(module.Model, "text_to_text", False)
+    if _transcribes(checkpoint) and not (text_too and not transcribe):
         if generate and not transcribe:
             family, _ = transcribers.family(checkpoint.config["model_type"])
             raise UsageError(
@@ -1013,7 +1059,6 @@ def _check_use(
                 "`llmrun run MODEL --audio FILE.wav`, or serve it"
             )
         return False  # llmrun.transcribers decodes it (Engine.transcribe)
-    module = model_module(checkpoint.config["model_type"])
     if getattr(module.Model, "text_to_text", False) and generate and not text_to_text:
         raise UsageError(
             f"{name} is a text-to-text model (encoder-decoder), which this command does not "

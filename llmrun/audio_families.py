@@ -28,6 +28,7 @@ from llmrun import (
     multimodal,
     muse_spark_clips,
     nemotron_omni_clips,
+    omniasr_clips,
     phi4mm_clips,
     qwen2_5_omni_clips,
     qwen2_audio_clips,
@@ -46,6 +47,7 @@ from llmrun.loading import (
     granite_speech,
     muse_spark_audio,
     nemotron_omni_audio,
+    omniasr,
     phi4mm_audio,
     qwen2_5_omni,
     qwen2_audio,
@@ -379,6 +381,21 @@ FAMILIES: tuple[AudioFamily, ...] = (
         encode=phi4mm_clips.encode,
         prompt=phi4mm_clips.prompt,
         transcription=phi4mm_clips.transcription,
+    ),
+    # A wav2vec2-style encoder of the raw samples under a Llama, a token per 20 ms; folders
+    # only. Its transcription prompt (the checkpoint's chat template) takes a language.
+    AudioFamily(
+        name="OmniASR",
+        encoder_type=omniasr.OmniASRAudio,
+        folder_has_audio=omniasr.folder_has_audio,
+        is_mmproj=lambda path: False,
+        from_hf_dir=omniasr.from_hf_dir,
+        from_mmproj=omniasr.from_mmproj,
+        text_takes_audio=omniasr.text_takes_audio,
+        clip_tokens=omniasr_clips.clip_tokens,
+        encode=omniasr_clips.encode,
+        prompt=omniasr_clips.prompt,
+        transcription=omniasr_clips.transcription,
     ),
 )
 

@@ -14,22 +14,13 @@ from collections.abc import Sequence
 import torch
 
 from llmrun import qwen2_vl_images
-from llmrun.glm4v_images import smart_resize
+from llmrun.glm4v_images import resized_size
 from llmrun.images import normalized
 from llmrun.loading.cosmos3_edge_vision import Cosmos3EdgeVision
 from llmrun.qwen2_vl_images import QwenPromptImages
 from llmrun.tokenizer import Tokenizer
 
 FAMILY = "Cosmos3 Edge"
-
-
-def _size(vision: Cosmos3EdgeVision, image) -> tuple[int, int]:
-    args = vision.encoder.args
-    unit = args.patch_size * args.spatial_merge_size
-    frames = args.temporal_patch_size
-    return smart_resize(
-        image.height, image.width, unit, frames, vision.min_pixels, vision.max_pixels
-    )
 
 
 def pixel_patches(image, vision: Cosmos3EdgeVision) -> tuple[torch.Tensor, int, int]:
@@ -40,7 +31,7 @@ def pixel_patches(image, vision: Cosmos3EdgeVision) -> tuple[torch.Tensor, int, 
 
     args = vision.encoder.args
     patch, merge = args.patch_size, args.spatial_merge_size
-    height, width = _size(vision, image)
+    height, width = resized_size(vision, image)
     pixels = normalized(
         image.resize((width, height), Image.Resampling.BICUBIC), vision.mean, vision.std
     )
@@ -54,23 +45,13 @@ def pixel_patches(image, vision: Cosmos3EdgeVision) -> tuple[torch.Tensor, int, 
 def image_tokens(vision: Cosmos3EdgeVision, image) -> int:
     """How many prompt tokens (<|image_pad|>s) a (Pillow) image takes: its merged patches
     at the size encode resizes it to, known before encoding it."""
-    args = vision.encoder.args
-    unit = args.patch_size * args.spatial_merge_size
-    height, width = _size(vision, image)
-    return (height // unit) * (width // unit)
+    return qwen2_vl_images.merged_tokens(vision, *resized_size(vision, image))
 
 
-@torch.inference_mode()
 def encode(vision: Cosmos3EdgeVision, images: Sequence) -> list[torch.Tensor]:
     """Each (Pillow) image's tokens [rows, columns, hidden] (its grid of merged patches),
     encoded one at a time."""
-    merge = vision.encoder.args.spatial_merge_size
-    out = []
-    for image in images:
-        patches, grid_h, grid_w = pixel_patches(image, vision)
-        tokens = vision.encoder(patches, grid_h, grid_w)
-        out.append(tokens.view(grid_h // merge, grid_w // merge, -1))
-    return out
+    return qwen2_vl_images.encode_each(vision, images, pixel_patches)
 
 
 def prompt(

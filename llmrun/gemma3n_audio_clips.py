@@ -170,21 +170,13 @@ def prompt(
     if missing:
         raise TokenizerError(f"the tokenizer has no {', '.join(missing)}: not Gemma 3n's")
     soft, end = tokenizer.token_id(AUDIO_SOFT), tokenizer.token_id(AUDIO_END)
-    pieces = text.split(AUDIO_SOFT)
-    places = len(pieces) - 1
-    if places != len(embeds):
-        clips = len(embeds)
-        raise UsageError(
-            f"the prompt marks {places} audio place{'s' * (places != 1)} ({AUDIO_SOFT}) for "
-            f"{clips} clip{'s' * (clips != 1)}: write one {AUDIO_SOFT} where each goes"
-        )
+    pieces = gemma4_audio_clips.clip_places(text, AUDIO_SOFT, len(embeds))
     expanded = pieces[0] + "".join(
         f"\n\n{AUDIO_BEGIN}{AUDIO_SOFT * (len(e) - 1)}{AUDIO_END}\n\n{piece}"
         for e, piece in zip(embeds, pieces[1:], strict=True)
     )
     ids = tokenizer.encode(expanded)
-    starts = [i for i, t in enumerate(ids) if t == soft and (i == 0 or ids[i - 1] != soft)]
-    found = [next((j for j in range(s, len(ids)) if ids[j] != soft), len(ids)) - s for s in starts]
+    starts, found = gemma4_audio_clips.runs(ids, soft)
     ends = [ids[s + n] if s + n < len(ids) else None for s, n in zip(starts, found, strict=True)]
     if found != [len(e) - 1 for e in embeds] or ends != [end] * len(embeds):
         raise TokenizerError(f"the tokenizer does not keep {AUDIO_SOFT} whole: not Gemma 3n's")

@@ -177,21 +177,35 @@ def prompt(
     if missing:
         raise TokenizerError(f"the tokenizer has no {', '.join(missing)}: not Gemma 4's")
     soft = tokenizer.token_id(AUDIO_SOFT)
-    pieces = text.split(AUDIO_SOFT)
-    places = len(pieces) - 1
-    if places != len(embeds):
-        clips = len(embeds)
-        raise UsageError(
-            f"the prompt marks {places} audio place{'s' * (places != 1)} ({AUDIO_SOFT}) for "
-            f"{clips} clip{'s' * (clips != 1)}: write one {AUDIO_SOFT} where each goes"
-        )
+    pieces = clip_places(text, AUDIO_SOFT, len(embeds))
     expanded = pieces[0] + "".join(
         f"{AUDIO_BEGIN}{AUDIO_SOFT * len(e)}{AUDIO_END}{piece}"
         for e, piece in zip(embeds, pieces[1:], strict=True)
     )
     ids = tokenizer.encode(expanded)
-    starts = [i for i, t in enumerate(ids) if t == soft and (i == 0 or ids[i - 1] != soft)]
-    found = [next((j for j in range(s, len(ids)) if ids[j] != soft), len(ids)) - s for s in starts]
+    starts, found = runs(ids, soft)
     if found != [len(e) for e in embeds]:
         raise TokenizerError(f"the tokenizer does not keep {AUDIO_SOFT} whole: not Gemma 4's")
     return ids, PromptAudio(list(embeds), starts)
+
+
+def clip_places(text: str, place: str, clips: int) -> list[str]:
+    """The pieces of `text` around its audio places (each a `place`), refused unless they
+    are `clips`, one per clip."""
+    pieces = text.split(place)
+    places = len(pieces) - 1
+    if places != clips:
+        raise UsageError(
+            f"the prompt marks {places} audio place{'s' * (places != 1)} ({place}) for "
+            f"{clips} clip{'s' * (clips != 1)}: write one {place} where each goes"
+        )
+    return pieces
+
+
+def runs(ids: Sequence[int], token: int) -> tuple[list[int], list[int]]:
+    """Where each run of `token` in `ids` begins, and how long each is."""
+    starts = [i for i, t in enumerate(ids) if t == token and (i == 0 or ids[i - 1] != token)]
+    lengths = [
+        next((j for j in range(s, len(ids)) if ids[j] != token), len(ids)) - s for s in starts
+    ]
+    return starts, lengths

@@ -174,29 +174,44 @@ def prompt(
     <image> to its last, the soft tokens in the <image> places and the embeddings
     (`embed_token(id)`, [hidden]) of the text tokens between them. The text must mark
     exactly as many places as there are images."""
-    image = _image_id(tokenizer)
+    expansions = [expansion(*e.grid, e.whole.shape[0]) for e in encoded]
+    softs = [torch.cat([e.tiles.flatten(0, 2), e.whole]) for e in encoded]
+    return spans_prompt(tokenizer, text, _image_id(tokenizer), expansions, softs, embed_token)
+
+
+def spans_prompt(
+    tokenizer: Tokenizer,
+    text: str,
+    image: int,
+    expansions: Sequence[str],
+    softs: Sequence[torch.Tensor],
+    embed_token: Callable[[int], torch.Tensor],
+) -> tuple[list[int], PromptImages]:
+    """The ids of `text` with each <image> (the token `image`) replaced by its image's
+    `expansions` in order, and the images as generate() takes them: each one's span from
+    its first <image> to its last, its soft tokens `softs` [<image>s, hidden] in the
+    <image> places and the embeddings (`embed_token(id)`, [hidden]) of the text tokens
+    between them. The text must mark exactly as many places as there are images."""
     places = text.count(IMAGE)
-    if places != len(encoded):
+    if places != len(expansions):
         raise UsageError(
             f"the prompt marks {places} image place{'s' * (places != 1)} ({IMAGE}) for "
-            f"{len(encoded)} image{'s' * (len(encoded) != 1)}: write {IMAGE} where each goes"
+            f"{len(expansions)} image{'s' * (len(expansions) != 1)}: write {IMAGE} where "
+            "each goes"
         )
     pieces = text.split(IMAGE)
     expanded = pieces[0] + "".join(
-        expansion(*e.grid, e.whole.shape[0]) + piece
-        for e, piece in zip(encoded, pieces[1:], strict=True)
+        written + piece for written, piece in zip(expansions, pieces[1:], strict=True)
     )
     ids = tokenizer.encode(expanded)
     where = [i for i, t in enumerate(ids) if t == image]
-    counts = [(e.grid[0] * e.grid[1] + 1) * e.whole.shape[0] for e in encoded]
-    if len(where) != sum(counts):
+    if len(where) != sum(soft.shape[0] for soft in softs):
         raise UsageError(f"the prompt holds {IMAGE} of its own: remove it")
     starts, embeds, done = [], [], 0
-    for e, count in zip(encoded, counts, strict=True):
-        first, last = where[done], where[done + count - 1]
-        done += count
+    for soft in softs:
+        first, last = where[done], where[done + soft.shape[0] - 1]
+        done += soft.shape[0]
         span = ids[first : last + 1]
-        soft = torch.cat([e.tiles.flatten(0, 2), e.whole])
         rows = torch.empty(len(span), soft.shape[1], dtype=soft.dtype)
         is_soft = torch.tensor([t == image for t in span])
         rows[is_soft] = soft

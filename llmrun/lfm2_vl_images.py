@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from llmrun.errors import TokenizerError, UsageError
+from llmrun.errors import TokenizerError
+from llmrun.idefics3_images import spans_prompt
 from llmrun.loading.lfm2_vl_vision import Lfm2VlVision
 from llmrun.multimodal import PromptImages
 from llmrun.tokenizer import Tokenizer
@@ -219,32 +220,6 @@ def prompt(
     <image> to its last, the soft tokens in the <image> places and the embeddings
     (`embed_token(id)`, [hidden]) of the text tokens between them. The text must mark
     exactly as many places as there are images."""
-    image = _image_id(tokenizer)
-    places = text.count(IMAGE)
-    if places != len(encoded):
-        raise UsageError(
-            f"the prompt marks {places} image place{'s' * (places != 1)} ({IMAGE}) for "
-            f"{len(encoded)} image{'s' * (len(encoded) != 1)}: write {IMAGE} where each goes"
-        )
-    pieces = text.split(IMAGE)
-    expanded = pieces[0] + "".join(
-        expansion(vision, e.layout) + piece for e, piece in zip(encoded, pieces[1:], strict=True)
-    )
-    ids = tokenizer.encode(expanded)
-    where = [i for i, t in enumerate(ids) if t == image]
-    counts = [e.tokens.shape[0] for e in encoded]
-    if len(where) != sum(counts):
-        raise UsageError(f"the prompt holds {IMAGE} of its own: remove it")
-    starts, embeds, done = [], [], 0
-    for e, count in zip(encoded, counts, strict=True):
-        first, last = where[done], where[done + count - 1]
-        done += count
-        span = ids[first : last + 1]
-        rows = torch.empty(len(span), e.tokens.shape[1], dtype=e.tokens.dtype)
-        is_soft = torch.tensor([t == image for t in span])
-        rows[is_soft] = e.tokens
-        for i in (~is_soft).nonzero().flatten().tolist():
-            rows[i] = embed_token(span[i]).to(e.tokens.dtype)
-        starts.append(first)
-        embeds.append(rows)
-    return ids, PromptImages(embeds, starts)
+    expansions = [expansion(vision, e.layout) for e in encoded]
+    softs = [e.tokens for e in encoded]
+    return spans_prompt(tokenizer, text, _image_id(tokenizer), expansions, softs, embed_token)

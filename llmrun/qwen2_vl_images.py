@@ -11,8 +11,9 @@ gives them (Qwen3-VL's is the same).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -54,17 +55,29 @@ def smart_resize(
 
 
 def pixel_patches(image, vision: QwenVision | Qwen3Vision) -> tuple[torch.Tensor, int, int]:
-    """An RGB Pillow image as Qwen2VLImageProcessor's Pillow backend makes it: resized
-    bicubically to smart_resize's size, / 255, (x - mean) / std, cut into patches of
-    temporal_patch_size frames (the image repeated): float32 [grid_h * grid_w,
-    C * frames * patch²] in 2x2 groups row by row, and the grid of patches (h, w)."""
+    """An RGB Pillow image as Qwen2VLImageProcessor's Pillow backend makes it: frame_patches
+    at smart_resize's size."""
+    args = vision.encoder.args
+    height, width = smart_resize(
+        image.height,
+        image.width,
+        args.patch_size * args.spatial_merge_size,
+        vision.min_pixels,
+        vision.max_pixels,
+    )
+    return frame_patches(image, vision, height, width)
+
+
+def frame_patches(image, vision: Any, height: int, width: int) -> tuple[torch.Tensor, int, int]:
+    """An RGB Pillow image resized bicubically to `height` x `width`, / 255, (x - mean) /
+    std, cut into patches of temporal_patch_size frames (the image repeated): float32
+    [grid_h * grid_w, C * frames * patch²] in 2x2 groups row by row, and the grid of
+    patches (h, w). `vision` is a loaded tower with Qwen2-VL's patches (its encoder's args,
+    its mean and std)."""
     from PIL import Image
 
     args = vision.encoder.args
     patch, merge, frames = args.patch_size, args.spatial_merge_size, args.temporal_patch_size
-    height, width = smart_resize(
-        image.height, image.width, patch * merge, vision.min_pixels, vision.max_pixels
-    )
     pixels = normalized(
         image.resize((width, height), Image.Resampling.BICUBIC), vision.mean, vision.std
     )
@@ -85,17 +98,34 @@ def image_tokens(vision: QwenVision | Qwen3Vision, image) -> int:
     height, width = smart_resize(
         image.height, image.width, unit, vision.min_pixels, vision.max_pixels
     )
+    return merged_tokens(vision, height, width)
+
+
+def merged_tokens(vision: Any, height: int, width: int) -> int:
+    """How many merged patches (prompt tokens) an image resized to `height` x `width`
+    gives the tower `vision`."""
+    args = vision.encoder.args
+    unit = args.patch_size * args.spatial_merge_size
     return (height // unit) * (width // unit)
 
 
-@torch.inference_mode()
 def encode(vision: QwenVision | Qwen3Vision, images: Sequence) -> list[torch.Tensor]:
     """Each (Pillow) image's tokens [rows, columns, hidden] (its grid of merged patches;
     Qwen3-VL's hidden * (1 + deepstack layers) wide), encoded one at a time."""
+    return encode_each(vision, images, pixel_patches)
+
+
+@torch.inference_mode()
+def encode_each(
+    vision: Any, images: Sequence, patches_of: Callable[[Any, Any], tuple[torch.Tensor, int, int]]
+) -> list[torch.Tensor]:
+    """Each (Pillow) image's tokens [rows, columns, hidden] (its grid of merged patches),
+    cut into patches by `patches_of` (a family's pixel_patches) and encoded one at a time
+    by the tower `vision`."""
     merge = vision.encoder.args.spatial_merge_size
     out = []
     for image in images:
-        patches, grid_h, grid_w = pixel_patches(image, vision)
+        patches, grid_h, grid_w = patches_of(image, vision)
         tokens = vision.encoder(patches, grid_h, grid_w)
         out.append(tokens.view(grid_h // merge, grid_w // merge, -1))
     return out

@@ -57,8 +57,16 @@ def mel_filters(mel_bins: int) -> np.ndarray:
 
 def features(samples: np.ndarray, mel_bins: int) -> torch.Tensor:
     """A clip's normalized log-mel features [frames, mel_bins] (float32)."""
+    mel = log_mel(samples, mel_bins, FAMILY)
+    mel = mel - mel.mean(axis=0)
+    return torch.from_numpy(mel / mel.std(axis=0))
+
+
+def log_mel(samples: np.ndarray, mel_bins: int, family: str) -> np.ndarray:
+    """A clip's Kaldi log-mel filterbank [frames, mel_bins] (float32), before any
+    normalization; a clip shorter than a frame is refused, naming the `family`."""
     if len(samples) < WINDOW:
-        raise UsageError(f"{len(samples)} samples: shorter than {FAMILY}'s 25 ms frame")
+        raise UsageError(f"{len(samples)} samples: shorter than {family}'s 25 ms frame")
     x = np.asarray(samples, dtype=np.float32) * 2**15  # Kaldi's 16-bit scale, in float32
     count = (len(x) - WINDOW) // HOP + 1
     frames = np.lib.stride_tricks.sliding_window_view(x.astype(np.float64), WINDOW)[::HOP]
@@ -66,9 +74,7 @@ def features(samples: np.ndarray, mel_bins: int) -> torch.Tensor:
     before = np.concatenate([frames[:, :1], frames[:, :-1]], axis=1)
     window = np.hanning(WINDOW) ** 0.85  # Povey's
     power = np.abs(np.fft.rfft((frames - PREEMPHASIS * before) * window, n=N_FFT)) ** 2
-    mel = np.log(np.maximum(power @ mel_filters(mel_bins), FLOOR)).astype(np.float32)
-    mel = mel - mel.mean(axis=0)
-    return torch.from_numpy(mel / mel.std(axis=0))
+    return np.log(np.maximum(power @ mel_filters(mel_bins), FLOOR)).astype(np.float32)
 
 
 def extractor_settings(folder: Path) -> int:

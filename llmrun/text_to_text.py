@@ -14,7 +14,7 @@ generation_config.json's (else an older folder's config.json's) rules on what th
 may choose apply as transformers' logits processors apply them (Rules: bad words of one
 token, no repeated n-grams, a minimum length, forced first and last tokens), and its
 max_length bounds the decoder where no max_tokens is given (as max_new_tokens overrides it
-in transformers).
+in transformers), and so does its max_new_tokens (SeamlessM4T's), over max_length.
 
 Decoding is transformers' default for these models: deterministic (do_sample false), by
 beam search where generation_config.json's num_beams asks for it (llmrun.beam_search, its
@@ -23,7 +23,9 @@ length_penalty and early_stopping), else greedy; a request's num_beams overrides
 decodes one beam, as transformers samples. Beams cannot stream: their text comes when the
 search ends. A many-to-many translator's source and target languages (llmrun.translation)
 replace the code the tokenizer frames the prompt with and generation_config.json's
-forced_bos_token_id; a multilingual Marian's, its >>xxx<< token before the prompt."""
+forced_bos_token_id; a multilingual Marian's, its >>xxx<< token before the prompt;
+SeamlessM4T's, its source's code before the prompt (llmrun.seamless_m4t.framing) and its
+target's code after the decoder's start token, as its generate's tgt_lang puts it."""
 
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmrun import beam_search
+from llmrun import beam_search, seamless_m4t
 from llmrun.beam_search import MAX_BEAMS, Beams
 from llmrun.errors import ContextOverflowError, ModelFormatError, UnsupportedError, UsageError
 from llmrun.generate import KVState, Response, Stats, TokenStream, stream_generate
@@ -54,7 +56,8 @@ class Rules:
     n-gram of `no_repeat_ngram` tokens twice (NoRepeatNGram), none of `encoder_no_repeat_ngram`
     tokens that is in the `source` (the encoder's ids: EncoderNoRepeatNGram), no end before
     `min_length` decoder tokens (MinLength), `forced_bos` first (ForcedBOS) and `forced_eos`
-    last (ForcedEOS), within `max_length` decoder tokens, the start token's included."""
+    last (ForcedEOS), within `max_length` decoder tokens, the start token's included, or
+    `max_new_tokens` after the decoder's prompt."""
 
     banned: tuple[int, ...] = ()
     no_repeat_ngram: int = 0
@@ -64,6 +67,7 @@ class Rules:
     forced_bos: int | None = None
     forced_eos: int | None = None
     max_length: int | None = None
+    max_new_tokens: int | None = None
 
     @classmethod
     def of(cls, generation: dict[str, Any], config: dict[str, Any], vocab_size: int) -> Rules:
@@ -94,6 +98,7 @@ class Rules:
             "encoder_no_repeat_ngram_size",
             "min_length",
             "max_length",
+            "max_new_tokens",
         ):
             value = merged.get(name)
             if value is not None and not _is_id(value, 1 << 31):
@@ -107,6 +112,7 @@ class Rules:
             forced_bos=forced["forced_bos_token_id"],
             forced_eos=forced["forced_eos_token_id"],
             max_length=counts["max_length"] or None,
+            max_new_tokens=counts["max_new_tokens"] or None,
         )
 
     def apply(
@@ -176,12 +182,13 @@ class Options:
     (None: generation_config.json's where decoding is greedy, else 1), a many-to-many
     translator's source and target languages (codes, llmrun.translation), and which of a
     beam search's finished hypotheses, best first, is the reply (`hypothesis`: serve's n
-    choices, as transformers' num_return_sequences)."""
+    choices, as transformers' num_return_sequences; None: every one's reply in turn, each
+    ending with its final response, from the one search)."""
 
     num_beams: int | None = None
     source_language: str | None = None
     target_language: str | None = None
-    hypothesis: int = 0
+    hypothesis: int | None = 0
 
 
 @dataclass(frozen=True)
@@ -189,15 +196,20 @@ class Plan:
     """How a request decodes: the rules (its target language forced first), the beams (1:
     the generation loop's decoding; more: each beam's tokens penalized by
     `repetition_penalty` as transformers' RepetitionPenaltyLogitsProcessor does), the
-    tokenizer's frame with the source's code, and a multilingual Marian's target token."""
+    tokenizer's frame with the source's code, a multilingual Marian's target token, and
+    SeamlessM4T's decoder prefix."""
 
     rules: Rules
     beams: Beams
     frame: Framing
     source: int | None = None
     repetition_penalty: float = 1.0
-    hypothesis: int = 0  # which finished hypothesis, best first, the reply is (beams only)
+    # Which finished hypothesis, best first, the reply is (beams only; None: every one's).
+    hypothesis: int | None = 0
     marian_target: int | None = None  # a multilingual Marian's >>xxx<< token, put first
+    # The decoder's tokens after its start token: SeamlessM4T's target-language code, as
+    # its generate's tgt_lang sets decoder_input_ids.
+    prefix: tuple[int, ...] = ()
 
     @classmethod
     def of(
@@ -238,7 +250,8 @@ class Plan:
             for what, asked in refused.items():
                 if asked:
                     raise UsageError(f"{what}: not with beam search ({n} beams); ask for 1 beam")
-        frame = Framing.of(tokenizer)
+        seamless = config.get("model_type") in seamless_m4t.MODEL_TYPES
+        frame = seamless_m4t.framing(tokenizer) if seamless else Framing.of(tokenizer)
         source = None
         if options.source_language is not None:
             source = frame.code_id(options.source_language, name, "source")
@@ -247,8 +260,15 @@ class Plan:
                     f"{name}'s tokenizer puts no language code around a text, so it takes no "
                     "source language"
                 )
-        marian = None
-        if options.target_language is not None and config.get("model_type") == "marian":
+        marian, prefix = None, ()
+        if seamless:
+            if options.target_language is None:
+                raise UsageError(
+                    f"{name} translates into the language it is told: give a target language "
+                    "(--target-language, target_language)"
+                )
+            prefix = (seamless_m4t.target_code(generation, options.target_language),)
+        elif options.target_language is not None and config.get("model_type") == "marian":
             marian = marian_target(tokenizer, options.target_language, name)
         elif options.target_language is not None:
             target = frame.code_id(options.target_language, name, "target")
@@ -260,12 +280,12 @@ class Plan:
             rules = dataclasses.replace(rules, forced_bos=target)
         beams = dataclasses.replace(beams, num_beams=n)
         hypothesis = options.hypothesis if n > 1 else 0
-        if hypothesis >= n:
+        if hypothesis is not None and hypothesis >= n:
             raise UsageError(
                 f"reply {hypothesis + 1} of a beam search: it finishes {n} hypotheses ({n} beams)"
             )
         penalty = params.repeat_penalty if n > 1 else 1.0
-        return cls(rules, beams, frame, source, penalty, hypothesis, marian)
+        return cls(rules, beams, frame, source, penalty, hypothesis, marian, prefix)
 
 
 def generate(
@@ -313,19 +333,21 @@ def generate(
             placed = PromptImages(images.embeds, [s + at for s in images.starts])
             encoded = model.encode(tensor, placed)
     encoded_in = time.perf_counter() - start
-    first = [model.args.decoder_start_token_id]
+    first = [model.args.decoder_start_token_id, *plan.prefix]
     if plan.rules.encoder_no_repeat_ngram:
         plan = dataclasses.replace(plan, rules=dataclasses.replace(plan.rules, source=tuple(ids)))
     rules = plan.rules
+    if max_tokens is None:
+        max_tokens = rules.max_new_tokens
     if max_tokens is not None:  # transformers' max_new_tokens, over max_length
-        size = min(1 + max_tokens, ctx_size)
+        size = min(len(first) + max_tokens, ctx_size)
     else:
         size = min(rules.max_length or ctx_size, ctx_size)
-        max_tokens = size - 1 if rules.max_length else None
-    size = max(size, 2)  # the start token and at least one more
+        max_tokens = size - len(first) if rules.max_length else None
+    size = max(size, len(first) + 1)  # the start token(s) and at least one more
     if plan.beams.num_beams > 1:
         yield from _beam_responses(
-            model, tokenizer, new_cache, encoded, ids, first[0], size, plan, eos_ids, stop,
+            model, tokenizer, new_cache, encoded, ids, first, size, plan, eos_ids, stop,
             max_tokens, encoded_in,
         )  # fmt: skip
         return
@@ -356,7 +378,7 @@ def _beam_responses(
     new_cache: Callable[[int, int], KVCache],
     encoded: torch.Tensor,
     ids: list[int],
-    start_token: int,
+    first: list[int],
     size: int,
     plan: Plan,
     eos_ids: Sequence[int],
@@ -364,19 +386,22 @@ def _beam_responses(
     max_tokens: int | None,
     encoded_in: float,
 ) -> Iterator[Response]:
-    """The best beam's text and stats, as the generation loop reports a reply."""
-    stats = Stats(prompt_tokens=len(ids), prompt_processed=len(ids))
-    if max_tokens is not None and max_tokens <= 0:
-        yield Response("", None, stats, finish_reason="length")
-        return
+    """The text and stats of plan.hypothesis's finished hypothesis (None: of each, best
+    first, one reply after another), as the generation loop reports a reply."""
     n, device = plan.beams.num_beams, encoded.device
+    if max_tokens is not None and max_tokens <= 0:
+        for _ in range(n if plan.hypothesis is None else 1):
+            stats = Stats(prompt_tokens=len(ids), prompt_processed=len(ids))
+            yield Response("", None, stats, finish_reason="length")
+        return
     cache = new_cache(n, size)
     times = [time.perf_counter()]
     with torch.inference_mode():
         decoding = model.decoding(encoded.expand(n, -1, -1))
 
         def step(tokens: torch.Tensor, position: int) -> torch.Tensor:
-            positions = torch.full((n, 1), position, dtype=torch.long, device=device)
+            count = tokens.shape[1]  # the decoder prompt at first, then a token a step
+            positions = torch.arange(position, position + count, device=device).expand(n, count)
             logits = decoding(tokens.to(device), positions, cache, last_only=True)
             times.append(time.perf_counter())
             return logits[:, -1].float().cpu()
@@ -389,24 +414,28 @@ def _beam_responses(
                     row[tokens] = torch.where(seen < 0, seen * penalty, seen / penalty)
                 plan.rules.apply(row, tokens, size, eos_ids)
 
-        tokens = beam_search.search(
+        hypotheses = beam_search.search(
             step,
             lambda rows: cache.reorder_rows(rows.to(device)),
             process,
-            [start_token],
+            first,
             plan.beams,
             size,
             eos_ids,
-        )[plan.hypothesis].tokens
-    out = TokenStream(tokenizer, [start_token], stats, max_tokens, eos_ids, stop)
-    responses = []
-    for token in tokens:
-        response = out.add(token, None)
-        if response is not None:
-            responses.append(response)
-        if out.done:
-            break
-    responses.append(out.close())
-    stats.prompt_seconds = encoded_in + times[1] - times[0]  # the encoder and first step
-    stats.generation_seconds = times[-1] - times[1]
-    yield from responses
+        )
+    if plan.hypothesis is not None:
+        hypotheses = [hypotheses[plan.hypothesis]]
+    replies = []
+    for hypothesis in hypotheses:
+        stats = Stats(prompt_tokens=len(ids), prompt_processed=len(ids))
+        out = TokenStream(tokenizer, first, stats, max_tokens, eos_ids, stop)
+        for token in hypothesis.tokens:
+            response = out.add(token, None)
+            if response is not None:
+                replies.append(response)
+            if out.done:
+                break
+        replies.append(out.close())
+        stats.prompt_seconds = encoded_in + times[1] - times[0]  # the encoder and first step
+        stats.generation_seconds = times[-1] - times[1]
+    yield from replies

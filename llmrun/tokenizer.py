@@ -25,10 +25,12 @@ from llmrun import (
     byte_level_bpe,
     gpt_neox_japanese_tokenizer,
     marian_tokenizer,
+    plamo2_tokenizer,
     rwkv_tokenizer,
     sentencepiece_model,
     tekken,
     tokenizer_gguf,
+    wav2vec2_tokenizer,
 )
 from llmrun.errors import TokenizerError, UnsupportedError
 from llmrun.pretokenizers import SPM_SPACE
@@ -247,7 +249,9 @@ class Tokenizer:
         source.spm and vocab.json as MarianTokenizer reads them (llmrun.marian_tokenizer, which
         reads a Speech2Text folder's sentencepiece.bpe.model and vocab.json too), else a
         Blenderbot or RoBERTa folder's vocab.json and merges.txt (llmrun.byte_level_bpe), else
-        GPT-NeoX Japanese's vocab.txt and emoji.json (llmrun.gpt_neox_japanese_tokenizer)."""
+        GPT-NeoX Japanese's vocab.txt and emoji.json (llmrun.gpt_neox_japanese_tokenizer), else
+        PLaMo's tokenizer.jsonl (llmrun.plamo2_tokenizer), else a Wav2Vec2CTCTokenizer's
+        vocab.json (llmrun.wav2vec2_tokenizer)."""
         path = Path(path)
         file = hf_tokenizer_file(path)
         if file.name == tekken.FILE:
@@ -256,6 +260,12 @@ class Tokenizer:
             vocab_size = _read_json(path / "config.json").get("vocab_size", 65536)
             metadata = rwkv_tokenizer.folder_metadata(path, vocab_size)
             return cls.from_gguf_metadata(metadata, str(file))
+        if file.name == plamo2_tokenizer.VOCAB_FILE:  # PLaMo's, as llama.cpp converts it
+            vocab_size = _read_json(path / "config.json").get("vocab_size", 0)
+            metadata = plamo2_tokenizer.folder_metadata(path, vocab_size)
+            return cls.from_gguf_metadata(metadata, str(file))
+        if file.name == wav2vec2_tokenizer.VOCAB and wav2vec2_tokenizer.applies(path):
+            return cls(**wav2vec2_tokenizer.tokenizer_args(path))
         if file.name == marian_tokenizer.FILE:
             return cls(**marian_tokenizer.tokenizer_args(path))
         if (
@@ -341,6 +351,8 @@ class Tokenizer:
 
             def spell_model(text: str) -> bytes:
                 return spm_bytes(text, fallback)
+        elif set(decoder) == {"Fuse"}:  # OmniASR's (OmniASRConverter): the pieces as written
+            spell_model = raw
         elif "WordPiece" in decoder:  # BERT's: "##" continues a word, other pieces start one
             prefix, strip = decoder["WordPiece"].get("prefix", "##"), True
 
@@ -349,7 +361,8 @@ class Tokenizer:
         else:
             raise UnsupportedError(
                 f"{file}: decoder {sorted(decoder) or 'none'} is not supported "
-                "(supported: ByteLevel, Metaspace, Replace \u2581 with ByteFallback, WordPiece)"
+                "(supported: ByteLevel, Metaspace, Replace \u2581 with ByteFallback, WordPiece, "
+                "Fuse)"
             )
 
         def spell(i: int) -> bytes:
@@ -440,6 +453,10 @@ def hf_tokenizer_file(folder: Path) -> Path:
         return folder / gpt_neox_japanese_tokenizer.VOCAB
     if rwkv_tokenizer.applies(folder):
         return folder / rwkv_tokenizer.VOCAB_FILE
+    if plamo2_tokenizer.applies(folder):
+        return folder / plamo2_tokenizer.VOCAB_FILE
+    if wav2vec2_tokenizer.applies(folder):
+        return folder / wav2vec2_tokenizer.VOCAB
     raise TokenizerError(
         f"{folder}: no tokenizer.json, tekken.json or tokenizer.model (a model directory "
         f"needs one; {' or '.join(sentencepiece_model.FILES[1:])} also do)"

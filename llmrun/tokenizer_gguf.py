@@ -26,6 +26,7 @@ from tokenizers.models import BPE
 from llmrun import gguf_bpe
 from llmrun.errors import TokenizerError, UnsupportedError
 from llmrun.gguf_bpe import MergingBackend
+from llmrun.plamo2_tokenizer import Plamo2Backend
 from llmrun.pretokenizers import (
     FORK_PRE_TOKENIZERS,
     PRE_TOKENIZERS,
@@ -126,8 +127,9 @@ _FIM_OLD_KEYS = {  # the names older files use
 }
 # gpt-oss: llama.cpp always matches and prints these, even where the file calls them control.
 _ALWAYS_SHOWN = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
-GGUF_MODELS = ("llama", "gpt2", "gemma4", "bert", "t5", "whitespace", "rwkv")
+GGUF_MODELS = ("llama", "gpt2", "gemma4", "bert", "t5", "whitespace", "rwkv", "plamo2")
 RWKV_MODEL = "rwkv"  # RWKV world: llmrun.rwkv_tokenizer
+PLAMO2_MODEL = "plamo2"  # PLaMo 2 and 3: llmrun.plamo2_tokenizer
 WPM_MODEL = "bert"  # WordPiece: llmrun.wordpiece
 UGM_MODEL = "t5"  # Unigram: llmrun.unigram
 # llama.cpp's WPM ids where the file names none (llama_vocab::impl::load, "bert").
@@ -162,7 +164,7 @@ def check_metadata(metadata: dict[str, Any], source: str) -> PreTokenizer | None
     tokens = metadata.get(Keys.Tokenizer.LIST)
     if not isinstance(tokens, list) or not tokens:
         raise TokenizerError(f"{source}: no {Keys.Tokenizer.LIST} in the metadata")
-    if model in ("llama", WPM_MODEL, UGM_MODEL, RWKV_MODEL):
+    if model in ("llama", WPM_MODEL, UGM_MODEL, RWKV_MODEL, PLAMO2_MODEL):
         return None
     if model == "whitespace":
         pre_name = metadata.get(Keys.Tokenizer.PRE) or "whitespace"
@@ -203,7 +205,8 @@ def tokenizer_args(metadata: dict[str, Any], source: str) -> dict[str, Any]:
     wpm = metadata[Keys.Tokenizer.MODEL] == WPM_MODEL
     ugm = metadata[Keys.Tokenizer.MODEL] == UGM_MODEL
     rwkv = metadata[Keys.Tokenizer.MODEL] == RWKV_MODEL
-    spm = pre is None and not wpm and not ugm and not rwkv
+    plamo2 = metadata[Keys.Tokenizer.MODEL] == PLAMO2_MODEL
+    spm = pre is None and not wpm and not ugm and not rwkv and not plamo2
     vocab = _gguf_vocab(tokens)
     add_eos = bool(metadata.get(Keys.Tokenizer.ADD_EOS, False))
     if wpm:
@@ -233,6 +236,15 @@ def tokenizer_args(metadata: dict[str, Any], source: str) -> dict[str, Any]:
         backend = RwkvBackend(tokens, token_id(Keys.Tokenizer.UNK_ID))
         add_bos_default = False
         bos, eos = token_id(Keys.Tokenizer.BOS_ID), token_id(Keys.Tokenizer.EOS_ID)
+    elif plamo2:
+        # llama.cpp's PLaMo 2 ids where the file names none (unk 0, bos 1, eos 2); its
+        # tokenize adds no BOS or EOS, whatever the file says.
+        add_prefix = False
+        scores = _gguf_array(metadata, Keys.Tokenizer.SCORES, n, source, 0.0)
+        backend = Plamo2Backend(tokens, types, scores)
+        add_bos_default = False
+        bos, eos = token_id(Keys.Tokenizer.BOS_ID, 1), token_id(Keys.Tokenizer.EOS_ID, 2)
+        add_eos = False
     elif spm:
         add_prefix = bool(metadata.get(Keys.Tokenizer.ADD_PREFIX, True))
         backend = _spm_backend(metadata, tokens, vocab, n, source, add_prefix)
@@ -262,9 +274,11 @@ def tokenizer_args(metadata: dict[str, Any], source: str) -> dict[str, Any]:
             return byte_level_bytes(tokens[i])
         if rwkv:
             return backend.spellings[i]
+        if plamo2:  # a token's text as it is (no SentencePiece spaces), bytes as <0xHH>
+            return spm_bytes(tokens[i], True) if types[i] == TokenType.BYTE else raw(tokens[i])
         return spm_bytes(tokens[i], types[i] == TokenType.BYTE)
 
-    add_bos = bool(metadata.get(Keys.Tokenizer.ADD_BOS, add_bos_default))
+    add_bos = not plamo2 and bool(metadata.get(Keys.Tokenizer.ADD_BOS, add_bos_default))
     add_bos |= pre is not None and pre.bos_always
     return dict(
         backend=backend,
@@ -281,7 +295,7 @@ def tokenizer_args(metadata: dict[str, Any], source: str) -> dict[str, Any]:
         strip_leading_space=((spm or ugm) and add_prefix) or wpm,
         # RWKV: special tokens cut the text where they parse, as llama.cpp cuts it, before
         # the trie (which holds them too) runs over each piece.
-        split_special=_special_splitter(tokens, added, marks, vocab, always=ugm or rwkv),
+        split_special=_special_splitter(tokens, added, marks, vocab, always=ugm or rwkv or plamo2),
         token_ids=vocab if ugm else None,
         source=source,
     )

@@ -19,8 +19,12 @@ from llmrun import (
     cohere_asr,
     moonshine,
     moonshine_streaming,
+    omniasr_ctc,
+    parakeet,
+    seamless_m4t,
     speech_to_text,
     voxtral_realtime,
+    wav2vec2,
     whisper,
 )
 from llmrun.errors import UnsupportedError
@@ -46,10 +50,25 @@ def _whisper(
     prompt: str | None,
     timestamps: bool = False,
     num_beams: int | None = None,
+    words: bool = False,
+    temperature: float | None = None,
+    seed: int | None = None,
 ) -> Transcription:
     settings = whisper.Settings.of(generation, config)
+    fallback = None if temperature is None else whisper.Fallback.starting_at(temperature)
     return whisper.transcribe(
-        model, tokenizer, settings, clip, language, task, prompt, timestamps, num_beams
+        model,
+        tokenizer,
+        settings,
+        clip,
+        language,
+        task,
+        prompt,
+        timestamps,
+        num_beams,
+        words,
+        fallback,
+        seed,
     )
 
 
@@ -61,15 +80,49 @@ FAMILIES: dict[str, tuple[str, Transcriber]] = {
     "moonshine_streaming": (moonshine_streaming.FAMILY, moonshine_streaming.transcribe),
     "speech_to_text": (speech_to_text.FAMILY, speech_to_text.transcribe),
     "voxtral_realtime": (voxtral_realtime.FAMILY, voxtral_realtime.transcribe),
+    "omniasr_ctc": (omniasr_ctc.FAMILY, omniasr_ctc.transcribe),
+    "seamless_m4t_v2": (seamless_m4t.FAMILY, seamless_m4t.transcribe),
+    "seamless_m4t": (seamless_m4t.FAMILY, seamless_m4t.transcribe),
+    "parakeet_tdt": (parakeet.FAMILY, parakeet.transcribe),
+    "parakeet_rnnt": (parakeet.FAMILY, parakeet.transcribe),
+    "parakeet_ctc": (parakeet.FAMILY, parakeet.transcribe),
+    "wav2vec2": (wav2vec2.FAMILY, wav2vec2.transcribe),
+    "hubert": (wav2vec2.FAMILY, wav2vec2.transcribe),
+    "data2vec-audio": (wav2vec2.FAMILY, wav2vec2.transcribe),
+    "wavlm": (wav2vec2.FAMILY, wav2vec2.transcribe),
 }
 
 
-TIMESTAMPED: dict[str, Transcriber] = {"whisper": partial(_whisper, timestamps=True)}
+TIMESTAMPED: dict[str, Transcriber] = {
+    "whisper": partial(_whisper, timestamps=True),
+    "parakeet_tdt": partial(parakeet.transcribe, timestamps=True),
+    "parakeet_rnnt": partial(parakeet.transcribe, timestamps=True),
+}
+
+# The families whose transcribers take words (word timestamps: Transcription.words).
+WORD_TIMED = frozenset({"whisper", "parakeet_tdt", "parakeet_rnnt"})
+
+# The families whose transcribers take temperature (openai-whisper's temperature fallback
+# from it; None: none) and seed (its sampling's).
+WHISPER_OPTIONS = frozenset({"whisper"})
 
 # The families whose transcribers take num_beams: a beam search's, over the folder's.
 BEAMED = frozenset(
-    {"whisper", "cohere_asr", "moonshine", "canary", "moonshine_streaming", "speech_to_text"}
+    {
+        "whisper",
+        "cohere_asr",
+        "moonshine",
+        "canary",
+        "moonshine_streaming",
+        "speech_to_text",
+        "seamless_m4t_v2",
+        "seamless_m4t",
+    }
 )
+
+# The families whose transcribers take target_language: the language of the text they write
+# (a translation's), over the language spoken.
+TARGETED = frozenset(seamless_m4t.MODEL_TYPES)
 
 # The families that translate a clip only in a language given (they do not detect it):
 # serve's /v1/audio/translations takes it as `language`.

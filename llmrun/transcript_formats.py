@@ -7,7 +7,8 @@ language's English name in lower case, as OpenAI writes it; "english" for a tran
 "duration" (seconds), "text", "segments"}, each segment as OpenAI's (id, seek, start, end,
 text, tokens, temperature, avg_logprob, compression_ratio, no_speech_prob); a family that
 predicts no times (Transcription.segments None) answers it without "segments", which
-OpenAI's schema leaves optional. srt and vtt: a cue per segment with text, its times as
+OpenAI's schema leaves optional; with word timestamps, "words" too, each {"word" (without its
+leading space, as OpenAI writes it), "start", "end"}. srt and vtt: a cue per segment with text, its times as
 openai-whisper's writers format them (hh:mm:ss,mmm and hh:mm:ss.mmm, the hours always there,
 milliseconds rounded), the text stripped, its blank lines dropped and "-->" written "->".
 
@@ -21,6 +22,7 @@ from typing import Any
 
 from llmrun.whisper import Segment, Transcription
 from llmrun.whisper_languages import LANGUAGES
+from llmrun.whisper_words import Word
 
 FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
 TIMED = ("srt", "verbose_json", "vtt")  # the formats with segments' times
@@ -45,9 +47,11 @@ def verbose_json(
     task: str,
     duration: float,
     segments: tuple[Segment, ...] | None = None,
+    words: tuple[Word, ...] | None = None,
 ) -> dict[str, Any]:
     """The verbose_json format of a transcription (`task` "transcribe") or translation
-    ("translate") of a clip of `duration` seconds in `language` (a code; None: unknown)."""
+    ("translate") of a clip of `duration` seconds in `language` (a code; None: unknown),
+    with its `segments` and `words` where given."""
     language = "en" if task == "translate" else language
     body: dict[str, Any] = {
         "task": task,
@@ -57,6 +61,8 @@ def verbose_json(
     }
     if segments is not None:
         body["segments"] = [_segment(s) for s in segments]
+    if words is not None:
+        body["words"] = [{"word": w.word.strip(), "start": w.start, "end": w.end} for w in words]
     return body
 
 

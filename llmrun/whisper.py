@@ -1,13 +1,13 @@
 """Whisper's speech recognition, decoded as transformers' WhisperForConditionalGeneration
 .generate decodes a clip greedily, or by beam search (llmrun.beam_search) where
-generation_config.json's num_beams or a request's asks for it, every rule below applied to
-each beam's log-probabilities (no temperature fallback): the forced decoder
-prompt (<|startoftranscript|>, the language, the task, <|notimestamps|>, after
-<|startofprev|> and the prompt's tokens where a prompt is given), the language detected from
-the first step's logits over the language tokens where none is given,
-generation_config.json's suppress_tokens at every step and begin_suppress_tokens at the
-first, until an end-of-text token or max_length; the text decoded without special tokens or
-timestamps, as batch_decode(skip_special_tokens=True).
+generation_config.json's num_beams or a request's asks for it (then, where asked for, again
+at higher temperatures: the fallback below), every rule below applied to each beam's
+log-probabilities: the forced decoder prompt (<|startoftranscript|>, the language, the task,
+<|notimestamps|>, after <|startofprev|> and the prompt's tokens where a prompt is given), the
+language detected from the first step's logits over the language tokens where none is
+given, generation_config.json's suppress_tokens at every step and begin_suppress_tokens at
+the first, until an end-of-text token or max_length; the text decoded without special tokens
+or timestamps, as batch_decode(skip_special_tokens=True).
 
 A clip of up to 30 seconds is one window, its audio zero-padded to 30 seconds as
 WhisperFeatureExtractor pads it. A longer one is transcribed by generate's long-form
@@ -30,11 +30,28 @@ number of tokens plus one; compression_ratio: the window's text, UTF-8, over its
 compression; no_speech_prob: the <|nospeech|> (or <|nocaptions|>) token's probability in the
 logits at <|startoftranscript|>).
 
+Asked for `words`, the transcript comes with its words and their times too (and each token's
+time), by llmrun.whisper_words from the cross-attention weights of generation_config.json's
+alignment_heads, as transformers' return_token_timestamps and its pipeline's
+return_timestamps="word" give them.
+
+With a temperature `fallback` (openai-whisper's transcribe, generate's temperature list with
+its thresholds), each window is decoded at the first temperature (0: greedy or the beam
+search), and again at each next one (sampled, at that temperature) while its result fails:
+its text compresses over compression_ratio_threshold (openai-whisper's ratio of the text),
+or its average log-probability (of the chosen tokens, end-of-text's included, as generate's
+_retrieve_avg_logprobs averages them, whatever the temperature) is under logprob_threshold;
+the last try is kept. A window that fails the log-probability test while its no-speech
+probability is over no_speech_threshold is silence: no retry, and it is skipped (no tokens,
+`seek` moved by the whole window), as generate's _need_fallback decides.
+
 Reference: transformers/models/whisper/generation_whisper.py (generate,
 _retrieve_init_tokens, detect_language, _retrieve_logit_processors, _retrieve_segment,
 _set_max_new_tokens_and_length), generation/logits_process.py
 (WhisperTimeStampLogitsProcessor), tokenization_whisper.py (get_prompt_ids, decode);
-openai-whisper's whisper/decoding.py (DecodingResult) and utils.py (compression_ratio).
+generate_with_fallback and _need_fallback for the fallback; openai-whisper's
+whisper/decoding.py (DecodingResult), transcribe.py (decode_with_fallback) and utils.py
+(compression_ratio).
 """
 
 from __future__ import annotations
@@ -49,11 +66,12 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from llmrun import audio, beam_search
+from llmrun import audio, beam_search, whisper_words
 from llmrun.beam_search import Beams
 from llmrun.errors import ModelFormatError, UsageError
 from llmrun.tokenizer import Tokenizer
 from llmrun.whisper_languages import CODES, LANGUAGES
+from llmrun.whisper_words import Word
 
 TASKS = ("transcribe", "translate")
 WINDOW_SAMPLES = 30 * audio.SAMPLE_RATE
@@ -95,6 +113,44 @@ class Transcription:
     prompt_tokens: int  # the decoder prompt's tokens, every window's
     # With their times, where asked for and the family predicts them; else None.
     segments: tuple[Segment, ...] | None = None
+    # Where word timestamps were asked for: the words of the segments, and each of `ids`'s
+    # time in seconds (float32, as generate's token_timestamps); else None.
+    words: tuple[Word, ...] | None = None
+    token_times: tuple[float, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """A temperature fallback's schedule and thresholds (None: that test is off);
+    openai-whisper's transcribe defaults by default."""
+
+    temperatures: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+    compression_ratio_threshold: float | None = 2.4
+    logprob_threshold: float | None = -1.0
+    no_speech_threshold: float | None = 0.6
+
+    @classmethod
+    def starting_at(cls, temperature: float) -> Fallback:
+        """openai-whisper's schedule from `temperature`: up by 0.2 to 1.0 (at most)."""
+        if not 0 <= temperature <= 2:
+            raise UsageError(f"temperature {temperature}: give a number from 0 to 2")
+        steps = max(0, int(round((1.0 - temperature) / 0.2, 6)))
+        return cls(tuple(round(temperature + 0.2 * i, 6) for i in range(steps + 1)))
+
+    def verdict(self, window: Window, text: str) -> tuple[bool, bool]:
+        """Whether a window's decoding (its `text`) is to be decoded again at the next
+        temperature, and whether the window is silence, to be skipped."""
+        retry = False
+        threshold = self.compression_ratio_threshold
+        if threshold is not None and compression_ratio(text) > threshold:
+            retry = True
+        average = window.logprob / max(window.scored, 1)
+        if self.logprob_threshold is not None and average < self.logprob_threshold:
+            retry = True
+            silence, limit = window.no_speech, self.no_speech_threshold
+            if limit is not None and silence is not None and silence > limit:
+                return False, True
+        return retry, False
 
 
 @dataclass(frozen=True)
@@ -114,6 +170,9 @@ class Settings:
     max_initial_timestamp: int | None  # max_initial_timestamp_index
     return_timestamps: bool  # timestamps for a clip of up to 30 seconds too
     beams: Beams = Beams()  # num_beams 1: greedy
+    # (decoder layer, head) pairs whose cross-attention times words; () where none is given.
+    alignment_heads: tuple[tuple[int, int], ...] = ()
+    median_filter_width: int = 7  # config.json's: the word alignment's filter
 
     def check(self, vocab_size: int) -> None:
         """Refuse token ids outside the model's vocabulary (suppressed ones may be: they
@@ -183,7 +242,33 @@ class Settings:
             if initial is None
             else _id(initial, "max_initial_timestamp_index"),
             beams=Beams.of(generation, {}),
+            alignment_heads=_pairs(generation.get("alignment_heads")),
+            median_filter_width=_filter_width(config.get("median_filter_width", 7)),
         )
+
+
+def _pairs(values: Any) -> tuple[tuple[int, int], ...]:
+    if values is None:
+        return ()
+    if not isinstance(values, list) or not all(
+        isinstance(pair, list) and len(pair) == 2 and all(_whole(v) for v in pair)
+        for pair in values
+    ):
+        raise ModelFormatError(
+            f"Whisper's generation_config.json: alignment_heads {values!r} is not a list of "
+            "[layer, head] pairs"
+        )
+    return tuple((layer, head) for layer, head in values)
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _filter_width(value: Any) -> int:
+    if not _whole(value) or value % 2 != 1:
+        raise ModelFormatError(f"Whisper's config.json: median_filter_width {value!r} is not odd")
+    return value
 
 
 def _id(value: Any, name: str) -> int:
@@ -309,6 +394,13 @@ class Window(NamedTuple):
     tokens: list[int]  # generated, without end-of-text
     logprob: float  # the chosen tokens' log-probabilities (end-of-text's too), summed
     no_speech: float | None  # the no-speech token's probability at <|startoftranscript|>
+    temperature: float = 0.0
+    ended: bool = True  # by end-of-text (else by max_length)
+
+    @property
+    def scored(self) -> int:
+        """The tokens whose log-probabilities `logprob` sums."""
+        return len(self.tokens) + self.ended
 
 
 class Decoder:
@@ -338,12 +430,19 @@ class Decoder:
         return int(languages[logits[languages].argmax()])
 
     def generate(
-        self, ids: list[int], max_length: int, timestamps: bool, no_speech: int | None = None
+        self,
+        ids: list[int],
+        max_length: int,
+        timestamps: bool,
+        no_speech: int | None = None,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
     ) -> Window:
         """The tokens after the decoder prompt `ids`, up to `max_length` tokens in all;
         `timestamps`: predicted, by the timestamp rules; `no_speech`: the token whose
-        probability at <|startoftranscript|> the window reports."""
-        if self.settings.beams.num_beams > 1:
+        probability at <|startoftranscript|> the window reports; `temperature` over 0:
+        each token sampled at it (by `generator`), else the likeliest (or the beams')."""
+        if self.settings.beams.num_beams > 1 and temperature == 0:
             return self._beams(ids, max_length, timestamps, no_speech)
         cache = self.model.new_cache()
         prompt = self._logits(ids, cache, 0)
@@ -360,13 +459,17 @@ class Decoder:
             logits[self.suppress] = -float("inf")
             if timestamps:
                 self._timestamp_rules(logits, out)
-            token = int(logits.argmax())
+            if temperature > 0:
+                chances = torch.softmax(logits / temperature, dim=-1).cpu()
+                token = int(torch.multinomial(chances, 1, generator=generator))
+            else:
+                token = int(logits.argmax())
             logprob += float(torch.log_softmax(logits, dim=-1)[token])
             if token in self.settings.eos:
-                return Window(out, logprob, silence)
+                return Window(out, logprob, silence, temperature)
             out.append(token)
             if len(ids) + len(out) >= max_length:
-                return Window(out, logprob, silence)
+                return Window(out, logprob, silence, temperature, ended=False)
             logits = self._logits([token], cache, len(ids) + len(out) - 1)[-1].float()
 
     def _beams(
@@ -408,9 +511,22 @@ class Decoder:
         )[0]
         logprob = best.score * max(len(best.tokens), 1) ** beams.length_penalty
         tokens = best.tokens
-        if tokens and tokens[-1] in self.settings.eos:
+        ended = bool(tokens) and tokens[-1] in self.settings.eos
+        if ended:
             tokens = tokens[:-1]
-        return Window(tokens, logprob, silence)
+        return Window(tokens, logprob, silence, ended=ended)
+
+    def alignment(self, ids: list[int], window: Window) -> torch.Tensor:
+        """The cross-attention weights [alignment heads, tokens, 1500] of the window's
+        generated tokens but the last (end-of-text where it ended so), by one pass over
+        the prompt `ids` and them, as generate records them step by step."""
+        fed = window.tokens if window.ended else window.tokens[:-1]
+        weights: list[torch.Tensor] = []
+        tensor = torch.tensor([ids + fed], dtype=torch.long, device=self.device)
+        heads = self.settings.alignment_heads
+        cache = self.model.new_cache(1, len(ids) + len(fed))
+        self.model.decode(tensor, cache, 0, self.cross, weights, heads)
+        return torch.stack([w[0, len(ids) :] for w in weights]).cpu()
 
     def _timestamp_rules(self, logits: torch.Tensor, out: list[int]) -> None:
         """WhisperTimeStampLogitsProcessor on the logits after the tokens `out`: no
@@ -496,16 +612,26 @@ def transcribe(
     prompt: str | None = None,
     timestamps: bool = False,
     num_beams: int | None = None,
+    words: bool = False,
+    fallback: Fallback | None = None,
+    seed: int | None = None,
 ) -> Transcription:
     """A clip's transcript (or English translation, with task "translate") by `model`;
     `prompt`: the text before it (generate's prompt_ids); `timestamps`: predicted whatever
     the clip's length, and the transcript's segments given with their times; `num_beams`:
-    a beam search's (1: greedy), over the settings'."""
+    a beam search's (1: greedy), over the settings'; `words`: the segments' words with their
+    times too; `fallback`: a temperature fallback's (None: none), its sampling seeded by
+    `seed` (None: a random seed)."""
     settings.check(model.args.vocab_size)
     settings = dataclasses.replace(settings, beams=settings.beams.requested(num_beams))
+    if words:
+        _check_alignment_heads(settings, model.args)
+    timestamps = timestamps or words
     before = prompt_ids(tokenizer, prompt) if prompt else []
     mel = features(clip, model.args.num_mel_bins)
     total = mel.shape[1]
+    # The frames of audio (not padding) as the feature extractor's attention mask counts them.
+    audio_frames = -(-len(clip.samples) // audio.HOP_LENGTH)
     segments: list[Segment] | None = [] if timestamps else None
     # Long-form predicts them, asked for or not.
     timestamps = timestamps or total > WINDOW_FRAMES or settings.return_timestamps
@@ -516,13 +642,19 @@ def transcribe(
             "generation_config.json has no no_timestamps_token_id"
         )
     no_speech = None
-    if segments is not None:
+    if segments is not None or fallback is not None:
         named = (tokenizer.token_id(t) for t in ("<|nospeech|>", "<|nocaptions|>"))
         no_speech = next((t for t in named if t is not None), None)
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
     longest, max_length = model.args.max_target_positions, settings.max_length
     # Where no <|notimestamps|> says it, no token is a timestamp (generate's fallback).
     first = settings.timestamp_begin or model.args.vocab_size + 1
     generated: list[int] = []
+    times: list[float] = []
     forced: list[int] = []
     prompt_tokens = seek = 0
     with torch.inference_mode():
@@ -544,11 +676,30 @@ def transcribe(
                     f"generates up to {max_length} in all: shorten the prompt"
                 )
             prompt_tokens += len(ids)
-            decoded = decoder.generate(ids, max_length, timestamps, no_speech)
+            if fallback is None:
+                decoded, skip = decoder.generate(ids, max_length, timestamps, no_speech), False
+            else:
+                decoded, skip = _fall_back(
+                    decoder, tokenizer, fallback, generator, ids, max_length, timestamps, no_speech
+                )
+            if skip:
+                seek += frames
+                continue
             # Without timestamps too: a timestamp token the model writes moves `seek` (the
             # window is then decoded again from there), as in generate.
             pieces, moved = split_window(decoded.tokens, frames, first)
-            generated += [t for piece in pieces for t in piece.tokens]
+            kept = [t for piece in pieces for t in piece.tokens]
+            generated += kept
+            if words:
+                weights = decoder.alignment(ids, decoded)
+                # A window that starts past the audio's end (after a timestamp written past
+                # it) aligns over no frames (transformers crops by a negative count there,
+                # which leaves none 15 s or more past the end).
+                window_times = whisper_words.token_times(
+                    weights, max(audio_frames - seek, 0), settings.median_filter_width
+                )
+                offset = np.float32(seek * TIME_PRECISION / FRAMES_PER_POSITION)
+                times += [float(t + offset) for t in window_times[: len(kept)]]
             if segments is not None:
                 segments += window_segments(tokenizer, decoded, pieces, seek, first, len(segments))
             # A pair at <|0.00|> (possible after <|notimestamps|>, where no rule holds)
@@ -559,9 +710,81 @@ def transcribe(
     found = next((languages[t] for t in forced if t in languages), None)
     if found is None and settings.multilingual is False:
         found = "en"  # an English-only model (*.en)
+    timed_words = None
+    if words:
+        timed_words = tuple(_segment_words(tokenizer, segments, times, first, found))
     return Transcription(
-        text, generated, found, prompt_tokens, None if segments is None else tuple(segments)
+        text,
+        generated,
+        found,
+        prompt_tokens,
+        None if segments is None else tuple(segments),
+        timed_words,
+        tuple(times) if words else None,
     )
+
+
+def _fall_back(
+    decoder: Decoder,
+    tokenizer: Tokenizer,
+    fallback: Fallback,
+    generator: torch.Generator,
+    ids: list[int],
+    max_length: int,
+    timestamps: bool,
+    no_speech: int | None,
+) -> tuple[Window, bool]:
+    """A window decoded at each of the fallback's temperatures in turn until a result holds
+    (else the last is kept), and whether the window is silence, to be skipped."""
+    first = decoder.settings.timestamp_begin or decoder.model.args.vocab_size + 1
+    for temperature in fallback.temperatures:
+        decoded = decoder.generate(ids, max_length, timestamps, no_speech, temperature, generator)
+        text = tokenizer.decode([t for t in decoded.tokens if t < first]).strip()
+        retry, skip = fallback.verdict(decoded, text)
+        if not retry:
+            break
+    return decoded, skip
+
+
+def _check_alignment_heads(settings: Settings, args: Any) -> None:
+    """Refuse word timestamps without alignment heads, or with heads the model lacks."""
+    if not settings.alignment_heads:
+        raise UsageError(
+            "word timestamps: this Whisper model's generation_config.json has no "
+            "alignment_heads (the cross-attention heads that time words); the Hub's "
+            "openai/whisper-* folders have them"
+        )
+    for layer, head in settings.alignment_heads:
+        if layer >= args.decoder_layers or head >= args.decoder_attention_heads:
+            raise ModelFormatError(
+                f"Whisper's generation_config.json: alignment head [{layer}, {head}] is not "
+                f"one of the {args.decoder_layers} decoder layers' {args.decoder_attention_heads} "
+                "heads"
+            )
+
+
+def _segment_words(
+    tokenizer: Tokenizer,
+    segments: list[Segment],
+    times: list[float],
+    first: int,
+    language: str | None,
+) -> list[Word]:
+    """Each segment's words, a token spanning from the time of the token before it (in the
+    whole transcript; 0 for the first) to its own, both to the hundredth of a second, as the
+    pipeline times them."""
+    out: list[Word] = []
+    index = 0
+    for segment in segments:
+        text, spans = [], []
+        for token in segment.tokens:
+            if token < first and token not in tokenizer.special_ids:
+                start = round(times[index - 1], 2) if index else 0.0
+                text.append(token)
+                spans.append((start, round(times[index], 2)))
+            index += 1
+        out += whisper_words.words(tokenizer, text, spans, language)
+    return out
 
 
 def window_segments(
@@ -585,7 +808,7 @@ def window_segments(
             end=offset + piece.end * TIME_PRECISION,
             text=text(piece.tokens),
             tokens=piece.tokens,
-            temperature=0.0,
+            temperature=window.temperature,
             avg_logprob=avg_logprob,
             compression_ratio=ratio,
             no_speech_prob=window.no_speech,

@@ -5,7 +5,10 @@ save_pretrained writes it (DeepSeek's own checkpoint keys; stories260K's tokeniz
 settings: DeepSeek-OCR 2's 1024-pixel whole view and 768-pixel crops on 16-pixel patches,
 which llama.cpp takes as fixed), transformers' DeepseekOcr2Processor inputs for it, and
 its files as llama.cpp's converter writes them from DeepSeek's checkpoint (a deepseek2-ocr
-text GGUF, an mmproj GGUF of projector type deepseekocr2)."""
+text GGUF, an mmproj GGUF of projector type deepseekocr2); and the checks the DeepSeek-OCR
+families' tests (DeepSeek-OCR 2, Unlimited-OCR) make of their prompts against
+transformers. Tolerances: features 1e-5 between llmrun's loads, logits 1e-4 (absolute),
+tokens exact."""
 
 from __future__ import annotations
 
@@ -15,6 +18,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from helpers import STORIES_GGUF, STORIES_HF, randomize
+from in_process import llmrun
+from vision_helpers import picture
+
+from llmrun import api, vision_families
+from llmrun.generate import KVState, prefill
+from llmrun.sampling import SamplingParams
 
 IMAGE = 512  # <image>, after stories260K's 512 tokens
 VOCAB = 520
@@ -41,6 +50,37 @@ PROCESSOR = {
 }
 
 
+# The tiny models' SAM and DeepSeek MoE text (Unlimited-OCR's too).
+TINY_SAM = dict(
+    hidden_size=32,
+    output_channels=16,
+    num_hidden_layers=3,
+    num_attention_heads=2,
+    image_size=SIZE,
+    patch_size=PATCH,
+    window_size=14,
+    global_attn_indexes=[2],
+    mlp_dim=64,
+    downsample_channels=[24, 32],
+)
+TINY_TEXT = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    vocab_size=VOCAB,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    moe_intermediate_size=32,
+    mlp_layer_types=["dense", "sparse"],
+    max_position_embeddings=2048,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
 def tiny_deepseek_ocr2(seed: int = 0):
     """A random transformers DeepseekOcr2ForConditionalGeneration: SAM of hidden 32 in three
         layers (two windowed, then the global one at index 2, where llama.cpp has its first)
@@ -50,18 +90,6 @@ def tiny_deepseek_ocr2(seed: int = 0):
         hidden 64 (a dense layer, then 4 experts of which 2 are taken, and a shared one)."""
     import transformers
 
-    sam = dict(
-        hidden_size=32,
-        output_channels=16,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        image_size=SIZE,
-        patch_size=PATCH,
-        window_size=14,
-        global_attn_indexes=[2],
-        mlp_dim=64,
-        downsample_channels=[24, 32],
-    )
     queries = dict(
         hidden_size=32,
         intermediate_size=64,
@@ -71,25 +99,9 @@ def tiny_deepseek_ocr2(seed: int = 0):
         max_position_embeddings=1024,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     )
-    text = dict(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=VOCAB,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        moe_intermediate_size=32,
-        mlp_layer_types=["dense", "sparse"],
-        max_position_embeddings=2048,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
     config = transformers.DeepseekOcr2Config(
-        vision_config=dict(sam_config=sam, encoder_config=queries),
-        text_config=text,
+        vision_config=dict(sam_config=dict(TINY_SAM), encoder_config=queries),
+        text_config=dict(TINY_TEXT),
         image_token_id=IMAGE,
     )
     torch.manual_seed(seed)
@@ -150,7 +162,7 @@ def greedy_tokens(model, inputs: dict, tokens: int = 8) -> list[int]:
     return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
-def _folder_tensors(folder: Path) -> dict:
+def folder_tensors(folder: Path) -> dict:
     """The folder's tensors under the checkpoint's names (DeepSeek's, which llama.cpp's
     converter reads)."""
     from safetensors.torch import load_file
@@ -222,7 +234,7 @@ def write_text_gguf(model, folder: Path, path: Path, sliding_window: int | None 
     writer.add_add_bos_token(False)
     writer.add_add_space_prefix(False)
     writer.add_chat_template(TEMPLATE)
-    state = {k: v for k, v in _folder_tensors(folder).items() if k.startswith(TEXT_KEYS)}
+    state = {k: v for k, v in folder_tensors(folder).items() if k.startswith(TEXT_KEYS)}
     experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
     for name, tensor in state.items():
         data = tensor.float().numpy()
@@ -282,12 +294,14 @@ _QUERY_NAMES = {
 _KEPT_F32 = ("pos_embed", "rel_pos_h", "rel_pos_w", ".neck.", ".net_")
 
 
-def _mmproj_name(name: str) -> str:
+def sam_mmproj_name(name: str, vision_names: dict[str, str]) -> str | None:
+    """The mmproj name llama.cpp's converter gives the checkpoint tensor `name` where it is
+    in `vision_names` (whole names or modules) or SAM's (its blocks and neck); else None."""
     module, _, suffix = name.rpartition(".")
-    if name in _VISION_NAMES:
-        return _VISION_NAMES[name]
-    if module in _VISION_NAMES:
-        return f"{_VISION_NAMES[module]}.{suffix}"
+    if name in vision_names:
+        return vision_names[name]
+    if module in vision_names:
+        return f"{vision_names[module]}.{suffix}"
     parts = name.split(".")
     if parts[:3] == ["model", "sam_model", "neck"]:
         return f"v.sam.neck.{parts[3]}.{suffix}"
@@ -296,9 +310,17 @@ def _mmproj_name(name: str) -> str:
         if rest in ("attn.rel_pos_h", "attn.rel_pos_w"):
             return f"v.sam.blk.{parts[3]}.attn.pos_{rest[-1]}.weight"
         return f"v.sam.blk.{parts[3]}.{_SAM_NAMES[rest.rpartition('.')[0]]}.{suffix}"
+    return None
+
+
+def _mmproj_name(name: str) -> str:
+    named = sam_mmproj_name(name, _VISION_NAMES)
+    if named is not None:
+        return named
+    parts = name.split(".")
     # model.qwen2_model.model.model.layers.N.<module>.<suffix>
     layer, rest = parts[5], ".".join(parts[6:-1])
-    return f"v.blk.{layer}.{_QUERY_NAMES[rest]}.{suffix}"
+    return f"v.blk.{layer}.{_QUERY_NAMES[rest]}.{parts[-1]}"
 
 
 def write_mmproj(model, folder: Path, path: Path, f16: bool = True) -> Path:
@@ -339,17 +361,95 @@ def write_mmproj(model, folder: Path, path: Path, f16: bool = True) -> Path:
         ("clip.vision.attention.head_count_kv", 2),  # the converter's, whatever the model's
     ):
         writer.add_uint32(name, value)
-    for name, tensor in _folder_tensors(folder).items():
+    return write_vision_tensors(writer, folder, path, f16, _KEPT_F32, _mmproj_name)
+
+
+def write_vision_tensors(writer, folder: Path, path: Path, f16: bool, kept_f32, mmproj_name):
+    """The folder's vision tensors into the mmproj `writer` under `mmproj_name`'s names, as
+    the converter writes them: F32 but the matrices' F16 where `f16` and the name has none
+    of `kept_f32`; then the file written and closed."""
+    for name, tensor in folder_tensors(folder).items():
         if name.startswith(TEXT_KEYS):
             continue
         data = tensor.float().numpy()
-        if f16 and data.ndim >= 2 and not any(part in name for part in _KEPT_F32):
+        if f16 and data.ndim >= 2 and not any(part in name for part in kept_f32):
             data = data.astype(np.float16)
         if name == "model.view_seperator":
             data = data[None]  # [1, hidden], F32 as the 1-D tensor it was
-        writer.add_tensor(_mmproj_name(name), np.ascontiguousarray(data))
+        writer.add_tensor(mmproj_name(name), np.ascontiguousarray(data))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def transformers_logits_and_tokens(model, reference: dict, hf_images) -> tuple:
+    """transformers' logits of the reference prompt, its images' features `hf_images`
+    computed once, and its 8 greedy tokens."""
+    inputs = {"input_ids": reference["input_ids"], "mm_encoder_outputs": {"image": hf_images}}
+    with torch.no_grad():
+        logits = model(**inputs).logits[0]
+    return logits, greedy_tokens(model, inputs)
+
+
+def image_prompt(engine, images: list, question: str):
+    """llmrun's prompt ids and images for one user message of `images` then `question`."""
+    content = [{"type": "image"}] * len(images) + [{"type": "text", "text": question}]
+    return engine.image_prompt(engine.render([{"role": "user", "content": content}]), images)
+
+
+def check_logits_and_tokens(engine, ids: list[int], prompt_images, expected: tuple) -> None:
+    """The prompt's logits (whole, and by generate's prefill in chunks of 512, moved so
+    that no image is split) and 8 greedy tokens are `expected`, transformers'."""
+    logits, tokens = expected
+    with torch.no_grad():
+        ours = engine.model(
+            torch.tensor([ids]),
+            torch.arange(len(ids))[None],
+            images=prompt_images.tokens(0, len(ids), torch.device("cpu")),
+        )[0]
+        state = KVState(engine.model.new_cache(1, len(ids) + 16, torch.float32, "cpu"))
+        last = prefill(engine.model, state, ids, chunk=512, images=prompt_images)
+    torch.testing.assert_close(ours, logits, atol=1e-4, rtol=0)
+    torch.testing.assert_close(last, logits[-1], atol=1e-4, rtol=0)
+    stream = engine.generate(ids, SamplingParams(temperature=0.0), 8, images=prompt_images)
+    assert [r.token for r in stream if r.token is not None] == tokens
+
+
+def check_gguf_with_mmproj(text: Path, mmproj: Path, name: str, images, prompt, expected, question):
+    """The text GGUF with its mmproj (of family `name`) makes the folder's prompt ids and
+    image features of `images` and `question`, and transformers' logits and tokens."""
+    assert vision_families.of_mmproj(mmproj).name == name
+    engine = api.load(str(text), device="cpu", mmproj=mmproj)
+    ids, prompt_images = image_prompt(engine, images, question)
+    assert ids == prompt[0]
+    for ours, theirs in zip(prompt_images.embeds, prompt[1].embeds, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    check_logits_and_tokens(engine, ids, prompt_images, expected)
+
+
+def check_run_with_an_image(
+    model, folder: Path, gguf: Path, mmproj: Path, inputs_of, question: str, name: str
+) -> None:
+    """`llmrun run MODEL --image PATH "prompt"`, from the folder and from the GGUF with its
+    mmproj, prints transformers' greedy tokens for `inputs_of(folder, images, question)`
+    (the family's processor_inputs) up to EOS; without --image the folder's language model
+    runs alone, its note naming the family `name` and saying the tower loads at the first
+    image."""
+    from PIL import Image
+
+    image = gguf.parent / "page.png"
+    image.write_bytes(picture(400, 240, seed=6))
+    expected = greedy_tokens(model, inputs_of(folder, [Image.open(image)], question))
+    expected = expected[: expected.index(2)] if 2 in expected else expected  # run stops at EOS
+    assert len(expected) >= 4
+    for model_args in ([str(folder)], [str(gguf), "--mmproj", str(mmproj)]):
+        args = [*model_args, "--image", str(image), question, "-n", "8", "--temperature", "0"]
+        result = llmrun("run", *args, "--json", "--logprobs", "0")
+        assert result.returncode == 0, result.stderr
+        assert [e["id"] for e in json.loads(result.stdout)["logprobs"]] == expected
+    result = llmrun("run", str(folder), question, "-n", "2", "--temperature", "0")
+    assert result.returncode == 0, result.stderr
+    assert f"a multimodal {name}; running its language model" in result.stderr
+    assert "until an image is given" in result.stderr

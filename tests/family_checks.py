@@ -48,6 +48,18 @@ def dequantize_2d_weights(hf, qtype) -> None:
                 p.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, qtype)))
 
 
+def dequantize_weights_ending(hf, qtype, endings: tuple[str, ...]) -> None:
+    """Round `hf`'s weights whose names end with one of `endings` in place through gguf's
+    `qtype` quantizer and back: the weights a GGUF quantizing those alone holds."""
+    import gguf
+
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(endings):
+                blocks = gguf.quants.quantize(p.numpy(), qtype)
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, qtype)))
+
+
 def gguf_writer(path, arch: str, config, context: bool = True, key_length: bool = True):
     """A GGUFWriter of `arch` with TextModel's shape keys from a transformers config:
     block count, (context length), embedding and feed-forward lengths, head counts, RMS

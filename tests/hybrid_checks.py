@@ -1,16 +1,20 @@
 """Checks the hybrid families' test files (a recurrent state per sequence beside the
 attention layers' keys and values: Qwen3.5, Granite 4.0-H, Nemotron-H, Falcon-H1, Kimi
 Linear, LFM2) hold their own model to: padded rows of a batch in the cache's rows,
-serve's paged blocks with a state row, no CUDA-graphs static step, the scheduler's
+serve's paged blocks with a state row, a typed cache beside a float32 state, a saved
+folder loading without a native decode step, no CUDA-graphs static step, the scheduler's
 concurrent greedy text. Each takes the family's model and its reference; only the code
 is shared."""
 
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
-from family_checks import cache_logits, greedy_text, max_diff
+from family_checks import cache_logits, check_typed_cache, greedy_text, max_diff
+from helpers import cached_logits
 
 from llmrun import static_decode
+from llmrun.loading.loader import load_model
 from llmrun.models.paged import PagedKVCache
 
 Reference = Callable[[torch.Tensor], torch.Tensor]
@@ -81,7 +85,7 @@ def check_paged_with_a_state_row(
     expected: torch.Tensor,
     states=None,
     cache_type: str = "f32",
-    tolerance: float = 1e-4,
+    tolerance: float | None = None,
     rows: int = 4,
     row: int = 2,
     blocks: tuple[int, ...] = (9, 2, 14),
@@ -89,7 +93,9 @@ def check_paged_with_a_state_row(
     """serve's path: keys and values (a `cache_type` pool) through `blocks`, the
     recurrent state in `row` of `states` (the scheduler's RecurrentState; by default
     `rows` rows like the pool's), in prefills of 7 and 20 tokens, then decode steps: the
-    logits are `expected` within `tolerance`."""
+    logits are `expected` within `tolerance` (by default 1e-4 for f32 blocks, else 1e-2)."""
+    if tolerance is None:
+        tolerance = 1e-4 if cache_type == "f32" else 1e-2
     like = model.new_cache(1, 1, cache_type, "cpu")
     pool = PagedKVCache(like, 16, 16, 256)
     if states is None:
@@ -101,6 +107,24 @@ def check_paged_with_a_state_row(
         return paged
 
     assert max_diff(cache_logits(model, ids, view), expected) < tolerance
+
+
+def check_typed_cache_with_a_float32_state(
+    model, ids: torch.Tensor, expected: torch.Tensor, cache_type: str, drift: float
+) -> None:
+    """family_checks' check_typed_cache (the attention layers' rows rounded to
+    `cache_type`), with the recurrent state kept in float32."""
+    assert model.new_cache(1, 8, cache_type, "cpu").recurrent.dtype == torch.float32
+    check_typed_cache(model, ids, expected, cache_type, drift)
+
+
+def check_saved_folder_loads(hf, folder: Path, ids: torch.Tensor, expected: torch.Tensor) -> None:
+    """`hf` saved by transformers to `folder` loads without a native decode step (it keeps
+    no recurrent state), its logits through the cache `expected` within 1e-4."""
+    hf.save_pretrained(folder)
+    loaded = load_model(folder, torch.device("cpu"), "f32")
+    assert loaded.model.decode_step is None
+    assert max_diff(cached_logits(loaded.model, ids), expected) < 1e-4
 
 
 def check_no_static_decode(model) -> None:

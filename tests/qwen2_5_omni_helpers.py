@@ -5,7 +5,8 @@ and audio tokens, its chat template, a preprocessor_config.json of both processo
 the Hub lays it out (thinker_config, thinker.* weights beside talker ones), as llama.cpp's
 converter writes it (a text GGUF of arch qwen2vl and one mmproj GGUF of projector type
 qwen2.5o; benchmarks/llama_cpp_qwen25_omni.py checks that layout against the converter),
-and transformers' Qwen2_5OmniProcessor inputs for it."""
+and transformers' Qwen2_5OmniProcessor inputs for it; the check both omni families' tests
+make of a prompt against transformers."""
 
 from __future__ import annotations
 
@@ -15,8 +16,12 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
+from audio_checks import placed
 from helpers import STORIES_HF, randomize, write_gguf
 from safetensors.torch import load_file, save_file
+from vision_checks import greedy_ids, logits
+
+from llmrun.generate import KVState, prefill
 
 # Ids 512 on, after stories260K's 512 tokens.
 OMNI_TOKENS = (
@@ -113,12 +118,11 @@ def tiny_qwen25_omni(seed: int = 0, audio_layers: int = 1):
     return model
 
 
-def save_qwen25_omni_dir(model, path: Path) -> Path:
-    """The thinker's folder, as save_pretrained writes it, with the tokenizer files and
-    both processors' settings (one preprocessor_config.json, as the Hub's)."""
-    model.save_pretrained(path)
+def write_omni_tokenizer(path: Path, tokens, template: str) -> None:
+    """stories260K's tokenizer files in `path`, with the omni model's special `tokens`
+    added from id 512 on and its chat `template`."""
     tok = json.loads((STORIES_HF / "tokenizer.json").read_text())
-    for i, content in enumerate(OMNI_TOKENS, start=512):
+    for i, content in enumerate(tokens, start=512):
         added = dict(id=i, content=content, single_word=False, lstrip=False, rstrip=False)
         tok["added_tokens"].append({**added, "normalized": False, "special": True})
     (path / "tokenizer.json").write_text(json.dumps(tok))
@@ -127,9 +131,16 @@ def save_qwen25_omni_dir(model, path: Path) -> Path:
         "eos_token": "</s>",
         "add_bos_token": False,
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "chat_template": OMNI_TEMPLATE,
+        "chat_template": template,
     }
     (path / "tokenizer_config.json").write_text(json.dumps(tok_config))
+
+
+def save_qwen25_omni_dir(model, path: Path) -> Path:
+    """The thinker's folder, as save_pretrained writes it, with the tokenizer files and
+    both processors' settings (one preprocessor_config.json, as the Hub's)."""
+    model.save_pretrained(path)
+    write_omni_tokenizer(path, OMNI_TOKENS, OMNI_TEMPLATE)
     processor = {
         "feature_extractor_type": "WhisperFeatureExtractor",
         "feature_size": 128,
@@ -154,23 +165,31 @@ def hub_layout(folder: Path, path: Path) -> Path:
     """The thinker's folder as the Hub's Qwen2_5OmniModel lays it out: config.json with
     thinker_config (and a talker's), every thinker weight under thinker., and talker and
     token2wav weights beside them."""
+    config = {
+        "architectures": ["Qwen2_5OmniModel"],
+        "model_type": "qwen2_5_omni",
+        "talker_config": {"model_type": "qwen2_5_omni_talker", "hidden_size": 16},
+    }
+    unread = ("talker.model.embed_tokens.weight", "token2wav.code_embedding.weight")
+    return thinker_hub_layout(folder, path, config, unread)
+
+
+def thinker_hub_layout(folder: Path, path: Path, config: dict, unread: tuple[str, ...]) -> Path:
+    """The thinker's folder as an omni model's Hub folder lays it out: config.json of
+    `config` (the whole model's fields) with enable_audio_output and thinker_config, every
+    thinker weight under thinker., and the `unread` weights (a talker's, a vocoder's) beside
+    them."""
     path.mkdir()
     for file in folder.iterdir():
         if file.suffix != ".safetensors" and file.name != "config.json":
             (path / file.name).write_bytes(file.read_bytes())
     thinker = json.loads((folder / "config.json").read_text())
-    config = {
-        "architectures": ["Qwen2_5OmniModel"],
-        "model_type": "qwen2_5_omni",
-        "enable_audio_output": True,
-        "thinker_config": thinker,
-        "talker_config": {"model_type": "qwen2_5_omni_talker", "hidden_size": 16},
-    }
-    (path / "config.json").write_text(json.dumps(config))
+    whole = {**config, "enable_audio_output": True, "thinker_config": thinker}
+    (path / "config.json").write_text(json.dumps(whole))
     # save_pretrained writes the checkpoint's names (model.*, visual.*, audio_tower.*).
     state = {f"thinker.{k}": v for k, v in load_file(folder / "model.safetensors").items()}
-    state["talker.model.embed_tokens.weight"] = torch.zeros(8, 16)
-    state["token2wav.code_embedding.weight"] = torch.zeros(8, 16)
+    for name in unread:
+        state[name] = torch.zeros(8, 16)
     save_file(state, path / "model.safetensors")
     return path
 
@@ -293,7 +312,8 @@ _AUDIO_NAMES = {
     "ln_post": "a.post_ln",
     "proj": "mm.a.fc",
 }
-_AUDIO_LAYER = {
+# The audio tower's layer modules as llama.cpp's converter names them (Qwen3-Omni's too).
+AUDIO_LAYER_NAMES = {
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
@@ -315,6 +335,25 @@ _VISION_LAYER = {
     "mlp.down_proj": "ffn_down",
 }
 _MERGER = {"merger.ln_q": "v.post_ln", "merger.mlp.0": "mm.0", "merger.mlp.2": "mm.2"}
+
+
+def add_audio_tower_keys(writer, config) -> None:
+    """The clip.audio.* sizes of the thinker `config`'s audio tower as llama.cpp's converter
+    writes them into an omni mmproj: the projection to the text model's width, the tower's
+    widths, depth, heads and mel bins, its layer-norm epsilon."""
+    import gguf
+
+    audio, key = config.audio_config, gguf.Keys.ClipAudio
+    for name, value in (
+        (key.PROJECTION_DIM, config.text_config.hidden_size),
+        (key.EMBEDDING_LENGTH, audio.d_model),
+        (key.FEED_FORWARD_LENGTH, audio.encoder_ffn_dim),
+        (key.BLOCK_COUNT, audio.encoder_layers),
+        (key.Attention.HEAD_COUNT, audio.encoder_attention_heads),
+        (key.NUM_MEL_BINS, audio.num_mel_bins),
+    ):
+        writer.add_uint32(name, value)
+    writer.add_float32(key.Attention.LAYERNORM_EPS, 1e-5)
 
 
 def write_mmproj(model, path: Path) -> Path:
@@ -351,17 +390,7 @@ def write_mmproj(model, path: Path) -> Path:
     writer.add_array(key.IMAGE_MEAN, [0.48145466, 0.4578275, 0.40821073])
     writer.add_array(key.IMAGE_STD, [0.26862954, 0.26130258, 0.27577711])
     writer.add_float32(key.Attention.LAYERNORM_EPS, 1e-6)
-    key = gguf.Keys.ClipAudio
-    for name, value in (
-        (key.PROJECTION_DIM, config.text_config.hidden_size),
-        (key.EMBEDDING_LENGTH, audio.d_model),
-        (key.FEED_FORWARD_LENGTH, audio.encoder_ffn_dim),
-        (key.BLOCK_COUNT, audio.encoder_layers),
-        (key.Attention.HEAD_COUNT, audio.encoder_attention_heads),
-        (key.NUM_MEL_BINS, audio.num_mel_bins),
-    ):
-        writer.add_uint32(name, value)
-    writer.add_float32(key.Attention.LAYERNORM_EPS, 1e-5)
+    add_audio_tower_keys(writer, config)
     for name, tensor in model.state_dict().items():
         data = tensor.detach().float().numpy()
         if name.startswith("model.visual."):
@@ -384,7 +413,7 @@ def write_mmproj(model, path: Path) -> Path:
                 writer.add_tensor(f"{_AUDIO_NAMES[module]}.{suffix}", data)
             else:
                 _, layer, rest = module.split(".", 2)
-                writer.add_tensor(f"a.blk.{layer}.{_AUDIO_LAYER[rest]}.{suffix}", data)
+                writer.add_tensor(f"a.blk.{layer}.{AUDIO_LAYER_NAMES[rest]}.{suffix}", data)
     table = SinusoidsPositionEmbedding(audio.max_source_positions, audio.d_model)
     positions = table.positional_embedding.numpy()
     writer.add_tensor("a.position_embd.weight", positions)
@@ -393,3 +422,26 @@ def write_mmproj(model, path: Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def check_matches(
+    model, engine, prompt, reference, token: int, chunk: int = 40, deepstack: bool = False
+) -> None:
+    """ids, the placed embeddings, the logits (whole, and generate's prefill in chunks)
+    and 8 greedy tokens are transformers'. Where `deepstack` (Qwen3-Omni, whose image rows
+    hold their features then the deepstack blocks'), each row's first hidden_size are."""
+    ids, prompt_images = prompt
+    assert ids == reference["input_ids"][0].tolist()
+    rows = torch.cat(prompt_images.embeds)
+    if deepstack:
+        rows = rows[:, : model.config.text_config.hidden_size]
+    torch.testing.assert_close(rows, placed(model, reference, token), atol=1e-4, rtol=0)
+    with torch.no_grad():
+        expected = model(**reference).logits[0]
+        state = KVState(engine.model.new_cache(1, 256, torch.float32, "cpu"))
+        last = prefill(engine.model, state, ids, chunk=chunk, images=prompt_images)
+    torch.testing.assert_close(logits(engine, ids, prompt_images), expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(last, expected[-1], atol=1e-4, rtol=0)
+    tokens = greedy_tokens(model, reference)
+    assert len(tokens) == 8
+    assert greedy_ids(engine, ids, prompt_images) == tokens

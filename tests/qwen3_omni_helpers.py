@@ -16,10 +16,15 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
-from helpers import STORIES_HF, randomize
-from qwen2_5_omni_helpers import omni_processor
+from helpers import randomize
+from qwen2_5_omni_helpers import (
+    AUDIO_LAYER_NAMES,
+    add_audio_tower_keys,
+    omni_processor,
+    thinker_hub_layout,
+    write_omni_tokenizer,
+)
 from qwen2_5_omni_helpers import processor_inputs as omni_inputs
-from safetensors.torch import load_file, save_file
 
 # Ids 512 on, after stories260K's 512 tokens.
 OMNI_TOKENS = (
@@ -143,19 +148,7 @@ def save_qwen3_omni_dir(model, path: Path) -> Path:
     """The thinker's folder, as save_pretrained writes it, with the tokenizer files and
     PROCESSOR."""
     model.save_pretrained(path)
-    tok = json.loads((STORIES_HF / "tokenizer.json").read_text())
-    for i, content in enumerate(OMNI_TOKENS, start=512):
-        added = dict(id=i, content=content, single_word=False, lstrip=False, rstrip=False)
-        tok["added_tokens"].append({**added, "normalized": False, "special": True})
-    (path / "tokenizer.json").write_text(json.dumps(tok))
-    tok_config = {
-        "bos_token": None,
-        "eos_token": "</s>",
-        "add_bos_token": False,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "chat_template": OMNI_TEMPLATE,
-    }
-    (path / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    write_omni_tokenizer(path, OMNI_TOKENS, OMNI_TEMPLATE)
     (path / "preprocessor_config.json").write_text(json.dumps(PROCESSOR))
     return path
 
@@ -164,24 +157,13 @@ def hub_layout(folder: Path, path: Path) -> Path:
     """The thinker's folder as the Hub's Qwen3OmniMoeForConditionalGeneration lays it out:
     config.json with thinker_config (and a talker's), every thinker weight under thinker.,
     and talker and code2wav weights beside them."""
-    path.mkdir()
-    for file in folder.iterdir():
-        if file.suffix != ".safetensors" and file.name != "config.json":
-            (path / file.name).write_bytes(file.read_bytes())
-    thinker = json.loads((folder / "config.json").read_text())
     config = {
         "architectures": ["Qwen3OmniMoeForConditionalGeneration"],
         "model_type": "qwen3_omni_moe",
-        "enable_audio_output": True,
-        "thinker_config": thinker,
         "talker_config": {"model_type": "qwen3_omni_moe_talker", "thinker_hidden_size": 64},
     }
-    (path / "config.json").write_text(json.dumps(config))
-    state = {f"thinker.{k}": v for k, v in load_file(folder / "model.safetensors").items()}
-    state["talker.model.codec_embedding.weight"] = torch.zeros(8, 16)
-    state["code2wav.code_embedding.weight"] = torch.zeros(8, 16)
-    save_file(state, path / "model.safetensors")
-    return path
+    unread = ("talker.model.codec_embedding.weight", "code2wav.code_embedding.weight")
+    return thinker_hub_layout(folder, path, config, unread)
 
 
 def processor(folder: Path):
@@ -272,16 +254,6 @@ _AUDIO_NAMES = {
     "proj1": "mm.a.mlp.1",
     "proj2": "mm.a.mlp.2",
 }
-_AUDIO_LAYER = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.out_proj": "attn_out",
-    "self_attn_layer_norm": "ln1",
-    "final_layer_norm": "ln2",
-    "fc1": "ffn_up",
-    "fc2": "ffn_down",
-}
 _VISION_LAYER = {
     "attn.qkv": "attn_qkv",
     "attn.proj": "attn_out",
@@ -332,17 +304,8 @@ def write_mmproj(model, path: Path) -> Path:
     deepstack = list(vision.deepstack_visual_indexes)
     writer.add_array(key.IS_DEEPSTACK_LAYERS, [i in deepstack for i in range(vision.depth)])
     writer.add_string(key.PROJECTOR_TYPE, gguf.VisionProjectorType.QWEN3VL)
+    add_audio_tower_keys(writer, config)
     key = gguf.Keys.ClipAudio
-    for name, value in (
-        (key.PROJECTION_DIM, config.text_config.hidden_size),
-        (key.EMBEDDING_LENGTH, audio.d_model),
-        (key.FEED_FORWARD_LENGTH, audio.encoder_ffn_dim),
-        (key.BLOCK_COUNT, audio.encoder_layers),
-        (key.Attention.HEAD_COUNT, audio.encoder_attention_heads),
-        (key.NUM_MEL_BINS, audio.num_mel_bins),
-    ):
-        writer.add_uint32(name, value)
-    writer.add_float32(key.Attention.LAYERNORM_EPS, 1e-5)
     writer.add_string(key.PROJECTOR_TYPE, gguf.VisionProjectorType.QWEN3A)
     table = SinusoidsPositionEmbedding(1500, audio.d_model)
     writer.add_tensor("a.position_embd.weight", table.positional_embedding.numpy())
@@ -374,7 +337,7 @@ def write_mmproj(model, path: Path) -> Path:
                 writer.add_tensor(f"{_AUDIO_NAMES[module]}.{suffix}", data)
             else:
                 _, layer, rest = module.split(".", 2)
-                writer.add_tensor(f"a.blk.{layer}.{_AUDIO_LAYER[rest]}.{suffix}", data)
+                writer.add_tensor(f"a.blk.{layer}.{AUDIO_LAYER_NAMES[rest]}.{suffix}", data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -2,10 +2,12 @@
 (RWKV7ForCausalLM's config.json and keys, with the world vocabulary file), as llama.cpp's
 converter writes that folder in GGUF, and as a BlinkDL .pth for the reference, BlinkDL's
 `rwkv` package (rwkv.model.RWKV_x070, "cpu fp32"), which reads only .pth files; likewise
-a tiny RWKV-6; and the checks of a file against BlinkDL's logits and greedy tokens."""
+a tiny RWKV-6; both again with decays at the ends of their range, to prefill long prompts;
+and the checks of a file against BlinkDL's logits and greedy tokens."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -16,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from family_checks import max_diff
-from helpers import CONVERTER
+from helpers import CONVERTER, cached_logits
 from in_process import llmrun
 from muse_glimmer_helpers import _CONVERT
 from safetensors.torch import save_file
@@ -287,9 +289,11 @@ def _converted_both(tmp_path_factory) -> dict[str, dict[str, Path]]:
     return files
 
 
+@functools.cache
 def rwkv6_class():
     """BlinkDL's generic RWKV class (v4 to v6), from a second copy of rwkv.model imported
-    without RWKV_V7_ON (under which rwkv.model.RWKV is RWKV-7's)."""
+    without RWKV_V7_ON (under which rwkv.model.RWKV is RWKV-7's); imported once (its
+    TorchScript takes seconds), as an instance reads RWKV_RESCALE_LAYER itself."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("rwkv_model_v6", rwkv_model.__file__)
@@ -363,3 +367,66 @@ def check_folder_matches_reference(ref, folder: Path, gguf_path: Path) -> None:
     assert prompt_ids == load_tokenizer(gguf_path).encode(PROMPT)
     got = run_greedy_ids(folder, 4)
     assert got == reference_greedy(ref, prompt_ids, 4)[: len(got)] and got
+
+
+# The extreme-decay models' vocabulary (they take ids; no tokenizer) and prompt: 100 tokens,
+# several of the prefill's chunks (llmrun.models.rwkv7.CHUNK, rwkv6.CHUNK).
+DECAY_VOCAB = 512
+LONG_IDS = torch.randint(
+    0, DECAY_VOCAB, (100,), generator=torch.Generator().manual_seed(1)
+).tolist()
+
+
+def extreme_decays7(tmp_path_factory) -> tuple[Path, object]:
+    """A tiny RWKV-7 folder whose decays reach both ends of their range, and BlinkDL's
+    reference of it: in every head, every fourth channel decays as fast as RWKV-7 can
+    (w0 = 12: w = e^-e^-0.5 = 0.55 a token) and the next one barely (w0 = -12: w = 1 - 4e-6)."""
+    config = CONFIG | dict(vocab_size=DECAY_VOCAB)
+    weights = tiny_weights(config=config)
+    for i in range(LAYERS):
+        w0 = weights[f"model.layers.{i}.attn.w_lora.lora.2.bias"]
+        w0[0::4], w0[1::4] = 12.0, -12.0
+    base = tmp_path_factory.mktemp("rwkv7-decays")
+    (base / "folder").mkdir()
+    save_file(weights, base / "folder" / "model.safetensors")
+    (base / "folder" / "config.json").write_text(json.dumps(config))
+    torch.save(blinkdl_state_dict(weights), base / "ref.pth")
+    return base / "folder", rwkv_model.RWKV(str(base / "ref"), "cpu fp32")
+
+
+def extreme_decays6(tmp_path_factory) -> tuple[Path, object]:
+    """A tiny RWKV-6 folder (the Hugging Face port's) whose decays reach both ends, and
+    BlinkDL's reference of it: in every head, every fourth channel forgets at once
+    (time_decay 100: w = e^-e^100, 0), the next nearly (3: w = 2e-9) and the next barely
+    (-12: w = 1 - 6e-6)."""
+    config = CONFIG6 | dict(vocab_size=DECAY_VOCAB)
+    weights = tiny_weights6(config=config)
+    for i in range(LAYERS):
+        decay = weights[f"blocks.{i}.att.time_decay"][0, 0]
+        decay[0::4], decay[1::4], decay[2::4] = 100.0, 3.0, -12.0
+    base = tmp_path_factory.mktemp("rwkv6-decays")
+    (base / "folder").mkdir()
+    save_file(hf_state_dict6(weights), base / "folder" / "model.safetensors")
+    (base / "folder" / "config.json").write_text(json.dumps(config))
+    torch.save(weights, base / "ref.pth")
+    return base / "folder", rwkv6_class()(str(base / "ref"), "cpu fp32")
+
+
+def check_chunked_prefill(model, ref) -> None:
+    """LONG_IDS's logits at once, and through a cache in prefills of 45 and 50 tokens (the
+    second from the first's state) then decode steps, within 1e-4 of the reference's; the
+    state after a prefill of them all is the state after their tokens one at a time (1e-5
+    of its largest value)."""
+    ids, count = torch.tensor([LONG_IDS]), len(LONG_IDS)
+    expected = reference_logits(ref, LONG_IDS)
+    prefilled = model.new_cache(1, count, torch.float32, CPU)
+    stepped = model.new_cache(1, count, torch.float32, CPU)
+    with torch.no_grad():
+        whole = model(ids, torch.arange(count)[None], prefilled)[0]
+        for i, token in enumerate(LONG_IDS):
+            model(torch.tensor([[token]]), torch.tensor([[i]]), stepped)
+    assert max_diff(whole, expected) < 1e-4
+    assert max_diff(cached_logits(model, ids, (45, 50), count)[0], expected) < 1e-4
+    for layer, parts in stepped.recurrent.tensors.items():
+        for got, want in zip(prefilled.recurrent.tensors[layer], parts, strict=True):
+            assert max_diff(got, want) <= 1e-5 * want.abs().max().item()

@@ -8,7 +8,8 @@ repetition_penalty (run's --repeat-penalty, applied per beam as transformers doe
 each file's own rules (bart-large-cnn's forced <s>, Marian's banned <pad>, </s> forced
 last). A length penalty ignored (the planted bug) fails. `run` decodes as transformers'
 pipeline does (the file's num_beams unless --beams or sampling says otherwise) and refuses
-what beams cannot do in one error line; serve's completion endpoints take num_beams.
+what beams cannot do in one error line; serve's completion endpoints take num_beams, and
+their n choices are generate's num_return_sequences, from one search.
 
 Tolerances: ids and text exact.
 """
@@ -256,27 +257,31 @@ def test_serve_refuses_num_beams_for_a_decoder_only_model():
         )
 
 
-def test_serve_s_n_choices_are_the_best_hypotheses(cnn):
-    """n > 1 with beams: transformers' num_return_sequences, best first; more than the
-    beams is a 400."""
+def test_serve_s_n_choices_are_the_best_hypotheses(cnn, monkeypatch):
+    """n > 1 with beams: transformers' num_return_sequences, best first, of one search;
+    more than the beams is a 400."""
     from bart_helpers import PROMPT
 
     folder, ref, tokenizer, ids = cnn
     expected = {
-        beams: tokenizer.batch_decode(
-            _generate_all(ref, ids, num_beams=beams, num_return_sequences=beams),
+        (beams, n): tokenizer.batch_decode(
+            _generate_all(ref, ids, num_beams=beams, num_return_sequences=n),
             skip_special_tokens=True,
         )
-        for beams in (2, 3)
+        for beams, n in ((2, 2), (3, 3), (3, 2))
     }
-    assert len(set(expected[3])) == 3
+    assert len(set(expected[3, 3])) == 3
+    searches = []
+    search = beam_search.search
+    monkeypatch.setattr(beam_search, "search", lambda *a: searches.append(a) or search(*a))
     engine = api.load(str(folder), device="cpu", generate=False)
     for client in served(engine, "bart"):
         body = {"model": "bart", "prompt": PROMPT, "max_tokens": 16}
-        answer = client.post("/v1/completions", json={**body, "n": 3})  # the file's 3 beams
-        assert [c["text"] for c in answer.json()["choices"]] == expected[3]
-        answer = client.post("/v1/completions", json={**body, "n": 2, "num_beams": 2})
-        assert [c["text"] for c in answer.json()["choices"]] == expected[2]
+        for extra, beams, n in (({}, 3, 3), ({"num_beams": 2}, 2, 2), ({}, 3, 2)):
+            del searches[:]
+            answer = client.post("/v1/completions", json={**body, **extra, "n": n})
+            assert [c["text"] for c in answer.json()["choices"]] == expected[beams, n]
+            assert len(searches) == 1, (beams, n)
         refused = client.post("/v1/completions", json={**body, "n": 4})
         assert refused.status_code == 400
         assert refused.json()["error"]["message"] == (

@@ -445,7 +445,7 @@ def test_out_of_range_token_ids_mean_none():
     ("changes", "error", "match"),
     [
         ({Keys.Tokenizer.PRE: "mystery"}, UnsupportedError, "'mystery' is not supported"),
-        ({Keys.Tokenizer.MODEL: "plamo2"}, UnsupportedError, "tokenizer.ggml.model 'plamo2'"),
+        ({Keys.Tokenizer.MODEL: "test"}, UnsupportedError, "tokenizer.ggml.model 'test'"),
         ({Keys.Tokenizer.MODEL: None}, TokenizerError, "no tokenizer.ggml.model"),
         ({Keys.Tokenizer.LIST: None}, TokenizerError, "no tokenizer.ggml.tokens"),
         ({Keys.Tokenizer.MERGES: None}, TokenizerError, "no tokenizer.ggml.merges"),

@@ -1,14 +1,14 @@
 """serve's /v1/audio/transcriptions and input_audio parts over a tiny audio model's folder,
 for the tests that hold serve's replies to transformers' apply_transcription_request and
 generate: the started Service and its client, a transcription request, the prompt ids serve
-submits, transformers' greedy answer, and the chat check that an input_audio part replies as
-`llmrun run` does."""
+submits, transformers' greedy answer, the checks of a transcription against them and of a
+refused one, and the chat check that an input_audio part replies as `llmrun run` does."""
 
-import base64
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from audio_checks import audio_body
 from serving import GREEDY
 from starlette.testclient import TestClient
 from voxtral_helpers import chirp, wav_bytes
@@ -70,16 +70,48 @@ def greedy_answer(model, inputs, context: int, **options) -> list[int]:
     return out[0, prompt:].tolist()
 
 
+def check_transcription_is_transformers_s(
+    client: TestClient,
+    service: Service,
+    monkeypatch,
+    model,
+    inputs,
+    name: str,
+    context: int,
+    transcript,
+    audio_tokens: int,
+) -> dict:
+    """serve's transcription of CLIP by model `name` submits the ids of `inputs`
+    (transformers' processor's apply_transcription_request of it), and its text is
+    transformers' greedy answer after them up to the `context` (greedy_answer) as the
+    family's `transcript` reads llmrun's decode of it (whose byte tokens' text is not
+    transformers' replacement characters; the model tests check `transcript` against
+    decode(strip_prefix=True)); its usage counts the prompt and its `audio_tokens`.
+    Returns the answer."""
+    prompts = submitted_prompts(service, monkeypatch)
+    response = transcribe(client, name)
+    assert response.status_code == 200, response.text
+    ids = inputs["input_ids"][0].tolist()
+    assert prompts == [ids]
+    tokens = greedy_answer(model, inputs, context)
+    answer = response.json()
+    assert answer["text"] == transcript(service.engine.tokenizer.decode(tokens))
+    assert answer["usage"]["input_tokens"] == len(ids)
+    assert answer["usage"]["input_token_details"]["audio_tokens"] == audio_tokens
+    return answer
+
+
+def check_refused(client: TestClient, name: str, message: str, **fields) -> None:
+    """A transcription of CLIP with these form fields is one 400 saying `message`."""
+    response = transcribe(client, name, **fields)
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == message
+
+
 def check_an_input_audio_part_replies_as_run_does(client: TestClient, service: Service) -> None:
     """A chat request of CLIP as an input_audio part and "Hi" replies as the single-sequence
     loop does on the prompt `llmrun run` makes of them."""
-    part = {
-        "type": "input_audio",
-        "input_audio": {"data": base64.b64encode(CLIP).decode(), "format": "wav"},
-    }
-    content = [part, {"type": "text", "text": "Hi"}]
-    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 8, "temperature": 0}
-    response = client.post("/v1/chat/completions", json=body)
+    response = client.post("/v1/chat/completions", json=audio_body(CLIP, "Hi"))
     assert response.status_code == 200, response.text
     engine = service.engine
     prompt = engine.prompt_text("Hi", audio=1)

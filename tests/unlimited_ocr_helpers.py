@@ -11,9 +11,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import torch
-from deepseek_ocr2_helpers import IMAGE, TEMPLATE, TEXT_KEYS, VOCAB, save_deepseek_ocr2_dir
+from deepseek_ocr2_helpers import (
+    IMAGE,
+    TEMPLATE,
+    TINY_SAM,
+    TINY_TEXT,
+    sam_mmproj_name,
+    save_deepseek_ocr2_dir,
+    write_vision_tensors,
+)
 from helpers import randomize
 
 PATCH, SIZE, TILE = 16, 1024, 640
@@ -43,18 +50,6 @@ def tiny_unlimited_ocr(seed: int = 0, sliding_window: int = SLIDING_WINDOW):
     and a shared one), its reference sliding window `sliding_window` tokens."""
     import transformers
 
-    sam = dict(
-        hidden_size=32,
-        output_channels=16,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        image_size=SIZE,
-        patch_size=PATCH,
-        window_size=14,
-        global_attn_indexes=[2],
-        mlp_dim=64,
-        downsample_channels=[24, 32],
-    )
     clip = dict(
         hidden_size=32,
         intermediate_size=64,
@@ -63,26 +58,9 @@ def tiny_unlimited_ocr(seed: int = 0, sliding_window: int = SLIDING_WINDOW):
         image_size=224,
         patch_size=14,
     )
-    text = dict(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=VOCAB,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        moe_intermediate_size=32,
-        mlp_layer_types=["dense", "sparse"],
-        max_position_embeddings=2048,
-        sliding_window=sliding_window,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
     config = transformers.UnlimitedOcrConfig(
-        vision_config=dict(sam_config=sam, encoder_config=clip),
-        text_config=text,
+        vision_config=dict(sam_config=dict(TINY_SAM), encoder_config=clip),
+        text_config={**TINY_TEXT, "sliding_window": sliding_window},
         image_token_id=IMAGE,
     )
     torch.manual_seed(seed)
@@ -145,12 +123,6 @@ def processor_inputs(folder: Path, images: list, question: str) -> dict:
     return inputs
 
 
-def _folder_tensors(folder: Path) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(str(folder / "model.safetensors"))
-
-
 _VISION_NAMES = {
     "model.sam_model.pos_embed": "v.sam.pos_embd.weight",
     "model.sam_model.patch_embed.proj": "v.sam.patch_embd",
@@ -162,14 +134,6 @@ _VISION_NAMES = {
     "model.projector.layers": "mm.model.fc",
     "model.image_newline": "v.image_newline",
     "model.view_seperator": "v.view_seperator",
-}
-_SAM_NAMES = {
-    "norm1": "pre_ln",
-    "norm2": "post_ln",
-    "attn.qkv": "attn.qkv",
-    "attn.proj": "attn.out",
-    "mlp.lin1": "mlp.lin1",
-    "mlp.lin2": "mlp.lin2",
 }
 _CLIP_NAMES = {
     "layer_norm1": "ln1",
@@ -184,22 +148,13 @@ _KEPT_F32 = (".embeddings.", "pos_embed", "rel_pos_h", "rel_pos_w", ".neck.", ".
 
 
 def _mmproj_name(name: str) -> str:
-    module, _, suffix = name.rpartition(".")
-    if name in _VISION_NAMES:
-        return _VISION_NAMES[name]
-    if module in _VISION_NAMES:
-        return f"{_VISION_NAMES[module]}.{suffix}"
+    named = sam_mmproj_name(name, _VISION_NAMES)
+    if named is not None:
+        return named
     parts = name.split(".")
-    if parts[:3] == ["model", "sam_model", "neck"]:
-        return f"v.sam.neck.{parts[3]}.{suffix}"
-    if parts[:3] == ["model", "sam_model", "blocks"]:
-        rest = ".".join(parts[4:])
-        if rest in ("attn.rel_pos_h", "attn.rel_pos_w"):
-            return f"v.sam.blk.{parts[3]}.attn.pos_{rest[-1]}.weight"
-        return f"v.sam.blk.{parts[3]}.{_SAM_NAMES[rest.rpartition('.')[0]]}.{suffix}"
     # model.vision_model.transformer.layers.N.<module>.<suffix>
     layer, rest = parts[4], ".".join(parts[5:-1])
-    return f"v.blk.{layer}.{_CLIP_NAMES[rest]}.{suffix}"
+    return f"v.blk.{layer}.{_CLIP_NAMES[rest]}.{parts[-1]}"
 
 
 def write_mmproj(model, folder: Path, path: Path, f16: bool = True) -> Path:
@@ -243,17 +198,4 @@ def write_mmproj(model, folder: Path, path: Path, f16: bool = True) -> Path:
         (key.SAM.HEAD_COUNT, sam.num_attention_heads),
     ):
         writer.add_uint32(name, value)
-    for name, tensor in _folder_tensors(folder).items():
-        if name.startswith(TEXT_KEYS):
-            continue
-        data = tensor.float().numpy()
-        if f16 and data.ndim >= 2 and not any(part in name for part in _KEPT_F32):
-            data = data.astype(np.float16)
-        if name == "model.view_seperator":
-            data = data[None]  # [1, hidden], F32 as the 1-D tensor it was
-        writer.add_tensor(_mmproj_name(name), np.ascontiguousarray(data))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_vision_tensors(writer, folder, path, f16, _KEPT_F32, _mmproj_name)

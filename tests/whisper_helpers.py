@@ -66,10 +66,16 @@ def write_tokenizer(path: Path, base_vocab: int = 330) -> dict[str, int]:
     return {s: tokenizer.token_to_id(s) for s in SPECIALS}
 
 
-def tiny_whisper_dir(path: Path, seed: int = 0, timestamp_scale: float = 0.5):
+def tiny_whisper_dir(
+    path: Path,
+    seed: int = 0,
+    timestamp_scale: float = 0.5,
+    alignment_heads: list[list[int]] | None = None,
+):
     """A random tiny Whisper saved in `path` with its tokenizer and configs, the head's
-    timestamp rows scaled by `timestamp_scale`; the transformers model read back from it
-    (with its generation_config.json)."""
+    timestamp rows scaled by `timestamp_scale`, generation_config.json's alignment_heads
+    (the [layer, head] pairs that time words) where given; the transformers model read back
+    from it (with its generation_config.json)."""
     import transformers
 
     ids = write_tokenizer(path)
@@ -119,6 +125,8 @@ def tiny_whisper_dir(path: Path, seed: int = 0, timestamp_scale: float = 0.5):
         "no_timestamps_token_id": ids["<|notimestamps|>"],
         "prev_sot_token_id": ids["<|startofprev|>"],
     }
+    if alignment_heads is not None:
+        generation["alignment_heads"] = alignment_heads
     (path / "generation_config.json").write_text(json.dumps(generation))
     transformers.WhisperFeatureExtractor(feature_size=80).save_pretrained(path)
     return transformers.WhisperForConditionalGeneration.from_pretrained(path).eval()

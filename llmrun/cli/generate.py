@@ -86,7 +86,8 @@ Language = Annotated[
         "--language",
         metavar="LANG",
         help="Speech recognition: the language spoken in --audio, an ISO 639-1 code or a "
-        "name (en, german); Whisper detects it when not given.",
+        "name (en, german); Whisper detects it when not given; SeamlessM4T's three-letter "
+        "code (eng), which it writes.",
     ),
 ]
 Task = Annotated[
@@ -105,6 +106,15 @@ TranscriptFormat = Annotated[
         help="Speech recognition: print the transcript of --audio as text (the default), json, "
         "verbose_json, srt or vtt, as serve's /v1/audio/transcriptions answers them (srt, vtt "
         "and segments from Whisper's timestamps).",
+    ),
+]
+WordTimestamps = Annotated[
+    bool,
+    typer.Option(
+        "--word-timestamps",
+        help="Whisper and Parakeet TDT/RNN-T, with --output-format verbose_json: each word's "
+        "start and end too (Whisper's from the cross-attention of generation_config.json's "
+        "alignment_heads, Parakeet's from its tokens' frames).",
     ),
 ]
 Beams = Annotated[
@@ -133,7 +143,8 @@ TargetLanguage = Annotated[
         "--target-language",
         metavar="CODE",
         help="Many-to-many translators: the language to translate into (de_DE, deu_Latn, de); "
-        "a multilingual Marian's >>xxx<< target token (deu or >>deu<<).",
+        "a multilingual Marian's >>xxx<< target token (deu or >>deu<<); SeamlessM4T's (fra), "
+        "of a text or of --audio.",
     ),
 ]
 
@@ -215,6 +226,7 @@ def run(
     language: Language = None,
     task: Task = None,
     transcript_format: TranscriptFormat = None,
+    word_timestamps: WordTimestamps = False,
     beams: Beams = None,
     source_language: SourceLanguage = None,
     target_language: TargetLanguage = None,
@@ -243,6 +255,8 @@ def run(
         raise UsageError("--audio does not go with --batch, --suffix, --draft or --lookup")
     if transcript_format is not None:
         _check_transcript_format(transcript_format, len(audio or []), output_json)
+    if word_timestamps and transcript_format != "verbose_json":
+        raise UsageError("--word-timestamps goes with --audio and --output-format verbose_json")
     if batch is not None:
         if (
             draft is not None
@@ -325,9 +339,25 @@ def run(
         from llmrun.text_to_text import Options
 
         options = Options(beams, source_language, target_language)
-    if engine.transcribes:
+    if engine.transcribes and (clips or not engine.text_to_text):  # SeamlessM4T: text too
+        if source_language is not None:
+            raise UsageError(
+                "--source-language goes with a text prompt; the language spoken in --audio "
+                "is --language"
+            )
         return _transcribe(
-            engine, clips, prompt, language, task, output_json, transcript_format, beams
+            engine,
+            clips,
+            prompt,
+            language,
+            task,
+            output_json,
+            transcript_format,
+            beams,
+            target_language,
+            words=word_timestamps,
+            temperature=temperature,
+            seed=seed,
         )
     if not prompt and clips and engine.audio is not None:
         if task is not None:
@@ -350,9 +380,10 @@ def run(
             "--language, --task and --output-format go with a speech recognition model, not "
             f"{engine.name}"
         )
-    if not prompt and not (pictures and engine.text_to_text):
+    if not prompt and not (pictures and (engine.text_to_text or engine.image_first)):
         raise UsageError(NO_PROMPT)
-    prompt = prompt or ""  # an image-to-text model's image alone (TrOCR takes no prompt)
+    # an image-to-text model's image alone (TrOCR takes no prompt; GIT captions it)
+    prompt = prompt or ""
     load = dict(dtype=dtype, threads=threads, cache_type=cache_type, activations=activations)
     _use_draft(engine, draft, draft_max, lookup, draft_p_min, **load)
     params = engine.sampling(locals())
@@ -468,10 +499,16 @@ def _transcribe(
     output_json: bool,
     transcript_format: str | None,
     beams: int | None,
+    target_language: str | None = None,
+    words: bool = False,
+    temperature: float | None = None,
+    seed: int | None = None,
 ) -> None:
     """A speech recognition model's transcript of each clip, a line each (--json: an object
     each; --output-format: as serve answers it, json and verbose_json an object a line);
-    `beams`: --beams."""
+    `beams`: --beams; `target_language`: --target-language (SeamlessM4T's translation);
+    `words`: --word-timestamps; `temperature`: --temperature (Whisper's temperature
+    fallback from it), `seed`: --seed."""
     from llmrun import transcript_formats as formats
     from llmrun.audio import SAMPLE_RATE
 
@@ -482,7 +519,9 @@ def _transcribe(
         )
     timed = engine.speech_timestamps and transcript_format in formats.TIMED
     for clip in clips:
-        result = engine.transcribe(clip, language, task, prompt, timed, beams)
+        result = engine.transcribe(
+            clip, language, task, prompt, timed, beams, target_language, words, temperature, seed
+        )
         if output_json:
             ui.print_json({"text": result.text, "language": result.language})
         elif transcript_format == "json":
@@ -490,7 +529,12 @@ def _transcribe(
         elif transcript_format == "verbose_json":
             duration = len(clip.samples) / SAMPLE_RATE
             body = formats.verbose_json(
-                result.text, result.language, task or "transcribe", duration, result.segments
+                result.text,
+                result.language,
+                task or "transcribe",
+                duration,
+                result.segments,
+                result.words,
             )
             ui.print_json(body)
         elif transcript_format in formats.SUBTITLES:

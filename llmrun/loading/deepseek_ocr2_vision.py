@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from typing import Any
 from gguf import Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
-from llmrun.loading import deepseek, safetensors_io
+from llmrun.loading import deepseek, gguf_io, safetensors_io
 from llmrun.loading.vision import (
     image_processor,
     mmproj_tensors,
@@ -110,11 +111,7 @@ def encoder_args(config: dict[str, Any], path: Path) -> model.EncoderArgs:
     vision, text = config["vision_config"], config.get("text_config")
     if not isinstance(text, dict) or not positive_int(text.get("hidden_size")):
         raise ModelFormatError(f"{path}: a DeepSeek-OCR 2 config without its text_config's width")
-    sam_config = sub_config(vision, "sam_config", path)
-    names = {f.name for f in dataclasses.fields(model.SamArgs)}
-    sam = model.SamArgs(**{k: v for k, v in sam_config.items() if k in names and v is not None})
-    if sam_config.get("mlp_dim") is None:  # SamVisionConfig's: hidden_size * mlp_ratio
-        sam.mlp_dim = int(sam.hidden_size * sam_config.get("mlp_ratio", 4.0))
+    sam = sam_args(sub_config(vision, "sam_config", path), path)
     queries_config = sub_config(vision, "encoder_config", path)
     queries = args_from_config(model.QueryArgs, queries_config)
     if queries_config.get("num_key_value_heads") is None:
@@ -124,23 +121,37 @@ def encoder_args(config: dict[str, Any], path: Path) -> model.EncoderArgs:
         raise UnsupportedError(
             f"{path}: the vision encoder's rope_type {rope_type!r} (llmrun runs default)"
         )
-    for name, value, runs in (
-        ("sam_config.use_abs_pos", sam_config.get("use_abs_pos", True), True),
-        ("sam_config.use_rel_pos", sam_config.get("use_rel_pos", True), True),
-        ("sam_config.qkv_bias", sam_config.get("qkv_bias", True), True),
-        ("sam_config.hidden_act", sam_config.get("hidden_act", "gelu"), "gelu"),
-        ("encoder_config.hidden_act", queries_config.get("hidden_act", "silu"), "silu"),
-    ):
-        if value != runs:
-            raise UnsupportedError(
-                f"{path}: vision_config.{name} {value!r} is not supported ({runs!r})"
-            )
+    act = queries_config.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedError(
+            f"{path}: vision_config.encoder_config.hidden_act {act!r} is not supported ('silu')"
+        )
     if sam.downsample_channels[-1] != queries.hidden_size:
         raise ModelFormatError(
             f"{path}: SAM gives {sam.downsample_channels[-1]} features, its query layers take "
             f"{queries.hidden_size}"
         )
     return model.EncoderArgs(sam, queries, text["hidden_size"])
+
+
+def sam_args(sam_config: dict[str, Any], path: Path) -> model.SamArgs:
+    """SAM's shape from the vision_config's sam_config (SamVisionConfig's mlp_dim where it
+    names none), refused where it asks for what llmrun's SAM does not run."""
+    names = {f.name for f in dataclasses.fields(model.SamArgs)}
+    sam = model.SamArgs(**{k: v for k, v in sam_config.items() if k in names and v is not None})
+    if sam_config.get("mlp_dim") is None:  # SamVisionConfig's: hidden_size * mlp_ratio
+        sam.mlp_dim = int(sam.hidden_size * sam_config.get("mlp_ratio", 4.0))
+    for name, value, runs in (
+        ("use_abs_pos", sam_config.get("use_abs_pos", True), True),
+        ("use_rel_pos", sam_config.get("use_rel_pos", True), True),
+        ("qkv_bias", sam_config.get("qkv_bias", True), True),
+        ("hidden_act", sam_config.get("hidden_act", "gelu"), "gelu"),
+    ):
+        if value != runs:
+            raise UnsupportedError(
+                f"{path}: vision_config.sam_config.{name} {value!r} is not supported ({runs!r})"
+            )
+    return sam
 
 
 def from_hf_dir(path: Path, text_hidden: int) -> DeepseekOcr2Vision:
@@ -309,36 +320,12 @@ def _gguf_name(name: str) -> str | None:
 def from_mmproj(path: str | Path, text_hidden: int) -> DeepseekOcr2Vision:
     """The image encoder of llama.cpp's mmproj GGUF (projector type deepseekocr2)."""
     gg, need = open_mmproj(path, PROJECTOR)
-    meta, vision = gg.metadata, Keys.ClipVision
+    vision = Keys.ClipVision
     weights = mmproj_tensors(gg, _gguf_name, "DeepSeek-OCR 2's encoder")
     if "view_seperator" in weights:  # [1, hidden] in the file
         weights["view_seperator"] = weights["view_seperator"].flatten()
     shapes = {name: tuple(w.shape) for name, w in weights.items()}
-
-    def rows(name: str) -> int:
-        if name not in shapes:
-            raise ModelFormatError(f"{gg.path}: the encoder tensor {name} is missing")
-        return shapes[name][0]
-
-    layers = need(vision.SAM.BLOCK_COUNT)
-    patch_grid = shapes.get("sam_model.pos_embed", (0, 0))[1]
-    if patch_grid * _GGUF_PATCH != _SIZE:
-        raise ModelFormatError(
-            f"{gg.path}: SAM's position embeddings are not the {_SIZE // _GGUF_PATCH}-patch "
-            f"grid that llama.cpp takes"
-        )
-    sam = model.SamArgs(
-        hidden_size=need(vision.SAM.EMBEDDING_LENGTH),
-        output_channels=rows("sam_model.neck.0.weight"),
-        num_hidden_layers=layers,
-        num_attention_heads=need(vision.SAM.HEAD_COUNT),
-        image_size=_SIZE,
-        patch_size=_GGUF_PATCH,
-        mlp_dim=rows("sam_model.blocks.0.mlp.lin1.weight"),
-        window_size=need(vision.WINDOW_SIZE),
-        global_attn_indexes=[i for i in _GGUF_SAM_GLOBAL if i < layers],
-        downsample_channels=[rows("sam_model.net_2.weight"), rows("sam_model.net_3.weight")],
-    )
+    sam = mmproj_sam(gg, need, shapes, _SIZE)
     queries = model.QueryArgs(
         hidden_size=need(vision.EMBEDDING_LENGTH),
         intermediate_size=need(vision.FEED_FORWARD_LENGTH),
@@ -349,15 +336,7 @@ def from_mmproj(path: str | Path, text_hidden: int) -> DeepseekOcr2Vision:
         rope_parameters={"rope_type": "default", "rope_theta": _GGUF_QUERY_THETA},
     )
     args = model.EncoderArgs(sam, queries, need(vision.PROJECTION_DIM))
-    min_crops = meta.get(vision.PREPROC_MIN_TILES, _MIN_CROPS)
-    max_crops = meta.get(vision.PREPROC_MAX_TILES, _MAX_CROPS)
-    if not (positive_int(min_crops) and positive_int(max_crops)) or min_crops > max_crops:
-        raise ModelFormatError(
-            f"{gg.path}: preproc_min_tiles {min_crops!r} and preproc_max_tiles {max_crops!r} "
-            "are not a range of crops"
-        )
-    mean = three_floats(meta.get(vision.IMAGE_MEAN, _MEAN_STD), gg.path, "image_mean")
-    std = three_floats(meta.get(vision.IMAGE_STD, _MEAN_STD), gg.path, "image_std")
+    min_crops, max_crops, mean, std = mmproj_crops(gg, _MIN_CROPS, _MAX_CROPS, _MEAN_STD)
     encoder = with_weights(
         model.ImageEncoder, args, weights, gg.path, (args.text_hidden_size, text_hidden)
     )
@@ -373,3 +352,65 @@ def from_mmproj(path: str | Path, text_hidden: int) -> DeepseekOcr2Vision:
         _view_tokens(args, _SIZE, gg.path),
         _view_tokens(args, _TILE, gg.path),
     )
+
+
+def tensor_rows(shapes: dict[str, tuple[int, ...]], name: str, source: Path) -> int:
+    """The rows of the encoder tensor `name` of an mmproj (`shapes` under the encoder's
+    names), refused where the file lacks it."""
+    if name not in shapes:
+        raise ModelFormatError(f"{source}: the encoder tensor {name} is missing")
+    return shapes[name][0]
+
+
+def mmproj_sam(
+    gg: gguf_io.GGUFFile,
+    need: Callable[..., Any],
+    shapes: dict[str, tuple[int, ...]],
+    size: int,
+) -> model.SamArgs:
+    """SAM's shape in a DeepSeek-OCR mmproj (DeepSeek-OCR 2's or Unlimited-OCR's): its
+    metadata (`need`, open_mmproj's), its tensors' `shapes` under the encoder's names, and
+    what clip.cpp fixes (16-pixel patches, global attention in layers 2, 5, 8 and 11), for
+    whole views of `size` pixels."""
+    vision = Keys.ClipVision
+    layers = need(vision.SAM.BLOCK_COUNT)
+    patch_grid = shapes.get("sam_model.pos_embed", (0, 0))[1]
+    if patch_grid * _GGUF_PATCH != size:
+        raise ModelFormatError(
+            f"{gg.path}: SAM's position embeddings are not the {size // _GGUF_PATCH}-patch "
+            f"grid that llama.cpp takes"
+        )
+
+    def rows(name: str) -> int:
+        return tensor_rows(shapes, name, gg.path)
+
+    return model.SamArgs(
+        hidden_size=need(vision.SAM.EMBEDDING_LENGTH),
+        output_channels=rows("sam_model.neck.0.weight"),
+        num_hidden_layers=layers,
+        num_attention_heads=need(vision.SAM.HEAD_COUNT),
+        image_size=size,
+        patch_size=_GGUF_PATCH,
+        mlp_dim=rows("sam_model.blocks.0.mlp.lin1.weight"),
+        window_size=need(vision.WINDOW_SIZE),
+        global_attn_indexes=[i for i in _GGUF_SAM_GLOBAL if i < layers],
+        downsample_channels=[rows("sam_model.net_2.weight"), rows("sam_model.net_3.weight")],
+    )
+
+
+def mmproj_crops(
+    gg: gguf_io.GGUFFile, min_crops: int, max_crops: int, mean_std: tuple[float, float, float]
+) -> tuple[int, int, tuple[float, float, float], tuple[float, float, float]]:
+    """An mmproj's range of crops and its mean and std, checked; a family's defaults
+    (`min_crops`, `max_crops`, `mean_std`) where the file names none."""
+    meta, vision = gg.metadata, Keys.ClipVision
+    min_crops = meta.get(vision.PREPROC_MIN_TILES, min_crops)
+    max_crops = meta.get(vision.PREPROC_MAX_TILES, max_crops)
+    if not (positive_int(min_crops) and positive_int(max_crops)) or min_crops > max_crops:
+        raise ModelFormatError(
+            f"{gg.path}: preproc_min_tiles {min_crops!r} and preproc_max_tiles {max_crops!r} "
+            "are not a range of crops"
+        )
+    mean = three_floats(meta.get(vision.IMAGE_MEAN, mean_std), gg.path, "image_mean")
+    std = three_floats(meta.get(vision.IMAGE_STD, mean_std), gg.path, "image_std")
+    return min_crops, max_crops, mean, std

@@ -21,6 +21,7 @@ from llmrun.loading import (
     alibi_families,
     apertus,
     arcee,
+    arctic,
     baichuan,
     bailingmoe,
     bailingmoe3,
@@ -56,6 +57,8 @@ from llmrun.loading import (
     gpt_oss,
     granite,
     granitehybrid,
+    grok,
+    grovemoe,
     hrm_text,
     hunyuan,
     hunyuan_vl,
@@ -71,6 +74,7 @@ from llmrun.loading import (
     llama4,
     mamba,
     mamba2,
+    maple,
     mellum,
     mimo2,
     minicpm,
@@ -80,13 +84,20 @@ from llmrun.loading import (
     minimax_m3,
     modernbert,
     muse_glimmer,
+    nanbeige,
     nemotron,
     nemotron_h,
     nomic_bert,
     olmo,
     olmoe,
+    openelm,
+    orion,
     phi2,
     phimoe,
+    plamo,
+    plamo2,
+    plamo3,
+    plm,
     qwen,
     qwen4exp,
     qwen35,
@@ -102,6 +113,15 @@ from llmrun.loading import (
 )
 from llmrun.loading.gguf_io import ArchMetadata, GGUFFile, read_float_list, vocab_size
 
+# Maincoder: Llama's keys and names (conversion/maincoder.py), q/k rows as they are.
+MAINCODER = "maincoder"
+# openPangu-Embedded: Llama's keys and names (conversion/pangu.py), q/k rows as they are.
+PANGU_EMBEDDED = "pangu-embedded"
+# XVERSE: a Llama under its own name (conversion/xverse.py, src/models/xverse.cpp). Its
+# converter groups the key rows it permutes by heads // KV heads rather than by KV heads;
+# read back by KV heads and turned in halves, they give what llama.cpp's pairwise RoPE
+# gives of the stored rows either way (the two agree for every XVERSE checkpoint).
+XVERSE = "xverse"
 # The architectures whose q/k rows llama.cpp's converter permutes as Llama's (for its
 # adjacent-pair RoPE), which the loader undoes. Mixtral included; SmolLM3 and Granite are
 # converted as Llama (conversion/llama.py), OLMo's q/k weights permuted as Llama's
@@ -120,6 +140,9 @@ QK_PERMUTED_ARCHS = (
     *granite.ARCHS,
     minicpm.ARCH,
     muse_glimmer.ARCH,  # conversion/muse_glimmer.py _unpermute_for_rope
+    XVERSE,  # conversion/xverse.py _reverse_hf_permute
+    nanbeige.ARCH,  # conversion/nanbeige.py: LlamaModel's
+    arctic.ARCH,  # conversion/arctic.py: LlamaModel.permute
 )
 # GGUF architecture -> Hugging Face model_type. llama.cpp converts Mistral to "llama",
 # and Mistral Small 3.1+ and Ministral 3 to "mistral3" (Ministral 3 when it has an
@@ -194,6 +217,9 @@ MODEL_TYPES = {
     muse_glimmer.ARCH: muse_glimmer.MODEL_TYPE,  # llmrun/loading/muse_glimmer.py
     olmoe.ARCH: olmoe.MODEL_TYPE,  # llmrun/loading/olmoe.py
     falcon_h1.ARCH: falcon_h1.MODEL_TYPE,  # llmrun/loading/falcon_h1.py
+    plamo.ARCH: plamo.MODEL_TYPE,  # PLaMo-13B: llmrun/loading/plamo.py
+    plamo2.ARCH: plamo2.MODEL_TYPE,  # llmrun/loading/plamo2.py
+    plamo3.ARCH: plamo3.MODEL_TYPE,  # llmrun/loading/plamo3.py
     mamba.ARCH: "mamba",  # or falcon_mamba: llmrun/loading/mamba.py
     rwkv7.ARCH: rwkv7.MODEL_TYPE,  # llmrun/loading/rwkv7.py
     rwkv6.ARCH: rwkv6.MODEL_TYPE,  # llmrun/loading/rwkv6.py
@@ -232,6 +258,17 @@ MODEL_TYPES = {
     eurobert.ARCH: eurobert.MODEL_TYPE,  # llmrun/loading/eurobert.py
     internlm2.ARCH: internlm2.MODEL_TYPE,  # llmrun/loading/internlm2.py
     baichuan.ARCH: baichuan.MODEL_TYPE,  # and Baichuan 2: llmrun/loading/baichuan.py
+    orion.ARCH: orion.MODEL_TYPE,  # llmrun/loading/orion.py
+    grok.ARCH: grok.MODEL_TYPE,  # llmrun/loading/grok.py
+    arctic.ARCH: arctic.MODEL_TYPE,  # llmrun/loading/arctic.py
+    grovemoe.ARCH: grovemoe.MODEL_TYPE,  # llmrun/loading/grovemoe.py
+    maple.ARCH: maple.MODEL_TYPE,  # llmrun/loading/maple.py
+    XVERSE: XVERSE,  # run as Llama
+    openelm.ARCH: openelm.MODEL_TYPE,  # llmrun/loading/openelm.py
+    nanbeige.ARCH: nanbeige.MODEL_TYPE,  # llmrun/loading/nanbeige.py
+    MAINCODER: MAINCODER,
+    plm.ARCH: plm.MODEL_TYPE,  # llmrun/loading/plm.py
+    PANGU_EMBEDDED: "PanguEmbedded",  # the checkpoints' model_type
 }
 # Families whose RMSNorm is x * (1 + w): llama.cpp's converter stores 1 + w.
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text", gemma_embedding.MODEL_TYPE)
@@ -331,7 +368,7 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
         return eurobert.hf_name(gguf_name)
     if model_type == gemma4.MODEL_TYPE:
         return gemma4.hf_name(gguf_name)
-    if model_type in (*deepseek2.MODEL_TYPES, deepseek2.MISTRAL4):
+    if model_type in (*deepseek2.MODEL_TYPES, deepseek2.MISTRAL4, plm.MODEL_TYPE):
         return deepseek2.hf_name(gguf_name)
     if model_type in dsa.MODEL_TYPES:
         return dsa.hf_name(gguf_name)
@@ -361,6 +398,12 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
         return mimo2.hf_name(gguf_name)
     if model_type == falcon_h1.MODEL_TYPE:
         return falcon_h1.hf_name(gguf_name)
+    if model_type == plamo.MODEL_TYPE:
+        return plamo.hf_name(gguf_name)
+    if model_type == plamo2.MODEL_TYPE:
+        return plamo2.hf_name(gguf_name)
+    if model_type == plamo3.MODEL_TYPE:
+        return plamo3.hf_name(gguf_name)
     if model_type in mamba.MODEL_TYPES:
         return mamba.hf_name(gguf_name)
     if model_type == rwkv7.MODEL_TYPE:
@@ -392,6 +435,14 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
     if model_type == hy_v3.MODEL_TYPE and (name := hy_v3.hf_name(gguf_name)):
         return name
     if model_type == hunyuan.MOE_MODEL_TYPE and (name := hunyuan.moe_hf_name(gguf_name)):
+        return name
+    if model_type == arctic.MODEL_TYPE and (name := arctic.hf_name(gguf_name)):
+        return name
+    if model_type == maple.MODEL_TYPE and (name := maple.hf_name(gguf_name)):
+        return name
+    if model_type == grovemoe.MODEL_TYPE and (name := grovemoe.hf_name(gguf_name)):
+        return name
+    if model_type == grok.MODEL_TYPE and (name := grok.hf_name(gguf_name)):
         return name
     if model_type == dots1.MODEL_TYPE and (name := dots1.hf_name(gguf_name)):
         return name
@@ -506,6 +557,12 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         return granitehybrid.config_from_gguf(gg, _rope_from_gguf)
     if arch == falcon_h1.ARCH:
         return falcon_h1.config_from_gguf(gg, _rope_from_gguf)
+    if arch == plamo.ARCH:
+        return plamo.config_from_gguf(gg, _rope_from_gguf)
+    if arch == plamo2.ARCH:
+        return plamo2.config_from_gguf(gg, _rope_from_gguf)
+    if arch == plamo3.ARCH:
+        return plamo3.config_from_gguf(gg, _rope_from_gguf, _gemma_layer_types)
     if arch == mamba.ARCH:
         return mamba.config_from_gguf(gg)
     if arch == rwkv7.ARCH:
@@ -568,6 +625,18 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         return deci.config_from_gguf(gg, _rope_from_gguf)
     if arch == t5.ARCH:
         return t5.config_from_gguf(gg)
+    if arch == orion.ARCH:
+        return orion.config_from_gguf(gg, _rope_from_gguf)
+    if arch == grok.ARCH:
+        return grok.config_from_gguf(gg, _rope_from_gguf)
+    if arch == arctic.ARCH:
+        return arctic.config_from_gguf(gg, _rope_from_gguf)
+    if arch == maple.ARCH:
+        return maple.config_from_gguf(gg, _rope_from_gguf)
+    if arch == openelm.ARCH:
+        return openelm.config_from_gguf(gg, _rope_from_gguf)
+    if arch == plm.ARCH:
+        return plm.config_from_gguf(gg, _rope_from_gguf)
 
     meta = ArchMetadata.of(gg)
     n_heads = meta.require(Keys.Attention.HEAD_COUNT)
@@ -660,6 +729,8 @@ def config_from_gguf(gg: GGUFFile) -> dict[str, Any]:
         **dict.fromkeys(vl_text.QWEN3VL_ARCHS, vl_text.finish_qwen3vl_config),
         internlm2.ARCH: internlm2.finish_config,
         baichuan.ARCH: baichuan.finish_config,
+        nanbeige.ARCH: nanbeige.finish_config,
+        grovemoe.ARCH: grovemoe.finish_config,
     }.get(arch)
     if finish is not None:
         finish(gg, config, meta)

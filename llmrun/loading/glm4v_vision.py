@@ -19,11 +19,11 @@ import torch
 from gguf import Keys, VisionProjectorType
 
 from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.loading import gguf_io, safetensors_io
+from llmrun.loading import safetensors_io
 from llmrun.loading.qwen2_vl_vision import (
-    PATCH,
-    conv3d_patch_weight,
+    open_vision_mmproj,
     processor_settings,
+    tower_weights,
     visual_tensors,
 )
 from llmrun.loading.vision import (
@@ -114,20 +114,8 @@ def from_hf_dir(path: Path, text_hidden: int) -> Glm4vVision:
 def from_mmproj(path: str | Path, text_hidden: int) -> Glm4vVision:
     """The vision tower of llama.cpp's mmproj GGUF (projector glm4v; GLM-OCR's where it
     has no learned positions)."""
-    gg = gguf_io.read_gguf(path)
+    gg, _, need = open_vision_mmproj(path, (VisionProjectorType.GLM4V,), "GLM-4V")
     meta = gg.metadata
-    kind = meta.get(Keys.Clip.PROJECTOR_TYPE, meta.get(Keys.ClipVision.PROJECTOR_TYPE))
-    if kind is None or not meta.get(Keys.Clip.HAS_VISION_ENCODER, False):
-        raise ModelFormatError(f"{gg.path}: not an mmproj GGUF with a vision encoder")
-    if kind != VisionProjectorType.GLM4V:
-        raise UnsupportedError(f"{gg.path}: projector type {kind!r} is not GLM-4V's")
-
-    def need(key: str, default: int | None = None) -> int:
-        value = meta.get(key, default)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ModelFormatError(f"{gg.path}: metadata {key!r} is {value!r}")
-        return value
-
     vision = Keys.ClipVision
     if meta.get(vision.USE_SILU, False):
         act = "silu"
@@ -163,31 +151,9 @@ def from_mmproj(path: str | Path, text_hidden: int) -> Glm4vVision:
     for info in gg.tensors.values():
         tensor = encoder_tensor(gg, info)
         tensors[info.name] = tensor.float()
-    weights = _hf_weights(tensors, gg.path)
+    weights = tower_weights(tensors, _GGUF_NAMES, _GGUF_LAYER, gg.path)
     processor = pixel_settings(gg, need, CLIP_MEAN, CLIP_STD, MIN_PIXELS, MAX_PIXELS)
     return _build(args, weights, text_hidden, gg.path, processor)
-
-
-def _hf_weights(tensors: dict[str, torch.Tensor], source: Path) -> dict:
-    """The mmproj's tensors under HF's names, the patch weight's frames stacked again."""
-    weights = {}
-    for name, tensor in tensors.items():
-        if name in (PATCH, PATCH + ".1"):
-            continue
-        stem, _, suffix = name.rpartition(".")
-        parts = stem.split(".")
-        known = suffix in ("weight", "bias")
-        if stem in _GGUF_NAMES and known:
-            weights[f"{_GGUF_NAMES[stem]}.{suffix}"] = tensor
-        elif len(parts) == 4 and parts[:2] == ["v", "blk"] and parts[2].isdigit() and known:
-            layer = _GGUF_LAYER.get(parts[3])
-            if layer is None:
-                raise UnsupportedError(f"{source}: tensor {name!r} is not part of the tower")
-            weights[f"blocks.{parts[2]}.{layer}.{suffix}"] = tensor
-        else:
-            raise UnsupportedError(f"{source}: tensor {name!r} is not part of the tower")
-    weights["patch_embed.proj.weight"] = conv3d_patch_weight(tensors, source)
-    return weights
 
 
 def _build(

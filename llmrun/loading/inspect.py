@@ -312,13 +312,18 @@ def _describe_safetensors(folder: Path) -> dict[str, Any]:
         mistral_native,
         moonshine,
         moonshine_streaming,
+        omniasr,
+        parakeet,
+        pix2struct,
         reranker,
+        seamless_m4t,
         speech_to_text,
         t5,
         t5gemma,
         trocr,
         vl_text,
         voxtral_realtime,
+        wav2vec2,
         whisper,
     )
 
@@ -376,12 +381,17 @@ def _describe_safetensors(folder: Path) -> dict[str, Any]:
         **bart.info(config),
         **vl_text.florence2_info(config),
         **trocr.info(config),
+        **pix2struct.info(config),
         **cohere_asr.hf_info(config),
         **moonshine.hf_info(config),
         **canary.hf_info(config),
         **moonshine_streaming.hf_info(config),
         **speech_to_text.hf_info(config),
+        **seamless_m4t.hf_info(config),
         **voxtral_realtime.hf_info(config),
+        **parakeet.hf_info(config),
+        **omniasr.hf_info(config),
+        **wav2vec2.hf_info(config),
         **reranker.hf_info(config, folder),
         **_files_listing(folder, sorted(p for p in folder.rglob("*") if p.is_file())),
     }
@@ -511,6 +521,8 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
         # The original configs count each stack's layers; the cache holds every stack run's
         # (llmrun.models.hrm_text), as transformers' rewritten num_hidden_layers does.
         layers *= int(text.get("H_cycles") or 2) * (int(text.get("L_cycles") or 3) + 1)
+    if config.get("model_type") == "nanbeige":
+        layers *= int(text.get("num_loops") or 1)  # each loop's run of a layer caches its own
     if config.get("model_type") in ("minimax_m3", "minimax_m3_vl", "minimax_m3_vl_text"):
         from llmrun.loading import minimax_m3  # the indexer's key cached after each head
 
@@ -518,6 +530,8 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
     if config.get("model_type") in ("qwen4_exp", "qwen4_exp_text"):
         head_dim += int(text.get("indexer_head_dim") or 0)  # its QSA key, after each head's
     kv_heads = 1 if "kv_lora_rank" in text else _kv_heads(text, heads)
+    if config.get("model_type") == "plamo":  # PLaMo-13B: its num_key_value_heads is not it
+        kv_heads = heads // int(text.get("n_shared_head") or 8)
     shapes = None  # each layer's (KV heads, head width), where layers differ
     if config.get("model_type") in (
         "gemma4",
@@ -627,6 +641,16 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
             return None
         window = text.get("sliding_window_size", 4096)  # SmallThinkerConfig's default
         windows = [window if sliding else None for sliding in layout]
+    elif config.get("model_type") == "plamo3":
+        # PLaMo 3 (llmrun.models.plamo3): the window on all but every
+        # sliding_window_pattern-th layer.
+        window = text.get("window_size", text.get("sliding_window"))
+        every = text.get("sliding_window_pattern", 8)
+        kinds = text.get("layer_types") or [
+            "sliding_attention" if window and (every == 0 or i % every < every - 1) else "full"
+            for i in range(layers)
+        ]
+        windows = [window if kind == "sliding_attention" else None for kind in kinds]
     elif config.get("model_type") == "flint":
         # FlintConfig's default (llmrun.models.flint): full in the first two layers, every
         # fourth from layer 1 and the last.
@@ -658,6 +682,7 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
         minimax,
         nemotron_h,
         olmo_hybrid,
+        plamo2,
         qwen4exp,
         qwen35,
         recurrent_gemma,
@@ -668,6 +693,7 @@ def kv_cache_bytes(config: dict[str, Any], context: int, bytes_per_value: int = 
     hybrids += (bailingmoe3,)
     hybrids += (bamba,)
     hybrids += (recurrent_gemma,)
+    hybrids += (plamo2,)
     for family in (*hybrids, jamba):
         attending = family.attention_layer_count(text)
         if attending is not None:
@@ -707,6 +733,8 @@ def _hf_tokenizer_kind(folder: Path) -> str | None:
         return "GPT-NeoX Japanese (vocab.txt)"  # llmrun.gpt_neox_japanese_tokenizer
     if (folder / "rwkv_vocab_v20230424.txt").is_file():
         return "RWKV world (trie)"  # llmrun.rwkv_tokenizer
+    if (folder / "tokenizer.jsonl").is_file():
+        return "PLaMo (tokenizer.jsonl)"  # llmrun.plamo2_tokenizer
     return None
 
 

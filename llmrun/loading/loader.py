@@ -67,6 +67,7 @@ from llmrun.loading import (
     gemma_embedding,
     gguf_config,
     gguf_io,
+    git,
     glm4_moe,
     glm5_next,
     gpt2,
@@ -77,6 +78,8 @@ from llmrun.loading import (
     gpt_oss,
     granite,
     granitehybrid,
+    grok,
+    grovemoe,
     hrm_text,
     hy_v3,
     hy_v4,
@@ -113,9 +116,15 @@ from llmrun.loading import (
     nemotron_h,
     nomic_bert,
     olmo_hybrid,
+    openelm,
     opt,
     persimmon,
     phi2,
+    pix2struct,
+    plamo,
+    plamo2,
+    plamo3,
+    plm,
     qwen,
     qwen4exp,
     qwen35,
@@ -123,6 +132,7 @@ from llmrun.loading import (
     rwkv6,
     rwkv7,
     safetensors_io,
+    seamless_m4t,
     speech_to_text,
     stablelm,
     step3p5,
@@ -131,6 +141,7 @@ from llmrun.loading import (
     trocr,
     vl_text,
     voxtral_realtime,
+    wav2vec2,
     whisper,
     zamba2,
     zaya,
@@ -263,7 +274,7 @@ def _towers(config: dict[str, Any]) -> list[str]:
 
 
 def _open_hf_dir(path: Path) -> Checkpoint:
-    config = safetensors_io.read_config(path)
+    config = grovemoe.hf_config(grok.hf_config(safetensors_io.read_config(path)))
     bitnet.refuse_remote(config, path)
     eurobert.refuse_task_adapters(config, path)
     projects = gemma_embedding.hf_applies(config)  # applies Dense modules: EmbeddingGemma
@@ -351,6 +362,10 @@ def _open_hf_dir(path: Path) -> Checkpoint:
         config, weights = rwkv6.hf_checkpoint(config, weights)
     if config.get("model_type") == jamba.MODEL_TYPE:
         weights = jamba.hf_weights(weights, config, Weight)
+    if config.get("model_type") in (plamo2.MODEL_TYPE, plamo3.MODEL_TYPE):
+        weights = plamo2.hf_weights(weights)
+    if config.get("model_type") == plamo.MODEL_TYPE:
+        weights = plamo.hf_weights(weights, config, Weight)
     if config.get("model_type") in zamba2.MODEL_TYPES:
         weights = zamba2.hf_weights(weights, config)
     if config.get("model_type") == gpt_neox.MODEL_TYPE:
@@ -419,6 +434,13 @@ def _open_hf_dir(path: Path) -> Checkpoint:
             notes.append(
                 f"{path}: a multimodal T5Gemma 2; running its text, without the vision tower"
             )
+    if config.get("model_type") == git.MODEL_TYPE:
+        config, weights = git.hf_checkpoint(config, weights, path)
+    if config.get("model_type") == pix2struct.MODEL_TYPE:
+        config, weights = pix2struct.hf_checkpoint(config, weights, path)
+        notes.append(
+            f"{path}: a Pix2Struct (image-to-text); its text decoder, {pix2struct.TEXT_ONLY}"
+        )
     if config.get("model_type") == trocr.MODEL_TYPE:
         config, weights = trocr.hf_checkpoint(config, weights, path)
         notes.append(f"{path}: a TrOCR (image-to-text); its text decoder, {trocr.TEXT_ONLY}")
@@ -430,16 +452,24 @@ def _open_hf_dir(path: Path) -> Checkpoint:
         weights = moonshine.hf_weights(weights, config)
     if config.get("model_type") == canary.MODEL_TYPE:
         weights = canary.hf_weights(weights, config)
+    if config.get("model_type") in wav2vec2.MODEL_TYPES:
+        weights = wav2vec2.hf_weights(weights, config, Weight)
     if config.get("model_type") == moonshine_streaming.MODEL_TYPE:
         weights = moonshine_streaming.hf_weights(weights, config)
     if config.get("model_type") == speech_to_text.MODEL_TYPE:
         weights = speech_to_text.hf_weights(weights, config)
+    if config.get("model_type") in seamless_m4t.MODEL_TYPES:
+        weights = seamless_m4t.hf_weights(weights, config, Weight, path)
     if config.get("model_type") == voxtral_realtime.MODEL_TYPE:
         weights = voxtral_realtime.hf_weights(weights)
     if config.get("model_type") == internlm2.MODEL_TYPE:
         weights = internlm2.hf_weights(weights, config, path, Weight)
     if config.get("model_type") == baichuan.MODEL_TYPE:
         weights = baichuan.hf_weights(weights, config, path, Weight)
+    if config.get("model_type") == grovemoe.MODEL_TYPE:
+        weights = grovemoe.hf_weights(weights)
+    if config.get("model_type") == openelm.MODEL_TYPE:
+        config, weights = openelm.hf_checkpoint(config, weights, path, Weight)
     if config.get("model_type") in alibi_families.MODEL_TYPES:
         weights = alibi_families.hf_weights(weights, config["model_type"])
     if jina_bert.hf_applies(config):
@@ -722,7 +752,7 @@ def _open_gguf(path: Path) -> Checkpoint:
     if model_type in gguf_config.MOE_TYPES:
         _check_expert_stacks(gg, config)
     weights = vl_text.gguf_weights(gg.architecture, weights, config)
-    if gg.architecture in deepseek2.ARCHS:
+    if gg.architecture in (*deepseek2.ARCHS, plm.ARCH):
         weights = deepseek2.gguf_weights(weights, config, Weight)
     if gg.architecture in dsa.ARCHS:
         weights = dsa.gguf_weights(weights, config, Weight)
@@ -748,6 +778,12 @@ def _open_gguf(path: Path) -> Checkpoint:
         weights = bailingmoe.split_qkv(weights, config, Weight)
     if gg.architecture == falcon_h1.ARCH:
         weights = falcon_h1.gguf_weights(weights, Weight)
+    if gg.architecture == grovemoe.ARCH:
+        weights = grovemoe.gguf_weights(weights, Weight)
+    if gg.architecture == plamo2.ARCH:
+        weights = plamo2.gguf_weights(weights, Weight)
+    if gg.architecture == plamo3.ARCH:
+        weights = plamo3.gguf_weights(weights, Weight)
     if gg.architecture == mamba.ARCH:
         weights = mamba.gguf_weights(weights, Weight)
     if gg.architecture == rwkv7.ARCH:

@@ -35,8 +35,10 @@ PROJECTOR = VisionProjectorType.QWEN25O
 MAX_SECONDS = 300
 # An mmproj's audio tensors, beside the vision tower's.
 AUDIO_TENSORS = ("a.", "mm.a.")
-_VISION_PREFIXES = {"thinker.visual.": "", "model.visual.": "", "visual.": ""}
-_AUDIO_PREFIXES = {
+# A folder's tower tensors (the Hub's thinker.*, or a thinker's own file) -> the encoders'
+# names; Qwen3-Omni's folders are laid out alike.
+VISION_PREFIXES = {"thinker.visual.": "", "model.visual.": "", "visual.": ""}
+AUDIO_PREFIXES = {
     "thinker.audio_tower.": "audio_tower.",
     "model.audio_tower.": "audio_tower.",
     "audio_tower.": "audio_tower.",
@@ -78,32 +80,50 @@ class Qwen25OmniAudio:
     max_seconds: int = MAX_SECONDS
 
 
-def thinker_config(config: dict[str, Any]) -> dict[str, Any] | None:
-    """The thinker's config of a Qwen2.5-Omni config.json dict (the Hub's thinker_config,
-    or a thinker's own file), None for another model's."""
-    if config.get("model_type") == MODEL_TYPE:
-        thinker = config.get("thinker_config")
-        return thinker if isinstance(thinker, dict) else None
-    return config if config.get("model_type") == THINKER_TYPE else None
+@dataclass(frozen=True)
+class Thinker:
+    """Where an Omni model's config.json keeps its thinker's config (the towers' configs
+    among it): under thinker_config of a `model_type` config, or a `thinker_type` config
+    itself (a thinker's own file)."""
+
+    model_type: str
+    thinker_type: str
+    family: str
+
+    def config(self, config: dict[str, Any]) -> dict[str, Any] | None:
+        """The thinker's config of a config.json dict, None for another model's."""
+        if config.get("model_type") == self.model_type:
+            thinker = config.get("thinker_config")
+            return thinker if isinstance(thinker, dict) else None
+        return config if config.get("model_type") == self.thinker_type else None
+
+    def folder_has(self, path: Path, tower: str) -> bool:
+        """Whether `path` is a folder of this model with its `tower`'s config."""
+        file = path / "config.json"
+        if not (path.is_dir() and file.is_file()):
+            return False
+        thinker = self.config(safetensors_io.read_json(file))
+        return thinker is not None and isinstance(thinker.get(tower), dict)
+
+    def of_folder(self, path: Path, tower: str) -> dict[str, Any]:
+        """The thinker's config of the folder `path`, refused without its `tower`'s."""
+        thinker = self.config(safetensors_io.read_config(path))
+        if thinker is None or not isinstance(thinker.get(tower), dict):
+            raise UsageError(f"{path}: not a {self.family} folder with a {tower}")
+        return thinker
 
 
-def _folder_thinker(path: Path) -> dict[str, Any] | None:
-    config = path / "config.json"
-    if not (path.is_dir() and config.is_file()):
-        return None
-    return thinker_config(safetensors_io.read_json(config))
+THINKER = Thinker(MODEL_TYPE, THINKER_TYPE, "Qwen2.5-Omni")
 
 
 def folder_has_vision(path: Path) -> bool:
     """Whether `path` is a Qwen2.5-Omni folder with its vision tower's config."""
-    thinker = _folder_thinker(path)
-    return thinker is not None and isinstance(thinker.get("vision_config"), dict)
+    return THINKER.folder_has(path, "vision_config")
 
 
 def folder_has_audio(path: Path) -> bool:
     """Whether `path` is a Qwen2.5-Omni folder with its audio tower's config."""
-    thinker = _folder_thinker(path)
-    return thinker is not None and isinstance(thinker.get("audio_config"), dict)
+    return THINKER.folder_has(path, "audio_config")
 
 
 def _mmproj_holds(path: str | Path, key: str) -> bool:
@@ -122,20 +142,13 @@ def is_audio_mmproj(path: str | Path) -> bool:
     return _mmproj_holds(path, Keys.Clip.HAS_AUDIO_ENCODER)
 
 
-def _thinker(path: Path, tower: str) -> dict[str, Any]:
-    thinker = thinker_config(safetensors_io.read_config(path))
-    if thinker is None or not isinstance(thinker.get(tower), dict):
-        raise UsageError(f"{path}: not a Qwen2.5-Omni folder with a {tower}")
-    return thinker
-
-
 def vision_from_hf_dir(path: Path, text_hidden: int) -> OmniVision:
     """The vision tower of a Qwen2.5-Omni folder (f32, on the CPU), with the image
     processor's settings of its preprocessor_config.json."""
-    thinker = _thinker(path, "vision_config")
+    thinker = THINKER.of_folder(path, "vision_config")
     config = {"model_type": vision_model.QWEN2_5_VL, "vision_config": thinker["vision_config"]}
     args = vision_model.EncoderArgs.from_config(config)
-    weights = _fused_qkv(prefixed_weights(path, _VISION_PREFIXES), path)
+    weights = _fused_qkv(prefixed_weights(path, VISION_PREFIXES), path)
     processor = qwen2_vl_vision.processor_settings(path, args)
     widths = (args.out_hidden_size, text_hidden)
     encoder = with_weights(vision_model.VisionModel, args, weights, path, widths)
@@ -168,7 +181,7 @@ def vision_from_mmproj(path: str | Path, text_hidden: int) -> OmniVision:
 
 def audio_from_hf_dir(path: Path, text_hidden: int) -> Qwen25OmniAudio:
     """The audio encoder of a Qwen2.5-Omni folder (f32, on the CPU)."""
-    audio = {**_AUDIO_DEFAULTS, **_thinker(path, "audio_config")["audio_config"]}
+    audio = {**_AUDIO_DEFAULTS, **THINKER.of_folder(path, "audio_config")["audio_config"]}
     args = EncoderArgs(
         hidden_size=audio["d_model"],
         intermediate_size=audio["encoder_ffn_dim"],
@@ -180,7 +193,7 @@ def audio_from_hf_dir(path: Path, text_hidden: int) -> Qwen25OmniAudio:
         activation_function=audio["activation_function"],
         n_window=audio["n_window"],
     )
-    weights = prefixed_weights(path, _AUDIO_PREFIXES)
+    weights = prefixed_weights(path, AUDIO_PREFIXES)
     weights.pop(_UNUSED_AUDIO, None)
     encoder = _build_audio(args, weights, text_hidden, path)
     encoder.max_seconds = _chunk_length(path)
@@ -205,9 +218,22 @@ def audio_from_mmproj(path: str | Path, text_hidden: int) -> Qwen25OmniAudio:
     hold)."""
     gg = gguf_io.read_gguf(path)
     args = EncoderArgs(**dataclasses.asdict(whisper_audio.mmproj_args(gg)))
+    weights = mmproj_audio_tensors(gg, _GGUF_AUDIO, "Qwen2.5-Omni's audio encoder")
+    for name, tensor in weights.items():
+        if name.endswith(("conv1.bias", "conv2.bias")) and tensor.dim() == 2:
+            weights[name] = tensor.reshape(-1)  # [channels, 1] for ggml's broadcast
+    return _build_audio(args, weights, text_hidden, gg.path)
+
+
+def mmproj_audio_tensors(
+    gg: gguf_io.GGUFFile, modules: dict[str, str], what: str
+) -> dict[str, torch.Tensor]:
+    """An Omni mmproj's audio tower tensors (`what`) under the encoder's names: its
+    `modules` (mmproj module -> encoder module) and Whisper's blocks; the vision tower's and
+    the converter's sinusoid table left out."""
     names = {
         f"{module}.{suffix}": f"{new}.{suffix}"
-        for module, new in _GGUF_AUDIO.items()
+        for module, new in modules.items()
         for suffix in ("weight", "bias")
     }
 
@@ -221,11 +247,7 @@ def audio_from_mmproj(path: str | Path, text_hidden: int) -> Qwen25OmniAudio:
     def keep(name: str) -> bool:
         return name.startswith("audio_tower.")
 
-    weights = mmproj_tensors(gg, name_of, "Qwen2.5-Omni's audio encoder", keep)
-    for name, tensor in weights.items():
-        if name.endswith(("conv1.bias", "conv2.bias")) and tensor.dim() == 2:
-            weights[name] = tensor.reshape(-1)  # [channels, 1] for ggml's broadcast
-    return _build_audio(args, weights, text_hidden, gg.path)
+    return mmproj_tensors(gg, name_of, what, keep)
 
 
 def _build_audio(

@@ -15,6 +15,7 @@ windows whatever it says). Both give the encoder HF's weights.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -172,20 +173,20 @@ def processor_settings(
     )
 
 
-def from_mmproj(path: str | Path, text_hidden: int, skip: tuple[str, ...] = ()) -> QwenVision:
-    """The vision tower of llama.cpp's mmproj GGUF (projector qwen2vl_merger or
-    qwen2.5vl_merger, or qwen2.5o: Qwen2.5-Omni's, whose tower is Qwen2.5-VL's, or
-    exaone4_5: EXAONE 4.5's), the tensors whose names begin with one of `skip` left out
-    (another encoder's)."""
+def open_vision_mmproj(
+    path: str | Path, projectors: tuple[Any, ...], family: str
+) -> tuple[gguf_io.GGUFFile, Any, Callable[..., int]]:
+    """An mmproj GGUF that must hold a vision encoder of one of the projector types
+    `projectors` (else it is not `family`'s), its projector type, and its `need(key,
+    default=None, value=None)`: a positive whole number from the metadata (or `value`),
+    else one error naming the key."""
     gg = gguf_io.read_gguf(path)
     meta = gg.metadata
     kind = _projector(meta)
     if kind is None or not meta.get(Keys.Clip.HAS_VISION_ENCODER, False):
         raise ModelFormatError(f"{gg.path}: not an mmproj GGUF with a vision encoder")
-    if kind not in (*_PROJECTORS, VisionProjectorType.QWEN25O, EXAONE4_5_PROJECTOR):
-        raise UnsupportedError(f"{gg.path}: projector type {kind!r} is not Qwen2-VL's")
-    exaone = kind == EXAONE4_5_PROJECTOR
-    family = _PROJECTORS.get(kind, QWEN2_5_VL)
+    if kind not in projectors:
+        raise UnsupportedError(f"{gg.path}: projector type {kind!r} is not {family}'s")
 
     def need(key: str, default: int | None = None, value: Any = None) -> int:
         value = meta.get(key, default) if value is None else value
@@ -193,6 +194,19 @@ def from_mmproj(path: str | Path, text_hidden: int, skip: tuple[str, ...] = ()) 
             raise ModelFormatError(f"{gg.path}: metadata {key!r} is {value!r}")
         return value
 
+    return gg, kind, need
+
+
+def from_mmproj(path: str | Path, text_hidden: int, skip: tuple[str, ...] = ()) -> QwenVision:
+    """The vision tower of llama.cpp's mmproj GGUF (projector qwen2vl_merger or
+    qwen2.5vl_merger, or qwen2.5o: Qwen2.5-Omni's, whose tower is Qwen2.5-VL's, or
+    exaone4_5: EXAONE 4.5's), the tensors whose names begin with one of `skip` left out
+    (another encoder's)."""
+    projectors = (*_PROJECTORS, VisionProjectorType.QWEN25O, EXAONE4_5_PROJECTOR)
+    gg, kind, need = open_vision_mmproj(path, projectors, "Qwen2-VL")
+    meta = gg.metadata
+    exaone = kind == EXAONE4_5_PROJECTOR
+    family = _PROJECTORS.get(kind, QWEN2_5_VL)
     vision = Keys.ClipVision
     depth = need(vision.BLOCK_COUNT)
     fullatt: tuple[int, ...] = tuple(range(depth))
@@ -262,6 +276,39 @@ def _hf_weights(tensors: dict[str, torch.Tensor], family: str, width: int, sourc
         if set(pieces) != {"attn_q", "attn_k", "attn_v"}:
             raise ModelFormatError(f"{source}: {name} lacks some of attn_q, attn_k and attn_v")
         weights[name] = torch.cat([pieces["attn_q"], pieces["attn_k"], pieces["attn_v"]])
+    weights["patch_embed.proj.weight"] = conv3d_patch_weight(tensors, source)
+    return weights
+
+
+def tower_weights(
+    tensors: dict[str, torch.Tensor],
+    names: dict[str, str],
+    layers: dict[str, str],
+    source: Path,
+    other: Callable[[list[str], str], str | None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """An mmproj's tensors under HF's names, the patch weight's frames stacked again: the
+    modules of `names` (mmproj module -> HF module), each block's of `layers` (v.blk.N.x
+    -> blocks.N.layers[x]), and the modules `other` names (given an mmproj module's parts
+    and the tensor's name; None where it is not one of them). Any other tensor is refused."""
+    weights = {}
+    for name, tensor in tensors.items():
+        if name in (PATCH, PATCH + ".1"):
+            continue
+        stem, _, suffix = name.rpartition(".")
+        parts = stem.split(".")
+        known = suffix in ("weight", "bias")
+        if stem in names and known:
+            weights[f"{names[stem]}.{suffix}"] = tensor
+        elif len(parts) == 4 and parts[:2] == ["v", "blk"] and parts[2].isdigit() and known:
+            layer = layers.get(parts[3])
+            if layer is None:
+                raise UnsupportedError(f"{source}: tensor {name!r} is not part of the tower")
+            weights[f"blocks.{parts[2]}.{layer}.{suffix}"] = tensor
+        elif known and other is not None and (module := other(parts, name)) is not None:
+            weights[f"{module}.{suffix}"] = tensor
+        else:
+            raise UnsupportedError(f"{source}: tensor {name!r} is not part of the tower")
     weights["patch_embed.proj.weight"] = conv3d_patch_weight(tensors, source)
     return weights
 

@@ -28,25 +28,23 @@ from typing import Any
 import torch
 from gguf import Keys, VisionProjectorType
 
-from llmrun.errors import ModelFormatError, UsageError
-from llmrun.loading import gguf_io, qwen3_vl_vision, safetensors_io
+from llmrun.errors import ModelFormatError
+from llmrun.loading import gguf_io, qwen3_vl_vision
+from llmrun.loading.qwen2_5_omni import (
+    AUDIO_PREFIXES,
+    AUDIO_TENSORS,
+    VISION_PREFIXES,
+    Thinker,
+    mmproj_audio_tensors,
+)
 from llmrun.loading.qwen2_vl_vision import processor_settings
-from llmrun.loading.vision import mmproj_name, mmproj_tensors, prefixed_weights, with_weights
-from llmrun.loading.whisper_audio import GGUF_LAYER
+from llmrun.loading.vision import prefixed_weights, with_weights
 from llmrun.models.qwen3_omni_audio import EncoderArgs, Qwen3OmniAudioEncoder
 from llmrun.models.qwen3_vl_vision import EncoderArgs as VisionArgs
 from llmrun.models.qwen3_vl_vision import VisionModel
 
 MODEL_TYPE, THINKER_TYPE = "qwen3_omni_moe", "qwen3_omni_moe_thinker"
 VISION_PROJECTOR, AUDIO_PROJECTOR = VisionProjectorType.QWEN3VL, VisionProjectorType.QWEN3A
-# An mmproj's audio tensors, beside the vision tower's.
-AUDIO_TENSORS = ("a.", "mm.a.")
-_VISION_PREFIXES = {"thinker.visual.": "", "model.visual.": "", "visual.": ""}
-_AUDIO_PREFIXES = {
-    "thinker.audio_tower.": "audio_tower.",
-    "model.audio_tower.": "audio_tower.",
-    "audio_tower.": "audio_tower.",
-}
 # Qwen3-Omni's merger names -> Qwen3-VL's (the tower's).
 _MERGER_PARTS = {"ln_q": "norm", "mlp.0": "linear_fc1", "mlp.2": "linear_fc2"}
 # Qwen3OmniMoeAudioEncoderConfig's defaults, for a config.json that leaves some out.
@@ -86,32 +84,17 @@ class Qwen3OmniAudio:
     encoder: Qwen3OmniAudioEncoder
 
 
-def thinker_config(config: dict[str, Any]) -> dict[str, Any] | None:
-    """The thinker's config of a Qwen3-Omni config.json dict (the Hub's thinker_config, or
-    a thinker's own file), None for another model's."""
-    if config.get("model_type") == MODEL_TYPE:
-        thinker = config.get("thinker_config")
-        return thinker if isinstance(thinker, dict) else None
-    return config if config.get("model_type") == THINKER_TYPE else None
-
-
-def _folder_thinker(path: Path) -> dict[str, Any] | None:
-    config = path / "config.json"
-    if not (path.is_dir() and config.is_file()):
-        return None
-    return thinker_config(safetensors_io.read_json(config))
+THINKER = Thinker(MODEL_TYPE, THINKER_TYPE, "Qwen3-Omni")
 
 
 def folder_has_vision(path: Path) -> bool:
     """Whether `path` is a Qwen3-Omni folder with its vision tower's config."""
-    thinker = _folder_thinker(path)
-    return thinker is not None and isinstance(thinker.get("vision_config"), dict)
+    return THINKER.folder_has(path, "vision_config")
 
 
 def folder_has_audio(path: Path) -> bool:
     """Whether `path` is a Qwen3-Omni folder with its audio tower's config."""
-    thinker = _folder_thinker(path)
-    return thinker is not None and isinstance(thinker.get("audio_config"), dict)
+    return THINKER.folder_has(path, "audio_config")
 
 
 def _projectors(path: str | Path) -> tuple[Any, Any]:
@@ -125,21 +108,14 @@ def is_mmproj(path: str | Path) -> bool:
     return _projectors(path) == (VISION_PROJECTOR, AUDIO_PROJECTOR)
 
 
-def _thinker(path: Path, tower: str) -> dict[str, Any]:
-    thinker = thinker_config(safetensors_io.read_config(path))
-    if thinker is None or not isinstance(thinker.get(tower), dict):
-        raise UsageError(f"{path}: not a Qwen3-Omni folder with a {tower}")
-    return thinker
-
-
 def vision_from_hf_dir(path: Path, text_hidden: int) -> OmniVision:
     """The vision tower of a Qwen3-Omni folder (f32, on the CPU), with the image
     processor's settings of its preprocessor_config.json (Qwen3-VL's where it has none)."""
-    thinker = _thinker(path, "vision_config")
+    thinker = THINKER.of_folder(path, "vision_config")
     args = VisionArgs.from_config(
         {"model_type": MODEL_TYPE, "vision_config": thinker["vision_config"]}
     )
-    weights = {_vision_name(k): v for k, v in prefixed_weights(path, _VISION_PREFIXES).items()}
+    weights = {_vision_name(k): v for k, v in prefixed_weights(path, VISION_PREFIXES).items()}
     processor = processor_settings(
         path,
         args,
@@ -176,8 +152,8 @@ def vision_from_mmproj(path: str | Path, text_hidden: int) -> OmniVision:
 
 def audio_from_hf_dir(path: Path, text_hidden: int) -> Qwen3OmniAudio:
     """The audio encoder of a Qwen3-Omni folder (f32, on the CPU)."""
-    args = audio_args(_thinker(path, "audio_config")["audio_config"], _AUDIO_DEFAULTS)
-    return _build_audio(args, prefixed_weights(path, _AUDIO_PREFIXES), text_hidden, path)
+    args = audio_args(THINKER.of_folder(path, "audio_config")["audio_config"], _AUDIO_DEFAULTS)
+    return _build_audio(args, prefixed_weights(path, AUDIO_PREFIXES), text_hidden, path)
 
 
 def audio_args(config: dict[str, Any], defaults: dict[str, Any]) -> EncoderArgs:
@@ -226,23 +202,7 @@ def audio_from_mmproj(path: str | Path, text_hidden: int) -> Qwen3OmniAudio:
         downsample_hidden_size=conv.shape[0],
         layer_norm_eps=float(meta.get(key.Attention.LAYERNORM_EPS, 1e-5)),
     )
-    names = {
-        f"{module}.{suffix}": f"{new}.{suffix}"
-        for module, new in _GGUF_AUDIO.items()
-        for suffix in ("weight", "bias")
-    }
-
-    def name_of(name: str) -> str | None:
-        if not name.startswith(AUDIO_TENSORS):
-            return f"vision:{name}"  # the vision tower's, left to vision_from_mmproj
-        if name == "a.position_embd.weight":
-            return "positions"  # the converter's sinusoid table, which the encoder computes
-        return mmproj_name(name, names, GGUF_LAYER, "audio_tower.layers.", tower="a")
-
-    def keep(name: str) -> bool:
-        return name.startswith("audio_tower.")
-
-    weights = mmproj_tensors(gg, name_of, "Qwen3-Omni's audio encoder", keep)
+    weights = mmproj_audio_tensors(gg, _GGUF_AUDIO, "Qwen3-Omni's audio encoder")
     for name, tensor in weights.items():
         if name.endswith("bias") and ".conv2d" in name:
             weights[name] = tensor.reshape(-1)  # [channels, 1, 1] for ggml's broadcast

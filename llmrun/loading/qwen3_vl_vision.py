@@ -17,12 +17,12 @@ from typing import Any
 import torch
 from gguf import Keys, VisionProjectorType
 
-from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
+from llmrun.errors import ModelFormatError, UsageError
 from llmrun.loading import gguf_io, safetensors_io
 from llmrun.loading.qwen2_vl_vision import (
-    PATCH,
-    conv3d_patch_weight,
+    open_vision_mmproj,
     processor_settings,
+    tower_weights,
     visual_tensors,
 )
 from llmrun.loading.vision import (
@@ -119,20 +119,8 @@ def from_hf_dir(path: Path, text_hidden: int) -> Qwen3Vision:
 def from_mmproj(path: str | Path, text_hidden: int, skip: tuple[str, ...] = ()) -> Qwen3Vision:
     """The vision tower of llama.cpp's mmproj GGUF (projector qwen3vl_merger), the tensors
     whose names begin with one of `skip` left out (another encoder's: Qwen3-Omni's audio)."""
-    gg = gguf_io.read_gguf(path)
+    gg, _, need = open_vision_mmproj(path, (VisionProjectorType.QWEN3VL,), "Qwen3-VL")
     meta = gg.metadata
-    kind = _projector(meta)
-    if kind is None or not meta.get(Keys.Clip.HAS_VISION_ENCODER, False):
-        raise ModelFormatError(f"{gg.path}: not an mmproj GGUF with a vision encoder")
-    if kind != VisionProjectorType.QWEN3VL:
-        raise UnsupportedError(f"{gg.path}: projector type {kind!r} is not Qwen3-VL's")
-
-    def need(key: str, default: int | None = None) -> int:
-        value = meta.get(key, default)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ModelFormatError(f"{gg.path}: metadata {key!r} is {value!r}")
-        return value
-
     vision = Keys.ClipVision
     depth = need(vision.BLOCK_COUNT)
     marks = meta.get(vision.IS_DEEPSTACK_LAYERS, [])
@@ -167,34 +155,21 @@ def from_mmproj(path: str | Path, text_hidden: int, skip: tuple[str, ...] = ()) 
 
 
 def _hf_weights(tensors: dict[str, torch.Tensor], args: EncoderArgs, source: Path) -> dict:
-    """The mmproj's tensors under HF's names, the patch weight's frames stacked again."""
-    weights = {}
-    for name, tensor in tensors.items():
-        if name in (PATCH, PATCH + ".1"):
-            continue
-        stem, _, suffix = name.rpartition(".")
-        parts = stem.split(".")
-        known = suffix in ("weight", "bias")
-        if stem in _GGUF_NAMES and known:
-            weights[f"{_GGUF_NAMES[stem]}.{suffix}"] = tensor
-        elif len(parts) == 4 and parts[:2] == ["v", "blk"] and parts[2].isdigit() and known:
-            layer = _GGUF_LAYER.get(parts[3])
-            if layer is None:
-                raise UnsupportedError(f"{source}: tensor {name!r} is not part of the tower")
-            weights[f"blocks.{parts[2]}.{layer}.{suffix}"] = tensor
-        elif len(parts) == 4 and parts[:2] == ["v", "deepstack"] and parts[2].isdigit() and known:
-            block, layer = int(parts[2]), _GGUF_DEEPSTACK.get(parts[3])
-            if layer is None or block not in args.deepstack_visual_indexes:
-                raise ModelFormatError(
-                    f"{source}: tensor {name!r} is not a deepstack merger of a block that "
-                    f"{Keys.ClipVision.IS_DEEPSTACK_LAYERS} marks"
-                )
-            index = args.deepstack_visual_indexes.index(block)
-            weights[f"deepstack_merger_list.{index}.{layer}.{suffix}"] = tensor
-        else:
-            raise UnsupportedError(f"{source}: tensor {name!r} is not part of the tower")
-    weights["patch_embed.proj.weight"] = conv3d_patch_weight(tensors, source)
-    return weights
+    """The mmproj's tensors under HF's names, the patch weight's frames stacked again and
+    each deepstack merger (v.deepstack.BLOCK.*) numbered among the marked blocks'."""
+
+    def deepstack(parts: list[str], name: str) -> str | None:
+        if not (len(parts) == 4 and parts[:2] == ["v", "deepstack"] and parts[2].isdigit()):
+            return None
+        block, layer = int(parts[2]), _GGUF_DEEPSTACK.get(parts[3])
+        if layer is None or block not in args.deepstack_visual_indexes:
+            raise ModelFormatError(
+                f"{source}: tensor {name!r} is not a deepstack merger of a block that "
+                f"{Keys.ClipVision.IS_DEEPSTACK_LAYERS} marks"
+            )
+        return f"deepstack_merger_list.{args.deepstack_visual_indexes.index(block)}.{layer}"
+
+    return tower_weights(tensors, _GGUF_NAMES, _GGUF_LAYER, source, deepstack)
 
 
 def _build(

@@ -25,10 +25,17 @@ from typing import Any
 import torch
 from gguf import Keys
 
-from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
+from llmrun.errors import ModelFormatError, UsageError
 from llmrun.loading import safetensors_io
 from llmrun.loading.deepseek_ocr2_vision import _gguf_name as _sam_gguf_name
-from llmrun.loading.deepseek_ocr2_vision import crop_settings, sub_config
+from llmrun.loading.deepseek_ocr2_vision import (
+    crop_settings,
+    mmproj_crops,
+    mmproj_sam,
+    sam_args,
+    sub_config,
+    tensor_rows,
+)
 from llmrun.loading.vision import (
     image_processor,
     mmproj_tensors,
@@ -36,20 +43,18 @@ from llmrun.loading.vision import (
     positive_int,
     prefixed_weights,
     projector_type,
-    three_floats,
     with_weights,
 )
 from llmrun.models import unlimited_ocr_vision as model
-from llmrun.models.deepseek_ocr2_vision import SamArgs
 from llmrun.models.llava_vision import VisionArgs
 
 MODEL_TYPE = "unlimited_ocr"
 # DeepSeek-OCR's projector, which Unlimited-OCR's mmproj shares (gguf's
 # VisionProjectorType.DEEPSEEKOCR).
 PROJECTOR = "deepseekocr"
-# What clip.cpp fixes for this projector (clip_model_loader::load_hparams, clip-model.h
-# global_attn_indices, hparams.eps for the CLIP body).
-_GGUF_PATCH, _GGUF_SAM_GLOBAL, _GGUF_CLIP_EPS = 16, (2, 5, 8, 11), 1e-5
+# What clip.cpp fixes for this projector's CLIP body (hparams.eps); SAM's are DeepSeek-OCR
+# 2's (llmrun.loading.deepseek_ocr2_vision.mmproj_sam).
+_GGUF_CLIP_EPS = 1e-5
 _HF_PREFIXES = {
     "model.sam_model.": "sam_model.",
     "model.vision_model.": "vision_model.",
@@ -122,25 +127,11 @@ def encoder_args(config: dict[str, Any], path: Path) -> model.EncoderArgs:
     """The encoder's shape from an Unlimited-OCR config.json (its sub-configs' defaults
     where it has none, as transformers reads DeepSeek's own files)."""
     vision = config["vision_config"]
-    sam_config = {**_SAM_DEFAULTS, **sub_config(vision, "sam_config", path)}
-    names = set(SamArgs.__dataclass_fields__)
-    sam = SamArgs(**{k: v for k, v in sam_config.items() if k in names and v is not None})
+    sam = sam_args({**_SAM_DEFAULTS, **sub_config(vision, "sam_config", path)}, path)
     sam.global_attn_indexes = list(sam.global_attn_indexes)
     sam.downsample_channels = list(sam.downsample_channels)
-    if sam_config.get("mlp_dim") is None:  # SamVisionConfig's: hidden_size * mlp_ratio
-        sam.mlp_dim = int(sam.hidden_size * sam_config.get("mlp_ratio", 4.0))
     clip_config = {**_CLIP_DEFAULTS, **sub_config(vision, "encoder_config", path)}
     clip = VisionArgs.from_config(clip_config)
-    for name, value, runs in (
-        ("sam_config.use_abs_pos", sam_config.get("use_abs_pos", True), True),
-        ("sam_config.use_rel_pos", sam_config.get("use_rel_pos", True), True),
-        ("sam_config.qkv_bias", sam_config.get("qkv_bias", True), True),
-        ("sam_config.hidden_act", sam_config.get("hidden_act", "gelu"), "gelu"),
-    ):
-        if value != runs:
-            raise UnsupportedError(
-                f"{path}: vision_config.{name} {value!r} is not supported ({runs!r})"
-            )
     if len(sam.downsample_channels) != 2 or sam.downsample_channels[-1] != clip.hidden_size:
         raise ModelFormatError(
             f"{path}: SAM gives {sam.downsample_channels} features, its CLIP takes "
@@ -267,7 +258,7 @@ def _gguf_name(name: str) -> str | None:
 def from_mmproj(path: str | Path, text_hidden: int) -> UnlimitedOcrVision:
     """The image encoder of llama.cpp's mmproj GGUF (projector type deepseekocr)."""
     gg, need = open_mmproj(path, PROJECTOR)
-    meta, vision = gg.metadata, Keys.ClipVision
+    vision = Keys.ClipVision
     weights = mmproj_tensors(
         gg, _gguf_name, "Unlimited-OCR's encoder", keep=lambda name: not name.startswith(_UNUSED)
     )
@@ -276,32 +267,8 @@ def from_mmproj(path: str | Path, text_hidden: int) -> UnlimitedOcrVision:
         if name in weights:
             weights[name] = weights[name].flatten()
     shapes = {name: tuple(w.shape) for name, w in weights.items()}
-
-    def rows(name: str) -> int:
-        if name not in shapes:
-            raise ModelFormatError(f"{gg.path}: the encoder tensor {name} is missing")
-        return shapes[name][0]
-
-    layers = need(vision.SAM.BLOCK_COUNT)
-    patch_grid = shapes.get("sam_model.pos_embed", (0, 0))[1]
-    if patch_grid * _GGUF_PATCH != _SIZE:
-        raise ModelFormatError(
-            f"{gg.path}: SAM's position embeddings are not the {_SIZE // _GGUF_PATCH}-patch "
-            f"grid that llama.cpp takes"
-        )
-    sam = SamArgs(
-        hidden_size=need(vision.SAM.EMBEDDING_LENGTH),
-        output_channels=rows("sam_model.neck.0.weight"),
-        num_hidden_layers=layers,
-        num_attention_heads=need(vision.SAM.HEAD_COUNT),
-        image_size=_SIZE,
-        patch_size=_GGUF_PATCH,
-        mlp_dim=rows("sam_model.blocks.0.mlp.lin1.weight"),
-        window_size=need(vision.WINDOW_SIZE),
-        global_attn_indexes=[i for i in _GGUF_SAM_GLOBAL if i < layers],
-        downsample_channels=[rows("sam_model.net_2.weight"), rows("sam_model.net_3.weight")],
-    )
-    positions = rows("vision_model.embeddings.position_embedding.weight")
+    sam = mmproj_sam(gg, need, shapes, _SIZE)
+    positions = tensor_rows(shapes, "vision_model.embeddings.position_embedding.weight", gg.path)
     side = math.isqrt(positions - 1)
     if side * side + 1 != positions:
         raise ModelFormatError(
@@ -309,7 +276,9 @@ def from_mmproj(path: str | Path, text_hidden: int) -> UnlimitedOcrVision:
         )
     clip = VisionArgs(
         hidden_size=need(vision.EMBEDDING_LENGTH),
-        intermediate_size=rows("vision_model.transformer.layers.0.mlp.fc1.weight"),
+        intermediate_size=tensor_rows(
+            shapes, "vision_model.transformer.layers.0.mlp.fc1.weight", gg.path
+        ),
         num_hidden_layers=need(vision.BLOCK_COUNT),
         num_attention_heads=need(vision.Attention.HEAD_COUNT),
         image_size=side,
@@ -317,15 +286,7 @@ def from_mmproj(path: str | Path, text_hidden: int) -> UnlimitedOcrVision:
         layer_norm_eps=_GGUF_CLIP_EPS,
     )
     args = model.EncoderArgs(sam, clip, need(vision.PROJECTION_DIM))
-    min_crops = meta.get(vision.PREPROC_MIN_TILES, _MIN_CROPS)
-    max_crops = meta.get(vision.PREPROC_MAX_TILES, _MAX_CROPS)
-    if not (positive_int(min_crops) and positive_int(max_crops)) or min_crops > max_crops:
-        raise ModelFormatError(
-            f"{gg.path}: preproc_min_tiles {min_crops!r} and preproc_max_tiles {max_crops!r} "
-            "are not a range of crops"
-        )
-    mean = three_floats(meta.get(vision.IMAGE_MEAN, _MEAN_STD), gg.path, "image_mean")
-    std = three_floats(meta.get(vision.IMAGE_STD, _MEAN_STD), gg.path, "image_std")
+    min_crops, max_crops, mean, std = mmproj_crops(gg, _MIN_CROPS, _MAX_CROPS, _MEAN_STD)
     encoder = with_weights(
         model.ImageEncoder, args, weights, gg.path, (args.text_hidden_size, text_hidden)
     )

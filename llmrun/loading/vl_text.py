@@ -219,6 +219,21 @@ def florence2_info(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# Kosmos-2's checkpoint names of its language model -> its *ForCausalLM's.
+_KOSMOS2_NAMES = {
+    "text_model.model.layer_norm.": "model.norm.",
+    "text_model.model.": "model.",
+    "text_model.lm_head.": "lm_head.",
+}
+
+
+def _kosmos2_text_key(name: str) -> str:
+    for old, new in _KOSMOS2_NAMES.items():
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
 @dataclass(frozen=True)
 class Family:
     """A vision-language model_type whose language model llmrun runs."""
@@ -317,6 +332,27 @@ FAMILIES = {
     "instructblip": Family("InstructBLIP", default_text="opt", from_outer=_decoder_only_blip),
     # FuyuConfig's text_config is a Persimmon's.
     "fuyu": Family("Fuyu", "persimmon", from_outer=_fuyu_text),
+    # Kosmos2TextConfig's names and defaults (kosmos-2-patch14-224's); Kosmos2Config ties the
+    # output head by default. Its tower and projector are llmrun.loading.kosmos2_vision's.
+    "kosmos-2": Family(
+        "Kosmos-2",
+        "kosmos2_text",
+        tie_default=True,
+        defaults={
+            "vocab_size": 65037,
+            "embed_dim": 2048,
+            "layers": 24,
+            "attention_heads": 32,
+            "ffn_dim": 8192,
+            "max_position_embeddings": 2048,
+        },
+        aliases={
+            "embed_dim": "hidden_size",
+            "layers": "num_hidden_layers",
+            "attention_heads": "num_attention_heads",
+        },
+        text_key=_kosmos2_text_key,
+    ),
     # VoxtralConfig's text_config defaults (Voxtral Mini 3B's); its audio tower is
     # llmrun.loading.voxtral_audio's.
     "voxtral": Family(
@@ -425,6 +461,22 @@ FAMILIES = {
             "eos_token_id": [59246, 59253, 59255],
         },
         rope_defaults={"rope_theta": 10000.0},
+    ),
+    # OmniASRConfig's text_config is a Llama's under Omnilingual ASR's defaults; its audio
+    # encoder is llmrun.loading.omniasr's.
+    "omniasr": Family(
+        "OmniASR",
+        "llama",
+        defaults={
+            "vocab_size": 11984,
+            "hidden_size": 4096,
+            "intermediate_size": 2816,
+            "max_position_embeddings": 8192,
+            "num_hidden_layers": 12,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 8,
+            "rms_norm_eps": 1e-05,
+        },
     ),
     # Exaone4_5_Config's text_config is an Exaone4Config (its first files said exaone4_5_text);
     # the Hub's checkpoints hold a multi-token-prediction layer as mtp.*.
@@ -780,6 +832,7 @@ VISION_PREFIXES = (
     "model.visual_embeddings_table.",  # Ovis2's (its tower is model.vision_tower.)
     "vision_embed_tokens.",  # Fuyu's patch embedding, as the Hub saves it
     "model.vision_embed_tokens.",
+    "image_to_text_projection.",  # Kosmos-2's latent-query projection (its tower: vision_model.)
 )
 
 

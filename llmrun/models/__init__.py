@@ -113,12 +113,25 @@ ARCHITECTURES = {
     "mvp": "bart",
     "led": "bart",  # LED: BART with Longformer's windowed attention in its encoder
     "trocr": "trocr",  # image-to-text: TrOCR's decoder over a ViT's tokens (llmrun.trocr_images)
+    "git": "git",  # image-to-text: a BERT-style decoder after CLIP's tokens (llmrun.git_images)
+    "kosmos2_text": "kosmos2",  # Kosmos-2's language model (loading/vl_text.py)
+    "pix2struct": "pix2struct",  # image-to-text: T5's decoder over patch states
     "cohere_asr": "cohere_asr",  # Cohere Transcribe: speech recognition (llmrun.cohere_asr)
     "moonshine": "moonshine",  # speech recognition over raw audio (llmrun.moonshine)
     "canary": "canary",  # speech recognition and translation (llmrun.canary)
     "moonshine_streaming": "moonshine_streaming",  # speech recognition (its llmrun module)
     "speech_to_text": "speech_to_text",  # Speech2Text: speech recognition (its llmrun module)
+    "seamless_m4t_v2": "seamless_m4t_v2",  # speech and text translation (llmrun.seamless_m4t)
+    "seamless_m4t": "seamless_m4t_v2",  # SeamlessM4T v1: its Conformer's delta
     "voxtral_realtime": "voxtral_realtime",  # speech recognition (llmrun.voxtral_realtime)
+    "omniasr_ctc": "omniasr_ctc",  # OmniASR CTC: speech recognition (llmrun.omniasr_ctc)
+    "parakeet_tdt": "parakeet",  # Parakeet: speech recognition (llmrun.parakeet)
+    "parakeet_rnnt": "parakeet",
+    "parakeet_ctc": "parakeet",
+    "wav2vec2": "wav2vec2",  # wav2vec 2.0 CTC: speech recognition (llmrun.wav2vec2)
+    "hubert": "wav2vec2",  # HuBERT CTC: wav2vec 2.0's model (llmrun.wav2vec2)
+    "data2vec-audio": "wav2vec2",  # data2vec-audio CTC: wav2vec 2.0's, other positions
+    "wavlm": "wav2vec2",  # WavLM CTC: wav2vec 2.0's with gated relative positions
     "vaultgemma": "vaultgemma",  # HF folders: llama.cpp has no converter
     "arcee": "arcee",
     "bitnet": "bitnet",  # BitNet b1.58: ternary weights (loading/bitnet.py)
@@ -185,6 +198,9 @@ ARCHITECTURES = {
     "flex_olmo": "flex_olmo",  # FlexOlmo: OLMoE in OLMo 2's post-norm blocks (HF folders)
     "phimoe": "phimoe",
     "falcon_h1": "falcon_h1",
+    "plamo": "plamo",  # PLaMo-13B: attention and feed-forward side by side
+    "plamo2": "plamo2",  # PLaMo 2: Mamba layers and attention
+    "plamo3": "plamo3",  # PLaMo 3: PLaMo 2's layers, all attention, sliding windows
     "mamba2": "mamba2",
     "gpt_neox": "gpt_neox",
     "persimmon": "gpt_neox",  # sequential GPT-NeoX with q/k LayerNorms, squared ReLU
@@ -213,6 +229,17 @@ ARCHITECTURES = {
     "internlm2": "internlm2",
     "internlm3": "internlm3",
     "baichuan": "baichuan",  # and Baichuan 2
+    "orion": "orion",  # Orion-14B: StableLM's layers, whole-head RoPE
+    "grok": "grok",  # Grok-1 and Grok-2: soft-capped MoE with multipliers
+    "arctic": "arctic",  # Snowflake Arctic: a dense residual MLP beside the experts
+    "grovemoe": "grovemoe",  # GroveMoE: Qwen3-MoE with adjugate experts
+    "maple": "maple",  # Maple: Mellum's layout, NoPE global layers, clamped SwiGLU
+    "xverse": "llama",  # XVERSE 7B/13B/65B (remote code): Llama's model
+    "openelm": "openelm",  # OpenELM: heads and widths per layer (loading/openelm.py)
+    "nanbeige": "nanbeige",  # Nanbeige 4.2: a looped Llama
+    "maincoder": "maincoder",  # Maincoder: pairwise RoPE, q/k norms after it
+    "plm": "plm",  # PLM: DeepSeek-V2's attention, squared-ReLU feed-forward
+    "PanguEmbedded": "pangu_embedded",  # openPangu-Embedded: Llama with attention biases
     "bert": "bert",  # encoders for embeddings (generates = False)
     "roberta": "bert",
     "xlm-roberta": "bert",

@@ -24,17 +24,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.errors import UnsupportedError
 from llmrun.models.base import (
     CausalLM,
     Frame,
+    LayerTypes,
     RMSNorm,
     args_from_config,
     attend_scaled,
     check_layer_types,
-    layer_frames,
+    check_top_k,
     mix_experts,
     route_grouped,
+    sliding_windows,
 )
 from llmrun.models.cache import KVCache
 from llmrun.models.qwen3_moe import MLP
@@ -94,11 +96,7 @@ class ModelArgs:
             raise UnsupportedError(
                 f"AFMoE with grouped expert routing (n_group {self.n_group}) is not supported"
             )
-        if not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ModelFormatError(
-                f"num_experts_per_tok is {self.num_experts_per_tok}, but there are "
-                f"{self.num_experts} experts"
-            )
+        check_top_k(self.num_experts_per_tok, self.num_experts)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:
@@ -111,10 +109,7 @@ class ModelArgs:
 
     def layer_windows(self) -> list[int | None]:
         """Each layer's sliding window, None for global layers."""
-        return [
-            self.sliding_window if kind == "sliding_attention" else None
-            for kind in self.layer_types
-        ]
+        return sliding_windows(self.layer_types, self.sliding_window)
 
 
 class Attention(nn.Module):
@@ -222,23 +217,10 @@ class Layer(nn.Module):
         return x + self.post_mlp_layernorm(self.mlp(self.pre_mlp_layernorm(x)))
 
 
-class Model(CausalLM):
+class Model(LayerTypes, CausalLM):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__(args, Attention, MLP, Layer)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         return x * self.args.hidden_size**0.5 if self.args.mup_enabled else x
-
-    def frame(
-        self,
-        positions: torch.Tensor,
-        cache: KVCache | None,
-        dtype: torch.dtype,
-        last: torch.Tensor | None = None,
-    ) -> dict[str, Frame]:
-        """A Frame per layer type: global layers see every earlier position, sliding
-        ones the last sliding_window (in a cache that keeps only those: its plan)."""
-        return layer_frames(
-            positions, cache, dtype, self.args.sliding_window, self.model.rotary_emb, last=last
-        )

@@ -118,6 +118,8 @@ class ModelArgs:
     max_encoder_position_embeddings: int | None = None
     max_decoder_position_embeddings: int | None = None
     attention_window: int | list[int] | None = None
+    # M2M100's fairseq positions are numbered from pad_token_id + 1 (SeamlessM4T's pad is 0)
+    pad_token_id: int = 1
 
     def __post_init__(self) -> None:
         check_stacks(self)
@@ -224,8 +226,8 @@ def fairseq_positions(positions: torch.Tensor, dim: int) -> torch.Tensor:
     """M2M100's (fairseq's) position vectors [..., dim] of table rows `positions`: the
     sines of position * 10000**(-i/(dim/2 - 1)) for i below dim/2, then their cosines, in
     float32 as transformers computes its table (M2M100SinusoidalPositionalEmbedding); a
-    zero column after them where dim is odd. Row p + 2 is position p (the padding_idx 1 row
-    and the one before it are never read for a text without padding)."""
+    zero column after them where dim is odd. Row p + pad_token_id + 1 is position p (rows up
+    to the padding_idx one are never read for a text without padding)."""
     half = dim // 2
     step = math.log(10000) / (half - 1)
     freqs = torch.exp(torch.arange(half, device=positions.device).float() * -step)
@@ -470,7 +472,9 @@ class Model(TextToText):
             for start, embeds in zip(images.starts, images.embeds, strict=True):
                 x[0, start : start + len(embeds)] = embeds.to(x.dtype)
         if layout.positions == "fairseq":
-            x = x + fairseq_positions(positions + POSITION_OFFSET, self.args.d_model).to(x.dtype)
+            # Row p + pad_token_id + 1: POSITION_OFFSET rows on for M2M100's pad of 1.
+            rows = positions + POSITION_OFFSET + self.args.pad_token_id - 1
+            x = x + fairseq_positions(rows, self.args.d_model).to(x.dtype)
         elif self.args.sinusoidal:
             x = x + sinusoidal_positions(positions, self.args.d_model).to(x.dtype)
         else:

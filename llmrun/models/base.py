@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +91,28 @@ def check_layer_types(layer_types: list[str], n_layers: int) -> list[str]:
             f"layer_types lists {len(layer_types)} layers, but num_hidden_layers is {n_layers}"
         )
     return list(layer_types)
+
+
+def windowed_layer_types(
+    layer_types: list[str] | None, n_layers: int, window: int | None, pattern: int = 2
+) -> list[str]:
+    """A config's `layer_types` (check_layer_types'), or where it gives none transformers'
+    default: every `pattern`-th layer "full_attention", the others "sliding_attention";
+    refused where sliding layers have no window."""
+    if layer_types is None:
+        layer_types = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)
+        ]
+    layer_types = check_layer_types(layer_types, n_layers)
+    if "sliding_attention" in layer_types and not window:
+        raise ModelFormatError("sliding_attention layers need a sliding_window")
+    return layer_types
+
+
+def sliding_windows(layer_types: list[str], window: int | None) -> list[int | None]:
+    """Each layer's sliding window, None for full layers (what new_cache reads of a
+    ModelArgs' layer_windows())."""
+    return [window if kind == "sliding_attention" else None for kind in layer_types]
 
 
 class RMSNorm(nn.Module):
@@ -575,6 +598,16 @@ class GatedMLP(nn.Module):
 # ---- mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE) ----------------------------------
 
 
+def check_top_k(top_k: int, experts: int, field: str | None = None) -> None:
+    """Refuse a config whose tokens would take no experts or more than there are
+    (`field`: the config's name for the experts' count, named in the message)."""
+    if not 0 < top_k <= experts:
+        named = f" ({field})" if field else ""
+        raise ModelFormatError(
+            f"num_experts_per_tok is {top_k}, but there are {experts} experts{named}"
+        )
+
+
 def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The experts of each token and their weights, as transformers' routers choose
     them: softmax over the router's logits [N, E] in f32, the top_k by torch.topk (so
@@ -631,6 +664,29 @@ def route_grouped(
     if normalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * scale, indices
+
+
+class TopKExperts(nn.Module):
+    """Each token through the top_k of `count` experts (`expert()` builds one) by its
+    router's (`gate`) softmax, weighted by their probabilities, renormalized where
+    norm_topk_prob (route, mix_experts): Mixtral's block and the Qwen MoEs'."""
+
+    def __init__(
+        self, args: Any, count: int, expert: Callable[[], nn.Module], norm_topk_prob: bool
+    ) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk_prob = args.num_experts_per_tok, norm_topk_prob
+        self.gate = nn.Linear(args.hidden_size, count, bias=False)
+        self.experts = nn.ModuleList(expert() for _ in range(count))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # [B, T, D] -> [B*T, D] and back
+        return self.routed(x.reshape(-1, x.shape[-1])).view(x.shape)
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """The experts' weighted sum [N, D] for tokens x [N, D]."""
+        weights, indices = route(self.gate(x), self.top_k, self.norm_topk_prob)
+        return mix_experts(x, weights, indices, self.experts)
 
 
 def mix_experts(
@@ -952,6 +1008,30 @@ class CausalLM(nn.Module):
 
     def new_cache(self, batch: int, max_seq_len: int, dtype: torch.dtype, device) -> KVCache:
         return new_cache(self.args, batch, max_seq_len, dtype, device)
+
+
+class LayerTypes:
+    """Mixed in before the CausalLM of a family whose layers are "full_attention" or
+    "sliding_attention" (args.layer_types, args.sliding_window): a Frame per layer type
+    (layer_frames), the sliding layers' in a cache that keeps only their window, turned
+    by a RoPE of their own where the body has one (model.rotary_emb_local)."""
+
+    def frame(
+        self,
+        positions: torch.Tensor,
+        cache: KVCache | None,
+        dtype: torch.dtype,
+        last: torch.Tensor | None = None,
+    ) -> dict[str, Frame]:
+        return layer_frames(
+            positions,
+            cache,
+            dtype,
+            self.args.sliding_window,
+            self.model.rotary_emb,
+            getattr(self.model, "rotary_emb_local", None),
+            last=last,
+        )
 
 
 class Hybrid:

@@ -31,15 +31,16 @@ from llmrun.models.base import (
     CausalLM,
     Frame,
     GatedMLP,
+    LayerTypes,
     RMSNorm,
     RotaryEmbedding,
     args_from_config,
     attend_scaled,
     check_layer_types,
-    layer_frames,
     mix_experts,
     rope_parameters,
     route_grouped,
+    sliding_windows,
 )
 from llmrun.models.cache import KVCache
 from llmrun.models.qwen3_moe import MLP
@@ -124,7 +125,7 @@ class ModelArgs:
 
     def layer_windows(self) -> list[int | None]:
         """Each layer's sliding window, None for full layers."""
-        return [self.sliding_window if k == "sliding_attention" else None for k in self.layer_types]
+        return sliding_windows(self.layer_types, self.sliding_window)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:
@@ -283,7 +284,7 @@ class DecoderLayer(nn.Module):
         return scaled_residual(h, x, self.additions + 1)
 
 
-class Model(CausalLM):
+class Model(LayerTypes, CausalLM):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__(args, Attention, GatedMLP, DecoderLayer)
         local = args.rope_by_type["sliding_attention"] or args.rope_parameters
@@ -296,21 +297,3 @@ class Model(CausalLM):
         logits = super().forward(*args, **kwargs)
         cap = self.args.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
-
-    def frame(
-        self,
-        positions: torch.Tensor,
-        cache: KVCache | None,
-        dtype: torch.dtype,
-        last: torch.Tensor | None = None,
-    ) -> dict[str, Frame]:
-        """A Frame per layer type, each with its own RoPE (unused where a type has none)."""
-        return layer_frames(
-            positions,
-            cache,
-            dtype,
-            self.args.sliding_window,
-            self.model.rotary_emb,
-            self.model.rotary_emb_local,
-            last=last,
-        )

@@ -15,17 +15,18 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.errors import UnsupportedError
 from llmrun.models import cohere
 from llmrun.models.base import (
     Body,
     Frame,
     GatedMLP,
     attend_scaled,
-    check_layer_types,
     head_logits,
     layer_frames,
     new_cache,
+    sliding_windows,
+    windowed_layer_types,
 )
 from llmrun.models.cache import KVCache
 from llmrun.models.gemma3 import ImageTokens
@@ -44,24 +45,18 @@ class ModelArgs(cohere.ModelArgs):
             raise UnsupportedError("Cohere 2 with use_qk_norm=true is not supported")
         super().__post_init__()
         self.head_dim = self.hidden_size // self.num_attention_heads  # as Cohere2Config
-        if self.layer_types is None:
-            # transformers' default from `sliding_window_pattern`: every pattern-th
-            # layer global, the others local.
-            pattern = self.sliding_window_pattern
-            self.layer_types = [
-                "sliding_attention" if (i + 1) % pattern else "full_attention"
-                for i in range(self.num_hidden_layers)
-            ]
-        self.layer_types = check_layer_types(self.layer_types, self.num_hidden_layers)
-        if "sliding_attention" in self.layer_types and not self.sliding_window:
-            raise ModelFormatError("sliding_attention layers need a sliding_window")
+        # transformers' default from `sliding_window_pattern`: every pattern-th layer
+        # global, the others local.
+        self.layer_types = windowed_layer_types(
+            self.layer_types,
+            self.num_hidden_layers,
+            self.sliding_window,
+            self.sliding_window_pattern,
+        )
 
     def layer_windows(self) -> list[int | None]:
         """Each layer's sliding window, None for global layers."""
-        return [
-            self.sliding_window if kind == "sliding_attention" else None
-            for kind in self.layer_types
-        ]
+        return sliding_windows(self.layer_types, self.sliding_window)
 
 
 class Attention(cohere.Attention):

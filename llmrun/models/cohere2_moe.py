@@ -21,7 +21,7 @@ from torch import nn
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.models import cohere, cohere2
-from llmrun.models.base import GatedMLP, RMSNorm, mix_experts, route
+from llmrun.models.base import GatedMLP, RMSNorm, check_top_k, mix_experts, route
 
 SELECTIONS = ("softmax", "sigmoid")
 COMBINATIONS = ("average", "sum")
@@ -73,11 +73,7 @@ class ModelArgs(cohere2.ModelArgs):
                 raise UnsupportedError(
                     f"Cohere 2 MoE with {name} {value!r} is not supported ({', '.join(allowed)})"
                 )
-        if not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ModelFormatError(
-                f"num_experts_per_tok is {self.num_experts_per_tok}, but there are "
-                f"{self.num_experts} experts (num_experts)"
-            )
+        check_top_k(self.num_experts_per_tok, self.num_experts, "num_experts")
 
     def rotates(self, layer: int) -> bool:
         """Whether `layer` applies RoPE: the sliding ones, and the dense prefix where its

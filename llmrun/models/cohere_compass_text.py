@@ -110,33 +110,14 @@ class Model(cohere2.Model):
         x = self.embed(input_ids)
         if images is not None:
             x = images.place(x)
-        rotary = self.model.rotary_emb
-        capacity = cache.max_seq_len if cache is not None else None
-        if images is None:  # text after images: every axis at the same shifted position
-            cos, sin = rotary(rope[0], capacity)
-        else:
-            sections = self.args.rope_parameters.get("mrope_section")
-            if sections is None:
-                raise ModelFormatError("Cohere Compass's rope_parameters give no mrope_section")
-            cos, sin = mrope.angles(rotary, rope, sections, capacity, interleaved=True)
+        if images is not None and self.args.rope_parameters.get("mrope_section") is None:
+            raise ModelFormatError("Cohere Compass's rope_parameters give no mrope_section")
+        cos, sin = mrope.turns(self, rope, cache, images, interleaved=True)
         # [B, T, rotary_dim] -> [B, 1, T, rotary_dim], broadcast over heads
         turned = {"cos": cos[:, None].to(x.dtype), "sin": sin[:, None].to(x.dtype)}
         frames = {
             kind: dataclasses.replace(frame, **turned)
             for kind, frame in self.frames(positions, cache, x.dtype, last).items()
         }
-        deepstack = 0 if images is None else images.deepstack_layers(x.shape[-1])
-        layers = self.model.layers
-        if deepstack > len(layers):
-            raise ModelFormatError(
-                f"images with {deepstack} deepstack layers for a language model of {len(layers)}"
-            )
-        for i, layer in enumerate(layers):
-            x = layer(x, frames, cache)
-            if i < deepstack:
-                x = images.add_deepstack(x, i)
-        if last is not None:
-            x = x[torch.arange(x.shape[0], device=x.device), last][:, None]
-        elif last_only:
-            x = x[:, -1:]
-        return self.lm_head(self.model.norm(x)).float() * self.args.logit_scale
+        logits = mrope.deepstack_logits(self, x, frames, cache, images, last_only, last)
+        return logits * self.args.logit_scale

@@ -13,12 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from llmrun.errors import ModelFormatError
 from llmrun.models import llama, mrope, nemotron
-from llmrun.models.base import CausalLM, args_from_config
-from llmrun.models.cache import KVCache
+from llmrun.models.base import args_from_config
 
 
 @dataclass
@@ -40,34 +37,8 @@ class ModelArgs(llama.ModelArgs):
         return args_from_config(cls, config)
 
 
-class Model(CausalLM):
+class Model(mrope.MRopeLM):
+    interleaved = True  # Qwen3-VL's sections
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__(args, llama.Attention, nemotron.MLP)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        cache: KVCache | None = None,
-        last_only: bool = False,
-        last: torch.Tensor | None = None,
-        static: int | None = None,
-        images: mrope.MRopeImages | None = None,
-    ) -> torch.Tensor:
-        """CausalLM.forward; `images` (one row) in place of their placeholders, which with
-        the text after them turn by interleaved M-RoPE."""
-        rope = (
-            mrope.rope_positions(positions, cache, images) if mrope.shifted(cache, images) else None
-        )
-        if rope is None:
-            return super().forward(input_ids, positions, cache, last_only, last, static, images)
-        if images is not None:  # placeholder ids may lie past the vocabulary
-            input_ids = input_ids.masked_fill(images.groups >= 0, 0)
-        x = self.embed(input_ids)
-        if images is not None:
-            x = images.place(x)
-        if static is not None:
-            frame = self.static_frame(positions, cache, x.dtype, static)
-        else:
-            frame = self.frame(positions, cache, x.dtype, last)
-        return mrope.forward(self, x, frame, rope, cache, images, True, last_only, last)

@@ -30,15 +30,17 @@ from llmrun.models.base import (
     LAYER_TYPES,
     CausalLM,
     Frame,
+    LayerTypes,
     RMSNorm,
     RotaryEmbedding,
     args_from_config,
     attend_scaled,
     check_layer_types,
-    layer_frames,
+    check_top_k,
     mix_experts,
     rotate_pairs,
     route_grouped,
+    sliding_windows,
 )
 from llmrun.models.beam import either_rope, rope_by_layer_type
 from llmrun.models.cache import KVCache
@@ -101,11 +103,7 @@ class ModelArgs:
                 f"a hidden size of {self.hidden_size} does not split into "
                 f"{self.num_attention_heads} heads"
             )
-        if not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ModelFormatError(
-                f"num_experts_per_tok is {self.num_experts_per_tok}, but there are "
-                f"{self.num_experts} experts"
-            )
+        check_top_k(self.num_experts_per_tok, self.num_experts)
 
     @property
     def head_dim(self) -> int:
@@ -113,7 +111,7 @@ class ModelArgs:
 
     def layer_windows(self) -> list[int | None]:
         """Each layer's sliding window, None for full layers."""
-        return [self.sliding_window if k == "sliding_attention" else None for k in self.layer_types]
+        return sliding_windows(self.layer_types, self.sliding_window)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:
@@ -271,28 +269,10 @@ class DecoderLayer(nn.Module):
         return self.feedforward_residual_gate(h, x)
 
 
-class Model(CausalLM):
+class Model(LayerTypes, CausalLM):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__(args, Attention, MLP, DecoderLayer)
         local = args.rope_by_type["sliding_attention"] or args.rope_parameters
         self.model.rotary_emb_local = RotaryEmbedding(
             local, args.head_dim, args.max_position_embeddings
-        )
-
-    def frame(
-        self,
-        positions: torch.Tensor,
-        cache: KVCache | None,
-        dtype: torch.dtype,
-        last: torch.Tensor | None = None,
-    ) -> dict[str, Frame]:
-        """A Frame per layer type, each with its own RoPE (unused where a type has none)."""
-        return layer_frames(
-            positions,
-            cache,
-            dtype,
-            self.args.sliding_window,
-            self.model.rotary_emb,
-            self.model.rotary_emb_local,
-            last=last,
         )

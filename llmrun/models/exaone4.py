@@ -15,15 +15,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmrun.errors import ModelFormatError
 from llmrun.models import olmo2
 from llmrun.models.base import (
     Frame,
+    LayerTypes,
     RMSNorm,
     args_from_config,
     attend_scaled,
-    check_layer_types,
-    layer_frames,
+    sliding_windows,
+    windowed_layer_types,
 )
 from llmrun.models.cache import KVCache
 
@@ -39,9 +39,9 @@ class ModelArgs(olmo2.ModelArgs):
         super().__post_init__()
         if self.layer_types is None:
             self.layer_types = [self._default_type(i) for i in range(self.num_hidden_layers)]
-        self.layer_types = check_layer_types(self.layer_types, self.num_hidden_layers)
-        if "sliding_attention" in self.layer_types and not self.sliding_window:
-            raise ModelFormatError("sliding_attention layers need a sliding_window")
+        self.layer_types = windowed_layer_types(
+            self.layer_types, self.num_hidden_layers, self.sliding_window
+        )
 
     def _default_type(self, layer: int) -> str:
         """Exaone4Config's layer type from sliding_window_pattern (all global without a
@@ -67,10 +67,7 @@ class ModelArgs(olmo2.ModelArgs):
 
     def layer_windows(self) -> list[int | None]:
         """Each layer's sliding window, None for global layers."""
-        return [
-            self.sliding_window if kind == "sliding_attention" else None
-            for kind in self.layer_types
-        ]
+        return sliding_windows(self.layer_types, self.sliding_window)
 
 
 class Attention(nn.Module):
@@ -109,19 +106,6 @@ class Attention(nn.Module):
         return self.o_proj(attend_scaled(q, k, v, self.layer, frame, cache, self.scale))
 
 
-class Model(olmo2.Model):
+class Model(LayerTypes, olmo2.Model):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__(args, Attention)
-
-    def frame(
-        self,
-        positions: torch.Tensor,
-        cache: KVCache | None,
-        dtype: torch.dtype,
-        last: torch.Tensor | None = None,
-    ) -> dict[str, Frame]:
-        """A Frame per layer type: global layers see every earlier position, sliding
-        ones the last sliding_window (in a cache that keeps only those: its plan)."""
-        return layer_frames(
-            positions, cache, dtype, self.args.sliding_window, self.model.rotary_emb, last=last
-        )

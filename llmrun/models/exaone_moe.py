@@ -18,12 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.models import deepseek_v3, exaone4
-from llmrun.models.base import CausalLM, Frame, GatedMLP, args_from_config, layer_frames
-from llmrun.models.cache import KVCache
+from llmrun.models.base import CausalLM, GatedMLP, LayerTypes, args_from_config
 
 SCORING = "sigmoid"
 MLP_TYPES = ("dense", "sparse")
@@ -97,19 +94,6 @@ class ModelArgs(exaone4.ModelArgs):
         return args_from_config(cls, config, nullable=("sliding_window",))
 
 
-class Model(CausalLM):
+class Model(LayerTypes, CausalLM):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__(args, exaone4.Attention, GatedMLP, deepseek_v3.Layer)
-
-    def frame(
-        self,
-        positions: torch.Tensor,
-        cache: KVCache | None,
-        dtype: torch.dtype,
-        last: torch.Tensor | None = None,
-    ) -> dict[str, Frame]:
-        """A Frame per layer type: global layers see every earlier position, sliding
-        ones the last sliding_window (in a cache that keeps only those: its plan)."""
-        return layer_frames(
-            positions, cache, dtype, self.args.sliding_window, self.model.rotary_emb, last=last
-        )

@@ -17,19 +17,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmrun.errors import ModelFormatError
 from llmrun.models import qwen3_moe
 from llmrun.models.base import (
+    CausalLM,
     Frame,
-    RMSNorm,
-    RotaryEmbedding,
+    LayerTypes,
     args_from_config,
     cached_keys_values,
-    check_layer_types,
-    head_logits,
-    layer_frames,
     mix_experts,
-    new_cache,
+    sliding_windows,
+    windowed_layer_types,
 )
 from llmrun.models.cache import KVCache
 from llmrun.models.gpt_oss import sink_attention
@@ -61,9 +58,9 @@ class ModelArgs(qwen3_moe.ModelArgs):
                 "full_attention" if i < 2 or i % 4 == 1 or i == last else "sliding_attention"
                 for i in range(self.num_hidden_layers)
             ]
-        self.layer_types = check_layer_types(self.layer_types, self.num_hidden_layers)
-        if "sliding_attention" in self.layer_types and not self.sliding_window:
-            raise ModelFormatError("sliding_attention layers need a sliding_window")
+        self.layer_types = windowed_layer_types(
+            self.layer_types, self.num_hidden_layers, self.sliding_window
+        )
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:
@@ -73,31 +70,18 @@ class ModelArgs(qwen3_moe.ModelArgs):
 
     def layer_windows(self) -> list[int | None]:
         """Each layer's sliding window, None for full layers."""
-        return [
-            self.sliding_window if kind == "sliding_attention" else None
-            for kind in self.layer_types
-        ]
+        return sliding_windows(self.layer_types, self.sliding_window)
 
 
-class Attention(nn.Module):
+class Attention(qwen3_moe.Attention):
+    """Qwen3-MoE's projections and q/k norms; its layer type's frame, RoPE on the
+    sliding layers alone, and the sinks in the softmax."""
+
     def __init__(self, args: ModelArgs, layer: int) -> None:
-        super().__init__()
-        self.layer, self.n_heads, self.n_kv_heads = (
-            layer,
-            args.num_attention_heads,
-            args.num_key_value_heads,
-        )
-        self.head_dim = args.head_dim
+        super().__init__(args, layer)
         self.layer_type = args.layer_types[layer]
         self.rotary = self.layer_type == "sliding_attention"
         self.scale = args.head_dim**-0.5
-        bias = args.attention_bias
-        self.q_proj = nn.Linear(args.hidden_size, self.n_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, args.hidden_size, bias=bias)
-        self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
         self.softmax_offset = nn.Parameter(torch.zeros(self.n_heads))  # the sinks
 
     def forward(
@@ -140,73 +124,9 @@ class SparseMoeBlock(nn.Module):
         return (routed + self.shared_expert(x2)).view(x.shape)
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int) -> None:
-        super().__init__()
-        self.self_attn = Attention(args, layer)
-        if args.sparse(layer):
-            self.mlp = SparseMoeBlock(args)
-        else:
-            self.mlp = MLP(args, args.intermediate_size)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-
-    def forward(
-        self, x: torch.Tensor, frames: dict[str, Frame], cache: KVCache | None
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), frames, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class Body(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(
-            args.rope_parameters, args.head_dim, args.max_position_embeddings
-        )
-
-
-class Model(nn.Module):
-    """embed -> decoder layers -> norm -> lm_head, with the Hub checkpoint's module names
-    (one module per expert, as the Hub's files hold them)."""
-
-    decode_step = None  # see llmrun.models.base.run_layers
+class Model(LayerTypes, CausalLM):
+    """CausalLM with the Hub checkpoint's module names (one module per expert, as the
+    Hub's files hold them), a Frame per layer type."""
 
     def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.args = args
-        self.model = Body(args)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        cache: KVCache | None = None,
-        last_only: bool = False,
-        last: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Float32 logits [B, T, vocab] for input_ids [B, T] at positions [B, T];
-        [B, 1, vocab] with last_only or `last` (as CausalLM.forward)."""
-        x = self.model.embed_tokens(input_ids)
-        frames = self.frames(positions, cache, x.dtype, last)
-        return head_logits(self, x, frames, cache, last_only, last).float()
-
-    def frames(
-        self,
-        positions: torch.Tensor,
-        cache: KVCache | None,
-        dtype: torch.dtype,
-        last: torch.Tensor | None = None,
-    ) -> dict[str, Frame]:
-        """A Frame per layer type: full layers see every earlier position, sliding ones
-        the last sliding_window (in a cache that keeps only those: its plan)."""
-        return layer_frames(
-            positions, cache, dtype, self.args.sliding_window, self.model.rotary_emb, last=last
-        )
-
-    def new_cache(self, batch: int, max_seq_len: int, dtype: torch.dtype, device) -> KVCache:
-        return new_cache(self.args, batch, max_seq_len, dtype, device)
+        super().__init__(args, Attention, SparseMoeBlock, qwen3_moe.DecoderLayer)

@@ -9,12 +9,12 @@ Reference: transformers/models/gemma2/modeling_gemma2.py.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.errors import UnsupportedError
 from llmrun.models.base import (
     Frame,
     GatedMLP,
@@ -22,12 +22,16 @@ from llmrun.models.base import (
     RotaryEmbedding,
     args_from_config,
     attend_scaled,
-    check_layer_types,
     head_logits,
     layer_frames,
     new_cache,
+    sliding_windows,
+    windowed_layer_types,
 )
 from llmrun.models.cache import KVCache
+
+if TYPE_CHECKING:  # gemma3 builds on this module
+    from llmrun.models.gemma3 import ImageTokens
 
 
 @dataclass
@@ -57,15 +61,10 @@ class ModelArgs:
             raise UnsupportedError("Gemma 2 with use_bidirectional_attention=true is not supported")
         self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
         self.hidden_act = self.hidden_activation  # the name GatedMLP reads
-        if self.layer_types is None:
-            # transformers' default: local and global layers alternate, local first.
-            self.layer_types = [
-                "sliding_attention" if (i + 1) % 2 else "full_attention"
-                for i in range(self.num_hidden_layers)
-            ]
-        self.layer_types = check_layer_types(self.layer_types, self.num_hidden_layers)
-        if "sliding_attention" in self.layer_types and not self.sliding_window:
-            raise ModelFormatError("sliding_attention layers need a sliding_window")
+        # transformers' default layer types: local and global layers alternate, local first.
+        self.layer_types = windowed_layer_types(
+            self.layer_types, self.num_hidden_layers, self.sliding_window
+        )
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:
@@ -75,10 +74,7 @@ class ModelArgs:
 
     def layer_windows(self) -> list[int | None]:
         """Each layer's sliding window, None for global layers."""
-        return [
-            self.sliding_window if kind == "sliding_attention" else None
-            for kind in self.layer_types
-        ]
+        return sliding_windows(self.layer_types, self.sliding_window)
 
 
 class Attention(nn.Module):
@@ -116,10 +112,12 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     """x + post_norm(attn(norm(x))), then x + post_ffw_norm(mlp(pre_ffw_norm(x)))."""
 
+    attention = Attention
+
     def __init__(self, args: ModelArgs, layer: int) -> None:
         super().__init__()
         dim, eps = args.hidden_size, args.rms_norm_eps
-        self.self_attn = Attention(args, layer)
+        self.self_attn = self.attention(args, layer)
         self.mlp = GatedMLP(args)
         self.input_layernorm = GemmaRMSNorm(dim, eps)
         self.post_attention_layernorm = GemmaRMSNorm(dim, eps)
@@ -136,10 +134,12 @@ class DecoderLayer(nn.Module):
 
 
 class Body(nn.Module):
+    layer = DecoderLayer
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer(args, i) for i in range(args.num_hidden_layers))
         self.norm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
             args.rope_parameters, args.head_dim, args.max_position_embeddings
@@ -147,15 +147,16 @@ class Body(nn.Module):
 
 
 class Model(nn.Module):
-    """embed * sqrt(hidden) -> decoder layers -> norm -> lm_head -> soft-cap, with HF's
-    module names."""
+    """embed * sqrt(hidden) -> decoder layers -> norm -> lm_head (-> soft-cap), with
+    HF's module names."""
 
     decode_step = None  # see llmrun.models.base.run_layers
+    body = Body
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
-        self.model = Body(args)
+        self.model = self.body(args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def forward(
@@ -165,19 +166,35 @@ class Model(nn.Module):
         cache: KVCache | None = None,
         last_only: bool = False,
         last: torch.Tensor | None = None,
+        images: ImageTokens | None = None,
     ) -> torch.Tensor:
         """Float32 logits [B, T, vocab] for input_ids [B, T] at positions [B, T];
-        [B, 1, vocab] with last_only or `last` (as CausalLM.forward)."""
-        body = self.model
-        x = body.embed_tokens(input_ids)
-        # The scale rounded to the compute dtype, as transformers does.
-        x = x * torch.tensor(self.args.hidden_size**0.5).to(x.dtype)
+        [B, 1, vocab] with last_only or `last` (as CausalLM.forward). `images` (Gemma 3's,
+        PaliGemma's): the image soft tokens in place of their placeholders (one row),
+        seeing each other as unmask says."""
+        if images is not None:  # placeholder ids may lie past the vocabulary
+            input_ids = input_ids.masked_fill(images.groups >= 0, 0)
+        x = self.embed(input_ids)
         frames = self.frames(positions, cache, x.dtype, last)
+        if images is not None:
+            x = images.place(x)
+            frames = self.unmask(images, frames)
         logits = head_logits(self, x, frames, cache, last_only, last)
         cap = self.args.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
+
+    def unmask(self, images: ImageTokens, frames: dict[str, Frame]) -> dict[str, Frame]:
+        """The frames with each image's tokens seeing each other, on sliding layers within
+        the window (Gemma 3's, as transformers composes its masks)."""
+        return images.unmask(frames, self.args.sliding_window)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings [B, T, hidden] of input_ids [B, T], scaled by sqrt(hidden)
+        rounded to the compute dtype, as transformers does (an image's are not scaled)."""
+        x = self.model.embed_tokens(input_ids)
+        return x * torch.tensor(self.args.hidden_size**0.5).to(x.dtype)
 
     def frames(
         self,
@@ -187,9 +204,16 @@ class Model(nn.Module):
         last: torch.Tensor | None = None,
     ) -> dict[str, Frame]:
         """A Frame per layer type: global layers see every earlier position, sliding
-        ones the last sliding_window (in a cache that keeps only those: its plan)."""
+        ones the last sliding_window (in a cache that keeps only those: its plan), each
+        with its own RoPE where the body has one for the sliding layers (Gemma 3's)."""
         return layer_frames(
-            positions, cache, dtype, self.args.sliding_window, self.model.rotary_emb, last=last
+            positions,
+            cache,
+            dtype,
+            self.args.sliding_window,
+            self.model.rotary_emb,
+            getattr(self.model, "rotary_emb_local", None),
+            last=last,
         )
 
     def new_cache(self, batch: int, max_seq_len: int, dtype: torch.dtype, device) -> KVCache:

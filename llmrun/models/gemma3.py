@@ -15,19 +15,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.errors import UnsupportedError
+from llmrun.models import gemma2
 from llmrun.models.base import (
     Frame,
-    GatedMLP,
     GemmaRMSNorm,
     RotaryEmbedding,
     args_from_config,
     attend_scaled,
-    check_layer_types,
-    head_logits,
-    layer_frames,
-    new_cache,
     rope_parameters,
+    sliding_windows,
+    windowed_layer_types,
 )
 from llmrun.models.cache import KVCache
 
@@ -63,17 +61,14 @@ class ModelArgs:
             raise UnsupportedError("Gemma 3 with use_bidirectional_attention=true is not supported")
         self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
         self.hidden_act = self.hidden_activation  # the name GatedMLP reads
-        if self.layer_types is None:
-            # transformers' default from the older `sliding_window_pattern`: every
-            # pattern-th layer global, the others local.
-            pattern = self.sliding_window_pattern
-            self.layer_types = [
-                "sliding_attention" if (i + 1) % pattern else "full_attention"
-                for i in range(self.num_hidden_layers)
-            ]
-        self.layer_types = check_layer_types(self.layer_types, self.num_hidden_layers)
-        if "sliding_attention" in self.layer_types and not self.sliding_window:
-            raise ModelFormatError("sliding_attention layers need a sliding_window")
+        # transformers' default layer types from the older `sliding_window_pattern`:
+        # every pattern-th layer global, the others local.
+        self.layer_types = windowed_layer_types(
+            self.layer_types,
+            self.num_hidden_layers,
+            self.sliding_window,
+            self.sliding_window_pattern,
+        )
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:
@@ -88,10 +83,7 @@ class ModelArgs:
 
     def layer_windows(self) -> list[int | None]:
         """Each layer's sliding window, None for global layers."""
-        return [
-            self.sliding_window if kind == "sliding_attention" else None
-            for kind in self.layer_types
-        ]
+        return sliding_windows(self.layer_types, self.sliding_window)
 
 
 def rope_by_layer_type(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -154,38 +146,21 @@ class Attention(nn.Module):
         return self.o_proj(attend_scaled(q, k, v, self.layer, frame, cache, self.scale))
 
 
-class DecoderLayer(nn.Module):
-    """x + post_norm(attn(norm(x))), then x + post_ffw_norm(mlp(pre_ffw_norm(x)))."""
+class DecoderLayer(gemma2.DecoderLayer):
+    """Gemma 2's layer with Gemma 3's attention."""
 
-    def __init__(self, args: ModelArgs, layer: int) -> None:
-        super().__init__()
-        dim, eps = args.hidden_size, args.rms_norm_eps
-        self.self_attn = Attention(args, layer)
-        self.mlp = GatedMLP(args)
-        self.input_layernorm = GemmaRMSNorm(dim, eps)
-        self.post_attention_layernorm = GemmaRMSNorm(dim, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(dim, eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(dim, eps)
-
-    def forward(
-        self, x: torch.Tensor, frames: dict[str, Frame], cache: KVCache | None
-    ) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(
-            self.self_attn(self.input_layernorm(x), frames, cache)
-        )
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+    attention = Attention
 
 
-class Body(nn.Module):
+class Body(gemma2.Body):
+    """Gemma 2's body with a RoPE of their own for the sliding layers."""
+
+    layer = DecoderLayer
+
     def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
-        self.norm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps)
-        positions = args.max_position_embeddings
-        self.rotary_emb = RotaryEmbedding(args.rope_parameters, args.head_dim, positions)
+        super().__init__(args)
         self.rotary_emb_local = RotaryEmbedding(
-            args.rope_local_parameters, args.head_dim, positions
+            args.rope_local_parameters, args.head_dim, args.max_position_embeddings
         )
 
 
@@ -227,65 +202,8 @@ class ImageTokens:
         return out
 
 
-class Model(nn.Module):
-    """embed * sqrt(hidden) -> decoder layers -> norm -> lm_head (-> soft-cap), with
-    HF's module names."""
+class Model(gemma2.Model):
+    """Gemma 2's model (its soft-cap where final_logit_softcapping is set) of Gemma 3's
+    body, taking images."""
 
-    decode_step = None  # see llmrun.models.base.run_layers
-
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.args = args
-        self.model = Body(args)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        cache: KVCache | None = None,
-        last_only: bool = False,
-        last: torch.Tensor | None = None,
-        images: ImageTokens | None = None,
-    ) -> torch.Tensor:
-        """Float32 logits [B, T, vocab] for input_ids [B, T] at positions [B, T];
-        [B, 1, vocab] with last_only or `last` (as CausalLM.forward). `images`: the
-        image soft tokens in place of their placeholders (one row)."""
-        body = self.model
-        if images is not None:  # placeholder ids may lie past the vocabulary
-            input_ids = input_ids.masked_fill(images.groups >= 0, 0)
-        x = body.embed_tokens(input_ids)
-        # The scale rounded to the compute dtype, as transformers does.
-        x = x * torch.tensor(self.args.hidden_size**0.5).to(x.dtype)
-        frames = self.frames(positions, cache, x.dtype, last)
-        if images is not None:
-            x = images.place(x)
-            frames = images.unmask(frames, self.args.sliding_window)
-        logits = head_logits(self, x, frames, cache, last_only, last)
-        cap = self.args.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits.float()
-
-    def frames(
-        self,
-        positions: torch.Tensor,
-        cache: KVCache | None,
-        dtype: torch.dtype,
-        last: torch.Tensor | None = None,
-    ) -> dict[str, Frame]:
-        """A Frame per layer type: global layers see every earlier position, sliding
-        ones the last sliding_window (in a cache that keeps only those: its plan),
-        each with its own RoPE."""
-        return layer_frames(
-            positions,
-            cache,
-            dtype,
-            self.args.sliding_window,
-            self.model.rotary_emb,
-            self.model.rotary_emb_local,
-            last=last,
-        )
-
-    def new_cache(self, batch: int, max_seq_len: int, dtype: torch.dtype, device) -> KVCache:
-        return new_cache(self.args, batch, max_seq_len, dtype, device)
+    body = Body

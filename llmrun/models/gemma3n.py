@@ -39,8 +39,9 @@ from llmrun.models.base import (
     attend_paged,
     attention,
     cached_keys_values,
-    check_layer_types,
     layer_frames,
+    sliding_windows,
+    windowed_layer_types,
 )
 from llmrun.models.cache import KVCache
 from llmrun.models.gemma3 import ImageTokens, rope_by_layer_type
@@ -92,14 +93,9 @@ class ModelArgs:
                 f"intermediate_size lists {len(self.intermediate_size)} layers, but "
                 f"num_hidden_layers is {layers}"
             )
-        if self.layer_types is None:
-            self.layer_types = [
-                "full_attention" if (i + 1) % GLOBAL_EVERY == 0 else "sliding_attention"
-                for i in range(layers)
-            ]
-        self.layer_types = check_layer_types(self.layer_types, layers)
-        if "sliding_attention" in self.layer_types and not self.sliding_window:
-            raise ModelFormatError("sliding_attention layers need a sliding_window")
+        self.layer_types = windowed_layer_types(
+            self.layer_types, layers, self.sliding_window, GLOBAL_EVERY
+        )
         if not 0 <= self.altup_active_idx < self.altup_num_inputs:
             raise ModelFormatError(
                 f"altup_active_idx {self.altup_active_idx} is not one of the "
@@ -154,10 +150,7 @@ class ModelArgs:
 
     def layer_windows(self) -> list[int | None]:
         """Each KV cache layer's sliding window, None for global layers."""
-        return [
-            self.sliding_window if kind == "sliding_attention" else None
-            for kind in self.layer_types[: self.kv_layers]
-        ]
+        return sliding_windows(self.layer_types[: self.kv_layers], self.sliding_window)
 
 
 def kv_sources(layer_types: list[str], shared: int) -> list[int]:

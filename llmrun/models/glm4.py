@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from llmrun.models import base, llama, mrope
-from llmrun.models.base import CausalLM, Frame, RMSNorm, args_from_config, rotate_pairs
+from llmrun.models.base import Frame, RMSNorm, args_from_config, rotate_pairs
 from llmrun.models.cache import KVCache
 from llmrun.models.phi3 import MLP
 
@@ -77,36 +77,10 @@ class DecoderLayer(base.DecoderLayer):
         return x + self.post_mlp_layernorm(self.mlp(self.post_attention_layernorm(x)))
 
 
-class Model(CausalLM):
+class Model(mrope.MRopeLM):
+    # rotate_pairs gathers pair i into features i and i + rotary_dim / 2, so the
+    # sections' blocks of pairs are Glm4vTextRotaryEmbedding's.
+    interleaved = False
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__(args, Attention, MLP, DecoderLayer)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        cache: KVCache | None = None,
-        last_only: bool = False,
-        last: torch.Tensor | None = None,
-        static: int | None = None,
-        images: mrope.MRopeImages | None = None,
-    ) -> torch.Tensor:
-        """CausalLM.forward; `images`: GLM-4.1V's image tokens (one row) in place of their
-        placeholders, which with the text after them turn by M-RoPE."""
-        sections = self.args.rope_parameters.get("mrope_section")
-        shifted = sections and mrope.shifted(cache, images)
-        rope = mrope.rope_positions(positions, cache, images) if shifted else None
-        if rope is None:
-            return super().forward(input_ids, positions, cache, last_only, last, static, images)
-        if images is not None:  # placeholder ids may lie past the vocabulary
-            input_ids = input_ids.masked_fill(images.groups >= 0, 0)
-        x = self.embed(input_ids)
-        if images is not None:
-            x = images.place(x)
-        if static is not None:
-            frame = self.static_frame(positions, cache, x.dtype, static)
-        else:
-            frame = self.frame(positions, cache, x.dtype, last)
-        # rotate_pairs gathers pair i into features i and i + rotary_dim / 2, so the
-        # sections' blocks of pairs are Glm4vTextRotaryEmbedding's.
-        return mrope.forward(self, x, frame, rope, cache, images, False, last_only, last)

@@ -22,13 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.models import deepseek_v3, mrope, qwen3
-from llmrun.models.base import CausalLM, GatedMLP, args_from_config
-from llmrun.models.cache import KVCache
+from llmrun.models.base import GatedMLP, args_from_config
 
 PARTIAL_ROTARY_FACTOR = 0.5  # Glm4MoeConfig's default
 SCORING = "sigmoid"
@@ -115,34 +113,8 @@ class Attention(qwen3.Attention):
             self.q_norm, self.k_norm = nn.Identity(), nn.Identity()
 
 
-class Model(CausalLM):
+class Model(mrope.MRopeLM):
+    interleaved = False  # the sections in blocks over the halves
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__(args, Attention, GatedMLP, deepseek_v3.Layer)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        cache: KVCache | None = None,
-        last_only: bool = False,
-        last: torch.Tensor | None = None,
-        static: int | None = None,
-        images: mrope.MRopeImages | None = None,
-    ) -> torch.Tensor:
-        """CausalLM.forward; `images`: GLM-4.5V's image tokens (one row) in place of their
-        placeholders, which with the text after them turn by M-RoPE."""
-        sections = self.args.rope_parameters.get("mrope_section")
-        shifted = sections and mrope.shifted(cache, images)
-        rope = mrope.rope_positions(positions, cache, images) if shifted else None
-        if rope is None:
-            return super().forward(input_ids, positions, cache, last_only, last, static, images)
-        if images is not None:  # placeholder ids may lie past the vocabulary
-            input_ids = input_ids.masked_fill(images.groups >= 0, 0)
-        x = self.embed(input_ids)
-        if images is not None:
-            x = images.place(x)
-        if static is not None:
-            frame = self.static_frame(positions, cache, x.dtype, static)
-        else:
-            frame = self.frame(positions, cache, x.dtype, last)
-        return mrope.forward(self, x, frame, rope, cache, images, False, last_only, last)

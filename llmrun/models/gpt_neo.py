@@ -20,7 +20,14 @@ import torch
 from torch import nn
 
 from llmrun.models import gpt2, gpt_neo_config
-from llmrun.models.base import CausalLM, Frame, args_from_config, attend_scaled, layer_frames
+from llmrun.models.base import (
+    CausalLM,
+    Frame,
+    args_from_config,
+    attend_scaled,
+    layer_frames,
+    sliding_windows,
+)
 from llmrun.models.cache import KVCache
 
 # GPTNeoConfig.attribute_map: the checkpoints' field names -> the usual ones.
@@ -50,9 +57,7 @@ class ModelArgs:
 
     def layer_windows(self) -> list[int | None]:
         """Each layer's window: window_size for local layers, None for global ones."""
-        return [
-            self.window_size if kind == "sliding_attention" else None for kind in self.layer_types
-        ]
+        return sliding_windows(self.layer_types, self.window_size)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:

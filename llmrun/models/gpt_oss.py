@@ -21,18 +21,16 @@ import torch
 from torch import nn
 
 from llmrun import ops
-from llmrun.errors import ModelFormatError
 from llmrun.models.base import (
+    CausalLM,
     Frame,
-    RMSNorm,
-    RotaryEmbedding,
+    LayerTypes,
     args_from_config,
     cached_keys_values,
-    check_layer_types,
-    head_logits,
-    layer_frames,
+    check_top_k,
     mix_experts,
-    new_cache,
+    sliding_windows,
+    windowed_layer_types,
 )
 from llmrun.models.cache import KVCache
 
@@ -71,19 +69,11 @@ class ModelArgs:
 
     def __post_init__(self) -> None:
         self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
-        if not 0 < self.num_experts_per_tok <= self.num_local_experts:
-            raise ModelFormatError(
-                f"num_experts_per_tok is {self.num_experts_per_tok}, but there are "
-                f"{self.num_local_experts} experts (num_local_experts)"
-            )
-        if self.layer_types is None:  # transformers' default: local, global, local, ...
-            self.layer_types = [
-                "sliding_attention" if (i + 1) % 2 else "full_attention"
-                for i in range(self.num_hidden_layers)
-            ]
-        self.layer_types = check_layer_types(self.layer_types, self.num_hidden_layers)
-        if "sliding_attention" in self.layer_types and not self.sliding_window:
-            raise ModelFormatError("sliding_attention layers need a sliding_window")
+        check_top_k(self.num_experts_per_tok, self.num_local_experts, "num_local_experts")
+        # transformers' default layer types: local, global, local, ...
+        self.layer_types = windowed_layer_types(
+            self.layer_types, self.num_hidden_layers, self.sliding_window
+        )
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:
@@ -99,10 +89,7 @@ class ModelArgs:
 
     def layer_windows(self) -> list[int | None]:
         """Each layer's sliding window, None for full layers."""
-        return [
-            self.sliding_window if kind == "sliding_attention" else None
-            for kind in self.layer_types
-        ]
+        return sliding_windows(self.layer_types, self.sliding_window)
 
 
 def sink_attention(
@@ -212,71 +199,9 @@ class SparseMoeBlock(nn.Module):
         return mix_experts(x2, weights, indices, self.experts).view(x.shape)
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int) -> None:
-        super().__init__()
-        self.self_attn = Attention(args, layer)
-        self.mlp = SparseMoeBlock(args)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-
-    def forward(
-        self, x: torch.Tensor, frames: dict[str, Frame], cache: KVCache | None
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), frames, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class Body(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(
-            args.rope_parameters, args.head_dim, args.max_position_embeddings
-        )
-
-
-class Model(nn.Module):
-    """embed -> decoder layers -> norm -> lm_head, with HF's module names but for the
-    experts (see the module's docstring)."""
-
-    decode_step = None  # see llmrun.models.base.run_layers
+class Model(LayerTypes, CausalLM):
+    """CausalLM with HF's module names but for the experts' (see the module's docstring),
+    a Frame per layer type."""
 
     def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.args = args
-        self.model = Body(args)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        cache: KVCache | None = None,
-        last_only: bool = False,
-        last: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Float32 logits [B, T, vocab] for input_ids [B, T] at positions [B, T];
-        [B, 1, vocab] with last_only or `last` (as CausalLM.forward)."""
-        body = self.model
-        x = body.embed_tokens(input_ids)
-        frames = self.frames(positions, cache, x.dtype, last)
-        return head_logits(self, x, frames, cache, last_only, last).float()
-
-    def frames(
-        self,
-        positions: torch.Tensor,
-        cache: KVCache | None,
-        dtype: torch.dtype,
-        last: torch.Tensor | None = None,
-    ) -> dict[str, Frame]:
-        """A Frame per layer type, with one RoPE: full layers see every earlier position,
-        sliding ones the last sliding_window (in a cache that keeps only those: its plan)."""
-        return layer_frames(
-            positions, cache, dtype, self.args.sliding_window, self.model.rotary_emb, last=last
-        )
-
-    def new_cache(self, batch: int, max_seq_len: int, dtype: torch.dtype, device) -> KVCache:
-        return new_cache(self.args, batch, max_seq_len, dtype, device)
+        super().__init__(args, Attention, SparseMoeBlock)

@@ -25,8 +25,9 @@ from llmrun.models.base import (
     RotaryEmbedding,
     args_from_config,
     cached_keys_values,
-    check_layer_types,
     layer_frames,
+    sliding_windows,
+    windowed_layer_types,
 )
 from llmrun.models.cache import KVCache
 from llmrun.models.gpt_oss import sink_attention
@@ -50,9 +51,7 @@ class ModelArgs(granite.ModelArgs):
                 "full_attention" if i % FULL_EVERY == 0 else "sliding_attention"
                 for i in range(layers)
             ]
-        self.layer_types = check_layer_types(self.layer_types, layers)
-        if "sliding_attention" in self.layer_types and not self.sliding_window:
-            raise ModelFormatError("sliding_attention layers need a sliding_window")
+        self.layer_types = windowed_layer_types(self.layer_types, layers, self.sliding_window)
         if self.layer_rope_theta is None:
             self.layer_rope_theta = [self.rope_parameters["rope_theta"]] * layers
         if len(self.layer_rope_theta) != layers or any(t < 0 for t in self.layer_rope_theta):
@@ -67,10 +66,7 @@ class ModelArgs(granite.ModelArgs):
 
     def layer_windows(self) -> list[int | None]:
         """Each layer's sliding window, None for full layers."""
-        return [
-            self.sliding_window if kind == "sliding_attention" else None
-            for kind in self.layer_types
-        ]
+        return sliding_windows(self.layer_types, self.sliding_window)
 
     def frame_theta(self, layer: int) -> float:
         """The RoPE base whose frames `layer` takes: its own, or (NoPE) the model's."""

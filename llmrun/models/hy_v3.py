@@ -25,7 +25,14 @@ from torch import nn
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.models import deepseek_v2, qwen3
-from llmrun.models.base import CausalLM, GatedMLP, args_from_config, mix_experts, route_grouped
+from llmrun.models.base import (
+    CausalLM,
+    GatedMLP,
+    args_from_config,
+    check_top_k,
+    mix_experts,
+    route_grouped,
+)
 from llmrun.models.qwen3_moe import MLP
 
 DEFAULT_THETA = 11_158_840.0  # HYV3Config.default_theta
@@ -75,11 +82,7 @@ class ModelArgs:
                 "Hunyuan V3 with route_norm=false is not supported: transformers renormalizes "
                 "the top-k expert weights whatever the config says, llama.cpp does not"
             )
-        if not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ModelFormatError(
-                f"num_experts_per_tok is {self.num_experts_per_tok}, but there are "
-                f"{self.num_experts} experts"
-            )
+        check_top_k(self.num_experts_per_tok, self.num_experts)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:

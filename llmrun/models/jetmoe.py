@@ -24,7 +24,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmrun.errors import ModelFormatError
 from llmrun.models.base import (
     CausalLM,
     Frame,
@@ -32,6 +31,7 @@ from llmrun.models.base import (
     RMSNorm,
     args_from_config,
     attend,
+    check_top_k,
     mix_experts,
 )
 from llmrun.models.cache import KVCache
@@ -61,11 +61,7 @@ class ModelArgs:
     hidden_act: str = field(init=False)
 
     def __post_init__(self) -> None:
-        if not 0 < self.num_experts_per_tok <= self.num_local_experts:
-            raise ModelFormatError(
-                f"num_experts_per_tok is {self.num_experts_per_tok}, but there are "
-                f"{self.num_local_experts} experts (num_local_experts)"
-            )
+        check_top_k(self.num_experts_per_tok, self.num_local_experts, "num_local_experts")
         self.num_attention_heads = self.num_key_value_heads * self.num_experts_per_tok
         self.head_dim = self.kv_channels
         self.hidden_act = self.activation_function

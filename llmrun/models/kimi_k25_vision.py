@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.models.vision_rope import rotate_heads
+from llmrun.models.paddleocr_vl_vision import MLP, attend_rotated, check_patches, merged_groups
 
 LAYER_NORM_EPS = 1e-5  # Kimi_K25VisionEncoderLayer's and its final_layernorm's
 
@@ -127,26 +127,8 @@ class Attention(nn.Module):
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        n, dim = x.shape
-        # [N, dim] -> [N, heads, head_dim]
-        q, k, v = (
-            proj(x).view(n, self.heads, -1) for proj in (self.q_proj, self.k_proj, self.v_proj)
-        )
-        q, k = rotate_heads(q, cos, sin), rotate_heads(k, cos, sin)
-        # [N, heads, head_dim] -> [1, heads, N, head_dim]: the whole image attends to itself
-        out = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)))
-        return self.proj(out[0].transpose(0, 1).reshape(n, dim))
-
-
-class MLP(nn.Module):
-    def __init__(self, args: EncoderArgs) -> None:
-        super().__init__()
-        self.approximate = "tanh" if args.hidden_act == "gelu_pytorch_tanh" else "none"
-        self.fc1 = nn.Linear(args.hidden_size, args.intermediate_size)
-        self.fc2 = nn.Linear(args.intermediate_size, args.hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        return self.proj(attend_rotated(x, self.heads, projections, cos, sin))
 
 
 class EncoderLayer(nn.Module):
@@ -183,11 +165,7 @@ class Projector(nn.Module):
         self.out_proj = nn.Linear(merged, args.out_hidden_size)
 
     def forward(self, x: torch.Tensor, grid_h: int, grid_w: int) -> torch.Tensor:
-        m = self.merge
-        x = self.pre_norm(x)
-        # [h * w, d] -> [h/m, m, w/m, m, d] -> [h/m, w/m, m, m, d]: each group's patches together
-        groups = x.view(grid_h // m, m, grid_w // m, m, -1).transpose(1, 2)
-        groups = groups.reshape((grid_h // m) * (grid_w // m), -1)
+        groups = merged_groups(self.pre_norm(x), grid_h, grid_w, self.merge)
         return self.out_proj(F.gelu(self.in_proj(groups)))
 
 
@@ -202,12 +180,7 @@ class ImageEncoder(nn.Module):
         self.mm_projector = Projector(args)
 
     def forward(self, patches: torch.Tensor, grid_h: int, grid_w: int) -> torch.Tensor:
-        m = self.args.merge_size
-        if patches.shape != (grid_h * grid_w, self.args.patch_features) or grid_h % m or grid_w % m:
-            raise ValueError(
-                f"patches {tuple(patches.shape)} are not a {grid_h}x{grid_w} grid of "
-                f"{self.args.patch_features} values in {m}x{m} groups"
-            )
+        check_patches(patches, grid_h, grid_w, self.args.patch_features, self.args.merge_size)
         tower = self.vision_tower
         x = tower.patch_embed(patches, grid_h, grid_w)
         cos, sin = rotary_angles(self.args, grid_h, grid_w)

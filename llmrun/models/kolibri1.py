@@ -22,13 +22,13 @@ from llmrun.errors import ModelFormatError
 from llmrun.models import exaone4, glm4
 from llmrun.models.base import (
     CausalLM,
-    Frame,
+    LayerTypes,
     args_from_config,
     check_layer_types,
-    layer_frames,
+    check_top_k,
     mix_experts,
+    sliding_windows,
 )
-from llmrun.models.cache import KVCache
 from llmrun.models.qwen3_moe import MLP
 
 GLOBAL_EVERY = 5  # Kolibri1Config's default layer_types: every fifth layer global
@@ -71,11 +71,7 @@ class ModelArgs:
             raise ModelFormatError(
                 f"Kolibri-1's sliding_window is {self.sliding_window!r}; it needs a positive one"
             )
-        if not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ModelFormatError(
-                f"num_experts_per_tok is {self.num_experts_per_tok}, but there are "
-                f"{self.num_experts} experts"
-            )
+        check_top_k(self.num_experts_per_tok, self.num_experts)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:
@@ -89,10 +85,7 @@ class ModelArgs:
 
     def layer_windows(self) -> list[int | None]:
         """Each layer's sliding window, None for global layers."""
-        return [
-            self.sliding_window if kind == "sliding_attention" else None
-            for kind in self.layer_types
-        ]
+        return sliding_windows(self.layer_types, self.sliding_window)
 
 
 class Router(nn.Module):
@@ -133,19 +126,6 @@ class MoE(nn.Module):
         return out + self.shared_experts(x)
 
 
-class Model(CausalLM):
+class Model(LayerTypes, CausalLM):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__(args, exaone4.Attention, MoE, glm4.DecoderLayer)
-
-    def frame(
-        self,
-        positions: torch.Tensor,
-        cache: KVCache | None,
-        dtype: torch.dtype,
-        last: torch.Tensor | None = None,
-    ) -> dict[str, Frame]:
-        """A Frame per layer type: global layers see every earlier position, sliding
-        ones the last sliding_window (in a cache that keeps only those: its plan)."""
-        return layer_frames(
-            positions, cache, dtype, self.args.sliding_window, self.model.rotary_emb, last=last
-        )

@@ -30,15 +30,17 @@ from llmrun.models.base import (
     CausalLM,
     Frame,
     GatedMLP,
+    LayerTypes,
     RMSNorm,
     RotaryEmbedding,
     args_from_config,
     attend_scaled,
-    check_layer_types,
-    layer_frames,
+    check_top_k,
     mix_experts,
     rope_parameters,
     route_grouped,
+    sliding_windows,
+    windowed_layer_types,
 )
 from llmrun.models.cache import KVCache
 from llmrun.models.qwen3_moe import MLP
@@ -88,11 +90,9 @@ class ModelArgs:
 
     def __post_init__(self) -> None:
         layers = self.num_hidden_layers
-        self.layer_types = check_layer_types(
-            self.layer_types or ["full_attention"] * layers, layers
+        self.layer_types = windowed_layer_types(
+            self.layer_types or ["full_attention"] * layers, layers, self.sliding_window
         )
-        if "sliding_attention" in self.layer_types and not self.sliding_window:
-            raise ModelFormatError("sliding_attention layers need a sliding_window")
         if self.mlp_layer_types is None:
             self.mlp_layer_types = ["dense"] * min(layers, 1) + ["sparse"] * (layers - 1)
         if len(self.mlp_layer_types) != layers or not set(self.mlp_layer_types) <= set(MLP_TYPES):
@@ -117,11 +117,7 @@ class ModelArgs:
                 "Laguna with moe_apply_router_weight_on_input=true is not supported "
                 "(transformers does not run it either)"
             )
-        if not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ModelFormatError(
-                f"num_experts_per_tok is {self.num_experts_per_tok}, but there are "
-                f"{self.num_experts} experts"
-            )
+        check_top_k(self.num_experts_per_tok, self.num_experts)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:
@@ -143,10 +139,7 @@ class ModelArgs:
 
     def layer_windows(self) -> list[int | None]:
         """Each layer's sliding window, None for global layers."""
-        return [
-            self.sliding_window if kind == "sliding_attention" else None
-            for kind in self.layer_types
-        ]
+        return sliding_windows(self.layer_types, self.sliding_window)
 
 
 def rope_by_layer_type(
@@ -266,7 +259,7 @@ class Layer(deepseek_v2.Layer):
     moe = MoE
 
 
-class Model(CausalLM):
+class Model(LayerTypes, CausalLM):
     attention = Attention
     layer = Layer
 
@@ -274,24 +267,4 @@ class Model(CausalLM):
         super().__init__(args, self.attention, GatedMLP, self.layer)
         self.model.rotary_emb_local = RotaryEmbedding(
             args.rope_local_parameters, args.head_dim, args.max_position_embeddings
-        )
-
-    def frame(
-        self,
-        positions: torch.Tensor,
-        cache: KVCache | None,
-        dtype: torch.dtype,
-        last: torch.Tensor | None = None,
-    ) -> dict[str, Frame]:
-        """A Frame per layer type: global layers see every earlier position, sliding
-        ones the last sliding_window (in a cache that keeps only those: its plan), each
-        with its RoPE."""
-        return layer_frames(
-            positions,
-            cache,
-            dtype,
-            self.args.sliding_window,
-            self.model.rotary_emb,
-            self.model.rotary_emb_local,
-            last=last,
         )

@@ -17,9 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmrun.errors import ModelFormatError
 from llmrun.models import lfm2
-from llmrun.models.base import args_from_config, mix_experts, route_grouped
+from llmrun.models.base import args_from_config, check_top_k, mix_experts, route_grouped
 
 
 @dataclass
@@ -36,11 +35,7 @@ class ModelArgs(lfm2.ModelArgs):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ModelFormatError(
-                f"num_experts_per_tok is {self.num_experts_per_tok}, but there are "
-                f"{self.num_experts} experts (num_experts)"
-            )
+        check_top_k(self.num_experts_per_tok, self.num_experts, "num_experts")
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:

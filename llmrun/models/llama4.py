@@ -32,6 +32,7 @@ from llmrun.models.base import (
     RMSNorm,
     args_from_config,
     attention_mask,
+    check_top_k,
     key_positions,
     mix_experts,
     rotate_pairs,
@@ -75,11 +76,7 @@ class ModelArgs:
         layers = self.num_hidden_layers
         self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
-        if not 0 < self.num_experts_per_tok <= self.num_local_experts:
-            raise ModelFormatError(
-                f"num_experts_per_tok is {self.num_experts_per_tok}, but there are "
-                f"{self.num_local_experts} experts (num_local_experts)"
-            )
+        check_top_k(self.num_experts_per_tok, self.num_local_experts, "num_local_experts")
         if not self.no_rope_layers:  # transformers' default for a missing or empty list
             interval = _positive(self.no_rope_layer_interval, "no_rope_layer_interval")
             self.no_rope_layers = [int((i + 1) % interval != 0) for i in range(layers)]

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.models.base import activation
+from llmrun.models.siglip import Attention  # CLIP's attention is SigLIP's
 
 VIPLLAVA = "vipllava"
 # VipLlavaConfig's vision_feature_layer: hidden states concatenated in this order.
@@ -175,27 +175,6 @@ class Embeddings(nn.Module):
         patches = self.patch_embedding(pixels).flatten(2).mT
         classes = self.class_embedding.expand(len(pixels), 1, -1)
         return torch.cat([classes, patches], dim=1) + self.position_embedding.weight
-
-
-class Attention(nn.Module):
-    def __init__(self, args: VisionArgs) -> None:
-        super().__init__()
-        dim = args.hidden_size
-        self.heads = args.num_attention_heads
-        self.q_proj = nn.Linear(dim, dim)
-        self.k_proj = nn.Linear(dim, dim)
-        self.v_proj = nn.Linear(dim, dim)
-        self.out_proj = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, tokens, dim = x.shape
-        # [N, T, dim] -> [N, heads, T, head_dim]
-        q, k, v = (
-            p(x).view(batch, tokens, self.heads, -1).transpose(1, 2)
-            for p in (self.q_proj, self.k_proj, self.v_proj)
-        )
-        out = F.scaled_dot_product_attention(q, k, v)
-        return self.out_proj(out.transpose(1, 2).reshape(batch, tokens, dim))
 
 
 class MLP(nn.Module):

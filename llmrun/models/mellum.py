@@ -19,7 +19,14 @@ import torch
 
 from llmrun.errors import ModelFormatError
 from llmrun.models import deepseek_v2, laguna, qwen3_moe
-from llmrun.models.base import Frame, args_from_config, attend_scaled, check_layer_types
+from llmrun.models.base import (
+    Frame,
+    args_from_config,
+    attend_scaled,
+    check_top_k,
+    sliding_windows,
+    windowed_layer_types,
+)
 from llmrun.models.cache import KVCache
 
 # MellumConfig's RoPE of each layer type where a config gives none.
@@ -57,22 +64,16 @@ class ModelArgs:
 
     def __post_init__(self) -> None:
         layers = self.num_hidden_layers
-        self.layer_types = check_layer_types(
-            self.layer_types or ["full_attention"] * layers, layers
+        self.layer_types = windowed_layer_types(
+            self.layer_types or ["full_attention"] * layers, layers, self.sliding_window
         )
-        if "sliding_attention" in self.layer_types and not self.sliding_window:
-            raise ModelFormatError("sliding_attention layers need a sliding_window")
         self.mlp_layer_types = list(self.mlp_layer_types or ["sparse"] * layers)
         if len(self.mlp_layer_types) != layers or not set(self.mlp_layer_types) <= set(MLP_TYPES):
             raise ModelFormatError(
                 f"mlp_layer_types is {self.mlp_layer_types!r}: it needs one of "
                 f"{', '.join(MLP_TYPES)} for each of the {layers} layers"
             )
-        if not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ModelFormatError(
-                f"num_experts_per_tok is {self.num_experts_per_tok}, but there are "
-                f"{self.num_experts} experts"
-            )
+        check_top_k(self.num_experts_per_tok, self.num_experts)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:
@@ -93,10 +94,7 @@ class ModelArgs:
 
     def layer_windows(self) -> list[int | None]:
         """Each layer's sliding window, None for global layers."""
-        return [
-            self.sliding_window if kind == "sliding_attention" else None
-            for kind in self.layer_types
-        ]
+        return sliding_windows(self.layer_types, self.sliding_window)
 
 
 class Attention(qwen3_moe.Attention):

@@ -38,13 +38,14 @@ from llmrun.models.base import (
     CausalLM,
     Frame,
     GatedMLP,
+    LayerTypes,
     RotaryEmbedding,
     args_from_config,
     attend_scaled,
     cached_keys_values,
     check_layer_types,
-    layer_frames,
     rope_parameters,
+    sliding_windows,
 )
 from llmrun.models.cache import KVCache
 from llmrun.models.gpt_oss import sink_attention
@@ -153,10 +154,7 @@ class ModelArgs:
 
     def layer_windows(self) -> list[int | None]:
         """Each layer's sliding window, None for global layers."""
-        return [
-            self.sliding_window if kind == "sliding_attention" else None
-            for kind in self.layer_types
-        ]
+        return sliding_windows(self.layer_types, self.sliding_window)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:
@@ -281,31 +279,11 @@ class Attention(nn.Module):
         return out.reshape(batch, tokens, self.n_heads * self.v_head_dim)
 
 
-class Model(CausalLM):
+class Model(LayerTypes, CausalLM):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__(args, Attention, GatedMLP, deepseek_v3.Layer)
         self.model.rotary_emb_local = RotaryEmbedding(
             args.local_rope_parameters, args.head_dim, args.max_position_embeddings
-        )
-
-    def frame(
-        self,
-        positions: torch.Tensor,
-        cache: KVCache | None,
-        dtype: torch.dtype,
-        last: torch.Tensor | None = None,
-    ) -> dict[str, Frame]:
-        """A Frame per layer type, each with its RoPE: global layers see every earlier
-        position, sliding ones the last sliding_window (in a cache that keeps only
-        those: its plan)."""
-        return layer_frames(
-            positions,
-            cache,
-            dtype,
-            self.args.sliding_window,
-            self.model.rotary_emb,
-            self.model.rotary_emb_local,
-            last=last,
         )
 
     def new_cache(self, batch: int, max_seq_len: int, dtype: torch.dtype, device) -> KVCache:

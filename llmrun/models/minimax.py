@@ -32,6 +32,7 @@ from llmrun.models.base import (
     RMSNorm,
     activation,
     args_from_config,
+    check_top_k,
 )
 from llmrun.models.cache import KVCache
 
@@ -86,11 +87,7 @@ class ModelArgs:
             )
         if self.sliding_window is not None:
             raise UnsupportedError("MiniMax with a sliding window is not supported")
-        if not 0 < self.num_experts_per_tok <= self.num_local_experts:
-            raise ModelFormatError(
-                f"num_experts_per_tok is {self.num_experts_per_tok}, but there are "
-                f"{self.num_local_experts} experts (num_local_experts)"
-            )
+        check_top_k(self.num_experts_per_tok, self.num_local_experts, "num_local_experts")
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:

@@ -23,13 +23,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.errors import UnsupportedError
 from llmrun.models.base import (
     CausalLM,
     Frame,
     RMSNorm,
     args_from_config,
     attend,
+    check_top_k,
     mix_experts,
     route_grouped,
 )
@@ -72,11 +73,7 @@ class ModelArgs:
     rope_parameters: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not 0 < self.num_experts_per_tok <= self.num_local_experts:
-            raise ModelFormatError(
-                f"num_experts_per_tok is {self.num_experts_per_tok}, but there are "
-                f"{self.num_local_experts} experts (num_local_experts)"
-            )
+        check_top_k(self.num_experts_per_tok, self.num_local_experts, "num_local_experts")
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:

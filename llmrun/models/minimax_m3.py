@@ -41,6 +41,7 @@ from llmrun.models.base import (
     attend_scaled,
     attention,
     cached_keys_values,
+    check_top_k,
     mix_experts,
     route_grouped,
 )
@@ -95,11 +96,7 @@ class ModelArgs:
         for name in ("layer_types", "mlp_layer_types"):
             if len(getattr(self, name)) < layers:
                 raise ModelFormatError(f"{name} has fewer than {layers} entries")
-        if not 0 < self.num_experts_per_tok <= self.num_local_experts:
-            raise ModelFormatError(
-                f"num_experts_per_tok is {self.num_experts_per_tok}, but there are "
-                f"{self.num_local_experts} experts (num_local_experts)"
-            )
+        check_top_k(self.num_experts_per_tok, self.num_local_experts, "num_local_experts")
         if SPARSE in self.layer_types[:layers]:
             if self.index_n_heads != self.num_key_value_heads:
                 raise UnsupportedError(

@@ -13,16 +13,16 @@ from typing import Any
 
 import torch
 
-from llmrun.errors import ModelFormatError
 from llmrun.models import llama
 from llmrun.models.base import (
     CausalLM,
     Frame,
     GatedMLP,
+    LayerTypes,
     args_from_config,
     attend_scaled,
-    check_layer_types,
-    layer_frames,
+    sliding_windows,
+    windowed_layer_types,
 )
 from llmrun.models.cache import KVCache
 
@@ -36,9 +36,9 @@ class ModelArgs(llama.ModelArgs):
         if self.layer_types is None:
             kind = "sliding_attention" if self.sliding_window else "full_attention"
             self.layer_types = [kind] * self.num_hidden_layers
-        self.layer_types = check_layer_types(self.layer_types, self.num_hidden_layers)
-        if "sliding_attention" in self.layer_types and not self.sliding_window:
-            raise ModelFormatError("sliding_attention layers need a sliding_window")
+        self.layer_types = windowed_layer_types(
+            self.layer_types, self.num_hidden_layers, self.sliding_window
+        )
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:
@@ -46,10 +46,7 @@ class ModelArgs(llama.ModelArgs):
 
     def layer_windows(self) -> list[int | None]:
         """Each layer's sliding window, None for full-attention layers."""
-        return [
-            self.sliding_window if kind == "sliding_attention" else None
-            for kind in self.layer_types
-        ]
+        return sliding_windows(self.layer_types, self.sliding_window)
 
 
 class Attention(llama.Attention):
@@ -72,19 +69,6 @@ class Attention(llama.Attention):
         return attend_scaled(q, k, v, self.layer, frame, cache, self.scale)
 
 
-class Model(CausalLM):
+class Model(LayerTypes, CausalLM):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__(args, Attention, GatedMLP)
-
-    def frame(
-        self,
-        positions: torch.Tensor,
-        cache: KVCache | None,
-        dtype: torch.dtype,
-        last: torch.Tensor | None = None,
-    ) -> dict[str, Frame]:
-        """A Frame per layer type: full layers see every earlier position, sliding ones
-        the last sliding_window (in a cache that keeps only those: its plan)."""
-        return layer_frames(
-            positions, cache, dtype, self.args.sliding_window, self.model.rotary_emb, last=last
-        )

@@ -15,20 +15,15 @@ import torch
 from torch import nn
 
 from llmrun import ops
-from llmrun.errors import ModelFormatError
 from llmrun.models.base import (
+    CausalLM,
     Frame,
     RMSNorm,
-    RotaryEmbedding,
+    TopKExperts,
     activation,
     args_from_config,
     attend,
-    attention_mask,
-    head_logits,
-    key_positions,
-    mix_experts,
-    new_cache,
-    route,
+    check_top_k,
 )
 from llmrun.models.cache import KVCache
 
@@ -54,11 +49,7 @@ class ModelArgs:
     def __post_init__(self) -> None:
         self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
-        if not 0 < self.num_experts_per_tok <= self.num_local_experts:
-            raise ModelFormatError(
-                f"num_experts_per_tok is {self.num_experts_per_tok}, but there are "
-                f"{self.num_local_experts} experts (num_local_experts)"
-            )
+        check_top_k(self.num_experts_per_tok, self.num_local_experts, "num_local_experts")
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:
@@ -103,27 +94,22 @@ class Expert(nn.Module):
         return self.w2(ops.gated(self.act, self.w1(x), self.w3(x)))
 
 
-class SparseMoeBlock(nn.Module):
+class SparseMoeBlock(TopKExperts):
     """Each token through the top-k experts of its router's softmax, weighted by their
     renormalized probabilities."""
 
     def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.top_k = args.num_experts_per_tok
-        self.gate = nn.Linear(args.hidden_size, args.num_local_experts, bias=False)
-        self.experts = nn.ModuleList(Expert(args) for _ in range(args.num_local_experts))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])  # [B, T, D] -> [B*T, D]
-        weights, indices = route(self.gate(x2), self.top_k, normalize=True)
-        return mix_experts(x2, weights, indices, self.experts).view(x.shape)
+        super().__init__(args, args.num_local_experts, lambda: Expert(args), norm_topk_prob=True)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int) -> None:
+    """Pre-norm residual block (base.DecoderLayer's), the experts named as the Hub's
+    checkpoints name them (`block_sparse_moe`)."""
+
+    def __init__(self, args: ModelArgs, layer: int, attention: type, mlp: type) -> None:
         super().__init__()
-        self.self_attn = Attention(args, layer)
-        self.block_sparse_moe = SparseMoeBlock(args)
+        self.self_attn = attention(args, layer)
+        self.block_sparse_moe = mlp(args)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -132,51 +118,6 @@ class DecoderLayer(nn.Module):
         return x + self.block_sparse_moe(self.post_attention_layernorm(x))
 
 
-class Body(nn.Module):
+class Model(CausalLM):
     def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(
-            args.rope_parameters, args.head_dim, args.max_position_embeddings
-        )
-
-
-class Model(nn.Module):
-    """embed -> decoder layers -> norm -> lm_head, with the Hub checkpoint's module names."""
-
-    decode_step = None  # see llmrun.models.base.run_layers
-
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.args = args
-        self.model = Body(args)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        cache: KVCache | None = None,
-        last_only: bool = False,
-        last: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Float32 logits [B, T, vocab] for input_ids [B, T] at positions [B, T];
-        [B, 1, vocab] with last_only or `last` (as CausalLM.forward)."""
-        body = self.model
-        x = body.embed_tokens(input_ids)
-        frame = self.frame(positions, cache, x.dtype)
-        return head_logits(self, x, frame, cache, last_only, last).float()
-
-    def frame(self, positions: torch.Tensor, cache: KVCache | None, dtype: torch.dtype) -> Frame:
-        start, length = int(positions[0, 0]), int(positions.max()) + 1
-        mask = attention_mask(
-            positions, key_positions(positions, length, cache), self.args.sliding_window
-        )
-        cos, sin = self.model.rotary_emb(positions)
-        # [B, T, rotary_dim] -> [B, 1, T, rotary_dim], broadcast over heads
-        return Frame(positions, start, length, mask, cos[:, None].to(dtype), sin[:, None].to(dtype))
-
-    def new_cache(self, batch: int, max_seq_len: int, dtype: torch.dtype, device) -> KVCache:
-        return new_cache(self.args, batch, max_seq_len, dtype, device)
+        super().__init__(args, Attention, SparseMoeBlock, DecoderLayer)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from llmrun.errors import ModelFormatError
-from llmrun.models.base import Frame, RotaryEmbedding, head_logits
+from llmrun.models.base import CausalLM, Frame, RotaryEmbedding, head_logits
 from llmrun.models.cache import KVCache
 
 
@@ -147,6 +147,55 @@ def angles(
     return out[0], out[1]
 
 
+def turns(
+    model: Any,
+    rope: torch.Tensor,
+    cache: KVCache | None,
+    images: MRopeImages | None,
+    interleaved: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sign-folded sin [B, T, rotary_dim] of the positions rope [3, B, T]
+    (rope_positions') by a language model's RoPE (model.model.rotary_emb): with images,
+    each section by its axis (angles; the sections of the model's rope_parameters,
+    `interleaved` or not); for text after images, every axis at the same shifted position."""
+    rotary = model.model.rotary_emb
+    capacity = cache.max_seq_len if cache is not None else None
+    if images is None:
+        return rotary(rope[0], capacity)
+    sections = model.args.rope_parameters["mrope_section"]
+    return angles(rotary, rope, sections, capacity, interleaved)
+
+
+def deepstack_logits(
+    model: Any,
+    x: torch.Tensor,
+    frames: Any,
+    cache: KVCache | None,
+    images: MRopeImages | None,
+    last_only: bool = False,
+    last: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Float32 logits of x [B, T, hidden] through a language model's decoder layers (each
+    given `frames`: a Frame, or a family's dict of them), final norm and head
+    (model.model.layers, .norm, model.lm_head), the images' deepstack features added
+    after the first layers; [B, 1, vocab] with last_only or `last` (as head_logits)."""
+    deepstack = 0 if images is None else images.deepstack_layers(x.shape[-1])
+    layers = model.model.layers
+    if deepstack > len(layers):
+        raise ModelFormatError(
+            f"images with {deepstack} deepstack layers for a language model of {len(layers)}"
+        )
+    for i, layer in enumerate(layers):
+        x = layer(x, frames, cache)
+        if i < deepstack:
+            x = images.add_deepstack(x, i)
+    if last is not None:
+        x = x[torch.arange(x.shape[0], device=x.device), last][:, None]
+    elif last_only:
+        x = x[:, -1:]
+    return model.lm_head(model.model.norm(x)).float()
+
+
 def forward(
     model: Any,
     x: torch.Tensor,
@@ -164,29 +213,48 @@ def forward(
     (rope_positions'; the sections of the model's rope_parameters, `interleaved` or not)
     instead of by the frame's positions, the images' deepstack features added after the
     first layers."""
-    sections = model.args.rope_parameters["mrope_section"]
-    rotary = model.model.rotary_emb
-    capacity = cache.max_seq_len if cache is not None else None
-    if images is None:  # text after images: every axis at the same shifted position
-        cos, sin = rotary(rope[0], capacity)
-    else:
-        cos, sin = angles(rotary, rope, sections, capacity, interleaved)
+    cos, sin = turns(model, rope, cache, images, interleaved)
     # [B, T, rotary_dim] -> [B, 1, T, rotary_dim], broadcast over heads
     frame = dataclasses.replace(frame, cos=cos[:, None].to(x.dtype), sin=sin[:, None].to(x.dtype))
-    deepstack = 0 if images is None else images.deepstack_layers(x.shape[-1])
-    if not deepstack:
+    if images is None or not images.deepstack_layers(x.shape[-1]):
         return head_logits(model, x, frame, cache, last_only, last).float()
-    layers = model.model.layers
-    if deepstack > len(layers):
-        raise ModelFormatError(
-            f"images with {deepstack} deepstack layers for a language model of {len(layers)}"
-        )
-    for i, layer in enumerate(layers):
-        x = layer(x, frame, cache)
-        if i < deepstack:
-            x = images.add_deepstack(x, i)
-    if last is not None:
-        x = x[torch.arange(x.shape[0], device=x.device), last][:, None]
-    elif last_only:
-        x = x[:, -1:]
-    return model.lm_head(model.model.norm(x)).float()
+    return deepstack_logits(model, x, frame, cache, images, last_only, last)
+
+
+class MRopeLM(CausalLM):
+    """A CausalLM whose prompts with images turn by M-RoPE where its rope_parameters have
+    an mrope_section: the language model of Qwen2-VL, Qwen3-VL, GLM-4.1V, ... The sections
+    take the rotated pairs `interleaved` (Qwen3-VL's) or in blocks."""
+
+    interleaved = False
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache | None = None,
+        last_only: bool = False,
+        last: torch.Tensor | None = None,
+        static: int | None = None,
+        images: MRopeImages | None = None,
+    ) -> torch.Tensor:
+        """CausalLM.forward; `images`: image tokens (one row) in place of their
+        placeholders, which with the text after them turn by M-RoPE; without an
+        mrope_section (InternVL's), or image tokens other than MRopeImages (MiniCPM-V
+        4.6's), CausalLM's image tokens, which turn by their positions as text does."""
+        sections = self.args.rope_parameters.get("mrope_section")
+        by_mrope = images is None or isinstance(images, MRopeImages)
+        turned = sections and by_mrope and shifted(cache, images)
+        rope = rope_positions(positions, cache, images) if turned else None
+        if rope is None:
+            return super().forward(input_ids, positions, cache, last_only, last, static, images)
+        if images is not None:  # placeholder ids may lie past the vocabulary
+            input_ids = input_ids.masked_fill(images.groups >= 0, 0)
+        x = self.embed(input_ids)
+        if images is not None:
+            x = images.place(x)
+        if static is not None:
+            frame = self.static_frame(positions, cache, x.dtype, static)
+        else:
+            frame = self.frame(positions, cache, x.dtype, last)
+        return forward(self, x, frame, rope, cache, images, self.interleaved, last_only, last)

@@ -27,11 +27,12 @@ from llmrun.models.base import (
     Frame,
     GatedMLP,
     GemmaRMSNorm,
+    LayerTypes,
     args_from_config,
     attend_scaled,
     check_layer_types,
     head_logits,
-    layer_frames,
+    sliding_windows,
 )
 from llmrun.models.cache import KVCache
 
@@ -94,10 +95,7 @@ class ModelArgs:
 
     def layer_windows(self) -> list[int | None]:
         """Each layer's sliding window, None for global layers."""
-        return [
-            self.sliding_window if kind == "sliding_attention" else None
-            for kind in self.layer_types
-        ]
+        return sliding_windows(self.layer_types, self.sliding_window)
 
 
 def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -173,7 +171,7 @@ class Layer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-class Model(CausalLM):
+class Model(LayerTypes, CausalLM):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__(args, Attention, GatedMLP, Layer)
 
@@ -202,16 +200,3 @@ class Model(CausalLM):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return unit_rms(self.model.embed_tokens(input_ids), self.args.rms_norm_eps)
-
-    def frame(
-        self,
-        positions: torch.Tensor,
-        cache: KVCache | None,
-        dtype: torch.dtype,
-        last: torch.Tensor | None = None,
-    ) -> dict[str, Frame]:
-        """A Frame per layer type: global layers see every earlier position, sliding
-        ones the last sliding_window (in a cache that keeps only those: its plan)."""
-        return layer_frames(
-            positions, cache, dtype, self.args.sliding_window, self.model.rotary_emb, last=last
-        )

@@ -12,17 +12,17 @@ from typing import Any
 
 import torch
 
-from llmrun.errors import ModelFormatError
 from llmrun.models import olmo2
 from llmrun.models.base import (
     LAYER_TYPES,
     Frame,
+    LayerTypes,
     RotaryEmbedding,
     args_from_config,
     attend_scaled,
-    check_layer_types,
-    layer_frames,
     rope_parameters,
+    sliding_windows,
+    windowed_layer_types,
 )
 from llmrun.models.cache import KVCache
 
@@ -40,14 +40,9 @@ class ModelArgs(olmo2.ModelArgs):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.layer_types is None:
-            self.layer_types = [
-                "sliding_attention" if (i + 1) % GLOBAL_EVERY else "full_attention"
-                for i in range(self.num_hidden_layers)
-            ]
-        self.layer_types = check_layer_types(self.layer_types, self.num_hidden_layers)
-        if "sliding_attention" in self.layer_types and not self.sliding_window:
-            raise ModelFormatError("sliding_attention layers need a sliding_window")
+        self.layer_types = windowed_layer_types(
+            self.layer_types, self.num_hidden_layers, self.sliding_window, GLOBAL_EVERY
+        )
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:
@@ -60,10 +55,7 @@ class ModelArgs(olmo2.ModelArgs):
 
     def layer_windows(self) -> list[int | None]:
         """Each layer's sliding window, None for global layers."""
-        return [
-            self.sliding_window if kind == "sliding_attention" else None
-            for kind in self.layer_types
-        ]
+        return sliding_windows(self.layer_types, self.sliding_window)
 
 
 def rope_by_layer_type(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -110,29 +102,9 @@ class Attention(olmo2.Attention):
         return attend_scaled(q, k, v, self.layer, frame, cache, self.scale)
 
 
-class Model(olmo2.Model):
+class Model(LayerTypes, olmo2.Model):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__(args, Attention)
         self.model.rotary_emb_local = RotaryEmbedding(
             args.rope_local_parameters, args.head_dim, args.max_position_embeddings
-        )
-
-    def frame(
-        self,
-        positions: torch.Tensor,
-        cache: KVCache | None,
-        dtype: torch.dtype,
-        last: torch.Tensor | None = None,
-    ) -> dict[str, Frame]:
-        """A Frame per layer type: global layers see every earlier position, sliding
-        ones the last sliding_window (in a cache that keeps only those: its plan),
-        each with its own RoPE."""
-        return layer_frames(
-            positions,
-            cache,
-            dtype,
-            self.args.sliding_window,
-            self.model.rotary_emb,
-            self.model.rotary_emb_local,
-            last=last,
         )

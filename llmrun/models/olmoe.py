@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.errors import UnsupportedError
 from llmrun.models import olmo2, qwen3_moe
-from llmrun.models.base import CausalLM, args_from_config
+from llmrun.models.base import CausalLM, args_from_config, check_top_k
 
 
 @dataclass
@@ -44,11 +44,7 @@ class ModelArgs:
                 f"OLMoE with clip_qkv ({self.clip_qkv}) is not supported (the released "
                 "models have none)"
             )
-        if not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ModelFormatError(
-                f"num_experts_per_tok is {self.num_experts_per_tok}, but there are "
-                f"{self.num_experts} experts (num_experts)"
-            )
+        check_top_k(self.num_experts_per_tok, self.num_experts, "num_experts")
         self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
         # OlmoeAttention's norms are hidden_size / heads wide a head, whatever head_dim says.
         self.head_dim = self.hidden_size // self.num_attention_heads

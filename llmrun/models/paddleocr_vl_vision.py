@@ -146,15 +146,27 @@ class Attention(nn.Module):
         self.out_proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        n, dim = x.shape
-        # [N, dim] -> [N, heads, head_dim]
-        q, k, v = (
-            proj(x).view(n, self.heads, -1) for proj in (self.q_proj, self.k_proj, self.v_proj)
-        )
-        q, k = rotate_heads(q, cos, sin), rotate_heads(k, cos, sin)
-        # [N, heads, head_dim] -> [1, heads, N, head_dim]: the whole image attends to itself
-        out = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)))
-        return self.out_proj(out[0].transpose(0, 1).reshape(n, dim))
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        return self.out_proj(attend_rotated(x, self.heads, projections, cos, sin))
+
+
+def attend_rotated(
+    x: torch.Tensor,
+    heads: int,
+    projections: tuple[nn.Module, nn.Module, nn.Module],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    """The whole image attending to itself: x [N, dim] through the q, k and v
+    `projections` into `heads` heads, q and k turned by cos/sin [N, head_dim]; the heads'
+    outputs [N, dim], before the output projection."""
+    n, dim = x.shape
+    # [N, dim] -> [N, heads, head_dim]
+    q, k, v = (proj(x).view(n, heads, -1) for proj in projections)
+    q, k = rotate_heads(q, cos, sin), rotate_heads(k, cos, sin)
+    # [N, heads, head_dim] -> [1, heads, N, head_dim]: the whole image attends to itself
+    out = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)))
+    return out[0].transpose(0, 1).reshape(n, dim)
 
 
 class MLP(nn.Module):
@@ -199,11 +211,7 @@ class Projector(nn.Module):
         self.linear_2 = nn.Linear(merged, args.out_hidden_size)
 
     def forward(self, x: torch.Tensor, grid_h: int, grid_w: int) -> torch.Tensor:
-        m = self.merge
-        x = self.pre_norm(x)
-        # [h * w, d] -> [h/m, m, w/m, m, d] -> [h/m, w/m, m, m, d]: each group's patches together
-        groups = x.view(grid_h // m, m, grid_w // m, m, -1).transpose(1, 2)
-        groups = groups.reshape((grid_h // m) * (grid_w // m), -1)
+        groups = merged_groups(self.pre_norm(x), grid_h, grid_w, self.merge)
         return self.linear_2(F.gelu(self.linear_1(groups)))
 
 
@@ -220,14 +228,31 @@ class VisionModel(nn.Module):
         self.projector = Projector(args)
 
     def forward(self, patches: torch.Tensor, grid_h: int, grid_w: int) -> torch.Tensor:
-        m = self.args.spatial_merge_size
-        if patches.shape != (grid_h * grid_w, self.args.patch_features) or grid_h % m or grid_w % m:
-            raise ValueError(
-                f"patches {tuple(patches.shape)} are not a {grid_h}x{grid_w} grid of "
-                f"{self.args.patch_features} values in {m}x{m} groups"
-            )
+        check_patches(
+            patches, grid_h, grid_w, self.args.patch_features, self.args.spatial_merge_size
+        )
         x = self.embeddings(patches, grid_h, grid_w)
         cos, sin = rotary_angles(self.args, grid_h, grid_w)
         for layer in self.encoder.layers:
             x = layer(x, cos, sin)
         return self.projector(self.post_layernorm(x), grid_h, grid_w)
+
+
+def merged_groups(x: torch.Tensor, grid_h: int, grid_w: int, m: int) -> torch.Tensor:
+    """Patches x [grid_h * grid_w, d] (row by row) as their m x m groups [groups, m * m * d]
+    (row by row, each group's patches row by row)."""
+    # [h * w, d] -> [h/m, m, w/m, m, d] -> [h/m, w/m, m, m, d]: each group's patches together
+    groups = x.view(grid_h // m, m, grid_w // m, m, -1).transpose(1, 2)
+    return groups.reshape((grid_h // m) * (grid_w // m), -1)
+
+
+def check_patches(
+    patches: torch.Tensor, grid_h: int, grid_w: int, features: int, merge: int
+) -> None:
+    """Refuses patches that are not [grid_h * grid_w, features] in whole merge x merge
+    groups."""
+    if patches.shape != (grid_h * grid_w, features) or grid_h % merge or grid_w % merge:
+        raise ValueError(
+            f"patches {tuple(patches.shape)} are not a {grid_h}x{grid_w} grid of "
+            f"{features} values in {merge}x{merge} groups"
+        )

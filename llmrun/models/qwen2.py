@@ -7,7 +7,6 @@ Reference: transformers/models/qwen2/modeling_qwen2.py.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +15,7 @@ from torch import nn
 
 from llmrun.errors import UnsupportedError
 from llmrun.models import mrope
-from llmrun.models.base import CausalLM, Frame, GatedMLP, args_from_config, attend, head_logits
+from llmrun.models.base import Frame, GatedMLP, args_from_config, attend
 from llmrun.models.cache import KVCache
 
 
@@ -56,9 +55,10 @@ class Attention(nn.Module):
             args.num_key_value_heads,
         )
         self.head_dim = args.head_dim
-        self.q_proj = nn.Linear(args.hidden_size, self.n_heads * self.head_dim, bias=True)
-        self.k_proj = nn.Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=True)
-        self.v_proj = nn.Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=True)
+        bias = getattr(args, "qkv_bias", True)  # Qwen2-MoE's config may leave them out
+        self.q_proj = nn.Linear(args.hidden_size, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, frame: Frame, cache: KVCache | None) -> torch.Tensor:
@@ -71,43 +71,8 @@ class Attention(nn.Module):
         return self.o_proj(attend(q, k, v, self.layer, frame, cache))
 
 
-class Model(CausalLM):
+class Model(mrope.MRopeLM):
+    interleaved = False  # the sections in blocks over the halves
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__(args, Attention, GatedMLP)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        cache: KVCache | None = None,
-        last_only: bool = False,
-        last: torch.Tensor | None = None,
-        static: int | None = None,
-        images: mrope.MRopeImages | None = None,
-    ) -> torch.Tensor:
-        """CausalLM.forward; `images`: Qwen2-VL's image tokens (one row) in place of their
-        placeholders, which with the text after them turn by M-RoPE; without M-RoPE
-        (InternVL's), CausalLM's image tokens, which turn by their positions as text does."""
-        sections = self.args.rope_parameters.get("mrope_section")
-        rope = mrope.rope_positions(positions, cache, images) if sections else None
-        if rope is None:
-            return super().forward(input_ids, positions, cache, last_only, last, static, images)
-        if images is not None:  # placeholder ids may lie past the vocabulary
-            input_ids = input_ids.masked_fill(images.groups >= 0, 0)
-        x = self.embed(input_ids)
-        if images is not None:
-            x = images.place(x)
-        capacity = cache.max_seq_len if cache is not None else None
-        if images is None:  # text after images: every axis at the same shifted position
-            cos, sin = self.model.rotary_emb(rope[0], capacity)
-        else:
-            cos, sin = mrope.angles(self.model.rotary_emb, rope, sections, capacity)
-        if static is not None:
-            frame = self.static_frame(positions, cache, x.dtype, static)
-        else:
-            frame = self.frame(positions, cache, x.dtype, last)
-        # [B, T, rotary_dim] -> [B, 1, T, rotary_dim], broadcast over heads
-        frame = dataclasses.replace(
-            frame, cos=cos[:, None].to(x.dtype), sin=sin[:, None].to(x.dtype)
-        )
-        return head_logits(self, x, frame, cache, last_only, last).float()

@@ -2,9 +2,8 @@
 feed-forward: top-k routed experts plus a shared expert behind a sigmoid gate.
 
 Reference: transformers/models/qwen2_moe/modeling_qwen2_moe.py. Parameter names are
-the Hub's per-expert checkpoint keys (`mlp.experts.N.gate_proj`, ...), which
-transformers 5 fuses into 3-D tensors when it loads them; llmrun keeps one module
-per expert, so a loader can hand it any expert's weights as they are stored.
+the Hub's per-expert checkpoint keys (`mlp.experts.N.gate_proj`, ...): one module per
+expert, as Mixtral's (llmrun.models.mixtral).
 """
 
 from __future__ import annotations
@@ -16,22 +15,17 @@ import torch
 from torch import nn
 
 from llmrun import ops
-from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.errors import UnsupportedError
+from llmrun.models import base
 from llmrun.models.base import (
-    Frame,
-    RMSNorm,
-    RotaryEmbedding,
+    CausalLM,
+    GatedMLP,
+    TopKExperts,
     activation,
     args_from_config,
-    attend,
-    attention_mask,
-    head_logits,
-    key_positions,
-    mix_experts,
-    new_cache,
-    route,
+    check_top_k,
 )
-from llmrun.models.cache import KVCache
+from llmrun.models.qwen2 import Attention
 
 
 @dataclass
@@ -61,11 +55,7 @@ class ModelArgs:
     def __post_init__(self) -> None:
         if self.use_sliding_window:
             raise UnsupportedError("Qwen2-MoE with use_sliding_window=true is not supported")
-        if not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ModelFormatError(
-                f"num_experts_per_tok is {self.num_experts_per_tok}, but there are "
-                f"{self.num_experts} experts (num_experts)"
-            )
+        check_top_k(self.num_experts_per_tok, self.num_experts, "num_experts")
         self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
 
@@ -76,31 +66,6 @@ class ModelArgs:
     def sparse(self, layer: int) -> bool:
         """Whether `layer` has experts (else a dense feed-forward), as transformers decides."""
         return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
-
-
-class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int) -> None:
-        super().__init__()
-        self.layer, self.n_heads, self.n_kv_heads = (
-            layer,
-            args.num_attention_heads,
-            args.num_key_value_heads,
-        )
-        self.head_dim = args.head_dim
-        bias = args.qkv_bias
-        self.q_proj = nn.Linear(args.hidden_size, self.n_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, args.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor, frame: Frame, cache: KVCache | None) -> torch.Tensor:
-        batch, tokens, _ = x.shape
-        # [B, T, H*D] -> [B, H, T, D]
-        q = self.q_proj(x).view(batch, tokens, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, tokens, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, tokens, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = frame.rotate(q), frame.rotate(k)
-        return self.o_proj(attend(q, k, v, self.layer, frame, cache))
 
 
 class MLP(nn.Module):
@@ -118,87 +83,35 @@ class MLP(nn.Module):
         return self.down_proj(ops.gated(self.act, self.gate_proj(x), self.up_proj(x)))
 
 
-class SparseMoeBlock(nn.Module):
+class SparseMoeBlock(TopKExperts):
     """The top-k experts of the router's softmax (renormalized if norm_topk_prob),
     plus the shared expert scaled by sigmoid(shared_expert_gate(x))."""
 
     def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.top_k, self.norm_topk_prob = args.num_experts_per_tok, args.norm_topk_prob
-        self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)
-        self.experts = nn.ModuleList(
-            MLP(args, args.moe_intermediate_size) for _ in range(args.num_experts)
+        super().__init__(
+            args,
+            args.num_experts,
+            lambda: MLP(args, args.moe_intermediate_size),
+            args.norm_topk_prob,
         )
         self.shared_expert = MLP(args, args.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])  # [B, T, D] -> [B*T, D]
-        weights, indices = route(self.gate(x2), self.top_k, self.norm_topk_prob)
-        routed = mix_experts(x2, weights, indices, self.experts)
+        routed = self.routed(x2)
         shared = torch.sigmoid(self.shared_expert_gate(x2)) * self.shared_expert(x2)
         return (routed + shared).view(x.shape)
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int) -> None:
-        super().__init__()
-        self.self_attn = Attention(args, layer)
-        if args.sparse(layer):
-            self.mlp = SparseMoeBlock(args)
-        else:
-            self.mlp = MLP(args, args.intermediate_size)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+class DecoderLayer(base.DecoderLayer):
+    """A pre-norm block whose feed-forward is the experts where args.sparse(layer) says,
+    else dense (intermediate_size wide)."""
 
-    def forward(self, x: torch.Tensor, frame: Frame, cache: KVCache | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), frame, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def __init__(self, args: ModelArgs, layer: int, attention: type, mlp: type) -> None:
+        super().__init__(args, layer, attention, mlp if args.sparse(layer) else GatedMLP)
 
 
-class Body(nn.Module):
+class Model(CausalLM):
     def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(
-            args.rope_parameters, args.head_dim, args.max_position_embeddings
-        )
-
-
-class Model(nn.Module):
-    """embed -> decoder layers -> norm -> lm_head, with the Hub checkpoint's module names."""
-
-    decode_step = None  # see llmrun.models.base.run_layers
-
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.args = args
-        self.model = Body(args)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        cache: KVCache | None = None,
-        last_only: bool = False,
-        last: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Float32 logits [B, T, vocab] for input_ids [B, T] at positions [B, T];
-        [B, 1, vocab] with last_only or `last` (as CausalLM.forward)."""
-        body = self.model
-        x = body.embed_tokens(input_ids)
-        frame = self.frame(positions, cache, x.dtype)
-        return head_logits(self, x, frame, cache, last_only, last).float()
-
-    def frame(self, positions: torch.Tensor, cache: KVCache | None, dtype: torch.dtype) -> Frame:
-        start, length = int(positions[0, 0]), int(positions.max()) + 1
-        mask = attention_mask(positions, key_positions(positions, length, cache))
-        cos, sin = self.model.rotary_emb(positions)
-        # [B, T, rotary_dim] -> [B, 1, T, rotary_dim], broadcast over heads
-        return Frame(positions, start, length, mask, cos[:, None].to(dtype), sin[:, None].to(dtype))
-
-    def new_cache(self, batch: int, max_seq_len: int, dtype: torch.dtype, device) -> KVCache:
-        return new_cache(self.args, batch, max_seq_len, dtype, device)
+        super().__init__(args, Attention, SparseMoeBlock, DecoderLayer)

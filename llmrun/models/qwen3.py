@@ -16,7 +16,7 @@ from torch import nn
 
 from llmrun.errors import UnsupportedError
 from llmrun.models import mrope
-from llmrun.models.base import CausalLM, Frame, GatedMLP, RMSNorm, args_from_config, attend
+from llmrun.models.base import Frame, GatedMLP, RMSNorm, args_from_config, attend
 from llmrun.models.cache import KVCache
 
 
@@ -76,39 +76,19 @@ class Attention(nn.Module):
         ).transpose(1, 2)
         v = self.v_proj(x).view(batch, tokens, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = frame.rotate(q), frame.rotate(k)
-        return self.o_proj(attend(q, k, v, self.layer, frame, cache))
+        return self.o_proj(self.attend(q, k, v, frame, cache))
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, frame: Frame, cache: KVCache | None
+    ) -> torch.Tensor:
+        """The rotated queries' attention [B, T, H*D] over the cache with k/v added
+        (Mellum's sliding layers keep only their window)."""
+        return attend(q, k, v, self.layer, frame, cache)
 
 
-class Model(CausalLM):
+class Model(mrope.MRopeLM):
+    # Qwen3VLTextRotaryEmbedding interleaves the sections whatever the config says.
+    interleaved = True
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__(args, Attention, GatedMLP)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        cache: KVCache | None = None,
-        last_only: bool = False,
-        last: torch.Tensor | None = None,
-        static: int | None = None,
-        images: mrope.MRopeImages | None = None,
-    ) -> torch.Tensor:
-        """CausalLM.forward; `images`: Qwen3-VL's image tokens (one row) in place of their
-        placeholders, which with the text after them turn by M-RoPE; without M-RoPE
-        (InternVL 3.5's), CausalLM's image tokens, which turn by their positions as text does."""
-        sections = self.args.rope_parameters.get("mrope_section")
-        shifted = sections and mrope.shifted(cache, images)
-        rope = mrope.rope_positions(positions, cache, images) if shifted else None
-        if rope is None:
-            return super().forward(input_ids, positions, cache, last_only, last, static, images)
-        if images is not None:  # placeholder ids may lie past the vocabulary
-            input_ids = input_ids.masked_fill(images.groups >= 0, 0)
-        x = self.embed(input_ids)
-        if images is not None:
-            x = images.place(x)
-        if static is not None:
-            frame = self.static_frame(positions, cache, x.dtype, static)
-        else:
-            frame = self.frame(positions, cache, x.dtype, last)
-        # Qwen3VLTextRotaryEmbedding interleaves the sections whatever the config says.
-        return mrope.forward(self, x, frame, rope, cache, images, True, last_only, last)

@@ -35,7 +35,6 @@ from llmrun import ops
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.models import mrope
 from llmrun.models.base import (
-    CausalLM,
     Frame,
     GatedMLP,
     GemmaRMSNorm,
@@ -44,7 +43,6 @@ from llmrun.models.base import (
     attend,
 )
 from llmrun.models.cache import KVCache
-from llmrun.models.gemma3 import ImageTokens
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 CHUNK = 64  # tokens the chunked delta rule takes at once
@@ -418,38 +416,12 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Model(Hybrid, CausalLM):
+class Model(Hybrid, mrope.MRopeLM):
+    """Qwen3.5's language model; `images`: Qwen3.5's image tokens turn by M-RoPE
+    (MiniCPM-V 4.6's, ImageTokens, by their places)."""
+
+    interleaved = True  # Qwen3_5TextRotaryEmbedding interleaves whatever the config says
+
     def __init__(self, args: ModelArgs, mlp: type = GatedMLP, layer: type = DecoderLayer) -> None:
         norm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps)
         super().__init__(args, Attention, mlp, layer, norm)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        cache: KVCache | None = None,
-        last_only: bool = False,
-        last: torch.Tensor | None = None,
-        static: int | None = None,
-        images: mrope.MRopeImages | ImageTokens | None = None,
-    ) -> torch.Tensor:
-        """CausalLM.forward; `images`: Qwen3.5's image tokens (one row) in place of their
-        placeholders, which with the text after them turn by M-RoPE (MiniCPM-V 4.6's,
-        ImageTokens, by their places)."""
-        sections = self.args.rope_parameters.get("mrope_section")
-        plain = isinstance(images, ImageTokens)
-        shifted = sections and not plain and mrope.shifted(cache, images)
-        rope = mrope.rope_positions(positions, cache, images) if shifted else None
-        if rope is None:
-            return super().forward(input_ids, positions, cache, last_only, last, static, images)
-        if images is not None:  # placeholder ids may lie past the vocabulary
-            input_ids = input_ids.masked_fill(images.groups >= 0, 0)
-        x = self.embed(input_ids)
-        if images is not None:
-            x = images.place(x)
-        if static is not None:
-            frame = self.static_frame(positions, cache, x.dtype, static)
-        else:
-            frame = self.frame(positions, cache, x.dtype, last)
-        # Qwen3_5TextRotaryEmbedding interleaves the sections whatever the config says.
-        return mrope.forward(self, x, frame, rope, cache, images, True, last_only, last)

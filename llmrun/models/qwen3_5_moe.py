@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from llmrun.errors import ModelFormatError
 from llmrun.models import qwen2_moe, qwen3_5
+from llmrun.models.base import check_top_k
 
 
 @dataclass
@@ -29,11 +29,7 @@ class ModelArgs(qwen3_5.ModelArgs):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ModelFormatError(
-                f"num_experts_per_tok is {self.num_experts_per_tok}, but there are "
-                f"{self.num_experts} experts (num_experts)"
-            )
+        check_top_k(self.num_experts_per_tok, self.num_experts, "num_experts")
         self.norm_topk_prob = self.norm_topk_prob or self.always_renormalized
 
 

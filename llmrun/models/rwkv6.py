@@ -16,7 +16,8 @@ fp16 inference keeps them, to stay in range), and llama.cpp halves the hidden st
 every rescale_every blocks; the model does the same (the norms make it otherwise moot).
 
 Each sequence carries, per block, the last token's input to each mix and the heads' states
-(llmrun.models.recurrent): the cache holds no keys or values.
+(llmrun.models.recurrent): the cache holds no keys or values. A prompt goes through the
+recurrence in chunks of tokens (wkv6_chunked), a decode step's token alone (wkv6_token).
 
 Reference: BlinkDL's RWKV-LM RWKV-v6 and the `rwkv` package (rwkv/model.py, att_seq_v6_0
 and ffn_seq_v6); the parameters carry the Hugging Face port's names (RWKV/v6-Finch-*-HF,
@@ -38,6 +39,8 @@ from llmrun.models.cache import KVCache
 from llmrun.models.rwkv7 import GROUP_NORM_EPS, run_block, shifted
 
 MIXES = ("w", "k", "v", "r", "g")  # the order of the ddlerp's five offsets
+# The prompt's recurrence (wkv6_chunked) takes CHUNK tokens at once, in blocks of BLOCK.
+CHUNK, BLOCK = 16, 4
 
 
 @dataclass
@@ -84,23 +87,101 @@ class ModelArgs(StateOnlyArgs):
         return {i: shapes for i in range(self.num_hidden_layers)}
 
 
-def wkv6(
+def wkv6_token(
     state: torch.Tensor,
     r: torch.Tensor,
-    decay: torch.Tensor,
+    log_decay: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     bonus: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The heads' recurrence over T tokens: state [B, H, N, N] (k by v), r, decay, k, v
-    [B, T, H, N] and bonus [H, N] in float32 -> (outputs [B, T, H, N], the last state).
-    Per token: out = r (bonus * k^T v + S), S = k^T v + decay * S."""
+    """The heads' recurrence for one token (a decode step): state [B, H, N, N] (k by v),
+    r, log decay, k, v [B, 1, H, N] and bonus [H, N] in float32 -> (outputs [B, 1, H, N],
+    the new state). out = r (bonus * k^T v + S), S = k^T v + decay * S."""
+    r, log_decay, k, v = (t[:, 0] for t in (r, log_decay, k, v))
+    kv = k[..., None] * v[..., None, :]  # [B, H, N (k), N (v)]
+    out = (r[..., None, :] @ (bonus[..., None] * kv + state))[..., 0, :]
+    return out[:, None], kv + log_decay.exp()[..., None] * state
+
+
+def summing_rows(n: int, like: torch.Tensor) -> torch.Tensor:
+    """[2n + n^2 + 1, n] rows of 0 and 1 that, times x [..., n, C], sum x per channel over
+    the positions before each i (n rows), after each i (n), strictly between each j and i
+    (n^2, row i * n + j; none where j >= i) and all of them (1)."""
+    i = torch.arange(n, device=like.device)
+    before = i[:, None] > i[None]  # [i, m]: m < i
+    between = (i[None, :, None] < i) & (i[:, None, None] > i)  # [i, j, m]: j < m < i
+    every = torch.ones(1, n, dtype=torch.bool, device=like.device)
+    return torch.cat((before, before.T, between.view(n * n, n), every)).to(like.dtype)
+
+
+def split_sums(sums: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    """summing_rows(n) @ x -> the sums before [..., n, C], after [..., n, C], between
+    [..., n (i), n (j), C] and of all [..., C]."""
+    before, after, between, every = sums.split((n, n, n * n, 1), dim=-2)
+    return before, after, between.unflatten(-2, (n, n)), every[..., 0, :]
+
+
+def wkv6_chunked(
+    state: torch.Tensor,
+    r: torch.Tensor,
+    log_decay: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bonus: torch.Tensor,
+    chunk: int = CHUNK,
+    block: int = BLOCK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """wkv6_token's recurrence over T tokens ([B, T, H, N]), `chunk` tokens at a time in
+    blocks of `block` (gated linear attention's chunked form, as flash-linear-attention
+    computes it).
+
+    Within a chunk from state S, token i gives (e^E_i r_i) S + (r_i . bonus k_i) v_i +
+    sum_{j<i} (r_i . e^(E_i - G_j) k_j) v_j, with E_i the log decays of the chunk's tokens
+    before i summed per channel and G_j those up to j; the chunk ends at diag(e^G_L) S +
+    sum_j (e^(G_L - G_j) k_j)^T v_j. RWKV-6's decays have no bound (a log decay is -exp(...)), so no sum
+    of log decays is formed as a difference of two (that overflows, or cancels to noise,
+    where a chunk decays far): each is summed from its own terms, all at most 0, and each
+    factor e^sum is at most 1. A pair of tokens in different blocks factors at the start
+    of i's block, e^(its block's start .. i) times e^(j .. that start), through matrix
+    products; a pair in the same block is weighed per channel. Tokens past the end are
+    padded with no decay and zero keys."""
+    batch, tokens, heads, size = r.shape
+    pad, blocks = -tokens % chunk, chunk // block
+    # exp(-1e4) is 0, as is exp of anything summed with it; -inf (a decay past e^-e^88)
+    # would turn the 0 rows of the sums into NaN.
+    log_decay = log_decay.clamp(min=-1e4)
+
+    def chunks(t: torch.Tensor) -> torch.Tensor:
+        # [B, T, H, N] -> [B, chunks, H, blocks, block, N]
+        padded = F.pad(t, (0, 0, 0, 0, 0, pad)).view(batch, -1, chunk, heads, size)
+        return padded.transpose(2, 3).unflatten(3, (blocks, block))
+
+    r, log_decay, k, v = (chunks(t) for t in (r, log_decay, k, v))
+    in_block, in_chunk = summing_rows(block, r), summing_rows(blocks, r)
+    lower = torch.ones(block, block, dtype=r.dtype, device=r.device).tril(-1)
+    earlier_block = in_chunk[:blocks, :, None, None].transpose(1, 2)  # [a, 1, b, 1]: b < a
     outputs = []
-    for t in range(r.shape[1]):
-        kv = k[:, t, :, :, None] * v[:, t, :, None, :]  # [B, H, N (k), N (v)]
-        outputs.append((r[:, t, :, None, :] @ (bonus[..., None] * kv + state))[:, :, 0])
-        state = kv + decay[:, t, :, :, None] * state
-    return torch.stack(outputs, dim=1), state
+    for c in range(r.shape[1]):
+        r_c, k_c, v_c = r[:, c], k[:, c], v[:, c]  # [B, H, blocks, block, N]
+        before, after, between, totals = split_sums(in_block @ log_decay[:, c], block)
+        blocks_before, blocks_after, blocks_between, total = split_sums(in_chunk @ totals, blocks)
+        queries = r_c * before.exp()  # from the start of the token's block
+        keys = k_c * after.exp()  # to the end of the token's block
+        # [B, H, a, b, block, N]: block b's keys brought to the start of block a (if b < a)
+        reaching = keys[:, :, None] * blocks_between[..., None, :].exp()
+        scores = queries @ reaching.flatten(3, 4).transpose(-1, -2)  # [B, H, a, i, b * j]
+        scores = scores.unflatten(-1, (blocks, block)) * earlier_block
+        within = (r_c[..., :, None, :] * k_c[..., None, :, :] * between.exp()).sum(-1) * lower
+        within = within + torch.diag_embed((r_c * bonus[:, None, None] * k_c).sum(-1))
+        scores.diagonal(0, 2, 4).add_(within.movedim(2, -1))  # [B, H, i, j, a]
+        values = v_c.flatten(2, 3)
+        reads = (queries * blocks_before[..., None, :].exp()).flatten(2, 3)  # [B, H, L, N]
+        outputs.append(reads @ state + scores.flatten(2, 3).flatten(-2) @ values)
+        ends = (keys * blocks_after[..., None, :].exp()).flatten(2, 3)
+        state = total.exp()[..., None] * state + ends.transpose(-1, -2) @ values
+    out = torch.stack(outputs, dim=1).transpose(2, 3).reshape(batch, -1, heads, size)
+    return out[:, :tokens], state
 
 
 class TimeMix(nn.Module):
@@ -147,13 +228,14 @@ class TimeMix(nn.Module):
         )
         g = F.silu(self.gate(xg))
         log_w = self.time_decay + torch.tanh(xw @ self.time_decay_w1) @ self.time_decay_w2
-        decay = torch.exp(-torch.exp(log_w.float())).view(heads)
+        log_decay = -torch.exp(log_w.float()).view(heads)
         if frame.counts is not None and bool((frame.counts < tokens).any()):
             # A row's padding leaves its state as it is: no decay, nothing added.
             mask = torch.arange(tokens, device=x.device)[None] < frame.counts.to(x.device)[:, None]
-            decay = torch.where(mask[..., None, None], decay, torch.ones_like(decay))
+            log_decay = torch.where(mask[..., None, None], log_decay, 0.0)
             k = k * mask[..., None, None]
-        out, state = wkv6(state, r, decay, k, v, self.time_faaaa.float())
+        recurrence = wkv6_token if tokens == 1 else wkv6_chunked
+        out, state = recurrence(state, r, log_decay, k, v, self.time_faaaa.float())
         norm = self.ln_x  # in float32, as the recurrence's outputs are
         out = F.group_norm(
             out.reshape(batch * tokens, hidden), self.heads, norm.weight.float(),

@@ -15,6 +15,8 @@ projected (o_proj). Channel mix: value(relu(key(x + (x_prev - x) * x_k))^2).
 
 Each sequence carries, per block, the last token's input to each mix and the heads' states
 from one forward to the next (llmrun.models.recurrent): the cache holds no keys or values.
+A prompt goes through the recurrence in chunks of tokens (wkv7_chunked), a decode step's
+token alone (wkv7_token).
 
 Reference: BlinkDL's RWKV-LM RWKV-v7 and the `rwkv` package (rwkv/model.py RWKV_x070);
 flash-linear-attention's fla/models/rwkv7 and fla/layers/rwkv7.py, whose checkpoint keys
@@ -39,6 +41,8 @@ from llmrun.models.cache import KVCache
 DECAY_SCALE = math.exp(-0.5)
 # The output group norm's eps: llama.cpp's and BlinkDL's constant, whatever the head size.
 GROUP_NORM_EPS = 64e-5
+# Tokens a prompt's recurrence takes at once (wkv7_chunked; its factors reach e^(CHUNK/e^0.5)).
+CHUNK = 16
 
 
 @dataclass
@@ -163,25 +167,88 @@ def run_block(
     return x
 
 
-def wkv7(
+def wkv7_token(
     state: torch.Tensor,
     r: torch.Tensor,
-    decay: torch.Tensor,
+    log_decay: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     kk: torch.Tensor,
     a: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The heads' recurrence over T tokens: state [B, H, N, N] (v by k), the rest [B, T, H, N]
-    in float32 -> (outputs [B, T, H, N], the last state). Per token:
+    """The heads' recurrence for one token (a decode step): state [B, H, N, N] (v by k),
+    the rest [B, 1, H, N] in float32 -> (outputs [B, 1, H, N], the new state).
     S = S * decay - (S kk) (kk * a)^T + v k^T, out = S r."""
-    removal = kk * a
+    r, log_decay, k, v, kk, a = (t[:, 0] for t in (r, log_decay, k, v, kk, a))
+    taken = (state @ kk[..., None]) @ (kk * a)[..., None, :]  # [B, H, N, N]
+    state = state * log_decay.exp()[..., None, :] - taken + v[..., None] * k[..., None, :]
+    return (state @ r[..., None])[..., 0][:, None], state
+
+
+def wkv7_chunked(
+    state: torch.Tensor,
+    r: torch.Tensor,
+    log_decay: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kk: torch.Tensor,
+    a: torch.Tensor,
+    chunk: int = CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """wkv7_token's recurrence over T tokens ([B, T, H, N]), `chunk` tokens at a time.
+
+    Per token S_t = S_{t-1} (diag(w_t) - kk_t (kk_t * a_t)^T) + v_t k_t^T: a diagonal plus
+    low-rank (generalized delta rule) update. Within a chunk from state S, with G_i the
+    summed log decays of its tokens up to i and E_i those before i, each token's recall
+    u_i = S_{i-1} kk_i is S (e^E_i kk_i) - sum_{j<i} (e^E_i kk_i . e^-G_j kk_j a_j) u_j +
+    sum_{j<i} (e^E_i kk_i . e^-G_j k_j) v_j: a unit lower-triangular system (the WY form
+    of the chunk's low-rank products), solved once per chunk. Then out_i = S (e^G_i r_i) -
+    sum_{j<=i} (e^G_i r_i . e^-G_j kk_j a_j) u_j + sum_{j<=i} (e^G_i r_i . e^-G_j k_j) v_j,
+    and the chunk ends at S diag(e^G_L) + sum_j (v_j (e^(G_L - G_j) k_j)^T - u_j (e^(G_L -
+    G_j) kk_j a_j)^T). A log decay is at least -DECAY_SCALE, so e^-G stays below e^(CHUNK
+    * DECAY_SCALE) (e^9.7): the factored pairs neither overflow nor lose precision (RWKV-6,
+    whose decays have no bound, cannot factor so). Sums of log decays are sums, never
+    differences. Tokens past the end are padded with no decay and zero keys."""
+    batch, tokens, heads, size = r.shape
+    pad = -tokens % chunk
+
+    def chunks(t: torch.Tensor) -> torch.Tensor:
+        # [B, T, H, N] -> [B, chunks, H, L, N]
+        padded = F.pad(t, (0, 0, 0, 0, 0, pad))
+        return padded.view(batch, -1, chunk, heads, size).transpose(2, 3)
+
+    r, log_decay, k, v, kk, a = (chunks(t) for t in (r, log_decay, k, v, kk, a))
+    ones = torch.ones(chunk, chunk, dtype=r.dtype, device=r.device)
+    # Rows that sum the log decays up to and including each token, before it, after it.
+    sums = torch.cat((ones.tril(), ones.tril(-1), ones.triu(1)))
+    eye = torch.eye(chunk, dtype=r.dtype, device=r.device)
     outputs = []
-    for t in range(r.shape[1]):
-        taken = (state @ kk[:, t, :, :, None]) @ removal[:, t, :, None, :]  # [B, H, N, N]
-        state = state * decay[:, t, :, None, :] - taken + v[:, t, :, :, None] * k[:, t, :, None, :]
-        outputs.append((state @ r[:, t, :, :, None])[..., 0])
-    return torch.stack(outputs, dim=1), state
+    for c in range(r.shape[1]):
+        r_c, k_c, v_c, kk_c = r[:, c], k[:, c], v[:, c], kk[:, c]
+        upto, before, after = (sums @ log_decay[:, c]).split(chunk, dim=-2)  # [B, H, L, N]
+        removal = kk_c * a[:, c]
+        # [B, H, 2L, N]: each token's removal and key brought back to the chunk's start
+        earlier = torch.cat((removal, k_c), dim=-2) * torch.exp(-upto).repeat(1, 1, 2, 1)
+        recalls = kk_c * before.exp()
+        pairs = recalls @ earlier.transpose(-1, -2)  # [B, H, L, 2L]
+        system = eye + pairs[..., :chunk].tril(-1)
+        targets = recalls @ state.transpose(-1, -2) + pairs[..., chunk:].tril(-1) @ v_c
+        u = torch.linalg.solve_triangular(system, targets, upper=False, unitriangular=True)
+        reads = r_c * upto.exp()
+        scores = reads @ earlier.transpose(-1, -2)  # [B, H, L, 2L]
+        outputs.append(
+            reads @ state.transpose(-1, -2)
+            - scores[..., :chunk].tril() @ u
+            + scores[..., chunk:].tril() @ v_c
+        )
+        to_end = after.exp()
+        state = (
+            state * upto[..., -1:, :].exp()
+            - u.transpose(-1, -2) @ (removal * to_end)
+            + v_c.transpose(-1, -2) @ (k_c * to_end)
+        )
+    out = torch.stack(outputs, dim=1).transpose(2, 3).reshape(batch, -1, heads, size)
+    return out[:, :tokens], state
 
 
 class TimeMix(nn.Module):
@@ -236,8 +303,9 @@ class TimeMix(nn.Module):
             kk = kk * mask[..., None, None]
             k = k * mask[..., None].to(k.dtype)
         r32, k32, v32 = (t.view(heads).float() for t in (r, k, v))
-        out, state = wkv7(
-            state, r32, torch.exp(log_decay).view(heads), k32, v32, kk, a.view(heads).float()
+        recurrence = wkv7_token if tokens == 1 else wkv7_chunked
+        out, state = recurrence(
+            state, r32, log_decay.view(heads), k32, v32, kk, a.view(heads).float()
         )
         norm = self.g_norm  # in float32, as the recurrence's outputs are
         out = F.group_norm(

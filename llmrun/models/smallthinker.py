@@ -27,11 +27,12 @@ from llmrun.models import llama
 from llmrun.models.base import (
     CausalLM,
     Frame,
+    LayerTypes,
     RMSNorm,
     args_from_config,
     attend_scaled,
-    layer_frames,
     mix_experts,
+    sliding_windows,
 )
 from llmrun.models.cache import KVCache
 
@@ -111,8 +112,7 @@ class ModelArgs:
 
     def layer_windows(self) -> list[int | None]:
         """Each layer's sliding window, None for full-attention layers."""
-        window = self.sliding_window
-        return [window if kind == "sliding_attention" else None for kind in self.layer_types]
+        return sliding_windows(self.layer_types, self.sliding_window)
 
 
 class Attention(llama.Attention):
@@ -194,19 +194,6 @@ class DecoderLayer(nn.Module):
         return h + self.block_sparse_moe(x, self.post_attention_layernorm(h))
 
 
-class Model(CausalLM):
+class Model(LayerTypes, CausalLM):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__(args, Attention, SparseMoeBlock, DecoderLayer)
-
-    def frame(
-        self,
-        positions: torch.Tensor,
-        cache: KVCache | None,
-        dtype: torch.dtype,
-        last: torch.Tensor | None = None,
-    ) -> dict[str, Frame]:
-        """A Frame per layer type: full layers see every earlier position, sliding ones
-        the last sliding_window_size (in a cache that keeps only those: its plan)."""
-        return layer_frames(
-            positions, cache, dtype, self.args.sliding_window, self.model.rotary_emb, last=last
-        )

@@ -36,14 +36,16 @@ from llmrun.models.base import (
     CausalLM,
     Frame,
     GemmaRMSNorm,
+    LayerTypes,
     RotaryEmbedding,
     args_from_config,
     attend_scaled,
     check_layer_types,
-    layer_frames,
+    check_top_k,
     mix_experts,
     rope_parameters,
     route_grouped,
+    sliding_windows,
 )
 from llmrun.models.cache import KVCache
 
@@ -118,11 +120,7 @@ class ModelArgs:
                     f"{heads} attention heads do not share {self.num_key_value_heads} "
                     "key/value heads evenly"
                 )
-        if not 0 < self.num_experts_per_tok <= self.n_routed_experts:
-            raise ModelFormatError(
-                f"num_experts_per_tok is {self.num_experts_per_tok}, but there are "
-                f"{self.n_routed_experts} experts"
-            )
+        check_top_k(self.num_experts_per_tok, self.n_routed_experts)
 
     def layer_heads(self, layer: int) -> int:
         sliding = self.layer_types[layer] == "sliding_attention"
@@ -136,10 +134,7 @@ class ModelArgs:
 
     def layer_windows(self) -> list[int | None]:
         """Each layer's sliding window, None for global layers."""
-        return [
-            self.sliding_window if kind == "sliding_attention" else None
-            for kind in self.layer_types
-        ]
+        return sliding_windows(self.layer_types, self.sliding_window)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:
@@ -330,30 +325,10 @@ class Layer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Model(CausalLM):
+class Model(LayerTypes, CausalLM):
     def __init__(self, args: ModelArgs) -> None:
         norm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps)
         super().__init__(args, Attention, MLP, Layer, norm)
         self.model.rotary_emb_local = RotaryEmbedding(
             args.local_rope_parameters, args.head_dim, args.max_position_embeddings
-        )
-
-    def frame(
-        self,
-        positions: torch.Tensor,
-        cache: KVCache | None,
-        dtype: torch.dtype,
-        last: torch.Tensor | None = None,
-    ) -> dict[str, Frame]:
-        """A Frame per layer type, each with its RoPE: global layers see every earlier
-        position, sliding ones the last sliding_window (in a cache that keeps only
-        those: its plan)."""
-        return layer_frames(
-            positions,
-            cache,
-            dtype,
-            self.args.sliding_window,
-            self.model.rotary_emb,
-            self.model.rotary_emb_local,
-            last=last,
         )

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from llmrun.models import gemma2
 from llmrun.models.base import Frame
@@ -40,9 +39,9 @@ class DecoderLayer(gemma2.DecoderLayer):
         return x + self.mlp(self.pre_feedforward_layernorm(x))
 
 
+class Body(gemma2.Body):
+    layer = DecoderLayer
+
+
 class Model(gemma2.Model):
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__(args)
-        self.model.layers = nn.ModuleList(
-            DecoderLayer(args, i) for i in range(args.num_hidden_layers)
-        )
+    body = Body

@@ -11,6 +11,7 @@ WhisperDecoderLayer, WhisperAttention, WhisperForConditionalGeneration).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,6 +134,13 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(self.split(q), k, v, attn_mask=mask, scale=scale)
         return self.out_proj(out.transpose(1, 2).reshape(b, t, width))
 
+    def weights(self, x: torch.Tensor, k: torch.Tensor, heads: list[int]) -> torch.Tensor:
+        """The attention weights [b, len(heads), t, s] of x [b, t, width] over all of k
+        [b, heads, s, head_dim] (cross-attention: no mask) in the heads `heads`."""
+        width = x.shape[-1]
+        q = self.split(self.q_proj(x))[:, heads] * (width // self.heads) ** -0.5
+        return torch.softmax(q @ k[:, heads].transpose(-1, -2), dim=-1)
+
 
 class DecoderLayer(nn.Module):
     attention_class: type[nn.Module] = Attention  # a family built on this layer swaps in its own
@@ -150,12 +158,24 @@ class DecoderLayer(nn.Module):
         self.act = activation(args.activation_function)
 
     def forward(
-        self, x: torch.Tensor, cache: SelfCache, index: int, start: int, cross: CrossCache
+        self,
+        x: torch.Tensor,
+        cache: SelfCache,
+        index: int,
+        start: int,
+        cross: CrossCache,
+        weights: list[torch.Tensor] | None = None,
+        heads: Sequence[int] = (),
     ) -> torch.Tensor:
+        """The layer's output; `weights`: where the cross-attention weights of `heads` go
+        (llmrun.whisper's word timestamps)."""
         h = self.self_attn_layer_norm(x)
         k, v = cache.update(index, *self.self_attn.keys_values(h), start)
         x = x + self.self_attn(h, k, v, causal_from=start)
-        x = x + self.encoder_attn(self.encoder_attn_layer_norm(x), *cross[index], causal_from=None)
+        h = self.encoder_attn_layer_norm(x)
+        if weights is not None and heads:
+            weights.append(self.encoder_attn.weights(h, cross[index][0], list(heads)))
+        x = x + self.encoder_attn(h, *cross[index], causal_from=None)
         return x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
 
 
@@ -245,10 +265,17 @@ class Model(nn.Module):
         return SelfCache(self.args, batch, size, norm.device, norm.dtype)
 
     def decode(
-        self, ids: torch.Tensor, cache: SelfCache, start: int, cross: CrossCache
+        self,
+        ids: torch.Tensor,
+        cache: SelfCache,
+        start: int,
+        cross: CrossCache,
+        alignment: list[torch.Tensor] | None = None,
+        alignment_heads: tuple[tuple[int, int], ...] = (),
     ) -> torch.Tensor:
         """Logits [b, t, vocab] of ids [b, t] at positions start.. (the cache holds the ids
-        before them)."""
+        before them); `alignment`: where the cross-attention weights [b, t, 1500] of each
+        (layer, head) of `alignment_heads` go, in their order (computed only then)."""
         decoder = self.model.decoder
         end = start + ids.shape[1]
         if end > self.args.max_target_positions:
@@ -257,6 +284,15 @@ class Model(nn.Module):
             )
         x = decoder.embed_tokens(ids) * decoder.embed_scale
         x = x + decoder.embed_positions(torch.arange(start, end, device=ids.device))
+        weights: dict[tuple[int, int], torch.Tensor] = {}
         for index, layer in enumerate(decoder.layers):
-            x = layer(x, cache, index, start, cross)
+            heads = [h for layer_index, h in alignment_heads if layer_index == index]
+            found: list[torch.Tensor] | None = [] if alignment is not None and heads else None
+            x = layer(x, cache, index, start, cross, found, heads)
+            if found:
+                weights.update(
+                    ((index, h), w) for h, w in zip(heads, found[0].unbind(1), strict=True)
+                )
+        if alignment is not None:
+            alignment += [weights[pair] for pair in alignment_heads]
         return self.proj_out(decoder.layer_norm(x))

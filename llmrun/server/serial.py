@@ -5,7 +5,9 @@ submit and cancel (service.Generation drives either); each request generates thr
 Engine.generate in a thread of its own, one after the other in the order they arrive (as
 Whisper's transcriptions run one at a time, llmrun.server.transcriptions). A later task may
 batch them. A request's num_beams, source_language and target_language (extensions of the
-completion endpoints' bodies: options_of) choose its beams and languages.
+completion endpoints' bodies: options_of) choose its beams and languages. With beams, a
+request's n choices are the best n hypotheses of one search: the first of them to run
+searches, and the others take their replies from it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from llmrun import api
 from llmrun.batching import Event, Request
 from llmrun.errors import LlmrunError
+from llmrun.generate import Response
 from llmrun.sampling import SamplingParams
 from llmrun.server.schema import ApiError, as_api_error
 from llmrun.text_to_text import Options
@@ -71,9 +74,18 @@ def choice_options(
 
 
 @dataclass(eq=False)
+class Search:
+    """A beam search that a request's choices share: each finished hypothesis's replies,
+    best first, once one of them has run it."""
+
+    replies: list[list[Response]] | None = None
+
+
+@dataclass(eq=False)
 class SerialJob:
     request: Request
     on_event: Callable[[Event], None]
+    search: Search | None = None  # a beam search's, shared by the request's choices
     cancelled: bool = False
 
 
@@ -84,6 +96,7 @@ class Serial:
         self.engine = engine
         self.order = threading.Condition()
         self.next = self.arrived = 0  # tickets: the next to run, the next to hand out
+        self.search = Search()  # the last beam search submitted: its choices after the first
 
     def submit(self, request: Request, on_event: Callable[[Event], None]) -> SerialJob:
         """Start `request` (it runs once those before it are done); what it cannot do is
@@ -91,8 +104,9 @@ class Serial:
         refused = {
             "ignore_eos": request.ignore_eos,
             "echo with logprobs": request.prompt_logprobs is not None,
-            # an image-to-text model's (Florence-2's, TrOCR's) come framed by its processor
-            "images": request.images is not None and not request.images.framed,
+            # images go to a model whose image encoder is loaded (T5Gemma 2's encoder takes
+            # them; Florence-2's and TrOCR's come framed by their processors), not audio
+            "images": request.images is not None and self.engine.vision is None,
             "lora": request.lora is not None,
         }
         for name, asked in refused.items():
@@ -101,10 +115,18 @@ class Serial:
                     400, f"{name}: {self.engine.name} (an encoder-decoder) does not take it"
                 )
         try:  # beams and languages it cannot take are a 400 before anything runs
-            self.engine.text_to_text_plan(request.params, request.logprobs, request.text_to_text)
+            plan = self.engine.text_to_text_plan(
+                request.params, request.logprobs, request.text_to_text
+            )
         except LlmrunError as e:
             raise as_api_error(e) from None
-        job = SerialJob(request, on_event)
+        search = None
+        if plan.beams.num_beams > 1:
+            # choice_options numbers a request's choices 0, 1, ..., submitted in turn
+            if plan.hypothesis == 0:
+                self.search = Search()
+            search = self.search
+        job = SerialJob(request, on_event, search)
         with self.order:
             ticket, self.arrived = self.arrived, self.arrived + 1
         threading.Thread(
@@ -127,6 +149,9 @@ class Serial:
                 self.order.notify_all()
 
     def _generate(self, job: SerialJob) -> None:
+        if job.search is not None:
+            self._choose(job)
+            return
         r = job.request
         try:
             stream = self.engine.generate(
@@ -144,4 +169,29 @@ class Serial:
                     return
                 job.on_event(response)
         except Exception as e:  # carried to the request, as the scheduler carries its errors
+            job.on_event(e)
+
+    def _choose(self, job: SerialJob) -> None:
+        """A beam search's reply for job's choice: its search's, run now unless another
+        choice of the request ran it."""
+        r, search = job.request, job.search
+        options = r.text_to_text or Options()
+        try:
+            if search.replies is None:
+                every = dataclasses.replace(options, hypothesis=None)
+                stream = self.engine.generate(
+                    r.prompt, r.params, r.max_tokens, r.stop, r.logprobs, images=r.images,
+                    options=every,
+                )  # fmt: skip
+                replies: list[list[Response]] = [[]]
+                for response in stream:  # one reply after another, each ending with its final
+                    replies[-1].append(response)
+                    if response.finish_reason is not None:
+                        replies.append([])
+                search.replies = replies[:-1]
+            for response in search.replies[options.hypothesis]:
+                if job.cancelled:
+                    return
+                job.on_event(response)
+        except Exception as e:
             job.on_event(e)

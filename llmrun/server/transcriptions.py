@@ -1,14 +1,20 @@
 """OpenAI's speech to text: POST /v1/audio/transcriptions, a multipart/form-data body of
-`file` (WAV), `model`, `language` (ISO 639-1), `prompt`, `response_format` (json, text,
-srt, verbose_json or vtt: llmrun.transcript_formats), `timestamp_granularities[]` (segment;
-with verbose_json) and `temperature` (0, greedy, unless given), answered as OpenAI answers.
+`file` (WAV), `model`, `language` (ISO 639-1; SeamlessM4T's: its three-letter code of the
+language it writes), `prompt`, `response_format` (json, text,
+srt, verbose_json or vtt: llmrun.transcript_formats), `timestamp_granularities[]` (segment,
+word or both; with verbose_json), `temperature` and `num_beams` (an extension, as
+completions take it: a beam search's beams, for the encoder-decoders whose transcribers
+search, transcribers.BEAMED; another family's is a 400 unless 1), answered as OpenAI answers.
 srt, vtt and segment timestamps come from a family that predicts times (Whisper: decoded
 with timestamps for them); another's srt, vtt or segment is a 400 naming the model, its
-verbose_json one without segments; word timestamps are a 400 (llmrun aligns no words).
+verbose_json one without segments. Word timestamps are Whisper's (llmrun.whisper_words, from
+its generation_config.json's alignment_heads; a folder without them is a 400) and a Parakeet
+transducer's (llmrun.parakeet): verbose_json's "words", and its "segments" only where segment
+is asked for too (none asked: segments).
 
 The prompt is the one the model's audio family documents for transcription
-(llmrun.audio_families: Voxtral's is mistral_common's, Qwen3-ASR's, GLM-ASR's and Audio Flamingo 3's
-their processors' through the chat template, Granite Speech Plus's the one transformers documents,
+(llmrun.audio_families: Voxtral's is mistral_common's, Qwen3-ASR's, GLM-ASR's, Audio Flamingo 3's
+and OmniASR's their processors' through the chat template, Granite Speech Plus's the one transformers documents,
 OpenAI's `prompt` Qwen3-ASR's context), and the answer's text is read as the family's processor reads it
 (Qwen3-ASR's without its "language NAME<asr_text>", GLM-ASR's and Audio Flamingo 3's without "The
 spoken content of the audio is"); a family that documents none is a 400. The clip is encoded as chat's `input_audio` parts are (llmrun.server.audio: the same
@@ -20,9 +26,17 @@ form parser), so an upload's size is bounded however it is sent.
 A Whisper model (llmrun.whisper), and so a Cohere Transcribe or Moonshine model (the
 encoder-decoders of llmrun.transcribers), transcribes off the scheduler, which decodes
 decoder-only models: one request at a time under a lock (each takes every core), greedily
-(temperature 0 alone), OpenAI's `prompt` as Whisper's initial prompt. POST /v1/audio/translations is
+OpenAI's `prompt` as Whisper's initial prompt. POST /v1/audio/translations is
 Whisper's (or Canary's) English translation of the clip, the same form without `language`
 (Canary's with it: the clip's, which Canary does not detect).
+
+A Whisper request's `temperature`, where given, starts openai-whisper's temperature fallback
+(llmrun.whisper.Fallback: from it up by 0.2 to 1.0, with its thresholds); OpenAI's API
+documents that its default, 0, "will use log probability to automatically increase the
+temperature until certain thresholds are hit". Left out, a Whisper request decodes greedily
+without retries (as generate does by default), so that its answer is reproducible; OpenAI's
+clients send no temperature unless one is set. Another family decodes greedily: a temperature
+over 0 is a 400.
 """
 
 from __future__ import annotations
@@ -43,14 +57,26 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from llmrun import audio, audio_families, batching, transcribers
 from llmrun import transcript_formats as formats
+from llmrun.beam_search import Beams
 from llmrun.errors import ModelFormatError, UsageError
 from llmrun.server.audio import MAX_AUDIO_BYTES, no_audio
 from llmrun.server.schema import ApiError
 from llmrun.server.service import Generation, Service, generating_engine
 
 GRANULARITIES = "timestamp_granularities[]"  # as OpenAI's clients send the list
-FIELDS = ("file", "model", "language", "prompt", "response_format", "temperature", GRANULARITIES)
-TIMED_FAMILIES = ", ".join(transcribers.FAMILIES[t][0] for t in transcribers.TIMESTAMPED)
+FIELDS = (
+    "file",
+    "model",
+    "language",
+    "prompt",
+    "response_format",
+    "temperature",
+    "num_beams",
+    GRANULARITIES,
+)
+TIMED_FAMILIES = " and ".join(
+    dict.fromkeys(transcribers.FAMILIES[t][0] for t in transcribers.TIMESTAMPED)
+)
 # The form's fields besides the file.
 MAX_FIELDS_BYTES = 64 << 10
 TRANSCRIBES = ", ".join(f.name for f in audio_families.FAMILIES if f.transcription is not None)
@@ -70,20 +96,37 @@ async def transcriptions(request: Request) -> Response:
     engine = service.ready_engine(fields["model"])
     if not engine.transcribes:
         engine = generating_engine(service, fields["model"])
-    response_format = _response_format(form, engine.speech_timestamps, service.model_id)
+    response_format = _response_format(
+        form, engine.speech_timestamps, service.model_id, engine.word_timestamps
+    )
     language = fields["language"] or None
-    if language is not None and not re.fullmatch("[a-z]{2}", language):
-        raise ApiError(
-            400,
-            f"language {language!r}: give an ISO 639-1 code, such as 'en'",
-            param="language",
+    # SeamlessM4T's languages are its three-letter codes (the language it writes).
+    targeted = engine.transcribes and engine.checkpoint.config["model_type"] in (
+        transcribers.TARGETED
+    )
+    if language is not None and not re.fullmatch("[a-z]{3}" if targeted else "[a-z]{2}", language):
+        example = (
+            "the model's three-letter code, such as 'eng'"
+            if targeted
+            else "an ISO 639-1 code, such as 'en'"
         )
+        raise ApiError(400, f"language {language!r}: give {example}", param="language")
     params = engine.defaults.updated(temperature=_temperature(fields["temperature"]))
     if engine.transcribes:
-        return await _speech_to_text(service, engine, data, fields, response_format, None)
+        granularities = form.getlist(GRANULARITIES)
+        return await _speech_to_text(
+            service, engine, data, fields, response_format, None, granularities
+        )
     if engine.audio is None:
         raise ApiError(400, f"file: {no_audio(engine, service.model_id)}", param="file")
     family = audio_families.of_encoder(engine.audio)
+    if _num_beams(fields["num_beams"]) not in (None, 1):
+        raise ApiError(
+            400,
+            f"num_beams: {service.model_id} is a {family.name} model (an audio-language model), "
+            "which llmrun transcribes without beams",
+            param="num_beams",
+        )
     if family.transcription is None:
         raise ApiError(
             400,
@@ -153,9 +196,14 @@ async def translations(request: Request) -> Response:
         )
     if fields["language"] and engine.speech_family not in transcribers.TRANSLATE_FROM_LANGUAGE:
         raise ApiError(400, "language: a translation is into English", param="language")
-    response_format = _response_format(form, engine.speech_timestamps, service.model_id)
+    response_format = _response_format(
+        form, engine.speech_timestamps, service.model_id, engine.word_timestamps
+    )
     _temperature(fields["temperature"])
-    return await _speech_to_text(service, engine, data, fields, response_format, "translate")
+    granularities = form.getlist(GRANULARITIES)
+    return await _speech_to_text(
+        service, engine, data, fields, response_format, "translate", granularities
+    )
 
 
 async def _speech_to_text(
@@ -165,22 +213,47 @@ async def _speech_to_text(
     fields: dict[str, str | None],
     response_format: str,
     task: str | None,
+    granularities: list[str],
 ) -> Response:
     """A speech recognition model's (Whisper's, ...) answer to a transcription (`task`
-    None: generate's default, which transcribes) or translation request, one at a time."""
-    if _temperature(fields["temperature"]) != 0:
+    None: generate's default, which transcribes) or translation request, one at a time;
+    `granularities`: its timestamp_granularities[]."""
+    temperature = None
+    if fields["temperature"]:
+        temperature = _temperature(fields["temperature"])
+    if temperature and not engine.whisper_options:
         raise ApiError(
             400,
             f"temperature: llmrun decodes {engine.speech_family} greedily; give 0 or leave it out",
             param="temperature",
         )
+    num_beams = _num_beams(fields["num_beams"])
+    if num_beams not in (None, 1) and engine.checkpoint.config["model_type"] not in (
+        transcribers.BEAMED
+    ):
+        raise ApiError(
+            400,
+            f"num_beams: {service.model_id} is a {engine.speech_family} model, which llmrun "
+            "decodes without beams",
+            param="num_beams",
+        )
     clip = audio.open_audio(data, "file")
     timed = engine.speech_timestamps and response_format in formats.TIMED
+    words = "word" in granularities
+    options = {"words": words} if engine.word_timestamps else {}
+    if engine.whisper_options:
+        options["temperature"] = temperature
 
     def transcribe():
         with SPEECH_LOCK:
             return engine.transcribe(
-                clip, fields["language"] or None, task, fields["prompt"] or None, timed
+                clip,
+                fields["language"] or None,
+                task,
+                fields["prompt"] or None,
+                timed,
+                num_beams=num_beams,
+                **options,
             )
 
     result = await asyncio.to_thread(transcribe)
@@ -192,9 +265,12 @@ async def _speech_to_text(
         return JSONResponse(formats.json_body(result))
     if response_format == "verbose_json":
         duration = len(clip.samples) / audio.SAMPLE_RATE
+        segments = result.segments
+        if words and "segment" not in granularities:
+            segments = None
         return JSONResponse(
             formats.verbose_json(
-                result.text, result.language, task or "transcribe", duration, result.segments
+                result.text, result.language, task or "transcribe", duration, segments, result.words
             )
         )
     return Response(
@@ -203,11 +279,12 @@ async def _speech_to_text(
     )
 
 
-def _response_format(form: FormData, timed: bool, model: str) -> str:
+def _response_format(form: FormData, timed: bool, model: str, words: bool = False) -> str:
     """The form's response_format (json unless given), checked with its
     timestamp_granularities[] against what the model answers (`timed`: its family predicts
-    times): srt, vtt and segment timestamps from a timed one alone, word timestamps from
-    none, timestamp_granularities[] with verbose_json alone."""
+    times; `words`: it times words too): srt, vtt and segment timestamps from a timed one
+    alone, word timestamps from one that times words, timestamp_granularities[] with
+    verbose_json alone."""
     response_format = _text(form, "response_format") or "json"
     if response_format not in formats.FORMATS:
         raise ApiError(
@@ -217,16 +294,18 @@ def _response_format(form: FormData, timed: bool, model: str) -> str:
         )
     granularities = form.getlist(GRANULARITIES)
     for granularity in granularities:
-        if granularity == "word":
+        if granularity == "word" and not words:
             raise ApiError(
                 400,
-                f"{GRANULARITIES} word: llmrun times segments, not words (it aligns no "
-                "words to the audio); ask for segment",
+                f"{GRANULARITIES} word: {model} times no words (llmrun times words with "
+                "Whisper and Parakeet TDT and RNN-T models); ask for segment",
                 param=GRANULARITIES,
             )
-        if granularity != "segment":
+        if granularity not in ("segment", "word"):
             raise ApiError(
-                400, f"{GRANULARITIES} {granularity!r}: give segment", param=GRANULARITIES
+                400,
+                f"{GRANULARITIES} {granularity!r}: give segment or word",
+                param=GRANULARITIES,
             )
     if granularities and response_format != "verbose_json":
         raise ApiError(
@@ -314,3 +393,18 @@ def _temperature(value: str | None) -> float:
             400, f"temperature {value!r}: give a number from 0 to 2", param="temperature"
         )
     return temperature
+
+
+def _num_beams(value: str | None) -> int | None:
+    """The form's num_beams (None unless given): a beam search's beams, from 1 (greedy) to
+    beam_search.MAX_BEAMS, as completions take it."""
+    if value is None or value == "":
+        return None
+    try:
+        return Beams().requested(int(value)).num_beams
+    except ValueError:
+        raise ApiError(
+            400, f"num_beams {value!r}: give a whole number of beams", param="num_beams"
+        ) from None
+    except UsageError as e:
+        raise ApiError(400, f"num_beams: {e}", param="num_beams") from None

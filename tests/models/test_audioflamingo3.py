@@ -18,12 +18,10 @@ implementation, 5e-5 of its torch STFT (float32) that the processor runs; embedd
 logits within 1e-4.
 """
 
-import json
-
 import numpy as np
 import pytest
 import torch
-from audio_checks import chirp_wavs, placed
+from audio_checks import check_clip_prompt, check_run_and_chat_with_a_clip, chirp_wavs, placed
 from audioflamingo3_helpers import (
     SOUND,
     SOUND_BOS,
@@ -35,11 +33,9 @@ from audioflamingo3_helpers import (
 from helpers import CONVERTER, needs_converter
 from in_process import llmrun
 from qwen3_asr_helpers import converted
-from serving import GREEDY
 
 from llmrun import api, audio, audioflamingo3_clips
 from llmrun.errors import UsageError
-from llmrun.generate import KVState, prefill
 from llmrun.models import whisper_encoder
 from llmrun.models.audioflamingo3_audio import MusicFlamingoEncoder
 
@@ -93,33 +89,8 @@ def greedy_tokens(model, reference) -> list[int]:
 
 
 def check_matches(model, engine, clip, reference, same_ids: bool = True) -> list[int]:
-    """ids, the placed embeddings, the logits (whole, and generate's prefill in chunks)
-    and 8 greedy tokens (returned) are transformers'; `same_ids` False: transformers runs
-    on llmrun's ids (with the reference's features)."""
-    ids, prompt_images = engine.audio_prompt(engine.prompt_text(QUESTION, audio=1), [clip])
-    if same_ids:
-        assert ids == reference["input_ids"][0].tolist()
-    else:
-        row = torch.tensor([ids])
-        reference = {**reference, "input_ids": row, "attention_mask": torch.ones_like(row)}
-    torch.testing.assert_close(
-        prompt_images.embeds[0], placed(model, reference, SOUND), atol=1e-4, rtol=0
-    )
-    with torch.no_grad():
-        expected = model(**reference).logits[0]
-        whole = engine.model(
-            torch.tensor([ids]),
-            torch.arange(len(ids))[None],
-            images=prompt_images.tokens(0, len(ids), torch.device("cpu")),
-        )[0]
-        state = KVState(engine.model.new_cache(1, 1024, torch.float32, "cpu"))
-        last = prefill(engine.model, state, ids, chunk=64, images=prompt_images)
-    torch.testing.assert_close(whole, expected, atol=1e-4, rtol=0)
-    torch.testing.assert_close(last, expected[-1], atol=1e-4, rtol=0)
-    tokens = greedy_tokens(model, reference)
-    stream = engine.generate(ids, GREEDY, 8, images=prompt_images)
-    assert [r.token for r in stream if r.token is not None] == tokens
-    return tokens
+    args = (model, engine, clip, reference, QUESTION, SOUND, 1024, 64)
+    return check_clip_prompt(*args, same_ids=same_ids)
 
 
 def test_features_and_token_counts_are_the_processor_s(engine, made, clips, references):
@@ -199,15 +170,7 @@ def test_run_and_chat_reply_as_transformers(model, folder, engine, wavs, referen
     """`llmrun run FOLDER --audio A "prompt"` and `chat` with `/audio A` then the question:
     transformers' greedy reply."""
     expected = greedy_tokens(model, references[1])
-    options = ("-n", "8", "--temperature", "0")
-    result = llmrun(
-        "run", folder, "--audio", wavs[1], QUESTION, *options, "--json", "--logprobs", "0"
-    )
-    assert result.returncode == 0, result.stderr
-    assert [entry["id"] for entry in json.loads(result.stdout)["logprobs"]] == expected
-    chat = llmrun("chat", folder, *options, input=f"/audio {wavs[1]}\n{QUESTION}")
-    assert chat.returncode == 0, chat.stderr
-    assert chat.stdout.lstrip(" ") == engine.tokenizer.decode(expected) + "\n\n"
+    check_run_and_chat_with_a_clip(engine, folder, wavs[1], QUESTION, expected)
 
 
 def test_music_flamingo_matches_transformers(clips, tmp_path, monkeypatch):

@@ -31,7 +31,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from family_checks import check_run_and_show, check_typed_cache, max_diff, write_keyed_gguf
+from family_checks import check_run_and_show, max_diff, write_keyed_gguf
 from helpers import CHUNKS, cached_logits, randomize
 from hybrid_checks import (
     check_no_static_decode,
@@ -39,8 +39,9 @@ from hybrid_checks import (
     check_padded_rows_in_scattered_slots,
     check_paged_with_a_state_row,
     check_served_greedy_text,
+    check_typed_cache_with_a_float32_state,
 )
-from test_kimi_linear import hub_names
+from test_kimi_linear import converted_layer_tensor, converter_quantizes, hub_names
 
 from llmrun import api, models
 from llmrun.errors import LlmrunError, ModelFormatError, UnsupportedError
@@ -267,19 +268,14 @@ def test_serves_from_paged_blocks(family, cache_type):
     """serve's paged KV blocks (shuffled) with the scheduler's recurrent state rows: a
     sequence prefilled in chunks that end inside blocks, then decoded."""
     hf, expected = family
-    tolerance = 1e-4 if cache_type == "f32" else 1e-2
-    check_paged_with_a_state_row(
-        ours(hf), IDS, expected, cache_type=cache_type, tolerance=tolerance
-    )
+    check_paged_with_a_state_row(ours(hf), IDS, expected, cache_type=cache_type)
 
 
 @pytest.mark.parametrize("cache_type", ["f16", "bf16"])
 def test_a_typed_cache_holds_its_rounded_values(family, cache_type):
     """The MLA layers' latents rounded to the type; the recurrent state stays float32."""
     hf, expected = family
-    model = ours(hf)
-    assert model.new_cache(1, 8, cache_type, "cpu").recurrent.dtype == torch.float32
-    check_typed_cache(model, IDS, expected, cache_type, DRIFT[cache_type])
+    check_typed_cache_with_a_float32_state(ours(hf), IDS, expected, cache_type, DRIFT[cache_type])
 
 
 def test_no_static_or_native_decode_step(family):
@@ -435,37 +431,15 @@ def converted_tensors(hf) -> dict[str, np.ndarray]:
             continue
         _, _, layer, rest = key.split(".", 3)
         blk, full = f"blk.{layer}", c.layer_types[int(layer)] == "full_attention"
-        if rest == "self_attn.conv1d.weight":
-            for name, part in zip("qkv", np.split(x, 3), strict=True):
-                out[f"{blk}.ssm_conv1d_{name}.weight"] = part.reshape(1, -1, 1, part.shape[-1])
-        elif rest == "self_attn.forget_gate.A_log":
+        if converted_layer_tensor(out, blk, rest, x, c):
+            continue
+        if rest == "self_attn.forget_gate.A_log":
             out[f"{blk}.ssm_a"] = np.exp(x).reshape(-1, 1)
-        elif rest == "self_attn.forget_gate.dt_bias":
-            out[f"{blk}.ssm_dt.bias"] = x
         elif rest == "self_attn.g_proj.weight":
             out[f"{blk}.{'attn_gate' if full else 'ssm_g_a'}.weight"] = x
-        elif rest == "self_attn.kv_b_proj.weight":
-            per_head = x.reshape(c.num_attention_heads, -1, c.kv_lora_rank)
-            k_b, v_b = np.split(per_head, [c.qk_nope_head_dim], axis=1)
-            out[f"{blk}.attn_k_b.weight"] = np.ascontiguousarray(k_b.transpose(0, 2, 1))
-            out[f"{blk}.attn_v_b.weight"] = np.ascontiguousarray(v_b)
-        elif rest == "mlp.gate.e_score_correction_bias":
-            out[f"{blk}.exp_probs_b.bias"] = x
-        elif rest == "mlp.experts.gate_up_proj":
-            width = x.shape[1] // 2
-            out[f"{blk}.ffn_gate_exps.weight"] = np.ascontiguousarray(x[:, :width])
-            out[f"{blk}.ffn_up_exps.weight"] = np.ascontiguousarray(x[:, width:])
-        elif rest == "mlp.experts.down_proj":
-            out[f"{blk}.ffn_down_exps.weight"] = x
         else:
             out[f"{blk}.{_NAMES[rest.removesuffix('.weight')]}.weight"] = x
     return out
-
-
-def _quantized(name: str, x: np.ndarray) -> bool:
-    """Whether the converter writes a tensor in the file's quantized type: matrices and
-    expert stacks of whole blocks, but the routers (kept F32)."""
-    return x.ndim in (2, 3) and x.shape[-1] % 32 == 0 and "ffn_gate_inp" not in name
 
 
 def write_bailing_hybrid_gguf(
@@ -534,7 +508,7 @@ def write_bailing_hybrid_gguf(
     out = {}
     for name, x in {**tensors, **(extra or {})}.items():
         x = np.ascontiguousarray(x, dtype=np.float32)
-        if round_trip is not None and _quantized(name, x):
+        if round_trip is not None and converter_quantizes(name, x):
             rounded = gguf.quants.dequantize(gguf.quants.quantize(x, round_trip), round_trip)
             x = rounded.reshape(x.shape)
         out[name] = x

@@ -13,33 +13,32 @@ corner instead of centred fails.
 Tolerances: pixels 1e-5, features and logits 1e-4 (absolute), tokens exact.
 """
 
-import json
-
 import pytest
 import torch
 from deepseek_ocr2_helpers import (
     IMAGE,
-    greedy_tokens,
+    check_gguf_with_mmproj,
+    check_logits_and_tokens,
+    check_run_with_an_image,
+    image_prompt,
     processor_inputs,
     save_deepseek_ocr2_dir,
     tiny_deepseek_ocr2,
+    transformers_logits_and_tokens,
     write_mmproj,
     write_text_gguf,
 )
 from vision_helpers import picture
 
-from llmrun import api, vision_families
+from llmrun import api
 from llmrun.deepseek_ocr2_images import prompt as prompt_for
 from llmrun.deepseek_ocr2_images import views
 from llmrun.errors import UsageError
-from llmrun.generate import KVState, prefill
 from llmrun.images import normalized, open_image
 from llmrun.loading.deepseek_ocr2_vision import DeepseekOcr2Vision
-from llmrun.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL")
-GREEDY = SamplingParams(temperature=0.0)
 QUESTION = "What is written here?"
 SIZES = [(800, 1200), (480, 360)]  # (height, width)
 TOKENS = [6 * 144 + 256 + 1, 256 + 1]
@@ -84,39 +83,12 @@ def hf_images(model, reference):
 
 @pytest.fixture(scope="module")
 def expected(model, reference, hf_images):
-    """transformers' logits of the reference prompt and its 8 greedy tokens."""
-    inputs = {"input_ids": reference["input_ids"], "mm_encoder_outputs": {"image": hf_images}}
-    with torch.no_grad():
-        logits = model(**inputs).logits[0]
-    return logits, greedy_tokens(model, inputs)
-
-
-def image_prompt(engine, images):
-    content = [{"type": "image"}] * len(images) + [{"type": "text", "text": QUESTION}]
-    return engine.image_prompt(engine.render([{"role": "user", "content": content}]), images)
+    return transformers_logits_and_tokens(model, reference, hf_images)
 
 
 @pytest.fixture(scope="module")
 def prompt(engine, images):
-    return image_prompt(engine, images)
-
-
-def check_logits_and_tokens(engine, ids, prompt_images, expected) -> None:
-    """The prompt's logits (whole, and by generate's prefill in chunks of 512, moved so
-    that no image is split) and 8 greedy tokens are transformers'."""
-    logits, tokens = expected
-    with torch.no_grad():
-        ours = engine.model(
-            torch.tensor([ids]),
-            torch.arange(len(ids))[None],
-            images=prompt_images.tokens(0, len(ids), torch.device("cpu")),
-        )[0]
-        state = KVState(engine.model.new_cache(1, len(ids) + 16, torch.float32, "cpu"))
-        last = prefill(engine.model, state, ids, chunk=512, images=prompt_images)
-    torch.testing.assert_close(ours, logits, atol=1e-4, rtol=0)
-    torch.testing.assert_close(last, logits[-1], atol=1e-4, rtol=0)
-    stream = engine.generate(ids, GREEDY, 8, images=prompt_images)
-    assert [r.token for r in stream if r.token is not None] == tokens
+    return image_prompt(engine, images, QUESTION)
 
 
 def test_the_prompt_and_pixels_are_the_processors(engine, images, prompt, reference):
@@ -160,13 +132,7 @@ def test_logits_and_greedy_tokens_match_transformers(engine, prompt, expected):
 def test_gguf_with_mmproj_matches_transformers(model, folder, images, prompt, expected, tmp_path):
     text = write_text_gguf(model, folder, tmp_path / "model.gguf")
     mmproj = write_mmproj(model, folder, tmp_path / "mmproj.gguf", f16=False)
-    assert vision_families.of_mmproj(mmproj).name == "DeepSeek-OCR 2"
-    engine = api.load(str(text), device="cpu", mmproj=mmproj)
-    ids, prompt_images = image_prompt(engine, images)
-    assert ids == prompt[0]
-    for ours, theirs in zip(prompt_images.embeds, prompt[1].embeds, strict=True):
-        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
-    check_logits_and_tokens(engine, ids, prompt_images, expected)
+    check_gguf_with_mmproj(text, mmproj, "DeepSeek-OCR 2", images, prompt, expected, QUESTION)
 
 
 def test_image_places_must_match_the_images(engine, prompt):
@@ -177,26 +143,10 @@ def test_image_places_must_match_the_images(engine, prompt):
 
 
 def test_run_with_an_image_replies_as_transformers(model, folder, tmp_path):
-    """`llmrun run MODEL --image PATH "prompt"`, from the folder and from a GGUF with its
-    mmproj file (F16 matrices, as the converter writes them by default); without --image
-    the folder's language model runs alone, its note saying the tower loads at the first
-    image."""
-    from in_process import llmrun
-    from PIL import Image
-
-    image = tmp_path / "page.png"
-    image.write_bytes(picture(400, 240, seed=6))
-    expected = greedy_tokens(model, processor_inputs(folder, [Image.open(image)], QUESTION))
-    expected = expected[: expected.index(2)] if 2 in expected else expected  # run stops at EOS
-    assert len(expected) >= 4
+    """From the folder and from a GGUF with its mmproj file (F16 matrices, as the
+    converter writes them by default); without --image the language model alone."""
     gguf = write_text_gguf(model, folder, tmp_path / "model.gguf")
     mmproj = write_mmproj(model, folder, tmp_path / "mmproj.gguf")
-    for model_args in ([str(folder)], [str(gguf), "--mmproj", str(mmproj)]):
-        args = [*model_args, "--image", str(image), QUESTION, "-n", "8", "--temperature", "0"]
-        result = llmrun("run", *args, "--json", "--logprobs", "0")
-        assert result.returncode == 0, result.stderr
-        assert [e["id"] for e in json.loads(result.stdout)["logprobs"]] == expected
-    result = llmrun("run", str(folder), QUESTION, "-n", "2", "--temperature", "0")
-    assert result.returncode == 0, result.stderr
-    assert "a multimodal DeepSeek-OCR 2; running its language model" in result.stderr
-    assert "until an image is given" in result.stderr
+    check_run_with_an_image(
+        model, folder, gguf, mmproj, processor_inputs, QUESTION, "DeepSeek-OCR 2"
+    )

@@ -17,14 +17,17 @@ Tolerances: features 1e-5 (measured 0); ids and tokens exact; embeddings and log
 (measured ~1e-6).
 """
 
-import base64
-import json
-
 import gguf
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from audio_checks import (
+    check_chat_with_audio,
+    check_run_with_audio,
+    check_served_audio_reply,
+    two_rate_wavs,
+)
 from gemma3n_audio_helpers import (
     AUDIO,
     BOA,
@@ -36,21 +39,17 @@ from gemma3n_audio_helpers import (
     tiny_gemma3n_audio,
 )
 from in_process import llmrun
-from serving import GREEDY
-from starlette.testclient import TestClient
+from vision_checks import check_prompt_logits, greedy_ids
 from vision_helpers import picture
 from voxtral_helpers import chirp, wav_bytes
 
 from llmrun import api, audio, audio_families, gemma3n_audio_clips
 from llmrun.errors import UnsupportedError, UsageError
-from llmrun.generate import KVState, prefill
 from llmrun.loading import gemma3n_audio
 from llmrun.models import gemma3n_audio as model_audio
-from llmrun.server import Service, create_app
 
 transformers = pytest.importorskip("transformers")
 QUESTION = "What do you hear?"
-CPU = torch.device("cpu")
 SPAN = TOKENS_PER_CLIP + 1  # a clip's rows: its soft tokens, their padding, <end_of_audio>
 
 
@@ -71,11 +70,7 @@ def engine(folder):
 
 @pytest.fixture(scope="module")
 def wavs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("wavs")
-    first, second = tmp / "first.wav", tmp / "second.wav"
-    first.write_bytes(wav_bytes(chirp(2.0, 16000, seed=1), 16000))
-    second.write_bytes(wav_bytes(chirp(1.3, 22050, seed=2), 22050))
-    return first, second
+    return two_rate_wavs(tmp_path_factory.mktemp("wavs"))
 
 
 @pytest.fixture(scope="module")
@@ -111,20 +106,6 @@ def language_model_rows(model, inputs) -> torch.Tensor:
     ids = inputs["input_ids"][0].tolist()
     starts = [i + 1 for i, t in enumerate(ids) if t == BOA]
     return torch.cat([taken["embeds"][s : s + SPAN] for s in starts])
-
-
-def logits(engine, ids, prompt_audio) -> torch.Tensor:
-    with torch.no_grad():
-        return engine.model(
-            torch.tensor([ids]),
-            torch.arange(len(ids))[None],
-            images=prompt_audio.tokens(0, len(ids), CPU),
-        )[0]
-
-
-def generated(engine, ids, prompt_audio, tokens: int = 8) -> list[int]:
-    stream = engine.generate(ids, GREEDY, tokens, images=prompt_audio)
-    return [r.token for r in stream if r.token is not None]
 
 
 def extractor(**settings):
@@ -205,21 +186,14 @@ def test_audio_embeddings_match_transformers(model, folder, engine, clips):
 
 
 def test_logits_with_audio_match_transformers(model, engine, prompt, reference):
-    ids, prompt_audio = prompt
-    with torch.no_grad():
-        expected = model(**reference).logits[0]
-        # generate's prefill in chunks of 20, moved so that no clip is split.
-        state = KVState(engine.model.new_cache(1, 128, torch.float32, "cpu"))
-        last = prefill(engine.model, state, ids, chunk=20, images=prompt_audio)
+    expected = check_prompt_logits(model, engine, prompt, reference, chunk=20, context=128)
     assert expected.abs().max() > 1.0
-    torch.testing.assert_close(logits(engine, *prompt), expected, atol=1e-4, rtol=0)
-    torch.testing.assert_close(last, expected[-1], atol=1e-4, rtol=0)
 
 
 def test_greedy_tokens_match_transformers(model, engine, prompt, reference):
     expected = greedy_tokens(model, reference)
     assert len(expected) == 8
-    assert generated(engine, *prompt) == expected
+    assert greedy_ids(engine, *prompt) == expected
 
 
 original_keys = model_audio.LocalAttention.relative_keys
@@ -259,23 +233,13 @@ def test_a_planted_bug_fails(model, engine, clips, reference, monkeypatch, owner
 
 def test_run_with_audio_replies_as_transformers(model, folder, wavs, reference):
     """`llmrun run FOLDER --audio A "prompt"`: transformers' greedy reply."""
-    args = ["run", str(folder), "--audio", str(wavs[0]), QUESTION]
-    result = llmrun(*args, "-n", "8", "--temperature", "0", "--json", "--logprobs", "0")
-    assert result.returncode == 0, result.stderr
-    ids = [entry["id"] for entry in json.loads(result.stdout)["logprobs"]]
-    assert ids == greedy_tokens(model, reference)
+    check_run_with_audio(folder, wavs[:1], QUESTION, greedy_tokens(model, reference))
 
 
 def test_chat_with_audio_replies_as_transformers(model, folder, wavs, engine, reference):
     """`chat --audio A` and `/audio A` then the question: transformers' greedy reply."""
-    expected = engine.tokenizer.decode(greedy_tokens(model, reference)) + "\n\n"
-    options = ("-n", "8", "--temperature", "0")
-    flag = llmrun("chat", folder, "--audio", wavs[0], *options, input=QUESTION)
-    assert flag.returncode == 0, flag.stderr
-    assert flag.stdout == expected
-    command = llmrun("chat", folder, *options, input=f"/audio {wavs[0]}\n{QUESTION}")
-    assert command.returncode == 0, command.stderr
-    assert command.stdout == expected
+    expected = engine.tokenizer.decode(greedy_tokens(model, reference))
+    check_chat_with_audio(folder, wavs[0], QUESTION, expected)
 
 
 def test_a_clip_past_its_tokens_is_one_error_line(folder, engine, tmp_path):
@@ -327,31 +291,5 @@ def test_images_and_llama_cpp_audio_projectors_are_refused(folder, tmp_path):
         family.from_mmproj(mmproj, 64)
 
 
-def chat_body(data: bytes) -> dict:
-    part = {
-        "type": "input_audio",
-        "input_audio": {"data": base64.b64encode(data).decode(), "format": "wav"},
-    }
-    return {
-        "messages": [{"role": "user", "content": [part, {"type": "text", "text": QUESTION}]}],
-        "max_tokens": 8,
-        "temperature": 0,
-    }
-
-
 def test_serve_replies_to_an_input_audio_part_as_run_does(engine, wavs):
-    data = wavs[0].read_bytes()
-    service = Service("gemma3n-audio", set(), None, parallel=1, queue=2)
-    service.start(engine)
-    try:
-        with TestClient(create_app(service)) as http:
-            response = http.post("/v1/chat/completions", json=chat_body(data))
-    finally:
-        service.close()
-    assert response.status_code == 200, response.text
-    ids, prompt_audio = engine.audio_prompt(
-        engine.prompt_text(QUESTION, audio=1), [audio.open_audio(data)]
-    )
-    expected = "".join(r.text for r in engine.generate(ids, GREEDY, 8, images=prompt_audio))
-    assert response.json()["choices"][0]["message"]["content"] == expected
-    assert response.json()["usage"]["prompt_tokens"] == len(ids)
+    check_served_audio_reply(engine, "gemma3n-audio", wavs[0].read_bytes(), QUESTION)

@@ -14,13 +14,19 @@ Tolerances: features 1e-5 (measured ~1e-6); ids and tokens exact; embeddings and
 1e-4 (measured ~1e-6).
 """
 
-import base64
 import json
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from audio_checks import (
+    check_chat_with_audio,
+    check_run_with_audio,
+    check_served_audio_reply,
+    placed,
+    two_rate_wavs,
+)
 from gemma4_audio_helpers import (
     AUDIO,
     AUDIO_BEGIN,
@@ -32,20 +38,17 @@ from gemma4_audio_helpers import (
 from gemma4_vision_helpers import greedy_tokens, save_gemma4_vl_dir, write_text_gguf
 from helpers import needs_templates
 from in_process import llmrun
-from serving import GREEDY
-from starlette.testclient import TestClient
+from vision_checks import check_prompt_logits, greedy_ids, logits
 from vision_helpers import picture
 from voxtral_helpers import chirp, wav_bytes
 
 from llmrun import api, audio, gemma4_audio_clips, gemma4_images
 from llmrun.errors import UsageError
-from llmrun.generate import KVState, prefill
 from llmrun.images import open_image
 from llmrun.loading import gemma4_vision
 from llmrun.loading.gemma4_audio import feature_settings
 from llmrun.models import gemma4_audio
 from llmrun.models.gemma3 import ImageTokens
-from llmrun.server import Service, create_app
 
 transformers = pytest.importorskip("transformers")
 pytestmark = needs_templates
@@ -53,7 +56,6 @@ QUESTION = "What do you hear?"
 # 2 s at 16 kHz: 32000 samples (a multiple of 128), 199 frames of audio, 50 tokens;
 # 1.3 s at 22.05 kHz: 20800 samples, 129 frames, 33 tokens.
 TOKENS = [50, 33]
-CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
@@ -73,11 +75,7 @@ def engine(folder):
 
 @pytest.fixture(scope="module")
 def wavs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("wavs")
-    first, second = tmp / "first.wav", tmp / "second.wav"
-    first.write_bytes(wav_bytes(chirp(2.0, 16000, seed=1), 16000))
-    second.write_bytes(wav_bytes(chirp(1.3, 22050, seed=2), 22050))
-    return first, second
+    return two_rate_wavs(tmp_path_factory.mktemp("wavs"))
 
 
 @pytest.fixture(scope="module")
@@ -93,37 +91,6 @@ def reference(folder, clips):
 @pytest.fixture(scope="module")
 def prompt(engine, clips):
     return engine.audio_prompt(engine.prompt_text(QUESTION, audio=len(clips)), clips)
-
-
-def audio_embeddings(model, reference) -> torch.Tensor:
-    """The rows the language model takes at the <|audio|> places, as transformers makes
-    them (its tower under the feature mask, the embedder, scattered)."""
-    taken = {}
-
-    def keep(module, args, kwargs):
-        taken["embeds"] = kwargs["inputs_embeds"][0]
-
-    hook = model.model.language_model.register_forward_pre_hook(keep, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            model(**reference)
-    finally:
-        hook.remove()
-    return taken["embeds"][reference["input_ids"][0] == AUDIO]
-
-
-def logits(engine, ids, prompt_audio) -> torch.Tensor:
-    with torch.no_grad():
-        return engine.model(
-            torch.tensor([ids]),
-            torch.arange(len(ids))[None],
-            images=prompt_audio.tokens(0, len(ids), CPU),
-        )[0]
-
-
-def generated(engine, ids, prompt_audio, tokens: int = 8) -> list[int]:
-    stream = engine.generate(ids, GREEDY, tokens, images=prompt_audio)
-    return [r.token for r in stream if r.token is not None]
 
 
 def extractor(**settings):
@@ -196,26 +163,19 @@ def test_the_prompt_is_laid_out_as_gemma4_processor_does(engine, clips, prompt, 
 
 
 def test_audio_embeddings_match_transformers(model, prompt, reference):
-    expected = audio_embeddings(model, reference)
+    expected = placed(model, reference, AUDIO)
     assert expected.abs().max() > 0.5
     torch.testing.assert_close(torch.cat(prompt[1].embeds), expected, atol=1e-4, rtol=0)
 
 
 def test_logits_with_audio_match_transformers(model, engine, prompt, reference):
-    ids, prompt_audio = prompt
-    with torch.no_grad():
-        expected = model(**reference).logits[0]
-        # generate's prefill in chunks of 40, moved so that no clip is split.
-        state = KVState(engine.model.new_cache(1, 256, torch.float32, "cpu"))
-        last = prefill(engine.model, state, ids, chunk=40, images=prompt_audio)
-    torch.testing.assert_close(logits(engine, *prompt), expected, atol=1e-4, rtol=0)
-    torch.testing.assert_close(last, expected[-1], atol=1e-4, rtol=0)
+    check_prompt_logits(model, engine, prompt, reference, chunk=40, context=256)
 
 
 def test_greedy_tokens_match_transformers(model, engine, prompt, reference):
     expected = greedy_tokens(model, reference)
     assert len(expected) == 8
-    assert generated(engine, *prompt) == expected
+    assert greedy_ids(engine, *prompt) == expected
 
 
 original_positions = gemma4_audio.Attention.relative_positions
@@ -246,7 +206,7 @@ def _padded_right(x, pad, *args, **kwargs):
     ],
 )
 def test_a_planted_bug_fails(model, engine, clips, reference, monkeypatch, owner, name, planted):
-    expected = audio_embeddings(model, reference)
+    expected = placed(model, reference, AUDIO)
     monkeypatch.setattr(owner, name, planted)
     bugged = torch.cat(engine.encode_audio(clips))
     assert bugged.shape == expected.shape
@@ -268,12 +228,12 @@ def test_gguf_with_mmproj_matches_transformers(model, folder, clips, reference, 
     ids, prompt_audio = engine.audio_prompt(engine.prompt_text(QUESTION, audio=len(clips)), clips)
     assert ids == reference["input_ids"][0].tolist()
     torch.testing.assert_close(
-        torch.cat(prompt_audio.embeds), audio_embeddings(model, reference), atol=1e-4, rtol=0
+        torch.cat(prompt_audio.embeds), placed(model, reference, AUDIO), atol=1e-4, rtol=0
     )
     with torch.no_grad():
         expected = model(**reference).logits[0]
     torch.testing.assert_close(logits(engine, ids, prompt_audio), expected, atol=1e-4, rtol=0)
-    assert generated(engine, ids, prompt_audio) == greedy_tokens(model, reference)
+    assert greedy_ids(engine, ids, prompt_audio) == greedy_tokens(model, reference)
     # The same file's image encoder: as the folder's.
     from_file = gemma4_vision.from_mmproj(mmproj, 64)
     from_folder = gemma4_vision.from_hf_dir(folder, 64)
@@ -286,24 +246,14 @@ def test_gguf_with_mmproj_matches_transformers(model, folder, clips, reference, 
 
 def test_run_with_audio_replies_as_transformers(model, folder, wavs, reference):
     """`llmrun run FOLDER --audio A --audio B "prompt"`: transformers' greedy reply."""
-    args = ["run", str(folder), "--audio", str(wavs[0]), "--audio", str(wavs[1]), QUESTION]
-    result = llmrun(*args, "-n", "8", "--temperature", "0", "--json", "--logprobs", "0")
-    assert result.returncode == 0, result.stderr
-    ids = [entry["id"] for entry in json.loads(result.stdout)["logprobs"]]
-    assert ids == greedy_tokens(model, reference)
+    check_run_with_audio(folder, wavs, QUESTION, greedy_tokens(model, reference))
 
 
 def test_chat_with_audio_replies_as_transformers(model, folder, wavs, engine):
     """`chat --audio A` and `/audio A` then the question: transformers' greedy reply."""
     reference = processor_inputs(folder, [audio.open_audio(wavs[0]).samples], QUESTION)
-    expected = engine.tokenizer.decode(greedy_tokens(model, reference)) + "\n\n"
-    options = ("-n", "8", "--temperature", "0")
-    flag = llmrun("chat", folder, "--audio", wavs[0], *options, input=QUESTION)
-    assert flag.returncode == 0, flag.stderr
-    assert flag.stdout == expected
-    command = llmrun("chat", folder, *options, input=f"/audio {wavs[0]}\n{QUESTION}")
-    assert command.returncode == 0, command.stderr
-    assert command.stdout == expected
+    expected = engine.tokenizer.decode(greedy_tokens(model, reference))
+    check_chat_with_audio(folder, wavs[0], QUESTION, expected)
 
 
 def test_a_clip_over_30_seconds_is_one_error_line(folder, engine, tmp_path):
@@ -328,31 +278,5 @@ def test_audio_places_must_match_the_clips(engine, clips):
         engine.audio_prompt("<|turn>user\n<|audio|>two?<turn|>\n", clips)
 
 
-def chat_body(data: bytes) -> dict:
-    part = {
-        "type": "input_audio",
-        "input_audio": {"data": base64.b64encode(data).decode(), "format": "wav"},
-    }
-    return {
-        "messages": [{"role": "user", "content": [part, {"type": "text", "text": QUESTION}]}],
-        "max_tokens": 8,
-        "temperature": 0,
-    }
-
-
 def test_serve_replies_to_an_input_audio_part_as_run_does(engine, wavs):
-    data = wavs[0].read_bytes()
-    service = Service("gemma4-audio", set(), None, parallel=1, queue=2)
-    service.start(engine)
-    try:
-        with TestClient(create_app(service)) as http:
-            response = http.post("/v1/chat/completions", json=chat_body(data))
-    finally:
-        service.close()
-    assert response.status_code == 200, response.text
-    ids, prompt_audio = engine.audio_prompt(
-        engine.prompt_text(QUESTION, audio=1), [audio.open_audio(data)]
-    )
-    expected = "".join(r.text for r in engine.generate(ids, GREEDY, 8, images=prompt_audio))
-    assert response.json()["choices"][0]["message"]["content"] == expected
-    assert response.json()["usage"]["prompt_tokens"] == len(ids)
+    check_served_audio_reply(engine, "gemma4-audio", wavs[0].read_bytes(), QUESTION)

@@ -33,7 +33,6 @@ import torch
 from family_checks import (
     check_run_prints_greedy_tokens,
     check_show,
-    check_typed_cache,
     max_diff,
     write_keyed_gguf,
 )
@@ -43,9 +42,11 @@ from hybrid_checks import (
     check_padded_rows_decoded_together,
     check_padded_rows_in_scattered_slots,
     check_paged_with_a_state_row,
+    check_saved_folder_loads,
     check_served_greedy_text,
+    check_typed_cache_with_a_float32_state,
 )
-from test_kimi_linear import hub_names
+from test_kimi_linear import converted_layer_tensor, hub_names
 
 from llmrun import api, models
 from llmrun.errors import LlmrunError, ModelFormatError, UnsupportedError
@@ -286,19 +287,14 @@ def test_serves_from_paged_blocks(family, cache_type):
     """serve's paged KV blocks (shuffled) with the scheduler's recurrent state rows: a
     sequence prefilled in chunks that end inside blocks, then decoded."""
     hf, expected = family
-    tolerance = 1e-4 if cache_type == "f32" else 1e-2
-    check_paged_with_a_state_row(
-        ours(hf), IDS, expected, cache_type=cache_type, tolerance=tolerance
-    )
+    check_paged_with_a_state_row(ours(hf), IDS, expected, cache_type=cache_type)
 
 
 @pytest.mark.parametrize("cache_type", ["f16", "bf16"])
 def test_a_typed_cache_holds_its_rounded_values(family, cache_type):
     """The indexed layers' rows rounded to the type; the recurrent state stays float32."""
     hf, expected = family
-    model = ours(hf)
-    assert model.new_cache(1, 8, cache_type, "cpu").recurrent.dtype == torch.float32
-    check_typed_cache(model, IDS, expected, cache_type, DRIFT[cache_type])
+    check_typed_cache_with_a_float32_state(ours(hf), IDS, expected, cache_type, DRIFT[cache_type])
 
 
 def test_no_static_or_native_decode_step(family):
@@ -318,10 +314,7 @@ def test_an_hf_folder_loads_as_transformers_runs_it(family, tmp_path):
     names (hc_attn_fn, q_conv1d, A_log on self_attn, per-expert weights) and the vision
     tower, which is left out."""
     hf, expected = family
-    hf.save_pretrained(tmp_path / "hf")
-    loaded = load_model(tmp_path / "hf", CPU, "f32")
-    assert loaded.model.decode_step is None
-    assert max_diff(cached_logits(loaded.model, IDS), expected) < 1e-4
+    check_saved_folder_loads(hf, tmp_path / "hf", IDS, expected)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     for form in (config, config["text_config"]):  # show's count is the model's
         assert inspect.kv_cache_bytes(form, 8192) == 8192 * 2 * ROW * 4
@@ -458,26 +451,10 @@ def converted_tensors(hf) -> dict[str, np.ndarray]:
             continue  # the vision tower: the mmproj file's
         _, _, _, layer, rest = key.split(".", 4)
         blk = f"blk.{layer}"
-        if rest == "self_attn.conv1d.weight":
-            for name, part in zip("qkv", np.split(x, 3), strict=True):
-                out[f"{blk}.ssm_conv1d_{name}.weight"] = part.reshape(1, -1, 1, part.shape[-1])
-        elif rest == "self_attn.forget_gate.A_log":
+        if converted_layer_tensor(out, blk, rest, x, c):
+            continue
+        if rest == "self_attn.forget_gate.A_log":
             out[f"{blk}.ssm_a"] = -np.exp(x)
-        elif rest == "self_attn.forget_gate.dt_bias":
-            out[f"{blk}.ssm_dt.bias"] = x
-        elif rest == "self_attn.kv_b_proj.weight":
-            per_head = x.reshape(c.num_attention_heads, -1, c.kv_lora_rank)
-            k_b, v_b = np.split(per_head, [c.qk_nope_head_dim], axis=1)
-            out[f"{blk}.attn_k_b.weight"] = np.ascontiguousarray(k_b.transpose(0, 2, 1))
-            out[f"{blk}.attn_v_b.weight"] = np.ascontiguousarray(v_b)
-        elif rest == "mlp.gate.e_score_correction_bias":
-            out[f"{blk}.exp_probs_b.bias"] = x
-        elif rest == "mlp.experts.gate_up_proj":
-            width = x.shape[1] // 2
-            out[f"{blk}.ffn_gate_exps.weight"] = np.ascontiguousarray(x[:, :width])
-            out[f"{blk}.ffn_up_exps.weight"] = np.ascontiguousarray(x[:, width:])
-        elif rest == "mlp.experts.down_proj":
-            out[f"{blk}.ffn_down_exps.weight"] = x
         elif rest in EXACT:
             out[f"{blk}.{EXACT[rest]}.weight"] = x
         else:

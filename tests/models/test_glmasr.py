@@ -18,12 +18,17 @@ logits within 1e-4.
 """
 
 import copy
-import json
 
 import numpy as np
 import pytest
 import torch
-from audio_checks import audio_user_turn, chirp_wavs, placed
+from audio_checks import (
+    audio_user_turn,
+    check_clip_prompt,
+    check_run_and_chat_with_a_clip,
+    chirp_wavs,
+    placed,
+)
 from glmasr_helpers import (
     AUDIO,
     BEGIN_AUDIO,
@@ -38,11 +43,9 @@ from glmasr_helpers import (
 )
 from helpers import CONVERTER, needs_converter
 from in_process import llmrun
-from serving import GREEDY
 
 from llmrun import api, audio, glmasr_clips
 from llmrun.errors import UsageError
-from llmrun.generate import KVState, prefill
 from llmrun.loading import glmasr
 from llmrun.models import glmasr_encoder
 
@@ -85,41 +88,9 @@ def references(made, clips):
     return [processor_inputs(made, audio_user_turn(QUESTION), [clip.samples]) for clip in clips]
 
 
-def logits(engine, ids, prompt_images) -> torch.Tensor:
-    with torch.no_grad():
-        return engine.model(
-            torch.tensor([ids]),
-            torch.arange(len(ids))[None],
-            images=prompt_images.tokens(0, len(ids), torch.device("cpu")),
-        )[0]
-
-
 def check_matches(model, engine, clip, reference, same_ids: bool = True) -> list[int]:
-    """ids, the placed embeddings, the logits (whole, and generate's prefill in chunks)
-    and 8 greedy tokens (returned) are transformers'; `same_ids` False: transformers runs
-    on llmrun's ids (with the reference's features)."""
-    ids, prompt_images = engine.audio_prompt(engine.prompt_text(QUESTION, audio=1), [clip])
-    if same_ids:
-        assert ids == reference["input_ids"][0].tolist()
-    else:
-        row = torch.tensor([ids])
-        reference = {**reference, "input_ids": row, "attention_mask": torch.ones_like(row)}
-    (start,) = prompt_images.starts
-    count = len(prompt_images.embeds[0])
-    assert ids[start - 1] == BEGIN_AUDIO and ids[start + count] == END_AUDIO
-    torch.testing.assert_close(
-        prompt_images.embeds[0], placed(model, reference, AUDIO), atol=1e-4, rtol=0
-    )
-    with torch.no_grad():
-        expected = model(**reference).logits[0]
-        state = KVState(engine.model.new_cache(1, 512, torch.float32, "cpu"))
-        last = prefill(engine.model, state, ids, chunk=64, images=prompt_images)
-    torch.testing.assert_close(logits(engine, ids, prompt_images), expected, atol=1e-4, rtol=0)
-    torch.testing.assert_close(last, expected[-1], atol=1e-4, rtol=0)
-    tokens = greedy_tokens(model, reference)
-    stream = engine.generate(ids, GREEDY, 8, images=prompt_images)
-    assert [r.token for r in stream if r.token is not None] == tokens
-    return tokens
+    args = (model, engine, clip, reference, QUESTION, AUDIO, 512, 64, (BEGIN_AUDIO, END_AUDIO))
+    return check_clip_prompt(*args, same_ids=same_ids)
 
 
 def test_features_and_token_counts_are_the_processor_s(engine, made, clips, references):
@@ -225,13 +196,4 @@ def test_run_and_chat_reply_as_transformers(model, folder, engine, wavs, referen
     """`llmrun run FOLDER --audio A "prompt"` and `chat` with `/audio A` then the question:
     transformers' greedy reply."""
     expected = greedy_tokens(model, references[1])
-    options = ("-n", "8", "--temperature", "0")
-    result = llmrun(
-        "run", folder, "--audio", wavs[1], QUESTION, *options, "--json", "--logprobs", "0"
-    )
-    assert result.returncode == 0, result.stderr
-    assert [entry["id"] for entry in json.loads(result.stdout)["logprobs"]] == expected
-    chat = llmrun("chat", folder, *options, input=f"/audio {wavs[1]}\n{QUESTION}")
-    assert chat.returncode == 0, chat.stderr
-    # The stream keeps the first token's leading space, which a whole decode drops.
-    assert chat.stdout.lstrip(" ") == engine.tokenizer.decode(expected) + "\n\n"
+    check_run_and_chat_with_a_clip(engine, folder, wavs[1], QUESTION, expected)

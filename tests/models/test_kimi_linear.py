@@ -28,13 +28,15 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from family_checks import check_run_and_show, check_typed_cache, max_diff, write_keyed_gguf
+from family_checks import check_run_and_show, max_diff, write_keyed_gguf
 from helpers import CHUNKS, cached_logits, randomize
 from hybrid_checks import (
     check_no_static_decode,
     check_padded_rows_decoded_together,
     check_paged_with_a_state_row,
+    check_saved_folder_loads,
     check_served_greedy_text,
+    check_typed_cache_with_a_float32_state,
 )
 
 from llmrun import api, models
@@ -268,19 +270,14 @@ def test_serves_from_paged_blocks(family, cache_type):
     """serve's paged KV blocks (shuffled) with the scheduler's recurrent state rows: a
     sequence prefilled in chunks that end inside blocks, then decoded."""
     hf, expected = family
-    tolerance = 1e-4 if cache_type == "f32" else 1e-2
-    check_paged_with_a_state_row(
-        ours(hf), IDS, expected, cache_type=cache_type, tolerance=tolerance
-    )
+    check_paged_with_a_state_row(ours(hf), IDS, expected, cache_type=cache_type)
 
 
 @pytest.mark.parametrize("cache_type", ["f16", "bf16"])
 def test_a_typed_cache_holds_its_rounded_values(family, cache_type):
     """The MLA layers' latents rounded to the type; the recurrent state stays float32."""
     hf, expected = family
-    model = ours(hf)
-    assert model.new_cache(1, 8, cache_type, "cpu").recurrent.dtype == torch.float32
-    check_typed_cache(model, IDS, expected, cache_type, DRIFT[cache_type])
+    check_typed_cache_with_a_float32_state(ours(hf), IDS, expected, cache_type, DRIFT[cache_type])
 
 
 def test_no_static_decode_step(family):
@@ -296,10 +293,7 @@ def test_an_hf_folder_loads_as_transformers_runs_it(family, tmp_path):
     w1/w2/w3, q/k/v_conv1d), and Moonshot's config.json form (linear_attn_config with
     1-based layer lists, first_k_dense_replace) alike."""
     hf, expected = family
-    hf.save_pretrained(tmp_path / "hf")
-    loaded = load_model(tmp_path / "hf", CPU, "f32")
-    assert loaded.model.decode_step is None
-    assert max_diff(cached_logits(loaded.model, IDS), expected) < 1e-4
+    check_saved_folder_loads(hf, tmp_path / "hf", IDS, expected)
     path = tmp_path / "hf" / "config.json"
     config = json.loads(path.read_text())
     for key in ("layer_types", "mlp_layer_types", "linear_head_dim", "linear_num_heads"):
@@ -385,33 +379,46 @@ def converted_tensors(hf) -> dict[str, np.ndarray]:
             continue
         _, _, layer, rest = key.split(".", 3)
         blk = f"blk.{layer}"
-        if rest == "self_attn.conv1d.weight":
-            for name, part in zip("qkv", np.split(x, 3), strict=True):
-                out[f"{blk}.ssm_conv1d_{name}.weight"] = part.reshape(1, -1, 1, part.shape[-1])
-        elif rest == "self_attn.forget_gate.A_log":
+        if converted_layer_tensor(out, blk, rest, x, c):
+            continue
+        if rest == "self_attn.forget_gate.A_log":
             out[f"{blk}.ssm_a"] = -np.exp(x)
-        elif rest == "self_attn.forget_gate.dt_bias":
-            out[f"{blk}.ssm_dt.bias"] = x
-        elif rest == "self_attn.kv_b_proj.weight":
-            per_head = x.reshape(c.num_attention_heads, -1, c.kv_lora_rank)
-            k_b, v_b = np.split(per_head, [c.qk_nope_head_dim], axis=1)
-            out[f"{blk}.attn_k_b.weight"] = np.ascontiguousarray(k_b.transpose(0, 2, 1))
-            out[f"{blk}.attn_v_b.weight"] = np.ascontiguousarray(v_b)
-        elif rest == "mlp.gate.e_score_correction_bias":
-            out[f"{blk}.exp_probs_b.bias"] = x
-        elif rest == "mlp.experts.gate_up_proj":
-            width = x.shape[1] // 2
-            out[f"{blk}.ffn_gate_exps.weight"] = np.ascontiguousarray(x[:, :width])
-            out[f"{blk}.ffn_up_exps.weight"] = np.ascontiguousarray(x[:, width:])
-        elif rest == "mlp.experts.down_proj":
-            out[f"{blk}.ffn_down_exps.weight"] = x
         else:
             module = rest.removesuffix(".weight").replace("forget_gate.", "")
             out[f"{blk}.{names[module]}.weight"] = x
     return out
 
 
-def _quantized(name: str, x: np.ndarray) -> bool:
+def converted_layer_tensor(out: dict, blk: str, rest: str, x: np.ndarray, c) -> bool:
+    """Puts the tensor `x` of layer `blk` (`rest`: its name in the layer) into `out` as
+    llama.cpp's converter writes it alike for Kimi Linear, Ling 3 and GLM-5-Next (config
+    `c`): each KDA convolution [1, channels, 1, kernel], dt_bias as ssm_dt.bias, kv_b_proj
+    split per head into attn_k_b (transposed) and attn_v_b, the selection bias as
+    exp_probs_b.bias, experts stacked. False for a tensor it leaves to the family."""
+    if rest == "self_attn.conv1d.weight":
+        for name, part in zip("qkv", np.split(x, 3), strict=True):
+            out[f"{blk}.ssm_conv1d_{name}.weight"] = part.reshape(1, -1, 1, part.shape[-1])
+    elif rest == "self_attn.forget_gate.dt_bias":
+        out[f"{blk}.ssm_dt.bias"] = x
+    elif rest == "self_attn.kv_b_proj.weight":
+        per_head = x.reshape(c.num_attention_heads, -1, c.kv_lora_rank)
+        k_b, v_b = np.split(per_head, [c.qk_nope_head_dim], axis=1)
+        out[f"{blk}.attn_k_b.weight"] = np.ascontiguousarray(k_b.transpose(0, 2, 1))
+        out[f"{blk}.attn_v_b.weight"] = np.ascontiguousarray(v_b)
+    elif rest == "mlp.gate.e_score_correction_bias":
+        out[f"{blk}.exp_probs_b.bias"] = x
+    elif rest == "mlp.experts.gate_up_proj":
+        width = x.shape[1] // 2
+        out[f"{blk}.ffn_gate_exps.weight"] = np.ascontiguousarray(x[:, :width])
+        out[f"{blk}.ffn_up_exps.weight"] = np.ascontiguousarray(x[:, width:])
+    elif rest == "mlp.experts.down_proj":
+        out[f"{blk}.ffn_down_exps.weight"] = x
+    else:
+        return False
+    return True
+
+
+def converter_quantizes(name: str, x: np.ndarray) -> bool:
     """Whether the converter writes a tensor in the file's quantized type: matrices and
     expert stacks of whole blocks, but the routers (kept F32)."""
     return x.ndim in (2, 3) and x.shape[-1] % 32 == 0 and "ffn_gate_inp" not in name
@@ -455,7 +462,7 @@ def write_kimi_gguf(path, hf, qtype=None, round_trip=None, extra=None, **overrid
     tensors = {}
     for name, x in {**converted_tensors(hf), **(extra or {})}.items():
         x = np.ascontiguousarray(x, dtype=np.float32)
-        if round_trip is not None and _quantized(name, x):
+        if round_trip is not None and converter_quantizes(name, x):
             rounded = gguf.quants.dequantize(gguf.quants.quantize(x, round_trip), round_trip)
             x = rounded.reshape(x.shape)
         tensors[name] = x

@@ -25,21 +25,24 @@ from minicpmv_helpers import (
     write_mmproj,
     write_text_gguf,
 )
+from vision_checks import (
+    check_mmproj_refusals,
+    check_prompt_logits,
+    greedy_ids,
+    logits,
+    soft_rows,
+)
 from vision_helpers import picture
 
 from llmrun import api, minicpmv_images, vision_families
-from llmrun.errors import ModelFormatError, UsageError
-from llmrun.generate import KVState, prefill
+from llmrun.errors import UsageError
 from llmrun.images import open_image
 from llmrun.loading.minicpmv_vision import from_mmproj
 from llmrun.models import minicpmv_vision
-from llmrun.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL")
-GREEDY = SamplingParams(temperature=0.0)
 QUESTION = "What is in these pictures?"
-CPU = torch.device("cpu")
 PIXEL_VALUES = minicpmv_images.pixel_values
 # (height, width) -> slice grid: over 32x32 pixels an image is sliced near its aspect.
 SHAPES = {(40, 64): (1, 2), (100, 17): (3, 1), (64, 64): (2, 2), (20, 20): (0, 0)}
@@ -73,15 +76,6 @@ def reference(folder, engine, images):
 @pytest.fixture(scope="module")
 def prompt(engine, images):
     return engine.image_prompt(engine.prompt_text(QUESTION, images=len(images)), images)
-
-
-def soft_tokens(ids, prompt_images) -> torch.Tensor:
-    """The embeddings of a prompt's <|image_pad|> places, in order."""
-    rows = [
-        embeds[[ids[start + i] == IMAGE_PAD for i in range(len(embeds))]]
-        for start, embeds in zip(prompt_images.starts, prompt_images.embeds, strict=True)
-    ]
-    return torch.cat(rows)
 
 
 def image_features(model, reference) -> torch.Tensor:
@@ -120,7 +114,7 @@ def test_the_prompt_and_pixels_are_the_processors(engine, folder):
 
 
 def test_image_features_match_transformers(model, prompt, reference):
-    features = soft_tokens(*prompt)
+    features = soft_rows(*prompt, IMAGE_PAD)
     expected = image_features(model, reference)
     # 64x64: 4 + 4 slices of 4 tokens; 30x90: 3 + 3 slices of 4
     assert features.shape == (35, 64)
@@ -158,36 +152,15 @@ def test_a_planted_bug_fails(engine, model, images, reference, monkeypatch, modu
     assert (features - image_features(model, reference)).abs().max() > 1e-2
 
 
-def logits(engine, ids, prompt_images) -> torch.Tensor:
-    with torch.no_grad():
-        return engine.model(
-            torch.tensor([ids]),
-            torch.arange(len(ids))[None],
-            images=prompt_images.tokens(0, len(ids), CPU),
-        )[0]
-
-
 def test_logits_with_images_match_transformers(model, engine, prompt, reference):
-    ids, prompt_images = prompt
-    with torch.no_grad():
-        expected = model(**reference).logits[0]
-        # generate's prefill in chunks of 7, moved so that no image is split.
-        state = KVState(engine.model.new_cache(1, 256, torch.float32, "cpu"))
-        last = prefill(engine.model, state, ids, chunk=7, images=prompt_images)
+    expected = check_prompt_logits(model, engine, prompt, reference, chunk=7, context=256)
     assert expected.abs().max() < 8
-    torch.testing.assert_close(logits(engine, *prompt), expected, atol=1e-4, rtol=0)
-    torch.testing.assert_close(last, expected[-1], atol=1e-4, rtol=0)
-
-
-def generated(engine, ids, prompt_images, tokens: int = 8) -> list[int]:
-    stream = engine.generate(ids, GREEDY, tokens, images=prompt_images)
-    return [r.token for r in stream if r.token is not None]
 
 
 def test_greedy_tokens_match_transformers(model, engine, prompt, reference):
     expected = greedy_tokens(model, reference)
     assert len(expected) == 8
-    assert generated(engine, *prompt) == expected
+    assert greedy_ids(engine, *prompt) == expected
 
 
 def test_4x_mode_without_image_ids_matches_transformers(images, tmp_path):
@@ -201,7 +174,7 @@ def test_4x_mode_without_image_ids_matches_transformers(images, tmp_path):
     ids, prompt_images = engine.image_prompt(text, images)
     assert ids == reference["input_ids"][0].tolist()
     assert engine.tokenizer.token_id("<image_id>") not in ids
-    features = soft_tokens(ids, prompt_images)
+    features = soft_rows(ids, prompt_images, IMAGE_PAD)
     assert features.shape == (142, 64)
     torch.testing.assert_close(features, image_features(model, reference), atol=1e-4, rtol=0)
     with torch.no_grad():
@@ -218,18 +191,13 @@ def test_gguf_with_mmproj_matches_transformers(model, images, reference, tmp_pat
         engine.prompt_text(QUESTION, images=len(images)), images
     )
     assert ids == reference["input_ids"][0].tolist()
-    features = soft_tokens(ids, prompt_images)
+    features = soft_rows(ids, prompt_images, IMAGE_PAD)
     torch.testing.assert_close(features, image_features(model, reference), atol=1e-4, rtol=0)
     with torch.no_grad():
         expected = model(**reference).logits[0]
     torch.testing.assert_close(logits(engine, ids, prompt_images), expected, atol=1e-4, rtol=0)
-    assert generated(engine, ids, prompt_images) == greedy_tokens(model, reference)
-    with pytest.raises(UsageError, match="--mmproj"):
-        api.load(str(text), device="cpu", vision=True)
-    with pytest.raises(ModelFormatError, match="not an mmproj GGUF"):
-        from_mmproj(text, 64)
-    with pytest.raises(ModelFormatError, match="projects to 64 features, but .* is 32"):
-        from_mmproj(mmproj, 32)
+    assert greedy_ids(engine, ids, prompt_images) == greedy_tokens(model, reference)
+    check_mmproj_refusals(text, mmproj, from_mmproj)
 
 
 def test_image_places_must_match_the_images(engine, images):

@@ -34,6 +34,7 @@ from family_checks import (
     check_run_and_show,
     check_typed_cache,
     check_whole_and_cached,
+    dequantize_weights_ending,
     max_diff,
 )
 from helpers import BASE, STORIES_GGUF, _permute, cached_logits, our_model, randomize
@@ -41,6 +42,7 @@ from hybrid_checks import (
     check_no_static_decode,
     check_padded_rows_in_scattered_slots,
     check_paged_with_a_state_row,
+    check_saved_folder_loads,
     check_served_greedy_text,
 )
 
@@ -410,10 +412,7 @@ def test_unsupported_configs_are_refused():
 
 def test_an_hf_folder_loads_as_transformers_runs_it(family, tmp_path):
     hf, expected = family
-    hf.save_pretrained(tmp_path / "hf")
-    loaded = load_model(tmp_path / "hf", CPU, "f32")
-    assert loaded.model.decode_step is None
-    assert max_diff(cached_logits(loaded.model, IDS), expected) < 1e-4
+    check_saved_folder_loads(hf, tmp_path / "hf", IDS, expected)
 
 
 def test_a_hub_folder_with_backbone_names_and_an_mtp_head_loads(tmp_path):
@@ -452,11 +451,7 @@ def test_a_q8_0_gguf_matches_its_dequantized_weights(tmp_path):
     q8 = gguf.GGMLQuantizationType.Q8_0
     hf = hf_model(**VARIANTS["moe-latent"])
     loaded = load_model(write_nemotron_gguf(tmp_path / "q.gguf", hf, q8), CPU, "f32")
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith(_QUANTIZED):
-                blocks = gguf.quants.quantize(p.numpy(), q8)
-                p.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, q8)))
+    dequantize_weights_ending(hf, q8, _QUANTIZED)
     assert max_diff(cached_logits(loaded.model, IDS), reference(hf)) < 1e-4
 
 

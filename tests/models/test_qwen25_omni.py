@@ -14,13 +14,13 @@ by plain positions, fail.
 Tolerances: ids and tokens exact; embeddings and logits within 1e-4.
 """
 
-import base64
 import copy
 import json
 import shutil
 
 import pytest
 import torch
+from audio_checks import audio_body, placed
 from image_serving import check_reply_is_run_s
 from in_process import llmrun
 from qwen2_5_omni_helpers import (
@@ -28,6 +28,7 @@ from qwen2_5_omni_helpers import (
     AUDIO_BOS,
     AUDIO_EOS,
     IMAGE,
+    check_matches,
     greedy_tokens,
     hub_layout,
     processor_inputs,
@@ -37,12 +38,12 @@ from qwen2_5_omni_helpers import (
     write_text_gguf,
 )
 from serving import GREEDY, chat_reply, image_prompt, served
+from vision_checks import logits
 from vision_helpers import picture
 from voxtral_helpers import chirp, wav_bytes
 
 from llmrun import api, audio, qwen2_vl_images
 from llmrun.errors import UsageError
-from llmrun.generate import KVState, prefill
 from llmrun.images import open_image
 from llmrun.server.app import _towers
 
@@ -100,37 +101,6 @@ def audio_reference(folder, clips):
     return processor_inputs(folder, user_turn("audio", 2), clips=[c.samples for c in clips])
 
 
-def placed(model, reference, token: int) -> torch.Tensor:
-    """The rows the language model takes at the `token` places, as transformers makes
-    them (its encoders' outputs scattered into the embeddings)."""
-    taken = {}
-
-    def keep(module, args, kwargs):
-        taken["embeds"] = kwargs["inputs_embeds"][0]
-
-    hook = model.model.language_model.register_forward_pre_hook(keep, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            model(**reference)
-    finally:
-        hook.remove()
-    return taken["embeds"][reference["input_ids"][0] == token]
-
-
-def logits(engine, ids, prompt_images) -> torch.Tensor:
-    with torch.no_grad():
-        return engine.model(
-            torch.tensor([ids]),
-            torch.arange(len(ids))[None],
-            images=prompt_images.tokens(0, len(ids), torch.device("cpu")),
-        )[0]
-
-
-def generated(engine, ids, prompt_images, tokens: int = 8) -> list[int]:
-    stream = engine.generate(ids, GREEDY, tokens, images=prompt_images)
-    return [r.token for r in stream if r.token is not None]
-
-
 def image_prompt_of(engine):
     pictures = [open_image(WIDE), open_image(OTHER)]
     return engine.image_prompt(engine.prompt_text(QUESTION, images=2), pictures)
@@ -138,24 +108,6 @@ def image_prompt_of(engine):
 
 def audio_prompt_of(engine, clips):
     return engine.audio_prompt(engine.prompt_text(QUESTION, audio=len(clips)), clips)
-
-
-def check_matches(model, engine, prompt, reference, token: int, chunk: int = 40) -> None:
-    """ids, the placed embeddings, the logits (whole, and generate's prefill in chunks)
-    and 8 greedy tokens are transformers'."""
-    ids, prompt_images = prompt
-    assert ids == reference["input_ids"][0].tolist()
-    expected_rows = placed(model, reference, token)
-    torch.testing.assert_close(torch.cat(prompt_images.embeds), expected_rows, atol=1e-4, rtol=0)
-    with torch.no_grad():
-        expected = model(**reference).logits[0]
-        state = KVState(engine.model.new_cache(1, 256, torch.float32, "cpu"))
-        last = prefill(engine.model, state, ids, chunk=chunk, images=prompt_images)
-    torch.testing.assert_close(logits(engine, ids, prompt_images), expected, atol=1e-4, rtol=0)
-    torch.testing.assert_close(last, expected[-1], atol=1e-4, rtol=0)
-    tokens = greedy_tokens(model, reference)
-    assert len(tokens) == 8
-    assert generated(engine, ids, prompt_images) == tokens
 
 
 def test_an_image_prompt_matches_transformers(model, engine, image_reference):
@@ -304,23 +256,11 @@ def test_a_clip_over_the_chunk_length_or_too_short_is_one_error_line(engine, fol
     )
 
 
-def audio_body(data: bytes) -> dict:
-    part = {
-        "type": "input_audio",
-        "input_audio": {"data": base64.b64encode(data).decode(), "format": "wav"},
-    }
-    return {
-        "messages": [{"role": "user", "content": [part, {"type": "text", "text": QUESTION}]}],
-        "max_tokens": 8,
-        "temperature": 0,
-    }
-
-
 def test_serve_replies_to_an_image_and_to_audio_as_run_does(model, folder, engine, wavs):
     data = wavs[1].read_bytes()
     for client in served(engine, "qwen2.5-omni"):
         reply = chat_reply(client, WIDE, QUESTION)
-        heard = client.post("/v1/chat/completions", json=audio_body(data))
+        heard = client.post("/v1/chat/completions", json=audio_body(data, QUESTION))
     _, ids, _, _ = image_prompt(engine, WIDE, QUESTION)
     reference = processor_inputs(folder, user_turn("image", 1), images=[open_image(WIDE)])
     check_reply_is_run_s(reply, engine, (WIDE, QUESTION), greedy_tokens(model, reference), len(ids))

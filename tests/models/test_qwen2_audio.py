@@ -12,13 +12,12 @@ stride fails.
 Tolerances: ids and tokens exact; embeddings and logits within 1e-4.
 """
 
-import base64
 import copy
-import json
 
 import pytest
 import torch
 import torch.nn.functional as F
+from audio_checks import audio_body, check_run_with_audio, placed, two_rate_wavs
 from in_process import llmrun
 from qwen2_audio_helpers import (
     AUDIO,
@@ -33,11 +32,11 @@ from qwen2_audio_helpers import (
 )
 from serving import GREEDY
 from starlette.testclient import TestClient
+from vision_checks import check_prompt_logits, greedy_ids, logits
 from voxtral_helpers import chirp, wav_bytes
 
 from llmrun import api, audio
 from llmrun.errors import ModelFormatError, UsageError
-from llmrun.generate import KVState, prefill
 from llmrun.loading import vl_text
 from llmrun.loading.qwen2_audio import encoder_args, from_mmproj
 from llmrun.models.qwen2 import ModelArgs as Qwen2ModelArgs
@@ -67,11 +66,7 @@ def engine(folder):
 
 @pytest.fixture(scope="module")
 def wavs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("wavs")
-    first, second = tmp / "first.wav", tmp / "second.wav"
-    first.write_bytes(wav_bytes(chirp(2.0, 16000, seed=1), 16000))
-    second.write_bytes(wav_bytes(chirp(1.3, 22050, seed=2), 22050))
-    return first, second
+    return two_rate_wavs(tmp_path_factory.mktemp("wavs"))
 
 
 @pytest.fixture(scope="module")
@@ -95,37 +90,6 @@ def prompt(engine, clips):
     return engine.audio_prompt(engine.prompt_text(QUESTION, audio=len(clips)), clips)
 
 
-def audio_embeddings(model, reference) -> torch.Tensor:
-    """The rows the language model takes at the <|AUDIO|> places, as transformers makes
-    them (its encoder under the feature mask, pooled, projected, scattered)."""
-    taken = {}
-
-    def keep(module, args, kwargs):
-        taken["embeds"] = kwargs["inputs_embeds"][0]
-
-    hook = model.model.language_model.register_forward_pre_hook(keep, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            model(**reference)
-    finally:
-        hook.remove()
-    return taken["embeds"][reference["input_ids"][0] == AUDIO]
-
-
-def logits(engine, ids, prompt_images) -> torch.Tensor:
-    with torch.no_grad():
-        return engine.model(
-            torch.tensor([ids]),
-            torch.arange(len(ids))[None],
-            images=prompt_images.tokens(0, len(ids), torch.device("cpu")),
-        )[0]
-
-
-def generated(engine, ids, prompt_images, tokens: int = 8) -> list[int]:
-    stream = engine.generate(ids, GREEDY, tokens, images=prompt_images)
-    return [r.token for r in stream if r.token is not None]
-
-
 def test_the_prompt_is_laid_out_as_qwen2_audio_processor_does(engine, clips, prompt, reference):
     ids, prompt_images = prompt
     assert ids == reference["input_ids"][0].tolist()
@@ -137,25 +101,18 @@ def test_the_prompt_is_laid_out_as_qwen2_audio_processor_does(engine, clips, pro
 
 
 def test_audio_embeddings_match_transformers(model, prompt, reference):
-    expected = audio_embeddings(model, reference)
+    expected = placed(model, reference, AUDIO)
     torch.testing.assert_close(torch.cat(prompt[1].embeds), expected, atol=1e-4, rtol=0)
 
 
 def test_logits_with_audio_match_transformers(model, engine, prompt, reference):
-    ids, prompt_images = prompt
-    with torch.no_grad():
-        expected = model(**reference).logits[0]
-        # generate's prefill in chunks of 40, moved so that no clip is split.
-        state = KVState(engine.model.new_cache(1, 256, torch.float32, "cpu"))
-        last = prefill(engine.model, state, ids, chunk=40, images=prompt_images)
-    torch.testing.assert_close(logits(engine, *prompt), expected, atol=1e-4, rtol=0)
-    torch.testing.assert_close(last, expected[-1], atol=1e-4, rtol=0)
+    check_prompt_logits(model, engine, prompt, reference, chunk=40, context=256)
 
 
 def test_greedy_tokens_match_transformers(model, engine, prompt, reference):
     expected = greedy_tokens(model, reference)
     assert len(expected) == 8
-    assert generated(engine, *prompt) == expected
+    assert greedy_ids(engine, *prompt) == expected
 
 
 @pytest.mark.parametrize(
@@ -171,7 +128,7 @@ def test_greedy_tokens_match_transformers(model, engine, prompt, reference):
     ],
 )
 def test_a_wrong_pool_fails(model, engine, clips, reference, monkeypatch, pool):
-    expected = audio_embeddings(model, reference)
+    expected = placed(model, reference, AUDIO)
     monkeypatch.setattr(F, "avg_pool1d", pool)
     planted = torch.cat(engine.encode_audio(clips))
     assert planted.shape == expected.shape
@@ -190,14 +147,14 @@ def test_gguf_with_mmproj_matches_transformers(model, clips, reference, tmp_path
     assert engine.vision is None
     ids, prompt_images = engine.audio_prompt(engine.prompt_text(QUESTION, audio=len(clips)), clips)
     assert ids == reference["input_ids"][0].tolist()
-    expected_embeddings = audio_embeddings(rounded, reference)
+    expected_embeddings = placed(rounded, reference, AUDIO)
     torch.testing.assert_close(
         torch.cat(prompt_images.embeds), expected_embeddings, atol=1e-4, rtol=0
     )
     with torch.no_grad():
         expected = rounded(**reference).logits[0]
     torch.testing.assert_close(logits(engine, ids, prompt_images), expected, atol=1e-4, rtol=0)
-    assert generated(engine, ids, prompt_images) == greedy_tokens(rounded, reference)
+    assert greedy_ids(engine, ids, prompt_images) == greedy_tokens(rounded, reference)
     with pytest.raises(UsageError, match="--mmproj"):
         api.load(str(text), device="cpu", audio=True)
     with pytest.raises(ModelFormatError, match="not an mmproj GGUF with an audio encoder"):
@@ -208,11 +165,7 @@ def test_gguf_with_mmproj_matches_transformers(model, clips, reference, tmp_path
 
 def test_run_with_audio_replies_as_transformers(model, folder, wavs, reference):
     """`llmrun run FOLDER --audio A --audio B "prompt"`: transformers' greedy reply."""
-    args = ["run", str(folder), "--audio", str(wavs[0]), "--audio", str(wavs[1]), QUESTION]
-    result = llmrun(*args, "-n", "8", "--temperature", "0", "--json", "--logprobs", "0")
-    assert result.returncode == 0, result.stderr
-    ids = [entry["id"] for entry in json.loads(result.stdout)["logprobs"]]
-    assert ids == greedy_tokens(model, reference)
+    check_run_with_audio(folder, wavs, QUESTION, greedy_tokens(model, reference))
 
 
 def test_a_clip_over_30_seconds_is_one_error_line(folder, engine, tmp_path):
@@ -237,18 +190,6 @@ def test_audio_places_must_match_the_clips(engine, clips):
         engine.audio_prompt("<|AUDIO|><|AUDIO|>", clips)
 
 
-def chat_body(data: bytes) -> dict:
-    part = {
-        "type": "input_audio",
-        "input_audio": {"data": base64.b64encode(data).decode(), "format": "wav"},
-    }
-    return {
-        "messages": [{"role": "user", "content": [part, {"type": "text", "text": QUESTION}]}],
-        "max_tokens": 8,
-        "temperature": 0,
-    }
-
-
 def test_serve_replies_to_an_input_audio_part_as_run_does(engine, wavs):
     data = wavs[0].read_bytes()
     too_long = wav_bytes(chirp(31.0, 8000, seed=3), 8000)
@@ -256,8 +197,8 @@ def test_serve_replies_to_an_input_audio_part_as_run_does(engine, wavs):
     service.start(engine)
     try:
         with TestClient(create_app(service)) as http:
-            response = http.post("/v1/chat/completions", json=chat_body(data))
-            refused = http.post("/v1/chat/completions", json=chat_body(too_long))
+            response = http.post("/v1/chat/completions", json=audio_body(data, QUESTION))
+            refused = http.post("/v1/chat/completions", json=audio_body(too_long, QUESTION))
     finally:
         service.close()
     assert refused.status_code == 400

@@ -17,10 +17,8 @@ import json
 import numpy as np
 import pytest
 import torch
-from in_process import llmrun
 from qwen2_vl_helpers import (
     IMAGE,
-    greedy_tokens,
     processor,
     processor_inputs,
     save_qwen_vl_dir,
@@ -28,20 +26,25 @@ from qwen2_vl_helpers import (
     write_mmproj,
     write_text_gguf,
 )
+from vision_checks import (
+    check_chat_with_an_image_in_every_turn,
+    check_engine_with_images,
+    check_image_features_each,
+    check_m_rope_greedy_then_text,
+    check_m_rope_logits,
+    check_mmproj_refusals,
+    check_run_with_an_image,
+)
 from vision_helpers import picture
 
 from llmrun import api
-from llmrun.errors import ModelFormatError, UsageError
-from llmrun.generate import KVState, prefill
+from llmrun.errors import UsageError
 from llmrun.images import open_image
 from llmrun.loading.qwen2_vl_vision import MAX_PIXELS, MIN_PIXELS, from_mmproj
-from llmrun.models.mrope import MRopeImages
 from llmrun.qwen2_vl_images import pixel_patches
-from llmrun.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL")
-GREEDY = SamplingParams(temperature=0.0)
 QUESTION = "What is in these pictures?"
 CPU = torch.device("cpu")
 FAMILIES = ("qwen2_5_vl", "qwen2_vl")
@@ -96,61 +99,16 @@ def test_resizing_matches_qwen2vl_image_processor(size, family):
 
 
 def test_image_features_match_transformers(family, prompt, reference):
-    model = family[0]
-    with torch.no_grad():
-        expected = model.model.get_image_features(
-            reference.pixel_values, reference.image_grid_thw
-        ).pooler_output
-    for ours, theirs in zip(prompt[1].embeds, expected, strict=True):
-        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    check_image_features_each(family[0], prompt, reference)
 
 
 def test_logits_with_images_match_transformers(family, prompt, reference):
-    model, _, engine = family
-    ids, prompt_images = prompt
-    length = len(ids)
-    with torch.no_grad():
-        expected = model(**reference).logits[0]
-        whole = engine.model(
-            torch.tensor([ids]),
-            torch.arange(length)[None],
-            images=prompt_images.tokens(0, length, CPU),
-        )[0]
-        # generate's prefill in chunks of 7 (moved so that no image is split): the text
-        # after the first image turns by the shift the KV cache keeps.
-        state = KVState(engine.model.new_cache(1, 160, torch.float32, "cpu"))
-        last = prefill(engine.model, state, ids, chunk=7, images=prompt_images)
-        # Image tokens turned by plain RoPE (their places in the prompt) instead.
-        soft = prompt_images.tokens(0, length, CPU)
-        plain = MRopeImages(soft.embeds, soft.groups, torch.arange(length).expand(3, -1), 0)
-        wrong = engine.model(torch.tensor([ids]), torch.arange(length)[None], images=plain)[0]
-    torch.testing.assert_close(whole, expected, atol=1e-4, rtol=0)
-    torch.testing.assert_close(last, expected[-1], atol=1e-4, rtol=0)
-    assert (wrong - expected).abs().max() > 1e-2
-
-
-def generated(engine, ids, prompt_images, state=None) -> list[int]:
-    stream = engine.generate(ids, GREEDY, 8, images=prompt_images, state=state)
-    return [r.token for r in stream if r.token is not None]
+    check_m_rope_logits(family[0], family[2], prompt, reference)
 
 
 def test_greedy_tokens_match_transformers_and_text_after_them_too(family, prompt, reference):
-    """8 tokens decoded at positions shifted by the images; then, through the same KV
-    cache, a text-only prompt turns by plain positions again."""
     model, folder, engine = family
-    expected = greedy_tokens(model, reference)
-    assert len(expected) == 8
-    state = engine.new_state(256)
-    assert generated(engine, *prompt, state=state) == expected
-    assert state.cache.rope_shifts
-    text = processor(folder).apply_chat_template(
-        [{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=False
-    )
-    ids = engine.tokenizer.encode(text)
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
-    assert generated(engine, ids, None, state=state) == out[0, len(ids) :].tolist()
-    assert not state.cache.rope_shifts
+    check_m_rope_greedy_then_text(model, engine, prompt, reference, processor(folder), QUESTION)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -161,31 +119,8 @@ def test_gguf_with_mmproj_matches_transformers(name, images, tmp_path):
     text = write_text_gguf(model, tmp_path / "model.gguf")
     mmproj = write_mmproj(model, tmp_path / "mmproj.gguf")
     engine = api.load(str(text), device="cpu", mmproj=mmproj)
-    ids, prompt_images = engine.image_prompt(
-        engine.prompt_text(QUESTION, images=len(images)), images
-    )
-    assert ids == reference.input_ids[0].tolist()
-    with torch.no_grad():
-        expected = model.model.get_image_features(
-            reference.pixel_values, reference.image_grid_thw
-        ).pooler_output
-        logits = model(**reference).logits[0]
-        ours = engine.model(
-            torch.tensor([ids]),
-            torch.arange(len(ids))[None],
-            images=prompt_images.tokens(0, len(ids), CPU),
-        )[0]
-    torch.testing.assert_close(
-        torch.cat(prompt_images.embeds), torch.cat(expected), atol=1e-4, rtol=0
-    )
-    torch.testing.assert_close(ours, logits, atol=1e-4, rtol=0)
-    assert generated(engine, ids, prompt_images) == greedy_tokens(model, reference)
-    with pytest.raises(UsageError, match="--mmproj"):
-        api.load(str(text), device="cpu", vision=True)
-    with pytest.raises(ModelFormatError, match="not an mmproj GGUF"):
-        from_mmproj(text, 64)
-    with pytest.raises(ModelFormatError, match="projects to 64 features, but .* is 32"):
-        from_mmproj(mmproj, 32)
+    check_engine_with_images(model, engine, images, reference, QUESTION)
+    check_mmproj_refusals(text, mmproj, from_mmproj)
 
 
 def test_a_quantized_mmproj_matches_its_dequantized_weights(family, images, tmp_path):
@@ -250,40 +185,8 @@ def test_images_need_their_places(family, images):
 
 
 def test_run_with_an_image_replies_as_transformers(family, tmp_path):
-    """`llmrun run FOLDER --image PATH "prompt"` prints transformers' greedy reply."""
-    from PIL import Image
-
-    model, folder, _ = family
-    path = tmp_path / "cat.png"
-    path.write_bytes(picture(90, 120, seed=4))
-    expected = greedy_tokens(model, processor_inputs(folder, [Image.open(path)], QUESTION))
-    args = ("run", str(folder), "--image", str(path), QUESTION, "-n", "8", "--temperature", "0")
-    result = llmrun(*args, "--json", "--logprobs", "0")
-    assert result.returncode == 0, result.stderr
-    assert [entry["id"] for entry in json.loads(result.stdout)["logprobs"]] == expected
+    check_run_with_an_image(family[0], family[1], tmp_path, processor_inputs, QUESTION)
 
 
 def test_a_chat_with_an_image_replies_as_transformers_in_every_turn(family, tmp_path):
-    """`llmrun chat FOLDER --image PATH`: the image stays in the first message, each turn
-    renders the conversation again, and each reply is transformers' greedy one over it."""
-    from PIL import Image
-
-    from llmrun.tokenizer import load_tokenizer
-
-    model, folder, _ = family
-    path = tmp_path / "cat.png"
-    path.write_bytes(picture(90, 120, seed=4))
-    tokenizer = load_tokenizer(folder)
-    questions = ("What is in this picture?", "And then?")
-    first = [{"type": "image"}, {"type": "text", "text": questions[0]}]
-    messages, expected = [], ""
-    for question in questions:
-        messages.append({"role": "user", "content": first if not messages else question})
-        inputs = processor_inputs(folder, [Image.open(path)], messages)
-        reply = tokenizer.decode(greedy_tokens(model, inputs))
-        messages.append({"role": "assistant", "content": reply})
-        expected += reply + "\n\n"
-    options = ("-n", "8", "--temperature", "0")
-    result = llmrun("chat", folder, "--image", path, *options, input="\n".join(questions))
-    assert result.returncode == 0, result.stderr
-    assert result.stdout == expected
+    check_chat_with_an_image_in_every_turn(family[0], family[1], tmp_path, processor_inputs)

@@ -16,15 +16,15 @@ deepstack features, fail.
 Tolerances: ids and tokens exact; embeddings and logits within 1e-4.
 """
 
-import base64
 import copy
 import json
 
 import pytest
 import torch
+from audio_checks import audio_body, placed
 from image_serving import check_reply_is_run_s
 from in_process import llmrun
-from qwen2_5_omni_helpers import greedy_tokens
+from qwen2_5_omni_helpers import check_matches, greedy_tokens
 from qwen3_omni_helpers import (
     AUDIO,
     AUDIO_END,
@@ -38,11 +38,11 @@ from qwen3_omni_helpers import (
     write_text_gguf,
 )
 from serving import GREEDY, chat_reply, image_prompt, served
+from vision_checks import logits
 from vision_helpers import picture
 from voxtral_helpers import chirp, wav_bytes
 
 from llmrun import api, audio
-from llmrun.generate import KVState, prefill
 from llmrun.images import open_image
 from llmrun.models import mrope
 
@@ -99,37 +99,6 @@ def audio_reference(folder, clips):
     return processor_inputs(folder, user_turn("audio", 2), clips=[c.samples for c in clips])
 
 
-def placed(model, reference, token: int) -> torch.Tensor:
-    """The rows the language model takes at the `token` places, as transformers makes
-    them (its encoders' outputs scattered into the embeddings)."""
-    taken = {}
-
-    def keep(module, args, kwargs):
-        taken["embeds"] = kwargs["inputs_embeds"][0]
-
-    hook = model.model.language_model.register_forward_pre_hook(keep, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            model(**reference)
-    finally:
-        hook.remove()
-    return taken["embeds"][reference["input_ids"][0] == token]
-
-
-def logits(engine, ids, prompt_images) -> torch.Tensor:
-    with torch.no_grad():
-        return engine.model(
-            torch.tensor([ids]),
-            torch.arange(len(ids))[None],
-            images=prompt_images.tokens(0, len(ids), torch.device("cpu")),
-        )[0]
-
-
-def generated(engine, ids, prompt_images, tokens: int = 8) -> list[int]:
-    stream = engine.generate(ids, GREEDY, tokens, images=prompt_images)
-    return [r.token for r in stream if r.token is not None]
-
-
 def image_prompt_of(engine):
     return engine.image_prompt(engine.prompt_text(QUESTION, images=1), [open_image(WIDE)])
 
@@ -138,31 +107,12 @@ def audio_prompt_of(engine, clips):
     return engine.audio_prompt(engine.prompt_text(QUESTION, audio=len(clips)), clips)
 
 
-def check_matches(model, engine, prompt, reference, token: int, chunk: int = 40) -> None:
-    """ids, the placed embeddings, the logits (whole, and generate's prefill in chunks)
-    and 8 greedy tokens are transformers'."""
-    ids, prompt_images = prompt
-    assert ids == reference["input_ids"][0].tolist()
-    hidden = model.config.text_config.hidden_size
-    placed_rows = torch.cat(prompt_images.embeds)[:, :hidden]
-    torch.testing.assert_close(placed_rows, placed(model, reference, token), atol=1e-4, rtol=0)
-    with torch.no_grad():
-        expected = model(**reference).logits[0]
-        state = KVState(engine.model.new_cache(1, 256, torch.float32, "cpu"))
-        last = prefill(engine.model, state, ids, chunk=chunk, images=prompt_images)
-    torch.testing.assert_close(logits(engine, ids, prompt_images), expected, atol=1e-4, rtol=0)
-    torch.testing.assert_close(last, expected[-1], atol=1e-4, rtol=0)
-    tokens = greedy_tokens(model, reference)
-    assert len(tokens) == 8
-    assert generated(engine, ids, prompt_images) == tokens
-
-
 def test_an_image_prompt_matches_transformers(model, engine, image_reference):
     prompt = image_prompt_of(engine)
     # 7x10 tokens, each its features and the deepstack block's.
     assert [tuple(e.shape) for e in prompt[1].embeds] == [(70, 128)]
     assert prompt[1].shift_at(len(prompt[0])) < 0  # the text after it is shifted
-    check_matches(model, engine, prompt, image_reference, IMAGE)
+    check_matches(model, engine, prompt, image_reference, IMAGE, deepstack=True)
 
 
 def test_an_audio_prompt_matches_transformers(model, engine, clips, audio_reference):
@@ -171,7 +121,7 @@ def test_an_audio_prompt_matches_transformers(model, engine, clips, audio_refere
     assert [engine.audio_tokens(clip) for clip in clips] == TOKENS
     for start, count in zip(prompt_images.starts, TOKENS, strict=True):
         assert ids[start - 1] == AUDIO_START and ids[start + count] == AUDIO_END
-    check_matches(model, engine, prompt, audio_reference, AUDIO)
+    check_matches(model, engine, prompt, audio_reference, AUDIO, deepstack=True)
 
 
 def test_audio_across_windows_or_images_without_deepstack_fail(
@@ -224,8 +174,10 @@ def test_gguf_with_mmproj_matches_transformers(
         layer.weight.data = layer.weight.data.half().float()
     tower.n_window_infer = 800
     engine = api.load(str(text), device="cpu", mmproj=mmproj, vision=True, audio=True)
-    check_matches(rounded, engine, image_prompt_of(engine), image_reference, IMAGE)
-    check_matches(rounded, engine, audio_prompt_of(engine, clips), audio_reference, AUDIO)
+    check_matches(rounded, engine, image_prompt_of(engine), image_reference, IMAGE, deepstack=True)
+    check_matches(
+        rounded, engine, audio_prompt_of(engine, clips), audio_reference, AUDIO, deepstack=True
+    )
 
 
 @pytest.mark.parametrize("kind", ["image", "audio"])
@@ -265,23 +217,11 @@ def test_a_clip_too_short_is_one_error_line(folder, tmp_path):
     assert line == f"error: {tiny}: 160 samples, too short for Qwen3-Omni"
 
 
-def audio_body(data: bytes) -> dict:
-    part = {
-        "type": "input_audio",
-        "input_audio": {"data": base64.b64encode(data).decode(), "format": "wav"},
-    }
-    return {
-        "messages": [{"role": "user", "content": [part, {"type": "text", "text": QUESTION}]}],
-        "max_tokens": 8,
-        "temperature": 0,
-    }
-
-
 def test_serve_replies_to_an_image_and_to_audio_as_run_does(model, engine, wavs, image_reference):
     data = wavs[1].read_bytes()
     for client in served(engine, "qwen3-omni"):
         reply = chat_reply(client, WIDE, QUESTION)
-        heard = client.post("/v1/chat/completions", json=audio_body(data))
+        heard = client.post("/v1/chat/completions", json=audio_body(data, QUESTION))
     _, ids, _, _ = image_prompt(engine, WIDE, QUESTION)
     expected = greedy_tokens(model, image_reference)
     check_reply_is_run_s(reply, engine, (WIDE, QUESTION), expected, len(ids))

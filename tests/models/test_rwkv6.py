@@ -17,9 +17,12 @@ from in_process import llmrun
 from rwkv_helpers import (
     CPU,
     IDS,
+    LONG_IDS,
+    check_chunked_prefill,
     check_folder_matches_reference,
     check_gguf_matches_reference,
     converted6,
+    extreme_decays6,
     folder6_of,
     reference_logits,
     rwkv6_class,
@@ -29,6 +32,7 @@ from rwkv_helpers import (
 from llmrun.loading import gguf_io
 from llmrun.loading.loader import load_model
 from llmrun.loading.rwkv6 import hf_name
+from llmrun.models import rwkv6
 
 pytestmark = needs_converter
 
@@ -105,3 +109,33 @@ def test_a_planted_bug_fails(tmp_path_factory, files):
     result = llmrun("show", str(files["f32"]))
     assert result.returncode == 0, result.stderr
     assert "rwkv6" in result.stdout
+
+
+@pytest.fixture(scope="module")
+def decays(tmp_path_factory):
+    return extreme_decays6(tmp_path_factory)
+
+
+def test_a_long_prompt_with_extreme_decays_is_prefilled_in_chunks(decays):
+    """100 tokens (7 chunks), decays of 0, near 0 and near 1: rwkv's logits at once, in two
+    prefills and in decode steps after them, and the token-at-a-time state."""
+    folder, ref = decays
+    check_chunked_prefill(load_model(folder, CPU, "f32").model, ref)
+
+
+def test_a_planted_bug_in_the_chunks_fails(decays, monkeypatch):
+    """Each token's own decay counted before it reads the state (off by one) moves a long
+    prompt's logits far past 1e-4."""
+    folder, ref = decays
+    model = load_model(folder, CPU, "f32").model
+    summing_rows = rwkv6.summing_rows
+
+    def off_by_one(n, like):
+        rows = summing_rows(n, like)
+        rows[:n] += torch.eye(n)
+        return rows
+
+    monkeypatch.setattr(rwkv6, "summing_rows", off_by_one)
+    with torch.no_grad():
+        logits = model(torch.tensor([LONG_IDS]), torch.arange(len(LONG_IDS))[None])[0]
+    assert max_diff(logits, reference_logits(ref, LONG_IDS)) > 1e-2

@@ -18,10 +18,13 @@ from in_process import llmrun
 from rwkv_helpers import (
     CPU,
     IDS,
+    LONG_IDS,
     blinkdl_state_dict,
+    check_chunked_prefill,
     check_folder_matches_reference,
     check_gguf_matches_reference,
     converted,
+    extreme_decays7,
     folder_of,
     reference,
     reference_logits,
@@ -92,6 +95,29 @@ def test_a_planted_bug_fails(tmp_path_factory, files):
         lora.bias.neg_()
         logits = model(torch.tensor([IDS]), torch.arange(len(IDS))[None])[0]
     assert max_diff(logits, reference_logits(ref, IDS)) > 1e-2
+
+
+@pytest.fixture(scope="module")
+def decays(tmp_path_factory):
+    return extreme_decays7(tmp_path_factory)
+
+
+def test_a_long_prompt_with_extreme_decays_is_prefilled_in_chunks(decays):
+    """100 tokens (7 chunks), decays at both ends of their range: rwkv's logits at once,
+    in two prefills and in decode steps after them, and the token-at-a-time state."""
+    folder, ref = decays
+    check_chunked_prefill(load_model(folder, CPU, "f32").model, ref)
+
+
+def test_a_planted_bug_in_the_chunks_fails(decays, monkeypatch):
+    """Each chunk's triangular system left unsolved (the recalls taken as its right side)
+    moves a long prompt's logits far past 1e-4."""
+    folder, ref = decays
+    model = load_model(folder, CPU, "f32").model
+    monkeypatch.setattr(torch.linalg, "solve_triangular", lambda system, targets, **_: targets)
+    with torch.no_grad():
+        logits = model(torch.tensor([LONG_IDS]), torch.arange(len(LONG_IDS))[None])[0]
+    assert max_diff(logits, reference_logits(ref, LONG_IDS)) > 1e-2
 
 
 def test_show_names_rwkv7_and_its_tokenizer(files, tmp_path_factory):

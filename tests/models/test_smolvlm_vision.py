@@ -24,20 +24,24 @@ from smolvlm_helpers import (
     write_mmproj,
     write_text_gguf,
 )
+from vision_checks import (
+    check_mmproj_refusals,
+    check_prompt_logits,
+    greedy_ids,
+    logits,
+    soft_rows,
+)
 from vision_helpers import picture
 
 from llmrun import api, idefics3_images, vision_families
-from llmrun.errors import ModelFormatError, UsageError
-from llmrun.generate import KVState, prefill
+from llmrun.errors import UsageError
 from llmrun.images import open_image
 from llmrun.loading.idefics3_vision import from_mmproj
 from llmrun.models import idefics3_vision
-from llmrun.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 pytest.importorskip("num2words")  # SmolVLMProcessor's
-GREEDY = SamplingParams(temperature=0.0)
 QUESTION = "What is in these pictures?"
 # Resized to 64 pixels on the longest side, then cut into tiles of 32: 40x64 (height x
 # width) makes 2x2 tiles, 100x17 2x1, 30x90 1x2.
@@ -72,15 +76,6 @@ def reference(folder, engine, images):
 @pytest.fixture(scope="module")
 def prompt(engine, images):
     return engine.image_prompt(engine.prompt_text(QUESTION, images=len(images)), images)
-
-
-def soft_tokens(ids, prompt_images) -> torch.Tensor:
-    """The embeddings of a prompt's <image> places, in order."""
-    rows = [
-        embeds[[ids[start + i] == IMAGE for i in range(len(embeds))]]
-        for start, embeds in zip(prompt_images.starts, prompt_images.embeds, strict=True)
-    ]
-    return torch.cat(rows)
 
 
 def image_features(model, reference) -> torch.Tensor:
@@ -118,7 +113,7 @@ def test_the_prompt_and_pixels_are_the_processors(model, engine, folder, tmp_pat
 
 
 def test_image_features_match_transformers(model, prompt, reference):
-    features = soft_tokens(*prompt)
+    features = soft_rows(*prompt, IMAGE)
     expected = image_features(model, reference)
     assert features.shape == (8 * TILE_TOKENS, 64)  # 2x2 tiles, 1x2 tiles, 2 wholes
     torch.testing.assert_close(features, expected, atol=1e-4, rtol=0)
@@ -157,35 +152,14 @@ def test_a_pixel_shuffle_in_another_order_fails(model, engine, images, reference
     assert (features - image_features(model, reference)).abs().max() > 1e-2
 
 
-def logits(engine, ids, prompt_images) -> torch.Tensor:
-    with torch.no_grad():
-        return engine.model(
-            torch.tensor([ids]),
-            torch.arange(len(ids))[None],
-            images=prompt_images.tokens(0, len(ids), torch.device("cpu")),
-        )[0]
-
-
 def test_logits_with_images_match_transformers(model, engine, prompt, reference):
-    ids, prompt_images = prompt
-    with torch.no_grad():
-        expected = model(**reference).logits[0]
-        # generate's prefill in chunks of 7, moved so that no image is split.
-        state = KVState(engine.model.new_cache(1, 256, torch.float32, "cpu"))
-        last = prefill(engine.model, state, ids, chunk=7, images=prompt_images)
-    torch.testing.assert_close(logits(engine, *prompt), expected, atol=1e-4, rtol=0)
-    torch.testing.assert_close(last, expected[-1], atol=1e-4, rtol=0)
-
-
-def generated(engine, ids, prompt_images, tokens: int = 8) -> list[int]:
-    stream = engine.generate(ids, GREEDY, tokens, images=prompt_images)
-    return [r.token for r in stream if r.token is not None]
+    check_prompt_logits(model, engine, prompt, reference, chunk=7, context=256)
 
 
 def test_greedy_tokens_match_transformers(model, engine, prompt, reference):
     expected = greedy_tokens(model, reference)
     assert len(expected) == 8
-    assert generated(engine, *prompt) == expected
+    assert greedy_ids(engine, *prompt) == expected
 
 
 def test_gguf_with_mmproj_matches_transformers(model, images, reference, tmp_path):
@@ -198,18 +172,13 @@ def test_gguf_with_mmproj_matches_transformers(model, images, reference, tmp_pat
         engine.prompt_text(QUESTION, images=len(images)), images
     )
     assert ids == reference["input_ids"][0].tolist()
-    features = soft_tokens(ids, prompt_images)
+    features = soft_rows(ids, prompt_images, IMAGE)
     torch.testing.assert_close(features, image_features(model, reference), atol=1e-4, rtol=0)
     with torch.no_grad():
         expected = model(**reference).logits[0]
     torch.testing.assert_close(logits(engine, ids, prompt_images), expected, atol=1e-4, rtol=0)
-    assert generated(engine, ids, prompt_images) == greedy_tokens(model, reference)
-    with pytest.raises(UsageError, match="--mmproj"):
-        api.load(str(text), device="cpu", vision=True)
-    with pytest.raises(ModelFormatError, match="not an mmproj GGUF"):
-        from_mmproj(text, 64)
-    with pytest.raises(ModelFormatError, match="projects to 64 features, but .* is 32"):
-        from_mmproj(mmproj, 32)
+    assert greedy_ids(engine, ids, prompt_images) == greedy_tokens(model, reference)
+    check_mmproj_refusals(text, mmproj, from_mmproj)
 
 
 def test_a_quantized_mmproj_loads_gguf_dequantized_weights(model, engine, images, tmp_path):

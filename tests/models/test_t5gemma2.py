@@ -7,12 +7,13 @@ gives transformers' generate ids. The encoder's window mirrored (the planted bug
 transformers' looks 1 back and 2 ahead) fails. `run --raw` prints generate's text (the
 image encoder left out, as a note says); `show` names the family. With an image, the prompt's ids
 are Gemma3Processor's, the encoder's output transformers' for its pixel values, and `run
---image` prints generate's text.
+--image` prints generate's text, as serve's chat endpoint answers an image part.
 
 Tolerances: encoder output and logits 1e-4; ids and text exact.
 """
 
 import pytest
+import serving
 import torch
 from in_process import llmrun
 from t5_helpers import PROMPT, t5gemma2_folder
@@ -117,3 +118,8 @@ def test_an_image_goes_into_the_encoder_as_transformers_puts_it(model, tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout == engine.tokenizer.decode(out[0, 1:].tolist())
     assert "without the vision tower" not in result.stderr
+    served = serving.served(engine, "t5gemma2")
+    reply = serving.chat_reply(next(served), image, question, max_tokens=8)
+    served.close()
+    assert reply["choices"][0]["message"]["content"] == result.stdout
+    assert reply["usage"]["prompt_tokens"] == len(ids)

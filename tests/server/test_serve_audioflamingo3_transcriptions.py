@@ -15,9 +15,8 @@ from transcription_serving import (
     app_client,
     audio_service,
     check_an_input_audio_part_replies_as_run_does,
-    greedy_answer,
-    submitted_prompts,
-    transcribe,
+    check_refused,
+    check_transcription_is_transformers_s,
 )
 
 from llmrun import audio, audioflamingo3_clips
@@ -52,27 +51,15 @@ def client(service):
 def test_a_transcription_is_transformers_on_apply_transcription_request_s_ids(
     client, service, model, folder, monkeypatch
 ):
-    prompts = submitted_prompts(service, monkeypatch)
-    response = transcribe(client, NAME)
-    assert response.status_code == 200, response.text
     inputs = processor(folder).apply_transcription_request(audio.open_audio(CLIP).samples)
-    ids = inputs["input_ids"][0].tolist()
-    assert prompts == [ids]
-    tokens = greedy_answer(model, inputs, CONTEXT)
-    # llmrun's decode (whose byte tokens' text is not transformers' replacement
-    # characters), read as decode(strip_prefix=True) reads it (which
-    # tests/models/test_audioflamingo3.py checks).
-    text = audioflamingo3_clips.transcript(service.engine.tokenizer.decode(tokens))
-    answer = response.json()
-    assert answer["text"] == text
-    assert answer["usage"]["input_tokens"] == len(ids)
-    assert answer["usage"]["input_token_details"]["audio_tokens"] == 32
-    response = transcribe(client, NAME, language="en")
-    assert response.status_code == 400
-    assert response.json()["error"]["message"] == (
+    transcript = audioflamingo3_clips.transcript
+    args = (model, inputs, NAME, CONTEXT, transcript, 32)
+    check_transcription_is_transformers_s(client, service, monkeypatch, *args)
+    message = (
         "language 'en': Audio Flamingo 3's transcription prompt takes no language: leave "
         "language out"
     )
+    check_refused(client, NAME, message, language="en")
 
 
 def test_an_input_audio_part_replies_as_run_does(client, service):

@@ -16,8 +16,8 @@ from transcription_serving import (
     app_client,
     audio_service,
     check_an_input_audio_part_replies_as_run_does,
-    greedy_answer,
-    submitted_prompts,
+    check_refused,
+    check_transcription_is_transformers_s,
     transcribe,
 )
 
@@ -53,38 +53,22 @@ def client(service):
 def test_a_transcription_is_transformers_on_apply_transcription_request_s_ids(
     client, service, model, folder, monkeypatch
 ):
-    prompts = submitted_prompts(service, monkeypatch)
-    response = transcribe(client, NAME)
-    assert response.status_code == 200, response.text
     inputs = processor(folder).apply_transcription_request(audio.open_audio(CLIP).samples)
-    ids = inputs["input_ids"][0].tolist()
-    assert prompts == [ids]
-    tokens = greedy_answer(model, inputs, CONTEXT)
-    # llmrun's decode, whose byte tokens' text (the random model writes many) is not
-    # transformers' replacement characters; read as decode(strip_prefix=True) reads it
-    # (whose own reading tests/models/test_glmasr.py checks).
-    text = glmasr_clips.transcript(service.engine.tokenizer.decode(tokens))
-    answer = response.json()
-    assert answer["text"] == text
-    assert answer["usage"]["input_tokens"] == len(ids)
-    assert answer["usage"]["input_token_details"]["audio_tokens"] == 16
+    args = (model, inputs, NAME, CONTEXT, glmasr_clips.transcript, 16)
+    answer = check_transcription_is_transformers_s(client, service, monkeypatch, *args)
     assert answer["usage"]["input_tokens"] + answer["usage"]["output_tokens"] == CONTEXT + 1
     plain = transcribe(client, NAME, response_format="text")
-    assert plain.text == text
+    assert plain.text == answer["text"]
 
 
 def test_a_language_or_a_prompt_is_one_400(client):
-    response = transcribe(client, NAME, language="en")
-    assert response.status_code == 400
-    assert response.json()["error"]["message"] == (
+    language = (
         "language 'en': GLM-ASR's transcription prompt takes no language (it transcribes the "
         "language it hears): leave language out"
     )
-    response = transcribe(client, NAME, prompt="Ada")
-    assert response.status_code == 400
-    assert response.json()["error"]["message"] == (
-        "prompt: GLM-ASR's transcription prompt has no place for a text"
-    )
+    check_refused(client, NAME, language, language="en")
+    prompt = "prompt: GLM-ASR's transcription prompt has no place for a text"
+    check_refused(client, NAME, prompt, prompt="Ada")
 
 
 def test_an_input_audio_part_replies_as_run_does(client, service):

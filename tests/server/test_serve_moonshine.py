@@ -62,7 +62,7 @@ def test_a_transcription_is_transformers_generate(client, folder):
             "transcriptions",
             {"response_format": "srt"},
             "response_format 'srt': moonshine predicts no timestamps (llmrun times speech "
-            "with Whisper models)",
+            "with Whisper and Parakeet models)",
         ),
         (
             "transcriptions",

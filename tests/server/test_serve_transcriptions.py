@@ -140,10 +140,16 @@ def test_a_transcription_is_transformers_on_apply_transcription_request_s_ids(
             CLIP,
             {"response_format": "srt"},
             "response_format 'srt': voxtral predicts no timestamps (llmrun times speech with "
-            "Whisper models)",
+            "Whisper and Parakeet models)",
         ),
         (CLIP, {"response_format": "tsv"}, "response_format 'tsv': llmrun answers json, text"),
         (CLIP, {"language": "english"}, "language 'english': give an ISO 639-1 code"),
+        (
+            CLIP,
+            {"num_beams": "2"},
+            "num_beams: voxtral is a Voxtral model (an audio-language model), which llmrun "
+            "transcribes without beams",
+        ),
     ],
 )
 def test_a_bad_request_is_one_400(client, clip, fields, message):
@@ -235,6 +241,6 @@ def test_an_audio_model_without_a_documented_transcription_prompt_is_a_400(tmp_p
     assert response.json()["error"]["message"] == (
         "qwen2-audio is a Qwen2-Audio model, whose transcription prompt llmrun does not know "
         "(it transcribes with Voxtral, Qwen3-ASR, Granite Speech Plus, GLM-ASR, Fun-ASR-Nano, "
-        "VibeVoice-ASR, Audio Flamingo 3, Phi-4-multimodal models); send the audio to "
+        "VibeVoice-ASR, Audio Flamingo 3, Phi-4-multimodal, OmniASR models); send the audio to "
         "/v1/chat/completions as an input_audio part with your instruction"
     )

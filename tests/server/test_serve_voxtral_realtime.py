@@ -1,8 +1,8 @@
 """serve with a tiny random Voxtral Realtime (tests/voxtral_realtime_helpers.py):
 /v1/audio/transcriptions answers transformers' VoxtralRealtimeForConditionalGeneration.generate
 text (greedy, every audio token read) for the uploaded WAV, decoded as mistral_common
-decodes it, as json (with usage) and as text. A language and a translation are one clear
-400 each.
+decodes it, as json (with usage) and as text. A language, a translation and beams are one
+clear 400 each.
 
 Tolerances: ids and text exact.
 """
@@ -64,8 +64,14 @@ def test_a_transcription_is_transformers_generate(client, model, folder):
     [
         ("transcriptions", {"language": "en"}, "Voxtral Realtime takes no language"),
         ("translations", {}, "Voxtral Realtime transcribes; it does not translate"),
+        (
+            "transcriptions",
+            {"num_beams": "2"},
+            "num_beams: voxtral-realtime is a Voxtral Realtime model, which llmrun decodes "
+            "without beams",
+        ),
     ],
-    ids=["language", "translation"],
+    ids=["language", "translation", "beams"],
 )
 def test_what_it_cannot_do_is_one_400(client, endpoint, fields, message):
     response = post(client, endpoint, **fields)

@@ -2,24 +2,32 @@
 answers transformers' WhisperForConditionalGeneration.generate text (greedy) for the
 uploaded WAV, with the language detected or given and OpenAI's `prompt` as Whisper's
 prompt_ids, as json (with usage) and as text; /v1/audio/translations answers generate's
-task="translate". Chat completions (OpenAI's and ollama's) on a Whisper model, a temperature
-above 0, a language on a translation and a translation by a model that is not Whisper are one
-clear 400 each.
+task="translate". Chat completions (OpenAI's and ollama's) on a Whisper model, a language on a
+translation and a translation by a model that is not Whisper are one clear 400 each; a
+temperature starts the temperature fallback (the random model fails every try: the last
+temperature's result is kept).
 verbose_json, srt and vtt (both endpoints, through OpenAI's Python client: verbose_json parsed
 as its TranscriptionVerbose and TranslationVerbose) hold generate(return_timestamps=True,
 return_segments=True)'s segments: times, texts and tokens, the subtitles' cues in their
-format and media type; timestamp_granularities[] segment is taken, word and a granularity
-without verbose_json are one 400 each.
+format and media type; timestamp_granularities[] segment is taken, a granularity without
+verbose_json is a 400, and so is word for a folder without alignment_heads. With them (a copy
+of the folder), word gives verbose_json's words (parsed as the client's TranscriptionWord):
+the library's words (tests/test_whisper_words.py checks them against transformers), without
+their leading spaces, and no segments unless segment is asked for too. num_beams gives
+generate(num_beams=...)'s transcript and translation; a bad count is a 400.
 
 Tolerances: text, times and tokens exact (subtitles: to the millisecond).
 """
+
+import json
+import shutil
 
 import pytest
 from serving import served
 from voxtral_helpers import chirp, wav_bytes
 from whisper_helpers import reference_segments, subtitle_cues, tiny_whisper_dir
 
-from llmrun import api, whisper_languages
+from llmrun import api, audio, whisper_languages
 
 transformers = pytest.importorskip("transformers")
 SAMPLES = chirp(2.0, 16000, seed=3)
@@ -94,12 +102,15 @@ def test_chat_and_bad_requests_are_one_400(client):
     )
     assert ollama.status_code == 400
     assert "a speech recognition model (Whisper)" in ollama.json()["error"]
-    hot = post(client, temperature="0.5")
-    assert hot.status_code == 400
-    assert hot.json()["error"]["message"].startswith("temperature: llmrun decodes Whisper greedily")
     language = post(client, "translations", language="de")
     assert language.status_code == 400
     assert language.json()["error"]["message"] == "language: a translation is into English"
+
+
+def test_a_temperature_starts_the_fallback(client):
+    response = post(client, temperature="0.8", response_format="verbose_json")
+    assert response.status_code == 200, response.text
+    assert {s["temperature"] for s in response.json()["segments"]} == {1.0}
 
 
 def test_a_translation_by_a_model_that_is_not_whisper_is_a_400():
@@ -168,7 +179,7 @@ def test_verbose_json_srt_and_vtt_hold_transformers_segments(client, folder, tas
     [
         (
             {"response_format": "verbose_json", "timestamp_granularities[]": ["segment", "word"]},
-            "timestamp_granularities[] word: llmrun times segments, not words",
+            "word timestamps: this Whisper model's generation_config.json has no alignment_heads",
         ),
         (
             {"timestamp_granularities[]": "segment"},
@@ -185,3 +196,55 @@ def test_what_serve_does_not_time_is_one_400(client, fields, message):
     response = post(client, **fields)
     assert response.status_code == 400
     assert response.json()["error"]["message"].startswith(message)
+
+
+def test_word_timestamps_are_verbose_json_s_words(folder, tmp_path):
+    openai = pytest.importorskip("openai")
+    path, _ = folder
+    shutil.copytree(path, tmp_path, dirs_exist_ok=True)
+    config = json.loads((path / "generation_config.json").read_text())
+    config["alignment_heads"] = [[0, 1], [1, 0]]
+    (tmp_path / "generation_config.json").write_text(json.dumps(config))
+    engine = api.load(str(tmp_path), device="cpu", generate=False)
+    clip = audio.open_audio(CLIP, "file")
+    expected = engine.transcribe(clip, None, None, None, True, words=True)
+    answers = {}
+    for http in served(engine, "whisper"):
+        sdk = openai.OpenAI(
+            base_url="http://testserver/v1", api_key="-", http_client=http, max_retries=0
+        )
+        for granularities in (("word",), ("word", "segment")):
+            answers[granularities] = sdk.audio.transcriptions.create(
+                model="whisper",
+                file=("clip.wav", CLIP),
+                response_format="verbose_json",
+                timestamp_granularities=list(granularities),
+            )
+    for granularities, verbose in answers.items():
+        assert [(w.word, w.start, w.end) for w in verbose.words] == [
+            (w.word.strip(), w.start, w.end) for w in expected.words
+        ]
+        assert (verbose.segments is not None) == ("segment" in granularities)
+    assert len(expected.words) >= 2
+
+
+def test_num_beams_is_transformers_beam_search(client, folder):
+    """num_beams: generate(num_beams=...)'s transcript (2 and 3 beams: three different texts
+    with the greedy one) and translation; a count that is no whole number, or over 32, is
+    a 400."""
+    texts = [expected_text(folder, prompt="a cat")]
+    for beams in (2, 3):
+        response = post(client, prompt="a cat", num_beams=str(beams))
+        assert response.status_code == 200, response.text
+        texts.append(response.json()["text"])
+        assert texts[-1] == expected_text(folder, prompt="a cat", num_beams=beams)
+    assert len(set(texts)) == 3
+    translated = post(client, "translations", num_beams="3")
+    assert translated.json()["text"] == expected_text(folder, task="translate", num_beams=3)
+    for value, message in (
+        ("two", "num_beams 'two': give a whole number of beams"),
+        ("40", "num_beams: the number of beams must be between 1 and 32, got 40"),
+    ):
+        refused = post(client, num_beams=value)
+        assert refused.status_code == 400
+        assert refused.json()["error"]["message"] == message
