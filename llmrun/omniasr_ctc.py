@@ -12,13 +12,12 @@ processing_omniasr_ctc.py, parakeet/tokenization_parakeet.py (_decode).
 
 from __future__ import annotations
 
-from itertools import groupby
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from llmrun import audio, omniasr_clips, parakeet, seq2seq
+from llmrun import audio, omniasr_clips, parakeet, seq2seq, wav2vec2
 from llmrun.errors import UsageError
 from llmrun.tokenizer import Tokenizer
 from llmrun.whisper import Transcription
@@ -47,6 +46,5 @@ def transcribe(
     samples = omniasr_clips.normalized(torch.tensor(clip.samples, dtype=torch.float32))
     with torch.inference_mode():
         best = model.logits(samples.to(head.device, head.dtype)).argmax(-1).tolist()
-    pad = parakeet.pad_id(folder, tokenizer)
-    ids = [token for token, _ in groupby(best) if token != pad]
+    ids = wav2vec2.ctc_collapse(best, {parakeet.pad_id(folder, tokenizer)})
     return Transcription(tokenizer.decode(ids, skip_special=True), ids, None, 0)

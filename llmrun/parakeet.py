@@ -38,13 +38,12 @@ tokenization_parakeet.py (_decode); NeMo's nemo/collections/asr/parts/utils/time
 
 from __future__ import annotations
 
-from itertools import groupby
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from llmrun import audio, canary, nemotron_omni_clips, seq2seq, whisper
+from llmrun import audio, canary, nemotron_omni_clips, seq2seq, wav2vec2, whisper
 from llmrun.errors import ModelFormatError, UsageError
 from llmrun.loading.safetensors_io import read_json
 from llmrun.models.parakeet import TDT
@@ -253,7 +252,7 @@ def transcribe(
         if args.transducer:
             steps, moves, logprobs = transducer_steps(model, encoded, valid, start)
         else:
-            steps = [token for token, _ in groupby(ctc_ids(model, encoded, valid))]
+            steps = wav2vec2.ctc_collapse(ctc_ids(model, encoded, valid))
     dropped = {args.blank_token_id, pad_id(folder, tokenizer)}
     ids = [token for token in steps if token not in dropped]
     text = tokenizer.decode(ids, skip_special=True)

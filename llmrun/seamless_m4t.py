@@ -30,6 +30,7 @@ import torch
 from llmrun import audio, seq2seq, speech_to_text
 from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
 from llmrun.loading.vision import feature_extractor
+from llmrun.omniasr_clips import ISO_639_1
 from llmrun.tokenizer import Tokenizer
 from llmrun.translation import SHOWN, Framing
 from llmrun.whisper import Transcription
@@ -76,13 +77,15 @@ def extractor_settings(folder: Path) -> int:
 
 def target_code(generation: dict[str, Any], name: str) -> int:
     """The decoder's code of target language `name` (fra, or __fra__), from
-    generation_config.json's text_decoder_lang_to_code_id, as generate's tgt_lang."""
+    generation_config.json's text_decoder_lang_to_code_id, as generate's tgt_lang; an ISO
+    639-1 code (fr) is taken as the three-letter code OmniASR's table gives it, where the
+    folder has that code."""
     codes = generation.get(CODES)
     if not isinstance(codes, dict) or not codes:
         raise ModelFormatError(
             f"{FAMILY}'s generation_config.json has no {CODES}, which names its target languages"
         )
-    code = codes.get(name.replace("__", ""))
+    code = codes.get(language_name(generation, name))
     if isinstance(code, bool) or not isinstance(code, int) or code < 0:
         known = sorted(codes)
         more = f", ... ({len(known)} in all)" if len(known) > SHOWN else ""
@@ -91,6 +94,16 @@ def target_code(generation: dict[str, Any], name: str) -> int:
             f"{', '.join(known[:SHOWN])}{more}"
         )
     return code
+
+
+def language_name(generation: dict[str, Any], name: str) -> str:
+    """The folder's name of language `name`: itself without __, or the three-letter code of
+    an ISO 639-1 one (fr: fra) where the folder's text_decoder_lang_to_code_id has it."""
+    bare = name.replace("__", "")
+    mapped = ISO_639_1.get(bare.lower(), "").split("_")[0]
+    codes = generation.get(CODES)
+    known = codes if isinstance(codes, dict) else {}
+    return mapped if bare not in known and mapped in known else bare
 
 
 def framing(tokenizer: Tokenizer) -> Framing:
@@ -173,4 +186,4 @@ def transcribe(
         encoded = model.encode_speech(x[None].to(decoder.device, decoder.dtype), valid)
         ids = seq2seq.generate(decoder, encoded, prompt_tokens, settings)
     text = tokenizer.decode(prompt_tokens + ids, skip_special=True)  # unstripped, as decode
-    return Transcription(text, ids, target.replace("__", ""), len(prompt_tokens))
+    return Transcription(text, ids, language_name(generation, target), len(prompt_tokens))

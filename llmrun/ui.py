@@ -298,8 +298,14 @@ def print_model_info(info: dict[str, Any]) -> None:
         weights += f"; {per_weight:.3g} bytes per weight"
     params, active = info["parameters"], info.get("active_parameters")
     params_line = f"{count(params)} ({params:,})" if params else "-"
-    if active:
+    least = info.get("active_parameters_least")
+    if active and least:  # GroveMoE's: as many adjugate experts run as groups are chosen
+        params_line += f", {count(least)}-{count(active)} active a token ({least:,}-{active:,})"
+    elif active:
         params_line += f", {count(active)} active a token ({active:,})"
+    not_run = info.get("not_run")
+    if not_run:  # a speech recogniser's parts llmrun does not load
+        params_line += f"; {count(not_run['parameters'])} more in {not_run['what']}, not run"
     lines = [
         ("name", info["name"]),
         ("format", info["format"]),

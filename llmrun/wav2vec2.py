@@ -14,6 +14,7 @@ convert_tokens_to_string).
 
 from __future__ import annotations
 
+from collections.abc import Container, Iterable
 from itertools import groupby
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,12 @@ def normalizes(folder: Path) -> bool:
     return bool(values.get("do_normalize", True))
 
 
+def ctc_collapse(frame_ids: Iterable[int], dropped: Container[int | None] = ()) -> list[int]:
+    """Greedy CTC decoding of each frame's argmax: each run of one id once, then the
+    `dropped` ids (the blank, a pad token) left out."""
+    return [token for token, _ in groupby(frame_ids) if token not in dropped]
+
+
 def samples(clip_samples: np.ndarray, normalize: bool) -> torch.Tensor:
     """The model's input: the samples in float32, normalized where `normalize` says."""
     x = np.asarray(clip_samples, dtype=np.float32)
@@ -74,6 +81,5 @@ def transcribe(
     head = model.lm_head.weight
     with torch.inference_mode():
         best = model.logits(x.to(head.device, head.dtype)).argmax(-1).tolist()
-    blank = model.args.pad_token_id
-    ids = [token for token, _ in groupby(best) if token != blank]
+    ids = ctc_collapse(best, {model.args.pad_token_id})
     return Transcription(tokenizer.decode(ids, skip_special=False).strip(), ids, None, 0)

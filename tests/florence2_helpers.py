@@ -19,6 +19,17 @@ IMAGE = "<image>"
 # Florence-2's tokenizer marks its task and location tokens special, as these.
 LOCATIONS = ("<od>", "</od>", "<loc_0>", "<loc_999>")
 SIZE = 64
+# Florence2Processor's post_processor_config, as the converted folders on the Hub hold it.
+POST_PROCESSOR = {
+    "ocr": {"PATTERN": r"(.+?)" + r"<loc_(\d+)>" * 8, "AREA_THRESHOLD": 0.0},
+    "phrase_grounding": {"banned_grounding_tokens": ["the image"]},
+    "pure_text": {},
+    "description_with_bboxes": {},
+    "description_with_polygons": {},
+    "polygons": {},
+    "bboxes": {},
+    "description_with_bboxes_or_polygons": {},
+}
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 
 

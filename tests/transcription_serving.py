@@ -80,20 +80,22 @@ def check_transcription_is_transformers_s(
     context: int,
     transcript,
     audio_tokens: int,
+    generate_options: dict | None = None,
+    **fields,
 ) -> dict:
-    """serve's transcription of CLIP by model `name` submits the ids of `inputs`
-    (transformers' processor's apply_transcription_request of it), and its text is
-    transformers' greedy answer after them up to the `context` (greedy_answer) as the
-    family's `transcript` reads llmrun's decode of it (whose byte tokens' text is not
-    transformers' replacement characters; the model tests check `transcript` against
-    decode(strip_prefix=True)); its usage counts the prompt and its `audio_tokens`.
-    Returns the answer."""
+    """serve's transcription of CLIP by model `name` with these form `fields` submits the
+    ids of `inputs` (transformers' processor's apply_transcription_request of it), and its
+    text is transformers' greedy answer after them up to the `context` (greedy_answer, with
+    the model's `generate_options`) as the family's `transcript` reads llmrun's decode of it
+    (whose byte tokens' text is not transformers' replacement characters; the model tests
+    check `transcript` against decode(strip_prefix=True)); its usage counts the prompt and
+    its `audio_tokens`. Returns the answer."""
     prompts = submitted_prompts(service, monkeypatch)
-    response = transcribe(client, name)
+    response = transcribe(client, name, **fields)
     assert response.status_code == 200, response.text
     ids = inputs["input_ids"][0].tolist()
     assert prompts == [ids]
-    tokens = greedy_answer(model, inputs, context)
+    tokens = greedy_answer(model, inputs, context, **(generate_options or {}))
     answer = response.json()
     assert answer["text"] == transcript(service.engine.tokenizer.decode(tokens))
     assert answer["usage"]["input_tokens"] == len(ids)

@@ -105,7 +105,8 @@ TranscriptFormat = Annotated[
         metavar="FORMAT",
         help="Speech recognition: print the transcript of --audio as text (the default), json, "
         "verbose_json, srt or vtt, as serve's /v1/audio/transcriptions answers them (srt, vtt "
-        "and segments from Whisper's timestamps).",
+        "and segments from Whisper's timestamps). Florence-2 and Kosmos-2 with --image: json, "
+        "the reply and its boxes as the processor's post_process_generation parses them.",
     ),
 ]
 WordTimestamps = Annotated[
@@ -253,7 +254,9 @@ def run(
         raise UsageError("--image does not go with --batch, --suffix, --draft or --lookup")
     if audio and (batch is not None or suffix is not None or draft or lookup is not None):
         raise UsageError("--audio does not go with --batch, --suffix, --draft or --lookup")
-    if transcript_format is not None:
+    if transcript_format is not None and image and not audio:
+        _check_image_format(transcript_format, output_json)
+    elif transcript_format is not None:
         _check_transcript_format(transcript_format, len(audio or []), output_json)
     if word_timestamps and transcript_format != "verbose_json":
         raise UsageError("--word-timestamps goes with --audio and --output-format verbose_json")
@@ -375,7 +378,7 @@ def run(
         return _transcribe_by_prompt(
             engine, clips, language, params, limit, output_json, transcript_format
         )
-    if language is not None or task is not None or transcript_format is not None:
+    if language is not None or task is not None or (transcript_format and not pictures):
         raise UsageError(
             "--language, --task and --output-format go with a speech recognition model, not "
             f"{engine.name}"
@@ -395,6 +398,10 @@ def run(
         )
         if pictures or clips:
             ids, images = engine.media_prompt(text, pictures, clips)
+            if transcript_format is not None:
+                from llmrun.image_outputs import parser
+
+                parse = parser(engine, prompt, ids, pictures[0])
         else:
             ids = engine.tokenizer.encode(text)
     else:
@@ -418,23 +425,27 @@ def run(
         ui.print_prompt(text)
     split = Splitter(engine.markers, text)
     out = ui.ReplyWriter(ui.stdout_is_tty() if show_thinking is None else show_thinking)
-    tokens, final = [], None
+    tokens, final, reply = [], None, []
+    shown = not (output_json or transcript_format)
     try:
         for response in engine.generate(
             ids, params, limit, stop or (), logprobs, images=images, options=options
         ):
             for piece in split.feed(response.token, response.text):
-                if not output_json:
+                if shown:
                     out.write(piece)
+            reply.append(response.text)
             tokens.extend(response.logprobs)
             final = response
     except KeyboardInterrupt:
-        if not output_json:
+        if shown:
             out.end()
             ui.end_text()
         raise
     if output_json:
         ui.print_json(engine.result_record(split, final, tokens if logprobs is not None else None))
+    elif transcript_format:
+        ui.print_json({"text": "".join(reply), "parsed": parse("".join(reply))})
     else:
         out.end()
         ui.end_text()
@@ -476,12 +487,23 @@ def _transcribe_by_prompt(
             ui.write(text + "\n")
 
 
+def _check_image_format(output_format: str, output_json: bool) -> None:
+    """Refuse a bad --output-format for --image before the model loads."""
+    if output_format != "json":
+        raise UsageError(f"--output-format {output_format!r} with --image: give json")
+    if output_json:
+        raise UsageError("--json and --output-format: give one")
+
+
 def _check_transcript_format(transcript_format: str, clips: int, output_json: bool) -> None:
     """Refuse a bad --output-format before the model loads."""
     from llmrun.transcript_formats import FORMATS, SUBTITLES
 
     if not clips:
-        raise UsageError("--output-format goes with --audio and a speech recognition model")
+        raise UsageError(
+            "--output-format goes with --audio and a speech recognition model, or with --image "
+            "and Florence-2 or Kosmos-2 (json)"
+        )
     if transcript_format not in FORMATS:
         raise UsageError(f"--output-format {transcript_format!r}: give {', '.join(FORMATS)}")
     if output_json:

@@ -65,7 +65,12 @@ def weight_stats(path: Path) -> dict[str, Any]:
     if path.is_dir():
         from llmrun.loading import mistral_native, vl_text  # a vision model's: its text's alone
 
-        tensors = vl_text.text_tensors(_safetensors_tensors(path))
+        tensors = _safetensors_tensors(path)
+        config = read_json(path / "config.json")
+        if isinstance(config, dict) and _recognises_speech(config):
+            run, not_run = _recogniser_tensors(config, tensors)
+            return {**_stats(run), **not_run}
+        tensors = vl_text.text_tensors(tensors)
         if mistral_native.is_native(p.name for p in path.iterdir()):
             tensors = [t for t in tensors if not t[0].startswith(mistral_native.VISION_PREFIXES)]
         return _stats(tensors)
@@ -73,12 +78,72 @@ def weight_stats(path: Path) -> dict[str, Any]:
     return {**stats, "quant": quant_label(path.name) or stats["quant"]}
 
 
-def active_parameters(path: Path, parameters: int) -> int | None:
-    """Of a mixture-of-experts model's `parameters`, those one token uses: all but the
-    experts, plus expert_used_count / expert_count of these (GGUF's stacked *_exps
-    tensors; safetensors' `.experts.` keys, one per expert or fused, with
-    num_experts_per_tok). Expert biases count with their experts. None for a model
-    without experts."""
+def _recognises_speech(config: dict[str, Any]) -> bool:
+    """Whether a config.json is a speech recogniser's (Parakeet, wav2vec2's family, OmniASR
+    CTC, Canary, Whisper, Moonshine, SeamlessM4T, ...): llmrun runs all of it, its encoder
+    included, where it runs an audio or vision LLM's language model alone."""
+    from llmrun.loading import (
+        canary,
+        cohere_asr,
+        moonshine,
+        moonshine_streaming,
+        omniasr,
+        parakeet,
+        seamless_m4t,
+        speech_to_text,
+        voxtral_realtime,
+        wav2vec2,
+        whisper,
+    )
+
+    families = (canary, cohere_asr, moonshine, moonshine_streaming, omniasr, parakeet)
+    families += (seamless_m4t, speech_to_text, voxtral_realtime, wav2vec2, whisper)
+    return any("speech_recognition" in family.hf_info(config) for family in families)
+
+
+# BatchNorm's running statistics: buffers the file holds, no parameters; NeMo's featurizer's
+# filterbank and window, which llmrun computes itself.
+_RECOGNISER_BUFFERS = (".running_mean", ".running_var", ".num_batches_tracked")
+_FEATURIZER = "preprocessor.featurizer."
+
+
+def _recogniser_tensors(config: dict[str, Any], tensors: Tensors) -> tuple[Tensors, dict]:
+    """A speech recogniser's tensors llmrun runs, and a `not_run` note of the parameters its
+    file holds beside them that llmrun does not load (SeamlessM4T's speech output, wav2vec2's
+    training-only parts), where there are any."""
+    from llmrun.loading import seamless_m4t, wav2vec2
+
+    unused: tuple[str, ...] = ()
+    what = ""
+    if config.get("model_type") in seamless_m4t.MODEL_TYPES:
+        unused, what = seamless_m4t.SPEECH_OUTPUT, "its speech output"
+    elif config.get("model_type") in wav2vec2.MODEL_TYPES:
+        unused, what = wav2vec2.unused(config), "parts only training uses"
+    run, not_run, found = [], 0, set()
+    for tensor in tensors:
+        name = tensor[0]
+        if name.endswith(_RECOGNISER_BUFFERS) or _FEATURIZER in name:
+            continue
+        if unused and name.startswith(unused):
+            not_run += math.prod(tensor[2])
+            found.update(u.rstrip(".") for u in unused if name.startswith(u))
+        else:
+            run.append(tensor)
+    note = f"{what} ({', '.join(sorted(found))})"
+    return run, {"not_run": {"parameters": not_run, "what": note}} if not_run else {}
+
+
+def active_parameters(path: Path, parameters: int) -> tuple[int, int] | None:
+    """Of a mixture-of-experts model's `parameters`, the fewest and the most one token uses:
+    all but the experts, plus expert_used_count / expert_count of these (GGUF's stacked
+    *_exps tensors; safetensors' `.experts.` keys, one per expert or fused, with
+    num_experts_per_tok). Expert biases count with their experts. GroveMoE's adjugate
+    experts (one per group of experts_per_group) run beside the chosen experts of their
+    group: as few groups as the chosen fill, at most one each. None for a model without
+    experts."""
+    from llmrun.loading import grovemoe
+
+    per_group, adjugate = None, 0
     if path.is_dir():
         config = read_json(path / "config.json") or {}
         config = config.get("text_config") or config  # a multimodal one's (Llama 4's)
@@ -105,6 +170,13 @@ def active_parameters(path: Path, parameters: int) -> int | None:
             if re.search(r"\.experts\.|block_sparse_moe\.(input|output)_linear\.", name)
             or re.search(r"\.feed_forward\.(up_proj|down_proj|expert_output_norm\.scale)$", name)
         )
+        if grovemoe.hf_config(config).get("model_type") == grovemoe.MODEL_TYPE:
+            per_group = config.get("experts_per_group", 2)  # GroveMoE's remote config's default
+            adjugate = sum(
+                math.prod(shape)
+                for name, _, shape, _ in _safetensors_tensors(path)
+                if ".mlp.chunk_experts." in name
+            )
     else:
         from gguf import Keys
 
@@ -120,9 +192,35 @@ def active_parameters(path: Path, parameters: int) -> int | None:
             for name, t in h.tensors.items()
             if name.endswith(("_exps.weight", "_exps.bias"))
         )
+        if arch == grovemoe.ARCH:
+            per_group = headers[0].get(Keys.LLM.EXPERTS_PER_GROUP.format(arch=arch))
+            adjugate = sum(
+                math.prod(t.shape)
+                for h in headers
+                for name, t in h.tensors.items()
+                if name.endswith("_chexps.weight")
+            )
     if not (isinstance(total, int) and isinstance(used, int) and 0 < used <= total and experts):
         return None
-    return parameters - experts + experts * used // total
+    active = parameters - experts + experts * used // total
+    if not (adjugate and isinstance(per_group, int) and 0 < per_group and total % per_group == 0):
+        return active, active
+    groups = total // per_group
+    active -= adjugate
+    least = active + adjugate * -(-used // per_group) // groups
+    return least, active + adjugate * min(used, groups) // groups
+
+
+def _active(active: tuple[int, int] | None) -> dict[str, Any]:
+    """`show`'s active_parameters (the most a token uses), and where fewer may run,
+    active_parameters_least."""
+    if active is None:
+        return {"active_parameters": None}
+    least, most = active
+    return {
+        "active_parameters": most,
+        **({"active_parameters_least": least} if least < most else {}),
+    }
 
 
 # (name, storage type, shape, bytes) of each tensor of a model's files
@@ -201,7 +299,7 @@ def _describe_gguf(path: Path) -> dict[str, Any]:
         "architecture": arch,
         "context_length": header.get(Keys.LLM.CONTEXT_LENGTH.format(arch=arch)),
         **stats,
-        "active_parameters": active_parameters(parts[0], stats["parameters"]),
+        **_active(active_parameters(parts[0], stats["parameters"])),
         "tokenizer": _GGUF_TOKENIZERS.get(tok_model, tok_model),
         "pre_tokenizer": header.get(Keys.Tokenizer.PRE) if tok_model in _BPE_MODELS else None,
         "chat_template": header.get(Keys.Tokenizer.CHAT_TEMPLATE),
@@ -367,7 +465,7 @@ def _describe_safetensors(folder: Path) -> dict[str, Any]:
         "architecture": config.get("model_type") or (config.get("architectures") or [None])[0],
         "context_length": context,
         **stats,
-        "active_parameters": active_parameters(folder, stats["parameters"]),
+        **_active(active_parameters(folder, stats["parameters"])),
         "tokenizer": _hf_tokenizer_kind(folder),
         "pre_tokenizer": _hf_pre_tokenizer(folder),
         "chat_template": _hf_chat_template(folder)

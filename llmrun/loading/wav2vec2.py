@@ -26,13 +26,18 @@ _PAIRS = (
 _UNUSED = ("{}.masked_spec_embed", "quantizer.", "project_q.", "project_hid.")
 
 
+def unused(config: dict[str, Any]) -> tuple[str, ...]:
+    """The key prefixes of the parts only training uses (the time mask's embedding,
+    pretraining's quantizer and projections), which CTC never runs."""
+    return tuple(u.format(PREFIXES[config["model_type"]]) for u in _UNUSED)
+
+
 def hf_weights(weights: dict[str, Any], config: dict[str, Any], weight_type: type) -> dict:
     """The folder's tensors with the positional convolution's weight folded from its
     weight-norm pair. `weight_type` is the loader's Weight."""
     prefix = PREFIXES[config["model_type"]]
-    unused = tuple(u.format(prefix) for u in _UNUSED)
     positional = _POSITIONAL.format(prefix)
-    kept = {name: w for name, w in weights.items() if not name.startswith(unused)}
+    kept = {name: w for name, w in weights.items() if not name.startswith(unused(config))}
     for g_name, v_name in _PAIRS:
         g, v = kept.pop(positional + g_name, None), kept.pop(positional + v_name, None)
         if g is None and v is None:

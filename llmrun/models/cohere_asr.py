@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmrun.errors import ModelFormatError, UnsupportedError
+from llmrun.errors import ModelFormatError
 from llmrun.models.base import activation
 from llmrun.models.moonshine import CrossCache, SelfCache  # the same preallocated caches
 from llmrun.models.parakeet_encoder import Conformer, EncoderArgs
@@ -69,19 +69,7 @@ class ModelArgs:
                 f"{self.num_key_value_heads} key/value heads"
             )
         activation(self.hidden_act)  # refuses an unknown one
-        encoder = {**ENCODER_DEFAULTS, **self.encoder_config}
-        if encoder["hidden_act"] != "silu":
-            raise UnsupportedError(f"encoder hidden_act {encoder['hidden_act']!r} (silu runs)")
-        heads = encoder.get("num_key_value_heads") or encoder["num_attention_heads"]
-        if heads != encoder["num_attention_heads"]:
-            raise UnsupportedError(f"encoder num_key_value_heads {heads!r} (llmrun runs MHA)")
-        names = [n for n in ENCODER_DEFAULTS if n != "hidden_act"]
-        self.encoder = EncoderArgs(
-            **{n: encoder[n] for n in names},
-            # The Conformer alone runs: Nemotron Omni's projector fields mean nothing here.
-            out_hidden_size=encoder["hidden_size"],
-            projection_hidden_size=encoder["hidden_size"],
-        )
+        self.encoder = EncoderArgs.conformer(self.encoder_config, ENCODER_DEFAULTS)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:

@@ -75,19 +75,7 @@ class ModelArgs:
             raise UnsupportedError(f"TDT durations {self.durations} (llmrun runs 0, 1, 2, ...)")
         if self.max_symbols_per_step < 1:
             raise ModelFormatError(f"max_symbols_per_step {self.max_symbols_per_step}")
-        encoder = {**ENCODER_DEFAULTS, **self.encoder_config}
-        if encoder["hidden_act"] != "silu":
-            raise UnsupportedError(f"encoder hidden_act {encoder['hidden_act']!r} (silu runs)")
-        heads = encoder.get("num_key_value_heads") or encoder["num_attention_heads"]
-        if heads != encoder["num_attention_heads"]:
-            raise UnsupportedError(f"encoder num_key_value_heads {heads!r} (llmrun runs MHA)")
-        names = [n for n in ENCODER_DEFAULTS if n != "hidden_act"]
-        self.encoder = EncoderArgs(
-            **{n: encoder[n] for n in names},
-            # The Conformer alone runs: Nemotron Omni's projector fields mean nothing here.
-            out_hidden_size=encoder["hidden_size"],
-            projection_hidden_size=encoder["hidden_size"],
-        )
+        self.encoder = EncoderArgs.conformer(self.encoder_config, ENCODER_DEFAULTS)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:

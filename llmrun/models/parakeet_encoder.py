@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +63,24 @@ class EncoderArgs:
                 f"audio strides of {self.subsampling_conv_stride}, a convolution of "
                 f"{self.conv_kernel_size} (llmrun runs strides of 2 and odd kernels)"
             )
+
+    @classmethod
+    def conformer(cls, encoder_config: dict[str, Any], defaults: dict[str, Any]) -> EncoderArgs:
+        """A bare Conformer's (no projector): a ParakeetEncoderConfig's `encoder_config` over
+        the `defaults` a model's config gives it (ParakeetEncoderConfig's names, hidden_act
+        included)."""
+        encoder = {**defaults, **encoder_config}
+        if encoder["hidden_act"] != "silu":
+            raise UnsupportedError(f"encoder hidden_act {encoder['hidden_act']!r} (silu runs)")
+        heads = encoder.get("num_key_value_heads") or encoder["num_attention_heads"]
+        if heads != encoder["num_attention_heads"]:
+            raise UnsupportedError(f"encoder num_key_value_heads {heads!r} (llmrun runs MHA)")
+        return cls(
+            **{n: encoder[n] for n in defaults if n != "hidden_act"},
+            # The Conformer alone runs: Nemotron Omni's projector fields mean nothing here.
+            out_hidden_size=encoder["hidden_size"],
+            projection_hidden_size=encoder["hidden_size"],
+        )
 
     @property
     def subsampling_layers(self) -> int:

@@ -1,6 +1,6 @@
 """OpenAI's speech to text: POST /v1/audio/transcriptions, a multipart/form-data body of
-`file` (WAV), `model`, `language` (ISO 639-1; SeamlessM4T's: its three-letter code of the
-language it writes), `prompt`, `response_format` (json, text,
+`file` (WAV), `model`, `language` (ISO 639-1; SeamlessM4T's: that or its three-letter code
+of the language it writes), `prompt`, `response_format` (json, text,
 srt, verbose_json or vtt: llmrun.transcript_formats), `timestamp_granularities[]` (segment,
 word or both; with verbose_json), `temperature` and `num_beams` (an extension, as
 completions take it: a beam search's beams, for the encoder-decoders whose transcribers
@@ -100,13 +100,16 @@ async def transcriptions(request: Request) -> Response:
         form, engine.speech_timestamps, service.model_id, engine.word_timestamps
     )
     language = fields["language"] or None
-    # SeamlessM4T's languages are its three-letter codes (the language it writes).
+    # SeamlessM4T's languages are its three-letter codes (the language it writes), or ISO
+    # 639-1 codes of them.
     targeted = engine.transcribes and engine.checkpoint.config["model_type"] in (
         transcribers.TARGETED
     )
-    if language is not None and not re.fullmatch("[a-z]{3}" if targeted else "[a-z]{2}", language):
+    if language is not None and not re.fullmatch(
+        "[a-z]{2,3}" if targeted else "[a-z]{2}", language
+    ):
         example = (
-            "the model's three-letter code, such as 'eng'"
+            "an ISO 639-1 code or the model's three-letter code, such as 'en' or 'eng'"
             if targeted
             else "an ISO 639-1 code, such as 'en'"
         )

@@ -122,6 +122,7 @@ def test_run_prints_the_transcript_and_the_translation_and_show_says_what_it_is(
         assert result.stdout == text + "\n"
     shown = llmrun("show", str(path))
     assert shown.returncode == 0, shown.stderr
+    assert f"({sum(p.numel() for p in folder[1].parameters()):,})\n" in shown.stdout  # all
     assert (
         "canary (speech recognition and translation: 2 encoder (FastConformer) and 2 decoder "
         "layers, 16 mel bins)"

@@ -14,13 +14,14 @@ format is refused by name.
 Tolerances: pixel values and ids exact; features, encoder output and logits 1e-4.
 """
 
+import copy
 import json
 import shutil
 
 import pytest
 import serving
 import torch
-from florence2_helpers import LOCATIONS, florence2_folder, reference
+from florence2_helpers import LOCATIONS, POST_PROCESSOR, florence2_folder, reference
 from in_process import llmrun
 from vision_helpers import picture
 
@@ -103,6 +104,29 @@ def test_run_with_an_image_prints_transformers_greedy_reply(model):
     wrong = llmrun("run", folder, "<OCR> and more", "--image", image, "-n", "4")
     assert wrong.returncode != 0
     assert wrong.stderr == "error: Florence-2's task <OCR> goes alone in the prompt\n"
+
+
+def test_output_format_json_adds_the_processors_parsed_reply(model):
+    folder, ref, processor, engine, image = model
+    task, picture = "<CAPTION_TO_PHRASE_GROUNDING> a fox", open_image(image)
+    inputs = processor(text=task, images=picture, return_tensors="pt")
+    with torch.no_grad():
+        out = ref.generate(**inputs, do_sample=False, num_beams=1, max_new_tokens=12)[0]
+    # The model card's way: the whole output decoded, parsed by the task and image size.
+    reply = processor.batch_decode([out], skip_special_tokens=False)[0]
+    post = copy.copy(processor)
+    florence2 = transformers.models.florence2.processing_florence2
+    post.post_processor = florence2.Florence2PostProcessor(POST_PROCESSOR, processor.tokenizer)
+    parsed = post.post_process_generation(
+        reply, task="<CAPTION_TO_PHRASE_GROUNDING>", image_size=picture.size
+    )
+    args = (folder, task, "--image", image, "-n", "12", "--beams", "1", "--output-format")
+    result = llmrun("run", *args, "json")
+    assert result.returncode == 0, result.stderr
+    text = engine.tokenizer.decode(out[1:].tolist())
+    assert json.loads(result.stdout) == {"text": text, "parsed": parsed}
+    wrong = llmrun("run", *args, "srt")
+    assert wrong.stderr == "error: --output-format 'srt' with --image: give json\n"
 
 
 def test_the_original_remote_code_format_is_refused_by_name(model, tmp_path):

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import needs_converter
+from in_process import llmrun
 from llama_cpp_golden import (
     check_against_record,
     check_decode_run_and_show,
@@ -34,6 +35,7 @@ from llama_cpp_golden import (
     write_folder,
 )
 
+from llmrun.loading import inspect
 from llmrun.loading.loader import load_model
 from llmrun.models import grovemoe
 from llmrun.models.base import mix_experts, route
@@ -156,3 +158,32 @@ def test_adjugate_experts_are_the_remote_codes(files):
             )
             for out in (whole, one_by_one):  # a prompt's tokens together, a decode step's
                 assert (out[0, token] - expected).abs().max() < 1e-5
+
+
+def shown_counts(path: Path, unloaded: int = 0) -> tuple[int, int, int]:
+    """`show`'s parameters of the tiny folder or its GGUF, and the fewest and the most a
+    token runs, as the remote code's block runs them: 2 of the 4 experts, and beside each
+    its group's adjugate expert, so one adjugate (both chosen from one group) or two."""
+    info = inspect.describe(path)
+    experts = 2 * EXPERTS * 3 * MOE_FFN * HIDDEN  # 2 layers of experts' gate, up and down
+    adjugates = 2 * (EXPERTS // 2) * 3 * CHUNK_FFN * HIDDEN  # 2 layers of 2 groups' adjugates
+    rest = info["parameters"] - experts - adjugates
+    attention = (2 * HEADS + 2 * KV_HEADS) * HEAD * HIDDEN + 2 * HEAD  # with q_norm, k_norm
+    layer = attention + 2 * HIDDEN + EXPERTS * HIDDEN + EXPERTS  # norms, router, expert_bias
+    assert rest == 2 * VOCAB * HIDDEN + HIDDEN + 2 * layer - unloaded  # embedding, head, norm
+    least, most = rest + experts // 2 + adjugates // 2, rest + experts // 2 + adjugates
+    assert (info["active_parameters_least"], info["active_parameters"]) == (least, most)
+    return info["parameters"], least, most
+
+
+def test_show_counts_the_adjugate_experts_a_token_runs(tmp_path):
+    build_folder(tmp_path)
+    total, least, most = shown_counts(tmp_path)
+    shown = llmrun("show", str(tmp_path))
+    assert shown.returncode == 0, shown.stderr
+    assert f"active a token ({least:,}-{most:,})\n" in shown.stdout
+
+
+@needs_converter
+def test_show_counts_a_ggufs_adjugate_experts_the_same(files):
+    shown_counts(files["f32"], unloaded=2 * EXPERTS)  # the converter drops mlp.expert_bias

@@ -214,6 +214,17 @@ def test_run_and_serve_print_the_grounded_text_as_the_processor_decodes_it(
     text = llmrun("run", *args)
     assert text.returncode == 0, text.stderr
     assert text.stdout == caption[len(asked) :]
+    # --output-format json: the model card's parse of the whole sequence, boxes as lists.
+    clean, entities = processor.post_process_generation(
+        processor.decode(prompt_ids + expected, skip_special_tokens=True)
+    )
+    entities = [[name, list(span), [list(b) for b in boxes]] for name, span, boxes in entities]
+    parsed = llmrun("run", *args, "--output-format", "json")
+    assert parsed.returncode == 0, parsed.stderr
+    assert json.loads(parsed.stdout) == {
+        "text": text.stdout,
+        "parsed": {"caption": clean, "entities": entities},
+    }
     assert "architecture   kosmos-2" in llmrun("show", str(folder)).stdout
     # serve: no chat template, so the plain transcript after the image.
     transcript = plain_transcript([{"role": "user", "content": QUESTION}])

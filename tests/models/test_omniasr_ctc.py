@@ -75,3 +75,4 @@ def test_logits_ids_and_text_are_transformers(model, folder, wav, monkeypatch):
     assert response.json()["text"] == text
     shown = llmrun("show", folder)
     assert "architecture   omniasr_ctc (speech recognition: 2 encoder layers" in shown.stdout
+    assert f"({sum(p.numel() for p in model.parameters()):,})\n" in shown.stdout  # all it runs

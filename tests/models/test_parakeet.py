@@ -178,6 +178,8 @@ def test_run_prints_the_transcript_and_show_says_what_it_is(folders, engines, cl
     assert result.stdout.startswith(f"1\n{formats.timestamp(first, ',')} --> ")
     shown = llmrun("show", str(folders["ctc"][0]))
     assert shown.returncode == 0, shown.stderr
+    # every parameter transformers' model has, the encoder's too
+    assert f"({sum(p.numel() for p in folders['ctc'][1].parameters()):,})\n" in shown.stdout
     assert (
         "parakeet_ctc (speech recognition: 2 encoder (FastConformer) layers and a CTC head, "
         "16 mel bins)"

@@ -3,9 +3,11 @@ SeamlessM4Tv2Model on a tiny random folder (tests/seamless_m4t_helpers.py): the 
 filterbank features equal SeamlessM4TFeatureExtractor's, the source ids SeamlessM4TProcessor's,
 the decoder's logits after a clip or a text transformers' forward's, and `run` decodes as
 generate (tgt_lang, greedy and 3 beams) a clip (--audio, --target-language or --language) and
-a text (--source-language, --target-language), the ids equal too; a missing or unknown
-language is one error line. v1 (SeamlessM4TModel, its embedding tied to the head): logits
-after a clip and `run --audio` with 3 beams.
+a text (--source-language, --target-language), the ids equal too, ISO 639-1 codes (fr) taken
+as the folder's three-letter ones; a missing or unknown language (es, the folder lacking spa)
+is one error line; `show` counts transformers' parameters but the speech output's, and says
+so. v1 (SeamlessM4TModel, its embedding tied to the head): logits after a clip and `run
+--audio` with 3 beams.
 
 The clip has an odd frame count (its last stacked frame half padding, which the attention
 mask hides), and v2's speech encoder attends in chunks; the reference applies its boolean masks
@@ -25,6 +27,7 @@ from llmrun import api, seamless_m4t
 from llmrun.audio import open_audio
 from llmrun.sampling import SamplingParams
 from llmrun.text_to_text import Options
+from llmrun.ui import count
 
 transformers = pytest.importorskip("transformers")
 TEXT = "the quick brown fox jumps over the lazy dog"
@@ -89,10 +92,11 @@ def test_run_translates_a_clip_as_generate(seamless, beams):
     folder, hf, processor, samples, wav, engine = seamless
     inputs = processor(audio=samples, sampling_rate=16000, return_tensors="pt")
     clip = open_audio(wav)
-    for flags, target in ((["--target-language", "fra"], "fra"), (["--language", "eng"], "eng")):
+    # ISO 639-1 codes (fr) name the folder's three-letter ones
+    for flags, target in ((["--target-language", "fr"], "fra"), (["--language", "eng"], "eng")):
         ids, text = _generated(hf, processor, inputs, target, beams)
         assert len(set(ids)) > 1  # the random model writes something to compare
-        assert engine.transcribe(clip, num_beams=beams, target_language=target).ids == ids
+        assert engine.transcribe(clip, num_beams=beams, target_language=flags[1]).ids == ids
         result = llmrun("run", str(folder), "--audio", str(wav), "--beams", str(beams), *flags)
         assert result.returncode == 0, result.stderr
         assert result.stdout == text + "\n"
@@ -123,6 +127,8 @@ def test_a_language_is_required(seamless):
     assert result.stderr.startswith("error: SeamlessM4T writes the language it is told")
     result = llmrun("run", str(folder), "--audio", str(wav), "--target-language", "xyz")
     assert "error: unknown target language 'xyz' for SeamlessM4T" in result.stderr
+    result = llmrun("run", str(folder), "--audio", str(wav), "--language", "es")  # spa: none
+    assert result.stderr.startswith("error: unknown target language 'es' for SeamlessM4T")
     result = llmrun("run", str(folder), TEXT)
     assert "give a target language" in result.stderr
     result = llmrun("run", str(folder), "--audio", str(wav), "--source-language", "eng")
@@ -153,3 +159,14 @@ def test_v1_decodes_a_clip_as_transformers(seamless, seamless_v1):
     result = llmrun("run", str(folder), "--audio", str(wav), "--beams", "3", "--target-language",
                     "deu")  # fmt: skip
     assert (result.returncode, result.stdout) == (0, text + "\n")
+
+
+def test_show_counts_what_llmrun_runs_and_names_the_speech_output_it_does_not(seamless):
+    folder, hf, *_ = seamless
+    speech_output = ("t2u_model.", "vocoder.")
+    run = sum(p.numel() for n, p in hf.named_parameters() if not n.startswith(speech_output))
+    left = sum(p.numel() for n, p in hf.named_parameters() if n.startswith(speech_output))
+    shown = llmrun("show", str(folder))
+    assert shown.returncode == 0, shown.stderr
+    note = f"{count(left)} more in its speech output (t2u_model, vocoder), not run"
+    assert f"({run:,}); {note}\n" in shown.stdout

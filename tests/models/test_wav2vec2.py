@@ -104,6 +104,11 @@ def test_run_prints_the_transcript_and_show_says_what_it_is(folders, clips):
     assert result.stdout == text + "\n"
     shown = llmrun("show", str(path))
     assert shown.returncode == 0, shown.stderr
+    # transformers' parameters, the encoder's too, but for the masking one only training uses
+    run = sum(p.numel() for n, p in hf.named_parameters() if "masked_spec_embed" not in n)
+    assert f"({run:,}); {hf.wav2vec2.masked_spec_embed.numel()} more in parts only " in (
+        shown.stdout
+    )
     assert (
         "wav2vec2 (speech recognition: 2 encoder layers and a CTC head over raw 16 kHz audio)"
     ) in shown.stdout

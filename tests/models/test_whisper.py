@@ -218,7 +218,7 @@ def test_a_long_clip_is_transformers_long_form_generate(
 
 
 def test_run_prints_the_transcript_and_show_says_what_it_is(folder, reference):
-    path, _ = folder
+    path, hf = folder
     _, features, tokenizer = reference
     expected = generate(folder, features, language="de")
     result = llmrun("run", str(path), "--audio", str(path / "clip.wav"), "--language", "de")
@@ -226,6 +226,7 @@ def test_run_prints_the_transcript_and_show_says_what_it_is(folder, reference):
     assert result.stdout == tokenizer.batch_decode(expected, skip_special_tokens=True)[0] + "\n"
     shown = llmrun("show", str(path))
     assert shown.returncode == 0, shown.stderr
+    assert f"({sum(p.numel() for p in hf.parameters()):,})\n" in shown.stdout  # the encoder's too
     assert "whisper (speech recognition: 2 encoder and 2 decoder layers, 80 mel bins)" in (
         shown.stdout
     )

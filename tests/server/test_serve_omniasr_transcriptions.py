@@ -15,8 +15,7 @@ from transcription_serving import (
     app_client,
     audio_service,
     check_an_input_audio_part_replies_as_run_does,
-    greedy_answer,
-    submitted_prompts,
+    check_transcription_is_transformers_s,
     transcribe,
 )
 
@@ -52,26 +51,17 @@ def client(service):
 def test_a_transcription_is_transformers_on_apply_transcription_request_s_ids(
     client, service, model, folder, monkeypatch
 ):
-    prompts = submitted_prompts(service, monkeypatch)
-    response = transcribe(client, NAME, language="fr")
-    assert response.status_code == 200, response.text
     samples = audio.open_audio(CLIP).samples
     inputs = processor(folder).apply_transcription_request(
         samples, language="fr", return_tensors="pt"
     )
-    ids = inputs["input_ids"][0].tolist()
-    assert prompts == [ids]
-    tokens = greedy_answer(model, inputs, CONTEXT)
-    # llmrun's decode, whose byte tokens' text (the random model writes many) is not
-    # transformers' replacement characters.
-    text = service.engine.tokenizer.decode(tokens)
-    answer = response.json()
-    assert answer["text"] == text
-    assert answer["usage"]["input_tokens"] == len(ids)
-    assert answer["usage"]["input_token_details"]["audio_tokens"] == 65
+    args = (model, inputs, NAME, CONTEXT, str, 65)
+    answer = check_transcription_is_transformers_s(
+        client, service, monkeypatch, *args, language="fr"
+    )
     assert answer["usage"]["input_tokens"] + answer["usage"]["output_tokens"] == CONTEXT + 1
     plain = transcribe(client, NAME, language="fr", response_format="text")
-    assert plain.text == text
+    assert plain.text == answer["text"]
 
 
 def test_an_unknown_language_or_a_prompt_is_one_400(client):

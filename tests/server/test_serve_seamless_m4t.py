@@ -1,7 +1,8 @@
 """serve with a tiny random SeamlessM4T v2 (tests/seamless_m4t_helpers.py): a transcription
-(`language` the model's code of the language spoken, which it writes), a translation (into
-English) and a completion (source_language, target_language) answer transformers'
-SeamlessM4Tv2Model.generate text; a transcription without a language is one clear 400.
+(`language` the model's code of the language spoken, which it writes, or its ISO 639-1 code),
+a translation (into English) and a completion (source_language, target_language) answer
+transformers' SeamlessM4Tv2Model.generate text; a transcription without a language, or with
+one the folder lacks, is one clear 400.
 
 Tolerances: text exact.
 """
@@ -47,8 +48,10 @@ def post(client, endpoint: str, **fields):
 def test_speech_and_text_answer_as_generate(client, folder):
     samples = ((SAMPLES * 32767).round() / 32768).astype("float32")  # as serve decodes it
     speech = {"audio": samples, "sampling_rate": 16000}
-    answer = post(client, "transcriptions", language="fra", response_format="text")
-    assert (answer.status_code, answer.text) == (200, generated(folder, "fra", **speech))
+    expected = generated(folder, "fra", **speech)
+    for language in ("fra", "fr"):  # the model's code, or the ISO 639-1 one OpenAI's take
+        answer = post(client, "transcriptions", language=language, response_format="text")
+        assert (answer.status_code, answer.text) == (200, expected)
     answer = post(client, "translations")
     assert answer.status_code == 200, answer.text
     assert answer.json()["text"] == generated(folder, "eng", **speech)
@@ -60,7 +63,10 @@ def test_speech_and_text_answer_as_generate(client, folder):
     assert answer.json()["choices"][0]["text"] == expected
 
 
-def test_a_transcription_without_a_language_is_one_400(client):
+def test_a_transcription_without_a_language_or_with_an_unknown_one_is_one_400(client):
     response = post(client, "transcriptions")
     assert response.status_code == 400
     assert response.json()["error"]["message"].startswith("SeamlessM4T writes the language")
+    response = post(client, "transcriptions", language="es")  # spa: not the folder's
+    assert response.status_code == 400
+    assert "unknown target language 'es'" in response.json()["error"]["message"]
