@@ -16,32 +16,28 @@ from typing import Any
 from gguf import Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.loading.gguf_io import ArchMetadata, GGUFFile, vocab_size
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile, mapped_name, vocab_size
 
 ARCH = MODEL_TYPE = "arctic"
 # GGUF layer tensor -> the module in llmrun's layer where it differs from the common
 # names (gguf_config); a stack of experts names each expert's with an {expert} field.
 _LAYER_NAMES = {
-    "ffn_norm": "residual_layernorm",
-    "ffn_gate": "residual_mlp.w1",
-    "ffn_up": "residual_mlp.w3",
-    "ffn_down": "residual_mlp.w2",
-    "ffn_norm_exps": "post_attention_layernorm",
-    "ffn_gate_inp": "block_sparse_moe.gate",
-    "ffn_gate_exps": "block_sparse_moe.experts.{expert}.w1",
-    "ffn_up_exps": "block_sparse_moe.experts.{expert}.w3",
-    "ffn_down_exps": "block_sparse_moe.experts.{expert}.w2",
+    "ffn_norm.weight": "residual_layernorm.weight",
+    "ffn_gate.weight": "residual_mlp.w1.weight",
+    "ffn_up.weight": "residual_mlp.w3.weight",
+    "ffn_down.weight": "residual_mlp.w2.weight",
+    "ffn_norm_exps.weight": "post_attention_layernorm.weight",
+    "ffn_gate_inp.weight": "block_sparse_moe.gate.weight",
+    "ffn_gate_exps.weight": "block_sparse_moe.experts.{expert}.w1.weight",
+    "ffn_up_exps.weight": "block_sparse_moe.experts.{expert}.w3.weight",
+    "ffn_down_exps.weight": "block_sparse_moe.experts.{expert}.w2.weight",
 }
 
 
 def hf_name(gguf_name: str) -> str | None:
     """llmrun's key for an arctic layer tensor where it is not one of the common names
     (gguf_config), or None."""
-    parts = gguf_name.split(".")
-    if len(parts) != 4 or parts[0] != "blk" or not parts[1].isdigit() or parts[3] != "weight":
-        return None
-    name = _LAYER_NAMES.get(parts[2])
-    return None if name is None else f"model.layers.{parts[1]}.{name}.weight"
+    return mapped_name(gguf_name, {}, _LAYER_NAMES, "model.layers.")
 
 
 def config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable[..., dict[str, Any]]) -> dict:

@@ -16,29 +16,29 @@ from typing import Any
 from gguf import Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.loading.gguf_io import ArchMetadata, GGUFFile, vocab_size
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile, mapped_name, vocab_size
 
 ARCH = MODEL_TYPE = "grok"
 HF_ARCHITECTURES = ("Grok1ForCausalLM", "GrokForCausalLM")  # the converter's
 # GGUF layer tensor -> llmrun's module (Grok-2's keys); a stack of experts names each
 # expert's with an {expert} field.
 _LAYER_NAMES = {
-    "attn_norm": "pre_attn_norm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_output_norm": "post_attn_norm",
-    "ffn_norm": "pre_moe_norm",
-    "ffn_gate_inp": "block_sparse_moe.gate",
-    "ffn_gate_exps": "block_sparse_moe.experts.{expert}.w1",
-    "ffn_up_exps": "block_sparse_moe.experts.{expert}.w3",
-    "ffn_down_exps": "block_sparse_moe.experts.{expert}.w2",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "layer_output_norm": "post_moe_norm",  # Grok-1's converters
-    "post_ffw_norm": "post_moe_norm",  # Grok-2's
+    "attn_norm.weight": "pre_attn_norm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output_norm.weight": "post_attn_norm.weight",
+    "ffn_norm.weight": "pre_moe_norm.weight",
+    "ffn_gate_inp.weight": "block_sparse_moe.gate.weight",
+    "ffn_gate_exps.weight": "block_sparse_moe.experts.{expert}.w1.weight",
+    "ffn_up_exps.weight": "block_sparse_moe.experts.{expert}.w3.weight",
+    "ffn_down_exps.weight": "block_sparse_moe.experts.{expert}.w2.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "layer_output_norm.weight": "post_moe_norm.weight",  # Grok-1's converters
+    "post_ffw_norm.weight": "post_moe_norm.weight",  # Grok-2's
 }
 
 
@@ -53,11 +53,7 @@ def hf_config(config: dict[str, Any]) -> dict[str, Any]:
 def hf_name(gguf_name: str) -> str | None:
     """llmrun's key for a grok layer tensor, or None (the global ones are the common
     names of gguf_config)."""
-    parts = gguf_name.split(".")
-    if len(parts) != 4 or parts[0] != "blk" or not parts[1].isdigit() or parts[3] != "weight":
-        return None
-    name = _LAYER_NAMES.get(parts[2])
-    return None if name is None else f"model.layers.{parts[1]}.{name}.weight"
+    return mapped_name(gguf_name, {}, _LAYER_NAMES, "model.layers.")
 
 
 def config_from_gguf(gg: GGUFFile, rope_from_gguf: Callable[..., dict[str, Any]]) -> dict:

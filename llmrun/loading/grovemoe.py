@@ -15,7 +15,7 @@ from typing import Any
 from gguf import Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.loading.gguf_io import ArchMetadata, GGUFFile
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile, mapped_name
 
 ARCH = MODEL_TYPE = "grovemoe"
 HF_ARCHITECTURES = ("GroveMoeForCausalLM",)
@@ -24,13 +24,13 @@ _EXPERT_BIAS = re.compile(r"model\.layers\.\d+\.mlp\.expert_bias")
 # (gguf_config); a stack of experts names each expert's with an {expert} field, a stack of
 # adjugate experts is split by gguf_weights.
 _LAYER_NAMES = {
-    "ffn_gate_inp": "mlp.gate",
-    "ffn_gate_exps": "mlp.experts.{expert}.gate_proj",
-    "ffn_up_exps": "mlp.experts.{expert}.up_proj",
-    "ffn_down_exps": "mlp.experts.{expert}.down_proj",
-    "ffn_gate_chexps": "mlp.chunk_experts.gate_proj",
-    "ffn_up_chexps": "mlp.chunk_experts.up_proj",
-    "ffn_down_chexps": "mlp.chunk_experts.down_proj",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.{expert}.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.{expert}.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.{expert}.down_proj.weight",
+    "ffn_gate_chexps.weight": "mlp.chunk_experts.gate_proj.weight",
+    "ffn_up_chexps.weight": "mlp.chunk_experts.up_proj.weight",
+    "ffn_down_chexps.weight": "mlp.chunk_experts.down_proj.weight",
 }
 _CHUNK_STACK = re.compile(r"(model\.layers\.\d+\.mlp\.chunk_experts)\.(\w+_proj)\.weight")
 
@@ -51,11 +51,7 @@ def hf_weights(weights: dict[str, Any]) -> dict[str, Any]:
 def hf_name(gguf_name: str) -> str | None:
     """llmrun's key for a grovemoe layer tensor where it is not one of the common names
     (gguf_config), or None."""
-    parts = gguf_name.split(".")
-    if len(parts) != 4 or parts[0] != "blk" or not parts[1].isdigit() or parts[3] != "weight":
-        return None
-    name = _LAYER_NAMES.get(parts[2])
-    return None if name is None else f"model.layers.{parts[1]}.{name}.weight"
+    return mapped_name(gguf_name, {}, _LAYER_NAMES, "model.layers.")
 
 
 def gguf_weights(weights: dict[str, Any], weight_type: type) -> dict[str, Any]:

@@ -14,27 +14,23 @@ from typing import Any
 from gguf import Keys
 
 from llmrun.errors import ModelFormatError, UnsupportedError
-from llmrun.loading.gguf_io import ArchMetadata, GGUFFile, vocab_size
+from llmrun.loading.gguf_io import ArchMetadata, GGUFFile, mapped_name, vocab_size
 
 ARCH = MODEL_TYPE = "maple"
 # GGUF layer tensor -> llmrun's module where it differs from the common names
 # (gguf_config); a stack of experts names each expert's with an {expert} field.
 _LAYER_NAMES = {
-    "ffn_gate_inp": "mlp.gate",
-    "ffn_gate_exps": "mlp.experts.{expert}.gate_proj",
-    "ffn_up_exps": "mlp.experts.{expert}.up_proj",
-    "ffn_down_exps": "mlp.experts.{expert}.down_proj",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.{expert}.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.{expert}.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.{expert}.down_proj.weight",
 }
 
 
 def hf_name(gguf_name: str) -> str | None:
     """llmrun's key for a maple layer tensor where it is not one of the common names
     (gguf_config), or None."""
-    parts = gguf_name.split(".")
-    if len(parts) != 4 or parts[0] != "blk" or not parts[1].isdigit() or parts[3] != "weight":
-        return None
-    name = _LAYER_NAMES.get(parts[2])
-    return None if name is None else f"model.layers.{parts[1]}.{name}.weight"
+    return mapped_name(gguf_name, {}, _LAYER_NAMES, "model.layers.")
 
 
 def _one_per_layer(gg: GGUFFile, meta: ArchMetadata, key: str, layers: int) -> Any:
