@@ -640,24 +640,29 @@ def test_a_call_without_its_type_renders_in_deepseek_r1s_template():
     assert "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n" in text
 
 
-# ---- a real `llmrun serve`, with a scripted model of each family ----------------------
+# ---- serve's app, with a scripted model of each family --------------------------------
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory):
-    """(family, server, client, model name) for a model that calls get_weather in its
-    family's format under its real template, and answers once it has the result."""
+    """(family, http, client, model name) for a model that calls get_weather in its
+    family's format under its real template, and answers once it has the result: the
+    OpenAI client on serve's app in this process (tests/test_server.py starts the
+    command itself; a process per family here took ~6 s of start-up each)."""
     import openai
-    from serving import Server
+    from serving import served
+
+    from llmrun import api
 
     fam = FAMILIES[request.param]
     if fam.template.endswith(".jinja") and TEMPLATES_MISSING:
         pytest.skip(TEMPLATES_MISSING)
     model = fam.model_dir(tmp_path_factory.mktemp(request.param))
-    server = Server(tmp_path_factory.mktemp("serve"), str(model))
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0)
-    yield fam, server, client, model.name
-    server.stop()
+    for http in served(api.load(str(model), device="cpu"), model.name):
+        client = openai.OpenAI(
+            base_url="http://testserver/v1", api_key="-", max_retries=0, http_client=http
+        )
+        yield fam, http, client, model.name
 
 
 def reassemble(stream):

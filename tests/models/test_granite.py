@@ -334,7 +334,10 @@ def test_cache_types_store_the_rounded_keys(saved, family, cache_type):
     step, model.decode_step = model.decode_step, None
     expected = logits_of(model, torch.float32, rounded=cache_type)
     model.decode_step = step
-    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+    # 1e-5 where both round the same f32 values; the native step computes a key in
+    # another order than the layers, which can tip its rounding to the type's next value
+    # (the AVX2 kernels on a Zen 3: 5.8e-5 for f16, against an f32 cache's 5.8e-6).
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
     drift = (logits - logits_of(model, torch.float32)).abs().max()
     assert drift > 0  # the storage rounds
     if family == "granite":

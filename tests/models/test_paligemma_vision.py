@@ -52,6 +52,12 @@ PROMPT_TEMPLATE = (
 )
 
 
+# The prompt's logits against transformers: torch alone is within 1e-4; the AVX2 kernels'
+# sums (another order) put Gemma 2's 1.2e-4 off on a Zen 3, where a planted bug moves
+# them by more than 1e-2.
+PROMPT_ATOL = 2e-4
+
+
 @pytest.fixture(scope="module", params=["gemma2", "gemma"])
 def model(request):
     """PaliGemma 2 (its text a Gemma 2) and PaliGemma 1 (a Gemma)."""
@@ -131,7 +137,7 @@ def test_features_logits_and_tokens_match_transformers(model, engine, prompt, re
         cached = [prefill(engine.model, state, ids, chunk=5, images=prompt_images)]
         cached += [decode(engine.model, state, t) for t in tokens[:-1]]
     got = logits(engine, ids, prompt_images)
-    torch.testing.assert_close(got, expected[: len(ids)], atol=1e-4, rtol=0)
+    torch.testing.assert_close(got, expected[: len(ids)], atol=PROMPT_ATOL, rtol=0)
     torch.testing.assert_close(torch.stack(cached), expected[len(ids) - 1 : -1], atol=1e-4, rtol=0)
     stream = engine.generate(ids, SamplingParams(temperature=0.0), 8, images=prompt_images)
     assert [r.token for r in stream if r.token is not None] == tokens
@@ -147,7 +153,7 @@ def test_planted_bugs_fail(model, engine, prompt, reference, monkeypatch):
     def off(images) -> float:
         return (logits(engine, ids, images) - expected).abs().max().item()
 
-    assert off(prompt_images) < 1e-4
+    assert off(prompt_images) < PROMPT_ATOL
     scaled = prompt_images.embeds[0].clone()
     scaled[:TOKENS] *= engine.model.args.hidden_size**0.5
     assert off(paligemma_images.PrefixImages([scaled], [0])) > 1e-2

@@ -2,6 +2,8 @@
 status line, and the fallback."""
 
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,6 +35,36 @@ def test_the_library_is_built_once_then_loaded_from_the_cache(native_kernels: st
     native._library.cache_clear()
     assert native.status() == f"native ({native_kernels})"
     assert Path(native._library()._name) == built
+
+
+def test_processes_that_start_together_build_the_library_once(tmp_path):
+    """Three processes loading a library the cache lacks: one builds it (its sources
+    compiled side by side, then linked), the others wait for it and load it (each built
+    it before: two test workers spent 46 and 49 s on the same library)."""
+    calls = tmp_path / "calls"
+    compiler = tmp_path / "cc"
+    # a compiler that logs each call and is slow enough for the processes to overlap
+    compiler.write_text(f'#!/bin/sh\necho "$@" >> {calls}\nsleep 1\nexec cc "$@"\n')
+    compiler.chmod(0o755)
+    sources = []
+    for name, body in {"a": "int a(void) { return 2; }", "b": "int b(void) { return 3; }"}.items():
+        (tmp_path / f"{name}.c").write_text(body + "\n")
+        sources.append(str(tmp_path / f"{name}.c"))
+    target = tmp_path / "lib" / "both.so"
+    script = (
+        "import sys, ctypes; from pathlib import Path; from llmrun.native import build; "
+        f"build._compile({str(compiler)!r}, ['-O1', '-shared', '-fPIC'], "
+        f"[Path(s) for s in {sources!r}], Path({str(target)!r})); "
+        f"lib = ctypes.CDLL({str(target)!r}); print(lib.a() + lib.b())"
+    )
+    runs = [
+        subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    assert [run.communicate(timeout=120)[0].strip() for run in runs] == ["5"] * 3
+    lines = calls.read_text().splitlines()
+    assert sorted(" -c " in f" {line} " for line in lines) == [False, True, True]
+    assert sorted(p.name for p in target.parent.iterdir()) == ["both.so", "both.so.lock"]
 
 
 @pytest.mark.parametrize("source", ["COMMON", "Q8_HEADER", "DECODE_OPS"])
