@@ -13,26 +13,28 @@ from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from gguf import Keys
 from torch import nn
 
 from llmrun import (
-    audio_families,
     embeddings,
     paths,
     reranking,
     text_to_text,
     tokenizer_gguf,
     transcribers,
-    vision_families,
     whisper,
 )
 from llmrun.chat_template import NAMED_TEMPLATES, ChatTemplate, select_template
 from llmrun.errors import ModelFormatError, UnsupportedError, UsageError
 from llmrun.generate import KVState, Response, TokenLogprob, stream_generate
+
+if TYPE_CHECKING:
+    from llmrun.audio_families import AudioFamily
+
 from llmrun.loading import (
     embedding,
     gemma3n,
@@ -79,6 +81,21 @@ DTYPES = ("auto", "f32", "bf16", "f16")
 CACHE_TYPES = ("f32", "f16", "bf16", "q8_0")  # --cache-type (llmrun.models.cache.CACHE_TYPES)
 ACTIVATIONS = ("f32", "q8")  # --activations (llmrun.quant.linear.ACTIVATIONS)
 DEFAULT_CTX = 4096
+
+
+def _vision_families():
+    """llmrun.vision_families, imported at first use: its ~60 image modules took 0.4-0.8 s
+    of every start-up (a Zen 3), text models included."""
+    from llmrun import vision_families
+
+    return vision_families
+
+
+def _audio_families():
+    """llmrun.audio_families, imported at first use, as _vision_families."""
+    from llmrun import audio_families
+
+    return audio_families
 
 
 def resolve(spec: str | None, progress: Any = None) -> Path:
@@ -271,14 +288,14 @@ class Engine:
         """Whether the model is an image-to-text encoder-decoder (Florence-2, TrOCR,
         vision_families.VisionFamily.image_to_text) with its image encoder loaded."""
         vision = self.vision
-        return vision is not None and vision_families.of_vision(vision).image_to_text
+        return vision is not None and _vision_families().of_vision(vision).image_to_text
 
     @property
     def image_first(self) -> bool:
         """Whether the model's image encoder puts a prompt's image before the whole text
         itself (vision_families.VisionFamily.image_first), needing no chat template."""
         vision = self.vision
-        return vision is not None and vision_families.of_vision(vision).image_first
+        return vision is not None and _vision_families().of_vision(vision).image_first
 
     def text_to_text_plan(
         self,
@@ -442,9 +459,9 @@ class Engine:
         if self.template is None:
             raise ModelFormatError(f"{self.name} has no chat template")
         template = self.tools_template if switches.get("tools") else self.template
-        place = self.audio is not None and audio_families.of_encoder(self.audio).text_place
+        place = self.audio is not None and _audio_families().of_encoder(self.audio).text_place
         if place:
-            messages = audio_families.written_places(messages, place)
+            messages = _audio_families().written_places(messages, place)
         return template.render(messages, add_generation_prompt=add_generation_prompt, **switches)
 
     def history_end(
@@ -490,7 +507,7 @@ class Engine:
         (a chat's first /image)."""
         if self.vision is None:
             self.vision = _load_vision(self.checkpoint, self.path, self.mmproj)
-        return vision_families.of_vision(self.vision).encode(self.vision, images)
+        return _vision_families().of_vision(self.vision).encode(self.vision, images)
 
     def image_tokens(self, image: Any) -> int:
         """How many prompt tokens a decoded image takes where image_prompt expands its
@@ -498,7 +515,7 @@ class Engine:
         others' by the image's size."""
         if self.vision is None:
             raise UsageError(f"{self.name}: load it with its image encoder to give it images")
-        return vision_families.of_vision(self.vision).image_tokens(self.vision, image)
+        return _vision_families().of_vision(self.vision).image_tokens(self.vision, image)
 
     def encoded_prompt(
         self, text: str, embeds: Sequence[torch.Tensor]
@@ -507,7 +524,7 @@ class Engine:
         image once and renders it again every turn."""
         if self.vision is None:
             raise UsageError(f"{self.name}: load it with its image encoder to give it images")
-        family = vision_families.of_vision(self.vision)
+        family = _vision_families().of_vision(self.vision)
         return family.prompt(self.vision, self.tokenizer, text, embeds, self._embed_token)
 
     def audio_prompt(self, text: str, clips: Sequence[Any]) -> tuple[list[int], PromptImages]:
@@ -523,11 +540,11 @@ class Engine:
             encoder = _load_audio(self.checkpoint, self.path, self.mmproj)
             self._add_audio_adapter(encoder)
             self.audio = encoder
-        return audio_families.of_encoder(self.audio).encode(self.audio, clips)
+        return _audio_families().of_encoder(self.audio).encode(self.audio, clips)
 
     def _add_audio_adapter(self, encoder: Any) -> None:
         """Add an audio encoder's LoRA adapter (Granite Speech's) to the model, if it has one."""
-        adapter = audio_families.of_encoder(encoder).adapter(encoder)
+        adapter = _audio_families().of_encoder(encoder).adapter(encoder)
         if adapter is None:
             return
         if self.lora is not None:
@@ -554,10 +571,10 @@ class Engine:
         processor reads it."""
         return self._transcribing_family().transcript(answer)
 
-    def _transcribing_family(self) -> audio_families.AudioFamily:
+    def _transcribing_family(self) -> AudioFamily:
         if self.audio is None:
             raise UsageError(f"{self.name}: load it with its audio encoder to give it audio")
-        family = audio_families.of_encoder(self.audio)
+        family = _audio_families().of_encoder(self.audio)
         if family.transcription is None:
             raise UsageError(
                 f"{self.name} is a {family.name} model, whose transcription prompt llmrun does "
@@ -570,7 +587,7 @@ class Engine:
         place, before it is encoded."""
         if self.audio is None:
             raise UsageError(f"{self.name}: load it with its audio encoder to give it audio")
-        return audio_families.of_encoder(self.audio).clip_tokens(self.audio, clip)
+        return _audio_families().of_encoder(self.audio).clip_tokens(self.audio, clip)
 
     def encoded_audio_prompt(
         self, text: str, embeds: Sequence[torch.Tensor]
@@ -578,7 +595,7 @@ class Engine:
         """audio_prompt for clips already encoded (encode_audio)."""
         if self.audio is None:
             raise UsageError(f"{self.name}: load it with its audio encoder to give it audio")
-        return audio_families.of_encoder(self.audio).prompt(self.tokenizer, text, embeds)
+        return _audio_families().of_encoder(self.audio).prompt(self.tokenizer, text, embeds)
 
     def media_prompt(
         self, text: str, images: Sequence[Any], clips: Sequence[Any]
@@ -602,11 +619,11 @@ class Engine:
             return self.encoded_audio_prompt(text, clips)
         if self.vision is None or self.audio is None:
             raise UsageError(f"{self.name}: load it with its image and audio encoders")
-        with_images = audio_families.of_encoder(self.audio).with_images
+        with_images = _audio_families().of_encoder(self.audio).with_images
         if with_images is None:
             raise UsageError(
                 f"{self.name} takes images or audio in a prompt, not both (both go to "
-                f"{audio_families.WITH_IMAGES} models)"
+                f"{_audio_families().WITH_IMAGES} models)"
             )
         return with_images(self.tokenizer, text, images, clips)
 
@@ -815,12 +832,12 @@ def load(
     encoder = audio_encoder = None
     # An mmproj of audio alone loads at the first clip (`chat`'s /audio) where not asked for.
     audio_only = mmproj is not None and (
-        audio_families.of_mmproj(Path(mmproj)) is not None
-        and vision_families.of_mmproj(Path(mmproj)) is None
+        _audio_families().of_mmproj(Path(mmproj)) is not None
+        and _vision_families().of_mmproj(Path(mmproj)) is None
     )
     if vision or (mmproj is not None and not audio and not audio_only):
         encoder = _load_vision(checkpoint, path, mmproj)
-    elif checkpoint.gguf is None and vision_families.of_folder(path) is not None:
+    elif checkpoint.gguf is None and _vision_families().of_folder(path) is not None:
         # Its tower loads at the first image (`chat`'s /image), so the note says when.
         checkpoint.notes = [
             f"{note} until an image is given (--image, /image)"
@@ -830,7 +847,7 @@ def load(
         ]
     if audio and not _transcribes(checkpoint):  # Whisper's encoder is its model's own
         audio_encoder = _load_audio(checkpoint, path, mmproj)
-    elif checkpoint.gguf is None and audio_families.of_folder(path) is not None:
+    elif checkpoint.gguf is None and _audio_families().of_folder(path) is not None:
         # Its audio tower loads at the first clip (`chat`'s /audio), as a tower at an image.
         checkpoint.notes = [
             f"{note} until a clip is given (--audio, /audio)"
@@ -914,24 +931,24 @@ def _load_vision(checkpoint: Checkpoint, path: Path, mmproj: str | Path | None) 
     if checkpoint.gguf is not None:
         if mmproj is None:
             raise UsageError(
-                f"{path}: images go to {vision_families.NAMES} models, and a GGUF holds no "
+                f"{path}: images go to {_vision_families().NAMES} models, and a GGUF holds no "
                 "image encoder: give its mmproj file with --mmproj"
             )
-        family = vision_families.of_mmproj(Path(mmproj))
+        family = _vision_families().of_mmproj(Path(mmproj))
         if family is None:
             kind = vision_loading.projector_type(mmproj)
             raise UnsupportedError(
                 f"{mmproj}: projector type {kind!r}; llmrun takes images for "
-                f"{vision_families.NAMES} models"
+                f"{_vision_families().NAMES} models"
             )
     elif mmproj is not None:
         raise UsageError(f"--mmproj goes with a GGUF model; {path} holds its image encoder")
     else:
-        family = vision_families.of_folder(path)
+        family = _vision_families().of_folder(path)
         if family is None:
             pixtral_vision.check_native_tower(path)  # Pixtral 12B's: its own refusal
             raise UsageError(
-                f"{path}: images go to {vision_families.NAMES} models with their vision tower"
+                f"{path}: images go to {_vision_families().NAMES} models with their vision tower"
             )
     takes = family.text_takes_images
     if takes is not None and not takes(checkpoint.config):
@@ -959,23 +976,23 @@ def _load_audio(checkpoint: Checkpoint, path: Path, mmproj: str | Path | None) -
     if checkpoint.gguf is not None:
         if mmproj is None:
             raise UsageError(
-                f"{path}: audio goes to {audio_families.NAMES} models, and a GGUF holds no "
+                f"{path}: audio goes to {_audio_families().NAMES} models, and a GGUF holds no "
                 "audio encoder: give its mmproj file with --mmproj"
             )
-        family = audio_families.of_mmproj(Path(mmproj))
+        family = _audio_families().of_mmproj(Path(mmproj))
         if family is None:
             kind = whisper_audio.projector_type(mmproj)
             raise UnsupportedError(
                 f"{mmproj}: projector type {kind!r}; llmrun takes audio for "
-                f"{audio_families.NAMES} models"
+                f"{_audio_families().NAMES} models"
             )
     elif mmproj is not None:
         raise UsageError(f"--mmproj goes with a GGUF model; {path} holds its audio encoder")
     else:
-        family = audio_families.of_folder(path)
+        family = _audio_families().of_folder(path)
         if family is None:
             raise UsageError(
-                f"{path}: audio goes to {audio_families.NAMES} models with their audio tower"
+                f"{path}: audio goes to {_audio_families().NAMES} models with their audio tower"
             )
     if not family.text_takes_audio(checkpoint.config):
         raise UsageError(f"{path}: {family.name}'s audio goes to its own language model")
