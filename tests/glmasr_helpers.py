@@ -9,10 +9,9 @@ converter writes of the latter, and transformers' GlmAsrProcessor for it."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
+import llama_converter
 import torch
 from helpers import STORIES_HF, randomize
 from safetensors.torch import load_file, save_file
@@ -233,29 +232,19 @@ def greedy_tokens(model, inputs, tokens: int = 8) -> list[int]:
     return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
-# llama.cpp's converter (argv: it, then a JSON list of its command lines), the tiny
+# llama.cpp's converter's patch (llama_converter.convert): the tiny
 # tokenizer (stories260K's, not GLM's byte-level BPE, which the converter would refuse)
 # written as the SentencePiece-style tokenizer.json it is: the tensors and other metadata
 # are the converter's own.
-CONVERT = (
-    "import json, runpy, sys; from pathlib import Path; converter = Path(sys.argv[1]); "
-    "sys.path[:0] = [str(converter.parent), str(converter.parent / 'gguf-py')]; "
-    "from conversion import base; "
-    "base.TextModel._set_vocab_glmedge = lambda self: self._set_vocab_llama_hf()\n"
-    "for args in json.loads(sys.argv[2]):\n"
-    "    sys.argv = [str(converter), *args]; runpy.run_path(str(converter), run_name='__main__')"
-)
+CONVERT_PATCH = "base.TextModel._set_vocab_glmedge = lambda self: self._set_vocab_llama_hf()"
 
 
-def converted(converter: Path, folder: Path, out: Path) -> tuple[Path, Path]:
+def converted(folder: Path, out: Path) -> tuple[Path, Path]:
     """The text GGUF and the mmproj GGUF (F32, but what the converter keeps F16) that
-    llama.cpp's converter (`converter`: its convert_hf_to_gguf.py) writes of the original
-    layout of the model (`folder`, original_layout's), in `out`."""
+    llama.cpp's converter writes of the original layout of the model (`folder`,
+    original_layout's), in `out`."""
     text, mmproj = out / "model.gguf", out / "mmproj.gguf"
     common = [str(folder), "--outtype", "f32", "--outfile"]
     runs = [[*common, str(text)], ["--mmproj", *common, str(mmproj)]]
-    command = [sys.executable, "-c", CONVERT, str(converter), json.dumps(runs)]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"llama.cpp's converter failed:\n{done.stderr[-2000:]}")
+    llama_converter.convert(runs, CONVERT_PATCH)
     return text, mmproj

@@ -14,13 +14,12 @@ rewrites it where torchvision is installed; a test checks it there)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from unittest.mock import patch
 
+import llama_converter
 import torch
-from helpers import CONVERTER, STORIES_HF, TEMPLATES_DIR, randomize
+from helpers import STORIES_HF, TEMPLATES_DIR, randomize
 
 # Ids 512 on, after stories260K's 512 tokens.
 MUSE_TOKENS = (
@@ -197,22 +196,6 @@ def greedy_tokens(model, inputs: dict, tokens: int = 8) -> list[int]:
     return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
-# llama.cpp's converter, whose vocabulary step (a BPE vocabulary by its pre-tokenizer's
-# hash) does not know the test's stories260K tokenizer: told it is llama-bpe's.
-_CONVERT = """
-import runpy, sys
-from pathlib import Path
-converter = Path(sys.argv[1])
-sys.path[:0] = [str(converter.parent), str(converter.parent / "gguf-py")]
-import conversion.base as base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "llama-bpe"
-exec(sys.argv[2])
-for args in sys.argv[3:]:
-    sys.argv = [str(converter), *args.split("|")]
-    runpy.run_path(str(converter), run_name="__main__")
-"""
-
-
 def folder_of(tmp_path_factory) -> Path:
     """tiny_muse_glimmer()'s folder (save_muse_glimmer_dir), written once a test session."""
     folder = tmp_path_factory.getbasetemp() / "muse_glimmer" / "folder"
@@ -222,17 +205,13 @@ def folder_of(tmp_path_factory) -> Path:
     return folder
 
 
-def run_converter(
-    folder: Path, outputs: dict[Path, str], converter: Path = CONVERTER, patch: str = ""
-) -> None:
-    """llama.cpp's converter (`converter`, its convert_hf_to_gguf.py beside its conversion/
-    and gguf-py/) on `folder` into each output file, with its flags ("--outtype f32
-    --mmproj"), all in one process (its imports take most of the time); `patch`: Python
-    run after its modules are imported (`base` is conversion.base)."""
-    runs = [f"{folder}|--outfile|{out}|{'|'.join(flags.split())}" for out, flags in outputs.items()]
-    command = [sys.executable, "-c", _CONVERT, str(converter), patch, *runs]
-    result = subprocess.run(command, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-2000:]
+def run_converter(folder: Path, outputs: dict[Path, str], patch: str = "") -> None:
+    """llama.cpp's converter on `folder` into each output file, with its flags ("--outtype
+    f32 --mmproj"), its vocabulary step told the tiny tokenizer is llama-bpe's
+    (llama_converter.TINY_VOCAB); `patch`: Python run before it (`base` is
+    conversion.base)."""
+    runs = [[str(folder), "--outfile", str(out), *flags.split()] for out, flags in outputs.items()]
+    llama_converter.convert(runs, llama_converter.TINY_VOCAB + patch)
 
 
 def converted(tmp_path_factory) -> dict[str, Path]:

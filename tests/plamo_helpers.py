@@ -1,19 +1,17 @@
 """The PLaMo families' tiny folders (tests/models/test_plamo.py, test_plamo2.py,
 test_plamo3.py): PLaMo's tokenizer files (a tokenizer.jsonl in the Hub's format, [token,
 score, type] a line, made of stories260K's vocabulary), the texts whose llama.cpp ids the
-golden record holds, and the three families' GGUFs converted in one converter process."""
+golden record holds, and the three families' GGUFs converted in one converter run."""
 
 from __future__ import annotations
 
 import importlib
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-from helpers import CONVERTER, STORIES_GGUF
+import llama_converter
+from helpers import STORIES_GGUF
 from llama_cpp_golden import FILE_TYPES
-from muse_glimmer_helpers import _CONVERT  # the converter run in one process, patched
 
 from llmrun.loading.gguf_io import read_gguf
 
@@ -63,8 +61,8 @@ def write_plamo_tokenizer(path: Path) -> None:
 def converted(tmp_path_factory, family: str) -> dict[str, Path]:
     """`family`'s folder ("folder", its test module's build_folder) and its GGUFs as
     llama_cpp_golden.convert writes them ("f32", "q8_0", with the module's CONVERTER_PATCH);
-    the three families' converted together once a test session, in one converter process
-    (its imports take most of the time; each patch changes its own family's class alone)."""
+    the three families' converted together once a test session, in one converter run
+    (llama_converter.convert; each patch changes its own family's class alone)."""
     root = tmp_path_factory.getbasetemp() / "plamo"
     found, runs, patches = {}, [], []
     for name in FAMILIES:
@@ -74,10 +72,8 @@ def converted(tmp_path_factory, family: str) -> dict[str, Path]:
             module.build_folder(folder)
         files = {t: folder.parent / f"{name}-{t}.gguf" for t in FILE_TYPES}
         found[name] = {"folder": folder, **files}
-        runs += [f"{folder}|--outfile|{out}|--outtype|{t}" for t, out in files.items()]
+        runs += [[folder, "--outfile", out, "--outtype", t] for t, out in files.items()]
         patches.append(getattr(module, "CONVERTER_PATCH", ""))
     if not all(found[family][t].is_file() for t in FILE_TYPES):
-        command = [sys.executable, "-c", _CONVERT, str(CONVERTER), "\n".join(patches), *runs]
-        result = subprocess.run(command, capture_output=True, text=True)
-        assert result.returncode == 0, result.stderr[-2000:]
+        llama_converter.convert(runs, llama_converter.TINY_VOCAB + "\n".join(patches))
     return found[family]

@@ -11,16 +11,14 @@ import functools
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
+import llama_converter
 import pytest
 import torch
 from family_checks import max_diff
-from helpers import CONVERTER, cached_logits
+from helpers import cached_logits
 from in_process import llmrun
-from muse_glimmer_helpers import _CONVERT
 from safetensors.torch import save_file
 
 from llmrun.loading.loader import load_model
@@ -279,13 +277,11 @@ def _converted_both(tmp_path_factory) -> dict[str, dict[str, Path]]:
     }
     if not all(path.is_file() for kinds in files.values() for path in kinds.values()):
         runs = [
-            f"{folders[family]}|--outfile|{path}|--outtype|{t}"
+            [folders[family], "--outfile", path, "--outtype", t]
             for family, kinds in files.items()
             for t, path in kinds.items()
         ]
-        command = [sys.executable, "-c", _CONVERT, str(CONVERTER), _FRESH_MIXES, *runs]
-        result = subprocess.run(command, capture_output=True, text=True)
-        assert result.returncode == 0, result.stderr[-2000:]
+        llama_converter.convert(runs, llama_converter.TINY_VOCAB + _FRESH_MIXES)
     return files
 
 

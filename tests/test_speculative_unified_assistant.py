@@ -16,15 +16,14 @@ tokens exact."""
 
 import json
 import shutil
-import subprocess
-import sys
 
+import llama_converter
 import pytest
 import torch
 from gemma4_assistant_helpers import hf_drafts
 from gemma4_unified_helpers import WINDOW, F, S, save_gemma4_unified_dir, tiny_gemma4_unified
 from gemma4_vision_helpers import VOCAB
-from helpers import CONVERTER, needs_converter, needs_templates, randomize
+from helpers import needs_converter, needs_templates, randomize
 from in_process import llmrun
 
 from llmrun.generate import KVState, stream_generate
@@ -142,10 +141,7 @@ def test_the_converters_gguf_drafts_as_transformers_without_centroids(pair, tmp_
     config["text_config"]["moe_intermediate_size"] = None
     (folder / "config.json").write_text(json.dumps(config))
     out = tmp_path / "assistant.gguf"
-    command = [sys.executable, str(CONVERTER), str(folder), "--outtype", "f32"]
-    command += ["--outfile", str(out)]
-    result = subprocess.run(command, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-2000:]
+    llama_converter.convert([[folder, "--outtype", "f32", "--outfile", out]])
     assert gemma4_assistant.is_assistant(out)
     assistant = gemma4_assistant.load(out, torch.device("cpu"), torch.float32)
     assert assistant.masked_embedding is None

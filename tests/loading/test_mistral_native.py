@@ -10,13 +10,12 @@ token ids for each tekken.json version llmrun knows the format of.
 import datetime
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
+import llama_converter
 import pytest
 import torch
-from helpers import CONVERTER, _permute, needs_converter, randomize
+from helpers import _permute, needs_converter, randomize
 from in_process import llmrun
 from safetensors.torch import save_file
 from test_tekken import write_tekken
@@ -136,9 +135,7 @@ def write_native(hf, path: Path, shards: int = 1, extra: dict | None = None, **p
 def convert(folder: Path, out: Path) -> Path:
     """llama.cpp's GGUF of a native folder (F32), as its converter writes it."""
     flags = ["--outfile", str(out), "--outtype", "f32", "--disable-mistral-community-chat-template"]
-    command = [sys.executable, str(CONVERTER), "--mistral-format", str(folder), *flags]
-    result = subprocess.run(command, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-2000:]
+    llama_converter.convert([["--mistral-format", folder, *flags]])
     return out
 
 

@@ -14,14 +14,13 @@ converter's mmproj within 1e-5; ids and tokens exact.
 """
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
+import llama_converter
 import numpy as np
 import pytest
 import torch
-from helpers import CONVERTER, _permute, needs_converter, randomize
+from helpers import _permute, needs_converter, randomize
 from image_serving import check_reply_is_run_s
 from in_process import llmrun
 from safetensors.torch import save_file
@@ -303,12 +302,8 @@ def test_a_planted_bug_fails_the_comparison(model, folders, reference, monkeypat
 @needs_converter
 def test_the_converters_mmproj_of_the_native_folder_is_the_same_tower(folders, engine, tmp_path):
     out = tmp_path / "mmproj.gguf"
-    command = [
-        sys.executable, str(CONVERTER), "--mistral-format", "--mmproj", str(folders[0]),
-        "--outfile", str(out), "--outtype", "f32",
-    ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-2000:]
+    flags = ["--outfile", out, "--outtype", "f32"]
+    llama_converter.convert([["--mistral-format", "--mmproj", folders[0], *flags]])
     image = open_image(IMAGE)
     converted = encode(pixtral_vision.from_mmproj(out, 64), [image])[0]
     torch.testing.assert_close(converted, encode(engine.vision, [image])[0], atol=1e-5, rtol=0)

@@ -155,7 +155,7 @@ def test_the_converter_s_ggufs_match_transformers(model, folder, wavs, clips, re
     first clip."""
     if not CONVERTER.is_file():
         pytest.skip(needs_converter.kwargs["reason"])
-    text, mmproj = converted(CONVERTER, folder, tmp_path)
+    text, mmproj = converted(folder, tmp_path)
     engine = api.load(str(text), device="cpu", mmproj=mmproj, audio=True)
     # The converter's SentencePiece vocabulary puts a space before the text as the tiny
     # tokenizer.json does not.

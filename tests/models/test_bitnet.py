@@ -24,15 +24,13 @@ gguf.quants.dequantize reads from each file: f32 logits 1e-4.
 """
 
 import json
-import subprocess
-import sys
 
+import llama_converter
 import pytest
 import torch
 from family_checks import check_paged, check_static_decode, check_whole_and_cached, max_diff
 from helpers import (
     BASE,
-    CONVERTER,
     STORIES_GGUF,
     STORIES_HF,
     cached_logits,
@@ -254,15 +252,7 @@ def converted(tmp_path_factory):
     runs = [
         [str(folder), "--outtype", kind, "--outfile", str(out)] for kind, out in outputs.items()
     ]
-    script = (
-        "import runpy, sys\n"
-        f"sys.path.insert(0, {str(CONVERTER.parent)!r})\n"
-        f"for args in {runs!r}:\n"
-        f"    sys.argv = [{str(CONVERTER)!r}, *args]\n"
-        f"    runpy.run_path({str(CONVERTER)!r}, run_name='__main__')\n"
-    )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-3000:]
+    llama_converter.convert(runs)
     return model, outputs
 
 

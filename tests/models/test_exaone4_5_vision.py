@@ -14,9 +14,8 @@ Tolerances: pixels 1e-5, features and logits 1e-4 (absolute), tokens exact.
 """
 
 import json
-import subprocess
-import sys
 
+import llama_converter
 import pytest
 import torch
 from exaone4_5_helpers import (
@@ -27,7 +26,7 @@ from exaone4_5_helpers import (
     tiny_exaone4_5,
     write_text_gguf,
 )
-from helpers import CONVERTER, needs_converter
+from helpers import needs_converter
 from in_process import llmrun
 from vision_helpers import picture
 
@@ -84,9 +83,7 @@ def gguf_files(model, folder, tmp_path_factory):
     """The text GGUF, and the mmproj that llama.cpp's converter (--mmproj, F32) writes."""
     out = tmp_path_factory.mktemp("exaone4_5_gguf")
     mmproj = out / "mmproj.gguf"
-    command = [sys.executable, str(CONVERTER), str(folder), "--mmproj", "--outtype", "f32"]
-    result = subprocess.run([*command, "--outfile", str(mmproj)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-2000:]
+    llama_converter.convert([[folder, "--mmproj", "--outtype", "f32", "--outfile", mmproj]])
     return write_text_gguf(model, out / "model.gguf"), mmproj
 
 

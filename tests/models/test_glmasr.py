@@ -171,7 +171,7 @@ def test_the_converter_s_ggufs_match_transformers(
     if not CONVERTER.is_file():
         pytest.skip(needs_converter.kwargs["reason"])
     original = original_layout(folder, tmp_path / "original")
-    text, mmproj = converted(CONVERTER, original, tmp_path)
+    text, mmproj = converted(original, tmp_path)
     # F32 but the tower's convolutions, which the converter keeps F16: transformers with
     # those rounded is the reference.
     rounded = copy.deepcopy(model)

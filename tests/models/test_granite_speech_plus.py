@@ -33,7 +33,7 @@ from granite_speech_helpers import (
     processor_inputs,
     tiny_granite_speech_plus,
 )
-from helpers import CONVERTER, needs_converter
+from helpers import needs_converter
 from in_process import llmrun
 from serving import GREEDY
 from starlette.testclient import TestClient
@@ -141,7 +141,7 @@ def test_the_converter_s_ggufs_match_transformers(model, folder, wav, clip, refe
     """Also `chat GGUF --mmproj MMPROJ` with `/audio A`. The converter gives the text GGUF
     stories260K's SentencePiece vocabulary (a BOS, spaces its own way), so transformers runs
     on llmrun's ids."""
-    text, mmproj = converted(CONVERTER, folder, tmp_path)
+    text, mmproj = converted(folder, tmp_path)
     engine = api.load(str(text), device="cpu", mmproj=mmproj, audio=True)
     assert engine.audio.encoder.args.batch_norm_eps == 0  # folded by the converter
     tokens = check_matches(model, engine, clip, reference)

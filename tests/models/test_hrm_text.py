@@ -35,7 +35,7 @@ from family_checks import (
     hf_model_of,
     max_diff,
 )
-from helpers import BASE, CONVERTER, cached_logits, needs_converter, our_model, save_hf_dir
+from helpers import BASE, cached_logits, needs_converter, our_model, save_hf_dir
 from in_process import llmrun
 from muse_glimmer_helpers import run_converter
 
@@ -117,7 +117,7 @@ def test_the_hub_folder_runs_and_shows(hf, expected, folder):
 def test_the_converters_q8_0_gguf_matches_transformers(hf, folder):
     """Every matrix in Q8_0: the reference holds the values the file's blocks hold."""
     path = folder.parent / "hrm-q8_0.gguf"
-    run_converter(folder, {path: "--outtype q8_0"}, CONVERTER, LLAMA_VOCAB)
+    run_converter(folder, {path: "--outtype q8_0"}, LLAMA_VOCAB)
     rounded = copy.deepcopy(hf)
     dequantize_2d_weights(rounded, gguf.GGMLQuantizationType.Q8_0)
     loaded = load_model(path, CPU, "f32")

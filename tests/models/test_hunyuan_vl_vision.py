@@ -16,12 +16,11 @@ Tolerances: 1e-4 on f32 image features (about ±3) and logits (about ±6); patch
 
 import json
 import shutil
-import subprocess
-import sys
 
+import llama_converter
 import pytest
 import torch
-from helpers import CONVERTER, needs_converter
+from helpers import needs_converter
 from hunyuan_vl_helpers import (
     END,
     IMAGE,
@@ -163,9 +162,7 @@ def test_gguf_with_the_converters_mmproj_matches_transformers(family, images, re
     the folder."""
     model, folder, _ = family
     mmproj = tmp_path / "mmproj.gguf"
-    command = [sys.executable, str(CONVERTER), str(folder), "--mmproj", "--outtype", "f32"]
-    result = subprocess.run([*command, "--outfile", str(mmproj)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-2000:]
+    llama_converter.convert([[folder, "--mmproj", "--outtype", "f32", "--outfile", mmproj]])
     text = write_text_gguf(model, tmp_path / "model.gguf")
     engine = api.load(str(text), device="cpu", mmproj=mmproj)
     ids, prompt_images = engine.image_prompt(

@@ -12,12 +12,11 @@ Tolerances: pixels 1e-5, features and logits 1e-4 (absolute), tokens exact.
 """
 
 import json
-import subprocess
-import sys
 
+import llama_converter
 import pytest
 import torch
-from helpers import CONVERTER, needs_converter
+from helpers import needs_converter
 from janus_helpers import (
     BOI,
     EOI,
@@ -202,9 +201,7 @@ def test_the_mmproj_is_the_converters(model, folder, tmp_path):
     """llama.cpp's converter (--mmproj, default F16) on the folder writes write_mmproj's
     tensors, types and clip.* metadata."""
     out = tmp_path / "converted.gguf"
-    command = [sys.executable, str(CONVERTER), str(folder), "--mmproj", "--outfile", str(out)]
-    result = subprocess.run(command, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-2000:]
+    llama_converter.convert([[folder, "--mmproj", "--outfile", out]])
     ours = read_gguf(write_mmproj(model, tmp_path / "ours.gguf"))
     theirs = read_gguf(out)
     assert sorted(theirs.tensors) == sorted(ours.tensors)

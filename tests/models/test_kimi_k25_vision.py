@@ -12,12 +12,11 @@ pixel checksums 1e-6 relative (sums of ~5·10⁴ values), the first 64 pixels ex
 """
 
 import json
-import subprocess
-import sys
 
+import llama_converter
 import pytest
 import torch
-from helpers import CONVERTER, needs_converter
+from helpers import needs_converter
 from in_process import llmrun
 from kimi_k25_helpers import (
     GOLDEN,
@@ -171,9 +170,7 @@ def test_gguf_with_the_converters_mmproj_matches_transformers(family, tmp_path):
     limit of 16384 patches a image (no side limit: the 100x150 image is not shrunk)."""
     model, folder, _ = family
     mmproj = tmp_path / "mmproj.gguf"
-    command = [sys.executable, str(CONVERTER), str(folder), "--mmproj", "--outtype", "f32"]
-    result = subprocess.run([*command, "--outfile", str(mmproj)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-2000:]
+    llama_converter.convert([[folder, "--mmproj", "--outtype", "f32", "--outfile", mmproj]])
     text = write_text_gguf(model, tmp_path / "model.gguf")
     engine = api.load(str(text), device="cpu", mmproj=mmproj)
     assert (engine.vision.max_patches, engine.vision.max_side) == (16384, 512)

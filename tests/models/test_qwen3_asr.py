@@ -177,7 +177,7 @@ def test_qwen_s_layout_and_the_converter_s_ggufs_match_transformers(
     check_matches(model, engine, clips[0], references[0])
     if not CONVERTER.is_file():
         pytest.skip(needs_converter.kwargs["reason"])
-    text, mmproj = converted(CONVERTER, qwen, tmp_path)
+    text, mmproj = converted(qwen, tmp_path)
     # F32 but the tower's convolutions and conv_out, which the converter keeps F16: transformers
     # with those rounded is the reference. The mmproj holds no attention windows: llmrun takes
     # the Hub's (800 frames).

@@ -30,7 +30,7 @@ from family_checks import (
     check_whole_and_cached,
     max_diff,
 )
-from helpers import BASE, CONVERTER, cached_logits, needs_converter, save_hf_dir
+from helpers import BASE, cached_logits, needs_converter, save_hf_dir
 from moe_helpers import round_matrices_but_the_routers
 from muse_glimmer_helpers import run_converter
 from test_deepseek import routed_model
@@ -155,7 +155,7 @@ def test_the_converters_ggufs_match_transformers(hf, expected, folder):
     the file's blocks hold)."""
     files = {t: folder.parent / f"sarvam-{t}.gguf" for t in ("f32", "q8_0")}
     outputs = {path: f"--outtype {t}" for t, path in files.items()}
-    run_converter(folder, outputs, CONVERTER, CONFIG_AS_WRITTEN)
+    run_converter(folder, outputs, CONFIG_AS_WRITTEN)
     rounded = routed_model(CONFIG)
     round_matrices_but_the_routers(rounded)
     for qtype, reference_model in (("f32", hf), ("q8_0", rounded)):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CONVERTER, needs_converter
+from helpers import needs_converter
 from in_process import llmrun
 from muse_glimmer_helpers import run_converter
 from step3p7_helpers import (
@@ -302,7 +302,7 @@ def test_the_converter_s_gguf_and_mmproj_match_transformers(
     (hub / "config.json").write_text(json.dumps(config))
     text, mmproj = tmp_path / "text.gguf", tmp_path / "mmproj.gguf"
     outputs = {text: "--outtype f32", mmproj: "--outtype f32 --mmproj"}
-    run_converter(hub, outputs, CONVERTER, CONVERT_TINY)
+    run_converter(hub, outputs, CONVERT_TINY)
     assert vision_families.of_mmproj(mmproj).name == "Step 3.7"
     loaded = api.load(str(text), device="cpu", mmproj=mmproj)
     assert (loaded.vision.size, loaded.vision.crop, loaded.vision.max_image_size) == (

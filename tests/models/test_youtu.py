@@ -27,7 +27,7 @@ from family_checks import (
     hf_model_of,
     max_diff,
 )
-from helpers import BASE, CONVERTER, cached_logits, needs_converter, our_model, save_hf_dir
+from helpers import BASE, cached_logits, needs_converter, our_model, save_hf_dir
 from in_process import llmrun
 from muse_glimmer_helpers import run_converter
 from test_deepseek import round_as_q8_0_gguf
@@ -90,7 +90,7 @@ def folder(hf, tmp_path_factory):
 def converted(folder):
     """llama.cpp's converter's F32 and Q8_0 GGUFs of the folder, from one process."""
     files = {t: folder.parent / f"youtu-{t}.gguf" for t in ("f32", "q8_0")}
-    run_converter(folder, {path: f"--outtype {t}" for t, path in files.items()}, CONVERTER)
+    run_converter(folder, {path: f"--outtype {t}" for t, path in files.items()})
     return files
 
 
