@@ -52,7 +52,8 @@ def llmrun(*args: str, input: str | None = None) -> subprocess.CompletedProcess:
     saved_sigint, saved_debug = signal.getsignal(signal.SIGINT), DEBUG["on"]
     # Held here until the values are read: a dropped wrapper closes its BytesIO.
     streams = (
-        io.TextIOWrapper(io.BytesIO((input or "").encode()), encoding="utf-8"),
+        # A POSIX sys.stdin splits lines at "\n" and keeps a "\r" before it.
+        io.TextIOWrapper(io.BytesIO((input or "").encode()), encoding="utf-8", newline="\n"),
         io.TextIOWrapper(stdout, encoding="utf-8", write_through=True),
         io.TextIOWrapper(stderr, encoding="utf-8", errors="backslashreplace", write_through=True),
     )

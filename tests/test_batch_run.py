@@ -213,7 +213,7 @@ def test_resume_leaves_a_file_that_is_not_results_alone(tmp_path, text):
 
 
 def test_ctrl_c_leaves_whole_lines_that_resume_completes(tmp_path):
-    lines = [{"prompt": p, "temperature": 0, "max_tokens": 150} for p in STORY_PROMPTS * 5]
+    lines = [{"prompt": p, "temperature": 0, "max_tokens": 150} for p in STORY_PROMPTS * 2]
     path = write_jsonl(tmp_path / "in.jsonl", lines)
     out = tmp_path / "out.jsonl"
     args = [sys.executable, "-m", "llmrun", "run", "--batch", path, "--parallel", "2"]
@@ -244,7 +244,7 @@ def test_a_killed_run_leaves_whole_lines_that_resume_completes(tmp_path):
     another order, as a run that was never killed (greedy and seeded lines)."""
     lines = [
         {"prompt": p, "max_tokens": 150, **({"temperature": 0} if i % 2 else {"seed": i})}
-        for i, p in enumerate(STORY_PROMPTS * 4)
+        for i, p in enumerate(STORY_PROMPTS * 2)
     ]
     path = write_jsonl(tmp_path / "in.jsonl", lines)
     out = tmp_path / "out.jsonl"

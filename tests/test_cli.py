@@ -47,11 +47,11 @@ def test_default_model_tells_the_known_story():
 
 
 def test_prompt_from_stdin_and_argument_plus_stdin():
-    piped = llmrun("run", "-n", "20", "--temperature", "0", input="Once upon a time\n")
+    piped = llmrun_in_process("run", "-n", "20", "--temperature", "0", input="Once upon a time\n")
     argument = llmrun_in_process("run", "Once upon a time", "-n", "20", "--temperature", "0")
     assert piped.returncode == 0, piped.stderr
     assert piped.stdout == argument.stdout
-    both = llmrun(
+    both = llmrun_in_process(
         "run",
         "Once upon",
         "-n",
@@ -67,7 +67,7 @@ def test_prompt_from_stdin_and_argument_plus_stdin():
 
 
 def test_pipes_get_plain_text_and_verbose_stats_go_to_stderr():
-    result = llmrun("run", "Once upon a time", "-n", "10", "--temperature", "0", "-v")
+    result = llmrun_in_process("run", "Once upon a time", "-n", "10", "--temperature", "0", "-v")
     assert result.returncode == 0
     assert "\x1b[" not in result.stdout + result.stderr
     assert result.stdout == STORY[: len(result.stdout)]

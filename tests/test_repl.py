@@ -9,6 +9,7 @@ from pathlib import Path
 import pexpect
 import pytest
 from helpers import chat_model_dir, needs_templates
+from in_process import llmrun as llmrun_in_process
 
 PROMPT = ">>> "
 
@@ -151,15 +152,9 @@ def test_template_model_multi_turn(home, chat_model):
     child.expect(pexpect.EOF)
 
 
-def test_piped_chat_has_exact_greedy_output(home):
-    env = {**os.environ, "LLMRUN_HOME": str(home)}
-    result = subprocess.run(
-        [sys.executable, "-m", "llmrun", "chat", "-n", "20", "--temperature", "0"],
-        input="Once upon a time\nWhat did Lily do?\n",
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
+def test_piped_chat_has_exact_greedy_output():
+    result = llmrun_in_process(
+        "chat", "-n", "20", "--temperature", "0", input="Once upon a time\nWhat did Lily do?\n"
     )
     assert result.returncode == 0, result.stderr
     replies = result.stdout.split("\n\n")
@@ -191,9 +186,7 @@ def test_piped_chat_reads_lines_ending_in_crlf(home):
         run, input="Once upon a time\r\n/bye\r\nafter\r\n", capture_output=True, text=True,
         env=env, timeout=120,
     )  # fmt: skip
-    lf = subprocess.run(
-        run, input="Once upon a time\n", capture_output=True, text=True, env=env, timeout=120
-    )
+    lf = llmrun_in_process(*run[3:], input="Once upon a time\n")
     assert crlf.returncode == 0 and "unknown command" not in crlf.stderr
     assert crlf.stdout == lf.stdout
 
