@@ -429,6 +429,32 @@ static inline const float *kv_rows(int kind, const uint8_t *src, int64_t n, int6
     return buf;
 }
 
+/* y[0 .. dim) += sum over r < n of w[r] * rows[r][0 .. dim): VW * ADD_VECS values of y
+ * at a time held in registers over the n rows (a store and a reload of y per row would
+ * chain each row's sums through memory), in the order of the rows, so each value of y
+ * is summed as one fma after another. */
+#define ADD_VECS 8
+#define VALUE_ROWS 32
+static inline void add_rows(const float *w, const float *rows, int64_t n, int64_t dim,
+                            float *y) {
+    int64_t d = 0;
+    for (; d + ADD_VECS * VW <= dim; d += ADD_VECS * VW) {
+        vec acc[ADD_VECS];
+        for (int c = 0; c < ADD_VECS; c++) acc[c] = vload(y + d + c * VW);
+        for (int64_t r = 0; r < n; r++) {
+            const vec wr = vset1(w[r]);
+            const float *x = rows + r * dim + d;
+            for (int c = 0; c < ADD_VECS; c++) acc[c] = vfma(wr, vload(x + c * VW), acc[c]);
+        }
+        for (int c = 0; c < ADD_VECS; c++) vstore(y + d + c * VW, acc[c]);
+    }
+    for (; d < dim; d += VW) {
+        vec acc = vload(y + d);
+        for (int64_t r = 0; r < n; r++) acc = vfma(vset1(w[r]), vload(rows + r * dim + d), acc);
+        vstore(y + d, acc);
+    }
+}
+
 /* One query per head against the first `length` cached keys and values:
  * y[h] = softmax(cap(scale * q[h] . k[g])) . v[g], with g = h / (heads / kv_heads)
  * (GQA) and cap(s) = softcap * tanh(s / softcap), or s where softcap is 0.
@@ -437,7 +463,7 @@ static inline const float *kv_rows(int kind, const uint8_t *src, int64_t n, int6
  * The query heads that share a KV head are done together, so each cached row is
  * read from memory once per call, not once per query head (reading the rows is what
  * this costs); a stored type other than f32 is converted once per row, four keys or
- * one value at a time, into a buffer that stays in L1. Keys are taken in tiles with
+ * VALUE_ROWS values at a time, into a buffer that stays in L1. Keys are taken in tiles with
  * a running maximum per head (online softmax), so no scratch grows with the length.
  * This is KV head g's share; the callers run KV heads on the OpenMP team when there
  * is enough work to pay for waking it, each with a constant `kind`. */
@@ -451,7 +477,7 @@ static inline __attribute__((always_inline)) void attend_head(
     const uint8_t *kg = k + g * head_bytes, *vg = v + g * head_bytes;
     float *yg = y + g * group * dim;
     float qs[group * dim], p[group][KEY_TILE], top[group], sum[group];
-    float kbuf[kind == KV_F32 ? 1 : 4 * dim], vbuf[kind == KV_F32 ? 1 : dim];
+    float kbuf[kind == KV_F32 ? 1 : 4 * dim], vbuf[kind == KV_F32 ? 1 : VALUE_ROWS * dim];
     for (int64_t i = 0; i < group * dim; i++) qs[i] = q[g * group * dim + i] * scale;
     memset(yg, 0, (size_t)(group * dim) * sizeof(float));
     for (int64_t h = 0; h < group; h++) top[h] = -INFINITY, sum[h] = 0.0f;
@@ -494,7 +520,12 @@ static inline __attribute__((always_inline)) void attend_head(
             for (int64_t h = 0; h < group; h++) softcap_scores(p[h], tile, softcap);
         for (int64_t h = 0; h < group; h++) {
             float *ph = p[h], *yh = yg + h * dim, tile_top = top[h];
-            for (j = 0; j < tile; j++) tile_top = ph[j] > tile_top ? ph[j] : tile_top;
+            vec most = vset1(tile_top);
+            for (j = 0; j + VW <= tile; j += VW) most = vmax(vload(ph + j), most);
+            float lanes[VW];
+            vstore(lanes, most);
+            for (int l = 0; l < VW; l++) tile_top = lanes[l] > tile_top ? lanes[l] : tile_top;
+            for (; j < tile; j++) tile_top = ph[j] > tile_top ? ph[j] : tile_top;
             if (tile_top > top[h]) { /* a new maximum: rescale what is summed so far */
                 const float rescale = exp_scalar(top[h] - tile_top);
                 sum[h] *= rescale;
@@ -513,15 +544,12 @@ static inline __attribute__((always_inline)) void attend_head(
                 sum[h] += ph[j];
             }
         }
-        /* y[h] += p[h] . v: each value row once for every head of the group. */
-        for (j = 0; j < tile; j++) {
-            const float *vj = kv_rows(kind, vt + j * row, 1, dim, vbuf);
-            for (int64_t h = 0; h < group; h++) {
-                const vec pj = vset1(p[h][j]);
-                float *yh = yg + h * dim;
-                for (int64_t d = 0; d < dim; d += VW)
-                    vstore(yh + d, vfma(pj, vload(vj + d), vload(yh + d)));
-            }
+        /* y[h] += p[h] . v, VALUE_ROWS value rows at a time (converted once for the
+         * group); each head's y in registers over them (add_rows). */
+        for (j = 0; j < tile; j += VALUE_ROWS) {
+            const int64_t n = tile - j < VALUE_ROWS ? tile - j : VALUE_ROWS;
+            const float *vj = kv_rows(kind, vt + j * row, n, dim, vbuf);
+            for (int64_t h = 0; h < group; h++) add_rows(p[h] + j, vj, n, dim, yg + h * dim);
         }
     }
     for (int64_t h = 0; h < group; h++) {
