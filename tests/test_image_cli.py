@@ -1,12 +1,11 @@
-"""`llmrun run MODEL --image PATH "prompt"` as a user runs it: the greedy reply that
-transformers gives to the image, from a Gemma 3 folder and from a GGUF with its mmproj
-file; a file that is not an image is one error line."""
+"""`llmrun run MODEL --image PATH "prompt"` as a user runs it (in this process, through
+in_process): the greedy reply that transformers gives to the image, from a Gemma 3 folder
+and from a GGUF with its mmproj file; a file that is not an image is one error line."""
 
 import json
-import subprocess
-import sys
 
 import pytest
+from in_process import llmrun
 from vision_helpers import (
     greedy_tokens,
     picture,
@@ -20,12 +19,6 @@ from vision_helpers import (
 pytest.importorskip("transformers")
 PIL = pytest.importorskip("PIL")
 QUESTION = "What is in this picture?"
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "llmrun", *args], capture_output=True, text=True, timeout=120
-    )
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +38,7 @@ def files(tmp_path_factory):
 
 def reply_ids(*model_args: str, image) -> list[int]:
     args = ("run", *model_args, "--image", str(image), QUESTION, "-n", "8", "--temperature", "0")
-    result = run_cli(*args, "--json", "--logprobs", "0")
+    result = llmrun(*args, "--json", "--logprobs", "0")
     assert result.returncode == 0, result.stderr
     return [entry["id"] for entry in json.loads(result.stdout)["logprobs"]]
 
@@ -60,7 +53,7 @@ def test_a_file_that_is_not_an_image_is_one_error_line(files, tmp_path):
     folder = files[0]
     bad = tmp_path / "notes.png"
     bad.write_text("not a picture")
-    result = run_cli("run", str(folder), "--image", str(bad), QUESTION)
+    result = llmrun("run", str(folder), "--image", str(bad), QUESTION)
     assert result.returncode == 2
     assert result.stderr.startswith(f"error: {bad}: not an image")
     assert result.stderr.count("\n") == 1

@@ -490,28 +490,21 @@ def test_encode_batch_refuses_no_threads():
         stories_gguf().encode_batch(["x"], threads=0)
 
 
-def llmrun_cli(*args: str, input: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "llmrun", "tokenize", *args],
-        input=input.encode(),
-        capture_output=True,
-        timeout=120,
-    )
-
-
 def test_cli_batch_prints_one_list_per_line_in_order():
     tok = supported("qwen2")
     texts = [text for text, _ in reference_cases("qwen2") if "\n" not in text and "\r" not in text]
     texts += ["<|im_start|>user", ""]
     path = str(VOCAB_DIR / "ggml-vocab-qwen2.gguf")
-    result = llmrun_cli(path, "--batch", "--threads", "2", input="\n".join(texts) + "\n")
-    assert result.returncode == 0, result.stderr.decode()
-    lines = result.stdout.decode().split("\n")
+    result = llmrun("tokenize", path, "--batch", "--threads", "2", input="\n".join(texts) + "\n")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.split("\n")
     assert lines.pop() == ""
     assert [json.loads(line) for line in lines] == [tok.encode(t) for t in texts]
 
-    result = llmrun_cli(path, "--batch", "--pieces", "--no-special", input="Hi there\n<|im_end|>")
-    assert [json.loads(line) for line in result.stdout.decode().splitlines()] == [
+    result = llmrun(
+        "tokenize", path, "--batch", "--pieces", "--no-special", input="Hi there\n<|im_end|>"
+    )
+    assert [json.loads(line) for line in result.stdout.splitlines()] == [
         [{"id": 13048, "piece": "Hi"}, {"id": 1052, "piece": " there"}],
         [{"id": i, "piece": tok.token_to_piece(i)} for i in tok.encode("<|im_end|>", False, False)],
     ]
