@@ -463,8 +463,8 @@ static inline void add_rows(const float *w, const float *rows, int64_t n, int64_
  * The query heads that share a KV head are done together, so each cached row is
  * read from memory once per call, not once per query head (reading the rows is what
  * this costs); a stored type other than f32 is converted once per row, four keys or
- * VALUE_ROWS values at a time, into a buffer that stays in L1. Keys are taken in tiles with
- * a running maximum per head (online softmax), so no scratch grows with the length.
+ * VALUE_ROWS values at a time, into a buffer that stays in L1. Keys are taken in tiles
+ * with a running maximum per head (online softmax), so no scratch grows with the length.
  * This is KV head g's share; the callers run KV heads on the OpenMP team when there
  * is enough work to pay for waking it, each with a constant `kind`. */
 #define KEY_TILE 128
