@@ -47,7 +47,11 @@ for line in sys.stdin:
                 sys.argv = [str(converter), *args]
                 runpy.run_path(str(converter), run_name="__main__")
         except SystemExit as exit:
-            status = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
+            if isinstance(exit.code, int):
+                status = exit.code
+            elif exit.code is not None:  # sys.exit("why"): said, and status 1
+                print(exit.code, file=sys.stderr)
+                status = 1
         except BaseException:
             traceback.print_exc()
             status = 1
@@ -94,3 +98,11 @@ def convert(runs: Sequence[Sequence[str]], patch: str = "") -> None:
         assert reply, f"llama.cpp's converter server ended:\n{server_log.read_text()[-3000:]}"
         output = Path(log.name).read_text(errors="replace")
     assert int(reply) == 0, f"llama.cpp's converter failed:\n{output[-3000:]}"
+
+
+def run_converter(folder: Path, outputs: dict[Path, str], patch: str = "") -> None:
+    """The converter on a tiny test `folder` into each output file, with its flags
+    ("--outtype f32 --mmproj"), its vocabulary step told the tiny tokenizer is llama-bpe's
+    (TINY_VOCAB); `patch`: Python run before it (`base` is conversion.base)."""
+    runs = [[str(folder), "--outfile", str(out), *flags.split()] for out, flags in outputs.items()]
+    convert(runs, TINY_VOCAB + patch)

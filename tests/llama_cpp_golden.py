@@ -9,7 +9,7 @@ A family's test module, tests/models/test_FAMILY.py, defines
   config.json and model.safetensors as the Hub's have them, weights from random_weights,
   stories260K's tokenizer);
 - optionally `CONVERTER_PATCH: str`: Python the converter's process runs after importing
-  its modules (`base` is its conversion.base), as muse_glimmer_helpers.run_converter takes;
+  its modules (`base` is its conversion.base), as llama_converter.run_converter takes;
 and its tests take converted_folder's files (a module-scoped fixture) to
 check_against_record (each of "f32", "folder", "q8_0"), check_decode_run_and_show and,
 where the family caches keys its own way, check_paged_blocks (tests/models/test_orion.py is
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 from helpers import STORIES_GGUF, STORIES_HF
-from muse_glimmer_helpers import run_converter
+from llama_converter import run_converter
 from safetensors.numpy import save_file
 
 from llmrun.loading.gguf_io import read_gguf

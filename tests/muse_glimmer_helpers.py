@@ -205,15 +205,6 @@ def folder_of(tmp_path_factory) -> Path:
     return folder
 
 
-def run_converter(folder: Path, outputs: dict[Path, str], patch: str = "") -> None:
-    """llama.cpp's converter on `folder` into each output file, with its flags ("--outtype
-    f32 --mmproj"), its vocabulary step told the tiny tokenizer is llama-bpe's
-    (llama_converter.TINY_VOCAB); `patch`: Python run before it (`base` is
-    conversion.base)."""
-    runs = [[str(folder), "--outfile", str(out), *flags.split()] for out, flags in outputs.items()]
-    llama_converter.convert(runs, llama_converter.TINY_VOCAB + patch)
-
-
 def converted(tmp_path_factory) -> dict[str, Path]:
     """llama.cpp's GGUFs of folder_of's folder as its converter writes them: the text
     model in F32, F16 and Q8_0 ("f32", "f16", "q8_0"), the mmproj in F32 ("mmproj");
@@ -224,7 +215,7 @@ def converted(tmp_path_factory) -> dict[str, Path]:
     if not all(path.is_file() for path in files.values()):
         flags = {t: f"--outtype {t}" for t in ("f32", "f16", "q8_0")}
         flags["mmproj"] = "--outtype f32 --mmproj"
-        run_converter(folder, {files[t]: flags[t] for t in files})
+        llama_converter.run_converter(folder, {files[t]: flags[t] for t in files})
     return files
 
 

@@ -11,7 +11,7 @@ Tolerances: encoder output and logits 1e-4; ids exact.
 import pytest
 import torch
 from helpers import needs_converter
-from muse_glimmer_helpers import run_converter
+from llama_converter import run_converter
 from t5_helpers import PROMPT, reference, t5_folder, tokenizer_folder
 
 from llmrun import api

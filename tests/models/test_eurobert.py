@@ -30,7 +30,7 @@ from embedding_helpers import TEXTS, reference, write_embedding_dir
 from family_checks import dequantize_2d_weights, max_diff, write_keyed_gguf
 from helpers import needs_converter, randomize
 from in_process import llmrun
-from muse_glimmer_helpers import run_converter
+from llama_converter import run_converter
 from serving import served
 
 from llmrun import api

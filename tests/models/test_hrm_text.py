@@ -37,7 +37,7 @@ from family_checks import (
 )
 from helpers import BASE, cached_logits, needs_converter, our_model, save_hf_dir
 from in_process import llmrun
-from muse_glimmer_helpers import run_converter
+from llama_converter import run_converter
 
 from llmrun.loading.loader import load_model
 

@@ -31,8 +31,8 @@ from family_checks import (
     max_diff,
 )
 from helpers import BASE, cached_logits, needs_converter, save_hf_dir
+from llama_converter import run_converter
 from moe_helpers import round_matrices_but_the_routers
-from muse_glimmer_helpers import run_converter
 from test_deepseek import routed_model
 
 from llmrun.errors import UnsupportedError

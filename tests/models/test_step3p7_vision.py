@@ -25,7 +25,7 @@ import pytest
 import torch
 from helpers import needs_converter
 from in_process import llmrun
-from muse_glimmer_helpers import run_converter
+from llama_converter import run_converter
 from step3p7_helpers import (
     CONVERT_TINY,
     HUB_TEXT,

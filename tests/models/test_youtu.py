@@ -29,7 +29,7 @@ from family_checks import (
 )
 from helpers import BASE, cached_logits, needs_converter, our_model, save_hf_dir
 from in_process import llmrun
-from muse_glimmer_helpers import run_converter
+from llama_converter import run_converter
 from test_deepseek import round_as_q8_0_gguf
 
 from llmrun.loading.loader import load_model
