@@ -6,6 +6,8 @@ imports family_checks works however the tests are chosen.
 - Tests run torch on one thread (subprocesses inherit it): the test models are
   tiny, and on a busy 2-core machine two OpenMP threads per process spin against
   each other and run ten times slower.
+- The cyclic GC looks at young objects every 50,000 allocations, as the command line
+  sets it (Python's 700 had each worker walk its million objects every few seconds).
 - Everything llmrun writes (model cache, REPL history, built kernels) goes to a
   temporary LLMRUN_HOME for the session, never to the user's own folders.
 - `native_kernels` runs a test against each native kernel family this CPU has:
@@ -18,6 +20,7 @@ imports family_checks works however the tests are chosen.
 """
 
 import atexit
+import gc
 import os
 import shutil
 import sys
@@ -31,6 +34,10 @@ sys.path.append(str(Path(__file__).parent / "models"))
 # The shared checks' asserts explain their failures as a test module's do.
 pytest.register_assert_rewrite("image_serving", "family_checks", "hybrid_checks", "vision_checks")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# As the command line collects (llmrun.cli.main): with the default, each test worker's
+# cyclic GC walked its million objects (torch, transformers) every few seconds, ~4 % of
+# the model tests' time.
+gc.set_threshold(50_000)
 if "LLMRUN_HOME" not in os.environ:
     _home = tempfile.mkdtemp(prefix="llmrun-tests-")
     os.environ["LLMRUN_HOME"] = _home
