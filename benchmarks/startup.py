@@ -1,10 +1,11 @@
 """Where the start-up of `llmrun run MODEL "hi" -n 1` goes, phase by phase.
 
 Each phase is timed in a fresh interpreter, as the run command reaches it: the bare
-interpreter, `import torch`, the rest of llmrun's imports, the native library (built
-once and cached, so this is its load), the GGUF header parse, the weight mapping
-(memory-mapped blocks, QuantLinear, repacking into the kernels' layouts), the tokenizer
-from the GGUF metadata, the chat template, and the first token (prefill of the prompt).
+interpreter, the command line's imports (llmrun.cli: typer, rich, gguf), `import torch`,
+the rest of llmrun's imports, the native library (built once and cached, so this is its
+load), the GGUF header parse, the weight mapping (memory-mapped blocks, QuantLinear,
+repacking into the kernels' layouts), the tokenizer from the GGUF metadata, the chat
+template, and the first token (prefill of the prompt).
 The whole command is timed too, end to end, so the phases can be checked against it.
 Prints a markdown table of the median of --repeats runs and the spread.
 
@@ -25,6 +26,8 @@ import json, sys, time
 marks = [("start", time.perf_counter())]
 def mark(name):
     marks.append((name, time.perf_counter()))
+import llmrun.cli
+mark("import llmrun.cli (typer, rich, gguf)")
 import torch
 mark("import torch")
 from llmrun import api, native

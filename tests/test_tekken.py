@@ -226,14 +226,9 @@ def test_the_merges_and_tokens_are_the_gguf_converters(tmp_path):
     tekken.json): the same tokens at the same ids and the same merges in the same order;
     llmrun's tokenizer of that GGUF vocabulary ("tekken", llama.cpp's approximation of the
     pattern) gives the folder's ids where the two split text alike."""
-    import importlib
-
-    import gguf.vocab
     from gguf import Keys
+    from gguf.vocab import MistralVocab
 
-    # llmrun imports gguf without mistral_common (llmrun/__init__.py), which MistralVocab
-    # needs: gguf.vocab is run again, finding it.
-    MistralVocab = importlib.reload(gguf.vocab).MistralVocab
     folder = write_tekken(tmp_path)
     vocab = MistralVocab(folder)
     tokens, scores, types = zip(*vocab.all_tokens(), strict=True)

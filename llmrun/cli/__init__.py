@@ -16,6 +16,7 @@ import sys
 import typer
 
 from llmrun import threads, ui  # noqa: F401  (threads: its first CPU reading, before torch loads)
+from llmrun.cli import preload  # noqa: F401  (gguf without mistral_common, before the commands)
 from llmrun.cli.app import DEBUG, app
 from llmrun.errors import LlmrunError
 
