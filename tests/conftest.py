@@ -34,11 +34,12 @@ sys.path.append(str(Path(__file__).parent / "models"))
 # The shared checks' asserts explain their failures as a test module's do.
 pytest.register_assert_rewrite("image_serving", "family_checks", "hybrid_checks", "vision_checks")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# As the command line collects (llmrun.cli.main): with the default, each test worker's
-# cyclic GC walked its million objects (torch, transformers) every few seconds; the
-# suite's CPU time fell by about a quarter without it. The number, not llmrun.cli's
-# GC_THRESHOLD: importing llmrun.cli here would import gguf without mistral_common for
-# the whole worker (llmrun.cli.preload), and test_tekken needs gguf's MistralVocab.
+# As the command line collects (llmrun.cli.process): with the default, each test
+# worker's cyclic GC walked its million objects (torch, transformers) every few seconds;
+# the suite's CPU time fell by about a quarter without it. The number, not
+# llmrun.cli.process's GC_THRESHOLD: importing llmrun.cli here would import gguf without
+# mistral_common for the whole worker (llmrun.cli.preload), and test_tekken needs gguf's
+# MistralVocab.
 gc.set_threshold(50_000)
 if "LLMRUN_HOME" not in os.environ:
     _home = tempfile.mkdtemp(prefix="llmrun-tests-")

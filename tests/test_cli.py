@@ -4,6 +4,7 @@ plain text in pipes, a closed or full stdout, Ctrl-C, what --help imports, --deb
 traceback); the rest in process (tests/in_process.py), which saves an interpreter start
 and a torch import each."""
 
+import ast
 import json
 import os
 import signal
@@ -342,6 +343,47 @@ def test_help_does_not_import_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "run" in result.stdout and "tokenize" in result.stdout
+
+
+_REUSE_AFTER_MAIN = """
+import ctypes, resource, sys
+sys.argv = ['llmrun', '--help']
+from llmrun.cli import main
+try:
+    main()
+except SystemExit:
+    pass
+libc = ctypes.CDLL('libc.so.6')
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+faults = []
+for _ in range(3):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    block = libc.malloc(20 << 20)
+    libc.memset(block, 1, 20 << 20)
+    libc.free(block)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(faults)
+"""
+
+
+@pytest.mark.skipif(
+    not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"), reason="glibc's malloc"
+)
+def test_freed_temporaries_are_reused_not_faulted_in_again():
+    """A prompt's GEMM tiles and activations (up to 16 MB each) are freed and taken again
+    layer after layer; with glibc's defaults a process could page-fault ~800 MB of
+    fresh pages a 512-token prompt. After the command line's set-up, the second 20 MB
+    block reuses the first one's pages (with glibc's defaults it is mapped anew)."""
+    result = subprocess.run(
+        [sys.executable, "-c", _REUSE_AFTER_MAIN], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    first, *later = ast.literal_eval(result.stdout.strip().splitlines()[-1])
+    assert first > 4000  # 20 MB of 4 KB pages: the faults are counted
+    assert max(later) < 100, later
 
 
 @needs_vocab

@@ -10,13 +10,12 @@ commands on it, in the order `llmrun --help` lists them.
 from __future__ import annotations
 
 import errno
-import gc
 import sys
 
 import typer
 
 from llmrun import threads, ui  # noqa: F401  (threads: its first CPU reading, before torch loads)
-from llmrun.cli import preload  # noqa: F401  (gguf without mistral_common, before the commands)
+from llmrun.cli import preload, process  # noqa: F401  (preload: gguf without mistral_common, first)
 from llmrun.cli.app import DEBUG, app
 from llmrun.errors import LlmrunError
 
@@ -28,7 +27,6 @@ from llmrun.cli import quantize, imatrix  # noqa: F401
 
 __all__ = ["app", "main"]
 
-GC_THRESHOLD = 50_000  # allocations between looks at the young objects (Python's: 700)
 _WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EBADF, errno.EFBIG}
 
 
@@ -41,11 +39,7 @@ def _is_usage_error(e: Exception) -> bool:
 
 def main() -> None:
     """Console entry point: run the app, turn errors into one line and an exit code."""
-    # Python's cyclic GC looks at the young objects every 700 allocations, and every few
-    # hundred looks walk all of them: ~0.3 s of the ~200k objects torch's import makes, of
-    # a 4 s `run` (2-core Zen 3). Every 50,000 it is ~0.1 s; a server's or a chat's
-    # cycles are still collected.
-    gc.set_threshold(GC_THRESHOLD)
+    process.tune()
     if sys.stdout is None:  # started with stdout closed (`llmrun ... >&-`)
         ui.error("standard output is closed")
         sys.exit(1)
