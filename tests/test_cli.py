@@ -7,6 +7,7 @@ and a torch import each."""
 import ast
 import json
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -369,9 +370,7 @@ print(faults)
 """
 
 
-@pytest.mark.skipif(
-    not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"), reason="glibc's malloc"
-)
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc")
 def test_freed_temporaries_are_reused_not_faulted_in_again():
     """A prompt's GEMM tiles and activations (up to 16 MB each) are freed and taken again
     layer after layer; with glibc's defaults a process could page-fault ~800 MB of
