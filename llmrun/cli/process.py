@@ -21,7 +21,7 @@ _M_MMAP_THRESHOLD = -3
 
 
 def tune() -> None:
-    """Set both for a command that runs a model."""
+    """Set both, before any command runs (the model commands are the ones they help)."""
     # Python's cyclic GC looks at the young objects every 700 allocations, and every few
     # hundred looks walk all of them: ~0.3 s of the ~200k objects torch's import makes, of
     # a 4 s `run` (2-core Zen 3). Every 50,000 it is ~0.1 s; a server's or a chat's
