@@ -566,7 +566,8 @@ def benchmark(
     # of those before it.
     paths = [api.resolve(spec) for spec in models]
     records = []
-    for spec, path in zip(models, paths, strict=True):
+    for index, (spec, path) in enumerate(zip(models, paths, strict=True)):
+        if index:
+            gc.collect()  # the last model freed before this one's peak memory is measured
         records += bench_model(spec, options, roofline, report, path)
-        gc.collect()  # free this model before the next one's peak memory is measured
     return records

@@ -1,7 +1,5 @@
 """The Typer app, the options its commands share, and the small helpers they use."""
 
-from __future__ import annotations
-
 import re
 import sys
 from pathlib import Path

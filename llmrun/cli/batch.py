@@ -1,7 +1,5 @@
 """`run --batch`: the batch flags checked, then one call to llmrun.batch_run."""
 
-from __future__ import annotations
-
 import sys
 from collections.abc import Mapping
 from pathlib import Path

@@ -1,7 +1,5 @@
 """`bench`: flags -> llmrun.bench."""
 
-from __future__ import annotations
-
 from typing import Annotated
 
 import typer

@@ -1,7 +1,5 @@
 """`embed`: texts -> one embedding vector each, as JSON."""
 
-from __future__ import annotations
-
 import json
 import sys
 from typing import Annotated

@@ -1,7 +1,5 @@
 """`run`, `chat` and `tokenize`: flags -> the generation and tokenizer calls."""
 
-from __future__ import annotations
-
 import inspect
 import json
 import sys

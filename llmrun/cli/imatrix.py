@@ -1,8 +1,6 @@
 """`imatrix`: an importance matrix of a GGUF model over a text, as llama-imatrix computes
 it, for `llmrun quantize --imatrix`."""
 
-from __future__ import annotations
-
 import time
 from pathlib import Path
 from typing import Annotated

@@ -1,7 +1,5 @@
 """`pull`, `list`, `show` and `rm`: flags -> llmrun.hub."""
 
-from __future__ import annotations
-
 from typing import Annotated
 
 import typer

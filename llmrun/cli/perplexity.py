@@ -1,8 +1,6 @@
 """`perplexity`: a text's perplexity under a model, and the KL-divergence of a model from
 a base model's saved log-probabilities, printed as llama-perplexity prints them."""
 
-from __future__ import annotations
-
 import sys
 import time
 from pathlib import Path

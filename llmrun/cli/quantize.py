@@ -1,7 +1,5 @@
 """`quantize`: write a GGUF model quantized under a llama-quantize preset (Q4_K_M, ...)."""
 
-from __future__ import annotations
-
 from pathlib import Path
 from typing import Annotated
 

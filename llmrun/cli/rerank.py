@@ -1,7 +1,5 @@
 """`rerank`: a query and documents -> the documents by a cross-encoder's relevance score."""
 
-from __future__ import annotations
-
 import sys
 from typing import Annotated
 

@@ -1,7 +1,5 @@
 """`serve`: flags -> llmrun.server."""
 
-from __future__ import annotations
-
 import re
 from typing import Annotated
 

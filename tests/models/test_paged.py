@@ -146,10 +146,11 @@ def contiguous_logits(model, ids, sizes, cache_type="f32"):
 
 @pytest.mark.parametrize("cache_type", ["f32", "f16"])
 def test_one_sequence_on_shuffled_blocks_gives_the_contiguous_logits(model, cache_type):
-    # A prefill in chunks that end inside blocks, then decoding into a partial block.
-    sizes = [7, 20] + [1] * (SEQ - 27)
+    # A prefill in chunks that end inside blocks, then decoding that fills a partial
+    # block and goes on into the next.
+    sizes = [7, 20] + [1] * 8
     pool = pool_for(model, cache_type)
-    table = [9, 2, 14]  # 45 positions: two full blocks and 13 of a third
+    table = [9, 2, 14]  # 35 positions: two full blocks and 3 of a third
     out, start = [], 0
     with torch.inference_mode():
         reference = contiguous_logits(model, IDS[0], sizes, cache_type)
