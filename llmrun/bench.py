@@ -34,7 +34,7 @@ from torch import nn
 
 from llmrun import __version__, api, native
 from llmrun.errors import UsageError
-from llmrun.generate import KVState, Stats, decode, prefill
+from llmrun.generate import KVState, Stats, decode, prefill, prefill_chunk
 from llmrun.loading import gemma4_assistant, safetensors_io
 from llmrun.loading.loader import Checkpoint
 from llmrun.models import kv_cache_bytes
@@ -56,7 +56,7 @@ class Test:
     n_prompt: int
     n_gen: int
     n_depth: int
-    n_batch: int
+    n_batch: int | None  # None: generate.prefill_chunk's
     threads: int | None
 
     @property
@@ -77,7 +77,7 @@ class BenchOptions:
     n_gen: list[int]
     pg: list[tuple[int, int]]
     depths: list[int]
-    batches: list[int]
+    batches: list[int | None]  # None: as run feeds a prompt (generate.prefill_chunk)
     threads: list[int | None]
     repetitions: int = 5
     device: str = "auto"
@@ -116,7 +116,7 @@ class BenchOptions:
             n_gen=parse_ints("-n/--n-gen", n_gen),
             pg=[parse_pg(text) for text in pg],
             depths=parse_ints("-d/--n-depth", n_depth),
-            batches=parse_ints("-b/--batch-size", batch_size),
+            batches=[None] if batch_size == "auto" else parse_ints("-b/--batch-size", batch_size),
             threads=parse_ints("-t/--threads", threads) if threads else [None],
             repetitions=repetitions,
             device=device,
@@ -151,7 +151,7 @@ class BenchOptions:
             ("-p/--n-prompt", self.n_prompt, 0),
             ("-n/--n-gen", self.n_gen, 0),
             ("-d/--n-depth", self.depths, 0),
-            ("-b/--batch-size", self.batches, 1),
+            ("-b/--batch-size", [b for b in self.batches if b is not None], 1),
             ("-t/--threads", [t for t in self.threads if t is not None], 1),
         ]
         for flag, values, low in checks:
@@ -488,6 +488,8 @@ def bench_model(
         )
         peak = peak_memory(engine.device)
         record = _record(common, test, threads, seconds, firsts, peak, roofline.get(threads))
+        if test.n_batch is None:
+            record["n_batch"] = prefill_chunk(engine.model, engine.device)
         if drafting:
             record.update(drafted=stats.drafted, accepted=stats.accepted)
             # A verify forward reads the weights once for several tokens: no GB/s per token.

@@ -10,6 +10,7 @@ drives many TokenStreams from one batched forward.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -27,6 +28,11 @@ if TYPE_CHECKING:
     from llmrun.speculative import Speculator
 
 PREFILL_CHUNK = 512
+# The largest block glibc's malloc gives from its heap (llmrun.cli.process sets it so): a
+# larger one is mapped anew at each allocation and its pages faulted in again, at every
+# layer of every chunk (3.1-3.5 M page faults for a 512-token prompt of Qwen2.5-7B's shape).
+HEAP_BLOCK_MOST = 32 << 20
+_CHUNKS: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 # A hybrid model's state cannot go back, so a prompt keeps a copy of it where the next
 # turn's prompt will still agree: at the end of the conversation so far (before the
 # generation prompt, which a chat template may not write back with the answer: Qwen3's
@@ -105,22 +111,48 @@ def _sync(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
+def prefill_chunk(model: nn.Module, device: torch.device) -> int:
+    """Prompt tokens per forward: PREFILL_CHUNK, on the CPU halved (to 64 at least)
+    while the widest activation of a chunk (the widest linear layer's outputs but the
+    output head's, float32) would pass HEAP_BLOCK_MOST. Qwen2.5-7B's 18,944-wide
+    feed-forward: 256 tokens; Llama 3 8B's 14,336: 512."""
+    if device.type != "cpu":
+        return PREFILL_CHUNK
+    if model in _CHUNKS:
+        return _CHUNKS[model]
+    widest = max(
+        (
+            module.out_features
+            for name, module in model.named_modules()
+            if isinstance(getattr(module, "out_features", None), int)
+            and name.rpartition(".")[2] not in ("lm_head", "output")
+        ),
+        default=0,
+    )
+    chunk = PREFILL_CHUNK
+    while chunk > 64 and chunk * widest * 4 > HEAP_BLOCK_MOST:
+        chunk //= 2
+    _CHUNKS[model] = chunk
+    return chunk
+
+
 @torch.inference_mode()
 def prefill(
     model: nn.Module,
     state: KVState,
     tokens: Sequence[int],
-    chunk: int = PREFILL_CHUNK,
+    chunk: int | None = None,
     keep_at: int | None = None,
     images: PromptImages | None = None,
 ) -> torch.Tensor:
-    """Feed `tokens` after what the cache already holds; return the last logits [V].
-    `keep_at`: a position (counted from the sequence's start) after which a hybrid
+    """Feed `tokens` after what the cache already holds, `chunk` at a time (None:
+    prefill_chunk's); return the last logits [V]. `keep_at`: a position (counted from the sequence's start) after which a hybrid
     model's recurrent state is kept too (llmrun.models.recurrent), for a next prompt
     that agrees with this one only up to there. `images`: the prompt's images (indexes
     counted from the sequence's start), each fed whole in one chunk. The prompt ends
     where `tokens` do (KVCache.prompt_ends, for a model with a reference window)."""
     device = state.cache.k.device
+    chunk = chunk or prefill_chunk(model, device)
     offset = len(state.tokens)
     if state.cache.reference_window is not None:
         state.cache.prompt_ends = torch.tensor([offset + len(tokens)], device=device)

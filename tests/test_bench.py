@@ -72,6 +72,12 @@ def test_every_test_and_field(records):
         assert r["repetitions"] == 2 and len(r["samples_ts"]) == 2
 
 
+def test_the_default_batch_is_the_chunk_run_feeds_a_prompt_in():
+    result = llmrun_cli("bench", "-p", "16", "-n", "0", "-r", "1", "-o", "json")
+    assert result.returncode == 0, result.stderr
+    assert [r["n_batch"] for r in json.loads(result.stdout)] == [512]
+
+
 def test_records_identify_machine_and_model(records):
     path = paths.BUNDLED_MODEL
     for r in records:

@@ -3,6 +3,7 @@
 import torch
 
 from llmrun import api
+from llmrun.generate import PREFILL_CHUNK, prefill, prefill_chunk
 from llmrun.sampling import SamplingParams
 
 ENGINE = api.load(None, device="cpu")
@@ -79,3 +80,47 @@ def test_prefix_reuse_prefills_only_new_tokens_with_identical_logits():
 def test_zero_max_tokens_generates_nothing():
     text, tokens, last = collect(ENGINE.generate(PROMPT, GREEDY, max_tokens=0))
     assert text == "" and tokens == [] and last.finish_reason == "length"
+
+
+def _shaped(*widths: int) -> torch.nn.Module:
+    """A module with linear layers of these output widths and a 151,936-token output
+    head, on the meta device (no memory)."""
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList(torch.nn.Linear(8, w, device="meta") for w in widths)
+    model.lm_head = torch.nn.Linear(8, 151_936, device="meta")
+    return model
+
+
+def test_a_wide_model_s_prompt_chunks_keep_its_activations_on_the_heap():
+    """A chunk's widest activation (float32) stays within glibc's largest heap block, so
+    it is not mapped and faulted in anew at every layer: Qwen2.5-7B's 18,944-wide
+    feed-forward takes 256 tokens a forward, Llama 3 8B's 14,336 the whole 512; the output
+    head (one row a prompt) does not count, nor does the CPU's allocator on a GPU."""
+    cpu = torch.device("cpu")
+    assert prefill_chunk(_shaped(3584, 18944), cpu) == 256
+    assert prefill_chunk(_shaped(4096, 14336), cpu) == 512
+    assert prefill_chunk(_shaped(8192, 28672), cpu) == 256
+    assert prefill_chunk(_shaped(896, 4864), cpu) == PREFILL_CHUNK
+    assert prefill_chunk(_shaped(18944), torch.device("cuda")) == PREFILL_CHUNK
+
+
+class Wide(torch.nn.Module):
+    """stories260K with an unused 70,000-wide layer: what prefill sees of a wide model."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model, self.sizes = model, []
+        self.unused = torch.nn.Linear(8, 70_000, device="meta")
+
+    def forward(self, ids, positions, cache, **kwargs):
+        self.sizes.append(ids.shape[1])
+        return self.model(ids, positions, cache, **kwargs)
+
+
+def test_prefill_feeds_a_wide_model_s_prompt_in_its_chunks_with_the_same_logits():
+    wide = Wide(ENGINE.model)
+    tokens = (PROMPT * 100)[:300]
+    chunked = prefill(wide, ENGINE.new_state(512), tokens)
+    assert wide.sizes == [64, 64, 64, 64, 44]  # 64 * 70,000 * 4 bytes: 17.9 MB
+    whole = prefill(ENGINE.model, ENGINE.new_state(512), tokens)
+    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)

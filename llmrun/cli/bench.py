@@ -71,9 +71,10 @@ def bench_command(
             "--batch-size",
             "-b",
             metavar="N,...",
-            help="Prompt tokens per forward pass (comma list).",
+            help="Prompt tokens per forward pass (comma list; auto: as run feeds a prompt, 512, "
+            "or fewer on the CPU for a model whose widest layer passes 16,384).",
         ),
-    ] = "512",
+    ] = "auto",
     device: Device = "auto",
     dtype: Dtype = "auto",
     cache_type: CacheType = None,
