@@ -146,11 +146,12 @@ def prefill(
     images: PromptImages | None = None,
 ) -> torch.Tensor:
     """Feed `tokens` after what the cache already holds, `chunk` at a time (None:
-    prefill_chunk's); return the last logits [V]. `keep_at`: a position (counted from the sequence's start) after which a hybrid
-    model's recurrent state is kept too (llmrun.models.recurrent), for a next prompt
-    that agrees with this one only up to there. `images`: the prompt's images (indexes
-    counted from the sequence's start), each fed whole in one chunk. The prompt ends
-    where `tokens` do (KVCache.prompt_ends, for a model with a reference window)."""
+    prefill_chunk's); return the last logits [V]. `keep_at`: a position (counted from
+    the sequence's start) after which a hybrid model's recurrent state is kept too
+    (llmrun.models.recurrent), for a next prompt that agrees with this one only up to
+    there. `images`: the prompt's images (indexes counted from the sequence's start),
+    each fed whole in one chunk. The prompt ends where `tokens` do (KVCache.prompt_ends,
+    for a model with a reference window)."""
     device = state.cache.k.device
     chunk = chunk or prefill_chunk(model, device)
     offset = len(state.tokens)
