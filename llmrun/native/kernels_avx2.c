@@ -691,20 +691,13 @@ IQ_TYPES(DEFINE_IQ_KERNELS, _)
 /* Q4_K and Q5_K for one or two activation rows (decoding), with factored scales:
  * y = sum_j (d*sc_j) S_j - sum_j (dmin*m_j) X_j over the sub-blocks j of 32 weights,
  * S_j = sum q x and X_j = sum x. The quants are not dequantized: each goes to a dword
- * whole, is converted to f32 exactly, and takes one multiply-add per 8 weights. x is
- * reordered once per call to match (xp), and each sub-block's sum X_j taken then (xs).
- * More rows go through rows_T, which dequantizes each block once for all. */
+ * whole (see permute_masked), is converted to f32 exactly, and takes one multiply-add
+ * per 8 weights. x is reordered once per call to match (xp), and each sub-block's sum
+ * X_j taken then (xs). More rows go through rows_T, which dequantizes each block once
+ * for all. */
 
-/* Q5_K: a byte shuffle puts each 5-bit q in the low byte of a dword (zeros above).
- * Shuffle k takes bytes 4k..4k+3 of each 128-bit lane of the 32 bytes of quants of
- * sub-blocks 2p (low nibbles) and 2p+1 (high), so permute_k_quant orders x to match. */
-ALWAYS_INLINE __m256i low_byte_index(int k) {
-    const int z = (int)0x80808000u;
-    return _mm256_setr_epi32(4 * k | z, (4 * k + 1) | z, (4 * k + 2) | z, (4 * k + 3) | z,
-                             4 * k | z, (4 * k + 1) | z, (4 * k + 2) | z, (4 * k + 3) | z);
-}
-
-/* the same bytes to the top byte of each dword, zeros below (for signed values) */
+/* Q6_K: bytes 4k..4k+3 of each 128-bit lane to the top byte of each dword, zeros below
+ * (for signed values) */
 ALWAYS_INLINE __m256i high_byte_index(int k) {
     const int z = 0x808080;
     return _mm256_setr_epi32(4 * k << 24 | z, (4 * k + 1) << 24 | z, (4 * k + 2) << 24 | z,
@@ -733,16 +726,24 @@ static void permute_k_quant(const float *x, int64_t n, float *xp, float *xs) {
     }
 }
 
-/* Q4_K: no shuffles. The 32 bytes of quants of sub-blocks 2p and 2p+1 are eight dwords;
- * masking nibble e of each (e = 2k + h: byte k, low or high nibble) leaves q * 2^(4e) of
- * weight 4i + k of sub-block 2p + h in lane i, converted exactly (4 significant bits;
- * the top nibble, which would be negative, is shifted down instead: e = 0 there). x is
- * ordered and scaled to match: xp[32s + 8k + i] = x[32s + 4i + k] * 2^-4e, for sub-block
- * s (h = s % 2), so each product is q * x itself. Scaling by a power of two is exact
- * unless x * 2^-4e falls below f32's normal range (|x| < 2^-102), where a product is off
- * by less than 2^-120. Shuffles and conversions share the CPU ports that bound this
- * loop: without the shuffles it runs 1.1-1.2x as fast on Zen 3. */
-static void permute_q4_k(const float *x, int64_t n, float *xp, float *xs) {
+/* Q4_K and Q5_K without byte shuffles. The 32 bytes of quants of sub-blocks 2p and
+ * 2p+1 are eight dwords. Q4_K: masking nibble e of each (e = 2k + h: byte k, low or high
+ * nibble) leaves q * 2^(4e) of weight 4i + k of sub-block 2p + h in lane i (the top
+ * nibble, which would be negative, is shifted down instead: e = 0 there). Q5_K: byte k
+ * of the 5-bit values of sub-block j (deq_Q5_K's), masked, leaves q * 2^(8k). Either is
+ * converted exactly (at most 5 significant bits). x is ordered and scaled to match:
+ * xp[32s + 8k + i] = x[32s + 4i + k] * 2^-shift for sub-block s, so each product is
+ * q * x itself. Scaling by a power of two is exact unless x * 2^-shift falls below
+ * f32's normal range (|x| < 2^-102), where a product is off by less than 2^-120.
+ * Shuffles and conversions share the CPU ports that bound this loop: without the
+ * shuffles Q4_K runs 1.1-1.2x as fast on Zen 3 (Q5_K, bound by building its 5-bit
+ * values, as fast as with them). */
+ALWAYS_INLINE int mask_shift(int k, int h, const int five) {
+    return five ? 8 * k : k == 3 && h ? 0 : 8 * k + 4 * h;
+}
+
+ALWAYS_INLINE void permute_masked(const float *x, int64_t n, float *xp, float *xs,
+                                  const int five) {
     for (int64_t s = 0; s < n / 32; s++) {
         const float *src = x + 32 * s;
         __m128 r[8];
@@ -750,13 +751,21 @@ static void permute_q4_k(const float *x, int64_t n, float *xp, float *xs) {
         _MM_TRANSPOSE4_PS(r[0], r[1], r[2], r[3]); /* r[k]: x[4i + k], i < 4 */
         _MM_TRANSPOSE4_PS(r[4], r[5], r[6], r[7]); /* r[4 + k]: x[4i + k], 4 <= i < 8 */
         for (int k = 0; k < 4; k++) {
-            const int e = k == 3 && s % 2 ? 0 : 2 * k + (int)(s % 2);
-            const __m256 scale = _mm256_set1_ps(1.0f / (float)(1 << 4 * e));
+            const int shift = mask_shift(k, (int)(s % 2), five);
+            const __m256 scale = _mm256_set1_ps(1.0f / (float)(1 << shift));
             _mm256_storeu_ps(xp + 32 * s + 8 * k,
                              _mm256_mul_ps(_mm256_set_m128(r[4 + k], r[k]), scale));
         }
         xs[s] = sum32(src);
     }
+}
+
+static void permute_q4_k(const float *x, int64_t n, float *xp, float *xs) {
+    permute_masked(x, n, xp, xs, 0);
+}
+
+static void permute_q5_k(const float *x, int64_t n, float *xp, float *xs) {
+    permute_masked(x, n, xp, xs, 1);
 }
 
 ALWAYS_INLINE void rows_k_few(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
@@ -782,26 +791,23 @@ ALWAYS_INLINE void rows_k_few(const uint8_t *w, int64_t stride, int64_t r0, int6
             for (int p = 0; p < 4; p++) {
                 const __m256i v =
                     _mm256_loadu_si256((const __m256i *)(src + (five ? 48 : 16) + 32 * p));
-                const __m256i nib = _mm256_set1_epi8(15);
-                const __m256i half[2] = {_mm256_and_si256(v, nib),
-                                         _mm256_and_si256(_mm256_srli_epi16(v, 4), nib)};
                 for (int h = 0; h < 2; h++) {
                     const int j = 2 * p + h;
-                    __m256 q[4];
-                    if (five) { /* bit j of each qh byte to bit 4 (16-bit shifts move it
-                                 * by at most 4, within its byte) */
+                    __m256i qj = v; /* Q4_K: masked as it is */
+                    if (five) { /* nibble h, and bit j of each qh byte to bit 4 (16-bit
+                                 * shifts move it by at most 4, within its byte) */
                         const __m256i sh = j <= 4 ? _mm256_slli_epi16(qh, 4 - j)
                                                   : _mm256_srli_epi16(qh, j - 4);
-                        const __m256i qj = _mm256_or_si256(
-                            half[h], _mm256_and_si256(sh, _mm256_set1_epi8(16)));
-                        for (int k = 0; k < 4; k++)
-                            q[k] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(qj, low_byte_index(k)));
-                    } else {
-                        for (int k = 0; k < 4; k++) {
-                            const __m256i nibble = _mm256_set1_epi32(15 << (8 * k + 4 * h));
-                            q[k] = _mm256_cvtepi32_ps(k == 3 && h ? _mm256_srli_epi32(v, 28)
-                                                                  : _mm256_and_si256(v, nibble));
-                        }
+                        qj = _mm256_or_si256(
+                            _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15)),
+                            _mm256_and_si256(sh, _mm256_set1_epi8(16)));
+                    }
+                    __m256 q[4];
+                    for (int k = 0; k < 4; k++) {
+                        const int shift = mask_shift(k, h, five);
+                        const __m256i bits = _mm256_set1_epi32((five ? 31 : 15) << shift);
+                        q[k] = _mm256_cvtepi32_ps(shift || !k ? _mm256_and_si256(qj, bits)
+                                                              : _mm256_srli_epi32(qj, 28));
                     }
                     const __m256 dsc = _mm256_broadcast_ss(ab + j);
                     for (int i = 0; i < m; i++) {
@@ -950,7 +956,7 @@ ALWAYS_INLINE void rows_q6_k_few(const uint8_t *w, int64_t stride, int64_t r0, i
     }
 
 DEFINE_FEW_ROWS(Q4_K, rows_q4_k_few, permute_q4_k)
-DEFINE_FEW_ROWS(Q5_K, rows_q5_k_few, permute_k_quant)
+DEFINE_FEW_ROWS(Q5_K, rows_q5_k_few, permute_q5_k)
 DEFINE_FEW_ROWS(Q6_K, rows_q6_k_few, permute_k_quant)
 
 /* Packed layouts (Q4_0_PACKED, Q5_0_PACKED; common.h and quant/kernels.py define
