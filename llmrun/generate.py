@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from llmrun import static_decode
+from llmrun import heap, static_decode
 from llmrun.errors import ContextOverflowError, UsageError
 from llmrun.models.cache import KVCache
 from llmrun.sampling import Sampler, top_logprobs
@@ -28,10 +28,6 @@ if TYPE_CHECKING:
     from llmrun.speculative import Speculator
 
 PREFILL_CHUNK = 512
-# The largest block glibc's malloc gives from its heap (llmrun.cli.process sets it so): a
-# larger one is mapped anew at each allocation and its pages faulted in again, at every
-# layer of every chunk (3.1-3.5 M page faults for a 512-token prompt of Qwen2.5-7B's shape).
-HEAP_BLOCK_MOST = 32 << 20
 _CHUNKS: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 # A hybrid model's state cannot go back, so a prompt keeps a copy of it where the next
 # turn's prompt will still agree: at the end of the conversation so far (before the
@@ -114,7 +110,9 @@ def _sync(device: torch.device) -> None:
 def prefill_chunk(model: nn.Module, device: torch.device) -> int:
     """Prompt tokens per forward: PREFILL_CHUNK, on the CPU halved (to 64 at least)
     while the widest activation of a chunk (the widest linear layer's outputs but the
-    output head's, float32) would pass HEAP_BLOCK_MOST. Qwen2.5-7B's 18,944-wide
+    output head's, float32) would pass glibc's largest heap block (heap.MMAP_THRESHOLD):
+    a larger one is mapped anew and faulted in at every layer of every chunk (3.1-3.5 M
+    page faults for a 512-token prompt of Qwen2.5-7B's shape). Qwen2.5-7B's 18,944-wide
     feed-forward: 256 tokens; Llama 3 8B's 14,336: 512."""
     if device.type != "cpu":
         return PREFILL_CHUNK
@@ -130,7 +128,7 @@ def prefill_chunk(model: nn.Module, device: torch.device) -> int:
         default=0,
     )
     chunk = PREFILL_CHUNK
-    while chunk > 64 and chunk * widest * 4 > HEAP_BLOCK_MOST:
+    while chunk > 64 and chunk * widest * 4 > heap.MMAP_THRESHOLD:
         chunk //= 2
     _CHUNKS[model] = chunk
     return chunk

@@ -10,12 +10,9 @@ import ctypes
 import gc
 import os
 
+from llmrun import heap
+
 GC_THRESHOLD = 50_000  # allocations between looks at the young objects (Python's: 700)
-# glibc: blocks up to this size come from the heap, not a mapping of their own (its most).
-MALLOC_MMAP_THRESHOLD = 32 << 20
-# glibc: free memory at the heap's top kept up to this size, not handed back (default:
-# twice the mmap threshold, which glibc moves with the sizes it sees freed).
-MALLOC_TRIM_THRESHOLD = 256 << 20
 _M_TRIM_THRESHOLD = -1  # mallopt's parameter numbers, from glibc's malloc.h
 _M_MMAP_THRESHOLD = -3
 
@@ -45,6 +42,6 @@ def tune_malloc() -> bool:
     except (ValueError, OSError, AttributeError):
         return False
     return bool(
-        libc.mallopt(_M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD)
-        and libc.mallopt(_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD)
+        libc.mallopt(_M_MMAP_THRESHOLD, heap.MMAP_THRESHOLD)
+        and libc.mallopt(_M_TRIM_THRESHOLD, heap.TRIM_THRESHOLD)
     )
