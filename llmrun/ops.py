@@ -37,7 +37,7 @@ def _native(*tensors: torch.Tensor, most: int | None = NATIVE_MAX_VALUES) -> cty
         if (
             t.device.type != "cpu"
             or t.dtype != torch.float32
-            or t.requires_grad
+            or (t.requires_grad and torch.is_grad_enabled())
             or not t.is_contiguous()
             or (most is not None and t.numel() > most)
         ):

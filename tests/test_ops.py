@@ -136,6 +136,21 @@ def test_inputs_the_native_path_does_not_take_go_to_torch():
     assert torch.equal(ops.rms_norm(x.detach().bfloat16(), w.bfloat16(), 1e-6), expected)
 
 
+def test_a_module_s_parameters_go_native_where_autograd_is_off(native_kernels):
+    """A model built in code (not loaded) keeps requires_grad on its parameters; with
+    autograd off (torch.no_grad, inference_mode) they take the native path as a loaded
+    model's do, and a call that could be differentiated keeps torch's."""
+    norm = torch.nn.RMSNorm(64, eps=1e-6)
+    x = torch.randn(1, 1, 64)
+    assert ops._native(x, norm.weight) is None
+    with torch.no_grad():
+        assert ops._native(x, norm.weight) is not None
+        native, reference = both_paths(ops.rms_norm, x, norm.weight, 1e-6)
+    torch.testing.assert_close(native, reference, rtol=1e-5, atol=1e-6)
+    with torch.inference_mode():
+        assert ops._native(x, norm.weight) is not None
+
+
 def test_gated_takes_the_native_product_for_silu_only():
     torch.manual_seed(0)
     gate, up = torch.randn(1, 1, 64), torch.randn(1, 1, 64)
