@@ -712,9 +712,10 @@ ALWAYS_INLINE float sum32(const float *x) {
     return hsum(_mm256_add_ps(a, b));
 }
 
-/* xp[32s + 8k + i] = x[32s + 4k + i] and xp[32s + 8k + 4 + i] = x[32s + 16 + 4k + i] for
- * i < 4; xs[s] = the sum of x[32s..32s+31] */
-static void permute_k_quant(const float *x, int64_t n, float *xp, float *xs) {
+/* Q6_K's order (high_byte_index's): xp[32s + 8k + i] = x[32s + 4k + i] and
+ * xp[32s + 8k + 4 + i] = x[32s + 16 + 4k + i] for i < 4. No sums: Q6_K has no mins. */
+static void permute_q6_k(const float *x, int64_t n, float *xp, float *xs) {
+    (void)xs;
     for (int64_t s = 0; s < n / 32; s++) {
         const float *src = x + 32 * s;
         float *dst = xp + 32 * s;
@@ -722,7 +723,6 @@ static void permute_k_quant(const float *x, int64_t n, float *xp, float *xs) {
             _mm_storeu_ps(dst + 8 * k, _mm_loadu_ps(src + 4 * k));
             _mm_storeu_ps(dst + 8 * k + 4, _mm_loadu_ps(src + 16 + 4 * k));
         }
-        xs[s] = sum32(src);
     }
 }
 
@@ -847,7 +847,7 @@ ALWAYS_INLINE void rows_q5_k_few(const uint8_t *w, int64_t stride, int64_t r0, i
  * dword is (q - 32) * 2^24, converted exactly; each 16 weights' sum is scaled once by
  * d*sc*2^-24 (a power of two away from the reference's scale: the same rounding). The
  * 32 weights c*128 + t*32 + l (l < 32) are one vector of bytes, l in byte order, so x
- * takes permute_k_quant's order (its sums go unused). */
+ * takes permute_q6_k's order. */
 ALWAYS_INLINE void rows_q6_k_few(const uint8_t *w, int64_t stride, int64_t r0, int64_t r1,
                                  const float *xp, const int m, int64_t n, float *y,
                                  int64_t ldy, const float *bias, const float *xs) {
@@ -957,7 +957,7 @@ ALWAYS_INLINE void rows_q6_k_few(const uint8_t *w, int64_t stride, int64_t r0, i
 
 DEFINE_FEW_ROWS(Q4_K, rows_q4_k_few, permute_q4_k)
 DEFINE_FEW_ROWS(Q5_K, rows_q5_k_few, permute_q5_k)
-DEFINE_FEW_ROWS(Q6_K, rows_q6_k_few, permute_k_quant)
+DEFINE_FEW_ROWS(Q6_K, rows_q6_k_few, permute_q6_k)
 
 /* Packed layouts (Q4_0_PACKED, Q5_0_PACKED; common.h and quant/kernels.py define
  * them): the same blocks, each row stored field by field: its f16 scales, (Q5_0) its
