@@ -27,6 +27,7 @@ from gguf import (
     Keys,
 )
 
+from llmrun import native
 from llmrun.errors import ModelFormatError, UnsupportedError
 from llmrun.loading.inspect import SPLIT_RE
 
@@ -263,18 +264,12 @@ class _Cursor:
         into `count` strings only where none holds a NUL. None where not."""
         if count == 0:
             return []
-        buf, begin, pos = self.buf, self.pos, self.pos
-        length = _U64.unpack_from
-        starts = [0] * count
-        for i in range(count):
-            (n,) = length(buf, pos)
-            pos += 8
-            starts[i] = pos
-            pos += n
-        if pos > self.size:
+        buf, begin = self.buf, self.pos
+        found_starts = _string_starts(buf, self.size, begin, count)
+        if found_starts is None:
             return None
+        at, pos = found_starts
         data = np.frombuffer(buf, dtype=np.uint8, count=pos - begin, offset=begin).copy()
-        at = np.array(starts, dtype=np.int64)
         at -= begin  # each string's first byte in `data`
         keep = np.ones(len(data), dtype=bool)
         for k in range(2, 9):  # drop each string's 8-byte length but its last byte,
@@ -315,6 +310,26 @@ class _Cursor:
                 append(raw.decode("utf-8", errors="surrogateescape"))
         self.pos = pos
         return out
+
+
+def _string_starts(buf: Any, size: int, pos: int, count: int) -> tuple[np.ndarray, int] | None:
+    """Where each of `count` GGUF strings from `pos` begins (after its u64 length), and the
+    position after the last; None where a length runs past the end. By the tokenizer's C
+    library where it is built (this loop in Python took ~0.1 s of each 150k-entry array)."""
+    lib = native.tokenize_library()
+    if lib is not None:
+        starts = np.empty(count, dtype=np.int64)
+        whole = np.frombuffer(buf, dtype=np.uint8, count=size)
+        end = lib.llmrun_gguf_strings(whole.ctypes.data, size, pos, count, starts.ctypes.data)
+        return None if end < 0 else (starts, end)
+    length = _U64.unpack_from
+    starts_list = [0] * count
+    for i in range(count):
+        (n,) = length(buf, pos)
+        pos += 8
+        starts_list[i] = pos
+        pos += n
+    return (np.array(starts_list, dtype=np.int64), pos) if pos <= size else None
 
 
 def read_gguf(path: str | Path, *, with_tensors: bool = True) -> GGUFFile:

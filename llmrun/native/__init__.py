@@ -148,13 +148,15 @@ _TOKENIZE_API = {
     "llmrun_vocab_free": ([_PTR], None),
     "llmrun_bpe_encode": ([_PTR, _PTR, _I64, _PTR, _I64, _INT, _PTR], _I64),
     "llmrun_spm_encode": ([_PTR, _PTR, _I64, ctypes.c_int32, _PTR], _I64),
+    "llmrun_gguf_strings": ([_PTR, _I64, _I64, _I64, _PTR], _I64),
 }
 
 
 @functools.cache
 def tokenize_library() -> ctypes.CDLL | None:
-    """The tokenizer's merging library (llmrun.gguf_bpe), or None where there is no C compiler,
-    it fails to build, or LLMRUN_NATIVE=0 is set (the tokenizers library merges then)."""
+    """The tokenizer's merging library (llmrun.gguf_bpe; it also finds the strings of a GGUF
+    string array for llmrun.loading.gguf_io), or None where there is no C compiler, it fails
+    to build, or LLMRUN_NATIVE=0 is set (the tokenizers library merges then)."""
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if os.environ.get("LLMRUN_NATIVE", "1") == "0" or compiler is None:
         return None

@@ -506,3 +506,28 @@ int64_t llmrun_spm_encode(const vocab_t *v, const char *text, int64_t bytes, int
     free(w.heap.items);
     return failed ? -1 : emitted;
 }
+
+/* Where each of `count` strings of a GGUF string array begins, from `pos` in a buffer of
+ * `size` bytes: a string is its length (u64, little-endian) and then its bytes. Each
+ * string's first byte goes to starts; the position after the last is returned, or -1
+ * where a length runs past the end. llmrun.loading.gguf_io reads a vocabulary's tokens and
+ * merges with it (its loop in Python took ~0.1 s for each 150k-entry array). */
+int64_t llmrun_gguf_strings(const uint8_t *buf, int64_t size, int64_t pos, int64_t count,
+                            int64_t *starts) {
+    for (int64_t i = 0; i < count; i++) {
+        if (pos < 0 || size - pos < 8) {
+            return -1;
+        }
+        uint64_t n = 0;
+        for (int b = 7; b >= 0; b--) {
+            n = n << 8 | buf[pos + b];
+        }
+        pos += 8;
+        if (n > (uint64_t)(size - pos)) {
+            return -1;
+        }
+        starts[i] = pos;
+        pos += (int64_t)n;
+    }
+    return pos;
+}
