@@ -53,13 +53,11 @@ ALWAYS_INLINE void gather(const uint8_t *row, int64_t nb, int bytes, int start, 
         memcpy(out + size * b, row + b * bytes + start, (size_t)size);
 }
 
-/* One row of nb blocks of `type` (fields of `sizes` bytes each) -> its packed layout.
- * Inlined into each type's loop, so the sizes are constants there. */
+/* One row of nb blocks of `type` (`bytes` each, fields of `sizes` bytes) -> its packed
+ * layout. Inlined into each type's loop, so the sizes are constants there. */
 ALWAYS_INLINE void pack_row(const uint8_t *row, int64_t nb, uint8_t *out, const int type,
-                            const int fields, const int *sizes) {
+                            const int bytes, const int fields, const int *sizes) {
     const int k_quant = type == Q4_K || type == Q5_K;
-    int bytes = 0;
-    for (int f = 0; f < fields; f++) bytes += sizes[f];
     int start = 0; /* the field's offset in a block */
 #pragma GCC unroll 8
     for (int f = 0; f < fields; f++) {
@@ -86,11 +84,12 @@ ALWAYS_INLINE void pack_row(const uint8_t *row, int64_t nb, uint8_t *out, const 
     static void pack_##T(const uint8_t *src, int64_t rows, int64_t nb, uint8_t *dst) {  \
         static const int sizes[] = {__VA_ARGS__};                                        \
         const int fields = (int)(sizeof(sizes) / sizeof(sizes[0]));                      \
-        int64_t bytes = 0;                                                               \
+        int bytes = 0;                                                                   \
         for (int f = 0; f < fields; f++) bytes += sizes[f];                              \
         _Pragma("omp parallel for schedule(static)")                                     \
         for (int64_t r = 0; r < rows; r++)                                               \
-            pack_row(src + r * nb * bytes, nb, dst + r * nb * bytes, T, fields, sizes);  \
+            pack_row(src + r * nb * bytes, nb, dst + r * nb * bytes, T, bytes, fields,   \
+                     sizes);                                                             \
     }
 
 DEFINE_PACK(Q4_0, 2, 16)
