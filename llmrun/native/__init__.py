@@ -87,6 +87,9 @@ _Q8_API = {
     # a prompt's rows on tiles of weights (-1 for a type or row length it cannot take)
     "llmrun_gemm_q8": [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR],
 }
+# The AVX2 family's f32 GEMM (gemm_avx2.c): as llmrun_matvec, for a prompt's many rows
+# (-1 for a type it cannot take); elsewhere torch's GEMM takes them.
+_GEMM_API = {"llmrun_gemm_f32": [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR]}
 # Where the family has the i-quants (llmrun/native/iquants.h, the x86 families): their
 # grids and sign table, handed over by llmrun.quant.kernels before any use.
 _IQ_API = {"llmrun_iq_tables": [_PTR] * 7}
@@ -129,7 +132,7 @@ def _library() -> ctypes.CDLL | None:
     _family = family
     for name, argtypes in _API.items():
         getattr(lib, name).argtypes = argtypes
-    for name, argtypes in {**_Q8_API, **_IQ_API}.items():
+    for name, argtypes in {**_Q8_API, **_IQ_API, **_GEMM_API}.items():
         if hasattr(lib, name):
             getattr(lib, name).argtypes = argtypes
     if hasattr(lib, "llmrun_iq_tables"):

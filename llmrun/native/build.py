@@ -56,10 +56,11 @@ class Family:
     lacking: str  # how "this CPU lacks ..." names it
     line: str = "flags"  # the /proc/cpuinfo line that lists them: x86's flags, ARM's Features
     q8: str | None = None  # its 8-bit-activation kernels' C file, if it has them
+    gemm: str | None = None  # its f32 GEMM for a prompt's rows, if it has one (else torch's)
 
     def sources(self) -> list[Path]:
-        q8 = [HERE / self.q8] if self.q8 else []
-        return [HERE / self.source, *q8, DECODE_OPS, DECODE_STEP, LAYOUT, QUANTIZE, QUANTIZE_IQ]
+        extra = [HERE / name for name in (self.q8, self.gemm) if name]
+        return [HERE / self.source, *extra, DECODE_OPS, DECODE_STEP, LAYOUT, QUANTIZE, QUANTIZE_IQ]
 
 
 # -march=haswell for AVX2, so that build never holds AVX-512 code even on an AVX-512 CPU.
@@ -77,6 +78,7 @@ FAMILIES = {
         frozenset({"avx2", "fma", "f16c"}),
         "AVX2 (with FMA and F16C)",
         q8="q8_avx2.c",
+        gemm="gemm_avx2.c",
     ),
     # Every 64-bit ARM CPU (Graviton, Ampere, Raspberry Pi 3 to 5, Apple Silicon under
     # Linux) has NEON ("asimd"); the kernels need nothing newer (kernels_neon.c says why

@@ -45,6 +45,11 @@ IQ_TYPES = frozenset(
 # 13.7 ms, Q6_K 9.0 against 14.3; even at 32-48).
 GEMM_MIN_ROWS = 16
 K_QUANT_GEMM_MIN_ROWS = 32
+# Activation rows past which the exact f32 path takes the family's GEMM (gemm_avx2.c),
+# where it has one, rather than the matvec's passes (Zen 3, 2 threads, the Qwen2.5-0.5B
+# feed-forward shapes: matvec / GEMM time 0.83-1.07 at 16 rows, 0.98-1.28 at 32,
+# 1.22-1.62 at 64, 1.5-1.7 at 128).
+F32_GEMM_MIN_ROWS = 32
 
 
 @functools.cache
@@ -222,10 +227,14 @@ class Matvec:
         lib = native.library()
         self.q8 = q8
         self.fn = lib.llmrun_matvec_q8 if q8 else lib.llmrun_matvec
-        # a prompt's many rows: tiles of weights (q8.h), where the type has them
-        self.gemm = lib.llmrun_gemm_q8 if q8 else None
+        # A prompt's many rows: tiles of weights (q8.h), where the type has them, or the
+        # family's f32 GEMM, where it has one (the AVX2 family's); else QuantLinear takes
+        # f32 rows past linear.MATVEC_MAX_ROWS to torch's GEMM.
+        self.gemm = lib.llmrun_gemm_q8 if q8 else getattr(lib, "llmrun_gemm_f32", None)
         k_quant = ggml_type in (Q4_K, Q5_K, GGMLQuantizationType.Q6_K)
-        self.gemm_min_rows = K_QUANT_GEMM_MIN_ROWS if k_quant else GEMM_MIN_ROWS
+        self.gemm_min_rows = (
+            (K_QUANT_GEMM_MIN_ROWS if k_quant else GEMM_MIN_ROWS) if q8 else F32_GEMM_MIN_ROWS
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x f32 `[m, n]` (contiguous) -> f32 `[m, rows]`."""

@@ -108,8 +108,9 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         matvec = self._native() if self._stale else self._matvec
         # 8-bit activations take the kernel for any number of rows: integer products on
-        # a prompt too, as llama.cpp computes them, where f32 tiles would go to a GEMM.
-        if matvec is not None and (x.numel() <= self._matvec_max or matvec.q8):
+        # a prompt too, as llama.cpp computes them; so do f32 rows where the family has
+        # its own GEMM (Matvec.gemm). Else f32 tiles go to torch's GEMM.
+        if matvec is not None and (x.numel() <= self._matvec_max or matvec.gemm is not None):
             if x.dtype == torch.float32 and x.is_contiguous():
                 # Decoding: the path every token takes, kept to one call.
                 return matvec(x).view(*x.shape[:-1], self.out_features)

@@ -10,7 +10,8 @@ from gguf.quants import dequantize as gguf_dequantize
 from test_quant_blocks import assert_same_bits, every_mxfp4_block
 from test_quant_linear import FAMILY_PACKED, TYPES, assert_close_matmul, finite_blocks, reference
 
-from llmrun.quant import kernels
+from llmrun import native
+from llmrun.quant import kernels, linear
 from llmrun.quant.blocks import SUPPORTED_TYPES
 from llmrun.quant.linear import QuantLinear
 
@@ -189,3 +190,55 @@ def test_native_refuses_rows_it_cannot_take(native_kernels: str):
         kernels.matvec(torch.zeros(2, 74, dtype=torch.uint8), T.F16, torch.zeros(1, 37))
     with pytest.raises(ValueError, match="f32"):
         kernels.matvec(torch.zeros(2, 34, dtype=torch.uint8), T.Q8_0, torch.zeros(1, 32).half())
+
+
+def f32_gemm(raw: torch.Tensor, ggml_type: T, x: torch.Tensor, packed: bool, bias=None):
+    """The AVX2 family's f32 GEMM (gemm_avx2.c) called as QuantLinear's Matvec calls it,
+    its return code checked: the prompt's rows must not have fallen back to the matvec."""
+    y = torch.empty(x.shape[0], raw.shape[0])
+    rc = native.library().llmrun_gemm_f32(
+        kernels._kernel_type(ggml_type, packed), raw.data_ptr(), raw.stride(0), raw.shape[0],
+        x.data_ptr(), x.shape[0], x.shape[1], y.data_ptr(), None if bias is None else bias.data_ptr(),
+    )  # fmt: skip
+    assert rc == 0
+    return y
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_avx2_gemm_matches_f32_matmul(ggml_type: T, use_kernels):
+    # Tiles of 6 activation rows by 16 weight rows over blocks of 256 columns: rows,
+    # weight rows and columns that fill none of them (41, 37, and a last block of 8, 64
+    # or 256 columns), every type through its dequantizer, the packed layouts as packed.
+    use_kernels("AVX2")
+    block = GGML_QUANT_SIZES[ggml_type][0]
+    n = 520 if ggml_type in (T.F32, T.F16, T.BF16) else 512 + max(64, block)
+    raw = torch.from_numpy(finite_blocks(ggml_type, 37, n, seed=27))
+    assert kernels.supports(ggml_type, n)  # (and the i-quants' tables handed over)
+    gen = torch.Generator().manual_seed(28)
+    x, bias = torch.randn(41, n, generator=gen), torch.randn(37, generator=gen)
+    for packed in (False, True) if ggml_type in AVX2_PACKED else (False,):
+        w = kernels.pack(raw, ggml_type) if packed else raw
+        y = f32_gemm(w, ggml_type, x, packed)
+        assert_close_matmul(y, x, reference(raw.numpy(), ggml_type))
+        assert torch.equal(f32_gemm(w, ggml_type, x, packed, bias), y + bias)
+        assert torch.equal(kernels.matvec(w, ggml_type, x, packed, bias), y + bias)
+
+
+@pytest.mark.parametrize("m", [33, 200])
+def test_avx2_gemm_splits_many_weight_rows_over_the_threads(m: int, use_kernels):
+    use_kernels("AVX2")  # 600 rows: blocks of up to 128 rows, taken by the threads in turn
+    raw = torch.from_numpy(finite_blocks(T.F16, 600, 64, seed=m))
+    x = torch.randn(m, 64, generator=torch.Generator().manual_seed(m))
+    assert_close_matmul(f32_gemm(raw[::2], T.F16, x, False), x, reference(raw.numpy(), T.F16)[::2])
+
+
+def test_avx2_prompt_rows_take_the_gemm(use_kernels, monkeypatch):
+    use_kernels("AVX2")
+    raw = torch.from_numpy(finite_blocks(T.Q4_K, 16, 256, seed=29))
+    lin = QuantLinear(raw, T.Q4_K, 256)
+    calls = []
+    monkeypatch.setattr(kernels, "dequantize", lambda *a, **k: calls.append(a))
+    for m in (kernels.F32_GEMM_MIN_ROWS + 1, linear.MATVEC_MAX_ROWS + 1):
+        x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
+        assert_close_matmul(lin(x), x, reference(raw.numpy(), T.Q4_K))
+    assert calls == []  # no dequantized tiles for torch's GEMM
