@@ -13,8 +13,8 @@
  * a nested parallel region runs on the calling thread). Each weight is read from
  * memory and converted once per call; before this, a prompt dequantized tiles of
  * 4M weights to f32 in memory and handed them to torch's GEMM (MKL), which copied them
- * into its own panels: on Zen 3, MKL ran the Qwen2.5-0.5B shapes at 75-150 GFLOP/s of
- * the cores' ~180, this at 150-165 (benchmarks/README.md).
+ * into its own panels; on Zen 3 this ran the Qwen2.5-0.5B shapes at 1.0-1.5x MKL's speed,
+ * near the cores' multiply-add peak (benchmarks/README.md).
  *
  * The sums are f32 multiply-adds in k order within a block of GEMM_KC columns, the
  * blocks added in order: the same products as the matvec, summed in another order.
@@ -26,15 +26,9 @@
 
 #define GEMM_MR 6    /* activation rows of a tile */
 #define GEMM_NR 16   /* weight rows of a tile */
-#ifndef GEMM_KC
 #define GEMM_KC 256  /* columns of a block: a weight panel of 16 KB */
-#endif
-#ifndef GEMM_MC
 #define GEMM_MC 16   /* activation panels (of GEMM_MR rows) per pass over a weight block */
-#endif
-#ifndef GEMM_NB
 #define GEMM_NB 128  /* weight rows a thread takes at a time, at most */
-#endif
 
 int llmrun_block(int type);
 int llmrun_dequantize(int type, const uint8_t *w, int64_t stride, int64_t rows, int64_t n,
