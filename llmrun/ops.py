@@ -246,6 +246,61 @@ def attend_one(
     return (weights.to(v.dtype) @ v).view(batch, 1, heads * head_dim)
 
 
+def attend_prompt(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: int,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor | None:
+    """Causal attention of one sequence's prompt: q [1, H, T, D] at positions start ..
+    start + T - 1 over k/v [1, Hkv, start + T, D] of positions 0 .. start + T - 1 (as a
+    KV cache stores them, see attend_one), query t seeing keys up to its own position;
+    scale and softcap as attend_one's. Returns [1, T, H*D], or None where the native
+    kernel cannot take them (the caller goes to torch)."""
+    batch, heads, tokens, head_dim = q.shape
+    kind = _KV_KINDS.get(k.dtype)
+    row = head_dim // Q8_0_BLOCK * Q8_0_BYTES if k.dtype == torch.uint8 else head_dim
+    if (
+        batch != 1
+        or kind is None
+        or tuple(k.shape[:3]) != (1, k.shape[1], start + tokens)
+        or heads % k.shape[1] != 0
+        or k.shape[-1] != row
+        or k.dtype != v.dtype
+        or k.shape != v.shape
+        or k.stride() != v.stride()
+        or k.stride(-1) != 1
+        or k.stride(-2) != row
+        or k.device.type != "cpu"
+        or k.requires_grad
+        or v.requires_grad
+    ):
+        return None
+    queries = q.transpose(1, 2).contiguous()  # [1, T, H, D]: a token's heads together
+    lib = _native(queries, most=None)
+    if lib is None:
+        return None
+    y = torch.empty(1, tokens, heads * head_dim)
+    failed = lib.llmrun_attend_prompt(
+        kind,
+        queries.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        tokens,
+        start,
+        heads,
+        k.shape[1],
+        head_dim,
+        k.stride(1) * k.element_size(),
+        head_dim**-0.5 if scale is None else scale,
+        softcap or 0.0,
+        y.data_ptr(),
+    )
+    return None if failed else y
+
+
 def attend_paged(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -265,3 +265,60 @@ def test_attend_one_with_sinks_matches_torch(
     assert exact[0, 0, -head_dim:].abs().max() < 1e-9  # the +30 sink took the weight
     without = ops.attend_one(q, k, v)
     assert (native - without).abs().max() > 1e-2  # the sinks changed the result
+
+
+def causal_reference(q, k, v, start, scale=None, softcap=None):
+    """float64 causal attention of q [1, H, T, D] at positions start .. start + T - 1 over
+    k/v [1, Hkv, start + T, D] (as stored: dequantized first), [1, T, H * D]."""
+    keys, values = ops.stored_values(k, torch.float64), ops.stored_values(v, torch.float64)
+    heads, tokens, head_dim = q.shape[1], q.shape[2], q.shape[3]
+    keys = keys.repeat_interleave(heads // k.shape[1], 1)
+    values = values.repeat_interleave(heads // k.shape[1], 1)
+    scores = (q.double() @ keys.transpose(-1, -2)) * (head_dim**-0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    seen = torch.ones(tokens, start + tokens, dtype=torch.bool).tril(start)
+    weights = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
+    return (weights @ values).transpose(1, 2).reshape(1, tokens, heads * head_dim)
+
+
+@pytest.mark.parametrize("cache_type", ["f32", "f16", "bf16", "q8_0"])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,tokens,start",
+    [(14, 2, 64, 100, 0), (14, 2, 64, 37, 300), (8, 8, 128, 61, 5), (12, 4, 64, 1, 40),
+     (4, 1, 256, 130, 0)],
+)  # fmt: skip
+def test_attend_prompt_matches_float64_causal_attention(
+    native_kernels, cache_type, heads, kv_heads, head_dim, tokens, start
+):
+    """A prompt's queries at positions start .. start + T - 1 over the cache (views of a
+    bigger buffer, stored as each cache type): blocks of tokens that fill no task, key
+    tiles cut by the causal diagonal, a cached prefix. Within 2e-5 of float64 (scores of
+    up to ~40 carry absolute errors of ~1e-5 in f32, as for attend_one)."""
+    torch.manual_seed(tokens)
+    q = torch.randn(1, heads, tokens, head_dim)
+    buffer = stored(torch.randn(2, 1, kv_heads, start + tokens + 17, head_dim), cache_type)
+    k, v = buffer[0, :, :, : start + tokens], buffer[1, :, :, : start + tokens]
+    y = ops.attend_prompt(q, k, v, start)
+    assert y is not None and y.shape == (1, tokens, heads * head_dim)
+    torch.testing.assert_close(y.double(), causal_reference(q, k, v, start), rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("softcap", [50.0, 2.0])
+def test_attend_prompt_scaled_and_soft_capped(native_kernels, softcap):
+    torch.manual_seed(1)
+    q = torch.randn(1, 8, 70, 256)
+    k, v = cached_kv(4, 90, 256, capacity=100)
+    y = ops.attend_prompt(q, k, v, 20, 144**-0.5, softcap)
+    exact = causal_reference(q, k, v, 20, 144**-0.5, softcap)
+    torch.testing.assert_close(y.double(), exact, rtol=0, atol=2e-5)
+
+
+def test_attend_prompt_leaves_what_it_cannot_take_to_torch(native_kernels):
+    q = torch.randn(1, 4, 3, 64)
+    k, v = cached_kv(2, 5, 64, capacity=8)
+    assert ops.attend_prompt(q, k, v, 2) is not None
+    assert ops.attend_prompt(q, k, v, 1) is None  # keys other than start + T
+    assert ops.attend_prompt(torch.randn(2, 4, 3, 64), k.expand(2, -1, -1, -1), v, 2) is None
+    q, (k, v) = torch.randn(1, 4, 3, 40), cached_kv(2, 5, 40, capacity=8)
+    assert ops.attend_prompt(q, k, v, 2) is None  # rows of 40: not whole vector pairs

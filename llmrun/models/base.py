@@ -8,6 +8,7 @@ yarn, longrope) so logits match it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import threading
 from collections.abc import Callable
@@ -318,6 +319,25 @@ class Frame:
         """x [B, H, T, D] with RoPE applied at these positions."""
         return ops.rotary(x, self.cos, self.sin)
 
+    @functools.cached_property
+    def causal(self) -> bool:
+        """Whether the mask is plain causal attention of one sequence at positions start
+        .. start + T - 1 over keys 0 .. start + T - 1 (what ops.attend_prompt computes,
+        without a mask); worked out once a forward, on the CPU only."""
+        mask, tokens = self.mask, self.positions.shape[-1]
+        if (
+            self.static
+            or self.plan is not None
+            or mask is None
+            or mask.device.type != "cpu"
+            or mask.dtype != torch.bool
+            or tuple(mask.shape) != (1, 1, tokens, self.length)
+            or self.length != self.start + tokens
+        ):
+            return False
+        causal = torch.ones(tokens, self.length, dtype=torch.bool).tril(self.start)
+        return torch.equal(mask[0, 0], causal)
+
 
 def rotate_pairs(x: torch.Tensor, frame: Frame) -> torch.Tensor:
     """x [B, H, T, D] with RoPE applied at the frame's positions to adjacent pairs
@@ -395,12 +415,21 @@ def attend(
         )
         return out.transpose(1, 2).reshape(batch, tokens, heads * head_dim)
     # One query per head attending to every cached key (decoding): cheaper than SDPA's
-    # kernel launch for a single row, and it reads the keys and values as stored.
+    # kernel launch for a single row, and it reads the keys and values as stored; so does
+    # a prompt's causal attention on the CPU (ops.attend_prompt).
     decode = tokens == 1 and frame.mask is None
+    prompt = not decode and frame.causal
     if cache is not None:
-        k, v = cache.update(layer, k, v, frame.positions, frame.start, frame.length, decode)
+        k, v = cache.update(
+            layer, k, v, frame.positions, frame.start, frame.length, decode or prompt
+        )
     if decode:
         return ops.attend_one(q, k, v)
+    if prompt:
+        out = ops.attend_prompt(q, k, v, frame.start)
+        if out is not None:
+            return out
+        k, v = ops.stored_values(k, q.dtype), ops.stored_values(v, q.dtype)
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=frame.mask, enable_gqa=q.shape[1] != k.shape[1]
     )
@@ -422,7 +451,13 @@ def attend_scaled(
     cache keeps only the window (frame.plan). Returns [B, T, H*D]."""
     if cache is not None and cache.paged:
         return attend_paged(q, k, v, layer, frame, cache, scale, softcap)
-    k, v = cached_keys_values(k, v, layer, frame, cache, q.shape[2])
+    prompt = q.shape[2] > 1 and frame.causal
+    k, v = cached_keys_values(k, v, layer, frame, cache, q.shape[2], prompt)
+    if prompt:
+        out = ops.attend_prompt(q, k, v, frame.start, scale, softcap)
+        if out is not None:
+            return out
+        k, v = ops.stored_values(k, q.dtype), ops.stored_values(v, q.dtype)
     return attention(q, k, v, frame.mask, scale, softcap)
 
 
@@ -433,14 +468,16 @@ def cached_keys_values(
     frame: Frame,
     cache: KVCache | None,
     tokens: int,
+    stored: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's new keys and values k/v [B, Hkv, T, D] stored in a (not paged) cache,
     and those its `tokens` queries attend to, in frame.mask's order: the new ones alone
     without a cache; as the cache stores them where one query attends to every key
-    (attention() then takes ops.attend_one, which reads them so)."""
+    (attention() then takes ops.attend_one, which reads them so) or with `stored` (for
+    ops.attend_prompt)."""
     if cache is None:
         return k, v
-    stored = tokens == 1 and frame.mask is None
+    stored = stored or (tokens == 1 and frame.mask is None)
     if frame.plan is not None:
         return cache.update_window(layer, k, v, frame.plan, stored)
     return cache.update(layer, k, v, frame.positions, frame.start, frame.length, stored)
