@@ -5,13 +5,17 @@ adapter as a GGUF written the way llama.cpp's convert_lora_to_gguf.py writes one
 from __future__ import annotations
 
 import copy
+import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from helpers import _permute, gguf_name
 
+# Skips where peft is missing without importing it at collection (seconds in every worker).
+needs_peft = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="no peft")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PEFT_PREFIX = "base_model.model."
 

@@ -32,7 +32,7 @@ from helpers import (
     write_gguf,
 )
 from in_process import llmrun
-from lora_helpers import peft_model, write_gguf_lora
+from lora_helpers import needs_peft, peft_model, write_gguf_lora
 from serving import Server
 
 from llmrun import native
@@ -41,7 +41,7 @@ from llmrun.loading.loader import load_model
 from llmrun.loading.lora import Adapter, LoraLinear, LoraScales, LoraWeight, parse_spec, scaled
 from llmrun.tokenizer import load_tokenizer
 
-pytest.importorskip("peft")
+pytestmark = needs_peft
 CPU = torch.device("cpu")
 IDS = torch.tensor([[1, 403, 407, 261, 378, 5, 90, 300, 17, 44, 501, 12, 7, 250]])
 ALPHA = 16.0

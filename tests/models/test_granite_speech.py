@@ -38,6 +38,7 @@ from granite_speech_helpers import (
     tiny_granite_speech,
 )
 from in_process import llmrun
+from lora_helpers import needs_peft
 from serving import GREEDY
 from starlette.testclient import TestClient
 from voxtral_helpers import chirp, wav_bytes
@@ -50,7 +51,7 @@ from llmrun.models import granite_speech_audio as model_audio
 from llmrun.server import Service, create_app
 
 transformers = pytest.importorskip("transformers")
-pytest.importorskip("peft")
+pytestmark = needs_peft
 QUESTION = "What do you hear?"
 CPU = torch.device("cpu")
 LOGITS_SCALING = 2.0  # the tiny model's

@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import json
 
-import anthropic
 import pytest
 from helpers import TEMPLATES_MISSING
 from starlette.testclient import TestClient
@@ -35,15 +34,22 @@ def serve(engine, name: str, api_key: str | None = None):
     return service, TestClient(create_app(service))
 
 
+def client(http: TestClient, api_key: str = "-"):
+    """The anthropic client over the app's test client (imported here, not at collection:
+    its import takes seconds in every test worker)."""
+    import anthropic
+
+    return anthropic.Anthropic(
+        base_url=str(http.base_url), api_key=api_key, http_client=http, max_retries=0
+    )
+
+
 @pytest.fixture(scope="module")
 def stories():
     """The bundled stories260K (no chat template): a client and the raw HTTP client."""
     service, http = serve(api.load(None, device="cpu"), "stories")
     with http:
-        client = anthropic.Anthropic(
-            base_url=str(http.base_url), api_key="-", http_client=http, max_retries=0
-        )
-        yield client, http
+        yield client(http), http
     service.close()
 
 
@@ -55,10 +61,7 @@ def qwen3(tmp_path_factory):
     model = FAMILIES["qwen3"].model_dir(tmp_path_factory.mktemp("qwen3"))
     service, http = serve(api.load(str(model), device="cpu"), "qwen3")
     with http:
-        client = anthropic.Anthropic(
-            base_url=str(http.base_url), api_key="-", http_client=http, max_retries=0
-        )
-        yield client, http
+        yield client(http), http
     service.close()
 
 
@@ -358,18 +361,15 @@ def test_errors_in_anthropic_shape(stories, body, status, kind, message):
 
 
 def test_the_client_sees_errors_and_sends_its_key():
+    import anthropic
+
     service, http = serve(api.load(None, device="cpu"), "stories", api_key="secret")
     with http:
         args = dict(model="stories", max_tokens=3, messages=HI)
-        wrong = anthropic.Anthropic(
-            base_url=str(http.base_url), api_key="nope", http_client=http, max_retries=0
-        )
         with pytest.raises(anthropic.AuthenticationError) as e:
-            wrong.messages.create(**args)
+            client(http, "nope").messages.create(**args)
         assert e.value.body["error"]["type"] == "authentication_error"
-        right = anthropic.Anthropic(
-            base_url=str(http.base_url), api_key="secret", http_client=http, max_retries=0
-        )
+        right = client(http, "secret")
         assert right.messages.create(**args).usage.output_tokens == 3
         with pytest.raises(anthropic.BadRequestError):
             right.messages.create(model="stories", max_tokens=3, messages=[])

@@ -16,7 +16,7 @@ import gguf
 import pytest
 import torch
 from helpers import tiny_hf_model, write_gguf
-from lora_helpers import peft_model, write_gguf_lora
+from lora_helpers import needs_peft, peft_model, write_gguf_lora
 from starlette.testclient import TestClient
 from typer.testing import CliRunner
 
@@ -27,7 +27,7 @@ from llmrun.errors import UsageError
 from llmrun.sampling import SamplingParams
 from llmrun.server import Service, create_app
 
-pytest.importorskip("peft")
+pytestmark = needs_peft
 ALPHA = 16.0
 STEPS = 8
 GREEDY = SamplingParams(temperature=0)
