@@ -668,9 +668,10 @@ typedef struct {
 /* st[j][r] = value for the keys j0 + j of the tile (nk of them) past row r's position */
 static void mask_tile(float *st, int64_t rp, int64_t rows, int64_t group, int64_t first,
                       int64_t j0, int64_t nk, float value) {
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t j = first + r / group + 1 - j0; j < nk; j++)
-            if (j >= 0) st[j * rp + r] = value;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t past = first + r / group + 1 - j0; /* the row's first hidden key */
+        for (int64_t j = past > 0 ? past : 0; j < nk; j++) st[j * rp + r] = value;
+    }
 }
 
 /* Tokens t0 .. t0 + tb - 1 and KV head g: y of their rows. */
