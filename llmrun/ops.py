@@ -253,12 +253,15 @@ def attend_prompt(
     start: int,
     scale: float | None = None,
     softcap: float | None = None,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Causal attention of one sequence's prompt: q [1, H, T, D] at positions start ..
     start + T - 1 over k/v [1, Hkv, start + T, D] of positions 0 .. start + T - 1 (as a
-    KV cache stores them, see attend_one), query t seeing keys up to its own position;
-    scale and softcap as attend_one's. Returns [1, T, H*D], or None where the native
-    kernel cannot take them (the caller goes to torch)."""
+    KV cache stores them, see attend_one), query t seeing keys up to its own position
+    (with a sliding `window`, only the last `window` of them); scale, softcap and sinks
+    [H] as attend_one's. Returns [1, T, H*D], or None where the native kernel cannot take
+    them (the caller goes to torch)."""
     batch, heads, tokens, head_dim = q.shape
     kind = _KV_KINDS.get(k.dtype)
     row = head_dim // Q8_0_BLOCK * Q8_0_BYTES if k.dtype == torch.uint8 else head_dim
@@ -270,16 +273,20 @@ def attend_prompt(
         or k.shape[-1] != row
         or k.dtype != v.dtype
         or k.shape != v.shape
-        or k.stride() != v.stride()
-        or k.stride(-1) != 1
-        or k.stride(-2) != row
         or k.device.type != "cpu"
         or k.requires_grad
         or v.requires_grad
+        or (sinks is not None and tuple(sinks.shape) != (heads,))
     ):
         return None
+    # A head's rows one after another (as a cache's buffer holds them; a forward without
+    # one has its keys [B, T, Hkv, D] transposed), k's heads as far apart as v's
+    if k.stride(-1) != 1 or k.stride(-2) != row:
+        k = k.contiguous()
+    if v.stride(-1) != 1 or v.stride(-2) != row or (k.shape[1] > 1 and v.stride(1) != k.stride(1)):
+        k, v = k.contiguous(), v.contiguous()
     queries = q.transpose(1, 2).contiguous()  # [1, T, H, D]: a token's heads together
-    lib = _native(queries, most=None)
+    lib = _native(queries, *([] if sinks is None else [sinks]), most=None)
     if lib is None:
         return None
     y = torch.empty(1, tokens, heads * head_dim)
@@ -296,6 +303,8 @@ def attend_prompt(
         k.stride(1) * k.element_size(),
         head_dim**-0.5 if scale is None else scale,
         softcap or 0.0,
+        window,
+        None if sinks is None else sinks.data_ptr(),
         y.data_ptr(),
     )
     return None if failed else y

@@ -267,9 +267,11 @@ def test_attend_one_with_sinks_matches_torch(
     assert (native - without).abs().max() > 1e-2  # the sinks changed the result
 
 
-def causal_reference(q, k, v, start, scale=None, softcap=None):
+def causal_reference(q, k, v, start, scale=None, softcap=None, window=0, sinks=None):
     """float64 causal attention of q [1, H, T, D] at positions start .. start + T - 1 over
-    k/v [1, Hkv, start + T, D] (as stored: dequantized first), [1, T, H * D]."""
+    k/v [1, Hkv, start + T, D] (as stored: dequantized first), [1, T, H * D]; with a
+    sliding window, query p seeing keys p - window + 1 .. p; sinks [H] as one more score
+    column of each head, dropped after the softmax."""
     keys, values = ops.stored_values(k, torch.float64), ops.stored_values(v, torch.float64)
     heads, tokens, head_dim = q.shape[1], q.shape[2], q.shape[3]
     keys = keys.repeat_interleave(heads // k.shape[1], 1)
@@ -278,7 +280,13 @@ def causal_reference(q, k, v, start, scale=None, softcap=None):
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     seen = torch.ones(tokens, start + tokens, dtype=torch.bool).tril(start)
-    weights = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
+    if window:
+        seen &= ~torch.ones_like(seen).tril(start - window)
+    scores = scores.masked_fill(~seen, float("-inf"))
+    if sinks is not None:
+        sink = sinks.double().view(1, heads, 1, 1).expand(1, heads, tokens, 1)
+        scores = torch.cat([scores, sink], dim=-1)
+    weights = torch.softmax(scores, dim=-1)[..., : start + tokens]
     return (weights @ values).transpose(1, 2).reshape(1, tokens, heads * head_dim)
 
 
@@ -312,6 +320,49 @@ def test_attend_prompt_scaled_and_soft_capped(native_kernels, softcap):
     y = ops.attend_prompt(q, k, v, 20, 144**-0.5, softcap)
     exact = causal_reference(q, k, v, 20, 144**-0.5, softcap)
     torch.testing.assert_close(y.double(), exact, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("cache_type", ["f32", "q8_0"])
+@pytest.mark.parametrize(
+    "heads,kv_heads,tokens,start,window",
+    [(8, 1, 200, 0, 128), (16, 2, 90, 0, 5), (12, 4, 61, 300, 40), (4, 4, 130, 7, 1),
+     (64, 8, 150, 0, 128)],
+)  # fmt: skip
+def test_attend_prompt_with_a_sliding_window(
+    native_kernels, cache_type, heads, kv_heads, tokens, start, window
+):
+    """Each query sees its last `window` positions (Gemma 2/3, gpt-oss's 128, windows
+    shorter than a block of tokens or a key tile, so rows that see no key of a tile,
+    down to a window of one), with a cached prefix too, against float64."""
+    torch.manual_seed(window)
+    q = torch.randn(1, heads, tokens, 64)
+    buffer = stored(torch.randn(2, 1, kv_heads, start + tokens, 64), cache_type)
+    k, v = buffer[0], buffer[1]
+    y = ops.attend_prompt(q, k, v, start, window=window)
+    exact = causal_reference(q, k, v, start, window=window)
+    torch.testing.assert_close(y.double(), exact, rtol=0, atol=2e-5)
+    if window == 1:  # each query sees itself alone: its own value
+        values = ops.stored_values(v, torch.float32).repeat_interleave(heads // kv_heads, 1)
+        mine = values[:, :, start:].transpose(1, 2).reshape(1, tokens, -1)
+        torch.testing.assert_close(y, mine, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("window", [0, 128])
+def test_attend_prompt_with_sinks(native_kernels, window):
+    """gpt-oss's attention sinks (64 query heads, 8 KV heads, the 20B model's shapes):
+    far below every score, far above (the sink takes nearly all the weight) and in
+    between, on full and windowed layers, against float64."""
+    torch.manual_seed(2)
+    q = torch.randn(1, 64, 300, 64)
+    k, v = cached_kv(8, 300, 64, capacity=300)
+    sinks = torch.randn(64) * 2
+    sinks[0], sinks[-1] = -30.0, 30.0
+    y = ops.attend_prompt(q, k, v, 0, 0.125, window=window, sinks=sinks)
+    exact = causal_reference(q, k, v, 0, 0.125, window=window, sinks=sinks)
+    torch.testing.assert_close(y.double(), exact, rtol=0, atol=2e-5)
+    assert exact[0, :, -64:].abs().max() < 1e-9  # the +30 sink took the weight
+    without = ops.attend_prompt(q, k, v, 0, 0.125, window=window)
+    assert (y - without).abs().max() > 1e-2
 
 
 def test_attend_prompt_leaves_what_it_cannot_take_to_torch(native_kernels):

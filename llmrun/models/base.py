@@ -320,23 +320,38 @@ class Frame:
         return ops.rotary(x, self.cos, self.sin)
 
     @functools.cached_property
-    def causal(self) -> bool:
-        """Whether the mask is plain causal attention of one sequence at positions start
-        .. start + T - 1 over keys 0 .. start + T - 1 (what ops.attend_prompt computes,
-        without a mask); worked out once a forward, on the CPU only."""
-        mask, tokens = self.mask, self.positions.shape[-1]
+    def prompt(self) -> tuple[int, int] | None:
+        """What ops.attend_prompt takes for this forward's mask (it computes it without
+        one): (the keys before the first query, window) where one sequence's queries see
+        the keys in order, each those before it and itself (window 0: all of them; W: only
+        the last W positions), None for any other mask; worked out once a forward, on the
+        CPU only. The keys: positions 0 .. start + T - 1, or a windowed layer's ring
+        (frame.plan) in position order and then the new ones."""
+        mask, tokens, plan = self.mask, self.positions.shape[-1], self.plan
+        if plan is None:
+            before = self.start if self.length == self.start + tokens else -1
+        elif not plan.decode and plan.counts == [tokens]:
+            before = plan.in_order if plan.with_ring else 0
+        else:
+            before = -1
         if (
-            self.static
-            or self.plan is not None
+            before < 0
+            or self.static
             or mask is None
             or mask.device.type != "cpu"
             or mask.dtype != torch.bool
-            or tuple(mask.shape) != (1, 1, tokens, self.length)
-            or self.length != self.start + tokens
+            or tuple(mask.shape) != (1, 1, tokens, before + tokens)
+            or (plan is not None and plan.with_ring and not plan.in_order)
         ):
-            return False
-        causal = torch.ones(tokens, self.length, dtype=torch.bool).tril(self.start)
-        return torch.equal(mask[0, 0], causal)
+            return None
+        causal = torch.ones(tokens, before + tokens, dtype=torch.bool).tril(before)
+        if torch.equal(mask[0, 0], causal):
+            return before, 0
+        window = int(mask[0, 0, -1].sum())  # the last query's keys in view
+        hidden = torch.ones_like(causal).tril(before - window)
+        if window > 0 and torch.equal(mask[0, 0], causal & ~hidden):
+            return before, window
+        return None
 
 
 def rotate_pairs(x: torch.Tensor, frame: Frame) -> torch.Tensor:
@@ -418,15 +433,16 @@ def attend(
     # kernel launch for a single row, and it reads the keys and values as stored; so does
     # a prompt's causal attention on the CPU (ops.attend_prompt).
     decode = tokens == 1 and frame.mask is None
-    prompt = not decode and frame.causal
+    prompt = None if decode else frame.prompt
     if cache is not None:
         k, v = cache.update(
-            layer, k, v, frame.positions, frame.start, frame.length, decode or prompt
+            layer, k, v, frame.positions, frame.start, frame.length, decode or bool(prompt)
         )
     if decode:
         return ops.attend_one(q, k, v)
     if prompt:
-        out = ops.attend_prompt(q, k, v, frame.start)
+        before, window = prompt
+        out = ops.attend_prompt(q, k, v, before, window=window)
         if out is not None:
             return out
         k, v = ops.stored_values(k, q.dtype), ops.stored_values(v, q.dtype)
@@ -451,10 +467,11 @@ def attend_scaled(
     cache keeps only the window (frame.plan). Returns [B, T, H*D]."""
     if cache is not None and cache.paged:
         return attend_paged(q, k, v, layer, frame, cache, scale, softcap)
-    prompt = q.shape[2] > 1 and frame.causal
-    k, v = cached_keys_values(k, v, layer, frame, cache, q.shape[2], prompt)
+    prompt = frame.prompt if q.shape[2] > 1 else None
+    k, v = cached_keys_values(k, v, layer, frame, cache, q.shape[2], bool(prompt))
     if prompt:
-        out = ops.attend_prompt(q, k, v, frame.start, scale, softcap)
+        before, window = prompt
+        out = ops.attend_prompt(q, k, v, before, scale, softcap, window)
         if out is not None:
             return out
         k, v = ops.stored_values(k, q.dtype), ops.stored_values(v, q.dtype)

@@ -72,6 +72,9 @@ class WindowPlan:
     with_ring: bool  # prefill: whether any row has earlier keys in the ring to attend to
     mask: torch.Tensor | None  # [B, 1, T, keys]; None: every key attended (one row, decode)
     keys: int  # one-row decode without a mask: the ring slots holding keys (the first `keys`)
+    # One row's prefill with earlier keys: how many (its last `window` positions at most),
+    # taken from the ring in position order; 0: the ring in slot order (several rows)
+    in_order: int = 0
 
 
 def cache_bytes(
@@ -396,6 +399,14 @@ class KVCache:
         q = positions[:, :, None]
         mask = (positions[:, None, :] <= q) & (q - positions[:, None, :] < window)
         with_ring = any(s > 0 for s in starts)
+        if with_ring and batch == 1:
+            # The ring's keys in position order, start - in_order .. start - 1: with the
+            # new ones after them, one sequence's keys in order (ops.attend_prompt's)
+            in_order = min(starts[0], window)
+            held = torch.arange(starts[0] - in_order, starts[0], device=positions.device)
+            ring_mask = q - held < window  # [1, T, in_order]
+            mask = torch.cat([ring_mask, mask], dim=-1)
+            return WindowPlan(False, starts, counts, True, mask[:, None], 0, in_order)
         if with_ring:
             # Before the write, slot s holds the row's latest position p < start with
             # p = s (mod window), if any; a query sees it while within the window.
@@ -430,6 +441,10 @@ class KVCache:
         if plan.with_ring:
             old_k = ring_k[self.rows] if self.rows is not None else ring_k[:batch]
             old_v = ring_v[self.rows] if self.rows is not None else ring_v[:batch]
+            if plan.in_order:  # position p sits in slot p % window
+                start = plan.starts[0]
+                slots = torch.arange(start - plan.in_order, start, device=k.device) % window
+                old_k, old_v = old_k.index_select(2, slots), old_v.index_select(2, slots)
             keys, values = torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)
         # The last `window` real tokens of each row go to the ring, in at most two
         # contiguous runs of slots (the run wraps at the end of the ring).

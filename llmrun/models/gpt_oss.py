@@ -153,9 +153,16 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(batch, tokens, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, tokens, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = frame.rotate(q), frame.rotate(k)
-        # Read as stored where sink_attention takes ops.attend_one: no conversion of the
-        # whole cache each step.
-        k, v = cached_keys_values(k, v, self.layer, frame, cache, tokens)
+        # Read as stored where sink_attention takes ops.attend_one, and for a prompt's
+        # native attention: no conversion of the whole cache.
+        prompt = frame.prompt if tokens > 1 else None
+        k, v = cached_keys_values(k, v, self.layer, frame, cache, tokens, bool(prompt))
+        if prompt:
+            before, window = prompt
+            out = ops.attend_prompt(q, k, v, before, self.scale, None, window, self.sinks)
+            if out is not None:
+                return self.o_proj(out)
+            k, v = ops.stored_values(k, q.dtype), ops.stored_values(v, q.dtype)
         out = sink_attention(q, k, v, frame.mask, self.scale, self.sinks)
         return self.o_proj(out)
 

@@ -48,8 +48,9 @@ _API = {
     "llmrun_attend_one_stored": [_INT, _PTR, _PTR, _PTR, *[_I64] * 5, _F32, _F32, _PTR],
     # as llmrun_attend_one_stored, with the per-head sink logits (f32) before y
     "llmrun_attend_one_sinks": [_INT, _PTR, _PTR, _PTR, *[_I64] * 5, _F32, _F32, _PTR, _PTR],
-    # a prompt's queries [T, H, D] at positions start .. start + T - 1, causal
-    "llmrun_attend_prompt": [_INT, _PTR, _PTR, _PTR, *[_I64] * 6, _F32, _F32, _PTR],
+    # a prompt's queries [T, H, D] at positions start .. start + T - 1, causal; then
+    # the window (0: none) and the sinks (NULL: none)
+    "llmrun_attend_prompt": [_INT, _PTR, _PTR, _PTR, *[_I64] * 6, _F32, _F32, _I64, _PTR, _PTR],
     # kind, q, k and v pools, the block table (int32), then sizes as named in decode_ops.c
     "llmrun_attend_paged": [_INT, _PTR, _PTR, _PTR, _PTR, *[_I64] * 9, _F32, _F32, _PTR],
     # rows, counts (int64), then the tensors and sizes as named in decode_ops.c

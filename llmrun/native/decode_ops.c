@@ -455,6 +455,17 @@ static inline void add_rows(const float *w, const float *rows, int64_t n, int64_
     }
 }
 
+/* 1 / (sum + exp(sink - top)): a row's softmax denominator with an attention sink's
+ * logit joining it (gpt-oss), its terms taken relative to top; computed over the larger
+ * of sink and top, so nothing overflows. */
+static inline float sink_inverse(float sum, float top, float sink) {
+    if (sink > top) {
+        const float r = exp_scalar(top - sink);
+        return r / (sum * r + 1.0f);
+    }
+    return 1.0f / (sum + exp_scalar(sink - top));
+}
+
 /* One query per head against the first `length` cached keys and values:
  * y[h] = softmax(cap(scale * q[h] . k[g])) . v[g], with g = h / (heads / kv_heads)
  * (GQA) and cap(s) = softcap * tanh(s / softcap), or s where softcap is 0.
@@ -553,16 +564,8 @@ static inline __attribute__((always_inline)) void attend_head(
         }
     }
     for (int64_t h = 0; h < group; h++) {
-        float inv = 1.0f / sum[h];
-        if (sinks) { /* exp(sink) joins the denominator, over the larger of it and top */
-            const float sink = sinks[g * group + h];
-            if (sink > top[h]) {
-                const float r = exp_scalar(top[h] - sink);
-                inv = r / (sum[h] * r + 1.0f);
-            } else {
-                inv = 1.0f / (sum[h] + exp_scalar(sink - top[h]));
-            }
-        }
+        const float inv =
+            sinks ? sink_inverse(sum[h], top[h], sinks[g * group + h]) : 1.0f / sum[h];
         for (int64_t d = 0; d < dim; d++) yg[h * dim + d] *= inv;
     }
 }
@@ -608,15 +611,16 @@ int llmrun_attend_one_sinks(int kind, const float *q, const void *k, const void 
 }
 
 /* A prompt's queries against the cache, causal (flash attention): query row t of
- * `tokens` (at position start + t) attends to keys 0 .. start + t, query head h to KV
- * head h / (heads / kv_heads), as llmrun_attend_one_stored would take each row alone;
- * q and y are [tokens, heads, dim]. The rows of a block of tokens times a KV head's
- * query heads (PROMPT_ROWS of them, or a few less) go together against tiles of
- * PROMPT_KEYS keys: both products register-blocked (tile6: 6 rows by 2 vectors, as a
- * GEMM's, for the FMA units), the softmax online and vectorized over the rows (the
- * scores kept transposed, key-major). torch's flash attention ran Qwen2.5-0.5B's heads
- * at about half this speed on Zen 3. Each (block, KV head) is a task of the OpenMP team,
- * the longest first. */
+ * `tokens` (at position p = start + t) attends to keys 0 .. p, or with a sliding
+ * `window` (0: none) to keys p - window + 1 .. p, query head h to KV head h / (heads /
+ * kv_heads), as llmrun_attend_one_stored would take each row alone (sinks: NULL, or an
+ * attention sink's logit per query head, gpt-oss's); q and y are [tokens, heads, dim].
+ * The rows of a block of tokens times a KV head's query heads (PROMPT_ROWS of them, or a
+ * few less) go together against tiles of PROMPT_KEYS keys: both products
+ * register-blocked (tile6: 6 rows by 2 vectors, as a GEMM's, for the FMA units), the
+ * softmax online and vectorized over the rows (the scores kept transposed, key-major).
+ * torch's flash attention ran Qwen2.5-0.5B's heads at about half this speed on Zen 3.
+ * Each (block, KV head) is a task of the OpenMP team, the longest first. */
 #define PROMPT_KEYS 48       /* keys per tile: a multiple of 6 */
 #define PROMPT_ROWS (6 * VW) /* rows of a task: a multiple of 6 and of 2 VW */
 
@@ -665,12 +669,15 @@ typedef struct {
     float *qt, *o, *st, *top, *sum, *alpha, *kbuf, *vbuf;
 } prompt_scratch;
 
-/* st[j][r] = value for the keys j0 + j of the tile (nk of them) past row r's position */
+/* st[j][r] = value for the keys j0 + j of the tile (nk of them) that row r does not
+ * see: past its position, or (window > 0) window or more before it */
 static void mask_tile(float *st, int64_t rp, int64_t rows, int64_t group, int64_t first,
-                      int64_t j0, int64_t nk, float value) {
+                      int64_t window, int64_t j0, int64_t nk, float value) {
     for (int64_t r = 0; r < rows; r++) {
         const int64_t past = first + r / group + 1 - j0; /* the row's first hidden key */
         for (int64_t j = past > 0 ? past : 0; j < nk; j++) st[j * rp + r] = value;
+        const int64_t seen = window ? past - window : 0; /* its first key in view */
+        for (int64_t j = 0; j < (seen < nk ? seen : nk); j++) st[j * rp + r] = value;
     }
 }
 
@@ -678,7 +685,8 @@ static void mask_tile(float *st, int64_t rp, int64_t rows, int64_t group, int64_
 static inline __attribute__((always_inline)) void attend_prompt_block(
     const int kind, int64_t g, int64_t t0, int64_t tb, const float *q, const uint8_t *k,
     const uint8_t *v, int64_t start, int64_t heads, int64_t kv_heads, int64_t dim,
-    int64_t head_bytes, float scale, float softcap, int64_t rp, prompt_scratch s, float *y) {
+    int64_t head_bytes, float scale, float softcap, int64_t window, const float *sinks,
+    int64_t rp, prompt_scratch s, float *y) {
     const int64_t group = heads / kv_heads, rows = tb * group, row = kv_row_bytes(kind, dim);
     const uint8_t *kg = k + g * head_bytes, *vg = v + g * head_bytes;
     memset(s.qt, 0, sizeof(float) * (size_t)(dim * rp)); /* padding rows: finite scores */
@@ -688,8 +696,10 @@ static inline __attribute__((always_inline)) void attend_prompt_block(
         const float *qr = q + ((t0 + r / group) * heads + g * group + r % group) * dim;
         for (int64_t d = 0; d < dim; d++) s.qt[d * rp + r] = qr[d] * scale;
     }
-    const int64_t first = start + t0, length = first + tb; /* row r sees keys to first + r / group */
-    for (int64_t j0 = 0; j0 < length; j0 += PROMPT_KEYS) {
+    /* row r sees keys to first + r / group, from first + r / group - window + 1 on */
+    const int64_t first = start + t0, length = first + tb;
+    const int64_t from = window && first - window + 1 > 0 ? first - window + 1 : 0;
+    for (int64_t j0 = from; j0 < length; j0 += PROMPT_KEYS) {
         const int64_t nk = length - j0 < PROMPT_KEYS ? length - j0 : PROMPT_KEYS;
         const int64_t nk6 = (nk + 5) / 6 * 6;
         const float *kt = (const float *)(kg + j0 * row), *vt = (const float *)(vg + j0 * row);
@@ -704,14 +714,16 @@ static inline __attribute__((always_inline)) void attend_prompt_block(
             for (int64_t r = 0; r < rp; r += 2 * VW)
                 tile6(dim, kt + j * dim, dim, 1, s.qt + r, rp, s.st + j * rp + r, rp, 0);
         if (softcap > 0.0f) softcap_scores(s.st, nk * rp, softcap);
-        const int past = j0 + nk - 1 > first; /* the tile reaches past some row's position */
-        if (past) mask_tile(s.st, rp, rows, group, first, j0, nk, -INFINITY);
+        /* the tile reaches past some row's position, or before some row's window */
+        const int past = j0 + nk - 1 > first || (window && j0 < length - window);
+        if (past) mask_tile(s.st, rp, rows, group, first, window, j0, nk, -INFINITY);
         for (int64_t r = 0; r < rp; r += VW) {
             vec most = vset1(-INFINITY);
             for (int64_t j = 0; j < nk; j++) most = vmax(most, vload(s.st + j * rp + r));
-            /* every row sees key 0: top is finite from the first tile on */
+            /* every row sees a key of the first tile (a window starts within the block's
+             * first tb keys from `from`): top is finite from the first tile on */
             const vec before = vload(s.top + r), now = vmax(before, most);
-            const vec alpha = j0 == 0 ? vzero() : vexp(vsub(before, now));
+            const vec alpha = j0 == from ? vzero() : vexp(vsub(before, now));
             vec sum = vmul(vload(s.sum + r), alpha);
             for (int64_t j = 0; j < nk; j++) {
                 const vec p = vexp(vsub(vload(s.st + j * rp + r), now));
@@ -724,8 +736,8 @@ static inline __attribute__((always_inline)) void attend_prompt_block(
         }
         /* vexp clamps: a masked score's exp(-87) joined the sum (below its last bit: a
          * row's sum is at least 1), and is 0 for the values */
-        if (past) mask_tile(s.st, rp, rows, group, first, j0, nk, 0.0f);
-        if (j0 > 0)
+        if (past) mask_tile(s.st, rp, rows, group, first, window, j0, nk, 0.0f);
+        if (j0 > from)
             for (int64_t r = 0; r < rp; r++) {
                 if (s.alpha[r] == 1.0f) continue; /* the row's maximum stayed */
                 const vec alpha = vset1(s.alpha[r]);
@@ -737,24 +749,27 @@ static inline __attribute__((always_inline)) void attend_prompt_block(
                 tile6(nk, s.st + r, 1, rp, vt + d, dim, s.o + r * dim + d, dim, 1);
     }
     for (int64_t r = 0; r < rows; r++) {
-        float *yr = y + ((t0 + r / group) * heads + g * group + r % group) * dim;
-        const vec inv = vset1(1.0f / s.sum[r]);
+        const int64_t h = g * group + r % group;
+        float *yr = y + ((t0 + r / group) * heads + h) * dim;
+        const float scale_r = sinks ? sink_inverse(s.sum[r], s.top[r], sinks[h]) : 1.0f / s.sum[r];
+        const vec inv = vset1(scale_r);
         for (int64_t d = 0; d < dim; d += VW) vstore(yr + d, vmul(vload(s.o + r * dim + d), inv));
     }
 }
 
 #define PROMPT_BLOCK(KIND)                                                               \
     attend_prompt_block(KIND, g, t0, n, q, (const uint8_t *)k, (const uint8_t *)v, start, \
-                        heads, kv_heads, dim, head_bytes, scale, softcap, rp, s, y)
+                        heads, kv_heads, dim, head_bytes, scale, softcap, window, sinks, rp, \
+                        s, y)
 
 /* -1, computing nothing, for a kind it does not know, a dim it cannot take (a multiple
- * of 2 VW; Q8_0: of 32 too) or no memory for its scratch. */
+ * of 2 VW; Q8_0: of 32 too), a negative window or no memory for its scratch. */
 int llmrun_attend_prompt(int kind, const float *q, const void *k, const void *v,
                          int64_t tokens, int64_t start, int64_t heads, int64_t kv_heads,
                          int64_t dim, int64_t head_bytes, float scale, float softcap,
-                         float *y) {
+                         int64_t window, const float *sinks, float *y) {
     if (dim % (2 * VW) != 0 || (kind == KV_Q8_0 && dim % KV_BLOCK != 0) || tokens < 1 ||
-        start < 0 || kv_heads < 1 || heads % kv_heads != 0)
+        start < 0 || kv_heads < 1 || heads % kv_heads != 0 || window < 0)
         return -1;
     if (kind != KV_F32 && kind != KV_F16 && kind != KV_BF16 && kind != KV_Q8_0) return -1;
     const int64_t group = heads / kv_heads;

@@ -6,6 +6,7 @@ import torch
 
 from llmrun import ops
 from llmrun.models.base import Frame, attention_mask, key_positions
+from llmrun.models.cache import KVCache
 
 
 def frame(positions: torch.Tensor, keys: torch.Tensor, window: int | None = None) -> Frame:
@@ -16,21 +17,53 @@ def frame(positions: torch.Tensor, keys: torch.Tensor, window: int | None = None
 
 def test_a_prompt_after_a_cached_prefix_is_plain_causal():
     cached = torch.arange(0, 5)[None]
-    assert frame(cached, key_positions(cached, 5, cache=True)).causal
+    assert frame(cached, key_positions(cached, 5, cache=True)).prompt == (0, 0)
     chunk = torch.arange(5, 12)[None]
-    assert frame(chunk, key_positions(chunk, 12, cache=True)).causal
+    assert frame(chunk, key_positions(chunk, 12, cache=True)).prompt == (5, 0)
 
 
-def test_masks_other_than_plain_causal_are_left_to_torch():
+def test_a_sliding_window_that_hides_keys_is_told():
     positions = torch.arange(3, 10)[None]
     keys = key_positions(positions, 10, cache=True)
-    assert not frame(positions, keys, window=4).causal  # a sliding window hides keys
-    assert frame(positions, keys, window=64).causal  # one that hides none does not
+    assert frame(positions, keys, window=4).prompt == (3, 4)
+    assert frame(positions, keys, window=1).prompt == (3, 1)
+    assert frame(positions, keys, window=64).prompt == (3, 0)  # it hides none
+
+
+def test_a_ring_gives_its_keys_in_position_order():
+    """A cache whose windowed layers keep rings of 4: a first chunk attends to its own
+    keys; a later one to the ring's (all 4, or the 2 written so far), in position order."""
+    cache = KVCache(1, 1, 1, 32, 16, torch.float32, "cpu", windows=[4])
+    assert cache.window == 4
+    first = cache.plan_window(torch.arange(0, 2)[None])
+    assert first.in_order == 0
+    plan = cache.plan_window(torch.arange(2, 9)[None])
+    assert plan.in_order == 2
+    later = Frame(torch.arange(2, 9)[None], 2, 9, plan.mask, torch.zeros(0), torch.zeros(0), plan)
+    assert later.prompt == (2, 4)
+    plan = cache.plan_window(torch.arange(9, 12)[None])
+    assert plan.in_order == 4
+    last = Frame(torch.arange(9, 12)[None], 9, 12, plan.mask, torch.zeros(0), torch.zeros(0), plan)
+    assert last.prompt == (4, 4)
+    k = torch.arange(12.0).view(1, 1, 12, 1).expand(1, 1, 12, 16)
+    cache.update_window(0, k[:, :, :9], k[:, :, :9], cache.plan_window(torch.arange(0, 9)[None]))
+    keys, _ = cache.update_window(0, k[:, :, 9:], k[:, :, 9:], plan)
+    assert keys[0, 0, :, 0].tolist() == [5, 6, 7, 8, 9, 10, 11]  # positions 5 .. 11
+
+
+def test_masks_other_than_a_prompts_are_left_to_torch():
     batch = torch.stack([torch.arange(3, 10), torch.arange(3, 10)])
-    assert not frame(batch, key_positions(batch, 10, cache=True)).causal
-    assert not frame(torch.tensor([[9]]), key_positions(torch.tensor([[9]]), 10, True)).causal
+    assert frame(batch, key_positions(batch, 10, cache=True)).prompt is None
+    one = torch.tensor([[9]])
+    assert frame(one, key_positions(one, 10, True)).prompt is None
     gap = torch.tensor([[3, 4, 6]])  # positions with a hole: keys past T
-    assert not frame(gap, key_positions(gap, 7, cache=True)).causal
+    assert frame(gap, key_positions(gap, 7, cache=True)).prompt is None
+    positions = torch.arange(0, 6)[None]
+    keys = key_positions(positions, 6, cache=True)
+    other = frame(positions, keys)
+    other.mask = other.mask.clone()
+    other.mask[0, 0, 5, 2] = False  # a hole no window makes
+    assert other.prompt is None
 
 
 def test_a_models_prompt_answers_as_through_torch(monkeypatch, native_kernels):
