@@ -511,16 +511,24 @@ def attend_paged(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """attend_scaled over a paged cache: a decode step reads the blocks in place where
-    the native kernel can, anything else attends to them gathered (llmrun.models.paged).
-    k/v None: nothing to write, the queries attend to what `layer` holds (a layer that
-    shares an earlier layer's keys and values, as Gemma 3n's last layers do)."""
+    the native kernel can, anything else attends to them gathered (llmrun.models.paged;
+    one sequence's prompt as stored, through ops.attend_prompt). k/v None: nothing to
+    write, the queries attend to what `layer` holds (a layer that shares an earlier
+    layer's keys and values, as Gemma 3n's last layers do)."""
     if k is not None:
         cache.write(layer, k, v, frame.positions)
     out = cache.attend_one(layer, q, frame.positions, frame.mask, scale, softcap)
     if out is not None:
         return out
-    keys, values = cache.read(layer, frame.length, q.dtype)
+    prompt = frame.prompt if q.shape[2] > 1 else None
+    keys, values = cache.read(layer, frame.length, q.dtype, bool(prompt))
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if prompt:
+        before, window = prompt
+        out = ops.attend_prompt(q, keys, values, before, scale, softcap, window)
+        if out is not None:
+            return out
+        keys, values = ops.stored_values(keys, q.dtype), ops.stored_values(values, q.dtype)
     return attention(q, keys, values, frame.mask, scale, softcap)
 
 

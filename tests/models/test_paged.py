@@ -162,6 +162,32 @@ def test_one_sequence_on_shuffled_blocks_gives_the_contiguous_logits(model, cach
     torch.testing.assert_close(torch.cat(out), reference, rtol=tolerance, atol=tolerance)
 
 
+def test_one_sequences_prompt_takes_the_native_attention(model, monkeypatch):
+    """A prefill in chunks on shuffled blocks reads them as stored into ops.attend_prompt
+    (windows and sinks included), answering as torch's attention does on them."""
+    sizes = [7, 20]
+    table = [9, 2]
+
+    def logits() -> torch.Tensor:
+        pool, out, start = pool_for(model), [], 0
+        with torch.inference_mode():
+            for n in sizes:
+                positions = torch.arange(start, start + n)[None]
+                out.append(model(IDS[:1, start : start + n], positions, pool.view([table]))[0])
+                start += n
+        return torch.cat(out)
+
+    taken = []
+    real = ops.attend_prompt
+    monkeypatch.setattr(
+        ops, "attend_prompt", lambda *a, **k: taken.append(real(*a, **k)) or taken[-1]
+    )
+    native = logits()
+    assert taken and all(y is not None for y in taken)
+    monkeypatch.setattr(ops, "attend_prompt", lambda *a, **k: None)
+    torch.testing.assert_close(native, logits(), rtol=1e-5, atol=1e-5)
+
+
 def test_batched_rows_sharing_prefix_blocks_give_their_own_logits(model):
     """Row 1 shares row 0's first SHARED tokens, and so its first two blocks; both
     are then prefilled together (padded on the right) and decoded together."""
