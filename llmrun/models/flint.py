@@ -23,13 +23,12 @@ from llmrun.models.base import (
     Frame,
     LayerTypes,
     args_from_config,
-    cached_keys_values,
     mix_experts,
     sliding_windows,
     windowed_layer_types,
 )
 from llmrun.models.cache import KVCache
-from llmrun.models.gpt_oss import sink_attention
+from llmrun.models.gpt_oss import attend_with_sinks
 from llmrun.models.qwen3_moe import MLP
 
 
@@ -96,8 +95,7 @@ class Attention(qwen3_moe.Attention):
         v = self.v_proj(x).view(batch, tokens, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if self.rotary:
             q, k = frame.rotate(q), frame.rotate(k)
-        k, v = cached_keys_values(k, v, self.layer, frame, cache, tokens)
-        out = sink_attention(q, k, v, frame.mask, self.scale, self.softmax_offset)
+        out = attend_with_sinks(q, k, v, self.layer, frame, cache, self.scale, self.softmax_offset)
         return self.o_proj(out)
 
 

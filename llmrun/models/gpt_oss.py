@@ -125,6 +125,32 @@ def sink_attention(
     return out.view(batch, heads, tokens, head_dim).transpose(1, 2).reshape(batch, tokens, -1)
 
 
+def attend_with_sinks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    frame: Frame,
+    cache: KVCache | None,
+    scale: float,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """sink_attention of q [B, H, T, D] over the cache after storing k/v [B, Hkv, T, D]:
+    one sequence's prompt through ops.attend_prompt (windows and sinks in the kernel),
+    anything else through sink_attention; the keys read as stored where either native
+    kernel takes them, so the cache is not converted whole. Returns [B, T, H*D]."""
+    tokens = q.shape[2]
+    prompt = frame.prompt if tokens > 1 else None
+    k, v = cached_keys_values(k, v, layer, frame, cache, tokens, bool(prompt))
+    if prompt:
+        before, window = prompt
+        out = ops.attend_prompt(q, k, v, before, scale, None, window, sinks)
+        if out is not None:
+            return out
+        k, v = ops.stored_values(k, q.dtype), ops.stored_values(v, q.dtype)
+    return sink_attention(q, k, v, frame.mask, scale, sinks)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer: int) -> None:
         super().__init__()
@@ -153,17 +179,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(batch, tokens, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, tokens, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = frame.rotate(q), frame.rotate(k)
-        # Read as stored where sink_attention takes ops.attend_one, and for a prompt's
-        # native attention: no conversion of the whole cache.
-        prompt = frame.prompt if tokens > 1 else None
-        k, v = cached_keys_values(k, v, self.layer, frame, cache, tokens, bool(prompt))
-        if prompt:
-            before, window = prompt
-            out = ops.attend_prompt(q, k, v, before, self.scale, None, window, self.sinks)
-            if out is not None:
-                return self.o_proj(out)
-            k, v = ops.stored_values(k, q.dtype), ops.stored_values(v, q.dtype)
-        out = sink_attention(q, k, v, frame.mask, self.scale, self.sinks)
+        out = attend_with_sinks(q, k, v, self.layer, frame, cache, self.scale, self.sinks)
         return self.o_proj(out)
 
 

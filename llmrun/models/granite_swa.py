@@ -24,13 +24,12 @@ from llmrun.models.base import (
     Frame,
     RotaryEmbedding,
     args_from_config,
-    cached_keys_values,
     layer_frames,
     sliding_windows,
     windowed_layer_types,
 )
 from llmrun.models.cache import KVCache
-from llmrun.models.gpt_oss import sink_attention
+from llmrun.models.gpt_oss import attend_with_sinks
 
 FULL_EVERY = 4  # transformers' default layer_types: layers 0, 4, 8, ... full
 
@@ -96,8 +95,8 @@ class Attention(granite.Attention):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, frame: Frame, cache: KVCache | None
     ) -> torch.Tensor:
         # The queries carry attention_multiplier / head_dim^-0.5 (granite.Attention).
-        k, v = cached_keys_values(k, v, self.layer, frame, cache, q.shape[2])
-        return sink_attention(q, k, v, frame.mask, self.head_dim**-0.5, self.sinks)
+        scale = self.head_dim**-0.5
+        return attend_with_sinks(q, k, v, self.layer, frame, cache, scale, self.sinks)
 
 
 class Model(granite.Model):

@@ -42,13 +42,12 @@ from llmrun.models.base import (
     RotaryEmbedding,
     args_from_config,
     attend_scaled,
-    cached_keys_values,
     check_layer_types,
     rope_parameters,
     sliding_windows,
 )
 from llmrun.models.cache import KVCache
-from llmrun.models.gpt_oss import sink_attention
+from llmrun.models.gpt_oss import attend_with_sinks
 
 SCORING = "sigmoid"
 MLP_TYPES = ("dense", "sparse")
@@ -260,8 +259,7 @@ class Attention(nn.Module):
         if self.sinks is None:
             out = attend_scaled(q, k, v, self.layer, frame, cache, self.scale)
         else:
-            k, v = cached_keys_values(k, v, self.layer, frame, cache, tokens)
-            out = sink_attention(q, k, v, frame.mask, self.scale, self.sinks)
+            out = attend_with_sinks(q, k, v, self.layer, frame, cache, self.scale, self.sinks)
         return self.o_proj(self.narrowed(out))
 
     def padded(self, v: torch.Tensor) -> torch.Tensor:
