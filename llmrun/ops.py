@@ -160,6 +160,23 @@ def stored_values(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x if x.dtype == dtype else x.to(dtype)
 
 
+def _stored_row(k: torch.Tensor, v: torch.Tensor, head_dim: int) -> int | None:
+    """The length of a key's stored row (head_dim values, or Q8_0's bytes of them) where
+    the native attention kernels read k and v as they are (a KV cache's f32, f16, bf16 or
+    Q8_0, on the CPU, both of one type, rows of that length), else None."""
+    row = head_dim // Q8_0_BLOCK * Q8_0_BYTES if k.dtype == torch.uint8 else head_dim
+    if (
+        k.dtype not in _KV_KINDS
+        or k.dtype != v.dtype
+        or k.shape[-1] != row
+        or k.device.type != "cpu"
+        or k.requires_grad
+        or v.requires_grad
+    ):
+        return None
+    return row
+
+
 def attend_one(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -178,19 +195,14 @@ def attend_one(
     batch, heads, _, head_dim = q.shape
     groups, length = k.shape[1], k.shape[2]
     scale = head_dim**-0.5 if scale is None else scale
-    kind = _KV_KINDS.get(k.dtype)
-    row = head_dim // Q8_0_BLOCK * Q8_0_BYTES if k.dtype == torch.uint8 else head_dim
+    kind, row = _KV_KINDS.get(k.dtype), _stored_row(k, v, head_dim)
     if (
         batch == 1
-        and kind is not None
+        and row is not None
         and head_dim % (Q8_0_BLOCK if kind == 8 else 16) == 0
-        and k.shape[-1] == row
-        and k.dtype == v.dtype
         and k.stride() == v.stride()
         and k.stride(-1) == 1
         and k.stride(-2) == row
-        and k.device.type == "cpu"
-        and not (k.requires_grad or v.requires_grad)
     ):
         lib = _native(q) if sinks is None else _native(q, sinks)
         if lib is not None:
@@ -263,19 +275,13 @@ def attend_prompt(
     [H] as attend_one's. Returns [1, T, H*D], or None where the native kernel cannot take
     them (the caller goes to torch)."""
     batch, heads, tokens, head_dim = q.shape
-    kind = _KV_KINDS.get(k.dtype)
-    row = head_dim // Q8_0_BLOCK * Q8_0_BYTES if k.dtype == torch.uint8 else head_dim
+    kind, row = _KV_KINDS.get(k.dtype), _stored_row(k, v, head_dim)
     if (
         batch != 1
-        or kind is None
+        or row is None
         or tuple(k.shape[:3]) != (1, k.shape[1], start + tokens)
         or heads % k.shape[1] != 0
-        or k.shape[-1] != row
-        or k.dtype != v.dtype
         or k.shape != v.shape
-        or k.device.type != "cpu"
-        or k.requires_grad
-        or v.requires_grad
         or (sinks is not None and tuple(sinks.shape) != (heads,))
     ):
         return None
