@@ -13,7 +13,7 @@ import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -293,6 +293,17 @@ def _yarn_inv_freq(
     return inv_freq, float(scaling)
 
 
+class PromptRows(NamedTuple):
+    """A forward's prompt rows as ops.attend_prompt takes them (Frame.prompt): row b's
+    first counts[b] queries at key positions starts[b] .. starts[b] + counts[b] - 1 of its
+    keys in order, each seeing the keys up to its own (window > 0: only its last
+    `window`)."""
+
+    starts: tuple[int, ...]
+    counts: tuple[int, ...]
+    window: int
+
+
 @dataclass
 class Frame:
     """What every layer of one forward needs to know about its tokens, worked out
@@ -320,38 +331,40 @@ class Frame:
         return ops.rotary(x, self.cos, self.sin)
 
     @functools.cached_property
-    def prompt(self) -> tuple[int, int] | None:
+    def prompt(self) -> PromptRows | None:
         """What ops.attend_prompt takes for this forward's mask (it computes it without
-        one): (the keys before the first query, window) where one sequence's queries see
-        the keys in order, each those before it and itself (window 0: all of them; W: only
-        the last W positions), None for any other mask; worked out once a forward, on the
-        CPU only. The keys: positions 0 .. start + T - 1, or a windowed layer's ring
-        (frame.plan) in position order and then the new ones."""
-        mask, tokens, plan = self.mask, self.positions.shape[-1], self.plan
-        if plan is None:
-            before = self.start if self.length == self.start + tokens else -1
-        elif not plan.decode and plan.counts == [tokens]:
+        one), row by row (attend_prompt_rows), None for any other mask; worked out once a
+        forward, on the CPU only. Each row's queries see its keys in order, each those
+        before it and itself (all of them, or the last `window` positions); a row padded
+        on the right repeats its last position. The keys: positions 0 .. length - 1, or
+        one row's windowed ring (frame.plan) in position order and then the new ones."""
+        mask, positions, plan = self.mask, self.positions, self.plan
+        batch, tokens = positions.shape
+        if self.static or mask is None or mask.device.type != "cpu" or mask.dtype != torch.bool:
+            return None
+        if plan is not None:  # one row's new keys, after its ring's in position order
+            if plan.decode or plan.counts != [tokens] or (plan.with_ring and not plan.in_order):
+                return None
             before = plan.in_order if plan.with_ring else 0
-        else:
-            before = -1
+            positions = torch.arange(before, before + tokens)[None]
+        starts = positions[:, 0]
+        counts = positions[:, -1] - starts + 1
+        steps = torch.minimum(torch.arange(tokens), (counts - 1)[:, None])
+        length = int(positions.max()) + 1
         if (
-            before < 0
-            or self.static
-            or mask is None
-            or mask.device.type != "cpu"
-            or mask.dtype != torch.bool
-            or tuple(mask.shape) != (1, 1, tokens, before + tokens)
-            or (plan is not None and plan.with_ring and not plan.in_order)
+            not torch.equal(positions, starts[:, None] + steps)
+            or tuple(mask.shape) != (batch, 1, tokens, length)
+            or (plan is None and length != self.length)
         ):
             return None
-        causal = torch.ones(tokens, before + tokens, dtype=torch.bool).tril(before)
-        if torch.equal(mask[0, 0], causal):
-            return before, 0
-        window = int(mask[0, 0, -1].sum())  # the last query's keys in view
-        hidden = torch.ones_like(causal).tril(before - window)
-        if window > 0 and torch.equal(mask[0, 0], causal & ~hidden):
-            return before, window
-        return None
+        behind = positions[:, :, None] - torch.arange(length)  # [B, T, L]: query minus key
+        seen = mask[:, 0]
+        window = 0
+        if not torch.equal(seen, behind >= 0):
+            window = int(seen[0, -1].sum())  # row 0's last query's keys in view
+            if window < 1 or not torch.equal(seen, (behind >= 0) & (behind < window)):
+                return None
+        return PromptRows(tuple(starts.tolist()), tuple(counts.tolist()), window)
 
 
 def rotate_pairs(x: torch.Tensor, frame: Frame) -> torch.Tensor:
@@ -433,7 +446,7 @@ def attend(
     # kernel launch for a single row, and it reads the keys and values as stored; so does
     # a prompt's causal attention on the CPU (ops.attend_prompt).
     decode = tokens == 1 and frame.mask is None
-    prompt = None if decode else frame.prompt
+    prompt = frame.prompt if tokens > 1 else None
     if cache is not None:
         k, v = cache.update(
             layer, k, v, frame.positions, frame.start, frame.length, decode or bool(prompt)
@@ -441,8 +454,7 @@ def attend(
     if decode:
         return ops.attend_one(q, k, v)
     if prompt:
-        before, window = prompt
-        out = ops.attend_prompt(q, k, v, before, window=window)
+        out = attend_prompt_rows(q, k, v, prompt)
         if out is not None:
             return out
         k, v = ops.stored_values(k, q.dtype), ops.stored_values(v, q.dtype)
@@ -470,12 +482,40 @@ def attend_scaled(
     prompt = frame.prompt if q.shape[2] > 1 else None
     k, v = cached_keys_values(k, v, layer, frame, cache, q.shape[2], bool(prompt))
     if prompt:
-        before, window = prompt
-        out = ops.attend_prompt(q, k, v, before, scale, softcap, window)
+        out = attend_prompt_rows(q, k, v, prompt, scale, softcap)
         if out is not None:
             return out
         k, v = ops.stored_values(k, q.dtype), ops.stored_values(v, q.dtype)
     return attention(q, k, v, frame.mask, scale, softcap)
+
+
+def attend_prompt_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prompt: PromptRows,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """ops.attend_prompt row by row (frame.prompt): q [B, H, T, D] over k/v [B, Hkv, L,
+    D] (as stored); a padded query (past its row's count, at the row's last position)
+    gets that position's output. Returns [B, T, H*D], or None where the kernel cannot
+    take a row (the caller goes to torch)."""
+    batch, heads, tokens, head_dim = q.shape
+    if batch == 1:
+        return ops.attend_prompt(q, k, v, prompt.starts[0], scale, softcap, prompt.window, sinks)
+    out = q.new_empty(batch, tokens, heads * head_dim)
+    for b, (start, count) in enumerate(zip(prompt.starts, prompt.counts, strict=True)):
+        keys, values = k[b : b + 1, :, : start + count], v[b : b + 1, :, : start + count]
+        y = ops.attend_prompt(
+            q[b : b + 1, :, :count], keys, values, start, scale, softcap, prompt.window, sinks
+        )
+        if y is None:
+            return None
+        out[b, :count] = y[0]
+        out[b, count:] = y[0, -1]
+    return out
 
 
 def cached_keys_values(
@@ -524,8 +564,7 @@ def attend_paged(
     keys, values = cache.read(layer, frame.length, q.dtype, bool(prompt))
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if prompt:
-        before, window = prompt
-        out = ops.attend_prompt(q, keys, values, before, scale, softcap, window)
+        out = attend_prompt_rows(q, keys, values, prompt, scale, softcap)
         if out is not None:
             return out
         keys, values = ops.stored_values(keys, q.dtype), ops.stored_values(values, q.dtype)

@@ -26,6 +26,7 @@ from llmrun.models.base import (
     Frame,
     LayerTypes,
     args_from_config,
+    attend_prompt_rows,
     cached_keys_values,
     check_top_k,
     mix_experts,
@@ -143,8 +144,7 @@ def attend_with_sinks(
     prompt = frame.prompt if tokens > 1 else None
     k, v = cached_keys_values(k, v, layer, frame, cache, tokens, bool(prompt))
     if prompt:
-        before, window = prompt
-        out = ops.attend_prompt(q, k, v, before, scale, None, window, sinks)
+        out = attend_prompt_rows(q, k, v, prompt, scale, None, sinks)
         if out is not None:
             return out
         k, v = ops.stored_values(k, q.dtype), ops.stored_values(v, q.dtype)

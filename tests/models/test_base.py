@@ -17,17 +17,17 @@ def frame(positions: torch.Tensor, keys: torch.Tensor, window: int | None = None
 
 def test_a_prompt_after_a_cached_prefix_is_plain_causal():
     cached = torch.arange(0, 5)[None]
-    assert frame(cached, key_positions(cached, 5, cache=True)).prompt == (0, 0)
+    assert frame(cached, key_positions(cached, 5, cache=True)).prompt == ((0,), (5,), 0)
     chunk = torch.arange(5, 12)[None]
-    assert frame(chunk, key_positions(chunk, 12, cache=True)).prompt == (5, 0)
+    assert frame(chunk, key_positions(chunk, 12, cache=True)).prompt == ((5,), (7,), 0)
 
 
 def test_a_sliding_window_that_hides_keys_is_told():
     positions = torch.arange(3, 10)[None]
     keys = key_positions(positions, 10, cache=True)
-    assert frame(positions, keys, window=4).prompt == (3, 4)
-    assert frame(positions, keys, window=1).prompt == (3, 1)
-    assert frame(positions, keys, window=64).prompt == (3, 0)  # it hides none
+    assert frame(positions, keys, window=4).prompt == ((3,), (7,), 4)
+    assert frame(positions, keys, window=1).prompt == ((3,), (7,), 1)
+    assert frame(positions, keys, window=64).prompt == ((3,), (7,), 0)  # it hides none
 
 
 def test_a_ring_gives_its_keys_in_position_order():
@@ -40,20 +40,27 @@ def test_a_ring_gives_its_keys_in_position_order():
     plan = cache.plan_window(torch.arange(2, 9)[None])
     assert plan.in_order == 2
     later = Frame(torch.arange(2, 9)[None], 2, 9, plan.mask, torch.zeros(0), torch.zeros(0), plan)
-    assert later.prompt == (2, 4)
+    assert later.prompt == ((2,), (7,), 4)
     plan = cache.plan_window(torch.arange(9, 12)[None])
     assert plan.in_order == 4
     last = Frame(torch.arange(9, 12)[None], 9, 12, plan.mask, torch.zeros(0), torch.zeros(0), plan)
-    assert last.prompt == (4, 4)
+    assert last.prompt == ((4,), (3,), 4)
     k = torch.arange(12.0).view(1, 1, 12, 1).expand(1, 1, 12, 16)
     cache.update_window(0, k[:, :, :9], k[:, :, :9], cache.plan_window(torch.arange(0, 9)[None]))
     keys, _ = cache.update_window(0, k[:, :, 9:], k[:, :, 9:], plan)
     assert keys[0, 0, :, 0].tolist() == [5, 6, 7, 8, 9, 10, 11]  # positions 5 .. 11
 
 
+def test_rows_padded_on_the_right_are_told_row_by_row():
+    """serve's prefill of several rows: each padded to the widest by repeating its last
+    position (the padding sees what that position sees)."""
+    rows = torch.tensor([[3, 4, 5, 6, 7, 8, 9], [0, 1, 2, 2, 2, 2, 2], [5, 5, 5, 5, 5, 5, 5]])
+    keys = key_positions(rows, 10, cache=True)
+    assert frame(rows, keys).prompt == ((3, 0, 5), (7, 3, 1), 0)
+    assert frame(rows, keys, window=2).prompt == ((3, 0, 5), (7, 3, 1), 2)
+
+
 def test_masks_other_than_a_prompts_are_left_to_torch():
-    batch = torch.stack([torch.arange(3, 10), torch.arange(3, 10)])
-    assert frame(batch, key_positions(batch, 10, cache=True)).prompt is None
     one = torch.tensor([[9]])
     assert frame(one, key_positions(one, 10, True)).prompt is None
     gap = torch.tensor([[3, 4, 6]])  # positions with a hole: keys past T

@@ -188,6 +188,41 @@ def test_one_sequences_prompt_takes_the_native_attention(model, monkeypatch):
     torch.testing.assert_close(native, logits(), rtol=1e-5, atol=1e-5)
 
 
+def test_rows_prefilled_together_take_the_native_attention(model, monkeypatch):
+    """serve's prefill of two rows in one forward (their chunks of 6 and 9 tokens after
+    prefixes of 16 and 9, the shorter padded by repeating its last position), row by row
+    through ops.attend_prompt: each row's last logits as through torch's attention."""
+    tables, starts, counts = [[3, 8, 1], [6, 2, 12]], [16, 9], [6, 9]
+
+    def logits() -> torch.Tensor:
+        pool = pool_for(model)
+        with torch.inference_mode():
+            for row, start in enumerate(starts):
+                prefix = IDS[row : row + 1, :start]
+                model(prefix, torch.arange(start)[None], pool.view(tables[row : row + 1]))
+            ids = torch.stack([IDS[r, s : s + 9] for r, s in enumerate(starts)])
+            positions = torch.tensor(
+                [[s + min(i, c - 1) for i in range(9)] for s, c in zip(starts, counts, strict=True)]
+            )
+            last = torch.tensor(counts) - 1
+            return model(ids, positions, pool.view(tables, counts), last=last)[:, -1]
+
+    taken = []
+    real = ops.attend_prompt
+
+    def spy(q, *args, **kwargs):
+        y = real(q, *args, **kwargs)
+        taken.append((q.shape[2], y is not None))
+        return y
+
+    monkeypatch.setattr(ops, "attend_prompt", spy)
+    native = logits()
+    assert {(6, True), (9, True)} <= set(taken)  # the rows' chunks, each alone
+    assert all(took for _, took in taken)
+    monkeypatch.setattr(ops, "attend_prompt", lambda *a, **k: None)
+    torch.testing.assert_close(native, logits(), rtol=1e-5, atol=1e-5)
+
+
 def test_batched_rows_sharing_prefix_blocks_give_their_own_logits(model):
     """Row 1 shares row 0's first SHARED tokens, and so its first two blocks; both
     are then prefilled together (padded on the right) and decoded together."""
