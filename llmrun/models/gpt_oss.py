@@ -137,8 +137,8 @@ def attend_with_sinks(
     sinks: torch.Tensor,
 ) -> torch.Tensor:
     """sink_attention of q [B, H, T, D] over the cache after storing k/v [B, Hkv, T, D]:
-    one sequence's prompt through ops.attend_prompt (windows and sinks in the kernel),
-    anything else through sink_attention; the keys read as stored where either native
+    a prompt's rows through ops.attend_prompt (windows and sinks in the kernel; as
+    attend_scaled takes them), anything else through sink_attention; the keys read as stored where either native
     kernel takes them, so the cache is not converted whole. Returns [B, T, H*D]."""
     tokens = q.shape[2]
     prompt = frame.prompt if tokens > 1 else None
