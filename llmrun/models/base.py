@@ -361,7 +361,7 @@ class Frame:
         seen = mask[:, 0]
         window = 0
         if not torch.equal(seen, behind >= 0):
-            window = int(seen[0, -1].sum())  # row 0's last query's keys in view
+            window = int(seen[:, -1].sum(-1).max())  # the most keys a row's last query sees
             if window < 1 or not torch.equal(seen, (behind >= 0) & (behind < window)):
                 return None
         return PromptRows(tuple(starts.tolist()), tuple(counts.tolist()), window)
@@ -552,7 +552,7 @@ def attend_paged(
 ) -> torch.Tensor:
     """attend_scaled over a paged cache: a decode step reads the blocks in place where
     the native kernel can, anything else attends to them gathered (llmrun.models.paged;
-    one sequence's prompt as stored, through ops.attend_prompt). k/v None: nothing to
+    a prompt's rows as stored, through ops.attend_prompt). k/v None: nothing to
     write, the queries attend to what `layer` holds (a layer that shares an earlier
     layer's keys and values, as Gemma 3n's last layers do)."""
     if k is not None:

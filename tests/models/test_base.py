@@ -58,6 +58,9 @@ def test_rows_padded_on_the_right_are_told_row_by_row():
     keys = key_positions(rows, 10, cache=True)
     assert frame(rows, keys).prompt == ((3, 0, 5), (7, 3, 1), 0)
     assert frame(rows, keys, window=2).prompt == ((3, 0, 5), (7, 3, 1), 2)
+    short_first = torch.tensor([[0, 1, 1], [4, 5, 6]])  # the window hides row 1's keys only
+    keys = key_positions(short_first, 7, cache=True)
+    assert frame(short_first, keys, window=3).prompt == ((0, 4), (2, 3), 3)
 
 
 def test_masks_other_than_a_prompts_are_left_to_torch():
